@@ -1,0 +1,34 @@
+// Typed errors of the megart core. Every message says what went wrong and, where it can, what to
+// change. The bindings map each type to a Python exception of the same name.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace megart {
+
+// Base of every error raised by the core.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A bad argument or layout (Python: megart.ConfigError, also a ValueError).
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A schedule that breaks a rule: missing or duplicated actions, unmatched sends and receives.
+class ScheduleError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A schedule that cannot make progress: the message names the blocked ranks and what they wait on.
+class DeadlockError : public ScheduleError {
+ public:
+  using ScheduleError::ScheduleError;
+};
+
+}  // namespace megart

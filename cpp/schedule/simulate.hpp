@@ -1,0 +1,50 @@
+// A discrete-event simulation of all ranks running a schedule together.
+#pragma once
+
+#include <vector>
+
+#include "schedule/schedule.hpp"
+
+namespace megart::schedule {
+
+struct Costs {
+  // One microbatch through this rank's whole share of the model; with v chunks each chunk's
+  // forward takes forward / v, so schedules of one model compare on equal work.
+  double forward = 1.0;
+  double backward = 2.0;
+  // Share of `backward` spent on weight gradients when a schedule splits it into I and W.
+  double weight_fraction = 0.5;
+  double latency = 0.0;        // per message
+  double bandwidth = 0.0;      // bytes per unit of time; 0 means unlimited
+  double message_bytes = 0.0;  // bytes of one inter-stage tensor
+};
+
+// One action on a timeline. Compute: issued == start, end when done. Communication: issued
+// when posted, start when the transfer began (both sides posted and the link free), end when
+// it arrived.
+struct Span {
+  Action action;
+  double issued = 0;
+  double start = 0;
+  double end = 0;
+};
+
+struct RankTimeline {
+  std::vector<Span> compute;
+  std::vector<Span> communication;
+  double busy = 0;       // total compute time
+  int peak_stashed = 0;  // most (microbatch, chunk) activations held at once
+};
+
+struct Simulation {
+  std::vector<RankTimeline> ranks;
+  double makespan = 0;         // when the last rank finished, its sends included
+  double ideal = 0;            // the busiest rank's compute time: the makespan with no bubble
+  double bubble_fraction = 0;  // (makespan - ideal) / ideal
+};
+
+// Validates, then runs every rank's state machine against the costs. Throws DeadlockError
+// naming each blocked rank and what it waits on when no rank can progress.
+Simulation simulate(const Schedule& s, const Costs& costs);
+
+}  // namespace megart::schedule

@@ -1,0 +1,18 @@
+"""megart: Megatron-style parallel training of GPT models with a C++/CUDA core.
+
+Importing megart never needs a GPU, a CUDA driver, NCCL or torch; those are looked for only when
+used. ``megart.build_info()`` says what this install was built with and what it finds.
+"""
+
+from megart._build_info import build_info
+from megart._core import __version__
+from megart.errors import ConfigError, DeadlockError, MegartError, ScheduleError
+
+__all__ = [
+    "__version__",
+    "build_info",
+    "MegartError",
+    "ConfigError",
+    "ScheduleError",
+    "DeadlockError",
+]

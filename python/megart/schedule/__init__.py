@@ -1,0 +1,105 @@
+"""Pipeline schedules as data: build, validate, simulate and draw them.
+
+A schedule gives each pipeline rank an ordered list of actions for one iteration: compute
+(``F``, ``B``; ``I`` and ``W`` for split backwards) on a (microbatch, chunk), and communication
+(``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``) with a peer rank. The C++ core builds and checks
+them; this module is the typed front door.
+
+>>> s = build("1f1b", stages=4, microbatches=8)
+>>> sim = simulate(s)
+>>> round(sim.bubble_fraction, 6) == theoretical_bubble("1f1b", 4, 8)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megart._core import schedule as _s
+from megart.schedule.report import to_dict
+
+Action = _s.Action
+Schedule = _s.Schedule
+Simulation = _s.Simulation
+Costs = _s.Costs
+RankStateMachine = _s.RankStateMachine
+
+KINDS = ("gpipe", "1f1b", "interleaved")
+
+__all__ = [
+    "KINDS",
+    "Action",
+    "Schedule",
+    "Simulation",
+    "Costs",
+    "RankStateMachine",
+    "build",
+    "from_compute_orders",
+    "problems",
+    "validate",
+    "simulate",
+    "theoretical_bubble",
+    "to_dict",
+    "draw",
+]
+
+
+def build(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """The schedule of a named kind (``gpipe``, ``1f1b``, ``interleaved``) for p stages, m
+    microbatches and v model chunks per rank. Raises ConfigError for shapes the kind cannot
+    take (interleaved needs m to be a multiple of p)."""
+    return _s.build(kind, stages, microbatches, chunks)
+
+
+def from_compute_orders(
+    orders: Sequence[Sequence[Action]], microbatches: int, chunks: int = 1, kind: str = "custom"
+) -> Schedule:
+    """A schedule from each rank's compute order (F/B/I/W actions), with the sends and receives
+    placed the way the built-in kinds place them."""
+    return _s.with_communication([list(o) for o in orders], microbatches, chunks, kind)
+
+
+def problems(schedule: Schedule) -> list[str]:
+    """Every rule the schedule breaks (empty when valid)."""
+    return _s.problems(schedule)
+
+
+def validate(schedule: Schedule) -> None:
+    """Raises ScheduleError naming the first problems, if any."""
+    _s.validate(schedule)
+
+
+def simulate(
+    schedule: Schedule,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+    latency: float = 0.0,
+    bandwidth: float = 0.0,
+    message_bytes: float = 0.0,
+    weight_fraction: float = 0.5,
+) -> Simulation:
+    """Runs all ranks together. ``forward_time`` and ``backward_time`` are for one microbatch
+    through a rank's whole share of the model (each of v chunks takes 1/v of it); each message
+    costs ``latency + message_bytes / bandwidth`` (bandwidth 0: unlimited). Raises DeadlockError
+    naming the blocked ranks when the schedule cannot progress."""
+    costs = Costs(
+        forward=forward_time,
+        backward=backward_time,
+        weight_fraction=weight_fraction,
+        latency=latency,
+        bandwidth=bandwidth,
+        message_bytes=message_bytes,
+    )
+    return _s.simulate(schedule, costs)
+
+
+def theoretical_bubble(kind: str, stages: int, microbatches: int, chunks: int = 1) -> float:
+    """(p-1)/m for gpipe and 1f1b; (p-1)/(v*m) for interleaved."""
+    return _s.theoretical_bubble(kind, stages, microbatches, chunks)
+
+
+def draw(*args: object, **kwargs: object) -> object:
+    """Draws timelines to a PNG; see :func:`megart.schedule.draw.draw`. Needs matplotlib."""
+    from megart.schedule.draw import draw as _draw
+
+    return _draw(*args, **kwargs)
