@@ -155,7 +155,7 @@ class Simulator {
     for (int r = 0; r < s_.stages; ++r) {
       RankTimeline& tl = out_.ranks[r];
       for (const Span& span : tl.compute) {
-        tl.busy += span.end - span.start;
+        tl.busy += cost(span.action);  // not end - start: exact, whatever the clock's rounding
         out_.makespan = std::max(out_.makespan, span.end);
       }
       for (const Span& span : tl.communication) out_.makespan = std::max(out_.makespan, span.end);

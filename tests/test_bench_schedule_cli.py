@@ -1,0 +1,77 @@
+"""megart-bench schedule as a user runs it: the table, the JSON shape, the picture, the errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def bench(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "megart.cli.bench", "schedule", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_default_run_compares_the_three_kinds():
+    out = bench()
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[2:]}
+    assert set(rows) == {"gpipe", "1f1b", "interleaved"}
+    for kind, row in rows.items():
+        assert row[4] == row[5], f"{kind}: simulated bubble {row[4]} != theory {row[5]}"
+    assert rows["1f1b"][-4:] == ["4", "3", "2", "1"]  # peak in flight per rank
+
+
+def test_json_has_every_ranks_actions_and_the_figures():
+    out = bench(
+        "--kind", "interleaved", "--stages", "4", "--microbatches", "8", "--chunks", "2", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert len(data["ranks"]) == 4
+    ops = {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+    for actions in data["ranks"]:
+        assert sum(a["op"] == "F" for a in actions) == 8 * 2
+        for a in actions:
+            assert a["op"] in ops and isinstance(a["mb"], int) and isinstance(a["chunk"], int)
+            assert ("peer" in a) == (a["op"] not in ("F", "B"))
+    assert data["bubble_fraction"] == pytest.approx(3 / 16)
+    assert data["theoretical_bubble"] == pytest.approx(3 / 16)
+    assert len(data["peak_in_flight"]) == 4 and data["makespan"] > 0
+
+
+def test_latency_appears_in_the_makespan():
+    free = json.loads(bench("--kind", "1f1b", "--json").stdout)
+    slow = json.loads(bench("--kind", "1f1b", "--json", "--latency", "0.5").stdout)
+    assert slow["makespan"] > free["makespan"]
+
+
+def test_png_is_written(tmp_path):
+    png = tmp_path / "timeline.png"
+    out = bench("--png", str(png))
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--kind", "interleaved", "-p", "4", "-m", "6"],
+            "the number of microbatches (6) to be a multiple of the pipeline size (4)",
+        ),
+        (["--kind", "1f1b", "--chunks", "2"], "--chunks 2 needs --kind interleaved"),
+        (["--json"], "--json prints one schedule: add --kind"),
+        (["--kind", "gpipe", "--forward-time", "-1"], "non-negative"),
+    ],
+)
+def test_invalid_arguments_exit_nonzero_with_one_line(args, message):
+    out = bench(*args)
+    assert out.returncode != 0
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]

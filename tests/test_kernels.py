@@ -1,0 +1,62 @@
+"""The CUDA kernels against torch eager. They need a GPU and skip cleanly without one; the CUDA
+sources still compile in every build where nvcc is found."""
+
+import pytest
+import torch
+
+import megart
+
+cuda_built = megart.build_info()["cuda_compiled"]
+needs_gpu = pytest.mark.skipif(
+    not (cuda_built and torch.cuda.is_available()), reason="needs megart._cuda and a CUDA GPU"
+)
+
+
+def test_cuda_module_reports_its_toolkit_when_built():
+    if not cuda_built:
+        pytest.skip("built without a CUDA toolkit")
+    from megart import _cuda
+
+    major, minor = (int(x) for x in _cuda.toolkit_version().split("."))
+    assert major >= 11 and minor >= 0
+    assert _cuda.device_count() == torch.cuda.device_count()
+
+
+@needs_gpu
+@pytest.mark.parametrize("sizes", [[1], [7, 4097], [16384 * 321 + 3, 5, 0, 65536] + [33] * 40])
+def test_multi_tensor_scale_matches_torch(sizes):
+    from megart.kernels import multi_tensor_scale_
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xs = [torch.randn(n, device="cuda", generator=g) for n in sizes]
+    expected = [x * 0.125 for x in xs]
+    outs = [torch.full_like(x, float("nan")) for x in xs]  # poisoned
+    found = multi_tensor_scale_(xs, outs, 0.125)
+    assert not found
+    for out, ref in zip(outs, expected, strict=True):
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    xs[-1][0] = float("inf")
+    assert multi_tensor_scale_(xs, outs, 0.125)
+
+
+def test_multi_tensor_scale_reference_path_on_cpu():
+    from megart.kernels import multi_tensor_scale_
+
+    xs = [torch.randn(n, dtype=torch.float64) for n in (1, 7, 4097)]
+    outs = [torch.empty_like(x) for x in xs]
+    assert not multi_tensor_scale_(xs, outs, 3.0)
+    for x, y in zip(xs, outs, strict=True):
+        torch.testing.assert_close(y, x * 3.0, rtol=0, atol=0)
+    xs[1][3] = float("nan")
+    assert multi_tensor_scale_(xs, outs, 3.0)
+
+
+def test_multi_tensor_scale_refuses_mismatched_outputs():
+    from megart import ConfigError
+    from megart.kernels import multi_tensor_scale_
+
+    with pytest.raises(ConfigError, match="does not match"):
+        multi_tensor_scale_([torch.zeros(3)], [torch.zeros(4)], 1.0)
+    x = torch.zeros(4, 4).t()
+    with pytest.raises(ConfigError, match="contiguous"):
+        multi_tensor_scale_([x], [x], 1.0)
