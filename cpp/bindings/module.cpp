@@ -13,6 +13,9 @@ void bind_errors(py::module_& m) {
                                       py::make_tuple(base, py::handle(PyExc_ValueError)));
   auto schedule = py::register_exception<ScheduleError>(m, "ScheduleError", base);
   py::register_exception<DeadlockError>(m, "DeadlockError", schedule);
+  auto comm = py::register_exception<CommError>(m, "CommError", base);
+  py::register_exception<CommTimeoutError>(m, "CommTimeoutError",
+                                           py::make_tuple(comm, py::handle(PyExc_TimeoutError)));
 }
 
 }  // namespace megart::bindings

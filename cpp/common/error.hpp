@@ -32,3 +32,19 @@ class DeadlockError : public ScheduleError {
 };
 
 }  // namespace megart
+
+namespace megart {
+
+// A communication op failed: a dead or stuck peer, an abort, a size mismatch between ranks.
+class CommError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A wait ran past its timeout (Python: megart.CommTimeoutError, also a TimeoutError).
+class CommTimeoutError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+}  // namespace megart

@@ -6,7 +6,14 @@ used. ``megart.build_info()`` says what this install was built with and what it 
 
 from megart._build_info import build_info
 from megart._core import __version__
-from megart.errors import ConfigError, DeadlockError, MegartError, ScheduleError
+from megart.errors import (
+    CommError,
+    CommTimeoutError,
+    ConfigError,
+    DeadlockError,
+    MegartError,
+    ScheduleError,
+)
 
 __all__ = [
     "__version__",
@@ -15,4 +22,6 @@ __all__ = [
     "ConfigError",
     "ScheduleError",
     "DeadlockError",
+    "CommError",
+    "CommTimeoutError",
 ]

@@ -3,8 +3,25 @@
 - ``MegartError``: base of all (a ``RuntimeError``).
 - ``ConfigError``: a bad argument or layout (also a ``ValueError``).
 - ``ScheduleError``: a schedule that breaks a rule; ``DeadlockError``: one that cannot progress.
+- ``CommError``: a communication op failed (a dead peer, an abort, ranks that disagree);
+  ``CommTimeoutError``: a wait ran past its timeout (also a ``TimeoutError``). Both name this
+  rank, the op, the peer and the group.
 """
 
-from megart._core import ConfigError, DeadlockError, MegartError, ScheduleError
+from megart._core import (
+    CommError,
+    CommTimeoutError,
+    ConfigError,
+    DeadlockError,
+    MegartError,
+    ScheduleError,
+)
 
-__all__ = ["MegartError", "ConfigError", "ScheduleError", "DeadlockError"]
+__all__ = [
+    "MegartError",
+    "ConfigError",
+    "ScheduleError",
+    "DeadlockError",
+    "CommError",
+    "CommTimeoutError",
+]

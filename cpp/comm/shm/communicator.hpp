@@ -1,0 +1,120 @@
+// The shared-memory transport: a Communicator for processes of one machine, on host buffers.
+//
+// Ops are small non-blocking state machines ("tasks") advanced by whichever thread waits, and
+// once when posted, so a message that fits its ring is delivered at once. A thread with nothing
+// to do sleeps on a futex in the segment rather than spinning, briefly spinning first only when
+// the machine has a core for every rank.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.hpp"
+#include "comm/shm/layout.hpp"
+#include "comm/shm/segment.hpp"
+
+namespace megart::comm::shm {
+
+struct Options {
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};  // every wait, and attaching
+  std::size_t staging_bytes = std::size_t{4} << 20;             // per rank
+  std::size_t channel_bytes = std::size_t{2} << 20;             // per ordered pair of ranks
+};
+
+class ShmCommunicator;
+
+// One op in flight. step() does what it can without blocking and returns true when finished.
+class Task {
+ public:
+  virtual ~Task() = default;
+  virtual bool step(ShmCommunicator& c) = 0;
+  virtual bool collective() const = 0;
+  // The op as error messages name it: "all_reduce(1024 x float32, sum)".
+  virtual std::string describe() const = 0;
+  // Group ranks this op is waiting on now (for error messages).
+  virtual std::vector<int> waiting_on(const ShmCommunicator& c) const = 0;
+  // Point-to-point: (peer, 0 for a send or 1 for a receive). Ops of one lane stream through
+  // the same ring end, so only the oldest may move; a send to self and its receive are two lanes.
+  virtual std::pair<int, int> lane() const { return {-1, -1}; }
+
+  std::chrono::steady_clock::time_point deadline;
+  std::uint64_t moved = 0;  // bumped whenever step() advances: the engine goes round again
+  std::atomic<bool> done{false};
+  std::exception_ptr error;
+};
+
+class ShmCommunicator final : public Communicator,
+                              public std::enable_shared_from_this<ShmCommunicator> {
+ public:
+  // Collective over the group: rank 0 creates the segment `shm_name`, the others open it, and
+  // all wait (up to the timeout) until every rank has attached; then the name is removed, so
+  // nothing is left behind even if a process dies.
+  static std::shared_ptr<ShmCommunicator> create(const std::string& shm_name,
+                                                 const std::string& group_name, int rank, int size,
+                                                 const Options& options = {});
+  ~ShmCommunicator() override = default;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return group_name_; }
+
+  WorkPtr all_reduce(Buffer inout, ReduceOp op) override;
+  WorkPtr all_gather(Buffer in, Buffer out) override;
+  WorkPtr reduce_scatter(Buffer in, Buffer out, ReduceOp op) override;
+  WorkPtr broadcast(Buffer inout, int root) override;
+  std::vector<WorkPtr> batch_p2p(const std::vector<P2POp>& ops) override;
+  WorkPtr barrier() override;
+  void abort() override;
+  std::vector<std::uint64_t> bytes_sent() const override;
+  void reset_bytes_sent() override;
+
+  // For tasks: the segment, as seen through its layout.
+  const Layout& layout() const { return layout_; }
+  std::uint8_t* base() const { return segment_.data(); }
+  RankSlot* slot(int r) const { return layout_.slot(base(), r); }
+  // Reserves `steps` consecutive collective step numbers; returns the first.
+  std::uint64_t reserve_steps(std::uint64_t steps);
+  // Wakes every process sleeping on this group.
+  void signal();
+  void count_sent(int peer, std::uint64_t bytes);
+
+  // Blocks until `task` finishes; used by Work::wait.
+  void wait(const std::shared_ptr<Task>& task);
+  bool poll(const std::shared_ptr<Task>& task);
+
+ private:
+  ShmCommunicator(Segment segment, Layout layout, std::string group_name, int rank, int size,
+                  const Options& options);
+  void attach();
+  WorkPtr submit(std::shared_ptr<Task> task);
+  // Advances pending tasks in order: every point-to-point task whose ring is free, and the
+  // oldest collective. Caller holds mu_.
+  void progress_locked();
+  // Throws if the group is aborted, a task's peer has died, or the task's deadline has passed.
+  void check_health(const Task& task, bool check_peers);
+  [[noreturn]] void fail(const std::string& message, bool timeout);
+  std::string where() const;
+
+  Segment segment_;
+  Layout layout_;
+  Header* header_;
+  std::string group_name_;
+  int rank_;
+  int size_;
+  Options options_;
+  bool spin_;  // one core per rank: a short spin before sleeping pays
+
+  std::mutex mu_;
+  std::deque<std::shared_ptr<Task>> pending_;
+  std::uint64_t next_step_ = 0;
+  std::string broken_;  // set once an op fails: the group cannot be trusted after that
+  std::vector<std::atomic<std::uint64_t>> sent_;
+};
+
+}  // namespace megart::comm::shm

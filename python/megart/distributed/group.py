@@ -1,0 +1,183 @@
+"""Process groups and the one context object that holds them.
+
+``init()`` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT) and meets the other ranks through torch's TCPStore; without those variables it
+makes a one-process world. Groups are passed explicitly; the world group is the default, as in
+torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from megart._core import comm as _comm
+from megart.errors import ConfigError, MegartError
+
+BACKENDS = ("shm",)
+
+
+@dataclass
+class ProcessGroup:
+    """A set of global ranks. ``comm`` is None on processes outside the group."""
+
+    ranks: list[int]
+    name: str
+    backend: str
+    comm: _comm.Communicator | None = field(default=None, repr=False)
+
+    def rank(self) -> int:
+        """This process's rank in the group, or -1 outside it."""
+        return self.comm.rank if self.comm is not None else -1
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def group_rank(self, global_rank: int) -> int:
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ConfigError(
+                f"rank {global_rank} is not in group '{self.name}' (ranks {self.ranks})"
+            ) from None
+
+
+@dataclass
+class _Context:
+    rank: int
+    world_size: int
+    local_rank: int
+    store: object
+    timeout: timedelta
+    world: ProcessGroup
+    groups_made: int = 0
+
+
+_context: _Context | None = None
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _join(
+    store: object,
+    key: str,
+    ranks: list[int],
+    rank: int,
+    name: str,
+    backend: str,
+    timeout: timedelta,
+) -> ProcessGroup:
+    """Every member calls this: the group's first rank names the shared memory, the others
+    read the name from the store, and all attach (a collective with a timeout)."""
+    group = ProcessGroup(list(ranks), name, backend)
+    if rank not in ranks:
+        return group
+    if rank == ranks[0]:
+        store.set(key, f"/megart-{uuid.uuid4().hex[:16]}")
+    shm_name = store.get(key).decode()
+    group.comm = _comm.create_shm(
+        shm_name, name, ranks.index(rank), len(ranks), timeout_s=timeout.total_seconds()
+    )
+    return group
+
+
+def init(backend: str | None = None, timeout: timedelta | float = timedelta(minutes=10)) -> None:
+    """Initialises megart.distributed from torchrun's environment, or as a one-process world
+    when it is absent. ``backend`` None picks ``shm`` (host tensors); ``timeout`` bounds every
+    wait, so a dead or stuck peer is an error, never a hang."""
+    global _context
+    if _context is not None:
+        raise MegartError("megart.distributed is already initialised; call destroy() first")
+    backend = backend or "shm"
+    if backend not in BACKENDS:
+        if backend == "nccl":
+            raise ConfigError(
+                "the nccl backend is not built yet (megart's NCCL transport is an open issue); "
+                "use backend='shm' with CPU tensors"
+            )
+        raise ConfigError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if (rank is None) != (world_size is None):
+        raise ConfigError("set both RANK and WORLD_SIZE (torchrun does), or neither")
+    import torch.distributed as td
+
+    if rank is None:
+        rank, world_size, store = 0, 1, td.HashStore()
+    else:
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = _env_int("MASTER_PORT")
+        if port is None:
+            raise ConfigError("MASTER_PORT is not set; launch with torchrun or set it")
+        store = td.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout)
+    local_rank = _env_int("LOCAL_RANK") or 0
+    world = _join(
+        store, "megart/group/world", list(range(world_size)), rank, "world", backend, timeout
+    )
+    _context = _Context(rank, world_size, local_rank, store, timeout, world)
+
+
+def context() -> _Context:
+    if _context is None:
+        raise MegartError("megart.distributed is not initialised: call megart.distributed.init()")
+    return _context
+
+
+def is_initialized() -> bool:
+    return _context is not None
+
+
+def destroy() -> None:
+    """Forgets every group; init() may be called again."""
+    global _context
+    _context = None
+
+
+def new_group(ranks: list[int] | None = None, backend: str | None = None) -> ProcessGroup:
+    """A group of the given global ranks (all ranks when None). As in torch.distributed, every
+    process calls new_group with the same arguments in the same order, members or not."""
+    ctx = context()
+    ranks = list(range(ctx.world_size)) if ranks is None else [int(r) for r in ranks]
+    if (
+        not ranks
+        or len(set(ranks)) != len(ranks)
+        or not all(0 <= r < ctx.world_size for r in ranks)
+    ):
+        raise ConfigError(f"new_group needs distinct ranks in [0, {ctx.world_size}), got {ranks}")
+    ctx.groups_made += 1
+    name = f"group{ctx.groups_made}{ranks}"
+    return _join(
+        ctx.store,
+        f"megart/group/{ctx.groups_made}",
+        ranks,
+        ctx.rank,
+        name,
+        backend or ctx.world.backend,
+        ctx.timeout,
+    )
+
+
+def resolve(group: ProcessGroup | None) -> ProcessGroup:
+    return context().world if group is None else group
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's global rank, or its rank in ``group`` (-1 outside it)."""
+    return context().rank if group is None else group.rank()
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    return resolve(group).size()

@@ -1,0 +1,226 @@
+"""Collectives and point-to-point ops on torch tensors, with torch.distributed's names and
+signatures. Ranks are global ranks, as in torch. Tensors are checked before anything is sent."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megart.distributed.group import ProcessGroup, context, resolve
+from megart.errors import ConfigError
+
+_DTYPES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.uint8: "uint8",
+}
+_OPS = ("sum", "avg", "max", "min")
+
+
+class Work:
+    """An op in flight. Keeps its tensors alive until it has completed."""
+
+    def __init__(self, work: object, tensors: Sequence[torch.Tensor]) -> None:
+        self._work = work
+        self._tensors = list(tensors)
+
+    def wait(self) -> bool:
+        """Blocks until the op has finished; raises CommError if it failed."""
+        self._work.wait()
+        self._tensors = []
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def _reduce_op(op: object) -> str:
+    name = getattr(op, "name", op)  # torch.distributed.ReduceOp.SUM -> "SUM"
+    name = str(name).lower().replace("reduceop.", "")
+    if name not in _OPS:
+        raise ConfigError(f"reduction {op!r} is not supported; use one of {', '.join(_OPS)}")
+    return name
+
+
+def _check(tensor: torch.Tensor, what: str, group: ProcessGroup) -> str:
+    if not isinstance(tensor, torch.Tensor):
+        raise ConfigError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ConfigError(
+            f"{what}: the tensor is on {tensor.device}, but group '{group.name}' uses the "
+            f"{group.backend} transport, which moves host memory; use CPU tensors"
+        )
+    if not tensor.is_contiguous():
+        raise ConfigError(f"{what}: the tensor is not contiguous; pass tensor.contiguous()")
+    dtype = _DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise ConfigError(
+            f"{what}: dtype {tensor.dtype} cannot be communicated; use one of "
+            + ", ".join(str(d).removeprefix("torch.") for d in _DTYPES)
+        )
+    return dtype
+
+
+def _member(group: ProcessGroup | None, what: str) -> ProcessGroup:
+    g = resolve(group)
+    if g.comm is None:
+        raise ConfigError(f"{what}: rank {context().rank} is not a member of group '{g.name}'")
+    return g
+
+
+def _finish(work: object, tensors: Sequence[torch.Tensor], async_op: bool) -> Work | None:
+    w = Work(work, tensors)
+    if async_op:
+        return w
+    w.wait()
+    return None
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: object = "sum",
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduces ``tensor`` across the group in place (sum, avg, max or min)."""
+    g = _member(group, "all_reduce")
+    dtype = _check(tensor, "all_reduce", g)
+    work = g.comm.all_reduce(tensor.data_ptr(), tensor.numel(), dtype, _reduce_op(op))
+    return _finish(work, [tensor], async_op)
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Concatenates every rank's ``input_tensor`` into ``output_tensor`` in rank order."""
+    g = _member(group, "all_gather_into_tensor")
+    dtype = _check(input_tensor, "all_gather_into_tensor input", g)
+    if _check(output_tensor, "all_gather_into_tensor output", g) != dtype:
+        raise ConfigError("all_gather_into_tensor: output and input dtypes differ")
+    if output_tensor.numel() != input_tensor.numel() * g.size():
+        raise ConfigError(
+            f"all_gather_into_tensor: the output must hold group size ({g.size()}) x input "
+            f"({input_tensor.numel()}) = {input_tensor.numel() * g.size()} elements, "
+            f"not {output_tensor.numel()}"
+        )
+    work = g.comm.all_gather(
+        input_tensor.data_ptr(), output_tensor.data_ptr(), input_tensor.numel(), dtype
+    )
+    return _finish(work, [output_tensor, input_tensor], async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: object = "sum",
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduces ``input`` across the group and leaves this rank's slice in ``output``."""
+    g = _member(group, "reduce_scatter_tensor")
+    dtype = _check(input, "reduce_scatter_tensor input", g)
+    if _check(output, "reduce_scatter_tensor output", g) != dtype:
+        raise ConfigError("reduce_scatter_tensor: output and input dtypes differ")
+    if input.numel() != output.numel() * g.size():
+        raise ConfigError(
+            f"reduce_scatter_tensor: the input must hold group size ({g.size()}) x output "
+            f"({output.numel()}) = {output.numel() * g.size()} elements, not {input.numel()}"
+        )
+    work = g.comm.reduce_scatter(
+        input.data_ptr(), output.data_ptr(), output.numel(), dtype, _reduce_op(op)
+    )
+    return _finish(work, [output, input], async_op)
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """Copies global rank ``src``'s ``tensor`` to every rank of the group."""
+    g = _member(group, "broadcast")
+    dtype = _check(tensor, "broadcast", g)
+    work = g.comm.broadcast(tensor.data_ptr(), tensor.numel(), dtype, g.group_rank(src))
+    return _finish(work, [tensor], async_op)
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Returns once every rank of the group has called it."""
+    _member(group, "barrier").comm.barrier().wait()
+
+
+def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> Work:
+    """Starts sending ``tensor`` to global rank ``dst``."""
+    return batch_isend_irecv([P2POp(isend, tensor, dst, group)])[0]
+
+
+def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> Work:
+    """Starts receiving into ``tensor`` from global rank ``src``."""
+    return batch_isend_irecv([P2POp(irecv, tensor, src, group)])[0]
+
+
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> None:
+    isend(tensor, dst, group).wait()
+
+
+def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> int:
+    irecv(tensor, src, group).wait()
+    return src
+
+
+@dataclass
+class P2POp:
+    """One send or receive of a batch: ``op`` is :func:`isend` or :func:`irecv`."""
+
+    op: Callable[..., Work]
+    tensor: torch.Tensor
+    peer: int
+    group: ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.op not in (isend, irecv):
+            raise ConfigError("P2POp.op must be megart.distributed.isend or irecv")
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
+    """Posts every op before any waits, so they progress together: a ring exchange in both
+    directions never deadlocks. Returns one Work per op, in order."""
+    by_group: dict[int, tuple[ProcessGroup, list[int]]] = {}
+    for i, p in enumerate(p2p_op_list):
+        g = _member(p.group, "batch_isend_irecv")
+        by_group.setdefault(id(g), (g, []))[1].append(i)
+    works: list[Work | None] = [None] * len(p2p_op_list)
+    for g, indices in by_group.values():
+        ops = []
+        for i in indices:
+            p = p2p_op_list[i]
+            what = "isend" if p.op is isend else "irecv"
+            dtype = _check(p.tensor, what, g)
+            ops.append(
+                (p.op is isend, p.tensor.data_ptr(), p.tensor.numel(), dtype, g.group_rank(p.peer))
+            )
+        for i, w in zip(indices, g.comm.batch_p2p(ops), strict=True):
+            works[i] = Work(w, [p2p_op_list[i].tensor])
+    return works  # type: ignore[return-value]
+
+
+def bytes_sent(group: ProcessGroup | None = None) -> dict[int, int]:
+    """Bytes this rank has sent to each global rank by point-to-point ops in ``group``."""
+    g = _member(group, "bytes_sent")
+    return {g.ranks[q]: n for q, n in enumerate(g.comm.bytes_sent())}
+
+
+def reset_bytes_sent(group: ProcessGroup | None = None) -> None:
+    _member(group, "reset_bytes_sent").comm.reset_bytes_sent()
+
+
+def abort(group: ProcessGroup | None = None) -> None:
+    """Fails every op in flight in the group, on every rank: they raise instead of waiting."""
+    _member(group, "abort").comm.abort()

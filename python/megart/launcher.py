@@ -1,0 +1,109 @@
+"""Runs a function in N fresh processes set up as torchrun sets up its workers (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), with a timeout: a hang or a crash is an
+error with a message, never a stuck caller. Tests and ``megart-bench --nproc`` use it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from megart.errors import MegartError
+
+
+class LaunchError(MegartError):
+    """A rank raised, crashed, or did not finish in time."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    fn: Callable[..., Any], args: tuple, rank: int, env: dict[str, str], results: mp.Queue
+) -> None:
+    os.environ.update(env)
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        results.put((rank, True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the launcher
+        results.put((rank, False, traceback.format_exc()))
+
+
+def launch(
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Calls ``fn(*args)`` on ranks 0..nproc-1, each in a new process; returns their results in
+    rank order. ``fn`` must be importable (a module-level function). Raises LaunchError naming
+    the rank and its traceback when one fails, or the ranks still running after ``timeout``
+    seconds; every process is ended before this returns."""
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    base = {
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",  # ranks share the machine's cores
+        **(env or {}),
+    }
+    procs = [
+        ctx.Process(target=_worker, args=(fn, args, r, base, results), daemon=True)
+        for r in range(nproc)
+    ]
+    for p in procs:
+        p.start()
+    outcome: dict[int, Any] = {}
+    failure: str | None = None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < nproc and failure is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(nproc)) - set(outcome))
+                failure = (
+                    f"rank(s) {missing} did not finish within {timeout:.0f} s "
+                    "(a hang, or a peer that never arrived)"
+                )
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                # Gone without a result: a crash, a kill, or os._exit. (A result put just
+                # before exiting is already in the queue, so an empty queue means none.)
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if r not in outcome and p.exitcode is not None and results.empty()
+                ]
+                if dead:
+                    failure = "; ".join(
+                        f"rank {r} exited with code {procs[r].exitcode} without reporting"
+                        for r in dead
+                    )
+                continue
+            if ok:
+                outcome[rank] = value
+            else:
+                failure = f"rank {rank} raised:\n{value}"
+    finally:
+        for p in procs:
+            p.join(timeout=0 if failure else 5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failure is not None:
+        raise LaunchError(failure)
+    return [outcome[r] for r in range(nproc)]

@@ -1,0 +1,156 @@
+"""megart.distributed on the shm transport, with real processes (2 and 4 ranks)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dist_workers as w
+import megart.distributed as dist
+from megart import ConfigError
+from megart.launcher import LaunchError, launch
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_every_op_and_dtype_is_exact(nproc):
+    assert launch(w.every_op_and_dtype, nproc, timeout=300) == [21] * nproc
+
+
+def test_subgroups_and_async_ops_waited_in_reverse():
+    assert launch(w.subgroups_and_async_in_reverse, 4, timeout=120) == [
+        [0, 2],
+        [1, 3],
+        [0, 2],
+        [1, 3],
+    ]
+
+
+@st.composite
+def p2p_plans(draw):
+    nproc = draw(st.sampled_from([2, 4]))
+    pair = st.tuples(st.integers(0, nproc - 1), st.integers(0, nproc - 1))
+    plan = draw(
+        st.lists(
+            st.tuples(
+                pair,
+                st.sampled_from([0, 1, 7, 1000, 3_000_001]),
+                st.sampled_from(["float32", "bfloat16", "int64", "uint8"]),
+            ),
+            min_size=1,
+            max_size=12,
+        )
+    )
+    return nproc, [(s, d, n, t) for (s, d), n, t in plan], draw(st.integers(1, 3))
+
+
+@settings(max_examples=6, deadline=None)
+@given(p2p_plans())
+def test_random_batches_of_point_to_point_ops(case):
+    nproc, plan, batches = case
+    sent = launch(w.p2p_plan, nproc, plan, batches, timeout=90)
+    # The byte counters saw exactly the payloads each rank sent.
+    for rank, per_peer in enumerate(sent):
+        expect = {}
+        for src, dst, n, dtype in plan:
+            if src == rank:
+                expect[dst] = expect.get(dst, 0) + n * getattr(torch, dtype).itemsize
+        assert per_peer == {k: v for k, v in expect.items() if v}
+
+
+def test_a_peer_that_exits_is_named_quickly():
+    result, left = launch(w.peer_exits_mid_collective, 2, timeout=60)
+    assert left == "left"
+    seconds, message = result.split("|", 1)
+    assert float(seconds) < 10, "the dead peer should be noticed long before the timeout"
+    assert "rank 1 (pid" in message and "has exited" in message
+    assert "rank 0 of group 'world'" in message and "all_reduce(10 x float32, sum)" in message
+
+
+def test_a_stuck_peer_times_out_with_a_message():
+    message = launch(w.peer_stuck_past_timeout, 2, timeout=60)[0]
+    assert "timed out after 1500 ms waiting for rank 1" in message
+    assert "all_reduce" in message and "group 'world'" in message
+
+
+def test_abort_unblocks_the_other_ranks():
+    message, status = launch(w.abort_unblocks_the_others, 2, timeout=60)
+    assert status == "aborted"
+    assert "aborted by rank 1" in message and "recv(4 x float32 from rank 1)" in message
+
+
+def test_ranks_that_disagree_get_errors_not_garbage():
+    errors = launch(w.mismatched_calls, 2, timeout=60)
+    assert "another collective" in errors[0][0]
+    assert "the group failed earlier" in errors[0][1]
+    assert (
+        "rank 0 sent 16 bytes of float32 but recv(5 x float32 from rank 0) expects 20"
+        in (errors[1][2])
+    )
+
+
+def test_launcher_reports_a_raising_rank_and_a_hang():
+    with pytest.raises(LaunchError, match="rank 1 raised"):
+        launch(_raise_on_rank_1, 2, timeout=60)
+    with pytest.raises(LaunchError, match=r"rank\(s\) \[0\] did not finish within 3 s"):
+        launch(_hang_on_rank_0, 2, timeout=3)
+    with pytest.raises(LaunchError, match="rank 1 exited with code 0 without reporting"):
+        launch(_vanish_on_rank_1, 2, timeout=60)
+
+
+def _raise_on_rank_1():
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("boom")
+
+
+def _vanish_on_rank_1():
+    import os
+    import time
+
+    if os.environ["RANK"] == "1":
+        os._exit(0)
+    time.sleep(60)
+
+
+def _hang_on_rank_0():
+    import os
+    import time
+
+    if os.environ["RANK"] == "0":
+        time.sleep(60)
+
+
+@pytest.fixture
+def one_process_world():
+    dist.init()
+    yield
+    dist.destroy()
+
+
+def test_bad_tensors_are_refused_before_anything_is_sent(one_process_world):
+    with pytest.raises(ConfigError, match="not contiguous"):
+        dist.all_reduce(torch.ones(4, 4).t())
+    with pytest.raises(ConfigError, match="complex64 cannot be communicated"):
+        dist.all_reduce(torch.ones(4, dtype=torch.complex64))
+    with pytest.raises(ConfigError, match=r"must hold group size \(1\) x input \(4\) = 4"):
+        dist.all_gather_into_tensor(torch.empty(5), torch.ones(4))
+    with pytest.raises(ConfigError, match="reduction 'prod' is not supported"):
+        dist.all_reduce(torch.ones(4), op="prod")
+    with pytest.raises(ConfigError, match="rank 3 is not in group 'world'"):
+        dist.send(torch.ones(1), dst=3)
+    with pytest.raises(ConfigError, match="nccl backend is not built yet"):
+        dist.destroy()
+        dist.init(backend="nccl")
+
+
+def test_one_process_world_works_without_torchrun(one_process_world):
+    t = torch.arange(6.0)
+    dist.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+    assert t.tolist() == list(range(6))
+    x, y = torch.arange(3.0), torch.empty(3)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 0), dist.P2POp(dist.irecv, y, 0)])
+    for wk in works:
+        wk.wait()
+    assert torch.equal(x, y)  # send to self
+    assert dist.bytes_sent() == {0: 12}
