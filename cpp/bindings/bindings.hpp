@@ -8,5 +8,6 @@ namespace megart::bindings {
 void bind_errors(pybind11::module_& m);
 void bind_schedule(pybind11::module_& m);
 void bind_comm(pybind11::module_& m);
+void bind_optim(pybind11::module_& m);
 
 }  // namespace megart::bindings

@@ -28,4 +28,6 @@ PYBIND11_MODULE(_core, m) {
   megart::bindings::bind_schedule(schedule);
   auto comm = m.def_submodule("comm", "communication: NCCL loading, transports");
   megart::bindings::bind_comm(comm);
+  auto optim = m.def_submodule("optim", "optimizers: multi-tensor Adam, norms, scaling (CPU)");
+  megart::bindings::bind_optim(optim);
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/error.hpp"
+#include "kernels/multi_tensor_adam.cuh"
 #include "kernels/multi_tensor_scale.cuh"
 
 namespace py = pybind11;
@@ -29,6 +30,53 @@ std::vector<T> as_pointers(const std::vector<std::uintptr_t>& addresses) {
   out.reserve(addresses.size());
   for (auto a : addresses) out.push_back(reinterpret_cast<T>(a));
   return out;
+}
+
+megart::cuda::AdamModelType adam_model_type(const std::string& name) {
+  if (name == "float32") return megart::cuda::AdamModelType::kFloat32;
+  if (name == "bfloat16") return megart::cuda::AdamModelType::kBFloat16;
+  if (name == "float16") return megart::cuda::AdamModelType::kFloat16;
+  throw megart::ConfigError("multi_tensor_adam: unsupported model dtype '" + name +
+                            "'; use float32, bfloat16 or float16");
+}
+
+// UNVERIFIED: never run (no GPU where it was written).
+void multi_tensor_adam(const std::vector<std::uintptr_t>& params,
+                       const std::vector<std::uintptr_t>& model_params,
+                       const std::vector<std::uintptr_t>& grads,
+                       const std::vector<std::uintptr_t>& exp_avgs,
+                       const std::vector<std::uintptr_t>& exp_avg_sqs,
+                       const std::vector<std::uintptr_t>& steps, const std::vector<int64_t>& sizes,
+                       const std::string& model_dtype, double lr, double beta1, double beta2,
+                       double eps, double weight_decay, bool decoupled_weight_decay,
+                       std::uintptr_t found_inf, std::uintptr_t stream) {
+  const auto type = adam_model_type(model_dtype);
+  const size_t n = sizes.size();
+  const bool low_precision = type != megart::cuda::AdamModelType::kFloat32;
+  if (params.size() != n || grads.size() != n || exp_avgs.size() != n || exp_avg_sqs.size() != n ||
+      steps.size() != n || (low_precision && model_params.size() != n)) {
+    throw megart::ConfigError(
+        "multi_tensor_adam needs one params, grads, exp_avgs, exp_avg_sqs, steps (and, for 16-bit "
+        "dtypes, model_params) entry per size");
+  }
+  if (!(lr >= 0.0 && eps >= 0.0 && weight_decay >= 0.0 && beta1 >= 0.0 && beta1 < 1.0 &&
+        beta2 >= 0.0 && beta2 < 1.0)) {
+    throw megart::ConfigError(
+        "multi_tensor_adam needs lr, eps, weight_decay >= 0 and 0 <= betas < 1");
+  }
+  const auto p = as_pointers<float*>(params);
+  const auto mp = as_pointers<void*>(model_params);
+  const auto g = as_pointers<const void*>(grads);
+  const auto m = as_pointers<float*>(exp_avgs);
+  const auto v = as_pointers<float*>(exp_avg_sqs);
+  const auto s = as_pointers<float*>(steps);
+  const megart::cuda::AdamHyper hyper{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay};
+  py::gil_scoped_release release;
+  check(megart::cuda::multi_tensor_adam(
+            p.data(), low_precision ? mp.data() : nullptr, g.data(), m.data(), v.data(), s.data(),
+            sizes.data(), static_cast<int>(n), type, hyper, reinterpret_cast<const int*>(found_inf),
+            reinterpret_cast<cudaStream_t>(stream)),
+        "multi_tensor_adam");
 }
 
 }  // namespace
@@ -66,4 +114,13 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("found_nonfinite"), py::arg("stream"),
       "out[i] = in[i] * scale for float32 device tensors given by address; sets the int32 at "
       "found_nonfinite to 1 if any input is inf or NaN.");
+  m.def("multi_tensor_adam", &multi_tensor_adam, py::arg("params"), py::arg("model_params"),
+        py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
+        py::arg("sizes"), py::arg("model_dtype"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled_weight_decay"),
+        py::arg("found_inf"), py::arg("stream"),
+        "UNVERIFIED (never run). One Adam/AdamW step over device tensors given by address, on "
+        "`stream`: fp32 params (main weights for 16-bit model_params), grads in model_dtype, fp32 "
+        "moments, float32 step tensors advanced on the device. Skips everything when the int32 "
+        "at found_inf (0 for none) is nonzero when the kernels run.");
 }

@@ -1,0 +1,9 @@
+"""Optimizers on megart's multi-tensor sweeps: Adam/AdamW (torch-compatible), gradient-norm
+clipping and dynamic loss scaling. CPU tensors use the C++ core; CUDA tensors the CUDA kernels
+(UNVERIFIED: never run, no GPU where they were written)."""
+
+from megart.optim.adam import Adam, AdamW
+from megart.optim.clip import clip_grad_norm_, grad_sum_of_squares
+from megart.optim.loss_scale import LossScaler
+
+__all__ = ["Adam", "AdamW", "clip_grad_norm_", "grad_sum_of_squares", "LossScaler"]

@@ -1,0 +1,119 @@
+"""Dynamic loss scaling for fp16 training: scale the loss up so small gradients survive fp16,
+unscale the gradients before the step, and skip the step (lowering the scale) when any gradient
+overflowed to inf or NaN."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megart.errors import ConfigError
+from megart.optim._buffers import addresses, check_device, cuda_module, dtype_name, sizes
+
+
+class LossScaler:
+    """Megatron/torch-style dynamic loss scale.
+
+    Each step: ``scaler.scale_loss(loss).backward()``, then ``scaler.step(optimizer)``, which
+    unscales the gradients, skips the optimizer step if any was non-finite, and updates the
+    scale: times ``backoff_factor`` after an overflow (not below ``min_scale``), times
+    ``growth_factor`` after ``growth_interval`` overflow-free steps in a row.
+
+    The scale lives on the host. On CUDA the optimizer kernels read the overflow flag on the
+    device, and the scale update reads it once per step on the host (one synchronisation).
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+    ) -> None:
+        if not init_scale > 0.0 or not min_scale > 0.0:
+            raise ConfigError("init_scale and min_scale must be positive")
+        if not growth_factor > 1.0:
+            raise ConfigError(f"growth_factor must exceed 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ConfigError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+        if growth_interval < 1:
+            raise ConfigError(f"growth_interval must be at least 1, got {growth_interval}")
+        self._scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self._good_steps = 0
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self._scale
+
+    def unscale_(self, params: list[torch.Tensor], num_threads: int = 0) -> torch.Tensor:
+        """Divides the gradients of ``params`` by the scale in place. Returns an int32 flag tensor
+        (on the first gradient's device) that is 1 when any gradient had an inf or NaN."""
+        from megart import _core
+
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        found = torch.zeros(1, dtype=torch.int32, device=device)
+        inv = 1.0 / self._scale
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
+            check_device(g, "a gradient")
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (dev, dtype), group in groups.items():
+            if dev.type == "cpu" and all(g.is_contiguous() for g in group):
+                ptrs = addresses(group)
+                name = dtype_name(dtype, "a gradient")
+                if _core.optim.scale(ptrs, ptrs, sizes(group), name, inv, num_threads):
+                    found.fill_(1)
+            elif dev.type == "cuda" and dtype == torch.float32:
+                # UNVERIFIED: the CUDA kernel has never run (no GPU where it was written).
+                flag = torch.zeros(1, dtype=torch.int32, device=dev)
+                ptrs = addresses(group)
+                with torch.cuda.device(dev):
+                    stream = torch.cuda.current_stream(dev).cuda_stream
+                    cuda_module().multi_tensor_scale(
+                        ptrs, ptrs, sizes(group), inv, flag.data_ptr(), stream
+                    )
+                found = torch.maximum(found, flag.to(device))
+            else:
+                bad = torch.stack([~torch.isfinite(g).all() for g in group]).any()
+                for g in group:
+                    g.mul_(inv)
+                found = torch.maximum(found, bad.to(device=device, dtype=torch.int32).reshape(1))
+        return found
+
+    def step(self, optimizer: torch.optim.Optimizer, num_threads: int = 0) -> bool:
+        """Unscales, steps ``optimizer`` unless a gradient overflowed, updates the scale.
+        Returns whether the step was taken. ``optimizer`` must accept ``found_inf=`` in its step
+        (megart's Adam and AdamW do)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        found = self.unscale_(params, num_threads)
+        optimizer.step(found_inf=found)
+        overflow = bool(found.item())
+        self.update(overflow)
+        return not overflow
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+            self._good_steps = 0
+            return
+        self._good_steps += 1
+        if self._good_steps >= self.growth_interval:
+            self._scale *= self.growth_factor
+            self._good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self._scale, "good_steps": self._good_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])
