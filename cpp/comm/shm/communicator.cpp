@@ -1,5 +1,6 @@
 #include "comm/shm/communicator.hpp"
 
+#include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -234,16 +235,23 @@ bool ShmCommunicator::poll(const std::shared_ptr<Task>& task) {
 }
 
 void ShmCommunicator::wait(const std::shared_ptr<Task>& task) {
-  // A short spin first when every rank has a core: the peer usually answers within
-  // microseconds, and sleeping costs more than that.
+  // When every rank has a core, poll before sleeping: a futex wake-up takes tens of
+  // microseconds on a VM, and two ranks whose spins are shorter than that fall into a rhythm
+  // where every op pays one. Polling yields the core after the first microseconds, so a thread
+  // that needs it gets it; past 1 ms the wait sleeps.
   if (spin_) {
-    const auto until = Clock::now() + std::chrono::microseconds(50);
+    const auto start = Clock::now();
     for (int i = 0; !task->done; ++i) {
       {
         std::lock_guard<std::mutex> lock(mu_);
         progress_locked();
       }
-      if (task->done || ((i & 63) == 63 && Clock::now() > until)) break;
+      if (task->done) break;
+      if ((i & 15) == 15) {
+        const auto spent = Clock::now() - start;
+        if (spent > std::chrono::milliseconds(1)) break;
+        if (spent > std::chrono::microseconds(20)) sched_yield();
+      }
       cpu_relax();
     }
   }

@@ -2,8 +2,8 @@
 //
 // Ops are small non-blocking state machines ("tasks") advanced by whichever thread waits, and
 // once when posted, so a message that fits its ring is delivered at once. A thread with nothing
-// to do sleeps on a futex in the segment rather than spinning, briefly spinning first only when
-// the machine has a core for every rank.
+// to do sleeps on a futex in the segment; only when the machine has a core for every rank does
+// it poll (yielding the core) for up to a millisecond first.
 #pragma once
 
 #include <atomic>

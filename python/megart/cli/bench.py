@@ -1,4 +1,8 @@
-"""megart-bench: microbenchmarks. ``megart-bench schedule`` simulates pipeline schedules."""
+"""megart-bench: microbenchmarks.
+
+``megart-bench schedule`` simulates pipeline schedules; ``megart-bench {allreduce, allgather,
+reducescatter, p2p}`` measures the communicators in nccl-tests' columns.
+"""
 
 from __future__ import annotations
 
@@ -75,10 +79,93 @@ def run_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _comm_parsers(sub: argparse._SubParsersAction) -> None:
+    from megart.cli.comm_bench import BACKENDS, OPS
+
+    for op in OPS:
+        p = sub.add_parser(
+            op,
+            help=f"time {op} per size, nccl-tests style",
+            description=f"Times {op} per size; checks every result.",
+        )
+        p.add_argument(
+            "--backend",
+            choices=BACKENDS,
+            default="shm",
+            help="megart's shm transport, or torch.distributed's gloo as baseline",
+        )
+        p.add_argument(
+            "--nproc",
+            type=int,
+            default=None,
+            help="launch this many ranks (default: one rank, or torchrun's)",
+        )
+        p.add_argument("-b", "--minbytes", type=_bytes, default=8)
+        p.add_argument("-e", "--maxbytes", type=_bytes, default=64 << 20)
+        p.add_argument("-f", "--stepfactor", type=int, default=2)
+        p.add_argument("-n", "--iters", type=int, default=20)
+        p.add_argument("-w", "--warmup_iters", type=int, default=5)
+        p.add_argument("-d", "--datatype", default="float32")
+        p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
+        p.set_defaults(run=run_comm, op=op)
+
+
+def _bytes(text: str) -> int:
+    """nccl-tests' sizes: 8, 1K, 16M, 1G."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper()
+    try:
+        return int(t[:-1]) * units[t[-1]] if t[-1] in units else int(t)
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 8, 64K or 16M") from None
+
+
+def run_comm(args: argparse.Namespace) -> int:
+    from megart.cli.comm_bench import Config, launch_or_run, table
+
+    if args.backend == "nccl":
+        raise MegartError("the nccl backend is not built yet; use --backend shm or gloo")
+    if args.nproc is not None and args.nproc < 1:
+        raise MegartError("--nproc must be at least 1")
+    if args.minbytes < 1 or args.maxbytes < args.minbytes:
+        raise MegartError("need 1 <= -b MIN <= -e MAX")
+    if args.stepfactor < 1 or args.iters < 1 or args.warmup_iters < 0:
+        raise MegartError("-f and -n must be at least 1 and -w at least 0")
+    cfg = Config(
+        args.op,
+        args.minbytes,
+        args.maxbytes,
+        args.stepfactor,
+        args.iters,
+        args.warmup_iters,
+        args.datatype,
+        (args.backend,),
+    )
+    nproc, rows = launch_or_run(cfg, args.nproc)
+    if not rows:
+        return 0  # a non-zero rank under torchrun: rank 0 reports
+    mine = rows[args.backend]
+    print(
+        f"# megart-bench {args.op}: backend {args.backend}, {nproc} ranks, "
+        f"{args.iters} iters, {args.warmup_iters} warm-up"
+    )
+    print(table(mine))
+    if args.json:
+        doc = {"op": args.op, "backend": args.backend, "nproc": nproc, "rows": mine}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0 if all(r["wrong"] == 0 for r in mine) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megart-bench", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{schedule}")
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="{schedule,allreduce,allgather,reducescatter,p2p}",
+    )
     _schedule_parser(sub)
+    _comm_parsers(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

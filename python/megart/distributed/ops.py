@@ -141,6 +141,11 @@ def reduce_scatter_tensor(
     return _finish(work, [output, input], async_op)
 
 
+# torch 2.13's names for the same two ops.
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
+
+
 def broadcast(
     tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
