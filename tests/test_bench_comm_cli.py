@@ -1,0 +1,69 @@
+"""megart-bench's communication benchmarks as a user runs them (tiny sizes: timings are never
+asserted, only the shape of the output and that every result was checked)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def bench(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "megart.cli.bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("op", ["allreduce", "allgather", "reducescatter", "p2p"])
+def test_each_op_prints_nccl_tests_columns_and_writes_json(op, tmp_path):
+    out_file = tmp_path / "rows.json"
+    out = bench(
+        op,
+        "--nproc",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "4K",
+        "-f",
+        "8",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--json",
+        str(out_file),
+    )
+    assert out.returncode == 0, out.stderr
+    header = out.stdout.splitlines()[1].split()
+    assert header[:3] == ["size", "(B)", "count"] and "#wrong" in header
+    doc = json.loads(out_file.read_text())
+    assert doc["op"] == op and doc["backend"] == "shm" and doc["nproc"] == 2
+    assert [r["bytes"] for r in doc["rows"]] == [8, 64, 512, 4096]
+    for row in doc["rows"]:
+        assert set(row) == {"bytes", "count", "dtype", "time_us", "algbw_gbs", "busbw_gbs", "wrong"}
+        assert row["wrong"] == 0 and row["time_us"] > 0
+    if op == "allreduce":  # nccl-tests' bus factor 2(n-1)/n = 1 for two ranks
+        assert all(r["busbw_gbs"] == pytest.approx(r["algbw_gbs"]) for r in doc["rows"])
+
+
+def test_gloo_baseline_runs_the_same_measurement():
+    out = bench("p2p", "--backend", "gloo", "--nproc", "2", "-b", "64", "-e", "64", "-n", "2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1].split()[0] == "64"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["allreduce", "--backend", "nccl"], "nccl backend is not built yet"),
+        (["allreduce", "-b", "1K", "-e", "8"], "need 1 <= -b MIN <= -e MAX"),
+        (["p2p", "-b", "lots"], "is not a size like 8, 64K or 16M"),
+    ],
+)
+def test_bad_arguments_exit_nonzero_with_a_message(args, message):
+    out = bench(*args)
+    assert out.returncode != 0 and message in out.stderr
