@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -32,7 +33,9 @@ def _worker(
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     try:
-        results.put((rank, True, fn(*args)))
+        # Plain pickle, not the queue's: torch would share returned tensors through file
+        # descriptors that die with this process before the launcher reads them.
+        results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 - every failure goes back to the launcher
         results.put((rank, False, traceback.format_exc()))
 
@@ -94,7 +97,7 @@ def launch(
                     )
                 continue
             if ok:
-                outcome[rank] = value
+                outcome[rank] = pickle.loads(value)
             else:
                 failure = f"rank {rank} raised:\n{value}"
     finally:

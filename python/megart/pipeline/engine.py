@@ -1,0 +1,154 @@
+"""The pipeline engine: runs one training iteration of a C++ schedule on this rank's model
+chunks, action by action.
+
+The schedule's per-rank state machine says what may run next. Communication actions that come
+together are posted as one batch (receives early, so transfers overlap compute); a receive is
+waited for only when the compute that needs it is next; sends stay in flight while compute runs;
+a chunk's activations are freed as soon as its backward is done; the loss lives on the last
+stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+import megart.distributed as dist
+from megart import schedule as sched
+from megart.errors import ConfigError
+from megart.pipeline.p2p import StageLink
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PipelineEngine:
+    """One pipeline rank: ``chunks[c]`` is the model chunk at virtual stage c * p + rank.
+
+    ``activation_shape`` and ``dtype`` describe every tensor that crosses stages (one
+    microbatch's hidden states), so receive buffers can be posted before the data exists.
+    """
+
+    def __init__(
+        self,
+        schedule: sched.Schedule,
+        rank: int,
+        chunks: Sequence[nn.Module],
+        link: StageLink,
+        activation_shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if len(chunks) != schedule.chunks:
+            raise ConfigError(
+                f"the schedule has {schedule.chunks} model chunks per rank, got {len(chunks)}"
+            )
+        if schedule.stages > 1 and (
+            link.pp_group is None or link.pp_group.size() != schedule.stages
+        ):
+            raise ConfigError(
+                f"a {schedule.stages}-stage schedule needs a pipeline group of that size"
+            )
+        sched.validate(schedule)
+        self.schedule, self.rank, self.chunks, self.link = schedule, rank, list(chunks), link
+        self._like = torch.empty(tuple(activation_shape), dtype=dtype, device=device)
+
+    def _peer(self, pipeline_rank: int) -> int:
+        return self.link.pp_group.ranks[pipeline_rank]
+
+    def _first(self, chunk: int) -> bool:
+        return self.schedule.virtual_stage(self.rank, chunk) == 0
+
+    def _last(self, chunk: int) -> bool:
+        s = self.schedule
+        return s.virtual_stage(self.rank, chunk) == s.stages * s.chunks - 1
+
+    def run(
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        loss_fn: LossFn,
+    ) -> list[torch.Tensor]:
+        """Runs forward and backward of every microbatch; gradients accumulate in the chunks'
+        parameters (the loss is divided by m, so they are the batch mean's). ``inputs`` are
+        needed on the first stage and ``targets`` on the last. Returns each microbatch's loss
+        (detached) on the rank that holds the last stage, else an empty list."""
+        s = self.schedule
+        m = s.microbatches
+        if any(self._first(c) for c in range(s.chunks)) and (inputs is None or len(inputs) != m):
+            raise ConfigError(f"the first pipeline stage needs {m} microbatch inputs")
+        if any(self._last(c) for c in range(s.chunks)) and (targets is None or len(targets) != m):
+            raise ConfigError(f"the last pipeline stage needs {m} microbatch targets")
+
+        machine = sched.RankStateMachine(s, self.rank)
+        recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}
+        arrived: dict[tuple[str, int, int], torch.Tensor] = {}
+        sends: list[tuple[sched.Action, dist.Work]] = []
+        stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        losses: dict[int, torch.Tensor] = {}
+
+        def forward(a: sched.Action) -> None:
+            if self._first(a.chunk):
+                x = inputs[a.mb]
+                leaf = None
+            else:
+                x = leaf = arrived.pop(("F", a.mb, a.chunk)).requires_grad_()
+            out = self.chunks[a.chunk](x)
+            if self._last(a.chunk):
+                loss = loss_fn(out, targets[a.mb])
+                losses[a.mb] = loss.detach()
+                out = loss / m
+            stash[(a.mb, a.chunk)] = (leaf, out)
+
+        def backward(a: sched.Action) -> None:
+            leaf, out = stash.pop((a.mb, a.chunk))
+            if self._last(a.chunk):
+                torch.autograd.backward(out)
+            else:
+                torch.autograd.backward(out, arrived.pop(("B", a.mb, a.chunk)))
+            if leaf is not None:
+                arrived[("dX", a.mb, a.chunk)] = leaf.grad
+
+        def post(batch: list[sched.Action]) -> None:
+            ops, keys = [], []
+            for a in batch:
+                if a.op in ("SEND_F", "SEND_B"):
+                    key = ("out", a.mb, a.chunk) if a.op == "SEND_F" else ("dX", a.mb, a.chunk)
+                    tensor = stash[(a.mb, a.chunk)][1] if a.op == "SEND_F" else arrived.pop(key)
+                    ops.append(self.link.send_op(tensor, self._peer(a.peer)))
+                else:
+                    buffer = self.link.wire_buffer(self._like)
+                    ops.append(self.link.recv_op(buffer, self._peer(a.peer)))
+                keys.append(a)
+            for a, work, op in zip(keys, self.link.post(ops), ops, strict=True):
+                if a.op.startswith("SEND"):
+                    sends.append((a, work))
+                else:
+                    recvs[(a.op[-1], a.mb, a.chunk)] = (work, op.tensor)
+
+        def finish_recv(a: sched.Action) -> None:
+            work, buffer = recvs.pop((a.op[-1], a.mb, a.chunk))
+            work.wait()
+            arrived[(a.op[-1], a.mb, a.chunk)] = self.link.from_wire(buffer, self._like)
+            machine.complete(a)
+
+        while not machine.done():
+            if machine.has_next() and machine.ready():
+                batch = []
+                while machine.has_next() and machine.ready() and not machine.next().is_compute:
+                    batch.append(machine.issue())
+                if batch:
+                    post(batch)
+                    continue
+                a = machine.issue()
+                (forward if a.op == "F" else backward)(a)
+                machine.complete(a)
+            elif machine.has_next():
+                finish_recv(machine.blocker())  # the only thing a compute waits on
+            else:
+                for a, work in sends:
+                    work.wait()
+                    machine.complete(a)
+                sends.clear()
+        return [losses[mb] for mb in range(m)] if losses else []
