@@ -72,3 +72,24 @@ def run_stage(kind: str, p: int, m: int, v: int, tp: int, scatter_gather: bool):
     }
     sent = sum(dist.bytes_sent(link.pp_group).values())
     return [x.item() for x in losses], grads, sent
+
+
+def data_parallel_grads(m: int, bucket_bytes: int):
+    """Each of the dp ranks runs m microbatches of its own share of the data; returns the
+    averaged gradients and how many buckets they travelled in."""
+    from megart.training.grad_sync import GradientBuckets
+
+    dist.init(timeout=60)
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    model = full_model()
+    buckets = GradientBuckets(list(model.parameters()), dist.new_group(), bucket_bytes)
+    xs, ys = data(m * dp)
+    buckets.zero_grad()
+    buckets.start_iteration(m)
+    for x, y in zip(xs[rank * m : (rank + 1) * m], ys[rank * m : (rank + 1) * m], strict=True):
+        h = x
+        for layer in model:
+            h = layer(h)
+        (loss_fn(h, y) / m).backward()
+    buckets.finish()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, len(buckets.buckets)

@@ -1,0 +1,1 @@
+"""Training: data, learning-rate schedule, FLOPs accounting, data-parallel gradient sync."""
