@@ -1,0 +1,144 @@
+"""Measured pipeline bubble of each schedule on CPU, beside the simulated one.
+
+Two ranks (one per core) run a stack of Linear+Tanh layers split into stages with megart's
+PipelineEngine. Each rank first times its own chunks' forward and backward for the m
+microbatches with no communication (the ideal); then each schedule runs several iterations,
+alternating kinds round by round. Measured bubble = (median iteration time - ideal) / ideal.
+The simulator gets the measured per-microbatch forward and backward times, with the measured
+cost of one activation message as per-message latency, and with free communication.
+
+    python bench/pipeline_bubble.py [--microbatches 8] [--hidden 512] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+KINDS = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+
+
+def _worker(m: int, hidden: int, batch: int, layers: int, rounds: int) -> dict:
+    import megart.distributed as dist
+    from megart import schedule as sched
+    from megart.pipeline import PipelineEngine, StageLink
+
+    torch.set_num_threads(1)
+    dist.init(timeout=300)
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.ModuleList(
+        nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh()) for _ in range(layers)
+    )
+    xs = [torch.randn(batch, hidden) for _ in range(m)]
+    ys = [torch.randn(batch, hidden) for _ in range(m)]
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((out - y) ** 2).mean()
+
+    def chunks_for(v: int) -> list[nn.Module]:
+        per = layers // (p * v)
+        return [
+            nn.Sequential(*model[(c * p + rank) * per : (c * p + rank + 1) * per]) for c in range(v)
+        ]
+
+    # Ideal: this rank's share of the model, forward and backward for m microbatches.
+    mine = nn.Sequential(*chunks_for(1))
+    fwd, bwd = [], []
+    for _ in range(3):
+        for x in xs:
+            x = x.clone().requires_grad_()
+            t0 = time.perf_counter()
+            out = mine(x)
+            t1 = time.perf_counter()
+            out.sum().backward()
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+    t_f, t_b = statistics.median(fwd), statistics.median(bwd)
+
+    # One message's cost: a ring exchange of one activation between the two ranks.
+    a, b = torch.randn(batch, hidden), torch.empty(batch, hidden)
+    lat = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        ops = [dist.P2POp(dist.isend, a, (rank + 1) % p), dist.P2POp(dist.irecv, b, (rank - 1) % p)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        lat.append(time.perf_counter() - t0)
+    latency = statistics.median(lat)
+
+    link = StageLink(dist.new_group(list(range(p))))
+    engines = {
+        kind: PipelineEngine(sched.build(kind, p, m, v), rank, chunks_for(v), link, (batch, hidden))
+        for kind, v in KINDS
+    }
+    times: dict[str, list[float]] = {kind: [] for kind, _ in KINDS}
+    for _ in range(rounds + 1):  # the first round warms up
+        for kind, _ in KINDS:
+            dist.barrier()
+            t0 = time.perf_counter()
+            engines[kind].run(xs, ys, loss_fn)
+            dist.barrier()
+            times[kind].append(time.perf_counter() - t0)
+    return {
+        "t_f": t_f,
+        "t_b": t_b,
+        "latency": latency,
+        "times": {k: v[1:] for k, v in times.items()},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    from megart import schedule as sched
+    from megart.launcher import launch
+
+    p, m = 2, args.microbatches
+    results = launch(
+        _worker,
+        p,
+        m,
+        args.hidden,
+        args.batch,
+        args.layers,
+        args.rounds,
+        timeout=1800,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    t_f = max(r["t_f"] for r in results)
+    t_b = max(r["t_b"] for r in results)
+    ideal = m * (t_f + t_b)
+    latency = max(r["latency"] for r in results)
+    print(
+        f"# p={p}, m={m}, per-rank forward {t_f * 1e3:.2f} ms and backward {t_b * 1e3:.2f} ms "
+        f"per microbatch, one activation message {latency * 1e6:.0f} us (measured); ideal "
+        f"iteration {ideal * 1e3:.1f} ms"
+    )
+    print(
+        f"{'kind':<12}{'v':>3}{'iteration ms':>14}{'measured bubble':>17}"
+        f"{'simulated':>11}{'sim. free comm':>16}{'theory':>9}"
+    )
+    for kind, v in KINDS:
+        t = statistics.median(max(r["times"][kind][i] for r in results) for i in range(args.rounds))
+        s = sched.build(kind, p, m, v)
+        sim = sched.simulate(s, forward_time=t_f, backward_time=t_b, latency=latency)
+        free = sched.simulate(s, forward_time=t_f, backward_time=t_b)
+        theory = sched.theoretical_bubble(kind, p, m, v)
+        print(
+            f"{kind:<12}{v:>3}{t * 1e3:>14.1f}{(t - ideal) / ideal:>17.3f}"
+            f"{sim.bubble_fraction:>11.3f}{free.bubble_fraction:>16.3f}{theory:>9.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
