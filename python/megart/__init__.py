@@ -2,6 +2,7 @@
 
 Importing megart never needs a GPU, a CUDA driver, NCCL or torch; those are looked for only when
 used. ``megart.build_info()`` says what this install was built with and what it finds.
+``megart.initialize(tp=..., pp=...)`` lays out the ranks and makes their process groups.
 """
 
 from megart._build_info import build_info
@@ -14,10 +15,12 @@ from megart.errors import (
     MegartError,
     ScheduleError,
 )
+from megart.parallel import initialize
 
 __all__ = [
     "__version__",
     "build_info",
+    "initialize",
     "MegartError",
     "ConfigError",
     "ScheduleError",

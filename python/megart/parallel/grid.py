@@ -1,0 +1,65 @@
+"""ParallelGrid: this process's place in the layout and its process groups. It is the one
+context object that model, pipeline and optimizer code receive explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megart.parallel.layout import Coords, GridLayout, GroupKind
+
+if TYPE_CHECKING:  # importing megart.distributed loads torch; the grid itself does not need it
+    from megart.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class ParallelGrid:
+    """Made by ``megart.initialize``. Every group holds this rank; ``embedding_group`` is None
+    on middle pipeline stages, which hold no embedding."""
+
+    layout: GridLayout
+    rank: int
+    coords: Coords
+    tp_group: ProcessGroup
+    pp_group: ProcessGroup
+    dp_group: ProcessGroup
+    mp_group: ProcessGroup
+    embedding_group: ProcessGroup | None
+
+    def group(self, kind: GroupKind) -> ProcessGroup | None:
+        """The group of this kind: "tp", "pp", "dp", "mp" or "embedding"."""
+        return getattr(self, f"{kind}_group")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp_rank
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp_rank == self.layout.pp - 1
+
+    @property
+    def prev_pp_rank(self) -> int | None:
+        """Global rank of the previous pipeline stage; None on the first."""
+        return self.layout.prev_pp_rank(self.rank)
+
+    @property
+    def next_pp_rank(self) -> int | None:
+        """Global rank of the next pipeline stage; None on the last."""
+        return self.layout.next_pp_rank(self.rank)
+
+    @property
+    def rail(self) -> int:
+        return self.layout.rail(self.rank)
