@@ -1,0 +1,7 @@
+"""Models: GPT (GPT-2/3 style, with RMSNorm, rotary and SwiGLU as options), tensor-parallel and
+splittable into pipeline chunks, with Hugging Face GPT-2 import and export."""
+
+from megart.models.config import GPTConfig
+from megart.models.gpt import GPT, GPTChunk, pipeline_chunks
+
+__all__ = ["GPTConfig", "GPT", "GPTChunk", "pipeline_chunks"]

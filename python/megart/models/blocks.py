@@ -1,0 +1,169 @@
+"""The pieces of a GPT layer, tensor-parallel: norms, rotary positions, attention, the MLP.
+
+Activations are [s, b, h] (sequence first, Megatron's layout): sequence parallelism splits
+dimension 0. Each parameter is drawn from a generator seeded by (model seed, layer, name), so a
+parameter's initial value does not depend on which stage or rank builds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megart.distributed import ProcessGroup
+from megart.models.config import GPTConfig
+from megart.tensor_parallel import ColumnParallelLinear, RowParallelLinear, normal_init
+from megart.tensor_parallel._group import group_size
+
+
+def generator(seed: int, *where: object) -> torch.Generator:
+    """A generator for one parameter, seeded by the model seed and the parameter's place."""
+    digest = hashlib.sha256(repr((seed, *where)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * (
+            self.weight
+        )
+
+
+def norm(cfg: GPTConfig, sequence_parallel: bool) -> nn.Module:
+    """A LayerNorm or RMSNorm. Under sequence parallelism each rank normalises its own slice of
+    the sequence, so the weights' gradients are partial sums, marked for a sum across t."""
+    if cfg.normalization == "rmsnorm":
+        module: nn.Module = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon)
+    else:
+        module = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, bias=cfg.bias)
+    for p in module.parameters():
+        p.sequence_parallel = sequence_parallel
+    return module
+
+
+def rotary(seq: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, [seq, dim/2] (base 10000, as RoFormer)."""
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates pairs (x[2i], x[2i+1]) of the last dimension of x [b, heads, s, d]."""
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with heads split across tensor parallelism: the fused q/k/v
+    projection is column-parallel (its rows are grouped per head as [q, k, v], so a rank's
+    slice holds whole heads), the output projection row-parallel."""
+
+    def __init__(
+        self, cfg: GPTConfig, layer: int, tp_group: ProcessGroup | None, sequence_parallel: bool
+    ) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.local_heads = cfg.num_attention_heads // group_size(tp_group)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.qkv = ColumnParallelLinear(
+            h,
+            3 * h,
+            bias=cfg.bias,
+            sequence_parallel=sequence_parallel,
+            tp_group=tp_group,
+            init_method=normal_init(cfg.init_std),
+            generator=generator(cfg.seed, layer, "qkv"),
+        )
+        self.proj = RowParallelLinear(
+            h,
+            h,
+            bias=cfg.bias,
+            sequence_parallel=sequence_parallel,
+            tp_group=tp_group,
+            init_method=normal_init(out_std),
+            generator=generator(cfg.seed, layer, "proj"),
+        )
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, 3 h / t]: the whole sequence, this rank's heads
+        s, b, _ = qkv.shape
+        q, k, v = qkv.view(s, b, self.local_heads, 3, self.cfg.head_dim).permute(3, 1, 2, 0, 4)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        dropout = self.cfg.attention_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+class MLP(nn.Module):
+    """h -> ffn (column-parallel) -> GeLU or SwiGLU -> h (row-parallel)."""
+
+    def __init__(
+        self, cfg: GPTConfig, layer: int, tp_group: ProcessGroup | None, sequence_parallel: bool
+    ) -> None:
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_size
+        self.swiglu = cfg.activation == "swiglu"
+
+        def column(name: str) -> ColumnParallelLinear:
+            return ColumnParallelLinear(
+                h,
+                f,
+                bias=cfg.bias,
+                sequence_parallel=sequence_parallel,
+                tp_group=tp_group,
+                init_method=normal_init(cfg.init_std),
+                generator=generator(cfg.seed, layer, name),
+            )
+
+        self.fc = column("fc")
+        self.gate = column("gate") if self.swiglu else None
+        self.proj = RowParallelLinear(
+            f,
+            h,
+            bias=cfg.bias,
+            sequence_parallel=sequence_parallel,
+            tp_group=tp_group,
+            init_method=normal_init(cfg.init_std / math.sqrt(2 * cfg.num_layers)),
+            generator=generator(cfg.seed, layer, "mlp_proj"),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.proj(F.silu(self.gate(x)) * self.fc(x))
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """x + attention(norm(x)), then + mlp(norm(.)), each sub-layer's output dropped out."""
+
+    def __init__(
+        self, cfg: GPTConfig, layer: int, tp_group: ProcessGroup | None, sequence_parallel: bool
+    ) -> None:
+        super().__init__()
+        self.ln_1 = norm(cfg, sequence_parallel)
+        self.attn = Attention(cfg, layer, tp_group, sequence_parallel)
+        self.ln_2 = norm(cfg, sequence_parallel)
+        self.mlp = MLP(cfg, layer, tp_group, sequence_parallel)
+        self.drop = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x), rope))
+        return x + self.drop(self.mlp(self.ln_2(x)))

@@ -1,0 +1,89 @@
+"""The shape of a GPT and the checks a parallel layout must pass."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megart.errors import ConfigError
+
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rotary")
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A pre-LayerNorm GPT (GPT-2/3 style by default). Field names follow Megatron's flags."""
+
+    vocab_size: int = 50257
+    seq_length: int = 1024
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_attention_heads: int = 12
+    ffn_hidden_size: int | None = None  # 4 h by default
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    layernorm_epsilon: float = 1e-5
+    normalization: str = "layernorm"
+    position_embedding: str = "learned"
+    activation: str = "gelu"  # GeLU with the tanh approximation, as GPT-2
+    bias: bool = True
+    init_std: float = 0.02
+    seed: int = 1234  # initial weights depend on this alone, not on the parallel layout
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (
+            ("normalization", self.normalization, NORMS),
+            ("position_embedding", self.position_embedding, POSITIONS),
+            ("activation", self.activation, ACTIVATIONS),
+        ):
+            if value not in allowed:
+                raise ConfigError(f"{name}={value!r}; use one of {', '.join(allowed)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} "
+                "attention heads"
+            )
+        if self.position_embedding == "rotary" and self.head_dim % 2:
+            raise ConfigError(f"rotary positions need an even head size, not {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """The vocabulary rounded up to a multiple of 128 t (Megatron's padding), so every
+        tensor-parallel rank holds an equal, aligned slice. Padded entries never win: their
+        logits are masked out of the loss, so losses do not depend on t."""
+        multiple = 128 * tp
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def check_layout(self, tp: int = 1, pp: int = 1, chunks: int = 1) -> None:
+        """Refuses layouts this model cannot take, saying what would fit."""
+        problems = []
+        if self.num_attention_heads % tp:
+            fits = [
+                t
+                for t in range(1, self.num_attention_heads + 1)
+                if self.num_attention_heads % t == 0
+            ]
+            problems.append(
+                f"{self.num_attention_heads} attention heads do not split over "
+                f"tensor-parallel size {tp} (use one of {fits})"
+            )
+        if self.ffn_size % tp:
+            problems.append(
+                f"the MLP size {self.ffn_size} does not split over tensor-parallel size {tp}"
+            )
+        if self.num_layers % (pp * chunks):
+            problems.append(
+                f"{self.num_layers} layers do not split into {pp} pipeline stages "
+                f"x {chunks} chunks (need a divisor of {self.num_layers})"
+            )
+        if problems:
+            raise ConfigError("; ".join(problems))

@@ -1,0 +1,188 @@
+"""GPT: a stack of pre-norm transformer layers between a vocab-parallel embedding and a tied
+output layer, split into pipeline chunks when asked.
+
+``GPTChunk`` is one contiguous run of layers, with the embedding when it is the first and the
+final norm and output layer when it is the last. ``GPT`` is all of it in one chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megart.distributed import ProcessGroup
+from megart.models.blocks import Block, generator, norm, rotary
+from megart.models.config import GPTConfig
+from megart.tensor_parallel import (
+    VocabParallelEmbedding,
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence_region,
+    normal_init,
+    vocab_parallel_cross_entropy,
+)
+from megart.tensor_parallel._group import group_rank, group_size
+
+
+class GPTChunk(nn.Module):
+    """Layers ``layers`` of the model. Input: token ids [b, s] when ``first`` (it holds the
+    embedding), else hidden states [s, b, h] ([s/t, b, h] under sequence parallelism). Output:
+    this rank's vocabulary slice of the logits, [s, b, V_padded/t], when ``last``, else hidden
+    states. With tied embeddings, a last chunk on another rank than the first holds its own copy
+    of the embedding, initialised identically; the trainer sums the two gradients."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        layers: range,
+        first: bool,
+        last: bool,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.first, self.last = cfg, first, last
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.vocab = cfg.padded_vocab_size(group_size(tp_group))
+        embedding = first or last
+        if embedding:
+            self.wte = VocabParallelEmbedding(
+                self.vocab,
+                cfg.hidden_size,
+                sequence_parallel=sequence_parallel,
+                tp_group=tp_group,
+                init_method=normal_init(cfg.init_std),
+                generator=generator(cfg.seed, "wte"),
+            )
+            self._unpadded_rows(self.wte.weight)
+        if first and cfg.position_embedding == "learned":
+            self.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+            nn.init.normal_(self.wpe.weight, std=cfg.init_std, generator=generator(cfg.seed, "wpe"))
+            # Each rank adds the positions of its own sequence slice: a partial gradient.
+            self.wpe.weight.sequence_parallel = sequence_parallel
+        self.drop = nn.Dropout(cfg.hidden_dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i, tp_group, sequence_parallel) for i in layers)
+        self.layer_ids = list(layers)
+        if last:
+            self.ln_f = norm(cfg, sequence_parallel)
+
+    def _unpadded_rows(self, weight: torch.Tensor) -> None:
+        """Zeroes the rows of padded vocabulary entries, so the weights do not depend on t."""
+        start = group_rank(self.tp_group) * weight.shape[0]
+        with torch.no_grad():
+            weight[max(0, self.cfg.vocab_size - start) :].zero_()
+
+    def _sequence_slice(self, seq: int) -> slice:
+        t = group_size(self.tp_group) if self.sequence_parallel else 1
+        r = group_rank(self.tp_group) if self.sequence_parallel else 0
+        return slice(r * seq // t, (r + 1) * seq // t)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            seq = x.shape[1]
+            if seq > self.cfg.seq_length:
+                raise ValueError(
+                    f"sequence of {seq} tokens; the model takes at most {self.cfg.seq_length}"
+                )
+            h = self.wte(x.t())  # [s, b, h], or this rank's slice of s
+            if self.cfg.position_embedding == "learned":
+                h = h + self.wpe.weight[:seq][self._sequence_slice(seq)].unsqueeze(1)
+            x = self.drop(h)
+        rope = None
+        if self.cfg.position_embedding == "rotary":
+            t = group_size(self.tp_group) if self.sequence_parallel else 1
+            rope = rotary(x.shape[0] * t, self.cfg.head_dim, x.device)
+        for block in self.blocks:
+            x = block(x, rope)
+        if not self.last:
+            return x
+        x = self.ln_f(x)
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.tp_group)
+        else:
+            x = copy_to_region(x, self.tp_group)
+        logits = F.linear(x, self.wte.weight)  # [s, b, V_padded / t]
+        return self._mask_padding(logits)
+
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        per_rank = logits.shape[-1]
+        start = group_rank(self.tp_group) * per_rank
+        if start + per_rank <= self.cfg.vocab_size:
+            return logits
+        padded = torch.arange(start, start + per_rank, device=logits.device) >= self.cfg.vocab_size
+        return logits.masked_fill(padded, float("-inf"))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy from this rank's logits slice and targets [b, s]."""
+        return vocab_parallel_cross_entropy(logits, targets.t(), self.tp_group).mean()
+
+
+class GPT(nn.Module):
+    """The whole model on every pipeline stage (tensor parallelism only).
+
+    ``model(tokens)`` returns full-vocabulary logits [b, s, V] on every tensor-parallel rank
+    (gathered: for inference and tests); ``model(tokens, targets)`` returns the mean
+    next-token cross-entropy, computed vocab-parallel.
+    """
+
+    def __init__(
+        self, cfg: GPTConfig, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False
+    ) -> None:
+        super().__init__()
+        cfg.check_layout(tp=group_size(tp_group))
+        self.cfg = cfg
+        self.chunk = GPTChunk(cfg, range(cfg.num_layers), True, True, tp_group, sequence_parallel)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.chunk(tokens)
+        if targets is not None:
+            return self.chunk.loss(logits, targets)
+        full = gather_from_region(logits, self.chunk.tp_group)[..., : self.cfg.vocab_size]
+        return full.transpose(0, 1)
+
+    @classmethod
+    def from_hf_gpt2(
+        cls, path: str, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False
+    ) -> GPT:
+        """Loads a GPT-2 directory written by transformers' ``save_pretrained`` (config.json
+        and model.safetensors; local files only) into this tensor-parallel layout."""
+        from megart.models.hf import load_gpt2
+
+        return load_gpt2(cls, path, tp_group, sequence_parallel)
+
+    def save_hf_gpt2(self, path: str) -> None:
+        """Writes a directory that ``GPT2LMHeadModel.from_pretrained`` loads (on tensor-parallel
+        rank 0; every rank must call it, since the shards are gathered)."""
+        from megart.models.hf import save_gpt2
+
+        save_gpt2(self, path)
+
+
+def pipeline_chunks(
+    cfg: GPTConfig,
+    pp_rank: int,
+    pp: int,
+    chunks: int = 1,
+    tp_group: ProcessGroup | None = None,
+    sequence_parallel: bool = False,
+) -> list[GPTChunk]:
+    """This pipeline rank's model chunks: chunk c is virtual stage c * pp + pp_rank, holding
+    layers [vs * n, (vs + 1) * n) with n = layers / (pp * chunks)."""
+    cfg.check_layout(tp=group_size(tp_group), pp=pp, chunks=chunks)
+    stages = pp * chunks
+    n = cfg.num_layers // stages
+    out = []
+    for c in range(chunks):
+        vs = c * pp + pp_rank
+        out.append(
+            GPTChunk(
+                cfg,
+                range(vs * n, (vs + 1) * n),
+                vs == 0,
+                vs == stages - 1,
+                tp_group,
+                sequence_parallel,
+            )
+        )
+    return out

@@ -1,0 +1,172 @@
+"""Hugging Face GPT-2 interop: load a ``save_pretrained`` directory into any tensor-parallel
+layout, and write one that ``GPT2LMHeadModel.from_pretrained`` loads.
+
+GPT-2 stores its linear layers as Conv1D ([in, out], y = x W + b) and its fused attention
+projection as [q | k | v] along the output; megart stores [out, in] and groups the fused
+projection per head ([q_i, k_i, v_i] for head i), so that a tensor-parallel slice holds whole
+heads. Everything else maps one to one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import megart.distributed as dist
+from megart.errors import ConfigError
+from megart.models.config import GPTConfig
+from megart.tensor_parallel._group import group_rank, group_size
+
+
+def _qkv_to_heads(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """[3h, ...] as [q | k | v] -> grouped per head."""
+    return w.reshape(3, heads, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def _qkv_from_heads(w: torch.Tensor, heads: int) -> torch.Tensor:
+    return w.reshape(heads, 3, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def _mapping(cfg: GPTConfig) -> list[tuple[str, str, str]]:
+    """(megart name, GPT-2 name, conversion) for every parameter of a one-chunk GPT."""
+    out = [
+        ("chunk.wte.weight", "wte.weight", "vocab"),
+        ("chunk.wpe.weight", "wpe.weight", ""),
+        ("chunk.ln_f.weight", "ln_f.weight", ""),
+        ("chunk.ln_f.bias", "ln_f.bias", ""),
+    ]
+    for i in range(cfg.num_layers):
+        m, g = f"chunk.blocks.{i}.", f"h.{i}."
+        out += [
+            (m + "ln_1.weight", g + "ln_1.weight", ""),
+            (m + "ln_1.bias", g + "ln_1.bias", ""),
+            (m + "ln_2.weight", g + "ln_2.weight", ""),
+            (m + "ln_2.bias", g + "ln_2.bias", ""),
+            (m + "attn.qkv.weight", g + "attn.c_attn.weight", "conv1d,qkv"),
+            (m + "attn.qkv.bias", g + "attn.c_attn.bias", "qkv"),
+            (m + "attn.proj.weight", g + "attn.c_proj.weight", "conv1d"),
+            (m + "attn.proj.bias", g + "attn.c_proj.bias", ""),
+            (m + "mlp.fc.weight", g + "mlp.c_fc.weight", "conv1d"),
+            (m + "mlp.fc.bias", g + "mlp.c_fc.bias", ""),
+            (m + "mlp.proj.weight", g + "mlp.c_proj.weight", "conv1d"),
+            (m + "mlp.proj.bias", g + "mlp.c_proj.bias", ""),
+        ]
+    return out
+
+
+def _config_from_hf(hf: dict[str, Any]) -> GPTConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(
+            f"GPT-2 activation {act!r} is not supported; megart's GPT uses GeLU "
+            "with the tanh approximation (gelu_new)"
+        )
+    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
+        raise ConfigError(f"n_inner={hf['n_inner']} is not supported; use 4 * n_embd")
+    return GPTConfig(
+        vocab_size=hf["vocab_size"],
+        seq_length=hf["n_positions"],
+        hidden_size=hf["n_embd"],
+        num_layers=hf["n_layer"],
+        num_attention_heads=hf["n_head"],
+        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+    )
+
+
+def load_gpt2(
+    cls: type, path: str, tp_group: dist.ProcessGroup | None, sequence_parallel: bool
+) -> Any:
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{root} has no config.json: is it a save_pretrained directory?")
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{root} has no .safetensors weights (only safetensors are read)")
+    cfg = _config_from_hf(json.loads((root / "config.json").read_text()))
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update({k.removeprefix("transformer."): v for k, v in load_file(str(f)).items()})
+    model = cls(cfg, tp_group, sequence_parallel)
+    params = dict(model.named_parameters())
+    t, r = group_size(tp_group), group_rank(tp_group)
+    with torch.no_grad():
+        for ours, theirs, conv in _mapping(cfg):
+            w = tensors[theirs].float()
+            if "conv1d" in conv:
+                w = w.t()
+            if "qkv" in conv:
+                w = _qkv_to_heads(w, cfg.num_attention_heads)
+            if conv == "vocab":
+                w = torch.cat([w, w.new_zeros(cfg.padded_vocab_size(t) - w.shape[0], w.shape[1])])
+            p = params[ours]
+            dim = getattr(p, "partition_dim", None)
+            p.copy_(w if dim is None else w.chunk(t, dim)[r])
+    return model
+
+
+def _gather(p: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    dim = getattr(p, "partition_dim", None)
+    t = group_size(tp_group)
+    if dim is None or t == 1:
+        return p.detach().clone()
+    shard = p.detach().movedim(dim, 0).contiguous()
+    out = torch.empty(t * shard.numel(), dtype=shard.dtype)
+    dist.all_gather_into_tensor(out, shard.view(-1), group=tp_group)
+    return out.view(t * shard.shape[0], *shard.shape[1:]).movedim(0, dim)
+
+
+def save_gpt2(model: Any, path: str) -> None:
+    from safetensors.torch import save_file
+
+    cfg: GPTConfig = model.cfg
+    if (cfg.normalization, cfg.position_embedding, cfg.activation, cfg.bias) != (
+        "layernorm",
+        "learned",
+        "gelu",
+        True,
+    ):
+        raise ConfigError(
+            "only GPT-2's own architecture (LayerNorm, learned positions, GeLU, "
+            "biases) can be written as a GPT-2 checkpoint"
+        )
+    tp_group = model.chunk.tp_group
+    params = dict(model.named_parameters())
+    out = {}
+    for ours, theirs, conv in _mapping(cfg):
+        w = _gather(params[ours], tp_group)  # every rank takes part in the gathers
+        if conv == "vocab":
+            w = w[: cfg.vocab_size]
+        if "qkv" in conv:
+            w = _qkv_from_heads(w, cfg.num_attention_heads)
+        if "conv1d" in conv:
+            w = w.t()
+        out["transformer." + theirs] = w.contiguous()
+    if group_rank(tp_group) != 0:
+        return
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(root / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.seq_length,
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_layers,
+        "n_head": cfg.num_attention_heads,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.layernorm_epsilon,
+        "resid_pdrop": cfg.hidden_dropout,
+        "embd_pdrop": cfg.hidden_dropout,
+        "attn_pdrop": cfg.attention_dropout,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+    (root / "config.json").write_text(json.dumps(config, indent=2))

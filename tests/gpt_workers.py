@@ -1,0 +1,58 @@
+"""GPT on every rank of a tensor-parallel group, compared with the same model in one process."""
+
+from __future__ import annotations
+
+import torch
+
+import megart.distributed as dist
+from megart.models import GPT, GPTConfig
+from megart.models.hf import _gather
+from megart.tensor_parallel import sync_sequence_parallel_grads
+
+
+def small_config(**kw: object) -> GPTConfig:
+    base = dict(vocab_size=300, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4)
+    return GPTConfig(**{**base, **kw})
+
+
+def tokens(batch: int = 3, seq: int = 16, vocab: int = 300) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(5))
+
+
+def loss_and_grads(tp_group: dist.ProcessGroup | None, sp: bool, cfg_kw: dict):
+    """The loss and every parameter's full gradient (gathered over tensor parallelism)."""
+    torch.manual_seed(0)
+    model = GPT(small_config(**cfg_kw), tp_group, sequence_parallel=sp)
+    x = tokens()
+    loss = model(x[:, :-1], x[:, 1:])
+    loss.backward()
+    sync_sequence_parallel_grads(model, tp_group)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach()
+        shard = torch.nn.Parameter(g)
+        if hasattr(p, "partition_dim"):
+            shard.partition_dim = p.partition_dim
+        full = _gather(shard, tp_group)
+        if name == "chunk.wte.weight":
+            full = full[:300]  # padding depends on t; real rows must agree
+        grads[name] = full
+    return loss.item(), grads
+
+
+def tp_run(sp: bool, cfg_kw: dict):
+    dist.init(timeout=120)
+    return loss_and_grads(dist.new_group(), sp, cfg_kw)
+
+
+def hf_logits(path: str, x: torch.Tensor) -> torch.Tensor:
+    dist.init(timeout=120)
+    model = GPT.from_hf_gpt2(path, tp_group=dist.new_group()).eval()
+    with torch.no_grad():
+        return model(x)
+
+
+def hf_export(src: str, dst: str) -> int:
+    dist.init(timeout=120)
+    GPT.from_hf_gpt2(src, tp_group=dist.new_group()).save_hf_gpt2(dst)
+    return dist.get_rank()
