@@ -22,7 +22,7 @@ def tokens(batch: int = 3, seq: int = 16, vocab: int = 300) -> torch.Tensor:
 def loss_and_grads(tp_group: dist.ProcessGroup | None, sp: bool, cfg_kw: dict):
     """The loss and every parameter's full gradient (gathered over tensor parallelism)."""
     torch.manual_seed(0)
-    model = GPT(small_config(**cfg_kw), tp_group, sequence_parallel=sp)
+    model = GPT(small_config(**cfg_kw), tp_group=tp_group, sequence_parallel=sp)
     x = tokens()
     loss = model(x[:, :-1], x[:, 1:])
     loss.backward()
@@ -46,10 +46,18 @@ def tp_run(sp: bool, cfg_kw: dict):
 
 
 def hf_logits(path: str, x: torch.Tensor) -> torch.Tensor:
-    dist.init(timeout=120)
-    model = GPT.from_hf_gpt2(path, tp_group=dist.new_group()).eval()
+    import megart
+
+    grid = megart.initialize(tp=dist_world_size())
+    model = GPT.from_hf_gpt2(path, grid=grid).eval()
     with torch.no_grad():
         return model(x)
+
+
+def dist_world_size() -> int:
+    import os
+
+    return int(os.environ["WORLD_SIZE"])
 
 
 def hf_export(src: str, dst: str) -> int:

@@ -99,3 +99,16 @@ def test_layouts_the_model_cannot_take_are_refused():
         GPTConfig().check_layout(pp=5)
     with pytest.raises(ConfigError, match="normalization='batchnorm'"):
         GPTConfig(normalization="batchnorm")
+
+
+def test_attention_dropout_draws_from_the_tensor_parallel_stream():
+    from megart.tensor_parallel import RNGStatesTracker, seed_tensor_parallel
+
+    tracker = RNGStatesTracker()
+    seed_tensor_parallel(tracker, seed=7, tp_rank=0)
+    model = GPT(gw.small_config(attention_dropout=0.5), rng=tracker).train()
+    x = gw.tokens()
+    before = torch.get_rng_state()
+    first, second = model(x[:, :-1], x[:, 1:]), model(x[:, :-1], x[:, 1:])
+    assert first.item() != second.item()  # new masks each call
+    assert torch.equal(torch.get_rng_state(), before)  # the default stream was not used

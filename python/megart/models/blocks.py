@@ -7,6 +7,7 @@ parameter's initial value does not depend on which stage or rank builds it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 
@@ -16,7 +17,12 @@ from torch import nn
 
 from megart.distributed import ProcessGroup
 from megart.models.config import GPTConfig
-from megart.tensor_parallel import ColumnParallelLinear, RowParallelLinear, normal_init
+from megart.tensor_parallel import (
+    ColumnParallelLinear,
+    RNGStatesTracker,
+    RowParallelLinear,
+    normal_init,
+)
 from megart.tensor_parallel._group import group_size
 
 
@@ -68,14 +74,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     """Causal self-attention with heads split across tensor parallelism: the fused q/k/v
     projection is column-parallel (its rows are grouped per head as [q, k, v], so a rank's
-    slice holds whole heads), the output projection row-parallel."""
+    slice holds whole heads), the output projection row-parallel. Attention dropout runs on
+    the tracker's tensor-parallel stream, distinct per rank, as Megatron's does."""
 
     def __init__(
-        self, cfg: GPTConfig, layer: int, tp_group: ProcessGroup | None, sequence_parallel: bool
+        self,
+        cfg: GPTConfig,
+        layer: int,
+        tp_group: ProcessGroup | None,
+        sequence_parallel: bool,
+        rng: RNGStatesTracker | None = None,
     ) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.cfg = cfg
+        self.cfg, self.rng = cfg, rng
         self.local_heads = cfg.num_attention_heads // group_size(tp_group)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(
@@ -106,7 +118,9 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout = self.cfg.attention_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        stream = self.rng.fork() if dropout and self.rng else contextlib.nullcontext()
+        with stream:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
@@ -153,11 +167,16 @@ class Block(nn.Module):
     """x + attention(norm(x)), then + mlp(norm(.)), each sub-layer's output dropped out."""
 
     def __init__(
-        self, cfg: GPTConfig, layer: int, tp_group: ProcessGroup | None, sequence_parallel: bool
+        self,
+        cfg: GPTConfig,
+        layer: int,
+        tp_group: ProcessGroup | None,
+        sequence_parallel: bool,
+        rng: RNGStatesTracker | None = None,
     ) -> None:
         super().__init__()
         self.ln_1 = norm(cfg, sequence_parallel)
-        self.attn = Attention(cfg, layer, tp_group, sequence_parallel)
+        self.attn = Attention(cfg, layer, tp_group, sequence_parallel, rng)
         self.ln_2 = norm(cfg, sequence_parallel)
         self.mlp = MLP(cfg, layer, tp_group, sequence_parallel)
         self.drop = nn.Dropout(cfg.hidden_dropout)

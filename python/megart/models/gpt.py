@@ -7,6 +7,8 @@ final norm and output layer when it is the last. ``GPT`` is all of it in one chu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,7 @@ from megart.distributed import ProcessGroup
 from megart.models.blocks import Block, generator, norm, rotary
 from megart.models.config import GPTConfig
 from megart.tensor_parallel import (
+    RNGStatesTracker,
     VocabParallelEmbedding,
     copy_to_region,
     gather_from_region,
@@ -23,6 +26,9 @@ from megart.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from megart.tensor_parallel._group import group_rank, group_size
+
+if TYPE_CHECKING:
+    from megart.parallel import ParallelGrid
 
 
 class GPTChunk(nn.Module):
@@ -40,6 +46,7 @@ class GPTChunk(nn.Module):
         last: bool,
         tp_group: ProcessGroup | None = None,
         sequence_parallel: bool = False,
+        rng: RNGStatesTracker | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
@@ -62,7 +69,7 @@ class GPTChunk(nn.Module):
             # Each rank adds the positions of its own sequence slice: a partial gradient.
             self.wpe.weight.sequence_parallel = sequence_parallel
         self.drop = nn.Dropout(cfg.hidden_dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i, tp_group, sequence_parallel) for i in layers)
+        self.blocks = nn.ModuleList(Block(cfg, i, tp_group, sequence_parallel, rng) for i in layers)
         self.layer_ids = list(layers)
         if last:
             self.ln_f = norm(cfg, sequence_parallel)
@@ -123,16 +130,26 @@ class GPT(nn.Module):
 
     ``model(tokens)`` returns full-vocabulary logits [b, s, V] on every tensor-parallel rank
     (gathered: for inference and tests); ``model(tokens, targets)`` returns the mean
-    next-token cross-entropy, computed vocab-parallel.
+    next-token cross-entropy, computed vocab-parallel. The tensor-parallel group comes from
+    ``grid`` (a megart.ParallelGrid) or ``tp_group``; neither means one process.
     """
 
     def __init__(
-        self, cfg: GPTConfig, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False
+        self,
+        cfg: GPTConfig,
+        grid: ParallelGrid | None = None,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        rng: RNGStatesTracker | None = None,
     ) -> None:
         super().__init__()
+        if grid is not None:
+            tp_group = grid.tp_group
         cfg.check_layout(tp=group_size(tp_group))
         self.cfg = cfg
-        self.chunk = GPTChunk(cfg, range(cfg.num_layers), True, True, tp_group, sequence_parallel)
+        self.chunk = GPTChunk(
+            cfg, range(cfg.num_layers), True, True, tp_group, sequence_parallel, rng
+        )
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.chunk(tokens)
@@ -143,12 +160,17 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf_gpt2(
-        cls, path: str, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False
+        cls,
+        path: str,
+        grid: ParallelGrid | None = None,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
     ) -> GPT:
         """Loads a GPT-2 directory written by transformers' ``save_pretrained`` (config.json
         and model.safetensors; local files only) into this tensor-parallel layout."""
         from megart.models.hf import load_gpt2
 
+        tp_group = grid.tp_group if grid is not None else tp_group
         return load_gpt2(cls, path, tp_group, sequence_parallel)
 
     def save_hf_gpt2(self, path: str) -> None:

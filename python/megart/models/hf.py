@@ -91,7 +91,7 @@ def load_gpt2(
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update({k.removeprefix("transformer."): v for k, v in load_file(str(f)).items()})
-    model = cls(cfg, tp_group, sequence_parallel)
+    model = cls(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
     params = dict(model.named_parameters())
     t, r = group_size(tp_group), group_rank(tp_group)
     with torch.no_grad():
