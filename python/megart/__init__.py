@@ -17,8 +17,20 @@ from megart.errors import (
 )
 from megart.parallel import initialize
 
+
+def __getattr__(name: str) -> object:
+    # The trainer pulls in torch; load it on first use so `import megart` stays light.
+    if name in ("Trainer", "TrainConfig"):
+        from megart.training import config, trainer
+
+        return {"Trainer": trainer.Trainer, "TrainConfig": config.TrainConfig}[name]
+    raise AttributeError(f"module 'megart' has no attribute {name!r}")
+
+
 __all__ = [
     "__version__",
+    "Trainer",
+    "TrainConfig",
     "build_info",
     "initialize",
     "MegartError",

@@ -188,6 +188,7 @@ def pipeline_chunks(
     chunks: int = 1,
     tp_group: ProcessGroup | None = None,
     sequence_parallel: bool = False,
+    rng: RNGStatesTracker | None = None,
 ) -> list[GPTChunk]:
     """This pipeline rank's model chunks: chunk c is virtual stage c * pp + pp_rank, holding
     layers [vs * n, (vs + 1) * n) with n = layers / (pp * chunks)."""
@@ -205,6 +206,7 @@ def pipeline_chunks(
                 vs == stages - 1,
                 tp_group,
                 sequence_parallel,
+                rng,
             )
         )
     return out

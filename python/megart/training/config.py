@@ -1,0 +1,112 @@
+"""Training configuration, with Megatron-LM's flag names, and the checks made before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megart.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    """Defaults train a small GPT on the built-in corpus in seconds on a CPU."""
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    seq_length: int = 128
+    vocab_size: int = 256  # the built-in corpus is bytes
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    train_iters: int = 40
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    lr_warmup_iters: int = 4
+    lr_decay_iters: int | None = None  # train_iters
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    sequence_parallel: bool = False
+    scatter_gather_tensors_in_pipeline: bool = True
+    bf16: bool = False
+    log_interval: int = 1
+    log_jsonl: str | None = None
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank (v)."""
+        per = self.num_layers_per_virtual_pipeline_stage
+        return 1 if per is None else self.num_layers // (self.pp * per)
+
+    def microbatches(self, dp: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * dp)
+
+    def check(self, world_size: int) -> int:
+        """Refuses layouts and batch shapes that cannot run, naming the numbers and what would
+        fit; returns the data-parallel size."""
+        tp, pp = self.tp, self.pp
+        if tp < 1 or pp < 1 or world_size % (tp * pp):
+            raise ConfigError(
+                f"{world_size} processes do not split into tensor-parallel {tp} x "
+                f"pipeline-parallel {pp}; the product must divide the world size"
+            )
+        dp = world_size // (tp * pp)
+        per_step = self.micro_batch_size * dp
+        if self.micro_batch_size < 1 or self.global_batch_size % per_step:
+            below = self.global_batch_size // per_step * per_step
+            options = f"{below} or {below + per_step}" if below else f"{per_step}"
+            raise ConfigError(
+                f"--global-batch-size {self.global_batch_size} is not divisible by "
+                f"--micro-batch-size {self.micro_batch_size} x data-parallel size {dp} = "
+                f"{per_step}; use a global batch of {options}"
+            )
+        per = self.num_layers_per_virtual_pipeline_stage
+        if per is not None:
+            if pp < 2:
+                raise ConfigError(
+                    "--num-layers-per-virtual-pipeline-stage needs "
+                    "--pipeline-model-parallel-size of at least 2"
+                )
+            if per < 1 or self.num_layers % (pp * per):
+                raise ConfigError(
+                    f"--num-layers {self.num_layers} is not divisible by pipeline size {pp} x "
+                    f"--num-layers-per-virtual-pipeline-stage {per}"
+                )
+            m = self.microbatches(dp)
+            if m % pp:
+                raise ConfigError(
+                    f"the interleaved schedule needs the number of microbatches ({m} = global "
+                    f"batch {self.global_batch_size} / (micro batch {self.micro_batch_size} x "
+                    f"data-parallel {dp})) to be a multiple of the pipeline size ({pp}); use a "
+                    f"global batch of {per_step * pp * max(1, m // pp)} or "
+                    f"{per_step * pp * (m // pp + 1)}"
+                )
+        elif self.num_layers % pp:
+            raise ConfigError(
+                f"--num-layers {self.num_layers} is not divisible by "
+                f"--pipeline-model-parallel-size {pp}"
+            )
+        if self.sequence_parallel and self.seq_length % tp:
+            raise ConfigError(
+                f"--sequence-parallel splits --seq-length {self.seq_length} over "
+                f"tensor-parallel size {tp}; it must divide"
+            )
+        if self.train_iters < 1 or self.log_interval < 1:
+            raise ConfigError("--train-iters and --log-interval must be at least 1")
+        return dp

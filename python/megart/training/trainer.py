@@ -1,0 +1,282 @@
+"""The Trainer: one training loop for every parallel layout (tensor, pipeline, data).
+
+Each iteration takes the same global batch for every layout (a pure function of the seed and
+the iteration), gives each data-parallel rank its share as m microbatches, runs the pipeline
+schedule, averages gradients over data parallelism (in buckets, during backward), sums the
+tied embedding's two gradients, clips by the global norm across model parallelism, and steps
+AdamW. The same seed gives the same loss curve under every layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import megart
+import megart.distributed as dist
+from megart import schedule as sched
+from megart.models import GPTConfig, pipeline_chunks
+from megart.pipeline import PipelineEngine, StageLink
+from megart.tensor_parallel import (
+    RNGStatesTracker,
+    seed_tensor_parallel,
+    sync_sequence_parallel_grads,
+)
+from megart.training.config import TrainConfig
+from megart.training.data import TokenDataset, builtin_corpus
+from megart.training.flops import PEAK_FLOPS, iteration_flops
+from megart.training.grad_sync import GradientBuckets
+from megart.training.lr import learning_rate
+
+
+def _peak_flops() -> tuple[float | None, str]:
+    """The dense bf16 peak of this GPU, from its name, or None on CPU."""
+    if not torch.cuda.is_available():
+        return None, "CPU"
+    name = torch.cuda.get_device_name()
+    for key, peak in PEAK_FLOPS.items():
+        if key in name:
+            return peak, name
+    return None, name
+
+
+class Trainer:
+    """Builds the grid, the model chunks of this rank, the pipeline engine, the gradient
+    buckets and the optimizer from a :class:`TrainConfig`; :meth:`train` runs the loop."""
+
+    def __init__(self, config: TrainConfig, tokens: Any | None = None) -> None:
+        self.config = c = config
+        if not dist.is_initialized():
+            dist.init()
+        world = dist.get_world_size()
+        self.dp = c.check(world)
+        self.grid = megart.initialize(tp=c.tp, pp=c.pp, dp=self.dp)
+        g = self.grid
+        self.m = c.microbatches(self.dp)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if (torch.cuda.is_available())
+            else torch.device("cpu")
+        )
+        self.model_config = GPTConfig(
+            vocab_size=c.vocab_size,
+            seq_length=c.seq_length,
+            hidden_size=c.hidden_size,
+            num_layers=c.num_layers,
+            num_attention_heads=c.num_attention_heads,
+            hidden_dropout=c.hidden_dropout,
+            attention_dropout=c.attention_dropout,
+            seed=c.seed,
+        )
+        self.rng = RNGStatesTracker()
+        # The replicated stream differs per pipeline stage (different layers), the
+        # tensor-parallel stream per tensor-parallel rank.
+        seed_tensor_parallel(self.rng, c.seed + 1000 * g.pp_rank, g.tp_rank)
+        self.chunks = [
+            chunk.to(self.device)
+            for chunk in pipeline_chunks(
+                self.model_config,
+                g.pp_rank,
+                c.pp,
+                c.chunks,
+                g.tp_group,
+                c.sequence_parallel,
+                self.rng,
+            )
+        ]
+        kind = "interleaved" if c.chunks > 1 else "1f1b"
+        schedule = sched.build(kind, c.pp, self.m, c.chunks)
+        seq = c.seq_length // c.tp if c.sequence_parallel else c.seq_length
+        # Scatter/gather applies to tensors replicated across tensor parallelism: with
+        # sequence parallelism each rank already holds a distinct slice.
+        link = StageLink(
+            g.pp_group, g.tp_group, c.scatter_gather_tensors_in_pipeline and not c.sequence_parallel
+        )
+        self.link = link
+        self.engine = PipelineEngine(
+            schedule,
+            g.pp_rank,
+            self.chunks,
+            link,
+            (seq, c.micro_batch_size, c.hidden_size),
+            device=self.device,
+        )
+        params = [p for chunk in self.chunks for p in chunk.parameters()]
+        self.buckets = GradientBuckets(params, g.dp_group)
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": c.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=c.lr,
+            betas=(c.adam_beta1, c.adam_beta2),
+            eps=c.adam_eps,
+        )
+        self.data = TokenDataset(builtin_corpus() if tokens is None else tokens, c.seq_length)
+        self.peak, self.device_name = _peak_flops()
+        self.flops = iteration_flops(
+            c.global_batch_size, c.seq_length, c.num_layers, c.hidden_size, c.vocab_size
+        )
+
+    # -- one iteration ----------------------------------------------------------------------
+
+    def _microbatches(self, iteration: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        c, g = self.config, self.grid
+        inputs, targets = self.data.global_batch(c.seed, iteration, c.global_batch_size)
+        share = c.global_batch_size // self.dp
+        rows = slice(g.dp_rank * share, (g.dp_rank + 1) * share)
+        split = c.micro_batch_size
+        return (
+            [x.to(self.device) for x in inputs[rows].split(split)],
+            [y.to(self.device) for y in targets[rows].split(split)],
+        )
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.chunks[-1].loss(logits, targets)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if not self.config.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def _shared_embedding_grads(self) -> None:
+        """First and last stage each hold the tied embedding; their gradients are summed."""
+        g = self.grid
+        if self.config.pp == 1 or g.embedding_group is None:
+            return
+        for chunk in self.chunks:
+            if hasattr(chunk, "wte") and (chunk.first or chunk.last):
+                dist.all_reduce(chunk.wte.weight.grad, group=g.embedding_group)
+
+    def _counted(self, chunk: torch.nn.Module, name: str, p: torch.nn.Parameter) -> bool:
+        """Whether this rank counts p in the global norm: each parameter once across the
+        model-parallel group (a replicated one on tensor-parallel rank 0 only, the tied
+        embedding on the first stage only)."""
+        if not hasattr(p, "partition_dim") and self.grid.tp_rank != 0:
+            return False
+        return not (name == "wte.weight" and chunk.last and not chunk.first)
+
+    def _clip(self) -> float:
+        c, g = self.config, self.grid
+        total = torch.zeros(1, dtype=torch.float64)
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                if p.grad is not None and self._counted(chunk, name, p):
+                    total += p.grad.detach().double().pow(2).sum().cpu()
+        if g.mp_group.size() > 1:
+            dist.all_reduce(total, group=g.mp_group)
+        norm = math.sqrt(total.item())
+        if c.clip_grad > 0 and norm > c.clip_grad:
+            scale = c.clip_grad / (norm + 1e-6)
+            for chunk in self.chunks:
+                for p in chunk.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        return norm
+
+    def train_step(self, iteration: int) -> dict[str, float]:
+        """Runs one iteration; returns its figures (the same on every rank)."""
+        c, g = self.config, self.grid
+        t0 = time.perf_counter()
+        inputs, targets = self._microbatches(iteration)
+        self.buckets.zero_grad()
+        self.buckets.start_iteration(self.m)
+        dist.reset_bytes_sent(g.pp_group)
+        with self._autocast():
+            losses = self.engine.run(inputs, targets, self._loss_fn)
+        self.buckets.finish()
+        for chunk in self.chunks:
+            sync_sequence_parallel_grads(chunk, g.tp_group)
+        self._shared_embedding_grads()
+        grad_norm = self._clip()
+        lr = learning_rate(
+            iteration, c.lr, c.min_lr, c.lr_warmup_iters, c.lr_decay_iters or c.train_iters
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        # The global-batch mean loss: the last stage has it, averaged over data parallelism.
+        figures = torch.tensor(
+            [
+                sum(x.item() for x in losses) / self.m if losses else 0.0,
+                float(sum(dist.bytes_sent(g.pp_group).values())),
+            ],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(figures[:1], group=g.pp_group)  # only the last stage adds a loss
+        dist.all_reduce(figures[:1], op="avg", group=g.dp_group)
+        dist.all_reduce(figures[1:])  # bytes: summed over every rank
+        elapsed = time.perf_counter() - t0
+        tokens = c.global_batch_size * c.seq_length
+        tflops = self.flops / elapsed / dist.get_world_size() / 1e12
+        return {
+            "iteration": iteration + 1,
+            "loss": figures[0].item(),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "time_s": elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "tflops_per_gpu": tflops,
+            "mfu": tflops * 1e12 / self.peak if self.peak else None,
+            "pipeline_p2p_bytes": int(figures[1].item()),
+        }
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def iterations(self) -> Iterator[dict[str, float]]:
+        for it in range(self.config.train_iters):
+            yield self.train_step(it)
+
+    def train(self, quiet: bool = False) -> list[dict[str, float]]:
+        """Runs every iteration, printing a progress line every --log-interval iterations on
+        rank 0 and writing --log-jsonl there; returns every iteration's figures."""
+        c = self.config
+        history = []
+        log = open(c.log_jsonl, "w") if c.log_jsonl and dist.get_rank() == 0 else None  # noqa: SIM115
+        try:
+            if not quiet and dist.get_rank() == 0:
+                print(self.describe(), flush=True)
+            for fig in self.iterations():
+                history.append(fig)
+                if log:
+                    log.write(json.dumps(fig) + "\n")
+                    log.flush()
+                if (
+                    not quiet
+                    and dist.get_rank() == 0
+                    and (fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1)
+                ):
+                    print(self.progress(fig), flush=True)
+        finally:
+            if log:
+                log.close()
+        return history
+
+    def describe(self) -> str:
+        c = self.config
+        n = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
+        peak = f"{self.peak / 1e12:.0f} TFLOP/s dense bf16" if self.peak else "n/a on CPU"
+        return (
+            f"megart train: GPT {c.num_layers} layers x {c.hidden_size} hidden, "
+            f"{c.num_attention_heads} heads, seq {c.seq_length}; tp {c.tp} x pp {c.pp} x "
+            f"dp {self.dp} (v {c.chunks}), global batch {c.global_batch_size} = "
+            f"{self.m} microbatches of {c.micro_batch_size} per data-parallel rank; "
+            f"{n:,} parameters on rank 0; device {self.device_name} (peak {peak})"
+        )
+
+    def progress(self, fig: dict[str, float]) -> str:
+        mfu = f"{100 * fig['mfu']:.1f}%" if fig["mfu"] is not None else "n/a"
+        return (
+            f"iteration {fig['iteration']:>5}/{self.config.train_iters} | loss "
+            f"{fig['loss']:.4f} | grad norm {fig['grad_norm']:.3f} | lr {fig['lr']:.2e} | "
+            f"{fig['tokens_per_s']:,.0f} tokens/s | {fig['tflops_per_gpu']:.3f} TFLOP/s per "
+            f"GPU | MFU {mfu}"
+        )
