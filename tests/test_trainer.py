@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import train_workers as tw
 from megart import ConfigError
@@ -168,3 +170,49 @@ def test_torchrun_launches_megart_train(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(rows) == 2 and all(r["pipeline_p2p_bytes"] > 0 for r in rows)
+
+
+def _grads(kw):
+    return tw.gradients_after_one_step(**kw)
+
+
+def test_gradients_after_one_step_equal_the_single_process_ones():
+    import torch
+
+    reference = launch(_grads, 1, {}, timeout=300)[0]
+    kw = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    seen = set()
+    for grads in launch(_grads, 4, kw, timeout=300):
+        for name, g in grads.items():
+            torch.testing.assert_close(g, reference[name], rtol=1e-4, atol=1e-7, msg=name)
+            seen.add(name)
+    assert seen == set(reference)
+
+
+@st.composite
+def small_layouts(draw):
+    tp, pp, dp = draw(
+        st.sampled_from(
+            [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2)]
+        )
+    )
+    kw = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    micro = draw(st.sampled_from([1, 2]))
+    m = draw(st.sampled_from([2, 4]))
+    kw.update(micro_batch_size=micro, global_batch_size=micro * dp * m)
+    if pp > 1 and draw(st.booleans()):
+        kw["num_layers_per_virtual_pipeline_stage"] = 1
+    if tp > 1:
+        kw["sequence_parallel"] = draw(st.booleans())
+    return tp * pp * dp, kw
+
+
+@settings(max_examples=4, deadline=None)
+@given(small_layouts())
+def test_random_small_layouts_and_schedules_follow_one_process(case):
+    nproc, kw = case
+    batch = {k: kw[k] for k in ("micro_batch_size", "global_batch_size")}
+    reference = launch(_train_with, 1, {**batch, "train_iters": 2}, timeout=300)[0]
+    for history in launch(_train_with, nproc, {**kw, "train_iters": 2}, timeout=300):
+        for h, r in zip(history, reference, strict=True):
+            assert h["loss"] == pytest.approx(r["loss"], rel=1e-5)

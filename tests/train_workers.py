@@ -28,3 +28,28 @@ def train(**kw: object) -> list[dict]:
 
     trainer = Trainer(tiny(**kw), tokens=builtin_corpus(1 << 16))
     return trainer.train(quiet=True)
+
+
+def gradients_after_one_step(**kw: object) -> dict:
+    """Every gradient this rank holds after one iteration (averaged, summed across the tied
+    embedding's copies, clipped), gathered over tensor parallelism and named by its place in
+    the whole model, so layouts can be compared."""
+    import torch
+
+    from megart.models.hf import _gather
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(tiny(train_iters=1, **kw), tokens=builtin_corpus(1 << 16))
+    trainer.train(quiet=True)
+    out = {}
+    for chunk in trainer.chunks:
+        for name, p in chunk.named_parameters():
+            if name.startswith("blocks."):
+                _, j, rest = name.split(".", 2)
+                name = f"layer{chunk.layer_ids[int(j)]}.{rest}"
+            grad = torch.nn.Parameter(p.grad.detach().clone())
+            if hasattr(p, "partition_dim"):
+                grad.partition_dim = p.partition_dim
+            full = _gather(grad, trainer.grid.tp_group)
+            out[name] = full[: trainer.model_config.vocab_size] if name == "wte.weight" else full
+    return out
