@@ -29,7 +29,7 @@ def _value(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def every_op_and_dtype() -> int:
-    dist.init(timeout=60)
+    dist.init(backend="shm", timeout=60)
     r, w = dist.get_rank(), dist.get_world_size()
     checked = 0
     for dtype in DTYPES:
@@ -66,7 +66,7 @@ def every_op_and_dtype() -> int:
 
 
 def subgroups_and_async_in_reverse() -> list[int]:
-    dist.init(timeout=60)
+    dist.init(backend="shm", timeout=60)
     r, w = dist.get_rank(), dist.get_world_size()
     evens = dist.new_group([q for q in range(w) if q % 2 == 0])
     odds = dist.new_group([q for q in range(w) if q % 2 == 1])
@@ -93,7 +93,7 @@ def subgroups_and_async_in_reverse() -> list[int]:
 def p2p_plan(plan: list[tuple[int, int, int, str]], batches: int) -> dict[int, int]:
     """Runs `plan` (src, dst, size, dtype) split into `batches` batches: each rank posts its
     sends and receives of a batch together, then waits for all of them."""
-    dist.init(timeout=60)
+    dist.init(backend="shm", timeout=60)
     r = dist.get_rank()
     dist.reset_bytes_sent()
     size = max(1, (len(plan) + batches - 1) // batches)
@@ -122,7 +122,7 @@ def p2p_plan(plan: list[tuple[int, int, int, str]], batches: int) -> dict[int, i
 
 
 def peer_exits_mid_collective() -> str:
-    dist.init(timeout=30)
+    dist.init(backend="shm", timeout=30)
     if dist.get_rank() == 1:
         return "left"  # the process ends without joining the all_reduce
     t0 = time.monotonic()
@@ -134,7 +134,7 @@ def peer_exits_mid_collective() -> str:
 
 
 def peer_stuck_past_timeout() -> str:
-    dist.init(timeout=1.5)
+    dist.init(backend="shm", timeout=1.5)
     if dist.get_rank() == 1:
         time.sleep(4)
         return "slept"
@@ -147,7 +147,7 @@ def peer_stuck_past_timeout() -> str:
 
 
 def abort_unblocks_the_others() -> str:
-    dist.init(timeout=30)
+    dist.init(backend="shm", timeout=30)
     if dist.get_rank() == 1:
         time.sleep(0.5)
         dist.abort()
@@ -160,7 +160,7 @@ def abort_unblocks_the_others() -> str:
 
 
 def mismatched_calls() -> list[str]:
-    dist.init(timeout=30)
+    dist.init(backend="shm", timeout=30)
     r = dist.get_rank()
     errors = []
     try:

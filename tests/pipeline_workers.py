@@ -48,7 +48,7 @@ def reference(m: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 def run_stage(kind: str, p: int, m: int, v: int, tp: int, scatter_gather: bool):
     """World = p x tp ranks, tensor-parallel ranks adjacent. The toy model is replicated across
     tensor parallel (each tp rank computes the same), so scatter/gather applies."""
-    dist.init(timeout=60)
+    dist.init(backend="shm", timeout=60)
     rank = dist.get_rank()
     tp_groups = [dist.new_group([s * tp + t for t in range(tp)]) for s in range(p)]
     pp_groups = [dist.new_group([s * tp + t for s in range(p)]) for t in range(tp)]

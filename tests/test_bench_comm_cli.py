@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from megart.distributed import find_nccl
+
 
 def bench(*args):
     return subprocess.run(
@@ -59,7 +61,6 @@ def test_gloo_baseline_runs_the_same_measurement():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["allreduce", "--backend", "nccl"], "nccl backend is not built yet"),
         (["allreduce", "-b", "1K", "-e", "8"], "need 1 <= -b MIN <= -e MAX"),
         (["p2p", "-b", "lots"], "is not a size like 8, 64K or 16M"),
     ],
@@ -67,3 +68,10 @@ def test_gloo_baseline_runs_the_same_measurement():
 def test_bad_arguments_exit_nonzero_with_a_message(args, message):
     out = bench(*args)
     assert out.returncode != 0 and message in out.stderr
+
+
+@pytest.mark.skipif(find_nccl() is not None, reason="NCCL is installed: the benchmark would run")
+def test_nccl_backend_without_nccl_says_where_it_looked():
+    out = bench("allreduce", "--backend", "nccl", "-b", "8", "-e", "8")
+    assert out.returncode != 0
+    assert "NCCL was not found" in out.stderr and "libnccl.so.2" in out.stderr

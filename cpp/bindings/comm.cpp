@@ -26,53 +26,65 @@ void bind_communicator(py::module_& m) {
   py::class_<comm::Work, WorkPtr>(m, "Work", "One op in flight.")
       .def("wait", &comm::Work::wait, py::call_guard<py::gil_scoped_release>(),
            "Blocks until the op finishes; raises its CommError if it failed.")
-      .def("is_completed", &comm::Work::is_completed, py::call_guard<py::gil_scoped_release>());
+      .def("is_completed", &comm::Work::is_completed, py::call_guard<py::gil_scoped_release>())
+      .def("wait_stream", &comm::Work::wait_stream, py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Orders the device stream (a cudaStream_t as an integer, 0 the default stream) after "
+           "the op without blocking the host (nccl); host transports wait() instead.");
 
   using Ptr = std::uintptr_t;
   using Str = const std::string&;
   py::class_<Communicator, std::shared_ptr<Communicator>>(
-      m, "Communicator", "A group of ranks; buffers are (address, count, dtype name).")
+      m, "Communicator",
+      "A group of ranks; buffers are (address, count, dtype name). `stream` (a cudaStream_t as "
+      "an integer, 0 the default stream) is the caller's stream: the nccl transport orders each "
+      "op after the work queued on it; the shm transport ignores it.")
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
       .def_property_readonly("name", &Communicator::name)
       .def(
           "all_reduce",
-          [](Communicator& c, Ptr data, std::size_t count, Str dtype, Str op) {
-            return c.all_reduce(buffer(data, count, dtype), comm::reduce_op_from_name(op));
+          [](Communicator& c, Ptr data, std::size_t count, Str dtype, Str op, Ptr stream) {
+            return c.all_reduce(buffer(data, count, dtype), comm::reduce_op_from_name(op), stream);
           },
+          py::arg("data"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("stream") = 0,
           py::call_guard<py::gil_scoped_release>())
       .def(
           "all_gather",
-          [](Communicator& c, Ptr in, Ptr out, std::size_t count, Str dtype) {
-            return c.all_gather(buffer(in, count, dtype), buffer(out, count * c.size(), dtype));
+          [](Communicator& c, Ptr in, Ptr out, std::size_t count, Str dtype, Ptr stream) {
+            return c.all_gather(buffer(in, count, dtype), buffer(out, count * c.size(), dtype),
+                                stream);
           },
           py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"),
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
           "reduce_scatter",
-          [](Communicator& c, Ptr in, Ptr out, std::size_t count, Str dtype, Str op) {
+          [](Communicator& c, Ptr in, Ptr out, std::size_t count, Str dtype, Str op, Ptr stream) {
             return c.reduce_scatter(buffer(in, count * c.size(), dtype), buffer(out, count, dtype),
-                                    comm::reduce_op_from_name(op));
+                                    comm::reduce_op_from_name(op), stream);
           },
           py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("op"),
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
           "broadcast",
-          [](Communicator& c, Ptr data, std::size_t count, Str dtype, int root) {
-            return c.broadcast(buffer(data, count, dtype), root);
+          [](Communicator& c, Ptr data, std::size_t count, Str dtype, int root, Ptr stream) {
+            return c.broadcast(buffer(data, count, dtype), root, stream);
           },
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("data"), py::arg("count"), py::arg("dtype"), py::arg("root"),
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
           "batch_p2p",
           [](Communicator& c,
-             const std::vector<std::tuple<bool, Ptr, std::size_t, std::string, int>>& ops) {
+             const std::vector<std::tuple<bool, Ptr, std::size_t, std::string, int>>& ops,
+             Ptr stream) {
             std::vector<comm::P2POp> batch;
             for (const auto& [send, data, count, dtype, peer] : ops) {
               batch.push_back(comm::P2POp{send, buffer(data, count, dtype), peer});
             }
             py::gil_scoped_release release;
-            return c.batch_p2p(batch);
+            return c.batch_p2p(batch, stream);
           },
+          py::arg("ops"), py::arg("stream") = 0,
           "ops: (is_send, address, count, dtype, peer group rank) each")
       .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Communicator::abort)

@@ -15,6 +15,10 @@
 
 namespace py = pybind11;
 
+namespace megart::cuda {
+void bind_nccl(py::module_& m);  // bindings/comm.cpp
+}  // namespace megart::cuda
+
 namespace {
 
 void check(cudaError_t err, const char* what) {
@@ -82,7 +86,11 @@ void multi_tensor_adam(const std::vector<std::uintptr_t>& params,
 }  // namespace
 
 PYBIND11_MODULE(_cuda, m) {
-  m.doc() = "megart's CUDA kernels (raw device pointers, stream handles)";
+  // `_core` registers the Communicator and Work classes and the error types that this module
+  // returns and raises; pybind11 shares them across the two modules (same internals).
+  py::module_::import("megart._core");
+  m.doc() = "megart's CUDA kernels and nccl transport (raw device pointers, stream handles)";
+  megart::cuda::bind_nccl(m);
   m.def("toolkit_version", [] {
     return std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
   });

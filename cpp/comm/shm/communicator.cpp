@@ -328,12 +328,12 @@ void ShmCommunicator::abort() {
   signal();
 }
 
-WorkPtr ShmCommunicator::all_reduce(Buffer inout, ReduceOp op) {
+WorkPtr ShmCommunicator::all_reduce(Buffer inout, ReduceOp op, StreamHandle /*host memory*/) {
   check_buffer(inout, "all_reduce");
   return submit(make_all_reduce(inout, op));
 }
 
-WorkPtr ShmCommunicator::all_gather(Buffer in, Buffer out) {
+WorkPtr ShmCommunicator::all_gather(Buffer in, Buffer out, StreamHandle /*host memory*/) {
   check_buffer(in, "all_gather");
   check_buffer(out, "all_gather");
   if (out.count != in.count * size_ || out.dtype != in.dtype) {
@@ -344,7 +344,8 @@ WorkPtr ShmCommunicator::all_gather(Buffer in, Buffer out) {
   return submit(make_all_gather(in, out));
 }
 
-WorkPtr ShmCommunicator::reduce_scatter(Buffer in, Buffer out, ReduceOp op) {
+WorkPtr ShmCommunicator::reduce_scatter(Buffer in, Buffer out, ReduceOp op,
+                                        StreamHandle /*host memory*/) {
   check_buffer(in, "reduce_scatter");
   check_buffer(out, "reduce_scatter");
   if (in.count != out.count * size_ || out.dtype != in.dtype) {
@@ -355,7 +356,7 @@ WorkPtr ShmCommunicator::reduce_scatter(Buffer in, Buffer out, ReduceOp op) {
   return submit(make_reduce_scatter(in, out, op));
 }
 
-WorkPtr ShmCommunicator::broadcast(Buffer inout, int root) {
+WorkPtr ShmCommunicator::broadcast(Buffer inout, int root, StreamHandle /*host memory*/) {
   check_buffer(inout, "broadcast");
   if (root < 0 || root >= size_) {
     throw ConfigError("broadcast: root " + std::to_string(root) + " is not a rank of the group");
@@ -363,7 +364,8 @@ WorkPtr ShmCommunicator::broadcast(Buffer inout, int root) {
   return submit(make_broadcast(inout, root));
 }
 
-std::vector<WorkPtr> ShmCommunicator::batch_p2p(const std::vector<P2POp>& ops) {
+std::vector<WorkPtr> ShmCommunicator::batch_p2p(const std::vector<P2POp>& ops,
+                                                StreamHandle /*host memory*/) {
   for (const P2POp& op : ops) {
     check_buffer(op.buffer, op.send ? "send" : "recv");
     if (op.peer < 0 || op.peer >= size_) {

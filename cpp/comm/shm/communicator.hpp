@@ -64,11 +64,12 @@ class ShmCommunicator final : public Communicator,
   int size() const override { return size_; }
   const std::string& name() const override { return group_name_; }
 
-  WorkPtr all_reduce(Buffer inout, ReduceOp op) override;
-  WorkPtr all_gather(Buffer in, Buffer out) override;
-  WorkPtr reduce_scatter(Buffer in, Buffer out, ReduceOp op) override;
-  WorkPtr broadcast(Buffer inout, int root) override;
-  std::vector<WorkPtr> batch_p2p(const std::vector<P2POp>& ops) override;
+  // Host memory: the stream arguments are ignored.
+  WorkPtr all_reduce(Buffer inout, ReduceOp op, StreamHandle stream) override;
+  WorkPtr all_gather(Buffer in, Buffer out, StreamHandle stream) override;
+  WorkPtr reduce_scatter(Buffer in, Buffer out, ReduceOp op, StreamHandle stream) override;
+  WorkPtr broadcast(Buffer inout, int root, StreamHandle stream) override;
+  std::vector<WorkPtr> batch_p2p(const std::vector<P2POp>& ops, StreamHandle stream) override;
   WorkPtr barrier() override;
   void abort() override;
   std::vector<std::uint64_t> bytes_sent() const override;

@@ -92,7 +92,8 @@ def _comm_parsers(sub: argparse._SubParsersAction) -> None:
             "--backend",
             choices=BACKENDS,
             default="shm",
-            help="megart's shm transport, or torch.distributed's gloo as baseline",
+            help="megart's shm transport (CPU tensors), megart's nccl transport (GPU tensors, "
+            "UNVERIFIED), or torch.distributed's gloo as baseline",
         )
         p.add_argument(
             "--nproc",
@@ -123,8 +124,6 @@ def _bytes(text: str) -> int:
 def run_comm(args: argparse.Namespace) -> int:
     from megart.cli.comm_bench import Config, launch_or_run, table
 
-    if args.backend == "nccl":
-        raise MegartError("the nccl backend is not built yet; use --backend shm or gloo")
     if args.nproc is not None and args.nproc < 1:
         raise MegartError("--nproc must be at least 1")
     if args.minbytes < 1 or args.maxbytes < args.minbytes:

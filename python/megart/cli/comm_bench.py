@@ -5,6 +5,9 @@ real data against the exact expected result. Time is the slowest rank's mean per
 algbw = bytes / time; busbw = algbw x nccl-tests' factor (allreduce 2(n-1)/n, allgather and
 reducescatter (n-1)/n, p2p 1). As in nccl-tests, allgather and reducescatter sizes count all n
 parts. p2p is a ring exchange: every rank sends to rank+1 and receives from rank-1 at once.
+
+``nccl`` runs on CUDA tensors (device LOCAL_RANK) through megart's nccl transport, which is
+UNVERIFIED (never run on a GPU); its ops wait on the host, so the host clock times them.
 """
 
 from __future__ import annotations
@@ -83,19 +86,32 @@ def _init(backends: tuple[str, ...]) -> None:
 class _Op:
     """Tensors and one call of an op for a size; ``check()`` counts wrong elements."""
 
-    def __init__(self, op: str, nbytes: int, dtype: torch.dtype, rank: int, n: int) -> None:
+    def __init__(
+        self,
+        op: str,
+        nbytes: int,
+        dtype: torch.dtype,
+        rank: int,
+        n: int,
+        device: torch.device | None = None,
+    ) -> None:
         self.op, self.rank, self.n = op, rank, n
+        self.device = device or torch.device("cpu")
         per_rank = op in ("allgather", "reducescatter")
         self.count = max(1, nbytes // dtype.itemsize // (n if per_rank else 1))
         c = self.count
+
+        def zeros(k: int) -> torch.Tensor:
+            return torch.zeros(k, dtype=dtype, device=self.device)
+
         if op == "allreduce":
-            self.a = torch.zeros(c, dtype=dtype)
+            self.a = zeros(c)
         elif op == "allgather":
-            self.a, self.b = torch.zeros(c, dtype=dtype), torch.zeros(c * n, dtype=dtype)
+            self.a, self.b = zeros(c), zeros(c * n)
         elif op == "reducescatter":
-            self.a, self.b = torch.zeros(c * n, dtype=dtype), torch.zeros(c, dtype=dtype)
+            self.a, self.b = zeros(c * n), zeros(c)
         else:
-            self.a, self.b = torch.zeros(c, dtype=dtype), torch.zeros(c, dtype=dtype)
+            self.a, self.b = zeros(c), zeros(c)
 
     def bytes(self) -> int:
         """nccl-tests' size: the buffer an op moves, all n parts for gather/scatter."""
@@ -119,7 +135,7 @@ class _Op:
 
     def check(self, d: Any) -> int:
         def fill(t: torch.Tensor, rank: int) -> torch.Tensor:
-            return ((torch.arange(t.numel()) % 7) + rank).to(t.dtype)
+            return ((torch.arange(t.numel(), device=t.device) % 7) + rank).to(t.dtype)
 
         n, r = self.n, self.rank
         self.a.copy_(fill(self.a, r))
@@ -152,24 +168,29 @@ def _time(op: _Op, d: Any, iters: int, warmup: int) -> float:
 
 def run(cfg: Config) -> dict[str, list[dict[str, Any]]]:
     """Runs on every rank; returns, per backend, one row per size (medians over rounds)."""
+    if "nccl" in cfg.backends and len(cfg.backends) > 1:
+        raise ValueError("the nccl backend runs on GPU tensors: benchmark it on its own")
     _init(cfg.backends)
     apis = {b: _api(b) for b in cfg.backends}
     first = apis[cfg.backends[0]]
     rank, n = first.get_rank(), first.get_world_size()
     dtype = getattr(torch, cfg.dtype)
+    device = None
+    if cfg.backends == ("nccl",):
+        device = torch.device("cuda", torch.cuda.current_device())
     rows: dict[str, list[dict[str, Any]]] = {b: [] for b in cfg.backends}
     for nbytes in sizes(cfg):
-        op = _Op(cfg.op, nbytes, dtype, rank, n)
+        op = _Op(cfg.op, nbytes, dtype, rank, n, device)
         times: dict[str, list[float]] = {b: [] for b in cfg.backends}
         for _ in range(cfg.rounds):
             for b in cfg.backends:  # alternating: each round runs every backend once
                 mine = torch.tensor(
-                    [_time(op, apis[b], cfg.iters, cfg.warmup)], dtype=torch.float64
+                    [_time(op, apis[b], cfg.iters, cfg.warmup)], dtype=torch.float64, device=device
                 )
                 apis[b].all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
                 times[b].append(mine.item())
         for b in cfg.backends:
-            wrong = torch.tensor([op.check(apis[b])], dtype=torch.float64)
+            wrong = torch.tensor([op.check(apis[b])], dtype=torch.float64, device=device)
             apis[b].all_reduce(wrong)
             t = sorted(times[b])[len(times[b]) // 2]
             algbw = op.bytes() / t / 1e9

@@ -4,6 +4,10 @@
 MASTER_PORT) and meets the other ranks through torch's TCPStore; without those variables it
 makes a one-process world. Groups are passed explicitly; the world group is the default, as in
 torch.distributed.
+
+Two transports: ``shm`` (host tensors, processes of one machine) and ``nccl`` (CUDA tensors;
+NCCL is loaded at run time, see :mod:`megart.distributed.nccl`). The nccl transport is
+UNVERIFIED: it was written and compiled without a GPU and has never run.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from datetime import timedelta
 from megart._core import comm as _comm
 from megart.errors import ConfigError, MegartError
 
-BACKENDS = ("shm",)
+BACKENDS = ("shm", "nccl")
 
 
 @dataclass
@@ -27,6 +31,10 @@ class ProcessGroup:
     name: str
     backend: str
     comm: _comm.Communicator | None = field(default=None, repr=False)
+    device: int | None = None  # the CUDA device of an nccl group
+    # nccl: ops whose Work was waited on with wait_stream (or dropped by a synchronous op
+    # ordered on the caller's stream), kept with their tensors until they complete.
+    in_flight: list = field(default_factory=list, repr=False)
 
     def rank(self) -> int:
         """This process's rank in the group, or -1 outside it."""
@@ -53,6 +61,8 @@ class _Context:
     timeout: timedelta
     world: ProcessGroup
     groups_made: int = 0
+    nccl_library: str | None = None  # the NCCL megart loaded, once a group uses nccl
+    device: int | None = None  # this process's CUDA device (LOCAL_RANK) for nccl groups
 
 
 _context: _Context | None = None
@@ -68,6 +78,40 @@ def _env_int(name: str) -> int | None:
         raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _cuda_module() -> object:
+    try:
+        from megart import _cuda
+    except ImportError as e:
+        raise MegartError(
+            f"the nccl backend needs megart's CUDA module, which this build lacks ({e}); "
+            "reinstall megart where a CUDA toolkit (nvcc) is found, or use backend='shm'"
+        ) from None
+    return _cuda
+
+
+def _nccl_setup(local_rank: int) -> tuple[str, int]:
+    """Finds NCCL and selects this process's GPU; returns (library path, device). NCCL is
+    looked for first, so a machine without it gets the loader's error listing where it looked."""
+    from megart.distributed.nccl import load_nccl
+
+    library, _version = load_nccl()
+    _cuda_module()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise MegartError(
+            f"the nccl backend needs a CUDA device, but torch sees none (torch {torch.__version__},"
+            f" CUDA {torch.version.cuda}); use backend='shm' with CPU tensors"
+        )
+    if not 0 <= local_rank < torch.cuda.device_count():
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but this process sees {torch.cuda.device_count()} GPU(s); "
+            "launch one process per GPU"
+        )
+    torch.cuda.set_device(local_rank)
+    return library, local_rank
+
+
 def _join(
     store: object,
     key: str,
@@ -76,11 +120,32 @@ def _join(
     name: str,
     backend: str,
     timeout: timedelta,
+    nccl: tuple[str, int] | None = None,
 ) -> ProcessGroup:
-    """Every member calls this: the group's first rank names the shared memory, the others
-    read the name from the store, and all attach (a collective with a timeout)."""
+    """Every member calls this. shm: the group's first rank names the shared memory, the others
+    read the name from the store, and all attach (a collective with a timeout). nccl: the first
+    rank makes NCCL's unique id, the others read it from the store, and all create the NCCL
+    communicator on their device (``nccl`` is (library path, device))."""
     group = ProcessGroup(list(ranks), name, backend)
     if rank not in ranks:
+        return group
+    if backend == "nccl":
+        assert nccl is not None
+        library, device = nccl
+        cuda = _cuda_module()
+        if rank == ranks[0]:
+            store.set(key, cuda.nccl_unique_id(library))
+        unique_id = store.get(key)
+        group.device = device
+        group.comm = cuda.create_nccl(
+            library,
+            bytes(unique_id),
+            ranks.index(rank),
+            len(ranks),
+            device,
+            timeout.total_seconds(),
+            name,
+        )
         return group
     if rank == ranks[0]:
         store.set(key, f"/megart-{uuid.uuid4().hex[:16]}")
@@ -93,18 +158,18 @@ def _join(
 
 def init(backend: str | None = None, timeout: timedelta | float = timedelta(minutes=10)) -> None:
     """Initialises megart.distributed from torchrun's environment, or as a one-process world
-    when it is absent. ``backend`` None picks ``shm`` (host tensors); ``timeout`` bounds every
-    wait, so a dead or stuck peer is an error, never a hang."""
+    when it is absent. ``backend`` None picks ``nccl`` (CUDA tensors, device LOCAL_RANK) when
+    torch sees a GPU, else ``shm`` (host tensors); ``timeout`` bounds every wait, so a dead or
+    stuck peer is an error, never a hang. ``nccl`` raises MegartError listing where it looked
+    when NCCL cannot be found."""
     global _context
     if _context is not None:
         raise MegartError("megart.distributed is already initialised; call destroy() first")
-    backend = backend or "shm"
+    if backend is None:
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "shm"
     if backend not in BACKENDS:
-        if backend == "nccl":
-            raise ConfigError(
-                "the nccl backend is not built yet (megart's NCCL transport is an open issue); "
-                "use backend='shm' with CPU tensors"
-            )
         raise ConfigError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
@@ -124,10 +189,13 @@ def init(backend: str | None = None, timeout: timedelta | float = timedelta(minu
             raise ConfigError("MASTER_PORT is not set; launch with torchrun or set it")
         store = td.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout)
     local_rank = _env_int("LOCAL_RANK") or 0
+    nccl = _nccl_setup(local_rank) if backend == "nccl" else None
     world = _join(
-        store, "megart/group/world", list(range(world_size)), rank, "world", backend, timeout
+        store, "megart/group/world", list(range(world_size)), rank, "world", backend, timeout, nccl
     )
     _context = _Context(rank, world_size, local_rank, store, timeout, world)
+    if nccl is not None:
+        _context.nccl_library, _context.device = nccl
 
 
 def context() -> _Context:
@@ -157,6 +225,14 @@ def new_group(ranks: list[int] | None = None, backend: str | None = None) -> Pro
         or not all(0 <= r < ctx.world_size for r in ranks)
     ):
         raise ConfigError(f"new_group needs distinct ranks in [0, {ctx.world_size}), got {ranks}")
+    backend = backend or ctx.world.backend
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    nccl = None
+    if backend == "nccl":
+        if ctx.nccl_library is None:
+            ctx.nccl_library, ctx.device = _nccl_setup(ctx.local_rank)
+        nccl = (ctx.nccl_library, ctx.device)
     ctx.groups_made += 1
     name = f"group{ctx.groups_made}{ranks}"
     return _join(
@@ -165,8 +241,9 @@ def new_group(ranks: list[int] | None = None, backend: str | None = None) -> Pro
         ranks,
         ctx.rank,
         name,
-        backend or ctx.world.backend,
+        backend,
         ctx.timeout,
+        nccl,
     )
 
 

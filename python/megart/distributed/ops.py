@@ -1,5 +1,15 @@
 """Collectives and point-to-point ops on torch tensors, with torch.distributed's names and
-signatures. Ranks are global ranks, as in torch. Tensors are checked before anything is sent."""
+signatures. Ranks are global ranks, as in torch. Tensors are checked before anything is sent.
+
+Groups on the shm transport take CPU tensors; groups on the nccl transport (UNVERIFIED: never
+run on a GPU) take CUDA tensors on the group's device. nccl ops are ordered after the work
+already queued on the caller's current CUDA stream. ``wait()`` blocks the host (raising
+CommError or CommTimeoutError rather than hanging), and so do ops with ``async_op=False``;
+``Work.wait_stream()`` orders the current stream after an op without blocking the host.
+
+Tensors stay referenced until their op has completed: by the Work until ``wait()`` returns or
+``is_completed()`` is true, and after ``wait_stream()`` by the group, which lets them go once the
+op has completed, so the caching allocator never hands their memory out while NCCL uses it."""
 
 from __future__ import annotations
 
@@ -26,9 +36,12 @@ _OPS = ("sum", "avg", "max", "min")
 class Work:
     """An op in flight. Keeps its tensors alive until it has completed."""
 
-    def __init__(self, work: object, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, work: object, tensors: Sequence[torch.Tensor], group: ProcessGroup | None = None
+    ) -> None:
         self._work = work
         self._tensors = list(tensors)
+        self._group = group
 
     def wait(self) -> bool:
         """Blocks until the op has finished; raises CommError if it failed."""
@@ -36,8 +49,31 @@ class Work:
         self._tensors = []
         return True
 
+    def wait_stream(self, stream: object = None) -> None:
+        """Orders ``stream`` (a torch.cuda.Stream or a raw handle; default: the current stream
+        of the group's device) after the op without blocking the host (nccl). On the shm
+        transport the op is on host memory, so this waits on the host."""
+        g = self._group
+        if g is None or g.backend != "nccl":
+            self.wait()
+            return
+        if stream is None:
+            stream = torch.cuda.current_stream(g.device)
+        self._work.wait_stream(int(getattr(stream, "cuda_stream", stream)))
+        if self._tensors:  # the op may still be running: the group keeps its tensors
+            _keep_until_done(g, self._work, self._tensors)
+            self._tensors = []
+
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        done = self._work.is_completed()
+        if done:
+            self._tensors = []
+        return done
+
+
+def _keep_until_done(g: ProcessGroup, work: object, tensors: list[torch.Tensor]) -> None:
+    g.in_flight[:] = [(w, t) for w, t in g.in_flight if not w.is_completed()]
+    g.in_flight.append((work, tensors))
 
 
 def _reduce_op(op: object) -> str:
@@ -51,7 +87,19 @@ def _reduce_op(op: object) -> str:
 def _check(tensor: torch.Tensor, what: str, group: ProcessGroup) -> str:
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if group.backend == "nccl":
+        if tensor.device.type != "cuda":
+            raise ConfigError(
+                f"{what}: the tensor is on {tensor.device}, but group '{group.name}' uses the "
+                f"nccl transport, which moves GPU memory; move it to cuda:{group.device} "
+                "(tensor.cuda()) or use a group with backend='shm'"
+            )
+        if tensor.device.index != group.device:
+            raise ConfigError(
+                f"{what}: the tensor is on {tensor.device}, but this rank of group "
+                f"'{group.name}' communicates from cuda:{group.device}"
+            )
+    elif tensor.device.type != "cpu":
         raise ConfigError(
             f"{what}: the tensor is on {tensor.device}, but group '{group.name}' uses the "
             f"{group.backend} transport, which moves host memory; use CPU tensors"
@@ -74,8 +122,17 @@ def _member(group: ProcessGroup | None, what: str) -> ProcessGroup:
     return g
 
 
-def _finish(work: object, tensors: Sequence[torch.Tensor], async_op: bool) -> Work | None:
-    w = Work(work, tensors)
+def _stream(g: ProcessGroup) -> int:
+    """The caller's current stream on the group's device (nccl), as NCCL's ops take it."""
+    if g.backend != "nccl":
+        return 0
+    return torch.cuda.current_stream(g.device).cuda_stream
+
+
+def _finish(
+    work: object, tensors: Sequence[torch.Tensor], async_op: bool, g: ProcessGroup
+) -> Work | None:
+    w = Work(work, tensors, g)
     if async_op:
         return w
     w.wait()
@@ -91,8 +148,10 @@ def all_reduce(
     """Reduces ``tensor`` across the group in place (sum, avg, max or min)."""
     g = _member(group, "all_reduce")
     dtype = _check(tensor, "all_reduce", g)
-    work = g.comm.all_reduce(tensor.data_ptr(), tensor.numel(), dtype, _reduce_op(op))
-    return _finish(work, [tensor], async_op)
+    work = g.comm.all_reduce(
+        tensor.data_ptr(), tensor.numel(), dtype, _reduce_op(op), stream=_stream(g)
+    )
+    return _finish(work, [tensor], async_op, g)
 
 
 def all_gather_into_tensor(
@@ -113,9 +172,13 @@ def all_gather_into_tensor(
             f"not {output_tensor.numel()}"
         )
     work = g.comm.all_gather(
-        input_tensor.data_ptr(), output_tensor.data_ptr(), input_tensor.numel(), dtype
+        input_tensor.data_ptr(),
+        output_tensor.data_ptr(),
+        input_tensor.numel(),
+        dtype,
+        stream=_stream(g),
     )
-    return _finish(work, [output_tensor, input_tensor], async_op)
+    return _finish(work, [output_tensor, input_tensor], async_op, g)
 
 
 def reduce_scatter_tensor(
@@ -136,9 +199,14 @@ def reduce_scatter_tensor(
             f"({output.numel()}) = {output.numel() * g.size()} elements, not {input.numel()}"
         )
     work = g.comm.reduce_scatter(
-        input.data_ptr(), output.data_ptr(), output.numel(), dtype, _reduce_op(op)
+        input.data_ptr(),
+        output.data_ptr(),
+        output.numel(),
+        dtype,
+        _reduce_op(op),
+        stream=_stream(g),
     )
-    return _finish(work, [output, input], async_op)
+    return _finish(work, [output, input], async_op, g)
 
 
 # torch 2.13's names for the same two ops.
@@ -152,8 +220,10 @@ def broadcast(
     """Copies global rank ``src``'s ``tensor`` to every rank of the group."""
     g = _member(group, "broadcast")
     dtype = _check(tensor, "broadcast", g)
-    work = g.comm.broadcast(tensor.data_ptr(), tensor.numel(), dtype, g.group_rank(src))
-    return _finish(work, [tensor], async_op)
+    work = g.comm.broadcast(
+        tensor.data_ptr(), tensor.numel(), dtype, g.group_rank(src), stream=_stream(g)
+    )
+    return _finish(work, [tensor], async_op, g)
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
@@ -211,8 +281,8 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
             ops.append(
                 (p.op is isend, p.tensor.data_ptr(), p.tensor.numel(), dtype, g.group_rank(p.peer))
             )
-        for i, w in zip(indices, g.comm.batch_p2p(ops), strict=True):
-            works[i] = Work(w, [p2p_op_list[i].tensor])
+        for i, w in zip(indices, g.comm.batch_p2p(ops, stream=_stream(g)), strict=True):
+            works[i] = Work(w, [p2p_op_list[i].tensor], g)
     return works  # type: ignore[return-value]
 
 

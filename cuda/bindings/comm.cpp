@@ -1,0 +1,63 @@
+// The nccl transport in `_cuda`. The communicator it returns is a
+// megart._core.comm.Communicator: that class (and Work) are registered by `_core`, and pybind11
+// finds them from this module because both are built in one CMake build with the same pybind11
+// and compiler, so they share pybind11's internals (PYBIND11_INTERNALS_ID); `_cuda` imports
+// `_core` first so the classes are registered before anything is returned.
+//
+// UNVERIFIED on a GPU: only the import and the NCCL-not-found paths have run.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "comm/communicator.hpp"
+#include "comm/nccl_communicator.hpp"
+#include "comm/nccl_library.hpp"
+#include "common/error.hpp"
+
+namespace py = pybind11;
+
+namespace megart::cuda {
+
+void bind_nccl(py::module_& m) {
+  m.def(
+      "nccl_unique_id",
+      [](const std::string& library_path) {
+        NcclUniqueId id;
+        {
+          py::gil_scoped_release release;
+          id = nccl_unique_id(comm::NcclLibrary::load({library_path}));
+        }
+        return py::bytes(id.data(), id.size());
+      },
+      py::arg("library_path"),
+      "A new NCCL unique id (128 bytes) from the NCCL at `library_path`; needs no GPU.");
+  m.def(
+      "create_nccl",
+      [](const std::string& library_path, const py::bytes& unique_id, int rank, int size,
+         int device, double timeout_s,
+         const std::string& group_name) -> std::shared_ptr<comm::Communicator> {
+        const std::string raw = unique_id;
+        if (raw.size() != kNcclUniqueIdBytes) {
+          throw ConfigError("create_nccl: the unique id must be " +
+                            std::to_string(kNcclUniqueIdBytes) + " bytes, not " +
+                            std::to_string(raw.size()));
+        }
+        if (!(timeout_s > 0)) throw ConfigError("create_nccl: timeout_s must be positive");
+        NcclUniqueId id;
+        std::copy(raw.begin(), raw.end(), id.begin());
+        const auto timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
+        py::gil_scoped_release release;  // ncclCommInitRank waits for every rank
+        return NcclCommunicator::create(comm::NcclLibrary::load({library_path}), id, rank, size,
+                                        device, timeout, group_name);
+      },
+      py::arg("library_path"), py::arg("unique_id"), py::arg("rank"), py::arg("size"),
+      py::arg("device"), py::arg("timeout_s"), py::arg("group_name"),
+      "UNVERIFIED (never run on a GPU). Joins an NCCL group on CUDA device `device`: collective "
+      "over its ranks, which all pass the same unique id. Returns a "
+      "megart._core.comm.Communicator whose ops take device addresses and the caller's stream.");
+}
+
+}  // namespace megart::cuda

@@ -1,0 +1,625 @@
+// UNVERIFIED: compiled without a GPU and never run. See nccl_communicator.hpp for the design.
+#include "comm/nccl_communicator.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <type_traits>
+#include <utility>
+
+#include "common/error.hpp"
+
+namespace megart::cuda {
+
+using comm::Buffer;
+using comm::DType;
+using comm::ReduceOp;
+using comm::StreamHandle;
+using comm::WorkPtr;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Our own declarations of the few NCCL types megart passes (no nccl.h at build time): the
+// communicator is an opaque pointer, the unique id 128 bytes passed by value, results, data
+// types and reductions are C enums (ints).
+struct NcclUniqueIdC {
+  char internal[kNcclUniqueIdBytes];
+};
+using NcclResult = int;
+constexpr NcclResult kNcclSuccess = 0;
+constexpr NcclResult kNcclInProgress = 7;
+// NCCL's data type and reduction values (nccl.h's ncclDataType_t and ncclRedOp_t).
+constexpr int kNcclUint8 = 1, kNcclInt32 = 2, kNcclInt64 = 4, kNcclFloat16 = 6, kNcclFloat32 = 7,
+              kNcclFloat64 = 8, kNcclBfloat16 = 9;
+constexpr int kNcclSum = 0, kNcclMax = 2, kNcclMin = 3, kNcclAvg = 4;
+// ncclAvg and ncclBfloat16 arrived in NCCL 2.10 (version code 21000).
+constexpr int kNccl2_10 = 21000;
+
+// Restores the caller's current device on scope exit.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      cudaGetLastError();
+      previous_ = -1;
+    }
+    if (previous_ != device) cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+std::string shape(const Buffer& b) {
+  return std::to_string(b.count) + " x " + comm::dtype_name(b.dtype);
+}
+
+std::string cuda_text(cudaError_t err) {
+  return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
+}
+
+}  // namespace
+
+struct NcclApi {
+  NcclResult (*get_unique_id)(NcclUniqueIdC*) = nullptr;
+  NcclResult (*comm_init_rank)(void**, int, NcclUniqueIdC, int) = nullptr;
+  NcclResult (*comm_destroy)(void*) = nullptr;
+  NcclResult (*comm_abort)(void*) = nullptr;
+  NcclResult (*comm_get_async_error)(void*, NcclResult*) = nullptr;
+  const char* (*get_error_string)(NcclResult) = nullptr;
+  const char* (*get_last_error)(void*) = nullptr;  // NCCL 2.13 and later; may stay null
+  NcclResult (*all_reduce)(const void*, void*, std::size_t, int, int, void*,
+                           cudaStream_t) = nullptr;
+  NcclResult (*all_gather)(const void*, void*, std::size_t, int, void*, cudaStream_t) = nullptr;
+  NcclResult (*reduce_scatter)(const void*, void*, std::size_t, int, int, void*,
+                               cudaStream_t) = nullptr;
+  NcclResult (*broadcast)(const void*, void*, std::size_t, int, int, void*, cudaStream_t) = nullptr;
+  NcclResult (*send)(const void*, std::size_t, int, int, void*, cudaStream_t) = nullptr;
+  NcclResult (*recv)(void*, std::size_t, int, int, void*, cudaStream_t) = nullptr;
+  NcclResult (*group_start)() = nullptr;
+  NcclResult (*group_end)() = nullptr;
+
+  explicit NcclApi(const comm::NcclLibrary& lib) {
+    auto get = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(lib.symbol(name));
+    };
+    get(get_unique_id, "ncclGetUniqueId");
+    get(comm_init_rank, "ncclCommInitRank");
+    get(comm_destroy, "ncclCommDestroy");
+    get(comm_abort, "ncclCommAbort");
+    get(comm_get_async_error, "ncclCommGetAsyncError");
+    get(get_error_string, "ncclGetErrorString");
+    get(all_reduce, "ncclAllReduce");
+    get(all_gather, "ncclAllGather");
+    get(reduce_scatter, "ncclReduceScatter");
+    get(broadcast, "ncclBroadcast");
+    get(send, "ncclSend");
+    get(recv, "ncclRecv");
+    get(group_start, "ncclGroupStart");
+    get(group_end, "ncclGroupEnd");
+    try {
+      get(get_last_error, "ncclGetLastError");
+    } catch (const Error&) {
+      get_last_error = nullptr;
+    }
+  }
+
+  // "ncclInvalidUsage-like text; NCCL's last error: ..."
+  std::string explain(NcclResult result, void* comm) const {
+    std::string text = "NCCL result " + std::to_string(result);
+    if (get_error_string != nullptr) {
+      const char* s = get_error_string(result);
+      if (s != nullptr) text += " (" + std::string(s) + ")";
+    }
+    if (get_last_error != nullptr) {
+      const char* last = get_last_error(comm);
+      if (last != nullptr && last[0] != '\0') text += "; NCCL's last error: " + std::string(last);
+    }
+    return text;
+  }
+};
+
+NcclUniqueId nccl_unique_id(const comm::NcclLibrary& library) {
+  auto fn = reinterpret_cast<NcclResult (*)(NcclUniqueIdC*)>(library.symbol("ncclGetUniqueId"));
+  NcclUniqueIdC id{};
+  const NcclResult result = fn(&id);
+  if (result != kNcclSuccess) {
+    NcclApi api(library);
+    throw CommError("ncclGetUniqueId failed with " + api.explain(result, nullptr) + " (NCCL at " +
+                    library.path() + ")");
+  }
+  NcclUniqueId out;
+  std::memcpy(out.data(), id.internal, kNcclUniqueIdBytes);
+  return out;
+}
+
+// One completion event, shared by the Works of one stream's part of a batch.
+class NcclEvent {
+ public:
+  NcclEvent(cudaEvent_t event, int device) : event_(event), device_(device) {}
+  ~NcclEvent() {
+    DeviceGuard guard(device_);
+    cudaEventDestroy(event_);  // released by CUDA once the recorded work completes
+  }
+  NcclEvent(const NcclEvent&) = delete;
+  NcclEvent& operator=(const NcclEvent&) = delete;
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_;
+  int device_;
+};
+
+namespace {
+
+class NcclWork final : public comm::Work {
+ public:
+  NcclWork(std::shared_ptr<NcclCommunicator> comm, std::shared_ptr<NcclEvent> event,
+           std::string what, std::string peers)
+      : comm_(std::move(comm)),
+        event_(std::move(event)),
+        what_(std::move(what)),
+        peers_(std::move(peers)),
+        deadline_(Clock::now() + comm_->timeout()) {}
+
+  bool is_completed() override {
+    if (done_) return true;
+    try {
+      done_ = comm_->event_done(event_->get(), what_, peers_);
+    } catch (...) {
+      error_ = std::current_exception();
+      done_ = true;
+    }
+    return done_;
+  }
+
+  void wait() override {
+    if (error_) std::rethrow_exception(error_);
+    if (done_) return;
+    comm_->wait_event(event_->get(), deadline_, what_, peers_);
+    done_ = true;
+  }
+
+  void wait_stream(StreamHandle stream) override {
+    if (error_) std::rethrow_exception(error_);
+    DeviceGuard guard(comm_->device());
+    const cudaError_t err =
+        cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), event_->get(), 0);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw CommError(what_ + ": cudaStreamWaitEvent on stream " + std::to_string(stream) +
+                      " failed: " + cuda_text(err));
+    }
+  }
+
+ private:
+  std::shared_ptr<NcclCommunicator> comm_;
+  std::shared_ptr<NcclEvent> event_;
+  std::string what_;
+  std::string peers_;
+  Clock::time_point deadline_;
+  std::atomic<bool> done_{false};
+  std::exception_ptr error_;
+};
+
+std::string all_peers(int size) {
+  return size == 1 ? std::string("rank 0") : "ranks 0.." + std::to_string(size - 1);
+}
+
+}  // namespace
+
+NcclCommunicator::NcclCommunicator(std::shared_ptr<const NcclApi> api, int version_code,
+                                   std::string group_name, int rank, int size, int device,
+                                   std::chrono::milliseconds timeout)
+    : api_(std::move(api)),
+      version_code_(version_code),
+      group_name_(std::move(group_name)),
+      rank_(rank),
+      size_(size),
+      device_(device),
+      timeout_(timeout),
+      sent_(static_cast<std::size_t>(size)) {}
+
+std::shared_ptr<NcclCommunicator> NcclCommunicator::create(const comm::NcclLibrary& library,
+                                                           const NcclUniqueId& id, int rank,
+                                                           int size, int device,
+                                                           std::chrono::milliseconds timeout,
+                                                           std::string group_name) {
+  const std::string who = "rank " + std::to_string(rank) + " of group '" + group_name + "'";
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw ConfigError("nccl communicator for " + who + ": need 0 <= rank < size, got rank " +
+                      std::to_string(rank) + " and size " + std::to_string(size));
+  }
+  if (timeout.count() <= 0) {
+    throw ConfigError("nccl communicator for " + who + ": the timeout must be positive");
+  }
+  int devices = 0;
+  const cudaError_t count_err = cudaGetDeviceCount(&devices);
+  if (count_err != cudaSuccess) {
+    cudaGetLastError();
+    throw CommError("nccl communicator for " + who + ": no CUDA device is usable (" +
+                    cuda_text(count_err) + ")");
+  }
+  if (device < 0 || device >= devices) {
+    throw ConfigError("nccl communicator for " + who + ": device " + std::to_string(device) +
+                      " does not exist; this process sees " + std::to_string(devices) +
+                      " CUDA device(s)");
+  }
+  auto api = std::make_shared<const NcclApi>(library);
+  const int version = library.version_code();
+  std::shared_ptr<NcclCommunicator> c(
+      new NcclCommunicator(api, version, std::move(group_name), rank, size, device, timeout));
+
+  DeviceGuard guard(device);
+  const std::string what = "creating the communicator";
+  NcclUniqueIdC raw{};
+  std::memcpy(raw.internal, id.data(), kNcclUniqueIdBytes);
+  void* handle = nullptr;
+  c->check_nccl(api->comm_init_rank(&handle, size, raw, rank), "ncclCommInitRank", what);
+  c->comm_ = handle;
+  // Non-blocking streams: they never synchronise with the legacy default stream on their own;
+  // ordering with the caller's stream is explicit (events).
+  c->check_cuda(cudaStreamCreateWithFlags(&c->send_stream_, cudaStreamNonBlocking),
+                "cudaStreamCreateWithFlags", what);
+  c->check_cuda(cudaStreamCreateWithFlags(&c->recv_stream_, cudaStreamNonBlocking),
+                "cudaStreamCreateWithFlags", what);
+  c->check_cuda(cudaEventCreateWithFlags(&c->caller_ready_, cudaEventDisableTiming),
+                "cudaEventCreateWithFlags", what);
+  c->check_cuda(cudaMalloc(reinterpret_cast<void**>(&c->barrier_buffer_), sizeof(int)),
+                "cudaMalloc", what);
+  c->check_cuda(cudaMemset(c->barrier_buffer_, 0, sizeof(int)), "cudaMemset", what);
+  return c;
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  // Never throws, never hangs: with work still queued on its streams (a Work dropped unwaited,
+  // a peer that never came) the communicator is aborted rather than destroyed, since
+  // ncclCommDestroy may wait for that work.
+  DeviceGuard guard(device_);
+  if (comm_ != nullptr && !aborted_) {
+    const bool idle = (send_stream_ == nullptr || cudaStreamQuery(send_stream_) == cudaSuccess) &&
+                      (recv_stream_ == nullptr || cudaStreamQuery(recv_stream_) == cudaSuccess);
+    cudaGetLastError();
+    if (idle && broken_.empty()) {
+      api_->comm_destroy(comm_);
+    } else {
+      api_->comm_abort(comm_);
+    }
+  }
+  if (barrier_buffer_ != nullptr) cudaFree(barrier_buffer_);
+  if (caller_ready_ != nullptr) cudaEventDestroy(caller_ready_);
+  if (send_stream_ != nullptr) cudaStreamDestroy(send_stream_);
+  if (recv_stream_ != nullptr) cudaStreamDestroy(recv_stream_);
+  cudaGetLastError();
+}
+
+std::string NcclCommunicator::where() const {
+  return "rank " + std::to_string(rank_) + " of group '" + group_name_ + "' (size " +
+         std::to_string(size_) + ", nccl on cuda:" + std::to_string(device_) + ")";
+}
+
+void NcclCommunicator::check_usable(const std::string& what) const {
+  if (!broken_.empty()) {
+    throw CommError(where() + ": " + what + " refused: the group failed earlier (" + broken_ +
+                    "); create a new group");
+  }
+}
+
+void NcclCommunicator::check_buffer(const Buffer& b, const std::string& what) const {
+  if (b.count > 0 && b.data == nullptr) {
+    throw ConfigError(where() + ": " + what + ": a buffer of " + std::to_string(b.count) +
+                      " elements has no data");
+  }
+  nccl_dtype(b.dtype, what);
+}
+
+int NcclCommunicator::nccl_dtype(DType t, const std::string& what) const {
+  switch (t) {
+    case DType::Float32:
+      return kNcclFloat32;
+    case DType::Float16:
+      return kNcclFloat16;
+    case DType::BFloat16:
+      if (version_code_ < kNccl2_10) {
+        throw ConfigError(where() + ": " + what + ": bfloat16 needs NCCL 2.10 or later; this is " +
+                          comm::nccl_version_string(version_code_));
+      }
+      return kNcclBfloat16;
+    case DType::Float64:
+      return kNcclFloat64;
+    case DType::Int32:
+      return kNcclInt32;
+    case DType::Int64:
+      return kNcclInt64;
+    case DType::UInt8:
+      return kNcclUint8;
+  }
+  throw ConfigError(where() + ": " + what + ": unknown dtype");
+}
+
+int NcclCommunicator::nccl_op(ReduceOp op, const std::string& what) const {
+  switch (op) {
+    case ReduceOp::Sum:
+      return kNcclSum;
+    case ReduceOp::Avg:
+      if (version_code_ < kNccl2_10) {
+        throw ConfigError(where() + ": " + what + ": avg needs NCCL 2.10 or later; this is " +
+                          comm::nccl_version_string(version_code_) + " (use sum and divide)");
+      }
+      return kNcclAvg;
+    case ReduceOp::Max:
+      return kNcclMax;
+    case ReduceOp::Min:
+      return kNcclMin;
+  }
+  throw ConfigError(where() + ": " + what + ": unknown reduction");
+}
+
+void NcclCommunicator::check_nccl(int result, const std::string& call,
+                                  const std::string& what) const {
+  if (result == kNcclSuccess) return;
+  throw CommError(where() + ": " + what + " failed: " + call + " returned " +
+                  api_->explain(result, comm_));
+}
+
+void NcclCommunicator::check_cuda(cudaError_t err, const std::string& call,
+                                  const std::string& what) const {
+  if (err == cudaSuccess) return;
+  cudaGetLastError();  // clear a non-sticky error so the next call does not report it
+  throw CommError(where() + ": " + what + " failed: " + call + " returned " + cuda_text(err));
+}
+
+void NcclCommunicator::after_caller(StreamHandle caller, cudaStream_t stream,
+                                    const std::string& what) {
+  check_cuda(cudaEventRecord(caller_ready_, reinterpret_cast<cudaStream_t>(caller)),
+             "cudaEventRecord on the caller's stream", what);
+  check_cuda(cudaStreamWaitEvent(stream, caller_ready_, 0), "cudaStreamWaitEvent", what);
+}
+
+std::shared_ptr<NcclEvent> NcclCommunicator::record(cudaStream_t stream, const std::string& what) {
+  cudaEvent_t event = nullptr;
+  check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags",
+             what);
+  auto owned = std::make_shared<NcclEvent>(event, device_);
+  check_cuda(cudaEventRecord(event, stream), "cudaEventRecord", what);
+  return owned;
+}
+
+WorkPtr NcclCommunicator::make_work(std::shared_ptr<NcclEvent> event, std::string what,
+                                    std::string peers) {
+  return std::make_shared<NcclWork>(shared_from_this(), std::move(event), std::move(what),
+                                    std::move(peers));
+}
+
+void NcclCommunicator::break_group(const std::string& reason) {
+  // Caller holds mu_.
+  if (broken_.empty()) broken_ = reason;
+  if (!aborted_ && comm_ != nullptr) {
+    DeviceGuard guard(device_);
+    api_->comm_abort(comm_);  // stops this rank's kernels of the group; frees the communicator
+    aborted_ = true;
+  }
+}
+
+bool NcclCommunicator::event_done(cudaEvent_t event, const std::string& what,
+                                  const std::string& peers) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!broken_.empty()) {
+    throw CommError(where() + ": " + what + " failed: " + broken_);
+  }
+  DeviceGuard guard(device_);
+  const cudaError_t q = cudaEventQuery(event);
+  if (q == cudaSuccess) return true;
+  if (q != cudaErrorNotReady) {
+    cudaGetLastError();
+    const std::string reason = what + " failed on the device: " + cuda_text(q);
+    break_group(reason);
+    throw CommError(where() + ": " + reason);
+  }
+  NcclResult async = kNcclSuccess;
+  const NcclResult polled = api_->comm_get_async_error(comm_, &async);
+  if (polled != kNcclSuccess || (async != kNcclSuccess && async != kNcclInProgress)) {
+    const NcclResult bad = polled != kNcclSuccess ? polled : async;
+    const std::string reason =
+        what + " failed (peers " + peers + "): NCCL reported " + api_->explain(bad, comm_);
+    break_group(reason);
+    throw CommError(where() + ": " + reason);
+  }
+  return false;
+}
+
+void NcclCommunicator::wait_event(cudaEvent_t event, Clock::time_point deadline,
+                                  const std::string& what, const std::string& peers) {
+  // Sleeps between polls, from 5 us growing to 1 ms, so a waiting host thread leaves its core
+  // to others; the added latency is at most about the op's time.
+  auto pause = std::chrono::microseconds(5);
+  while (!event_done(event, what, peers)) {
+    if (Clock::now() > deadline) {
+      std::lock_guard<std::mutex> lock(mu_);
+      const std::string reason = what + " timed out after " + std::to_string(timeout_.count()) +
+                                 " ms waiting for " + peers;
+      break_group(reason);
+      throw CommTimeoutError(where() + ": " + reason +
+                             "; the NCCL communicator was aborted on this rank");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+}
+
+WorkPtr NcclCommunicator::all_reduce(Buffer inout, ReduceOp op, StreamHandle stream) {
+  const std::string what = "all_reduce(" + shape(inout) + ", " + comm::reduce_op_name(op) + ")";
+  check_buffer(inout, what);
+  const int type = nccl_dtype(inout.dtype, what);
+  const int red = nccl_op(op, what);
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable(what);
+  DeviceGuard guard(device_);
+  after_caller(stream, send_stream_, what);
+  check_nccl(api_->all_reduce(inout.data, inout.data, inout.count, type, red, comm_, send_stream_),
+             "ncclAllReduce", what);
+  return make_work(record(send_stream_, what), what, all_peers(size_));
+}
+
+WorkPtr NcclCommunicator::all_gather(Buffer in, Buffer out, StreamHandle stream) {
+  const std::string what = "all_gather(" + shape(in) + " per rank)";
+  check_buffer(in, what);
+  check_buffer(out, what);
+  if (out.count != in.count * static_cast<std::size_t>(size_) || out.dtype != in.dtype) {
+    throw ConfigError(where() + ": " + what +
+                      ": the output must hold size x input = " + std::to_string(in.count * size_) +
+                      " elements of the input's dtype, not " + std::to_string(out.count));
+  }
+  const int type = nccl_dtype(in.dtype, what);
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable(what);
+  DeviceGuard guard(device_);
+  after_caller(stream, send_stream_, what);
+  check_nccl(api_->all_gather(in.data, out.data, in.count, type, comm_, send_stream_),
+             "ncclAllGather", what);
+  return make_work(record(send_stream_, what), what, all_peers(size_));
+}
+
+WorkPtr NcclCommunicator::reduce_scatter(Buffer in, Buffer out, ReduceOp op, StreamHandle stream) {
+  const std::string what =
+      "reduce_scatter(" + shape(out) + " per rank, " + comm::reduce_op_name(op) + ")";
+  check_buffer(in, what);
+  check_buffer(out, what);
+  if (in.count != out.count * static_cast<std::size_t>(size_) || out.dtype != in.dtype) {
+    throw ConfigError(where() + ": " + what +
+                      ": the input must hold size x output = " + std::to_string(out.count * size_) +
+                      " elements of the output's dtype, not " + std::to_string(in.count));
+  }
+  const int type = nccl_dtype(in.dtype, what);
+  const int red = nccl_op(op, what);
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable(what);
+  DeviceGuard guard(device_);
+  after_caller(stream, send_stream_, what);
+  check_nccl(api_->reduce_scatter(in.data, out.data, out.count, type, red, comm_, send_stream_),
+             "ncclReduceScatter", what);
+  return make_work(record(send_stream_, what), what, all_peers(size_));
+}
+
+WorkPtr NcclCommunicator::broadcast(Buffer inout, int root, StreamHandle stream) {
+  const std::string what = "broadcast(" + shape(inout) + ", root " + std::to_string(root) + ")";
+  check_buffer(inout, what);
+  if (root < 0 || root >= size_) {
+    throw ConfigError(where() + ": " + what + ": the root must be a group rank in [0, " +
+                      std::to_string(size_) + ")");
+  }
+  const int type = nccl_dtype(inout.dtype, what);
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable(what);
+  DeviceGuard guard(device_);
+  after_caller(stream, send_stream_, what);
+  check_nccl(api_->broadcast(inout.data, inout.data, inout.count, type, root, comm_, send_stream_),
+             "ncclBroadcast", what);
+  return make_work(record(send_stream_, what), what,
+                   root == rank_ ? all_peers(size_) : "rank " + std::to_string(root));
+}
+
+std::vector<WorkPtr> NcclCommunicator::batch_p2p(const std::vector<comm::P2POp>& ops,
+                                                 StreamHandle stream) {
+  std::vector<std::string> whats;
+  std::vector<int> types;
+  bool any_send = false, any_recv = false;
+  for (const auto& op : ops) {
+    const std::string what = std::string(op.send ? "send(" : "recv(") + shape(op.buffer) +
+                             (op.send ? " to rank " : " from rank ") + std::to_string(op.peer) +
+                             ")";
+    check_buffer(op.buffer, what);
+    if (op.peer < 0 || op.peer >= size_) {
+      throw ConfigError(where() + ": " + what + ": the peer must be a group rank in [0, " +
+                        std::to_string(size_) + ")");
+    }
+    types.push_back(nccl_dtype(op.buffer.dtype, what));
+    whats.push_back(what);
+    (op.send ? any_send : any_recv) = true;
+  }
+  std::vector<WorkPtr> works;
+  if (ops.empty()) return works;
+  const std::string batch = "batch_p2p of " + std::to_string(ops.size()) + " op(s)";
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable(batch);
+  DeviceGuard guard(device_);
+  // One caller event; both streams wait on it.
+  check_cuda(cudaEventRecord(caller_ready_, reinterpret_cast<cudaStream_t>(stream)),
+             "cudaEventRecord on the caller's stream", batch);
+  if (any_send) {
+    check_cuda(cudaStreamWaitEvent(send_stream_, caller_ready_, 0), "cudaStreamWaitEvent", batch);
+  }
+  if (any_recv) {
+    check_cuda(cudaStreamWaitEvent(recv_stream_, caller_ready_, 0), "cudaStreamWaitEvent", batch);
+  }
+  check_nccl(api_->group_start(), "ncclGroupStart", batch);
+  NcclResult failed = kNcclSuccess;
+  std::string failed_call;
+  for (std::size_t i = 0; i < ops.size() && failed == kNcclSuccess; ++i) {
+    const auto& op = ops[i];
+    if (op.send) {
+      failed = api_->send(op.buffer.data, op.buffer.count, types[i], op.peer, comm_, send_stream_);
+    } else {
+      failed = api_->recv(op.buffer.data, op.buffer.count, types[i], op.peer, comm_, recv_stream_);
+    }
+    if (failed != kNcclSuccess)
+      failed_call = std::string(op.send ? "ncclSend" : "ncclRecv") + " for " + whats[i];
+  }
+  // The group is always closed, even after a failed call, so NCCL's group state stays sane.
+  const NcclResult ended = api_->group_end();
+  if (failed != kNcclSuccess) {
+    const std::string reason =
+        batch + " failed: " + failed_call + " returned " + api_->explain(failed, comm_);
+    break_group(reason);
+    throw CommError(where() + ": " + reason);
+  }
+  if (ended != kNcclSuccess) {
+    const std::string reason =
+        batch + " failed: ncclGroupEnd returned " + api_->explain(ended, comm_);
+    break_group(reason);
+    throw CommError(where() + ": " + reason);
+  }
+  const auto sends = any_send ? record(send_stream_, batch) : nullptr;
+  const auto recvs = any_recv ? record(recv_stream_, batch) : nullptr;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const auto& op = ops[i];
+    if (op.send) sent_[op.peer].fetch_add(op.buffer.bytes(), std::memory_order_relaxed);
+    works.push_back(
+        make_work(op.send ? sends : recvs, whats[i], "rank " + std::to_string(op.peer)));
+  }
+  return works;
+}
+
+WorkPtr NcclCommunicator::barrier() {
+  const std::string what = "barrier()";
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable(what);
+  DeviceGuard guard(device_);
+  check_nccl(api_->all_reduce(barrier_buffer_, barrier_buffer_, 1, kNcclInt32, kNcclSum, comm_,
+                              send_stream_),
+             "ncclAllReduce", what);
+  return make_work(record(send_stream_, what), what, all_peers(size_));
+}
+
+void NcclCommunicator::abort() {
+  std::lock_guard<std::mutex> lock(mu_);
+  break_group("aborted by rank " + std::to_string(rank_));
+}
+
+std::vector<std::uint64_t> NcclCommunicator::bytes_sent() const {
+  std::vector<std::uint64_t> out;
+  for (const auto& s : sent_) out.push_back(s.load());
+  return out;
+}
+
+void NcclCommunicator::reset_bytes_sent() {
+  for (auto& s : sent_) s.store(0);
+}
+
+}  // namespace megart::cuda

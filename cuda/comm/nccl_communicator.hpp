@@ -1,0 +1,156 @@
+// The nccl transport: a Communicator on device memory through NCCL, which is loaded at run time
+// (comm/nccl_library.hpp), so nothing here needs nccl.h to build and nothing links libnccl.
+//
+// UNVERIFIED: this file was written and compiled on a machine without a GPU; none of it has run.
+//
+// Streams. The communicator owns two non-blocking CUDA streams on its device:
+//   - the send stream, which carries sends and every collective (and the barrier);
+//   - the receive stream, which carries receives.
+// With one stream, `isend` then `irecv` posted as two calls on two ranks that exchange data would
+// queue each receive behind a send that waits for the peer's receive: a deadlock. Two streams let
+// both directions progress. Collectives share the send stream, so they stay in the order every
+// rank posts them (NCCL needs that) and never wait behind a receive that waits on a peer. Whether
+// NCCL runs kernels of one communicator from two streams concurrently depends on its version;
+// ops that must progress together belong in one batch_p2p (one NCCL group), which is what the
+// Python layer does for batch_isend_irecv. Within one NCCL group that mixes both streams, NCCL
+// itself joins the streams for the group.
+//
+// Ordering. Each op first makes its NCCL stream wait on an event recorded on the caller's stream
+// (passed as a handle; 0 is the legacy default stream), so inputs produced there are ready, and
+// records a completion event after the op. Work::wait() polls that event and NCCL's asynchronous
+// error on the host with short sleeps, and past the timeout aborts the communicator (so no
+// kernel spins forever) and raises CommTimeoutError; Work::wait_stream(s) makes `s` wait on the
+// event without blocking the host.
+//
+// Lifetime. The buffers of an op must stay allocated until it completes: the Python layer keeps
+// its tensors referenced from its Work (and, after wait_stream, from the group) until then. A
+// Work keeps its communicator alive.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.hpp"
+#include "comm/nccl_library.hpp"
+
+namespace megart::cuda {
+
+// NCCL's unique id: 128 opaque bytes made by ncclGetUniqueId on one rank and shared with the
+// others (megart shares it through torch's TCPStore).
+constexpr std::size_t kNcclUniqueIdBytes = 128;
+using NcclUniqueId = std::array<char, kNcclUniqueIdBytes>;
+
+// ncclGetUniqueId through `library`; works without a GPU.
+NcclUniqueId nccl_unique_id(const comm::NcclLibrary& library);
+
+// The NCCL functions megart calls, looked up once with NcclLibrary::symbol.
+struct NcclApi;
+// A CUDA event that marks the end of an op on one of the communicator's streams.
+class NcclEvent;
+
+class NcclCommunicator final : public comm::Communicator,
+                               public std::enable_shared_from_this<NcclCommunicator> {
+ public:
+  // Collective over the group: every rank calls it with the same unique id. Selects `device`
+  // (restoring the caller's current device afterwards), creates the NCCL communicator
+  // (ncclCommInitRank, which blocks until every rank has joined: megart's timeout does not bound
+  // it), the two streams and a small device buffer for barrier(). `timeout` bounds every wait.
+  static std::shared_ptr<NcclCommunicator> create(const comm::NcclLibrary& library,
+                                                  const NcclUniqueId& id, int rank, int size,
+                                                  int device, std::chrono::milliseconds timeout,
+                                                  std::string group_name);
+  ~NcclCommunicator() override;
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return group_name_; }
+  int device() const { return device_; }
+  int nccl_version_code() const { return version_code_; }
+
+  comm::WorkPtr all_reduce(comm::Buffer inout, comm::ReduceOp op,
+                           comm::StreamHandle stream) override;
+  comm::WorkPtr all_gather(comm::Buffer in, comm::Buffer out, comm::StreamHandle stream) override;
+  comm::WorkPtr reduce_scatter(comm::Buffer in, comm::Buffer out, comm::ReduceOp op,
+                               comm::StreamHandle stream) override;
+  comm::WorkPtr broadcast(comm::Buffer inout, int root, comm::StreamHandle stream) override;
+  // One NCCL group (ncclGroupStart/End): sends on the send stream, receives on the receive
+  // stream. Returns one Work per op; a Work waits for its own stream's part of the group.
+  std::vector<comm::WorkPtr> batch_p2p(const std::vector<comm::P2POp>& ops,
+                                       comm::StreamHandle stream) override;
+  // An all-reduce of one int32 on the send stream; wait() on its Work is the host barrier.
+  comm::WorkPtr barrier() override;
+  // ncclCommAbort: ops in flight on this rank stop and their waits raise CommError. Other ranks
+  // are not told; their waits end with NCCL's remote error or at their timeout.
+  void abort() override;
+  // Bytes of sends posted to each group rank (counted when posted: the host does not see NCCL's
+  // progress).
+  std::vector<std::uint64_t> bytes_sent() const override;
+  void reset_bytes_sent() override;
+
+  cudaStream_t send_stream() const { return send_stream_; }
+  cudaStream_t recv_stream() const { return recv_stream_; }
+
+  // For NcclWork. Blocks until `event` has completed, polling NCCL's asynchronous error; on an
+  // error or past `deadline` aborts the communicator and throws (CommTimeoutError for the
+  // timeout), naming this rank, `what` (the op), `peers` and the group.
+  void wait_event(cudaEvent_t event, std::chrono::steady_clock::time_point deadline,
+                  const std::string& what, const std::string& peers);
+  // Non-blocking: true when `event` has completed; throws as wait_event does on an error.
+  bool event_done(cudaEvent_t event, const std::string& what, const std::string& peers);
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+ private:
+  NcclCommunicator(std::shared_ptr<const NcclApi> api, int version_code, std::string group_name,
+                   int rank, int size, int device, std::chrono::milliseconds timeout);
+
+  // "rank 1 of group 'world' (size 8, nccl, cuda:1)"
+  std::string where() const;
+  // Throws CommError if the group failed or was aborted earlier.
+  void check_usable(const std::string& what) const;
+  void check_buffer(const comm::Buffer& b, const std::string& what) const;
+  int nccl_dtype(comm::DType t, const std::string& what) const;
+  int nccl_op(comm::ReduceOp op, const std::string& what) const;
+  // Throws CommError with NCCL's error string and last error when `result` is not success.
+  void check_nccl(int result, const std::string& call, const std::string& what) const;
+  void check_cuda(cudaError_t err, const std::string& call, const std::string& what) const;
+  // Makes `stream` wait on the work queued so far on the caller's stream.
+  void after_caller(comm::StreamHandle caller, cudaStream_t stream, const std::string& what);
+  // Records a completion event on `stream` (after the op just posted there).
+  std::shared_ptr<NcclEvent> record(cudaStream_t stream, const std::string& what);
+  comm::WorkPtr make_work(std::shared_ptr<NcclEvent> event, std::string what, std::string peers);
+  // Marks the group broken with `reason` and aborts the NCCL communicator (once).
+  void break_group(const std::string& reason);
+
+  std::shared_ptr<const NcclApi> api_;
+  int version_code_;
+  std::string group_name_;
+  int rank_;
+  int size_;
+  int device_;
+  std::chrono::milliseconds timeout_;
+
+  void* comm_ = nullptr;  // ncclComm_t
+  cudaStream_t send_stream_ = nullptr;
+  cudaStream_t recv_stream_ = nullptr;
+  cudaEvent_t caller_ready_ = nullptr;  // re-recorded on the caller's stream by every op
+  int* barrier_buffer_ = nullptr;       // one int32 on the device
+
+  // Guards comm_ against use after ncclCommAbort, the posting of ops (NCCL calls on one
+  // communicator from several host threads must not interleave) and broken_.
+  mutable std::mutex mu_;
+  std::string broken_;  // set once an op fails or the group is aborted
+  bool aborted_ = false;
+  std::vector<std::atomic<std::uint64_t>> sent_;
+};
+
+}  // namespace megart::cuda

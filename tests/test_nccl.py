@@ -1,0 +1,185 @@
+"""The nccl transport. On machines without a GPU (CI) only the parts that need none run: the
+loader's error, the `_cuda` module sharing `_core`'s classes, the Python-side tensor checks. The
+GPU tests run a one-rank NCCL world; they are skipped without CUDA, and they have never run
+where the transport was written (it is UNVERIFIED)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import megart.distributed as dist
+from megart import _core
+from megart.distributed import find_nccl, nccl_candidates
+from megart.distributed.group import ProcessGroup
+from megart.errors import CommTimeoutError, ConfigError, MegartError
+
+HAS_CUDA_MODULE = importlib.util.find_spec("megart._cuda") is not None
+needs_cuda_module = pytest.mark.skipif(not HAS_CUDA_MODULE, reason="megart built without CUDA")
+needs_gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_CUDA_MODULE and find_nccl() is not None),
+    reason="needs a GPU, megart._cuda and NCCL",
+)
+
+
+@pytest.fixture
+def no_world():
+    dist.destroy()
+    yield
+    dist.destroy()
+
+
+def _nccl_elsewhere():
+    """NCCL that megart would find without MEGART_NCCL_LIBRARY (a wheel, torch's, the system's)."""
+    env = {k: v for k, v in os.environ.items() if k != "MEGART_NCCL_LIBRARY"}
+    code = "from megart.distributed import find_nccl; print(find_nccl() is not None)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    return out.stdout.strip() == "True"
+
+
+@pytest.mark.skipif(_nccl_elsewhere(), reason="NCCL is installed here: init would find it")
+def test_init_nccl_without_nccl_raises_the_loaders_error(monkeypatch, tmp_path, no_world):
+    missing = tmp_path / "nowhere" / "libnccl.so.2"
+    monkeypatch.setenv("MEGART_NCCL_LIBRARY", str(missing))
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert nccl_candidates()[0] == str(missing)
+    with pytest.raises(MegartError, match="NCCL was not found") as info:
+        dist.init(backend="nccl")
+    message = str(info.value)
+    assert str(missing) in message and "libnccl.so.2" in message  # every candidate, and why
+    assert not dist.is_initialized()
+
+
+@needs_cuda_module
+def test_cuda_module_shares_cores_classes_and_errors():
+    """`_cuda` imports `_core` and uses its registered Communicator and error types: an error
+    raised in `_cuda`'s C++ arrives as `_core`'s Python exception class."""
+    from megart import _cuda
+
+    # pybind11 writes a return type it knows by its Python name, one it does not by its C++
+    # name: `_cuda` sees the class that `_core` registered.
+    assert "-> megart._core.comm.Communicator" in _cuda.create_nccl.__doc__
+    with pytest.raises(ConfigError, match="unique id must be 128 bytes, not 3"):
+        _cuda.create_nccl("libnccl.so.2", b"abc", 0, 1, 0, 1.0, "g")
+    with pytest.raises(MegartError, match="NCCL was not found"):
+        _cuda.nccl_unique_id("/nowhere/libnccl.so.2")
+    assert hasattr(_core.comm.Work, "wait_stream")
+
+
+class _NeverCalled:
+    def __getattr__(self, name):
+        raise AssertionError(
+            f"the communicator was called ({name}) before the tensors were checked"
+        )
+
+
+def test_nccl_group_refuses_cpu_tensors_before_anything_is_sent():
+    g = ProcessGroup([0], "fake-nccl", "nccl", comm=_NeverCalled(), device=0)
+    with pytest.raises(ConfigError, match=r"is on cpu, but group 'fake-nccl' uses the nccl"):
+        dist.all_reduce(torch.ones(4), group=g)
+    with pytest.raises(ConfigError, match="moves GPU memory; move it to cuda:0"):
+        dist.all_gather_into_tensor(torch.empty(4), torch.ones(4), group=g)
+    with pytest.raises(ConfigError, match="nccl transport"):
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2), 0, g)])
+
+
+def test_shm_group_still_refuses_non_cpu_tensors():
+    g = ProcessGroup([0], "fake-shm", "shm", comm=_NeverCalled())
+    with pytest.raises(ConfigError, match="use CPU tensors"):
+        dist.all_reduce(torch.ones(4, device="meta"), group=g)
+
+
+def test_shm_work_wait_stream_waits_on_the_host(no_world):
+    dist.init(backend="shm")
+    t = torch.ones(3)
+    w = dist.all_reduce(t, async_op=True)
+    w.wait_stream()  # host memory: nothing to order on a device, so it waits
+    assert w.is_completed() and t.tolist() == [1.0, 1.0, 1.0]
+
+
+# ---- on a GPU (UNVERIFIED where written: these have never run) ----
+
+
+@pytest.fixture
+def nccl_world(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    dist.destroy()
+    dist.init(backend="nccl", timeout=30)
+    yield
+    dist.destroy()
+
+
+@needs_gpu
+def test_one_rank_collectives(nccl_world):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        t = torch.arange(8, device=dev).to(dtype)
+        dist.all_reduce(t)
+        assert torch.equal(t.cpu(), torch.arange(8).to(dtype))
+    t = torch.arange(8.0, device=dev)
+    dist.all_reduce(t, op="avg")
+    dist.all_reduce(t, op="max")
+    assert t.tolist() == list(range(8))
+    out = torch.empty(5, device=dev)
+    dist.all_gather_into_tensor(out, torch.arange(5.0, device=dev))
+    assert out.tolist() == list(range(5))
+    rs = torch.empty(5, device=dev)
+    dist.reduce_scatter_tensor(rs, torch.arange(5.0, device=dev))
+    assert rs.tolist() == list(range(5))
+    b = torch.full((4,), 3.0, device=dev)
+    dist.broadcast(b, src=0)
+    assert b.tolist() == [3.0] * 4
+    dist.barrier()
+
+
+@needs_gpu
+def test_one_rank_self_send_recv_in_a_batch(nccl_world):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x, y = torch.arange(6.0, device=dev), torch.zeros(6, device=dev)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 0), dist.P2POp(dist.irecv, y, 0)])
+    for w in works:
+        w.wait()
+    assert torch.equal(x, y)
+    assert dist.bytes_sent() == {0: 24}
+
+
+@needs_gpu
+def test_inputs_on_the_callers_stream_and_wait_stream_ordering(nccl_world):
+    """The op waits for the caller's stream (the input is written there just before), and
+    wait_stream orders a second stream after the op without the host waiting."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        big = torch.randn(1 << 22, device=dev)
+        t = torch.zeros(1 << 22, device=dev)
+        torch.cuda._sleep(10_000_000)  # keeps `side` busy so an unordered op would read zeros
+        t.copy_(big)
+        w = dist.all_reduce(t, async_op=True)
+        w.wait_stream(side)
+        result = t.clone()  # queued on `side` after the op
+    side.synchronize()
+    assert torch.equal(result, big)
+
+
+@needs_gpu
+def test_a_wait_that_never_completes_times_out(monkeypatch):
+    """A receive from self with no matching send never completes: the wait must raise
+    CommTimeoutError naming the op and the peer, not hang."""
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    dist.destroy()
+    dist.init(backend="nccl", timeout=2)
+    try:
+        y = torch.zeros(4, device=torch.device("cuda", torch.cuda.current_device()))
+        (w,) = dist.batch_isend_irecv([dist.P2POp(dist.irecv, y, 0)])
+        with pytest.raises(CommTimeoutError, match=r"rank 0 of group 'world'.*recv.*rank 0"):
+            w.wait()
+    finally:
+        dist.destroy()
