@@ -7,6 +7,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "comm/cuda_util.hpp"
+#include "comm/nccl_api.hpp"
 #include "common/error.hpp"
 
 namespace megart::cuda {
@@ -20,42 +22,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Our own declarations of the few NCCL types megart passes (no nccl.h at build time): the
-// communicator is an opaque pointer, the unique id 128 bytes passed by value, results, data
-// types and reductions are C enums (ints).
-struct NcclUniqueIdC {
-  char internal[kNcclUniqueIdBytes];
-};
-using NcclResult = int;
-constexpr NcclResult kNcclSuccess = 0;
-constexpr NcclResult kNcclInProgress = 7;
-// NCCL's data type and reduction values (nccl.h's ncclDataType_t and ncclRedOp_t).
-constexpr int kNcclUint8 = 1, kNcclInt32 = 2, kNcclInt64 = 4, kNcclFloat16 = 6, kNcclFloat32 = 7,
-              kNcclFloat64 = 8, kNcclBfloat16 = 9;
-constexpr int kNcclSum = 0, kNcclMax = 2, kNcclMin = 3, kNcclAvg = 4;
-// ncclAvg and ncclBfloat16 arrived in NCCL 2.10 (version code 21000).
-constexpr int kNccl2_10 = 21000;
-
-// Restores the caller's current device on scope exit.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) {
-      cudaGetLastError();
-      previous_ = -1;
-    }
-    if (previous_ != device) cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
-
 std::string shape(const Buffer& b) {
   return std::to_string(b.count) + " x " + comm::dtype_name(b.dtype);
 }
@@ -65,96 +31,6 @@ std::string cuda_text(cudaError_t err) {
 }
 
 }  // namespace
-
-struct NcclApi {
-  NcclResult (*get_unique_id)(NcclUniqueIdC*) = nullptr;
-  NcclResult (*comm_init_rank)(void**, int, NcclUniqueIdC, int) = nullptr;
-  NcclResult (*comm_destroy)(void*) = nullptr;
-  NcclResult (*comm_abort)(void*) = nullptr;
-  NcclResult (*comm_get_async_error)(void*, NcclResult*) = nullptr;
-  const char* (*get_error_string)(NcclResult) = nullptr;
-  const char* (*get_last_error)(void*) = nullptr;  // NCCL 2.13 and later; may stay null
-  NcclResult (*all_reduce)(const void*, void*, std::size_t, int, int, void*,
-                           cudaStream_t) = nullptr;
-  NcclResult (*all_gather)(const void*, void*, std::size_t, int, void*, cudaStream_t) = nullptr;
-  NcclResult (*reduce_scatter)(const void*, void*, std::size_t, int, int, void*,
-                               cudaStream_t) = nullptr;
-  NcclResult (*broadcast)(const void*, void*, std::size_t, int, int, void*, cudaStream_t) = nullptr;
-  NcclResult (*send)(const void*, std::size_t, int, int, void*, cudaStream_t) = nullptr;
-  NcclResult (*recv)(void*, std::size_t, int, int, void*, cudaStream_t) = nullptr;
-  NcclResult (*group_start)() = nullptr;
-  NcclResult (*group_end)() = nullptr;
-
-  explicit NcclApi(const comm::NcclLibrary& lib) {
-    auto get = [&](auto& fn, const char* name) {
-      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(lib.symbol(name));
-    };
-    get(get_unique_id, "ncclGetUniqueId");
-    get(comm_init_rank, "ncclCommInitRank");
-    get(comm_destroy, "ncclCommDestroy");
-    get(comm_abort, "ncclCommAbort");
-    get(comm_get_async_error, "ncclCommGetAsyncError");
-    get(get_error_string, "ncclGetErrorString");
-    get(all_reduce, "ncclAllReduce");
-    get(all_gather, "ncclAllGather");
-    get(reduce_scatter, "ncclReduceScatter");
-    get(broadcast, "ncclBroadcast");
-    get(send, "ncclSend");
-    get(recv, "ncclRecv");
-    get(group_start, "ncclGroupStart");
-    get(group_end, "ncclGroupEnd");
-    try {
-      get(get_last_error, "ncclGetLastError");
-    } catch (const Error&) {
-      get_last_error = nullptr;
-    }
-  }
-
-  // "ncclInvalidUsage-like text; NCCL's last error: ..."
-  std::string explain(NcclResult result, void* comm) const {
-    std::string text = "NCCL result " + std::to_string(result);
-    if (get_error_string != nullptr) {
-      const char* s = get_error_string(result);
-      if (s != nullptr) text += " (" + std::string(s) + ")";
-    }
-    if (get_last_error != nullptr) {
-      const char* last = get_last_error(comm);
-      if (last != nullptr && last[0] != '\0') text += "; NCCL's last error: " + std::string(last);
-    }
-    return text;
-  }
-};
-
-NcclUniqueId nccl_unique_id(const comm::NcclLibrary& library) {
-  auto fn = reinterpret_cast<NcclResult (*)(NcclUniqueIdC*)>(library.symbol("ncclGetUniqueId"));
-  NcclUniqueIdC id{};
-  const NcclResult result = fn(&id);
-  if (result != kNcclSuccess) {
-    NcclApi api(library);
-    throw CommError("ncclGetUniqueId failed with " + api.explain(result, nullptr) + " (NCCL at " +
-                    library.path() + ")");
-  }
-  NcclUniqueId out;
-  std::memcpy(out.data(), id.internal, kNcclUniqueIdBytes);
-  return out;
-}
-
-// One completion event, shared by the Works of one stream's part of a batch.
-class NcclEvent {
- public:
-  NcclEvent(cudaEvent_t event, int device) : event_(event), device_(device) {}
-  ~NcclEvent() {
-    DeviceGuard guard(device_);
-    cudaEventDestroy(event_);  // released by CUDA once the recorded work completes
-  }
-  NcclEvent(const NcclEvent&) = delete;
-  NcclEvent& operator=(const NcclEvent&) = delete;
-  cudaEvent_t get() const { return event_; }
-
- private:
-  cudaEvent_t event_;
-  int device_;
-};
 
 namespace {
 

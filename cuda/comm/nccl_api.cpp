@@ -1,0 +1,63 @@
+// UNVERIFIED: compiled without a GPU and never run.
+#include "comm/nccl_api.hpp"
+
+#include <cstring>
+#include <type_traits>
+
+#include "common/error.hpp"
+
+namespace megart::cuda {
+
+NcclApi::NcclApi(const comm::NcclLibrary& lib) {
+  auto get = [&](auto& fn, const char* name) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(lib.symbol(name));
+  };
+  get(get_unique_id, "ncclGetUniqueId");
+  get(comm_init_rank, "ncclCommInitRank");
+  get(comm_destroy, "ncclCommDestroy");
+  get(comm_abort, "ncclCommAbort");
+  get(comm_get_async_error, "ncclCommGetAsyncError");
+  get(get_error_string, "ncclGetErrorString");
+  get(all_reduce, "ncclAllReduce");
+  get(all_gather, "ncclAllGather");
+  get(reduce_scatter, "ncclReduceScatter");
+  get(broadcast, "ncclBroadcast");
+  get(send, "ncclSend");
+  get(recv, "ncclRecv");
+  get(group_start, "ncclGroupStart");
+  get(group_end, "ncclGroupEnd");
+  try {
+    get(get_last_error, "ncclGetLastError");
+  } catch (const Error&) {
+    get_last_error = nullptr;
+  }
+}
+
+std::string NcclApi::explain(NcclResult result, void* comm) const {
+  std::string text = "NCCL result " + std::to_string(result);
+  if (get_error_string != nullptr) {
+    const char* s = get_error_string(result);
+    if (s != nullptr) text += " (" + std::string(s) + ")";
+  }
+  if (get_last_error != nullptr) {
+    const char* last = get_last_error(comm);
+    if (last != nullptr && last[0] != '\0') text += "; NCCL's last error: " + std::string(last);
+  }
+  return text;
+}
+
+NcclUniqueId nccl_unique_id(const comm::NcclLibrary& library) {
+  auto fn = reinterpret_cast<NcclResult (*)(NcclUniqueIdC*)>(library.symbol("ncclGetUniqueId"));
+  NcclUniqueIdC id{};
+  const NcclResult result = fn(&id);
+  if (result != kNcclSuccess) {
+    NcclApi api(library);
+    throw CommError("ncclGetUniqueId failed with " + api.explain(result, nullptr) + " (NCCL at " +
+                    library.path() + ")");
+  }
+  NcclUniqueId out;
+  std::memcpy(out.data(), id.internal, kNcclUniqueIdBytes);
+  return out;
+}
+
+}  // namespace megart::cuda
