@@ -179,8 +179,11 @@ def run(cfg: Config) -> dict[str, list[dict[str, Any]]]:
     if cfg.backends == ("nccl",):
         device = torch.device("cuda", torch.cuda.current_device())
     rows: dict[str, list[dict[str, Any]]] = {b: [] for b in cfg.backends}
-    for nbytes in sizes(cfg):
+    for i, nbytes in enumerate(sizes(cfg)):
         op = _Op(cfg.op, nbytes, dtype, rank, n, device)
+        if i == 0:  # a discarded round first: page faults and lazy set-up in every backend
+            for b in cfg.backends:
+                _time(op, apis[b], cfg.iters, cfg.warmup)
         times: dict[str, list[float]] = {b: [] for b in cfg.backends}
         for _ in range(cfg.rounds):
             for b in cfg.backends:  # alternating: each round runs every backend once
