@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -238,4 +238,4 @@ def launch_or_run(cfg: Config, nproc: int | None) -> tuple[int, dict[str, list[d
     return world, rows if rank == 0 else {}
 
 
-__all__ = ["Config", "OPS", "BACKENDS", "run", "table", "launch_or_run", "asdict"]
+__all__ = ["Config", "OPS", "BACKENDS", "run", "table", "launch_or_run"]

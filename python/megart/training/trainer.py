@@ -240,7 +240,7 @@ class Trainer:
         rank 0 and writing --log-jsonl there; returns every iteration's figures."""
         c = self.config
         history = []
-        log = open(c.log_jsonl, "w") if c.log_jsonl and dist.get_rank() == 0 else None  # noqa: SIM115
+        log = open(c.log_jsonl, "w") if c.log_jsonl and dist.get_rank() == 0 else None
         try:
             if not quiet and dist.get_rank() == 0:
                 print(self.describe(), flush=True)
