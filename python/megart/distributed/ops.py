@@ -36,6 +36,8 @@ _OPS = ("sum", "avg", "max", "min")
 class Work:
     """An op in flight. Keeps its tensors alive until it has completed."""
 
+    __slots__ = ("_work", "_tensors", "_group")
+
     def __init__(
         self, work: object, tensors: Sequence[torch.Tensor], group: ProcessGroup | None = None
     ) -> None:
@@ -85,9 +87,19 @@ def _reduce_op(op: object) -> str:
 
 
 def _check(tensor: torch.Tensor, what: str, group: ProcessGroup) -> str:
+    # The common case first, with cheap attribute reads only (every op pays for this check).
+    dtype = _DTYPES.get(getattr(tensor, "dtype", None))
+    nccl = group.backend == "nccl"
+    if (
+        dtype is not None
+        and (tensor.is_cuda if nccl else tensor.is_cpu)
+        and (not nccl or tensor.device.index == group.device)
+        and tensor.is_contiguous()
+    ):
+        return dtype
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if group.backend == "nccl":
+    if nccl:
         if tensor.device.type != "cuda":
             raise ConfigError(
                 f"{what}: the tensor is on {tensor.device}, but group '{group.name}' uses the "
@@ -106,13 +118,10 @@ def _check(tensor: torch.Tensor, what: str, group: ProcessGroup) -> str:
         )
     if not tensor.is_contiguous():
         raise ConfigError(f"{what}: the tensor is not contiguous; pass tensor.contiguous()")
-    dtype = _DTYPES.get(tensor.dtype)
-    if dtype is None:
-        raise ConfigError(
-            f"{what}: dtype {tensor.dtype} cannot be communicated; use one of "
-            + ", ".join(str(d).removeprefix("torch.") for d in _DTYPES)
-        )
-    return dtype
+    raise ConfigError(
+        f"{what}: dtype {tensor.dtype} cannot be communicated; use one of "
+        + ", ".join(str(d).removeprefix("torch.") for d in _DTYPES)
+    )
 
 
 def _member(group: ProcessGroup | None, what: str) -> ProcessGroup:
@@ -250,7 +259,7 @@ def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> i
     return src
 
 
-@dataclass
+@dataclass(slots=True)
 class P2POp:
     """One send or receive of a batch: ``op`` is :func:`isend` or :func:`irecv`."""
 
@@ -267,20 +276,16 @@ class P2POp:
 def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     """Posts every op before any waits, so they progress together: a ring exchange in both
     directions never deadlocks. Returns one Work per op, in order."""
-    by_group: dict[int, tuple[ProcessGroup, list[int]]] = {}
-    for i, p in enumerate(p2p_op_list):
-        g = _member(p.group, "batch_isend_irecv")
-        by_group.setdefault(id(g), (g, []))[1].append(i)
+    groups = [_member(p.group, "batch_isend_irecv") for p in p2p_op_list]
     works: list[Work | None] = [None] * len(p2p_op_list)
-    for g, indices in by_group.values():
+    for g in {id(g): g for g in groups}.values():
+        indices = [i for i, gi in enumerate(groups) if gi is g]
         ops = []
         for i in indices:
             p = p2p_op_list[i]
-            what = "isend" if p.op is isend else "irecv"
-            dtype = _check(p.tensor, what, g)
-            ops.append(
-                (p.op is isend, p.tensor.data_ptr(), p.tensor.numel(), dtype, g.group_rank(p.peer))
-            )
+            send = p.op is isend
+            dtype = _check(p.tensor, "isend" if send else "irecv", g)
+            ops.append((send, p.tensor.data_ptr(), p.tensor.numel(), dtype, g.group_rank(p.peer)))
         for i, w in zip(indices, g.comm.batch_p2p(ops, stream=_stream(g)), strict=True):
             works[i] = Work(w, [p2p_op_list[i].tensor], g)
     return works  # type: ignore[return-value]
