@@ -4,7 +4,14 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
+
 namespace megart::cuda {
+
+// "cudaErrorInvalidValue (invalid argument)"
+inline std::string cuda_text(cudaError_t err) {
+  return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
+}
 
 // Restores the caller's current device on scope exit.
 class DeviceGuard {

@@ -26,14 +26,6 @@ std::string shape(const Buffer& b) {
   return std::to_string(b.count) + " x " + comm::dtype_name(b.dtype);
 }
 
-std::string cuda_text(cudaError_t err) {
-  return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
-}
-
-}  // namespace
-
-namespace {
-
 class NcclWork final : public comm::Work {
  public:
   NcclWork(std::shared_ptr<NcclCommunicator> comm, std::shared_ptr<NcclEvent> event,
