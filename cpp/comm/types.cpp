@@ -33,4 +33,13 @@ ReduceOp reduce_op_from_name(const std::string& name) {
   throw ConfigError("unknown reduction '" + name + "'; use sum, avg, max or min");
 }
 
+std::string split_mismatch(const Buffer& whole, const Buffer& part, int size,
+                           const char* whole_name, const char* part_name) {
+  const std::size_t expected = part.count * static_cast<std::size_t>(size);
+  if (whole.count == expected && whole.dtype == part.dtype) return "";
+  return std::string("the ") + whole_name + " must hold size x " + part_name + " = " +
+         std::to_string(expected) + " elements of the " + part_name + "'s dtype, not " +
+         std::to_string(whole.count);
+}
+
 }  // namespace megart::comm

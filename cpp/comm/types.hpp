@@ -24,6 +24,12 @@ struct Buffer {
   std::size_t bytes() const { return count * dtype_size(dtype); }
 };
 
+// For all_gather and reduce_scatter: "" when `whole` holds `size` x `part` elements of the
+// part's dtype, else what is wrong, e.g. "the output must hold size x input = 8 elements of the
+// input's dtype, not 6". Every transport checks this before it moves anything.
+std::string split_mismatch(const Buffer& whole, const Buffer& part, int size,
+                           const char* whole_name, const char* part_name);
+
 // out[i] = op(srcs[0][i], ..., srcs[n-1][i]) for i < count, combining in source order so every
 // rank that reduces the same sources gets bit-identical results. 16-bit floats are combined in
 // float32 and rounded once. `out` may alias any source.

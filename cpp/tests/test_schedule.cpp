@@ -3,6 +3,7 @@
 #include <string>
 
 #include "comm/nccl_library.hpp"
+#include "comm/types.hpp"
 #include "common/error.hpp"
 #include "schedule/simulate.hpp"
 #include "schedule/state_machine.hpp"
@@ -136,4 +137,15 @@ TEST(nccl_version_codes_decode_both_schemes) {
 TEST(nccl_missing_names_where_it_looked) {
   CHECK_THROWS(Error, comm::NcclLibrary::load({"/nonexistent/libnccl.so.2"}),
                "/nonexistent/libnccl.so.2");
+}
+
+TEST(split_mismatch_names_the_sizes_that_would_fit) {
+  const comm::Buffer part{nullptr, 4, comm::DType::Float32};
+  CHECK_EQ(comm::split_mismatch({nullptr, 8, comm::DType::Float32}, part, 2, "output", "input"),
+           std::string(""));
+  CHECK_EQ(comm::split_mismatch({nullptr, 6, comm::DType::Float32}, part, 2, "output", "input"),
+           std::string("the output must hold size x input = 8 elements of the input's dtype, "
+                       "not 6"));
+  CHECK(
+      !comm::split_mismatch({nullptr, 8, comm::DType::Int32}, part, 2, "input", "output").empty());
 }

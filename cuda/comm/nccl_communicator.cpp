@@ -339,10 +339,8 @@ WorkPtr NcclCommunicator::all_gather(Buffer in, Buffer out, StreamHandle stream)
   const std::string what = "all_gather(" + shape(in) + " per rank)";
   check_buffer(in, what);
   check_buffer(out, what);
-  if (out.count != in.count * static_cast<std::size_t>(size_) || out.dtype != in.dtype) {
-    throw ConfigError(where() + ": " + what +
-                      ": the output must hold size x input = " + std::to_string(in.count * size_) +
-                      " elements of the input's dtype, not " + std::to_string(out.count));
+  if (const auto wrong = comm::split_mismatch(out, in, size_, "output", "input"); !wrong.empty()) {
+    throw ConfigError(where() + ": " + what + ": " + wrong);
   }
   const int type = nccl_dtype(in.dtype, what);
   std::lock_guard<std::mutex> lock(mu_);
@@ -359,10 +357,8 @@ WorkPtr NcclCommunicator::reduce_scatter(Buffer in, Buffer out, ReduceOp op, Str
       "reduce_scatter(" + shape(out) + " per rank, " + comm::reduce_op_name(op) + ")";
   check_buffer(in, what);
   check_buffer(out, what);
-  if (in.count != out.count * static_cast<std::size_t>(size_) || out.dtype != in.dtype) {
-    throw ConfigError(where() + ": " + what +
-                      ": the input must hold size x output = " + std::to_string(out.count * size_) +
-                      " elements of the output's dtype, not " + std::to_string(in.count));
+  if (const auto wrong = comm::split_mismatch(in, out, size_, "input", "output"); !wrong.empty()) {
+    throw ConfigError(where() + ": " + what + ": " + wrong);
   }
   const int type = nccl_dtype(in.dtype, what);
   const int red = nccl_op(op, what);

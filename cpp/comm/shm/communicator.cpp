@@ -336,10 +336,8 @@ WorkPtr ShmCommunicator::all_reduce(Buffer inout, ReduceOp op, StreamHandle /*ho
 WorkPtr ShmCommunicator::all_gather(Buffer in, Buffer out, StreamHandle /*host memory*/) {
   check_buffer(in, "all_gather");
   check_buffer(out, "all_gather");
-  if (out.count != in.count * size_ || out.dtype != in.dtype) {
-    throw ConfigError(
-        "all_gather: the output must hold size x input = " + std::to_string(in.count * size_) +
-        " elements of the input's dtype, not " + std::to_string(out.count));
+  if (const std::string wrong = split_mismatch(out, in, size_, "output", "input"); !wrong.empty()) {
+    throw ConfigError("all_gather: " + wrong);
   }
   return submit(make_all_gather(in, out));
 }
@@ -348,10 +346,8 @@ WorkPtr ShmCommunicator::reduce_scatter(Buffer in, Buffer out, ReduceOp op,
                                         StreamHandle /*host memory*/) {
   check_buffer(in, "reduce_scatter");
   check_buffer(out, "reduce_scatter");
-  if (in.count != out.count * size_ || out.dtype != in.dtype) {
-    throw ConfigError(
-        "reduce_scatter: the input must hold size x output = " + std::to_string(out.count * size_) +
-        " elements of the output's dtype, not " + std::to_string(in.count));
+  if (const std::string wrong = split_mismatch(in, out, size_, "input", "output"); !wrong.empty()) {
+    throw ConfigError("reduce_scatter: " + wrong);
   }
   return submit(make_reduce_scatter(in, out, op));
 }
