@@ -55,6 +55,20 @@ class _Bucket:
         self.steps: list[torch.Tensor] = []
 
 
+def _tensor_lists(bucket: _Bucket) -> dict[str, Any]:
+    """The buffers of a bucket as the CPU sweep and the CUDA kernel both take them."""
+    return {
+        "params": addresses(bucket.params),
+        "model_params": addresses(bucket.model_params),
+        "grads": addresses(bucket.grads),
+        "exp_avgs": addresses(bucket.exp_avgs),
+        "exp_avg_sqs": addresses(bucket.exp_avg_sqs),
+        "steps": addresses(bucket.steps),
+        "sizes": sizes(bucket.params),
+        "model_dtype": dtype_name(bucket.model_dtype, "a parameter"),
+    }
+
+
 def _check_hyperparameters(
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float, amsgrad: bool
 ) -> None:
@@ -249,14 +263,7 @@ class Adam(torch.optim.Optimizer):
         from megart import _core
 
         _core.optim.adam_step(
-            params=addresses(bucket.params),
-            model_params=addresses(bucket.model_params),
-            grads=addresses(bucket.grads),
-            exp_avgs=addresses(bucket.exp_avgs),
-            exp_avg_sqs=addresses(bucket.exp_avg_sqs),
-            steps=addresses(bucket.steps),
-            sizes=sizes(bucket.params),
-            model_dtype=dtype_name(bucket.model_dtype, "a parameter"),
+            **_tensor_lists(bucket),
             num_threads=self.num_threads,
             **self._hyperparameters(group),
         )
@@ -275,14 +282,7 @@ class Adam(torch.optim.Optimizer):
         with torch.cuda.device(bucket.device):
             stream = torch.cuda.current_stream(bucket.device).cuda_stream
             cuda.multi_tensor_adam(
-                params=addresses(bucket.params),
-                model_params=addresses(bucket.model_params),
-                grads=addresses(bucket.grads),
-                exp_avgs=addresses(bucket.exp_avgs),
-                exp_avg_sqs=addresses(bucket.exp_avg_sqs),
-                steps=addresses(bucket.steps),
-                sizes=sizes(bucket.params),
-                model_dtype=dtype_name(bucket.model_dtype, "a parameter"),
+                **_tensor_lists(bucket),
                 found_inf=flag,
                 stream=stream,
                 **self._hyperparameters(group),
