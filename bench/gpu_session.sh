@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call: build megart for the GPU, run the GPU tests, then the named benchmark steps.
+# Usage (on the lent GPU machine, repo root): bash bench/gpu_session.sh [step ...]
+# Logs go to $OUT (or ./gpu_out); each step's output also prints, last lines last.
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+log() { echo "=== $* ($(date +%T))"; }
+
+log "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+log "build"
+# Hopper only on this machine: one architecture halves the build time.
+CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90" pip install --no-build-isolation --no-deps -q . \
+  >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+python3 -c "import megart, json; print(json.dumps(megart.build_info()))"
+
+for step in "$@"; do
+  log "$step"
+  case "$step" in
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_optim_cuda.py \
+             tests/test_kernels.py tests/test_build_info.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    allreduce|p2p) megart-bench "$step" --backend nccl -b 8 -e 256M -f 8 -n 50 -w 10 \
+             --json "$OUT/nccl_$step.json" 2>&1 | tail -20 ;;
+    *) eval "$step" 2>&1 | tail -40 ;;
+  esac
+done
