@@ -53,3 +53,23 @@ def gradients_after_one_step(**kw: object) -> dict:
             full = _gather(grad, trainer.grid.tp_group)
             out[name] = full[: trainer.model_config.vocab_size] if name == "wte.weight" else full
     return out
+
+
+def train_crashing_at_second_save(directory: str) -> list[dict]:
+    """Saves after iteration 1, then dies while writing the save after iteration 2."""
+    import torch
+
+    real_save = torch.save
+    calls = []
+
+    def save_or_crash(obj: object, f: object) -> None:
+        calls.append(f)
+        if len(calls) == 2:
+            raise OSError("disk full (simulated)")
+        real_save(obj, f)
+
+    torch.save = save_or_crash
+    try:
+        return train(train_iters=2, save=directory, save_interval=1)
+    finally:
+        torch.save = real_save

@@ -39,6 +39,9 @@ class TrainConfig:
     bf16: bool = False
     log_interval: int = 1
     log_jsonl: str | None = None
+    save: str | None = None  # directory to write checkpoints to
+    save_interval: int | None = None  # iterations between checkpoints (and one at the end)
+    load: str | None = None  # directory to resume from (its latest checkpoint)
 
     @property
     def tp(self) -> int:
@@ -109,4 +112,8 @@ class TrainConfig:
             )
         if self.train_iters < 1 or self.log_interval < 1:
             raise ConfigError("--train-iters and --log-interval must be at least 1")
+        if self.save_interval is not None and (self.save_interval < 1 or not self.save):
+            raise ConfigError(
+                f"--save-interval {self.save_interval} needs --save DIR and a value of at least 1"
+            )
         return dp

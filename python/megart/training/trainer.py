@@ -10,6 +10,7 @@ AdamW. The same seed gives the same loss curve under every layout.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import time
@@ -20,6 +21,7 @@ import torch
 
 import megart
 import megart.distributed as dist
+import megart.optim
 from megart import schedule as sched
 from megart.models import GPTConfig, pipeline_chunks
 from megart.pipeline import PipelineEngine, StageLink
@@ -28,6 +30,7 @@ from megart.tensor_parallel import (
     seed_tensor_parallel,
     sync_sequence_parallel_grads,
 )
+from megart.training import checkpoint
 from megart.training.config import TrainConfig
 from megart.training.data import TokenDataset, builtin_corpus
 from megart.training.flops import PEAK_FLOPS, iteration_flops
@@ -111,7 +114,14 @@ class Trainer:
         self.buckets = GradientBuckets(params, g.dp_group)
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
+        # megart's multi-tensor AdamW on CPU (tested against torch's); on GPU torch's fused
+        # AdamW until megart's CUDA kernel has been verified on one.
+        adamw = (
+            megart.optim.AdamW
+            if self.device.type == "cpu"
+            else functools.partial(torch.optim.AdamW, fused=True)
+        )
+        self.optimizer = adamw(
             [
                 {"params": decay, "weight_decay": c.weight_decay},
                 {"params": no_decay, "weight_decay": 0.0},
@@ -124,6 +134,23 @@ class Trainer:
         self.peak, self.device_name = _peak_flops()
         self.flops = iteration_flops(
             c.global_batch_size, c.seq_length, c.num_layers, c.hidden_size, c.vocab_size
+        )
+        self.start_iteration = 0  # iterations already done (a resumed run starts later)
+        if c.load:
+            self.start_iteration = checkpoint.load(
+                c.load, c, g, self.chunks, self.optimizer, self.rng
+            )
+
+    def save_checkpoint(self, iterations_done: int) -> None:
+        """Writes a checkpoint after ``iterations_done`` iterations to --save (every rank)."""
+        checkpoint.save(
+            self.config.save,
+            iterations_done,
+            self.config,
+            self.grid,
+            self.chunks,
+            self.optimizer,
+            self.rng,
         )
 
     # -- one iteration ----------------------------------------------------------------------
@@ -166,20 +193,23 @@ class Trainer:
 
     def _clip(self) -> float:
         c, g = self.config, self.grid
-        total = torch.zeros(1, dtype=torch.float64)
-        for chunk in self.chunks:
-            for name, p in chunk.named_parameters():
-                if p.grad is not None and self._counted(chunk, name, p):
-                    total += p.grad.detach().double().pow(2).sum().cpu()
+        # Summed on the device in float64 and read once: no host sync per parameter.
+        squares = [
+            p.grad.detach().double().pow(2).sum()
+            for chunk in self.chunks
+            for name, p in chunk.named_parameters()
+            if p.grad is not None and self._counted(chunk, name, p)
+        ]
+        total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1).double()
         if g.mp_group.size() > 1:
             dist.all_reduce(total, group=g.mp_group)
         norm = math.sqrt(total.item())
         if c.clip_grad > 0 and norm > c.clip_grad:
             scale = c.clip_grad / (norm + 1e-6)
-            for chunk in self.chunks:
-                for p in chunk.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
+            torch._foreach_mul_(
+                [p.grad for chunk in self.chunks for p in chunk.parameters() if p.grad is not None],
+                scale,
+            )
         return norm
 
     def train_step(self, iteration: int) -> dict[str, float]:
@@ -232,8 +262,17 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
 
     def iterations(self) -> Iterator[dict[str, float]]:
-        for it in range(self.config.train_iters):
-            yield self.train_step(it)
+        """Runs the iterations left (from a loaded checkpoint's on), saving every
+        --save-interval iterations and after the last one when --save is given."""
+        c = self.config
+        for it in range(self.start_iteration, c.train_iters):
+            figures = self.train_step(it)
+            done = it + 1
+            if c.save and (
+                done == c.train_iters or (c.save_interval and done % c.save_interval == 0)
+            ):
+                self.save_checkpoint(done)
+            yield figures
 
     def train(self, quiet: bool = False) -> list[dict[str, float]]:
         """Runs every iteration, printing a progress line every --log-interval iterations on

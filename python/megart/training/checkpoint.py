@@ -1,0 +1,154 @@
+"""Checkpoints in Megatron-LM's layout, written atomically, with everything resume needs.
+
+    <dir>/latest_checkpointed_iteration.txt          the last complete checkpoint
+    <dir>/iter_0000100/mp_rank_00/model_optim_rng.pt         (pipeline size 1)
+    <dir>/iter_0000100/mp_rank_00_001/model_optim_rng.pt     (tensor rank 0, pipeline rank 1)
+
+One file per model-parallel rank, written by data-parallel rank 0 of it (data-parallel ranks
+hold the same weights, optimizer state and random states). Each holds this rank's model chunks,
+the optimizer state, the random streams and the iteration, so a resumed run continues the same
+loss curve: the data and the learning rate are functions of the iteration.
+
+Atomic: files are written into ``iter_XXXXXXX.partial`` and the directory is renamed only after
+every rank has written, then the tracker file is replaced. A crash mid-save leaves the previous
+checkpoint as the latest one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import megart.distributed as dist
+from megart.errors import ConfigError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+# Saved with the checkpoint and compared on load: resuming under another layout or another
+# model would need resharding, which megart does not do.
+LAYOUT_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "vocab_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage",
+)
+
+
+def iteration_dir(directory: str | os.PathLike, iteration: int) -> Path:
+    return Path(directory) / f"iter_{iteration:07d}"
+
+
+def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def latest_iteration(directory: str | os.PathLike) -> int | None:
+    """The iteration of the last complete checkpoint in ``directory``, or None."""
+    tracker = Path(directory) / TRACKER
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise ConfigError(f"{tracker} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def _rng_state(rng: Any) -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": rng.get_states(),
+    }
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save(
+    directory: str | os.PathLike,
+    iteration: int,
+    config: Any,
+    grid: Any,
+    chunks: list[torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    rng: Any,
+) -> Path:
+    """Saves this job's state after ``iteration`` iterations. Every rank calls it."""
+    final = iteration_dir(directory, iteration)
+    partial = final.with_name(final.name + ".partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # a crash's leftovers
+        partial.mkdir(parents=True)
+    dist.barrier()
+    if grid.dp_rank == 0:
+        state = {
+            "iteration": iteration,
+            "config": {f: getattr(config, f) for f in LAYOUT_FIELDS},
+            "model": [chunk.state_dict() for chunk in chunks],
+            "optimizer": optimizer.state_dict(),
+            "rng": _rng_state(rng),
+        }
+        out = partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(FILE + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, out)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        _replace_text(Path(directory) / TRACKER, f"{iteration}\n")
+    dist.barrier()
+    return final
+
+
+def load(
+    directory: str | os.PathLike,
+    config: Any,
+    grid: Any,
+    chunks: list[torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    rng: Any,
+) -> int:
+    """Restores the last complete checkpoint in ``directory`` into the model chunks, the
+    optimizer and the random streams; returns its iteration. A directory without a checkpoint,
+    or a checkpoint of another model or layout, is a ConfigError."""
+    iteration = latest_iteration(directory)
+    if iteration is None:
+        raise ConfigError(
+            f"--load {directory}: no {TRACKER} there; point --load at a directory that "
+            "--save wrote, or leave --load out to start from scratch"
+        )
+    path = iteration_dir(directory, iteration) / rank_dir(grid.tp_rank, grid.pp_rank, config.pp)
+    if not (path / FILE).exists():
+        raise ConfigError(f"--load {directory}: {path / FILE} is missing")
+    state = torch.load(path / FILE, map_location="cpu", weights_only=False)
+    saved, now = state["config"], {f: getattr(config, f) for f in LAYOUT_FIELDS}
+    differ = [
+        f"--{f.replace('_', '-')} {saved[f]} (now {now[f]})" for f in now if saved[f] != now[f]
+    ]
+    if differ:
+        raise ConfigError(
+            f"--load {directory}: the checkpoint was saved with " + ", ".join(differ) + "; "
+            "megart does not reshard checkpoints, so resume with the saved values"
+        )
+    for chunk, sd in zip(chunks, state["model"], strict=True):
+        chunk.load_state_dict(sd)
+    optimizer.load_state_dict(state["optimizer"])
+    r = state["rng"]
+    torch.set_rng_state(r["torch"])
+    if r["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(r["cuda"])
+    rng.set_states(r["tracker"])
+    return int(state["iteration"])
