@@ -39,6 +39,7 @@ class TrainConfig:
     bf16: bool = False
     log_interval: int = 1
     log_jsonl: str | None = None
+    tensorboard_dir: str | None = None  # TensorBoard scalars (needs the tensorboard package)
     save: str | None = None  # directory to write checkpoints to
     save_interval: int | None = None  # iterations between checkpoints (and one at the end)
     load: str | None = None  # directory to resume from (its latest checkpoint)

@@ -23,6 +23,7 @@ import megart
 import megart.distributed as dist
 import megart.optim
 from megart import schedule as sched
+from megart.errors import ConfigError
 from megart.models import GPTConfig, pipeline_chunks
 from megart.pipeline import PipelineEngine, StageLink
 from megart.tensor_parallel import (
@@ -47,6 +48,29 @@ def _peak_flops() -> tuple[float | None, str]:
         if key in name:
             return peak, name
     return None, name
+
+
+# TensorBoard tags, Megatron-LM's where it has one, for the figures of an iteration.
+TENSORBOARD_TAGS = {
+    "lm loss": "loss",
+    "grad-norm": "grad_norm",
+    "learning-rate": "lr",
+    "tokens-per-second": "tokens_per_s",
+    "tflops-per-gpu": "tflops_per_gpu",
+    "mfu": "mfu",
+    "pipeline-p2p-bytes": "pipeline_p2p_bytes",
+}
+
+
+def _tensorboard(directory: str) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ConfigError(
+            f"--tensorboard-dir needs the tensorboard package ({e}); "
+            "pip install 'megart[tensorboard]' or leave the flag out"
+        ) from e
+    return SummaryWriter(log_dir=directory)
 
 
 class Trainer:
@@ -276,27 +300,33 @@ class Trainer:
 
     def train(self, quiet: bool = False) -> list[dict[str, float]]:
         """Runs every iteration, printing a progress line every --log-interval iterations on
-        rank 0 and writing --log-jsonl there; returns every iteration's figures."""
+        rank 0 and writing --log-jsonl and --tensorboard-dir there; returns every iteration's
+        figures."""
         c = self.config
         history = []
-        log = open(c.log_jsonl, "w") if c.log_jsonl and dist.get_rank() == 0 else None
-        try:
-            if not quiet and dist.get_rank() == 0:
+        rank0 = dist.get_rank() == 0
+        with contextlib.ExitStack() as stack:
+            log = stack.enter_context(open(c.log_jsonl, "w")) if c.log_jsonl and rank0 else None
+            board = _tensorboard(c.tensorboard_dir) if c.tensorboard_dir and rank0 else None
+            if board is not None:
+                stack.callback(board.close)
+            if not quiet and rank0:
                 print(self.describe(), flush=True)
             for fig in self.iterations():
                 history.append(fig)
                 if log:
                     log.write(json.dumps(fig) + "\n")
                     log.flush()
+                if board is not None:
+                    for tag, key in TENSORBOARD_TAGS.items():
+                        if fig[key] is not None:
+                            board.add_scalar(tag, fig[key], fig["iteration"])
                 if (
                     not quiet
-                    and dist.get_rank() == 0
+                    and rank0
                     and (fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1)
                 ):
                     print(self.progress(fig), flush=True)
-        finally:
-            if log:
-                log.close()
         return history
 
     def describe(self) -> str:

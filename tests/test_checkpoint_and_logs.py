@@ -1,6 +1,7 @@
-"""Checkpoints: a resumed run continues the same loss curve (one process and tp2 x pp2), files
-follow Megatron-LM's layout, a crash mid-save leaves the last good checkpoint, and loading a
-checkpoint of another layout or from an empty directory is refused with what to change."""
+"""Checkpoints and TensorBoard logs. A resumed run continues the same loss curve (one process
+and tp2 x pp2), files follow Megatron-LM's layout, a crash mid-save leaves the last good
+checkpoint, loading a checkpoint of another layout or from an empty directory is refused with
+what to change; TensorBoard's own reader finds the iteration figures."""
 
 import pytest
 
@@ -76,3 +77,19 @@ def test_loading_another_layout_or_nothing_is_refused(tmp_path):
 def test_save_interval_without_save_is_refused():
     with pytest.raises(ConfigError, match="--save-interval 2 needs --save"):
         tw.tiny(save_interval=2).check(1)
+
+
+def test_tensorboard_scalars_match_the_iteration_figures(tmp_path):
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    history = launch(_train, 1, dict(train_iters=3, tensorboard_dir=str(tmp_path)), timeout=300)[0]
+    board = event_accumulator.EventAccumulator(str(tmp_path))
+    board.Reload()
+    losses = [(e.step, e.value) for e in board.Scalars("lm loss")]
+    assert [s for s, _ in losses] == [1, 2, 3]
+    assert [v for _, v in losses] == pytest.approx([h["loss"] for h in history], rel=1e-6)
+    assert [e.value for e in board.Scalars("learning-rate")] == pytest.approx(
+        [h["lr"] for h in history], rel=1e-6
+    )
+    assert "mfu" not in board.Tags()["scalars"]  # no peak on a CPU: nothing to log
