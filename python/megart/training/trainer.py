@@ -25,6 +25,7 @@ import megart.optim
 from megart import schedule as sched
 from megart.errors import ConfigError
 from megart.models import GPTConfig, pipeline_chunks
+from megart.optim.clip import grad_sum_of_squares
 from megart.pipeline import PipelineEngine, StageLink
 from megart.tensor_parallel import (
     RNGStatesTracker,
@@ -217,14 +218,19 @@ class Trainer:
 
     def _clip(self) -> float:
         c, g = self.config, self.grid
-        # Summed on the device in float64 and read once: no host sync per parameter.
-        squares = [
-            p.grad.detach().double().pow(2).sum()
+        # Each parameter counted once across model parallelism; float64 sums of squares
+        # (megart's multi-tensor sweep on CPU, on the device on GPU), read on the host once.
+        counted = [
+            p.grad
             for chunk in self.chunks
             for name, p in chunk.named_parameters()
             if p.grad is not None and self._counted(chunk, name, p)
         ]
-        total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1).double()
+        total = (
+            grad_sum_of_squares(counted).reshape(1)
+            if counted
+            else torch.zeros(1, dtype=torch.float64, device=self.device)
+        )
         if g.mp_group.size() > 1:
             dist.all_reduce(total, group=g.mp_group)
         norm = math.sqrt(total.item())
