@@ -16,6 +16,7 @@ class TrainConfig:
     num_attention_heads: int = 4
     seq_length: int = 128
     vocab_size: int = 256  # the built-in corpus is bytes
+    data_path: str | None = None  # a Megatron indexed dataset (PREFIX.bin/.idx); default built-in
     micro_batch_size: int = 4
     global_batch_size: int = 16
     train_iters: int = 40

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megart.errors import ConfigError
+
 BYTE_VOCAB = 256
 
 
@@ -34,16 +36,18 @@ def builtin_corpus(max_bytes: int = 8 << 20) -> np.ndarray:
 
 
 class TokenDataset:
-    """Random windows of ``seq_length + 1`` tokens from one long token array."""
+    """Random windows of ``seq_length + 1`` tokens from one long token array (a memory map of
+    an indexed dataset stays one: only the windows drawn are read)."""
 
-    def __init__(self, tokens: np.ndarray, seq_length: int) -> None:
+    def __init__(self, tokens: np.ndarray, seq_length: int, vocab_size: int | None = None) -> None:
         if len(tokens) <= seq_length + 1:
-            raise ValueError(
+            raise ConfigError(
                 f"the corpus has {len(tokens)} tokens; need more than "
                 f"seq_length + 1 = {seq_length + 1}"
             )
-        self.tokens = torch.from_numpy(tokens.astype(np.int64))
+        self.tokens = tokens
         self.seq_length = seq_length
+        self.vocab_size = vocab_size
 
     def global_batch(
         self, seed: int, iteration: int, size: int
@@ -51,5 +55,14 @@ class TokenDataset:
         """(inputs, targets), each [size, seq_length]: the same for every rank and layout."""
         g = torch.Generator().manual_seed(seed * 1_000_003 + iteration)
         starts = torch.randint(0, len(self.tokens) - self.seq_length - 1, (size,), generator=g)
-        windows = torch.stack([self.tokens[s : s + self.seq_length + 1] for s in starts.tolist()])
+        windows = torch.from_numpy(
+            np.stack([self.tokens[s : s + self.seq_length + 1] for s in starts.tolist()]).astype(
+                np.int64
+            )
+        )
+        if self.vocab_size is not None and int(windows.max()) >= self.vocab_size:
+            raise ConfigError(
+                f"token id {int(windows.max())} is outside --vocab-size {self.vocab_size}; set "
+                "--vocab-size to the tokenizer's vocabulary size"
+            )
         return windows[:, :-1], windows[:, 1:]

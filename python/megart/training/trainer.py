@@ -37,6 +37,7 @@ from megart.training.config import TrainConfig
 from megart.training.data import TokenDataset, builtin_corpus
 from megart.training.flops import PEAK_FLOPS, iteration_flops
 from megart.training.grad_sync import GradientBuckets
+from megart.training.indexed import IndexedTokens
 from megart.training.lr import learning_rate
 
 
@@ -155,7 +156,9 @@ class Trainer:
             betas=(c.adam_beta1, c.adam_beta2),
             eps=c.adam_eps,
         )
-        self.data = TokenDataset(builtin_corpus() if tokens is None else tokens, c.seq_length)
+        if tokens is None:
+            tokens = IndexedTokens(c.data_path).tokens if c.data_path else builtin_corpus()
+        self.data = TokenDataset(tokens, c.seq_length, c.vocab_size)
         self.peak, self.device_name = _peak_flops()
         self.flops = iteration_flops(
             c.global_batch_size, c.seq_length, c.num_layers, c.hidden_size, c.vocab_size
