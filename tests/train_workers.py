@@ -81,3 +81,20 @@ def train_on(data_path: str, vocab_size: int) -> list[dict]:
     return Trainer(tiny(data_path=data_path, vocab_size=vocab_size, train_iters=2)).train(
         quiet=True
     )
+
+
+def train_tracking_weights(kw: dict) -> list[dict]:
+    """Each iteration's figures plus a checksum of this rank's weights after it."""
+    import torch
+
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(tiny(**kw), tokens=builtin_corpus(1 << 16))
+    out = []
+    for fig in trainer.iterations():
+        with torch.no_grad():
+            fig["weights"] = sum(
+                float(p.double().sum()) for c in trainer.chunks for p in c.parameters()
+            )
+        out.append(fig)
+    return out

@@ -69,9 +69,11 @@ class PipelineEngine:
         inputs: Sequence[torch.Tensor] | None,
         targets: Sequence[torch.Tensor] | None,
         loss_fn: LossFn,
+        loss_scale: float = 1.0,
     ) -> list[torch.Tensor]:
         """Runs forward and backward of every microbatch; gradients accumulate in the chunks'
-        parameters (the loss is divided by m, so they are the batch mean's). ``inputs`` are
+        parameters (the loss is divided by m, so they are the batch mean's, times
+        ``loss_scale``, which fp16 training sets). ``inputs`` are
         needed on the first stage and ``targets`` on the last. Returns each microbatch's loss
         (detached) on the rank that holds the last stage, else an empty list."""
         s = self.schedule
@@ -98,7 +100,7 @@ class PipelineEngine:
             if self._last(a.chunk):
                 loss = loss_fn(out, targets[a.mb])
                 losses[a.mb] = loss.detach()
-                out = loss / m
+                out = loss * (loss_scale / m)
             stash[(a.mb, a.chunk)] = (leaf, out)
 
         def backward(a: sched.Action) -> None:

@@ -6,8 +6,9 @@
 
 One file per model-parallel rank, written by data-parallel rank 0 of it (data-parallel ranks
 hold the same weights, optimizer state and random states). Each holds this rank's model chunks,
-the optimizer state, the random streams and the iteration, so a resumed run continues the same
-loss curve: the data and the learning rate are functions of the iteration.
+the optimizer state, the random streams, the fp16 loss scale and the iteration, so a resumed
+run continues the same loss curve: the data and the learning rate are functions of the
+iteration.
 
 Atomic: files are written into ``iter_XXXXXXX.partial`` and the directory is renamed only after
 every rank has written, then the tracker file is replaced. A crash mid-save leaves the previous
@@ -83,6 +84,7 @@ def save(
     chunks: list[torch.nn.Module],
     optimizer: torch.optim.Optimizer,
     rng: Any,
+    scaler: Any = None,
 ) -> Path:
     """Saves this job's state after ``iteration`` iterations. Every rank calls it."""
     final = iteration_dir(directory, iteration)
@@ -98,6 +100,7 @@ def save(
             "model": [chunk.state_dict() for chunk in chunks],
             "optimizer": optimizer.state_dict(),
             "rng": _rng_state(rng),
+            "loss_scaler": scaler.state_dict() if scaler is not None else None,
         }
         out = partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -120,6 +123,7 @@ def load(
     chunks: list[torch.nn.Module],
     optimizer: torch.optim.Optimizer,
     rng: Any,
+    scaler: Any = None,
 ) -> int:
     """Restores the last complete checkpoint in ``directory`` into the model chunks, the
     optimizer and the random streams; returns its iteration. A directory without a checkpoint,
@@ -151,4 +155,6 @@ def load(
     if r["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(r["cuda"])
     rng.set_states(r["tracker"])
+    if scaler is not None and state.get("loss_scaler") is not None:
+        scaler.load_state_dict(state["loss_scaler"])
     return int(state["iteration"])

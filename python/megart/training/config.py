@@ -38,6 +38,11 @@ class TrainConfig:
     sequence_parallel: bool = False
     scatter_gather_tensors_in_pipeline: bool = True
     bf16: bool = False
+    fp16: bool = False  # fp16 compute with dynamic loss scaling (fp32 weights)
+    loss_scale: float | None = None  # a static fp16 loss scale; None: dynamic
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000  # overflow-free iterations before the scale doubles
     log_interval: int = 1
     log_jsonl: str | None = None
     tensorboard_dir: str | None = None  # TensorBoard scalars (needs the tensorboard package)
@@ -114,6 +119,8 @@ class TrainConfig:
             )
         if self.train_iters < 1 or self.log_interval < 1:
             raise ConfigError("--train-iters and --log-interval must be at least 1")
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 exclude each other; choose one")
         if self.save_interval is not None and (self.save_interval < 1 or not self.save):
             raise ConfigError(
                 f"--save-interval {self.save_interval} needs --save DIR and a value of at least 1"

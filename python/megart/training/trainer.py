@@ -26,6 +26,7 @@ from megart import schedule as sched
 from megart.errors import ConfigError
 from megart.models import GPTConfig, pipeline_chunks
 from megart.optim.clip import grad_sum_of_squares
+from megart.optim.loss_scale import LossScaler
 from megart.pipeline import PipelineEngine, StageLink
 from megart.tensor_parallel import (
     RNGStatesTracker,
@@ -163,10 +164,19 @@ class Trainer:
         self.flops = iteration_flops(
             c.global_batch_size, c.seq_length, c.num_layers, c.hidden_size, c.vocab_size
         )
+        self.scaler = (
+            LossScaler(
+                init_scale=c.loss_scale or c.initial_loss_scale,
+                growth_interval=c.loss_scale_window,
+                min_scale=c.min_loss_scale,
+            )
+            if c.fp16
+            else None
+        )
         self.start_iteration = 0  # iterations already done (a resumed run starts later)
         if c.load:
             self.start_iteration = checkpoint.load(
-                c.load, c, g, self.chunks, self.optimizer, self.rng
+                c.load, c, g, self.chunks, self.optimizer, self.rng, self.scaler
             )
 
     def save_checkpoint(self, iterations_done: int) -> None:
@@ -179,6 +189,7 @@ class Trainer:
             self.chunks,
             self.optimizer,
             self.rng,
+            self.scaler,
         )
 
     # -- one iteration ----------------------------------------------------------------------
@@ -198,9 +209,21 @@ class Trainer:
         return self.chunks[-1].loss(logits, targets)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if not self.config.bf16:
+        c = self.config
+        if not (c.bf16 or c.fp16):
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if c.bf16 else torch.float16)
+
+    def _overflowed(self) -> bool:
+        """fp16: unscales the gradients and says whether any rank saw an inf or NaN (then every
+        rank skips the step); updates a dynamic loss scale."""
+        params = [p for chunk in self.chunks for p in chunk.parameters()]
+        found = self.scaler.unscale_(params).to(self.device)
+        dist.all_reduce(found, op="max")
+        overflow = bool(found.item())
+        if self.config.loss_scale is None:
+            self.scaler.update(overflow)
+        return overflow
 
     def _shared_embedding_grads(self) -> None:
         """First and last stage each hold the tied embedding; their gradients are summed."""
@@ -253,19 +276,22 @@ class Trainer:
         self.buckets.zero_grad()
         self.buckets.start_iteration(self.m)
         dist.reset_bytes_sent(g.pp_group)
+        scale = self.scaler.scale if self.scaler else 1.0
         with self._autocast():
-            losses = self.engine.run(inputs, targets, self._loss_fn)
+            losses = self.engine.run(inputs, targets, self._loss_fn, scale)
         self.buckets.finish()
         for chunk in self.chunks:
             sync_sequence_parallel_grads(chunk, g.tp_group)
         self._shared_embedding_grads()
-        grad_norm = self._clip()
+        skipped = self.scaler is not None and self._overflowed()
+        grad_norm = math.nan if skipped else self._clip()
         lr = learning_rate(
             iteration, c.lr, c.min_lr, c.lr_warmup_iters, c.lr_decay_iters or c.train_iters
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        if not skipped:
+            self.optimizer.step()
         # The global-batch mean loss: the last stage has it, averaged over data parallelism.
         figures = torch.tensor(
             [
@@ -290,6 +316,8 @@ class Trainer:
             "tflops_per_gpu": tflops,
             "mfu": tflops * 1e12 / self.peak if self.peak else None,
             "pipeline_p2p_bytes": int(figures[1].item()),
+            "loss_scale": scale,
+            "skipped": skipped,
         }
 
     # -- the loop ----------------------------------------------------------------------------
