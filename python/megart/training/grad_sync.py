@@ -34,7 +34,9 @@ class GradientBuckets:
 
     Call :meth:`start_iteration` with the number of backward passes each parameter will see
     (the microbatches), run the backward passes, then :meth:`finish` to wait for the last
-    reductions. Gradients accumulate across microbatches into the same buffers.
+    reductions. Gradients accumulate across microbatches into the same buffers. With
+    ``overlap`` False every bucket is reduced in :meth:`finish` instead (the baseline that
+    bench/dp_overlap.py compares with).
     """
 
     def __init__(
@@ -42,8 +44,10 @@ class GradientBuckets:
         params: Sequence[torch.nn.Parameter],
         dp_group: ProcessGroup | None,
         bucket_bytes: int = 4 << 20,
+        overlap: bool = True,
     ) -> None:
         self.group = dp_group
+        self.overlap = overlap
         params = [p for p in params if p.requires_grad]
         self.buckets: list[_Bucket] = []
         current: list[torch.nn.Parameter] = []
@@ -84,7 +88,7 @@ class GradientBuckets:
             return
         b = self._bucket_of[id(p)]
         b.pending -= 1
-        if b.pending == 0 and self.active:
+        if b.pending == 0 and self.active and self.overlap:
             b.work = dist.all_reduce(b.buffer, op="avg", group=self.group, async_op=True)
 
     def finish(self) -> None:
