@@ -299,6 +299,7 @@ class Trainer:
                 float(sum(dist.bytes_sent(g.pp_group).values())),
             ],
             dtype=torch.float64,
+            device=self.device,  # nccl groups move device memory only
         )
         dist.all_reduce(figures[:1], group=g.pp_group)  # only the last stage adds a loss
         dist.all_reduce(figures[:1], op="avg", group=g.dp_group)
