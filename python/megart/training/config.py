@@ -37,6 +37,11 @@ class TrainConfig:
     sequence_parallel: bool = False
     scatter_gather_tensors_in_pipeline: bool = True
     bf16: bool = False
+    # megart's fused CUDA kernels (see megart.kernels and GPTConfig); the torch references run
+    # where there is no GPU or megart._cuda. Off until measured faster than torch on a GPU.
+    bias_gelu_fusion: bool = False  # bias add + GeLU in the MLP, one kernel
+    fused_layer_norm: bool = False  # LayerNorm kernel, the residual add fused into the second
+    cross_entropy_loss_fusion: bool = False  # loss and logits gradient in the logits' buffer
     log_interval: int = 1
     log_jsonl: str | None = None
 
