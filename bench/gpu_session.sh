@@ -22,7 +22,9 @@ for step in "$@"; do
   log "$step"
   case "$step" in
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_optim_cuda.py \
-             tests/test_kernels.py tests/test_build_info.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+             tests/test_kernels.py tests/test_fused_kernels_cuda.py tests/test_build_info.py 2>&1 \
+             | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    kernels) python3 bench/kernels.py --json "$OUT/fused_kernels.json" 2>&1 | tail -60 ;;
     allreduce|p2p) megart-bench "$step" --backend nccl -b 8 -e 256M -f 8 -n 50 -w 10 \
              --json "$OUT/nccl_$step.json" 2>&1 | tail -20 ;;
     *) eval "$step" 2>&1 | tail -40 ;;
