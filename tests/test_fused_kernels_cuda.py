@@ -53,7 +53,9 @@ def poisoned(shape, dtype, offset=0):
 def assert_rel(actual, expected, tol, what):
     actual, expected = actual.double(), expected.double()
     assert torch.isfinite(actual).all(), f"{what}: non-finite values (unwritten?)"
-    err = ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+    # A floor under ||ref|| for references that are (nearly) zero, e.g. LayerNorm of one column.
+    floor = 1e-3 * expected.numel() ** 0.5
+    err = ((actual - expected).norm() / expected.norm().clamp_min(floor)).item()
     assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}"
 
 

@@ -3,7 +3,8 @@
 // LayerNorm with the residual add folded in: one block per row reads x and residual once, writes
 // their sum (the next residual) and the normalised row, and keeps mean and rstd for the backward.
 // The statistics use two passes over the row (mean, then squared deviations), re-reading the row
-// from cache, so there is no cancellation for rows far from zero mean.
+// from cache: no cancellation even when a few channels are far larger than the rest (as in
+// large models' residual streams), which one-pass sums of v and v^2 would suffer.
 #include "fused_device.cuh"
 
 namespace megart::cuda {
@@ -182,7 +183,8 @@ cudaError_t prepare_backward(int64_t hidden, bool has_bias, size_t* bytes) {
     err = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   }
   if (err != cudaSuccess) return err;
-  if (*bytes > static_cast<size_t>(limit)) return cudaErrorInvalidValue;
+  // The kernel's static shared memory (the 32-float reduction scratch) counts against it too.
+  if (*bytes + 32 * sizeof(float) > static_cast<size_t>(limit)) return cudaErrorInvalidValue;
   return cudaFuncSetAttribute(add_layer_norm_backward_kernel<T>,
                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                               static_cast<int>(*bytes));
