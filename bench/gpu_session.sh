@@ -4,6 +4,8 @@
 # Steps: tests allreduce p2p nccl-overhead adam kernels train-1.3b, or any shell command.
 # Written without a GPU: the first session that has one runs
 #   bash bench/gpu_session.sh tests nccl-overhead adam kernels train-1.3b allreduce
+# and a second call with --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion
+# added to train-1.3b for the end-to-end effect of the kernels that beat torch.
 # Logs go to $OUT (or ./gpu_out); each step's output also prints, last lines last.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -25,12 +27,13 @@ for step in "$@"; do
   log "$step"
   case "$step" in
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_optim_cuda.py \
-             tests/test_kernels.py tests/test_build_info.py $(ls tests/test_fused_kernels.py 2>/dev/null) 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+             tests/test_kernels.py tests/test_fused_kernels_cuda.py tests/test_build_info.py 2>&1 \
+             | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    kernels) python3 bench/kernels.py --json "$OUT/fused_kernels.json" 2>&1 | tail -60 ;;
     allreduce|p2p) megart-bench "$step" --backend nccl -b 8 -e 256M -f 8 -n 50 -w 10 \
              --json "$OUT/nccl_$step.json" 2>&1 | tail -20 ;;
     nccl-overhead) python3 bench/nccl_overhead.py --json "$OUT/nccl_overhead.json" 2>&1 | tail -12 ;;
     adam) python3 bench/adam_gpu.py --json "$OUT/adam_gpu.json" 2>&1 | tail -12 ;;
-    kernels) python3 bench/kernels.py --json "$OUT/kernels.json" 2>&1 | tail -30 ;;
     train-1.3b) # GPT-3 XL shape (24 x 2048, 16 heads, seq 2048): 1.21B with the byte vocab
       megart train --bf16 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
         --seq-length 2048 --micro-batch-size 4 --global-batch-size 32 --train-iters 30 \

@@ -9,6 +9,13 @@ from megart.models import GPT, GPTConfig
 from megart.models.hf import _gather
 from megart.tensor_parallel import sync_sequence_parallel_grads
 
+# Every fused op of megart.kernels on (GPTConfig fields, the `megart train` flags' names).
+FUSION_FLAGS = {
+    "bias_gelu_fusion": True,
+    "fused_layer_norm": True,
+    "cross_entropy_loss_fusion": True,
+}
+
 
 def small_config(**kw: object) -> GPTConfig:
     base = dict(vocab_size=300, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4)

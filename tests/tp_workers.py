@@ -322,14 +322,21 @@ def layers(cases: list[tuple[int, int, int, int, int]]) -> int:
 # Cross-entropy
 
 
-def cross_entropy(cases: list[tuple[int, int, int, float, int]]) -> int:
-    """Each case (tokens, vocab, ignored tokens, logit scale, seed); vocab a multiple of 4."""
+def cross_entropy(cases: list[tuple], fused: bool = False) -> int:
+    """Each case (tokens, vocab, ignored tokens, logit scale, seed[, padded]); vocab a multiple
+    of 4. ``padded`` sets the upper half of the vocabulary to -inf, as GPT's padded ids (at
+    t = 2 the second rank then holds only -inf). ``fused``: megart.kernels' fused op."""
+    from megart.kernels import fused_vocab_parallel_cross_entropy
+
+    loss_fn = fused_vocab_parallel_cross_entropy if fused else tp.vocab_parallel_cross_entropy
     checks = 0
     for group in tp_groups():
-        for n, vocab, n_ignored, scale, seed in cases:
+        for n, vocab, n_ignored, scale, seed, *padded in cases:
             gen = torch.Generator().manual_seed(seed)
             logits = randn(gen, 2, n, vocab) * scale  # [b, s, V]: any leading shape works
-            target = torch.randint(0, vocab, (2, n), generator=gen)
+            real = vocab // 2 if any(padded) else vocab
+            logits[..., real:] = float("-inf")
+            target = torch.randint(0, real, (2, n), generator=gen)
             target.view(-1)[:n_ignored] = -100
             g_loss = randn(gen, 2, n)
 
@@ -340,8 +347,8 @@ def cross_entropy(cases: list[tuple[int, int, int, float, int]]) -> int:
             (loss_ref * g_loss).sum().backward()
 
             local = mine(logits, group, -1).clone().requires_grad_()
-            loss = tp.vocab_parallel_cross_entropy(local, target, group)
-            what = f"cross-entropy {(n, vocab, n_ignored, scale, seed)}"
+            loss = loss_fn(local, target, group)
+            what = f"cross-entropy {(n, vocab, n_ignored, scale, seed, *padded)} fused={fused}"
             close(loss, loss_ref, f"{what} loss")
             (loss * g_loss).sum().backward()
             close(local.grad, mine(full.grad, group, -1), f"{what} logits grad")

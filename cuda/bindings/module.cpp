@@ -16,7 +16,8 @@
 namespace py = pybind11;
 
 namespace megart::cuda {
-void bind_nccl(py::module_& m);  // bindings/comm.cpp
+void bind_nccl(py::module_& m);   // bindings/comm.cpp
+void bind_fused(py::module_& m);  // bindings/fused.cpp
 }  // namespace megart::cuda
 
 namespace {
@@ -91,6 +92,7 @@ PYBIND11_MODULE(_cuda, m) {
   py::module_::import("megart._core");
   m.doc() = "megart's CUDA kernels and nccl transport (raw device pointers, stream handles)";
   megart::cuda::bind_nccl(m);
+  megart::cuda::bind_fused(m);
   m.def("toolkit_version", [] {
     return std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
   });

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megart.distributed import ProcessGroup
+from megart.kernels import add_layer_norm, bias_gelu, layer_norm
 from megart.models.config import GPTConfig
 from megart.tensor_parallel import (
     ColumnParallelLinear,
@@ -55,6 +56,13 @@ def norm(cfg: GPTConfig, sequence_parallel: bool) -> nn.Module:
     for p in module.parameters():
         p.sequence_parallel = sequence_parallel
     return module
+
+
+def apply_norm(module: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``module(x)``; with ``fused`` a LayerNorm runs through megart.kernels.layer_norm."""
+    if fused and isinstance(module, nn.LayerNorm):
+        return layer_norm(x, module.weight, module.bias, module.eps)
+    return module(x)
 
 
 def rotary(seq: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +141,7 @@ class MLP(nn.Module):
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_size
         self.swiglu = cfg.activation == "swiglu"
+        self.bias_gelu_fusion = cfg.bias_gelu_fusion
 
         def column(name: str) -> ColumnParallelLinear:
             return ColumnParallelLinear(
@@ -160,6 +169,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.proj(F.silu(self.gate(x)) * self.fc(x))
+        if self.bias_gelu_fusion:
+            y = self.fc(x, add_bias=False)
+            # The bias in the activation's dtype, as autocast gives F.linear's bias add.
+            return self.proj(bias_gelu(y, self.fc.bias.to(y.dtype)))
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
@@ -180,9 +193,16 @@ class Block(nn.Module):
         self.ln_2 = norm(cfg, sequence_parallel)
         self.mlp = MLP(cfg, layer, tp_group, sequence_parallel)
         self.drop = nn.Dropout(cfg.hidden_dropout)
+        self.fused_norm = cfg.fused_layer_norm
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x), rope))
-        return x + self.drop(self.mlp(self.ln_2(x)))
+        if not self.fused_norm:
+            x = x + self.drop(self.attn(self.ln_1(x), rope))
+            return x + self.drop(self.mlp(self.ln_2(x)))
+        # The first residual add goes into the second LayerNorm's kernel.
+        h = self.drop(self.attn(apply_norm(self.ln_1, x, True), rope))
+        ln_2 = self.ln_2
+        normed, x = add_layer_norm(h, x, ln_2.weight, ln_2.bias, ln_2.eps)
+        return x + self.drop(self.mlp(normed))

@@ -31,6 +31,12 @@ class GPTConfig:
     bias: bool = True
     init_std: float = 0.02
     seed: int = 1234  # initial weights depend on this alone, not on the parallel layout
+    # megart's fused CUDA kernels (megart.kernels) in place of the unfused torch ops; on a CPU,
+    # or without megart._cuda, the ops' torch references run. Off by default: none has yet
+    # been measured against torch on a GPU.
+    bias_gelu_fusion: bool = False  # the MLP's bias add + GeLU
+    fused_layer_norm: bool = False  # LayerNorm, with the residual add before the second one
+    cross_entropy_loss_fusion: bool = False  # loss and gradient in the logits' own buffer
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -44,6 +50,16 @@ class GPTConfig:
             raise ConfigError(
                 f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} "
                 "attention heads"
+            )
+        if self.bias_gelu_fusion and (self.activation != "gelu" or not self.bias):
+            raise ConfigError(
+                "bias_gelu_fusion fuses the MLP's bias and GeLU: it needs activation='gelu' and "
+                "bias=True; turn it off for this model"
+            )
+        if self.fused_layer_norm and self.normalization != "layernorm":
+            raise ConfigError(
+                "fused_layer_norm is a LayerNorm kernel; turn it off with "
+                f"normalization={self.normalization!r}"
             )
         if self.position_embedding == "rotary" and self.head_dim % 2:
             raise ConfigError(f"rotary positions need an even head size, not {self.head_dim}")

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megart.distributed import ProcessGroup
-from megart.models.blocks import Block, generator, norm, rotary
+from megart.kernels import fused_vocab_parallel_cross_entropy
+from megart.models.blocks import Block, apply_norm, generator, norm, rotary
 from megart.models.config import GPTConfig
 from megart.tensor_parallel import (
     RNGStatesTracker,
@@ -104,7 +105,7 @@ class GPTChunk(nn.Module):
             x = block(x, rope)
         if not self.last:
             return x
-        x = self.ln_f(x)
+        x = apply_norm(self.ln_f, x, self.cfg.fused_layer_norm)
         if self.sequence_parallel:
             x = gather_from_sequence_region(x, self.tp_group)
         else:
@@ -122,7 +123,11 @@ class GPTChunk(nn.Module):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy from this rank's logits slice and targets [b, s]."""
-        return vocab_parallel_cross_entropy(logits, targets.t(), self.tp_group).mean()
+        if self.cfg.cross_entropy_loss_fusion:
+            ce = fused_vocab_parallel_cross_entropy
+        else:
+            ce = vocab_parallel_cross_entropy
+        return ce(logits, targets.t(), self.tp_group).mean()
 
 
 class GPT(nn.Module):

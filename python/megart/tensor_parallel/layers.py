@@ -128,12 +128,16 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``add_bias=False`` leaves this rank's bias to the caller, to fuse with what follows
+        (so the output must stay split: not with gather_output)."""
+        if not add_bias and self.gather_output:
+            raise ConfigError("ColumnParallelLinear: add_bias=False needs gather_output=False")
         if self.sequence_parallel:
             x = gather_from_sequence_region(x, self.tp_group)
         else:
             x = copy_to_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias if add_bias else None)
         return gather_from_region(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -43,6 +43,11 @@ class TrainConfig:
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000  # overflow-free iterations before the scale doubles
+    # megart's fused CUDA kernels (see megart.kernels and GPTConfig); the torch references run
+    # where there is no GPU or megart._cuda. Off until measured faster than torch on a GPU.
+    bias_gelu_fusion: bool = False  # bias add + GeLU in the MLP, one kernel
+    fused_layer_norm: bool = False  # LayerNorm kernel, the residual add fused into the second
+    cross_entropy_loss_fusion: bool = False  # loss and logits gradient in the logits' buffer
     log_interval: int = 1
     log_jsonl: str | None = None
     tensorboard_dir: str | None = None  # TensorBoard scalars (needs the tensorboard package)

@@ -103,6 +103,9 @@ class Trainer:
             hidden_dropout=c.hidden_dropout,
             attention_dropout=c.attention_dropout,
             seed=c.seed,
+            bias_gelu_fusion=c.bias_gelu_fusion,
+            fused_layer_norm=c.fused_layer_norm,
+            cross_entropy_loss_fusion=c.cross_entropy_loss_fusion,
         )
         self.rng = RNGStatesTracker()
         # The replicated stream differs per pipeline stage (different layers), the

@@ -1,0 +1,113 @@
+// UNVERIFIED: never run (no GPU where it was written). See fused_ops.cuh.
+//
+// Bias add + GeLU (tanh approximation, as GPT-2) in one elementwise pass: the unfused form
+// writes x + bias to memory and reads it back. The bias gradient is a column sum of grad_x,
+// which torch's reduction does well, so the backward kernel stops at grad_x.
+#include "fused_device.cuh"
+
+namespace megart::cuda {
+
+namespace {
+
+using fused::for_each_piece;
+using fused::load;
+using fused::store;
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kCubic = 0.044715f;
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float gelu(float z) {
+  return 0.5f * z * (1.0f + tanhf(kSqrt2OverPi * (z + kCubic * z * z * z)));
+}
+
+// d gelu / dz = 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 c z^2), t = tanh(u(z)).
+__device__ __forceinline__ float gelu_grad(float z) {
+  const float t = tanhf(kSqrt2OverPi * (z + kCubic * z * z * z));
+  return 0.5f * (1.0f + t) +
+         0.5f * z * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kCubic * z * z);
+}
+
+// Adds the bias to W consecutive elements starting at flat index i (one modulo per piece).
+template <int W, typename T>
+__device__ __forceinline__ void add_bias(float (&v)[W], const T* bias, int64_t i, int64_t hidden) {
+  int64_t c = i % hidden;
+#pragma unroll
+  for (int k = 0; k < W; ++k) {
+    v[k] += fused::to_float(bias[c]);
+    if (++c == hidden) c = 0;
+  }
+}
+
+template <typename T>
+__global__ void bias_gelu_forward_kernel(const T* x, const T* bias, T* out, int64_t n,
+                                         int64_t hidden, bool vectorise) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for_each_piece(x, n, vectorise, first, stride, [&](int64_t i, auto width) {
+    constexpr int W = decltype(width)::value;
+    float v[W];
+    load<W>(x + i, v);
+    add_bias<W>(v, bias, i, hidden);
+#pragma unroll
+    for (int k = 0; k < W; ++k) v[k] = gelu(v[k]);
+    store<W>(out + i, v);
+  });
+}
+
+template <typename T>
+__global__ void bias_gelu_backward_kernel(const T* grad, const T* x, const T* bias, T* grad_x,
+                                          int64_t n, int64_t hidden, bool vectorise) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for_each_piece(x, n, vectorise, first, stride, [&](int64_t i, auto width) {
+    constexpr int W = decltype(width)::value;
+    float v[W];
+    float g[W];
+    load<W>(x + i, v);
+    load<W>(grad + i, g);
+    add_bias<W>(v, bias, i, hidden);
+#pragma unroll
+    for (int k = 0; k < W; ++k) g[k] *= gelu_grad(v[k]);
+    store<W>(grad_x + i, g);
+  });
+}
+
+// Enough blocks for one piece per thread, capped: the loop is grid-strided.
+int elementwise_blocks(int64_t n, int pack) {
+  const int64_t blocks = fused::ceil_div(fused::ceil_div(n, pack), kThreads);
+  return static_cast<int>(blocks < 65536 ? blocks : 65536);
+}
+
+}  // namespace
+
+cudaError_t bias_gelu_forward(const void* x, const void* bias, void* out, int64_t n, int64_t hidden,
+                              FusedType type, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  if (hidden <= 0 || n % hidden != 0) return cudaErrorInvalidValue;
+  return fused::dispatch(type, [&](auto tag) {
+    using T = decltype(tag);
+    const bool vectorise = fused::misalignment(x) == fused::misalignment(out);
+    bias_gelu_forward_kernel<T><<<elementwise_blocks(n, fused::kPack<T>), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<T*>(out), n, hidden,
+        vectorise);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t bias_gelu_backward(const void* grad, const void* x, const void* bias, void* grad_x,
+                               int64_t n, int64_t hidden, FusedType type, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  if (hidden <= 0 || n % hidden != 0) return cudaErrorInvalidValue;
+  return fused::dispatch(type, [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t m = fused::misalignment(x);
+    const bool vectorise = fused::misalignment(grad) == m && fused::misalignment(grad_x) == m;
+    bias_gelu_backward_kernel<T><<<elementwise_blocks(n, fused::kPack<T>), kThreads, 0, stream>>>(
+        static_cast<const T*>(grad), static_cast<const T*>(x), static_cast<const T*>(bias),
+        static_cast<T*>(grad_x), n, hidden, vectorise);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace megart::cuda

@@ -1,0 +1,167 @@
+// Device helpers shared by the fused kernels: fp32 conversion of the element types, 16-byte
+// packed loads and stores, a loop that splits a range into a scalar head, whole packs and a
+// scalar tail, and block-wide reductions. Only .cu files include this.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+
+#include "fused_ops.cuh"
+
+namespace megart::cuda::fused {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+// Elements of T per 16-byte load.
+template <typename T>
+constexpr int kPack = 16 / sizeof(T);
+
+template <typename T>
+struct alignas(16) Pack {
+  T v[kPack<T>];
+};
+
+// Loads W elements (W is 1 or kPack<T>; p is 16-byte aligned when W > 1) as floats.
+template <int W, typename T>
+__device__ __forceinline__ void load(const T* p, float (&out)[W]) {
+  if constexpr (W == 1) {
+    out[0] = to_float(*p);
+  } else {
+    static_assert(W == kPack<T>, "a pack is 16 bytes");
+    const Pack<T> pack = *reinterpret_cast<const Pack<T>*>(p);
+#pragma unroll
+    for (int k = 0; k < W; ++k) out[k] = to_float(pack.v[k]);
+  }
+}
+
+template <int W, typename T>
+__device__ __forceinline__ void store(T* p, const float (&in)[W]) {
+  if constexpr (W == 1) {
+    *p = from_float<T>(in[0]);
+  } else {
+    static_assert(W == kPack<T>, "a pack is 16 bytes");
+    Pack<T> pack;
+#pragma unroll
+    for (int k = 0; k < W; ++k) pack.v[k] = from_float<T>(in[k]);
+    *reinterpret_cast<Pack<T>*>(p) = pack;
+  }
+}
+
+template <int W>
+using Width = std::integral_constant<int, W>;
+
+// Calls f(i, Width<1>) or f(i, Width<kPack<T>>) so that together the calls of all threads cover
+// [0, n) once: thread `first` of `stride` threads takes every stride-th piece. Packs start where
+// `anchor` + i is 16-byte aligned; the elements before (head) and after (tail) go one by one.
+// With vectorise false (the arrays f touches are not aligned alike) every element goes alone.
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_piece(const T* anchor, int64_t n, bool vectorise,
+                                               int64_t first, int64_t stride, F&& f) {
+  constexpr int kV = kPack<T>;
+  int64_t head = n;
+  if (vectorise) {
+    const auto misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(anchor) % 16);
+    head = misaligned == 0 ? 0 : (16 - misaligned) / static_cast<int64_t>(sizeof(T));
+    head = head < n ? head : n;
+  }
+  const int64_t packs = (n - head) / kV;
+  const int64_t tail = head + packs * kV;
+  for (int64_t i = first; i < head; i += stride) f(i, Width<1>{});
+  for (int64_t p = first; p < packs; p += stride) f(head + p * kV, Width<kV>{});
+  for (int64_t i = tail + first; i < n; i += stride) f(i, Width<1>{});
+}
+
+// The block's threads split one row between them.
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_in_row(const T* row, int64_t n, bool vectorise, F&& f) {
+  for_each_piece(row, n, vectorise, threadIdx.x, blockDim.x, f);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  return v;
+}
+
+// Sum (or max) over the block, returned to every thread. blockDim.x is a multiple of 32 and
+// scratch holds 32 floats. The first barrier lets a previous call's readers finish with scratch;
+// the barriers also make the block's earlier global writes visible to all of its threads.
+template <bool kMax>
+__device__ __forceinline__ float block_reduce(float v, float* scratch) {
+  v = kMax ? warp_max(v) : warp_sum(v);
+  const int lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  const float identity = kMax ? -INFINITY : 0.0f;
+  v = lane < warps ? scratch[lane] : identity;
+  return kMax ? warp_max(v) : warp_sum(v);
+}
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  return block_reduce<false>(v, scratch);
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  return block_reduce<true>(v, scratch);
+}
+
+// Calls f(T{}) for the element type, so one generic lambda instantiates each kernel once per type.
+template <typename F>
+cudaError_t dispatch(FusedType type, F&& f) {
+  switch (type) {
+    case FusedType::kFloat32:
+      return f(float{});
+    case FusedType::kBFloat16:
+      return f(__nv_bfloat16{});
+    case FusedType::kFloat16:
+      return f(__half{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int64_t misalignment(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16; }
+
+// Threads for a block that handles one row of `n` elements in packs of `pack`: enough warps to
+// give each thread about one pack, between one warp and 512 threads.
+inline int row_threads(int64_t n, int pack) {
+  const int64_t warps = ceil_div(ceil_div(n, pack), 32);
+  return static_cast<int>(32 * (warps < 1 ? 1 : (warps > 16 ? 16 : warps)));
+}
+
+}  // namespace megart::cuda::fused
