@@ -18,6 +18,7 @@ from torch import nn
 from megart.distributed import ProcessGroup
 from megart.kernels import add_layer_norm, bias_gelu, layer_norm
 from megart.models.config import GPTConfig
+from megart.models.recompute import checkpointed
 from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
@@ -125,11 +126,19 @@ class Attention(nn.Module):
         q, k, v = qkv.view(s, b, self.local_heads, 3, self.cfg.head_dim).permute(3, 1, 2, 0, 4)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
+            y = checkpointed(self._core, self.rng, q, k, v)
+        else:
+            y = self._core(q, k, v)
+        return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal, with attention dropout on the tensor-parallel
+        stream: what selective recomputation recomputes."""
         dropout = self.cfg.attention_dropout if self.training else 0.0
         stream = self.rng.fork() if dropout and self.rng else contextlib.nullcontext()
         with stream:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, -1))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
 
 class MLP(nn.Module):

@@ -37,6 +37,12 @@ class GPTConfig:
     bias_gelu_fusion: bool = False  # the MLP's bias add + GeLU
     fused_layer_norm: bool = False  # LayerNorm, with the residual add before the second one
     cross_entropy_loss_fusion: bool = False  # loss and gradient in the logits' own buffer
+    # Activation recomputation, Megatron's flags: "full" recomputes whole layers ("uniform":
+    # groups of recompute_num_layers; "block": the first recompute_num_layers of each chunk),
+    # "selective" the attention core only.
+    recompute_granularity: str | None = None
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -60,6 +66,16 @@ class GPTConfig:
             raise ConfigError(
                 "fused_layer_norm is a LayerNorm kernel; turn it off with "
                 f"normalization={self.normalization!r}"
+            )
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ConfigError(
+                f"recompute_granularity={self.recompute_granularity!r}; use 'full' or "
+                "'selective' (or None)"
+            )
+        if self.recompute_method not in ("uniform", "block") or self.recompute_num_layers < 1:
+            raise ConfigError(
+                f"recompute_method={self.recompute_method!r}, recompute_num_layers="
+                f"{self.recompute_num_layers}; use 'uniform' or 'block' and at least 1 layer"
             )
         if self.position_embedding == "rotary" and self.head_dim % 2:
             raise ConfigError(f"rotary positions need an even head size, not {self.head_dim}")

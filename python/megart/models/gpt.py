@@ -17,6 +17,7 @@ from megart.distributed import ProcessGroup
 from megart.kernels import fused_vocab_parallel_cross_entropy
 from megart.models.blocks import Block, apply_norm, generator, norm, rotary
 from megart.models.config import GPTConfig
+from megart.models.recompute import checkpointed, recomputed_spans
 from megart.tensor_parallel import (
     RNGStatesTracker,
     VocabParallelEmbedding,
@@ -50,7 +51,7 @@ class GPTChunk(nn.Module):
         rng: RNGStatesTracker | None = None,
     ) -> None:
         super().__init__()
-        self.cfg, self.first, self.last = cfg, first, last
+        self.cfg, self.first, self.last, self.rng = cfg, first, last, rng
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.vocab = cfg.padded_vocab_size(group_size(tp_group))
         embedding = first or last
@@ -74,6 +75,25 @@ class GPTChunk(nn.Module):
         self.layer_ids = list(layers)
         if last:
             self.ln_f = norm(cfg, sequence_parallel)
+
+    def _blocks(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        if cfg.recompute_granularity != "full" or not torch.is_grad_enabled():
+            for block in self.blocks:
+                x = block(x, rope)
+            return x
+        spans = recomputed_spans(len(self.blocks), cfg.recompute_method, cfg.recompute_num_layers)
+        for start, stop, recompute in spans:
+
+            def run(h: torch.Tensor, start: int = start, stop: int = stop) -> torch.Tensor:
+                for block in self.blocks[start:stop]:
+                    h = block(h, rope)
+                return h
+
+            x = checkpointed(run, self.rng, x) if recompute else run(x)
+        return x
 
     def _unpadded_rows(self, weight: torch.Tensor) -> None:
         """Zeroes the rows of padded vocabulary entries, so the weights do not depend on t."""
@@ -101,8 +121,7 @@ class GPTChunk(nn.Module):
         if self.cfg.position_embedding == "rotary":
             t = group_size(self.tp_group) if self.sequence_parallel else 1
             rope = rotary(x.shape[0] * t, self.cfg.head_dim, x.device)
-        for block in self.blocks:
-            x = block(x, rope)
+        x = self._blocks(x, rope)
         if not self.last:
             return x
         x = apply_norm(self.ln_f, x, self.cfg.fused_layer_norm)

@@ -48,6 +48,12 @@ class TrainConfig:
     bias_gelu_fusion: bool = False  # bias add + GeLU in the MLP, one kernel
     fused_layer_norm: bool = False  # LayerNorm kernel, the residual add fused into the second
     cross_entropy_loss_fusion: bool = False  # loss and logits gradient in the logits' buffer
+    # Activation recomputation (see GPTConfig): --recompute-activations is Megatron's
+    # shorthand for --recompute-granularity selective.
+    recompute_activations: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
     log_interval: int = 1
     log_jsonl: str | None = None
     tensorboard_dir: str | None = None  # TensorBoard scalars (needs the tensorboard package)

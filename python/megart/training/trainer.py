@@ -106,6 +106,10 @@ class Trainer:
             bias_gelu_fusion=c.bias_gelu_fusion,
             fused_layer_norm=c.fused_layer_norm,
             cross_entropy_loss_fusion=c.cross_entropy_loss_fusion,
+            recompute_granularity=c.recompute_granularity
+            or ("selective" if c.recompute_activations else None),
+            recompute_method=c.recompute_method,
+            recompute_num_layers=c.recompute_num_layers,
         )
         self.rng = RNGStatesTracker()
         # The replicated stream differs per pipeline stage (different layers), the
@@ -164,8 +168,12 @@ class Trainer:
             tokens = IndexedTokens(c.data_path).tokens if c.data_path else builtin_corpus()
         self.data = TokenDataset(tokens, c.seq_length, c.vocab_size)
         self.peak, self.device_name = _peak_flops()
+        # TFLOP/s count what runs (the paper's 96-coefficient formula under full
+        # recomputation); MFU counts the model's FLOPs only, as its definition says.
+        shape = (c.global_batch_size, c.seq_length, c.num_layers, c.hidden_size, c.vocab_size)
+        self.model_flops = iteration_flops(*shape)
         self.flops = iteration_flops(
-            c.global_batch_size, c.seq_length, c.num_layers, c.hidden_size, c.vocab_size
+            *shape, recompute=self.model_config.recompute_granularity == "full"
         )
         self.scaler = (
             LossScaler(
@@ -318,7 +326,11 @@ class Trainer:
             "time_s": elapsed,
             "tokens_per_s": tokens / elapsed,
             "tflops_per_gpu": tflops,
-            "mfu": tflops * 1e12 / self.peak if self.peak else None,
+            "mfu": (
+                self.model_flops / elapsed / dist.get_world_size() / self.peak
+                if self.peak
+                else None
+            ),
             "pipeline_p2p_bytes": int(figures[1].item()),
             "loss_scale": scale,
             "skipped": skipped,

@@ -1,0 +1,55 @@
+"""Activation recomputation (Megatron's --recompute-granularity): keep only a checkpointed
+function's inputs in forward and run it again during backward.
+
+torch's non-reentrant checkpoint already replays the default CPU/CUDA generators and autocast.
+The tensor-parallel random stream lives in megart's RNGStatesTracker instead, so the replay
+also needs the tracker's states as they were when the forward ran: otherwise dropout inside a
+tensor-parallel region would draw different masks the second time and the gradients would be
+wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.checkpoint import checkpoint
+
+from megart.tensor_parallel import RNGStatesTracker
+
+GRANULARITIES = ("full", "selective")
+METHODS = ("uniform", "block")
+
+
+def checkpointed(fn: Callable[..., Any], rng: RNGStatesTracker | None, *args: Any) -> Any:
+    """``fn(*args)``, recomputed in backward with the same random streams."""
+    if rng is None:
+        return checkpoint(fn, *args, use_reentrant=False)
+    saved: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        saved["states"] = rng.get_states()
+        yield
+
+    @contextlib.contextmanager
+    def replay() -> Iterator[None]:
+        now = rng.get_states()
+        rng.set_states(saved["states"])
+        try:
+            yield
+        finally:
+            rng.set_states(now)
+
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (forward(), replay()))
+
+
+def recomputed_spans(layers: int, method: str, num_layers: int) -> list[tuple[int, int, bool]]:
+    """How a chunk of ``layers`` blocks runs under full recomputation: (start, stop, recompute)
+    spans. ``uniform``: groups of ``num_layers`` blocks, each group one checkpoint. ``block``:
+    the first ``num_layers`` blocks each checkpointed, the rest kept."""
+    if method == "uniform":
+        return [(i, min(i + num_layers, layers), True) for i in range(0, layers, num_layers)]
+    kept = min(num_layers, layers)
+    return [(i, i + 1, True) for i in range(kept)] + ([(kept, layers, False)] * (kept < layers))
