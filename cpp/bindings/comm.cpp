@@ -111,6 +111,7 @@ void bind_communicator(py::module_& m) {
 
 void bind_comm(py::module_& m) {
   bind_communicator(m);
+  bind_p2p_batch(m);
   m.def(
       "load_nccl",
       [](const std::vector<std::string>& candidates) {
