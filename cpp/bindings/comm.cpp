@@ -87,7 +87,7 @@ void bind_communicator(py::module_& m) {
           py::arg("ops"), py::arg("stream") = 0,
           "ops: (is_send, address, count, dtype, peer group rank) each")
       .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
-      .def("abort", &Communicator::abort)
+      .def("abort", &Communicator::abort, py::call_guard<py::gil_scoped_release>())
       .def("bytes_sent", &Communicator::bytes_sent)
       .def("reset_bytes_sent", &Communicator::reset_bytes_sent);
 
@@ -111,6 +111,7 @@ void bind_communicator(py::module_& m) {
 
 void bind_comm(py::module_& m) {
   bind_communicator(m);
+  bind_p2p_batch(m);
   m.def(
       "load_nccl",
       [](const std::vector<std::string>& candidates) {

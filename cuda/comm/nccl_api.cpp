@@ -31,6 +31,13 @@ NcclApi::NcclApi(const comm::NcclLibrary& lib) {
   } catch (const Error&) {
     get_last_error = nullptr;
   }
+  if (lib.version_code() >= kNccl2_14) {
+    try {
+      get(comm_init_rank_config, "ncclCommInitRankConfig");
+    } catch (const Error&) {
+      comm_init_rank_config = nullptr;  // the blocking ncclCommInitRank then
+    }
+  }
 }
 
 std::string NcclApi::explain(NcclResult result, void* comm) const {

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <limits>
 #include <string>
 
 #include "comm/nccl_communicator.hpp"
@@ -26,10 +27,31 @@ constexpr int kNcclUint8 = 1, kNcclInt32 = 2, kNcclInt64 = 4, kNcclFloat16 = 6, 
 constexpr int kNcclSum = 0, kNcclMax = 2, kNcclMin = 3, kNcclAvg = 4;
 // ncclAvg and ncclBfloat16 arrived in NCCL 2.10 (version code 21000).
 constexpr int kNccl2_10 = 21000;
+// ncclCommInitRankConfig and non-blocking communicators arrived in NCCL 2.14.
+constexpr int kNccl2_14 = 21400;
+
+// The fields of NCCL's ncclConfig_t as NCCL 2.14 defined them (nccl.h's NCCL_CONFIG_INITIALIZER
+// values: a magic number, the version the struct follows, every attribute undefined). NCCL
+// reads `size` first and copies that many bytes over its own defaults, so a later NCCL, whose
+// struct has grown, keeps its defaults for the fields added since.
+struct NcclConfig2_14 {
+  std::size_t size = sizeof(NcclConfig2_14);
+  unsigned int magic = 0xcafebeef;
+  unsigned int version = kNccl2_14;
+  int blocking = kNcclConfigUndefInt;
+  int cga_cluster_size = kNcclConfigUndefInt;
+  int min_ctas = kNcclConfigUndefInt;
+  int max_ctas = kNcclConfigUndefInt;
+  const char* net_name = nullptr;
+
+  static constexpr int kNcclConfigUndefInt = std::numeric_limits<int>::min();
+};
 
 struct NcclApi {
   NcclResult (*get_unique_id)(NcclUniqueIdC*) = nullptr;
   NcclResult (*comm_init_rank)(void**, int, NcclUniqueIdC, int) = nullptr;
+  // NCCL 2.14 and later; stays null before.
+  NcclResult (*comm_init_rank_config)(void**, int, NcclUniqueIdC, int, NcclConfig2_14*) = nullptr;
   NcclResult (*comm_destroy)(void*) = nullptr;
   NcclResult (*comm_abort)(void*) = nullptr;
   NcclResult (*comm_get_async_error)(void*, NcclResult*) = nullptr;

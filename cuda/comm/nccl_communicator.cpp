@@ -126,11 +126,7 @@ std::shared_ptr<NcclCommunicator> NcclCommunicator::create(const comm::NcclLibra
 
   DeviceGuard guard(device);
   const std::string what = "creating the communicator";
-  NcclUniqueIdC raw{};
-  std::memcpy(raw.internal, id.data(), kNcclUniqueIdBytes);
-  void* handle = nullptr;
-  c->check_nccl(api->comm_init_rank(&handle, size, raw, rank), "ncclCommInitRank", what);
-  c->comm_ = handle;
+  c->init_nccl(id, what);
   // Non-blocking streams: they never synchronise with the legacy default stream on their own;
   // ordering with the caller's stream is explicit (events).
   c->check_cuda(cudaStreamCreateWithFlags(&c->send_stream_, cudaStreamNonBlocking),
@@ -229,8 +225,54 @@ int NcclCommunicator::nccl_op(ReduceOp op, const std::string& what) const {
   throw ConfigError(where() + ": " + what + ": unknown reduction");
 }
 
+void NcclCommunicator::init_nccl(const NcclUniqueId& id, const std::string& what) {
+  NcclUniqueIdC raw{};
+  std::memcpy(raw.internal, id.data(), kNcclUniqueIdBytes);
+  void* handle = nullptr;
+  if (api_->comm_init_rank_config == nullptr) {
+    check_nccl(api_->comm_init_rank(&handle, size_, raw, rank_), "ncclCommInitRank", what);
+    comm_ = handle;
+    return;
+  }
+  NcclConfig2_14 config;
+  config.blocking = 0;
+  NcclResult state = api_->comm_init_rank_config(&handle, size_, raw, rank_, &config);
+  // NCCL connects to the other ranks in the background; poll until it has, or time runs out.
+  const auto deadline = Clock::now() + timeout_;
+  while (state == kNcclInProgress && handle != nullptr) {
+    if (Clock::now() > deadline) {
+      api_->comm_abort(handle);
+      throw CommTimeoutError(where() + ": " + what + " timed out after " +
+                             std::to_string(timeout_.count()) +
+                             " ms in ncclCommInitRankConfig: not every rank of the group joined "
+                             "(each must create the group with the same ranks)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const NcclResult polled = api_->comm_get_async_error(handle, &state);
+    if (polled != kNcclSuccess) state = polled;
+  }
+  if (state != kNcclSuccess || handle == nullptr) {
+    const std::string text = api_->explain(state, handle);
+    if (handle != nullptr) api_->comm_abort(handle);
+    throw CommError(where() + ": " + what + " failed: ncclCommInitRankConfig returned " + text);
+  }
+  comm_ = handle;
+  nonblocking_ = true;
+}
+
 void NcclCommunicator::check_nccl(int result, const std::string& call,
                                   const std::string& what) const {
+  const auto deadline = Clock::now() + timeout_;
+  while (result == kNcclInProgress && nonblocking_ && comm_ != nullptr) {
+    if (Clock::now() > deadline) {
+      throw CommTimeoutError(where() + ": " + what + " timed out after " +
+                             std::to_string(timeout_.count()) + " ms: " + call +
+                             " was still in progress");
+    }
+    std::this_thread::yield();
+    const NcclResult polled = api_->comm_get_async_error(comm_, &result);
+    if (polled != kNcclSuccess) result = polled;
+  }
   if (result == kNcclSuccess) return;
   throw CommError(where() + ": " + what + " failed: " + call + " returned " +
                   api_->explain(result, comm_));

@@ -120,7 +120,15 @@ class NcclCommunicator final : public comm::Communicator,
   void check_buffer(const comm::Buffer& b, const std::string& what) const;
   int nccl_dtype(comm::DType t, const std::string& what) const;
   int nccl_op(comm::ReduceOp op, const std::string& what) const;
-  // Throws CommError with NCCL's error string and last error when `result` is not success.
+  // Creates comm_ (UNVERIFIED). With NCCL 2.14 or later the communicator is non-blocking, so
+  // that creation is bounded by the timeout: a rank that never joins gives a CommTimeoutError
+  // (and the half-made communicator is aborted) instead of a hang. Older NCCL has only the
+  // blocking ncclCommInitRank, which waits for every rank however long it takes.
+  void init_nccl(const NcclUniqueId& id, const std::string& what);
+  // Throws CommError with NCCL's error string and last error when `result` is not success. On
+  // a non-blocking communicator a call may answer ncclInProgress while NCCL finishes it in the
+  // background; that is waited out first (up to the timeout), as NCCL requires before the next
+  // call on the communicator.
   void check_nccl(int result, const std::string& call, const std::string& what) const;
   void check_cuda(cudaError_t err, const std::string& call, const std::string& what) const;
   // Makes `stream` wait on the work queued so far on the caller's stream.
@@ -139,7 +147,8 @@ class NcclCommunicator final : public comm::Communicator,
   int device_;
   std::chrono::milliseconds timeout_;
 
-  void* comm_ = nullptr;  // ncclComm_t
+  void* comm_ = nullptr;      // ncclComm_t
+  bool nonblocking_ = false;  // made with ncclConfig_t.blocking = 0 (NCCL 2.14 and later)
   cudaStream_t send_stream_ = nullptr;
   cudaStream_t recv_stream_ = nullptr;
   cudaEvent_t caller_ready_ = nullptr;  // re-recorded on the caller's stream by every op

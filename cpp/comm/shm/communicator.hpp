@@ -4,15 +4,24 @@
 // once when posted, so a message that fits its ring is delivered at once. A thread with nothing
 // to do sleeps on a futex in the segment; only when the machine has a core for every rank does
 // it poll (yielding the core) for up to a millisecond first.
+//
+// Ops that nobody waits on (an async all_reduce posted during backward, a receive posted early)
+// are advanced by a progress thread, one per communicator, started the first time an op is
+// still pending after its post (see progress.cpp). It stands aside while a caller waits (the
+// caller progresses everything itself, without a thread hand-off on the latency path) and
+// leaves a just-posted op a short grace so that a synchronous op never wakes it.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/communicator.hpp"
@@ -43,6 +52,7 @@ class Task {
   // the same ring end, so only the oldest may move; a send to self and its receive are two lanes.
   virtual std::pair<int, int> lane() const { return {-1, -1}; }
 
+  std::chrono::steady_clock::time_point posted;
   std::chrono::steady_clock::time_point deadline;
   std::uint64_t moved = 0;  // bumped whenever step() advances: the engine goes round again
   std::atomic<bool> done{false};
@@ -58,7 +68,8 @@ class ShmCommunicator final : public Communicator,
   static std::shared_ptr<ShmCommunicator> create(const std::string& shm_name,
                                                  const std::string& group_name, int rank, int size,
                                                  const Options& options = {});
-  ~ShmCommunicator() override = default;
+  // Stops and joins the progress thread before the segment is unmapped.
+  ~ShmCommunicator() override;
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -85,7 +96,7 @@ class ShmCommunicator final : public Communicator,
   void signal();
   void count_sent(int peer, std::uint64_t bytes);
 
-  // Blocks until `task` finishes; used by Work::wait.
+  // Blocks until `task` finishes, then throws its error if it failed; used by Work::wait.
   void wait(const std::shared_ptr<Task>& task);
   bool poll(const std::shared_ptr<Task>& task);
 
@@ -93,14 +104,34 @@ class ShmCommunicator final : public Communicator,
   ShmCommunicator(Segment segment, Layout layout, std::string group_name, int rank, int size,
                   const Options& options);
   void attach();
+  // Queues `tasks` (refused if the group failed earlier) and advances them once. `what` names
+  // them in the refusal; nullptr: the first task's description. Caller holds mu_.
+  void post_locked(const std::vector<std::shared_ptr<Task>>& tasks, const char* what);
   WorkPtr submit(std::shared_ptr<Task> task);
   // Advances pending tasks in order: every point-to-point task whose ring is free, and the
   // oldest collective. Caller holds mu_.
   void progress_locked();
-  // Throws if the group is aborted, a task's peer has died, or the task's deadline has passed.
-  void check_health(const Task& task, bool check_peers);
-  [[noreturn]] void fail(const std::string& message, bool timeout);
+  // What is wrong with `task`: the group aborted, a peer it waits on died (looked for only when
+  // `check_peers`), or its deadline passed; empty when nothing is. Caller holds mu_.
+  std::string health_locked(const Task& task, bool check_peers, bool* timeout) const;
+  // Marks the group broken by `message` and fails every pending task; `culprit` gets the message
+  // itself (a CommTimeoutError when `timeout`). Caller holds mu_.
+  void fail_locked(const std::string& message, bool timeout, Task* culprit);
   std::string where() const;
+
+  // The progress thread (progress.cpp). Caller of start holds mu_.
+  void start_progress_locked();
+  void progress_loop();
+  enum class ThreadState {
+    kBusy,   // advancing tasks, or asleep on the segment's futex
+    kAlert,  // asleep with a timer: ops are being posted, or one was just posted
+    kIdle,   // asleep until a post notifies it
+    kAside,  // asleep while a caller waits (and advances everything); its leaving notifies
+  };
+  void sleep_locked(std::unique_lock<std::mutex>& lock, ThreadState state,
+                    std::optional<std::chrono::nanoseconds> timeout);
+  // A waiter leaves: the thread takes over what is still pending.
+  void leave_wait();
 
   Segment segment_;
   Layout layout_;
@@ -115,7 +146,17 @@ class ShmCommunicator final : public Communicator,
   std::deque<std::shared_ptr<Task>> pending_;
   std::uint64_t next_step_ = 0;
   std::string broken_;  // set once an op fails: the group cannot be trusted after that
+  bool broken_by_timeout_ = false;
   std::vector<std::atomic<std::uint64_t>> sent_;
+
+  // The progress thread and what it sleeps on; all guarded by mu_ except `waiting_`.
+  std::thread progress_;
+  std::condition_variable wake_;
+  ThreadState thread_state_ = ThreadState::kBusy;
+  bool stop_ = false;
+  bool no_thread_ = false;       // none could be started: ops progress only when waited on
+  std::uint64_t posts_ = 0;      // ops posted so far: the thread stays alert while it moves
+  std::atomic<int> waiting_{0};  // threads inside wait(), which progress everything themselves
 };
 
 }  // namespace megart::comm::shm

@@ -35,6 +35,8 @@ class ProcessGroup:
     # nccl: ops whose Work was waited on with wait_stream (or dropped by a synchronous op
     # ordered on the caller's stream), kept with their tensors until they complete.
     in_flight: list = field(default_factory=list, repr=False)
+    # shm: posts batch_isend_irecv's ops in one C++ call (made on first use, see ops.py).
+    p2p_batcher: _comm.P2PBatcher | None = field(default=None, repr=False)
 
     def rank(self) -> int:
         """This process's rank in the group, or -1 outside it."""

@@ -13,11 +13,13 @@ op has completed, so the caching allocator never hands their memory out while NC
 
 from __future__ import annotations
 
+from abc import ABCMeta
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from megart._core import comm as _comm
 from megart.distributed.group import ProcessGroup, context, resolve
 from megart.errors import ConfigError
 
@@ -33,8 +35,9 @@ _DTYPES = {
 _OPS = ("sum", "avg", "max", "min")
 
 
-class Work:
-    """An op in flight. Keeps its tensors alive until it has completed."""
+class Work(metaclass=ABCMeta):  # noqa: B024 - an ABC only so the C++ twin registers
+    """An op in flight. Keeps its tensors alive until it has completed. (batch_isend_irecv on
+    the shm transport returns its C++ twin, registered as a Work below: same methods.)"""
 
     __slots__ = ("_work", "_tensors", "_group")
 
@@ -71,6 +74,9 @@ class Work:
         if done:
             self._tensors = []
         return done
+
+
+Work.register(_comm.HostWork)
 
 
 def _keep_until_done(g: ProcessGroup, work: object, tensors: list[torch.Tensor]) -> None:
@@ -276,6 +282,24 @@ class P2POp:
 def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     """Posts every op before any waits, so they progress together: a ring exchange in both
     directions never deadlocks. Returns one Work per op, in order."""
+    if p2p_op_list:
+        g = resolve(p2p_op_list[0].group)
+        if g.backend == "shm" and g.comm is not None:
+            # One C++ call checks and posts a batch of one group's host tensors; it declines
+            # (posting nothing) whatever the checked path below must look at or explain.
+            if g.p2p_batcher is None:
+                g.p2p_batcher = _comm.P2PBatcher(
+                    g.comm, g.ranks, _DTYPES, isend, irecv, is_world=g is context().world
+                )
+            works = g.p2p_batcher.post(p2p_op_list)
+            if works is not None:
+                return works
+    return _batch_checked(p2p_op_list)
+
+
+def _batch_checked(p2p_op_list: Sequence[P2POp]) -> list[Work]:
+    """batch_isend_irecv with every check in Python: ops of several groups, nccl groups, and
+    bad arguments (the error names what is wrong before anything is sent)."""
     groups = [_member(p.group, "batch_isend_irecv") for p in p2p_op_list]
     works: list[Work | None] = [None] * len(p2p_op_list)
     for g in {id(g): g for g in groups}.values():
