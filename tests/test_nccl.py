@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -101,6 +102,35 @@ def test_shm_work_wait_stream_waits_on_the_host(no_world):
     w = dist.all_reduce(t, async_op=True)
     w.wait_stream()  # host memory: nothing to order on a device, so it waits
     assert w.is_completed() and t.tolist() == [1.0, 1.0, 1.0]
+
+
+class _StuckWork:
+    def is_completed(self):
+        return False
+
+
+class _AbortRecorder:
+    aborted = False
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_an_op_in_flight_past_the_timeout_aborts_the_group_at_its_next_use(no_world):
+    """nccl ops ordered on the stream keep their tensors in the group until they complete; one
+    that is still running after the timeout fails the group instead of hanging a later sync."""
+    from megart.distributed.ops import _keep_until_done
+
+    dist.init(backend="shm", timeout=0.2)
+    comm = _AbortRecorder()
+    g = ProcessGroup([0], "fake-nccl", "nccl", comm=comm, device=0)
+    _keep_until_done(g, _StuckWork(), [torch.ones(1)])
+    _keep_until_done(g, _StuckWork(), [torch.ones(1)])  # young: kept
+    assert len(g.in_flight) == 2 and not comm.aborted
+    time.sleep(0.3)
+    with pytest.raises(CommTimeoutError, match="group 'fake-nccl' has not completed after"):
+        _keep_until_done(g, _StuckWork(), [torch.ones(1)])
+    assert comm.aborted
 
 
 # ---- on a GPU (UNVERIFIED where written: these have never run) ----

@@ -136,6 +136,11 @@ class NcclCommunicator final : public comm::Communicator,
   // Records a completion event on `stream` (after the op just posted there).
   std::shared_ptr<NcclEvent> record(cudaStream_t stream, const std::string& what);
   comm::WorkPtr make_work(std::shared_ptr<NcclEvent> event, std::string what, std::string peers);
+  // What every collective does around its NCCL call: lock, check the group, order the send
+  // stream after the caller's, enqueue (`enqueue` returns NCCL's result), record the event.
+  template <typename Enqueue>
+  comm::WorkPtr collective(const std::string& what, comm::StreamHandle caller, const char* call,
+                           std::string peers, Enqueue enqueue);
   // Marks the group broken with `reason` and aborts the NCCL communicator (once).
   void break_group(const std::string& reason);
 

@@ -3,9 +3,13 @@ signatures. Ranks are global ranks, as in torch. Tensors are checked before anyt
 
 Groups on the shm transport take CPU tensors; groups on the nccl transport (UNVERIFIED: never
 run on a GPU) take CUDA tensors on the group's device. nccl ops are ordered after the work
-already queued on the caller's current CUDA stream. ``wait()`` blocks the host (raising
-CommError or CommTimeoutError rather than hanging), and so do ops with ``async_op=False``;
-``Work.wait_stream()`` orders the current stream after an op without blocking the host.
+already queued on the caller's current CUDA stream. As in torch.distributed, an nccl op with
+``async_op=False`` returns once it is enqueued, with the caller's stream ordered after it, so
+the host runs ahead of the GPU; ``Work.wait_stream()`` does the same for an async op.
+``wait()`` blocks the host (raising CommError or CommTimeoutError rather than hanging), on
+every transport, and shm ops with ``async_op=False`` wait too. An nccl op still unfinished
+after the group's timeout is found when the group is next used: the group is aborted and
+CommTimeoutError raised.
 
 Tensors stay referenced until their op has completed: by the Work until ``wait()`` returns or
 ``is_completed()`` is true, and after ``wait_stream()`` by the group, which lets them go once the
@@ -13,6 +17,7 @@ op has completed, so the caching allocator never hands their memory out while NC
 
 from __future__ import annotations
 
+import time
 from abc import ABCMeta
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +26,7 @@ import torch
 
 from megart._core import comm as _comm
 from megart.distributed.group import ProcessGroup, context, resolve
-from megart.errors import ConfigError
+from megart.errors import CommTimeoutError, ConfigError
 
 _DTYPES = {
     torch.float32: "float32",
@@ -80,8 +85,17 @@ Work.register(_comm.HostWork)
 
 
 def _keep_until_done(g: ProcessGroup, work: object, tensors: list[torch.Tensor]) -> None:
-    g.in_flight[:] = [(w, t) for w, t in g.in_flight if not w.is_completed()]
-    g.in_flight.append((work, tensors))
+    """Keeps ``tensors`` until ``work`` completes; an op older than the timeout that has not
+    completed aborts the group (a stuck peer must not hang the next host sync)."""
+    now = time.monotonic()
+    g.in_flight[:] = [(w, t, t0) for w, t, t0 in g.in_flight if not w.is_completed()]
+    if g.in_flight and now - g.in_flight[0][2] > context().timeout.total_seconds():
+        g.comm.abort()
+        raise CommTimeoutError(
+            f"rank {context().rank}: an op of group '{g.name}' has not completed after "
+            f"{context().timeout}; the group was aborted"
+        )
+    g.in_flight.append((work, tensors, now))
 
 
 def _reduce_op(op: object) -> str:
@@ -150,7 +164,10 @@ def _finish(
     w = Work(work, tensors, g)
     if async_op:
         return w
-    w.wait()
+    if g.backend == "nccl":
+        w.wait_stream()  # torch.distributed's semantics: ordered on the stream, host free
+    else:
+        w.wait()
     return None
 
 
