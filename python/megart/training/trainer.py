@@ -23,7 +23,6 @@ import megart
 import megart.distributed as dist
 import megart.optim
 from megart import schedule as sched
-from megart.errors import ConfigError
 from megart.models import GPTConfig, pipeline_chunks
 from megart.optim.clip import grad_sum_of_squares
 from megart.optim.loss_scale import LossScaler
@@ -36,44 +35,11 @@ from megart.tensor_parallel import (
 from megart.training import checkpoint
 from megart.training.config import TrainConfig
 from megart.training.data import TokenDataset, builtin_corpus
-from megart.training.flops import PEAK_FLOPS, iteration_flops
+from megart.training.flops import iteration_flops
 from megart.training.grad_sync import GradientBuckets
 from megart.training.indexed import IndexedTokens
 from megart.training.lr import learning_rate
-
-
-def _peak_flops() -> tuple[float | None, str]:
-    """The dense bf16 peak of this GPU, from its name, or None on CPU."""
-    if not torch.cuda.is_available():
-        return None, "CPU"
-    name = torch.cuda.get_device_name()
-    for key, peak in PEAK_FLOPS.items():
-        if key in name:
-            return peak, name
-    return None, name
-
-
-# TensorBoard tags, Megatron-LM's where it has one, for the figures of an iteration.
-TENSORBOARD_TAGS = {
-    "lm loss": "loss",
-    "grad-norm": "grad_norm",
-    "learning-rate": "lr",
-    "tokens-per-second": "tokens_per_s",
-    "tflops-per-gpu": "tflops_per_gpu",
-    "mfu": "mfu",
-    "pipeline-p2p-bytes": "pipeline_p2p_bytes",
-}
-
-
-def _tensorboard(directory: str) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise ConfigError(
-            f"--tensorboard-dir needs the tensorboard package ({e}); "
-            "pip install 'megart[tensorboard]' or leave the flag out"
-        ) from e
-    return SummaryWriter(log_dir=directory)
+from megart.training.reporting import TENSORBOARD_TAGS, peak_flops, tensorboard_writer
 
 
 class Trainer:
@@ -167,7 +133,7 @@ class Trainer:
         if tokens is None:
             tokens = IndexedTokens(c.data_path).tokens if c.data_path else builtin_corpus()
         self.data = TokenDataset(tokens, c.seq_length, c.vocab_size)
-        self.peak, self.device_name = _peak_flops()
+        self.peak, self.device_name = peak_flops()
         # TFLOP/s count what runs (the paper's 96-coefficient formula under full
         # recomputation); MFU counts the model's FLOPs only, as its definition says.
         shape = (c.global_batch_size, c.seq_length, c.num_layers, c.hidden_size, c.vocab_size)
@@ -360,7 +326,7 @@ class Trainer:
         rank0 = dist.get_rank() == 0
         with contextlib.ExitStack() as stack:
             log = stack.enter_context(open(c.log_jsonl, "w")) if c.log_jsonl and rank0 else None
-            board = _tensorboard(c.tensorboard_dir) if c.tensorboard_dir and rank0 else None
+            board = tensorboard_writer(c.tensorboard_dir) if c.tensorboard_dir and rank0 else None
             if board is not None:
                 stack.callback(board.close)
             if not quiet and rank0:

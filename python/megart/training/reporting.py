@@ -1,0 +1,45 @@
+"""What the trainer reports besides its progress line: the GPU's peak for MFU and TensorBoard
+scalars."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megart.errors import ConfigError
+from megart.training.flops import PEAK_FLOPS
+
+
+def peak_flops() -> tuple[float | None, str]:
+    """The dense bf16 peak of this GPU, from its name, or None on CPU."""
+    if not torch.cuda.is_available():
+        return None, "CPU"
+    name = torch.cuda.get_device_name()
+    for key, peak in PEAK_FLOPS.items():
+        if key in name:
+            return peak, name
+    return None, name
+
+
+# TensorBoard tags, Megatron-LM's where it has one, for the figures of an iteration.
+TENSORBOARD_TAGS = {
+    "lm loss": "loss",
+    "grad-norm": "grad_norm",
+    "learning-rate": "lr",
+    "tokens-per-second": "tokens_per_s",
+    "tflops-per-gpu": "tflops_per_gpu",
+    "mfu": "mfu",
+    "pipeline-p2p-bytes": "pipeline_p2p_bytes",
+}
+
+
+def tensorboard_writer(directory: str) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ConfigError(
+            f"--tensorboard-dir needs the tensorboard package ({e}); "
+            "pip install 'megart[tensorboard]' or leave the flag out"
+        ) from e
+    return SummaryWriter(log_dir=directory)
