@@ -19,23 +19,14 @@ import torch
 
 import megart.optim
 from adam import make_sizes  # bench/adam.py, beside this file
-
-
-def timed_ms(fn: object, repeats: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
+from kernels import time_ms  # bench/kernels.py: CUDA-event timing
 
 
 def copy_ceiling_gbs(nbytes: int, rounds: int) -> float:
     src = torch.randn(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
-    ms = statistics.median(timed_ms(lambda: dst.copy_(src), 5) for _ in range(rounds))
+    ms = statistics.median(time_ms(lambda: dst.copy_(src), 5) for _ in range(rounds))
     return 2 * nbytes / (ms / 1e3) / 1e9
 
 
@@ -96,7 +87,7 @@ def main() -> int:
     times: dict[str, list[float]] = {name: [] for name in optimizers}
     for _ in range(args.rounds):
         for name, opt in optimizers.items():
-            times[name].append(timed_ms(opt.step, args.steps))
+            times[name].append(time_ms(opt.step, args.steps))
 
     medians = {name: statistics.median(t) for name, t in times.items()}
     moved = 28 * args.params

@@ -33,7 +33,7 @@ def _config(args: argparse.Namespace, global_batch: int) -> object:
     )
 
 
-def _worker(args: argparse.Namespace, ranks: int) -> dict[str, list[float]]:
+def _worker(args: argparse.Namespace, ranks: int) -> tuple[dict[str, list[float]], int]:
     import megart.distributed as dist
     from megart.training.data import builtin_corpus
     from megart.training.trainer import Trainer
@@ -55,7 +55,8 @@ def _worker(args: argparse.Namespace, ranks: int) -> dict[str, list[float]]:
             dist.all_reduce(mine, op="max")
             if round_:
                 times[mode].append(mine.item())
-    return times
+    params = sum(p.numel() for chunk in trainer.chunks for p in chunk.parameters())
+    return times, params
 
 
 def main() -> None:
@@ -72,12 +73,11 @@ def main() -> None:
 
     from megart.launcher import launch
 
-    two = launch(_worker, 2, args, 2, timeout=1800)[0]
-    one = launch(_worker, 1, args, 1, timeout=1800)[0]
+    two, n = launch(_worker, 2, args, 2, timeout=1800)[0]
+    one, _ = launch(_worker, 1, args, 1, timeout=1800)[0]
     med = {m: statistics.median(t) for m, t in {**two, **one}.items()}
     exposed = med["after backward"] - med["compute only"]
     hidden = (med["after backward"] - med["overlap"]) / exposed if exposed > 0 else float("nan")
-    n = sum(x.numel() for x in _model_params(args))
     print(
         f"GPT {args.layers} x {args.hidden}, {n / 1e6:.1f}M parameters "
         f"({4 * n / 2**20:.0f} MiB of fp32 gradients), 2 data-parallel ranks, shm transport"
@@ -88,22 +88,6 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"median_s": med, "all_s": {**two, **one}, "hidden": hidden}, f, indent=2)
-
-
-def _model_params(args: argparse.Namespace) -> list[torch.Tensor]:
-    from megart.models import GPT, GPTConfig
-
-    c = _config(args, args.per_rank_batch)
-    model = GPT(
-        GPTConfig(
-            vocab_size=c.vocab_size,
-            seq_length=c.seq_length,
-            hidden_size=c.hidden_size,
-            num_layers=c.num_layers,
-            num_attention_heads=c.num_attention_heads,
-        )
-    )
-    return list(model.parameters())
 
 
 if __name__ == "__main__":
