@@ -102,11 +102,13 @@ def test_preprocess_data_with_a_hugging_face_tokenizer(tmp_path):
 
 def test_preprocess_data_errors_say_what_to_change(tmp_path, capsys):
     (tmp_path / "c.jsonl").write_text(json.dumps({"content": "x"}))
-    base = ["preprocess-data", "--input", str(tmp_path / "c.jsonl"), "--output-prefix", "o"]
+    prefix = str(tmp_path / "o")
+    base = ["preprocess-data", "--input", str(tmp_path / "c.jsonl"), "--output-prefix", prefix]
     assert megart_main(base) == 2
     assert "no 'text' key; set --json-keys" in capsys.readouterr().err
     assert megart_main([*base, "--append-eod"]) == 2
     assert "ByteTokenizer has no end-of-document token" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]  # no half-written files
 
 
 def test_training_on_a_missing_dataset_fails_before_any_work(tmp_path):

@@ -10,6 +10,7 @@ and files written here load in Megatron. Training reads ``.bin`` as one token st
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from collections.abc import Iterable
@@ -85,20 +86,28 @@ def write_indexed(
         raise ConfigError(f"token dtype {dtype} has no code in Megatron's format")
     prefix = str(prefix)
     sizes: list[int] = []
-    with open(prefix + ".bin.tmp", "wb") as data:
-        for doc in documents:
-            arr = np.asarray(doc)
-            if arr.size and (arr.min() < np.iinfo(dtype).min or arr.max() > np.iinfo(dtype).max):
-                raise ConfigError(f"token ids {arr.min()}..{arr.max()} do not fit {dtype}")
-            data.write(arr.astype(dtype, copy=False).tobytes())
-            sizes.append(arr.size)
-    itemsize = np.dtype(dtype).itemsize
-    pointers = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64) * itemsize])
-    with open(prefix + ".idx.tmp", "wb") as index:
-        index.write(MAGIC + struct.pack("<QBQQ", VERSION, code, len(sizes), len(sizes) + 1))
-        index.write(np.asarray(sizes, dtype=np.int32).tobytes())
-        index.write(pointers[: len(sizes)].astype(np.int64).tobytes())
-        index.write(np.arange(len(sizes) + 1, dtype=np.int64).tobytes())
+    try:
+        with open(prefix + ".bin.tmp", "wb") as data:
+            for doc in documents:
+                arr = np.asarray(doc)
+                info = np.iinfo(dtype)
+                if arr.size and (arr.min() < info.min or arr.max() > info.max):
+                    raise ConfigError(f"token ids {arr.min()}..{arr.max()} do not fit {dtype}")
+                data.write(arr.astype(dtype, copy=False).tobytes())
+                sizes.append(arr.size)
+        itemsize = np.dtype(dtype).itemsize
+        pointers = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64) * itemsize])
+        with open(prefix + ".idx.tmp", "wb") as index:
+            index.write(MAGIC + struct.pack("<QBQQ", VERSION, code, len(sizes), len(sizes) + 1))
+            index.write(np.asarray(sizes, dtype=np.int32).tobytes())
+            index.write(pointers[: len(sizes)].astype(np.int64).tobytes())
+            index.write(np.arange(len(sizes) + 1, dtype=np.int64).tobytes())
+    except BaseException:
+        # A failed write (bad input, a full disk, ^C) leaves no half-written files behind.
+        for suffix in (".bin.tmp", ".idx.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(prefix + suffix)
+        raise
     os.replace(prefix + ".bin.tmp", prefix + ".bin")
     os.replace(prefix + ".idx.tmp", prefix + ".idx")
     return int(sum(sizes))
