@@ -28,17 +28,35 @@ def main() -> None:
     p.add_argument("-f", type=int, default=4)
     p.add_argument("-n", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--min-round-ms",
+        type=float,
+        default=20.0,
+        help="per size and backend, -n grows until a round lasts this long (0: -n exactly)",
+    )
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
     from megart.cli.comm_bench import run
 
     print(
         f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, "
-        f"{args.nproc} ranks, {args.rounds} alternating rounds of {args.n} ops, medians"
+        f"{args.nproc} ranks, {args.rounds} alternating rounds of >= {args.n} ops and "
+        f">= {args.min_round_ms:g} ms, medians"
     )
     doc = {}
     for op in args.ops:
-        cfg = Config(op, args.b, args.e, args.f, args.n, 5, "float32", ("shm", "gloo"), args.rounds)
+        cfg = Config(
+            op,
+            args.b,
+            args.e,
+            args.f,
+            args.n,
+            5,
+            "float32",
+            ("shm", "gloo"),
+            args.rounds,
+            min_round_ms=args.min_round_ms,
+        )
         rows = launch(run, args.nproc, cfg, timeout=3600)[0]
         doc[op] = rows
         print(f"\n## {op}")

@@ -9,8 +9,8 @@
 //    grace (a synchronous op is waited on within microseconds of its post, so it never wakes the
 //    thread). It sleeps on the segment's futex while it has work that cannot move, and on a
 //    condition variable while it has none. Posts notify it only when it sleeps without a timer
-//    (nothing posted for a while): while ops keep coming it looks again every kAlert instead, so
-//    a stream of synchronous ops costs no wake-ups at all.
+//    (nothing posted for a while): while ops keep coming, waited on or not, it looks again every
+//    kAlert instead, so a stream of synchronous ops costs at most one wake-up per kAlert.
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -191,20 +191,23 @@ void ShmCommunicator::wait(const std::shared_ptr<Task>& task) {
     } leave{this};
     // When every rank has a core, poll before sleeping: a futex wake-up takes tens of
     // microseconds on a VM, and two ranks whose spins are shorter than that fall into a rhythm
-    // where every op pays one. Polling yields the core after the first microseconds, so a
-    // thread that needs it gets it; past 1 ms the wait sleeps.
+    // where every op pays one. Every 16th poll yields the core, from the first one on: "every
+    // rank has a core" does not mean the scheduler gave each its own, and a peer that shares
+    // this core (as two ranks often do for a while after both slept) can only make the
+    // progress we poll for once we step aside. Yielding only after a 20 us spin made each
+    // ring exchange between two such ranks cost two spins, ~45 us instead of ~20 us, which
+    // was the slow start of the p2p benchmark. Past 1 ms the wait sleeps.
     if (spin_) {
       const auto start = Clock::now();
-      for (int i = 0; !task->done; ++i) {
+      for (int i = 1; !task->done; ++i) {
         {
           std::lock_guard<std::mutex> lock(mu_);
           progress_locked();
         }
         if (task->done) break;
-        if ((i & 15) == 15) {
-          const auto spent = Clock::now() - start;
-          if (spent > milliseconds(1)) break;
-          if (spent > microseconds(20)) sched_yield();
+        if (i % 16 == 0) {
+          if (Clock::now() - start > milliseconds(1)) break;
+          sched_yield();  // returns at once when nothing else wants this core
         }
         cpu_relax();
       }
@@ -238,8 +241,10 @@ void ShmCommunicator::wait(const std::shared_ptr<Task>& task) {
 void ShmCommunicator::leave_wait() {
   if (waiting_.fetch_sub(1) != 1) return;
   std::lock_guard<std::mutex> lock(mu_);
-  // The thread stood aside for this wait: it takes over what is left, or goes back on alert.
-  if (thread_state_ == ThreadState::kAside) wake_.notify_one();
+  // The thread takes over what the waiter left (an async op nobody waits on) now rather than
+  // at its next look; with nothing left, only a thread asleep without a timer needs waking.
+  const bool left_work = !pending_.empty() && thread_state_ == ThreadState::kAlert;
+  if (thread_state_ == ThreadState::kAside || left_work) wake_.notify_one();
 }
 
 void ShmCommunicator::abort() {
@@ -290,9 +295,16 @@ void ShmCommunicator::progress_loop() {
         }
         continue;
       }
-      if (waiting_.load() > 0) {  // the waiter advances everything; leave_wait() notifies
-        seen_posts = posts_;
-        sleep_locked(lock, ThreadState::kAside, std::nullopt);
+      if (waiting_.load() > 0) {  // the waiter advances everything
+        if (posts_ != seen_posts) {
+          // Ops are being posted and waited on: look again soon, so that no post and no
+          // leave_wait() has to wake the thread. (Sleeping until the waiter leaves would take
+          // a wake-up per op once each wait outlasts the next post's arrival.)
+          seen_posts = posts_;
+          sleep_locked(lock, ThreadState::kAlert, kAlert);
+        } else {  // one long wait: asleep until the waiter leaves; leave_wait() notifies
+          sleep_locked(lock, ThreadState::kAside, std::nullopt);
+        }
         continue;
       }
       const auto now = Clock::now();

@@ -1,6 +1,7 @@
 """Collective and point-to-point microbenchmarks in nccl-tests' style.
 
-Each rank times ``iters`` back-to-back ops per size after ``warmup`` ones, then checks one op on
+Each rank times ``iters`` back-to-back ops per size after ``warmup`` ones (more when
+``min_round_ms`` asks for rounds of a least that length), then checks one op on
 real data against the exact expected result. Time is the slowest rank's mean per op;
 algbw = bytes / time; busbw = algbw x nccl-tests' factor (allreduce 2(n-1)/n, allgather and
 reducescatter (n-1)/n, p2p 1). As in nccl-tests, allgather and reducescatter sizes count all n
@@ -12,6 +13,7 @@ UNVERIFIED (never run on a GPU); its ops wait on the host, so the host clock tim
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -34,6 +36,8 @@ class Config:
     dtype: str = "float32"
     backends: tuple[str, ...] = ("shm",)
     rounds: int = 1  # >1 alternates the backends round by round (for same-run comparisons)
+    # >0: per size and backend, ``iters`` grows until a round lasts this long (see _calibrate)
+    min_round_ms: float = 0.0
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -166,6 +170,17 @@ def _time(op: _Op, d: Any, iters: int, warmup: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def _calibrate(op: _Op, d: Any, cfg: Config, device: torch.device | None) -> int:
+    """Iterations per round for this size: ``cfg.iters``, or enough for a round to last
+    ``cfg.min_round_ms`` by one timed round, agreed on by every rank. Short rounds measure
+    transients rather than the transport: after a round of gloo, whose ranks block on sockets,
+    the kernel often leaves two ranks on one core for a few milliseconds, and a 1.6 ms round of
+    8-byte shm ring exchanges then measured ~20 us per op instead of ~8 us."""
+    mine = torch.tensor([_time(op, d, cfg.iters, cfg.warmup)], dtype=torch.float64, device=device)
+    d.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
+    return max(cfg.iters, math.ceil(cfg.min_round_ms / 1e3 / mine.item()))
+
+
 def run(cfg: Config) -> dict[str, list[dict[str, Any]]]:
     """Runs on every rank; returns, per backend, one row per size (medians over rounds)."""
     if "nccl" in cfg.backends and len(cfg.backends) > 1:
@@ -181,14 +196,17 @@ def run(cfg: Config) -> dict[str, list[dict[str, Any]]]:
     rows: dict[str, list[dict[str, Any]]] = {b: [] for b in cfg.backends}
     for i, nbytes in enumerate(sizes(cfg)):
         op = _Op(cfg.op, nbytes, dtype, rank, n, device)
-        if i == 0:  # a discarded round first: page faults and lazy set-up in every backend
+        iters = dict.fromkeys(cfg.backends, cfg.iters)
+        if cfg.min_round_ms > 0:  # also the discarded round that the next branch runs
+            iters = {b: _calibrate(op, apis[b], cfg, device) for b in cfg.backends}
+        elif i == 0:  # a discarded round first: page faults and lazy set-up in every backend
             for b in cfg.backends:
                 _time(op, apis[b], cfg.iters, cfg.warmup)
         times: dict[str, list[float]] = {b: [] for b in cfg.backends}
         for _ in range(cfg.rounds):
             for b in cfg.backends:  # alternating: each round runs every backend once
                 mine = torch.tensor(
-                    [_time(op, apis[b], cfg.iters, cfg.warmup)], dtype=torch.float64, device=device
+                    [_time(op, apis[b], iters[b], cfg.warmup)], dtype=torch.float64, device=device
                 )
                 apis[b].all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
                 times[b].append(mine.item())
