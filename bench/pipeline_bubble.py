@@ -1,9 +1,9 @@
 """Measured pipeline bubble of each schedule on CPU, beside the simulated one.
 
 Two ranks (one per core) run a stack of Linear+Tanh layers split into stages with megart's
-PipelineEngine. Each rank first times its own chunks' forward and backward for the m
-microbatches with no communication (the ideal); then each schedule runs several iterations,
-alternating kinds round by round. Measured bubble = (median iteration time - ideal) / ideal.
+PipelineEngine. Every round times each rank's own chunks' forward and backward for the m
+microbatches with no communication (the ideal), then one iteration of each schedule; the
+measured bubble is the median over rounds of (iteration time / that round's ideal - 1).
 The simulator gets the measured per-microbatch forward and backward times, with the measured
 cost of one activation message as per-message latency, and with free communication.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 from torch import nn
@@ -46,10 +47,14 @@ def _worker(m: int, hidden: int, batch: int, layers: int, rounds: int) -> dict:
             nn.Sequential(*model[(c * p + rank) * per : (c * p + rank + 1) * per]) for c in range(v)
         ]
 
-    # Ideal: this rank's share of the model, forward and backward for m microbatches.
+    # Ideal: this rank's share of the model, forward and backward for m microbatches with no
+    # communication; timed in every round beside the schedules, so that each round's bubble
+    # is measured against the compute speed of that moment.
     mine = nn.Sequential(*chunks_for(1))
-    fwd, bwd = [], []
-    for _ in range(3):
+    fwd: list[float] = []
+    bwd: list[float] = []
+
+    def ideal() -> None:
         for x in xs:
             x = x.clone().requires_grad_()
             t0 = time.perf_counter()
@@ -58,7 +63,6 @@ def _worker(m: int, hidden: int, batch: int, layers: int, rounds: int) -> dict:
             out.sum().backward()
             fwd.append(t1 - t0)
             bwd.append(time.perf_counter() - t1)
-    t_f, t_b = statistics.median(fwd), statistics.median(bwd)
 
     # One message's cost: a ring exchange of one activation between the two ranks.
     a, b = torch.randn(batch, hidden), torch.empty(batch, hidden)
@@ -76,17 +80,19 @@ def _worker(m: int, hidden: int, batch: int, layers: int, rounds: int) -> dict:
         kind: PipelineEngine(sched.build(kind, p, m, v), rank, chunks_for(v), link, (batch, hidden))
         for kind, v in KINDS
     }
-    times: dict[str, list[float]] = {kind: [] for kind, _ in KINDS}
+    runs = {"ideal": ideal} | {k: partial(e.run, xs, ys, loss_fn) for k, e in engines.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds + 1):  # the first round warms up
-        for kind, _ in KINDS:
+        for name, run in runs.items():
             dist.barrier()
             t0 = time.perf_counter()
-            engines[kind].run(xs, ys, loss_fn)
+            run()
             dist.barrier()
-            times[kind].append(time.perf_counter() - t0)
+            times[name].append(time.perf_counter() - t0)
+    fwd, bwd = fwd[m:], bwd[m:]  # the warm-up round's
     return {
-        "t_f": t_f,
-        "t_b": t_b,
+        "t_f": statistics.median(fwd),
+        "t_b": statistics.median(bwd),
         "latency": latency,
         "times": {k: v[1:] for k, v in times.items()},
     }
@@ -117,25 +123,33 @@ def main() -> None:
     )
     t_f = max(r["t_f"] for r in results)
     t_b = max(r["t_b"] for r in results)
-    ideal = m * (t_f + t_b)
     latency = max(r["latency"] for r in results)
+
+    def iteration(name: str, i: int) -> float:  # the slower rank's time in round i
+        return max(r["times"][name][i] for r in results)
+
+    ideal = statistics.median(iteration("ideal", i) for i in range(args.rounds))
     print(
         f"# p={p}, m={m}, per-rank forward {t_f * 1e3:.2f} ms and backward {t_b * 1e3:.2f} ms "
         f"per microbatch, one activation message {latency * 1e6:.0f} us (measured); ideal "
-        f"iteration {ideal * 1e3:.1f} ms"
+        f"iteration {ideal * 1e3:.1f} ms (median of {args.rounds} rounds)"
     )
     print(
         f"{'kind':<12}{'v':>3}{'iteration ms':>14}{'measured bubble':>17}"
         f"{'simulated':>11}{'sim. free comm':>16}{'theory':>9}"
     )
     for kind, v in KINDS:
-        t = statistics.median(max(r["times"][kind][i] for r in results) for i in range(args.rounds))
+        t = statistics.median(iteration(kind, i) for i in range(args.rounds))
+        # Each round's bubble against that round's ideal, then the median over rounds.
+        bubble = statistics.median(
+            iteration(kind, i) / iteration("ideal", i) - 1 for i in range(args.rounds)
+        )
         s = sched.build(kind, p, m, v)
         sim = sched.simulate(s, forward_time=t_f, backward_time=t_b, latency=latency)
         free = sched.simulate(s, forward_time=t_f, backward_time=t_b)
         theory = sched.theoretical_bubble(kind, p, m, v)
         print(
-            f"{kind:<12}{v:>3}{t * 1e3:>14.1f}{(t - ideal) / ideal:>17.3f}"
+            f"{kind:<12}{v:>3}{t * 1e3:>14.1f}{bubble:>17.3f}"
             f"{sim.bubble_fraction:>11.3f}{free.bubble_fraction:>16.3f}{theory:>9.3f}"
         )
 
