@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "multi_tensor_adam.cuh"
+#include "optim/multi_tensor_plan.hpp"
 
 namespace megart::cuda {
 
@@ -17,6 +18,7 @@ constexpr int kMaxBlocks = 320;
 constexpr int64_t kChunk = 16384;  // elements per block
 constexpr int kThreads = 256;
 constexpr int kMaxSteps = 448;  // step counters per advance_steps launch
+using Plan = optim::MultiTensorLaunch<kMaxTensors, kMaxBlocks>;
 
 template <typename Model>
 struct AdamLaunch {
@@ -27,8 +29,7 @@ struct AdamLaunch {
   float* exp_avg_sq[kMaxTensors];
   const float* step[kMaxTensors];
   int64_t size[kMaxTensors];
-  unsigned char block_tensor[kMaxBlocks];
-  int block_chunk[kMaxBlocks];
+  optim::MultiTensorBlockMap<kMaxBlocks> block_map;
 };
 static_assert(sizeof(AdamLaunch<float>) + sizeof(AdamHyper) + sizeof(int*) < 4000,
               "kernel arguments must stay under 4 KiB");
@@ -61,8 +62,8 @@ __global__ void advance_steps(StepLaunch args, int count, const int* found_inf) 
 template <typename Model, bool kDecoupled>
 __global__ void adam_kernel(AdamLaunch<Model> args, AdamHyper h, const int* found_inf) {
   if (skipped(found_inf)) return;
-  const int t = args.block_tensor[blockIdx.x];
-  const int64_t begin = static_cast<int64_t>(args.block_chunk[blockIdx.x]) * kChunk;
+  const int t = args.block_map.slot[blockIdx.x];
+  const int64_t begin = static_cast<int64_t>(args.block_map.chunk[blockIdx.x]) * kChunk;
   const int64_t end = min(begin + kChunk, args.size[t]);
 
   const double step = *args.step[t];
@@ -121,56 +122,28 @@ cudaError_t launch_adam(float* const* params, void* const* model_params, const v
                         const int64_t* sizes, int count, const AdamHyper& hyper,
                         const int* found_inf, cudaStream_t stream) {
   const bool decoupled = hyper.decoupled_weight_decay || hyper.weight_decay == 0.0;
-  AdamLaunch<Model> args{};
-  int tensors = 0;
-  int blocks = 0;
-  auto flush = [&]() -> cudaError_t {
-    if (blocks > 0) {
-      if (decoupled) {
-        adam_kernel<Model, true><<<blocks, kThreads, 0, stream>>>(args, hyper, found_inf);
-      } else {
-        adam_kernel<Model, false><<<blocks, kThreads, 0, stream>>>(args, hyper, found_inf);
-      }
-      if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-    }
-    tensors = 0;
-    blocks = 0;
-    return cudaSuccess;
-  };
-  auto fill = [&](int slot, int t) {
-    args.param[slot] = params[t];
-    args.model[slot] = model_params == nullptr ? nullptr : static_cast<Model*>(model_params[t]);
-    args.grad[slot] = static_cast<const Model*>(grads[t]);
-    args.exp_avg[slot] = exp_avgs[t];
-    args.exp_avg_sq[slot] = exp_avg_sqs[t];
-    args.step[slot] = steps[t];
-    args.size[slot] = sizes[t];
-  };
-  for (int t = 0; t < count; ++t) {
-    if (sizes[t] == 0) continue;
-    if (tensors == kMaxTensors) {
-      if (const cudaError_t err = flush(); err != cudaSuccess) return err;
-    }
-    fill(tensors, t);
-    const int64_t chunks = (sizes[t] + kChunk - 1) / kChunk;
-    for (int64_t c = 0; c < chunks; ++c) {
-      args.block_tensor[blocks] = static_cast<unsigned char>(tensors);
-      args.block_chunk[blocks] = static_cast<int>(c);
-      if (++blocks == kMaxBlocks) {
-        // The tensor may continue in the next launch: it takes slot 0 there.
-        const bool more = c + 1 < chunks;
-        if (const cudaError_t err = flush(); err != cudaSuccess) return err;
-        if (more) {
-          fill(0, t);
-          tensors = 0;
-        } else {
-          tensors = -1;  // incremented below to 0
+  return optim::plan_multi_tensor<kMaxTensors, kMaxBlocks>(
+      sizes, count, kChunk, cudaSuccess, [&](const Plan& plan) {
+        AdamLaunch<Model> args{};
+        args.block_map = plan.block_map;
+        for (int slot = 0; slot < plan.tensors; ++slot) {
+          const int t = plan.tensor[slot];
+          args.param[slot] = params[t];
+          args.model[slot] =
+              model_params == nullptr ? nullptr : static_cast<Model*>(model_params[t]);
+          args.grad[slot] = static_cast<const Model*>(grads[t]);
+          args.exp_avg[slot] = exp_avgs[t];
+          args.exp_avg_sq[slot] = exp_avg_sqs[t];
+          args.step[slot] = steps[t];
+          args.size[slot] = sizes[t];
         }
-      }
-    }
-    ++tensors;
-  }
-  return flush();
+        if (decoupled) {
+          adam_kernel<Model, true><<<plan.blocks, kThreads, 0, stream>>>(args, hyper, found_inf);
+        } else {
+          adam_kernel<Model, false><<<plan.blocks, kThreads, 0, stream>>>(args, hyper, found_inf);
+        }
+        return cudaGetLastError();
+      });
 }
 
 }  // namespace
