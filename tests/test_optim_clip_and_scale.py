@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 import megart
 from megart import _core
 from megart.optim import AdamW, LossScaler, clip_grad_norm_, grad_sum_of_squares
+from megart.optim.clip import scale_grads_
 from optim_helpers import clone_params, make_params, set_grads
 
 
@@ -119,3 +120,22 @@ def test_found_inf_flag_skips_adam_step_on_cpu():
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
     opt.step(found_inf=torch.zeros(1, dtype=torch.int32))
     assert not torch.equal(params[2].detach(), before[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_scale_grads_is_bitwise_torch_mul_for_contiguous_and_strided_grads(dtype, as_tensor):
+    """The one gradient-scaling helper (clip_grad_norm_ passes a tensor, the Trainer a float):
+    contiguous grads take megart's sweep, strided ones torch's foreach; both must equal
+    torch's own g.mul_(coef)."""
+    gen = torch.Generator().manual_seed(11)
+    grads = [
+        torch.randn(1000, generator=gen).to(dtype),
+        torch.randn(7, 9, generator=gen).to(dtype).t(),  # strided
+        torch.randn(1, generator=gen).to(dtype),
+    ]
+    coef = 0.3719
+    expected = [g.clone().mul_(torch.tensor(coef) if as_tensor else coef) for g in grads]
+    scale_grads_(grads, torch.tensor(coef) if as_tensor else coef, num_threads=2)
+    for g, e in zip(grads, expected, strict=True):
+        assert torch.equal(g, e)

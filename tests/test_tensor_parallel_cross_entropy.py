@@ -65,3 +65,37 @@ def test_backward_may_run_twice():
     loss = tp.vocab_parallel_cross_entropy(logits, torch.tensor([1, 2, 3]), None).sum()
     first = torch.autograd.grad(loss, logits, retain_graph=True)[0]
     torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], first, rtol=0, atol=0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from([1, 2, 4]), ce_case())
+def test_slice_helpers_add_up_to_the_full_vocabulary_one_hot(t, case):
+    """The pieces both cross-entropies (unfused and megart.kernels' fused) build on: over the t
+    slices of a vocabulary, each target's logit and its one-hot term appear on exactly one."""
+    from megart.tensor_parallel.cross_entropy import (
+        subtract_target_,
+        target_in_slice,
+        target_logits,
+    )
+
+    n, vocab, n_ignored, scale, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=gen, dtype=torch.float64) * scale
+    target = torch.randint(0, vocab, (n,), generator=gen)
+    target[: n_ignored // 2] = -100
+    grad_loss = torch.randn(n, generator=gen, dtype=torch.float64)
+    grad_loss[target == -100] = 0.0  # as both autograd Functions mask it
+    kept = target != -100
+    one_hot = F.one_hot(target.clamp(min=0), vocab).double() * kept[:, None]
+
+    width = vocab // t  # ce_case's vocabulary is a multiple of 4
+    summed = torch.zeros(n, dtype=torch.float64)
+    grads = []
+    for start in range(0, vocab, width):
+        local, elsewhere = target_in_slice(target, start, width)
+        piece = logits[:, start : start + width]
+        summed += target_logits(piece, local, elsewhere)
+        grads.append(subtract_target_(piece.clone(), local, elsewhere, grad_loss))
+    assert torch.equal(summed, (logits * one_hot).sum(-1))
+    expected = logits - one_hot * grad_loss[:, None]
+    torch.testing.assert_close(torch.cat(grads, -1), expected, rtol=0, atol=0)

@@ -71,3 +71,17 @@ def test_unknown_and_duplicate_streams_are_errors():
     with pytest.raises(ConfigError, match="'x' already exists"):
         tracker.add("x", 2)
     assert tracker.names() == ["x"]
+
+
+def test_generator_states_round_trip_and_skip_a_cuda_state_without_a_gpu(monkeypatch):
+    """What checkpoints save of torch's default generators: installing a capture replays the
+    same draws, and a GPU run's CUDA state is ignored where there is no GPU (resume on CPU)."""
+    torch.manual_seed(4)
+    saved = tp.GeneratorStates.current()
+    expected = torch.rand(5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    called = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a: called.append(a))
+    tp.GeneratorStates(saved.cpu, torch.zeros(16, dtype=torch.uint8)).install()
+    assert torch.equal(torch.rand(5), expected)
+    assert called == []

@@ -9,6 +9,13 @@ Per token, each rank computes from its slice: the maximum logit, the sum of exp(
 and the target's logit (0 when another rank holds the target). The tensor-parallel reductions
 are the same three as the unfused op: the maximum, then the sums (each rank's sum rescaled to
 the global maximum) and target logits in one all-reduce.
+
+The masking of targets, the target logit, the loss formula and the one-hot term of the gradient
+are megart.tensor_parallel.cross_entropy's, shared with the unfused op. How the sums are formed
+is not: the unfused op reduces the maximum first and keeps exp(logit - global max) as its
+softmax, while the CUDA kernel makes one pass over the logits without a global maximum, so its
+sums are per slice and are rescaled here. The torch reference below follows the kernel, so that
+the CPU runs this Function's logic exactly as the GPU does.
 """
 
 from __future__ import annotations
@@ -22,11 +29,12 @@ from megart.distributed import ProcessGroup
 from megart.errors import ConfigError
 from megart.kernels._dispatch import compute_dtype, cuda_kernel, launch
 from megart.tensor_parallel._group import group_rank, group_size
-
-
-def _local_target(target: torch.Tensor, start: int, vocab: int) -> tuple[torch.Tensor, ...]:
-    elsewhere = (target < start) | (target >= start + vocab)
-    return (target - start).masked_fill(elsewhere, 0), elsewhere
+from megart.tensor_parallel.cross_entropy import (
+    subtract_target_,
+    target_in_slice,
+    target_logits,
+    token_losses,
+)
 
 
 def cross_entropy_stats_reference(
@@ -39,9 +47,8 @@ def cross_entropy_stats_reference(
     top = x.max(dim=-1).values
     shift = top.masked_fill(top == float("-inf"), 0.0)
     sum_exp = (x - shift.unsqueeze(-1)).exp_().sum(dim=-1)
-    local, elsewhere = _local_target(target, start, x.shape[-1])
-    target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
-    return top, sum_exp, target_logit
+    local, elsewhere = target_in_slice(target, start, x.shape[-1])
+    return top, sum_exp, target_logits(x, local, elsewhere)
 
 
 def cross_entropy_backward_reference_(
@@ -56,9 +63,7 @@ def cross_entropy_backward_reference_(
     maximum and sum of exponentials per row; returns logits."""
     x = logits.to(compute_dtype(logits.dtype))  # the logits themselves when already fp32/fp64
     x.sub_(row_max.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1)).mul_(grad_loss.unsqueeze(-1))
-    local, elsewhere = _local_target(target, start, x.shape[-1])
-    hit = grad_loss.masked_fill(elsewhere, 0.0)
-    x.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1).to(x.dtype))
+    subtract_target_(x, *target_in_slice(target, start, x.shape[-1]), grad_loss)
     if x is not logits:
         logits.copy_(x)
     return logits
@@ -95,7 +100,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
             dist.all_reduce(both, group=group)
             sum_exp, target_logit = both[0], both[1]
         ignored = target == ignore_index
-        loss = (sum_exp.log() - (target_logit - top)).masked_fill(ignored, 0.0)
+        loss = token_losses(sum_exp, target_logit - top, ignored)
         ctx.start, ctx.consumed = start, False
         ctx.save_for_backward(logits, target, top, sum_exp, ignored)
         return loss

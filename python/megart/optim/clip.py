@@ -76,21 +76,37 @@ def clip_grad_norm_(
         )
     # torch's coefficient, computed the same way: max_norm / (norm + 1e-6), at most 1.
     clip_coef = torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
-    _scale_grads(grads, clip_coef, threads)
+    scale_grads_(grads, clip_coef, threads)
     return total_norm
 
 
-def _scale_grads(grads: list[torch.Tensor], coef: torch.Tensor, num_threads: int) -> None:
+def scale_grads_(
+    grads: list[torch.Tensor], coef: float | torch.Tensor, num_threads: int = 0
+) -> None:
+    """Multiplies every tensor of ``grads`` by ``coef`` in place: a float, or a 0-dim tensor on
+    any device (clip_grad_norm_'s coefficient, left on the device so CUDA grads need no host
+    sync). Contiguous CPU grads go through megart's multi-tensor sweep, CUDA grads through
+    torch's multi-tensor (foreach) kernel, one call per device, as
+    torch.nn.utils.clip_grad_norm_ does. On the CPU every element is multiplied in float32 and
+    rounded once to the grad's dtype: bitwise torch's ``g.mul_(coef)``."""
     from megart import _core
 
+    def on(device: torch.device) -> float | torch.Tensor:
+        return coef.to(device) if isinstance(coef, torch.Tensor) else coef
+
     cpu: dict[torch.dtype, list[torch.Tensor]] = {}
+    cuda: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
-        if g.device.type == "cpu" and g.is_contiguous():
+        if g.device.type != "cpu":
+            cuda.setdefault(g.device, []).append(g)
+        elif g.is_contiguous():
             cpu.setdefault(g.dtype, []).append(g)
         else:
-            # CUDA grads keep the coefficient on the device (no host sync); strided CPU grads
-            # are rare enough for torch's kernel.
-            g.mul_(coef.to(g.device))
+            # Rare enough for torch's kernel; not CPU foreach, which rounds a float coefficient
+            # to a 16-bit grad's dtype before multiplying.
+            g.mul_(on(g.device))
+    for device, group in cuda.items():
+        torch._foreach_mul_(group, on(device))
     if cpu:
         factor = float(coef)
         for dtype, group in cpu.items():

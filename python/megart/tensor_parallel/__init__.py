@@ -32,6 +32,7 @@ from megart.tensor_parallel.mappings import (
 )
 from megart.tensor_parallel.random import (
     TENSOR_PARALLEL,
+    GeneratorStates,
     RNGStatesTracker,
     fork,
     seed_tensor_parallel,
@@ -55,6 +56,7 @@ __all__ = [
     "sync_sequence_parallel_grads",
     "vocab_parallel_cross_entropy",
     "RNGStatesTracker",
+    "GeneratorStates",
     "fork",
     "seed_tensor_parallel",
     "TENSOR_PARALLEL",

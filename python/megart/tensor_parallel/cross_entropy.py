@@ -21,6 +21,47 @@ import megart.distributed as dist
 from megart.distributed import ProcessGroup
 from megart.tensor_parallel._group import group_rank, group_size
 
+# The pieces below are shared with megart.kernels' fused op (its torch reference and autograd
+# Function), so the unfused and fused losses agree by construction on everything but how the
+# per-token sums are reduced (see kernels/cross_entropy.py for why those differ).
+
+
+def target_in_slice(
+    target: torch.Tensor, start: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each global target id falls in this rank's vocabulary slice [start, start + vocab):
+    (its index in the slice, 0 where another rank holds it; the mask of those held
+    elsewhere). An id in no slice (an ignore_index such as -100) is held elsewhere on every
+    rank."""
+    elsewhere = (target < start) | (target >= start + vocab)
+    return (target - start).masked_fill(elsewhere, 0), elsewhere
+
+
+def target_logits(
+    logits: torch.Tensor, local: torch.Tensor, elsewhere: torch.Tensor
+) -> torch.Tensor:
+    """Each token's target logit from this slice ``[..., vocab]``, 0 where another rank holds
+    it: summed over the group, every token gets exactly one."""
+    return logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
+
+
+def token_losses(
+    sum_exp: torch.Tensor, target_logit: torch.Tensor, ignored: torch.Tensor
+) -> torch.Tensor:
+    """log(sum of exp(logit - max)) - (target logit - max): the per-token loss from the
+    group-wide sums, with ``target_logit`` already shifted by the maximum; 0 where ignored."""
+    return (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+
+
+def subtract_target_(
+    grad: torch.Tensor, local: torch.Tensor, elsewhere: torch.Tensor, grad_loss: torch.Tensor
+) -> torch.Tensor:
+    """Turns ``grad`` = softmax * grad_loss (this slice) into the logits' gradient, (softmax -
+    one_hot(target)) * grad_loss, in place: only the rank holding a target subtracts. Returns
+    ``grad``. ``grad_loss`` must already be 0 for ignored tokens."""
+    hit = grad_loss.masked_fill(elsewhere, 0.0)
+    return grad.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1).to(grad.dtype))
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -41,10 +82,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             dist.all_reduce(top, op="max", group=group)
         shifted = logits - top.unsqueeze(-1)
 
-        elsewhere = (target < start) | (target >= start + vocab_here)
-        local_target = (target - start).masked_fill(elsewhere, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        target_logit = target_logit.masked_fill(elsewhere, 0.0)
+        local_target, elsewhere = target_in_slice(target, start, vocab_here)
+        target_logit = target_logits(shifted, local_target, elsewhere)
 
         exp = shifted.exp_()  # `shifted` is ours and no longer needed: reuse its memory
         sum_exp = exp.sum(dim=-1)
@@ -55,7 +94,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             sum_exp, target_logit = both[0], both[1]
 
         ignored = target == ignore_index
-        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        loss = token_losses(sum_exp, target_logit, ignored)
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, elsewhere, ignored)
@@ -69,9 +108,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # tensor rather than an in-place update of `softmax`, so backward may run twice
         # (retain_graph=True).
         grad = softmax * grad_loss.unsqueeze(-1)
-        hit = grad_loss.masked_fill(elsewhere, 0.0)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
-        return grad, None, None, None
+        return subtract_target_(grad, local_target, elsewhere, grad_loss), None, None, None
 
 
 def vocab_parallel_cross_entropy(

@@ -35,19 +35,20 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-class _State:
+class GeneratorStates:
     """Generator states of one stream: the CPU one and, when there is a GPU, the current
-    device's."""
+    device's. Also what a checkpoint saves of torch's default generators."""
 
     def __init__(self, cpu: torch.Tensor, cuda: torch.Tensor | None) -> None:
         self.cpu, self.cuda = cpu, cuda
 
     @classmethod
-    def current(cls) -> _State:
+    def current(cls) -> GeneratorStates:
+        """torch's default generators as they are now (copies)."""
         return cls(torch.get_rng_state(), torch.cuda.get_rng_state() if _cuda() else None)
 
     @classmethod
-    def seeded(cls, seed: int) -> _State:
+    def seeded(cls, seed: int) -> GeneratorStates:
         cpu = torch.Generator().manual_seed(seed).get_state()
         cuda = None
         if _cuda():
@@ -59,8 +60,10 @@ class _State:
         return cls(cpu, cuda)
 
     def install(self) -> None:
+        """Makes these torch's default generators' states. A CUDA state is skipped where there
+        is no GPU: a checkpoint written on GPUs can resume on a CPU."""
         torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
+        if self.cuda is not None and _cuda():
             torch.cuda.set_rng_state(self.cuda)
 
 
@@ -68,13 +71,13 @@ class RNGStatesTracker:
     """Named random streams that can be swapped in for torch's default generators."""
 
     def __init__(self) -> None:
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, GeneratorStates] = {}
 
     def add(self, name: str, seed: int) -> None:
         """Creates stream ``name`` starting from ``seed``."""
         if name in self._states:
             raise ConfigError(f"random stream '{name}' already exists in this tracker")
-        self._states[name] = _State.seeded(seed)
+        self._states[name] = GeneratorStates.seeded(seed)
 
     def names(self) -> list[str]:
         return list(self._states)
@@ -89,7 +92,7 @@ class RNGStatesTracker:
     def set_states(self, states: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         """Restores streams saved by :meth:`get_states` (replacing all current ones)."""
         self._states = {
-            n: _State(cpu.clone(), None if cuda is None else cuda.clone())
+            n: GeneratorStates(cpu.clone(), None if cuda is None else cuda.clone())
             for n, (cpu, cuda) in states.items()
         }
 
@@ -102,12 +105,12 @@ class RNGStatesTracker:
                 f"random stream '{name}' does not exist; add it first (tracker.add or "
                 "seed_tensor_parallel)"
             )
-        outside = _State.current()
+        outside = GeneratorStates.current()
         self._states[name].install()
         try:
             yield
         finally:
-            self._states[name] = _State.current()
+            self._states[name] = GeneratorStates.current()
             outside.install()
 
 

@@ -26,6 +26,7 @@ import torch
 
 import megart.distributed as dist
 from megart.errors import ConfigError
+from megart.tensor_parallel.random import GeneratorStates
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -63,11 +64,8 @@ def latest_iteration(directory: str | os.PathLike) -> int | None:
 
 
 def _rng_state(rng: Any) -> dict[str, Any]:
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": rng.get_states(),
-    }
+    default = GeneratorStates.current()
+    return {"torch": default.cpu, "cuda": default.cuda, "tracker": rng.get_states()}
 
 
 def _replace_text(path: Path, text: str) -> None:
@@ -151,9 +149,7 @@ def load(
         chunk.load_state_dict(sd)
     optimizer.load_state_dict(state["optimizer"])
     r = state["rng"]
-    torch.set_rng_state(r["torch"])
-    if r["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(r["cuda"])
+    GeneratorStates(r["torch"], r["cuda"]).install()
     rng.set_states(r["tracker"])
     if scaler is not None and state.get("loss_scaler") is not None:
         scaler.load_state_dict(state["loss_scaler"])

@@ -24,7 +24,7 @@ import megart.distributed as dist
 import megart.optim
 from megart import schedule as sched
 from megart.models import GPTConfig, pipeline_chunks
-from megart.optim.clip import grad_sum_of_squares
+from megart.optim.clip import grad_sum_of_squares, scale_grads_
 from megart.optim.loss_scale import LossScaler
 from megart.pipeline import PipelineEngine, StageLink
 from megart.tensor_parallel import (
@@ -237,11 +237,12 @@ class Trainer:
         if g.mp_group.size() > 1:
             dist.all_reduce(total, group=g.mp_group)
         norm = math.sqrt(total.item())
+        # Not clip_grad_norm_: the norm counts each parameter once across model parallelism,
+        # but every local gradient (replicas included) is scaled.
         if c.clip_grad > 0 and norm > c.clip_grad:
-            scale = c.clip_grad / (norm + 1e-6)
-            torch._foreach_mul_(
+            scale_grads_(
                 [p.grad for chunk in self.chunks for p in chunk.parameters() if p.grad is not None],
-                scale,
+                c.clip_grad / (norm + 1e-6),
             )
         return norm
 
