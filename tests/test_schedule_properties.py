@@ -39,6 +39,21 @@ def test_bubble_equals_theory_with_free_communication(shape, cost):
     assert math.isclose(sim.bubble_fraction, sched.theoretical_bubble(kind, p, m, v), rel_tol=1e-12)
 
 
+@given(shapes(), st.integers(1, 5))
+def test_forward_only_pass_keeps_the_forwards_and_fills_and_drains_once(shape, t_f):
+    kind, p, m, v = shape
+    full = sched.build(kind, p, m, v)
+    f = sched.forward_only(full)
+    assert f.forward_only and sched.problems(f) == []
+    for mine, theirs in zip(f.ranks, full.ranks, strict=True):
+        assert mine == [a for a in theirs if a.op in ("F", "SEND_F", "RECV_F")]
+    sim = sched.simulate(f, forward_time=t_f * v)
+    assert sim.ideal == m * v * t_f
+    # Only the forwards' fill and drain: (p-1)/m, or (p-1)/(v*m) interleaved.
+    assert math.isclose(sim.bubble_fraction, (p - 1) / (m * v), rel_tol=1e-12)
+    assert all(r.peak_stashed == min(1, m) for r in sim.ranks)
+
+
 @given(shapes())
 def test_bubble_with_backward_twice_forward(shape):
     kind, p, m, v = shape

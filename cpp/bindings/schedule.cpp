@@ -44,12 +44,14 @@ void bind_types(py::module_& m) {
       .def_readonly("microbatches", &Schedule::microbatches)
       .def_readonly("chunks", &Schedule::chunks)
       .def_readonly("ranks", &Schedule::ranks)
+      .def_readonly("forward_only", &Schedule::forward_only)
       .def("virtual_stage", &Schedule::virtual_stage, py::arg("rank"), py::arg("chunk"))
       .def("__repr__", [](const Schedule& s) {
         return "Schedule(kind='" + std::string(kind_name(s.kind)) +
                "', stages=" + std::to_string(s.stages) +
                ", microbatches=" + std::to_string(s.microbatches) +
-               ", chunks=" + std::to_string(s.chunks) + ")";
+               ", chunks=" + std::to_string(s.chunks) +
+               (s.forward_only ? ", forward_only=True)" : ")");
       });
 
   py::class_<Costs>(m, "Costs", "Costs of a simulated iteration, in any one unit of time.")
@@ -136,6 +138,7 @@ void bind_schedule(py::module_& m) {
       },
       py::arg("compute_orders"), py::arg("microbatches"), py::arg("chunks") = 1,
       py::arg("kind") = "custom");
+  m.def("forward_only", &forward_only, py::arg("schedule"));
   m.def("problems", &problems, py::arg("schedule"));
   m.def("validate", &validate, py::arg("schedule"));
   m.def("simulate", &simulate, py::arg("schedule"), py::arg("costs") = Costs{},

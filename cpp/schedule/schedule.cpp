@@ -150,4 +150,18 @@ double theoretical_bubble(Kind kind, int stages, int microbatches, int chunks) {
   return (stages - 1) / (v * microbatches);
 }
 
+Schedule forward_only(const Schedule& s) {
+  Schedule out = s;
+  out.forward_only = true;
+  for (auto& actions : out.ranks) {
+    actions.erase(std::remove_if(actions.begin(), actions.end(),
+                                 [](const Action& a) {
+                                   return a.op != Op::Forward && a.op != Op::SendForward &&
+                                          a.op != Op::RecvForward;
+                                 }),
+                  actions.end());
+  }
+  return out;
+}
+
 }  // namespace megart::schedule

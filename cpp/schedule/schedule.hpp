@@ -34,6 +34,8 @@ struct Schedule {
   int microbatches = 1;                    // m
   int chunks = 1;                          // v: model chunks per rank
   std::vector<std::vector<Action>> ranks;  // ranks[r]: rank r's actions in order
+  // An evaluation pass: forwards and their messages only (see forward_only() below).
+  bool forward_only = false;
 
   int num_virtual_stages() const { return stages * chunks; }
   int virtual_stage(int rank, int chunk) const { return chunk * stages + rank; }
@@ -63,6 +65,12 @@ Schedule with_communication(Kind kind, int stages, int microbatches, int chunks,
 
 // The full schedule of a named kind.
 Schedule build(Kind kind, int stages, int microbatches, int chunks = 1);
+
+// The same schedule for an evaluation pass, as Megatron's forward_only: every backward and
+// gradient message removed, forwards and their messages kept in their order. A forward waits
+// only on forwards upstream, so what was deadlock-free stays so, and each pair of ranks still
+// posts its remaining messages in the sender's order.
+Schedule forward_only(const Schedule& s);
 
 // Bubble time over ideal time: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) for interleaved.
 double theoretical_bubble(Kind kind, int stages, int microbatches, int chunks = 1);

@@ -8,7 +8,7 @@
 namespace megart::schedule {
 
 RankStateMachine::RankStateMachine(const Schedule& s, int rank)
-    : topology_{s.kind, s.stages, s.microbatches, s.chunks, {}}, rank_(rank) {
+    : topology_{s.kind, s.stages, s.microbatches, s.chunks, {}, s.forward_only}, rank_(rank) {
   if (rank < 0 || rank >= s.stages || static_cast<int>(s.ranks.size()) != s.stages) {
     throw ConfigError("rank " + std::to_string(rank) + " is not a rank of this " +
                       std::to_string(s.stages) + "-stage schedule");
@@ -85,6 +85,7 @@ Action RankStateMachine::issue() {
 }
 
 bool RankStateMachine::frees_activation(const Action& a) const {
+  if (topology_.forward_only) return a.op == Op::Forward;  // nothing is kept for a backward
   return a.op == (split_backward_ ? Op::BackwardWeight : Op::Backward);
 }
 

@@ -42,7 +42,7 @@ class RankStateMachine {
   size_t index(const Action& a) const;  // into states_; throws for one out of range
   bool frees_activation(const Action& a) const;
 
-  Schedule topology_;  // stages, microbatches and chunks only: no action lists
+  Schedule topology_;  // stages, microbatches, chunks and forward_only: no action lists
   int rank_;
   std::vector<Action> actions_;
   size_t next_ = 0;

@@ -55,6 +55,12 @@ void check_compute(const Schedule& s, int rank, const Positions& at,
       const int i = at(Op::BackwardInput, mb, c);
       const int w = at(Op::BackwardWeight, mb, c);
       if (f < 0) out.push_back(who + "no F" + what);
+      if (s.forward_only) {
+        if (b >= 0 || i >= 0 || w >= 0) {
+          out.push_back(who + "a backward of " + what + " in a forward-only schedule");
+        }
+        continue;
+      }
       if (b >= 0 && (i >= 0 || w >= 0)) {
         out.push_back(who + "B" + what + " together with a split backward I/W");
       } else if (b < 0 && (i < 0 || w < 0)) {

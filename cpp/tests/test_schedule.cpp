@@ -93,6 +93,25 @@ TEST(validator_reports_missing_backward) {
   CHECK_THROWS(ScheduleError, validate(s), "no backward for (mb=1, chunk=0)");
 }
 
+TEST(forward_only_keeps_the_forwards_in_order_and_frees_each_at_once) {
+  const Schedule full = build(Kind::OneFOneB, 2, 3);
+  const Schedule f = forward_only(full);
+  CHECK(f.forward_only);
+  CHECK_EQ(ops(f.ranks[0], false), std::string("F0 SEND_F0 F1 SEND_F1 F2 SEND_F2 "));
+  CHECK_EQ(ops(f.ranks[1], false), std::string("RECV_F0 F0 RECV_F1 F1 RECV_F2 F2 "));
+  validate(f);
+  const Simulation sim = simulate(f, Costs{1.0, 2.0, 0.5, 0.0, 0.0, 0.0});
+  CHECK(near(sim.makespan, 4.0));  // m + p - 1 forwards
+  CHECK_EQ(sim.ranks[0].peak_stashed, 1);
+  // A backward left in a forward-only schedule, or one missing from a training schedule.
+  Schedule bad = f;
+  bad.ranks[1].push_back(Action{Op::Backward, 0, 0, -1});
+  CHECK_THROWS(ScheduleError, validate(bad), "a backward of (mb=0, chunk=0) in a forward-only");
+  Schedule training = f;
+  training.forward_only = false;
+  CHECK_THROWS(ScheduleError, validate(training), "no backward for (mb=0, chunk=0)");
+}
+
 TEST(simulator_names_the_blocked_ranks_of_a_deadlock) {
   // Rank 0 runs F0 B0 F1 B1 while rank 1 runs F0 F1 B0 B1: rank 0 waits for B0's gradient,
   // which rank 1 computes only after F1, whose input rank 0 produces only after B0.

@@ -35,6 +35,7 @@ __all__ = [
     "RankStateMachine",
     "build",
     "from_compute_orders",
+    "forward_only",
     "problems",
     "validate",
     "simulate",
@@ -49,6 +50,12 @@ def build(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Schedul
     microbatches and v model chunks per rank. Raises ConfigError for shapes the kind cannot
     take (interleaved needs m to be a multiple of p)."""
     return _s.build(kind, stages, microbatches, chunks)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The evaluation pass of ``schedule`` (Megatron's forward_only): its forwards and their
+    messages in the same order, with every backward and gradient message removed."""
+    return _s.forward_only(schedule)
 
 
 def from_compute_orders(
