@@ -83,7 +83,8 @@ def test_tensorboard_scalars_match_the_iteration_figures(tmp_path):
     event_accumulator = pytest.importorskip(
         "tensorboard.backend.event_processing.event_accumulator"
     )
-    history = launch(_train, 1, dict(train_iters=3, tensorboard_dir=str(tmp_path)), timeout=300)[0]
+    kw = dict(train_iters=3, tensorboard_dir=str(tmp_path), eval_iters=1, eval_interval=2)
+    history = launch(_train, 1, kw, timeout=300)[0]
     board = event_accumulator.EventAccumulator(str(tmp_path))
     board.Reload()
     losses = [(e.step, e.value) for e in board.Scalars("lm loss")]
@@ -93,3 +94,5 @@ def test_tensorboard_scalars_match_the_iteration_figures(tmp_path):
         [h["lr"] for h in history], rel=1e-6
     )
     assert "mfu" not in board.Tags()["scalars"]  # no peak on a CPU: nothing to log
+    valid = [(e.step, e.value) for e in board.Scalars("lm loss validation")]
+    assert valid == [(h["iteration"], pytest.approx(h["valid_loss"])) for h in history[1:]]

@@ -19,6 +19,7 @@ def tiny(**kw: object) -> TrainConfig:
         min_lr=1e-4,
         lr_warmup_iters=1,
         clip_grad=1.0,
+        eval_iters=0,  # tests of evaluation turn it on
     )
     return TrainConfig(**{**base, **kw})
 
@@ -98,3 +99,25 @@ def train_tracking_weights(kw: dict) -> list[dict]:
             )
         out.append(fig)
     return out
+
+
+def evaluation_against_the_whole_model(kw: dict) -> tuple[float, float]:
+    """(Trainer.evaluate() before any step, the same batches' mean loss from one GPT module
+    called directly, dropout off): the pipeline engine's forward-only pass against no engine."""
+    import torch
+
+    from megart.models import GPT
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(tiny(**kw), tokens=builtin_corpus(1 << 16))
+    c = trainer.config
+    model = GPT(trainer.model_config).eval()
+    losses = []
+    with torch.no_grad():
+        for i in range(c.eval_iters):
+            inputs, targets = trainer.valid.global_batch(c.seed, i, c.global_batch_size)
+            for x, y in zip(
+                inputs.split(c.micro_batch_size), targets.split(c.micro_batch_size), strict=True
+            ):
+                losses.append(model(x, y).item())
+    return trainer.evaluate(), sum(losses) / len(losses)

@@ -53,6 +53,7 @@ class PipelineEngine:
             )
         sched.validate(schedule)
         self.schedule, self.rank, self.chunks, self.link = schedule, rank, list(chunks), link
+        self._evaluation = sched.forward_only(schedule)
         self._like = torch.empty(tuple(activation_shape), dtype=dtype, device=device)
         # Host seconds the last run() spent inside forward and backward actions; the rest of
         # its time went to posting and waiting for communication (on CPU, the idle fraction).
@@ -68,6 +69,18 @@ class PipelineEngine:
         s = self.schedule
         return s.virtual_stage(self.rank, chunk) == s.stages * s.chunks - 1
 
+    def evaluate(
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        loss_fn: LossFn,
+    ) -> list[torch.Tensor]:
+        """Runs the forward of every microbatch only (the schedule's forward_only pass, no
+        autograd graph, each activation freed once sent); returns the losses as :meth:`run`
+        does. Dropout stays as the modules' training flags set it: call ``eval()`` first."""
+        with torch.no_grad():
+            return self._execute(self._evaluation, inputs, targets, loss_fn, 1.0)
+
     def run(
         self,
         inputs: Sequence[torch.Tensor] | None,
@@ -80,7 +93,16 @@ class PipelineEngine:
         ``loss_scale``, which fp16 training sets). ``inputs`` are
         needed on the first stage and ``targets`` on the last. Returns each microbatch's loss
         (detached) on the rank that holds the last stage, else an empty list."""
-        s = self.schedule
+        return self._execute(self.schedule, inputs, targets, loss_fn, loss_scale)
+
+    def _execute(
+        self,
+        s: sched.Schedule,
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        loss_fn: LossFn,
+        loss_scale: float,
+    ) -> list[torch.Tensor]:
         m = s.microbatches
         if any(self._first(c) for c in range(s.chunks)) and (inputs is None or len(inputs) != m):
             raise ConfigError(f"the first pipeline stage needs {m} microbatch inputs")
@@ -88,6 +110,7 @@ class PipelineEngine:
             raise ConfigError(f"the last pipeline stage needs {m} microbatch targets")
 
         machine = sched.RankStateMachine(s, self.rank)
+        training = not s.forward_only
         recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}
         arrived: dict[tuple[str, int, int], torch.Tensor] = {}
         sends: list[tuple[sched.Action, dist.Work]] = []
@@ -99,13 +122,16 @@ class PipelineEngine:
                 x = inputs[a.mb]
                 leaf = None
             else:
-                x = leaf = arrived.pop(("F", a.mb, a.chunk)).requires_grad_()
+                x = leaf = arrived.pop(("F", a.mb, a.chunk))
+                if training:
+                    x.requires_grad_()
             out = self.chunks[a.chunk](x)
             if self._last(a.chunk):
                 loss = loss_fn(out, targets[a.mb])
                 losses[a.mb] = loss.detach()
                 out = loss * (loss_scale / m)
-            stash[(a.mb, a.chunk)] = (leaf, out)
+            if training or not self._last(a.chunk):  # evaluation keeps it until it is sent
+                stash[(a.mb, a.chunk)] = (leaf, out)
 
         def backward(a: sched.Action) -> None:
             leaf, out = stash.pop((a.mb, a.chunk))
@@ -120,8 +146,12 @@ class PipelineEngine:
             ops, keys = [], []
             for a in batch:
                 if a.op in ("SEND_F", "SEND_B"):
-                    key = ("out", a.mb, a.chunk) if a.op == "SEND_F" else ("dX", a.mb, a.chunk)
-                    tensor = stash[(a.mb, a.chunk)][1] if a.op == "SEND_F" else arrived.pop(key)
+                    if a.op == "SEND_B":
+                        tensor = arrived.pop(("dX", a.mb, a.chunk))
+                    elif training:
+                        tensor = stash[(a.mb, a.chunk)][1]  # the backward needs it later
+                    else:
+                        tensor = stash.pop((a.mb, a.chunk))[1]
                     ops.append(self.link.send_op(tensor, self._peer(a.peer)))
                 else:
                     buffer = self.link.wire_buffer(self._like)

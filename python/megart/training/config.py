@@ -55,6 +55,13 @@ class TrainConfig:
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     log_interval: int = 1
+    # Validation, as Megatron-LM: --split weights carve the corpus into consecutive train,
+    # validation and test ranges; every --eval-interval iterations and after the last, the
+    # loss over --eval-iters global batches of the validation range (0: no evaluation).
+    # Megatron's defaults are 1000 and 100, sized for long runs; these suit the default run.
+    eval_interval: int = 20
+    eval_iters: int = 4
+    split: str = "969,30,1"
     log_jsonl: str | None = None
     tensorboard_dir: str | None = None  # TensorBoard scalars (needs the tensorboard package)
     save: str | None = None  # directory to write checkpoints to
@@ -130,6 +137,12 @@ class TrainConfig:
             )
         if self.train_iters < 1 or self.log_interval < 1:
             raise ConfigError("--train-iters and --log-interval must be at least 1")
+        if self.eval_iters < 0 or self.eval_interval < 1:
+            raise ConfigError(
+                f"--eval-iters {self.eval_iters} must be at least 0 (0: no evaluation) and "
+                f"--eval-interval {self.eval_interval} at least 1"
+            )
+        split_weights(self.split)
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 exclude each other; choose one")
         if self.save_interval is not None and (self.save_interval < 1 or not self.save):
@@ -137,3 +150,19 @@ class TrainConfig:
                 f"--save-interval {self.save_interval} needs --save DIR and a value of at least 1"
             )
         return dp
+
+
+def split_weights(split: str) -> tuple[float, float, float]:
+    """--split "969,30,1" (or "90,10"; missing weights are 0) as fractions of the corpus."""
+    try:
+        weights = [float(w) for w in split.replace("/", ",").split(",")]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or min(weights) < 0 or weights[0] <= 0:
+        raise ConfigError(
+            f"--split {split!r}: give up to three non-negative weights for train, validation "
+            "and test, with a positive train weight, e.g. --split 969,30,1"
+        )
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return weights[0] / total, weights[1] / total, weights[2] / total

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from megart.errors import ConfigError
+from megart.training.config import split_weights
 
 BYTE_VOCAB = 256
 
@@ -35,15 +36,30 @@ def builtin_corpus(max_bytes: int = 8 << 20) -> np.ndarray:
     return np.concatenate(chunks)[:max_bytes]
 
 
+def split_tokens(tokens: np.ndarray, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Megatron's --split: consecutive train, validation and test ranges of the corpus, sized
+    by the weights. Cut by token position (Megatron cuts between documents); slices of a memory
+    map stay memory maps."""
+    train, valid, _ = split_weights(split)
+    a = round(len(tokens) * train)
+    b = a + round(len(tokens) * valid)
+    return tokens[:a], tokens[a:b], tokens[b:]
+
+
 class TokenDataset:
     """Random windows of ``seq_length + 1`` tokens from one long token array (a memory map of
     an indexed dataset stays one: only the windows drawn are read)."""
 
-    def __init__(self, tokens: np.ndarray, seq_length: int, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_length: int,
+        vocab_size: int | None = None,
+        name: str = "the corpus",
+    ) -> None:
         if len(tokens) <= seq_length + 1:
             raise ConfigError(
-                f"the corpus has {len(tokens)} tokens; need more than "
-                f"seq_length + 1 = {seq_length + 1}"
+                f"{name} has {len(tokens)} tokens; need more than seq_length + 1 = {seq_length + 1}"
             )
         self.tokens = tokens
         self.seq_length = seq_length

@@ -1,5 +1,5 @@
-"""What the trainer reports besides its progress line: the GPU's peak for MFU and TensorBoard
-scalars."""
+"""What the trainer reports: its progress and validation lines, the GPU's peak for MFU and
+TensorBoard scalars."""
 
 from __future__ import annotations
 
@@ -31,7 +31,27 @@ TENSORBOARD_TAGS = {
     "tflops-per-gpu": "tflops_per_gpu",
     "mfu": "mfu",
     "pipeline-p2p-bytes": "pipeline_p2p_bytes",
+    "lm loss validation": "valid_loss",
+    "lm loss validation ppl": "valid_ppl",
 }
+
+
+def progress_line(fig: dict[str, Any], train_iters: int) -> str:
+    mfu = f"{100 * fig['mfu']:.1f}%" if fig["mfu"] is not None else "n/a"
+    return (
+        f"iteration {fig['iteration']:>5}/{train_iters} | loss "
+        f"{fig['loss']:.4f} | grad norm {fig['grad_norm']:.3f} | lr {fig['lr']:.2e} | "
+        f"{fig['tokens_per_s']:,.0f} tokens/s | {fig['tflops_per_gpu']:.3f} TFLOP/s per "
+        f"GPU | MFU {mfu}"
+    )
+
+
+def validation_line(fig: dict[str, Any]) -> str:
+    """Megatron's validation report, one line."""
+    return (
+        f"validation loss at iteration {fig['iteration']} | lm loss value: "
+        f"{fig['valid_loss']:.4f} | lm loss PPL: {fig['valid_ppl']:.3f}"
+    )
 
 
 def tensorboard_writer(directory: str) -> Any:

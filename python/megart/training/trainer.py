@@ -23,8 +23,8 @@ import megart
 import megart.distributed as dist
 import megart.optim
 from megart import schedule as sched
+from megart.errors import ConfigError
 from megart.models import GPTConfig, pipeline_chunks
-from megart.optim.clip import grad_sum_of_squares, scale_grads_
 from megart.optim.loss_scale import LossScaler
 from megart.pipeline import PipelineEngine, StageLink
 from megart.tensor_parallel import (
@@ -34,12 +34,19 @@ from megart.tensor_parallel import (
 )
 from megart.training import checkpoint
 from megart.training.config import TrainConfig
-from megart.training.data import TokenDataset, builtin_corpus
+from megart.training.data import TokenDataset, builtin_corpus, split_tokens
 from megart.training.flops import iteration_flops
+from megart.training.grad_norm import clip_grad_norm
 from megart.training.grad_sync import GradientBuckets
 from megart.training.indexed import IndexedTokens
 from megart.training.lr import learning_rate
-from megart.training.reporting import TENSORBOARD_TAGS, peak_flops, tensorboard_writer
+from megart.training.reporting import (
+    TENSORBOARD_TAGS,
+    peak_flops,
+    progress_line,
+    tensorboard_writer,
+    validation_line,
+)
 
 
 class Trainer:
@@ -132,7 +139,12 @@ class Trainer:
         )
         if tokens is None:
             tokens = IndexedTokens(c.data_path).tokens if c.data_path else builtin_corpus()
-        self.data = TokenDataset(tokens, c.seq_length, c.vocab_size)
+        train, valid, _ = split_tokens(tokens, c.split)  # the test range stays unread
+        self.data = TokenDataset(train, c.seq_length, c.vocab_size, "the training split")
+        self.valid = None
+        if c.eval_iters:
+            name = f"the validation split of --split {c.split!r} (or set --eval-iters 0)"
+            self.valid = TokenDataset(valid, c.seq_length, c.vocab_size, name)
         self.peak, self.device_name = peak_flops()
         # TFLOP/s count what runs (the paper's 96-coefficient formula under full
         # recomputation); MFU counts the model's FLOPs only, as its definition says.
@@ -171,9 +183,11 @@ class Trainer:
 
     # -- one iteration ----------------------------------------------------------------------
 
-    def _microbatches(self, iteration: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _microbatches(
+        self, data: TokenDataset, iteration: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         c, g = self.config, self.grid
-        inputs, targets = self.data.global_batch(c.seed, iteration, c.global_batch_size)
+        inputs, targets = data.global_batch(c.seed, iteration, c.global_batch_size)
         share = c.global_batch_size // self.dp
         rows = slice(g.dp_rank * share, (g.dp_rank + 1) * share)
         split = c.micro_batch_size
@@ -211,46 +225,11 @@ class Trainer:
             if hasattr(chunk, "wte") and (chunk.first or chunk.last):
                 dist.all_reduce(chunk.wte.weight.grad, group=g.embedding_group)
 
-    def _counted(self, chunk: torch.nn.Module, name: str, p: torch.nn.Parameter) -> bool:
-        """Whether this rank counts p in the global norm: each parameter once across the
-        model-parallel group (a replicated one on tensor-parallel rank 0 only, the tied
-        embedding on the first stage only)."""
-        if not hasattr(p, "partition_dim") and self.grid.tp_rank != 0:
-            return False
-        return not (name == "wte.weight" and chunk.last and not chunk.first)
-
-    def _clip(self) -> float:
-        c, g = self.config, self.grid
-        # Each parameter counted once across model parallelism; float64 sums of squares
-        # (megart's multi-tensor sweep on CPU, on the device on GPU), read on the host once.
-        counted = [
-            p.grad
-            for chunk in self.chunks
-            for name, p in chunk.named_parameters()
-            if p.grad is not None and self._counted(chunk, name, p)
-        ]
-        total = (
-            grad_sum_of_squares(counted).reshape(1)
-            if counted
-            else torch.zeros(1, dtype=torch.float64, device=self.device)
-        )
-        if g.mp_group.size() > 1:
-            dist.all_reduce(total, group=g.mp_group)
-        norm = math.sqrt(total.item())
-        # Not clip_grad_norm_: the norm counts each parameter once across model parallelism,
-        # but every local gradient (replicas included) is scaled.
-        if c.clip_grad > 0 and norm > c.clip_grad:
-            scale_grads_(
-                [p.grad for chunk in self.chunks for p in chunk.parameters() if p.grad is not None],
-                c.clip_grad / (norm + 1e-6),
-            )
-        return norm
-
     def train_step(self, iteration: int) -> dict[str, float]:
         """Runs one iteration; returns its figures (the same on every rank)."""
         c, g = self.config, self.grid
         t0 = time.perf_counter()
-        inputs, targets = self._microbatches(iteration)
+        inputs, targets = self._microbatches(self.data, iteration)
         self.buckets.zero_grad()
         self.buckets.start_iteration(self.m)
         dist.reset_bytes_sent(g.pp_group)
@@ -262,7 +241,11 @@ class Trainer:
             sync_sequence_parallel_grads(chunk, g.tp_group)
         self._shared_embedding_grads()
         skipped = self.scaler is not None and self._overflowed()
-        grad_norm = math.nan if skipped else self._clip()
+        grad_norm = (
+            math.nan
+            if skipped
+            else clip_grad_norm(self.chunks, g.tp_rank, g.mp_group, c.clip_grad, self.device)
+        )
         lr = learning_rate(
             iteration, c.lr, c.min_lr, c.lr_warmup_iters, c.lr_decay_iters or c.train_iters
         )
@@ -303,15 +286,44 @@ class Trainer:
             "skipped": skipped,
         }
 
+    def evaluate(self) -> float:
+        """The validation loss: the mean over --eval-iters global batches of the validation
+        split, forward only through the pipeline, with dropout off; the same on every rank.
+        The batches are the same at every evaluation, so the curve compares like with like,
+        and no random stream moves, so evaluating never changes the training curve."""
+        c, g = self.config, self.grid
+        if self.valid is None:
+            raise ConfigError("evaluation needs --eval-iters of at least 1")
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            total = 0.0
+            for i in range(c.eval_iters):
+                inputs, targets = self._microbatches(self.valid, i)
+                with self._autocast():
+                    losses = self.engine.evaluate(inputs, targets, self._loss_fn)
+                total += sum(x.item() for x in losses) / self.m
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+        loss = torch.tensor([total / c.eval_iters], dtype=torch.float64, device=self.device)
+        dist.all_reduce(loss, group=g.pp_group)  # only the last stage adds a loss
+        dist.all_reduce(loss, op="avg", group=g.dp_group)
+        return loss.item()
+
     # -- the loop ----------------------------------------------------------------------------
 
     def iterations(self) -> Iterator[dict[str, float]]:
         """Runs the iterations left (from a loaded checkpoint's on), saving every
-        --save-interval iterations and after the last one when --save is given."""
+        --save-interval iterations and after the last one when --save is given, and adding
+        ``valid_loss`` and ``valid_ppl`` every --eval-interval iterations and after the last."""
         c = self.config
         for it in range(self.start_iteration, c.train_iters):
             figures = self.train_step(it)
             done = it + 1
+            if self.valid is not None and (done % c.eval_interval == 0 or done == c.train_iters):
+                figures["valid_loss"] = self.evaluate()
+                figures["valid_ppl"] = math.exp(min(20.0, figures["valid_loss"]))  # as Megatron
             if c.save and (
                 done == c.train_iters or (c.save_interval and done % c.save_interval == 0)
             ):
@@ -339,14 +351,14 @@ class Trainer:
                     log.flush()
                 if board is not None:
                     for tag, key in TENSORBOARD_TAGS.items():
-                        if fig[key] is not None:
+                        if fig.get(key) is not None:
                             board.add_scalar(tag, fig[key], fig["iteration"])
-                if (
-                    not quiet
-                    and rank0
-                    and (fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1)
-                ):
-                    print(self.progress(fig), flush=True)
+                if quiet or not rank0:
+                    continue
+                if fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1:
+                    print(progress_line(fig, c.train_iters), flush=True)
+                if "valid_loss" in fig:
+                    print(validation_line(fig), flush=True)
         return history
 
     def describe(self) -> str:
@@ -359,13 +371,4 @@ class Trainer:
             f"dp {self.dp} (v {c.chunks}), global batch {c.global_batch_size} = "
             f"{self.m} microbatches of {c.micro_batch_size} per data-parallel rank; "
             f"{n:,} parameters on rank 0; device {self.device_name} (peak {peak})"
-        )
-
-    def progress(self, fig: dict[str, float]) -> str:
-        mfu = f"{100 * fig['mfu']:.1f}%" if fig["mfu"] is not None else "n/a"
-        return (
-            f"iteration {fig['iteration']:>5}/{self.config.train_iters} | loss "
-            f"{fig['loss']:.4f} | grad norm {fig['grad_norm']:.3f} | lr {fig['lr']:.2e} | "
-            f"{fig['tokens_per_s']:,.0f} tokens/s | {fig['tflops_per_gpu']:.3f} TFLOP/s per "
-            f"GPU | MFU {mfu}"
         )

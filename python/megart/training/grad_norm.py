@@ -1,0 +1,55 @@
+"""Gradient clipping by the global norm across model parallelism, as Megatron-LM clips: the norm
+counts each parameter once over the tensor- and pipeline-parallel ranks that hold the model,
+and every local gradient (replicas included) is scaled by the same factor."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+import megart.distributed as dist
+from megart.distributed import ProcessGroup
+from megart.optim.clip import grad_sum_of_squares, scale_grads_
+
+
+def counted_in_norm(chunk: torch.nn.Module, name: str, p: torch.nn.Parameter, tp_rank: int) -> bool:
+    """Whether this rank counts p in the global norm: a parameter replicated across tensor
+    parallelism on tensor-parallel rank 0 only, the tied embedding on the first stage only."""
+    if not hasattr(p, "partition_dim") and tp_rank != 0:
+        return False
+    return not (name == "wte.weight" and chunk.last and not chunk.first)
+
+
+def clip_grad_norm(
+    chunks: Sequence[torch.nn.Module],
+    tp_rank: int,
+    mp_group: ProcessGroup,
+    max_norm: float,
+    device: torch.device,
+) -> float:
+    """Returns the global gradient norm over ``mp_group`` (the same on each of its ranks) and
+    scales every gradient of ``chunks`` to ``max_norm`` when it is larger (0: never)."""
+    # float64 sums of squares (megart's multi-tensor sweep on CPU, on the device on GPU), read
+    # on the host once.
+    counted = [
+        p.grad
+        for chunk in chunks
+        for name, p in chunk.named_parameters()
+        if p.grad is not None and counted_in_norm(chunk, name, p, tp_rank)
+    ]
+    total = (
+        grad_sum_of_squares(counted).reshape(1)
+        if counted
+        else torch.zeros(1, dtype=torch.float64, device=device)
+    )
+    if mp_group.size() > 1:
+        dist.all_reduce(total, group=mp_group)
+    norm = math.sqrt(total.item())
+    if max_norm > 0 and norm > max_norm:
+        scale_grads_(
+            [p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None],
+            max_norm / (norm + 1e-6),
+        )
+    return norm
