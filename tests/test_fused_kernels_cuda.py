@@ -213,6 +213,30 @@ def test_cross_entropy_kernels_match_float64(dtype, rows, vocab, offset, start):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy_forward_kernel_lets_nan_reach_the_sum(dtype):
+    # Row 0: a NaN at the start of the first pack, the rest of that pack padding (-inf) and
+    # finite values after it; row 1: padding and one NaN; row 2: no NaN. A maximum skips NaN, so
+    # only the sum can carry it, as torch's logsumexp (and the CPU reference) do.
+    cuda, vocab = kernels(), 64
+    logits = rand((3, vocab), dtype)
+    logits[0, :8] = float("-inf")
+    logits[0, 0] = float("nan")
+    logits[1] = float("-inf")
+    logits[1, 5] = float("nan")
+    target = torch.tensor([3, 5, 7], device="cuda")
+    top, sum_exp, t_logit = (poisoned((3,), torch.float32) for _ in range(3))
+    launch(
+        cuda.vocab_cross_entropy_forward, logits, logits, target, top, sum_exp, t_logit, 3, vocab, 0
+    )
+    torch.cuda.synchronize()
+    assert torch.isnan(sum_exp[:2]).all() and torch.isfinite(sum_exp[2])
+    _, ref_sum, _ = cross_entropy_stats_reference(logits.double(), target, 0)
+    assert torch.isnan(ref_sum[:2]).all()
+    loss = fused_vocab_parallel_cross_entropy(logits.clone(), target, None)
+    assert torch.isnan(loss[:2]).all() and torch.isfinite(loss[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_cross_entropy_autograd_on_the_gpu(dtype):
     logits = rand((2, 300, 4000), dtype, 4.0)
     target = torch.randint(0, 4000, (2, 300), device="cuda")

@@ -39,10 +39,15 @@ def test_multi_tensor_scale_matches_torch(sizes):
     assert multi_tensor_scale_(xs, outs, 0.125)
 
 
-def test_multi_tensor_scale_reference_path_on_cpu():
+@pytest.mark.parametrize("devices", [("cpu", "cpu", "cpu"), ("cuda", "cpu", "cuda")])
+def test_multi_tensor_scale_torch_path(devices):
+    # float64 on the CPU; or float32 on several devices, which one kernel launch cannot take.
+    if "cuda" in devices and not (cuda_built and torch.cuda.is_available()):
+        pytest.skip("needs megart._cuda and a CUDA GPU")
     from megart.kernels import multi_tensor_scale_
 
-    xs = [torch.randn(n, dtype=torch.float64) for n in (1, 7, 4097)]
+    dtype = torch.float32 if "cuda" in devices else torch.float64
+    xs = [torch.randn(n, dtype=dtype, device=d) for n, d in zip((1, 7, 4097), devices, strict=True)]
     outs = [torch.empty_like(x) for x in xs]
     assert not multi_tensor_scale_(xs, outs, 3.0)
     for x, y in zip(xs, outs, strict=True):
@@ -60,3 +65,26 @@ def test_multi_tensor_scale_refuses_mismatched_outputs():
     x = torch.zeros(4, 4).t()
     with pytest.raises(ConfigError, match="contiguous"):
         multi_tensor_scale_([x], [x], 1.0)
+
+
+def test_multi_tensor_scale_binding_refuses_a_null_flag():
+    # Checked before anything touches a GPU: a null flag would fault in the kernel on inf/NaN.
+    if not cuda_built:
+        pytest.skip("built without a CUDA toolkit")
+    from megart import ConfigError, _cuda
+
+    with pytest.raises(ConfigError, match="found_nonfinite"):
+        _cuda.multi_tensor_scale([], [], [], 1.0, 0, 0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_bias_gelu_of_an_empty_last_dimension(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from megart.kernels import bias_gelu
+
+    x = torch.zeros(3, 0, device=device, requires_grad=True)
+    bias = torch.zeros(0, device=device, requires_grad=True)
+    y = bias_gelu(x, bias)
+    y.sum().backward()
+    assert y.shape == (3, 0) and x.grad.shape == (3, 0) and bias.grad.shape == (0,)

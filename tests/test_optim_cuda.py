@@ -1,4 +1,4 @@
-"""megart's CUDA AdamW against torch.optim.AdamW(fused=True). Needs a GPU; skipped without one.
+"""megart's CUDA AdamW against torch.optim.AdamW(fused=True). The GPU tests skip without one.
 
 The CUDA kernels were written and compiled without a GPU: these tests are their first check.
 """
@@ -8,10 +8,11 @@ import copy
 import pytest
 import torch
 
+from megart import ConfigError
 from megart.optim import AdamW, LossScaler
 from optim_helpers import SHAPES, assert_trajectory_close
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def cuda_params(seed, dtype=torch.float32, shapes=SHAPES):
@@ -27,6 +28,7 @@ def set_cuda_grads(param_lists, seed):
             p.grad = g.to(p.dtype, copy=True)
 
 
+@needs_gpu
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_cuda_adamw_matches_torch_fused(weight_decay):
     # Many tensors and one large one: more than one launch, tensors split across launches.
@@ -46,6 +48,7 @@ def test_cuda_adamw_matches_torch_fused(weight_decay):
         assert ours.state[p]["step"].item() == 40.0
 
 
+@needs_gpu
 def test_cuda_bf16_master_weights_follow_fp32():
     low = cuda_params(1, torch.bfloat16)
     ref = [p.detach().float().requires_grad_(True) for p in low]
@@ -63,6 +66,7 @@ def test_cuda_bf16_master_weights_follow_fp32():
         assert torch.equal(p.detach(), master.bfloat16())
 
 
+@needs_gpu
 def test_cuda_found_inf_skips_step_without_host_sync():
     params = cuda_params(2)
     before = [p.detach().clone() for p in params]
@@ -75,6 +79,7 @@ def test_cuda_found_inf_skips_step_without_host_sync():
         assert opt.state[p]["step"].item() == 0.0
 
 
+@needs_gpu
 def test_cuda_loss_scaler_and_state_dict_to_torch():
     params = cuda_params(3)
     opt = AdamW(params, lr=1e-2)
@@ -93,3 +98,39 @@ def test_cuda_loss_scaler_and_state_dict_to_torch():
         opt.step()
         theirs.step()
     assert_trajectory_close([p.cpu() for p in params], [p.cpu() for p in theirs_params])
+
+
+@needs_gpu
+def test_cuda_loss_scaler_unscales_non_contiguous_grads():
+    # A strided grad (every other column of a wider buffer) does not fit the kernel, which reads
+    # numel() elements from each address: its group goes through torch instead.
+    params = cuda_params(4, shapes=[(33, 65), (100,)])
+    wide = torch.randn(33, 130, device="cuda")
+    params[0].grad = wide[:, ::2]
+    params[1].grad = torch.randn(100, device="cuda")
+    assert not params[0].grad.is_contiguous()
+    expected = [p.grad / 8.0 for p in params]
+    found = LossScaler(init_scale=8.0).unscale_(params)
+    assert found.item() == 0
+    for p, e in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.grad, e, rtol=0, atol=0)
+    wide[0, 0] = float("inf")
+    assert LossScaler(init_scale=8.0).unscale_(params).item() == 1
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_loaded_state_of_another_shape_is_refused(device):
+    # torch's load_state_dict checks parameter counts, not shapes; the sweeps would read and
+    # write past the end of a smaller loaded moment.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    small = [torch.zeros(4, device=device, requires_grad=True)]
+    opt = AdamW(small)
+    small[0].grad = torch.ones(4, device=device)
+    opt.step()
+    large = [torch.zeros(400, device=device, requires_grad=True)]
+    other = AdamW(large)
+    other.load_state_dict(opt.state_dict())
+    large[0].grad = torch.ones(400, device=device)
+    with pytest.raises(ConfigError, match="shape"):
+        other.step()

@@ -112,6 +112,12 @@ PYBIND11_MODULE(_cuda, m) {
         if (in.size() != out.size() || in.size() != sizes.size()) {
           throw megart::ConfigError("multi_tensor_scale needs as many outputs and sizes as inputs");
         }
+        // The kernel writes the flag whenever it sees inf or NaN: a null one would fault there.
+        if (found_nonfinite == 0) {
+          throw megart::ConfigError(
+              "multi_tensor_scale needs a found_nonfinite flag: the address of a zeroed int32 "
+              "on the device");
+        }
         const auto src = as_pointers<const float*>(in);
         const auto dst = as_pointers<float*>(out);
         py::gil_scoped_release release;

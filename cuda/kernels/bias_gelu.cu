@@ -12,21 +12,10 @@ namespace {
 using fused::for_each_piece;
 using fused::load;
 using fused::store;
+using math::gelu_tanh;
+using math::gelu_tanh_grad;
 
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kCubic = 0.044715f;
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float gelu(float z) {
-  return 0.5f * z * (1.0f + tanhf(kSqrt2OverPi * (z + kCubic * z * z * z)));
-}
-
-// d gelu / dz = 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 c z^2), t = tanh(u(z)).
-__device__ __forceinline__ float gelu_grad(float z) {
-  const float t = tanhf(kSqrt2OverPi * (z + kCubic * z * z * z));
-  return 0.5f * (1.0f + t) +
-         0.5f * z * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kCubic * z * z);
-}
 
 // Adds the bias to W consecutive elements starting at flat index i (one modulo per piece).
 template <int W, typename T>
@@ -50,7 +39,7 @@ __global__ void bias_gelu_forward_kernel(const T* x, const T* bias, T* out, int6
     load<W>(x + i, v);
     add_bias<W>(v, bias, i, hidden);
 #pragma unroll
-    for (int k = 0; k < W; ++k) v[k] = gelu(v[k]);
+    for (int k = 0; k < W; ++k) v[k] = gelu_tanh(v[k]);
     store<W>(out + i, v);
   });
 }
@@ -68,7 +57,7 @@ __global__ void bias_gelu_backward_kernel(const T* grad, const T* x, const T* bi
     load<W>(grad + i, g);
     add_bias<W>(v, bias, i, hidden);
 #pragma unroll
-    for (int k = 0; k < W; ++k) g[k] *= gelu_grad(v[k]);
+    for (int k = 0; k < W; ++k) g[k] *= gelu_tanh_grad(v[k]);
     store<W>(grad_x + i, g);
   });
 }

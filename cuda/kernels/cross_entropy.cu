@@ -13,9 +13,9 @@ namespace megart::cuda {
 namespace {
 
 using fused::for_each_in_row;
-using fused::kLog2e;
 using fused::load;
 using fused::store;
+using math::kLog2e;
 
 template <typename T>
 __global__ void cross_entropy_forward_kernel(const T* logits, const int64_t* target, float* row_max,
@@ -23,28 +23,16 @@ __global__ void cross_entropy_forward_kernel(const T* logits, const int64_t* tar
                                              int64_t start) {
   __shared__ float scratch[32];
   const T* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
-  // This thread's running maximum m and sum of exp(logit - m); s is 0 while m is -inf (only
-  // -inf seen, e.g. padded vocabulary entries), which keeps -inf - -inf out of the sums.
-  float m = -INFINITY;
-  float s = 0.0f;
+  // This thread's running maximum and sum of exponentials (see SoftmaxPartial for -inf and NaN).
+  math::SoftmaxPartial part;
   for_each_in_row(row, vocab, true, [&](int64_t j, auto width) {
     constexpr int W = decltype(width)::value;
     float v[W];
     load<W>(row + j, v);
-    float top = m;
-#pragma unroll
-    for (int k = 0; k < W; ++k) top = fmaxf(top, v[k]);
-    if (top == -INFINITY) return;
-    if (top > m) {
-      s = m == -INFINITY ? 0.0f : s * exp2f((m - top) * kLog2e);
-      m = top;
-    }
-#pragma unroll
-    for (int k = 0; k < W; ++k) s += exp2f((v[k] - m) * kLog2e);
+    part.add(v);
   });
-  const float block_top = fused::block_max(m, scratch);
-  const float mine = m == -INFINITY ? 0.0f : s * exp2f((m - block_top) * kLog2e);
-  const float total = fused::block_sum(mine, scratch);
+  const float block_top = fused::block_max(part.maximum, scratch);
+  const float total = fused::block_sum(part.sum_at(block_top), scratch);
   if (threadIdx.x == 0) {
     row_max[blockIdx.x] = block_top;
     sum_exp[blockIdx.x] = total;
@@ -78,7 +66,7 @@ __global__ void cross_entropy_backward_kernel(T* logits, const int64_t* target, 
 template <typename Launch>
 cudaError_t per_row(int64_t rows, int64_t vocab, FusedType type, Launch&& launch) {
   if (rows == 0) return cudaSuccess;
-  if (vocab <= 0) return cudaErrorInvalidValue;
+  if (rows < 0 || rows > fused::kMaxRows || vocab <= 0) return cudaErrorInvalidValue;
   return fused::dispatch(type, [&](auto tag) {
     launch(tag, static_cast<unsigned>(rows),
            fused::row_threads(vocab, fused::kPack<decltype(tag)>));

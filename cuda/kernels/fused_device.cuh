@@ -1,6 +1,7 @@
 // Device helpers shared by the fused kernels: fp32 conversion of the element types, 16-byte
-// packed loads and stores, a loop that splits a range into a scalar head, whole packs and a
-// scalar tail, and block-wide reductions. Only .cu files include this.
+// packed loads and stores, and block-wide reductions. The loop that splits a range into a scalar
+// head, whole packs and a scalar tail is kernel_math.hpp's (unit-tested on the host). Only .cu
+// files include this.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,10 +14,9 @@
 #include <type_traits>
 
 #include "fused_ops.cuh"
+#include "kernel_math.hpp"
 
 namespace megart::cuda::fused {
-
-constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -37,9 +37,9 @@ __device__ __forceinline__ __half from_float<__half>(float x) {
   return __float2half_rn(x);
 }
 
-// Elements of T per 16-byte load.
-template <typename T>
-constexpr int kPack = 16 / sizeof(T);
+using math::for_each_piece;
+using math::kPack;
+using math::Width;
 
 template <typename T>
 struct alignas(16) Pack {
@@ -70,30 +70,6 @@ __device__ __forceinline__ void store(T* p, const float (&in)[W]) {
     for (int k = 0; k < W; ++k) pack.v[k] = from_float<T>(in[k]);
     *reinterpret_cast<Pack<T>*>(p) = pack;
   }
-}
-
-template <int W>
-using Width = std::integral_constant<int, W>;
-
-// Calls f(i, Width<1>) or f(i, Width<kPack<T>>) so that together the calls of all threads cover
-// [0, n) once: thread `first` of `stride` threads takes every stride-th piece. Packs start where
-// `anchor` + i is 16-byte aligned; the elements before (head) and after (tail) go one by one.
-// With vectorise false (the arrays f touches are not aligned alike) every element goes alone.
-template <typename T, typename F>
-__device__ __forceinline__ void for_each_piece(const T* anchor, int64_t n, bool vectorise,
-                                               int64_t first, int64_t stride, F&& f) {
-  constexpr int kV = kPack<T>;
-  int64_t head = n;
-  if (vectorise) {
-    const auto misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(anchor) % 16);
-    head = misaligned == 0 ? 0 : (16 - misaligned) / static_cast<int64_t>(sizeof(T));
-    head = head < n ? head : n;
-  }
-  const int64_t packs = (n - head) / kV;
-  const int64_t tail = head + packs * kV;
-  for (int64_t i = first; i < head; i += stride) f(i, Width<1>{});
-  for (int64_t p = first; p < packs; p += stride) f(head + p * kV, Width<kV>{});
-  for (int64_t i = tail + first; i < n; i += stride) f(i, Width<1>{});
 }
 
 // The block's threads split one row between them.
@@ -152,6 +128,9 @@ cudaError_t dispatch(FusedType type, F&& f) {
   }
   return cudaErrorInvalidValue;
 }
+
+// Kernels with one block per row launch `rows` blocks in x: at most 2^31 - 1 of them.
+constexpr int64_t kMaxRows = 2147483647;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

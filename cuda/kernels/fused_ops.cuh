@@ -3,7 +3,8 @@
 // this from plain C++). Inputs are fp32, bf16 or fp16; arithmetic and statistics are fp32.
 //
 // UNVERIFIED: written and compiled (sm_80, sm_90) on a machine without a GPU; never run. The
-// tests in tests/test_fused_kernels.py compare each with a float64 torch reference on a GPU.
+// tests in tests/test_fused_kernels_cuda.py compare each with a float64 torch reference on a GPU;
+// their per-element math (kernel_math.hpp) is unit-tested on the host (cpp/tests).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -52,8 +53,9 @@ cudaError_t add_layer_norm_backward(const void* grad_out, const void* grad_sum, 
                                     cudaStream_t stream);
 
 // One pass over each row of logits [rows, vocab] (this rank's vocabulary slice, ids
-// [start, start + vocab)): row_max, sum_exp = sum(exp(logit - row_max)) (0 for a row of -inf)
-// and target_logit = logits[target - start] when that id is in this slice, else 0 (fp32 [rows]).
+// [start, start + vocab)): row_max, sum_exp = sum(exp(logit - row_max)) (0 for a row of -inf,
+// NaN for a row holding a NaN, whose row_max skips it) and target_logit = logits[target - start]
+// when that id is in this slice, else 0 (fp32 [rows]).
 cudaError_t vocab_cross_entropy_forward(const void* logits, const int64_t* target, float* row_max,
                                         float* sum_exp, float* target_logit, int64_t rows,
                                         int64_t vocab, int64_t start, FusedType type,

@@ -197,7 +197,10 @@ cudaError_t add_layer_norm_forward(const void* x, const void* residual, const vo
                                    int64_t rows, int64_t hidden, float eps, FusedType type,
                                    cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  if (hidden <= 0 || (residual != nullptr && sum == nullptr)) return cudaErrorInvalidValue;
+  if (rows < 0 || rows > fused::kMaxRows || hidden <= 0 ||
+      (residual != nullptr && sum == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   return fused::dispatch(type, [&](auto tag) {
     using T = decltype(tag);
     const bool vectorise = aligned_alike<T>(hidden, {x, residual, weight, bias, out, sum});

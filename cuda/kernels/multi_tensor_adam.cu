@@ -4,6 +4,7 @@
 
 #include <type_traits>
 
+#include "kernel_math.hpp"
 #include "multi_tensor_adam.cuh"
 #include "optim/multi_tensor_plan.hpp"
 
@@ -57,8 +58,9 @@ __global__ void advance_steps(StepLaunch args, int count, const int* found_inf) 
   if (i < count) *args.step[i] += 1.0f;
 }
 
-// torch.optim.Adam/AdamW's update (see cpp/optim/adam.cpp for the op-by-op form), with the
-// bias corrections computed in double from the device-side step count.
+// torch.optim.Adam/AdamW's update (kernel_math.hpp's adam_update; see cpp/optim/adam.cpp for
+// the op-by-op form), with the bias corrections computed in double from the device-side step
+// count.
 template <typename Model, bool kDecoupled>
 __global__ void adam_kernel(AdamLaunch<Model> args, AdamHyper h, const int* found_inf) {
   if (skipped(found_inf)) return;
@@ -66,37 +68,18 @@ __global__ void adam_kernel(AdamLaunch<Model> args, AdamHyper h, const int* foun
   const int64_t begin = static_cast<int64_t>(args.block_map.chunk[blockIdx.x]) * kChunk;
   const int64_t end = min(begin + kChunk, args.size[t]);
 
-  const double step = *args.step[t];
-  const double bias_correction1 = 1.0 - pow(h.beta1, step);
-  const double bias_correction2 = 1.0 - pow(h.beta2, step);
-  const float neg_step_size = static_cast<float>(-(h.lr / bias_correction1));
-  const float bc2_sqrt = static_cast<float>(sqrt(bias_correction2));
-  const float decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
-  const float weight_decay = static_cast<float>(h.weight_decay);
-  const float w1 = static_cast<float>(1.0 - h.beta1);
-  const float beta2 = static_cast<float>(h.beta2);
-  const float one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  const float eps = static_cast<float>(h.eps);
-
+  const math::AdamCoefficients c =
+      math::adam_coefficients(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, *args.step[t]);
   float* param = args.param[t];
   float* exp_avg = args.exp_avg[t];
   float* exp_avg_sq = args.exp_avg_sq[t];
   const Model* grad = args.grad[t];
   Model* model = args.model[t];
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    float g = load(grad + i);
     float p = param[i];
-    if (kDecoupled) {
-      p *= decay;
-    } else {
-      g = fmaf(weight_decay, p, g);
-    }
-    // torch's lerp: the formula anchored at the nearer end.
-    const float m =
-        w1 < 0.5f ? fmaf(w1, g - exp_avg[i], exp_avg[i]) : fmaf(w1 - 1.0f, g - exp_avg[i], g);
-    const float v = fmaf(one_minus_beta2 * g, g, exp_avg_sq[i] * beta2);
-    const float denom = sqrtf(v) / bc2_sqrt + eps;
-    p = p + neg_step_size * m / denom;
+    float m = exp_avg[i];
+    float v = exp_avg_sq[i];
+    math::adam_update<kDecoupled>(load(grad + i), p, m, v, c);
     param[i] = p;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;

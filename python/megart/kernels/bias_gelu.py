@@ -36,7 +36,9 @@ def bias_gelu_backward_reference(
     t = torch.tanh(_SQRT_2_OVER_PI * (z + _CUBIC * z**3))
     slope = 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _CUBIC * z * z)
     grad_x = (grad.to(c) * slope).to(x.dtype)
-    grad_bias = grad_x.reshape(-1, bias.numel()).sum(0, dtype=c).to(bias.dtype)
+    # Rows counted explicitly: reshape(-1, 0) is ambiguous for an empty last dimension.
+    rows = x.shape[:-1].numel()
+    grad_bias = grad_x.reshape(rows, bias.numel()).sum(0, dtype=c).to(bias.dtype)
     return grad_x, grad_bias
 
 
@@ -45,7 +47,7 @@ class _BiasGeLU(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, bias)
         kernel = cuda_kernel("bias_gelu_forward", x, bias)
-        if kernel is None:
+        if kernel is None or bias.numel() == 0:  # an empty bias: the kernel takes hidden >= 1
             return bias_gelu_reference(x, bias)
         out = torch.empty_like(x)
         launch(kernel, x, x, bias, out, x.numel(), bias.numel())
@@ -56,7 +58,7 @@ class _BiasGeLU(torch.autograd.Function):
         x, bias = ctx.saved_tensors
         grad = grad.to(x.dtype).contiguous()
         kernel = cuda_kernel("bias_gelu_backward", grad, x, bias)
-        if kernel is None:
+        if kernel is None or bias.numel() == 0:
             return bias_gelu_backward_reference(grad, x, bias)
         grad_x = torch.empty_like(x)
         launch(kernel, x, grad, x, bias, grad_x, x.numel(), bias.numel())

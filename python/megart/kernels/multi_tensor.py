@@ -30,7 +30,11 @@ def multi_tensor_scale_(
     _check(inputs, outputs)
     if not inputs:
         return False
-    on_gpu = inputs[0].is_cuda and all(x.dtype == torch.float32 for x in inputs)
+    # The kernel takes every tensor by address on one device: all on inputs[0]'s GPU.
+    device = inputs[0].device
+    on_gpu = device.type == "cuda" and all(
+        x.dtype == torch.float32 and x.device == device for x in inputs
+    )
     if on_gpu:
         try:
             from megart import _cuda
@@ -41,13 +45,14 @@ def multi_tensor_scale_(
         for x, y in zip(inputs, outputs, strict=True):
             torch.mul(x, scale, out=y)
         return found
-    flag = torch.zeros(1, dtype=torch.int32, device=inputs[0].device)
-    _cuda.multi_tensor_scale(
-        [x.data_ptr() for x in inputs],
-        [y.data_ptr() for y in outputs],
-        [x.numel() for x in inputs],
-        float(scale),
-        flag.data_ptr(),
-        torch.cuda.current_stream(inputs[0].device).cuda_stream,
-    )
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    with torch.cuda.device(device):  # the launch goes to the current device
+        _cuda.multi_tensor_scale(
+            [x.data_ptr() for x in inputs],
+            [y.data_ptr() for y in outputs],
+            [x.numel() for x in inputs],
+            float(scale),
+            flag.data_ptr(),
+            torch.cuda.current_stream(device).cuda_stream,
+        )
     return bool(flag.item())

@@ -233,8 +233,18 @@ class Adam(torch.optim.Optimizer):
             state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
         elif step.dtype != torch.float32 or step.device != p.device:
             state["step"] = step.to(device=p.device, dtype=torch.float32)
-        for key in ("exp_avg", "exp_avg_sq"):
+        if low and "master_param" not in state:
+            # Loaded from an optimizer that had no main weights: start them from the model.
+            state["master_param"] = p.detach().to(torch.float32, copy=True)
+        for key in ("exp_avg", "exp_avg_sq", "master_param") if low else ("exp_avg", "exp_avg_sq"):
             value = state[key]
+            # The sweeps take p.numel() elements from each buffer by address: a loaded state of
+            # another shape would be read and written out of bounds.
+            if value.shape != p.shape:
+                raise ConfigError(
+                    f"optimizer state '{key}' has shape {tuple(value.shape)} but its parameter "
+                    f"{tuple(p.shape)}; load a state dict saved for this model"
+                )
             if (
                 value.dtype != torch.float32
                 or value.device != p.device
@@ -243,9 +253,6 @@ class Adam(torch.optim.Optimizer):
                 state[key] = value.to(
                     device=p.device, dtype=torch.float32, memory_format=torch.contiguous_format
                 )
-        if low and "master_param" not in state:
-            # Loaded from an optimizer that had no main weights: start them from the model.
-            state["master_param"] = p.detach().to(torch.float32, copy=True)
         return state
 
     def _hyperparameters(self, group: dict[str, Any]) -> dict[str, Any]:

@@ -73,7 +73,12 @@ class LossScaler:
                 name = dtype_name(dtype, "a gradient")
                 if _core.optim.scale(ptrs, ptrs, sizes(group), name, inv, num_threads):
                     found.fill_(1)
-            elif dev.type == "cuda" and dtype == torch.float32:
+            elif (
+                dev.type == "cuda"
+                and dtype == torch.float32
+                and all(g.is_contiguous() for g in group)
+            ):
+                # The kernel takes numel() elements from each address: contiguous grads only.
                 # UNVERIFIED: the CUDA kernel has never run (no GPU where it was written).
                 flag = torch.zeros(1, dtype=torch.int32, device=dev)
                 ptrs = addresses(group)

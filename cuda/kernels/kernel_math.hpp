@@ -1,0 +1,157 @@
+// The per-element arithmetic and index splitting of megart's CUDA kernels, in functions that also
+// compile as plain C++ (no CUDA types, no CUDA headers), so that the C++ unit tests
+// (cpp/tests/test_kernel_math.cpp) check them against float64 on machines without a GPU. The
+// kernels convert bf16/fp16 to float before calling these.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__CUDACC__)
+#define MEGART_HOST_DEVICE __host__ __device__ __forceinline__
+#define MEGART_UNROLL _Pragma("unroll")
+#else
+#define MEGART_HOST_DEVICE inline
+#define MEGART_UNROLL
+#endif
+
+namespace megart::cuda::math {
+
+// ---- Splitting a range for 16-byte packed loads ----------------------------------------------
+
+// Elements of T per 16-byte load.
+template <typename T>
+constexpr int kPack = 16 / static_cast<int>(sizeof(T));
+
+template <int W>
+using Width = std::integral_constant<int, W>;
+
+// Calls f(i, Width<1>) or f(i, Width<kPack<T>>) so that together the calls of all threads cover
+// [0, n) once: thread `first` of `stride` threads takes every stride-th piece. Packs start where
+// `anchor` + i is 16-byte aligned; the elements before (head) and after (tail) go one by one.
+// With vectorise false (the arrays f touches are not aligned alike) every element goes alone.
+// `anchor` must be aligned to its element size (true of every torch tensor's data pointer).
+template <typename T, typename F>
+MEGART_HOST_DEVICE void for_each_piece(const T* anchor, int64_t n, bool vectorise, int64_t first,
+                                       int64_t stride, F&& f) {
+  constexpr int kV = kPack<T>;
+  int64_t head = n;
+  if (vectorise) {
+    const auto misaligned = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(anchor) % 16);
+    head = misaligned == 0 ? 0 : (16 - misaligned) / static_cast<int64_t>(sizeof(T));
+    head = head < n ? head : n;
+  }
+  const int64_t packs = (n - head) / kV;
+  const int64_t tail = head + packs * kV;
+  for (int64_t i = first; i < head; i += stride) f(i, Width<1>{});
+  for (int64_t p = first; p < packs; p += stride) f(head + p * kV, Width<kV>{});
+  for (int64_t i = tail + first; i < n; i += stride) f(i, Width<1>{});
+}
+
+// ---- GeLU, tanh approximation (as GPT-2) -----------------------------------------------------
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCubic = 0.044715f;
+
+MEGART_HOST_DEVICE float gelu_tanh(float z) {
+  return 0.5f * z * (1.0f + tanhf(kSqrt2OverPi * (z + kGeluCubic * z * z * z)));
+}
+
+// d gelu / dz = 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 c z^2), t = tanh(u(z)).
+MEGART_HOST_DEVICE float gelu_tanh_grad(float z) {
+  const float t = tanhf(kSqrt2OverPi * (z + kGeluCubic * z * z * z));
+  return 0.5f * (1.0f + t) +
+         0.5f * z * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * z * z);
+}
+
+// ---- Online softmax statistics (cross-entropy) -----------------------------------------------
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// One thread's running maximum and sum of exp(v - max) over the values it has seen, rescaled
+// whenever the maximum grows. -inf values (padded vocabulary ids) add nothing; while only -inf
+// has been seen the sum stays 0, which keeps -inf - -inf out of it. A NaN value makes the sum
+// NaN, as torch's logsumexp would be: fmaxf skips NaN, so without the flag a NaN in a pack of
+// otherwise -inf values would vanish and the loss would come out finite.
+struct SoftmaxPartial {
+  float maximum = -INFINITY;
+  float sum = 0.0f;
+  bool saw_nan = false;
+
+  template <int W>
+  MEGART_HOST_DEVICE void add(const float (&v)[W]) {
+    float top = maximum;
+    MEGART_UNROLL
+    for (int k = 0; k < W; ++k) top = fmaxf(top, v[k]);
+    if (top == -INFINITY) {  // every value is -inf or NaN
+      MEGART_UNROLL
+      for (int k = 0; k < W; ++k) saw_nan = saw_nan || std::isnan(v[k]);
+      return;
+    }
+    if (top > maximum) {
+      sum = maximum == -INFINITY ? 0.0f : sum * exp2f((maximum - top) * kLog2e);
+      maximum = top;
+    }
+    MEGART_UNROLL
+    for (int k = 0; k < W; ++k) sum += exp2f((v[k] - maximum) * kLog2e);
+  }
+
+  // This partial's sum rescaled to a maximum `top` >= maximum (the block's or the group's).
+  MEGART_HOST_DEVICE float sum_at(float top) const {
+    if (saw_nan) return NAN;
+    return maximum == -INFINITY ? 0.0f : sum * exp2f((maximum - top) * kLog2e);
+  }
+};
+
+// ---- Adam / AdamW ----------------------------------------------------------------------------
+
+// The scalars of one tensor's update: torch.optim.Adam/AdamW's, with the bias corrections
+// computed in double from the tensor's step count (already advanced for this step), then
+// rounded to float once.
+struct AdamCoefficients {
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float decay;          // AdamW: 1 - lr * weight_decay
+  float weight_decay;   // Adam: the L2 term added to the gradient
+  float w1;             // lerp weight of the first moment: 1 - beta1
+  float beta2;
+  float one_minus_beta2;
+  float eps;
+};
+
+MEGART_HOST_DEVICE AdamCoefficients adam_coefficients(double lr, double beta1, double beta2,
+                                                      double eps, double weight_decay,
+                                                      double step) {
+  const double bias_correction1 = 1.0 - pow(beta1, step);
+  const double bias_correction2 = 1.0 - pow(beta2, step);
+  AdamCoefficients c;
+  c.neg_step_size = static_cast<float>(-(lr / bias_correction1));
+  c.bc2_sqrt = static_cast<float>(sqrt(bias_correction2));
+  c.decay = static_cast<float>(1.0 - lr * weight_decay);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.w1 = static_cast<float>(1.0 - beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c.eps = static_cast<float>(eps);
+  return c;
+}
+
+// One element: p (fp32 parameter or main weight), m and v (the moments) updated in place from
+// the gradient g. AdamW (kDecoupled) decays p before the update; Adam adds weight_decay * p to g.
+template <bool kDecoupled>
+MEGART_HOST_DEVICE void adam_update(float g, float& p, float& m, float& v,
+                                    const AdamCoefficients& c) {
+  if (kDecoupled) {
+    p *= c.decay;
+  } else {
+    g = fmaf(c.weight_decay, p, g);
+  }
+  // torch's lerp: the formula anchored at the nearer end.
+  m = c.w1 < 0.5f ? fmaf(c.w1, g - m, m) : fmaf(c.w1 - 1.0f, g - m, g);
+  v = fmaf(c.one_minus_beta2 * g, g, v * c.beta2);
+  const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
+  p = p + c.neg_step_size * m / denom;
+}
+
+}  // namespace megart::cuda::math
