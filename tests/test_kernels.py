@@ -25,7 +25,7 @@ def test_cuda_module_reports_its_toolkit_when_built():
 @needs_gpu
 @pytest.mark.parametrize("sizes", [[1], [7, 4097], [16384 * 321 + 3, 5, 0, 65536] + [33] * 40])
 def test_multi_tensor_scale_matches_torch(sizes):
-    from megart.kernels import multi_tensor_scale_
+    from megart.optim import multi_tensor_scale_
 
     g = torch.Generator(device="cuda").manual_seed(0)
     xs = [torch.randn(n, device="cuda", generator=g) for n in sizes]
@@ -44,7 +44,7 @@ def test_multi_tensor_scale_torch_path(devices):
     # float64 on the CPU; or float32 on several devices, which one kernel launch cannot take.
     if "cuda" in devices and not (cuda_built and torch.cuda.is_available()):
         pytest.skip("needs megart._cuda and a CUDA GPU")
-    from megart.kernels import multi_tensor_scale_
+    from megart.optim import multi_tensor_scale_
 
     dtype = torch.float32 if "cuda" in devices else torch.float64
     xs = [torch.randn(n, dtype=dtype, device=d) for n, d in zip((1, 7, 4097), devices, strict=True)]
@@ -58,13 +58,30 @@ def test_multi_tensor_scale_torch_path(devices):
 
 def test_multi_tensor_scale_refuses_mismatched_outputs():
     from megart import ConfigError
-    from megart.kernels import multi_tensor_scale_
+    from megart.optim import multi_tensor_scale_
 
     with pytest.raises(ConfigError, match="does not match"):
         multi_tensor_scale_([torch.zeros(3)], [torch.zeros(4)], 1.0)
-    x = torch.zeros(4, 4).t()
-    with pytest.raises(ConfigError, match="contiguous"):
-        multi_tensor_scale_([x], [x], 1.0)
+    with pytest.raises(ConfigError, match="2 inputs but 1 outputs"):
+        multi_tensor_scale_([torch.zeros(3)] * 2, [torch.zeros(3)], 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_multi_tensor_scale_on_cpu_matches_torch_in_place_and_strided(dtype):
+    # Contiguous tensors take the C++ sweep, a strided one torch's kernel: both bitwise torch.
+    from megart.optim import multi_tensor_scale_
+
+    xs = [torch.randn(n, dtype=dtype) for n in (1, 7, 4097)] + [torch.randn(6, 8, dtype=dtype).t()]
+    expected = [x * 0.3 for x in xs]
+    found = multi_tensor_scale_(xs, xs, 0.3)
+    assert found.dtype == torch.int32 and found.item() == 0
+    for x, e in zip(xs, expected, strict=True):
+        torch.testing.assert_close(x, e, rtol=0, atol=0)
+    xs[3][1, 2] = float("inf")
+    assert multi_tensor_scale_(xs, xs, 0.3).item() == 1
+    xs[3][1, 2] = 0.0
+    xs[0][0] = float("nan")
+    assert multi_tensor_scale_(xs, xs, 0.3).item() == 1
 
 
 def test_multi_tensor_scale_binding_refuses_a_null_flag():

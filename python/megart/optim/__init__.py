@@ -4,6 +4,13 @@ clipping and dynamic loss scaling. CPU tensors use the C++ core; CUDA tensors th
 
 from megart.optim.adam import Adam, AdamW
 from megart.optim.clip import clip_grad_norm_, grad_sum_of_squares
-from megart.optim.loss_scale import LossScaler
+from megart.optim.loss_scale import LossScaler, multi_tensor_scale_
 
-__all__ = ["Adam", "AdamW", "clip_grad_norm_", "grad_sum_of_squares", "LossScaler"]
+__all__ = [
+    "Adam",
+    "AdamW",
+    "clip_grad_norm_",
+    "grad_sum_of_squares",
+    "LossScaler",
+    "multi_tensor_scale_",
+]

@@ -40,6 +40,15 @@ def check_device(tensor: torch.Tensor, what: str) -> str:
     return kind
 
 
+def cuda_built() -> bool:
+    """Whether this install has megart's CUDA kernels (``megart._cuda``)."""
+    try:
+        from megart import _cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def cuda_module() -> Any:
     """``megart._cuda``, or ConfigError saying that this install has no CUDA kernels."""
     try:

@@ -4,12 +4,21 @@ overflowed to inf or NaN."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from megart.errors import ConfigError
-from megart.optim._buffers import addresses, check_device, cuda_module, dtype_name, sizes
+from megart.optim._buffers import (
+    DTYPE_NAMES,
+    addresses,
+    check_device,
+    cuda_built,
+    cuda_module,
+    dtype_name,
+    sizes,
+)
 
 
 class LossScaler:
@@ -57,43 +66,10 @@ class LossScaler:
     def unscale_(self, params: list[torch.Tensor], num_threads: int = 0) -> torch.Tensor:
         """Divides the gradients of ``params`` by the scale in place. Returns an int32 flag tensor
         (on the first gradient's device) that is 1 when any gradient had an inf or NaN."""
-        from megart import _core
-
         grads = [p.grad for p in params if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        found = torch.zeros(1, dtype=torch.int32, device=device)
-        inv = 1.0 / self._scale
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:
             check_device(g, "a gradient")
-            groups.setdefault((g.device, g.dtype), []).append(g)
-        for (dev, dtype), group in groups.items():
-            if dev.type == "cpu" and all(g.is_contiguous() for g in group):
-                ptrs = addresses(group)
-                name = dtype_name(dtype, "a gradient")
-                if _core.optim.scale(ptrs, ptrs, sizes(group), name, inv, num_threads):
-                    found.fill_(1)
-            elif (
-                dev.type == "cuda"
-                and dtype == torch.float32
-                and all(g.is_contiguous() for g in group)
-            ):
-                # The kernel takes numel() elements from each address: contiguous grads only.
-                # UNVERIFIED: the CUDA kernel has never run (no GPU where it was written).
-                flag = torch.zeros(1, dtype=torch.int32, device=dev)
-                ptrs = addresses(group)
-                with torch.cuda.device(dev):
-                    stream = torch.cuda.current_stream(dev).cuda_stream
-                    cuda_module().multi_tensor_scale(
-                        ptrs, ptrs, sizes(group), inv, flag.data_ptr(), stream
-                    )
-                found = torch.maximum(found, flag.to(device))
-            else:
-                bad = torch.stack([~torch.isfinite(g).all() for g in group]).any()
-                for g in group:
-                    g.mul_(inv)
-                found = torch.maximum(found, bad.to(device=device, dtype=torch.int32).reshape(1))
-        return found
+        return multi_tensor_scale_(grads, grads, 1.0 / self._scale, num_threads)
 
     def step(self, optimizer: torch.optim.Optimizer, num_threads: int = 0) -> bool:
         """Unscales, steps ``optimizer`` unless a gradient overflowed, updates the scale.
@@ -122,3 +98,51 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._scale = float(state["scale"])
         self._good_steps = int(state["good_steps"])
+
+
+def multi_tensor_scale_(
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    scale: float,
+    num_threads: int = 0,
+) -> torch.Tensor:
+    """outputs[i] = inputs[i] * scale (in place when they are the same tensors), many tensors
+    per call. Returns an int32 flag of one element on inputs[0]'s device, 1 when any input held
+    an inf or NaN (the fp16 loss-scaling check), so CUDA callers need no host sync. Contiguous
+    CPU tensors go through megart's C++ sweep, contiguous float32 CUDA tensors through its
+    multi-tensor kernel (UNVERIFIED: never run on a GPU), the rest through torch."""
+    from megart import _core
+
+    if len(inputs) != len(outputs):
+        raise ConfigError(f"{len(inputs)} inputs but {len(outputs)} outputs")
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (x, y) in enumerate(zip(inputs, outputs, strict=True)):
+        if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+            raise ConfigError(
+                f"tensor {i}: output {tuple(y.shape)} {y.dtype} on {y.device} does "
+                f"not match input {tuple(x.shape)} {x.dtype} on {x.device}"
+            )
+        groups.setdefault((x.device, x.dtype), []).append(i)
+    device = inputs[0].device if inputs else torch.device("cpu")
+    found = torch.zeros(1, dtype=torch.int32, device=device)
+    for (dev, dtype), index in groups.items():
+        xs, ys = [inputs[i] for i in index], [outputs[i] for i in index]
+        contiguous = all(t.is_contiguous() for t in xs + ys)  # the sweeps take numel() from each
+        if dev.type == "cpu" and contiguous and dtype in DTYPE_NAMES:
+            name = dtype_name(dtype, "a tensor")
+            if _core.optim.scale(addresses(xs), addresses(ys), sizes(xs), name, scale, num_threads):
+                found.fill_(1)
+        elif dev.type == "cuda" and contiguous and dtype == torch.float32 and cuda_built():
+            flag = torch.zeros(1, dtype=torch.int32, device=dev)
+            with torch.cuda.device(dev):  # the launch goes to the current device
+                stream = torch.cuda.current_stream(dev).cuda_stream
+                cuda_module().multi_tensor_scale(
+                    addresses(xs), addresses(ys), sizes(xs), scale, flag.data_ptr(), stream
+                )
+            found = torch.maximum(found, flag.to(device))
+        else:
+            bad = torch.stack([~torch.isfinite(x).all() for x in xs]).any()
+            for x, y in zip(xs, ys, strict=True):
+                torch.mul(x, scale, out=y)
+            found = torch.maximum(found, bad.to(device=device, dtype=torch.int32).reshape(1))
+    return found
