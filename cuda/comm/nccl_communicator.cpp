@@ -160,16 +160,18 @@ void NcclCommunicator::shut_down_nccl() noexcept {
     // group, or destroys its groups in another order, would hang this one. ncclCommFinalize
     // does that work in the background on a non-blocking communicator, so the wait for it is
     // bounded by the timeout; past it, or on an error, the communicator is aborted instead.
-    const int started = api_->comm_finalize(comm_);
-    const int state = comm::wait_nccl_state(
-        started, [&](int* out) { return api_->comm_get_async_error(comm_, out); },
-        Clock::now() + timeout_);
-    if (state != kNcclSuccess) {
+    if (settle(api_->comm_finalize(comm_), comm_) != kNcclSuccess) {
       api_->comm_abort(comm_);
       return;
     }
   }
   api_->comm_destroy(comm_);  // after ncclCommFinalize: frees local resources only
+}
+
+int NcclCommunicator::settle(int state, void* comm) const {
+  return comm::wait_nccl_state(
+      state, [&](int* out) { return api_->comm_get_async_error(comm, out); },
+      Clock::now() + timeout_);
 }
 
 std::string NcclCommunicator::where() const {
@@ -247,12 +249,7 @@ void NcclCommunicator::init_nccl(const NcclUniqueId& id, const std::string& what
   config.blocking = 0;
   const NcclResult started = api_->comm_init_rank_config(&handle, size_, raw, rank_, &config);
   // NCCL connects to the other ranks in the background; poll until it has, or time runs out.
-  NcclResult state = started;
-  if (handle != nullptr) {
-    state = comm::wait_nccl_state(
-        started, [&](int* out) { return api_->comm_get_async_error(handle, out); },
-        Clock::now() + timeout_);
-  }
+  const NcclResult state = handle != nullptr ? settle(started, handle) : started;
   if (state == kNcclInProgress && handle != nullptr) {
     api_->comm_abort(handle);
     throw CommTimeoutError(where() + ": " + what + " timed out after " +
@@ -271,9 +268,7 @@ void NcclCommunicator::init_nccl(const NcclUniqueId& id, const std::string& what
 
 void NcclCommunicator::check_nccl(int result, const std::string& call, const std::string& what) {
   if (result == kNcclInProgress && nonblocking_ && comm_ != nullptr) {
-    result = comm::wait_nccl_state(
-        result, [&](int* out) { return api_->comm_get_async_error(comm_, out); },
-        Clock::now() + timeout_);
+    result = settle(result, comm_);
     if (result == kNcclInProgress) {
       // NCCL forbids the next call before this one is done: the group cannot be used again.
       const std::string reason = what + " timed out after " + std::to_string(timeout_.count()) +

@@ -132,6 +132,8 @@ class NcclCommunicator final : public comm::Communicator,
   // Then, when the result is not success, breaks the group (caller holds mu_) and throws
   // CommError with NCCL's error string and last error (CommTimeoutError past the timeout).
   void check_nccl(int result, const std::string& call, const std::string& what);
+  // comm::wait_nccl_state on `comm` (ncclCommGetAsyncError), up to the timeout from now.
+  int settle(int state, void* comm) const;
   // The destructor's part for comm_ (not yet aborted): ncclCommFinalize, polled up to the
   // timeout, then ncclCommDestroy; ncclCommAbort when work is still queued, the group failed,
   // or finalizing does not finish in time.
