@@ -1,13 +1,19 @@
 """The nccl transport. On machines without a GPU (CI) only the parts that need none run: the
-loader's error, the `_cuda` module sharing `_core`'s classes, the Python-side tensor checks. The
-GPU tests run a one-rank NCCL world; they are skipped without CUDA, and they have never run
-where the transport was written (it is UNVERIFIED)."""
+loader's error, the `_cuda` module sharing `_core`'s classes, the Python-side tensor checks and
+tensor lifetimes, megart's declarations of NCCL's API compiled against nccl.h (a documented
+stand-in, and a real one where an nvidia-nccl wheel is installed), and, where NCCL is installed,
+its symbols and unique ids. The GPU tests run a one-rank NCCL world (NCCL refuses two ranks on
+one GPU); they are skipped without CUDA, and they have never run where the transport was
+written (it is UNVERIFIED)."""
 
+import gc
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,7 +49,10 @@ def _nccl_elsewhere():
     return out.stdout.strip() == "True"
 
 
-@pytest.mark.skipif(_nccl_elsewhere(), reason="NCCL is installed here: init would find it")
+@pytest.mark.skipif(
+    _nccl_elsewhere() or "MEGART_NCCL_LIBRARY" in os.environ,
+    reason="NCCL is installed here: init would find it (by its soname once it is loaded)",
+)
 def test_init_nccl_without_nccl_raises_the_loaders_error(monkeypatch, tmp_path, no_world):
     missing = tmp_path / "nowhere" / "libnccl.so.2"
     monkeypatch.setenv("MEGART_NCCL_LIBRARY", str(missing))
@@ -133,6 +142,108 @@ def test_an_op_in_flight_past_the_timeout_aborts_the_group_at_its_next_use(no_wo
     assert comm.aborted
 
 
+class _UnfinishedWork:
+    def __init__(self):
+        self.done = False
+
+    def is_completed(self):
+        return self.done
+
+
+def test_an_unwaited_nccl_work_leaves_its_tensors_to_the_group():
+    """A Work dropped before its op finished (an isend never waited on) must not free its
+    tensors: NCCL may still use them, and the caching allocator would hand the memory out."""
+    from megart.distributed.ops import Work, _sweep
+
+    g = ProcessGroup([0], "fake-nccl", "nccl", comm=_NeverCalled(), device=0)
+    work, t = _UnfinishedWork(), torch.ones(3)
+    Work(work, [t], g)  # dropped at once
+    gc.collect()
+    assert len(g.in_flight) == 1 and g.in_flight[0][1][0] is t
+    work.done = True
+    _sweep(g)
+    assert g.in_flight == []
+    waited = Work(_UnfinishedWork(), [torch.ones(1)], g)
+    waited._tensors = []  # what wait() leaves: nothing to keep
+    del waited
+    shm = ProcessGroup([0], "fake-shm", "shm", comm=_NeverCalled())
+    Work(_UnfinishedWork(), [torch.ones(1)], shm)  # host ops finish before they return
+    assert g.in_flight == [] and shm.in_flight == []
+
+
+# ---- megart's declarations of NCCL against nccl.h, and a real NCCL without a GPU ----
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cuda_include():
+    homes = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH")] + ["/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        homes.append(str(Path(nvcc).resolve().parents[1]))
+    for home in filter(None, homes):
+        if (Path(home) / "include" / "cuda_runtime.h").is_file():
+            return Path(home) / "include"
+    return None
+
+
+def _installed_nccl_h():
+    """nccl.h of the NCCL megart would load (an nvidia-nccl wheel ships it beside the library),
+    MEGART_NCCL_INCLUDE, or the system's."""
+    places = [os.environ.get("MEGART_NCCL_INCLUDE"), "/usr/include"]
+    found = find_nccl()
+    if found is not None:
+        places.insert(0, str(Path(found[0]).resolve().parents[1] / "include"))
+    for place in filter(None, places):
+        if (Path(place) / "nccl.h").is_file():
+            return Path(place)
+    return None
+
+
+def _check_abi(nccl_include):
+    compiler = shutil.which("c++") or shutil.which("g++")
+    cuda_include = _cuda_include()
+    if compiler is None or cuda_include is None:
+        pytest.skip("needs a C++ compiler and the CUDA toolkit's headers")
+    cmd = [compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", f"-I{nccl_include}"]
+    cmd += [f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'cpp'}", f"-I{cuda_include}"]
+    done = subprocess.run(
+        [*cmd, str(ROOT / "tests" / "nccl_abi" / "check.cpp")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_nccl_declarations_match_the_documented_api():
+    _check_abi(ROOT / "tests" / "nccl_abi" / "documented")
+
+
+def test_nccl_declarations_match_the_installed_nccl_h():
+    include = _installed_nccl_h()  # looked for here, not at collection: that loads NCCL
+    if include is None:
+        pytest.skip("no nccl.h here (an nvidia-nccl-cu12 wheel has one)")
+    _check_abi(include)
+
+
+@needs_cuda_module
+def test_the_found_nccl_has_every_function_megart_calls():
+    """Needs NCCL but no GPU: every symbol megart looks up resolves, and unique ids come out."""
+    from megart import _cuda
+
+    if find_nccl() is None:
+        pytest.skip("no NCCL here")
+    path, version = find_nccl()
+    features = _cuda.nccl_features(path)
+    assert features["version"] == version
+    major, minor = (int(x) for x in version.split(".")[:2])
+    assert features["nonblocking"] == ((major, minor) >= (2, 14))
+    assert features["last_error"] == ((major, minor) >= (2, 13))
+    first, second = _cuda.nccl_unique_id(path), _cuda.nccl_unique_id(path)
+    assert len(first) == len(second) == 128 and first != second
+
+
 # ---- on a GPU (UNVERIFIED where written: these have never run) ----
 
 
@@ -200,16 +311,66 @@ def test_inputs_on_the_callers_stream_and_wait_stream_ordering(nccl_world):
 
 @needs_gpu
 def test_a_wait_that_never_completes_times_out(monkeypatch):
-    """A receive from self with no matching send never completes: the wait must raise
-    CommTimeoutError naming the op and the peer, not hang."""
+    """An op whose input never becomes ready (the caller's stream is held far past the
+    timeout) must end its wait with CommTimeoutError naming the op and the peer, not hang;
+    the group is aborted and refuses later ops."""
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     dist.destroy()
-    dist.init(backend="nccl", timeout=2)
+    dist.init(backend="nccl", timeout=1)
     try:
-        y = torch.zeros(4, device=torch.device("cuda", torch.cuda.current_device()))
-        (w,) = dist.batch_isend_irecv([dist.P2POp(dist.irecv, y, 0)])
-        with pytest.raises(CommTimeoutError, match=r"rank 0 of group 'world'.*recv.*rank 0"):
+        dev = torch.device("cuda", torch.cuda.current_device())
+        t = torch.ones(4, device=dev)
+        torch.cuda._sleep(4_000_000_000)  # a few seconds of the current stream
+        w = dist.all_reduce(t, async_op=True)
+        with pytest.raises(CommTimeoutError, match=r"rank 0 of group 'world'.*all_reduce.*rank 0"):
             w.wait()
+        with pytest.raises(MegartError, match="failed earlier"):
+            dist.all_reduce(t)
+        torch.cuda.synchronize()
     finally:
         dist.destroy()
+
+
+@needs_gpu
+def test_a_receive_from_self_without_its_send_is_an_error_naming_it(monkeypatch):
+    """NCCL refuses a send or receive to self whose match is not in the same group
+    (ncclInvalidUsage): on a non-blocking communicator that answer arrives through the state
+    polled after ncclGroupEnd, and must come back as an error naming the op and its peer."""
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    dist.destroy()
+    dist.init(backend="nccl", timeout=30)
+    try:
+        y = torch.zeros(4, device=torch.device("cuda", torch.cuda.current_device()))
+        with pytest.raises(MegartError, match=r"rank 0 of group 'world'.*recv\(4 x float32 from"):
+            dist.batch_isend_irecv([dist.P2POp(dist.irecv, y, 0)])
+    finally:
+        dist.destroy()
+
+
+@needs_gpu
+def test_creation_without_every_rank_times_out():
+    """A group whose other rank never comes: creation (non-blocking with NCCL 2.14+) must end
+    at the timeout with CommTimeoutError, not hang in NCCL's bootstrap."""
+    from megart import _cuda
+
+    path, version = find_nccl()
+    if tuple(int(x) for x in version.split(".")[:2]) < (2, 14):
+        pytest.skip("NCCL before 2.14 has only the blocking ncclCommInitRank")
+    start = time.monotonic()
+    with pytest.raises(CommTimeoutError, match=r"rank 0 of group 'lonely'.*not every rank"):
+        _cuda.create_nccl(path, _cuda.nccl_unique_id(path), 0, 2, 0, 2.0, "lonely")
+    assert time.monotonic() - start < 60
+
+
+@needs_gpu
+def test_two_ranks_on_one_gpu():
+    """Two processes share the GPU as two NCCL ranks (NCCL_HOSTID per rank, see
+    nccl_workers.py): the unique id through the TCPStore, every collective, a batched ring
+    exchange both ways, the byte counters and a clean shutdown on both ranks."""
+    import nccl_workers
+    from megart.launcher import launch
+
+    sent = launch(nccl_workers.collectives_and_exchange, 2, timeout=300)
+    assert sent == [{1: 2 * (1 << 22) * 4}, {0: 2 * (1 << 22) * 4}]

@@ -2,6 +2,9 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <thread>
+
 #include "common/error.hpp"
 
 namespace megart::comm {
@@ -51,6 +54,20 @@ int NcclLibrary::version_code() const {
 }
 
 std::string NcclLibrary::version() const { return nccl_version_string(version_code()); }
+
+int wait_nccl_state(int state, const std::function<int(int*)>& poll,
+                    std::chrono::steady_clock::time_point deadline) {
+  auto pause = std::chrono::microseconds(10);
+  while (state == kNcclInProgress) {
+    if (std::chrono::steady_clock::now() > deadline) return kNcclInProgress;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    int polled_state = kNcclInProgress;
+    const int polled = poll(&polled_state);
+    state = polled != kNcclSuccess ? polled : polled_state;
+  }
+  return state;
+}
 
 std::string nccl_version_string(int code) {
   const bool new_scheme = code >= 20900;

@@ -5,10 +5,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "comm/nccl_library.hpp"
 #include "comm/shm/communicator.hpp"
 #include "common/error.hpp"
 #include "test.hpp"
@@ -87,4 +90,61 @@ TEST(shm_groups_dropped_with_ops_in_flight_stop_their_threads) {
     zero.reset();  // joins rank 0's thread before unmapping
     one.reset();
   }
+}
+
+// ---- NCCL's non-blocking state rule (wait_nccl_state), with a scripted ncclCommGetAsyncError ----
+
+namespace {
+
+// Answers the polls in turn with (the poll's own result, the state it writes); counts them.
+struct ScriptedPoll {
+  std::vector<std::pair<int, int>> answers;
+  int calls = 0;
+  int operator()(int* state) {
+    const auto& [result, written] = answers.at(static_cast<std::size_t>(calls++));
+    *state = written;
+    return result;
+  }
+};
+
+std::chrono::steady_clock::time_point in_seconds(int s) {
+  return std::chrono::steady_clock::now() + std::chrono::seconds(s);
+}
+
+}  // namespace
+
+TEST(nccl_state_other_than_in_progress_is_returned_without_polling) {
+  ScriptedPoll poll;
+  CHECK_EQ(wait_nccl_state(kNcclSuccess, std::ref(poll), in_seconds(5)), kNcclSuccess);
+  CHECK_EQ(wait_nccl_state(5, std::ref(poll), in_seconds(5)), 5);  // ncclInvalidUsage
+  CHECK_EQ(poll.calls, 0);
+}
+
+TEST(nccl_in_progress_is_polled_until_it_settles) {
+  ScriptedPoll ok{{{kNcclSuccess, kNcclInProgress},
+                   {kNcclSuccess, kNcclInProgress},
+                   {kNcclSuccess, kNcclSuccess}}};
+  CHECK_EQ(wait_nccl_state(kNcclInProgress, std::ref(ok), in_seconds(5)), kNcclSuccess);
+  CHECK_EQ(ok.calls, 3);
+  ScriptedPoll remote{{{kNcclSuccess, kNcclInProgress}, {kNcclSuccess, 6}}};  // ncclRemoteError
+  CHECK_EQ(wait_nccl_state(kNcclInProgress, std::ref(remote), in_seconds(5)), 6);
+  ScriptedPoll broken{{{4, kNcclSuccess}}};  // the poll itself fails: its result wins
+  CHECK_EQ(wait_nccl_state(kNcclInProgress, std::ref(broken), in_seconds(5)), 4);
+}
+
+TEST(nccl_in_progress_past_the_deadline_stays_in_progress) {
+  int calls = 0;
+  auto forever = [&](int* state) {
+    ++calls;
+    *state = kNcclInProgress;
+    return kNcclSuccess;
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const int state =
+      wait_nccl_state(kNcclInProgress, forever, start + std::chrono::milliseconds(30));
+  const auto took = std::chrono::steady_clock::now() - start;
+  CHECK_EQ(state, kNcclInProgress);
+  CHECK(took >= std::chrono::milliseconds(30));
+  CHECK(took < std::chrono::seconds(5));
+  CHECK(calls > 1 && calls < 3000);  // sleeps between polls rather than spinning
 }

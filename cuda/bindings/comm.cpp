@@ -13,6 +13,7 @@
 #include <string>
 
 #include "comm/communicator.hpp"
+#include "comm/nccl_api.hpp"
 #include "comm/nccl_communicator.hpp"
 #include "comm/nccl_library.hpp"
 #include "common/error.hpp"
@@ -34,6 +35,22 @@ void bind_nccl(py::module_& m) {
       },
       py::arg("library_path"),
       "A new NCCL unique id (128 bytes) from the NCCL at `library_path`; needs no GPU.");
+  m.def(
+      "nccl_features",
+      [](const std::string& library_path) {
+        const auto library = comm::NcclLibrary::load({library_path});
+        const NcclApi api(library);  // throws Error naming a function the library lacks
+        py::dict out;
+        out["version"] = library.version();
+        out["nonblocking"] = api.comm_init_rank_config != nullptr && api.comm_finalize != nullptr;
+        out["last_error"] = api.get_last_error != nullptr;
+        return out;
+      },
+      py::arg("library_path"),
+      "Looks up every NCCL function megart calls in the NCCL at `library_path` (raising "
+      "MegartError naming one it lacks) and says which optional ones it has: {'version', "
+      "'nonblocking' (ncclCommInitRankConfig and ncclCommFinalize, NCCL 2.14+), 'last_error' "
+      "(ncclGetLastError)}. Needs no GPU.");
   m.def(
       "create_nccl",
       [](const std::string& library_path, const py::bytes& unique_id, int rank, int size,

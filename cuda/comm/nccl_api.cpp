@@ -32,10 +32,13 @@ NcclApi::NcclApi(const comm::NcclLibrary& lib) {
     get_last_error = nullptr;
   }
   if (lib.version_code() >= kNccl2_14) {
+    // Both or neither: a non-blocking communicator is shut down with ncclCommFinalize.
     try {
       get(comm_init_rank_config, "ncclCommInitRankConfig");
+      get(comm_finalize, "ncclCommFinalize");
     } catch (const Error&) {
       comm_init_rank_config = nullptr;  // the blocking ncclCommInitRank then
+      comm_finalize = nullptr;
     }
   }
 }

@@ -2,6 +2,8 @@
 // The part of NCCL's C API megart calls, looked up at run time in the loaded library. The few
 // types it needs are declared here (no nccl.h at build time): the communicator is an opaque
 // pointer, the unique id 128 bytes passed by value, results, data types and reductions ints.
+// tests/nccl_abi/check.cpp checks every declaration here against nccl.h (a wrong signature
+// through dlsym would be silent undefined behaviour).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,40 +20,43 @@ namespace megart::cuda {
 struct NcclUniqueIdC {
   char internal[kNcclUniqueIdBytes];
 };
+static_assert(sizeof(NcclUniqueIdC) == 128, "nccl.h: ncclUniqueId is 128 bytes, passed by value");
 using NcclResult = int;
-constexpr NcclResult kNcclSuccess = 0;
-constexpr NcclResult kNcclInProgress = 7;
+using comm::kNcclInProgress;
+using comm::kNcclSuccess;
 // NCCL's data type and reduction values (nccl.h's ncclDataType_t and ncclRedOp_t).
 constexpr int kNcclUint8 = 1, kNcclInt32 = 2, kNcclInt64 = 4, kNcclFloat16 = 6, kNcclFloat32 = 7,
               kNcclFloat64 = 8, kNcclBfloat16 = 9;
 constexpr int kNcclSum = 0, kNcclMax = 2, kNcclMin = 3, kNcclAvg = 4;
 // ncclAvg and ncclBfloat16 arrived in NCCL 2.10 (version code 21000).
 constexpr int kNccl2_10 = 21000;
-// ncclCommInitRankConfig and non-blocking communicators arrived in NCCL 2.14.
+// ncclCommInitRankConfig, ncclCommFinalize and non-blocking communicators arrived in NCCL 2.14.
 constexpr int kNccl2_14 = 21400;
 
-// The fields of NCCL's ncclConfig_t as NCCL 2.14 defined them (nccl.h's NCCL_CONFIG_INITIALIZER
-// values: a magic number, the version the struct follows, every attribute undefined). NCCL
-// reads `size` first and copies that many bytes over its own defaults, so a later NCCL, whose
-// struct has grown, keeps its defaults for the fields added since.
+// NCCL's ncclConfig_t as NCCL 2.14 defined it, field for field: a size, a magic number, the
+// version the caller was written for, then `blocking`. NCCL_CONFIG_INITIALIZER fills them with
+// sizeof, 0xcafebeef, the header's version and "undefined" (INT_MIN). NCCL reads `size` first
+// and copies only that many bytes over its own defaults, and it ignores fields newer than
+// `version`, so every NCCL from 2.14 on reads this struct correctly (and leaves its later fields
+// at their defaults). tests/nccl_abi/check.cpp checks it against nccl.h.
 struct NcclConfig2_14 {
+  static constexpr int kUndefInt = std::numeric_limits<int>::min();  // NCCL_CONFIG_UNDEF_INT
+
   std::size_t size = sizeof(NcclConfig2_14);
   unsigned int magic = 0xcafebeef;
   unsigned int version = kNccl2_14;
-  int blocking = kNcclConfigUndefInt;
-  int cga_cluster_size = kNcclConfigUndefInt;
-  int min_ctas = kNcclConfigUndefInt;
-  int max_ctas = kNcclConfigUndefInt;
-  const char* net_name = nullptr;
-
-  static constexpr int kNcclConfigUndefInt = std::numeric_limits<int>::min();
+  int blocking = kUndefInt;
 };
+static_assert(offsetof(NcclConfig2_14, magic) == 8 && offsetof(NcclConfig2_14, version) == 12 &&
+                  offsetof(NcclConfig2_14, blocking) == 16 && sizeof(NcclConfig2_14) == 24,
+              "ncclConfig_t (NCCL 2.14) is {size_t size; unsigned magic, version; int blocking}");
 
 struct NcclApi {
   NcclResult (*get_unique_id)(NcclUniqueIdC*) = nullptr;
   NcclResult (*comm_init_rank)(void**, int, NcclUniqueIdC, int) = nullptr;
   // NCCL 2.14 and later; stays null before.
   NcclResult (*comm_init_rank_config)(void**, int, NcclUniqueIdC, int, NcclConfig2_14*) = nullptr;
+  NcclResult (*comm_finalize)(void*) = nullptr;  // NCCL 2.14 and later; stays null before
   NcclResult (*comm_destroy)(void*) = nullptr;
   NcclResult (*comm_abort)(void*) = nullptr;
   NcclResult (*comm_get_async_error)(void*, NcclResult*) = nullptr;

@@ -134,25 +134,44 @@ std::shared_ptr<NcclCommunicator> NcclCommunicator::create(const comm::NcclLibra
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  // Never throws, never hangs: with work still queued on its streams (a Work dropped unwaited,
-  // a peer that never came) the communicator is aborted rather than destroyed, since
-  // ncclCommDestroy may wait for that work.
   DeviceGuard guard(device_);
-  if (comm_ != nullptr && !aborted_) {
-    const bool idle = (send_stream_ == nullptr || cudaStreamQuery(send_stream_) == cudaSuccess) &&
-                      (recv_stream_ == nullptr || cudaStreamQuery(recv_stream_) == cudaSuccess);
-    cudaGetLastError();
-    if (idle && broken_.empty()) {
-      api_->comm_destroy(comm_);
-    } else {
-      api_->comm_abort(comm_);
-    }
-  }
+  if (comm_ != nullptr && !aborted_) shut_down_nccl();
   if (barrier_buffer_ != nullptr) cudaFree(barrier_buffer_);
   if (caller_ready_ != nullptr) cudaEventDestroy(caller_ready_);
   if (send_stream_ != nullptr) cudaStreamDestroy(send_stream_);
   if (recv_stream_ != nullptr) cudaStreamDestroy(recv_stream_);
   cudaGetLastError();
+}
+
+void NcclCommunicator::shut_down_nccl() noexcept {
+  // Never throws, never hangs. With work still queued on its streams (a Work dropped unwaited, a
+  // peer that never came) or after a failure the communicator is aborted: ncclCommDestroy would
+  // wait for that work.
+  const bool idle = (send_stream_ == nullptr || cudaStreamQuery(send_stream_) == cudaSuccess) &&
+                    (recv_stream_ == nullptr || cudaStreamQuery(recv_stream_) == cudaSuccess);
+  cudaGetLastError();
+  if (!idle || !broken_.empty()) {
+    api_->comm_abort(comm_);
+    return;
+  }
+  if (nonblocking_ && api_->comm_finalize != nullptr) {
+    // Recent NCCL's ncclCommDestroy of a communicator not yet finalized first meets the group's
+    // other ranks on this node (a barrier), with no bound: one rank that never destroys the
+    // group, or destroys its groups in another order, would hang this one. ncclCommFinalize
+    // does that work in the background on a non-blocking communicator, so the wait for it is
+    // bounded by the timeout; past it, or on an error, the communicator is aborted instead.
+    if (settle(api_->comm_finalize(comm_), comm_) != kNcclSuccess) {
+      api_->comm_abort(comm_);
+      return;
+    }
+  }
+  api_->comm_destroy(comm_);  // after ncclCommFinalize: frees local resources only
+}
+
+int NcclCommunicator::settle(int state, void* comm) const {
+  return comm::wait_nccl_state(
+      state, [&](int* out) { return api_->comm_get_async_error(comm, out); },
+      Clock::now() + timeout_);
 }
 
 std::string NcclCommunicator::where() const {
@@ -228,20 +247,15 @@ void NcclCommunicator::init_nccl(const NcclUniqueId& id, const std::string& what
   }
   NcclConfig2_14 config;
   config.blocking = 0;
-  NcclResult state = api_->comm_init_rank_config(&handle, size_, raw, rank_, &config);
+  const NcclResult started = api_->comm_init_rank_config(&handle, size_, raw, rank_, &config);
   // NCCL connects to the other ranks in the background; poll until it has, or time runs out.
-  const auto deadline = Clock::now() + timeout_;
-  while (state == kNcclInProgress && handle != nullptr) {
-    if (Clock::now() > deadline) {
-      api_->comm_abort(handle);
-      throw CommTimeoutError(where() + ": " + what + " timed out after " +
-                             std::to_string(timeout_.count()) +
-                             " ms in ncclCommInitRankConfig: not every rank of the group joined "
-                             "(each must create the group with the same ranks)");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    const NcclResult polled = api_->comm_get_async_error(handle, &state);
-    if (polled != kNcclSuccess) state = polled;
+  const NcclResult state = handle != nullptr ? settle(started, handle) : started;
+  if (state == kNcclInProgress && handle != nullptr) {
+    api_->comm_abort(handle);
+    throw CommTimeoutError(where() + ": " + what + " timed out after " +
+                           std::to_string(timeout_.count()) +
+                           " ms in ncclCommInitRankConfig: not every rank of the group joined "
+                           "(each must create the group with the same ranks)");
   }
   if (state != kNcclSuccess || handle == nullptr) {
     const std::string text = api_->explain(state, handle);
@@ -252,22 +266,26 @@ void NcclCommunicator::init_nccl(const NcclUniqueId& id, const std::string& what
   nonblocking_ = true;
 }
 
-void NcclCommunicator::check_nccl(int result, const std::string& call,
-                                  const std::string& what) const {
-  const auto deadline = Clock::now() + timeout_;
-  while (result == kNcclInProgress && nonblocking_ && comm_ != nullptr) {
-    if (Clock::now() > deadline) {
-      throw CommTimeoutError(where() + ": " + what + " timed out after " +
-                             std::to_string(timeout_.count()) + " ms: " + call +
-                             " was still in progress");
+void NcclCommunicator::check_nccl(int result, const std::string& call, const std::string& what) {
+  if (result == kNcclInProgress && nonblocking_ && comm_ != nullptr) {
+    result = settle(result, comm_);
+    if (result == kNcclInProgress) {
+      // NCCL forbids the next call before this one is done: the group cannot be used again.
+      const std::string reason = what + " timed out after " + std::to_string(timeout_.count()) +
+                                 " ms: " + call + " was still in progress";
+      break_group(reason);
+      throw CommTimeoutError(where() + ": " + reason +
+                             "; the NCCL communicator was aborted on this rank");
     }
-    std::this_thread::yield();
-    const NcclResult polled = api_->comm_get_async_error(comm_, &result);
-    if (polled != kNcclSuccess) result = polled;
   }
   if (result == kNcclSuccess) return;
-  throw CommError(where() + ": " + what + " failed: " + call + " returned " +
-                  api_->explain(result, comm_));
+  // After an error the communicator's state is in doubt (an asynchronous error stays its state
+  // for good), and megart checked every argument before calling, so an error here is not the
+  // caller's to fix by retrying: the group is closed either way.
+  const std::string reason =
+      what + " failed: " + call + " returned " + api_->explain(result, comm_);
+  break_group(reason);
+  throw CommError(where() + ": " + reason);
 }
 
 void NcclCommunicator::check_cuda(cudaError_t err, const std::string& call,

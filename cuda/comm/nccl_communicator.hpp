@@ -6,14 +6,15 @@
 // Streams. The communicator owns two non-blocking CUDA streams on its device:
 //   - the send stream, which carries sends and every collective (and the barrier);
 //   - the receive stream, which carries receives.
-// With one stream, `isend` then `irecv` posted as two calls on two ranks that exchange data would
-// queue each receive behind a send that waits for the peer's receive: a deadlock. Two streams let
-// both directions progress. Collectives share the send stream, so they stay in the order every
-// rank posts them (NCCL needs that) and never wait behind a receive that waits on a peer. Whether
-// NCCL runs kernels of one communicator from two streams concurrently depends on its version;
-// ops that must progress together belong in one batch_p2p (one NCCL group), which is what the
-// Python layer does for batch_isend_irecv. Within one NCCL group that mixes both streams, NCCL
-// itself joins the streams for the group.
+// Ops that must progress together belong in one batch_p2p (one NCCL group), which is what the
+// Python layer does for batch_isend_irecv; NCCL joins the streams of a group around its one
+// kernel. Ops posted in separate calls do NOT progress together, whatever their streams: NCCL
+// orders each kernel launch of a communicator after the previous one through an internal
+// stream (its enqueue code does so in every recent version read for this), so a lone isend
+// posted before an irecv, on two ranks that exchange data, can deadlock once the message
+// outgrows NCCL's buffers, as in torch.distributed. Separate streams only keep the caller's
+// other streams free. A send or receive to this rank itself needs its matching op in the same
+// batch (NCCL answers ncclInvalidUsage otherwise).
 //
 // Ordering. Each op first makes its NCCL stream wait on an event recorded on the caller's stream
 // (passed as a handle; 0 is the legacy default stream), so inputs produced there are ready, and
@@ -23,8 +24,8 @@
 // event without blocking the host.
 //
 // Lifetime. The buffers of an op must stay allocated until it completes: the Python layer keeps
-// its tensors referenced from its Work (and, after wait_stream, from the group) until then. A
-// Work keeps its communicator alive.
+// its tensors referenced from its Work (and, after wait_stream or when the Work is dropped
+// unfinished, from the group) until then. A Work keeps its communicator alive.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -60,9 +61,9 @@ class NcclCommunicator final : public comm::Communicator,
                                public std::enable_shared_from_this<NcclCommunicator> {
  public:
   // Collective over the group: every rank calls it with the same unique id. Selects `device`
-  // (restoring the caller's current device afterwards), creates the NCCL communicator
-  // (ncclCommInitRank, which blocks until every rank has joined: megart's timeout does not bound
-  // it), the two streams and a small device buffer for barrier(). `timeout` bounds every wait.
+  // (restoring the caller's current device afterwards), creates the NCCL communicator (see
+  // init_nccl: bounded by the timeout with NCCL 2.14 and later), the two streams and a small
+  // device buffer for barrier(). `timeout` bounds every wait.
   static std::shared_ptr<NcclCommunicator> create(const comm::NcclLibrary& library,
                                                   const NcclUniqueId& id, int rank, int size,
                                                   int device, std::chrono::milliseconds timeout,
@@ -125,11 +126,18 @@ class NcclCommunicator final : public comm::Communicator,
   // (and the half-made communicator is aborted) instead of a hang. Older NCCL has only the
   // blocking ncclCommInitRank, which waits for every rank however long it takes.
   void init_nccl(const NcclUniqueId& id, const std::string& what);
-  // Throws CommError with NCCL's error string and last error when `result` is not success. On
-  // a non-blocking communicator a call may answer ncclInProgress while NCCL finishes it in the
-  // background; that is waited out first (up to the timeout), as NCCL requires before the next
-  // call on the communicator.
-  void check_nccl(int result, const std::string& call, const std::string& what) const;
+  // On a non-blocking communicator any call may answer ncclInProgress while NCCL finishes it in
+  // the background (a group's kernels are not even on their streams yet); that is polled out
+  // first, up to the timeout, as NCCL requires before the next call or any use of the streams.
+  // Then, when the result is not success, breaks the group (caller holds mu_) and throws
+  // CommError with NCCL's error string and last error (CommTimeoutError past the timeout).
+  void check_nccl(int result, const std::string& call, const std::string& what);
+  // comm::wait_nccl_state on `comm` (ncclCommGetAsyncError), up to the timeout from now.
+  int settle(int state, void* comm) const;
+  // The destructor's part for comm_ (not yet aborted): ncclCommFinalize, polled up to the
+  // timeout, then ncclCommDestroy; ncclCommAbort when work is still queued, the group failed,
+  // or finalizing does not finish in time.
+  void shut_down_nccl() noexcept;
   void check_cuda(cudaError_t err, const std::string& call, const std::string& what) const;
   // Makes `stream` wait on the work queued so far on the caller's stream.
   void after_caller(comm::StreamHandle caller, cudaStream_t stream, const std::string& what);

@@ -111,7 +111,10 @@ std::vector<WorkPtr> NcclCommunicator::batch_p2p(const std::vector<comm::P2POp>&
   }
   std::vector<WorkPtr> works;
   if (ops.empty()) return works;
-  const std::string batch = "batch_p2p of " + std::to_string(ops.size()) + " op(s)";
+  // Names the ops (and so the peers) in every error of the batch: the first few, then a count.
+  std::string batch = "batch_p2p of " + std::to_string(ops.size()) + " op(s): " + whats[0];
+  for (std::size_t i = 1; i < whats.size() && i < 4; ++i) batch += ", " + whats[i];
+  if (whats.size() > 4) batch += ", ...";
   std::lock_guard<std::mutex> lock(mu_);
   check_usable(batch);
   DeviceGuard guard(device_);
@@ -126,31 +129,29 @@ std::vector<WorkPtr> NcclCommunicator::batch_p2p(const std::vector<comm::P2POp>&
   }
   check_nccl(api_->group_start(), "ncclGroupStart", batch);
   NcclResult failed = kNcclSuccess;
+  bool in_progress = false;
   std::string failed_call;
   for (std::size_t i = 0; i < ops.size() && failed == kNcclSuccess; ++i) {
     const auto& op = ops[i];
-    if (op.send) {
-      failed = api_->send(op.buffer.data, op.buffer.count, types[i], op.peer, comm_, send_stream_);
-    } else {
-      failed = api_->recv(op.buffer.data, op.buffer.count, types[i], op.peer, comm_, recv_stream_);
-    }
-    if (failed != kNcclSuccess)
+    const NcclResult r =
+        op.send
+            ? api_->send(op.buffer.data, op.buffer.count, types[i], op.peer, comm_, send_stream_)
+            : api_->recv(op.buffer.data, op.buffer.count, types[i], op.peer, comm_, recv_stream_);
+    if (r == kNcclInProgress) {
+      in_progress = true;  // a non-blocking communicator's state; settled after ncclGroupEnd
+    } else if (r != kNcclSuccess) {
+      failed = r;
       failed_call = std::string(op.send ? "ncclSend" : "ncclRecv") + " for " + whats[i];
+    }
   }
   // The group is always closed, even after a failed call, so NCCL's group state stays sane.
-  const NcclResult ended = api_->group_end();
-  if (failed != kNcclSuccess) {
-    const std::string reason =
-        batch + " failed: " + failed_call + " returned " + api_->explain(failed, comm_);
-    break_group(reason);
-    throw CommError(where() + ": " + reason);
-  }
-  if (ended != kNcclSuccess) {
-    const std::string reason =
-        batch + " failed: ncclGroupEnd returned " + api_->explain(ended, comm_);
-    break_group(reason);
-    throw CommError(where() + ": " + reason);
-  }
+  NcclResult ended = api_->group_end();
+  if (failed != kNcclSuccess) check_nccl(failed, failed_call, batch);  // throws
+  // On a non-blocking communicator ncclGroupEnd answers ncclInProgress while NCCL connects and
+  // launches in the background: nothing is on the streams until the state is success, so the
+  // completion events below are recorded only after check_nccl has polled it out.
+  if (in_progress && ended == kNcclSuccess) ended = kNcclInProgress;
+  check_nccl(ended, "ncclGroupEnd", batch);
   const auto sends = any_send ? record(send_stream_, batch) : nullptr;
   const auto recvs = any_recv ? record(recv_stream_, batch) : nullptr;
   for (std::size_t i = 0; i < ops.size(); ++i) {

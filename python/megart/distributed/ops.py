@@ -12,8 +12,14 @@ after the group's timeout is found when the group is next used: the group is abo
 CommTimeoutError raised.
 
 Tensors stay referenced until their op has completed: by the Work until ``wait()`` returns or
-``is_completed()`` is true, and after ``wait_stream()`` by the group, which lets them go once the
-op has completed, so the caching allocator never hands their memory out while NCCL uses it."""
+``is_completed()`` is true, and after ``wait_stream()`` (or when a Work is dropped unfinished) by
+the group, which lets them go once the op has completed, so the caching allocator never hands
+their memory out while NCCL uses it.
+
+On the nccl transport, ops posted in separate calls run one after another in the order posted
+(NCCL serialises a communicator's kernels): a send and a receive that must progress together,
+such as an exchange between two ranks or any send to or receive from the same rank, go in one
+:func:`batch_isend_irecv`."""
 
 from __future__ import annotations
 
@@ -80,6 +86,18 @@ class Work(metaclass=ABCMeta):  # noqa: B024 - an ABC only so the C++ twin regis
             self._tensors = []
         return done
 
+    def __del__(self) -> None:
+        # Dropped before its op was seen to finish (an isend never waited on): an nccl op may
+        # still read or write its tensors on the device, and the caching allocator would hand
+        # their memory out at once, so the group keeps them until the op completes.
+        try:
+            g = self._group
+            if self._tensors and g is not None and g.backend == "nccl":
+                _sweep(g)
+                g.in_flight.append((self._work, self._tensors, time.monotonic()))
+        except Exception:  # a finaliser must not raise (at interpreter exit, say)
+            pass
+
 
 Work.register(_comm.HostWork)
 
@@ -88,7 +106,7 @@ def _keep_until_done(g: ProcessGroup, work: object, tensors: list[torch.Tensor])
     """Keeps ``tensors`` until ``work`` completes; an op older than the timeout that has not
     completed aborts the group (a stuck peer must not hang the next host sync)."""
     now = time.monotonic()
-    g.in_flight[:] = [(w, t, t0) for w, t, t0 in g.in_flight if not w.is_completed()]
+    _sweep(g)
     if g.in_flight and now - g.in_flight[0][2] > context().timeout.total_seconds():
         g.comm.abort()
         raise CommTimeoutError(
@@ -96,6 +114,11 @@ def _keep_until_done(g: ProcessGroup, work: object, tensors: list[torch.Tensor])
             f"{context().timeout}; the group was aborted"
         )
     g.in_flight.append((work, tensors, now))
+
+
+def _sweep(g: ProcessGroup) -> None:
+    """Lets the tensors of the group's completed ops go."""
+    g.in_flight[:] = [(w, t, t0) for w, t, t0 in g.in_flight if not w.is_completed()]
 
 
 def _reduce_op(op: object) -> str:
