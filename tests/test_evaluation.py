@@ -44,8 +44,10 @@ def test_validation_runs_every_interval_and_after_the_last_iteration(reference):
         (2, dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)),
         (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
         (4, dict(pipeline_model_parallel_size=2)),  # with dp 2
+        # scatter/gather between the stages: each rank sends 1/t of an activation
+        (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
     ],
-    ids=["pp2-interleaved", "tp2-sequence-parallel", "pp2-dp2"],
+    ids=["pp2-interleaved", "tp2-sequence-parallel", "pp2-dp2", "tp2-pp2"],
 )
 def test_validation_loss_is_the_same_under_every_layout(nproc, kw, reference):
     for history in launch(_train_with, nproc, {**EVAL, **kw}, timeout=300):
