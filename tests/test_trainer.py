@@ -219,3 +219,15 @@ def test_random_small_layouts_and_schedules_follow_one_process(case):
     for history in launch(_train_with, nproc, {**kw, "train_iters": 2}, timeout=300):
         for h, r in zip(history, reference, strict=True):
             assert h["loss"] == pytest.approx(r["loss"], rel=1e-5)
+
+
+def test_every_train_flag_has_help():
+    import dataclasses
+
+    from megart.cli.train import HELP
+    from megart.training.config import TrainConfig
+
+    assert set(HELP) == {f.name for f in dataclasses.fields(TrainConfig)}
+    text = " ".join(megart("train", "--help").stdout.split())  # argparse wraps lines
+    assert "--eval-iters EVAL_ITERS global batches per evaluation (0: no evaluation)" in text
+    assert "the built-in corpus (the Python standard library's sources, as bytes)" in text

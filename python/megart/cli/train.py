@@ -15,6 +15,62 @@ from collections.abc import Sequence
 from megart.errors import MegartError
 from megart.training.config import TrainConfig
 
+# What each flag does, shown by --help; a test keeps it in step with TrainConfig's fields.
+HELP = {
+    "num_layers": "transformer layers",
+    "hidden_size": "hidden size h",
+    "num_attention_heads": "attention heads (must divide the hidden size)",
+    "seq_length": "tokens per sample",
+    "vocab_size": "vocabulary size (256 for the built-in byte corpus; a tokenizer's otherwise)",
+    "data_path": "PREFIX of a Megatron indexed dataset (PREFIX.bin/.idx); default: the built-in "
+    "corpus (the Python standard library's sources as bytes)",
+    "micro_batch_size": "samples per microbatch",
+    "global_batch_size": "samples per iteration, over all data-parallel ranks",
+    "train_iters": "iterations to train",
+    "lr": "peak learning rate",
+    "min_lr": "learning rate at the end of the cosine decay",
+    "lr_warmup_iters": "iterations of linear warm-up",
+    "lr_decay_iters": "iterations of cosine decay (default: --train-iters)",
+    "weight_decay": "AdamW weight decay (not on biases and norms)",
+    "adam_beta1": "AdamW beta1",
+    "adam_beta2": "AdamW beta2",
+    "adam_eps": "AdamW epsilon",
+    "clip_grad": "clip gradients to this global norm (0: no clipping)",
+    "seed": "random seed: the same seed gives the same loss curve under every layout",
+    "hidden_dropout": "dropout on hidden states",
+    "attention_dropout": "dropout on attention probabilities",
+    "tensor_model_parallel_size": "tensor-parallel size t",
+    "pipeline_model_parallel_size": "pipeline-parallel size p",
+    "num_layers_per_virtual_pipeline_stage": "layers per model chunk: the interleaved 1F1B "
+    "schedule (default: one chunk per rank, 1F1B)",
+    "sequence_parallel": "split LayerNorm and dropout activations over the sequence across "
+    "tensor-parallel ranks",
+    "scatter_gather_tensors_in_pipeline": "",  # its flag is --no-... (see below)
+    "bf16": "bf16 compute under autocast, fp32 weights",
+    "fp16": "fp16 compute under autocast with loss scaling, fp32 weights",
+    "loss_scale": "a static fp16 loss scale (default: dynamic)",
+    "initial_loss_scale": "the dynamic fp16 loss scale's start",
+    "min_loss_scale": "the dynamic fp16 loss scale's floor",
+    "loss_scale_window": "overflow-free iterations before the dynamic loss scale doubles",
+    "bias_gelu_fusion": "megart's fused bias+GeLU CUDA kernel (unverified: off by default)",
+    "fused_layer_norm": "megart's fused LayerNorm(+residual) CUDA kernel (unverified)",
+    "cross_entropy_loss_fusion": "megart's in-place vocab-parallel cross-entropy CUDA kernel "
+    "(unverified)",
+    "recompute_activations": "shorthand for --recompute-granularity selective",
+    "recompute_granularity": "full (whole layers) or selective (attention core) recomputation",
+    "recompute_method": "uniform or block: which layers full recomputation covers",
+    "recompute_num_layers": "layers per recomputed group (uniform) or recomputed layers (block)",
+    "log_interval": "iterations between progress lines",
+    "eval_interval": "iterations between validation-loss evaluations (and one after the last)",
+    "eval_iters": "global batches per evaluation (0: no evaluation)",
+    "split": "train,validation,test weights over the corpus, e.g. 969,30,1",
+    "log_jsonl": "write one JSON object per iteration to this file",
+    "tensorboard_dir": "write TensorBoard scalars here (needs the tensorboard package)",
+    "save": "directory to write checkpoints to (Megatron's layout)",
+    "save_interval": "iterations between checkpoints (one is also written after the last)",
+    "load": "directory to resume from (its latest checkpoint)",
+}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field, named as Megatron-LM names it (--hidden-size ...)."""
@@ -28,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 help="send whole activations between stages (no 1/t slices)",
             )
         elif f.type in ("bool", bool):
-            p.add_argument(flag, dest=f.name, action="store_true")
+            p.add_argument(flag, dest=f.name, action="store_true", help=HELP[f.name])
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
             p.add_argument(
@@ -37,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 type=kind,
                 default=argparse.SUPPRESS,
                 metavar=f.name.upper(),
-                help=f"default: {f.default}",
+                help=f"{HELP[f.name]} (default: {f.default})",
             )
 
 
@@ -51,7 +107,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megart train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="megart train", description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
