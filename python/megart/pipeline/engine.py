@@ -5,7 +5,7 @@ The schedule's per-rank state machine says what may run next. Communication acti
 together are posted as one batch (receives early, so transfers overlap compute); a receive is
 waited for only when the compute that needs it is next; sends stay in flight while compute runs;
 a chunk's activations are freed as soon as its backward is done; the loss lives on the last
-stage.
+stage. ``evaluate`` runs the schedule's forward-only pass the same way (validation loss).
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ class PipelineEngine:
         self.schedule, self.rank, self.chunks, self.link = schedule, rank, list(chunks), link
         self._evaluation = sched.forward_only(schedule)
         self._like = torch.empty(tuple(activation_shape), dtype=dtype, device=device)
-        # Host seconds the last run() spent inside forward and backward actions; the rest of
-        # its time went to posting and waiting for communication (on CPU, the idle fraction).
+        # Host seconds the last run() or evaluate() spent inside forward and backward actions;
+        # the rest of its time went to posting and waiting for communication (on CPU, the
+        # idle fraction).
         self.last_compute_time = 0.0
 
     def _peer(self, pipeline_rank: int) -> int:
