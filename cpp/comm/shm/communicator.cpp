@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <thread>
 
 #include "comm/shm/tasks.hpp"
@@ -54,6 +56,13 @@ std::shared_ptr<ShmCommunicator> ShmCommunicator::create(const std::string& shm_
   return c;
 }
 
+namespace {
+std::string direct_setting() {
+  const char* env = std::getenv("MEGART_SHM_DIRECT");
+  return env == nullptr ? "1" : env;
+}
+}  // namespace
+
 ShmCommunicator::ShmCommunicator(Segment segment, Layout layout, std::string group_name, int rank,
                                  int size, const Options& options)
     : segment_(std::move(segment)),
@@ -64,7 +73,9 @@ ShmCommunicator::ShmCommunicator(Segment segment, Layout layout, std::string gro
       size_(size),
       options_(options),
       spin_(size <= static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))),
-      sent_(size) {}
+      sent_(size),
+      direct_(size, direct_setting() != "0"),
+      refuse_direct_(direct_setting() == "refuse") {}
 
 void ShmCommunicator::attach() {
   if (rank_ == 0) {

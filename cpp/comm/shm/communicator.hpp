@@ -95,6 +95,15 @@ class ShmCommunicator final : public Communicator,
   // Wakes every process sleeping on this group.
   void signal();
   void count_sent(int peer, std::uint64_t bytes);
+  // Whether a message to `peer` at least a ring long goes by a direct read (the receiver
+  // copies it from this process with process_vm_readv: one copy instead of two through the
+  // ring). On unless MEGART_SHM_DIRECT=0, and off for a peer once it could not read. Caller
+  // holds mu_.
+  bool direct_to(int peer) const { return direct_[peer]; }
+  void no_direct_to(int peer) { direct_[peer] = false; }
+  // MEGART_SHM_DIRECT=refuse: receivers answer every direct message as if the system had
+  // refused the read, so that tests run the fallback where process_vm_readv is allowed.
+  bool refuse_direct() const { return refuse_direct_; }
 
   // Blocks until `task` finishes, then throws its error if it failed; used by Work::wait.
   void wait(const std::shared_ptr<Task>& task);
@@ -148,6 +157,8 @@ class ShmCommunicator final : public Communicator,
   std::string broken_;  // set once an op fails: the group cannot be trusted after that
   bool broken_by_timeout_ = false;
   std::vector<std::atomic<std::uint64_t>> sent_;
+  std::vector<bool> direct_;  // see direct_to(); guarded by mu_
+  bool refuse_direct_;
 
   // The progress thread and what it sleeps on; all guarded by mu_ except `waiting_`.
   std::thread progress_;

@@ -35,11 +35,16 @@ struct alignas(64) RankSlot {
   std::atomic<std::int32_t> pid;
 };
 
-// Bytes are counted from the start: written - read is what the ring holds.
+// Bytes are counted from the start: written - read is what the ring holds. The sender owns the
+// first cache line, the receiver the second.
 struct alignas(64) ChannelHead {
   std::atomic<std::uint64_t> written;
-  char pad[56];
+  std::atomic<std::uint64_t> direct_sent;  // messages the receiver was asked to read directly
+  char pad[48];
   std::atomic<std::uint64_t> read;
+  // The receiver's answer to direct message k: 2k when it read the payload, 2k+1 when it could
+  // not (the sender then streams the payload through the ring).
+  std::atomic<std::uint64_t> direct_reply;
 };
 
 class Layout {
