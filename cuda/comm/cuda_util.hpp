@@ -13,7 +13,9 @@ inline std::string cuda_text(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
 }
 
-// Restores the caller's current device on scope exit.
+// Makes `device` current and restores the caller's device on scope exit. A failed switch is
+// kept in error() rather than thrown, because destructors use the guard too: code that goes on
+// to launch work checks it (work on the wrong device would fail later, far from the cause).
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
@@ -21,16 +23,23 @@ class DeviceGuard {
       cudaGetLastError();
       previous_ = -1;
     }
-    if (previous_ != device) cudaSetDevice(device);
+    if (previous_ != device) {
+      error_ = cudaSetDevice(device);
+      if (error_ != cudaSuccess) cudaGetLastError();  // reported through error() instead
+    }
   }
   ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
+    if (previous_ >= 0 && error_ == cudaSuccess) cudaSetDevice(previous_);
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
+  // cudaSuccess, or why the device could not be made current.
+  cudaError_t error() const { return error_; }
+
  private:
   int previous_ = -1;
+  cudaError_t error_ = cudaSuccess;
 };
 
 // One completion event, shared by the Works of one stream's part of a batch.

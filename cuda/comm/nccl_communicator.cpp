@@ -53,6 +53,10 @@ class NcclWork final : public comm::Work {
   void wait_stream(StreamHandle stream) override {
     if (error_) std::rethrow_exception(error_);
     DeviceGuard guard(comm_->device());
+    if (guard.error() != cudaSuccess) {
+      throw CommError(what_ + ": cudaSetDevice(" + std::to_string(comm_->device()) +
+                      ") failed: " + cuda_text(guard.error()));
+    }
     const cudaError_t err =
         cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), event_->get(), 0);
     if (err != cudaSuccess) {
@@ -118,6 +122,7 @@ std::shared_ptr<NcclCommunicator> NcclCommunicator::create(const comm::NcclLibra
 
   DeviceGuard guard(device);
   const std::string what = "creating the communicator";
+  c->check_cuda(guard.error(), c->set_device_call(), what);
   c->init_nccl(id, what);
   // Non-blocking streams: they never synchronise with the legacy default stream on their own;
   // ordering with the caller's stream is explicit (events).
@@ -288,6 +293,10 @@ void NcclCommunicator::check_nccl(int result, const std::string& call, const std
   throw CommError(where() + ": " + reason);
 }
 
+std::string NcclCommunicator::set_device_call() const {
+  return "cudaSetDevice(" + std::to_string(device_) + ")";
+}
+
 void NcclCommunicator::check_cuda(cudaError_t err, const std::string& call,
                                   const std::string& what) const {
   if (err == cudaSuccess) return;
@@ -334,6 +343,7 @@ bool NcclCommunicator::event_done(cudaEvent_t event, const std::string& what,
     throw CommError(where() + ": " + what + " failed: " + broken_);
   }
   DeviceGuard guard(device_);
+  check_cuda(guard.error(), set_device_call(), what);
   const cudaError_t q = cudaEventQuery(event);
   if (q == cudaSuccess) return true;
   if (q != cudaErrorNotReady) {

@@ -139,6 +139,7 @@ class NcclCommunicator final : public comm::Communicator,
   // or finalizing does not finish in time.
   void shut_down_nccl() noexcept;
   void check_cuda(cudaError_t err, const std::string& call, const std::string& what) const;
+  std::string set_device_call() const;  // "cudaSetDevice(N)", for check_cuda
   // Makes `stream` wait on the work queued so far on the caller's stream.
   void after_caller(comm::StreamHandle caller, cudaStream_t stream, const std::string& what);
   // Records a completion event on `stream` (after the op just posted there).

@@ -34,6 +34,7 @@ WorkPtr NcclCommunicator::collective(const std::string& what, StreamHandle calle
   std::lock_guard<std::mutex> lock(mu_);
   check_usable(what);
   DeviceGuard guard(device_);
+  check_cuda(guard.error(), set_device_call(), what);
   after_caller(caller, send_stream_, what);
   check_nccl(enqueue(), call, what);
   return make_work(record(send_stream_, what), what, std::move(peers));
@@ -118,6 +119,7 @@ std::vector<WorkPtr> NcclCommunicator::batch_p2p(const std::vector<comm::P2POp>&
   std::lock_guard<std::mutex> lock(mu_);
   check_usable(batch);
   DeviceGuard guard(device_);
+  check_cuda(guard.error(), set_device_call(), batch);
   // One caller event; both streams wait on it.
   check_cuda(cudaEventRecord(caller_ready_, reinterpret_cast<cudaStream_t>(stream)),
              "cudaEventRecord on the caller's stream", batch);
@@ -168,6 +170,7 @@ WorkPtr NcclCommunicator::barrier() {
   std::lock_guard<std::mutex> lock(mu_);
   check_usable(what);
   DeviceGuard guard(device_);
+  check_cuda(guard.error(), set_device_call(), what);
   check_nccl(api_->all_reduce(barrier_buffer_, barrier_buffer_, 1, kNcclInt32, kNcclSum, comm_,
                               send_stream_),
              "ncclAllReduce", what);
