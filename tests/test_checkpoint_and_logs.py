@@ -96,3 +96,5 @@ def test_tensorboard_scalars_match_the_iteration_figures(tmp_path):
     assert "mfu" not in board.Tags()["scalars"]  # no peak on a CPU: nothing to log
     valid = [(e.step, e.value) for e in board.Scalars("lm loss validation")]
     assert valid == [(h["iteration"], pytest.approx(h["valid_loss"])) for h in history[1:]]
+    test = [(e.step, e.value) for e in board.Scalars("lm loss test")]
+    assert test == [(3, pytest.approx(history[-1]["test_loss"]))]

@@ -27,8 +27,10 @@ def reference():
 
 
 def test_evaluation_equals_the_whole_model_called_directly():
-    got, want = launch(tw.evaluation_against_the_whole_model, 1, EVAL, timeout=300)[0]
-    assert got == pytest.approx(want, rel=1e-6)
+    valid, test = launch(tw.evaluation_against_the_whole_model, 1, EVAL, timeout=300)[0]
+    for got, want in (valid, test):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert valid[1] != test[1]  # two ranges, two losses
 
 
 def test_validation_runs_every_interval_and_after_the_last_iteration(reference):
@@ -36,6 +38,14 @@ def test_validation_runs_every_interval_and_after_the_last_iteration(reference):
     for h in reference[1:]:
         assert h["valid_ppl"] == pytest.approx(np.exp(h["valid_loss"]))
     assert reference[2]["valid_loss"] < reference[1]["valid_loss"]  # it is learning
+
+
+def test_the_test_range_is_evaluated_once_after_the_last_iteration(reference):
+    assert [("test_loss" in h) for h in reference] == [False, False, True]
+    assert reference[2]["test_ppl"] == pytest.approx(np.exp(reference[2]["test_loss"]))
+    assert reference[2]["test_loss"] != reference[2]["valid_loss"]  # another range
+    no_test_range = launch(_train_with, 1, {**EVAL, "split": "98,2,0"}, timeout=300)[0]
+    assert not any("test_loss" in h for h in no_test_range)
 
 
 @pytest.mark.parametrize(
@@ -53,7 +63,8 @@ def test_validation_loss_is_the_same_under_every_layout(nproc, kw, reference):
     for history in launch(_train_with, nproc, {**EVAL, **kw}, timeout=300):
         for h, r in zip(history, reference, strict=True):
             assert h["loss"] == pytest.approx(r["loss"], rel=1e-5)
-            assert h.get("valid_loss", 0.0) == pytest.approx(r.get("valid_loss", 0.0), rel=1e-5)
+            for key in ("valid_loss", "test_loss"):
+                assert h.get(key, 0.0) == pytest.approx(r.get(key, 0.0), rel=1e-5)
 
 
 def test_evaluating_never_changes_the_training_curve():

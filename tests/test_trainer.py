@@ -115,12 +115,13 @@ def test_megart_train_runs_on_its_default_and_logs_jsonl(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("megart train: GPT 4 layers x 128 hidden")
-    assert "tokens/s" in lines[-2] and "TFLOP/s per GPU" in lines[-2] and "MFU" in lines[-2]
-    # The default evaluates after the last iteration, as Megatron does.
-    assert lines[-1].startswith("validation loss at iteration 3 | lm loss value: ")
+    assert "tokens/s" in lines[-3] and "TFLOP/s per GPU" in lines[-3] and "MFU" in lines[-3]
+    # The default evaluates after the last iteration, and the test range then, as Megatron.
+    assert lines[-2].startswith("validation loss at iteration 3 | lm loss value: ")
+    assert lines[-1].startswith("validation loss at the end of training for test data | ")
     rows = [json.loads(x) for x in log.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
-    assert rows[-1]["valid_loss"] > 0
+    assert rows[-1]["valid_loss"] > 0 and rows[-1]["test_loss"] > 0
     for r in rows:
         for key in (
             "loss",

@@ -101,9 +101,10 @@ def train_tracking_weights(kw: dict) -> list[dict]:
     return out
 
 
-def evaluation_against_the_whole_model(kw: dict) -> tuple[float, float]:
-    """(Trainer.evaluate() before any step, the same batches' mean loss from one GPT module
-    called directly, dropout off): the pipeline engine's forward-only pass against no engine."""
+def evaluation_against_the_whole_model(kw: dict) -> list[tuple[float, float]]:
+    """For the validation and the test range: (Trainer.evaluate() before any step, the same
+    batches' mean loss from one GPT module called directly, dropout off), the pipeline
+    engine's forward-only pass against no engine."""
     import torch
 
     from megart.models import GPT
@@ -112,12 +113,17 @@ def evaluation_against_the_whole_model(kw: dict) -> tuple[float, float]:
     trainer = Trainer(tiny(**kw), tokens=builtin_corpus(1 << 16))
     c = trainer.config
     model = GPT(trainer.model_config).eval()
-    losses = []
-    with torch.no_grad():
-        for i in range(c.eval_iters):
-            inputs, targets = trainer.valid.global_batch(c.seed, i, c.global_batch_size)
-            for x, y in zip(
-                inputs.split(c.micro_batch_size), targets.split(c.micro_batch_size), strict=True
-            ):
-                losses.append(model(x, y).item())
-    return trainer.evaluate(), sum(losses) / len(losses)
+    pairs = []
+    for data in (trainer.valid, trainer.test):
+        losses = []
+        with torch.no_grad():
+            for i in range(c.eval_iters):
+                inputs, targets = data.global_batch(c.seed, i, c.global_batch_size)
+                for x, y in zip(
+                    inputs.split(c.micro_batch_size),
+                    targets.split(c.micro_batch_size),
+                    strict=True,
+                ):
+                    losses.append(model(x, y).item())
+        pairs.append((trainer.evaluate(data), sum(losses) / len(losses)))
+    return pairs

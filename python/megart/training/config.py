@@ -57,7 +57,8 @@ class TrainConfig:
     log_interval: int = 1
     # Validation, as Megatron-LM: --split weights carve the corpus into consecutive train,
     # validation and test ranges; every --eval-interval iterations and after the last, the
-    # loss over --eval-iters global batches of the validation range (0: no evaluation).
+    # loss over --eval-iters global batches of the validation range (0: no evaluation), and
+    # after the last, as many of the test range (Megatron's "for test data" line).
     # Megatron's defaults are 1000 and 100, sized for long runs; these suit the default run.
     eval_interval: int = 20
     eval_iters: int = 4

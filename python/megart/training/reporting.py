@@ -33,6 +33,8 @@ TENSORBOARD_TAGS = {
     "pipeline-p2p-bytes": "pipeline_p2p_bytes",
     "lm loss validation": "valid_loss",
     "lm loss validation ppl": "valid_ppl",
+    "lm loss test": "test_loss",
+    "lm loss test ppl": "test_ppl",
 }
 
 
@@ -46,11 +48,17 @@ def progress_line(fig: dict[str, Any], train_iters: int) -> str:
     )
 
 
-def validation_line(fig: dict[str, Any]) -> str:
-    """Megatron's validation report, one line."""
+def validation_line(fig: dict[str, Any], split: str = "valid") -> str:
+    """Megatron's validation report, one line: of the validation range, or of the test range
+    (``split="test"``) at the end of training."""
+    where = (
+        f"at iteration {fig['iteration']}"
+        if split == "valid"
+        else ("at the end of training for test data")
+    )
     return (
-        f"validation loss at iteration {fig['iteration']} | lm loss value: "
-        f"{fig['valid_loss']:.4f} | lm loss PPL: {fig['valid_ppl']:.3f}"
+        f"validation loss {where} | lm loss value: {fig[split + '_loss']:.4f} | lm loss PPL: "
+        f"{fig[split + '_ppl']:.3f}"
     )
 
 

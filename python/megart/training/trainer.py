@@ -139,12 +139,16 @@ class Trainer:
         )
         if tokens is None:
             tokens = IndexedTokens(c.data_path).tokens if c.data_path else builtin_corpus()
-        train, valid, _ = split_tokens(tokens, c.split)  # the test range stays unread
+        train, valid, test = split_tokens(tokens, c.split)
         self.data = TokenDataset(train, c.seq_length, c.vocab_size, "the training split")
-        self.valid = None
+        self.valid = self.test = None  # evaluated on the validation range, and once at the end
         if c.eval_iters:
-            name = f"the validation split of --split {c.split!r} (or set --eval-iters 0)"
-            self.valid = TokenDataset(valid, c.seq_length, c.vocab_size, name)
+            hint = f"of --split {c.split!r} (or set --eval-iters 0)"
+            self.valid = TokenDataset(
+                valid, c.seq_length, c.vocab_size, f"the validation split {hint}"
+            )
+            if len(test):  # a test weight of 0 leaves no test range
+                self.test = TokenDataset(test, c.seq_length, c.vocab_size, f"the test split {hint}")
         self.peak, self.device_name = peak_flops()
         # TFLOP/s count what runs (the paper's 96-coefficient formula under full
         # recomputation); MFU counts the model's FLOPs only, as its definition says.
@@ -286,20 +290,22 @@ class Trainer:
             "skipped": skipped,
         }
 
-    def evaluate(self) -> float:
+    def evaluate(self, data: TokenDataset | None = None) -> float:
         """The validation loss: the mean over --eval-iters global batches of the validation
-        split, forward only through the pipeline, with dropout off; the same on every rank.
-        The batches are the same at every evaluation, so the curve compares like with like,
-        and no random stream moves, so evaluating never changes the training curve."""
+        split (or of ``data``, e.g. ``self.test``), forward only through the pipeline, with
+        dropout off; the same on every rank. The batches are the same at every evaluation, so
+        the curve compares like with like, and no random stream moves, so evaluating never
+        changes the training curve."""
         c, g = self.config, self.grid
-        if self.valid is None:
+        data = data or self.valid
+        if data is None:
             raise ConfigError("evaluation needs --eval-iters of at least 1")
         for chunk in self.chunks:
             chunk.eval()
         try:
             total = 0.0
             for i in range(c.eval_iters):
-                inputs, targets = self._microbatches(self.valid, i)
+                inputs, targets = self._microbatches(data, i)
                 with self._autocast():
                     losses = self.engine.evaluate(inputs, targets, self._loss_fn)
                 total += sum(x.item() for x in losses) / self.m
@@ -316,7 +322,8 @@ class Trainer:
     def iterations(self) -> Iterator[dict[str, float]]:
         """Runs the iterations left (from a loaded checkpoint's on), saving every
         --save-interval iterations and after the last one when --save is given, and adding
-        ``valid_loss`` and ``valid_ppl`` every --eval-interval iterations and after the last."""
+        ``valid_loss`` and ``valid_ppl`` every --eval-interval iterations and after the last, and
+        ``test_loss`` and ``test_ppl`` (the test range) after the last."""
         c = self.config
         for it in range(self.start_iteration, c.train_iters):
             figures = self.train_step(it)
@@ -324,6 +331,9 @@ class Trainer:
             if self.valid is not None and (done % c.eval_interval == 0 or done == c.train_iters):
                 figures["valid_loss"] = self.evaluate()
                 figures["valid_ppl"] = math.exp(min(20.0, figures["valid_loss"]))  # as Megatron
+            if self.test is not None and done == c.train_iters:
+                figures["test_loss"] = self.evaluate(self.test)
+                figures["test_ppl"] = math.exp(min(20.0, figures["test_loss"]))
             if c.save and (
                 done == c.train_iters or (c.save_interval and done % c.save_interval == 0)
             ):
@@ -359,6 +369,8 @@ class Trainer:
                     print(progress_line(fig, c.train_iters), flush=True)
                 if "valid_loss" in fig:
                     print(validation_line(fig), flush=True)
+                if "test_loss" in fig:
+                    print(validation_line(fig, "test"), flush=True)
         return history
 
     def describe(self) -> str:
