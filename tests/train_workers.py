@@ -31,29 +31,52 @@ def train(**kw: object) -> list[dict]:
     return trainer.train(quiet=True)
 
 
-def gradients_after_one_step(**kw: object) -> dict:
-    """Every gradient this rank holds after one iteration (averaged, summed across the tied
-    embedding's copies, clipped), gathered over tensor parallelism and named by its place in
-    the whole model, so layouts can be compared."""
+def by_place(trainer: object, tensor_of: object) -> dict:
+    """``tensor_of(p)`` for every parameter p this rank holds, gathered over tensor parallelism
+    and named as the one-chunk GPT names it (``chunk.blocks.{layer}...``), so layouts can be
+    compared. The vocabulary padding, which depends on t, is cut off."""
     import torch
 
     from megart.models.hf import _gather
-    from megart.training.trainer import Trainer
 
-    trainer = Trainer(tiny(train_iters=1, **kw), tokens=builtin_corpus(1 << 16))
-    trainer.train(quiet=True)
     out = {}
     for chunk in trainer.chunks:
         for name, p in chunk.named_parameters():
             if name.startswith("blocks."):
                 _, j, rest = name.split(".", 2)
-                name = f"layer{chunk.layer_ids[int(j)]}.{rest}"
-            grad = torch.nn.Parameter(p.grad.detach().clone())
+                name = f"blocks.{chunk.layer_ids[int(j)]}.{rest}"
+            value = torch.nn.Parameter(tensor_of(p).detach().clone())
             if hasattr(p, "partition_dim"):
-                grad.partition_dim = p.partition_dim
-            full = _gather(grad, trainer.grid.tp_group)
-            out[name] = full[: trainer.model_config.vocab_size] if name == "wte.weight" else full
+                value.partition_dim = p.partition_dim
+            full = _gather(value, trainer.grid.tp_group)
+            vocab = trainer.model_config.vocab_size
+            out["chunk." + name] = full[:vocab] if name == "wte.weight" else full
     return out
+
+
+def gradients_after_one_step(**kw: object) -> dict:
+    """Every gradient this rank holds after one iteration (averaged, summed across the tied
+    embedding's copies, clipped), by place (see by_place)."""
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(tiny(train_iters=1, **kw), tokens=builtin_corpus(1 << 16))
+    trainer.train(quiet=True)
+    return by_place(trainer, lambda p: p.grad)
+
+
+def weights_after_training(kw: dict, hf_dir: str | None = None) -> dict:
+    """Every weight this rank holds after training, by place (see by_place); with ``hf_dir``
+    (one process only) also written there by the live model's GPT.save_hf_gpt2."""
+    from megart.models import GPT
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(tiny(**kw), tokens=builtin_corpus(1 << 16))
+    trainer.train(quiet=True)
+    if hf_dir is not None:
+        model = GPT(trainer.model_config)
+        model.chunk.load_state_dict(trainer.chunks[0].state_dict())
+        model.save_hf_gpt2(hf_dir)
+    return by_place(trainer, lambda p: p)
 
 
 def train_crashing_at_second_save(directory: str) -> list[dict]:

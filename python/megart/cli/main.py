@@ -1,12 +1,12 @@
-"""The ``megart`` command: ``megart train ...`` (also ``python -m megart train ...``) and
-``megart preprocess-data ...``."""
+"""The ``megart`` command: ``megart train ...`` (also ``python -m megart train ...``),
+``megart preprocess-data ...`` and ``megart export-hf ...``."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("train", "preprocess-data")
+COMMANDS = ("train", "preprocess-data", "export-hf")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -14,7 +14,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(
             "usage: megart train [--help] [Megatron-LM flags ...]\n"
-            "       megart preprocess-data [--help] --input FILE --output-prefix PREFIX ...",
+            "       megart preprocess-data [--help] --input FILE --output-prefix PREFIX ...\n"
+            "       megart export-hf [--help] --load CHECKPOINT_DIR --output GPT2_DIR",
             file=sys.stderr,
         )
         return 2
@@ -22,6 +23,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megart.cli.preprocess import main as preprocess
 
         return preprocess(argv[1:])
+    if argv[0] == "export-hf":
+        from megart.cli.export_hf import main as export_hf
+
+        return export_hf(argv[1:])
     from megart.cli.train import main as train
 
     return train(argv[1:])

@@ -205,6 +205,13 @@ class GPT(nn.Module):
         save_gpt2(self, path)
 
 
+def chunk_layers(num_layers: int, pp_rank: int, pp: int, chunks: int = 1) -> list[range]:
+    """The layers of each model chunk of pipeline rank ``pp_rank``: chunk c is virtual stage
+    vs = c * pp + pp_rank and holds layers [vs * n, (vs + 1) * n), n = layers / (pp * chunks)."""
+    n = num_layers // (pp * chunks)
+    return [range((c * pp + pp_rank) * n, (c * pp + pp_rank + 1) * n) for c in range(chunks)]
+
+
 def pipeline_chunks(
     cfg: GPTConfig,
     pp_rank: int,
@@ -214,23 +221,18 @@ def pipeline_chunks(
     sequence_parallel: bool = False,
     rng: RNGStatesTracker | None = None,
 ) -> list[GPTChunk]:
-    """This pipeline rank's model chunks: chunk c is virtual stage c * pp + pp_rank, holding
-    layers [vs * n, (vs + 1) * n) with n = layers / (pp * chunks)."""
+    """This pipeline rank's model chunks (see chunk_layers); the first virtual stage holds the
+    embedding, the last the final norm and output layer."""
     cfg.check_layout(tp=group_size(tp_group), pp=pp, chunks=chunks)
-    stages = pp * chunks
-    n = cfg.num_layers // stages
-    out = []
-    for c in range(chunks):
-        vs = c * pp + pp_rank
-        out.append(
-            GPTChunk(
-                cfg,
-                range(vs * n, (vs + 1) * n),
-                vs == 0,
-                vs == stages - 1,
-                tp_group,
-                sequence_parallel,
-                rng,
-            )
+    return [
+        GPTChunk(
+            cfg,
+            layers,
+            layers.start == 0,
+            layers.stop == cfg.num_layers,
+            tp_group,
+            sequence_parallel,
+            rng,
         )
-    return out
+        for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks)
+    ]

@@ -5,11 +5,15 @@ GPT-2 stores its linear layers as Conv1D ([in, out], y = x W + b) and its fused 
 projection as [q | k | v] along the output; megart stores [out, in] and groups the fused
 projection per head ([q_i, k_i, v_i] for head i), so that a tensor-parallel slice holds whole
 heads. Everything else maps one to one.
+
+Writing goes check_gpt2 -> gpt2_tensors -> write_gpt2, fed by the live model's gathers here
+(GPT.save_hf_gpt2) or by a training checkpoint's files (megart.training.export_hf).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +68,13 @@ def _config_from_hf(hf: dict[str, Any]) -> GPTConfig:
             f"GPT-2 activation {act!r} is not supported; megart's GPT uses GeLU "
             "with the tanh approximation (gelu_new)"
         )
-    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
-        raise ConfigError(f"n_inner={hf['n_inner']} is not supported; use 4 * n_embd")
     return GPTConfig(
         vocab_size=hf["vocab_size"],
         seq_length=hf["n_positions"],
         hidden_size=hf["n_embd"],
         num_layers=hf["n_layer"],
         num_attention_heads=hf["n_head"],
+        ffn_hidden_size=hf.get("n_inner"),  # None: 4 n_embd, as GPT-2
         layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
     )
 
@@ -120,25 +123,32 @@ def _gather(p: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor
     return out.view(t * shard.shape[0], *shard.shape[1:]).movedim(0, dim)
 
 
-def save_gpt2(model: Any, path: str) -> None:
-    from safetensors.torch import save_file
-
-    cfg: GPTConfig = model.cfg
-    if (cfg.normalization, cfg.position_embedding, cfg.activation, cfg.bias) != (
-        "layernorm",
-        "learned",
-        "gelu",
-        True,
-    ):
-        raise ConfigError(
-            "only GPT-2's own architecture (LayerNorm, learned positions, GeLU, "
-            "biases) can be written as a GPT-2 checkpoint"
+def check_gpt2(cfg: GPTConfig) -> None:
+    """Refuses a model that a GPT-2 checkpoint cannot represent, naming each option."""
+    unlike = [
+        f"{name}={value!r} (GPT-2 has {gpt2!r})"
+        for name, value, gpt2 in (
+            ("normalization", cfg.normalization, "layernorm"),
+            ("position_embedding", cfg.position_embedding, "learned"),
+            ("activation", cfg.activation, "gelu"),
+            ("bias", cfg.bias, True),
         )
-    tp_group = model.chunk.tp_group
-    params = dict(model.named_parameters())
+        if value != gpt2
+    ]
+    if unlike:
+        raise ConfigError(
+            "a GPT-2 checkpoint cannot represent " + ", ".join(unlike) + "; only models "
+            "trained with GPT-2's own architecture can be written in its format"
+        )
+
+
+def gpt2_tensors(cfg: GPTConfig, full: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-2's tensors, by name, from ``full(name)``: the whole (not tensor-parallel) tensor of
+    parameter ``name`` of a one-chunk GPT, vocabulary padding included. Called in
+    ``_mapping`` order, which gathers across ranks rely on."""
     out = {}
     for ours, theirs, conv in _mapping(cfg):
-        w = _gather(params[ours], tp_group)  # every rank takes part in the gathers
+        w = full(ours)
         if conv == "vocab":
             w = w[: cfg.vocab_size]
         if "qkv" in conv:
@@ -146,11 +156,16 @@ def save_gpt2(model: Any, path: str) -> None:
         if "conv1d" in conv:
             w = w.t()
         out["transformer." + theirs] = w.contiguous()
-    if group_rank(tp_group) != 0:
-        return
+    return out
+
+
+def write_gpt2(cfg: GPTConfig, tensors: dict[str, torch.Tensor], path: str | Path) -> Path:
+    """Writes ``tensors`` (from gpt2_tensors) and GPT-2's config.json into directory ``path``."""
+    from safetensors.torch import save_file
+
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(root / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
     config = {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -159,7 +174,8 @@ def save_gpt2(model: Any, path: str) -> None:
         "n_embd": cfg.hidden_size,
         "n_layer": cfg.num_layers,
         "n_head": cfg.num_attention_heads,
-        "n_inner": None,
+        # None is GPT-2's 4 n_embd; anything else must be written, or the MLP loads misshapen.
+        "n_inner": None if cfg.ffn_size == 4 * cfg.hidden_size else cfg.ffn_size,
         "activation_function": "gelu_new",
         "layer_norm_epsilon": cfg.layernorm_epsilon,
         "resid_pdrop": cfg.hidden_dropout,
@@ -170,3 +186,15 @@ def save_gpt2(model: Any, path: str) -> None:
         "torch_dtype": "float32",
     }
     (root / "config.json").write_text(json.dumps(config, indent=2))
+    return root
+
+
+def save_gpt2(model: Any, path: str) -> None:
+    cfg: GPTConfig = model.cfg
+    check_gpt2(cfg)
+    tp_group = model.chunk.tp_group
+    params = dict(model.named_parameters())
+    # Every rank takes part in the gathers; tensor-parallel rank 0 writes.
+    tensors = gpt2_tensors(cfg, lambda name: _gather(params[name], tp_group))
+    if group_rank(tp_group) == 0:
+        write_gpt2(cfg, tensors, path)

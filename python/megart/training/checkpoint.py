@@ -8,7 +8,10 @@ One file per model-parallel rank, written by data-parallel rank 0 of it (data-pa
 hold the same weights, optimizer state and random states). Each holds this rank's model chunks,
 the optimizer state, the random streams, the fp16 loss scale and the iteration, so a resumed
 run continues the same loss curve: the data and the learning rate are functions of the
-iteration.
+iteration. It also holds the model's whole GPTConfig and each chunk's layer ids, so that
+megart.training.export_hf can merge the files into one model without the training flags
+(checkpoints from before those two were saved hold a GPT-2-architecture model: the Trainer
+built no other).
 
 Atomic: files are written into ``iter_XXXXXXX.partial`` and the directory is renamed only after
 every rank has written, then the tracker file is replaced. A crash mid-save leaves the previous
@@ -17,6 +20,7 @@ checkpoint as the latest one.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -26,6 +30,7 @@ import torch
 
 import megart.distributed as dist
 from megart.errors import ConfigError
+from megart.models import GPTChunk
 from megart.tensor_parallel.random import GeneratorStates
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -79,7 +84,7 @@ def save(
     iteration: int,
     config: Any,
     grid: Any,
-    chunks: list[torch.nn.Module],
+    chunks: list[GPTChunk],
     optimizer: torch.optim.Optimizer,
     rng: Any,
     scaler: Any = None,
@@ -95,6 +100,8 @@ def save(
         state = {
             "iteration": iteration,
             "config": {f: getattr(config, f) for f in LAYOUT_FIELDS},
+            "model_config": dataclasses.asdict(chunks[0].cfg),
+            "layer_ids": [list(chunk.layer_ids) for chunk in chunks],
             "model": [chunk.state_dict() for chunk in chunks],
             "optimizer": optimizer.state_dict(),
             "rng": _rng_state(rng),

@@ -1,0 +1,226 @@
+"""Offline export of training checkpoints to Hugging Face GPT-2 (megart export-hf): tp2 x pp2
+and interleaved pp2 checkpoints, merged in this process, hold exactly the weights the trained
+ranks gathered over their process groups, match the same seed trained in one process and
+exported live by GPT.save_hf_gpt2 (to the tolerance layouts agree to), and give transformers'
+GPT-2 the logits of megart's GPT; bad input is refused saying what to change."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import train_workers as tw
+from megart import ConfigError
+from megart.cli.main import main as megart_main
+from megart.launcher import launch
+from megart.models import GPT, GPTConfig
+from megart.training.export_hf import export_checkpoint, merge_shards
+
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors.torch")
+
+ITERS = dict(train_iters=2)
+LAYOUTS = {
+    "tp2-pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+    "pp2-interleaved": (
+        2,
+        dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1),
+    ),
+}
+FILE = "model_optim_rng.pt"
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """(checkpoint dir, the live model's GPT.save_hf_gpt2 dir) of a one-process training."""
+    root = tmp_path_factory.mktemp("one")
+    kw = dict(save=str(root / "ckpt"), **ITERS)
+    launch(tw.weights_after_training, 1, kw, str(root / "live"), timeout=300)
+    return root / "ckpt", root / "live"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Trains a layout of LAYOUTS once per module: (checkpoint dir, the weights its ranks hold
+    after training, gathered over tensor parallelism and merged over the ranks)."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            nproc, layout = LAYOUTS[name]
+            ckpt = tmp_path_factory.mktemp(name) / "ckpt"
+            per_rank = launch(
+                tw.weights_after_training,
+                nproc,
+                dict(save=str(ckpt), **ITERS, **layout),
+                timeout=300,
+            )
+            weights = {}
+            for rank in per_rank:
+                for key, value in rank.items():
+                    # The first and last stage each hold the tied embedding: they stay equal.
+                    assert key not in weights or torch.equal(weights[key], value), key
+                    weights[key] = value
+            done[name] = ckpt, weights
+        return done[name]
+
+    return get
+
+
+def tensors(hf_dir):
+    return safetensors.load_file(str(hf_dir / "model.safetensors"))
+
+
+def logits(hf_dir):
+    """(transformers' logits, megart's GPT's logits) from one GPT-2 directory, on fixed tokens."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    x = torch.randint(
+        0,
+        config["vocab_size"],
+        (2, config["n_positions"]),
+        generator=torch.Generator().manual_seed(3),
+    )
+    hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    ours = GPT.from_hf_gpt2(str(hf_dir)).eval()
+    with torch.no_grad():
+        return hf(x).logits, ours(x)
+
+
+def small(**kw):
+    return GPTConfig(
+        vocab_size=64, seq_length=8, hidden_size=16, num_layers=2, num_attention_heads=2, **kw
+    )
+
+
+def rewrite(path, change):
+    state = torch.load(path, weights_only=False)
+    change(state)
+    torch.save(state, path)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    t=st.integers(1, 4),
+    rows=st.integers(1, 3),
+    cols=st.integers(1, 3),
+    dim=st.sampled_from([None, 0, 1]),
+)
+def test_merged_shards_are_the_tensor_the_layers_split(t, rows, cols, dim):
+    whole = torch.randn(t * rows, t * cols, generator=torch.Generator().manual_seed(t * rows))
+    # As the tensor-parallel layers take their shards: rank r holds chunk r along the dim.
+    shards = [whole] * t if dim is None else list(whole.chunk(t, dim))
+    assert torch.equal(merge_shards(shards, dim), whole)
+
+
+def test_one_process_export_is_the_live_export_exactly(one_process, tmp_path):
+    ckpt, live = one_process
+    out = export_checkpoint(ckpt, tmp_path / "hf")
+    assert out == tmp_path / "hf"
+    expected = tensors(live)
+    got = tensors(out)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (live / "config.json").read_text()
+    )
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_checkpoint_exports_the_model_it_trained(layout, trained, one_process, tmp_path):
+    ckpt, weights = trained(layout)
+    out = export_checkpoint(ckpt, tmp_path / "hf")
+    # Exactly what the ranks gathered over their groups, read back by megart's importer.
+    back = dict(GPT.from_hf_gpt2(str(out)).named_parameters())
+    assert back.keys() == weights.keys()
+    for name, value in weights.items():
+        assert torch.equal(back[name].detach()[: value.shape[0]], value), name
+    # The same seed trained in one process and exported live, to the layouts' tolerance.
+    _, live = one_process
+    expected = tensors(live)
+    got = tensors(out)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (live / "config.json").read_text()
+    )
+    hf, ours = logits(out)
+    torch.testing.assert_close(hf, ours, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hf, logits(live)[1], rtol=1e-4, atol=1e-4)
+
+
+def test_checkpoints_from_before_the_model_config_was_saved_export_the_same(trained, tmp_path):
+    ckpt, _ = trained("pp2-interleaved")
+    expected = tensors(export_checkpoint(ckpt, tmp_path / "new"))
+    old = shutil.copytree(ckpt, tmp_path / "old")
+    for path in old.glob(f"iter_*/mp_rank_*/{FILE}"):
+        rewrite(path, lambda s: [s.pop("model_config"), s.pop("layer_ids")])
+    got = tensors(export_checkpoint(old, tmp_path / "hf"))
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_missing_checkpoints_and_files_are_named(trained, tmp_path):
+    with pytest.raises(ConfigError, match="no latest_checkpointed_iteration.txt there"):
+        export_checkpoint(tmp_path, tmp_path / "hf")
+    ckpt, _ = trained("tp2-pp2")
+    with pytest.raises(ConfigError, match=r"no checkpoint of iteration 7 \(it holds iter_0000002"):
+        export_checkpoint(ckpt, tmp_path / "hf", iteration=7)
+    copy = shutil.copytree(ckpt, tmp_path / "copy")
+    (copy / "iter_0000002" / "mp_rank_01_001" / FILE).unlink()
+    with pytest.raises(ConfigError, match=r"1 of its 4 files are missing: .*mp_rank_01_001/"):
+        export_checkpoint(copy, tmp_path / "hf")
+    shutil.copy(
+        ckpt / "iter_0000002" / "mp_rank_01_001" / FILE, copy / "iter_0000002" / "mp_rank_01_001"
+    )
+    (copy / "iter_0000002" / "mp_rank_01_000" / FILE).write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="mp_rank_01_000/model_optim_rng.pt cannot be read"):
+        export_checkpoint(copy, tmp_path / "hf", iteration=2)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    "option, value, gpt2",
+    [
+        ("normalization", "rmsnorm", "'layernorm'"),
+        ("position_embedding", "rotary", "'learned'"),
+        ("activation", "swiglu", "'gelu'"),
+        ("bias", False, "True"),
+    ],
+)
+def test_models_gpt2_cannot_represent_are_refused_naming_the_option(
+    option, value, gpt2, one_process, tmp_path
+):
+    ckpt = shutil.copytree(one_process[0], tmp_path / "ckpt")
+    rewrite(
+        ckpt / "iter_0000002" / "mp_rank_00" / FILE,
+        lambda s: s["model_config"].update({option: value}),
+    )
+    message = f"cannot represent {option}={value!r} \\(GPT-2 has {gpt2}\\)"
+    with pytest.raises(ConfigError, match=message):
+        export_checkpoint(ckpt, tmp_path / "hf")
+    # The live export refuses it the same way: one check serves both.
+    with pytest.raises(ConfigError, match=message):
+        GPT(small(**{option: value})).save_hf_gpt2(str(tmp_path / "live"))
+
+
+def test_megart_export_hf_command(one_process, tmp_path, capsys):
+    ckpt, live = one_process
+    out = tmp_path / "hf"
+    assert megart_main(["export-hf", "--load", str(ckpt), "--output", str(out)]) == 0
+    assert capsys.readouterr().out == f"{out}: config.json and model.safetensors (GPT-2)\n"
+    assert tensors(out).keys() == tensors(live).keys()
+    assert megart_main(["export-hf", "--load", str(tmp_path / "nothing"), "--output", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megart export-hf: error: --load ") and err.count("\n") == 1
+
+
+def test_an_mlp_size_other_than_4h_is_written_as_n_inner(tmp_path):
+    GPT(small(ffn_hidden_size=24)).save_hf_gpt2(str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["n_inner"] == 24
+    hf, ours = logits(tmp_path)
+    torch.testing.assert_close(hf, ours, rtol=1e-5, atol=1e-5)
