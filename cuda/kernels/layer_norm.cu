@@ -171,23 +171,28 @@ bool aligned_alike(int64_t hidden, std::initializer_list<const void*> pointers) 
 
 // Dynamic shared memory of the backward kernel for `hidden` columns, after letting the kernel
 // use that much (above 48 KiB a kernel must opt in). cudaErrorInvalidValue when it exceeds what
-// a block may have on this device.
+// a block may have on this device. The opt-in is always set to the most a block may have, not
+// to this call's need: it is one attribute of the kernel shared by every thread, and threads
+// that set it to their own sizes could shrink it between another's setting and its launch.
 template <typename T>
 cudaError_t prepare_backward(int64_t hidden, bool has_bias, size_t* bytes) {
   const int64_t slots = hidden + hidden / fused::kPack<T>;  // slot<T>(hidden), on the host
   *bytes = static_cast<size_t>(slots) * sizeof(float) * (has_bias ? 2 : 1);
   int device = 0;
   int limit = 0;
+  cudaFuncAttributes attributes{};
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) {
     err = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   }
+  if (err == cudaSuccess)
+    err = cudaFuncGetAttributes(&attributes, add_layer_norm_backward_kernel<T>);
   if (err != cudaSuccess) return err;
-  // The kernel's static shared memory (the 32-float reduction scratch) counts against it too.
-  if (*bytes + 32 * sizeof(float) > static_cast<size_t>(limit)) return cudaErrorInvalidValue;
+  // The kernel's static shared memory (its reduction scratch) counts against the limit too.
+  const size_t most = static_cast<size_t>(limit) - attributes.sharedSizeBytes;
+  if (*bytes > most) return cudaErrorInvalidValue;
   return cudaFuncSetAttribute(add_layer_norm_backward_kernel<T>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(*bytes));
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(most));
 }
 
 }  // namespace
