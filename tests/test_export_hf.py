@@ -17,7 +17,8 @@ from megart import ConfigError
 from megart.cli.main import main as megart_main
 from megart.launcher import launch
 from megart.models import GPT, GPTConfig
-from megart.training.export_hf import export_checkpoint, merge_shards
+from megart.training.export_hf import export_checkpoint
+from megart.training.shards import merge_shards
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")

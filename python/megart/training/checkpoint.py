@@ -9,9 +9,9 @@ hold the same weights, optimizer state and random states). Each holds this rank'
 the optimizer state, the random streams, the fp16 loss scale and the iteration, so a resumed
 run continues the same loss curve: the data and the learning rate are functions of the
 iteration. It also holds the model's whole GPTConfig and each chunk's layer ids, so that
-megart.training.export_hf can merge the files into one model without the training flags
-(checkpoints from before those two were saved hold a GPT-2-architecture model: the Trainer
-built no other).
+the files can be merged into one model without the training flags (megart.training.shards,
+which megart.training.export_hf uses; checkpoints from before those two were saved hold a
+GPT-2-architecture model: the Trainer built no other).
 
 Atomic: files are written into ``iter_XXXXXXX.partial`` and the directory is renamed only after
 every rank has written, then the tracker file is replaced. A crash mid-save leaves the previous
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,19 @@ def latest_iteration(directory: str | os.PathLike) -> int | None:
 def _rng_state(rng: Any) -> dict[str, Any]:
     default = GeneratorStates.current()
     return {"torch": default.cpu, "cuda": default.cuda, "tracker": rng.get_states()}
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """One checkpoint file. weights_only: the files hold only tensors, numbers, strings and
+    containers, and checkpoints come from elsewhere. mmap: only the pages of the tensors used
+    are read (an exporter skips the optimizer's)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+        raise ConfigError(f"{path} cannot be read as a megart checkpoint file ({e})") from e
+    if not isinstance(state, dict) or "config" not in state or "model" not in state:
+        raise ConfigError(f"{path} is not a megart checkpoint file (no 'config' and 'model')")
+    return state
 
 
 def _replace_text(path: Path, text: str) -> None:
