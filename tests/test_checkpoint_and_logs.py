@@ -1,7 +1,8 @@
 """Checkpoints and TensorBoard logs. A resumed run continues the same loss curve (one process
 and tp2 x pp2), files follow Megatron-LM's layout, a crash mid-save leaves the last good
-checkpoint, loading a checkpoint of another layout or from an empty directory is refused with
-what to change; TensorBoard's own reader finds the iteration figures."""
+checkpoint, loading a checkpoint of another model or from an empty directory is refused with
+what to change (another layout is resharded: test_checkpoint_reshard); TensorBoard's own
+reader finds the iteration figures."""
 
 import pytest
 
@@ -66,9 +67,9 @@ def test_a_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path):
     assert [h["iteration"] for h in resumed] == [2]
 
 
-def test_loading_another_layout_or_nothing_is_refused(tmp_path):
+def test_loading_another_model_or_nothing_is_refused(tmp_path):
     launch(_train, 1, dict(train_iters=1, save=str(tmp_path)), timeout=300)
-    with pytest.raises(LaunchError, match=r"--hidden-size 32 \(now 64\).*does not reshard"):
+    with pytest.raises(LaunchError, match=r"--hidden-size 32 \(now 64\).*cannot be resharded"):
         launch(_train, 1, dict(train_iters=2, load=str(tmp_path), hidden_size=64), timeout=300)
     with pytest.raises(LaunchError, match="no latest_checkpointed_iteration.txt"):
         launch(_train, 1, dict(load=str(tmp_path / "empty")), timeout=300)

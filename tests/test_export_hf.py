@@ -9,15 +9,13 @@ import shutil
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import train_workers as tw
 from megart import ConfigError
 from megart.cli.main import main as megart_main
 from megart.launcher import launch
 from megart.models import GPT, GPTConfig
-from megart.training.export_hf import export_checkpoint, merge_shards
+from megart.training.export_hf import export_checkpoint
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -99,20 +97,6 @@ def rewrite(path, change):
     state = torch.load(path, weights_only=False)
     change(state)
     torch.save(state, path)
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    t=st.integers(1, 4),
-    rows=st.integers(1, 3),
-    cols=st.integers(1, 3),
-    dim=st.sampled_from([None, 0, 1]),
-)
-def test_merged_shards_are_the_tensor_the_layers_split(t, rows, cols, dim):
-    whole = torch.randn(t * rows, t * cols, generator=torch.Generator().manual_seed(t * rows))
-    # As the tensor-parallel layers take their shards: rank r holds chunk r along the dim.
-    shards = [whole] * t if dim is None else list(whole.chunk(t, dim))
-    assert torch.equal(merge_shards(shards, dim), whole)
 
 
 def test_one_process_export_is_the_live_export_exactly(one_process, tmp_path):

@@ -54,6 +54,44 @@ def by_place(trainer: object, tensor_of: object) -> dict:
     return out
 
 
+def held_state(trainer: object) -> dict:
+    """What ``trainer`` holds now: weights and Adam's moments by place (see by_place), the
+    steps, the number of parameters with optimizer state, the largest magnitude in the
+    vocabulary padding rows of the embedding and its moments (padding must stay zero), and the
+    random streams (torch's default CPU generator, the tracker's)."""
+    import torch
+
+    opt = trainer.optimizer
+    out = {"weights": by_place(trainer, lambda p: p), "optimizer_states": len(opt.state)}
+    if opt.state:
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key] = by_place(trainer, lambda p, key=key: opt.state[p][key])
+        out["steps"] = {float(s["step"]) for s in opt.state.values()}
+    padding = 0.0
+    vocab = trainer.model_config.vocab_size
+    for chunk in trainer.chunks:
+        if hasattr(chunk, "wte"):
+            w = chunk.wte.weight
+            start = max(0, vocab - trainer.grid.tp_rank * w.shape[0])
+            for t in [w, *(opt.state[w].values() if w in opt.state else [])]:
+                if t.dim() and start < t.shape[0]:
+                    padding = max(padding, float(t.detach()[start:].abs().max()))
+    out["padding"] = padding
+    out["rng"] = (torch.get_rng_state(), trainer.rng.get_states())
+    return out
+
+
+def train_holding(kw: dict) -> dict:
+    """Trains; returns what the trainer held right after it was built (a loaded checkpoint's
+    state, see held_state), the iteration figures, and what it held after training."""
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(tiny(**kw), tokens=builtin_corpus(1 << 16))
+    loaded = held_state(trainer)
+    history = trainer.train(quiet=True)
+    return {"loaded": loaded, "history": history, "trained": held_state(trainer)}
+
+
 def gradients_after_one_step(**kw: object) -> dict:
     """Every gradient this rank holds after one iteration (averaged, summed across the tied
     embedding's copies, clipped), by place (see by_place)."""

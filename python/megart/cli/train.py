@@ -68,7 +68,12 @@ HELP = {
     "tensorboard_dir": "write TensorBoard scalars here (needs the tensorboard package)",
     "save": "directory to write checkpoints to (Megatron's layout)",
     "save_interval": "iterations between checkpoints (one is also written after the last)",
-    "load": "directory to resume from (its latest checkpoint)",
+    "load": "directory to resume from (its latest checkpoint; one saved under another tensor- "
+    "or pipeline-parallel layout is resharded)",
+    "no_load_optim": "do not load the optimizer state (nor the fp16 loss scale) from --load",
+    "no_load_rng": "do not load the random streams from --load (start them from --seed)",
+    "finetune": "load only the model weights from --load and start at iteration 0 (fresh "
+    "optimizer and random streams)",
 }
 
 

@@ -8,10 +8,12 @@ One file per model-parallel rank, written by data-parallel rank 0 of it (data-pa
 hold the same weights, optimizer state and random states). Each holds this rank's model chunks,
 the optimizer state, the random streams, the fp16 loss scale and the iteration, so a resumed
 run continues the same loss curve: the data and the learning rate are functions of the
-iteration. It also holds the model's whole GPTConfig and each chunk's layer ids, so that
-megart.training.export_hf can merge the files into one model without the training flags
-(checkpoints from before those two were saved hold a GPT-2-architecture model: the Trainer
-built no other).
+iteration. It also holds the model's whole GPTConfig, each chunk's layer ids and the parameter
+each optimizer state belongs to, so that the files can be merged into one model without the
+training flags (megart.training.shards): megart.training.export_hf writes it out, and ``load``
+reshards a checkpoint of another tensor/pipeline layout (megart.training.reshard). Checkpoints
+from before those were saved hold a GPT-2-architecture model (the Trainer built no other) and
+the Trainer's optimizer order.
 
 Atomic: files are written into ``iter_XXXXXXX.partial`` and the directory is renamed only after
 every rank has written, then the tracker file is replaced. A crash mid-save leaves the previous
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -35,17 +38,23 @@ from megart.tensor_parallel.random import GeneratorStates
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
-# Saved with the checkpoint and compared on load: resuming under another layout or another
-# model would need resharding, which megart does not do.
-LAYOUT_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "seq_length",
-    "vocab_size",
+# Saved with the checkpoint and compared on load. The model's sizes must match; the parallel
+# layout may differ (then the checkpoint is resharded).
+MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+PARALLEL_FIELDS = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
     "num_layers_per_virtual_pipeline_stage",
+)
+# GPTConfig fields that shape the weights or what they mean, beyond MODEL_FIELDS; the rest
+# (dropout, seed, fused kernels, recomputation) may change on resume.
+ARCHITECTURE = (
+    "ffn_hidden_size",
+    "normalization",
+    "position_embedding",
+    "activation",
+    "bias",
+    "layernorm_epsilon",
 )
 
 
@@ -71,6 +80,28 @@ def latest_iteration(directory: str | os.PathLike) -> int | None:
 def _rng_state(rng: Any) -> dict[str, Any]:
     default = GeneratorStates.current()
     return {"torch": default.cpu, "cuda": default.cuda, "tracker": rng.get_states()}
+
+
+def optimizer_params(
+    chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer
+) -> list[tuple[int, str]]:
+    """(chunk, parameter name) of each parameter of ``optimizer``, in the order its state_dict
+    numbers them (param group by param group): what maps its states to the model's."""
+    names = {id(p): (c, n) for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """One checkpoint file. weights_only: the files hold only tensors, numbers, strings and
+    containers, and checkpoints come from elsewhere. mmap: only the pages of the tensors used
+    are read (an exporter skips the optimizer's; a resharding rank reads its own parameters')."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+        raise ConfigError(f"{path} cannot be read as a megart checkpoint file ({e})") from e
+    if not isinstance(state, dict) or "config" not in state or "model" not in state:
+        raise ConfigError(f"{path} is not a megart checkpoint file (no 'config' and 'model')")
+    return state
 
 
 def _replace_text(path: Path, text: str) -> None:
@@ -99,9 +130,10 @@ def save(
     if grid.dp_rank == 0:
         state = {
             "iteration": iteration,
-            "config": {f: getattr(config, f) for f in LAYOUT_FIELDS},
+            "config": {f: getattr(config, f) for f in MODEL_FIELDS + PARALLEL_FIELDS},
             "model_config": dataclasses.asdict(chunks[0].cfg),
             "layer_ids": [list(chunk.layer_ids) for chunk in chunks],
+            "optimizer_params": optimizer_params(chunks, optimizer),
             "model": [chunk.state_dict() for chunk in chunks],
             "optimizer": optimizer.state_dict(),
             "rng": _rng_state(rng),
@@ -131,33 +163,70 @@ def load(
     scaler: Any = None,
 ) -> int:
     """Restores the last complete checkpoint in ``directory`` into the model chunks, the
-    optimizer and the random streams; returns its iteration. A directory without a checkpoint,
-    or a checkpoint of another model or layout, is a ConfigError."""
+    optimizer (and fp16 loss scaler) and the random streams; returns the iteration to continue
+    from. ``config.no_load_optim`` and ``config.no_load_rng`` skip those parts; with
+    ``config.finetune`` only the weights are loaded and the run starts at iteration 0, as
+    Megatron's flags. A checkpoint of another tensor/pipeline layout is resharded (see
+    megart.training.reshard), keeping this run's own random streams; a directory without a
+    checkpoint, or a checkpoint of another model, is a ConfigError naming the flags."""
     iteration = latest_iteration(directory)
     if iteration is None:
         raise ConfigError(
             f"--load {directory}: no {TRACKER} there; point --load at a directory that "
             "--save wrote, or leave --load out to start from scratch"
         )
-    path = iteration_dir(directory, iteration) / rank_dir(grid.tp_rank, grid.pp_rank, config.pp)
-    if not (path / FILE).exists():
-        raise ConfigError(f"--load {directory}: {path / FILE} is missing")
-    state = torch.load(path / FILE, map_location="cpu", weights_only=False)
-    saved, now = state["config"], {f: getattr(config, f) for f in LAYOUT_FIELDS}
+    root = iteration_dir(directory, iteration)
+    own = root / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE
+    found = sorted(root.glob(f"mp_rank_*/{FILE}"))
+    if not found:
+        raise ConfigError(f"--load {directory}: {root} holds no mp_rank_*/{FILE}")
+    # Any file tells the layout, the iteration and the loss scale (the same in every file).
+    state = read_file(own if own.exists() else found[0])
+    _check_model(directory, state, config, chunks[0].cfg)
+    load_optim = not (config.finetune or config.no_load_optim)
+    load_rng = not (config.finetune or config.no_load_rng)
+    if any(state["config"][f] != getattr(config, f) for f in PARALLEL_FIELDS):
+        from megart.training import reshard  # imported here: it reads files through this module
+
+        reshard.restore(
+            root, state["config"], config, grid, chunks, optimizer if load_optim else None
+        )
+        if dist.get_rank() == 0:
+            print(reshard.describe(directory, iteration, state["config"], config), flush=True)
+    else:
+        if not own.exists():
+            raise ConfigError(f"--load {directory}: {own} is missing")
+        for chunk, sd in zip(chunks, state["model"], strict=True):
+            chunk.load_state_dict(sd)
+        if load_optim:
+            optimizer.load_state_dict(state["optimizer"])
+        if load_rng:
+            r = state["rng"]
+            GeneratorStates(r["torch"], r["cuda"]).install()
+            rng.set_states(r["tracker"])
+    if load_optim and scaler is not None and state.get("loss_scaler") is not None:
+        scaler.load_state_dict(state["loss_scaler"])
+    return 0 if config.finetune else int(state["iteration"])
+
+
+def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -> None:
+    """Refuses a checkpoint of another model, naming each flag (or GPTConfig field) that
+    differs: its weights cannot be resharded into this one."""
+    saved = state["config"]
     differ = [
-        f"--{f.replace('_', '-')} {saved[f]} (now {now[f]})" for f in now if saved[f] != now[f]
+        f"--{f.replace('_', '-')} {saved[f]} (now {getattr(config, f)})"
+        for f in MODEL_FIELDS
+        if saved[f] != getattr(config, f)
+    ]
+    arch = state.get("model_config") or {}
+    differ += [
+        f"model_config {f}={arch[f]!r} (now {getattr(cfg, f)!r})"
+        for f in ARCHITECTURE
+        if f in arch and arch[f] != getattr(cfg, f)
     ]
     if differ:
         raise ConfigError(
             f"--load {directory}: the checkpoint was saved with " + ", ".join(differ) + "; "
-            "megart does not reshard checkpoints, so resume with the saved values"
+            "a checkpoint of another model cannot be resharded (only the tensor- and "
+            "pipeline-parallel layout may change), so resume with the saved values"
         )
-    for chunk, sd in zip(chunks, state["model"], strict=True):
-        chunk.load_state_dict(sd)
-    optimizer.load_state_dict(state["optimizer"])
-    r = state["rng"]
-    GeneratorStates(r["torch"], r["cuda"]).install()
-    rng.set_states(r["tracker"])
-    if scaler is not None and state.get("loss_scaler") is not None:
-        scaler.load_state_dict(state["loss_scaler"])
-    return int(state["iteration"])

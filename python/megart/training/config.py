@@ -68,6 +68,11 @@ class TrainConfig:
     save: str | None = None  # directory to write checkpoints to
     save_interval: int | None = None  # iterations between checkpoints (and one at the end)
     load: str | None = None  # directory to resume from (its latest checkpoint)
+    # Megatron's: skip --load's optimizer state (and fp16 loss scale), or its random streams;
+    # --finetune loads the model weights only and starts at iteration 0.
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
 
     @property
     def tp(self) -> int:
@@ -150,6 +155,10 @@ class TrainConfig:
             raise ConfigError(
                 f"--save-interval {self.save_interval} needs --save DIR and a value of at least 1"
             )
+        given = [f for f in ("no_load_optim", "no_load_rng", "finetune") if getattr(self, f)]
+        if given and not self.load:
+            flags = " and ".join("--" + f.replace("_", "-") for f in given)
+            raise ConfigError(f"{flags} choose what --load DIR restores; give --load DIR")
         return dp
 
 

@@ -1,0 +1,173 @@
+"""A training checkpoint's model-parallel files merged into the whole model, and split again.
+
+One merging path serves megart.training.export_hf (every file, in one process) and
+megart.training.reshard (loading under another parallel layout: each rank reads the files its
+own layers are in). Each file (``iter_N/mp_rank_TT[_PPP]/``, see megart.training.checkpoint)
+holds its rank's model chunks, the layer ids of each chunk and the model's GPTConfig. A
+parameter's tensor-parallel shards are concatenated along the dimension its module split it on
+(its ``partition_dim``), and the chunks' layers are named by their place in the whole model
+(``chunk.blocks.{layer}...``, as a one-chunk GPT names them; chunk c of pipeline rank r is
+virtual stage c * p + r). Splitting is the inverse: t equal pieces along the same dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Collection, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megart.errors import ConfigError
+from megart.models import GPTChunk, GPTConfig, chunk_layers
+from megart.training.checkpoint import FILE, rank_dir, read_file
+
+Shards = dict[tuple[int, int], dict[str, Any]]  # (tensor rank, pipeline rank) -> its file
+# pick((tensor rank, pipeline rank), chunk, name): the shard to merge, None where there is none
+Pick = Callable[[tuple[int, int], int, str], torch.Tensor | None]
+
+
+def merge_shards(shards: list[torch.Tensor], dim: int | None) -> torch.Tensor:
+    """One parameter's whole tensor from its tensor-parallel shards, in rank order: split along
+    ``dim`` (0 for column-parallel layers and the vocab-parallel embedding, 1 for row-parallel
+    ones), or replicated when ``dim`` is None (every rank holds it all; rank 0's is taken)."""
+    return shards[0] if dim is None else torch.cat(shards, dim)
+
+
+def split_shard(whole: torch.Tensor, dim: int | None, tp: int, rank: int) -> torch.Tensor:
+    """Tensor-parallel rank ``rank``'s shard of ``whole`` among ``tp`` ranks, as the
+    tensor-parallel layers take theirs (the inverse of merge_shards); a view."""
+    return whole if dim is None else whole.chunk(tp, dim)[rank]
+
+
+def fit_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """The vocab-parallel embedding's whole weight (or a state shaped like it) with ``rows``
+    rows. The vocabulary is padded to a multiple of 128 t (GPTConfig.padded_vocab_size), so the
+    padding changes with t; its rows are zero (never looked up, their logits masked out of the
+    loss, so their gradients and moments stay zero) and are cut or added as zeros."""
+    if weight.shape[0] >= rows:
+        return weight[:rows]
+    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
+
+
+def whole_name(key: str, layers: Sequence[int]) -> str:
+    """A chunk's parameter name as the one-chunk GPT names it: the chunk's j-th block is
+    layer ``layers[j]`` of the model."""
+    if key.startswith("blocks."):
+        _, j, rest = key.split(".", 2)
+        key = f"blocks.{layers[int(j)]}.{rest}"
+    return "chunk." + key
+
+
+def read_shards(root: Path, pp_ranks: Iterable[int] | None = None) -> Shards:
+    """The model-parallel files of checkpoint ``root`` (all of them must be there), read
+    memory-mapped: every file, or the tensor-parallel files of pipeline ranks ``pp_ranks``."""
+    found = sorted(root.glob(f"mp_rank_*/{FILE}"))
+    if not found:
+        raise ConfigError(f"{root} holds no mp_rank_*/{FILE}: it is not a megart checkpoint")
+    layout = read_file(found[0])["config"]
+    tp = layout["tensor_model_parallel_size"]
+    pp = layout["pipeline_model_parallel_size"]
+    paths = {(t, p): root / rank_dir(t, p, pp) / FILE for t in range(tp) for p in range(pp)}
+    missing = [str(path) for path in paths.values() if not path.is_file()]
+    if missing:
+        raise ConfigError(
+            f"{root} was saved by tensor-parallel {tp} x pipeline-parallel {pp} ranks, but "
+            f"{len(missing)} of its {len(paths)} files are missing: {', '.join(missing)}; "
+            "copy the whole iteration directory the training job wrote"
+        )
+    wanted = set(range(pp) if pp_ranks is None else pp_ranks)
+    return {(t, p): read_file(path) for (t, p), path in paths.items() if p in wanted}
+
+
+def model_config(state: dict[str, Any]) -> GPTConfig:
+    """The GPTConfig of the model a checkpoint file belongs to."""
+    saved = state.get("model_config")
+    if saved is None:
+        # Saved before checkpoints held the model's config: the Trainer then built GPT-2's
+        # architecture with GPTConfig's defaults and these sizes, and nothing else.
+        layout = state["config"]
+        sizes = ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_attention_heads")
+        return GPTConfig(**{k: layout[k] for k in sizes})
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    return GPTConfig(**{k: v for k, v in saved.items() if k in known})
+
+
+def layer_ids(state: dict[str, Any], pp_rank: int, pp: int, cfg: GPTConfig) -> list[list[int]]:
+    """The layers of each model chunk of a file."""
+    if "layer_ids" in state:
+        return [list(ids) for ids in state["layer_ids"]]
+    # Saved before checkpoints held them: the same assignment pipeline_chunks makes.
+    chunks = len(state["model"])
+    return [list(r) for r in chunk_layers(cfg.num_layers, pp_rank, pp, chunks)]
+
+
+@functools.cache
+def partition_dims(cfg: GPTConfig, blocks: int, first: bool, last: bool) -> dict[str, int | None]:
+    """The dimension each parameter of such a chunk is split along across tensor parallelism,
+    None for replicated ones: read from the ``partition_dim`` the tensor-parallel layers give
+    their parameters (as the live export's gathers do), on a copy of the chunk shrunk to a
+    few numbers, since only names and dims matter."""
+    heads = cfg.num_attention_heads
+    tiny = dataclasses.replace(
+        cfg, vocab_size=1, seq_length=1, hidden_size=2 * heads, ffn_hidden_size=None
+    )
+    # Forked: torch.nn's default initialisation draws from torch's default generator, which a
+    # resharding rank must leave as its run seeded it.
+    with torch.random.fork_rng(devices=[]):
+        probe = GPTChunk(tiny, range(blocks), first, last)
+    return {name: getattr(p, "partition_dim", None) for name, p in probe.named_parameters()}
+
+
+def whole_tensors(
+    shards: Shards,
+    cfg: GPTConfig,
+    pick: Pick | None = None,
+    wanted: Collection[str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The whole tensors of the one-chunk GPT's parameters (named by whole_name) that
+    ``shards`` hold, or of those named in ``wanted``. ``pick`` gives the shards to merge: by
+    default the weights; an optimizer state shaped like them, say, where a scalar one (Adam's
+    step) is the same on every rank. Names a pick has no shard of are left out. The vocab
+    embedding keeps the padding of the saved tensor-parallel size (see fit_vocab)."""
+    layout = next(iter(shards.values()))["config"]
+    tp = layout["tensor_model_parallel_size"]
+    pp = layout["pipeline_model_parallel_size"]
+    if pick is None:
+
+        def pick(rank: tuple[int, int], chunk: int, key: str) -> torch.Tensor | None:
+            return shards[rank]["model"][chunk][key]
+
+    whole: dict[str, torch.Tensor] = {}
+    for p in sorted({p for _, p in shards}):
+        files = [shards[t, p] for t in range(tp)]
+        for c, layers in enumerate(layer_ids(files[0], p, pp, cfg)):
+            first, last = layers[0] == 0, layers[-1] == cfg.num_layers - 1
+            dims = partition_dims(cfg, len(layers), first, last)
+            _check_names([f["model"][c] for f in files], dims, p, c)
+            for key, dim in dims.items():
+                name = whole_name(key, layers)
+                if key == "wte.weight" and not first:
+                    continue  # the last stage's copy of the tied embedding, kept equal in training
+                if wanted is not None and name not in wanted:
+                    continue
+                parts = [pick((t, p), c, key) for t in range(tp)]
+                if any(part is None for part in parts):
+                    continue
+                whole[name] = merge_shards(parts, dim if parts[0].dim() else None)
+    return whole
+
+
+def _check_names(
+    states: list[dict[str, torch.Tensor]], dims: dict[str, int | None], pp_rank: int, chunk: int
+) -> None:
+    for t, state in enumerate(states):
+        extra, lacking = sorted(set(state) - set(dims)), sorted(set(dims) - set(state))
+        if extra or lacking:
+            raise ConfigError(
+                f"model chunk {chunk} of tensor rank {t}, pipeline rank {pp_rank} does not "
+                f"match megart's GPT (unknown: {extra}; missing: {lacking}); was it written by "
+                "another version of megart?"
+            )
