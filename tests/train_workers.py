@@ -188,3 +188,15 @@ def evaluation_against_the_whole_model(kw: dict) -> list[tuple[float, float]]:
                     losses.append(model(x, y).item())
         pairs.append((trainer.evaluate(data), sum(losses) / len(losses)))
     return pairs
+
+
+def loaded_and_first_step(kw: dict) -> tuple[dict, list[dict], tuple]:
+    """(the weights right after --load, by place; the figures of each iteration run; the
+    global batch of iteration 0, which the first iteration trains on)."""
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(tiny(**kw), tokens=builtin_corpus(1 << 16))
+    loaded = by_place(trainer, lambda p: p)
+    c = trainer.config
+    batch = trainer.data.global_batch(c.seed, trainer.start_iteration, c.global_batch_size)
+    return loaded, trainer.train(quiet=True), batch

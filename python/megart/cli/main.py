@@ -1,12 +1,12 @@
 """The ``megart`` command: ``megart train ...`` (also ``python -m megart train ...``),
-``megart preprocess-data ...`` and ``megart export-hf ...``."""
+``megart preprocess-data ...``, ``megart export-hf ...`` and ``megart import-hf ...``."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("train", "preprocess-data", "export-hf")
+COMMANDS = ("train", "preprocess-data", "export-hf", "import-hf")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -15,7 +15,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             "usage: megart train [--help] [Megatron-LM flags ...]\n"
             "       megart preprocess-data [--help] --input FILE --output-prefix PREFIX ...\n"
-            "       megart export-hf [--help] --load CHECKPOINT_DIR --output GPT2_DIR",
+            "       megart export-hf [--help] --load CHECKPOINT_DIR --output GPT2_DIR\n"
+            "       megart import-hf [--help] --input GPT2_DIR --save CHECKPOINT_DIR",
             file=sys.stderr,
         )
         return 2
@@ -27,6 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megart.cli.export_hf import main as export_hf
 
         return export_hf(argv[1:])
+    if argv[0] == "import-hf":
+        from megart.cli.import_hf import main as import_hf
+
+        return import_hf(argv[1:])
     from megart.cli.train import main as train
 
     return train(argv[1:])

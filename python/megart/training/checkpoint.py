@@ -104,7 +104,7 @@ def read_file(path: Path) -> dict[str, Any]:
     return state
 
 
-def _replace_text(path: Path, text: str) -> None:
+def replace_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -148,7 +148,7 @@ def save(
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
-        _replace_text(Path(directory) / TRACKER, f"{iteration}\n")
+        replace_text(Path(directory) / TRACKER, f"{iteration}\n")
     dist.barrier()
     return final
 
@@ -183,8 +183,10 @@ def load(
     # Any file tells the layout, the iteration and the loss scale (the same in every file).
     state = read_file(own if own.exists() else found[0])
     _check_model(directory, state, config, chunks[0].cfg)
-    load_optim = not (config.finetune or config.no_load_optim)
-    load_rng = not (config.finetune or config.no_load_rng)
+    # A release checkpoint (megart import-hf) holds weights only and is loaded as --finetune.
+    finetune = config.finetune or bool(state.get("release"))
+    load_optim = not (finetune or config.no_load_optim)
+    load_rng = not (finetune or config.no_load_rng)
     if any(state["config"][f] != getattr(config, f) for f in PARALLEL_FIELDS):
         from megart.training import reshard  # imported here: it reads files through this module
 
@@ -206,7 +208,7 @@ def load(
             rng.set_states(r["tracker"])
     if load_optim and scaler is not None and state.get("loss_scaler") is not None:
         scaler.load_state_dict(state["loss_scaler"])
-    return 0 if config.finetune else int(state["iteration"])
+    return 0 if finetune else int(state["iteration"])
 
 
 def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -> None:

@@ -1,0 +1,42 @@
+"""megart import-hf: a Hugging Face GPT-2 directory as a megart checkpoint, to fine-tune.
+
+    megart import-hf --input GPT2_DIR --save CHECKPOINT_DIR [--seq-length N]
+
+CHECKPOINT_DIR then holds a release checkpoint (the weights alone) that ``megart train --load
+CHECKPOINT_DIR`` loads under any tensor- and pipeline-parallel layout, starting at iteration 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from megart.errors import ConfigError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="megart import-hf", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--input", required=True, metavar="DIR", help="a GPT-2 directory (save_pretrained files)"
+    )
+    p.add_argument("--save", required=True, metavar="DIR", help="where to write the checkpoint")
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        metavar="N",
+        help="keep the first N learned positions (default: all, GPT-2's n_positions)",
+    )
+    args = p.parse_args(argv)
+    try:
+        from megart.training.import_hf import import_checkpoint
+
+        out = import_checkpoint(args.input, args.save, args.seq_length)
+    except ImportError as e:  # safetensors is an optional dependency
+        print(f"megart import-hf: error: {e}; pip install 'megart[hf]'", file=sys.stderr)
+        return 2
+    except (ConfigError, OSError) as e:
+        print(f"megart import-hf: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{out}: release checkpoint; train with --load {args.save}")
+    return 0

@@ -1,0 +1,73 @@
+"""A Hugging Face GPT-2 directory as a megart checkpoint, to fine-tune under any layout.
+
+    import_checkpoint("gpt2-dir", "ckpt")  # megart import-hf --input gpt2-dir --save ckpt
+    # then: megart train --load ckpt --vocab-size 50257 --num-layers 12 ... (any tp x pp)
+
+The checkpoint is what Megatron calls a release checkpoint: the weights alone, in one
+tensor- and pipeline-parallel rank's file, marked ``release``. ``--load`` of it loads the
+weights only and starts at iteration 0 (as ``--finetune``), resharded to the run's layout like
+any checkpoint of another layout (megart.training.reshard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from megart.errors import ConfigError
+from megart.models import GPT
+from megart.training.checkpoint import (
+    FILE,
+    MODEL_FIELDS,
+    PARALLEL_FIELDS,
+    TRACKER,
+    iteration_dir,
+    rank_dir,
+    replace_text,
+)
+
+
+def import_checkpoint(
+    input_dir: str | os.PathLike,
+    save_dir: str | os.PathLike,
+    seq_length: int | None = None,
+) -> Path:
+    """Writes the GPT-2 in ``input_dir`` (transformers' save_pretrained files) as a release
+    checkpoint in ``save_dir``; returns its file. ``seq_length`` (default GPT-2's n_positions)
+    keeps that many learned positions, so the model can be trained on shorter sequences."""
+    model = GPT.from_hf_gpt2(str(input_dir))
+    cfg, weights = model.cfg, model.chunk.state_dict()
+    if seq_length is not None and seq_length != cfg.seq_length:
+        if not 0 < seq_length <= cfg.seq_length:
+            raise ConfigError(
+                f"--seq-length {seq_length}: {input_dir} has {cfg.seq_length} learned positions; "
+                f"give 1 to {cfg.seq_length}"
+            )
+        # Position p's embedding does not depend on how many follow it: the first rows are
+        # the model for shorter sequences.
+        cfg = dataclasses.replace(cfg, seq_length=seq_length)
+        weights["wpe.weight"] = weights["wpe.weight"][:seq_length].clone()
+    layout = {f: getattr(cfg, f) for f in MODEL_FIELDS}
+    layout.update(zip(PARALLEL_FIELDS, (1, 1, None), strict=True))  # tp 1, pp 1, no interleaving
+    state = {
+        "iteration": 0,
+        "release": True,  # the weights alone: loaded as --finetune loads a checkpoint
+        "config": layout,
+        "model_config": dataclasses.asdict(cfg),
+        "layer_ids": [list(model.chunk.layer_ids)],
+        "optimizer_params": [],
+        "model": [weights],
+        "optimizer": None,
+        "rng": None,
+        "loss_scaler": None,
+    }
+    out = iteration_dir(save_dir, 0) / rank_dir(0, 0, 1) / FILE
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(FILE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, out)
+    replace_text(Path(save_dir) / TRACKER, "0\n")
+    return out
