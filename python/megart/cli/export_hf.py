@@ -13,10 +13,9 @@ GPT2_DIR then holds config.json and model.safetensors, which
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
-from megart.errors import ConfigError
+from megart.cli.hf_common import run_conversion
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,15 +28,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--iteration", type=int, metavar="N", help="the checkpoint to export (default: latest)"
     )
     args = p.parse_args(argv)
-    try:
+
+    def convert() -> str:
         from megart.training.export_hf import export_checkpoint
 
         out = export_checkpoint(args.load, args.output, args.iteration)
-    except ImportError as e:  # safetensors is an optional dependency
-        print(f"megart export-hf: error: {e}; pip install 'megart[hf]'", file=sys.stderr)
-        return 2
-    except (ConfigError, OSError) as e:
-        print(f"megart export-hf: error: {e}", file=sys.stderr)
-        return 2
-    print(f"{out}: config.json and model.safetensors (GPT-2)")
-    return 0
+        return f"{out}: config.json and model.safetensors (GPT-2)"
+
+    return run_conversion("megart export-hf", convert)

@@ -9,10 +9,9 @@ CHECKPOINT_DIR`` loads under any tensor- and pipeline-parallel layout, starting 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
-from megart.errors import ConfigError
+from megart.cli.hf_common import run_conversion
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,15 +27,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="keep the first N learned positions (default: all, GPT-2's n_positions)",
     )
     args = p.parse_args(argv)
-    try:
+
+    def convert() -> str:
         from megart.training.import_hf import import_checkpoint
 
         out = import_checkpoint(args.input, args.save, args.seq_length)
-    except ImportError as e:  # safetensors is an optional dependency
-        print(f"megart import-hf: error: {e}; pip install 'megart[hf]'", file=sys.stderr)
-        return 2
-    except (ConfigError, OSError) as e:
-        print(f"megart import-hf: error: {e}", file=sys.stderr)
-        return 2
-    print(f"{out}: release checkpoint; train with --load {args.save}")
-    return 0
+        return f"{out}: release checkpoint; train with --load {args.save}"
+
+    return run_conversion("megart import-hf", convert)
