@@ -17,8 +17,9 @@ from megart import ConfigError
 from megart.cli.train import add_arguments, config_from_args
 from megart.launcher import launch
 from megart.models import GPTChunk, GPTConfig
+from megart.models.config import fit_vocab
 from megart.training import checkpoint, reshard
-from megart.training.shards import fit_vocab, merge_shards, split_shard
+from megart.training.shards import merge_shards, split_shard
 
 # vocab 300 is padded to 384 under tp 1 and to 512 under tp 2: resharding changes the padding.
 # Dropout is off (the default), so the curve does not depend on the random streams, which a

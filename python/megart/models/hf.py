@@ -21,7 +21,7 @@ import torch
 
 import megart.distributed as dist
 from megart.errors import ConfigError
-from megart.models.config import GPTConfig
+from megart.models.config import GPTConfig, fit_vocab
 from megart.tensor_parallel._group import group_rank, group_size
 
 
@@ -105,7 +105,7 @@ def load_gpt2(
             if "qkv" in conv:
                 w = _qkv_to_heads(w, cfg.num_attention_heads)
             if conv == "vocab":
-                w = torch.cat([w, w.new_zeros(cfg.padded_vocab_size(t) - w.shape[0], w.shape[1])])
+                w = fit_vocab(w, cfg.padded_vocab_size(t))
             p = params[ours]
             dim = getattr(p, "partition_dim", None)
             p.copy_(w if dim is None else w.chunk(t, dim)[r])

@@ -77,6 +77,18 @@ def latest_iteration(directory: str | os.PathLike) -> int | None:
     return int(text)
 
 
+def required_latest_iteration(directory: str | os.PathLike, otherwise: str = "") -> int:
+    """latest_iteration for --load: a directory without a checkpoint is a ConfigError, ending
+    with ``otherwise`` (what else the user may do)."""
+    iteration = latest_iteration(directory)
+    if iteration is None:
+        raise ConfigError(
+            f"--load {directory}: no {TRACKER} there; point --load at a directory that "
+            f"megart train --save wrote{otherwise}"
+        )
+    return iteration
+
+
 def _rng_state(rng: Any) -> dict[str, Any]:
     default = GeneratorStates.current()
     return {"torch": default.cpu, "cuda": default.cuda, "tracker": rng.get_states()}
@@ -110,6 +122,43 @@ def replace_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def file_state(
+    iteration: int,
+    layout: dict[str, Any],
+    model_config: dict[str, Any],
+    layer_ids: list[list[int]],
+    model: list[dict[str, torch.Tensor]],
+    optimizer_params: list[tuple[int, str]] | None = None,
+    optimizer: dict[str, Any] | None = None,
+    rng: dict[str, Any] | None = None,
+    loss_scaler: dict[str, Any] | None = None,
+    release: bool = False,
+) -> dict[str, Any]:
+    """What one model-parallel rank's file holds (the one definition of the format).
+    ``layout``: MODEL_FIELDS and PARALLEL_FIELDS; ``release``: the weights alone (megart
+    import-hf), loaded as --finetune loads a checkpoint."""
+    return {
+        "iteration": iteration,
+        "release": release,
+        "config": layout,
+        "model_config": model_config,
+        "layer_ids": layer_ids,
+        "optimizer_params": optimizer_params or [],
+        "model": model,
+        "optimizer": optimizer,
+        "rng": rng,
+        "loss_scaler": loss_scaler,
+    }
+
+
+def write_file(path: Path, state: dict[str, Any]) -> None:
+    """Writes one rank's file; a crash mid-write leaves no partial file under its name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
 def save(
     directory: str | os.PathLike,
     iteration: int,
@@ -128,22 +177,18 @@ def save(
         partial.mkdir(parents=True)
     dist.barrier()
     if grid.dp_rank == 0:
-        state = {
-            "iteration": iteration,
-            "config": {f: getattr(config, f) for f in MODEL_FIELDS + PARALLEL_FIELDS},
-            "model_config": dataclasses.asdict(chunks[0].cfg),
-            "layer_ids": [list(chunk.layer_ids) for chunk in chunks],
-            "optimizer_params": optimizer_params(chunks, optimizer),
-            "model": [chunk.state_dict() for chunk in chunks],
-            "optimizer": optimizer.state_dict(),
-            "rng": _rng_state(rng),
-            "loss_scaler": scaler.state_dict() if scaler is not None else None,
-        }
-        out = partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(FILE + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, out)
+        state = file_state(
+            iteration,
+            layout={f: getattr(config, f) for f in MODEL_FIELDS + PARALLEL_FIELDS},
+            model_config=dataclasses.asdict(chunks[0].cfg),
+            layer_ids=[list(chunk.layer_ids) for chunk in chunks],
+            model=[chunk.state_dict() for chunk in chunks],
+            optimizer_params=optimizer_params(chunks, optimizer),
+            optimizer=optimizer.state_dict(),
+            rng=_rng_state(rng),
+            loss_scaler=scaler.state_dict() if scaler is not None else None,
+        )
+        write_file(partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE, state)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -169,12 +214,7 @@ def load(
     Megatron's flags. A checkpoint of another tensor/pipeline layout is resharded (see
     megart.training.reshard), keeping this run's own random streams; a directory without a
     checkpoint, or a checkpoint of another model, is a ConfigError naming the flags."""
-    iteration = latest_iteration(directory)
-    if iteration is None:
-        raise ConfigError(
-            f"--load {directory}: no {TRACKER} there; point --load at a directory that "
-            "--save wrote, or leave --load out to start from scratch"
-        )
+    iteration = required_latest_iteration(directory, ", or leave --load out to start from scratch")
     root = iteration_dir(directory, iteration)
     own = root / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE
     found = sorted(root.glob(f"mp_rank_*/{FILE}"))

@@ -18,7 +18,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models.hf import check_gpt2, gpt2_tensors, write_gpt2
-from megart.training.checkpoint import TRACKER, iteration_dir, latest_iteration
+from megart.training.checkpoint import iteration_dir, required_latest_iteration
 from megart.training.shards import model_config, read_shards, whole_tensors
 
 
@@ -44,13 +44,7 @@ def export_checkpoint(
 
 def _iteration(load_dir: Path, iteration: int | None) -> int:
     if iteration is None:
-        latest = latest_iteration(load_dir)
-        if latest is None:
-            raise ConfigError(
-                f"--load {load_dir}: no {TRACKER} there; point --load at a directory that "
-                "megart train --save wrote"
-            )
-        return latest
+        return required_latest_iteration(load_dir)
     if not iteration_dir(load_dir, iteration).is_dir():
         saved = sorted(p.name for p in load_dir.glob("iter_*") if p.is_dir())
         raise ConfigError(

@@ -15,8 +15,6 @@ import dataclasses
 import os
 from pathlib import Path
 
-import torch
-
 from megart.errors import ConfigError
 from megart.models import GPT
 from megart.training.checkpoint import (
@@ -24,9 +22,11 @@ from megart.training.checkpoint import (
     MODEL_FIELDS,
     PARALLEL_FIELDS,
     TRACKER,
+    file_state,
     iteration_dir,
     rank_dir,
     replace_text,
+    write_file,
 )
 
 
@@ -52,22 +52,15 @@ def import_checkpoint(
         weights["wpe.weight"] = weights["wpe.weight"][:seq_length].clone()
     layout = {f: getattr(cfg, f) for f in MODEL_FIELDS}
     layout.update(zip(PARALLEL_FIELDS, (1, 1, None), strict=True))  # tp 1, pp 1, no interleaving
-    state = {
-        "iteration": 0,
-        "release": True,  # the weights alone: loaded as --finetune loads a checkpoint
-        "config": layout,
-        "model_config": dataclasses.asdict(cfg),
-        "layer_ids": [list(model.chunk.layer_ids)],
-        "optimizer_params": [],
-        "model": [weights],
-        "optimizer": None,
-        "rng": None,
-        "loss_scaler": None,
-    }
+    state = file_state(
+        0,
+        layout=layout,
+        model_config=dataclasses.asdict(cfg),
+        layer_ids=[list(model.chunk.layer_ids)],
+        model=[weights],
+        release=True,
+    )
     out = iteration_dir(save_dir, 0) / rank_dir(0, 0, 1) / FILE
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(FILE + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, out)
+    write_file(out, state)
     replace_text(Path(save_dir) / TRACKER, "0\n")
     return out

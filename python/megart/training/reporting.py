@@ -51,11 +51,10 @@ def progress_line(fig: dict[str, Any], train_iters: int) -> str:
 def validation_line(fig: dict[str, Any], split: str = "valid") -> str:
     """Megatron's validation report, one line: of the validation range, or of the test range
     (``split="test"``) at the end of training."""
-    where = (
-        f"at iteration {fig['iteration']}"
-        if split == "valid"
-        else ("at the end of training for test data")
-    )
+    if split == "valid":
+        where = f"at iteration {fig['iteration']}"
+    else:
+        where = "at the end of training for test data"
     return (
         f"validation loss {where} | lm loss value: {fig[split + '_loss']:.4f} | lm loss PPL: "
         f"{fig[split + '_ppl']:.3f}"

@@ -28,10 +28,10 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models import GPTChunk, chunk_layers
+from megart.models.config import fit_vocab
 from megart.training.checkpoint import PARALLEL_FIELDS, optimizer_params
 from megart.training.shards import (
     Shards,
-    fit_vocab,
     read_shards,
     split_shard,
     whole_name,

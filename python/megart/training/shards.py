@@ -42,16 +42,6 @@ def split_shard(whole: torch.Tensor, dim: int | None, tp: int, rank: int) -> tor
     return whole if dim is None else whole.chunk(tp, dim)[rank]
 
 
-def fit_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """The vocab-parallel embedding's whole weight (or a state shaped like it) with ``rows``
-    rows. The vocabulary is padded to a multiple of 128 t (GPTConfig.padded_vocab_size), so the
-    padding changes with t; its rows are zero (never looked up, their logits masked out of the
-    loss, so their gradients and moments stay zero) and are cut or added as zeros."""
-    if weight.shape[0] >= rows:
-        return weight[:rows]
-    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
-
-
 def whole_name(key: str, layers: Sequence[int]) -> str:
     """A chunk's parameter name as the one-chunk GPT names it: the chunk's j-th block is
     layer ``layers[j]`` of the model."""
@@ -131,7 +121,8 @@ def whole_tensors(
     ``shards`` hold, or of those named in ``wanted``. ``pick`` gives the shards to merge: by
     default the weights; an optimizer state shaped like them, say, where a scalar one (Adam's
     step) is the same on every rank. Names a pick has no shard of are left out. The vocab
-    embedding keeps the padding of the saved tensor-parallel size (see fit_vocab)."""
+    embedding keeps the padding of the saved tensor-parallel size (see
+    megart.models.config.fit_vocab)."""
     layout = next(iter(shards.values()))["config"]
     tp = layout["tensor_model_parallel_size"]
     pp = layout["pipeline_model_parallel_size"]

@@ -297,7 +297,7 @@ class Trainer:
         the curve compares like with like, and no random stream moves, so evaluating never
         changes the training curve."""
         c, g = self.config, self.grid
-        data = data or self.valid
+        data = self.valid if data is None else data
         if data is None:
             raise ConfigError("evaluation needs --eval-iters of at least 1")
         for chunk in self.chunks:
@@ -319,6 +319,10 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
 
+    def _loss_and_ppl(self, split: str, data: TokenDataset) -> dict[str, float]:
+        loss = self.evaluate(data)
+        return {f"{split}_loss": loss, f"{split}_ppl": math.exp(min(20.0, loss))}  # as Megatron
+
     def iterations(self) -> Iterator[dict[str, float]]:
         """Runs the iterations left (from a loaded checkpoint's on), saving every
         --save-interval iterations and after the last one when --save is given, and adding
@@ -329,11 +333,9 @@ class Trainer:
             figures = self.train_step(it)
             done = it + 1
             if self.valid is not None and (done % c.eval_interval == 0 or done == c.train_iters):
-                figures["valid_loss"] = self.evaluate()
-                figures["valid_ppl"] = math.exp(min(20.0, figures["valid_loss"]))  # as Megatron
+                figures.update(self._loss_and_ppl("valid", self.valid))
             if self.test is not None and done == c.train_iters:
-                figures["test_loss"] = self.evaluate(self.test)
-                figures["test_ppl"] = math.exp(min(20.0, figures["test_loss"]))
+                figures.update(self._loss_and_ppl("test", self.test))
             if c.save and (
                 done == c.train_iters or (c.save_interval and done % c.save_interval == 0)
             ):
