@@ -1,8 +1,9 @@
 """Resharding on load: a checkpoint saved under tp2 x pp2 resumes under tp1, pp2 interleaved,
-tp2 and dp2, holding right after load exactly the weights and Adam moments the saving ranks
-held, and continuing the loss curve of an uninterrupted run; a data-parallel size change alone
-loads as it is; --finetune, --no-load-optim and --no-load-rng leave out what they say; another
-model is refused naming the flags; splitting is the inverse of the exporter's merging."""
+tp2, dp2 and tp2 x dp2 with the distributed optimizer, holding right after load exactly the
+weights and Adam moments the saving ranks held, and continuing the loss curve of an
+uninterrupted run; a data-parallel size change alone loads as it is; --finetune,
+--no-load-optim and --no-load-rng leave out what they say; another model is refused naming the
+flags; splitting is the inverse of the exporter's merging."""
 
 import shutil
 from types import SimpleNamespace
@@ -35,6 +36,11 @@ TARGETS = {
     ),
     "tp2": (2, dict(tensor_model_parallel_size=2)),
     "dp2": (2, {}),
+    # Sliced again on load: each data-parallel rank keeps 1/dp of the resharded moments.
+    "tp2-dp2-distributed-optimizer": (
+        4,
+        dict(tensor_model_parallel_size=2, use_distributed_optimizer=True),
+    ),
 }
 FILE = "model_optim_rng.pt"
 # The same seed gives the same curve under every layout up to the order of floating-point sums

@@ -61,19 +61,24 @@ def held_state(trainer: object) -> dict:
     random streams (torch's default CPU generator, the tracker's)."""
     import torch
 
+    # Through the state dict, which both optimizers give in the same form (the distributed one
+    # gathers its slices: every rank calls this).
     opt = trainer.optimizer
-    out = {"weights": by_place(trainer, lambda p: p), "optimizer_states": len(opt.state)}
-    if opt.state:
+    params = [p for group in opt.param_groups for p in group["params"]]
+    saved = opt.state_dict()["state"]
+    state = {id(params[i]): s for i, s in saved.items()}
+    out = {"weights": by_place(trainer, lambda p: p), "optimizer_states": len(state)}
+    if state:
         for key in ("exp_avg", "exp_avg_sq"):
-            out[key] = by_place(trainer, lambda p, key=key: opt.state[p][key])
-        out["steps"] = {float(s["step"]) for s in opt.state.values()}
+            out[key] = by_place(trainer, lambda p, key=key: state[id(p)][key])
+        out["steps"] = {float(s["step"]) for s in state.values()}
     padding = 0.0
     vocab = trainer.model_config.vocab_size
     for chunk in trainer.chunks:
         if hasattr(chunk, "wte"):
             w = chunk.wte.weight
             start = max(0, vocab - trainer.grid.tp_rank * w.shape[0])
-            for t in [w, *(opt.state[w].values() if w in opt.state else [])]:
+            for t in [w, *state.get(id(w), {}).values()]:
                 if t.dim() and start < t.shape[0]:
                     padding = max(padding, float(t.detach()[start:].abs().max()))
     out["padding"] = padding

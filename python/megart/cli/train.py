@@ -46,6 +46,8 @@ HELP = {
     "sequence_parallel": "split LayerNorm and dropout activations over the sequence across "
     "tensor-parallel ranks",
     "scatter_gather_tensors_in_pipeline": "",  # its flag is --no-... (see below)
+    "use_distributed_optimizer": "shard the optimizer state over data-parallel ranks (ZeRO-1): "
+    "reduce-scatter the gradients, step 1/dp of the parameters, all-gather them",
     "bf16": "bf16 compute under autocast, fp32 weights",
     "fp16": "fp16 compute under autocast with loss scaling, fp32 weights",
     "loss_scale": "a static fp16 loss scale (default: dynamic)",

@@ -176,6 +176,8 @@ def save(
         shutil.rmtree(partial, ignore_errors=True)  # a crash's leftovers
         partial.mkdir(parents=True)
     dist.barrier()
+    # Every rank: a distributed optimizer gathers its state over data parallelism.
+    optimizer_state = optimizer.state_dict()
     if grid.dp_rank == 0:
         state = file_state(
             iteration,
@@ -184,7 +186,7 @@ def save(
             layer_ids=[list(chunk.layer_ids) for chunk in chunks],
             model=[chunk.state_dict() for chunk in chunks],
             optimizer_params=optimizer_params(chunks, optimizer),
-            optimizer=optimizer.state_dict(),
+            optimizer=optimizer_state,
             rng=_rng_state(rng),
             loss_scaler=scaler.state_dict() if scaler is not None else None,
         )

@@ -37,6 +37,8 @@ class TrainConfig:
     num_layers_per_virtual_pipeline_stage: int | None = None
     sequence_parallel: bool = False
     scatter_gather_tensors_in_pipeline: bool = True
+    # Megatron's --use-distributed-optimizer (ZeRO-1): Adam's state sharded over data parallelism.
+    use_distributed_optimizer: bool = False
     bf16: bool = False
     fp16: bool = False  # fp16 compute with dynamic loss scaling (fp32 weights)
     loss_scale: float | None = None  # a static fp16 loss scale; None: dynamic

@@ -31,25 +31,36 @@ def clip_grad_norm(
 ) -> float:
     """Returns the global gradient norm over ``mp_group`` (the same on each of its ranks) and
     scales every gradient of ``chunks`` to ``max_norm`` when it is larger (0: never)."""
-    # float64 sums of squares (megart's multi-tensor sweep on CPU, on the device on GPU), read
-    # on the host once.
     counted = [
         p.grad
         for chunk in chunks
         for name, p in chunk.named_parameters()
         if p.grad is not None and counted_in_norm(chunk, name, p, tp_rank)
     ]
+    grads = [p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None]
+    return clip_grads(counted, grads, mp_group, max_norm, device)
+
+
+def clip_grads(
+    counted: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    group: ProcessGroup | None,
+    max_norm: float,
+    device: torch.device,
+) -> float:
+    """The norm of ``counted`` summed over ``group`` (None: every rank), and ``grads`` scaled
+    to ``max_norm`` when it is larger (0: never). Each element of the model must be counted on
+    exactly one rank of the group."""
+    # float64 sums of squares (megart's multi-tensor sweep on CPU, on the device on GPU), read
+    # on the host once.
     total = (
         grad_sum_of_squares(counted).reshape(1)
         if counted
         else torch.zeros(1, dtype=torch.float64, device=device)
     )
-    if mp_group.size() > 1:
-        dist.all_reduce(total, group=mp_group)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
     norm = math.sqrt(total.item())
-    if max_norm > 0 and norm > max_norm:
-        scale_grads_(
-            [p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None],
-            max_norm / (norm + 1e-6),
-        )
+    if max_norm > 0 and norm > max_norm and grads:
+        scale_grads_(grads, max_norm / (norm + 1e-6))
     return norm

@@ -1,14 +1,19 @@
 """Data-parallel gradient averaging in buckets that start while backward is still running.
 
 Gradients live in a few flat buffers (``param.grad`` is a view into one), filled in reverse
-parameter order, the order backward produces them. A bucket is all-reduced as soon as every
-one of its parameters has received its last gradient of the iteration (``expected`` backward
-passes each, one per microbatch), while backward goes on with earlier layers.
+parameter order, the order backward produces them. A bucket is reduced as soon as every one of
+its parameters has received its last gradient of the iteration (``expected`` backward passes
+each, one per microbatch), while backward goes on with earlier layers.
+
+Two reductions: an all-reduce leaves the average in every rank's whole buffer (each rank then
+steps every parameter); with ``shard`` a reduce-scatter leaves it only in this rank's 1/dp
+slice of each buffer (the distributed optimizer steps that slice alone, ZeRO stage 1). The rest
+of a sharded buffer keeps this rank's own unreduced sums, which nothing reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -17,16 +22,28 @@ from megart.distributed import ProcessGroup
 
 
 class _Bucket:
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    """Parameters whose gradients share one flat buffer. ``offsets[i]`` is where ``params[i]``
+    starts in it; the buffer is padded to a multiple of ``parts`` elements so that it splits
+    into equal shards."""
+
+    def __init__(self, params: list[torch.nn.Parameter], parts: int) -> None:
         self.params = params
         dtype, device = params[0].dtype, params[0].device
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        numel = sum(p.numel() for p in params)
+        padded = -(-numel // parts) * parts
+        self.buffer = torch.zeros(padded, dtype=dtype, device=device)
         self.pending = len(params)
         self.work: dist.Work | None = None
+        self.offsets: list[int] = []
         offset = 0
         for p in params:
+            self.offsets.append(offset)
             p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
+
+    def shard_range(self, rank: int, parts: int) -> tuple[int, int]:
+        size = self.buffer.numel() // parts
+        return rank * size, (rank + 1) * size
 
 
 class GradientBuckets:
@@ -36,7 +53,9 @@ class GradientBuckets:
     (the microbatches), run the backward passes, then :meth:`finish` to wait for the last
     reductions. Gradients accumulate across microbatches into the same buffers. With
     ``overlap`` False every bucket is reduced in :meth:`finish` instead (the baseline that
-    bench/dp_overlap.py compares with).
+    bench/dp_overlap.py compares with). With ``shard`` only this rank's slice of each bucket is
+    averaged (see the module docstring). Parameters in ``alone`` get a bucket of their own, so
+    that their slices are the same on every stage that holds them (the tied embedding).
     """
 
     def __init__(
@@ -45,23 +64,32 @@ class GradientBuckets:
         dp_group: ProcessGroup | None,
         bucket_bytes: int = 4 << 20,
         overlap: bool = True,
+        shard: bool = False,
+        alone: Collection[torch.nn.Parameter] = (),
     ) -> None:
         self.group = dp_group
         self.overlap = overlap
+        self.shard = shard
+        self.parts = dp_group.size() if (shard and dp_group is not None) else 1
+        self.rank = dp_group.rank() if (shard and dp_group is not None) else 0
         params = [p for p in params if p.requires_grad]
+        lone = {id(p) for p in alone}
         self.buckets: list[_Bucket] = []
         current: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(params):
             if current and (
-                size + p.numel() * p.element_size() > bucket_bytes or p.dtype != current[0].dtype
+                size + p.numel() * p.element_size() > bucket_bytes
+                or p.dtype != current[0].dtype
+                or id(p) in lone
+                or id(current[0]) in lone
             ):
-                self.buckets.append(_Bucket(current))
+                self.buckets.append(_Bucket(current, self.parts))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
         if current:
-            self.buckets.append(_Bucket(current))
+            self.buckets.append(_Bucket(current, self.parts))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._seen: dict[int, int] = {}
         self._expected = 0
@@ -70,6 +98,13 @@ class GradientBuckets:
     @property
     def active(self) -> bool:
         return self.group is not None and self.group.size() > 1
+
+    def bucket_of(self, p: torch.nn.Parameter) -> _Bucket:
+        return self._bucket_of[id(p)]
+
+    def shard_range(self, bucket: _Bucket) -> tuple[int, int]:
+        """This rank's slice [start, end) of ``bucket``'s buffer (all of it without ``shard``)."""
+        return bucket.shard_range(self.rank, self.parts)
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -81,6 +116,15 @@ class GradientBuckets:
         for b in self.buckets:
             b.pending, b.work = len(b.params), None
 
+    def _reduce(self, b: _Bucket) -> dist.Work:
+        if not self.shard:
+            return dist.all_reduce(b.buffer, op="avg", group=self.group, async_op=True)
+        start, end = self.shard_range(b)
+        # In place: this rank's slice of the input is the output, as NCCL allows.
+        return dist.reduce_scatter_tensor(
+            b.buffer[start:end], b.buffer, op="avg", group=self.group, async_op=True
+        )
+
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         n = self._seen.get(id(p), 0) + 1
         self._seen[id(p)] = n
@@ -89,7 +133,7 @@ class GradientBuckets:
         b = self._bucket_of[id(p)]
         b.pending -= 1
         if b.pending == 0 and self.active and self.overlap:
-            b.work = dist.all_reduce(b.buffer, op="avg", group=self.group, async_op=True)
+            b.work = self._reduce(b)
 
     def finish(self) -> None:
         """Waits for every bucket's reduction; buckets whose parameters got no gradient this
@@ -98,7 +142,7 @@ class GradientBuckets:
             return
         for b in self.buckets:
             if b.work is None:
-                b.work = dist.all_reduce(b.buffer, op="avg", group=self.group, async_op=True)
+                b.work = self._reduce(b)
         for b in self.buckets:
             b.work.wait()
             b.work = None

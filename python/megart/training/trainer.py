@@ -10,7 +10,6 @@ AdamW. The same seed gives the same loss curve under every layout.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import time
@@ -21,7 +20,6 @@ import torch
 
 import megart
 import megart.distributed as dist
-import megart.optim
 from megart import schedule as sched
 from megart.errors import ConfigError
 from megart.models import GPTConfig, pipeline_chunks
@@ -33,11 +31,10 @@ from megart.tensor_parallel import (
     sync_sequence_parallel_grads,
 )
 from megart.training import checkpoint
+from megart.training import optimizer as optim
 from megart.training.config import TrainConfig
 from megart.training.data import TokenDataset, builtin_corpus, split_tokens
 from megart.training.flops import iteration_flops
-from megart.training.grad_norm import clip_grad_norm
-from megart.training.grad_sync import GradientBuckets
 from megart.training.indexed import IndexedTokens
 from megart.training.lr import learning_rate
 from megart.training.reporting import (
@@ -117,26 +114,7 @@ class Trainer:
             (seq, c.micro_batch_size, c.hidden_size),
             device=self.device,
         )
-        params = [p for chunk in self.chunks for p in chunk.parameters()]
-        self.buckets = GradientBuckets(params, g.dp_group)
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        # megart's multi-tensor AdamW on CPU (tested against torch's); on GPU torch's fused
-        # AdamW until megart's CUDA kernel has been verified on one.
-        adamw = (
-            megart.optim.AdamW
-            if self.device.type == "cpu"
-            else functools.partial(torch.optim.AdamW, fused=True)
-        )
-        self.optimizer = adamw(
-            [
-                {"params": decay, "weight_decay": c.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=c.lr,
-            betas=(c.adam_beta1, c.adam_beta2),
-            eps=c.adam_eps,
-        )
+        self.buckets, self.optimizer = optim.build(c, self.chunks, g, self.device)
         if tokens is None:
             tokens = IndexedTokens(c.data_path).tokens if c.data_path else builtin_corpus()
         train, valid, test = split_tokens(tokens, c.split)
@@ -212,22 +190,13 @@ class Trainer:
     def _overflowed(self) -> bool:
         """fp16: unscales the gradients and says whether any rank saw an inf or NaN (then every
         rank skips the step); updates a dynamic loss scale."""
-        params = [p for chunk in self.chunks for p in chunk.parameters()]
+        params = optim.stepped_params(self.chunks, self.optimizer)
         found = self.scaler.unscale_(params).to(self.device)
         dist.all_reduce(found, op="max")
         overflow = bool(found.item())
         if self.config.loss_scale is None:
             self.scaler.update(overflow)
         return overflow
-
-    def _shared_embedding_grads(self) -> None:
-        """First and last stage each hold the tied embedding; their gradients are summed."""
-        g = self.grid
-        if self.config.pp == 1 or g.embedding_group is None:
-            return
-        for chunk in self.chunks:
-            if hasattr(chunk, "wte") and (chunk.first or chunk.last):
-                dist.all_reduce(chunk.wte.weight.grad, group=g.embedding_group)
 
     def train_step(self, iteration: int) -> dict[str, float]:
         """Runs one iteration; returns its figures (the same on every rank)."""
@@ -243,12 +212,12 @@ class Trainer:
         self.buckets.finish()
         for chunk in self.chunks:
             sync_sequence_parallel_grads(chunk, g.tp_group)
-        self._shared_embedding_grads()
+        optim.share_embedding_grads(self.chunks, g, c.pp, self.buckets)
         skipped = self.scaler is not None and self._overflowed()
         grad_norm = (
             math.nan
             if skipped
-            else clip_grad_norm(self.chunks, g.tp_rank, g.mp_group, c.clip_grad, self.device)
+            else optim.clip(self.chunks, g, self.optimizer, c.clip_grad, self.device)
         )
         lr = learning_rate(
             iteration, c.lr, c.min_lr, c.lr_warmup_iters, c.lr_decay_iters or c.train_iters
@@ -384,5 +353,10 @@ class Trainer:
             f"{c.num_attention_heads} heads, seq {c.seq_length}; tp {c.tp} x pp {c.pp} x "
             f"dp {self.dp} (v {c.chunks}), global batch {c.global_batch_size} = "
             f"{self.m} microbatches of {c.micro_batch_size} per data-parallel rank; "
-            f"{n:,} parameters on rank 0; device {self.device_name} (peak {peak})"
+            + (
+                f"Adam state 1/{self.dp} per rank (distributed optimizer); "
+                if c.use_distributed_optimizer
+                else ""
+            )
+            + f"{n:,} parameters on rank 0; device {self.device_name} (peak {peak})"
         )

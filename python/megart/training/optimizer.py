@@ -1,0 +1,103 @@
+"""The Trainer's optimizer and the gradient work between backward and its step.
+
+Two ways to step, chosen by --use-distributed-optimizer: every data-parallel rank steps every
+parameter after an all-reduce of the gradients (the default), or each steps its own 1/dp slice
+after a reduce-scatter (megart.training.distributed_optimizer). The functions here hide which:
+the tied embedding's gradient sum, the overflow check and the clipping each touch only the
+gradients the step will read.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+import megart.distributed as dist
+import megart.optim
+from megart.training.distributed_optimizer import DistributedOptimizer
+from megart.training.grad_norm import clip_grad_norm, clip_grads, counted_in_norm
+from megart.training.grad_sync import GradientBuckets
+
+Optimizer = torch.optim.Optimizer | DistributedOptimizer
+
+
+def _tied_embeddings(chunks: list[torch.nn.Module], pp: int) -> list[torch.nn.Parameter]:
+    """The word embeddings the first and last pipeline stages share (none with one stage)."""
+    if pp == 1:
+        return []
+    return [c.wte.weight for c in chunks if hasattr(c, "wte") and (c.first or c.last)]
+
+
+def build(
+    config: Any, chunks: list[torch.nn.Module], grid: Any, device: torch.device
+) -> tuple[GradientBuckets, Optimizer]:
+    """The gradient buckets and the AdamW of this rank's ``chunks``: weight decay on matrices,
+    none on biases and norms."""
+    c = config
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    shard = c.use_distributed_optimizer
+    buckets = GradientBuckets(
+        params, grid.dp_group, shard=shard, alone=_tied_embeddings(chunks, c.pp)
+    )
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": c.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    # megart's multi-tensor AdamW on CPU (tested against torch's); on GPU torch's fused AdamW
+    # until megart's CUDA kernel has been verified on one.
+    adamw = (
+        megart.optim.AdamW
+        if device.type == "cpu"
+        else functools.partial(torch.optim.AdamW, fused=True)
+    )
+    make = functools.partial(adamw, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
+    if shard:
+        return buckets, DistributedOptimizer(groups, buckets, grid.dp_group, make)
+    return buckets, make(groups)
+
+
+def share_embedding_grads(
+    chunks: list[torch.nn.Module], grid: Any, pp: int, buckets: GradientBuckets
+) -> None:
+    """First and last stage each hold the tied embedding; their gradients are summed (with a
+    sharded optimizer only the slice this rank steps, which is the same slice on both stages:
+    the embedding has a bucket of its own)."""
+    if grid.embedding_group is None:
+        return
+    for weight in _tied_embeddings(chunks, pp):
+        grad = weight.grad
+        if buckets.shard:
+            b = buckets.bucket_of(weight)
+            start, end = buckets.shard_range(b)
+            grad = b.buffer[start:end]
+        dist.all_reduce(grad, group=grid.embedding_group)
+
+
+def stepped_params(chunks: list[torch.nn.Module], optimizer: Optimizer) -> list[torch.Tensor]:
+    """The tensors the step updates, each with the ``.grad`` it reads: what fp16 unscales."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return [piece.data for piece in optimizer.pieces]
+    return [p for chunk in chunks for p in chunk.parameters()]
+
+
+def clip(
+    chunks: list[torch.nn.Module],
+    grid: Any,
+    optimizer: Optimizer,
+    max_norm: float,
+    device: torch.device,
+) -> float:
+    """The global gradient norm, with the gradients the step reads scaled to ``max_norm``."""
+    if not isinstance(optimizer, DistributedOptimizer):
+        return clip_grad_norm(chunks, grid.tp_rank, grid.mp_group, max_norm, device)
+    # Each rank holds 1/dp of the averaged gradients: count its slices of what the
+    # model-parallel rule counts, and sum over every rank (data x model parallel).
+    where = {id(p): (chunk, name) for chunk in chunks for name, p in chunk.named_parameters()}
+    counted = [
+        piece.data.grad
+        for piece in optimizer.pieces
+        if counted_in_norm(*where[id(piece.param)], piece.param, grid.tp_rank)
+    ]
+    return clip_grads(counted, optimizer.shard_grads(), None, max_norm, device)
