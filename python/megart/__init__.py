@@ -14,6 +14,7 @@ from megart.errors import (
     DeadlockError,
     MegartError,
     ScheduleError,
+    TrainingError,
 )
 from megart.parallel import initialize
 
@@ -38,5 +39,6 @@ __all__ = [
     "ScheduleError",
     "DeadlockError",
     "CommError",
+    "TrainingError",
     "CommTimeoutError",
 ]

@@ -6,6 +6,7 @@
 - ``CommError``: a communication op failed (a dead peer, an abort, ranks that disagree);
   ``CommTimeoutError``: a wait ran past its timeout (also a ``TimeoutError``). Both name this
   rank, the op, the peer and the group.
+- ``TrainingError``: training cannot go on (a loss or gradient norm that is not finite).
 """
 
 from megart._core import (
@@ -17,6 +18,12 @@ from megart._core import (
     ScheduleError,
 )
 
+
+class TrainingError(MegartError):
+    """Training cannot go on: a loss or gradient norm that is not finite. Says the iteration,
+    the value and what to change."""
+
+
 __all__ = [
     "MegartError",
     "ConfigError",
@@ -24,4 +31,5 @@ __all__ = [
     "DeadlockError",
     "CommError",
     "CommTimeoutError",
+    "TrainingError",
 ]

@@ -45,7 +45,8 @@ HELP = {
     "schedule (default: one chunk per rank, 1F1B)",
     "sequence_parallel": "split LayerNorm and dropout activations over the sequence across "
     "tensor-parallel ranks",
-    "scatter_gather_tensors_in_pipeline": "",  # its flag is --no-... (see below)
+    "scatter_gather_tensors_in_pipeline": "send whole activations between stages (no 1/t "
+    "slices)",  # its flag is --no-... (see below)
     "use_distributed_optimizer": "shard the optimizer state over data-parallel ranks (ZeRO-1): "
     "reduce-scatter the gradients, step 1/dp of the parameters, all-gather them",
     "bf16": "bf16 compute under autocast, fp32 weights",
@@ -76,20 +77,21 @@ HELP = {
     "no_load_rng": "do not load the random streams from --load (start them from --seed)",
     "finetune": "load only the model weights from --load and start at iteration 0 (fresh "
     "optimizer and random streams)",
+    "exit_interval": "stop after every N-th iteration (saving first when --save is given)",
+    "exit_duration_in_mins": "stop once the run has trained this many minutes (saving first)",
+    "exit_signal_handler": "on SIGTERM finish the iteration, save (with --save) and stop",
+    "check_for_nan_in_loss_and_grad": "do not stop the run when the loss or gradient norm is "
+    "not finite",  # its flag is --no-... (see below)
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field, named as Megatron-LM names it (--hidden-size ...)."""
+    """One flag per TrainConfig field, named as Megatron-LM names it (--hidden-size ...); a
+    switch that is on by default is turned off with --no-NAME, as Megatron's are."""
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "scatter_gather_tensors_in_pipeline":
-            p.add_argument(
-                "--no-scatter-gather-tensors-in-pipeline",
-                dest=f.name,
-                action="store_false",
-                help="send whole activations between stages (no 1/t slices)",
-            )
+        if f.type in ("bool", bool) and f.default is True:
+            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=HELP[f.name])
         elif f.type in ("bool", bool):
             p.add_argument(flag, dest=f.name, action="store_true", help=HELP[f.name])
         else:

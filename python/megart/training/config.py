@@ -75,6 +75,12 @@ class TrainConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    # Megatron's early exits (megart.training.stopping), each saving first when --save is given.
+    exit_interval: int | None = None  # stop after every N-th iteration
+    exit_duration_in_mins: float | None = None  # stop once the run has trained this long
+    exit_signal_handler: bool = False  # stop after the iteration in which SIGTERM arrived
+    # A gradient norm or loss that is not finite stops the run (TrainingError).
+    check_for_nan_in_loss_and_grad: bool = True
 
     @property
     def tp(self) -> int:
@@ -156,6 +162,14 @@ class TrainConfig:
         if self.save_interval is not None and (self.save_interval < 1 or not self.save):
             raise ConfigError(
                 f"--save-interval {self.save_interval} needs --save DIR and a value of at least 1"
+            )
+        if (self.exit_interval is not None and self.exit_interval < 1) or (
+            self.exit_duration_in_mins is not None and self.exit_duration_in_mins < 0
+        ):
+            raise ConfigError(
+                f"--exit-interval {self.exit_interval} must be at least 1 and "
+                f"--exit-duration-in-mins {self.exit_duration_in_mins} at least 0 (leave them "
+                "out to train all --train-iters)"
             )
         given = [f for f in ("no_load_optim", "no_load_rng", "finetune") if getattr(self, f)]
         if given and not self.load:

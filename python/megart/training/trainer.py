@@ -44,6 +44,7 @@ from megart.training.reporting import (
     tensorboard_writer,
     validation_line,
 )
+from megart.training.stopping import EarlyExit, check_finite
 
 
 class Trainer:
@@ -219,6 +220,8 @@ class Trainer:
             if skipped
             else optim.clip(self.chunks, g, self.optimizer, c.clip_grad, self.device)
         )
+        if c.check_for_nan_in_loss_and_grad and not skipped:
+            check_finite("gradient norm", grad_norm, iteration + 1)  # before the step
         lr = learning_rate(
             iteration, c.lr, c.min_lr, c.lr_warmup_iters, c.lr_decay_iters or c.train_iters
         )
@@ -238,6 +241,8 @@ class Trainer:
         dist.all_reduce(figures[:1], group=g.pp_group)  # only the last stage adds a loss
         dist.all_reduce(figures[:1], op="avg", group=g.dp_group)
         dist.all_reduce(figures[1:])  # bytes: summed over every rank
+        if c.check_for_nan_in_loss_and_grad and not skipped:
+            check_finite("loss", figures[0].item(), iteration + 1)
         elapsed = time.perf_counter() - t0
         tokens = c.global_batch_size * c.seq_length
         tflops = self.flops / elapsed / dist.get_world_size() / 1e12
@@ -296,20 +301,27 @@ class Trainer:
         """Runs the iterations left (from a loaded checkpoint's on), saving every
         --save-interval iterations and after the last one when --save is given, and adding
         ``valid_loss`` and ``valid_ppl`` every --eval-interval iterations and after the last, and
-        ``test_loss`` and ``test_ppl`` (the test range) after the last."""
+        ``test_loss`` and ``test_ppl`` (the test range) after the last. Stops early (saving
+        first) as --exit-interval, --exit-duration-in-mins or --exit-signal-handler say, with
+        ``exit`` (why) in the last figures."""
         c = self.config
-        for it in range(self.start_iteration, c.train_iters):
-            figures = self.train_step(it)
-            done = it + 1
-            if self.valid is not None and (done % c.eval_interval == 0 or done == c.train_iters):
-                figures.update(self._loss_and_ppl("valid", self.valid))
-            if self.test is not None and done == c.train_iters:
-                figures.update(self._loss_and_ppl("test", self.test))
-            if c.save and (
-                done == c.train_iters or (c.save_interval and done % c.save_interval == 0)
-            ):
-                self.save_checkpoint(done)
-            yield figures
+        with EarlyExit(c, self.device).installed() as early:
+            for it in range(self.start_iteration, c.train_iters):
+                figures = self.train_step(it)
+                done = it + 1
+                last = done == c.train_iters
+                if self.valid is not None and (done % c.eval_interval == 0 or last):
+                    figures.update(self._loss_and_ppl("valid", self.valid))
+                if self.test is not None and last:
+                    figures.update(self._loss_and_ppl("test", self.test))
+                stop = None if last else early.reason(done)
+                if c.save and (last or stop or (c.save_interval and done % c.save_interval == 0)):
+                    self.save_checkpoint(done)
+                if stop:
+                    figures["exit"] = stop
+                yield figures
+                if stop:
+                    return
 
     def train(self, quiet: bool = False) -> list[dict[str, float]]:
         """Runs every iteration, printing a progress line every --log-interval iterations on
@@ -342,6 +354,8 @@ class Trainer:
                     print(validation_line(fig), flush=True)
                 if "test_loss" in fig:
                     print(validation_line(fig, "test"), flush=True)
+                if "exit" in fig:
+                    print(f"exiting after iteration {fig['iteration']}: {fig['exit']}", flush=True)
         return history
 
     def describe(self) -> str:
