@@ -142,7 +142,7 @@ def train_crashing_at_second_save(directory: str) -> list[dict]:
         torch.save = real_save
 
 
-def train_on(data_path: str, vocab_size: int) -> list[dict]:
+def train_on(data_path: str | list[str], vocab_size: int) -> list[dict]:
     from megart.training.trainer import Trainer
 
     return Trainer(tiny(data_path=data_path, vocab_size=vocab_size, train_iters=2)).train(

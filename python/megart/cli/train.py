@@ -22,8 +22,10 @@ HELP = {
     "num_attention_heads": "attention heads (must divide the hidden size)",
     "seq_length": "tokens per sample",
     "vocab_size": "vocabulary size (256 for the built-in byte corpus; a tokenizer's otherwise)",
-    "data_path": "PREFIX of a Megatron indexed dataset (PREFIX.bin/.idx); default: the built-in "
-    "corpus (the Python standard library's sources as bytes)",
+    "data_path": "PREFIX of a Megatron indexed dataset (PREFIX.bin/.idx), or a blend of several: "
+    "W1 PREFIX1 W2 PREFIX2 ... (samples drawn with those weights) or PREFIX1 PREFIX2 ... "
+    "(weighted by size); default: the built-in corpus (the Python standard library's sources "
+    "as bytes)",
     "micro_batch_size": "samples per microbatch",
     "global_batch_size": "samples per iteration, over all data-parallel ranks",
     "train_iters": "iterations to train",
@@ -100,6 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 flag,
                 dest=f.name,
                 type=kind,
+                nargs="+" if "list[str]" in str(f.type) else None,
                 default=argparse.SUPPRESS,
                 metavar=f.name.upper(),
                 help=f"{HELP[f.name]} (default: {f.default})",

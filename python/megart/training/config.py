@@ -16,7 +16,9 @@ class TrainConfig:
     num_attention_heads: int = 4
     seq_length: int = 128
     vocab_size: int = 256  # the built-in corpus is bytes
-    data_path: str | None = None  # a Megatron indexed dataset (PREFIX.bin/.idx); default built-in
+    # Megatron indexed datasets (PREFIX.bin/.idx): one PREFIX, or a blend "W1 P1 W2 P2 ..." (or
+    # "P1 P2 ...", weighted by size); default: the built-in corpus.
+    data_path: str | list[str] | None = None
     micro_batch_size: int = 4
     global_batch_size: int = 16
     train_iters: int = 40

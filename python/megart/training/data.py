@@ -5,6 +5,7 @@ Python. Batches are a pure function of (seed, iteration), so every layout sees t
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -82,3 +83,100 @@ class TokenDataset:
                 "--vocab-size to the tokenizer's vocabulary size"
             )
         return windows[:, :-1], windows[:, 1:]
+
+
+def parse_blend(data_path: str | Sequence[str]) -> list[tuple[float | None, str]]:
+    """Megatron's --data-path: one PREFIX, ``W1 PREFIX1 W2 PREFIX2 ...`` (a blend with those
+    weights), or ``PREFIX1 PREFIX2 ...`` (a blend weighted by the datasets' sizes: weight None).
+    """
+    items = [data_path] if isinstance(data_path, str) else list(data_path)
+    if len(items) == 1:
+        return [(1.0, items[0])]
+
+    def number(text: str) -> float | None:
+        try:
+            return float(text)
+        except ValueError:
+            return None
+
+    weights = [number(w) for w in items[0::2]]
+    if len(items) % 2 == 0 and all(w is not None for w in weights):
+        if min(weights) < 0 or sum(weights) <= 0:
+            raise ConfigError(
+                f"--data-path weights {weights} must be non-negative with a positive sum"
+            )
+        return list(zip(weights, items[1::2], strict=True))
+    if any(number(p) is not None for p in items):
+        raise ConfigError(
+            f"--data-path {' '.join(items)}: give one prefix, weight-prefix pairs "
+            "(W1 PREFIX1 W2 PREFIX2 ...) or prefixes only (weighted by their sizes)"
+        )
+    return [(None, p) for p in items]
+
+
+class BlendedDataset:
+    """Samples drawn from several datasets in proportion to their weights, as Megatron's
+    blended --data-path: each sample of a global batch picks its dataset at random with those
+    probabilities (from a generator seeded by the seed and the iteration, so batches stay a
+    pure function of both), then a window of that dataset."""
+
+    def __init__(self, parts: Sequence[TokenDataset], weights: Sequence[float]) -> None:
+        self.parts = list(parts)
+        self.weights = torch.tensor(weights, dtype=torch.float64) / float(sum(weights))
+        self.seq_length = parts[0].seq_length
+
+    def global_batch(
+        self, seed: int, iteration: int, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + iteration + 500_009)
+        which = torch.multinomial(self.weights, size, replacement=True, generator=g)
+        inputs = torch.empty(size, self.seq_length, dtype=torch.int64)
+        targets = torch.empty_like(inputs)
+        for k, part in enumerate(self.parts):
+            rows = (which == k).nonzero().flatten()
+            if len(rows):
+                # Each dataset's windows from its own stream: seed offset by its position.
+                x, y = part.global_batch(seed + 7919 * (k + 1), iteration, len(rows))
+                inputs[rows], targets[rows] = x, y
+        return inputs, targets
+
+
+Dataset = TokenDataset | BlendedDataset
+
+
+def build_datasets(
+    data_path: str | Sequence[str] | None,
+    split: str,
+    seq_length: int,
+    vocab_size: int,
+    tokens: np.ndarray | None = None,
+    evaluate: bool = True,
+) -> tuple[Dataset, Dataset | None, Dataset | None]:
+    """The training, validation and test datasets: ``tokens`` (or --data-path's datasets, or
+    the built-in corpus) cut by --split, each dataset of a blend on its own, as Megatron cuts
+    them. Without ``evaluate`` validation and test are None, and test is None when the split
+    gives it no tokens; a range too short for one sample is a ConfigError naming it."""
+    from megart.training.indexed import IndexedTokens
+
+    if tokens is not None or not data_path:
+        sources = [(1.0, "", tokens if tokens is not None else builtin_corpus())]
+    else:
+        sources = [(w, f" of {p}", IndexedTokens(p).tokens) for w, p in parse_blend(data_path)]
+    ranges = [split_tokens(t, split) for _, _, t in sources]
+    hint = f" of --split {split!r} (or set --eval-iters 0)"
+    kinds = (("training", ""), ("validation", hint), ("test", hint))
+    out: list[Dataset | None] = []
+    for i, (kind, why) in enumerate(kinds):
+        if i and (not evaluate or (i == 2 and not any(len(r[2]) for r in ranges))):
+            out.append(None)  # a test weight of 0 leaves no test range
+            continue
+        parts = [
+            TokenDataset(r[i], seq_length, vocab_size, f"the {kind} split{name}{why}")
+            for (_, name, _), r in zip(sources, ranges, strict=True)
+        ]
+        # Weighted by the training ranges' sizes when --data-path gives no weights.
+        weights = [
+            len(r[0]) if w is None else w for (w, _, _), r in zip(sources, ranges, strict=True)
+        ]
+        out.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights))
+    return out[0], out[1], out[2]

@@ -33,9 +33,8 @@ from megart.tensor_parallel import (
 from megart.training import checkpoint
 from megart.training import optimizer as optim
 from megart.training.config import TrainConfig
-from megart.training.data import TokenDataset, builtin_corpus, split_tokens
+from megart.training.data import Dataset, build_datasets
 from megart.training.flops import iteration_flops
-from megart.training.indexed import IndexedTokens
 from megart.training.lr import learning_rate
 from megart.training.reporting import (
     TENSORBOARD_TAGS,
@@ -116,18 +115,11 @@ class Trainer:
             device=self.device,
         )
         self.buckets, self.optimizer = optim.build(c, self.chunks, g, self.device)
-        if tokens is None:
-            tokens = IndexedTokens(c.data_path).tokens if c.data_path else builtin_corpus()
-        train, valid, test = split_tokens(tokens, c.split)
-        self.data = TokenDataset(train, c.seq_length, c.vocab_size, "the training split")
-        self.valid = self.test = None  # evaluated on the validation range, and once at the end
-        if c.eval_iters:
-            hint = f"of --split {c.split!r} (or set --eval-iters 0)"
-            self.valid = TokenDataset(
-                valid, c.seq_length, c.vocab_size, f"the validation split {hint}"
-            )
-            if len(test):  # a test weight of 0 leaves no test range
-                self.test = TokenDataset(test, c.seq_length, c.vocab_size, f"the test split {hint}")
+        # The validation range is evaluated every --eval-interval iterations, the test range
+        # once at the end (none without --eval-iters).
+        self.data, self.valid, self.test = build_datasets(
+            c.data_path, c.split, c.seq_length, c.vocab_size, tokens, evaluate=c.eval_iters > 0
+        )
         self.peak, self.device_name = peak_flops()
         # TFLOP/s count what runs (the paper's 96-coefficient formula under full
         # recomputation); MFU counts the model's FLOPs only, as its definition says.
@@ -167,7 +159,7 @@ class Trainer:
     # -- one iteration ----------------------------------------------------------------------
 
     def _microbatches(
-        self, data: TokenDataset, iteration: int
+        self, data: Dataset, iteration: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         c, g = self.config, self.grid
         inputs, targets = data.global_batch(c.seed, iteration, c.global_batch_size)
@@ -264,7 +256,7 @@ class Trainer:
             "skipped": skipped,
         }
 
-    def evaluate(self, data: TokenDataset | None = None) -> float:
+    def evaluate(self, data: Dataset | None = None) -> float:
         """The validation loss: the mean over --eval-iters global batches of the validation
         split (or of ``data``, e.g. ``self.test``), forward only through the pipeline, with
         dropout off; the same on every rank. The batches are the same at every evaluation, so
@@ -293,7 +285,7 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def _loss_and_ppl(self, split: str, data: TokenDataset) -> dict[str, float]:
+    def _loss_and_ppl(self, split: str, data: Dataset) -> dict[str, float]:
         loss = self.evaluate(data)
         return {f"{split}_loss": loss, f"{split}_ppl": math.exp(min(20.0, loss))}  # as Megatron
 
