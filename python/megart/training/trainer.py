@@ -24,7 +24,7 @@ import megart.distributed as dist
 import megart.optim
 from megart import schedule as sched
 from megart.errors import ConfigError
-from megart.models import GPTConfig, pipeline_chunks
+from megart.models import pipeline_chunks
 from megart.optim.loss_scale import LossScaler
 from megart.pipeline import PipelineEngine, StageLink
 from megart.tensor_parallel import (
@@ -35,11 +35,10 @@ from megart.tensor_parallel import (
 from megart.training import checkpoint
 from megart.training.config import TrainConfig
 from megart.training.data import TokenDataset, builtin_corpus, split_tokens
-from megart.training.flops import iteration_flops
+from megart.training.flops import model_flops
 from megart.training.grad_norm import clip_grad_norm
 from megart.training.grad_sync import GradientBuckets
 from megart.training.indexed import IndexedTokens
-from megart.training.lr import learning_rate
 from megart.training.reporting import (
     TENSORBOARD_TAGS,
     peak_flops,
@@ -67,23 +66,7 @@ class Trainer:
             if (torch.cuda.is_available())
             else torch.device("cpu")
         )
-        self.model_config = GPTConfig(
-            vocab_size=c.vocab_size,
-            seq_length=c.seq_length,
-            hidden_size=c.hidden_size,
-            num_layers=c.num_layers,
-            num_attention_heads=c.num_attention_heads,
-            hidden_dropout=c.hidden_dropout,
-            attention_dropout=c.attention_dropout,
-            seed=c.seed,
-            bias_gelu_fusion=c.bias_gelu_fusion,
-            fused_layer_norm=c.fused_layer_norm,
-            cross_entropy_loss_fusion=c.cross_entropy_loss_fusion,
-            recompute_granularity=c.recompute_granularity
-            or ("selective" if c.recompute_activations else None),
-            recompute_method=c.recompute_method,
-            recompute_num_layers=c.recompute_num_layers,
-        )
+        self.model_config = c.gpt_config()
         self.rng = RNGStatesTracker()
         # The replicated stream differs per pipeline stage (different layers), the
         # tensor-parallel stream per tensor-parallel rank.
@@ -152,10 +135,11 @@ class Trainer:
         self.peak, self.device_name = peak_flops()
         # TFLOP/s count what runs (the paper's 96-coefficient formula under full
         # recomputation); MFU counts the model's FLOPs only, as its definition says.
-        shape = (c.global_batch_size, c.seq_length, c.num_layers, c.hidden_size, c.vocab_size)
-        self.model_flops = iteration_flops(*shape)
-        self.flops = iteration_flops(
-            *shape, recompute=self.model_config.recompute_granularity == "full"
+        self.model_flops = model_flops(self.model_config, c.global_batch_size)
+        self.flops = model_flops(
+            self.model_config,
+            c.global_batch_size,
+            recompute=self.model_config.recompute_granularity == "full",
         )
         self.scaler = (
             LossScaler(
@@ -250,9 +234,7 @@ class Trainer:
             if skipped
             else clip_grad_norm(self.chunks, g.tp_rank, g.mp_group, c.clip_grad, self.device)
         )
-        lr = learning_rate(
-            iteration, c.lr, c.min_lr, c.lr_warmup_iters, c.lr_decay_iters or c.train_iters
-        )
+        lr = c.learning_rate(iteration)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if not skipped:
