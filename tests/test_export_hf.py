@@ -168,23 +168,23 @@ def test_missing_checkpoints_and_files_are_named(trained, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "option, value, gpt2",
+    "option, value, gpt2, flag",
     [
-        ("normalization", "rmsnorm", "'layernorm'"),
-        ("position_embedding", "rotary", "'learned'"),
-        ("activation", "swiglu", "'gelu'"),
-        ("bias", False, "True"),
+        ("normalization", "rmsnorm", "'layernorm'", "--normalization RMSNorm"),
+        ("position_embedding", "rotary", "'learned'", "--position-embedding-type rope"),
+        ("activation", "swiglu", "'gelu'", "--swiglu"),
+        ("bias", False, "True", "--disable-bias-linear"),
     ],
 )
 def test_models_gpt2_cannot_represent_are_refused_naming_the_option(
-    option, value, gpt2, one_process, tmp_path
+    option, value, gpt2, flag, one_process, tmp_path
 ):
     ckpt = shutil.copytree(one_process[0], tmp_path / "ckpt")
     rewrite(
         ckpt / "iter_0000002" / "mp_rank_00" / FILE,
         lambda s: s["model_config"].update({option: value}),
     )
-    message = f"cannot represent {option}={value!r} \\(GPT-2 has {gpt2}\\)"
+    message = f"cannot represent {flag} \\({option}={value!r}; GPT-2 has {gpt2}\\)"
     with pytest.raises(ConfigError, match=message):
         export_checkpoint(ckpt, tmp_path / "hf")
     # The live export refuses it the same way: one check serves both.

@@ -13,8 +13,10 @@ import sys
 from collections.abc import Sequence
 
 from megart.errors import MegartError
-from megart.training.config import TrainConfig
+from megart.training.config import CHOICES, TrainConfig
 
+# Other names Megatron-LM has used for a flag.
+ALIASES = {"layernorm_epsilon": ["--norm-epsilon"]}
 # What each flag does, shown by --help; a test keeps it in step with TrainConfig's fields.
 HELP = {
     "num_layers": "transformer layers",
@@ -30,9 +32,14 @@ HELP = {
     "global_batch_size": "samples per iteration, over all data-parallel ranks",
     "train_iters": "iterations to train",
     "lr": "peak learning rate",
-    "min_lr": "learning rate at the end of the cosine decay",
-    "lr_warmup_iters": "iterations of linear warm-up",
-    "lr_decay_iters": "iterations of cosine decay (default: --train-iters)",
+    "min_lr": "learning rate at the end of the decay (the floor of inverse-square-root)",
+    "lr_warmup_iters": "iterations of linear warm-up; unset: 4, or none with "
+    "--lr-warmup-fraction (Megatron's default is 0)",
+    "lr_warmup_fraction": "warm up for this fraction of the decay iterations instead (not "
+    "with a non-zero --lr-warmup-iters)",
+    "lr_decay_iters": "iterations of decay (default: --train-iters)",
+    "lr_decay_style": "learning-rate decay after warm-up, Megatron's formulas (Megatron's "
+    "default is linear; megart's default run is cosine)",
     "weight_decay": "AdamW weight decay (not on biases and norms)",
     "adam_beta1": "AdamW beta1",
     "adam_beta2": "AdamW beta2",
@@ -41,6 +48,17 @@ HELP = {
     "seed": "random seed: the same seed gives the same loss curve under every layout",
     "hidden_dropout": "dropout on hidden states",
     "attention_dropout": "dropout on attention probabilities",
+    "ffn_hidden_size": "MLP hidden size (default: 4 x --hidden-size; with --swiglu Megatron's "
+    "int(8h/3 / 64) * 64)",
+    "init_method_std": "standard deviation of the initial weights (output projections: "
+    "divided by sqrt(2 x layers))",
+    "layernorm_epsilon": "epsilon of LayerNorm and RMSNorm (also --norm-epsilon, Megatron's "
+    "newer name)",
+    "normalization": "LayerNorm or RMSNorm",
+    "position_embedding_type": "learned_absolute (GPT-2's) or rope (rotary, base 10000)",
+    "swiglu": "SwiGLU MLP (three matrices) instead of GeLU",
+    "disable_bias_linear": "no biases in the linear layers (unlike Megatron, LayerNorm loses "
+    "its bias too)",
     "tensor_model_parallel_size": "tensor-parallel size t",
     "pipeline_model_parallel_size": "pipeline-parallel size p",
     "num_layers_per_virtual_pipeline_stage": "layers per model chunk: the interleaved 1F1B "
@@ -62,7 +80,8 @@ HELP = {
     "cross_entropy_loss_fusion": "megart's in-place vocab-parallel cross-entropy CUDA kernel "
     "(unverified)",
     "recompute_activations": "shorthand for --recompute-granularity selective",
-    "recompute_granularity": "full (whole layers) or selective (attention core) recomputation",
+    "recompute_granularity": "full (whole layers) or selective (attention core) recomputation "
+    "(default: none)",
     "recompute_method": "uniform or block: which layers full recomputation covers",
     "recompute_num_layers": "layers per recomputed group (uniform) or recomputed layers (block)",
     "log_interval": "iterations between progress lines",
@@ -72,7 +91,8 @@ HELP = {
     "log_jsonl": "write one JSON object per iteration to this file",
     "tensorboard_dir": "write TensorBoard scalars here (needs the tensorboard package)",
     "save": "directory to write checkpoints to (Megatron's layout)",
-    "save_interval": "iterations between checkpoints (one is also written after the last)",
+    "save_interval": "iterations between checkpoints (one is also written after the last; "
+    "unset: only that one)",
     "load": "directory to resume from (its latest checkpoint; one saved under another tensor- "
     "or pipeline-parallel layout is resharded)",
     "no_load_optim": "do not load the optimizer state (nor the fp16 loss scale) from --load",
@@ -98,14 +118,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, dest=f.name, action="store_true", help=HELP[f.name])
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            choices = CHOICES.get(f.name)
+            # A default of None is "unset": the help says what happens then.
+            text = HELP[f.name] if f.default is None else f"{HELP[f.name]} (default: {f.default})"
             p.add_argument(
                 flag,
+                *ALIASES.get(f.name, []),
                 dest=f.name,
                 type=kind,
                 nargs="+" if "list[str]" in str(f.type) else None,
                 default=argparse.SUPPRESS,
-                metavar=f.name.upper(),
-                help=f"{HELP[f.name]} (default: {f.default})",
+                choices=choices,
+                metavar=None if choices else f.name.upper(),
+                help=text,
             )
 
 

@@ -12,6 +12,10 @@ from megart.errors import ConfigError
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 ACTIVATIONS = ("gelu", "swiglu")
+# Megatron-LM's spellings of these choices (the values of megart train's --normalization and
+# --position-embedding-type), by GPTConfig's names.
+MEGATRON_NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+MEGATRON_POSITIONS = {"learned": "learned_absolute", "rotary": "rope"}
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,21 @@ class GPTConfig:
             )
         if problems:
             raise ConfigError("; ".join(problems))
+
+
+def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
+    """The megart train flags (Megatron-LM's) that give ``cfg``'s architecture, by GPTConfig
+    field ("no --swiglu" where a switch is off), so that messages about a model name what the
+    user can change rather than GPTConfig's internal names."""
+    position = MEGATRON_POSITIONS[cfg.position_embedding]
+    return {
+        "ffn_hidden_size": f"--ffn-hidden-size {cfg.ffn_size}",
+        "normalization": f"--normalization {MEGATRON_NORMS[cfg.normalization]}",
+        "position_embedding": f"--position-embedding-type {position}",
+        "activation": ("" if cfg.activation == "swiglu" else "no ") + "--swiglu",
+        "bias": ("no " if cfg.bias else "") + "--disable-bias-linear",
+        "layernorm_epsilon": f"--layernorm-epsilon {cfg.layernorm_epsilon:g}",
+    }
 
 
 def fit_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:

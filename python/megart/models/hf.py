@@ -21,7 +21,7 @@ import torch
 
 import megart.distributed as dist
 from megart.errors import ConfigError
-from megart.models.config import GPTConfig, fit_vocab
+from megart.models.config import GPTConfig, architecture_flags, fit_vocab
 from megart.tensor_parallel._group import group_rank, group_size
 
 
@@ -124,9 +124,11 @@ def _gather(p: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor
 
 
 def check_gpt2(cfg: GPTConfig) -> None:
-    """Refuses a model that a GPT-2 checkpoint cannot represent, naming each option."""
+    """Refuses a model that a GPT-2 checkpoint cannot represent, naming each option: the
+    megart train flag that gave it and the GPTConfig field."""
+    flags = architecture_flags(cfg)
     unlike = [
-        f"{name}={value!r} (GPT-2 has {gpt2!r})"
+        f"{flags[name]} ({name}={value!r}; GPT-2 has {gpt2!r})"
         for name, value, gpt2 in (
             ("normalization", cfg.normalization, "layernorm"),
             ("position_embedding", cfg.position_embedding, "learned"),

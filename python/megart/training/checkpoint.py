@@ -33,7 +33,8 @@ import torch
 
 import megart.distributed as dist
 from megart.errors import ConfigError
-from megart.models import GPTChunk
+from megart.models import GPTChunk, GPTConfig
+from megart.models.config import architecture_flags
 from megart.tensor_parallel.random import GeneratorStates
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -45,16 +46,6 @@ PARALLEL_FIELDS = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
     "num_layers_per_virtual_pipeline_stage",
-)
-# GPTConfig fields that shape the weights or what they mean, beyond MODEL_FIELDS; the rest
-# (dropout, seed, fused kernels, recomputation) may change on resume.
-ARCHITECTURE = (
-    "ffn_hidden_size",
-    "normalization",
-    "position_embedding",
-    "activation",
-    "bias",
-    "layernorm_epsilon",
 )
 
 
@@ -253,6 +244,19 @@ def load(
     return 0 if finetune else int(state["iteration"])
 
 
+def model_config(state: dict[str, Any]) -> GPTConfig:
+    """The GPTConfig of the model a checkpoint file belongs to."""
+    saved = state.get("model_config")
+    if saved is None:
+        # Saved before checkpoints held the model's config: the Trainer then built GPT-2's
+        # architecture with GPTConfig's defaults and these sizes, and nothing else.
+        layout = state["config"]
+        sizes = ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_attention_heads")
+        return GPTConfig(**{k: layout[k] for k in sizes})
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    return GPTConfig(**{k: v for k, v in saved.items() if k in known})
+
+
 def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -> None:
     """Refuses a checkpoint of another model, naming each flag (or GPTConfig field) that
     differs: its weights cannot be resharded into this one."""
@@ -262,12 +266,10 @@ def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -
         for f in MODEL_FIELDS
         if saved[f] != getattr(config, f)
     ]
-    arch = state.get("model_config") or {}
-    differ += [
-        f"model_config {f}={arch[f]!r} (now {getattr(cfg, f)!r})"
-        for f in ARCHITECTURE
-        if f in arch and arch[f] != getattr(cfg, f)
-    ]
+    # The architecture flags that shape the weights or what they mean, beyond MODEL_FIELDS;
+    # the rest (dropout, seed, --init-method-std, fused kernels, recomputation) may change.
+    was, now = architecture_flags(model_config(state)), architecture_flags(cfg)
+    differ += [f"{was[f]} (now {now[f]})" for f in was if was[f] != now[f]]
     if differ:
         raise ConfigError(
             f"--load {directory}: the checkpoint was saved with " + ", ".join(differ) + "; "

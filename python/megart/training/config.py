@@ -5,6 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megart.errors import ConfigError
+from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, GPTConfig
+from megart.training.lr import LR_DECAY_STYLES, check_decay_style, learning_rate
+
+DEFAULT_WARMUP_ITERS = 4  # warm-up of the default run, when neither warm-up flag is given
+# Megatron's spellings of --normalization and --position-embedding-type, to GPTConfig's names.
+NORMALIZATIONS = {flag: name for name, flag in MEGATRON_NORMS.items()}
+POSITION_EMBEDDING_TYPES = {flag: name for name, flag in MEGATRON_POSITIONS.items()}
+# The flags whose values are one of a few spellings (argparse's choices).
+CHOICES = {
+    "lr_decay_style": LR_DECAY_STYLES,
+    "normalization": tuple(NORMALIZATIONS),
+    "position_embedding_type": tuple(POSITION_EMBEDDING_TYPES),
+}
 
 
 @dataclass
@@ -24,8 +37,12 @@ class TrainConfig:
     train_iters: int = 40
     lr: float = 3e-3
     min_lr: float = 3e-4
-    lr_warmup_iters: int = 4
+    # None: DEFAULT_WARMUP_ITERS, or 0 with --lr-warmup-fraction (Megatron's default is 0).
+    lr_warmup_iters: int | None = None
+    lr_warmup_fraction: float | None = None  # of the decay iterations; excludes the above
     lr_decay_iters: int | None = None  # train_iters
+    # Megatron's default is linear; megart's default run (and its recorded figures) is cosine.
+    lr_decay_style: str = "cosine"
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -34,6 +51,15 @@ class TrainConfig:
     seed: int = 1234
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # The model's architecture, Megatron's flags and spellings (see gpt_config): the default is
+    # GPT-2's; RMSNorm, rope, --swiglu and --disable-bias-linear make a Llama-style model.
+    ffn_hidden_size: int | None = None  # 4 h; with --swiglu, Megatron's int(8h/3 / 64) * 64
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    normalization: str = "LayerNorm"
+    position_embedding_type: str = "learned_absolute"
+    swiglu: bool = False
+    disable_bias_linear: bool = False
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
@@ -98,12 +124,74 @@ class TrainConfig:
         per = self.num_layers_per_virtual_pipeline_stage
         return 1 if per is None else self.num_layers // (self.pp * per)
 
+    @property
+    def decay_iters(self) -> int:
+        return self.lr_decay_iters or self.train_iters
+
+    @property
+    def warmup_iters(self) -> float:
+        """Warm-up iterations: --lr-warmup-iters, or --lr-warmup-fraction of the decay
+        iterations (not rounded, as Megatron's), or the default run's."""
+        if self.lr_warmup_fraction is not None:
+            return self.lr_warmup_fraction * self.decay_iters
+        return DEFAULT_WARMUP_ITERS if self.lr_warmup_iters is None else self.lr_warmup_iters
+
+    def learning_rate(self, iteration: int) -> float:
+        """The rate of ``iteration`` (0-based) under --lr-decay-style (see megart.training.lr)."""
+        return learning_rate(
+            iteration,
+            self.lr,
+            self.min_lr,
+            self.warmup_iters,
+            self.decay_iters,
+            self.lr_decay_style,
+        )
+
+    def gpt_config(self) -> GPTConfig:
+        """The model these flags describe, Megatron's spellings mapped to GPTConfig's names;
+        bad flag combinations are refused first, naming the flags."""
+        self._check_model_flags()
+        recompute = self.recompute_granularity or (
+            "selective" if self.recompute_activations else None
+        )
+        return GPTConfig(
+            vocab_size=self.vocab_size,
+            seq_length=self.seq_length,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            ffn_hidden_size=self._ffn_hidden_size(),
+            hidden_dropout=self.hidden_dropout,
+            attention_dropout=self.attention_dropout,
+            layernorm_epsilon=self.layernorm_epsilon,
+            normalization=NORMALIZATIONS[self.normalization],
+            position_embedding=POSITION_EMBEDDING_TYPES[self.position_embedding_type],
+            activation="swiglu" if self.swiglu else "gelu",
+            bias=not self.disable_bias_linear,
+            init_std=self.init_method_std,
+            seed=self.seed,
+            bias_gelu_fusion=self.bias_gelu_fusion,
+            fused_layer_norm=self.fused_layer_norm,
+            cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
+            recompute_granularity=recompute,
+            recompute_method=self.recompute_method,
+            recompute_num_layers=self.recompute_num_layers,
+        )
+
+    def _ffn_hidden_size(self) -> int | None:
+        """--ffn-hidden-size; with --swiglu and none given, Megatron's int(4h * 2/3 / 64) * 64
+        (two of SwiGLU's three matrices in the parameters of GeLU's two, rounded down to a
+        multiple of 64); otherwise None (GPTConfig's 4 h, as checkpoints have recorded it)."""
+        if self.ffn_hidden_size is None and self.swiglu:
+            return self.hidden_size // 24 * 64  # the same integer, without float rounding
+        return self.ffn_hidden_size
+
     def microbatches(self, dp: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * dp)
 
     def check(self, world_size: int) -> int:
-        """Refuses layouts and batch shapes that cannot run, naming the numbers and what would
-        fit; returns the data-parallel size."""
+        """Refuses layouts, batch shapes and flag combinations that cannot run, naming the
+        numbers and flags and what would fit; returns the data-parallel size."""
         tp, pp = self.tp, self.pp
         if tp < 1 or pp < 1 or world_size % (tp * pp):
             raise ConfigError(
@@ -177,7 +265,76 @@ class TrainConfig:
         if given and not self.load:
             flags = " and ".join("--" + f.replace("_", "-") for f in given)
             raise ConfigError(f"{flags} choose what --load DIR restores; give --load DIR")
+        self._check_lr_flags()
+        self.gpt_config().check_layout(tp, pp, self.chunks)  # what GPTConfig refuses, too
         return dp
+
+    def _check_lr_flags(self) -> None:
+        check_decay_style(self.lr_decay_style)
+        fraction, iters = self.lr_warmup_fraction, self.lr_warmup_iters
+        if fraction is not None and iters:
+            raise ConfigError(
+                f"--lr-warmup-fraction {fraction} and --lr-warmup-iters {iters} exclude each "
+                "other (as in Megatron-LM); give one of them"
+            )
+        if fraction is not None and not 0 <= fraction < 1:
+            raise ConfigError(
+                f"--lr-warmup-fraction {fraction} must be at least 0 and below 1 (a fraction of "
+                f"the {self.decay_iters} decay iterations)"
+            )
+        if iters is not None and iters < 0:
+            raise ConfigError(f"--lr-warmup-iters {iters} must be at least 0")
+
+    def _check_model_flags(self) -> None:
+        """Refuses architecture flags that cannot go together, naming them."""
+        for name, allowed in (
+            ("normalization", NORMALIZATIONS),
+            ("position_embedding_type", POSITION_EMBEDDING_TYPES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)!r}; use one of "
+                    f"{', '.join(allowed)} (Megatron-LM's spellings)"
+                )
+        if self.fused_layer_norm and self.normalization != "LayerNorm":
+            raise ConfigError(
+                f"--fused-layer-norm is a LayerNorm kernel: leave it out with --normalization "
+                f"{self.normalization}"
+            )
+        unfusable = [f for f in ("swiglu", "disable_bias_linear") if getattr(self, f)]
+        if self.bias_gelu_fusion and unfusable:
+            flags = " and ".join("--" + f.replace("_", "-") for f in unfusable)
+            raise ConfigError(
+                f"--bias-gelu-fusion fuses the MLP's bias add and GeLU: leave it out with {flags}"
+            )
+        ffn = self._ffn_hidden_size()
+        if ffn is not None and ffn < 1:
+            why = (
+                ""
+                if self.ffn_hidden_size is not None
+                else (
+                    f" (--swiglu's default for --hidden-size {self.hidden_size}, Megatron's "
+                    "int(8h/3 / 64) * 64)"
+                )
+            )
+            raise ConfigError(f"the MLP size {ffn}{why} must be positive; give --ffn-hidden-size")
+        if ffn is not None and ffn % self.tp:
+            raise ConfigError(
+                f"the MLP size {ffn} (--ffn-hidden-size) does not split over "
+                f"--tensor-model-parallel-size {self.tp}; use a multiple of {self.tp}"
+            )
+        head = self.hidden_size // max(1, self.num_attention_heads)
+        if self.position_embedding_type == "rope" and head % 2:
+            raise ConfigError(
+                f"--position-embedding-type rope rotates pairs of a head's dimensions, but "
+                f"--hidden-size {self.hidden_size} / --num-attention-heads "
+                f"{self.num_attention_heads} = {head} is odd; use an even head size"
+            )
+        if self.init_method_std < 0 or self.layernorm_epsilon <= 0:
+            raise ConfigError(
+                f"--init-method-std {self.init_method_std} must be at least 0 and "
+                f"--layernorm-epsilon {self.layernorm_epsilon} positive"
+            )
 
 
 def split_weights(split: str) -> tuple[float, float, float]:

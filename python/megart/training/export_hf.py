@@ -18,8 +18,8 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models.hf import check_gpt2, gpt2_tensors, write_gpt2
-from megart.training.checkpoint import iteration_dir, required_latest_iteration
-from megart.training.shards import model_config, read_shards, whole_tensors
+from megart.training.checkpoint import iteration_dir, model_config, required_latest_iteration
+from megart.training.shards import read_shards, whole_tensors
 
 
 def export_checkpoint(

@@ -4,23 +4,64 @@
     without (the usual MFU numerator):   72 B s l h^2 (1 + s/(6h) + V/(12 l h))
 
 B global batch (sequences), s sequence length, l layers, h hidden size, V vocabulary.
+
+The paper assumes an MLP of 4h and GeLU; iteration_flops counts the matmuls for any MLP size
+f and for SwiGLU (three h x f matrices instead of two), and reduces exactly to the formulas
+above for f = 4h with GeLU. A matmul of an (m x k) by a (k x n) matrix is 2 m k n FLOPs. One
+layer's forward:
+
+    Q, K, V projections      6 B s h^2
+    scores Q K^T             2 B s^2 h      (the whole s x s matrix, as the paper counts)
+    scores x values          2 B s^2 h
+    output projection        2 B s h^2
+    MLP                      4 B s h f      (GeLU: two matrices; SwiGLU: 6 B s h f)
+
+and the logits 2 B s h V. Backward is twice the forward (input and weight gradients), and full
+recomputation runs each layer's forward once more (not the logits').
 """
 
 from __future__ import annotations
+
+from megart.models.config import GPTConfig
 
 # Dense bf16 peak per GPU, FLOP/s (datasheets); MFU is reported against the one that applies.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 def iteration_flops(
-    batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = False
-) -> float:
+    batch: int,
+    seq: int,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    recompute: bool = False,
+    ffn_hidden: int | None = None,
+    swiglu: bool = False,
+) -> int:
     """Model FLOPs of one iteration (forward and backward, plus the recomputed forward when
-    ``recompute``)."""
+    ``recompute``), for an MLP of ``ffn_hidden`` (default 4 h), GeLU or ``swiglu``. An exact
+    integer: in floating point the paper's formula and this count could differ by rounding."""
     b, s, l, h, v = batch, seq, layers, hidden, vocab
-    if recompute:
-        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
-    return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    f = 4 * h if ffn_hidden is None else ffn_hidden
+    attention = 6 * b * s * h * h + 2 * b * s * s * h + 2 * b * s * s * h + 2 * b * s * h * h
+    mlp = (3 if swiglu else 2) * 2 * b * s * h * f
+    logits = 2 * b * s * h * v
+    passes = 4 if recompute else 3  # forward, backward (twice the forward), recomputed forward
+    return passes * l * (attention + mlp) + 3 * logits
+
+
+def model_flops(cfg: GPTConfig, batch: int, recompute: bool = False) -> int:
+    """iteration_flops of the model ``cfg`` describes, ``batch`` sequences per iteration."""
+    return iteration_flops(
+        batch,
+        cfg.seq_length,
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.vocab_size,
+        recompute,
+        cfg.ffn_size,
+        cfg.activation == "swiglu",
+    )
 
 
 def parameter_count(layers: int, hidden: int, vocab: int, seq: int) -> float:

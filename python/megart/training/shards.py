@@ -72,19 +72,6 @@ def read_shards(root: Path, pp_ranks: Iterable[int] | None = None) -> Shards:
     return {(t, p): read_file(path) for (t, p), path in paths.items() if p in wanted}
 
 
-def model_config(state: dict[str, Any]) -> GPTConfig:
-    """The GPTConfig of the model a checkpoint file belongs to."""
-    saved = state.get("model_config")
-    if saved is None:
-        # Saved before checkpoints held the model's config: the Trainer then built GPT-2's
-        # architecture with GPTConfig's defaults and these sizes, and nothing else.
-        layout = state["config"]
-        sizes = ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_attention_heads")
-        return GPTConfig(**{k: layout[k] for k in sizes})
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
-    return GPTConfig(**{k: v for k, v in saved.items() if k in known})
-
-
 def layer_ids(state: dict[str, Any], pp_rank: int, pp: int, cfg: GPTConfig) -> list[list[int]]:
     """The layers of each model chunk of a file."""
     if "layer_ids" in state:

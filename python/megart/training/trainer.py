@@ -22,7 +22,7 @@ import megart
 import megart.distributed as dist
 from megart import schedule as sched
 from megart.errors import ConfigError
-from megart.models import GPTConfig, pipeline_chunks
+from megart.models import pipeline_chunks
 from megart.optim.loss_scale import LossScaler
 from megart.pipeline import PipelineEngine, StageLink
 from megart.tensor_parallel import (
@@ -34,8 +34,7 @@ from megart.training import checkpoint
 from megart.training import optimizer as optim
 from megart.training.config import TrainConfig
 from megart.training.data import Dataset, build_datasets
-from megart.training.flops import iteration_flops
-from megart.training.lr import learning_rate
+from megart.training.flops import model_flops
 from megart.training.reporting import (
     TENSORBOARD_TAGS,
     peak_flops,
@@ -64,23 +63,7 @@ class Trainer:
             if (torch.cuda.is_available())
             else torch.device("cpu")
         )
-        self.model_config = GPTConfig(
-            vocab_size=c.vocab_size,
-            seq_length=c.seq_length,
-            hidden_size=c.hidden_size,
-            num_layers=c.num_layers,
-            num_attention_heads=c.num_attention_heads,
-            hidden_dropout=c.hidden_dropout,
-            attention_dropout=c.attention_dropout,
-            seed=c.seed,
-            bias_gelu_fusion=c.bias_gelu_fusion,
-            fused_layer_norm=c.fused_layer_norm,
-            cross_entropy_loss_fusion=c.cross_entropy_loss_fusion,
-            recompute_granularity=c.recompute_granularity
-            or ("selective" if c.recompute_activations else None),
-            recompute_method=c.recompute_method,
-            recompute_num_layers=c.recompute_num_layers,
-        )
+        self.model_config = c.gpt_config()
         self.rng = RNGStatesTracker()
         # The replicated stream differs per pipeline stage (different layers), the
         # tensor-parallel stream per tensor-parallel rank.
@@ -123,10 +106,11 @@ class Trainer:
         self.peak, self.device_name = peak_flops()
         # TFLOP/s count what runs (the paper's 96-coefficient formula under full
         # recomputation); MFU counts the model's FLOPs only, as its definition says.
-        shape = (c.global_batch_size, c.seq_length, c.num_layers, c.hidden_size, c.vocab_size)
-        self.model_flops = iteration_flops(*shape)
-        self.flops = iteration_flops(
-            *shape, recompute=self.model_config.recompute_granularity == "full"
+        self.model_flops = model_flops(self.model_config, c.global_batch_size)
+        self.flops = model_flops(
+            self.model_config,
+            c.global_batch_size,
+            recompute=self.model_config.recompute_granularity == "full",
         )
         self.scaler = (
             LossScaler(
@@ -214,9 +198,7 @@ class Trainer:
         )
         if c.check_for_nan_in_loss_and_grad and not skipped:
             check_finite("gradient norm", grad_norm, iteration + 1)  # before the step
-        lr = learning_rate(
-            iteration, c.lr, c.min_lr, c.lr_warmup_iters, c.lr_decay_iters or c.train_iters
-        )
+        lr = c.learning_rate(iteration)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if not skipped:

@@ -1,0 +1,422 @@
+"""Megatron-LM's training flags beyond the GPT-2 defaults. Learning rate: each --lr-decay-style
+and --lr-warmup-fraction against the formulas, written here from Megatron's definitions.
+Architecture: each flag reaches GPTConfig through megart train's parser; a Llama-style model
+(RMSNorm, rope, SwiGLU, no biases) follows the single-process loss curve under tp2 and pp2;
+bad combinations are refused before any work, naming the flags; checkpoints record the
+architecture and --load and export-hf refuse what does not fit, naming the flags. FLOPs: the
+count for any MLP size and SwiGLU is the SC21 paper's formula exactly at 4h with GeLU, and
+torch's own FLOP counter's on real models otherwise."""
+
+import argparse
+import dataclasses
+import math
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import train_workers as tw
+from megart import ConfigError
+from megart.cli.train import add_arguments, config_from_args
+from megart.launcher import LaunchError, launch
+from megart.models import GPT, GPTConfig
+from megart.training import checkpoint
+from megart.training.data import builtin_corpus
+from megart.training.export_hf import export_checkpoint
+from megart.training.flops import iteration_flops, model_flops
+from megart.training.lr import LR_DECAY_STYLES, learning_rate
+
+LLAMA = dict(
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    disable_bias_linear=True,
+)
+
+
+def parse(*argv: str):
+    """The TrainConfig that `megart train ARGV` runs."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+# -- learning rate -------------------------------------------------------------------------
+
+
+def theory(i, lr, min_lr, w, d, style):
+    """The rate of iteration i (0-based). Warm-up is megart's (lr (i+1)/W, capped at lr);
+    after it, Megatron's OptimizerParamScheduler.get_lr with its step count at i."""
+    if i < w:
+        return min(lr, lr * (i + 1) / w)
+    if style == "constant":
+        return lr
+    if i > d:
+        return min_lr
+    if style == "inverse-square-root":
+        return max(min_lr, lr / math.sqrt(max(i, 1) / max(w, 1)))
+    r = (i - w) / (d - w)
+    if style == "linear":
+        return lr - (lr - min_lr) * r
+    return min_lr + (lr - min_lr) * (math.cos(math.pi * r) + 1) / 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    style=st.sampled_from(LR_DECAY_STYLES),
+    warmup=st.one_of(st.integers(0, 40), st.floats(0.1, 40)),
+    span=st.floats(0.5, 200),
+    at=st.floats(0, 1.3),
+    lr=st.floats(1e-5, 1.0),
+    floor=st.floats(0, 1),
+)
+def test_every_decay_style_follows_its_formula(style, warmup, span, at, lr, floor):
+    decay = warmup + span
+    i = int(at * (decay + 2))
+    min_lr = lr * floor
+    got = learning_rate(i, lr, min_lr, warmup, decay, style)
+    assert got == pytest.approx(theory(i, lr, min_lr, warmup, decay, style), rel=1e-12)
+    assert 0 <= got <= lr * (1 + 1e-12)
+    assert i < warmup or got >= min_lr  # the floor, once warm-up is over
+
+
+@pytest.mark.parametrize("style", LR_DECAY_STYLES)
+def test_every_decay_style_reaches_its_endpoints(style):
+    lr, min_lr, w, d = 2.0, 0.2, 10, 110
+    lrs = [learning_rate(i, lr, min_lr, w, d, style) for i in range(140)]
+    assert lrs[0] == pytest.approx(lr / w)
+    assert all(a < b for a, b in zip(lrs[: w - 1], lrs[1:w], strict=True))  # warming up
+    assert lrs[w - 1] == pytest.approx(lr) and lrs[w] == pytest.approx(lr)
+    after = lrs[w:]
+    if style == "constant":
+        assert after == [lr] * len(after)  # past --lr-decay-iters too, as Megatron
+        return
+    assert all(a >= b for a, b in zip(after, after[1:], strict=False))
+    assert lrs[d + 1 :] == [min_lr] * (len(lrs) - d - 1)
+    if style == "inverse-square-root":
+        # Megatron's: lr sqrt(W / n) down to n = D, then the floor.
+        assert lrs[40] == pytest.approx(lr * math.sqrt(w / 40))
+        assert lrs[d] == pytest.approx(max(min_lr, lr * math.sqrt(w / d)))
+    else:
+        assert lrs[d] == min_lr
+        middle = {"linear": (lr + min_lr) / 2, "cosine": (lr + min_lr) / 2}[style]
+        assert lrs[(w + d) // 2] == pytest.approx(middle)
+        quarter = lrs[w + (d - w) // 4]
+        assert quarter == pytest.approx(
+            min_lr + (lr - min_lr) * (0.75 if style == "linear" else (1 + math.sqrt(0.5)) / 2)
+        )
+
+
+def test_lr_flags_reach_the_schedule_and_the_default_is_unchanged():
+    default = parse()
+    assert (default.lr_decay_style, default.warmup_iters, default.decay_iters) == ("cosine", 4, 40)
+    c = parse("--lr-decay-style", "linear", "--lr-warmup-fraction", "0.1", "--lr-decay-iters", "50")
+    assert (c.lr_decay_style, c.warmup_iters) == ("linear", 5.0)
+    explicit = parse(
+        "--lr-decay-style", "linear", "--lr-warmup-iters", "5", "--lr-decay-iters", "50"
+    )
+    assert [c.learning_rate(i) for i in range(60)] == [explicit.learning_rate(i) for i in range(60)]
+    # --lr-warmup-iters 0 is no warm-up, so it goes with a fraction (Megatron's default is 0).
+    assert parse("--lr-warmup-iters", "0", "--lr-warmup-fraction", "0.2").warmup_iters == 8.0
+    assert parse("--lr-warmup-iters", "0").learning_rate(0) == default.lr
+
+
+# -- architecture flags --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, field, value",
+    [
+        (["--ffn-hidden-size", "96"], "ffn_hidden_size", 96),
+        (["--init-method-std", "0.01"], "init_std", 0.01),
+        (["--layernorm-epsilon", "1e-6"], "layernorm_epsilon", 1e-6),
+        (["--norm-epsilon", "1e-6"], "layernorm_epsilon", 1e-6),  # Megatron's newer name
+        (["--normalization", "RMSNorm"], "normalization", "rmsnorm"),
+        (["--position-embedding-type", "rope"], "position_embedding", "rotary"),
+        (["--disable-bias-linear"], "bias", False),
+    ],
+)
+def test_each_architecture_flag_reaches_gpt_config(argv, field, value):
+    default = dataclasses.asdict(parse().gpt_config())
+    got = dataclasses.asdict(parse(*argv).gpt_config())
+    assert got[field] == value != default[field]
+    assert {k: v for k, v in got.items() if k != field} == {
+        k: v for k, v in default.items() if k != field
+    }
+
+
+def test_swiglu_takes_megatrons_mlp_size_unless_one_is_given():
+    cfg = parse("--swiglu", "--hidden-size", "4096", "--num-attention-heads", "32").gpt_config()
+    assert (cfg.activation, cfg.ffn_size) == ("swiglu", int(4 * 4096 * 2 / 3 / 64) * 64)
+    assert parse("--swiglu", "--ffn-hidden-size", "100").gpt_config().ffn_size == 100
+    assert parse().gpt_config().ffn_hidden_size is None  # 4h, recorded as before
+
+
+def test_defaults_build_the_gpt2_model_the_trainer_always_built():
+    assert parse().gpt_config() == GPTConfig(
+        vocab_size=256, seq_length=128, hidden_size=128, num_layers=4, num_attention_heads=4
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, world, message",
+    [
+        (
+            ["--fused-layer-norm", "--normalization", "RMSNorm"],
+            1,
+            "--fused-layer-norm is a LayerNorm kernel: leave it out with --normalization RMSNorm",
+        ),
+        (["--bias-gelu-fusion", "--swiglu"], 1, "--bias-gelu-fusion fuses .* with --swiglu$"),
+        (
+            ["--bias-gelu-fusion", "--swiglu", "--disable-bias-linear"],
+            1,
+            "leave it out with --swiglu and --disable-bias-linear",
+        ),
+        (
+            ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"],
+            1,
+            "--lr-warmup-fraction 0.1 and --lr-warmup-iters 5 exclude each other",
+        ),
+        (["--lr-warmup-fraction", "1.5"], 1, "--lr-warmup-fraction 1.5 must be at least 0"),
+        (
+            ["--ffn-hidden-size", "65", "--tensor-model-parallel-size", "2"],
+            2,
+            "MLP size 65 \\(--ffn-hidden-size\\) does not split over "
+            "--tensor-model-parallel-size 2",
+        ),
+        (
+            ["--position-embedding-type", "rope", "--hidden-size", "36"],
+            1,
+            "--hidden-size 36 / --num-attention-heads 4 = 9 is odd",
+        ),
+        (
+            ["--swiglu", "--hidden-size", "16"],
+            1,
+            "MLP size 0 \\(--swiglu's default for --hidden-size 16, .*give --ffn-hidden-size",
+        ),
+        (["--ffn-hidden-size", "0"], 1, "the MLP size 0 must be positive"),
+        (["--init-method-std", "-1"], 1, "--init-method-std -1.0 must be at least 0"),
+    ],
+)
+def test_bad_combinations_are_refused_naming_the_flags(argv, world, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(*argv).check(world)
+
+
+def test_the_python_api_is_refused_in_megatrons_spellings():
+    with pytest.raises(ConfigError, match="--normalization 'rmsnorm'; use one of LayerNorm, RMSN"):
+        tw.tiny(normalization="rmsnorm").check(1)
+    with pytest.raises(ConfigError, match="--lr-decay-style 'WSD'; use one of constant, linear"):
+        tw.tiny(lr_decay_style="WSD").check(1)
+
+
+def megart(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "megart", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_megart_train_lists_the_flags_and_refuses_before_any_work():
+    text = " ".join(megart("train", "--help").stdout.split())
+    for flag in (
+        "--lr-decay-style {constant,linear,cosine,inverse-square-root}",
+        "--lr-warmup-fraction LR_WARMUP_FRACTION",
+        "--ffn-hidden-size FFN_HIDDEN_SIZE",
+        "--init-method-std INIT_METHOD_STD",
+        "--layernorm-epsilon LAYERNORM_EPSILON, --norm-epsilon LAYERNORM_EPSILON",
+        "--normalization {LayerNorm,RMSNorm}",
+        "--position-embedding-type {learned_absolute,rope}",
+        "--swiglu SwiGLU",
+        "--disable-bias-linear no biases",
+    ):
+        assert flag in text
+    assert "Megatron's default is linear" in text
+    out = megart("train", "--swiglu", "--bias-gelu-fusion")
+    assert out.returncode == 2 and "iteration" not in out.stdout
+    assert "--bias-gelu-fusion fuses the MLP's bias add and GeLU" in out.stderr
+    out = megart("train", "--normalization", "rmsnorm")
+    assert out.returncode == 2 and "invalid choice: 'rmsnorm'" in out.stderr
+
+
+# -- a Llama-style model under every parallelism ---------------------------------------------
+
+
+def _llama(kw):
+    """Trains a Llama-style tiny GPT with a linear decay after a fractional warm-up; returns
+    the figures, the model's parameter names (layer numbers cut) and the FLOPs it counts."""
+    from megart.training.trainer import Trainer
+
+    config = tw.tiny(**LLAMA, lr_decay_style="linear", lr_warmup_iters=0, lr_warmup_fraction=0.5)
+    config = dataclasses.replace(config, **kw)
+    trainer = Trainer(config, tokens=builtin_corpus(1 << 16))
+    names = {
+        n.split(".", 2)[-1] if n.startswith("blocks.") else n
+        for c in trainer.chunks
+        for n, _ in c.named_parameters()
+    }
+    return trainer.train(quiet=True), sorted(names), trainer.flops
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    return launch(_llama, 1, {}, timeout=300)[0]
+
+
+def test_the_llama_style_model_is_what_the_flags_say(llama_reference):
+    history, names, flops = llama_reference
+    assert "mlp.gate.weight" in names and "wpe.weight" not in names  # SwiGLU, rope
+    assert not [n for n in names if n.endswith("bias")]  # no biases; RMSNorm has none either
+    c = tw.tiny(**LLAMA, lr_decay_style="linear", lr_warmup_iters=0, lr_warmup_fraction=0.5)
+    assert [h["lr"] for h in history] == [c.learning_rate(i) for i in range(3)]
+    assert [h["lr"] for h in history] == pytest.approx([1e-3 / 1.5, 1e-3, 1e-3 - 0.9e-3 / 3])
+    # SwiGLU's MLP of Megatron's size (64 for h 32): three h x 64 matrices in the count.
+    assert flops == iteration_flops(8, 16, 4, 32, 256, ffn_hidden=64, swiglu=True)
+    assert history[-1]["loss"] < history[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, dict(tensor_model_parallel_size=2)),
+        (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+        (2, dict(pipeline_model_parallel_size=2)),
+    ],
+    ids=["tp2", "tp2-sequence-parallel", "pp2"],
+)
+def test_llama_style_follows_the_single_process_loss_curve(nproc, layout, llama_reference):
+    reference = llama_reference[0]
+    for history, _, _ in launch(_llama, nproc, layout, timeout=300):
+        assert len(history) == len(reference) == 3
+        for h, r in zip(history, reference, strict=True):
+            assert h["loss"] == pytest.approx(r["loss"], rel=1e-5)
+            assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+
+def _train(kw):
+    return tw.train(**kw)
+
+
+def test_checkpoints_record_the_architecture_and_refuse_another(tmp_path):
+    arch = dict(LLAMA, init_method_std=0.01, layernorm_epsilon=1e-6)
+    launch(_train, 1, dict(arch, train_iters=1, save=str(tmp_path)), timeout=300)
+    saved = checkpoint.read_file(tmp_path / "iter_0000001" / "mp_rank_00" / checkpoint.FILE)
+    got = {k: saved["model_config"][k] for k in ("normalization", "position_embedding")}
+    assert got == {"normalization": "rmsnorm", "position_embedding": "rotary"}
+    assert saved["model_config"]["activation"] == "swiglu"
+    assert saved["model_config"]["bias"] is False
+    assert saved["model_config"]["ffn_hidden_size"] == 64
+    assert saved["model_config"]["init_std"] == 0.01
+    assert saved["model_config"]["layernorm_epsilon"] == 1e-6
+    # The same flags resume (a different --init-method-std only changes initial weights).
+    resumed = launch(
+        _train, 1, dict(arch, init_method_std=0.02, train_iters=2, load=str(tmp_path)), timeout=300
+    )[0]
+    assert [h["iteration"] for h in resumed] == [2]
+    # The GPT-2 architecture (every flag left out) is another model.
+    message = (
+        r"saved with --ffn-hidden-size 64 \(now --ffn-hidden-size 128\), --normalization "
+        r"RMSNorm \(now --normalization LayerNorm\), --position-embedding-type rope \(now "
+        r"--position-embedding-type learned_absolute\), --swiglu \(now no --swiglu\), "
+        r"--disable-bias-linear \(now no --disable-bias-linear\), --layernorm-epsilon 1e-06 "
+        r"\(now --layernorm-epsilon 1e-05\); .*cannot be resharded"
+    )
+    with pytest.raises(LaunchError, match=message):
+        launch(_train, 1, dict(train_iters=2, load=str(tmp_path)), timeout=300)
+    with pytest.raises(LaunchError, match=r"saved with --swiglu \(now no --swiglu\);"):
+        kw = dict(arch, swiglu=False, ffn_hidden_size=64, train_iters=2, load=str(tmp_path))
+        launch(_train, 1, kw, timeout=300)
+    # export-hf names the flags GPT-2 cannot represent.
+    with pytest.raises(ConfigError) as refused:
+        export_checkpoint(tmp_path, tmp_path / "hf")
+    for flag in ("--normalization RMSNorm", "--position-embedding-type rope", "--swiglu"):
+        assert flag in str(refused.value)
+    assert "--disable-bias-linear (bias=False; GPT-2 has True)" in str(refused.value)
+
+
+# -- FLOPs -----------------------------------------------------------------------------------
+
+
+sizes = st.integers(1, 1 << 14)
+
+
+@settings(max_examples=200, deadline=None)
+@given(b=sizes, s=sizes, l=st.integers(1, 256), h=sizes, v=st.integers(1, 1 << 18))
+def test_flops_reduce_exactly_to_the_papers_formula_at_4h_gelu(b, s, l, h, v):
+    paper = Fraction(72 * b * s * l * h * h) * (1 + Fraction(s, 6 * h) + Fraction(v, 12 * l * h))
+    full = Fraction(96 * b * s * l * h * h) * (1 + Fraction(s, 6 * h) + Fraction(v, 16 * l * h))
+    assert iteration_flops(b, s, l, h, v) == paper
+    assert iteration_flops(b, s, l, h, v, ffn_hidden=4 * h, swiglu=False) == paper
+    assert iteration_flops(b, s, l, h, v, recompute=True) == full
+
+
+def matmul_count(b, s, l, h, v, f, heads, swiglu, recompute):
+    """2 m k n per (m x k) @ (k x n) product of one forward, summed over a layer's products
+    and the logits; backward computes two products of each (input and weight gradients)."""
+    d = h // heads
+    layer = [(b * s, h, 3 * h), (b * s, h, h), (b * s, f, h)]
+    layer += [(b * s, h, f)] * (2 if swiglu else 1)
+    layer += [(s, d, s), (s, s, d)] * (b * heads)  # scores and values, per sequence and head
+    forward = sum(2 * m * k * n for m, k, n in layer)
+    logits = 2 * (b * s) * h * v
+    return (3 + recompute) * l * forward + 3 * logits
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    b=st.integers(1, 64),
+    s=st.integers(1, 4096),
+    l=st.integers(1, 96),
+    heads=st.integers(1, 64),
+    d=st.integers(1, 256),
+    f=st.integers(1, 1 << 15),
+    v=st.integers(1, 1 << 17),
+    swiglu=st.booleans(),
+    recompute=st.booleans(),
+)
+def test_flops_of_any_mlp_size_and_swiglu_sum_the_matmuls(
+    b, s, l, heads, d, f, v, swiglu, recompute
+):
+    h = heads * d
+    got = iteration_flops(b, s, l, h, v, recompute, ffn_hidden=f, swiglu=swiglu)
+    assert got == matmul_count(b, s, l, h, v, f, heads, swiglu, recompute)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(activation="swiglu", ffn_hidden_size=48),
+        dict(ffn_hidden_size=24),
+        dict(activation="swiglu", recompute_granularity="full"),
+        {},
+    ],
+    ids=["swiglu-48", "gelu-24", "swiglu-4h-recompute", "gpt2"],
+)
+def test_flops_equal_torchs_flop_counter_on_the_model(kw):
+    """torch counts the products a real forward and backward run (the attention core through
+    the math kernel, which is made of products torch can count). The paper counts a whole
+    recomputed forward; torch's checkpoint stops recomputing once backward's saved tensors are
+    back, skipping each recomputed group's last product, unless early stop is off."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = GPTConfig(
+        vocab_size=256, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4, **kw
+    )
+    model = GPT(cfg)
+    tokens = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(0))
+    with (
+        set_checkpoint_early_stop(False),
+        sdpa_kernel(SDPBackend.MATH),
+        FlopCounterMode(display=False) as counter,
+    ):
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    recompute = cfg.recompute_granularity == "full"
+    assert model_flops(cfg, 3, recompute) == counter.get_total_flops()
