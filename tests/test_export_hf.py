@@ -174,6 +174,12 @@ def test_missing_checkpoints_and_files_are_named(trained, tmp_path):
         ("position_embedding", "rotary", "'learned'", "--position-embedding-type rope"),
         ("activation", "swiglu", "'gelu'", "--swiglu"),
         ("bias", False, "True", "--disable-bias-linear"),
+        (
+            "untie_embeddings_and_output_weights",
+            True,
+            "False",
+            "--untie-embeddings-and-output-weights",
+        ),
     ],
 )
 def test_models_gpt2_cannot_represent_are_refused_naming_the_option(

@@ -59,6 +59,8 @@ HELP = {
     "swiglu": "SwiGLU MLP (three matrices) instead of GeLU",
     "disable_bias_linear": "no biases in the linear layers (unlike Megatron, LayerNorm loses "
     "its bias too)",
+    "untie_embeddings_and_output_weights": "give the output layer its own weight instead of the "
+    "input embedding's (Llama-style; GPT-2 ties them)",
     "tensor_model_parallel_size": "tensor-parallel size t",
     "pipeline_model_parallel_size": "pipeline-parallel size p",
     "num_layers_per_virtual_pipeline_stage": "layers per model chunk: the interleaved 1F1B "

@@ -35,6 +35,9 @@ class GPTConfig:
     position_embedding: str = "learned"
     activation: str = "gelu"  # GeLU with the tanh approximation, as GPT-2
     bias: bool = True
+    # Megatron's --untie-embeddings-and-output-weights: the output layer has its own weight
+    # (Llama-style) instead of reusing the input embedding's (GPT-2's).
+    untie_embeddings_and_output_weights: bool = False
     init_std: float = 0.02
     seed: int = 1234  # initial weights depend on this alone, not on the parallel layout
     # megart's fused CUDA kernels (megart.kernels) in place of the unfused torch ops; on a CPU,
@@ -139,6 +142,10 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
         "activation": ("" if cfg.activation == "swiglu" else "no ") + "--swiglu",
         "bias": ("no " if cfg.bias else "") + "--disable-bias-linear",
         "layernorm_epsilon": f"--layernorm-epsilon {cfg.layernorm_epsilon:g}",
+        "untie_embeddings_and_output_weights": (
+            "" if cfg.untie_embeddings_and_output_weights else "no "
+        )
+        + "--untie-embeddings-and-output-weights",
     }
 
 

@@ -1,5 +1,6 @@
-"""GPT: a stack of pre-norm transformer layers between a vocab-parallel embedding and a tied
-output layer, split into pipeline chunks when asked.
+"""GPT: a stack of pre-norm transformer layers between a vocab-parallel embedding and an
+output layer (tied to the embedding, or with its own weight), split into pipeline chunks when
+asked.
 
 ``GPTChunk`` is one contiguous run of layers, with the embedding when it is the first and the
 final norm and output layer when it is the last. ``GPT`` is all of it in one chunk.
@@ -19,6 +20,7 @@ from megart.models.blocks import Block, apply_norm, generator, norm, rotary
 from megart.models.config import GPTConfig
 from megart.models.recompute import checkpointed, recomputed_spans
 from megart.tensor_parallel import (
+    ColumnParallelLinear,
     RNGStatesTracker,
     VocabParallelEmbedding,
     copy_to_region,
@@ -54,8 +56,8 @@ class GPTChunk(nn.Module):
         self.cfg, self.first, self.last, self.rng = cfg, first, last, rng
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.vocab = cfg.padded_vocab_size(group_size(tp_group))
-        embedding = first or last
-        if embedding:
+        untied = cfg.untie_embeddings_and_output_weights
+        if first or (last and not untied):
             self.wte = VocabParallelEmbedding(
                 self.vocab,
                 cfg.hidden_size,
@@ -75,6 +77,18 @@ class GPTChunk(nn.Module):
         self.layer_ids = list(layers)
         if last:
             self.ln_f = norm(cfg, sequence_parallel)
+        if last and untied:
+            # Megatron's output_layer: [V_padded/t, h] of its own, the vocabulary split over t.
+            self.output_layer = ColumnParallelLinear(
+                cfg.hidden_size,
+                self.vocab,
+                bias=False,
+                sequence_parallel=sequence_parallel,
+                tp_group=tp_group,
+                init_method=normal_init(cfg.init_std),
+                generator=generator(cfg.seed, "output_layer"),
+            )
+            self._unpadded_rows(self.output_layer.weight)
 
     def _blocks(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
@@ -125,6 +139,9 @@ class GPTChunk(nn.Module):
         if not self.last:
             return x
         x = apply_norm(self.ln_f, x, self.cfg.fused_layer_norm)
+        if self.cfg.untie_embeddings_and_output_weights:
+            # Gathers the sequence (or marks the copy for backward's all-reduce) itself.
+            return self._mask_padding(self.output_layer(x))  # [s, b, V_padded / t]
         if self.sequence_parallel:
             x = gather_from_sequence_region(x, self.tp_group)
         else:

@@ -134,6 +134,7 @@ def check_gpt2(cfg: GPTConfig) -> None:
             ("position_embedding", cfg.position_embedding, "learned"),
             ("activation", cfg.activation, "gelu"),
             ("bias", cfg.bias, True),
+            ("untie_embeddings_and_output_weights", cfg.untie_embeddings_and_output_weights, False),
         )
         if value != gpt2
     ]

@@ -60,6 +60,7 @@ class TrainConfig:
     position_embedding_type: str = "learned_absolute"
     swiglu: bool = False
     disable_bias_linear: bool = False
+    untie_embeddings_and_output_weights: bool = False  # the output layer's own weight
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
@@ -168,6 +169,7 @@ class TrainConfig:
             position_embedding=POSITION_EMBEDDING_TYPES[self.position_embedding_type],
             activation="swiglu" if self.swiglu else "gelu",
             bias=not self.disable_bias_linear,
+            untie_embeddings_and_output_weights=self.untie_embeddings_and_output_weights,
             init_std=self.init_method_std,
             seed=self.seed,
             bias_gelu_fusion=self.bias_gelu_fusion,

@@ -24,8 +24,9 @@ Optimizer = torch.optim.Optimizer | DistributedOptimizer
 
 
 def _tied_embeddings(chunks: list[torch.nn.Module], pp: int) -> list[torch.nn.Parameter]:
-    """The word embeddings the first and last pipeline stages share (none with one stage)."""
-    if pp == 1:
+    """The word embeddings the first and last pipeline stages share (none with one stage, or
+    when the output layer has its own weight)."""
+    if pp == 1 or chunks[0].cfg.untie_embeddings_and_output_weights:
         return []
     return [c.wte.weight for c in chunks if hasattr(c, "wte") and (c.first or c.last)]
 

@@ -118,7 +118,7 @@ def _slice(whole: torch.Tensor, p: torch.Tensor, name: str, tp: int, rank: int) 
     a copy: the whole tensor may be a view of a memory-mapped file."""
     if whole.dim() == 0:
         return whole.clone()  # Adam's step
-    if name == "chunk.wte.weight":
+    if name in ("chunk.wte.weight", "chunk.output_layer.weight"):
         whole = fit_vocab(whole, p.shape[0] * tp)
     piece = split_shard(whole, getattr(p, "partition_dim", None), tp, rank)
     if piece.shape != p.shape:
