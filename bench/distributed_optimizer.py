@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
+
+from dp_overlap import timed_rounds  # bench/dp_overlap.py, beside this file
 
 MODES = {"plain": False, "distributed": True}
 
@@ -57,19 +58,9 @@ def _worker(args: argparse.Namespace) -> dict:
         )
         for mode, on in MODES.items()
     }
-    times: dict[str, list[float]] = {m: [] for m in MODES}
-    it = 0
-    for round_ in range(args.rounds + 1):  # round 0 warms up (and creates Adam's state)
-        for mode, trainer in trainers.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                trainer.train_step(it)
-                it += 1
-            mine = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64)
-            dist.all_reduce(mine, op="max")
-            if round_:
-                times[mode].append(mine.item())
+    steps = {mode: trainer.train_step for mode, trainer in trainers.items()}
+    # Round 0 warms up (and creates Adam's state).
+    times = timed_rounds(steps, args.rounds, args.iters)
     params = sum(p.numel() for c in trainers["plain"].chunks for p in c.parameters())
     return {
         "params": params,

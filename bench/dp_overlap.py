@@ -12,9 +12,11 @@ communication (baseline - compute) that overlapping hides.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -33,28 +35,45 @@ def _config(args: argparse.Namespace, global_batch: int) -> object:
     )
 
 
-def _worker(args: argparse.Namespace, ranks: int) -> tuple[dict[str, list[float]], int]:
+def timed_rounds(
+    steps: dict[str, Callable[[int], object]], rounds: int, iters: int
+) -> dict[str, list[float]]:
+    """Runs each mode's ``step(iteration)`` ``iters`` times per round, the modes alternating,
+    for a warm-up round and then ``rounds`` timed ones; returns, by mode, the slowest rank's
+    seconds per iteration of each timed round. Every rank calls it (a barrier starts each
+    mode's turn). bench/distributed_optimizer.py times its optimizers with it too."""
     import megart.distributed as dist
+
+    times: dict[str, list[float]] = {m: [] for m in steps}
+    it = 0
+    for round_ in range(rounds + 1):  # round 0 warms up
+        for mode, step in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step(it)
+                it += 1
+            mine = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+            dist.all_reduce(mine, op="max")
+            if round_:
+                times[mode].append(mine.item())
+    return times
+
+
+def _step(trainer: object, overlap: bool, iteration: int) -> None:
+    trainer.buckets.overlap = overlap
+    trainer.train_step(iteration)
+
+
+def _worker(args: argparse.Namespace, ranks: int) -> tuple[dict[str, list[float]], int]:
     from megart.training.data import builtin_corpus
     from megart.training.trainer import Trainer
 
     torch.set_num_threads(1)
     trainer = Trainer(_config(args, args.per_rank_batch * ranks), tokens=builtin_corpus(1 << 20))
     modes = {"overlap": True, "after backward": False} if ranks > 1 else {"compute only": True}
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    it = 0
-    for round_ in range(args.rounds + 1):  # round 0 warms up
-        for mode, overlap in modes.items():
-            trainer.buckets.overlap = overlap
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                trainer.train_step(it)
-                it += 1
-            mine = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64)
-            dist.all_reduce(mine, op="max")
-            if round_:
-                times[mode].append(mine.item())
+    steps = {mode: functools.partial(_step, trainer, overlap) for mode, overlap in modes.items()}
+    times = timed_rounds(steps, args.rounds, args.iters)
     params = sum(p.numel() for chunk in trainer.chunks for p in chunk.parameters())
     return times, params
 

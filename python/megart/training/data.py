@@ -13,6 +13,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.training.config import split_weights
+from megart.training.indexed import IndexedTokens
 
 BYTE_VOCAB = 256
 
@@ -156,13 +157,13 @@ def build_datasets(
     the built-in corpus) cut by --split, each dataset of a blend on its own, as Megatron cuts
     them. Without ``evaluate`` validation and test are None, and test is None when the split
     gives it no tokens; a range too short for one sample is a ConfigError naming it."""
-    from megart.training.indexed import IndexedTokens
-
     if tokens is not None or not data_path:
         sources = [(1.0, "", tokens if tokens is not None else builtin_corpus())]
     else:
         sources = [(w, f" of {p}", IndexedTokens(p).tokens) for w, p in parse_blend(data_path)]
     ranges = [split_tokens(t, split) for _, _, t in sources]
+    # Weighted by the training ranges' sizes when --data-path gives no weights.
+    weights = [len(r[0]) if w is None else w for (w, _, _), r in zip(sources, ranges, strict=True)]
     hint = f" of --split {split!r} (or set --eval-iters 0)"
     kinds = (("training", ""), ("validation", hint), ("test", hint))
     out: list[Dataset | None] = []
@@ -173,10 +174,6 @@ def build_datasets(
         parts = [
             TokenDataset(r[i], seq_length, vocab_size, f"the {kind} split{name}{why}")
             for (_, name, _), r in zip(sources, ranges, strict=True)
-        ]
-        # Weighted by the training ranges' sizes when --data-path gives no weights.
-        weights = [
-            len(r[0]) if w is None else w for (w, _, _), r in zip(sources, ranges, strict=True)
         ]
         out.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights))
     return out[0], out[1], out[2]
