@@ -30,8 +30,8 @@ def _resumed_equals_straight(tmp_path, nproc, layout):
         assert [h["iteration"] for h in f] == [1, 2]
         assert [h["iteration"] for h in r] == [3, 4, 5]
         for a, b in zip(s, f + r, strict=True):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-12, abs=0)
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-12, abs=0)
+            assert b["loss"] == pytest.approx(a["loss"], **tw.SAME_RUN)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], **tw.SAME_RUN)
 
 
 def test_resume_continues_the_same_loss_curve(tmp_path):

@@ -1,5 +1,7 @@
 """megart.distributed on the shm transport, with real processes (2 and 4 ranks)."""
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -96,6 +98,22 @@ def test_launcher_reports_a_raising_rank_and_a_hang():
         launch(_hang_on_rank_0, 2, timeout=20)
     with pytest.raises(LaunchError, match="rank 1 exited with code 0 without reporting"):
         launch(_vanish_on_rank_1, 2, timeout=60)
+
+
+def _threads():
+    import os
+
+    import torch
+
+    return torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]
+
+
+def test_launched_ranks_share_the_cores_and_an_env_overrides_the_threads():
+    cores = os.cpu_count() or 1
+    for nproc in (1, 2, 4):
+        expect = max(1, cores // nproc)
+        assert launch(_threads, nproc, timeout=60) == [(expect, str(expect))] * nproc
+    assert launch(_threads, 2, timeout=60, env={"OMP_NUM_THREADS": "3"}) == [(3, "3")] * 2
 
 
 def _raise_on_rank_1():

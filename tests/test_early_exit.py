@@ -35,7 +35,7 @@ def test_exit_interval_saves_stops_and_resumes_on_the_same_curve(tmp_path):
     resumed = launch(_train, 2, dict(train_iters=5, load=str(tmp_path), **layout), timeout=300)[0]
     assert [h["iteration"] for h in resumed] == [3, 4, 5]
     assert [h["loss"] for h in stopped[0] + resumed] == pytest.approx(
-        [h["loss"] for h in straight], rel=1e-12, abs=0
+        [h["loss"] for h in straight], **tw.SAME_RUN
     )
 
 

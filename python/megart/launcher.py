@@ -32,6 +32,11 @@ def _worker(
 ) -> None:
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    # Unpickling ``fn`` may already have imported torch, and OpenMP reads OMP_NUM_THREADS only
+    # when it loads: its pool would have the machine's size. Set the count explicitly.
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         # Plain pickle, not the queue's: torch would share returned tensors through file
         # descriptors that die with this process before the launcher reads them.
@@ -58,7 +63,10 @@ def launch(
         "LOCAL_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
-        "OMP_NUM_THREADS": "1",  # ranks share the machine's cores
+        # Ranks share the machine's cores, as torchrun's workers do; OpenMP and MKL keep
+        # the thread count fixed (MKL may otherwise vary it, and with it rounding).
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
+        "MKL_DYNAMIC": "FALSE",
         **(env or {}),
     }
     procs = [
