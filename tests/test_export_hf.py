@@ -180,7 +180,6 @@ def test_missing_checkpoints_and_files_are_named(trained, tmp_path):
             "False",
             "--untie-embeddings-and-output-weights",
         ),
-        ("num_query_groups", 1, "2", "--group-query-attention --num-query-groups 1"),
     ],
 )
 def test_models_gpt2_cannot_represent_are_refused_naming_the_option(

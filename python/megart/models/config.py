@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from megart.errors import ConfigError
+from megart.parallel.layout import divisors
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
@@ -173,10 +174,6 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
             else "no --group-query-attention"
         ),
     }
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def fit_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:

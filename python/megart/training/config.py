@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megart.errors import ConfigError
-from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, GPTConfig, divisors
+from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, GPTConfig
+from megart.parallel.layout import divisors
 from megart.training.lr import LR_DECAY_STYLES, check_decay_style, learning_rate
 
 DEFAULT_WARMUP_ITERS = 4  # warm-up of the default run, when neither warm-up flag is given
