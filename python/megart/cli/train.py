@@ -61,6 +61,11 @@ HELP = {
     "its bias too)",
     "untie_embeddings_and_output_weights": "give the output layer its own weight instead of the "
     "input embedding's (Llama-style; GPT-2 ties them)",
+    "group_query_attention": "grouped-query attention: query heads share key/value heads in "
+    "--num-query-groups groups",
+    "num_query_groups": "key/value heads (query groups) with --group-query-attention; must "
+    "divide --num-attention-heads and be divisible by the tensor-parallel size (1: multi-query "
+    "attention)",
     "tensor_model_parallel_size": "tensor-parallel size t",
     "pipeline_model_parallel_size": "pipeline-parallel size p",
     "num_layers_per_virtual_pipeline_stage": "layers per model chunk: the interleaved 1F1B "

@@ -82,9 +82,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class Attention(nn.Module):
     """Causal self-attention with heads split across tensor parallelism: the fused q/k/v
-    projection is column-parallel (its rows are grouped per head as [q, k, v], so a rank's
-    slice holds whole heads), the output projection row-parallel. Attention dropout runs on
-    the tracker's tensor-parallel stream, distinct per rank, as Megatron's does."""
+    projection is column-parallel, the output projection row-parallel. Attention dropout runs
+    on the tracker's tensor-parallel stream, distinct per rank, as Megatron's does.
+
+    With grouped-query attention (GPTConfig.num_query_groups) the heads share key and value
+    heads in groups of heads/groups. The fused projection's rows are grouped per query group
+    as [q of the group's heads, k, v], so a rank's contiguous slice holds whole groups (and
+    resharding by contiguous row chunks stays right); with one group per head that is [q, k, v]
+    per head, the multi-head layout."""
 
     def __init__(
         self,
@@ -95,13 +100,14 @@ class Attention(nn.Module):
         rng: RNGStatesTracker | None = None,
     ) -> None:
         super().__init__()
-        h = cfg.hidden_size
+        h, t = cfg.hidden_size, group_size(tp_group)
         self.cfg, self.rng = cfg, rng
-        self.local_heads = cfg.num_attention_heads // group_size(tp_group)
+        self.local_heads = cfg.num_attention_heads // t
+        self.local_groups = cfg.query_groups // t
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(
             h,
-            3 * h,
+            (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim,
             bias=cfg.bias,
             sequence_parallel=sequence_parallel,
             tp_group=tp_group,
@@ -121,9 +127,15 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        qkv = self.qkv(x)  # [s, b, 3 h / t]: the whole sequence, this rank's heads
+        qkv = self.qkv(x)  # [s, b, (heads + 2 groups) d / t]: whole sequence, rank's groups
         s, b, _ = qkv.shape
-        q, k, v = qkv.view(s, b, self.local_heads, 3, self.cfg.head_dim).permute(3, 1, 2, 0, 4)
+        d, per_group = self.cfg.head_dim, self.local_heads // self.local_groups
+        grouped = qkv.view(s, b, self.local_groups, per_group + 2, d)
+        q, k, v = grouped.split([per_group, 1, 1], dim=3)
+        # [b, heads, s, d] and [b, groups, s, d]: views, with one group per head the very
+        # strides the multi-head layout gave.
+        q = q.reshape(s, b, self.local_heads, d).permute(1, 2, 0, 3)
+        k, v = (kv.squeeze(3).permute(1, 2, 0, 3) for kv in (k, v))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
@@ -134,7 +146,14 @@ class Attention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal, with attention dropout on the tensor-parallel
-        stream: what selective recomputation recomputes."""
+        stream: what selective recomputation recomputes (so it keeps k and v per group)."""
+        per_group = q.shape[1] // k.shape[1]
+        if per_group > 1:
+            # Each group's key and value head, once per query head of the group (heads are
+            # numbered group by group). Explicit rather than sdpa's enable_gqa, so that every
+            # attention backend and torch's FLOP counter see plain multi-head attention.
+            k = k.repeat_interleave(per_group, dim=1)
+            v = v.repeat_interleave(per_group, dim=1)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         stream = self.rng.fork() if dropout and self.rng else contextlib.nullcontext()
         with stream:

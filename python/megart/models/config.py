@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from megart.errors import ConfigError
+from megart.parallel.layout import divisors
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
@@ -38,6 +39,10 @@ class GPTConfig:
     # Megatron's --untie-embeddings-and-output-weights: the output layer has its own weight
     # (Llama-style) instead of reusing the input embedding's (GPT-2's).
     untie_embeddings_and_output_weights: bool = False
+    # Megatron's --group-query-attention --num-query-groups: the heads share keys and values in
+    # this many groups (1 is multi-query attention), shrinking the k/v projections and the
+    # inference cache. None is one group per head: plain multi-head attention.
+    num_query_groups: int | None = None
     init_std: float = 0.02
     seed: int = 1234  # initial weights depend on this alone, not on the parallel layout
     # megart's fused CUDA kernels (megart.kernels) in place of the unfused torch ops; on a CPU,
@@ -65,6 +70,14 @@ class GPTConfig:
             raise ConfigError(
                 f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} "
                 "attention heads"
+            )
+        groups = self.num_query_groups
+        if groups is not None and (groups < 1 or self.num_attention_heads % groups):
+            fits = divisors(self.num_attention_heads)
+            raise ConfigError(
+                f"num_query_groups={groups}: the {self.num_attention_heads} attention heads must "
+                f"split into whole groups sharing one key and value head each; use one of {fits} "
+                "(or None for one group per head)"
             )
         if self.bias_gelu_fusion and (self.activation != "gelu" or not self.bias):
             raise ConfigError(
@@ -94,6 +107,11 @@ class GPTConfig:
         return self.hidden_size // self.num_attention_heads
 
     @property
+    def query_groups(self) -> int:
+        """Key/value heads: num_query_groups, or one per attention head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
@@ -107,15 +125,18 @@ class GPTConfig:
     def check_layout(self, tp: int = 1, pp: int = 1, chunks: int = 1) -> None:
         """Refuses layouts this model cannot take, saying what would fit."""
         problems = []
-        if self.num_attention_heads % tp:
-            fits = [
-                t
-                for t in range(1, self.num_attention_heads + 1)
-                if self.num_attention_heads % t == 0
-            ]
+        # A rank holds whole query groups (with their key and value heads), as Megatron-LM
+        # requires; groups divide the heads, so this also splits the heads.
+        groups, heads = self.query_groups, self.num_attention_heads
+        if groups % tp:
+            what = (
+                f"{heads} attention heads"
+                if groups == heads
+                else f"{groups} query groups (--num-query-groups) of {heads} attention heads"
+            )
             problems.append(
-                f"{self.num_attention_heads} attention heads do not split over "
-                f"tensor-parallel size {tp} (use one of {fits})"
+                f"{what} do not split over tensor-parallel size {tp} (use one of "
+                f"{divisors(groups)})"
             )
         if self.ffn_size % tp:
             problems.append(
@@ -146,6 +167,12 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
             "" if cfg.untie_embeddings_and_output_weights else "no "
         )
         + "--untie-embeddings-and-output-weights",
+        # Keyed by the field, but one group per head is multi-head attention however given.
+        "num_query_groups": (
+            f"--group-query-attention --num-query-groups {cfg.query_groups}"
+            if cfg.query_groups != cfg.num_attention_heads
+            else "no --group-query-attention"
+        ),
     }
 
 

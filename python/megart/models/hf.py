@@ -135,6 +135,8 @@ def check_gpt2(cfg: GPTConfig) -> None:
             ("activation", cfg.activation, "gelu"),
             ("bias", cfg.bias, True),
             ("untie_embeddings_and_output_weights", cfg.untie_embeddings_and_output_weights, False),
+            # GPT-2 has one key/value head per query head.
+            ("num_query_groups", cfg.query_groups, cfg.num_attention_heads),
         )
         if value != gpt2
     ]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from megart.errors import ConfigError
 from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, GPTConfig
+from megart.parallel.layout import divisors
 from megart.training.lr import LR_DECAY_STYLES, check_decay_style, learning_rate
 
 DEFAULT_WARMUP_ITERS = 4  # warm-up of the default run, when neither warm-up flag is given
@@ -61,6 +62,10 @@ class TrainConfig:
     swiglu: bool = False
     disable_bias_linear: bool = False
     untie_embeddings_and_output_weights: bool = False  # the output layer's own weight
+    # Grouped-query attention: as in Megatron-LM the group count counts only with the switch
+    # (but megart wants it given: Megatron's default of 1 group is multi-query attention).
+    group_query_attention: bool = False
+    num_query_groups: int | None = None
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
@@ -170,6 +175,7 @@ class TrainConfig:
             activation="swiglu" if self.swiglu else "gelu",
             bias=not self.disable_bias_linear,
             untie_embeddings_and_output_weights=self.untie_embeddings_and_output_weights,
+            num_query_groups=self.num_query_groups if self.group_query_attention else None,
             init_std=self.init_method_std,
             seed=self.seed,
             bias_gelu_fusion=self.bias_gelu_fusion,
@@ -325,6 +331,7 @@ class TrainConfig:
                 f"the MLP size {ffn} (--ffn-hidden-size) does not split over "
                 f"--tensor-model-parallel-size {self.tp}; use a multiple of {self.tp}"
             )
+        self._check_query_groups()
         head = self.hidden_size // max(1, self.num_attention_heads)
         if self.position_embedding_type == "rope" and head % 2:
             raise ConfigError(
@@ -336,6 +343,31 @@ class TrainConfig:
             raise ConfigError(
                 f"--init-method-std {self.init_method_std} must be at least 0 and "
                 f"--layernorm-epsilon {self.layernorm_epsilon} positive"
+            )
+
+    def _check_query_groups(self) -> None:
+        # max: a tensor-parallel size below 1 is check()'s to refuse, not a division by zero.
+        groups, heads, tp = self.num_query_groups, self.num_attention_heads, max(1, self.tp)
+        if not self.group_query_attention:
+            if groups is not None:
+                raise ConfigError(
+                    f"--num-query-groups {groups} is used only with --group-query-attention "
+                    "(as in Megatron-LM); add that flag, or leave --num-query-groups out for "
+                    "multi-head attention"
+                )
+            return
+        if groups is None:
+            raise ConfigError(
+                "--group-query-attention needs --num-query-groups N, the number of key/value "
+                "heads (Megatron-LM's default, 1, is multi-query attention: give 1 for that)"
+            )
+        if groups < 1 or heads % groups or groups % tp:
+            fits = ", ".join(str(g) for g in divisors(heads) if g % tp == 0)
+            raise ConfigError(
+                f"--num-query-groups {groups} must divide --num-attention-heads {heads} and be "
+                f"divisible by --tensor-model-parallel-size {tp} (each rank holds whole "
+                "groups, as Megatron-LM requires); "
+                + (f"use one of {fits}" if fits else "no group count fits: change the sizes")
             )
 
 

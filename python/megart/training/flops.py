@@ -5,12 +5,13 @@
 
 B global batch (sequences), s sequence length, l layers, h hidden size, V vocabulary.
 
-The paper assumes an MLP of 4h and GeLU; iteration_flops counts the matmuls for any MLP size
-f and for SwiGLU (three h x f matrices instead of two), and reduces exactly to the formulas
-above for f = 4h with GeLU. A matmul of an (m x k) by a (k x n) matrix is 2 m k n FLOPs. One
-layer's forward:
+The paper assumes an MLP of 4h, GeLU and multi-head attention; iteration_flops counts the
+matmuls for any MLP size f, for SwiGLU (three h x f matrices instead of two) and for
+grouped-query attention (K and V projections to g key/value heads of size d = h / heads, kv =
+g d wide instead of h), and reduces exactly to the formulas above for f = 4h, GeLU and kv = h.
+A matmul of an (m x k) by a (k x n) matrix is 2 m k n FLOPs. One layer's forward:
 
-    Q, K, V projections      6 B s h^2
+    Q, K, V projections      2 B s h (h + 2 kv)      (6 B s h^2 for multi-head attention)
     scores Q K^T             2 B s^2 h      (the whole s x s matrix, as the paper counts)
     scores x values          2 B s^2 h
     output projection        2 B s h^2
@@ -37,13 +38,18 @@ def iteration_flops(
     recompute: bool = False,
     ffn_hidden: int | None = None,
     swiglu: bool = False,
+    kv_hidden: int | None = None,
 ) -> int:
     """Model FLOPs of one iteration (forward and backward, plus the recomputed forward when
-    ``recompute``), for an MLP of ``ffn_hidden`` (default 4 h), GeLU or ``swiglu``. An exact
+    ``recompute``), for an MLP of ``ffn_hidden`` (default 4 h), GeLU or ``swiglu``, and keys
+    and values ``kv_hidden`` wide (query groups x head size; default h, multi-head). An exact
     integer: in floating point the paper's formula and this count could differ by rounding."""
     b, s, l, h, v = batch, seq, layers, hidden, vocab
     f = 4 * h if ffn_hidden is None else ffn_hidden
-    attention = 6 * b * s * h * h + 2 * b * s * s * h + 2 * b * s * s * h + 2 * b * s * h * h
+    kv = h if kv_hidden is None else kv_hidden
+    # The scores and values products run over every query head (keys and values repeated).
+    qkv = 2 * b * s * h * (h + 2 * kv)
+    attention = qkv + 2 * b * s * s * h + 2 * b * s * s * h + 2 * b * s * h * h
     mlp = (3 if swiglu else 2) * 2 * b * s * h * f
     logits = 2 * b * s * h * v
     passes = 4 if recompute else 3  # forward, backward (twice the forward), recomputed forward
@@ -61,6 +67,7 @@ def model_flops(cfg: GPTConfig, batch: int, recompute: bool = False) -> int:
         recompute,
         cfg.ffn_size,
         cfg.activation == "swiglu",
+        cfg.query_groups * cfg.head_dim,
     )
 
 

@@ -338,7 +338,9 @@ class Trainer:
         peak = f"{self.peak / 1e12:.0f} TFLOP/s dense bf16" if self.peak else "n/a on CPU"
         return (
             f"megart train: GPT {c.num_layers} layers x {c.hidden_size} hidden, "
-            f"{c.num_attention_heads} heads, seq {c.seq_length}; tp {c.tp} x pp {c.pp} x "
+            f"{c.num_attention_heads} heads"
+            + (f" in {c.num_query_groups} query groups" if c.group_query_attention else "")
+            + f", seq {c.seq_length}; tp {c.tp} x pp {c.pp} x "
             f"dp {self.dp} (v {c.chunks}), global batch {c.global_batch_size} = "
             f"{self.m} microbatches of {c.micro_batch_size} per data-parallel rank; "
             + (
