@@ -275,6 +275,19 @@ def test_heads_not_divisible_by_tp_say_which_tp_fits():
     assert "tp that fits (with pp=2, world_size=16): 1, 2, 4" in str(e.value)
 
 
+def test_query_groups_must_divide_the_heads_and_split_over_tp():
+    layout = make_layout(16, tp=4, pp=2)
+    check_model_fits(layout, num_layers=24, num_attention_heads=32, num_query_groups=8)
+    with pytest.raises(ConfigError) as e:
+        check_model_fits(layout, num_layers=24, num_attention_heads=32, num_query_groups=2)
+    assert "num_query_groups=2 is not divisible by tp=4" in str(e.value)
+    assert "tp that fits (with pp=2, world_size=16): 1, 2" in str(e.value)
+    with pytest.raises(ConfigError, match="num_query_groups=3 does not divide num_attention_"):
+        check_model_fits(layout, num_layers=24, num_attention_heads=32, num_query_groups=3)
+    with pytest.raises(ConfigError, match="num_query_groups must be a positive integer"):
+        check_model_fits(layout, num_layers=24, num_attention_heads=32, num_query_groups=0)
+
+
 def test_layers_not_divisible_by_stages_and_chunks():
     layout = make_layout(16, tp=2, pp=4)
     with pytest.raises(ConfigError) as e:

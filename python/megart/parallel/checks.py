@@ -17,10 +17,13 @@ def check_model_fits(
     num_attention_heads: int,
     vocab_size: int | None = None,
     chunks: int = 1,
+    num_query_groups: int | None = None,
 ) -> None:
     """Raises ConfigError listing every way the model does not split over ``layout``:
 
-    - attention heads must divide evenly over the tensor-parallel ranks;
+    - attention heads must divide evenly over the tensor-parallel ranks, and with grouped-query
+      attention (``num_query_groups``) so must the groups, which must divide the heads: each
+      rank holds whole groups with their key and value heads;
     - layers must divide evenly over pp stages x ``chunks`` model chunks per stage
       (interleaving, which also needs pp > 1).
 
@@ -34,6 +37,12 @@ def check_model_fits(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if num_query_groups is not None and (
+        isinstance(num_query_groups, bool)
+        or not isinstance(num_query_groups, int)
+        or num_query_groups < 1
+    ):
+        raise ConfigError(f"num_query_groups must be a positive integer, got {num_query_groups!r}")
     if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
         raise ConfigError(f"vocab_size must be a positive integer, got {vocab_size!r}")
 
@@ -44,6 +53,18 @@ def check_model_fits(
         fits = [t for t in divisors(num_attention_heads) if world % (t * pp) == 0]
         problems.append(
             f"num_attention_heads={num_attention_heads} is not divisible by tp={tp}; "
+            f"tp that fits (with pp={pp}, world_size={world}): {_fitting(fits)}"
+        )
+    groups = num_query_groups
+    if groups is not None and num_attention_heads % groups:
+        problems.append(
+            f"num_query_groups={groups} does not divide num_attention_heads="
+            f"{num_attention_heads}; groups that fit: {_fitting(divisors(num_attention_heads))}"
+        )
+    elif groups is not None and groups % tp:
+        fits = [t for t in divisors(groups) if world % (t * pp) == 0]
+        problems.append(
+            f"num_query_groups={groups} is not divisible by tp={tp}; "
             f"tp that fits (with pp={pp}, world_size={world}): {_fitting(fits)}"
         )
     if chunks > 1 and pp == 1:
