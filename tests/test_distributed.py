@@ -101,8 +101,6 @@ def test_launcher_reports_a_raising_rank_and_a_hang():
 
 
 def _threads():
-    import os
-
     import torch
 
     return torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]

@@ -34,15 +34,10 @@ def check_model_fits(
         ("num_layers", num_layers),
         ("num_attention_heads", num_attention_heads),
         ("chunks", chunks),
+        *([("num_query_groups", num_query_groups)] if num_query_groups is not None else []),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    if num_query_groups is not None and (
-        isinstance(num_query_groups, bool)
-        or not isinstance(num_query_groups, int)
-        or num_query_groups < 1
-    ):
-        raise ConfigError(f"num_query_groups must be a positive integer, got {num_query_groups!r}")
     if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
         raise ConfigError(f"vocab_size must be a positive integer, got {vocab_size!r}")
 
