@@ -153,7 +153,7 @@ class _UnfinishedWork:
 def test_an_unwaited_nccl_work_leaves_its_tensors_to_the_group():
     """A Work dropped before its op finished (an isend never waited on) must not free its
     tensors: NCCL may still use them, and the caching allocator would hand the memory out."""
-    from megart.distributed.ops import Work, _sweep
+    from megart.distributed.ops import Work, _keep
 
     g = ProcessGroup([0], "fake-nccl", "nccl", comm=_NeverCalled(), device=0)
     work, t = _UnfinishedWork(), torch.ones(3)
@@ -161,8 +161,9 @@ def test_an_unwaited_nccl_work_leaves_its_tensors_to_the_group():
     gc.collect()
     assert len(g.in_flight) == 1 and g.in_flight[0][1][0] is t
     work.done = True
-    _sweep(g)
-    assert g.in_flight == []
+    _keep(g, _UnfinishedWork(), [], 0.0)  # the next op lets the completed one go
+    assert len(g.in_flight) == 1 and g.in_flight[0][1] == []
+    g.in_flight.clear()
     waited = Work(_UnfinishedWork(), [torch.ones(1)], g)
     waited._tensors = []  # what wait() leaves: nothing to keep
     del waited
@@ -312,19 +313,22 @@ def test_inputs_on_the_callers_stream_and_wait_stream_ordering(nccl_world):
 @needs_gpu
 def test_a_wait_that_never_completes_times_out(monkeypatch):
     """An op whose input never becomes ready (the caller's stream is held far past the
-    timeout) must end its wait with CommTimeoutError naming the op and the peer, not hang;
-    the group is aborted and refuses later ops."""
+    timeout) must end its host wait with CommTimeoutError naming the op and the peer, not hang;
+    the group is aborted and refuses later ops. The watchdog is off here (it would end the
+    process first, as tests/test_nccl_standin.py shows), and the timeout leaves a real NCCL
+    time to create the communicator."""
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MEGART_NCCL_WATCHDOG", "0")
     dist.destroy()
-    dist.init(backend="nccl", timeout=1)
+    dist.init(backend="nccl", timeout=8)
     try:
         dev = torch.device("cuda", torch.cuda.current_device())
         t = torch.ones(4, device=dev)
-        torch.cuda._sleep(4_000_000_000)  # a few seconds of the current stream
+        torch.cuda._sleep(40_000_000_000)  # 20 s or more of the current stream at 2 GHz or less
         w = dist.all_reduce(t, async_op=True)
         with pytest.raises(CommTimeoutError, match=r"rank 0 of group 'world'.*all_reduce.*rank 0"):
-            w.wait()
+            w.synchronize()
         with pytest.raises(MegartError, match="failed earlier"):
             dist.all_reduce(t)
         torch.cuda.synchronize()
@@ -374,3 +378,71 @@ def test_two_ranks_on_one_gpu():
 
     sent = launch(nccl_workers.collectives_and_exchange, 2, timeout=300)
     assert sent == [{1: 2 * (1 << 22) * 4}, {0: 2 * (1 << 22) * 4}]
+
+
+# ---- the Python side of the nccl transport, with fakes of its C++ Work ----
+
+
+class _RecordingWork:
+    def __init__(self):
+        self.calls = []
+
+    def wait(self):
+        self.calls.append("host wait")
+
+    def wait_stream(self, stream):
+        self.calls.append(("wait_stream", stream))
+
+    def is_completed(self):
+        return False
+
+
+def test_nccl_work_wait_orders_the_current_stream_and_leaves_the_host_free(monkeypatch, no_world):
+    """torch.distributed's work.wait(): on a device transport the current stream waits for the
+    op; the host is blocked only by synchronize(). The pipeline engine, gradient buckets and
+    distributed optimizer call wait(), so on a GPU they never stall the host between kernels."""
+    import megart.distributed.ops as ops
+
+    class _Stream:
+        cuda_stream = 1234
+
+    monkeypatch.setattr(ops, "_current_stream", lambda device: _Stream())
+    dist.init(backend="shm")  # the context (timeout) the fake nccl group's Works read
+    g = ProcessGroup([0], "fake-nccl", "nccl", comm=_NeverCalled(), device=0)
+    work, t = _RecordingWork(), torch.ones(2)
+    w = ops.Work(work, [t], g)
+    w.wait()
+    assert work.calls == [("wait_stream", 1234)]
+    assert len(g.in_flight) == 1 and g.in_flight[0][1][0] is t  # kept until done on the device
+    w2 = ops.Work(_RecordingWork(), [], g)
+    w2.synchronize()
+    assert w2._work.calls == ["host wait"]
+    host = ops.Work(_RecordingWork(), [torch.ones(1)], ProcessGroup([0], "s", "shm", comm=None))
+    host.wait()
+    assert host._work.calls == ["host wait"]  # host transports: done when wait returns
+
+
+def test_in_flight_list_keeps_every_op_posted_from_many_threads():
+    """Ops are kept from several threads at once (the training thread, the garbage collector's
+    __del__): none may be lost while completed ones are let go."""
+    import threading
+
+    from megart.distributed.ops import _keep
+
+    g = ProcessGroup([0], "fake-nccl", "nccl", comm=_NeverCalled(), device=0)
+    works = [[_UnfinishedWork() for _ in range(2000)] for _ in range(4)]
+
+    def post(mine):
+        for w in mine:
+            _keep(g, w, [], 0.0)
+
+    threads = [threading.Thread(target=post, args=(mine,)) for mine in works]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(g.in_flight) == 8000
+    for w, _, _ in g.in_flight[:5000]:
+        w.done = True
+    _keep(g, _UnfinishedWork(), [], 0.0)
+    assert len(g.in_flight) == 3001  # the completed front went, the rest and the new one stay

@@ -66,9 +66,24 @@ void bind_nccl(py::module_& m) {
         NcclUniqueId id;
         std::copy(raw.begin(), raw.end(), id.begin());
         const auto timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
-        py::gil_scoped_release release;  // ncclCommInitRank waits for every rank
-        return NcclCommunicator::create(comm::NcclLibrary::load({library_path}), id, rank, size,
-                                        device, timeout, group_name);
+        std::shared_ptr<NcclCommunicator> made;
+        {
+          py::gil_scoped_release release;  // creation waits for every rank
+          made = NcclCommunicator::create(comm::NcclLibrary::load({library_path}), id, rank, size,
+                                          device, timeout, group_name);
+        }
+        // Python's reference releases the GIL while the communicator shuts down (finalizing
+        // waits up to the timeout), so other Python threads run meanwhile. The deleter may run
+        // on a thread without the GIL (the watchdog's), which then has nothing to release.
+        NcclCommunicator* owner = made.get();
+        return std::shared_ptr<comm::Communicator>(owner, [made](comm::Communicator*) mutable {
+          if (PyGILState_Check()) {
+            py::gil_scoped_release release;
+            made.reset();
+          } else {
+            made.reset();
+          }
+        });
       },
       py::arg("library_path"), py::arg("unique_id"), py::arg("rank"), py::arg("size"),
       py::arg("device"), py::arg("timeout_s"), py::arg("group_name"),

@@ -1,10 +1,13 @@
 // UNVERIFIED: compiled without a GPU and never run.
-// Small RAII helpers for the CUDA runtime: the current device, and one completion event.
+// Small RAII helpers for the CUDA runtime: the current device, and pooled completion events.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 namespace megart::cuda {
 
@@ -42,21 +45,63 @@ class DeviceGuard {
   cudaError_t error_ = cudaSuccess;
 };
 
-// One completion event, shared by the Works of one stream's part of a batch.
+// Completion events of one communicator, reused: creating and destroying a CUDA event per op
+// costs host time on every op, and an event can be recorded again once no Work needs its
+// previous record (a stream that waits on it has already captured that record).
+class EventPool {
+ public:
+  explicit EventPool(int device) : device_(device) {}
+  ~EventPool() {
+    DeviceGuard guard(device_);
+    for (cudaEvent_t e : free_) cudaEventDestroy(e);
+  }
+  EventPool(const EventPool&) = delete;
+  EventPool& operator=(const EventPool&) = delete;
+
+  // A free event, or a new one; cudaSuccess or why none could be made.
+  cudaError_t take(cudaEvent_t* event) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        *event = free_.back();
+        free_.pop_back();
+        return cudaSuccess;
+      }
+    }
+    return cudaEventCreateWithFlags(event, cudaEventDisableTiming);
+  }
+  void give_back(cudaEvent_t event) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.size() < kKeep) {
+      free_.push_back(event);
+      return;
+    }
+    DeviceGuard guard(device_);
+    cudaEventDestroy(event);  // released by CUDA once the recorded work completes
+  }
+  int device() const { return device_; }
+
+ private:
+  static constexpr std::size_t kKeep = 256;  // more than the ops a rank keeps in flight
+  int device_;
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;
+};
+
+// One completion event, shared by the Works of one stream's part of a batch; back to its pool
+// when the last of them is gone.
 class NcclEvent {
  public:
-  NcclEvent(cudaEvent_t event, int device) : event_(event), device_(device) {}
-  ~NcclEvent() {
-    DeviceGuard guard(device_);
-    cudaEventDestroy(event_);  // released by CUDA once the recorded work completes
-  }
+  NcclEvent(cudaEvent_t event, std::shared_ptr<EventPool> pool)
+      : event_(event), pool_(std::move(pool)) {}
+  ~NcclEvent() { pool_->give_back(event_); }
   NcclEvent(const NcclEvent&) = delete;
   NcclEvent& operator=(const NcclEvent&) = delete;
   cudaEvent_t get() const { return event_; }
 
  private:
   cudaEvent_t event_;
-  int device_;
+  std::shared_ptr<EventPool> pool_;
 };
 
 }  // namespace megart::cuda

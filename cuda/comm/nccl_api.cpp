@@ -41,6 +41,13 @@ NcclApi::NcclApi(const comm::NcclLibrary& lib) {
       comm_finalize = nullptr;
     }
   }
+  if (comm_init_rank_config != nullptr && lib.version_code() >= kNccl2_18) {
+    try {
+      get(comm_split, "ncclCommSplit");
+    } catch (const Error&) {
+      comm_split = nullptr;  // ops then run on the non-blocking communicator
+    }
+  }
 }
 
 std::string NcclApi::explain(NcclResult result, void* comm) const {

@@ -32,6 +32,8 @@ constexpr int kNcclSum = 0, kNcclMax = 2, kNcclMin = 3, kNcclAvg = 4;
 constexpr int kNccl2_10 = 21000;
 // ncclCommInitRankConfig, ncclCommFinalize and non-blocking communicators arrived in NCCL 2.14.
 constexpr int kNccl2_14 = 21400;
+// ncclCommSplit arrived in NCCL 2.18.
+constexpr int kNccl2_18 = 21800;
 
 // NCCL's ncclConfig_t as NCCL 2.14 defined it, field for field: a size, a magic number, the
 // version the caller was written for, then `blocking`. NCCL_CONFIG_INITIALIZER fills them with
@@ -57,6 +59,8 @@ struct NcclApi {
   // NCCL 2.14 and later; stays null before.
   NcclResult (*comm_init_rank_config)(void**, int, NcclUniqueIdC, int, NcclConfig2_14*) = nullptr;
   NcclResult (*comm_finalize)(void*) = nullptr;  // NCCL 2.14 and later; stays null before
+  // NCCL 2.18 and later; stays null before.
+  NcclResult (*comm_split)(void*, int, int, void**, NcclConfig2_14*) = nullptr;
   NcclResult (*comm_destroy)(void*) = nullptr;
   NcclResult (*comm_abort)(void*) = nullptr;
   NcclResult (*comm_get_async_error)(void*, NcclResult*) = nullptr;

@@ -2,6 +2,7 @@
 #include "comm/nccl_communicator.hpp"
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <thread>
 #include <type_traits>
@@ -9,6 +10,7 @@
 
 #include "comm/cuda_util.hpp"
 #include "comm/nccl_api.hpp"
+#include "comm/nccl_watchdog.hpp"
 #include "common/error.hpp"
 
 namespace megart::cuda {
@@ -88,7 +90,8 @@ NcclCommunicator::NcclCommunicator(std::shared_ptr<const NcclApi> api, int versi
       size_(size),
       device_(device),
       timeout_(timeout),
-      sent_(static_cast<std::size_t>(size)) {}
+      sent_(static_cast<std::size_t>(size)),
+      events_(std::make_shared<EventPool>(device)) {}
 
 std::shared_ptr<NcclCommunicator> NcclCommunicator::create(const comm::NcclLibrary& library,
                                                            const NcclUniqueId& id, int rank,
@@ -135,6 +138,7 @@ std::shared_ptr<NcclCommunicator> NcclCommunicator::create(const comm::NcclLibra
   c->check_cuda(cudaMalloc(reinterpret_cast<void**>(&c->barrier_buffer_), sizeof(int)),
                 "cudaMalloc", what);
   c->check_cuda(cudaMemset(c->barrier_buffer_, 0, sizeof(int)), "cudaMemset", what);
+  watch(c);
   return c;
 }
 
@@ -159,18 +163,47 @@ void NcclCommunicator::shut_down_nccl() noexcept {
     api_->comm_abort(comm_);
     return;
   }
-  if (nonblocking_ && api_->comm_finalize != nullptr) {
-    // Recent NCCL's ncclCommDestroy of a communicator not yet finalized first meets the group's
-    // other ranks on this node (a barrier), with no bound: one rank that never destroys the
-    // group, or destroys its groups in another order, would hang this one. ncclCommFinalize
-    // does that work in the background on a non-blocking communicator, so the wait for it is
-    // bounded by the timeout; past it, or on an error, the communicator is aborted instead.
-    if (settle(api_->comm_finalize(comm_), comm_) != kNcclSuccess) {
+  // Recent NCCL's ncclCommDestroy of a communicator not yet finalized first meets the group's
+  // other ranks on this node (a barrier), with no bound: one rank that never destroys the group,
+  // or destroys its groups in another order, would hang this one. ncclCommFinalize does that
+  // work first, so the wait for it is bounded by the timeout; past it, or on an error, the
+  // communicator is aborted instead.
+  if (api_->comm_finalize != nullptr) {
+    bool finalized = false;
+    if (nonblocking_) {
+      finalized = finalize_nonblocking(comm_);
+    } else {
+      // A blocking communicator's ncclCommFinalize returns only when done: it runs on a helper
+      // thread, and past the timeout the communicator is aborted from here (NCCL's documented
+      // way out of a stuck call), which ends the helper's call too.
+      struct Shared {
+        std::mutex mu;
+        std::condition_variable cv;
+        bool done = false;
+        int result = kNcclSuccess;
+      };
+      auto shared = std::make_shared<Shared>();
+      std::thread([shared, api = api_, comm = comm_] {
+        const int r = api->comm_finalize(comm);
+        std::lock_guard<std::mutex> lock(shared->mu);
+        shared->done = true;
+        shared->result = r;
+        shared->cv.notify_all();
+      }).detach();
+      std::unique_lock<std::mutex> lock(shared->mu);
+      finalized = shared->cv.wait_for(lock, timeout_, [&] { return shared->done; }) &&
+                  shared->result == kNcclSuccess;
+    }
+    if (!finalized) {
       api_->comm_abort(comm_);
       return;
     }
   }
   api_->comm_destroy(comm_);  // after ncclCommFinalize: frees local resources only
+}
+
+bool NcclCommunicator::finalize_nonblocking(void* comm) noexcept {
+  return settle(api_->comm_finalize(comm), comm) == kNcclSuccess;
 }
 
 int NcclCommunicator::settle(int state, void* comm) const {
@@ -269,6 +302,41 @@ void NcclCommunicator::init_nccl(const NcclUniqueId& id, const std::string& what
   }
   comm_ = handle;
   nonblocking_ = true;
+  if (api_->comm_split != nullptr) {
+    comm_ = split_blocking(handle, what);
+    nonblocking_ = false;
+  }
+}
+
+void* NcclCommunicator::split_blocking(void* parent, const std::string& what) {
+  NcclConfig2_14 config;
+  config.blocking = 1;
+  void* child = nullptr;
+  // One color, keys in rank order: the same ranks in the same order. The parent is
+  // non-blocking, so the split may answer ncclInProgress: the child's state is polled out, then
+  // the parent's (neither may be used before).
+  NcclResult state = api_->comm_split(parent, 0, rank_, &child, &config);
+  if (state == kNcclInProgress) state = settle(state, child != nullptr ? child : parent);
+  if (state == kNcclSuccess) {
+    NcclResult parent_state = kNcclSuccess;
+    const NcclResult polled = api_->comm_get_async_error(parent, &parent_state);
+    state = polled != kNcclSuccess ? polled : settle(parent_state, parent);
+  }
+  if (state != kNcclSuccess || child == nullptr) {
+    const std::string text = state == kNcclInProgress
+                                 ? "timed out after " + std::to_string(timeout_.count()) + " ms"
+                                 : "failed: " + api_->explain(state, parent);
+    if (child != nullptr) api_->comm_abort(child);
+    api_->comm_abort(parent);
+    throw CommError(where() + ": " + what + ": ncclCommSplit into a blocking communicator " + text);
+  }
+  // The parent has served its purpose (a creation bounded by the timeout).
+  if (finalize_nonblocking(parent)) {
+    api_->comm_destroy(parent);
+  } else {
+    api_->comm_abort(parent);
+  }
+  return child;
 }
 
 void NcclCommunicator::check_nccl(int result, const std::string& call, const std::string& what) {
@@ -313,17 +381,70 @@ void NcclCommunicator::after_caller(StreamHandle caller, cudaStream_t stream,
 
 std::shared_ptr<NcclEvent> NcclCommunicator::record(cudaStream_t stream, const std::string& what) {
   cudaEvent_t event = nullptr;
-  check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags",
-             what);
-  auto owned = std::make_shared<NcclEvent>(event, device_);
+  check_cuda(events_->take(&event), "cudaEventCreateWithFlags", what);
+  auto owned = std::make_shared<NcclEvent>(event, events_);
   check_cuda(cudaEventRecord(event, stream), "cudaEventRecord", what);
   return owned;
 }
 
 WorkPtr NcclCommunicator::make_work(std::shared_ptr<NcclEvent> event, std::string what,
                                     std::string peers) {
+  {
+    std::lock_guard<std::mutex> lock(flight_mu_);
+    // Completed ops leave from the front here too, so the list stays short without a watchdog.
+    std::size_t done = 0;
+    while (done < in_flight_.size() &&
+           cudaEventQuery(in_flight_[done].event->get()) == cudaSuccess) {
+      ++done;
+    }
+    cudaGetLastError();
+    in_flight_.erase(in_flight_.begin(), in_flight_.begin() + static_cast<std::ptrdiff_t>(done));
+    in_flight_.push_back({event, Clock::now() + timeout_, what, peers});
+  }
   return std::make_shared<NcclWork>(shared_from_this(), std::move(event), std::move(what),
                                     std::move(peers));
+}
+
+std::string NcclCommunicator::check_health() {
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock() || !broken_.empty() || comm_ == nullptr) return "";
+  DeviceGuard guard(device_);
+  if (guard.error() != cudaSuccess) return "";
+  std::string reason;
+  std::string oldest_what, oldest_peers;
+  {
+    std::lock_guard<std::mutex> flight(flight_mu_);
+    const auto now = Clock::now();
+    std::vector<InFlight> pending;
+    for (auto& op : in_flight_) {
+      const cudaError_t q = cudaEventQuery(op.event->get());
+      if (q == cudaSuccess) continue;
+      if (q != cudaErrorNotReady && reason.empty()) {
+        cudaGetLastError();
+        reason = op.what + " (peers " + op.peers + ") failed on the device: " + cuda_text(q);
+      }
+      if (now > op.deadline && reason.empty()) {
+        reason = op.what + " timed out after " + std::to_string(timeout_.count()) +
+                 " ms waiting for " + op.peers;
+      }
+      if (oldest_what.empty()) oldest_what = op.what, oldest_peers = op.peers;
+      pending.push_back(std::move(op));
+    }
+    in_flight_.swap(pending);
+  }
+  if (reason.empty()) {
+    NcclResult async = kNcclSuccess;
+    const NcclResult polled = api_->comm_get_async_error(comm_, &async);
+    if (polled != kNcclSuccess || (async != kNcclSuccess && async != kNcclInProgress)) {
+      const NcclResult bad = polled != kNcclSuccess ? polled : async;
+      reason = (oldest_what.empty() ? std::string("the group")
+                                    : oldest_what + " (peers " + oldest_peers + ")") +
+               " failed: NCCL reported " + api_->explain(bad, comm_);
+    }
+  }
+  if (reason.empty()) return "";
+  break_group(reason);
+  return where() + ": " + reason + "; the NCCL communicator was aborted on this rank";
 }
 
 void NcclCommunicator::break_group(const std::string& reason) {

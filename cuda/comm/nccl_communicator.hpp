@@ -18,10 +18,21 @@
 //
 // Ordering. Each op first makes its NCCL stream wait on an event recorded on the caller's stream
 // (passed as a handle; 0 is the legacy default stream), so inputs produced there are ready, and
-// records a completion event after the op. Work::wait() polls that event and NCCL's asynchronous
-// error on the host with short sleeps, and past the timeout aborts the communicator (so no
-// kernel spins forever) and raises CommTimeoutError; Work::wait_stream(s) makes `s` wait on the
-// event without blocking the host.
+// records a completion event after the op (events come from a per-communicator pool). Work::wait()
+// polls that event and NCCL's asynchronous error on the host with short sleeps, and past the
+// timeout aborts the communicator (so no kernel spins forever) and raises CommTimeoutError;
+// Work::wait_stream(s) makes `s` wait on the event without blocking the host.
+//
+// Failures nobody waits for. Every op stays on the communicator's in-flight list until its event
+// completes; the process's watchdog (nccl_watchdog.hpp) polls that list and NCCL's asynchronous
+// error, and ends the process naming the op when a peer fails or an op outlives the timeout.
+//
+// Blocking and non-blocking. The communicator is created non-blocking (NCCL 2.14+), so that a
+// rank that never joins is a timeout, not a hang. From NCCL 2.23 every call on a non-blocking
+// communicator runs in a new NCCL thread and answers ncclInProgress, which costs tens of
+// microseconds of host time per op; so, with NCCL 2.18+, the ready communicator is split once
+// into a blocking one (same ranks, same order) that carries every op, and the non-blocking one
+// is finalized and destroyed. Shutting the blocking one down is bounded by the timeout too.
 //
 // Lifetime. The buffers of an op must stay allocated until it completes: the Python layer keeps
 // its tensors referenced from its Work (and, after wait_stream or when the Work is dropped
@@ -56,6 +67,8 @@ NcclUniqueId nccl_unique_id(const comm::NcclLibrary& library);
 struct NcclApi;
 // A CUDA event that marks the end of an op on one of the communicator's streams.
 class NcclEvent;
+
+class EventPool;
 
 class NcclCommunicator final : public comm::Communicator,
                                public std::enable_shared_from_this<NcclCommunicator> {
@@ -109,6 +122,14 @@ class NcclCommunicator final : public comm::Communicator,
   // Non-blocking: true when `event` has completed; throws as wait_event does on an error.
   bool event_done(cudaEvent_t event, const std::string& what, const std::string& peers);
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // True when ops run on a blocking communicator (see the top of this file).
+  bool blocking_ops() const { return comm_ != nullptr && !nonblocking_; }
+
+  // For the watchdog: forgets completed ops, and on NCCL's asynchronous error, a failed event or
+  // an op past its deadline breaks (aborts) the group and returns what failed, naming the op,
+  // its peers, this rank and the group; "" when all is well, when the group already failed (its
+  // error was raised to the caller) or when an op is being posted right now (checked next time).
+  std::string check_health();
 
  private:
   NcclCommunicator(std::shared_ptr<const NcclApi> api, int version_code, std::string group_name,
@@ -123,9 +144,13 @@ class NcclCommunicator final : public comm::Communicator,
   int nccl_op(comm::ReduceOp op, const std::string& what) const;
   // Creates comm_ (UNVERIFIED). With NCCL 2.14 or later the communicator is non-blocking, so
   // that creation is bounded by the timeout: a rank that never joins gives a CommTimeoutError
-  // (and the half-made communicator is aborted) instead of a hang. Older NCCL has only the
-  // blocking ncclCommInitRank, which waits for every rank however long it takes.
+  // (and the half-made communicator is aborted) instead of a hang; with 2.18 or later it is then
+  // split into the blocking communicator the ops use. Older NCCL has only the blocking
+  // ncclCommInitRank, which waits for every rank however long it takes.
   void init_nccl(const NcclUniqueId& id, const std::string& what);
+  // ncclCommSplit of the ready non-blocking `parent` into a blocking communicator; finalizes and
+  // destroys the parent. Throws (aborting both) on an error or past the timeout.
+  void* split_blocking(void* parent, const std::string& what);
   // On a non-blocking communicator any call may answer ncclInProgress while NCCL finishes it in
   // the background (a group's kernels are not even on their streams yet); that is polled out
   // first, up to the timeout, as NCCL requires before the next call or any use of the streams.
@@ -134,16 +159,19 @@ class NcclCommunicator final : public comm::Communicator,
   void check_nccl(int result, const std::string& call, const std::string& what);
   // comm::wait_nccl_state on `comm` (ncclCommGetAsyncError), up to the timeout from now.
   int settle(int state, void* comm) const;
-  // The destructor's part for comm_ (not yet aborted): ncclCommFinalize, polled up to the
+  // The destructor's part for comm_ (not yet aborted): ncclCommFinalize, bounded by the
   // timeout, then ncclCommDestroy; ncclCommAbort when work is still queued, the group failed,
   // or finalizing does not finish in time.
   void shut_down_nccl() noexcept;
+  // ncclCommFinalize of a non-blocking communicator, polled up to the timeout.
+  bool finalize_nonblocking(void* comm) noexcept;
   void check_cuda(cudaError_t err, const std::string& call, const std::string& what) const;
   std::string set_device_call() const;  // "cudaSetDevice(N)", for check_cuda
   // Makes `stream` wait on the work queued so far on the caller's stream.
   void after_caller(comm::StreamHandle caller, cudaStream_t stream, const std::string& what);
   // Records a completion event on `stream` (after the op just posted there).
   std::shared_ptr<NcclEvent> record(cudaStream_t stream, const std::string& what);
+  // The Work of an op whose completion `event` marks; the op joins the in-flight list.
   comm::WorkPtr make_work(std::shared_ptr<NcclEvent> event, std::string what, std::string peers);
   // What every collective does around its NCCL call: lock, check the group, order the send
   // stream after the caller's, enqueue (`enqueue` returns NCCL's result), record the event.
@@ -174,6 +202,15 @@ class NcclCommunicator final : public comm::Communicator,
   std::string broken_;  // set once an op fails or the group is aborted
   bool aborted_ = false;
   std::vector<std::atomic<std::uint64_t>> sent_;
+
+  std::shared_ptr<EventPool> events_;
+  struct InFlight {
+    std::shared_ptr<NcclEvent> event;
+    std::chrono::steady_clock::time_point deadline;
+    std::string what, peers;
+  };
+  std::mutex flight_mu_;  // guards in_flight_ (the watchdog reads it without mu_)
+  std::vector<InFlight> in_flight_;
 };
 
 }  // namespace megart::cuda

@@ -49,6 +49,7 @@ MEGART_SAME_ABI(get_unique_id, ncclGetUniqueId);
 MEGART_SAME_ABI(comm_init_rank, ncclCommInitRank);
 MEGART_SAME_ABI(comm_init_rank_config, ncclCommInitRankConfig);
 MEGART_SAME_ABI(comm_finalize, ncclCommFinalize);
+MEGART_SAME_ABI(comm_split, ncclCommSplit);
 MEGART_SAME_ABI(comm_destroy, ncclCommDestroy);
 MEGART_SAME_ABI(comm_abort, ncclCommAbort);
 MEGART_SAME_ABI(comm_get_async_error, ncclCommGetAsyncError);
@@ -77,7 +78,8 @@ static_assert(kNcclUint8 == ncclUint8 && kNcclInt32 == ncclInt32 && kNcclInt64 =
 static_assert(kNcclSum == ncclSum && kNcclMax == ncclMax && kNcclMin == ncclMin &&
                   kNcclAvg == ncclAvg,
               "reductions");
-static_assert(kNccl2_10 == NCCL_VERSION(2, 10, 0) && kNccl2_14 == NCCL_VERSION(2, 14, 0),
+static_assert(kNccl2_10 == NCCL_VERSION(2, 10, 0) && kNccl2_14 == NCCL_VERSION(2, 14, 0) &&
+                  kNccl2_18 == NCCL_VERSION(2, 18, 0),
               "version codes");
 
 // The unique id and the config.

@@ -5,11 +5,14 @@ Groups on the shm transport take CPU tensors; groups on the nccl transport (UNVE
 run on a GPU) take CUDA tensors on the group's device. nccl ops are ordered after the work
 already queued on the caller's current CUDA stream. As in torch.distributed, an nccl op with
 ``async_op=False`` returns once it is enqueued, with the caller's stream ordered after it, so
-the host runs ahead of the GPU; ``Work.wait_stream()`` does the same for an async op.
-``wait()`` blocks the host (raising CommError or CommTimeoutError rather than hanging), on
-every transport, and shm ops with ``async_op=False`` wait too. An nccl op still unfinished
-after the group's timeout is found when the group is next used: the group is aborted and
-CommTimeoutError raised.
+the host runs ahead of the GPU; ``Work.wait()`` does the same for an async op, as
+torch.distributed's does: the current stream waits for the op on the device, the host goes on
+(``Work.wait_stream(stream)`` names another stream, ``Work.synchronize()`` blocks the host). On
+the shm transport the op is on host memory, and every wait blocks the host (raising CommError or
+CommTimeoutError rather than hanging). An nccl op that fails or is still unfinished after the
+group's timeout is found by the process's watchdog, which aborts the group and ends the process
+naming the op (with ``MEGART_NCCL_WATCHDOG=0``: when the group is next used, raising
+CommTimeoutError).
 
 Tensors stay referenced until their op has completed: by the Work until ``wait()`` returns or
 ``is_completed()`` is true, and after ``wait_stream()`` (or when a Work is dropped unfinished) by
@@ -23,6 +26,7 @@ such as an exchange between two ranks or any send to or receive from the same ra
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABCMeta
 from collections.abc import Callable, Sequence
@@ -60,7 +64,19 @@ class Work(metaclass=ABCMeta):  # noqa: B024 - an ABC only so the C++ twin regis
         self._group = group
 
     def wait(self) -> bool:
-        """Blocks until the op has finished; raises CommError if it failed."""
+        """torch.distributed's semantics: on a device transport (nccl) the current stream
+        waits for the op and the host goes on, so a training loop never stalls between
+        kernels; on a host transport (shm) it blocks until the op has finished. Raises
+        CommError if the op failed (on nccl, failures that come later reach the watchdog)."""
+        g = self._group
+        if g is not None and g.backend == "nccl":
+            self.wait_stream()
+            return True
+        return self.synchronize()
+
+    def synchronize(self) -> bool:
+        """Blocks the host until the op has finished, on every transport; raises CommError
+        (CommTimeoutError past the group's timeout) if it failed."""
         self._work.wait()
         self._tensors = []
         return True
@@ -71,10 +87,10 @@ class Work(metaclass=ABCMeta):  # noqa: B024 - an ABC only so the C++ twin regis
         transport the op is on host memory, so this waits on the host."""
         g = self._group
         if g is None or g.backend != "nccl":
-            self.wait()
+            self.synchronize()
             return
         if stream is None:
-            stream = torch.cuda.current_stream(g.device)
+            stream = _current_stream(g.device)
         self._work.wait_stream(int(getattr(stream, "cuda_stream", stream)))
         if self._tensors:  # the op may still be running: the group keeps its tensors
             _keep_until_done(g, self._work, self._tensors)
@@ -93,8 +109,7 @@ class Work(metaclass=ABCMeta):  # noqa: B024 - an ABC only so the C++ twin regis
         try:
             g = self._group
             if self._tensors and g is not None and g.backend == "nccl":
-                _sweep(g)
-                g.in_flight.append((self._work, self._tensors, time.monotonic()))
+                _keep(g, self._work, self._tensors, time.monotonic())
         except Exception:  # a finaliser must not raise (at interpreter exit, say)
             pass
 
@@ -102,23 +117,40 @@ class Work(metaclass=ABCMeta):  # noqa: B024 - an ABC only so the C++ twin regis
 Work.register(_comm.HostWork)
 
 
+# Guards every group's in_flight list: ops are posted from the training thread, and Works are
+# dropped (__del__) from whatever thread the garbage collector runs in.
+_in_flight_lock = threading.Lock()
+
+
+def _current_stream(device: int | None) -> object:
+    return torch.cuda.current_stream(device)
+
+
 def _keep_until_done(g: ProcessGroup, work: object, tensors: list[torch.Tensor]) -> None:
     """Keeps ``tensors`` until ``work`` completes; an op older than the timeout that has not
-    completed aborts the group (a stuck peer must not hang the next host sync)."""
+    completed aborts the group (the watchdog normally ends the process first)."""
     now = time.monotonic()
-    _sweep(g)
-    if g.in_flight and now - g.in_flight[0][2] > context().timeout.total_seconds():
+    oldest = _keep(g, work, tensors, now)
+    if oldest is not None and now - oldest > context().timeout.total_seconds():
         g.comm.abort()
         raise CommTimeoutError(
             f"rank {context().rank}: an op of group '{g.name}' has not completed after "
             f"{context().timeout}; the group was aborted"
         )
-    g.in_flight.append((work, tensors, now))
 
 
-def _sweep(g: ProcessGroup) -> None:
-    """Lets the tensors of the group's completed ops go."""
-    g.in_flight[:] = [(w, t, t0) for w, t, t0 in g.in_flight if not w.is_completed()]
+def _keep(g: ProcessGroup, work: object, tensors: list[torch.Tensor], now: float) -> float | None:
+    """Appends (work, tensors) to the group's in-flight list after letting completed ops go
+    from its front (ops complete in about the order posted, so this polls one or two per op,
+    not every op in flight). Returns the posting time of the oldest op still in flight."""
+    with _in_flight_lock:
+        flight = g.in_flight
+        done = 0
+        while done < len(flight) and flight[done][0].is_completed():
+            done += 1
+        del flight[:done]
+        flight.append((work, tensors, now))
+        return flight[0][2]
 
 
 def _reduce_op(op: object) -> str:
@@ -178,7 +210,7 @@ def _stream(g: ProcessGroup) -> int:
     """The caller's current stream on the group's device (nccl), as NCCL's ops take it."""
     if g.backend != "nccl":
         return 0
-    return torch.cuda.current_stream(g.device).cuda_stream
+    return _current_stream(g.device).cuda_stream
 
 
 def _finish(
@@ -187,10 +219,7 @@ def _finish(
     w = Work(work, tensors, g)
     if async_op:
         return w
-    if g.backend == "nccl":
-        w.wait_stream()  # torch.distributed's semantics: ordered on the stream, host free
-    else:
-        w.wait()
+    w.wait()  # nccl: ordered on the current stream, host free; shm: done on return
     return None
 
 

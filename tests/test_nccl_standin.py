@@ -1,0 +1,145 @@
+"""The nccl transport's own sources (cuda/comm) built against the host stand-ins for the CUDA
+runtime and NCCL (tests/standin, see BEHAVIOUR.md there) and run on CPU: every op and dtype at 2
+and 4 ranks against float64, subgroups, batched p2p rings, stream ordering, dead and stuck peers,
+aborts, bounded init and shutdown, and the watchdog ending a process whose peer failed. Then each
+cudaStreamWaitEvent of the transport is removed in turn, and the tests must catch it.
+
+Ranks are threads of one test process (each on its own stand-in device); each case runs in its
+own process, so a case that the watchdog must end can end it."""
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STANDIN = ROOT / "tests" / "standin"
+COMM = ROOT / "cuda" / "comm"
+WATCHDOG_EXIT = 86  # cuda/comm/nccl_watchdog.hpp
+
+
+def _cases(source: str) -> list[str]:
+    return re.findall(r"^TEST\((\w+)\)", (STANDIN / source).read_text(), re.M)
+
+
+COLLECTIVES = _cases("test_collectives.cpp")
+FAILURES = _cases("test_failures.cpp")
+
+
+def _build(build: Path, comm_dir: Path = COMM) -> Path:
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.fail("cmake is needed: pip install 'megart[test]'")
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    for cmd in (
+        [cmake, "-S", str(STANDIN), "-B", str(build), *generator, f"-DMEGART_COMM_DIR={comm_dir}"],
+        [cmake, "--build", str(build), "--parallel", "2"],
+    ):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}"
+    return build
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory.mktemp("standin-build"))
+
+
+def _run(build: Path, cases: list[str], timeout: float = 120, **env: str):
+    full = {**os.environ, "MEGART_NCCL_LIBRARY": str(build / "libnccl_standin.so"), **env}
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [str(build / "megart_nccl_standin_tests"), *cases],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full,
+    )
+    return done, time.monotonic() - t0
+
+
+def test_every_case_is_collected():
+    assert len(COLLECTIVES) >= 9 and len(FAILURES) >= 9
+
+
+@pytest.mark.parametrize("case", COLLECTIVES + [c for c in FAILURES if "ends_the" not in c])
+def test_standin_case(standin, case):
+    done, _ = _run(standin, [case], MEGART_NCCL_WATCHDOG="0")
+    assert done.returncode == 0 and "1 tests, 0 failed" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        ("dead_peer_ends_the_process", "remote process exited"),
+        ("stuck_peer_ends_the_process", "timed out after 1000 ms waiting for ranks 0..1"),
+    ],
+)
+def test_watchdog_ends_the_process(standin, case, says):
+    """Nobody waits on the failed op: the watchdog aborts the communicator and ends the process
+    within the timeout plus a few seconds, naming rank, op, peers and group."""
+    done, took = _run(standin, [case], MEGART_NCCL_WATCHDOG="1")
+    assert done.returncode == WATCHDOG_EXIT, done.stdout + done.stderr
+    message = done.stderr
+    assert "rank 0 of group 'world'" in message and "all_reduce(16 x float32, sum)" in message
+    assert says in message and "ranks 0..1" in message and "watchdog ended" in message
+    assert took < 1 + 5
+
+
+@pytest.mark.parametrize(
+    "version, cases",
+    [
+        # NCCL before 2.14: blocking ncclCommInitRank only; ops as before.
+        ("21300", COLLECTIVES),
+        # 2.14 to 2.17: non-blocking, no ncclCommSplit: ops run on the non-blocking communicator.
+        ("21700", COLLECTIVES + ["stuck_peer_times_out_at_wait", "dead_peer_raises_at_wait"]),
+    ],
+)
+def test_older_nccl(standin, version, cases):
+    done, _ = _run(standin, cases, MEGART_NCCL_WATCHDOG="0", MEGART_STANDIN_NCCL_VERSION=version)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{len(cases)} tests, 0 failed" in done.stdout
+
+
+def _stream_waits() -> list[tuple[str, int]]:
+    sites = []
+    for source in sorted(COMM.glob("*.cpp")):
+        calls = re.findall(r"cudaStreamWaitEvent\(", source.read_text())
+        sites += [(source.name, k) for k in range(len(calls))]
+    return sites
+
+
+def _without_call(text: str, k: int) -> str:
+    """`text` with the k-th cudaStreamWaitEvent(...) call replaced by cudaSuccess."""
+    starts = [m.start() for m in re.finditer(r"cudaStreamWaitEvent\(", text)]
+    start = starts[k]
+    depth, end = 0, start
+    for end in range(start + len("cudaStreamWaitEvent"), len(text)):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        if depth == 0:
+            break
+    return text[:start] + "cudaSuccess" + text[end + 1 :]
+
+
+def test_the_transport_has_stream_waits_to_remove():
+    assert len(_stream_waits()) >= 4
+
+
+@pytest.mark.parametrize("source, k", _stream_waits())
+def test_each_stream_wait_is_needed(tmp_path_factory, source, k):
+    """Removing any one cudaStreamWaitEvent from the transport makes a stand-in test fail: the
+    stand-in's streams really overlap, so a missing ordering is a wrong result, not luck."""
+    work = tmp_path_factory.mktemp("mutant")
+    (work / "comm").mkdir()
+    for f in COMM.iterdir():
+        shutil.copy(f, work / "comm" / f.name)
+    mutant = work / "comm" / source
+    mutant.write_text(_without_call(mutant.read_text(), k))
+    build = _build(tmp_path_factory.getbasetemp() / "mutant-build", work / "comm")
+    done, _ = _run(build, COLLECTIVES, MEGART_NCCL_WATCHDOG="0")
+    assert done.returncode != 0, f"{source}: removing stream wait #{k} went unnoticed"
+    assert "FAILED" in done.stdout
