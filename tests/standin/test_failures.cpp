@@ -43,10 +43,12 @@ Pair make_pair(milliseconds timeout) {
 }
 
 // Nobody waits on the failed op (as a training loop that next syncs through loss.item()): the
-// watchdog must end the process within seconds; returning from here is the failure.
-void expect_the_watchdog_to_end_this_process() {
+// watchdog must end the process within seconds; returning from here is the failure (after
+// aborting `c`, so that the stuck kernel does not hang the test's clean-up).
+void expect_the_watchdog_to_end_this_process(const Comm& c) {
   std::this_thread::sleep_for(std::chrono::seconds(15));
   test::fail(__FILE__, __LINE__, "the watchdog did not end the process");
+  c->abort();
 }
 
 TEST(dead_peer_raises_at_wait) {
@@ -66,7 +68,7 @@ TEST(dead_peer_ends_the_process) {
   DeviceBuffer buf(64);
   auto w = p.c0->all_reduce({buf.ptr, 16, DType::Float32}, ReduceOp::Sum, handle(p.stream));
   kill_device(1);
-  expect_the_watchdog_to_end_this_process();
+  expect_the_watchdog_to_end_this_process(p.c0);
 }
 
 TEST(stuck_peer_times_out_at_wait) {
@@ -84,7 +86,7 @@ TEST(stuck_peer_ends_the_process) {
   auto p = make_pair(milliseconds(1000));
   DeviceBuffer buf(64);
   auto w = p.c0->all_reduce({buf.ptr, 16, DType::Float32}, ReduceOp::Sum, handle(p.stream));
-  expect_the_watchdog_to_end_this_process();
+  expect_the_watchdog_to_end_this_process(p.c0);
 }
 
 TEST(abort_fails_ops_in_flight) {
