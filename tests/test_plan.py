@@ -318,3 +318,40 @@ def test_fixed_flags_are_kept():
         e.layout.tp == 2 and e.layout.recompute == "full" and e.layout.distributed_optimizer
         for e in found
     )
+
+
+def test_searched_tensor_parallel_groups_stay_inside_a_node():
+    gpu = load_profile("a100-80gb")
+    base = TrainConfig(
+        **{**MODEL, "num_attention_heads": 48, "hidden_size": 3072, "global_batch_size": 96}
+    )
+    found = search(base, 48, gpu, keep=50)
+    assert found and all(gpu.gpus_per_node % e.layout.tp == 0 for e in found)
+    # Asked for, a group across nodes pays the rails' bandwidth.
+    across = search(
+        base,
+        48,
+        gpu,
+        Fixed(
+            tp=6,
+            pp=1,
+            micro_batch=1,
+            recompute=None,
+            sequence_parallel=False,
+            distributed_optimizer=False,
+        ),
+    )
+    inside = search(
+        base,
+        48,
+        gpu,
+        Fixed(
+            tp=4,
+            pp=1,
+            micro_batch=1,
+            recompute=None,
+            sequence_parallel=False,
+            distributed_optimizer=False,
+        ),
+    )
+    assert across[0].time["tp_comm"] > 3 * inside[0].time["tp_comm"]

@@ -204,7 +204,12 @@ def estimate(
     gather_bytes = FP32 if not megatron else 2  # what the distributed optimizer all-gathers
 
     # Per-microbatch costs of the slowest stage (the last: it adds the output layer).
-    per_layer = layer_work(cfg, b, t, sp, rec, gpu, unfused_attention, tp_overlap)
+    # A tensor-parallel group that does not divide a node spans nodes: its collectives cross
+    # the rails.
+    tp_gpu = gpu
+    if gpu.gpus_per_node % t:
+        tp_gpu = dataclasses.replace(gpu, nvlink_bus_gb_per_s=gpu.rail_gb_per_s)
+    per_layer = layer_work(cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap)
     stage = per_layer * (cfg.num_layers / p) + logits_work(cfg, b, t, gpu)
     # Pipeline messages: the fp32 residual stream, 1/t of it with scatter/gather or
     # sequence parallelism; over a rail when consecutive stages sit on different nodes.

@@ -38,7 +38,8 @@ class Fixed:
 def candidates(base: TrainConfig, world: int, gpu: GPUProfile, fixed: Fixed) -> list[Layout]:
     """Every layout within ``fixed`` that passes megart train's checks."""
     heads = base.num_query_groups if base.group_query_attention else base.num_attention_heads
-    tps = [fixed.tp] if fixed.tp else [t for t in divisors(world) if t <= gpu.gpus_per_node]
+    # Searched tensor-parallel groups stay inside a node (t divides the node's GPUs).
+    tps = [fixed.tp] if fixed.tp else [t for t in divisors(world) if gpu.gpus_per_node % t == 0]
     out = []
     for t in tps:
         if fixed.tp is None and heads % t:
