@@ -327,31 +327,17 @@ def test_searched_tensor_parallel_groups_stay_inside_a_node():
     )
     found = search(base, 48, gpu, keep=50)
     assert found and all(gpu.gpus_per_node % e.layout.tp == 0 for e in found)
+
     # Asked for, a group across nodes pays the rails' bandwidth.
-    across = search(
-        base,
-        48,
-        gpu,
-        Fixed(
-            tp=6,
+    def tp_comm(tp: int) -> float:
+        only = Fixed(
+            tp=tp,
             pp=1,
             micro_batch=1,
             recompute=None,
             sequence_parallel=False,
             distributed_optimizer=False,
-        ),
-    )
-    inside = search(
-        base,
-        48,
-        gpu,
-        Fixed(
-            tp=4,
-            pp=1,
-            micro_batch=1,
-            recompute=None,
-            sequence_parallel=False,
-            distributed_optimizer=False,
-        ),
-    )
-    assert across[0].time["tp_comm"] > 3 * inside[0].time["tp_comm"]
+        )
+        return search(base, 48, gpu, only)[0].time["tp_comm"]
+
+    assert tp_comm(6) > 3 * tp_comm(4)
