@@ -12,16 +12,22 @@ from megart.training.data import builtin_corpus
 
 class SavedBytes:
     """Bytes of the distinct storages that autograd's saved tensors hold, and their peak.
-    Parameters (saved by every linear layer) are not activations and are left out."""
+    Parameters (saved by every linear layer) are not activations and are left out, nor are
+    autocast's 16-bit copies of the weights (the planner counts those apart): recognised as
+    16-bit tensors shaped as a weight or its transpose, so the tests pick sizes where no
+    activation has such a shape."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.weight_shapes = {s for p in params if p.dim() == 2 for s in (p.shape, p.shape[::-1])}
         self.live: dict[int, list[int]] = {}  # storage -> [saved tensors holding it, bytes]
         self.now = self.peak = 0
 
     def pack(self, t: torch.Tensor) -> object:
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.params:
+            return t
+        if t.dtype in (torch.bfloat16, torch.float16) and t.shape in self.weight_shapes:
             return t
         entry = self.live.setdefault(ptr, [0, t.untyped_storage().nbytes()])
         if entry[0] == 0:

@@ -73,6 +73,9 @@ CASES = [
         dict(use_distributed_optimizer=True, micro_batch_size=2),
     ),
     ("llama-style tp2", 2, LLAMA, dict(tensor_model_parallel_size=2, micro_batch_size=4)),
+    # 16-bit autocast: the residual stream stays fp32, the rest is bf16. Tokens per microbatch
+    # (128) differ from every weight dimension (see plan_workers.SavedBytes).
+    ("pp2 bf16", 2, SMALL, dict(pipeline_model_parallel_size=2, bf16=True, micro_batch_size=4)),
     (
         "pp2 x dp2 distributed optimizer",
         4,
