@@ -1,6 +1,8 @@
 """megart plan's memory model against real megart train ranks (CPU, shared-memory transport):
 parameter, gradient and optimizer bytes exactly, and the activations autograd saves at the
-peak (torch's saved-tensor hooks) within 10%."""
+peak (torch's saved-tensor hooks) within 1% (the issue asks 10%; the count is exact but for
+the embedding's few bytes per held pair on interleaved stages and the vocabulary-padding mask,
+which only the last tensor-parallel rank saves)."""
 
 from __future__ import annotations
 
@@ -112,5 +114,5 @@ def test_predicted_bytes_are_what_a_rank_holds(name, nproc, model, flags):
         want = rank_memory(c, layout, layout.dp, r, plan.peak_in_flight[r], dp_rank=held["dp_rank"])
         for part in ("parameters", "gradients", "optimizer"):
             assert want[part] == held[part], (name, held, part, want[part])
-        assert held["saved_peak"] == pytest.approx(want["saved"], rel=0.10), (name, held, want)
+        assert held["saved_peak"] == pytest.approx(want["saved"], rel=0.01), (name, held, want)
         assert held["saved_after"] == 0  # the measure sees every saved tensor released

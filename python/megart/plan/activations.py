@@ -6,8 +6,11 @@ per layer, in elements of one microbatch (s tokens x b sequences), t tensor-para
     norm inputs (the residual stream)     2 h        (/t with sequence parallelism)
     norm outputs, the q/k/v and MLP inputs 2 h        (whole sequence even with sequence
                                                        parallelism: the gathered input is saved)
-    fused q/k/v output                    (h + 2 kv)/t  (+ 2h/t: grouped keys and values are
-                                                       repeated per query head before attention)
+    q, k, v per query head                3 h/t      (the fused output itself with one group per
+                                                       head; with grouped keys and values, the
+                                                       keys and values repeated per head, and q:
+                                                       a copy, or with one group per rank the
+                                                       fused output, (h + 2 kv)/t)
     attention output (= projection input) h/t
     MLP                                   2 f/t (GeLU: its input and output), 4 f/t (SwiGLU)
     norm statistics (fp32)                2 per norm (LayerNorm's mean and rstd; RMSNorm's
@@ -40,6 +43,13 @@ def precision_of(bf16: bool, fp16: bool) -> Precision:
     return Precision(4, 2) if (bf16 or fp16) else Precision(4, 4)
 
 
+def norm_statistics(cfg: GPTConfig) -> int:
+    """Bytes per token a norm saves besides its input. LayerNorm: fp32 mean and rstd. megart's
+    RMSNorm computes in fp32 (the residual stream already is): the fp32 rsqrt and the
+    normalised product."""
+    return 2 * 4 if cfg.normalization != "rmsnorm" else cfg.hidden_size * 4 + 4
+
+
 def layer_bytes(
     cfg: GPTConfig,
     b: int,
@@ -55,16 +65,20 @@ def layer_bytes(
     seq_share = 1 / t if sp else 1.0
     if recompute == "full":
         return tokens * h * seq_share * prec.residual
-    kv = cfg.query_groups * cfg.head_dim
     heads = cfg.num_attention_heads // t
     residual = 2 * h * seq_share * prec.residual
     norm_out = 2 * h * prec.other
-    qkv = (h + 2 * kv) / t + (2 * h / t if kv != h else 0)
+    # Attention keeps q, k and v per query head: views of the fused output with one group per
+    # head; with fewer groups the repeated keys and values, and q, which is a view of the fused
+    # output when a rank holds one group and a copy otherwise.
+    qkv = 3 * h / t
+    groups = cfg.query_groups // t
+    if groups * t != cfg.num_attention_heads:
+        fused = (h + 2 * cfg.query_groups * cfg.head_dim) / t
+        qkv = 2 * h / t + (fused if groups == 1 else h / t)
     mlp = (4 if cfg.activation == "swiglu" else 2) * f / t
     other = (qkv + h / t + mlp) * prec.other
-    # LayerNorm: fp32 mean and rstd per token. megart's RMSNorm computes in fp32 (the
-    # residual stream already is): it keeps the fp32 rsqrt and the normalised product.
-    norms = 2 * seq_share * (2 * 4 if cfg.normalization != "rmsnorm" else h * 4 + 4)
+    norms = 2 * seq_share * norm_statistics(cfg)
     core = 0.0
     if recompute != "selective":
         core = heads * 4 if not unfused_attention else 5 * heads * s * prec.other / 2
@@ -79,12 +93,13 @@ def first_stage_bytes(cfg: GPTConfig, b: int, tp: int) -> float:
 
 def last_stage_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -> float:
     """The final norm, output layer and vocab-parallel cross-entropy: norm input and output,
-    the fp32 softmax over this rank's vocabulary slice, targets and masks."""
+    the fp32 softmax over this rank's vocabulary slice, targets and masks (the padding mask of
+    the last tensor-parallel rank, the one holding padded entries)."""
     s, h = cfg.seq_length, cfg.hidden_size
     tokens = s * b
     vocab = cfg.padded_vocab_size(tp) // tp
     seq_share = 1 / tp if sp else 1.0
-    norm = tokens * (h * seq_share * prec.residual + 2 * seq_share * 4 + h * prec.other)
+    norm = tokens * (seq_share * (h * prec.residual + norm_statistics(cfg)) + h * prec.other)
     padding_mask = vocab if cfg.padded_vocab_size(tp) > cfg.vocab_size else 0
     return norm + tokens * (vocab * 4 + 8 + 2) + padding_mask
 
