@@ -1,0 +1,148 @@
+"""megart plan: predicts the iteration time, TFLOP/s and memory per GPU of training a GPT on a
+cluster, and recommends a layout. The model flags are megart train's; every layout flag left out
+is searched.
+
+    megart plan --gpu a100-80gb --num-gpus 1024 --num-layers 96 --hidden-size 12288 \\
+        --num-attention-heads 96 --seq-length 2048 --vocab-size 51200 --global-batch-size 1536
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+from megart.cli.train import HELP
+from megart.errors import MegartError
+from megart.training.config import CHOICES, TrainConfig
+
+MODEL_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "vocab_size",
+    "ffn_hidden_size",
+    "normalization",
+    "position_embedding_type",
+    "swiglu",
+    "disable_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "group_query_attention",
+    "num_query_groups",
+    "global_batch_size",
+    "fp16",
+    "bf16",
+)
+# Layout flags: given, they are fixed; left out, searched.
+LAYOUT_FLAGS = (
+    "micro_batch_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage",
+    "sequence_parallel",
+    "recompute_granularity",
+    "use_distributed_optimizer",
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from megart.plan.estimate import RUNTIMES
+    from megart.plan.hardware import GPUS
+
+    p = argparse.ArgumentParser(
+        prog="megart plan", description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )
+    p.add_argument("--gpu", choices=GPUS, help="a built-in cluster profile")
+    p.add_argument(
+        "--gpu-profile",
+        metavar="FILE",
+        help="a profile JSON file (copy one of megart/plan/profiles/ and edit it)",
+    )
+    p.add_argument("--num-gpus", type=int, required=True, help="GPUs in the job")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name in MODEL_FLAGS + LAYOUT_FLAGS:
+        f = fields[name]
+        flag = "--" + name.replace("_", "-")
+        text = HELP[name] + (" (searched when left out)" if name in LAYOUT_FLAGS else "")
+        if f.type in ("bool", bool):
+            default = None if name in LAYOUT_FLAGS else False
+            p.add_argument(flag, dest=name, action="store_true", default=default, help=text)
+        else:
+            kind = int if str(f.type).startswith("int") else str
+            choices = CHOICES.get(name) or (("full", "selective") if "recompute" in name else None)
+            p.add_argument(flag, dest=name, type=kind, default=None, choices=choices, help=text)
+    p.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default="megart",
+        help="whose memory conventions: megart's (default) or Megatron-LM's (16-bit weights, "
+        "fp32 main weights, Korthikanti et al.'s activations)",
+    )
+    p.add_argument("--top", type=int, default=8, help="candidates to show (default: 8)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.add_argument("--png", metavar="FILE", help="draw the candidates (needs matplotlib)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except MegartError as e:
+        print(f"megart plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from megart.errors import ConfigError
+    from megart.plan.hardware import load_profile
+    from megart.plan.report import draw, plan_json, table
+    from megart.plan.search import Fixed, NoFit, search
+
+    gpu = load_profile(args.gpu, args.gpu_profile)
+    world = args.num_gpus
+    if world < 1:
+        raise ConfigError(f"--num-gpus {world} must be at least 1")
+    given = {n: getattr(args, n) for n in MODEL_FLAGS if getattr(args, n) not in (None, False)}
+    if not args.fp16 and not args.bf16:
+        given["bf16"] = True  # 16-bit compute is assumed; say --fp16 for fp16
+    base = TrainConfig(**given)
+    chunks = None
+    per = args.num_layers_per_virtual_pipeline_stage
+    if per is not None:
+        pp = args.pipeline_model_parallel_size
+        if pp is None:
+            raise ConfigError(
+                "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size"
+            )
+        if per < 1 or base.num_layers % (pp * per):
+            raise ConfigError(
+                f"--num-layers {base.num_layers} is not divisible by pipeline size {pp} x "
+                f"--num-layers-per-virtual-pipeline-stage {per}"
+            )
+        chunks = base.num_layers // (pp * per)
+    fixed = Fixed(
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        chunks=chunks,
+        micro_batch=args.micro_batch_size,
+        sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute_granularity or False,
+        distributed_optimizer=args.use_distributed_optimizer,
+    )
+    try:
+        found = search(base, world, gpu, fixed, keep=max(1, args.top), runtime=args.runtime)
+    except NoFit as e:
+        if args.png:
+            draw(e.estimates, gpu, args.png)
+        raise
+    if args.png:
+        draw(found, gpu, args.png)
+    if args.json:
+        print(json.dumps(plan_json(found, gpu, world), indent=1))
+    else:
+        print(table(found, gpu, world))
+    return 0

@@ -1,0 +1,125 @@
+"""Activation memory of megart's GPT, per microbatch, from the tensors autograd saves.
+
+Counted from megart's modules (and checked against torch's saved-tensor hooks on real ranks),
+per layer, in elements of one microbatch (s tokens x b sequences), t tensor-parallel ranks:
+
+    norm inputs (the residual stream)     2 h        (/t with sequence parallelism)
+    norm outputs, the q/k/v and MLP inputs 2 h        (whole sequence even with sequence
+                                                       parallelism: the gathered input is saved)
+    q, k, v per query head                3 h/t      (the fused output itself with one group per
+                                                       head; with grouped keys and values, the
+                                                       keys and values repeated per head, and q:
+                                                       a copy, or with one group per rank the
+                                                       fused output, (h + 2 kv)/t)
+    attention output (= projection input) h/t
+    MLP                                   2 f/t (GeLU: its input and output), 4 f/t (SwiGLU)
+    norm statistics (fp32)                2 per norm (LayerNorm's mean and rstd; RMSNorm's
+                                          input in fp32 instead)
+    attention log-sum-exp (fp32)          heads/t per token (flash attention saves no s x s
+                                          matrix; with --attention unfused the scores are
+                                          kept as Korthikanti et al. count them, 5 a s/t)
+
+With autocast (--bf16/--fp16) the residual stream stays fp32 and the rest is 16-bit. Selective
+recomputation drops the attention core's own saves (the log-sum-exp, or the s x s matrices);
+full recomputation keeps only each layer's input (and one layer's set while it is recomputed).
+Korthikanti et al.'s 34 s b h (with a 5 a s/h attention term) counts Megatron's tensors, which
+differ slightly (dropout masks; Megatron re-gathers sequence-parallel inputs in backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megart.models.config import GPTConfig
+
+
+@dataclass(frozen=True)
+class Precision:
+    residual: int  # bytes per element of the residual stream (norm inputs)
+    other: int  # bytes per element of the other saved activations
+
+
+def precision_of(bf16: bool, fp16: bool) -> Precision:
+    return Precision(4, 2) if (bf16 or fp16) else Precision(4, 4)
+
+
+def norm_statistics(cfg: GPTConfig) -> int:
+    """Bytes per token a norm saves besides its input. LayerNorm: fp32 mean and rstd. megart's
+    RMSNorm computes in fp32 (the residual stream already is): the fp32 rsqrt and the
+    normalised product."""
+    return 2 * 4 if cfg.normalization != "rmsnorm" else cfg.hidden_size * 4 + 4
+
+
+def layer_bytes(
+    cfg: GPTConfig,
+    b: int,
+    tp: int,
+    sp: bool,
+    recompute: str | None,
+    prec: Precision,
+    unfused_attention: bool = False,
+) -> float:
+    """Bytes one layer keeps for one microbatch until its backward."""
+    s, h, t, f = cfg.seq_length, cfg.hidden_size, tp, cfg.ffn_size
+    tokens = s * b
+    seq_share = 1 / t if sp else 1.0
+    if recompute == "full":
+        return tokens * h * seq_share * prec.residual
+    heads = cfg.num_attention_heads // t
+    residual = 2 * h * seq_share * prec.residual
+    norm_out = 2 * h * prec.other
+    # Attention keeps q, k and v per query head: views of the fused output with one group per
+    # head; with fewer groups the repeated keys and values, and q, which is a view of the fused
+    # output when a rank holds one group and a copy otherwise.
+    qkv = 3 * h / t
+    groups = cfg.query_groups // t
+    if groups * t != cfg.num_attention_heads:
+        fused = (h + 2 * cfg.query_groups * cfg.head_dim) / t
+        qkv = 2 * h / t + (fused if groups == 1 else h / t)
+    mlp = (4 if cfg.activation == "swiglu" else 2) * f / t
+    other = (qkv + h / t + mlp) * prec.other
+    norms = 2 * seq_share * norm_statistics(cfg)
+    core = 0.0
+    if recompute != "selective":
+        core = heads * 4 if not unfused_attention else 5 * heads * s * prec.other / 2
+    return tokens * (residual + norm_out + other + norms + core)
+
+
+def first_stage_bytes(cfg: GPTConfig, b: int, tp: int) -> float:
+    """The embedding's saves: token ids (int64) and, with t > 1, the mask of ids held
+    elsewhere (one byte)."""
+    return cfg.seq_length * b * (8 + 1)
+
+
+def last_stage_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -> float:
+    """The final norm, output layer and vocab-parallel cross-entropy: norm input and output,
+    the fp32 softmax over this rank's vocabulary slice, targets and masks (the padding mask of
+    the last tensor-parallel rank, the one holding padded entries)."""
+    s, h = cfg.seq_length, cfg.hidden_size
+    tokens = s * b
+    vocab = cfg.padded_vocab_size(tp) // tp
+    seq_share = 1 / tp if sp else 1.0
+    norm = tokens * (seq_share * (h * prec.residual + norm_statistics(cfg)) + h * prec.other)
+    padding_mask = vocab if cfg.padded_vocab_size(tp) > cfg.vocab_size else 0
+    return norm + tokens * (vocab * 4 + 8 + 2) + padding_mask
+
+
+def output_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -> float:
+    """A chunk's output, which megart's pipeline engine holds until that chunk's backward."""
+    return cfg.seq_length * b * cfg.hidden_size * (1 / tp if sp else 1.0) * prec.residual
+
+
+def megatron_layer_bytes(
+    cfg: GPTConfig, b: int, tp: int, sp: bool, recompute: str | None, unfused_attention: bool
+) -> float:
+    """Korthikanti et al.'s count for Megatron-LM (16-bit activations, 1-byte dropout masks):
+    s b h (10 + 24/t) (34/t with sequence parallelism) plus 5 a s^2 b / t for the kept
+    attention scores (none with flash attention or selective recomputation); 2 s b h (/t with
+    sequence parallelism) with full recomputation."""
+    s, h, t, a = cfg.seq_length, cfg.hidden_size, tp, cfg.num_attention_heads
+    tokens = s * b
+    if recompute == "full":
+        return 2 * tokens * h / (t if sp else 1)
+    dense = 34 / t if sp else 10 + 24 / t
+    scores = 5 * a * s / (h * t) if unfused_attention and recompute != "selective" else 0.0
+    return tokens * h * (dense + scores)

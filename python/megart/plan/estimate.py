@@ -1,0 +1,308 @@
+"""One layout on one cluster: memory per GPU by part (worst rank) and the time of one iteration
+by part, with the pipeline bubble from megart's schedule simulator."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from megart import schedule as sched
+from megart.errors import ConfigError
+from megart.plan import activations as act
+from megart.plan.hardware import GIB, GPUProfile
+from megart.plan.parameters import BUCKET_BYTES, FP32, state_bytes
+from megart.plan.timing import Work, collective_seconds, layer_work, logits_work
+from megart.training.config import TrainConfig
+from megart.training.flops import model_flops
+
+RUNTIMES = ("megart", "megatron")
+ADAM_BYTES = 28  # per fp32 element stepped: read p, g, m, v; write p, m, v (REFERENCES.md)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    chunks: int
+    micro_batch: int
+    sequence_parallel: bool
+    recompute: str | None
+    distributed_optimizer: bool
+
+    def sizes(self) -> tuple[int, int, int, int, bool]:
+        """(t, p, v, b, sequence parallel)."""
+        return self.tp, self.pp, self.chunks, self.micro_batch, self.sequence_parallel
+
+    def flags(self, num_layers: int) -> str:
+        """The megart train flags of this layout, for a model of ``num_layers``."""
+        out = [
+            f"--tensor-model-parallel-size {self.tp}",
+            f"--pipeline-model-parallel-size {self.pp}",
+            f"--micro-batch-size {self.micro_batch}",
+        ]
+        if self.chunks > 1:
+            per = num_layers // (self.pp * self.chunks)
+            out.append(f"--num-layers-per-virtual-pipeline-stage {per}")
+        if self.sequence_parallel:
+            out.append("--sequence-parallel")
+        if self.recompute:
+            out.append(f"--recompute-granularity {self.recompute}")
+        if self.distributed_optimizer:
+            out.append("--use-distributed-optimizer")
+        return " ".join(out)
+
+    def short(self) -> str:
+        extra = [f"v{self.chunks}"] if self.chunks > 1 else []
+        extra += ["sp"] if self.sequence_parallel else []
+        extra += [f"rc={self.recompute}"] if self.recompute else []
+        extra += ["distopt"] if self.distributed_optimizer else []
+        return f"t{self.tp} p{self.pp} d{self.dp} b{self.micro_batch}" + "".join(
+            " " + e for e in extra
+        )
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    num_layers: int
+    microbatches: int
+    memory: dict[str, float]  # bytes per GPU by part, the worst rank
+    time: dict[str, float]  # seconds by part; "iteration" is their sum
+    bubble_fraction: float
+    fits: bool
+    missing_bytes: float
+    tflops_per_gpu: float  # counting recomputation (the paper's convention)
+    model_tflops_per_gpu: float
+    mfu: float
+    simulated: bool
+    peak_in_flight: list[int] = field(default_factory=list)
+
+    @property
+    def iteration_time(self) -> float:
+        return self.time["iteration"]
+
+
+def layout_config(base: TrainConfig, layout: Layout) -> TrainConfig:
+    """``base`` with the layout's flags set."""
+    per = None
+    if layout.chunks > 1:
+        per = base.num_layers // (layout.pp * layout.chunks)
+    return dataclasses.replace(
+        base,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        num_layers_per_virtual_pipeline_stage=per,
+        micro_batch_size=layout.micro_batch,
+        sequence_parallel=layout.sequence_parallel,
+        recompute_granularity=layout.recompute,
+        recompute_activations=False,
+        use_distributed_optimizer=layout.distributed_optimizer,
+    )
+
+
+def theory_in_flight(pp: int, m: int, chunks: int) -> list[int]:
+    """Peak (microbatch, chunk) pairs held per pipeline rank: 1F1B min(m, p - r); interleaved
+    Megatron's warm-up (p - r - 1) 2 + (v - 1) p, plus the one in flight, capped at m v."""
+    if chunks == 1:
+        return [min(m, pp - r) for r in range(pp)]
+    return [min(m * chunks, (pp - r - 1) * 2 + (chunks - 1) * pp + 1) for r in range(pp)]
+
+
+def _precision(c: TrainConfig, runtime: str) -> act.Precision:
+    """Bytes of saved activations: megart keeps its residual stream in fp32 under autocast;
+    Megatron-LM runs in 16 bits throughout."""
+    return act.Precision(2, 2) if runtime == "megatron" else act.precision_of(c.bf16, c.fp16)
+
+
+def rank_memory(
+    c: TrainConfig,
+    layout: Layout,
+    dp: int,
+    pp_rank: int,
+    held: int,
+    runtime: str = "megart",
+    unfused_attention: bool = False,
+    dp_rank: int | None = None,
+) -> dict[str, float]:
+    """Bytes pipeline rank ``pp_rank`` (data-parallel rank ``dp_rank``, None: the worst) holds
+    at its peak, by part, with ``held`` (microbatch, chunk) pairs in flight. "activations" is
+    what autograd saves ("saved", what saved-tensor hooks see) plus the chunk outputs megart's
+    pipeline engine keeps ("outputs") and, with full recomputation, one layer's whole set while
+    it is recomputed ("recompute_working")."""
+    cfg = c.gpt_config()
+    megatron = runtime == "megatron"
+    t, p, v, b, sp = layout.sizes()
+    rec = cfg.recompute_granularity
+    prec = _precision(c, runtime)
+    per_chunk_layers = cfg.num_layers // (p * v)
+    if megatron:
+        layer_bytes = act.megatron_layer_bytes(cfg, b, t, sp, rec, unfused_attention)
+        full = act.megatron_layer_bytes(cfg, b, t, sp, None, unfused_attention)
+    else:
+        layer_bytes = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention)
+        full = act.layer_bytes(cfg, b, t, sp, None, prec, unfused_attention)
+    saved = held * per_chunk_layers * layer_bytes
+    if pp_rank == 0:
+        saved += held * act.first_stage_bytes(cfg, b, t)
+    if pp_rank == p - 1:
+        saved += act.last_stage_bytes(cfg, b, t, sp, prec)
+    outputs = 0.0
+    if (pp_rank < p - 1 or v > 1) and not megatron:
+        outputs = held * act.output_bytes(cfg, b, t, sp, prec)
+    working = full if rec == "full" else 0.0
+    state = state_bytes(cfg, t, p, pp_rank, v, dp, layout.distributed_optimizer, dp_rank)
+    params = state.parameters // FP32
+    autocast = params * prec.other if prec.other < 4 and not megatron else 0
+    optimizer = float(state.optimizer)
+    if megatron:  # + fp32 main weights: 12 bytes per stepped element instead of 8
+        optimizer = float(state.optimizer) * 3 / 2
+    parts = {
+        "parameters": float(state.parameters) / (2 if megatron else 1),
+        "gradients": float(state.gradients),
+        "optimizer": optimizer,
+        "activations": saved + outputs + working,
+        "autocast_copies": float(autocast),
+    }
+    parts["total"] = sum(parts.values())
+    parts.update(saved=saved, outputs=outputs, recompute_working=working)
+    return parts
+
+
+def estimate(
+    base: TrainConfig,
+    layout: Layout,
+    gpu: GPUProfile,
+    simulate: bool = True,
+    unfused_attention: bool = False,
+    runtime: str = "megart",
+    tp_overlap: bool = False,
+    dp_overlap: bool = True,
+    grad_reduce_bytes: int = FP32,
+) -> Estimate:
+    """Predicts ``layout`` for the model and batch of ``base`` on ``gpu``s. Raises ConfigError
+    (megart train's checks) when the layout cannot run.
+
+    ``runtime`` "megart" counts what megart holds (fp32 weights, gradients and moments; fp32
+    residual stream under autocast; pipeline outputs kept until backward); "megatron" counts
+    Megatron-LM's conventions, which the published tables were measured with (bf16 weights, fp32
+    gradients, fp32 main weights and moments; Korthikanti et al.'s activations; 16-bit pipeline
+    messages; outputs freed once sent). ``tp_overlap``, ``dp_overlap`` and ``grad_reduce_bytes``
+    describe the runtime's communication: megart's is the default (tensor-parallel collectives
+    not overlapped, gradient buckets reduced in fp32 during the last backward)."""
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
+    megatron = runtime == "megatron"
+    c = layout_config(base, layout)
+    world = layout.tp * layout.pp * layout.dp
+    dp = c.check(world)
+    cfg = c.gpt_config()
+    m = c.microbatches(dp)
+    t, p, v, b, sp = layout.sizes()
+    rec = cfg.recompute_granularity
+    prec = _precision(c, runtime)
+    gather_bytes = FP32 if not megatron else 2  # what the distributed optimizer all-gathers
+
+    # Per-microbatch costs of the slowest stage (the last: it adds the output layer).
+    # A tensor-parallel group that does not divide a node spans nodes: its collectives cross
+    # the rails.
+    tp_gpu = gpu
+    if gpu.gpus_per_node % t:
+        tp_gpu = dataclasses.replace(gpu, nvlink_bus_gb_per_s=gpu.rail_gb_per_s)
+    per_layer = layer_work(cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap)
+    stage = per_layer * (cfg.num_layers / p) + logits_work(cfg, b, t, gpu)
+    # Pipeline messages: the fp32 residual stream, 1/t of it with scatter/gather or
+    # sequence parallelism; over a rail when consecutive stages sit on different nodes.
+    scatter = sp or c.scatter_gather_tensors_in_pipeline
+    message = cfg.seq_length * b * cfg.hidden_size * prec.residual / (t if scatter else 1)
+    cross_node = t * dp >= gpu.gpus_per_node
+    link_bw = (gpu.rail_gb_per_s if cross_node else gpu.nvlink_bus_gb_per_s) * 1e9
+    latency = gpu.link_latency_us * 1e-6
+    if scatter and t > 1 and not sp:  # the receiver's all-gather over NVLink
+        latency += message * (t - 1) / (gpu.nvlink_bus_gb_per_s * 1e9)
+    kind = "interleaved" if v > 1 else "1f1b"
+    if p > 1 and simulate:
+        sim = sched.simulate(
+            sched.build(kind, p, m, v),
+            stage.forward,
+            stage.backward,
+            latency=latency,
+            bandwidth=link_bw,
+            message_bytes=message,
+        )
+        makespan, bubble = sim.makespan, sim.bubble_fraction
+        in_flight = [r.peak_stashed for r in sim.ranks]
+    else:
+        work = m * (stage.forward + stage.backward)
+        bubble = sched.theoretical_bubble(kind, p, m, v) if p > 1 else 0.0
+        hops = 2 * (p - 1) * (latency + message / link_bw) if p > 1 else 0.0
+        makespan = work * (1 + bubble) + hops
+        in_flight = theory_in_flight(p, m, v)
+    compute_only = m * (stage.forward + stage.backward)
+
+    # Memory of the worst pipeline rank.
+    worst: dict[str, float] | None = None
+    for r in sorted({0, min(1, p - 1), p - 1}):
+        parts = rank_memory(c, layout, dp, r, in_flight[r], runtime, unfused_attention)
+        if worst is None or parts["total"] > worst["total"]:
+            worst = parts
+    assert worst is not None
+    worst_rank_params = worst["gradients"]
+    worst["allowance"] = gpu.memory_gib * GIB - gpu.usable_bytes
+
+    # Data parallelism: megart reduces each 4 MiB bucket of fp32 gradients as soon as the last
+    # microbatch's backward has produced it, so all but the last bucket overlap that backward.
+    grad_bytes = float(worst_rank_params) * grad_reduce_bytes / FP32
+    dp_bw = gpu.nvlink_bus_gb_per_s if t * dp <= gpu.gpus_per_node else gpu.rail_gb_per_s
+    dist = layout.distributed_optimizer
+    reduce = collective_seconds(
+        grad_bytes, dp, dp_bw, gpu, (dp - 1) / dp if dist else 2 * (dp - 1) / max(dp, 1)
+    )
+    last_bucket = reduce * min(1.0, BUCKET_BYTES / max(grad_bytes, 1.0))
+    dp_exposed = max(reduce - stage.backward, last_bucket) if reduce else 0.0
+    if not dp_overlap:
+        dp_exposed = reduce
+    gather = 0.0
+    if dist:
+        gather = collective_seconds(
+            float(worst_rank_params) * gather_bytes / FP32, dp, dp_bw, gpu, (dp - 1) / dp
+        )
+    tied = 0.0
+    if p > 1 and not cfg.untie_embeddings_and_output_weights:
+        emb = cfg.padded_vocab_size(t) // t * cfg.hidden_size * FP32 / (dp if dist else 1)
+        tied = collective_seconds(emb, 2, gpu.rail_gb_per_s, gpu, 1.0)
+    stepped = float(worst_rank_params) / FP32 / (dp if dist else 1)
+    optimizer = stepped * ADAM_BYTES / (gpu.hbm_gb_per_s * 1e9)
+    pipeline_comm = makespan - compute_only * (1 + bubble) if p > 1 else 0.0
+    time = {
+        "compute": compute_only - m * stage.tp_comm,
+        "tp_comm": m * stage.tp_comm,
+        "bubble": compute_only * bubble,
+        "pp_comm": max(0.0, pipeline_comm),
+        "dp_comm": dp_exposed + gather + tied,
+        "optimizer": optimizer,
+    }
+    time["iteration"] = makespan + dp_exposed + gather + tied + optimizer
+    flops_run = model_flops(cfg, c.global_batch_size, recompute=rec == "full")
+    flops_model = model_flops(cfg, c.global_batch_size)
+    tflops = flops_run / time["iteration"] / world / 1e12
+    model_tflops = flops_model / time["iteration"] / world / 1e12
+    missing = worst["total"] - gpu.usable_bytes
+    return Estimate(
+        layout=dataclasses.replace(layout, dp=dp),
+        num_layers=cfg.num_layers,
+        microbatches=m,
+        memory=worst,
+        time=time,
+        bubble_fraction=bubble,
+        fits=missing <= 0,
+        missing_bytes=max(0.0, missing),
+        tflops_per_gpu=tflops,
+        model_tflops_per_gpu=model_tflops,
+        mfu=model_tflops / gpu.peak_tflops,
+        simulated=simulate and p > 1,
+        peak_in_flight=list(in_flight),
+    )
+
+
+__all__ = ["Layout", "Estimate", "Work", "estimate", "layout_config", "theory_in_flight"]

@@ -1,0 +1,153 @@
+"""The parameter tensors a megart rank holds, and the gradient buckets and optimizer state they
+make, computed from the model's shape alone (no torch): megart's own layout rules, so that the
+bytes predicted here are the bytes a ``megart train`` rank holds (tested against real ranks).
+
+Everything is fp32 in megart: with --bf16/--fp16 the weights stay fp32 (they are the
+optimizer's main weights) and autocast computes in 16 bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from megart.models.config import GPTConfig
+from megart.models.gpt import chunk_layers
+
+FP32 = 4
+BUCKET_BYTES = 4 << 20  # megart.training.grad_sync.GradientBuckets' default
+
+
+def _norm(cfg: GPTConfig) -> list[int]:
+    h = cfg.hidden_size
+    return [h] if cfg.normalization == "rmsnorm" or not cfg.bias else [h, h]
+
+
+def layer_tensors(cfg: GPTConfig, tp: int) -> list[int]:
+    """Element counts of one layer's parameters on one tensor-parallel rank, in megart's
+    registration order (norm, fused q/k/v, output projection, norm, MLP)."""
+    h, f, t = cfg.hidden_size, cfg.ffn_size, tp
+    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // t
+    bias = cfg.bias
+    out = [*_norm(cfg), qkv * h, *([qkv] if bias else []), h * h // t, *([h] if bias else [])]
+    out += _norm(cfg)
+    column = [f // t * h, *([f // t] if bias else [])]
+    out += column + (column if cfg.activation == "swiglu" else [])
+    out += [h * f // t, *([h] if bias else [])]
+    return out
+
+
+@dataclass(frozen=True)
+class ChunkTensors:
+    tensors: list[int]  # element counts, registration order
+    tied: int | None  # index of the tied embedding when it must sit in a bucket of its own
+
+
+def chunk_tensors(
+    cfg: GPTConfig, tp: int, pp: int, pp_rank: int, chunks: int
+) -> list[ChunkTensors]:
+    """The parameters of each model chunk of pipeline rank ``pp_rank``, as megart builds them
+    (megart.models.gpt.GPTChunk)."""
+    h, vocab = cfg.hidden_size, cfg.padded_vocab_size(tp) // tp
+    untied = cfg.untie_embeddings_and_output_weights
+    out = []
+    for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks):
+        first, last = layers.start == 0, layers.stop == cfg.num_layers
+        tensors, tied = [], None
+        if first or (last and not untied):
+            if pp > 1 and not untied:
+                tied = len(tensors)
+            tensors.append(vocab * h)
+        if first and cfg.position_embedding == "learned":
+            tensors.append(cfg.seq_length * h)
+        for _ in layers:
+            tensors += layer_tensors(cfg, tp)
+        if last:
+            tensors += _norm(cfg)
+        if last and untied:
+            tensors.append(vocab * h)
+        out.append(ChunkTensors(tensors, tied))
+    return out
+
+
+def buckets(chunks: list[ChunkTensors], parts: int) -> list[list[int]]:
+    """The gradient buckets (element counts of their parameters, in bucket order) that
+    megart.training.grad_sync.GradientBuckets makes: parameters in reverse order, a new bucket
+    past BUCKET_BYTES, the tied embedding alone."""
+    flat, lone = [], set()
+    for c in chunks:
+        if c.tied is not None:
+            lone.add(len(flat) + c.tied)
+        flat += c.tensors
+    out: list[list[int]] = []
+    current: list[int] = []
+    size, current_lone = 0, False
+    for i in reversed(range(len(flat))):
+        n = flat[i]
+        if current and (size + n * FP32 > BUCKET_BYTES or i in lone or current_lone):
+            out.append(current)
+            current, size = [], 0
+        current_lone = i in lone if not current else current_lone
+        current.append(n)
+        size += n * FP32
+    if current:
+        out.append(current)
+    return out
+
+
+def padded(bucket: list[int], parts: int) -> int:
+    n = sum(bucket)
+    return -(-n // parts) * parts
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    parameters: int
+    gradients: int
+    optimizer: int
+
+
+@functools.lru_cache(maxsize=4096)
+def state_bytes(
+    cfg: GPTConfig,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    chunks: int,
+    dp: int,
+    distributed: bool,
+    dp_rank: int | None = None,
+) -> StateBytes:
+    """Bytes of parameters, gradients and AdamW state (two fp32 moments and a 0-d fp32 step per
+    stepped tensor) on data-parallel rank ``dp_rank`` of pipeline rank ``pp_rank`` (None: the
+    worst one)."""
+    parts = dp if distributed else 1
+    chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks)
+    bs = buckets(chunk_list, parts)
+    grads = sum(padded(b, parts) for b in bs) * FP32
+    n = sum(sum(c.tensors) for c in chunk_list)
+    tensors = sum(len(c.tensors) for c in chunk_list)
+    if not distributed:
+        return StateBytes(n * FP32, grads, n * 2 * FP32 + tensors * FP32)
+    # The distributed optimizer moves the parameters into buffers laid out (padded) as the
+    # gradients, and steps 1/dp slices ("pieces") of them: moments for the elements of its
+    # slice that belong to parameters, a step per piece.
+    if dp_rank is not None:
+        ranks: range | tuple[int, ...] = (dp_rank,)
+    else:
+        # Every rank for small models (exact); rank 0, which holds whole slices, for large.
+        ranks = range(dp) if len(bs) * dp <= 4096 else (0,)
+    worst = 0
+    for r in ranks:
+        elements = pieces = 0
+        for b in bs:
+            size = padded(b, parts) // parts
+            lo, hi, offset = r * size, (r + 1) * size, 0
+            for n_p in b:
+                start, end = max(lo, offset), min(hi, offset + n_p)
+                if start < end:
+                    elements += end - start
+                    pieces += 1
+                offset += n_p
+        worst = max(worst, elements * 2 * FP32 + pieces * FP32)
+    return StateBytes(grads, grads, worst)

@@ -1,0 +1,176 @@
+"""Search the layouts a user left open and recommend the fastest that fits.
+
+Every combination of the open flags that megart train accepts is estimated quickly (the
+theoretical bubble and in-flight counts); the fastest few are then estimated again with the
+schedule simulator, which decides the ranking.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from megart.errors import ConfigError
+from megart.parallel.checks import check_model_fits
+from megart.parallel.layout import divisors, make_layout
+from megart.plan.estimate import Estimate, Layout, estimate, layout_config
+from megart.plan.hardware import GIB, GPUProfile
+from megart.training.config import TrainConfig
+
+RECOMPUTE = (None, "selective", "full")
+MICRO_BATCHES = (1, 2, 4, 8)
+MAX_CHUNKS = 8
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """The layout flags the user gave (None: search it)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    chunks: int | None = None
+    micro_batch: int | None = None
+    sequence_parallel: bool | None = None
+    recompute: str | None | bool = False  # False: search; None: no recomputation
+    distributed_optimizer: bool | None = None
+
+
+def candidates(base: TrainConfig, world: int, gpu: GPUProfile, fixed: Fixed) -> list[Layout]:
+    """Every layout within ``fixed`` that passes megart train's checks."""
+    heads = base.num_query_groups if base.group_query_attention else base.num_attention_heads
+    # Searched tensor-parallel groups stay inside a node (t divides the node's GPUs).
+    tps = [fixed.tp] if fixed.tp else [t for t in divisors(world) if gpu.gpus_per_node % t == 0]
+    out = []
+    for t in tps:
+        if fixed.tp is None and heads % t:
+            continue
+        pps = [fixed.pp] if fixed.pp else divisors(world // t) if world % t == 0 else []
+        for p in pps:
+            if world % (t * p):
+                continue
+            if fixed.pp is None and base.num_layers % p:
+                continue
+            d = world // (t * p)
+            vs = (
+                [fixed.chunks]
+                if fixed.chunks
+                else [1]
+                + [v for v in range(2, MAX_CHUNKS + 1) if p > 1 and base.num_layers % (p * v) == 0]
+            )
+            bs = (
+                [fixed.micro_batch]
+                if fixed.micro_batch
+                else [b for b in MICRO_BATCHES if base.global_batch_size % (b * d) == 0]
+            )
+            sps = (
+                [fixed.sequence_parallel]
+                if fixed.sequence_parallel is not None
+                else ([False, True] if t > 1 else [False])
+            )
+            recs = RECOMPUTE if fixed.recompute is False else (fixed.recompute,)
+            dos = (
+                [fixed.distributed_optimizer]
+                if fixed.distributed_optimizer is not None
+                else ([False, True] if d > 1 else [False])
+            )
+            for v, b, sp, rec, do in itertools.product(vs, bs, sps, recs, dos):
+                m = base.global_batch_size // (b * d) if b * d else 0
+                if v > 1 and (m == 0 or m % p):
+                    continue
+                out.append(Layout(t, p, d, v, b, sp, rec, do))
+    return out
+
+
+def search(
+    base: TrainConfig,
+    world: int,
+    gpu: GPUProfile,
+    fixed: Fixed = Fixed(),
+    keep: int = 12,
+    **model: object,
+) -> list[Estimate]:
+    """Estimates of the layouts within ``fixed``, fastest fitting first (then those that do not
+    fit, least missing memory first); ``model``: estimate()'s runtime options. Raises megart
+    train's ConfigError when the fixed flags cannot run at all, NoFit when nothing fits."""
+    layouts = candidates(base, world, gpu, fixed)
+    quick: list[Estimate] = []
+    first_error: ConfigError | None = None
+    for layout in layouts:
+        try:
+            quick.append(estimate(base, layout, gpu, simulate=False, **model))
+        except ConfigError as e:
+            first_error = first_error or e
+    if not quick:
+        if first_error is not None:
+            raise first_error
+        _explain(base, world, fixed)
+        raise ConfigError(
+            f"no layout of {world} GPUs runs this model with global batch "
+            f"{base.global_batch_size}: check that the batch splits over data parallelism"
+        )
+    quick.sort(key=_rank)
+    best = [estimate(base, e.layout, gpu, simulate=True, **model) for e in quick[: max(keep, 24)]]
+    best.sort(key=_rank)
+    if not best[0].fits:
+        short = best[0].missing_bytes / GIB
+        raise NoFit(
+            f"no layout fits in {gpu.name}'s memory: the smallest ({best[0].layout.short()}) "
+            f"needs {best[0].memory['total'] / GIB:.1f} GiB per GPU, {short:.1f} GiB more than the "
+            f"{gpu.usable_bytes / GIB:.1f} GiB usable; use more GPUs, a larger tensor- or "
+            "pipeline-parallel size, --recompute-granularity full or "
+            "--use-distributed-optimizer",
+            best,
+        )
+    return best[:keep]
+
+
+def _explain(base: TrainConfig, world: int, fixed: Fixed) -> None:
+    """Raises the error megart train gives for the fixed flags (no candidate was left): its
+    own checks first, then the layout module's, which list what would fit."""
+    tp, pp, chunks = fixed.tp or 1, fixed.pp or 1, fixed.chunks or 1
+    rec = None if fixed.recompute is False else fixed.recompute
+    plain = Layout(
+        tp,
+        pp,
+        max(1, world // (tp * pp)),
+        chunks,
+        fixed.micro_batch or 1,
+        bool(fixed.sequence_parallel),
+        rec,
+        bool(fixed.distributed_optimizer),
+    )
+    layout_config(base, plain).check(world)
+    groups = base.num_query_groups if base.group_query_attention else None
+    check_model_fits(
+        make_layout(world, tp, pp),
+        base.num_layers,
+        base.num_attention_heads,
+        base.vocab_size,
+        chunks,
+        groups,
+    )
+
+
+class NoFit(ConfigError):
+    """No layout fits; ``estimates`` holds the closest ones."""
+
+    def __init__(self, message: str, estimates: list[Estimate]) -> None:
+        super().__init__(message)
+        self.estimates = estimates
+
+
+def _rank(e: Estimate) -> tuple:
+    return (not e.fits, e.missing_bytes if not e.fits else e.iteration_time)
+
+
+def why_slower(e: Estimate, best: Estimate) -> str:
+    """Why ``e`` loses to ``best``: it does not fit, or the part of its time that grew most."""
+    if not e.fits:
+        return f"does not fit: {e.missing_bytes / GIB:.1f} GiB missing"
+    if e is best:
+        return "recommended"
+    diff = {k: e.time[k] - best.time[k] for k in e.time if k != "iteration"}
+    part = max(diff, key=diff.get)
+    slower = e.iteration_time / best.iteration_time - 1
+    what = part.replace("_", " ")
+    return f"+{100 * slower:.1f}% time, most from {what} (+{diff[part] * 1e3:.0f} ms)"

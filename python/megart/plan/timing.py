@@ -1,0 +1,126 @@
+"""Time of one training iteration's parts, from FLOPs, bytes and the profile's figures.
+
+Per microbatch and layer on one GPU (t tensor-parallel ranks):
+- matrix products (q/k/v, output projection, MLP, attention scores and values): FLOPs at
+  peak x e(G), e(G) = gemm_efficiency_max x G / (G + gemm_half_gflop), G the product's FLOPs
+  (the two fitted constants: small per-GPU matrices, small h/t, run further from peak);
+  backward is two products per forward one;
+- element-wise work (norms, residual adds, activation function, and with unfused attention the
+  softmax and dropout of the s x s scores) at HBM bandwidth: bytes counted per token, replicated
+  over t unless sequence parallel;
+- tensor-parallel collectives over NVLink: 2 all-reduces of b s h 16-bit elements forward and 2
+  backward (as reduce-scatter + all-gather pairs with sequence parallelism; the same bytes),
+  2(t-1)/t of them on the wire, plus 2 more forward when full recomputation replays a layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megart.models.config import GPTConfig
+from megart.plan.hardware import GPUProfile
+
+ACT = 2  # bytes of a 16-bit activation element
+
+
+@dataclass(frozen=True)
+class Work:
+    """Seconds of one microbatch's forward and backward (recomputation included) through some
+    layers on one GPU, and the share of it spent in tensor-parallel collectives."""
+
+    forward: float
+    backward: float
+    tp_comm: float
+
+    def __add__(self, other: Work) -> Work:
+        return Work(
+            self.forward + other.forward,
+            self.backward + other.backward,
+            self.tp_comm + other.tp_comm,
+        )
+
+    def __mul__(self, k: float) -> Work:
+        return Work(self.forward * k, self.backward * k, self.tp_comm * k)
+
+
+def gemm_seconds(flops: float, gpu: GPUProfile) -> float:
+    """A matrix product of ``flops`` at the fitted efficiency for its size."""
+    if flops <= 0:
+        return 0.0
+    eff = gpu.gemm_efficiency_max * flops / (flops + gpu.gemm_half_gflop * 1e9)
+    return flops / (gpu.peak_tflops * 1e12 * eff)
+
+
+def collective_seconds(
+    nbytes: float, ranks: int, bus_gb_per_s: float, gpu: GPUProfile, factor: float
+) -> float:
+    """nccl-tests' model: bytes x factor / busbw, factor 2(n-1)/n for all-reduce, (n-1)/n for
+    reduce-scatter and all-gather; plus one latency per step of the ring."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    steps = 2 * (ranks - 1) if factor > 1 else ranks - 1
+    return nbytes * factor / (bus_gb_per_s * 1e9) + steps * gpu.link_latency_us * 1e-6
+
+
+def layer_work(
+    cfg: GPTConfig,
+    b: int,
+    tp: int,
+    sp: bool,
+    recompute: str | None,
+    gpu: GPUProfile,
+    unfused_attention: bool = False,
+    tp_overlap: bool = False,
+) -> Work:
+    """One layer, one microbatch. ``tp_overlap``: each tensor-parallel collective runs during
+    the matrix product next to it (Megatron-Core's --tp-comm-overlap; megart does not), so only
+    what outlasts that product is exposed."""
+    s, h, f, t = cfg.seq_length, cfg.hidden_size, cfg.ffn_size, tp
+    tokens = s * b
+    kv = cfg.query_groups * cfg.head_dim
+    matrices = [h + 2 * kv, h] + [f] * (3 if cfg.activation == "swiglu" else 2)
+    dense = [2 * tokens * h * n / t for n in matrices]
+    core = [2 * b * s * s * h / t] * 2  # scores and scores x values
+    dense_times = [gemm_seconds(x, gpu) for x in dense]
+    fwd_gemm = sum(dense_times)
+    core_gemm = sum(gemm_seconds(x, gpu) for x in core)
+    # Element-wise bytes per token, forward: two norms (read, write), two residual adds with
+    # bias and dropout (read two, write one), the activation (GeLU: read f write f; SwiGLU:
+    # read 2f write f); unfused attention: softmax and dropout over heads/t x s scores.
+    replicated = 10 * h * (1 / t if sp else 1.0)
+    mlp = (3 if cfg.activation == "swiglu" else 2) * f / t
+    scores = 4.5 * cfg.num_attention_heads / t * s if unfused_attention else 0.0
+    hbm = gpu.hbm_gb_per_s * 1e9
+    fwd_elem = tokens * (replicated + mlp) * ACT / hbm
+    core_elem = tokens * scores * ACT / hbm
+    comm = 0.0
+    if t > 1:
+        nbytes = tokens * h * ACT
+        if sp:
+            one = 2 * collective_seconds(nbytes, t, gpu.nvlink_bus_gb_per_s, gpu, (t - 1) / t)
+        else:
+            one = collective_seconds(nbytes, t, gpu.nvlink_bus_gb_per_s, gpu, 2 * (t - 1) / t)
+        comm = 2 * one  # two per pass
+        if tp_overlap:
+            # Four halves (all-gather or reduce-scatter) per pass, each beside one product.
+            half = one / 2
+            pairs = [dense_times[0], dense_times[1], sum(dense_times[2:-1]), dense_times[-1]]
+            comm = sum(max(0.0, half - g) for g in pairs)
+    forward = fwd_gemm + core_gemm + fwd_elem + core_elem + comm
+    backward = 2 * (fwd_gemm + core_gemm + fwd_elem + core_elem) + comm
+    tp_comm = 2 * comm
+    if recompute == "full":
+        backward += forward
+        tp_comm += comm
+    elif recompute == "selective":
+        backward += core_gemm + core_elem
+    return Work(forward, backward, tp_comm)
+
+
+def logits_work(cfg: GPTConfig, b: int, tp: int, gpu: GPUProfile) -> Work:
+    """The output layer and the vocab-parallel cross-entropy (fp32 logits) of the last stage."""
+    tokens = cfg.seq_length * b
+    vocab = cfg.padded_vocab_size(tp) // tp
+    gemm = gemm_seconds(2 * tokens * cfg.hidden_size * vocab, gpu)
+    elem = tokens * vocab * 8 / (gpu.hbm_gb_per_s * 1e9)  # write and read the fp32 logits
+    return Work(gemm + elem, 2 * gemm + elem, 0.0)

@@ -1,0 +1,97 @@
+"""What a real megart train rank holds, for the planner's memory tests: bytes of parameters,
+gradients and optimizer state after one iteration, and the peak bytes autograd's saved tensors
+hold during the next one (torch's saved-tensor hooks)."""
+
+from __future__ import annotations
+
+import torch
+
+from megart.training.config import TrainConfig
+from megart.training.data import builtin_corpus
+
+
+class SavedBytes:
+    """Bytes of the distinct storages that autograd's saved tensors hold, and their peak.
+    Parameters (saved by every linear layer) are not activations and are left out, nor are
+    autocast's 16-bit copies of the weights (the planner counts those apart): recognised as
+    16-bit tensors shaped as a weight or its transpose, so the tests pick sizes where no
+    activation has such a shape."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.weight_shapes = {s for p in params if p.dim() == 2 for s in (p.shape, p.shape[::-1])}
+        self.live: dict[int, list[int]] = {}  # storage -> [saved tensors holding it, bytes]
+        self.now = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> object:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.params:
+            return t
+        if t.dtype in (torch.bfloat16, torch.float16) and t.shape in self.weight_shapes:
+            return t
+        entry = self.live.setdefault(ptr, [0, t.untyped_storage().nbytes()])
+        if entry[0] == 0:
+            self.now += entry[1]
+            self.peak = max(self.peak, self.now)
+        entry[0] += 1
+        return _Held(t, ptr, self)
+
+    @staticmethod
+    def unpack(held: object) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.now -= entry[1]
+            del self.live[ptr]
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Held:
+    """A saved tensor; when autograd drops it, its storage is no longer held on its behalf."""
+
+    def __init__(self, tensor: torch.Tensor, ptr: int, meter: SavedBytes) -> None:
+        self.tensor, self.ptr, self.meter = tensor, ptr, meter
+
+    def __del__(self) -> None:
+        self.meter.release(self.ptr)
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def held_bytes(kw: dict) -> dict:
+    from megart.training.distributed_optimizer import DistributedOptimizer
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(TrainConfig(**kw), tokens=builtin_corpus(1 << 16))
+    trainer.train_step(0)  # the optimizer state exists after the first step
+    params = [p for chunk in trainer.chunks for p in chunk.parameters()]
+    opt = trainer.optimizer
+    if isinstance(opt, DistributedOptimizer):
+        param_bytes = _nbytes(opt.param_buffers)  # the parameters are views into these
+        state = opt.optimizer.state
+    else:
+        param_bytes = _nbytes(params)
+        state = opt.state
+    grad_bytes = _nbytes([b.buffer for b in trainer.buckets.buckets])
+    opt_bytes = _nbytes([v for s in state.values() for v in s.values() if torch.is_tensor(v)])
+    meter = SavedBytes(params)
+    with meter.hooks():
+        trainer.train_step(1)
+    g = trainer.grid
+    return {
+        "pp_rank": g.pp_rank,
+        "dp_rank": g.dp_rank,
+        "tp_rank": g.tp_rank,
+        "parameters": param_bytes,
+        "gradients": grad_bytes,
+        "optimizer": opt_bytes,
+        "saved_peak": meter.peak,
+        "saved_after": meter.now,
+    }

@@ -1,0 +1,343 @@
+"""megart plan: the published tables, the bubble against the simulator and theory, properties
+over layouts (hypothesis), the command line and its errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megart import schedule as sched
+from megart.cli.main import main as megart_main
+from megart.errors import ConfigError
+from megart.plan import GPUS, Fixed, Layout, estimate, load_profile, search
+from megart.plan.estimate import theory_in_flight
+from megart.plan.hardware import PROFILE_DIR
+from megart.plan.published import TABLES, config, fixed, model_options
+from megart.training.config import TrainConfig
+
+SC21, MCORE = TABLES
+ROWS = [(table, row) for table in TABLES for row in table.rows]
+
+
+@pytest.mark.parametrize("table,row", ROWS, ids=[f"{t.name.split()[0]}-{r.name}" for t, r in ROWS])
+def test_predicted_tflops_are_within_10_percent_of_every_published_row(table, row):
+    gpu = load_profile(table.gpu)
+    best = search(
+        config(table, row), row.gpus, gpu, fixed(table, row), keep=1, **model_options(table)
+    )[0]
+    value = best.tflops_per_gpu if table.counts_recompute else best.model_tflops_per_gpu
+    assert best.fits
+    assert value == pytest.approx(row.tflops, rel=0.10)
+
+
+# Where the planner's own choice for Table 1 is neither the paper's (t, p) nor within 3% of
+# it: recorded in bench/RESULTS.md. strict: a model that starts agreeing must say so here.
+DISAGREES = {"7.5B": "+3.2%", "18.4B": "+14.5%", "39.1B": "+11.7%", "145.6B": "+6.1%"}
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(
+            r,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason=f"the planner prefers less tensor parallelism; the paper's (t, p) is "
+                f"{DISAGREES[r.name]} slower in its model",
+            ),
+        )
+        if r.name in DISAGREES
+        else r
+        for r in SC21.rows
+    ],
+    ids=[r.name for r in SC21.rows],
+)
+def test_table1_recommendation_is_the_papers_or_within_3_percent(row):
+    gpu = load_profile(SC21.gpu)
+    options = model_options(SC21)
+    chosen = search(config(SC21, row), row.gpus, gpu, fixed(SC21), keep=1, **options)[0]
+    papers = search(config(SC21, row), row.gpus, gpu, fixed(SC21, row), keep=1, **options)[0]
+    same = (chosen.layout.tp, chosen.layout.pp) == (row.tp, row.pp)
+    assert same or papers.iteration_time <= 1.03 * chosen.iteration_time
+
+
+def _free(gpu):
+    """The profile with communication made free: the bubble is then the schedule's alone."""
+    return dataclasses.replace(
+        gpu, link_latency_us=1e-12, rail_gb_per_s=1e15, nvlink_bus_gb_per_s=1e15
+    )
+
+
+MODEL = dict(
+    num_layers=16,
+    hidden_size=1024,
+    num_attention_heads=16,
+    seq_length=1024,
+    vocab_size=32000,
+    bf16=True,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    p=st.sampled_from([2, 4, 8]),
+    groups=st.integers(1, 4),
+    v=st.sampled_from([1, 2]),
+)
+def test_the_bubble_is_the_simulators_which_is_theorys(p, groups, v):
+    gpu = _free(load_profile("h100-80gb"))
+    m = p * groups
+    base = TrainConfig(**MODEL, global_batch_size=m)
+    layout = Layout(1, p, 1, v, 1, False, None, False)
+    simulated = estimate(base, layout, gpu)
+    assert simulated.bubble_fraction == pytest.approx(
+        sched.theoretical_bubble("interleaved" if v > 1 else "1f1b", p, m, v), abs=1e-9
+    )
+    quick = estimate(base, layout, gpu, simulate=False)
+    assert quick.bubble_fraction == pytest.approx(simulated.bubble_fraction, abs=1e-9)
+    assert simulated.peak_in_flight == theory_in_flight(p, m, v)
+    assert quick.iteration_time == pytest.approx(simulated.iteration_time, rel=1e-6)
+
+
+layouts = st.builds(
+    Layout,
+    tp=st.sampled_from([1, 2, 4, 8]),
+    pp=st.sampled_from([1, 2, 4]),
+    dp=st.sampled_from([1, 2, 8]),
+    chunks=st.sampled_from([1, 2]),
+    micro_batch=st.sampled_from([1, 2, 4]),
+    sequence_parallel=st.booleans(),
+    recompute=st.sampled_from([None, "selective", "full"]),
+    distributed_optimizer=st.booleans(),
+)
+
+
+def _valid(layout: Layout, batch_groups: int) -> tuple[TrainConfig, Layout] | None:
+    if layout.chunks > 1 and layout.pp == 1:
+        return None
+    m = layout.pp * batch_groups
+    base = TrainConfig(**MODEL, global_batch_size=m * layout.micro_batch * layout.dp)
+    return base, layout
+
+
+@settings(max_examples=40, deadline=None)
+@given(layout=layouts, groups=st.integers(1, 4), gpu=st.sampled_from(GPUS))
+def test_predictions_are_finite_positive_and_monotone(layout, groups, gpu):
+    made = _valid(layout, groups)
+    if made is None:
+        return
+    base, layout = made
+    profile = load_profile(gpu)
+    e = estimate(base, layout, profile, simulate=False)
+    for value in [*e.time.values(), *e.memory.values(), e.tflops_per_gpu, e.mfu]:
+        assert math.isfinite(value) and value >= 0
+    assert e.iteration_time > 0 and e.memory["total"] > 0 and 0 < e.mfu < 1
+    # More microbatches never increase the bubble fraction.
+    more = dataclasses.replace(base, global_batch_size=2 * base.global_batch_size)
+    assert estimate(more, layout, profile, simulate=False).bubble_fraction <= e.bubble_fraction
+    # Full recomputation never holds more activations than selective, nor selective than none.
+    held = [
+        estimate(base, dataclasses.replace(layout, recompute=r), profile, simulate=False).memory[
+            "activations"
+        ]
+        for r in ("full", "selective", None)
+    ]
+    assert held[0] <= held[1] <= held[2]
+    # The distributed optimizer never holds more optimizer state.
+    on = dataclasses.replace(layout, distributed_optimizer=True)
+    off = dataclasses.replace(layout, distributed_optimizer=False)
+    assert (
+        estimate(base, on, profile, simulate=False).memory["optimizer"]
+        <= estimate(base, off, profile, simulate=False).memory["optimizer"]
+    )
+
+
+BIG = [
+    "--num-layers",
+    "24",
+    "--hidden-size",
+    "2048",
+    "--num-attention-heads",
+    "16",
+    "--seq-length",
+    "2048",
+    "--vocab-size",
+    "51200",
+    "--global-batch-size",
+    "256",
+]
+
+
+def test_json_has_the_documented_keys(capsys, tmp_path):
+    png = tmp_path / "plan.png"
+    code = megart_main(
+        [
+            "plan",
+            "--gpu",
+            "a100-80gb",
+            "--num-gpus",
+            "32",
+            *BIG,
+            "--json",
+            "--png",
+            str(png),
+            "--top",
+            "3",
+        ]
+    )
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in (
+        "iteration_time_s",
+        "tflops_per_gpu",
+        "model_tflops_per_gpu",
+        "mfu",
+        "memory_gib",
+        "layout",
+        "candidates",
+    ):
+        assert key in out
+    assert set(out["memory_gib"]) >= {
+        "parameters",
+        "gradients",
+        "optimizer",
+        "activations",
+        "total",
+    }
+    assert len(out["candidates"]) == 3 and out["candidates"][0]["why"] == "recommended"
+    assert out["tflops_per_gpu"] >= out["model_tflops_per_gpu"] > 0
+    times = [c["iteration_time_s"] for c in out["candidates"]]
+    assert times == sorted(times)
+    assert png.stat().st_size > 1000
+
+
+def test_the_table_names_the_recommended_flags(capsys):
+    assert megart_main(["plan", "--gpu", "h100-80gb", "--num-gpus", "16", *BIG]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: megart train --tensor-model-parallel-size" in out
+
+
+@pytest.mark.parametrize(
+    "flags,train_flags",
+    [
+        (["--micro-batch-size", "3"], dict(micro_batch_size=3)),
+        (["--pipeline-model-parallel-size", "5"], dict(pipeline_model_parallel_size=5)),
+        (["--tensor-model-parallel-size", "3"], dict(tensor_model_parallel_size=3)),
+        (
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "5",
+            ],
+            dict(
+                tensor_model_parallel_size=2,
+                pipeline_model_parallel_size=2,
+                num_layers_per_virtual_pipeline_stage=5,
+            ),
+        ),
+    ],
+)
+def test_bad_layouts_get_megart_trains_errors(flags, train_flags, capsys):
+    code = megart_main(["plan", "--gpu", "a100-80gb", "--num-gpus", "16", *BIG, *flags])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megart plan: error: ") and err.count("\n") == 0
+    cfg = TrainConfig(
+        num_layers=24,
+        hidden_size=2048,
+        num_attention_heads=16,
+        seq_length=2048,
+        vocab_size=51200,
+        global_batch_size=256,
+        **train_flags,
+    )
+    try:
+        cfg.check(16)
+        from megart.parallel.checks import check_model_fits
+        from megart.parallel.layout import make_layout
+
+        check_model_fits(make_layout(16, cfg.tp, cfg.pp), 24, 16)
+    except ConfigError as e:
+        assert str(e) in err
+    else:
+        raise AssertionError("megart train accepts this layout")
+
+
+def test_a_model_that_fits_nowhere_says_how_much_is_missing(capsys):
+    code = megart_main(
+        [
+            "plan",
+            "--gpu",
+            "a100-80gb",
+            "--num-gpus",
+            "8",
+            "--num-layers",
+            "96",
+            "--hidden-size",
+            "12288",
+            "--num-attention-heads",
+            "96",
+            "--global-batch-size",
+            "64",
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "no layout fits" in err and "GiB more than" in err
+
+
+def test_a_copied_profile_is_used_and_a_broken_one_refused(tmp_path, capsys):
+    src = json.loads((PROFILE_DIR / "a100-80gb.json").read_text())
+    mine = dict(src, name="my-a100-40gb", memory_gib=40.0)
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(mine))
+    assert (
+        megart_main(["plan", "--gpu-profile", str(path), "--num-gpus", "32", *BIG, "--json"]) == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpu"] == "my-a100-40gb" and out["usable_memory_gib"] < 40
+    del mine["rail_gb_per_s"]
+    path.write_text(json.dumps(mine))
+    assert megart_main(["plan", "--gpu-profile", str(path), "--num-gpus", "32", *BIG]) == 2
+    assert "missing rail_gb_per_s" in capsys.readouterr().err
+
+
+def test_fixed_flags_are_kept():
+    gpu = load_profile("h100-80gb")
+    base = TrainConfig(**{**MODEL, "global_batch_size": 64})
+    found = search(base, 16, gpu, Fixed(tp=2, recompute="full", distributed_optimizer=True))
+    assert found and all(
+        e.layout.tp == 2 and e.layout.recompute == "full" and e.layout.distributed_optimizer
+        for e in found
+    )
+
+
+def test_searched_tensor_parallel_groups_stay_inside_a_node():
+    gpu = load_profile("a100-80gb")
+    base = TrainConfig(
+        **{**MODEL, "num_attention_heads": 48, "hidden_size": 3072, "global_batch_size": 96}
+    )
+    found = search(base, 48, gpu, keep=50)
+    assert found and all(gpu.gpus_per_node % e.layout.tp == 0 for e in found)
+
+    # Asked for, a group across nodes pays the rails' bandwidth.
+    def tp_comm(tp: int) -> float:
+        only = Fixed(
+            tp=tp,
+            pp=1,
+            micro_batch=1,
+            recompute=None,
+            sequence_parallel=False,
+            distributed_optimizer=False,
+        )
+        return search(base, 48, gpu, only)[0].time["tp_comm"]
+
+    assert tp_comm(6) > 3 * tp_comm(4)
