@@ -49,6 +49,26 @@ MEGART_HOST_DEVICE void for_each_piece(const T* anchor, int64_t n, bool vectoris
   for (int64_t i = tail + first; i < n; i += stride) f(i, Width<1>{});
 }
 
+// Calls f(i, Width<W>) or f(i, Width<1>) so that together the calls of all threads cover
+// [begin, end) once (the multi-tensor kernels' chunks). With vectorise (every array the caller
+// touches is aligned for W elements at `begin`, so at begin + any multiple of W) whole packs of W
+// go first, then the tail one by one; without it every element goes alone.
+template <int W, typename F>
+MEGART_HOST_DEVICE void for_each_in_chunk(int64_t begin, int64_t end, bool vectorise,
+                                          int64_t first, int64_t stride, F&& f) {
+  const int64_t packs = vectorise ? (end - begin) / W : 0;
+  for (int64_t p = first; p < packs; p += stride) f(begin + p * W, Width<W>{});
+  for (int64_t i = begin + packs * W + first; i < end; i += stride) f(i, Width<1>{});
+}
+
+// ---- Multi-tensor scale (fp16 loss scaling) --------------------------------------------------
+
+// out = x * scale, and whether x was inf or NaN (the overflow check of loss scaling).
+MEGART_HOST_DEVICE float scale_element(float x, float scale, bool& nonfinite) {
+  nonfinite = nonfinite || !std::isfinite(x);
+  return x * scale;
+}
+
 // ---- GeLU, tanh approximation (as GPT-2) -----------------------------------------------------
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
