@@ -12,18 +12,17 @@ namespace {
 using fused::for_each_piece;
 using fused::load;
 using fused::store;
-using math::gelu_tanh;
-using math::gelu_tanh_grad;
 
 constexpr int kThreads = 256;
 
-// Adds the bias to W consecutive elements starting at flat index i (one modulo per piece).
+// The bias of W consecutive elements starting at flat index i (one modulo per piece).
 template <int W, typename T>
-__device__ __forceinline__ void add_bias(float (&v)[W], const T* bias, int64_t i, int64_t hidden) {
+__device__ __forceinline__ void load_bias(float (&b)[W], const T* bias, int64_t i,
+                                          int64_t hidden) {
   int64_t c = i % hidden;
 #pragma unroll
   for (int k = 0; k < W; ++k) {
-    v[k] += fused::to_float(bias[c]);
+    b[k] = fused::to_float(bias[c]);
     if (++c == hidden) c = 0;
   }
 }
@@ -37,9 +36,10 @@ __global__ void bias_gelu_forward_kernel(const T* x, const T* bias, T* out, int6
     constexpr int W = decltype(width)::value;
     float v[W];
     load<W>(x + i, v);
-    add_bias<W>(v, bias, i, hidden);
+    float b[W];
+    load_bias<W>(b, bias, i, hidden);
 #pragma unroll
-    for (int k = 0; k < W; ++k) v[k] = gelu_tanh(v[k]);
+    for (int k = 0; k < W; ++k) v[k] = math::bias_gelu(v[k], b[k]);
     store<W>(out + i, v);
   });
 }
@@ -55,9 +55,10 @@ __global__ void bias_gelu_backward_kernel(const T* grad, const T* x, const T* bi
     float g[W];
     load<W>(x + i, v);
     load<W>(grad + i, g);
-    add_bias<W>(v, bias, i, hidden);
+    float b[W];
+    load_bias<W>(b, bias, i, hidden);
 #pragma unroll
-    for (int k = 0; k < W; ++k) g[k] *= gelu_tanh_grad(v[k]);
+    for (int k = 0; k < W; ++k) g[k] = math::bias_gelu_grad(g[k], v[k], b[k]);
     store<W>(grad_x + i, g);
   });
 }
