@@ -110,7 +110,8 @@ cudaError_t launch_steps(float* const* steps, int count, const int* found_inf,
     StepLaunch args{};
     const int n = count - first < kMaxSteps ? count - first : kMaxSteps;
     for (int i = 0; i < n; ++i) args.step[i] = steps[first + i];
-    advance_steps<<<(n + kStepThreads - 1) / kStepThreads, kStepThreads, 0, stream>>>(args, n, found_inf);
+    const int blocks = (n + kStepThreads - 1) / kStepThreads;
+    advance_steps<<<blocks, kStepThreads, 0, stream>>>(args, n, found_inf);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
   return cudaSuccess;
@@ -124,8 +125,8 @@ cudaError_t launch_adam(float* const* params, void* const* model_params, const v
   const bool decoupled = hyper.decoupled_weight_decay || hyper.weight_decay == 0.0;
   int resident = 0;
   const cudaError_t err =
-      decoupled ? multi_tensor::resident_blocks(adam_kernel<Model, true>, &resident)
-                : multi_tensor::resident_blocks(adam_kernel<Model, false>, &resident);
+      decoupled ? multi_tensor::resident_blocks<adam_kernel<Model, true>>(&resident)
+                : multi_tensor::resident_blocks<adam_kernel<Model, false>>(&resident);
   if (err != cudaSuccess) return err;
   return optim::plan_multi_tensor<kMaxTensors, kMaxBlocks>(
       sizes, count, kChunk, cudaSuccess, [&](const Plan& plan) {

@@ -27,10 +27,10 @@ __host__ __device__ __forceinline__ bool aligned(const void* p, int bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % static_cast<std::uintptr_t>(bytes) == 0;
 }
 
-// Blocks of `kernel` (kThreads threads each) resident at once on the current device: SMs times
-// blocks per SM, at least 1. Cached per device (the answer never changes for a process).
-template <typename Kernel>
-cudaError_t resident_blocks(Kernel kernel, int* blocks) {
+// Blocks of kKernel (kThreads threads each) resident at once on the current device: SMs times
+// blocks per SM, at least 1. Cached per kernel and device (it never changes for a process).
+template <auto kKernel>
+cudaError_t resident_blocks(int* blocks) {
   static std::atomic<int> cached[64] = {};
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -45,7 +45,7 @@ cudaError_t resident_blocks(Kernel kernel, int* blocks) {
   int per_sm = 0;
   err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0);
   }
   if (err != cudaSuccess) return err;
   *blocks = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);

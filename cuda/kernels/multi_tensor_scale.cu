@@ -62,7 +62,7 @@ template <typename T>
 cudaError_t launch_scale(const void* const* in, void* const* out, const int64_t* sizes, int count,
                          float scale, int* found_nonfinite, cudaStream_t stream) {
   int resident = 0;
-  if (const cudaError_t err = multi_tensor::resident_blocks(scale_kernel<T>, &resident);
+  if (const cudaError_t err = multi_tensor::resident_blocks<scale_kernel<T>>(&resident);
       err != cudaSuccess) {
     return err;
   }
