@@ -91,7 +91,7 @@ def test_multi_tensor_scale_binding_refuses_a_null_flag():
     from megart import ConfigError, _cuda
 
     with pytest.raises(ConfigError, match="found_nonfinite"):
-        _cuda.multi_tensor_scale([], [], [], 1.0, 0, 0)
+        _cuda.multi_tensor_scale([], [], [], "float32", 1.0, 0, 0)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -139,3 +139,35 @@ def test_scale_grads_is_bitwise_torch_mul_for_contiguous_and_strided_grads(dtype
     scale_grads_(grads, torch.tensor(coef) if as_tensor else coef, num_threads=2)
     for g, e in zip(grads, expected, strict=True):
         assert torch.equal(g, e)
+
+
+def test_scale_path_sends_16_bit_cuda_grads_to_the_multi_tensor_kernel():
+    # The dispatch alone (no GPU here): fp16 and bf16 gradients on CUDA take the kernel like
+    # fp32 ones, not torch's per-tensor ops; CPU and everything the kernels cannot take as before.
+    from megart.optim.loss_scale import scale_path
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert scale_path("cuda", dtype, True, True) == "cuda"
+        assert scale_path("cuda", dtype, False, True) == "torch"  # strided
+        assert scale_path("cuda", dtype, True, False) == "torch"  # built without CUDA kernels
+        assert scale_path("cpu", dtype, True, False) == "core"
+        assert scale_path("cpu", dtype, False, False) == "torch"
+    assert scale_path("cuda", torch.float64, True, True) == "torch"
+    assert scale_path("cpu", torch.float64, True, False) == "torch"
+    assert scale_path("meta", torch.float32, True, True) == "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_unscale_on_cpu_is_unchanged_for_every_dtype(dtype):
+    # CPU behaviour stays bitwise torch's (the C++ sweep, or torch for float64).
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (1, 9, 70000)]
+    for i, p in enumerate(params):
+        p.grad = (torch.randn(p.numel(), generator=torch.Generator().manual_seed(i)) * 100).to(
+            dtype
+        )
+    expected = [p.grad * (1.0 / 64.0) for p in params]
+    assert LossScaler(init_scale=64.0).unscale_(params).item() == 0
+    for p, e in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.grad, e, rtol=0, atol=0)
+    params[2].grad[5] = float("nan")
+    assert LossScaler(init_scale=64.0).unscale_(params).item() == 1

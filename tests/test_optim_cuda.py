@@ -118,6 +118,25 @@ def test_cuda_loss_scaler_unscales_non_contiguous_grads():
     assert LossScaler(init_scale=8.0).unscale_(params).item() == 1
 
 
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_multi_tensor_scale_of_every_dtype_matches_torch(dtype):
+    # Sizes around the kernel's 128-bit packs and its 65536-element chunks, one tensor starting
+    # one element past 16-byte alignment (the scalar path), exact products (a power of two).
+    from megart.optim import multi_tensor_scale_
+
+    sizes = [1, 7, 8, 65535, 65536, 65537, 3 * 65536 + 5]
+    xs = [torch.randn(n, device="cuda").to(dtype) for n in sizes]
+    buf = torch.randn(1001, device="cuda").to(dtype)
+    xs.append(buf[1:])
+    expected = [x * 0.125 for x in xs]
+    assert multi_tensor_scale_(xs, xs, 0.125).item() == 0
+    for x, e in zip(xs, expected, strict=True):
+        torch.testing.assert_close(x, e, rtol=0, atol=0)
+    xs[5][-1] = float("inf")
+    assert multi_tensor_scale_(xs, xs, 1.0).item() == 1
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_a_loaded_state_of_another_shape_is_refused(device):
     # torch's load_state_dict checks parameter counts, not shapes; the sweeps would read and

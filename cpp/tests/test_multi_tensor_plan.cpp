@@ -183,7 +183,7 @@ TEST(multi_tensor_plan_launches_nothing_for_empty_lists) {
   // Locals, because the commas of record<,> would split a CHECK_EQ macro argument.
   const auto none = record<2, 3>({}, 4);
   const auto all_empty = record<2, 3>({0, 0, 0}, 4);
-  const auto one_empty = record<32, 320>({0}, 16384);
+  const auto one_empty = record<64, 2048>({0}, 65536);
   CHECK_EQ(none.size(), size_t{0});
   CHECK_EQ(all_empty.size(), size_t{0});
   CHECK_EQ(one_empty.size(), size_t{0});
@@ -213,13 +213,15 @@ TEST(multi_tensor_plan_covers_random_lists_with_tiny_limits) {
 }
 
 TEST(multi_tensor_plan_covers_random_lists_with_kernel_limits) {
-  // multi_tensor_adam.cu (32 slots) and multi_tensor_scale.cu (36 slots), 320 blocks of 16384.
+  // multi_tensor_adam.cu (64 slots) and multi_tensor_scale.cu (110 slots), 2048 chunks of 65536
+  // elements per launch (multi_tensor_device.cuh). Fewer lists than with the tiny limits: each
+  // holds thousands of chunks, and the check walks every one.
   int checked = 0;
-  checked += check_random_lists<32, 320>(7, 40, {16384});
-  checked += check_random_lists<36, 320>(8, 40, {16384});
-  CHECK_EQ(checked, 2 * 40);
+  checked += check_random_lists<64, 2048>(7, 10, {65536});
+  checked += check_random_lists<110, 2048>(8, 10, {65536});
+  CHECK_EQ(checked, 2 * 10);
   // Past 2^31 elements (int64 sizes), next to an exactly full launch and a 0-d tensor.
-  const std::vector<int64_t> huge = {3'000'000'000, 1, 0, 16384 * 320, 16384 * 320 + 1};
-  const auto huge_launches = record<32, 320>(huge, 16384);
-  CHECK_EQ(violation(huge, 16384, 32, 320, huge_launches), std::string());
+  const std::vector<int64_t> huge = {3'000'000'000, 1, 0, 65536 * 2048, 65536 * 2048 + 1};
+  const auto huge_launches = record<64, 2048>(huge, 65536);
+  CHECK_EQ(violation(huge, 65536, 64, 2048, huge_launches), std::string());
 }

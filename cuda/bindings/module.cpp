@@ -37,6 +37,14 @@ std::vector<T> as_pointers(const std::vector<std::uintptr_t>& addresses) {
   return out;
 }
 
+megart::cuda::ScaleType scale_type(const std::string& name) {
+  if (name == "float32") return megart::cuda::ScaleType::kFloat32;
+  if (name == "bfloat16") return megart::cuda::ScaleType::kBFloat16;
+  if (name == "float16") return megart::cuda::ScaleType::kFloat16;
+  throw megart::ConfigError("multi_tensor_scale: unsupported dtype '" + name +
+                            "'; use float32, bfloat16 or float16");
+}
+
 megart::cuda::AdamModelType adam_model_type(const std::string& name) {
   if (name == "float32") return megart::cuda::AdamModelType::kFloat32;
   if (name == "bfloat16") return megart::cuda::AdamModelType::kBFloat16;
@@ -107,8 +115,9 @@ PYBIND11_MODULE(_cuda, m) {
   m.def(
       "multi_tensor_scale",
       [](const std::vector<std::uintptr_t>& in, const std::vector<std::uintptr_t>& out,
-         const std::vector<int64_t>& sizes, float scale, std::uintptr_t found_nonfinite,
-         std::uintptr_t stream) {
+         const std::vector<int64_t>& sizes, const std::string& dtype, float scale,
+         std::uintptr_t found_nonfinite, std::uintptr_t stream) {
+        const megart::cuda::ScaleType type = scale_type(dtype);
         if (in.size() != out.size() || in.size() != sizes.size()) {
           throw megart::ConfigError("multi_tensor_scale needs as many outputs and sizes as inputs");
         }
@@ -118,18 +127,18 @@ PYBIND11_MODULE(_cuda, m) {
               "multi_tensor_scale needs a found_nonfinite flag: the address of a zeroed int32 "
               "on the device");
         }
-        const auto src = as_pointers<const float*>(in);
-        const auto dst = as_pointers<float*>(out);
+        const auto src = as_pointers<const void*>(in);
+        const auto dst = as_pointers<void*>(out);
         py::gil_scoped_release release;
         check(megart::cuda::multi_tensor_scale(
-                  src.data(), dst.data(), sizes.data(), static_cast<int>(in.size()), scale,
+                  src.data(), dst.data(), sizes.data(), static_cast<int>(in.size()), type, scale,
                   reinterpret_cast<int*>(found_nonfinite), reinterpret_cast<cudaStream_t>(stream)),
               "multi_tensor_scale");
       },
-      py::arg("inputs"), py::arg("outputs"), py::arg("sizes"), py::arg("scale"),
+      py::arg("inputs"), py::arg("outputs"), py::arg("sizes"), py::arg("dtype"), py::arg("scale"),
       py::arg("found_nonfinite"), py::arg("stream"),
-      "out[i] = in[i] * scale for float32 device tensors given by address; sets the int32 at "
-      "found_nonfinite to 1 if any input is inf or NaN.");
+      "out[i] = in[i] * scale for float32, bfloat16 or float16 device tensors (all of `dtype`) "
+      "given by address; sets the int32 at found_nonfinite to 1 if any input is inf or NaN.");
   m.def("multi_tensor_adam", &multi_tensor_adam, py::arg("params"), py::arg("model_params"),
         py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("steps"),
         py::arg("sizes"), py::arg("model_dtype"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),

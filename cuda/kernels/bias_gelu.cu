@@ -12,41 +12,57 @@ namespace {
 using fused::for_each_piece;
 using fused::load;
 using fused::store;
-using math::gelu_tanh;
-using math::gelu_tanh_grad;
 
 constexpr int kThreads = 256;
 
-// Adds the bias to W consecutive elements starting at flat index i (one modulo per piece).
+// The bias of W consecutive elements starting at flat index i (one modulo per piece). With
+// bias_packs (x and bias 16-byte aligned, rows a whole number of 16-byte packs) a pack of x
+// never spans two rows and its bias is one aligned pack too: one 128-bit load.
 template <int W, typename T>
-__device__ __forceinline__ void add_bias(float (&v)[W], const T* bias, int64_t i, int64_t hidden) {
+__device__ __forceinline__ void load_bias(float (&b)[W], const T* bias, int64_t i, int64_t hidden,
+                                          bool bias_packs) {
   int64_t c = i % hidden;
+  if constexpr (W > 1) {
+    if (bias_packs) {
+      fused::load<W>(bias + c, b);
+      return;
+    }
+  }
 #pragma unroll
   for (int k = 0; k < W; ++k) {
-    v[k] += fused::to_float(bias[c]);
+    b[k] = fused::to_float(bias[c]);
     if (++c == hidden) c = 0;
   }
 }
 
 template <typename T>
+bool bias_in_packs(const void* x, const void* bias, int64_t hidden) {
+  // x aligned too: otherwise rows start mid-pack and a pack of x can span two rows.
+  return (hidden * static_cast<int64_t>(sizeof(T))) % 16 == 0 && fused::misalignment(x) == 0 &&
+         fused::misalignment(bias) == 0;
+}
+
+template <typename T>
 __global__ void bias_gelu_forward_kernel(const T* x, const T* bias, T* out, int64_t n,
-                                         int64_t hidden, bool vectorise) {
+                                         int64_t hidden, bool vectorise, bool bias_packs) {
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for_each_piece(x, n, vectorise, first, stride, [&](int64_t i, auto width) {
     constexpr int W = decltype(width)::value;
     float v[W];
     load<W>(x + i, v);
-    add_bias<W>(v, bias, i, hidden);
+    float b[W];
+    load_bias<W>(b, bias, i, hidden, bias_packs);
 #pragma unroll
-    for (int k = 0; k < W; ++k) v[k] = gelu_tanh(v[k]);
+    for (int k = 0; k < W; ++k) v[k] = math::bias_gelu(v[k], b[k]);
     store<W>(out + i, v);
   });
 }
 
 template <typename T>
 __global__ void bias_gelu_backward_kernel(const T* grad, const T* x, const T* bias, T* grad_x,
-                                          int64_t n, int64_t hidden, bool vectorise) {
+                                          int64_t n, int64_t hidden, bool vectorise,
+                                          bool bias_packs) {
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for_each_piece(x, n, vectorise, first, stride, [&](int64_t i, auto width) {
@@ -55,9 +71,10 @@ __global__ void bias_gelu_backward_kernel(const T* grad, const T* x, const T* bi
     float g[W];
     load<W>(x + i, v);
     load<W>(grad + i, g);
-    add_bias<W>(v, bias, i, hidden);
+    float b[W];
+    load_bias<W>(b, bias, i, hidden, bias_packs);
 #pragma unroll
-    for (int k = 0; k < W; ++k) g[k] *= gelu_tanh_grad(v[k]);
+    for (int k = 0; k < W; ++k) g[k] = math::bias_gelu_grad(g[k], v[k], b[k]);
     store<W>(grad_x + i, g);
   });
 }
@@ -79,7 +96,7 @@ cudaError_t bias_gelu_forward(const void* x, const void* bias, void* out, int64_
     const bool vectorise = fused::misalignment(x) == fused::misalignment(out);
     bias_gelu_forward_kernel<T><<<elementwise_blocks(n, fused::kPack<T>), kThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<T*>(out), n, hidden,
-        vectorise);
+        vectorise, bias_in_packs<T>(x, bias, hidden));
     return cudaGetLastError();
   });
 }
@@ -94,7 +111,7 @@ cudaError_t bias_gelu_backward(const void* grad, const void* x, const void* bias
     const bool vectorise = fused::misalignment(grad) == m && fused::misalignment(grad_x) == m;
     bias_gelu_backward_kernel<T><<<elementwise_blocks(n, fused::kPack<T>), kThreads, 0, stream>>>(
         static_cast<const T*>(grad), static_cast<const T*>(x), static_cast<const T*>(bias),
-        static_cast<T*>(grad_x), n, hidden, vectorise);
+        static_cast<T*>(grad_x), n, hidden, vectorise, bias_in_packs<T>(x, bias, hidden));
     return cudaGetLastError();
   });
 }

@@ -15,7 +15,6 @@ namespace {
 using fused::for_each_in_row;
 using fused::load;
 using fused::store;
-using math::kLog2e;
 
 template <typename T>
 __global__ void cross_entropy_forward_kernel(const T* logits, const int64_t* target, float* row_max,
@@ -56,7 +55,7 @@ __global__ void cross_entropy_backward_kernel(T* logits, const int64_t* target, 
     load<W>(row + j, v);
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      v[k] = exp2f((v[k] - top) * kLog2e) * scale - (j + k == t ? g : 0.0f);
+      v[k] = math::cross_entropy_grad(v[k], top, scale, g, j + k == t);
     }
     store<W>(row + j, v);
   });

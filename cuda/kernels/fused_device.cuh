@@ -1,7 +1,7 @@
-// Device helpers shared by the fused kernels: fp32 conversion of the element types, 16-byte
-// packed loads and stores, and block-wide reductions. The loop that splits a range into a scalar
-// head, whole packs and a scalar tail is kernel_math.hpp's (unit-tested on the host). Only .cu
-// files include this.
+// Device helpers shared by the fused and multi-tensor kernels: fp32 conversion of the element
+// types, 16-byte packed loads and stores, and block-wide reductions. The loops that split a
+// range into whole packs and scalar elements are kernel_math.hpp's (unit-tested on the host).
+// Only .cu files include this.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -41,21 +41,59 @@ using math::for_each_piece;
 using math::kPack;
 using math::Width;
 
-template <typename T>
-struct alignas(16) Pack {
-  T v[kPack<T>];
+// W elements of T viewed as one unsigned integer type of the same size, so that a load or store
+// of a 16-byte pack compiles to a single 128-bit instruction (LDG.E.128 / STG.E.128). Copying a
+// struct of T[W] member by member let the compiler split the store into four 32-bit ones;
+// tests/test_cuda_sass.py checks the built module's SASS for this.
+template <int kBytes>
+struct RawOf;
+template <>
+struct RawOf<16> {
+  using type = uint4;
+};
+template <>
+struct RawOf<8> {
+  using type = uint2;
+};
+template <>
+struct RawOf<4> {
+  using type = unsigned int;
+};
+template <>
+struct RawOf<2> {
+  using type = unsigned short;
 };
 
-// Loads W elements (W is 1 or kPack<T>; p is 16-byte aligned when W > 1) as floats.
+template <typename T, int W>
+union Vec {
+  using Raw = typename RawOf<W * static_cast<int>(sizeof(T))>::type;
+  Raw raw;
+  T v[W];
+};
+
+// A plain assignment through a uint4 pointer still came out as four 32-bit stores in the
+// LayerNorm kernels (nvcc 13, sm_80 and sm_90; the SASS test shows it); the write-back store
+// intrinsic is inline PTX st.global.wb.v4, one instruction with ordinary (write-back) caching.
+// Its asm has a memory clobber, so the compiler does not move other memory accesses across it.
+template <typename Raw>
+__device__ __forceinline__ void store_raw(Raw* p, const Raw& raw) {
+  if constexpr (sizeof(Raw) >= 4) {
+    __stwb(p, raw);
+  } else {
+    *p = raw;
+  }
+}
+
+// Loads W consecutive elements as floats; p is aligned to W * sizeof(T) bytes (16 for a pack).
 template <int W, typename T>
 __device__ __forceinline__ void load(const T* p, float (&out)[W]) {
   if constexpr (W == 1) {
     out[0] = to_float(*p);
   } else {
-    static_assert(W == kPack<T>, "a pack is 16 bytes");
-    const Pack<T> pack = *reinterpret_cast<const Pack<T>*>(p);
+    Vec<T, W> vec;
+    vec.raw = *reinterpret_cast<const typename Vec<T, W>::Raw*>(p);
 #pragma unroll
-    for (int k = 0; k < W; ++k) out[k] = to_float(pack.v[k]);
+    for (int k = 0; k < W; ++k) out[k] = to_float(vec.v[k]);
   }
 }
 
@@ -64,11 +102,10 @@ __device__ __forceinline__ void store(T* p, const float (&in)[W]) {
   if constexpr (W == 1) {
     *p = from_float<T>(in[0]);
   } else {
-    static_assert(W == kPack<T>, "a pack is 16 bytes");
-    Pack<T> pack;
+    Vec<T, W> vec;
 #pragma unroll
-    for (int k = 0; k < W; ++k) pack.v[k] = from_float<T>(in[k]);
-    *reinterpret_cast<Pack<T>*>(p) = pack;
+    for (int k = 0; k < W; ++k) vec.v[k] = from_float<T>(in[k]);
+    store_raw(reinterpret_cast<typename Vec<T, W>::Raw*>(p), vec.raw);
   }
 }
 

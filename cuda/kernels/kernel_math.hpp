@@ -49,6 +49,26 @@ MEGART_HOST_DEVICE void for_each_piece(const T* anchor, int64_t n, bool vectoris
   for (int64_t i = tail + first; i < n; i += stride) f(i, Width<1>{});
 }
 
+// Calls f(i, Width<W>) or f(i, Width<1>) so that together the calls of all threads cover
+// [begin, end) once (the multi-tensor kernels' chunks). With vectorise (every array the caller
+// touches is aligned for W elements at `begin`, so at begin + any multiple of W) whole packs of W
+// go first, then the tail one by one; without it every element goes alone.
+template <int W, typename F>
+MEGART_HOST_DEVICE void for_each_in_chunk(int64_t begin, int64_t end, bool vectorise,
+                                          int64_t first, int64_t stride, F&& f) {
+  const int64_t packs = vectorise ? (end - begin) / W : 0;
+  for (int64_t p = first; p < packs; p += stride) f(begin + p * W, Width<W>{});
+  for (int64_t i = begin + packs * W + first; i < end; i += stride) f(i, Width<1>{});
+}
+
+// ---- Multi-tensor scale (fp16 loss scaling) --------------------------------------------------
+
+// out = x * scale, and whether x was inf or NaN (the overflow check of loss scaling).
+MEGART_HOST_DEVICE float scale_element(float x, float scale, bool& nonfinite) {
+  nonfinite = nonfinite || !std::isfinite(x);
+  return x * scale;
+}
+
 // ---- GeLU, tanh approximation (as GPT-2) -----------------------------------------------------
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
@@ -63,6 +83,61 @@ MEGART_HOST_DEVICE float gelu_tanh_grad(float z) {
   const float t = tanhf(kSqrt2OverPi * (z + kGeluCubic * z * z * z));
   return 0.5f * (1.0f + t) +
          0.5f * z * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * z * z);
+}
+
+// Bias add + GeLU: the forward output and the input gradient of one element.
+MEGART_HOST_DEVICE float bias_gelu(float x, float bias) { return gelu_tanh(x + bias); }
+
+MEGART_HOST_DEVICE float bias_gelu_grad(float grad, float x, float bias) {
+  return grad * gelu_tanh_grad(x + bias);
+}
+
+// ---- LayerNorm of one row (the kernels split the row's sums over a block) --------------------
+
+// 1 / sqrt(x): the fast hardware reciprocal square root on the device, the exact one on the host.
+MEGART_HOST_DEVICE float reciprocal_sqrt(float x) {
+#if defined(__CUDA_ARCH__)
+  return rsqrtf(x);
+#else
+  return 1.0f / std::sqrt(x);
+#endif
+}
+
+// rstd from the row's sum of squared deviations from its mean (the second of two passes, so no
+// cancellation when a few values are far larger than the rest).
+MEGART_HOST_DEVICE float layer_norm_rstd(float sum_squared_deviations, int64_t n, float eps) {
+  return reciprocal_sqrt(sum_squared_deviations / static_cast<float>(n) + eps);
+}
+
+MEGART_HOST_DEVICE float layer_norm_output(float v, float mean, float rstd, float weight,
+                                           float bias) {
+  return (v - mean) * rstd * weight + bias;
+}
+
+// The backward's first pass over a row, one element: adds to the row sums of g = dy * weight and
+// g * xhat that the second pass needs, and to this column's weight and bias gradients.
+struct LayerNormGradSums {
+  float g = 0.0f;
+  float g_xhat = 0.0f;
+};
+
+MEGART_HOST_DEVICE void layer_norm_grad_accumulate(float dy, float v, float weight, float mean,
+                                                   float rstd, LayerNormGradSums& sums,
+                                                   float& dweight, float& dbias) {
+  const float xhat = (v - mean) * rstd;
+  sums.g += dy * weight;
+  sums.g_xhat += dy * weight * xhat;
+  dweight += dy * xhat;
+  dbias += dy;
+}
+
+// The second pass, one element: d loss / d v = rstd (g - mean(g) - xhat mean(g xhat)), plus the
+// gradient that reached the residual sum directly (`extra`, 0 without one).
+MEGART_HOST_DEVICE float layer_norm_input_grad(float dy, float v, float weight, float mean,
+                                               float rstd, float mean_g, float mean_g_xhat,
+                                               float extra) {
+  const float xhat = (v - mean) * rstd;
+  return rstd * (dy * weight - mean_g - xhat * mean_g_xhat) + extra;
 }
 
 // ---- Online softmax statistics (cross-entropy) -----------------------------------------------
@@ -103,6 +178,13 @@ struct SoftmaxPartial {
     return maximum == -INFINITY ? 0.0f : sum * exp2f((maximum - top) * kLog2e);
   }
 };
+
+// Cross-entropy backward, one logit: softmax(v) * grad_loss - onehot * grad_loss, from the row's
+// (all-reduced) maximum `top` and scale = grad_loss / sum of exponentials.
+MEGART_HOST_DEVICE float cross_entropy_grad(float v, float top, float scale, float grad_loss,
+                                            bool is_target) {
+  return exp2f((v - top) * kLog2e) * scale - (is_target ? grad_loss : 0.0f);
+}
 
 // ---- Adam / AdamW ----------------------------------------------------------------------------
 

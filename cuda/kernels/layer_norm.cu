@@ -57,7 +57,7 @@ __global__ void add_layer_norm_forward_kernel(const T* x, const T* residual, con
 #pragma unroll
     for (int k = 0; k < W; ++k) acc += (v[k] - mean) * (v[k] - mean);
   });
-  const float rstd = rsqrtf(block_sum(acc, scratch) / static_cast<float>(hidden) + eps);
+  const float rstd = math::layer_norm_rstd(block_sum(acc, scratch), hidden, eps);
 
   for_each_in_row(s_row, hidden, vectorise, [&](int64_t j, auto width) {
     constexpr int W = decltype(width)::value;
@@ -68,7 +68,7 @@ __global__ void add_layer_norm_forward_kernel(const T* x, const T* residual, con
     float b[W] = {};
     if (bias != nullptr) load<W>(bias + j, b);
 #pragma unroll
-    for (int k = 0; k < W; ++k) v[k] = (v[k] - mean) * rstd * w[k] + b[k];
+    for (int k = 0; k < W; ++k) v[k] = math::layer_norm_output(v[k], mean, rstd, w[k], b[k]);
     store<W>(out + offset + j, v);
   });
   if (threadIdx.x == 0) {
@@ -108,8 +108,7 @@ __global__ void add_layer_norm_backward_kernel(const T* grad_out, const T* grad_
     const float mu = mean[row];
     const float rs = rstd[row];
     // d loss / d s = rstd (g - mean(g) - xhat mean(g xhat)), g = grad_out * weight.
-    float sum_g = 0.0f;
-    float sum_g_xhat = 0.0f;
+    math::LayerNormGradSums sums;
     for_each_in_row(s + offset, hidden, vectorise, [&](int64_t j, auto width) {
       constexpr int W = decltype(width)::value;
       float dy[W];
@@ -120,15 +119,16 @@ __global__ void add_layer_norm_backward_kernel(const T* grad_out, const T* grad_
       load<W>(weight + j, w);
 #pragma unroll
       for (int k = 0; k < W; ++k) {
-        const float xhat = (v[k] - mu) * rs;
-        sum_g += dy[k] * w[k];
-        sum_g_xhat += dy[k] * w[k] * xhat;
-        dweight[slot<T>(j + k)] += dy[k] * xhat;
-        if (has_bias) dbias[slot<T>(j + k)] += dy[k];
+        // This element's shares (0 + x is exact, so adding them after changes nothing).
+        float dw = 0.0f;
+        float db = 0.0f;
+        math::layer_norm_grad_accumulate(dy[k], v[k], w[k], mu, rs, sums, dw, db);
+        dweight[slot<T>(j + k)] += dw;
+        if (has_bias) dbias[slot<T>(j + k)] += db;
       }
     });
-    const float mean_g = block_sum(sum_g, scratch) * inv_hidden;
-    const float mean_g_xhat = block_sum(sum_g_xhat, scratch) * inv_hidden;
+    const float mean_g = block_sum(sums.g, scratch) * inv_hidden;
+    const float mean_g_xhat = block_sum(sums.g_xhat, scratch) * inv_hidden;
     for_each_in_row(s + offset, hidden, vectorise, [&](int64_t j, auto width) {
       constexpr int W = decltype(width)::value;
       float dy[W];
@@ -141,8 +141,8 @@ __global__ void add_layer_norm_backward_kernel(const T* grad_out, const T* grad_
       if (grad_sum != nullptr) load<W>(grad_sum + offset + j, extra);
 #pragma unroll
       for (int k = 0; k < W; ++k) {
-        const float xhat = (v[k] - mu) * rs;
-        dy[k] = rs * (dy[k] * w[k] - mean_g - xhat * mean_g_xhat) + extra[k];
+        dy[k] = math::layer_norm_input_grad(dy[k], v[k], w[k], mu, rs, mean_g, mean_g_xhat,
+                                            extra[k]);
       }
       store<W>(grad_in + offset + j, dy);
     });

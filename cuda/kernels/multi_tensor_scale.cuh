@@ -1,5 +1,7 @@
 // out[i] = in[i] * scale over many tensors in few launches, flagging any non-finite input.
 // Used for fp16 loss scaling (unscale the gradients, skip the step on overflow).
+//
+// UNVERIFIED: compiled (sm_80, sm_90) and its SASS checked (tests/test_cuda_sass.py), never run.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,10 +10,14 @@
 
 namespace megart::cuda {
 
-// in, out and sizes describe `count` float32 tensors (out may alias in). Sets *found_nonfinite
-// to 1 when any input element is inf or NaN, and never clears it, so one flag can gather several
-// calls. Returns the first CUDA error of the launches.
-cudaError_t multi_tensor_scale(const float* const* in, float* const* out, const int64_t* sizes,
-                               int count, float scale, int* found_nonfinite, cudaStream_t stream);
+// Element type of the scaled tensors (in and out alike); the product is formed in fp32.
+enum class ScaleType { kFloat32, kBFloat16, kFloat16 };
+
+// in, out and sizes describe `count` tensors of `type` (out may alias in). Sets
+// *found_nonfinite to 1 when any input element is inf or NaN, and never clears it, so one flag
+// can gather several calls. Returns the first CUDA error of the launches.
+cudaError_t multi_tensor_scale(const void* const* in, void* const* out, const int64_t* sizes,
+                               int count, ScaleType type, float scale, int* found_nonfinite,
+                               cudaStream_t stream);
 
 }  // namespace megart::cuda

@@ -100,6 +100,20 @@ class LossScaler:
         self._good_steps = int(state["good_steps"])
 
 
+def scale_path(device_type: str, dtype: torch.dtype, contiguous: bool, cuda_kernels: bool) -> str:
+    """Which implementation multi_tensor_scale_ uses for one (device, dtype) group: "core" (the
+    C++ sweep, CPU), "cuda" (the multi-tensor kernel: every dtype it takes, so fp16 gradients do
+    not fall back to torch's per-tensor ops) or "torch" (anything else: other dtypes, strided
+    tensors, other devices, an install without CUDA kernels)."""
+    if not contiguous or dtype not in DTYPE_NAMES:
+        return "torch"
+    if device_type == "cpu":
+        return "core"
+    if device_type == "cuda" and cuda_kernels:
+        return "cuda"
+    return "torch"
+
+
 def multi_tensor_scale_(
     inputs: Sequence[torch.Tensor],
     outputs: Sequence[torch.Tensor],
@@ -109,8 +123,9 @@ def multi_tensor_scale_(
     """outputs[i] = inputs[i] * scale (in place when they are the same tensors), many tensors
     per call. Returns an int32 flag of one element on inputs[0]'s device, 1 when any input held
     an inf or NaN (the fp16 loss-scaling check), so CUDA callers need no host sync. Contiguous
-    CPU tensors go through megart's C++ sweep, contiguous float32 CUDA tensors through its
-    multi-tensor kernel (UNVERIFIED: never run on a GPU), the rest through torch."""
+    CPU tensors go through megart's C++ sweep, contiguous float32, bfloat16 and float16 CUDA
+    tensors (fp16 gradients included) through its multi-tensor kernel (UNVERIFIED: never run on
+    a GPU), the rest through torch (see scale_path)."""
     from megart import _core
 
     if len(inputs) != len(outputs):
@@ -128,16 +143,18 @@ def multi_tensor_scale_(
     for (dev, dtype), index in groups.items():
         xs, ys = [inputs[i] for i in index], [outputs[i] for i in index]
         contiguous = all(t.is_contiguous() for t in xs + ys)  # the sweeps take numel() from each
-        if dev.type == "cpu" and contiguous and dtype in DTYPE_NAMES:
+        path = scale_path(dev.type, dtype, contiguous, dev.type == "cuda" and cuda_built())
+        if path == "core":
             name = dtype_name(dtype, "a tensor")
             if _core.optim.scale(addresses(xs), addresses(ys), sizes(xs), name, scale, num_threads):
                 found.fill_(1)
-        elif dev.type == "cuda" and contiguous and dtype == torch.float32 and cuda_built():
+        elif path == "cuda":
+            name = dtype_name(dtype, "a tensor")
             flag = torch.zeros(1, dtype=torch.int32, device=dev)
             with torch.cuda.device(dev):  # the launch goes to the current device
                 stream = torch.cuda.current_stream(dev).cuda_stream
                 cuda_module().multi_tensor_scale(
-                    addresses(xs), addresses(ys), sizes(xs), scale, flag.data_ptr(), stream
+                    addresses(xs), addresses(ys), sizes(xs), name, scale, flag.data_ptr(), stream
                 )
             found = torch.maximum(found, flag.to(device))
         else:
