@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("train", "preprocess-data", "export-hf", "import-hf")
+COMMANDS = ("train", "preprocess-data", "export-hf", "import-hf", "selftest")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -16,7 +16,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "usage: megart train [--help] [Megatron-LM flags ...]\n"
             "       megart preprocess-data [--help] --input FILE --output-prefix PREFIX ...\n"
             "       megart export-hf [--help] --load CHECKPOINT_DIR --output GPT2_DIR\n"
-            "       megart import-hf [--help] --input GPT2_DIR --save CHECKPOINT_DIR",
+            "       megart import-hf [--help] --input GPT2_DIR --save CHECKPOINT_DIR\n"
+            "       megart selftest [--help] [--json [FILE]]",
             file=sys.stderr,
         )
         return 2
@@ -28,6 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megart.cli.export_hf import main as export_hf
 
         return export_hf(argv[1:])
+    if argv[0] == "selftest":
+        from megart.cli.selftest import main as selftest
+
+        return selftest(argv[1:])
     if argv[0] == "import-hf":
         from megart.cli.import_hf import main as import_hf
 
