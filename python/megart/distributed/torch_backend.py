@@ -148,6 +148,9 @@ class TorchWork:
         return False
 
 
+# torch 2.13 renamed the two (the old names warn); older torch has only the old ones.
+_all_gather = getattr(td, "all_gather_single", None) or td.all_gather_into_tensor
+_reduce_scatter = getattr(td, "reduce_scatter_single", None) or td.reduce_scatter_tensor
 _TORCH_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": "SUM"}
 
 
@@ -166,7 +169,7 @@ def all_reduce(tensor: torch.Tensor, op: str, comm: TorchComm) -> TorchWork:
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, comm: TorchComm) -> TorchWork:
     comm.check_alive("all_gather_into_tensor")
-    w = td.all_gather_into_tensor(output.view(-1), input.view(-1), group=comm.pg, async_op=True)
+    w = _all_gather(output.view(-1), input.view(-1), group=comm.pg, async_op=True)
     return TorchWork(w)
 
 
@@ -175,7 +178,7 @@ def reduce_scatter(
 ) -> TorchWork:
     comm.check_alive("reduce_scatter_tensor")
     if input.is_cuda:
-        w = td.reduce_scatter_tensor(
+        w = _reduce_scatter(
             output.view(-1),
             input.view(-1),
             op=getattr(td.ReduceOp, _TORCH_OPS[op]),

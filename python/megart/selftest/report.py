@@ -99,7 +99,7 @@ def table(checks: Iterable[Check]) -> str:
                 c.name,
                 c.status.upper(),
                 "" if c.error is None else f"{c.error:.1e}",
-                "" if c.time_ratio is None else f"{c.time_ratio:.2f}x",
+                "" if c.time_ratio is None else f"{c.time_ratio:.3g}x",
                 c.detail,
             )
         )
