@@ -68,7 +68,7 @@ def check_adamw(device: torch.device, steps: int = 5) -> list[Check]:
         for _ in range(steps):
             step()
         result = [p.detach().clone() for p in params]
-        return result, timed(step)
+        return result, timed(step, 3)
 
     fused = device.type == "cuda"
     ref, t_ref = run(lambda ps, **k: torch.optim.AdamW(ps, fused=fused or None, **k))
@@ -152,20 +152,36 @@ KERNELS = (
 )
 
 
+def _forward_backward_error(k: Kernel, inputs: list[torch.Tensor]) -> float:
+    """The larger relative error of the output and of every input's gradient (for the same
+    upstream gradient) against the reference run on float64 copies of the inputs."""
+    mine = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    wide = [t.detach().double().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    got, want = k.run(*mine), k.reference(*wide)
+    err = relative_error(got, want)
+    if not torch.isfinite(got).all():
+        return float("inf")
+    upstream = torch.randn(got.shape, generator=torch.Generator().manual_seed(4))
+    got.backward(upstream.to(dtype=got.dtype, device=got.device))
+    want.backward(upstream.to(dtype=want.dtype, device=want.device))
+    for a, b in zip(mine, wide, strict=True):
+        if a.requires_grad:
+            err = max(err, relative_error(a.grad, b.grad))
+    return err
+
+
 def check_kernels(
     device: torch.device, kernels: tuple[Kernel, ...] = KERNELS, dtypes: tuple = DTYPES
 ) -> list[Check]:
-    """Each kernel's forward at each dtype against torch in float64; its time over torch eager
-    at the same dtype. A failure names the flag to leave off."""
+    """Each kernel's forward and backward at each dtype against torch in float64; its forward
+    time over torch eager at the same dtype. A failure names the flag to leave off."""
     checks = []
     for k in kernels:
         for dtype in dtypes:
             inputs = k.make(dtype, device)
-            wide = [t.double() if t.is_floating_point() else t for t in inputs]
-            got = k.run(*inputs)
-            err = relative_error(got, k.reference(*wide))
-            t_got = timed(lambda k=k, i=inputs: k.run(*i))
-            t_ref = timed(lambda k=k, i=inputs: k.reference(*i))
+            err = _forward_backward_error(k, inputs)
+            t_got = timed(lambda k=k, i=inputs: k.run(*i), 3)
+            t_ref = timed(lambda k=k, i=inputs: k.reference(*i), 3)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = str(dtype).removeprefix("torch.")
