@@ -53,6 +53,25 @@ def _train_with(kw):
     return tw.train(**kw)
 
 
+# --distributed-backend torch: megart's communication through torch.distributed (gloo here), an
+# implementation independent of megart's transports, on the same curve.
+OVER_TORCH = ["tp2", "pp2", "dp2", "tp2-pp2"]
+
+
+@pytest.mark.parametrize("name", OVER_TORCH)
+def test_layout_over_torch_distributed_follows_the_single_process_loss_curve(name, reference):
+    nproc, kw = LAYOUTS[name]
+    for history, backend in launch(_train_over_torch, nproc, kw, timeout=300):
+        assert backend == "gloo"  # it did go through torch.distributed
+        same_curve(history, reference)
+
+
+def _train_over_torch(kw):
+    import torch.distributed as td
+
+    return tw.train(distributed_backend="torch", **kw), td.get_backend()
+
+
 @pytest.mark.slow
 def test_tp2_pp2_dp2_on_eight_ranks(reference):
     kw = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("train", "preprocess-data", "export-hf", "import-hf", "plan")
+COMMANDS = ("train", "preprocess-data", "export-hf", "import-hf", "plan", "selftest")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -17,7 +17,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "       megart preprocess-data [--help] --input FILE --output-prefix PREFIX ...\n"
             "       megart export-hf [--help] --load CHECKPOINT_DIR --output GPT2_DIR\n"
             "       megart import-hf [--help] --input GPT2_DIR --save CHECKPOINT_DIR\n"
-            "       megart plan [--help] --gpu NAME --num-gpus N [megart train's model flags]",
+            "       megart plan [--help] --gpu NAME --num-gpus N [megart train's model flags]\n"
+            "       megart selftest [--help] [--json [FILE]]",
             file=sys.stderr,
         )
         return 2
@@ -29,6 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megart.cli.export_hf import main as export_hf
 
         return export_hf(argv[1:])
+    if argv[0] == "selftest":
+        from megart.cli.selftest import main as selftest
+
+        return selftest(argv[1:])
     if argv[0] == "import-hf":
         from megart.cli.import_hf import main as import_hf
 

@@ -76,6 +76,9 @@ HELP = {
     "slices)",  # its flag is --no-... (see below)
     "use_distributed_optimizer": "shard the optimizer state over data-parallel ranks (ZeRO-1): "
     "reduce-scatter the gradients, step 1/dp of the parameters, all-gather them",
+    "distributed_backend": "communication: megart's nccl transport (default with a GPU), its "
+    "shm transport (default on CPU), or torch: torch.distributed's groups (NCCL on GPU, gloo on "
+    "CPU), the fallback when `megart selftest` fails a megart transport",
     "bf16": "bf16 compute under autocast, fp32 weights",
     "fp16": "fp16 compute under autocast with loss scaling, fp32 weights",
     "loss_scale": "a static fp16 loss scale (default: dynamic)",

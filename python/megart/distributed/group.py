@@ -6,13 +6,15 @@ makes a one-process world. Groups are passed explicitly; the world group is the 
 torch.distributed.
 
 Two transports: ``shm`` (host tensors, processes of one machine) and ``nccl`` (CUDA tensors;
-NCCL is loaded at run time, see :mod:`megart.distributed.nccl`). The nccl transport is
-UNVERIFIED: it was written and compiled without a GPU and has never run.
+NCCL is loaded at run time, see :mod:`megart.distributed.nccl`); and ``torch``, which
+delegates to torch.distributed's groups (gloo or NCCL, :mod:`megart.distributed.torch_backend`).
+The nccl transport is UNVERIFIED: it was written and compiled without a GPU and has never run.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -20,7 +22,7 @@ from datetime import timedelta
 from megart._core import comm as _comm
 from megart.errors import ConfigError, MegartError
 
-BACKENDS = ("shm", "nccl")
+BACKENDS = ("shm", "nccl", "torch")
 
 
 @dataclass
@@ -129,6 +131,12 @@ def _join(
     rank makes NCCL's unique id, the others read it from the store, and all create the NCCL
     communicator on their device (``nccl`` is (library path, device))."""
     group = ProcessGroup(list(ranks), name, backend)
+    if backend == "torch":  # before the membership test: torch's new_group takes every rank
+        from megart.distributed import torch_backend
+
+        group.comm = torch_backend.make_comm(list(ranks), rank, name)
+        group.device = torch_backend.device()
+        return group
     if rank not in ranks:
         return group
     if backend == "nccl":
@@ -192,6 +200,10 @@ def init(backend: str | None = None, timeout: timedelta | float = timedelta(minu
         store = td.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout)
     local_rank = _env_int("LOCAL_RANK") or 0
     nccl = _nccl_setup(local_rank) if backend == "nccl" else None
+    if backend == "torch":
+        from megart.distributed import torch_backend
+
+        torch_backend.init_world(store, rank, world_size, local_rank, timeout)
     world = _join(
         store, "megart/group/world", list(range(world_size)), rank, "world", backend, timeout, nccl
     )
@@ -214,6 +226,9 @@ def destroy() -> None:
     """Forgets every group; init() may be called again."""
     global _context
     _context = None
+    backend = sys.modules.get("megart.distributed.torch_backend")
+    if backend is not None:  # torch.distributed's group, when megart started it
+        backend.shutdown()
 
 
 def new_group(ranks: list[int] | None = None, backend: str | None = None) -> ProcessGroup:
@@ -235,6 +250,10 @@ def new_group(ranks: list[int] | None = None, backend: str | None = None) -> Pro
         if ctx.nccl_library is None:
             ctx.nccl_library, ctx.device = _nccl_setup(ctx.local_rank)
         nccl = (ctx.nccl_library, ctx.device)
+    if backend == "torch" and ctx.world.backend != "torch":
+        from megart.distributed import torch_backend
+
+        torch_backend.init_world(ctx.store, ctx.rank, ctx.world_size, ctx.local_rank, ctx.timeout)
     ctx.groups_made += 1
     name = f"group{ctx.groups_made}{ranks}"
     return _join(

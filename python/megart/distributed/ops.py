@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from megart._core import comm as _comm
+from megart.distributed import torch_backend as _tb
 from megart.distributed.group import ProcessGroup, context, resolve
 from megart.errors import CommTimeoutError, ConfigError
 
@@ -164,7 +165,7 @@ def _reduce_op(op: object) -> str:
 def _check(tensor: torch.Tensor, what: str, group: ProcessGroup) -> str:
     # The common case first, with cheap attribute reads only (every op pays for this check).
     dtype = _DTYPES.get(getattr(tensor, "dtype", None))
-    nccl = group.backend == "nccl"
+    nccl = group.device is not None  # nccl groups, and torch groups over NCCL (GPU tensors)
     if (
         dtype is not None
         and (tensor.is_cuda if nccl else tensor.is_cpu)
@@ -178,8 +179,8 @@ def _check(tensor: torch.Tensor, what: str, group: ProcessGroup) -> str:
         if tensor.device.type != "cuda":
             raise ConfigError(
                 f"{what}: the tensor is on {tensor.device}, but group '{group.name}' uses the "
-                f"nccl transport, which moves GPU memory; move it to cuda:{group.device} "
-                "(tensor.cuda()) or use a group with backend='shm'"
+                f"{group.backend} transport on GPUs, which moves GPU memory; move it to "
+                f"cuda:{group.device} (tensor.cuda()) or use a group with backend='shm'"
             )
         if tensor.device.index != group.device:
             raise ConfigError(
@@ -232,6 +233,8 @@ def all_reduce(
     """Reduces ``tensor`` across the group in place (sum, avg, max or min)."""
     g = _member(group, "all_reduce")
     dtype = _check(tensor, "all_reduce", g)
+    if g.backend == "torch":
+        return _finish(_tb.all_reduce(tensor, _reduce_op(op), g.comm), [tensor], async_op, g)
     work = g.comm.all_reduce(
         tensor.data_ptr(), tensor.numel(), dtype, _reduce_op(op), stream=_stream(g)
     )
@@ -255,6 +258,9 @@ def all_gather_into_tensor(
             f"({input_tensor.numel()}) = {input_tensor.numel() * g.size()} elements, "
             f"not {output_tensor.numel()}"
         )
+    if g.backend == "torch":
+        work = _tb.all_gather(output_tensor, input_tensor, g.comm)
+        return _finish(work, [output_tensor, input_tensor], async_op, g)
     work = g.comm.all_gather(
         input_tensor.data_ptr(),
         output_tensor.data_ptr(),
@@ -282,6 +288,9 @@ def reduce_scatter_tensor(
             f"reduce_scatter_tensor: the input must hold group size ({g.size()}) x output "
             f"({output.numel()}) = {output.numel() * g.size()} elements, not {input.numel()}"
         )
+    if g.backend == "torch":
+        work = _tb.reduce_scatter(output, input, _reduce_op(op), g.comm)
+        return _finish(work, [output, input], async_op, g)
     work = g.comm.reduce_scatter(
         input.data_ptr(),
         output.data_ptr(),
@@ -304,6 +313,8 @@ def broadcast(
     """Copies global rank ``src``'s ``tensor`` to every rank of the group."""
     g = _member(group, "broadcast")
     dtype = _check(tensor, "broadcast", g)
+    if g.backend == "torch":
+        return _finish(_tb.broadcast(tensor, src, g.comm), [tensor], async_op, g)
     work = g.comm.broadcast(
         tensor.data_ptr(), tensor.numel(), dtype, g.group_rank(src), stream=_stream(g)
     )
@@ -379,7 +390,17 @@ def _batch_checked(p2p_op_list: Sequence[P2POp]) -> list[Work]:
             send = p.op is isend
             dtype = _check(p.tensor, "isend" if send else "irecv", g)
             ops.append((send, p.tensor.data_ptr(), p.tensor.numel(), dtype, g.group_rank(p.peer)))
-        for i, w in zip(indices, g.comm.batch_p2p(ops, stream=_stream(g)), strict=True):
+        if g.backend == "torch":
+            posted = _tb.batch_p2p(
+                [
+                    (o[0], p2p_op_list[i].tensor, p2p_op_list[i].peer, o[4])
+                    for i, o in zip(indices, ops, strict=True)
+                ],
+                g.comm,
+            )
+        else:
+            posted = g.comm.batch_p2p(ops, stream=_stream(g))
+        for i, w in zip(indices, posted, strict=True):
             works[i] = Work(w, [p2p_op_list[i].tensor], g)
     return works  # type: ignore[return-value]
 

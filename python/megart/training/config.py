@@ -18,6 +18,7 @@ CHOICES = {
     "lr_decay_style": LR_DECAY_STYLES,
     "normalization": tuple(NORMALIZATIONS),
     "position_embedding_type": tuple(POSITION_EMBEDDING_TYPES),
+    "distributed_backend": ("nccl", "shm", "torch"),
 }
 
 
@@ -73,6 +74,8 @@ class TrainConfig:
     scatter_gather_tensors_in_pipeline: bool = True
     # Megatron's --use-distributed-optimizer (ZeRO-1): Adam's state sharded over data parallelism.
     use_distributed_optimizer: bool = False
+    # Communication: megart's nccl (the default with a GPU) or shm (on CPU), or torch's groups.
+    distributed_backend: str | None = None
     bf16: bool = False
     fp16: bool = False  # fp16 compute with dynamic loss scaling (fp32 weights)
     loss_scale: float | None = None  # a static fp16 loss scale; None: dynamic

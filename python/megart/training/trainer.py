@@ -52,10 +52,10 @@ class Trainer:
     def __init__(self, config: TrainConfig, tokens: Any | None = None) -> None:
         self.config = c = config
         if not dist.is_initialized():
-            dist.init()
+            dist.init(backend=c.distributed_backend)
         world = dist.get_world_size()
         self.dp = c.check(world)
-        self.grid = megart.initialize(tp=c.tp, pp=c.pp, dp=self.dp)
+        self.grid = megart.initialize(tp=c.tp, pp=c.pp, dp=self.dp, backend=c.distributed_backend)
         g = self.grid
         self.m = c.microbatches(self.dp)
         self.device = (

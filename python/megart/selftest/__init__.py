@@ -1,0 +1,187 @@
+"""``megart selftest``: checks every component megart would use on this machine.
+
+One process: the C++ core, AdamW against torch's, the fused kernels, the shm transport and a
+tensor-parallel training run on 2 launched ranks (against gloo and the one-process curve), and on
+a GPU also NCCL, one-rank nccl collectives against torch's NCCL, the CUDA AdamW against
+torch.optim.AdamW(fused=True) and a GPU training run against the CPU curve. Under torchrun with
+several ranks: every collective and point-to-point op of megart's default transport against
+torch.distributed's on the same ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from megart.selftest.report import FAIL, Check, guarded, skip
+
+AVOID_TRANSPORT = "--distributed-backend torch"
+
+
+def _no_gpu_reason() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"no GPU: torch {torch.__version__} sees no CUDA device"
+    try:
+        from megart import _cuda  # noqa: F401
+    except ImportError:
+        return "megart was built without CUDA (no nvcc at install): reinstall where one is found"
+    return None
+
+
+def _two_ranks() -> list[Check]:
+    """On each of 2 launched CPU ranks: the shm transport against gloo, and tp2 training."""
+    import torch
+
+    import megart.distributed as dist
+    from megart.selftest import collectives, training
+
+    dist.init(backend="shm")
+    reference = dist.new_group(backend="torch")
+    checks = collectives.compare(
+        _world(),
+        reference,
+        torch.device("cpu"),
+        "shm",
+        dtypes=(torch.float32, torch.bfloat16),
+    )
+    history = training.curve(tensor_model_parallel_size=2)
+    return [*checks, history]  # the curve is judged by the caller, against one process
+
+
+def _world() -> Any:
+    from megart.distributed.group import context
+
+    return context().world
+
+
+def _launched_checks(reference_curve: list[dict]) -> list[Check]:
+    from megart.launcher import launch
+    from megart.selftest import training
+
+    # CPU ranks even on a GPU machine: the shm transport moves host memory.
+    results = launch(_two_ranks, 2, timeout=300, env={"CUDA_VISIBLE_DEVICES": ""})
+    *checks, history = results[0]
+    return [
+        *checks,
+        training.compare_curves(
+            "training tp2 (shm, 2 ranks)", history, reference_curve, 1e-5, AVOID_TRANSPORT
+        ),
+    ]
+
+
+def _cpu_reference_curve() -> list[dict]:
+    from megart.launcher import launch
+    from megart.selftest import training
+
+    return launch(training.one_process_curve, 1, timeout=300, env={"CUDA_VISIBLE_DEVICES": ""})[0]
+
+
+def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
+    import torch
+
+    import megart.distributed as dist
+    from megart.distributed.nccl import find_nccl
+    from megart.selftest import collectives, components, training
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    checks: list[Check] = []
+    found = find_nccl()
+    if found is None:
+        checks.append(
+            Check(
+                "NCCL",
+                FAIL,
+                "not found; set MEGART_NCCL_LIBRARY or pip install "
+                f"nvidia-nccl-cu12; until then use {AVOID_TRANSPORT}",
+                avoid=AVOID_TRANSPORT,
+            )
+        )
+    else:
+        checks.append(Check("NCCL", "pass", f"version {found[1]} at {found[0]}"))
+
+        def one_rank() -> list[Check]:
+            dist.init(backend="nccl")
+            try:
+                reference = dist.new_group(backend="torch")
+                return collectives.compare(_world(), reference, device, "nccl one-rank")
+            finally:
+                dist.destroy()
+
+        checks += guarded("nccl one-rank collectives", one_rank, AVOID_TRANSPORT)
+    checks += guarded("kernels (CUDA)", lambda: components.check_kernels(device))
+    checks += guarded("AdamW (CUDA)", lambda: components.check_adamw(device))
+
+    def gpu_training() -> list[Check]:
+        got = training.one_process_curve()
+        # GPU and CPU round differently (other kernels, other summation orders): 1e-3.
+        return [training.compare_curves("training on GPU vs CPU", got, reference_curve, 1e-3, None)]
+
+    checks += guarded("training on GPU", gpu_training)
+    return checks
+
+
+def run_single() -> list[Check]:
+    """Every check of one process (launching 2 CPU ranks for the transport and training)."""
+    import torch
+
+    from megart.selftest import components, training
+
+    checks: list[Check] = []
+    checks += guarded("core", components.check_core)
+    checks += guarded("AdamW (C++)", lambda: components.check_adamw(torch.device("cpu")))
+    no_gpu = _no_gpu_reason()
+    if no_gpu is None:
+        reference = _cpu_reference_curve()
+    else:
+        reference = training.one_process_curve()
+    checks += guarded(
+        "shm transport (2 ranks)", lambda: _launched_checks(reference), AVOID_TRANSPORT
+    )
+    if no_gpu is not None:
+        for name in (
+            "NCCL",
+            "nccl one-rank collectives",
+            "kernels (CUDA), every dtype",
+            "AdamW (CUDA) vs torch fused",
+            "training on GPU vs CPU",
+        ):
+            checks.append(skip(name, no_gpu))
+        checks.append(
+            skip(
+                "collectives under torchrun vs torch NCCL",
+                f"{no_gpu} (on CPU `torchrun -m megart selftest` compares shm with gloo)",
+            )
+        )
+        return checks
+    return checks + _gpu_checks(reference)
+
+
+def run_distributed() -> list[Check]:
+    """Under torchrun: every op of megart's default transport against torch.distributed's on
+    all ranks (NCCL on GPUs, gloo on CPU). Every rank returns the same verdicts."""
+    import torch
+
+    import megart.distributed as dist
+    from megart.selftest import collectives
+
+    def compare() -> list[Check]:
+        dist.init()
+        backend = _world().backend
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        reference = dist.new_group(backend="torch")
+        return collectives.compare(
+            _world(), reference, device, f"{backend} {dist.get_world_size()} ranks"
+        )
+
+    return guarded("collectives under torchrun", compare, AVOID_TRANSPORT)
+
+
+def run() -> list[Check]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return run_distributed() if world > 1 else run_single()

@@ -1,0 +1,115 @@
+"""megart selftest: passes on this CPU machine with its GPU checks skipped (with the reason);
+its GPU checks' logic, run here on CPU tensors, fails a wrong kernel or transport and names the
+flag that avoids it; under torchrun it compares every collective with torch.distributed's."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import selftest_workers as sw
+from megart.launcher import launch
+from megart.selftest import components, report, training
+
+GPU_CHECKS = {
+    "NCCL",
+    "nccl one-rank collectives",
+    "kernels (CUDA), every dtype",
+    "AdamW (CUDA) vs torch fused",
+    "training on GPU vs CPU",
+    "collectives under torchrun vs torch NCCL",
+}
+
+
+def test_python_m_megart_selftest_passes_on_cpu_and_skips_the_gpu_checks(tmp_path):
+    out = tmp_path / "selftest.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "megart", "selftest", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    checks = json.loads(out.read_text())["checks"]
+    by_name = {c["name"]: c for c in checks}
+    assert {c["status"] for c in checks} == {"pass", "skip"}
+    for name in GPU_CHECKS:
+        assert by_name[name]["status"] == "skip" and "no GPU" in by_name[name]["detail"]
+    cpu = {c["name"] for c in checks if c["status"] == "pass"}
+    assert {"core: 1f1b schedule simulator", "AdamW (C++ multi-tensor)"} <= cpu
+    assert "training tp2 (shm, 2 ranks)" in cpu
+    # The shm transport: every op at fp32 and bf16, with its error and time against gloo.
+    shm = [c for c in checks if c["name"].startswith("shm ")]
+    assert len(shm) == 18 and all(c["error"] == 0 and c["time_ratio"] > 0 for c in shm)
+    header = run.stdout.splitlines()[0].split()
+    assert header[:2] == ["component", "result"] and "passed," in run.stdout
+
+
+def test_torchrun_megart_selftest_compares_every_op_with_torch(tmp_path):
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun is not on PATH")
+    run = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "-m", "megart", "selftest", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    checks = json.loads(run.stdout)["checks"]  # printed once, by rank 0
+    assert len(checks) == 27  # 9 ops x fp32, bf16, fp16
+    assert all(c["status"] == "pass" and c["name"].startswith("shm 2 ranks") for c in checks)
+
+
+def test_a_wrong_transport_fails_its_ops_and_names_the_fallback():
+    checks = launch(sw.compare_with_a_broken_all_reduce, 2, timeout=120)
+    assert checks[0] == checks[1]  # the same verdicts on every rank
+    failed = {name for name, status, _ in checks[0] if status == "fail"}
+    assert failed == {f"shm all_reduce {op} float32" for op in ("sum", "avg", "max")}
+    assert all(avoid == "--distributed-backend torch" for _, s, avoid in checks[0] if s == "fail")
+
+
+def test_kernel_checks_pass_the_reference_and_fail_a_wrong_kernel_naming_its_flag():
+    checks = components.check_kernels(torch.device("cpu"))
+    assert len(checks) == 9 and all(c.status == "pass" for c in checks), checks
+    off = components.Kernel(
+        "bias_gelu",
+        components.KERNELS[0].make,
+        lambda x, b: components.KERNELS[0].run(x, b) * 1.1,  # 10% off, as a broken kernel
+        components.KERNELS[0].reference,
+        "--bias-gelu-fusion",
+    )
+    bad = components.check_kernels(torch.device("cpu"), (off,), (torch.float32, torch.bfloat16))
+    assert [c.status for c in bad] == ["fail", "fail"]
+    assert all("--bias-gelu-fusion" in c.detail and c.error > 5e-3 for c in bad)
+    nan = components.Kernel("nan", off.make, lambda x, b: x * float("nan"), off.reference, "--x")
+    assert components.check_kernels(torch.device("cpu"), (nan,), (torch.float32,))[
+        0
+    ].error == float("inf")
+
+
+def test_adamw_check_and_curve_comparison_judge_by_their_tolerance():
+    (adamw,) = components.check_adamw(torch.device("cpu"))
+    assert adamw.status == "pass" and adamw.error < 1e-6
+    want = [{"iteration": i, "loss": 5.0 - i, "grad_norm": 1.0} for i in (1, 2)]
+    close = [{**h, "loss": h["loss"] * (1 + 1e-4)} for h in want]
+    assert training.compare_curves("c", close, want, 1e-3, None).status == "pass"
+    assert training.compare_curves("c", close, want, 1e-5, "--x").avoid == "--x"
+    assert training.compare_curves("c", want[:1], want, 1e-3, None).status == "fail"
+
+
+def test_report_exit_status_table_and_json():
+    checks = [
+        report.Check("a", "pass", "fine", 0.0, 0.5),
+        report.skip("b", "no GPU: none"),
+        report.judged("c", 1.0, 1e-3, None, "--distributed-backend torch"),
+    ]
+    assert report.exit_status(checks) == 1 and report.exit_status(checks[:2]) == 0
+    assert "--distributed-backend torch" in report.summary(checks)
+    lines = report.table(checks).splitlines()
+    assert lines[0].split()[:2] == ["component", "result"] and "FAIL" in lines[-1]
+    doc = json.loads(report.to_json(checks))
+    assert [c["status"] for c in doc["checks"]] == ["pass", "skip", "fail"]
+    assert {"name", "status", "detail"} <= doc["checks"][0].keys()
+    assert report.guarded("x", lambda: 1 / 0, "--y")[0].detail.startswith("ZeroDivisionError")
