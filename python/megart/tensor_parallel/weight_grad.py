@@ -61,20 +61,26 @@ class WeightGradStore:
     def weight_grad(self, key: Hashable) -> None:
         """Runs the W of ``key``: every kept layer's weight (and bias) gradient, accumulated
         through autograd in one call; frees what I kept."""
-        params: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        for x, dy, (weight, bias) in self._pending.pop(key, []):
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            params.append(weight)
-            grads.append(dy2.t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype))
-            if bias is not None:
-                params.append(bias)
-                grads.append(dy2.sum(0).to(bias.dtype))
-        if params:
-            torch.autograd.backward(params, grads)
+        accumulate(self._pending.pop(key, []))
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._pending.values())
+
+
+def accumulate(kept: list[tuple]) -> None:
+    """dW = dY^T X (and db = the sum of dY) of each kept (X, dY, (weight, bias)), added to the
+    parameters' gradients by autograd itself, so post-accumulate hooks fire as usual."""
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    for x, dy, (weight, bias) in kept:
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        params.append(weight)
+        grads.append(dy2.t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype))
+        if bias is not None:
+            params.append(bias)
+            grads.append(dy2.sum(0).to(bias.dtype))
+    if params:
+        torch.autograd.backward(params, grads)
 
 
 @contextlib.contextmanager
@@ -89,10 +95,14 @@ def deferring(store: WeightGradStore) -> Iterator[WeightGradStore]:
 
 
 class _Linear(torch.autograd.Function):
-    """y = x W^T + b whose backward returns dX now and leaves dW, db to the store's W."""
+    """y = x W^T + b whose backward returns dX now and leaves dW, db to the store's W.
+
+    The parameters come in detached, with the parameters themselves in ``params``: an autograd
+    edge to them would make I call their (empty) gradient accumulation, whose hooks count
+    microbatches for the data-parallel buckets."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store):  # noqa: ANN001, ANN205 (autograd signature)
+    def forward(ctx, x, weight, bias, store, params):  # noqa: ANN001, ANN205 (autograd's)
         device = x.device.type
         # Under autocast, compute in its dtype, as F.linear would; gradients go back to the
         # inputs' own dtypes (autocast's casts do that for F.linear).
@@ -102,27 +112,25 @@ class _Linear(torch.autograd.Function):
         with torch.autocast(device, enabled=False):
             y = F.linear(xc, weight.to(dtype), b)
         ctx.save_for_backward(xc)
-        ctx.params, ctx.store, ctx.x_dtype = (weight, bias), store, x.dtype
+        ctx.params, ctx.store, ctx.x_dtype = params, store, x.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
         (xc,) = ctx.saved_tensors
-        weight, bias = ctx.params
-        dx = dy.matmul(weight.to(dy.dtype)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        if ctx.store.defer(xc, dy, (weight, bias)):
-            return dx, None, None, None
-        # Outside an I (a plain backward): the weight gradients now.
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dw = dy2.t().mm(xc.reshape(-1, xc.shape[-1])).to(weight.dtype)
-        db = None if bias is None else dy2.sum(0).to(bias.dtype)
-        return dx, dw, db, None
+        weight = ctx.params[0]
+        dx = dy.matmul(weight.to(dy.dtype)).to(ctx.x_dtype)
+        if not ctx.store.defer(xc, dy, ctx.params):
+            accumulate([(xc, dy, ctx.params)])  # outside an I (a plain B): now
+        return dx, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except inside :func:`deferring` with gradients on, where the weight
     gradient is left to the store's W. Parameters must be leaves (they are, in megart)."""
     store = _active
-    if store is None or not torch.is_grad_enabled() or not weight.requires_grad:
+    # Only an input that carries gradient makes a backward that reaches this layer.
+    if store is None or not torch.is_grad_enabled() or not x.requires_grad:
         return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias, store)
+    detached = None if bias is None else bias.detach()
+    return _Linear.apply(x, weight.detach(), detached, store, (weight, bias))
