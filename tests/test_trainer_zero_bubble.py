@@ -33,14 +33,13 @@ def same_curve(history, reference, rel=1e-5):
 
 PP2 = dict(pipeline_model_parallel_size=2)
 LAYOUTS = {
-    "zb-h1-pp2-recompute": (2, dict(PP2, pipeline_schedule="zb-h1", recompute_granularity="full")),
     "zb-h1-pp4": (4, dict(pipeline_model_parallel_size=4, pipeline_schedule="zb-h1")),
     "zb-h1-tp2-pp2-sp": (
         4,
         dict(PP2, pipeline_schedule="zb-h1", tensor_model_parallel_size=2, sequence_parallel=True),
     ),
     "zb-h1-pp2-dp2": (4, dict(PP2, pipeline_schedule="zb-h1")),
-    "zb-v-pp2": (2, dict(PP2, pipeline_schedule="zb-v")),
+    "zb-v-pp2-recompute": (2, dict(PP2, pipeline_schedule="zb-v", recompute_granularity="full")),
     "zb-v-tp2-pp2": (4, dict(PP2, pipeline_schedule="zb-v", tensor_model_parallel_size=2)),
     # zb-v needs 2p = 4 microbatches: 8 sequences over dp2 in microbatches of 1.
     "zb-v-pp2-dp2-distopt": (
@@ -78,9 +77,16 @@ def test_gradients_after_one_step_equal_the_single_process_ones():
     assert seen == set(reference)
 
 
-@pytest.mark.parametrize("precision", [dict(bf16=True), dict(fp16=True, loss_scale=1024.0)])
+@pytest.mark.parametrize(
+    "precision",
+    [
+        dict(bf16=True, pipeline_schedule="zb-v"),
+        dict(fp16=True, loss_scale=1024.0, pipeline_schedule="zb-h1"),
+    ],
+)
 def test_half_precision_runs_and_follows_the_fp32_curve(precision, reference):
-    for history in launch(_train, 2, dict(PP2, pipeline_schedule="zb-v", **precision), timeout=300):
+    # Autocast rounds differently from fp32, so the curve agrees to 2e-2, as test_trainer_fp16's.
+    for history in launch(_train, 2, dict(PP2, **precision), timeout=300):
         for h, r in zip(history, reference, strict=True):
             assert h["loss"] == pytest.approx(r["loss"], rel=2e-2)
 

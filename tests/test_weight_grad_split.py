@@ -68,6 +68,20 @@ def test_a_backward_outside_an_input_grad_accumulates_at_once():
     assert len(store) == 0 and w.grad is not None and b.grad is not None
 
 
+def test_an_input_without_gradient_still_leaves_the_weights_to_w():
+    w, b, x = _params()
+    store = WeightGradStore()
+    with deferring(store):
+        y = linear(x, w, b)  # x needs no gradient: the model's first layer
+        with store.input_grad(0):
+            y.sum().backward()
+    assert w.grad is None and store.pending(0) == 1
+    store.weight_grad(0)
+    torch.testing.assert_close(
+        w.grad, torch.ones(12, 6, dtype=torch.float64).t() @ x.reshape(12, 5)
+    )
+
+
 def test_outside_the_store_it_is_f_linear():
     w, b, x = _params()
     y = linear(x, w, b)

@@ -36,6 +36,9 @@ class WeightGradStore:
         self.key: Hashable | None = None  # the I being run; set by the engine
         self._pending: dict[Hashable, list[tuple]] = {}
         self.deferred = 0  # linear layers whose weight gradient an I left to a W
+        # An input that requires grad and belongs to no parameter: it puts a layer whose input
+        # needs no gradient (the model's first) into the graph without an edge to a parameter.
+        self.anchor = torch.empty(0, requires_grad=True)
 
     @contextlib.contextmanager
     def input_grad(self, key: Hashable) -> Iterator[None]:
@@ -102,7 +105,7 @@ class _Linear(torch.autograd.Function):
     microbatches for the data-parallel buckets."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store, params):  # noqa: ANN001, ANN205 (autograd's)
+    def forward(ctx, x, weight, bias, store, params, anchor):  # noqa: ANN001, ANN205, ARG004
         device = x.device.type
         # Under autocast, compute in its dtype, as F.linear would; gradients go back to the
         # inputs' own dtypes (autocast's casts do that for F.linear).
@@ -119,18 +122,19 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, dy):  # noqa: ANN001, ANN205
         (xc,) = ctx.saved_tensors
         weight = ctx.params[0]
-        dx = dy.matmul(weight.to(dy.dtype)).to(ctx.x_dtype)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy.matmul(weight.to(dy.dtype)).to(ctx.x_dtype)
         if not ctx.store.defer(xc, dy, ctx.params):
             accumulate([(xc, dy, ctx.params)])  # outside an I (a plain B): now
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except inside :func:`deferring` with gradients on, where the weight
     gradient is left to the store's W. Parameters must be leaves (they are, in megart)."""
     store = _active
-    # Only an input that carries gradient makes a backward that reaches this layer.
-    if store is None or not torch.is_grad_enabled() or not x.requires_grad:
+    if store is None or not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight, bias)
     detached = None if bias is None else bias.detach()
-    return _Linear.apply(x, weight.detach(), detached, store, (weight, bias))
+    return _Linear.apply(x, weight.detach(), detached, store, (weight, bias), store.anchor)
