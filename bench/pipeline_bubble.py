@@ -8,7 +8,10 @@ idle column needs no ideal: the time the busiest rank spent outside forward and 
 (posting, waiting) over the time inside them, by the engine's own clock, so a round in which
 the machine computes slower than in the ideal's rounds does not count as bubble.
 The simulator gets the measured per-microbatch forward and backward times, with the measured
-cost of one activation message as per-message latency, and with free communication.
+cost of one activation message as per-message latency, and with free communication; for the
+zero-bubble kinds (zb-h1, zb-v) it splits the backward half and half into I and W (a linear
+layer's dX and dW products cost the same). The layers run through megart's linear, whose
+weight gradient the zero-bubble kinds compute in W (plain F.linear for the others).
 
     python bench/pipeline_bubble.py [--microbatches 8] [--hidden 512] [--rounds 5]
 """
@@ -23,37 +26,39 @@ from functools import partial
 import torch
 from torch import nn
 
-KINDS = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+KINDS = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
 
 
 def _worker(m: int, hidden: int, batch: int, layers: int, rounds: int) -> dict:
     import megart.distributed as dist
     from megart import schedule as sched
     from megart.pipeline import PipelineEngine, StageLink
+    from megart.tensor_parallel.weight_grad import linear
+
+    class Linear(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return linear(x, self.weight, self.bias)
 
     torch.set_num_threads(1)
     dist.init(timeout=300)
     rank, p = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.ModuleList(
-        nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh()) for _ in range(layers)
-    )
+    model = nn.ModuleList(nn.Sequential(Linear(hidden, hidden), nn.Tanh()) for _ in range(layers))
     xs = [torch.randn(batch, hidden) for _ in range(m)]
     ys = [torch.randn(batch, hidden) for _ in range(m)]
 
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return ((out - y) ** 2).mean()
 
-    def chunks_for(v: int) -> list[nn.Module]:
-        per = layers // (p * v)
-        return [
-            nn.Sequential(*model[(c * p + rank) * per : (c * p + rank + 1) * per]) for c in range(v)
-        ]
+    def chunks_for(s: sched.Schedule) -> list[nn.Module]:
+        per = layers // (p * s.chunks)
+        stages = [s.virtual_stage(rank, c) for c in range(s.chunks)]
+        return [nn.Sequential(*model[vs * per : (vs + 1) * per]) for vs in stages]
 
     # Ideal: this rank's share of the model, forward and backward for m microbatches with no
     # communication; timed in every round beside the schedules, so that each round's bubble
     # is measured against the compute speed of that moment.
-    mine = nn.Sequential(*chunks_for(1))
+    mine = nn.Sequential(*chunks_for(sched.build("1f1b", p, m)))
     fwd: list[float] = []
     bwd: list[float] = []
 
@@ -79,9 +84,10 @@ def _worker(m: int, hidden: int, batch: int, layers: int, rounds: int) -> dict:
     latency = statistics.median(lat)
 
     link = StageLink(dist.new_group(list(range(p))))
+    schedules = {kind: sched.build(kind, p, m, v) for kind, v in KINDS}
     engines = {
-        kind: PipelineEngine(sched.build(kind, p, m, v), rank, chunks_for(v), link, (batch, hidden))
-        for kind, v in KINDS
+        kind: PipelineEngine(s, rank, chunks_for(s), link, (batch, hidden))
+        for kind, s in schedules.items()
     }
     runs = {"ideal": ideal} | {k: partial(e.run, xs, ys, loss_fn) for k, e in engines.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}

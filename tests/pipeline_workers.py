@@ -11,14 +11,22 @@ from torch import nn
 import megart.distributed as dist
 from megart import schedule as sched
 from megart.pipeline import PipelineEngine, StageLink
+from megart.tensor_parallel.weight_grad import linear
 
 HIDDEN, BATCH, LAYERS = 8, 4, 8
+
+
+class Linear(nn.Linear):
+    """nn.Linear through megart's linear, whose weight gradient a zero-bubble W computes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def full_model() -> nn.ModuleList:
     torch.manual_seed(1234)
     return nn.ModuleList(
-        nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(LAYERS)
+        nn.Sequential(Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(LAYERS)
     ).double()
 
 
@@ -72,6 +80,9 @@ def run_stage(kind: str, p: int, m: int, v: int, tp: int, scatter_gather: bool):
     losses = engine.run(xs, ys, loss_fn)
     # The engine's compute clock (read by bench/pipeline_bubble.py) counts part of the run.
     assert 0 < engine.last_compute_time < time.perf_counter() - start
+    # A split backward leaves every linear layer's weight gradient of every microbatch to W.
+    split = kind.startswith("zb")
+    assert engine.last_deferred_weight_grads == (m * sum(map(len, layer_ids)) if split else 0)
     grads = {
         f"{i}.{n}": q.grad for ids in layer_ids for i in ids for n, q in model[i].named_parameters()
     }

@@ -16,14 +16,30 @@ def bench(*args):
     )
 
 
-def test_default_run_compares_the_three_kinds():
+def test_default_run_compares_every_kind():
     out = bench()
     assert out.returncode == 0, out.stderr
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[2:]}
-    assert set(rows) == {"gpipe", "1f1b", "interleaved"}
+    assert set(rows) == {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"}
     for kind, row in rows.items():
         assert row[4] == row[5], f"{kind}: simulated bubble {row[4]} != theory {row[5]}"
     assert rows["1f1b"][-4:] == ["4", "3", "2", "1"]  # peak in flight per rank
+    assert rows["zb-h1"][-4:] == ["4", "4", "4", "4"]  # F to W: p on every rank
+    assert rows["zb-v"][-4:] == ["8", "8", "8", "8"]  # 2p half-size chunks
+
+
+@pytest.mark.parametrize(("kind", "chunks", "bubble"), [("zb-h1", 1, 3 / 24), ("zb-v", 2, 3 / 48)])
+def test_json_of_zero_bubble_kinds_has_i_and_w(kind, chunks, bubble):
+    out = bench("--kind", kind, "-p", "4", "-m", "8", "--chunks", str(chunks), "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    for actions in data["ranks"]:
+        ops = [a["op"] for a in actions]
+        assert ops.count("F") == ops.count("I") == ops.count("W") == 8 * chunks
+        assert "B" not in ops
+    assert data["chunks"] == chunks
+    assert data["bubble_fraction"] == pytest.approx(bubble)
+    assert data["theoretical_bubble"] == pytest.approx(bubble)
 
 
 def test_json_has_every_ranks_actions_and_the_figures():
@@ -65,6 +81,8 @@ def test_png_is_written(tmp_path):
             "the number of microbatches (6) to be a multiple of the pipeline size (4)",
         ),
         (["--kind", "1f1b", "--chunks", "2"], "--chunks 2 needs --kind interleaved"),
+        (["--kind", "zb-v", "-p", "4", "-m", "6"], "use 8 or more microbatches"),
+        (["--kind", "zb-v", "--chunks", "3"], "zb-v runs exactly 2 chunks"),
         (["--json"], "--json prints one schedule: add --kind"),
         (["--kind", "gpipe", "--forward-time", "-1"], "non-negative"),
     ],

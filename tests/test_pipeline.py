@@ -27,6 +27,9 @@ def check_against_reference(results, m):
         ("1f1b", 2, 1, 1),
         ("interleaved", 2, 4, 2),
         ("interleaved", 2, 2, 4),
+        ("zb-h1", 2, 3, 1),
+        ("zb-v", 2, 4, 2),
+        ("zb-v", 4, 8, 2),
     ],
 )
 def test_losses_and_gradients_equal_one_process(kind, p, m, v):

@@ -12,7 +12,8 @@ from megart import schedule as sched
 
 @st.composite
 def shapes(draw):
-    kind = draw(st.sampled_from(sched.KINDS))
+    # The zero-bubble kinds have their own theory (tests/test_schedule_zero_bubble.py).
+    kind = draw(st.sampled_from(("gpipe", "1f1b", "interleaved")))
     if kind == "interleaved":
         p = draw(st.integers(2, 16))
         m = p * draw(st.integers(1, 64 // p))

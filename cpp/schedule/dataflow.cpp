@@ -6,24 +6,39 @@ namespace {
 Action comm(Op op, const Action& compute, int peer) {
   return Action{op, compute.microbatch, compute.chunk, peer};
 }
-}  // namespace
 
-std::optional<Action> input_of(const Schedule& s, int rank, const Action& a) {
-  if (a.op == Op::Forward) {
-    if (auto up = s.upstream(rank, a.chunk)) return comm(Op::RecvForward, a, up->rank);
-  } else if (sends_gradient(a.op)) {
-    if (auto down = s.downstream(rank, a.chunk)) return comm(Op::RecvBackward, a, down->rank);
-  }
+
+// The neighbouring stage whose data a compute takes (upstream for F, downstream for B and I).
+std::optional<Location> source(const Schedule& s, int rank, const Action& a) {
+  if (a.op == Op::Forward) return s.upstream(rank, a.chunk);
+  if (sends_gradient(a.op)) return s.downstream(rank, a.chunk);
   return std::nullopt;
 }
 
-std::optional<Action> output_of(const Schedule& s, int rank, const Action& a) {
-  if (a.op == Op::Forward) {
-    if (auto down = s.downstream(rank, a.chunk)) return comm(Op::SendForward, a, down->rank);
-  } else if (sends_gradient(a.op)) {
-    if (auto up = s.upstream(rank, a.chunk)) return comm(Op::SendBackward, a, up->rank);
-  }
+// The neighbouring stage a compute's result goes to.
+std::optional<Location> destination(const Schedule& s, int rank, const Action& a) {
+  if (a.op == Op::Forward) return s.downstream(rank, a.chunk);
+  if (sends_gradient(a.op)) return s.upstream(rank, a.chunk);
   return std::nullopt;
+}
+}  // namespace
+
+std::optional<Action> input_of(const Schedule& s, int rank, const Action& a) {
+  const auto from = source(s, rank, a);
+  if (!from || from->rank == rank) return std::nullopt;
+  return comm(a.op == Op::Forward ? Op::RecvForward : Op::RecvBackward, a, from->rank);
+}
+
+std::optional<Action> output_of(const Schedule& s, int rank, const Action& a) {
+  const auto to = destination(s, rank, a);
+  if (!to || to->rank == rank) return std::nullopt;
+  return comm(a.op == Op::Forward ? Op::SendForward : Op::SendBackward, a, to->rank);
+}
+
+std::optional<Action> local_input_of(const Schedule& s, int rank, const Action& a) {
+  const auto from = source(s, rank, a);
+  if (!from || from->rank != rank) return std::nullopt;
+  return Action{a.op, a.microbatch, from->chunk, -1};
 }
 
 std::optional<Message> message_of(const Schedule& s, int rank, const Action& a) {
@@ -41,7 +56,7 @@ std::optional<Message> message_of(const Schedule& s, int rank, const Action& a) 
     default:
       return std::nullopt;
   }
-  if (!other) return std::nullopt;
+  if (!other || other->rank == rank) return std::nullopt;
   if (is_send(a.op)) return Message{rank, other->rank, gradient, a.microbatch, other->chunk};
   return Message{other->rank, rank, gradient, a.microbatch, a.chunk};
 }

@@ -29,6 +29,11 @@ std::optional<Action> input_of(const Schedule& s, int rank, const Action& comput
 // The send that carries a compute action's result onward (empty where nothing leaves the rank).
 std::optional<Action> output_of(const Schedule& s, int rank, const Action& compute);
 
+// The compute on the same rank whose result a compute action takes without a message: where two
+// neighbouring virtual stages share a rank (zb-v's turn on rank p-1), F of the later chunk takes
+// F of the earlier one's output, and the earlier chunk's B or I takes the later one's gradient.
+std::optional<Action> local_input_of(const Schedule& s, int rank, const Action& compute);
+
 // The message a communication action on `rank` carries; empty when the action points nowhere
 // (a receive on the first virtual stage, say). Peers come from the placement, not `action.peer`.
 std::optional<Message> message_of(const Schedule& s, int rank, const Action& action);

@@ -16,18 +16,25 @@ const char* kind_name(Kind kind) {
       return "1f1b";
     case Kind::Interleaved:
       return "interleaved";
+    case Kind::ZeroBubbleH1:
+      return "zb-h1";
+    case Kind::ZeroBubbleV:
+      return "zb-v";
     case Kind::Custom:
       return "custom";
   }
   return "?";
 }
 
+bool splits_backward(Kind kind) { return kind == Kind::ZeroBubbleH1 || kind == Kind::ZeroBubbleV; }
+
 Kind kind_from_name(const std::string& name) {
-  for (Kind k : {Kind::GPipe, Kind::OneFOneB, Kind::Interleaved, Kind::Custom}) {
+  for (Kind k : {Kind::GPipe, Kind::OneFOneB, Kind::Interleaved, Kind::ZeroBubbleH1,
+                 Kind::ZeroBubbleV, Kind::Custom}) {
     if (name == kind_name(k)) return k;
   }
   throw ConfigError("unknown schedule kind '" + name +
-                    "'; expected one of gpipe, 1f1b, interleaved");
+                    "'; expected one of gpipe, 1f1b, interleaved, zb-h1, zb-v");
 }
 
 std::optional<Location> Schedule::upstream(int rank, int chunk) const {
@@ -50,7 +57,15 @@ void check_arguments(Kind kind, int stages, int microbatches, int chunks) {
     msg << "the number of microbatches must be at least 1 (got " << microbatches << ")";
   } else if (chunks < 1) {
     msg << "the number of model chunks per rank must be at least 1 (got " << chunks << ")";
-  } else if (kind != Kind::Interleaved && kind != Kind::Custom && chunks != 1) {
+  } else if (kind == Kind::ZeroBubbleV && chunks != 2) {
+    msg << "the zb-v schedule runs exactly 2 model chunks per rank, placed in a V (got chunks="
+        << chunks << ")";
+  } else if (kind == Kind::ZeroBubbleV && microbatches < 2 * stages) {
+    msg << "the zb-v schedule needs at least twice as many microbatches as pipeline stages ("
+        << microbatches << " < 2 x " << stages << "); use " << 2 * stages
+        << " or more microbatches, or zb-h1";
+  } else if (kind != Kind::Interleaved && kind != Kind::ZeroBubbleV && kind != Kind::Custom &&
+             chunks != 1) {
     msg << "the " << kind_name(kind)
         << " schedule runs one model chunk per rank (got chunks=" << chunks
         << "); use the interleaved schedule for several chunks";
@@ -115,6 +130,47 @@ std::vector<Action> interleaved(int stages, int microbatches, int chunks, int ra
       [&](int k) { return compute(Op::Backward, microbatch(k), chunks - 1 - chunk(k)); });
 }
 
+// 1F1B's order with each B split into I and W: W's of the first `rank` steps wait, and each
+// later I is followed by the W of the oldest microbatch not yet done. The r deferred W's run
+// at the end, where 1F1B's rank r would idle, and F-to-W stays at p microbatches on every rank.
+std::vector<Action> zero_bubble_h1(int stages, int microbatches, int rank) {
+  const int warmup = std::min(stages - rank - 1, microbatches);
+  std::vector<Action> order;
+  int next_f = 0, next_w = 0;
+  for (; next_f < warmup; ++next_f) order.push_back(compute(Op::Forward, next_f, 0));
+  for (int i = 0; i < microbatches; ++i) {
+    if (next_f < microbatches) order.push_back(compute(Op::Forward, next_f++, 0));
+    order.push_back(compute(Op::BackwardInput, i, 0));
+    if (i >= rank) order.push_back(compute(Op::BackwardWeight, next_w++, 0));
+  }
+  for (; next_w < microbatches; ++next_w) order.push_back(compute(Op::BackwardWeight, next_w, 0));
+  return order;
+}
+
+// The V schedule with two chunks per rank (stage r and stage 2p-1-r). Warm-up: 2(p-r)-1
+// forwards of chunk 0, r pairs (F chunk 1, F chunk 0), then p-r rounds of F, I, W on chunk 1.
+// Steady state: F, I, W on chunk 0 then on chunk 1. Cool-down: r rounds of I on both chunks,
+// p-r rounds of I and W on chunk 0, then the W's left, chunk 1's first.
+std::vector<Action> zero_bubble_v(int stages, int microbatches, int rank) {
+  std::vector<Action> order;
+  int f[2] = {0, 0}, i[2] = {0, 0}, w[2] = {0, 0};
+  auto F = [&](int c) { order.push_back(compute(Op::Forward, f[c]++, c)); };
+  auto I = [&](int c) { order.push_back(compute(Op::BackwardInput, i[c]++, c)); };
+  auto W = [&](int c) { order.push_back(compute(Op::BackwardWeight, w[c]++, c)); };
+  for (int k = 0; k < 2 * (stages - rank) - 1; ++k) F(0);
+  for (int k = 0; k < rank; ++k) F(1), F(0);
+  for (int k = 0; k < stages - rank; ++k) F(1), I(1), W(1);
+  while (f[1] < f[0] || f[0] < microbatches) {
+    if (f[0] < microbatches) F(0);
+    I(0), W(0), F(1), I(1), W(1);
+  }
+  for (int k = 0; k < rank; ++k) I(0), I(1);
+  for (int k = 0; k < stages - rank; ++k) I(0), W(0);
+  while (w[1] < microbatches) W(1);
+  while (w[0] < microbatches) W(0);
+  return order;
+}
+
 }  // namespace
 
 std::vector<std::vector<Action>> compute_orders(Kind kind, int stages, int microbatches,
@@ -132,6 +188,12 @@ std::vector<std::vector<Action>> compute_orders(Kind kind, int stages, int micro
       case Kind::Interleaved:
         orders.push_back(interleaved(stages, microbatches, chunks, rank));
         break;
+      case Kind::ZeroBubbleH1:
+        orders.push_back(zero_bubble_h1(stages, microbatches, rank));
+        break;
+      case Kind::ZeroBubbleV:
+        orders.push_back(zero_bubble_v(stages, microbatches, rank));
+        break;
       case Kind::Custom:
         throw ConfigError("a custom schedule has no built-in order; pass its compute orders");
     }
@@ -146,6 +208,8 @@ Schedule build(Kind kind, int stages, int microbatches, int chunks) {
 
 double theoretical_bubble(Kind kind, int stages, int microbatches, int chunks) {
   check_arguments(kind, stages, microbatches, chunks);
+  if (kind == Kind::ZeroBubbleH1) return (stages - 1) / (3.0 * microbatches);
+  if (kind == Kind::ZeroBubbleV) return (stages - 1) / (6.0 * microbatches);
   const double v = kind == Kind::Interleaved ? chunks : 1;
   return (stages - 1) / (v * microbatches);
 }

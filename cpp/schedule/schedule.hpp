@@ -14,15 +14,22 @@ enum class Kind {
   GPipe,        // all forwards, then all backwards
   OneFOneB,     // PipeDream-Flush: warm-up forwards, one forward / one backward, cool-down
   Interleaved,  // Megatron's interleaved 1F1B: v model chunks per rank
+  ZeroBubbleH1,  // "zb-h1": 1F1B with backwards split into I and W, some W deferred
+  ZeroBubbleV,   // "zb-v": two chunks per rank placed in a V (see virtual_stage), split backward
   Custom,       // compute orders given by the caller (tests, experiments, future kinds)
 };
 
-const char* kind_name(Kind kind);  // "gpipe", "1f1b", "interleaved", "custom"
+// "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "custom"
+const char* kind_name(Kind kind);
 Kind kind_from_name(const std::string& name);
+// Whether the kind splits every backward into I and W.
+bool splits_backward(Kind kind);
 
 // Where a (rank, chunk) sits in the model. Chunk c of rank r is virtual stage c * stages + r
 // (Megatron's looping placement), so activations flow r -> r+1 and wrap from the last rank to
-// rank 0 between chunks.
+// rank 0 between chunks. zb-v places its two chunks in a V instead: chunk 0 of rank r is stage
+// r and chunk 1 is stage 2p-1-r, so the last stage shares rank 0 with the first and the turn
+// between stages p-1 and p stays on rank p-1 (no message).
 struct Location {
   int rank;
   int chunk;
@@ -38,8 +45,15 @@ struct Schedule {
   bool forward_only = false;
 
   int num_virtual_stages() const { return stages * chunks; }
-  int virtual_stage(int rank, int chunk) const { return chunk * stages + rank; }
+  int virtual_stage(int rank, int chunk) const {
+    if (kind == Kind::ZeroBubbleV) return chunk == 0 ? rank : 2 * stages - 1 - rank;
+    return chunk * stages + rank;
+  }
   Location location(int virtual_stage) const {
+    if (kind == Kind::ZeroBubbleV) {
+      return virtual_stage < stages ? Location{virtual_stage, 0}
+                                    : Location{2 * stages - 1 - virtual_stage, 1};
+    }
     return {virtual_stage % stages, virtual_stage / stages};
   }
   // Where this (rank, chunk)'s forward input comes from; empty on the first virtual stage.
@@ -72,7 +86,9 @@ Schedule build(Kind kind, int stages, int microbatches, int chunks = 1);
 // posts its remaining messages in the sender's order.
 Schedule forward_only(const Schedule& s);
 
-// Bubble time over ideal time: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) for interleaved.
+// Bubble time over ideal time: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) for interleaved. For
+// the zero-bubble kinds, with equal F, I and W times (the default simulator costs) and free
+// communication: (p-1)/(3m) for zb-h1 and (p-1)/(6m) for zb-v.
 double theoretical_bubble(Kind kind, int stages, int microbatches, int chunks = 1);
 
 }  // namespace megart::schedule

@@ -45,11 +45,13 @@ std::optional<Action> RankStateMachine::blocker() const {
   switch (a.op) {
     case Op::Forward:
       if (auto recv = input_of(topology_, rank_, a)) return unfinished(*recv);
+      if (auto local = local_input_of(topology_, rank_, a)) return unfinished(*local);
       return std::nullopt;
     case Op::Backward:
     case Op::BackwardInput: {
       if (auto f = unfinished(Action{Op::Forward, a.microbatch, a.chunk, -1})) return f;
       if (auto recv = input_of(topology_, rank_, a)) return unfinished(*recv);
+      if (auto local = local_input_of(topology_, rank_, a)) return unfinished(*local);
       return std::nullopt;
     }
     case Op::BackwardWeight:

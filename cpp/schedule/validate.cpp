@@ -88,6 +88,13 @@ void check_communication(const Schedule& s, int rank, const Positions& at,
       continue;
     }
     const int here = at(a.op, a.microbatch, a.chunk);
+    if (auto local = local_input_of(s, rank, a)) {
+      const int p = at(local->op, local->microbatch, local->chunk);
+      if (p < 0 || p > here) {
+        out.push_back(who + to_string(a) + " takes the result of " + to_string(*local) +
+                      " on the same rank, which " + (p < 0 ? "is missing" : "comes after it"));
+      }
+    }
     if (auto recv = input_of(s, rank, a)) {
       ++expected_comm;
       const int p = at(recv->op, recv->microbatch, recv->chunk);

@@ -21,7 +21,7 @@ def _schedule_parser(sub: argparse._SubParsersAction) -> None:
         "schedule",
         help="simulate pipeline schedules: bubble beside theory, makespan, peak in-flight",
         description="Builds, validates and simulates pipeline schedules. With no --kind, "
-        "compares gpipe, 1f1b and interleaved on one model.",
+        "compares every kind (gpipe, 1f1b, interleaved, zb-h1, zb-v) on one model.",
     )
     p.add_argument("--kind", choices=[*sched.KINDS, "all"], default="all")
     p.add_argument("--stages", "-p", type=int, default=4, help="pipeline stages p (default 4)")
@@ -31,7 +31,7 @@ def _schedule_parser(sub: argparse._SubParsersAction) -> None:
         "-v",
         type=int,
         default=None,
-        help="model chunks per rank v, interleaved only (default 2)",
+        help="model chunks per rank v: interleaved (default 2); zb-v always runs 2",
     )
     p.add_argument(
         "--forward-time",
@@ -39,7 +39,16 @@ def _schedule_parser(sub: argparse._SubParsersAction) -> None:
         default=1.0,
         help="one microbatch's forward through a rank's share of the model",
     )
-    p.add_argument("--backward-time", type=float, default=2.0)
+    p.add_argument(
+        "--backward-time", type=float, default=2.0, help="the whole backward: I plus W (t_i + t_w)"
+    )
+    p.add_argument(
+        "--weight-fraction",
+        type=float,
+        default=0.5,
+        help="share of the backward spent on weight gradients (W) in zb-h1 and zb-v; "
+        "t_w = fraction x backward, t_i the rest (default 0.5: t_f = t_i = t_w)",
+    )
     p.add_argument("--latency", type=float, default=0.0, help="per message")
     p.add_argument("--bandwidth", type=float, default=0.0, help="bytes per unit time; 0: unlimited")
     p.add_argument("--message-bytes", type=float, default=0.0, help="bytes per inter-stage tensor")
@@ -51,12 +60,14 @@ def _schedule_parser(sub: argparse._SubParsersAction) -> None:
 def run_schedule(args: argparse.Namespace) -> int:
     kinds = sched.KINDS if args.kind == "all" else (args.kind,)
     if args.json and len(kinds) > 1:
-        raise MegartError("--json prints one schedule: add --kind gpipe, 1f1b or interleaved")
-    if args.chunks is not None and args.chunks != 1 and args.kind in ("gpipe", "1f1b"):
+        raise MegartError("--json prints one schedule: add --kind " + ", ".join(sched.KINDS))
+    if args.chunks is not None and args.chunks != 1 and args.kind in ("gpipe", "1f1b", "zb-h1"):
         raise MegartError(f"--chunks {args.chunks} needs --kind interleaved")
+    if args.chunks is not None and args.chunks != 2 and args.kind == "zb-v":
+        raise MegartError(f"--chunks {args.chunks}: zb-v runs exactly 2 chunks per rank")
     runs = []
     for kind in kinds:
-        chunks = (args.chunks or 2) if kind == "interleaved" else 1
+        chunks = {"interleaved": args.chunks or 2, "zb-v": 2}.get(kind, 1)
         s = sched.build(kind, args.stages, args.microbatches, chunks)
         sim = sched.simulate(
             s,
@@ -65,6 +76,7 @@ def run_schedule(args: argparse.Namespace) -> int:
             latency=args.latency,
             bandwidth=args.bandwidth,
             message_bytes=args.message_bytes,
+            weight_fraction=args.weight_fraction,
         )
         runs.append((s, sim))
     if args.png:

@@ -70,6 +70,10 @@ HELP = {
     "pipeline_model_parallel_size": "pipeline-parallel size p",
     "num_layers_per_virtual_pipeline_stage": "layers per model chunk: the interleaved 1F1B "
     "schedule (default: one chunk per rank, 1F1B)",
+    "pipeline_schedule": "1f1b, interleaved (needs --num-layers-per-virtual-pipeline-stage), "
+    "zb-h1 (zero bubble: backward split into input and weight gradients, 1F1B's memory) or "
+    "zb-v (zero bubble, two chunks per rank in a V; needs 2p microbatches) (default: 1f1b, or "
+    "interleaved with --num-layers-per-virtual-pipeline-stage)",
     "sequence_parallel": "split LayerNorm and dropout activations over the sequence across "
     "tensor-parallel ranks",
     "scatter_gather_tensors_in_pipeline": "send whole activations between stages (no 1/t "

@@ -222,11 +222,18 @@ class GPT(nn.Module):
         save_gpt2(self, path)
 
 
-def chunk_layers(num_layers: int, pp_rank: int, pp: int, chunks: int = 1) -> list[range]:
+def chunk_layers(
+    num_layers: int, pp_rank: int, pp: int, chunks: int = 1, v_shape: bool = False
+) -> list[range]:
     """The layers of each model chunk of pipeline rank ``pp_rank``: chunk c is virtual stage
-    vs = c * pp + pp_rank and holds layers [vs * n, (vs + 1) * n), n = layers / (pp * chunks)."""
+    vs = c * pp + pp_rank and holds layers [vs * n, (vs + 1) * n), n = layers / (pp * chunks).
+    ``v_shape`` (the zb-v schedule, two chunks): chunk 0 is stage pp_rank, chunk 1 stage
+    2 pp - 1 - pp_rank."""
     n = num_layers // (pp * chunks)
-    return [range((c * pp + pp_rank) * n, (c * pp + pp_rank + 1) * n) for c in range(chunks)]
+    stages = (
+        [pp_rank, 2 * pp - 1 - pp_rank] if v_shape else [c * pp + pp_rank for c in range(chunks)]
+    )
+    return [range(vs * n, (vs + 1) * n) for vs in stages]
 
 
 def pipeline_chunks(
@@ -237,6 +244,7 @@ def pipeline_chunks(
     tp_group: ProcessGroup | None = None,
     sequence_parallel: bool = False,
     rng: RNGStatesTracker | None = None,
+    v_shape: bool = False,
 ) -> list[GPTChunk]:
     """This pipeline rank's model chunks (see chunk_layers); the first virtual stage holds the
     embedding, the last the final norm and output layer."""
@@ -251,5 +259,5 @@ def pipeline_chunks(
             sequence_parallel,
             rng,
         )
-        for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks)
+        for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape)
     ]

@@ -6,10 +6,17 @@ together are posted as one batch (receives early, so transfers overlap compute);
 waited for only when the compute that needs it is next; sends stay in flight while compute runs;
 a chunk's activations are freed as soon as its backward is done; the loss lives on the last
 stage. ``evaluate`` runs the schedule's forward-only pass the same way (validation loss).
+
+Zero-bubble schedules (zb-h1, zb-v) split each backward: I runs autograd from the stage's output
+to its input with the linear layers' weight gradients kept aside (see
+:mod:`megart.tensor_parallel.weight_grad`), W computes those later and frees what I kept. Where
+two neighbouring virtual stages share this rank (zb-v's turn), the activation and its gradient
+pass between the chunks directly, with no message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -18,8 +25,9 @@ from torch import nn
 
 import megart.distributed as dist
 from megart import schedule as sched
-from megart.errors import ConfigError
+from megart.errors import ConfigError, ScheduleError
 from megart.pipeline.p2p import StageLink
+from megart.tensor_parallel.weight_grad import WeightGradStore, deferring
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -59,6 +67,20 @@ class PipelineEngine:
         # the rest of its time went to posting and waiting for communication (on CPU, the
         # idle fraction).
         self.last_compute_time = 0.0
+        # Linear layers whose weight gradient the last run's I's left to its W's (0 unsplit).
+        self.last_deferred_weight_grads = 0
+        # Which (rank, chunk) holds each virtual stage: tells a hand-over on this rank apart
+        # from a message.
+        self._where = {
+            schedule.virtual_stage(r, c): (r, c)
+            for r in range(schedule.stages)
+            for c in range(schedule.chunks)
+        }
+
+    def _local_neighbour(self, chunk: int, step: int) -> int | None:
+        """The chunk on this rank at virtual stage (this chunk's + step), if there is one."""
+        where = self._where.get(self.schedule.virtual_stage(self.rank, chunk) + step)
+        return where[1] if where is not None and where[0] == self.rank else None
 
     def _peer(self, pipeline_rank: int) -> int:
         return self.link.pp_group.ranks[pipeline_rank]
@@ -118,6 +140,8 @@ class PipelineEngine:
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         losses: dict[int, torch.Tensor] = {}
 
+        store = WeightGradStore()
+
         def forward(a: sched.Action) -> None:
             if self._first(a.chunk):
                 x = inputs[a.mb]
@@ -131,17 +155,32 @@ class PipelineEngine:
                 loss = loss_fn(out, targets[a.mb])
                 losses[a.mb] = loss.detach()
                 out = loss * (loss_scale / m)
+            nxt = self._local_neighbour(a.chunk, +1)
+            if nxt is not None:  # the next stage is on this rank: hand over, no message
+                arrived[("F", a.mb, nxt)] = out.detach()
+                if not training:
+                    return
             if training or not self._last(a.chunk):  # evaluation keeps it until it is sent
                 stash[(a.mb, a.chunk)] = (leaf, out)
 
         def backward(a: sched.Action) -> None:
+            """B, or I (the weight gradients of linear layers left to W)."""
             leaf, out = stash.pop((a.mb, a.chunk))
-            if self._last(a.chunk):
-                torch.autograd.backward(out)
+            grad = None if self._last(a.chunk) else arrived.pop(("B", a.mb, a.chunk))
+            if a.op == "I":
+                with store.input_grad((a.mb, a.chunk)):
+                    torch.autograd.backward(out, grad)
             else:
-                torch.autograd.backward(out, arrived.pop(("B", a.mb, a.chunk)))
+                torch.autograd.backward(out, grad)
             if leaf is not None:
-                arrived[("dX", a.mb, a.chunk)] = leaf.grad
+                prev = self._local_neighbour(a.chunk, -1)
+                key = ("dX", a.mb, a.chunk) if prev is None else ("B", a.mb, prev)
+                arrived[key] = leaf.grad
+
+        def weight(a: sched.Action) -> None:
+            store.weight_grad((a.mb, a.chunk))
+
+        run_compute = {"F": forward, "B": backward, "I": backward, "W": weight}
 
         def post(batch: list[sched.Action]) -> None:
             ops, keys = [], []
@@ -170,6 +209,24 @@ class PipelineEngine:
             arrived[(a.op[-1], a.mb, a.chunk)] = self.link.from_wire(buffer, self._like)
             machine.complete(a)
 
+        split = any(a.op == "W" for a in s.ranks[self.rank])
+        with deferring(store) if split else contextlib.nullcontext():
+            self.last_compute_time = self._drive(machine, post, finish_recv, run_compute, sends)
+        if len(store):  # every W ran, so nothing an I kept may outlive the iteration
+            raise ScheduleError(f"rank {self.rank}: {len(store)} weight gradients were never run")
+        self.last_deferred_weight_grads = store.deferred
+        return [losses[mb] for mb in range(m)] if losses else []
+
+    def _drive(
+        self,
+        machine: sched.RankStateMachine,
+        post: Callable[[list[sched.Action]], None],
+        finish_recv: Callable[[sched.Action], None],
+        run_compute: dict[str, Callable[[sched.Action], None]],
+        sends: list[tuple[sched.Action, dist.Work]],
+    ) -> float:
+        """Issues the schedule's actions in order as the state machine allows; returns the
+        host seconds spent computing."""
         compute_time = 0.0
         while not machine.done():
             if machine.has_next() and machine.ready():
@@ -181,7 +238,7 @@ class PipelineEngine:
                     continue
                 a = machine.issue()
                 start = time.perf_counter()
-                (forward if a.op == "F" else backward)(a)
+                run_compute[a.op](a)
                 compute_time += time.perf_counter() - start
                 machine.complete(a)
             elif machine.has_next():
@@ -191,5 +248,4 @@ class PipelineEngine:
                     work.wait()
                     machine.complete(a)
                 sends.clear()
-        self.last_compute_time = compute_time
-        return [losses[mb] for mb in range(m)] if losses else []
+        return compute_time

@@ -24,7 +24,7 @@ Simulation = _s.Simulation
 Costs = _s.Costs
 RankStateMachine = _s.RankStateMachine
 
-KINDS = ("gpipe", "1f1b", "interleaved")
+KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 __all__ = [
     "KINDS",

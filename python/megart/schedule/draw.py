@@ -1,5 +1,6 @@
 """Timeline pictures in the style of the Megatron-LM papers' schedule figures: a row per rank
-(rank 0 on top), forward boxes blue and backward green, numbered by microbatch, later model
+(rank 0 on top), forward boxes blue and backward green (split backwards: input gradient I
+teal, weight gradient W orange), numbered by microbatch, later model
 chunks in lighter shades, idle time (the bubble) hatched grey."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from megart.errors import ConfigError
 _COLOURS = {
     "F": (0.16, 0.38, 0.78),
     "B": (0.13, 0.60, 0.33),
-    "I": (0.13, 0.60, 0.33),
-    "W": (0.55, 0.34, 0.70),
+    "I": (0.20, 0.68, 0.62),
+    "W": (0.86, 0.55, 0.13),
 }
 
 
@@ -118,6 +119,13 @@ def draw(
         Patch(facecolor=_COLOURS["B"], label="backward"),
         Patch(facecolor="#f2f2f2", hatch="///", label="idle (bubble)"),
     ]
+    ops = {span.action.op for _, sim in runs for r in sim.ranks for span in r.compute}
+    if "I" in ops or "W" in ops:  # split backwards: input and weight gradients apart
+        legend[1:2] = [
+            *([Patch(facecolor=_COLOURS["B"], label="backward")] if "B" in ops else []),
+            Patch(facecolor=_COLOURS["I"], label="input grad (I)"),
+            Patch(facecolor=_COLOURS["W"], label="weight grad (W)"),
+        ]
     if any(s.chunks > 1 for s, _ in runs):
         legend.insert(2, Patch(facecolor=_shade(_COLOURS["F"], 1, 2), label="later chunks"))
     fig.legend(handles=legend, loc="lower right", ncol=len(legend), fontsize=8, frameon=False)

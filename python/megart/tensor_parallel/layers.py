@@ -43,6 +43,7 @@ from megart.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_region,
     scatter_to_region,
 )
+from megart.tensor_parallel.weight_grad import linear
 
 InitMethod = Callable[[torch.Tensor, torch.Generator | None], object]
 """Fills a full (master) weight in place, drawing from the given generator."""
@@ -137,7 +138,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_region(x, self.tp_group)
         else:
             x = copy_to_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias if add_bias else None)
+        y = linear(x, self.weight, self.bias if add_bias else None)
         return gather_from_region(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -193,7 +194,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.tp_group)
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight)
         # The bias comes after the sum: added before, it would be counted t times.
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(partial, self.tp_group)

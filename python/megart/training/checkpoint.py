@@ -49,6 +49,21 @@ PARALLEL_FIELDS = (
 )
 
 
+def _check_placement(directory: str | os.PathLike, saved: dict, config: Any) -> None:
+    """zb-v places its chunks in a V, which resharding does not know: such a checkpoint loads
+    only into the same layout and schedule."""
+    was = saved.get("pipeline_schedule", "1f1b")  # saved before schedules were recorded
+    same = all(saved[f] == getattr(config, f) for f in PARALLEL_FIELDS)
+    if (was == "zb-v") != (config.schedule == "zb-v") or (
+        "zb-v" in (was, config.schedule) and not same
+    ):
+        raise ConfigError(
+            f"--load {directory} was saved with --pipeline-schedule {was} and this run uses "
+            f"{config.schedule}; a zb-v checkpoint loads only into zb-v with the same tensor- "
+            "and pipeline-parallel sizes (resharding it is not supported)"
+        )
+
+
 def iteration_dir(directory: str | os.PathLike, iteration: int) -> Path:
     return Path(directory) / f"iter_{iteration:07d}"
 
@@ -172,7 +187,8 @@ def save(
     if grid.dp_rank == 0:
         state = file_state(
             iteration,
-            layout={f: getattr(config, f) for f in MODEL_FIELDS + PARALLEL_FIELDS},
+            layout={f: getattr(config, f) for f in MODEL_FIELDS + PARALLEL_FIELDS}
+            | {"pipeline_schedule": config.schedule},
             model_config=dataclasses.asdict(chunks[0].cfg),
             layer_ids=[list(chunk.layer_ids) for chunk in chunks],
             model=[chunk.state_dict() for chunk in chunks],
@@ -220,6 +236,7 @@ def load(
     finetune = config.finetune or bool(state.get("release"))
     load_optim = not (finetune or config.no_load_optim)
     load_rng = not (finetune or config.no_load_rng)
+    _check_placement(directory, state["config"], config)
     if any(state["config"][f] != getattr(config, f) for f in PARALLEL_FIELDS):
         from megart.training import reshard  # imported here: it reads files through this module
 

@@ -14,7 +14,11 @@ DEFAULT_WARMUP_ITERS = 4  # warm-up of the default run, when neither warm-up fla
 NORMALIZATIONS = {flag: name for name, flag in MEGATRON_NORMS.items()}
 POSITION_EMBEDDING_TYPES = {flag: name for name, flag in MEGATRON_POSITIONS.items()}
 # The flags whose values are one of a few spellings (argparse's choices).
+# The pipeline schedules `megart train` runs (megart.schedule builds more, gpipe among them).
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
+
 CHOICES = {
+    "pipeline_schedule": PIPELINE_SCHEDULES,
     "lr_decay_style": LR_DECAY_STYLES,
     "normalization": tuple(NORMALIZATIONS),
     "position_embedding_type": tuple(POSITION_EMBEDDING_TYPES),
@@ -70,6 +74,8 @@ class TrainConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
+    # None: 1f1b, or interleaved with --num-layers-per-virtual-pipeline-stage (Megatron's rule).
+    pipeline_schedule: str | None = None
     sequence_parallel: bool = False
     scatter_gather_tensors_in_pipeline: bool = True
     # Megatron's --use-distributed-optimizer (ZeRO-1): Adam's state sharded over data parallelism.
@@ -128,8 +134,17 @@ class TrainConfig:
         return self.pipeline_model_parallel_size
 
     @property
+    def schedule(self) -> str:
+        """The pipeline schedule this run uses."""
+        if self.pipeline_schedule is not None:
+            return self.pipeline_schedule
+        return "1f1b" if self.num_layers_per_virtual_pipeline_stage is None else "interleaved"
+
+    @property
     def chunks(self) -> int:
-        """Model chunks per pipeline rank (v)."""
+        """Model chunks per pipeline rank (v): zb-v's V takes two, each half a stage's layers."""
+        if self.schedule == "zb-v":
+            return 2
         per = self.num_layers_per_virtual_pipeline_stage
         return 1 if per is None else self.num_layers // (self.pp * per)
 
@@ -220,6 +235,7 @@ class TrainConfig:
                 f"{per_step}; use a global batch of {options}"
             )
         per = self.num_layers_per_virtual_pipeline_stage
+        self._check_schedule(dp)
         if per is not None:
             if pp < 2:
                 raise ConfigError(
@@ -279,6 +295,46 @@ class TrainConfig:
         self._check_lr_flags()
         self.gpt_config().check_layout(tp, pp, self.chunks)  # what GPTConfig refuses, too
         return dp
+
+    def _check_schedule(self, dp: int) -> None:
+        """Refuses --pipeline-schedule combinations that cannot run, saying what would."""
+        name, per, pp = self.pipeline_schedule, self.num_layers_per_virtual_pipeline_stage, self.pp
+        if name is not None and name not in PIPELINE_SCHEDULES:
+            raise ConfigError(
+                f"--pipeline-schedule {name} is not one of {', '.join(PIPELINE_SCHEDULES)}"
+            )
+        if name == "interleaved" and per is None:
+            raise ConfigError(
+                "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
+                "(the layers of each model chunk)"
+            )
+        if name in ("1f1b", "zb-h1", "zb-v") and per is not None:
+            what = (
+                "derives its two chunks from the layers per stage"
+                if name == "zb-v"
+                else ("runs one model chunk per rank")
+            )
+            raise ConfigError(
+                f"--pipeline-schedule {name} {what}: leave out "
+                f"--num-layers-per-virtual-pipeline-stage {per}, or use the interleaved schedule"
+            )
+        if self.schedule != "zb-v":
+            return
+        if self.num_layers % (2 * pp):
+            raise ConfigError(
+                f"--pipeline-schedule zb-v splits each pipeline stage into two chunks: "
+                f"--num-layers {self.num_layers} must be divisible by 2 x pipeline size {pp}; "
+                f"use a multiple of {2 * pp} layers, or zb-h1"
+            )
+        m = self.microbatches(dp)
+        if m < 2 * pp:
+            per_step = self.micro_batch_size * dp
+            raise ConfigError(
+                f"--pipeline-schedule zb-v needs at least 2 x pipeline size = {2 * pp} "
+                f"microbatches, got {m} (global batch {self.global_batch_size} / (micro batch "
+                f"{self.micro_batch_size} x data-parallel {dp})); use a global batch of at least "
+                f"{2 * pp * per_step}, or zb-h1"
+            )
 
     def _check_lr_flags(self) -> None:
         check_decay_style(self.lr_decay_style)

@@ -24,9 +24,9 @@ Optimizer = torch.optim.Optimizer | DistributedOptimizer
 
 
 def _tied_embeddings(chunks: list[torch.nn.Module], pp: int) -> list[torch.nn.Parameter]:
-    """The word embeddings the first and last pipeline stages share (none with one stage, or
-    when the output layer has its own weight)."""
-    if pp == 1 or chunks[0].cfg.untie_embeddings_and_output_weights:
+    """The word embeddings the first and last pipeline stages share (none with one stage in
+    one chunk, or when the output layer has its own weight); both are on one rank in zb-v."""
+    if (pp == 1 and len(chunks) == 1) or chunks[0].cfg.untie_embeddings_and_output_weights:
         return []
     return [c.wte.weight for c in chunks if hasattr(c, "wte") and (c.first or c.last)]
 
@@ -65,14 +65,21 @@ def share_embedding_grads(
     """First and last stage each hold the tied embedding; their gradients are summed (with a
     sharded optimizer only the slice this rank steps, which is the same slice on both stages:
     the embedding has a bucket of its own)."""
-    if grid.embedding_group is None:
-        return
+    grads = []
     for weight in _tied_embeddings(chunks, pp):
         grad = weight.grad
         if buckets.shard:
             b = buckets.bucket_of(weight)
             start, end = buckets.shard_range(b)
             grad = b.buffer[start:end]
+        grads.append(grad)
+    if len(grads) == 2:  # zb-v's V: the first and the last stage share this rank
+        grads[0].add_(grads[1])
+        grads[1].copy_(grads[0])
+        return
+    if grid.embedding_group is None:
+        return
+    for grad in grads:
         dist.all_reduce(grad, group=grid.embedding_group)
 
 

@@ -78,10 +78,10 @@ class Trainer:
                 g.tp_group,
                 c.sequence_parallel,
                 self.rng,
+                v_shape=c.schedule == "zb-v",
             )
         ]
-        kind = "interleaved" if c.chunks > 1 else "1f1b"
-        schedule = sched.build(kind, c.pp, self.m, c.chunks)
+        schedule = sched.build(c.schedule, c.pp, self.m, c.chunks)
         seq = c.seq_length // c.tp if c.sequence_parallel else c.seq_length
         # Scatter/gather applies to tensors replicated across tensor parallelism: with
         # sequence parallelism each rank already holds a distinct slice.
