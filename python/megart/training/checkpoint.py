@@ -254,7 +254,10 @@ def model_config(state: dict[str, Any]) -> GPTConfig:
         sizes = ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_attention_heads")
         return GPTConfig(**{k: layout[k] for k in sizes})
     known = {f.name for f in dataclasses.fields(GPTConfig)}
-    return GPTConfig(**{k: v for k, v in saved.items() if k in known})
+    fields = {k: v for k, v in saved.items() if k in known}
+    # Saved before the config recorded the rotation: megart then rotated adjacent pairs.
+    fields.setdefault("rotary_interleaved", True)
+    return GPTConfig(**fields)
 
 
 def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -> None:
