@@ -1,0 +1,32 @@
+"""Launched functions for test_megatron_flags: megart train's command line in a process, and
+the distributed optimizer's deferred all-gathers."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """megart train ``argv``: its exit status and what it printed."""
+    from megart.cli.main import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        status = main(["train", *argv])
+    return status, out.getvalue()
+
+
+def pending_gathers(kw: dict) -> tuple[int, int, int]:
+    """(buckets, all-gathers still running after a step, after the next forward) with
+    --overlap-param-gather."""
+    import train_workers as tw
+    from megart.training.data import builtin_corpus
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(tw.tiny(**kw), tokens=builtin_corpus(1 << 16))
+    trainer.train_step(0)
+    after_step = len(trainer.optimizer._gathers)
+    trainer.train_step(1)  # its forward waits for each; its step starts them again
+    trainer.evaluate()  # forwards only: every bucket waited for
+    return len(trainer.buckets.buckets), after_step, len(trainer.optimizer._gathers)
