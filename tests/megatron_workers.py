@@ -13,7 +13,10 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        status = main(["train", *argv])
+        try:
+            status = main(["train", *argv])
+        except SystemExit as e:  # argparse's refusal of a flag it does not know
+            status = e.code
     return status, out.getvalue()
 
 
