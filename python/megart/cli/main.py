@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("train", "preprocess-data", "export-hf", "import-hf")
+COMMANDS = ("train", "preprocess-data", "export-hf", "import-hf", "convert-checkpoint")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -16,7 +16,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "usage: megart train [--help] [Megatron-LM flags ...]\n"
             "       megart preprocess-data [--help] --input FILE --output-prefix PREFIX ...\n"
             "       megart export-hf [--help] --load CHECKPOINT_DIR --output GPT2_DIR\n"
-            "       megart import-hf [--help] --input GPT2_DIR --save CHECKPOINT_DIR",
+            "       megart import-hf [--help] --input GPT2_DIR --save CHECKPOINT_DIR\n"
+            "       megart convert-checkpoint [--help] --from F --to T --load DIR --save DIR",
             file=sys.stderr,
         )
         return 2
@@ -32,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megart.cli.import_hf import main as import_hf
 
         return import_hf(argv[1:])
+    if argv[0] == "convert-checkpoint":
+        from megart.cli.convert import main as convert
+
+        return convert(argv[1:])
     from megart.cli.train import main as train
 
     return train(argv[1:])

@@ -27,8 +27,9 @@ What each does in megart:
   see megart.training.grad_sync and megart.training.distributed_optimizer.
 - --distributed-timeout-minutes: the bound on every wait of megart's communicator.
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
-- --ckpt-format: megart (the default) or torch (Megatron-LM's legacy format); torch_dist is
-  refused.
+- --ckpt-format: megart (the default); torch (Megatron-LM's legacy format) is not written by
+  training yet (megart convert-checkpoint writes it) and torch_dist is refused. --load reads a
+  Megatron-LM legacy checkpoint of one rank (megart.training.megatron_checkpoint) as --finetune.
 - --calculate-per-token-loss: megart has no loss mask, so every microbatch has b s tokens and
   the per-token mean over the global batch equals the mean of the per-microbatch means that
   megart computes: the gradients are the same.
@@ -110,8 +111,9 @@ def check_megatron_flags(config: Any) -> None:
             )
     if config.ckpt_format == "torch":
         raise ConfigError(
-            "--ckpt-format torch (Megatron-LM's legacy checkpoint) is not written by megart "
-            "yet; use --ckpt-format megart (the default)"
+            "--ckpt-format torch: megart train does not write Megatron-LM's legacy checkpoint "
+            "yet; save with --ckpt-format megart (the default) and run megart "
+            "convert-checkpoint --from megart --to megatron (--load reads either format)"
         )
     if config.ckpt_format == "torch_dist":
         raise ConfigError(

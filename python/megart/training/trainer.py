@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -31,7 +33,7 @@ from megart.tensor_parallel import (
     seed_tensor_parallel,
     sync_sequence_parallel_grads,
 )
-from megart.training import checkpoint
+from megart.training import checkpoint, megatron_checkpoint
 from megart.training import optimizer as optim
 from megart.training.config import TrainConfig
 from megart.training.data import Dataset, build_datasets
@@ -139,9 +141,17 @@ class Trainer:
             # the first run of it finds no checkpoint yet and starts from scratch.
             print(f"--load {c.load}: no checkpoint there yet; starting from scratch", flush=True)
         if c.load and not fresh:
+            load = c.load
+            if megatron_checkpoint.is_megatron(load):
+                # Megatron-LM's legacy checkpoint: its weights as a megart release checkpoint
+                # (each rank its own copy), loaded and resharded as after import-hf.
+                load = tempfile.mkdtemp(prefix="megart-from-megatron-")
+                megatron_checkpoint.megatron_to_megart(c.load, load)
             self.start_iteration = checkpoint.load(
-                c.load, c, g, self.chunks, self.optimizer, self.rng, self.scaler
+                load, c, g, self.chunks, self.optimizer, self.rng, self.scaler
             )
+            if load != c.load:
+                shutil.rmtree(load, ignore_errors=True)
 
     def save_checkpoint(self, iterations_done: int) -> None:
         """Writes a checkpoint after ``iterations_done`` iterations to --save (every rank)."""
