@@ -241,3 +241,28 @@ def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -
             "a checkpoint of another model cannot be resharded (only the tensor- and "
             "pipeline-parallel layout may change), so resume with the saved values"
         )
+
+
+def write_release(
+    save_dir: str | os.PathLike,
+    cfg: GPTConfig,
+    weights: dict[str, torch.Tensor],
+    layer_ids: list[int],
+) -> Path:
+    """Writes ``weights`` (one chunk's, of the whole model ``cfg``) as a release checkpoint in
+    ``save_dir`` (Megatron's term: the weights alone, one rank's file, iteration 0; --load
+    reshards it to any layout and starts as --finetune); returns the file."""
+    layout = {f: getattr(cfg, f) for f in MODEL_FIELDS}
+    layout.update(zip(PARALLEL_FIELDS, (1, 1, None), strict=True))  # tp 1, pp 1, no interleaving
+    state = file_state(
+        0,
+        layout=layout,
+        model_config=dataclasses.asdict(cfg),
+        layer_ids=[layer_ids],
+        model=[weights],
+        release=True,
+    )
+    out = iteration_dir(save_dir, 0) / rank_dir(0, 0, 1) / FILE
+    write_file(out, state)
+    replace_text(Path(save_dir) / TRACKER, "0\n")
+    return out

@@ -15,7 +15,6 @@ checkpoint of one tensor- and pipeline-parallel rank, written as a megart releas
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import pickle
 from pathlib import Path
@@ -28,16 +27,12 @@ from megart.models.config import GPTConfig, fit_vocab
 from megart.models.megatron_names import from_megatron, to_megatron
 from megart.training.checkpoint import (
     FILE,
-    MODEL_FIELDS,
-    PARALLEL_FIELDS,
     TRACKER,
-    file_state,
     iteration_dir,
     model_config,
-    rank_dir,
     replace_text,
     required_latest_iteration,
-    write_file,
+    write_release,
 )
 from megart.training.shards import read_shards, whole_tensors
 
@@ -165,17 +160,4 @@ def megatron_to_megart(load_dir: str | os.PathLike, save_dir: str | os.PathLike)
     (weights only; --load reshards it to any layout and starts at iteration 0)."""
     cfg, model, _ = read_megatron(load_dir)
     weights = from_megatron(model, cfg)
-    layout = {f: getattr(cfg, f) for f in MODEL_FIELDS}
-    layout.update(zip(PARALLEL_FIELDS, (1, 1, None), strict=True))
-    state = file_state(
-        0,
-        layout=layout,
-        model_config=dataclasses.asdict(cfg),
-        layer_ids=[list(range(cfg.num_layers))],
-        model=[weights],
-        release=True,
-    )
-    out = iteration_dir(save_dir, 0) / rank_dir(0, 0, 1) / FILE
-    write_file(out, state)
-    replace_text(Path(save_dir) / TRACKER, "0\n")
-    return out
+    return write_release(save_dir, cfg, weights, list(range(cfg.num_layers)))
