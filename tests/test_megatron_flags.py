@@ -264,3 +264,14 @@ def test_overlap_flags_follow_the_single_process_loss_curve():
 
 def _train(kw):
     return tw.train(**kw)
+
+
+def test_loading_a_checkpoint_of_the_other_rotation_is_refused_naming_the_flag():
+    c = tw.tiny(position_embedding_type="rope")
+    layout = {f: getattr(c, f) for f in checkpoint.MODEL_FIELDS}
+    old = {"config": layout, "model_config": {k: v for k, v in vars(c.gpt_config()).items()
+                                              if k != "rotary_interleaved"}}  # fmt: skip
+    with pytest.raises(ConfigError, match="--rotary-interleaved .*now --rotary-base 10000 \\(h"):
+        checkpoint._check_model("ckpt", old, c, c.gpt_config())
+    again = tw.tiny(position_embedding_type="rope", rotary_interleaved=True)
+    checkpoint._check_model("ckpt", old, again, again.gpt_config())  # loads as it was trained
