@@ -140,7 +140,8 @@ HELP = {
     "distributed_timeout_minutes": "bound on every communication wait",
     "log_throughput": "accepted: megart's progress line always has TFLOP/s per GPU "
     "(Megatron's count)",
-    "ckpt_format": "megart (megart's checkpoint) or torch (Megatron-LM's legacy)",
+    "ckpt_format": "megart (megart's checkpoint); torch (Megatron-LM's legacy) is refused: "
+    "save as megart and run megart convert-checkpoint --to megatron",
     "calculate_per_token_loss": "mean loss over the global batch's tokens (megart has no loss "
     "mask: the same as its per-microbatch means)",
     "context_parallel_size": "context parallelism (megart: only 1)",
