@@ -20,16 +20,21 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
     return status, out.getvalue()
 
 
-def pending_gathers(kw: dict) -> tuple[int, int, int]:
-    """(buckets, all-gathers still running after a step, after the next forward) with
-    --overlap-param-gather."""
+def pending_gathers(kw: dict) -> dict:
+    """Three iterations with --overlap-param-gather: their losses, the buckets, the
+    all-gathers still running after the first step, and after an evaluation's forward."""
     import train_workers as tw
     from megart.training.data import builtin_corpus
     from megart.training.trainer import Trainer
 
     trainer = Trainer(tw.tiny(**kw), tokens=builtin_corpus(1 << 16))
-    trainer.train_step(0)
+    losses = [trainer.train_step(0)["loss"]]
     after_step = len(trainer.optimizer._gathers)
-    trainer.train_step(1)  # its forward waits for each; its step starts them again
+    losses += [trainer.train_step(i)["loss"] for i in (1, 2)]  # each forward waits for them
     trainer.evaluate()  # forwards only: every bucket waited for
-    return len(trainer.buckets.buckets), after_step, len(trainer.optimizer._gathers)
+    return dict(
+        losses=losses,
+        buckets=len(trainer.buckets.buckets),
+        after_step=after_step,
+        after_forward=len(trainer.optimizer._gathers),
+    )
