@@ -65,13 +65,19 @@ def reference_attention(x, attn, heads, groups, rope):
         return y[..., start * d : (start + 1) * d]  # [s, b, d]
 
     def rotate(t):
-        # RoFormer's rotation of pairs (2i, 2i+1) by position p times 10000^(-2i/d).
+        # RoFormer's rotation of pair i by position p times 10000^(-2i/d); the pairs are
+        # (2i, 2i+1) interleaved, else (i, i + d/2) (Megatron's default).
         p = torch.arange(s, dtype=torch.float64)[:, None, None]
         i = torch.arange(d // 2, dtype=torch.float64)
         angle = p * 10000.0 ** (-2 * i / d)
-        even, odd = t[..., 0::2], t[..., 1::2]
-        turned = (even * angle.cos() - odd * angle.sin(), even * angle.sin() + odd * angle.cos())
-        return torch.stack(turned, dim=-1).flatten(-2)
+        pairs = [i.long() * 2, i.long() * 2 + 1]
+        if not attn.cfg.rotary_interleaved:
+            pairs = [i.long(), i.long() + d // 2]
+        first, second = t[..., pairs[0]], t[..., pairs[1]]
+        out = torch.empty_like(t)
+        out[..., pairs[0]] = first * angle.cos() - second * angle.sin()
+        out[..., pairs[1]] = first * angle.sin() + second * angle.cos()
+        return out
 
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     outputs = []
@@ -102,6 +108,7 @@ def attention_shapes(draw):
         b=draw(st.integers(1, 3)),
         bias=draw(st.booleans()),
         rope=draw(st.booleans()),
+        interleaved=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -113,7 +120,7 @@ def test_attention_equals_the_head_by_head_reference(shape):
     h = heads * d
     cfg = GPTConfig(vocab_size=8, seq_length=s, hidden_size=h, num_layers=1,
                     num_attention_heads=heads, num_query_groups=groups,
-                    bias=shape["bias"])  # fmt: skip
+                    bias=shape["bias"], rotary_interleaved=shape["interleaved"])  # fmt: skip
     attn = Attention(cfg, 0, None, False).double()
     assert attn.qkv.weight.shape == ((heads + 2 * groups) * d, h)
     g = torch.Generator().manual_seed(shape["seed"])
@@ -348,4 +355,4 @@ def test_flops_equal_torchs_flop_counter_on_a_gqa_model(groups):
     tokens = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(0))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(tokens[:, :-1], tokens[:, 1:]).backward()
-    assert model_flops(cfg, 3) == counter.get_total_flops()
+    assert model_flops(cfg, 3, causal=False) == counter.get_total_flops()  # the whole s x s

@@ -6,7 +6,15 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("train", "preprocess-data", "export-hf", "import-hf", "plan", "selftest")
+COMMANDS = (
+    "train",
+    "preprocess-data",
+    "export-hf",
+    "import-hf",
+    "plan",
+    "selftest",
+    "convert-checkpoint",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -18,7 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "       megart export-hf [--help] --load CHECKPOINT_DIR --output GPT2_DIR\n"
             "       megart import-hf [--help] --input GPT2_DIR --save CHECKPOINT_DIR\n"
             "       megart plan [--help] --gpu NAME --num-gpus N [megart train's model flags]\n"
-            "       megart selftest [--help] [--json [FILE]]",
+            "       megart selftest [--help] [--json [FILE]]\n"
+            "       megart convert-checkpoint [--help] --from F --to T --load DIR --save DIR",
             file=sys.stderr,
         )
         return 2
@@ -42,6 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megart.cli.plan import main as plan
 
         return plan(argv[1:])
+    if argv[0] == "convert-checkpoint":
+        from megart.cli.convert import main as convert
+
+        return convert(argv[1:])
     from megart.cli.train import main as train
 
     return train(argv[1:])

@@ -12,11 +12,13 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
-from megart.errors import MegartError
+from megart.errors import ConfigError, MegartError
 from megart.training.config import CHOICES, TrainConfig
 
 # Other names Megatron-LM has used for a flag.
 ALIASES = {"layernorm_epsilon": ["--norm-epsilon"]}
+# Switches on by default in megart but off in Megatron-LM: both spellings are accepted.
+ON_BY_DEFAULT = ("overlap_grad_reduce",)
 # What each flag does, shown by --help; a test keeps it in step with TrainConfig's fields.
 HELP = {
     "num_layers": "transformer layers",
@@ -116,6 +118,41 @@ HELP = {
     "exit_interval": "stop after every N-th iteration (saving first when --save is given)",
     "exit_duration_in_mins": "stop once the run has trained this many minutes (saving first)",
     "exit_signal_handler": "on SIGTERM finish the iteration, save (with --save) and stop",
+    "max_position_embeddings": "rows of the learned position table (megart's: exactly "
+    "--seq-length; with rope at least that)",
+    "kv_channels": "head size (megart's: --hidden-size / --num-attention-heads)",
+    "rotary_base": "rope's base",
+    "rotary_interleaved": "rope rotates adjacent pairs (x[2i], x[2i+1]) instead of the halves "
+    "(x[i], x[i + d/2]), Megatron's default; megart before this flag rotated adjacent pairs",
+    "attention_backend": "auto, flash, fused (torch's sdpa picks the kernel), unfused or local "
+    "(its math kernel)",
+    "tokenizer_type": "the tokenizer whose vocabulary the model has (GPT2BPETokenizer is implied "
+    "by --vocab-file and --merge-file; NullTokenizer has --vocab-size + 1 ids)",
+    "vocab_file": "GPT-2 vocabulary (gpt2-vocab.json) for GPT2BPETokenizer",
+    "merge_file": "GPT-2 merges (gpt2-merges.txt) for GPT2BPETokenizer",
+    "tokenizer_model": "Hugging Face tokenizer (directory or name) for HuggingFaceTokenizer",
+    "mock_data": "train on random tokens of the vocabulary (seeded) instead of a corpus",
+    "num_workers": "data loader workers: accepted; megart reads memory-mapped samples in the "
+    "training process",
+    "mmap_bin_files": "read the .bin files into memory instead of memory-mapping them",
+    "create_attention_mask_in_dataloader": "no attention mask from the data loader (megart "
+    "never builds one: the same model either way)",
+    "train_samples": "samples to train: --train-iters = this // --global-batch-size",
+    "lr_decay_samples": "samples of decay (default: --train-samples)",
+    "lr_warmup_samples": "samples of linear warm-up",
+    "overlap_grad_reduce": "reduce every gradient bucket after backward instead of while it "
+    "runs",  # its flag is --no-...; --overlap-grad-reduce (megart's default) is accepted too
+    "overlap_param_gather": "with --use-distributed-optimizer: each bucket's parameter "
+    "all-gather finishes just before the next forward first uses it",
+    "distributed_timeout_minutes": "bound on every communication wait",
+    "log_throughput": "accepted: megart's progress line always has TFLOP/s per GPU "
+    "(Megatron's count)",
+    "ckpt_format": "megart (megart's checkpoint); torch (Megatron-LM's legacy) is refused: "
+    "save as megart and run megart convert-checkpoint --to megatron",
+    "calculate_per_token_loss": "mean loss over the global batch's tokens (megart has no loss "
+    "mask: the same as its per-microbatch means)",
+    "context_parallel_size": "context parallelism (megart: only 1)",
+    "expert_model_parallel_size": "expert parallelism (megart: only 1)",
     "check_for_nan_in_loss_and_grad": "do not stop the run when the loss or gradient norm is "
     "not finite",  # its flag is --no-... (see below)
 }
@@ -128,6 +165,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool) and f.default is True:
             p.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=HELP[f.name])
+            if f.name in ON_BY_DEFAULT:  # Megatron's switch for what megart does by default
+                p.add_argument(flag, dest=f.name, action="store_true", help=argparse.SUPPRESS)
         elif f.type in ("bool", bool):
             p.add_argument(flag, dest=f.name, action="store_true", help=HELP[f.name])
         else:
@@ -149,6 +188,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    if hasattr(args, "train_iters") and getattr(args, "train_samples", None) is not None:
+        raise ConfigError(
+            "--train-iters and --train-samples exclude each other (as in Megatron-LM); give one"
+        )
     given = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(TrainConfig)
@@ -166,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from megart.training.trainer import Trainer
 
-        Trainer(config_from_args(args)).train()
+        config = config_from_args(args)
+        Trainer(config).train()
     except (MegartError, ValueError) as e:
         print(f"megart train: error: {e}", file=sys.stderr)
         return 2

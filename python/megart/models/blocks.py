@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megart.distributed import ProcessGroup
 from megart.kernels import add_layer_norm, bias_gelu, layer_norm
@@ -66,18 +67,30 @@ def apply_norm(module: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
     return module(x)
 
 
-def rotary(seq: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, [seq, dim/2] (base 10000, as RoFormer)."""
-    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+def rotary(
+    seq: int, dim: int, device: torch.device, base: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, [seq, dim/2]: position p turns pair i by
+    p base^(-2i/dim) (RoFormer's, base 10000 by default as Megatron's --rotary-base)."""
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates pairs (x[2i], x[2i+1]) of the last dimension of x [b, heads, s, d]."""
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return out.type_as(x)
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotates pairs of the last dimension of x [b, heads, s, d]: (x[i], x[i + d/2]) (the
+    halves, Megatron-LM's and Hugging Face Llama's default), or with ``interleaved`` adjacent
+    (x[2i], x[2i+1]) (Megatron's --rotary-interleaved, and megart's rotation before it)."""
+    xf = x.float()
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        return (
+            torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+        )
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
 class Attention(nn.Module):
@@ -137,7 +150,8 @@ class Attention(nn.Module):
         q = q.reshape(s, b, self.local_heads, d).permute(1, 2, 0, 3)
         k, v = (kv.squeeze(3).permute(1, 2, 0, 3) for kv in (k, v))
         if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            turn = self.cfg.rotary_interleaved
+            q, k = apply_rotary(q, *rope, turn), apply_rotary(k, *rope, turn)
         if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
             y = checkpointed(self._core, self.rng, q, k, v)
         else:
@@ -156,7 +170,11 @@ class Attention(nn.Module):
             v = v.repeat_interleave(per_group, dim=1)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         stream = self.rng.fork() if dropout and self.rng else contextlib.nullcontext()
-        with stream:
+        # Megatron's --attention-backend unfused/local: the softmax of the explicit s x s
+        # scores (torch's math kernel); otherwise torch picks flash or fused kernels.
+        unfused = self.cfg.attention_backend in ("unfused", "local")
+        kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
+        with stream, kernel:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
 

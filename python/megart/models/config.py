@@ -43,6 +43,15 @@ class GPTConfig:
     # this many groups (1 is multi-query attention), shrinking the k/v projections and the
     # inference cache. None is one group per head: plain multi-head attention.
     num_query_groups: int | None = None
+    # Rotary positions (position_embedding="rotary"), Megatron's --rotary-base and
+    # --rotary-interleaved: pairs are the halves of a head (x[i], x[i + d/2]) as Megatron's
+    # and Llama's default, or adjacent (x[2i], x[2i+1]) when interleaved. megart rotated
+    # adjacent pairs before it recorded this field: checkpoints without it load as interleaved.
+    rotary_base: float = 10000.0
+    rotary_interleaved: bool = False
+    # Megatron's --attention-backend: "unfused" and "local" run the math kernel (explicit
+    # scores); "auto", "flash" and "fused" let torch's scaled_dot_product_attention choose.
+    attention_backend: str = "auto"
     init_std: float = 0.02
     seed: int = 1234  # initial weights depend on this alone, not on the parallel layout
     # megart's fused CUDA kernels (megart.kernels) in place of the unfused torch ops; on a CPU,
@@ -163,6 +172,13 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
         "activation": ("" if cfg.activation == "swiglu" else "no ") + "--swiglu",
         "bias": ("no " if cfg.bias else "") + "--disable-bias-linear",
         "layernorm_epsilon": f"--layernorm-epsilon {cfg.layernorm_epsilon:g}",
+        # Rotary settings change what the weights mean only where there are rotary positions.
+        "rotary": (
+            f"--rotary-base {cfg.rotary_base:g}"
+            + (" --rotary-interleaved" if cfg.rotary_interleaved else " (halves)")
+            if cfg.position_embedding == "rotary"
+            else "no rope"
+        ),
         "untie_embeddings_and_output_weights": (
             "" if cfg.untie_embeddings_and_output_weights else "no "
         )

@@ -134,7 +134,7 @@ class GPTChunk(nn.Module):
         rope = None
         if self.cfg.position_embedding == "rotary":
             t = group_size(self.tp_group) if self.sequence_parallel else 1
-            rope = rotary(x.shape[0] * t, self.cfg.head_dim, x.device)
+            rope = rotary(x.shape[0] * t, self.cfg.head_dim, x.device, self.cfg.rotary_base)
         x = self._blocks(x, rope)
         if not self.last:
             return x

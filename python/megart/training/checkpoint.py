@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,16 +35,18 @@ from megart.errors import ConfigError
 from megart.models import GPTChunk, GPTConfig
 from megart.models.config import architecture_flags
 from megart.tensor_parallel.random import GeneratorStates
-
-TRACKER = "latest_checkpointed_iteration.txt"
-FILE = "model_optim_rng.pt"
-# Saved with the checkpoint and compared on load. The model's sizes must match; the parallel
-# layout may differ (then the checkpoint is resharded).
-MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
-PARALLEL_FIELDS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "num_layers_per_virtual_pipeline_stage",
+from megart.training import reshard
+from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as before
+    FILE,
+    MODEL_FIELDS,
+    PARALLEL_FIELDS,
+    TRACKER,
+    iteration_dir,
+    latest_iteration,
+    optimizer_params,
+    rank_dir,
+    read_file,
+    required_latest_iteration,
 )
 
 
@@ -64,62 +65,26 @@ def _check_placement(directory: str | os.PathLike, saved: dict, config: Any) -> 
         )
 
 
-def iteration_dir(directory: str | os.PathLike, iteration: int) -> Path:
-    return Path(directory) / f"iter_{iteration:07d}"
-
-
-def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
-
-def latest_iteration(directory: str | os.PathLike) -> int | None:
-    """The iteration of the last complete checkpoint in ``directory``, or None."""
-    tracker = Path(directory) / TRACKER
-    if not tracker.exists():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise ConfigError(f"{tracker} holds {text!r}, not an iteration number")
-    return int(text)
-
-
-def required_latest_iteration(directory: str | os.PathLike, otherwise: str = "") -> int:
-    """latest_iteration for --load: a directory without a checkpoint is a ConfigError, ending
-    with ``otherwise`` (what else the user may do)."""
-    iteration = latest_iteration(directory)
-    if iteration is None:
-        raise ConfigError(
-            f"--load {directory}: no {TRACKER} there; point --load at a directory that "
-            f"megart train --save wrote{otherwise}"
-        )
-    return iteration
+__all__ = [
+    "FILE",
+    "MODEL_FIELDS",
+    "PARALLEL_FIELDS",
+    "TRACKER",
+    "iteration_dir",
+    "latest_iteration",
+    "load",
+    "model_config",
+    "optimizer_params",
+    "rank_dir",
+    "read_file",
+    "required_latest_iteration",
+    "save",
+]
 
 
 def _rng_state(rng: Any) -> dict[str, Any]:
     default = GeneratorStates.current()
     return {"torch": default.cpu, "cuda": default.cuda, "tracker": rng.get_states()}
-
-
-def optimizer_params(
-    chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer
-) -> list[tuple[int, str]]:
-    """(chunk, parameter name) of each parameter of ``optimizer``, in the order its state_dict
-    numbers them (param group by param group): what maps its states to the model's."""
-    names = {id(p): (c, n) for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def read_file(path: Path) -> dict[str, Any]:
-    """One checkpoint file. weights_only: the files hold only tensors, numbers, strings and
-    containers, and checkpoints come from elsewhere. mmap: only the pages of the tensors used
-    are read (an exporter skips the optimizer's; a resharding rank reads its own parameters')."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
-        raise ConfigError(f"{path} cannot be read as a megart checkpoint file ({e})") from e
-    if not isinstance(state, dict) or "config" not in state or "model" not in state:
-        raise ConfigError(f"{path} is not a megart checkpoint file (no 'config' and 'model')")
-    return state
 
 
 def replace_text(path: Path, text: str) -> None:
@@ -238,8 +203,6 @@ def load(
     load_rng = not (finetune or config.no_load_rng)
     _check_placement(directory, state["config"], config)
     if any(state["config"][f] != getattr(config, f) for f in PARALLEL_FIELDS):
-        from megart.training import reshard  # imported here: it reads files through this module
-
         reshard.restore(
             root, state["config"], config, grid, chunks, optimizer if load_optim else None
         )
@@ -271,7 +234,10 @@ def model_config(state: dict[str, Any]) -> GPTConfig:
         sizes = ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_attention_heads")
         return GPTConfig(**{k: layout[k] for k in sizes})
     known = {f.name for f in dataclasses.fields(GPTConfig)}
-    return GPTConfig(**{k: v for k, v in saved.items() if k in known})
+    fields = {k: v for k, v in saved.items() if k in known}
+    # Saved before the config recorded the rotation: megart then rotated adjacent pairs.
+    fields.setdefault("rotary_interleaved", True)
+    return GPTConfig(**fields)
 
 
 def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -> None:
@@ -293,3 +259,28 @@ def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -
             "a checkpoint of another model cannot be resharded (only the tensor- and "
             "pipeline-parallel layout may change), so resume with the saved values"
         )
+
+
+def write_release(
+    save_dir: str | os.PathLike,
+    cfg: GPTConfig,
+    weights: dict[str, torch.Tensor],
+    layer_ids: list[int],
+) -> Path:
+    """Writes ``weights`` (one chunk's, of the whole model ``cfg``) as a release checkpoint in
+    ``save_dir`` (Megatron's term: the weights alone, one rank's file, iteration 0; --load
+    reshards it to any layout and starts as --finetune); returns the file."""
+    layout = {f: getattr(cfg, f) for f in MODEL_FIELDS}
+    layout.update(zip(PARALLEL_FIELDS, (1, 1, None), strict=True))  # tp 1, pp 1, no interleaving
+    state = file_state(
+        0,
+        layout=layout,
+        model_config=dataclasses.asdict(cfg),
+        layer_ids=[layer_ids],
+        model=[weights],
+        release=True,
+    )
+    out = iteration_dir(save_dir, 0) / rank_dir(0, 0, 1) / FILE
+    write_file(out, state)
+    replace_text(Path(save_dir) / TRACKER, "0\n")
+    return out

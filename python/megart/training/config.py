@@ -8,6 +8,13 @@ from megart.errors import ConfigError
 from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, GPTConfig
 from megart.parallel.layout import divisors
 from megart.training.lr import LR_DECAY_STYLES, check_decay_style, learning_rate
+from megart.training.megatron_flags import (
+    ATTENTION_BACKENDS,
+    CKPT_FORMATS,
+    TOKENIZER_TYPES,
+    check_megatron_flags,
+    resolve_megatron_flags,
+)
 
 DEFAULT_WARMUP_ITERS = 4  # warm-up of the default run, when neither warm-up flag is given
 # Megatron's spellings of --normalization and --position-embedding-type, to GPTConfig's names.
@@ -23,6 +30,9 @@ CHOICES = {
     "normalization": tuple(NORMALIZATIONS),
     "position_embedding_type": tuple(POSITION_EMBEDDING_TYPES),
     "distributed_backend": ("nccl", "shm", "torch"),
+    "attention_backend": ATTENTION_BACKENDS,
+    "tokenizer_type": TOKENIZER_TYPES,
+    "ckpt_format": CKPT_FORMATS,
 }
 
 
@@ -100,6 +110,33 @@ class TrainConfig:
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     log_interval: int = 1
+    # Megatron-LM flags whose effects megart.training.megatron_flags describes and checks.
+    max_position_embeddings: int | None = None  # --seq-length (megart's table is that long)
+    kv_channels: int | None = None  # head size: h / heads (megart's only)
+    rotary_base: int = 10000
+    rotary_interleaved: bool = False  # rotate adjacent pairs instead of the halves
+    attention_backend: str = "auto"
+    tokenizer_type: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
+    mock_data: bool = False
+    num_workers: int = 2
+    mmap_bin_files: bool = True
+    create_attention_mask_in_dataloader: bool = True
+    train_samples: int | None = None
+    lr_decay_samples: int | None = None
+    lr_warmup_samples: int = 0
+    # On by default (megart's measured default; Megatron's is off): --no-overlap-grad-reduce
+    # reduces every bucket after backward.
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    distributed_timeout_minutes: int = 10
+    log_throughput: bool = False
+    ckpt_format: str = "megart"
+    calculate_per_token_loss: bool = False
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
     # Validation, as Megatron-LM: --split weights carve the corpus into consecutive train,
     # validation and test ranges; every --eval-interval iterations and after the last, the
     # loss over --eval-iters global batches of the validation range (0: no evaluation), and
@@ -125,6 +162,9 @@ class TrainConfig:
     # A gradient norm or loss that is not finite stops the run (TrainingError).
     check_for_nan_in_loss_and_grad: bool = True
 
+    def __post_init__(self) -> None:
+        resolve_megatron_flags(self)  # the tokenizer's vocabulary, --train-samples' iterations
+
     @property
     def tp(self) -> int:
         return self.tensor_model_parallel_size
@@ -149,7 +189,12 @@ class TrainConfig:
         return 1 if per is None else self.num_layers // (self.pp * per)
 
     @property
-    def decay_iters(self) -> int:
+    def decay_iters(self) -> float:
+        """--lr-decay-iters, or --lr-decay-samples (or --train-samples) in global batches, as
+        Megatron's scheduler counts samples; else --train-iters."""
+        samples = self.lr_decay_samples or self.train_samples
+        if samples is not None:
+            return samples / self.global_batch_size
         return self.lr_decay_iters or self.train_iters
 
     @property
@@ -158,6 +203,10 @@ class TrainConfig:
         iterations (not rounded, as Megatron's), or the default run's."""
         if self.lr_warmup_fraction is not None:
             return self.lr_warmup_fraction * self.decay_iters
+        if self.lr_warmup_samples:
+            return self.lr_warmup_samples / self.global_batch_size
+        if self.train_samples is not None and self.lr_warmup_iters is None:
+            return 0  # Megatron's default; samples-based runs never had megart's default run
         return DEFAULT_WARMUP_ITERS if self.lr_warmup_iters is None else self.lr_warmup_iters
 
     def learning_rate(self, iteration: int) -> float:
@@ -194,6 +243,9 @@ class TrainConfig:
             bias=not self.disable_bias_linear,
             untie_embeddings_and_output_weights=self.untie_embeddings_and_output_weights,
             num_query_groups=self.num_query_groups if self.group_query_attention else None,
+            rotary_base=float(self.rotary_base),
+            rotary_interleaved=self.rotary_interleaved,
+            attention_backend=self.attention_backend,
             init_std=self.init_method_std,
             seed=self.seed,
             bias_gelu_fusion=self.bias_gelu_fusion,
@@ -293,6 +345,7 @@ class TrainConfig:
             flags = " and ".join("--" + f.replace("_", "-") for f in given)
             raise ConfigError(f"{flags} choose what --load DIR restores; give --load DIR")
         self._check_lr_flags()
+        check_megatron_flags(self)
         self.gpt_config().check_layout(tp, pp, self.chunks)  # what GPTConfig refuses, too
         return dp
 

@@ -152,6 +152,7 @@ def build_datasets(
     vocab_size: int,
     tokens: np.ndarray | None = None,
     evaluate: bool = True,
+    mmap: bool = True,
 ) -> tuple[Dataset, Dataset | None, Dataset | None]:
     """The training, validation and test datasets: ``tokens`` (or --data-path's datasets, or
     the built-in corpus) cut by --split, each dataset of a blend on its own, as Megatron cuts
@@ -160,7 +161,9 @@ def build_datasets(
     if tokens is not None or not data_path:
         sources = [(1.0, "", tokens if tokens is not None else builtin_corpus())]
     else:
-        sources = [(w, f" of {p}", IndexedTokens(p).tokens) for w, p in parse_blend(data_path)]
+        sources = [
+            (w, f" of {p}", IndexedTokens(p, mmap).tokens) for w, p in parse_blend(data_path)
+        ]
     ranges = [split_tokens(t, split) for _, _, t in sources]
     # Weighted by the training ranges' sizes when --data-path gives no weights.
     weights = [len(r[0]) if w is None else w for (w, _, _), r in zip(sources, ranges, strict=True)]

@@ -100,6 +100,9 @@ class DistributedOptimizer:
         for piece in self.pieces:
             inner_groups[group_of[id(piece.param)]]["params"].append(piece.data)
         self.optimizer = make_optimizer(inner_groups)
+        self.overlap_param_gather = False  # see overlap_with_forward
+        self._gathers: dict[int, dist.Work] = {}
+        self._hooks: list[Any] = []
 
     @staticmethod
     def _move_into_buffer(b: _Bucket) -> torch.Tensor:
@@ -126,17 +129,47 @@ class DistributedOptimizer:
         self.optimizer.step()
         self.steps += 1
         if self.buckets.parts > 1:
-            works = []
-            for b, buffer in zip(self.buckets.buckets, self.param_buffers, strict=True):
+            for k, (b, buffer) in enumerate(
+                zip(self.buckets.buckets, self.param_buffers, strict=True)
+            ):
                 start, end = self.buckets.shard_range(b)
                 # In place: this rank's slice of the output is the input, as NCCL allows.
-                works.append(
-                    dist.all_gather_into_tensor(
-                        buffer, buffer[start:end], group=self.group, async_op=True
-                    )
+                self._gathers[k] = dist.all_gather_into_tensor(
+                    buffer, buffer[start:end], group=self.group, async_op=True
                 )
-            for work in works:
+            if not self.overlap_param_gather:
+                self.wait_for_params()
+
+    def wait_for_params(self, buckets: Sequence[int] | None = None) -> None:
+        """Waits for the all-gathers of ``buckets`` (all by default) that the last step left
+        running: after it their parameters are whole again."""
+        for k in list(self._gathers) if buckets is None else buckets:
+            work = self._gathers.pop(k, None)
+            if work is not None:
                 work.wait()
+
+    def overlap_with_forward(self, modules: Sequence[torch.nn.Module]) -> None:
+        """Megatron's --overlap-param-gather: :meth:`step` leaves the all-gathers running, and
+        each module of ``modules`` (and their submodules) waits, before its forward, only for
+        the buckets holding its own parameters; so the gathers of layers late in the forward
+        overlap the compute of earlier ones. Whoever reads parameters outside a forward
+        (checkpoints) calls :meth:`wait_for_params` first. A module in ``modules`` itself waits
+        for every bucket of its parameters (weights it reads without calling the submodule
+        that owns them, as the tied output layer reads the embedding's)."""
+        self.overlap_param_gather = True
+        bucket_number = {id(b): k for k, b in enumerate(self.buckets.buckets)}
+
+        def hook_for(params: list[torch.nn.Parameter]) -> Callable[..., None]:
+            wanted = sorted(
+                {bucket_number[id(self.buckets.bucket_of(p))] for p in params if p.requires_grad}
+            )
+            return lambda module, args: self.wait_for_params(wanted)
+
+        for top in modules:
+            for module in top.modules():
+                own = list(module.parameters(recurse=module is top))
+                if own:
+                    self._hooks.append(module.register_forward_pre_hook(hook_for(own)))
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         self.buckets.zero_grad()
@@ -147,6 +180,7 @@ class DistributedOptimizer:
         """What a plain optimizer over the whole parameters would return: every parameter's
         moments, gathered over the data-parallel group. A collective: call it on every rank
         of the group."""
+        self.wait_for_params()
         groups, start = [], 0
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
             n = len(outer["params"])

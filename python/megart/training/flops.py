@@ -1,4 +1,8 @@
-"""FLOPs of one training iteration, per the SC21 paper (Narayanan et al., appendix):
+"""FLOPs of one training iteration, as Megatron-LM counts them today (its training.py
+num_floating_point_operations): the SC21 paper's count with the attention scores and the
+scores x values products over the causal half of the s x s matrix only (the half a causal
+mask keeps), and the logits over the padded vocabulary. The paper's own count
+(``causal=False``, Narayanan et al., appendix):
 
     with full activation recomputation:  96 B s l h^2 (1 + s/(6h) + V/(16 l h))
     without (the usual MFU numerator):   72 B s l h^2 (1 + s/(6h) + V/(12 l h))
@@ -12,8 +16,8 @@ g d wide instead of h), and reduces exactly to the formulas above for f = 4h, Ge
 A matmul of an (m x k) by a (k x n) matrix is 2 m k n FLOPs. One layer's forward:
 
     Q, K, V projections      2 B s h (h + 2 kv)      (6 B s h^2 for multi-head attention)
-    scores Q K^T             2 B s^2 h      (the whole s x s matrix, as the paper counts)
-    scores x values          2 B s^2 h
+    scores Q K^T             2 B s^2 h      (the whole s x s matrix, as the paper counts;
+    scores x values          2 B s^2 h       Megatron since 2025, and megart: half of each)
     output projection        2 B s h^2
     MLP                      4 B s h f      (GeLU: two matrices; SwiGLU: 6 B s h f)
 
@@ -39,35 +43,43 @@ def iteration_flops(
     ffn_hidden: int | None = None,
     swiglu: bool = False,
     kv_hidden: int | None = None,
+    causal: bool = True,
 ) -> int:
     """Model FLOPs of one iteration (forward and backward, plus the recomputed forward when
     ``recompute``), for an MLP of ``ffn_hidden`` (default 4 h), GeLU or ``swiglu``, and keys
     and values ``kv_hidden`` wide (query groups x head size; default h, multi-head). An exact
-    integer: in floating point the paper's formula and this count could differ by rounding."""
+    integer: in floating point the paper's formula and this count could differ by rounding.
+    ``causal`` counts the attention core over the causal half (Megatron's count, B s^2 h per
+    layer and product less than the paper's, which ``causal=False`` gives)."""
     b, s, l, h, v = batch, seq, layers, hidden, vocab
     f = 4 * h if ffn_hidden is None else ffn_hidden
     kv = h if kv_hidden is None else kv_hidden
     # The scores and values products run over every query head (keys and values repeated).
     qkv = 2 * b * s * h * (h + 2 * kv)
-    attention = qkv + 2 * b * s * s * h + 2 * b * s * s * h + 2 * b * s * h * h
+    core = (b * s * s * h if causal else 2 * b * s * s * h) * 2  # Q K^T and scores x V
+    attention = qkv + core + 2 * b * s * h * h
     mlp = (3 if swiglu else 2) * 2 * b * s * h * f
     logits = 2 * b * s * h * v
     passes = 4 if recompute else 3  # forward, backward (twice the forward), recomputed forward
     return passes * l * (attention + mlp) + 3 * logits
 
 
-def model_flops(cfg: GPTConfig, batch: int, recompute: bool = False) -> int:
-    """iteration_flops of the model ``cfg`` describes, ``batch`` sequences per iteration."""
+def model_flops(
+    cfg: GPTConfig, batch: int, recompute: bool = False, tp: int = 1, causal: bool = True
+) -> int:
+    """iteration_flops of the model ``cfg`` describes, ``batch`` sequences per iteration, with
+    the logits over the vocabulary padded for tensor-parallel size ``tp`` (as Megatron)."""
     return iteration_flops(
         batch,
         cfg.seq_length,
         cfg.num_layers,
         cfg.hidden_size,
-        cfg.vocab_size,
+        cfg.padded_vocab_size(tp),
         recompute,
         cfg.ffn_size,
         cfg.activation == "swiglu",
         cfg.query_groups * cfg.head_dim,
+        causal,
     )
 
 

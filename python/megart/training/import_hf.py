@@ -17,17 +17,7 @@ from pathlib import Path
 
 from megart.errors import ConfigError
 from megart.models import GPT
-from megart.training.checkpoint import (
-    FILE,
-    MODEL_FIELDS,
-    PARALLEL_FIELDS,
-    TRACKER,
-    file_state,
-    iteration_dir,
-    rank_dir,
-    replace_text,
-    write_file,
-)
+from megart.training.checkpoint import write_release
 
 
 def import_checkpoint(
@@ -50,17 +40,4 @@ def import_checkpoint(
         # the model for shorter sequences.
         cfg = dataclasses.replace(cfg, seq_length=seq_length)
         weights["wpe.weight"] = weights["wpe.weight"][:seq_length].clone()
-    layout = {f: getattr(cfg, f) for f in MODEL_FIELDS}
-    layout.update(zip(PARALLEL_FIELDS, (1, 1, None), strict=True))  # tp 1, pp 1, no interleaving
-    state = file_state(
-        0,
-        layout=layout,
-        model_config=dataclasses.asdict(cfg),
-        layer_ids=[list(model.chunk.layer_ids)],
-        model=[weights],
-        release=True,
-    )
-    out = iteration_dir(save_dir, 0) / rank_dir(0, 0, 1) / FILE
-    write_file(out, state)
-    replace_text(Path(save_dir) / TRACKER, "0\n")
-    return out
+    return write_release(save_dir, cfg, weights, list(model.chunk.layer_ids))

@@ -35,7 +35,7 @@ class IndexedTokens:
     """A dataset written in Megatron's format: its sequences and the whole token stream, both
     memory-mapped (nothing is read until used)."""
 
-    def __init__(self, prefix: str | os.PathLike) -> None:
+    def __init__(self, prefix: str | os.PathLike, mmap: bool = True) -> None:
         self.prefix = str(prefix)
         idx, bin_ = Path(self.prefix + ".idx"), Path(self.prefix + ".bin")
         for path in (idx, bin_):
@@ -66,7 +66,12 @@ class IndexedTokens:
                 f"{bin_} has {bin_.stat().st_size} bytes but its index describes {total} "
                 f"tokens of {self.dtype} ({total * self.dtype.itemsize} bytes)"
             )
-        self.tokens = np.memmap(bin_, mode="r", dtype=self.dtype) if total else np.zeros(0)
+        if not total:
+            self.tokens = np.zeros(0)
+        elif mmap:
+            self.tokens = np.memmap(bin_, mode="r", dtype=self.dtype)
+        else:  # Megatron's --no-mmap-bin-files: read the tokens into memory once
+            self.tokens = np.fromfile(bin_, dtype=self.dtype)
 
     def __len__(self) -> int:
         return len(self.sizes)

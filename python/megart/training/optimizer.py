@@ -40,7 +40,11 @@ def build(
     params = [p for chunk in chunks for p in chunk.parameters()]
     shard = c.use_distributed_optimizer
     buckets = GradientBuckets(
-        params, grid.dp_group, shard=shard, alone=_tied_embeddings(chunks, c.pp)
+        params,
+        grid.dp_group,
+        overlap=c.overlap_grad_reduce,
+        shard=shard,
+        alone=_tied_embeddings(chunks, c.pp),
     )
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": c.weight_decay},
@@ -55,7 +59,10 @@ def build(
     )
     make = functools.partial(adamw, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
     if shard:
-        return buckets, DistributedOptimizer(groups, buckets, grid.dp_group, make)
+        zero = DistributedOptimizer(groups, buckets, grid.dp_group, make)
+        if c.overlap_param_gather:
+            zero.overlap_with_forward(chunks)
+        return buckets, zero
     return buckets, make(groups)
 
 

@@ -29,7 +29,7 @@ import torch
 from megart.errors import ConfigError
 from megart.models import GPTChunk, chunk_layers
 from megart.models.config import fit_vocab
-from megart.training.checkpoint import PARALLEL_FIELDS, optimizer_params
+from megart.training.ckpt_files import PARALLEL_FIELDS, optimizer_params
 from megart.training.shards import (
     Shards,
     read_shards,

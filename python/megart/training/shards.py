@@ -22,7 +22,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models import GPTChunk, GPTConfig, chunk_layers
-from megart.training.checkpoint import FILE, rank_dir, read_file
+from megart.training.ckpt_files import FILE, rank_dir, read_file
 
 Shards = dict[tuple[int, int], dict[str, Any]]  # (tensor rank, pipeline rank) -> its file
 # pick((tensor rank, pipeline rank), chunk, name): the shard to merge, None where there is none

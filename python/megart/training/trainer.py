@@ -12,8 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,11 +33,12 @@ from megart.tensor_parallel import (
     seed_tensor_parallel,
     sync_sequence_parallel_grads,
 )
-from megart.training import checkpoint
+from megart.training import checkpoint, megatron_checkpoint
 from megart.training import optimizer as optim
 from megart.training.config import TrainConfig
 from megart.training.data import Dataset, build_datasets
 from megart.training.flops import model_flops
+from megart.training.megatron_flags import mock_tokens
 from megart.training.reporting import (
     TENSORBOARD_TAGS,
     peak_flops,
@@ -52,7 +56,10 @@ class Trainer:
     def __init__(self, config: TrainConfig, tokens: Any | None = None) -> None:
         self.config = c = config
         if not dist.is_initialized():
-            dist.init(backend=c.distributed_backend)
+            dist.init(
+                backend=c.distributed_backend,
+                timeout=timedelta(minutes=c.distributed_timeout_minutes),
+            )
         world = dist.get_world_size()
         self.dp = c.check(world)
         self.grid = megart.initialize(tp=c.tp, pp=c.pp, dp=self.dp, backend=c.distributed_backend)
@@ -100,17 +107,26 @@ class Trainer:
         self.buckets, self.optimizer = optim.build(c, self.chunks, g, self.device)
         # The validation range is evaluated every --eval-interval iterations, the test range
         # once at the end (none without --eval-iters).
+        if tokens is None and c.mock_data:
+            tokens = mock_tokens(c)
         self.data, self.valid, self.test = build_datasets(
-            c.data_path, c.split, c.seq_length, c.vocab_size, tokens, evaluate=c.eval_iters > 0
+            c.data_path,
+            c.split,
+            c.seq_length,
+            c.vocab_size,
+            tokens,
+            evaluate=c.eval_iters > 0,
+            mmap=c.mmap_bin_files,
         )
         self.peak, self.device_name = peak_flops()
-        # TFLOP/s count what runs (the paper's 96-coefficient formula under full
-        # recomputation); MFU counts the model's FLOPs only, as its definition says.
-        self.model_flops = model_flops(self.model_config, c.global_batch_size)
+        # TFLOP/s count what runs (Megatron's causal count, plus the recomputed forward under
+        # full recomputation); MFU counts the model's FLOPs only, as its definition says.
+        self.model_flops = model_flops(self.model_config, c.global_batch_size, tp=c.tp)
         self.flops = model_flops(
             self.model_config,
             c.global_batch_size,
             recompute=self.model_config.recompute_granularity == "full",
+            tp=c.tp,
         )
         self.scaler = (
             LossScaler(
@@ -122,13 +138,27 @@ class Trainer:
             else None
         )
         self.start_iteration = 0  # iterations already done (a resumed run starts later)
-        if c.load:
+        fresh = c.load and c.load == c.save and checkpoint.latest_iteration(c.load) is None
+        if fresh and dist.get_rank() == 0:
+            # Megatron's resume idiom (--save DIR --load DIR, as its example scripts give):
+            # the first run of it finds no checkpoint yet and starts from scratch.
+            print(f"--load {c.load}: no checkpoint there yet; starting from scratch", flush=True)
+        if c.load and not fresh:
+            load = c.load
+            if megatron_checkpoint.is_megatron(load):
+                # Megatron-LM's legacy checkpoint: its weights as a megart release checkpoint
+                # (each rank its own copy), loaded and resharded as after import-hf.
+                load = tempfile.mkdtemp(prefix="megart-from-megatron-")
+                megatron_checkpoint.megatron_to_megart(c.load, load)
             self.start_iteration = checkpoint.load(
-                c.load, c, g, self.chunks, self.optimizer, self.rng, self.scaler
+                load, c, g, self.chunks, self.optimizer, self.rng, self.scaler
             )
+            if load != c.load:
+                shutil.rmtree(load, ignore_errors=True)
 
     def save_checkpoint(self, iterations_done: int) -> None:
         """Writes a checkpoint after ``iterations_done`` iterations to --save (every rank)."""
+        self.wait_for_params()
         checkpoint.save(
             self.config.save,
             iterations_done,
@@ -293,9 +323,17 @@ class Trainer:
                     self.save_checkpoint(done)
                 if stop:
                     figures["exit"] = stop
+                if last or stop:
+                    self.wait_for_params()
                 yield figures
                 if stop:
                     return
+
+    def wait_for_params(self) -> None:
+        """Finishes the parameter all-gathers --overlap-param-gather leaves running after a
+        step (the next forward would wait for them): for readers outside a forward."""
+        if hasattr(self.optimizer, "wait_for_params"):
+            self.optimizer.wait_for_params()
 
     def train(self, quiet: bool = False) -> list[dict[str, float]]:
         """Runs every iteration, printing a progress line every --log-interval iterations on

@@ -1,0 +1,49 @@
+"""megart convert-checkpoint: between megart checkpoints, Megatron-LM's legacy checkpoints
+(``--ckpt-format torch``) and Hugging Face GPT-2 directories, in one process.
+
+    megart convert-checkpoint --from megart --to megatron --load CKPT --save OUT
+    megart convert-checkpoint --from megatron --to megart --load MEGATRON_CKPT --save OUT
+    megart convert-checkpoint --from megatron --to hf --load MEGATRON_CKPT --save GPT2_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Sequence
+
+from megart.cli.hf_common import run_conversion
+from megart.errors import ConfigError
+
+
+def convert(source: str, target: str, load: str, save: str) -> str:
+    """Converts the latest checkpoint in ``load``; returns what was written."""
+    from megart.training.export_hf import export_checkpoint
+    from megart.training.megatron_checkpoint import megart_to_megatron, megatron_to_megart
+
+    if source == target:
+        raise ConfigError(f"--from {source} --to {target}: nothing to convert")
+    if source == "megart" and target == "megatron":
+        return f"{megart_to_megatron(load, save)} (Megatron-LM legacy, weights)"
+    if source == "megart":
+        return f"{export_checkpoint(load, save)}: GPT-2 files"
+    if target == "megart":
+        return f"{megatron_to_megart(load, save)} (megart release checkpoint)"
+    with tempfile.TemporaryDirectory() as tmp:  # megatron -> megart -> hf
+        megatron_to_megart(load, tmp)
+        return f"{export_checkpoint(tmp, save)}: GPT-2 files"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="megart convert-checkpoint", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--from", dest="source", required=True, choices=("megart", "megatron"))
+    p.add_argument("--to", dest="target", required=True, choices=("megart", "megatron", "hf"))
+    p.add_argument("--load", required=True, metavar="DIR", help="the checkpoint directory")
+    p.add_argument("--save", required=True, metavar="DIR", help="where to write")
+    args = p.parse_args(argv)
+    return run_conversion(
+        "megart convert-checkpoint",
+        lambda: convert(args.source, args.target, args.load, args.save),
+    )

@@ -1,0 +1,79 @@
+"""megart's GPT parameter names and Megatron-Core's GPTModel names, both ways.
+
+The tensors are the same but for SwiGLU: megart keeps ``mlp.gate`` (silu applied) and
+``mlp.fc`` apart, Megatron-Core one ``mlp.linear_fc1`` = [gate; up]. The fused q/k/v rows are
+grouped per query group as [q of the group's heads, k, v] in both. A tied output layer reads
+the word embedding in both (Megatron-Core's tied model has no ``output_layer.weight`` on a
+single stage).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megart.models.config import GPTConfig
+
+# megart name (after the chunk's prefix) -> Megatron-Core name; N is the layer number.
+NAMES = {
+    "wte.weight": "embedding.word_embeddings.weight",
+    "wpe.weight": "embedding.position_embeddings.weight",
+    "ln_f.weight": "decoder.final_layernorm.weight",
+    "ln_f.bias": "decoder.final_layernorm.bias",
+    "output_layer.weight": "output_layer.weight",
+}
+LAYER_NAMES = {
+    "ln_1": "input_layernorm",
+    "attn.qkv": "self_attention.linear_qkv",
+    "attn.proj": "self_attention.linear_proj",
+    "ln_2": "pre_mlp_layernorm",
+    "mlp.fc": "mlp.linear_fc1",
+    "mlp.proj": "mlp.linear_fc2",
+}
+_LAYER = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def to_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """Megatron-Core names for the whole model's ``state`` (megart's names, with or without
+    the ``chunk.`` prefix of megart.models.GPT)."""
+    out: dict[str, torch.Tensor] = {}
+    state = {k.removeprefix("chunk."): v for k, v in state.items()}
+    for name, value in state.items():
+        if name in NAMES:
+            out[NAMES[name]] = value
+            continue
+        match = _LAYER.match(name)
+        if not match or match.group(2) == "mlp.gate":
+            continue  # the gate goes into linear_fc1 below
+        layer, part, kind = match.groups()
+        if part == "mlp.fc" and cfg.activation == "swiglu":
+            value = torch.cat([state[f"blocks.{layer}.mlp.gate.{kind}"], value])
+        out[f"decoder.layers.{layer}.{LAYER_NAMES[part]}.{kind}"] = value
+    return out
+
+
+def from_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """megart's names (without a chunk prefix) for a Megatron-Core GPTModel's ``state``;
+    ``_extra_state`` entries are dropped."""
+    back = {v: k for k, v in NAMES.items()}
+    layer_back = {v: k for k, v in LAYER_NAMES.items()}
+    out: dict[str, torch.Tensor] = {}
+    pattern = re.compile(r"decoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+    for name, value in state.items():
+        if name.endswith("_extra_state"):
+            continue
+        if name in back:
+            out[back[name]] = value
+            continue
+        match = pattern.match(name)
+        if not match or match.group(2) not in layer_back:
+            raise KeyError(f"{name}: not a Megatron-Core GPTModel parameter megart has")
+        layer, part, kind = match.groups()
+        ours = f"blocks.{layer}.{layer_back[part]}.{kind}"
+        if part == "mlp.linear_fc1" and cfg.activation == "swiglu":
+            gate, up = value.chunk(2)
+            out[f"blocks.{layer}.mlp.gate.{kind}"] = gate
+            value = up
+        out[ours] = value
+    return out

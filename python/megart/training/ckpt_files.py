@@ -1,0 +1,79 @@
+"""The files of a checkpoint directory and what every reader of them needs: the names, the
+tracker, reading one rank's file. checkpoint (save and load), shards (merging the files) and
+reshard (loading under another layout) all build on this module and not on each other's
+internals, so that none of them imports another in a cycle."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megart.errors import ConfigError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+# Saved with the checkpoint and compared on load. The model's sizes must match; the parallel
+# layout may differ (then the checkpoint is resharded).
+MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+PARALLEL_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage",
+)
+
+
+def iteration_dir(directory: str | os.PathLike, iteration: int) -> Path:
+    return Path(directory) / f"iter_{iteration:07d}"
+
+
+def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def latest_iteration(directory: str | os.PathLike) -> int | None:
+    """The iteration of the last complete checkpoint in ``directory``, or None."""
+    tracker = Path(directory) / TRACKER
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise ConfigError(f"{tracker} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def required_latest_iteration(directory: str | os.PathLike, otherwise: str = "") -> int:
+    """latest_iteration for --load: a directory without a checkpoint is a ConfigError, ending
+    with ``otherwise`` (what else the user may do)."""
+    iteration = latest_iteration(directory)
+    if iteration is None:
+        raise ConfigError(
+            f"--load {directory}: no {TRACKER} there; point --load at a directory that "
+            f"megart train --save wrote{otherwise}"
+        )
+    return iteration
+
+
+def optimizer_params(
+    chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer
+) -> list[tuple[int, str]]:
+    """(chunk, parameter name) of each parameter of ``optimizer``, in the order its state_dict
+    numbers them (param group by param group): what maps its states to the model's."""
+    names = {id(p): (c, n) for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """One checkpoint file. weights_only: the files hold only tensors, numbers, strings and
+    containers, and checkpoints come from elsewhere. mmap: only the pages of the tensors used
+    are read (an exporter skips the optimizer's; a resharding rank reads its own parameters')."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+        raise ConfigError(f"{path} cannot be read as a megart checkpoint file ({e})") from e
+    if not isinstance(state, dict) or "config" not in state or "model" not in state:
+        raise ConfigError(f"{path} is not a megart checkpoint file (no 'config' and 'model')")
+    return state

@@ -1,0 +1,185 @@
+"""Megatron-LM's flags that megart's own flags did not already cover, so that Megatron's GPT
+scripts run unchanged under ``megart train``: what each means here, and the checks that refuse,
+naming the flag, what megart cannot do (yet).
+
+What each does in megart:
+- --max-position-embeddings: the learned position table's rows; megart's table has
+  --seq-length rows, so a learned table must be exactly that long (rope has no table).
+- --kv-channels: the head size, which megart takes as --hidden-size / --num-attention-heads.
+- --rotary-base, --rotary-interleaved: rope's base and which pairs turn (see GPTConfig).
+- --attention-backend: auto, flash and fused let torch's scaled_dot_product_attention pick its
+  kernel; unfused and local run its math kernel (the explicit s x s scores).
+- --tokenizer-type GPT2BPETokenizer (--vocab-file, --merge-file; implied by those two, as the
+  GPT example scripts assume), HuggingFaceTokenizer (--tokenizer-model), NullTokenizer
+  (--vocab-size, plus one for its end-of-document id): the model's vocabulary is the
+  tokenizer's (padded to a multiple of 128 t, as Megatron pads it). Token ids come already
+  tokenized in --data-path's .bin files, so training needs nothing else from the tokenizer.
+- --mock-data: random tokens of the vocabulary (seeded by --seed) instead of a corpus.
+- --num-workers: accepted and checked; megart reads samples in the training process from
+  memory-mapped files, with no loader workers to start.
+- --no-mmap-bin-files: reads the .bin files into memory instead of mapping them.
+- --no-create-attention-mask-in-dataloader: megart never builds a mask in the loader (the
+  attention kernels mask causally), so both settings train the same model.
+- --train-samples, --lr-decay-samples, --lr-warmup-samples: Megatron's formulas: train_iters =
+  train_samples // global batch; the schedule counts samples, that is iterations times the
+  global batch (see TrainConfig.decay_iters and warmup_iters).
+- --overlap-grad-reduce (megart's default) / --no-overlap-grad-reduce, --overlap-param-gather:
+  see megart.training.grad_sync and megart.training.distributed_optimizer.
+- --distributed-timeout-minutes: the bound on every wait of megart's communicator.
+- --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
+- --ckpt-format: megart (the default); torch (Megatron-LM's legacy format) is not written by
+  training yet (megart convert-checkpoint writes it) and torch_dist is refused. --load reads a
+  Megatron-LM legacy checkpoint of one rank (megart.training.megatron_checkpoint) as --finetune.
+- --calculate-per-token-loss: megart has no loss mask, so every microbatch has b s tokens and
+  the per-token mean over the global batch equals the mean of the per-microbatch means that
+  megart computes: the gradients are the same.
+- --context-parallel-size, --expert-model-parallel-size: only 1 (refused otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from megart.errors import ConfigError
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+CKPT_FORMATS = ("megart", "torch", "torch_dist")
+MOCK_TOKENS = 1 << 20  # tokens of --mock-data's corpus
+
+
+def tokenizer_vocab_size(config: Any) -> int | None:
+    """The vocabulary of --tokenizer-type (None when no tokenizer is given), loaded through
+    the ``tokenizers`` and ``transformers`` libraries."""
+    kind = config.tokenizer_type
+    if kind is None and (config.vocab_file or config.merge_file):
+        kind = "GPT2BPETokenizer"  # what Megatron's GPT example scripts give files for
+    if kind is None:
+        return None
+    if kind == "GPT2BPETokenizer":
+        if not (config.vocab_file and config.merge_file):
+            raise ConfigError(
+                "--tokenizer-type GPT2BPETokenizer needs --vocab-file (gpt2-vocab.json) and "
+                "--merge-file (gpt2-merges.txt)"
+            )
+        from tokenizers import Tokenizer
+        from tokenizers.models import BPE
+
+        try:
+            bpe = Tokenizer(BPE.from_file(config.vocab_file, config.merge_file))
+            return bpe.get_vocab_size()
+        except Exception as e:  # the library's errors name the file
+            raise ConfigError(f"--vocab-file/--merge-file: {e}") from e
+    if kind == "HuggingFaceTokenizer":
+        if not config.tokenizer_model:
+            raise ConfigError(
+                "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a Hugging Face "
+                "tokenizer directory or name)"
+            )
+        from transformers import AutoTokenizer
+
+        try:
+            return len(AutoTokenizer.from_pretrained(config.tokenizer_model))
+        except Exception as e:
+            raise ConfigError(f"--tokenizer-model {config.tokenizer_model}: {e}") from e
+    if kind == "NullTokenizer":
+        return config.vocab_size + 1  # Megatron's: ids below --vocab-size, then end-of-document
+    raise ConfigError(f"--tokenizer-type {kind!r}; megart takes {', '.join(TOKENIZER_TYPES)}")
+
+
+def resolve_megatron_flags(config: Any) -> None:
+    """What the flags decide for the rest of the config: the tokenizer's vocabulary and
+    --train-samples' iterations."""
+    vocab = tokenizer_vocab_size(config)
+    if vocab is not None:
+        config.vocab_size = vocab
+    if config.train_samples is not None and config.global_batch_size > 0:
+        config.train_iters = config.train_samples // config.global_batch_size
+
+
+def check_megatron_flags(config: Any) -> None:
+    """Refuses, naming the flag, what megart cannot do or what Megatron would refuse."""
+    for name in ("context_parallel_size", "expert_model_parallel_size"):
+        value = getattr(config, name)
+        if value != 1:
+            kind = name.split("_")[0]
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {value}: megart has no {kind} parallelism yet; "
+                "use 1 (the default)"
+            )
+    if config.ckpt_format == "torch":
+        raise ConfigError(
+            "--ckpt-format torch: megart train does not write Megatron-LM's legacy checkpoint "
+            "yet; save with --ckpt-format megart (the default) and run megart "
+            "convert-checkpoint --from megart --to megatron (--load reads either format)"
+        )
+    if config.ckpt_format == "torch_dist":
+        raise ConfigError(
+            "--ckpt-format torch_dist (Megatron's distributed format) is not one megart writes "
+            "or reads; use --ckpt-format megart (the default) or torch (Megatron's legacy)"
+        )
+    s, h, heads = config.seq_length, config.hidden_size, config.num_attention_heads
+    most = config.max_position_embeddings
+    learned = config.position_embedding_type == "learned_absolute"
+    if most is not None and (most < s or (learned and most != s)):
+        raise ConfigError(
+            f"--max-position-embeddings {most} with --seq-length {s}: megart's learned "
+            "position table has exactly --seq-length rows (give the same number), and no "
+            "position embedding may be shorter than the sequence"
+        )
+    if config.kv_channels is not None and config.kv_channels * heads != h:
+        raise ConfigError(
+            f"--kv-channels {config.kv_channels}: megart's head size is --hidden-size {h} / "
+            f"--num-attention-heads {heads}; leave it out or give {h // max(1, heads)}"
+        )
+    if config.rotary_base < 1:
+        raise ConfigError(f"--rotary-base {config.rotary_base} must be at least 1")
+    if config.num_workers < 0 or config.distributed_timeout_minutes <= 0:
+        raise ConfigError(
+            f"--num-workers {config.num_workers} must be at least 0 and "
+            f"--distributed-timeout-minutes {config.distributed_timeout_minutes} positive"
+        )
+    if config.mock_data and config.data_path:
+        raise ConfigError("--mock-data and --data-path exclude each other; give one")
+    _check_samples(config)
+    if config.overlap_param_gather and not config.use_distributed_optimizer:
+        raise ConfigError(
+            "--overlap-param-gather overlaps the distributed optimizer's all-gather: add "
+            "--use-distributed-optimizer (as Megatron-LM requires)"
+        )
+
+
+def _check_samples(config: Any) -> None:
+    """Megatron's rule: a run counts iterations or samples, never both."""
+    by_samples = config.train_samples is not None
+    mixed = (
+        ["--lr-decay-samples"] * (config.lr_decay_samples is not None)
+        + ["--lr-warmup-samples"] * bool(config.lr_warmup_samples)
+        if not by_samples
+        else ["--lr-decay-iters"] * (config.lr_decay_iters is not None)
+        + ["--lr-warmup-iters"] * bool(config.lr_warmup_iters)
+    )
+    if mixed:
+        kind = "--train-samples" if by_samples else "--train-iters"
+        raise ConfigError(
+            f"{' and '.join(mixed)} with {kind}: as in Megatron-LM, a run counts iterations "
+            "(--train-iters, --lr-decay-iters, --lr-warmup-iters) or samples (--train-samples, "
+            "--lr-decay-samples, --lr-warmup-samples), not both"
+        )
+    if config.lr_warmup_fraction is not None and config.lr_warmup_samples:
+        raise ConfigError(
+            "--lr-warmup-fraction and --lr-warmup-samples exclude each other; give one"
+        )
+    if by_samples and config.train_samples < config.global_batch_size:
+        raise ConfigError(
+            f"--train-samples {config.train_samples} is less than one global batch "
+            f"(--global-batch-size {config.global_batch_size})"
+        )
+
+
+def mock_tokens(config: Any) -> np.ndarray:
+    """--mock-data's corpus: uniformly random token ids of the vocabulary, from --seed."""
+    rng = np.random.default_rng(config.seed)
+    return rng.integers(0, config.vocab_size, MOCK_TOKENS, dtype=np.int64)

@@ -1,0 +1,155 @@
+"""megatron-core's GPTModel (local spec, CPU, a one-rank gloo world) next to megart's GPT: run in
+a launched process, since Megatron-Core keeps its parallel state in module globals."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from megart.models import GPT, GPTConfig
+from megart.models.megatron_names import from_megatron, to_megatron
+
+
+def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")  # GPT-2's, megart's
+
+
+def megatron_model(cfg: GPTConfig) -> torch.nn.Module:
+    import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not torch.distributed.is_initialized():
+        store = torch.distributed.HashStore()  # one rank: no rendezvous
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        # No CUDA: the tensor-parallel RNG tracker's fork would switch CUDA generators.
+        mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+        # It puts the attention scores' scratch buffer and rope's frequencies on "the current
+        # CUDA device": on this CPU-only process that is the CPU.
+        torch.cuda.current_device = lambda: "cpu"
+    swiglu = cfg.activation == "swiglu"
+    config = TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.query_groups,
+        ffn_hidden_size=cfg.ffn_size,
+        layernorm_epsilon=cfg.layernorm_epsilon,
+        normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
+        add_bias_linear=cfg.bias,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else tanh_gelu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        rotary_interleaved=cfg.rotary_interleaved,
+    )
+    rope = cfg.position_embedding == "rotary"
+    return GPTModel(
+        config,
+        get_gpt_layer_local_spec(normalization=config.normalization),
+        vocab_size=cfg.padded_vocab_size(1),
+        max_sequence_length=cfg.seq_length,
+        position_embedding_type="rope" if rope else "learned_absolute",
+        rotary_base=int(cfg.rotary_base),
+        share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+    ).double()
+
+
+def megatron_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    s = tokens.shape[1]
+    positions = torch.arange(s).unsqueeze(0).expand_as(tokens)
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # True: masked (the future)
+    with torch.no_grad():
+        return model(tokens, positions, mask)
+
+
+def compare(kw: dict) -> dict:
+    """Both directions: megart's weights in Megatron-Core's model (loaded strictly), and a
+    Megatron-Core model's weights in megart's; the largest logit difference of each."""
+    cfg = GPTConfig(**kw)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
+                           generator=torch.Generator().manual_seed(3))  # fmt: skip
+    ours = GPT(cfg).double()
+    theirs = megatron_model(cfg)
+    mapped = to_megatron(ours.state_dict(), cfg)
+    extra = {k: v for k, v in theirs.state_dict().items() if k.endswith("_extra_state")}
+    theirs.load_state_dict({**mapped, **extra}, strict=True)
+    with torch.no_grad():
+        want = ours(tokens)
+    got = megatron_logits(theirs, tokens)[..., : want.shape[-1]]
+    forward = (got - want).abs().max().item()
+
+    fresh = megatron_model(cfg)  # Megatron-Core's own initial weights
+    back = GPT(cfg).double()
+    back.chunk.load_state_dict(from_megatron(fresh.state_dict(), cfg), strict=True)
+    with torch.no_grad():
+        mine = back(tokens)
+    reverse = (megatron_logits(fresh, tokens)[..., : mine.shape[-1]] - mine).abs().max().item()
+    return dict(forward=forward, reverse=reverse, scale=want.abs().max().item())
+
+
+def compare_all(configs: list[dict]) -> list[dict]:
+    return [compare(kw) for kw in configs]
+
+
+def legacy_checkpoint_roundtrip(megart_dir: str, out_dir: str) -> dict:
+    """megart checkpoint -> Megatron-LM legacy checkpoint (loaded strictly by Megatron-Core's
+    GPTModel, logits compared with megart's GPT of the checkpoint's weights) -> megart release
+    checkpoint (weights compared with the original)."""
+    from pathlib import Path
+
+    from megart.cli.main import main
+    from megart.models.config import fit_vocab
+    from megart.training import checkpoint
+    from megart.training.megatron_checkpoint import read_megatron
+    from megart.training.shards import read_shards, whole_tensors
+
+    root = checkpoint.iteration_dir(megart_dir, checkpoint.latest_iteration(megart_dir))
+    shards = read_shards(root)
+    cfg = checkpoint.model_config(shards[0, 0])
+    whole = {k.removeprefix("chunk."): v for k, v in whole_tensors(shards, cfg).items()}
+    rows = cfg.padded_vocab_size(1)
+    for name in ("wte.weight", "output_layer.weight"):
+        if name in whole:
+            whole[name] = fit_vocab(whole[name], rows)
+    ours = GPT(cfg)
+    ours.chunk.load_state_dict(whole, strict=True)
+    ours = ours.double()
+
+    megatron_dir, back_dir = Path(out_dir) / "megatron", Path(out_dir) / "back"
+    convert = ["convert-checkpoint", "--load"]
+    assert main([*convert, megart_dir, "--save", str(megatron_dir), "--from", "megart",
+                 "--to", "megatron"]) == 0  # fmt: skip
+    read_cfg, model, iteration = read_megatron(megatron_dir)
+    theirs = megatron_model(read_cfg)
+    extra = {k: v for k, v in theirs.state_dict().items() if k.endswith("_extra_state")}
+    theirs.load_state_dict({**model, **extra}, strict=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
+                           generator=torch.Generator().manual_seed(5))  # fmt: skip
+    with torch.no_grad():
+        want = ours(tokens)
+    got = megatron_logits(theirs, tokens)[..., : want.shape[-1]]
+
+    assert main([*convert, str(megatron_dir), "--save", str(back_dir), "--from", "megatron",
+                 "--to", "megart"]) == 0  # fmt: skip
+    state = checkpoint.read_file(checkpoint.iteration_dir(back_dir, 0) / "mp_rank_00" /
+                                 checkpoint.FILE)  # fmt: skip
+    same = all(torch.equal(state["model"][0][k], v) for k, v in whole.items())
+    return dict(
+        logits=(got - want).abs().max().item(),
+        same_weights=same and set(state["model"][0]) == set(whole),
+        same_config=checkpoint.model_config(state) == cfg,
+        iteration=iteration,
+    )
