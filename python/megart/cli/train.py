@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 
-from megart.errors import MegartError
+from megart.errors import ConfigError, MegartError
 from megart.training.config import CHOICES, TrainConfig
 
 # Other names Megatron-LM has used for a flag.
@@ -111,6 +112,8 @@ HELP = {
     "exit_signal_handler": "on SIGTERM finish the iteration, save (with --save) and stop",
     "check_for_nan_in_loss_and_grad": "do not stop the run when the loss or gradient norm is "
     "not finite",  # its flag is --no-... (see below)
+    "distributed_timeout_minutes": "every wait on another rank (rendezvous, group creation, "
+    "communication) gives up after this long, naming the rank it waited on",
 }
 
 
@@ -161,6 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         Trainer(config_from_args(args)).train()
     except (MegartError, ValueError) as e:
-        print(f"megart train: error: {e}", file=sys.stderr)
+        # A configuration error is found by every rank alike, before any rank waits on another
+        # (Trainer checks the flags first): rank 0 says it, once, and every rank exits with 2.
+        # Other errors differ per rank (which peer each saw fail), so each rank says its own.
+        if not isinstance(e, ConfigError) or os.environ.get("RANK", "0") == "0":
+            print(f"megart train: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -265,7 +265,8 @@ def _rendezvous(store: object, rank: int, world_size: int, timeout: timedelta) -
     store.set(f"{prefix}{rank}", str(os.getpid()))
     keys = [f"{prefix}{r}" for r in range(world_size)]
     start = time.monotonic()
-    next_notice = start + _RENDEZVOUS_NOTICE_S
+    every = min(_RENDEZVOUS_NOTICE_S, timeout.total_seconds() / 4)
+    next_notice = start + every
     where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT')}"
     while True:
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
@@ -279,7 +280,7 @@ def _rendezvous(store: object, rank: int, world_size: int, timeout: timedelta) -
                 "(torchrun --nproc-per-node N starts N), or set WORLD_SIZE to the ranks you start"
             )
         if now >= next_notice:
-            next_notice = now + _RENDEZVOUS_NOTICE_S
+            next_notice = now + every
             print(
                 f"megart: rank {rank} is waiting at {where} for rank(s) {missing} of "
                 f"WORLD_SIZE={world_size} (gives up after {timeout.total_seconds():.0f} s)",

@@ -36,6 +36,7 @@ from megart.errors import ConfigError
 from megart.models import GPTChunk, GPTConfig
 from megart.models.config import architecture_flags
 from megart.tensor_parallel.random import GeneratorStates
+from megart.training import checkpoint_dirs, checksum
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -98,6 +99,7 @@ def read_file(path: Path) -> dict[str, Any]:
     """One checkpoint file. weights_only: the files hold only tensors, numbers, strings and
     containers, and checkpoints come from elsewhere. mmap: only the pages of the tensors used
     are read (an exporter skips the optimizer's; a resharding rank reads its own parameters')."""
+    checksum.verify(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
@@ -148,6 +150,7 @@ def write_file(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
+    checksum.write(path)
 
 
 def save(
@@ -187,6 +190,7 @@ def save(
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         replace_text(Path(directory) / TRACKER, f"{iteration}\n")
+        checkpoint_dirs.remove_stale_partials(directory, iteration)
     dist.barrier()
     return final
 

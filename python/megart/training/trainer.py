@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,7 +32,7 @@ from megart.tensor_parallel import (
     seed_tensor_parallel,
     sync_sequence_parallel_grads,
 )
-from megart.training import checkpoint
+from megart.training import checkpoint, checkpoint_dirs
 from megart.training import optimizer as optim
 from megart.training.config import TrainConfig
 from megart.training.data import Dataset, build_datasets
@@ -39,6 +41,7 @@ from megart.training.reporting import (
     TENSORBOARD_TAGS,
     peak_flops,
     progress_line,
+    summary_line,
     tensorboard_writer,
     validation_line,
 )
@@ -51,10 +54,14 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, tokens: Any | None = None) -> None:
         self.config = c = config
-        if not dist.is_initialized():
-            dist.init()
-        world = dist.get_world_size()
+        # The flags and --save are checked before any rank waits on another, so that every rank
+        # refuses them alike (and rank 0 alone need say so).
+        world = dist.get_world_size() if dist.is_initialized() else _launched_world_size()
         self.dp = c.check(world)
+        if c.save:
+            checkpoint_dirs.check_writable(c.save)
+        if not dist.is_initialized():
+            dist.init(timeout=timedelta(minutes=c.distributed_timeout_minutes))
         self.grid = megart.initialize(tp=c.tp, pp=c.pp, dp=self.dp)
         g = self.grid
         self.m = c.microbatches(self.dp)
@@ -122,7 +129,14 @@ class Trainer:
             else None
         )
         self.start_iteration = 0  # iterations already done (a resumed run starts later)
-        if c.load:
+        if c.load and checkpoint_dirs.no_checkpoint_yet(c.load):
+            # A restartable job line (--save X --load X) on its first run, as Megatron does.
+            if dist.get_rank() == 0:
+                print(
+                    f"megart train: --load {c.load} holds no checkpoint yet: starting from scratch",
+                    flush=True,
+                )
+        elif c.load:
             self.start_iteration = checkpoint.load(
                 c.load, c, g, self.chunks, self.optimizer, self.rng, self.scaler
             )
@@ -311,6 +325,8 @@ class Trainer:
                 stack.callback(board.close)
             if not quiet and rank0:
                 print(self.describe(), flush=True)
+            cpu = self.device.type == "cpu"
+            start = time.perf_counter()
             for fig in self.iterations():
                 history.append(fig)
                 if log:
@@ -323,13 +339,17 @@ class Trainer:
                 if quiet or not rank0:
                     continue
                 if fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1:
-                    print(progress_line(fig, c.train_iters), flush=True)
+                    print(progress_line(fig, c.train_iters, cpu), flush=True)
                 if "valid_loss" in fig:
                     print(validation_line(fig), flush=True)
                 if "test_loss" in fig:
                     print(validation_line(fig, "test"), flush=True)
                 if "exit" in fig:
                     print(f"exiting after iteration {fig['iteration']}: {fig['exit']}", flush=True)
+            if not quiet and rank0:
+                seconds = time.perf_counter() - start
+                logs = ", ".join(x for x in (c.log_jsonl, c.tensorboard_dir) if x) or None
+                print(summary_line(history, seconds, cpu, c.save, logs), flush=True)
         return history
 
     def describe(self) -> str:
@@ -350,3 +370,9 @@ class Trainer:
             )
             + f"{n:,} parameters on rank 0; device {self.device_name} (peak {peak})"
         )
+
+
+def _launched_world_size() -> int:
+    """WORLD_SIZE as torchrun sets it (1 without it); init() checks it further."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
