@@ -5,6 +5,8 @@ waited on out of order (grad_sync's buckets), pipeline send/recv, world all-redu
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 import time
 
@@ -15,6 +17,7 @@ import megart.distributed as dist
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test asks a rank that hangs where it is
     dist.init(backend="shm", timeout=float(sys.argv[1]))
     print("joined", flush=True)
     grid = megart.initialize(tp=1, pp=2, dp=2)
@@ -36,4 +39,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:
+        # When this rank noticed (wall clock): its exit then takes the interpreter's shutdown,
+        # seconds on a loaded machine, which the test bounds separately.
+        print(f"noticed-at {time.time()}", file=sys.stderr, flush=True)
+        raise

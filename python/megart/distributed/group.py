@@ -200,8 +200,18 @@ def _wait_key(
 
     deadline = time.monotonic() + timeout.total_seconds()
     for i in range(1 << 62):
-        if store.check([key]):
-            return store.get(key)
+        try:
+            if store.check([key]):
+                return store.get(key)
+        except (RuntimeError, OSError) as e:  # torch's DistError and its kinds are RuntimeErrors
+            # Without torchrun, rank 0 serves the store: its death shows up here first.
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            if pids and not agent and not process_alive(pids[0]):
+                raise CommError(
+                    f"creating group '{group}' failed: global rank 0 (pid {pids[0]}), which "
+                    f"serves the rendezvous store, has exited ({str(e).splitlines()[0]})"
+                ) from None
+            raise
         if pids and i % 10 == 9 and not process_alive(pids[writer]):
             raise CommError(
                 f"creating group '{group}' failed: global rank {writer} (pid {pids[writer]}), "
