@@ -16,7 +16,7 @@ from megart._core import comm
 from megart import ConfigError, MegartError
 from megart.cli.main import COMMANDS
 from megart.launcher import free_port
-from megart.training import checkpoint_dirs, checksum
+from megart.training import checkpoint, checkpoint_dirs, checksum
 
 TINY = (
     "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
@@ -66,10 +66,10 @@ def test_first_run_of_a_restartable_job_then_a_damaged_checkpoint(tmp_path):
     out = run(["-m", "megart", "train", *TINY, "--train-iters", "3", "--load", str(ck)])
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"{f} is damaged: its SHA-256 is" in out.stderr
-    f.write_bytes(b"")
-    out = run(["-m", "megart", "train", *TINY, "--train-iters", "3", "--load", str(ck)])
-    assert out.returncode == 2 and f"{f} is empty (0 bytes)" in out.stderr
-    assert "_use_new_zipfile_serialization" not in out.stderr
+    f.write_bytes(b"")  # the loader's own path, in this process
+    with pytest.raises(ConfigError, match=r"is empty \(0 bytes\)") as e:
+        checkpoint.read_file(f)
+    assert str(f) in str(e.value) and "_use_new_zipfile_serialization" not in str(e.value)
 
 
 def test_bad_flags_and_an_unwritable_save_are_refused_before_any_work(tmp_path):
@@ -162,3 +162,38 @@ def test_checksums_name_the_file_and_stale_partials_go(tmp_path):
     ]
     assert not checkpoint_dirs.no_checkpoint_yet(tmp_path)  # an iter_ folder: damaged, not new
     assert checkpoint_dirs.no_checkpoint_yet(tmp_path / "missing")
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_peer_that_died_before_joining_is_noticed_at_once():
+    import time
+
+    dead, me = _dead_pid(), os.getpid()
+    name = f"/megart-test-{me}-join"
+    start = time.monotonic()
+    # Rank 0 waits for rank 1 to attach; rank 1's pid (from the rendezvous) is gone.
+    with pytest.raises(
+        MegartError, match=r"joining the group failed: global rank 1 \(pid \d+\) has"
+    ):
+        comm.create_shm(
+            name,
+            "g",
+            0,
+            2,
+            timeout_s=60,
+            pids=[me, dead],
+            global_ranks=[0, 1],
+            labels=["global rank 0", "global rank 1"],
+        )
+    # Rank 1 waits for rank 0 to create the segment; rank 0 is gone.
+    with pytest.raises(
+        MegartError, match=r"rank 0 of the group \(pid \d+\) exited before creating"
+    ):
+        comm.create_shm(name + "b", "g", 1, 2, timeout_s=60, pids=[dead, me])
+    assert time.monotonic() - start < 10  # not the 60 s timeout
+    assert not Path(f"/dev/shm{name}").exists()  # the failing rank removed the name
