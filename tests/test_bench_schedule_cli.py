@@ -93,3 +93,25 @@ def test_invalid_arguments_exit_nonzero_with_one_line(args, message):
     assert out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_the_legend_explains_every_shade_drawn():
+    from megart import schedule
+    from megart.schedule.draw import legend_entries
+
+    s = schedule.build("interleaved", stages=2, microbatches=4, chunks=2)
+    sim = schedule.simulate(s, forward_time=1, backward_time=2)
+    entries = legend_entries([(s, sim)])
+    # Two ops (forward, backward) x two chunks: four shades, four distinct entries.
+    assert [label for label, _ in entries] == [
+        "forward, chunk 0",
+        "forward, chunk 1",
+        "backward, chunk 0",
+        "backward, chunk 1",
+    ]
+    assert len({colour for _, colour in entries}) == 4
+    one = schedule.build("1f1b", stages=2, microbatches=4)
+    assert [label for label, _ in legend_entries([(one, schedule.simulate(one, 1, 2))])] == [
+        "forward",
+        "backward",
+    ]

@@ -71,8 +71,13 @@ def test_loading_another_model_or_nothing_is_refused(tmp_path):
     launch(_train, 1, dict(train_iters=1, save=str(tmp_path)), timeout=300)
     with pytest.raises(LaunchError, match=r"--hidden-size 32 \(now 64\).*cannot be resharded"):
         launch(_train, 1, dict(train_iters=2, load=str(tmp_path), hidden_size=64), timeout=300)
+    # A --load directory with no checkpoint yet is a restartable job's first run (Megatron's
+    # behaviour): it starts from scratch. One with checkpoints but no tracker is damaged.
+    fresh = launch(_train, 1, dict(train_iters=1, load=str(tmp_path / "empty")), timeout=300)[0]
+    assert [h["iteration"] for h in fresh] == [1]
+    (tmp_path / checkpoint.TRACKER).unlink()
     with pytest.raises(LaunchError, match="no latest_checkpointed_iteration.txt"):
-        launch(_train, 1, dict(load=str(tmp_path / "empty")), timeout=300)
+        launch(_train, 1, dict(load=str(tmp_path)), timeout=300)
 
 
 def test_save_interval_without_save_is_refused():

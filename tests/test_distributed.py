@@ -70,7 +70,7 @@ def test_a_peer_that_exits_is_named_quickly():
 
 def test_a_stuck_peer_times_out_with_a_message():
     message = launch(w.peer_stuck_past_timeout, 2, timeout=60)[0]
-    assert "timed out after 1500 ms waiting for rank 1" in message
+    assert "timed out after 1500 ms waiting for global rank 1" in message
     assert "all_reduce" in message and "group 'world'" in message
 
 

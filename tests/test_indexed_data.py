@@ -14,7 +14,7 @@ import train_workers as tw
 from megart import ConfigError
 from megart.cli.main import main as megart_main
 from megart.launcher import LaunchError, launch
-from megart.training.data import TokenDataset
+from megart.training.data import TokenDataset, build_datasets
 from megart.training.indexed import IndexedTokens, write_indexed
 
 
@@ -55,6 +55,38 @@ def test_bad_prefix_and_corrupt_files_are_clear_errors(tmp_path):
     (tmp_path / "d.idx").write_bytes(b"not an index at all, not at all")
     with pytest.raises(ConfigError, match="bad magic"):
         IndexedTokens(tmp_path / "d")
+
+
+def test_truncated_inflated_and_short_indexes_name_the_file(tmp_path):
+    write_indexed(tmp_path / "d", [np.arange(10), np.arange(5)], np.uint8)
+    idx = tmp_path / "d.idx"
+    whole = idx.read_bytes()
+    idx.write_bytes(whole[:-8])  # truncated
+    with pytest.raises(ConfigError, match=rf"{idx} is {len(whole) - 8} bytes, but its header"):
+        IndexedTokens(tmp_path / "d")
+    inflated = bytearray(whole)
+    inflated[18:26] = (1000).to_bytes(8, "little")  # the sequence count
+    idx.write_bytes(bytes(inflated))
+    with pytest.raises(ConfigError, match=rf"{idx} .*counts 1000 sequences"):
+        IndexedTokens(tmp_path / "d")
+    idx.write_bytes(whole[:20])  # the magic and part of the header
+    with pytest.raises(ConfigError, match=rf"{idx} is 20 bytes, shorter than the 34-byte header"):
+        IndexedTokens(tmp_path / "d")
+
+
+def test_tokens_beyond_the_vocabulary_are_found_when_the_data_is_opened(tmp_path):
+    write_indexed(tmp_path / "d", [np.arange(1000) % 700], np.uint16)
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'd'}.bin holds token id 699, outside"):
+        build_datasets(str(tmp_path / "d"), "100,0,0", 16, 512, evaluate=False)
+    build_datasets(str(tmp_path / "d"), "100,0,0", 16, 700, evaluate=False)  # fits
+
+
+def test_preprocess_data_creates_a_missing_output_folder(tmp_path, capsys):
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "hello world"}))
+    prefix = tmp_path / "new" / "deeper" / "out"
+    args = ["preprocess-data", "--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(prefix)]
+    assert megart_main(args) == 0
+    assert len(IndexedTokens(f"{prefix}_text_document")) == 1
 
 
 def test_token_ids_outside_the_vocabulary_are_refused():

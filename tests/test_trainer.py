@@ -134,10 +134,16 @@ def test_megart_train_runs_on_its_default_and_logs_jsonl(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("megart train: GPT 4 layers x 128 hidden")
-    assert "tokens/s" in lines[-3] and "TFLOP/s per GPU" in lines[-3] and "MFU" in lines[-3]
+    # On CPU: throughput per process, without the GPU wording (TFLOP/s per GPU, MFU).
+    assert "tokens/s" in lines[-4] and "GFLOP/s per process (CPU)" in lines[-4]
+    assert "per GPU" not in lines[-4] and "MFU" not in lines[-4]
     # The default evaluates after the last iteration, and the test range then, as Megatron.
-    assert lines[-2].startswith("validation loss at iteration 3 | lm loss value: ")
-    assert lines[-1].startswith("validation loss at the end of training for test data | ")
+    assert lines[-3].startswith("validation loss at iteration 3 | lm loss value: ")
+    assert lines[-2].startswith("validation loss at the end of training for test data | ")
+    # The summary: the warm-up iterations are left out of the means.
+    assert lines[-1].startswith("megart train: done: 3 iterations (to 3) in ")
+    assert "mean over iterations 3-3 (2 warm-up iterations excluded): " in lines[-1]
+    assert "validation loss " in lines[-1] and f"log in {log}" in lines[-1]
     rows = [json.loads(x) for x in log.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     assert rows[-1]["valid_loss"] > 0 and rows[-1]["test_loss"] > 0

@@ -94,17 +94,29 @@ void bind_communicator(py::module_& m) {
   m.def(
       "create_shm",
       [](Str shm_name, Str group_name, int rank, int size, double timeout_s,
-         std::size_t staging_bytes, std::size_t channel_bytes) -> std::shared_ptr<Communicator> {
+         std::size_t staging_bytes, std::size_t channel_bytes, std::vector<std::int32_t> pids,
+         std::vector<int> global_ranks, std::vector<std::string> labels,
+         std::shared_ptr<Communicator> board) -> std::shared_ptr<Communicator> {
         comm::shm::Options options;
         options.timeout = std::chrono::milliseconds(static_cast<long long>(timeout_s * 1000));
         options.staging_bytes = staging_bytes;
         options.channel_bytes = channel_bytes;
-        return comm::shm::ShmCommunicator::create(shm_name, group_name, rank, size, options);
+        options.pids = std::move(pids);
+        options.global_ranks = std::move(global_ranks);
+        options.labels = std::move(labels);
+        return comm::shm::ShmCommunicator::create(
+            shm_name, group_name, rank, size, options,
+            std::dynamic_pointer_cast<comm::shm::ShmCommunicator>(board));
       },
       py::arg("shm_name"), py::arg("group_name"), py::arg("rank"), py::arg("size"),
       py::arg("timeout_s") = 600.0, py::arg("staging_bytes") = std::size_t{4} << 20,
-      py::arg("channel_bytes") = std::size_t{2} << 20, py::call_guard<py::gil_scoped_release>(),
-      "Joins a shared-memory group: collective over its ranks, which attach within the timeout.");
+      py::arg("channel_bytes") = std::size_t{2} << 20,
+      py::arg("pids") = std::vector<std::int32_t>{}, py::arg("global_ranks") = std::vector<int>{},
+      py::arg("labels") = std::vector<std::string>{}, py::arg("board") = nullptr,
+      py::call_guard<py::gil_scoped_release>(),
+      "Joins a shared-memory group: collective over its ranks, which attach within the timeout. "
+      "pids, global_ranks, labels: per group rank (see megart::comm::shm::Options); board: the "
+      "world group, which records the first rank to fail.");
 }
 
 }  // namespace

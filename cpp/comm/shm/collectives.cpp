@@ -62,6 +62,14 @@ class Staged : public Task {
 
   std::vector<int> waiting_on(const ShmCommunicator& c) const override {
     std::vector<int> out;
+    if (!started_) {
+      // Queued behind an earlier collective: it will need every rank (its steps are not
+      // numbered yet, so no counter says who is behind).
+      for (int q = 0; q < c.size(); ++q) {
+        if (q != c.rank()) out.push_back(q);
+      }
+      return out;
+    }
     const std::uint64_t s = first_ + k_;
     for (int q = 0; q < c.size(); ++q) {
       const RankSlot* slot = c.slot(q);

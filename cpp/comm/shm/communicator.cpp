@@ -37,9 +37,9 @@ void check_buffer(const Buffer& b, const char* what) {
 
 }  // namespace
 
-std::shared_ptr<ShmCommunicator> ShmCommunicator::create(const std::string& shm_name,
-                                                         const std::string& group_name, int rank,
-                                                         int size, const Options& options) {
+std::shared_ptr<ShmCommunicator> ShmCommunicator::create(
+    const std::string& shm_name, const std::string& group_name, int rank, int size,
+    const Options& options, std::shared_ptr<ShmCommunicator> board) {
   if (size < 1 || rank < 0 || rank >= size) {
     throw ConfigError("rank " + std::to_string(rank) + " is not in a group of size " +
                       std::to_string(size));
@@ -47,11 +47,19 @@ std::shared_ptr<ShmCommunicator> ShmCommunicator::create(const std::string& shm_
   if (options.staging_bytes < 4096 || options.channel_bytes < 4096) {
     throw ConfigError("shm staging and channel sizes must be at least 4096 bytes");
   }
+  for (const std::size_t n : {options.pids.size(), options.global_ranks.size(),
+                              options.labels.size()}) {
+    if (n != 0 && n != static_cast<std::size_t>(size)) {
+      throw ConfigError("shm options: pids, global_ranks and labels need one entry per rank");
+    }
+  }
   const Layout layout(size, options.staging_bytes, options.channel_bytes);
   Segment segment = rank == 0 ? Segment::create(shm_name, layout.total_bytes())
-                              : Segment::open(shm_name, layout.total_bytes(), options.timeout);
+                              : Segment::open(shm_name, layout.total_bytes(), options.timeout,
+                                              options.pids.empty() ? 0 : options.pids[0]);
   std::shared_ptr<ShmCommunicator> c(
       new ShmCommunicator(std::move(segment), layout, group_name, rank, size, options));
+  c->board_ = std::move(board);
   c->attach();
   return c;
 }
@@ -85,10 +93,25 @@ void ShmCommunicator::attach() {
     header_->aborted_by.store(-1);
     header_->magic.store(kMagic, std::memory_order_release);
   }
+  // Every rank knows its peers' process ids (from the rendezvous) before they attach, so a
+  // peer that died before attaching is noticed within ~0.1 s rather than at the timeout.
+  for (int q = 0; q < static_cast<int>(options_.pids.size()); ++q) {
+    if (options_.pids[q] > 0) slot(q)->pid.store(options_.pids[q]);
+  }
   const auto deadline = Clock::now() + options_.timeout;
   auto wait_until = [&](auto ready, const std::string& what) {
-    while (!ready()) {
-      if (Clock::now() > deadline) throw CommTimeoutError(where() + ": " + what);
+    for (int i = 1; !ready(); ++i) {
+      if (Clock::now() > deadline) fail_attach(where() + ": " + what, true);
+      if (i % 500 == 0) {
+        for (int q = 0; q < size_; ++q) {
+          const std::int32_t pid = slot(q)->pid.load();
+          if (q != rank_ && pid > 0 && !process_alive(pid)) {
+            fail_attach(where() + ": joining the group failed: " + label(q) + " (pid " +
+                            std::to_string(pid) + ") has exited" + note_failure(q),
+                        false);
+          }
+        }
+      }
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
   };
@@ -105,7 +128,36 @@ void ShmCommunicator::attach() {
   wait_until([&] { return header_->attached.load() == static_cast<std::uint32_t>(size_); },
              "not every rank attached to the shared memory in time (" +
                  std::to_string(header_->attached.load()) + " of " + std::to_string(size_) + ")");
-  if (rank_ == 0) segment_.unlink();
+  // Every rank removes the name (all but the first find it gone): whichever dies next, the
+  // memory goes with the last process that maps it.
+  segment_.unlink();
+}
+
+void ShmCommunicator::fail_attach(const std::string& message, bool timeout) {
+  segment_.unlink();
+  if (timeout) throw CommTimeoutError(message);
+  throw CommError(message);
+}
+
+std::string ShmCommunicator::label(int q) const {
+  return q < static_cast<int>(options_.labels.size()) ? options_.labels[q]
+                                                      : "rank " + std::to_string(q);
+}
+
+std::string ShmCommunicator::note_failure(int q) const {
+  const int global = q < static_cast<int>(options_.global_ranks.size())
+                         ? options_.global_ranks[q]
+                         : q;
+  Header* board = board_ ? board_->header_ : header_;
+  std::int32_t none = 0;
+  if (board->first_failed.compare_exchange_strong(none, global + 1)) return {};
+  const int first = none - 1;
+  if (first == global) return {};
+  const auto it = std::find(options_.global_ranks.begin(), options_.global_ranks.end(), first);
+  const std::string who = it != options_.global_ranks.end()
+                              ? label(static_cast<int>(it - options_.global_ranks.begin()))
+                              : "global rank " + std::to_string(first);
+  return " after " + who + " failed first";
 }
 
 std::string ShmCommunicator::where() const {

@@ -34,6 +34,12 @@ struct Options {
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};  // every wait, and attaching
   std::size_t staging_bytes = std::size_t{4} << 20;             // per rank
   std::size_t channel_bytes = std::size_t{2} << 20;             // per ordered pair of ranks
+  // Per group rank, when known before attaching (exchanged at rendezvous): the process id, so
+  // that a peer which dies before it attaches is noticed at once (0: unknown), the global rank,
+  // and how errors name the rank ("global rank 2 (tp 0, pp 1, dp 0)"). Empty: "rank q".
+  std::vector<std::int32_t> pids;
+  std::vector<int> global_ranks;
+  std::vector<std::string> labels;
 };
 
 class ShmCommunicator;
@@ -65,9 +71,12 @@ class ShmCommunicator final : public Communicator,
   // Collective over the group: rank 0 creates the segment `shm_name`, the others open it, and
   // all wait (up to the timeout) until every rank has attached; then the name is removed, so
   // nothing is left behind even if a process dies.
-  static std::shared_ptr<ShmCommunicator> create(const std::string& shm_name,
-                                                 const std::string& group_name, int rank, int size,
-                                                 const Options& options = {});
+  // `board`: the job's world group, whose segment records which rank failed first (so that in
+  // a cascade every survivor names the first failure, not a peer that exited after its own
+  // error); null: this group's own segment.
+  static std::shared_ptr<ShmCommunicator> create(
+      const std::string& shm_name, const std::string& group_name, int rank, int size,
+      const Options& options = {}, std::shared_ptr<ShmCommunicator> board = nullptr);
   // Stops and joins the progress thread before the segment is unmapped.
   ~ShmCommunicator() override;
 
@@ -127,6 +136,14 @@ class ShmCommunicator final : public Communicator,
   // itself (a CommTimeoutError when `timeout`). Caller holds mu_.
   void fail_locked(const std::string& message, bool timeout, Task* culprit);
   std::string where() const;
+  // How errors name group rank q (its label, else "rank q").
+  std::string label(int q) const;
+  // Records group rank q as failed unless a rank failed before it, and says which failed first
+  // when that was another rank ("" otherwise).
+  std::string note_failure(int q) const;
+  // attach() found group rank q's process gone (or the wait timed out): the name is removed so
+  // that no segment outlives the job, then `message` is thrown.
+  [[noreturn]] void fail_attach(const std::string& message, bool timeout);
 
   // The progress thread (progress.cpp). Caller of start holds mu_.
   void start_progress_locked();
@@ -150,6 +167,7 @@ class ShmCommunicator final : public Communicator,
   int size_;
   Options options_;
   bool spin_;  // one core per rank: a short spin before sleeping pays
+  std::shared_ptr<ShmCommunicator> board_;  // see create()
 
   std::mutex mu_;
   std::deque<std::shared_ptr<Task>> pending_;

@@ -26,6 +26,9 @@ struct alignas(64) Header {
   std::atomic<std::uint32_t> waiters;     // processes asleep on `generation`
   std::atomic<std::int32_t> aborted_by;   // -1, or the rank that aborted the group
   std::atomic<std::uint32_t> attached;    // ranks that have mapped the segment
+  // 1 + the global rank first seen to fail (a dead process), 0 while none has: zero-filled
+  // memory needs no initialisation.
+  std::atomic<std::int32_t> first_failed;
 };
 
 struct alignas(64) RankSlot {

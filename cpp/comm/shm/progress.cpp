@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <fstream>
 #include <optional>
 #include <set>
 
@@ -46,19 +45,6 @@ void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
 #endif
-}
-
-// Whether a process still runs. A zombie (exited, not yet reaped by its parent, as a crashed
-// rank is until its launcher collects it) counts as gone.
-bool process_alive(pid_t pid) {
-  if (kill(pid, 0) != 0) return errno != ESRCH;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) return true;
-  const auto paren = line.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= line.size()) return true;
-  const char state = line[paren + 2];
-  return state != 'Z' && state != 'X';
 }
 
 // Counts this thread among the group's futex sleepers for as long as it lives, so that every
@@ -152,17 +138,18 @@ std::string ShmCommunicator::health_locked(const Task& task, bool check_peers,
     for (int q : peers) {
       const pid_t pid = slot(q)->pid.load();
       if (q != rank_ && pid > 0 && !process_alive(pid)) {
-        return task.describe() + " failed: rank " + std::to_string(q) + " (pid " +
-               std::to_string(pid) + ") has exited";
+        return task.describe() + " failed: " + label(q) + " (pid " + std::to_string(pid) +
+               ") has exited" + note_failure(q);
       }
     }
   }
   if (!late) return {};
   std::string names;
-  for (int q : peers) names += (names.empty() ? "rank " : ", rank ") + std::to_string(q);
+  for (int q : peers) names += (names.empty() ? "" : ", ") + label(q);
   *timeout = true;
   return task.describe() + " timed out after " + std::to_string(options_.timeout.count()) +
-         " ms waiting for " + (names.empty() ? std::string("its peers") : names);
+         " ms waiting for " + (names.empty() ? std::string("its peers") : names) +
+         " (a stopped or stuck process; --distributed-timeout-minutes sets this limit)";
 }
 
 void ShmCommunicator::fail_locked(const std::string& message, bool timeout, Task* culprit) {

@@ -12,11 +12,13 @@ namespace megart::comm::shm {
 // A mapping of a named POSIX shared-memory object, unmapped on destruction (move-only).
 class Segment {
  public:
-  // Creates the object (it must not exist), sized and zero-filled.
+  // Creates the object (it must not exist), sized and zero-filled. Refuses, naming the size
+  // needed, when /dev/shm has less room than `bytes` (tmpfs would give a SIGBUS later instead).
   static Segment create(const std::string& name, std::size_t bytes);
-  // Opens an object another process creates, retrying until it appears or `timeout` passes.
+  // Opens an object another process (`creator`, when > 0) creates, retrying until it appears;
+  // fails when `timeout` passes or the creator's process is gone.
   static Segment open(const std::string& name, std::size_t bytes,
-                      std::chrono::milliseconds timeout);
+                      std::chrono::milliseconds timeout, std::int32_t creator = 0);
   Segment(Segment&& o) noexcept;
   Segment& operator=(Segment&& o) noexcept;
   Segment(const Segment&) = delete;
@@ -41,5 +43,9 @@ class Segment {
 void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected,
                 std::chrono::nanoseconds timeout);
 void futex_wake_all(std::atomic<std::uint32_t>* word);
+
+// Whether process `pid` still runs. A zombie (exited, not yet reaped by its parent, as a
+// crashed rank is until its launcher collects it) counts as gone.
+bool process_alive(std::int32_t pid);
 
 }  // namespace megart::comm::shm

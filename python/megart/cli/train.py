@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 
@@ -144,7 +145,6 @@ HELP = {
     "runs",  # its flag is --no-...; --overlap-grad-reduce (megart's default) is accepted too
     "overlap_param_gather": "with --use-distributed-optimizer: each bucket's parameter "
     "all-gather finishes just before the next forward first uses it",
-    "distributed_timeout_minutes": "bound on every communication wait",
     "log_throughput": "accepted: megart's progress line always has TFLOP/s per GPU "
     "(Megatron's count)",
     "ckpt_format": "megart (megart's checkpoint); torch (Megatron-LM's legacy) is refused: "
@@ -155,6 +155,8 @@ HELP = {
     "expert_model_parallel_size": "expert parallelism (megart: only 1)",
     "check_for_nan_in_loss_and_grad": "do not stop the run when the loss or gradient norm is "
     "not finite",  # its flag is --no-... (see below)
+    "distributed_timeout_minutes": "every wait on another rank (rendezvous, group creation, "
+    "communication) gives up after this long, naming the rank it waited on",
 }
 
 
@@ -212,6 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
         Trainer(config).train()
     except (MegartError, ValueError) as e:
-        print(f"megart train: error: {e}", file=sys.stderr)
+        # A configuration error is found by every rank alike, before any rank waits on another
+        # (Trainer checks the flags first): rank 0 says it, once, and every rank exits with 2.
+        # Other errors differ per rank (which peer each saw fail), so each rank says its own.
+        if not isinstance(e, ConfigError) or os.environ.get("RANK", "0") == "0":
+            print(f"megart train: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -65,6 +66,9 @@ class _Context:
     timeout: timedelta
     world: ProcessGroup
     groups_made: int = 0
+    pids: list[int] = field(default_factory=list)  # per global rank, from the rendezvous
+    # How errors name a global rank; the parallel grid adds its coordinates (see describe_ranks).
+    labels: list[str] = field(default_factory=list)
     nccl_library: str | None = None  # the NCCL megart loaded, once a group uses nccl
     device: int | None = None  # this process's CUDA device (LOCAL_RANK) for nccl groups
 
@@ -125,6 +129,9 @@ def _join(
     backend: str,
     timeout: timedelta,
     nccl: tuple[str, int] | None = None,
+    pids: list[int] | None = None,
+    labels: list[str] | None = None,
+    board: object = None,
 ) -> ProcessGroup:
     """Every member calls this. shm: the group's first rank names the shared memory, the others
     read the name from the store, and all attach (a collective with a timeout). nccl: the first
@@ -145,7 +152,7 @@ def _join(
         cuda = _cuda_module()
         if rank == ranks[0]:
             store.set(key, cuda.nccl_unique_id(library))
-        unique_id = store.get(key)
+        unique_id = _wait_key(store, key, ranks[0], pids, timeout, name)
         group.device = device
         group.comm = cuda.create_nccl(
             library,
@@ -158,12 +165,147 @@ def _join(
         )
         return group
     if rank == ranks[0]:
-        store.set(key, f"/megart-{uuid.uuid4().hex[:16]}")
-    shm_name = store.get(key).decode()
+        # The creator's pid in the name says whose job a segment is.
+        store.set(key, f"/megart-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    shm_name = _wait_key(store, key, ranks[0], pids, timeout, name).decode()
     group.comm = _comm.create_shm(
-        shm_name, name, ranks.index(rank), len(ranks), timeout_s=timeout.total_seconds()
+        shm_name,
+        name,
+        ranks.index(rank),
+        len(ranks),
+        timeout_s=timeout.total_seconds(),
+        pids=[pids[r] for r in ranks] if pids else [],
+        global_ranks=list(ranks),
+        labels=[labels[r] for r in ranks] if labels else [],
+        board=board,
     )
     return group
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def _wait_key(
+    store: object, key: str, writer: int, pids: list[int] | None, timeout: timedelta, group: str
+) -> bytes:
+    """store.get(key), which global rank ``writer`` sets; fails within ~0.1 s once the writer's
+    process is gone rather than waiting out the timeout."""
+    from megart.errors import CommError, CommTimeoutError
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    for i in range(1 << 62):
+        try:
+            if store.check([key]):
+                return store.get(key)
+        except (RuntimeError, OSError) as e:  # torch's DistError and its kinds are RuntimeErrors
+            # Without torchrun, rank 0 serves the store: its death shows up here first.
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            if pids and not agent and not process_alive(pids[0]):
+                raise CommError(
+                    f"creating group '{group}' failed: global rank 0 (pid {pids[0]}), which "
+                    f"serves the rendezvous store, has exited ({str(e).splitlines()[0]})"
+                ) from None
+            raise
+        if pids and i % 10 == 9 and not process_alive(pids[writer]):
+            raise CommError(
+                f"creating group '{group}' failed: global rank {writer} (pid {pids[writer]}), "
+                "which sets it up, has exited"
+            )
+        if time.monotonic() > deadline:
+            raise CommTimeoutError(
+                f"creating group '{group}': global rank {writer} did not set it up within "
+                f"{timeout.total_seconds():.0f} s"
+            )
+        time.sleep(0.01)
+    raise AssertionError("unreachable")
+
+
+# How often a rank waiting at the rendezvous says whom it waits for.
+_RENDEZVOUS_NOTICE_S = 10.0
+
+
+def _key_prefix() -> str:
+    # torchrun restarts workers on the same store: each attempt gets its own keys.
+    return f"megart/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def _connect(rank: int, world_size: int, timeout: timedelta) -> object:
+    """The job's TCPStore. Under torchrun its agent already serves one at MASTER_ADDR:MASTER_PORT
+    (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects to it as a client, instead of rank 0
+    trying (and failing, with an error line) to bind a second server to the same port."""
+    import torch.distributed as td
+
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = _env_int("MASTER_PORT")
+    if port is None:
+        raise ConfigError("MASTER_PORT is not set; launch with torchrun or set it")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    try:
+        # wait_for_workers=False: _rendezvous below waits, saying for whom.
+        return td.TCPStore(
+            addr,
+            port,
+            None if agent else world_size,
+            is_master=rank == 0 and not agent,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    except (RuntimeError, TimeoutError) as e:
+        from megart.errors import CommTimeoutError
+
+        raise CommTimeoutError(
+            f"rank {rank}: could not reach the rendezvous at {addr}:{port} within "
+            f"{timeout.total_seconds():.0f} s ({str(e).splitlines()[0]}): is rank 0 running "
+            "with the same MASTER_ADDR and MASTER_PORT?"
+        ) from None
+
+
+def _rendezvous(store: object, rank: int, world_size: int, timeout: timedelta) -> list[int]:
+    """Every rank posts its process id and waits for everyone's; returns them by rank. Says whom
+    it waits for every few seconds and gives up at the timeout, naming the missing ranks."""
+    from megart.errors import CommTimeoutError
+
+    prefix = _key_prefix() + "pid/"
+    store.set(f"{prefix}{rank}", str(os.getpid()))
+    keys = [f"{prefix}{r}" for r in range(world_size)]
+    start = time.monotonic()
+    every = min(_RENDEZVOUS_NOTICE_S, timeout.total_seconds() / 4)
+    next_notice = start + every
+    where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT')}"
+    while True:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            break
+        now = time.monotonic()
+        if now - start > timeout.total_seconds():
+            raise CommTimeoutError(
+                f"rank {rank}: rank(s) {missing} of WORLD_SIZE={world_size} did not join the "
+                f"rendezvous at {where} within {timeout.total_seconds():.0f} s: start every rank "
+                "(torchrun --nproc-per-node N starts N), or set WORLD_SIZE to the ranks you start"
+            )
+        if now >= next_notice:
+            next_notice = now + every
+            print(
+                f"megart: rank {rank} is waiting at {where} for rank(s) {missing} of "
+                f"WORLD_SIZE={world_size} (gives up after {timeout.total_seconds():.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(0.02)
+    return [int(store.get(k)) for k in keys]
 
 
 def init(backend: str | None = None, timeout: timedelta | float = timedelta(minutes=10)) -> None:
@@ -190,24 +332,33 @@ def init(backend: str | None = None, timeout: timedelta | float = timedelta(minu
 
     if rank is None:
         rank, world_size, store = 0, 1, td.HashStore()
+        pids = [os.getpid()]
     else:
         if not 0 <= rank < world_size:
             raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = _env_int("MASTER_PORT")
-        if port is None:
-            raise ConfigError("MASTER_PORT is not set; launch with torchrun or set it")
-        store = td.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout)
+        store = _connect(rank, world_size, timeout)
+        pids = _rendezvous(store, rank, world_size, timeout)
     local_rank = _env_int("LOCAL_RANK") or 0
     nccl = _nccl_setup(local_rank) if backend == "nccl" else None
     if backend == "torch":
         from megart.distributed import torch_backend
 
         torch_backend.init_world(store, rank, world_size, local_rank, timeout)
+    labels = [f"global rank {r}" for r in range(world_size)]
     world = _join(
-        store, "megart/group/world", list(range(world_size)), rank, "world", backend, timeout, nccl
+        store,
+        _key_prefix() + "group/world",
+        list(range(world_size)),
+        rank,
+        "world",
+        backend,
+        timeout,
+        nccl,
+        pids,
+        labels,
     )
-    _context = _Context(rank, world_size, local_rank, store, timeout, world)
+    _context = _Context(rank, world_size, local_rank, store, timeout, world, pids=pids)
+    _context.labels = labels
     if nccl is not None:
         _context.nccl_library, _context.device = nccl
 
@@ -258,14 +409,26 @@ def new_group(ranks: list[int] | None = None, backend: str | None = None) -> Pro
     name = f"group{ctx.groups_made}{ranks}"
     return _join(
         ctx.store,
-        f"megart/group/{ctx.groups_made}",
+        f"{_key_prefix()}group/{ctx.groups_made}",
         ranks,
         ctx.rank,
         name,
         backend,
         ctx.timeout,
         nccl,
+        ctx.pids,
+        ctx.labels,
+        ctx.world.comm if ctx.world.backend == "shm" else None,
     )
+
+
+def describe_ranks(labels: list[str]) -> None:
+    """Sets how errors of groups made from now on name each global rank (the parallel grid
+    passes "global rank 2 (tp 0, pp 1, dp 0)")."""
+    ctx = context()
+    if len(labels) != ctx.world_size:
+        raise ConfigError(f"describe_ranks needs {ctx.world_size} labels, got {len(labels)}")
+    ctx.labels = list(labels)
 
 
 def resolve(group: ProcessGroup | None) -> ProcessGroup:

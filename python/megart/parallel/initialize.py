@@ -7,7 +7,7 @@ from datetime import timedelta
 
 from megart.errors import ConfigError
 from megart.parallel.grid import ParallelGrid
-from megart.parallel.layout import DEFAULT_ORDER, GROUP_KINDS, make_layout
+from megart.parallel.layout import DEFAULT_ORDER, GROUP_KINDS, GridLayout, make_layout
 
 
 def initialize(
@@ -55,6 +55,10 @@ def initialize(
             dist.destroy()
         raise
 
+    # Errors of the groups made below name a peer by its global rank and coordinates.
+    from megart.distributed.group import describe_ranks
+
+    describe_ranks([_label(layout, r) for r in range(world_size)])
     mine: dict[str, dist.ProcessGroup | None] = {}
     for kind in GROUP_KINDS:
         mine[kind] = None
@@ -72,3 +76,8 @@ def initialize(
         mp_group=mine["mp"],
         embedding_group=mine["embedding"],
     )
+
+
+def _label(layout: GridLayout, rank: int) -> str:
+    c = layout.coords(rank)
+    return f"global rank {rank} (tp {c.tp_rank}, pp {c.pp_rank}, dp {c.dp_rank})"

@@ -1,7 +1,7 @@
 """Timeline pictures in the style of the Megatron-LM papers' schedule figures: a row per rank
 (rank 0 on top), forward boxes blue and backward green (split backwards: input gradient I
-teal, weight gradient W orange), numbered by microbatch, later model
-chunks in lighter shades, idle time (the bubble) hatched grey."""
+teal, weight gradient W orange), numbered by microbatch, later model chunks in lighter shades
+(each shade drawn has its legend entry), idle time (the bubble) hatched grey."""
 
 from __future__ import annotations
 
@@ -23,6 +23,30 @@ _COLOURS = {
 def _shade(rgb: tuple[float, float, float], chunk: int, chunks: int) -> tuple[float, ...]:
     t = chunk / (chunks + 1)
     return tuple(c + (1 - c) * t for c in rgb)
+
+
+_NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weight)"}
+
+
+def legend_entries(
+    runs: Sequence[tuple[_s.Schedule, _s.Simulation]],
+) -> list[tuple[str, tuple[float, ...]]]:
+    """(label, colour) of every shade the panels use, in op then chunk order: one entry per
+    (op, chunk) drawn, so each later chunk's forward and backward shade is explained."""
+    used: dict[tuple[str, int], tuple[float, ...]] = {}
+    chunked = any(s.chunks > 1 for s, _ in runs)
+    for s, sim in runs:
+        for timeline in sim.ranks:
+            for span in timeline.compute:
+                a = span.action
+                used.setdefault((a.op, a.chunk), _shade(_COLOURS[a.op], a.chunk, s.chunks))
+    order = list(_COLOURS)
+    return [
+        (_NAMES[op] + (f", chunk {chunk}" if chunked else ""), colour)
+        for (op, chunk), colour in sorted(
+            used.items(), key=lambda x: (order.index(x[0][0]), x[0][1])
+        )
+    ]
 
 
 def _pyplot():  # noqa: ANN202 (matplotlib is optional)
@@ -54,10 +78,13 @@ def draw(
     horizon = max(sim.makespan for _, sim in runs)
     heights = [s.stages + 1.2 for s, _ in runs]
     width = min(28.0, 4 + 0.35 * max(len(s.ranks[0]) for s, _ in runs))
+    # Rows grow with the width, so a wide picture shrunk to a screen's width keeps rows (and
+    # their microbatch numbers) readable: at most 40 row heights across.
+    row = max(0.42, width / 40)
     fig, axes = plt.subplots(
         len(runs),
         1,
-        figsize=(width, 0.42 * sum(heights) + 0.9),
+        figsize=(width, row * sum(heights) + 1.2),
         gridspec_kw={"height_ratios": heights},
         squeeze=False,
         sharex=True,
@@ -114,24 +141,14 @@ def draw(
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
     axes[-1, 0].set_xlabel("time")
-    legend = [
-        Patch(facecolor=_COLOURS["F"], label="forward"),
-        Patch(facecolor=_COLOURS["B"], label="backward"),
-        Patch(facecolor="#f2f2f2", hatch="///", label="idle (bubble)"),
-    ]
-    ops = {span.action.op for _, sim in runs for r in sim.ranks for span in r.compute}
-    if "I" in ops or "W" in ops:  # split backwards: input and weight gradients apart
-        legend[1:2] = [
-            *([Patch(facecolor=_COLOURS["B"], label="backward")] if "B" in ops else []),
-            Patch(facecolor=_COLOURS["I"], label="input grad (I)"),
-            Patch(facecolor=_COLOURS["W"], label="weight grad (W)"),
-        ]
-    if any(s.chunks > 1 for s, _ in runs):
-        legend.insert(2, Patch(facecolor=_shade(_COLOURS["F"], 1, 2), label="later chunks"))
-    fig.legend(handles=legend, loc="lower right", ncol=len(legend), fontsize=8, frameon=False)
+    legend = [Patch(facecolor=colour, label=label) for label, colour in legend_entries(runs)]
+    legend.append(Patch(facecolor="#f2f2f2", hatch="///", label="idle (bubble)"))
+    columns = min(len(legend), 6)
+    fig.legend(handles=legend, loc="lower right", ncol=columns, fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    legend_rows = -(-len(legend) // columns)
+    fig.tight_layout(rect=(0, min(0.3, 0.3 * legend_rows / (row * sum(heights) + 1.2)), 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -35,7 +35,7 @@ from megart.errors import ConfigError
 from megart.models import GPTChunk, GPTConfig
 from megart.models.config import architecture_flags
 from megart.tensor_parallel.random import GeneratorStates
-from megart.training import reshard
+from megart.training import checkpoint_dirs, checksum, reshard
 from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as before
     FILE,
     MODEL_FIELDS,
@@ -128,6 +128,7 @@ def write_file(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
+    checksum.write(path)
 
 
 def save(
@@ -168,6 +169,7 @@ def save(
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         replace_text(Path(directory) / TRACKER, f"{iteration}\n")
+        checkpoint_dirs.remove_stale_partials(directory, iteration)
     dist.barrier()
     return final
 

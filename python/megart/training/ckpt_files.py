@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from megart.errors import ConfigError
+from megart.training import checksum
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -69,7 +70,9 @@ def optimizer_params(
 def read_file(path: Path) -> dict[str, Any]:
     """One checkpoint file. weights_only: the files hold only tensors, numbers, strings and
     containers, and checkpoints come from elsewhere. mmap: only the pages of the tensors used
-    are read (an exporter skips the optimizer's; a resharding rank reads its own parameters')."""
+    are read (an exporter skips the optimizer's; a resharding rank reads its own parameters').
+    Its checksum, where the save wrote one, is verified first (corrupted bytes name the file)."""
+    checksum.verify(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:

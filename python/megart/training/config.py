@@ -131,7 +131,6 @@ class TrainConfig:
     # reduces every bucket after backward.
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
-    distributed_timeout_minutes: int = 10
     log_throughput: bool = False
     ckpt_format: str = "megart"
     calculate_per_token_loss: bool = False
@@ -161,6 +160,8 @@ class TrainConfig:
     exit_signal_handler: bool = False  # stop after the iteration in which SIGTERM arrived
     # A gradient norm or loss that is not finite stops the run (TrainingError).
     check_for_nan_in_loss_and_grad: bool = True
+    # Megatron's: every wait on another rank gives up after this long, naming the rank waited on.
+    distributed_timeout_minutes: float = 10
 
     def __post_init__(self) -> None:
         resolve_megatron_flags(self)  # the tokenizer's vocabulary, --train-samples' iterations
@@ -273,12 +274,23 @@ class TrainConfig:
         tp, pp = self.tp, self.pp
         if tp < 1 or pp < 1 or world_size % (tp * pp):
             raise ConfigError(
-                f"{world_size} processes do not split into tensor-parallel {tp} x "
-                f"pipeline-parallel {pp}; the product must divide the world size"
+                f"{world_size} process{'es' if world_size > 1 else ''} do not split into "
+                f"tensor-parallel {tp} x pipeline-parallel {pp}; the product must divide the "
+                f"number of processes: start a multiple of {max(1, tp * pp)} (torchrun "
+                "--nproc-per-node N starts N) or choose smaller sizes"
             )
         dp = world_size // (tp * pp)
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            raise ConfigError(
+                f"--micro-batch-size {self.micro_batch_size} and --global-batch-size "
+                f"{self.global_batch_size} must be at least 1"
+            )
+        if self.distributed_timeout_minutes <= 0:
+            raise ConfigError(
+                f"--distributed-timeout-minutes {self.distributed_timeout_minutes} must be above 0"
+            )
         per_step = self.micro_batch_size * dp
-        if self.micro_batch_size < 1 or self.global_batch_size % per_step:
+        if self.global_batch_size % per_step:
             below = self.global_batch_size // per_step * per_step
             options = f"{below} or {below + per_step}" if below else f"{per_step}"
             raise ConfigError(
@@ -295,9 +307,21 @@ class TrainConfig:
                     "--pipeline-model-parallel-size of at least 2"
                 )
             if per < 1 or self.num_layers % (pp * per):
+                fits = [
+                    v
+                    for v in range(1, self.num_layers // pp + 1)
+                    if self.num_layers % (pp * v) == 0
+                ]
+                hint = (
+                    f"values that fit: {', '.join(map(str, fits))}"
+                    if fits
+                    else f"--num-layers must be a multiple of {pp}"
+                )
                 raise ConfigError(
                     f"--num-layers {self.num_layers} is not divisible by pipeline size {pp} x "
-                    f"--num-layers-per-virtual-pipeline-stage {per}"
+                    f"--num-layers-per-virtual-pipeline-stage {per}; {hint} (layers per model "
+                    f"chunk: each of the {pp} pipeline ranks holds num_layers / ({pp} x value) "
+                    "chunks)"
                 )
             m = self.microbatches(dp)
             if m % pp:

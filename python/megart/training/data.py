@@ -161,9 +161,10 @@ def build_datasets(
     if tokens is not None or not data_path:
         sources = [(1.0, "", tokens if tokens is not None else builtin_corpus())]
     else:
-        sources = [
-            (w, f" of {p}", IndexedTokens(p, mmap).tokens) for w, p in parse_blend(data_path)
-        ]
+        opened = [(w, p, IndexedTokens(p, mmap)) for w, p in parse_blend(data_path)]
+        for _, _, data in opened:
+            data.check_vocab(vocab_size)
+        sources = [(w, f" of {p}", data.tokens) for w, p, data in opened]
     ranges = [split_tokens(t, split) for _, _, t in sources]
     # Weighted by the training ranges' sizes when --data-path gives no weights.
     weights = [len(r[0]) if w is None else w for (w, _, _), r in zip(sources, ranges, strict=True)]

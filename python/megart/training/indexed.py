@@ -46,8 +46,14 @@ class IndexedTokens:
                 )
         with open(idx, "rb") as f:
             head = f.read(len(MAGIC) + 8 + 1 + 8 + 8)
-        if len(head) < len(MAGIC) + 25 or head[: len(MAGIC)] != MAGIC:
+        if head[: len(MAGIC)] != MAGIC[: len(head)] or not head:
             raise ConfigError(f"{idx} is not an index in Megatron's mmap format (bad magic)")
+        if len(head) < len(MAGIC) + 25:
+            raise ConfigError(
+                f"{idx} is {len(head)} bytes, shorter than the {len(MAGIC) + 25}-byte header of "
+                "Megatron's index format: the file is truncated; write it again (megart "
+                "preprocess-data)"
+            )
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[len(MAGIC) :])
         if version != VERSION or code not in DTYPE_CODES:
             raise ConfigError(
@@ -56,6 +62,13 @@ class IndexedTokens:
             )
         self.dtype = np.dtype(DTYPE_CODES[code])
         offset = len(head)
+        expected = offset + 12 * n_seq + 8 * n_doc
+        if idx.stat().st_size != expected:
+            raise ConfigError(
+                f"{idx} is {idx.stat().st_size} bytes, but its header counts {n_seq} sequences "
+                f"and {n_doc} document boundaries ({expected} bytes): the file is truncated or "
+                "its counts are wrong; write it again (megart preprocess-data)"
+            )
         index = np.memmap(idx, mode="r", dtype=np.uint8)
         self.sizes = np.frombuffer(index, np.int32, n_seq, offset)
         self.pointers = np.frombuffer(index, np.int64, n_seq, offset + 4 * n_seq)
@@ -72,6 +85,17 @@ class IndexedTokens:
             self.tokens = np.memmap(bin_, mode="r", dtype=self.dtype)
         else:  # Megatron's --no-mmap-bin-files: read the tokens into memory once
             self.tokens = np.fromfile(bin_, dtype=self.dtype)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuses, naming the file, a dataset whose largest token id is not below
+        ``vocab_size``: found once here (one pass over .bin), not when a batch reaches it."""
+        if len(self.tokens) and np.dtype(self.dtype).itemsize * 8 > np.log2(vocab_size):
+            largest = int(self.tokens.max())
+            if largest >= vocab_size:
+                raise ConfigError(
+                    f"{self.prefix}.bin holds token id {largest}, outside --vocab-size "
+                    f"{vocab_size}; set --vocab-size to the tokenizer's vocabulary size"
+                )
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -90,6 +114,7 @@ def write_indexed(
     if code is None:
         raise ConfigError(f"token dtype {dtype} has no code in Megatron's format")
     prefix = str(prefix)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)  # --output-prefix new/dir/name
     sizes: list[int] = []
     try:
         with open(prefix + ".bin.tmp", "wb") as data:

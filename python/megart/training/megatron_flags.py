@@ -136,11 +136,8 @@ def check_megatron_flags(config: Any) -> None:
         )
     if config.rotary_base < 1:
         raise ConfigError(f"--rotary-base {config.rotary_base} must be at least 1")
-    if config.num_workers < 0 or config.distributed_timeout_minutes <= 0:
-        raise ConfigError(
-            f"--num-workers {config.num_workers} must be at least 0 and "
-            f"--distributed-timeout-minutes {config.distributed_timeout_minutes} positive"
-        )
+    if config.num_workers < 0:
+        raise ConfigError(f"--num-workers {config.num_workers} must be at least 0")
     if config.mock_data and config.data_path:
         raise ConfigError("--mock-data and --data-path exclude each other; give one")
     _check_samples(config)

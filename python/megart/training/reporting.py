@@ -38,14 +38,58 @@ TENSORBOARD_TAGS = {
 }
 
 
-def progress_line(fig: dict[str, Any], train_iters: int) -> str:
-    mfu = f"{100 * fig['mfu']:.1f}%" if fig["mfu"] is not None else "n/a"
+def progress_line(fig: dict[str, Any], train_iters: int, cpu: bool = False) -> str:
+    """One iteration's figures; on CPU (``cpu``) throughput per process, with no GPU peak."""
     return (
         f"iteration {fig['iteration']:>5}/{train_iters} | loss "
         f"{fig['loss']:.4f} | grad norm {fig['grad_norm']:.3f} | lr {fig['lr']:.2e} | "
-        f"{fig['tokens_per_s']:,.0f} tokens/s | {fig['tflops_per_gpu']:.3f} TFLOP/s per "
-        f"GPU | MFU {mfu}"
+        f"{fig['tokens_per_s']:,.0f} tokens/s | "
+        + _throughput(fig["tflops_per_gpu"], fig["mfu"], cpu)
     )
+
+
+def _throughput(tflops: float, mfu: float | None, cpu: bool) -> str:
+    if cpu:
+        return f"{tflops * 1e3:.3f} GFLOP/s per process (CPU)"
+    return f"{tflops:.3f} TFLOP/s per GPU | MFU " + (
+        f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+    )
+
+
+# Iterations left out of a run's averages: the first ones pay for imports, page faults and
+# thread start-up (a first run's first iterations ran 50x slower than its later ones).
+WARMUP_ITERS = 2
+
+
+def summary_line(
+    history: list[dict[str, Any]], seconds: float, cpu: bool, save: str | None, log: str | None
+) -> str:
+    """The line that ends a run: iterations, wall time, mean throughput over the iterations
+    after the warm-up ones, the last losses and where the checkpoint and log went."""
+    if not history:
+        return "megart train: no iterations to run (the checkpoint had reached --train-iters)"
+    warm = WARMUP_ITERS if len(history) > WARMUP_ITERS else 0
+    timed = history[warm:]
+    tokens = sum(f["tokens_per_s"] for f in timed) / len(timed)
+    tflops = sum(f["tflops_per_gpu"] for f in timed) / len(timed)
+    mfus = [f["mfu"] for f in timed if f["mfu"] is not None]
+    mfu = sum(mfus) / len(mfus) if mfus else None
+    last = history[-1]
+    valid = next((f["valid_loss"] for f in reversed(history) if "valid_loss" in f), None)
+    parts = [
+        f"megart train: done: {len(history)} iterations (to {last['iteration']}) in "
+        f"{seconds:.1f} s",
+        f"mean over iterations {timed[0]['iteration']}-{last['iteration']}"
+        + (f" ({warm} warm-up iterations excluded)" if warm else "")
+        + f": {tokens:,.0f} tokens/s, {_throughput(tflops, mfu, cpu)}",
+        f"final train loss {last['loss']:.4f}"
+        + (f", validation loss {valid:.4f}" if valid is not None else ""),
+    ]
+    if save:
+        parts.append(f"checkpoint in {save}")
+    if log:
+        parts.append(f"log in {log}")
+    return " | ".join(parts)
 
 
 def validation_line(fig: dict[str, Any], split: str = "valid") -> str:

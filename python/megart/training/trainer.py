@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -33,7 +34,7 @@ from megart.tensor_parallel import (
     seed_tensor_parallel,
     sync_sequence_parallel_grads,
 )
-from megart.training import checkpoint, megatron_checkpoint
+from megart.training import checkpoint, checkpoint_dirs, megatron_checkpoint
 from megart.training import optimizer as optim
 from megart.training.config import TrainConfig
 from megart.training.data import Dataset, build_datasets
@@ -43,6 +44,7 @@ from megart.training.reporting import (
     TENSORBOARD_TAGS,
     peak_flops,
     progress_line,
+    summary_line,
     tensorboard_writer,
     validation_line,
 )
@@ -55,13 +57,17 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, tokens: Any | None = None) -> None:
         self.config = c = config
+        # The flags and --save are checked before any rank waits on another, so that every rank
+        # refuses them alike (and rank 0 alone need say so).
+        world = dist.get_world_size() if dist.is_initialized() else _launched_world_size()
+        self.dp = c.check(world)
+        if c.save:
+            checkpoint_dirs.check_writable(c.save)
         if not dist.is_initialized():
             dist.init(
                 backend=c.distributed_backend,
                 timeout=timedelta(minutes=c.distributed_timeout_minutes),
             )
-        world = dist.get_world_size()
-        self.dp = c.check(world)
         self.grid = megart.initialize(tp=c.tp, pp=c.pp, dp=self.dp, backend=c.distributed_backend)
         g = self.grid
         self.m = c.microbatches(self.dp)
@@ -138,12 +144,14 @@ class Trainer:
             else None
         )
         self.start_iteration = 0  # iterations already done (a resumed run starts later)
-        fresh = c.load and c.load == c.save and checkpoint.latest_iteration(c.load) is None
-        if fresh and dist.get_rank() == 0:
-            # Megatron's resume idiom (--save DIR --load DIR, as its example scripts give):
-            # the first run of it finds no checkpoint yet and starts from scratch.
-            print(f"--load {c.load}: no checkpoint there yet; starting from scratch", flush=True)
-        if c.load and not fresh:
+        if c.load and checkpoint_dirs.no_checkpoint_yet(c.load):
+            # A restartable job line (--save X --load X) on its first run, as Megatron does.
+            if dist.get_rank() == 0:
+                print(
+                    f"megart train: --load {c.load} holds no checkpoint yet: starting from scratch",
+                    flush=True,
+                )
+        elif c.load:
             load = c.load
             if megatron_checkpoint.is_megatron(load):
                 # Megatron-LM's legacy checkpoint: its weights as a megart release checkpoint
@@ -349,6 +357,8 @@ class Trainer:
                 stack.callback(board.close)
             if not quiet and rank0:
                 print(self.describe(), flush=True)
+            cpu = self.device.type == "cpu"
+            start = time.perf_counter()
             for fig in self.iterations():
                 history.append(fig)
                 if log:
@@ -361,13 +371,17 @@ class Trainer:
                 if quiet or not rank0:
                     continue
                 if fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1:
-                    print(progress_line(fig, c.train_iters), flush=True)
+                    print(progress_line(fig, c.train_iters, cpu), flush=True)
                 if "valid_loss" in fig:
                     print(validation_line(fig), flush=True)
                 if "test_loss" in fig:
                     print(validation_line(fig, "test"), flush=True)
                 if "exit" in fig:
                     print(f"exiting after iteration {fig['iteration']}: {fig['exit']}", flush=True)
+            if not quiet and rank0:
+                seconds = time.perf_counter() - start
+                logs = ", ".join(x for x in (c.log_jsonl, c.tensorboard_dir) if x) or None
+                print(summary_line(history, seconds, cpu, c.save, logs), flush=True)
         return history
 
     def describe(self) -> str:
@@ -388,3 +402,9 @@ class Trainer:
             )
             + f"{n:,} parameters on rank 0; device {self.device_name} (peak {peak})"
         )
+
+
+def _launched_world_size() -> int:
+    """WORLD_SIZE as torchrun sets it (1 without it); init() checks it further."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    return int(value) if value.isdigit() and int(value) > 0 else 1

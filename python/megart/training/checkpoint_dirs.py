@@ -1,0 +1,57 @@
+"""What the --save and --load directories hold, checked before training starts: an unwritable
+--save is refused before any work (not at the first save, after training ran), and a --load
+directory that holds no checkpoint yet is the first run of a restartable job, not an error.
+Also removes the ``iter_*.partial`` folders that crashed saves leave once a newer checkpoint is
+complete."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from megart.errors import ConfigError
+from megart.training.ckpt_files import TRACKER
+
+_ITER = re.compile(r"iter_(\d+)(\.partial)?$")
+
+
+def check_writable(directory: str | os.PathLike) -> None:
+    """Creates --save's directory and writes a file in it, raising ConfigError naming the
+    directory when either fails. Every rank calls it (each writes its own file)."""
+    path = Path(directory)
+    probe = path / f".megart-write-test-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"--save {directory} cannot be written ({e.strerror or e}): choose a directory "
+            "this user may create and write"
+        ) from None
+
+
+def no_checkpoint_yet(directory: str | os.PathLike) -> bool:
+    """True when --load's directory is missing or holds neither a tracker file nor an
+    ``iter_*`` checkpoint (crashed saves' ``.partial`` folders aside): nothing to resume, as on
+    a restartable job's first run. A directory with checkpoints but no tracker is damaged and
+    left to the loader's error."""
+    path = Path(directory)
+    if not path.is_dir():
+        if path.exists():
+            raise ConfigError(f"--load {directory} is a file; point it at a checkpoint directory")
+        return True
+    if (path / TRACKER).exists():
+        return False
+    return not any((m := _ITER.match(p.name)) and not m.group(2) for p in path.iterdir())
+
+
+def remove_stale_partials(directory: str | os.PathLike, complete: int) -> None:
+    """Removes ``iter_N.partial`` folders with N below ``complete``, the iteration of a
+    checkpoint just completed: what saves that crashed before it left."""
+    for p in Path(directory).iterdir():
+        m = _ITER.match(p.name)
+        if m and m.group(2) and int(m.group(1)) < complete:
+            shutil.rmtree(p, ignore_errors=True)
