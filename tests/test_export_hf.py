@@ -93,10 +93,7 @@ def small(**kw):
     )
 
 
-def rewrite(path, change):
-    state = torch.load(path, weights_only=False)
-    change(state)
-    torch.save(state, path)
+rewrite = tw.rewrite_checkpoint_file
 
 
 def test_one_process_export_is_the_live_export_exactly(one_process, tmp_path):
@@ -162,6 +159,9 @@ def test_missing_checkpoints_and_files_are_named(trained, tmp_path):
         ckpt / "iter_0000002" / "mp_rank_01_001" / FILE, copy / "iter_0000002" / "mp_rank_01_001"
     )
     (copy / "iter_0000002" / "mp_rank_01_000" / FILE).write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="mp_rank_01_000/model_optim_rng.pt is damaged"):
+        export_checkpoint(copy, tmp_path / "hf", iteration=2)  # its checksum says so first
+    (copy / "iter_0000002" / "mp_rank_01_000" / (FILE + ".sha256")).unlink()  # an older save
     with pytest.raises(ConfigError, match="mp_rank_01_000/model_optim_rng.pt cannot be read"):
         export_checkpoint(copy, tmp_path / "hf", iteration=2)
     assert not (tmp_path / "hf").exists()

@@ -213,3 +213,16 @@ def loaded_and_first_step(kw: dict) -> tuple[dict, list[dict], tuple]:
     c = trainer.config
     batch = trainer.data.global_batch(c.seed, trainer.start_iteration, c.global_batch_size)
     return loaded, trainer.train(quiet=True), batch
+
+
+def rewrite_checkpoint_file(path, change) -> None:
+    """Loads one checkpoint file, applies ``change`` to its state and saves it again with a new
+    checksum (as a tool that edits checkpoints on purpose would; corruption is tested apart)."""
+    import torch
+
+    from megart.training import checksum
+
+    state = torch.load(path, weights_only=False)
+    change(state)
+    torch.save(state, path)
+    checksum.write(path)
