@@ -325,7 +325,8 @@ def test_checkpoints_record_the_architecture_and_refuse_another(tmp_path):
         r"RMSNorm \(now --normalization LayerNorm\), --position-embedding-type rope \(now "
         r"--position-embedding-type learned_absolute\), --swiglu \(now no --swiglu\), "
         r"--disable-bias-linear \(now no --disable-bias-linear\), --layernorm-epsilon 1e-06 "
-        r"\(now --layernorm-epsilon 1e-05\); .*cannot be resharded"
+        r"\(now --layernorm-epsilon 1e-05\), --rotary-base 10000 \(halves\) \(now no rope\); "
+        r".*cannot be resharded"
     )
     with pytest.raises(LaunchError, match=message):
         launch(_train, 1, dict(train_iters=2, load=str(tmp_path)), timeout=300)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from megart.cli.train import HELP
 from megart.errors import MegartError
-from megart.training.config import CHOICES, TrainConfig
+from megart.training.config import CHOICES, TrainConfig, check_virtual_stages
 
 MODEL_FLAGS = (
     "num_layers",
@@ -118,11 +118,7 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigError(
                 "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size"
             )
-        if per < 1 or base.num_layers % (pp * per):
-            raise ConfigError(
-                f"--num-layers {base.num_layers} is not divisible by pipeline size {pp} x "
-                f"--num-layers-per-virtual-pipeline-stage {per}"
-            )
+        check_virtual_stages(base.num_layers, pp, per)
         chunks = base.num_layers // (pp * per)
     fixed = Fixed(
         tp=args.tensor_model_parallel_size,

@@ -283,8 +283,10 @@ def estimate(
         "optimizer": optimizer,
     }
     time["iteration"] = makespan + dp_exposed + gather + tied + optimizer
-    flops_run = model_flops(cfg, c.global_batch_size, recompute=rec == "full")
-    flops_model = model_flops(cfg, c.global_batch_size)
+    # The paper's count (the whole s x s attention), as SC21's and Megatron-Core's published
+    # tables were counted; megart train prints Megatron's current, causal count.
+    flops_run = model_flops(cfg, c.global_batch_size, recompute=rec == "full", causal=False)
+    flops_model = model_flops(cfg, c.global_batch_size, causal=False)
     tflops = flops_run / time["iteration"] / world / 1e12
     model_tflops = flops_model / time["iteration"] / world / 1e12
     missing = worst["total"] - gpu.usable_bytes

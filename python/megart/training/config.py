@@ -306,23 +306,7 @@ class TrainConfig:
                     "--num-layers-per-virtual-pipeline-stage needs "
                     "--pipeline-model-parallel-size of at least 2"
                 )
-            if per < 1 or self.num_layers % (pp * per):
-                fits = [
-                    v
-                    for v in range(1, self.num_layers // pp + 1)
-                    if self.num_layers % (pp * v) == 0
-                ]
-                hint = (
-                    f"values that fit: {', '.join(map(str, fits))}"
-                    if fits
-                    else f"--num-layers must be a multiple of {pp}"
-                )
-                raise ConfigError(
-                    f"--num-layers {self.num_layers} is not divisible by pipeline size {pp} x "
-                    f"--num-layers-per-virtual-pipeline-stage {per}; {hint} (layers per model "
-                    f"chunk: each of the {pp} pipeline ranks holds num_layers / ({pp} x value) "
-                    "chunks)"
-                )
+            check_virtual_stages(self.num_layers, pp, per)
             m = self.microbatches(dp)
             if m % pp:
                 raise ConfigError(
@@ -505,6 +489,24 @@ class TrainConfig:
                 "groups, as Megatron-LM requires); "
                 + (f"use one of {fits}" if fits else "no group count fits: change the sizes")
             )
+
+
+def check_virtual_stages(num_layers: int, pp: int, per: int) -> None:
+    """--num-layers-per-virtual-pipeline-stage must split the layers evenly over the pipeline
+    ranks' chunks; the error lists the values that would."""
+    if per >= 1 and num_layers % (pp * per) == 0:
+        return
+    fits = [v for v in range(1, num_layers // pp + 1) if num_layers % (pp * v) == 0]
+    hint = (
+        f"values that fit: {', '.join(map(str, fits))}"
+        if fits
+        else f"--num-layers must be a multiple of {pp}"
+    )
+    raise ConfigError(
+        f"--num-layers {num_layers} is not divisible by pipeline size {pp} x "
+        f"--num-layers-per-virtual-pipeline-stage {per}; {hint} (layers per model chunk: each "
+        f"of the {pp} pipeline ranks holds num_layers / ({pp} x value) chunks)"
+    )
 
 
 def split_weights(split: str) -> tuple[float, float, float]:
