@@ -119,7 +119,7 @@ def test_under_torchrun_ranks_use_the_agents_store_without_a_bind_error(tmp_path
         "import torch, megart.distributed as d\n"
         "d.init(backend='shm', timeout=60)\n"
         "t = torch.ones(3); d.all_reduce(t); assert t.tolist() == [2.0] * 3\n"
-        "print('ok', d.get_rank())\n"
+        "import sys; sys.stdout.write(f'ok {d.get_rank()}\\n'); sys.stdout.flush()\n"
     )
     out = subprocess.run(
         [
@@ -135,6 +135,7 @@ def test_under_torchrun_ranks_use_the_agents_store_without_a_bind_error(tmp_path
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
+    # One write per line, so the two ranks' lines never interleave.
     assert sorted(out.stdout.split("\n")[:2]) == ["ok 0", "ok 1"]
     assert "failed to bind" not in out.stderr, out.stderr
 

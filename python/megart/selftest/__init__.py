@@ -168,16 +168,21 @@ def run_distributed() -> list[Check]:
 
     def compare() -> list[Check]:
         dist.init()
-        backend = _world().backend
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
-        reference = dist.new_group(backend="torch")
-        return collectives.compare(
-            _world(), reference, device, f"{backend} {dist.get_world_size()} ranks"
-        )
+        # Ended before the interpreter exits: a torch.distributed group left to the
+        # interpreter's shutdown can abort the process there (seen: 1 run in 6 under torchrun).
+        try:
+            backend = _world().backend
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
+            reference = dist.new_group(backend="torch")
+            return collectives.compare(
+                _world(), reference, device, f"{backend} {dist.get_world_size()} ranks"
+            )
+        finally:
+            dist.destroy()
 
     return guarded("collectives under torchrun", compare, AVOID_TRANSPORT)
 
