@@ -38,9 +38,10 @@ const char* kind_name(Kind k) {
 
 // Writes `values` into the device buffer from a kernel on `stream`, after a pause, so that an op
 // not ordered after the stream reads what was there before.
-void produce(cudaStream_t stream, void* dev, const std::vector<double>& values, DType t) {
-  launch(stream, [dev, values, t] {
-    std::this_thread::sleep_for(std::chrono::microseconds(500));
+void produce(cudaStream_t stream, void* dev, const std::vector<double>& values, DType t,
+             int pause_us = 500) {
+  launch(stream, [dev, values, t, pause_us] {
+    std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
     for (std::size_t i = 0; i < values.size(); ++i) put(dev, i, t, values[i]);
   });
 }
@@ -277,20 +278,26 @@ TEST(recv_lands_after_the_callers_earlier_writes) {
 
 // Batches of only sends and only receives (a pipeline stage's usual pattern): NCCL joins the
 // streams of a batch, so with both kinds in one batch either stream's wait orders both; alone,
-// each stream must wait on the caller's work itself.
+// each stream must wait on the caller's work itself. The side under test is slow by far more
+// than the streams' random delays (even rounds the sender's write, odd rounds the receiver's
+// marker), so a missing wait is a wrong result every time, not when the delays happen to line up.
 TEST(send_only_and_recv_only_batches_follow_the_callers_stream) {
   const auto id = new_id();
+  constexpr int kSlowUs = 50000;
   run_ranks(2, [&](int r) {
     auto c = create(id, r, 2, r);
     cudaStream_t caller = new_stream();
     for (int round = 0; round < 4; ++round) {
+      const bool sender_slow = round % 2 == 0;
       DeviceBuffer buf(256 * 4);
       if (r == 0) {
-        produce(caller, buf.ptr, std::vector<double>(256, 3.0 + round), DType::Float32);
+        produce(caller, buf.ptr, std::vector<double>(256, 3.0 + round), DType::Float32,
+                sender_slow ? kSlowUs : 0);
         auto works = c->batch_p2p({{true, {buf.ptr, 256, DType::Float32}, 1}}, handle(caller));
         works[0]->wait_stream(handle(caller));
       } else {
-        produce(caller, buf.ptr, std::vector<double>(256, -1.0), DType::Float32);
+        produce(caller, buf.ptr, std::vector<double>(256, -1.0), DType::Float32,
+                sender_slow ? 0 : kSlowUs);
         auto works = c->batch_p2p({{false, {buf.ptr, 256, DType::Float32}, 0}}, handle(caller));
         works[0]->wait_stream(handle(caller));
         const auto got = consume(caller, buf.ptr, 256, DType::Float32);
