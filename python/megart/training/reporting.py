@@ -25,6 +25,7 @@ def peak_flops() -> tuple[float | None, str]:
 # TensorBoard tags, Megatron-LM's where it has one, for the figures of an iteration.
 TENSORBOARD_TAGS = {
     "lm loss": "loss",
+    "batch-size": "global_batch_size",
     "grad-norm": "grad_norm",
     "learning-rate": "lr",
     "tokens-per-second": "tokens_per_s",
@@ -41,7 +42,8 @@ TENSORBOARD_TAGS = {
 def progress_line(fig: dict[str, Any], train_iters: int, cpu: bool = False) -> str:
     """One iteration's figures; on CPU (``cpu``) throughput per process, with no GPU peak."""
     return (
-        f"iteration {fig['iteration']:>5}/{train_iters} | loss "
+        f"iteration {fig['iteration']:>5}/{train_iters} | consumed samples "
+        f"{fig['consumed_samples']} | global batch size {fig['global_batch_size']} | loss "
         f"{fig['loss']:.4f} | grad norm {fig['grad_norm']:.3f} | lr {fig['lr']:.2e} | "
         f"{fig['tokens_per_s']:,.0f} tokens/s | "
         + _throughput(fig["tflops_per_gpu"], fig["mfu"], cpu)
