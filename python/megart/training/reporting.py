@@ -107,6 +107,34 @@ def validation_line(fig: dict[str, Any], split: str = "valid") -> str:
     )
 
 
+def run_description(trainer: Any) -> str:
+    """The line that starts a run: the model, the layout, the batch and the device."""
+    t, c = trainer, trainer.config
+    n = sum(p.numel() for chunk in t.chunks for p in chunk.parameters())
+    peak = f"{t.peak / 1e12:.0f} TFLOP/s dense bf16" if t.peak else "n/a on CPU"
+    return (
+        f"megart train: GPT {c.num_layers} layers x {c.hidden_size} hidden, "
+        f"{c.num_attention_heads} heads"
+        + (f" in {c.num_query_groups} query groups" if c.group_query_attention else "")
+        + f", seq {c.seq_length}; tp {c.tp} x pp {c.pp} x "
+        f"dp {t.dp} (v {c.chunks}), global batch {c.global_batch_size} = "
+        f"{t.m} microbatches of {c.micro_batch_size} per data-parallel rank"
+        + (
+            f" after a ramp-up from {c.rampup_batch_size[0]} by {c.rampup_batch_size[1]} "
+            f"over {c.rampup_batch_size[2]} samples"
+            if c.rampup_batch_size
+            else ""
+        )
+        + "; "
+        + (
+            f"Adam state 1/{t.dp} per rank (distributed optimizer); "
+            if c.use_distributed_optimizer
+            else ""
+        )
+        + f"{n:,} parameters on rank 0; device {t.device_name} (peak {peak})"
+    )
+
+
 def tensorboard_writer(directory: str) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter

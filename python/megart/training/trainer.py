@@ -44,6 +44,7 @@ from megart.training.reporting import (
     TENSORBOARD_TAGS,
     peak_flops,
     progress_line,
+    run_description,
     summary_line,
     tensorboard_writer,
     validation_line,
@@ -407,30 +408,8 @@ class Trainer:
         return history
 
     def describe(self) -> str:
-        c = self.config
-        n = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
-        peak = f"{self.peak / 1e12:.0f} TFLOP/s dense bf16" if self.peak else "n/a on CPU"
-        return (
-            f"megart train: GPT {c.num_layers} layers x {c.hidden_size} hidden, "
-            f"{c.num_attention_heads} heads"
-            + (f" in {c.num_query_groups} query groups" if c.group_query_attention else "")
-            + f", seq {c.seq_length}; tp {c.tp} x pp {c.pp} x "
-            f"dp {self.dp} (v {c.chunks}), global batch {c.global_batch_size} = "
-            f"{self.m} microbatches of {c.micro_batch_size} per data-parallel rank"
-            + (
-                f" after a ramp-up from {c.rampup_batch_size[0]} by {c.rampup_batch_size[1]} "
-                f"over {c.rampup_batch_size[2]} samples"
-                if c.rampup_batch_size
-                else ""
-            )
-            + "; "
-            + (
-                f"Adam state 1/{self.dp} per rank (distributed optimizer); "
-                if c.use_distributed_optimizer
-                else ""
-            )
-            + f"{n:,} parameters on rank 0; device {self.device_name} (peak {peak})"
-        )
+        """The line that starts a run: the model, the layout, the batch and the device."""
+        return run_description(self)
 
 
 def _launched_world_size() -> int:
