@@ -1,6 +1,7 @@
 """--rampup-batch-size as Megatron-LM runs it: each iteration's global batch and microbatch
 count are Megatron-Core's own calculator's of the consumed samples; a pp2 x dp2 ramp gives the
-one-process curve and gradients, each the gradient of the whole global batch's mean loss; the
+one-process curve and gradients, each the gradient of the whole global batch's mean loss, and
+so does every pipeline schedule (one schedule per microbatch count); the
 learning rate is Megatron's scheduler stepped by each batch; a resume mid-ramp continues the
 same curve; values that cannot run are refused by name before any work."""
 
@@ -136,6 +137,28 @@ def test_pp2_dp2_ramp_equals_one_process_and_the_whole_batch_gradient():
 
 def _train(kw):
     return tw.train(**kw)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        dict(num_layers_per_virtual_pipeline_stage=1, rampup_batch_size=[4, 4, 24]),
+        dict(pipeline_schedule="zb-h1", rampup_batch_size=[2, 2, 24]),
+        dict(pipeline_schedule="zb-v", rampup_batch_size=[8, 8, 24]),
+    ],
+    ids=["interleaved", "zb-h1", "zb-v"],
+)
+def test_every_pipeline_schedule_runs_the_ramp_on_the_one_process_curve(schedule):
+    kw = dict(RAMP, **schedule)
+    reference = launch(_train, 1, {k: v for k, v in kw.items() if "pipeline" not in k},
+                       timeout=300)[0]  # fmt: skip
+    assert len({h["microbatches"] for h in reference}) > 1  # the count does change
+    history = launch(_train, 2, dict(kw, pipeline_model_parallel_size=2), timeout=300)[0]
+    for h, r in zip(history, reference, strict=True):
+        assert (h["global_batch_size"], h["microbatches"]) == (
+            r["global_batch_size"], r["microbatches"],
+        )  # fmt: skip
+        assert h["loss"] == pytest.approx(r["loss"], rel=1e-5)
 
 
 def test_resume_mid_ramp_continues_the_same_curve(tmp_path):
