@@ -18,6 +18,9 @@ from megart.training.config import CHOICES, TrainConfig
 
 # Other names Megatron-LM has used for a flag.
 ALIASES = {"layernorm_epsilon": ["--norm-epsilon"]}
+# Flags that take a fixed number of values.
+NARGS = {"rampup_batch_size": 3}
+METAVARS = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES")}
 # Switches on by default in megart but off in Megatron-LM: both spellings are accepted.
 ON_BY_DEFAULT = ("overlap_grad_reduce",)
 # What each flag does, shown by --help; a test keeps it in step with TrainConfig's fields.
@@ -33,6 +36,9 @@ HELP = {
     "as bytes)",
     "micro_batch_size": "samples per microbatch",
     "global_batch_size": "samples per iteration, over all data-parallel ranks",
+    "rampup_batch_size": "START INCREMENT SAMPLES: Megatron's batch-size ramp-up: the global "
+    "batch grows from START by INCREMENT to --global-batch-size over SAMPLES consumed samples "
+    "(START and INCREMENT multiples of --micro-batch-size x data-parallel size)",
     "train_iters": "iterations to train",
     "lr": "peak learning rate",
     "min_lr": "learning rate at the end of the decay (the floor of inverse-square-root)",
@@ -172,7 +178,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         elif f.type in ("bool", bool):
             p.add_argument(flag, dest=f.name, action="store_true", help=HELP[f.name])
         else:
-            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            kind = {"int": int, "float": float, "list[int]": int}.get(
+                str(f.type).split(" ")[0], str
+            )
             choices = CHOICES.get(f.name)
             # A default of None is "unset": the help says what happens then.
             text = HELP[f.name] if f.default is None else f"{HELP[f.name]} (default: {f.default})"
@@ -181,10 +189,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 *ALIASES.get(f.name, []),
                 dest=f.name,
                 type=kind,
-                nargs="+" if "list[str]" in str(f.type) else None,
+                nargs=NARGS.get(f.name, "+" if "list[" in str(f.type) else None),
                 default=argparse.SUPPRESS,
                 choices=choices,
-                metavar=None if choices else f.name.upper(),
+                metavar=None if choices else METAVARS.get(f.name, f.name.upper()),
                 help=text,
             )
 

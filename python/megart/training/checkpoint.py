@@ -6,10 +6,11 @@
 
 One file per model-parallel rank, written by data-parallel rank 0 of it (data-parallel ranks
 hold the same weights, optimizer state and random states). Each holds this rank's model chunks,
-the optimizer state, the random streams, the fp16 loss scale and the iteration, so a resumed
-run continues the same loss curve: the data and the learning rate are functions of the
-iteration. It also holds the model's whole GPTConfig, each chunk's layer ids and the parameter
-each optimizer state belongs to, so that the files can be merged into one model without the
+the optimizer state, the random streams, the fp16 loss scale, the iteration and the samples
+consumed, so a resumed run continues the same loss curve: the data is a function of the
+iteration, the learning rate and --rampup-batch-size's batch of the consumed samples. It
+also holds the model's whole GPTConfig, each chunk's layer ids and the parameter each
+optimizer state belongs to, so that the files can be merged into one model without the
 training flags (megart.training.shards): megart.training.export_hf writes it out, and ``load``
 reshards a checkpoint of another tensor/pipeline layout (megart.training.reshard). Checkpoints
 from before those were saved hold a GPT-2-architecture model (the Trainer built no other) and
@@ -104,12 +105,15 @@ def file_state(
     rng: dict[str, Any] | None = None,
     loss_scaler: dict[str, Any] | None = None,
     release: bool = False,
+    consumed_train_samples: int | None = None,
 ) -> dict[str, Any]:
     """What one model-parallel rank's file holds (the one definition of the format).
     ``layout``: MODEL_FIELDS and PARALLEL_FIELDS; ``release``: the weights alone (megart
-    import-hf), loaded as --finetune loads a checkpoint."""
+    import-hf), loaded as --finetune loads a checkpoint; ``consumed_train_samples``: the
+    samples trained so far (Megatron's name), where --rampup-batch-size resumes its ramp."""
     return {
         "iteration": iteration,
+        "consumed_train_samples": consumed_train_samples,
         "release": release,
         "config": layout,
         "model_config": model_config,
@@ -140,8 +144,10 @@ def save(
     optimizer: torch.optim.Optimizer,
     rng: Any,
     scaler: Any = None,
+    consumed_samples: int | None = None,
 ) -> Path:
-    """Saves this job's state after ``iteration`` iterations. Every rank calls it."""
+    """Saves this job's state after ``iteration`` iterations (``consumed_samples`` samples;
+    None: iteration x --global-batch-size). Every rank calls it."""
     final = iteration_dir(directory, iteration)
     partial = final.with_name(final.name + ".partial")
     if dist.get_rank() == 0:
@@ -162,6 +168,11 @@ def save(
             optimizer=optimizer_state,
             rng=_rng_state(rng),
             loss_scaler=scaler.state_dict() if scaler is not None else None,
+            consumed_train_samples=(
+                iteration * config.global_batch_size
+                if consumed_samples is None
+                else consumed_samples
+            ),
         )
         write_file(partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE, state)
     dist.barrier()
@@ -182,14 +193,16 @@ def load(
     optimizer: torch.optim.Optimizer,
     rng: Any,
     scaler: Any = None,
-) -> int:
+) -> tuple[int, int]:
     """Restores the last complete checkpoint in ``directory`` into the model chunks, the
     optimizer (and fp16 loss scaler) and the random streams; returns the iteration to continue
-    from. ``config.no_load_optim`` and ``config.no_load_rng`` skip those parts; with
-    ``config.finetune`` only the weights are loaded and the run starts at iteration 0, as
-    Megatron's flags. A checkpoint of another tensor/pipeline layout is resharded (see
-    megart.training.reshard), keeping this run's own random streams; a directory without a
-    checkpoint, or a checkpoint of another model, is a ConfigError naming the flags."""
+    from and the samples consumed by then (iterations x --global-batch-size for checkpoints
+    saved before they were recorded, as Megatron assumes). ``config.no_load_optim`` and
+    ``config.no_load_rng`` skip those parts; with ``config.finetune`` only the weights are
+    loaded and the run starts at iteration 0, as Megatron's flags. A checkpoint of another
+    tensor/pipeline layout is resharded (see megart.training.reshard), keeping this run's own
+    random streams; a directory without a checkpoint, or a checkpoint of another model, is a
+    ConfigError naming the flags."""
     iteration = required_latest_iteration(directory, ", or leave --load out to start from scratch")
     root = iteration_dir(directory, iteration)
     own = root / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE
@@ -223,7 +236,11 @@ def load(
             rng.set_states(r["tracker"])
     if load_optim and scaler is not None and state.get("loss_scaler") is not None:
         scaler.load_state_dict(state["loss_scaler"])
-    return 0 if finetune else int(state["iteration"])
+    if finetune:
+        return 0, 0
+    iteration = int(state["iteration"])
+    consumed = state.get("consumed_train_samples")
+    return iteration, iteration * config.global_batch_size if consumed is None else int(consumed)
 
 
 def model_config(state: dict[str, Any]) -> GPTConfig:

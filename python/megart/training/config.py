@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megart.errors import ConfigError
 from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, GPTConfig
 from megart.parallel.layout import divisors
+from megart.training.batch_rampup import check_rampup
 from megart.training.lr import LR_DECAY_STYLES, check_decay_style, learning_rate
 from megart.training.megatron_flags import (
     ATTENTION_BACKENDS,
@@ -50,6 +51,9 @@ class TrainConfig:
     data_path: str | list[str] | None = None
     micro_batch_size: int = 4
     global_batch_size: int = 16
+    # Megatron's START INCREMENT SAMPLES: the global batch grows from START by INCREMENT up to
+    # --global-batch-size over SAMPLES consumed samples (megart.training.batch_rampup).
+    rampup_batch_size: list[int] | None = None
     train_iters: int = 40
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -210,8 +214,9 @@ class TrainConfig:
             return 0  # Megatron's default; samples-based runs never had megart's default run
         return DEFAULT_WARMUP_ITERS if self.lr_warmup_iters is None else self.lr_warmup_iters
 
-    def learning_rate(self, iteration: int) -> float:
-        """The rate of ``iteration`` (0-based) under --lr-decay-style (see megart.training.lr)."""
+    def learning_rate(self, iteration: float, step: float = 1.0) -> float:
+        """The rate of ``iteration`` (0-based; with ``step``, counted in global batches: see
+        megart.training.lr) under --lr-decay-style."""
         return learning_rate(
             iteration,
             self.lr,
@@ -219,6 +224,7 @@ class TrainConfig:
             self.warmup_iters,
             self.decay_iters,
             self.lr_decay_style,
+            step,
         )
 
     def gpt_config(self) -> GPTConfig:
@@ -300,6 +306,7 @@ class TrainConfig:
             )
         per = self.num_layers_per_virtual_pipeline_stage
         self._check_schedule(dp)
+        check_rampup(self, dp)
         if per is not None:
             if pp < 2:
                 raise ConfigError(

@@ -32,19 +32,24 @@ def check_decay_style(style: str) -> None:
 
 
 def learning_rate(
-    iteration: int,
+    iteration: float,
     lr: float,
     min_lr: float,
     warmup_iters: float,
     decay_iters: float,
     style: str = "cosine",
+    step: float = 1.0,
 ) -> float:
-    """The rate for ``iteration`` (0-based) under ``style`` (one of LR_DECAY_STYLES)."""
+    """The rate for ``iteration`` (0-based) under ``style`` (one of LR_DECAY_STYLES).
+
+    Under --rampup-batch-size ``iteration`` is the samples consumed before this iteration in
+    global batches (a fraction) and ``step`` this iteration's batch in global batches, so the
+    schedule follows consumed samples as Megatron's counts them; otherwise both are whole."""
     check_decay_style(style)
     if warmup_iters > 0 and iteration < warmup_iters:
-        if iteration + 1 > warmup_iters:
+        if iteration + step > warmup_iters:
             return lr  # the partial last step of a fractional warm-up (--lr-warmup-fraction)
-        return lr * (iteration + 1) / warmup_iters
+        return lr * (iteration + step) / warmup_iters
     if style == "constant":
         return lr
     if iteration > decay_iters:

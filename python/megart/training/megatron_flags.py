@@ -23,6 +23,7 @@ What each does in megart:
 - --train-samples, --lr-decay-samples, --lr-warmup-samples: Megatron's formulas: train_iters =
   train_samples // global batch; the schedule counts samples, that is iterations times the
   global batch (see TrainConfig.decay_iters and warmup_iters).
+- --rampup-batch-size: Megatron's batch-size ramp-up (megart.training.batch_rampup).
 - --overlap-grad-reduce (megart's default) / --no-overlap-grad-reduce, --overlap-param-gather:
   see megart.training.grad_sync and megart.training.distributed_optimizer.
 - --distributed-timeout-minutes: the bound on every wait of megart's communicator.
@@ -43,6 +44,8 @@ from typing import Any
 import numpy as np
 
 from megart.errors import ConfigError
+from megart.training.batch_rampup import check_values
+from megart.training.batch_rampup import train_iters as ramp_train_iters
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -95,8 +98,13 @@ def resolve_megatron_flags(config: Any) -> None:
     vocab = tokenizer_vocab_size(config)
     if vocab is not None:
         config.vocab_size = vocab
+    check_values(config)  # before the ramp's iterations are counted
     if config.train_samples is not None and config.global_batch_size > 0:
-        config.train_iters = config.train_samples // config.global_batch_size
+        config.train_iters = (
+            config.train_samples // config.global_batch_size
+            if config.rampup_batch_size is None
+            else ramp_train_iters(config)
+        )
 
 
 def check_megatron_flags(config: Any) -> None:

@@ -25,6 +25,7 @@ def peak_flops() -> tuple[float | None, str]:
 # TensorBoard tags, Megatron-LM's where it has one, for the figures of an iteration.
 TENSORBOARD_TAGS = {
     "lm loss": "loss",
+    "batch-size": "global_batch_size",
     "grad-norm": "grad_norm",
     "learning-rate": "lr",
     "tokens-per-second": "tokens_per_s",
@@ -41,7 +42,8 @@ TENSORBOARD_TAGS = {
 def progress_line(fig: dict[str, Any], train_iters: int, cpu: bool = False) -> str:
     """One iteration's figures; on CPU (``cpu``) throughput per process, with no GPU peak."""
     return (
-        f"iteration {fig['iteration']:>5}/{train_iters} | loss "
+        f"iteration {fig['iteration']:>5}/{train_iters} | consumed samples "
+        f"{fig['consumed_samples']} | global batch size {fig['global_batch_size']} | loss "
         f"{fig['loss']:.4f} | grad norm {fig['grad_norm']:.3f} | lr {fig['lr']:.2e} | "
         f"{fig['tokens_per_s']:,.0f} tokens/s | "
         + _throughput(fig["tflops_per_gpu"], fig["mfu"], cpu)
@@ -102,6 +104,34 @@ def validation_line(fig: dict[str, Any], split: str = "valid") -> str:
     return (
         f"validation loss {where} | lm loss value: {fig[split + '_loss']:.4f} | lm loss PPL: "
         f"{fig[split + '_ppl']:.3f}"
+    )
+
+
+def run_description(trainer: Any) -> str:
+    """The line that starts a run: the model, the layout, the batch and the device."""
+    t, c = trainer, trainer.config
+    n = sum(p.numel() for chunk in t.chunks for p in chunk.parameters())
+    peak = f"{t.peak / 1e12:.0f} TFLOP/s dense bf16" if t.peak else "n/a on CPU"
+    return (
+        f"megart train: GPT {c.num_layers} layers x {c.hidden_size} hidden, "
+        f"{c.num_attention_heads} heads"
+        + (f" in {c.num_query_groups} query groups" if c.group_query_attention else "")
+        + f", seq {c.seq_length}; tp {c.tp} x pp {c.pp} x "
+        f"dp {t.dp} (v {c.chunks}), global batch {c.global_batch_size} = "
+        f"{t.m} microbatches of {c.micro_batch_size} per data-parallel rank"
+        + (
+            f" after a ramp-up from {c.rampup_batch_size[0]} by {c.rampup_batch_size[1]} "
+            f"over {c.rampup_batch_size[2]} samples"
+            if c.rampup_batch_size
+            else ""
+        )
+        + "; "
+        + (
+            f"Adam state 1/{t.dp} per rank (distributed optimizer); "
+            if c.use_distributed_optimizer
+            else ""
+        )
+        + f"{n:,} parameters on rank 0; device {t.device_name} (peak {peak})"
     )
 
 

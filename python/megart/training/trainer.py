@@ -34,7 +34,7 @@ from megart.tensor_parallel import (
     seed_tensor_parallel,
     sync_sequence_parallel_grads,
 )
-from megart.training import checkpoint, checkpoint_dirs, megatron_checkpoint
+from megart.training import batch_rampup, checkpoint, checkpoint_dirs, megatron_checkpoint
 from megart.training import optimizer as optim
 from megart.training.config import TrainConfig
 from megart.training.data import Dataset, build_datasets
@@ -44,6 +44,7 @@ from megart.training.reporting import (
     TENSORBOARD_TAGS,
     peak_flops,
     progress_line,
+    run_description,
     summary_line,
     tensorboard_writer,
     validation_line,
@@ -94,7 +95,6 @@ class Trainer:
                 v_shape=c.schedule == "zb-v",
             )
         ]
-        schedule = sched.build(c.schedule, c.pp, self.m, c.chunks)
         seq = c.seq_length // c.tp if c.sequence_parallel else c.seq_length
         # Scatter/gather applies to tensors replicated across tensor parallelism: with
         # sequence parallelism each rank already holds a distinct slice.
@@ -102,14 +102,11 @@ class Trainer:
             g.pp_group, g.tp_group, c.scatter_gather_tensors_in_pipeline and not c.sequence_parallel
         )
         self.link = link
-        self.engine = PipelineEngine(
-            schedule,
-            g.pp_rank,
-            self.chunks,
-            link,
-            (seq, c.micro_batch_size, c.hidden_size),
-            device=self.device,
-        )
+        self._activation = (seq, c.micro_batch_size, c.hidden_size)
+        # One engine per number of microbatches (--rampup-batch-size varies it), built on
+        # first use; evaluation and a constant batch use the full batch's.
+        self._engines: dict[int, PipelineEngine] = {}
+        self.engine = self.engine_for(self.m)
         self.buckets, self.optimizer = optim.build(c, self.chunks, g, self.device)
         # The validation range is evaluated every --eval-interval iterations, the test range
         # once at the end (none without --eval-iters).
@@ -144,6 +141,7 @@ class Trainer:
             else None
         )
         self.start_iteration = 0  # iterations already done (a resumed run starts later)
+        self.consumed = 0  # samples trained so far (Megatron's consumed_train_samples)
         if c.load and checkpoint_dirs.no_checkpoint_yet(c.load):
             # A restartable job line (--save X --load X) on its first run, as Megatron does.
             if dist.get_rank() == 0:
@@ -158,7 +156,7 @@ class Trainer:
                 # (each rank its own copy), loaded and resharded as after import-hf.
                 load = tempfile.mkdtemp(prefix="megart-from-megatron-")
                 megatron_checkpoint.megatron_to_megart(c.load, load)
-            self.start_iteration = checkpoint.load(
+            self.start_iteration, self.consumed = checkpoint.load(
                 load, c, g, self.chunks, self.optimizer, self.rng, self.scaler
             )
             if load != c.load:
@@ -176,16 +174,28 @@ class Trainer:
             self.optimizer,
             self.rng,
             self.scaler,
+            self.consumed,
         )
+
+    def engine_for(self, m: int) -> PipelineEngine:
+        """The pipeline engine of an iteration of ``m`` microbatches (schedules are cached)."""
+        if m not in self._engines:
+            c, g = self.config, self.grid
+            schedule = sched.build(c.schedule, c.pp, m, c.chunks)
+            self._engines[m] = PipelineEngine(
+                schedule, g.pp_rank, self.chunks, self.link, self._activation, device=self.device
+            )
+        return self._engines[m]
 
     # -- one iteration ----------------------------------------------------------------------
 
     def _microbatches(
-        self, data: Dataset, iteration: int
+        self, data: Dataset, iteration: int, size: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's microbatches of the global batch of ``size`` samples of ``iteration``."""
         c, g = self.config, self.grid
-        inputs, targets = data.global_batch(c.seed, iteration, c.global_batch_size)
-        share = c.global_batch_size // self.dp
+        inputs, targets = data.global_batch(c.seed, iteration, size)
+        share = size // self.dp
         rows = slice(g.dp_rank * share, (g.dp_rank + 1) * share)
         split = c.micro_batch_size
         return (
@@ -214,16 +224,21 @@ class Trainer:
         return overflow
 
     def train_step(self, iteration: int) -> dict[str, float]:
-        """Runs one iteration; returns its figures (the same on every rank)."""
+        """Runs one iteration, the next after the samples consumed so far (whose number sets
+        its global batch under --rampup-batch-size); returns its figures (the same on every
+        rank)."""
         c, g = self.config, self.grid
         t0 = time.perf_counter()
-        inputs, targets = self._microbatches(self.data, iteration)
+        batch = batch_rampup.batch_size(c, self.consumed)
+        m = batch // (c.micro_batch_size * self.dp)
+        inputs, targets = self._microbatches(self.data, iteration, batch)
         self.buckets.zero_grad()
-        self.buckets.start_iteration(self.m)
+        self.buckets.start_iteration(m)
         dist.reset_bytes_sent(g.pp_group)
         scale = self.scaler.scale if self.scaler else 1.0
         with self._autocast():
-            losses = self.engine.run(inputs, targets, self._loss_fn, scale)
+            # Each microbatch's loss is divided by m: the gradient is the batch mean's.
+            losses = self.engine_for(m).run(inputs, targets, self._loss_fn, scale)
         self.buckets.finish()
         for chunk in self.chunks:
             sync_sequence_parallel_grads(chunk, g.tp_group)
@@ -236,7 +251,7 @@ class Trainer:
         )
         if c.check_for_nan_in_loss_and_grad and not skipped:
             check_finite("gradient norm", grad_norm, iteration + 1)  # before the step
-        lr = c.learning_rate(iteration)
+        lr = batch_rampup.learning_rate(c, self.consumed, batch)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if not skipped:
@@ -244,7 +259,7 @@ class Trainer:
         # The global-batch mean loss: the last stage has it, averaged over data parallelism.
         figures = torch.tensor(
             [
-                sum(x.item() for x in losses) / self.m if losses else 0.0,
+                sum(x.item() for x in losses) / m if losses else 0.0,
                 float(sum(dist.bytes_sent(g.pp_group).values())),
             ],
             dtype=torch.float64,
@@ -255,11 +270,16 @@ class Trainer:
         dist.all_reduce(figures[1:])  # bytes: summed over every rank
         if c.check_for_nan_in_loss_and_grad and not skipped:
             check_finite("loss", figures[0].item(), iteration + 1)
+        self.consumed += batch
         elapsed = time.perf_counter() - t0
-        tokens = c.global_batch_size * c.seq_length
-        tflops = self.flops / elapsed / dist.get_world_size() / 1e12
+        tokens = batch * c.seq_length
+        share = batch / c.global_batch_size  # FLOPs are linear in the batch
+        tflops = self.flops * share / elapsed / dist.get_world_size() / 1e12
         return {
             "iteration": iteration + 1,
+            "global_batch_size": batch,
+            "microbatches": m,
+            "consumed_samples": self.consumed,
             "loss": figures[0].item(),
             "grad_norm": grad_norm,
             "lr": lr,
@@ -267,7 +287,7 @@ class Trainer:
             "tokens_per_s": tokens / elapsed,
             "tflops_per_gpu": tflops,
             "mfu": (
-                self.model_flops / elapsed / dist.get_world_size() / self.peak
+                self.model_flops * share / elapsed / dist.get_world_size() / self.peak
                 if self.peak
                 else None
             ),
@@ -291,7 +311,7 @@ class Trainer:
         try:
             total = 0.0
             for i in range(c.eval_iters):
-                inputs, targets = self._microbatches(data, i)
+                inputs, targets = self._microbatches(data, i, c.global_batch_size)
                 with self._autocast():
                     losses = self.engine.evaluate(inputs, targets, self._loss_fn)
                 total += sum(x.item() for x in losses) / self.m
@@ -327,7 +347,10 @@ class Trainer:
                 if self.test is not None and last:
                     figures.update(self._loss_and_ppl("test", self.test))
                 stop = None if last else early.reason(done)
-                if c.save and (last or stop or (c.save_interval and done % c.save_interval == 0)):
+                # As Megatron, a checkpoint also before each change of the ramp's batch.
+                grows = batch_rampup.batch_size(c, self.consumed) != figures["global_batch_size"]
+                interval = c.save_interval and done % c.save_interval == 0
+                if c.save and (last or stop or interval or grows):
                     self.save_checkpoint(done)
                 if stop:
                     figures["exit"] = stop
@@ -385,23 +408,8 @@ class Trainer:
         return history
 
     def describe(self) -> str:
-        c = self.config
-        n = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
-        peak = f"{self.peak / 1e12:.0f} TFLOP/s dense bf16" if self.peak else "n/a on CPU"
-        return (
-            f"megart train: GPT {c.num_layers} layers x {c.hidden_size} hidden, "
-            f"{c.num_attention_heads} heads"
-            + (f" in {c.num_query_groups} query groups" if c.group_query_attention else "")
-            + f", seq {c.seq_length}; tp {c.tp} x pp {c.pp} x "
-            f"dp {self.dp} (v {c.chunks}), global batch {c.global_batch_size} = "
-            f"{self.m} microbatches of {c.micro_batch_size} per data-parallel rank; "
-            + (
-                f"Adam state 1/{self.dp} per rank (distributed optimizer); "
-                if c.use_distributed_optimizer
-                else ""
-            )
-            + f"{n:,} parameters on rank 0; device {self.device_name} (peak {peak})"
-        )
+        """The line that starts a run: the model, the layout, the batch and the device."""
+        return run_description(self)
 
 
 def _launched_world_size() -> int:
