@@ -179,6 +179,7 @@ def estimate(
     tp_overlap: bool = False,
     dp_overlap: bool = True,
     grad_reduce_bytes: int = FP32,
+    pp_overlap: bool = True,
 ) -> Estimate:
     """Predicts ``layout`` for the model and batch of ``base`` on ``gpu``s. Raises ConfigError
     (megart train's checks) when the layout cannot run.
@@ -189,7 +190,11 @@ def estimate(
     gradients, fp32 main weights and moments; Korthikanti et al.'s activations; 16-bit pipeline
     messages; outputs freed once sent). ``tp_overlap``, ``dp_overlap`` and ``grad_reduce_bytes``
     describe the runtime's communication: megart's is the default (tensor-parallel collectives
-    not overlapped, gradient buckets reduced in fp32 during the last backward)."""
+    not overlapped, gradient buckets reduced in fp32 during the last backward, pipeline
+    messages sent while the next action computes). ``pp_overlap`` False: every pipeline
+    exchange blocks both ranks until it has arrived, as SC21's Megatron-LM did (its
+    p2p_communication waited on each batch_isend_irecv and then synchronised the device), so
+    each (microbatch, chunk) pays one exchange after its forward and one after its backward."""
     if runtime not in RUNTIMES:
         raise ConfigError(f"runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
     megatron = runtime == "megatron"
@@ -221,6 +226,13 @@ def estimate(
     if scatter and t > 1 and not sp:  # the receiver's all-gather over NVLink
         latency += message * (t - 1) / (gpu.nvlink_bus_gb_per_s * 1e9)
     kind = "interleaved" if v > 1 else "1f1b"
+    blocking = 0.0
+    if p > 1 and not pp_overlap:
+        # Sends and receives of one step go out together (full duplex): one message's time,
+        # spent by the rank instead of computing; the simulator's messages are then free.
+        blocking = v * (latency + message / link_bw)
+        stage = stage + Work(blocking, blocking, 0.0)
+        latency, message = 0.0, 0.0
     if p > 1 and simulate:
         sim = sched.simulate(
             sched.build(kind, p, m, v),
@@ -238,7 +250,8 @@ def estimate(
         hops = 2 * (p - 1) * (latency + message / link_bw) if p > 1 else 0.0
         makespan = work * (1 + bubble) + hops
         in_flight = theory_in_flight(p, m, v)
-    compute_only = m * (stage.forward + stage.backward)
+    # Blocking exchanges count as pipeline communication, with their share of the bubble.
+    compute_only = m * (stage.forward + stage.backward - 2 * blocking)
 
     # Memory of the worst pipeline rank.
     worst: dict[str, float] | None = None

@@ -70,6 +70,9 @@ class Table:
     # gradient buckets during the last backward (as megart does).
     dp_overlap: bool
     grad_reduce_bytes: int
+    # SC21's Megatron-LM blocked on every pipeline exchange (batch_isend_irecv, wait, then a
+    # device synchronise); Megatron-Core overlaps them (--overlap-p2p-communication).
+    pp_overlap: bool
     recompute: str | None | bool  # what the runs used (False: search it)
     # Features the runs' Megatron-LM did not have yet: sequence parallelism and the distributed
     # optimizer came in 2022, after SC21 (False: not available; None: search it).
@@ -89,6 +92,7 @@ TABLES = (
         False,
         False,
         2,
+        False,
         "full",
         False,
         True,
@@ -104,6 +108,7 @@ TABLES = (
         True,
         True,
         4,
+        True,
         False,
         None,
         False,
@@ -144,4 +149,5 @@ def model_options(table: Table) -> dict:
         tp_overlap=table.tp_overlap,
         dp_overlap=table.dp_overlap,
         grad_reduce_bytes=table.grad_reduce_bytes,
+        pp_overlap=table.pp_overlap,
     )

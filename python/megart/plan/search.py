@@ -18,7 +18,7 @@ from megart.plan.hardware import GIB, GPUProfile
 from megart.training.config import TrainConfig
 
 RECOMPUTE = (None, "selective", "full")
-MICRO_BATCHES = (1, 2, 4, 8)
+MICRO_BATCHES = (1, 2, 4, 8, 16)  # 16: SC21 Table 1 ran 1.7B-7.5B at 16 (Megatron-LM examples/sc21)
 MAX_CHUNKS = 8
 
 
