@@ -12,7 +12,7 @@ from megart import schedule as sched
 from megart.launcher import launch
 from megart.plan.estimate import ZERO_BUBBLE, Layout, estimate, layout_config, rank_memory
 from megart.plan.hardware import load_profile
-from megart.plan.holding import peak
+from megart.plan.holding import peaks
 from megart.training.config import TrainConfig
 from plan_workers import deferred_bytes, held_bytes
 
@@ -131,7 +131,7 @@ def test_predicted_bytes_are_what_a_rank_holds(name, nproc, model, flags):
         r = held["pp_rank"]
         pairs = plan.peak_in_flight[r]
         if layout.kind in ZERO_BUBBLE:  # the most pairs between F and I
-            pairs = peak(order, r, 1.0, [0.0] * layout.chunks).activations
+            pairs = peaks(order, 1.0, [[0.0] * layout.chunks] * layout.pp)[r].activations
         want = rank_memory(c, layout, layout.dp, r, pairs, dp_rank=held["dp_rank"])
         for part in ("parameters", "gradients", "optimizer"):
             assert want[part] == held[part], (name, held, part, want[part])
@@ -178,7 +178,10 @@ def test_weight_gradient_bytes_held_between_i_and_w(name, nproc, model, flags):
     last = p * v - 1
     for held in launch(deferred_bytes, nproc, kw, timeout=300):
         r = held["pp_rank"]
-        grads = [per_chunk + (out if plan.virtual_stage(r, k) == last else 0) for k in range(v)]
-        most = peak(plan, r, 0.0, grads)  # where the weight-gradient bytes are largest
+        grads = [
+            [per_chunk + (out if plan.virtual_stage(q, k) == last else 0) for k in range(v)]
+            for q in range(p)
+        ]
+        most = peaks(plan, 0.0, grads)[r]  # where the weight-gradient bytes are largest
         want = most.weight_grads * per_chunk + most.last_stage_weight_grads * out
         assert want > 0 and held["peak"] == pytest.approx(want, rel=0.01), (name, held, want)

@@ -10,7 +10,7 @@ from megart import schedule as sched
 from megart.errors import ConfigError
 from megart.plan import activations as act
 from megart.plan.hardware import GIB, GPUProfile
-from megart.plan.holding import Held, peak, theory_in_flight
+from megart.plan.holding import Held, peaks, theory_in_flight
 from megart.plan.parameters import BUCKET_BYTES, FP32, state_bytes
 from megart.plan.timing import Work, collective_seconds, layer_work, logits_work
 from megart.training.config import TrainConfig
@@ -298,15 +298,11 @@ def estimate(
         grads = act.weight_grad_bytes(cfg, b, t, prec) * layers
         out_grads = act.output_weight_grad_bytes(cfg, b, t, prec)
         last = p * v - 1
-        held = [
-            peak(
-                plan,
-                r,
-                per_pair,
-                [grads + (out_grads if plan.virtual_stage(r, k) == last else 0) for k in range(v)],
-            )
+        costs = [
+            [grads + (out_grads if plan.virtual_stage(r, k) == last else 0) for k in range(v)]
             for r in range(p)
         ]
+        held = peaks(plan, per_pair, costs)
     worst: dict[str, float] | None = None
     for r in sorted({0, min(1, p - 1), p - 1}):
         parts = rank_memory(c, layout, dp, r, held[r], runtime, unfused_attention)

@@ -26,42 +26,43 @@ class Held:
         return self.activations + self.weight_grads
 
 
-def peak(
+def peaks(
     schedule: sched.Schedule,
-    rank: int,
     activation_bytes: float,
-    weight_grad_bytes: Sequence[float],
-) -> Held:
-    """The holdings at ``rank``'s largest byte count, walking its compute order: each pair
-    between F and I costs ``activation_bytes``, between I and W ``weight_grad_bytes[chunk]``.
-    The order alone decides what is held, not the timing."""
+    weight_grad_bytes: Sequence[Sequence[float]],
+) -> list[Held]:
+    """The holdings at each rank's largest byte count, walking its compute order: a pair
+    between F and I costs ``activation_bytes``, between I and W ``weight_grad_bytes[rank]
+    [chunk]``. The order alone decides what is held, not the timing."""
     last = schedule.stages * schedule.chunks - 1
-    acts = grads = last_grads = 0
-    best, best_bytes = Held(0), -1.0
-    by_chunk = [0.0] * schedule.chunks
-    for a in schedule.ranks[rank]:
-        if not a.is_compute:
-            continue
-        op = str(a.op)
-        if op == "F":
-            acts += 1
-        elif op == "B":
-            acts -= 1
-        elif op == "I":
-            acts -= 1
-            grads += 1
-            by_chunk[a.chunk] += 1
-            last_grads += schedule.virtual_stage(rank, a.chunk) == last
-        elif op == "W":
-            grads -= 1
-            by_chunk[a.chunk] -= 1
-            last_grads -= schedule.virtual_stage(rank, a.chunk) == last
-        held = acts * activation_bytes + sum(
-            n * w for n, w in zip(by_chunk, weight_grad_bytes, strict=True)
-        )
-        if held > best_bytes or (held == best_bytes and acts + grads > best.in_flight):
-            best, best_bytes = Held(acts, grads, last_grads), held
-    return best
+    out = []
+    for rank, actions in enumerate(schedule.ranks):  # .ranks converts them all: read once
+        costs = weight_grad_bytes[rank]
+        is_last = [schedule.virtual_stage(rank, k) == last for k in range(schedule.chunks)]
+        acts = grads = last_grads = 0
+        by_chunk = [0] * schedule.chunks
+        best, best_bytes = Held(0), -1.0
+        for a in actions:
+            op = a.op
+            if op == "F":
+                acts += 1
+            elif op == "B":
+                acts -= 1
+            elif op in ("I", "W"):
+                step = 1 if op == "I" else -1
+                acts -= op == "I"
+                grads += step
+                by_chunk[a.chunk] += step
+                last_grads += step * is_last[a.chunk]
+            else:
+                continue
+            held = acts * activation_bytes + sum(
+                n * w for n, w in zip(by_chunk, costs, strict=True)
+            )
+            if held > best_bytes or (held == best_bytes and acts + grads > best.in_flight):
+                best, best_bytes = Held(acts, grads, last_grads), held
+        out.append(best)
+    return out
 
 
 def theory_in_flight(pp: int, m: int, chunks: int, kind: str | None = None) -> list[int]:
