@@ -17,7 +17,7 @@ from megart.errors import ConfigError
 from megart.plan import GPUS, Fixed, Layout, estimate, load_profile, search
 from megart.plan.estimate import theory_in_flight
 from megart.plan.hardware import PROFILE_DIR
-from megart.plan.published import TABLES, config, fixed, model_options
+from megart.plan.published import TABLES, config, fixed, model_options, published_layout
 from megart.training.config import TrainConfig
 
 SC21, MCORE = TABLES
@@ -33,6 +33,16 @@ def test_predicted_tflops_are_within_10_percent_of_every_published_row(table, ro
     value = best.tflops_per_gpu if table.counts_recompute else best.model_tflops_per_gpu
     assert best.fits
     assert value == pytest.approx(row.tflops, rel=0.10)
+
+
+@pytest.mark.parametrize("row", SC21.rows, ids=[r.name for r in SC21.rows])
+def test_at_table1s_exact_layout_tflops_are_within_10_percent(row):
+    # The runs' own micro batch and interleaving (Megatron-LM examples/sc21), not searched.
+    e = estimate(
+        config(SC21, row), published_layout(row), load_profile(SC21.gpu), **model_options(SC21)
+    )
+    assert e.fits
+    assert e.tflops_per_gpu == pytest.approx(row.tflops, rel=0.10)
 
 
 # Where the planner's own choice for Table 1 is neither the paper's (t, p) nor within 3% of

@@ -19,24 +19,10 @@ from megart.plan import Fixed, Layout, estimate, load_profile, search
 from megart.plan.holding import theory_in_flight
 from megart.plan.timing import Work
 from megart.training.config import TrainConfig
+from test_plan import BIG, MODEL, _free
 
-MODEL = dict(
-    num_layers=16,
-    hidden_size=1024,
-    num_attention_heads=16,
-    seq_length=1024,
-    vocab_size=32000,
-    bf16=True,
-)
 CHUNKS = {"1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}
 CLOSED_FORM = {"1f1b": 1, "interleaved": 2, "zb-h1": 3, "zb-v": 6}  # (p-1)/(k m)
-
-
-def _free(gpu):
-    """Communication made free: the bubble is then the schedule's alone."""
-    return dataclasses.replace(
-        gpu, link_latency_us=1e-12, rail_gb_per_s=1e15, nvlink_bus_gb_per_s=1e15
-    )
 
 
 def _layout(kind: str, p: int) -> Layout:
@@ -111,22 +97,6 @@ def test_weight_gradients_held_between_i_and_w_cost_memory():
     zb = estimate(base, Layout(1, 4, 1, 1, 1, False, "full", False, "zb-h1"), gpu)
     assert one.memory["weight_grads"] == 0 < zb.memory["weight_grads"]
     assert zb.memory["activations"] > one.memory["activations"]
-
-
-BIG = [
-    "--num-layers",
-    "24",
-    "--hidden-size",
-    "2048",
-    "--num-attention-heads",
-    "16",
-    "--seq-length",
-    "2048",
-    "--vocab-size",
-    "51200",
-    "--global-batch-size",
-    "256",
-]
 
 
 @pytest.mark.parametrize("kind", ["zb-h1", "zb-v", "1f1b", "interleaved"])
