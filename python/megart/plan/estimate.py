@@ -365,7 +365,7 @@ def estimate(
         tflops_per_gpu=tflops,
         model_tflops_per_gpu=model_tflops,
         mfu=model_tflops / gpu.peak_tflops,
-        simulated=simulate and p > 1,
+        simulated=(simulate or zero_bubble) and p > 1,
         peak_in_flight=list(in_flight),
         held_for_weights=[h.weight_grads for h in held],
         stage=stage,

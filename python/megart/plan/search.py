@@ -1,8 +1,11 @@
 """Search the layouts a user left open and recommend the fastest that fits.
 
 Every combination of the open flags that megart train accepts is estimated quickly (the
-theoretical bubble and in-flight counts); the fastest few are then estimated again with the
-schedule simulator, which decides the ranking.
+theoretical bubble and in-flight counts; zero-bubble schedules are simulated even then, their
+bubble having no closed form for unequal F, I and W times); the fastest few are then estimated
+again with the schedule simulator, which decides the ranking. The schedules tried on p > 1
+stages: 1F1B, each interleaving that divides the layers, and for megart's runtime zb-h1 and
+zb-v.
 """
 
 from __future__ import annotations
