@@ -1,6 +1,7 @@
 """megart plan against every published row it is checked on (SC21 Table 1, Megatron-Core's
 H100 table): predicted TFLOP/s per GPU at the published (t, p), the error, and the (t, p) the
-planner recommends when it may choose. ``--fit`` refits the two GEMM-efficiency constants of
+planner recommends when it may choose, and for SC21 the prediction at the run's own micro batch
+and interleaving (Megatron-LM examples/sc21). ``--fit`` refits the two GEMM-efficiency constants of
 each table's profile by a grid search minimising the largest relative error (prints them; the
 profiles are edited by hand).
 
@@ -14,7 +15,15 @@ import dataclasses
 
 from megart.plan.estimate import Estimate, estimate
 from megart.plan.hardware import GPUProfile, load_profile
-from megart.plan.published import TABLES, Row, Table, config, fixed, model_options
+from megart.plan.published import (
+    TABLES,
+    Row,
+    Table,
+    config,
+    fixed,
+    model_options,
+    published_layout,
+)
 from megart.plan.search import search
 
 
@@ -79,19 +88,28 @@ def main() -> None:
         print(f"\n{table.name} on {gpu.name}, {unit}\n")
         print(
             "| model | t | p | GPUs | batch | published | predicted | error | predicted layout "
-            "| recommended (t, p) | its time vs published layout's |"
+            "| recommended (t, p) | its time vs published layout's | at the run's own b, v |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for row in table.rows:
             value, best, _ = predicted(table, row, gpu)
             rec = recommended(table, row, gpu)
             gap = best.iteration_time / rec.iteration_time - 1
             same = (rec.layout.tp, rec.layout.pp) == (row.tp, row.pp)
+            exact = "-"
+            if row.micro_batch:
+                own = estimate(
+                    config(table, row), published_layout(row), gpu, **model_options(table)
+                )
+                exact = (
+                    f"b{row.micro_batch} v{row.chunks}: {own.tflops_per_gpu:.1f} "
+                    f"({100 * (own.tflops_per_gpu / row.tflops - 1):+.1f}%)"
+                )
             print(
                 f"| {row.name} | {row.tp} | {row.pp} | {row.gpus} | {row.batch} | "
                 f"{row.tflops:g} | {value:.1f} | {100 * (value / row.tflops - 1):+.1f}% | "
                 f"{best.layout.short()} | ({rec.layout.tp}, {rec.layout.pp}) | "
-                f"{'same' if same else f'{100 * gap:+.1f}%'} |"
+                f"{'same' if same else f'{100 * gap:+.1f}%'} | {exact} |"
             )
 
 

@@ -95,3 +95,29 @@ def held_bytes(kw: dict) -> dict:
         "saved_peak": meter.peak,
         "saved_after": meter.now,
     }
+
+
+def deferred_bytes(kw: dict) -> dict:
+    """The peak bytes a zero-bubble rank keeps between its Is and Ws: the deferred linear
+    layers' inputs and output gradients (megart.tensor_parallel.weight_grad), counted each
+    time an I defers one, during the second iteration."""
+    from megart.tensor_parallel.weight_grad import WeightGradStore
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(TrainConfig(**kw), tokens=builtin_corpus(1 << 16))
+    trainer.train_step(0)
+    peak = [0]
+    defer = WeightGradStore.defer
+
+    def measured(store: WeightGradStore, x: torch.Tensor, dy: torch.Tensor, params: tuple) -> bool:
+        kept = defer(store, x, dy, params)
+        tensors = {id(t): t for entry in store._pending.values() for k in entry for t in k[:2]}
+        peak[0] = max(peak[0], _nbytes(list(tensors.values())))
+        return kept
+
+    WeightGradStore.defer = measured
+    try:
+        trainer.train_step(1)
+    finally:
+        WeightGradStore.defer = defer
+    return {"pp_rank": trainer.grid.pp_rank, "tp_rank": trainer.grid.tp_rank, "peak": peak[0]}

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 
+from megart import schedule as sched
 from megart.launcher import launch
-from megart.plan.estimate import Layout, estimate, layout_config, rank_memory
+from megart.plan.estimate import ZERO_BUBBLE, Layout, estimate, layout_config, rank_memory
 from megart.plan.hardware import load_profile
+from megart.plan.holding import peaks
 from megart.training.config import TrainConfig
-from plan_workers import held_bytes
+from plan_workers import deferred_bytes, held_bytes
 
 SMALL = dict(
     num_layers=4,
@@ -84,6 +86,20 @@ CASES = [
         SMALL,
         dict(pipeline_model_parallel_size=2, use_distributed_optimizer=True, micro_batch_size=1),
     ),
+    # Zero-bubble: autograd's saves are those of the pairs between F and I (I frees the graph;
+    # what W needs is counted apart, below).
+    (
+        "pp2 zb-h1",
+        2,
+        SMALL,
+        dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", micro_batch_size=1),
+    ),
+    (
+        "pp2 zb-v",
+        2,
+        SMALL,
+        dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-v", micro_batch_size=1),
+    ),
 ]
 
 
@@ -98,6 +114,7 @@ def _layout(c: TrainConfig, world: int) -> Layout:
         c.sequence_parallel,
         c.gpt_config().recompute_granularity,
         c.use_distributed_optimizer,
+        c.pipeline_schedule,
     )
 
 
@@ -109,10 +126,62 @@ def test_predicted_bytes_are_what_a_rank_holds(name, nproc, model, flags):
     # The in-flight counts come from the schedule simulator, as the planner uses them.
     plan = estimate(config, layout, load_profile("a100-80gb"))
     c = layout_config(config, layout)
+    order = sched.build(layout.kind, layout.pp, c.microbatches(layout.dp), layout.chunks)
     for held in launch(held_bytes, nproc, kw, timeout=300):
         r = held["pp_rank"]
-        want = rank_memory(c, layout, layout.dp, r, plan.peak_in_flight[r], dp_rank=held["dp_rank"])
+        pairs = plan.peak_in_flight[r]
+        if layout.kind in ZERO_BUBBLE:  # the most pairs between F and I
+            pairs = peaks(order, 1.0, [[0.0] * layout.chunks] * layout.pp)[r].activations
+        want = rank_memory(c, layout, layout.dp, r, pairs, dp_rank=held["dp_rank"])
         for part in ("parameters", "gradients", "optimizer"):
             assert want[part] == held[part], (name, held, part, want[part])
         assert held["saved_peak"] == pytest.approx(want["saved"], rel=0.01), (name, held, want)
         assert held["saved_after"] == 0  # the measure sees every saved tensor released
+
+
+# Zero-bubble schedules: what ranks keep between I and W, against the planner's count of the
+# deferred layers' X and dY times the pairs its schedule walk finds held between I and W.
+ZB_CASES = [
+    ("zb-h1 pp2 bf16", 2, SMALL, dict(pipeline_schedule="zb-h1", bf16=True, micro_batch_size=2)),
+    ("zb-v pp2 llama-style", 2, LLAMA, dict(pipeline_schedule="zb-v", micro_batch_size=1)),
+    (
+        "zb-h1 pp2 tp2 sp full recompute",
+        4,
+        SMALL,
+        dict(
+            pipeline_schedule="zb-h1",
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            recompute_granularity="full",
+            micro_batch_size=2,
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("name,nproc,model,flags", ZB_CASES, ids=[c[0] for c in ZB_CASES])
+def test_weight_gradient_bytes_held_between_i_and_w(name, nproc, model, flags):
+    from megart.plan import activations as act
+    from megart.plan.estimate import _precision
+
+    kw = {**model, **flags, "pipeline_model_parallel_size": 2}
+    config = TrainConfig(**kw)
+    layout = _layout(config, nproc)
+    c = layout_config(config, layout)
+    cfg = c.gpt_config()
+    t, p, v, b = layout.tp, layout.pp, layout.chunks, layout.micro_batch
+    prec = _precision(c, "megart")
+    layers = cfg.num_layers // (p * v)
+    per_chunk = act.weight_grad_bytes(cfg, b, t, prec) * layers
+    out = act.output_weight_grad_bytes(cfg, b, t, prec)
+    plan = sched.build(layout.kind, p, c.microbatches(layout.dp), v)
+    last = p * v - 1
+    for held in launch(deferred_bytes, nproc, kw, timeout=300):
+        r = held["pp_rank"]
+        grads = [
+            [per_chunk + (out if plan.virtual_stage(q, k) == last else 0) for k in range(v)]
+            for q in range(p)
+        ]
+        most = peaks(plan, 0.0, grads)[r]  # where the weight-gradient bytes are largest
+        want = most.weight_grads * per_chunk + most.last_stage_weight_grads * out
+        assert want > 0 and held["peak"] == pytest.approx(want, rel=0.01), (name, held, want)

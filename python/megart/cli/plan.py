@@ -16,7 +16,12 @@ from collections.abc import Sequence
 
 from megart.cli.train import HELP
 from megart.errors import MegartError
-from megart.training.config import CHOICES, TrainConfig, check_virtual_stages
+from megart.training.config import (
+    CHOICES,
+    TrainConfig,
+    check_schedule_flags,
+    check_virtual_stages,
+)
 
 MODEL_FLAGS = (
     "num_layers",
@@ -45,6 +50,7 @@ LAYOUT_FLAGS = (
     "sequence_parallel",
     "recompute_granularity",
     "use_distributed_optimizer",
+    "pipeline_schedule",
 )
 
 
@@ -112,6 +118,7 @@ def _run(args: argparse.Namespace) -> int:
     base = TrainConfig(**given)
     chunks = None
     per = args.num_layers_per_virtual_pipeline_stage
+    check_schedule_flags(args.pipeline_schedule, per)  # megart train's refusals
     if per is not None:
         pp = args.pipeline_model_parallel_size
         if pp is None:
@@ -128,6 +135,7 @@ def _run(args: argparse.Namespace) -> int:
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute_granularity or False,
         distributed_optimizer=args.use_distributed_optimizer,
+        schedule=args.pipeline_schedule,
     )
     try:
         found = search(base, world, gpu, fixed, keep=max(1, args.top), runtime=args.runtime)

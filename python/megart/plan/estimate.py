@@ -10,12 +10,14 @@ from megart import schedule as sched
 from megart.errors import ConfigError
 from megart.plan import activations as act
 from megart.plan.hardware import GIB, GPUProfile
+from megart.plan.holding import Held, peaks, theory_in_flight
 from megart.plan.parameters import BUCKET_BYTES, FP32, state_bytes
 from megart.plan.timing import Work, collective_seconds, layer_work, logits_work
 from megart.training.config import TrainConfig
 from megart.training.flops import model_flops
 
 RUNTIMES = ("megart", "megatron")
+ZERO_BUBBLE = ("zb-h1", "zb-v")
 ADAM_BYTES = 28  # per fp32 element stepped: read p, g, m, v; write p, m, v (REFERENCES.md)
 
 
@@ -29,6 +31,13 @@ class Layout:
     sequence_parallel: bool
     recompute: str | None
     distributed_optimizer: bool
+    # megart train's --pipeline-schedule; None: its default (1f1b, or interleaved with v > 1).
+    schedule: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """The pipeline schedule this layout runs."""
+        return self.schedule or ("interleaved" if self.chunks > 1 else "1f1b")
 
     def sizes(self) -> tuple[int, int, int, int, bool]:
         """(t, p, v, b, sequence parallel)."""
@@ -41,9 +50,11 @@ class Layout:
             f"--pipeline-model-parallel-size {self.pp}",
             f"--micro-batch-size {self.micro_batch}",
         ]
-        if self.chunks > 1:
+        if self.kind == "interleaved":
             per = num_layers // (self.pp * self.chunks)
             out.append(f"--num-layers-per-virtual-pipeline-stage {per}")
+        if self.schedule in ZERO_BUBBLE:
+            out.append(f"--pipeline-schedule {self.schedule}")
         if self.sequence_parallel:
             out.append("--sequence-parallel")
         if self.recompute:
@@ -53,7 +64,8 @@ class Layout:
         return " ".join(out)
 
     def short(self) -> str:
-        extra = [f"v{self.chunks}"] if self.chunks > 1 else []
+        extra = [f"v{self.chunks}"] if self.kind == "interleaved" else []
+        extra += [self.kind] if self.kind in ZERO_BUBBLE else []
         extra += ["sp"] if self.sequence_parallel else []
         extra += [f"rc={self.recompute}"] if self.recompute else []
         extra += ["distopt"] if self.distributed_optimizer else []
@@ -76,7 +88,10 @@ class Estimate:
     model_tflops_per_gpu: float
     mfu: float
     simulated: bool
-    peak_in_flight: list[int] = field(default_factory=list)
+    peak_in_flight: list[int] = field(default_factory=list)  # pairs held from F to B (or W)
+    # Zero-bubble schedules: of those, the pairs between I and W at each rank's largest memory.
+    held_for_weights: list[int] = field(default_factory=list)
+    stage: Work | None = None  # one microbatch through the slowest stage (what was simulated)
 
     @property
     def iteration_time(self) -> float:
@@ -86,27 +101,20 @@ class Estimate:
 def layout_config(base: TrainConfig, layout: Layout) -> TrainConfig:
     """``base`` with the layout's flags set."""
     per = None
-    if layout.chunks > 1:
+    if layout.kind == "interleaved":
         per = base.num_layers // (layout.pp * layout.chunks)
     return dataclasses.replace(
         base,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         num_layers_per_virtual_pipeline_stage=per,
+        pipeline_schedule=layout.schedule,
         micro_batch_size=layout.micro_batch,
         sequence_parallel=layout.sequence_parallel,
         recompute_granularity=layout.recompute,
         recompute_activations=False,
         use_distributed_optimizer=layout.distributed_optimizer,
     )
-
-
-def theory_in_flight(pp: int, m: int, chunks: int) -> list[int]:
-    """Peak (microbatch, chunk) pairs held per pipeline rank: 1F1B min(m, p - r); interleaved
-    Megatron's warm-up (p - r - 1) 2 + (v - 1) p, plus the one in flight, capped at m v."""
-    if chunks == 1:
-        return [min(m, pp - r) for r in range(pp)]
-    return [min(m * chunks, (pp - r - 1) * 2 + (chunks - 1) * pp + 1) for r in range(pp)]
 
 
 def _precision(c: TrainConfig, runtime: str) -> act.Precision:
@@ -120,16 +128,20 @@ def rank_memory(
     layout: Layout,
     dp: int,
     pp_rank: int,
-    held: int,
+    held: Held | int,
     runtime: str = "megart",
     unfused_attention: bool = False,
     dp_rank: int | None = None,
 ) -> dict[str, float]:
     """Bytes pipeline rank ``pp_rank`` (data-parallel rank ``dp_rank``, None: the worst) holds
-    at its peak, by part, with ``held`` (microbatch, chunk) pairs in flight. "activations" is
-    what autograd saves ("saved", what saved-tensor hooks see) plus the chunk outputs megart's
-    pipeline engine keeps ("outputs") and, with full recomputation, one layer's whole set while
-    it is recomputed ("recompute_working")."""
+    at its peak, by part, with ``held`` (microbatch, chunk) pairs in flight (a count: all
+    between forward and backward). "activations" is what autograd saves ("saved", what
+    saved-tensor hooks see) plus the chunk outputs megart's pipeline engine keeps ("outputs"),
+    with full recomputation one layer's whole set while it is recomputed
+    ("recompute_working"), and with zero-bubble schedules what pairs between I and W keep for
+    their weight gradients ("weight_grads")."""
+    if isinstance(held, int):
+        held = Held(held)
     cfg = c.gpt_config()
     megatron = runtime == "megatron"
     t, p, v, b, sp = layout.sizes()
@@ -142,16 +154,21 @@ def rank_memory(
     else:
         layer_bytes = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention)
         full = act.layer_bytes(cfg, b, t, sp, None, prec, unfused_attention)
-    saved = held * per_chunk_layers * layer_bytes
+    n = held.activations
+    saved = n * per_chunk_layers * layer_bytes
     if pp_rank == 0:
-        saved += held * act.first_stage_bytes(cfg, b, t)
-    if pp_rank == p - 1:
+        saved += n * act.first_stage_bytes(cfg, b, t)
+    if pp_rank == (0 if layout.kind == "zb-v" else p - 1):  # zb-v's last stage is on rank 0
         saved += act.last_stage_bytes(cfg, b, t, sp, prec)
     outputs = 0.0
     if (pp_rank < p - 1 or v > 1) and not megatron:
-        outputs = held * act.output_bytes(cfg, b, t, sp, prec)
+        outputs = n * act.output_bytes(cfg, b, t, sp, prec)
     working = full if rec == "full" else 0.0
-    state = state_bytes(cfg, t, p, pp_rank, v, dp, layout.distributed_optimizer, dp_rank)
+    grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec)
+    grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec)
+    state = state_bytes(
+        cfg, t, p, pp_rank, v, dp, layout.distributed_optimizer, dp_rank, layout.kind == "zb-v"
+    )
     params = state.parameters // FP32
     autocast = params * prec.other if prec.other < 4 and not megatron else 0
     optimizer = float(state.optimizer)
@@ -161,11 +178,11 @@ def rank_memory(
         "parameters": float(state.parameters) / (2 if megatron else 1),
         "gradients": float(state.gradients),
         "optimizer": optimizer,
-        "activations": saved + outputs + working,
+        "activations": saved + outputs + working + grads,
         "autocast_copies": float(autocast),
     }
     parts["total"] = sum(parts.values())
-    parts.update(saved=saved, outputs=outputs, recompute_working=working)
+    parts.update(saved=saved, outputs=outputs, recompute_working=working, weight_grads=grads)
     return parts
 
 
@@ -179,6 +196,7 @@ def estimate(
     tp_overlap: bool = False,
     dp_overlap: bool = True,
     grad_reduce_bytes: int = FP32,
+    pp_overlap: bool = True,
 ) -> Estimate:
     """Predicts ``layout`` for the model and batch of ``base`` on ``gpu``s. Raises ConfigError
     (megart train's checks) when the layout cannot run.
@@ -189,10 +207,25 @@ def estimate(
     gradients, fp32 main weights and moments; Korthikanti et al.'s activations; 16-bit pipeline
     messages; outputs freed once sent). ``tp_overlap``, ``dp_overlap`` and ``grad_reduce_bytes``
     describe the runtime's communication: megart's is the default (tensor-parallel collectives
-    not overlapped, gradient buckets reduced in fp32 during the last backward)."""
+    not overlapped, gradient buckets reduced in fp32 during the last backward, pipeline
+    messages sent while the next action computes). ``pp_overlap`` False: every pipeline
+    exchange blocks both ranks until it has arrived, as SC21's Megatron-LM did (its
+    p2p_communication waited on each batch_isend_irecv and then synchronised the device), so
+    each (microbatch, chunk) pays one exchange after its forward and one after its backward."""
     if runtime not in RUNTIMES:
         raise ConfigError(f"runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
     megatron = runtime == "megatron"
+    if megatron and layout.kind in ZERO_BUBBLE:
+        raise ConfigError(
+            f"--pipeline-schedule {layout.kind}: Megatron-LM has no zero-bubble schedule; "
+            "use 1f1b or interleaved with --runtime megatron"
+        )
+    want = {"zb-h1": 1, "zb-v": 2}.get(layout.kind)
+    if want is not None and layout.chunks != want:
+        raise ConfigError(
+            f"--pipeline-schedule {layout.kind} runs {want} model chunk(s) per rank, "
+            f"not {layout.chunks}"
+        )
     c = layout_config(base, layout)
     world = layout.tp * layout.pp * layout.dp
     dp = c.check(world)
@@ -220,15 +253,27 @@ def estimate(
     latency = gpu.link_latency_us * 1e-6
     if scatter and t > 1 and not sp:  # the receiver's all-gather over NVLink
         latency += message * (t - 1) / (gpu.nvlink_bus_gb_per_s * 1e9)
-    kind = "interleaved" if v > 1 else "1f1b"
-    if p > 1 and simulate:
+    kind = layout.kind
+    blocking = 0.0
+    if p > 1 and not pp_overlap:
+        # Sends and receives of one step go out together (full duplex): one message's time,
+        # spent by the rank instead of computing; the simulator's messages are then free.
+        blocking = v * (latency + message / link_bw)
+        stage = stage + Work(blocking, blocking, 0.0)
+        latency, message = 0.0, 0.0
+    zero_bubble = p > 1 and kind in ZERO_BUBBLE
+    if p > 1 and (simulate or zero_bubble):
+        # Zero-bubble schedules are always simulated: their bubble has a closed form only
+        # with equal F, I and W times.
+        plan = sched.build(kind, p, m, v)
         sim = sched.simulate(
-            sched.build(kind, p, m, v),
+            plan,
             stage.forward,
             stage.backward,
             latency=latency,
             bandwidth=link_bw,
             message_bytes=message,
+            weight_fraction=stage.weight / stage.backward if zero_bubble else 0.5,
         )
         makespan, bubble = sim.makespan, sim.bubble_fraction
         in_flight = [r.peak_stashed for r in sim.ranks]
@@ -238,12 +283,29 @@ def estimate(
         hops = 2 * (p - 1) * (latency + message / link_bw) if p > 1 else 0.0
         makespan = work * (1 + bubble) + hops
         in_flight = theory_in_flight(p, m, v)
-    compute_only = m * (stage.forward + stage.backward)
+    # Blocking exchanges count as pipeline communication, with their share of the bubble.
+    compute_only = m * (stage.forward + stage.backward - 2 * blocking)
 
-    # Memory of the worst pipeline rank.
+    # Memory of the worst pipeline rank. Under zero-bubble schedules pairs between I and W
+    # keep other tensors than pairs between F and I: the rank's compute order says how many
+    # of each it holds at its largest.
+    held: list[Held] = [Held(n) for n in in_flight]
+    if zero_bubble:
+        layers = cfg.num_layers // (p * v)
+        per_pair = layers * act.layer_bytes(
+            cfg, b, t, sp, rec, prec, unfused_attention
+        ) + act.output_bytes(cfg, b, t, sp, prec)
+        grads = act.weight_grad_bytes(cfg, b, t, prec) * layers
+        out_grads = act.output_weight_grad_bytes(cfg, b, t, prec)
+        last = p * v - 1
+        costs = [
+            [grads + (out_grads if plan.virtual_stage(r, k) == last else 0) for k in range(v)]
+            for r in range(p)
+        ]
+        held = peaks(plan, per_pair, costs)
     worst: dict[str, float] | None = None
     for r in sorted({0, min(1, p - 1), p - 1}):
-        parts = rank_memory(c, layout, dp, r, in_flight[r], runtime, unfused_attention)
+        parts = rank_memory(c, layout, dp, r, held[r], runtime, unfused_attention)
         if worst is None or parts["total"] > worst["total"]:
             worst = parts
     assert worst is not None
@@ -268,7 +330,8 @@ def estimate(
             float(worst_rank_params) * gather_bytes / FP32, dp, dp_bw, gpu, (dp - 1) / dp
         )
     tied = 0.0
-    if p > 1 and not cfg.untie_embeddings_and_output_weights:
+    # The tied embedding's two copies: on the first and last ranks, both on rank 0 in zb-v.
+    if p > 1 and not cfg.untie_embeddings_and_output_weights and kind != "zb-v":
         emb = cfg.padded_vocab_size(t) // t * cfg.hidden_size * FP32 / (dp if dist else 1)
         tied = collective_seconds(emb, 2, gpu.rail_gb_per_s, gpu, 1.0)
     stepped = float(worst_rank_params) / FP32 / (dp if dist else 1)
@@ -302,9 +365,19 @@ def estimate(
         tflops_per_gpu=tflops,
         model_tflops_per_gpu=model_tflops,
         mfu=model_tflops / gpu.peak_tflops,
-        simulated=simulate and p > 1,
+        simulated=(simulate or zero_bubble) and p > 1,
         peak_in_flight=list(in_flight),
+        held_for_weights=[h.weight_grads for h in held],
+        stage=stage,
     )
 
 
-__all__ = ["Layout", "Estimate", "Work", "estimate", "layout_config", "theory_in_flight"]
+__all__ = [
+    "Layout",
+    "Estimate",
+    "Work",
+    "estimate",
+    "layout_config",
+    "theory_in_flight",
+    "ZERO_BUBBLE",
+]

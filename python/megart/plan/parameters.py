@@ -44,14 +44,14 @@ class ChunkTensors:
 
 
 def chunk_tensors(
-    cfg: GPTConfig, tp: int, pp: int, pp_rank: int, chunks: int
+    cfg: GPTConfig, tp: int, pp: int, pp_rank: int, chunks: int, v_shape: bool = False
 ) -> list[ChunkTensors]:
     """The parameters of each model chunk of pipeline rank ``pp_rank``, as megart builds them
-    (megart.models.gpt.GPTChunk)."""
+    (megart.models.gpt.GPTChunk); ``v_shape``: zb-v's placement (the last stage on rank 0)."""
     h, vocab = cfg.hidden_size, cfg.padded_vocab_size(tp) // tp
     untied = cfg.untie_embeddings_and_output_weights
     out = []
-    for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks):
+    for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape):
         first, last = layers.start == 0, layers.stop == cfg.num_layers
         tensors, tied = [], None
         if first or (last and not untied):
@@ -117,12 +117,13 @@ def state_bytes(
     dp: int,
     distributed: bool,
     dp_rank: int | None = None,
+    v_shape: bool = False,
 ) -> StateBytes:
     """Bytes of parameters, gradients and AdamW state (two fp32 moments and a 0-d fp32 step per
     stepped tensor) on data-parallel rank ``dp_rank`` of pipeline rank ``pp_rank`` (None: the
-    worst one)."""
+    worst one); ``v_shape``: zb-v's placement."""
     parts = dp if distributed else 1
-    chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks)
+    chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks, v_shape)
     bs = buckets(chunk_list, parts)
     grads = sum(padded(b, parts) for b in bs) * FP32
     n = sum(sum(c.tensors) for c in chunk_list)

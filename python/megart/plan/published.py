@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megart.plan.estimate import Layout
 from megart.plan.search import Fixed
 from megart.training.config import TrainConfig
 
@@ -21,24 +22,29 @@ class Row:
     gpus: int
     batch: int
     tflops: float  # per GPU, as published
+    micro_batch: int = 0  # what the published run used (0: not published)
+    chunks: int = 0
 
     @property
     def name(self) -> str:
         return f"{self.params_b:g}B"
 
 
-# SC21 Table 1: V = 51,200, s = 2,048, full recomputation, TFLOP/s counting it.
+# SC21 Table 1: V = 51,200, s = 2,048, full recomputation, TFLOP/s counting it. The last two
+# numbers are each run's micro batch and model chunks per rank, from Megatron-LM's
+# examples/sc21/run_table_1.sh (--micro-batch-size, --num-layers-per-virtual-pipeline-stage;
+# no interleaving up to 39.1B), which also ran --fp16.
 SC21_TABLE1 = (
-    Row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    Row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    Row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    Row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    Row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    Row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    Row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    Row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    Row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1),
+    Row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1),
+    Row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1),
+    Row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1),
+    Row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1),
+    Row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3),
+    Row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2),
+    Row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2),
+    Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3),
+    Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1),
 )
 
 # Megatron-Core on H100: V = 131,072, s = 4,096, d = 48; GPT models with a 4h GeLU MLP and an
@@ -70,6 +76,9 @@ class Table:
     # gradient buckets during the last backward (as megart does).
     dp_overlap: bool
     grad_reduce_bytes: int
+    # SC21's Megatron-LM blocked on every pipeline exchange (batch_isend_irecv, wait, then a
+    # device synchronise); Megatron-Core overlaps them (--overlap-p2p-communication).
+    pp_overlap: bool
     recompute: str | None | bool  # what the runs used (False: search it)
     # Features the runs' Megatron-LM did not have yet: sequence parallelism and the distributed
     # optimizer came in 2022, after SC21 (False: not available; None: search it).
@@ -89,6 +98,7 @@ TABLES = (
         False,
         False,
         2,
+        False,
         "full",
         False,
         True,
@@ -104,11 +114,19 @@ TABLES = (
         True,
         True,
         4,
+        True,
         False,
         None,
         False,
     ),
 )
+
+
+def published_layout(row: Row) -> Layout:
+    """The row's run exactly as published (SC21 only: the table fixes b and v): Megatron-LM of
+    2021, so no sequence parallelism or distributed optimizer."""
+    d = row.gpus // (row.tp * row.pp)
+    return Layout(row.tp, row.pp, d, row.chunks, row.micro_batch, False, "full", False)
 
 
 def config(table: Table, row: Row) -> TrainConfig:
@@ -144,4 +162,5 @@ def model_options(table: Table) -> dict:
         tp_overlap=table.tp_overlap,
         dp_overlap=table.dp_overlap,
         grad_reduce_bytes=table.grad_reduce_bytes,
+        pp_overlap=table.pp_overlap,
     )

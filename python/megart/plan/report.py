@@ -13,7 +13,9 @@ PARTS = ("parameters", "gradients", "optimizer", "activations", "autocast_copies
 
 
 def memory_gib(e: Estimate) -> dict[str, float]:
-    return {k: e.memory[k] / GIB for k in PARTS}
+    """The parts in GiB, and of the activations what zero-bubble schedules keep between I and
+    W for the weight gradients (``weight_grads``)."""
+    return {k: e.memory[k] / GIB for k in (*PARTS, "weight_grads")}
 
 
 def to_dict(e: Estimate, best: Estimate) -> dict[str, Any]:
@@ -26,6 +28,7 @@ def to_dict(e: Estimate, best: Estimate) -> dict[str, Any]:
         "model_tflops_per_gpu": e.model_tflops_per_gpu,
         "mfu": e.mfu,
         "bubble_fraction": e.bubble_fraction,
+        "pipeline_schedule": e.layout.kind,
         "memory_gib": memory_gib(e),
         "fits": e.fits,
         "missing_gib": e.missing_bytes / GIB,

@@ -1,8 +1,11 @@
 """Search the layouts a user left open and recommend the fastest that fits.
 
 Every combination of the open flags that megart train accepts is estimated quickly (the
-theoretical bubble and in-flight counts); the fastest few are then estimated again with the
-schedule simulator, which decides the ranking.
+theoretical bubble and in-flight counts; zero-bubble schedules are simulated even then, their
+bubble having no closed form for unequal F, I and W times); the fastest few are then estimated
+again with the schedule simulator, which decides the ranking. The schedules tried on p > 1
+stages: 1F1B, each interleaving that divides the layers, and for megart's runtime zb-h1 and
+zb-v.
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ from dataclasses import dataclass
 from megart.errors import ConfigError
 from megart.parallel.checks import check_model_fits
 from megart.parallel.layout import divisors, make_layout
-from megart.plan.estimate import Estimate, Layout, estimate, layout_config
+from megart.plan.estimate import ZERO_BUBBLE, Estimate, Layout, estimate, layout_config
 from megart.plan.hardware import GIB, GPUProfile
 from megart.training.config import TrainConfig
 
 RECOMPUTE = (None, "selective", "full")
-MICRO_BATCHES = (1, 2, 4, 8)
+MICRO_BATCHES = (1, 2, 4, 8, 16)  # 16: SC21 Table 1 ran 1.7B-7.5B at 16 (Megatron-LM examples/sc21)
 MAX_CHUNKS = 8
 
 
@@ -33,10 +36,30 @@ class Fixed:
     sequence_parallel: bool | None = None
     recompute: str | None | bool = False  # False: search; None: no recomputation
     distributed_optimizer: bool | None = None
+    schedule: str | None = None  # --pipeline-schedule (None: search it)
 
 
-def candidates(base: TrainConfig, world: int, gpu: GPUProfile, fixed: Fixed) -> list[Layout]:
-    """Every layout within ``fixed`` that passes megart train's checks."""
+def _schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list[tuple]:
+    """(chunks, schedule) pairs to try on p stages: 1F1B and each interleaving that divides
+    the layers, and (``zero_bubble``: the runtime has them) zb-h1 and zb-v; those the user
+    named only. A schedule of None is megart train's default for its chunks."""
+    if p == 1:
+        return [(fixed.chunks or 1, None)]
+    if fixed.chunks:  # --num-layers-per-virtual-pipeline-stage: interleaved
+        return [(fixed.chunks, None)]
+    inter = [(v, None) for v in range(2, MAX_CHUNKS + 1) if num_layers % (p * v) == 0]
+    zb = [(1, "zb-h1")] + ([(2, "zb-v")] if num_layers % (2 * p) == 0 else [])
+    by_name = {"1f1b": [(1, None)], "interleaved": inter, "zb-h1": zb[:1], "zb-v": zb[1:]}
+    if fixed.schedule is not None:
+        return by_name[fixed.schedule]
+    return [(1, None)] + inter + (zb if zero_bubble else [])
+
+
+def candidates(
+    base: TrainConfig, world: int, gpu: GPUProfile, fixed: Fixed, zero_bubble: bool = True
+) -> list[Layout]:
+    """Every layout within ``fixed`` that passes megart train's checks (zero-bubble schedules
+    only where ``zero_bubble``)."""
     heads = base.num_query_groups if base.group_query_attention else base.num_attention_heads
     # Searched tensor-parallel groups stay inside a node (t divides the node's GPUs).
     tps = [fixed.tp] if fixed.tp else [t for t in divisors(world) if gpu.gpus_per_node % t == 0]
@@ -51,12 +74,7 @@ def candidates(base: TrainConfig, world: int, gpu: GPUProfile, fixed: Fixed) -> 
             if fixed.pp is None and base.num_layers % p:
                 continue
             d = world // (t * p)
-            vs = (
-                [fixed.chunks]
-                if fixed.chunks
-                else [1]
-                + [v for v in range(2, MAX_CHUNKS + 1) if p > 1 and base.num_layers % (p * v) == 0]
-            )
+            kinds = _schedules(fixed, p, base.num_layers, zero_bubble)
             bs = (
                 [fixed.micro_batch]
                 if fixed.micro_batch
@@ -73,11 +91,13 @@ def candidates(base: TrainConfig, world: int, gpu: GPUProfile, fixed: Fixed) -> 
                 if fixed.distributed_optimizer is not None
                 else ([False, True] if d > 1 else [False])
             )
-            for v, b, sp, rec, do in itertools.product(vs, bs, sps, recs, dos):
+            for (v, kind), b, sp, rec, do in itertools.product(kinds, bs, sps, recs, dos):
                 m = base.global_batch_size // (b * d) if b * d else 0
-                if v > 1 and (m == 0 or m % p):
+                if kind is None and v > 1 and (m == 0 or m % p):
                     continue
-                out.append(Layout(t, p, d, v, b, sp, rec, do))
+                if kind == "zb-v" and m < 2 * p:
+                    continue
+                out.append(Layout(t, p, d, v, b, sp, rec, do, kind))
     return out
 
 
@@ -92,7 +112,13 @@ def search(
     """Estimates of the layouts within ``fixed``, fastest fitting first (then those that do not
     fit, least missing memory first); ``model``: estimate()'s runtime options. Raises megart
     train's ConfigError when the fixed flags cannot run at all, NoFit when nothing fits."""
-    layouts = candidates(base, world, gpu, fixed)
+    zero_bubble = model.get("runtime", "megart") == "megart"
+    if fixed.schedule in ZERO_BUBBLE and not zero_bubble:
+        raise ConfigError(
+            f"--pipeline-schedule {fixed.schedule}: Megatron-LM has no zero-bubble schedule; "
+            "use 1f1b or interleaved with --runtime megatron"
+        )
+    layouts = candidates(base, world, gpu, fixed, zero_bubble)
     quick: list[Estimate] = []
     first_error: ConfigError | None = None
     for layout in layouts:
@@ -128,6 +154,8 @@ def _explain(base: TrainConfig, world: int, fixed: Fixed) -> None:
     """Raises the error megart train gives for the fixed flags (no candidate was left): its
     own checks first, then the layout module's, which list what would fit."""
     tp, pp, chunks = fixed.tp or 1, fixed.pp or 1, fixed.chunks or 1
+    kind = fixed.schedule if fixed.schedule in ZERO_BUBBLE else None
+    chunks = 2 if kind == "zb-v" else chunks
     rec = None if fixed.recompute is False else fixed.recompute
     plain = Layout(
         tp,
@@ -138,6 +166,7 @@ def _explain(base: TrainConfig, world: int, fixed: Fixed) -> None:
         bool(fixed.sequence_parallel),
         rec,
         bool(fixed.distributed_optimizer),
+        kind,
     )
     layout_config(base, plain).check(world)
     groups = base.num_query_groups if base.group_query_attention else None

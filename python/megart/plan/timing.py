@@ -26,21 +26,25 @@ ACT = 2  # bytes of a 16-bit activation element
 @dataclass(frozen=True)
 class Work:
     """Seconds of one microbatch's forward and backward (recomputation included) through some
-    layers on one GPU, and the share of it spent in tensor-parallel collectives."""
+    layers on one GPU, the share of it spent in tensor-parallel collectives, and the share of
+    the backward that is weight-gradient products (what a zero-bubble schedule's W runs; the
+    rest, its I, includes recomputation)."""
 
     forward: float
     backward: float
     tp_comm: float
+    weight: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         return Work(
             self.forward + other.forward,
             self.backward + other.backward,
             self.tp_comm + other.tp_comm,
+            self.weight + other.weight,
         )
 
     def __mul__(self, k: float) -> Work:
-        return Work(self.forward * k, self.backward * k, self.tp_comm * k)
+        return Work(self.forward * k, self.backward * k, self.tp_comm * k, self.weight * k)
 
 
 def gemm_seconds(flops: float, gpu: GPUProfile) -> float:
@@ -114,13 +118,18 @@ def layer_work(
         tp_comm += comm
     elif recompute == "selective":
         backward += core_gemm + core_elem
-    return Work(forward, backward, tp_comm)
+    # dW = dY^T X of each dense product costs what its forward did; the attention core has no
+    # weights, so both its backward products belong to I.
+    return Work(forward, backward, tp_comm, fwd_gemm)
 
 
 def logits_work(cfg: GPTConfig, b: int, tp: int, gpu: GPUProfile) -> Work:
-    """The output layer and the vocab-parallel cross-entropy (fp32 logits) of the last stage."""
+    """The output layer and the vocab-parallel cross-entropy (fp32 logits) of the last stage.
+    An untied output layer's weight gradient can wait for W; the tied one is the embedding's,
+    which megart computes in I."""
     tokens = cfg.seq_length * b
     vocab = cfg.padded_vocab_size(tp) // tp
     gemm = gemm_seconds(2 * tokens * cfg.hidden_size * vocab, gpu)
     elem = tokens * vocab * 8 / (gpu.hbm_gb_per_s * 1e9)  # write and read the fp32 logits
-    return Work(gemm + elem, 2 * gemm + elem, 0.0)
+    weight = gemm if cfg.untie_embeddings_and_output_weights else 0.0
+    return Work(gemm + elem, 2 * gemm + elem, 0.0, weight)

@@ -367,24 +367,11 @@ class TrainConfig:
     def _check_schedule(self, dp: int) -> None:
         """Refuses --pipeline-schedule combinations that cannot run, saying what would."""
         name, per, pp = self.pipeline_schedule, self.num_layers_per_virtual_pipeline_stage, self.pp
-        if name is not None and name not in PIPELINE_SCHEDULES:
-            raise ConfigError(
-                f"--pipeline-schedule {name} is not one of {', '.join(PIPELINE_SCHEDULES)}"
-            )
+        check_schedule_flags(name, per)
         if name == "interleaved" and per is None:
             raise ConfigError(
                 "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
                 "(the layers of each model chunk)"
-            )
-        if name in ("1f1b", "zb-h1", "zb-v") and per is not None:
-            what = (
-                "derives its two chunks from the layers per stage"
-                if name == "zb-v"
-                else ("runs one model chunk per rank")
-            )
-            raise ConfigError(
-                f"--pipeline-schedule {name} {what}: leave out "
-                f"--num-layers-per-virtual-pipeline-stage {per}, or use the interleaved schedule"
             )
         if self.schedule != "zb-v":
             return
@@ -496,6 +483,25 @@ class TrainConfig:
                 "groups, as Megatron-LM requires); "
                 + (f"use one of {fits}" if fits else "no group count fits: change the sizes")
             )
+
+
+def check_schedule_flags(name: str | None, per: int | None) -> None:
+    """Refuses a --pipeline-schedule that is unknown or cannot take
+    --num-layers-per-virtual-pipeline-stage ``per`` (megart plan checks this too)."""
+    if name is not None and name not in PIPELINE_SCHEDULES:
+        raise ConfigError(
+            f"--pipeline-schedule {name} is not one of {', '.join(PIPELINE_SCHEDULES)}"
+        )
+    if name in ("1f1b", "zb-h1", "zb-v") and per is not None:
+        what = (
+            "derives its two chunks from the layers per stage"
+            if name == "zb-v"
+            else ("runs one model chunk per rank")
+        )
+        raise ConfigError(
+            f"--pipeline-schedule {name} {what}: leave out "
+            f"--num-layers-per-virtual-pipeline-stage {per}, or use the interleaved schedule"
+        )
 
 
 def check_virtual_stages(num_layers: int, pp: int, per: int) -> None:
