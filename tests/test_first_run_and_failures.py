@@ -5,7 +5,6 @@ damaged checkpoints, and a /dev/shm too small. Real processes, each with a timeo
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +111,6 @@ def test_a_rank_alone_says_whom_it_waits_for_and_gives_up():
     assert "rank(s) [1] of WORLD_SIZE=2 did not join the rendezvous" in out.stderr
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 def test_under_torchrun_ranks_use_the_agents_store_without_a_bind_error(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
@@ -123,7 +121,9 @@ def test_under_torchrun_ranks_use_the_agents_store_without_a_bind_error(tmp_path
     )
     out = subprocess.run(
         [
-            shutil.which("torchrun"),
+            sys.executable,  # torchrun, with this interpreter whatever PATH holds
+            "-m",
+            "torch.distributed.run",
             "--nproc-per-node",
             "2",
             "--master-port",
