@@ -198,3 +198,35 @@ def test_a_peer_that_died_before_joining_is_noticed_at_once():
         comm.create_shm(name + "b", "g", 1, 2, timeout_s=60, pids=[dead, me])
     assert time.monotonic() - start < 10  # not the 60 s timeout
     assert not Path(f"/dev/shm{name}").exists()  # the failing rank removed the name
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--micro-batch-size", "0"], "--micro-batch-size 0 and --global-batch-size 2 must be"),
+        (["--tensor-model-parallel-size", "3"], "2 processes do not split into tensor-parallel 3"),
+    ],
+)
+def test_a_config_error_under_torchrun_ends_its_report_once(flags, says):
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        + ["--master-port", str(free_port()), "-m", "megart", "train", *TINY, *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode != 0
+    # Said once, by rank 0, as the root cause that ends torchrun's report (not above it, where
+    # the report would bury it); the other rank points at it.
+    assert out.stderr.count(says) == 1, out.stderr
+    root = out.stderr.rsplit("Root Cause (first observed failure):", 1)[1]
+    assert (
+        "rank      : 0 (local_rank: 0)" in root
+        and f"traceback : megart train: error: {says}" in root
+    )
+    assert "stopped by the configuration error that rank 0 reports" in out.stderr
+    # Every rank exits with 2 by itself (the agent's SIGTERM, sent to whoever it finds still
+    # running, ends none: no -15), and without a traceback of megart's.
+    assert out.stderr.count("exitcode  : 2 (pid") == 2, out.stderr
+    assert "exitcode  : -" not in out.stderr
+    assert not any("megart" in line for line in out.stderr.splitlines() if "File " in line)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 from collections.abc import Sequence
 
 from megart.errors import ConfigError, MegartError
@@ -214,10 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
         Trainer(config).train()
     except (MegartError, ValueError) as e:
-        # A configuration error is found by every rank alike, before any rank waits on another
-        # (Trainer checks the flags first): rank 0 says it, once, and every rank exits with 2.
-        # Other errors differ per rank (which peer each saw fail), so each rank says its own.
-        if not isinstance(e, ConfigError) or os.environ.get("RANK", "0") == "0":
-            print(f"megart train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        # Once for a configuration error (every rank finds it alike), with the same status on
+        # every rank, and readable under torchrun: see megart.cli.failure.
+        from megart.cli.failure import exit_on_error
+
+        return exit_on_error("megart train", e)
     return 0

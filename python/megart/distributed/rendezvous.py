@@ -148,7 +148,10 @@ def _listening(addr: str, port: int) -> bool:
         return False
 
 
-def _tcp_store(addr: str, port: int, world_size: int | None, master: bool, timeout: timedelta):
+def tcp_store(
+    addr: str, port: int, world_size: int | None, master: bool, timeout: timedelta
+) -> object:
+    """torch's TCPStore: the server (``master``) or a client of addr:port."""
     import torch.distributed as td
 
     # wait_for_workers=False: exchange_pids waits, saying for whom.
@@ -170,7 +173,7 @@ def connect(rank: int, world_size: int, timeout: timedelta) -> object:
         _await_host(rank, addr, port, timeout, deadline)
     try:
         left = timedelta(seconds=max(deadline - time.monotonic(), 1.0))
-        store = _tcp_store(addr, port, None if agent else world_size, rank == 0 and not agent, left)
+        store = tcp_store(addr, port, None if agent else world_size, rank == 0 and not agent, left)
     except (RuntimeError, TimeoutError) as e:
         raise CommTimeoutError(
             f"rank {rank}: could not reach the rendezvous at {addr}:{port} within "

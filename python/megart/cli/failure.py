@@ -1,0 +1,105 @@
+"""How ``megart train`` ends on an error: one readable message, the same exit status everywhere.
+
+A configuration error is found by every rank alike, before any rank waits on another; printed by
+each, 8 ranks would say it 8 times. Without torchrun, rank 0 says it and every rank exits with 2.
+
+Under torchrun two more things get in the way: the agent stops the other workers (SIGTERM) as
+soon as one exits, so their statuses differ (2 and -15) and the rank meant to print may be
+stopped before it does; and the agent then prints its ChildFailedError block, about 40 lines,
+after everything the workers wrote. The agent shows a worker's own message in that block when
+the worker leaves it in TORCHELASTIC_ERROR_FILE (torch.distributed.elastic's error-file
+protocol; the ``@record`` decorator writes the same file with a traceback). So under torchrun the
+ranks that hit a configuration error meet in the agent's store, ignore the agent's SIGTERM once
+they have decided to exit, and exit with 2 together; the lowest of them writes the message to
+its error file, and the block ends with it (its "Root Cause"), once. Other errors differ per
+rank (which peer each saw fail): each rank prints its own and leaves it in its error file too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+from megart.errors import ConfigError
+
+EXIT_STATUS = 2
+# How long ranks that hit a configuration error wait for the others to hit it too (they started
+# together and check the same flags, but 8 ranks importing torch on 2 cores take a while).
+_MEET_S = 30.0
+# A rank that joined the rendezvous instead has passed the checks: it is waited for this long.
+_JOINED_GRACE_S = 2.0
+
+
+def exit_on_error(prog: str, error: Exception) -> int:
+    """Says ``error`` as described above and returns the status every rank exits with."""
+    message = f"{prog}: error: {error}"
+    from megart.distributed.rendezvous import under_agent
+
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if not under_agent():
+        if not isinstance(error, ConfigError) or rank == 0:
+            print(message, file=sys.stderr, flush=True)
+        return EXIT_STATUS
+    # From here on this rank exits with EXIT_STATUS by itself: the agent's stop must not turn
+    # that into -15 (it would also cut short the meeting below).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not isinstance(error, ConfigError):
+        print(message, file=sys.stderr, flush=True)
+        _write_error_file(message)
+        return EXIT_STATUS
+    first = _lowest_rank_with_the_error(rank, message)
+    if first == rank:
+        if not _write_error_file(message):
+            print(message, file=sys.stderr, flush=True)  # no agent to show it: say it here
+    else:
+        _write_error_file(f"{prog}: stopped by the configuration error that rank {first} reports")
+    return EXIT_STATUS
+
+
+def _write_error_file(message: str) -> bool:
+    """Leaves ``message`` where torchrun's agent reads it; False when there is no such place."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        return False
+    return True
+
+
+def _lowest_rank_with_the_error(rank: int, message: str) -> int:
+    """Posts this rank's error in torchrun's store and waits (bounded) until every rank has
+    posted one or joined the rendezvous (it passed the checks); returns the lowest rank that
+    posted. This rank alone when the store cannot be reached."""
+    from megart.distributed import rendezvous
+
+    world = rendezvous.env_int("WORLD_SIZE") or 1
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), rendezvous.env_int("MASTER_PORT")
+    if port is None:
+        return rank
+    prefix = rendezvous.key_prefix()
+    try:
+        store = rendezvous.tcp_store(addr, port, None, False, timedelta(seconds=10))
+        store.set(f"{prefix}config-error/{rank}", message)
+        deadline = time.monotonic() + _MEET_S
+        joined_at: float | None = None
+        while True:
+            posted = [r for r in range(world) if store.check([f"{prefix}config-error/{r}"])]
+            missing = [r for r in range(world) if r not in posted]
+            now = time.monotonic()
+            if not missing or now > deadline:
+                return min(posted)
+            if all(store.check([f"{prefix}pid/{r}"]) for r in missing):
+                joined_at = joined_at or now
+                if now - joined_at > _JOINED_GRACE_S:
+                    return min(posted)
+            time.sleep(0.05)
+    except RuntimeError:  # the store went away (torch's DistError): say it here
+        return rank
