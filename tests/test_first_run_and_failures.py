@@ -102,6 +102,13 @@ def test_a_config_error_under_two_ranks_is_printed_once_with_the_same_status():
     assert errs[1].strip() == "" and "Traceback" not in errs[0]
 
 
+def test_an_error_in_one_ranks_own_environment_is_said_by_that_rank():
+    # Rank 0 would say a flag error for everyone; this one only rank 5 can find.
+    out = run(["-m", "megart", "train", *TINY], env=dict(RANK="5", WORLD_SIZE="2"), timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "megart train: error: RANK=5 is outside WORLD_SIZE=2" in out.stderr
+
+
 def test_a_rank_alone_says_whom_it_waits_for_and_gives_up():
     code = "import megart.distributed as d; d.init(backend='shm', timeout=4)"
     env = dict(RANK="0", WORLD_SIZE="2", MASTER_PORT=str(free_port()))

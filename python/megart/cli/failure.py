@@ -12,7 +12,8 @@ protocol; the ``@record`` decorator writes the same file with a traceback). So u
 ranks that hit a configuration error meet in the agent's store, ignore the agent's SIGTERM once
 they have decided to exit, and exit with 2 together; the lowest of them writes the message to
 its error file, and the block ends with it (its "Root Cause"), once. Other errors differ per
-rank (which peer each saw fail): each rank prints its own and leaves it in its error file too.
+rank (which peer each saw fail; a rank's own RANK or device): each rank prints its own and
+leaves it in its error file too.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 import time
 from datetime import timedelta
 
-from megart.errors import ConfigError
+from megart.errors import ConfigError, RankEnvironmentError
 
 EXIT_STATUS = 2
 # How long ranks that hit a configuration error wait for the others to hit it too (they started
@@ -39,15 +40,21 @@ def exit_on_error(prog: str, error: Exception) -> int:
     message = f"{prog}: error: {error}"
     from megart.distributed.rendezvous import under_agent
 
-    rank = int(os.environ.get("RANK", "0") or 0)
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+    except ValueError:
+        rank = -1  # a RANK that is no number: this rank's own error, said below
+    # An error of this rank's own environment, or one found after the ranks parted ways, is
+    # this rank's to say; a flag error every rank finds alike is rank 0's.
+    own = not isinstance(error, ConfigError) or isinstance(error, RankEnvironmentError)
     if not under_agent():
-        if not isinstance(error, ConfigError) or rank == 0:
+        if own or rank == 0:
             print(message, file=sys.stderr, flush=True)
         return EXIT_STATUS
     # From here on this rank exits with EXIT_STATUS by itself: the agent's stop must not turn
     # that into -15 (it would also cut short the meeting below).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if not isinstance(error, ConfigError):
+    if own:
         print(message, file=sys.stderr, flush=True)
         _write_error_file(message)
         return EXIT_STATUS

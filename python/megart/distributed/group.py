@@ -29,7 +29,7 @@ from megart.distributed.rendezvous import (
     process_alive,
     under_agent,
 )
-from megart.errors import ConfigError, MegartError
+from megart.errors import ConfigError, MegartError, RankEnvironmentError
 
 BACKENDS = ("shm", "nccl", "torch")
 
@@ -110,7 +110,7 @@ def _nccl_setup(local_rank: int) -> tuple[str, int]:
             f" CUDA {torch.version.cuda}); use backend='shm' with CPU tensors"
         )
     if not 0 <= local_rank < torch.cuda.device_count():
-        raise ConfigError(
+        raise RankEnvironmentError(
             f"LOCAL_RANK={local_rank} but this process sees {torch.cuda.device_count()} GPU(s); "
             "launch one process per GPU"
         )
@@ -233,7 +233,7 @@ def init(backend: str | None = None, timeout: timedelta | float = timedelta(minu
         timeout = timedelta(seconds=float(timeout))
     rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
     if (rank is None) != (world_size is None):
-        raise ConfigError("set both RANK and WORLD_SIZE (torchrun does), or neither")
+        raise RankEnvironmentError("set both RANK and WORLD_SIZE (torchrun does), or neither")
     import torch.distributed as td
 
     if rank is None:
@@ -241,7 +241,7 @@ def init(backend: str | None = None, timeout: timedelta | float = timedelta(minu
         pids = [os.getpid()]
     else:
         if not 0 <= rank < world_size:
-            raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+            raise RankEnvironmentError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
         store = connect(rank, world_size, timeout)
         pids = exchange_pids(store, rank, world_size, timeout)
     local_rank = env_int("LOCAL_RANK") or 0

@@ -19,7 +19,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from megart.errors import CommError, CommTimeoutError, ConfigError
+from megart.errors import CommError, CommTimeoutError, RankEnvironmentError
 
 # How often a rank that waits at the rendezvous says whom it waits for.
 NOTICE_S = 10.0
@@ -47,7 +47,9 @@ def env_int(name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+        raise RankEnvironmentError(
+            f"environment variable {name}={value!r} is not an integer"
+        ) from None
 
 
 def process_alive(pid: int) -> bool:
@@ -69,7 +71,7 @@ def process_alive(pid: int) -> bool:
 def _address() -> tuple[str, int]:
     port = env_int("MASTER_PORT")
     if port is None:
-        raise ConfigError("MASTER_PORT is not set; launch with torchrun or set it")
+        raise RankEnvironmentError("MASTER_PORT is not set; launch with torchrun or set it")
     return os.environ.get("MASTER_ADDR", "127.0.0.1"), port
 
 
