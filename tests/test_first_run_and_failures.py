@@ -104,7 +104,8 @@ def test_a_config_error_under_two_ranks_is_printed_once_with_the_same_status():
 
 def test_an_error_in_one_ranks_own_environment_is_said_by_that_rank():
     # Rank 0 would say a flag error for everyone; this one only rank 5 can find.
-    out = run(["-m", "megart", "train", *TINY], env=dict(RANK="5", WORLD_SIZE="2"), timeout=120)
+    args = ["-m", "megart", "train", *TINY, "--global-batch-size", "4"]  # right for 2 ranks
+    out = run(args, env=dict(RANK="5", WORLD_SIZE="2"), timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "megart train: error: RANK=5 is outside WORLD_SIZE=2" in out.stderr
 
