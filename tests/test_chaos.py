@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from megart.launcher import free_port
+from megart.launcher import free_port, rank_env
 
 WORLD = 4
 TIMEOUT_S = 120  # the job's --distributed-timeout: a survivor that waits it out fails the test
@@ -28,16 +28,7 @@ WORKER = str(Path(__file__).with_name("chaos_workers.py"))
 def _start(port: int) -> list[subprocess.Popen]:
     procs = []
     for r in range(WORLD):
-        env = dict(
-            os.environ,
-            RANK=str(r),
-            LOCAL_RANK=str(r),
-            WORLD_SIZE=str(WORLD),
-            LOCAL_WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
+        env = dict(os.environ, **rank_env(r, WORLD, port), OMP_NUM_THREADS="1")
         procs.append(
             subprocess.Popen(
                 [sys.executable, WORKER, str(TIMEOUT_S), "30"],

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from megart.launcher import free_port
+from megart.launcher import free_port, rank_env
 
 WORLD = 4
 TIMEOUT_S = 8.0  # the job's distributed timeout
@@ -22,18 +22,13 @@ WORKER = str(Path(__file__).with_name("stopped_rank_workers.py"))
 
 
 def test_survivors_name_the_stopped_rank_until_the_timeout_ends_them():
-    port = str(free_port())
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, WORKER, str(TIMEOUT_S)],
             env=dict(
                 os.environ,
-                RANK=str(r),
-                LOCAL_RANK=str(r),
-                WORLD_SIZE=str(WORLD),
-                LOCAL_WORLD_SIZE=str(WORLD),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
+                **rank_env(r, WORLD, port),
                 OMP_NUM_THREADS="1",
                 MEGART_WAIT_NOTICE_S=str(NOTICE_S),
             ),

@@ -172,7 +172,7 @@ def connect(rank: int, world_size: int, timeout: timedelta) -> object:
     agent = under_agent()
     deadline = time.monotonic() + timeout.total_seconds()
     if rank != 0 and not agent:
-        _await_host(rank, addr, port, timeout, deadline)
+        _await_host(rank, addr, port, timeout)
     try:
         left = timedelta(seconds=max(deadline - time.monotonic(), 1.0))
         store = tcp_store(addr, port, None if agent else world_size, rank == 0 and not agent, left)
@@ -189,12 +189,33 @@ def connect(rank: int, world_size: int, timeout: timedelta) -> object:
     return store
 
 
-def _await_host(rank: int, addr: str, port: int, timeout: timedelta, deadline: float) -> None:
+class _Wait:
+    """A wait bounded by ``timeout`` that says every few seconds what it waits for."""
+
+    def __init__(self, timeout: timedelta) -> None:
+        self.limit = timeout.total_seconds()
+        self.start = time.monotonic()
+        self.every = min(NOTICE_S, self.limit / 4)
+        self.next_notice = self.start + self.every
+
+    def over(self) -> bool:
+        return time.monotonic() - self.start > self.limit
+
+    def notice(self, what: str) -> None:
+        """Prints "megart: WHAT (gives up after N s)" when one is due."""
+        now = time.monotonic()
+        if now >= self.next_notice:
+            self.next_notice = now + self.every
+            print(
+                f"megart: {what} (gives up after {self.limit:.0f} s)", file=sys.stderr, flush=True
+            )
+
+
+def _await_host(rank: int, addr: str, port: int, timeout: timedelta) -> None:
     """Returns once something listens at addr:port. A bare connect, not torch's client: its
     retries log a stack trace each and cannot be told to look at rank 0 in between."""
     since = _started_at()
-    every = min(NOTICE_S, timeout.total_seconds() / 4)
-    next_notice = time.monotonic() + every
+    wait = _Wait(timeout)
     dead_since: float | None = None
     while not _listening(addr, port):
         now = time.monotonic()
@@ -207,20 +228,12 @@ def _await_host(rank: int, addr: str, port: int, timeout: timedelta, deadline: f
                 f"{addr}:{port}, exited before rank {rank} could connect: see rank 0's output "
                 "for why, and start the job again"
             )
-        if now > deadline:
+        if wait.over():
             raise CommTimeoutError(
                 f"rank {rank}: nothing serves the rendezvous at {addr}:{port} after "
-                f"{timeout.total_seconds():.0f} s: is rank 0 running with the same MASTER_ADDR "
-                "and MASTER_PORT?"
+                f"{wait.limit:.0f} s: is rank 0 running with the same MASTER_ADDR and MASTER_PORT?"
             )
-        if now >= next_notice:
-            next_notice = now + every
-            print(
-                f"megart: rank {rank} is waiting for rank 0 to serve the rendezvous at "
-                f"{addr}:{port} (gives up after {timeout.total_seconds():.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+        wait.notice(f"rank {rank} is waiting for rank 0 to serve the rendezvous at {addr}:{port}")
         time.sleep(0.1)
 
 
@@ -234,7 +247,13 @@ def exchange_pids(store: object, rank: int, world_size: int, timeout: timedelta)
         if under_agent() or isinstance(e, CommTimeoutError):
             raise
         addr, port = _address()
-        gone = _dead_host(addr, port, 0.0)
+        # A killed process's sockets close before it is marked as exited: look for a moment.
+        gone = None
+        for _ in range(int(_DEAD_FOR_S / 0.1)):
+            gone = _dead_host(addr, port, 0.0)
+            if gone is not None:
+                break
+            time.sleep(0.1)
         who = "rank 0"
         if gone is not None:
             who = f"rank 0 (pid {gone})"
@@ -250,28 +269,20 @@ def _exchange(store: object, rank: int, world_size: int, timeout: timedelta) -> 
     prefix = key_prefix() + "pid/"
     store.set(f"{prefix}{rank}", str(os.getpid()))
     keys = [f"{prefix}{r}" for r in range(world_size)]
-    start = time.monotonic()
-    every = min(NOTICE_S, timeout.total_seconds() / 4)
-    next_notice = start + every
+    wait = _Wait(timeout)
     where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT')}"
     while True:
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         if not missing:
             break
-        now = time.monotonic()
-        if now - start > timeout.total_seconds():
+        if wait.over():
             raise CommTimeoutError(
                 f"rank {rank}: rank(s) {missing} of WORLD_SIZE={world_size} did not join the "
-                f"rendezvous at {where} within {timeout.total_seconds():.0f} s: start every rank "
+                f"rendezvous at {where} within {wait.limit:.0f} s: start every rank "
                 "(torchrun --nproc-per-node N starts N), or set WORLD_SIZE to the ranks you start"
             )
-        if now >= next_notice:
-            next_notice = now + every
-            print(
-                f"megart: rank {rank} is waiting at {where} for rank(s) {missing} of "
-                f"WORLD_SIZE={world_size} (gives up after {timeout.total_seconds():.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+        wait.notice(
+            f"rank {rank} is waiting at {where} for rank(s) {missing} of WORLD_SIZE={world_size}"
+        )
         time.sleep(0.02)
     return [int(store.get(k)) for k in keys]
