@@ -80,6 +80,10 @@ def test_bad_flags_and_an_unwritable_save_are_refused_before_any_work(tmp_path):
     out = run(["-m", "megart", "train", *TINY, "--save", str(blocker / "ck")], timeout=120)
     assert out.returncode == 2 and f"--save {blocker / 'ck'} cannot be written" in out.stderr
     assert "iteration" not in out.stdout  # refused before training
+    # A misspelt flag: one line naming the flag it resembles, not argparse's 70-line usage.
+    out = run(["-m", "megart", "train", *TINY, "--micro-bach-size", "2"], timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "--micro-bach-size: did you mean --micro-batch-size?" in out.stderr
 
 
 def test_a_config_error_under_two_ranks_is_printed_once_with_the_same_status():
