@@ -10,8 +10,8 @@ after everything the workers wrote. The agent shows a worker's own message in th
 the worker leaves it in TORCHELASTIC_ERROR_FILE (torch.distributed.elastic's error-file
 protocol; the ``@record`` decorator writes the same file with a traceback). So under torchrun the
 ranks that hit a configuration error meet in the agent's store, ignore the agent's SIGTERM once
-they have decided to exit, and exit with 2 together; the lowest of them writes the message to
-its error file, and the block ends with it (its "Root Cause"), once. Other errors differ per
+they have decided to exit, and all exit with 2, the lowest of them first; it writes the message
+to its error file, and the block ends with it (its "Root Cause"), once. Other errors differ per
 rank (which peer each saw fail; a rank's own RANK or device): each rank prints its own and
 leaves it in its error file too.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -33,6 +34,10 @@ EXIT_STATUS = 2
 _MEET_S = 30.0
 # A rank that joined the rendezvous instead has passed the checks: it is waited for this long.
 _JOINED_GRACE_S = 2.0
+# The other ranks exit after the one that reports (see _outlive): at most this long after the
+# meeting, and then later than the agent's next look (torchrun's --monitor-interval, 0.1 s).
+_OUTLIVE_S = 5.0
+_AGENT_LOOKS_S = 0.5
 
 
 def exit_on_error(prog: str, error: Exception) -> int:
@@ -58,13 +63,30 @@ def exit_on_error(prog: str, error: Exception) -> int:
         print(message, file=sys.stderr, flush=True)
         _write_error_file(message)
         return EXIT_STATUS
-    first = _lowest_rank_with_the_error(rank, message)
+    first, where = _lowest_rank_with_the_error(rank)
     if first == rank:
         if not _write_error_file(message):
             print(message, file=sys.stderr, flush=True)  # no agent to show it: say it here
-    else:
-        _write_error_file(f"{prog}: stopped by the configuration error that rank {first} reports")
+        return EXIT_STATUS
+    _outlive(where)  # then this file's timestamp is not earlier than the reporter's either
+    _write_error_file(f"{prog}: stopped by the configuration error that rank {first} reports")
     return EXIT_STATUS
+
+
+def _outlive(where: str) -> None:
+    """Returns once the rank that reports the error (``where``: "host pid") has exited, if it
+    runs on this machine, and the agent has had time to see it alone. The agent names as root
+    cause the failure with the earliest timestamp (whole seconds), the first one it saw among
+    equals: exiting after it keeps that rank's message at the end of the report."""
+    from megart.distributed.rendezvous import process_alive
+
+    host, _, pid = where.partition(" ")
+    if host != socket.gethostname() or not pid.isdigit():
+        return
+    deadline = time.monotonic() + _OUTLIVE_S
+    while process_alive(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(_AGENT_LOOKS_S)
 
 
 def _write_error_file(message: str) -> bool:
@@ -81,32 +103,33 @@ def _write_error_file(message: str) -> bool:
     return True
 
 
-def _lowest_rank_with_the_error(rank: int, message: str) -> int:
-    """Posts this rank's error in torchrun's store and waits (bounded) until every rank has
-    posted one or joined the rendezvous (it passed the checks); returns the lowest rank that
-    posted. This rank alone when the store cannot be reached."""
+def _lowest_rank_with_the_error(rank: int) -> tuple[int, str]:
+    """Posts in torchrun's store that this rank hit a configuration error and waits (bounded)
+    until every rank has posted or joined the rendezvous (it passed the checks); returns the
+    lowest rank that posted and where it runs ("host pid"). This rank when the store cannot be
+    reached."""
     from megart.distributed import rendezvous
 
+    here = f"{socket.gethostname()} {os.getpid()}"
     world = rendezvous.env_int("WORLD_SIZE") or 1
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), rendezvous.env_int("MASTER_PORT")
     if port is None:
-        return rank
+        return rank, here
     prefix = rendezvous.key_prefix()
     try:
         store = rendezvous.tcp_store(addr, port, None, False, timedelta(seconds=10))
-        store.set(f"{prefix}config-error/{rank}", message)
+        store.set(f"{prefix}config-error/{rank}", here)
         deadline = time.monotonic() + _MEET_S
         joined_at: float | None = None
         while True:
             posted = [r for r in range(world) if store.check([f"{prefix}config-error/{r}"])]
             missing = [r for r in range(world) if r not in posted]
             now = time.monotonic()
-            if not missing or now > deadline:
-                return min(posted)
-            if all(store.check([f"{prefix}pid/{r}"]) for r in missing):
-                joined_at = joined_at or now
-                if now - joined_at > _JOINED_GRACE_S:
-                    return min(posted)
+            joined = all(store.check([f"{prefix}pid/{r}"]) for r in missing)
+            joined_at = (joined_at or now) if joined else None
+            if not missing or now > deadline or (joined and now - joined_at > _JOINED_GRACE_S):
+                first = min(posted)
+                return first, store.get(f"{prefix}config-error/{first}").decode()
             time.sleep(0.05)
     except RuntimeError:  # the store went away (torch's DistError): say it here
-        return rank
+        return rank, here
