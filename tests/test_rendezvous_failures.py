@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -107,3 +108,20 @@ def test_an_earlier_jobs_dead_rank0_on_the_port_is_not_taken_for_this_one():
     assert "rank 1 is waiting for rank 0 to serve the rendezvous at 127.0.0.1:" in out.stderr
     assert "nothing serves the rendezvous at 127.0.0.1:" in out.stderr.strip().splitlines()[-1]
     assert "exited" not in out.stderr
+
+
+def test_a_group_whose_creator_never_sets_it_up_is_named_while_waited_for(capsys):
+    import torch.distributed as td
+
+    from megart import CommTimeoutError
+    from megart.distributed import group
+
+    alive = [os.getpid(), os.getpid()]  # the creator runs but never posts the group's name
+    with pytest.raises(CommTimeoutError, match=r"global rank 1 did not set it up within 2 s"):
+        group._wait_key(td.HashStore(), "k", 1, alive, timedelta(seconds=2), "g")
+    notices = capsys.readouterr().err.strip().splitlines()
+    assert notices and all(
+        n == "megart: creating group 'g': waiting for global rank 1 to set it up "
+        "(gives up after 2 s)"
+        for n in notices
+    ), notices

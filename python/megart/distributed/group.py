@@ -22,9 +22,11 @@ from datetime import timedelta
 
 from megart._core import comm as _comm
 from megart.distributed.rendezvous import (
+    Wait,
     connect,
     env_int,
     exchange_pids,
+    exited_soon,
     key_prefix,
     process_alive,
     under_agent,
@@ -187,14 +189,14 @@ def _wait_key(
     process is gone rather than waiting out the timeout."""
     from megart.errors import CommError, CommTimeoutError
 
-    deadline = time.monotonic() + timeout.total_seconds()
+    wait = Wait(timeout)
     for i in range(1 << 62):
         try:
             if store.check([key]):
                 return store.get(key)
         except (RuntimeError, OSError) as e:  # torch's DistError and its kinds are RuntimeErrors
             # Without torchrun, rank 0 serves the store: its death shows up here first.
-            if pids and not under_agent() and not process_alive(pids[0]):
+            if pids and not under_agent() and exited_soon(pids[0]):
                 raise CommError(
                     f"creating group '{group}' failed: global rank 0 (pid {pids[0]}), which "
                     f"serves the rendezvous store, has exited ({str(e).splitlines()[0]})"
@@ -205,11 +207,12 @@ def _wait_key(
                 f"creating group '{group}' failed: global rank {writer} (pid {pids[writer]}), "
                 "which sets it up, has exited"
             )
-        if time.monotonic() > deadline:
+        if wait.over():
             raise CommTimeoutError(
                 f"creating group '{group}': global rank {writer} did not set it up within "
-                f"{timeout.total_seconds():.0f} s"
+                f"{wait.limit:.0f} s"
             )
+        wait.notice(f"creating group '{group}': waiting for global rank {writer} to set it up")
         time.sleep(0.01)
     raise AssertionError("unreachable")
 

@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -142,6 +143,20 @@ def _forget_dead_host(addr: str, port: int, pid: int) -> None:
         pass
 
 
+def _moments() -> Iterator[int]:
+    """Steps of 0.1 s for up to _DEAD_FOR_S: a killed process's sockets close before it is
+    marked as exited, so a broken connection is followed by a short look for the exit."""
+    for i in range(int(_DEAD_FOR_S / 0.1)):
+        if i:
+            time.sleep(0.1)
+        yield i
+
+
+def exited_soon(pid: int) -> bool:
+    """Whether process ``pid`` is gone, or goes within _DEAD_FOR_S (see _moments)."""
+    return any(not process_alive(pid) for _ in _moments())
+
+
 def _listening(addr: str, port: int) -> bool:
     try:
         with socket.create_connection((addr, port), timeout=1.0):
@@ -189,7 +204,7 @@ def connect(rank: int, world_size: int, timeout: timedelta) -> object:
     return store
 
 
-class _Wait:
+class Wait:
     """A wait bounded by ``timeout`` that says every few seconds what it waits for."""
 
     def __init__(self, timeout: timedelta) -> None:
@@ -215,7 +230,7 @@ def _await_host(rank: int, addr: str, port: int, timeout: timedelta) -> None:
     """Returns once something listens at addr:port. A bare connect, not torch's client: its
     retries log a stack trace each and cannot be told to look at rank 0 in between."""
     since = _started_at()
-    wait = _Wait(timeout)
+    wait = Wait(timeout)
     dead_since: float | None = None
     while not _listening(addr, port):
         now = time.monotonic()
@@ -247,13 +262,11 @@ def exchange_pids(store: object, rank: int, world_size: int, timeout: timedelta)
         if under_agent() or isinstance(e, CommTimeoutError):
             raise
         addr, port = _address()
-        # A killed process's sockets close before it is marked as exited: look for a moment.
         gone = None
-        for _ in range(int(_DEAD_FOR_S / 0.1)):
+        for _ in _moments():
             gone = _dead_host(addr, port, 0.0)
             if gone is not None:
                 break
-            time.sleep(0.1)
         who = "rank 0"
         if gone is not None:
             who = f"rank 0 (pid {gone})"
@@ -269,7 +282,7 @@ def _exchange(store: object, rank: int, world_size: int, timeout: timedelta) -> 
     prefix = key_prefix() + "pid/"
     store.set(f"{prefix}{rank}", str(os.getpid()))
     keys = [f"{prefix}{r}" for r in range(world_size)]
-    wait = _Wait(timeout)
+    wait = Wait(timeout)
     where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT')}"
     while True:
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
