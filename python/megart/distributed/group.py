@@ -30,6 +30,7 @@ from megart.distributed.rendezvous import (
     key_prefix,
     process_alive,
     under_agent,
+    withdraw,
 )
 from megart.errors import ConfigError, MegartError, RankEnvironmentError
 
@@ -266,6 +267,7 @@ def init(backend: str | None = None, timeout: timedelta | float = timedelta(minu
         pids,
         labels,
     )
+    withdraw()  # every rank has joined the world group: rank 0's host file has served
     _context = _Context(rank, world_size, local_rank, store, timeout, world, pids=pids)
     _context.labels = labels
     if nccl is not None:

@@ -82,8 +82,13 @@ def host_file(addr: str, port: int) -> Path:
     return Path(f"/dev/shm/megart-store-{os.getuid()}-{safe}-{port}")
 
 
+# Rank 0's host file while it stands: (path, its text).
+_announced: tuple[Path, str] | None = None
+
+
 def _announce(addr: str, port: int) -> None:
     """Rank 0: writes the host file (best effort: it only speeds up the others' diagnosis)."""
+    global _announced
     path = host_file(addr, port)
     text = f"{os.getpid()} {time.time():.3f}\n"
     try:
@@ -92,15 +97,24 @@ def _announce(addr: str, port: int) -> None:
         tmp.replace(path)
     except OSError:
         return
+    _announced = (path, text)
+    atexit.register(withdraw)
 
-    def remove() -> None:
-        try:
-            if path.read_text() == text:  # not a later job's on the same port
-                path.unlink()
-        except OSError:
-            pass
 
-    atexit.register(remove)
+def withdraw() -> None:
+    """Rank 0: removes its host file once every rank has joined (init() calls this; later
+    deaths are noticed through the exchanged pids), or at exit. Only a SIGKILL during start-up
+    leaves it, and the rank that finds it naming a dead process removes it."""
+    global _announced
+    if _announced is None:
+        return
+    path, text = _announced
+    _announced = None
+    try:
+        if path.read_text() == text:  # not a later job's on the same port
+            path.unlink()
+    except OSError:
+        pass
 
 
 def _started_at() -> float:
