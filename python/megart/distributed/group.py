@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -188,7 +187,7 @@ def _wait_key(
 ) -> bytes:
     """store.get(key), which global rank ``writer`` sets; fails within ~0.1 s once the writer's
     process is gone rather than waiting out the timeout."""
-    from megart.errors import CommError, CommTimeoutError
+    from megart.errors import CommError
 
     wait = Wait(timeout)
     for i in range(1 << 62):
@@ -208,13 +207,12 @@ def _wait_key(
                 f"creating group '{group}' failed: global rank {writer} (pid {pids[writer]}), "
                 "which sets it up, has exited"
             )
-        if wait.over():
-            raise CommTimeoutError(
-                f"creating group '{group}': global rank {writer} did not set it up within "
-                f"{wait.limit:.0f} s"
-            )
-        wait.notice(f"creating group '{group}': waiting for global rank {writer} to set it up")
-        time.sleep(0.01)
+        wait.step(
+            f"creating group '{group}': waiting for global rank {writer} to set it up",
+            f"creating group '{group}': global rank {writer} did not set it up within "
+            f"{wait.limit:.0f} s",
+            0.01,
+        )
     raise AssertionError("unreachable")
 
 

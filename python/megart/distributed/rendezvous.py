@@ -227,17 +227,20 @@ class Wait:
         self.every = min(NOTICE_S, self.limit / 4)
         self.next_notice = self.start + self.every
 
-    def over(self) -> bool:
-        return time.monotonic() - self.start > self.limit
-
-    def notice(self, what: str) -> None:
-        """Prints "megart: WHAT (gives up after N s)" when one is due."""
+    def step(self, waiting: str, gave_up: str, pause: float) -> None:
+        """One round: raises CommTimeoutError(``gave_up``) past the limit; else prints
+        "megart: WAITING (gives up after N s)" when one is due, and sleeps ``pause`` s."""
         now = time.monotonic()
+        if now - self.start > self.limit:
+            raise CommTimeoutError(gave_up)
         if now >= self.next_notice:
             self.next_notice = now + self.every
             print(
-                f"megart: {what} (gives up after {self.limit:.0f} s)", file=sys.stderr, flush=True
+                f"megart: {waiting} (gives up after {self.limit:.0f} s)",
+                file=sys.stderr,
+                flush=True,
             )
+        time.sleep(pause)
 
 
 def _await_host(rank: int, addr: str, port: int, timeout: timedelta) -> None:
@@ -257,13 +260,12 @@ def _await_host(rank: int, addr: str, port: int, timeout: timedelta) -> None:
                 f"{addr}:{port}, exited before rank {rank} could connect: see rank 0's output "
                 "for why, and start the job again"
             )
-        if wait.over():
-            raise CommTimeoutError(
-                f"rank {rank}: nothing serves the rendezvous at {addr}:{port} after "
-                f"{wait.limit:.0f} s: is rank 0 running with the same MASTER_ADDR and MASTER_PORT?"
-            )
-        wait.notice(f"rank {rank} is waiting for rank 0 to serve the rendezvous at {addr}:{port}")
-        time.sleep(0.1)
+        wait.step(
+            f"rank {rank} is waiting for rank 0 to serve the rendezvous at {addr}:{port}",
+            f"rank {rank}: nothing serves the rendezvous at {addr}:{port} after "
+            f"{wait.limit:.0f} s: is rank 0 running with the same MASTER_ADDR and MASTER_PORT?",
+            0.1,
+        )
 
 
 def exchange_pids(store: object, rank: int, world_size: int, timeout: timedelta) -> list[int]:
@@ -302,14 +304,11 @@ def _exchange(store: object, rank: int, world_size: int, timeout: timedelta) -> 
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         if not missing:
             break
-        if wait.over():
-            raise CommTimeoutError(
-                f"rank {rank}: rank(s) {missing} of WORLD_SIZE={world_size} did not join the "
-                f"rendezvous at {where} within {wait.limit:.0f} s: start every rank "
-                "(torchrun --nproc-per-node N starts N), or set WORLD_SIZE to the ranks you start"
-            )
-        wait.notice(
-            f"rank {rank} is waiting at {where} for rank(s) {missing} of WORLD_SIZE={world_size}"
+        wait.step(
+            f"rank {rank} is waiting at {where} for rank(s) {missing} of WORLD_SIZE={world_size}",
+            f"rank {rank}: rank(s) {missing} of WORLD_SIZE={world_size} did not join the "
+            f"rendezvous at {where} within {wait.limit:.0f} s: start every rank "
+            "(torchrun --nproc-per-node N starts N), or set WORLD_SIZE to the ranks you start",
+            0.02,
         )
-        time.sleep(0.02)
     return [int(store.get(k)) for k in keys]
