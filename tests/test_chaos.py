@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from megart.launcher import free_port
+from megart.distributed.rendezvous import host_file
+from megart.launcher import free_port, rank_env
 
 WORLD = 4
 TIMEOUT_S = 120  # the job's --distributed-timeout: a survivor that waits it out fails the test
@@ -28,16 +29,7 @@ WORKER = str(Path(__file__).with_name("chaos_workers.py"))
 def _start(port: int) -> list[subprocess.Popen]:
     procs = []
     for r in range(WORLD):
-        env = dict(
-            os.environ,
-            RANK=str(r),
-            LOCAL_RANK=str(r),
-            WORLD_SIZE=str(WORLD),
-            LOCAL_WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
+        env = dict(os.environ, **rank_env(r, WORLD, port), OMP_NUM_THREADS="1")
         procs.append(
             subprocess.Popen(
                 [sys.executable, WORKER, str(TIMEOUT_S), "30"],
@@ -51,7 +43,8 @@ def _start(port: int) -> list[subprocess.Popen]:
 
 
 def _trial(rng: random.Random, delays: list[float]) -> None:
-    procs = _start(free_port())
+    port = free_port()
+    procs = _start(port)
     try:
         for p in procs:  # every rank has joined (posted its pid): the kill window opens
             assert p.stdout.readline().strip() == "joined", p.stderr.read()
@@ -92,6 +85,8 @@ def _trial(rng: random.Random, delays: list[float]) -> None:
                 p.wait()
     leaked = [f for p in procs for f in glob.glob(f"/dev/shm/megart-{p.pid}-*")]
     assert not leaked, f"segments left behind: {leaked}"
+    # Rank 0's note of who serves the store goes once every rank has joined.
+    assert not host_file("127.0.0.1", port).exists()
 
 
 def test_a_killed_rank_ends_every_survivor_within_seconds():

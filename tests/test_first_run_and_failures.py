@@ -5,7 +5,6 @@ damaged checkpoints, and a /dev/shm too small. Real processes, each with a timeo
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +80,10 @@ def test_bad_flags_and_an_unwritable_save_are_refused_before_any_work(tmp_path):
     out = run(["-m", "megart", "train", *TINY, "--save", str(blocker / "ck")], timeout=120)
     assert out.returncode == 2 and f"--save {blocker / 'ck'} cannot be written" in out.stderr
     assert "iteration" not in out.stdout  # refused before training
+    # A misspelt flag: one line naming the flag it resembles, not argparse's 70-line usage.
+    out = run(["-m", "megart", "train", *TINY, "--micro-bach-size", "2"], timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "--micro-bach-size: did you mean --micro-batch-size?" in out.stderr
 
 
 def test_a_config_error_under_two_ranks_is_printed_once_with_the_same_status():
@@ -103,6 +106,14 @@ def test_a_config_error_under_two_ranks_is_printed_once_with_the_same_status():
     assert errs[1].strip() == "" and "Traceback" not in errs[0]
 
 
+def test_an_error_in_one_ranks_own_environment_is_said_by_that_rank():
+    # Rank 0 would say a flag error for everyone; this one only rank 5 can find.
+    args = ["-m", "megart", "train", *TINY, "--global-batch-size", "4"]  # right for 2 ranks
+    out = run(args, env=dict(RANK="5", WORLD_SIZE="2"), timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "megart train: error: RANK=5 is outside WORLD_SIZE=2" in out.stderr
+
+
 def test_a_rank_alone_says_whom_it_waits_for_and_gives_up():
     code = "import megart.distributed as d; d.init(backend='shm', timeout=4)"
     env = dict(RANK="0", WORLD_SIZE="2", MASTER_PORT=str(free_port()))
@@ -112,7 +123,6 @@ def test_a_rank_alone_says_whom_it_waits_for_and_gives_up():
     assert "rank(s) [1] of WORLD_SIZE=2 did not join the rendezvous" in out.stderr
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 def test_under_torchrun_ranks_use_the_agents_store_without_a_bind_error(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
@@ -123,7 +133,9 @@ def test_under_torchrun_ranks_use_the_agents_store_without_a_bind_error(tmp_path
     )
     out = subprocess.run(
         [
-            shutil.which("torchrun"),
+            sys.executable,  # torchrun, with this interpreter whatever PATH holds
+            "-m",
+            "torch.distributed.run",
             "--nproc-per-node",
             "2",
             "--master-port",
@@ -198,3 +210,37 @@ def test_a_peer_that_died_before_joining_is_noticed_at_once():
         comm.create_shm(name + "b", "g", 1, 2, timeout_s=60, pids=[dead, me])
     assert time.monotonic() - start < 10  # not the 60 s timeout
     assert not Path(f"/dev/shm{name}").exists()  # the failing rank removed the name
+
+
+@pytest.mark.parametrize(
+    "nproc, flags, says",
+    [
+        (2, ["--micro-batch-size", "0"], "--micro-batch-size 0 and --global-batch-size 2 must"),
+        # 4 ranks: the agent sees them exit in several looks (2 often exit in the same one).
+        (4, ["--tensor-model-parallel-size", "3"], "4 processes do not split into tensor-parall"),
+    ],
+)
+def test_a_config_error_under_torchrun_ends_its_report_once(nproc, flags, says):
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        + ["--master-port", str(free_port()), "-m", "megart", "train", *TINY, *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode != 0
+    # Said once, by rank 0, as the root cause that ends torchrun's report (not above it, where
+    # the report would bury it); the other rank points at it.
+    assert out.stderr.count(says) == 1, out.stderr
+    root = out.stderr.rsplit("Root Cause (first observed failure):", 1)[1]
+    assert (
+        "rank      : 0 (local_rank: 0)" in root
+        and f"traceback : megart train: error: {says}" in root
+    )
+    pointers = out.stderr.count("stopped by the configuration error that rank 0 reports")
+    assert pointers == nproc - 1, out.stderr
+    # Every rank exits with 2 by itself (the agent's SIGTERM, sent to whoever it finds still
+    # running, ends none: no -15), and without a traceback of megart's.
+    assert out.stderr.count("exitcode  : 2 (pid") == nproc, out.stderr
+    assert "exitcode  : -" not in out.stderr
+    assert not any("megart" in line for line in out.stderr.splitlines() if "File " in line)

@@ -13,6 +13,7 @@ from megart.errors import (
     ConfigError,
     DeadlockError,
     MegartError,
+    RankEnvironmentError,
     ScheduleError,
     TrainingError,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "initialize",
     "MegartError",
     "ConfigError",
+    "RankEnvironmentError",
     "ScheduleError",
     "DeadlockError",
     "CommError",

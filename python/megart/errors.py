@@ -2,6 +2,8 @@
 
 - ``MegartError``: base of all (a ``RuntimeError``).
 - ``ConfigError``: a bad argument or layout (also a ``ValueError``).
+- ``RankEnvironmentError``: a ``ConfigError`` in one rank's own environment (its RANK,
+  LOCAL_RANK, MASTER_PORT, device), which the other ranks may not share.
 - ``ScheduleError``: a schedule that breaks a rule; ``DeadlockError``: one that cannot progress.
 - ``CommError``: a communication op failed (a dead peer, an abort, ranks that disagree);
   ``CommTimeoutError``: a wait ran past its timeout (also a ``TimeoutError``). Both name this
@@ -19,6 +21,12 @@ from megart._core import (
 )
 
 
+class RankEnvironmentError(ConfigError):
+    """A configuration error in one rank's own environment (RANK, LOCAL_RANK, MASTER_PORT, its
+    device): unlike a flag, which every rank checks alike, the other ranks may not find it, so
+    the rank that does says it itself."""
+
+
 class TrainingError(MegartError):
     """Training cannot go on: a loss or gradient norm that is not finite. Says the iteration,
     the value and what to change."""
@@ -27,6 +35,7 @@ class TrainingError(MegartError):
 __all__ = [
     "MegartError",
     "ConfigError",
+    "RankEnvironmentError",
     "ScheduleError",
     "DeadlockError",
     "CommError",

@@ -27,6 +27,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives worker ``rank`` of ``nproc`` on this machine: for starting
+    ranks as plain processes (one ``python`` per rank, no launcher to clean up after them)."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def _worker(
     fn: Callable[..., Any], args: tuple, rank: int, env: dict[str, str], results: mp.Queue
 ) -> None:

@@ -44,6 +44,13 @@ struct Options {
 
 class ShmCommunicator;
 
+// The heartbeat of long waits (notice.cpp): how often a blocked wait says whom it waits on
+// (MEGART_WAIT_NOTICE_S, default 60 s); whether this process may print one now (at most one
+// per interval, whichever group or thread waits); and the one-write line to stderr.
+std::chrono::milliseconds wait_notice_interval();
+bool claim_wait_notice(std::chrono::steady_clock::time_point now);
+void write_stderr_line(const std::string& line);
+
 // One op in flight. step() does what it can without blocking and returns true when finished.
 class Task {
  public:
@@ -135,6 +142,10 @@ class ShmCommunicator final : public Communicator,
   // Marks the group broken by `message` and fails every pending task; `culprit` gets the message
   // itself (a CommTimeoutError when `timeout`). Caller holds mu_.
   void fail_locked(const std::string& message, bool timeout, Task* culprit);
+  // The line a wait prints when `task` has been blocked for `waited` (notice.cpp): this rank,
+  // the ranks it waits on (with their coordinates), the op, the group and the time left.
+  std::string wait_notice_locked(const Task& task,
+                                 std::chrono::steady_clock::duration waited) const;
   std::string where() const;
   // How errors name group rank q (its label, else "rank q").
   std::string label(int q) const;

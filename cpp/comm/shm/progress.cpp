@@ -147,8 +147,11 @@ std::string ShmCommunicator::health_locked(const Task& task, bool check_peers,
   std::string names;
   for (int q : peers) names += (names.empty() ? "" : ", ") + label(q);
   *timeout = true;
+  // The one peer that never came is recorded as the job's first failure, so that survivors
+  // whose waits end because this rank now exits name it, not this rank.
+  const std::string first = peers.size() == 1 ? note_failure(peers[0]) : std::string();
   return task.describe() + " timed out after " + std::to_string(options_.timeout.count()) +
-         " ms waiting for " + (names.empty() ? std::string("its peers") : names) +
+         " ms waiting for " + (names.empty() ? std::string("its peers") : names) + first +
          " (a stopped or stuck process; --distributed-timeout-minutes sets this limit)";
 }
 
@@ -200,10 +203,12 @@ void ShmCommunicator::wait(const std::shared_ptr<Task>& task) {
       }
     }
     auto last_check = Clock::now();
+    auto next_notice = task->posted + wait_notice_interval();
     while (!task->done) {
       Sleeper sleeper(header_);
       const std::uint32_t generation = header_->generation.load();
       Clock::duration nap;
+      std::string notice;
       {
         std::lock_guard<std::mutex> lock(mu_);
         progress_locked();
@@ -217,8 +222,13 @@ void ShmCommunicator::wait(const std::shared_ptr<Task>& task) {
           fail_locked(problem, timeout, task.get());
           break;
         }
+        if (now >= next_notice) {  // blocked a while: say on whom (printed outside the lock)
+          next_notice = now + wait_notice_interval();
+          if (claim_wait_notice(now)) notice = wait_notice_locked(*task, now - task->posted);
+        }
         nap = std::min<Clock::duration>(task->deadline - now, kLongestNap);
       }
+      if (!notice.empty()) write_stderr_line(notice);
       futex_wait(&header_->generation, generation, nap);
     }
   }

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
+import difflib
 from collections.abc import Sequence
+from typing import NoReturn
 
 from megart.errors import ConfigError, MegartError
 from megart.training.config import CHOICES, TrainConfig
@@ -210,22 +210,38 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**given)
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse, except that a bad flag is a ConfigError of one line (with the closest flag's
+    name for a misspelt one) instead of a usage message of some 70 lines, so that it is said
+    once across ranks and reaches torchrun's report (megart.cli.failure) like other errors."""
+
+    def error(self, message: str) -> NoReturn:
+        hints = []
+        if message.startswith("unrecognized arguments:"):
+            flags = [a for a in self._option_string_actions if a.startswith("--")]
+            for word in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(word.split("=")[0], flags, n=1)
+                if word.startswith("--") and close:
+                    hints.append(f"{word}: did you mean {close[0]}?")
+        hints.append(f"'{self.prog} --help' lists the flags")
+        raise ConfigError(f"{message} ({'; '.join(hints)})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="megart train", description=__doc__.split("\n\n")[0].replace("\n", " ")
     )
     add_arguments(parser)
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         from megart.training.trainer import Trainer
 
         config = config_from_args(args)
         Trainer(config).train()
     except (MegartError, ValueError) as e:
-        # A configuration error is found by every rank alike, before any rank waits on another
-        # (Trainer checks the flags first): rank 0 says it, once, and every rank exits with 2.
-        # Other errors differ per rank (which peer each saw fail), so each rank says its own.
-        if not isinstance(e, ConfigError) or os.environ.get("RANK", "0") == "0":
-            print(f"megart train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        # Once for a configuration error (every rank finds it alike), with the same status on
+        # every rank, and readable under torchrun: see megart.cli.failure.
+        from megart.cli.failure import exit_on_error
+
+        return exit_on_error("megart train", e)
     return 0

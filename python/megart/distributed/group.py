@@ -15,13 +15,23 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from megart._core import comm as _comm
-from megart.errors import ConfigError, MegartError
+from megart.distributed.rendezvous import (
+    Wait,
+    connect,
+    env_int,
+    exchange_pids,
+    exited_soon,
+    key_prefix,
+    process_alive,
+    under_agent,
+    withdraw,
+)
+from megart.errors import ConfigError, MegartError, RankEnvironmentError
 
 BACKENDS = ("shm", "nccl", "torch")
 
@@ -76,16 +86,6 @@ class _Context:
 _context: _Context | None = None
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
-
-
 def _cuda_module() -> object:
     try:
         from megart import _cuda
@@ -112,7 +112,7 @@ def _nccl_setup(local_rank: int) -> tuple[str, int]:
             f" CUDA {torch.version.cuda}); use backend='shm' with CPU tensors"
         )
     if not 0 <= local_rank < torch.cuda.device_count():
-        raise ConfigError(
+        raise RankEnvironmentError(
             f"LOCAL_RANK={local_rank} but this process sees {torch.cuda.device_count()} GPU(s); "
             "launch one process per GPU"
         )
@@ -182,38 +182,21 @@ def _join(
     return group
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
-
-
 def _wait_key(
     store: object, key: str, writer: int, pids: list[int] | None, timeout: timedelta, group: str
 ) -> bytes:
     """store.get(key), which global rank ``writer`` sets; fails within ~0.1 s once the writer's
     process is gone rather than waiting out the timeout."""
-    from megart.errors import CommError, CommTimeoutError
+    from megart.errors import CommError
 
-    deadline = time.monotonic() + timeout.total_seconds()
+    wait = Wait(timeout)
     for i in range(1 << 62):
         try:
             if store.check([key]):
                 return store.get(key)
         except (RuntimeError, OSError) as e:  # torch's DistError and its kinds are RuntimeErrors
             # Without torchrun, rank 0 serves the store: its death shows up here first.
-            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-            if pids and not agent and not process_alive(pids[0]):
+            if pids and not under_agent() and exited_soon(pids[0]):
                 raise CommError(
                     f"creating group '{group}' failed: global rank 0 (pid {pids[0]}), which "
                     f"serves the rendezvous store, has exited ({str(e).splitlines()[0]})"
@@ -224,88 +207,13 @@ def _wait_key(
                 f"creating group '{group}' failed: global rank {writer} (pid {pids[writer]}), "
                 "which sets it up, has exited"
             )
-        if time.monotonic() > deadline:
-            raise CommTimeoutError(
-                f"creating group '{group}': global rank {writer} did not set it up within "
-                f"{timeout.total_seconds():.0f} s"
-            )
-        time.sleep(0.01)
-    raise AssertionError("unreachable")
-
-
-# How often a rank waiting at the rendezvous says whom it waits for.
-_RENDEZVOUS_NOTICE_S = 10.0
-
-
-def _key_prefix() -> str:
-    # torchrun restarts workers on the same store: each attempt gets its own keys.
-    return f"megart/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-
-
-def _connect(rank: int, world_size: int, timeout: timedelta) -> object:
-    """The job's TCPStore. Under torchrun its agent already serves one at MASTER_ADDR:MASTER_PORT
-    (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects to it as a client, instead of rank 0
-    trying (and failing, with an error line) to bind a second server to the same port."""
-    import torch.distributed as td
-
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = _env_int("MASTER_PORT")
-    if port is None:
-        raise ConfigError("MASTER_PORT is not set; launch with torchrun or set it")
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    try:
-        # wait_for_workers=False: _rendezvous below waits, saying for whom.
-        return td.TCPStore(
-            addr,
-            port,
-            None if agent else world_size,
-            is_master=rank == 0 and not agent,
-            timeout=timeout,
-            wait_for_workers=False,
+        wait.step(
+            f"creating group '{group}': waiting for global rank {writer} to set it up",
+            f"creating group '{group}': global rank {writer} did not set it up within "
+            f"{wait.limit:.0f} s",
+            0.01,
         )
-    except (RuntimeError, TimeoutError) as e:
-        from megart.errors import CommTimeoutError
-
-        raise CommTimeoutError(
-            f"rank {rank}: could not reach the rendezvous at {addr}:{port} within "
-            f"{timeout.total_seconds():.0f} s ({str(e).splitlines()[0]}): is rank 0 running "
-            "with the same MASTER_ADDR and MASTER_PORT?"
-        ) from None
-
-
-def _rendezvous(store: object, rank: int, world_size: int, timeout: timedelta) -> list[int]:
-    """Every rank posts its process id and waits for everyone's; returns them by rank. Says whom
-    it waits for every few seconds and gives up at the timeout, naming the missing ranks."""
-    from megart.errors import CommTimeoutError
-
-    prefix = _key_prefix() + "pid/"
-    store.set(f"{prefix}{rank}", str(os.getpid()))
-    keys = [f"{prefix}{r}" for r in range(world_size)]
-    start = time.monotonic()
-    every = min(_RENDEZVOUS_NOTICE_S, timeout.total_seconds() / 4)
-    next_notice = start + every
-    where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT')}"
-    while True:
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        if not missing:
-            break
-        now = time.monotonic()
-        if now - start > timeout.total_seconds():
-            raise CommTimeoutError(
-                f"rank {rank}: rank(s) {missing} of WORLD_SIZE={world_size} did not join the "
-                f"rendezvous at {where} within {timeout.total_seconds():.0f} s: start every rank "
-                "(torchrun --nproc-per-node N starts N), or set WORLD_SIZE to the ranks you start"
-            )
-        if now >= next_notice:
-            next_notice = now + every
-            print(
-                f"megart: rank {rank} is waiting at {where} for rank(s) {missing} of "
-                f"WORLD_SIZE={world_size} (gives up after {timeout.total_seconds():.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-        time.sleep(0.02)
-    return [int(store.get(k)) for k in keys]
+    raise AssertionError("unreachable")
 
 
 def init(backend: str | None = None, timeout: timedelta | float = timedelta(minutes=10)) -> None:
@@ -325,9 +233,9 @@ def init(backend: str | None = None, timeout: timedelta | float = timedelta(minu
         raise ConfigError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
-    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
     if (rank is None) != (world_size is None):
-        raise ConfigError("set both RANK and WORLD_SIZE (torchrun does), or neither")
+        raise RankEnvironmentError("set both RANK and WORLD_SIZE (torchrun does), or neither")
     import torch.distributed as td
 
     if rank is None:
@@ -335,10 +243,10 @@ def init(backend: str | None = None, timeout: timedelta | float = timedelta(minu
         pids = [os.getpid()]
     else:
         if not 0 <= rank < world_size:
-            raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
-        store = _connect(rank, world_size, timeout)
-        pids = _rendezvous(store, rank, world_size, timeout)
-    local_rank = _env_int("LOCAL_RANK") or 0
+            raise RankEnvironmentError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+        store = connect(rank, world_size, timeout)
+        pids = exchange_pids(store, rank, world_size, timeout)
+    local_rank = env_int("LOCAL_RANK") or 0
     nccl = _nccl_setup(local_rank) if backend == "nccl" else None
     if backend == "torch":
         from megart.distributed import torch_backend
@@ -347,7 +255,7 @@ def init(backend: str | None = None, timeout: timedelta | float = timedelta(minu
     labels = [f"global rank {r}" for r in range(world_size)]
     world = _join(
         store,
-        _key_prefix() + "group/world",
+        key_prefix() + "group/world",
         list(range(world_size)),
         rank,
         "world",
@@ -357,6 +265,7 @@ def init(backend: str | None = None, timeout: timedelta | float = timedelta(minu
         pids,
         labels,
     )
+    withdraw()  # every rank has joined the world group: rank 0's host file has served
     _context = _Context(rank, world_size, local_rank, store, timeout, world, pids=pids)
     _context.labels = labels
     if nccl is not None:
@@ -409,7 +318,7 @@ def new_group(ranks: list[int] | None = None, backend: str | None = None) -> Pro
     name = f"group{ctx.groups_made}{ranks}"
     return _join(
         ctx.store,
-        f"{_key_prefix()}group/{ctx.groups_made}",
+        f"{key_prefix()}group/{ctx.groups_made}",
         ranks,
         ctx.rank,
         name,

@@ -280,7 +280,7 @@ class TrainConfig:
         tp, pp = self.tp, self.pp
         if tp < 1 or pp < 1 or world_size % (tp * pp):
             raise ConfigError(
-                f"{world_size} process{'es' if world_size > 1 else ''} do not split into "
+                f"{world_size} process{'es do' if world_size > 1 else ' does'} not split into "
                 f"tensor-parallel {tp} x pipeline-parallel {pp}; the product must divide the "
                 f"number of processes: start a multiple of {max(1, tp * pp)} (torchrun "
                 "--nproc-per-node N starts N) or choose smaller sizes"

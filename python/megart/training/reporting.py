@@ -78,11 +78,12 @@ def summary_line(
     mfu = sum(mfus) / len(mfus) if mfus else None
     last = history[-1]
     valid = next((f["valid_loss"] for f in reversed(history) if "valid_loss" in f), None)
+    n = len(history)
     parts = [
-        f"megart train: done: {len(history)} iterations (to {last['iteration']}) in "
+        f"megart train: done: {n} iteration{'s' * (n != 1)} (to {last['iteration']}) in "
         f"{seconds:.1f} s",
         f"mean over iterations {timed[0]['iteration']}-{last['iteration']}"
-        + (f" ({warm} warm-up iterations excluded)" if warm else "")
+        + (f" ({warm} warm-up iteration{'s' * (warm != 1)} excluded)" if warm else "")
         + f": {tokens:,.0f} tokens/s, {_throughput(tflops, mfu, cpu)}",
         f"final train loss {last['loss']:.4f}"
         + (f", validation loss {valid:.4f}" if valid is not None else ""),
