@@ -14,6 +14,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.training import checksum
+from megart.training.megatron_files import LOAD_GLOBALS, from_megatron_file, is_megatron_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -74,9 +75,13 @@ def read_file(path: Path) -> dict[str, Any]:
     Its checksum, where the save wrote one, is verified first (corrupted bytes name the file)."""
     checksum.verify(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # Allowed besides: what a file in Megatron's layout holds (--ckpt-format torch).
+        with torch.serialization.safe_globals(LOAD_GLOBALS):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
         raise ConfigError(f"{path} cannot be read as a megart checkpoint file ({e})") from e
+    if is_megatron_file(state):
+        state = from_megatron_file(state, path)
     if not isinstance(state, dict) or "config" not in state or "model" not in state:
         raise ConfigError(f"{path} is not a megart checkpoint file (no 'config' and 'model')")
     return state

@@ -16,7 +16,6 @@ import-hf).
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 from pathlib import Path
@@ -39,64 +38,17 @@ from megart.training.checkpoint import (
     required_latest_iteration,
     write_release,
 )
+from megart.training.megatron_files import (
+    LOAD_GLOBALS,
+    config_from_args,
+    is_megatron_file,
+    megatron_args,
+    model_chunks,
+    rank_state,
+)
 from megart.training.shards import layer_ids, read_shards, whole_tensors
 
-CHECKPOINT_VERSION = 3.0
 VOCAB_NAMES = (megatron_layout.WORD, megatron_layout.OUTPUT)
-
-
-def megatron_args(
-    cfg: GPTConfig, iteration: int, tp: int = 1, pp: int = 1, vpp: int = 1
-) -> argparse.Namespace:
-    """The Megatron-LM flags (argparse names) that describe ``cfg`` on ``tp`` x ``pp`` ranks
-    of ``vpp`` virtual stages each."""
-    return argparse.Namespace(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.ffn_size,
-        num_attention_heads=cfg.num_attention_heads,
-        group_query_attention=cfg.query_groups != cfg.num_attention_heads,
-        num_query_groups=cfg.query_groups,
-        kv_channels=cfg.head_dim,
-        seq_length=cfg.seq_length,
-        max_position_embeddings=cfg.seq_length,
-        vocab_size=cfg.vocab_size,
-        padded_vocab_size=cfg.padded_vocab_size(tp),
-        make_vocab_size_divisible_by=128,
-        normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
-        norm_epsilon=cfg.layernorm_epsilon,
-        position_embedding_type="rope"
-        if cfg.position_embedding == "rotary"
-        else "learned_absolute",
-        rotary_base=int(cfg.rotary_base),
-        rotary_interleaved=cfg.rotary_interleaved,
-        swiglu=cfg.activation == "swiglu",
-        add_bias_linear=cfg.bias,
-        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        num_layers_per_virtual_pipeline_stage=cfg.num_layers // (pp * vpp) if vpp > 1 else None,
-        iteration=iteration,
-        ckpt_format="torch",
-    )
-
-
-def rank_state(
-    args: argparse.Namespace, iteration: int, chunks: list[dict[str, torch.Tensor]]
-) -> dict[str, Any]:
-    """One rank's file: its model chunks under Megatron's keys (``model`` for one chunk,
-    ``model0``, ``model1``, ... under interleaving)."""
-    state: dict[str, Any] = {
-        "args": args,
-        "checkpoint_version": CHECKPOINT_VERSION,
-        "iteration": iteration,
-    }
-    if len(chunks) == 1:
-        state["model"] = chunks[0]
-    else:
-        state.update({f"model{i}": chunk for i, chunk in enumerate(chunks)})
-    return state
 
 
 def megart_to_megatron(
@@ -138,7 +90,7 @@ def megart_to_megatron(
 
 
 def _load(path: Path, mmap: bool = False) -> Any:
-    with torch.serialization.safe_globals([argparse.Namespace]):
+    with torch.serialization.safe_globals(LOAD_GLOBALS):
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
@@ -153,35 +105,6 @@ def read_rank(path: Path) -> dict[str, Any]:
     if "model" not in state and "model0" not in state:
         raise ConfigError(f"{path} is not a Megatron-LM legacy checkpoint (no model)")
     return state
-
-
-def model_chunks(state: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
-    """A rank file's model chunks, in order."""
-    if "model" in state:
-        return [state["model"]]
-    count = sum(1 for k in state if k.startswith("model") and k[5:].isdigit())
-    return [state[f"model{i}"] for i in range(count)]
-
-
-def config_from_args(a: dict[str, Any]) -> GPTConfig:
-    """The GPTConfig Megatron-LM's flags (``vars(args)``) describe."""
-    return GPTConfig(
-        vocab_size=a.get("vocab_size") or a["padded_vocab_size"],
-        seq_length=a["seq_length"],
-        hidden_size=a["hidden_size"],
-        num_layers=a["num_layers"],
-        num_attention_heads=a["num_attention_heads"],
-        ffn_hidden_size=a.get("ffn_hidden_size"),
-        layernorm_epsilon=a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)),
-        normalization="rmsnorm" if a.get("normalization") == "RMSNorm" else "layernorm",
-        position_embedding="rotary" if a.get("position_embedding_type") == "rope" else "learned",
-        rotary_base=float(a.get("rotary_base", 10000)),
-        rotary_interleaved=bool(a.get("rotary_interleaved", False)),
-        activation="swiglu" if a.get("swiglu") else "gelu",
-        bias=a.get("add_bias_linear", True),
-        untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),
-        num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else None,
-    )
 
 
 def rank_files(root: Path, tp: int, pp: int) -> dict[tuple[int, int], Path]:
@@ -243,7 +166,8 @@ def is_megatron(load_dir: str | os.PathLike) -> bool:
         state = _load(path, mmap=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError):
         return False
-    return isinstance(state, dict) and "checkpoint_version" in state
+    # megart train --ckpt-format torch writes this format with its own extras: resumed in full.
+    return is_megatron_file(state) and "megart" not in state
 
 
 def megatron_to_megart(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> Path:
