@@ -139,3 +139,13 @@ def _megatron_lrs(states: list[dict]) -> list[float]:
         sched.load_state_dict(saved)
         rates.append(sched.get_lr(Stub.param_groups[0]))
     return rates
+
+
+def test_a_torch_format_checkpoint_reshards_on_load(runs):
+    """The tp2 checkpoint resumed by one process: the files read back as megart's, so the
+    resharding path takes them (Adam's moments included) and the curve goes on."""
+    straight, ckpt, _ = runs["tp2-fp32"]
+    resumed = launch(_train, 1, dict(train_iters=4, load=str(ckpt)), timeout=300)[0]
+    assert [h["iteration"] for h in resumed] == [3, 4]
+    want = [h["loss"] for h in straight[2:]]
+    assert [h["loss"] for h in resumed] == pytest.approx(want, rel=1e-5, abs=0)
