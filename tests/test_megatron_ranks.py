@@ -183,3 +183,17 @@ def test_load_of_a_tp2_megatron_checkpoint_gives_the_one_rank_ones_loss(saved, t
     assert losses[2] == pytest.approx(losses[1], rel=1e-6)
     tuned = launch(_train, 1, {**run, "load": str(saved), "finetune": True}, timeout=300)[0]
     assert losses[2] == pytest.approx([h["loss"] for h in tuned], rel=1e-5)
+
+
+def test_a_missing_rank_file_and_misplaced_target_flags_are_refused(saved, tmp_path, capsys):
+    out = tmp_path / "megatron"
+    _convert("--from", "megart", "--to", "megatron", "--load", str(saved), "--save", str(out))
+    gone = iteration_dir(out, 1) / "mp_rank_01_001" / FILE
+    gone.unlink()
+    capsys.readouterr()
+    args = ["convert-checkpoint", "--from", "megatron", "--to", "megart", "--load", str(out)]
+    assert main([*args, "--save", str(tmp_path / "back")]) == 2
+    err = capsys.readouterr().err
+    assert "tensor-parallel 2 x pipeline-parallel 2" in err and str(gone) in err
+    assert main([*args, "--save", str(tmp_path / "b2"), "--target-tensor-parallel-size", "2"]) == 2
+    assert "use them with --to megatron only" in capsys.readouterr().err

@@ -36,6 +36,20 @@ def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
+def rank_files(root: Path, tp: int, pp: int) -> dict[tuple[int, int], Path]:
+    """Every (tensor, pipeline) rank's file of checkpoint ``root`` of ``tp`` x ``pp`` ranks;
+    a missing one is a ConfigError naming them all."""
+    paths = {(t, p): root / rank_dir(t, p, pp) / FILE for t in range(tp) for p in range(pp)}
+    missing = [str(path) for path in paths.values() if not path.is_file()]
+    if missing:
+        raise ConfigError(
+            f"{root} was saved by tensor-parallel {tp} x pipeline-parallel {pp} ranks, but "
+            f"{len(missing)} of its {len(paths)} files are missing: {', '.join(missing)}; "
+            "copy the whole iteration directory the training job wrote"
+        )
+    return paths
+
+
 def latest_iteration(directory: str | os.PathLike) -> int | None:
     """The iteration of the last complete checkpoint in ``directory``, or None."""
     tracker = Path(directory) / TRACKER

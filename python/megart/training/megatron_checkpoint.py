@@ -38,6 +38,7 @@ from megart.training.checkpoint import (
     required_latest_iteration,
     write_release,
 )
+from megart.training.ckpt_files import rank_files
 from megart.training.megatron_files import (
     LOAD_GLOBALS,
     config_from_args,
@@ -105,19 +106,6 @@ def read_rank(path: Path) -> dict[str, Any]:
     if "model" not in state and "model0" not in state:
         raise ConfigError(f"{path} is not a Megatron-LM legacy checkpoint (no model)")
     return state
-
-
-def rank_files(root: Path, tp: int, pp: int) -> dict[tuple[int, int], Path]:
-    """Every rank's file of a checkpoint of ``tp`` x ``pp`` ranks; a missing one is refused."""
-    paths = {(t, p): root / rank_dir(t, p, pp) / FILE for t in range(tp) for p in range(pp)}
-    missing = [str(path) for path in paths.values() if not path.is_file()]
-    if missing:
-        raise ConfigError(
-            f"{root} was saved by tensor-parallel {tp} x pipeline-parallel {pp} ranks (its "
-            f"args say), but {len(missing)} of its {len(paths)} files are missing: "
-            f"{', '.join(missing)}; copy the whole iteration directory"
-        )
-    return paths
 
 
 def first_rank_file(root: Path) -> Path | None:
