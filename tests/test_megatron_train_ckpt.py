@@ -25,7 +25,8 @@ SCENARIOS = {  # name: (processes, flags)
             hidden_dropout=0.1,
             attention_dropout=0.1,
         ),
-    ),  # fmt: skip
+    ),
+    "bf16": (1, dict(bf16=True)),
 }
 
 
@@ -106,6 +107,10 @@ def test_files_have_megatrons_keys_and_layouts(runs):
                             "cuda_rng_state", "rng_tracker_states"}  # fmt: skip
         assert isinstance(rng["np_rng_state"][1], np.ndarray)
         assert rng["rng_tracker_states"]
+    # --bf16: the same layout, without a grad scaler (Megatron's bf16 runs have none).
+    state = _raw(iteration_dir(runs["bf16"][1], 2) / "mp_rank_00" / FILE)
+    assert set(state["optimizer"]) == {"optimizer", "fp32_from_fp16_params"}
+    assert all(v.dtype == torch.bfloat16 for v in state["model"].values())
 
 
 STYLES = ("linear", "cosine", "constant", "inverse-square-root")
