@@ -181,8 +181,7 @@ def tp_rank_logits(megatron_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     torch.cuda.current_device = lambda: "cpu"
     model = megatron_model(cfg, tp)
-    extra = {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
-    model.load_state_dict({**state["model"], **extra}, strict=True)
+    model.load_state_dict(state["model"], strict=True)
     local = megatron_logits(model, tokens).contiguous()
     parts = [torch.empty_like(local) for _ in range(tp)]
     torch.distributed.all_gather(parts, local)

@@ -38,7 +38,7 @@ except ImportError:  # numpy 1
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
-from megart.training.megatron_layout import OUTPUT, WORD
+from megart.training.megatron_layout import OUTPUT, WORD, with_extra_states
 
 CHECKPOINT_VERSION = 3.0
 # What torch.load(weights_only=True) must be allowed to rebuild in these files: args, and
@@ -166,11 +166,13 @@ def scheduler_state(config: Any, iteration: int) -> dict[str, Any]:
     }
 
 
-def _chunk_to_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, first: bool) -> dict:
+def _chunk_to_megatron(
+    sd: dict[str, torch.Tensor], cfg: GPTConfig, layers: list[int]
+) -> dict[str, torch.Tensor | None]:
     out = to_megatron(sd, cfg)
-    if not first and WORD in out:  # the tied embedding's copy: Megatron's output layer
+    if layers[0] != 0 and WORD in out:  # the tied embedding's copy: Megatron's output layer
         out[OUTPUT] = out.pop(WORD)
-    return out
+    return with_extra_states(out, layers[-1] == cfg.num_layers - 1)
 
 
 def _chunk_from_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, first: bool) -> dict:
@@ -185,8 +187,10 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
     ``dp`` data-parallel ranks) in Megatron-LM's legacy layout, keeping what megart needs
     besides under ``megart``."""
     iteration = state["iteration"]
-    firsts = [ids[0] == 0 for ids in state["layer_ids"]]
-    model = [_chunk_to_megatron(sd, cfg, f) for sd, f in zip(state["model"], firsts, strict=True)]
+    model = [
+        _chunk_to_megatron(sd, cfg, ids)
+        for sd, ids in zip(state["model"], state["layer_ids"], strict=True)
+    ]
     half = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
     out = rank_state(_training_args(config, cfg, iteration, dp), iteration, model)
     optimizer = state["optimizer"]
@@ -206,7 +210,7 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
                 "hysteresis_tracker": 1,
             }
         for chunk in model:
-            chunk.update({k: v.to(half) for k, v in chunk.items() if v.is_floating_point()})
+            chunk.update({k: v.to(half) for k, v in chunk.items() if v is not None})
     if optimizer is not None:
         out["optimizer"] = optimizer
         out["opt_param_scheduler"] = scheduler_state(config, iteration)

@@ -69,6 +69,17 @@ def unshard(name: str, parts: list[torch.Tensor], cfg: GPTConfig) -> torch.Tenso
     return torch.cat(parts, dim)
 
 
+def with_extra_states(state: dict[str, torch.Tensor], last: bool) -> dict:
+    """``state`` with the ``_extra_state`` entry (None) that each of Megatron-Core's linear
+    layers adds to a module state dict (the output layer's on the last stage even when tied),
+    so that Megatron's strict load finds every key; the local spec's layers hold None there,
+    and Transformer Engine's take None as nothing to restore."""
+    linears = {n.rsplit(".", 1)[0] for n in state if re.search(r"\.linear_\w+\.weight$", n)}
+    if last:
+        linears.add("output_layer")
+    return state | {f"{prefix}._extra_state": None for prefix in sorted(linears)}
+
+
 def _stage_layers(cfg: GPTConfig, pp: int, vpp: int) -> dict[tuple[int, int], range]:
     if cfg.num_layers % (pp * vpp):
         raise ConfigError(
@@ -106,7 +117,7 @@ def split(whole: dict[str, torch.Tensor], cfg: GPTConfig, tp: int, pp: int, vpp:
                 state[local] = shard(name, value, cfg, tp, t).clone()
             if last and not first and not cfg.untie_embeddings_and_output_weights:
                 state[OUTPUT] = shard(WORD, whole[WORD], cfg, tp, t).clone()
-            out.setdefault((t, p), []).append(state)
+            out.setdefault((t, p), []).append(with_extra_states(state, last))
     return out
 
 
