@@ -32,7 +32,7 @@ def convert(
 
     if source == target:
         raise ConfigError(f"--from {source} --to {target}: nothing to convert")
-    if (tp or pp) and target != "megatron":
+    if (tp is not None or pp is not None) and target != "megatron":
         raise ConfigError(
             "--target-tensor-parallel-size and --target-pipeline-parallel-size set the layout "
             "of a Megatron-LM checkpoint written: use them with --to megatron only"

@@ -61,6 +61,9 @@ def megart_to_megatron(
     """The latest checkpoint in megart's ``load_dir`` (any layout) as Megatron-LM's legacy
     checkpoint in ``save_dir``, on ``tp`` x ``pp`` ranks (by default the source's layout,
     interleaving included); returns its files."""
+    for flag, size in (("tensor", tp), ("pipeline", pp)):
+        if size is not None and size < 1:
+            raise ConfigError(f"--target-{flag}-parallel-size {size}: give 1 or more")
     iteration = required_latest_iteration(load_dir)
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
@@ -68,11 +71,8 @@ def megart_to_megatron(
     vpp = 1
     if tp is None and pp is None:
         vpp = len(layer_ids(shards[0, 0], 0, layout["pipeline_model_parallel_size"], cfg))
-    tp = tp or layout["tensor_model_parallel_size"]
-    pp = pp or layout["pipeline_model_parallel_size"]
-    if tp < 1 or pp < 1:
-        raise ConfigError("--target-tensor-parallel-size and --target-pipeline-parallel-size "
-                          "must be at least 1")  # fmt: skip
+    tp = layout["tensor_model_parallel_size"] if tp is None else tp
+    pp = layout["pipeline_model_parallel_size"] if pp is None else pp
     cfg.check_layout(tp, pp, vpp)
     whole = whole_tensors(shards, cfg)
     weights = to_megatron({k: v.clone() for k, v in whole.items()}, cfg)
