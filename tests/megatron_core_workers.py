@@ -16,7 +16,9 @@ def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")  # GPT-2's, megart's
 
 
-def megatron_model(cfg: GPTConfig) -> torch.nn.Module:
+def megatron_model(cfg: GPTConfig, tp: int = 1) -> torch.nn.Module:
+    """Megatron-Core's GPTModel of ``cfg`` (one rank of ``tp`` when model parallelism is
+    already initialised)."""
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -59,7 +61,7 @@ def megatron_model(cfg: GPTConfig) -> torch.nn.Module:
     return GPTModel(
         config,
         get_gpt_layer_local_spec(normalization=config.normalization),
-        vocab_size=cfg.padded_vocab_size(1),
+        vocab_size=cfg.padded_vocab_size(tp),
         max_sequence_length=cfg.seq_length,
         position_embedding_type="rope" if rope else "learned_absolute",
         rotary_base=int(cfg.rotary_base),
@@ -153,3 +155,35 @@ def legacy_checkpoint_roundtrip(megart_dir: str, out_dir: str) -> dict:
         same_config=checkpoint.model_config(state) == cfg,
         iteration=iteration,
     )
+
+
+def tp_rank_logits(megatron_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    """On each of the launched ranks: Megatron-Core's GPTModel built with tensor parallelism
+    (the world's size), strictly loading its own rank's file of the Megatron legacy checkpoint
+    in ``megatron_dir``; the logits of ``tokens``, gathered over the vocabulary shards."""
+    import os
+
+    from megatron.core import parallel_state
+
+    from megart.training import checkpoint
+    from megart.training.megatron_checkpoint import read_rank
+    from megart.training.megatron_files import config_from_args
+
+    tp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    torch.distributed.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(tp, 1)
+    root = checkpoint.iteration_dir(megatron_dir, checkpoint.latest_iteration(megatron_dir))
+    state = read_rank(root / f"mp_rank_{rank:02d}" / checkpoint.FILE)
+    assert state["args"].tensor_model_parallel_size == tp
+    cfg = config_from_args(vars(state["args"]))
+    import megatron.core.tensor_parallel.random as mrandom
+
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: "cpu"
+    model = megatron_model(cfg, tp)
+    model.load_state_dict(state["model"], strict=True)
+    local = megatron_logits(model, tokens).contiguous()
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    torch.distributed.all_gather(parts, local)
+    torch.distributed.destroy_process_group()
+    return torch.cat(parts, -1)

@@ -1,7 +1,8 @@
 """megart convert-checkpoint: between megart checkpoints, Megatron-LM's legacy checkpoints
 (``--ckpt-format torch``) and Hugging Face GPT-2 directories, in one process.
 
-    megart convert-checkpoint --from megart --to megatron --load CKPT --save OUT
+    megart convert-checkpoint --from megart --to megatron --load CKPT --save OUT \
+        [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
     megart convert-checkpoint --from megatron --to megart --load MEGATRON_CKPT --save OUT
     megart convert-checkpoint --from megatron --to hf --load MEGATRON_CKPT --save GPT2_DIR
 """
@@ -16,15 +17,29 @@ from megart.cli.hf_common import run_conversion
 from megart.errors import ConfigError
 
 
-def convert(source: str, target: str, load: str, save: str) -> str:
-    """Converts the latest checkpoint in ``load``; returns what was written."""
+def convert(
+    source: str,
+    target: str,
+    load: str,
+    save: str,
+    tp: int | None = None,
+    pp: int | None = None,
+) -> str:
+    """Converts the latest checkpoint in ``load``; returns what was written. ``tp`` and
+    ``pp``: the layout of a Megatron-LM checkpoint written (by default the source's)."""
     from megart.training.export_hf import export_checkpoint
     from megart.training.megatron_checkpoint import megart_to_megatron, megatron_to_megart
 
     if source == target:
         raise ConfigError(f"--from {source} --to {target}: nothing to convert")
+    if (tp is not None or pp is not None) and target != "megatron":
+        raise ConfigError(
+            "--target-tensor-parallel-size and --target-pipeline-parallel-size set the layout "
+            "of a Megatron-LM checkpoint written: use them with --to megatron only"
+        )
     if source == "megart" and target == "megatron":
-        return f"{megart_to_megatron(load, save)} (Megatron-LM legacy, weights)"
+        files = megart_to_megatron(load, save, tp, pp)
+        return f"{files[0].parents[1]}: {len(files)} rank files (Megatron-LM legacy, weights)"
     if source == "megart":
         return f"{export_checkpoint(load, save)}: GPT-2 files"
     if target == "megart":
@@ -42,8 +57,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--to", dest="target", required=True, choices=("megart", "megatron", "hf"))
     p.add_argument("--load", required=True, metavar="DIR", help="the checkpoint directory")
     p.add_argument("--save", required=True, metavar="DIR", help="where to write")
+    for what in ("tensor", "pipeline"):
+        p.add_argument(
+            f"--target-{what}-parallel-size",
+            type=int,
+            metavar="N",
+            help=f"--to megatron: the {what}-parallel size of the checkpoint written "
+            "(default: the source checkpoint's layout)",
+        )
     args = p.parse_args(argv)
     return run_conversion(
         "megart convert-checkpoint",
-        lambda: convert(args.source, args.target, args.load, args.save),
+        lambda: convert(
+            args.source,
+            args.target,
+            args.load,
+            args.save,
+            args.target_tensor_parallel_size,
+            args.target_pipeline_parallel_size,
+        ),
     )

@@ -153,8 +153,8 @@ HELP = {
     "all-gather finishes just before the next forward first uses it",
     "log_throughput": "accepted: megart's progress line always has TFLOP/s per GPU "
     "(Megatron's count)",
-    "ckpt_format": "megart (megart's checkpoint); torch (Megatron-LM's legacy) is refused: "
-    "save as megart and run megart convert-checkpoint --to megatron",
+    "ckpt_format": "megart (megart's checkpoint); torch (Megatron-LM's legacy layout: model, "
+    "optimizer, scheduler, random states per rank; not with --use-distributed-optimizer)",
     "calculate_per_token_loss": "mean loss over the global batch's tokens (megart has no loss "
     "mask: the same as its per-microbatch means)",
     "context_parallel_size": "context parallelism (megart: only 1)",

@@ -32,6 +32,12 @@ LAYER_NAMES = {
     "mlp.proj": "mlp.linear_fc2",
 }
 _LAYER = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)$")
+# Transformer Engine's layer spec (Megatron's default on GPUs) fuses each norm into the linear
+# layer after it: its parameters are the same norm's, under these names.
+TE_NORMS = {
+    "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+    "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+}
 
 
 def to_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
@@ -54,8 +60,8 @@ def to_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, tor
 
 
 def from_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """megart's names (without a chunk prefix) for a Megatron-Core GPTModel's ``state``;
-    ``_extra_state`` entries are dropped."""
+    """megart's names (without a chunk prefix) for a Megatron-Core GPTModel's ``state``, of
+    the local or Transformer Engine layer spec; ``_extra_state`` entries are dropped."""
     back = {v: k for k, v in NAMES.items()}
     layer_back = {v: k for k, v in LAYER_NAMES.items()}
     out: dict[str, torch.Tensor] = {}
@@ -63,6 +69,8 @@ def from_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, t
     for name, value in state.items():
         if name.endswith("_extra_state"):
             continue
+        for fused, norm in TE_NORMS.items():
+            name = name.replace(fused, norm)
         if name in back:
             out[back[name]] = value
             continue

@@ -49,6 +49,7 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     read_file,
     required_latest_iteration,
 )
+from megart.training.megatron_files import to_megatron_file
 
 
 def _check_placement(directory: str | os.PathLike, saved: dict, config: Any) -> None:
@@ -174,6 +175,8 @@ def save(
                 else consumed_samples
             ),
         )
+        if config.ckpt_format == "torch":  # Megatron-LM's legacy layout (megatron_files)
+            state = to_megatron_file(state, config, chunks[0].cfg, grid.layout.dp)
         write_file(partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE, state)
     dist.barrier()
     if dist.get_rank() == 0:

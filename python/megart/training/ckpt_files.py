@@ -14,6 +14,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.training import checksum
+from megart.training.megatron_files import LOAD_GLOBALS, from_megatron_file, is_megatron_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -33,6 +34,20 @@ def iteration_dir(directory: str | os.PathLike, iteration: int) -> Path:
 
 def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def rank_files(root: Path, tp: int, pp: int) -> dict[tuple[int, int], Path]:
+    """Every (tensor, pipeline) rank's file of checkpoint ``root`` of ``tp`` x ``pp`` ranks;
+    a missing one is a ConfigError naming them all."""
+    paths = {(t, p): root / rank_dir(t, p, pp) / FILE for t in range(tp) for p in range(pp)}
+    missing = [str(path) for path in paths.values() if not path.is_file()]
+    if missing:
+        raise ConfigError(
+            f"{root} was saved by tensor-parallel {tp} x pipeline-parallel {pp} ranks, but "
+            f"{len(missing)} of its {len(paths)} files are missing: {', '.join(missing)}; "
+            "copy the whole iteration directory the training job wrote"
+        )
+    return paths
 
 
 def latest_iteration(directory: str | os.PathLike) -> int | None:
@@ -74,9 +89,13 @@ def read_file(path: Path) -> dict[str, Any]:
     Its checksum, where the save wrote one, is verified first (corrupted bytes name the file)."""
     checksum.verify(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # Allowed besides: what a file in Megatron's layout holds (--ckpt-format torch).
+        with torch.serialization.safe_globals(LOAD_GLOBALS):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
         raise ConfigError(f"{path} cannot be read as a megart checkpoint file ({e})") from e
+    if is_megatron_file(state):
+        state = from_megatron_file(state, path)
     if not isinstance(state, dict) or "config" not in state or "model" not in state:
         raise ConfigError(f"{path} is not a megart checkpoint file (no 'config' and 'model')")
     return state

@@ -28,9 +28,10 @@ What each does in megart:
   see megart.training.grad_sync and megart.training.distributed_optimizer.
 - --distributed-timeout-minutes: the bound on every wait of megart's communicator.
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
-- --ckpt-format: megart (the default); torch (Megatron-LM's legacy format) is not written by
-  training yet (megart convert-checkpoint writes it) and torch_dist is refused. --load reads a
-  Megatron-LM legacy checkpoint of one rank (megart.training.megatron_checkpoint) as --finetune.
+- --ckpt-format: megart (the default); torch writes Megatron-LM's legacy format
+  (megart.training.megatron_files; not with --use-distributed-optimizer), torch_dist is
+  refused. --load reads a Megatron-LM legacy checkpoint of any layout
+  (megart.training.megatron_checkpoint) as --finetune.
 - --calculate-per-token-loss: megart has no loss mask, so every microbatch has b s tokens and
   the per-token mean over the global batch equals the mean of the per-microbatch means that
   megart computes: the gradients are the same.
@@ -117,11 +118,12 @@ def check_megatron_flags(config: Any) -> None:
                 f"--{name.replace('_', '-')} {value}: megart has no {kind} parallelism yet; "
                 "use 1 (the default)"
             )
-    if config.ckpt_format == "torch":
+    if config.ckpt_format == "torch" and config.use_distributed_optimizer:
         raise ConfigError(
-            "--ckpt-format torch: megart train does not write Megatron-LM's legacy checkpoint "
-            "yet; save with --ckpt-format megart (the default) and run megart "
-            "convert-checkpoint --from megart --to megatron (--load reads either format)"
+            "--ckpt-format torch with --use-distributed-optimizer: Megatron-LM's legacy format "
+            "keeps the distributed optimizer's state in distrib_optim.pt files of its own "
+            "layout, which megart does not write; leave one of the two out (megart's own "
+            "format, the default, saves the distributed optimizer)"
         )
     if config.ckpt_format == "torch_dist":
         raise ConfigError(

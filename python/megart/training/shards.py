@@ -22,7 +22,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models import GPTChunk, GPTConfig, chunk_layers
-from megart.training.ckpt_files import FILE, rank_dir, read_file
+from megart.training.ckpt_files import FILE, rank_files, read_file
 
 Shards = dict[tuple[int, int], dict[str, Any]]  # (tensor rank, pipeline rank) -> its file
 # pick((tensor rank, pipeline rank), chunk, name): the shard to merge, None where there is none
@@ -60,14 +60,7 @@ def read_shards(root: Path, pp_ranks: Iterable[int] | None = None) -> Shards:
     layout = read_file(found[0])["config"]
     tp = layout["tensor_model_parallel_size"]
     pp = layout["pipeline_model_parallel_size"]
-    paths = {(t, p): root / rank_dir(t, p, pp) / FILE for t in range(tp) for p in range(pp)}
-    missing = [str(path) for path in paths.values() if not path.is_file()]
-    if missing:
-        raise ConfigError(
-            f"{root} was saved by tensor-parallel {tp} x pipeline-parallel {pp} ranks, but "
-            f"{len(missing)} of its {len(paths)} files are missing: {', '.join(missing)}; "
-            "copy the whole iteration directory the training job wrote"
-        )
+    paths = rank_files(root, tp, pp)
     wanted = set(range(pp) if pp_ranks is None else pp_ranks)
     return {(t, p): read_file(path) for (t, p), path in paths.items() if p in wanted}
 

@@ -1,0 +1,277 @@
+"""One rank's file of Megatron-LM's legacy checkpoint (``--ckpt-format torch``): its ``args``,
+its keys, and the whole training state megart train writes in it.
+
+Megatron-LM's ``generate_state_dict`` (megatron/training/checkpointing.py) writes, per tensor-
+and pipeline-parallel rank (data-parallel rank 0): ``args`` (an argparse Namespace of its
+flags), ``checkpoint_version`` 3.0, ``iteration``, ``model`` (``model0``, ``model1``, ... under
+interleaving: the module state dicts, see megart.training.megatron_layout), ``optimizer``,
+``opt_param_scheduler`` and ``rng_state``. The non-distributed optimizer's state dict is
+torch's (``state``, ``param_groups``) in fp32 (FP32Optimizer); with --fp16/--bf16
+(Float16OptimizerWithFloat16Params) it is ``{"optimizer": torch's, "fp32_from_fp16_params":
+[[fp32 master of each parameter] per param group], "grad_scaler": ...}`` (fp16 only) and the
+model's tensors are in the 16-bit type. The scheduler's is OptimizerParamScheduler.state_dict
+(steps counted in samples); ``rng_state`` a list (one entry per data-parallel rank, one without
+--data-parallel-random-init) of python's, numpy's, torch's and CUDA's generator states and the
+tensor-parallel tracker's.
+
+megart keeps its params in fp32 and autocasts, so its fp32 weights are the master copies; what
+megart needs beyond Megatron's keys to resume exactly (its layout record, the layer ids, which
+parameter each optimizer state belongs to, its loss scaler and the tracker's CPU streams) rides
+along under the extra key ``megart``, which Megatron's loader does not read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    from numpy._core.multiarray import _reconstruct
+except ImportError:  # numpy 1
+    from numpy.core.multiarray import _reconstruct
+
+from megart.errors import ConfigError
+from megart.models.config import GPTConfig
+from megart.models.megatron_names import from_megatron, to_megatron
+from megart.training.megatron_layout import OUTPUT, WORD, with_extra_states
+
+CHECKPOINT_VERSION = 3.0
+# What torch.load(weights_only=True) must be allowed to rebuild in these files: args, and
+# numpy's generator state (a tuple holding a uint32 array).
+LOAD_GLOBALS = [argparse.Namespace, np.dtype, np.ndarray, type(np.dtype(np.uint32)), _reconstruct]
+
+
+def megatron_args(
+    cfg: GPTConfig, iteration: int, tp: int = 1, pp: int = 1, vpp: int = 1
+) -> argparse.Namespace:
+    """The Megatron-LM flags (argparse names) that describe ``cfg`` on ``tp`` x ``pp`` ranks
+    of ``vpp`` virtual stages each."""
+    return argparse.Namespace(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_size,
+        num_attention_heads=cfg.num_attention_heads,
+        group_query_attention=cfg.query_groups != cfg.num_attention_heads,
+        num_query_groups=cfg.query_groups,
+        kv_channels=cfg.head_dim,
+        seq_length=cfg.seq_length,
+        max_position_embeddings=cfg.seq_length,
+        vocab_size=cfg.vocab_size,
+        padded_vocab_size=cfg.padded_vocab_size(tp),
+        make_vocab_size_divisible_by=128,
+        normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
+        norm_epsilon=cfg.layernorm_epsilon,
+        position_embedding_type="rope"
+        if cfg.position_embedding == "rotary"
+        else "learned_absolute",
+        rotary_base=int(cfg.rotary_base),
+        rotary_interleaved=cfg.rotary_interleaved,
+        swiglu=cfg.activation == "swiglu",
+        add_bias_linear=cfg.bias,
+        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=cfg.num_layers // (pp * vpp) if vpp > 1 else None,
+        iteration=iteration,
+        ckpt_format="torch",
+    )
+
+
+def config_from_args(a: dict[str, Any]) -> GPTConfig:
+    """The GPTConfig Megatron-LM's flags (``vars(args)``) describe."""
+    return GPTConfig(
+        vocab_size=a.get("vocab_size") or a["padded_vocab_size"],
+        seq_length=a["seq_length"],
+        hidden_size=a["hidden_size"],
+        num_layers=a["num_layers"],
+        num_attention_heads=a["num_attention_heads"],
+        ffn_hidden_size=a.get("ffn_hidden_size"),
+        layernorm_epsilon=a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)),
+        normalization="rmsnorm" if a.get("normalization") == "RMSNorm" else "layernorm",
+        position_embedding="rotary" if a.get("position_embedding_type") == "rope" else "learned",
+        rotary_base=float(a.get("rotary_base", 10000)),
+        rotary_interleaved=bool(a.get("rotary_interleaved", False)),
+        activation="swiglu" if a.get("swiglu") else "gelu",
+        bias=a.get("add_bias_linear", True),
+        untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),
+        num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else None,
+    )
+
+
+def rank_state(
+    args: argparse.Namespace, iteration: int, chunks: list[dict[str, torch.Tensor]]
+) -> dict[str, Any]:
+    """A rank's file with its model chunks under Megatron's keys (``model`` for one chunk,
+    ``model0``, ``model1``, ... under interleaving)."""
+    state: dict[str, Any] = {
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+    }
+    if len(chunks) == 1:
+        state["model"] = chunks[0]
+    else:
+        state.update({f"model{i}": chunk for i, chunk in enumerate(chunks)})
+    return state
+
+
+def model_chunks(state: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+    """A rank file's model chunks, in order."""
+    if "model" in state:
+        return [state["model"]]
+    count = sum(1 for k in state if k.startswith("model") and k[5:].isdigit())
+    return [state[f"model{i}"] for i in range(count)]
+
+
+def is_megatron_file(state: Any) -> bool:
+    return isinstance(state, dict) and "checkpoint_version" in state and "args" in state
+
+
+def _training_args(config: Any, cfg: GPTConfig, iteration: int, dp: int) -> argparse.Namespace:
+    """megart train's flags under Megatron's names (TrainConfig's fields are Megatron's
+    argparse names), over the model's."""
+    per = config.num_layers_per_virtual_pipeline_stage
+    vpp = cfg.num_layers // (config.pp * per) if per else 1
+    args = megatron_args(cfg, iteration, config.tp, config.pp, vpp)
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if not hasattr(args, field.name) and isinstance(value, (int, float, str, type(None))):
+            setattr(args, field.name, value)
+    args.data_parallel_size = dp
+    args.ckpt_format = "torch"
+    return args
+
+
+def scheduler_state(config: Any, iteration: int) -> dict[str, Any]:
+    """Megatron's OptimizerParamScheduler.state_dict after ``iteration`` iterations: its steps
+    count samples (it steps by the global batch each iteration)."""
+    gbs = config.global_batch_size
+    return {
+        "max_lr": config.lr,
+        "lr_warmup_steps": round(config.warmup_iters * gbs),
+        "num_steps": iteration * gbs,
+        "lr_decay_style": config.lr_decay_style,
+        "lr_decay_steps": round(config.decay_iters * gbs),
+        "min_lr": config.min_lr,
+        "start_wd": config.weight_decay,
+        "end_wd": config.weight_decay,
+        "wd_incr_style": "constant",
+        "wd_incr_steps": config.train_iters * gbs,
+    }
+
+
+def _chunk_to_megatron(
+    sd: dict[str, torch.Tensor], cfg: GPTConfig, layers: list[int]
+) -> dict[str, torch.Tensor | None]:
+    out = to_megatron(sd, cfg)
+    if layers[0] != 0 and WORD in out:  # the tied embedding's copy: Megatron's output layer
+        out[OUTPUT] = out.pop(WORD)
+    return with_extra_states(out, layers[-1] == cfg.num_layers - 1)
+
+
+def _chunk_from_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, first: bool) -> dict:
+    out = from_megatron(sd, cfg)
+    if not first and not cfg.untie_embeddings_and_output_weights and OUTPUT in sd:
+        out["wte.weight"] = out.pop("output_layer.weight")
+    return out
+
+
+def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int) -> dict[str, Any]:
+    """megart's file of one rank (megart.training.checkpoint.file_state, ``cfg`` its model,
+    ``dp`` data-parallel ranks) in Megatron-LM's legacy layout, keeping what megart needs
+    besides under ``megart``."""
+    iteration = state["iteration"]
+    model = [
+        _chunk_to_megatron(sd, cfg, ids)
+        for sd, ids in zip(state["model"], state["layer_ids"], strict=True)
+    ]
+    half = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
+    out = rank_state(_training_args(config, cfg, iteration, dp), iteration, model)
+    optimizer = state["optimizer"]
+    if optimizer is not None and half is not None:
+        # The fp32 weights are the master copies; the model holds their 16-bit casts.
+        names = iter(state["optimizer_params"])
+        masters = [
+            [state["model"][c][n] for c, n in (next(names) for _ in group["params"])]
+            for group in optimizer["param_groups"]
+        ]
+        optimizer = {"optimizer": optimizer, "fp32_from_fp16_params": masters}
+        scaler = state["loss_scaler"]
+        if scaler is not None:  # Megatron's DynamicGradScaler's fields
+            optimizer["grad_scaler"] = {
+                "scale": torch.tensor(float(scaler["scale"])),
+                "growth_tracker": int(scaler["good_steps"]),
+                "hysteresis_tracker": 1,
+            }
+        for chunk in model:
+            chunk.update({k: v.to(half) for k, v in chunk.items() if v is not None})
+    if optimizer is not None:
+        out["optimizer"] = optimizer
+        out["opt_param_scheduler"] = scheduler_state(config, iteration)
+    rng = state["rng"]
+    if rng is not None:
+        out["rng_state"] = [
+            {
+                "random_rng_state": random.getstate(),
+                "np_rng_state": np.random.get_state(),
+                "torch_rng_state": rng["torch"],
+                "cuda_rng_state": rng["cuda"],  # None on a CPU run
+                "rng_tracker_states": {
+                    n: cpu if cuda is None else cuda for n, (cpu, cuda) in rng["tracker"].items()
+                },
+            }
+        ]
+    keep = ("release", "config", "model_config", "layer_ids", "optimizer_params", "loss_scaler")
+    out["megart"] = {k: state[k] for k in keep} | {
+        "rng_tracker": None if rng is None else rng["tracker"],
+        "half": half is not None and optimizer is not None,
+    }
+    return out
+
+
+def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
+    """megart's view (checkpoint.file_state's keys) of a file to_megatron_file wrote."""
+    extra = state.get("megart")
+    if extra is None:
+        raise ConfigError(
+            f"{path} is Megatron-LM's own legacy checkpoint, not one megart train wrote: "
+            "megart reads only its weights (megart train --load, or convert-checkpoint "
+            "--from megatron)"
+        )
+    known = {f.name for f in dataclasses.fields(GPTConfig) if f.init}
+    cfg = GPTConfig(**{k: v for k, v in extra["model_config"].items() if k in known})
+    firsts = [ids[0] == 0 for ids in extra["layer_ids"]]
+    model = [
+        _chunk_from_megatron(sd, cfg, f) for sd, f in zip(model_chunks(state), firsts, strict=True)
+    ]
+    optimizer = state.get("optimizer")
+    if optimizer is not None and extra["half"]:
+        names = iter(extra["optimizer_params"])
+        for group in optimizer["fp32_from_fp16_params"]:
+            for master in group:
+                c, n = next(names)
+                model[c][n] = master
+        optimizer = optimizer["optimizer"]
+    rng = None
+    if state.get("rng_state"):
+        r = state["rng_state"][0]
+        rng = {"torch": r["torch_rng_state"], "cuda": r["cuda_rng_state"],
+               "tracker": extra["rng_tracker"]}  # fmt: skip
+    return {
+        "iteration": state["iteration"],
+        "release": extra["release"],
+        "config": extra["config"],
+        "model_config": extra["model_config"],
+        "layer_ids": extra["layer_ids"],
+        "optimizer_params": extra["optimizer_params"],
+        "model": model,
+        "optimizer": optimizer,
+        "rng": rng,
+        "loss_scaler": extra["loss_scaler"],
+    }

@@ -1,0 +1,168 @@
+"""megart train --save --ckpt-format torch: each rank's file in Megatron-LM's legacy layout
+(model, optimizer, opt_param_scheduler, rng_state, args, checkpoint_version, iteration), which
+--load resumes on the uninterrupted loss curve, as megart's own format does."""
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+from megart.launcher import launch
+from megart.training.checkpoint import FILE, iteration_dir, latest_iteration
+from train_workers import SAME_RUN
+
+SCENARIOS = {  # name: (processes, flags)
+    "tp2-fp32": (2, dict(tensor_model_parallel_size=2)),
+    # A low first loss scale, so that both iterations step (2**32 overflows at first).
+    # Dropout on: the resumed curve needs the random streams restored.
+    "pp2-fp16": (
+        2,
+        dict(
+            pipeline_model_parallel_size=2,
+            fp16=True,
+            initial_loss_scale=1024,
+            hidden_dropout=0.1,
+            attention_dropout=0.1,
+        ),
+    ),
+    "bf16": (1, dict(bf16=True)),
+}
+
+
+def _train(kw):
+    import train_workers as tw
+
+    return tw.train(**kw)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per scenario: the uninterrupted 4-iteration curve, the checkpoint after 2 iterations in
+    Megatron's format, and the curve resumed from it."""
+    out = {}
+    for name, (nproc, flags) in SCENARIOS.items():
+        ckpt = tmp_path_factory.mktemp(name) / "ckpt"
+        straight = launch(_train, nproc, dict(flags, train_iters=4), timeout=300)[0]
+        launch(_train, nproc, dict(flags, train_iters=2, save=str(ckpt), ckpt_format="torch"),
+               timeout=300)  # fmt: skip
+        resumed = launch(_train, nproc, dict(flags, train_iters=4, load=str(ckpt)),
+                         timeout=300)[0]  # fmt: skip
+        out[name] = straight, ckpt, resumed
+    return out
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_load_of_a_torch_format_checkpoint_continues_the_curve(runs, name):
+    straight, _, resumed = runs[name]
+    assert [h["iteration"] for h in resumed] == [3, 4]
+    want = [h["loss"] for h in straight[2:]]
+    assert [h["loss"] for h in resumed] == pytest.approx(want, **SAME_RUN)
+
+
+def _raw(path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def test_files_have_megatrons_keys_and_layouts(runs):
+    ckpt = runs["pp2-fp16"][1]
+    assert latest_iteration(ckpt) == 2
+    root = iteration_dir(ckpt, 2)
+    assert sorted(p.name for p in root.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    for stage in range(2):
+        state = _raw(root / f"mp_rank_00_{stage:03d}" / FILE)
+        assert state["checkpoint_version"] == 3.0 and state["iteration"] == 2
+        args = state["args"]
+        assert isinstance(args, argparse.Namespace)
+        assert (args.pipeline_model_parallel_size, args.tensor_model_parallel_size) == (2, 1)
+        assert args.fp16 and args.ckpt_format == "torch" and args.micro_batch_size == 2
+        extra = {k for k, v in state["model"].items() if v is None}
+        assert extra and all(k.endswith("._extra_state") for k in extra)  # as Megatron-Core's
+        model = {k: v for k, v in state["model"].items() if v is not None}
+        assert ("embedding.word_embeddings.weight" in model) == (stage == 0)
+        assert ("decoder.final_layernorm.weight" in model) == (stage == 1)
+        # The tied output layer on the last stage, as Megatron-Core's GPTModel holds it.
+        assert ("output_layer.weight" in model) == (stage == 1)
+        assert {k.split(".")[2] for k in model if k.startswith("decoder.layers.")} == {"0", "1"}
+        assert all(v.dtype == torch.float16 for v in model.values())
+        # Float16OptimizerWithFloat16Params: torch's state dict, fp32 masters, grad scaler.
+        optimizer = state["optimizer"]
+        assert set(optimizer) == {"optimizer", "fp32_from_fp16_params", "grad_scaler"}
+        groups = optimizer["optimizer"]["param_groups"]
+        masters = optimizer["fp32_from_fp16_params"]
+        assert [len(g) for g in masters] == [len(g["params"]) for g in groups]
+        flat = [m for g in masters for m in g]
+        assert len(flat) == len(model) and all(m.dtype == torch.float32 for m in flat)
+        assert sorted(m.half().sum().item() for m in flat) == pytest.approx(
+            sorted(v.float().sum().item() for v in model.values()), rel=1e-3
+        )
+        states = optimizer["optimizer"]["state"]
+        assert set(states) == set(range(len(flat)))
+        assert all({"exp_avg", "exp_avg_sq", "step"} <= set(s) for s in states.values())
+        assert set(optimizer["grad_scaler"]) == {"scale", "growth_tracker", "hysteresis_tracker"}
+        sched = state["opt_param_scheduler"]
+        assert sched["num_steps"] == 2 * 8  # Megatron counts samples: 2 global batches of 8
+        assert set(sched) >= {"max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style",
+                              "lr_decay_steps", "min_lr", "start_wd", "end_wd"}  # fmt: skip
+        (rng,) = state["rng_state"]
+        assert set(rng) == {"random_rng_state", "np_rng_state", "torch_rng_state",
+                            "cuda_rng_state", "rng_tracker_states"}  # fmt: skip
+        assert isinstance(rng["np_rng_state"][1], np.ndarray)
+        assert rng["rng_tracker_states"]
+    # --bf16: the same layout, without a grad scaler (Megatron's bf16 runs have none).
+    state = _raw(iteration_dir(runs["bf16"][1], 2) / "mp_rank_00" / FILE)
+    assert set(state["optimizer"]) == {"optimizer", "fp32_from_fp16_params"}
+    assert all(v.dtype == torch.bfloat16 for v in state["model"].values() if v is not None)
+
+
+STYLES = ("linear", "cosine", "constant", "inverse-square-root")
+
+
+def test_megatrons_scheduler_restored_from_the_state_gives_megarts_rate(runs):
+    """Megatron-Core's scheduler loaded from the file (saved after the last of 2 iterations)
+    and from states of longer runs, at iterations past warm-up (megart's warm-up runs one
+    iteration ahead of Megatron's): its rate for the next step is megart's."""
+    import train_workers as tw
+    from megart.training.megatron_files import scheduler_state
+
+    ckpt = runs["tp2-fp32"][1]
+    state = _raw(iteration_dir(ckpt, 2) / "mp_rank_00" / FILE)
+    assert set(state["optimizer"]) == {"state", "param_groups"}  # FP32Optimizer: torch's
+    cases = [(state["opt_param_scheduler"], tw.tiny(train_iters=2).learning_rate(2))]
+    for style in STYLES:
+        config = tw.tiny(train_iters=20, lr_warmup_iters=3, lr_decay_style=style)
+        cases += [(scheduler_state(config, i), config.learning_rate(i)) for i in (4, 9, 15)]
+    got = launch(_megatron_lrs, 1, [saved for saved, _ in cases], timeout=300)[0]
+    assert got == pytest.approx([want for _, want in cases], rel=1e-12)
+    assert len({round(w, 12) for _, w in cases}) > 5  # rates that tell styles apart
+
+
+def _megatron_lrs(states: list[dict]) -> list[float]:
+    """Megatron-Core's OptimizerParamScheduler, built with other values and loaded from the
+    saved state (as Megatron's --use-checkpoint-opt_param-scheduler does): the rate of the
+    next step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class Stub:
+        param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+
+    rates = []
+    for saved in states:
+        sched = OptimizerParamScheduler(
+            Stub(), init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10,
+            lr_decay_style="linear", start_wd=0.0, end_wd=0.0, wd_incr_steps=10,
+            wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
+        )  # fmt: skip
+        sched.load_state_dict(saved)
+        rates.append(sched.get_lr(Stub.param_groups[0]))
+    return rates
+
+
+def test_a_torch_format_checkpoint_reshards_on_load(runs):
+    """The tp2 checkpoint resumed by one process: the files read back as megart's, so the
+    resharding path takes them (Adam's moments included) and the curve goes on."""
+    straight, ckpt, _ = runs["tp2-fp32"]
+    resumed = launch(_train, 1, dict(train_iters=4, load=str(ckpt)), timeout=300)[0]
+    assert [h["iteration"] for h in resumed] == [3, 4]
+    want = [h["loss"] for h in straight[2:]]
+    assert [h["loss"] for h in resumed] == pytest.approx(want, rel=1e-5, abs=0)
