@@ -16,12 +16,8 @@ from collections.abc import Sequence
 
 from megart.cli.train import HELP
 from megart.errors import MegartError
-from megart.training.config import (
-    CHOICES,
-    TrainConfig,
-    check_schedule_flags,
-    check_virtual_stages,
-)
+from megart.training.config import CHOICES, TrainConfig
+from megart.training.config_checks import check_schedule_flags, check_virtual_stages
 
 MODEL_FLAGS = (
     "num_layers",

@@ -1,0 +1,290 @@
+"""The checks a training configuration passes before any work: layouts, batch shapes, the
+pipeline schedule, learning-rate and model flags. Each error names the flags and numbers and
+says what would fit."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megart.errors import ConfigError
+from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS
+from megart.parallel.layout import divisors
+from megart.training.batch_rampup import check_rampup
+from megart.training.lr import check_decay_style
+from megart.training.megatron_flags import check_megatron_flags
+
+if TYPE_CHECKING:
+    from megart.training.config import TrainConfig
+
+# Megatron's spellings of --normalization and --position-embedding-type, to GPTConfig's names.
+NORMALIZATIONS = {flag: name for name, flag in MEGATRON_NORMS.items()}
+POSITION_EMBEDDING_TYPES = {flag: name for name, flag in MEGATRON_POSITIONS.items()}
+# The pipeline schedules `megart train` runs (megart.schedule builds more, gpipe among them).
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
+
+
+def check_config(cfg: TrainConfig, world_size: int) -> int:
+    """Refuses layouts, batch shapes and flag combinations that cannot run, naming the
+    numbers and flags and what would fit; returns the data-parallel size."""
+    tp, pp = cfg.tp, cfg.pp
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ConfigError(
+            f"{world_size} process{'es do' if world_size > 1 else ' does'} not split into "
+            f"tensor-parallel {tp} x pipeline-parallel {pp}; the product must divide the "
+            f"number of processes: start a multiple of {max(1, tp * pp)} (torchrun "
+            "--nproc-per-node N starts N) or choose smaller sizes"
+        )
+    dp = world_size // (tp * pp)
+    if cfg.micro_batch_size < 1 or cfg.global_batch_size < 1:
+        raise ConfigError(
+            f"--micro-batch-size {cfg.micro_batch_size} and --global-batch-size "
+            f"{cfg.global_batch_size} must be at least 1"
+        )
+    if cfg.distributed_timeout_minutes <= 0:
+        raise ConfigError(
+            f"--distributed-timeout-minutes {cfg.distributed_timeout_minutes} must be above 0"
+        )
+    per_step = cfg.micro_batch_size * dp
+    if cfg.global_batch_size % per_step:
+        below = cfg.global_batch_size // per_step * per_step
+        options = f"{below} or {below + per_step}" if below else f"{per_step}"
+        raise ConfigError(
+            f"--global-batch-size {cfg.global_batch_size} is not divisible by "
+            f"--micro-batch-size {cfg.micro_batch_size} x data-parallel size {dp} = "
+            f"{per_step}; use a global batch of {options}"
+        )
+    per = cfg.num_layers_per_virtual_pipeline_stage
+    _check_schedule(cfg, dp)
+    check_rampup(cfg, dp)
+    if per is not None:
+        if pp < 2:
+            raise ConfigError(
+                "--num-layers-per-virtual-pipeline-stage needs "
+                "--pipeline-model-parallel-size of at least 2"
+            )
+        check_virtual_stages(cfg.num_layers, pp, per)
+        m = cfg.microbatches(dp)
+        if m % pp:
+            raise ConfigError(
+                f"the interleaved schedule needs the number of microbatches ({m} = global "
+                f"batch {cfg.global_batch_size} / (micro batch {cfg.micro_batch_size} x "
+                f"data-parallel {dp})) to be a multiple of the pipeline size ({pp}); use a "
+                f"global batch of {per_step * pp * max(1, m // pp)} or "
+                f"{per_step * pp * (m // pp + 1)}"
+            )
+    elif cfg.num_layers % pp:
+        raise ConfigError(
+            f"--num-layers {cfg.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"
+        )
+    if cfg.sequence_parallel and cfg.seq_length % tp:
+        raise ConfigError(
+            f"--sequence-parallel splits --seq-length {cfg.seq_length} over "
+            f"tensor-parallel size {tp}; it must divide"
+        )
+    if cfg.train_iters < 1 or cfg.log_interval < 1:
+        raise ConfigError("--train-iters and --log-interval must be at least 1")
+    if cfg.eval_iters < 0 or cfg.eval_interval < 1:
+        raise ConfigError(
+            f"--eval-iters {cfg.eval_iters} must be at least 0 (0: no evaluation) and "
+            f"--eval-interval {cfg.eval_interval} at least 1"
+        )
+    split_weights(cfg.split)
+    if cfg.bf16 and cfg.fp16:
+        raise ConfigError("--bf16 and --fp16 exclude each other; choose one")
+    if cfg.save_interval is not None and (cfg.save_interval < 1 or not cfg.save):
+        raise ConfigError(
+            f"--save-interval {cfg.save_interval} needs --save DIR and a value of at least 1"
+        )
+    if (cfg.exit_interval is not None and cfg.exit_interval < 1) or (
+        cfg.exit_duration_in_mins is not None and cfg.exit_duration_in_mins < 0
+    ):
+        raise ConfigError(
+            f"--exit-interval {cfg.exit_interval} must be at least 1 and "
+            f"--exit-duration-in-mins {cfg.exit_duration_in_mins} at least 0 (leave them "
+            "out to train all --train-iters)"
+        )
+    given = [f for f in ("no_load_optim", "no_load_rng", "finetune") if getattr(cfg, f)]
+    if given and not cfg.load:
+        flags = " and ".join("--" + f.replace("_", "-") for f in given)
+        raise ConfigError(f"{flags} choose what --load DIR restores; give --load DIR")
+    _check_lr_flags(cfg)
+    check_megatron_flags(cfg)
+    cfg.gpt_config().check_layout(tp, pp, cfg.chunks)  # what GPTConfig refuses, too
+    return dp
+
+
+def _check_schedule(cfg: TrainConfig, dp: int) -> None:
+    """Refuses --pipeline-schedule combinations that cannot run, saying what would."""
+    name, per, pp = cfg.pipeline_schedule, cfg.num_layers_per_virtual_pipeline_stage, cfg.pp
+    check_schedule_flags(name, per)
+    if name == "interleaved" and per is None:
+        raise ConfigError(
+            "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
+            "(the layers of each model chunk)"
+        )
+    if cfg.schedule != "zb-v":
+        return
+    if cfg.num_layers % (2 * pp):
+        raise ConfigError(
+            f"--pipeline-schedule zb-v splits each pipeline stage into two chunks: "
+            f"--num-layers {cfg.num_layers} must be divisible by 2 x pipeline size {pp}; "
+            f"use a multiple of {2 * pp} layers, or zb-h1"
+        )
+    m = cfg.microbatches(dp)
+    if m < 2 * pp:
+        per_step = cfg.micro_batch_size * dp
+        raise ConfigError(
+            f"--pipeline-schedule zb-v needs at least 2 x pipeline size = {2 * pp} "
+            f"microbatches, got {m} (global batch {cfg.global_batch_size} / (micro batch "
+            f"{cfg.micro_batch_size} x data-parallel {dp})); use a global batch of at least "
+            f"{2 * pp * per_step}, or zb-h1"
+        )
+
+
+def _check_lr_flags(cfg: TrainConfig) -> None:
+    check_decay_style(cfg.lr_decay_style)
+    fraction, iters = cfg.lr_warmup_fraction, cfg.lr_warmup_iters
+    if fraction is not None and iters:
+        raise ConfigError(
+            f"--lr-warmup-fraction {fraction} and --lr-warmup-iters {iters} exclude each "
+            "other (as in Megatron-LM); give one of them"
+        )
+    if fraction is not None and not 0 <= fraction < 1:
+        raise ConfigError(
+            f"--lr-warmup-fraction {fraction} must be at least 0 and below 1 (a fraction of "
+            f"the {cfg.decay_iters} decay iterations)"
+        )
+    if iters is not None and iters < 0:
+        raise ConfigError(f"--lr-warmup-iters {iters} must be at least 0")
+
+
+def check_model_flags(cfg: TrainConfig) -> None:
+    """Refuses architecture flags that cannot go together, naming them."""
+    for name, allowed in (
+        ("normalization", NORMALIZATIONS),
+        ("position_embedding_type", POSITION_EMBEDDING_TYPES),
+    ):
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {getattr(cfg, name)!r}; use one of "
+                f"{', '.join(allowed)} (Megatron-LM's spellings)"
+            )
+    if cfg.fused_layer_norm and cfg.normalization != "LayerNorm":
+        raise ConfigError(
+            f"--fused-layer-norm is a LayerNorm kernel: leave it out with --normalization "
+            f"{cfg.normalization}"
+        )
+    unfusable = [f for f in ("swiglu", "disable_bias_linear") if getattr(cfg, f)]
+    if cfg.bias_gelu_fusion and unfusable:
+        flags = " and ".join("--" + f.replace("_", "-") for f in unfusable)
+        raise ConfigError(
+            f"--bias-gelu-fusion fuses the MLP's bias add and GeLU: leave it out with {flags}"
+        )
+    ffn = cfg._ffn_hidden_size()
+    if ffn is not None and ffn < 1:
+        why = (
+            ""
+            if cfg.ffn_hidden_size is not None
+            else (
+                f" (--swiglu's default for --hidden-size {cfg.hidden_size}, Megatron's "
+                "int(8h/3 / 64) * 64)"
+            )
+        )
+        raise ConfigError(f"the MLP size {ffn}{why} must be positive; give --ffn-hidden-size")
+    if ffn is not None and ffn % cfg.tp:
+        raise ConfigError(
+            f"the MLP size {ffn} (--ffn-hidden-size) does not split over "
+            f"--tensor-model-parallel-size {cfg.tp}; use a multiple of {cfg.tp}"
+        )
+    _check_query_groups(cfg)
+    head = cfg.hidden_size // max(1, cfg.num_attention_heads)
+    if cfg.position_embedding_type == "rope" and head % 2:
+        raise ConfigError(
+            f"--position-embedding-type rope rotates pairs of a head's dimensions, but "
+            f"--hidden-size {cfg.hidden_size} / --num-attention-heads "
+            f"{cfg.num_attention_heads} = {head} is odd; use an even head size"
+        )
+    if cfg.init_method_std < 0 or cfg.layernorm_epsilon <= 0:
+        raise ConfigError(
+            f"--init-method-std {cfg.init_method_std} must be at least 0 and "
+            f"--layernorm-epsilon {cfg.layernorm_epsilon} positive"
+        )
+
+
+def _check_query_groups(cfg: TrainConfig) -> None:
+    # max: a tensor-parallel size below 1 is check()'s to refuse, not a division by zero.
+    groups, heads, tp = cfg.num_query_groups, cfg.num_attention_heads, max(1, cfg.tp)
+    if not cfg.group_query_attention:
+        if groups is not None:
+            raise ConfigError(
+                f"--num-query-groups {groups} is used only with --group-query-attention "
+                "(as in Megatron-LM); add that flag, or leave --num-query-groups out for "
+                "multi-head attention"
+            )
+        return
+    if groups is None:
+        raise ConfigError(
+            "--group-query-attention needs --num-query-groups N, the number of key/value "
+            "heads (Megatron-LM's default, 1, is multi-query attention: give 1 for that)"
+        )
+    if groups < 1 or heads % groups or groups % tp:
+        fits = ", ".join(str(g) for g in divisors(heads) if g % tp == 0)
+        raise ConfigError(
+            f"--num-query-groups {groups} must divide --num-attention-heads {heads} and be "
+            f"divisible by --tensor-model-parallel-size {tp} (each rank holds whole "
+            "groups, as Megatron-LM requires); "
+            + (f"use one of {fits}" if fits else "no group count fits: change the sizes")
+        )
+
+
+def check_schedule_flags(name: str | None, per: int | None) -> None:
+    """Refuses a --pipeline-schedule that is unknown or cannot take
+    --num-layers-per-virtual-pipeline-stage ``per`` (megart plan checks this too)."""
+    if name is not None and name not in PIPELINE_SCHEDULES:
+        raise ConfigError(
+            f"--pipeline-schedule {name} is not one of {', '.join(PIPELINE_SCHEDULES)}"
+        )
+    if name in ("1f1b", "zb-h1", "zb-v") and per is not None:
+        what = (
+            "derives its two chunks from the layers per stage"
+            if name == "zb-v"
+            else ("runs one model chunk per rank")
+        )
+        raise ConfigError(
+            f"--pipeline-schedule {name} {what}: leave out "
+            f"--num-layers-per-virtual-pipeline-stage {per}, or use the interleaved schedule"
+        )
+
+
+def check_virtual_stages(num_layers: int, pp: int, per: int) -> None:
+    """--num-layers-per-virtual-pipeline-stage must split the layers evenly over the pipeline
+    ranks' chunks; the error lists the values that would."""
+    if per >= 1 and num_layers % (pp * per) == 0:
+        return
+    fits = [v for v in range(1, num_layers // pp + 1) if num_layers % (pp * v) == 0]
+    hint = (
+        f"values that fit: {', '.join(map(str, fits))}"
+        if fits
+        else f"--num-layers must be a multiple of {pp}"
+    )
+    raise ConfigError(
+        f"--num-layers {num_layers} is not divisible by pipeline size {pp} x "
+        f"--num-layers-per-virtual-pipeline-stage {per}; {hint} (layers per model chunk: each "
+        f"of the {pp} pipeline ranks holds num_layers / ({pp} x value) chunks)"
+    )
+
+
+def split_weights(split: str) -> tuple[float, float, float]:
+    """--split "969,30,1" (or "90,10"; missing weights are 0) as fractions of the corpus."""
+    try:
+        weights = [float(w) for w in split.replace("/", ",").split(",")]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or min(weights) < 0 or weights[0] <= 0:
+        raise ConfigError(
+            f"--split {split!r}: give up to three non-negative weights for train, validation "
+            "and test, with a positive train weight, e.g. --split 969,30,1"
+        )
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return weights[0] / total, weights[1] / total, weights[2] / total
