@@ -299,9 +299,13 @@ def _exchange(store: object, rank: int, world_size: int, timeout: timedelta) -> 
     store.set(f"{prefix}{rank}", str(os.getpid()))
     keys = [f"{prefix}{r}" for r in range(world_size)]
     wait = Wait(timeout)
-    where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT')}"
+    where = "{}:{}".format(*_address())
+    missing = list(range(world_size))
     while True:
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        # A rank's key, once set, stays: each round asks the store only about those still
+        # missing (one request per rank per round, from every rank, would grow as world size
+        # squared on rank 0's store).
+        missing = [r for r in missing if not store.check([keys[r]])]
         if not missing:
             break
         wait.step(
