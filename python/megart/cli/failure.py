@@ -112,8 +112,9 @@ def _lowest_rank_with_the_error(rank: int) -> tuple[int, str]:
 
     here = f"{socket.gethostname()} {os.getpid()}"
     world = rendezvous.env_int("WORLD_SIZE") or 1
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), rendezvous.env_int("MASTER_PORT")
-    if port is None:
+    try:
+        addr, port = rendezvous.address()
+    except RankEnvironmentError:  # no store to meet in: this rank reports alone
         return rank, here
     prefix = rendezvous.key_prefix()
     try:

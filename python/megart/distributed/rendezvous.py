@@ -69,7 +69,8 @@ def process_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _address() -> tuple[str, int]:
+def address() -> tuple[str, int]:
+    """The job's store, MASTER_ADDR:MASTER_PORT (torchrun's names): the one place reading them."""
     port = env_int("MASTER_PORT")
     if port is None:
         raise RankEnvironmentError("MASTER_PORT is not set; launch with torchrun or set it")
@@ -197,7 +198,7 @@ def connect(rank: int, world_size: int, timeout: timedelta) -> object:
     trying (and failing, with an error line) to bind a second server to the same port. Without
     torchrun rank 0 serves it; the others wait for it, saying so, and fail within seconds if
     rank 0 started and died."""
-    addr, port = _address()
+    addr, port = address()
     agent = under_agent()
     deadline = time.monotonic() + timeout.total_seconds()
     if rank != 0 and not agent:
@@ -277,7 +278,7 @@ def exchange_pids(store: object, rank: int, world_size: int, timeout: timedelta)
     except RuntimeError as e:  # torch's DistError and its kinds: the connection broke
         if under_agent() or isinstance(e, CommTimeoutError):
             raise
-        addr, port = _address()
+        addr, port = address()
         gone = None
         for _ in _moments():
             gone = _dead_host(addr, port, 0.0)
@@ -299,7 +300,7 @@ def _exchange(store: object, rank: int, world_size: int, timeout: timedelta) -> 
     store.set(f"{prefix}{rank}", str(os.getpid()))
     keys = [f"{prefix}{r}" for r in range(world_size)]
     wait = Wait(timeout)
-    where = "{}:{}".format(*_address())
+    where = "{}:{}".format(*address())
     missing = list(range(world_size))
     while True:
         # A rank's key, once set, stays: each round asks the store only about those still
