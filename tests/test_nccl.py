@@ -128,7 +128,7 @@ class _AbortRecorder:
 def test_an_op_in_flight_past_the_timeout_aborts_the_group_at_its_next_use(no_world):
     """nccl ops ordered on the stream keep their tensors in the group until they complete; one
     that is still running after the timeout fails the group instead of hanging a later sync."""
-    from megart.distributed.ops import _keep_until_done
+    from megart.distributed.work import _keep_until_done
 
     dist.init(backend="shm", timeout=0.2)
     comm = _AbortRecorder()
@@ -153,7 +153,7 @@ class _UnfinishedWork:
 def test_an_unwaited_nccl_work_leaves_its_tensors_to_the_group():
     """A Work dropped before its op finished (an isend never waited on) must not free its
     tensors: NCCL may still use them, and the caching allocator would hand the memory out."""
-    from megart.distributed.ops import Work, _keep
+    from megart.distributed.work import Work, _keep
 
     g = ProcessGroup([0], "fake-nccl", "nccl", comm=_NeverCalled(), device=0)
     work, t = _UnfinishedWork(), torch.ones(3)
@@ -402,11 +402,12 @@ def test_nccl_work_wait_orders_the_current_stream_and_leaves_the_host_free(monke
     op; the host is blocked only by synchronize(). The pipeline engine, gradient buckets and
     distributed optimizer call wait(), so on a GPU they never stall the host between kernels."""
     import megart.distributed.ops as ops
+    import megart.distributed.work as work_module
 
     class _Stream:
         cuda_stream = 1234
 
-    monkeypatch.setattr(ops, "_current_stream", lambda device: _Stream())
+    monkeypatch.setattr(work_module, "current_stream", lambda device: _Stream())
     dist.init(backend="shm")  # the context (timeout) the fake nccl group's Works read
     g = ProcessGroup([0], "fake-nccl", "nccl", comm=_NeverCalled(), device=0)
     work, t = _RecordingWork(), torch.ones(2)
@@ -427,7 +428,7 @@ def test_in_flight_list_keeps_every_op_posted_from_many_threads():
     __del__): none may be lost while completed ones are let go."""
     import threading
 
-    from megart.distributed.ops import _keep
+    from megart.distributed.work import _keep
 
     g = ProcessGroup([0], "fake-nccl", "nccl", comm=_NeverCalled(), device=0)
     works = [[_UnfinishedWork() for _ in range(2000)] for _ in range(4)]
