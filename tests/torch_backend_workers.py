@@ -6,16 +6,8 @@ from __future__ import annotations
 import torch
 
 import megart.distributed as dist
+from dist_workers import DTYPES
 
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-]
 SIZES = [1, 7, 4099]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megart.selftest.training import TINY
 from megart.training.config import TrainConfig
 from megart.training.data import builtin_corpus
 
@@ -15,20 +16,7 @@ SAME_RUN = dict(rel=1e-5, abs=0)
 
 
 def tiny(**kw: object) -> TrainConfig:
-    base = dict(
-        num_layers=4,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=16,
-        micro_batch_size=2,
-        global_batch_size=8,
-        train_iters=3,
-        lr=1e-3,
-        min_lr=1e-4,
-        lr_warmup_iters=1,
-        clip_grad=1.0,
-        eval_iters=0,  # tests of evaluation turn it on
-    )
+    base = {**TINY, "clip_grad": 1.0}  # selftest's tiny run (tests of evaluation set eval_iters)
     return TrainConfig(**{**base, **kw})
 
 
