@@ -5,7 +5,11 @@ and interleaving (Megatron-LM examples/sc21). ``--fit`` refits the two GEMM-effi
 each table's profile by a grid search minimising the largest relative error (prints them; the
 profiles are edited by hand).
 
-    python bench/plan_tables.py [--fit] [--markdown]
+    python bench/plan_tables.py [--fit] [--torch-ddp]
+
+``--torch-ddp``: SC21's runs with p = 1 as they ran (torch DDP, the gradient all-reduce
+overlapping the last microbatch's backward) instead of the default, not overlapped; a
+sensitivity check (bench/RESULTS.md says why it is not the default).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megart.plan.estimate import Estimate, estimate
+from megart.plan.estimate import SINGLE_STAGE, Estimate, estimate
 from megart.plan.hardware import GPUProfile, load_profile
 from megart.plan.published import (
     TABLES,
@@ -78,8 +82,11 @@ def fit(table: Table) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit", action="store_true")
+    ap.add_argument("--torch-ddp", action="store_true")
     args = ap.parse_args()
     for table in TABLES:
+        if args.torch_ddp and table.name.startswith("SC21"):
+            table = dataclasses.replace(table, dp_overlap=SINGLE_STAGE)
         if args.fit:
             fit(table)
             continue

@@ -49,8 +49,9 @@ def test_at_table1s_exact_layout_tflops_are_within_10_percent(row):
 # it: recorded in bench/RESULTS.md. strict: a model that starts agreeing must say so here.
 # The paper chose t = 8 by its rule (tensor parallelism up to a node, then pipeline); in the
 # planner's model the six all-reduces per layer and microbatch (recomputation replays two) cost
-# more at t = 8 than the bubble and blocking exchanges of t = 2 or 4 with more stages.
-DISAGREES = {"18.4B": "+8.4%", "39.1B": "+8.6%", "145.6B": "+4.6%"}
+# more at t = 8 than the bubble and blocking exchanges of t = 2 or 4 with more stages. 39.1B's
+# (8, 2) cannot interleave (SC21's Megatron-LM asserted p > 2 for it), so it keeps a 1/m bubble.
+DISAGREES = {"18.4B": "+10.4%", "39.1B": "+16.6%", "145.6B": "+5.1%"}
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,12 @@ from megart.training.flops import model_flops
 RUNTIMES = ("megart", "megatron")
 ZERO_BUBBLE = ("zb-h1", "zb-v")
 ADAM_BYTES = 28  # per fp32 element stepped: read p, g, m, v; write p, m, v (REFERENCES.md)
+# dp_overlap="single-stage": the gradient all-reduce overlaps the last microbatch's backward
+# only with p = 1, as in SC21's Megatron-LM: its p = 1 runs used --DDP-impl torch (its
+# examples/sc21), whose no_sync() spared only the last microbatch (schedules.py), so its 25 MiB
+# buckets were reduced during that backward; p > 1 required local DDP, reduced after it all.
+SINGLE_STAGE = "single-stage"
+TORCH_DDP_BUCKET_BYTES = 25 << 20
 
 
 @dataclass(frozen=True)
@@ -194,9 +200,10 @@ def estimate(
     unfused_attention: bool = False,
     runtime: str = "megart",
     tp_overlap: bool = False,
-    dp_overlap: bool = True,
+    dp_overlap: bool | str = True,
     grad_reduce_bytes: int = FP32,
     pp_overlap: bool = True,
+    interleaved_min_pp: int = 2,
 ) -> Estimate:
     """Predicts ``layout`` for the model and batch of ``base`` on ``gpu``s. Raises ConfigError
     (megart train's checks) when the layout cannot run.
@@ -211,10 +218,21 @@ def estimate(
     messages sent while the next action computes). ``pp_overlap`` False: every pipeline
     exchange blocks both ranks until it has arrived, as SC21's Megatron-LM did (its
     p2p_communication waited on each batch_isend_irecv and then synchronised the device), so
-    each (microbatch, chunk) pays one exchange after its forward and one after its backward."""
+    each (microbatch, chunk) pays one exchange after its forward and one after its backward.
+    ``dp_overlap`` "single-stage": overlapped only when p = 1 (SINGLE_STAGE). A runtime that
+    interleaves only from ``interleaved_min_pp`` stages (SC21's Megatron-LM: 3) refuses
+    interleaved layouts on fewer with ConfigError."""
     if runtime not in RUNTIMES:
         raise ConfigError(f"runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
+    if dp_overlap not in (True, False, SINGLE_STAGE):
+        raise ConfigError(f"dp_overlap {dp_overlap!r}; use True, False or {SINGLE_STAGE!r}")
     megatron = runtime == "megatron"
+    if layout.kind == "interleaved" and layout.pp < interleaved_min_pp:
+        # Megatron-LM's arguments.py asserted p > 2 from 182841f7df (2021) to 3ee489d9ea (2024).
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size "
+            f">= {interleaved_min_pp} in this runtime, not {layout.pp}"
+        )
     if megatron and layout.kind in ZERO_BUBBLE:
         raise ConfigError(
             f"--pipeline-schedule {layout.kind}: Megatron-LM has no zero-bubble schedule; "
@@ -320,9 +338,10 @@ def estimate(
     reduce = collective_seconds(
         grad_bytes, dp, dp_bw, gpu, (dp - 1) / dp if dist else 2 * (dp - 1) / max(dp, 1)
     )
-    last_bucket = reduce * min(1.0, BUCKET_BYTES / max(grad_bytes, 1.0))
+    bucket = TORCH_DDP_BUCKET_BYTES if dp_overlap == SINGLE_STAGE else BUCKET_BYTES
+    last_bucket = reduce * min(1.0, bucket / max(grad_bytes, 1.0))
     dp_exposed = max(reduce - stage.backward, last_bucket) if reduce else 0.0
-    if not dp_overlap:
+    if not dp_overlap or (dp_overlap == SINGLE_STAGE and p > 1):
         dp_exposed = reduce
     gather = 0.0
     if dist:
