@@ -41,6 +41,7 @@ from megart.training.checkpoint import (
 from megart.training.ckpt_files import rank_files
 from megart.training.megatron_files import (
     LOAD_GLOBALS,
+    check_args,
     config_from_args,
     is_megatron_file,
     megatron_args,
@@ -123,15 +124,7 @@ def read_megatron(load_dir: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any
     if first is None:
         raise ConfigError(f"{root} holds no mp_rank_*/{FILE}: not a Megatron-LM checkpoint")
     a = vars(read_rank(first)["args"])
-    for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-        if a.get(flag):
-            raise ConfigError(
-                f"{first}: saved with --{flag.replace('_', '-')} {a[flag]} (uneven pipeline "
-                "stages), which megart does not read; convert it to even stages with "
-                "Megatron's checkpoint converter first"
-            )
-    if (a.get("expert_model_parallel_size") or 1) > 1 or (a.get("num_experts") or 0) > 0:
-        raise ConfigError(f"{first}: a mixture-of-experts model, which megart does not have")
+    check_args(a, first)
     tp = a.get("tensor_model_parallel_size") or 1
     pp = a.get("pipeline_model_parallel_size") or 1
     cfg = config_from_args(a)

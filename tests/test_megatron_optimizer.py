@@ -1,0 +1,105 @@
+"""The optimizer state of ``--ckpt-format torch`` against Megatron-Core itself (megatron-core
+0.16.1, CPU): Megatron-Core's GPTModel, its own param groups (``_get_param_groups``) and its
+FP32Optimizer load what megart train wrote and take the next steps as megart does (the same
+losses, the same weights after a step); and megart train --load resumes the checkpoint that
+Megatron-Core's side then wrote from its own state dicts, on megart's uninterrupted loss
+curve. GPT-2-style and Llama-style (RMSNorm, rope, SwiGLU with biases, GQA, untied) models, at
+tensor-parallel 1 and 2."""
+
+import pytest
+import torch
+
+import megatron_optim_workers as mow
+from megart.errors import ConfigError
+from megart.launcher import launch
+from train_workers import SAME_RUN
+
+CONFIGS = {
+    "gpt2": {},
+    "llama": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                  ffn_hidden_size=64, untie_embeddings_and_output_weights=True,
+                  group_query_attention=True, num_query_groups=2),
+}  # fmt: skip
+CASES = [(name, tp) for name in CONFIGS for tp in (1, 2)]
+
+
+def _train(kw):
+    import train_workers as tw
+
+    return tw.train(**kw)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per case: megart's uninterrupted 5 iterations; its checkpoints after iterations 1 and
+    2 in Megatron's format; Megatron-Core's iterations 2 and 3 from the first; megart resumed
+    from the checkpoint Megatron-Core's side wrote after iteration 3."""
+    out = {}
+    for name, tp in CASES:
+        tmp = tmp_path_factory.mktemp(f"{name}-tp{tp}")
+        kw = {**CONFIGS[name], "train_iters": 5, "tensor_model_parallel_size": tp}
+        straight = launch(_train, tp, kw, timeout=300)[0]
+        ours, theirs = str(tmp / "megart"), str(tmp / "megatron")
+        launch(_train, tp, {**kw, "save": ours, "save_interval": 1, "exit_interval": 2,
+                            "ckpt_format": "torch"}, timeout=300)  # fmt: skip
+        lrs = [h["lr"] for h in straight[1:3]]
+        megatron = launch(mow.resume_and_write, tp, kw, ours, theirs, lrs, timeout=300)
+        resumed = launch(_train, tp, {**kw, "load": theirs}, timeout=300)[0]
+        out[name, tp] = dict(kw=kw, straight=straight, megatron=megatron, resumed=resumed,
+                             dir=theirs)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("name,tp", CASES)
+def test_megatron_core_resumes_megarts_optimizer_state(runs, name, tp):
+    r = runs[name, tp]
+    want = [h["loss"] for h in r["straight"][1:3]]
+    for rank in r["megatron"]:
+        # Its two groups, as Megatron-Core made them, each the size megart wrote.
+        assert [(g["wd_mult"], g["lr_mult"]) for g in rank["groups"]] == [(1.0, 1.0), (0.0, 1.0)]
+        assert all(g["size"] > 0 for g in rank["groups"])
+        assert rank["weights_diff"] < 1e-6  # its step from megart's state is megart's step
+        assert rank["losses"] == pytest.approx(want, **SAME_RUN)
+
+
+@pytest.mark.parametrize("name,tp", CASES)
+def test_megart_resumes_a_checkpoint_megatron_core_wrote(runs, name, tp):
+    r = runs[name, tp]
+    assert [h["iteration"] for h in r["resumed"]] == [4, 5]
+    want = [h["loss"] for h in r["straight"][3:]]
+    assert [h["loss"] for h in r["resumed"]] == pytest.approx(want, **SAME_RUN)
+
+
+def test_a_megatron_written_checkpoint_reshards_on_load(runs):
+    """Megatron-Core's tp2 checkpoint resumed by one process: read as megart's files, the
+    resharding path takes it, Adam's moments included."""
+    r = runs["llama", 2]
+    kw = {**r["kw"], "tensor_model_parallel_size": 1, "load": r["dir"]}
+    resumed = launch(_train, 1, kw, timeout=300)[0]
+    want = [h["loss"] for h in r["straight"][3:]]
+    assert [h["loss"] for h in resumed] == pytest.approx(want, **SAME_RUN)
+
+
+@pytest.mark.parametrize(
+    "change,flag",
+    [
+        (dict(lr=2e-3), "--lr"),
+        (dict(min_lr=0.0), "--min-lr"),
+        (dict(train_iters=6), "--lr-decay-iters"),
+        (dict(lr_decay_style="linear"), "--lr-decay-style"),
+        (dict(lr_warmup_iters=2), "--lr-warmup-iters"),
+        (dict(weight_decay=0.1), "--weight-decay"),
+    ],
+)
+def test_megatrons_scheduler_state_must_match_the_flags(runs, change, flag):
+    """As Megatron's OptimizerParamScheduler.load_state_dict: the saved values must be the
+    run's; a difference is refused naming the flag."""
+    import train_workers as tw
+    from megart.training.megatron_files import check_scheduler
+
+    r = runs["gpt2", 1]
+    saved = torch.load(f"{r['dir']}/iter_0000003/mp_rank_00/{mow.FILE}", weights_only=False)
+    saved = saved["opt_param_scheduler"]
+    check_scheduler(saved, tw.tiny(**r["kw"]), r["dir"])  # the flags that wrote it
+    with pytest.raises(ConfigError, match=flag):
+        check_scheduler(saved, tw.tiny(**{**r["kw"], **change}), r["dir"])
