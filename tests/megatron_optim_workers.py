@@ -143,10 +143,10 @@ def resume_and_write(kw: dict, megart_dir: str, out_dir: str, lrs: list[float]) 
     its losses, the largest difference of its weights after iteration 2 from megart's (the file
     megart wrote then) and its param groups' Megatron keys. Writes, as Megatron-LM does, its
     own legacy checkpoint of iteration 3 to ``out_dir``."""
-    import megatron_core_workers as mcw
-    import train_workers as tw
     from megatron.core.optimizer import _get_param_groups
 
+    import megatron_core_workers as mcw
+    import train_workers as tw
     from megart.training.data import build_datasets, builtin_corpus
     from megart.training.megatron_files import config_from_args
 

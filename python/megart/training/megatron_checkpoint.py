@@ -136,21 +136,6 @@ def read_megatron(load_dir: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any
     return cfg, model, iteration
 
 
-def is_megatron(load_dir: str | os.PathLike) -> bool:
-    """Whether the latest checkpoint in ``load_dir`` is Megatron-LM's legacy format (its files
-    hold ``checkpoint_version``; megart's do not)."""
-    iteration = latest_iteration(load_dir)
-    path = None if iteration is None else first_rank_file(iteration_dir(load_dir, iteration))
-    if path is None:
-        return False
-    try:
-        state = _load(path, mmap=True)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError):
-        return False
-    # megart train --ckpt-format torch writes this format with its own extras: resumed in full.
-    return is_megatron_file(state) and "megart" not in state
-
-
 def megatron_to_megart(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> Path:
     """The latest Megatron-LM legacy checkpoint in ``load_dir`` as a megart release checkpoint
     (weights only; --load reshards it to any layout and starts at iteration 0)."""
