@@ -203,3 +203,72 @@ def resume_and_write(kw: dict, megart_dir: str, out_dir: str, lrs: list[float]) 
             | {"size": len(g["params"])} for g in optimizer.param_groups]  # fmt: skip
     torch.distributed.destroy_process_group()
     return dict(losses=losses, weights_diff=weights_diff, groups=keys)
+
+
+@contextlib.contextmanager
+def _cuda_named():
+    """Megatron-Core's mixed-precision optimizer takes only CUDA tensors (it checks their
+    type names) and makes a few CUDA scalars: on this CPU-only process, CPU ones named so."""
+    real_type, real_tensor = torch.Tensor.type, torch.tensor
+
+    def type_(self, *a, **kw):
+        return real_type(self, *a, **kw) if a or kw else real_type(self).replace(".", ".cuda.", 1)
+
+    def tensor(*a, device=None, **kw):
+        return real_tensor(*a, device="cpu" if device == "cuda" else device, **kw)
+
+    torch.Tensor.type, torch.tensor = type_, tensor
+    try:
+        yield
+    finally:
+        torch.Tensor.type, torch.tensor = real_type, real_tensor
+
+
+def load_bf16(kw: dict, megart_dir: str) -> dict:
+    """On each tensor-parallel rank: Megatron-Core's GPTModel in bf16 loads its rank's file of
+    megart's --bf16 checkpoint strictly, and Float16OptimizerWithFloat16Params over its own
+    param groups loads the optimizer state (fp32 masters included); whether each master is its
+    parameter's (rounds to it) and each state has its parameter's shape."""
+    from megatron.core.optimizer import _get_param_groups
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    import megatron_core_workers as mcw
+    import train_workers as tw
+    from megart.training.checkpoint import latest_iteration
+    from megart.training.megatron_files import config_from_args
+
+    tp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    _init(tp)
+    c = tw.tiny(**kw)
+    root = Path(megart_dir) / f"iter_{latest_iteration(megart_dir):07d}"
+    state = torch.load(root / f"mp_rank_{rank:02d}" / FILE, weights_only=False)
+    cfg = config_from_args(vars(state["args"]))
+    model = mcw.megatron_model(cfg, tp).to(torch.bfloat16)
+    model.load_state_dict(state["model"], strict=True)
+    config = _optimizer_config(c)
+    config.bf16 = True
+    adamw = torch.optim.AdamW(_get_param_groups([model], config, None), lr=c.lr)
+    with _cuda_named():
+        optimizer = Float16OptimizerWithFloat16Params(adamw, config, None, None)
+    optimizer.load_state_dict(state["optimizer"])
+    pairs = [
+        (half, main)
+        for halves, mains in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups,
+                                 strict=True)
+        for half, main in zip(halves, mains, strict=True)
+    ]  # fmt: skip
+    states = [adamw.state[p] for g in adamw.param_groups for p in g["params"]]
+    torch.distributed.destroy_process_group()
+    return dict(
+        masters=len(pairs),
+        params=len(list(model.parameters())),
+        masters_match=all(torch.equal(m.bfloat16(), h) for h, m in pairs),
+        masters_differ=any(not torch.equal(m, h.float()) for h, m in pairs),
+        shapes_match=all(
+            s["exp_avg"].shape == p.shape and s["exp_avg_sq"].shape == p.shape
+            for s, p in zip(
+                states, [p for g in adamw.param_groups for p in g["params"]], strict=True
+            )
+        ),  # fmt: skip
+        steps={float(s["step"]) for s in states},
+    )

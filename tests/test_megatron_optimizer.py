@@ -103,3 +103,17 @@ def test_megatrons_scheduler_state_must_match_the_flags(runs, change, flag):
     check_scheduler(saved, tw.tiny(**r["kw"]), r["dir"])  # the flags that wrote it
     with pytest.raises(ConfigError, match=flag):
         check_scheduler(saved, tw.tiny(**{**r["kw"], **change}), r["dir"])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_cores_bf16_optimizer_loads_megarts_bf16_files(tmp_path, tp):
+    """--bf16: Megatron-Core's Float16OptimizerWithFloat16Params (over its own param groups of
+    its bf16 GPTModel, which loads the file strictly) takes the optimizer state: each fp32
+    master is its own parameter's (it rounds to the model's bf16 tensor, and holds more than
+    it), and every Adam state has its parameter's shape."""
+    kw = {**CONFIGS["llama"], "bf16": True, "train_iters": 2, "tensor_model_parallel_size": tp}
+    launch(_train, tp, {**kw, "save": str(tmp_path), "ckpt_format": "torch"}, timeout=300)
+    for r in launch(mow.load_bf16, tp, kw, str(tmp_path), timeout=300):
+        assert r["masters"] == r["params"] > 0
+        assert r["masters_match"] and r["masters_differ"] and r["shapes_match"]
+        assert r["steps"] == {2.0}
