@@ -23,12 +23,12 @@ from megart.training.config import TrainConfig
 FILE = "model_optim_rng.pt"
 
 
-def _init(tp: int) -> None:
+def _init(tp: int, pp: int = 1) -> None:
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core import parallel_state
 
     torch.distributed.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(tp, 1)
+    parallel_state.initialize_model_parallel(tp, pp)
     # No CUDA: the tracker's fork would switch CUDA generators; buffers go to "the current
     # CUDA device", which on this CPU-only process is the CPU.
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
@@ -272,3 +272,40 @@ def load_bf16(kw: dict, megart_dir: str) -> dict:
         ),  # fmt: skip
         steps={float(s["step"]) for s in states},
     )
+
+
+def pipeline_states(kw: dict, megart_dir: str) -> dict:
+    """On each pipeline rank (the world: pipeline-parallel, tensor-parallel 1): Megatron-Core's
+    GPTModel of this stage loads its file of megart's checkpoint strictly and FP32Optimizer over
+    its own param groups loads the optimizer state; Adam's ``exp_avg`` of each of its
+    parameters, named as the one-stage model names it (layers numbered from the stage's
+    offset, a tied output layer as the word embedding it copies)."""
+    from megatron.core.optimizer import _get_param_groups
+
+    import megatron_core_workers as mcw
+    import train_workers as tw
+    from megart.training.checkpoint import latest_iteration
+    from megart.training.megatron_files import config_from_args
+
+    pp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    _init(1, pp)
+    c = tw.tiny(**kw)
+    root = Path(megart_dir) / f"iter_{latest_iteration(megart_dir):07d}"
+    name = f"mp_rank_00_{rank:03d}" if pp > 1 else "mp_rank_00"
+    state = torch.load(root / name / FILE, weights_only=False)
+    cfg = config_from_args(vars(state["args"]))
+    model = mcw.megatron_model(cfg, 1, pp).float()
+    model.load_state_dict(state["model"], strict=True)
+    optimizer = _fp32_optimizer(_get_param_groups([model], _optimizer_config(c), None), c)
+    optimizer.load_state_dict(state["optimizer"])
+    offset = rank * cfg.num_layers // pp
+    out = {}
+    for n, p in model.named_parameters():
+        parts = n.split(".")
+        if n.startswith("decoder.layers."):
+            parts[2] = str(int(parts[2]) + offset)
+        if n == "output_layer.weight" and not cfg.untie_embeddings_and_output_weights:
+            parts = ["embedding", "word_embeddings", "weight"]
+        out[".".join(parts)] = optimizer.optimizer.state[p]["exp_avg"].clone()
+    torch.distributed.destroy_process_group()
+    return out

@@ -117,3 +117,22 @@ def test_megatron_cores_bf16_optimizer_loads_megarts_bf16_files(tmp_path, tp):
         assert r["masters"] == r["params"] > 0
         assert r["masters_match"] and r["masters_differ"] and r["shapes_match"]
         assert r["steps"] == {2.0}
+
+
+def test_megatron_core_loads_each_pipeline_stages_optimizer_state(tmp_path):
+    """pp2 (GPT-2-style, tied: the last stage's output layer is the embedding's copy): each
+    stage's Megatron-Core GPTModel and FP32Optimizer load its file, and the Adam moments they
+    hold for each parameter are those the one-stage run's file gives Megatron-Core for the same
+    parameter (the same training, 1e-5)."""
+    kw = dict(train_iters=2, ckpt_format="torch")
+    one, two = str(tmp_path / "pp1"), str(tmp_path / "pp2")
+    launch(_train, 1, {**kw, "save": one}, timeout=300)
+    launch(_train, 2, {**kw, "save": two, "pipeline_model_parallel_size": 2}, timeout=300)
+    (want,) = launch(mow.pipeline_states, 1, kw, one, timeout=300)
+    stages = launch(mow.pipeline_states, 2, kw, two, timeout=300)
+    assert "embedding.word_embeddings.weight" in stages[1]  # the tied copy's moments
+    got = {n for stage in stages for n in stage}
+    assert got == set(want)
+    for stage in stages:
+        for n, moment in stage.items():
+            torch.testing.assert_close(moment, want[n], rtol=1e-5, atol=1e-9)
