@@ -136,3 +136,23 @@ def test_megatron_core_loads_each_pipeline_stages_optimizer_state(tmp_path):
     for stage in stages:
         for n, moment in stage.items():
             torch.testing.assert_close(moment, want[n], rtol=1e-5, atol=1e-9)
+
+
+def test_load_refuses_a_changed_scheduler_unless_the_optimizer_is_left_out(runs):
+    """megart train's load of the checkpoint Megatron-Core's side wrote: another --lr is
+    refused naming it, before anything is loaded; with --no-load-optim (Megatron reads no
+    scheduler then either) the weights load and the iteration and samples are the file's."""
+    from types import SimpleNamespace
+
+    import train_workers as tw
+    from megart.models import GPTChunk
+    from megart.training import checkpoint
+
+    r = runs["gpt2", 1]
+    grid = SimpleNamespace(tp_rank=0, pp_rank=0)
+    config = tw.tiny(**{**r["kw"], "lr": 2e-3, "load": r["dir"]})
+    chunks = [GPTChunk(config.gpt_config(), range(config.num_layers), True, True)]
+    with pytest.raises(ConfigError, match="max_lr 0.001 .* 0.002; set --lr"):
+        checkpoint.load(r["dir"], config, grid, chunks, None, None)
+    config.no_load_optim = config.no_load_rng = True
+    assert checkpoint.load(r["dir"], config, grid, chunks, None, None) == (3, 24)

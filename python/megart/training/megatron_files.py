@@ -346,7 +346,7 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
             pipeline_model_parallel_size=pp,
             num_layers_per_virtual_pipeline_stage=per,
             pipeline_schedule="1f1b" if per is None else "interleaved",
-        ),  # fmt: skip
+        ),
         "model_config": dataclasses.asdict(cfg),
         "layer_ids": rank_layers,
         "loss_scaler": None
