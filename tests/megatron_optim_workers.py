@@ -99,7 +99,8 @@ def _args(cfg, c: TrainConfig, tp: int, iteration: int) -> argparse.Namespace:
         group_query_attention=cfg.query_groups != cfg.num_attention_heads,
         num_query_groups=cfg.query_groups, kv_channels=cfg.head_dim,
         seq_length=cfg.seq_length, max_position_embeddings=cfg.seq_length,
-        vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size(tp),
+        # As a run with Megatron's GPT2BPETokenizer records it: the padded size alone.
+        vocab_size=None, padded_vocab_size=cfg.padded_vocab_size(tp),
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         norm_epsilon=cfg.layernorm_epsilon,
         position_embedding_type="rope" if cfg.position_embedding == "rotary"

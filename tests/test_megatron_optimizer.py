@@ -16,8 +16,9 @@ from train_workers import SAME_RUN
 
 CONFIGS = {
     "gpt2": {},
-    "llama": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
-                  ffn_hidden_size=64, untie_embeddings_and_output_weights=True,
+    # A vocabulary that is padded (to 384 rows at tp1, 512 at tp2).
+    "llama": dict(vocab_size=300, normalization="RMSNorm", position_embedding_type="rope",
+                  swiglu=True, ffn_hidden_size=64, untie_embeddings_and_output_weights=True,
                   group_query_attention=True, num_query_groups=2),
 }  # fmt: skip
 CASES = [(name, tp) for name in CONFIGS for tp in (1, 2)]
@@ -156,3 +157,21 @@ def test_load_refuses_a_changed_scheduler_unless_the_optimizer_is_left_out(runs)
         checkpoint.load(r["dir"], config, grid, chunks, None, None)
     config.no_load_optim = config.no_load_rng = True
     assert checkpoint.load(r["dir"], config, grid, chunks, None, None) == (3, 24)
+
+
+def test_a_vocabulary_that_pads_otherwise_is_refused(runs):
+    """Megatron-Core's side recorded the padded vocabulary alone (vocab_size None, as
+    Megatron-LM's GPT-2 tokenizer runs do): --vocab-size 300 pads to its 384 rows and loads
+    (the resumed curves above); 400 pads to 512 and is refused, naming both."""
+    from types import SimpleNamespace
+
+    import train_workers as tw
+    from megart.models import GPTChunk
+    from megart.training import checkpoint
+
+    r = runs["llama", 1]
+    config = tw.tiny(**{**r["kw"], "vocab_size": 400, "load": r["dir"]})
+    chunks = [GPTChunk(config.gpt_config(), range(config.num_layers), True, True)]
+    grid = SimpleNamespace(tp_rank=0, pp_rank=0)
+    with pytest.raises(ConfigError, match="padded to 384 rows .*--vocab-size 400 pads to 512"):
+        checkpoint.load(r["dir"], config, grid, chunks, None, None)

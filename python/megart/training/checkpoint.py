@@ -275,8 +275,16 @@ def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -
     differ = [
         f"--{f.replace('_', '-')} {saved[f]} (now {getattr(config, f)})"
         for f in MODEL_FIELDS
-        if saved[f] != getattr(config, f)
+        if saved[f] != getattr(config, f) and not (f == "vocab_size" and saved[f] is None)
     ]
+    if saved["vocab_size"] is None:  # Megatron-LM's, its tokenizer's size unrecorded
+        t = saved["tensor_model_parallel_size"]
+        if saved["padded_vocab_size"] != cfg.padded_vocab_size(t):
+            differ.append(
+                f"a vocabulary padded to {saved['padded_vocab_size']} rows for "
+                f"tensor-parallel {t} (--vocab-size {config.vocab_size} pads to "
+                f"{cfg.padded_vocab_size(t)})"
+            )
     # The architecture flags that shape the weights or what they mean, beyond MODEL_FIELDS;
     # the rest (dropout, seed, --init-method-std, fused kernels, recomputation) may change.
     was, now = architecture_flags(model_config(state)), architecture_flags(cfg)

@@ -341,7 +341,10 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
             hidden_size=cfg.hidden_size,
             num_attention_heads=cfg.num_attention_heads,
             seq_length=cfg.seq_length,
-            vocab_size=cfg.vocab_size,
+            # None where Megatron's tokenizer gave it (GPT2BPETokenizer, ...): the padded size
+            # alone is known then, and checked against this run's instead.
+            vocab_size=a.get("vocab_size"),
+            padded_vocab_size=a.get("padded_vocab_size"),
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             num_layers_per_virtual_pipeline_stage=per,
