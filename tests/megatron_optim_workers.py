@@ -91,7 +91,31 @@ def _clip(model, max_norm: float) -> None:
             p.grad.mul_(coef)
 
 
-def _args(cfg, c: TrainConfig, tp: int, iteration: int) -> argparse.Namespace:
+def _write(out_dir: str, here: str, args, model, optimizer, c: TrainConfig) -> None:
+    """This rank's file of a legacy checkpoint, as Megatron-LM's generate_state_dict assembles
+    it from Megatron-Core's state dicts; rank 0 writes the tracker."""
+    iteration = args.iteration
+    written = {
+        "args": args,
+        "checkpoint_version": 3.0,
+        "iteration": iteration,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "opt_param_scheduler": _scheduler_state(c, iteration),
+        "rng_state": [{
+            "random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None,
+            "rng_tracker_states": {},
+        }],
+    }  # fmt: skip
+    path = Path(out_dir) / f"iter_{iteration:07d}" / here
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(written, path)
+    if int(os.environ["RANK"]) == 0:
+        (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+
+
+def _args(cfg, c: TrainConfig, tp: int, iteration: int, pp: int = 1) -> argparse.Namespace:
     """Megatron-LM's argparse fields of the run (the model's and the schedule's)."""
     return argparse.Namespace(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
@@ -108,7 +132,7 @@ def _args(cfg, c: TrainConfig, tp: int, iteration: int) -> argparse.Namespace:
         rotary_base=int(cfg.rotary_base), rotary_interleaved=cfg.rotary_interleaved,
         swiglu=cfg.activation == "swiglu", add_bias_linear=cfg.bias,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=None, lr=c.lr, min_lr=c.min_lr,
         train_iters=c.train_iters, global_batch_size=c.global_batch_size,
         micro_batch_size=c.micro_batch_size, iteration=iteration,
@@ -180,25 +204,7 @@ def resume_and_write(kw: dict, megart_dir: str, out_dir: str, lrs: list[float]) 
             weights_diff = max(
                 (p.detach() - after[n]).abs().max().item() for n, p in model.named_parameters()
             )
-    iteration = 3
-    written = {
-        "args": _args(cfg, c, tp, iteration),
-        "checkpoint_version": 3.0,
-        "iteration": iteration,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "opt_param_scheduler": _scheduler_state(c, iteration),
-        "rng_state": [{
-            "random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None,
-            "rng_tracker_states": {},
-        }],
-    }  # fmt: skip
-    path = Path(out_dir) / f"iter_{iteration:07d}" / here
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(written, path)
-    if rank == 0:
-        (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+    _write(out_dir, here, _args(cfg, c, tp, 3), model, optimizer, c)
     torch.distributed.barrier()
     keys = [{k: g[k] for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")}
             | {"size": len(g["params"])} for g in optimizer.param_groups]  # fmt: skip
@@ -275,12 +281,13 @@ def load_bf16(kw: dict, megart_dir: str) -> dict:
     )
 
 
-def pipeline_states(kw: dict, megart_dir: str) -> dict:
+def pipeline_states(kw: dict, megart_dir: str, out_dir: str | None = None) -> dict:
     """On each pipeline rank (the world: pipeline-parallel, tensor-parallel 1): Megatron-Core's
     GPTModel of this stage loads its file of megart's checkpoint strictly and FP32Optimizer over
     its own param groups loads the optimizer state; Adam's ``exp_avg`` of each of its
     parameters, named as the one-stage model names it (layers numbered from the stage's
-    offset, a tied output layer as the word embedding it copies)."""
+    offset, a tied output layer as the word embedding it copies). With ``out_dir``, writes
+    what it holds as Megatron-LM's legacy checkpoint there."""
     from megatron.core.optimizer import _get_param_groups
 
     import megatron_core_workers as mcw
@@ -308,5 +315,9 @@ def pipeline_states(kw: dict, megart_dir: str) -> dict:
         if n == "output_layer.weight" and not cfg.untie_embeddings_and_output_weights:
             parts = ["embedding", "word_embeddings", "weight"]
         out[".".join(parts)] = optimizer.optimizer.state[p]["exp_avg"].clone()
+    if out_dir is not None:
+        args = _args(cfg, c, 1, state["iteration"], pp)
+        _write(out_dir, f"{name}/{FILE}", args, model, optimizer, c)
+        torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return out

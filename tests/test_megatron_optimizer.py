@@ -124,19 +124,29 @@ def test_megatron_core_loads_each_pipeline_stages_optimizer_state(tmp_path):
     """pp2 (GPT-2-style, tied: the last stage's output layer is the embedding's copy): each
     stage's Megatron-Core GPTModel and FP32Optimizer load its file, and the Adam moments they
     hold for each parameter are those the one-stage run's file gives Megatron-Core for the same
-    parameter (the same training, 1e-5)."""
-    kw = dict(train_iters=2, ckpt_format="torch")
-    one, two = str(tmp_path / "pp1"), str(tmp_path / "pp2")
-    launch(_train, 1, {**kw, "save": one}, timeout=300)
-    launch(_train, 2, {**kw, "save": two, "pipeline_model_parallel_size": 2}, timeout=300)
+    parameter (the same training, 1e-5); the pp2 checkpoint the stages write from their own
+    state dicts resumes under megart's pp2 on the uninterrupted curve."""
+    kw = dict(train_iters=4, ckpt_format="torch")
+    one, two, theirs = (str(tmp_path / d) for d in ("pp1", "pp2", "megatron"))
+    straight = launch(_train, 1, kw, timeout=300)[0]
+    launch(_train, 1, {**kw, "save": one, "exit_interval": 2}, timeout=300)
+    pp2 = {**kw, "pipeline_model_parallel_size": 2}
+    launch(_train, 2, {**pp2, "save": two, "exit_interval": 2}, timeout=300)
     (want,) = launch(mow.pipeline_states, 1, kw, one, timeout=300)
-    stages = launch(mow.pipeline_states, 2, kw, two, timeout=300)
+    stages = launch(mow.pipeline_states, 2, kw, two, theirs, timeout=300)
     assert "embedding.word_embeddings.weight" in stages[1]  # the tied copy's moments
     got = {n for stage in stages for n in stage}
     assert got == set(want)
     for stage in stages:
         for n, moment in stage.items():
             torch.testing.assert_close(moment, want[n], rtol=1e-5, atol=1e-9)
+    # What the stages then wrote from their own state dicts resumes on the one-stage curve,
+    # under pp2 and resharded to one stage.
+    want_losses = [h["loss"] for h in straight[2:]]
+    for n, flags in ((2, pp2), (1, kw)):
+        resumed = launch(_train, n, {**flags, "load": theirs}, timeout=300)[0]
+        assert [h["iteration"] for h in resumed] == [3, 4]
+        assert [h["loss"] for h in resumed] == pytest.approx(want_losses, **SAME_RUN)
 
 
 def test_load_refuses_a_changed_scheduler_unless_the_optimizer_is_left_out(runs):
