@@ -96,7 +96,7 @@ def test_megatrons_scheduler_state_must_match_the_flags(runs, change, flag):
     """As Megatron's OptimizerParamScheduler.load_state_dict: the saved values must be the
     run's; a difference is refused naming the flag."""
     import train_workers as tw
-    from megart.training.megatron_files import check_scheduler
+    from megart.training.megatron_scheduler import check_scheduler
 
     r = runs["gpt2", 1]
     saved = torch.load(f"{r['dir']}/iter_0000003/mp_rank_00/{mow.FILE}", weights_only=False)

@@ -130,7 +130,7 @@ def test_megatrons_scheduler_restored_from_the_state_gives_megarts_rate(runs):
     and from states of longer runs, at iterations past warm-up (megart's warm-up runs one
     iteration ahead of Megatron's): its rate for the next step is megart's."""
     import train_workers as tw
-    from megart.training.megatron_files import scheduler_state
+    from megart.training.megatron_scheduler import scheduler_state
 
     ckpt = runs["tp2-fp32"][1]
     state = _raw(iteration_dir(ckpt, 2) / "mp_rank_00" / FILE)

@@ -50,7 +50,8 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     read_file,
     required_latest_iteration,
 )
-from megart.training.megatron_files import check_scheduler, to_megatron_file
+from megart.training.megatron_files import to_megatron_file
+from megart.training.megatron_scheduler import check_scheduler
 
 
 def _check_placement(directory: str | os.PathLike, saved: dict, config: Any) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import random
 import re
 from pathlib import Path
@@ -53,6 +52,7 @@ from megart.training.megatron_optimizer import (
     param_groups_of,
     to_megatron_optimizer,
 )
+from megart.training.megatron_scheduler import scheduler_state
 
 CHECKPOINT_VERSION = 3.0
 # What torch.load(weights_only=True) must be allowed to rebuild in these files: args, and
@@ -175,61 +175,6 @@ def _training_args(config: Any, cfg: GPTConfig, iteration: int, dp: int) -> argp
     return args
 
 
-def scheduler_state(config: Any, iteration: int) -> dict[str, Any]:
-    """Megatron's OptimizerParamScheduler.state_dict after ``iteration`` iterations: its steps
-    count samples (it steps by the global batch each iteration)."""
-    gbs = config.global_batch_size
-    return {
-        "max_lr": config.lr,
-        "lr_warmup_steps": round(config.warmup_iters * gbs),
-        "num_steps": iteration * gbs,
-        "lr_decay_style": config.lr_decay_style,
-        "lr_decay_steps": round(config.decay_iters * gbs),
-        "min_lr": config.min_lr,
-        "start_wd": config.weight_decay,
-        "end_wd": config.weight_decay,
-        "wd_incr_style": "constant",
-        "wd_incr_steps": config.train_iters * gbs,
-    }
-
-
-# Each value Megatron's OptimizerParamScheduler.load_state_dict checks (under its current or
-# older key), and the flags of this run that give it.
-_SCHEDULER_FLAGS = {
-    "max_lr": (("start_lr", "max_lr"), "--lr"),
-    "min_lr": (("min_lr",), "--min-lr"),
-    "lr_warmup_steps": (("warmup_iter", "warmup_steps", "lr_warmup_steps"),
-                        "--lr-warmup-iters (or --lr-warmup-samples, --lr-warmup-fraction)"),
-    "lr_decay_steps": (("end_iter", "decay_steps", "lr_decay_steps"),
-                       "--lr-decay-iters (or --lr-decay-samples; by default --train-iters)"),
-    "lr_decay_style": (("decay_style", "lr_decay_style"), "--lr-decay-style"),
-    "start_wd": (("start_wd",), "--weight-decay"),
-    "end_wd": (("end_wd",), "--weight-decay"),
-    "wd_incr_steps": (("wd_incr_steps",), "--train-iters (or --train-samples)"),
-    "wd_incr_style": (("wd_incr_style",), "--weight-decay-incr-style (megart: constant only)"),
-}  # fmt: skip
-
-
-def check_scheduler(saved: dict[str, Any], config: Any, directory: Any) -> None:
-    """Refuses to resume Megatron's scheduler ``saved`` under flags that give other values, as
-    its load_state_dict does by default (megart has neither --override-opt_param-scheduler nor
-    --use-checkpoint-opt_param-scheduler), naming the flag."""
-    now = scheduler_state(config, 0)
-    for key, (names, flag) in _SCHEDULER_FLAGS.items():
-        was = next((saved[n] for n in names if n in saved), None)
-        if was is None:
-            continue  # saved before Megatron kept it
-        same = (
-            was == now[key] if isinstance(was, str) else math.isclose(was, now[key], rel_tol=1e-9)
-        )
-        if not same:
-            raise ConfigError(
-                f"--load {directory}: Megatron-LM's scheduler state was saved with {key} {was} "
-                f"and this run's flags give {now[key]}; set {flag} as the run that wrote it "
-                "did (Megatron-LM refuses the same unless told to override it)"
-            )
-
-
 def _names_to_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, layers: list[int]) -> dict:
     out = to_megatron(sd, cfg)
     if layers[0] != 0 and WORD in out:  # the tied embedding's copy: Megatron's output layer
@@ -288,7 +233,8 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
             chunk.update({k: v.to(half) for k, v in chunk.items() if v is not None})
     if optimizer is not None:
         out["optimizer"] = optimizer
-        out["opt_param_scheduler"] = scheduler_state(config, iteration)
+        consumed = state["consumed_train_samples"]
+        out["opt_param_scheduler"] = scheduler_state(config, iteration, consumed)
     rng = state["rng"]
     if rng is not None:
         out["rng_state"] = [
