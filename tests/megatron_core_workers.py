@@ -4,6 +4,7 @@ a launched process, since Megatron-Core keeps its parallel state in module globa
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +17,9 @@ def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")  # GPT-2's, megart's
 
 
-def megatron_model(cfg: GPTConfig, tp: int = 1) -> torch.nn.Module:
-    """Megatron-Core's GPTModel of ``cfg`` (one rank of ``tp`` when model parallelism is
-    already initialised)."""
+def megatron_model(cfg: GPTConfig, tp: int = 1, pp: int = 1) -> torch.nn.Module:
+    """Megatron-Core's GPTModel of ``cfg`` (one rank of ``tp`` x ``pp`` when model
+    parallelism is already initialised: this rank's pipeline stage)."""
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -56,9 +57,13 @@ def megatron_model(cfg: GPTConfig, tp: int = 1) -> torch.nn.Module:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         rotary_interleaved=cfg.rotary_interleaved,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32 if pp > 1 else None,
     )
     rope = cfg.position_embedding == "rotary"
-    return GPTModel(
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    build = functools.partial(
+        GPTModel,
         config,
         get_gpt_layer_local_spec(normalization=config.normalization),
         vocab_size=cfg.padded_vocab_size(tp),
@@ -66,7 +71,18 @@ def megatron_model(cfg: GPTConfig, tp: int = 1) -> torch.nn.Module:
         position_embedding_type="rope" if rope else "learned_absolute",
         rotary_base=int(cfg.rotary_base),
         share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
-    ).double()
+        pre_process=stage == 0,
+        post_process=stage == pp - 1,
+    )
+    if pp == 1:
+        return build().double()
+    # The stages' tied embedding copies are made equal by an all-reduce of CUDA tensors.
+    real = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **kw: self
+    try:
+        return build().double()
+    finally:
+        torch.Tensor.cuda = real
 
 
 def megatron_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:

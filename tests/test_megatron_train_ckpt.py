@@ -91,14 +91,21 @@ def test_files_have_megatrons_keys_and_layouts(runs):
         groups = optimizer["optimizer"]["param_groups"]
         masters = optimizer["fp32_from_fp16_params"]
         assert [len(g) for g in masters] == [len(g["params"]) for g in groups]
+        # Megatron-Core's default groups (_get_param_groups): decayed parameters, then biases
+        # and norms, each in GPTModel's order (the model's keys are in that order too).
+        decayed = [n for n, v in model.items() if v.dim() > 1]
+        order = decayed + [n for n, v in model.items() if v.dim() == 1]
+        assert [len(g) for g in masters] == [len(decayed), len(model) - len(decayed)]
+        assert [(g["wd_mult"], g["lr_mult"], g["is_expert_parallel"], g["is_decoupled_lr"],
+                 g["weight_decay"]) for g in groups] == [(1.0, 1.0, False, False, 0.01),
+                                                         (0.0, 1.0, False, False, 0.0)]  # fmt: skip
         flat = [m for g in masters for m in g]
-        assert len(flat) == len(model) and all(m.dtype == torch.float32 for m in flat)
-        assert sorted(m.half().sum().item() for m in flat) == pytest.approx(
-            sorted(v.float().sum().item() for v in model.values()), rel=1e-3
-        )
+        assert all(m.dtype == torch.float32 for m in flat)
+        assert all(torch.equal(m.half(), model[n]) for m, n in zip(flat, order, strict=True))
         states = optimizer["optimizer"]["state"]
         assert set(states) == set(range(len(flat)))
         assert all({"exp_avg", "exp_avg_sq", "step"} <= set(s) for s in states.values())
+        assert all(states[i]["exp_avg"].shape == model[n].shape for i, n in enumerate(order))
         assert set(optimizer["grad_scaler"]) == {"scale", "growth_tracker", "hysteresis_tracker"}
         sched = state["opt_param_scheduler"]
         assert sched["num_steps"] == 2 * 8  # Megatron counts samples: 2 global batches of 8
@@ -123,7 +130,7 @@ def test_megatrons_scheduler_restored_from_the_state_gives_megarts_rate(runs):
     and from states of longer runs, at iterations past warm-up (megart's warm-up runs one
     iteration ahead of Megatron's): its rate for the next step is megart's."""
     import train_workers as tw
-    from megart.training.megatron_files import scheduler_state
+    from megart.training.megatron_scheduler import scheduler_state
 
     ckpt = runs["tp2-fp32"][1]
     state = _raw(iteration_dir(ckpt, 2) / "mp_rank_00" / FILE)

@@ -116,8 +116,8 @@ HELP = {
     "save": "directory to write checkpoints to (Megatron's layout)",
     "save_interval": "iterations between checkpoints (one is also written after the last; "
     "unset: only that one)",
-    "load": "directory to resume from (its latest checkpoint; one saved under another tensor- "
-    "or pipeline-parallel layout is resharded)",
+    "load": "directory to resume from (its latest checkpoint, megart's or Megatron-LM's legacy "
+    "one; one saved under another tensor- or pipeline-parallel layout is resharded)",
     "no_load_optim": "do not load the optimizer state (nor the fp16 loss scale) from --load",
     "no_load_rng": "do not load the random streams from --load (start them from --seed)",
     "finetune": "load only the model weights from --load and start at iteration 0 (fresh "

@@ -42,6 +42,7 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     MODEL_FIELDS,
     PARALLEL_FIELDS,
     TRACKER,
+    in_live_order,
     iteration_dir,
     latest_iteration,
     optimizer_params,
@@ -50,6 +51,7 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     required_latest_iteration,
 )
 from megart.training.megatron_files import to_megatron_file
+from megart.training.megatron_scheduler import check_scheduler
 
 
 def _check_placement(directory: str | os.PathLike, saved: dict, config: Any) -> None:
@@ -220,6 +222,8 @@ def load(
     load_optim = not (finetune or config.no_load_optim)
     load_rng = not (finetune or config.no_load_rng)
     _check_placement(directory, state["config"], config)
+    if load_optim and state.get("opt_param_scheduler") is not None:  # written by Megatron-LM
+        check_scheduler(state["opt_param_scheduler"], config, directory)
     if any(state["config"][f] != getattr(config, f) for f in PARALLEL_FIELDS):
         reshard.restore(
             root, state["config"], config, grid, chunks, optimizer if load_optim else None
@@ -232,11 +236,14 @@ def load(
         for chunk, sd in zip(chunks, state["model"], strict=True):
             chunk.load_state_dict(sd)
         if load_optim:
-            optimizer.load_state_dict(state["optimizer"])
-        if load_rng:
+            saved = state["optimizer"]
+            params = state["optimizer_params"]
+            optimizer.load_state_dict(in_live_order(saved, params, chunks, optimizer, directory))
+        if load_rng and state["rng"] is not None:
             r = state["rng"]
             GeneratorStates(r["torch"], r["cuda"]).install()
-            rng.set_states(r["tracker"])
+            if r["tracker"] is not None:  # None: Megatron-LM's (CUDA) streams, not taken
+                rng.set_states(r["tracker"])
     if load_optim and scaler is not None and state.get("loss_scaler") is not None:
         scaler.load_state_dict(state["loss_scaler"])
     if finetune:
@@ -269,8 +276,16 @@ def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -
     differ = [
         f"--{f.replace('_', '-')} {saved[f]} (now {getattr(config, f)})"
         for f in MODEL_FIELDS
-        if saved[f] != getattr(config, f)
+        if saved[f] != getattr(config, f) and not (f == "vocab_size" and saved[f] is None)
     ]
+    if saved["vocab_size"] is None:  # Megatron-LM's, its tokenizer's size unrecorded
+        t = saved["tensor_model_parallel_size"]
+        if saved["padded_vocab_size"] != cfg.padded_vocab_size(t):
+            differ.append(
+                f"a vocabulary padded to {saved['padded_vocab_size']} rows for "
+                f"tensor-parallel {t} (--vocab-size {config.vocab_size} pads to "
+                f"{cfg.padded_vocab_size(t)})"
+            )
     # The architecture flags that shape the weights or what they mean, beyond MODEL_FIELDS;
     # the rest (dropout, seed, --init-method-std, fused kernels, recomputation) may change.
     was, now = architecture_flags(model_config(state)), architecture_flags(cfg)

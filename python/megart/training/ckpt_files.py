@@ -82,6 +82,48 @@ def optimizer_params(
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
+def in_live_order(
+    saved: dict[str, Any],
+    saved_params: list[tuple[int, str]],
+    chunks: list[torch.nn.Module],
+    optimizer: Any,
+    where: Any,
+) -> dict[str, Any]:
+    """The optimizer state dict ``saved`` (its parameters named by ``saved_params``, in its
+    numbering) renumbered as ``optimizer`` numbers the same parameters of ``chunks``: files in
+    Megatron's layout list them in another order than megart's optimizer."""
+    live = optimizer_params(chunks, optimizer)
+    saved_params = [(int(c), str(n)) for c, n in saved_params]
+    if not saved_params or saved_params == live:
+        return saved
+    ids = [i for group in saved["param_groups"] for i in group["params"]]
+    group_of = {i: g for g, group in enumerate(saved["param_groups"]) for i in group["params"]}
+    index = dict(zip(saved_params, ids, strict=True))
+    numbers, start = [], 0
+    for group in optimizer.param_groups:
+        numbers.append(list(range(start, start + len(group["params"]))))
+        start += len(group["params"])
+    place = {j: g for g, group in enumerate(numbers) for j in group}
+    if (
+        set(index) != set(live)
+        or len(numbers) != len(saved["param_groups"])
+        or any(group_of[index[p]] != place[j] for j, p in enumerate(live))
+    ):
+        raise ConfigError(
+            f"--load {where}: the saved optimizer state does not hold this model's parameters "
+            "in its param groups; resume with --no-load-optim (fresh optimizer state)"
+        )
+    return {
+        "state": {
+            j: saved["state"][index[p]] for j, p in enumerate(live) if index[p] in saved["state"]
+        },
+        "param_groups": [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": mine}
+            for group, mine in zip(saved["param_groups"], numbers, strict=True)
+        ],
+    }
+
+
 def read_file(path: Path) -> dict[str, Any]:
     """One checkpoint file. weights_only: the files hold only tensors, numbers, strings and
     containers, and checkpoints come from elsewhere. mmap: only the pages of the tensors used

@@ -31,7 +31,6 @@ from megart.training.checkpoint import (
     FILE,
     TRACKER,
     iteration_dir,
-    latest_iteration,
     model_config,
     rank_dir,
     replace_text,
@@ -41,8 +40,8 @@ from megart.training.checkpoint import (
 from megart.training.ckpt_files import rank_files
 from megart.training.megatron_files import (
     LOAD_GLOBALS,
+    check_args,
     config_from_args,
-    is_megatron_file,
     megatron_args,
     model_chunks,
     rank_state,
@@ -123,15 +122,7 @@ def read_megatron(load_dir: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any
     if first is None:
         raise ConfigError(f"{root} holds no mp_rank_*/{FILE}: not a Megatron-LM checkpoint")
     a = vars(read_rank(first)["args"])
-    for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-        if a.get(flag):
-            raise ConfigError(
-                f"{first}: saved with --{flag.replace('_', '-')} {a[flag]} (uneven pipeline "
-                "stages), which megart does not read; convert it to even stages with "
-                "Megatron's checkpoint converter first"
-            )
-    if (a.get("expert_model_parallel_size") or 1) > 1 or (a.get("num_experts") or 0) > 0:
-        raise ConfigError(f"{first}: a mixture-of-experts model, which megart does not have")
+    check_args(a, first)
     tp = a.get("tensor_model_parallel_size") or 1
     pp = a.get("pipeline_model_parallel_size") or 1
     cfg = config_from_args(a)
@@ -141,21 +132,6 @@ def read_megatron(load_dir: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any
         if name in model:
             model[name] = fit_vocab(model[name], cfg.padded_vocab_size(1))
     return cfg, model, iteration
-
-
-def is_megatron(load_dir: str | os.PathLike) -> bool:
-    """Whether the latest checkpoint in ``load_dir`` is Megatron-LM's legacy format (its files
-    hold ``checkpoint_version``; megart's do not)."""
-    iteration = latest_iteration(load_dir)
-    path = None if iteration is None else first_rank_file(iteration_dir(load_dir, iteration))
-    if path is None:
-        return False
-    try:
-        state = _load(path, mmap=True)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError):
-        return False
-    # megart train --ckpt-format torch writes this format with its own extras: resumed in full.
-    return is_megatron_file(state) and "megart" not in state
 
 
 def megatron_to_megart(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> Path:

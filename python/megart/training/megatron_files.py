@@ -12,12 +12,15 @@ torch's (``state``, ``param_groups``) in fp32 (FP32Optimizer); with --fp16/--bf1
 model's tensors are in the 16-bit type. The scheduler's is OptimizerParamScheduler.state_dict
 (steps counted in samples); ``rng_state`` a list (one entry per data-parallel rank, one without
 --data-parallel-random-init) of python's, numpy's, torch's and CUDA's generator states and the
-tensor-parallel tracker's.
+tensor-parallel tracker's; ``args.consumed_train_samples`` the samples trained.
 
-megart keeps its params in fp32 and autocasts, so its fp32 weights are the master copies; what
-megart needs beyond Megatron's keys to resume exactly (its layout record, the layer ids, which
-parameter each optimizer state belongs to, its loss scaler and the tracker's CPU streams) rides
-along under the extra key ``megart``, which Megatron's loader does not read.
+megart keeps its params in fp32 and autocasts, so its fp32 weights are the master copies. The
+optimizer state is written as Megatron's for the same model (megart.training.megatron_optimizer:
+its param groups, order and shapes). What megart needs beyond Megatron's keys to resume exactly
+(its layout record, the layer ids, its loss scaler and the tracker's CPU streams) rides along
+under the extra key ``megart``, which Megatron's loader does not read. A file Megatron-LM wrote
+has no such key: its args give the model and layout, its place the layers, and the tracker's
+streams (CUDA ones in Megatron) are not taken.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,9 +41,18 @@ except ImportError:  # numpy 1
     from numpy.core.multiarray import _reconstruct
 
 from megart.errors import ConfigError
+from megart.models import chunk_layers
 from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
 from megart.training.megatron_layout import OUTPUT, WORD, with_extra_states
+from megart.training.megatron_optimizer import (
+    from_megatron_optimizer,
+    in_megatron_order,
+    megatron_group_keys,
+    param_groups_of,
+    to_megatron_optimizer,
+)
+from megart.training.megatron_scheduler import scheduler_state
 
 CHECKPOINT_VERSION = 3.0
 # What torch.load(weights_only=True) must be allowed to rebuild in these files: args, and
@@ -104,6 +118,19 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
     )
 
 
+def check_args(a: dict[str, Any], where: Any) -> None:
+    """Refuses a Megatron-LM checkpoint (its ``vars(args)``) of what megart cannot represent."""
+    for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if a.get(flag):
+            raise ConfigError(
+                f"{where}: saved with --{flag.replace('_', '-')} {a[flag]} (uneven pipeline "
+                "stages), which megart does not read; convert it to even stages with "
+                "Megatron's checkpoint converter first"
+            )
+    if (a.get("expert_model_parallel_size") or 1) > 1 or (a.get("num_experts") or 0) > 0:
+        raise ConfigError(f"{where}: a mixture-of-experts model, which megart does not have")
+
+
 def rank_state(
     args: argparse.Namespace, iteration: int, chunks: list[dict[str, torch.Tensor]]
 ) -> dict[str, Any]:
@@ -148,31 +175,18 @@ def _training_args(config: Any, cfg: GPTConfig, iteration: int, dp: int) -> argp
     return args
 
 
-def scheduler_state(config: Any, iteration: int) -> dict[str, Any]:
-    """Megatron's OptimizerParamScheduler.state_dict after ``iteration`` iterations: its steps
-    count samples (it steps by the global batch each iteration)."""
-    gbs = config.global_batch_size
-    return {
-        "max_lr": config.lr,
-        "lr_warmup_steps": round(config.warmup_iters * gbs),
-        "num_steps": iteration * gbs,
-        "lr_decay_style": config.lr_decay_style,
-        "lr_decay_steps": round(config.decay_iters * gbs),
-        "min_lr": config.min_lr,
-        "start_wd": config.weight_decay,
-        "end_wd": config.weight_decay,
-        "wd_incr_style": "constant",
-        "wd_incr_steps": config.train_iters * gbs,
-    }
+def _names_to_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, layers: list[int]) -> dict:
+    out = to_megatron(sd, cfg)
+    if layers[0] != 0 and WORD in out:  # the tied embedding's copy: Megatron's output layer
+        out[OUTPUT] = out.pop(WORD)
+    return out
 
 
 def _chunk_to_megatron(
     sd: dict[str, torch.Tensor], cfg: GPTConfig, layers: list[int]
 ) -> dict[str, torch.Tensor | None]:
-    out = to_megatron(sd, cfg)
-    if layers[0] != 0 and WORD in out:  # the tied embedding's copy: Megatron's output layer
-        out[OUTPUT] = out.pop(WORD)
-    return with_extra_states(out, layers[-1] == cfg.num_layers - 1)
+    out = with_extra_states(_names_to_megatron(sd, cfg, layers), layers[-1] == cfg.num_layers - 1)
+    return in_megatron_order(out)
 
 
 def _chunk_from_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, first: bool) -> dict:
@@ -186,21 +200,27 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
     """megart's file of one rank (megart.training.checkpoint.file_state, ``cfg`` its model,
     ``dp`` data-parallel ranks) in Megatron-LM's legacy layout, keeping what megart needs
     besides under ``megart``."""
-    iteration = state["iteration"]
+    iteration, layers = state["iteration"], state["layer_ids"]
     model = [
-        _chunk_to_megatron(sd, cfg, ids)
-        for sd, ids in zip(state["model"], state["layer_ids"], strict=True)
+        _chunk_to_megatron(sd, cfg, ids) for sd, ids in zip(state["model"], layers, strict=True)
     ]
     half = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
-    out = rank_state(_training_args(config, cfg, iteration, dp), iteration, model)
+    args = _training_args(config, cfg, iteration, dp)
+    args.consumed_train_samples = state["consumed_train_samples"]  # where Megatron keeps it
+    out = rank_state(args, iteration, model)
     optimizer = state["optimizer"]
+    if optimizer is not None:
+        optimizer, groups = to_megatron_optimizer(
+            optimizer,
+            state["optimizer_params"],
+            state["model"],
+            model,
+            lambda c, sd: _names_to_megatron(sd, cfg, layers[c]),
+            megatron_group_keys(config.lr, config.min_lr),
+        )
     if optimizer is not None and half is not None:
         # The fp32 weights are the master copies; the model holds their 16-bit casts.
-        names = iter(state["optimizer_params"])
-        masters = [
-            [state["model"][c][n] for c, n in (next(names) for _ in group["params"])]
-            for group in optimizer["param_groups"]
-        ]
+        masters = [[model[c][n] for c, n in group] for group in groups]
         optimizer = {"optimizer": optimizer, "fp32_from_fp16_params": masters}
         scaler = state["loss_scaler"]
         if scaler is not None:  # Megatron's DynamicGradScaler's fields
@@ -213,7 +233,8 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
             chunk.update({k: v.to(half) for k, v in chunk.items() if v is not None})
     if optimizer is not None:
         out["optimizer"] = optimizer
-        out["opt_param_scheduler"] = scheduler_state(config, iteration)
+        consumed = state["consumed_train_samples"]
+        out["opt_param_scheduler"] = scheduler_state(config, iteration, consumed)
     rng = state["rng"]
     if rng is not None:
         out["rng_state"] = [
@@ -227,51 +248,116 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
                 },
             }
         ]
-    keep = ("release", "config", "model_config", "layer_ids", "optimizer_params", "loss_scaler")
+    keep = ("release", "config", "model_config", "layer_ids", "loss_scaler")
     out["megart"] = {k: state[k] for k in keep} | {
         "rng_tracker": None if rng is None else rng["tracker"],
         "half": half is not None and optimizer is not None,
+        "optimizer_layout": "megatron",  # earlier files hold megart's optimizer state as is
     }
     return out
 
 
+def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """What megart keeps under ``megart`` in its own files, for a file Megatron-LM wrote: the
+    model and layout from its args, the layers from the file's place, the loss scale."""
+    a = vars(state["args"])
+    check_args(a, path)
+    cfg = config_from_args(a)
+    tp, pp = a.get("tensor_model_parallel_size") or 1, a.get("pipeline_model_parallel_size") or 1
+    vpp = a.get("virtual_pipeline_model_parallel_size") or 1
+    per = a.get("num_layers_per_virtual_pipeline_stage") or (
+        cfg.num_layers // (pp * vpp) if vpp > 1 else None
+    )
+    chunks = len(model_chunks(state))
+    place = re.fullmatch(r"mp_rank_\d+(?:_(\d+))?", Path(path).parent.name)
+    p = int(place.group(1) or 0) if place else 0
+    optimizer = state.get("optimizer")
+    if isinstance(optimizer, list):
+        raise ConfigError(
+            f"{path}: its optimizer is a chain of {len(optimizer)} (expert-parallel parameters "
+            "or --overlap-param-gather-with-optimizer-step), which megart does not have"
+        )
+    scaler = optimizer.get("grad_scaler") if isinstance(optimizer, dict) else None
+    rank_layers = [list(r) for r in chunk_layers(cfg.num_layers, p, pp, chunks)]
+    return {
+        # Weights alone (as convert-checkpoint writes them): loaded as --finetune loads them.
+        "release": optimizer is None,
+        "config": dict(
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            seq_length=cfg.seq_length,
+            # None where Megatron's tokenizer gave it (GPT2BPETokenizer, ...): the padded size
+            # alone is known then, and checked against this run's instead.
+            vocab_size=a.get("vocab_size"),
+            padded_vocab_size=a.get("padded_vocab_size"),
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            num_layers_per_virtual_pipeline_stage=per,
+            pipeline_schedule="1f1b" if per is None else "interleaved",
+        ),
+        "model_config": dataclasses.asdict(cfg),
+        "layer_ids": rank_layers,
+        "loss_scaler": None
+        if scaler is None
+        else {"scale": float(scaler["scale"]), "good_steps": int(scaler["growth_tracker"])},
+        "rng_tracker": None,  # Megatron's are CUDA streams: this run keeps its own
+        "half": isinstance(optimizer, dict) and "fp32_from_fp16_params" in optimizer,
+        "optimizer_layout": "megatron",
+        "opt_param_scheduler": state.get("opt_param_scheduler"),
+    }
+
+
 def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
-    """megart's view (checkpoint.file_state's keys) of a file to_megatron_file wrote."""
+    """megart's view (checkpoint.file_state's keys) of a file in Megatron-LM's legacy layout,
+    written by megart train or by Megatron-LM (non-distributed optimizer)."""
     extra = state.get("megart")
     if extra is None:
-        raise ConfigError(
-            f"{path} is Megatron-LM's own legacy checkpoint, not one megart train wrote: "
-            "megart reads only its weights (megart train --load, or convert-checkpoint "
-            "--from megatron)"
-        )
+        extra = _megatron_written(state, Path(path))
     known = {f.name for f in dataclasses.fields(GPTConfig) if f.init}
     cfg = GPTConfig(**{k: v for k, v in extra["model_config"].items() if k in known})
     firsts = [ids[0] == 0 for ids in extra["layer_ids"]]
-    model = [
-        _chunk_from_megatron(sd, cfg, f) for sd, f in zip(model_chunks(state), firsts, strict=True)
-    ]
-    optimizer = state.get("optimizer")
+    saved = model_chunks(state)
+    model = [_chunk_from_megatron(sd, cfg, f) for sd, f in zip(saved, firsts, strict=True)]
+
+    def back(c: int, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return _chunk_from_megatron(sd, cfg, firsts[c])
+
+    optimizer, params = state.get("optimizer"), extra.get("optimizer_params", [])
     if optimizer is not None and extra["half"]:
-        names = iter(extra["optimizer_params"])
-        for group in optimizer["fp32_from_fp16_params"]:
-            for master in group:
-                c, n = next(names)
-                model[c][n] = master
+        if extra.get("optimizer_layout") == "megatron":
+            masters: list[dict[str, torch.Tensor]] = [{} for _ in saved]
+            groups = param_groups_of(saved)
+            for group, tensors in zip(groups, optimizer["fp32_from_fp16_params"], strict=True):
+                for (c, name), master in zip(group, tensors, strict=True):
+                    masters[c][name] = master
+            for c, chunk in enumerate(masters):
+                model[c].update(back(c, chunk))
+        else:  # written before megart wrote Megatron's layout: masters in megart's order
+            names = iter(params)
+            for group in optimizer["fp32_from_fp16_params"]:
+                for master in group:
+                    c, n = next(names)
+                    model[c][n] = master
         optimizer = optimizer["optimizer"]
+    if optimizer is not None and extra.get("optimizer_layout") == "megatron":
+        optimizer, params = from_megatron_optimizer(optimizer, saved, model, back, str(path))
     rng = None
     if state.get("rng_state"):
         r = state["rng_state"][0]
-        rng = {"torch": r["torch_rng_state"], "cuda": r["cuda_rng_state"],
+        rng = {"torch": r["torch_rng_state"], "cuda": r.get("cuda_rng_state"),
                "tracker": extra["rng_tracker"]}  # fmt: skip
     return {
         "iteration": state["iteration"],
+        "consumed_train_samples": getattr(state["args"], "consumed_train_samples", None),
         "release": extra["release"],
         "config": extra["config"],
         "model_config": extra["model_config"],
         "layer_ids": extra["layer_ids"],
-        "optimizer_params": extra["optimizer_params"],
+        "optimizer_params": params,
         "model": model,
         "optimizer": optimizer,
         "rng": rng,
         "loss_scaler": extra["loss_scaler"],
+        "opt_param_scheduler": extra.get("opt_param_scheduler"),
     }

@@ -30,8 +30,8 @@ What each does in megart:
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
 - --ckpt-format: megart (the default); torch writes Megatron-LM's legacy format
   (megart.training.megatron_files; not with --use-distributed-optimizer), torch_dist is
-  refused. --load reads a Megatron-LM legacy checkpoint of any layout
-  (megart.training.megatron_checkpoint) as --finetune.
+  refused. --load resumes a Megatron-LM legacy checkpoint of any layout in full
+  (megart.training.megatron_files; as --finetune when it holds no optimizer).
 - --calculate-per-token-loss: megart has no loss mask, so every microbatch has b s tokens and
   the per-token mean over the global batch equals the mean of the per-microbatch means that
   megart computes: the gradients are the same.

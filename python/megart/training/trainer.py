@@ -13,8 +13,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -34,7 +32,7 @@ from megart.tensor_parallel import (
     seed_tensor_parallel,
     sync_sequence_parallel_grads,
 )
-from megart.training import batch_rampup, checkpoint, checkpoint_dirs, megatron_checkpoint
+from megart.training import batch_rampup, checkpoint, checkpoint_dirs
 from megart.training import optimizer as optim
 from megart.training.config import TrainConfig
 from megart.training.data import Dataset, build_datasets
@@ -150,17 +148,10 @@ class Trainer:
                     flush=True,
                 )
         elif c.load:
-            load = c.load
-            if megatron_checkpoint.is_megatron(load):
-                # Megatron-LM's legacy checkpoint: its weights as a megart release checkpoint
-                # (each rank its own copy), loaded and resharded as after import-hf.
-                load = tempfile.mkdtemp(prefix="megart-from-megatron-")
-                megatron_checkpoint.megatron_to_megart(c.load, load)
+            # megart's files or Megatron-LM's legacy ones (read as megart's: megatron_files).
             self.start_iteration, self.consumed = checkpoint.load(
-                load, c, g, self.chunks, self.optimizer, self.rng, self.scaler
+                c.load, c, g, self.chunks, self.optimizer, self.rng, self.scaler
             )
-            if load != c.load:
-                shutil.rmtree(load, ignore_errors=True)
 
     def save_checkpoint(self, iterations_done: int) -> None:
         """Writes a checkpoint after ``iterations_done`` iterations to --save (every rank)."""

@@ -1,0 +1,210 @@
+"""The optimizer state of Megatron-LM's legacy checkpoint, both ways: megart's Adam state dict
+as Megatron-LM's non-distributed optimizer holds it for the same model, and back.
+
+Megatron-Core (megatron/core/optimizer/__init__.py, ``_get_param_groups``) puts a model's
+parameters into param groups keyed by their overrides, sorted with the plain group first: with
+its default config two groups, weight decay on every parameter but biases and 1-d ones (the
+plain group: ``wd_mult`` 1) and none on those (``wd_mult`` 0). Each group lists its parameters
+in the order of GPTModel's ``named_parameters()``, model chunk after model chunk, and carries
+Megatron's keys besides torch's (``wd_mult``, ``lr_mult``, ``is_expert_parallel``,
+``is_decoupled_lr``, ``default_config``, ``max_lr``, ``min_lr``). torch's state dict numbers the
+parameters group after group; each one's state (``step``, ``exp_avg``, ``exp_avg_sq``) has its
+parameter's shape. megart's groups split by the same rule (matrices decayed, vectors not), so
+the groups match one to one; the order and the shapes (SwiGLU's gate and up as one
+``linear_fc1``) differ, and every state tensor goes through the weights' own mapping (a scalar
+such as ``step`` broadcast to its parameter's shape, mapped, and read back from one element).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megart.errors import ConfigError
+
+# One model chunk's state dict of parameter -> tensor: megart's names <-> Megatron-Core's.
+ChunkMap = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+# The keys Megatron-Core's _get_param_groups adds to each group (default config, no overrides).
+MEGATRON_GROUP_KEYS = (
+    "is_expert_parallel",
+    "default_config",
+    "wd_mult",
+    "lr_mult",
+    "is_decoupled_lr",
+    "max_lr",
+    "min_lr",
+)
+# GPTModel's modules in the order they register their parameters (the local layer spec).
+_LAYER_PARTS = (
+    "input_layernorm",
+    "self_attention.linear_proj",
+    "self_attention.linear_qkv",
+    "pre_mlp_layernorm",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+_SUFFIXES = ("weight", "bias", "_extra_state")
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)\.(\w+)$")
+
+
+def _order_key(name: str) -> tuple:
+    top = {
+        "embedding.word_embeddings": 0,
+        "embedding.position_embeddings": 1,
+        "decoder.final_layernorm": 3,
+        "output_layer": 4,
+    }
+    module, suffix = name.rsplit(".", 1)
+    if module in top:
+        return (top[module], 0, 0, _SUFFIXES.index(suffix))
+    match = _LAYER.match(name)
+    if not match or match.group(2) not in _LAYER_PARTS:
+        raise KeyError(f"{name}: not a Megatron-Core GPTModel parameter megart writes")
+    layer, part, suffix = match.groups()
+    return (2, int(layer), _LAYER_PARTS.index(part), _SUFFIXES.index(suffix))
+
+
+def in_megatron_order(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (Megatron-Core names of one model chunk) in the order GPTModel's
+    ``state_dict()`` lists them, which is its ``named_parameters()`` order."""
+    return {name: state[name] for name in sorted(state, key=_order_key)}
+
+
+def decayed(name: str, tensor: torch.Tensor) -> bool:
+    """Megatron-Core's default weight-decay rule: none on biases and 1-d parameters."""
+    return not (tensor.dim() == 1 or name.endswith(".bias"))
+
+
+def megatron_group_keys(lr: float, min_lr: float) -> list[dict[str, Any]]:
+    """Megatron-Core's keys of its two default groups (decayed, then not), for --lr ``lr``."""
+    return [
+        {"is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult,
+         "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": lr, "min_lr": min_lr}
+        for wd_mult in (1.0, 0.0)
+    ]  # fmt: skip
+
+
+def param_groups_of(chunks: list[dict[str, Any]]) -> list[list[tuple[int, str]]]:
+    """Megatron's two param groups of a rank's model chunks (Megatron-Core names, in
+    named_parameters order): (chunk, name) of each parameter, decayed ones first."""
+    named = [
+        (c, name, value)
+        for c, chunk in enumerate(chunks)
+        for name, value in chunk.items()
+        if isinstance(value, torch.Tensor) and not name.endswith("_extra_state")
+    ]
+    return [
+        [(c, n) for c, n, v in named if decayed(n, v)],
+        [(c, n) for c, n, v in named if not decayed(n, v)],
+    ]
+
+
+def _map_states(
+    states: list[dict[str, Any]],
+    names: list[tuple[int, str]],
+    shapes: list[dict[str, torch.Tensor]],
+    chunk_map: ChunkMap,
+) -> dict[tuple[int, str], dict[str, Any]]:
+    """Per-parameter states (``states[i]`` of parameter ``names[i]``, shaped like
+    ``shapes[c][name]``) mapped by ``chunk_map`` to the other side's (chunk, name)."""
+    keys = {k for state in states for k in state}
+    if any(set(state) != keys for state in states):
+        raise ConfigError("the optimizer holds state for some parameters and not for others")
+    out: dict[tuple[int, str], dict[str, Any]] = {}
+    for key in sorted(keys):
+        per_chunk: list[dict[str, torch.Tensor]] = [{} for _ in shapes]
+        scalar = False
+        for (c, name), state in zip(names, states, strict=True):
+            value = state[key]
+            scalar = value.dim() == 0
+            per_chunk[c][name] = value.expand(shapes[c][name].shape) if scalar else value
+        for c, chunk in enumerate(per_chunk):
+            for name, value in chunk_map(c, chunk).items():
+                out.setdefault((c, name), {})[key] = (
+                    value.reshape(-1)[0].clone() if scalar else value
+                )
+    return out
+
+
+def to_megatron_optimizer(
+    optimizer: dict[str, Any],
+    params: list[tuple[int, str]],
+    model: list[dict[str, torch.Tensor]],
+    megatron_model: list[dict[str, Any]],
+    chunk_map: ChunkMap,
+    group_keys: list[dict[str, Any]],
+) -> tuple[dict[str, Any], list[list[tuple[int, str]]]]:
+    """megart's Adam state dict (``params``: the (chunk, name) of each of its parameters, in
+    its numbering; ``model``: megart's chunks) as Megatron's non-distributed optimizer holds it
+    for ``megatron_model`` (the same chunks under Megatron-Core's names, in its order);
+    ``group_keys``: Megatron's keys of each group. Returns it and its groups' (chunk, name)."""
+    if len(optimizer["param_groups"]) != 2:
+        raise ConfigError("megart's optimizer has other param groups than Megatron's two")
+    ids = [i for group in optimizer["param_groups"] for i in group["params"]]
+    states = [optimizer["state"].get(i, {}) for i in ids]
+    mapped = _map_states(states, params, model, chunk_map) if any(states) else {}
+    groups = param_groups_of(megatron_model)
+    state, index, param_groups = {}, 0, []
+    for ours, members, keys in zip(optimizer["param_groups"], groups, group_keys, strict=True):
+        numbers = list(range(index, index + len(members)))
+        state.update({i: mapped[p] for i, p in zip(numbers, members, strict=True) if p in mapped})
+        index += len(members)
+        hyper = {k: v for k, v in ours.items() if k != "params"}
+        param_groups.append({**keys, **hyper, "params": numbers})
+    return {"state": state, "param_groups": param_groups}, groups
+
+
+def from_megatron_optimizer(
+    optimizer: dict[str, Any],
+    megatron_model: list[dict[str, Any]],
+    model: list[dict[str, torch.Tensor]],
+    chunk_map: ChunkMap,
+    where: str,
+) -> tuple[dict[str, Any], list[tuple[int, str]]]:
+    """Megatron's non-distributed optimizer state dict of ``megatron_model`` (its chunks as
+    the file holds them, in GPTModel's order) as megart's: its state dict and the (chunk,
+    name) of each parameter in its numbering (``model``: megart's chunks, for the shapes).
+    A state that does not fit Megatron's default param groups is refused, naming ``where``."""
+    groups = param_groups_of(megatron_model)
+    saved = optimizer["param_groups"]
+    sizes = [len(g["params"]) for g in saved]
+    if sizes != [len(g) for g in groups]:
+        raise ConfigError(
+            f"{where}: its optimizer has param groups of {sizes} parameters, but Megatron-Core's "
+            f"default groups (weight decay on matrices, none on biases and norms) of this model "
+            f"hold {[len(g) for g in groups]}: saved with other optimizer overrides (say "
+            "--decoupled-lr), which megart does not have; resume with --no-load-optim"
+        )
+    ids = [i for g in saved for i in g["params"]]
+    names = [p for g in groups for p in g]
+    states = []
+    for i, (c, name), group in zip(ids, names, [g for g in saved for _ in g["params"]],
+                                   strict=True):  # fmt: skip
+        state = dict(optimizer["state"].get(i, {}))
+        if state and "step" not in state and "step" in group:
+            state["step"] = torch.tensor(float(group["step"]))  # apex/TE FusedAdam: per group
+        shape = megatron_model[c][name].shape
+        if any(v.dim() and v.shape != shape for v in state.values() if torch.is_tensor(v)):
+            raise ConfigError(
+                f"{where}: the optimizer state of parameter {i} does not have the shape of "
+                f"{name} {tuple(shape)}; resume with --no-load-optim"
+            )
+        states.append(state)
+    mapped = _map_states(states, names, megatron_model, chunk_map) if any(states) else {}
+    ours: list[list[tuple[int, str]]] = [[], []]
+    for c, chunk in enumerate(model):
+        for name, value in chunk.items():
+            ours[0 if value.dim() >= 2 else 1].append((c, name))
+    state, param_groups, index = {}, [], 0
+    for members, group in zip(ours, saved, strict=True):
+        numbers = list(range(index, index + len(members)))
+        state.update({i: mapped[p] for i, p in zip(numbers, members, strict=True) if p in mapped})
+        index += len(members)
+        drop = {"params", "step", *MEGATRON_GROUP_KEYS}
+        param_groups.append({**{k: v for k, v in group.items() if k not in drop},
+                             "params": numbers})  # fmt: skip
+    return {"state": state, "param_groups": param_groups}, [p for g in ours for p in g]

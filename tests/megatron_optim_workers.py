@@ -1,0 +1,323 @@
+"""Megatron-Core's side of the optimizer-state tests (one launched process per tensor-parallel
+rank, CPU, gloo): its GPTModel loads a rank's file of megart's ``--ckpt-format torch``
+checkpoint strictly, Megatron-Core's own ``_get_param_groups`` and FP32Optimizer (over torch's
+AdamW, as Megatron-LM builds it without Apex or Transformer Engine) load the file's optimizer
+state, and it trains on megart's batches by hand: the loss of the whole global batch (padding
+logits masked, as megart's), gradient clipping by the global norm, the given learning rates.
+What it writes is what Megatron-LM's generate_state_dict writes, from Megatron-Core's own
+state dicts."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megart.training.config import TrainConfig
+
+FILE = "model_optim_rng.pt"
+
+
+def _init(tp: int, pp: int = 1) -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core import parallel_state
+
+    torch.distributed.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(tp, pp)
+    # No CUDA: the tracker's fork would switch CUDA generators; buffers go to "the current
+    # CUDA device", which on this CPU-only process is the CPU.
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def _fp32_optimizer(groups: list[dict], c: TrainConfig):
+    """Megatron-Core's FP32Optimizer over torch's AdamW, as get_megatron_optimizer builds it
+    (its constructor's one CUDA tensor, a unit scale, made on the CPU instead)."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    adamw = torch.optim.AdamW(groups, lr=c.lr, weight_decay=c.weight_decay,
+                              betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)  # fmt: skip
+    real = torch.tensor
+
+    def on_cpu(*a, device=None, **kw):
+        return real(*a, device="cpu" if device == "cuda" else device, **kw)
+
+    torch.tensor = on_cpu
+    try:
+        return FP32Optimizer(adamw, _optimizer_config(c), None)
+    finally:
+        torch.tensor = real
+
+
+def _optimizer_config(c: TrainConfig):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=c.lr, min_lr=c.min_lr,
+                           weight_decay=c.weight_decay, adam_beta1=c.adam_beta1,
+                           adam_beta2=c.adam_beta2, adam_eps=c.adam_eps,
+                           clip_grad=c.clip_grad)  # fmt: skip
+
+
+def _loss(model, cfg, tokens: torch.Tensor, targets: torch.Tensor, tp: int, rank: int):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand_as(tokens)
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # True: the future, masked
+    logits = model(tokens, positions, mask)  # [b, s, V_padded / t]
+    per = logits.shape[-1]
+    padded = torch.arange(rank * per, (rank + 1) * per) >= cfg.vocab_size
+    logits = logits.masked_fill(padded, float("-inf"))  # megart leaves the padding out
+    return vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
+                                        targets.t().contiguous()).mean()  # fmt: skip
+
+
+def _clip(model, max_norm: float) -> None:
+    """Megatron's clipping: the norm over every rank's tensor-parallel shards and the
+    replicated parameters once, coefficient max_norm / (norm + 1e-6)."""
+    split = [p.grad for p in model.parameters() if getattr(p, "tensor_model_parallel", False)]
+    rest = [p.grad for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)]
+    sq = torch.stack([g.double().pow(2).sum() for g in split]).sum() if split else torch.zeros(())
+    torch.distributed.all_reduce(sq)
+    total = sq + sum(g.double().pow(2).sum() for g in rest)
+    coef = max_norm / (float(total.sqrt()) + 1e-6)
+    if coef < 1.0:
+        for p in model.parameters():
+            p.grad.mul_(coef)
+
+
+def _write(out_dir: str, here: str, args, model, optimizer, c: TrainConfig) -> None:
+    """This rank's file of a legacy checkpoint, as Megatron-LM's generate_state_dict assembles
+    it from Megatron-Core's state dicts; rank 0 writes the tracker."""
+    iteration = args.iteration
+    written = {
+        "args": args,
+        "checkpoint_version": 3.0,
+        "iteration": iteration,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "opt_param_scheduler": _scheduler_state(c, iteration),
+        "rng_state": [{
+            "random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None,
+            "rng_tracker_states": {},
+        }],
+    }  # fmt: skip
+    path = Path(out_dir) / f"iter_{iteration:07d}" / here
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(written, path)
+    if int(os.environ["RANK"]) == 0:
+        (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+
+
+def _args(cfg, c: TrainConfig, tp: int, iteration: int, pp: int = 1) -> argparse.Namespace:
+    """Megatron-LM's argparse fields of the run (the model's and the schedule's)."""
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_size, num_attention_heads=cfg.num_attention_heads,
+        group_query_attention=cfg.query_groups != cfg.num_attention_heads,
+        num_query_groups=cfg.query_groups, kv_channels=cfg.head_dim,
+        seq_length=cfg.seq_length, max_position_embeddings=cfg.seq_length,
+        # As a run with Megatron's GPT2BPETokenizer records it: the padded size alone.
+        vocab_size=None, padded_vocab_size=cfg.padded_vocab_size(tp),
+        normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
+        norm_epsilon=cfg.layernorm_epsilon,
+        position_embedding_type="rope" if cfg.position_embedding == "rotary"
+        else "learned_absolute",
+        rotary_base=int(cfg.rotary_base), rotary_interleaved=cfg.rotary_interleaved,
+        swiglu=cfg.activation == "swiglu", add_bias_linear=cfg.bias,
+        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None, lr=c.lr, min_lr=c.min_lr,
+        train_iters=c.train_iters, global_batch_size=c.global_batch_size,
+        micro_batch_size=c.micro_batch_size, iteration=iteration,
+        consumed_train_samples=iteration * c.global_batch_size, ckpt_format="torch",
+        use_distributed_optimizer=False, fp16=False, bf16=False,
+    )  # fmt: skip
+
+
+def _scheduler_state(c: TrainConfig, iteration: int) -> dict:
+    """Megatron-Core's OptimizerParamScheduler built as Megatron-LM's
+    get_optimizer_param_scheduler builds it from these flags, stepped by each global batch."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class Stub:
+        param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+
+    gbs = c.global_batch_size
+    sched = OptimizerParamScheduler(
+        Stub(), init_lr=0.0, max_lr=c.lr, min_lr=c.min_lr,
+        lr_warmup_steps=c.lr_warmup_iters * gbs, lr_decay_steps=c.train_iters * gbs,
+        lr_decay_style=c.lr_decay_style, start_wd=c.weight_decay, end_wd=c.weight_decay,
+        wd_incr_steps=c.train_iters * gbs, wd_incr_style="constant",
+    )  # fmt: skip
+    for _ in range(iteration):
+        sched.step(increment=gbs)
+    return sched.state_dict()
+
+
+def resume_and_write(kw: dict, megart_dir: str, out_dir: str, lrs: list[float]) -> dict:
+    """On each tensor-parallel rank: Megatron-Core loads its rank's file of megart's
+    checkpoint at iteration 1 (model strictly, optimizer through FP32Optimizer), trains
+    iterations 2 and 3 on megart's batches with the rates ``lrs`` of those iterations; returns
+    its losses, the largest difference of its weights after iteration 2 from megart's (the file
+    megart wrote then) and its param groups' Megatron keys. Writes, as Megatron-LM does, its
+    own legacy checkpoint of iteration 3 to ``out_dir``."""
+    from megatron.core.optimizer import _get_param_groups
+
+    import megatron_core_workers as mcw
+    import train_workers as tw
+    from megart.training.data import build_datasets, builtin_corpus
+    from megart.training.megatron_files import config_from_args
+
+    tp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    _init(tp)
+    c = tw.tiny(**kw)
+    here = f"mp_rank_{rank:02d}/{FILE}"
+    state = torch.load(Path(megart_dir) / "iter_0000001" / here, weights_only=False)
+    cfg = config_from_args(vars(state["args"]))
+    model = mcw.megatron_model(cfg, tp).float()
+    model.load_state_dict(state["model"], strict=True)
+    groups = _get_param_groups([model], _optimizer_config(c), None)
+    optimizer = _fp32_optimizer(groups, c)
+    optimizer.load_state_dict(state["optimizer"])
+    data, _, _ = build_datasets(None, c.split, c.seq_length, c.vocab_size,
+                                builtin_corpus(1 << 16), evaluate=False)  # fmt: skip
+    after = torch.load(Path(megart_dir) / "iter_0000002" / here, weights_only=False)["model"]
+    losses, weights_diff = [], None
+    for iteration, lr in zip((1, 2), lrs, strict=True):
+        tokens, targets = data.global_batch(c.seed, iteration, c.global_batch_size)
+        model.zero_grad()
+        loss = _loss(model, cfg, tokens, targets, tp, rank)
+        loss.backward()
+        losses.append(loss.item())
+        _clip(model, c.clip_grad)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.optimizer.step()
+        if weights_diff is None:
+            weights_diff = max(
+                (p.detach() - after[n]).abs().max().item() for n, p in model.named_parameters()
+            )
+    _write(out_dir, here, _args(cfg, c, tp, 3), model, optimizer, c)
+    torch.distributed.barrier()
+    keys = [{k: g[k] for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")}
+            | {"size": len(g["params"])} for g in optimizer.param_groups]  # fmt: skip
+    torch.distributed.destroy_process_group()
+    return dict(losses=losses, weights_diff=weights_diff, groups=keys)
+
+
+@contextlib.contextmanager
+def _cuda_named():
+    """Megatron-Core's mixed-precision optimizer takes only CUDA tensors (it checks their
+    type names) and makes a few CUDA scalars: on this CPU-only process, CPU ones named so."""
+    real_type, real_tensor = torch.Tensor.type, torch.tensor
+
+    def type_(self, *a, **kw):
+        return real_type(self, *a, **kw) if a or kw else real_type(self).replace(".", ".cuda.", 1)
+
+    def tensor(*a, device=None, **kw):
+        return real_tensor(*a, device="cpu" if device == "cuda" else device, **kw)
+
+    torch.Tensor.type, torch.tensor = type_, tensor
+    try:
+        yield
+    finally:
+        torch.Tensor.type, torch.tensor = real_type, real_tensor
+
+
+def load_bf16(kw: dict, megart_dir: str) -> dict:
+    """On each tensor-parallel rank: Megatron-Core's GPTModel in bf16 loads its rank's file of
+    megart's --bf16 checkpoint strictly, and Float16OptimizerWithFloat16Params over its own
+    param groups loads the optimizer state (fp32 masters included); whether each master is its
+    parameter's (rounds to it) and each state has its parameter's shape."""
+    from megatron.core.optimizer import _get_param_groups
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    import megatron_core_workers as mcw
+    import train_workers as tw
+    from megart.training.checkpoint import latest_iteration
+    from megart.training.megatron_files import config_from_args
+
+    tp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    _init(tp)
+    c = tw.tiny(**kw)
+    root = Path(megart_dir) / f"iter_{latest_iteration(megart_dir):07d}"
+    state = torch.load(root / f"mp_rank_{rank:02d}" / FILE, weights_only=False)
+    cfg = config_from_args(vars(state["args"]))
+    model = mcw.megatron_model(cfg, tp).to(torch.bfloat16)
+    model.load_state_dict(state["model"], strict=True)
+    config = _optimizer_config(c)
+    config.bf16 = True
+    adamw = torch.optim.AdamW(_get_param_groups([model], config, None), lr=c.lr)
+    with _cuda_named():
+        optimizer = Float16OptimizerWithFloat16Params(adamw, config, None, None)
+    optimizer.load_state_dict(state["optimizer"])
+    pairs = [
+        (half, main)
+        for halves, mains in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups,
+                                 strict=True)
+        for half, main in zip(halves, mains, strict=True)
+    ]  # fmt: skip
+    states = [adamw.state[p] for g in adamw.param_groups for p in g["params"]]
+    torch.distributed.destroy_process_group()
+    return dict(
+        masters=len(pairs),
+        params=len(list(model.parameters())),
+        masters_match=all(torch.equal(m.bfloat16(), h) for h, m in pairs),
+        masters_differ=any(not torch.equal(m, h.float()) for h, m in pairs),
+        shapes_match=all(
+            s["exp_avg"].shape == p.shape and s["exp_avg_sq"].shape == p.shape
+            for s, p in zip(
+                states, [p for g in adamw.param_groups for p in g["params"]], strict=True
+            )
+        ),  # fmt: skip
+        steps={float(s["step"]) for s in states},
+    )
+
+
+def pipeline_states(kw: dict, megart_dir: str, out_dir: str | None = None) -> dict:
+    """On each pipeline rank (the world: pipeline-parallel, tensor-parallel 1): Megatron-Core's
+    GPTModel of this stage loads its file of megart's checkpoint strictly and FP32Optimizer over
+    its own param groups loads the optimizer state; Adam's ``exp_avg`` of each of its
+    parameters, named as the one-stage model names it (layers numbered from the stage's
+    offset, a tied output layer as the word embedding it copies). With ``out_dir``, writes
+    what it holds as Megatron-LM's legacy checkpoint there."""
+    from megatron.core.optimizer import _get_param_groups
+
+    import megatron_core_workers as mcw
+    import train_workers as tw
+    from megart.training.checkpoint import latest_iteration
+    from megart.training.megatron_files import config_from_args
+
+    pp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    _init(1, pp)
+    c = tw.tiny(**kw)
+    root = Path(megart_dir) / f"iter_{latest_iteration(megart_dir):07d}"
+    name = f"mp_rank_00_{rank:03d}" if pp > 1 else "mp_rank_00"
+    state = torch.load(root / name / FILE, weights_only=False)
+    cfg = config_from_args(vars(state["args"]))
+    model = mcw.megatron_model(cfg, 1, pp).float()
+    model.load_state_dict(state["model"], strict=True)
+    optimizer = _fp32_optimizer(_get_param_groups([model], _optimizer_config(c), None), c)
+    optimizer.load_state_dict(state["optimizer"])
+    offset = rank * cfg.num_layers // pp
+    out = {}
+    for n, p in model.named_parameters():
+        parts = n.split(".")
+        if n.startswith("decoder.layers."):
+            parts[2] = str(int(parts[2]) + offset)
+        if n == "output_layer.weight" and not cfg.untie_embeddings_and_output_weights:
+            parts = ["embedding", "word_embeddings", "weight"]
+        out[".".join(parts)] = optimizer.optimizer.state[p]["exp_avg"].clone()
+    if out_dir is not None:
+        args = _args(cfg, c, 1, state["iteration"], pp)
+        _write(out_dir, f"{name}/{FILE}", args, model, optimizer, c)
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return out

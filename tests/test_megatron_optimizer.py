@@ -1,0 +1,187 @@
+"""The optimizer state of ``--ckpt-format torch`` against Megatron-Core itself (megatron-core
+0.16.1, CPU): Megatron-Core's GPTModel, its own param groups (``_get_param_groups``) and its
+FP32Optimizer load what megart train wrote and take the next steps as megart does (the same
+losses, the same weights after a step); and megart train --load resumes the checkpoint that
+Megatron-Core's side then wrote from its own state dicts, on megart's uninterrupted loss
+curve. GPT-2-style and Llama-style (RMSNorm, rope, SwiGLU with biases, GQA, untied) models, at
+tensor-parallel 1 and 2."""
+
+import pytest
+import torch
+
+import megatron_optim_workers as mow
+from megart.errors import ConfigError
+from megart.launcher import launch
+from train_workers import SAME_RUN
+
+CONFIGS = {
+    "gpt2": {},
+    # A vocabulary that is padded (to 384 rows at tp1, 512 at tp2).
+    "llama": dict(vocab_size=300, normalization="RMSNorm", position_embedding_type="rope",
+                  swiglu=True, ffn_hidden_size=64, untie_embeddings_and_output_weights=True,
+                  group_query_attention=True, num_query_groups=2),
+}  # fmt: skip
+CASES = [(name, tp) for name in CONFIGS for tp in (1, 2)]
+
+
+def _train(kw):
+    import train_workers as tw
+
+    return tw.train(**kw)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per case: megart's uninterrupted 5 iterations; its checkpoints after iterations 1 and
+    2 in Megatron's format; Megatron-Core's iterations 2 and 3 from the first; megart resumed
+    from the checkpoint Megatron-Core's side wrote after iteration 3."""
+    out = {}
+    for name, tp in CASES:
+        tmp = tmp_path_factory.mktemp(f"{name}-tp{tp}")
+        kw = {**CONFIGS[name], "train_iters": 5, "tensor_model_parallel_size": tp}
+        straight = launch(_train, tp, kw, timeout=300)[0]
+        ours, theirs = str(tmp / "megart"), str(tmp / "megatron")
+        launch(_train, tp, {**kw, "save": ours, "save_interval": 1, "exit_interval": 2,
+                            "ckpt_format": "torch"}, timeout=300)  # fmt: skip
+        lrs = [h["lr"] for h in straight[1:3]]
+        megatron = launch(mow.resume_and_write, tp, kw, ours, theirs, lrs, timeout=300)
+        resumed = launch(_train, tp, {**kw, "load": theirs}, timeout=300)[0]
+        out[name, tp] = dict(kw=kw, straight=straight, megatron=megatron, resumed=resumed,
+                             dir=theirs)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("name,tp", CASES)
+def test_megatron_core_resumes_megarts_optimizer_state(runs, name, tp):
+    r = runs[name, tp]
+    want = [h["loss"] for h in r["straight"][1:3]]
+    for rank in r["megatron"]:
+        # Its two groups, as Megatron-Core made them, each the size megart wrote.
+        assert [(g["wd_mult"], g["lr_mult"]) for g in rank["groups"]] == [(1.0, 1.0), (0.0, 1.0)]
+        assert all(g["size"] > 0 for g in rank["groups"])
+        assert rank["weights_diff"] < 1e-6  # its step from megart's state is megart's step
+        assert rank["losses"] == pytest.approx(want, **SAME_RUN)
+
+
+@pytest.mark.parametrize("name,tp", CASES)
+def test_megart_resumes_a_checkpoint_megatron_core_wrote(runs, name, tp):
+    r = runs[name, tp]
+    assert [h["iteration"] for h in r["resumed"]] == [4, 5]
+    want = [h["loss"] for h in r["straight"][3:]]
+    assert [h["loss"] for h in r["resumed"]] == pytest.approx(want, **SAME_RUN)
+
+
+def test_a_megatron_written_checkpoint_reshards_on_load(runs):
+    """Megatron-Core's tp2 checkpoint resumed by one process: read as megart's files, the
+    resharding path takes it, Adam's moments included."""
+    r = runs["llama", 2]
+    kw = {**r["kw"], "tensor_model_parallel_size": 1, "load": r["dir"]}
+    resumed = launch(_train, 1, kw, timeout=300)[0]
+    want = [h["loss"] for h in r["straight"][3:]]
+    assert [h["loss"] for h in resumed] == pytest.approx(want, **SAME_RUN)
+
+
+@pytest.mark.parametrize(
+    "change,flag",
+    [
+        (dict(lr=2e-3), "--lr"),
+        (dict(min_lr=0.0), "--min-lr"),
+        (dict(train_iters=6), "--lr-decay-iters"),
+        (dict(lr_decay_style="linear"), "--lr-decay-style"),
+        (dict(lr_warmup_iters=2), "--lr-warmup-iters"),
+        (dict(weight_decay=0.1), "--weight-decay"),
+    ],
+)
+def test_megatrons_scheduler_state_must_match_the_flags(runs, change, flag):
+    """As Megatron's OptimizerParamScheduler.load_state_dict: the saved values must be the
+    run's; a difference is refused naming the flag."""
+    import train_workers as tw
+    from megart.training.megatron_scheduler import check_scheduler
+
+    r = runs["gpt2", 1]
+    saved = torch.load(f"{r['dir']}/iter_0000003/mp_rank_00/{mow.FILE}", weights_only=False)
+    saved = saved["opt_param_scheduler"]
+    check_scheduler(saved, tw.tiny(**r["kw"]), r["dir"])  # the flags that wrote it
+    with pytest.raises(ConfigError, match=flag):
+        check_scheduler(saved, tw.tiny(**{**r["kw"], **change}), r["dir"])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_cores_bf16_optimizer_loads_megarts_bf16_files(tmp_path, tp):
+    """--bf16: Megatron-Core's Float16OptimizerWithFloat16Params (over its own param groups of
+    its bf16 GPTModel, which loads the file strictly) takes the optimizer state: each fp32
+    master is its own parameter's (it rounds to the model's bf16 tensor, and holds more than
+    it), and every Adam state has its parameter's shape."""
+    kw = {**CONFIGS["llama"], "bf16": True, "train_iters": 2, "tensor_model_parallel_size": tp}
+    launch(_train, tp, {**kw, "save": str(tmp_path), "ckpt_format": "torch"}, timeout=300)
+    for r in launch(mow.load_bf16, tp, kw, str(tmp_path), timeout=300):
+        assert r["masters"] == r["params"] > 0
+        assert r["masters_match"] and r["masters_differ"] and r["shapes_match"]
+        assert r["steps"] == {2.0}
+
+
+def test_megatron_core_loads_each_pipeline_stages_optimizer_state(tmp_path):
+    """pp2 (GPT-2-style, tied: the last stage's output layer is the embedding's copy): each
+    stage's Megatron-Core GPTModel and FP32Optimizer load its file, and the Adam moments they
+    hold for each parameter are those the one-stage run's file gives Megatron-Core for the same
+    parameter (the same training, 1e-5); the pp2 checkpoint the stages write from their own
+    state dicts resumes under megart's pp2 on the uninterrupted curve."""
+    kw = dict(train_iters=4, ckpt_format="torch")
+    one, two, theirs = (str(tmp_path / d) for d in ("pp1", "pp2", "megatron"))
+    straight = launch(_train, 1, kw, timeout=300)[0]
+    launch(_train, 1, {**kw, "save": one, "exit_interval": 2}, timeout=300)
+    pp2 = {**kw, "pipeline_model_parallel_size": 2}
+    launch(_train, 2, {**pp2, "save": two, "exit_interval": 2}, timeout=300)
+    (want,) = launch(mow.pipeline_states, 1, kw, one, timeout=300)
+    stages = launch(mow.pipeline_states, 2, kw, two, theirs, timeout=300)
+    assert "embedding.word_embeddings.weight" in stages[1]  # the tied copy's moments
+    got = {n for stage in stages for n in stage}
+    assert got == set(want)
+    for stage in stages:
+        for n, moment in stage.items():
+            torch.testing.assert_close(moment, want[n], rtol=1e-5, atol=1e-9)
+    # What the stages then wrote from their own state dicts resumes on the one-stage curve,
+    # under pp2 and resharded to one stage.
+    want_losses = [h["loss"] for h in straight[2:]]
+    for n, flags in ((2, pp2), (1, kw)):
+        resumed = launch(_train, n, {**flags, "load": theirs}, timeout=300)[0]
+        assert [h["iteration"] for h in resumed] == [3, 4]
+        assert [h["loss"] for h in resumed] == pytest.approx(want_losses, **SAME_RUN)
+
+
+def test_load_refuses_a_changed_scheduler_unless_the_optimizer_is_left_out(runs):
+    """megart train's load of the checkpoint Megatron-Core's side wrote: another --lr is
+    refused naming it, before anything is loaded; with --no-load-optim (Megatron reads no
+    scheduler then either) the weights load and the iteration and samples are the file's."""
+    from types import SimpleNamespace
+
+    import train_workers as tw
+    from megart.models import GPTChunk
+    from megart.training import checkpoint
+
+    r = runs["gpt2", 1]
+    grid = SimpleNamespace(tp_rank=0, pp_rank=0)
+    config = tw.tiny(**{**r["kw"], "lr": 2e-3, "load": r["dir"]})
+    chunks = [GPTChunk(config.gpt_config(), range(config.num_layers), True, True)]
+    with pytest.raises(ConfigError, match="max_lr 0.001 .* 0.002; set --lr"):
+        checkpoint.load(r["dir"], config, grid, chunks, None, None)
+    config.no_load_optim = config.no_load_rng = True
+    assert checkpoint.load(r["dir"], config, grid, chunks, None, None) == (3, 24)
+
+
+def test_a_vocabulary_that_pads_otherwise_is_refused(runs):
+    """Megatron-Core's side recorded the padded vocabulary alone (vocab_size None, as
+    Megatron-LM's GPT-2 tokenizer runs do): --vocab-size 300 pads to its 384 rows and loads
+    (the resumed curves above); 400 pads to 512 and is refused, naming both."""
+    from types import SimpleNamespace
+
+    import train_workers as tw
+    from megart.models import GPTChunk
+    from megart.training import checkpoint
+
+    r = runs["llama", 1]
+    config = tw.tiny(**{**r["kw"], "vocab_size": 400, "load": r["dir"]})
+    chunks = [GPTChunk(config.gpt_config(), range(config.num_layers), True, True)]
+    grid = SimpleNamespace(tp_rank=0, pp_rank=0)
+    with pytest.raises(ConfigError, match="padded to 384 rows .*--vocab-size 400 pads to 512"):
+        checkpoint.load(r["dir"], config, grid, chunks, None, None)
