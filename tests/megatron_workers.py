@@ -38,3 +38,19 @@ def pending_gathers(kw: dict) -> dict:
         after_step=after_step,
         after_forward=len(trainer.optimizer._gathers),
     )
+
+
+def megatron_rate(i, lr, min_lr, w, d, style, init=0.0):
+    """Megatron-Core's OptimizerParamScheduler.get_lr after ``i`` steps (warm-up ``w``, decay
+    ``d`` steps, warm-up from ``init``): the independent reference."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    groups = [{}]
+    scheduler = OptimizerParamScheduler(
+        SimpleNamespace(param_groups=groups), init, lr, min_lr, w, d, style, 0.0, 0.0, 1,
+        "constant",
+    )  # fmt: skip
+    scheduler.step(i)
+    return scheduler.get_lr(groups[0])

@@ -79,10 +79,10 @@ def test_batches_and_iterations_are_megatron_cores(ramp, train_samples):
 
 # The ramp 4, 8, 12, 16 (4 samples per microbatch step at dp2) over 24 samples: every
 # iteration of the ramp has its own microbatch count; no clipping, so gradients compare as
-# they are; no warm-up, so the rate is Megatron's scheduler's from the first iteration.
+# they are; two iterations of warm-up, counted in samples as Megatron's scheduler counts them.
 RAMP = dict(
     rampup_batch_size=[4, 4, 24], global_batch_size=16, micro_batch_size=2, train_iters=6,
-    clip_grad=0.0, lr_warmup_iters=0, lr_decay_iters=5, lr_decay_style="cosine",
+    clip_grad=0.0, lr_warmup_iters=2, lr_decay_iters=5, lr_decay_style="cosine",
 )  # fmt: skip
 
 
@@ -95,7 +95,8 @@ def megatron_learning_rates(config, batches):
 
     groups = [{}]
     scheduler = OptimizerParamScheduler(
-        SimpleNamespace(param_groups=groups), 0.0, config.lr, config.min_lr, 0,
+        SimpleNamespace(param_groups=groups), 0.0, config.lr, config.min_lr,
+        config.lr_warmup_iters * config.global_batch_size,
         config.lr_decay_iters * config.global_batch_size, config.lr_decay_style,
         config.weight_decay, config.weight_decay, 1, "constant",
     )  # fmt: skip

@@ -3,8 +3,6 @@ tokenizers come from the tokenizers and transformers libraries, samples-based sc
 Megatron's formulas, rope rotates halves (or adjacent pairs with --rotary-interleaved, as old
 checkpoints do), what megart cannot do is refused by name, and the overlap flags are real."""
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -19,6 +17,7 @@ from megart.launcher import launch
 from megart.models import GPT, GPTConfig
 from megart.training import checkpoint
 from megart.training.indexed import IndexedTokens, write_indexed
+from megatron_workers import megatron_rate
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +119,8 @@ def _bpe(where):
     style=st.sampled_from(["linear", "cosine", "inverse-square-root", "constant"]),
 )
 def test_samples_based_schedules_follow_megatrons_formulas(gbs, iters, warmup, style):
-    """Megatron counts the schedule in samples (gbs per iteration): after warm-up the rate at
-    n iterations done is its formula of n gbs samples; iterations are train_samples // gbs."""
+    """Megatron counts the schedule in samples (gbs per iteration): the rate at n iterations
+    done is its scheduler's at n gbs samples; iterations are train_samples // gbs."""
     samples = iters * gbs + gbs // 2  # a partial last batch is not trained
     decay, warm = samples - gbs, min(warmup * gbs // 3, samples - 2 * gbs)
     c = tw.tiny(global_batch_size=gbs, micro_batch_size=1, train_samples=samples,
@@ -129,24 +128,8 @@ def test_samples_based_schedules_follow_megatrons_formulas(gbs, iters, warmup, s
                 lr_warmup_iters=None)  # fmt: skip
     c.check(1)
     assert c.train_iters == iters
-    lr, low = c.lr, c.min_lr
-    for n in range(iters + 1):
-        steps = n * gbs
-        if steps < warm or (style == "inverse-square-root" and warm < gbs):
-            # megart's warm-up runs one iteration ahead of Megatron's (megart.training.lr);
-            # inverse-square-root clamps a warm-up under one iteration to one iteration, where
-            # Megatron clamps it to one sample.
-            continue
-        if style == "constant":
-            want = lr
-        elif steps > decay:
-            want = low
-        elif style == "inverse-square-root":
-            want = max(low, lr * math.sqrt(max(warm, 1) / max(steps, 1)))
-        else:
-            r = (steps - warm) / (decay - warm)
-            coeff = 1 - r if style == "linear" else 0.5 * (1 + math.cos(math.pi * r))
-            want = low + coeff * (lr - low)
+    for n in range(iters + 1):  # Megatron-Core's scheduler after n iterations of gbs samples
+        want = megatron_rate(n * gbs, c.lr, c.min_lr, warm, decay, style)
         assert c.learning_rate(n) == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 

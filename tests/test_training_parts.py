@@ -26,8 +26,8 @@ def test_data_parallel_buckets_average_like_one_process(bucket_bytes):
 
 def test_learning_rate_warms_up_then_follows_a_cosine():
     lrs = [learning_rate(i, 1.0, 0.1, 10, 110) for i in range(120)]
-    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert lrs[10] == pytest.approx(1.0)
+    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(0.1) and lrs[9] == pytest.approx(0.9)
+    assert lrs[10] == pytest.approx(1.0)  # Megatron's: warm-up from 0 reaches lr at n = W
     assert lrs[60] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
     assert lrs[110] == lrs[119] == 0.1
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))

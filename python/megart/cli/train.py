@@ -44,6 +44,7 @@ HELP = {
     "min_lr": "learning rate at the end of the decay (the floor of inverse-square-root)",
     "lr_warmup_iters": "iterations of linear warm-up; unset: 4, or none with "
     "--lr-warmup-fraction (Megatron's default is 0)",
+    "lr_warmup_init": "the rate warm-up starts from (the first iteration's)",
     "lr_warmup_fraction": "warm up for this fraction of the decay iterations instead (not "
     "with a non-zero --lr-warmup-iters)",
     "lr_decay_iters": "iterations of decay (default: --train-iters)",

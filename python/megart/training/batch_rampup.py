@@ -130,9 +130,8 @@ def check_rampup(config: Any, dp: int) -> None:
         )
 
 
-def learning_rate(config: Any, consumed: int, batch: int) -> float:
-    """The rate of the iteration that starts after ``consumed`` samples and takes ``batch``:
-    the schedule counted in samples, in units of --global-batch-size (whole numbers, the
-    iteration-based schedule exactly, without a ramp)."""
-    gbs = config.global_batch_size
-    return config.learning_rate(consumed / gbs, batch / gbs)
+def learning_rate(config: Any, consumed: int) -> float:
+    """The rate of the iteration that starts after ``consumed`` samples: the schedule counted
+    in samples, in units of --global-batch-size (whole numbers, the iteration-based schedule
+    exactly, without a ramp)."""
+    return config.learning_rate(consumed / config.global_batch_size)

@@ -58,6 +58,7 @@ class TrainConfig:
     # None: DEFAULT_WARMUP_ITERS, or 0 with --lr-warmup-fraction (Megatron's default is 0).
     lr_warmup_iters: int | None = None
     lr_warmup_fraction: float | None = None  # of the decay iterations; excludes the above
+    lr_warmup_init: float = 0.0  # the rate warm-up starts from (Megatron's default)
     lr_decay_iters: int | None = None  # train_iters
     # Megatron's default is linear; megart's default run (and its recorded figures) is cosine.
     lr_decay_style: str = "cosine"
@@ -212,9 +213,10 @@ class TrainConfig:
             return 0  # Megatron's default; samples-based runs never had megart's default run
         return DEFAULT_WARMUP_ITERS if self.lr_warmup_iters is None else self.lr_warmup_iters
 
-    def learning_rate(self, iteration: float, step: float = 1.0) -> float:
-        """The rate of ``iteration`` (0-based; with ``step``, counted in global batches: see
-        megart.training.lr) under --lr-decay-style."""
+    def learning_rate(self, iteration: float) -> float:
+        """The rate of the iteration after ``iteration`` (0-based; under --rampup-batch-size
+        the samples consumed in global batches: see megart.training.lr) under
+        --lr-decay-style."""
         return learning_rate(
             iteration,
             self.lr,
@@ -222,7 +224,8 @@ class TrainConfig:
             self.warmup_iters,
             self.decay_iters,
             self.lr_decay_style,
-            step,
+            self.lr_warmup_init,
+            1.0 / self.global_batch_size,
         )
 
     def gpt_config(self) -> GPTConfig:

@@ -1,20 +1,20 @@
 """Learning-rate schedule: linear warm-up, then a decay to a floor (Megatron's --lr, --min-lr,
 --lr-warmup-iters, --lr-warmup-fraction, --lr-decay-iters, --lr-decay-style).
 
-After warm-up the rate follows Megatron-LM's OptimizerParamScheduler, with its step count n
-equal to the iterations done (megart's 0-based iteration i), W warm-up and D decay iterations:
+The rate is Megatron-LM's OptimizerParamScheduler.get_lr, with its step count n equal to the
+iterations done before this one (megart's 0-based iteration i; under --rampup-batch-size the
+samples consumed, in global batches), W warm-up and D decay iterations, lr0 = --lr-warmup-init:
 
+    warm-up (n <= W)     lr0 + (lr - lr0) n / W       (lr0 at the first iteration, lr at n = W)
     constant             lr (for ever, past D too)
     linear               min_lr + (lr - min_lr) (1 - r),              r = (n - W) / (D - W)
     cosine               min_lr + (lr - min_lr) (1 + cos(pi r)) / 2
-    inverse-square-root  max(min_lr, lr sqrt(max(W, 1) / max(n, 1)))
+    inverse-square-root  max(min_lr, lr sqrt(max(W, u) / max(n, u)))
     any but constant     min_lr once n > D (linear and cosine reach it at n = D)
 
-Warm-up is megart's own and differs from Megatron's by one iteration: iteration i (0-based)
-runs at lr (i+1)/W, reaching lr on the W-th iteration, where Megatron runs at lr i/W (from
---lr-warmup-init, 0: its first iteration does not move the weights) and reaches lr on the
-(W+1)-th. From iteration W on the two agree. Kept because the default run's recorded figures
-depend on it. A fractional W (from --lr-warmup-fraction) caps the last warm-up step at lr.
+Megatron counts its steps in samples; u is one sample in iterations (1 / global batch), where
+its inverse-square-root clamps. With the default --lr-warmup-init 0 the first iteration runs
+at rate 0, as Megatron's does: Adam's moments take its gradients, the weights do not move.
 """
 
 from __future__ import annotations
@@ -38,24 +38,21 @@ def learning_rate(
     warmup_iters: float,
     decay_iters: float,
     style: str = "cosine",
-    step: float = 1.0,
+    warmup_init: float = 0.0,
+    sample: float = 1.0,
 ) -> float:
-    """The rate for ``iteration`` (0-based) under ``style`` (one of LR_DECAY_STYLES).
-
-    Under --rampup-batch-size ``iteration`` is the samples consumed before this iteration in
-    global batches (a fraction) and ``step`` this iteration's batch in global batches, so the
-    schedule follows consumed samples as Megatron's counts them; otherwise both are whole."""
+    """The rate of the iteration after ``iteration`` iterations (a fraction under
+    --rampup-batch-size: the samples consumed in global batches) under ``style`` (one of
+    LR_DECAY_STYLES); ``sample`` is one sample in iterations, where inverse-square-root clamps."""
     check_decay_style(style)
-    if warmup_iters > 0 and iteration < warmup_iters:
-        if iteration + step > warmup_iters:
-            return lr  # the partial last step of a fractional warm-up (--lr-warmup-fraction)
-        return lr * (iteration + step) / warmup_iters
+    if warmup_iters > 0 and iteration <= warmup_iters:
+        return warmup_init + (lr - warmup_init) * iteration / warmup_iters
     if style == "constant":
         return lr
     if iteration > decay_iters:
         return min_lr
     if style == "inverse-square-root":
-        return max(min_lr, lr * math.sqrt(max(warmup_iters, 1) / max(iteration, 1)))
+        return max(min_lr, lr * math.sqrt(max(warmup_iters, sample) / max(iteration, sample)))
     if decay_iters <= warmup_iters:
         # No decay phase (Megatron refuses W >= D; a one-iteration run has it): iteration is
         # then D, the end of the decay.

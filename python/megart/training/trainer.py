@@ -242,7 +242,7 @@ class Trainer:
         )
         if c.check_for_nan_in_loss_and_grad and not skipped:
             check_finite("gradient norm", grad_norm, iteration + 1)  # before the step
-        lr = batch_rampup.learning_rate(c, self.consumed, batch)
+        lr = batch_rampup.learning_rate(c, self.consumed)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if not skipped:
