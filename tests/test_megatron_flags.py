@@ -150,10 +150,6 @@ def test_iterations_and_samples_do_not_mix():
         (dict(max_position_embeddings=32), "--max-position-embeddings 32 with --seq-length 16"),
         (dict(kv_channels=4), "--kv-channels 4: .* give 8"),
         (dict(ckpt_format="torch_dist"), "--ckpt-format torch_dist"),
-        (
-            dict(ckpt_format="torch", use_distributed_optimizer=True),
-            "--ckpt-format torch with --use-distributed-optimizer",
-        ),  # fmt: skip
         (dict(overlap_param_gather=True), "add --use-distributed-optimizer"),
         (dict(mock_data=True, data_path="x"), "--mock-data and --data-path"),
     ],

@@ -155,7 +155,8 @@ HELP = {
     "log_throughput": "accepted: megart's progress line always has TFLOP/s per GPU "
     "(Megatron's count)",
     "ckpt_format": "megart (megart's checkpoint); torch (Megatron-LM's legacy layout: model, "
-    "optimizer, scheduler, random states per rank; not with --use-distributed-optimizer)",
+    "optimizer, scheduler, random states per rank; distrib_optim.pt with "
+    "--use-distributed-optimizer)",
     "calculate_per_token_loss": "mean loss over the global batch's tokens (megart has no loss "
     "mask: the same as its per-microbatch means)",
     "context_parallel_size": "context parallelism (megart: only 1)",

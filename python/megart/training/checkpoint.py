@@ -36,7 +36,7 @@ from megart.errors import ConfigError
 from megart.models import GPTChunk, GPTConfig
 from megart.models.config import architecture_flags
 from megart.tensor_parallel.random import GeneratorStates
-from megart.training import checkpoint_dirs, checksum, reshard
+from megart.training import checkpoint_dirs, checksum, megatron_distrib_optim, reshard
 from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as before
     FILE,
     MODEL_FIELDS,
@@ -177,9 +177,13 @@ def save(
                 else consumed_samples
             ),
         )
+        here = partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp)
         if config.ckpt_format == "torch":  # Megatron-LM's legacy layout (megatron_files)
             state = to_megatron_file(state, config, chunks[0].cfg, grid.layout.dp)
-        write_file(partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE, state)
+            if config.use_distributed_optimizer and state.get("optimizer") is not None:
+                state, param_state = megatron_distrib_optim.split(state, grid.pp_rank)
+                write_file(here / megatron_distrib_optim.DISTRIB_FILE, param_state)
+        write_file(here / FILE, state)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from megart.errors import ConfigError
-from megart.training import checksum
+from megart.training import checksum, megatron_distrib_optim
 from megart.training.megatron_files import LOAD_GLOBALS, from_megatron_file, is_megatron_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -136,8 +136,8 @@ def read_file(path: Path) -> dict[str, Any]:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
         raise ConfigError(f"{path} cannot be read as a megart checkpoint file ({e})") from e
-    if is_megatron_file(state):
-        state = from_megatron_file(state, path)
+    if is_megatron_file(state):  # with the distributed optimizer's distrib_optim.pt joined
+        state = from_megatron_file(megatron_distrib_optim.join(state, path), path)
     if not isinstance(state, dict) or "config" not in state or "model" not in state:
         raise ConfigError(f"{path} is not a megart checkpoint file (no 'config' and 'model')")
     return state

@@ -29,9 +29,10 @@ What each does in megart:
 - --distributed-timeout-minutes: the bound on every wait of megart's communicator.
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
 - --ckpt-format: megart (the default); torch writes Megatron-LM's legacy format
-  (megart.training.megatron_files; not with --use-distributed-optimizer), torch_dist is
-  refused. --load resumes a Megatron-LM legacy checkpoint of any layout in full
-  (megart.training.megatron_files; as --finetune when it holds no optimizer).
+  (megart.training.megatron_files; with --use-distributed-optimizer also each rank's
+  distrib_optim.pt, megart.training.megatron_distrib_optim), torch_dist is refused. --load
+  resumes a Megatron-LM legacy checkpoint of any layout in full (megart.training.megatron_files;
+  as --finetune when it holds no optimizer).
 - --calculate-per-token-loss: megart has no loss mask, so every microbatch has b s tokens and
   the per-token mean over the global batch equals the mean of the per-microbatch means that
   megart computes: the gradients are the same.
@@ -118,13 +119,6 @@ def check_megatron_flags(config: Any) -> None:
                 f"--{name.replace('_', '-')} {value}: megart has no {kind} parallelism yet; "
                 "use 1 (the default)"
             )
-    if config.ckpt_format == "torch" and config.use_distributed_optimizer:
-        raise ConfigError(
-            "--ckpt-format torch with --use-distributed-optimizer: Megatron-LM's legacy format "
-            "keeps the distributed optimizer's state in distrib_optim.pt files of its own "
-            "layout, which megart does not write; leave one of the two out (megart's own "
-            "format, the default, saves the distributed optimizer)"
-        )
     if config.ckpt_format == "torch_dist":
         raise ConfigError(
             "--ckpt-format torch_dist (Megatron's distributed format) is not one megart writes "
