@@ -1,0 +1,241 @@
+"""Megatron-Core's side of the distributed-optimizer checkpoint tests (megatron-core 0.16.1,
+CPU, gloo; one launched process per rank of tensor x pipeline x data parallelism): its own
+DistributedDataParallel and DistributedOptimizer, built as Megatron-LM builds them, read
+megart's ``distrib_optim.pt`` with their own ``load_parameter_state`` and write theirs with
+``save_parameter_state``.
+
+Stubbed, as the other Megatron-Core workers do, only what needs CUDA: ``torch.cuda
+.current_device`` (the CPU), the optimizer's type-name checks (``torch.cuda.FloatTensor``) and
+its CUDA scalars. One more: with torch's Adam (no Apex or Transformer Engine, as on this CPU)
+each parameter's optimizer state holds ``step`` besides the moments, and Megatron-Core's
+``_set_main_param_and_optimizer_states`` copies every key of that state from what it read,
+which has no ``step`` (Apex's and Transformer Engine's FusedAdam keep no per-parameter step):
+the step it already holds (from the file's param groups) is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FILE = "model_optim_rng.pt"
+DISTRIB = "distrib_optim.pt"
+
+
+@contextlib.contextmanager
+def _step_kept():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    real = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def keeping_step(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        main = self.optimizer.param_groups[group]["params"][order]
+        real(self, model_param, {**tensors, "step": self.optimizer.state[main]["step"]})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = keeping_step
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = real
+
+
+def _ddp(model, args: dict[str, Any], bucket_size: int | None = None):
+    """Megatron-LM's get_model wrapping: DistributedDataParallel with the run's flags."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    bf16 = bool(args.get("bf16"))
+    config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=bool(args.get("overlap_grad_reduce")),
+        grad_reduce_in_fp32=bf16 or bool(args.get("accumulate_allreduce_grads_in_fp32")),
+        bucket_size=bucket_size,
+    )
+    return DistributedDataParallel(model.config, config, model)
+
+
+def _distributed_optimizer(ddp, kw: dict, half: bool):
+    """Megatron-Core's DistributedOptimizer over torch's AdamW and its own param groups, as
+    get_megatron_optimizer builds it."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import _get_param_groups
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    import megatron_optim_workers as mow
+    import train_workers as tw
+
+    config = mow._optimizer_config(tw.tiny(**kw))
+    config.use_distributed_optimizer = True
+    config.bf16 = half
+    adamw = torch.optim.AdamW(_get_param_groups([ddp], config, None), lr=config.lr)
+    with mow._cuda_named():
+        return DistributedOptimizer(
+            adamw, config, None, None, [ddp], {0: ddp.buffers},
+            ps.get_data_parallel_group(), ps.get_data_parallel_group_gloo(),
+            ps.get_model_parallel_group().rank(), 0,
+        )  # fmt: skip
+
+
+def _expected(ref_file: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """From megart's own checkpoint file of the same rank: each parameter's weight and Adam
+    moments under Megatron-Core's name and shape, through the weights' mapping."""
+    from megart.training.checkpoint import model_config
+    from megart.training.ckpt_files import read_file
+    from megart.training.megatron_files import _names_to_megatron
+
+    state = read_file(ref_file)
+    cfg = model_config(state)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        per_chunk: list[dict[str, torch.Tensor]] = [{} for _ in state["model"]]
+        for i, (c, name) in enumerate(state["optimizer_params"]):
+            per_chunk[c][name] = (
+                state["model"][c][name] if key == "param" else state["optimizer"]["state"][i][key]
+            )
+        for c, sd in enumerate(per_chunk):
+            assert c == 0, "one model chunk per rank here"
+            for name, value in _names_to_megatron(sd, cfg, state["layer_ids"][c]).items():
+                out.setdefault(name, {})[key] = value
+    return out
+
+
+def load_and_write(kw: dict, megart_dir: str, ref_dir: str, out_dir: str | None) -> dict:
+    """On each rank: Megatron-Core's GPTModel of its stage loads its rank's model_optim_rng.pt
+    of megart's checkpoint strictly, DistributedDataParallel and DistributedOptimizer are built
+    over it, load the file's optimizer entry (load_state_dict) and distrib_optim.pt
+    (load_parameter_state, scattered from data-parallel rank 0). Returns, per parameter this
+    rank's optimizer holds a piece of, the piece's range and the largest difference of its
+    fp32 main copy and moments from megart's own checkpoint of the same run (``ref_dir``).
+    With ``out_dir``, writes Megatron-LM's legacy checkpoint from what it holds there (as
+    its save_checkpoint does: data-parallel rank 0 the rank file, save_parameter_state)."""
+    from megatron.core import parallel_state as ps
+
+    import megatron_core_workers as mcw
+    import megatron_optim_workers as mow
+    import train_workers as tw
+    from megart.training.checkpoint import latest_iteration, rank_dir
+    from megart.training.megatron_files import config_from_args
+
+    tp = kw.get("tensor_model_parallel_size", 1)
+    pp = kw.get("pipeline_model_parallel_size", 1)
+    mow._init(tp, pp)
+    t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    d, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    iteration = latest_iteration(megart_dir)
+    here = Path(f"iter_{iteration:07d}") / rank_dir(t, p, pp)
+    state = torch.load(Path(megart_dir) / here / FILE, weights_only=False)
+    args = vars(state["args"])
+    cfg = config_from_args(args)
+    half = bool(args.get("bf16"))
+    model = mcw.megatron_model(cfg, tp, pp).to(torch.bfloat16 if half else torch.float32)
+    model.load_state_dict(state["model"], strict=True)
+    ddp = _ddp(model, args)
+    optimizer = _distributed_optimizer(ddp, kw, half)
+    optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad(), _step_kept():
+        optimizer.load_parameter_state(str(Path(megart_dir) / here / DISTRIB))
+    want = _expected(Path(ref_dir) / here / FILE)
+    pieces = {}
+    for name, param in ddp.module.named_parameters():
+        if param not in optimizer.model_param_group_index_map:
+            continue  # no piece of it on this data-parallel rank
+        r = optimizer._get_model_param_range_map(param)["param"]
+        held = optimizer._get_main_param_and_optimizer_states(param)
+        diffs = {}
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            ref = want[name][key].float().reshape(-1)[r.start : r.end]
+            scale = want[name][key].float().abs().max().item() or 1.0
+            diffs[key] = (held[key].float() - ref).abs().max().item() / scale
+        pieces[name] = dict(range=(r.start, r.end), numel=param.numel(), diffs=diffs)
+    if out_dir is not None:
+        c = tw.tiny(**kw)
+        written = mow._args(cfg, c, tp, iteration, pp)
+        written.use_distributed_optimizer = True
+        written.data_parallel_size = dp
+        written.overlap_grad_reduce = bool(args.get("overlap_grad_reduce"))
+        written.bf16 = half
+        if d == 0:
+            mow._write(out_dir, str(Path(rank_dir(t, p, pp)) / FILE), written, ddp, optimizer, c)
+        torch.distributed.barrier()
+        optimizer.save_parameter_state(str(Path(out_dir) / here / DISTRIB))
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return dict(place=(t, p, d), pieces=pieces)
+
+
+MODELS = [
+    dict(vocab_size=100, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4),
+    dict(vocab_size=300, seq_length=16, hidden_size=32, num_layers=3, num_attention_heads=4,
+         ffn_hidden_size=40, normalization="rmsnorm", position_embedding="rotary",
+         activation="swiglu", untie_embeddings_and_output_weights=True, num_query_groups=2),
+]  # fmt: skip
+
+
+def _megatron_core_layout(cfg, args: dict, tied_copy: bool) -> tuple[dict, int, int]:
+    """Where Megatron-Core's DistributedDataParallel puts each parameter of a one-process
+    GPTModel in the saved vector (its buffer's buckets without their end padding, one after
+    another, as get_parameter_state_dp_zero saves them), the vector's length, the buckets."""
+    import megatron_core_workers as mcw
+
+    model = mcw.megatron_model(cfg).float()
+    if tied_copy:  # as Megatron-Core's LanguageModule marks a first stage's tied embedding
+        model.embedding.word_embeddings.weight.shared_embedding = True
+    ddp = _ddp(model, args, args.get("ddp_bucket_size"))
+    (buffer,) = ddp.buffers
+    names = {param: n for n, param in ddp.module.named_parameters()}
+    before, at = [], 0
+    for bucket in buffer.buckets:
+        before.append(at)
+        at += bucket.numel_unpadded
+    ranges = {}
+    for param, (start, end, b) in buffer.param_index_map.items():
+        offset = before[b] - buffer.buckets[b].offset
+        ranges[names[param]] = (start + offset, end + offset)
+    return ranges, buffer.numel_unpadded, len(buffer.buckets)
+
+
+def layouts_agree(examples: int) -> dict:
+    """One process, hypothesis over models, bucket sizes, --overlap-grad-reduce and a tied
+    embedding copy: megart's layout of the chunk it writes (megart.training.megatron_files'
+    names and order) equals Megatron-Core's (raises with the example where it does not).
+    Returns the examples run and the most buckets one had."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from megart.models import GPT
+    from megart.models.config import GPTConfig
+    from megart.training.megatron_distrib_optim import layouts
+    from megart.training.megatron_files import _chunk_to_megatron
+
+    seen = {"examples": 0, "most_buckets": 0}
+
+    @settings(max_examples=examples, deadline=None, database=None)
+    @given(
+        model=st.sampled_from(MODELS),
+        size=st.one_of(st.none(), st.integers(1, 40_000)),
+        overlap=st.booleans(),
+        tied_copy=st.booleans(),
+    )
+    def check(model, size, overlap, tied_copy):
+        cfg = GPTConfig(**model)
+        tied_copy = tied_copy and not cfg.untie_embeddings_and_output_weights
+        args = dict(
+            overlap_grad_reduce=overlap,
+            ddp_bucket_size=size,
+            data_parallel_size=1,
+            pipeline_model_parallel_size=2 if tied_copy else 1,
+            untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+        )
+        chunk = _chunk_to_megatron(GPT(cfg).state_dict(), cfg, list(range(cfg.num_layers)))
+        (ours,) = layouts([chunk], args, 0)
+        ranges, numel, buckets = _megatron_core_layout(cfg, args, tied_copy)
+        assert ours.ranges == ranges, (ours.ranges, ranges)
+        assert ours.numel == numel, (ours.numel, numel)
+        seen["examples"] += 1
+        seen["most_buckets"] = max(seen["most_buckets"], buckets)
+
+    check()
+    return seen

@@ -1,0 +1,120 @@
+"""``--ckpt-format torch --use-distributed-optimizer`` against Megatron-Core itself
+(megatron-core 0.16.1, CPU): its own DistributedDataParallel and DistributedOptimizer load
+megart's distrib_optim.pt and hold, piece by piece over the data-parallel ranks, each
+parameter's fp32 main copy and Adam moments as megart's own checkpoint of the same run has them
+(mapped by name as the weights are); megart resumes its own files and what Megatron-Core's
+side then writes (save_parameter_state) on the uninterrupted loss curve; and the layout of the
+saved vectors equals Megatron-Core's buffers' for any bucket size (hypothesis)."""
+
+import pytest
+import torch
+
+import megatron_distopt_workers as mdw
+from megart.launcher import launch
+from megart.training.checkpoint import FILE, iteration_dir
+from train_workers import SAME_RUN
+
+LLAMA = dict(vocab_size=300, normalization="RMSNorm", position_embedding_type="rope",
+             swiglu=True, ffn_hidden_size=64, untie_embeddings_and_output_weights=True,
+             group_query_attention=True, num_query_groups=2)  # fmt: skip
+SCENARIOS = {  # name: (processes, flags); data-parallel 2 in each
+    # Tied embeddings over two stages: each tied copy in a bucket of its own.
+    "gpt2-pp2": (4, dict(pipeline_model_parallel_size=2)),
+    "llama-tp2": (4, dict(LLAMA, tensor_model_parallel_size=2)),
+    "llama-bf16": (2, dict(LLAMA, bf16=True)),
+}
+
+
+def _train(kw):
+    import train_workers as tw
+
+    return tw.train(**kw)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per scenario: megart's uninterrupted 4 iterations (saving its own format after 2, the
+    reference), its checkpoint after 2 in Megatron's format, Megatron-Core's load of it (and
+    the checkpoint it writes), and megart resumed from both."""
+    out = {}
+    for name, (nproc, flags) in SCENARIOS.items():
+        tmp = tmp_path_factory.mktemp(name)
+        kw = dict(flags, train_iters=4, use_distributed_optimizer=True)
+        ref, ours, theirs = (str(tmp / d) for d in ("ref", "megart", "megatron"))
+        straight = launch(_train, nproc, dict(kw, save=ref, save_interval=2), timeout=300)[0]
+        launch(_train, nproc, dict(kw, save=ours, save_interval=2, exit_interval=2,
+                                   ckpt_format="torch"), timeout=300)  # fmt: skip
+        megatron = launch(mdw.load_and_write, nproc, kw, ours, ref, theirs, timeout=300)
+        resumed = {
+            d: launch(_train, nproc, dict(kw, load=d), timeout=300)[0] for d in (ours, theirs)
+        }
+        out[name] = dict(straight=straight, megatron=megatron, ours=ours, theirs=theirs,
+                         resumed_ours=resumed[ours], resumed_theirs=resumed[theirs])  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_megatron_core_holds_megarts_state_after_loading_distrib_optim(runs, name):
+    pieces = _pieces(runs[name])
+    for key, held in pieces.items():  # the pieces tile every parameter
+        held.sort()
+        assert held[0][0] == 0 and held[-1][1] == held[-1][2], (key, held)
+        assert all(a[1] == b[0] for a, b in zip(held, held[1:], strict=False)), (key, held)
+
+
+def test_some_parameter_is_cut_between_the_data_parallel_ranks(runs):
+    """The scatter and gather cut a parameter where a rank's part of a bucket ends."""
+    cut = [
+        n for r in runs.values() for n, held in _pieces(r).items() if len({h[3] for h in held}) == 2
+    ]
+    assert cut
+
+
+def _pieces(run: dict) -> dict:
+    """(tp, pp, parameter) -> (start, end, elements, data-parallel rank) of each piece held,
+    each checked against megart's own checkpoint."""
+    pieces: dict = {}
+    for rank in run["megatron"]:
+        t, p, d = rank["place"]
+        assert rank["pieces"], f"data-parallel rank {d} holds no optimizer state"
+        for param, piece in rank["pieces"].items():
+            assert max(piece["diffs"].values()) < 1e-5, (rank["place"], param, piece["diffs"])
+            pieces.setdefault((t, p, param), []).append((*piece["range"], piece["numel"], d))
+    return pieces
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("written_by", ["ours", "theirs"])
+def test_megart_resumes_distrib_optim_on_the_curve(runs, name, written_by):
+    r = runs[name]
+    resumed = r[f"resumed_{written_by}"]
+    assert [h["iteration"] for h in resumed] == [3, 4]
+    want = [h["loss"] for h in r["straight"][2:]]
+    assert [h["loss"] for h in resumed] == pytest.approx(want, **SAME_RUN)
+
+
+def test_files_are_the_distributed_optimizers(runs):
+    """The rank file's optimizer is DistributedOptimizer.state_dict()'s (no parameter state,
+    each group with its step), distrib_optim.pt get_parameter_state_dp_zero()'s."""
+    for name, key in (("llama-tp2", (torch.float32,) * 2),
+                      ("llama-bf16", (torch.bfloat16, torch.float32))):  # fmt: skip
+        root = iteration_dir(runs[name]["ours"], 2) / "mp_rank_00"
+        state = torch.load(root / FILE, weights_only=False)
+        assert set(state["optimizer"]) == {"optimizer"}
+        groups = state["optimizer"]["optimizer"]["param_groups"]
+        assert [g["wd_mult"] for g in groups] == [1.0, 0.0]
+        assert all("params" not in g and g["step"] == 2 for g in groups)
+        assert state["args"].use_distributed_optimizer and state["args"].data_parallel_size == 2
+        saved = torch.load(root / mdw.DISTRIB, weights_only=True)
+        assert set(saved) == {"buckets_coalesced", 0} and saved["buckets_coalesced"]
+        (vectors,) = saved[0].values()
+        assert list(saved[0]) == [key]
+        n = vectors["numel_unpadded"]
+        assert all(vectors[k].shape == (n,) and vectors[k].dtype == torch.float32
+                   for k in ("param", "exp_avg", "exp_avg_sq"))  # fmt: skip
+
+
+def test_layouts_equal_megatron_cores_for_any_bucket_size():
+    (seen,) = launch(mdw.layouts_agree, 1, 40, timeout=300)
+    assert seen["examples"] == 40
+    assert seen["most_buckets"] >= 3  # bucket limits that cut the model were drawn
