@@ -6,12 +6,16 @@ parameter's fp32 main copy and Adam moments as megart's own checkpoint of the sa
 side then writes (save_parameter_state) on the uninterrupted loss curve; and the layout of the
 saved vectors equals Megatron-Core's buffers' for any bucket size (hypothesis)."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
 import megatron_distopt_workers as mdw
+from megart.errors import ConfigError
 from megart.launcher import launch
-from megart.training.checkpoint import FILE, iteration_dir
+from megart.training.checkpoint import FILE, iteration_dir, read_file
 from train_workers import SAME_RUN
 
 LLAMA = dict(vocab_size=300, normalization="RMSNorm", position_embedding_type="rope",
@@ -118,3 +122,44 @@ def test_layouts_equal_megatron_cores_for_any_bucket_size():
     (seen,) = launch(mdw.layouts_agree, 1, 40, timeout=300)
     assert seen["examples"] == 40
     assert seen["most_buckets"] >= 3  # bucket limits that cut the model were drawn
+
+
+def test_a_distrib_optim_checkpoint_reshards_on_load(runs):
+    """Megatron-Core's tp2 x dp2 checkpoint resumed by one process without the distributed
+    optimizer: read as megart's files (distrib_optim.pt joined), the resharding path takes it,
+    Adam's moments included."""
+    r = runs["llama-tp2"]
+    kw = dict(LLAMA, train_iters=4, load=r["theirs"])
+    resumed = launch(_train, 1, kw, timeout=300)[0]
+    want = [h["loss"] for h in r["straight"][2:]]
+    assert [h["loss"] for h in resumed] == pytest.approx(want, rel=1e-5, abs=0)
+
+
+def _copy(runs, tmp_path) -> Path:
+    root = tmp_path / "ckpt"
+    shutil.copytree(runs["llama-bf16"]["ours"], root)
+    rank = iteration_dir(root, 2) / "mp_rank_00"
+    for sums in rank.glob("*.sha256"):  # edited below: load them unchecked
+        sums.unlink()
+    return rank
+
+
+def test_what_megart_cannot_read_of_a_distrib_optim_checkpoint_is_refused(runs, tmp_path):
+    rank = _copy(runs, tmp_path)
+    state = torch.load(rank / FILE, weights_only=False)
+    (rank / mdw.DISTRIB).rename(rank / "elsewhere.pt")
+    with pytest.raises(ConfigError, match="distrib_optim.pt .*is missing.*--no-load-optim"):
+        read_file(rank / FILE)
+    torch.save({0: {"per bucket": []}}, rank / mdw.DISTRIB)  # Megatron's layout before 2024
+    with pytest.raises(ConfigError, match="from before 2024.*legacy-dist-opt-format"):
+        read_file(rank / FILE)
+    saved = torch.load(rank / "elsewhere.pt", weights_only=True)
+    (vectors,) = saved[0].values()
+    vectors["numel_unpadded"] += 64  # a buffer of another layout
+    torch.save(saved, rank / mdw.DISTRIB)
+    with pytest.raises(ConfigError, match="buffer holds .* elements where .* take"):
+        read_file(rank / FILE)
+    state["args"].ddp_num_buckets = 4
+    torch.save(state, rank / FILE)
+    with pytest.raises(ConfigError, match="--ddp-num-buckets 4"):
+        read_file(rank / FILE)

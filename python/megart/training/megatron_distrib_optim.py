@@ -227,6 +227,11 @@ def join(state: dict[str, Any], path: Path) -> dict[str, Any]:
     if not is_distributed(optimizer):
         return state
     args = vars(state["args"])
+    if args.get("ddp_num_buckets"):
+        raise ConfigError(
+            f"{path}: saved with --ddp-num-buckets {args['ddp_num_buckets']}, whose buckets "
+            "megart does not lay out; resume with --no-load-optim (fresh optimizer state)"
+        )
     chunks = model_chunks(state)
     loaded = read_param_state(path)
     groups = param_groups_of(chunks)
