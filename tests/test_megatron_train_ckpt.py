@@ -27,6 +27,18 @@ SCENARIOS = {  # name: (processes, flags)
         ),
     ),
     "bf16": (1, dict(bf16=True)),
+    # The distributed optimizer's distrib_optim.pt: two model chunks per rank (a buffer each),
+    # data-parallel 2, fp16 (its grad scaler beside the param groups).
+    "interleaved-dp2-fp16-distributed-optimizer": (
+        4,
+        dict(
+            pipeline_model_parallel_size=2,
+            num_layers_per_virtual_pipeline_stage=1,
+            use_distributed_optimizer=True,
+            fp16=True,
+            initial_loss_scale=1024,
+        ),
+    ),
 }
 
 
@@ -173,3 +185,18 @@ def test_a_torch_format_checkpoint_reshards_on_load(runs):
     assert [h["iteration"] for h in resumed] == [3, 4]
     want = [h["loss"] for h in straight[2:]]
     assert [h["loss"] for h in resumed] == pytest.approx(want, rel=1e-5, abs=0)
+
+
+def test_distributed_optimizer_files_hold_a_buffer_per_model_chunk(runs):
+    """With --use-distributed-optimizer: distrib_optim.pt beside each rank file, one buffer
+    per model chunk under fp16's (param, grad) dtypes, and the grad scaler in the rank file
+    beside DistributedOptimizer's param groups."""
+    ckpt = runs["interleaved-dp2-fp16-distributed-optimizer"][1]
+    for stage in range(2):
+        rank = iteration_dir(ckpt, 2) / f"mp_rank_00_{stage:03d}"
+        state = _raw(rank / FILE)
+        assert set(state) >= {"model0", "model1"}
+        assert set(state["optimizer"]) == {"optimizer", "grad_scaler"}
+        saved = torch.load(rank / "distrib_optim.pt", weights_only=True)
+        assert set(saved) == {"buckets_coalesced", 0, 1}
+        assert all(list(saved[c]) == [(torch.float16, torch.float16)] for c in (0, 1))

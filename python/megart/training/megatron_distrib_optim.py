@@ -242,10 +242,15 @@ def join(state: dict[str, Any], path: Path) -> dict[str, Any]:
             "two default ones (weight decay on matrices, none on biases and norms); resume "
             "with --no-load-optim"
         )
+    buffers = sorted(k for k in loaded if isinstance(k, int))
+    if buffers != list(range(len(chunks))) or any(len(loaded[c]) != 1 for c in buffers):
+        raise ConfigError(
+            f"{path.parent / DISTRIB_FILE} holds buffers {buffers} of dtypes "
+            f"{[list(loaded[c]) for c in buffers]}, not one per model chunk of the file "
+            f"({len(chunks)}): parameters of several dtypes, which megart does not have"
+        )
     per_param: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for c, layout in enumerate(layouts(chunks, args, _pp_rank(path))):
-        if c not in loaded or len(loaded[c]) != 1:
-            raise ConfigError(f"{path.parent / DISTRIB_FILE} holds no single buffer of chunk {c}")
         (vectors,) = loaded[c].values()
         if vectors["numel_unpadded"] != layout.numel:
             raise ConfigError(
@@ -258,7 +263,9 @@ def join(state: dict[str, Any], path: Path) -> dict[str, Any]:
             shape = chunks[c][name].shape
             per_param[c, name] = {k: vectors[k][start:end].view(shape).clone() for k in KEYS}
     steps = {float(g["step"]) for g in saved_groups if g.get("step") is not None}
-    step = torch.tensor(steps.pop() if len(steps) == 1 else 0.0)
+    if len(steps) > 1:
+        raise ConfigError(f"{path}: its param groups were stepped {sorted(steps)} times")
+    step = torch.tensor(steps.pop() if steps else 0.0)
     inner_state, param_groups, index = {}, [], 0
     for members, group in zip(groups, saved_groups, strict=True):
         numbers = list(range(index, index + len(members)))
