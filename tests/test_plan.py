@@ -15,8 +15,8 @@ from megart import schedule as sched
 from megart.cli.main import main as megart_main
 from megart.errors import ConfigError
 from megart.plan import GPUS, Fixed, Layout, estimate, load_profile, search
-from megart.plan.estimate import theory_in_flight
 from megart.plan.hardware import PROFILE_DIR
+from megart.plan.holding import theory_in_flight
 from megart.plan.published import TABLES, config, fixed, model_options, published_layout
 from megart.training.config import TrainConfig
 

@@ -10,9 +10,11 @@ import pytest
 
 from megart import schedule as sched
 from megart.launcher import launch
-from megart.plan.estimate import ZERO_BUBBLE, Layout, estimate, layout_config, rank_memory
+from megart.plan.estimate import estimate
 from megart.plan.hardware import load_profile
 from megart.plan.holding import peaks
+from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
+from megart.plan.memory import rank_memory
 from megart.training.config import TrainConfig
 from plan_workers import deferred_bytes, held_bytes
 
@@ -162,7 +164,7 @@ ZB_CASES = [
 @pytest.mark.parametrize("name,nproc,model,flags", ZB_CASES, ids=[c[0] for c in ZB_CASES])
 def test_weight_gradient_bytes_held_between_i_and_w(name, nproc, model, flags):
     from megart.plan import activations as act
-    from megart.plan.estimate import _precision
+    from megart.plan.memory import precision
 
     kw = {**model, **flags, "pipeline_model_parallel_size": 2}
     config = TrainConfig(**kw)
@@ -170,7 +172,7 @@ def test_weight_gradient_bytes_held_between_i_and_w(name, nproc, model, flags):
     c = layout_config(config, layout)
     cfg = c.gpt_config()
     t, p, v, b = layout.tp, layout.pp, layout.chunks, layout.micro_batch
-    prec = _precision(c, "megart")
+    prec = precision(c, "megart")
     layers = cfg.num_layers // (p * v)
     per_chunk = act.weight_grad_bytes(cfg, b, t, prec) * layers
     out = act.output_weight_grad_bytes(cfg, b, t, prec)

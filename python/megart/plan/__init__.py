@@ -1,8 +1,9 @@
 """megart plan: predict the iteration time, TFLOP/s and memory per GPU of a layout on a cluster,
 and recommend the best layout. See README ("Planning a run") for the model and its calibration."""
 
-from megart.plan.estimate import Estimate, Layout, estimate
+from megart.plan.estimate import Estimate, estimate
 from megart.plan.hardware import GPUS, GPUProfile, load_profile
+from megart.plan.layout import Layout
 from megart.plan.search import Fixed, NoFit, search, why_slower
 
 __all__ = [

@@ -8,16 +8,18 @@ from dataclasses import dataclass, field
 
 from megart import schedule as sched
 from megart.errors import ConfigError
+from megart.models import GPTConfig
 from megart.plan import activations as act
 from megart.plan.hardware import GIB, GPUProfile
 from megart.plan.holding import Held, peaks, theory_in_flight
-from megart.plan.parameters import BUCKET_BYTES, FP32, state_bytes
+from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
+from megart.plan.memory import precision, rank_memory
+from megart.plan.parameters import BUCKET_BYTES, FP32
 from megart.plan.timing import Work, collective_seconds, layer_work, logits_work
 from megart.training.config import TrainConfig
 from megart.training.flops import model_flops
 
 RUNTIMES = ("megart", "megatron")
-ZERO_BUBBLE = ("zb-h1", "zb-v")
 ADAM_BYTES = 28  # per fp32 element stepped: read p, g, m, v; write p, m, v (REFERENCES.md)
 # dp_overlap="single-stage": the gradient all-reduce overlaps the last microbatch's backward
 # only with p = 1, as in SC21's Megatron-LM: its p = 1 runs used --DDP-impl torch (its
@@ -25,59 +27,6 @@ ADAM_BYTES = 28  # per fp32 element stepped: read p, g, m, v; write p, m, v (REF
 # buckets were reduced during that backward; p > 1 required local DDP, reduced after it all.
 SINGLE_STAGE = "single-stage"
 TORCH_DDP_BUCKET_BYTES = 25 << 20
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    chunks: int
-    micro_batch: int
-    sequence_parallel: bool
-    recompute: str | None
-    distributed_optimizer: bool
-    # megart train's --pipeline-schedule; None: its default (1f1b, or interleaved with v > 1).
-    schedule: str | None = None
-
-    @property
-    def kind(self) -> str:
-        """The pipeline schedule this layout runs."""
-        return self.schedule or ("interleaved" if self.chunks > 1 else "1f1b")
-
-    def sizes(self) -> tuple[int, int, int, int, bool]:
-        """(t, p, v, b, sequence parallel)."""
-        return self.tp, self.pp, self.chunks, self.micro_batch, self.sequence_parallel
-
-    def flags(self, num_layers: int) -> str:
-        """The megart train flags of this layout, for a model of ``num_layers``."""
-        out = [
-            f"--tensor-model-parallel-size {self.tp}",
-            f"--pipeline-model-parallel-size {self.pp}",
-            f"--micro-batch-size {self.micro_batch}",
-        ]
-        if self.kind == "interleaved":
-            per = num_layers // (self.pp * self.chunks)
-            out.append(f"--num-layers-per-virtual-pipeline-stage {per}")
-        if self.schedule in ZERO_BUBBLE:
-            out.append(f"--pipeline-schedule {self.schedule}")
-        if self.sequence_parallel:
-            out.append("--sequence-parallel")
-        if self.recompute:
-            out.append(f"--recompute-granularity {self.recompute}")
-        if self.distributed_optimizer:
-            out.append("--use-distributed-optimizer")
-        return " ".join(out)
-
-    def short(self) -> str:
-        extra = [f"v{self.chunks}"] if self.kind == "interleaved" else []
-        extra += [self.kind] if self.kind in ZERO_BUBBLE else []
-        extra += ["sp"] if self.sequence_parallel else []
-        extra += [f"rc={self.recompute}"] if self.recompute else []
-        extra += ["distopt"] if self.distributed_optimizer else []
-        return f"t{self.tp} p{self.pp} d{self.dp} b{self.micro_batch}" + "".join(
-            " " + e for e in extra
-        )
 
 
 @dataclass
@@ -102,94 +51,6 @@ class Estimate:
     @property
     def iteration_time(self) -> float:
         return self.time["iteration"]
-
-
-def layout_config(base: TrainConfig, layout: Layout) -> TrainConfig:
-    """``base`` with the layout's flags set."""
-    per = None
-    if layout.kind == "interleaved":
-        per = base.num_layers // (layout.pp * layout.chunks)
-    return dataclasses.replace(
-        base,
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        num_layers_per_virtual_pipeline_stage=per,
-        pipeline_schedule=layout.schedule,
-        micro_batch_size=layout.micro_batch,
-        sequence_parallel=layout.sequence_parallel,
-        recompute_granularity=layout.recompute,
-        recompute_activations=False,
-        use_distributed_optimizer=layout.distributed_optimizer,
-    )
-
-
-def _precision(c: TrainConfig, runtime: str) -> act.Precision:
-    """Bytes of saved activations: megart keeps its residual stream in fp32 under autocast;
-    Megatron-LM runs in 16 bits throughout."""
-    return act.Precision(2, 2) if runtime == "megatron" else act.precision_of(c.bf16, c.fp16)
-
-
-def rank_memory(
-    c: TrainConfig,
-    layout: Layout,
-    dp: int,
-    pp_rank: int,
-    held: Held | int,
-    runtime: str = "megart",
-    unfused_attention: bool = False,
-    dp_rank: int | None = None,
-) -> dict[str, float]:
-    """Bytes pipeline rank ``pp_rank`` (data-parallel rank ``dp_rank``, None: the worst) holds
-    at its peak, by part, with ``held`` (microbatch, chunk) pairs in flight (a count: all
-    between forward and backward). "activations" is what autograd saves ("saved", what
-    saved-tensor hooks see) plus the chunk outputs megart's pipeline engine keeps ("outputs"),
-    with full recomputation one layer's whole set while it is recomputed
-    ("recompute_working"), and with zero-bubble schedules what pairs between I and W keep for
-    their weight gradients ("weight_grads")."""
-    if isinstance(held, int):
-        held = Held(held)
-    cfg = c.gpt_config()
-    megatron = runtime == "megatron"
-    t, p, v, b, sp = layout.sizes()
-    rec = cfg.recompute_granularity
-    prec = _precision(c, runtime)
-    per_chunk_layers = cfg.num_layers // (p * v)
-    if megatron:
-        layer_bytes = act.megatron_layer_bytes(cfg, b, t, sp, rec, unfused_attention)
-        full = act.megatron_layer_bytes(cfg, b, t, sp, None, unfused_attention)
-    else:
-        layer_bytes = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention)
-        full = act.layer_bytes(cfg, b, t, sp, None, prec, unfused_attention)
-    n = held.activations
-    saved = n * per_chunk_layers * layer_bytes
-    if pp_rank == 0:
-        saved += n * act.first_stage_bytes(cfg, b, t)
-    if pp_rank == (0 if layout.kind == "zb-v" else p - 1):  # zb-v's last stage is on rank 0
-        saved += act.last_stage_bytes(cfg, b, t, sp, prec)
-    outputs = 0.0
-    if (pp_rank < p - 1 or v > 1) and not megatron:
-        outputs = n * act.output_bytes(cfg, b, t, sp, prec)
-    working = full if rec == "full" else 0.0
-    grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec)
-    grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec)
-    state = state_bytes(
-        cfg, t, p, pp_rank, v, dp, layout.distributed_optimizer, dp_rank, layout.kind == "zb-v"
-    )
-    params = state.parameters // FP32
-    autocast = params * prec.other if prec.other < 4 and not megatron else 0
-    optimizer = float(state.optimizer)
-    if megatron:  # + fp32 main weights: 12 bytes per stepped element instead of 8
-        optimizer = float(state.optimizer) * 3 / 2
-    parts = {
-        "parameters": float(state.parameters) / (2 if megatron else 1),
-        "gradients": float(state.gradients),
-        "optimizer": optimizer,
-        "activations": saved + outputs + working + grads,
-        "autocast_copies": float(autocast),
-    }
-    parts["total"] = sum(parts.values())
-    parts.update(saved=saved, outputs=outputs, recompute_working=working, weight_grads=grads)
-    return parts
 
 
 def estimate(
@@ -251,8 +112,7 @@ def estimate(
     m = c.microbatches(dp)
     t, p, v, b, sp = layout.sizes()
     rec = cfg.recompute_granularity
-    prec = _precision(c, runtime)
-    gather_bytes = FP32 if not megatron else 2  # what the distributed optimizer all-gathers
+    prec = precision(c, runtime)
 
     # Per-microbatch costs of the slowest stage (the last: it adds the output layer).
     # A tensor-parallel group that does not divide a node spans nodes: its collectives cross
@@ -330,29 +190,18 @@ def estimate(
     worst_rank_params = worst["gradients"]
     worst["allowance"] = gpu.memory_gib * GIB - gpu.usable_bytes
 
-    # Data parallelism: megart reduces each 4 MiB bucket of fp32 gradients as soon as the last
-    # microbatch's backward has produced it, so all but the last bucket overlap that backward.
-    grad_bytes = float(worst_rank_params) * grad_reduce_bytes / FP32
-    dp_bw = gpu.nvlink_bus_gb_per_s if t * dp <= gpu.gpus_per_node else gpu.rail_gb_per_s
-    dist = layout.distributed_optimizer
-    reduce = collective_seconds(
-        grad_bytes, dp, dp_bw, gpu, (dp - 1) / dp if dist else 2 * (dp - 1) / max(dp, 1)
+    dp_exposed, gather, tied = _data_parallel_seconds(
+        cfg,
+        layout,
+        dp,
+        gpu,
+        float(worst_rank_params),
+        stage.backward,
+        runtime,
+        dp_overlap,
+        grad_reduce_bytes,
     )
-    bucket = TORCH_DDP_BUCKET_BYTES if dp_overlap == SINGLE_STAGE else BUCKET_BYTES
-    last_bucket = reduce * min(1.0, bucket / max(grad_bytes, 1.0))
-    dp_exposed = max(reduce - stage.backward, last_bucket) if reduce else 0.0
-    if not dp_overlap or (dp_overlap == SINGLE_STAGE and p > 1):
-        dp_exposed = reduce
-    gather = 0.0
-    if dist:
-        gather = collective_seconds(
-            float(worst_rank_params) * gather_bytes / FP32, dp, dp_bw, gpu, (dp - 1) / dp
-        )
-    tied = 0.0
-    # The tied embedding's two copies: on the first and last ranks, both on rank 0 in zb-v.
-    if p > 1 and not cfg.untie_embeddings_and_output_weights and kind != "zb-v":
-        emb = cfg.padded_vocab_size(t) // t * cfg.hidden_size * FP32 / (dp if dist else 1)
-        tied = collective_seconds(emb, 2, gpu.rail_gb_per_s, gpu, 1.0)
+    dist = layout.distributed_optimizer
     stepped = float(worst_rank_params) / FP32 / (dp if dist else 1)
     optimizer = stepped * ADAM_BYTES / (gpu.hbm_gb_per_s * 1e9)
     pipeline_comm = makespan - compute_only * (1 + bubble) if p > 1 else 0.0
@@ -391,12 +240,44 @@ def estimate(
     )
 
 
-__all__ = [
-    "Layout",
-    "Estimate",
-    "Work",
-    "estimate",
-    "layout_config",
-    "theory_in_flight",
-    "ZERO_BUBBLE",
-]
+def _data_parallel_seconds(
+    cfg: GPTConfig,
+    layout: Layout,
+    dp: int,
+    gpu: GPUProfile,
+    grad_elements_bytes: float,
+    last_backward: float,
+    runtime: str,
+    dp_overlap: bool | str,
+    grad_reduce_bytes: int,
+) -> tuple[float, float, float]:
+    """Seconds the iteration spends on data-parallel communication after its last backward:
+    the gradient reduction's exposed part, the distributed optimizer's all-gather, and the tied
+    embedding's all-reduce between the first and last stage. ``grad_elements_bytes``: fp32
+    bytes of the worst rank's gradients."""
+    t, p = layout.tp, layout.pp
+    dist = layout.distributed_optimizer
+    gather_bytes = FP32 if runtime != "megatron" else 2  # what the distributed optimizer gathers
+    # megart reduces each 4 MiB bucket of fp32 gradients as soon as the last microbatch's
+    # backward has produced it, so all but the last bucket overlap that backward.
+    grad_bytes = grad_elements_bytes * grad_reduce_bytes / FP32
+    dp_bw = gpu.nvlink_bus_gb_per_s if t * dp <= gpu.gpus_per_node else gpu.rail_gb_per_s
+    reduce = collective_seconds(
+        grad_bytes, dp, dp_bw, gpu, (dp - 1) / dp if dist else 2 * (dp - 1) / max(dp, 1)
+    )
+    bucket = TORCH_DDP_BUCKET_BYTES if dp_overlap == SINGLE_STAGE else BUCKET_BYTES
+    last_bucket = reduce * min(1.0, bucket / max(grad_bytes, 1.0))
+    exposed = max(reduce - last_backward, last_bucket) if reduce else 0.0
+    if not dp_overlap or (dp_overlap == SINGLE_STAGE and p > 1):
+        exposed = reduce
+    gather = 0.0
+    if dist:
+        gather = collective_seconds(
+            grad_elements_bytes * gather_bytes / FP32, dp, dp_bw, gpu, (dp - 1) / dp
+        )
+    tied = 0.0
+    # The tied embedding's two copies: on the first and last ranks, both on rank 0 in zb-v.
+    if p > 1 and not cfg.untie_embeddings_and_output_weights and layout.kind != "zb-v":
+        emb = cfg.padded_vocab_size(t) // t * cfg.hidden_size * FP32 / (dp if dist else 1)
+        tied = collective_seconds(emb, 2, gpu.rail_gb_per_s, gpu, 1.0)
+    return exposed, gather, tied

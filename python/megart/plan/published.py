@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megart.plan.estimate import Layout
+from megart.plan.layout import Layout
 from megart.plan.search import Fixed
 from megart.training.config import TrainConfig
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from megart.errors import ConfigError
 from megart.parallel.checks import check_model_fits
 from megart.parallel.layout import divisors, make_layout
-from megart.plan.estimate import ZERO_BUBBLE, Estimate, Layout, estimate, layout_config
+from megart.plan.estimate import Estimate, estimate
 from megart.plan.hardware import GIB, GPUProfile
+from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
 from megart.training.config import TrainConfig
 
 RECOMPUTE = (None, "selective", "full")

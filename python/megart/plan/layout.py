@@ -1,0 +1,82 @@
+"""A candidate layout of the planner: the sizes megart train's layout flags set."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megart.training.config import TrainConfig
+
+ZERO_BUBBLE = ("zb-h1", "zb-v")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    chunks: int
+    micro_batch: int
+    sequence_parallel: bool
+    recompute: str | None
+    distributed_optimizer: bool
+    # megart train's --pipeline-schedule; None: its default (1f1b, or interleaved with v > 1).
+    schedule: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """The pipeline schedule this layout runs."""
+        return self.schedule or ("interleaved" if self.chunks > 1 else "1f1b")
+
+    def sizes(self) -> tuple[int, int, int, int, bool]:
+        """(t, p, v, b, sequence parallel)."""
+        return self.tp, self.pp, self.chunks, self.micro_batch, self.sequence_parallel
+
+    def flags(self, num_layers: int) -> str:
+        """The megart train flags of this layout, for a model of ``num_layers``."""
+        out = [
+            f"--tensor-model-parallel-size {self.tp}",
+            f"--pipeline-model-parallel-size {self.pp}",
+            f"--micro-batch-size {self.micro_batch}",
+        ]
+        if self.kind == "interleaved":
+            per = num_layers // (self.pp * self.chunks)
+            out.append(f"--num-layers-per-virtual-pipeline-stage {per}")
+        if self.schedule in ZERO_BUBBLE:
+            out.append(f"--pipeline-schedule {self.schedule}")
+        if self.sequence_parallel:
+            out.append("--sequence-parallel")
+        if self.recompute:
+            out.append(f"--recompute-granularity {self.recompute}")
+        if self.distributed_optimizer:
+            out.append("--use-distributed-optimizer")
+        return " ".join(out)
+
+    def short(self) -> str:
+        extra = [f"v{self.chunks}"] if self.kind == "interleaved" else []
+        extra += [self.kind] if self.kind in ZERO_BUBBLE else []
+        extra += ["sp"] if self.sequence_parallel else []
+        extra += [f"rc={self.recompute}"] if self.recompute else []
+        extra += ["distopt"] if self.distributed_optimizer else []
+        return f"t{self.tp} p{self.pp} d{self.dp} b{self.micro_batch}" + "".join(
+            " " + e for e in extra
+        )
+
+
+def layout_config(base: TrainConfig, layout: Layout) -> TrainConfig:
+    """``base`` with the layout's flags set."""
+    per = None
+    if layout.kind == "interleaved":
+        per = base.num_layers // (layout.pp * layout.chunks)
+    return dataclasses.replace(
+        base,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        num_layers_per_virtual_pipeline_stage=per,
+        pipeline_schedule=layout.schedule,
+        micro_batch_size=layout.micro_batch,
+        sequence_parallel=layout.sequence_parallel,
+        recompute_granularity=layout.recompute,
+        recompute_activations=False,
+        use_distributed_optimizer=layout.distributed_optimizer,
+    )

@@ -1,0 +1,79 @@
+"""Memory of one pipeline rank at its peak, by part: the parameters, gradients and optimizer
+state it owns and the activations its schedule holds."""
+
+from __future__ import annotations
+
+from megart.plan import activations as act
+from megart.plan.holding import Held
+from megart.plan.layout import Layout
+from megart.plan.parameters import FP32, state_bytes
+from megart.training.config import TrainConfig
+
+
+def precision(c: TrainConfig, runtime: str) -> act.Precision:
+    """Bytes of saved activations: megart keeps its residual stream in fp32 under autocast;
+    Megatron-LM runs in 16 bits throughout."""
+    return act.Precision(2, 2) if runtime == "megatron" else act.precision_of(c.bf16, c.fp16)
+
+
+def rank_memory(
+    c: TrainConfig,
+    layout: Layout,
+    dp: int,
+    pp_rank: int,
+    held: Held | int,
+    runtime: str = "megart",
+    unfused_attention: bool = False,
+    dp_rank: int | None = None,
+) -> dict[str, float]:
+    """Bytes pipeline rank ``pp_rank`` (data-parallel rank ``dp_rank``, None: the worst) holds
+    at its peak, by part, with ``held`` (microbatch, chunk) pairs in flight (a count: all
+    between forward and backward). "activations" is what autograd saves ("saved", what
+    saved-tensor hooks see) plus the chunk outputs megart's pipeline engine keeps ("outputs"),
+    with full recomputation one layer's whole set while it is recomputed
+    ("recompute_working"), and with zero-bubble schedules what pairs between I and W keep for
+    their weight gradients ("weight_grads")."""
+    if isinstance(held, int):
+        held = Held(held)
+    cfg = c.gpt_config()
+    megatron = runtime == "megatron"
+    t, p, v, b, sp = layout.sizes()
+    rec = cfg.recompute_granularity
+    prec = precision(c, runtime)
+    per_chunk_layers = cfg.num_layers // (p * v)
+    if megatron:
+        layer_bytes = act.megatron_layer_bytes(cfg, b, t, sp, rec, unfused_attention)
+        full = act.megatron_layer_bytes(cfg, b, t, sp, None, unfused_attention)
+    else:
+        layer_bytes = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention)
+        full = act.layer_bytes(cfg, b, t, sp, None, prec, unfused_attention)
+    n = held.activations
+    saved = n * per_chunk_layers * layer_bytes
+    if pp_rank == 0:
+        saved += n * act.first_stage_bytes(cfg, b, t)
+    if pp_rank == (0 if layout.kind == "zb-v" else p - 1):  # zb-v's last stage is on rank 0
+        saved += act.last_stage_bytes(cfg, b, t, sp, prec)
+    outputs = 0.0
+    if (pp_rank < p - 1 or v > 1) and not megatron:
+        outputs = n * act.output_bytes(cfg, b, t, sp, prec)
+    working = full if rec == "full" else 0.0
+    grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec)
+    grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec)
+    state = state_bytes(
+        cfg, t, p, pp_rank, v, dp, layout.distributed_optimizer, dp_rank, layout.kind == "zb-v"
+    )
+    params = state.parameters // FP32
+    autocast = params * prec.other if prec.other < 4 and not megatron else 0
+    optimizer = float(state.optimizer)
+    if megatron:  # + fp32 main weights: 12 bytes per stepped element instead of 8
+        optimizer = float(state.optimizer) * 3 / 2
+    parts = {
+        "parameters": float(state.parameters) / (2 if megatron else 1),
+        "gradients": float(state.gradients),
+        "optimizer": optimizer,
+        "activations": saved + outputs + working + grads,
+        "autocast_copies": float(autocast),
+    }
+    parts["total"] = sum(parts.values())
+    parts.update(saved=saved, outputs=outputs, recompute_working=working, weight_grads=grads)
+    return parts
