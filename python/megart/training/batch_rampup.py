@@ -128,10 +128,3 @@ def check_rampup(config: Any, dp: int) -> None:
             f"pipeline size = {2 * pp} microbatches, but the ramp's first batch gives {first}; "
             f"start at {2 * pp * q} or more, or use zb-h1"
         )
-
-
-def learning_rate(config: Any, consumed: int) -> float:
-    """The rate of the iteration that starts after ``consumed`` samples: the schedule counted
-    in samples, in units of --global-batch-size (whole numbers, the iteration-based schedule
-    exactly, without a ramp)."""
-    return config.learning_rate(consumed / config.global_batch_size)

@@ -1,8 +1,10 @@
 """What the trainer reports: its progress and validation lines, the GPU's peak for MFU and
-TensorBoard scalars."""
+TensorBoard scalars, and where they go (RunLog)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Any
 
 import torch
@@ -145,3 +147,48 @@ def tensorboard_writer(directory: str) -> Any:
             "pip install 'megart[tensorboard]' or leave the flag out"
         ) from e
     return SummaryWriter(log_dir=directory)
+
+
+class RunLog(contextlib.ExitStack):
+    """Where a run is reported, on rank 0 only: its lines on stdout (none when ``quiet``), each
+    iteration's figures as a line of --log-jsonl and as scalars under --tensorboard-dir."""
+
+    def __init__(self, config: Any, rank0: bool, quiet: bool, cpu: bool) -> None:
+        super().__init__()
+        self.config, self.cpu = config, cpu
+        self.printing = rank0 and not quiet
+        self.jsonl = open(config.log_jsonl, "w") if config.log_jsonl and rank0 else None  # noqa: SIM115
+        if self.jsonl is not None:
+            self.callback(self.jsonl.close)
+        self.board = None
+        if config.tensorboard_dir and rank0:
+            self.board = tensorboard_writer(config.tensorboard_dir)
+            self.callback(self.board.close)
+
+    def say(self, line: str) -> None:
+        if self.printing:
+            print(line, flush=True)
+
+    def record(self, fig: dict[str, Any]) -> None:
+        """One iteration's figures: to the files, and its lines every --log-interval."""
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(fig) + "\n")
+            self.jsonl.flush()
+        if self.board is not None:
+            for tag, key in TENSORBOARD_TAGS.items():
+                if fig.get(key) is not None:
+                    self.board.add_scalar(tag, fig[key], fig["iteration"])
+        c = self.config
+        if fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1:
+            self.say(progress_line(fig, c.train_iters, self.cpu))
+        if "valid_loss" in fig:
+            self.say(validation_line(fig))
+        if "test_loss" in fig:
+            self.say(validation_line(fig, "test"))
+        if "exit" in fig:
+            self.say(f"exiting after iteration {fig['iteration']}: {fig['exit']}")
+
+    def finish(self, history: list[dict[str, Any]], seconds: float) -> None:
+        c = self.config
+        logs = ", ".join(x for x in (c.log_jsonl, c.tensorboard_dir) if x) or None
+        self.say(summary_line(history, seconds, self.cpu, c.save, logs))

@@ -10,7 +10,6 @@ AdamW. The same seed gives the same loss curve under every layout.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import time
@@ -38,15 +37,7 @@ from megart.training.config import TrainConfig
 from megart.training.data import Dataset, build_datasets
 from megart.training.flops import model_flops
 from megart.training.megatron_flags import mock_tokens
-from megart.training.reporting import (
-    TENSORBOARD_TAGS,
-    peak_flops,
-    progress_line,
-    run_description,
-    summary_line,
-    tensorboard_writer,
-    validation_line,
-)
+from megart.training.reporting import RunLog, peak_flops, run_description
 from megart.training.stopping import EarlyExit, check_finite
 
 
@@ -242,7 +233,8 @@ class Trainer:
         )
         if c.check_for_nan_in_loss_and_grad and not skipped:
             check_finite("gradient norm", grad_norm, iteration + 1)  # before the step
-        lr = batch_rampup.learning_rate(c, self.consumed)
+        # Under --rampup-batch-size the schedule runs on samples, counted in global batches.
+        lr = c.learning_rate(self.consumed / c.global_batch_size)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if not skipped:
@@ -361,41 +353,16 @@ class Trainer:
         """Runs every iteration, printing a progress line every --log-interval iterations on
         rank 0 and writing --log-jsonl and --tensorboard-dir there; returns every iteration's
         figures."""
-        c = self.config
         history = []
         rank0 = dist.get_rank() == 0
-        with contextlib.ExitStack() as stack:
-            log = stack.enter_context(open(c.log_jsonl, "w")) if c.log_jsonl and rank0 else None
-            board = tensorboard_writer(c.tensorboard_dir) if c.tensorboard_dir and rank0 else None
-            if board is not None:
-                stack.callback(board.close)
-            if not quiet and rank0:
-                print(self.describe(), flush=True)
-            cpu = self.device.type == "cpu"
+        with RunLog(self.config, rank0, quiet, self.device.type == "cpu") as log:
+            if log.printing:
+                log.say(self.describe())
             start = time.perf_counter()
             for fig in self.iterations():
                 history.append(fig)
-                if log:
-                    log.write(json.dumps(fig) + "\n")
-                    log.flush()
-                if board is not None:
-                    for tag, key in TENSORBOARD_TAGS.items():
-                        if fig.get(key) is not None:
-                            board.add_scalar(tag, fig[key], fig["iteration"])
-                if quiet or not rank0:
-                    continue
-                if fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1:
-                    print(progress_line(fig, c.train_iters, cpu), flush=True)
-                if "valid_loss" in fig:
-                    print(validation_line(fig), flush=True)
-                if "test_loss" in fig:
-                    print(validation_line(fig, "test"), flush=True)
-                if "exit" in fig:
-                    print(f"exiting after iteration {fig['iteration']}: {fig['exit']}", flush=True)
-            if not quiet and rank0:
-                seconds = time.perf_counter() - start
-                logs = ", ".join(x for x in (c.log_jsonl, c.tensorboard_dir) if x) or None
-                print(summary_line(history, seconds, cpu, c.save, logs), flush=True)
+                log.record(fig)
+            log.finish(history, time.perf_counter() - start)
         return history
 
     def describe(self) -> str:
