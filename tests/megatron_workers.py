@@ -40,9 +40,10 @@ def pending_gathers(kw: dict) -> dict:
     )
 
 
-def megatron_rate(i, lr, min_lr, w, d, style, init=0.0):
-    """Megatron-Core's OptimizerParamScheduler.get_lr after ``i`` steps (warm-up ``w``, decay
-    ``d`` steps, warm-up from ``init``): the independent reference."""
+def megatron_scheduler(lr, min_lr, w, d, style, init=0.0):
+    """Megatron-Core's OptimizerParamScheduler (warm-up ``w``, decay ``d`` steps, warm-up from
+    ``init``), the independent reference for learning rates; returns it and a function giving
+    its current rate."""
     from types import SimpleNamespace
 
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -52,5 +53,11 @@ def megatron_rate(i, lr, min_lr, w, d, style, init=0.0):
         SimpleNamespace(param_groups=groups), init, lr, min_lr, w, d, style, 0.0, 0.0, 1,
         "constant",
     )  # fmt: skip
+    return scheduler, lambda: scheduler.get_lr(groups[0])
+
+
+def megatron_rate(i, lr, min_lr, w, d, style, init=0.0):
+    """Megatron-Core's rate after ``i`` steps (see megatron_scheduler)."""
+    scheduler, rate = megatron_scheduler(lr, min_lr, w, d, style, init)
     scheduler.step(i)
-    return scheduler.get_lr(groups[0])
+    return rate()

@@ -89,20 +89,13 @@ RAMP = dict(
 def megatron_learning_rates(config, batches):
     """Megatron-Core's OptimizerParamScheduler under --train-iters: counted in samples
     (--lr-decay-iters x --global-batch-size), stepped by each iteration's batch."""
-    from types import SimpleNamespace
-
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    groups = [{}]
-    scheduler = OptimizerParamScheduler(
-        SimpleNamespace(param_groups=groups), 0.0, config.lr, config.min_lr,
-        config.lr_warmup_iters * config.global_batch_size,
+    scheduler, rate = mw.megatron_scheduler(
+        config.lr, config.min_lr, config.lr_warmup_iters * config.global_batch_size,
         config.lr_decay_iters * config.global_batch_size, config.lr_decay_style,
-        config.weight_decay, config.weight_decay, 1, "constant",
     )  # fmt: skip
     rates = []
     for batch in batches:
-        rates.append(scheduler.get_lr(groups[0]))
+        rates.append(rate())
         scheduler.step(batch)
     return rates
 
