@@ -84,7 +84,7 @@ def _expected(ref_file: Path) -> dict[str, dict[str, torch.Tensor]]:
     moments under Megatron-Core's name and shape, through the weights' mapping."""
     from megart.training.checkpoint import model_config
     from megart.training.ckpt_files import read_file
-    from megart.training.megatron_files import _names_to_megatron
+    from megart.training.megatron_files import chunk_names_to_megatron
 
     state = read_file(ref_file)
     cfg = model_config(state)
@@ -97,7 +97,7 @@ def _expected(ref_file: Path) -> dict[str, dict[str, torch.Tensor]]:
             )
         for c, sd in enumerate(per_chunk):
             assert c == 0, "one model chunk per rank here"
-            for name, value in _names_to_megatron(sd, cfg, state["layer_ids"][c]).items():
+            for name, value in chunk_names_to_megatron(sd, cfg, state["layer_ids"][c]).items():
                 out.setdefault(name, {})[key] = value
     return out
 

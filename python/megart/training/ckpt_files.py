@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +100,10 @@ def in_live_order(
     ids = [i for group in saved["param_groups"] for i in group["params"]]
     group_of = {i: g for g, group in enumerate(saved["param_groups"]) for i in group["params"]}
     index = dict(zip(saved_params, ids, strict=True))
-    numbers, start = [], 0
-    for group in optimizer.param_groups:
-        numbers.append(list(range(start, start + len(group["params"]))))
-        start += len(group["params"])
+    sizes = [len(group["params"]) for group in optimizer.param_groups]
+    numbers = [
+        list(range(start - n, start)) for n, start in zip(sizes, accumulate(sizes), strict=True)
+    ]
     place = {j: g for g, group in enumerate(numbers) for j in group}
     if (
         set(index) != set(live)

@@ -175,7 +175,10 @@ def _training_args(config: Any, cfg: GPTConfig, iteration: int, dp: int) -> argp
     return args
 
 
-def _names_to_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, layers: list[int]) -> dict:
+def chunk_names_to_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, layers: list[int]) -> dict:
+    """A model chunk's tensors (megart's names; ``layers`` its layer numbers) under
+    Megatron-Core's names and shapes; a later stage's copy of the tied embedding is its
+    ``output_layer``."""
     out = to_megatron(sd, cfg)
     if layers[0] != 0 and WORD in out:  # the tied embedding's copy: Megatron's output layer
         out[OUTPUT] = out.pop(WORD)
@@ -185,7 +188,8 @@ def _names_to_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, layers: list
 def _chunk_to_megatron(
     sd: dict[str, torch.Tensor], cfg: GPTConfig, layers: list[int]
 ) -> dict[str, torch.Tensor | None]:
-    out = with_extra_states(_names_to_megatron(sd, cfg, layers), layers[-1] == cfg.num_layers - 1)
+    last = layers[-1] == cfg.num_layers - 1
+    out = with_extra_states(chunk_names_to_megatron(sd, cfg, layers), last)
     return in_megatron_order(out)
 
 
@@ -215,7 +219,7 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
             state["optimizer_params"],
             state["model"],
             model,
-            lambda c, sd: _names_to_megatron(sd, cfg, layers[c]),
+            lambda c, sd: chunk_names_to_megatron(sd, cfg, layers[c]),
             megatron_group_keys(config.lr, config.min_lr),
         )
     if optimizer is not None and half is not None:
