@@ -5,11 +5,14 @@ and interleaving (Megatron-LM examples/sc21). ``--fit`` refits the two GEMM-effi
 each table's profile by a grid search minimising the largest relative error (prints them; the
 profiles are edited by hand).
 
-    python bench/plan_tables.py [--fit] [--torch-ddp]
+    python bench/plan_tables.py [--fit] [--torch-ddp] [--nvlink-sweep]
 
 ``--torch-ddp``: SC21's runs with p = 1 as they ran (torch DDP, the gradient all-reduce
 overlapping the last microbatch's backward) instead of the default, not overlapped; a
-sensitivity check (bench/RESULTS.md says why it is not the default).
+sensitivity check (bench/RESULTS.md says why it is not the default). ``--nvlink-sweep``: for
+the SC21 rows whose (t, p) the planner finds more than 3% slower than its choice, how far the
+paper's (t, p) is from the recommendation at other NVLink all-reduce bandwidths (the one figure
+the tensor-parallel collectives' cost rests on), the GEMM constants kept.
 """
 
 from __future__ import annotations
@@ -79,11 +82,32 @@ def fit(table: Table) -> None:
     )
 
 
+def nvlink_sweep(table: Table) -> None:
+    gpu = load_profile(table.gpu)
+    print(f"\n{table.name}: the paper's (t, p) against the recommendation, by NVLink busbw\n")
+    print("| model | busbw GB/s | paper's (t, p) slower by | recommended layout |")
+    print("|---|---|---|---|")
+    for row in table.rows:
+        rec = recommended(table, row, gpu)
+        if predicted(table, row, gpu)[1].iteration_time / rec.iteration_time - 1 <= 0.03:
+            continue  # the paper's (t, p), or within the issue's 3%
+        for busbw in (gpu.nvlink_bus_gb_per_s, 300, 400, 500, 600, 800, 1e6):
+            g = dataclasses.replace(gpu, nvlink_bus_gb_per_s=busbw)
+            paper, rec = predicted(table, row, g)[1], recommended(table, row, g)
+            gap = paper.iteration_time / rec.iteration_time - 1
+            shown = "unlimited" if busbw >= 1e6 else f"{busbw:g}"
+            print(f"| {row.name} | {shown} | {100 * gap:+.1f}% | {rec.layout.short()} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit", action="store_true")
     ap.add_argument("--torch-ddp", action="store_true")
+    ap.add_argument("--nvlink-sweep", action="store_true")
     args = ap.parse_args()
+    if args.nvlink_sweep:
+        nvlink_sweep(TABLES[0])
+        return
     for table in TABLES:
         if args.torch_ddp and table.name.startswith("SC21"):
             table = dataclasses.replace(table, dp_overlap=SINGLE_STAGE)
