@@ -51,7 +51,7 @@ def test_at_table1s_exact_layout_tflops_are_within_10_percent(row):
 # planner's model the six all-reduces per layer and microbatch (recomputation replays two) cost
 # more at t = 8 than the bubble and blocking exchanges of t = 2 or 4 with more stages. 39.1B's
 # (8, 2) cannot interleave (SC21's Megatron-LM asserted p > 2 for it), so it keeps a 1/m bubble.
-DISAGREES = {"18.4B": "+10.4%", "39.1B": "+16.6%", "145.6B": "+5.1%"}
+DISAGREES = {"18.4B": "+10.3%", "39.1B": "+16.4%", "145.6B": "+5.1%"}
 
 
 @pytest.mark.parametrize(

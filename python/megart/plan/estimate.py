@@ -262,9 +262,9 @@ def _data_parallel_seconds(
     # backward has produced it, so all but the last bucket overlap that backward.
     grad_bytes = grad_elements_bytes * grad_reduce_bytes / FP32
     dp_bw = gpu.nvlink_bus_gb_per_s if t * dp <= gpu.gpus_per_node else gpu.rail_gb_per_s
-    reduce = collective_seconds(
-        grad_bytes, dp, dp_bw, gpu, (dp - 1) / dp if dist else 2 * (dp - 1) / max(dp, 1)
-    )
+    # The distributed optimizer reduce-scatters the gradients, then all-gathers the parameters.
+    kind = "reduce_scatter" if dist else "all_reduce"
+    reduce = collective_seconds(kind, grad_bytes, dp, dp_bw, gpu)
     bucket = TORCH_DDP_BUCKET_BYTES if dp_overlap == SINGLE_STAGE else BUCKET_BYTES
     last_bucket = reduce * min(1.0, bucket / max(grad_bytes, 1.0))
     exposed = max(reduce - last_backward, last_bucket) if reduce else 0.0
@@ -272,12 +272,11 @@ def _data_parallel_seconds(
         exposed = reduce
     gather = 0.0
     if dist:
-        gather = collective_seconds(
-            grad_elements_bytes * gather_bytes / FP32, dp, dp_bw, gpu, (dp - 1) / dp
-        )
+        params = grad_elements_bytes * gather_bytes / FP32
+        gather = collective_seconds("all_gather", params, dp, dp_bw, gpu)
     tied = 0.0
     # The tied embedding's two copies: on the first and last ranks, both on rank 0 in zb-v.
     if p > 1 and not cfg.untie_embeddings_and_output_weights and layout.kind != "zb-v":
         emb = cfg.padded_vocab_size(t) // t * cfg.hidden_size * FP32 / (dp if dist else 1)
-        tied = collective_seconds(emb, 2, gpu.rail_gb_per_s, gpu, 1.0)
+        tied = collective_seconds("all_reduce", emb, 2, gpu.rail_gb_per_s, gpu)
     return exposed, gather, tied

@@ -55,14 +55,24 @@ def gemm_seconds(flops: float, gpu: GPUProfile) -> float:
     return flops / (gpu.peak_tflops * 1e12 * eff)
 
 
+# nccl-tests' busbw factors: bytes on the wire per rank over the buffer's size, for n ranks.
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+}
+
+
 def collective_seconds(
-    nbytes: float, ranks: int, bus_gb_per_s: float, gpu: GPUProfile, factor: float
+    kind: str, nbytes: float, ranks: int, bus_gb_per_s: float, gpu: GPUProfile
 ) -> float:
-    """nccl-tests' model: bytes x factor / busbw, factor 2(n-1)/n for all-reduce, (n-1)/n for
-    reduce-scatter and all-gather; plus one latency per step of the ring."""
+    """nccl-tests' model of a ring collective (``kind`` one of BUS_FACTOR's) of an ``nbytes``
+    buffer over ``ranks``: bytes x factor / busbw, plus one latency per step of the ring (an
+    all-reduce is a reduce-scatter then an all-gather: 2(n-1) steps)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    steps = 2 * (ranks - 1) if factor > 1 else ranks - 1
+    steps = (ranks - 1) * (2 if kind == "all_reduce" else 1)
+    factor = BUS_FACTOR[kind](ranks)
     return nbytes * factor / (bus_gb_per_s * 1e9) + steps * gpu.link_latency_us * 1e-6
 
 
@@ -101,9 +111,10 @@ def layer_work(
     if t > 1:
         nbytes = tokens * h * ACT
         if sp:
-            one = 2 * collective_seconds(nbytes, t, gpu.nvlink_bus_gb_per_s, gpu, (t - 1) / t)
+            pair = ("reduce_scatter", "all_gather")  # one of each per all-reduce replaced
+            one = sum(collective_seconds(k, nbytes, t, gpu.nvlink_bus_gb_per_s, gpu) for k in pair)
         else:
-            one = collective_seconds(nbytes, t, gpu.nvlink_bus_gb_per_s, gpu, 2 * (t - 1) / t)
+            one = collective_seconds("all_reduce", nbytes, t, gpu.nvlink_bus_gb_per_s, gpu)
         comm = 2 * one  # two per pass
         if tp_overlap:
             # Four halves (all-gather or reduce-scatter) per pass, each beside one product.
