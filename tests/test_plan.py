@@ -303,6 +303,28 @@ def test_bad_layouts_get_megart_trains_errors(flags, train_flags, capsys):
         raise AssertionError("megart train accepts this layout")
 
 
+def test_layouts_megarts_grid_refuses_are_not_recommended(capsys):
+    """megart's rank grid refuses a pipeline hop between nodes that changes rail (tp 2 x dp 2
+    puts stages 4 ranks apart, so a 4-stage pipeline spans two 8-GPU nodes on different
+    rails): the planner for megart's runtime neither recommends such a layout nor accepts it
+    when asked, with megart train's message; Megatron-LM's runtime has no such rule."""
+    from megart.parallel.layout import make_layout
+
+    gpu = load_profile("a100-80gb")
+    base = TrainConfig(**{**MODEL, "global_batch_size": 64})
+    for world in (16, 32, 64):
+        for e in search(base, world, gpu, keep=200):
+            make_layout(world, e.layout.tp, e.layout.pp, gpus_per_node=gpu.gpus_per_node)
+    asked = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"]
+    code = megart_main(["plan", "--gpu", "a100-80gb", "--num-gpus", "16", *BIG, *asked])
+    assert code == 2
+    with pytest.raises(ConfigError) as refused:
+        make_layout(16, 2, 4, gpus_per_node=8)
+    assert str(refused.value) in capsys.readouterr().err
+    megatron = search(base, 16, gpu, Fixed(tp=2, pp=4), runtime="megatron")
+    assert megatron and (megatron[0].layout.tp, megatron[0].layout.pp) == (2, 4)
+
+
 def test_a_model_that_fits_nowhere_says_how_much_is_missing(capsys):
     code = megart_main(
         [

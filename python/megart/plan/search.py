@@ -57,10 +57,11 @@ def _schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list
 
 
 def candidates(
-    base: TrainConfig, world: int, gpu: GPUProfile, fixed: Fixed, zero_bubble: bool = True
+    base: TrainConfig, world: int, gpu: GPUProfile, fixed: Fixed, megart: bool = True
 ) -> list[Layout]:
-    """Every layout within ``fixed`` that passes megart train's checks (zero-bubble schedules
-    only where ``zero_bubble``)."""
+    """Every layout within ``fixed`` that passes megart train's checks; ``megart``: the
+    runtime is megart's (zero-bubble schedules, and its rank grid's rule on nodes of the
+    profile's size), else Megatron-LM's."""
     heads = base.num_query_groups if base.group_query_attention else base.num_attention_heads
     # Searched tensor-parallel groups stay inside a node (t divides the node's GPUs).
     tps = [fixed.tp] if fixed.tp else [t for t in divisors(world) if gpu.gpus_per_node % t == 0]
@@ -75,7 +76,9 @@ def candidates(
             if fixed.pp is None and base.num_layers % p:
                 continue
             d = world // (t * p)
-            kinds = _schedules(fixed, p, base.num_layers, zero_bubble)
+            if megart and _grid_refuses(world, t, p, gpu.gpus_per_node):
+                continue
+            kinds = _schedules(fixed, p, base.num_layers, megart)
             bs = (
                 [fixed.micro_batch]
                 if fixed.micro_batch
@@ -102,6 +105,16 @@ def candidates(
     return out
 
 
+def _grid_refuses(world: int, t: int, p: int, gpus_per_node: int) -> bool:
+    """Whether megart's rank grid refuses (t, p) on nodes of ``gpus_per_node`` GPUs: a pipeline
+    hop between nodes that changes rail (GridLayout's rule; Megatron-LM has no such rule)."""
+    try:
+        make_layout(world, t, p, gpus_per_node=gpus_per_node)
+    except ConfigError:
+        return True
+    return False
+
+
 def search(
     base: TrainConfig,
     world: int,
@@ -113,13 +126,13 @@ def search(
     """Estimates of the layouts within ``fixed``, fastest fitting first (then those that do not
     fit, least missing memory first); ``model``: estimate()'s runtime options. Raises megart
     train's ConfigError when the fixed flags cannot run at all, NoFit when nothing fits."""
-    zero_bubble = model.get("runtime", "megart") == "megart"
-    if fixed.schedule in ZERO_BUBBLE and not zero_bubble:
+    megart = model.get("runtime", "megart") == "megart"
+    if fixed.schedule in ZERO_BUBBLE and not megart:
         raise ConfigError(
             f"--pipeline-schedule {fixed.schedule}: Megatron-LM has no zero-bubble schedule; "
             "use 1f1b or interleaved with --runtime megatron"
         )
-    layouts = candidates(base, world, gpu, fixed, zero_bubble)
+    layouts = candidates(base, world, gpu, fixed, megart)
     quick: list[Estimate] = []
     first_error: ConfigError | None = None
     for layout in layouts:
@@ -130,7 +143,7 @@ def search(
     if not quick:
         if first_error is not None:
             raise first_error
-        _explain(base, world, fixed)
+        _explain(base, world, fixed, gpu.gpus_per_node if megart else None)
         raise ConfigError(
             f"no layout of {world} GPUs runs this model with global batch "
             f"{base.global_batch_size}: check that the batch splits over data parallelism"
@@ -151,9 +164,10 @@ def search(
     return best[:keep]
 
 
-def _explain(base: TrainConfig, world: int, fixed: Fixed) -> None:
+def _explain(base: TrainConfig, world: int, fixed: Fixed, gpus_per_node: int | None) -> None:
     """Raises the error megart train gives for the fixed flags (no candidate was left): its
-    own checks first, then the layout module's, which list what would fit."""
+    own checks first, then the layout module's (on nodes of ``gpus_per_node``), which list
+    what would fit."""
     tp, pp, chunks = fixed.tp or 1, fixed.pp or 1, fixed.chunks or 1
     kind = fixed.schedule if fixed.schedule in ZERO_BUBBLE else None
     chunks = 2 if kind == "zb-v" else chunks
@@ -172,7 +186,7 @@ def _explain(base: TrainConfig, world: int, fixed: Fixed) -> None:
     layout_config(base, plain).check(world)
     groups = base.num_query_groups if base.group_query_attention else None
     check_model_fits(
-        make_layout(world, tp, pp),
+        make_layout(world, tp, pp, gpus_per_node=gpus_per_node),
         base.num_layers,
         base.num_attention_heads,
         base.vocab_size,
