@@ -272,8 +272,10 @@ class TrainConfig:
             return self.hidden_size // 24 * 64  # the same integer, without float rounding
         return self.ffn_hidden_size
 
-    def microbatches(self, dp: int) -> int:
-        return self.global_batch_size // (self.micro_batch_size * dp)
+    def microbatches(self, dp: int, batch: int | None = None) -> int:
+        """Microbatches per data-parallel rank of a global batch of ``batch`` samples (None:
+        --global-batch-size; under --rampup-batch-size an iteration's may be smaller)."""
+        return (batch or self.global_batch_size) // (self.micro_batch_size * dp)
 
     def check(self, world_size: int) -> int:
         """Refuses layouts, batch shapes and flag combinations that cannot run, naming the

@@ -212,7 +212,7 @@ class Trainer:
         c, g = self.config, self.grid
         t0 = time.perf_counter()
         batch = batch_rampup.batch_size(c, self.consumed)
-        m = batch // (c.micro_batch_size * self.dp)
+        m = c.microbatches(self.dp, batch)
         inputs, targets = self._microbatches(self.data, iteration, batch)
         self.buckets.zero_grad()
         self.buckets.start_iteration(m)
