@@ -66,6 +66,22 @@ def test_every_case_is_collected():
     assert len(COLLECTIVES) >= 9 and len(FAILURES) >= 9
 
 
+def test_standin_exports_only_nccls_c_api(standin):
+    """As libnccl.so exports only NCCL's C functions, so does the stand-in (besides its own
+    megartStandin controls): the transport can bind nothing else of it by accident."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("needs binutils' nm")
+    table = subprocess.run(
+        [nm, "-D", "--defined-only", str(standin / "libnccl_standin.so")],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    exported = {line.split()[-1] for line in table.splitlines() if line.strip()}
+    assert {"ncclCommInitRank", "ncclAllReduce", "ncclGroupEnd"} <= exported
+    others = sorted(s for s in exported if not s.startswith(("nccl", "megartStandin")))
+    assert not others, others
+
+
 @pytest.mark.parametrize("case", COLLECTIVES + [c for c in FAILURES if "ends_the" not in c])
 def test_standin_case(standin, case):
     done, _ = _run(standin, [case], MEGART_NCCL_WATCHDOG="0")
