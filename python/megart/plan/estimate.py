@@ -83,28 +83,7 @@ def estimate(
     ``dp_overlap`` "single-stage": overlapped only when p = 1 (SINGLE_STAGE). A runtime that
     interleaves only from ``interleaved_min_pp`` stages (SC21's Megatron-LM: 3) refuses
     interleaved layouts on fewer with ConfigError."""
-    if runtime not in RUNTIMES:
-        raise ConfigError(f"runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
-    if dp_overlap not in (True, False, SINGLE_STAGE):
-        raise ConfigError(f"dp_overlap {dp_overlap!r}; use True, False or {SINGLE_STAGE!r}")
-    megatron = runtime == "megatron"
-    if layout.kind == "interleaved" and layout.pp < interleaved_min_pp:
-        # Megatron-LM's arguments.py asserted p > 2 from 182841f7df (2021) to 3ee489d9ea (2024).
-        raise ConfigError(
-            f"--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size "
-            f">= {interleaved_min_pp} in this runtime, not {layout.pp}"
-        )
-    if megatron and layout.kind in ZERO_BUBBLE:
-        raise ConfigError(
-            f"--pipeline-schedule {layout.kind}: Megatron-LM has no zero-bubble schedule; "
-            "use 1f1b or interleaved with --runtime megatron"
-        )
-    want = {"zb-h1": 1, "zb-v": 2}.get(layout.kind)
-    if want is not None and layout.chunks != want:
-        raise ConfigError(
-            f"--pipeline-schedule {layout.kind} runs {want} model chunk(s) per rank, "
-            f"not {layout.chunks}"
-        )
+    _check_runtime(layout, runtime, dp_overlap, interleaved_min_pp)
     c = layout_config(base, layout)
     world = layout.tp * layout.pp * layout.dp
     dp = c.check(world)
@@ -122,10 +101,124 @@ def estimate(
         tp_gpu = dataclasses.replace(gpu, nvlink_bus_gb_per_s=gpu.rail_gb_per_s)
     per_layer = layer_work(cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap)
     stage = per_layer * (cfg.num_layers / p) + logits_work(cfg, b, t, gpu)
+    run = _pipeline_run(c, cfg, layout, dp, gpu, stage, prec.residual, m, simulate, pp_overlap)
+    worst = _worst_rank_memory(c, cfg, layout, dp, run, runtime, unfused_attention)
+    worst_rank_params = worst["gradients"]
+    worst["allowance"] = gpu.memory_gib * GIB - gpu.usable_bytes
+
+    dp_exposed, gather, tied = _data_parallel_seconds(
+        cfg,
+        layout,
+        dp,
+        gpu,
+        float(worst_rank_params),
+        run.stage.backward,
+        runtime,
+        dp_overlap,
+        grad_reduce_bytes,
+    )
+    dist = layout.distributed_optimizer
+    stepped = float(worst_rank_params) / FP32 / (dp if dist else 1)
+    optimizer = stepped * ADAM_BYTES / (gpu.hbm_gb_per_s * 1e9)
+    bubble, compute_only = run.bubble, run.compute_only
+    pipeline_comm = run.makespan - compute_only * (1 + bubble) if p > 1 else 0.0
+    tp_comm = m * run.stage.tp_comm
+    time = {
+        "compute": compute_only - tp_comm,
+        "tp_comm": tp_comm,
+        "bubble": compute_only * bubble,
+        "pp_comm": max(0.0, pipeline_comm),
+        "dp_comm": dp_exposed + gather + tied,
+        "optimizer": optimizer,
+    }
+    time["iteration"] = run.makespan + dp_exposed + gather + tied + optimizer
+    # The paper's count (the whole s x s attention), as SC21's and Megatron-Core's published
+    # tables were counted; megart train prints Megatron's current, causal count.
+    flops_run = model_flops(cfg, c.global_batch_size, recompute=rec == "full", causal=False)
+    flops_model = model_flops(cfg, c.global_batch_size, causal=False)
+    tflops = flops_run / time["iteration"] / world / 1e12
+    model_tflops = flops_model / time["iteration"] / world / 1e12
+    missing = worst["total"] - gpu.usable_bytes
+    return Estimate(
+        layout=dataclasses.replace(layout, dp=dp),
+        num_layers=cfg.num_layers,
+        microbatches=m,
+        memory=worst,
+        time=time,
+        bubble_fraction=bubble,
+        fits=missing <= 0,
+        missing_bytes=max(0.0, missing),
+        tflops_per_gpu=tflops,
+        model_tflops_per_gpu=model_tflops,
+        mfu=model_tflops / gpu.peak_tflops,
+        simulated=run.plan is not None,
+        peak_in_flight=list(run.in_flight),
+        held_for_weights=[h.weight_grads for h in run.held],
+        stage=run.stage,
+    )
+
+
+def _check_runtime(
+    layout: Layout, runtime: str, dp_overlap: bool | str, interleaved_min_pp: int
+) -> None:
+    """What the runtime cannot run, refused before any estimate (megart train's own checks
+    follow in layout_config's TrainConfig)."""
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
+    if dp_overlap not in (True, False, SINGLE_STAGE):
+        raise ConfigError(f"dp_overlap {dp_overlap!r}; use True, False or {SINGLE_STAGE!r}")
+    if layout.kind == "interleaved" and layout.pp < interleaved_min_pp:
+        # Megatron-LM's arguments.py asserted p > 2 from 182841f7df (2021) to 3ee489d9ea (2024).
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size "
+            f">= {interleaved_min_pp} in this runtime, not {layout.pp}"
+        )
+    if runtime == "megatron" and layout.kind in ZERO_BUBBLE:
+        raise ConfigError(
+            f"--pipeline-schedule {layout.kind}: Megatron-LM has no zero-bubble schedule; "
+            "use 1f1b or interleaved with --runtime megatron"
+        )
+    want = {"zb-h1": 1, "zb-v": 2}.get(layout.kind)
+    if want is not None and layout.chunks != want:
+        raise ConfigError(
+            f"--pipeline-schedule {layout.kind} runs {want} model chunk(s) per rank, "
+            f"not {layout.chunks}"
+        )
+
+
+@dataclass
+class _PipelineRun:
+    """One iteration's schedule on the slowest stage."""
+
+    stage: Work  # one microbatch through it, blocking exchanges included
+    makespan: float
+    bubble: float
+    compute_only: float  # m x (forward + backward), without blocking exchanges
+    in_flight: list[int]  # per rank, (microbatch, chunk) pairs held at its peak
+    held: list[Held]  # the same, split into F-to-I and I-to-W pairs
+    plan: sched.Schedule | None = None  # the simulated schedule, where one was simulated
+
+
+def _pipeline_run(
+    c: TrainConfig,
+    cfg: GPTConfig,
+    layout: Layout,
+    dp: int,
+    gpu: GPUProfile,
+    stage: Work,
+    residual_bytes: int,
+    m: int,
+    simulate: bool,
+    pp_overlap: bool,
+) -> _PipelineRun:
+    """The schedule's makespan and bubble with ``stage``'s costs, by megart's simulator (or
+    theory when ``simulate`` is False and the schedule has a closed form), its messages over
+    NVLink or a rail."""
+    t, p, v, b, sp = layout.sizes()
     # Pipeline messages: the fp32 residual stream, 1/t of it with scatter/gather or
     # sequence parallelism; over a rail when consecutive stages sit on different nodes.
     scatter = sp or c.scatter_gather_tensors_in_pipeline
-    message = cfg.seq_length * b * cfg.hidden_size * prec.residual / (t if scatter else 1)
+    message = cfg.seq_length * b * cfg.hidden_size * residual_bytes / (t if scatter else 1)
     cross_node = t * dp >= gpu.gpus_per_node
     link_bw = (gpu.rail_gb_per_s if cross_node else gpu.nvlink_bus_gb_per_s) * 1e9
     latency = gpu.link_latency_us * 1e-6
@@ -140,6 +233,7 @@ def estimate(
         stage = stage + Work(blocking, blocking, 0.0)
         latency, message = 0.0, 0.0
     zero_bubble = p > 1 and kind in ZERO_BUBBLE
+    plan = None
     if p > 1 and (simulate or zero_bubble):
         # Zero-bubble schedules are always simulated: their bubble has a closed form only
         # with equal F, I and W times.
@@ -163,12 +257,28 @@ def estimate(
         in_flight = theory_in_flight(p, m, v)
     # Blocking exchanges count as pipeline communication, with their share of the bubble.
     compute_only = m * (stage.forward + stage.backward - 2 * blocking)
+    held = [Held(n) for n in in_flight]
+    return _PipelineRun(stage, makespan, bubble, compute_only, in_flight, held, plan)
 
-    # Memory of the worst pipeline rank. Under zero-bubble schedules pairs between I and W
-    # keep other tensors than pairs between F and I: the rank's compute order says how many
-    # of each it holds at its largest.
-    held: list[Held] = [Held(n) for n in in_flight]
-    if zero_bubble:
+
+def _worst_rank_memory(
+    c: TrainConfig,
+    cfg: GPTConfig,
+    layout: Layout,
+    dp: int,
+    run: _PipelineRun,
+    runtime: str,
+    unfused_attention: bool,
+) -> dict[str, float]:
+    """Memory by part of the pipeline rank that holds the most (the first, the second or the
+    last: embedding, most in flight, output layer). Under zero-bubble schedules pairs between
+    I and W keep other tensors than pairs between F and I: the rank's compute order says how
+    many of each it holds at its largest (``run.held`` is replaced by that split)."""
+    t, p, v, b, sp = layout.sizes()
+    prec = precision(c, runtime)
+    if p > 1 and layout.kind in ZERO_BUBBLE:
+        assert run.plan is not None
+        rec = cfg.recompute_granularity
         layers = cfg.num_layers // (p * v)
         per_pair = layers * act.layer_bytes(
             cfg, b, t, sp, rec, prec, unfused_attention
@@ -177,67 +287,17 @@ def estimate(
         out_grads = act.output_weight_grad_bytes(cfg, b, t, prec)
         last = p * v - 1
         costs = [
-            [grads + (out_grads if plan.virtual_stage(r, k) == last else 0) for k in range(v)]
+            [grads + (out_grads if run.plan.virtual_stage(r, k) == last else 0) for k in range(v)]
             for r in range(p)
         ]
-        held = peaks(plan, per_pair, costs)
+        run.held = peaks(run.plan, per_pair, costs)
     worst: dict[str, float] | None = None
     for r in sorted({0, min(1, p - 1), p - 1}):
-        parts = rank_memory(c, layout, dp, r, held[r], runtime, unfused_attention)
+        parts = rank_memory(c, layout, dp, r, run.held[r], runtime, unfused_attention)
         if worst is None or parts["total"] > worst["total"]:
             worst = parts
     assert worst is not None
-    worst_rank_params = worst["gradients"]
-    worst["allowance"] = gpu.memory_gib * GIB - gpu.usable_bytes
-
-    dp_exposed, gather, tied = _data_parallel_seconds(
-        cfg,
-        layout,
-        dp,
-        gpu,
-        float(worst_rank_params),
-        stage.backward,
-        runtime,
-        dp_overlap,
-        grad_reduce_bytes,
-    )
-    dist = layout.distributed_optimizer
-    stepped = float(worst_rank_params) / FP32 / (dp if dist else 1)
-    optimizer = stepped * ADAM_BYTES / (gpu.hbm_gb_per_s * 1e9)
-    pipeline_comm = makespan - compute_only * (1 + bubble) if p > 1 else 0.0
-    time = {
-        "compute": compute_only - m * stage.tp_comm,
-        "tp_comm": m * stage.tp_comm,
-        "bubble": compute_only * bubble,
-        "pp_comm": max(0.0, pipeline_comm),
-        "dp_comm": dp_exposed + gather + tied,
-        "optimizer": optimizer,
-    }
-    time["iteration"] = makespan + dp_exposed + gather + tied + optimizer
-    # The paper's count (the whole s x s attention), as SC21's and Megatron-Core's published
-    # tables were counted; megart train prints Megatron's current, causal count.
-    flops_run = model_flops(cfg, c.global_batch_size, recompute=rec == "full", causal=False)
-    flops_model = model_flops(cfg, c.global_batch_size, causal=False)
-    tflops = flops_run / time["iteration"] / world / 1e12
-    model_tflops = flops_model / time["iteration"] / world / 1e12
-    missing = worst["total"] - gpu.usable_bytes
-    return Estimate(
-        layout=dataclasses.replace(layout, dp=dp),
-        num_layers=cfg.num_layers,
-        microbatches=m,
-        memory=worst,
-        time=time,
-        bubble_fraction=bubble,
-        fits=missing <= 0,
-        missing_bytes=max(0.0, missing),
-        tflops_per_gpu=tflops,
-        model_tflops_per_gpu=model_tflops,
-        mfu=model_tflops / gpu.peak_tflops,
-        simulated=(simulate or zero_bubble) and p > 1,
-        peak_in_flight=list(in_flight),
-        held_for_weights=[h.weight_grads for h in held],
-        stage=stage,
-    )
+    return worst
 
 
 def _data_parallel_seconds(
