@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from megart.errors import ConfigError, MegartError
 from megart.training.config import CHOICES, TrainConfig
+from megart.training.megatron_flags import NOT_YET
 
 # Other names Megatron-LM has used for a flag.
 ALIASES = {"layernorm_epsilon": ["--norm-epsilon"]}
@@ -161,6 +162,33 @@ HELP = {
     "mask: the same as its per-microbatch means)",
     "context_parallel_size": "context parallelism (megart: only 1)",
     "expert_model_parallel_size": "expert parallelism (megart: only 1)",
+    "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
+    "GPTModel: megart's model and checkpoint names are that model's)",
+    "rotary_percent": "the part of each head rope rotates (megart: only 1.0, the whole head)",
+    "data_cache_path": "accepted: where Megatron caches its dataset indices; megart draws "
+    "samples as a function of the seed and iteration and builds no index files",
+    "tiktoken_pattern": "TikTokenizer's pattern (v1 or v2): accepted; megart takes no "
+    "TikTokenizer, so it changes nothing",
+    "manual_gc": "turn Python's automatic garbage collector off for the run and collect at "
+    "chosen points instead (the same points on every rank)",
+    "manual_gc_interval": "with --manual-gc: collect every N iterations (0: never between "
+    "iterations)",
+    "manual_gc_eval": "with --manual-gc: no collection before and after each evaluation",
+    "empty_unused_memory_level": "return cached CUDA memory: 1 after each forward and "
+    "backward (and evaluation batch), 2 also after each optimizer step (nothing to return on "
+    "CPU)",
+    "profile": "profile iterations --profile-step-start to --profile-step-end: with "
+    "--use-pytorch-profiler torch's profiler, else a CUDA profiler range for nsys "
+    "(--capture-range=cudaProfilerApi; needs a GPU)",
+    "profile_step_start": "the iteration count at which profiling starts",
+    "profile_step_end": "the iteration count at which profiling stops",
+    "use_pytorch_profiler": "with --profile: torch's profiler, its Chrome trace in "
+    "--tensorboard-dir/../torch_profile/rank-N.json.gz (as Megatron-LM writes it)",
+    "profile_ranks": "global ranks to profile (default: every rank)",
+    "pytorch_profiler_collect_shapes": "with --use-pytorch-profiler: record the operators' "
+    "input shapes",
+    "pytorch_profiler_collect_callstack": "with --use-pytorch-profiler: record the Python "
+    "call stacks",
     "check_for_nan_in_loss_and_grad": "do not stop the run when the loss or gradient norm is "
     "not finite",  # its flag is --no-... (see below)
     "distributed_timeout_minutes": "every wait on another rank (rendezvous, group creation, "
@@ -220,6 +248,10 @@ class FlagParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         hints = []
         if message.startswith("unrecognized arguments:"):
+            words = [w.split("=")[0] for w in message.split(":", 1)[1].split()]
+            refused = [f"{w}: {NOT_YET[w]}" for w in dict.fromkeys(words) if w in NOT_YET]
+            if refused:  # Megatron's flags that megart cannot honour: each named, with why
+                raise ConfigError("; ".join(refused))
             flags = [a for a in self._option_string_actions if a.startswith("--")]
             for word in message.split(":", 1)[1].split():
                 close = difflib.get_close_matches(word.split("=")[0], flags, n=1)

@@ -32,6 +32,8 @@ CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "tokenizer_type": TOKENIZER_TYPES,
     "ckpt_format": CKPT_FORMATS,
+    "empty_unused_memory_level": (0, 1, 2),
+    "tiktoken_pattern": ("v1", "v2"),
 }
 
 
@@ -139,6 +141,22 @@ class TrainConfig:
     calculate_per_token_loss: bool = False
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
+    rotary_percent: float = 1.0  # the part of each head rope turns (megart: all of it)
+    data_cache_path: str | None = None  # where Megatron caches dataset indices (megart: none)
+    tiktoken_pattern: str | None = None  # TikTokenizer's (not a tokenizer megart takes)
+    # What Megatron-LM does around each iteration besides training (megart.training.housekeeping).
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
+    manual_gc_eval: bool = True
+    empty_unused_memory_level: int = 0
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    use_pytorch_profiler: bool = False
+    profile_ranks: list[int] | None = None  # None: every rank
+    pytorch_profiler_collect_shapes: bool = False
+    pytorch_profiler_collect_callstack: bool = False
     # Validation, as Megatron-LM: --split weights carve the corpus into consecutive train,
     # validation and test ranges; every --eval-interval iterations and after the last, the
     # loss over --eval-iters global batches of the validation range (0: no evaluation), and

@@ -37,6 +37,18 @@ What each does in megart:
   the per-token mean over the global batch equals the mean of the per-microbatch means that
   megart computes: the gradients are the same.
 - --context-parallel-size, --expert-model-parallel-size: only 1 (refused otherwise).
+- --use-mcore-models: deprecated in Megatron-LM, where Megatron-Core's GPTModel is the only GPT;
+  megart's model and its Megatron checkpoints are that model's, so the switch holds already.
+- --rotary-percent: only 1.0 (rope turns the whole head; partial rotary is refused).
+- --data-cache-path: where Megatron writes its datasets' index files; megart draws samples as a
+  function of the seed and iteration and writes none, so there is nothing to put there.
+- --tiktoken-pattern: an option of TikTokenizer, which megart does not take (--tokenizer-type
+  refuses it), so it changes nothing, as in Megatron with any other tokenizer.
+- --manual-gc, --manual-gc-interval, --no-manual-gc-eval, --empty-unused-memory-level,
+  --profile, --profile-step-start, --profile-step-end, --use-pytorch-profiler, --profile-ranks,
+  --pytorch-profiler-collect-shapes, --pytorch-profiler-collect-callstack: what Megatron-LM
+  does around each iteration, done at the same points (megart.training.housekeeping).
+- NOT_YET: Megatron flags megart has no capability for; the command line refuses each by name.
 """
 
 from __future__ import annotations
@@ -53,6 +65,36 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 CKPT_FORMATS = ("megart", "torch", "torch_dist")
 MOCK_TOKENS = 1 << 20  # tokens of --mock-data's corpus
+_FP8 = (
+    "megart has no FP8 training (Transformer Engine's): train with --bf16 and leave the fp8 "
+    "flags out"
+)
+# Megatron-LM flags (of its GPT and Llama example scripts and their neighbours) that megart
+# cannot honour yet: refused by name, with what to do instead.
+NOT_YET = {
+    "--apply-layernorm-1p": "megart's norms use their weight as it is (no zero-centred gamma "
+    "with weight + 1); leave it out",
+    "--decoupled-lr": "megart steps every parameter at one learning rate (no separate rate for "
+    "the embedding and output layer); leave it out",
+    "--decoupled-min-lr": "megart steps every parameter at one learning rate; leave it out",
+    "--grad-reduce-in-bf16": "megart reduces gradients in fp32 (Megatron's default); leave it out",
+    "--use-rope-scaling": "megart's rope has no Llama 3.1 frequency scaling; leave it out",
+    "--rotary-seq-len-interpolation-factor": "megart's rope has no position interpolation; "
+    "leave it out",
+    **{
+        f"--fp8-{name}": _FP8
+        for name in (
+            "format",
+            "recipe",
+            "margin",
+            "amax-history-len",
+            "amax-compute-algo",
+            "param-gather",
+            "interval",
+            "wgrad",
+        )  # fmt: skip
+    },
+}
 
 
 def tokenizer_vocab_size(config: Any) -> int | None:
@@ -138,6 +180,12 @@ def check_megatron_flags(config: Any) -> None:
             f"--kv-channels {config.kv_channels}: megart's head size is --hidden-size {h} / "
             f"--num-attention-heads {heads}; leave it out or give {h // max(1, heads)}"
         )
+    if config.rotary_percent != 1.0:
+        raise ConfigError(
+            f"--rotary-percent {config.rotary_percent}: megart's rope turns the whole head; "
+            "use 1.0 (the default)"
+        )
+    _check_housekeeping(config)
     if config.rotary_base < 1:
         raise ConfigError(f"--rotary-base {config.rotary_base} must be at least 1")
     if config.num_workers < 0:
@@ -149,6 +197,31 @@ def check_megatron_flags(config: Any) -> None:
         raise ConfigError(
             "--overlap-param-gather overlaps the distributed optimizer's all-gather: add "
             "--use-distributed-optimizer (as Megatron-LM requires)"
+        )
+
+
+def _check_housekeeping(config: Any) -> None:
+    if config.manual_gc_interval < 0:
+        raise ConfigError(f"--manual-gc-interval {config.manual_gc_interval} must be at least 0")
+    if not config.profile:
+        return
+    start, end = config.profile_step_start, config.profile_step_end
+    if not 0 <= start < end:
+        raise ConfigError(
+            f"--profile-step-start {start} and --profile-step-end {end}: profiling runs from "
+            "the first count to the second, so give 0 <= start < end"
+        )
+    if config.use_pytorch_profiler and not config.tensorboard_dir:
+        raise ConfigError(
+            "--use-pytorch-profiler writes its trace beside --tensorboard-dir "
+            "(DIR/../torch_profile, as Megatron-LM): give --tensorboard-dir"
+        )
+    import torch
+
+    if not config.use_pytorch_profiler and not torch.cuda.is_available():
+        raise ConfigError(
+            "--profile without --use-pytorch-profiler opens a CUDA profiler range for nsys "
+            "and needs a CUDA GPU; on CPU add --use-pytorch-profiler (torch's profiler)"
         )
 
 

@@ -36,6 +36,7 @@ from megart.training import optimizer as optim
 from megart.training.config import TrainConfig
 from megart.training.data import Dataset, build_datasets
 from megart.training.flops import model_flops
+from megart.training.housekeeping import Housekeeping
 from megart.training.megatron_flags import mock_tokens
 from megart.training.reporting import RunLog, peak_flops, run_description
 from megart.training.stopping import EarlyExit, check_finite
@@ -66,6 +67,7 @@ class Trainer:
             if (torch.cuda.is_available())
             else torch.device("cpu")
         )
+        self.chores = Housekeeping(c, self.device, dist.get_rank())
         self.model_config = c.gpt_config()
         self.rng = RNGStatesTracker()
         # The replicated stream differs per pipeline stage (different layers), the
@@ -222,6 +224,7 @@ class Trainer:
             # Each microbatch's loss is divided by m: the gradient is the batch mean's.
             losses = self.engine_for(m).run(inputs, targets, self._loss_fn, scale)
         self.buckets.finish()
+        self.chores.after_forward_backward()
         for chunk in self.chunks:
             sync_sequence_parallel_grads(chunk, g.tp_group)
         optim.share_embedding_grads(self.chunks, g, c.pp, self.buckets)
@@ -239,6 +242,7 @@ class Trainer:
             group["lr"] = lr
         if not skipped:
             self.optimizer.step()
+        self.chores.after_optimizer_step()
         # The global-batch mean loss: the last stage has it, averaged over data parallelism.
         figures = torch.tensor(
             [
@@ -298,6 +302,7 @@ class Trainer:
                 with self._autocast():
                     losses = self.engine.evaluate(inputs, targets, self._loss_fn)
                 total += sum(x.item() for x in losses) / self.m
+                self.chores.after_evaluation_batch()
         finally:
             for chunk in self.chunks:
                 chunk.train()
@@ -320,15 +325,19 @@ class Trainer:
         first) as --exit-interval, --exit-duration-in-mins or --exit-signal-handler say, with
         ``exit`` (why) in the last figures."""
         c = self.config
-        with EarlyExit(c, self.device).installed() as early:
+        with EarlyExit(c, self.device).installed() as early, self.chores.running():
             for it in range(self.start_iteration, c.train_iters):
+                self.chores.before_iteration(it)
                 figures = self.train_step(it)
                 done = it + 1
+                self.chores.after_iteration(done)
                 last = done == c.train_iters
                 if self.valid is not None and (done % c.eval_interval == 0 or last):
-                    figures.update(self._loss_and_ppl("valid", self.valid))
+                    with self.chores.evaluating():
+                        figures.update(self._loss_and_ppl("valid", self.valid))
                 if self.test is not None and last:
-                    figures.update(self._loss_and_ppl("test", self.test))
+                    with self.chores.evaluating():
+                        figures.update(self._loss_and_ppl("test", self.test))
                 stop = None if last else early.reason(done)
                 # As Megatron, a checkpoint also before each change of the ramp's batch.
                 grows = batch_rampup.batch_size(c, self.consumed) != figures["global_batch_size"]
