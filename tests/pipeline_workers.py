@@ -109,3 +109,42 @@ def data_parallel_grads(m: int, bucket_bytes: int):
         (loss_fn(h, y) / m).backward()
     buckets.finish()
     return {n: p.grad.clone() for n, p in model.named_parameters()}, len(buckets.buckets)
+
+
+def bf16_wire_buckets(shard: bool) -> dict:
+    """Two microbatches of this rank's data through GradientBuckets with reduce_dtype bf16
+    (reduced after backward, so each buffer still holds this rank's own mean until finish):
+    per bucket the buffer before and after, this rank's slice of it, and the dtypes that went
+    over the wire."""
+    from megart.training.grad_sync import GradientBuckets
+
+    dist.init(timeout=60)
+    rank, m = dist.get_rank(), 2
+    model = full_model()
+    buckets = GradientBuckets(list(model.parameters()), dist.new_group(), 700, overlap=False,
+                              shard=shard, reduce_dtype=torch.bfloat16)  # fmt: skip
+    wire = []
+    for name in ("all_reduce", "reduce_scatter_tensor"):
+        real = getattr(dist, name)
+
+        def recording(tensor, *args, _real=real, **kw):
+            wire.append(tensor.dtype)
+            return _real(tensor, *args, **kw)
+
+        setattr(dist, name, recording)
+    xs, ys = data(m * dist.get_world_size())
+    buckets.zero_grad()
+    buckets.start_iteration(m)
+    for x, y in zip(xs[rank * m : (rank + 1) * m], ys[rank * m : (rank + 1) * m], strict=True):
+        h = x
+        for layer in model:
+            h = layer(h)
+        (loss_fn(h, y) / m).backward()
+    before = [b.buffer.clone() for b in buckets.buckets]
+    buckets.finish()
+    return dict(
+        before=before,
+        after=[b.buffer.clone() for b in buckets.buckets],
+        ranges=[buckets.shard_range(b) for b in buckets.buckets],
+        wire=wire,
+    )

@@ -43,8 +43,7 @@ LLAMA3 = """
 --tensorboard-dir {board}
 """
 # What megart cannot do of it: refused together, each by name.
-LLAMA3_REFUSED = ["--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr",
-                  "--grad-reduce-in-bf16"]  # fmt: skip
+LLAMA3_REFUSED = ["--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr"]
 
 
 def _llama3(tmp_path, drop=(), replace=None) -> list[str]:
@@ -70,7 +69,8 @@ def test_the_llama3_example_is_refused_naming_what_megart_cannot_do(tmp_path):
 
 
 def test_the_llama3_example_runs_without_what_megart_cannot_do(tmp_path):
-    """On two data-parallel ranks (the distributed optimizer with both overlaps), its refused
+    """On two data-parallel ranks (the distributed optimizer with both overlaps, gradients
+    reduced in bf16), its refused
     flags left out, --ckpt-format torch for torch_dist, and on this CPU torch's profiler (the
     script's --profile opens an nsys range, which needs a GPU)."""
     on_cpu = {"torch_dist": "torch", "--profile ": "--profile --use-pytorch-profiler "}
@@ -92,6 +92,8 @@ def test_refused_flags_are_named_with_what_to_do():
     assert status == 2 and out.count("train with --bf16") == 2, out
     with pytest.raises(ConfigError, match="--rotary-percent 0.5: .*use 1.0"):
         tw.tiny(rotary_percent=0.5).check(1)
+    with pytest.raises(ConfigError, match="--grad-reduce-in-bf16 .*add --bf16"):
+        tw.tiny(grad_reduce_in_bf16=True).check(1)
     with pytest.raises(ConfigError, match="--manual-gc-interval -1"):
         tw.tiny(manual_gc_interval=-1).check(1)
     with pytest.raises(ConfigError, match="give 0 <= start < end"):

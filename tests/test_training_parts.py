@@ -55,3 +55,25 @@ def test_builtin_corpus_is_deterministic_and_batches_are_a_function_of_the_itera
     x2, y2 = ds.global_batch(seed=3, iteration=7, size=4)
     assert torch.equal(x1, x2) and torch.equal(x1[:, 1:], y1[:, :-1])
     assert not torch.equal(x1, ds.global_batch(seed=3, iteration=8, size=4)[0])
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_gradients_reduced_in_bf16_are_the_average_of_bf16_copies(shard):
+    """--grad-reduce-in-bf16: each rank's sums go over the wire as bf16 and the average comes
+    back into the buffer of the parameters' dtype (this rank's slice of it with the
+    distributed optimizer): bf16 rounding of the inputs and of the result, nothing more."""
+    ranks = launch(pw.bf16_wire_buckets, 2, shard, timeout=120)
+    bf16 = torch.bfloat16
+    for r in ranks:
+        assert r["wire"] and set(r["wire"]) == {bf16}
+        for k, (start, end) in enumerate(r["ranges"]):
+            inputs = [q["before"][k][start:end].to(bf16).double() for q in ranks]
+            want = (sum(inputs) / 2).to(bf16).double()
+            got = r["after"][k][start:end]
+            assert got.dtype == r["before"][k].dtype  # the buffer keeps its dtype
+            # Within one bf16 rounding of the mean of the rounded inputs (the transport may
+            # round its sum once more): 2^-8 relative.
+            torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-30)
+    exact = (ranks[0]["before"][0] + ranks[1]["before"][0]) / 2
+    start, end = ranks[0]["ranges"][0]
+    assert not torch.equal(ranks[0]["after"][0][start:end], exact[start:end])  # bf16 was used

@@ -153,6 +153,8 @@ HELP = {
     "runs",  # its flag is --no-...; --overlap-grad-reduce (megart's default) is accepted too
     "overlap_param_gather": "with --use-distributed-optimizer: each bucket's parameter "
     "all-gather finishes just before the next forward first uses it",
+    "grad_reduce_in_bf16": "with --bf16: average the gradients over data parallelism in bf16 "
+    "(half the bytes; megart still accumulates microbatches in fp32)",
     "log_throughput": "accepted: megart's progress line always has TFLOP/s per GPU "
     "(Megatron's count)",
     "ckpt_format": "megart (megart's checkpoint); torch (Megatron-LM's legacy layout: model, "

@@ -136,6 +136,7 @@ class TrainConfig:
     # reduces every bucket after backward.
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
+    grad_reduce_in_bf16: bool = False  # with --bf16: buckets travel in bf16 (grad_sync)
     log_throughput: bool = False
     ckpt_format: str = "megart"
     calculate_per_token_loss: bool = False

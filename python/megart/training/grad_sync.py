@@ -5,6 +5,11 @@ parameter order, the order backward produces them. A bucket is reduced as soon a
 its parameters has received its last gradient of the iteration (``expected`` backward passes
 each, one per microbatch), while backward goes on with earlier layers.
 
+With ``reduce_dtype`` (--grad-reduce-in-bf16) a bucket travels in that dtype: its sums are
+rounded into a buffer of that dtype, reduced there, and copied back, so the bytes on the wire
+halve; megart keeps accumulating the microbatches' gradients in the parameters' dtype (fp32),
+where Megatron-LM's bf16 gradient buffer accumulates them in bf16 too.
+
 Two reductions: an all-reduce leaves the average in every rank's whole buffer (each rank then
 steps every parameter); with ``shard`` a reduce-scatter leaves it only in this rank's 1/dp
 slice of each buffer (the distributed optimizer steps that slice alone, ZeRO stage 1). The rest
@@ -26,12 +31,17 @@ class _Bucket:
     starts in it; the buffer is padded to a multiple of ``parts`` elements so that it splits
     into equal shards."""
 
-    def __init__(self, params: list[torch.nn.Parameter], parts: int) -> None:
+    def __init__(
+        self, params: list[torch.nn.Parameter], parts: int, wire: torch.dtype | None = None
+    ) -> None:
         self.params = params
         dtype, device = params[0].dtype, params[0].device
         numel = sum(p.numel() for p in params)
         padded = -(-numel // parts) * parts
         self.buffer = torch.zeros(padded, dtype=dtype, device=device)
+        # What is reduced: the buffer itself, or its copy in the wire dtype.
+        low = wire is not None and wire != dtype
+        self.reduced = torch.empty(padded, dtype=wire, device=device) if low else self.buffer
         self.pending = len(params)
         self.work: dist.Work | None = None
         self.offsets: list[int] = []
@@ -66,6 +76,7 @@ class GradientBuckets:
         overlap: bool = True,
         shard: bool = False,
         alone: Collection[torch.nn.Parameter] = (),
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.group = dp_group
         self.overlap = overlap
@@ -84,12 +95,12 @@ class GradientBuckets:
                 or id(p) in lone
                 or id(current[0]) in lone
             ):
-                self.buckets.append(_Bucket(current, self.parts))
+                self.buckets.append(_Bucket(current, self.parts, reduce_dtype))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
         if current:
-            self.buckets.append(_Bucket(current, self.parts))
+            self.buckets.append(_Bucket(current, self.parts, reduce_dtype))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._seen: dict[int, int] = {}
         self._expected = 0
@@ -117,12 +128,14 @@ class GradientBuckets:
             b.pending, b.work = len(b.params), None
 
     def _reduce(self, b: _Bucket) -> dist.Work:
+        if b.reduced is not b.buffer:
+            b.reduced.copy_(b.buffer)
         if not self.shard:
-            return dist.all_reduce(b.buffer, op="avg", group=self.group, async_op=True)
+            return dist.all_reduce(b.reduced, op="avg", group=self.group, async_op=True)
         start, end = self.shard_range(b)
         # In place: this rank's slice of the input is the output, as NCCL allows.
         return dist.reduce_scatter_tensor(
-            b.buffer[start:end], b.buffer, op="avg", group=self.group, async_op=True
+            b.reduced[start:end], b.reduced, op="avg", group=self.group, async_op=True
         )
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
@@ -146,6 +159,9 @@ class GradientBuckets:
         for b in self.buckets:
             b.work.wait()
             b.work = None
+            if b.reduced is not b.buffer:  # the average back where the optimizer reads it
+                start, end = self.shard_range(b)
+                b.buffer[start:end].copy_(b.reduced[start:end])
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -119,10 +119,11 @@ def layouts(chunks: list[dict[str, Any]], args: dict[str, Any], pp_rank: int) ->
 
 
 def _dtype_key(args: dict[str, Any]) -> tuple[torch.dtype, torch.dtype]:
-    """(parameter dtype, gradient dtype) of the buffer: Megatron-LM reduces bf16 runs' and
-    --accumulate-allreduce-grads-in-fp32 runs' gradients in fp32."""
+    """(parameter dtype, gradient dtype) of the buffer: Megatron-LM reduces bf16 runs' (unless
+    --grad-reduce-in-bf16) and --accumulate-allreduce-grads-in-fp32 runs' gradients in fp32."""
     if args.get("bf16"):
-        return torch.bfloat16, torch.float32
+        grad = torch.bfloat16 if args.get("grad_reduce_in_bf16") else torch.float32
+        return torch.bfloat16, grad
     if args.get("fp16"):
         grad = torch.float32 if args.get("accumulate_allreduce_grads_in_fp32") else torch.float16
         return torch.float16, grad

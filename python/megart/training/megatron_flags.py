@@ -37,6 +37,8 @@ What each does in megart:
   the per-token mean over the global batch equals the mean of the per-microbatch means that
   megart computes: the gradients are the same.
 - --context-parallel-size, --expert-model-parallel-size: only 1 (refused otherwise).
+- --grad-reduce-in-bf16 (with --bf16): the gradient buckets travel in bf16
+  (megart.training.grad_sync); Megatron's checkpoints then record a bf16 gradient buffer.
 - --use-mcore-models: deprecated in Megatron-LM, where Megatron-Core's GPTModel is the only GPT;
   megart's model and its Megatron checkpoints are that model's, so the switch holds already.
 - --rotary-percent: only 1.0 (rope turns the whole head; partial rotary is refused).
@@ -77,7 +79,6 @@ NOT_YET = {
     "--decoupled-lr": "megart steps every parameter at one learning rate (no separate rate for "
     "the embedding and output layer); leave it out",
     "--decoupled-min-lr": "megart steps every parameter at one learning rate; leave it out",
-    "--grad-reduce-in-bf16": "megart reduces gradients in fp32 (Megatron's default); leave it out",
     "--use-rope-scaling": "megart's rope has no Llama 3.1 frequency scaling; leave it out",
     "--rotary-seq-len-interpolation-factor": "megart's rope has no position interpolation; "
     "leave it out",
@@ -193,6 +194,11 @@ def check_megatron_flags(config: Any) -> None:
     if config.mock_data and config.data_path:
         raise ConfigError("--mock-data and --data-path exclude each other; give one")
     _check_samples(config)
+    if config.grad_reduce_in_bf16 and not config.bf16:
+        raise ConfigError(
+            "--grad-reduce-in-bf16 reduces a --bf16 run's gradients in bf16: add --bf16 (Megatron "
+            "ignores it without; megart refuses rather than ignore it)"
+        )
     if config.overlap_param_gather and not config.use_distributed_optimizer:
         raise ConfigError(
             "--overlap-param-gather overlaps the distributed optimizer's all-gather: add "

@@ -45,6 +45,7 @@ def build(
         overlap=c.overlap_grad_reduce,
         shard=shard,
         alone=_tied_embeddings(chunks, c.pp),
+        reduce_dtype=torch.bfloat16 if c.grad_reduce_in_bf16 else None,
     )
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": c.weight_decay},
