@@ -99,14 +99,7 @@ def data_parallel_grads(m: int, bucket_bytes: int):
     rank, dp = dist.get_rank(), dist.get_world_size()
     model = full_model()
     buckets = GradientBuckets(list(model.parameters()), dist.new_group(), bucket_bytes)
-    xs, ys = data(m * dp)
-    buckets.zero_grad()
-    buckets.start_iteration(m)
-    for x, y in zip(xs[rank * m : (rank + 1) * m], ys[rank * m : (rank + 1) * m], strict=True):
-        h = x
-        for layer in model:
-            h = layer(h)
-        (loss_fn(h, y) / m).backward()
+    _backward_own_share(model, buckets, rank, m, dp)
     buckets.finish()
     return {n: p.grad.clone() for n, p in model.named_parameters()}, len(buckets.buckets)
 
@@ -132,14 +125,7 @@ def bf16_wire_buckets(shard: bool) -> dict:
             return _real(tensor, *args, **kw)
 
         setattr(dist, name, recording)
-    xs, ys = data(m * dist.get_world_size())
-    buckets.zero_grad()
-    buckets.start_iteration(m)
-    for x, y in zip(xs[rank * m : (rank + 1) * m], ys[rank * m : (rank + 1) * m], strict=True):
-        h = x
-        for layer in model:
-            h = layer(h)
-        (loss_fn(h, y) / m).backward()
+    _backward_own_share(model, buckets, rank, m, dist.get_world_size())
     before = [b.buffer.clone() for b in buckets.buckets]
     buckets.finish()
     return dict(
@@ -148,3 +134,15 @@ def bf16_wire_buckets(shard: bool) -> dict:
         ranges=[buckets.shard_range(b) for b in buckets.buckets],
         wire=wire,
     )
+
+
+def _backward_own_share(model: nn.ModuleList, buckets, rank: int, m: int, dp: int) -> None:
+    """Backward of this rank's m microbatches of the m x dp, each loss divided by m."""
+    xs, ys = data(m * dp)
+    buckets.zero_grad()
+    buckets.start_iteration(m)
+    for x, y in zip(xs[rank * m : (rank + 1) * m], ys[rank * m : (rank + 1) * m], strict=True):
+        h = x
+        for layer in model:
+            h = layer(h)
+        (loss_fn(h, y) / m).backward()
