@@ -85,6 +85,13 @@ def test_the_llama3_example_runs_without_what_megart_cannot_do(tmp_path):
         trace = json.load(gzip.open(tmp_path / "torch_profile" / f"rank-{rank}.json.gz"))
         steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("Prof")}
         assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, steps
+    files = checkpoint.iteration_dir(tmp_path / "ckpt", 6) / "mp_rank_00"
+    saved = torch.load(files / "distrib_optim.pt", weights_only=True)
+    assert list(saved[0]) == [(torch.bfloat16, torch.bfloat16)]  # --grad-reduce-in-bf16's buffer
+    longer = [*argv[: argv.index("--train-samples") + 1], "64", *argv[argv.index("48") + 1 :]]
+    status, out = launch(mw.run_cli, 2, longer, timeout=300)[0]
+    assert status == 0 and "iteration     8/8 | consumed samples 64 |" in out, out  # resumed
+    assert "iteration     6/" not in out
 
 
 def test_refused_flags_are_named_with_what_to_do():
