@@ -17,9 +17,13 @@ def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")  # GPT-2's, megart's
 
 
-def megatron_model(cfg: GPTConfig, tp: int = 1, pp: int = 1) -> torch.nn.Module:
+def megatron_model(
+    cfg: GPTConfig, tp: int = 1, pp: int = 1, vp_stage: int | None = None
+) -> torch.nn.Module:
     """Megatron-Core's GPTModel of ``cfg`` (one rank of ``tp`` x ``pp`` when model
-    parallelism is already initialised: this rank's pipeline stage)."""
+    parallelism is already initialised: this rank's pipeline stage; under interleaving, with
+    the virtual pipeline size initialised, its model chunk ``vp_stage``, as Megatron-LM's
+    get_model builds each)."""
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -35,6 +39,7 @@ def megatron_model(cfg: GPTConfig, tp: int = 1, pp: int = 1) -> torch.nn.Module:
         # It puts the attention scores' scratch buffer and rope's frequencies on "the current
         # CUDA device": on this CPU-only process that is the CPU.
         torch.cuda.current_device = lambda: "cpu"
+    vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     swiglu = cfg.activation == "swiglu"
     config = TransformerConfig(
         num_layers=cfg.num_layers,
@@ -58,10 +63,10 @@ def megatron_model(cfg: GPTConfig, tp: int = 1, pp: int = 1) -> torch.nn.Module:
         gradient_accumulation_fusion=False,
         rotary_interleaved=cfg.rotary_interleaved,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
         pipeline_dtype=torch.float32 if pp > 1 else None,
     )
     rope = cfg.position_embedding == "rotary"
-    stage = parallel_state.get_pipeline_model_parallel_rank()
     build = functools.partial(
         GPTModel,
         config,
@@ -71,16 +76,25 @@ def megatron_model(cfg: GPTConfig, tp: int = 1, pp: int = 1) -> torch.nn.Module:
         position_embedding_type="rope" if rope else "learned_absolute",
         rotary_base=int(cfg.rotary_base),
         share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
-        pre_process=stage == 0,
-        post_process=stage == pp - 1,
+        pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),
+        vp_stage=vp_stage,
     )
     if pp == 1:
         return build().double()
     # The stages' tied embedding copies are made equal by an all-reduce of CUDA tensors.
+    with cuda_stays_on_cpu():
+        return build().double()
+
+
+@contextlib.contextmanager
+def cuda_stays_on_cpu():
+    """``Tensor.cuda()`` as the tensor itself: where Megatron-Core moves a tensor to "the
+    current CUDA device", on this CPU-only process the CPU."""
     real = torch.Tensor.cuda
     torch.Tensor.cuda = lambda self, *a, **kw: self
     try:
-        return build().double()
+        yield
     finally:
         torch.Tensor.cuda = real
 

@@ -1,16 +1,18 @@
 """Megatron-Core's side of the distributed-optimizer checkpoint tests (megatron-core 0.16.1,
 CPU, gloo; one launched process per rank of tensor x pipeline x data parallelism): its own
-DistributedDataParallel and DistributedOptimizer, built as Megatron-LM builds them, read
-megart's ``distrib_optim.pt`` with their own ``load_parameter_state`` and write theirs with
-``save_parameter_state``.
+DistributedDataParallel and DistributedOptimizer, built as Megatron-LM builds them (under
+interleaving a GPTModel and a DistributedDataParallel per model chunk, one optimizer over all;
+with --fp16 a DynamicGradScaler), read megart's ``distrib_optim.pt`` with their own
+``load_parameter_state`` and write theirs with ``save_parameter_state``.
 
 Stubbed, as the other Megatron-Core workers do, only what needs CUDA: ``torch.cuda
-.current_device`` (the CPU), the optimizer's type-name checks (``torch.cuda.FloatTensor``) and
-its CUDA scalars. One more: with torch's Adam (no Apex or Transformer Engine, as on this CPU)
-each parameter's optimizer state holds ``step`` besides the moments, and Megatron-Core's
-``_set_main_param_and_optimizer_states`` copies every key of that state from what it read,
-which has no ``step`` (Apex's and Transformer Engine's FusedAdam keep no per-parameter step):
-the step it already holds (from the file's param groups) is kept.
+.current_device`` (the CPU), the optimizer's type-name checks (``torch.cuda.FloatTensor``), its
+and the grad scaler's CUDA scalars, and the grad scaler's move of a loaded scale to the CUDA
+device (``Tensor.cuda``: the tensor stays on the CPU). One more: with torch's Adam (no Apex or
+Transformer Engine, as on this CPU) each parameter's optimizer state holds ``step`` besides the
+moments, and Megatron-Core's ``_set_main_param_and_optimizer_states`` copies every key of that
+state from what it read, which has no ``step`` (Apex's and Transformer Engine's FusedAdam keep
+no per-parameter step): the step it already holds (from the file's param groups) is kept.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def _step_kept():
         DistributedOptimizer._set_main_param_and_optimizer_states = real
 
 
-def _ddp(model, args: dict[str, Any], bucket_size: int | None = None):
-    """Megatron-LM's get_model wrapping: DistributedDataParallel with the run's flags."""
+def _ddp(model, args: dict[str, Any], bucket_size: int | None = None, chunk: int = 0):
+    """Megatron-LM's get_model wrapping: DistributedDataParallel with the run's flags, one per
+    model chunk (bucketing off on chunks after the first)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     bf16 = bool(args.get("bf16"))
@@ -54,41 +57,53 @@ def _ddp(model, args: dict[str, Any], bucket_size: int | None = None):
         grad_reduce_in_fp32=bf16 or bool(args.get("accumulate_allreduce_grads_in_fp32")),
         bucket_size=bucket_size,
     )
-    return DistributedDataParallel(model.config, config, model)
+    return DistributedDataParallel(model.config, config, model, disable_bucketing=chunk > 0)
 
 
-def _distributed_optimizer(ddp, kw: dict, half: bool):
+def _distributed_optimizer(ddps: list, kw: dict, args: dict[str, Any]):
     """Megatron-Core's DistributedOptimizer over torch's AdamW and its own param groups, as
-    get_megatron_optimizer builds it."""
+    get_megatron_optimizer builds it: over every model chunk's DistributedDataParallel (its
+    buffers under the chunk's number) and, with --fp16, a DynamicGradScaler of the run's loss
+    scale flags."""
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import _get_param_groups
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
 
     import megatron_optim_workers as mow
     import train_workers as tw
 
-    config = mow._optimizer_config(tw.tiny(**kw))
+    c = tw.tiny(**kw)
+    config = mow._optimizer_config(c)
     config.use_distributed_optimizer = True
-    config.bf16 = half
-    adamw = torch.optim.AdamW(_get_param_groups([ddp], config, None), lr=config.lr)
+    config.bf16, config.fp16 = bool(args.get("bf16")), bool(args.get("fp16"))
+    adamw = torch.optim.AdamW(_get_param_groups(ddps, config, None), lr=config.lr)
     with mow._cuda_named():
+        scaler = None
+        if config.fp16:
+            scaler = DynamicGradScaler(
+                initial_scale=c.initial_loss_scale, min_scale=c.min_loss_scale,
+                growth_factor=2.0, backoff_factor=0.5, growth_interval=c.loss_scale_window,
+                hysteresis=config.hysteresis,
+            )  # fmt: skip
         return DistributedOptimizer(
-            adamw, config, None, None, [ddp], {0: ddp.buffers},
+            adamw, config, scaler, None, ddps, {i: ddp.buffers for i, ddp in enumerate(ddps)},
             ps.get_data_parallel_group(), ps.get_data_parallel_group_gloo(),
             ps.get_model_parallel_group().rank(), 0,
         )  # fmt: skip
 
 
-def _expected(ref_file: Path) -> dict[str, dict[str, torch.Tensor]]:
+def _expected(ref_file: Path) -> tuple[dict[tuple[int, str], dict[str, torch.Tensor]], Any]:
     """From megart's own checkpoint file of the same rank: each parameter's weight and Adam
-    moments under Megatron-Core's name and shape, through the weights' mapping."""
+    moments under (model chunk, Megatron-Core's name) and its shape, through the weights'
+    mapping; and its loss scaler."""
     from megart.training.checkpoint import model_config
     from megart.training.ckpt_files import read_file
     from megart.training.megatron_files import chunk_names_to_megatron
 
     state = read_file(ref_file)
     cfg = model_config(state)
-    out: dict[str, dict[str, torch.Tensor]] = {}
+    out: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key in ("param", "exp_avg", "exp_avg_sq"):
         per_chunk: list[dict[str, torch.Tensor]] = [{} for _ in state["model"]]
         for i, (c, name) in enumerate(state["optimizer_params"]):
@@ -96,32 +111,36 @@ def _expected(ref_file: Path) -> dict[str, dict[str, torch.Tensor]]:
                 state["model"][c][name] if key == "param" else state["optimizer"]["state"][i][key]
             )
         for c, sd in enumerate(per_chunk):
-            assert c == 0, "one model chunk per rank here"
             for name, value in chunk_names_to_megatron(sd, cfg, state["layer_ids"][c]).items():
-                out.setdefault(name, {})[key] = value
-    return out
+                out.setdefault((c, name), {})[key] = value
+    return out, state["loss_scaler"]
 
 
 def load_and_write(kw: dict, megart_dir: str, ref_dir: str, out_dir: str | None) -> dict:
-    """On each rank: Megatron-Core's GPTModel of its stage loads its rank's model_optim_rng.pt
-    of megart's checkpoint strictly, DistributedDataParallel and DistributedOptimizer are built
-    over it, load the file's optimizer entry (load_state_dict) and distrib_optim.pt
-    (load_parameter_state, scattered from data-parallel rank 0). Returns, per parameter this
-    rank's optimizer holds a piece of, the piece's range and the largest difference of its
-    fp32 main copy and moments from megart's own checkpoint of the same run (``ref_dir``).
-    With ``out_dir``, writes Megatron-LM's legacy checkpoint from what it holds there (as
-    its save_checkpoint does: data-parallel rank 0 the rank file, save_parameter_state)."""
+    """On each rank: Megatron-Core's GPTModel of each of its model chunks (one under 1F1B, one
+    per virtual stage under interleaving, in the run's precision) loads its chunk of its rank's
+    model_optim_rng.pt of megart's checkpoint strictly, a DistributedDataParallel per chunk and
+    one DistributedOptimizer over them are built, load the file's optimizer entry
+    (load_state_dict, the grad scaler's state with --fp16) and distrib_optim.pt
+    (load_parameter_state, scattered from data-parallel rank 0). Returns, per (model chunk,
+    parameter) this rank's optimizer holds a piece of, the piece's range and the largest
+    difference of its fp32 main copy and moments from megart's own checkpoint of the same run
+    (``ref_dir``), and the grad scaler's state beside megart's loss scaler there. With
+    ``out_dir``, writes Megatron-LM's legacy checkpoint from what it holds there (as its
+    save_checkpoint does: data-parallel rank 0 the rank file, save_parameter_state)."""
     from megatron.core import parallel_state as ps
 
     import megatron_core_workers as mcw
     import megatron_optim_workers as mow
     import train_workers as tw
     from megart.training.checkpoint import latest_iteration, rank_dir
-    from megart.training.megatron_files import config_from_args
+    from megart.training.megatron_files import config_from_args, model_chunks
 
-    tp = kw.get("tensor_model_parallel_size", 1)
-    pp = kw.get("pipeline_model_parallel_size", 1)
-    mow._init(tp, pp)
+    c = tw.tiny(**kw)
+    tp, pp = c.tp, c.pp
+    per = c.num_layers_per_virtual_pipeline_stage
+    vp = c.num_layers // (pp * per) if per else None
+    mow._init(tp, pp, vp)
     t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     d, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     iteration = latest_iteration(megart_dir)
@@ -129,41 +148,55 @@ def load_and_write(kw: dict, megart_dir: str, ref_dir: str, out_dir: str | None)
     state = torch.load(Path(megart_dir) / here / FILE, weights_only=False)
     args = vars(state["args"])
     cfg = config_from_args(args)
-    half = bool(args.get("bf16"))
-    model = mcw.megatron_model(cfg, tp, pp).to(torch.bfloat16 if half else torch.float32)
-    model.load_state_dict(state["model"], strict=True)
-    ddp = _ddp(model, args)
-    optimizer = _distributed_optimizer(ddp, kw, half)
-    optimizer.load_state_dict(state["optimizer"])
+    dtype = torch.bfloat16 if args.get("bf16") else torch.float16 if args.get("fp16") else None
+    ddps = []
+    for i, saved in enumerate(model_chunks(state)):
+        model = mcw.megatron_model(cfg, tp, pp, i if vp else None).to(dtype or torch.float32)
+        model.load_state_dict(saved, strict=True)
+        ddps.append(_ddp(model, args, chunk=i))
+    optimizer = _distributed_optimizer(ddps, kw, args)
+    with mcw.cuda_stays_on_cpu():  # the grad scaler moves its scale to the CUDA device
+        optimizer.load_state_dict(state["optimizer"])
     with torch.no_grad(), _step_kept():
         optimizer.load_parameter_state(str(Path(megart_dir) / here / DISTRIB))
-    want = _expected(Path(ref_dir) / here / FILE)
+    want, loss_scaler = _expected(Path(ref_dir) / here / FILE)
     pieces = {}
-    for name, param in ddp.module.named_parameters():
-        if param not in optimizer.model_param_group_index_map:
-            continue  # no piece of it on this data-parallel rank
-        r = optimizer._get_model_param_range_map(param)["param"]
-        held = optimizer._get_main_param_and_optimizer_states(param)
-        diffs = {}
-        for key in ("param", "exp_avg", "exp_avg_sq"):
-            ref = want[name][key].float().reshape(-1)[r.start : r.end]
-            scale = want[name][key].float().abs().max().item() or 1.0
-            diffs[key] = (held[key].float() - ref).abs().max().item() / scale
-        pieces[name] = dict(range=(r.start, r.end), numel=param.numel(), diffs=diffs)
+    for i, ddp in enumerate(ddps):
+        for name, param in ddp.module.named_parameters():
+            if param not in optimizer.model_param_group_index_map:
+                continue  # no piece of it on this data-parallel rank
+            r = optimizer._get_model_param_range_map(param)["param"]
+            held = optimizer._get_main_param_and_optimizer_states(param)
+            diffs = {}
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                ref = want[i, name][key].float().reshape(-1)[r.start : r.end]
+                scale = want[i, name][key].float().abs().max().item() or 1.0
+                diffs[key] = (held[key].float() - ref).abs().max().item() / scale
+            pieces[i, name] = dict(range=(r.start, r.end), numel=param.numel(), diffs=diffs)
+    scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None
     if out_dir is not None:
-        c = tw.tiny(**kw)
         written = mow._args(cfg, c, tp, iteration, pp)
         written.use_distributed_optimizer = True
         written.data_parallel_size = dp
         written.overlap_grad_reduce = bool(args.get("overlap_grad_reduce"))
-        written.bf16 = half
+        written.bf16, written.fp16 = bool(args.get("bf16")), bool(args.get("fp16"))
+        written.virtual_pipeline_model_parallel_size = vp
+        written.num_layers_per_virtual_pipeline_stage = per
         if d == 0:
-            mow._write(out_dir, str(Path(rank_dir(t, p, pp)) / FILE), written, ddp, optimizer, c)
+            mow._write(out_dir, str(Path(rank_dir(t, p, pp)) / FILE), written, ddps, optimizer, c)
         torch.distributed.barrier()
         optimizer.save_parameter_state(str(Path(out_dir) / here / DISTRIB))
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    return dict(place=(t, p, d), pieces=pieces)
+    return dict(
+        place=(t, p, d),
+        pieces=pieces,
+        chunks=len(ddps),
+        scaler=None if scaler is None else (float(scaler["scale"]), scaler["growth_tracker"]),
+        loss_scaler=None
+        if loss_scaler is None
+        else (float(loss_scaler["scale"]), int(loss_scaler["good_steps"])),
+    )
 
 
 MODELS = [

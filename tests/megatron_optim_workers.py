@@ -23,12 +23,14 @@ from megart.training.config import TrainConfig
 FILE = "model_optim_rng.pt"
 
 
-def _init(tp: int, pp: int = 1) -> None:
+def _init(tp: int, pp: int = 1, vp: int | None = None) -> None:
+    """Megatron-Core's parallel state of the launched world (``vp`` model chunks per pipeline
+    rank under interleaving)."""
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core import parallel_state
 
     torch.distributed.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(tp, pp)
+    parallel_state.initialize_model_parallel(tp, pp, vp)
     # No CUDA: the tracker's fork would switch CUDA generators; buffers go to "the current
     # CUDA device", which on this CPU-only process is the CPU.
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
@@ -93,13 +95,16 @@ def _clip(model, max_norm: float) -> None:
 
 def _write(out_dir: str, here: str, args, model, optimizer, c: TrainConfig) -> None:
     """This rank's file of a legacy checkpoint, as Megatron-LM's generate_state_dict assembles
-    it from Megatron-Core's state dicts; rank 0 writes the tracker."""
+    it from Megatron-Core's state dicts (``model`` a list of model chunks under interleaving:
+    ``model0``, ``model1``, ...); rank 0 writes the tracker."""
     iteration = args.iteration
+    chunks = model if isinstance(model, list) else [model]
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     written = {
         "args": args,
         "checkpoint_version": 3.0,
         "iteration": iteration,
-        "model": model.state_dict(),
+        **{key: m.state_dict() for key, m in zip(keys, chunks, strict=True)},
         "optimizer": optimizer.state_dict(),
         "opt_param_scheduler": _scheduler_state(c, iteration),
         "rng_state": [{

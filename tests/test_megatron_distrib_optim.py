@@ -2,9 +2,12 @@
 (megatron-core 0.16.1, CPU): its own DistributedDataParallel and DistributedOptimizer load
 megart's distrib_optim.pt and hold, piece by piece over the data-parallel ranks, each
 parameter's fp32 main copy and Adam moments as megart's own checkpoint of the same run has them
-(mapped by name as the weights are); megart resumes its own files and what Megatron-Core's
-side then writes (save_parameter_state) on the uninterrupted loss curve; and the layout of the
-saved vectors equals Megatron-Core's buffers' for any bucket size (hypothesis)."""
+(mapped by name as the weights are), under pipeline and tensor parallelism, bf16, and an
+interleaved fp16 run (a DistributedDataParallel and a buffer per model chunk, the grad scaler's
+state as megart's loss scaler); megart resumes its own files and what Megatron-Core's side then
+writes (save_parameter_state) on the uninterrupted loss curve, loss scale included; and the
+layout of the saved vectors equals Megatron-Core's buffers' for any bucket size
+(hypothesis)."""
 
 import shutil
 from pathlib import Path
@@ -26,7 +29,15 @@ SCENARIOS = {  # name: (processes, flags); data-parallel 2 in each
     "gpt2-pp2": (4, dict(pipeline_model_parallel_size=2)),
     "llama-tp2": (4, dict(LLAMA, tensor_model_parallel_size=2)),
     "llama-bf16": (2, dict(LLAMA, bf16=True)),
-}
+    # Interleaved (two model chunks per rank: a DistributedDataParallel and a buffer each, the
+    # tied embedding in the first stage's chunk 0 and the last stage's chunk 1) and fp16 (the
+    # grad scaler beside the param groups) in one scenario, as launches are what cost here. A
+    # low first loss scale, so that both iterations step (2**32 overflows at first), doubled
+    # after each step, so that the saved scale is not the one a run starts from.
+    "gpt2-interleaved-fp16": (4, dict(pipeline_model_parallel_size=2,
+                                      num_layers_per_virtual_pipeline_stage=1, fp16=True,
+                                      initial_loss_scale=1024, loss_scale_window=1)),
+}  # fmt: skip
 
 
 def _train(kw):
@@ -66,6 +77,19 @@ def test_megatron_core_holds_megarts_state_after_loading_distrib_optim(runs, nam
         assert all(a[1] == b[0] for a, b in zip(held, held[1:], strict=False)), (key, held)
 
 
+def test_megatron_core_holds_both_model_chunks_and_megarts_loss_scale(runs):
+    """Interleaved: each rank's two model chunks hold pieces (checked above, chunk by chunk);
+    --fp16: Megatron-Core's DynamicGradScaler holds the scale and overflow-free steps of
+    megart's own checkpoint; without it, there is no grad scaler."""
+    r = runs["gpt2-interleaved-fp16"]
+    assert {(p, c) for _, p, (c, _) in _pieces(r)} == {(p, c) for p in (0, 1) for c in (0, 1)}
+    for rank in r["megatron"]:
+        assert rank["chunks"] == 2
+        assert rank["scaler"] == rank["loss_scaler"], rank
+        assert rank["scaler"][0] > 1024, rank  # grown: not the scale a run starts from
+    assert all(rank["scaler"] is None for rank in runs["llama-bf16"]["megatron"])
+
+
 def test_some_parameter_is_cut_between_the_data_parallel_ranks(runs):
     """The scatter and gather cut a parameter where a rank's part of a bucket ends."""
     cut = [
@@ -75,8 +99,8 @@ def test_some_parameter_is_cut_between_the_data_parallel_ranks(runs):
 
 
 def _pieces(run: dict) -> dict:
-    """(tp, pp, parameter) -> (start, end, elements, data-parallel rank) of each piece held,
-    each checked against megart's own checkpoint."""
+    """(tp, pp, (model chunk, parameter)) -> (start, end, elements, data-parallel rank) of
+    each piece held, each checked against megart's own checkpoint."""
     pieces: dict = {}
     for rank in run["megatron"]:
         t, p, d = rank["place"]
@@ -95,6 +119,8 @@ def test_megart_resumes_distrib_optim_on_the_curve(runs, name, written_by):
     assert [h["iteration"] for h in resumed] == [3, 4]
     want = [h["loss"] for h in r["straight"][2:]]
     assert [h["loss"] for h in resumed] == pytest.approx(want, **SAME_RUN)
+    # --fp16: the loss scale resumed too (the curve barely feels it while nothing overflows).
+    assert [h["loss_scale"] for h in resumed] == [h["loss_scale"] for h in r["straight"][2:]]
 
 
 def test_files_are_the_distributed_optimizers(runs):
