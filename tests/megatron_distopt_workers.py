@@ -50,7 +50,9 @@ def _ddp(model, args: dict[str, Any], bucket_size: int | None = None, chunk: int
     model chunk (bucketing off on chunks after the first)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    bf16 = bool(args.get("bf16"))
+    # Megatron-LM's arguments.py: bf16 accumulates and reduces in fp32 unless
+    # --grad-reduce-in-bf16.
+    bf16 = bool(args.get("bf16")) and not args.get("grad_reduce_in_bf16")
     config = DistributedDataParallelConfig(
         use_distributed_optimizer=True,
         overlap_grad_reduce=bool(args.get("overlap_grad_reduce")),
@@ -272,3 +274,19 @@ def layouts_agree(examples: int) -> dict:
 
     check()
     return seen
+
+
+def buffer_dtypes(runs: list[dict]) -> list[list[tuple]]:
+    """Per run's flags (bf16, fp16, --grad-reduce-in-bf16, ...): the (parameter dtype,
+    gradient dtype) of each buffer Megatron-Core's DistributedDataParallel builds for a
+    one-process GPTModel in that precision, the key of distrib_optim.pt's vectors."""
+    import megatron_core_workers as mcw
+    from megart.models.config import GPTConfig
+
+    out = []
+    for args in runs:
+        dtype = torch.bfloat16 if args.get("bf16") else torch.float16 if args.get("fp16") else None
+        model = mcw.megatron_model(GPTConfig(**MODELS[0]))
+        ddp = _ddp(model.to(dtype) if dtype else model.float(), args)
+        out.append([(b.param_dtype, b.grad_dtype) for b in ddp.buffers])
+    return out
