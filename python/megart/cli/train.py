@@ -153,6 +153,9 @@ HELP = {
     "runs",  # its flag is --no-...; --overlap-grad-reduce (megart's default) is accepted too
     "overlap_param_gather": "with --use-distributed-optimizer: each bucket's parameter "
     "all-gather finishes just before the next forward first uses it",
+    "decoupled_lr": "the word embedding's and output layer's own peak learning rate (their "
+    "own param group, on --lr's schedule)",
+    "decoupled_min_lr": "their floor with --decoupled-lr (default: --min-lr)",
     "grad_reduce_in_bf16": "with --bf16: average the gradients over data parallelism in bf16 "
     "(half the bytes; megart still accumulates microbatches in fp32)",
     "log_throughput": "accepted: megart's progress line always has TFLOP/s per GPU "

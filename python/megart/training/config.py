@@ -136,6 +136,8 @@ class TrainConfig:
     # reduces every bucket after backward.
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
+    decoupled_lr: float | None = None  # the embedding's and output layer's own peak rate
+    decoupled_min_lr: float | None = None  # and floor (default: --min-lr)
     grad_reduce_in_bf16: bool = False  # with --bf16: buckets travel in bf16 (grad_sync)
     log_throughput: bool = False
     ckpt_format: str = "megart"
@@ -232,14 +234,17 @@ class TrainConfig:
             return 0  # Megatron's default; samples-based runs never had megart's default run
         return DEFAULT_WARMUP_ITERS if self.lr_warmup_iters is None else self.lr_warmup_iters
 
-    def learning_rate(self, iteration: float) -> float:
+    def learning_rate(
+        self, iteration: float, peak: float | None = None, floor: float | None = None
+    ) -> float:
         """The rate of the iteration after ``iteration`` (0-based; under --rampup-batch-size
         the samples consumed in global batches: see megart.training.lr) under
-        --lr-decay-style."""
+        --lr-decay-style; ``peak`` and ``floor`` replace --lr and --min-lr (a param group's own,
+        as Megatron-Core's scheduler takes a group's max_lr and min_lr)."""
         return learning_rate(
             iteration,
-            self.lr,
-            self.min_lr,
+            self.lr if peak is None else peak,
+            self.min_lr if floor is None else floor,
             self.warmup_iters,
             self.decay_iters,
             self.lr_decay_style,

@@ -37,6 +37,8 @@ What each does in megart:
   the per-token mean over the global batch equals the mean of the per-microbatch means that
   megart computes: the gradients are the same.
 - --context-parallel-size, --expert-model-parallel-size: only 1 (refused otherwise).
+- --decoupled-lr, --decoupled-min-lr: the embedding's and output layer's own param group
+  (megart.training.optimizer.param_groups), scheduled with its own peak and floor.
 - --grad-reduce-in-bf16 (with --bf16): the gradient buckets travel in bf16
   (megart.training.grad_sync); Megatron's checkpoints then record a bf16 gradient buffer.
 - --use-mcore-models: deprecated in Megatron-LM, where Megatron-Core's GPTModel is the only GPT;
@@ -76,9 +78,6 @@ _FP8 = (
 NOT_YET = {
     "--apply-layernorm-1p": "megart's norms use their weight as it is (no zero-centred gamma "
     "with weight + 1); leave it out",
-    "--decoupled-lr": "megart steps every parameter at one learning rate (no separate rate for "
-    "the embedding and output layer); leave it out",
-    "--decoupled-min-lr": "megart steps every parameter at one learning rate; leave it out",
     "--use-rope-scaling": "megart's rope has no Llama 3.1 frequency scaling; leave it out",
     "--rotary-seq-len-interpolation-factor": "megart's rope has no position interpolation; "
     "leave it out",
@@ -194,6 +193,16 @@ def check_megatron_flags(config: Any) -> None:
     if config.mock_data and config.data_path:
         raise ConfigError("--mock-data and --data-path exclude each other; give one")
     _check_samples(config)
+    if config.decoupled_min_lr is not None and config.decoupled_lr is None:
+        raise ConfigError(
+            "--decoupled-min-lr is the floor of --decoupled-lr's group: give --decoupled-lr "
+            "too (Megatron ignores it without; megart refuses rather than ignore it)"
+        )
+    if config.decoupled_lr is not None and config.ckpt_format == "torch":
+        raise ConfigError(
+            "--decoupled-lr with --ckpt-format torch: megart writes Megatron's two default "
+            "param groups only, not yet the decoupled one; use --ckpt-format megart"
+        )
     if config.grad_reduce_in_bf16 and not config.bf16:
         raise ConfigError(
             "--grad-reduce-in-bf16 reduces a --bf16 run's gradients in bf16: add --bf16 (Megatron "

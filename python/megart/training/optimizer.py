@@ -31,6 +31,31 @@ def _tied_embeddings(chunks: list[torch.nn.Module], pp: int) -> list[torch.nn.Pa
     return [c.wte.weight for c in chunks if hasattr(c, "wte") and (c.first or c.last)]
 
 
+# Megatron-Core's embedding and output-layer parameters (is_embedding_or_output_parameter:
+# the word embedding where it is used as one, the output layer on the last stage, the tied
+# copy included): --decoupled-lr's group.
+DECOUPLED = ("wte.weight", "output_layer.weight")
+
+
+def param_groups(config: Any, chunks: list[torch.nn.Module]) -> list[dict[str, Any]]:
+    """AdamW's groups: weight decay on matrices, none on biases and norms; with --decoupled-lr
+    the embedding and output layer in a group of their own between them (Megatron-Core's order)
+    with its peak and floor (``max_lr``, ``min_lr``), present on every rank (maybe empty), as
+    Megatron-Core aligns its groups across ranks."""
+    c = config
+    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+    own = c.decoupled_lr is not None
+    matrices = [p for n, p in named if p.dim() >= 2 and not (own and n in DECOUPLED)]
+    groups = [{"params": matrices, "weight_decay": c.weight_decay}]
+    if own:
+        floor = c.decoupled_min_lr if c.decoupled_min_lr is not None else c.min_lr
+        groups.append({"params": [p for n, p in named if n in DECOUPLED],
+                       "weight_decay": c.weight_decay, "max_lr": c.decoupled_lr,
+                       "min_lr": floor})  # fmt: skip
+    groups.append({"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0})
+    return groups
+
+
 def build(
     config: Any, chunks: list[torch.nn.Module], grid: Any, device: torch.device
 ) -> tuple[GradientBuckets, Optimizer]:
@@ -47,10 +72,7 @@ def build(
         alone=_tied_embeddings(chunks, c.pp),
         reduce_dtype=torch.bfloat16 if c.grad_reduce_in_bf16 else None,
     )
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": c.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = param_groups(c, chunks)
     # megart's multi-tensor AdamW on CPU (tested against torch's); on GPU torch's fused AdamW
     # until megart's CUDA kernel has been verified on one.
     adamw = (

@@ -237,9 +237,10 @@ class Trainer:
         if c.check_for_nan_in_loss_and_grad and not skipped:
             check_finite("gradient norm", grad_norm, iteration + 1)  # before the step
         # Under --rampup-batch-size the schedule runs on samples, counted in global batches.
-        lr = c.learning_rate(self.consumed / c.global_batch_size)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        done = self.consumed / c.global_batch_size
+        lr = c.learning_rate(done)
+        for group in self.optimizer.param_groups:  # --decoupled-lr's group: its own peak, floor
+            group["lr"] = c.learning_rate(done, group.get("max_lr"), group.get("min_lr"))
         if not skipped:
             self.optimizer.step()
         self.chores.after_optimizer_step()
