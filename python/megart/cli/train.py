@@ -253,12 +253,13 @@ class FlagParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         hints = []
         if message.startswith("unrecognized arguments:"):
-            words = [w.split("=")[0] for w in message.split(":", 1)[1].split()]
-            refused = [f"{w}: {NOT_YET[w]}" for w in dict.fromkeys(words) if w in NOT_YET]
+            given = message.split(":", 1)[1].split()
+            names = dict.fromkeys(w.split("=")[0] for w in given)
+            refused = [f"{w}: {NOT_YET[w]}" for w in names if w in NOT_YET]
             if refused:  # Megatron's flags that megart cannot honour: each named, with why
                 raise ConfigError("; ".join(refused))
             flags = [a for a in self._option_string_actions if a.startswith("--")]
-            for word in message.split(":", 1)[1].split():
+            for word in given:
                 close = difflib.get_close_matches(word.split("=")[0], flags, n=1)
                 if word.startswith("--") and close:
                     hints.append(f"{word}: did you mean {close[0]}?")

@@ -102,7 +102,7 @@ def estimate(
     per_layer = layer_work(cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap)
     stage = per_layer * (cfg.num_layers / p) + logits_work(cfg, b, t, gpu)
     run = _pipeline_run(c, cfg, layout, dp, gpu, stage, prec.residual, m, simulate, pp_overlap)
-    worst = _worst_rank_memory(c, cfg, layout, dp, run, runtime, unfused_attention)
+    worst, held = _worst_rank_memory(c, cfg, layout, dp, run, runtime, unfused_attention)
     worst_rank_params = worst["gradients"]
     worst["allowance"] = gpu.memory_gib * GIB - gpu.usable_bytes
 
@@ -153,7 +153,7 @@ def estimate(
         mfu=model_tflops / gpu.peak_tflops,
         simulated=run.plan is not None,
         peak_in_flight=list(run.in_flight),
-        held_for_weights=[h.weight_grads for h in run.held],
+        held_for_weights=[h.weight_grads for h in held],
         stage=run.stage,
     )
 
@@ -195,7 +195,6 @@ class _PipelineRun:
     bubble: float
     compute_only: float  # m x (forward + backward), without blocking exchanges
     in_flight: list[int]  # per rank, (microbatch, chunk) pairs held at its peak
-    held: list[Held]  # the same, split into F-to-I and I-to-W pairs
     plan: sched.Schedule | None = None  # the simulated schedule, where one was simulated
 
 
@@ -257,8 +256,7 @@ def _pipeline_run(
         in_flight = theory_in_flight(p, m, v)
     # Blocking exchanges count as pipeline communication, with their share of the bubble.
     compute_only = m * (stage.forward + stage.backward - 2 * blocking)
-    held = [Held(n) for n in in_flight]
-    return _PipelineRun(stage, makespan, bubble, compute_only, in_flight, held, plan)
+    return _PipelineRun(stage, makespan, bubble, compute_only, in_flight, plan)
 
 
 def _worst_rank_memory(
@@ -269,13 +267,14 @@ def _worst_rank_memory(
     run: _PipelineRun,
     runtime: str,
     unfused_attention: bool,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], list[Held]]:
     """Memory by part of the pipeline rank that holds the most (the first, the second or the
-    last: embedding, most in flight, output layer). Under zero-bubble schedules pairs between
-    I and W keep other tensors than pairs between F and I: the rank's compute order says how
-    many of each it holds at its largest (``run.held`` is replaced by that split)."""
+    last: embedding, most in flight, output layer), and each rank's pairs held at its peak.
+    Under zero-bubble schedules pairs between I and W keep other tensors than pairs between F
+    and I: the rank's compute order says how many of each it holds at its largest."""
     t, p, v, b, sp = layout.sizes()
     prec = precision(c, runtime)
+    held = [Held(n) for n in run.in_flight]
     if p > 1 and layout.kind in ZERO_BUBBLE:
         assert run.plan is not None
         rec = cfg.recompute_granularity
@@ -290,14 +289,14 @@ def _worst_rank_memory(
             [grads + (out_grads if run.plan.virtual_stage(r, k) == last else 0) for k in range(v)]
             for r in range(p)
         ]
-        run.held = peaks(run.plan, per_pair, costs)
+        held = peaks(run.plan, per_pair, costs)
     worst: dict[str, float] | None = None
     for r in sorted({0, min(1, p - 1), p - 1}):
-        parts = rank_memory(c, layout, dp, r, run.held[r], runtime, unfused_attention)
+        parts = rank_memory(c, layout, dp, r, held[r], runtime, unfused_attention)
         if worst is None or parts["total"] > worst["total"]:
             worst = parts
     assert worst is not None
-    return worst
+    return worst, held
 
 
 def _data_parallel_seconds(

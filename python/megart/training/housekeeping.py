@@ -55,15 +55,12 @@ class Housekeeping:
             torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
 
     def after_forward_backward(self) -> None:
+        """After an iteration's forward and backward, and after each evaluation batch."""
         if self.config.empty_unused_memory_level >= 1:
             self._empty_cache()
 
     def after_optimizer_step(self) -> None:
         if self.config.empty_unused_memory_level >= 2:
-            self._empty_cache()
-
-    def after_evaluation_batch(self) -> None:
-        if self.config.empty_unused_memory_level >= 1:
             self._empty_cache()
 
     def after_iteration(self, done: int) -> None:

@@ -92,7 +92,7 @@ NOT_YET = {
             "param-gather",
             "interval",
             "wgrad",
-        )  # fmt: skip
+        )
     },
 }
 

@@ -303,7 +303,7 @@ class Trainer:
                 with self._autocast():
                     losses = self.engine.evaluate(inputs, targets, self._loss_fn)
                 total += sum(x.item() for x in losses) / self.m
-                self.chores.after_evaluation_batch()
+                self.chores.after_forward_backward()
         finally:
             for chunk in self.chunks:
                 chunk.train()
@@ -315,7 +315,8 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
 
     def _loss_and_ppl(self, split: str, data: Dataset) -> dict[str, float]:
-        loss = self.evaluate(data)
+        with self.chores.evaluating():
+            loss = self.evaluate(data)
         return {f"{split}_loss": loss, f"{split}_ppl": math.exp(min(20.0, loss))}  # as Megatron
 
     def iterations(self) -> Iterator[dict[str, float]]:
@@ -334,11 +335,9 @@ class Trainer:
                 self.chores.after_iteration(done)
                 last = done == c.train_iters
                 if self.valid is not None and (done % c.eval_interval == 0 or last):
-                    with self.chores.evaluating():
-                        figures.update(self._loss_and_ppl("valid", self.valid))
+                    figures.update(self._loss_and_ppl("valid", self.valid))
                 if self.test is not None and last:
-                    with self.chores.evaluating():
-                        figures.update(self._loss_and_ppl("test", self.test))
+                    figures.update(self._loss_and_ppl("test", self.test))
                 stop = None if last else early.reason(done)
                 # As Megatron, a checkpoint also before each change of the ramp's batch.
                 grows = batch_rampup.batch_size(c, self.consumed) != figures["global_batch_size"]
