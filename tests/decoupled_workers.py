@@ -11,7 +11,7 @@ from megart.training.trainer import Trainer
 
 def megatron_core_groups(model_kw: dict, lr: float, min_lr: float, dlr: float, dmin) -> list:
     """Megatron-Core's _get_param_groups of its one-process GPTModel with decoupled_lr: per
-    group, its max_lr, min_lr, wd_mult and the names of its parameters."""
+    group, its keys (max_lr, min_lr, wd_mult, ...) and the names of its parameters."""
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups
 
     import megatron_core_workers as mcw
@@ -22,12 +22,8 @@ def megatron_core_groups(model_kw: dict, lr: float, min_lr: float, dlr: float, d
                              weight_decay=0.1)  # fmt: skip
     names = {id(p): n for n, p in model.named_parameters()}
     return [
-        dict(
-            max_lr=g["max_lr"],
-            min_lr=g["min_lr"],
-            wd_mult=g["wd_mult"],
-            names=sorted(names[id(p)] for p in g["params"]),
-        )  # fmt: skip
+        {k: v for k, v in g.items() if k != "params"}
+        | {"names": sorted(names[id(p)] for p in g["params"])}
         for g in _get_param_groups([model], config, None)
     ]
 

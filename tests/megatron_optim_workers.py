@@ -60,6 +60,7 @@ def _optimizer_config(c: TrainConfig):
     from megatron.core.optimizer import OptimizerConfig
 
     return OptimizerConfig(optimizer="adam", lr=c.lr, min_lr=c.min_lr,
+                           decoupled_lr=c.decoupled_lr, decoupled_min_lr=c.decoupled_min_lr,
                            weight_decay=c.weight_decay, adam_beta1=c.adam_beta1,
                            adam_beta2=c.adam_beta2, adam_eps=c.adam_eps,
                            clip_grad=c.clip_grad)  # fmt: skip
@@ -143,34 +144,43 @@ def _args(cfg, c: TrainConfig, tp: int, iteration: int, pp: int = 1) -> argparse
         micro_batch_size=c.micro_batch_size, iteration=iteration,
         consumed_train_samples=iteration * c.global_batch_size, ckpt_format="torch",
         use_distributed_optimizer=False, fp16=False, bf16=False,
+        decoupled_lr=c.decoupled_lr, decoupled_min_lr=c.decoupled_min_lr,
     )  # fmt: skip
 
 
-def _scheduler_state(c: TrainConfig, iteration: int) -> dict:
-    """Megatron-Core's OptimizerParamScheduler built as Megatron-LM's
-    get_optimizer_param_scheduler builds it from these flags, stepped by each global batch."""
+def _scheduler(c: TrainConfig, optimizer):
+    """Megatron-Core's OptimizerParamScheduler over ``optimizer``'s param groups (each with
+    its max_lr and min_lr), built as Megatron-LM's get_optimizer_param_scheduler builds it
+    from these flags; it counts samples."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    class Stub:
-        param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
-
     gbs = c.global_batch_size
-    sched = OptimizerParamScheduler(
-        Stub(), init_lr=0.0, max_lr=c.lr, min_lr=c.min_lr,
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=c.lr, min_lr=c.min_lr,
         lr_warmup_steps=c.lr_warmup_iters * gbs, lr_decay_steps=c.train_iters * gbs,
         lr_decay_style=c.lr_decay_style, start_wd=c.weight_decay, end_wd=c.weight_decay,
         wd_incr_steps=c.train_iters * gbs, wd_incr_style="constant",
     )  # fmt: skip
+
+
+def _scheduler_state(c: TrainConfig, iteration: int) -> dict:
+    """The scheduler's state after ``iteration`` global batches."""
+
+    class Stub:
+        param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+
+    sched = _scheduler(c, Stub())
     for _ in range(iteration):
-        sched.step(increment=gbs)
+        sched.step(increment=c.global_batch_size)
     return sched.state_dict()
 
 
-def resume_and_write(kw: dict, megart_dir: str, out_dir: str, lrs: list[float]) -> dict:
+def resume_and_write(kw: dict, megart_dir: str, out_dir: str) -> dict:
     """On each tensor-parallel rank: Megatron-Core loads its rank's file of megart's
     checkpoint at iteration 1 (model strictly, optimizer through FP32Optimizer), trains
-    iterations 2 and 3 on megart's batches with the rates ``lrs`` of those iterations; returns
-    its losses, the largest difference of its weights after iteration 2 from megart's (the file
+    iterations 2 and 3 on megart's batches, each param group at the rate its
+    OptimizerParamScheduler gives it (--decoupled-lr's group its own); returns its losses and
+    rates, the largest difference of its weights after iteration 2 from megart's (the file
     megart wrote then) and its param groups' Megatron keys. Writes, as Megatron-LM does, its
     own legacy checkpoint of iteration 3 to ``out_dir``."""
     from megatron.core.optimizer import _get_param_groups
@@ -190,21 +200,31 @@ def resume_and_write(kw: dict, megart_dir: str, out_dir: str, lrs: list[float]) 
     model.load_state_dict(state["model"], strict=True)
     groups = _get_param_groups([model], _optimizer_config(c), None)
     optimizer = _fp32_optimizer(groups, c)
-    optimizer.load_state_dict(state["optimizer"])
+    if c.decoupled_lr is None:
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        # megatron-core 0.16.1 pairs saved groups with its own by (wd_mult, lr_mult,
+        # is_expert_parallel, is_decoupled_lr), which its --decoupled-lr group shares with the
+        # default one, so it cannot load its own state of such a run (Megatron-LM's main added
+        # max_lr and min_lr to those keys later). The torch load that method ends in takes the
+        # groups in order.
+        optimizer.optimizer.load_state_dict(state["optimizer"])
     data, _, _ = build_datasets(None, c.split, c.seq_length, c.vocab_size,
                                 builtin_corpus(1 << 16), evaluate=False)  # fmt: skip
     after = torch.load(Path(megart_dir) / "iter_0000002" / here, weights_only=False)["model"]
-    losses, weights_diff = [], None
-    for iteration, lr in zip((1, 2), lrs, strict=True):
+    losses, rates, weights_diff = [], [], None
+    scheduler = _scheduler(c, optimizer)
+    scheduler.step(increment=c.global_batch_size)  # one global batch consumed before
+    for iteration in (1, 2):
         tokens, targets = data.global_batch(c.seed, iteration, c.global_batch_size)
         model.zero_grad()
         loss = _loss(model, cfg, tokens, targets, tp, rank)
         loss.backward()
         losses.append(loss.item())
         _clip(model, c.clip_grad)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        rates.append([group["lr"] for group in optimizer.param_groups])
         optimizer.optimizer.step()
+        scheduler.step(increment=c.global_batch_size)
         if weights_diff is None:
             weights_diff = max(
                 (p.detach() - after[n]).abs().max().item() for n, p in model.named_parameters()
@@ -214,7 +234,7 @@ def resume_and_write(kw: dict, megart_dir: str, out_dir: str, lrs: list[float]) 
     keys = [{k: g[k] for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")}
             | {"size": len(g["params"])} for g in optimizer.param_groups]  # fmt: skip
     torch.distributed.destroy_process_group()
-    return dict(losses=losses, weights_diff=weights_diff, groups=keys)
+    return dict(losses=losses, rates=rates, weights_diff=weights_diff, groups=keys)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import decoupled_workers as dw
 import train_workers as tw
 from megart.errors import ConfigError
-from megart.launcher import launch
+from megart.launcher import LaunchError, launch
+from megart.training.megatron_optimizer import MEGATRON_GROUP_KEYS, megatron_group_keys
 
 GPT2 = dict(vocab_size=256, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4)
 LLAMA = dict(GPT2, normalization="rmsnorm", position_embedding="rotary", bias=False,
@@ -39,6 +40,9 @@ def test_groups_are_megatron_cores(model, dmin):
     assert [g["weight_decay"] > 0 for g in ours] == [g["wd_mult"] > 0 for g in theirs]
     want = ["embedding.word_embeddings.weight"] + ["output_layer.weight"] * (model == "llama")
     assert ours[1]["names"] == theirs[1]["names"] == want
+    # What --ckpt-format torch files record of each group: Megatron-Core's keys.
+    written = megatron_group_keys(3e-3, 3e-4, (5e-4, 3e-4 if dmin is None else dmin))
+    assert written == [{k: g[k] for k in MEGATRON_GROUP_KEYS} for g in theirs]
     # The other groups hold the same parameters too (as many; the names differ by layer).
     assert [len(g["names"]) for g in ours] == [len(g["names"]) for g in theirs]
 
@@ -86,8 +90,21 @@ def test_stages_without_an_embedding_keep_the_group_and_every_rate_is_applied():
         assert groups[1]["lr"] != groups[0]["lr"]
 
 
-def test_decoupled_flags_that_cannot_work_are_refused():
+def test_decoupled_min_lr_alone_is_refused():
     with pytest.raises(ConfigError, match="--decoupled-min-lr is the floor .*give --decoupled-lr"):
         tw.tiny(decoupled_min_lr=1e-5).check(1)
-    with pytest.raises(ConfigError, match="--decoupled-lr with --ckpt-format torch"):
-        tw.tiny(decoupled_lr=1e-3, ckpt_format="torch").check(1)
+
+
+def _train(kw):
+    return tw.train(**kw)
+
+
+@pytest.mark.parametrize("fmt", ["megart", "torch"])
+def test_resuming_under_other_param_groups_names_decoupled_lr(tmp_path, fmt):
+    """A checkpoint saved without --decoupled-lr resumed with it (its optimizer state has one
+    group less than the run's) is refused naming the flag, in either checkpoint format."""
+    ckpt = str(tmp_path / "ckpt")
+    launch(_train, 1, dict(train_iters=2, save=ckpt, ckpt_format=fmt), timeout=300)
+    with pytest.raises(LaunchError, match="2 param groups and this run's optimizer 3 "
+                       r"\(--decoupled-lr adds one"):  # fmt: skip
+        launch(_train, 1, dict(train_iters=3, load=ckpt, decoupled_lr=5e-4), timeout=300)

@@ -14,14 +14,18 @@ from megart.errors import ConfigError
 from megart.launcher import launch
 from train_workers import SAME_RUN
 
+# A vocabulary that is padded (to 384 rows at tp1, 512 at tp2).
+LLAMA = dict(vocab_size=300, normalization="RMSNorm", position_embedding_type="rope",
+             swiglu=True, ffn_hidden_size=64, untie_embeddings_and_output_weights=True,
+             group_query_attention=True, num_query_groups=2)  # fmt: skip
 CONFIGS = {
     "gpt2": {},
-    # A vocabulary that is padded (to 384 rows at tp1, 512 at tp2).
-    "llama": dict(vocab_size=300, normalization="RMSNorm", position_embedding_type="rope",
-                  swiglu=True, ffn_hidden_size=64, untie_embeddings_and_output_weights=True,
-                  group_query_attention=True, num_query_groups=2),
-}  # fmt: skip
-CASES = [(name, tp) for name in CONFIGS for tp in (1, 2)]
+    "llama": LLAMA,
+    # --decoupled-lr: the word embedding and the (untied) output layer in a third group between
+    # the two, at their own rates (Megatron-Core's _get_param_groups, OptimizerParamScheduler).
+    "llama-decoupled-lr": dict(LLAMA, decoupled_lr=5e-4, decoupled_min_lr=1e-5),
+}
+CASES = [(name, tp) for name in ("gpt2", "llama") for tp in (1, 2)] + [("llama-decoupled-lr", 1)]
 
 
 def _train(kw):
@@ -43,8 +47,7 @@ def runs(tmp_path_factory):
         ours, theirs = str(tmp / "megart"), str(tmp / "megatron")
         launch(_train, tp, {**kw, "save": ours, "save_interval": 1, "exit_interval": 2,
                             "ckpt_format": "torch"}, timeout=300)  # fmt: skip
-        lrs = [h["lr"] for h in straight[1:3]]
-        megatron = launch(mow.resume_and_write, tp, kw, ours, theirs, lrs, timeout=300)
+        megatron = launch(mow.resume_and_write, tp, kw, ours, theirs, timeout=300)
         resumed = launch(_train, tp, {**kw, "load": theirs}, timeout=300)[0]
         out[name, tp] = dict(kw=kw, straight=straight, megatron=megatron, resumed=resumed,
                              dir=theirs)  # fmt: skip
@@ -55,10 +58,18 @@ def runs(tmp_path_factory):
 def test_megatron_core_resumes_megarts_optimizer_state(runs, name, tp):
     r = runs[name, tp]
     want = [h["loss"] for h in r["straight"][1:3]]
+    decoupled = "decoupled_lr" in r["kw"]
     for rank in r["megatron"]:
-        # Its two groups, as Megatron-Core made them, each the size megart wrote.
-        assert [(g["wd_mult"], g["lr_mult"]) for g in rank["groups"]] == [(1.0, 1.0), (0.0, 1.0)]
+        # Its groups, as Megatron-Core made them, each the size megart wrote.
+        mults = [(1.0, 1.0)] * (1 + decoupled) + [(0.0, 1.0)]
+        assert [(g["wd_mult"], g["lr_mult"]) for g in rank["groups"]] == mults
         assert all(g["size"] > 0 for g in rank["groups"])
+        if decoupled:  # the word embedding and the output layer
+            assert rank["groups"][1]["size"] == 2
+        # Its scheduler gives the plain groups megart's rates, the decoupled group its own.
+        for rates, h in zip(rank["rates"], r["straight"][1:3], strict=True):
+            assert rates[0] == rates[-1] == pytest.approx(h["lr"], rel=1e-12)
+            assert (rates[1] != rates[0]) == decoupled
         assert rank["weights_diff"] < 1e-6  # its step from megart's state is megart's step
         assert rank["losses"] == pytest.approx(want, **SAME_RUN)
 

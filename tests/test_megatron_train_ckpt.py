@@ -28,8 +28,10 @@ SCENARIOS = {  # name: (processes, flags)
     ),
     "bf16": (1, dict(bf16=True)),
     # The distributed optimizer's distrib_optim.pt: two model chunks per rank (a buffer each),
-    # data-parallel 2, fp16 (its grad scaler beside the param groups).
-    "interleaved-dp2-fp16-distributed-optimizer": (
+    # data-parallel 2, fp16 (its grad scaler beside the param groups), --decoupled-lr (a third
+    # param group: the word embedding in the first stage's chunk 0, its tied copy in the last
+    # stage's chunk 1).
+    "interleaved-dp2-fp16-distributed-optimizer-decoupled-lr": (
         4,
         dict(
             pipeline_model_parallel_size=2,
@@ -37,6 +39,8 @@ SCENARIOS = {  # name: (processes, flags)
             use_distributed_optimizer=True,
             fp16=True,
             initial_loss_scale=1024,
+            decoupled_lr=5e-4,
+            decoupled_min_lr=1e-5,
         ),
     ),
 }
@@ -190,13 +194,20 @@ def test_a_torch_format_checkpoint_reshards_on_load(runs):
 def test_distributed_optimizer_files_hold_a_buffer_per_model_chunk(runs):
     """With --use-distributed-optimizer: distrib_optim.pt beside each rank file, one buffer
     per model chunk under fp16's (param, grad) dtypes, and the grad scaler in the rank file
-    beside DistributedOptimizer's param groups."""
-    ckpt = runs["interleaved-dp2-fp16-distributed-optimizer"][1]
+    beside DistributedOptimizer's param groups (three, with --decoupled-lr)."""
+    ckpt = runs["interleaved-dp2-fp16-distributed-optimizer-decoupled-lr"][1]
     for stage in range(2):
         rank = iteration_dir(ckpt, 2) / f"mp_rank_00_{stage:03d}"
         state = _raw(rank / FILE)
         assert set(state) >= {"model0", "model1"}
         assert set(state["optimizer"]) == {"optimizer", "grad_scaler"}
+        # DistributedOptimizer.state_dict()'s groups carry no parameters; --decoupled-lr's is
+        # the middle one, at its own rates.
+        groups = state["optimizer"]["optimizer"]["param_groups"]
+        lr, floor = state["args"].lr, state["args"].min_lr
+        assert [(g["wd_mult"], g["default_config"], g["max_lr"], g["min_lr"]) for g in groups] == [
+            (1.0, True, lr, floor), (1.0, False, 5e-4, 1e-5), (0.0, True, lr, floor)
+        ]  # fmt: skip
         saved = torch.load(rank / "distrib_optim.pt", weights_only=True)
         assert set(saved) == {"buckets_coalesced", 0, 1}
         assert all(list(saved[c]) == [(torch.float16, torch.float16)] for c in (0, 1))

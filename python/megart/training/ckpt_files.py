@@ -95,6 +95,14 @@ def in_live_order(
     Megatron's layout list them in another order than megart's optimizer."""
     live = optimizer_params(chunks, optimizer)
     saved_params = [(int(c), str(n)) for c, n in saved_params]
+    ours, theirs = len(optimizer.param_groups), len(saved["param_groups"])
+    if ours != theirs:  # before anything else: torch's load would say only that they differ
+        raise ConfigError(
+            f"--load {where}: the saved optimizer state has {theirs} param groups and this "
+            f"run's optimizer {ours} (--decoupled-lr adds one, for the embedding and output "
+            "layer): resume with the optimizer flags it was saved with, or with --no-load-optim "
+            "(fresh optimizer state)"
+        )
     if not saved_params or saved_params == live:
         return saved
     ids = [i for group in saved["param_groups"] for i in group["params"]]

@@ -36,7 +36,7 @@ from megart.errors import ConfigError
 from megart.training import checksum
 from megart.training.megatron_files import LOAD_GLOBALS, model_chunks
 from megart.training.megatron_layout import OUTPUT, WORD
-from megart.training.megatron_optimizer import param_groups_of
+from megart.training.megatron_optimizer import is_decoupled, param_groups_of
 
 DISTRIB_FILE = "distrib_optim.pt"
 KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -150,7 +150,7 @@ def split(state: dict[str, Any], pp_rank: int) -> tuple[dict[str, Any], dict[str
     optimizer = state["optimizer"]
     half = "fp32_from_fp16_params" in optimizer
     inner = optimizer["optimizer"] if half else optimizer
-    groups = param_groups_of(chunks)
+    groups = param_groups_of(chunks, is_decoupled(args))
     numbered = [p for group in groups for p in group]
     moments = {numbered[i]: s for i, s in inner["state"].items()}
     # The fp32 main copies: the masters under --fp16/--bf16, else the weights themselves.
@@ -235,13 +235,14 @@ def join(state: dict[str, Any], path: Path) -> dict[str, Any]:
         )
     chunks = model_chunks(state)
     loaded = read_param_state(path)
-    groups = param_groups_of(chunks)
+    groups = param_groups_of(chunks, is_decoupled(args))
     saved_groups = optimizer["optimizer"]["param_groups"]
     if len(saved_groups) != len(groups):
         raise ConfigError(
-            f"{path}: its optimizer has {len(saved_groups)} param groups, not Megatron-Core's "
-            "two default ones (weight decay on matrices, none on biases and norms); resume "
-            "with --no-load-optim"
+            f"{path}: its optimizer has {len(saved_groups)} param groups, not the "
+            f"{len(groups)} of Megatron-Core's for its flags (weight decay on matrices, none on "
+            "biases and norms, --decoupled-lr's between them): saved with other optimizer "
+            "overrides, which megart does not have; resume with --no-load-optim"
         )
     buffers = sorted(k for k in loaded if isinstance(k, int))
     if buffers != list(range(len(chunks))) or any(len(loaded[c]) != 1 for c in buffers):

@@ -48,6 +48,7 @@ from megart.training.megatron_layout import OUTPUT, WORD, with_extra_states
 from megart.training.megatron_optimizer import (
     from_megatron_optimizer,
     in_megatron_order,
+    is_decoupled,
     megatron_group_keys,
     param_groups_of,
     to_megatron_optimizer,
@@ -200,6 +201,14 @@ def _chunk_from_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, first: boo
     return out
 
 
+def _decoupled_rates(config: Any) -> tuple[float, float] | None:
+    """--decoupled-lr's peak and floor (the floor --min-lr's unless --decoupled-min-lr)."""
+    if config.decoupled_lr is None:
+        return None
+    floor = config.decoupled_min_lr
+    return config.decoupled_lr, config.min_lr if floor is None else floor
+
+
 def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int) -> dict[str, Any]:
     """megart's file of one rank (megart.training.checkpoint.file_state, ``cfg`` its model,
     ``dp`` data-parallel ranks) in Megatron-LM's legacy layout, keeping what megart needs
@@ -220,7 +229,7 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
             state["model"],
             model,
             lambda c, sd: chunk_names_to_megatron(sd, cfg, layers[c]),
-            megatron_group_keys(config.lr, config.min_lr),
+            megatron_group_keys(config.lr, config.min_lr, _decoupled_rates(config)),
         )
     if optimizer is not None and half is not None:
         # The fp32 weights are the master copies; the model holds their 16-bit casts.
@@ -328,10 +337,11 @@ def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
         return _chunk_from_megatron(sd, cfg, firsts[c])
 
     optimizer, params = state.get("optimizer"), extra.get("optimizer_params", [])
+    decoupled = is_decoupled(vars(state["args"]))
     if optimizer is not None and extra["half"]:
         if extra.get("optimizer_layout") == "megatron":
             masters: list[dict[str, torch.Tensor]] = [{} for _ in saved]
-            groups = param_groups_of(saved)
+            groups = param_groups_of(saved, decoupled)
             for group, tensors in zip(groups, optimizer["fp32_from_fp16_params"], strict=True):
                 for (c, name), master in zip(group, tensors, strict=True):
                     masters[c][name] = master
@@ -345,7 +355,9 @@ def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
                     model[c][n] = master
         optimizer = optimizer["optimizer"]
     if optimizer is not None and extra.get("optimizer_layout") == "megatron":
-        optimizer, params = from_megatron_optimizer(optimizer, saved, model, back, str(path))
+        optimizer, params = from_megatron_optimizer(
+            optimizer, saved, model, back, str(path), decoupled
+        )
     rng = None
     if state.get("rng_state"):
         r = state["rng_state"][0]

@@ -198,11 +198,6 @@ def check_megatron_flags(config: Any) -> None:
             "--decoupled-min-lr is the floor of --decoupled-lr's group: give --decoupled-lr "
             "too (Megatron ignores it without; megart refuses rather than ignore it)"
         )
-    if config.decoupled_lr is not None and config.ckpt_format == "torch":
-        raise ConfigError(
-            "--decoupled-lr with --ckpt-format torch: megart writes Megatron's two default "
-            "param groups only, not yet the decoupled one; use --ckpt-format megart"
-        )
     if config.grad_reduce_in_bf16 and not config.bf16:
         raise ConfigError(
             "--grad-reduce-in-bf16 reduces a --bf16 run's gradients in bf16: add --bf16 (Megatron "

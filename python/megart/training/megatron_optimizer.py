@@ -4,15 +4,18 @@ as Megatron-LM's non-distributed optimizer holds it for the same model, and back
 Megatron-Core (megatron/core/optimizer/__init__.py, ``_get_param_groups``) puts a model's
 parameters into param groups keyed by their overrides, sorted with the plain group first: with
 its default config two groups, weight decay on every parameter but biases and 1-d ones (the
-plain group: ``wd_mult`` 1) and none on those (``wd_mult`` 0). Each group lists its parameters
-in the order of GPTModel's ``named_parameters()``, model chunk after model chunk, and carries
-Megatron's keys besides torch's (``wd_mult``, ``lr_mult``, ``is_expert_parallel``,
-``is_decoupled_lr``, ``default_config``, ``max_lr``, ``min_lr``). torch's state dict numbers the
-parameters group after group; each one's state (``step``, ``exp_avg``, ``exp_avg_sq``) has its
-parameter's shape. megart's groups split by the same rule (matrices decayed, vectors not), so
-the groups match one to one; the order and the shapes (SwiGLU's gate and up as one
-``linear_fc1``) differ, and every state tensor goes through the weights' own mapping (a scalar
-such as ``step`` broadcast to its parameter's shape, mapped, and read back from one element).
+plain group: ``wd_mult`` 1) and none on those (``wd_mult`` 0); with --decoupled-lr a third
+between them, the word embedding and the output layer (decayed, their own ``max_lr`` and
+``min_lr``, ``default_config`` False; the file's args say whether it is there). Each group
+lists its parameters in the order of GPTModel's ``named_parameters()``, model chunk after
+model chunk, and carries Megatron's keys besides torch's (``wd_mult``, ``lr_mult``,
+``is_expert_parallel``, ``is_decoupled_lr``, ``default_config``, ``max_lr``, ``min_lr``).
+torch's state dict numbers the parameters group after group; each one's state (``step``,
+``exp_avg``, ``exp_avg_sq``) has its parameter's shape. megart's groups split by the same rules
+(megart.training.optimizer), so the groups match one to one; the order and the shapes
+(SwiGLU's gate and up as one ``linear_fc1``) differ, and every state tensor goes through the
+weights' own mapping (a scalar such as ``step`` broadcast to its parameter's shape, mapped, and
+read back from one element).
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ from typing import Any
 import torch
 
 from megart.errors import ConfigError
+from megart.training.optimizer import DECOUPLED
+
+# Megatron-Core's parameters of --decoupled-lr's group (is_embedding_or_output_parameter: the
+# word embedding, the output layer and, on a tied model's last stage, the copy it holds there).
+EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 # One model chunk's state dict of parameter -> tensor: megart's names <-> Megatron-Core's.
 ChunkMap = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -79,28 +87,64 @@ def decayed(name: str, tensor: torch.Tensor) -> bool:
     return not (tensor.dim() == 1 or name.endswith(".bias"))
 
 
-def megatron_group_keys(lr: float, min_lr: float) -> list[dict[str, Any]]:
-    """Megatron-Core's keys of its two default groups (decayed, then not), for --lr ``lr``."""
-    return [
-        {"is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult,
-         "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": lr, "min_lr": min_lr}
-        for wd_mult in (1.0, 0.0)
-    ]  # fmt: skip
+def megatron_group_keys(
+    lr: float, min_lr: float, decoupled: tuple[float, float] | None = None
+) -> list[dict[str, Any]]:
+    """Megatron-Core's keys of its default groups (decayed, then not), for --lr ``lr``; with
+    ``decoupled`` (--decoupled-lr's peak and floor) the embedding's and output layer's group
+    between them, as megatron-core 0.16.1 keys it (an override: not ``default_config``, and
+    ``is_decoupled_lr`` left False)."""
+
+    def keys(wd_mult: float, top: float, floor: float, default: bool) -> dict[str, Any]:
+        return {
+            "is_expert_parallel": False,
+            "default_config": default,
+            "wd_mult": wd_mult,
+            "lr_mult": 1.0,
+            "is_decoupled_lr": False,
+            "max_lr": top,
+            "min_lr": floor,
+        }
+
+    middle = [] if decoupled is None else [keys(1.0, *decoupled, default=False)]
+    return [keys(1.0, lr, min_lr, True), *middle, keys(0.0, lr, min_lr, True)]
 
 
-def param_groups_of(chunks: list[dict[str, Any]]) -> list[list[tuple[int, str]]]:
-    """Megatron's two param groups of a rank's model chunks (Megatron-Core names, in
-    named_parameters order): (chunk, name) of each parameter, decayed ones first."""
+def is_decoupled(args: dict[str, Any]) -> bool:
+    """Whether a file's optimizer has --decoupled-lr's group (its args: Megatron's or megart's)."""
+    return args.get("decoupled_lr") is not None
+
+
+def param_groups_of(
+    chunks: list[dict[str, Any]], decoupled: bool = False
+) -> list[list[tuple[int, str]]]:
+    """Megatron's param groups of a rank's model chunks (Megatron-Core names, in
+    named_parameters order): (chunk, name) of each parameter, decayed ones first, with
+    ``decoupled`` the embedding and output layer in a group of their own before the rest."""
     named = [
         (c, name, value)
         for c, chunk in enumerate(chunks)
         for name, value in chunk.items()
         if isinstance(value, torch.Tensor) and not name.endswith("_extra_state")
     ]
+    own = [(c, n) for c, n, _ in named if decoupled and n in EMBEDDING_OR_OUTPUT]
     return [
-        [(c, n) for c, n, v in named if decayed(n, v)],
+        [(c, n) for c, n, v in named if decayed(n, v) and (c, n) not in own],
+        *([own] if decoupled else []),
         [(c, n) for c, n, v in named if not decayed(n, v)],
     ]
+
+
+def _megart_groups(
+    model: list[dict[str, torch.Tensor]], decoupled: bool
+) -> list[list[tuple[int, str]]]:
+    """megart's param groups of its chunks (megart.training.optimizer.param_groups' rules)."""
+    groups: list[list[tuple[int, str]]] = [[], [], []] if decoupled else [[], []]
+    for c, chunk in enumerate(model):
+        for name, value in chunk.items():
+            own = decoupled and name in DECOUPLED
+            groups[1 if own else 0 if value.dim() >= 2 else -1].append((c, name))
+    return groups
 
 
 def _map_states(
@@ -142,12 +186,15 @@ def to_megatron_optimizer(
     its numbering; ``model``: megart's chunks) as Megatron's non-distributed optimizer holds it
     for ``megatron_model`` (the same chunks under Megatron-Core's names, in its order);
     ``group_keys``: Megatron's keys of each group. Returns it and its groups' (chunk, name)."""
-    if len(optimizer["param_groups"]) != 2:
-        raise ConfigError("megart's optimizer has other param groups than Megatron's two")
+    if len(optimizer["param_groups"]) != len(group_keys):
+        raise ConfigError(
+            f"megart's optimizer has {len(optimizer['param_groups'])} param groups where "
+            f"Megatron's have {len(group_keys)}"
+        )
     ids = [i for group in optimizer["param_groups"] for i in group["params"]]
     states = [optimizer["state"].get(i, {}) for i in ids]
     mapped = _map_states(states, params, model, chunk_map) if any(states) else {}
-    groups = param_groups_of(megatron_model)
+    groups = param_groups_of(megatron_model, decoupled=len(group_keys) == 3)
     state, index, param_groups = {}, 0, []
     for ours, members, keys in zip(optimizer["param_groups"], groups, group_keys, strict=True):
         numbers = list(range(index, index + len(members)))
@@ -164,20 +211,22 @@ def from_megatron_optimizer(
     model: list[dict[str, torch.Tensor]],
     chunk_map: ChunkMap,
     where: str,
+    decoupled: bool = False,
 ) -> tuple[dict[str, Any], list[tuple[int, str]]]:
     """Megatron's non-distributed optimizer state dict of ``megatron_model`` (its chunks as
     the file holds them, in GPTModel's order) as megart's: its state dict and the (chunk,
     name) of each parameter in its numbering (``model``: megart's chunks, for the shapes).
-    A state that does not fit Megatron's default param groups is refused, naming ``where``."""
-    groups = param_groups_of(megatron_model)
+    ``decoupled``: the file was saved with --decoupled-lr (its args say). A state that does
+    not fit Megatron's param groups is refused, naming ``where``."""
+    groups = param_groups_of(megatron_model, decoupled)
     saved = optimizer["param_groups"]
     sizes = [len(g["params"]) for g in saved]
     if sizes != [len(g) for g in groups]:
+        kind = "--decoupled-lr's" if decoupled else "default"
         raise ConfigError(
             f"{where}: its optimizer has param groups of {sizes} parameters, but Megatron-Core's "
-            f"default groups (weight decay on matrices, none on biases and norms) of this model "
-            f"hold {[len(g) for g in groups]}: saved with other optimizer overrides (say "
-            "--decoupled-lr), which megart does not have; resume with --no-load-optim"
+            f"{kind} groups of this model hold {[len(g) for g in groups]}: saved with other "
+            "optimizer overrides, which megart does not have; resume with --no-load-optim"
         )
     ids = [i for g in saved for i in g["params"]]
     names = [p for g in groups for p in g]
@@ -195,16 +244,16 @@ def from_megatron_optimizer(
             )
         states.append(state)
     mapped = _map_states(states, names, megatron_model, chunk_map) if any(states) else {}
-    ours: list[list[tuple[int, str]]] = [[], []]
-    for c, chunk in enumerate(model):
-        for name, value in chunk.items():
-            ours[0 if value.dim() >= 2 else 1].append((c, name))
+    ours = _megart_groups(model, decoupled)
     state, param_groups, index = {}, [], 0
     for members, group in zip(ours, saved, strict=True):
         numbers = list(range(index, index + len(members)))
         state.update({i: mapped[p] for i, p in zip(numbers, members, strict=True) if p in mapped})
         index += len(members)
-        drop = {"params", "step", *MEGATRON_GROUP_KEYS}
+        # megart's decoupled group keeps its peak and floor (what its step reads); Megatron's
+        # other keys are rebuilt on writing.
+        keep = ("max_lr", "min_lr") if group.get("default_config") is False else ()
+        drop = {"params", "step", *MEGATRON_GROUP_KEYS} - set(keep)
         param_groups.append({**{k: v for k, v in group.items() if k not in drop},
                              "params": numbers})  # fmt: skip
     return {"state": state, "param_groups": param_groups}, [p for g in ours for p in g]
