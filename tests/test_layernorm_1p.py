@@ -1,18 +1,27 @@
 """--apply-layernorm-1p (Megatron's layernorm_zero_centered_gamma): every norm's weight is
 stored zero-centred, starts at 0 and scales by 1 + weight. The norms against that formula in
 float64 (LayerNorm and RMSNorm, megart's LayerNorm kernel path and torch's, values and
-gradients); a 1p model against the ordinary model holding 1 + its norm weights."""
+gradients); a 1p model against the ordinary model holding 1 + its norm weights; megart train
+with the flag, its checkpoints' record of it and --load's refusal of the other setting."""
+
+import argparse
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import megatron_workers as mw
+from megart.launcher import launch
 from megart.models import GPT, GPTConfig
 from megart.models.blocks import apply_norm, norm
+from megart.training.checkpoint import FILE, iteration_dir
 from megart.training.config import TrainConfig
+from megart.training.export_hf import export_checkpoint
+from megart.training.megatron_files import config_from_args, megatron_args
 from megart.training.optimizer import param_groups
 
+safetensors = pytest.importorskip("safetensors.torch")
 NORM_WEIGHTS = ("ln_1.weight", "ln_2.weight", "ln_f.weight")
 
 
@@ -113,3 +122,46 @@ def test_zero_centred_weights_are_not_decayed():
     undecayed = {id(p) for g in groups if g["weight_decay"] == 0 for p in g["params"]}
     norms = [p for n, p in model.named_parameters() if n.endswith(NORM_WEIGHTS)]
     assert len(norms) == 5 and all(id(p) in undecayed for p in norms)
+
+
+def test_megatrons_args_record_and_give_the_option():
+    cfg = _small(apply_layernorm_1p=True, ffn_hidden_size=128)  # as Megatron's args give it
+    args = megatron_args(cfg, iteration=3)
+    assert args.apply_layernorm_1p is True
+    assert config_from_args(vars(args)) == cfg
+    assert not config_from_args(vars(megatron_args(_small(), 3))).apply_layernorm_1p
+    # Files from before the flag existed are ordinary models.
+    del args.apply_layernorm_1p
+    assert not config_from_args(vars(args)).apply_layernorm_1p
+
+
+TRAIN = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 256 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0"
+).split()
+
+
+def _train(argv: list[str]) -> tuple[int, str]:
+    return launch(mw.run_cli, 1, argv, timeout=120)[0]
+
+
+def test_megart_train_with_the_flag_saves_zero_centred_weights_and_loads_only_with_it(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    argv = [*TRAIN, "--apply-layernorm-1p", "--ckpt-format", "torch", "--save", ckpt]
+    status, out = _train([*argv, "--train-iters", "2"])
+    assert status == 0 and "iteration     2/2" in out, out
+    state = torch.load(iteration_dir(ckpt, 2) / "mp_rank_00" / FILE, weights_only=False)
+    assert isinstance(state["args"], argparse.Namespace) and state["args"].apply_layernorm_1p
+    assert state["megart"]["model_config"]["apply_layernorm_1p"]
+    # Megatron's names, stored as trained: two Adam steps of 1e-3 move them from 0, not 1.
+    norms = [v for k, v in state["model"].items() if k.endswith("layernorm.weight")]
+    assert len(norms) == 5 and all(v.abs().max() < 0.01 for v in norms)
+    # Hugging Face's GPT-2 holds the scale itself.
+    hf = export_checkpoint(ckpt, tmp_path / "hf")
+    final = safetensors.load_file(str(hf / "model.safetensors"))["transformer.ln_f.weight"]
+    assert torch.equal(final, state["model"]["decoder.final_layernorm.weight"] + 1)
+    status, out = _train([*TRAIN, "--load", ckpt, "--train-iters", "3"])
+    assert status == 2, out
+    assert "saved with --apply-layernorm-1p (now no --apply-layernorm-1p)" in out, out
+    status, out = _train([*argv, "--load", ckpt, "--train-iters", "3"])
+    assert status == 0 and "iteration     3/3" in out and "iteration     2/" not in out, out
