@@ -4,7 +4,6 @@ a launched process, since Megatron-Core keeps its parallel state in module globa
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +47,7 @@ def megatron_model(
         num_query_groups=cfg.query_groups,
         ffn_hidden_size=cfg.ffn_size,
         layernorm_epsilon=cfg.layernorm_epsilon,
+        layernorm_zero_centered_gamma=cfg.apply_layernorm_1p,
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         add_bias_linear=cfg.bias,
         gated_linear_unit=swiglu,
@@ -67,24 +67,55 @@ def megatron_model(
         pipeline_dtype=torch.float32 if pp > 1 else None,
     )
     rope = cfg.position_embedding == "rotary"
-    build = functools.partial(
-        GPTModel,
-        config,
-        get_gpt_layer_local_spec(normalization=config.normalization),
-        vocab_size=cfg.padded_vocab_size(tp),
-        max_sequence_length=cfg.seq_length,
-        position_embedding_type="rope" if rope else "learned_absolute",
-        rotary_base=int(cfg.rotary_base),
-        share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
-        pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),
-        vp_stage=vp_stage,
-    )
-    if pp == 1:
-        return build().double()
+    norms = zero_centred_layer_norm() if cfg.apply_layernorm_1p else contextlib.nullcontext()
     # The stages' tied embedding copies are made equal by an all-reduce of CUDA tensors.
-    with cuda_stays_on_cpu():
-        return build().double()
+    cuda = cuda_stays_on_cpu() if pp > 1 else contextlib.nullcontext()
+    with norms, cuda:
+        return GPTModel(
+            config,
+            get_gpt_layer_local_spec(normalization=config.normalization),
+            vocab_size=cfg.padded_vocab_size(tp),
+            max_sequence_length=cfg.seq_length,
+            position_embedding_type="rope" if rope else "learned_absolute",
+            rotary_base=int(cfg.rotary_base),
+            share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+            pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),
+            vp_stage=vp_stage,
+        ).double()
+
+
+class _TorchLayerNormAffine:
+    """A stand-in for apex's FusedLayerNormAffineFunction (same arguments), computed by torch:
+    Megatron-Core's FusedLayerNorm, the one norm of its local spec with zero-centred gamma,
+    calls it with the scale it made from its weight."""
+
+    @staticmethod
+    def forward(input, weight, bias, normalized_shape, eps):
+        return F.layer_norm(input, normalized_shape, weight, bias, eps)
+
+    apply = forward
+
+
+@contextlib.contextmanager
+def zero_centred_layer_norm():
+    """Megatron-Core's local spec with its FusedLayerNorm (what it takes with apex installed)
+    in place of torch's norm, which refuses zero-centred gamma, for the layers' norms and the
+    final one; apex's kernel replaced by torch's function."""
+    from unittest import mock
+
+    from megatron.core.fusions import fused_layer_norm as fused
+    from megatron.core.models import backends
+    from megatron.core.transformer import transformer_block
+
+    # Looked up at each forward: installed for good (only FusedLayerNorm calls it).
+    fused.FusedLayerNormAffineFunction = _TorchLayerNormAffine
+    with (
+        mock.patch.object(fused, "HAVE_FUSED_LAYER_NORM", True),
+        mock.patch.object(backends, "LNImpl", fused.FusedLayerNorm),
+        mock.patch.object(transformer_block, "LayerNormImpl", fused.FusedLayerNorm),
+    ):
+        yield
 
 
 @contextlib.contextmanager

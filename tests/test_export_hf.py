@@ -214,3 +214,38 @@ def test_an_mlp_size_other_than_4h_is_written_as_n_inner(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["n_inner"] == 24
     hf, ours = logits(tmp_path)
     torch.testing.assert_close(hf, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_a_1p_model_exports_its_scale_and_imports_back_zero_centred(tmp_path):
+    """--apply-layernorm-1p: GPT-2's LayerNorm holds the scale itself, 1 + the zero-centred
+    weight, and transformers computes the 1p model's logits; import-hf --apply-layernorm-1p
+    stores the weights zero-centred again, the same network."""
+    model = GPT(small(apply_layernorm_1p=True)).eval()
+    norms = ("ln_1.weight", "ln_2.weight", "ln_f.weight")
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(norms):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model.save_hf_gpt2(str(tmp_path / "hf"))
+    written = tensors(tmp_path / "hf")
+    for name, p in model.named_parameters():
+        if name.endswith(norms):
+            gpt2_name = "transformer." + name.removeprefix("chunk.").replace("blocks.", "h.")
+            assert torch.equal(written[gpt2_name], p.detach() + 1), name
+    x = torch.randint(0, 64, (2, 8), generator=g)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(hf(x).logits, expected, rtol=1e-5, atol=1e-5)
+    ckpt = tmp_path / "ckpt"
+    argv = ["import-hf", "--input", str(tmp_path / "hf"), "--save", str(ckpt)]
+    assert megart_main([*argv, "--apply-layernorm-1p"]) == 0
+    state = torch.load(ckpt / "iter_0000000" / "mp_rank_00" / FILE, weights_only=False)
+    assert state["model_config"]["apply_layernorm_1p"]
+    back = GPT(small(apply_layernorm_1p=True)).eval()
+    back.chunk.load_state_dict(state["model"][0])
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(back.get_parameter(name), p, rtol=0, atol=1e-7, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), expected, rtol=1e-5, atol=1e-5)

@@ -31,6 +31,8 @@ def assert_same(result, reference, rtol=1e-5):
                 "position_embedding": "rotary",
                 "activation": "swiglu",
                 "bias": False,
+                # Zero-centred norm weights: the gamma sum under sequence parallelism.
+                "apply_layernorm_1p": True,
             },
         ),
     ],

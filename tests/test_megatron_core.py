@@ -3,7 +3,7 @@ index, local transformer spec, CPU, float64): Megatron-Core loads megart's weigh
 (names mapped by megart.models.megatron_names) and computes the same logits, and megart loads a
 Megatron-Core model's weights and computes its logits, for GPT-2-style and Llama-style models
 (RMSNorm, rope rotating halves or, with --rotary-interleaved, adjacent pairs, SwiGLU, GQA,
-untied output layer)."""
+untied output layer), and with --apply-layernorm-1p (zero-centred LayerNorm weights)."""
 
 import pytest
 
@@ -19,6 +19,8 @@ CONFIGS = {
     "llama": LLAMA,
     "llama-interleaved-mqa": {**LLAMA, "rotary_interleaved": True, "num_query_groups": 1},
     "rope-gelu-tied-base-500": dict(position_embedding="rotary", rotary_base=500.0),
+    # Its FusedLayerNorm with zero-centred gamma (apex's kernel replaced by torch's function).
+    "gpt2-layernorm-1p": dict(apply_layernorm_1p=True),
 }
 
 

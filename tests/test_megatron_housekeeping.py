@@ -42,8 +42,12 @@ LLAMA3 = """
 --ckpt-format torch_dist --distributed-timeout-minutes 60 --save {ckpt} --load {ckpt}
 --tensorboard-dir {board}
 """
+# The script's default DTYPE=fp8 adds these (where bf16 gives --bf16): megart has no FP8.
+LLAMA3_FP8 = (
+    "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather"
+)
 # What megart cannot do of it: refused together, each by name.
-LLAMA3_REFUSED = ["--apply-layernorm-1p"]
+LLAMA3_REFUSED = [flag for flag in LLAMA3_FP8.split() if flag.startswith("--")]
 
 
 def _llama3(tmp_path, drop=(), replace=None) -> list[str]:
@@ -61,27 +65,37 @@ def _llama3(tmp_path, drop=(), replace=None) -> list[str]:
 
 
 def test_the_llama3_example_is_refused_naming_what_megart_cannot_do(tmp_path):
+    # With bf16 only its checkpoint format is refused (the profiler's check comes later).
     status, out = mw.run_cli(_llama3(tmp_path))
+    assert status == 2 and "iteration" not in out
+    assert "--ckpt-format torch_dist (Megatron's distributed format) is not one" in out, out
+    # With fp8 every fp8 flag is refused, in one line.
+    status, out = mw.run_cli(_llama3(tmp_path) + LLAMA3_FP8.split())
     assert status == 2 and "iteration" not in out
     for flag in LLAMA3_REFUSED:
         assert f"{flag}: megart" in out, out
     assert out.count("megart train: error") == 1, out  # one line for all of them
 
 
-def test_the_llama3_example_runs_without_what_megart_cannot_do(tmp_path):
-    """On two data-parallel ranks (the distributed optimizer with both overlaps, gradients
-    reduced in bf16, the embedding and output layer at --decoupled-lr), its refused flag left
-    out, megart's checkpoint format for torch_dist (--ckpt-format torch does not hold the
-    decoupled group yet), and on this CPU torch's profiler (the script's --profile opens an
-    nsys range, which needs a GPU)."""
+def test_the_llama3_example_runs_with_megarts_checkpoint_format(tmp_path):
+    """On two data-parallel ranks (zero-centred norm weights, the distributed optimizer with
+    both overlaps, gradients reduced in bf16, the embedding and output layer at
+    --decoupled-lr), megart's checkpoint format for torch_dist (--ckpt-format torch does not
+    hold the decoupled group yet), and on this CPU torch's profiler (the script's --profile
+    opens an nsys range, which needs a GPU): every other flag as the script gives it."""
     on_cpu = {"torch_dist": "megart", "--profile ": "--profile --use-pytorch-profiler "}
-    argv = _llama3(tmp_path, drop=LLAMA3_REFUSED, replace=on_cpu)
+    argv = _llama3(tmp_path, replace=on_cpu)
+    assert "--apply-layernorm-1p" in argv
     results = launch(mw.run_cli, 2, argv, timeout=300)
     status, out = results[0]
     assert [r[0] for r in results] == [0, 0], out
     assert "iteration     6/6 | consumed samples 48 |" in out  # --train-samples 48 / 8
     assert "validation loss at iteration 6" in out
     assert checkpoint.latest_iteration(tmp_path / "ckpt") == 6
+    saved = checkpoint.read_file(
+        tmp_path / "ckpt" / "iter_0000006" / "mp_rank_00" / checkpoint.FILE
+    )
+    assert saved["model_config"]["apply_layernorm_1p"]
     for rank in (0, 1):  # Megatron's place and schedule: steps 2 and 3 active
         trace = json.load(gzip.open(tmp_path / "torch_profile" / f"rank-{rank}.json.gz"))
         steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("Prof")}

@@ -121,6 +121,7 @@ def test_lr_flags_reach_the_schedule_and_the_default_is_unchanged():
         (["--normalization", "RMSNorm"], "normalization", "rmsnorm"),
         (["--position-embedding-type", "rope"], "position_embedding", "rotary"),
         (["--disable-bias-linear"], "bias", False),
+        (["--apply-layernorm-1p"], "apply_layernorm_1p", True),
     ],
 )
 def test_each_architecture_flag_reaches_gpt_config(argv, field, value):

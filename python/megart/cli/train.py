@@ -66,6 +66,8 @@ HELP = {
     "layernorm_epsilon": "epsilon of LayerNorm and RMSNorm (also --norm-epsilon, Megatron's "
     "newer name)",
     "normalization": "LayerNorm or RMSNorm",
+    "apply_layernorm_1p": "store every norm's weight zero-centred: initialised to 0, the norm "
+    "scales by 1 + weight (LayerNorm and RMSNorm; Megatron's layernorm_zero_centered_gamma)",
     "position_embedding_type": "learned_absolute (GPT-2's) or rope (rotary, base 10000)",
     "swiglu": "SwiGLU MLP (three matrices) instead of GeLU",
     "disable_bias_linear": "no biases in the linear layers (unlike Megatron, LayerNorm loses "

@@ -35,26 +35,50 @@ def generator(seed: int, *where: object) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+def gamma(module: nn.Module) -> torch.Tensor:
+    """The scale a norm multiplies by: its weight, or 1 + weight when the weight is stored
+    zero-centred (Megatron's --apply-layernorm-1p)."""
+    return module.weight + 1 if getattr(module, "zero_centered_gamma", False) else module.weight
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, zero_centered_gamma: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.zero_centered_gamma = zero_centered_gamma
+        # Either way the initial scale is 1.
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered_gamma else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * (
-            self.weight
+            gamma(self)
         )
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm, with the option of a zero-centred weight: stored as scale - 1, so that
+    the initial weight is zero (as Megatron's --apply-layernorm-1p); the bias is unchanged."""
+
+    def __init__(self, dim: int, eps: float, bias: bool, zero_centered_gamma: bool) -> None:
+        super().__init__(dim, eps=eps, bias=bias)
+        self.zero_centered_gamma = zero_centered_gamma
+        if zero_centered_gamma:
+            with torch.no_grad():
+                self.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, gamma(self), self.bias, self.eps)
 
 
 def norm(cfg: GPTConfig, sequence_parallel: bool) -> nn.Module:
     """A LayerNorm or RMSNorm. Under sequence parallelism each rank normalises its own slice of
     the sequence, so the weights' gradients are partial sums, marked for a sum across t."""
+    centred = cfg.apply_layernorm_1p
     if cfg.normalization == "rmsnorm":
-        module: nn.Module = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon)
+        module: nn.Module = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, centred)
     else:
-        module = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, bias=cfg.bias)
+        module = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, cfg.bias, centred)
     for p in module.parameters():
         p.sequence_parallel = sequence_parallel
     return module
@@ -63,7 +87,9 @@ def norm(cfg: GPTConfig, sequence_parallel: bool) -> nn.Module:
 def apply_norm(module: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
     """``module(x)``; with ``fused`` a LayerNorm runs through megart.kernels.layer_norm."""
     if fused and isinstance(module, nn.LayerNorm):
-        return layer_norm(x, module.weight, module.bias, module.eps)
+        # The kernel takes the scale itself; autograd carries its gradient to a zero-centred
+        # weight unchanged (d(1 + w)/dw = 1).
+        return layer_norm(x, gamma(module), module.bias, module.eps)
     return module(x)
 
 
@@ -250,5 +276,5 @@ class Block(nn.Module):
         # The first residual add goes into the second LayerNorm's kernel.
         h = self.drop(self.attn(apply_norm(self.ln_1, x, True), rope))
         ln_2 = self.ln_2
-        normed, x = add_layer_norm(h, x, ln_2.weight, ln_2.bias, ln_2.eps)
+        normed, x = add_layer_norm(h, x, gamma(ln_2), ln_2.bias, ln_2.eps)
         return x + self.drop(self.mlp(normed))

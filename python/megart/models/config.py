@@ -33,6 +33,10 @@ class GPTConfig:
     attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-5
     normalization: str = "layernorm"
+    # Megatron's --apply-layernorm-1p (its TransformerConfig's layernorm_zero_centered_gamma):
+    # every norm's weight is stored zero-centred, initialised to 0 and applied as 1 + weight,
+    # LayerNorm and RMSNorm alike; a LayerNorm's bias is as usual.
+    apply_layernorm_1p: bool = False
     position_embedding: str = "learned"
     activation: str = "gelu"  # GeLU with the tanh approximation, as GPT-2
     bias: bool = True
@@ -172,6 +176,8 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
         "activation": ("" if cfg.activation == "swiglu" else "no ") + "--swiglu",
         "bias": ("no " if cfg.bias else "") + "--disable-bias-linear",
         "layernorm_epsilon": f"--layernorm-epsilon {cfg.layernorm_epsilon:g}",
+        # The same weights mean another scale with and without it.
+        "apply_layernorm_1p": ("" if cfg.apply_layernorm_1p else "no ") + "--apply-layernorm-1p",
         # Rotary settings change what the weights mean only where there are rotary positions.
         "rotary": (
             f"--rotary-base {cfg.rotary_base:g}"

@@ -39,15 +39,15 @@ def _mapping(cfg: GPTConfig) -> list[tuple[str, str, str]]:
     out = [
         ("chunk.wte.weight", "wte.weight", "vocab"),
         ("chunk.wpe.weight", "wpe.weight", ""),
-        ("chunk.ln_f.weight", "ln_f.weight", ""),
+        ("chunk.ln_f.weight", "ln_f.weight", "norm"),
         ("chunk.ln_f.bias", "ln_f.bias", ""),
     ]
     for i in range(cfg.num_layers):
         m, g = f"chunk.blocks.{i}.", f"h.{i}."
         out += [
-            (m + "ln_1.weight", g + "ln_1.weight", ""),
+            (m + "ln_1.weight", g + "ln_1.weight", "norm"),
             (m + "ln_1.bias", g + "ln_1.bias", ""),
-            (m + "ln_2.weight", g + "ln_2.weight", ""),
+            (m + "ln_2.weight", g + "ln_2.weight", "norm"),
             (m + "ln_2.bias", g + "ln_2.bias", ""),
             (m + "attn.qkv.weight", g + "attn.c_attn.weight", "conv1d,qkv"),
             (m + "attn.qkv.bias", g + "attn.c_attn.bias", "qkv"),
@@ -154,6 +154,8 @@ def gpt2_tensors(cfg: GPTConfig, full: Callable[[str], torch.Tensor]) -> dict[st
     out = {}
     for ours, theirs, conv in _mapping(cfg):
         w = full(ours)
+        if conv == "norm" and cfg.apply_layernorm_1p:
+            w = w + 1  # GPT-2's LayerNorm holds the scale itself, not a zero-centred weight
         if conv == "vocab":
             w = w[: cfg.vocab_size]
         if "qkv" in conv:

@@ -78,6 +78,7 @@ class TrainConfig:
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
     normalization: str = "LayerNorm"
+    apply_layernorm_1p: bool = False  # zero-centred norm weights, applied as 1 + weight
     position_embedding_type: str = "learned_absolute"
     swiglu: bool = False
     disable_bias_linear: bool = False
@@ -270,6 +271,7 @@ class TrainConfig:
             attention_dropout=self.attention_dropout,
             layernorm_epsilon=self.layernorm_epsilon,
             normalization=NORMALIZATIONS[self.normalization],
+            apply_layernorm_1p=self.apply_layernorm_1p,
             position_embedding=POSITION_EMBEDDING_TYPES[self.position_embedding_type],
             activation="swiglu" if self.swiglu else "gelu",
             bias=not self.disable_bias_linear,

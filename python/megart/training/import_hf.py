@@ -24,12 +24,21 @@ def import_checkpoint(
     input_dir: str | os.PathLike,
     save_dir: str | os.PathLike,
     seq_length: int | None = None,
+    apply_layernorm_1p: bool = False,
 ) -> Path:
     """Writes the GPT-2 in ``input_dir`` (transformers' save_pretrained files) as a release
     checkpoint in ``save_dir``; returns its file. ``seq_length`` (default GPT-2's n_positions)
-    keeps that many learned positions, so the model can be trained on shorter sequences."""
+    keeps that many learned positions, so the model can be trained on shorter sequences.
+    ``apply_layernorm_1p`` writes a model for ``megart train --apply-layernorm-1p``: the same
+    network, its LayerNorm weights stored zero-centred (GPT-2's minus 1)."""
     model = GPT.from_hf_gpt2(str(input_dir))
     cfg, weights = model.cfg, model.chunk.state_dict()
+    if apply_layernorm_1p:
+        # A checkpoint records its model's flags and train --load refuses another model's, so
+        # the choice is made here, once, for the stored weights.
+        cfg = dataclasses.replace(cfg, apply_layernorm_1p=True)
+        norms = ("ln_1.weight", "ln_2.weight", "ln_f.weight")
+        weights.update({k: w - 1 for k, w in weights.items() if k.endswith(norms)})
     if seq_length is not None and seq_length != cfg.seq_length:
         if not 0 < seq_length <= cfg.seq_length:
             raise ConfigError(

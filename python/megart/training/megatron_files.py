@@ -81,6 +81,7 @@ def megatron_args(
         make_vocab_size_divisible_by=128,
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         norm_epsilon=cfg.layernorm_epsilon,
+        apply_layernorm_1p=cfg.apply_layernorm_1p,
         position_embedding_type="rope"
         if cfg.position_embedding == "rotary"
         else "learned_absolute",
@@ -109,6 +110,10 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         ffn_hidden_size=a.get("ffn_hidden_size"),
         layernorm_epsilon=a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)),
         normalization="rmsnorm" if a.get("normalization") == "RMSNorm" else "layernorm",
+        # Megatron-LM's argparse name; TransformerConfig's own name where args carry that.
+        apply_layernorm_1p=bool(
+            a.get("apply_layernorm_1p", a.get("layernorm_zero_centered_gamma", False))
+        ),
         position_embedding="rotary" if a.get("position_embedding_type") == "rope" else "learned",
         rotary_base=float(a.get("rotary_base", 10000)),
         rotary_interleaved=bool(a.get("rotary_interleaved", False)),

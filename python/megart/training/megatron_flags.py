@@ -43,6 +43,8 @@ What each does in megart:
   (megart.training.grad_sync); Megatron's checkpoints then record a bf16 gradient buffer.
 - --use-mcore-models: deprecated in Megatron-LM, where Megatron-Core's GPTModel is the only GPT;
   megart's model and its Megatron checkpoints are that model's, so the switch holds already.
+- --apply-layernorm-1p: every norm's weight zero-centred (initialised to 0, applied as
+  1 + weight), as Megatron's layernorm_zero_centered_gamma; see GPTConfig.apply_layernorm_1p.
 - --rotary-percent: only 1.0 (rope turns the whole head; partial rotary is refused).
 - --data-cache-path: where Megatron writes its datasets' index files; megart draws samples as a
   function of the seed and iteration and writes none, so there is nothing to put there.
@@ -76,8 +78,6 @@ _FP8 = (
 # Megatron-LM flags (of its GPT and Llama example scripts and their neighbours) that megart
 # cannot honour yet: refused by name, with what to do instead.
 NOT_YET = {
-    "--apply-layernorm-1p": "megart's norms use their weight as it is (no zero-centred gamma "
-    "with weight + 1); leave it out",
     "--use-rope-scaling": "megart's rope has no Llama 3.1 frequency scaling; leave it out",
     "--rotary-seq-len-interpolation-factor": "megart's rope has no position interpolation; "
     "leave it out",
