@@ -27,12 +27,12 @@ class LossScaler:
     Each step: ``scaler.scale_loss(loss).backward()``, then ``scaler.step(optimizer)``, which
     unscales the gradients, skips the optimizer step if any was non-finite, and updates the
     scale as Megatron-Core's DynamicGradScaler does: every overflow restarts the count of
-    overflow-free steps and spends one of ``hysteresis`` tolerated overflows; once they are
-    spent, each overflow multiplies the scale by ``backoff_factor`` (not below ``min_scale``).
-    After ``growth_interval`` overflow-free steps in a row the scale grows by ``growth_factor``
-    and the tolerated overflows are restored. A good step alone restores none of them, so
-    overflows far apart still add up between two growths. ``hysteresis=1`` lowers the scale
-    on every overflow (torch's GradScaler).
+    overflow-free steps; the ``hysteresis``-th overflow since the scale last grew (or since the
+    start) and each one after it multiply the scale by ``backoff_factor`` (not below
+    ``min_scale``). After ``growth_interval`` overflow-free steps in a row the scale grows by
+    ``growth_factor`` and the count of overflows starts again. A good step alone does not
+    restart it, so overflows far apart still add up between two growths. ``hysteresis=1``
+    lowers the scale at every overflow (as torch's GradScaler does).
 
     The scale lives on the host. On CUDA the optimizer kernels read the overflow flag on the
     device, and the scale update reads it once per step on the host (one synchronisation).
@@ -57,8 +57,8 @@ class LossScaler:
             raise ConfigError(f"growth_interval must be at least 1, got {growth_interval}")
         if hysteresis < 1:
             raise ConfigError(
-                f"hysteresis {hysteresis}: the overflows tolerated before the scale backs off "
-                "must be at least 1 (1 backs off at every overflow; Megatron's default is 2)"
+                f"hysteresis {hysteresis}: the scale backs off at this overflow since it last "
+                "grew, so it must be at least 1 (1: at every overflow; Megatron's default is 2)"
             )
         self._scale = float(init_scale)
         self.growth_factor = growth_factor
@@ -67,7 +67,8 @@ class LossScaler:
         self.min_scale = min_scale
         self.hysteresis = hysteresis
         self._good_steps = 0
-        # Tolerated overflows left; it goes below 0 while overflows continue (as Megatron's).
+        # Counts down at each overflow; the scale backs off at 0 and below (it goes on below 0
+        # while overflows continue, as Megatron's tracker does).
         self._hysteresis_left = hysteresis
 
     @property
@@ -112,7 +113,8 @@ class LossScaler:
 
     @property
     def hysteresis_tracker(self) -> int:
-        """Overflows still tolerated before the scale backs off (Megatron's name)."""
+        """Megatron's hysteresis tracker: the overflow that brings it to 0 or below backs the
+        scale off."""
         return self._hysteresis_left
 
     def state_dict(self) -> dict[str, Any]:
