@@ -194,10 +194,16 @@ def load_and_write(kw: dict, megart_dir: str, ref_dir: str, out_dir: str | None)
         place=(t, p, d),
         pieces=pieces,
         chunks=len(ddps),
-        scaler=None if scaler is None else (float(scaler["scale"]), scaler["growth_tracker"]),
+        scaler=None
+        if scaler is None
+        else (float(scaler["scale"]), scaler["growth_tracker"], scaler["hysteresis_tracker"]),
         loss_scaler=None
         if loss_scaler is None
-        else (float(loss_scaler["scale"]), int(loss_scaler["good_steps"])),
+        else (
+            float(loss_scaler["scale"]),
+            int(loss_scaler["good_steps"]),
+            int(loss_scaler["hysteresis_tracker"]),
+        ),
     )
 
 
