@@ -86,7 +86,7 @@ def _distributed_optimizer(ddps: list, kw: dict, args: dict[str, Any]):
             scaler = DynamicGradScaler(
                 initial_scale=c.initial_loss_scale, min_scale=c.min_loss_scale,
                 growth_factor=2.0, backoff_factor=0.5, growth_interval=c.loss_scale_window,
-                hysteresis=config.hysteresis,
+                hysteresis=c.hysteresis,  # the run's --hysteresis
             )  # fmt: skip
         return DistributedOptimizer(
             adamw, config, scaler, None, ddps, {i: ddp.buffers for i, ddp in enumerate(ddps)},
