@@ -86,7 +86,7 @@ def _distributed_optimizer(ddps: list, kw: dict, args: dict[str, Any]):
             scaler = DynamicGradScaler(
                 initial_scale=c.initial_loss_scale, min_scale=c.min_loss_scale,
                 growth_factor=2.0, backoff_factor=0.5, growth_interval=c.loss_scale_window,
-                hysteresis=config.hysteresis,
+                hysteresis=c.hysteresis,  # the run's --hysteresis
             )  # fmt: skip
         return DistributedOptimizer(
             adamw, config, scaler, None, ddps, {i: ddp.buffers for i, ddp in enumerate(ddps)},
@@ -194,10 +194,16 @@ def load_and_write(kw: dict, megart_dir: str, ref_dir: str, out_dir: str | None)
         place=(t, p, d),
         pieces=pieces,
         chunks=len(ddps),
-        scaler=None if scaler is None else (float(scaler["scale"]), scaler["growth_tracker"]),
+        scaler=None
+        if scaler is None
+        else (float(scaler["scale"]), scaler["growth_tracker"], scaler["hysteresis_tracker"]),
         loss_scaler=None
         if loss_scaler is None
-        else (float(loss_scaler["scale"]), int(loss_scaler["good_steps"])),
+        else (
+            float(loss_scaler["scale"]),
+            int(loss_scaler["good_steps"]),
+            int(loss_scaler["hysteresis_tracker"]),
+        ),
     )
 
 

@@ -79,8 +79,8 @@ def test_megatron_core_holds_megarts_state_after_loading_distrib_optim(runs, nam
 
 def test_megatron_core_holds_both_model_chunks_and_megarts_loss_scale(runs):
     """Interleaved: each rank's two model chunks hold pieces (checked above, chunk by chunk);
-    --fp16: Megatron-Core's DynamicGradScaler holds the scale and overflow-free steps of
-    megart's own checkpoint; without it, there is no grad scaler."""
+    --fp16: Megatron-Core's DynamicGradScaler holds the scale, overflow-free steps and
+    hysteresis tracker of megart's own checkpoint; without it, there is no grad scaler."""
     r = runs["gpt2-interleaved-fp16"]
     assert {(p, c) for _, p, (c, _) in _pieces(r)} == {(p, c) for p in (0, 1) for c in (0, 1)}
     for rank in r["megatron"]:

@@ -123,6 +123,9 @@ def test_files_have_megatrons_keys_and_layouts(runs):
         assert all({"exp_avg", "exp_avg_sq", "step"} <= set(s) for s in states.values())
         assert all(states[i]["exp_avg"].shape == model[n].shape for i, n in enumerate(order))
         assert set(optimizer["grad_scaler"]) == {"scale", "growth_tracker", "hysteresis_tracker"}
+        # No overflow in this run (tests/test_trainer_fp16.py saves one after an overflow): the
+        # tracker is --hysteresis, Megatron's default.
+        assert optimizer["grad_scaler"]["hysteresis_tracker"] == args.hysteresis == 2
         sched = state["opt_param_scheduler"]
         assert sched["num_steps"] == 2 * 8  # Megatron counts samples: 2 global batches of 8
         assert set(sched) >= {"max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style",

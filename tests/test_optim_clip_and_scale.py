@@ -89,13 +89,16 @@ def test_loss_scaler_skips_step_on_overflow_and_lowers_scale():
     before = [p.detach().clone() for p in params]
     opt = AdamW(params, lr=1e-2)
     scaler = LossScaler(init_scale=1024.0, growth_interval=2)
-    set_grads([params], seed=0)
-    params[2].grad[5] = float("inf")
-    assert scaler.step(opt) is False
-    assert scaler.scale == 512.0
-    for p, b in zip(params, before, strict=True):
-        assert torch.equal(p.detach(), b)
-        assert p not in opt.state or opt.state[p]["step"].item() == 0.0
+    # Megatron's default hysteresis, 2: the first overflow skips its step and keeps the scale,
+    # the second skips its step and halves it.
+    for scale in (1024.0, 512.0):
+        set_grads([params], seed=0)
+        params[2].grad[5] = float("inf")
+        assert scaler.step(opt) is False
+        assert scaler.scale == scale
+        for p, b in zip(params, before, strict=True):
+            assert torch.equal(p.detach(), b)
+            assert p not in opt.state or opt.state[p]["step"].item() == 0.0
 
     # Two clean steps: both taken (gradients unscaled first), then the scale grows.
     ref_params = clone_params(params)

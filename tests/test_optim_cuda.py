@@ -83,7 +83,7 @@ def test_cuda_found_inf_skips_step_without_host_sync():
 def test_cuda_loss_scaler_and_state_dict_to_torch():
     params = cuda_params(3)
     opt = AdamW(params, lr=1e-2)
-    scaler = LossScaler(init_scale=8.0)
+    scaler = LossScaler(init_scale=8.0, hysteresis=1)  # backs off at the first overflow
     set_cuda_grads([params], seed=0)
     params[0].grad.fill_(float("nan"))
     assert scaler.step(opt) is False

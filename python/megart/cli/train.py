@@ -102,6 +102,8 @@ HELP = {
     "initial_loss_scale": "the dynamic fp16 loss scale's start",
     "min_loss_scale": "the dynamic fp16 loss scale's floor",
     "loss_scale_window": "overflow-free iterations before the dynamic loss scale doubles",
+    "hysteresis": "the dynamic fp16 loss scale halves at the N-th overflow since it last grew "
+    "and at each one after it (every overflow skips its step; 1: halve at every overflow)",
     "bias_gelu_fusion": "megart's fused bias+GeLU CUDA kernel (unverified: off by default)",
     "fused_layer_norm": "megart's fused LayerNorm(+residual) CUDA kernel (unverified)",
     "cross_entropy_loss_fusion": "megart's in-place vocab-parallel cross-entropy CUDA kernel "

@@ -26,8 +26,13 @@ class LossScaler:
 
     Each step: ``scaler.scale_loss(loss).backward()``, then ``scaler.step(optimizer)``, which
     unscales the gradients, skips the optimizer step if any was non-finite, and updates the
-    scale: times ``backoff_factor`` after an overflow (not below ``min_scale``), times
-    ``growth_factor`` after ``growth_interval`` overflow-free steps in a row.
+    scale as Megatron-Core's DynamicGradScaler does: every overflow restarts the count of
+    overflow-free steps; the ``hysteresis``-th overflow since the scale last grew (or since the
+    start) and each one after it multiply the scale by ``backoff_factor`` (not below
+    ``min_scale``). After ``growth_interval`` overflow-free steps in a row the scale grows by
+    ``growth_factor`` and the count of overflows starts again. A good step alone does not
+    restart it, so overflows far apart still add up between two growths. ``hysteresis=1``
+    lowers the scale at every overflow (as torch's GradScaler does).
 
     The scale lives on the host. On CUDA the optimizer kernels read the overflow flag on the
     device, and the scale update reads it once per step on the host (one synchronisation).
@@ -40,6 +45,7 @@ class LossScaler:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         min_scale: float = 1.0,
+        hysteresis: int = 2,
     ) -> None:
         if not init_scale > 0.0 or not min_scale > 0.0:
             raise ConfigError("init_scale and min_scale must be positive")
@@ -49,12 +55,21 @@ class LossScaler:
             raise ConfigError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
         if growth_interval < 1:
             raise ConfigError(f"growth_interval must be at least 1, got {growth_interval}")
+        if hysteresis < 1:
+            raise ConfigError(
+                f"hysteresis {hysteresis}: the scale backs off at this overflow since it last "
+                "grew, so it must be at least 1 (1: at every overflow; Megatron's default is 2)"
+            )
         self._scale = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self.min_scale = min_scale
+        self.hysteresis = hysteresis
         self._good_steps = 0
+        # Counts down at each overflow; the scale backs off at 0 and below (it goes on below 0
+        # while overflows continue, as Megatron's tracker does).
+        self._hysteresis_left = hysteresis
 
     @property
     def scale(self) -> float:
@@ -84,20 +99,37 @@ class LossScaler:
 
     def update(self, overflow: bool) -> None:
         if overflow:
-            self._scale = max(self._scale * self.backoff_factor, self.min_scale)
             self._good_steps = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
             return
         self._good_steps += 1
+        # >=, not Megatron's ==: a state resumed under a smaller --loss-scale-window still grows.
         if self._good_steps >= self.growth_interval:
             self._scale *= self.growth_factor
             self._good_steps = 0
+            self._hysteresis_left = self.hysteresis
+
+    @property
+    def hysteresis_tracker(self) -> int:
+        """Megatron's hysteresis tracker: the overflow that brings it to 0 or below backs the
+        scale off."""
+        return self._hysteresis_left
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self._scale, "good_steps": self._good_steps}
+        return {
+            "scale": self._scale,
+            "good_steps": self._good_steps,
+            "hysteresis_tracker": self._hysteresis_left,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._scale = float(state["scale"])
         self._good_steps = int(state["good_steps"])
+        # States written before megart had hysteresis: a fresh tracker, as a new Megatron
+        # scaler starts with.
+        self._hysteresis_left = int(state.get("hysteresis_tracker", self.hysteresis))
 
 
 def scale_path(device_type: str, dtype: torch.dtype, contiguous: bool, cuda_kernels: bool) -> str:

@@ -104,6 +104,7 @@ class TrainConfig:
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000  # overflow-free iterations before the scale doubles
+    hysteresis: int = 2  # the scale halves at the N-th overflow since it last grew (Megatron's)
     # megart's fused CUDA kernels (see megart.kernels and GPTConfig); the torch references run
     # where there is no GPU or megart._cuda. Off until measured faster than torch on a GPU.
     bias_gelu_fusion: bool = False  # bias add + GeLU in the MLP, one kernel

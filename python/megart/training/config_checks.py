@@ -91,6 +91,14 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     split_weights(cfg.split)
     if cfg.bf16 and cfg.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other; choose one")
+    # Checked only with --fp16, the one run it changes: without it megart, as Megatron-LM,
+    # ignores the loss-scaling flags.
+    if cfg.fp16 and cfg.hysteresis < 1:
+        raise ConfigError(
+            f"--hysteresis {cfg.hysteresis}: the fp16 loss scale halves at this overflow "
+            "since it last grew; give at least 1 (1: at every overflow; Megatron's default, "
+            "and megart's, is 2)"
+        )
     if cfg.save_interval is not None and (cfg.save_interval < 1 or not cfg.save):
         raise ConfigError(
             f"--save-interval {cfg.save_interval} needs --save DIR and a value of at least 1"

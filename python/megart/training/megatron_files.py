@@ -241,12 +241,8 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
         masters = [[model[c][n] for c, n in group] for group in groups]
         optimizer = {"optimizer": optimizer, "fp32_from_fp16_params": masters}
         scaler = state["loss_scaler"]
-        if scaler is not None:  # Megatron's DynamicGradScaler's fields
-            optimizer["grad_scaler"] = {
-                "scale": torch.tensor(float(scaler["scale"])),
-                "growth_tracker": int(scaler["good_steps"]),
-                "hysteresis_tracker": 1,
-            }
+        if scaler is not None:
+            optimizer["grad_scaler"] = to_grad_scaler(scaler, config.hysteresis)
         for chunk in model:
             chunk.update({k: v.to(half) for k, v in chunk.items() if v is not None})
     if optimizer is not None:
@@ -273,6 +269,25 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
         "optimizer_layout": "megatron",  # earlier files hold megart's optimizer state as is
     }
     return out
+
+
+def to_grad_scaler(scaler: dict[str, Any], hysteresis: int) -> dict[str, Any]:
+    """megart's loss scaler state as Megatron-Core's DynamicGradScaler's state dict; a state
+    without a tracker (saved before megart had hysteresis) gets a fresh one, ``hysteresis``."""
+    return {
+        "scale": torch.tensor(float(scaler["scale"])),
+        "growth_tracker": int(scaler["good_steps"]),
+        "hysteresis_tracker": int(scaler.get("hysteresis_tracker", hysteresis)),
+    }
+
+
+def from_grad_scaler(scaler: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-Core's DynamicGradScaler state dict as megart's loss scaler state."""
+    return {
+        "scale": float(scaler["scale"]),
+        "good_steps": int(scaler["growth_tracker"]),
+        "hysteresis_tracker": int(scaler["hysteresis_tracker"]),
+    }
 
 
 def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -316,9 +331,7 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
         ),
         "model_config": dataclasses.asdict(cfg),
         "layer_ids": rank_layers,
-        "loss_scaler": None
-        if scaler is None
-        else {"scale": float(scaler["scale"]), "good_steps": int(scaler["growth_tracker"])},
+        "loss_scaler": None if scaler is None else from_grad_scaler(scaler),
         "rng_tracker": None,  # Megatron's are CUDA streams: this run keeps its own
         "half": isinstance(optimizer, dict) and "fp32_from_fp16_params" in optimizer,
         "optimizer_layout": "megatron",

@@ -127,6 +127,7 @@ class Trainer:
                 init_scale=c.loss_scale or c.initial_loss_scale,
                 growth_interval=c.loss_scale_window,
                 min_scale=c.min_loss_scale,
+                hysteresis=c.hysteresis,
             )
             if c.fp16
             else None
