@@ -3,6 +3,7 @@ honour is refused by name (all at once), --manual-gc, --empty-unused-memory-leve
 act at Megatron's points of the loop (its training.py), and the deprecated or inert flags are
 accepted without changing the model."""
 
+import argparse
 import gzip
 import json
 
@@ -12,6 +13,7 @@ import torch
 import housekeeping_workers as hw
 import megatron_workers as mw
 import train_workers as tw
+from megart.cli.train import add_arguments, config_from_args
 from megart.errors import ConfigError
 from megart.launcher import launch
 from megart.training import checkpoint
@@ -129,6 +131,12 @@ def test_inert_flags_are_accepted_and_keep_the_model(tmp_path):
     same = tw.tiny(use_mcore_models=True, rotary_percent=1.0, tiktoken_pattern="v2",
                    data_cache_path=str(tmp_path)).gpt_config()  # fmt: skip
     assert same == tw.tiny().gpt_config()
+    # megart's gradients are fp32 anyway: the flag changes no bucket, only the record of a
+    # Megatron checkpoint (test_megatron_train_ckpt).
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    config = config_from_args(p.parse_args(["--fp16", "--accumulate-allreduce-grads-in-fp32"]))
+    assert config.accumulate_allreduce_grads_in_fp32
 
 
 def _expected(iters: int, interval: int, level: int, eval_interval: int) -> list[str]:

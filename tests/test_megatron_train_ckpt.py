@@ -28,9 +28,10 @@ SCENARIOS = {  # name: (processes, flags)
     ),
     "bf16": (1, dict(bf16=True)),
     # The distributed optimizer's distrib_optim.pt: two model chunks per rank (a buffer each),
-    # data-parallel 2, fp16 (its grad scaler beside the param groups), --decoupled-lr (a third
-    # param group: the word embedding in the first stage's chunk 0, its tied copy in the last
-    # stage's chunk 1).
+    # data-parallel 2, fp16 (its grad scaler beside the param groups) with
+    # --accumulate-allreduce-grads-in-fp32 (megart's way anyway: the file records an fp32
+    # gradient buffer), --decoupled-lr (a third param group: the word embedding in the first
+    # stage's chunk 0, its tied copy in the last stage's chunk 1).
     "interleaved-dp2-fp16-distributed-optimizer-decoupled-lr": (
         4,
         dict(
@@ -41,6 +42,7 @@ SCENARIOS = {  # name: (processes, flags)
             initial_loss_scale=1024,
             decoupled_lr=5e-4,
             decoupled_min_lr=1e-5,
+            accumulate_allreduce_grads_in_fp32=True,
         ),
     ),
 }
@@ -196,7 +198,8 @@ def test_a_torch_format_checkpoint_reshards_on_load(runs):
 
 def test_distributed_optimizer_files_hold_a_buffer_per_model_chunk(runs):
     """With --use-distributed-optimizer: distrib_optim.pt beside each rank file, one buffer
-    per model chunk under fp16's (param, grad) dtypes, and the grad scaler in the rank file
+    per model chunk under its (param, grad) dtypes (fp16, and fp32 gradients with
+    --accumulate-allreduce-grads-in-fp32), and the grad scaler in the rank file
     beside DistributedOptimizer's param groups (three, with --decoupled-lr)."""
     ckpt = runs["interleaved-dp2-fp16-distributed-optimizer-decoupled-lr"][1]
     for stage in range(2):
@@ -213,4 +216,4 @@ def test_distributed_optimizer_files_hold_a_buffer_per_model_chunk(runs):
         ]  # fmt: skip
         saved = torch.load(rank / "distrib_optim.pt", weights_only=True)
         assert set(saved) == {"buckets_coalesced", 0, 1}
-        assert all(list(saved[c]) == [(torch.float16, torch.float16)] for c in (0, 1))
+        assert all(list(saved[c]) == [(torch.float16, torch.float32)] for c in (0, 1))

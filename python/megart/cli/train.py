@@ -162,6 +162,9 @@ HELP = {
     "decoupled_min_lr": "their floor with --decoupled-lr (default: --min-lr)",
     "grad_reduce_in_bf16": "with --bf16: average the gradients over data parallelism in bf16 "
     "(half the bytes; megart still accumulates microbatches in fp32)",
+    "accumulate_allreduce_grads_in_fp32": "accepted: megart accumulates and averages the "
+    "gradients in fp32 with or without it (Megatron's --fp16 default is fp16); recorded in "
+    "--ckpt-format torch files, whose gradient buffer it makes fp32",
     "log_throughput": "accepted: megart's progress line always has TFLOP/s per GPU "
     "(Megatron's count)",
     "ckpt_format": "megart (megart's checkpoint); torch (Megatron-LM's legacy layout: model, "

@@ -141,6 +141,8 @@ class TrainConfig:
     decoupled_lr: float | None = None  # the embedding's and output layer's own peak rate
     decoupled_min_lr: float | None = None  # and floor (default: --min-lr)
     grad_reduce_in_bf16: bool = False  # with --bf16: buckets travel in bf16 (grad_sync)
+    # megart's gradients are fp32 and reduced in fp32 always; the flag is Megatron's record of it.
+    accumulate_allreduce_grads_in_fp32: bool = False
     log_throughput: bool = False
     ckpt_format: str = "megart"
     calculate_per_token_loss: bool = False

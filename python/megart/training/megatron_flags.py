@@ -41,6 +41,10 @@ What each does in megart:
   (megart.training.optimizer.param_groups), scheduled with its own peak and floor.
 - --grad-reduce-in-bf16 (with --bf16): the gradient buckets travel in bf16
   (megart.training.grad_sync); Megatron's checkpoints then record a bf16 gradient buffer.
+- --accumulate-allreduce-grads-in-fp32: megart's gradients are fp32 from backward to the step
+  and averaged over data parallelism in fp32 with or without it (Megatron's --fp16 default
+  accumulates and averages them in fp16), so the flag holds already; --ckpt-format torch files
+  record it, and with --fp16 their distrib_optim.pt buffer key is then (fp16, fp32), as Megatron's.
 - --use-mcore-models: deprecated in Megatron-LM, where Megatron-Core's GPTModel is the only GPT;
   megart's model and its Megatron checkpoints are that model's, so the switch holds already.
 - --apply-layernorm-1p: every norm's weight zero-centred (initialised to 0, applied as
