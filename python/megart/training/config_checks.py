@@ -23,6 +23,28 @@ POSITION_EMBEDDING_TYPES = {flag: name for name, flag in MEGATRON_POSITIONS.item
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
 
 
+def _check_loss_scale(cfg: TrainConfig) -> None:
+    """The loss-scaling flags, checked only with --fp16, the one run they change: without it
+    megart, as Megatron-LM, ignores them."""
+    if cfg.hysteresis < 1:
+        raise ConfigError(
+            f"--hysteresis {cfg.hysteresis}: the fp16 loss scale halves at this overflow "
+            "since it last grew; give at least 1 (1: at every overflow; Megatron's default, "
+            "and megart's, is 2)"
+        )
+    if cfg.loss_scale_window < 1:
+        raise ConfigError(
+            f"--loss-scale-window {cfg.loss_scale_window}: the overflow-free iterations before "
+            "the fp16 loss scale doubles; give at least 1 (Megatron's default, and megart's, "
+            "is 1000)"
+        )
+    for flag, value in (("--initial-loss-scale", cfg.initial_loss_scale),
+                        ("--min-loss-scale", cfg.min_loss_scale),
+                        ("--loss-scale", cfg.loss_scale)):  # fmt: skip
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} {value:g} must be positive")
+
+
 def check_config(cfg: TrainConfig, world_size: int) -> int:
     """Refuses layouts, batch shapes and flag combinations that cannot run, naming the
     numbers and flags and what would fit; returns the data-parallel size."""
@@ -91,14 +113,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     split_weights(cfg.split)
     if cfg.bf16 and cfg.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other; choose one")
-    # Checked only with --fp16, the one run it changes: without it megart, as Megatron-LM,
-    # ignores the loss-scaling flags.
-    if cfg.fp16 and cfg.hysteresis < 1:
-        raise ConfigError(
-            f"--hysteresis {cfg.hysteresis}: the fp16 loss scale halves at this overflow "
-            "since it last grew; give at least 1 (1: at every overflow; Megatron's default, "
-            "and megart's, is 2)"
-        )
+    if cfg.fp16:
+        _check_loss_scale(cfg)
     if cfg.save_interval is not None and (cfg.save_interval < 1 or not cfg.save):
         raise ConfigError(
             f"--save-interval {cfg.save_interval} needs --save DIR and a value of at least 1"
