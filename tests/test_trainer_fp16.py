@@ -12,6 +12,7 @@ import torch
 import train_workers as tw
 from megart import ConfigError
 from megart.launcher import launch
+from train_workers import SAME_RUN
 
 
 @pytest.mark.parametrize("hysteresis", [None, 1, 3])  # None: the default, Megatron's 2
@@ -102,3 +103,27 @@ def test_a_resumed_run_keeps_the_hysteresis_tracker(tmp_path, ckpt_format):
         resumed = launch(_train, 1, dict(kw, load=str(d)), timeout=300)[0]
         assert [h["iteration"] for h in resumed] == [2, 3, 4, 5, 6]
         assert [(h["loss_scale"], h["skipped"]) for h in resumed] == want, d
+
+
+def test_a_megatron_file_of_a_static_loss_scale_resumes(tmp_path):
+    """Megatron-LM's --loss-scale runs save their ConstantGradScaler's state, an empty dict:
+    such a file (megart's torch-format file as Megatron-LM writes it: its grad_scaler emptied,
+    without megart's own record and checksums) resumes a static-scale run on its curve."""
+    from megart.training.checkpoint import FILE, iteration_dir
+
+    kw = dict(fp16=True, loss_scale=1024.0, ckpt_format="torch", train_iters=4)
+    straight = launch(_train, 1, kw, timeout=300)[0]
+    ckpt = tmp_path / "ckpt"
+    launch(_train, 1, dict(kw, save=str(ckpt), exit_interval=2), timeout=300)
+    rank = iteration_dir(ckpt, 2) / "mp_rank_00"
+    raw = torch.load(rank / FILE, weights_only=False)
+    raw["optimizer"]["grad_scaler"] = {}
+    del raw["megart"]
+    torch.save(raw, rank / FILE)
+    for sums in rank.glob("*.sha256"):
+        sums.unlink()
+    resumed = launch(_train, 1, dict(kw, load=str(ckpt)), timeout=300)[0]
+    assert [h["iteration"] for h in resumed] == [3, 4]
+    assert [h["loss_scale"] for h in resumed] == [1024.0, 1024.0]
+    assert [h["loss"] for h in resumed] == pytest.approx([h["loss"] for h in straight[2:]],
+                                                         **SAME_RUN)  # fmt: skip

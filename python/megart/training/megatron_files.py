@@ -331,7 +331,9 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
         ),
         "model_config": dataclasses.asdict(cfg),
         "layer_ids": rank_layers,
-        "loss_scaler": None if scaler is None else from_grad_scaler(scaler),
+        # Megatron's ConstantGradScaler (--loss-scale) saves an empty dict: the scale is the
+        # flag's, and a dynamic run starts its own.
+        "loss_scaler": from_grad_scaler(scaler) if scaler else None,
         "rng_tracker": None,  # Megatron's are CUDA streams: this run keeps its own
         "half": isinstance(optimizer, dict) and "fp32_from_fp16_params" in optimizer,
         "optimizer_layout": "megatron",
