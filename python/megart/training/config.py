@@ -238,6 +238,14 @@ class TrainConfig:
             return 0  # Megatron's default; samples-based runs never had megart's default run
         return DEFAULT_WARMUP_ITERS if self.lr_warmup_iters is None else self.lr_warmup_iters
 
+    def decoupled_rates(self) -> tuple[float, float] | None:
+        """--decoupled-lr's peak and floor (the floor --min-lr's unless --decoupled-min-lr);
+        None without --decoupled-lr."""
+        if self.decoupled_lr is None:
+            return None
+        floor = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+        return self.decoupled_lr, floor
+
     def learning_rate(
         self, iteration: float, peak: float | None = None, floor: float | None = None
     ) -> float:

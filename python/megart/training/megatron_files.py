@@ -206,14 +206,6 @@ def _chunk_from_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, first: boo
     return out
 
 
-def _decoupled_rates(config: Any) -> tuple[float, float] | None:
-    """--decoupled-lr's peak and floor (the floor --min-lr's unless --decoupled-min-lr)."""
-    if config.decoupled_lr is None:
-        return None
-    floor = config.decoupled_min_lr
-    return config.decoupled_lr, config.min_lr if floor is None else floor
-
-
 def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int) -> dict[str, Any]:
     """megart's file of one rank (megart.training.checkpoint.file_state, ``cfg`` its model,
     ``dp`` data-parallel ranks) in Megatron-LM's legacy layout, keeping what megart needs
@@ -234,7 +226,7 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
             state["model"],
             model,
             lambda c, sd: chunk_names_to_megatron(sd, cfg, layers[c]),
-            megatron_group_keys(config.lr, config.min_lr, _decoupled_rates(config)),
+            megatron_group_keys(config.lr, config.min_lr, config.decoupled_rates()),
         )
     if optimizer is not None and half is not None:
         # The fp32 weights are the master copies; the model holds their 16-bit casts.

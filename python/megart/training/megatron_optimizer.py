@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from megart.errors import ConfigError
-from megart.training.optimizer import DECOUPLED
+from megart.training.optimizer import group_index
 
 # Megatron-Core's parameters of --decoupled-lr's group (is_embedding_or_output_parameter: the
 # word embedding, the output layer and, on a tied model's last stage, the copy it holds there).
@@ -139,11 +139,10 @@ def _megart_groups(
     model: list[dict[str, torch.Tensor]], decoupled: bool
 ) -> list[list[tuple[int, str]]]:
     """megart's param groups of its chunks (megart.training.optimizer.param_groups' rules)."""
-    groups: list[list[tuple[int, str]]] = [[], [], []] if decoupled else [[], []]
+    groups: list[list[tuple[int, str]]] = [[] for _ in range(3 if decoupled else 2)]
     for c, chunk in enumerate(model):
         for name, value in chunk.items():
-            own = decoupled and name in DECOUPLED
-            groups[1 if own else 0 if value.dim() >= 2 else -1].append((c, name))
+            groups[group_index(name, value, decoupled)].append((c, name))
     return groups
 
 

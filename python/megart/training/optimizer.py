@@ -37,22 +37,33 @@ def _tied_embeddings(chunks: list[torch.nn.Module], pp: int) -> list[torch.nn.Pa
 DECOUPLED = ("wte.weight", "output_layer.weight")
 
 
+def group_index(name: str, tensor: torch.Tensor, decoupled: bool) -> int:
+    """Which of param_groups' groups the parameter ``name`` belongs to: 0 the decayed matrices,
+    1 --decoupled-lr's (when ``decoupled``), the last the biases and norms (no decay)."""
+    if decoupled and name in DECOUPLED:
+        return 1
+    if tensor.dim() >= 2:
+        return 0
+    return 2 if decoupled else 1
+
+
 def param_groups(config: Any, chunks: list[torch.nn.Module]) -> list[dict[str, Any]]:
     """AdamW's groups: weight decay on matrices, none on biases and norms; with --decoupled-lr
     the embedding and output layer in a group of their own between them (Megatron-Core's order)
     with its peak and floor (``max_lr``, ``min_lr``), present on every rank (maybe empty), as
     Megatron-Core aligns its groups across ranks."""
     c = config
-    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
-    own = c.decoupled_lr is not None
-    matrices = [p for n, p in named if p.dim() >= 2 and not (own and n in DECOUPLED)]
-    groups = [{"params": matrices, "weight_decay": c.weight_decay}]
-    if own:
-        floor = c.decoupled_min_lr if c.decoupled_min_lr is not None else c.min_lr
-        groups.append({"params": [p for n, p in named if n in DECOUPLED],
-                       "weight_decay": c.weight_decay, "max_lr": c.decoupled_lr,
-                       "min_lr": floor})  # fmt: skip
-    groups.append({"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0})
+    rates = c.decoupled_rates()
+    members: list[list[torch.nn.Parameter]] = [[] for _ in range(2 if rates is None else 3)]
+    for chunk in chunks:
+        for n, p in chunk.named_parameters():
+            members[group_index(n, p, rates is not None)].append(p)
+    groups = [{"params": members[0], "weight_decay": c.weight_decay}]
+    if rates is not None:
+        peak, floor = rates
+        groups.append({"params": members[1], "weight_decay": c.weight_decay,
+                       "max_lr": peak, "min_lr": floor})  # fmt: skip
+    groups.append({"params": members[-1], "weight_decay": 0.0})
     return groups
 
 
