@@ -1,7 +1,9 @@
-"""megart convert-checkpoint: between megart checkpoints, Megatron-LM's legacy checkpoints
-(``--ckpt-format torch``) and Hugging Face GPT-2 directories, in one process.
+"""megart convert-checkpoint: between megart checkpoints, Megatron-LM's checkpoints (legacy,
+``--ckpt-format torch``, or distributed, ``torch_dist``) and Hugging Face GPT-2 directories, in
+one process.
 
     megart convert-checkpoint --from megart --to megatron --load CKPT --save OUT \
+        [--ckpt-format torch_dist] \
         [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
     megart convert-checkpoint --from megatron --to megart --load MEGATRON_CKPT --save OUT
     megart convert-checkpoint --from megatron --to hf --load MEGATRON_CKPT --save GPT2_DIR
@@ -24,9 +26,11 @@ def convert(
     save: str,
     tp: int | None = None,
     pp: int | None = None,
+    ckpt_format: str = "torch",
 ) -> str:
     """Converts the latest checkpoint in ``load``; returns what was written. ``tp`` and
-    ``pp``: the layout of a Megatron-LM checkpoint written (by default the source's)."""
+    ``pp``: the layout of a Megatron-LM checkpoint written (by default the source's);
+    ``ckpt_format``: its format (a Megatron-LM checkpoint read is either)."""
     from megart.training.export_hf import export_checkpoint
     from megart.training.megatron_checkpoint import megart_to_megatron, megatron_to_megart
 
@@ -37,8 +41,15 @@ def convert(
             "--target-tensor-parallel-size and --target-pipeline-parallel-size set the layout "
             "of a Megatron-LM checkpoint written: use them with --to megatron only"
         )
+    if ckpt_format != "torch" and target != "megatron":
+        raise ConfigError(
+            f"--ckpt-format {ckpt_format} sets the format of a Megatron-LM checkpoint written: "
+            "use it with --to megatron only (a Megatron-LM checkpoint read may be either)"
+        )
     if source == "megart" and target == "megatron":
-        files = megart_to_megatron(load, save, tp, pp)
+        files = megart_to_megatron(load, save, tp, pp, ckpt_format)
+        if ckpt_format == "torch_dist":
+            return f"{files[0]}: Megatron-LM torch_dist checkpoint (weights)"
         return f"{files[0].parents[1]}: {len(files)} rank files (Megatron-LM legacy, weights)"
     if source == "megart":
         return f"{export_checkpoint(load, save)}: GPT-2 files"
@@ -65,6 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             help=f"--to megatron: the {what}-parallel size of the checkpoint written "
             "(default: the source checkpoint's layout)",
         )
+    p.add_argument(
+        "--ckpt-format",
+        choices=("torch", "torch_dist"),
+        default="torch",
+        help="--to megatron: Megatron-LM's legacy format (torch, the default here) or its "
+        "distributed one (torch_dist, Megatron-LM's default)",
+    )
     args = p.parse_args(argv)
     return run_conversion(
         "megart convert-checkpoint",
@@ -75,5 +93,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.save,
             args.target_tensor_parallel_size,
             args.target_pipeline_parallel_size,
+            args.ckpt_format,
         ),
     )

@@ -35,8 +35,15 @@ import megart.distributed as dist
 from megart.errors import ConfigError
 from megart.models import GPTChunk, GPTConfig
 from megart.models.config import architecture_flags
+from megart.models.megatron_names import from_megatron
 from megart.tensor_parallel.random import GeneratorStates
-from megart.training import checkpoint_dirs, checksum, megatron_distrib_optim, reshard
+from megart.training import (
+    checkpoint_dirs,
+    checksum,
+    megatron_dist,
+    megatron_distrib_optim,
+    reshard,
+)
 from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as before
     FILE,
     MODEL_FIELDS,
@@ -50,7 +57,7 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     read_file,
     required_latest_iteration,
 )
-from megart.training.megatron_files import to_megatron_file
+from megart.training.megatron_files import args_record, to_megatron_file
 from megart.training.megatron_scheduler import check_scheduler
 
 
@@ -214,6 +221,8 @@ def load(
     ConfigError naming the flags."""
     iteration = required_latest_iteration(directory, ", or leave --load out to start from scratch")
     root = iteration_dir(directory, iteration)
+    if megatron_dist.is_dist_checkpoint(root):
+        return _load_dist(directory, root, config, grid, chunks)
     own = root / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE
     found = sorted(root.glob(f"mp_rank_*/{FILE}"))
     if not found:
@@ -254,6 +263,43 @@ def load(
         return 0, 0
     iteration = int(state["iteration"])
     consumed = state.get("consumed_train_samples")
+    return iteration, iteration * config.global_batch_size if consumed is None else int(consumed)
+
+
+def _load_dist(
+    directory: Any, root: Path, config: Any, grid: Any, chunks: list[torch.nn.Module]
+) -> tuple[int, int]:
+    """--load of Megatron-LM's torch_dist checkpoint: its weights, into any layout (each rank
+    reads the store whole and keeps its slices). Its optimizer, scheduler and random states
+    are not read: a store with optimizer state needs --finetune (start at iteration 0) or
+    --no-load-optim --no-load-rng (go on from its iteration); one of weights alone (as
+    convert-checkpoint writes) loads as --finetune, like a release checkpoint."""
+    common = megatron_dist.read_common(root)
+    a = vars(common["args"])
+    state = args_record(a)
+    cfg = chunks[0].cfg
+    _check_model(directory, state, config, cfg)
+    finetune = config.finetune or not megatron_dist.has_optimizer_state(root)
+    if not (finetune or (config.no_load_optim and config.no_load_rng)):
+        raise ConfigError(
+            f"--load {directory}: a torch_dist checkpoint (Megatron-LM's distributed format) "
+            "with optimizer state, of which megart reads the weights alone; add --finetune "
+            "(start from its weights at iteration 0) or --no-load-optim --no-load-rng (go on "
+            "from its iteration with a fresh optimizer), or resume in Megatron-LM"
+        )
+    whole = {"chunk." + k: v for k, v in from_megatron(megatron_dist.read(root), cfg).items()}
+    reshard.load_weights(whole, root, config, grid, chunks)
+    if dist.get_rank() == 0:
+        print(
+            f"loaded the weights of {root} (Megatron-LM torch_dist) into tensor-parallel "
+            f"{config.tp}, pipeline-parallel {config.pp}; its optimizer and random states "
+            "are not read",
+            flush=True,
+        )
+    if finetune:
+        return 0, 0
+    iteration = int(common["iteration"])
+    consumed = a.get("consumed_train_samples")
     return iteration, iteration * config.global_batch_size if consumed is None else int(consumed)
 
 

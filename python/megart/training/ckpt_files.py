@@ -15,7 +15,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.training import checksum, megatron_distrib_optim
-from megart.training.megatron_files import LOAD_GLOBALS, from_megatron_file, is_megatron_file
+from megart.training.megatron_files import from_megatron_file, is_megatron_file, torch_load
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -141,8 +141,7 @@ def read_file(path: Path) -> dict[str, Any]:
     checksum.verify(path)
     try:
         # Allowed besides: what a file in Megatron's layout holds (--ckpt-format torch).
-        with torch.serialization.safe_globals(LOAD_GLOBALS):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch_load(path, mmap=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
         raise ConfigError(f"{path} cannot be read as a megart checkpoint file ({e})") from e
     if is_megatron_file(state):  # with the distributed optimizer's distrib_optim.pt joined

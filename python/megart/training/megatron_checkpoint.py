@@ -1,7 +1,9 @@
-"""Offline conversion between megart checkpoints and Megatron-LM's legacy checkpoint
-(``--ckpt-format torch``): the weights, under Megatron-Core's GPTModel names.
+"""Offline conversion between megart checkpoints and Megatron-LM's checkpoints, legacy
+(``--ckpt-format torch``) or distributed (``torch_dist``, see megart.training.megatron_dist):
+the weights, under Megatron-Core's GPTModel names.
 
-    megart convert-checkpoint --from megart --to megatron --load ckpt --save megatron-ckpt
+    megart convert-checkpoint --from megart --to megatron --load ckpt --save megatron-ckpt \
+        [--ckpt-format torch_dist]
     megart convert-checkpoint --from megatron --to megart --load megatron-ckpt --save ckpt
 
 Megatron's files (``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt``, one per tensor- and
@@ -26,7 +28,7 @@ import torch
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.megatron_names import from_megatron, to_megatron
-from megart.training import megatron_layout
+from megart.training import megatron_dist, megatron_layout
 from megart.training.checkpoint import (
     FILE,
     TRACKER,
@@ -39,12 +41,12 @@ from megart.training.checkpoint import (
 )
 from megart.training.ckpt_files import rank_files
 from megart.training.megatron_files import (
-    LOAD_GLOBALS,
     check_args,
     config_from_args,
     megatron_args,
     model_chunks,
     rank_state,
+    torch_load,
 )
 from megart.training.shards import layer_ids, read_shards, whole_tensors
 
@@ -56,10 +58,14 @@ def megart_to_megatron(
     save_dir: str | os.PathLike,
     tp: int | None = None,
     pp: int | None = None,
+    ckpt_format: str = "torch",
 ) -> list[Path]:
-    """The latest checkpoint in megart's ``load_dir`` (any layout) as Megatron-LM's legacy
-    checkpoint in ``save_dir``, on ``tp`` x ``pp`` ranks (by default the source's layout,
-    interleaving included); returns its files."""
+    """The latest checkpoint in megart's ``load_dir`` (any layout) as Megatron-LM's checkpoint
+    in ``save_dir``, in ``ckpt_format`` (``torch``, legacy, or ``torch_dist``), for ``tp`` x
+    ``pp`` ranks (by default the source's layout, interleaving included); returns its files
+    (torch_dist: its iteration directory)."""
+    if ckpt_format not in ("torch", "torch_dist"):
+        raise ConfigError(f"--ckpt-format {ckpt_format}: give torch or torch_dist")
     for flag, size in (("tensor", tp), ("pipeline", pp)):
         if size is not None and size < 1:
             raise ConfigError(f"--target-{flag}-parallel-size {size}: give 1 or more")
@@ -79,6 +85,11 @@ def megart_to_megatron(
         if name in weights:  # the padding of tp ranks, as Megatron's args say
             weights[name] = fit_vocab(weights[name], cfg.padded_vocab_size(tp))
     args = megatron_args(cfg, iteration, tp, pp, vpp)
+    if ckpt_format == "torch_dist":  # one store for every layout; args say tp's vocab padding
+        args.ckpt_format = ckpt_format
+        root = megatron_dist.write(save_dir, iteration, args, weights, cfg)
+        replace_text(Path(save_dir) / TRACKER, f"{iteration}\n")
+        return [root]
     paths = []
     for (t, p), chunks in megatron_layout.split(weights, cfg, tp, pp, vpp).items():
         out = iteration_dir(save_dir, iteration) / rank_dir(t, p, pp) / FILE
@@ -90,8 +101,7 @@ def megart_to_megatron(
 
 
 def _load(path: Path, mmap: bool = False) -> Any:
-    with torch.serialization.safe_globals(LOAD_GLOBALS):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    return torch_load(path, mmap=mmap)
 
 
 def read_rank(path: Path) -> dict[str, Any]:
@@ -114,20 +124,27 @@ def first_rank_file(root: Path) -> Path | None:
 
 def read_megatron(load_dir: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any], int]:
     """The model config, whole Megatron-Core state dict (vocabulary padded for one rank) and
-    iteration of the latest Megatron-LM legacy checkpoint in ``load_dir``, of any tensor- and
-    pipeline-parallel layout."""
-    iteration = required_latest_iteration(load_dir, " (Megatron-LM's legacy format)")
+    iteration of the latest Megatron-LM checkpoint in ``load_dir``: legacy, of any tensor- and
+    pipeline-parallel layout, or torch_dist."""
+    iteration = required_latest_iteration(load_dir, " (Megatron-LM's checkpoint)")
     root = iteration_dir(load_dir, iteration)
-    first = first_rank_file(root)
-    if first is None:
-        raise ConfigError(f"{root} holds no mp_rank_*/{FILE}: not a Megatron-LM checkpoint")
-    a = vars(read_rank(first)["args"])
-    check_args(a, first)
-    tp = a.get("tensor_model_parallel_size") or 1
-    pp = a.get("pipeline_model_parallel_size") or 1
-    cfg = config_from_args(a)
-    ranks = {rank: model_chunks(read_rank(path)) for rank, path in rank_files(root, tp, pp).items()}
-    model = megatron_layout.merge(ranks, cfg, tp, pp)
+    if megatron_dist.is_dist_checkpoint(root):
+        cfg = config_from_args(vars(megatron_dist.read_common(root)["args"]))
+        model = megatron_dist.read(root)
+    else:
+        first = first_rank_file(root)
+        if first is None:
+            raise ConfigError(
+                f"{root} holds neither mp_rank_*/{FILE} (legacy) nor "
+                f"{megatron_dist.METADATA} (torch_dist): not a Megatron-LM checkpoint"
+            )
+        a = vars(read_rank(first)["args"])
+        check_args(a, first)
+        tp = a.get("tensor_model_parallel_size") or 1
+        pp = a.get("pipeline_model_parallel_size") or 1
+        cfg = config_from_args(a)
+        ranks = {r: model_chunks(read_rank(path)) for r, path in rank_files(root, tp, pp).items()}
+        model = megatron_layout.merge(ranks, cfg, tp, pp)
     for name in VOCAB_NAMES:
         if name in model:
             model[name] = fit_vocab(model[name], cfg.padded_vocab_size(1))
@@ -135,7 +152,7 @@ def read_megatron(load_dir: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any
 
 
 def megatron_to_megart(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> Path:
-    """The latest Megatron-LM legacy checkpoint in ``load_dir`` as a megart release checkpoint
+    """The latest Megatron-LM checkpoint in ``load_dir`` as a megart release checkpoint
     (weights only; --load reshards it to any layout and starts at iteration 0)."""
     cfg, model, _ = read_megatron(load_dir)
     weights = from_megatron(model, cfg)

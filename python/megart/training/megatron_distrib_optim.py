@@ -34,7 +34,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.training import checksum
-from megart.training.megatron_files import LOAD_GLOBALS, model_chunks
+from megart.training.megatron_files import model_chunks, torch_load
 from megart.training.megatron_layout import OUTPUT, WORD
 from megart.training.megatron_optimizer import is_decoupled, param_groups_of
 
@@ -202,8 +202,7 @@ def read_param_state(path: Path) -> dict[Any, Any]:
         )
     checksum.verify(where)
     try:
-        with torch.serialization.safe_globals(LOAD_GLOBALS):
-            loaded = torch.load(where, map_location="cpu", weights_only=True, mmap=True)
+        loaded = torch_load(where, mmap=True)
     except (RuntimeError, EOFError, OSError) as e:
         raise ConfigError(f"{where} cannot be read as Megatron's distrib_optim.pt ({e})") from e
     if isinstance(loaded, list):

@@ -61,6 +61,16 @@ CHECKPOINT_VERSION = 3.0
 LOAD_GLOBALS = [argparse.Namespace, np.dtype, np.ndarray, type(np.dtype(np.uint32)), _reconstruct]
 
 
+def torch_load(path: Any, mmap: bool = False) -> Any:
+    """torch.load of a checkpoint file, weights only, allowing LOAD_GLOBALS besides. Only the
+    globals not yet allowed are added for the call: torch's safe_globals context removes what
+    it was given on exit, even what was allowed before (Megatron-Core allows Namespace at its
+    import, and its own loads in this process would then fail)."""
+    allowed = torch.serialization.get_safe_globals()
+    with torch.serialization.safe_globals([g for g in LOAD_GLOBALS if g not in allowed]):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
 def megatron_args(
     cfg: GPTConfig, iteration: int, tp: int = 1, pp: int = 1, vpp: int = 1
 ) -> argparse.Namespace:
@@ -282,17 +292,39 @@ def from_grad_scaler(scaler: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
-    """What megart keeps under ``megart`` in its own files, for a file Megatron-LM wrote: the
-    model and layout from its args, the layers from the file's place, the loss scale."""
-    a = vars(state["args"])
-    check_args(a, path)
+def args_record(a: dict[str, Any]) -> dict[str, Any]:
+    """A megart file's ``config`` (model sizes and layout) and ``model_config`` as Megatron-LM's
+    flags (``vars(args)``) give them."""
     cfg = config_from_args(a)
     tp, pp = a.get("tensor_model_parallel_size") or 1, a.get("pipeline_model_parallel_size") or 1
     vpp = a.get("virtual_pipeline_model_parallel_size") or 1
     per = a.get("num_layers_per_virtual_pipeline_stage") or (
         cfg.num_layers // (pp * vpp) if vpp > 1 else None
     )
+    layout = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        seq_length=cfg.seq_length,
+        # None where Megatron's tokenizer gave it (GPT2BPETokenizer, ...): the padded size
+        # alone is known then, and checked against this run's instead.
+        vocab_size=a.get("vocab_size"),
+        padded_vocab_size=a.get("padded_vocab_size"),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        num_layers_per_virtual_pipeline_stage=per,
+        pipeline_schedule="1f1b" if per is None else "interleaved",
+    )
+    return {"config": layout, "model_config": dataclasses.asdict(cfg)}
+
+
+def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """What megart keeps under ``megart`` in its own files, for a file Megatron-LM wrote: the
+    model and layout from its args, the layers from the file's place, the loss scale."""
+    a = vars(state["args"])
+    check_args(a, path)
+    cfg = config_from_args(a)
+    pp = a.get("pipeline_model_parallel_size") or 1
     chunks = len(model_chunks(state))
     place = re.fullmatch(r"mp_rank_\d+(?:_(\d+))?", Path(path).parent.name)
     p = int(place.group(1) or 0) if place else 0
@@ -307,21 +339,7 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
     return {
         # Weights alone (as convert-checkpoint writes them): loaded as --finetune loads them.
         "release": optimizer is None,
-        "config": dict(
-            num_layers=cfg.num_layers,
-            hidden_size=cfg.hidden_size,
-            num_attention_heads=cfg.num_attention_heads,
-            seq_length=cfg.seq_length,
-            # None where Megatron's tokenizer gave it (GPT2BPETokenizer, ...): the padded size
-            # alone is known then, and checked against this run's instead.
-            vocab_size=a.get("vocab_size"),
-            padded_vocab_size=a.get("padded_vocab_size"),
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            num_layers_per_virtual_pipeline_stage=per,
-            pipeline_schedule="1f1b" if per is None else "interleaved",
-        ),
-        "model_config": dataclasses.asdict(cfg),
+        **args_record(a),
         "layer_ids": rank_layers,
         # Megatron's ConstantGradScaler (--loss-scale) saves an empty dict: the scale is the
         # flag's, and a dynamic run starts its own.

@@ -32,7 +32,8 @@ What each does in megart:
   (megart.training.megatron_files; with --use-distributed-optimizer also each rank's
   distrib_optim.pt, megart.training.megatron_distrib_optim), torch_dist is refused. --load
   resumes a Megatron-LM legacy checkpoint of any layout in full (megart.training.megatron_files;
-  as --finetune when it holds no optimizer).
+  as --finetune when it holds no optimizer) and takes a torch_dist checkpoint's weights
+  (megart.training.megatron_dist; with --finetune or --no-load-optim --no-load-rng).
 - --calculate-per-token-loss: megart has no loss mask, so every microbatch has b s tokens and
   the per-token mean over the global batch equals the mean of the per-microbatch means that
   megart computes: the gradients are the same.
@@ -167,8 +168,10 @@ def check_megatron_flags(config: Any) -> None:
             )
     if config.ckpt_format == "torch_dist":
         raise ConfigError(
-            "--ckpt-format torch_dist (Megatron's distributed format) is not one megart writes "
-            "or reads; use --ckpt-format megart (the default) or torch (Megatron's legacy)"
+            "--ckpt-format torch_dist: megart train does not save Megatron's distributed format "
+            "(it reads one's weights with --load whatever this flag, and convert-checkpoint "
+            "--ckpt-format torch_dist writes one); use --ckpt-format megart (the default) or "
+            "torch (Megatron's legacy format, optimizer state included)"
         )
     s, h, heads = config.seq_length, config.hidden_size, config.num_attention_heads
     most = config.max_position_embeddings

@@ -1,0 +1,197 @@
+"""The weights of Megatron-LM's distributed checkpoint (``--ckpt-format torch_dist``, its
+default), written and read in one process.
+
+A torch_dist iteration directory (``iter_NNNNNNN/``) holds ``metadata.json`` (which backends
+wrote it), ``common.pt`` (what is not sharded: ``args``, ``checkpoint_version``,
+``iteration``, ...) and a torch.distributed.checkpoint (DCP) store: ``.metadata`` and
+``__R_K.distcp`` files. The store is independent of the parallel layout: each tensor is kept
+under one key with its global shape, and Megatron-Core's ranks read the slices they own. Its
+keys are Megatron-Core's sharded keys (``GPTModel.sharded_state_dict()``): a layer's parameter
+is one tensor over all layers (dimension 0 the layer number), the norms are named as Transformer
+Engine's fused layers name them (``linear_qkv.layer_norm_weight``) whatever the layer spec, and
+each linear layer has an ``_extra_state`` object per layer (None unless it holds fp8 scales).
+A whole tensor is the one-rank layout: SwiGLU's fc1 is [gate; up] and q/k/v are grouped per
+query group as in the legacy files; only the vocabulary's padding depends on the tensor-parallel
+size, so a checkpoint is written for the one it names in its ``args``.
+
+Written: the weights, ``args`` and the iteration (Megatron-LM loads it with --finetune, or
+--no-load-optim --no-load-rng). Read: the weights of any torch_dist checkpoint of a GPT, the
+rest (optimizer, RNG, scheduler) left unread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megart.errors import ConfigError
+from megart.models.config import GPTConfig
+from megart.models.megatron_names import TE_NORMS
+from megart.training.ckpt_files import iteration_dir
+from megart.training.megatron_files import CHECKPOINT_VERSION, check_args, torch_load
+
+METADATA = "metadata.json"
+COMMON = "common.pt"
+BACKENDS = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+LINEAR_LAYERS = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+MODEL_KEYS = ("embedding.", "decoder.", "output_layer.")
+# What reading a damaged or foreign store raises (DCP's CheckpointException is a BaseException).
+UNREADABLE = (OSError, RuntimeError, EOFError, pickle.UnpicklingError, CheckpointException)
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
+_STACKED = re.compile(r"decoder\.layers\.(.+)$")
+
+
+def is_dist_checkpoint(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` (an iteration directory) holds a torch_dist checkpoint."""
+    path = Path(directory) / METADATA
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("sharded_backend") == "torch_dist"
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+def _to_fused_norm(part: str) -> str:
+    for fused, norm in TE_NORMS.items():
+        if part.startswith(norm):
+            return fused + part.removeprefix(norm)
+    return part
+
+
+def sharded_keys(model: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Megatron-Core's whole state dict (``decoder.layers.N.`` names) under torch_dist's
+    keys: each layer parameter stacked over the layers, the norms under the fused names."""
+    out: dict[str, torch.Tensor] = {}
+    per_layer: dict[str, list[torch.Tensor | None]] = {}
+    for name, value in model.items():
+        match = _LAYER.match(name)
+        if match is None:
+            out[name] = value
+            continue
+        layer, part = int(match.group(1)), _to_fused_norm(match.group(2))
+        per_layer.setdefault(part, [None] * num_layers)[layer] = value
+    for part, layers in per_layer.items():
+        if any(t is None for t in layers):
+            raise ValueError(f"decoder.layers.*.{part}: not every layer has it")
+        out[f"decoder.layers.{part}"] = torch.stack(layers)  # type: ignore[arg-type]
+    return out
+
+
+def layer_names(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """torch_dist's keys back to Megatron-Core's per-layer names (norms keep the fused
+    names, which megart.models.megatron_names reads)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in stored.items():
+        match = _STACKED.match(key)
+        if match is None:
+            out[key] = value
+            continue
+        for layer, tensor in enumerate(value.unbind(0)):
+            out[f"decoder.layers.{layer}.{match.group(1)}"] = tensor
+    return out
+
+
+def _extra_states(num_layers: int, untied: bool) -> dict[str, list[None]]:
+    """Each linear layer's ``_extra_state`` (None: no fp8 scales) as Megatron-Core's torch_dist
+    strategy stores a ShardedObject: a list of its data, torch.save'd (by DCP's planner here),
+    keyed ``key/shard_<offset>_<shape>``. Megatron-Core's load asks for them."""
+    out = {}
+    for part in LINEAR_LAYERS:
+        for layer in range(num_layers):
+            out[f"decoder.layers.{part}._extra_state/shard_{layer}_{num_layers}"] = [None]
+    if untied:
+        out["output_layer._extra_state/shard_0_1"] = [None]
+    return out
+
+
+def write(
+    save_dir: str | os.PathLike,
+    iteration: int,
+    args: Any,
+    model: dict[str, torch.Tensor],
+    cfg: GPTConfig,
+) -> Path:
+    """Writes ``model`` (Megatron-Core's whole state dict, the vocabulary padded as ``args``
+    say) with ``args`` as the torch_dist checkpoint of ``iteration`` in ``save_dir``; returns
+    its iteration directory. The tracker file is the caller's to write."""
+    root = iteration_dir(save_dir, iteration)
+    root.mkdir(parents=True, exist_ok=True)
+    state: dict[str, Any] = {
+        k: v.detach().contiguous() for k, v in sharded_keys(model, cfg.num_layers).items()
+    }
+    state.update(_extra_states(cfg.num_layers, cfg.untie_embeddings_and_output_weights))
+    # One process writes the whole store: no process group, hence no_dist. Not flattened, so
+    # that each extra state's list is one object, as Megatron-Core's planner writes it.
+    dcp.save(
+        state,
+        storage_writer=dcp.FileSystemWriter(root),
+        planner=dcp.DefaultSavePlanner(flatten_state_dict=False),
+        no_dist=True,
+    )
+    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    torch.save(common, root / COMMON)
+    (root / METADATA).write_text(json.dumps(BACKENDS))
+    return root
+
+
+def read_common(root: Path) -> dict[str, Any]:
+    """``common.pt`` of the torch_dist checkpoint in ``root``."""
+    try:
+        common = torch_load(root / COMMON)
+    except UNREADABLE as e:
+        raise ConfigError(f"{root / COMMON} cannot be read as Megatron-LM's ({e})") from e
+    if not isinstance(common, dict) or common.get("args") is None:
+        raise ConfigError(f"{root / COMMON}: no args; not a Megatron-LM checkpoint")
+    check_args(vars(common["args"]), root)
+    return common
+
+
+def has_optimizer_state(root: Path) -> bool:
+    """Whether the store in ``root`` holds an optimizer's state (Megatron-LM's saves do;
+    convert-checkpoint's, weights alone, do not)."""
+    try:
+        keys = dcp.FileSystemReader(root).read_metadata().state_dict_metadata
+    except UNREADABLE as e:
+        raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
+    return any(key.startswith("optimizer.") for key in keys)
+
+
+def read(root: Path) -> dict[str, torch.Tensor]:
+    """The model's whole tensors in the torch_dist checkpoint in ``root`` (an iteration
+    directory), under Megatron-Core's per-layer names; what is not the model's (optimizer,
+    RNG states, extra states) is not read."""
+    try:
+        metadata = dcp.FileSystemReader(root).read_metadata()
+    except UNREADABLE as e:
+        raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
+    stored = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL_KEYS) and isinstance(meta, dcp.metadata.TensorStorageMetadata)
+    }
+    if "embedding.word_embeddings.weight" not in stored:
+        raise ConfigError(f"{root}: no embedding.word_embeddings.weight; not a GPT's weights")
+    try:
+        dcp.load(stored, storage_reader=dcp.FileSystemReader(root), no_dist=True)
+    except UNREADABLE as e:
+        raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
+    return layer_names(stored)
