@@ -11,33 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
 
-import megart
 import megart.distributed as dist
 from megart import schedule as sched
 from megart.errors import ConfigError
-from megart.models import pipeline_chunks
-from megart.optim.loss_scale import LossScaler
-from megart.pipeline import PipelineEngine, StageLink
-from megart.tensor_parallel import (
-    RNGStatesTracker,
-    seed_tensor_parallel,
-    sync_sequence_parallel_grads,
-)
-from megart.training import batch_rampup, checkpoint, checkpoint_dirs
+from megart.pipeline import PipelineEngine
+from megart.tensor_parallel import sync_sequence_parallel_grads
+from megart.training import batch_rampup, checkpoint
 from megart.training import optimizer as optim
+from megart.training import trainer_setup as setup
 from megart.training.config import TrainConfig
-from megart.training.data import Dataset, build_datasets
-from megart.training.flops import model_flops
+from megart.training.data import Dataset
 from megart.training.housekeeping import Housekeeping
-from megart.training.megatron_flags import mock_tokens
 from megart.training.reporting import RunLog, peak_flops, run_description
 from megart.training.stopping import EarlyExit, check_finite
 
@@ -47,105 +37,36 @@ class Trainer:
     buckets and the optimizer from a :class:`TrainConfig`; :meth:`train` runs the loop."""
 
     def __init__(self, config: TrainConfig, tokens: Any | None = None) -> None:
+        # The steps run in this order (trainer_setup says why each is where it is): every rank
+        # refuses bad flags before any waits on another, and the random streams are seeded
+        # before the weights are drawn, so that a seed gives one loss curve.
         self.config = c = config
-        # The flags and --save are checked before any rank waits on another, so that every rank
-        # refuses them alike (and rank 0 alone need say so).
-        world = dist.get_world_size() if dist.is_initialized() else _launched_world_size()
-        self.dp = c.check(world)
-        if c.save:
-            checkpoint_dirs.check_writable(c.save)
-        if not dist.is_initialized():
-            dist.init(
-                backend=c.distributed_backend,
-                timeout=timedelta(minutes=c.distributed_timeout_minutes),
-            )
-        self.grid = megart.initialize(tp=c.tp, pp=c.pp, dp=self.dp, backend=c.distributed_backend)
-        g = self.grid
+        self.dp = setup.checked_dp_size(c)
+        self.grid = g = setup.join_grid(c, self.dp)
         self.m = c.microbatches(self.dp)
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if (torch.cuda.is_available())
-            else torch.device("cpu")
-        )
+        self.device = setup.local_device()
         self.chores = Housekeeping(c, self.device, dist.get_rank())
+        # The model: this rank's chunks of the GPT, on seeded streams.
         self.model_config = c.gpt_config()
-        self.rng = RNGStatesTracker()
-        # The replicated stream differs per pipeline stage (different layers), the
-        # tensor-parallel stream per tensor-parallel rank.
-        seed_tensor_parallel(self.rng, c.seed + 1000 * g.pp_rank, g.tp_rank)
-        self.chunks = [
-            chunk.to(self.device)
-            for chunk in pipeline_chunks(
-                self.model_config,
-                g.pp_rank,
-                c.pp,
-                c.chunks,
-                g.tp_group,
-                c.sequence_parallel,
-                self.rng,
-                v_shape=c.schedule == "zb-v",
-            )
-        ]
-        seq = c.seq_length // c.tp if c.sequence_parallel else c.seq_length
-        # Scatter/gather applies to tensors replicated across tensor parallelism: with
-        # sequence parallelism each rank already holds a distinct slice.
-        link = StageLink(
-            g.pp_group, g.tp_group, c.scatter_gather_tensors_in_pipeline and not c.sequence_parallel
-        )
-        self.link = link
-        self._activation = (seq, c.micro_batch_size, c.hidden_size)
-        # One engine per number of microbatches (--rampup-batch-size varies it), built on
-        # first use; evaluation and a constant batch use the full batch's.
+        self.rng = setup.seeded_streams(c, g)
+        self.chunks = setup.model_chunks(c, self.model_config, g, self.rng, self.device)
+        # The pipeline: one engine per number of microbatches (--rampup-batch-size varies it),
+        # built on first use; evaluation and a constant batch use the full batch's.
+        self.link = setup.stage_link(c, g)
+        self._activation = setup.activation_shape(c)
         self._engines: dict[int, PipelineEngine] = {}
         self.engine = self.engine_for(self.m)
+        # Data-parallel gradient buckets (reduced during backward) and AdamW.
         self.buckets, self.optimizer = optim.build(c, self.chunks, g, self.device)
-        # The validation range is evaluated every --eval-interval iterations, the test range
-        # once at the end (none without --eval-iters).
-        if tokens is None and c.mock_data:
-            tokens = mock_tokens(c)
-        self.data, self.valid, self.test = build_datasets(
-            c.data_path,
-            c.split,
-            c.seq_length,
-            c.vocab_size,
-            tokens,
-            evaluate=c.eval_iters > 0,
-            mmap=c.mmap_bin_files,
-        )
+        self.data, self.valid, self.test = setup.datasets(c, tokens)
+        # What the progress line reports against: the device's peak and a batch's FLOPs.
         self.peak, self.device_name = peak_flops()
-        # TFLOP/s count what runs (Megatron's causal count, plus the recomputed forward under
-        # full recomputation); MFU counts the model's FLOPs only, as its definition says.
-        self.model_flops = model_flops(self.model_config, c.global_batch_size, tp=c.tp)
-        self.flops = model_flops(
-            self.model_config,
-            c.global_batch_size,
-            recompute=self.model_config.recompute_granularity == "full",
-            tp=c.tp,
+        self.model_flops, self.flops = setup.flop_counts(c, self.model_config)
+        self.scaler = setup.loss_scaler(c)
+        # Where the loop starts: iteration 0, or where --load's checkpoint left off.
+        self.start_iteration, self.consumed = setup.resume_point(
+            c, g, self.chunks, self.optimizer, self.rng, self.scaler
         )
-        self.scaler = (
-            LossScaler(
-                init_scale=c.loss_scale or c.initial_loss_scale,
-                growth_interval=c.loss_scale_window,
-                min_scale=c.min_loss_scale,
-                hysteresis=c.hysteresis,
-            )
-            if c.fp16
-            else None
-        )
-        self.start_iteration = 0  # iterations already done (a resumed run starts later)
-        self.consumed = 0  # samples trained so far (Megatron's consumed_train_samples)
-        if c.load and checkpoint_dirs.no_checkpoint_yet(c.load):
-            # A restartable job line (--save X --load X) on its first run, as Megatron does.
-            if dist.get_rank() == 0:
-                print(
-                    f"megart train: --load {c.load} holds no checkpoint yet: starting from scratch",
-                    flush=True,
-                )
-        elif c.load:
-            # megart's files or Megatron-LM's legacy ones (read as megart's: megatron_files).
-            self.start_iteration, self.consumed = checkpoint.load(
-                c.load, c, g, self.chunks, self.optimizer, self.rng, self.scaler
-            )
 
     def save_checkpoint(self, iterations_done: int) -> None:
         """Writes a checkpoint after ``iterations_done`` iterations to --save (every rank)."""
@@ -212,15 +133,54 @@ class Trainer:
         """Runs one iteration, the next after the samples consumed so far (whose number sets
         its global batch under --rampup-batch-size); returns its figures (the same on every
         rank)."""
-        c, g = self.config, self.grid
+        c = self.config
         t0 = time.perf_counter()
         batch = batch_rampup.batch_size(c, self.consumed)
         m = c.microbatches(self.dp, batch)
+        scale = self.scaler.scale if self.scaler else 1.0  # the scale this iteration runs at
+        losses = self._forward_backward(iteration, batch, m, scale)
+        skipped, grad_norm, lr = self._update_weights(iteration)
+        loss, p2p_bytes = self._loss_and_p2p_bytes(losses, m)
+        if c.check_for_nan_in_loss_and_grad and not skipped:
+            check_finite("loss", loss, iteration + 1)
+        self.consumed += batch
+        elapsed = time.perf_counter() - t0
+        tokens = batch * c.seq_length
+        share = batch / c.global_batch_size  # FLOPs are linear in the batch
+        tflops = self.flops * share / elapsed / dist.get_world_size() / 1e12
+        return {
+            "iteration": iteration + 1,
+            "global_batch_size": batch,
+            "microbatches": m,
+            "consumed_samples": self.consumed,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "time_s": elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "tflops_per_gpu": tflops,
+            "mfu": (
+                self.model_flops * share / elapsed / dist.get_world_size() / self.peak
+                if self.peak
+                else None
+            ),
+            "pipeline_p2p_bytes": p2p_bytes,
+            "loss_scale": scale,
+            "skipped": skipped,
+        }
+
+    def _forward_backward(
+        self, iteration: int, batch: int, m: int, scale: float
+    ) -> list[torch.Tensor]:
+        """Runs the pipeline schedule over this rank's ``m`` microbatches of the iteration's
+        ``batch`` samples and completes their gradients (averaged over data parallelism, summed
+        over sequence parallelism and over the tied embedding's two copies), ready to step;
+        returns the microbatch losses (the last stage's; none elsewhere)."""
+        c, g = self.config, self.grid
         inputs, targets = self._microbatches(self.data, iteration, batch)
         self.buckets.zero_grad()
         self.buckets.start_iteration(m)
         dist.reset_bytes_sent(g.pp_group)
-        scale = self.scaler.scale if self.scaler else 1.0
         with self._autocast():
             # Each microbatch's loss is divided by m: the gradient is the batch mean's.
             losses = self.engine_for(m).run(inputs, targets, self._loss_fn, scale)
@@ -229,6 +189,13 @@ class Trainer:
         for chunk in self.chunks:
             sync_sequence_parallel_grads(chunk, g.tp_group)
         optim.share_embedding_grads(self.chunks, g, c.pp, self.buckets)
+        return losses
+
+    def _update_weights(self, iteration: int) -> tuple[bool, float, float]:
+        """Clips the gradients by their global norm and steps AdamW at this iteration's learning
+        rate, unless an fp16 overflow skips the step on every rank; returns (skipped, gradient
+        norm, learning rate)."""
+        c, g = self.config, self.grid
         skipped = self.scaler is not None and self._overflowed()
         grad_norm = (
             math.nan
@@ -245,6 +212,12 @@ class Trainer:
         if not skipped:
             self.optimizer.step()
         self.chores.after_optimizer_step()
+        return skipped, grad_norm, lr
+
+    def _loss_and_p2p_bytes(self, losses: list[torch.Tensor], m: int) -> tuple[float, int]:
+        """The global batch's mean loss and the pipeline bytes all ranks sent this iteration,
+        the same on every rank, so that any rank can report them."""
+        g = self.grid
         # The global-batch mean loss: the last stage has it, averaged over data parallelism.
         figures = torch.tensor(
             [
@@ -257,33 +230,7 @@ class Trainer:
         dist.all_reduce(figures[:1], group=g.pp_group)  # only the last stage adds a loss
         dist.all_reduce(figures[:1], op="avg", group=g.dp_group)
         dist.all_reduce(figures[1:])  # bytes: summed over every rank
-        if c.check_for_nan_in_loss_and_grad and not skipped:
-            check_finite("loss", figures[0].item(), iteration + 1)
-        self.consumed += batch
-        elapsed = time.perf_counter() - t0
-        tokens = batch * c.seq_length
-        share = batch / c.global_batch_size  # FLOPs are linear in the batch
-        tflops = self.flops * share / elapsed / dist.get_world_size() / 1e12
-        return {
-            "iteration": iteration + 1,
-            "global_batch_size": batch,
-            "microbatches": m,
-            "consumed_samples": self.consumed,
-            "loss": figures[0].item(),
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "time_s": elapsed,
-            "tokens_per_s": tokens / elapsed,
-            "tflops_per_gpu": tflops,
-            "mfu": (
-                self.model_flops * share / elapsed / dist.get_world_size() / self.peak
-                if self.peak
-                else None
-            ),
-            "pipeline_p2p_bytes": int(figures[1].item()),
-            "loss_scale": scale,
-            "skipped": skipped,
-        }
+        return figures[0].item(), int(figures[1].item())
 
     def evaluate(self, data: Dataset | None = None) -> float:
         """The validation loss: the mean over --eval-iters global batches of the validation
@@ -378,9 +325,3 @@ class Trainer:
     def describe(self) -> str:
         """The line that starts a run: the model, the layout, the batch and the device."""
         return run_description(self)
-
-
-def _launched_world_size() -> int:
-    """WORLD_SIZE as torchrun sets it (1 without it); init() checks it further."""
-    value = os.environ.get("WORLD_SIZE", "1")
-    return int(value) if value.isdigit() and int(value) > 0 else 1

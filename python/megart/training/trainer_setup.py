@@ -1,0 +1,184 @@
+"""The steps that build a :class:`~megart.training.trainer.Trainer`, one function each.
+
+``Trainer.__init__`` calls them in a fixed order, and the order is behaviour: the flags are
+checked before any rank waits on another, and the random streams are seeded before the weights
+are drawn, so that a seed gives the same loss curve. Each step takes what it needs and returns
+what it builds, so ``Trainer.__init__`` shows every attribute it sets and where it comes from.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import megart
+import megart.distributed as dist
+from megart.models import pipeline_chunks
+from megart.optim.loss_scale import LossScaler
+from megart.pipeline import StageLink
+from megart.tensor_parallel import RNGStatesTracker, seed_tensor_parallel
+from megart.training import checkpoint, checkpoint_dirs
+from megart.training.data import Dataset, build_datasets
+from megart.training.flops import model_flops
+from megart.training.megatron_flags import mock_tokens
+
+if TYPE_CHECKING:
+    from megart.models import GPTChunk, GPTConfig
+    from megart.parallel import ParallelGrid
+    from megart.training.config import TrainConfig
+
+
+def checked_dp_size(config: TrainConfig) -> int:
+    """The data-parallel size, once the flags and --save pass their checks. Nothing here waits
+    on another rank, so that every rank refuses them alike (and rank 0 alone need say so)."""
+    world = dist.get_world_size() if dist.is_initialized() else _launched_world_size()
+    dp = config.check(world)
+    if config.save:
+        checkpoint_dirs.check_writable(config.save)
+    return dp
+
+
+def join_grid(config: TrainConfig, dp: int) -> ParallelGrid:
+    """Joins the other ranks (unless the caller already has) and lays them out in the tensor,
+    pipeline and data-parallel grid, with its process groups: the first wait on other ranks."""
+    if not dist.is_initialized():
+        dist.init(
+            backend=config.distributed_backend,
+            timeout=timedelta(minutes=config.distributed_timeout_minutes),
+        )
+    return megart.initialize(tp=config.tp, pp=config.pp, dp=dp, backend=config.distributed_backend)
+
+
+def local_device() -> torch.device:
+    """The GPU the launcher made current for this rank, or the CPU where there is none."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def seeded_streams(config: TrainConfig, grid: ParallelGrid) -> RNGStatesTracker:
+    """The random streams, seeded before any weight is drawn. The replicated stream differs per
+    pipeline stage (different layers), the tensor-parallel stream per tensor-parallel rank."""
+    rng = RNGStatesTracker()
+    seed_tensor_parallel(rng, config.seed + 1000 * grid.pp_rank, grid.tp_rank)
+    return rng
+
+
+def model_chunks(
+    config: TrainConfig,
+    model_config: GPTConfig,
+    grid: ParallelGrid,
+    rng: RNGStatesTracker,
+    device: torch.device,
+) -> list[GPTChunk]:
+    """This rank's model chunks (one, or its v interleaved chunks, or ZB-V's two), their weights
+    drawn from ``rng``'s streams, on ``device``."""
+    return [
+        chunk.to(device)
+        for chunk in pipeline_chunks(
+            model_config,
+            grid.pp_rank,
+            config.pp,
+            config.chunks,
+            grid.tp_group,
+            config.sequence_parallel,
+            rng,
+            v_shape=config.schedule == "zb-v",
+        )
+    ]
+
+
+def stage_link(config: TrainConfig, grid: ParallelGrid) -> StageLink:
+    """How activations and gradients travel between pipeline stages. Scatter/gather applies to
+    tensors replicated across tensor parallelism: with sequence parallelism each rank already
+    holds a distinct slice."""
+    return StageLink(
+        grid.pp_group,
+        grid.tp_group,
+        config.scatter_gather_tensors_in_pipeline and not config.sequence_parallel,
+    )
+
+
+def activation_shape(config: TrainConfig) -> tuple[int, int, int]:
+    """(sequence, microbatch, hidden) of the activation a stage sends on, the pipeline engine's
+    buffer shape; sequence parallelism splits the sequence over the tensor-parallel ranks."""
+    seq = config.seq_length // config.tp if config.sequence_parallel else config.seq_length
+    return (seq, config.micro_batch_size, config.hidden_size)
+
+
+def datasets(
+    config: TrainConfig, tokens: Any | None
+) -> tuple[Dataset, Dataset | None, Dataset | None]:
+    """The training, validation and test ranges of ``tokens`` (or --mock-data's, or
+    --data-path's, or the built-in corpus). The validation range is evaluated every
+    --eval-interval iterations, the test range once at the end (none without --eval-iters)."""
+    if tokens is None and config.mock_data:
+        tokens = mock_tokens(config)
+    return build_datasets(
+        config.data_path,
+        config.split,
+        config.seq_length,
+        config.vocab_size,
+        tokens,
+        evaluate=config.eval_iters > 0,
+        mmap=config.mmap_bin_files,
+    )
+
+
+def flop_counts(config: TrainConfig, model_config: GPTConfig) -> tuple[int, int]:
+    """The FLOPs of a full global batch: the model's, which MFU counts as its definition says,
+    and what runs, which TFLOP/s count (Megatron's causal count, plus the recomputed forward
+    under full recomputation)."""
+    batch, full = config.global_batch_size, model_config.recompute_granularity == "full"
+    model = model_flops(model_config, batch, tp=config.tp)
+    run = model_flops(model_config, batch, recompute=full, tp=config.tp)
+    return model, run
+
+
+def loss_scaler(config: TrainConfig) -> LossScaler | None:
+    """fp16's loss scaler (static under --loss-scale, dynamic otherwise); bf16 and fp32 need
+    none, since their range holds the gradients."""
+    if not config.fp16:
+        return None
+    return LossScaler(
+        init_scale=config.loss_scale or config.initial_loss_scale,
+        growth_interval=config.loss_scale_window,
+        min_scale=config.min_loss_scale,
+        hysteresis=config.hysteresis,
+    )
+
+
+def resume_point(
+    config: TrainConfig,
+    grid: ParallelGrid,
+    chunks: list[GPTChunk],
+    optimizer: torch.optim.Optimizer,
+    rng: RNGStatesTracker,
+    scaler: LossScaler | None,
+) -> tuple[int, int]:
+    """The iterations already done and the samples consumed (Megatron's
+    consumed_train_samples): (0, 0) for a fresh run, else --load's checkpoint's, restored into
+    ``chunks``, ``optimizer``, ``rng`` and ``scaler`` so the run continues the same curve."""
+    if config.load and checkpoint_dirs.no_checkpoint_yet(config.load):
+        # A restartable job line (--save X --load X) on its first run, as Megatron does.
+        if dist.get_rank() == 0:
+            print(
+                f"megart train: --load {config.load} holds no checkpoint yet: "
+                "starting from scratch",
+                flush=True,
+            )
+    elif config.load:
+        # megart's files or Megatron-LM's legacy ones (read as megart's: megatron_files).
+        return checkpoint.load(config.load, config, grid, chunks, optimizer, rng, scaler)
+    return 0, 0
+
+
+def _launched_world_size() -> int:
+    """WORLD_SIZE as torchrun sets it (1 without it); init() checks it further."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
