@@ -178,23 +178,39 @@ TINY_MODEL = dict(
 )  # fmt: skip (train_workers.tiny's model)
 
 
-def test_train_loads_megatron_cores_torch_dist_into_another_layout(tmp_path):
-    """megart train --load of a store Megatron-Core saved on tp2 x pp2 ranks, run on pp2
-    (tensor-parallel 1): each rank holds exactly the store's tensors for its layers, and a
-    store of weights alone loads as --finetune (iteration 0)."""
+TRAIN_LLAMA = {  # LLAMA in megart train's (Megatron's) flags
+    "normalization": "RMSNorm", "position_embedding_type": "rope", "swiglu": True,
+    "disable_bias_linear": True, "untie_embeddings_and_output_weights": True,
+    "group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 48,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kind,saved,run",
+    [("gpt2", (2, 2), (1, 2)), ("llama", (1, 2), (2, 1))],
+    ids=["gpt2-tp2pp2-to-pp2", "llama-pp2-to-tp2"],
+)
+def test_train_loads_megatron_cores_torch_dist_into_another_layout(tmp_path, kind, saved, run):
+    """megart train --load of a store Megatron-Core saved on other ranks: each rank reads its
+    own slices (SwiGLU's gate and up rows, q/k/v groups, vocabulary rows, row-parallel
+    columns, its stage's layers) and holds exactly the store's tensors; a store of weights
+    alone loads as --finetune (iteration 0)."""
     import megatron_dist_workers as mdw
     import train_workers as tw
 
     store = tmp_path / "dist"
-    cfg = GPTConfig(**TINY_MODEL)
-    launch(mdw.save_megatron, 4, TINY_MODEL, str(store), 2, 2, _tokens(cfg), timeout=300)
+    model_kw = {**TINY_MODEL, **CONFIGS[kind]}
+    cfg = GPTConfig(**model_kw)
+    launch(mdw.save_megatron, saved[0] * saved[1], model_kw, str(store), *saved, _tokens(cfg),
+           timeout=300)  # fmt: skip
     _, model, _ = read_megatron(store)
     want = {"chunk." + k: v for k, v in from_megatron(model, cfg).items()}
     want["chunk.wte.weight"] = want["chunk.wte.weight"][: cfg.vocab_size]
-    kw = {"load": str(store), "train_iters": 1, "pipeline_model_parallel_size": 2}
-    held = launch(tw.train_holding, 2, kw, timeout=300)
+    kw = {"load": str(store), "train_iters": 1, "tensor_model_parallel_size": run[0],
+          "pipeline_model_parallel_size": run[1]}  # fmt: skip
+    kw.update(TRAIN_LLAMA if kind == "llama" else {})
     seen = set()
-    for rank in held:
+    for rank in launch(tw.train_holding, run[0] * run[1], kw, timeout=300):
         assert rank["history"][0]["iteration"] == 1  # from iteration 0
         for name, value in rank["loaded"]["weights"].items():
             assert torch.equal(value, want[name].to(value.dtype)), name

@@ -35,7 +35,6 @@ import megart.distributed as dist
 from megart.errors import ConfigError
 from megart.models import GPTChunk, GPTConfig
 from megart.models.config import architecture_flags
-from megart.models.megatron_names import from_megatron
 from megart.tensor_parallel.random import GeneratorStates
 from megart.training import (
     checkpoint_dirs,
@@ -270,7 +269,7 @@ def _load_dist(
     directory: Any, root: Path, config: Any, grid: Any, chunks: list[torch.nn.Module]
 ) -> tuple[int, int]:
     """--load of Megatron-LM's torch_dist checkpoint: its weights, into any layout (each rank
-    reads the store whole and keeps its slices). Its optimizer, scheduler and random states
+    reads its own slices of the store). Its optimizer, scheduler and random states
     are not read: a store with optimizer state needs --finetune (start at iteration 0) or
     --no-load-optim --no-load-rng (go on from its iteration); one of weights alone (as
     convert-checkpoint writes) loads as --finetune, like a release checkpoint."""
@@ -287,8 +286,7 @@ def _load_dist(
             "(start from its weights at iteration 0) or --no-load-optim --no-load-rng (go on "
             "from its iteration with a fresh optimizer), or resume in Megatron-LM"
         )
-    whole = {"chunk." + k: v for k, v in from_megatron(megatron_dist.read(root), cfg).items()}
-    reshard.load_weights(whole, root, config, grid, chunks)
+    megatron_dist.load_slices(root, chunks, config.tp, grid.tp_rank)
     if dist.get_rank() == 0:
         print(
             f"loaded the weights of {root} (Megatron-LM torch_dist) into tensor-parallel "

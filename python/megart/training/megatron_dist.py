@@ -16,7 +16,8 @@ size, so a checkpoint is written for the one it names in its ``args``.
 
 Written: the weights, ``args`` and the iteration (Megatron-LM loads it with --finetune, or
 --no-load-optim --no-load-rng). Read: the weights of any torch_dist checkpoint of a GPT, the
-rest (optimizer, RNG, scheduler) left unread.
+rest (optimizer, RNG, scheduler) left unread: whole (convert-checkpoint), or by each rank of a
+megart run only the slices it holds (load_slices), as Megatron-Core's ranks read theirs.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
-from megart.models.megatron_names import TE_NORMS
+from megart.models.megatron_names import LAYER_NAMES, NAMES, TE_NORMS
 from megart.training.ckpt_files import iteration_dir
 from megart.training.megatron_files import CHECKPOINT_VERSION, check_args, torch_load
+from megart.training.shards import whole_name
 
 METADATA = "metadata.json"
 COMMON = "common.pt"
@@ -195,3 +198,100 @@ def read(root: Path) -> dict[str, torch.Tensor]:
     except UNREADABLE as e:
         raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
     return layer_names(stored)
+
+
+class _Pieces:
+    """Where this rank's slices of one stored tensor go: DCP's load protocol for a tensor held
+    in pieces (its global size, the chunk each piece covers, the piece of a chunk), the pieces
+    being views of this rank's parameters."""
+
+    def __init__(self, size: torch.Size) -> None:
+        self._size = size
+        self.pieces: dict[torch.Size, torch.Tensor] = {}
+
+    def size(self) -> torch.Size:
+        return self._size
+
+    def add(self, offsets: list[int], piece: torch.Tensor) -> None:
+        self.pieces[torch.Size(offsets)] = piece
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=t.shape) for o, t in self.pieces.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[torch.Size(index.offset)]
+
+
+class _PiecesPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default load planner, taking _Pieces where it takes tensors: its first step would
+    make them None (as any value not a tensor), its lookup would refuse them."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
+    ) -> None:
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn].__get_tensor_shard__(index)
+
+
+def _stored_place(name: str, cfg: GPTConfig) -> tuple[str, int | None, int]:
+    """Where the one-chunk GPT's parameter ``name`` (megart's, without ``chunk.``) lies in the
+    store: its key, its layer (None for a tensor of no layer) and the first row of its part
+    (SwiGLU's up projection is the second half of ``linear_fc1``)."""
+    if name in NAMES:
+        return NAMES[name], None, 0
+    _, layer, rest = name.split(".", 2)
+    part, kind = rest.rsplit(".", 1)
+    row = 0
+    if part == "mlp.gate":
+        part = "mlp.fc"
+    elif part == "mlp.fc" and cfg.activation == "swiglu":
+        row = cfg.ffn_size
+    return f"decoder.layers.{_to_fused_norm(LAYER_NAMES[part] + '.' + kind)}", int(layer), row
+
+
+def load_slices(root: Path, chunks: list[Any], tp: int, tp_rank: int) -> None:
+    """Loads into this rank's model chunks (megart's GPT chunks, tensor-parallel rank
+    ``tp_rank`` of ``tp``) the slices of the torch_dist store in ``root`` that they hold, and
+    nothing more: each parameter's rows or columns of its layer's tensor; vocabulary rows past
+    the stored padding are zero (see megart.models.config.fit_vocab)."""
+    cfg = chunks[0].cfg
+    try:
+        stored = dcp.FileSystemReader(root).read_metadata().state_dict_metadata
+    except UNREADABLE as e:
+        raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
+    wanted: dict[str, _Pieces] = {}
+    with torch.no_grad():
+        for chunk in chunks:
+            for key, p in chunk.named_parameters():
+                name = whole_name(key, chunk.layer_ids).removeprefix("chunk.")
+                if name == "output_layer.weight" and not cfg.untie_embeddings_and_output_weights:
+                    name = "wte.weight"  # the last stage's copy of the tied embedding
+                store_key, layer, row = _stored_place(name, cfg)
+                meta = stored.get(store_key)
+                if not isinstance(meta, dcp.metadata.TensorStorageMetadata):
+                    raise ConfigError(f"{root}: the store holds no {store_key}; is it a GPT's?")
+                dim = getattr(p, "partition_dim", None)
+                offsets = [0] * p.dim()
+                if dim is not None:
+                    offsets[dim] = row * (dim == 0) + tp_rank * p.shape[dim]
+                piece = p.detach()
+                if store_key in (NAMES["wte.weight"], NAMES["output_layer.weight"]):
+                    rows = max(0, min(p.shape[0], meta.size[0] - offsets[0]))
+                    piece[rows:].zero_()  # past the stored padding
+                    piece = piece[:rows]
+                if layer is not None:
+                    offsets, piece = [layer, *offsets], piece.unsqueeze(0)
+                if piece.numel():
+                    wanted.setdefault(store_key, _Pieces(meta.size)).add(offsets, piece)
+        try:
+            reader = dcp.FileSystemReader(root)
+            dcp.load(wanted, storage_reader=reader, planner=_PiecesPlanner(), no_dist=True)
+        except UNREADABLE as e:
+            raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e

@@ -55,34 +55,16 @@ def restore(
     too, as an unresharded load does)."""
     cfg = chunks[0].cfg
     shards = read_shards(root, _pipeline_ranks(saved, chunks))
-    mine = _own_parameters(chunks)
-    wanted = {name for name, _ in mine.values()}
-    load_weights(whole_tensors(shards, cfg, wanted=wanted), root, config, grid, chunks)
-    if optimizer is not None:
-        optimizer.load_state_dict(
-            _optimizer_state(root, shards, chunks, optimizer, mine, config, grid)
-        )
-
-
-def _own_parameters(chunks: list[GPTChunk]) -> dict[tuple[int, str], tuple[str, torch.Tensor]]:
-    """Each parameter of this rank's chunks, by (chunk, key): its whole_name and itself."""
-    return {
+    mine = {
         (c, key): (whole_name(key, chunk.layer_ids), p)
         for c, chunk in enumerate(chunks)
         for key, p in chunk.named_parameters()
     }
-
-
-def load_weights(
-    whole: dict[str, torch.Tensor], where: Any, config: Any, grid: Any, chunks: list[GPTChunk]
-) -> None:
-    """Loads this rank's slices of ``whole`` (the one-chunk GPT's tensors, by whole_name, the
-    vocabulary padded for any tensor-parallel size) into its model chunks; ``where`` names
-    the checkpoint in errors."""
-    mine = _own_parameters(chunks)
-    missing = sorted({name for name, _ in mine.values()} - set(whole))
+    wanted = {name for name, _ in mine.values()}
+    whole = whole_tensors(shards, cfg, wanted=wanted)
+    missing = sorted(wanted - set(whole))
     if missing:
-        raise ConfigError(f"{where}: no file holds {', '.join(missing)}; is it incomplete?")
+        raise ConfigError(f"{root}: no file holds {', '.join(missing)}; is it incomplete?")
     for c, chunk in enumerate(chunks):
         chunk.load_state_dict(
             {
@@ -90,6 +72,10 @@ def load_weights(
                 for (cc, key), (name, p) in mine.items()
                 if cc == c
             }
+        )
+    if optimizer is not None:
+        optimizer.load_state_dict(
+            _optimizer_state(root, shards, chunks, optimizer, mine, config, grid)
         )
 
 
