@@ -70,7 +70,7 @@ def _distributed_optimizer(ddps: list, kw: dict, args: dict[str, Any]):
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import _get_param_groups
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 
     import megatron_optim_workers as mow
     import train_workers as tw
@@ -82,7 +82,9 @@ def _distributed_optimizer(ddps: list, kw: dict, args: dict[str, Any]):
     adamw = torch.optim.AdamW(_get_param_groups(ddps, config, None), lr=config.lr)
     with mow._cuda_named():
         scaler = None
-        if config.fp16:
+        if config.fp16 and c.loss_scale:  # Megatron-Core's choice: a static --loss-scale
+            scaler = ConstantGradScaler(c.loss_scale)
+        elif config.fp16:
             scaler = DynamicGradScaler(
                 initial_scale=c.initial_loss_scale, min_scale=c.min_loss_scale,
                 growth_factor=2.0, backoff_factor=0.5, growth_interval=c.loss_scale_window,
@@ -151,11 +153,18 @@ def load_and_write(kw: dict, megart_dir: str, ref_dir: str, out_dir: str | None)
     args = vars(state["args"])
     cfg = config_from_args(args)
     dtype = torch.bfloat16 if args.get("bf16") else torch.float16 if args.get("fp16") else None
-    ddps = []
+    models = []
     for i, saved in enumerate(model_chunks(state)):
         model = mcw.megatron_model(cfg, tp, pp, i if vp else None).to(dtype or torch.float32)
         model.load_state_dict(saved, strict=True)
-        ddps.append(_ddp(model, args, chunk=i))
+        models.append(model)
+    # Megatron-LM's get_model (training.py of megatron-core 0.16.1's release): with
+    # --ddp-num-buckets, the bucket size is the rank's parameters over all its chunks // N.
+    size = args.get("ddp_bucket_size")
+    if args.get("ddp_num_buckets"):
+        num_parameters = sum(p.nelement() for m in models for p in m.parameters())
+        size = num_parameters // args["ddp_num_buckets"]
+    ddps = [_ddp(model, args, size, chunk=i) for i, model in enumerate(models)]
     optimizer = _distributed_optimizer(ddps, kw, args)
     with mcw.cuda_stays_on_cpu():  # the grad scaler moves its scale to the CUDA device
         optimizer.load_state_dict(state["optimizer"])
@@ -194,8 +203,13 @@ def load_and_write(kw: dict, megart_dir: str, ref_dir: str, out_dir: str | None)
         place=(t, p, d),
         pieces=pieces,
         chunks=len(ddps),
+        buckets=[tuple(b.numel_unpadded for b in ddp.buffers[0].buckets) for ddp in ddps],
+        # The file's grad_scaler entry, and the state_dict() of the scaler Megatron-Core built.
+        file_scaler=state["optimizer"].get("grad_scaler"),
+        scaler_kind=type(optimizer.grad_scaler).__name__,
+        scaler_state=scaler,
         scaler=None
-        if scaler is None
+        if not scaler  # None, or a ConstantGradScaler's {}
         else (float(scaler["scale"]), scaler["growth_tracker"], scaler["hysteresis_tracker"]),
         loss_scaler=None
         if loss_scaler is None
@@ -215,10 +229,11 @@ MODELS = [
 ]  # fmt: skip
 
 
-def _megatron_core_layout(cfg, args: dict, tied_copy: bool) -> tuple[dict, int, int]:
+def _megatron_core_layout(cfg, args: dict, tied_copy: bool) -> tuple[dict, int, tuple]:
     """Where Megatron-Core's DistributedDataParallel puts each parameter of a one-process
     GPTModel in the saved vector (its buffer's buckets without their end padding, one after
-    another, as get_parameter_state_dp_zero saves them), the vector's length, the buckets."""
+    another, as get_parameter_state_dp_zero saves them), the vector's length, each bucket's
+    part of it."""
     import megatron_core_workers as mcw
 
     model = mcw.megatron_model(cfg).float()
@@ -235,48 +250,64 @@ def _megatron_core_layout(cfg, args: dict, tied_copy: bool) -> tuple[dict, int, 
     for param, (start, end, b) in buffer.param_index_map.items():
         offset = before[b] - buffer.buckets[b].offset
         ranges[names[param]] = (start + offset, end + offset)
-    return ranges, buffer.numel_unpadded, len(buffer.buckets)
+    return ranges, buffer.numel_unpadded, tuple(b.numel_unpadded for b in buffer.buckets)
 
 
-def layouts_agree(examples: int) -> dict:
-    """One process, hypothesis over models, bucket sizes, --overlap-grad-reduce and a tied
-    embedding copy: megart's layout of the chunk it writes (megart.training.megatron_files'
-    names and order) equals Megatron-Core's (raises with the example where it does not).
-    Returns the examples run and the most buckets one had."""
+def megatron_lm_size(model, num_buckets: int) -> int:
+    """The bucket size Megatron-LM's get_model gives --ddp-num-buckets N (its training.py of
+    megatron-core 0.16.1's release): the elements of ``model.parameters()`` (a Megatron-Core
+    model: counted on Megatron's side, not megart's) // N."""
+    return sum(p.nelement() for p in model.parameters()) // num_buckets
+
+
+def layouts_agree(examples: int, by_count: bool = False) -> dict:
+    """One process, hypothesis over models, bucket sizes (with ``by_count``, numbers of buckets:
+    --ddp-num-buckets, Megatron-Core given Megatron-LM's size for it), --overlap-grad-reduce and
+    a tied embedding copy: megart's layout of the chunk it writes (megart.training
+    .megatron_files' names and order) equals Megatron-Core's, bucket by bucket (raises with the
+    example where it does not). Returns the examples run and the most buckets one had."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
+    import megatron_core_workers as mcw
     from megart.models import GPT
     from megart.models.config import GPTConfig
     from megart.training.megatron_distrib_optim import layouts
     from megart.training.megatron_files import _chunk_to_megatron
 
     seen = {"examples": 0, "most_buckets": 0}
+    limits = st.integers(1, 64) if by_count else st.one_of(st.none(), st.integers(1, 40_000))
 
     @settings(max_examples=examples, deadline=None, database=None)
     @given(
         model=st.sampled_from(MODELS),
-        size=st.one_of(st.none(), st.integers(1, 40_000)),
+        limit=limits,
         overlap=st.booleans(),
         tied_copy=st.booleans(),
     )
-    def check(model, size, overlap, tied_copy):
+    def check(model, limit, overlap, tied_copy):
         cfg = GPTConfig(**model)
         tied_copy = tied_copy and not cfg.untie_embeddings_and_output_weights
         args = dict(
             overlap_grad_reduce=overlap,
-            ddp_bucket_size=size,
             data_parallel_size=1,
             pipeline_model_parallel_size=2 if tied_copy else 1,
             untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         )
+        size = limit
+        if by_count:
+            size = megatron_lm_size(mcw.megatron_model(cfg), limit)
         chunk = _chunk_to_megatron(GPT(cfg).state_dict(), cfg, list(range(cfg.num_layers)))
-        (ours,) = layouts([chunk], args, 0)
-        ranges, numel, buckets = _megatron_core_layout(cfg, args, tied_copy)
-        assert ours.ranges == ranges, (ours.ranges, ranges)
-        assert ours.numel == numel, (ours.numel, numel)
+        flag = "ddp_num_buckets" if by_count else "ddp_bucket_size"
+        (ours,) = layouts([chunk], {**args, flag: limit}, 0)
+        ranges, numel, buckets = _megatron_core_layout(
+            cfg, {**args, "ddp_bucket_size": size}, tied_copy
+        )
+        assert ours.ranges == ranges, (limit, ours.ranges, ranges)
+        assert ours.numel == numel, (limit, ours.numel, numel)
+        assert ours.buckets == buckets, (limit, ours.buckets, buckets)
         seen["examples"] += 1
-        seen["most_buckets"] = max(seen["most_buckets"], buckets)
+        seen["most_buckets"] = max(seen["most_buckets"], len(buckets))
 
     check()
     return seen

@@ -15,6 +15,7 @@ import megatron_optim_workers as mow
 import megatron_workers as mw
 import train_workers as tw
 from megart.errors import ConfigError
+from megart.launcher import launch
 from megart.optim import LossScaler
 
 
@@ -104,8 +105,23 @@ def test_a_hysteresis_below_one_is_refused():
     with pytest.raises(ConfigError, match="--hysteresis 0: .* at least 1"):
         tw.tiny(fp16=True, hysteresis=0).check(1)
     tw.tiny(hysteresis=0).check(1)  # without --fp16 ignored, as the other loss-scale flags
+    # A static --loss-scale never uses it: Megatron-Core builds a ConstantGradScaler then and
+    # checks only the scale, so Megatron-LM takes these flags; so does megart's check.
+    tw.tiny(fp16=True, loss_scale=1024.0, hysteresis=0, loss_scale_window=0).check(1)
     status, out = mw.run_cli(["--fp16", "--hysteresis", "0"])
     assert status == 2 and "--hysteresis 0" in out and "iteration" not in out
+
+
+def _train(kw):
+    return tw.train(**kw)
+
+
+def test_a_static_scale_trains_with_hysteresis_zero():
+    """A static --loss-scale never updates, so --hysteresis 0 (which Megatron's constant
+    scaler never reads) does not stop it."""
+    kw = dict(fp16=True, loss_scale=1024.0, hysteresis=0, train_iters=2)
+    history = launch(_train, 1, kw, timeout=300)[0]
+    assert [h["loss_scale"] for h in history] == [1024.0, 1024.0]
 
 
 def test_the_flag_reaches_the_config_with_megatrons_default():

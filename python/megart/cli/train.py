@@ -155,6 +155,10 @@ HELP = {
     "lr_warmup_samples": "samples of linear warm-up",
     "overlap_grad_reduce": "reduce every gradient bucket after backward instead of while it "
     "runs",  # its flag is --no-...; --overlap-grad-reduce (megart's default) is accepted too
+    "ddp_bucket_size": "gradient bucket size in elements (Megatron's; default: megart's 4 MiB "
+    "buckets, and in Megatron-format files Megatron's max(4e7, 1e6 x data-parallel size))",
+    "ddp_num_buckets": "gradient buckets per rank: the bucket size is this rank's parameters "
+    "divided by N, rounded down, as Megatron-LM computes it (not with --ddp-bucket-size)",
     "overlap_param_gather": "with --use-distributed-optimizer: each bucket's parameter "
     "all-gather finishes just before the next forward first uses it",
     "decoupled_lr": "the word embedding's and output layer's own peak learning rate (their "

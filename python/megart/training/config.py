@@ -138,6 +138,10 @@ class TrainConfig:
     # reduces every bucket after backward.
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
+    # Megatron's gradient bucket size in elements, or its number of buckets (grad_sync's
+    # megatron_bucket_size); neither: megart's 4 MiB buckets.
+    ddp_bucket_size: int | None = None
+    ddp_num_buckets: int | None = None
     decoupled_lr: float | None = None  # the embedding's and output layer's own peak rate
     decoupled_min_lr: float | None = None  # and floor (default: --min-lr)
     grad_reduce_in_bf16: bool = False  # with --bf16: buckets travel in bf16 (grad_sync)

@@ -25,7 +25,12 @@ PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
 
 def _check_loss_scale(cfg: TrainConfig) -> None:
     """The loss-scaling flags, checked only with --fp16, the one run they change: without it
-    megart, as Megatron-LM, ignores them."""
+    megart, as Megatron-LM, ignores them. A static --loss-scale ignores the dynamic scaler's
+    flags too (Megatron-Core builds its ConstantGradScaler then, which checks only the scale)."""
+    if cfg.loss_scale is not None and not cfg.loss_scale > 0:
+        raise ConfigError(f"--loss-scale {cfg.loss_scale:g} must be positive")
+    if cfg.loss_scale is not None:
+        return
     if cfg.hysteresis < 1:
         raise ConfigError(
             f"--hysteresis {cfg.hysteresis}: the fp16 loss scale halves at this overflow "
@@ -39,9 +44,8 @@ def _check_loss_scale(cfg: TrainConfig) -> None:
             "is 1000)"
         )
     for flag, value in (("--initial-loss-scale", cfg.initial_loss_scale),
-                        ("--min-loss-scale", cfg.min_loss_scale),
-                        ("--loss-scale", cfg.loss_scale)):  # fmt: skip
-        if value is not None and not value > 0:
+                        ("--min-loss-scale", cfg.min_loss_scale)):  # fmt: skip
+        if not value > 0:
             raise ConfigError(f"{flag} {value:g} must be positive")
 
 

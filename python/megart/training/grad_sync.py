@@ -14,6 +14,10 @@ Two reductions: an all-reduce leaves the average in every rank's whole buffer (e
 steps every parameter); with ``shard`` a reduce-scatter leaves it only in this rank's 1/dp
 slice of each buffer (the distributed optimizer steps that slice alone, ZeRO stage 1). The rest
 of a sharded buffer keeps this rank's own unreduced sums, which nothing reads.
+
+A bucket's size is megart's (4 MiB, measured) unless --ddp-bucket-size or --ddp-num-buckets
+asks for Megatron's: a number of elements (megatron_bucket_size), a bucket closing once it
+holds that many or more, as Megatron-Core's closes.
 """
 
 from __future__ import annotations
@@ -24,6 +28,37 @@ import torch
 
 import megart.distributed as dist
 from megart.distributed import ProcessGroup
+from megart.errors import ConfigError
+
+
+def megatron_bucket_size(
+    num_parameters: int,
+    dp: int,
+    bucket_size: int | None = None,
+    num_buckets: int | None = None,
+    overlap: bool = True,
+) -> int | None:
+    """Megatron-LM's bucket size in elements (its training.py get_model, megatron-core
+    0.16.1): ``num_parameters // num_buckets`` with --ddp-num-buckets (``num_parameters``:
+    every parameter of this rank's model chunks), else --ddp-bucket-size, else
+    max(4e7, 1e6 x ``dp``); None (no limit) without --overlap-grad-reduce. Refuses what
+    Megatron-LM refuses: both flags, or fewer than one bucket."""
+    if num_buckets is not None:
+        if bucket_size is not None:
+            raise ConfigError(
+                f"--ddp-num-buckets {num_buckets} and --ddp-bucket-size {bucket_size} exclude "
+                "each other (as in Megatron-LM); give one"
+            )
+        if num_buckets < 1:
+            raise ConfigError(f"--ddp-num-buckets {num_buckets} must be at least 1")
+        size: int | None = num_parameters // num_buckets
+    elif bucket_size is not None:
+        if bucket_size < 0:  # Megatron takes 0 (a bucket per parameter); below is meaningless
+            raise ConfigError(f"--ddp-bucket-size {bucket_size} must be at least 0")
+        size = bucket_size
+    else:
+        size = max(40_000_000, 1_000_000 * dp)
+    return size if overlap else None
 
 
 class _Bucket:
@@ -65,7 +100,9 @@ class GradientBuckets:
     ``overlap`` False every bucket is reduced in :meth:`finish` instead (the baseline that
     bench/dp_overlap.py compares with). With ``shard`` only this rank's slice of each bucket is
     averaged (see the module docstring). Parameters in ``alone`` get a bucket of their own, so
-    that their slices are the same on every stage that holds them (the tied embedding).
+    that their slices are the same on every stage that holds them (the tied embedding). With
+    ``bucket_elements`` a bucket closes once it holds that many elements or more (Megatron's
+    rule) instead of before it would pass ``bucket_bytes``.
     """
 
     def __init__(
@@ -77,6 +114,7 @@ class GradientBuckets:
         shard: bool = False,
         alone: Collection[torch.nn.Parameter] = (),
         reduce_dtype: torch.dtype | None = None,
+        bucket_elements: int | None = None,
     ) -> None:
         self.group = dp_group
         self.overlap = overlap
@@ -89,16 +127,17 @@ class GradientBuckets:
         current: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(params):
+            if bucket_elements is None:  # megart's: before this parameter would pass the bytes
+                full = size + p.numel() * p.element_size() > bucket_bytes
+            else:  # Megatron's: once the bucket holds that many elements, with no regard to p
+                full = size >= bucket_elements
             if current and (
-                size + p.numel() * p.element_size() > bucket_bytes
-                or p.dtype != current[0].dtype
-                or id(p) in lone
-                or id(current[0]) in lone
+                full or p.dtype != current[0].dtype or id(p) in lone or id(current[0]) in lone
             ):
                 self.buckets.append(_Bucket(current, self.parts, reduce_dtype))
                 current, size = [], 0
             current.append(p)
-            size += p.numel() * p.element_size()
+            size += p.numel() if bucket_elements is not None else p.numel() * p.element_size()
         if current:
             self.buckets.append(_Bucket(current, self.parts, reduce_dtype))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}

@@ -7,12 +7,14 @@ optimizer/distrib_optimizer.py, and Megatron-LM's training/checkpointing.py) lay
 chunk's parameters into one flat buffer per (parameter dtype, gradient dtype): in reverse
 ``named_parameters()`` order, each starting at a multiple of 64 elements; a bucket closes once
 it holds ``bucket_size`` elements or more (no limit without --overlap-grad-reduce, on pipeline
-ranks after the first and on model chunks after the first; else --ddp-bucket-size, by default
-max(4e7, 1e6 x data-parallel size)), and a tied word embedding or output layer under pipeline
-parallelism gets a bucket of its own. Each bucket is then padded at its end to a multiple of
-lcm(data-parallel size, 128). Data-parallel rank 0 saves (``save_parameter_state``, from
-``get_parameter_state_dp_zero``) ``{"buckets_coalesced": True, chunk: {(param dtype, grad
-dtype): {"param", "exp_avg", "exp_avg_sq": fp32 vectors, "numel_unpadded": n}}}``: the
+ranks after the first and on model chunks after the first; else --ddp-bucket-size, or with
+--ddp-num-buckets N the rank's parameters over all its model chunks // N, by default
+max(4e7, 1e6 x data-parallel size): grad_sync.megatron_bucket_size), and a tied word embedding
+or output layer under pipeline parallelism gets a bucket of its own. Each bucket is then padded
+at its end to a multiple of lcm(data-parallel size, 128). Data-parallel rank 0 saves
+(``save_parameter_state``, from ``get_parameter_state_dp_zero``) ``{"buckets_coalesced":
+True, chunk: {(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": fp32 vectors,
+"numel_unpadded": n}}}``: the
 buckets one after another without their end padding, a parameter's fp32 main copy and Adam
 moments flattened at its place, zeros in the gaps between parameters. The rank file's
 ``optimizer`` is then DistributedOptimizer.state_dict(): ``{"optimizer": {"param_groups": [the
@@ -34,6 +36,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.training import checksum
+from megart.training.grad_sync import megatron_bucket_size
 from megart.training.megatron_files import model_chunks, torch_load
 from megart.training.megatron_layout import OUTPUT, WORD
 from megart.training.megatron_optimizer import is_decoupled, param_groups_of
@@ -50,6 +53,7 @@ class BufferLayout:
 
     ranges: dict[str, tuple[int, int]]  # name -> [start, end)
     numel: int  # the vector's length (Megatron's numel_unpadded)
+    buckets: tuple[int, ...]  # each bucket's part of it (its buckets' numel_unpadded)
 
 
 def _up(n: int, k: int) -> int:
@@ -64,11 +68,13 @@ def buffer_layout(
     ranges: dict[str, tuple[int, int]] = {}
     saved = 0  # elements of the buckets closed so far, without their end padding
     bucket_start = start = members = 0
+    buckets: list[int] = []
 
     def close(end: int) -> int:
         """Closes the bucket at ``end``; returns where the next one starts."""
         nonlocal saved, bucket_start, members
         saved += end - bucket_start
+        buckets.append(end - bucket_start)
         bucket_start, members = _up(end, math.lcm(dp, BUCKET_ALIGN)), 0
         return bucket_start
 
@@ -83,16 +89,21 @@ def buffer_layout(
         start = close(end) if alone or full else end
     if members:
         close(start)
-    return BufferLayout(ranges, saved)
+    return BufferLayout(ranges, saved, tuple(buckets))
 
 
-def bucket_size(args: dict[str, Any], pp_rank: int, chunk: int) -> int | None:
+def bucket_size(args: dict[str, Any], pp_rank: int, chunk: int, num_parameters: int) -> int | None:
     """The bucket size Megatron-LM's DistributedDataParallel uses for model chunk ``chunk`` of
-    pipeline rank ``pp_rank``, given the run's flags (``vars(args)``)."""
-    if not args.get("overlap_grad_reduce") or pp_rank > 0 or chunk > 0:
-        return None
-    size = args.get("ddp_bucket_size")
-    return size if size is not None else max(40_000_000, 1_000_000 * _dp(args))
+    pipeline rank ``pp_rank``, given the run's flags (``vars(args)``) and the elements of all
+    the rank's model chunks' parameters (what --ddp-num-buckets divides)."""
+    size = megatron_bucket_size(
+        num_parameters,
+        _dp(args),
+        args.get("ddp_bucket_size"),
+        args.get("ddp_num_buckets"),
+        bool(args.get("overlap_grad_reduce")),
+    )
+    return None if pp_rank > 0 or chunk > 0 else size
 
 
 def _dp(args: dict[str, Any]) -> int:
@@ -112,9 +123,11 @@ def _params(chunk: dict[str, Any], args: dict[str, Any]) -> list[tuple[str, int,
 
 def layouts(chunks: list[dict[str, Any]], args: dict[str, Any], pp_rank: int) -> list:
     """Each model chunk's BufferLayout (``chunks``: Megatron-Core names, in its order)."""
+    params = [_params(chunk, args) for chunk in chunks]
+    total = sum(numel for chunk in params for _, numel, _ in chunk)
     return [
-        buffer_layout(_params(chunk, args), bucket_size(args, pp_rank, c), _dp(args))
-        for c, chunk in enumerate(chunks)
+        buffer_layout(chunk, bucket_size(args, pp_rank, c, total), _dp(args))
+        for c, chunk in enumerate(params)
     ]
 
 
@@ -227,11 +240,6 @@ def join(state: dict[str, Any], path: Path) -> dict[str, Any]:
     if not is_distributed(optimizer):
         return state
     args = vars(state["args"])
-    if args.get("ddp_num_buckets"):
-        raise ConfigError(
-            f"{path}: saved with --ddp-num-buckets {args['ddp_num_buckets']}, whose buckets "
-            "megart does not lay out; resume with --no-load-optim (fresh optimizer state)"
-        )
     chunks = model_chunks(state)
     loaded = read_param_state(path)
     groups = param_groups_of(chunks, is_decoupled(args))
@@ -258,7 +266,8 @@ def join(state: dict[str, Any], path: Path) -> dict[str, Any]:
                 f"{path.parent / DISTRIB_FILE}: model chunk {c}'s buffer holds "
                 f"{vectors['numel_unpadded']} elements where this model's parameters, laid out "
                 f"as Megatron-Core does for the saved flags, take {layout.numel} (saved with "
-                "other --ddp-bucket-size or padding flags?); resume with --no-load-optim"
+                "other --ddp-bucket-size, --ddp-num-buckets or padding flags?); resume with "
+                "--no-load-optim"
             )
         for name, (start, end) in layout.ranges.items():
             shape = chunks[c][name].shape

@@ -244,7 +244,10 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
         optimizer = {"optimizer": optimizer, "fp32_from_fp16_params": masters}
         scaler = state["loss_scaler"]
         if scaler is not None:
-            optimizer["grad_scaler"] = to_grad_scaler(scaler, config.hysteresis)
+            # A static --loss-scale is Megatron-Core's ConstantGradScaler, whose state is {}.
+            optimizer["grad_scaler"] = (
+                {} if config.loss_scale else to_grad_scaler(scaler, config.hysteresis)
+            )
         for chunk in model:
             chunk.update({k: v.to(half) for k, v in chunk.items() if v is not None})
     if optimizer is not None:

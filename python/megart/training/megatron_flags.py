@@ -26,6 +26,10 @@ What each does in megart:
 - --rampup-batch-size: Megatron's batch-size ramp-up (megart.training.batch_rampup).
 - --overlap-grad-reduce (megart's default) / --no-overlap-grad-reduce, --overlap-param-gather:
   see megart.training.grad_sync and megart.training.distributed_optimizer.
+- --ddp-bucket-size, --ddp-num-buckets: Megatron's gradient bucket size in elements (with N
+  buckets: this rank's parameters // N), for megart's buckets on every stage and chunk, and for
+  the buffers of Megatron-format distrib_optim.pt files as Megatron lays them out (bucketed on
+  the first stage's first chunk only); both together, or N < 1, are refused as Megatron does.
 - --distributed-timeout-minutes: the bound on every wait of megart's communicator.
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
 - --ckpt-format: megart (the default); torch writes Megatron-LM's legacy format
@@ -71,6 +75,7 @@ import numpy as np
 from megart.errors import ConfigError
 from megart.training.batch_rampup import check_values
 from megart.training.batch_rampup import train_iters as ramp_train_iters
+from megart.training.grad_sync import megatron_bucket_size
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -210,6 +215,8 @@ def check_megatron_flags(config: Any) -> None:
             "--grad-reduce-in-bf16 reduces a --bf16 run's gradients in bf16: add --bf16 (Megatron "
             "ignores it without; megart refuses rather than ignore it)"
         )
+    # What Megatron-LM refuses of the bucket flags (both given, no bucket), said before a run.
+    megatron_bucket_size(0, 1, config.ddp_bucket_size, config.ddp_num_buckets)
     if config.overlap_param_gather and not config.use_distributed_optimizer:
         raise ConfigError(
             "--overlap-param-gather overlaps the distributed optimizer's all-gather: add "

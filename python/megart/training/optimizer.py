@@ -18,7 +18,7 @@ import megart.distributed as dist
 import megart.optim
 from megart.training.distributed_optimizer import DistributedOptimizer
 from megart.training.grad_norm import clip_grad_norm, clip_grads, counted_in_norm
-from megart.training.grad_sync import GradientBuckets
+from megart.training.grad_sync import GradientBuckets, megatron_bucket_size
 
 Optimizer = torch.optim.Optimizer | DistributedOptimizer
 
@@ -75,6 +75,16 @@ def build(
     c = config
     params = [p for chunk in chunks for p in chunk.parameters()]
     shard = c.use_distributed_optimizer
+    elements = None
+    if c.ddp_bucket_size is not None or c.ddp_num_buckets is not None:
+        # Megatron's size, counted over this rank's chunks; megart applies it on every stage
+        # and chunk, where Megatron buckets only the first stage's first chunk.
+        elements = megatron_bucket_size(
+            sum(p.numel() for p in params),
+            grid.dp_group.size() if grid.dp_group is not None else 1,
+            c.ddp_bucket_size,
+            c.ddp_num_buckets,
+        )
     buckets = GradientBuckets(
         params,
         grid.dp_group,
@@ -82,6 +92,7 @@ def build(
         shard=shard,
         alone=_tied_embeddings(chunks, c.pp),
         reduce_dtype=torch.bfloat16 if c.grad_reduce_in_bf16 else None,
+        bucket_elements=elements,
     )
     groups = param_groups(c, chunks)
     # megart's multi-tensor AdamW on CPU (tested against torch's); on GPU torch's fused AdamW

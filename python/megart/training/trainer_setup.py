@@ -145,8 +145,12 @@ def loss_scaler(config: TrainConfig) -> LossScaler | None:
     none, since their range holds the gradients."""
     if not config.fp16:
         return None
+    if config.loss_scale is not None:
+        # A static --loss-scale never updates: the dynamic flags do not apply (Megatron's
+        # ConstantGradScaler), so they are not passed.
+        return LossScaler(init_scale=config.loss_scale)
     return LossScaler(
-        init_scale=config.loss_scale or config.initial_loss_scale,
+        init_scale=config.initial_loss_scale,
         growth_interval=config.loss_scale_window,
         min_scale=config.min_loss_scale,
         hysteresis=config.hysteresis,
