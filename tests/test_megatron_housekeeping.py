@@ -70,7 +70,7 @@ def test_the_llama3_example_is_refused_naming_what_megart_cannot_do(tmp_path):
     # With bf16 only its checkpoint format is refused (the profiler's check comes later).
     status, out = mw.run_cli(_llama3(tmp_path))
     assert status == 2 and "iteration" not in out
-    assert "--ckpt-format torch_dist: megart train does not save" in out, out
+    assert "--ckpt-format torch_dist with --save: megart train does not save" in out, out
     # With fp8 every fp8 flag is refused, in one line.
     status, out = mw.run_cli(_llama3(tmp_path) + LLAMA3_FP8.split())
     assert status == 2 and "iteration" not in out
