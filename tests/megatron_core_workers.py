@@ -227,8 +227,8 @@ def tp_rank_logits(megatron_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state
 
     from megart.training import checkpoint
+    from megart.training.megatron_args import config_from_args
     from megart.training.megatron_checkpoint import read_rank
-    from megart.training.megatron_files import config_from_args
 
     tp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     torch.distributed.init_process_group("gloo")

@@ -72,8 +72,8 @@ def load_and_run(dist_dir: str, tokens: torch.Tensor, tp: int, pp: int) -> torch
     from megatron.core import dist_checkpointing
 
     from megart.training.checkpoint import iteration_dir, latest_iteration
+    from megart.training.megatron_args import config_from_args
     from megart.training.megatron_dist import read_common
-    from megart.training.megatron_files import config_from_args
 
     _no_cuda()
     _parallel(tp, pp)
@@ -97,7 +97,7 @@ def save_megatron(kw: dict, out_dir: str, tp: int, pp: int, tokens: torch.Tensor
     from megatron.core import dist_checkpointing
 
     from megart.training.checkpoint import iteration_dir
-    from megart.training.megatron_files import megatron_args
+    from megart.training.megatron_args import megatron_args
 
     _no_cuda()
     _parallel(tp, pp)

@@ -138,7 +138,8 @@ def load_and_write(kw: dict, megart_dir: str, ref_dir: str, out_dir: str | None)
     import megatron_optim_workers as mow
     import train_workers as tw
     from megart.training.checkpoint import latest_iteration, rank_dir
-    from megart.training.megatron_files import config_from_args, model_chunks
+    from megart.training.megatron_args import config_from_args
+    from megart.training.megatron_files import model_chunks
 
     c = tw.tiny(**kw)
     tp, pp = c.tp, c.pp

@@ -188,7 +188,7 @@ def resume_and_write(kw: dict, megart_dir: str, out_dir: str) -> dict:
     import megatron_core_workers as mcw
     import train_workers as tw
     from megart.training.data import build_datasets, builtin_corpus
-    from megart.training.megatron_files import config_from_args
+    from megart.training.megatron_args import config_from_args
 
     tp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     _init(tp)
@@ -267,7 +267,7 @@ def load_bf16(kw: dict, megart_dir: str) -> dict:
     import megatron_core_workers as mcw
     import train_workers as tw
     from megart.training.checkpoint import latest_iteration
-    from megart.training.megatron_files import config_from_args
+    from megart.training.megatron_args import config_from_args
 
     tp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     _init(tp)
@@ -318,7 +318,7 @@ def pipeline_states(kw: dict, megart_dir: str, out_dir: str | None = None) -> di
     import megatron_core_workers as mcw
     import train_workers as tw
     from megart.training.checkpoint import latest_iteration
-    from megart.training.megatron_files import config_from_args
+    from megart.training.megatron_args import config_from_args
 
     pp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     _init(1, pp)

@@ -18,7 +18,7 @@ from megart.models.blocks import apply_norm, norm
 from megart.training.checkpoint import FILE, iteration_dir
 from megart.training.config import TrainConfig
 from megart.training.export_hf import export_checkpoint
-from megart.training.megatron_files import config_from_args, megatron_args
+from megart.training.megatron_args import config_from_args, megatron_args
 from megart.training.optimizer import param_groups
 
 safetensors = pytest.importorskip("safetensors.torch")

@@ -227,8 +227,8 @@ def test_train_needs_a_flag_for_a_store_with_optimizer_state(tmp_path):
     """Megatron-LM's saves hold optimizer state, which megart does not read: refused unless
     --finetune or --no-load-optim --no-load-rng, which goes on from the saved iteration."""
     import train_workers as tw
+    from megart.training.megatron_args import megatron_args
     from megart.training.megatron_dist import write
-    from megart.training.megatron_files import megatron_args
 
     cfg = GPTConfig(**TINY_MODEL)
     model = to_megatron(GPT(cfg).state_dict(), cfg)

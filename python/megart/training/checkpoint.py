@@ -56,7 +56,8 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     read_file,
     required_latest_iteration,
 )
-from megart.training.megatron_files import args_record, to_megatron_file
+from megart.training.megatron_args import args_record
+from megart.training.megatron_files import to_megatron_file
 from megart.training.megatron_scheduler import check_scheduler
 
 

@@ -40,14 +40,8 @@ from megart.training.checkpoint import (
     write_release,
 )
 from megart.training.ckpt_files import rank_files
-from megart.training.megatron_files import (
-    check_args,
-    config_from_args,
-    megatron_args,
-    model_chunks,
-    rank_state,
-    torch_load,
-)
+from megart.training.megatron_args import check_args, config_from_args, megatron_args
+from megart.training.megatron_files import model_chunks, rank_state, torch_load
 from megart.training.shards import layer_ids, read_shards, whole_tensors
 
 VOCAB_NAMES = (megatron_layout.WORD, megatron_layout.OUTPUT)

@@ -38,7 +38,8 @@ from megart.errors import ConfigError
 from megart.models.config import GPTConfig
 from megart.models.megatron_names import LAYER_NAMES, NAMES, TE_NORMS
 from megart.training.ckpt_files import iteration_dir
-from megart.training.megatron_files import CHECKPOINT_VERSION, check_args, torch_load
+from megart.training.megatron_args import check_args
+from megart.training.megatron_files import CHECKPOINT_VERSION, torch_load
 from megart.training.shards import whole_name
 
 METADATA = "metadata.json"
@@ -168,27 +169,28 @@ def read_common(root: Path) -> dict[str, Any]:
     return common
 
 
+def _stored(root: Path) -> dict[str, Any]:
+    """What the store in ``root`` holds: each key's metadata (a tensor's global size, dtype
+    and chunks, or an object's)."""
+    try:
+        return dcp.FileSystemReader(root).read_metadata().state_dict_metadata
+    except UNREADABLE as e:
+        raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
+
+
 def has_optimizer_state(root: Path) -> bool:
     """Whether the store in ``root`` holds an optimizer's state (Megatron-LM's saves do;
     convert-checkpoint's, weights alone, do not)."""
-    try:
-        keys = dcp.FileSystemReader(root).read_metadata().state_dict_metadata
-    except UNREADABLE as e:
-        raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
-    return any(key.startswith("optimizer.") for key in keys)
+    return any(key.startswith("optimizer.") for key in _stored(root))
 
 
 def read(root: Path) -> dict[str, torch.Tensor]:
     """The model's whole tensors in the torch_dist checkpoint in ``root`` (an iteration
     directory), under Megatron-Core's per-layer names; what is not the model's (optimizer,
     RNG states, extra states) is not read."""
-    try:
-        metadata = dcp.FileSystemReader(root).read_metadata()
-    except UNREADABLE as e:
-        raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
     stored = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
+        for key, meta in _stored(root).items()
         if key.startswith(MODEL_KEYS) and isinstance(meta, dcp.metadata.TensorStorageMetadata)
     }
     if "embedding.word_embeddings.weight" not in stored:
@@ -262,10 +264,7 @@ def load_slices(root: Path, chunks: list[Any], tp: int, tp_rank: int) -> None:
     nothing more: each parameter's rows or columns of its layer's tensor; vocabulary rows past
     the stored padding are zero (see megart.models.config.fit_vocab)."""
     cfg = chunks[0].cfg
-    try:
-        stored = dcp.FileSystemReader(root).read_metadata().state_dict_metadata
-    except UNREADABLE as e:
-        raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
+    stored = _stored(root)
     wanted: dict[str, _Pieces] = {}
     with torch.no_grad():
         for chunk in chunks:

@@ -1,0 +1,116 @@
+"""Megatron-LM's ``args`` (the argparse Namespace of its flags that every checkpoint holds):
+the flags that describe a megart model and layout, and the model, layout and limits megart
+reads from them. Used by the legacy files (megart.training.megatron_files) and the distributed
+format (megart.training.megatron_dist) alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from megart.errors import ConfigError
+from megart.models.config import GPTConfig
+
+
+def megatron_args(
+    cfg: GPTConfig, iteration: int, tp: int = 1, pp: int = 1, vpp: int = 1
+) -> argparse.Namespace:
+    """The Megatron-LM flags (argparse names) that describe ``cfg`` on ``tp`` x ``pp`` ranks
+    of ``vpp`` virtual stages each."""
+    return argparse.Namespace(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_size,
+        num_attention_heads=cfg.num_attention_heads,
+        group_query_attention=cfg.query_groups != cfg.num_attention_heads,
+        num_query_groups=cfg.query_groups,
+        kv_channels=cfg.head_dim,
+        seq_length=cfg.seq_length,
+        max_position_embeddings=cfg.seq_length,
+        vocab_size=cfg.vocab_size,
+        padded_vocab_size=cfg.padded_vocab_size(tp),
+        make_vocab_size_divisible_by=128,
+        normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
+        norm_epsilon=cfg.layernorm_epsilon,
+        apply_layernorm_1p=cfg.apply_layernorm_1p,
+        position_embedding_type="rope"
+        if cfg.position_embedding == "rotary"
+        else "learned_absolute",
+        rotary_base=int(cfg.rotary_base),
+        rotary_interleaved=cfg.rotary_interleaved,
+        swiglu=cfg.activation == "swiglu",
+        add_bias_linear=cfg.bias,
+        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=cfg.num_layers // (pp * vpp) if vpp > 1 else None,
+        iteration=iteration,
+        ckpt_format="torch",
+    )
+
+
+def config_from_args(a: dict[str, Any]) -> GPTConfig:
+    """The GPTConfig Megatron-LM's flags (``vars(args)``) describe."""
+    return GPTConfig(
+        vocab_size=a.get("vocab_size") or a["padded_vocab_size"],
+        seq_length=a["seq_length"],
+        hidden_size=a["hidden_size"],
+        num_layers=a["num_layers"],
+        num_attention_heads=a["num_attention_heads"],
+        ffn_hidden_size=a.get("ffn_hidden_size"),
+        layernorm_epsilon=a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)),
+        normalization="rmsnorm" if a.get("normalization") == "RMSNorm" else "layernorm",
+        # Megatron-LM's argparse name; TransformerConfig's own name where args carry that.
+        apply_layernorm_1p=bool(
+            a.get("apply_layernorm_1p", a.get("layernorm_zero_centered_gamma", False))
+        ),
+        position_embedding="rotary" if a.get("position_embedding_type") == "rope" else "learned",
+        rotary_base=float(a.get("rotary_base", 10000)),
+        rotary_interleaved=bool(a.get("rotary_interleaved", False)),
+        activation="swiglu" if a.get("swiglu") else "gelu",
+        bias=a.get("add_bias_linear", True),
+        untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),
+        num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else None,
+    )
+
+
+def check_args(a: dict[str, Any], where: Any) -> None:
+    """Refuses a Megatron-LM checkpoint (its ``vars(args)``) of what megart cannot represent."""
+    for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if a.get(flag):
+            raise ConfigError(
+                f"{where}: saved with --{flag.replace('_', '-')} {a[flag]} (uneven pipeline "
+                "stages), which megart does not read; convert it to even stages with "
+                "Megatron's checkpoint converter first"
+            )
+    if (a.get("expert_model_parallel_size") or 1) > 1 or (a.get("num_experts") or 0) > 0:
+        raise ConfigError(f"{where}: a mixture-of-experts model, which megart does not have")
+
+
+def args_record(a: dict[str, Any]) -> dict[str, Any]:
+    """A megart file's ``config`` (model sizes and layout) and ``model_config`` as Megatron-LM's
+    flags (``vars(args)``) give them."""
+    cfg = config_from_args(a)
+    tp, pp = a.get("tensor_model_parallel_size") or 1, a.get("pipeline_model_parallel_size") or 1
+    vpp = a.get("virtual_pipeline_model_parallel_size") or 1
+    per = a.get("num_layers_per_virtual_pipeline_stage") or (
+        cfg.num_layers // (pp * vpp) if vpp > 1 else None
+    )
+    layout = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        seq_length=cfg.seq_length,
+        # None where Megatron's tokenizer gave it (GPT2BPETokenizer, ...): the padded size
+        # alone is known then, and checked against this run's instead.
+        vocab_size=a.get("vocab_size"),
+        padded_vocab_size=a.get("padded_vocab_size"),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        num_layers_per_virtual_pipeline_stage=per,
+        pipeline_schedule="1f1b" if per is None else "interleaved",
+    )
+    return {"config": layout, "model_config": dataclasses.asdict(cfg)}
