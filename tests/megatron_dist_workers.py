@@ -14,7 +14,6 @@ import torch
 
 from megart.models import GPT, GPTConfig
 from megart.models.config import fit_vocab
-from megart.models.megatron_names import to_megatron
 from megatron_core_workers import megatron_logits, megatron_model
 
 # Megatron-LM's default --dist-ckpt-strictness: a key asked for that the checkpoint lacks fails.
@@ -43,17 +42,14 @@ def stage_logits(model: torch.nn.Module, tokens: torch.Tensor, tp: int, pp: int)
     rank of the last stage; None elsewhere."""
     from megatron.core import parallel_state as ps
 
-    s = tokens.shape[1]
-    positions = torch.arange(s).unsqueeze(0).expand_as(tokens)
-    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
     pp_group = ps.get_pipeline_model_parallel_group()
     stage = ps.get_pipeline_model_parallel_rank()
-    with torch.no_grad():
-        if stage > 0:
-            hidden = torch.empty(s, tokens.shape[0], model.config.hidden_size, dtype=torch.double)
-            torch.distributed.recv(hidden, group=pp_group, group_src=stage - 1)
-            model.set_input_tensor(hidden)
-        out = model(tokens, positions, mask)
+    if stage > 0:
+        shape = (tokens.shape[1], tokens.shape[0], model.config.hidden_size)
+        hidden = torch.empty(shape, dtype=torch.double)
+        torch.distributed.recv(hidden, group=pp_group, group_src=stage - 1)
+        model.set_input_tensor(hidden)
+    out = megatron_logits(model, tokens)  # a stage before the last: its hidden states
     if stage < pp - 1:
         torch.distributed.send(out.contiguous(), group=pp_group, group_dst=stage + 1)
         return None
@@ -144,6 +140,3 @@ def megart_logits(cfg: GPTConfig, megatron_state: dict, tokens: torch.Tensor) ->
     ours.chunk.load_state_dict({k: v.double() for k, v in state.items()}, strict=True)
     with torch.no_grad():
         return ours(tokens)
-
-
-__all__ = ["load_and_run", "save_megatron", "megart_logits", "to_megatron", "megatron_logits"]

@@ -52,6 +52,12 @@ def _megart_checkpoint(cfg: GPTConfig, directory) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _to_dist(megart_dir, out, *flags: str) -> None:
+    """convert-checkpoint of megart's checkpoint to Megatron-LM's torch_dist format."""
+    args = ["--from", "megart", "--to", "megatron", "--ckpt-format", "torch_dist", *flags]
+    assert main(["convert-checkpoint", *args, "--load", str(megart_dir), "--save", str(out)]) == 0
+
+
 def _logits(cfg: GPTConfig, weights: dict[str, torch.Tensor]) -> torch.Tensor:
     model = GPT(cfg)
     model.chunk.load_state_dict(weights, strict=True)
@@ -96,9 +102,7 @@ def test_megatron_core_loads_what_megart_writes(tmp_path, kind, tp, pp):
     cfg = _cfg(kind)
     weights = _megart_checkpoint(cfg, tmp_path / "megart")
     out = tmp_path / "dist"
-    assert main(["convert-checkpoint", "--from", "megart", "--to", "megatron", "--ckpt-format",
-                 "torch_dist", "--target-tensor-parallel-size", str(tp), "--load",
-                 str(tmp_path / "megart"), "--save", str(out)]) == 0  # fmt: skip
+    _to_dist(tmp_path / "megart", out, "--target-tensor-parallel-size", str(tp))
     root = iteration_dir(out, 0)
     assert is_dist_checkpoint(root) and (root / ".metadata").is_file()
     want = _logits(cfg, weights)
@@ -138,9 +142,7 @@ def test_megart_reads_what_megatron_core_saves(tmp_path, kind, tp, pp):
 def test_round_trip_keeps_every_weight(tmp_path):
     cfg = _cfg("llama")
     weights = _megart_checkpoint(cfg, tmp_path / "megart")
-    convert = ["convert-checkpoint", "--ckpt-format", "torch_dist"]
-    assert main([*convert, "--from", "megart", "--to", "megatron", "--load",
-                 str(tmp_path / "megart"), "--save", str(tmp_path / "dist")]) == 0  # fmt: skip
+    _to_dist(tmp_path / "megart", tmp_path / "dist")
     assert main(["convert-checkpoint", "--from", "megatron", "--to", "megart", "--load",
                  str(tmp_path / "dist"), "--save", str(tmp_path / "back")]) == 0  # fmt: skip
     state = read_file(iteration_dir(tmp_path / "back", 0) / "mp_rank_00" / "model_optim_rng.pt")
@@ -158,15 +160,11 @@ def test_ckpt_format_is_for_megatron_checkpoints_written(tmp_path, capsys):
 
 def test_a_damaged_store_is_a_clear_error(tmp_path):
     _megart_checkpoint(_cfg("gpt2"), tmp_path / "megart")
-    assert main(["convert-checkpoint", "--from", "megart", "--to", "megatron", "--ckpt-format",
-                 "torch_dist", "--load", str(tmp_path / "megart"), "--save",
-                 str(tmp_path / "dist")]) == 0  # fmt: skip
+    _to_dist(tmp_path / "megart", tmp_path / "dist")
     (iteration_dir(tmp_path / "dist", 0) / ".metadata").write_bytes(b"not a pickle")
     with pytest.raises(ConfigError, match="cannot be read as a torch_dist checkpoint"):
         read_megatron(tmp_path / "dist")
-    assert main(["convert-checkpoint", "--from", "megart", "--to", "megatron", "--ckpt-format",
-                 "torch_dist", "--load", str(tmp_path / "megart"), "--save",
-                 str(tmp_path / "again")]) == 0  # fmt: skip
+    _to_dist(tmp_path / "megart", tmp_path / "again")
     for data in iteration_dir(tmp_path / "again", 0).glob("*.distcp"):
         data.write_bytes(data.read_bytes()[:100])  # truncated
     with pytest.raises(ConfigError, match="cannot be read as a torch_dist checkpoint"):
@@ -259,9 +257,7 @@ def test_reading_keeps_the_globals_allowed_before(tmp_path):
 
     before = torch.serialization.get_safe_globals()
     _megart_checkpoint(_cfg("gpt2"), tmp_path / "megart")
-    assert main(["convert-checkpoint", "--from", "megart", "--to", "megatron", "--ckpt-format",
-                 "torch_dist", "--load", str(tmp_path / "megart"), "--save",
-                 str(tmp_path / "dist")]) == 0  # fmt: skip
+    _to_dist(tmp_path / "megart", tmp_path / "dist")
     torch.serialization.add_safe_globals([argparse.Namespace])
     try:
         read_megatron(tmp_path / "dist")

@@ -261,9 +261,7 @@ def load(
         scaler.load_state_dict(state["loss_scaler"])
     if finetune:
         return 0, 0
-    iteration = int(state["iteration"])
-    consumed = state.get("consumed_train_samples")
-    return iteration, iteration * config.global_batch_size if consumed is None else int(consumed)
+    return _resume_point(int(state["iteration"]), state.get("consumed_train_samples"), config)
 
 
 def _load_dist(
@@ -287,7 +285,7 @@ def _load_dist(
             "(start from its weights at iteration 0) or --no-load-optim --no-load-rng (go on "
             "from its iteration with a fresh optimizer), or resume in Megatron-LM"
         )
-    megatron_dist.load_slices(root, chunks, config.tp, grid.tp_rank)
+    megatron_dist.load_slices(root, chunks, grid.tp_rank)
     if dist.get_rank() == 0:
         print(
             f"loaded the weights of {root} (Megatron-LM torch_dist) into tensor-parallel "
@@ -297,8 +295,12 @@ def _load_dist(
         )
     if finetune:
         return 0, 0
-    iteration = int(common["iteration"])
-    consumed = a.get("consumed_train_samples")
+    return _resume_point(int(common["iteration"]), a.get("consumed_train_samples"), config)
+
+
+def _resume_point(iteration: int, consumed: Any, config: Any) -> tuple[int, int]:
+    """The iteration to go on from and the samples consumed by then (iterations x
+    --global-batch-size where the checkpoint did not record them, as Megatron assumes)."""
     return iteration, iteration * config.global_batch_size if consumed is None else int(consumed)
 
 

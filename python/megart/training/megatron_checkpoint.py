@@ -94,14 +94,10 @@ def megart_to_megatron(
     return paths
 
 
-def _load(path: Path, mmap: bool = False) -> Any:
-    return torch_load(path, mmap=mmap)
-
-
 def read_rank(path: Path) -> dict[str, Any]:
     """One rank's file of a Megatron-LM legacy checkpoint, memory-mapped."""
     try:
-        state = _load(path, mmap=True)
+        state = torch_load(path, mmap=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
         raise ConfigError(f"{path} cannot be read as a Megatron-LM checkpoint ({e})") from e
     if not isinstance(state, dict) or state.get("args") is None:

@@ -178,6 +178,14 @@ def _stored(root: Path) -> dict[str, Any]:
         raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
 
 
+def _load(root: Path, state: dict[str, Any], planner: Any = None) -> None:
+    """DCP's load of ``state`` from the store in ``root``, in this process alone."""
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(root), planner=planner, no_dist=True)
+    except UNREADABLE as e:
+        raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
+
+
 def has_optimizer_state(root: Path) -> bool:
     """Whether the store in ``root`` holds an optimizer's state (Megatron-LM's saves do;
     convert-checkpoint's, weights alone, do not)."""
@@ -195,10 +203,7 @@ def read(root: Path) -> dict[str, torch.Tensor]:
     }
     if "embedding.word_embeddings.weight" not in stored:
         raise ConfigError(f"{root}: no embedding.word_embeddings.weight; not a GPT's weights")
-    try:
-        dcp.load(stored, storage_reader=dcp.FileSystemReader(root), no_dist=True)
-    except UNREADABLE as e:
-        raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
+    _load(root, stored)
     return layer_names(stored)
 
 
@@ -258,9 +263,9 @@ def _stored_place(name: str, cfg: GPTConfig) -> tuple[str, int | None, int]:
     return f"decoder.layers.{_to_fused_norm(LAYER_NAMES[part] + '.' + kind)}", int(layer), row
 
 
-def load_slices(root: Path, chunks: list[Any], tp: int, tp_rank: int) -> None:
-    """Loads into this rank's model chunks (megart's GPT chunks, tensor-parallel rank
-    ``tp_rank`` of ``tp``) the slices of the torch_dist store in ``root`` that they hold, and
+def load_slices(root: Path, chunks: list[Any], tp_rank: int) -> None:
+    """Loads into this rank's model chunks (megart's GPT chunks, of tensor-parallel rank
+    ``tp_rank``) the slices of the torch_dist store in ``root`` that they hold, and
     nothing more: each parameter's rows or columns of its layer's tensor; vocabulary rows past
     the stored padding are zero (see megart.models.config.fit_vocab)."""
     cfg = chunks[0].cfg
@@ -289,8 +294,4 @@ def load_slices(root: Path, chunks: list[Any], tp: int, tp_rank: int) -> None:
                     offsets, piece = [layer, *offsets], piece.unsqueeze(0)
                 if piece.numel():
                     wanted.setdefault(store_key, _Pieces(meta.size)).add(offsets, piece)
-        try:
-            reader = dcp.FileSystemReader(root)
-            dcp.load(wanted, storage_reader=reader, planner=_PiecesPlanner(), no_dist=True)
-        except UNREADABLE as e:
-            raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
+        _load(root, wanted, _PiecesPlanner())

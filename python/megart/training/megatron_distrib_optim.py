@@ -52,8 +52,12 @@ class BufferLayout:
     """Where each parameter of a model chunk lies in the saved vector of its buffer."""
 
     ranges: dict[str, tuple[int, int]]  # name -> [start, end)
-    numel: int  # the vector's length (Megatron's numel_unpadded)
     buckets: tuple[int, ...]  # each bucket's part of it (its buckets' numel_unpadded)
+
+    @property
+    def numel(self) -> int:
+        """The vector's length (Megatron's numel_unpadded): its buckets one after another."""
+        return sum(self.buckets)
 
 
 def _up(n: int, k: int) -> int:
@@ -89,7 +93,7 @@ def buffer_layout(
         start = close(end) if alone or full else end
     if members:
         close(start)
-    return BufferLayout(ranges, saved, tuple(buckets))
+    return BufferLayout(ranges, tuple(buckets))
 
 
 def bucket_size(args: dict[str, Any], pp_rank: int, chunk: int, num_parameters: int) -> int | None:

@@ -81,7 +81,7 @@ def build(
         # and chunk, where Megatron buckets only the first stage's first chunk.
         elements = megatron_bucket_size(
             sum(p.numel() for p in params),
-            grid.dp_group.size() if grid.dp_group is not None else 1,
+            grid.layout.dp,
             c.ddp_bucket_size,
             c.ddp_num_buckets,
         )
