@@ -2,7 +2,7 @@
 # One device call: build megart for the GPU, run the GPU tests, then the named benchmark steps.
 # Usage (on the lent GPU machine, repo root): bash bench/gpu_session.sh [step ...]
 # Steps: selftest train-default tests allreduce p2p nccl-overhead adam kernels train-1.3b
-# train-1.3b-fused, or any shell command. A lent GPU's first call runs
+# train-1.3b-fused train-1.3b-50k train-1.3b-50k-fused, or any shell command. A lent GPU's first call runs
 #   bash bench/gpu_session.sh selftest train-default tests kernels adam nccl-overhead \
 #     train-1.3b train-1.3b-fused
 # (train-1.3b-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion:
@@ -48,10 +48,14 @@ for step in "$@"; do
              --json "$OUT/nccl_$step.json" 2>&1 | show 20 ;;
     nccl-overhead) limit python3 bench/nccl_overhead.py --json "$OUT/nccl_overhead.json" 2>&1 | show 12 ;;
     adam) limit python3 bench/adam_gpu.py --json "$OUT/adam_gpu.json" 2>&1 | show 12 ;;
-    train-1.3b | train-1.3b-fused) # GPT-3 XL shape (24 x 2048, 16 heads, seq 2048): 1.21B with the byte vocab
-      fused=(); [ "$step" = train-1.3b-fused ] && fused=(--bias-gelu-fusion --fused-layer-norm \
-        --cross-entropy-loss-fusion)
-      limit python3 -m megart train --bf16 "${fused[@]}" --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
+    train-1.3b*) # GPT-3 XL shape (24 x 2048, 16 heads, seq 2048): 1.21B with the byte vocab;
+      # -50k: GPT-2's vocabulary size on random tokens (1.31B), where the cross-entropy weighs
+      extra=()
+      case "$step" in *-50k*) extra+=(--mock-data --tokenizer-type NullTokenizer \
+        --vocab-size 50256 --eval-iters 0) ;; esac
+      case "$step" in *-fused) extra+=(--bias-gelu-fusion --fused-layer-norm \
+        --cross-entropy-loss-fusion) ;; esac
+      limit python3 -m megart train --bf16 "${extra[@]}" --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
         --seq-length 2048 --micro-batch-size 4 --global-batch-size 32 --train-iters 30 \
         --lr 2e-4 --min-lr 2e-5 --lr-warmup-iters 5 --log-interval 5 \
         --log-jsonl "$OUT/$step.jsonl" 2>&1 | show 12 ;;

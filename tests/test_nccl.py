@@ -301,7 +301,8 @@ def test_two_ranks_on_one_gpu():
     from megart.launcher import launch
 
     sent = launch(nccl_workers.collectives_and_exchange, 2, timeout=300)
-    assert sent == [{1: 2 * (1 << 22) * 4}, {0: 2 * (1 << 22) * 4}]
+    ring = 2 * (1 << 22) * 4  # both directions of the ring go to the one other rank
+    assert sent == [{0: 0, 1: ring}, {0: ring, 1: 0}]  # bytes_sent counts every rank, self too
 
 
 # ---- the Python side of the nccl transport, with fakes of its C++ Work ----

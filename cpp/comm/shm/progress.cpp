@@ -20,6 +20,7 @@
 #include <cerrno>
 #include <optional>
 #include <set>
+#include <system_error>
 
 #include "comm/shm/communicator.hpp"
 #include "common/error.hpp"
