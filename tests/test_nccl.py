@@ -2,8 +2,7 @@
 loader's error, the `_cuda` module sharing `_core`'s classes, the Python-side tensor checks and
 tensor lifetimes (megart's declarations of NCCL's API against nccl.h, and an installed NCCL's
 symbols: test_nccl_declarations.py). The GPU tests run a one-rank NCCL world (NCCL refuses two
-ranks on one GPU); they are skipped without CUDA, and they have never run where the transport
-was written (it is UNVERIFIED)."""
+ranks on one GPU); they are skipped without CUDA; on one H200 (2026-11-26) they all passed."""
 
 import gc
 import importlib.util
@@ -169,7 +168,7 @@ def test_an_unwaited_nccl_work_leaves_its_tensors_to_the_group():
     assert g.in_flight == [] and shm.in_flight == []
 
 
-# ---- on a GPU (UNVERIFIED where written: these have never run) ----
+# ---- on a GPU (all passed on one H200, 2026-11-26) ----
 
 
 @pytest.fixture

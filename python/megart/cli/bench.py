@@ -105,7 +105,7 @@ def _comm_parsers(sub: argparse._SubParsersAction) -> None:
             choices=BACKENDS,
             default="shm",
             help="megart's shm transport (CPU tensors), megart's nccl transport (GPU tensors, "
-            "UNVERIFIED), or torch.distributed's gloo as baseline",
+            "never run between GPUs), or torch.distributed's gloo as baseline",
         )
         p.add_argument(
             "--nproc",

@@ -7,8 +7,8 @@ algbw = bytes / time; busbw = algbw x nccl-tests' factor (allreduce 2(n-1)/n, al
 reducescatter (n-1)/n, p2p 1). As in nccl-tests, allgather and reducescatter sizes count all n
 parts. p2p is a ring exchange: every rank sends to rank+1 and receives from rank-1 at once.
 
-``nccl`` runs on CUDA tensors (device LOCAL_RANK) through megart's nccl transport, which is
-UNVERIFIED (never run on a GPU); its ops wait on the host, so the host clock times them.
+``nccl`` runs on CUDA tensors (device LOCAL_RANK) through megart's nccl transport (run on one
+GPU only, never between GPUs); its ops wait on the host, so the host clock times them.
 """
 
 from __future__ import annotations

@@ -104,10 +104,9 @@ HELP = {
     "loss_scale_window": "overflow-free iterations before the dynamic loss scale doubles",
     "hysteresis": "the dynamic fp16 loss scale halves at the N-th overflow since it last grew "
     "and at each one after it (every overflow skips its step; 1: halve at every overflow)",
-    "bias_gelu_fusion": "megart's fused bias+GeLU CUDA kernel (unverified: off by default)",
-    "fused_layer_norm": "megart's fused LayerNorm(+residual) CUDA kernel (unverified)",
-    "cross_entropy_loss_fusion": "megart's in-place vocab-parallel cross-entropy CUDA kernel "
-    "(unverified)",
+    "bias_gelu_fusion": "megart's fused bias+GeLU CUDA kernel (off by default)",
+    "fused_layer_norm": "megart's fused LayerNorm(+residual) CUDA kernel",
+    "cross_entropy_loss_fusion": "megart's in-place vocab-parallel cross-entropy CUDA kernel",
     "recompute_activations": "shorthand for --recompute-granularity selective",
     "recompute_granularity": "full (whole layers) or selective (attention core) recomputation "
     "(default: none)",

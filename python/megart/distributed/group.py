@@ -8,7 +8,8 @@ torch.distributed.
 Two transports: ``shm`` (host tensors, processes of one machine) and ``nccl`` (CUDA tensors;
 NCCL is loaded at run time, see :mod:`megart.distributed.nccl`); and ``torch``, which
 delegates to torch.distributed's groups (gloo or NCCL, :mod:`megart.distributed.torch_backend`).
-The nccl transport is UNVERIFIED: it was written and compiled without a GPU and has never run.
+The nccl transport has run on one H200, 2026-11-26, with one rank and with two ranks sharing the GPU
+(tests/test_nccl.py); never between GPUs (NVLink, InfiniBand).
 """
 
 from __future__ import annotations

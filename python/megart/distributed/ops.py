@@ -1,14 +1,14 @@
 """Collectives and point-to-point ops on torch tensors, with torch.distributed's names and
 signatures. Ranks are global ranks, as in torch. Tensors are checked before anything is sent.
 
-Groups on the shm transport take CPU tensors; groups on the nccl transport (UNVERIFIED: never
-run on a GPU) take CUDA tensors on the group's device. nccl ops are ordered after the work
-already queued on the caller's current CUDA stream. As in torch.distributed, an nccl op with
-``async_op=False`` returns once it is enqueued, with the caller's stream ordered after it, so
+Groups on the shm transport take CPU tensors; groups on the nccl transport (run on one GPU only: one
+rank, and two ranks sharing it) take CUDA tensors on the group's device. nccl ops are ordered after
+the work already queued on the caller's current CUDA stream. As in torch.distributed, an nccl op
+with ``async_op=False`` returns once it is enqueued, with the caller's stream ordered after it, so
 the host runs ahead of the GPU; ``Work.wait()`` does the same for an async op, as
 torch.distributed's does: the current stream waits for the op on the device, the host goes on
-(``Work.wait_stream(stream)`` names another stream, ``Work.synchronize()`` blocks the host). On
-the shm transport the op is on host memory, and every wait blocks the host (raising CommError or
+(``Work.wait_stream(stream)`` names another stream, ``Work.synchronize()`` blocks the host). On the
+shm transport the op is on host memory, and every wait blocks the host (raising CommError or
 CommTimeoutError rather than hanging). An nccl op that fails or is still unfinished after the
 group's timeout is found by the process's watchdog, which aborts the group and ends the process
 naming the op (with ``MEGART_NCCL_WATCHDOG=0``: when the group is next used, raising

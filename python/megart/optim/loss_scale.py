@@ -156,8 +156,8 @@ def multi_tensor_scale_(
     per call. Returns an int32 flag of one element on inputs[0]'s device, 1 when any input held
     an inf or NaN (the fp16 loss-scaling check), so CUDA callers need no host sync. Contiguous
     CPU tensors go through megart's C++ sweep, contiguous float32, bfloat16 and float16 CUDA
-    tensors (fp16 gradients included) through its multi-tensor kernel (UNVERIFIED: never run on
-    a GPU), the rest through torch (see scale_path)."""
+    tensors (fp16 gradients included) through its multi-tensor kernel (run on
+    one H200, 2026-11-26), the rest through torch (see scale_path)."""
     from megart import _core
 
     if len(inputs) != len(outputs):
