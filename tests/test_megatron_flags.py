@@ -46,6 +46,19 @@ def parse(*argv: str):
     return config_from_args(p.parse_args(list(argv)))
 
 
+def test_megatrons_switches_that_turn_a_fusion_off_are_accepted_and_change_nothing():
+    """A kernel choice never changes the math: each of Megatron's --no-*-fusion switches gives
+    the default config, and --no-bias-gelu-fusion is megart's own switch, last flag winning."""
+    from megart.training.megatron_flags import FUSIONS_OFF
+
+    default = parse()
+    assert parse(*FUSIONS_OFF) == default
+    assert not default.bias_gelu_fusion
+    assert not parse("--bias-gelu-fusion", "--no-bias-gelu-fusion").bias_gelu_fusion
+    assert parse("--no-bias-gelu-fusion", "--bias-gelu-fusion").bias_gelu_fusion
+    assert parse("--swiglu", "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion").swiglu
+
+
 def test_the_gpt3_175b_example_runs_unchanged_with_its_sizes_shrunk(gpt2_files, tmp_path):
     """Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (as it was up to April 2026,
     before --step-batch-size-schedule replaced its ramp-up line), flag for flag, with sizes,

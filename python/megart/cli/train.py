@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from megart.errors import ConfigError, MegartError
 from megart.training.config import CHOICES, TrainConfig
-from megart.training.megatron_flags import NOT_YET
+from megart.training.megatron_flags import FUSIONS_OFF, NOT_YET
 
 # Other names Megatron-LM has used for a flag.
 ALIASES = {"layernorm_epsilon": ["--norm-epsilon"]}
@@ -241,6 +241,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 metavar=None if choices else METAVARS.get(f.name, f.name.upper()),
                 help=text,
             )
+    for flag, meaning in FUSIONS_OFF.items():
+        # --no-bias-gelu-fusion sets megart's own switch; the others have nothing to set.
+        dest = flag[len("--no-") :].replace("-", "_")
+        known = dest in {f.name for f in dataclasses.fields(TrainConfig)}
+        action = "store_false" if known else "store_true"
+        p.add_argument(flag, dest=dest if known else "fusion_off", action=action, help=meaning)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -64,6 +64,7 @@ What each does in megart:
   --profile, --profile-step-start, --profile-step-end, --use-pytorch-profiler, --profile-ranks,
   --pytorch-profiler-collect-shapes, --pytorch-profiler-collect-callstack: what Megatron-LM
   does around each iteration, done at the same points (megart.training.housekeeping).
+- FUSIONS_OFF: Megatron's switches that turn a fused kernel off (each named below).
 - NOT_YET: Megatron flags megart has no capability for; the command line refuses each by name.
 """
 
@@ -86,6 +87,22 @@ _FP8 = (
     "megart has no FP8 training (Transformer Engine's): train with --bf16 and leave the fp8 "
     "flags out"
 )
+# Megatron-LM's switches that turn one of its fused kernels off, with what each means here. A
+# kernel choice never changes the math, so megart accepts each: --no-bias-gelu-fusion sets
+# megart's own --bias-gelu-fusion off (its default here; Megatron's default is on), and the
+# others turn off fusions that megart does not have, so they change nothing.
+FUSIONS_OFF = {
+    "--no-bias-gelu-fusion": "the MLP's bias add and GeLU unfused (megart's default; "
+    "--bias-gelu-fusion turns megart's kernel on)",
+    "--no-masked-softmax-fusion": "accepted: megart's attention is torch's "
+    "scaled_dot_product_attention, never Megatron's fused masked softmax",
+    "--no-bias-swiglu-fusion": "accepted: megart's SwiGLU MLP has no fused bias-SwiGLU kernel",
+    "--no-bias-dropout-fusion": "accepted: megart adds bias, dropout and residual unfused",
+    "--no-rope-fusion": "accepted: megart's rope is plain torch, never a fused rope kernel",
+    "--no-persist-layer-norm": "accepted: megart has no persistent LayerNorm kernel (apex's)",
+    "--no-gradient-accumulation-fusion": "accepted: megart accumulates weight gradients "
+    "with torch, never apex's fused wgrad kernel",
+}
 # Megatron-LM flags (of its GPT and Llama example scripts and their neighbours) that megart
 # cannot honour yet: refused by name, with what to do instead.
 NOT_YET = {
