@@ -1,6 +1,13 @@
 #include <pybind11/stl.h>
 
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "bindings.hpp"
 #include "comm/communicator.hpp"

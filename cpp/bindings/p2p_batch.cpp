@@ -9,7 +9,13 @@
 // where it is written once.
 #include <pybind11/stl.h>
 
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "bindings.hpp"
 #include "comm/communicator.hpp"

@@ -1,6 +1,10 @@
 #include <pybind11/operators.h>
 #include <pybind11/stl.h>
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "bindings.hpp"
 #include "schedule/simulate.hpp"
 #include "schedule/state_machine.hpp"

@@ -1,5 +1,6 @@
 // Element-wise reductions across n buffers. Loops are simple so the compiler vectorises them.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "comm/types.hpp"

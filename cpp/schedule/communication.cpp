@@ -1,8 +1,10 @@
 // Placing sends and receives around the compute actions of every rank.
 #include <algorithm>
 #include <map>
+#include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "common/error.hpp"
 #include "schedule/dataflow.hpp"

@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <map>
 #include <queue>
 #include <sstream>
+#include <string>
+#include <utility>
 
 #include "common/error.hpp"
 #include "schedule/dataflow.hpp"

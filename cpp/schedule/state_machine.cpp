@@ -1,6 +1,7 @@
 #include "schedule/state_machine.hpp"
 
 #include <algorithm>
+#include <string>
 
 #include "common/error.hpp"
 #include "schedule/dataflow.hpp"

@@ -1,8 +1,10 @@
 #include "schedule/validate.hpp"
 
+#include <algorithm>
 #include <map>
 #include <sstream>
 #include <tuple>
+#include <utility>
 
 #include "common/error.hpp"
 #include "schedule/dataflow.hpp"

@@ -5,7 +5,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstddef>
+#include <exception>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <utility>

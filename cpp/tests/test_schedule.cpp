@@ -1,6 +1,8 @@
 // Unit tests of the schedule core; the Python suite adds property-based tests over many shapes.
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "comm/nccl_library.hpp"
 #include "comm/types.hpp"

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
+#include <exception>
 #include <thread>
 #include <type_traits>
 #include <utility>

@@ -1,5 +1,9 @@
 // UNVERIFIED: compiled without a GPU and never run. The ops of NcclCommunicator: each checks its
 // buffers, orders its stream after the caller's, enqueues NCCL and records an event for its Work.
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>

@@ -5,6 +5,8 @@
 // The statistics use two passes over the row (mean, then squared deviations), re-reading the row
 // from cache: no cancellation even when a few channels are far larger than the rest (as in
 // large models' residual streams), which one-pass sums of v and v^2 would suffer.
+#include <initializer_list>
+
 #include "fused_device.cuh"
 
 namespace megart::cuda {

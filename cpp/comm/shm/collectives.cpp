@@ -2,7 +2,12 @@
 // steps: stage its part, wait until all have staged, combine what it needs from every staging
 // area into its output, then mark the step consumed.
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "comm/shm/tasks.hpp"
 #include "common/error.hpp"
