@@ -4,7 +4,8 @@
 // and compiler, so they share pybind11's internals (PYBIND11_INTERNALS_ID); `_cuda` imports
 // `_core` first so the classes are registered before anything is returned.
 //
-// UNVERIFIED on a GPU: only the import and the NCCL-not-found paths have run.
+// Ran on one H200 (2026-11-26) with one rank and with two ranks sharing the GPU; never
+// between GPUs.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -88,7 +89,7 @@ void bind_nccl(py::module_& m) {
       },
       py::arg("library_path"), py::arg("unique_id"), py::arg("rank"), py::arg("size"),
       py::arg("device"), py::arg("timeout_s"), py::arg("group_name"),
-      "UNVERIFIED (never run on a GPU). Joins an NCCL group on CUDA device `device`: collective "
+      "Joins an NCCL group on CUDA device `device`: collective "
       "over its ranks, which all pass the same unique id. Returns a "
       "megart._core.comm.Communicator whose ops take device addresses and the caller's stream.");
 }

@@ -3,7 +3,7 @@
 // Python wrappers in megart.kernels check shapes and make tensors contiguous; these checks
 // catch what would otherwise be an out-of-bounds launch.
 //
-// UNVERIFIED: compiled without a GPU; the kernels have never run.
+// Ran on one H200 (2026-11-26): see kernels/fused_ops.cuh.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -70,7 +70,7 @@ void bind_fused(py::module_& m) {
       },
       py::arg("x"), py::arg("bias"), py::arg("out"), py::arg("n"), py::arg("hidden"),
       py::arg("dtype"), py::arg("stream"),
-      "UNVERIFIED (never run). out = gelu_tanh(x + bias) over n elements, bias of `hidden`.");
+      "out = gelu_tanh(x + bias) over n elements, bias of `hidden`.");
   m.def(
       "bias_gelu_backward",
       [](Address grad, Address x, Address bias, Address grad_x, int64_t n, int64_t hidden,
@@ -87,7 +87,7 @@ void bind_fused(py::module_& m) {
       },
       py::arg("grad"), py::arg("x"), py::arg("bias"), py::arg("grad_x"), py::arg("n"),
       py::arg("hidden"), py::arg("dtype"), py::arg("stream"),
-      "UNVERIFIED (never run). grad_x = grad * gelu_tanh'(x + bias).");
+      "grad_x = grad * gelu_tanh'(x + bias).");
   m.def(
       "add_layer_norm_forward",
       [](Address x, Address residual, Address weight, Address bias, Address out, Address sum,
@@ -109,7 +109,7 @@ void bind_fused(py::module_& m) {
       py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("bias"), py::arg("out"),
       py::arg("sum"), py::arg("mean"), py::arg("rstd"), py::arg("rows"), py::arg("hidden"),
       py::arg("eps"), py::arg("dtype"), py::arg("stream"),
-      "UNVERIFIED (never run). sum = x + residual; out = layer_norm(sum) per row; fp32 mean "
+      "sum = x + residual; out = layer_norm(sum) per row; fp32 mean "
       "and rstd per row. residual/sum and bias may be 0.");
   m.def(
       "add_layer_norm_backward_blocks",
@@ -140,7 +140,7 @@ void bind_fused(py::module_& m) {
       py::arg("grad_out"), py::arg("grad_sum"), py::arg("s"), py::arg("weight"), py::arg("mean"),
       py::arg("rstd"), py::arg("grad_in"), py::arg("partial_weight"), py::arg("partial_bias"),
       py::arg("rows"), py::arg("hidden"), py::arg("blocks"), py::arg("dtype"), py::arg("stream"),
-      "UNVERIFIED (never run). grad_in = d loss / d s (+ grad_sum when not 0); fp32 "
+      "grad_in = d loss / d s (+ grad_sum when not 0); fp32 "
       "[blocks, hidden] partial weight (and bias, when not 0) gradients to sum over blocks.");
   m.def(
       "vocab_cross_entropy_forward",
@@ -159,7 +159,7 @@ void bind_fused(py::module_& m) {
       py::arg("logits"), py::arg("target"), py::arg("row_max"), py::arg("sum_exp"),
       py::arg("target_logit"), py::arg("rows"), py::arg("vocab"), py::arg("start"),
       py::arg("dtype"), py::arg("stream"),
-      "UNVERIFIED (never run). Per row of this rank's logits slice: max, sum of exp(logit - "
+      "Per row of this rank's logits slice: max, sum of exp(logit - "
       "max), and the target's logit (0 when the target id is outside [start, start + vocab)).");
   m.def(
       "vocab_cross_entropy_backward",
@@ -178,7 +178,7 @@ void bind_fused(py::module_& m) {
       py::arg("logits"), py::arg("target"), py::arg("max"), py::arg("sum_exp"),
       py::arg("grad_loss"), py::arg("rows"), py::arg("vocab"), py::arg("start"), py::arg("dtype"),
       py::arg("stream"),
-      "UNVERIFIED (never run). Overwrites logits with (softmax - onehot(target)) * grad_loss "
+      "Overwrites logits with (softmax - onehot(target)) * grad_loss "
       "from the all-reduced max and sum_exp, row by row.");
 }
 

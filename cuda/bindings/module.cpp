@@ -53,7 +53,6 @@ megart::cuda::AdamModelType adam_model_type(const std::string& name) {
                             "'; use float32, bfloat16 or float16");
 }
 
-// UNVERIFIED: never run (no GPU where it was written).
 void multi_tensor_adam(const std::vector<std::uintptr_t>& params,
                        const std::vector<std::uintptr_t>& model_params,
                        const std::vector<std::uintptr_t>& grads,
@@ -144,7 +143,7 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("sizes"), py::arg("model_dtype"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled_weight_decay"),
         py::arg("found_inf"), py::arg("stream"),
-        "UNVERIFIED (never run). One Adam/AdamW step over device tensors given by address, on "
+        "One Adam/AdamW step over device tensors given by address, on "
         "`stream`: fp32 params (main weights for 16-bit model_params), grads in model_dtype, fp32 "
         "moments, float32 step tensors advanced on the device. Skips everything when the int32 "
         "at found_inf (0 for none) is nonzero when the kernels run.");

@@ -1,4 +1,4 @@
-// UNVERIFIED: compiled without a GPU and never run.
+// Ran on one GPU only (see nccl_communicator.hpp).
 // Small RAII helpers for the CUDA runtime: the current device, and pooled completion events.
 #pragma once
 

@@ -1,4 +1,4 @@
-// UNVERIFIED: compiled without a GPU and never run.
+// Ran on one GPU only (see nccl_communicator.hpp).
 #include "comm/nccl_api.hpp"
 
 #include <cstring>

@@ -1,4 +1,4 @@
-// UNVERIFIED: compiled without a GPU and never run.
+// Ran on one GPU only (see nccl_communicator.hpp).
 // The part of NCCL's C API megart calls, looked up at run time in the loaded library. The few
 // types it needs are declared here (no nccl.h at build time): the communicator is an opaque
 // pointer, the unique id 128 bytes passed by value, results, data types and reductions ints.

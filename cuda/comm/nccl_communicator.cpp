@@ -1,4 +1,4 @@
-// UNVERIFIED: compiled without a GPU and never run. See nccl_communicator.hpp for the design.
+// Ran on one GPU only. See nccl_communicator.hpp for the design.
 #include "comm/nccl_communicator.hpp"
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// UNVERIFIED on a GPU (run on the CPU stand-in, tests/standin). Creating and shutting down the
+// Ran on one GPU only, and on the CPU stand-in (tests/standin). Creating and shutting down the
 // NCCL communicator of NcclCommunicator: a non-blocking creation bounded by the timeout, the split
 // into the blocking communicator the ops use, and a shutdown bounded by the timeout too.
 #include <chrono>

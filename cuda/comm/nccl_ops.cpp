@@ -1,4 +1,4 @@
-// UNVERIFIED: compiled without a GPU and never run. The ops of NcclCommunicator: each checks its
+// Ran on one GPU only (see nccl_communicator.hpp). The ops of NcclCommunicator: each checks its
 // buffers, orders its stream after the caller's, enqueues NCCL and records an event for its Work.
 #include <atomic>
 #include <cstddef>

@@ -1,4 +1,4 @@
-// UNVERIFIED: never run (no GPU where it was written). See fused_ops.cuh.
+// Ran on one H200 (2026-11-26). See fused_ops.cuh.
 //
 // The per-token work of vocab-parallel cross-entropy, without a second buffer the size of the
 // logits. The forward reads each row once, keeping a running maximum and a sum of exponentials

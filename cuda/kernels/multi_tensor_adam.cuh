@@ -1,8 +1,8 @@
 // Multi-tensor Adam/AdamW on the GPU: few launches for many tensors, the step counts and an
 // overflow flag read on the device, so a training step never waits on the host.
 //
-// UNVERIFIED: written and compiled (sm_80, sm_90) on a machine without a GPU; never run. The
-// tests in tests/test_optim_cuda.py compare it with torch.optim.AdamW(fused=True) on a GPU.
+// Ran on one H200 (2026-11-26): tests/test_optim_cuda.py, which compares it with
+// torch.optim.AdamW(fused=True), passes there (speed in bench/RESULTS.md).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,4 +1,4 @@
-// UNVERIFIED: never run (no GPU where it was written). See multi_tensor_scale.cuh.
+// Ran on one H200 (2026-11-26). See multi_tensor_scale.cuh.
 #include "multi_tensor_scale.cuh"
 
 #include "fused_device.cuh"

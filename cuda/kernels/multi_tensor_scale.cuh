@@ -1,7 +1,7 @@
 // out[i] = in[i] * scale over many tensors in few launches, flagging any non-finite input.
 // Used for fp16 loss scaling (unscale the gradients, skip the step on overflow).
 //
-// UNVERIFIED: compiled (sm_80, sm_90) and its SASS checked (tests/test_cuda_sass.py), never run.
+// Ran on one H200 (2026-11-26): tests/test_optim_cuda.py and tests/test_kernels.py pass there.
 #pragma once
 
 #include <cuda_runtime.h>
