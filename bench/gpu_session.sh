@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # One device call: build megart for the GPU, run the GPU tests, then the named benchmark steps.
 # Usage (on the lent GPU machine, repo root): bash bench/gpu_session.sh [step ...]
-# Steps: selftest train-default tests allreduce p2p nccl-overhead adam kernels train-1.3b
-# train-1.3b-fused train-1.3b-50k train-1.3b-50k-fused, or any shell command. A lent GPU's first call runs
-#   bash bench/gpu_session.sh selftest train-default tests kernels adam nccl-overhead \
-#     train-1.3b train-1.3b-fused
-# (train-1.3b-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion:
-# the end-to-end effect of the fused kernels). Each step has its own time limit (STEP_TIMEOUT,
-# seconds) so that one hang costs one step, not the call. Logs go to $OUT (or ./gpu_out);
-# each step's output also prints, last lines last.
+# Steps: selftest train-default tests allreduce p2p nccl-overhead adam kernels profile-ln
+# train-1.3b train-1.3b-fused train-1.3b-50k train-1.3b-50k-fused, or any shell command.
+# The first session with a GPU (one H200, 2026-11-26; bench/RESULTS.md) ran
+#   STEP_TIMEOUT=110 bash bench/gpu_session.sh selftest train-default tests train-1.3b kernels \
+#     adam train-1.3b-fused nccl-overhead
+# in 273 s, the build included (half of it cached from a failed first try). The next one: the
+# same with profile-ln and the -50k runs, and on a node of several GPUs
+# `torchrun --nproc-per-node N -m megart selftest` and NPROC=N allreduce p2p.
+# (-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion; -50k trains
+# on GPT-2's vocabulary size, where the cross-entropy weighs.) Each step has its own time limit
+# (STEP_TIMEOUT, seconds) so that one hang costs one step, not the call. Logs go to $OUT (or
+# ./gpu_out); each step's output also prints, last lines last.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -44,9 +48,12 @@ for step in "$@"; do
     tests) limit python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_optim_cuda.py \
              tests/test_kernels.py tests/test_fused_kernels_cuda.py tests/test_build_info.py 2>&1 | show 40 ;;
     kernels) limit python3 bench/kernels.py --json "$OUT/fused_kernels.json" 2>&1 | show 60 ;;
-    allreduce|p2p) limit python3 -m megart.cli.bench "$step" --backend nccl -b 8 -e 256M -f 8 -n 50 -w 10 \
-             --json "$OUT/nccl_$step.json" 2>&1 | show 20 ;;
+    allreduce|p2p) # NPROC=N: N ranks, one per GPU
+      limit python3 -m megart.cli.bench "$step" --backend nccl ${NPROC:+--nproc "$NPROC"} -b 8 \
+        -e 256M -f 8 -n 50 -w 10 --json "$OUT/nccl_$step.json" 2>&1 | show 20 ;;
     nccl-overhead) limit python3 bench/nccl_overhead.py --json "$OUT/nccl_overhead.json" 2>&1 | show 12 ;;
+    profile-ln) for a in "--dtype bfloat16" "--dtype float32" "--dtype bfloat16 --tokens 16384 \
+             --hidden 4096"; do limit python3 bench/kernel_profile.py $a; done 2>&1 | show 60 ;;
     adam) limit python3 bench/adam_gpu.py --json "$OUT/adam_gpu.json" 2>&1 | show 12 ;;
     train-1.3b*) # GPT-3 XL shape (24 x 2048, 16 heads, seq 2048): 1.21B with the byte vocab;
       # -50k: GPT-2's vocabulary size on random tokens (1.31B), where the cross-entropy weighs
