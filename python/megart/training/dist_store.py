@@ -110,6 +110,8 @@ def write_rank(root: Path, rank: int, state: dict[str, Any]) -> None:
     with warnings.catch_warnings():
         # Another rank's metadata part already there is not "an existing checkpoint".
         warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+        # Each rank saves alone by design (no torch.distributed group: megart's own).
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(
             state, storage_writer=_RankWriter(root, rank), planner=_SlicesPlanner(), no_dist=True
         )

@@ -27,6 +27,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,10 @@ def stored(root: Path) -> dict[str, Any]:
 def load_store(root: Path, state: dict[str, Any], planner: Any = None) -> None:
     """DCP's load of ``state`` from the store in ``root``, in this process alone."""
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(root), planner=planner, no_dist=True)
+        with warnings.catch_warnings():  # each process reads alone, by design
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            reader = dcp.FileSystemReader(root)
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
     except UNREADABLE as e:
         raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
 

@@ -46,14 +46,12 @@ def places(chunks: list[Any], tp_rank: int, tp: int) -> list[Place]:
     """The place of every parameter of this rank's model chunks (megart's GPT chunks of
     tensor-parallel rank ``tp_rank`` of ``tp``)."""
     cfg = chunks[0].cfg
-    tied = not cfg.untie_embeddings_and_output_weights
     out = []
     for chunk in chunks:
         for key, p in chunk.named_parameters():
             name = whole_name(key, chunk.layer_ids).removeprefix("chunk.")
-            copy = tied and name == "output_layer.weight"
-            if copy:
-                name = "wte.weight"  # the last stage's copy of the tied embedding
+            # The last stage's copy of the tied embedding (its own ``wte``): read, not written.
+            copy = name == "wte.weight" and not chunk.first
             store_key, layer, row = stored_place(name, cfg)
             dim = getattr(p, "partition_dim", None)
             offsets, size = [0] * p.dim(), list(p.shape)

@@ -125,7 +125,10 @@ def write_rank(
             add(moment_key(name, place.key), place, own[name])
     if grid.tp_rank == 0:
         state.update(_extra_states(chunks))
-    state[rng_key(grid.pp_rank, grid.tp_rank, config.pp, config.tp)] = [_rng_record(rng)]
+    # Megatron-LM's data is a list (one entry per data-parallel rank, one without
+    # --data-parallel-random-init); its torch_dist strategy stores a ShardedObject's data in
+    # a list of its own (as the extra states' [None]).
+    state[rng_key(grid.pp_rank, grid.tp_rank, config.pp, config.tp)] = [[_rng_record(rng)]]
     dist_store.write_rank(partial, rank, state)
 
 
@@ -288,8 +291,9 @@ def load(
     if key not in reads.meta:
         return "; its random states are of another layout: this run keeps its own"
     record = {key: None}
-    load_store(root, record, dcp.DefaultLoadPlanner(flatten_state_dict=False))
-    r = record[key][0]
+    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    load_store(root, record, planner)
+    r = record[key][0][0]
     GeneratorStates(r["torch_rng_state"], r.get("cuda_rng_state")).install()
     if r.get("megart_rng_tracker") is not None:  # Megatron-LM's are CUDA streams: not taken
         rng.set_states(r["megart_rng_tracker"])

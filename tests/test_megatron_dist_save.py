@@ -1,0 +1,231 @@
+"""megart train --save --ckpt-format torch_dist: the whole training state in Megatron-LM's
+distributed format, each rank writing its own slices. --load resumes it under another layout
+on the uninterrupted loss curve; Megatron-Core's own model and optimizer load it and hold
+megart's weights and Adam moments exactly; a damaged or incomplete store is a ConfigError."""
+
+import pickle
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import train_workers as tw
+from megart.errors import ConfigError
+from megart.launcher import LaunchError, launch
+from megart.models.config import fit_vocab
+from megart.models.megatron_names import to_megatron
+from megart.training import dist_store
+from megart.training.checkpoint import iteration_dir, latest_iteration, model_config
+from megart.training.megatron_dist import is_dist_checkpoint, read_common, sharded_keys
+from megart.training.megatron_layout import OUTPUT, WORD
+from train_workers import SAME_RUN
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("psutil")  # Megatron-Core's torch_dist strategy needs it
+
+# A layout change reorders floating-point sums (see test_checkpoint_reshard: 4e-8 observed;
+# fresh moments move iteration 4 by 3e-5, a misplaced shard iteration 3 by 2e-4).
+REL = 5e-6
+DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
+SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags), tolerance
+    # Another layout: the random streams stay the run's own (dropout off, as resharding).
+    "tp2-to-pp2": ((2, dict(tensor_model_parallel_size=2)),
+                   (2, dict(pipeline_model_parallel_size=2)), dict(rel=REL, abs=0)),
+    # The same layout with dropout: the random streams come back too; bf16 reads the fp32
+    # main weights (optimizer.state.fp32_param), not the bf16 model tensors.
+    "pp2-bf16-dropout": ((2, dict(pipeline_model_parallel_size=2, bf16=True, **DROPOUT)),
+                         (2, dict(pipeline_model_parallel_size=2, bf16=True, **DROPOUT)),
+                         SAME_RUN),
+}  # fmt: skip
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _run(nproc, kw):
+    return launch(tw.train_holding, nproc, kw, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per scenario: the uninterrupted 4-iteration curve (saving layout), the store written
+    after iteration 2 (--exit-interval 2 of the same 4-iteration run, as Megatron-LM stops a
+    job) with what the saving ranks held then, and the resumed run."""
+    out = {}
+    for name, ((n_save, save), (n_run, run), _) in SCENARIOS.items():
+        store = tmp_path_factory.mktemp(name) / "ckpt"
+        straight = _run(n_save, dict(save, train_iters=4))[0]["history"]
+        saving = _run(n_save, dict(save, train_iters=4, exit_interval=2, save=str(store),
+                                   ckpt_format="torch_dist"))  # fmt: skip
+        resumed = _run(n_run, dict(run, train_iters=4, load=str(store)))
+        out[name] = straight, store, [r["trained"] for r in saving], resumed
+    return out
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_resume_continues_the_uninterrupted_curve(runs, name):
+    straight, _, _, resumed = runs[name]
+    history = resumed[0]["history"]
+    assert [h["iteration"] for h in history] == [3, 4]
+    want = [h["loss"] for h in straight[2:]]
+    assert [h["loss"] for h in history] == pytest.approx(want, **SCENARIOS[name][2])
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_resume_holds_exactly_what_was_saved(runs, name):
+    """Weights (fp32: under bf16 the main weights), both moments and the step, whatever the
+    layout; the random streams where the layout is the saved one."""
+    _, _, saved, resumed = runs[name]
+    loaded = [r["loaded"] for r in resumed]
+    for key in ("weights", *MOMENTS):
+        want, got = tw.merged_by_place(saved, key), tw.merged_by_place(loaded, key)
+        assert set(got) == set(want), key
+        assert all(torch.equal(got[n], want[n]) for n in want), key
+    assert all(rank["steps"] == {2.0} for rank in loaded)
+    if SCENARIOS[name][0] == SCENARIOS[name][1]:
+        for was, now in zip(saved, loaded, strict=True):
+            assert torch.equal(was["rng"][0], now["rng"][0])
+            assert was["rng"][1].keys() == now["rng"][1].keys()
+            assert all(torch.equal(was["rng"][1][k][0], now["rng"][1][k][0]) for k in was["rng"][1])
+
+
+def test_store_is_megatrons_layout_one_file_per_writing_rank(runs):
+    store = runs["pp2-bf16-dropout"][1]
+    assert latest_iteration(store) == 2
+    root = iteration_dir(store, 2)
+    assert is_dist_checkpoint(root)
+    names = sorted(p.name for p in root.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
+    common = read_common(root)
+    assert common["iteration"] == 2 and common["checkpoint_version"] == 3.0
+    assert common["args"].ckpt_format == "torch_dist" and common["args"].bf16
+    assert common["args"].consumed_train_samples == 2 * common["args"].global_batch_size
+    assert common["opt_param_scheduler"]["num_steps"] == common["args"].consumed_train_samples
+    # Float16OptimizerWithFloat16Params' common part: torch's state dict without its params
+    # (LocalNonpersistentObject), the shared step, Megatron-Core's group keys.
+    groups = common["optimizer"]["optimizer"]["param_groups"]
+    assert [g["wd_mult"] for g in groups] == [1.0, 0.0] and all("params" not in g for g in groups)
+    assert float(common["optimizer"]["optimizer"]["state"]["common_step"]) == 2.0
+    meta = pickle.loads((root / ".metadata").read_bytes()).state_dict_metadata
+    qkv = "decoder.layers.self_attention.linear_qkv.weight"
+    assert meta[qkv].properties.dtype == torch.bfloat16
+    for prefix in ("optimizer.state.fp32_param.", "optimizer.state.exp_avg.",
+                   "optimizer.state.exp_avg_sq."):  # fmt: skip
+        assert meta[prefix + qkv].properties.dtype == torch.float32
+        assert meta[prefix + qkv].size == meta[qkv].size
+    # Each stage wrote its own layers, each rank its own random states.
+    assert sorted(c.offsets[0] for c in meta[qkv].chunks) == [0, 1, 2, 3]
+    assert {k for k in meta if k.startswith("rng_state/")} == {
+        "rng_state/shard_0.0_2.1",
+        "rng_state/shard_1.0_2.1",
+    }
+
+
+def _megatron_wholes(saved, key, cfg, tp):
+    """What the saving ranks held of ``key`` (weights or a moment), whole, under the store's
+    keys: megart's names to Megatron-Core's (megart.models.megatron_names), the vocabulary
+    padded for ``tp``, the layers stacked."""
+    merged = {k.removeprefix("chunk."): v for k, v in tw.merged_by_place(saved, key).items()}
+    model = to_megatron(merged, cfg)
+    for name in (WORD, OUTPUT):
+        if name in model:
+            model[name] = fit_vocab(model[name], cfg.padded_vocab_size(tp))
+    return sharded_keys(model, cfg.num_layers)
+
+
+def test_megatron_core_loads_the_store_and_holds_megarts_state(runs):
+    """Megatron-Core's GPTModel and FP32Optimizer on the store's tensor-parallel 2 load model
+    and optimizer with Megatron-LM's default strictness; each piece it holds, placed by its own
+    sharded tensors, equals megart's weights and moments bitwise; its step is megart's, and it
+    reads megart's random states for its (pipeline, tensor) rank."""
+    import megatron_dist_save_workers as w
+
+    _, store, saved, _ = runs["tp2-to-pp2"]
+    root = iteration_dir(store, 2)
+    cfg = model_config({"model_config": read_common(root)["megart"]["model_config"]})
+    results = launch(w.megatron_loads, 2, str(store), 2, 1, {}, timeout=300)
+    for what, key in (("weight", "weights"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+        want = _megatron_wholes(saved, key, cfg, 2)
+        seen = set()
+        for rank in results:
+            for name, offset, axes, data in rank["held"][what]:
+                index = tuple(offset[:axes]) + tuple(
+                    slice(o, o + s) for o, s in zip(offset[axes:], data.shape, strict=True)
+                )
+                assert torch.equal(data, want[name][index]), (what, name, offset)
+                seen.add(name)
+        assert seen == set(want), what
+    for rank in results:
+        assert rank["steps"] == {2.0}
+        assert torch.equal(rank["rng_torch"], saved[rank["rank"]]["rng"][0])
+        assert "rng_tracker_states" in rank["rng_keys"]
+
+
+def _damage_data(root):
+    (root / "__1_0.distcp").unlink()
+
+
+def _damage_chunk(root):
+    """Drops one rank's chunk of one moment from the metadata: the store is incomplete."""
+    meta = pickle.loads((root / ".metadata").read_bytes())
+    key = "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"
+    meta.state_dict_metadata[key].chunks.pop()
+    (root / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def _damage_common(root):
+    (root / "common.pt").write_bytes(b"not a checkpoint")
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (_damage_data, "cannot be read as a torch_dist checkpoint"),
+        (_damage_chunk, "does not hold .* exactly once"),
+        (_damage_common, "common.pt cannot be read"),
+    ],
+    ids=["data-file-missing", "chunk-missing", "common-unreadable"],
+)
+def test_a_damaged_store_is_a_config_error(runs, tmp_path, damage, match):
+    store = tmp_path / "ckpt"
+    shutil.copytree(runs["tp2-to-pp2"][1], store)
+    damage(iteration_dir(store, 2))
+    with pytest.raises(LaunchError, match="ConfigError: .*" + match):
+        _run(1, dict(train_iters=4, load=str(store)))
+
+
+def _write_blocks(root, full, blocks):
+    """Each block (rows, cols offsets and sizes) written by a rank of its own, then merged."""
+    for rank, (r, c, h, w) in enumerate(blocks):
+        slices = dist_store.Slices(full.shape)
+        slices.add([r, c], full[r : r + h, c : c + w])
+        dist_store.write_rank(root, rank, {"t": slices})
+    return dist_store.merge(root, list(range(len(blocks))))
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 3), cols=st.integers(1, 3), shift=st.booleans(), data=st.data())
+def test_ranks_blocks_merge_into_one_store_and_a_misplaced_block_is_refused(
+    tmp_path_factory, rows, cols, shift, data
+):
+    """A tensor cut in rows x cols blocks of drawn sizes, each written by its own rank, reads
+    back whole through DCP; one block written one row off (a wrong offset) fails the merge."""
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("blocks")
+    heights = data.draw(st.lists(st.integers(1, 3), min_size=rows, max_size=rows))
+    widths = data.draw(st.lists(st.integers(1, 3), min_size=cols, max_size=cols))
+    full = torch.randn(sum(heights), sum(widths))
+    blocks = [(sum(heights[:i]), sum(widths[:j]), heights[i], widths[j])
+              for i in range(rows) for j in range(cols)]  # fmt: skip
+    if shift and len(blocks) > 1:
+        r, c, h, w = blocks[-1]
+        blocks[-1] = (r - 1, c, h, w) if r else (r + 1, c, h - 1 or 1, w)
+        with pytest.raises(ConfigError, match="overlap|do not cover|outside"):
+            _write_blocks(root, full, blocks)
+        return
+    _write_blocks(root, full, blocks)
+    back = {"t": torch.zeros_like(full)}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(root), no_dist=True)
+    assert torch.equal(back["t"], full)
+    assert not list(root.glob("__*.metadata"))  # the parts are merged away
