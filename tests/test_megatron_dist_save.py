@@ -47,18 +47,27 @@ def _run(nproc, kw):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def saved(tmp_path_factory):
     """Per scenario: the uninterrupted 4-iteration curve (saving layout), the store written
     after iteration 2 (--exit-interval 2 of the same 4-iteration run, as Megatron-LM stops a
-    job) with what the saving ranks held then, and the resumed run."""
+    job) and what the saving ranks held then."""
     out = {}
-    for name, ((n_save, save), (n_run, run), _) in SCENARIOS.items():
+    for name, ((n_save, save), _, _) in SCENARIOS.items():
         store = tmp_path_factory.mktemp(name) / "ckpt"
         straight = _run(n_save, dict(save, train_iters=4))[0]["history"]
         saving = _run(n_save, dict(save, train_iters=4, exit_interval=2, save=str(store),
                                    ckpt_format="torch_dist"))  # fmt: skip
-        resumed = _run(n_run, dict(run, train_iters=4, load=str(store)))
-        out[name] = straight, store, [r["trained"] for r in saving], resumed
+        out[name] = straight, store, [r["trained"] for r in saving]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(saved):
+    """Per scenario: what ``saved`` holds and the run resumed from its store."""
+    out = {}
+    for name, (_, (n_run, run), _) in SCENARIOS.items():
+        straight, store, trained = saved[name]
+        out[name] = straight, store, trained, _run(n_run, dict(run, train_iters=4, load=str(store)))
     return out
 
 
@@ -75,22 +84,22 @@ def test_resume_continues_the_uninterrupted_curve(runs, name):
 def test_resume_holds_exactly_what_was_saved(runs, name):
     """Weights (fp32: under bf16 the main weights), both moments and the step, whatever the
     layout; the random streams where the layout is the saved one."""
-    _, _, saved, resumed = runs[name]
+    _, _, trained, resumed = runs[name]
     loaded = [r["loaded"] for r in resumed]
     for key in ("weights", *MOMENTS):
-        want, got = tw.merged_by_place(saved, key), tw.merged_by_place(loaded, key)
+        want, got = tw.merged_by_place(trained, key), tw.merged_by_place(loaded, key)
         assert set(got) == set(want), key
         assert all(torch.equal(got[n], want[n]) for n in want), key
     assert all(rank["steps"] == {2.0} for rank in loaded)
     if SCENARIOS[name][0] == SCENARIOS[name][1]:
-        for was, now in zip(saved, loaded, strict=True):
+        for was, now in zip(trained, loaded, strict=True):
             assert torch.equal(was["rng"][0], now["rng"][0])
             assert was["rng"][1].keys() == now["rng"][1].keys()
             assert all(torch.equal(was["rng"][1][k][0], now["rng"][1][k][0]) for k in was["rng"][1])
 
 
-def test_store_is_megatrons_layout_one_file_per_writing_rank(runs):
-    store = runs["pp2-bf16-dropout"][1]
+def test_store_is_megatrons_layout_one_file_per_writing_rank(saved):
+    store = saved["pp2-bf16-dropout"][1]
     assert latest_iteration(store) == 2
     root = iteration_dir(store, 2)
     assert is_dist_checkpoint(root)
@@ -133,19 +142,19 @@ def _megatron_wholes(saved, key, cfg, tp):
     return sharded_keys(model, cfg.num_layers)
 
 
-def test_megatron_core_loads_the_store_and_holds_megarts_state(runs):
+def test_megatron_core_loads_the_store_and_holds_megarts_state(saved):
     """Megatron-Core's GPTModel and FP32Optimizer on the store's tensor-parallel 2 load model
     and optimizer with Megatron-LM's default strictness; each piece it holds, placed by its own
     sharded tensors, equals megart's weights and moments bitwise; its step is megart's, and it
     reads megart's random states for its (pipeline, tensor) rank."""
     import megatron_dist_save_workers as w
 
-    _, store, saved, _ = runs["tp2-to-pp2"]
+    _, store, trained = saved["tp2-to-pp2"]
     root = iteration_dir(store, 2)
     cfg = model_config({"model_config": read_common(root)["megart"]["model_config"]})
     results = launch(w.megatron_loads, 2, str(store), 2, 1, {}, timeout=300)
     for what, key in (("weight", "weights"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-        want = _megatron_wholes(saved, key, cfg, 2)
+        want = _megatron_wholes(trained, key, cfg, 2)
         seen = set()
         for rank in results:
             for name, offset, axes, data in rank["held"][what]:
@@ -157,7 +166,7 @@ def test_megatron_core_loads_the_store_and_holds_megarts_state(runs):
         assert seen == set(want), what
     for rank in results:
         assert rank["steps"] == {2.0}
-        assert torch.equal(rank["rng_torch"], saved[rank["rank"]]["rng"][0])
+        assert torch.equal(rank["rng_torch"], trained[rank["rank"]]["rng"][0])
         assert "rng_tracker_states" in rank["rng_keys"]
 
 
@@ -186,9 +195,9 @@ def _damage_common(root):
     ],
     ids=["data-file-missing", "chunk-missing", "common-unreadable"],
 )
-def test_a_damaged_store_is_a_config_error(runs, tmp_path, damage, match):
+def test_a_damaged_store_is_a_config_error(saved, tmp_path, damage, match):
     store = tmp_path / "ckpt"
-    shutil.copytree(runs["tp2-to-pp2"][1], store)
+    shutil.copytree(saved["tp2-to-pp2"][1], store)
     damage(iteration_dir(store, 2))
     with pytest.raises(LaunchError, match="ConfigError: .*" + match):
         _run(1, dict(train_iters=4, load=str(store)))
