@@ -29,15 +29,23 @@ pytest.importorskip("psutil")  # Megatron-Core's torch_dist strategy needs it
 # fresh moments move iteration 4 by 3e-5, a misplaced shard iteration 3 by 2e-4).
 REL = 5e-6
 DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
+LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+             disable_bias_linear=True, untie_embeddings_and_output_weights=True,
+             group_query_attention=True, num_query_groups=2, ffn_hidden_size=48)  # fmt: skip
+PP2_LLAMA = dict(pipeline_model_parallel_size=2, bf16=True, **LLAMA, **DROPOUT)
 SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags), tolerance
     # Another layout: the random streams stay the run's own (dropout off, as resharding).
     "tp2-to-pp2": ((2, dict(tensor_model_parallel_size=2)),
                    (2, dict(pipeline_model_parallel_size=2)), dict(rel=REL, abs=0)),
     # The same layout with dropout: the random streams come back too; bf16 reads the fp32
-    # main weights (optimizer.state.fp32_param), not the bf16 model tensors.
-    "pp2-bf16-dropout": ((2, dict(pipeline_model_parallel_size=2, bf16=True, **DROPOUT)),
-                         (2, dict(pipeline_model_parallel_size=2, bf16=True, **DROPOUT)),
-                         SAME_RUN),
+    # main weights (optimizer.state.fp32_param), not the bf16 model tensors. SwiGLU (fc1's
+    # two halves), grouped queries, an untied output layer on the last stage.
+    "llama-pp2-bf16-dropout": ((2, PP2_LLAMA), (2, PP2_LLAMA), SAME_RUN),
+    # Data-parallel rank 1 writes nothing; fp16's loss scaler (a low first scale, so that
+    # both iterations step) goes through common.pt as Megatron's grad_scaler.
+    "dp2-fp16-to-tp2": ((2, dict(fp16=True, initial_loss_scale=1024)),
+                        (2, dict(tensor_model_parallel_size=2, fp16=True,
+                                 initial_loss_scale=1024)), dict(rel=REL, abs=0)),
 }  # fmt: skip
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -99,7 +107,7 @@ def test_resume_holds_exactly_what_was_saved(runs, name):
 
 
 def test_store_is_megatrons_layout_one_file_per_writing_rank(saved):
-    store = saved["pp2-bf16-dropout"][1]
+    store = saved["llama-pp2-bf16-dropout"][1]
     assert latest_iteration(store) == 2
     root = iteration_dir(store, 2)
     assert is_dist_checkpoint(root)
@@ -128,6 +136,17 @@ def test_store_is_megatrons_layout_one_file_per_writing_rank(saved):
         "rng_state/shard_0.0_2.1",
         "rng_state/shard_1.0_2.1",
     }
+    # The untied output layer, written by the last stage alone (one chunk).
+    assert len(meta["output_layer.weight"].chunks) == 1
+
+
+def test_data_parallel_rank_1_writes_nothing_and_fp16_keeps_its_grad_scaler(saved):
+    root = iteration_dir(saved["dp2-fp16-to-tp2"][1], 2)
+    names = sorted(p.name for p in root.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    scaler = read_common(root)["optimizer"]["grad_scaler"]  # Megatron's DynamicGradScaler's
+    assert set(scaler) == {"scale", "growth_tracker", "hysteresis_tracker"}
+    assert float(scaler["scale"]) == 1024.0 and scaler["growth_tracker"] == 2
 
 
 def _megatron_wholes(saved, key, cfg, tp):
@@ -142,27 +161,34 @@ def _megatron_wholes(saved, key, cfg, tp):
     return sharded_keys(model, cfg.num_layers)
 
 
-def test_megatron_core_loads_the_store_and_holds_megarts_state(saved):
-    """Megatron-Core's GPTModel and FP32Optimizer on the store's tensor-parallel 2 load model
-    and optimizer with Megatron-LM's default strictness; each piece it holds, placed by its own
-    sharded tensors, equals megart's weights and moments bitwise; its step is megart's, and it
-    reads megart's random states for its (pipeline, tensor) rank."""
+@pytest.mark.parametrize("name, tp, pp", [("tp2-to-pp2", 2, 1), ("llama-pp2-bf16-dropout", 1, 2)])
+def test_megatron_core_loads_the_store_and_holds_megarts_state(saved, name, tp, pp):
+    """Megatron-Core's GPTModel and optimizer (FP32Optimizer; with --bf16
+    Float16OptimizerWithFloat16Params) on the store's layout load model and optimizer with
+    Megatron-LM's default strictness; each piece it holds, placed by its own sharded tensors,
+    equals megart's: fp32 main weights and moments bitwise, the bf16 model tensors as megart's
+    weights rounded; its step is megart's, and it reads megart's random states for its rank."""
     import megatron_dist_save_workers as w
 
-    _, store, trained = saved["tp2-to-pp2"]
+    _, store, trained = saved[name]
+    flags = SCENARIOS[name][0][1]
     root = iteration_dir(store, 2)
     cfg = model_config({"model_config": read_common(root)["megart"]["model_config"]})
-    results = launch(w.megatron_loads, 2, str(store), 2, 1, {}, timeout=300)
-    for what, key in (("weight", "weights"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-        want = _megatron_wholes(trained, key, cfg, 2)
+    results = launch(w.megatron_loads, tp * pp, str(store), tp, pp, flags, timeout=300)
+    half = torch.bfloat16 if flags.get("bf16") else torch.float32
+    checks = [("model", "weights", half), ("main", "weights", torch.float32),
+              *((m, m, torch.float32) for m in MOMENTS)]  # fmt: skip
+    for what, key, dtype in checks:
+        want = _megatron_wholes(trained, key, cfg, tp)
         seen = set()
         for rank in results:
-            for name, offset, axes, data in rank["held"][what]:
+            for name_, offset, axes, data in rank["held"][what]:
                 index = tuple(offset[:axes]) + tuple(
                     slice(o, o + s) for o, s in zip(offset[axes:], data.shape, strict=True)
                 )
-                assert torch.equal(data, want[name][index]), (what, name, offset)
-                seen.add(name)
+                assert data.dtype == dtype, (what, name_)
+                assert torch.equal(data, want[name_][index].to(dtype)), (what, name_, offset)
+                seen.add(name_)
         assert seen == set(want), what
     for rank in results:
         assert rank["steps"] == {2.0}
