@@ -290,28 +290,20 @@ def _load_dist(
     rng: Any,
     scaler: Any,
 ) -> tuple[int, int]:
-    """--load of a torch_dist checkpoint (Megatron-LM's distributed format, or megart train's
-    --save --ckpt-format torch_dist), into any layout: each rank reads its own slices of the
-    store (megart.training.megatron_dist_train). The weights, and unless --finetune or
-    --no-load-optim Adam's state, the loss scaler and the scheduler's check, and unless
-    --no-load-rng the random streams where the layout is the saved one. A store of weights
-    alone (convert-checkpoint's) loads as --finetune, like a release checkpoint; one whose
-    optimizer state is not the non-distributed optimizer's keys is refused, naming the flags
-    that read less."""
+    """--load of a torch_dist store (Megatron-LM's, or megart train's --ckpt-format
+    torch_dist) into any layout, zb-v's included (the store holds whole tensors by layer):
+    see megart.training.megatron_dist_train.load. One of weights alone (convert-checkpoint's)
+    loads as --finetune, like a release checkpoint."""
     common = megatron_dist.read_common(root)
     a = vars(common["args"])
     state = args_record(a)
     extra = common.get("megart")
     if isinstance(extra, dict) and extra.get("model_config") is not None:
         state["model_config"] = extra["model_config"]  # megart's own: every field
-    cfg = chunks[0].cfg
-    _check_model(directory, state, config, cfg)
+    _check_model(directory, state, config, chunks[0].cfg)
     finetune = config.finetune or not megatron_dist.has_optimizer_state(root)
     load_optim = not (finetune or config.no_load_optim)
     load_rng = not (finetune or config.no_load_rng)
-    if isinstance(extra, dict) and extra.get("layout") is not None:
-        saved = {**state["config"], "pipeline_schedule": extra["layout"]["pipeline_schedule"]}
-        _check_placement(directory, saved, config)
     left_out = megatron_dist_train.load(
         root, common, config, grid, chunks, optimizer, rng, scaler, load_optim, load_rng, directory
     )

@@ -17,7 +17,7 @@ megart.training.megatron_dist_places):
 ``iteration``, ``optimizer`` as Megatron-Core's sharded_state_dict leaves it outside the store
 (the param groups without their ``params``, the shared step as ``state.common_step``; with
 --bf16/--fp16 nested under ``optimizer`` beside ``grad_scaler``), ``opt_param_scheduler``, and
-``megart`` (its model config and layout record, which Megatron ignores).
+``megart`` (megart's whole model config, which Megatron ignores).
 """
 
 from __future__ import annotations
@@ -164,22 +164,13 @@ def finish(
         if scaler is not None:  # a static --loss-scale is Megatron's ConstantGradScaler: {}
             sd = scaler.state_dict()
             opt["grad_scaler"] = {} if config.loss_scale else to_grad_scaler(sd, config.hysteresis)
-    layout = {
-        "tensor_model_parallel_size": config.tp,
-        "pipeline_model_parallel_size": config.pp,
-        "pipeline_schedule": config.schedule,
-    }
     common = {
         "args": args,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
         "optimizer": opt,
         "opt_param_scheduler": scheduler_state(config, iteration, consumed),
-        "megart": {
-            "model_config": dataclasses.asdict(cfg),
-            "layout": layout,
-            "loss_scaler": None if scaler is None else scaler.state_dict(),
-        },
+        "megart": {"model_config": dataclasses.asdict(cfg)},
     }
     torch.save(common, partial / COMMON)
     (partial / METADATA).write_text(json.dumps(BACKENDS))
@@ -250,8 +241,13 @@ def load(
     load_rng: bool,
     directory: Any,
 ) -> str:
-    """Restores this rank's weights and, as asked, Adam's state, the loss scaler and the random
-    streams from the torch_dist store in ``root``; returns what it left out, for the log."""
+    """Restores into this rank's chunks (any layout) its slices of the torch_dist store in
+    ``root``: the weights (the fp32 main weights where the store has them); with
+    ``load_optim`` Adam's moments and step and the fp16 loss scaler, after Megatron's check of
+    the scheduler's state against this run's flags; with ``load_rng`` the random streams where
+    the layout is the saved one (else this run keeps its own, as resharding does). A store
+    without the non-distributed optimizer's keys for this model is refused, naming
+    --finetune and --no-load-optim. Returns what it left out, for the log."""
     reads = _Reads(root)
     saved = common.get("optimizer") or {}
     nested = "optimizer" in saved  # Float16OptimizerWithFloat16Params's layout
