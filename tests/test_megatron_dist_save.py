@@ -106,6 +106,21 @@ def test_resume_holds_exactly_what_was_saved(runs, name):
             assert all(torch.equal(was["rng"][1][k][0], now["rng"][1][k][0]) for k in was["rng"][1])
 
 
+def test_distributed_optimizer_resumes_a_store_too(saved):
+    """--use-distributed-optimizer on data-parallel 2 loads the tp2 store (each rank keeping
+    its slices of the moments) and continues the curve; it only saves torch_dist refused."""
+    straight, store, trained = saved["tp2-to-pp2"]
+    kw = dict(train_iters=4, load=str(store), use_distributed_optimizer=True)
+    resumed = _run(2, kw)
+    assert [h["loss"] for h in resumed[0]["history"]] == pytest.approx(
+        [h["loss"] for h in straight[2:]], rel=REL, abs=0
+    )
+    loaded = [r["loaded"] for r in resumed]
+    for key in MOMENTS:
+        want, got = tw.merged_by_place(trained, key), tw.merged_by_place(loaded, key)
+        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), key
+
+
 def test_store_is_megatrons_layout_one_file_per_writing_rank(saved):
     store = saved["llama-pp2-bf16-dropout"][1]
     assert latest_iteration(store) == 2

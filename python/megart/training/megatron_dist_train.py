@@ -228,6 +228,19 @@ class _Reads:
             to.copy_(source)
 
 
+def _install(optimizer: Any, moments: list, step: Any) -> None:
+    """Gives ``optimizer`` the loaded moments through its load_state_dict of a plain
+    optimizer's state dict (its own param groups, parameters numbered over them): megart's
+    Adam, or its distributed optimizer, which keeps this rank's slices of them (its
+    state_dict is a collective: every rank loads)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    number = {id(p): i for i, p in enumerate(params)}
+    value = float(step) if step is not None else 0.0
+    state = {number[id(p)]: {"step": torch.tensor(value), **m} for p, m in moments}
+    groups = optimizer.state_dict()["param_groups"]  # numbered the same way
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
 def load(
     root: Path,
     common: dict[str, Any],
@@ -275,10 +288,8 @@ def load(
                     reads.add(moment_key(name, place.key), place, tensor)
                 moments.append((place.param, state))
         reads.load()
-    step = inner.get("state", {}).get("common_step")
-    for param, state in moments:
-        value = torch.tensor(float(step if step is not None else 0.0), dtype=torch.float32)
-        optimizer.state[param] = {"step": value, **state}
+    if load_optim:
+        _install(optimizer, moments, inner.get("state", {}).get("common_step"))
     if load_optim and scaler is not None and saved.get("grad_scaler"):
         scaler.load_state_dict(from_grad_scaler(saved["grad_scaler"]))
     if not load_rng:
