@@ -300,8 +300,14 @@ def load(
     record = {key: None}
     planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     load_store(root, record, planner)
-    r = record[key][0][0]
-    GeneratorStates(r["torch_rng_state"], r.get("cuda_rng_state")).install()
+    try:
+        r = record[key][0][0]  # the strategy's list around Megatron's list per data rank
+        states = GeneratorStates(r["torch_rng_state"], r.get("cuda_rng_state"))
+    except (TypeError, IndexError, KeyError) as e:
+        raise ConfigError(
+            f"{root}: its {key} is not Megatron-LM's random states ({e!r}); add --no-load-rng"
+        ) from e
+    states.install()
     if r.get("megart_rng_tracker") is not None:  # Megatron-LM's are CUDA streams: not taken
         rng.set_states(r["megart_rng_tracker"])
     return ""
