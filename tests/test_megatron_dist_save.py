@@ -46,6 +46,13 @@ SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags), tolerance
     "dp2-fp16-to-tp2": ((2, dict(fp16=True, initial_loss_scale=1024)),
                         (2, dict(tensor_model_parallel_size=2, fp16=True,
                                  initial_loss_scale=1024)), dict(rel=REL, abs=0)),
+    # Two model chunks per rank, and zb-v's V (rank 0 holds layers 0 and 3): the store holds
+    # whole tensors by layer, read back by any layout.
+    "interleaved-to-tp2": ((2, dict(pipeline_model_parallel_size=2,
+                                    num_layers_per_virtual_pipeline_stage=1)),
+                           (2, dict(tensor_model_parallel_size=2)), dict(rel=REL, abs=0)),
+    "zb-v-to-tp2": ((2, dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-v")),
+                    (2, dict(tensor_model_parallel_size=2)), dict(rel=REL, abs=0)),
 }  # fmt: skip
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
