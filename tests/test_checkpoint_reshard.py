@@ -56,17 +56,6 @@ def _run(nproc, kw):
     return launch(tw.train_holding, nproc, {**BASE, **kw}, timeout=300)
 
 
-def _by_place(per_rank, key):
-    """One dict of every rank's by-place tensors; copies held twice (data-parallel ranks, the
-    tied embedding of the first and last stage) must be equal."""
-    out = {}
-    for rank in per_rank:
-        for name, value in rank[key].items():
-            assert name not in out or torch.equal(out[name], value), name
-            out[name] = value
-    return out
-
-
 def _same_rng(a, b):
     (cpu_a, tracker_a), (cpu_b, tracker_b) = a, b
     return (
@@ -101,7 +90,7 @@ def saved(tmp_path_factory):
     per_rank = _run(4, dict(train_iters=2, save=str(ckpt), **SAVED))
     planted = _plant_rng(ckpt)
     trained = [r["trained"] for r in per_rank]
-    held = {k: _by_place(trained, k) for k in ("weights", "exp_avg", "exp_avg_sq")}
+    held = {k: tw.merged_by_place(trained, k) for k in ("weights", "exp_avg", "exp_avg_sq")}
     return ckpt, held, planted
 
 
@@ -138,7 +127,7 @@ def test_resharded_resume_holds_the_saved_state_and_continues_the_curve(
     _, held, planted = saved
     loaded = [r["loaded"] for r in per_rank]
     for key in ("weights", "exp_avg", "exp_avg_sq"):
-        got = _by_place(loaded, key)
+        got = tw.merged_by_place(loaded, key)
         assert got.keys() == held[key].keys()
         for place, value in held[key].items():
             assert torch.equal(got[place], value), (key, place)

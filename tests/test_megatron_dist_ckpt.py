@@ -221,9 +221,10 @@ def test_train_loads_megatron_cores_torch_dist_into_another_layout(tmp_path, kin
     assert seen == set(want)
 
 
-def test_train_needs_a_flag_for_a_store_with_optimizer_state(tmp_path):
-    """Megatron-LM's saves hold optimizer state, which megart does not read: refused unless
-    --finetune or --no-load-optim --no-load-rng, which goes on from the saved iteration."""
+def test_train_needs_a_flag_for_a_store_with_foreign_optimizer_state(tmp_path):
+    """A store whose optimizer state is not the non-distributed optimizer's of this model
+    (here one moment of the wrong shape, the rest missing) is refused unless --finetune or
+    --no-load-optim, which goes on from the saved iteration."""
     import train_workers as tw
     from megart.training.megatron_args import megatron_args
     from megart.training.megatron_dist import write
@@ -234,7 +235,7 @@ def test_train_needs_a_flag_for_a_store_with_optimizer_state(tmp_path):
     model["optimizer.state.exp_avg.embedding.word_embeddings.weight"] = torch.zeros(3)
     write(tmp_path / "dist", 5, megatron_args(cfg, 5), model, cfg)
     (tmp_path / "dist" / "latest_checkpointed_iteration.txt").write_text("5\n")
-    with pytest.raises(LaunchError, match="--finetune .* or --no-load-optim --no-load-rng"):
+    with pytest.raises(LaunchError, match="add --finetune .* or --no-load-optim"):
         launch(_train, 1, {"load": str(tmp_path / "dist")}, timeout=300)
     kw = {"load": str(tmp_path / "dist"), "train_iters": 7, "no_load_optim": True,
           "no_load_rng": True}  # fmt: skip

@@ -50,6 +50,20 @@ def by_place(trainer: object, tensor_of: object) -> dict:
     return out
 
 
+def merged_by_place(per_rank: list, key: str) -> dict:
+    """One dict of every rank's by-place tensors (``rank[key]``, see held_state); copies held
+    twice (data-parallel ranks, the tied embedding of the first and last stage) must be
+    equal."""
+    import torch
+
+    out = {}
+    for rank in per_rank:
+        for name, value in rank[key].items():
+            assert name not in out or torch.equal(out[name], value), name
+            out[name] = value
+    return out
+
+
 def held_state(trainer: object) -> dict:
     """What ``trainer`` holds now: weights and Adam's moments by place (see by_place), the
     steps, the number of parameters with optimizer state, the largest magnitude in the

@@ -40,6 +40,7 @@ from megart.training import (
     checkpoint_dirs,
     checksum,
     megatron_dist,
+    megatron_dist_train,
     megatron_distrib_optim,
     reshard,
 )
@@ -164,6 +165,19 @@ def save(
         shutil.rmtree(partial, ignore_errors=True)  # a crash's leftovers
         partial.mkdir(parents=True)
     dist.barrier()
+    consumed = (
+        iteration * config.global_batch_size if consumed_samples is None else consumed_samples
+    )
+    if config.ckpt_format == "torch_dist":  # Megatron's distributed store (megatron_dist_train)
+        if grid.dp_rank == 0:
+            rank = dist.get_rank()
+            megatron_dist_train.write_rank(partial, rank, config, grid, chunks, optimizer, rng)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            megatron_dist_train.finish(
+                partial, config, chunks, grid.layout.dp, optimizer, scaler, iteration, consumed
+            )
+        return _publish(directory, iteration, partial, final)
     # Every rank: a distributed optimizer gathers its state over data parallelism.
     optimizer_state = optimizer.state_dict()
     if grid.dp_rank == 0:
@@ -178,11 +192,7 @@ def save(
             optimizer=optimizer_state,
             rng=_rng_state(rng),
             loss_scaler=scaler.state_dict() if scaler is not None else None,
-            consumed_train_samples=(
-                iteration * config.global_batch_size
-                if consumed_samples is None
-                else consumed_samples
-            ),
+            consumed_train_samples=consumed,
         )
         here = partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp)
         if config.ckpt_format == "torch":  # Megatron-LM's legacy layout (megatron_files)
@@ -191,6 +201,12 @@ def save(
                 state, param_state = megatron_distrib_optim.split(state, grid.pp_rank)
                 write_file(here / megatron_distrib_optim.DISTRIB_FILE, param_state)
         write_file(here / FILE, state)
+    return _publish(directory, iteration, partial, final)
+
+
+def _publish(directory: Any, iteration: int, partial: Path, final: Path) -> Path:
+    """Once every rank has written: the iteration's directory renamed into place, then the
+    tracker replaced (a crash before leaves the last complete checkpoint the latest)."""
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -222,7 +238,7 @@ def load(
     iteration = required_latest_iteration(directory, ", or leave --load out to start from scratch")
     root = iteration_dir(directory, iteration)
     if megatron_dist.is_dist_checkpoint(root):
-        return _load_dist(directory, root, config, grid, chunks)
+        return _load_dist(directory, root, config, grid, chunks, optimizer, rng, scaler)
     own = root / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE
     found = sorted(root.glob(f"mp_rank_*/{FILE}"))
     if not found:
@@ -265,32 +281,37 @@ def load(
 
 
 def _load_dist(
-    directory: Any, root: Path, config: Any, grid: Any, chunks: list[torch.nn.Module]
+    directory: Any,
+    root: Path,
+    config: Any,
+    grid: Any,
+    chunks: list[torch.nn.Module],
+    optimizer: Any,
+    rng: Any,
+    scaler: Any,
 ) -> tuple[int, int]:
-    """--load of Megatron-LM's torch_dist checkpoint: its weights, into any layout (each rank
-    reads its own slices of the store). Its optimizer, scheduler and random states
-    are not read: a store with optimizer state needs --finetune (start at iteration 0) or
-    --no-load-optim --no-load-rng (go on from its iteration); one of weights alone (as
-    convert-checkpoint writes) loads as --finetune, like a release checkpoint."""
+    """--load of a torch_dist store (Megatron-LM's, or megart train's --ckpt-format
+    torch_dist) into any layout, zb-v's included (the store holds whole tensors by layer):
+    see megart.training.megatron_dist_train.load. One of weights alone (convert-checkpoint's)
+    loads as --finetune, like a release checkpoint."""
     common = megatron_dist.read_common(root)
     a = vars(common["args"])
     state = args_record(a)
-    cfg = chunks[0].cfg
-    _check_model(directory, state, config, cfg)
+    extra = common.get("megart")
+    if isinstance(extra, dict) and extra.get("model_config") is not None:
+        state["model_config"] = extra["model_config"]  # megart's own: every field
+    _check_model(directory, state, config, chunks[0].cfg)
     finetune = config.finetune or not megatron_dist.has_optimizer_state(root)
-    if not (finetune or (config.no_load_optim and config.no_load_rng)):
-        raise ConfigError(
-            f"--load {directory}: a torch_dist checkpoint (Megatron-LM's distributed format) "
-            "with optimizer state, of which megart reads the weights alone; add --finetune "
-            "(start from its weights at iteration 0) or --no-load-optim --no-load-rng (go on "
-            "from its iteration with a fresh optimizer), or resume in Megatron-LM"
-        )
-    megatron_dist.load_slices(root, chunks, grid.tp_rank)
+    load_optim = not (finetune or config.no_load_optim)
+    load_rng = not (finetune or config.no_load_rng)
+    left_out = megatron_dist_train.load(
+        root, common, config, grid, chunks, optimizer, rng, scaler, load_optim, load_rng, directory
+    )
     if dist.get_rank() == 0:
+        what = "the weights" + (", the optimizer" if load_optim else "")
         print(
-            f"loaded the weights of {root} (Megatron-LM torch_dist) into tensor-parallel "
-            f"{config.tp}, pipeline-parallel {config.pp}; its optimizer and random states "
-            "are not read",
+            f"loaded {what} of {root} (torch_dist) into tensor-parallel {config.tp}, "
+            f"pipeline-parallel {config.pp}{left_out}",
             flush=True,
         )
     if finetune:

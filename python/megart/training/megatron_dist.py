@@ -16,8 +16,9 @@ size, so a checkpoint is written for the one it names in its ``args``.
 
 Written: the weights, ``args`` and the iteration (Megatron-LM loads it with --finetune, or
 --no-load-optim --no-load-rng). Read: the weights of any torch_dist checkpoint of a GPT, the
-rest (optimizer, RNG, scheduler) left unread: whole (convert-checkpoint), or by each rank of a
-megart run only the slices it holds (load_slices), as Megatron-Core's ranks read theirs.
+rest (optimizer, RNG, scheduler) left unread: whole (convert-checkpoint). megart train's own
+saves of its whole training state, and each rank's read of its slices of any store, are
+megart.training.megatron_dist_train's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,6 @@ from megart.models.megatron_names import LAYER_NAMES, NAMES, TE_NORMS
 from megart.training.ckpt_files import iteration_dir
 from megart.training.megatron_args import check_args
 from megart.training.megatron_files import CHECKPOINT_VERSION, torch_load
-from megart.training.shards import whole_name
 
 METADATA = "metadata.json"
 COMMON = "common.pt"
@@ -169,7 +170,7 @@ def read_common(root: Path) -> dict[str, Any]:
     return common
 
 
-def _stored(root: Path) -> dict[str, Any]:
+def stored(root: Path) -> dict[str, Any]:
     """What the store in ``root`` holds: each key's metadata (a tensor's global size, dtype
     and chunks, or an object's)."""
     try:
@@ -178,10 +179,13 @@ def _stored(root: Path) -> dict[str, Any]:
         raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
 
 
-def _load(root: Path, state: dict[str, Any], planner: Any = None) -> None:
+def load_store(root: Path, state: dict[str, Any], planner: Any = None) -> None:
     """DCP's load of ``state`` from the store in ``root``, in this process alone."""
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(root), planner=planner, no_dist=True)
+        with warnings.catch_warnings():  # each process reads alone, by design
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            reader = dcp.FileSystemReader(root)
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
     except UNREADABLE as e:
         raise ConfigError(f"{root} cannot be read as a torch_dist checkpoint ({e})") from e
 
@@ -189,25 +193,25 @@ def _load(root: Path, state: dict[str, Any], planner: Any = None) -> None:
 def has_optimizer_state(root: Path) -> bool:
     """Whether the store in ``root`` holds an optimizer's state (Megatron-LM's saves do;
     convert-checkpoint's, weights alone, do not)."""
-    return any(key.startswith("optimizer.") for key in _stored(root))
+    return any(key.startswith("optimizer.") for key in stored(root))
 
 
 def read(root: Path) -> dict[str, torch.Tensor]:
     """The model's whole tensors in the torch_dist checkpoint in ``root`` (an iteration
     directory), under Megatron-Core's per-layer names; what is not the model's (optimizer,
     RNG states, extra states) is not read."""
-    stored = {
+    whole = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in _stored(root).items()
+        for key, meta in stored(root).items()
         if key.startswith(MODEL_KEYS) and isinstance(meta, dcp.metadata.TensorStorageMetadata)
     }
-    if "embedding.word_embeddings.weight" not in stored:
+    if "embedding.word_embeddings.weight" not in whole:
         raise ConfigError(f"{root}: no embedding.word_embeddings.weight; not a GPT's weights")
-    _load(root, stored)
-    return layer_names(stored)
+    load_store(root, whole)
+    return layer_names(whole)
 
 
-class _Pieces:
+class Pieces:
     """Where this rank's slices of one stored tensor go: DCP's load protocol for a tensor held
     in pieces (its global size, the chunk each piece covers, the piece of a chunk), the pieces
     being views of this rank's parameters."""
@@ -229,8 +233,8 @@ class _Pieces:
         return self.pieces[torch.Size(index.offset)]
 
 
-class _PiecesPlanner(dcp.DefaultLoadPlanner):
-    """DCP's default load planner, taking _Pieces where it takes tensors: its first step would
+class PiecesPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default load planner, taking Pieces where it takes tensors: its first step would
     make them None (as any value not a tensor), its lookup would refuse them."""
 
     def __init__(self) -> None:
@@ -247,7 +251,7 @@ class _PiecesPlanner(dcp.DefaultLoadPlanner):
         return self.state_dict[index.fqn].__get_tensor_shard__(index)
 
 
-def _stored_place(name: str, cfg: GPTConfig) -> tuple[str, int | None, int]:
+def stored_place(name: str, cfg: GPTConfig) -> tuple[str, int | None, int]:
     """Where the one-chunk GPT's parameter ``name`` (megart's, without ``chunk.``) lies in the
     store: its key, its layer (None for a tensor of no layer) and the first row of its part
     (SwiGLU's up projection is the second half of ``linear_fc1``)."""
@@ -261,37 +265,3 @@ def _stored_place(name: str, cfg: GPTConfig) -> tuple[str, int | None, int]:
     elif part == "mlp.fc" and cfg.activation == "swiglu":
         row = cfg.ffn_size
     return f"decoder.layers.{_to_fused_norm(LAYER_NAMES[part] + '.' + kind)}", int(layer), row
-
-
-def load_slices(root: Path, chunks: list[Any], tp_rank: int) -> None:
-    """Loads into this rank's model chunks (megart's GPT chunks, of tensor-parallel rank
-    ``tp_rank``) the slices of the torch_dist store in ``root`` that they hold, and
-    nothing more: each parameter's rows or columns of its layer's tensor; vocabulary rows past
-    the stored padding are zero (see megart.models.config.fit_vocab)."""
-    cfg = chunks[0].cfg
-    stored = _stored(root)
-    wanted: dict[str, _Pieces] = {}
-    with torch.no_grad():
-        for chunk in chunks:
-            for key, p in chunk.named_parameters():
-                name = whole_name(key, chunk.layer_ids).removeprefix("chunk.")
-                if name == "output_layer.weight" and not cfg.untie_embeddings_and_output_weights:
-                    name = "wte.weight"  # the last stage's copy of the tied embedding
-                store_key, layer, row = _stored_place(name, cfg)
-                meta = stored.get(store_key)
-                if not isinstance(meta, dcp.metadata.TensorStorageMetadata):
-                    raise ConfigError(f"{root}: the store holds no {store_key}; is it a GPT's?")
-                dim = getattr(p, "partition_dim", None)
-                offsets = [0] * p.dim()
-                if dim is not None:
-                    offsets[dim] = row * (dim == 0) + tp_rank * p.shape[dim]
-                piece = p.detach()
-                if store_key in (NAMES["wte.weight"], NAMES["output_layer.weight"]):
-                    rows = max(0, min(p.shape[0], meta.size[0] - offsets[0]))
-                    piece[rows:].zero_()  # past the stored padding
-                    piece = piece[:rows]
-                if layer is not None:
-                    offsets, piece = [layer, *offsets], piece.unsqueeze(0)
-                if piece.numel():
-                    wanted.setdefault(store_key, _Pieces(meta.size)).add(offsets, piece)
-        _load(root, wanted, _PiecesPlanner())

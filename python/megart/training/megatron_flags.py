@@ -34,11 +34,13 @@ What each does in megart:
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
 - --ckpt-format: megart (the default); torch writes Megatron-LM's legacy format
   (megart.training.megatron_files; with --use-distributed-optimizer also each rank's
-  distrib_optim.pt, megart.training.megatron_distrib_optim), torch_dist is refused with --save
-  (accepted without: it names the format written). --load
+  distrib_optim.pt, megart.training.megatron_distrib_optim), torch_dist writes Megatron's
+  distributed format, the whole training state (megart.training.megatron_dist_train; not with
+  --use-distributed-optimizer). --load
   resumes a Megatron-LM legacy checkpoint of any layout in full (megart.training.megatron_files;
-  as --finetune when it holds no optimizer) and takes a torch_dist checkpoint's weights
-  (megart.training.megatron_dist; with --finetune or --no-load-optim --no-load-rng).
+  as --finetune when it holds no optimizer) and resumes a torch_dist checkpoint of the
+  non-distributed optimizer's keys into any layout, --use-distributed-optimizer's included
+  (megart.training.megatron_dist_train; weights alone with --finetune or --no-load-optim).
 - --calculate-per-token-loss: megart has no loss mask, so every microbatch has b s tokens and
   the per-token mean over the global batch equals the mean of the per-microbatch means that
   megart computes: the gradients are the same.
@@ -189,14 +191,14 @@ def check_megatron_flags(config: Any) -> None:
                 f"--{name.replace('_', '-')} {value}: megart has no {kind} parallelism yet; "
                 "use 1 (the default)"
             )
-    if config.ckpt_format == "torch_dist" and config.save:
-        # The flag names the format written (Megatron's load tells the format itself): a run
-        # that saves nothing, --load of a torch_dist checkpoint say, has nothing to refuse.
+    if config.ckpt_format == "torch_dist" and config.save and config.use_distributed_optimizer:
+        # megart writes torch_dist with the non-distributed optimizer's keys
+        # (megart.training.megatron_dist_train), not the distributed optimizer's dp-sharded ones.
         raise ConfigError(
-            "--ckpt-format torch_dist with --save: megart train does not save Megatron's "
-            "distributed format (it reads one's weights with --load whatever this flag, and "
-            "convert-checkpoint --ckpt-format torch_dist writes one); use --ckpt-format megart "
-            "(the default) or torch (Megatron's legacy format, optimizer state included)"
+            "--ckpt-format torch_dist with --use-distributed-optimizer and --save: megart "
+            "writes Megatron's distributed format with the non-distributed optimizer's state "
+            "only; leave out --use-distributed-optimizer, or save --ckpt-format torch "
+            "(Megatron's legacy files with distrib_optim.pt) or megart (the default)"
         )
     s, h, heads = config.seq_length, config.hidden_size, config.num_attention_heads
     most = config.max_position_embeddings

@@ -1,0 +1,67 @@
+"""Where each of a megart rank's parameters lies in Megatron-LM's torch_dist store
+(megart.training.megatron_dist): its key, the offsets of its slice in that key's global tensor
+(dimension 0 the layer for a layer's parameter), and whether this rank writes it.
+
+Megatron-Core's sharded keys hold each tensor once, whole, whatever the layout: a
+tensor-parallel slice lies at its rank's rows (column-parallel, the vocabulary) or columns
+(row-parallel); SwiGLU's gate and up projections are the first and second halves of
+``linear_fc1`` (Megatron-Core's swiglu sharded factory: gate slice r at chunk r, up slice r at
+chunk t + r); q/k/v are grouped per query group, so a rank's slice is contiguous. A tensor every
+tensor-parallel rank holds whole (norms, row-parallel biases) is written by tensor-parallel rank
+0 alone, and the last stage's copy of a tied embedding by none (Megatron-Core makes it a replica
+of ``embedding.word_embeddings.weight``): each rank loads it from that key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megart.models.megatron_names import NAMES
+from megart.training.megatron_dist import stored_place
+from megart.training.shards import whole_name
+
+VOCAB_KEYS = (NAMES["wte.weight"], NAMES["output_layer.weight"])
+FC1 = "decoder.layers.mlp.linear_fc1."
+
+
+@dataclass
+class Place:
+    """One parameter's slice in the store."""
+
+    param: torch.nn.Parameter
+    key: str
+    offsets: list[int]  # in the stored tensor (the layer first for a layer's parameter)
+    size: torch.Size  # the stored tensor's, as this run's layout writes it
+    owner: bool  # whether this rank writes it (False: a replica another rank writes)
+
+    def piece(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (the parameter's shape) shaped as its chunk of the store."""
+        return tensor.unsqueeze(0) if len(self.offsets) > tensor.dim() else tensor
+
+
+def places(chunks: list[Any], tp_rank: int, tp: int) -> list[Place]:
+    """The place of every parameter of this rank's model chunks (megart's GPT chunks of
+    tensor-parallel rank ``tp_rank`` of ``tp``)."""
+    cfg = chunks[0].cfg
+    out = []
+    for chunk in chunks:
+        for key, p in chunk.named_parameters():
+            name = whole_name(key, chunk.layer_ids).removeprefix("chunk.")
+            # The last stage's copy of the tied embedding (its own ``wte``): read, not written.
+            copy = name == "wte.weight" and not chunk.first
+            store_key, layer, row = stored_place(name, cfg)
+            dim = getattr(p, "partition_dim", None)
+            offsets, size = [0] * p.dim(), list(p.shape)
+            if dim is not None:
+                offsets[dim] = row * (dim == 0) + tp_rank * p.shape[dim]
+                size[dim] *= tp
+                if cfg.activation == "swiglu" and store_key.startswith(FC1):
+                    size[0] *= 2  # [gate; up] in one tensor
+            if layer is not None:
+                offsets, size = [layer, *offsets], [cfg.num_layers, *size]
+            owner = not copy and (dim is not None or tp_rank == 0)
+            out.append(Place(p, store_key, offsets, torch.Size(size), owner))
+    return out
