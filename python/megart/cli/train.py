@@ -242,12 +242,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 metavar=None if choices else METAVARS.get(f.name, f.name.upper()),
                 help=text,
             )
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
     for flag, meaning in FUSIONS_OFF.items():
         # --no-bias-gelu-fusion sets megart's own switch; the others have nothing to set.
         dest = flag[len("--no-") :].replace("-", "_")
-        known = dest in {f.name for f in dataclasses.fields(TrainConfig)}
-        action = "store_false" if known else "store_true"
-        p.add_argument(flag, dest=dest if known else "fusion_off", action=action, help=meaning)
+        if dest in fields:
+            p.add_argument(flag, dest=dest, action="store_false", help=meaning)
+        else:
+            p.add_argument(flag, dest="fusion_off", action="store_true", help=meaning)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

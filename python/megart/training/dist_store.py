@@ -45,19 +45,59 @@ def _part(root: Path, rank: int) -> Path:
     return root / f"__{rank}{GLOBAL}"  # the name DCP gives a rank's own metadata
 
 
-class Slices:
-    """The pieces of one global tensor (``size``) that this rank writes: each a tensor and its
-    offsets in the global one. DCP's save asks it for write items and, per item, the data."""
+def written_ranks(root: Path) -> list[int]:
+    """The ranks whose metadata parts are in ``root``, in order."""
+    return sorted(int(p.name[2 : -len(GLOBAL)]) for p in root.glob(f"__*{GLOBAL}"))
+
+
+class Pieces:
+    """This rank's pieces of one stored tensor: DCP's load protocol for a tensor held in pieces
+    (its global size, the chunk each piece covers, the piece of a chunk). For a load, the
+    pieces are views of this rank's parameters, filled in place."""
 
     def __init__(self, size: torch.Size) -> None:
-        self.size = torch.Size(size)
+        self._size = torch.Size(size)
         self.pieces: dict[torch.Size, torch.Tensor] = {}
 
+    def size(self) -> torch.Size:
+        return self._size
+
     def add(self, offsets: list[int], piece: torch.Tensor) -> None:
-        if len(offsets) != len(self.size) or piece.dim() != len(self.size):
-            raise ValueError(f"a piece of rank {piece.dim()} at {offsets} in {tuple(self.size)}")
-        # A copy of its own: DCP would save a view's whole storage.
-        self.pieces[torch.Size(offsets)] = piece.detach().clone().contiguous()
+        self.pieces[torch.Size(offsets)] = piece
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=t.shape) for o, t in self.pieces.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[torch.Size(index.offset)]
+
+
+class PiecesPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default load planner, taking Pieces where it takes tensors: its first step would
+    make them None (as any value not a tensor), its lookup would refuse them."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
+    ) -> None:
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn].__get_tensor_shard__(index)
+
+
+class Slices(Pieces):
+    """The pieces of one global tensor that this rank writes, each a copy of its own (DCP would
+    save a view's whole storage); DCP's save asks it for write items and, per item, the data."""
+
+    def add(self, offsets: list[int], piece: torch.Tensor) -> None:
+        if len(offsets) != len(self.size()) or piece.dim() != len(self.size()):
+            raise ValueError(f"a piece of rank {piece.dim()} at {offsets} in {tuple(self.size())}")
+        super().add(offsets, piece.detach().clone().contiguous())
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         return [
@@ -67,14 +107,11 @@ class Slices:
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=o, sizes=t.shape),
                     properties=TensorProperties.create_from_tensor(t),
-                    size=self.size,
+                    size=self.size(),
                 ),
             )
             for o, t in self.pieces.items()
         ]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        return self.pieces[torch.Size(index.offset)]
 
 
 class _SlicesPlanner(dcp.DefaultSavePlanner):

@@ -28,13 +28,13 @@ import os
 import pickle
 import re
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
@@ -115,15 +115,16 @@ def layer_names(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _extra_states(num_layers: int, untied: bool) -> dict[str, list[None]]:
-    """Each linear layer's ``_extra_state`` (None: no fp8 scales) as Megatron-Core's torch_dist
-    strategy stores a ShardedObject: a list of its data, torch.save'd (by DCP's planner here),
-    keyed ``key/shard_<offset>_<shape>``. Megatron-Core's load asks for them."""
+def extra_states(layers: Iterable[int], num_layers: int, output: bool) -> dict[str, list[None]]:
+    """The ``_extra_state`` (None: no fp8 scales) of each linear layer of ``layers`` (of
+    ``num_layers``), and of the untied output layer with ``output``, as Megatron-Core's
+    torch_dist strategy stores a ShardedObject: a list of its data, torch.save'd (by DCP's
+    planner here), keyed ``key/shard_<offset>_<shape>``. Megatron-Core's load asks for them."""
     out = {}
-    for part in LINEAR_LAYERS:
-        for layer in range(num_layers):
+    for layer in layers:
+        for part in LINEAR_LAYERS:
             out[f"decoder.layers.{part}._extra_state/shard_{layer}_{num_layers}"] = [None]
-    if untied:
+    if output:
         out["output_layer._extra_state/shard_0_1"] = [None]
     return out
 
@@ -143,7 +144,8 @@ def write(
     state: dict[str, Any] = {
         k: v.detach().contiguous() for k, v in sharded_keys(model, cfg.num_layers).items()
     }
-    state.update(_extra_states(cfg.num_layers, cfg.untie_embeddings_and_output_weights))
+    n = cfg.num_layers
+    state.update(extra_states(range(n), n, cfg.untie_embeddings_and_output_weights))
     # One process writes the whole store: no process group, hence no_dist. Not flattened, so
     # that each extra state's list is one object, as Megatron-Core's planner writes it.
     dcp.save(
@@ -209,46 +211,6 @@ def read(root: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"{root}: no embedding.word_embeddings.weight; not a GPT's weights")
     load_store(root, whole)
     return layer_names(whole)
-
-
-class Pieces:
-    """Where this rank's slices of one stored tensor go: DCP's load protocol for a tensor held
-    in pieces (its global size, the chunk each piece covers, the piece of a chunk), the pieces
-    being views of this rank's parameters."""
-
-    def __init__(self, size: torch.Size) -> None:
-        self._size = size
-        self.pieces: dict[torch.Size, torch.Tensor] = {}
-
-    def size(self) -> torch.Size:
-        return self._size
-
-    def add(self, offsets: list[int], piece: torch.Tensor) -> None:
-        self.pieces[torch.Size(offsets)] = piece
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=o, sizes=t.shape) for o, t in self.pieces.items()]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        return self.pieces[torch.Size(index.offset)]
-
-
-class PiecesPlanner(dcp.DefaultLoadPlanner):
-    """DCP's default load planner, taking Pieces where it takes tensors: its first step would
-    make them None (as any value not a tensor), its lookup would refuse them."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(
-        self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
-    ) -> None:
-        self.original_state_dict = self.state_dict = state_dict
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn].__get_tensor_shard__(index)
 
 
 def stored_place(name: str, cfg: GPTConfig) -> tuple[str, int | None, int]:

@@ -35,22 +35,21 @@ import torch.distributed.checkpoint as dcp
 from megart.errors import ConfigError
 from megart.tensor_parallel.random import GeneratorStates
 from megart.training import dist_store
+from megart.training.dist_store import Pieces, PiecesPlanner
 from megart.training.megatron_dist import (
     BACKENDS,
     COMMON,
-    LINEAR_LAYERS,
     METADATA,
-    Pieces,
-    PiecesPlanner,
+    extra_states,
     load_store,
     stored,
 )
 from megart.training.megatron_dist_places import VOCAB_KEYS, Place, places
 from megart.training.megatron_files import (
     CHECKPOINT_VERSION,
-    _training_args,
     from_grad_scaler,
     to_grad_scaler,
+    training_args,
 )
 from megart.training.megatron_optimizer import megatron_group_keys
 from megart.training.megatron_scheduler import check_scheduler, scheduler_state
@@ -77,12 +76,9 @@ def _extra_states(chunks: list[Any]) -> dict[str, list[None]]:
     """The ``_extra_state`` objects of this rank's layers (and untied output layer)."""
     cfg, out = chunks[0].cfg, {}
     for chunk in chunks:
-        for layer in chunk.layer_ids:
-            for part in LINEAR_LAYERS:
-                out[f"decoder.layers.{part}._extra_state/shard_{layer}_{cfg.num_layers}"] = [None]
         owns_output = any(n == "output_layer.weight" for n, _ in chunk.named_parameters())
-        if owns_output and cfg.untie_embeddings_and_output_weights:
-            out["output_layer._extra_state/shard_0_1"] = [None]
+        output = owns_output and cfg.untie_embeddings_and_output_weights
+        out.update(extra_states(chunk.layer_ids, cfg.num_layers, output))
     return out
 
 
@@ -144,10 +140,9 @@ def finish(
 ) -> None:
     """Rank 0, after every rank wrote: the store's merged metadata, common.pt and
     metadata.json."""
-    ranks = sorted(int(p.name[2:].split(".")[0]) for p in partial.glob("__*.metadata"))
-    dist_store.merge(partial, ranks)
+    dist_store.merge(partial, dist_store.written_ranks(partial))
     cfg = chunks[0].cfg
-    args = _training_args(config, cfg, iteration, dp)
+    args = training_args(config, cfg, iteration, dp)
     args.ckpt_format = "torch_dist"
     args.consumed_train_samples = consumed
     keys = megatron_group_keys(config.lr, config.min_lr, config.decoupled_rates())

@@ -101,7 +101,7 @@ def is_megatron_file(state: Any) -> bool:
     return isinstance(state, dict) and "checkpoint_version" in state and "args" in state
 
 
-def _training_args(config: Any, cfg: GPTConfig, iteration: int, dp: int) -> argparse.Namespace:
+def training_args(config: Any, cfg: GPTConfig, iteration: int, dp: int) -> argparse.Namespace:
     """megart train's flags under Megatron's names (TrainConfig's fields are Megatron's
     argparse names), over the model's."""
     per = config.num_layers_per_virtual_pipeline_stage
@@ -150,7 +150,7 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
         _chunk_to_megatron(sd, cfg, ids) for sd, ids in zip(state["model"], layers, strict=True)
     ]
     half = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
-    args = _training_args(config, cfg, iteration, dp)
+    args = training_args(config, cfg, iteration, dp)
     args.consumed_train_samples = state["consumed_train_samples"]  # where Megatron keeps it
     out = rank_state(args, iteration, model)
     optimizer = state["optimizer"]
