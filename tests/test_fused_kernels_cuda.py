@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 F64 = torch.float64
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DTYPES = list(TOL)
-SHAPES = [(1, 1), (7, 13), (5, 1000), (33, 1024), (4, 4104), (3, 8192)]  # rows, columns
+SHAPES = [(1, 1), (7, 13), (5, 1000), (33, 1024), (4, 4104), (3, 8192), (1500, 520)]  # rows, cols
 OFFSETS = [0, 1]  # elements past a 16-byte boundary
 
 
@@ -150,16 +150,17 @@ def test_add_layer_norm_kernels_match_float64(dtype, rows, h, residual, has_bias
     blocks = cuda.add_layer_norm_backward_blocks(rows, h, has_bias, KERNEL_DTYPES[dtype])
     assert 1 <= blocks <= rows
     grad_in = poisoned((rows, h), dtype, offset)
-    pw = poisoned((blocks, h), torch.float32)
-    pb = poisoned((blocks, h), torch.float32) if has_bias else None
+    gw = poisoned((h,), dtype, offset)
+    gb = poisoned((h,), dtype, offset) if has_bias else None
+    workspace = poisoned(((2 if has_bias else 1) * blocks * h,), torch.float32)
     src = x if s is None else s
-    tensors = (g_out, g_sum, src, w, mean, rstd, grad_in, pw, pb)
+    tensors = (g_out, g_sum, src, w, mean, rstd, grad_in, gw, gb, workspace)
     launch(cuda.add_layer_norm_backward, x, *tensors, rows, h, blocks)
     torch.cuda.synchronize()
     assert_rel(grad_in, expected, tol, "input grad", layer_norm_grad_terms(s64, w64, g_out, rstd))
-    assert_rel(pw.sum(0), w64.grad, tol, "weight grad")
+    assert_rel(gw, w64.grad, tol, "weight grad")
     if has_bias:
-        assert_rel(pb.sum(0), b64.grad, tol, "bias grad")
+        assert_rel(gb, b64.grad, tol, "bias grad")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

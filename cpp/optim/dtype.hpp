@@ -34,10 +34,10 @@ inline const char* dtype_name(DType d) {
 
 // The 16-bit storage types and their conversions live in common/half.hpp.
 using megart::BF16;
-using megart::FP16;
-using megart::store;
 using megart::bits_of;
 using megart::float_of;
+using megart::FP16;
+using megart::store;
 using megart::to_float;
 
 }  // namespace megart::optim

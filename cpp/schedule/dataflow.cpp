@@ -7,7 +7,6 @@ Action comm(Op op, const Action& compute, int peer) {
   return Action{op, compute.microbatch, compute.chunk, peer};
 }
 
-
 // The neighbouring stage whose data a compute takes (upstream for F, downstream for B and I).
 std::optional<Location> source(const Schedule& s, int rank, const Action& a) {
   if (a.op == Op::Forward) return s.upstream(rank, a.chunk);

@@ -11,12 +11,12 @@
 namespace megart::schedule {
 
 enum class Kind {
-  GPipe,        // all forwards, then all backwards
-  OneFOneB,     // PipeDream-Flush: warm-up forwards, one forward / one backward, cool-down
-  Interleaved,  // Megatron's interleaved 1F1B: v model chunks per rank
+  GPipe,         // all forwards, then all backwards
+  OneFOneB,      // PipeDream-Flush: warm-up forwards, one forward / one backward, cool-down
+  Interleaved,   // Megatron's interleaved 1F1B: v model chunks per rank
   ZeroBubbleH1,  // "zb-h1": 1F1B with backwards split into I and W, some W deferred
   ZeroBubbleV,   // "zb-v": two chunks per rank placed in a V (see virtual_stage), split backward
-  Custom,       // compute orders given by the caller (tests, experiments, future kinds)
+  Custom,        // compute orders given by the caller (tests, experiments, future kinds)
 };
 
 // "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "custom"

@@ -109,8 +109,8 @@ RowResult layer_norm_row(const std::vector<float>& s, const std::vector<float>& 
   }
   const float inv_n = 1.0f / static_cast<float>(n);
   for (int64_t j = 0; j < n; ++j) {
-    r.grad.push_back(math::layer_norm_input_grad(dy[j], s[j], w[j], r.mean, r.rstd,
-                                                 sum_g * inv_n, sum_g_xhat * inv_n, 0.0f));
+    r.grad.push_back(math::layer_norm_input_grad(dy[j], s[j], w[j], r.mean, r.rstd, sum_g * inv_n,
+                                                 sum_g_xhat * inv_n, 0.0f));
   }
   return r;
 }

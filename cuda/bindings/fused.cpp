@@ -118,12 +118,13 @@ void bind_fused(py::module_& m) {
         return add_layer_norm_backward_blocks(rows, hidden, has_bias, type);
       },
       py::arg("rows"), py::arg("hidden"), py::arg("has_bias"), py::arg("dtype"),
-      "Rows of the partial weight/bias gradient buffers add_layer_norm_backward fills on the "
-      "current device; 0 when `hidden` columns do not fit its shared memory.");
+      "Blocks add_layer_norm_backward uses on the current device (its fp32 workspace is "
+      "blocks * hidden, twice that with a bias); 0 when `hidden` columns do not fit its shared "
+      "memory.");
   m.def(
       "add_layer_norm_backward",
       [](Address grad_out, Address grad_sum, Address s, Address weight, Address mean, Address rstd,
-         Address grad_in, Address partial_weight, Address partial_bias, int64_t rows,
+         Address grad_in, Address grad_weight, Address grad_bias, Address workspace, int64_t rows,
          int64_t hidden, int blocks, const std::string& dtype, Address stream) {
         const char* op = "add_layer_norm_backward";
         const FusedType type = fused_type(dtype, op);
@@ -133,15 +134,16 @@ void bind_fused(py::module_& m) {
         launched(add_layer_norm_backward(
                      ptr<const void>(grad_out), ptr<const void>(grad_sum), ptr<const void>(s),
                      ptr<const void>(weight), ptr<const float>(mean), ptr<const float>(rstd),
-                     ptr<void>(grad_in), ptr<float>(partial_weight), ptr<float>(partial_bias), rows,
-                     hidden, blocks, type, as_stream(stream)),
+                     ptr<void>(grad_in), ptr<void>(grad_weight), ptr<void>(grad_bias),
+                     ptr<float>(workspace), rows, hidden, blocks, type, as_stream(stream)),
                  op);
       },
       py::arg("grad_out"), py::arg("grad_sum"), py::arg("s"), py::arg("weight"), py::arg("mean"),
-      py::arg("rstd"), py::arg("grad_in"), py::arg("partial_weight"), py::arg("partial_bias"),
-      py::arg("rows"), py::arg("hidden"), py::arg("blocks"), py::arg("dtype"), py::arg("stream"),
-      "grad_in = d loss / d s (+ grad_sum when not 0); fp32 "
-      "[blocks, hidden] partial weight (and bias, when not 0) gradients to sum over blocks.");
+      py::arg("rstd"), py::arg("grad_in"), py::arg("grad_weight"), py::arg("grad_bias"),
+      py::arg("workspace"), py::arg("rows"), py::arg("hidden"), py::arg("blocks"), py::arg("dtype"),
+      py::arg("stream"),
+      "grad_in = d loss / d s (+ grad_sum when not 0); the weight (and bias, when not 0) "
+      "gradients in the element type; workspace: fp32 blocks * hidden (x2 with a bias).");
   m.def(
       "vocab_cross_entropy_forward",
       [](Address logits, Address target, Address row_max, Address sum_exp, Address target_logit,

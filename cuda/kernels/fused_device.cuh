@@ -66,7 +66,7 @@ struct RawOf<2> {
 
 template <typename T, int W>
 union Vec {
-  using Raw = typename RawOf<W * static_cast<int>(sizeof(T))>::type;
+  using Raw = typename RawOf<W* static_cast<int>(sizeof(T))>::type;
   Raw raw;
   T v[W];
 };

@@ -37,20 +37,22 @@ cudaError_t add_layer_norm_forward(const void* x, const void* residual, const vo
                                    int64_t rows, int64_t hidden, float eps, FusedType type,
                                    cudaStream_t stream);
 
-// How many blocks add_layer_norm_backward uses for `rows` rows, i.e. the rows of its partial
-// weight/bias gradient buffers; 0 when a block's shared-memory accumulators for `hidden`
-// columns do not fit this device.
+// How many blocks add_layer_norm_backward uses for `rows` rows: its workspace holds a [blocks,
+// hidden] fp32 partial gradient for the weight (and another for the bias). 0 when a block's
+// shared-memory accumulators for `hidden` columns do not fit this device. The device's limits
+// are looked up once per device and shape, so calling this per backward costs no runtime call.
 int add_layer_norm_backward_blocks(int64_t rows, int64_t hidden, bool has_bias, FusedType type);
 
 // From grad_out and the forward's input s (the sum), mean and rstd: grad_in = d loss / d s, plus
-// grad_sum when not null (the gradient that reached the sum through the residual stream).
-// partial_weight (and partial_bias when not null) are fp32 [blocks, hidden]: summed over their
-// rows they give the weight (bias) gradient. `blocks` comes from add_layer_norm_backward_blocks.
+// grad_sum when not null (the gradient that reached the sum through the residual stream), and
+// the weight's (and, when grad_bias is not null, the bias's) gradient [hidden] in the element
+// type. workspace is fp32, blocks * hidden elements (twice that with a bias), overwritten;
+// `blocks` comes from add_layer_norm_backward_blocks.
 cudaError_t add_layer_norm_backward(const void* grad_out, const void* grad_sum, const void* s,
                                     const void* weight, const float* mean, const float* rstd,
-                                    void* grad_in, float* partial_weight, float* partial_bias,
-                                    int64_t rows, int64_t hidden, int blocks, FusedType type,
-                                    cudaStream_t stream);
+                                    void* grad_in, void* grad_weight, void* grad_bias,
+                                    float* workspace, int64_t rows, int64_t hidden, int blocks,
+                                    FusedType type, cudaStream_t stream);
 
 // One pass over each row of logits [rows, vocab] (this rank's vocabulary slice, ids
 // [start, start + vocab)): row_max, sum_exp = sum(exp(logit - row_max)) (0 for a row of -inf,

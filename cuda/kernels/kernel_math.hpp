@@ -54,8 +54,8 @@ MEGART_HOST_DEVICE void for_each_piece(const T* anchor, int64_t n, bool vectoris
 // touches is aligned for W elements at `begin`, so at begin + any multiple of W) whole packs of W
 // go first, then the tail one by one; without it every element goes alone.
 template <int W, typename F>
-MEGART_HOST_DEVICE void for_each_in_chunk(int64_t begin, int64_t end, bool vectorise,
-                                          int64_t first, int64_t stride, F&& f) {
+MEGART_HOST_DEVICE void for_each_in_chunk(int64_t begin, int64_t end, bool vectorise, int64_t first,
+                                          int64_t stride, F&& f) {
   const int64_t packs = vectorise ? (end - begin) / W : 0;
   for (int64_t p = first; p < packs; p += stride) f(begin + p * W, Width<W>{});
   for (int64_t i = begin + packs * W + first; i < end; i += stride) f(i, Width<1>{});

@@ -6,6 +6,9 @@
 // from cache: no cancellation even when a few channels are far larger than the rest (as in
 // large models' residual streams), which one-pass sums of v and v^2 would suffer.
 #include <initializer_list>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "fused_device.cuh"
 
@@ -88,7 +91,7 @@ __device__ __forceinline__ int64_t slot(int64_t j) {
 
 // Each block takes rows blockIdx.x, + gridDim.x, ... and accumulates its share of the weight and
 // bias gradients in shared memory (one slot per column); a column belongs to the same thread in
-// every row, since all rows split alike. The caller sums the blocks' partial rows.
+// every row, since all rows split alike. column_sum_kernel then sums the blocks' partial rows.
 template <typename T>
 __global__ void add_layer_norm_backward_kernel(const T* grad_out, const T* grad_sum, const T* s,
                                                const T* weight, const float* mean,
@@ -143,8 +146,8 @@ __global__ void add_layer_norm_backward_kernel(const T* grad_out, const T* grad_
       if (grad_sum != nullptr) load<W>(grad_sum + offset + j, extra);
 #pragma unroll
       for (int k = 0; k < W; ++k) {
-        dy[k] = math::layer_norm_input_grad(dy[k], v[k], w[k], mu, rs, mean_g, mean_g_xhat,
-                                            extra[k]);
+        dy[k] =
+            math::layer_norm_input_grad(dy[k], v[k], w[k], mu, rs, mean_g, mean_g_xhat, extra[k]);
       }
       store<W>(grad_in + offset + j, dy);
     });
@@ -156,6 +159,35 @@ __global__ void add_layer_norm_backward_kernel(const T* grad_out, const T* grad_
     float* out_bias = partial_bias + static_cast<int64_t>(blockIdx.x) * hidden;
     for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x) out_bias[j] = dbias[slot<T>(j)];
   }
+}
+
+// Column sums of the backward's per-block partial gradients, rounded once to T: grad[j] =
+// sum over b of partial[b][j] for the weight (blockIdx.y 0) and the bias (1, partial after the
+// weight's [blocks, hidden]). A block takes kSumColumns adjacent columns, so each warp reads
+// 128 contiguous bytes of a partial row; its kSumGroups rows of threads take every
+// kSumGroups-th partial row and meet in shared memory. Done here rather than by torch's
+// sum(0).to(dtype) after the launch: that was two reductions and two casts per backward, each
+// an operator call on the host.
+constexpr int kSumColumns = 32;
+constexpr int kSumGroups = 8;
+
+template <typename T>
+__global__ void column_sum_kernel(const float* partial, T* grad_weight, T* grad_bias,
+                                  int64_t blocks, int64_t hidden) {
+  __shared__ float share[kSumGroups][kSumColumns + 1];  // +1: a spare bank per row
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kSumColumns + threadIdx.x;
+  const float* rows = partial + static_cast<int64_t>(blockIdx.y) * blocks * hidden;
+  float acc = 0.0f;
+  if (j < hidden) {
+    for (int64_t b = threadIdx.y; b < blocks; b += kSumGroups) acc += rows[b * hidden + j];
+  }
+  share[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y != 0 || j >= hidden) return;
+  float total = 0.0f;
+#pragma unroll
+  for (int g = 0; g < kSumGroups; ++g) total += share[g][threadIdx.x];
+  (blockIdx.y == 0 ? grad_weight : grad_bias)[j] = fused::from_float<T>(total);
 }
 
 // Packs are used when every array's rows are aligned alike: the same offset from 16 bytes for
@@ -171,30 +203,87 @@ bool aligned_alike(int64_t hidden, std::initializer_list<const void*> pointers) 
   return true;
 }
 
-// Dynamic shared memory of the backward kernel for `hidden` columns, after letting the kernel
-// use that much (above 48 KiB a kernel must opt in). cudaErrorInvalidValue when it exceeds what
-// a block may have on this device. The opt-in is always set to the most a block may have, not
-// to this call's need: it is one attribute of the kernel shared by every thread, and threads
-// that set it to their own sizes could shrink it between another's setting and its launch.
+// What the backward kernel may use on the current device: the dynamic shared memory a block may
+// have (its opt-in limit, less the kernel's static scratch) and the SM count. Found, and the
+// kernel's opt-in raised to that limit, once per device and element type (they were runtime
+// calls made twice on every backward, for the block count and again for the launch). The opt-in is
+// always the most a block may have, not one call's need: it is one attribute shared by every
+// thread, and threads that set it to their own sizes could shrink it under another's launch.
+struct BackwardLimits {
+  size_t shared_bytes = 0;
+  int sms = 0;
+};
+
 template <typename T>
-cudaError_t prepare_backward(int64_t hidden, bool has_bias, size_t* bytes) {
-  const int64_t slots = hidden + hidden / fused::kPack<T>;  // slot<T>(hidden), on the host
-  *bytes = static_cast<size_t>(slots) * sizeof(float) * (has_bias ? 2 : 1);
+cudaError_t backward_limits(BackwardLimits* limits) {
+  static std::mutex mutex;
+  static std::map<int, BackwardLimits> known;  // by device
   int device = 0;
-  int limit = 0;
-  cudaFuncAttributes attributes{};
   cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find(device);
+  if (found != known.end()) {
+    *limits = found->second;
+    return cudaSuccess;
+  }
+  int optin = 0;
+  BackwardLimits fresh;
+  cudaFuncAttributes attributes{};
+  err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    err = cudaDeviceGetAttribute(&fresh.sms, cudaDevAttrMultiProcessorCount, device);
   }
   if (err == cudaSuccess)
     err = cudaFuncGetAttributes(&attributes, add_layer_norm_backward_kernel<T>);
   if (err != cudaSuccess) return err;
-  // The kernel's static shared memory (its reduction scratch) counts against the limit too.
-  const size_t most = static_cast<size_t>(limit) - attributes.sharedSizeBytes;
-  if (*bytes > most) return cudaErrorInvalidValue;
-  return cudaFuncSetAttribute(add_layer_norm_backward_kernel<T>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(most));
+  fresh.shared_bytes = static_cast<size_t>(optin) - attributes.sharedSizeBytes;
+  err = cudaFuncSetAttribute(add_layer_norm_backward_kernel<T>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(fresh.shared_bytes));
+  if (err != cudaSuccess) return err;
+  known.emplace(device, fresh);
+  *limits = fresh;
+  return cudaSuccess;
+}
+
+// Dynamic shared memory of the backward kernel for `hidden` columns (its per-column
+// accumulators); cudaErrorInvalidValue when that exceeds what a block may have on this device.
+template <typename T>
+cudaError_t backward_shared_bytes(int64_t hidden, bool has_bias, size_t* bytes,
+                                  BackwardLimits* limits) {
+  const int64_t slots = hidden + hidden / fused::kPack<T>;  // slot<T>(hidden), on the host
+  *bytes = static_cast<size_t>(slots) * sizeof(float) * (has_bias ? 2 : 1);
+  const cudaError_t err = backward_limits<T>(limits);
+  if (err != cudaSuccess) return err;
+  return *bytes > limits->shared_bytes ? cudaErrorInvalidValue : cudaSuccess;
+}
+
+// Blocks of the backward kernel resident on one SM for these columns, once per device, type and
+// shape (the occupancy calculator is another runtime call).
+template <typename T>
+cudaError_t backward_blocks_per_sm(int64_t hidden, bool has_bias, int* per_sm, int* sms) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int64_t, bool>, int> known;  // (device, hidden, has_bias)
+  size_t bytes = 0;
+  BackwardLimits limits;
+  cudaError_t err = backward_shared_bytes<T>(hidden, has_bias, &bytes, &limits);
+  int device = 0;
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  *sms = limits.sms;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, hidden, has_bias);
+  const auto found = known.find(key);
+  if (found != known.end()) {
+    *per_sm = found->second;
+    return cudaSuccess;
+  }
+  const int threads = fused::row_threads(hidden, fused::kPack<T>);
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, add_layer_norm_backward_kernel<T>,
+                                                      threads, bytes);
+  if (err == cudaSuccess) known.emplace(key, *per_sm);
+  return err;
 }
 
 }  // namespace
@@ -222,19 +311,10 @@ cudaError_t add_layer_norm_forward(const void* x, const void* residual, const vo
 
 int add_layer_norm_backward_blocks(int64_t rows, int64_t hidden, bool has_bias, FusedType type) {
   if (rows <= 0 || hidden <= 0) return 0;
-  int device = 0;
   int sms = 0;
   int per_sm = 0;
   const cudaError_t err = fused::dispatch(type, [&](auto tag) {
-    using T = decltype(tag);
-    size_t smem = 0;
-    cudaError_t e = prepare_backward<T>(hidden, has_bias, &smem);
-    if (e == cudaSuccess) e = cudaGetDevice(&device);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (e != cudaSuccess) return e;
-    const int threads = fused::row_threads(hidden, fused::kPack<T>);
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, add_layer_norm_backward_kernel<T>,
-                                                         threads, smem);
+    return backward_blocks_per_sm<decltype(tag)>(hidden, has_bias, &per_sm, &sms);
   });
   if (err != cudaSuccess || per_sm < 1) {
     cudaGetLastError();  // clear it: the caller answers "does not fit" and falls back
@@ -247,22 +327,31 @@ int add_layer_norm_backward_blocks(int64_t rows, int64_t hidden, bool has_bias, 
 
 cudaError_t add_layer_norm_backward(const void* grad_out, const void* grad_sum, const void* s,
                                     const void* weight, const float* mean, const float* rstd,
-                                    void* grad_in, float* partial_weight, float* partial_bias,
-                                    int64_t rows, int64_t hidden, int blocks, FusedType type,
-                                    cudaStream_t stream) {
+                                    void* grad_in, void* grad_weight, void* grad_bias,
+                                    float* workspace, int64_t rows, int64_t hidden, int blocks,
+                                    FusedType type, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (hidden <= 0 || blocks < 1) return cudaErrorInvalidValue;
+  const bool has_bias = grad_bias != nullptr;
   return fused::dispatch(type, [&](auto tag) {
     using T = decltype(tag);
     size_t smem = 0;
-    const cudaError_t e = prepare_backward<T>(hidden, partial_bias != nullptr, &smem);
-    if (e != cudaSuccess) return e;
+    BackwardLimits limits;
+    cudaError_t err = backward_shared_bytes<T>(hidden, has_bias, &smem, &limits);
+    if (err != cudaSuccess) return err;
+    float* partial_weight = workspace;
+    float* partial_bias = has_bias ? workspace + static_cast<int64_t>(blocks) * hidden : nullptr;
     const bool vectorise = aligned_alike<T>(hidden, {s, grad_out, grad_sum, weight, grad_in});
     const int threads = fused::row_threads(hidden, fused::kPack<T>);
     add_layer_norm_backward_kernel<T><<<blocks, threads, smem, stream>>>(
         static_cast<const T*>(grad_out), static_cast<const T*>(grad_sum), static_cast<const T*>(s),
         static_cast<const T*>(weight), mean, rstd, static_cast<T*>(grad_in), partial_weight,
         partial_bias, rows, hidden, vectorise);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    const dim3 grid(static_cast<unsigned>(fused::ceil_div(hidden, kSumColumns)), has_bias ? 2 : 1);
+    column_sum_kernel<T><<<grid, dim3(kSumColumns, kSumGroups), 0, stream>>>(
+        workspace, static_cast<T*>(grad_weight), static_cast<T*>(grad_bias), blocks, hidden);
     return cudaGetLastError();
   });
 }

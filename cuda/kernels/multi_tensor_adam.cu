@@ -37,8 +37,7 @@ struct AdamLaunch {
   int64_t size[kMaxTensors];
   optim::MultiTensorBlockMap<kMaxBlocks> block_map;
 };
-static_assert(sizeof(AdamLaunch<float>) + sizeof(AdamHyper) + 16 <
-                  multi_tensor::kMaxArgumentBytes,
+static_assert(sizeof(AdamLaunch<float>) + sizeof(AdamHyper) + 16 < multi_tensor::kMaxArgumentBytes,
               "kernel arguments over the limit");
 
 struct StepLaunch {
@@ -83,24 +82,25 @@ __global__ void __launch_bounds__(kThreads)
                            multi_tensor::aligned(exp_avg_sq, 16) &&
                            multi_tensor::aligned(grad, 16) &&
                            (!kHasModel || multi_tensor::aligned(model, 16));
-    math::for_each_in_chunk<kIlp>(
-        begin, end, vectorise, threadIdx.x, blockDim.x, [&](int64_t i, auto width) {
-          constexpr int W = decltype(width)::value;
-          float g[W];
-          float p[W];
-          float m[W];
-          float v[W];
-          fused::load<W>(grad + i, g);
-          fused::load<W>(param + i, p);
-          fused::load<W>(exp_avg + i, m);
-          fused::load<W>(exp_avg_sq + i, v);
+    math::for_each_in_chunk<kIlp>(begin, end, vectorise, threadIdx.x, blockDim.x,
+                                  [&](int64_t i, auto width) {
+                                    constexpr int W = decltype(width)::value;
+                                    float g[W];
+                                    float p[W];
+                                    float m[W];
+                                    float v[W];
+                                    fused::load<W>(grad + i, g);
+                                    fused::load<W>(param + i, p);
+                                    fused::load<W>(exp_avg + i, m);
+                                    fused::load<W>(exp_avg_sq + i, v);
 #pragma unroll
-          for (int k = 0; k < W; ++k) math::adam_update<kDecoupled>(g[k], p[k], m[k], v[k], c);
-          fused::store<W>(param + i, p);
-          fused::store<W>(exp_avg + i, m);
-          fused::store<W>(exp_avg_sq + i, v);
-          if constexpr (kHasModel) fused::store<W>(model + i, p);
-        });
+                                    for (int k = 0; k < W; ++k)
+                                      math::adam_update<kDecoupled>(g[k], p[k], m[k], v[k], c);
+                                    fused::store<W>(param + i, p);
+                                    fused::store<W>(exp_avg + i, m);
+                                    fused::store<W>(exp_avg_sq + i, v);
+                                    if constexpr (kHasModel) fused::store<W>(model + i, p);
+                                  });
   }
 }
 
@@ -124,9 +124,9 @@ cudaError_t launch_adam(float* const* params, void* const* model_params, const v
                         const int* found_inf, cudaStream_t stream) {
   const bool decoupled = hyper.decoupled_weight_decay || hyper.weight_decay == 0.0;
   int resident = 0;
-  const cudaError_t err =
-      decoupled ? multi_tensor::resident_blocks<adam_kernel<Model, true>>(&resident)
-                : multi_tensor::resident_blocks<adam_kernel<Model, false>>(&resident);
+  const cudaError_t err = decoupled
+                              ? multi_tensor::resident_blocks<adam_kernel<Model, true>>(&resident)
+                              : multi_tensor::resident_blocks<adam_kernel<Model, false>>(&resident);
   if (err != cudaSuccess) return err;
   return optim::plan_multi_tensor<kMaxTensors, kMaxBlocks>(
       sizes, count, kChunk, cudaSuccess, [&](const Plan& plan) {

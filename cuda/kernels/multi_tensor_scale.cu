@@ -1,9 +1,8 @@
 // Ran on one H200 (2026-11-26). See multi_tensor_scale.cuh.
-#include "multi_tensor_scale.cuh"
-
 #include "fused_device.cuh"
 #include "kernel_math.hpp"
 #include "multi_tensor_device.cuh"
+#include "multi_tensor_scale.cuh"
 #include "optim/multi_tensor_plan.hpp"
 
 namespace megart::cuda {

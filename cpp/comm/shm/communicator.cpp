@@ -37,9 +37,10 @@ void check_buffer(const Buffer& b, const char* what) {
 
 }  // namespace
 
-std::shared_ptr<ShmCommunicator> ShmCommunicator::create(
-    const std::string& shm_name, const std::string& group_name, int rank, int size,
-    const Options& options, std::shared_ptr<ShmCommunicator> board) {
+std::shared_ptr<ShmCommunicator> ShmCommunicator::create(const std::string& shm_name,
+                                                         const std::string& group_name, int rank,
+                                                         int size, const Options& options,
+                                                         std::shared_ptr<ShmCommunicator> board) {
   if (size < 1 || rank < 0 || rank >= size) {
     throw ConfigError("rank " + std::to_string(rank) + " is not in a group of size " +
                       std::to_string(size));
@@ -47,8 +48,8 @@ std::shared_ptr<ShmCommunicator> ShmCommunicator::create(
   if (options.staging_bytes < 4096 || options.channel_bytes < 4096) {
     throw ConfigError("shm staging and channel sizes must be at least 4096 bytes");
   }
-  for (const std::size_t n : {options.pids.size(), options.global_ranks.size(),
-                              options.labels.size()}) {
+  for (const std::size_t n :
+       {options.pids.size(), options.global_ranks.size(), options.labels.size()}) {
     if (n != 0 && n != static_cast<std::size_t>(size)) {
       throw ConfigError("shm options: pids, global_ranks and labels need one entry per rank");
     }
@@ -145,9 +146,8 @@ std::string ShmCommunicator::label(int q) const {
 }
 
 std::string ShmCommunicator::note_failure(int q) const {
-  const int global = q < static_cast<int>(options_.global_ranks.size())
-                         ? options_.global_ranks[q]
-                         : q;
+  const int global =
+      q < static_cast<int>(options_.global_ranks.size()) ? options_.global_ranks[q] : q;
   Header* board = board_ ? board_->header_ : header_;
   std::int32_t none = 0;
   if (board->first_failed.compare_exchange_strong(none, global + 1)) return {};

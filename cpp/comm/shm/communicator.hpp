@@ -84,9 +84,10 @@ class ShmCommunicator final : public Communicator,
   // `board`: the job's world group, whose segment records which rank failed first (so that in
   // a cascade every survivor names the first failure, not a peer that exited after its own
   // error); null: this group's own segment.
-  static std::shared_ptr<ShmCommunicator> create(
-      const std::string& shm_name, const std::string& group_name, int rank, int size,
-      const Options& options = {}, std::shared_ptr<ShmCommunicator> board = nullptr);
+  static std::shared_ptr<ShmCommunicator> create(const std::string& shm_name,
+                                                 const std::string& group_name, int rank, int size,
+                                                 const Options& options = {},
+                                                 std::shared_ptr<ShmCommunicator> board = nullptr);
   // Stops and joins the progress thread before the segment is unmapped.
   ~ShmCommunicator() override;
 
@@ -180,7 +181,7 @@ class ShmCommunicator final : public Communicator,
   int rank_;
   int size_;
   Options options_;
-  bool spin_;  // one core per rank: a short spin before sleeping pays
+  bool spin_;                               // one core per rank: a short spin before sleeping pays
   std::shared_ptr<ShmCommunicator> board_;  // see create()
 
   std::mutex mu_;

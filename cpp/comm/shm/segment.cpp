@@ -2,8 +2,8 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
-#include <sys/mman.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
@@ -62,8 +62,8 @@ Segment Segment::create(const std::string& name, std::size_t bytes) {
   return Segment(name, map(fd, bytes, name), bytes);
 }
 
-Segment Segment::open(const std::string& name, std::size_t bytes,
-                      std::chrono::milliseconds timeout, std::int32_t creator) {
+Segment Segment::open(const std::string& name, std::size_t bytes, std::chrono::milliseconds timeout,
+                      std::int32_t creator) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (int tries = 0;; ++tries) {
     const int fd = shm_open(name.c_str(), O_RDWR, 0600);

@@ -18,8 +18,8 @@ class Segment {
   static Segment create(const std::string& name, std::size_t bytes);
   // Opens an object another process (`creator`, when > 0) creates, retrying until it appears;
   // fails when `timeout` passes or the creator's process is gone.
-  static Segment open(const std::string& name, std::size_t bytes,
-                      std::chrono::milliseconds timeout, std::int32_t creator = 0);
+  static Segment open(const std::string& name, std::size_t bytes, std::chrono::milliseconds timeout,
+                      std::int32_t creator = 0);
   Segment(Segment&& o) noexcept;
   Segment& operator=(Segment&& o) noexcept;
   Segment(const Segment&) = delete;

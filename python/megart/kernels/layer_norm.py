@@ -8,6 +8,7 @@ The references are plain torch (fp32 arithmetic for 16-bit inputs): the forward 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -121,26 +122,34 @@ def _backward_kernel(
     has_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """The CUDA backward, or None when the kernel is missing or a block's per-column
-    accumulators for this hidden size do not fit the GPU's shared memory (the reference runs)."""
+    accumulators for this hidden size do not fit the GPU's shared memory (the reference runs).
+    One launch call gives every gradient: its second kernel sums the blocks' partial weight and
+    bias gradients and rounds them to the weight's dtype."""
     kernel = cuda_kernel("add_layer_norm_backward", grad_out, s, weight)
     if kernel is None:
         return None
-    from megart import _cuda
-
     h = s.shape[-1]
     rows = s.numel() // h
-    with torch.cuda.device(s.device):
-        blocks = _cuda.add_layer_norm_backward_blocks(rows, h, has_bias, dtype_name(s))
+    blocks = _backward_blocks(s.device.index, rows, h, has_bias, dtype_name(s))
     if blocks == 0:
         return None
     grad_s = torch.empty_like(s)
-    partial_weight = torch.empty(blocks, h, dtype=torch.float32, device=s.device)
-    partial_bias = torch.empty_like(partial_weight) if has_bias else None
-    tensors = (grad_out, grad_sum, s, weight, mean, rstd, grad_s, partial_weight, partial_bias)
-    launch(kernel, s, *tensors, rows, h, blocks)
-    grad_weight = partial_weight.sum(0).to(weight.dtype)
-    grad_bias = None if partial_bias is None else partial_bias.sum(0).to(weight.dtype)
+    grad_weight = torch.empty_like(weight)
+    grad_bias = torch.empty_like(weight) if has_bias else None
+    workspace = torch.empty((2 if has_bias else 1) * blocks * h, device=s.device)
+    tensors = (grad_out, grad_sum, s, weight, mean, rstd, grad_s, grad_weight, grad_bias)
+    launch(kernel, s, *tensors, workspace, rows, h, blocks)
     return grad_s, grad_weight, grad_bias
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_blocks(device: int, rows: int, hidden: int, has_bias: bool, dtype: str) -> int:
+    """The backward's block count on ``device``, asked once per shape: a micro-batch's shapes
+    repeat every step."""
+    from megart import _cuda
+
+    with torch.cuda.device(device):
+        return _cuda.add_layer_norm_backward_blocks(rows, hidden, has_bias, dtype)
 
 
 def _prepare(
