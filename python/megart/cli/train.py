@@ -118,6 +118,9 @@ HELP = {
     "split": "train,validation,test weights over the corpus, e.g. 969,30,1",
     "log_jsonl": "write one JSON object per iteration to this file",
     "tensorboard_dir": "write TensorBoard scalars here (needs the tensorboard package)",
+    "log_memory_to_tensorboard": "also write the GPU memory scalars (Megatron-LM's "
+    "mem-allocated-bytes, mem-max-allocated-bytes, mem-reserved-bytes, mem-allocated-count, and "
+    "megart's mem-static-bytes) under --tensorboard-dir; nothing on CPU",
     "save": "directory to write checkpoints to (Megatron's layout)",
     "save_interval": "iterations between checkpoints (one is also written after the last; "
     "unset: only that one)",

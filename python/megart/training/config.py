@@ -178,6 +178,7 @@ class TrainConfig:
     split: str = "969,30,1"
     log_jsonl: str | None = None
     tensorboard_dir: str | None = None  # TensorBoard scalars (needs the tensorboard package)
+    log_memory_to_tensorboard: bool = False  # Megatron's mem-* scalars there too (CUDA only)
     save: str | None = None  # directory to write checkpoints to
     save_interval: int | None = None  # iterations between checkpoints (and one at the end)
     load: str | None = None  # directory to resume from (its latest checkpoint)

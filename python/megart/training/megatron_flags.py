@@ -32,6 +32,8 @@ What each does in megart:
   the first stage's first chunk only); both together, or N < 1, are refused as Megatron does.
 - --distributed-timeout-minutes: the bound on every wait of megart's communicator.
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
+- --log-memory-to-tensorboard: Megatron's mem-* scalars under --tensorboard-dir on CUDA
+  (megart.training.memory_report); on CPU there is no CUDA allocator, so it writes none.
 - --ckpt-format: megart (the default); torch writes Megatron-LM's legacy format
   (megart.training.megatron_files; with --use-distributed-optimizer also each rank's
   distrib_optim.pt, megart.training.megatron_distrib_optim), torch_dist writes Megatron's

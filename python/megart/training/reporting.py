@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from megart.errors import ConfigError
+from megart.training import memory_report
 from megart.training.flops import PEAK_FLOPS
 
 
@@ -151,11 +152,19 @@ def tensorboard_writer(directory: str) -> Any:
 
 class RunLog(contextlib.ExitStack):
     """Where a run is reported, on rank 0 only: its lines on stdout (none when ``quiet``), each
-    iteration's figures as a line of --log-jsonl and as scalars under --tensorboard-dir."""
+    iteration's figures as a line of --log-jsonl and as scalars under --tensorboard-dir; and on
+    every data-parallel rank 0 its GPU memory lines (``memory``, as Megatron-LM prints them)."""
 
-    def __init__(self, config: Any, rank0: bool, quiet: bool, cpu: bool) -> None:
+    def __init__(
+        self,
+        config: Any,
+        rank0: bool,
+        quiet: bool,
+        cpu: bool,
+        memory: memory_report.MemoryLines | None = None,
+    ) -> None:
         super().__init__()
-        self.config, self.cpu = config, cpu
+        self.config, self.cpu, self.memory = config, cpu, memory
         self.printing = rank0 and not quiet
         self.jsonl = open(config.log_jsonl, "w") if config.log_jsonl and rank0 else None  # noqa: SIM115
         if self.jsonl is not None:
@@ -174,13 +183,20 @@ class RunLog(contextlib.ExitStack):
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(fig) + "\n")
             self.jsonl.flush()
+        c = self.config
         if self.board is not None:
-            for tag, key in TENSORBOARD_TAGS.items():
+            tags = dict(TENSORBOARD_TAGS)
+            if c.log_memory_to_tensorboard:
+                tags.update(memory_report.TENSORBOARD_TAGS)
+            for tag, key in tags.items():
                 if fig.get(key) is not None:
                     self.board.add_scalar(tag, fig[key], fig["iteration"])
-        c = self.config
-        if fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1:
+        logged = fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1
+        if logged:
             self.say(progress_line(fig, c.train_iters, self.cpu))
+        line = self.memory.line(fig, logged) if self.memory else None
+        if line is not None:  # its own rule for which ranks print, so not say()
+            print(line, flush=True)
         if "valid_loss" in fig:
             self.say(validation_line(fig))
         if "test_loss" in fig:

@@ -22,7 +22,7 @@ from megart import schedule as sched
 from megart.errors import ConfigError
 from megart.pipeline import PipelineEngine
 from megart.tensor_parallel import sync_sequence_parallel_grads
-from megart.training import batch_rampup, checkpoint
+from megart.training import batch_rampup, checkpoint, memory_report
 from megart.training import optimizer as optim
 from megart.training import trainer_setup as setup
 from megart.training.config import TrainConfig
@@ -167,6 +167,7 @@ class Trainer:
             "pipeline_p2p_bytes": p2p_bytes,
             "loss_scale": scale,
             "skipped": skipped,
+            **memory_report.static_figure(self.device),  # on CUDA only
         }
 
     def _forward_backward(
@@ -311,12 +312,19 @@ class Trainer:
         rank 0 and writing --log-jsonl and --tensorboard-dir there; returns every iteration's
         figures."""
         history = []
-        rank0 = dist.get_rank() == 0
-        with RunLog(self.config, rank0, quiet, self.device.type == "cpu") as log:
+        rank = dist.get_rank()
+        memory = memory_report.MemoryLines(
+            self.grid.dp_rank == 0 and not quiet, rank, self.start_iteration
+        )
+        with RunLog(self.config, rank == 0, quiet, self.device.type == "cpu", memory) as log:
             if log.printing:
                 log.say(self.describe())
             start = time.perf_counter()
             for fig in self.iterations():
+                # The allocator's counters as the iteration is reported, so after its evaluation
+                # and checkpoint if any (Megatron reads them before those); the static figure,
+                # taken at the end of the step, holds neither.
+                fig.update(memory_report.sample(self.device))
                 history.append(fig)
                 log.record(fig)
             log.finish(history, time.perf_counter() - start)
