@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # One device call: build megart for the GPU, run the GPU tests, then the named benchmark steps.
 # Usage (on the lent GPU machine, repo root): bash bench/gpu_session.sh [step ...]
-# Steps: selftest train-default tests allreduce p2p nccl-overhead adam kernels profile-ln
-# train-1.3b train-1.3b-fused train-1.3b-50k train-1.3b-50k-fused, or any shell command.
+# Steps: selftest train-default tests ln-tests allreduce p2p nccl-overhead adam kernels kernels-ln
+# profile-ln train-1.3b train-1.3b-fused train-1.3b-50k train-1.3b-50k-fused train-1.3b-recompute
+# plan-1.3b plan-1.3b-recompute, or any shell command.
 # The first session with a GPU (one H200, 2026-11-26; bench/RESULTS.md) ran
 #   STEP_TIMEOUT=110 bash bench/gpu_session.sh selftest train-default tests train-1.3b kernels \
 #     adam train-1.3b-fused nccl-overhead
-# in 273 s, the build included (half of it cached from a failed first try). The next one: the
-# same with profile-ln and the -50k runs, and on a node of several GPUs
-# `torchrun --nproc-per-node N -m megart selftest` and NPROC=N allreduce p2p.
+# in 273 s, the build included (half of it cached from a failed first try). On a node of several
+# GPUs: `torchrun --nproc-per-node N -m megart selftest` and NPROC=N allreduce p2p.
 # (-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion; -50k trains
-# on GPT-2's vocabulary size, where the cross-entropy weighs.) Each step has its own time limit
-# (STEP_TIMEOUT, seconds) so that one hang costs one step, not the call. Logs go to $OUT (or
-# ./gpu_out); each step's output also prints, last lines last.
+# on GPT-2's vocabulary size, where the cross-entropy weighs; -recompute recomputes every layer.
+# plan-1.3b[-recompute] sets `megart plan`'s prediction beside that run's log, memory included.)
+# Each step has its own time limit (STEP_TIMEOUT, seconds) so that one hang costs one step, not
+# the call. Logs go to $OUT (or ./gpu_out); each step's output also prints, last lines last.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -45,6 +46,17 @@ for step in "$@"; do
   case "$step" in
     selftest) limit python3 -m megart selftest --json "$OUT/selftest.json" 2>&1 | show 50 ;;
     train-default) limit python3 -m megart train 2>&1 | show 8 ;;
+    ln-tests) limit python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels_cuda.py \
+             tests/test_build_info.py 2>&1 | show 20 ;;
+    kernels-ln) limit python3 bench/kernels.py --ops add_layer_norm --json "$OUT/kernels_ln.json" \
+             2>&1 | show 20 ;;
+    plan-1.3b*) # the model and layout of train-1.3b (byte vocabulary), on this one GPU
+      extra=()
+      case "$step" in *-recompute) extra+=(--recompute-granularity full) ;; esac
+      limit python3 bench/plan_vs_run.py --log-jsonl "$OUT/train${step#plan}.jsonl" --gpu h200 \
+        --num-gpus 1 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
+        --vocab-size 256 --global-batch-size 32 --micro-batch-size 4 --bf16 \
+        --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "${extra[@]}" 2>&1 | show 12 ;;
     tests) limit python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_optim_cuda.py \
              tests/test_kernels.py tests/test_fused_kernels_cuda.py tests/test_build_info.py 2>&1 | show 40 ;;
     kernels) limit python3 bench/kernels.py --json "$OUT/fused_kernels.json" 2>&1 | show 60 ;;
@@ -60,6 +72,8 @@ for step in "$@"; do
       extra=()
       case "$step" in *-50k*) extra+=(--mock-data --tokenizer-type NullTokenizer \
         --vocab-size 50256 --eval-iters 0) ;; esac
+      case "$step" in *-recompute) extra+=(--recompute-granularity full --recompute-method uniform \
+        --recompute-num-layers 1) ;; esac
       case "$step" in *-fused) extra+=(--bias-gelu-fusion --fused-layer-norm \
         --cross-entropy-loss-fusion) ;; esac
       limit python3 -m megart train --bf16 "${extra[@]}" --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
