@@ -289,3 +289,19 @@ def test_a_small_gpt_on_the_gpu_gives_the_same_loss_with_the_fusion_flags():
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
     for name, g in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_kernels_launch_on_torchs_current_stream():
+    from megart.kernels._dispatch import current_raw_stream
+
+    side = torch.cuda.Stream()
+    assert current_raw_stream(0) == torch.cuda.current_stream(0).cuda_stream
+    with torch.cuda.stream(side):
+        assert current_raw_stream(0) == side.cuda_stream != torch.cuda.default_stream(0).cuda_stream
+        # A fused op enqueued there, on an input just written there, gives the right result.
+        x = torch.full((64, 256), 3.0, device="cuda")
+        bias = torch.zeros(256, device="cuda")
+        out = bias_gelu(x, bias)
+    side.synchronize()
+    expected = torch.nn.functional.gelu(torch.full((64, 256), 3.0), approximate="tanh")
+    torch.testing.assert_close(out.cpu(), expected)

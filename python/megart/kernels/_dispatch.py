@@ -28,14 +28,32 @@ def cuda_kernel(name: str, *tensors: torch.Tensor) -> Callable[..., Any] | None:
 def launch(kernel: Callable[..., Any], like: torch.Tensor, *args: object) -> None:
     """Runs ``kernel(*args, dtype, stream)`` on ``like``'s device: tensors go by address (None as
     0), the dtype is ``like``'s, the stream torch's current one there, so the kernel runs in
-    order with torch's work."""
+    order with torch's work. This runs once per fused op and per backward, so it avoids what a
+    fused op cannot afford beside torch's own: the Stream object torch.cuda.current_stream
+    builds (it switches devices to do so) and a device switch when like's device is already
+    current (the H200 profile in bench/RESULTS.md)."""
+    index = like.device.index
+    addresses = [
+        a.data_ptr() if isinstance(a, torch.Tensor) else 0 if a is None else a for a in args
+    ]
+    stream = current_raw_stream(index)
+    if torch.cuda.current_device() == index:
+        kernel(*addresses, dtype_name(like), stream)
+        return
+    with torch.cuda.device(index):  # the binding launches on the current device
+        kernel(*addresses, dtype_name(like), stream)
 
-    def address(a: object) -> object:
-        return a.data_ptr() if isinstance(a, torch.Tensor) else 0 if a is None else a
 
-    with torch.cuda.device(like.device):
-        stream = torch.cuda.current_stream(like.device).cuda_stream
-        kernel(*(address(a) for a in args), dtype_name(like), stream)
+# torch's accessor for the current stream as an integer cudaStream_t (its compiled kernels'
+# launcher uses it); private, so the public way stands in where a torch lacks it.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_raw_stream(index: int) -> int:
+    """``torch.cuda.current_stream(index).cuda_stream``, without building the Stream."""
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def dtype_name(t: torch.Tensor) -> str:
