@@ -57,7 +57,8 @@ for step in "$@"; do
         --num-gpus 1 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
         --vocab-size 256 --global-batch-size 32 --micro-batch-size 4 --bf16 \
         --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "${extra[@]}" 2>&1 | show 12 ;;
-    tests) limit python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_optim_cuda.py \
+    tests) limit python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_trainer_nccl.py \
+             tests/test_optim_cuda.py \
              tests/test_kernels.py tests/test_fused_kernels_cuda.py tests/test_build_info.py 2>&1 | show 40 ;;
     kernels) limit python3 bench/kernels.py --json "$OUT/fused_kernels.json" 2>&1 | show 60 ;;
     allreduce|p2p) # NPROC=N: N ranks, one per GPU

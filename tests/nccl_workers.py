@@ -72,3 +72,16 @@ def collectives_and_exchange() -> dict:
     dist.destroy()
     gc.collect()  # the communicator's destructor: finalize, then destroy
     return sent
+
+
+def train_on_gpu_0(kw: dict) -> list[dict]:
+    """train_workers.train (the tiny GPT, 3 iterations, float32) with ``kw`` as TrainConfig
+    fields, this rank on GPU 0 and megart's nccl transport between the ranks: the trainer's
+    tensor-, pipeline- and data-parallel communication through real NCCL on real streams."""
+    import train_workers as tw
+
+    _init_on_gpu_0(timeout=120)
+    history = tw.train(**kw)
+    dist.destroy()
+    gc.collect()
+    return history
