@@ -34,6 +34,7 @@ LAYOUTS = {
         dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
     ),
     "tp2-pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+    "pp2-zb-v": (2, dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-v")),
 }
 
 

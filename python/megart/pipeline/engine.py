@@ -1,11 +1,13 @@
 """The pipeline engine: runs one training iteration of a C++ schedule on this rank's model
 chunks, action by action.
 
-The schedule's per-rank state machine says what may run next. Communication actions that come
-together are posted as one batch (receives early, so transfers overlap compute); a receive is
-waited for only when the compute that needs it is next; sends stay in flight while compute runs;
-a chunk's activations are freed as soon as its backward is done; the loss lives on the last
-stage. ``evaluate`` runs the schedule's forward-only pass the same way (validation loss).
+Each rank follows its posting plan (:mod:`megart.pipeline.post_plan`): the schedule's compute
+actions in order, and its messages in groups that agree with the neighbours' groups, as NCCL
+requires, each posted as soon as its sends' tensors exist (receives early, so transfers overlap
+compute); a receive is waited for only when the compute that needs it is next; sends stay in
+flight while compute runs; a chunk's activations are freed as soon as its backward is done;
+the loss lives on the last stage. ``evaluate`` runs the schedule's forward-only pass the same
+way (validation loss).
 
 Zero-bubble schedules (zb-h1, zb-v) split each backward: I runs autograd from the stage's output
 to its input with the linear layers' weight gradients kept aside (see
@@ -26,6 +28,7 @@ from torch import nn
 import megart.distributed as dist
 from megart import schedule as sched
 from megart.errors import ConfigError, ScheduleError
+from megart.pipeline import post_plan
 from megart.pipeline.p2p import StageLink
 from megart.tensor_parallel.weight_grad import WeightGradStore, deferring
 
@@ -62,6 +65,9 @@ class PipelineEngine:
         sched.validate(schedule)
         self.schedule, self.rank, self.chunks, self.link = schedule, rank, list(chunks), link
         self._evaluation = sched.forward_only(schedule)
+        # This rank's steps for a training and an evaluation pass (every rank plans all ranks
+        # alike, so the groups agree without a message).
+        self._steps = {id(s): post_plan.plan(s)[rank] for s in (self.schedule, self._evaluation)}
         self._like = torch.empty(tuple(activation_shape), dtype=dtype, device=device)
         # Host seconds the last run() or evaluate() spent inside forward and backward actions;
         # the rest of its time went to posting and waiting for communication (on CPU, the
@@ -132,7 +138,6 @@ class PipelineEngine:
         if any(self._last(c) for c in range(s.chunks)) and (targets is None or len(targets) != m):
             raise ConfigError(f"the last pipeline stage needs {m} microbatch targets")
 
-        machine = sched.RankStateMachine(s, self.rank)
         training = not s.forward_only
         recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}
         arrived: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -203,15 +208,20 @@ class PipelineEngine:
                 else:
                     recvs[(a.op[-1], a.mb, a.chunk)] = (work, op.tensor)
 
-        def finish_recv(a: sched.Action) -> None:
-            work, buffer = recvs.pop((a.op[-1], a.mb, a.chunk))
+        def finish_recv(key: tuple[str, int, int]) -> None:
+            work, buffer = recvs.pop(key)
             work.wait()
-            arrived[(a.op[-1], a.mb, a.chunk)] = self.link.from_wire(buffer, self._like)
-            machine.complete(a)
+            arrived[key] = self.link.from_wire(buffer, self._like)
+
+        def run_step(a: sched.Action) -> None:
+            need = post_plan.needs(s, self.rank, a)
+            if need is not None and need not in arrived:
+                finish_recv(need)  # the only thing a compute waits on
+            run_compute[a.op](a)
 
         split = any(a.op == "W" for a in s.ranks[self.rank])
         with deferring(store) if split else contextlib.nullcontext():
-            self.last_compute_time = self._drive(machine, post, finish_recv, run_compute, sends)
+            self.last_compute_time = self._drive(self._steps[id(s)], post, run_step, sends)
         if len(store):  # every W ran, so nothing an I kept may outlive the iteration
             raise ScheduleError(f"rank {self.rank}: {len(store)} weight gradients were never run")
         self.last_deferred_weight_grads = store.deferred
@@ -219,33 +229,22 @@ class PipelineEngine:
 
     def _drive(
         self,
-        machine: sched.RankStateMachine,
+        steps: list[post_plan.Step],
         post: Callable[[list[sched.Action]], None],
-        finish_recv: Callable[[sched.Action], None],
-        run_compute: dict[str, Callable[[sched.Action], None]],
+        run_step: Callable[[sched.Action], None],
         sends: list[tuple[sched.Action, dist.Work]],
     ) -> float:
-        """Issues the schedule's actions in order as the state machine allows; returns the
-        host seconds spent computing."""
+        """Takes this rank's steps in order, then waits for its sends; returns the host
+        seconds spent computing."""
         compute_time = 0.0
-        while not machine.done():
-            if machine.has_next() and machine.ready():
-                batch = []
-                while machine.has_next() and machine.ready() and not machine.next().is_compute:
-                    batch.append(machine.issue())
-                if batch:
-                    post(batch)
-                    continue
-                a = machine.issue()
-                start = time.perf_counter()
-                run_compute[a.op](a)
-                compute_time += time.perf_counter() - start
-                machine.complete(a)
-            elif machine.has_next():
-                finish_recv(machine.blocker())  # the only thing a compute waits on
-            else:
-                for a, work in sends:
-                    work.wait()
-                    machine.complete(a)
-                sends.clear()
+        for step in steps:
+            if step.compute is None:
+                post(list(step.post))
+                continue
+            start = time.perf_counter()
+            run_step(step.compute)
+            compute_time += time.perf_counter() - start
+        for _, work in sends:
+            work.wait()
+        sends.clear()
         return compute_time
