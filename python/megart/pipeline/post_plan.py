@@ -13,12 +13,16 @@ The schedule gives each rank an order of compute and communication actions, writ
 rank at a time. This module turns the schedules of all ranks into posting plans that agree,
 by playing them forward together in rounds:
 
-1. every rank runs its compute actions in order as far as their inputs allow (an input is a
-   received message whose round is over, or a hand-over from a chunk on the same rank), and
-   collects the communication actions it passes as pending;
+1. every rank runs its next compute action if its input is there (a received message whose
+   round is over, or a hand-over from a chunk on the same rank), and collects the
+   communication actions it passes on the way as pending;
 2. every pending op whose partner (the op on the other rank, matched first-in first-out per
    direction, as NCCL matches them) is pending too is posted in this round: each rank's
    share of the round is one group.
+
+One compute per rank per round keeps the groups as small as the schedule's own batches (a
+message goes in the first round both its ends are waiting), so a transfer waits for nothing
+but its own partner.
 
 A group goes into its rank's order as early as it can: right after the compute that made its
 last send (and after the rank's previous group), not where the rounds found it, so a send
@@ -80,21 +84,27 @@ def plan(s: sched.Schedule) -> list[list[Step]]:
     pending: list[list[tuple[int, sched.Action]]] = [[] for _ in range(p)]  # (anchor, op)
     received: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]
 
-    def advance(r: int) -> None:
+    def advance(r: int) -> bool:
+        """Runs r's next compute if its input is there, passing the messages before and after
+        it (they become pending); True if a compute ran."""
+        ran = False
         while position[r] < len(todo[r]):
             a = todo[r][position[r]]
-            if not a.is_compute:
-                pending[r].append((len(computes[r]), a))
-            else:
+            if a.is_compute:
+                if ran:
+                    return True
                 need = needs(s, r, a)
                 if need is not None and need not in received[r]:
-                    return
+                    return False
                 computes[r].append(a)
+                ran = True
+            else:
+                pending[r].append((len(computes[r]), a))
             position[r] += 1
+        return ran
 
     while True:
-        for r in range(p):
-            advance(r)
+        ran = [advance(r) for r in range(p)]
         if all(position[r] == len(todo[r]) and not pending[r] for r in range(p)):
             return [_merge(computes[r], groups[r]) for r in range(p)]
         # Pending ops by direction, in each rank's order: the k-th send from a to b meets
@@ -117,7 +127,7 @@ def plan(s: sched.Schedule) -> list[list[Step]]:
                         f"{out.mb} meets {into.op} of microbatch {into.mb}"
                     )
                 posted.update((id(out), id(into)))
-        if not posted:
+        if not posted and not any(ran):
             stuck = {r: [a.op for _, a in pending[r]] for r in range(p) if pending[r]}
             raise ScheduleError(
                 "the schedule cannot make progress: every rank waits for a message no rank "
