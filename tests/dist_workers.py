@@ -180,3 +180,22 @@ def mismatched_calls() -> list[str]:
         except CommError as e:
             errors.append(str(e))
     return errors
+
+
+def mismatched_grouping() -> str:
+    """Rank 0 posts [send x, recv y] as one batch, rank 1 posts [recv x] and later [send y]:
+    NCCL leaves that undefined (on an H200: "Message truncated"); shm refuses it on rank 1."""
+    dist.init(backend="shm", timeout=30)
+    r = dist.get_rank()
+    x, y = torch.ones(4), torch.empty(4)
+    try:
+        if r == 0:
+            ops = [dist.P2POp(dist.isend, x, 1), dist.P2POp(dist.irecv, y, 1)]
+            for wk in dist.batch_isend_irecv(ops):
+                wk.wait()
+        else:
+            dist.recv(y, src=0)
+            dist.send(x, dst=0)
+    except CommError as e:
+        return str(e)
+    return "no error"

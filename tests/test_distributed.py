@@ -90,6 +90,15 @@ def test_ranks_that_disagree_get_errors_not_garbage():
     )
 
 
+def test_ops_between_two_ranks_grouped_differently_are_refused():
+    """What NCCL requires and leaves undefined otherwise: both ranks of a pair batch their
+    messages alike. The shm transport checks each message's batch against the receiver's."""
+    errors = launch(w.mismatched_grouping, 2, timeout=60)
+    assert "rank 0 grouped its messages with this rank differently" in errors[1]
+    assert "1 send(s) to it and 1 receive(s) from it" in errors[1]
+    assert errors[0] != "no error"  # its receive fails too (the peer gave up), not a hang
+
+
 def test_launcher_reports_a_raising_rank_and_a_hang():
     with pytest.raises(LaunchError, match="rank 1 raised"):
         launch(_raise_on_rank_1, 2, timeout=60)

@@ -4,8 +4,10 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "nccl_standin_state.hpp"
 
@@ -101,6 +103,11 @@ void p2p_kernel(Comm* c, const std::vector<P2P>& ops) {
   Clique& q = *c->clique;
   std::unique_lock<std::mutex> lock(q.mu);
   std::vector<std::pair<std::shared_ptr<Message>, int>> big;  // with the receiving peer
+  // This launch's share of each peer's messages, and its index among the launches with it.
+  std::map<int, std::pair<std::size_t, std::size_t>> counts;  // peer: sends, receives
+  for (const P2P& op : ops) ++(op.send ? counts[op.peer].first : counts[op.peer].second);
+  std::map<int, std::uint64_t> launch;
+  for (const auto& [peer, n] : counts) launch[peer] = c->p2p_launches[peer]++;
   // A group progresses all its ops together: every send is posted before any receive waits.
   for (const P2P& op : ops) {
     if (!op.send) continue;
@@ -108,6 +115,8 @@ void p2p_kernel(Comm* c, const std::vector<P2P>& ops) {
     const char* src = static_cast<const char*>(op.buf);
     m->bytes.assign(src, src + op.count * type_size(op.type));
     m->type = op.type;
+    m->launch = launch[op.peer];
+    std::tie(m->sends, m->recvs) = counts[op.peer];
     q.channels[{c->rank, op.peer}].push_back(m);
     if (m->bytes.size() > eager_bytes()) big.push_back({m, op.peer});
   }
@@ -119,7 +128,24 @@ void p2p_kernel(Comm* c, const std::vector<P2P>& ops) {
     auto m = channel.front();
     channel.erase(channel.begin());
     const std::size_t want = op.count * type_size(op.type);
-    if (m->bytes.size() != want || m->type != op.type) {
+    const auto [sends, recvs] = counts[op.peer];
+    if (m->launch != launch[op.peer] || m->sends != recvs || m->recvs != sends) {
+      {
+        std::lock_guard<std::mutex> l(c->mu);
+        c->last_error = "rank " + std::to_string(op.peer) + " grouped its messages to rank " +
+                        std::to_string(c->rank) + " differently (its launch " +
+                        std::to_string(m->launch) + " holds " + std::to_string(m->sends) +
+                        " send(s) and " + std::to_string(m->recvs) + " receive(s) with it; " +
+                        "this launch " + std::to_string(launch[op.peer]) + " holds " +
+                        std::to_string(recvs) + " receive(s) and " + std::to_string(sends) +
+                        " send(s)): undefined in NCCL";
+      }
+      c->state = kInvalidUsage;
+      // As a failed NCCL kernel: it never completes (until the communicator is aborted), so
+      // the error is what the waiting caller sees, not a result.
+      wait_peers(c, lock, [] { return false; }, {op.peer});
+      return;
+    } else if (m->bytes.size() != want || m->type != op.type) {
       c->state = kInvalidUsage;
       std::lock_guard<std::mutex> l(c->mu);
       c->last_error = "message size mismatch: rank " + std::to_string(op.peer) + " sent " +

@@ -59,9 +59,15 @@ struct Round {
   int arrivals = 0, left = 0;
   bool finished = false;
 };
+// A point-to-point message, with where its sender grouped it: the index of the sender's launch
+// among its launches with the receiver, and how many sends to and receives from the receiver
+// that launch held. The receiver's launch must hold the same messages (NCCL leaves other
+// groupings undefined).
 struct Message {
   std::vector<char> bytes;
   int type;
+  std::uint64_t launch = 0;
+  std::size_t sends = 0, recvs = 0;
   bool consumed = false;
 };
 
@@ -109,6 +115,7 @@ struct Comm {
   std::shared_ptr<Done> last;  // NCCL orders each kernel after the communicator's previous one
   std::uint64_t split_seq = 0;
   std::string last_error;
+  std::map<int, std::uint64_t> p2p_launches;  // per peer; touched only by this comm's kernels
 };
 
 struct P2P {

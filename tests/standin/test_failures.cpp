@@ -155,5 +155,26 @@ TEST(completion_events_are_reused) {
   CHECK(megartStandinEventsCreated() < 40);
 }
 
+// Rank 0 posts [send, recv] with rank 1 as one batch, rank 1 only [recv]: NCCL leaves that
+// undefined (on an H200 it failed a pipeline with "Message truncated"); the stand-in refuses
+// it, and rank 1's wait raises naming both groupings. Rank 0's receive never comes: it times out.
+TEST(p2p_grouped_differently_raises_at_wait) {
+  const auto id = new_id();
+  run_ranks(2, [&](int r) {
+    auto c = create(id, r, 2, r, milliseconds(3000));
+    cudaStream_t stream = new_stream();
+    DeviceBuffer out(64), in(64);
+    if (r == 0) {
+      auto works = c->batch_p2p(
+          {{true, {out.ptr, 4, DType::Float32}, 1}, {false, {in.ptr, 4, DType::Float32}, 1}},
+          handle(stream));
+      CHECK_THROWS(CommError, works[1]->wait(), "rank 0");
+    } else {
+      auto works = c->batch_p2p({{false, {in.ptr, 4, DType::Float32}, 0}}, handle(stream));
+      CHECK_THROWS(CommError, works[0]->wait(), "grouped its messages to rank 1 differently");
+    }
+  });
+}
+
 }  // namespace
 }  // namespace megart::standin

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -84,6 +86,7 @@ ShmCommunicator::ShmCommunicator(Segment segment, Layout layout, std::string gro
       spin_(size <= static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))),
       sent_(size),
       direct_(size, direct_setting() != "0"),
+      pair_batches_(size, 0),
       refuse_direct_(direct_setting() == "refuse") {}
 
 void ShmCommunicator::attach() {
@@ -263,14 +266,19 @@ std::vector<WorkPtr> ShmCommunicator::batch_p2p(const std::vector<P2POp>& ops,
                         std::to_string(op.peer) + " is not a rank of the group");
     }
   }
+  // Each peer's share of the batch, which its messages carry (see PairGroup).
+  std::map<int, PairGroup> groups;
+  for (const P2POp& op : ops) ++(op.send ? groups[op.peer].sends : groups[op.peer].recvs);
   // All are queued before any progresses, so the batch moves together.
   std::vector<std::shared_ptr<Task>> tasks;
-  for (const P2POp& op : ops) {
-    tasks.push_back(op.send ? make_send(op.buffer, rank_, op.peer)
-                            : make_recv(op.buffer, rank_, op.peer));
-  }
   {
     std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [peer, group] : groups) group.index = pair_batches_[peer]++;
+    for (const P2POp& op : ops) {
+      const PairGroup& group = groups[op.peer];
+      tasks.push_back(op.send ? make_send(op.buffer, rank_, op.peer, group)
+                              : make_recv(op.buffer, rank_, op.peer, group));
+    }
     post_locked(tasks, "point-to-point");
   }
   std::vector<WorkPtr> works;

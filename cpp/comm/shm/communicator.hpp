@@ -190,7 +190,8 @@ class ShmCommunicator final : public Communicator,
   std::string broken_;  // set once an op fails: the group cannot be trusted after that
   bool broken_by_timeout_ = false;
   std::vector<std::atomic<std::uint64_t>> sent_;
-  std::vector<bool> direct_;  // see direct_to(); guarded by mu_
+  std::vector<bool> direct_;                 // see direct_to(); guarded by mu_
+  std::vector<std::uint64_t> pair_batches_;  // batches posted with each peer; guarded by mu_
   bool refuse_direct_;
 
   // The progress thread and what it sleeps on; all guarded by mu_ except `waiting_`.

@@ -1,10 +1,10 @@
 // Point-to-point messages through the ring of each ordered pair of ranks. A message is a header
-// (size and dtype, so a mismatch between the two sides is an error rather than corrupted data)
-// followed by the payload, streamed through the ring as space allows. A payload at least a ring
-// long is not streamed: the header says where it lies, the receiver copies it straight from the
-// sender's memory (process_vm_readv, one copy instead of two) and answers in the channel head;
-// the send completes on that answer, or streams the payload after all when the receiver could
-// not read it.
+// (size and dtype, and where the sender grouped it: a mismatch between the two sides is an
+// error rather than corrupted data or, on NCCL, undefined behaviour) followed by the payload,
+// streamed through the ring as space allows. A payload at least a ring long is not streamed: the
+// header says where it lies, the receiver copies it straight from the sender's memory
+// (process_vm_readv, one copy instead of two) and answers in the channel head; the send completes
+// on that answer, or streams the payload after all when the receiver could not read it.
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -31,14 +31,16 @@ struct MessageHeader {
   std::uint64_t direct;   // k > 0: direct message k, the payload is read from address in pid
   std::uint64_t address;  // direct messages: where the payload lies in the sender's memory
   std::int64_t pid;       // direct messages: the sender's process
+  PairGroup group;        // the sender's batch with the receiver (see PairGroup)
 };
-static_assert(sizeof(MessageHeader) == 40);
-constexpr std::uint32_t kMessageMagic = 0x6d736732;  // "msg2"
+static_assert(sizeof(MessageHeader) == 56);
+constexpr std::uint32_t kMessageMagic = 0x6d736733;  // "msg3"
 
 class P2P : public Task {
  public:
-  P2P(Buffer b, int src, int dst) : b_(b), src_(src), dst_(dst) {
-    header_ = MessageHeader{b.bytes(), static_cast<std::uint32_t>(b.dtype), kMessageMagic, 0, 0, 0};
+  P2P(Buffer b, int src, int dst, PairGroup group) : b_(b), src_(src), dst_(dst) {
+    header_ = MessageHeader{b.bytes(), static_cast<std::uint32_t>(b.dtype), kMessageMagic, 0, 0, 0,
+                            group};
   }
   bool collective() const override { return false; }
 
@@ -176,6 +178,18 @@ class Recv final : public P2P {
                       describe() + " expects " + std::to_string(header_.bytes) + " bytes of " +
                       dtype_name(b_.dtype) + "; sends and receives must agree in size and dtype");
     }
+    const PairGroup& theirs = incoming_.group;
+    const PairGroup& mine = header_.group;
+    if (theirs.index != mine.index || theirs.sends != mine.recvs || theirs.recvs != mine.sends) {
+      throw CommError(
+          describe() + ": rank " + std::to_string(src_) + " grouped its messages with this rank " +
+          "differently: its batch " + std::to_string(theirs.index) + " with this rank holds " +
+          std::to_string(theirs.sends) + " send(s) to it and " + std::to_string(theirs.recvs) +
+          " receive(s) from it, this rank's batch " + std::to_string(mine.index) + " holds " +
+          std::to_string(mine.recvs) + " receive(s) and " + std::to_string(mine.sends) +
+          " send(s); post the ops between two ranks in the same batches on both (NCCL leaves "
+          "other groupings undefined)");
+    }
   }
 
   // Copies the payload straight from the sender's memory. Where the system refuses
@@ -205,11 +219,11 @@ class Recv final : public P2P {
 
 }  // namespace
 
-std::shared_ptr<Task> make_send(Buffer buffer, int me, int peer) {
-  return std::make_shared<Send>(buffer, me, peer);
+std::shared_ptr<Task> make_send(Buffer buffer, int me, int peer, PairGroup group) {
+  return std::make_shared<Send>(buffer, me, peer, group);
 }
-std::shared_ptr<Task> make_recv(Buffer buffer, int me, int peer) {
-  return std::make_shared<Recv>(buffer, peer, me);
+std::shared_ptr<Task> make_recv(Buffer buffer, int me, int peer, PairGroup group) {
+  return std::make_shared<Recv>(buffer, peer, me, group);
 }
 
 }  // namespace megart::comm::shm
