@@ -191,14 +191,17 @@ def check_megatron_flags(config: Any) -> None:
                 f"--{name.replace('_', '-')} {value}: megart has no {kind} parallelism yet; "
                 "use 1 (the default)"
             )
-    if config.ckpt_format == "torch_dist" and config.save and config.use_distributed_optimizer:
-        # megart writes torch_dist with the non-distributed optimizer's keys
-        # (megart.training.megatron_dist_train), not the distributed optimizer's dp-sharded ones.
+    zb_v = config.schedule == "zb-v"
+    if config.ckpt_format == "torch_dist" and config.save and config.use_distributed_optimizer and zb_v:
+        # The distributed optimizer's torch_dist state follows Megatron's buffers of each
+        # model chunk (megart.training.megatron_dist_distopt); zb-v's V puts other layers in
+        # a rank's chunks than any Megatron layout does.
         raise ConfigError(
-            "--ckpt-format torch_dist with --use-distributed-optimizer and --save: megart "
-            "writes Megatron's distributed format with the non-distributed optimizer's state "
-            "only; leave out --use-distributed-optimizer, or save --ckpt-format torch "
-            "(Megatron's legacy files with distrib_optim.pt) or megart (the default)"
+            "--ckpt-format torch_dist with --use-distributed-optimizer, --save and "
+            "--pipeline-schedule zb-v: the distributed optimizer's state in that format follows "
+            "Megatron's model chunks, which zb-v's V placement does not have; leave out "
+            "--use-distributed-optimizer (the store then holds the whole tensors), or save "
+            "--ckpt-format megart (the default)"
         )
     s, h, heads = config.seq_length, config.hidden_size, config.num_attention_heads
     most = config.max_position_embeddings

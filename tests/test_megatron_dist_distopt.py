@@ -1,0 +1,106 @@
+"""megart train --save --ckpt-format torch_dist --use-distributed-optimizer: the distributed
+optimizer's state in Megatron-LM's default layout for it (DistributedOptimizer's
+"dp_reshardable": per bucket of its buffers, each data-parallel rank writing its own slices).
+--load resumes it on another data-parallel size, with or without the distributed optimizer,
+on the uninterrupted loss curve; another tensor/pipeline layout is refused, as Megatron-LM
+refuses it; Megatron-Core's own DistributedOptimizer reads megart's store and megart reads
+Megatron-Core's."""
+
+import pickle
+
+import pytest
+import torch
+
+import train_workers as tw
+from megart.launcher import LaunchError, launch
+from megart.training.checkpoint import iteration_dir
+from megart.training.megatron_dist import read_common
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("psutil")  # Megatron-Core's torch_dist strategy needs it
+
+# A data-parallel change reorders floating-point sums (test_megatron_dist_save: REL).
+REL = 5e-6
+MOMENTS = ("exp_avg", "exp_avg_sq")
+LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+             disable_bias_linear=True, untie_embeddings_and_output_weights=True,
+             group_query_attention=True, num_query_groups=2, ffn_hidden_size=48)  # fmt: skip
+SAVE = dict(use_distributed_optimizer=True, ckpt_format="torch_dist")
+SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags)
+    # dp2 with the distributed optimizer to one rank's plain Adam.
+    "dp2-to-dp1": ((2, dict(SAVE)), (1, {})),
+    # tp2 x dp2, Llama-style (SwiGLU's two halves of fc1 in one Megatron parameter), bf16
+    # (fp32 main weights in the buckets, bf16 model tensors), to tp2 x dp1 distributed.
+    "llama-tp2-dp2-bf16-to-dp1": (
+        (4, dict(SAVE, tensor_model_parallel_size=2, bf16=True, **LLAMA)),
+        (2, dict(tensor_model_parallel_size=2, bf16=True, use_distributed_optimizer=True,
+                 **LLAMA)),
+    ),
+}  # fmt: skip
+
+
+def _run(nproc, kw):
+    return launch(tw.train_holding, nproc, kw, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per scenario: the uninterrupted 4 iterations, the store after 2 and what the saving
+    ranks held then, and the run resumed from the store."""
+    out = {}
+    for name, ((n_save, save), (n_run, run)) in SCENARIOS.items():
+        store = tmp_path_factory.mktemp(name) / "ckpt"
+        plain = {k: v for k, v in save.items() if k not in SAVE}
+        straight = _run(n_save, dict(plain, train_iters=4))[0]["history"]
+        saving = _run(n_save, dict(save, train_iters=4, exit_interval=2, save=str(store)))
+        resumed = _run(n_run, dict(run, train_iters=4, load=str(store)))
+        out[name] = straight, store, [r["trained"] for r in saving], resumed
+    return out
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_resume_continues_the_uninterrupted_curve(runs, name):
+    straight, _, _, resumed = runs[name]
+    history = resumed[0]["history"]
+    assert [h["iteration"] for h in history] == [3, 4]
+    want = [h["loss"] for h in straight[2:]]
+    assert [h["loss"] for h in history] == pytest.approx(want, rel=REL, abs=0)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_resume_holds_exactly_what_was_saved(runs, name):
+    _, _, trained, resumed = runs[name]
+    loaded = [r["loaded"] for r in resumed]
+    for key in ("weights", *MOMENTS):
+        want, got = tw.merged_by_place(trained, key), tw.merged_by_place(loaded, key)
+        assert set(got) == set(want), key
+        assert all(torch.equal(got[n], want[n]) for n in want), key
+    assert all(rank["steps"] == {2.0} for rank in loaded)
+
+
+def test_store_is_megatrons_dp_reshardable_layout(runs):
+    root = iteration_dir(runs["llama-tp2-dp2-bf16-to-dp1"][1], 2)
+    # Every rank wrote: data-parallel rank 1 its slices of the buckets.
+    names = sorted(p.name for p in root.iterdir() if p.suffix == ".distcp")
+    assert names == [f"__{r}_0.distcp" for r in range(4)]
+    common = read_common(root)
+    assert common["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "dp_reshardable"
+    meta = pickle.loads((root / ".metadata").read_bytes()).state_dict_metadata
+    assert not any(k.startswith("optimizer.state.") for k in meta)
+    for group in (0, 1):  # tensor-parallel ranks 0 and 1: model-parallel groups 0 and 1
+        prefix = f"optimizer.distributed.dp_group_idx_{group}.gbuf_idx_0."
+        prefix += "dtype_(torch.bfloat16, torch.float32).bucket_idx_0."
+        for state in ("param", *MOMENTS):
+            info = meta[prefix + state]
+            assert info.properties.dtype == torch.float32 and len(info.size) == 1
+        assert f"optimizer.distributed.dp_group_idx_{group}.optimizer/shard_0_1" in meta
+    assert meta["decoder.layers.self_attention.linear_qkv.weight"].properties.dtype == (
+        torch.bfloat16
+    )
+
+
+def test_another_tensor_parallel_layout_is_refused_by_name(runs):
+    store = runs["dp2-to-dp1"][1]
+    with pytest.raises(LaunchError, match="ConfigError: .*dp_reshardable.*--no-load-optim"):
+        _run(2, dict(train_iters=4, load=str(store), tensor_model_parallel_size=2))
