@@ -88,8 +88,8 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
             continue  # no piece of it on this data-parallel rank
         r = optimizer._get_model_param_range_map(param)["param"]
         held = optimizer._get_main_param_and_optimizer_states(param)
-        pieces[name] = dict(range=(r.start, r.end),
-                            **{k: held[k].detach().clone() for k in ("param", *MOMENTS)})  # fmt: skip
+        pieces[name] = {k: held[k].detach().clone() for k in ("param", *MOMENTS)}
+        pieces[name]["range"] = (r.start, r.end)
     steps = {float(s["step"]) for s in optimizer.optimizer.state.values()}
     scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None
     if out_dir is not None:
@@ -99,8 +99,9 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
         torch.distributed.barrier()
         # No rng_state: Megatron-LM's are CUDA streams; megart then keeps its own.
         state = {**wanted(False), "args": common["args"], "checkpoint_version": 3.0,
-                 "iteration": iteration, "opt_param_scheduler": common["opt_param_scheduler"]}  # fmt: skip
-        # Megatron-Core's writer hands the bytes to helper processes (see megatron_dist_workers).
+                 "iteration": iteration,
+                 "opt_param_scheduler": common["opt_param_scheduler"]}  # fmt: skip
+        # Megatron-Core's writer hands the bytes to helper processes (megatron_dist_workers).
         multiprocessing.current_process()._config["daemon"] = False
         dist_checkpointing.save(state, str(out), content_metadata=content)
         if torch.distributed.get_rank() == 0:

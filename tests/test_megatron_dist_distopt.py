@@ -185,7 +185,9 @@ def test_megart_writes_the_store_megatron_core_writes(runs, megatron):
     and the same common.pt optimizer entry and content metadata."""
     ours = iteration_dir(runs["dp2-fp16-to-dp1"][1], 2)
     theirs = iteration_dir(megatron[1], 2)
-    meta = [pickle.loads((r / ".metadata").read_bytes()).state_dict_metadata for r in (ours, theirs)]
+    meta = [
+        pickle.loads((r / ".metadata").read_bytes()).state_dict_metadata for r in (ours, theirs)
+    ]
     assert set(meta[0]) - set(meta[1]) == {"rng_state/shard_0.0_1.1"}
     assert set(meta[1]) <= set(meta[0])
     for key, info in meta[1].items():

@@ -116,6 +116,8 @@ def write_rank(
     (megart.training.megatron_dist_distopt)."""
     half = _half(config)
     state: dict[str, Any] = {}
+    if hasattr(optimizer, "wait_for_params"):  # --overlap-param-gather leaves gathers running
+        optimizer.wait_for_params()
     if config.use_distributed_optimizer:
         groups, step = distopt.param_groups(optimizer)
         keys = megatron_group_keys(config.lr, config.min_lr, config.decoupled_rates())

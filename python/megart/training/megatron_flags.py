@@ -191,8 +191,8 @@ def check_megatron_flags(config: Any) -> None:
                 f"--{name.replace('_', '-')} {value}: megart has no {kind} parallelism yet; "
                 "use 1 (the default)"
             )
-    zb_v = config.schedule == "zb-v"
-    if config.ckpt_format == "torch_dist" and config.save and config.use_distributed_optimizer and zb_v:
+    distopt_store = config.ckpt_format == "torch_dist" and config.use_distributed_optimizer
+    if distopt_store and config.save and config.schedule == "zb-v":
         # The distributed optimizer's torch_dist state follows Megatron's buffers of each
         # model chunk (megart.training.megatron_dist_distopt); zb-v's V puts other layers in
         # a rank's chunks than any Megatron layout does.
