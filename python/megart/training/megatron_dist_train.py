@@ -1,6 +1,9 @@
 """megart train's whole state in Megatron-LM's torch_dist checkpoint (``--save --ckpt-format
 torch_dist``), as Megatron-LM's generate_state_dict writes it with the non-distributed
-optimizer, and --load of such a store into any tensor/pipeline layout.
+optimizer, and --load of such a store into any tensor/pipeline layout. With
+--use-distributed-optimizer the optimizer's part is the distributed optimizer's instead
+(megart.training.megatron_dist_distopt: every data-parallel rank writes its slices), and the
+fp32 main weights are there, not under ``optimizer.state.fp32_param``.
 
 The sharded store (each rank its own slices, megart.training.dist_store; places in
 megart.training.megatron_dist_places):
@@ -289,9 +292,10 @@ def load(
     ``root``: the weights (the fp32 main weights where the store has them); with
     ``load_optim`` Adam's moments and step and the fp16 loss scaler, after Megatron's check of
     the scheduler's state against this run's flags; with ``load_rng`` the random streams where
-    the layout is the saved one (else this run keeps its own, as resharding does). A store
-    without the non-distributed optimizer's keys for this model is refused, naming
-    --finetune and --no-load-optim. Returns what it left out, for the log."""
+    the layout is the saved one (else this run keeps its own, as resharding does). The
+    distributed optimizer's store (megart.training.megatron_dist_distopt) loads into its saved
+    tensor/pipeline layout only; a store with neither optimizer's keys for this model is
+    refused, naming --finetune and --no-load-optim. Returns what it left out, for the log."""
     reads = _Reads(root)
     saved = common.get("optimizer") or {}
     if load_optim and distopt.is_distributed(common):
