@@ -65,20 +65,13 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_resume_continues_the_uninterrupted_curve(runs, name):
     straight, _, _, resumed = runs[name]
-    history = resumed[0]["history"]
-    assert [h["iteration"] for h in history] == [3, 4]
-    want = [h["loss"] for h in straight[2:]]
-    assert [h["loss"] for h in history] == pytest.approx(want, rel=REL, abs=0)
+    tw.assert_resumed_on_curve(straight, resumed, rel=REL, abs=0)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_resume_holds_exactly_what_was_saved(runs, name):
     _, _, trained, resumed = runs[name]
-    loaded = [r["loaded"] for r in resumed]
-    for key in ("weights", *MOMENTS):
-        want, got = tw.merged_by_place(trained, key), tw.merged_by_place(loaded, key)
-        assert set(got) == set(want), key
-        assert all(torch.equal(got[n], want[n]) for n in want), key
+    loaded = tw.assert_holds(trained, resumed)
     assert all(rank["steps"] == {2.0} for rank in loaded)
 
 
@@ -162,15 +155,8 @@ def test_megart_resumes_megatron_cores_store_on_the_curve(runs, megatron):
     in megart on one rank on the uninterrupted curve, holding megart's saved state exactly."""
     straight, _, trained, _ = runs["dp2-fp16-to-dp1"]
     _, _, resumed = megatron
-    history = resumed[0]["history"]
-    assert [h["iteration"] for h in history] == [3, 4]
-    assert [h["loss"] for h in history] == pytest.approx(
-        [h["loss"] for h in straight[2:]], rel=REL, abs=0
-    )
-    loaded = [r["loaded"] for r in resumed]
-    for key in ("weights", *MOMENTS):
-        want, got = tw.merged_by_place(trained, key), tw.merged_by_place(loaded, key)
-        assert all(torch.equal(got[n], want[n]) for n in want), key
+    tw.assert_resumed_on_curve(straight, resumed, rel=REL, abs=0)
+    tw.assert_holds(trained, resumed)
 
 
 def model_config_of(common):
