@@ -57,12 +57,18 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
     common = read_common(root)
     args = vars(common["args"])
     tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
-    mow._init(tp, pp)
+    per = args.get("num_layers_per_virtual_pipeline_stage")
+    vp = args["num_layers"] // (pp * per) if per else None
+    mow._init(tp, pp, vp)
     cfg = config_from_args(args)
     dtype = torch.bfloat16 if args.get("bf16") else torch.float16 if args.get("fp16") else None
-    model = mcw.megatron_model(cfg, tp, pp).to(dtype or torch.float32)
-    ddp = mdo._ddp(model, args, args.get("ddp_bucket_size"))
-    optimizer = mdo._distributed_optimizer([ddp], kw, args)
+    # As Megatron-LM's get_model: a model and a DistributedDataParallel per model chunk
+    # (bucketed on the first pipeline stage's first chunk only), one optimizer over them.
+    ddps = []
+    for i in range(vp or 1):
+        model = mcw.megatron_model(cfg, tp, pp, i if vp else None).to(dtype or torch.float32)
+        ddps.append(mdo._ddp(model, args, args.get("ddp_bucket_size"), chunk=i))
+    optimizer = mdo._distributed_optimizer(ddps, kw, args)
     with mcw.cuda_stays_on_cpu():
         _fresh_state(optimizer)
     # Megatron-LM's load_checkpoint: the content metadata from the store, its dp group added.
@@ -71,25 +77,36 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     d = ps.get_data_parallel_rank()
 
+    keys = ["model"] if len(ddps) == 1 else [f"model{i}" for i in range(len(ddps))]
+
     def wanted(is_loading: bool) -> dict:
-        model_sd = ddp.module.sharded_state_dict(metadata=metadata)
-        opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
-        return {"model": model_sd, "optimizer": opt_sd}
+        # Megatron-LM's generate_state_dict: "model" (or "model0", "model1", ... per chunk),
+        # then the optimizer's entries given all of them.
+        out = {
+            k: d.module.sharded_state_dict(metadata=metadata)
+            for k, d in zip(keys, ddps, strict=True)
+        }
+        out["optimizer"] = optimizer.sharded_state_dict(
+            out, is_loading=is_loading, metadata=metadata
+        )
+        return out
 
     with mcw.cuda_stays_on_cpu():  # sharded_state_dict reloads the grad scaler's state
         asked = wanted(True)
     loaded = dist_checkpointing.load(asked, str(root), strict=mdw.STRICTNESS)
-    ddp.module.load_state_dict(loaded["model"], strict=True)
+    for key, ddp in zip(keys, ddps, strict=True):
+        ddp.module.load_state_dict(loaded[key], strict=True)
     with torch.no_grad(), mdo._step_kept(), mcw.cuda_stays_on_cpu():
         optimizer.load_state_dict(loaded["optimizer"])
     pieces = {}
-    for name, param in ddp.module.named_parameters():
-        if param not in optimizer.model_param_group_index_map:
-            continue  # no piece of it on this data-parallel rank
-        r = optimizer._get_model_param_range_map(param)["param"]
-        held = optimizer._get_main_param_and_optimizer_states(param)
-        pieces[name] = {k: held[k].detach().clone() for k in ("param", *MOMENTS)}
-        pieces[name]["range"] = (r.start, r.end)
+    for c, ddp in enumerate(ddps):
+        for name, param in ddp.module.named_parameters():
+            if param not in optimizer.model_param_group_index_map:
+                continue  # no piece of it on this data-parallel rank
+            r = optimizer._get_model_param_range_map(param)["param"]
+            held = optimizer._get_main_param_and_optimizer_states(param)
+            piece = {k: held[k].detach().clone() for k in ("param", *MOMENTS)}
+            pieces[c, name] = dict(piece, range=(r.start, r.end))
     steps = {float(s["step"]) for s in optimizer.optimizer.state.values()}
     scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None
     if out_dir is not None:
@@ -107,5 +124,7 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
         if torch.distributed.get_rank() == 0:
             (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
     torch.distributed.destroy_process_group()
+    buckets = [[b.numel_unpadded for b in ddp.buffers[0].buckets] for ddp in ddps]
     return dict(place=(tp_rank, pp_rank, d), pieces=pieces, steps=steps, content=content,
+                buckets=buckets,
                 scaler=scaler, rank=int(os.environ["RANK"]))  # fmt: skip

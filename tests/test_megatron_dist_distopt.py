@@ -29,6 +29,7 @@ LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=Tru
              group_query_attention=True, num_query_groups=2, ffn_hidden_size=48)  # fmt: skip
 SAVE = dict(use_distributed_optimizer=True, ckpt_format="torch_dist")
 FP16 = dict(fp16=True, initial_loss_scale=1024)
+INTERLEAVED = dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
 SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags)
     # dp2 with the distributed optimizer to one rank's plain Adam; fp16's loss scaler (a low
     # first scale, so that both iterations step) goes through the group's grad_scaler object.
@@ -40,7 +41,18 @@ SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags)
         (2, dict(tensor_model_parallel_size=2, bf16=True, use_distributed_optimizer=True,
                  **LLAMA)),
     ),
+    # Two model chunks per rank (a buffer each: gbuf_idx 0 and 1), the tied embedding's own
+    # bucket on the first and last stage, and with --overlap-grad-reduce and a small
+    # --ddp-bucket-size several buckets on the first stage's first chunk; resumed on pp2
+    # interleaved with one data-parallel rank and plain Adam.
+    "pp2-interleaved-buckets-to-dp1": (
+        (4, dict(SAVE, **INTERLEAVED, overlap_grad_reduce=True, ddp_bucket_size=3000)),
+        (2, INTERLEAVED),
+    ),
 }  # fmt: skip
+# Megatron-Core's DistributedOptimizer loads these stores on their saving layouts; the first
+# it also saves, for megart to resume.
+MEGATRON = ("dp2-fp16-to-dp1", "pp2-interleaved-buckets-to-dp1")
 
 
 def _run(nproc, kw):
@@ -105,56 +117,89 @@ def test_another_tensor_parallel_layout_is_refused_by_name(runs):
 
 @pytest.fixture(scope="module")
 def megatron(runs, tmp_path_factory):
-    """Megatron-Core's DistributedOptimizer on the saving layout (dp2) loads megart's dp2
-    store and saves its own; megart resumes that one on one rank."""
+    """Per name in MEGATRON: Megatron-Core's ranks on the saving layout load megart's store
+    (what they hold); the first saves its own, which megart resumes on one rank."""
     import megatron_dist_distopt_workers as w
 
-    _, store, _, _ = runs["dp2-fp16-to-dp1"]
-    theirs = tmp_path_factory.mktemp("megatron") / "ckpt"
-    held = launch(w.load_and_save, 2, FP16, str(store), str(theirs), timeout=300)
-    return held, theirs, _run(1, dict(FP16, train_iters=4, load=str(theirs)))
+    out = {}
+    for i, name in enumerate(MEGATRON):
+        _, store, _, _ = runs[name]
+        nproc, flags = SCENARIOS[name][0]
+        flags = {k: v for k, v in flags.items() if k not in SAVE}
+        theirs = tmp_path_factory.mktemp("megatron") / "ckpt" if i == 0 else None
+        held = launch(w.load_and_save, nproc, flags, str(store), theirs and str(theirs),
+                      timeout=300)  # fmt: skip
+        resumed = _run(1, dict(flags, train_iters=4, load=str(theirs))) if i == 0 else None
+        out[name] = held, theirs, resumed
+    return out
 
 
-def test_megatron_core_distributed_optimizer_holds_megarts_state(runs, megatron):
+def _global_name(name: str, chunk: int, pp_rank: int, args) -> str:
+    """A Megatron-Core model chunk's parameter under the one-chunk model's name (its layer
+    numbered in the whole model; the last stage's tied output layer, the word embedding)."""
+    if name.startswith("decoder.layers."):
+        _, _, layer, rest = name.split(".", 3)
+        pp, per = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+        per = per or args.num_layers // pp
+        first = (
+            ((chunk * pp + pp_rank) * per)
+            if args.num_layers_per_virtual_pipeline_stage
+            else pp_rank * per
+        )
+        return f"decoder.layers.{first + int(layer)}.{rest}"
+    tied = not args.untie_embeddings_and_output_weights
+    return "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else name
+
+
+@pytest.mark.parametrize("name", MEGATRON)
+def test_megatron_core_distributed_optimizer_holds_megarts_state(runs, megatron, name):
     """Each piece Megatron-Core's DistributedOptimizer holds after loading megart's store
     (fp32 main copy, both moments; its own ranges over its own buffers) equals megart's
-    state at the save, bitwise; the pieces of the two data-parallel ranks tile every
-    parameter; its step is megart's."""
+    state at the save, bitwise (the vocabulary's padding rows zero); the pieces of the
+    data-parallel ranks tile every parameter; its step (and fp16 grad scaler) is megart's."""
     from megart.models.megatron_names import to_megatron
 
-    _, store, trained, _ = runs["dp2-fp16-to-dp1"]
-    cfg = model_config_of(read_common(iteration_dir(store, 2)))
+    _, store, trained, _ = runs[name]
+    root = iteration_dir(store, 2)
+    common = read_common(root)
+    cfg = model_config_of(common)
     whole = {}
     for key in ("weights", *MOMENTS):
         merged = {k.removeprefix("chunk."): v for k, v in tw.merged_by_place(trained, key).items()}
-        whole[key] = to_megatron(merged, cfg)
-    held, _, _ = megatron
-    saved_scaler = read_object(iteration_dir(store, 2), GROUP0 + "grad_scaler/shard_0_1")
-    covered: dict[str, list] = {}
+        whole[key] = {n: t.reshape(-1) for n, t in to_megatron(merged, cfg).items()}
+    held, _, _ = megatron[name]
+    saved_scaler = read_object(root, GROUP0 + "grad_scaler/shard_0_1") if "fp16" in name else None
+    covered: dict[tuple, list] = {}
     for rank in held:
         assert rank["steps"] == {2.0}
-        assert float(rank["scaler"]["scale"]) == float(saved_scaler["scale"]) == 1024.0
-        assert rank["scaler"]["growth_tracker"] == saved_scaler["growth_tracker"]
         assert rank["content"]["distrib_optim_sharding_type"] == "dp_reshardable"
-        for name, piece in rank["pieces"].items():
+        if saved_scaler is not None:
+            assert float(rank["scaler"]["scale"]) == float(saved_scaler["scale"]) == 1024.0
+            assert rank["scaler"]["growth_tracker"] == saved_scaler["growth_tracker"]
+        t, p, _ = rank["place"]
+        for (chunk, local), piece in rank["pieces"].items():
             start, end = piece["range"]
+            full = _global_name(local, chunk, p, common["args"])
             for ours, theirs in (("weights", "param"), *((m, m) for m in MOMENTS)):
-                want = whole[ours][name].reshape(-1)[start:end]
-                assert torch.equal(piece[theirs], want), (name, theirs, start)
-            covered.setdefault(name, []).append((start, end))
-    assert set(covered) == set(whole["weights"])
-    for name, ranges in covered.items():
+                want = whole[ours][full][start:end]  # past the vocabulary: padding rows
+                got = piece[theirs]
+                assert torch.equal(got[: want.numel()], want), (name, local, theirs, start)
+                assert not got[want.numel() :].any(), (name, local, theirs)
+            covered.setdefault((t, p, chunk, local), []).append((start, end))
+    assert {k[3] for k in covered} >= {"decoder.layers.0.mlp.linear_fc1.weight"}
+    for key, ranges in covered.items():
         ranges.sort()
-        numel = whole["weights"][name].numel()
-        assert ranges[0][0] == 0 and ranges[-1][1] == numel, name
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), name
+        assert ranges[0][0] == 0, key
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), key
+    if "buckets" in name:  # several buckets on the first stage's first chunk, as asked
+        assert max(len(r["buckets"][0]) for r in held) > 2
 
 
 def test_megart_resumes_megatron_cores_store_on_the_curve(runs, megatron):
     """What Megatron-Core saved (its own dp_reshardable store of the state it loaded) resumes
     in megart on one rank on the uninterrupted curve, holding megart's saved state exactly."""
     straight, _, trained, _ = runs["dp2-fp16-to-dp1"]
-    _, _, resumed = megatron
+    _, _, resumed = megatron["dp2-fp16-to-dp1"]
     tw.assert_resumed_on_curve(straight, resumed, rel=REL, abs=0)
     tw.assert_holds(trained, resumed)
 
@@ -170,7 +215,7 @@ def test_megart_writes_the_store_megatron_core_writes(runs, megatron):
     the same objects (param groups with their step, the buckets' lengths, the grad scaler),
     and the same common.pt optimizer entry and content metadata."""
     ours = iteration_dir(runs["dp2-fp16-to-dp1"][1], 2)
-    theirs = iteration_dir(megatron[1], 2)
+    theirs = iteration_dir(megatron["dp2-fp16-to-dp1"][1], 2)
     meta = [
         pickle.loads((r / ".metadata").read_bytes()).state_dict_metadata for r in (ours, theirs)
     ]
