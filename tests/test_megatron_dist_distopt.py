@@ -7,6 +7,7 @@ refuses it; Megatron-Core's own DistributedOptimizer reads megart's store and me
 Megatron-Core's."""
 
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -49,6 +50,20 @@ SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags)
         (4, dict(SAVE, **INTERLEAVED, overlap_grad_reduce=True, ddp_bucket_size=3000)),
         (2, INTERLEAVED),
     ),
+}  # fmt: skip
+# Stores resumed on another tensor/pipeline layout (Megatron-LM refuses that for its
+# dp_reshardable layout): name -> (the scenario's store, resuming ranks and flags).
+RESHARD = {
+    # bf16 Llama-style tp2 to pp2 (the untied output layer to the last stage, SwiGLU's halves
+    # from each tensor-parallel rank's [gate_r; up_r]) with the distributed optimizer. bf16's
+    # autocast rounds otherwise on another layout: 1.2e-5 measured from the exact state.
+    "llama-tp2-to-pp2": ("llama-tp2-dp2-bf16-to-dp1",
+                         (2, dict(pipeline_model_parallel_size=2, bf16=True,
+                                  use_distributed_optimizer=True, **LLAMA)), 5e-5),
+    # Interleaved pp2 (tied embedding copies, several buckets) to tp2: row-parallel weights
+    # read in runs of a row.
+    "interleaved-to-tp2": ("pp2-interleaved-buckets-to-dp1",
+                           (2, dict(tensor_model_parallel_size=2)), REL),
 }  # fmt: skip
 # Megatron-Core's DistributedOptimizer loads these stores on their saving layouts; the first
 # it also saves, for megart to resume.
@@ -109,10 +124,33 @@ def test_store_is_megatrons_dp_reshardable_layout(runs):
     )
 
 
-def test_another_tensor_parallel_layout_is_refused_by_name(runs):
-    store = runs["dp2-fp16-to-dp1"][1]
-    with pytest.raises(LaunchError, match="ConfigError: .*dp_reshardable.*--no-load-optim"):
-        _run(2, dict(FP16, train_iters=4, load=str(store), tensor_model_parallel_size=2))
+@pytest.fixture(scope="module")
+def resharded(runs):
+    out = {}
+    for name, (source, (n_run, run), _) in RESHARD.items():
+        straight, store, trained, _ = runs[source]
+        out[name] = straight, trained, _run(n_run, dict(run, train_iters=4, load=str(store)))
+    return out
+
+
+@pytest.mark.parametrize("name", list(RESHARD))
+def test_another_tensor_pipeline_layout_resumes_on_the_curve_holding_the_state(resharded, name):
+    straight, trained, resumed = resharded[name]
+    loaded = tw.assert_holds(trained, resumed)
+    assert all(rank["steps"] == {2.0} for rank in loaded)
+    assert all(rank["padding"] == 0.0 for rank in loaded)
+    tw.assert_resumed_on_curve(straight, resumed, rel=RESHARD[name][2], abs=0)
+
+
+def test_another_sharding_type_is_refused_by_name(runs, tmp_path):
+    store = tmp_path / "ckpt"
+    shutil.copytree(runs["dp2-fp16-to-dp1"][1], store)
+    path = iteration_dir(store, 2) / "common.pt"
+    common = torch.load(path, weights_only=False)
+    common["optimizer"]["param_state_sharding_type"] = "fully_reshardable"
+    torch.save(common, path)
+    with pytest.raises(LaunchError, match="ConfigError: .*'fully_reshardable'.*--no-load-optim"):
+        _run(1, dict(FP16, train_iters=4, load=str(store)))
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,9 @@ common.pt's ``optimizer`` is ``{"param_state_sharding_type": "dp_reshardable"}``
 ``content_metadata`` says the same.
 
 Because the tensors follow one tensor/pipeline layout's buffers, Megatron-LM reads them only
-into that layout (any data-parallel size); megart does the same and refuses another layout by
-name.
+into that layout (any data-parallel size). megart reads them into that layout directly and
+into any other through an index of where each element lies
+(megart.training.megatron_dist_distopt_reshard).
 """
 
 from __future__ import annotations
@@ -226,31 +227,25 @@ def read_object(root: Path, key: str) -> Any:
     return record[key][0]
 
 
-def check_layout(root: Path, args: dict[str, Any], config: Any, sharding: Any) -> None:
-    """Refuses what Megatron-LM refuses too: another sharding type, or a dp_reshardable
-    store into another tensor/pipeline layout (its tensors are that layout's buffers)."""
+def check_sharding(root: Path, sharding: Any) -> None:
+    """Refuses another of Megatron's sharding types than the one megart reads."""
     if sharding != SHARDING:
         raise ConfigError(
             f"{root}: its distributed optimizer state is Megatron's {sharding!r} layout; "
             f"megart reads {SHARDING!r} (Megatron-LM's default); add --no-load-optim (its "
             "weights and iteration, a fresh optimizer) or --finetune"
         )
-    per = config.num_layers_per_virtual_pipeline_stage
+
+
+def same_layout(args: dict[str, Any], config: Any) -> bool:
+    """Whether this run's model chunks are the saved ones (its buffers are the store's)."""
     saved = (
         int(args.get("tensor_model_parallel_size") or 1),
         int(args.get("pipeline_model_parallel_size") or 1),
         args.get("num_layers_per_virtual_pipeline_stage"),
     )
-    if saved != (config.tp, config.pp, per) or config.schedule == "zb-v":
-        raise ConfigError(
-            f"{root}: its optimizer state is Megatron's distributed optimizer's {SHARDING} "
-            f"layout, the buffers of tensor-parallel {saved[0]}, pipeline-parallel {saved[1]}"
-            f" (--num-layers-per-virtual-pipeline-stage {saved[2]}), which only that layout "
-            "reads (Megatron-LM refuses it too); resume with --tensor-model-parallel-size "
-            f"{saved[0]} --pipeline-model-parallel-size {saved[1]} and that interleaving (any "
-            "data-parallel size, with or without --use-distributed-optimizer), or add "
-            "--no-load-optim (its weights and iteration, a fresh optimizer)"
-        )
+    here = (config.tp, config.pp, config.num_layers_per_virtual_pipeline_stage)
+    return saved == here and config.schedule != "zb-v"
 
 
 def read_state(
@@ -289,6 +284,14 @@ def read_state(
             wanted.setdefault(key, dist_store.Pieces(info.size)).add([span.start], tensor)
         moments.append((p, {n: into[n].view_as(p) for n in STATES[1:]}))
     load_store(root, wanted, dist_store.PiecesPlanner())
+    return read_groups(root, meta, prefix, moments)
+
+
+def read_groups(
+    root: Path, meta: dict[str, Any], prefix: str, moments: list
+) -> tuple[list, float, list[dict[str, Any]], Any]:
+    """``moments`` with the step, param groups and grad scaler state (or None) of the group
+    ``prefix`` (every group holds the same)."""
     record = read_object(root, object_key(prefix, "optimizer"))
     groups = record.get("param_groups") or []
     steps = {float(g["step"]) for g in groups if g.get("step") is not None}

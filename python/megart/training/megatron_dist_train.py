@@ -48,6 +48,7 @@ from megart.training.megatron_dist import (
     load_store,
     stored,
 )
+from megart.training.megatron_dist_distopt_reshard import read_resharded
 from megart.training.megatron_dist_places import VOCAB_KEYS, Place, places
 from megart.training.megatron_files import (
     CHECKPOINT_VERSION,
@@ -293,9 +294,9 @@ def load(
     ``load_optim`` Adam's moments and step and the fp16 loss scaler, after Megatron's check of
     the scheduler's state against this run's flags; with ``load_rng`` the random streams where
     the layout is the saved one (else this run keeps its own, as resharding does). The
-    distributed optimizer's store (megart.training.megatron_dist_distopt) loads into its saved
-    tensor/pipeline layout only; a store with neither optimizer's keys for this model is
-    refused, naming --finetune and --no-load-optim. Returns what it left out, for the log."""
+    distributed optimizer's store is megart.training.megatron_dist_distopt's; a store with
+    neither optimizer's keys for this model is refused, naming --finetune and
+    --no-load-optim. Returns what it left out, for the log."""
     reads = _Reads(root)
     saved = common.get("optimizer") or {}
     if load_optim and distopt.is_distributed(common):
@@ -351,15 +352,14 @@ def _load_distributed(
 ) -> None:
     """The distributed optimizer's store (megart.training.megatron_dist_distopt): the fp32
     main weights and moments from this rank's group's buckets, the step and grad scaler from
-    its objects, into the saved tensor/pipeline layout (any data-parallel size)."""
+    its objects, into any layout."""
     check_scheduler(common.get("opt_param_scheduler") or {}, config, directory)
     args = vars(common["args"])
-    sharding = common["optimizer"]["param_state_sharding_type"]
-    distopt.check_layout(root, args, config, sharding)
+    distopt.check_sharding(root, common["optimizer"]["param_state_sharding_type"])
+    # Megatron-LM reads only the saved tensor/pipeline layout; megart reshards the rest.
+    read = distopt.read_state if distopt.same_layout(args, config) else read_resharded
     with torch.no_grad():
-        moments, step, groups, grad_scaler = distopt.read_state(
-            root, meta, args, grid, config.tp, chunks
-        )
+        moments, step, groups, grad_scaler = read(root, meta, args, grid, config.tp, chunks)
     _check_groups(groups, optimizer, directory)
     _install(optimizer, moments, step)
     if grad_scaler:  # where the store has it; common.pt carries none in this layout
