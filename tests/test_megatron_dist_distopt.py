@@ -2,9 +2,9 @@
 optimizer's state in Megatron-LM's default layout for it (DistributedOptimizer's
 "dp_reshardable": per bucket of its buffers, each data-parallel rank writing its own slices).
 --load resumes it on another data-parallel size, with or without the distributed optimizer,
-on the uninterrupted loss curve; another tensor/pipeline layout is refused, as Megatron-LM
-refuses it; Megatron-Core's own DistributedOptimizer reads megart's store and megart reads
-Megatron-Core's."""
+and on another tensor/pipeline layout (which Megatron-LM refuses), on the uninterrupted loss
+curve holding the saved state exactly; Megatron-Core's own DistributedOptimizer reads megart's
+store and megart reads Megatron-Core's."""
 
 import pickle
 import shutil

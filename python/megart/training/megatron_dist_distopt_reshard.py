@@ -94,7 +94,10 @@ class Index:
         held = ids >= 0
         key = torch.where(held, self.key[ids.clamp(min=0)], -2)
         if (key == -1).any():
-            raise ConfigError("an element of this model has no place in the saved buffers")
+            raise ConfigError(
+                "an element of this model has no place in the saved layout's buffers (another "
+                "model than the store's?); resume with its model's flags or add --no-load-optim"
+            )
         offset = self.offset[ids.clamp(min=0)]
         cut = torch.ones(len(ids), dtype=torch.bool)
         cut[1:] = (key[1:] != key[:-1]) | (offset[1:] != offset[:-1] + 1)
