@@ -99,14 +99,9 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
     with torch.no_grad(), mdo._step_kept(), mcw.cuda_stays_on_cpu():
         optimizer.load_state_dict(loaded["optimizer"])
     pieces = {}
-    for c, ddp in enumerate(ddps):
-        for name, param in ddp.module.named_parameters():
-            if param not in optimizer.model_param_group_index_map:
-                continue  # no piece of it on this data-parallel rank
-            r = optimizer._get_model_param_range_map(param)["param"]
-            held = optimizer._get_main_param_and_optimizer_states(param)
-            piece = {k: held[k].detach().clone() for k in ("param", *MOMENTS)}
-            pieces[c, name] = dict(piece, range=(r.start, r.end))
+    for place, (r, held, _) in mdo.held_pieces(optimizer, ddps).items():
+        piece = {k: held[k].detach().clone() for k in ("param", *MOMENTS)}
+        pieces[place] = dict(piece, range=(r.start, r.end))
     steps = {float(s["step"]) for s in optimizer.optimizer.state.values()}
     scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None
     if out_dir is not None:

@@ -70,10 +70,6 @@ RESHARD = {
 MEGATRON = ("dp2-fp16-to-dp1", "pp2-interleaved-buckets-to-dp1")
 
 
-def _run(nproc, kw):
-    return launch(tw.train_holding, nproc, kw, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Per scenario: the uninterrupted 4 iterations, the store after 2 and what the saving
@@ -82,9 +78,9 @@ def runs(tmp_path_factory):
     for name, ((n_save, save), (n_run, run)) in SCENARIOS.items():
         store = tmp_path_factory.mktemp(name) / "ckpt"
         plain = {k: v for k, v in save.items() if k not in SAVE}
-        straight = _run(n_save, dict(plain, train_iters=4))[0]["history"]
-        saving = _run(n_save, dict(save, train_iters=4, exit_interval=2, save=str(store)))
-        resumed = _run(n_run, dict(run, train_iters=4, load=str(store)))
+        straight = tw.holding(n_save, dict(plain, train_iters=4))[0]["history"]
+        saving = tw.holding(n_save, dict(save, train_iters=4, exit_interval=2, save=str(store)))
+        resumed = tw.holding(n_run, dict(run, train_iters=4, load=str(store)))
         out[name] = straight, store, [r["trained"] for r in saving], resumed
     return out
 
@@ -129,7 +125,7 @@ def resharded(runs):
     out = {}
     for name, (source, (n_run, run), _) in RESHARD.items():
         straight, store, trained, _ = runs[source]
-        out[name] = straight, trained, _run(n_run, dict(run, train_iters=4, load=str(store)))
+        out[name] = straight, trained, tw.holding(n_run, dict(run, train_iters=4, load=str(store)))
     return out
 
 
@@ -150,7 +146,7 @@ def test_another_sharding_type_is_refused_by_name(runs, tmp_path):
     common["optimizer"]["param_state_sharding_type"] = "fully_reshardable"
     torch.save(common, path)
     with pytest.raises(LaunchError, match="ConfigError: .*'fully_reshardable'.*--no-load-optim"):
-        _run(1, dict(FP16, train_iters=4, load=str(store)))
+        tw.holding(1, dict(FP16, train_iters=4, load=str(store)))
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +163,7 @@ def megatron(runs, tmp_path_factory):
         theirs = tmp_path_factory.mktemp("megatron") / "ckpt" if i == 0 else None
         held = launch(w.load_and_save, nproc, flags, str(store), theirs and str(theirs),
                       timeout=300)  # fmt: skip
-        resumed = _run(1, dict(flags, train_iters=4, load=str(theirs))) if i == 0 else None
+        resumed = tw.holding(1, dict(flags, train_iters=4, load=str(theirs))) if i == 0 else None
         out[name] = held, theirs, resumed
     return out
 

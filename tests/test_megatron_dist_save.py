@@ -57,10 +57,6 @@ SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags), tolerance
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _run(nproc, kw):
-    return launch(tw.train_holding, nproc, kw, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Per scenario: the uninterrupted 4-iteration curve (saving layout), the store written
@@ -69,8 +65,8 @@ def saved(tmp_path_factory):
     out = {}
     for name, ((n_save, save), _, _) in SCENARIOS.items():
         store = tmp_path_factory.mktemp(name) / "ckpt"
-        straight = _run(n_save, dict(save, train_iters=4))[0]["history"]
-        saving = _run(n_save, dict(save, train_iters=4, exit_interval=2, save=str(store),
+        straight = tw.holding(n_save, dict(save, train_iters=4))[0]["history"]
+        saving = tw.holding(n_save, dict(save, train_iters=4, exit_interval=2, save=str(store),
                                    ckpt_format="torch_dist"))  # fmt: skip
         out[name] = straight, store, [r["trained"] for r in saving]
     return out
@@ -82,7 +78,12 @@ def runs(saved):
     out = {}
     for name, (_, (n_run, run), _) in SCENARIOS.items():
         straight, store, trained = saved[name]
-        out[name] = straight, store, trained, _run(n_run, dict(run, train_iters=4, load=str(store)))
+        out[name] = (
+            straight,
+            store,
+            trained,
+            tw.holding(n_run, dict(run, train_iters=4, load=str(store))),
+        )
     return out
 
 
@@ -111,7 +112,7 @@ def test_distributed_optimizer_resumes_a_store_too(saved):
     its slices of the moments) and continues the curve."""
     straight, store, trained = saved["tp2-to-pp2"]
     kw = dict(train_iters=4, load=str(store), use_distributed_optimizer=True)
-    resumed = _run(2, kw)
+    resumed = tw.holding(2, kw)
     tw.assert_resumed_on_curve(straight, resumed, rel=REL, abs=0)
     tw.assert_holds(trained, resumed, MOMENTS)
 
@@ -236,7 +237,7 @@ def test_a_damaged_store_is_a_config_error(saved, tmp_path, damage, match):
     shutil.copytree(saved["tp2-to-pp2"][1], store)
     damage(iteration_dir(store, 2))
     with pytest.raises(LaunchError, match="ConfigError: .*" + match):
-        _run(1, dict(train_iters=4, load=str(store)))
+        tw.holding(1, dict(train_iters=4, load=str(store)))
 
 
 def _write_blocks(root, full, blocks):

@@ -255,3 +255,10 @@ def assert_holds(trained: list, resumed: list, keys: tuple = ("weights", *MOMENT
         assert set(got) == set(want), key
         assert all(torch.equal(got[n], want[n]) for n in want), key
     return loaded
+
+
+def holding(nproc: int, kw: dict) -> list[dict]:
+    """train_holding on ``nproc`` launched ranks (each rank's result)."""
+    from megart.launcher import launch
+
+    return launch(train_holding, nproc, kw, timeout=300)
