@@ -237,15 +237,23 @@ def check_sharding(root: Path, sharding: Any) -> None:
         )
 
 
+def saved_layout(args: dict[str, Any]) -> tuple[int, int, int]:
+    """(tensor, pipeline, virtual pipeline) sizes of the saved ranks; Megatron-LM records the
+    model chunks per rank as the virtual size or (older flag) as layers per virtual stage."""
+    tp = int(args.get("tensor_model_parallel_size") or 1)
+    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    per = args.get("num_layers_per_virtual_pipeline_stage")
+    vpp = args.get("virtual_pipeline_model_parallel_size") or (
+        int(args["num_layers"]) // (pp * per) if per else 1
+    )
+    return tp, pp, int(vpp)
+
+
 def same_layout(args: dict[str, Any], config: Any) -> bool:
     """Whether this run's model chunks are the saved ones (its buffers are the store's)."""
-    saved = (
-        int(args.get("tensor_model_parallel_size") or 1),
-        int(args.get("pipeline_model_parallel_size") or 1),
-        args.get("num_layers_per_virtual_pipeline_stage"),
-    )
-    here = (config.tp, config.pp, config.num_layers_per_virtual_pipeline_stage)
-    return saved == here and config.schedule != "zb-v"
+    per = config.num_layers_per_virtual_pipeline_stage
+    vpp = config.num_layers // (config.pp * per) if per else 1
+    return saved_layout(args) == (config.tp, config.pp, vpp) and config.schedule != "zb-v"
 
 
 def read_state(

@@ -58,8 +58,7 @@ class Index:
 
     def __init__(self, cfg: Any, args: dict[str, Any]) -> None:
         self.ids, total = _numbered(cfg)
-        tp, pp = int(args["tensor_model_parallel_size"]), int(args["pipeline_model_parallel_size"])
-        per = args.get("num_layers_per_virtual_pipeline_stage")
+        tp, pp, vpp = distopt.saved_layout(args)
         whole = to_megatron(self.ids, cfg)
         for name in (WORD, OUTPUT):
             if name in whole:
@@ -69,7 +68,7 @@ class Index:
         self.offset = torch.zeros(total, dtype=torch.int64)
         self.buckets: dict[str, list] = {}  # group prefix -> per_bucket_numel_unpadded
         dtype = _dtype_key(args)
-        ranks = split(whole, cfg, tp, pp, cfg.num_layers // (pp * per) if per else 1)
+        ranks = split(whole, cfg, tp, pp, vpp)
         for (t, s), chunks in ranks.items():
             chunks = [
                 in_megatron_order({n: v for n, v in c.items() if v is not None}) for c in chunks
