@@ -120,6 +120,20 @@ def _expected(ref_file: Path) -> tuple[dict[tuple[int, str], dict[str, torch.Ten
     return out, state["loss_scaler"]
 
 
+def held_pieces(optimizer, ddps: list) -> dict:
+    """Per (model chunk, parameter) of which this data-parallel rank's DistributedOptimizer
+    holds a piece: the piece's range in the flattened parameter, its fp32 main copy and Adam
+    moments (Megatron-Core's own tensors), and the parameter's size."""
+    out = {}
+    for i, ddp in enumerate(ddps):
+        for name, param in ddp.module.named_parameters():
+            if param in optimizer.model_param_group_index_map:
+                r = optimizer._get_model_param_range_map(param)["param"]
+                held = optimizer._get_main_param_and_optimizer_states(param)
+                out[i, name] = (r, held, param.numel())
+    return out
+
+
 def load_and_write(kw: dict, megart_dir: str, ref_dir: str, out_dir: str | None) -> dict:
     """On each rank: Megatron-Core's GPTModel of each of its model chunks (one under 1F1B, one
     per virtual stage under interleaving, in the run's precision) loads its chunk of its rank's
@@ -173,18 +187,13 @@ def load_and_write(kw: dict, megart_dir: str, ref_dir: str, out_dir: str | None)
         optimizer.load_parameter_state(str(Path(megart_dir) / here / DISTRIB))
     want, loss_scaler = _expected(Path(ref_dir) / here / FILE)
     pieces = {}
-    for i, ddp in enumerate(ddps):
-        for name, param in ddp.module.named_parameters():
-            if param not in optimizer.model_param_group_index_map:
-                continue  # no piece of it on this data-parallel rank
-            r = optimizer._get_model_param_range_map(param)["param"]
-            held = optimizer._get_main_param_and_optimizer_states(param)
-            diffs = {}
-            for key in ("param", "exp_avg", "exp_avg_sq"):
-                ref = want[i, name][key].float().reshape(-1)[r.start : r.end]
-                scale = want[i, name][key].float().abs().max().item() or 1.0
-                diffs[key] = (held[key].float() - ref).abs().max().item() / scale
-            pieces[i, name] = dict(range=(r.start, r.end), numel=param.numel(), diffs=diffs)
+    for (i, name), (r, held, numel) in held_pieces(optimizer, ddps).items():
+        diffs = {}
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            ref = want[i, name][key].float().reshape(-1)[r.start : r.end]
+            scale = want[i, name][key].float().abs().max().item() or 1.0
+            diffs[key] = (held[key].float() - ref).abs().max().item() / scale
+        pieces[i, name] = dict(range=(r.start, r.end), numel=numel, diffs=diffs)
     scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None
     if out_dir is not None:
         written = mow._args(cfg, c, tp, iteration, pp)

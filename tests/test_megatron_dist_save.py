@@ -57,10 +57,6 @@ SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags), tolerance
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _run(nproc, kw):
-    return launch(tw.train_holding, nproc, kw, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Per scenario: the uninterrupted 4-iteration curve (saving layout), the store written
@@ -69,8 +65,8 @@ def saved(tmp_path_factory):
     out = {}
     for name, ((n_save, save), _, _) in SCENARIOS.items():
         store = tmp_path_factory.mktemp(name) / "ckpt"
-        straight = _run(n_save, dict(save, train_iters=4))[0]["history"]
-        saving = _run(n_save, dict(save, train_iters=4, exit_interval=2, save=str(store),
+        straight = tw.holding(n_save, dict(save, train_iters=4))[0]["history"]
+        saving = tw.holding(n_save, dict(save, train_iters=4, exit_interval=2, save=str(store),
                                    ckpt_format="torch_dist"))  # fmt: skip
         out[name] = straight, store, [r["trained"] for r in saving]
     return out
@@ -82,17 +78,19 @@ def runs(saved):
     out = {}
     for name, (_, (n_run, run), _) in SCENARIOS.items():
         straight, store, trained = saved[name]
-        out[name] = straight, store, trained, _run(n_run, dict(run, train_iters=4, load=str(store)))
+        out[name] = (
+            straight,
+            store,
+            trained,
+            tw.holding(n_run, dict(run, train_iters=4, load=str(store))),
+        )
     return out
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_resume_continues_the_uninterrupted_curve(runs, name):
     straight, _, _, resumed = runs[name]
-    history = resumed[0]["history"]
-    assert [h["iteration"] for h in history] == [3, 4]
-    want = [h["loss"] for h in straight[2:]]
-    assert [h["loss"] for h in history] == pytest.approx(want, **SCENARIOS[name][2])
+    tw.assert_resumed_on_curve(straight, resumed, **SCENARIOS[name][2])
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -100,11 +98,7 @@ def test_resume_holds_exactly_what_was_saved(runs, name):
     """Weights (fp32: under bf16 the main weights), both moments and the step, whatever the
     layout; the random streams where the layout is the saved one."""
     _, _, trained, resumed = runs[name]
-    loaded = [r["loaded"] for r in resumed]
-    for key in ("weights", *MOMENTS):
-        want, got = tw.merged_by_place(trained, key), tw.merged_by_place(loaded, key)
-        assert set(got) == set(want), key
-        assert all(torch.equal(got[n], want[n]) for n in want), key
+    loaded = tw.assert_holds(trained, resumed)
     assert all(rank["steps"] == {2.0} for rank in loaded)
     if SCENARIOS[name][0] == SCENARIOS[name][1]:
         for was, now in zip(trained, loaded, strict=True):
@@ -115,17 +109,12 @@ def test_resume_holds_exactly_what_was_saved(runs, name):
 
 def test_distributed_optimizer_resumes_a_store_too(saved):
     """--use-distributed-optimizer on data-parallel 2 loads the tp2 store (each rank keeping
-    its slices of the moments) and continues the curve; it only saves torch_dist refused."""
+    its slices of the moments) and continues the curve."""
     straight, store, trained = saved["tp2-to-pp2"]
     kw = dict(train_iters=4, load=str(store), use_distributed_optimizer=True)
-    resumed = _run(2, kw)
-    assert [h["loss"] for h in resumed[0]["history"]] == pytest.approx(
-        [h["loss"] for h in straight[2:]], rel=REL, abs=0
-    )
-    loaded = [r["loaded"] for r in resumed]
-    for key in MOMENTS:
-        want, got = tw.merged_by_place(trained, key), tw.merged_by_place(loaded, key)
-        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), key
+    resumed = tw.holding(2, kw)
+    tw.assert_resumed_on_curve(straight, resumed, rel=REL, abs=0)
+    tw.assert_holds(trained, resumed, MOMENTS)
 
 
 def test_store_is_megatrons_layout_one_file_per_writing_rank(saved):
@@ -248,7 +237,7 @@ def test_a_damaged_store_is_a_config_error(saved, tmp_path, damage, match):
     shutil.copytree(saved["tp2-to-pp2"][1], store)
     damage(iteration_dir(store, 2))
     with pytest.raises(LaunchError, match="ConfigError: .*" + match):
-        _run(1, dict(train_iters=4, load=str(store)))
+        tw.holding(1, dict(train_iters=4, load=str(store)))
 
 
 def _write_blocks(root, full, blocks):

@@ -163,8 +163,14 @@ def test_iterations_and_samples_do_not_mix():
         (dict(max_position_embeddings=32), "--max-position-embeddings 32 with --seq-length 16"),
         (dict(kv_channels=4), "--kv-channels 4: .* give 8"),
         (
-            dict(ckpt_format="torch_dist", save="ckpt", use_distributed_optimizer=True),
-            "--ckpt-format torch_dist with --use-distributed-optimizer and --save",
+            dict(
+                ckpt_format="torch_dist",
+                save="ckpt",
+                use_distributed_optimizer=True,
+                pipeline_schedule="zb-v",
+            ),
+            "--ckpt-format torch_dist with --use-distributed-optimizer, --save and "
+            "--pipeline-schedule zb-v",
         ),
         (dict(overlap_param_gather=True), "add --use-distributed-optimizer"),
         (dict(mock_data=True, data_path="x"), "--mock-data and --data-path"),

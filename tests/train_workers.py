@@ -13,6 +13,7 @@ from megart.training.data import builtin_corpus
 # Bugs of resuming (a batch or a learning-rate step late, Adam's moments or the dropout
 # streams not restored) move a pp2 loss curve by 7e-4 to 6e-3 relative.
 SAME_RUN = dict(rel=1e-5, abs=0)
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def tiny(**kw: object) -> TrainConfig:
@@ -228,3 +229,36 @@ def rewrite_checkpoint_file(path, change) -> None:
     change(state)
     torch.save(state, path)
     checksum.write(path)
+
+
+def assert_resumed_on_curve(straight: list, resumed: list, **tolerance: float) -> None:
+    """The run resumed after iteration 2 (``resumed``: its ranks' train_holding results)
+    trained iterations 3 and 4 with the uninterrupted run's losses (``straight``: its
+    history) within ``tolerance`` (pytest.approx's)."""
+    import pytest
+
+    history = resumed[0]["history"]
+    assert [h["iteration"] for h in history] == [3, 4]
+    want = [h["loss"] for h in straight[2:]]
+    assert [h["loss"] for h in history] == pytest.approx(want, **tolerance)
+
+
+def assert_holds(trained: list, resumed: list, keys: tuple = ("weights", *MOMENTS)) -> list:
+    """The resumed ranks held, right after loading, exactly what the saving ranks held
+    (``trained``: their held_state), for each of ``keys``, whatever either layout; returns
+    what the resumed ranks held."""
+    import torch
+
+    loaded = [r["loaded"] for r in resumed]
+    for key in keys:
+        want, got = merged_by_place(trained, key), merged_by_place(loaded, key)
+        assert set(got) == set(want), key
+        assert all(torch.equal(got[n], want[n]) for n in want), key
+    return loaded
+
+
+def holding(nproc: int, kw: dict) -> list[dict]:
+    """train_holding on ``nproc`` launched ranks (each rank's result)."""
+    from megart.launcher import launch
+
+    return launch(train_holding, nproc, kw, timeout=300)

@@ -176,7 +176,8 @@ HELP = {
     "ckpt_format": "megart (megart's checkpoint); torch (Megatron-LM's legacy layout: model, "
     "optimizer, scheduler, random states per rank; distrib_optim.pt with "
     "--use-distributed-optimizer); torch_dist (Megatron-LM's distributed format, the whole "
-    "training state, each rank writing its slices; not with --use-distributed-optimizer). "
+    "training state, each rank writing its slices; with --use-distributed-optimizer its "
+    "dp_reshardable buckets, not under zb-v). "
     "--load reads any of them whatever this flag",
     "calculate_per_token_loss": "mean loss over the global batch's tokens (megart has no loss "
     "mask: the same as its per-microbatch means)",

@@ -169,9 +169,12 @@ def save(
         iteration * config.global_batch_size if consumed_samples is None else consumed_samples
     )
     if config.ckpt_format == "torch_dist":  # Megatron's distributed store (megatron_dist_train)
-        if grid.dp_rank == 0:
+        # With the distributed optimizer every rank writes its slices of the moments.
+        if grid.dp_rank == 0 or config.use_distributed_optimizer:
             rank = dist.get_rank()
-            megatron_dist_train.write_rank(partial, rank, config, grid, chunks, optimizer, rng)
+            megatron_dist_train.write_rank(
+                partial, rank, config, grid, chunks, optimizer, rng, scaler
+            )
         dist.barrier()
         if dist.get_rank() == 0:
             megatron_dist_train.finish(

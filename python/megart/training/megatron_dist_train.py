@@ -1,6 +1,9 @@
 """megart train's whole state in Megatron-LM's torch_dist checkpoint (``--save --ckpt-format
 torch_dist``), as Megatron-LM's generate_state_dict writes it with the non-distributed
-optimizer, and --load of such a store into any tensor/pipeline layout.
+optimizer, and --load of such a store into any tensor/pipeline layout. With
+--use-distributed-optimizer the optimizer's part is the distributed optimizer's instead
+(megart.training.megatron_dist_distopt: every data-parallel rank writes its slices), and the
+fp32 main weights are there, not under ``optimizer.state.fp32_param``.
 
 The sharded store (each rank its own slices, megart.training.dist_store; places in
 megart.training.megatron_dist_places):
@@ -35,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from megart.errors import ConfigError
 from megart.tensor_parallel.random import GeneratorStates
 from megart.training import dist_store
+from megart.training import megatron_dist_distopt as distopt
 from megart.training.dist_store import Pieces, PiecesPlanner
 from megart.training.megatron_dist import (
     BACKENDS,
@@ -44,6 +48,7 @@ from megart.training.megatron_dist import (
     load_store,
     stored,
 )
+from megart.training.megatron_dist_distopt_reshard import read_resharded
 from megart.training.megatron_dist_places import VOCAB_KEYS, Place, places
 from megart.training.megatron_files import (
     CHECKPOINT_VERSION,
@@ -100,11 +105,34 @@ def _rng_record(rng: Any) -> dict[str, Any]:
 
 
 def write_rank(
-    partial: Path, rank: int, config: Any, grid: Any, chunks: list[Any], optimizer: Any, rng: Any
+    partial: Path,
+    rank: int,
+    config: Any,
+    grid: Any,
+    chunks: list[Any],
+    optimizer: Any,
+    rng: Any,
+    scaler: Any = None,
 ) -> None:
-    """Writes this rank's slices (a data-parallel rank 0) into the store in ``partial``."""
+    """Writes this rank's slices into the store in ``partial``: data-parallel rank 0's
+    weights, random states and (non-distributed optimizer) moments; with
+    --use-distributed-optimizer every rank its slices of Megatron's bucket tensors
+    (megart.training.megatron_dist_distopt)."""
     half = _half(config)
     state: dict[str, Any] = {}
+    if hasattr(optimizer, "wait_for_params"):  # --overlap-param-gather leaves gathers running
+        optimizer.wait_for_params()
+    if config.use_distributed_optimizer:
+        groups, step = distopt.param_groups(optimizer)
+        keys = megatron_group_keys(config.lr, config.min_lr, config.decoupled_rates())
+        groups = [{**k, **g, "step": step} for k, g in zip(keys, groups, strict=True)]
+        args = vars(training_args(config, chunks[0].cfg, 0, grid.layout.dp))
+        distopt.add_state(
+            state, chunks, optimizer, grid, config.tp, args, groups, _scaler_state(config, scaler)
+        )
+    if grid.dp_rank != 0:
+        dist_store.write_rank(partial, rank, state)
+        return
 
     def add(key: str, place: Place, tensor: torch.Tensor) -> None:
         state.setdefault(key, dist_store.Slices(place.size)).add(place.offsets, place.piece(tensor))
@@ -114,9 +142,9 @@ def write_rank(
             continue
         p = place.param.detach()
         add(place.key, place, p if half is None else p.to(half))
-        if half is not None:
+        if half is not None and not config.use_distributed_optimizer:  # else in the buckets
             add(FP32 + place.key, place, p)
-        own = optimizer.state.get(place.param)
+        own = None if config.use_distributed_optimizer else optimizer.state.get(place.param)
         for name in MOMENTS if own else ():
             add(moment_key(name, place.key), place, own[name])
     if grid.tp_rank == 0:
@@ -145,21 +173,25 @@ def finish(
     args = training_args(config, cfg, iteration, dp)
     args.ckpt_format = "torch_dist"
     args.consumed_train_samples = consumed
-    keys = megatron_group_keys(config.lr, config.min_lr, config.decoupled_rates())
-    groups = [
-        {**k, **{n: v for n, v in g.items() if n != "params"}}
-        for k, g in zip(keys, optimizer.state_dict()["param_groups"], strict=True)
-    ]
-    steps = [s["step"] for s in optimizer.state.values() if "step" in s]
-    opt: dict[str, Any] = {"param_groups": groups, "state": {}}
-    if steps:  # Megatron-Core's _extract_common_per_param_step: one step for all parameters
-        opt["state"]["common_step"] = steps[0].detach().clone()
-    if _half(config) is not None:
-        opt = {"optimizer": opt}
-        if scaler is not None:  # a static --loss-scale is Megatron's ConstantGradScaler: {}
-            sd = scaler.state_dict()
-            opt["grad_scaler"] = {} if config.loss_scale else to_grad_scaler(sd, config.hysteresis)
-    common = {
+    common: dict[str, Any] = {}
+    if config.use_distributed_optimizer:  # the rest is in the store (megatron_dist_distopt)
+        opt: dict[str, Any] = {"param_state_sharding_type": distopt.SHARDING}
+        common["content_metadata"] = dict(distopt.CONTENT)
+    else:
+        keys = megatron_group_keys(config.lr, config.min_lr, config.decoupled_rates())
+        groups = [
+            {**k, **{n: v for n, v in g.items() if n != "params"}}
+            for k, g in zip(keys, optimizer.state_dict()["param_groups"], strict=True)
+        ]
+        steps = [s["step"] for s in optimizer.state.values() if "step" in s]
+        opt = {"param_groups": groups, "state": {}}
+        if steps:  # Megatron-Core's _extract_common_per_param_step: one step for all
+            opt["state"]["common_step"] = steps[0].detach().clone()
+        if _half(config) is not None:
+            opt = {"optimizer": opt}
+            if scaler is not None:
+                opt["grad_scaler"] = _scaler_state(config, scaler)
+    common |= {
         "args": args,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
@@ -169,6 +201,14 @@ def finish(
     }
     torch.save(common, partial / COMMON)
     (partial / METADATA).write_text(json.dumps(BACKENDS))
+
+
+def _scaler_state(config: Any, scaler: Any) -> dict[str, Any] | None:
+    """The loss scaler as Megatron's grad scaler state (a static --loss-scale is its
+    ConstantGradScaler: {})."""
+    if scaler is None:
+        return None
+    return {} if config.loss_scale else to_grad_scaler(scaler.state_dict(), config.hysteresis)
 
 
 def _foreign(root: Path, problem: str) -> ConfigError:
@@ -253,11 +293,17 @@ def load(
     ``root``: the weights (the fp32 main weights where the store has them); with
     ``load_optim`` Adam's moments and step and the fp16 loss scaler, after Megatron's check of
     the scheduler's state against this run's flags; with ``load_rng`` the random streams where
-    the layout is the saved one (else this run keeps its own, as resharding does). A store
-    without the non-distributed optimizer's keys for this model is refused, naming
-    --finetune and --no-load-optim. Returns what it left out, for the log."""
+    the layout is the saved one (else this run keeps its own, as resharding does). The
+    distributed optimizer's store is megart.training.megatron_dist_distopt's; a store with
+    neither optimizer's keys for this model is refused, naming --finetune and
+    --no-load-optim. Returns what it left out, for the log."""
     reads = _Reads(root)
     saved = common.get("optimizer") or {}
+    if load_optim and distopt.is_distributed(common):
+        _load_distributed(root, reads.meta, common, config, grid, chunks, optimizer, directory)
+        if scaler is not None and saved.get("grad_scaler"):
+            scaler.load_state_dict(from_grad_scaler(saved["grad_scaler"]))
+        return _load_rng(root, reads.meta, config, grid, rng) if load_rng else ""
     nested = "optimizer" in saved  # Float16OptimizerWithFloat16Params's layout
     inner = saved.get("optimizer", saved)
     if load_optim:
@@ -265,12 +311,7 @@ def load(
         groups = inner.get("param_groups")
         if groups is None:
             raise _foreign(root, "its common.pt holds no optimizer param groups")
-        if len(groups) != len(optimizer.param_groups):
-            raise ConfigError(
-                f"--load {directory}: its optimizer has {len(groups)} param groups, this "
-                f"run's {len(optimizer.param_groups)}; resume with the saved --decoupled-lr, "
-                "or add --no-load-optim"
-            )
+        _check_groups(groups, optimizer, directory)
     # The fp32 main weights where the store has them (--bf16/--fp16), not their 16-bit casts.
     main = FP32 if load_optim and nested else ""
     moments: list[tuple[torch.nn.Parameter, dict[str, torch.Tensor]]] = []
@@ -287,10 +328,48 @@ def load(
         _install(optimizer, moments, inner.get("state", {}).get("common_step"))
     if load_optim and scaler is not None and saved.get("grad_scaler"):
         scaler.load_state_dict(from_grad_scaler(saved["grad_scaler"]))
-    if not load_rng:
-        return ""
+    return _load_rng(root, reads.meta, config, grid, rng) if load_rng else ""
+
+
+def _check_groups(groups: list[Any], optimizer: Any, directory: Any) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise ConfigError(
+            f"--load {directory}: its optimizer has {len(groups)} param groups, this "
+            f"run's {len(optimizer.param_groups)}; resume with the saved --decoupled-lr, "
+            "or add --no-load-optim"
+        )
+
+
+def _load_distributed(
+    root: Path,
+    meta: dict[str, Any],
+    common: dict[str, Any],
+    config: Any,
+    grid: Any,
+    chunks: list[Any],
+    optimizer: Any,
+    directory: Any,
+) -> None:
+    """The distributed optimizer's store (megart.training.megatron_dist_distopt): the fp32
+    main weights and moments from this rank's group's buckets, the step and grad scaler from
+    its objects, into any layout."""
+    check_scheduler(common.get("opt_param_scheduler") or {}, config, directory)
+    args = vars(common["args"])
+    distopt.check_sharding(root, common["optimizer"]["param_state_sharding_type"])
+    # Megatron-LM reads only the saved tensor/pipeline layout; megart reshards the rest.
+    read = distopt.read_state if distopt.same_layout(args, config) else read_resharded
+    with torch.no_grad():
+        moments, step, groups, grad_scaler = read(root, meta, args, grid, config.tp, chunks)
+    _check_groups(groups, optimizer, directory)
+    _install(optimizer, moments, step)
+    if grad_scaler:  # where the store has it; common.pt carries none in this layout
+        common["optimizer"]["grad_scaler"] = grad_scaler
+
+
+def _load_rng(root: Path, meta: dict[str, Any], config: Any, grid: Any, rng: Any) -> str:
+    """This rank's random streams, where the store has them for this layout."""
     key = rng_key(grid.pp_rank, grid.tp_rank, config.pp, config.tp)
-    if key not in reads.meta:
+    if key not in meta:
         return "; its random states are of another layout: this run keeps its own"
     record = {key: None}
     planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)

@@ -37,12 +37,14 @@ What each does in megart:
 - --ckpt-format: megart (the default); torch writes Megatron-LM's legacy format
   (megart.training.megatron_files; with --use-distributed-optimizer also each rank's
   distrib_optim.pt, megart.training.megatron_distrib_optim), torch_dist writes Megatron's
-  distributed format, the whole training state (megart.training.megatron_dist_train; not with
-  --use-distributed-optimizer). --load
+  distributed format, the whole training state (megart.training.megatron_dist_train; with
+  --use-distributed-optimizer its state as Megatron's dp_reshardable buckets,
+  megart.training.megatron_dist_distopt; not under zb-v). --load
   resumes a Megatron-LM legacy checkpoint of any layout in full (megart.training.megatron_files;
   as --finetune when it holds no optimizer) and resumes a torch_dist checkpoint of the
-  non-distributed optimizer's keys into any layout, --use-distributed-optimizer's included
-  (megart.training.megatron_dist_train; weights alone with --finetune or --no-load-optim).
+  non-distributed optimizer's keys, or the distributed optimizer's (dp_reshardable), into any
+  layout, --use-distributed-optimizer's included (megart.training.megatron_dist_train; weights
+  alone with --finetune or --no-load-optim).
 - --calculate-per-token-loss: megart has no loss mask, so every microbatch has b s tokens and
   the per-token mean over the global batch equals the mean of the per-microbatch means that
   megart computes: the gradients are the same.
@@ -193,14 +195,17 @@ def check_megatron_flags(config: Any) -> None:
                 f"--{name.replace('_', '-')} {value}: megart has no {kind} parallelism yet; "
                 "use 1 (the default)"
             )
-    if config.ckpt_format == "torch_dist" and config.save and config.use_distributed_optimizer:
-        # megart writes torch_dist with the non-distributed optimizer's keys
-        # (megart.training.megatron_dist_train), not the distributed optimizer's dp-sharded ones.
+    distopt_store = config.ckpt_format == "torch_dist" and config.use_distributed_optimizer
+    if distopt_store and config.save and config.schedule == "zb-v":
+        # The distributed optimizer's torch_dist state follows Megatron's buffers of each
+        # model chunk (megart.training.megatron_dist_distopt); zb-v's V puts other layers in
+        # a rank's chunks than any Megatron layout does.
         raise ConfigError(
-            "--ckpt-format torch_dist with --use-distributed-optimizer and --save: megart "
-            "writes Megatron's distributed format with the non-distributed optimizer's state "
-            "only; leave out --use-distributed-optimizer, or save --ckpt-format torch "
-            "(Megatron's legacy files with distrib_optim.pt) or megart (the default)"
+            "--ckpt-format torch_dist with --use-distributed-optimizer, --save and "
+            "--pipeline-schedule zb-v: the distributed optimizer's state in that format follows "
+            "Megatron's model chunks, which zb-v's V placement does not have; leave out "
+            "--use-distributed-optimizer (the store then holds the whole tensors), or save "
+            "--ckpt-format megart (the default)"
         )
     s, h, heads = config.seq_length, config.hidden_size, config.num_attention_heads
     most = config.max_position_embeddings
