@@ -46,8 +46,8 @@ from megart.errors import ScheduleError
 
 @dataclass(frozen=True)
 class Step:
-    """One thing a rank does, in its order: run a compute action, or post communication
-    actions as one group (``actions``, in the schedule's order)."""
+    """One thing a rank does, in its order: run a compute action (``compute``), or post
+    communication actions as one group (``post``, in the schedule's order)."""
 
     compute: sched.Action | None = None
     post: tuple[sched.Action, ...] = ()
@@ -70,7 +70,7 @@ def needs(s: sched.Schedule, rank: int, a: sched.Action) -> tuple[str, int, int]
     else:  # W: only this rank's own kept tensors
         return None
     on_rank = any(s.virtual_stage(rank, c) == neighbour for c in range(s.chunks))
-    return None if on_rank else (a.op[0] if a.op == "F" else "B", a.mb, a.chunk)
+    return None if on_rank else ("F" if a.op == "F" else "B", a.mb, a.chunk)
 
 
 def plan(s: sched.Schedule) -> list[list[Step]]:
