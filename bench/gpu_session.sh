@@ -7,8 +7,11 @@
 # The first session with a GPU (one H200, 2026-11-26; bench/RESULTS.md) ran
 #   STEP_TIMEOUT=110 bash bench/gpu_session.sh selftest train-default tests train-1.3b kernels \
 #     adam train-1.3b-fused nccl-overhead
-# in 273 s, the build included (half of it cached from a failed first try). On a node of several
-# GPUs: `torchrun --nproc-per-node N -m megart selftest` and NPROC=N allreduce p2p.
+# in 273 s, the build included (half of it cached from a failed first try). The second (same
+# day) ran selftest ln-tests profile-ln train-1.3b plan-1.3b kernels-ln train-1.3b-recompute
+# plan-1.3b-recompute train-1.3b-fused in 323 s, build included. On a node of several GPUs:
+# `torchrun --nproc-per-node N -m megart selftest`, NPROC=N allreduce p2p, and tests (whose
+# test_trainer_nccl runs every parallel layout, its ranks sharing GPU 0).
 # (-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion; -50k trains
 # on GPT-2's vocabulary size, where the cross-entropy weighs; -recompute recomputes every layer.
 # plan-1.3b[-recompute] sets `megart plan`'s prediction beside that run's log, memory included.)
