@@ -141,7 +141,7 @@ class PipelineEngine:
         training = not s.forward_only
         recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}
         arrived: dict[tuple[str, int, int], torch.Tensor] = {}
-        sends: list[tuple[sched.Action, dist.Work]] = []
+        sends: list[dist.Work] = []
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         losses: dict[int, torch.Tensor] = {}
 
@@ -204,7 +204,7 @@ class PipelineEngine:
                 keys.append(a)
             for a, work, op in zip(keys, self.link.post(ops), ops, strict=True):
                 if a.op.startswith("SEND"):
-                    sends.append((a, work))
+                    sends.append(work)
                 else:
                     recvs[(a.op[-1], a.mb, a.chunk)] = (work, op.tensor)
 
@@ -214,9 +214,11 @@ class PipelineEngine:
             arrived[key] = self.link.from_wire(buffer, self._like)
 
         def run_step(a: sched.Action) -> None:
-            need = post_plan.needs(s, self.rank, a)
-            if need is not None and need not in arrived:
-                finish_recv(need)  # the only thing a compute waits on
+            # A receive posted for this compute's input (the plan posts it before) is the only
+            # thing a compute waits on; a hand-over from this rank's other chunk is no message.
+            key = ("F" if a.op == "F" else "B", a.mb, a.chunk)
+            if a.op != "W" and key in recvs:
+                finish_recv(key)
             run_compute[a.op](a)
 
         split = any(a.op == "W" for a in s.ranks[self.rank])
@@ -232,7 +234,7 @@ class PipelineEngine:
         steps: list[post_plan.Step],
         post: Callable[[list[sched.Action]], None],
         run_step: Callable[[sched.Action], None],
-        sends: list[tuple[sched.Action, dist.Work]],
+        sends: list[dist.Work],
     ) -> float:
         """Takes this rank's steps in order, then waits for its sends; returns the host
         seconds spent computing."""
@@ -244,7 +246,7 @@ class PipelineEngine:
             start = time.perf_counter()
             run_step(step.compute)
             compute_time += time.perf_counter() - start
-        for _, work in sends:
+        for work in sends:
             work.wait()
         sends.clear()
         return compute_time

@@ -53,7 +53,7 @@ class Step:
     post: tuple[sched.Action, ...] = ()
 
 
-def needs(s: sched.Schedule, rank: int, a: sched.Action) -> tuple[str, int, int] | None:
+def _needs(s: sched.Schedule, rank: int, a: sched.Action) -> tuple[str, int, int] | None:
     """The received message compute action ``a`` of ``rank`` waits for, as (kind, mb, chunk),
     or None: the first stage's forward and the last stage's backward take no message, nor does
     a chunk whose neighbouring virtual stage is on the same rank (a hand-over), nor W."""
@@ -93,7 +93,7 @@ def plan(s: sched.Schedule) -> list[list[Step]]:
             if a.is_compute:
                 if ran:
                     return True
-                need = needs(s, r, a)
+                need = _needs(s, r, a)
                 if need is not None and need not in received[r]:
                     return False
                 computes[r].append(a)

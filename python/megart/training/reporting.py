@@ -170,6 +170,9 @@ class RunLog(contextlib.ExitStack):
         if self.jsonl is not None:
             self.callback(self.jsonl.close)
         self.board = None
+        self.tags = dict(TENSORBOARD_TAGS)  # tag -> the figure's key
+        if config.log_memory_to_tensorboard:
+            self.tags.update(memory_report.TENSORBOARD_TAGS)
         if config.tensorboard_dir and rank0:
             self.board = tensorboard_writer(config.tensorboard_dir)
             self.callback(self.board.close)
@@ -185,10 +188,7 @@ class RunLog(contextlib.ExitStack):
             self.jsonl.flush()
         c = self.config
         if self.board is not None:
-            tags = dict(TENSORBOARD_TAGS)
-            if c.log_memory_to_tensorboard:
-                tags.update(memory_report.TENSORBOARD_TAGS)
-            for tag, key in tags.items():
+            for tag, key in self.tags.items():
                 if fig.get(key) is not None:
                     self.board.add_scalar(tag, fig[key], fig["iteration"])
         logged = fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1
