@@ -283,7 +283,7 @@ def layouts_agree(examples: int, by_count: bool = False) -> dict:
     from megart.models import GPT
     from megart.models.config import GPTConfig
     from megart.training.megatron_distrib_optim import layouts
-    from megart.training.megatron_files import _chunk_to_megatron
+    from megart.training.megatron_files import chunk_to_megatron
 
     seen = {"examples": 0, "most_buckets": 0}
     limits = st.integers(1, 64) if by_count else st.one_of(st.none(), st.integers(1, 40_000))
@@ -307,7 +307,7 @@ def layouts_agree(examples: int, by_count: bool = False) -> dict:
         size = limit
         if by_count:
             size = megatron_lm_size(mcw.megatron_model(cfg), limit)
-        chunk = _chunk_to_megatron(GPT(cfg).state_dict(), cfg, list(range(cfg.num_layers)))
+        chunk = chunk_to_megatron(GPT(cfg).state_dict(), cfg, list(range(cfg.num_layers)))
         flag = "ddp_num_buckets" if by_count else "ddp_bucket_size"
         (ours,) = layouts([chunk], {**args, flag: limit}, 0)
         ranges, numel, buckets = _megatron_core_layout(

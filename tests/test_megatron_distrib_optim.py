@@ -147,12 +147,12 @@ def test_files_are_the_distributed_optimizers(runs):
 def test_the_buffers_dtypes_are_megatron_cores():
     """distrib_optim.pt keys each buffer's vectors by (parameter dtype, gradient dtype): megart
     writes the ones Megatron-Core's DistributedDataParallel gives the run's precision flags."""
-    from megart.training.megatron_distrib_optim import _dtype_key
+    from megart.training.megatron_distrib_optim import dtype_key
 
     runs = [{}, dict(bf16=True), dict(bf16=True, grad_reduce_in_bf16=True), dict(fp16=True),
             dict(fp16=True, accumulate_allreduce_grads_in_fp32=True)]  # fmt: skip
     (theirs,) = launch(mdw.buffer_dtypes, 1, runs, timeout=300)
-    assert theirs == [[_dtype_key(args)] for args in runs]
+    assert theirs == [[dtype_key(args)] for args in runs]
 
 
 def test_layouts_equal_megatron_cores_for_any_bucket_size():

@@ -42,8 +42,8 @@ import torch.distributed.checkpoint as dcp
 from megart.errors import ConfigError
 from megart.models.megatron_names import LAYER_NAMES
 from megart.training import dist_store
-from megart.training.megatron_distrib_optim import BUCKET_ALIGN, _dtype_key, layouts
-from megart.training.megatron_files import _chunk_to_megatron, chunk_names_to_megatron
+from megart.training.megatron_distrib_optim import BUCKET_ALIGN, dtype_key, layouts
+from megart.training.megatron_files import chunk_names_to_megatron, chunk_to_megatron
 
 SHARDING = "dp_reshardable"
 STATES = ("param", "exp_avg", "exp_avg_sq")
@@ -62,6 +62,25 @@ def group_prefix(tp_rank: int, pp_rank: int, tp: int) -> str:
 def object_key(prefix: str, name: str) -> str:
     """A ShardedObject's key in the store (Megatron-Core's unique_key of one shard)."""
     return f"{prefix}{name}/shard_0_1"
+
+
+def bucket_key(prefix: str, gbuf: int, dtype: tuple[torch.dtype, torch.dtype], bucket: int) -> str:
+    """The keys' common part of one bucket's tensors (its states follow: ``param``, ...)."""
+    return f"{prefix}gbuf_idx_{gbuf}.dtype_{dtype}.bucket_idx_{bucket}."
+
+
+def check_buckets(root: Path, prefix: str, expected: list[dict[Any, list[int]]]) -> None:
+    """Refuses a store whose group ``prefix`` has other bucket lengths than this model laid
+    out as Megatron-Core does for the saved flags."""
+    key = object_key(prefix, "per_bucket_numel_unpadded")
+    stored = read_object(root, key)
+    if stored != expected:
+        raise ConfigError(
+            f"{root}: {prefix}'s buckets hold {stored} elements where this model's parameters, "
+            f"laid out as Megatron-Core does for the saved flags, take {expected} (saved with "
+            "other --ddp-bucket-size, --ddp-num-buckets or precision flags?); resume with "
+            "--no-load-optim"
+        )
 
 
 @dataclass
@@ -86,7 +105,7 @@ class Buffers:
     dp: int
 
     def key(self, prefix: str, gbuf: int, bucket: int, state: str) -> str:
-        return f"{prefix}gbuf_idx_{gbuf}.dtype_{self.dtype}.bucket_idx_{bucket}.{state}"
+        return bucket_key(prefix, gbuf, self.dtype, bucket) + state
 
     def numel(self, unpadded: bool) -> list[dict[Any, list[int]]]:
         """per_bucket_numel(_unpadded) as Megatron-Core keeps it: the end padding rounds each
@@ -113,7 +132,7 @@ def buffers(chunks: list[Any], args: dict[str, Any], pp_rank: int) -> Buffers:
     (Megatron's names: bucket sizes, precision, data-parallel size)."""
     named = [list(chunk.named_parameters()) for chunk in chunks]
     megatron_chunks = [
-        _chunk_to_megatron(
+        chunk_to_megatron(
             {n: torch.empty(p.shape, device="meta") for n, p in params}, chunk.cfg,
             list(chunk.layer_ids),
         )
@@ -124,15 +143,15 @@ def buffers(chunks: list[Any], args: dict[str, Any], pp_rank: int) -> Buffers:
     for g, (chunk, params, layout) in enumerate(
         zip(chunks, named, layouts(megatron_chunks, args, pp_rank), strict=True)
     ):
-        starts = [sum(layout.buckets[:k]) for k in range(len(layout.buckets))]
         gates = {n.replace(".mlp.gate.", ".mlp.fc."): p for n, p in params if ".mlp.gate." in n}
         for name, p in params:
             megatron, up = _megatron_name(name, chunk)
-            at = layout.ranges[megatron][0] + (gates[name].numel() if up else 0)
-            k = max(i for i, s in enumerate(starts) if s <= at)
-            spans[id(p)] = Span(g, k, at - starts[k], p.numel())
+            k, offset = layout.locate(
+                layout.ranges[megatron][0] + (gates[name].numel() if up else 0)
+            )
+            spans[id(p)] = Span(g, k, offset, p.numel())
         per_buffer.append(layout.buckets)
-    return Buffers(per_buffer, _dtype_key(args), spans, int(args.get("data_parallel_size") or 1))
+    return Buffers(per_buffer, dtype_key(args), spans, int(args.get("data_parallel_size") or 1))
 
 
 def _owned(optimizer: Any, params: list[Any], dp_rank: int) -> list[tuple[Any, int, dict]]:
@@ -269,14 +288,7 @@ def read_state(
     numel_key = object_key(prefix, "per_bucket_numel_unpadded")
     if numel_key not in meta:
         raise ConfigError(f"{root}: the store holds no {numel_key}; not Megatron's {SHARDING}")
-    saved = read_object(root, numel_key)
-    if saved != bufs.numel(unpadded=True):
-        raise ConfigError(
-            f"{root}: its buckets hold {saved} elements where this model's parameters, laid out "
-            f"as Megatron-Core does for the saved flags, take {bufs.numel(unpadded=True)} "
-            "(saved with other --ddp-bucket-size, --ddp-num-buckets or precision flags?); "
-            "resume with --no-load-optim"
-        )
+    check_buckets(root, prefix, bufs.numel(unpadded=True))
     wanted: dict[str, dist_store.Pieces] = {}
     moments = []
     for p in (p for chunk in chunks for p in chunk.parameters()):

@@ -25,7 +25,7 @@ from megart.models import GPT
 from megart.models.megatron_names import to_megatron
 from megart.training import dist_store
 from megart.training import megatron_dist_distopt as distopt
-from megart.training.megatron_distrib_optim import _dtype_key, layouts
+from megart.training.megatron_distrib_optim import dtype_key, layouts
 from megart.training.megatron_layout import OUTPUT, WORD, split
 from megart.training.megatron_optimizer import in_megatron_order
 from megart.training.shards import whole_name
@@ -67,7 +67,7 @@ class Index:
         self.key = torch.full((total,), -1, dtype=torch.int32)
         self.offset = torch.zeros(total, dtype=torch.int64)
         self.buckets: dict[str, list] = {}  # group prefix -> per_bucket_numel_unpadded
-        dtype = _dtype_key(args)
+        dtype = dtype_key(args)
         ranks = split(whole, cfg, tp, pp, vpp)
         for (t, s), chunks in ranks.items():
             chunks = [
@@ -77,14 +77,13 @@ class Index:
             laid = layouts(chunks, args, s)
             self.buckets[prefix] = [{dtype: list(layout.buckets)} for layout in laid]
             for g, layout in enumerate(laid):
-                starts = [sum(layout.buckets[:k]) for k in range(len(layout.buckets))]
                 for name, (a, b) in layout.ranges.items():
-                    k = max(i for i, at in enumerate(starts) if at <= a)
-                    self.keys.append(f"{prefix}gbuf_idx_{g}.dtype_{dtype}.bucket_idx_{k}.")
+                    k, offset = layout.locate(a)
+                    self.keys.append(distopt.bucket_key(prefix, g, dtype, k))
                     ids = chunks[g][name].reshape(-1)
                     held = ids >= 0
                     self.key[ids[held]] = len(self.keys) - 1
-                    self.offset[ids[held]] = a - starts[k] + torch.arange(b - a)[held]
+                    self.offset[ids[held]] = offset + torch.arange(b - a)[held]
 
     def runs(self, ids: torch.Tensor) -> list[tuple[str, int, int, int]]:
         """(bucket key prefix, offset, start, end) of each run of ``ids`` (a parameter's
@@ -128,13 +127,7 @@ def read_resharded(
 
     index = Index(chunks[0].cfg, args)
     for prefix, buckets in index.buckets.items():
-        stored = distopt.read_object(root, distopt.object_key(prefix, "per_bucket_numel_unpadded"))
-        if stored != buckets:
-            raise ConfigError(
-                f"{root}: {prefix}'s buckets hold {stored} elements where this model laid out "
-                f"as Megatron-Core does for the saved flags takes {buckets}; resume with "
-                "--no-load-optim"
-            )
+        distopt.check_buckets(root, prefix, buckets)
     wanted: dict[str, dist_store.Pieces] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     moments = []

@@ -300,9 +300,11 @@ def load(
     reads = _Reads(root)
     saved = common.get("optimizer") or {}
     if load_optim and distopt.is_distributed(common):
-        _load_distributed(root, reads.meta, common, config, grid, chunks, optimizer, directory)
-        if scaler is not None and saved.get("grad_scaler"):
-            scaler.load_state_dict(from_grad_scaler(saved["grad_scaler"]))
+        grad_scaler = _load_distributed(
+            root, reads.meta, common, config, grid, chunks, optimizer, directory
+        )
+        if scaler is not None and grad_scaler:  # the store's object; common.pt has none
+            scaler.load_state_dict(from_grad_scaler(grad_scaler))
         return _load_rng(root, reads.meta, config, grid, rng) if load_rng else ""
     nested = "optimizer" in saved  # Float16OptimizerWithFloat16Params's layout
     inner = saved.get("optimizer", saved)
@@ -349,10 +351,10 @@ def _load_distributed(
     chunks: list[Any],
     optimizer: Any,
     directory: Any,
-) -> None:
+) -> dict[str, Any] | None:
     """The distributed optimizer's store (megart.training.megatron_dist_distopt): the fp32
-    main weights and moments from this rank's group's buckets, the step and grad scaler from
-    its objects, into any layout."""
+    main weights and moments from this rank's group's buckets and the step from its objects,
+    into any layout. Returns the stored grad scaler state (None without one)."""
     check_scheduler(common.get("opt_param_scheduler") or {}, config, directory)
     args = vars(common["args"])
     distopt.check_sharding(root, common["optimizer"]["param_state_sharding_type"])
@@ -362,8 +364,7 @@ def _load_distributed(
         moments, step, groups, grad_scaler = read(root, meta, args, grid, config.tp, chunks)
     _check_groups(groups, optimizer, directory)
     _install(optimizer, moments, step)
-    if grad_scaler:  # where the store has it; common.pt carries none in this layout
-        common["optimizer"]["grad_scaler"] = grad_scaler
+    return grad_scaler
 
 
 def _load_rng(root: Path, meta: dict[str, Any], config: Any, grid: Any, rng: Any) -> str:

@@ -59,6 +59,12 @@ class BufferLayout:
         """The vector's length (Megatron's numel_unpadded): its buckets one after another."""
         return sum(self.buckets)
 
+    def locate(self, at: int) -> tuple[int, int]:
+        """(bucket, offset in that bucket) of element ``at`` of the vector."""
+        starts = [sum(self.buckets[:k]) for k in range(len(self.buckets))]
+        k = max(i for i, start in enumerate(starts) if start <= at)
+        return k, at - starts[k]
+
 
 def _up(n: int, k: int) -> int:
     return -(-n // k) * k
@@ -135,7 +141,7 @@ def layouts(chunks: list[dict[str, Any]], args: dict[str, Any], pp_rank: int) ->
     ]
 
 
-def _dtype_key(args: dict[str, Any]) -> tuple[torch.dtype, torch.dtype]:
+def dtype_key(args: dict[str, Any]) -> tuple[torch.dtype, torch.dtype]:
     """(parameter dtype, gradient dtype) of the buffer: Megatron-LM reduces bf16 runs' (unless
     --grad-reduce-in-bf16) and --accumulate-allreduce-grads-in-fp32 runs' gradients in fp32."""
     if args.get("bf16"):
@@ -189,7 +195,7 @@ def split(state: dict[str, Any], pp_rank: int) -> tuple[dict[str, Any], dict[str
                 if (c, name) in moments:
                     vectors[key][start:end] = moments[c, name][key].reshape(-1)
         vectors["numel_unpadded"] = layout.numel
-        param_state[c] = {_dtype_key(args): vectors}
+        param_state[c] = {dtype_key(args): vectors}
     step = steps.pop() if steps else 0.0
     dist_optimizer: dict[str, Any] = {
         "optimizer": {

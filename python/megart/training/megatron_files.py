@@ -126,7 +126,7 @@ def chunk_names_to_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, layers:
     return out
 
 
-def _chunk_to_megatron(
+def chunk_to_megatron(
     sd: dict[str, torch.Tensor], cfg: GPTConfig, layers: list[int]
 ) -> dict[str, torch.Tensor | None]:
     last = layers[-1] == cfg.num_layers - 1
@@ -147,7 +147,7 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
     besides under ``megart``."""
     iteration, layers = state["iteration"], state["layer_ids"]
     model = [
-        _chunk_to_megatron(sd, cfg, ids) for sd, ids in zip(state["model"], layers, strict=True)
+        chunk_to_megatron(sd, cfg, ids) for sd, ids in zip(state["model"], layers, strict=True)
     ]
     half = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
     args = training_args(config, cfg, iteration, dp)
