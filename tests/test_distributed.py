@@ -1,6 +1,7 @@
 """megart.distributed on the shm transport, with real processes (2 and 4 ranks)."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -121,6 +122,32 @@ def test_launched_ranks_share_the_cores_and_an_env_overrides_the_threads():
         expect = max(1, cores // nproc)
         assert launch(_threads, nproc, timeout=60) == [(expect, str(expect))] * nproc
     assert launch(_threads, 2, timeout=60, env={"OMP_NUM_THREADS": "3"}) == [(3, "3")] * 2
+
+
+def _print_rank():
+    print(f"hello from rank {os.environ['RANK']}", flush=True)
+    print(f"warning from rank {os.environ['RANK']}", file=sys.stderr, flush=True)
+
+
+def test_ranks_write_to_the_launchers_stdout_and_stderr_of_the_moment(tmp_path):
+    """Ranks forked by a server started earlier write where the launcher's output goes now,
+    not where it went when the server started."""
+    saved = os.dup(1), os.dup(2)
+    try:
+        for name in ("before", "now"):
+            with open(tmp_path / name, "w") as f:
+                os.dup2(f.fileno(), 1)
+                os.dup2(f.fileno(), 2)
+                launch(_print_rank, 2, timeout=60)  # the first call may start the server
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+    now = (tmp_path / "now").read_text()
+    for r in (0, 1):
+        assert now.count(f"hello from rank {r}") == 1
+        assert now.count(f"warning from rank {r}") == 1
 
 
 def _raise_on_rank_1():

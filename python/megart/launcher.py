@@ -9,9 +9,11 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 from megart.errors import MegartError
@@ -40,9 +42,37 @@ def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
     }
 
 
+class _Stdio:
+    """The launcher's stdout and stderr, handed to a rank as file descriptors when it starts: a
+    rank forked by the fork server would otherwise write where the server's were when it
+    started (under pytest, the capture of whichever test started it)."""
+
+    def __init__(self, fds: tuple[Any, Any] | None = None) -> None:
+        self.fds = fds
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Stdio, ((reduction.DupFd(1), reduction.DupFd(2)),))
+
+    def adopt(self) -> None:
+        if self.fds is None:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, fd in zip((1, 2), self.fds, strict=True):
+            handed = fd.detach()
+            os.dup2(handed, target)
+            os.close(handed)
+
+
 def _worker(
-    fn: Callable[..., Any], args: tuple, rank: int, env: dict[str, str], results: mp.Queue
+    fn: Callable[..., Any],
+    args: tuple,
+    rank: int,
+    env: dict[str, str],
+    results: mp.Queue,
+    stdio: _Stdio,
 ) -> None:
+    stdio.adopt()
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     # Unpickling ``fn`` may already have imported torch, and OpenMP reads OMP_NUM_THREADS only
@@ -58,6 +88,22 @@ def _worker(
         results.put((rank, False, traceback.format_exc()))
 
 
+# Modules every rank imports. Where the platform can fork, one server process imports them once
+# and forks each rank from it: a rank then starts in milliseconds, not the seconds that importing
+# torch takes (most of a short multi-rank test). The server only imports, so it holds no threads,
+# no CUDA context and no communicator a fork could copy; everything a rank's environment decides
+# (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES, MASTER_PORT...) is read after the fork.
+_PRELOAD = ["torch", "megart.training.trainer"]
+
+
+def _context() -> Any:
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def launch(
     fn: Callable[..., Any],
     nproc: int,
@@ -69,7 +115,7 @@ def launch(
     rank order. ``fn`` must be importable (a module-level function). Raises LaunchError naming
     the rank and its traceback when one fails, or the ranks still running after ``timeout``
     seconds; every process is ended before this returns."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: mp.Queue = ctx.Queue()
     base = {
         "WORLD_SIZE": str(nproc),
@@ -83,7 +129,7 @@ def launch(
         **(env or {}),
     }
     procs = [
-        ctx.Process(target=_worker, args=(fn, args, r, base, results), daemon=True)
+        ctx.Process(target=_worker, args=(fn, args, r, base, results, _Stdio()), daemon=True)
         for r in range(nproc)
     ]
     for p in procs:
