@@ -1,11 +1,13 @@
 #include <pybind11/operators.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "bindings.hpp"
+#include "schedule/post_plan.hpp"
 #include "schedule/simulate.hpp"
 #include "schedule/state_machine.hpp"
 #include "schedule/validate.hpp"
@@ -93,6 +95,22 @@ void bind_types(py::module_& m) {
       .def_readonly("makespan", &Simulation::makespan)
       .def_readonly("ideal", &Simulation::ideal)
       .def_readonly("bubble_fraction", &Simulation::bubble_fraction);
+
+  py::class_<Step>(m, "Step",
+                   "One thing a rank does, in its order: run a compute, or post communication "
+                   "actions as one group.")
+      .def(py::init([](std::optional<Action> compute, std::vector<Action> post) {
+             return Step{std::move(compute), std::move(post)};
+           }),
+           py::arg("compute") = py::none(), py::arg("post") = std::vector<Action>{})
+      .def_readonly("compute", &Step::compute)
+      .def_readonly("post", &Step::post)
+      .def("__repr__", [](const Step& st) {
+        if (st.compute) return "Step(compute=" + to_string(*st.compute) + ")";
+        std::string out = "Step(post=[";
+        for (size_t i = 0; i < st.post.size(); ++i) out += (i ? ", " : "") + to_string(st.post[i]);
+        return out + "])";
+      });
 }
 
 void bind_state_machine(py::module_& m) {
@@ -145,6 +163,7 @@ void bind_schedule(py::module_& m) {
   m.def("forward_only", &forward_only, py::arg("schedule"));
   m.def("problems", &problems, py::arg("schedule"));
   m.def("validate", &validate, py::arg("schedule"));
+  m.def("post_plan", &post_plan, py::arg("schedule"), py::call_guard<py::gil_scoped_release>());
   m.def("simulate", &simulate, py::arg("schedule"), py::arg("costs") = Costs{},
         py::call_guard<py::gil_scoped_release>());
   m.def(

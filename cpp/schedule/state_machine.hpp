@@ -1,5 +1,6 @@
 // One rank's schedule as a state machine: which action may run next, given what has completed.
-// The simulator drives one per rank; the pipeline engine drives one on its own rank.
+// The simulator drives one per rank. (The pipeline engine follows post_plan.hpp instead: its
+// groups must agree with its neighbours', which one rank's machine cannot see.)
 #pragma once
 
 #include <cstdint>

@@ -7,6 +7,7 @@
 #include "comm/nccl_library.hpp"
 #include "comm/types.hpp"
 #include "common/error.hpp"
+#include "schedule/post_plan.hpp"
 #include "schedule/simulate.hpp"
 #include "schedule/state_machine.hpp"
 #include "schedule/validate.hpp"
@@ -140,6 +141,48 @@ TEST(state_machine_waits_for_data_and_refuses_early_issue) {
   CHECK(sm.issue().op == Op::Forward);
   CHECK_EQ(sm.stashed(), 1);
   CHECK_THROWS(ScheduleError, sm.complete(recv), "completed twice");
+}
+
+namespace {
+
+// Rank r's groups, each cut down to its messages with `peer`, as sets: "[F0 ][B0 F1 ]..." (empty
+// ones left out; within a group NCCL orders only the messages of one direction).
+std::string groups_with(const std::vector<Step>& steps, int peer) {
+  std::string out;
+  for (const Step& st : steps) {
+    std::vector<std::string> group;
+    for (const Action& a : st.post) {
+      if (a.peer != peer) continue;
+      const bool gradient = a.op == Op::SendBackward || a.op == Op::RecvBackward;
+      group.push_back((gradient ? "B" : "F") + std::to_string(a.microbatch) + " ");
+    }
+    if (group.empty()) continue;
+    std::sort(group.begin(), group.end());
+    out += "[";
+    for (const std::string& message : group) out += message;
+    out += "]";
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(post_plan_groups_each_pairs_messages_alike_on_both_ranks) {
+  for (const Schedule& s : {build(Kind::OneFOneB, 4, 8), build(Kind::Interleaved, 2, 4, 2),
+                            build(Kind::ZeroBubbleV, 3, 6, 2)}) {
+    const auto plan = post_plan(s);
+    for (int a = 0; a < s.stages; ++a) {
+      for (int b = a + 1; b < s.stages; ++b) {
+        CHECK_EQ(groups_with(plan[a], b), groups_with(plan[b], a));
+      }
+    }
+  }
+  // As written, a rank's consecutive messages would go as one group (a send with the next
+  // receive) while the neighbour receives alone; the plan sends F0 alone, right after its forward.
+  const auto plan = post_plan(build(Kind::OneFOneB, 2, 4));
+  CHECK_EQ(groups_with(plan[0], 1).substr(0, 5), std::string("[F0 ]"));
+  CHECK(plan[0][0].compute && plan[0][0].compute->op == Op::Forward);
+  CHECK(!plan[0][1].compute && plan[0][1].post.size() == 1);
 }
 
 TEST(arguments_are_checked_with_what_would_fit) {

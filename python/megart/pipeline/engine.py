@@ -1,7 +1,7 @@
 """The pipeline engine: runs one training iteration of a C++ schedule on this rank's model
 chunks, action by action.
 
-Each rank follows its posting plan (:mod:`megart.pipeline.post_plan`): the schedule's compute
+Each rank follows its posting plan (:func:`megart.schedule.post_plan`, C++): the schedule's compute
 actions in order, and its messages in groups that agree with the neighbours' groups, as NCCL
 requires, each posted as soon as its sends' tensors exist (receives early, so transfers overlap
 compute); a receive is waited for only when the compute that needs it is next; sends stay in
@@ -28,7 +28,6 @@ from torch import nn
 import megart.distributed as dist
 from megart import schedule as sched
 from megart.errors import ConfigError, ScheduleError
-from megart.pipeline import post_plan
 from megart.pipeline.p2p import StageLink
 from megart.tensor_parallel.weight_grad import WeightGradStore, deferring
 
@@ -67,7 +66,7 @@ class PipelineEngine:
         self._evaluation = sched.forward_only(schedule)
         # This rank's steps for a training and an evaluation pass (every rank plans all ranks
         # alike, so the groups agree without a message).
-        self._steps = {id(s): post_plan.plan(s)[rank] for s in (self.schedule, self._evaluation)}
+        self._steps = {id(s): sched.post_plan(s)[rank] for s in (self.schedule, self._evaluation)}
         self._like = torch.empty(tuple(activation_shape), dtype=dtype, device=device)
         # Host seconds the last run() or evaluate() spent inside forward and backward actions;
         # the rest of its time went to posting and waiting for communication (on CPU, the
@@ -231,7 +230,7 @@ class PipelineEngine:
 
     def _drive(
         self,
-        steps: list[post_plan.Step],
+        steps: list[sched.Step],
         post: Callable[[list[sched.Action]], None],
         run_step: Callable[[sched.Action], None],
         sends: list[dist.Work],

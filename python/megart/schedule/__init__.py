@@ -23,6 +23,7 @@ Schedule = _s.Schedule
 Simulation = _s.Simulation
 Costs = _s.Costs
 RankStateMachine = _s.RankStateMachine
+Step = _s.Step
 
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
@@ -33,9 +34,11 @@ __all__ = [
     "Simulation",
     "Costs",
     "RankStateMachine",
+    "Step",
     "build",
     "from_compute_orders",
     "forward_only",
+    "post_plan",
     "problems",
     "validate",
     "simulate",
@@ -64,6 +67,14 @@ def from_compute_orders(
     """A schedule from each rank's compute order (F/B/I/W actions), with the sends and receives
     placed the way the built-in kinds place them."""
     return _s.with_communication([list(o) for o in orders], microbatches, chunks, kind)
+
+
+def post_plan(schedule: Schedule) -> list[list[Step]]:
+    """Every rank's posting plan: its computes in the schedule's order, and its messages in
+    groups (``Step.post``) that NCCL can match, since both ranks of a pair group their messages
+    alike (see cpp/schedule/post_plan.hpp). Raises DeadlockError for a schedule no blocking
+    transport can run."""
+    return _s.post_plan(schedule)
 
 
 def problems(schedule: Schedule) -> list[str]:
