@@ -8,22 +8,21 @@
 // NCCL also runs a communicator's groups one after another, in posting order, so the order must
 // leave no cycle of waits between ranks.
 //
-// A schedule gives each rank an order written for that rank alone. The plan plays all ranks'
-// schedules forward together in rounds:
-// 1. each rank runs its next compute if its input is there (a message received in an earlier
-//    round, or a hand-over from a chunk on the same rank); the communication actions it passes
-//    on the way become pending;
-// 2. every pending op whose partner (the op on the other rank, paired first-in first-out per
-//    direction, as NCCL pairs them) is pending too goes in this round; each rank's share of a
-//    round is one group.
-// One compute per rank per round keeps groups as small as the schedule's own batches, so a
-// transfer waits for nothing but its partner. A group is placed in its rank's order right after
-// the compute that made its last send (and after the rank's previous group), not where the
-// rounds found it, so a send leaves as soon as its tensor exists.
+// A schedule gives each rank an order written for that rank alone; the plan groups its messages
+// by when the schedule, played as written, would start them: the simulator (simulate.hpp) runs
+// every rank with reference costs (F = 1, B = 2, I = W = 1, communication free), each message
+// starting once both ends have posted it. The messages a rank starts at the same moment form
+// one group, and every rank posts its groups in the order of those moments, each right after
+// the compute that made its last send (and after the rank's previous group), so a send leaves
+// as soon as its tensor exists.
 //
-// Both ranks of a pair put the same ops in a round's groups by construction, and every rank posts
-// its groups in round order, so round numbers order all groups of all ranks: nothing waits on a
-// later round. Every transport runs the same plan, so the CPU runs test the GPU's grouping.
+// A message's two ends start at the same moment, so both ranks of a pair group their messages
+// alike; every rank posts in the order of the moments, so no group waits on a later one (every
+// reference cost is positive: a compute starts strictly after the messages it needs, and ends
+// strictly before the sends it makes). With the reference costs the plan starts every message
+// when the schedule as written would, so it keeps the schedule's bubble; grouping by rounds of
+// one compute per rank (the first version) coupled a rank's sends to its neighbours' progress
+// and lost up to a quarter of an interleaved iteration (simulate_plan, p = 8).
 #pragma once
 
 #include <optional>

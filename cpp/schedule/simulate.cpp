@@ -70,26 +70,7 @@ class Simulator {
   }
 
  private:
-  double cost(const Action& a) const {
-    const double v = s_.chunks;
-    switch (a.op) {
-      case Op::Forward:
-        return costs_.forward / v;
-      case Op::Backward:
-        return costs_.backward / v;
-      case Op::BackwardInput:
-        return costs_.backward * (1 - costs_.weight_fraction) / v;
-      case Op::BackwardWeight:
-        return costs_.backward * costs_.weight_fraction / v;
-      default:
-        return 0;
-    }
-  }
-
-  double transfer_time() const {
-    const double wire = costs_.bandwidth > 0 ? costs_.message_bytes / costs_.bandwidth : 0;
-    return costs_.latency + wire;
-  }
+  double cost(const Action& a) const { return costs_.of(a, s_.chunks); }
 
   void push(double time, int rank, int peer, size_t span, size_t peer_span) {
     events_.push(Event{time, next_order_++, rank, peer, span, peer_span});
@@ -124,7 +105,7 @@ class Simulator {
       link.sends.pop_front();
       link.recvs.pop_front();
       const double start = std::max({tx.time, rx.time, link.free_at});
-      const double end = start + transfer_time();
+      const double end = start + costs_.transfer();
       link.free_at = end;
       for (const Posted& p : {tx, rx}) {
         Span& span = out_.ranks[p.rank].communication[p.span];
@@ -179,6 +160,29 @@ class Simulator {
   Simulation out_;
 };
 
+}  // namespace
+
+double Costs::of(const Action& a, int chunks) const {
+  const double v = chunks;
+  switch (a.op) {
+    case Op::Forward:
+      return forward / v;
+    case Op::Backward:
+      return backward / v;
+    case Op::BackwardInput:
+      return backward * (1 - weight_fraction) / v;
+    case Op::BackwardWeight:
+      return backward * weight_fraction / v;
+    default:
+      return 0;
+  }
+}
+
+double Costs::transfer() const {
+  const double wire = bandwidth > 0 ? message_bytes / bandwidth : 0;
+  return latency + wire;
+}
+
 void check_costs(const Costs& c) {
   auto bad = [](double x) { return !(x >= 0) || x == std::numeric_limits<double>::infinity(); };
   if (bad(c.forward) || bad(c.backward) || bad(c.latency) || bad(c.bandwidth) ||
@@ -189,8 +193,6 @@ void check_costs(const Costs& c) {
     throw ConfigError("weight_fraction must lie in [0, 1]");
   }
 }
-
-}  // namespace
 
 Simulation simulate(const Schedule& s, const Costs& costs) {
   check_costs(costs);

@@ -17,7 +17,15 @@ struct Costs {
   double latency = 0.0;        // per message
   double bandwidth = 0.0;      // bytes per unit of time; 0 means unlimited
   double message_bytes = 0.0;  // bytes of one inter-stage tensor
+
+  // Time of one compute action of a schedule with `chunks` chunks per rank (0 for messages).
+  double of(const Action& a, int chunks) const;
+  // Time of one message on its link.
+  double transfer() const;
 };
+
+// Throws ConfigError for costs that are negative or not finite.
+void check_costs(const Costs& c);
 
 // One action on a timeline. Compute: issued == start, end when done. Communication: issued
 // when posted, start when the transfer began (both sides posted and the link free), end when
@@ -46,5 +54,14 @@ struct Simulation {
 // Validates, then runs every rank's state machine against the costs. Throws DeadlockError
 // naming each blocked rank and what it waits on when no rank can progress.
 Simulation simulate(const Schedule& s, const Costs& costs);
+
+// Times the posting plan of `s` (post_plan.hpp) as NCCL runs it, not the order as written: a
+// rank's groups run one after another, each once the computes posted before it have finished
+// (its sends' tensors; the stream's order) and together with the groups on other ranks that hold
+// its messages' other ends; a group's messages share their links (one message at a time on each
+// directed link, the links in parallel), and a compute starts once the group bringing its input
+// has ended. Spans of messages: issued when their group was ready on this rank, start and end of
+// the group's run. Throws DeadlockError when the plan cannot progress.
+Simulation simulate_plan(const Schedule& s, const Costs& costs);
 
 }  // namespace megart::schedule

@@ -101,7 +101,9 @@ def estimate(
         tp_gpu = dataclasses.replace(gpu, nvlink_bus_gb_per_s=gpu.rail_gb_per_s)
     per_layer = layer_work(cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap)
     stage = per_layer * (cfg.num_layers / p) + logits_work(cfg, b, t, gpu)
-    run = _pipeline_run(c, cfg, layout, dp, gpu, stage, prec.residual, m, simulate, pp_overlap)
+    run = _pipeline_run(
+        c, cfg, layout, dp, gpu, stage, prec.residual, m, simulate, pp_overlap, runtime
+    )
     worst, held = _worst_rank_memory(c, cfg, layout, dp, run, runtime, unfused_attention)
     worst_rank_params = worst["gradients"]
     worst["allowance"] = gpu.memory_gib * GIB - gpu.usable_bytes
@@ -209,10 +211,11 @@ def _pipeline_run(
     m: int,
     simulate: bool,
     pp_overlap: bool,
+    runtime: str,
 ) -> _PipelineRun:
     """The schedule's makespan and bubble with ``stage``'s costs, by megart's simulator (or
     theory when ``simulate`` is False and the schedule has a closed form), its messages over
-    NVLink or a rail."""
+    NVLink or a rail. megart's runtime is timed as it runs: its posting plan's NCCL groups."""
     t, p, v, b, sp = layout.sizes()
     # Pipeline messages: the fp32 residual stream, 1/t of it with scatter/gather or
     # sequence parallelism; over a rail when consecutive stages sit on different nodes.
@@ -245,6 +248,7 @@ def _pipeline_run(
             bandwidth=link_bw,
             message_bytes=message,
             weight_fraction=stage.weight / stage.backward if zero_bubble else 0.5,
+            posted=runtime == "megart",
         )
         makespan, bubble = sim.makespan, sim.bubble_fraction
         in_flight = [r.peak_stashed for r in sim.ranks]

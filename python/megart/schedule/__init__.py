@@ -95,11 +95,16 @@ def simulate(
     bandwidth: float = 0.0,
     message_bytes: float = 0.0,
     weight_fraction: float = 0.5,
+    posted: bool = False,
 ) -> Simulation:
     """Runs all ranks together. ``forward_time`` and ``backward_time`` are for one microbatch
     through a rank's whole share of the model (each of v chunks takes 1/v of it); each message
     costs ``latency + message_bytes / bandwidth`` (bandwidth 0: unlimited). Raises DeadlockError
-    naming the blocked ranks when the schedule cannot progress."""
+    naming the blocked ranks when the schedule cannot progress.
+
+    ``posted`` times what the pipeline engine runs: the schedule's posting plan (see
+    :func:`post_plan`) with NCCL's group semantics (a rank's groups one after another, each with
+    its partners' groups, after the computes posted before it), not the order as written."""
     costs = Costs(
         forward=forward_time,
         backward=backward_time,
@@ -108,7 +113,7 @@ def simulate(
         bandwidth=bandwidth,
         message_bytes=message_bytes,
     )
-    return _s.simulate(schedule, costs)
+    return (_s.simulate_plan if posted else _s.simulate)(schedule, costs)
 
 
 def theoretical_bubble(kind: str, stages: int, microbatches: int, chunks: int = 1) -> float:
