@@ -9,9 +9,11 @@ plan lost up to a quarter of an interleaved iteration at p = 8, which this check
 
 from collections import defaultdict
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megart import ConfigError
 from megart import schedule as sched
 
 KINDS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}
@@ -124,12 +126,28 @@ def test_posted_timing_matches_an_independent_model_of_nccl_groups(s, latency):
 
 
 @settings(max_examples=60, deadline=None)
-@given(s=SCHEDULES)
-def test_the_plan_keeps_the_schedules_bubble_with_free_communication(s):
-    as_written = sched.simulate(s)
-    posted = sched.simulate(s, posted=True)
+@given(
+    s=SCHEDULES,
+    forward=st.sampled_from([1.0, 0.7, 2.5]),
+    backward=st.sampled_from([2.0, 1.1, 3.0]),
+    weight_fraction=st.sampled_from([0.5, 0.2, 0.8]),
+)
+def test_the_plan_keeps_the_schedules_bubble_for_the_costs_it_was_made_for(
+    s, forward, backward, weight_fraction
+):
+    """With free communication, a plan made for the computes' costs (simulate's posted timing
+    makes it so) starts every message when the schedule as written would."""
+    costs = dict(forward_time=forward, backward_time=backward, weight_fraction=weight_fraction)
+    as_written = sched.simulate(s, **costs)
+    posted = sched.simulate(s, posted=True, **costs)
     assert abs(posted.makespan - as_written.makespan) < 1e-9
     assert [r.peak_stashed for r in posted.ranks] == [r.peak_stashed for r in as_written.ranks]
+
+
+def test_a_plan_needs_computes_that_take_time():
+    s = sched.build("zb-h1", 2, 4)
+    with pytest.raises(ConfigError, match="weight_fraction strictly between 0 and 1"):
+        sched.post_plan(s, sched.Costs(weight_fraction=0.0))
 
 
 def test_interleaved_at_p8_keeps_its_theoretical_bubble():

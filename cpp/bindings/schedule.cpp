@@ -163,7 +163,8 @@ void bind_schedule(py::module_& m) {
   m.def("forward_only", &forward_only, py::arg("schedule"));
   m.def("problems", &problems, py::arg("schedule"));
   m.def("validate", &validate, py::arg("schedule"));
-  m.def("post_plan", &post_plan, py::arg("schedule"), py::call_guard<py::gil_scoped_release>());
+  m.def("post_plan", &post_plan, py::arg("schedule"), py::arg("costs") = Costs{},
+        py::call_guard<py::gil_scoped_release>());
   m.def("simulate", &simulate, py::arg("schedule"), py::arg("costs") = Costs{},
         py::call_guard<py::gil_scoped_release>());
   m.def("simulate_plan", &simulate_plan, py::arg("schedule"), py::arg("costs") = Costs{},

@@ -5,12 +5,22 @@
 #include <utility>
 #include <vector>
 
+#include "common/error.hpp"
 #include "schedule/simulate.hpp"
 
 namespace megart::schedule {
 
-std::vector<std::vector<Step>> post_plan(const Schedule& s) {
-  const Simulation as_written = simulate(s, Costs{});  // validates; throws for a deadlock
+std::vector<std::vector<Step>> post_plan(const Schedule& s, const Costs& costs) {
+  // Every compute must take time, or a group could wait on a compute that waits on it.
+  if (!(costs.forward > 0 && costs.backward > 0 && costs.weight_fraction > 0 &&
+        costs.weight_fraction < 1)) {
+    throw ConfigError(
+        "a posting plan needs forward and backward costs above 0 and a weight_fraction "
+        "strictly between 0 and 1");
+  }
+  Costs computes_only = costs;
+  computes_only.latency = computes_only.bandwidth = computes_only.message_bytes = 0;
+  const Simulation as_written = simulate(s, computes_only);  // validates; throws for a deadlock
   std::vector<std::vector<Step>> plan(s.stages);
   for (int r = 0; r < s.stages; ++r) {
     // The rank's computes, and its messages by start, each with the computes before it in the

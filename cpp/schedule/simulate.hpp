@@ -55,7 +55,8 @@ struct Simulation {
 // naming each blocked rank and what it waits on when no rank can progress.
 Simulation simulate(const Schedule& s, const Costs& costs);
 
-// Times the posting plan of `s` (post_plan.hpp) as NCCL runs it, not the order as written: a
+// Times the posting plan of `s` (post_plan.hpp, planned for these costs) as NCCL runs it, not the
+// order as written: a
 // rank's groups run one after another, each once the computes posted before it have finished
 // (its sends' tensors; the stream's order) and together with the groups on other ranks that hold
 // its messages' other ends; a group's messages share their links (one message at a time on each

@@ -48,7 +48,7 @@ class PlanTimer {
     computes_.resize(p);
     compute_end_.resize(p);
     groups_of_.resize(p);
-    const std::vector<std::vector<Step>> plan = post_plan(s);
+    const std::vector<std::vector<Step>> plan = post_plan(s, c);
     for (int r = 0; r < p; ++r) {
       for (const Step& st : plan[r]) {
         if (st.compute) {

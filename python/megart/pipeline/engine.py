@@ -39,6 +39,8 @@ class PipelineEngine:
 
     ``activation_shape`` and ``dtype`` describe every tensor that crosses stages (one
     microbatch's hidden states), so receive buffers can be posted before the data exists.
+    ``plan_costs``: the computes' expected relative costs, which the posting plan is made for
+    (see :func:`megart.schedule.post_plan`); the same on every rank.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class PipelineEngine:
         activation_shape: Sequence[int],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        plan_costs: sched.Costs | None = None,
     ) -> None:
         if len(chunks) != schedule.chunks:
             raise ConfigError(
@@ -65,8 +68,10 @@ class PipelineEngine:
         self.schedule, self.rank, self.chunks, self.link = schedule, rank, list(chunks), link
         self._evaluation = sched.forward_only(schedule)
         # This rank's steps for a training and an evaluation pass (every rank plans all ranks
-        # alike, so the groups agree without a message).
-        self._steps = {id(s): sched.post_plan(s)[rank] for s in (self.schedule, self._evaluation)}
+        # alike, with the same costs, so the groups agree without a message).
+        self._steps = {
+            id(s): sched.post_plan(s, plan_costs)[rank] for s in (self.schedule, self._evaluation)
+        }
         self._like = torch.empty(tuple(activation_shape), dtype=dtype, device=device)
         # Host seconds the last run() or evaluate() spent inside forward and backward actions;
         # the rest of its time went to posting and waiting for communication (on CPU, the

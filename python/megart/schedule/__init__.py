@@ -69,12 +69,13 @@ def from_compute_orders(
     return _s.with_communication([list(o) for o in orders], microbatches, chunks, kind)
 
 
-def post_plan(schedule: Schedule) -> list[list[Step]]:
+def post_plan(schedule: Schedule, costs: Costs | None = None) -> list[list[Step]]:
     """Every rank's posting plan: its computes in the schedule's order, and its messages in
     groups (``Step.post``) that NCCL can match, since both ranks of a pair group their messages
-    alike (see cpp/schedule/post_plan.hpp). Raises DeadlockError for a schedule no blocking
-    transport can run."""
-    return _s.post_plan(schedule)
+    alike (see cpp/schedule/post_plan.hpp). ``costs``: the computes' expected costs (default
+    F = 1, B = 2, I = W = 1), the same on every rank. Raises DeadlockError for a schedule no
+    blocking transport can run."""
+    return _s.post_plan(schedule, costs or Costs())
 
 
 def problems(schedule: Schedule) -> list[str]:
@@ -103,8 +104,9 @@ def simulate(
     naming the blocked ranks when the schedule cannot progress.
 
     ``posted`` times what the pipeline engine runs: the schedule's posting plan (see
-    :func:`post_plan`) with NCCL's group semantics (a rank's groups one after another, each with
-    its partners' groups, after the computes posted before it), not the order as written."""
+    :func:`post_plan`), planned for these compute costs, with NCCL's group semantics (a rank's
+    groups one after another, each with its partners' groups, after the computes posted before
+    it), not the order as written."""
     costs = Costs(
         forward=forward_time,
         backward=backward_time,

@@ -32,6 +32,15 @@ from megart.training.reporting import RunLog, peak_flops, run_description
 from megart.training.stopping import EarlyExit, check_finite
 
 
+def plan_costs(c: TrainConfig) -> sched.Costs:
+    """The relative costs the pipeline's posting plan is made for: a layer's input gradient
+    and its weight gradient each take about its forward's matrix products (F : I : W = 1 : 1 :
+    1), and full recomputation runs the forward again before the input gradient."""
+    recomputed = 1.0 if c.recompute_granularity == "full" else 0.0
+    backward = 2.0 + recomputed
+    return sched.Costs(forward=1.0, backward=backward, weight_fraction=1.0 / backward)
+
+
 class Trainer:
     """Builds the grid, the model chunks of this rank, the pipeline engine, the gradient
     buckets and the optimizer from a :class:`TrainConfig`; :meth:`train` runs the loop."""
@@ -89,7 +98,13 @@ class Trainer:
             c, g = self.config, self.grid
             schedule = sched.build(c.schedule, c.pp, m, c.chunks)
             self._engines[m] = PipelineEngine(
-                schedule, g.pp_rank, self.chunks, self.link, self._activation, device=self.device
+                schedule,
+                g.pp_rank,
+                self.chunks,
+                self.link,
+                self._activation,
+                device=self.device,
+                plan_costs=plan_costs(c),
             )
         return self._engines[m]
 
