@@ -212,11 +212,16 @@ def test_cpu_tensors_use_the_torch_reference():
     assert cuda_kernel("bias_gelu_forward", torch.zeros(3)) is None
 
 
-def test_fusion_flags_are_train_flags_and_off_by_default():
+def test_fusion_flags_are_train_flags_and_only_bias_gelu_is_on_by_default():
+    """--bias-gelu-fusion is on in megart train's default run, as in Megatron-LM; the other
+    two are off; GPTConfig, the library's model config, turns none on by itself."""
     from megart.cli.train import add_arguments, config_from_args
 
     names = ("bias_gelu_fusion", "fused_layer_norm", "cross_entropy_loss_fusion")
-    assert not any(getattr(TrainConfig(), n) or getattr(GPTConfig(), n) for n in names)
+    assert not any(getattr(GPTConfig(), n) for n in names)
+    default = TrainConfig().gpt_config()
+    assert default.bias_gelu_fusion
+    assert not default.fused_layer_norm and not default.cross_entropy_loss_fusion
     import argparse
 
     parser = argparse.ArgumentParser()

@@ -3,6 +3,8 @@ tokenizers come from the tokenizers and transformers libraries, samples-based sc
 Megatron's formulas, rope rotates halves (or adjacent pairs with --rotary-interleaved, as old
 checkpoints do), what megart cannot do is refused by name, and the overlap flags are real."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -48,12 +50,14 @@ def parse(*argv: str):
 
 def test_megatrons_switches_that_turn_a_fusion_off_are_accepted_and_change_nothing():
     """A kernel choice never changes the math: each of Megatron's --no-*-fusion switches gives
-    the default config, and --no-bias-gelu-fusion is megart's own switch, last flag winning."""
+    the default config, except --no-bias-gelu-fusion, megart's own switch (on by default, as
+    Megatron's), last flag winning."""
     from megart.training.megatron_flags import FUSIONS_OFF
 
     default = parse()
-    assert parse(*FUSIONS_OFF) == default
-    assert not default.bias_gelu_fusion
+    assert parse(*FUSIONS_OFF) == dataclasses.replace(default, bias_gelu_fusion=False)
+    assert default.gpt_config().bias_gelu_fusion
+    assert not parse(*FUSIONS_OFF).gpt_config().bias_gelu_fusion
     assert not parse("--bias-gelu-fusion", "--no-bias-gelu-fusion").bias_gelu_fusion
     assert parse("--no-bias-gelu-fusion", "--bias-gelu-fusion").bias_gelu_fusion
     assert parse("--swiglu", "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion").swiglu

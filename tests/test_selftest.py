@@ -2,6 +2,7 @@
 its GPU checks' logic, run here on CPU tensors, fails a wrong kernel or transport and names the
 flag that avoids it; under torchrun it compares every collective with torch.distributed's."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -73,16 +74,16 @@ def test_a_wrong_transport_fails_its_ops_and_names_the_fallback():
 def test_kernel_checks_pass_the_reference_and_fail_a_wrong_kernel_naming_its_flag():
     checks = components.check_kernels(torch.device("cpu"))
     assert len(checks) == 9 and all(c.status == "pass" for c in checks), checks
-    off = components.Kernel(
-        "bias_gelu",
-        components.KERNELS[0].make,
-        lambda x, b: components.KERNELS[0].run(x, b) * 1.1,  # 10% off, as a broken kernel
-        components.KERNELS[0].reference,
-        "--bias-gelu-fusion",
+    off = dataclasses.replace(
+        components.KERNELS[0],
+        run=lambda x, b: components.KERNELS[0].run(x, b) * 1.1,  # 10% off, as a broken kernel
     )
     bad = components.check_kernels(torch.device("cpu"), (off,), (torch.float32, torch.bfloat16))
     assert [c.status for c in bad] == ["fail", "fail"]
-    assert all("--bias-gelu-fusion" in c.detail and c.error > 5e-3 for c in bad)
+    # bias-GeLU fusion is on by default in megart train: the flag that turns it off.
+    assert all("avoid it with --no-bias-gelu-fusion" in c.detail for c in bad)
+    assert all(c.avoid == "--no-bias-gelu-fusion" and c.error > 5e-3 for c in bad)
+    assert components.KERNELS[1].avoid() == "no --fused-layer-norm (it is off by default)"
     nan = components.Kernel("nan", off.make, lambda x, b: x * float("nan"), off.reference, "--x")
     assert components.check_kernels(torch.device("cpu"), (nan,), (torch.float32,))[
         0

@@ -128,8 +128,10 @@ def test_each_architecture_flag_reaches_gpt_config(argv, field, value):
     default = dataclasses.asdict(parse().gpt_config())
     got = dataclasses.asdict(parse(*argv).gpt_config())
     assert got[field] == value != default[field]
+    # Without biases there is no bias add to fuse: the fusion goes off too, as in Megatron.
+    also = {"bias_gelu_fusion": False} if field == "bias" else {}
     assert {k: v for k, v in got.items() if k != field} == {
-        k: v for k, v in default.items() if k != field
+        k: also.get(k, v) for k, v in default.items() if k != field
     }
 
 
@@ -141,9 +143,49 @@ def test_swiglu_takes_megatrons_mlp_size_unless_one_is_given():
 
 
 def test_defaults_build_the_gpt2_model_the_trainer_always_built():
-    assert parse().gpt_config() == GPTConfig(
+    gpt2 = GPTConfig(
         vocab_size=256, seq_length=128, hidden_size=128, num_layers=4, num_attention_heads=4
     )
+    # The MLP's bias add and GeLU fused, Megatron's default: a kernel choice, the same math.
+    assert parse().gpt_config() == dataclasses.replace(gpt2, bias_gelu_fusion=True)
+
+
+@pytest.mark.parametrize(
+    "argv, fused",
+    [
+        ((), True),
+        (("--no-bias-gelu-fusion",), False),
+        (("--swiglu",), False),
+        (("--disable-bias-linear",), False),
+        (("--swiglu", "--disable-bias-linear"), False),
+        (("--swiglu", "--no-bias-gelu-fusion"), False),
+        (("--bias-gelu-fusion",), True),
+    ],
+)
+def test_the_default_run_fuses_bias_and_gelu_where_the_mlp_has_them(monkeypatch, argv, fused):
+    """As Megatron-LM: bias-GeLU fusion is on by default, off with --no-bias-gelu-fusion, and
+    off without a word where there is no bias add and GeLU to fuse (--swiglu,
+    --disable-bias-linear). Each layer's MLP calls bias_gelu exactly when it is on."""
+    import torch
+
+    import megart.models.blocks as blocks
+    from megart.models import GPT
+
+    config = parse(*argv)
+    config.check(1)  # no refusal: the user did not ask for the fusion
+    cfg = config.gpt_config()
+    assert cfg.bias_gelu_fusion is fused
+    calls = []
+
+    def counted(x, bias):
+        calls.append(x.shape)
+        return blocks_bias_gelu(x, bias)
+
+    blocks_bias_gelu = blocks.bias_gelu
+    monkeypatch.setattr(blocks, "bias_gelu", counted)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    GPT(cfg)(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert len(calls) == (cfg.num_layers if fused else 0)
 
 
 @pytest.mark.parametrize(

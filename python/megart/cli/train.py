@@ -104,7 +104,9 @@ HELP = {
     "loss_scale_window": "overflow-free iterations before the dynamic loss scale doubles",
     "hysteresis": "the dynamic fp16 loss scale halves at the N-th overflow since it last grew "
     "and at each one after it (every overflow skips its step; 1: halve at every overflow)",
-    "bias_gelu_fusion": "megart's fused bias+GeLU CUDA kernel (off by default)",
+    "bias_gelu_fusion": "megart's fused bias+GeLU CUDA kernel (torch's ops on a CPU); on by "
+    "default, as in Megatron-LM, wherever the MLP has a bias and GeLU (not with --swiglu or "
+    "--disable-bias-linear); --no-bias-gelu-fusion turns it off",
     "fused_layer_norm": "megart's fused LayerNorm(+residual) CUDA kernel",
     "cross_entropy_loss_fusion": "megart's in-place vocab-parallel cross-entropy CUDA kernel",
     "recompute_activations": "shorthand for --recompute-granularity selective",
@@ -228,6 +230,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 p.add_argument(flag, dest=f.name, action="store_true", help=argparse.SUPPRESS)
         elif f.type in ("bool", bool):
             p.add_argument(flag, dest=f.name, action="store_true", help=HELP[f.name])
+        elif f.type == "bool | None":  # a switch whose default the config resolves: unset
+            p.add_argument(
+                flag,
+                dest=f.name,
+                action="store_true",
+                default=argparse.SUPPRESS,
+                help=HELP[f.name],
+            )
         else:
             kind = {"int": int, "float": float, "list[int]": int}.get(
                 str(f.type).split(" ")[0], str
@@ -248,10 +258,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             )
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     for flag, meaning in FUSIONS_OFF.items():
-        # --no-bias-gelu-fusion sets megart's own switch; the others have nothing to set.
+        # --no-bias-gelu-fusion sets megart's own switch (left unset when not given: the
+        # config's default applies); the others have nothing to set.
         dest = flag[len("--no-") :].replace("-", "_")
         if dest in fields:
-            p.add_argument(flag, dest=dest, action="store_false", help=meaning)
+            p.add_argument(
+                flag, dest=dest, action="store_false", default=argparse.SUPPRESS, help=meaning
+            )
         else:
             p.add_argument(flag, dest="fusion_off", action="store_true", help=meaning)
 

@@ -59,8 +59,11 @@ class GPTConfig:
     init_std: float = 0.02
     seed: int = 1234  # initial weights depend on this alone, not on the parallel layout
     # megart's fused CUDA kernels (megart.kernels) in place of the unfused torch ops; on a CPU,
-    # or without megart._cuda, the ops' torch references run. Off by default: none has yet
-    # been measured against torch on a GPU.
+    # or without megart._cuda, the ops' torch references run. Off by default here, in the
+    # library's model config: a default of True would refuse GPTConfig(activation="swiglu") or
+    # GPTConfig(bias=False) unless the caller also turned it off, and the model's default stays
+    # the plain torch ops. megart train (TrainConfig) turns bias_gelu_fusion on where the MLP
+    # has a bias and GeLU, as Megatron-LM does by default; the same math either way.
     bias_gelu_fusion: bool = False  # the MLP's bias add + GeLU
     fused_layer_norm: bool = False  # LayerNorm, with the residual add before the second one
     cross_entropy_loss_fusion: bool = False  # loss and gradient in the logits' own buffer

@@ -83,13 +83,21 @@ def check_adamw(device: torch.device, steps: int = 5) -> list[Check]:
 @dataclass
 class Kernel:
     """A fused kernel: ``run(inputs)`` megart's outputs, ``reference(inputs)`` torch's (the
-    inputs are given in float64 to the reference), ``flag`` what turns it on in megart train."""
+    inputs are given in float64 to the reference), ``flag`` what turns it on in megart train,
+    ``on_by_default`` whether megart train uses it unasked (then --no-FLAG avoids it)."""
 
     name: str
     make: Callable[[torch.dtype, torch.device], list[torch.Tensor]]
     run: Callable[..., torch.Tensor]
     reference: Callable[..., torch.Tensor]
     flag: str
+    on_by_default: bool = False
+
+    def avoid(self) -> str:
+        """How megart train runs without this kernel."""
+        if self.on_by_default:
+            return "--no-" + self.flag.removeprefix("--")
+        return f"no {self.flag} (it is off by default)"
 
 
 def _rows(dtype: torch.dtype, device: torch.device, *cols: int) -> list[torch.Tensor]:
@@ -134,6 +142,7 @@ KERNELS = (
         _bias_gelu,
         lambda x, b: F.gelu(x + b, approximate="tanh"),
         "--bias-gelu-fusion",
+        on_by_default=True,
     ),
     Kernel(
         "add_layer_norm",
@@ -191,7 +200,7 @@ def check_kernels(
                     err,
                     KERNEL_TOLERANCE[dtype],
                     t_got / max(t_ref, 1e-9),
-                    f"no {k.flag} (it is off by default)",
+                    k.avoid(),
                     f"on {device.type}, ",
                 )
             )

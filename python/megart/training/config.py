@@ -106,8 +106,12 @@ class TrainConfig:
     loss_scale_window: int = 1000  # overflow-free iterations before the scale doubles
     hysteresis: int = 2  # the scale halves at the N-th overflow since it last grew (Megatron's)
     # megart's fused CUDA kernels (see megart.kernels and GPTConfig); the torch references run
-    # where there is no GPU or megart._cuda. Off until measured faster than torch on a GPU.
-    bias_gelu_fusion: bool = False  # bias add + GeLU in the MLP, one kernel
+    # where there is no GPU or megart._cuda. Bias + GeLU in the MLP, one kernel: None is
+    # Megatron-LM's default, on wherever the MLP has a bias add and GeLU, off (without a word)
+    # with --swiglu or --disable-bias-linear; False is --no-bias-gelu-fusion; True, asked for
+    # with --bias-gelu-fusion, is refused where it cannot apply. The other two: off until
+    # measured faster than torch on a GPU.
+    bias_gelu_fusion: bool | None = None
     fused_layer_norm: bool = False  # LayerNorm kernel, the residual add fused into the second
     cross_entropy_loss_fusion: bool = False  # loss and logits gradient in the logits' buffer
     # Activation recomputation (see GPTConfig): --recompute-activations is Megatron's
@@ -298,13 +302,21 @@ class TrainConfig:
             attention_backend=self.attention_backend,
             init_std=self.init_method_std,
             seed=self.seed,
-            bias_gelu_fusion=self.bias_gelu_fusion,
+            bias_gelu_fusion=self._bias_gelu_fusion(),
             fused_layer_norm=self.fused_layer_norm,
             cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
             recompute_granularity=recompute,
             recompute_method=self.recompute_method,
             recompute_num_layers=self.recompute_num_layers,
         )
+
+    def _bias_gelu_fusion(self) -> bool:
+        """Whether the MLP fuses its bias add and GeLU: as asked, else Megatron-LM's default,
+        on unless there is no bias (it sets the fusion off then) or the MLP is SwiGLU (whose
+        MLP never uses the GeLU fusion)."""
+        if self.bias_gelu_fusion is not None:
+            return self.bias_gelu_fusion
+        return not (self.swiglu or self.disable_bias_linear)
 
     def _ffn_hidden_size(self) -> int | None:
         """--ffn-hidden-size; with --swiglu and none given, Megatron's int(4h * 2/3 / 64) * 64

@@ -111,6 +111,8 @@ def training_args(config: Any, cfg: GPTConfig, iteration: int, dp: int) -> argpa
         value = getattr(config, field.name)
         if not hasattr(args, field.name) and isinstance(value, (int, float, str, type(None))):
             setattr(args, field.name, value)
+    # The fusion as this run resolved it (TrainConfig's None is Megatron's default).
+    args.bias_gelu_fusion = cfg.bias_gelu_fusion
     args.data_parallel_size = dp
     args.ckpt_format = "torch"
     return args

@@ -95,11 +95,11 @@ _FP8 = (
 )
 # Megatron-LM's switches that turn one of its fused kernels off, with what each means here. A
 # kernel choice never changes the math, so megart accepts each: --no-bias-gelu-fusion sets
-# megart's own --bias-gelu-fusion off (its default here; Megatron's default is on), and the
-# others turn off fusions that megart does not have, so they change nothing.
+# megart's own bias-GeLU fusion off (on by default, as Megatron's), and the others turn off
+# fusions that megart does not have, so they change nothing.
 FUSIONS_OFF = {
-    "--no-bias-gelu-fusion": "the MLP's bias add and GeLU unfused (megart's default; "
-    "--bias-gelu-fusion turns megart's kernel on)",
+    "--no-bias-gelu-fusion": "the MLP's bias add and GeLU unfused (megart's fused kernel is "
+    "on by default where the MLP has them, as in Megatron-LM)",
     "--no-masked-softmax-fusion": "accepted: megart's attention is torch's "
     "scaled_dot_product_attention, never Megatron's fused masked softmax",
     "--no-bias-swiglu-fusion": "accepted: megart's SwiGLU MLP has no fused bias-SwiGLU kernel",
