@@ -17,8 +17,8 @@ size, so a checkpoint is written for the one it names in its ``args``.
 Written: the weights, ``args`` and the iteration (Megatron-LM loads it with --finetune, or
 --no-load-optim --no-load-rng). Read: the weights of any torch_dist checkpoint of a GPT, the
 rest (optimizer, RNG, scheduler) left unread: whole (convert-checkpoint). megart train's own
-saves of its whole training state, and each rank's read of its slices of any store, are
-megart.training.megatron_dist_train's.
+saves of its whole training state are megart.training.megatron_dist_train's, and each rank's
+read of its slices of any store megart.training.megatron_dist_train_load's.
 """
 
 from __future__ import annotations
