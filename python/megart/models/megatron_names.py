@@ -31,13 +31,34 @@ LAYER_NAMES = {
     "mlp.fc": "mlp.linear_fc1",
     "mlp.proj": "mlp.linear_fc2",
 }
+FC1 = LAYER_NAMES["mlp.fc"]
+# SwiGLU's linear_fc1 = [gate; up]: megart's layer parts of its halves, in that order.
+FC1_HALVES = ("mlp.gate", "mlp.fc")
+GATE, UP = 0, 1
 _LAYER = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)$")
+_FC1_TENSOR = re.compile(r"\.linear_fc1\.(weight|bias)$")
 # Transformer Engine's layer spec (Megatron's default on GPUs) fuses each norm into the linear
 # layer after it: its parameters are the same norm's, under these names.
 TE_NORMS = {
     "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
     "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
 }
+
+
+def megatron_part(part: str, cfg: GPTConfig) -> tuple[str, int | None]:
+    """Megatron-Core's name of a megart layer's part ``part`` (``attn.qkv``, ``mlp.gate``, ...:
+    the name between ``blocks.N.`` and ``.weight`` or ``.bias``) and which half of it the part
+    is: GATE or UP (the first or second half of ``linear_fc1``) for SwiGLU's ``mlp.gate`` and
+    ``mlp.fc``, None where the part is the whole tensor."""
+    if cfg.activation == "swiglu" and part in FC1_HALVES:
+        return FC1, FC1_HALVES.index(part)
+    return LAYER_NAMES[part], None
+
+
+def is_fc1_halves(name: str, cfg: GPTConfig) -> bool:
+    """Whether Megatron-Core's parameter ``name`` holds SwiGLU's [gate; up] (``linear_fc1``'s
+    weight or bias; not Transformer Engine's norm fused into it)."""
+    return cfg.activation == "swiglu" and bool(_FC1_TENSOR.search(name))
 
 
 def to_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
@@ -50,12 +71,15 @@ def to_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, tor
             out[NAMES[name]] = value
             continue
         match = _LAYER.match(name)
-        if not match or match.group(2) == "mlp.gate":
-            continue  # the gate goes into linear_fc1 below
+        if not match:
+            continue
         layer, part, kind = match.groups()
-        if part == "mlp.fc" and cfg.activation == "swiglu":
-            value = torch.cat([state[f"blocks.{layer}.mlp.gate.{kind}"], value])
-        out[f"decoder.layers.{layer}.{LAYER_NAMES[part]}.{kind}"] = value
+        megatron, half = megatron_part(part, cfg)
+        if half == GATE:
+            continue  # written with the up half, below
+        if half == UP:
+            value = torch.cat([state[f"blocks.{layer}.{h}.{kind}"] for h in FC1_HALVES])
+        out[f"decoder.layers.{layer}.{megatron}.{kind}"] = value
     return out
 
 
@@ -78,10 +102,9 @@ def from_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, t
         if not match or match.group(2) not in layer_back:
             raise KeyError(f"{name}: not a Megatron-Core GPTModel parameter megart has")
         layer, part, kind = match.groups()
-        ours = f"blocks.{layer}.{layer_back[part]}.{kind}"
-        if part == "mlp.linear_fc1" and cfg.activation == "swiglu":
-            gate, up = value.chunk(2)
-            out[f"blocks.{layer}.mlp.gate.{kind}"] = gate
-            value = up
-        out[ours] = value
+        if is_fc1_halves(name, cfg):
+            for half, piece in zip(FC1_HALVES, value.chunk(2), strict=True):
+                out[f"blocks.{layer}.{half}.{kind}"] = piece
+        else:
+            out[f"blocks.{layer}.{layer_back[part]}.{kind}"] = value
     return out

@@ -1,4 +1,6 @@
-"""Checkpoints in Megatron-LM's layout, written atomically, with everything resume needs.
+"""Checkpoints in Megatron-LM's layout, with everything resume needs: the format, and ``load``
+(resuming from the last complete one). Writing them (``save``, atomic, and ``write_release``)
+is megart.training.checkpoint_save's; both stay importable from here.
 
     <dir>/latest_checkpointed_iteration.txt          the last complete checkpoint
     <dir>/iter_0000100/mp_rank_00/model_optim_rng.pt         (pipeline size 1)
@@ -15,17 +17,12 @@ training flags (megart.training.shards): megart.training.export_hf writes it out
 reshards a checkpoint of another tensor/pipeline layout (megart.training.reshard). Checkpoints
 from before those were saved hold a GPT-2-architecture model (the Trainer built no other) and
 the Trainer's optimizer order.
-
-Atomic: files are written into ``iter_XXXXXXX.partial`` and the directory is renamed only after
-every rank has written, then the tracker file is replaced. A crash mid-save leaves the previous
-checkpoint as the latest one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +30,11 @@ import torch
 
 import megart.distributed as dist
 from megart.errors import ConfigError
-from megart.models import GPTChunk, GPTConfig
+from megart.models import GPTConfig
 from megart.models.config import architecture_flags
 from megart.tensor_parallel.random import GeneratorStates
-from megart.training import (
-    checkpoint_dirs,
-    checksum,
-    megatron_dist,
-    megatron_dist_train,
-    megatron_distrib_optim,
-    reshard,
-)
+from megart.training import megatron_dist, megatron_dist_train_load, reshard
+from megart.training.checkpoint_save import save, write_release  # re-exported: the public API
 from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as before
     FILE,
     MODEL_FIELDS,
@@ -58,7 +49,6 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     required_latest_iteration,
 )
 from megart.training.megatron_args import args_record
-from megart.training.megatron_files import to_megatron_file
 from megart.training.megatron_scheduler import check_scheduler
 
 
@@ -91,133 +81,8 @@ __all__ = [
     "read_file",
     "required_latest_iteration",
     "save",
+    "write_release",
 ]
-
-
-def _rng_state(rng: Any) -> dict[str, Any]:
-    default = GeneratorStates.current()
-    return {"torch": default.cpu, "cuda": default.cuda, "tracker": rng.get_states()}
-
-
-def replace_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def file_state(
-    iteration: int,
-    layout: dict[str, Any],
-    model_config: dict[str, Any],
-    layer_ids: list[list[int]],
-    model: list[dict[str, torch.Tensor]],
-    optimizer_params: list[tuple[int, str]] | None = None,
-    optimizer: dict[str, Any] | None = None,
-    rng: dict[str, Any] | None = None,
-    loss_scaler: dict[str, Any] | None = None,
-    release: bool = False,
-    consumed_train_samples: int | None = None,
-) -> dict[str, Any]:
-    """What one model-parallel rank's file holds (the one definition of the format).
-    ``layout``: MODEL_FIELDS and PARALLEL_FIELDS; ``release``: the weights alone (megart
-    import-hf), loaded as --finetune loads a checkpoint; ``consumed_train_samples``: the
-    samples trained so far (Megatron's name), where --rampup-batch-size resumes its ramp."""
-    return {
-        "iteration": iteration,
-        "consumed_train_samples": consumed_train_samples,
-        "release": release,
-        "config": layout,
-        "model_config": model_config,
-        "layer_ids": layer_ids,
-        "optimizer_params": optimizer_params or [],
-        "model": model,
-        "optimizer": optimizer,
-        "rng": rng,
-        "loss_scaler": loss_scaler,
-    }
-
-
-def write_file(path: Path, state: dict[str, Any]) -> None:
-    """Writes one rank's file; a crash mid-write leaves no partial file under its name."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    checksum.write(path)
-
-
-def save(
-    directory: str | os.PathLike,
-    iteration: int,
-    config: Any,
-    grid: Any,
-    chunks: list[GPTChunk],
-    optimizer: torch.optim.Optimizer,
-    rng: Any,
-    scaler: Any = None,
-    consumed_samples: int | None = None,
-) -> Path:
-    """Saves this job's state after ``iteration`` iterations (``consumed_samples`` samples;
-    None: iteration x --global-batch-size). Every rank calls it."""
-    final = iteration_dir(directory, iteration)
-    partial = final.with_name(final.name + ".partial")
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # a crash's leftovers
-        partial.mkdir(parents=True)
-    dist.barrier()
-    consumed = (
-        iteration * config.global_batch_size if consumed_samples is None else consumed_samples
-    )
-    if config.ckpt_format == "torch_dist":  # Megatron's distributed store (megatron_dist_train)
-        # With the distributed optimizer every rank writes its slices of the moments.
-        if grid.dp_rank == 0 or config.use_distributed_optimizer:
-            rank = dist.get_rank()
-            megatron_dist_train.write_rank(
-                partial, rank, config, grid, chunks, optimizer, rng, scaler
-            )
-        dist.barrier()
-        if dist.get_rank() == 0:
-            megatron_dist_train.finish(
-                partial, config, chunks, grid.layout.dp, optimizer, scaler, iteration, consumed
-            )
-        return _publish(directory, iteration, partial, final)
-    # Every rank: a distributed optimizer gathers its state over data parallelism.
-    optimizer_state = optimizer.state_dict()
-    if grid.dp_rank == 0:
-        state = file_state(
-            iteration,
-            layout={f: getattr(config, f) for f in MODEL_FIELDS + PARALLEL_FIELDS}
-            | {"pipeline_schedule": config.schedule},
-            model_config=dataclasses.asdict(chunks[0].cfg),
-            layer_ids=[list(chunk.layer_ids) for chunk in chunks],
-            model=[chunk.state_dict() for chunk in chunks],
-            optimizer_params=optimizer_params(chunks, optimizer),
-            optimizer=optimizer_state,
-            rng=_rng_state(rng),
-            loss_scaler=scaler.state_dict() if scaler is not None else None,
-            consumed_train_samples=consumed,
-        )
-        here = partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp)
-        if config.ckpt_format == "torch":  # Megatron-LM's legacy layout (megatron_files)
-            state = to_megatron_file(state, config, chunks[0].cfg, grid.layout.dp)
-            if config.use_distributed_optimizer and state.get("optimizer") is not None:
-                state, param_state = megatron_distrib_optim.split(state, grid.pp_rank)
-                write_file(here / megatron_distrib_optim.DISTRIB_FILE, param_state)
-        write_file(here / FILE, state)
-    return _publish(directory, iteration, partial, final)
-
-
-def _publish(directory: Any, iteration: int, partial: Path, final: Path) -> Path:
-    """Once every rank has written: the iteration's directory renamed into place, then the
-    tracker replaced (a crash before leaves the last complete checkpoint the latest)."""
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        replace_text(Path(directory) / TRACKER, f"{iteration}\n")
-        checkpoint_dirs.remove_stale_partials(directory, iteration)
-    dist.barrier()
-    return final
 
 
 def load(
@@ -295,7 +160,7 @@ def _load_dist(
 ) -> tuple[int, int]:
     """--load of a torch_dist store (Megatron-LM's, or megart train's --ckpt-format
     torch_dist) into any layout, zb-v's included (the store holds whole tensors by layer):
-    see megart.training.megatron_dist_train.load. One of weights alone (convert-checkpoint's)
+    see megart.training.megatron_dist_train_load.load. One of weights alone (convert-checkpoint's)
     loads as --finetune, like a release checkpoint."""
     common = megatron_dist.read_common(root)
     a = vars(common["args"])
@@ -307,7 +172,7 @@ def _load_dist(
     finetune = config.finetune or not megatron_dist.has_optimizer_state(root)
     load_optim = not (finetune or config.no_load_optim)
     load_rng = not (finetune or config.no_load_rng)
-    left_out = megatron_dist_train.load(
+    left_out = megatron_dist_train_load.load(
         root, common, config, grid, chunks, optimizer, rng, scaler, load_optim, load_rng, directory
     )
     if dist.get_rank() == 0:
@@ -371,28 +236,3 @@ def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -
             "a checkpoint of another model cannot be resharded (only the tensor- and "
             "pipeline-parallel layout may change), so resume with the saved values"
         )
-
-
-def write_release(
-    save_dir: str | os.PathLike,
-    cfg: GPTConfig,
-    weights: dict[str, torch.Tensor],
-    layer_ids: list[int],
-) -> Path:
-    """Writes ``weights`` (one chunk's, of the whole model ``cfg``) as a release checkpoint in
-    ``save_dir`` (Megatron's term: the weights alone, one rank's file, iteration 0; --load
-    reshards it to any layout and starts as --finetune); returns the file."""
-    layout = {f: getattr(cfg, f) for f in MODEL_FIELDS}
-    layout.update(zip(PARALLEL_FIELDS, (1, 1, None), strict=True))  # tp 1, pp 1, no interleaving
-    state = file_state(
-        0,
-        layout=layout,
-        model_config=dataclasses.asdict(cfg),
-        layer_ids=[layer_ids],
-        model=[weights],
-        release=True,
-    )
-    out = iteration_dir(save_dir, 0) / rank_dir(0, 0, 1) / FILE
-    write_file(out, state)
-    replace_text(Path(save_dir) / TRACKER, "0\n")
-    return out

@@ -35,10 +35,10 @@ from megart.training.checkpoint import (
     iteration_dir,
     model_config,
     rank_dir,
-    replace_text,
     required_latest_iteration,
     write_release,
 )
+from megart.training.checkpoint_save import replace_text
 from megart.training.ckpt_files import rank_files
 from megart.training.megatron_args import check_args, config_from_args, megatron_args
 from megart.training.megatron_files import model_chunks, rank_state, torch_load

@@ -17,8 +17,8 @@ size, so a checkpoint is written for the one it names in its ``args``.
 Written: the weights, ``args`` and the iteration (Megatron-LM loads it with --finetune, or
 --no-load-optim --no-load-rng). Read: the weights of any torch_dist checkpoint of a GPT, the
 rest (optimizer, RNG, scheduler) left unread: whole (convert-checkpoint). megart train's own
-saves of its whole training state, and each rank's read of its slices of any store, are
-megart.training.megatron_dist_train's.
+saves of its whole training state are megart.training.megatron_dist_train's, and each rank's
+read of its slices of any store megart.training.megatron_dist_train_load's.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
-from megart.models.megatron_names import LAYER_NAMES, NAMES, TE_NORMS
+from megart.models.megatron_names import NAMES, TE_NORMS, megatron_part
 from megart.training.ckpt_files import iteration_dir
 from megart.training.megatron_args import check_args
 from megart.training.megatron_files import CHECKPOINT_VERSION, torch_load
@@ -213,17 +213,14 @@ def read(root: Path) -> dict[str, torch.Tensor]:
     return layer_names(whole)
 
 
-def stored_place(name: str, cfg: GPTConfig) -> tuple[str, int | None, int]:
+def stored_place(name: str, cfg: GPTConfig) -> tuple[str, int | None, int | None]:
     """Where the one-chunk GPT's parameter ``name`` (megart's, without ``chunk.``) lies in the
-    store: its key, its layer (None for a tensor of no layer) and the first row of its part
-    (SwiGLU's up projection is the second half of ``linear_fc1``)."""
+    store: its key, its layer (None for a tensor of no layer) and which half of the key's
+    tensor it is (megart.models.megatron_names.megatron_part: SwiGLU's gate and up are the
+    halves of ``linear_fc1``; None for the whole tensor)."""
     if name in NAMES:
-        return NAMES[name], None, 0
+        return NAMES[name], None, None
     _, layer, rest = name.split(".", 2)
     part, kind = rest.rsplit(".", 1)
-    row = 0
-    if part == "mlp.gate":
-        part = "mlp.fc"
-    elif part == "mlp.fc" and cfg.activation == "swiglu":
-        row = cfg.ffn_size
-    return f"decoder.layers.{_to_fused_norm(LAYER_NAMES[part] + '.' + kind)}", int(layer), row
+    megatron, half = megatron_part(part, cfg)
+    return f"decoder.layers.{_to_fused_norm(megatron + '.' + kind)}", int(layer), half

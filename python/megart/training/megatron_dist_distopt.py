@@ -40,7 +40,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megart.errors import ConfigError
-from megart.models.megatron_names import LAYER_NAMES
+from megart.models.megatron_names import megatron_part
 from megart.training import dist_store
 from megart.training.megatron_distrib_optim import BUCKET_ALIGN, dtype_key, layouts
 from megart.training.megatron_files import chunk_names_to_megatron, chunk_to_megatron
@@ -114,17 +114,20 @@ class Buffers:
         return [{self.dtype: [-(-n // align) * align for n in b]} for b in self.buckets]
 
 
-def _megatron_name(name: str, chunk: Any) -> tuple[str, bool]:
-    """A megart parameter's Megatron-Core name in its chunk, and whether it is SwiGLU's up
-    projection (the second half of ``linear_fc1``, after the gate)."""
+def _megatron_name(name: str, chunk: Any) -> tuple[str, int | None]:
+    """A megart parameter's Megatron-Core name in its chunk, and which half of that tensor it
+    is (megart.models.megatron_names.megatron_part: GATE or UP of SwiGLU's ``linear_fc1``,
+    None for the whole tensor)."""
     cfg = chunk.cfg
-    parts = name.removeprefix("chunk.").split(".")
-    if parts[0] == "blocks" and parts[2:4] in (["mlp", "gate"], ["mlp", "fc"]):
-        up = cfg.activation == "swiglu" and parts[3] == "fc"
-        return f"decoder.layers.{parts[1]}.{LAYER_NAMES['mlp.fc']}.{parts[4]}", up
+    parts = name.removeprefix("chunk.").split(".", 2)
+    if parts[0] == "blocks":
+        part, kind = parts[2].rsplit(".", 1)
+        megatron, half = megatron_part(part, cfg)
+        if half is not None:  # to_megatron writes a half only beside the other
+            return f"decoder.layers.{parts[1]}.{megatron}.{kind}", half
     meta = torch.empty(0, device="meta")
     ((megatron, _),) = chunk_names_to_megatron({name: meta}, cfg, list(chunk.layer_ids)).items()
-    return megatron, False
+    return megatron, None
 
 
 def buffers(chunks: list[Any], args: dict[str, Any], pp_rank: int) -> Buffers:
@@ -143,12 +146,10 @@ def buffers(chunks: list[Any], args: dict[str, Any], pp_rank: int) -> Buffers:
     for g, (chunk, params, layout) in enumerate(
         zip(chunks, named, layouts(megatron_chunks, args, pp_rank), strict=True)
     ):
-        gates = {n.replace(".mlp.gate.", ".mlp.fc."): p for n, p in params if ".mlp.gate." in n}
         for name, p in params:
-            megatron, up = _megatron_name(name, chunk)
-            k, offset = layout.locate(
-                layout.ranges[megatron][0] + (gates[name].numel() if up else 0)
-            )
+            megatron, half = _megatron_name(name, chunk)
+            # The gate and up halves have one shape: the up half starts one parameter in.
+            k, offset = layout.locate(layout.ranges[megatron][0] + (half or 0) * p.numel())
             spans[id(p)] = Span(g, k, offset, p.numel())
         per_buffer.append(layout.buckets)
     return Buffers(per_buffer, dtype_key(args), spans, int(args.get("data_parallel_size") or 1))

@@ -24,7 +24,6 @@ from megart.training.megatron_dist import stored_place
 from megart.training.shards import whole_name
 
 VOCAB_KEYS = (NAMES["wte.weight"], NAMES["output_layer.weight"])
-FC1 = "decoder.layers.mlp.linear_fc1."
 
 
 @dataclass
@@ -52,14 +51,15 @@ def places(chunks: list[Any], tp_rank: int, tp: int) -> list[Place]:
             name = whole_name(key, chunk.layer_ids).removeprefix("chunk.")
             # The last stage's copy of the tied embedding (its own ``wte``): read, not written.
             copy = name == "wte.weight" and not chunk.first
-            store_key, layer, row = stored_place(name, cfg)
+            store_key, layer, half = stored_place(name, cfg)
             dim = getattr(p, "partition_dim", None)
             offsets, size = [0] * p.dim(), list(p.shape)
             if dim is not None:
-                offsets[dim] = row * (dim == 0) + tp_rank * p.shape[dim]
+                offsets[dim] = tp_rank * p.shape[dim]
                 size[dim] *= tp
-                if cfg.activation == "swiglu" and store_key.startswith(FC1):
-                    size[0] *= 2  # [gate; up] in one tensor
+                if half is not None:  # [gate; up] in one tensor, split on its rows
+                    offsets[0] += half * size[0]
+                    size[0] *= 2
             if layer is not None:
                 offsets, size = [layer, *offsets], [cfg.num_layers, *size]
             owner = not copy and (dim is not None or tp_rank == 0)

@@ -144,7 +144,7 @@ def _chunk_from_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, first: boo
 
 
 def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int) -> dict[str, Any]:
-    """megart's file of one rank (megart.training.checkpoint.file_state, ``cfg`` its model,
+    """megart's file of one rank (megart.training.checkpoint_save.file_state, ``cfg`` its model,
     ``dp`` data-parallel ranks) in Megatron-LM's legacy layout, keeping what megart needs
     besides under ``megart``."""
     iteration, layers = state["iteration"], state["layer_ids"]

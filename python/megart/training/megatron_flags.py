@@ -43,7 +43,7 @@ What each does in megart:
   resumes a Megatron-LM legacy checkpoint of any layout in full (megart.training.megatron_files;
   as --finetune when it holds no optimizer) and resumes a torch_dist checkpoint of the
   non-distributed optimizer's keys, or the distributed optimizer's (dp_reshardable), into any
-  layout, --use-distributed-optimizer's included (megart.training.megatron_dist_train; weights
+  layout, --use-distributed-optimizer's included (megart.training.megatron_dist_train_load; weights
   alone with --finetune or --no-load-optim).
 - --calculate-per-token-loss: megart has no loss mask, so every microbatch has b s tokens and
   the per-token mean over the global batch equals the mean of the per-microbatch means that

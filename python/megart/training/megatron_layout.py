@@ -23,6 +23,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models import GPTConfig, chunk_layers
+from megart.models.megatron_names import is_fc1_halves
 
 Ranks = dict[tuple[int, int], list[dict[str, torch.Tensor]]]  # (tp rank, pp rank) -> chunks
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
@@ -42,16 +43,12 @@ def tp_dim(name: str) -> int | None:
     return None
 
 
-def _gated(name: str, cfg: GPTConfig) -> bool:
-    return cfg.activation == "swiglu" and bool(re.search(r"\.linear_fc1\.(weight|bias)$", name))
-
-
 def shard(name: str, whole: torch.Tensor, cfg: GPTConfig, tp: int, rank: int) -> torch.Tensor:
     """Tensor-parallel rank ``rank``'s piece of parameter ``name`` among ``tp`` ranks."""
     dim = tp_dim(name)
     if dim is None:
         return whole
-    if _gated(name, cfg):
+    if is_fc1_halves(name, cfg):
         gate, up = whole.chunk(2)
         return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
     return whole.chunk(tp, dim)[rank]
@@ -63,7 +60,7 @@ def unshard(name: str, parts: list[torch.Tensor], cfg: GPTConfig) -> torch.Tenso
     dim = tp_dim(name)
     if dim is None:
         return parts[0]
-    if _gated(name, cfg):
+    if is_fc1_halves(name, cfg):
         halves = [p.chunk(2) for p in parts]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
     return torch.cat(parts, dim)
