@@ -17,13 +17,14 @@
 // group), so a send leaves as soon as its tensor exists.
 //
 // A message's two ends start at the same moment, so both ranks of a pair group their messages
-// alike; every rank posts in the order of the moments, so no group waits on a later one (every
-// cost is positive: a compute starts strictly after the messages it needs, and ends strictly
-// before the sends it makes). Where the computes take the costs it was planned with, the plan
-// starts every message when the schedule as written would, so it keeps the schedule's bubble
-// (with other costs, a group's messages may wait for each other); grouping by rounds of
-// one compute per rank (the first version) coupled a rank's sends to its neighbours' progress
-// and lost up to a quarter of an interleaved iteration (simulate_plan, p = 8).
+// alike; every rank posts in the order of the moments, and every wait points to an earlier moment
+// (every cost is positive: a compute that needs a message starts after that message's moment, and
+// a send's moment comes after the compute that makes it), so no group waits on a later one. Where
+// the computes take the costs it was planned with, the plan starts every message when the
+// schedule as written would, so it keeps the schedule's bubble (with other costs a group's
+// messages may wait for each other). The first version grouped by rounds of one compute per rank;
+// its sends waited for their rank's later messages, and an interleaved iteration at p = 8, m = 32
+// took 1.375 times its compute time instead of 1.109 (simulate_plan, free communication).
 #pragma once
 
 #include <optional>
