@@ -136,17 +136,8 @@ class Simulator {
   }
 
   Simulation summarise() {
-    for (int r = 0; r < s_.stages; ++r) {
-      RankTimeline& tl = out_.ranks[r];
-      for (const Span& span : tl.compute) {
-        tl.busy += cost(span.action);  // not end - start: exact, whatever the clock's rounding
-        out_.makespan = std::max(out_.makespan, span.end);
-      }
-      for (const Span& span : tl.communication) out_.makespan = std::max(out_.makespan, span.end);
-      tl.peak_stashed = machines_[r].peak_stashed();
-      out_.ideal = std::max(out_.ideal, tl.busy);
-    }
-    out_.bubble_fraction = out_.ideal > 0 ? (out_.makespan - out_.ideal) / out_.ideal : 0;
+    for (int r = 0; r < s_.stages; ++r) out_.ranks[r].peak_stashed = machines_[r].peak_stashed();
+    sum_up(out_, costs_, s_.chunks);
     return out_;
   }
 
@@ -176,6 +167,20 @@ double Costs::of(const Action& a, int chunks) const {
     default:
       return 0;
   }
+}
+
+void sum_up(Simulation& sim, const Costs& costs, int chunks) {
+  sim.makespan = sim.ideal = 0;
+  for (RankTimeline& tl : sim.ranks) {
+    tl.busy = 0;
+    for (const Span& span : tl.compute) {
+      tl.busy += costs.of(span.action, chunks);  // not end - start: exact, whatever the rounding
+      sim.makespan = std::max(sim.makespan, span.end);
+    }
+    for (const Span& span : tl.communication) sim.makespan = std::max(sim.makespan, span.end);
+    sim.ideal = std::max(sim.ideal, tl.busy);
+  }
+  sim.bubble_fraction = sim.ideal > 0 ? (sim.makespan - sim.ideal) / sim.ideal : 0;
 }
 
 double Costs::transfer() const {

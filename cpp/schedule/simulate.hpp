@@ -51,18 +51,21 @@ struct Simulation {
   double bubble_fraction = 0;  // (makespan - ideal) / ideal
 };
 
+// Fills each rank's busy time and the simulation's makespan, ideal and bubble_fraction from the
+// timelines' spans (busy from `costs`, exact whatever the clock's rounding); for both simulators.
+void sum_up(Simulation& sim, const Costs& costs, int chunks);
+
 // Validates, then runs every rank's state machine against the costs. Throws DeadlockError
 // naming each blocked rank and what it waits on when no rank can progress.
 Simulation simulate(const Schedule& s, const Costs& costs);
 
-// Times the posting plan of `s` (post_plan.hpp, planned for these costs) as NCCL runs it, not the
-// order as written: a
-// rank's groups run one after another, each once the computes posted before it have finished
-// (its sends' tensors; the stream's order) and together with the groups on other ranks that hold
-// its messages' other ends; a group's messages share their links (one message at a time on each
-// directed link, the links in parallel), and a compute starts once the group bringing its input
-// has ended. Spans of messages: issued when their group was ready on this rank, start and end of
-// the group's run. Throws DeadlockError when the plan cannot progress.
+// Times the posting plan of `s` (post_plan.hpp, planned for these costs) as NCCL runs it, not
+// the order as written: a rank's groups run one after another, each once the computes posted
+// before it have finished (its sends' tensors; the stream's order); a message moves once the
+// groups at both its ends have started and its directed link has carried the messages before it
+// (links in parallel); a group ends with its last message, and a compute starts once the group
+// bringing its input has ended. A message's span: issued and started when its group started, its
+// end the group's end. Throws DeadlockError when the plan cannot progress.
 Simulation simulate_plan(const Schedule& s, const Costs& costs);
 
 }  // namespace megart::schedule

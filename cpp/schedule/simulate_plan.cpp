@@ -202,22 +202,19 @@ class PlanTimer {
         const Action& a = computes_[r][k];
         const double end = compute_end_[r][k];
         tl.compute.push_back(Span{a, end - cost(a), end - cost(a), end});
-        tl.busy += cost(a);
-        out.makespan = std::max(out.makespan, end);
       }
       for (size_t g : groups_of_[r]) {
-        for (const Action& a : groups_[g].messages) {
-          tl.communication.push_back(Span{a, groups_[g].start, groups_[g].start, groups_[g].end});
+        const Group& group = groups_[g];
+        for (const Action& a : group.messages) {
+          tl.communication.push_back(Span{a, group.start, group.start, group.end});
         }
-        out.makespan = std::max(out.makespan, groups_[g].end);
       }
       // The activations held depend only on the compute order: replay it.
       RankStateMachine held(s_, r);
       while (held.has_next()) held.complete(held.issue());
       tl.peak_stashed = held.peak_stashed();
-      out.ideal = std::max(out.ideal, tl.busy);
     }
-    out.bubble_fraction = out.ideal > 0 ? (out.makespan - out.ideal) / out.ideal : 0;
+    sum_up(out, costs_, s_.chunks);
     return out;
   }
 
