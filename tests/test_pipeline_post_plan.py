@@ -162,15 +162,17 @@ KINDS = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
     p=st.integers(2, 6),
     extra=st.integers(0, 8),
     forward_only=st.booleans(),
+    message=st.sampled_from([0.0, 0.1, 0.7]),
 )
-def test_the_plan_runs_under_nccls_rules_for_every_schedule(kind, p, extra, forward_only):
+def test_the_plan_runs_under_nccls_rules_for_every_schedule(kind, p, extra, forward_only, message):
+    """Whatever message cost the plan is made for (the trainer plans for costly ones)."""
     m = p * (1 + extra // 3) if kind == "interleaved" else p + extra
     if kind == "zb-v":
         m += p  # zb-v needs m >= 2p
     s = build(kind, p, m)
     if forward_only:
         s = sched.forward_only(s)
-    steps = sched.post_plan(s)
+    steps = sched.post_plan(s, sched.Costs(latency=message))
     play(s, steps)
     for r in range(p):  # every action once; computes in the schedule's order
         assert [st.compute for st in steps[r] if st.compute] == [

@@ -4,7 +4,9 @@ the computes posted before it; a message moves once both its groups have started
 is free; a group ends with its last message; a compute waits for the group bringing its input.
 
 With free communication the plan must keep the schedule's bubble exactly (the first, round-based
-plan lost up to a quarter of an interleaved iteration at p = 8, which this checks against).
+plan lost up to a quarter of an interleaved iteration at p = 8, which this checks against), and
+a plan made for costly messages must run as the schedule as written where they cost what it
+was made for (a plan made for free messages lost up to a tenth of an iteration there).
 """
 
 from collections import defaultdict
@@ -47,8 +49,9 @@ def input_recv(s, r, a):
 
 
 def model_makespan(s, latency):
-    """The last event's time when every rank follows its posting plan."""
-    plan = sched.post_plan(s)
+    """The last event's time when every rank follows its posting plan (made, as simulate's
+    posted timing makes it, for these costs)."""
+    plan = sched.post_plan(s, sched.Costs(latency=latency))
     p = s.stages
     computes = [[x.compute for x in plan[r] if x.compute is not None] for r in range(p)]
     groups = []  # (rank, computes before, ops)
@@ -156,3 +159,52 @@ def test_interleaved_at_p8_keeps_its_theoretical_bubble():
     s = sched.build("interleaved", 8, 32, 2)
     bubble = sched.simulate(s, posted=True).bubble_fraction
     assert abs(bubble - sched.theoretical_bubble("interleaved", 8, 32, 2)) < 1e-9
+
+
+GRID = [
+    (kind, p, p * per_stage, v)
+    for kind, v in [*KINDS.items(), ("interleaved", 4)]
+    for p in (2, 4, 8)
+    for per_stage in ((2, 4) if kind == "zb-v" else (1, 2, 4))
+]
+
+
+@pytest.mark.parametrize("share", [0.05, 0.2])
+def test_a_plan_made_for_its_messages_costs_runs_as_the_schedule_is_written(share):
+    """Each message a ``share`` of a chunk's forward; the schedule as written overlaps its
+    messages freely, which NCCL's one-group-at-a-time does not, so only the right grouping
+    gets there (a plan made for free messages took up to 1.104 times as long at 0.2)."""
+    for kind, p, m, v in GRID:
+        s = sched.build(kind, p, m, v)
+        costs = dict(latency=share / v)
+        as_written = sched.simulate(s, **costs).makespan
+        posted = sched.simulate(s, posted=True, **costs).makespan
+        assert abs(posted - as_written) < 1e-9 * as_written, (kind, p, m, v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    s=SCHEDULES,
+    backward=st.sampled_from([2.0, 1.1, 3.0]),
+    weight_fraction=st.sampled_from([0.5, 0.2, 0.8]),
+    share=st.floats(0.01, 1.0),
+)
+def test_a_plan_made_for_costly_messages_keeps_the_bubble_when_they_are_free(
+    s, backward, weight_fraction, share
+):
+    """What the trainer relies on when it plans for messages it cannot yet time: guessing them
+    costly costs nothing where they turn out free, for every kind but zb-v, whose plan lost up
+    to 3.5% in bench/pipeline_plan.py's random cases (bounded here at 5%)."""
+    free = dict(backward_time=backward, weight_fraction=weight_fraction)
+    planned = sched.Costs(
+        backward=backward, weight_fraction=weight_fraction, latency=share / s.chunks
+    )
+    as_written = sched.simulate(s, **free).makespan
+    posted = sched.simulate(s, posted=True, planned_for=planned, **free).makespan
+    bound = 1.05 if s.kind == "zb-v" else 1.0 + 1e-9
+    assert as_written - 1e-9 <= posted <= bound * as_written
+
+
+def test_planned_for_times_only_a_posting_plan():
+    with pytest.raises(ConfigError, match="pass posted=True"):
+        sched.simulate(sched.build("1f1b", 2, 2), planned_for=sched.Costs())

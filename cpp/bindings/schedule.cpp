@@ -168,7 +168,7 @@ void bind_schedule(py::module_& m) {
   m.def("simulate", &simulate, py::arg("schedule"), py::arg("costs") = Costs{},
         py::call_guard<py::gil_scoped_release>());
   m.def("simulate_plan", &simulate_plan, py::arg("schedule"), py::arg("costs") = Costs{},
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("planned_for") = std::nullopt, py::call_guard<py::gil_scoped_release>());
   m.def(
       "theoretical_bubble",
       [](const std::string& kind, int stages, int microbatches, int chunks) {

@@ -18,9 +18,10 @@ std::vector<std::vector<Step>> post_plan(const Schedule& s, const Costs& costs) 
         "a posting plan needs forward and backward costs above 0 and a weight_fraction "
         "strictly between 0 and 1");
   }
-  Costs computes_only = costs;
-  computes_only.latency = computes_only.bandwidth = computes_only.message_bytes = 0;
-  const Simulation as_written = simulate(s, computes_only);  // validates; throws for a deadlock
+  // Played with its messages' costs too: where messages take time, the moments they start shift,
+  // and grouping by the shifted moments keeps a rank from waiting on a group of its messages
+  // that the schedule would have overlapped with another (see the header's figures).
+  const Simulation as_written = simulate(s, costs);  // validates; throws for a deadlock
   std::vector<std::vector<Step>> plan(s.stages);
   for (int r = 0; r < s.stages; ++r) {
     // The rank's computes, and its messages by start, each with the computes before it in the

@@ -1,6 +1,7 @@
 // A discrete-event simulation of all ranks running a schedule together.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "schedule/schedule.hpp"
@@ -59,13 +60,14 @@ void sum_up(Simulation& sim, const Costs& costs, int chunks);
 // naming each blocked rank and what it waits on when no rank can progress.
 Simulation simulate(const Schedule& s, const Costs& costs);
 
-// Times the posting plan of `s` (post_plan.hpp, planned for these costs) as NCCL runs it, not
-// the order as written: a rank's groups run one after another, each once the computes posted
-// before it have finished (its sends' tensors; the stream's order); a message moves once the
-// groups at both its ends have started and its directed link has carried the messages before it
-// (links in parallel); a group ends with its last message, and a compute starts once the group
-// bringing its input has ended. A message's span: issued and started when its group started, its
-// end the group's end. Throws DeadlockError when the plan cannot progress.
-Simulation simulate_plan(const Schedule& s, const Costs& costs);
+// Times the posting plan of `s` (post_plan.hpp, made for `planned_for`, by default for these
+// costs) as NCCL runs it, not the order as written: a rank's groups run one after another, each
+// once the computes posted before it have finished (its sends' tensors; the stream's order); a
+// message moves once the groups at both its ends have started and its directed link has carried the
+// messages before it (links in parallel); a group ends with its last message, and a compute starts
+// once the group bringing its input has ended. A message's span: issued and started when its group
+// started, its end the group's end. Throws DeadlockError when the plan cannot progress.
+Simulation simulate_plan(const Schedule& s, const Costs& costs,
+                         const std::optional<Costs>& planned_for = std::nullopt);
 
 }  // namespace megart::schedule

@@ -43,12 +43,12 @@ struct Transfer {
 
 class PlanTimer {
  public:
-  PlanTimer(const Schedule& s, const Costs& c) : s_(s), costs_(c) {
+  PlanTimer(const Schedule& s, const Costs& c, const Costs& planned_for) : s_(s), costs_(c) {
     const int p = s.stages;
     computes_.resize(p);
     compute_end_.resize(p);
     groups_of_.resize(p);
-    const std::vector<std::vector<Step>> plan = post_plan(s, c);
+    const std::vector<std::vector<Step>> plan = post_plan(s, planned_for);
     for (int r = 0; r < p; ++r) {
       for (const Step& st : plan[r]) {
         if (st.compute) {
@@ -232,9 +232,10 @@ class PlanTimer {
 
 }  // namespace
 
-Simulation simulate_plan(const Schedule& s, const Costs& costs) {
+Simulation simulate_plan(const Schedule& s, const Costs& costs,
+                         const std::optional<Costs>& planned_for) {
   check_costs(costs);
-  return PlanTimer(s, costs).run();  // post_plan validates
+  return PlanTimer(s, costs, planned_for.value_or(costs)).run();  // post_plan validates
 }
 
 }  // namespace megart::schedule

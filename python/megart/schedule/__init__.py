@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megart._core import schedule as _s
+from megart.errors import ConfigError
 from megart.schedule.report import to_dict
 
 Action = _s.Action
@@ -72,9 +73,9 @@ def from_compute_orders(
 def post_plan(schedule: Schedule, costs: Costs | None = None) -> list[list[Step]]:
     """Every rank's posting plan: its computes in the schedule's order, and its messages in
     groups (``Step.post``) that NCCL can match, since both ranks of a pair group their messages
-    alike (see cpp/schedule/post_plan.hpp). ``costs``: the computes' expected costs (default
-    F = 1, B = 2, I = W = 1), the same on every rank. Raises DeadlockError for a schedule no
-    blocking transport can run."""
+    alike (see cpp/schedule/post_plan.hpp). ``costs``: the expected costs of the computes and
+    messages (default F = 1, B = 2, I = W = 1, messages free), the same on every rank. Raises
+    DeadlockError for a schedule no blocking transport can run."""
     return _s.post_plan(schedule, costs or Costs())
 
 
@@ -97,6 +98,7 @@ def simulate(
     message_bytes: float = 0.0,
     weight_fraction: float = 0.5,
     posted: bool = False,
+    planned_for: Costs | None = None,
 ) -> Simulation:
     """Runs all ranks together. ``forward_time`` and ``backward_time`` are for one microbatch
     through a rank's whole share of the model (each of v chunks takes 1/v of it); each message
@@ -104,9 +106,10 @@ def simulate(
     naming the blocked ranks when the schedule cannot progress.
 
     ``posted`` times what the pipeline engine runs: the schedule's posting plan (see
-    :func:`post_plan`), planned for these compute costs, with NCCL's group semantics (a rank's
-    groups one after another, each with its partners' groups, after the computes posted before
-    it), not the order as written."""
+    :func:`post_plan`), with NCCL's group semantics (a rank's groups one after another, each
+    with its partners' groups, after the computes posted before it), not the order as written.
+    The plan is made for ``planned_for`` (by default these costs, messages included): timing a
+    plan against costs it was not made for shows what a wrong guess costs."""
     costs = Costs(
         forward=forward_time,
         backward=backward_time,
@@ -115,7 +118,11 @@ def simulate(
         bandwidth=bandwidth,
         message_bytes=message_bytes,
     )
-    return (_s.simulate_plan if posted else _s.simulate)(schedule, costs)
+    if posted:
+        return _s.simulate_plan(schedule, costs, planned_for)
+    if planned_for is not None:
+        raise ConfigError("simulate: planned_for times a posting plan; pass posted=True with it")
+    return _s.simulate(schedule, costs)
 
 
 def theoretical_bubble(kind: str, stages: int, microbatches: int, chunks: int = 1) -> float:
