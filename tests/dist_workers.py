@@ -4,6 +4,7 @@ test asserts on."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -199,3 +200,12 @@ def mismatched_grouping() -> str:
     except CommError as e:
         return str(e)
     return "no error"
+
+
+def world_and_agent_variable() -> tuple[int, str | None]:
+    """A rank's world once joined, and whether torchrun's agent-store variable reached it."""
+    dist.init()
+    try:
+        return dist.get_world_size(), os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+    finally:
+        dist.destroy()

@@ -1,6 +1,7 @@
 """megart.distributed on the shm transport, with real processes (2 and 4 ranks)."""
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -148,6 +149,26 @@ def test_ranks_write_to_the_launchers_stdout_and_stderr_of_the_moment(tmp_path):
     for r in (0, 1):
         assert now.count(f"hello from rank {r}") == 1
         assert now.count(f"warning from rank {r}") == 1
+
+
+def test_a_launcher_inside_a_torchrun_worker_starts_ranks_that_serve_their_own_store():
+    """A torchrun worker's environment names its agent's store; ranks launched from it (as
+    megart selftest does under torchrun) serve their own, and must not wait on the agent's."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import dist_workers as w; "
+        "from megart.launcher import launch; "
+        "print(launch(w.world_and_agent_variable, 2, timeout=60))"
+    )
+    torchrun_worker = {"TORCHELASTIC_USE_AGENT_STORE": "true", "TORCHELASTIC_RESTART_COUNT": "0"}
+    run = subprocess.run(
+        [sys.executable, "-c", code, os.path.dirname(__file__)],
+        env={**os.environ, **torchrun_worker},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip() == "[(2, None), (2, None)]"
 
 
 def _raise_on_rank_1():

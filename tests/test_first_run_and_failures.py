@@ -123,6 +123,13 @@ def test_a_rank_alone_says_whom_it_waits_for_and_gives_up():
     assert "rank(s) [1] of WORLD_SIZE=2 did not join the rendezvous" in out.stderr
 
 
+def torchrun(script: Path, nproc: int) -> subprocess.CompletedProcess:
+    """torchrun with this interpreter, whatever PATH holds, on a free port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += ["--master-port", str(free_port()), str(script)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
 def test_under_torchrun_ranks_use_the_agents_store_without_a_bind_error(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
@@ -131,25 +138,33 @@ def test_under_torchrun_ranks_use_the_agents_store_without_a_bind_error(tmp_path
         "t = torch.ones(3); d.all_reduce(t); assert t.tolist() == [2.0] * 3\n"
         "import sys; sys.stdout.write(f'ok {d.get_rank()}\\n'); sys.stdout.flush()\n"
     )
-    out = subprocess.run(
-        [
-            sys.executable,  # torchrun, with this interpreter whatever PATH holds
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = torchrun(script, 2)
     assert out.returncode == 0, out.stderr
     # One write per line, so the two ranks' lines never interleave.
     assert sorted(out.stdout.split("\n")[:2]) == ["ok 0", "ok 1"]
     assert "failed to bind" not in out.stderr, out.stderr
+
+
+def test_under_torchrun_init_after_destroy_takes_fresh_keys(tmp_path):
+    """torchrun's agent store outlives destroy(): a second init() that read the first one's
+    keys attached to shared memory its creator had replaced and waited out the timeout (seen:
+    megart selftest under torchrun). Rank 0, who creates each group, comes last every round,
+    so the others read whatever the store holds before it writes."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys, time, torch, megart.distributed as d\n"
+        "for i in range(3):\n"
+        "    if os.environ['RANK'] == '0': time.sleep(0.5)\n"
+        "    d.init(backend='shm', timeout=20)\n"
+        "    t = torch.ones(3); d.all_reduce(t); assert t.tolist() == [3.0] * 3\n"
+        "    g = d.new_group(backend='torch'); u = torch.ones(2); d.all_reduce(u, group=g)\n"
+        "    assert u.tolist() == [3.0] * 2\n"
+        "    d.destroy()\n"
+        "sys.stdout.write('ok\\n'); sys.stdout.flush()\n"
+    )
+    out = torchrun(script, 3)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:3] == ["ok"] * 3
 
 
 def test_a_segment_larger_than_dev_shm_is_refused_naming_the_size():

@@ -59,8 +59,14 @@ def test_torchrun_megart_selftest_compares_every_op_with_torch(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     checks = json.loads(run.stdout)["checks"]  # printed once, by rank 0
-    assert len(checks) == 27  # 9 ops x fp32, bf16, fp16
-    assert all(c["status"] == "pass" and c["name"].startswith("shm 2 ranks") for c in checks)
+    assert len(checks) == 27 + 2  # 9 ops x fp32, bf16, fp16; two pipeline schedules
+    assert all(c["status"] == "pass" for c in checks), checks
+    assert all(c["name"].startswith("shm 2 ranks") for c in checks[:27])
+    # A second init under torchrun's store, and ranks launched from a torchrun worker (the
+    # one-process reference): both hung before their fixes.
+    assert [c["name"] for c in checks[27:]] == [
+        f"training tp1 pp2 {kind} (shm, 2 ranks)" for kind in ("interleaved", "zb-v")
+    ]
 
 
 def test_a_wrong_transport_fails_its_ops_and_names_the_fallback():

@@ -75,6 +75,12 @@ def _worker(
     stdio.adopt()
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    # These ranks serve their own store (rank 0). Launched from a torchrun worker, they would
+    # inherit its agent's variables, and TORCHELASTIC_USE_AGENT_STORE would have them wait on
+    # an agent store that nobody serves at their MASTER_PORT (seen: megart selftest under
+    # torchrun, hung until the timeout).
+    for name in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
+        del os.environ[name]
     # Unpickling ``fn`` may already have imported torch, and OpenMP reads OMP_NUM_THREADS only
     # when it loads: its pool would have the machine's size. Set the count explicitly.
     import torch

@@ -24,6 +24,7 @@ from megart._core import comm as _comm
 from megart.distributed.rendezvous import (
     Wait,
     connect,
+    ended_init,
     env_int,
     exchange_pids,
     exited_soon,
@@ -286,6 +287,8 @@ def is_initialized() -> bool:
 def destroy() -> None:
     """Forgets every group; init() may be called again."""
     global _context
+    if _context is not None:
+        ended_init()
     _context = None
     backend = sys.modules.get("megart.distributed.torch_backend")
     if backend is not None:  # torch.distributed's group, when megart started it

@@ -31,9 +31,23 @@ _DEAD_FOR_S = 2.0
 _SAME_JOB_SLACK_S = 2.0
 
 
+# init() calls this process has ended with destroy(). torchrun's agent store outlives them, so
+# each init after the first takes keys of its own: reading the last one's, a rank attached to
+# shared memory its creator had already replaced (a hang until the timeout).
+_ended_inits = 0
+
+
 def key_prefix() -> str:
-    # torchrun restarts workers on the same store: each attempt gets its own keys.
-    return f"megart/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    """Where this job's keys live in the store: torchrun restarts workers on the same store, so
+    each attempt gets its own keys, and so does each init() after a destroy()."""
+    prefix = f"megart/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return prefix + (f"init{_ended_inits}/" if _ended_inits else "")
+
+
+def ended_init() -> None:
+    """destroy() ended an init(): the next one takes fresh keys (every rank ends alike)."""
+    global _ended_inits
+    _ended_inits += 1
 
 
 def under_agent() -> bool:

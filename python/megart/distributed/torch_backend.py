@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as td
 
+from megart.distributed.rendezvous import key_prefix
 from megart.errors import CommError, ConfigError
 
 # torch.distributed's name for the process-group backend that moves each kind of tensor.
@@ -57,7 +58,9 @@ def init_world(
     _started = True
     td.init_process_group(
         backend=inner_backend(),
-        store=td.PrefixStore("megart/torch/", store),
+        # Under megart's keys of this init: torchrun's store outlives a destroy(), and a
+        # second init_process_group on the last one's keys waits on ranks that left.
+        store=td.PrefixStore(key_prefix() + "torch/", store),
         rank=rank,
         world_size=world_size,
         timeout=timeout,

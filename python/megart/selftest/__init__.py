@@ -5,7 +5,8 @@ tensor-parallel training run on 2 launched ranks (against gloo and the one-proce
 a GPU also NCCL, one-rank nccl collectives against torch's NCCL, the CUDA AdamW against
 torch.optim.AdamW(fused=True) and a GPU training run against the CPU curve. Under torchrun with
 several ranks: every collective and point-to-point op of megart's default transport against
-torch.distributed's on the same ranks.
+torch.distributed's on the same ranks, and pipeline training (interleaved and zb-v over two
+stages) over that transport against the one-process curve.
 """
 
 from __future__ import annotations
@@ -184,7 +185,43 @@ def run_distributed() -> list[Check]:
         finally:
             dist.destroy()
 
-    return guarded("collectives under torchrun", compare, AVOID_TRANSPORT)
+    checks = guarded("collectives under torchrun", compare, AVOID_TRANSPORT)
+    return checks + guarded("pipeline training under torchrun", _pipeline_training, AVOID_TRANSPORT)
+
+
+def _pipeline_training() -> list[Check]:
+    """The tiny GPT trained over two pipeline stages (tensor parallelism over the rest of the
+    ranks) under the multi-chunk schedules, whose posting plans NCCL must match, against the
+    one-process CPU curve. Every rank computes that curve in a process of its own, so every
+    rank judges alike."""
+    import megart.distributed as dist
+    from megart.selftest import training
+
+    world = int(os.environ["WORLD_SIZE"])
+    tp = world // 2
+    heads = training.TINY["num_attention_heads"]
+    if world % 2 or heads % tp:
+        why = f"needs an even number of ranks whose half divides {heads} heads, not {world}"
+        return [skip("pipeline training under torchrun", why)]
+    reference = _cpu_reference_curve()
+    dist.init()
+    try:
+        backend = _world().backend
+        # GPU and CPU round differently (other kernels, other summation orders).
+        rtol = 1e-3 if backend == "nccl" else 1e-5
+        checks = []
+        for schedule, chunk_layers in (("interleaved", 1), ("zb-v", None)):
+            history = training.curve(
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=2,
+                pipeline_schedule=schedule,
+                num_layers_per_virtual_pipeline_stage=chunk_layers,
+            )
+            name = f"training tp{tp} pp2 {schedule} ({backend}, {world} ranks)"
+            checks.append(training.compare_curves(name, history, reference, rtol, AVOID_TRANSPORT))
+        return checks
+    finally:
+        dist.destroy()
 
 
 def run() -> list[Check]:
