@@ -187,14 +187,18 @@ def test_a_plan_made_for_its_messages_costs_runs_as_the_schedule_is_written(shar
     s=SCHEDULES,
     backward=st.sampled_from([2.0, 1.1, 3.0]),
     weight_fraction=st.sampled_from([0.5, 0.2, 0.8]),
-    share=st.floats(0.01, 1.0),
+    share=st.floats(0.01, 0.9),
 )
 def test_a_plan_made_for_costly_messages_keeps_the_bubble_when_they_are_free(
     s, backward, weight_fraction, share
 ):
-    """What the trainer relies on when it plans for messages it cannot yet time: guessing them
-    costly costs nothing where they turn out free, for every kind but zb-v, whose plan lost up
-    to 3.5% in bench/pipeline_plan.py's random cases (bounded here at 5%)."""
+    """What the trainer relies on when it plans for messages it cannot yet time (a fifth of a
+    chunk's forward): guessing them costly costs nothing where they turn out free, for every
+    kind but zb-v, whose plan lost up to 3.5% in bench/pipeline_plan.py's random cases (bounded
+    here at 5%). Not up to a whole chunk's forward: at exactly that, messages of different
+    steps start together and share a group, and an interleaved forward-only pass at p = 4,
+    m = 4 took 1.154 times as long (found here by hypothesis; a grid of shares 0.01-1.0 found
+    no other case)."""
     free = dict(backward_time=backward, weight_fraction=weight_fraction)
     planned = sched.Costs(
         backward=backward, weight_fraction=weight_fraction, latency=share / s.chunks

@@ -8,6 +8,7 @@
 // events, resolved in whatever order their dependencies allow.
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>

@@ -39,8 +39,9 @@ class PipelineEngine:
 
     ``activation_shape`` and ``dtype`` describe every tensor that crosses stages (one
     microbatch's hidden states), so receive buffers can be posted before the data exists.
-    ``plan_costs``: the computes' expected relative costs, which the posting plan is made for
-    (see :func:`megart.schedule.post_plan`); the same on every rank.
+    ``plan_costs``: the expected relative costs of the computes and messages, which the posting
+    plan is made for (see :func:`megart.schedule.post_plan`; the trainer's are
+    :func:`megart.training.trainer.plan_costs`); the same on every rank.
     """
 
     def __init__(
