@@ -25,8 +25,11 @@ PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
 
 def _check_loss_scale(cfg: TrainConfig) -> None:
     """The loss-scaling flags, checked only with --fp16, the one run they change: without it
-    megart, as Megatron-LM, ignores them. A static --loss-scale ignores the dynamic scaler's
-    flags too (Megatron-Core builds its ConstantGradScaler then, which checks only the scale)."""
+    megart ignores them. Megatron-Core ignores the dynamic scaler's flags then too, but applies
+    a static --loss-scale under --bf16 (its ConstantGradScaler); with bf16's fp32 exponent
+    range a power-of-two scale changes no gradient, so only another scale's rounding differs.
+    A static --loss-scale ignores the dynamic scaler's flags (Megatron-Core builds its
+    ConstantGradScaler then, which checks only the scale)."""
     if cfg.loss_scale is not None and not cfg.loss_scale > 0:
         raise ConfigError(f"--loss-scale {cfg.loss_scale:g} must be positive")
     if cfg.loss_scale is not None:
