@@ -142,10 +142,16 @@ def test_the_flag_reaches_the_config_with_megatrons_default():
         (dict(loss_scale_window=0), "--loss-scale-window 0: .* at least 1"),
         (dict(initial_loss_scale=0.0), "--initial-loss-scale 0 must be positive"),
         (dict(min_loss_scale=-1.0), "--min-loss-scale -1 must be positive"),
-        (dict(loss_scale=0.0), "--loss-scale 0 must be positive"),
+        (dict(loss_scale=-1.0), "--loss-scale -1 must be positive"),
     ],
 )
 def test_the_other_loss_scale_flags_are_refused_by_name(flags, message):
     with pytest.raises(ConfigError, match=message):
         tw.tiny(fp16=True, **flags).check(1)
     tw.tiny(**flags).check(1)  # without --fp16 ignored
+
+
+def test_loss_scale_0_is_the_dynamic_scale_as_in_megatron():
+    """Megatron-LM builds its dynamic scaler unless --loss-scale is truthy."""
+    assert tw.tiny(fp16=True, loss_scale=0.0).loss_scale is None
+    assert tw.tiny(fp16=True, loss_scale=1024.0).loss_scale == 1024.0

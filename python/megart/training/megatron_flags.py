@@ -171,8 +171,12 @@ def tokenizer_vocab_size(config: Any) -> int | None:
 
 
 def resolve_megatron_flags(config: Any) -> None:
-    """What the flags decide for the rest of the config: the tokenizer's vocabulary and
-    --train-samples' iterations."""
+    """What the flags decide for the rest of the config: the tokenizer's vocabulary,
+    --train-samples' iterations, and --loss-scale 0 meaning a dynamic scale."""
+    if config.loss_scale == 0:
+        # Megatron-LM builds its dynamic scaler unless the scale is truthy (`if
+        # config.loss_scale:` in megatron/core/optimizer), so 0 asks for the dynamic scale.
+        config.loss_scale = None
     vocab = tokenizer_vocab_size(config)
     if vocab is not None:
         config.vocab_size = vocab
