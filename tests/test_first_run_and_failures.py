@@ -153,13 +153,17 @@ def test_under_torchrun_init_after_destroy_takes_fresh_keys(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
         "import os, sys, time, torch, megart.distributed as d\n"
-        "for i in range(3):\n"
+        # A function, so that each round's groups are gone before the interpreter's shutdown,
+        # where a torch.distributed group left behind can abort the process (1 run in 8).
+        "def one_round():\n"
         "    if os.environ['RANK'] == '0': time.sleep(0.5)\n"
         "    d.init(backend='shm', timeout=20)\n"
         "    t = torch.ones(3); d.all_reduce(t); assert t.tolist() == [3.0] * 3\n"
         "    g = d.new_group(backend='torch'); u = torch.ones(2); d.all_reduce(u, group=g)\n"
         "    assert u.tolist() == [3.0] * 2\n"
         "    d.destroy()\n"
+        "for i in range(3):\n"
+        "    one_round()\n"
         "sys.stdout.write('ok\\n'); sys.stdout.flush()\n"
     )
     out = torchrun(script, 3)
