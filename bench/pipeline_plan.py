@@ -43,12 +43,10 @@ def schedules() -> Iterator[sched.Schedule]:
                 yield sched.build(kind, p, p * per_stage, v)
 
 
-def costs(
-    share: float, chunks: int, forward: float = 1.0, backward: float = 2.0, wf: float = 0.5
-) -> sched.Costs:
-    return sched.Costs(
-        forward=forward, backward=backward, weight_fraction=wf, latency=share * forward / chunks
-    )
+def costs(share: float, chunks: int) -> sched.Costs:
+    """The default computes (F = 1, B = 2, half of B weight gradients), each message ``share``
+    of one of ``chunks`` chunks' forward."""
+    return sched.Costs(latency=share / chunks)
 
 
 def ratio(s: sched.Schedule, run: sched.Costs, planned: sched.Costs) -> float:
