@@ -153,8 +153,8 @@ def test_under_torchrun_init_after_destroy_takes_fresh_keys(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
         "import os, sys, time, torch, megart.distributed as d\n"
-        # A function, so that each round's groups are gone before the interpreter's shutdown,
-        # where a torch.distributed group left behind can abort the process (1 run in 8).
+        # A function, so that each round's groups are gone before the interpreter's shutdown
+        # (destroy() also lets go of their torch groups, test_distributed_torch_backend).
         "def one_round():\n"
         "    if os.environ['RANK'] == '0': time.sleep(0.5)\n"
         "    d.init(backend='shm', timeout=20)\n"
