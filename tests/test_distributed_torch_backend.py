@@ -82,3 +82,24 @@ def test_destroy_lets_go_of_torch_groups_a_caller_still_holds():
         assert group.comm.pg is None
         with pytest.raises(CommError, match=r"ended with megart.distributed.destroy\(\)"):
             dist.all_reduce(torch.ones(2), group=group)
+
+
+def test_a_group_used_after_destroy_is_refused_on_every_transport():
+    """As torch.distributed refuses a destroyed group: an op on a group a caller kept past
+    destroy() raises at once, instead of waiting on peers that have left."""
+    import megart.distributed as dist
+    from megart import CommError
+
+    dist.init(backend="shm")
+    world, group = dist.new_group(), dist.new_group([0])
+    dist.destroy()
+    dist.init(backend="shm")  # a new context does not revive the old groups
+    try:
+        for g in (world, group):
+            with pytest.raises(CommError, match=r"ended with megart.distributed.destroy\(\)"):
+                dist.all_reduce(torch.ones(2), group=g)
+        t = torch.ones(2)
+        dist.all_reduce(t, group=dist.new_group())
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -33,7 +34,7 @@ from megart.distributed.rendezvous import (
     under_agent,
     withdraw,
 )
-from megart.errors import ConfigError, MegartError, RankEnvironmentError
+from megart.errors import CommError, ConfigError, MegartError, RankEnvironmentError
 
 BACKENDS = ("shm", "nccl", "torch")
 
@@ -52,6 +53,7 @@ class ProcessGroup:
     in_flight: list = field(default_factory=list, repr=False)
     # shm: posts batch_isend_irecv's ops in one C++ call (made on first use, see ops.py).
     p2p_batcher: _comm.P2PBatcher | None = field(default=None, repr=False)
+    ended: bool = False  # destroy() ended the context that made it
 
     def rank(self) -> int:
         """This process's rank in the group, or -1 outside it."""
@@ -83,6 +85,8 @@ class _Context:
     labels: list[str] = field(default_factory=list)
     nccl_library: str | None = None  # the NCCL megart loaded, once a group uses nccl
     device: int | None = None  # this process's CUDA device (LOCAL_RANK) for nccl groups
+    # Every group made, so that destroy() can end those a caller still holds.
+    made: list[weakref.ref] = field(default_factory=list)
 
 
 _context: _Context | None = None
@@ -285,9 +289,13 @@ def is_initialized() -> bool:
 
 
 def destroy() -> None:
-    """Forgets every group; init() may be called again."""
+    """Ends every group (using one raises CommError, as torch.distributed refuses a destroyed
+    group, rather than waiting on peers that left); init() may be called again."""
     global _context
     if _context is not None:
+        for group in [_context.world, *(ref() for ref in _context.made)]:
+            if group is not None:
+                group.ended = True
         ended_init()
     _context = None
     backend = sys.modules.get("megart.distributed.torch_backend")
@@ -320,7 +328,7 @@ def new_group(ranks: list[int] | None = None, backend: str | None = None) -> Pro
         torch_backend.init_world(ctx.store, ctx.rank, ctx.world_size, ctx.local_rank, ctx.timeout)
     ctx.groups_made += 1
     name = f"group{ctx.groups_made}{ranks}"
-    return _join(
+    group = _join(
         ctx.store,
         f"{key_prefix()}group/{ctx.groups_made}",
         ranks,
@@ -333,6 +341,8 @@ def new_group(ranks: list[int] | None = None, backend: str | None = None) -> Pro
         ctx.labels,
         ctx.world.comm if ctx.world.backend == "shm" else None,
     )
+    ctx.made.append(weakref.ref(group))
+    return group
 
 
 def describe_ranks(labels: list[str]) -> None:
@@ -345,7 +355,13 @@ def describe_ranks(labels: list[str]) -> None:
 
 
 def resolve(group: ProcessGroup | None) -> ProcessGroup:
-    return context().world if group is None else group
+    g = context().world if group is None else group
+    if g.ended:
+        raise CommError(
+            f"group '{g.name}' ended with megart.distributed.destroy(); make the group again "
+            "after init()"
+        )
+    return g
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
