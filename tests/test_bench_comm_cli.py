@@ -75,3 +75,24 @@ def test_nccl_backend_without_nccl_says_where_it_looked():
     out = bench("allreduce", "--backend", "nccl", "-b", "8", "-e", "8")
     assert out.returncode != 0
     assert "NCCL was not found" in out.stderr and "libnccl.so.2" in out.stderr
+
+
+def test_a_run_ends_the_groups_it_started():
+    """Under torchrun a torch.distributed group left to the interpreter's shutdown aborted 10 of
+    16 finished gloo-baseline runs on a loaded machine ('terminate called without an active
+    exception'); run() now ends what it started (0 of 16), and leaves what it did not."""
+    import torch.distributed as td
+
+    import megart.distributed as md
+    from megart.cli import comm_bench
+
+    cfg = comm_bench.Config("allreduce", max_bytes=64, iters=1, warmup=0, backends=("shm", "gloo"))
+    rows = comm_bench.run(cfg)
+    assert rows["shm"] and rows["gloo"]
+    assert not md.is_initialized() and not td.is_initialized()
+    md.init(backend="shm")
+    try:
+        comm_bench.run(comm_bench.Config("allreduce", max_bytes=64, iters=1, warmup=0))
+        assert md.is_initialized()  # the caller's, left as it was
+    finally:
+        md.destroy()

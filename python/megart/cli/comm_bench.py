@@ -68,16 +68,19 @@ def _api(backend: str) -> Any:
     return md
 
 
-def _init(backends: tuple[str, ...]) -> None:
+def _init(backends: tuple[str, ...]) -> tuple[bool, bool]:
     """Initialises megart first; gloo then shares megart's store (one TCPStore per job, as
-    both would otherwise listen on MASTER_PORT)."""
+    both would otherwise listen on MASTER_PORT). Returns whether it started megart and
+    torch.distributed, for _end."""
     import torch.distributed as td
 
     import megart.distributed as md
 
     megart_backends = [b for b in backends if b != "gloo"]
+    started_megart = started_torch = False
     if megart_backends and not md.is_initialized():
         md.init(backend=megart_backends[0])
+        started_megart = True
     if "gloo" in backends and not td.is_initialized():
         if md.is_initialized():
             ctx = md.group.context()
@@ -85,6 +88,21 @@ def _init(backends: tuple[str, ...]) -> None:
             td.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size)
         else:
             td.init_process_group("gloo")
+        started_torch = True
+    return started_megart, started_torch
+
+
+def _end(started_megart: bool, started_torch: bool) -> None:
+    """Ends what _init started, before the interpreter's shutdown, where a torch.distributed
+    group left behind can abort a process that finished cleanly (under torchrun)."""
+    import torch.distributed as td
+
+    import megart.distributed as md
+
+    if started_torch and td.is_initialized():
+        td.destroy_process_group()
+    if started_megart:
+        md.destroy()
 
 
 class _Op:
@@ -185,7 +203,14 @@ def run(cfg: Config) -> dict[str, list[dict[str, Any]]]:
     """Runs on every rank; returns, per backend, one row per size (medians over rounds)."""
     if "nccl" in cfg.backends and len(cfg.backends) > 1:
         raise ValueError("the nccl backend runs on GPU tensors: benchmark it on its own")
-    _init(cfg.backends)
+    started = _init(cfg.backends)
+    try:
+        return _measure(cfg)
+    finally:
+        _end(*started)
+
+
+def _measure(cfg: Config) -> dict[str, list[dict[str, Any]]]:
     apis = {b: _api(b) for b in cfg.backends}
     first = apis[cfg.backends[0]]
     rank, n = first.get_rank(), first.get_world_size()

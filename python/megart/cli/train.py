@@ -314,7 +314,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megart.training.trainer import Trainer
 
         config = config_from_args(args)
+        import megart.distributed as dist
+
+        joined_here = not dist.is_initialized()
         Trainer(config).train()
+        if joined_here:
+            # Ended here rather than by the interpreter's shutdown, where a torch.distributed
+            # group (--distributed-backend torch) can abort a process that finished cleanly.
+            dist.destroy()
     except (MegartError, ValueError) as e:
         # Once for a configuration error (every rank finds it alike), with the same status on
         # every rank, and readable under torchrun: see megart.cli.failure.
