@@ -52,16 +52,8 @@ def costs(share: float, chunks: int) -> sched.Costs:
 def ratio(s: sched.Schedule, run: sched.Costs, planned: sched.Costs) -> float:
     """The makespan of the plan made for ``planned``, run with ``run``, over the schedule's
     as written with ``run``."""
-    args = dict(
-        forward_time=run.forward,
-        backward_time=run.backward,
-        weight_fraction=run.weight_fraction,
-        latency=run.latency,
-        bandwidth=run.bandwidth,
-        message_bytes=run.message_bytes,
-    )
-    as_written = sched.simulate(s, **args).makespan
-    return sched.simulate(s, posted=True, planned_for=planned, **args).makespan / as_written
+    as_written = sched.simulate(s, costs=run).makespan
+    return sched.simulate(s, posted=True, planned_for=planned, costs=run).makespan / as_written
 
 
 def grid() -> None:

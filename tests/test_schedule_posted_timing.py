@@ -212,3 +212,18 @@ def test_a_plan_made_for_costly_messages_keeps_the_bubble_when_they_are_free(
 def test_planned_for_times_only_a_posting_plan():
     with pytest.raises(ConfigError, match="pass posted=True"):
         sched.simulate(sched.build("1f1b", 2, 2), planned_for=sched.Costs())
+
+
+def test_costs_as_one_object_time_as_the_numbers_do():
+    s = sched.build("interleaved", 4, 8, 2)
+    numbers = dict(forward_time=1.5, backward_time=2.5, weight_fraction=0.4, latency=0.05)
+    numbers.update(bandwidth=10.0, message_bytes=2.0)
+    costs = sched.Costs(
+        forward=1.5, backward=2.5, weight_fraction=0.4, latency=0.05, bandwidth=10.0,
+        message_bytes=2.0,
+    )  # fmt: skip
+    for posted in (False, True):
+        by_numbers = sched.simulate(s, posted=posted, **numbers)
+        assert sched.simulate(s, posted=posted, costs=costs).makespan == by_numbers.makespan
+    with pytest.raises(ConfigError, match="either as a Costs or as numbers"):
+        sched.simulate(s, latency=0.1, costs=costs)

@@ -99,6 +99,7 @@ def simulate(
     weight_fraction: float = 0.5,
     posted: bool = False,
     planned_for: Costs | None = None,
+    costs: Costs | None = None,
 ) -> Simulation:
     """Runs all ranks together. ``forward_time`` and ``backward_time`` are for one microbatch
     through a rank's whole share of the model (each of v chunks takes 1/v of it); each message
@@ -109,8 +110,11 @@ def simulate(
     :func:`post_plan`), with NCCL's group semantics (a rank's groups one after another, each
     with its partners' groups, after the computes posted before it), not the order as written.
     The plan is made for ``planned_for`` (by default these costs, messages included): timing a
-    plan against costs it was not made for shows what a wrong guess costs."""
-    costs = Costs(
+    plan against costs it was not made for shows what a wrong guess costs.
+
+    ``costs`` gives all six costs as one :class:`Costs` (as :func:`post_plan` takes them),
+    instead of the float arguments."""
+    given = Costs(
         forward=forward_time,
         backward=backward_time,
         weight_fraction=weight_fraction,
@@ -118,11 +122,19 @@ def simulate(
         bandwidth=bandwidth,
         message_bytes=message_bytes,
     )
+    if costs is None:
+        costs = given
+    elif _fields(given) != _fields(Costs()):
+        raise ConfigError("simulate: pass the costs either as a Costs or as numbers, not both")
     if posted:
         return _s.simulate_plan(schedule, costs, planned_for)
     if planned_for is not None:
         raise ConfigError("simulate: planned_for times a posting plan; pass posted=True with it")
     return _s.simulate(schedule, costs)
+
+
+def _fields(c: Costs) -> tuple[float, ...]:
+    return (c.forward, c.backward, c.weight_fraction, c.latency, c.bandwidth, c.message_bytes)
 
 
 def theoretical_bubble(kind: str, stages: int, microbatches: int, chunks: int = 1) -> float:
