@@ -292,15 +292,17 @@ def destroy() -> None:
     """Ends every group (using one raises CommError, as torch.distributed refuses a destroyed
     group, rather than waiting on peers that left); init() may be called again."""
     global _context
+    groups: list[ProcessGroup] = []
     if _context is not None:
-        for group in [_context.world, *(ref() for ref in _context.made)]:
-            if group is not None:
-                group.ended = True
+        made = (ref() for ref in _context.made)
+        groups = [g for g in (_context.world, *made) if g is not None]
+        for group in groups:
+            group.ended = True
         ended_init()
     _context = None
     backend = sys.modules.get("megart.distributed.torch_backend")
-    if backend is not None:  # torch.distributed's group, when megart started it
-        backend.shutdown()
+    if backend is not None:  # its groups' torch handles, and torch's group if megart started it
+        backend.shutdown([group.comm for group in groups])
 
 
 def new_group(ranks: list[int] | None = None, backend: str | None = None) -> ProcessGroup:

@@ -9,7 +9,6 @@ megart asks a communicator (rank, barrier, bytes_sent, abort); the tensor ops of
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -23,7 +22,6 @@ from megart.errors import CommError, ConfigError
 # torch.distributed's name for the process-group backend that moves each kind of tensor.
 _INNER = {"cpu": "gloo", "cuda": "nccl"}
 _started = False  # whether init_world started torch.distributed (then destroy() ends it)
-_comms: weakref.WeakSet[TorchComm] = weakref.WeakSet()  # released by destroy()
 
 
 def inner_backend() -> str:
@@ -69,15 +67,17 @@ def init_world(
     )
 
 
-def shutdown() -> None:
-    """megart's destroy(): every megart group lets go of its torch.distributed group, and
-    torch.distributed's default group ends if init_world started it."""
+def shutdown(comms: Sequence[object]) -> None:
+    """megart's destroy(), given the communicators of the groups it ended: each of this
+    backend's lets go of its torch.distributed group, and torch.distributed's default group
+    ends if init_world started it."""
     global _started
     # A torch group a caller's megart group still holds would otherwise live until the
     # interpreter's shutdown, where gloo's destructor can abort the process after a clean run
     # ("terminate called without an active exception"; 2 runs in 16 under load).
-    for comm in list(_comms):
-        comm.release()
+    for comm in comms:
+        if isinstance(comm, TorchComm):
+            comm.pg = None
     if _started and td.is_initialized():
         td.destroy_process_group()
     _started = False
@@ -93,20 +93,14 @@ class TorchComm:
         self.name = name
         self._sent = [0] * size
         self._aborted = False
-        self._released = False
 
     def check_alive(self, what: str) -> None:
         if self._aborted:
             raise CommError(f"{what}: group '{self.name}' was aborted")
-        if self._released:
-            raise CommError(
-                f"{what}: group '{self.name}' ended with megart.distributed.destroy(); "
-                "make the group again after init()"
-            )
-
-    def release(self) -> None:
-        self.pg = None
-        self._released = True
+        # Ops reach here through ops.py, which refuses an ended group first; this only keeps
+        # a released group from becoming torch's default one (group=None) by some other path.
+        if self.pg is None:
+            raise CommError(f"{what}: group '{self.name}' ended with destroy()")
 
     def count_sent(self, peer: int, nbytes: int) -> None:
         self._sent[peer] += nbytes
@@ -133,9 +127,7 @@ def make_comm(ranks: list[int], rank: int, name: str) -> TorchComm | None:
     pg = td.group.WORLD if world else td.new_group(ranks)
     if rank not in ranks:
         return None
-    comm = TorchComm(pg, ranks.index(rank), len(ranks), name)
-    _comms.add(comm)
-    return comm
+    return TorchComm(pg, ranks.index(rank), len(ranks), name)
 
 
 class TorchWork:
