@@ -60,8 +60,8 @@ def fit(table: Table) -> None:
     best = None
     for i in range(41):
         e_max = 0.50 + 0.01 * i
-        for half in (1, 2, 3, 4, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60, 80):
-            g = dataclasses.replace(gpu, gemm_efficiency_max=e_max, gemm_half_gflop=half)
+        for half in (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512):
+            g = dataclasses.replace(gpu, gemm_efficiency_max=e_max, gemm_half_dim=half)
             errs = []
             for row, layouts in shortlist:
                 ests = [
@@ -77,7 +77,7 @@ def fit(table: Table) -> None:
                 best = (score, e_max, half, errs)
     score, e_max, half, errs = best
     print(
-        f"{table.name}: gemm_efficiency_max {e_max:.2f}, gemm_half_gflop {half}: "
+        f"{table.name}: gemm_efficiency_max {e_max:.2f}, gemm_half_dim {half}: "
         f"largest error {100 * score:.1f}% ({', '.join(f'{100 * x:+.1f}' for x in errs)})"
     )
 

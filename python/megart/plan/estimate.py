@@ -303,6 +303,19 @@ def _worst_rank_memory(
     return worst, held
 
 
+def data_parallel_bus_gb_per_s(gpu: GPUProfile, tp: int, dp: int) -> float:
+    """busbw of a data-parallel group's collectives. Ranks are numbered tensor-parallel first,
+    so the group's members sit tp apart and a node holds k = gpus_per_node / tp of them. Inside
+    one node: NVLink. Across nodes, NCCL runs one channel per NIC nearest the group's GPUs, each
+    channel entering and leaving a node once (its graph search, src/graph/search.cc;
+    NVIDIA/nccl#687), so the group's k GPUs drive k rails at once; the node's other groups use
+    the other rails."""
+    if tp * dp <= gpu.gpus_per_node:
+        return gpu.nvlink_bus_gb_per_s
+    per_node = max(1, min(dp, gpu.gpus_per_node // tp))
+    return min(per_node * gpu.rail_gb_per_s, gpu.nvlink_bus_gb_per_s)
+
+
 def _data_parallel_seconds(
     cfg: GPTConfig,
     layout: Layout,
@@ -324,7 +337,7 @@ def _data_parallel_seconds(
     # megart reduces each 4 MiB bucket of fp32 gradients as soon as the last microbatch's
     # backward has produced it, so all but the last bucket overlap that backward.
     grad_bytes = grad_elements_bytes * grad_reduce_bytes / FP32
-    dp_bw = gpu.nvlink_bus_gb_per_s if t * dp <= gpu.gpus_per_node else gpu.rail_gb_per_s
+    dp_bw = data_parallel_bus_gb_per_s(gpu, t, dp)
     # The distributed optimizer reduce-scatters the gradients, then all-gathers the parameters.
     kind = "reduce_scatter" if dist else "all_reduce"
     reduce = collective_seconds(kind, grad_bytes, dp, dp_bw, gpu)

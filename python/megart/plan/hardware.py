@@ -31,10 +31,10 @@ class GPUProfile:
     nvlink_bus_gb_per_s: float
     rail_gb_per_s: float
     link_latency_us: float
-    # The fitted pair: a matrix product of G FLOPs runs at
-    # peak x gemm_efficiency_max x G / (G + gemm_half_gflop), Hockney's n-1/2 form.
+    # The fitted pair: a matrix product whose smallest dimension is m runs at
+    # peak x gemm_efficiency_max x m / (m + gemm_half_dim), Hockney's n-1/2 form.
     gemm_efficiency_max: float
-    gemm_half_gflop: float
+    gemm_half_dim: float
     sources: dict
 
     @property
@@ -55,6 +55,13 @@ def load_profile(gpu: str | None = None, path: str | None = None) -> GPUProfile:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"--gpu-profile {path}: cannot read it as JSON ({e})") from e
+    if "gemm_half_gflop" in data:
+        raise ConfigError(
+            f"--gpu-profile {path}: gemm_half_gflop was replaced by gemm_half_dim (efficiency "
+            "now follows a product's smallest dimension, not its FLOPs); refit it with "
+            "bench/plan_tables.py --fit or copy the value from one of "
+            f"{PROFILE_DIR}"
+        )
     names = [f.name for f in fields(GPUProfile)]
     missing = [n for n in names if n not in data and n != "sources"]
     unknown = [k for k in data if k not in names]

@@ -2,9 +2,11 @@
 
 Per microbatch and layer on one GPU (t tensor-parallel ranks):
 - matrix products (q/k/v, output projection, MLP, attention scores and values): FLOPs at
-  peak x e(G), e(G) = gemm_efficiency_max x G / (G + gemm_half_gflop), G the product's FLOPs
-  (the two fitted constants: small per-GPU matrices, small h/t, run further from peak);
-  backward is two products per forward one;
+  peak x e(m), e(m) = gemm_efficiency_max x m / (m + gemm_half_dim), m the product's smallest
+  dimension (the two fitted constants). A thin product re-reads its operands for every output
+  tile, so it runs nearer the memory bound: the attention core's products have the head size
+  as one dimension (64-128), and h / t shrinks with t. Backward is two products per forward one
+  with the same dimensions;
 - element-wise work (norms, residual adds, activation function, and with unfused attention the
   softmax and dropout of the s x s scores) at HBM bandwidth: bytes counted per token, replicated
   over t unless sequence parallel;
@@ -47,11 +49,16 @@ class Work:
         return Work(self.forward * k, self.backward * k, self.tp_comm * k, self.weight * k)
 
 
-def gemm_seconds(flops: float, gpu: GPUProfile) -> float:
-    """A matrix product of ``flops`` at the fitted efficiency for its size."""
+def gemm_seconds(
+    rows: float, cols: float, inner: float, gpu: GPUProfile, count: float = 1
+) -> float:
+    """``count`` matrix products of (rows x inner) by (inner x cols) at the fitted efficiency
+    for their smallest dimension."""
+    flops = 2 * rows * cols * inner * count
     if flops <= 0:
         return 0.0
-    eff = gpu.gemm_efficiency_max * flops / (flops + gpu.gemm_half_gflop * 1e9)
+    smallest = min(rows, cols, inner)
+    eff = gpu.gemm_efficiency_max * smallest / (smallest + gpu.gemm_half_dim)
     return flops / (gpu.peak_tflops * 1e12 * eff)
 
 
@@ -92,12 +99,17 @@ def layer_work(
     s, h, f, t = cfg.seq_length, cfg.hidden_size, cfg.ffn_size, tp
     tokens = s * b
     kv = cfg.query_groups * cfg.head_dim
-    matrices = [h + 2 * kv, h] + [f] * (3 if cfg.activation == "swiglu" else 2)
-    dense = [2 * tokens * h * n / t for n in matrices]
-    core = [2 * b * s * s * h / t] * 2  # scores and scores x values
-    dense_times = [gemm_seconds(x, gpu) for x in dense]
+    # (cols, inner) of each product over the tokens: q/k/v and the MLP's first product(s) are
+    # column-parallel (cols split over t), the output projection and the MLP's last product
+    # row-parallel (inner split).
+    ups = 2 if cfg.activation == "swiglu" else 1
+    shapes = [((h + 2 * kv) / t, h), (h, h / t)] + [(f / t, h)] * ups + [(h, f / t)]
+    dense_times = [gemm_seconds(tokens, cols, inner, gpu) for cols, inner in shapes]
     fwd_gemm = sum(dense_times)
-    core_gemm = sum(gemm_seconds(x, gpu) for x in core)
+    # Per head: scores (s x d by d x s), then scores x values (s x s by s x d).
+    heads = b * cfg.num_attention_heads / t
+    d = cfg.head_dim
+    core_gemm = gemm_seconds(s, s, d, gpu, heads) + gemm_seconds(s, d, s, gpu, heads)
     # Element-wise bytes per token, forward: two norms (read, write), two residual adds with
     # bias and dropout (read two, write one), the activation (GeLU: read f write f; SwiGLU:
     # read 2f write f); unfused attention: softmax and dropout over heads/t x s scores.
@@ -140,7 +152,7 @@ def logits_work(cfg: GPTConfig, b: int, tp: int, gpu: GPUProfile) -> Work:
     which megart computes in I."""
     tokens = cfg.seq_length * b
     vocab = cfg.padded_vocab_size(tp) // tp
-    gemm = gemm_seconds(2 * tokens * cfg.hidden_size * vocab, gpu)
+    gemm = gemm_seconds(tokens, vocab, cfg.hidden_size, gpu)
     elem = tokens * vocab * 8 / (gpu.hbm_gb_per_s * 1e9)  # write and read the fp32 logits
     weight = gemm if cfg.untie_embeddings_and_output_weights else 0.0
     return Work(gemm + elem, 2 * gemm + elem, 0.0, weight)

@@ -1,0 +1,85 @@
+"""megart plan's two cost rules that carry its fitted constants and its rails: a matrix
+product's efficiency follows its smallest dimension, and a data-parallel group drives one rail
+per GPU it has in a node."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from megart.errors import ConfigError
+from megart.models.config import GPTConfig
+from megart.plan import load_profile
+from megart.plan.estimate import data_parallel_bus_gb_per_s
+from megart.plan.hardware import PROFILE_DIR
+from megart.plan.timing import gemm_seconds, layer_work
+
+A100 = load_profile("a100-80gb")
+H100 = load_profile("h100-80gb")
+
+
+@pytest.mark.parametrize(
+    "tp,dp,rails",
+    [
+        (8, 32, 1),  # Table 1's t = 8: one member of the group per node
+        (4, 32, 2),
+        (2, 32, 4),
+        (1, 64, 8),  # a whole node in the group
+        (16, 4, 1),  # a tensor-parallel group wider than a node
+    ],
+)
+def test_a_data_parallel_group_drives_one_rail_per_gpu_it_has_in_a_node(tp, dp, rails):
+    assert data_parallel_bus_gb_per_s(A100, tp, dp) == pytest.approx(rails * A100.rail_gb_per_s)
+
+
+@pytest.mark.parametrize("tp,dp", [(1, 8), (2, 4), (4, 2), (1, 2)])
+def test_a_data_parallel_group_inside_one_node_uses_nvlink(tp, dp):
+    assert data_parallel_bus_gb_per_s(A100, tp, dp) == A100.nvlink_bus_gb_per_s
+
+
+def test_rails_never_beat_the_nvlink_they_feed():
+    # An H100 node's eight NDR rails (8 x 47.5 GB/s) carry more than its NVLink busbw: the
+    # group's traffic also crosses NVLink inside each node, so NVLink bounds it.
+    assert 8 * H100.rail_gb_per_s > H100.nvlink_bus_gb_per_s
+    assert data_parallel_bus_gb_per_s(H100, 1, 64) == H100.nvlink_bus_gb_per_s
+
+
+def test_a_product_runs_at_the_efficiency_of_its_smallest_dimension():
+    # gemm_half_dim is where a product reaches half the large-product efficiency, whichever of
+    # its three dimensions is the small one.
+    gpu = dataclasses.replace(A100, gemm_half_dim=64)
+    flops = 2 * 4096 * 4096 * 64
+    rate = gpu.peak_tflops * 1e12 * gpu.gemm_efficiency_max
+    for shape in ((4096, 4096, 64), (4096, 64, 4096), (64, 4096, 4096)):
+        assert gemm_seconds(*shape, gpu) == pytest.approx(flops / (rate / 2))
+    # The same FLOPs with no thin side: nearer e_max.
+    square = gemm_seconds(1024, 1024, 1024, gpu)
+    assert square == pytest.approx(flops / (rate * 1024 / (1024 + 64)))
+    assert gemm_seconds(64, 64, 64, gpu, count=4096) == pytest.approx(flops / (rate / 2))
+
+
+def test_more_heads_of_the_same_width_make_a_slower_attention_core():
+    # Same h and FLOPs, head size 128 against 64: the scores' products get thinner. A FLOPs-only
+    # efficiency would time the two alike.
+    def core(heads: int) -> float:
+        cfg = GPTConfig(
+            num_layers=1,
+            hidden_size=4096,
+            num_attention_heads=heads,
+            seq_length=2048,
+            vocab_size=51200,
+        )
+        return layer_work(cfg, 1, 1, False, None, A100).forward
+
+    assert core(64) > core(32)
+
+
+def test_a_profile_with_the_old_flops_constant_is_told_what_replaced_it(tmp_path):
+    old = json.loads((PROFILE_DIR / "a100-80gb.json").read_text())
+    old["gemm_half_gflop"] = old.pop("gemm_half_dim") // 8
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    with pytest.raises(ConfigError, match="gemm_half_gflop was replaced by gemm_half_dim"):
+        load_profile(path=str(path))
