@@ -5,11 +5,11 @@ and interleaving (Megatron-LM examples/sc21). ``--fit`` refits the two GEMM-effi
 each table's profile by a grid search minimising the largest relative error (prints them; the
 profiles are edited by hand).
 
-    python bench/plan_tables.py [--fit] [--torch-ddp] [--nvlink-sweep]
+    python bench/plan_tables.py [--fit] [--local-ddp] [--nvlink-sweep]
 
-``--torch-ddp``: SC21's runs with p = 1 as they ran (torch DDP, the gradient all-reduce
-overlapping the last microbatch's backward) instead of the default, not overlapped; a
-sensitivity check (bench/RESULTS.md says why it is not the default). ``--nvlink-sweep``: for
+``--local-ddp``: SC21's runs with p = 1 as if they had used Megatron's local DDP (the gradient
+all-reduce after the whole schedule, as with p > 1) instead of the torch DDP they ran (the
+all-reduce overlapping the last microbatch's backward); a sensitivity check. ``--nvlink-sweep``: for
 the SC21 rows whose (t, p) the planner finds more than 3% slower than its choice, how far the
 paper's (t, p) is from the recommendation at other NVLink all-reduce bandwidths (the one figure
 the tensor-parallel collectives' cost rests on), the GEMM constants kept.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megart.plan.estimate import SINGLE_STAGE, Estimate, estimate
+from megart.plan.estimate import Estimate, estimate
 from megart.plan.hardware import GPUProfile, load_profile
 from megart.plan.published import (
     TABLES,
@@ -102,15 +102,15 @@ def nvlink_sweep(table: Table) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit", action="store_true")
-    ap.add_argument("--torch-ddp", action="store_true")
+    ap.add_argument("--local-ddp", action="store_true")
     ap.add_argument("--nvlink-sweep", action="store_true")
     args = ap.parse_args()
     if args.nvlink_sweep:
         nvlink_sweep(TABLES[0])
         return
     for table in TABLES:
-        if args.torch_ddp and table.name.startswith("SC21"):
-            table = dataclasses.replace(table, dp_overlap=SINGLE_STAGE)
+        if args.local_ddp and table.name.startswith("SC21"):
+            table = dataclasses.replace(table, dp_overlap=False)
         if args.fit:
             fit(table)
             continue

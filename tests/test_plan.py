@@ -59,9 +59,9 @@ LESS_T_MORE_P = (
     "the planner prefers less tensor parallelism (its t = 8 all-reduces outweigh the bubble)"
 )
 DISAGREES = {
-    "3.6B": (SMALLER_T_MORE_D, "+5.5%"),
-    "7.5B": (SMALLER_T_MORE_D, "+9.2%"),
-    "18.4B": (LESS_T_MORE_P, "+16.6%"),
+    "3.6B": (SMALLER_T_MORE_D, "+5.7%"),
+    "7.5B": (SMALLER_T_MORE_D, "+9.7%"),
+    "18.4B": (LESS_T_MORE_P, "+12.0%"),
     "39.1B": (LESS_T_MORE_P, "+15.8%"),
     "145.6B": (LESS_T_MORE_P, "+4.8%"),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megart.plan.estimate import SINGLE_STAGE
 from megart.plan.layout import Layout
 from megart.plan.search import Fixed
 from megart.training.config import TrainConfig
@@ -74,10 +75,9 @@ class Table:
     tp_overlap: bool  # MCore overlaps tensor-parallel collectives with GEMMs; SC21 did not
     # SC21's Megatron all-reduced fp16 gradients after the whole schedule with p > 1 (its
     # local DDP, the only one it allowed there). Its p = 1 runs used torch DDP, which overlapped
-    # the all-reduce with the last microbatch's backward (SINGLE_STAGE); the comparison leaves
-    # that out (False): modelled, the refit makes GEMM efficiency almost independent of size,
-    # against SC21's Fig. 7 (bench/RESULTS.md; `bench/plan_tables.py --torch-ddp`). MCore
-    # reduces fp32 gradient buckets during the last backward (as megart does).
+    # the all-reduce with the last microbatch's backward: SINGLE_STAGE, as they ran
+    # (`bench/plan_tables.py --local-ddp` leaves that overlap out). MCore reduces fp32 gradient
+    # buckets during the last backward (as megart does).
     dp_overlap: bool | str
     grad_reduce_bytes: int
     # SC21's Megatron-LM blocked on every pipeline exchange (batch_isend_irecv, wait, then a
@@ -102,7 +102,7 @@ TABLES = (
         False,
         True,
         False,
-        False,
+        SINGLE_STAGE,
         2,
         False,
         "full",
