@@ -50,8 +50,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered_gamma else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * (
+        # 16-bit inputs are normalised in fp32 (as Megatron's and Hugging Face's RMSNorm do);
+        # float64 stays float64.
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * (
             gamma(self)
         )
 
