@@ -1,6 +1,6 @@
-"""megart plan's two cost rules that carry its fitted constants and its rails: a matrix
-product's efficiency follows its smallest dimension, and a data-parallel group drives one rail
-per GPU it has in a node."""
+"""megart plan's cost rules that carry its fitted constants and its rails: a matrix product's
+efficiency follows its smallest dimension, flash attention's core runs the causal half and
+recomputes its scores, and a data-parallel group drives one rail per GPU it has in a node."""
 
 from __future__ import annotations
 
@@ -74,6 +74,23 @@ def test_more_heads_of_the_same_width_make_a_slower_attention_core():
         return layer_work(cfg, 1, 1, False, None, A100).forward
 
     assert core(64) > core(32)
+
+
+def test_flash_attention_runs_half_the_causal_products_and_recomputes_its_scores():
+    # Measured on an H200 (bench/layer_profile.py): cuDNN's flash backward takes 3.2-3.4 times
+    # its forward, the products beside it 2.0-2.2 times theirs. One layer on one GPU (no
+    # collectives), so backward - 2 x forward is what the core's backward adds beyond two.
+    cfg = GPTConfig(
+        num_layers=1, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=256
+    )
+    s, d, heads = cfg.seq_length, cfg.head_dim, 4 * cfg.num_attention_heads  # micro batch 4
+    full_core = gemm_seconds(s, s, d, H100, heads) + gemm_seconds(s, d, s, H100, heads)
+    flash = layer_work(cfg, 4, 1, False, None, H100)
+    # Half the score blocks (causal), and 5 products per forward 2 on them: 0.5 more than 2.
+    assert flash.backward - 2 * flash.forward == pytest.approx(0.5 * (0.5 * full_core))
+    kept = layer_work(cfg, 4, 1, False, None, H100, unfused_attention=True)
+    assert kept.backward == pytest.approx(2 * kept.forward)  # the scores are stored
+    assert kept.forward > flash.forward + 0.5 * full_core  # every block, and the scores' bytes
 
 
 def test_a_profile_with_the_old_flops_constant_is_told_what_replaced_it(tmp_path):

@@ -6,7 +6,8 @@ Per microbatch and layer on one GPU (t tensor-parallel ranks):
   dimension (the two fitted constants). A thin product re-reads its operands for every output
   tile, so it runs nearer the memory bound: the attention core's products have the head size
   as one dimension (64-128), and h / t shrinks with t. Backward is two products per forward one
-  with the same dimensions;
+  with the same dimensions, except flash attention's core, which runs half the products under
+  a causal mask and recomputes the scores in its backward (five products per forward two);
 - element-wise work (norms, residual adds, activation function, and with unfused attention the
   softmax and dropout of the s x s scores) at HBM bandwidth: bytes counted per token, replicated
   over t unless sequence parallel;
@@ -23,6 +24,12 @@ from megart.models.config import GPTConfig
 from megart.plan.hardware import GPUProfile
 
 ACT = 2  # bytes of a 16-bit activation element
+# Flash attention skips the score blocks above a causal mask's diagonal: half the products.
+CAUSAL_SHARE = 0.5
+# Its backward recomputes the scores: five products of the forward's size to the forward's two
+# (FlashAttention-2; on an H200, cuDNN's kernels take 3.2-3.4 times the forward's time,
+# bench/layer_profile.py).
+FLASH_BACKWARD = 2.5
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,8 @@ def layer_work(
     heads = b * cfg.num_attention_heads / t
     d = cfg.head_dim
     core_gemm = gemm_seconds(s, s, d, gpu, heads) + gemm_seconds(s, d, s, gpu, heads)
+    if not unfused_attention:
+        core_gemm *= CAUSAL_SHARE
     # Element-wise bytes per token, forward: two norms (read, write), two residual adds with
     # bias and dropout (read two, write one), the activation (GeLU: read f write f; SwiGLU:
     # read 2f write f); unfused attention: softmax and dropout over heads/t x s scores.
@@ -134,7 +143,10 @@ def layer_work(
             pairs = [dense_times[0], dense_times[1], sum(dense_times[2:-1]), dense_times[-1]]
             comm = sum(max(0.0, half - g) for g in pairs)
     forward = fwd_gemm + core_gemm + fwd_elem + core_elem + comm
-    backward = 2 * (fwd_gemm + core_gemm + fwd_elem + core_elem) + comm
+    # With the scores kept (unfused), the core's backward is two products per forward one, like
+    # the dense ones'; flash attention keeps no scores and recomputes them.
+    core_backward = 2 * core_gemm if unfused_attention else FLASH_BACKWARD * core_gemm
+    backward = 2 * (fwd_gemm + fwd_elem + core_elem) + core_backward + comm
     tp_comm = 2 * comm
     if recompute == "full":
         backward += forward
