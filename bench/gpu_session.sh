@@ -3,13 +3,15 @@
 # Usage (on the lent GPU machine, repo root): bash bench/gpu_session.sh [step ...]
 # Steps: selftest train-default tests ln-tests allreduce p2p nccl-overhead adam kernels kernels-ln
 # profile-ln train-1.3b train-1.3b-fused train-1.3b-50k train-1.3b-50k-fused train-1.3b-recompute
-# plan-1.3b plan-1.3b-recompute, or any shell command.
+# plan-1.3b plan-1.3b-recompute gemm-sweep layer-profile, or any shell command.
 # The first session with a GPU (one H200, 2026-11-26; bench/RESULTS.md) ran
 #   STEP_TIMEOUT=110 bash bench/gpu_session.sh selftest train-default tests train-1.3b kernels \
 #     adam train-1.3b-fused nccl-overhead
 # in 273 s, the build included (half of it cached from a failed first try). The second (same
 # day) ran selftest ln-tests profile-ln train-1.3b plan-1.3b kernels-ln train-1.3b-recompute
-# plan-1.3b-recompute train-1.3b-fused in 323 s, build included. On a node of several GPUs:
+# plan-1.3b-recompute train-1.3b-fused in 323 s, build included. The third (same day) ran
+# selftest tests gemm-sweep, then layer-profile, then two profiled train runs and three more
+# plan-vs-run sizes: 785 s over four calls. On a node of several GPUs:
 # `torchrun --nproc-per-node N -m megart selftest`, NPROC=N allreduce p2p, and tests (whose
 # test_trainer_nccl runs every parallel layout, its ranks sharing GPU 0).
 # (-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion; -50k trains
@@ -51,6 +53,9 @@ for step in "$@"; do
     train-default) limit python3 -m megart train 2>&1 | show 8 ;;
     ln-tests) limit python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels_cuda.py \
              tests/test_build_info.py 2>&1 | show 20 ;;
+    gemm-sweep) limit python3 bench/gemm_sweep.py --json "$OUT/gemm_sweep.json" 2>&1 | show 60 ;;
+    layer-profile) for a in "" "--hidden 4096 --heads 32 --micro-batch 2"; do
+             limit python3 bench/layer_profile.py $a; done 2>&1 | show 80 ;;
     kernels-ln) limit python3 bench/kernels.py --ops add_layer_norm --json "$OUT/kernels_ln.json" \
              2>&1 | show 20 ;;
     plan-1.3b*) # the model and layout of train-1.3b (byte vocabulary), on this one GPU
