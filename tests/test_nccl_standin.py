@@ -44,9 +44,44 @@ def _build(build: Path, comm_dir: Path = COMM) -> Path:
     return build
 
 
+def _lay_out(comm: Path, changed: dict[str, str] | None = None) -> None:
+    """Makes `comm` a copy of cuda/comm with the texts in `changed` (file name: text) in place
+    of their files, writing only the files that differ: the build recompiles only those."""
+    for source in COMM.iterdir():
+        want = (changed or {}).get(source.name, source.read_text())
+        copy = comm / source.name
+        if not copy.exists() or copy.read_text() != want:
+            copy.write_text(want)
+
+
 @pytest.fixture(scope="module")
-def standin(tmp_path_factory) -> Path:
-    return _build(tmp_path_factory.mktemp("standin-build"))
+def _tree(tmp_path_factory) -> tuple[Path, Path]:
+    """One build of the stand-in for the module, from a copy of cuda/comm (laid out as
+    cuda/comm is) that the mutation check edits in place, so that a mutant recompiles the file it
+    changes, not the whole tree: (build, comm copy)."""
+    work = tmp_path_factory.mktemp("standin")
+    comm = work / "comm"
+    comm.mkdir()
+    _lay_out(comm)
+    return _build(work / "build", comm), comm
+
+
+def _rebuild(build: Path) -> Path:
+    done = subprocess.run(
+        [shutil.which("cmake") or "cmake", "--build", str(build), "--parallel", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, f"rebuilding {build} failed:\n{done.stdout}\n{done.stderr}"
+    return build
+
+
+@pytest.fixture
+def standin(_tree) -> Path:
+    """The stand-in built from cuda/comm as it is: a mutant left by the mutation check is put
+    back and rebuilt first (otherwise the build is a no-op)."""
+    build, comm = _tree
+    _lay_out(comm)
+    return _rebuild(build)
 
 
 def _run(build: Path, cases: list[str], timeout: float = 120, **env: str):
@@ -146,16 +181,15 @@ def test_the_transport_has_stream_waits_to_remove():
 
 
 @pytest.mark.parametrize("source, k", _stream_waits())
-def test_each_stream_wait_is_needed(tmp_path_factory, source, k):
+def test_each_stream_wait_is_needed(_tree, source, k):
     """Removing any one cudaStreamWaitEvent from the transport makes a stand-in test fail: the
-    stand-in's streams really overlap, so a missing ordering is a wrong result, not luck."""
-    work = tmp_path_factory.mktemp("mutant")
-    (work / "comm").mkdir()
-    for f in COMM.iterdir():
-        shutil.copy(f, work / "comm" / f.name)
-    mutant = work / "comm" / source
-    mutant.write_text(_without_call(mutant.read_text(), k))
-    build = _build(tmp_path_factory.getbasetemp() / "mutant-build", work / "comm")
+    stand-in's streams really overlap, so a missing ordering is a wrong result, not luck. (The
+    mutant is built in the module's stand-in build, recompiling only the files that differ from
+    the last build; the `standin` fixture puts cuda/comm back for any test that runs after.)"""
+    build, comm = _tree
+    _lay_out(comm, {source: _without_call((COMM / source).read_text(), k)})
+    assert (comm / source).read_text() != (COMM / source).read_text()
+    _rebuild(build)
     done, _ = _run(build, COLLECTIVES, MEGART_NCCL_WATCHDOG="0")
     assert done.returncode != 0, f"{source}: removing stream wait #{k} went unnoticed"
     assert "FAILED" in done.stdout
