@@ -12,7 +12,8 @@
    published tables.
 2. One GPT layer (megart's Block, bf16, flash attention through torch's SDPA, no tensor
    parallelism) at three sizes: measured forward and backward beside the planner's
-   `layer_work`, and the measured backward / forward ratio (the planner assumes 2).
+   `layer_work`, and the measured backward / forward ratio (the planner's: 2 for the products
+   and element-wise work, 2.5 for flash attention's core).
 
 Times are CUDA-event medians over rounds after warm-up calls at every shape. Without a GPU it
 exits with status 2.
@@ -106,12 +107,18 @@ def fit(rows: list[dict]) -> tuple[float, float]:
     return best[1], best[2]
 
 
-def layer_ms(cfg: GPTConfig, b: int) -> tuple[float, float]:
-    """Measured forward and backward milliseconds of one Block on a [s, b, h] bf16 input."""
+def block_and_input(cfg: GPTConfig, b: int) -> tuple[Block, torch.Tensor, torch.Tensor]:
+    """One bf16 Block (no tensor parallelism), an input [s, b, h] that wants its gradient, and
+    a gradient for the Block's output."""
     block = Block(cfg, 0, None, False).to(DEVICE, torch.bfloat16)
     x = torch.randn(cfg.seq_length, b, cfg.hidden_size, device=DEVICE, dtype=torch.bfloat16)
     x.requires_grad_(True)
-    grad = torch.randn_like(x)
+    return block, x, torch.randn_like(x)
+
+
+def layer_ms(cfg: GPTConfig, b: int) -> tuple[float, float]:
+    """Measured forward and backward milliseconds of one Block."""
+    block, x, grad = block_and_input(cfg, b)
     fwd = median_ms(lambda: block(x))
     both = median_ms(lambda: block(x).backward(grad))
     return fwd, both - fwd
