@@ -108,6 +108,9 @@ HELP = {
     "default, as in Megatron-LM, wherever the MLP has a bias and GeLU (not with --swiglu or "
     "--disable-bias-linear); --no-bias-gelu-fusion turns it off",
     "fused_layer_norm": "megart's fused LayerNorm(+residual) CUDA kernel",
+    "gradient_accumulation_fusion": "compute linear layers' weight gradients in the compute "
+    "dtype, then cast and add them into the fp32 gradients (by default the product adds them "
+    "itself, accumulating in fp32, as Megatron-LM's fusion does)",
     "cross_entropy_loss_fusion": "megart's in-place vocab-parallel cross-entropy CUDA kernel",
     "recompute_activations": "shorthand for --recompute-granularity selective",
     "recompute_granularity": "full (whole layers) or selective (attention core) recomputation "

@@ -12,9 +12,21 @@ W hands its gradients to autograd on the parameters themselves (``backward`` on 
 accumulate into ``param.grad`` in place and the post-accumulate hooks fire once per microbatch,
 as in an ordinary backward: the data-parallel buckets reduce after a parameter's last W.
 
+Gradient accumulation fusion (Megatron-LM's, on by default there and here): inside
+:func:`fusing_accumulation` a linear layer's weight gradient is added into ``param.grad`` by the
+product itself (``grad += dY^T X`` with fp32 accumulation and output, cuBLAS's beta = 1), never
+as a product in the compute dtype followed by a cast and an add. Under bf16/fp16 autocast with
+fp32 weights that removes two memory-bound passes over every weight per microbatch (measured on
+an H200: a third of a bf16 iteration was memory-bound work, 96 ms of it these adds), and the
+per-microbatch weight gradient is no longer rounded to 16 bits before it is summed. The
+parameters' post-accumulate-grad hooks then run as autograd's own accumulation runs them, once
+per backward, so the data-parallel buckets see no difference. The weights' 16-bit copies are
+made once per region and reused by every microbatch, as autocast's cast cache does.
+
 The active store is process-wide rather than thread-local on purpose: on a GPU, autograd runs
 backward on its own device threads, and a recomputed forward (activation checkpointing) runs
-there too; it must see the store the engine set.
+there too; it must see the store the engine set. The fusion's state is process-wide for the
+same reason.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 _active: WeightGradStore | None = None
+_fusion: _Fusion | None = None  # set by fusing_accumulation()
 
 
 class WeightGradStore:
@@ -72,18 +85,90 @@ class WeightGradStore:
 
 def accumulate(kept: list[tuple]) -> None:
     """dW = dY^T X (and db = the sum of dY) of each kept (X, dY, (weight, bias)), added to the
-    parameters' gradients by autograd itself, so post-accumulate hooks fire as usual."""
+    parameters' gradients: inside :func:`fusing_accumulation`, where ``.grad`` exists, by the
+    product itself (then the parameters' post-accumulate hooks run); otherwise by autograd,
+    so post-accumulate hooks fire as usual."""
     params: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
     for x, dy, (weight, bias) in kept:
         dy2 = dy.reshape(-1, dy.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        if _fusion is not None and _fusable(weight, bias):
+            with torch.no_grad():  # W runs outside backward, where grad mode is on
+                _add_product(weight.grad, dy2, x2)
+                _accumulated(weight)
+                if bias is not None:
+                    bias.grad.add_(dy2.sum(0, dtype=bias.grad.dtype))
+                    _accumulated(bias)
+            continue
         params.append(weight)
-        grads.append(dy2.t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype))
+        grads.append(dy2.t().mm(x2).to(weight.dtype))
         if bias is not None:
             params.append(bias)
             grads.append(dy2.sum(0).to(bias.dtype))
     if params:
         torch.autograd.backward(params, grads)
+
+
+def _fusable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    # Only into gradients that exist (megart train's buffers): a missing one is autograd's to
+    # create, as it would be without the fusion.
+    return weight.grad is not None and (bias is None or bias.grad is not None)
+
+
+def _add_product(grad: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
+    """grad += dy2^T x2, accumulated and written in grad's dtype."""
+    if dy2.dtype == grad.dtype:
+        grad.addmm_(dy2.t(), x2)
+    elif grad.is_cuda:  # 16-bit inputs, fp32 C: one cuBLAS call with beta = 1
+        torch.addmm(grad, dy2.t(), x2, out_dtype=grad.dtype, out=grad)
+    else:  # torch's CPU has no mixed-dtype product; 16-bit values are exact in fp32
+        grad.addmm_(dy2.t().to(grad.dtype), x2.to(grad.dtype))
+
+
+def _accumulated(param: torch.Tensor) -> None:
+    """Runs ``param``'s post-accumulate-grad hooks, as autograd's AccumulateGrad does after it
+    adds into ``.grad`` (torch keeps them in this attribute of the tensor)."""
+    for hook in list((param._post_accumulate_grad_hooks or {}).values()):
+        hook(param)
+
+
+class _Fusion:
+    """The state of one :func:`fusing_accumulation` region: the weights' casts made in it."""
+
+    def __init__(self) -> None:
+        self.casts: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def cast(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``param`` (detached) in ``dtype``, made once while ``param`` is unchanged."""
+        if param.dtype == dtype:
+            return param.detach()
+        key = (id(param), dtype)
+        version, cast = self.casts.get(key, (-1, None))
+        if cast is None or version != param._version:
+            cast = param.detach().to(dtype)
+            self.casts[key] = (param._version, cast)
+        return cast
+
+
+def _cast(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _fusion.cast(param, dtype) if _fusion is not None else param.detach().to(dtype)
+
+
+@contextlib.contextmanager
+def fusing_accumulation(enabled: bool = True) -> Iterator[None]:
+    """Adds linear layers' weight gradients into ``.grad`` by their product for the duration
+    (see the module docstring); ``enabled=False`` does nothing (--no-gradient-accumulation-
+    fusion). The 16-bit weight copies made in the region are freed when it ends."""
+    global _fusion
+    if not enabled:
+        yield
+        return
+    previous, _fusion = _fusion, _Fusion()
+    try:
+        yield
+    finally:
+        _fusion = previous
 
 
 @contextlib.contextmanager
@@ -111,9 +196,9 @@ class _Linear(torch.autograd.Function):
         # inputs' own dtypes (autocast's casts do that for F.linear).
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         xc = x.to(dtype)
-        b = None if bias is None else bias.to(dtype)
+        b = None if bias is None else _cast(params[1], dtype)
         with torch.autocast(device, enabled=False):
-            y = F.linear(xc, weight.to(dtype), b)
+            y = F.linear(xc, _cast(params[0], dtype), b)
         ctx.save_for_backward(xc)
         ctx.params, ctx.store, ctx.x_dtype = params, store, x.dtype
         return y
@@ -124,17 +209,24 @@ class _Linear(torch.autograd.Function):
         weight = ctx.params[0]
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = dy.matmul(weight.to(dy.dtype)).to(ctx.x_dtype)
-        if not ctx.store.defer(xc, dy, ctx.params):
+            dx = dy.matmul(_cast(weight, dy.dtype)).to(ctx.x_dtype)
+        if ctx.store is None or not ctx.store.defer(xc, dy, ctx.params):
             accumulate([(xc, dy, ctx.params)])  # outside an I (a plain B): now
         return dx, None, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except inside :func:`deferring` with gradients on, where the weight
-    gradient is left to the store's W. Parameters must be leaves (they are, in megart)."""
+    """``F.linear``, except with gradients on inside :func:`deferring`, where the weight
+    gradient is left to the store's W, or inside :func:`fusing_accumulation`, where it is
+    added into ``.grad`` by its product. Parameters must be leaves (they are, in megart)."""
     store = _active
-    if store is None or not torch.is_grad_enabled() or not weight.requires_grad:
+    taken_over = store is not None or _fusion is not None
+    if not (taken_over and torch.is_grad_enabled() and weight.requires_grad):
         return F.linear(x, weight, bias)
     detached = None if bias is None else bias.detach()
-    return _Linear.apply(x, weight.detach(), detached, store, (weight, bias), store.anchor)
+    anchor = _ANCHOR if store is None else store.anchor
+    return _Linear.apply(x, weight.detach(), detached, store, (weight, bias), anchor)
+
+
+# Puts a layer whose input needs no gradient into the graph, as WeightGradStore.anchor does.
+_ANCHOR = torch.empty(0, requires_grad=True)

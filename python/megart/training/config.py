@@ -112,6 +112,9 @@ class TrainConfig:
     # with --bias-gelu-fusion, is refused where it cannot apply. The other two: off until
     # measured faster than torch on a GPU.
     bias_gelu_fusion: bool | None = None
+    # Linear layers add their weight gradients into the fp32 gradient buffers by the product
+    # itself (Megatron-LM's default; False is --no-gradient-accumulation-fusion).
+    gradient_accumulation_fusion: bool = True
     fused_layer_norm: bool = False  # LayerNorm kernel, the residual add fused into the second
     cross_entropy_loss_fusion: bool = False  # loss and logits gradient in the logits' buffer
     # Activation recomputation (see GPTConfig): --recompute-activations is Megatron's

@@ -96,7 +96,8 @@ _FP8 = (
 # Megatron-LM's switches that turn one of its fused kernels off, with what each means here. A
 # kernel choice never changes the math, so megart accepts each: --no-bias-gelu-fusion sets
 # megart's own bias-GeLU fusion off (on by default, as Megatron's), and the others turn off
-# fusions that megart does not have, so they change nothing.
+# fusions that megart does not have, so they change nothing. (--no-gradient-accumulation-fusion
+# is TrainConfig's own switch: see its help in megart.cli.train.)
 FUSIONS_OFF = {
     "--no-bias-gelu-fusion": "the MLP's bias add and GeLU unfused (megart's fused kernel is "
     "on by default where the MLP has them, as in Megatron-LM)",
@@ -106,8 +107,6 @@ FUSIONS_OFF = {
     "--no-bias-dropout-fusion": "accepted: megart adds bias, dropout and residual unfused",
     "--no-rope-fusion": "accepted: megart's rope is plain torch, never a fused rope kernel",
     "--no-persist-layer-norm": "accepted: megart has no persistent LayerNorm kernel (apex's)",
-    "--no-gradient-accumulation-fusion": "accepted: megart accumulates weight gradients "
-    "with torch, never apex's fused wgrad kernel",
 }
 # Megatron-LM flags (of its GPT and Llama example scripts and their neighbours) that megart
 # cannot honour yet: refused by name, with what to do instead.

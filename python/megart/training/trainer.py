@@ -22,6 +22,7 @@ from megart import schedule as sched
 from megart.errors import ConfigError
 from megart.pipeline import PipelineEngine
 from megart.tensor_parallel import sync_sequence_parallel_grads
+from megart.tensor_parallel.weight_grad import fusing_accumulation
 from megart.training import batch_rampup, checkpoint, memory_report
 from megart.training import optimizer as optim
 from megart.training import trainer_setup as setup
@@ -208,7 +209,8 @@ class Trainer:
         self.buckets.zero_grad()
         self.buckets.start_iteration(m)
         dist.reset_bytes_sent(g.pp_group)
-        with self._autocast():
+        fusion = fusing_accumulation(c.gradient_accumulation_fusion)
+        with self._autocast(), fusion:
             # Each microbatch's loss is divided by m: the gradient is the batch mean's.
             losses = self.engine_for(m).run(inputs, targets, self._loss_fn, scale)
         self.buckets.finish()

@@ -1,0 +1,111 @@
+"""Gradient accumulation fusion against --no-gradient-accumulation-fusion, in one process.
+
+Builds two trainers of the same GPT (same seed, same data), one fused (megart's default: the
+weight-gradient product adds into the fp32 gradients itself) and one not (the product in the
+compute dtype, then a cast and an add), and times their iterations in alternating rounds after a
+warm-up round: medians of the per-round seconds per iteration, and their ratio. On a GPU the
+default is the 1.2B GPT of bench/RESULTS.md's profiled run (24 x 2048, seq 2048, micro batch 4,
+8 microbatches, bf16); on a CPU pass a small one.
+
+    python bench/grad_accum_fusion.py [--layers 24 --hidden 2048 --heads 16 --micro-batch 4]
+    python bench/grad_accum_fusion.py --layers 2 --hidden 128 --heads 4 --seq 128 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+MODES = {"fused": True, "unfused": False}
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _worker(args: argparse.Namespace) -> dict:
+    import megart.distributed as dist
+    from megart.training.config import TrainConfig
+    from megart.training.trainer import Trainer
+
+    dist.init()
+    trainers = {
+        mode: Trainer(
+            TrainConfig(
+                num_layers=args.layers,
+                hidden_size=args.hidden,
+                num_attention_heads=args.heads,
+                seq_length=args.seq,
+                micro_batch_size=args.micro_batch,
+                global_batch_size=args.micro_batch * args.microbatches,
+                train_iters=10**6,
+                eval_iters=0,
+                bf16=args.dtype == "bf16",
+                fp16=args.dtype == "fp16",
+                gradient_accumulation_fusion=on,
+            )
+        )
+        for mode, on in MODES.items()
+    }
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    tflops: dict[str, list[float]] = {m: [] for m in MODES}
+    it = 0
+    for round_ in range(args.rounds + 1):  # round 0 warms up (and creates Adam's state)
+        for mode, trainer in trainers.items():
+            _synchronize()
+            t0 = time.perf_counter()
+            figures = [trainer.train_step(it + i) for i in range(args.iters)]
+            _synchronize()
+            if round_:
+                times[mode].append((time.perf_counter() - t0) / args.iters)
+                tflops[mode].append(statistics.median(f["tflops_per_gpu"] for f in figures))
+        it += args.iters
+    losses = {m: t.train_step(it)["loss"] for m, t in trainers.items()}
+    params = sum(p.numel() for c in trainers["fused"].chunks for p in c.parameters())
+    return {"params": params, "times_s": times, "tflops_per_gpu": tflops, "last_loss": losses}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--iters", type=int, default=2, help="iterations per timed round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    from megart.launcher import launch
+
+    r = launch(_worker, 1, args, timeout=3600)[0]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(
+        f"GPT {args.layers} x {args.hidden}, {r['params'] / 1e6:,.1f}M parameters, seq "
+        f"{args.seq}, {args.microbatches} microbatches of {args.micro_batch}, {args.dtype}, "
+        f"{device}; {args.rounds} rounds of {args.iters} iterations after a warm-up round"
+    )
+    med = {m: statistics.median(r["times_s"][m]) for m in MODES}
+    for m in MODES:
+        spread = f"{min(r['times_s'][m]) * 1e3:.1f}-{max(r['times_s'][m]) * 1e3:.1f}"
+        print(
+            f"{m:<9}{med[m] * 1e3:>10.1f} ms / iteration (rounds {spread}), "
+            f"{statistics.median(r['tflops_per_gpu'][m]):.1f} TFLOP/s, "
+            f"loss after the rounds {r['last_loss'][m]:.4f}"
+        )
+    print(f"unfused / fused: {med['unfused'] / med['fused']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": device, **r}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
