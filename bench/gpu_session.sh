@@ -66,7 +66,7 @@ for step in "$@"; do
         --vocab-size 256 --global-batch-size 32 --micro-batch-size 4 --bf16 \
         --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "${extra[@]}" 2>&1 | show 12 ;;
     tests) limit python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_trainer_nccl.py \
-             tests/test_optim_cuda.py tests/test_grad_accumulation_fusion.py \
+             tests/test_optim_cuda.py "tests/test_grad_accumulation_fusion.py::test_cuda_fused_product_accumulates_in_fp32" \
              tests/test_kernels.py tests/test_fused_kernels_cuda.py tests/test_build_info.py 2>&1 | show 40 ;;
     grad-accum-fusion) # fused against unfused, alternating: train-1.3b's GPT, then a 2.5B one
       for a in "" "--layers 32 --hidden 2560 --heads 32"; do

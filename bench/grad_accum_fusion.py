@@ -8,6 +8,7 @@ default is the 1.2B GPT of bench/RESULTS.md's profiled run (24 x 2048, seq 2048,
 8 microbatches, bf16); on a CPU pass a small one.
 
     python bench/grad_accum_fusion.py [--layers 24 --hidden 2048 --heads 16 --micro-batch 4]
+        [--profile]
     python bench/grad_accum_fusion.py --layers 2 --hidden 128 --heads 4 --seq 128 --rounds 3
 """
 
@@ -19,6 +20,8 @@ import statistics
 import time
 
 import torch
+
+from layer_profile import kernel_ms  # bench/layer_profile.py, beside this file
 
 MODES = {"fused": True, "unfused": False}
 
@@ -66,8 +69,21 @@ def _worker(args: argparse.Namespace) -> dict:
                 tflops[mode].append(statistics.median(f["tflops_per_gpu"] for f in figures))
         it += args.iters
     losses = {m: t.train_step(it)["loss"] for m, t in trainers.items()}
+    it += 1
+    kernels = {}
+    if args.profile and torch.cuda.is_available():
+        for mode, trainer in trainers.items():
+            counter = iter(range(it, it + 10))
+            kernels[mode] = kernel_ms(lambda t=trainer, c=counter: t.train_step(next(c)), 1)[0]
+            it += 10
     params = sum(p.numel() for c in trainers["fused"].chunks for p in c.parameters())
-    return {"params": params, "times_s": times, "tflops_per_gpu": tflops, "last_loss": losses}
+    return {
+        "params": params,
+        "times_s": times,
+        "tflops_per_gpu": tflops,
+        "last_loss": losses,
+        "kernel_ms": kernels,
+    }
 
 
 def main() -> None:
@@ -81,6 +97,12 @@ def main() -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--iters", type=int, default=2, help="iterations per timed round")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="then one iteration of each under torch's "
+        "profiler (GPU): device ms by kernel kind, as bench/layer_profile.py sorts them",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -102,6 +124,13 @@ def main() -> None:
             f"loss after the rounds {r['last_loss'][m]:.4f}"
         )
     print(f"unfused / fused: {med['unfused'] / med['fused']:.3f}")
+    if r["kernel_ms"]:
+        kinds = sorted({k for by_kind in r["kernel_ms"].values() for k in by_kind})
+        print("device ms of one iteration by kernel kind: " + ", ".join(MODES))
+        for k in kinds:
+            print(f"  {k:<34}" + "".join(f"{r['kernel_ms'][m].get(k, 0.0):>10.1f}" for m in MODES))
+        totals = "".join(f"{sum(r['kernel_ms'][m].values()):>10.1f}" for m in MODES)
+        print(f"  {'all':<34}{totals}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": device, **r}, f, indent=2)

@@ -1,4 +1,5 @@
-"""Linear layers whose weight gradient can wait: the split backward of zero-bubble schedules.
+"""Linear layers whose weight gradient megart computes itself: the split backward of zero-bubble
+schedules, and gradient accumulation fusion.
 
 A zero-bubble pipeline splits each backward into I (the gradient with respect to the stage's
 input, which the previous stage is waiting for) and W (the weight gradients, needed only by the
@@ -16,9 +17,10 @@ Gradient accumulation fusion (Megatron-LM's, on by default there and here): insi
 :func:`fusing_accumulation` a linear layer's weight gradient is added into ``param.grad`` by the
 product itself (``grad += dY^T X`` with fp32 accumulation and output, cuBLAS's beta = 1), never
 as a product in the compute dtype followed by a cast and an add. Under bf16/fp16 autocast with
-fp32 weights that removes two memory-bound passes over every weight per microbatch (measured on
-an H200: a third of a bf16 iteration was memory-bound work, 96 ms of it these adds), and the
-per-microbatch weight gradient is no longer rounded to 16 bits before it is summed. The
+fp32 weights that removes a cast and an add over every weight per microbatch (on an H200, 59 ms
+of memory-bound kernels of a 1.2B GPT's bf16 iteration for 12 ms more in the products: 3.5-4%
+faster; bench/grad_accum_fusion.py), and each microbatch's weight gradient is no longer rounded
+to 16 bits before it is summed. The
 parameters' post-accumulate-grad hooks then run as autograd's own accumulation runs them, once
 per backward, so the data-parallel buckets see no difference. The weights' 16-bit copies are
 made once per region and reused by every microbatch, as autocast's cast cache does.
@@ -137,7 +139,7 @@ class _Fusion:
     """The state of one :func:`fusing_accumulation` region: the weights' casts made in it."""
 
     def __init__(self) -> None:
-        self.casts: dict[int, tuple[int, torch.Tensor]] = {}
+        self.casts: dict[tuple[int, torch.dtype], tuple[int, torch.Tensor]] = {}
 
     def cast(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``param`` (detached) in ``dtype``, made once while ``param`` is unchanged."""
@@ -183,20 +185,21 @@ def deferring(store: WeightGradStore) -> Iterator[WeightGradStore]:
 
 
 class _Linear(torch.autograd.Function):
-    """y = x W^T + b whose backward returns dX now and leaves dW, db to the store's W.
+    """y = x W^T + b whose backward returns dX now and leaves dW, db to the store's W (with no
+    store: adds them now, see :func:`accumulate`).
 
-    The parameters come in detached, with the parameters themselves in ``params``: an autograd
-    edge to them would make I call their (empty) gradient accumulation, whose hooks count
-    microbatches for the data-parallel buckets."""
+    The parameters come only in ``params``, with no autograd edge: an edge would make I call
+    their (empty) gradient accumulation, whose hooks count microbatches for the data-parallel
+    buckets."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store, params, anchor):  # noqa: ANN001, ANN205, ARG004
+    def forward(ctx, x, store, params, anchor):  # noqa: ANN001, ANN205, ARG004
         device = x.device.type
         # Under autocast, compute in its dtype, as F.linear would; gradients go back to the
         # inputs' own dtypes (autocast's casts do that for F.linear).
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         xc = x.to(dtype)
-        b = None if bias is None else _cast(params[1], dtype)
+        b = None if params[1] is None else _cast(params[1], dtype)
         with torch.autocast(device, enabled=False):
             y = F.linear(xc, _cast(params[0], dtype), b)
         ctx.save_for_backward(xc)
@@ -212,7 +215,7 @@ class _Linear(torch.autograd.Function):
             dx = dy.matmul(_cast(weight, dy.dtype)).to(ctx.x_dtype)
         if ctx.store is None or not ctx.store.defer(xc, dy, ctx.params):
             accumulate([(xc, dy, ctx.params)])  # outside an I (a plain B): now
-        return dx, None, None, None, None, None
+        return dx, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -223,9 +226,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     taken_over = store is not None or _fusion is not None
     if not (taken_over and torch.is_grad_enabled() and weight.requires_grad):
         return F.linear(x, weight, bias)
-    detached = None if bias is None else bias.detach()
     anchor = _ANCHOR if store is None else store.anchor
-    return _Linear.apply(x, weight.detach(), detached, store, (weight, bias), anchor)
+    return _Linear.apply(x, store, (weight, bias), anchor)
 
 
 # Puts a layer whose input needs no gradient into the graph, as WeightGradStore.anchor does.
