@@ -8,6 +8,9 @@ single process without ``megart.distributed.init()``).
 - ``layers``: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
 - ``cross_entropy``: cross-entropy over vocabulary-split logits.
 - ``random``: dropout streams, distinct per rank inside regions and shared outside.
+- ``weight_grad``: the linear layers' weight gradients as megart computes them: zero-bubble's
+  split backward, and gradient accumulation fusion (``fusing_accumulation``: a training loop
+  whose parameters have ``.grad`` buffers wraps its forward and backward passes in it).
 """
 
 from megart.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -37,6 +40,7 @@ from megart.tensor_parallel.random import (
     fork,
     seed_tensor_parallel,
 )
+from megart.tensor_parallel.weight_grad import fusing_accumulation
 
 __all__ = [
     "copy_to_region",
@@ -60,4 +64,5 @@ __all__ = [
     "fork",
     "seed_tensor_parallel",
     "TENSOR_PARALLEL",
+    "fusing_accumulation",
 ]

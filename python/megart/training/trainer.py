@@ -21,8 +21,7 @@ import megart.distributed as dist
 from megart import schedule as sched
 from megart.errors import ConfigError
 from megart.pipeline import PipelineEngine
-from megart.tensor_parallel import sync_sequence_parallel_grads
-from megart.tensor_parallel.weight_grad import fusing_accumulation
+from megart.tensor_parallel import fusing_accumulation, sync_sequence_parallel_grads
 from megart.training import batch_rampup, checkpoint, memory_report
 from megart.training import optimizer as optim
 from megart.training import trainer_setup as setup
