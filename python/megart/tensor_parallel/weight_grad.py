@@ -20,10 +20,10 @@ as a product in the compute dtype followed by a cast and an add. Under bf16/fp16
 fp32 weights that removes a cast and an add over every weight per microbatch (on an H200, 59 ms
 of memory-bound kernels of a 1.2B GPT's bf16 iteration for 12 ms more in the products: 3.5-4%
 faster; bench/grad_accum_fusion.py), and each microbatch's weight gradient is no longer rounded
-to 16 bits before it is summed. The
-parameters' post-accumulate-grad hooks then run as autograd's own accumulation runs them, once
-per backward, so the data-parallel buckets see no difference. The weights' 16-bit copies are
-made once per region and reused by every microbatch, as autocast's cast cache does.
+to 16 bits before it is summed. The parameters' post-accumulate-grad hooks then run as
+autograd's own accumulation runs them, once per backward, so the data-parallel buckets see no
+difference. The weights' 16-bit copies are made once per region and reused by every
+microbatch, as autocast's cast cache does.
 
 The active store is process-wide rather than thread-local on purpose: on a GPU, autograd runs
 backward on its own device threads, and a recomputed forward (activation checkpointing) runs
