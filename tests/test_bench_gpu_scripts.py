@@ -1,6 +1,7 @@
 """The CPU-checkable parts of the GPU benchmarks that measure `megart plan`'s cost model
 (bench/gemm_sweep.py, bench/layer_profile.py): the efficiency fit, the kernel classification
-on names an H200 run printed, and the clear exit without a GPU."""
+on names an H200 run printed, and the clear exit without a GPU; and bench/grad_accum_fusion.py
+run small on a CPU."""
 
 from __future__ import annotations
 
@@ -64,3 +65,26 @@ def test_without_a_gpu_both_exit_with_status_2_and_say_why(scripts, capsys):
     assert sweep.main([]) == 2
     assert profile.main([]) == 2
     assert capsys.readouterr().err.count("no CUDA GPU") == 2
+
+
+def test_grad_accum_fusion_bench_times_both_modes_on_the_same_model(tmp_path):
+    # bench/grad_accum_fusion.py on a CPU, tiny: both trainers train the same GPT on the same
+    # data, so after the same iterations their losses agree to bf16's rounding of the sums.
+    import json
+    import subprocess
+
+    out = tmp_path / "gaf.json"
+    tiny = "--layers 1 --hidden 64 --heads 2 --seq 32 --micro-batch 1 --microbatches 2"
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "grad_accum_fusion.py"), *tiny.split(), "--rounds", "1"]
+        + ["--iters", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "unfused / fused:" in done.stdout
+    r = json.loads(out.read_text())
+    assert set(r["times_s"]) == {"fused", "unfused"}
+    assert all(len(t) == 1 and t[0] > 0 for t in r["times_s"].values())
+    assert r["last_loss"]["fused"] == pytest.approx(r["last_loss"]["unfused"], rel=1e-2)
