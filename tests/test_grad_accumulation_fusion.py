@@ -189,3 +189,20 @@ def test_cuda_fused_product_accumulates_in_fp32(dtype):
     torch.testing.assert_close(params[0].grad.double().cpu(), dw.cpu(), rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(params[1].grad.double().cpu(), db.cpu(), rtol=1e-5, atol=1e-3)
     assert calls == [3, 3]
+
+
+def test_selftest_check_passes_and_fails_a_fusion_that_rounds_to_16_bits(monkeypatch):
+    # `megart selftest` checks the fusion on the user's device; here its CPU run, then the same
+    # check against a fusion that rounds each 16-bit product before adding it.
+    from megart.selftest import components
+
+    cpu = torch.device("cpu")
+    assert all(c.status == "pass" for c in components.check_grad_accumulation_fusion(cpu))
+
+    def rounding(grad, dy2, x2):
+        grad.add_(dy2.t().mm(x2.to(dy2.dtype)))
+
+    monkeypatch.setattr(weight_grad, "_add_product", rounding)
+    checks = components.check_grad_accumulation_fusion(cpu)
+    assert [c.status for c in checks] == ["pass", "fail", "fail"]  # fp32, bf16, fp16
+    assert all("--no-gradient-accumulation-fusion" in c.detail for c in checks[1:])

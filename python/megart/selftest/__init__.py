@@ -113,6 +113,11 @@ def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
         checks += guarded("nccl one-rank collectives", one_rank, AVOID_TRANSPORT)
     checks += guarded("kernels (CUDA)", lambda: components.check_kernels(device))
     checks += guarded("AdamW (CUDA)", lambda: components.check_adamw(device))
+    checks += guarded(
+        "gradient accumulation fusion (CUDA)",
+        lambda: components.check_grad_accumulation_fusion(device),
+        "--no-gradient-accumulation-fusion",
+    )
 
     def gpu_training() -> list[Check]:
         got = training.one_process_curve()
@@ -132,6 +137,11 @@ def run_single() -> list[Check]:
     checks: list[Check] = []
     checks += guarded("core", components.check_core)
     checks += guarded("AdamW (C++)", lambda: components.check_adamw(torch.device("cpu")))
+    checks += guarded(
+        "gradient accumulation fusion (CPU)",
+        lambda: components.check_grad_accumulation_fusion(torch.device("cpu")),
+        "--no-gradient-accumulation-fusion",
+    )
     no_gpu = _no_gpu_reason()
     if no_gpu is None:
         reference = _cpu_reference_curve()

@@ -205,3 +205,58 @@ def check_kernels(
                 )
             )
     return checks
+
+
+def _accumulate(weight: torch.nn.Parameter, batches: list, dtype: torch.dtype, fused: bool) -> None:
+    """A linear layer's forward and backward over ``batches`` (x, dy) into a zeroed ``.grad``,
+    as megart train runs them: under autocast to ``dtype``, in one fusion region (or none)."""
+    from megart.tensor_parallel import weight_grad
+
+    weight.grad = torch.zeros_like(weight)
+    autocast = torch.autocast(weight.device.type, dtype, enabled=dtype != torch.float32)
+    with autocast, weight_grad.fusing_accumulation(fused):
+        for x, dy in batches:
+            weight_grad.linear(x, weight).backward(dy)
+
+
+def check_grad_accumulation_fusion(device: torch.device) -> list[Check]:
+    """Gradient accumulation fusion (on by default in megart train): one linear layer's weight
+    gradient over three microbatches under autocast, added into an fp32 ``.grad`` by the
+    product itself, against the float64 sum; its time over the unfused path (a 16-bit product,
+    a cast, an add). In fp32 and on torch's mixed-dtype product the sum is accumulated in fp32
+    (1e-5); a torch without that product (before 2.8) keeps the 16-bit rounding, judged as the
+    kernels are."""
+    from megart.tensor_parallel import weight_grad
+
+    tokens, width = (4096, 2048) if device.type == "cuda" else (256, 256)
+    g = torch.Generator().manual_seed(5)
+    checks = []
+    for dtype in DTYPES:
+        batches = [
+            (torch.randn(tokens, width, generator=g), torch.randn(tokens, width, generator=g))
+            for _ in range(3)
+        ]
+        batches = [(x.to(device), dy.to(device=device, dtype=dtype)) for x, dy in batches]
+        weight = torch.nn.Parameter(torch.randn(width, width, generator=g).to(device))
+
+        _accumulate(weight, batches, dtype, fused=True)
+        want = sum(dy.double().t() @ x.to(dtype).double() for x, dy in batches)
+        err = relative_error(weight.grad, want)
+        fused, plain = (
+            timed(lambda f=f, w=weight, b=batches, d=dtype: _accumulate(w, b, d, f), 3)
+            for f in (True, False)
+        )
+        ratio = fused / max(plain, 1e-9)
+        fp32_sum = dtype == torch.float32 or device.type == "cpu" or weight_grad.MIXED_PRODUCT
+        dt = str(dtype).removeprefix("torch.")
+        checks.append(
+            judged(
+                f"gradient accumulation fusion {dt}",
+                err,
+                1e-5 if fp32_sum else KERNEL_TOLERANCE[dtype],
+                ratio,
+                "--no-gradient-accumulation-fusion",
+                f"on {device.type}, 3 microbatches vs float64, ",
+            )
+        )
+    return checks

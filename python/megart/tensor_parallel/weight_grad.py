@@ -118,14 +118,20 @@ def _fusable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return weight.grad is not None and (bias is None or bias.grad is not None)
 
 
+# torch >= 2.8 has 16-bit products with an fp32 output on CUDA (addmm's out_dtype).
+MIXED_PRODUCT = "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
 def _add_product(grad: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
     """grad += dy2^T x2, accumulated and written in grad's dtype."""
     if dy2.dtype == grad.dtype:
         grad.addmm_(dy2.t(), x2)
-    elif grad.is_cuda:  # 16-bit inputs, fp32 C: one cuBLAS call with beta = 1
-        torch.addmm(grad, dy2.t(), x2, out_dtype=grad.dtype, out=grad)
-    else:  # torch's CPU has no mixed-dtype product; 16-bit values are exact in fp32
+    elif not grad.is_cuda:  # torch's CPU has no mixed-dtype product; 16-bit values are exact
         grad.addmm_(dy2.t().to(grad.dtype), x2.to(grad.dtype))
+    elif MIXED_PRODUCT:  # 16-bit inputs, fp32 C: one cuBLAS call with beta = 1
+        torch.addmm(grad, dy2.t(), x2, out_dtype=grad.dtype, out=grad)
+    else:  # an older torch: the unfused rounding, but the cast and the add in one kernel
+        grad.add_(dy2.t().mm(x2))
 
 
 def _accumulated(param: torch.Tensor) -> None:
