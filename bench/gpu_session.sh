@@ -3,7 +3,8 @@
 # Usage (on the lent GPU machine, repo root): bash bench/gpu_session.sh [step ...]
 # Steps: selftest train-default tests ln-tests allreduce p2p nccl-overhead adam kernels kernels-ln
 # profile-ln train-1.3b train-1.3b-fused train-1.3b-50k train-1.3b-50k-fused train-1.3b-recompute
-# plan-1.3b plan-1.3b-recompute gemm-sweep layer-profile grad-accum-fusion, or any shell command.
+# plan-1.3b plan-1.3b-recompute gemm-sweep layer-profile grad-accum-fusion cpu-tests, or any shell
+# command.
 # The first session with a GPU (one H200, 2026-11-26; bench/RESULTS.md) ran
 #   STEP_TIMEOUT=110 bash bench/gpu_session.sh selftest train-default tests train-1.3b kernels \
 #     adam train-1.3b-fused nccl-overhead
@@ -35,6 +36,12 @@ show() { tee -a "$OUT/steps.log" | tail -n "$1"; }
 log "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+# megart plan's profile for this GPU (plan-* steps); GPU_PROFILE=FILE or a name overrides it.
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
+  *H200*) detected=h200 ;; *H100*) detected=h100-80gb ;; *A100*) detected=a100-80gb ;; *) detected=h200 ;;
+esac
+GPU_PROFILE=${GPU_PROFILE:-$detected}
+echo "plan profile: $GPU_PROFILE"
 
 log "build"
 # Hopper only on this machine: one architecture halves the build time.
@@ -63,10 +70,13 @@ for step in "$@"; do
     plan-1.3b*) # the model and layout of train-1.3b (byte vocabulary), on this one GPU
       extra=()
       case "$step" in *-recompute) extra+=(--recompute-granularity full) ;; esac
-      limit python3 bench/plan_vs_run.py --log-jsonl "$OUT/train${step#plan}.jsonl" --gpu h200 \
+      limit python3 bench/plan_vs_run.py --log-jsonl "$OUT/train${step#plan}.jsonl" --gpu "$GPU_PROFILE" \
         --num-gpus 1 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
         --vocab-size 256 --global-batch-size 32 --micro-batch-size 4 --bf16 \
         --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "${extra[@]}" 2>&1 | show 12 ;;
+    cpu-tests) # the multi-rank CPU tests on a GPU machine (their ranks must not take the GPU)
+      limit python3 -m pytest -q -p no:cacheprovider -x tests/test_grad_accumulation_fusion.py \
+        tests/test_distributed.py tests/test_trainer.py 2>&1 | show 20 ;;
     tests) limit python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_trainer_nccl.py \
              tests/test_optim_cuda.py "tests/test_grad_accumulation_fusion.py::test_cuda_fused_product_accumulates_in_fp32" \
              tests/test_kernels.py tests/test_fused_kernels_cuda.py tests/test_build_info.py 2>&1 | show 40 ;;

@@ -3,6 +3,7 @@ imported once by the launcher's fork server rather than by every rank that compa
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 import megart.launcher
@@ -21,3 +22,18 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # megatron (the pytest process itself imports it while collecting), the import starts no
 # threads, and a missing megatron-core is skipped by the fork server (it ignores ImportError).
 megart.launcher._PRELOAD = [*megart.launcher._PRELOAD, "megatron.core"]
+
+
+# On a machine with a GPU, a launched rank of a CPU test would pick the nccl backend and its
+# LOCAL_RANK's GPU (rank 1 of two finds none on a one-GPU machine), and a `megart` subprocess
+# would train on the GPU: these tests are about the CPU path, so their ranks and subprocesses
+# see no GPU. Tests whose ranks are meant to use one are marked gpu_ranks. (The pytest process
+# itself has already looked for CUDA while collecting, so its own view is unchanged.)
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu_ranks: the ranks this test launches use the GPU")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_ranks_see_no_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("gpu_ranks") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

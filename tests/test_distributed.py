@@ -125,6 +125,23 @@ def test_launched_ranks_share_the_cores_and_an_env_overrides_the_threads():
     assert launch(_threads, 2, timeout=60, env={"OMP_NUM_THREADS": "3"}) == [(3, "3")] * 2
 
 
+def _variables(*names):
+    return [os.environ.get(n) for n in names]
+
+
+def test_ranks_see_the_launchers_environment_of_the_moment(monkeypatch):
+    """Ranks forked by a server started earlier see the variables the launcher has now (set,
+    changed or removed since), as torchrun's workers see their agent's: CUDA_VISIBLE_DEVICES
+    decides whether a rank finds a GPU."""
+    names = ("MEGART_TEST_SET_LATER", "MEGART_TEST_REMOVED", "CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("MEGART_TEST_REMOVED", "here")
+    launch(_variables, 1, timeout=60)  # the first call may start the server
+    monkeypatch.setenv("MEGART_TEST_SET_LATER", "1")
+    monkeypatch.delenv("MEGART_TEST_REMOVED")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert launch(_variables, 2, *names, timeout=60) == [["1", None, ""]] * 2
+
+
 def _print_rank():
     print(f"hello from rank {os.environ['RANK']}", flush=True)
     print(f"warning from rank {os.environ['RANK']}", file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ needs_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and HAS_CUDA_MODULE and find_nccl() is not None),
     reason="needs a GPU, megart._cuda and NCCL",
 )
+pytestmark = pytest.mark.gpu_ranks  # its subprocesses and launched ranks use the GPU
 
 
 @pytest.fixture

@@ -11,10 +11,13 @@ import torch
 from megart.distributed import find_nccl
 from megart.launcher import launch
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and find_nccl() is not None),
-    reason="needs a GPU and NCCL",
-)
+pytestmark = [
+    pytest.mark.gpu_ranks,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and find_nccl() is not None),
+        reason="needs a GPU and NCCL",
+    ),
+]
 
 # float32 on one GPU, but each layout splits the products differently (cuBLAS picks other
 # kernels for other shapes) and NCCL sums in its own order: agreement to rounding, not bitwise.

@@ -73,6 +73,9 @@ def _worker(
     stdio: _Stdio,
 ) -> None:
     stdio.adopt()
+    # The caller's environment as it is now, not the fork server's (a copy of the caller's when
+    # the session's first launch started the server): torchrun's workers, too, see the agent's.
+    os.environ.clear()
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     # These ranks serve their own store (rank 0). Launched from a torchrun worker, they would
@@ -124,6 +127,7 @@ def launch(
     ctx = _context()
     results: mp.Queue = ctx.Queue()
     base = {
+        **os.environ,
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1",
