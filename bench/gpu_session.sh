@@ -75,7 +75,7 @@ for step in "$@"; do
         --vocab-size 256 --global-batch-size 32 --micro-batch-size 4 --bf16 \
         --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "${extra[@]}" 2>&1 | show 12 ;;
     cpu-tests) # the multi-rank CPU tests on a GPU machine (their ranks must not take the GPU)
-      limit python3 -m pytest -q -p no:cacheprovider -x tests/test_grad_accumulation_fusion.py \
+      limit python3 -m pytest -q -p no:cacheprovider tests/test_grad_accumulation_fusion.py \
         tests/test_distributed.py tests/test_trainer.py 2>&1 | show 20 ;;
     tests) limit python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_trainer_nccl.py \
              tests/test_optim_cuda.py "tests/test_grad_accumulation_fusion.py::test_cuda_fused_product_accumulates_in_fp32" \

@@ -4,6 +4,7 @@ imported once by the launcher's fork server rather than by every rank that compa
 import os
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 import megart.launcher
@@ -27,10 +28,14 @@ megart.launcher._PRELOAD = [*megart.launcher._PRELOAD, "megatron.core"]
 # On a machine with a GPU, a launched rank of a CPU test would pick the nccl backend and its
 # LOCAL_RANK's GPU (rank 1 of two finds none on a one-GPU machine), and a `megart` subprocess
 # would train on the GPU: these tests are about the CPU path, so their ranks and subprocesses
-# see no GPU. Tests whose ranks are meant to use one are marked gpu_ranks. (The pytest process
-# itself has already looked for CUDA while collecting, so its own view is unchanged.)
+# see no GPU. Tests whose ranks are meant to use one are marked gpu_ranks. The pytest process
+# itself starts CUDA first, so that its own view stays: torch reads CUDA_VISIBLE_DEVICES until
+# then (seen on an H100: a CUDA test run after the variable was set found no device).
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu_ranks: the ranks this test launches use the GPU")
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        torch.cuda.device_count()  # cached from here on, whatever the variable says
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,11 @@
 """megart.distributed on the shm transport, with real processes (2 and 4 ranks)."""
 
 import os
+import socket
 import subprocess
 import sys
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -11,8 +14,10 @@ from hypothesis import strategies as st
 
 import dist_workers as w
 import megart.distributed as dist
-from megart import ConfigError
-from megart.launcher import LaunchError, launch
+from megart import ConfigError, launcher
+from megart.distributed import rendezvous
+from megart.errors import PortInUseError
+from megart.launcher import LaunchError, free_port, launch
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
@@ -109,6 +114,40 @@ def test_launcher_reports_a_raising_rank_and_a_hang():
         launch(_hang_on_rank_0, 2, timeout=20)
     with pytest.raises(LaunchError, match="rank 1 exited with code 0 without reporting"):
         launch(_vanish_on_rank_1, 2, timeout=60)
+
+
+def _join_the_world():
+    dist.init(backend="shm", timeout=60)
+    rank = dist.get_rank()
+    dist.destroy()
+    return rank
+
+
+def test_a_master_port_taken_before_rank_0_binds_it_is_named_and_the_launcher_moves_on(
+    monkeypatch,
+):
+    """free_port()'s port is free only when picked: another process may bind it first (seen
+    once on a 16-core machine running NCCL tests). Rank 0 says so at once, naming the port, and
+    the launcher starts the ranks again on another one, unless the caller chose the port."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    try:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(taken))
+        start = time.monotonic()
+        with pytest.raises(PortInUseError, match=f"MASTER_PORT {taken} is already in use"):
+            rendezvous.connect(0, 2, timedelta(seconds=60))
+        assert time.monotonic() - start < 10  # not after the timeout
+        picks = iter([taken])
+        monkeypatch.setattr(launcher, "free_port", lambda: next(picks, free_port()))
+        assert launch(_join_the_world, 2, timeout=60) == [0, 1]
+        assert next(picks, None) is None  # the held port was tried first
+        with pytest.raises(LaunchError, match=f"(?s)rank 0 raised.*MASTER_PORT {taken} is already"):
+            launch(_join_the_world, 2, timeout=60, env={"MASTER_PORT": str(taken)})
+    finally:
+        held.close()
 
 
 def _threads():

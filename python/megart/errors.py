@@ -3,7 +3,8 @@
 - ``MegartError``: base of all (a ``RuntimeError``).
 - ``ConfigError``: a bad argument or layout (also a ``ValueError``).
 - ``RankEnvironmentError``: a ``ConfigError`` in one rank's own environment (its RANK,
-  LOCAL_RANK, MASTER_PORT, device), which the other ranks may not share.
+  LOCAL_RANK, MASTER_PORT, device), which the other ranks may not share; ``PortInUseError``:
+  one whose MASTER_PORT another process already holds.
 - ``ScheduleError``: a schedule that breaks a rule; ``DeadlockError``: one that cannot progress.
 - ``CommError``: a communication op failed (a dead peer, an abort, ranks that disagree);
   ``CommTimeoutError``: a wait ran past its timeout (also a ``TimeoutError``). Both name this
@@ -27,6 +28,11 @@ class RankEnvironmentError(ConfigError):
     the rank that does says it itself."""
 
 
+class PortInUseError(RankEnvironmentError):
+    """Rank 0 cannot serve the rendezvous: another process holds MASTER_PORT. megart's launcher
+    picks a new port and starts again; under torchrun, give another --master-port."""
+
+
 class TrainingError(MegartError):
     """Training cannot go on: a loss or gradient norm that is not finite. Says the iteration,
     the value and what to change."""
@@ -36,6 +42,7 @@ __all__ = [
     "MegartError",
     "ConfigError",
     "RankEnvironmentError",
+    "PortInUseError",
     "ScheduleError",
     "DeadlockError",
     "CommError",

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
 
-from megart.errors import MegartError
+from megart.errors import MegartError, PortInUseError
 
 
 class LaunchError(MegartError):
@@ -93,6 +93,8 @@ def _worker(
         # Plain pickle, not the queue's: torch would share returned tensors through file
         # descriptors that die with this process before the launcher reads them.
         results.put((rank, True, pickle.dumps(fn(*args))))
+    except PortInUseError:
+        results.put((rank, _PORT_TAKEN, traceback.format_exc()))
     except BaseException:  # noqa: BLE001 - every failure goes back to the launcher
         results.put((rank, False, traceback.format_exc()))
 
@@ -113,6 +115,18 @@ def _context() -> Any:
     return ctx
 
 
+# A rank's report that rank 0 found MASTER_PORT held (PortInUseError): the port free_port()
+# picked was free when picked, and nothing stops another process (an outgoing connection's
+# ephemeral port, often) from taking it before rank 0 binds it. Seen once, on a machine of
+# 16 cores running NCCL tests. The launcher then starts the ranks again on another port.
+_PORT_TAKEN = "port taken"
+_PORT_TRIES = 3
+
+
+class _PortTaken(Exception):
+    pass
+
+
 def launch(
     fn: Callable[..., Any],
     nproc: int,
@@ -123,7 +137,24 @@ def launch(
     """Calls ``fn(*args)`` on ranks 0..nproc-1, each in a new process; returns their results in
     rank order. ``fn`` must be importable (a module-level function). Raises LaunchError naming
     the rank and its traceback when one fails, or the ranks still running after ``timeout``
-    seconds; every process is ended before this returns."""
+    seconds; every process is ended before this returns. When rank 0 finds the port it was
+    given taken, the ranks start again on a new one (up to three tries), unless ``env`` names
+    the MASTER_PORT."""
+    chosen = env is not None and "MASTER_PORT" in env
+    for attempt in range(1, _PORT_TRIES + 1):
+        try:
+            return _launch_once(
+                fn, nproc, args, timeout, {"MASTER_PORT": str(free_port()), **(env or {})}
+            )
+        except _PortTaken as e:
+            if chosen or attempt == _PORT_TRIES:
+                raise LaunchError(str(e)) from None
+    raise AssertionError("unreachable")
+
+
+def _launch_once(
+    fn: Callable[..., Any], nproc: int, args: tuple, timeout: float, env: dict[str, str]
+) -> list[Any]:
     ctx = _context()
     results: mp.Queue = ctx.Queue()
     base = {
@@ -131,12 +162,11 @@ def launch(
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
         # Ranks share the machine's cores, as torchrun's workers do; OpenMP and MKL keep
         # the thread count fixed (MKL may otherwise vary it, and with it rounding).
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
         "MKL_DYNAMIC": "FALSE",
-        **(env or {}),
+        **env,
     }
     procs = [
         ctx.Process(target=_worker, args=(fn, args, r, base, results, _Stdio()), daemon=True)
@@ -146,6 +176,7 @@ def launch(
         p.start()
     outcome: dict[int, Any] = {}
     failure: str | None = None
+    port_taken = False
     deadline = time.monotonic() + timeout
     try:
         while len(outcome) < nproc and failure is None:
@@ -173,10 +204,11 @@ def launch(
                         for r in dead
                     )
                 continue
-            if ok:
+            if ok is True:
                 outcome[rank] = pickle.loads(value)
             else:
                 failure = f"rank {rank} raised:\n{value}"
+                port_taken = ok == _PORT_TAKEN
     finally:
         for p in procs:
             p.join(timeout=0 if failure else 5)
@@ -184,6 +216,8 @@ def launch(
             if p.is_alive():
                 p.kill()
                 p.join()
+    if port_taken:
+        raise _PortTaken(failure)
     if failure is not None:
         raise LaunchError(failure)
     return [outcome[r] for r in range(nproc)]

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
-from megart.errors import CommError, CommTimeoutError, RankEnvironmentError
+from megart.errors import CommError, CommTimeoutError, PortInUseError, RankEnvironmentError
 
 # How often a rank that waits at the rendezvous says whom it waits for.
 NOTICE_S = 10.0
@@ -221,6 +221,12 @@ def connect(rank: int, world_size: int, timeout: timedelta) -> object:
         left = timedelta(seconds=max(deadline - time.monotonic(), 1.0))
         store = tcp_store(addr, port, None if agent else world_size, rank == 0 and not agent, left)
     except (RuntimeError, TimeoutError) as e:
+        if rank == 0 and not agent and "EADDRINUSE" in str(e):
+            raise PortInUseError(
+                f"rank 0: MASTER_PORT {port} is already in use at {addr}, so it cannot serve "
+                "the rendezvous: give a free port (torchrun --master-port), or end the process "
+                "that holds it"
+            ) from None
         raise CommTimeoutError(
             f"rank {rank}: could not reach the rendezvous at {addr}:{port} within "
             f"{timeout.total_seconds():.0f} s ({str(e).splitlines()[0]}): is rank 0 running "
