@@ -14,7 +14,9 @@
 # selftest tests gemm-sweep, then layer-profile, then two profiled train runs and three more
 # plan-vs-run sizes: 785 s over four calls. The fourth (same night) ran the fusion's tests and
 # grad-accum-fusion, then train-1.3b plan-1.3b, selftest, and grad_accum_fusion.py --profile:
-# 696 s over four calls. On a node of several GPUs:
+# 696 s over four calls. The fifth (one H100, 2026-11-27) ran selftest train-1.3b plan-1.3b
+# cpu-tests and grad_accum_fusion.py, then cpu-tests tests: 702 s over two calls, starts
+# included. On a node of several GPUs:
 # `torchrun --nproc-per-node N -m megart selftest`, NPROC=N allreduce p2p, and tests (whose
 # test_trainer_nccl runs every parallel layout, its ranks sharing GPU 0).
 # (-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion; -50k trains
