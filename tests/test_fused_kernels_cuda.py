@@ -65,6 +65,15 @@ def assert_rel(actual, expected, tol, what, magnitude=None):
     assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}"
 
 
+def _gelu_grad_terms(z):
+    """|s| + |2 z s (1 - s) u'| (s = sigmoid(2u)): the size of the two terms of GeLU's
+    derivative, whose rounding the kernel's error follows."""
+    z = z.detach()
+    u_prime = (2 / torch.pi) ** 0.5 * (1 + 3 * 0.044715 * z * z)
+    s = torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (z + 0.044715 * z**3))
+    return s + (2 * z * s * (1 - s) * u_prime).abs()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, h", SHAPES)
 @pytest.mark.parametrize("offset", OFFSETS)
@@ -82,7 +91,9 @@ def test_bias_gelu_kernels_match_float64(dtype, rows, h, offset):
     launch(cuda.bias_gelu_backward, x, grad, x, bias, grad_x, x.numel(), h)
     torch.cuda.synchronize()
     assert_rel(out, ref, tol, "forward")
-    assert_rel(grad_x, z.grad, tol, "backward")
+    # GeLU's derivative crosses zero near z = -0.75, where its two terms cancel: with few
+    # elements (one, in the first shape), bound by their size, as cpp/tests do per element.
+    assert_rel(grad_x, z.grad, tol, "backward", magnitude=grad.double() * _gelu_grad_terms(z))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
