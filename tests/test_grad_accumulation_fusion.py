@@ -7,6 +7,8 @@ gives the unfused run's gradients on every layout whose weight gradients it touc
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -139,6 +141,63 @@ def test_weights_are_cast_once_per_region_and_again_when_they_change():
     assert weight_grad._fusion is None  # the region's casts are gone with it
 
 
+def _tied_run(run_hooks: bool, dtype, k: int = 3, store=None):
+    """A GPT's two uses of one weight in one backward: the embedding lookup (autograd's
+    accumulation) and the tied output layer's product (fused), k microbatches under autocast.
+    Returns the gradient, the hook count and the float64 gradient of the same values."""
+    g = torch.Generator().manual_seed(5)
+    vocab, h, rows = 24, 16, 10
+    wte = torch.nn.Parameter(torch.randn(vocab, h, generator=g))
+    wte.grad = torch.zeros_like(wte)
+    calls = [0]
+    wte.register_post_accumulate_grad_hook(lambda _p: calls.__setitem__(0, calls[0] + 1))
+    batches = [
+        (torch.randint(vocab, (rows,), generator=g), torch.randn(rows, vocab, generator=g))
+        for _ in range(k)
+    ]
+    regions = [torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)]
+    regions += [fusing_accumulation(True)] + ([weight_grad.deferring(store)] if store else [])
+    with contextlib.ExitStack() as stack:
+        for region in regions:
+            stack.enter_context(region)
+        for tokens, dy in batches:
+            with store.input_grad("mb") if store else contextlib.nullcontext():
+                x = torch.nn.functional.embedding(tokens, wte).tanh()
+                y = linear(x, wte, defer=False, run_hooks=run_hooks)
+                y.backward(dy.to(y.dtype))
+    # The reference: the lookup's part as autograd gives it with the product's weight detached
+    # (the same input gradients, autocast's, bit for bit), plus the float64 sum of the
+    # product's dY^T X over the values the product sees.
+    other = wte.detach().clone().requires_grad_()
+    product = torch.zeros(vocab, h, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        for tokens, dy in batches:
+            x = torch.nn.functional.embedding(tokens, other).tanh()
+            y = torch.nn.functional.linear(x, other.detach())
+            y.backward(dy.to(y.dtype))
+            product += dy.to(dtype).double().t() @ x.detach().to(dtype).double()
+    return wte.grad, calls[0], other.grad.double() + product
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_a_tied_weight_gets_both_uses_and_its_hooks_once_per_backward(dtype):
+    grad, calls, ref = _tied_run(run_hooks=False, dtype=DTYPES[dtype])
+    torch.testing.assert_close(grad.double(), ref, rtol=1e-5, atol=1e-5)
+    assert calls == 3  # the lookup's accumulation runs them, after the product has added
+    # What run_hooks=False exists for: the fused product running them too counts each
+    # backward twice, which the data-parallel buckets would take for two microbatches.
+    assert _tied_run(run_hooks=True, dtype=DTYPES[dtype])[1] == 6
+
+
+def test_a_tied_product_is_not_left_to_a_zero_bubble_w():
+    store = weight_grad.WeightGradStore()
+    grad, calls, ref = _tied_run(run_hooks=False, dtype=torch.float32, k=2, store=store)
+    assert store.pending("mb") == 0 and calls == 2
+    torch.testing.assert_close(grad.double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="needs defer=False"):
+        linear(torch.ones(1, 2), torch.nn.Parameter(torch.ones(2, 2)), run_hooks=False)
+
+
 # megart train, fused (its default) against --no-gradient-accumulation-fusion, fp32: the same
 # gradients on layouts where the hooks drive the data-parallel buckets (overlapped all-reduce,
 # the distributed optimizer's reduce-scatter), where zero-bubble's W adds them, with tensor and
@@ -147,6 +206,9 @@ LAYOUTS = {
     "dp2": (2, {}),
     "dp2-distopt": (2, dict(use_distributed_optimizer=True)),
     "pp2-zb-v": (2, dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-v")),
+    # The last stage's copy of the tied embedding: its only use is the output layer, whose
+    # fused product runs the hooks that drive that stage's buckets.
+    "pp2-dp2": (4, dict(pipeline_model_parallel_size=2)),
     "tp2-sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
 }
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megart.distributed import ProcessGroup
@@ -30,6 +29,7 @@ from megart.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from megart.tensor_parallel._group import group_rank, group_size
+from megart.tensor_parallel.weight_grad import linear
 
 if TYPE_CHECKING:
     from megart.parallel import ParallelGrid
@@ -146,7 +146,10 @@ class GPTChunk(nn.Module):
             x = gather_from_sequence_region(x, self.tp_group)
         else:
             x = copy_to_region(x, self.tp_group)
-        logits = F.linear(x, self.wte.weight)  # [s, b, V_padded / t]
+        # Fused like the other linear layers, but never deferred to a zero-bubble W (its dY, the
+        # logits' gradient, would be held until then). In a chunk that also looks tokens up in
+        # wte, that lookup's accumulation runs wte's hooks, once per backward as unfused.
+        logits = linear(x, self.wte.weight, defer=False, run_hooks=not self.first)
         return self._mask_padding(logits)
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:

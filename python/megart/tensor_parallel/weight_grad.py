@@ -23,7 +23,9 @@ faster; bench/grad_accum_fusion.py), and each microbatch's weight gradient is no
 to 16 bits before it is summed. The parameters' post-accumulate-grad hooks then run as
 autograd's own accumulation runs them, once per backward, so the data-parallel buckets see no
 difference. The weights' 16-bit copies are made once per region and reused by every
-microbatch, as autocast's cast cache does.
+microbatch, as autocast's cast cache does. A GPT's output layer tied to the embedding of the
+same chunk fuses its product but leaves the hooks to the embedding's accumulation, which
+autograd runs after it (``linear``'s ``run_hooks``).
 
 The active store is process-wide rather than thread-local on purpose: on a GPU, autograd runs
 backward on its own device threads, and a recomputed forward (activation checkpointing) runs
@@ -85,11 +87,12 @@ class WeightGradStore:
         return sum(len(v) for v in self._pending.values())
 
 
-def accumulate(kept: list[tuple]) -> None:
+def accumulate(kept: list[tuple], run_hooks: bool = True) -> None:
     """dW = dY^T X (and db = the sum of dY) of each kept (X, dY, (weight, bias)), added to the
     parameters' gradients: inside :func:`fusing_accumulation`, where ``.grad`` exists, by the
-    product itself (then the parameters' post-accumulate hooks run); otherwise by autograd,
-    so post-accumulate hooks fire as usual."""
+    product itself (then the parameters' post-accumulate hooks run, unless ``run_hooks`` is
+    False: a tied weight's other use runs them); otherwise by autograd, so post-accumulate
+    hooks fire as usual."""
     params: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
     for x, dy, (weight, bias) in kept:
@@ -98,11 +101,17 @@ def accumulate(kept: list[tuple]) -> None:
         if _fusion is not None and _fusable(weight, bias):
             with torch.no_grad():  # W runs outside backward, where grad mode is on
                 _add_product(weight.grad, dy2, x2)
-                _accumulated(weight)
+                if run_hooks:
+                    _accumulated(weight)
                 if bias is not None:
                     bias.grad.add_(dy2.sum(0, dtype=bias.grad.dtype))
-                    _accumulated(bias)
+                    if run_hooks:
+                        _accumulated(bias)
             continue
+        if not run_hooks:
+            raise RuntimeError(
+                "a tied weight's gradient went missing between its forward and its backward"
+            )
         params.append(weight)
         grads.append(dy2.t().mm(x2).to(weight.dtype))
         if bias is not None:
@@ -199,7 +208,7 @@ class _Linear(torch.autograd.Function):
     buckets."""
 
     @staticmethod
-    def forward(ctx, x, store, params, anchor):  # noqa: ANN001, ANN205, ARG004
+    def forward(ctx, x, store, params, anchor, run_hooks=True):  # noqa: ANN001, ANN205, ARG004
         device = x.device.type
         # Under autocast, compute in its dtype, as F.linear would; gradients go back to the
         # inputs' own dtypes (autocast's casts do that for F.linear).
@@ -209,7 +218,7 @@ class _Linear(torch.autograd.Function):
         with torch.autocast(device, enabled=False):
             y = F.linear(xc, _cast(params[0], dtype), b)
         ctx.save_for_backward(xc)
-        ctx.params, ctx.store, ctx.x_dtype = params, store, x.dtype
+        ctx.params, ctx.store, ctx.x_dtype, ctx.run_hooks = params, store, x.dtype, run_hooks
         return y
 
     @staticmethod
@@ -220,20 +229,36 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = dy.matmul(_cast(weight, dy.dtype)).to(ctx.x_dtype)
         if ctx.store is None or not ctx.store.defer(xc, dy, ctx.params):
-            accumulate([(xc, dy, ctx.params)])  # outside an I (a plain B): now
-        return dx, None, None, None
+            accumulate([(xc, dy, ctx.params)], ctx.run_hooks)  # outside an I (a plain B): now
+        return dx, None, None, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    defer: bool = True,
+    run_hooks: bool = True,
+) -> torch.Tensor:
     """``F.linear``, except with gradients on inside :func:`deferring`, where the weight
     gradient is left to the store's W, or inside :func:`fusing_accumulation`, where it is
-    added into ``.grad`` by its product. Parameters must be leaves (they are, in megart)."""
-    store = _active
-    taken_over = store is not None or _fusion is not None
-    if not (taken_over and torch.is_grad_enabled() and weight.requires_grad):
+    added into ``.grad`` by its product. Parameters must be leaves (they are, in megart).
+
+    ``defer=False`` keeps the weight gradient in the backward even inside :func:`deferring`.
+    ``run_hooks=False`` is for a weight with another use in the same backward whose gradient
+    autograd accumulates after this product's (a GPT's output layer tied to the embedding of
+    the same chunk): autograd would sum both uses and run the hooks once, so the fused product
+    leaves the hooks to that use; where it cannot fuse (no region, no ``.grad`` yet) this is
+    plain ``F.linear``. It needs ``defer=False``: a W would come after that use's hooks."""
+    if defer and not run_hooks:
+        raise ValueError("run_hooks=False needs defer=False: a W would run after the hooks")
+    store = _active if defer else None
+    fuse = _fusion is not None and (run_hooks or _fusable(weight, bias))
+    if not ((store is not None or fuse) and torch.is_grad_enabled() and weight.requires_grad):
         return F.linear(x, weight, bias)
     anchor = _ANCHOR if store is None else store.anchor
-    return _Linear.apply(x, store, (weight, bias), anchor)
+    return _Linear.apply(x, store, (weight, bias), anchor, run_hooks)
 
 
 # Puts a layer whose input needs no gradient into the graph, as WeightGradStore.anchor does.
