@@ -77,7 +77,7 @@ constexpr float kGeluCubic = 0.044715f;
 // 0.5 z (1 + tanh(u)) written as z sigmoid(2u), u = sqrt(2/pi) (z + c z^3): the same function,
 // but 1 + tanh(u) cancels for negative z (relative error eps / (1 + tanh u), 2e-3 at z = -4, all
 // of it by z = -9), while 1 / (1 + exp(-2u)) keeps every element's relative error within a few
-// ulp times (1 + |u|), the conditioning of exp (seen: one fp32 element at z near -3 off by 2e-5).
+// ulp times (1 + |u|), the conditioning of exp (an H100 test found one fp32 element 2.3e-5 off).
 MEGART_HOST_DEVICE float gelu_exp_minus_2u(float z) {
   return expf(-2.0f * kSqrt2OverPi * (z + kGeluCubic * z * z * z));
 }
