@@ -3,7 +3,8 @@
 # Usage (on the lent GPU machine, repo root): bash bench/gpu_session.sh [step ...]
 # Steps: selftest train-default tests ln-tests allreduce p2p nccl-overhead adam kernels kernels-ln
 # profile-ln train-1.3b train-1.3b-fused train-1.3b-50k train-1.3b-50k-fused train-1.3b-recompute
-# plan-1.3b plan-1.3b-recompute gemm-sweep layer-profile grad-accum-fusion cpu-tests, or any shell
+# plan-1.3b plan-1.3b-recompute gemm-sweep layer-profile grad-accum-fusion residual-precision
+# cpu-tests cpu-tests-trainer, or any shell
 # command.
 # The first session with a GPU (one H200, 2026-11-26; bench/RESULTS.md) ran
 #   STEP_TIMEOUT=110 bash bench/gpu_session.sh selftest train-default tests train-1.3b kernels \
@@ -76,15 +77,20 @@ for step in "$@"; do
         --num-gpus 1 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
         --vocab-size 256 --global-batch-size 32 --micro-batch-size 4 --bf16 \
         --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "${extra[@]}" 2>&1 | show 12 ;;
-    cpu-tests) # the multi-rank CPU tests on a GPU machine (their ranks must not take the GPU)
+    cpu-tests) # the multi-rank CPU tests on a GPU machine (their ranks must not take the GPU);
+      # on an H100's 16 cores the three files took over 170 s, so they come in two steps
       limit python3 -m pytest -q -p no:cacheprovider tests/test_grad_accumulation_fusion.py \
-        tests/test_distributed.py tests/test_trainer.py 2>&1 | show 20 ;;
+        tests/test_distributed.py 2>&1 | show 20 ;;
+    cpu-tests-trainer) limit python3 -m pytest -q -p no:cacheprovider tests/test_trainer.py \
+        tests/test_residual_precision.py 2>&1 | show 20 ;;
     tests) limit python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_trainer_nccl.py \
              tests/test_optim_cuda.py "tests/test_grad_accumulation_fusion.py::test_cuda_fused_product_accumulates_in_fp32" \
              tests/test_kernels.py tests/test_fused_kernels_cuda.py tests/test_build_info.py 2>&1 | show 40 ;;
     grad-accum-fusion) # fused against unfused, alternating: train-1.3b's GPT, then a 2.5B one
       for a in "" "--layers 32 --hidden 2560 --heads 32"; do
         limit python3 bench/grad_accum_fusion.py $a; done 2>&1 | show 12 ;;
+    residual-precision) # the bf16 residual stream against --fp32-residual-connection, the same way
+      limit python3 bench/grad_accum_fusion.py --compare residual --profile 2>&1 | show 40 ;;
     kernels) limit python3 bench/kernels.py --json "$OUT/fused_kernels.json" 2>&1 | show 60 ;;
     allreduce|p2p) # NPROC=N: N ranks, one per GPU
       limit python3 -m megart.cli.bench "$step" --backend nccl ${NPROC:+--nproc "$NPROC"} -b 8 \

@@ -1,14 +1,16 @@
-"""Gradient accumulation fusion against --no-gradient-accumulation-fusion, in one process.
+"""Gradient accumulation fusion against --no-gradient-accumulation-fusion, in one process (or,
+with --compare residual, the 16-bit residual stream against --fp32-residual-connection).
 
 Builds two trainers of the same GPT (same seed, same data), one fused (megart's default: the
 weight-gradient product adds into the fp32 gradients itself) and one not (the product in the
 compute dtype, then a cast and an add), and times their iterations in alternating rounds after a
-warm-up round: medians of the per-round seconds per iteration, and their ratio. On a GPU the
+warm-up round: medians of the per-round seconds per iteration, and their ratio (the second
+mode's over the first's). On a GPU the
 default is the 1.2B GPT of bench/RESULTS.md's profiled run (24 x 2048, seq 2048, micro batch 4,
 8 microbatches, bf16); on a CPU pass a small one.
 
     python bench/grad_accum_fusion.py [--layers 24 --hidden 2048 --heads 16 --micro-batch 4]
-        [--profile]
+        [--profile] [--compare residual]
     python bench/grad_accum_fusion.py --layers 2 --hidden 128 --heads 4 --seq 128 --rounds 3
 """
 
@@ -23,7 +25,14 @@ import torch
 
 from layer_profile import kernel_ms  # bench/layer_profile.py, beside this file
 
-MODES = {"fused": True, "unfused": False}
+# Each comparison's two modes: the TrainConfig fields each sets (megart's default first).
+COMPARISONS = {
+    "fusion": {
+        "fused": dict(gradient_accumulation_fusion=True),
+        "unfused": dict(gradient_accumulation_fusion=False),
+    },
+    "residual": {"16-bit": {}, "fp32": dict(fp32_residual_connection=True)},
+}
 
 
 def _synchronize() -> None:
@@ -37,6 +46,7 @@ def _worker(args: argparse.Namespace) -> dict:
     from megart.training.trainer import Trainer
 
     dist.init()
+    modes = COMPARISONS[args.compare]
     trainers = {
         mode: Trainer(
             TrainConfig(
@@ -50,13 +60,13 @@ def _worker(args: argparse.Namespace) -> dict:
                 eval_iters=0,
                 bf16=args.dtype == "bf16",
                 fp16=args.dtype == "fp16",
-                gradient_accumulation_fusion=on,
+                **fields,
             )
         )
-        for mode, on in MODES.items()
+        for mode, fields in modes.items()
     }
-    times: dict[str, list[float]] = {m: [] for m in MODES}
-    tflops: dict[str, list[float]] = {m: [] for m in MODES}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    tflops: dict[str, list[float]] = {m: [] for m in modes}
     it = 0
     for round_ in range(args.rounds + 1):  # round 0 warms up (and creates Adam's state)
         for mode, trainer in trainers.items():
@@ -76,7 +86,8 @@ def _worker(args: argparse.Namespace) -> dict:
             counter = iter(range(it, it + 10))
             kernels[mode] = kernel_ms(lambda t=trainer, c=counter: t.train_step(next(c)), 1)[0]
             it += 10
-    params = sum(p.numel() for c in trainers["fused"].chunks for p in c.parameters())
+    first = next(iter(trainers.values()))
+    params = sum(p.numel() for c in first.chunks for p in c.parameters())
     return {
         "params": params,
         "times_s": times,
@@ -95,6 +106,7 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--compare", choices=sorted(COMPARISONS), default="fusion")
     p.add_argument("--iters", type=int, default=2, help="iterations per timed round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument(
@@ -115,21 +127,22 @@ def main() -> None:
         f"{args.seq}, {args.microbatches} microbatches of {args.micro_batch}, {args.dtype}, "
         f"{device}; {args.rounds} rounds of {args.iters} iterations after a warm-up round"
     )
-    med = {m: statistics.median(r["times_s"][m]) for m in MODES}
-    for m in MODES:
+    modes = list(COMPARISONS[args.compare])
+    med = {m: statistics.median(r["times_s"][m]) for m in modes}
+    for m in modes:
         spread = f"{min(r['times_s'][m]) * 1e3:.1f}-{max(r['times_s'][m]) * 1e3:.1f}"
         print(
             f"{m:<9}{med[m] * 1e3:>10.1f} ms / iteration (rounds {spread}), "
             f"{statistics.median(r['tflops_per_gpu'][m]):.1f} TFLOP/s, "
             f"loss after the rounds {r['last_loss'][m]:.4f}"
         )
-    print(f"unfused / fused: {med['unfused'] / med['fused']:.3f}")
+    print(f"{modes[1]} / {modes[0]}: {med[modes[1]] / med[modes[0]]:.3f}")
     if r["kernel_ms"]:
         kinds = sorted({k for by_kind in r["kernel_ms"].values() for k in by_kind})
-        print("device ms of one iteration by kernel kind: " + ", ".join(MODES))
+        print("device ms of one iteration by kernel kind: " + ", ".join(modes))
         for k in kinds:
-            print(f"  {k:<34}" + "".join(f"{r['kernel_ms'][m].get(k, 0.0):>10.1f}" for m in MODES))
-        totals = "".join(f"{sum(r['kernel_ms'][m].values()):>10.1f}" for m in MODES)
+            print(f"  {k:<34}" + "".join(f"{r['kernel_ms'][m].get(k, 0.0):>10.1f}" for m in modes))
+        totals = "".join(f"{sum(r['kernel_ms'][m].values()):>10.1f}" for m in modes)
         print(f"  {'all':<34}{totals}")
     if args.json:
         with open(args.json, "w") as f:

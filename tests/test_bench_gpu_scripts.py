@@ -67,9 +67,12 @@ def test_without_a_gpu_both_exit_with_status_2_and_say_why(scripts, capsys):
     assert capsys.readouterr().err.count("no CUDA GPU") == 2
 
 
-def test_grad_accum_fusion_bench_times_both_modes_on_the_same_model(tmp_path):
+@pytest.mark.parametrize(
+    "compare, modes", [("fusion", ("fused", "unfused")), ("residual", ("16-bit", "fp32"))]
+)
+def test_grad_accum_fusion_bench_times_both_modes_on_the_same_model(tmp_path, compare, modes):
     # bench/grad_accum_fusion.py on a CPU, tiny: both trainers train the same GPT on the same
-    # data, so after the same iterations their losses agree to bf16's rounding of the sums.
+    # data, so after the same iterations their losses agree to bf16's rounding.
     import json
     import subprocess
 
@@ -77,14 +80,14 @@ def test_grad_accum_fusion_bench_times_both_modes_on_the_same_model(tmp_path):
     tiny = "--layers 1 --hidden 64 --heads 2 --seq 32 --micro-batch 1 --microbatches 2"
     done = subprocess.run(
         [sys.executable, str(BENCH / "grad_accum_fusion.py"), *tiny.split(), "--rounds", "1"]
-        + ["--iters", "1", "--json", str(out)],
+        + ["--iters", "1", "--compare", compare, "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "unfused / fused:" in done.stdout
+    assert f"{modes[1]} / {modes[0]}:" in done.stdout
     r = json.loads(out.read_text())
-    assert set(r["times_s"]) == {"fused", "unfused"}
+    assert set(r["times_s"]) == set(modes)
     assert all(len(t) == 1 and t[0] > 0 for t in r["times_s"].values())
-    assert r["last_loss"]["fused"] == pytest.approx(r["last_loss"]["unfused"], rel=1e-2)
+    assert r["last_loss"][modes[0]] == pytest.approx(r["last_loss"][modes[1]], rel=1e-2)

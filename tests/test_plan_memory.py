@@ -1,8 +1,12 @@
 """megart plan's memory model against real megart train ranks (CPU, shared-memory transport):
 parameter, gradient and optimizer bytes exactly, and the activations autograd saves at the
-peak (torch's saved-tensor hooks) within 1% (the issue asks 10%; the count is exact but for
-the embedding's few bytes per held pair on interleaved stages and the vocabulary-padding mask,
-which only the last tensor-parallel rank saves)."""
+peak (torch's saved-tensor hooks) within 1% (the issue asks 10%). The count is exact but for
+the embedding's few bytes per held pair on interleaved stages, the vocabulary-padding mask,
+which only the last tensor-parallel rank saves, and under bf16 what the planner counts as a
+GPU keeps it: CPU's LayerNorm keeps a 16-bit input's mean and rstd in 16 bits where CUDA's
+keep fp32 (the fused kernel's CPU reference keeps none), and the 16-bit casts of 1-D weights
+(norm weights and biases, the MLP bias before the fused GeLU: O(h) bytes per layer and
+microbatch, against O(s b h)) are not counted. Together up to 0.4% here."""
 
 from __future__ import annotations
 
@@ -79,9 +83,33 @@ CASES = [
         dict(use_distributed_optimizer=True, micro_batch_size=2),
     ),
     ("llama-style tp2", 2, LLAMA, dict(tensor_model_parallel_size=2, micro_batch_size=4)),
-    # 16-bit autocast: the residual stream stays fp32, the rest is bf16. Tokens per microbatch
-    # (128) differ from every weight dimension (see plan_workers.SavedBytes).
+    # 16-bit autocast: every saved activation bf16, the residual stream too, or with
+    # --fp32-residual-connection the stream fp32 and the rest bf16. Tokens per microbatch (128)
+    # differ from every weight dimension (see plan_workers.SavedBytes).
     ("pp2 bf16", 2, SMALL, dict(pipeline_model_parallel_size=2, bf16=True, micro_batch_size=4)),
+    (
+        "pp2 bf16 fp32 residual",
+        2,
+        SMALL,
+        dict(
+            pipeline_model_parallel_size=2,
+            bf16=True,
+            fp32_residual_connection=True,
+            micro_batch_size=4,
+        ),
+    ),
+    (
+        "tp2 sp bf16 fused norms",
+        2,
+        SMALL,
+        dict(
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            bf16=True,
+            fused_layer_norm=True,
+            micro_batch_size=4,
+        ),
+    ),
     (
         "pp2 x dp2 distributed optimizer",
         4,

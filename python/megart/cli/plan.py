@@ -36,6 +36,7 @@ MODEL_FLAGS = (
     "global_batch_size",
     "fp16",
     "bf16",
+    "fp32_residual_connection",
 )
 # Layout flags: given, they are fixed; left out, searched.
 LAYOUT_FLAGS = (

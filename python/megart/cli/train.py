@@ -96,8 +96,12 @@ HELP = {
     "distributed_backend": "communication: megart's nccl transport (default with a GPU), its "
     "shm transport (default on CPU), or torch: torch.distributed's groups (NCCL on GPU, gloo on "
     "CPU), the fallback when `megart selftest` fails a megart transport",
-    "bf16": "bf16 compute under autocast, fp32 weights",
-    "fp16": "fp16 compute under autocast with loss scaling, fp32 weights",
+    "bf16": "bf16 compute under autocast, fp32 weights; the residual stream and pipeline "
+    "messages in bf16 (as Megatron-LM's)",
+    "fp16": "fp16 compute under autocast with loss scaling, fp32 weights; the residual stream "
+    "and pipeline messages in fp16 (as Megatron-LM's)",
+    "fp32_residual_connection": "with --bf16/--fp16: keep the residual stream, and so the "
+    "pipeline messages, in fp32",
     "loss_scale": "a static fp16 loss scale (default: dynamic)",
     "initial_loss_scale": "the dynamic fp16 loss scale's start",
     "min_loss_scale": "the dynamic fp16 loss scale's floor",

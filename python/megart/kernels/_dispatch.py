@@ -62,7 +62,8 @@ def dtype_name(t: torch.Tensor) -> str:
 
 def common_dtype(op: str, *tensors: torch.Tensor | None) -> torch.dtype:
     """The dtype all inputs are computed in: torch's promotion of theirs, as the unfused ops
-    would give (under autocast a bf16 activation meets an fp32 residual stream: fp32)."""
+    would give (under autocast with --fp32-residual-connection a bf16 activation meets the
+    fp32 residual stream: fp32)."""
     present = [t for t in tensors if t is not None]
     dtype = present[0].dtype
     for t in present[1:]:

@@ -58,9 +58,25 @@ class RMSNorm(nn.Module):
         )
 
 
+HALF = (torch.bfloat16, torch.float16)
+
+
+def in_dtype(dtype: torch.dtype, *params: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """A norm's weights in its input's ``dtype`` when that is 16-bit (a 16-bit residual stream,
+    as Megatron-LM's 16-bit weights give it); unchanged for fp32 and float64 inputs. The
+    gradient reaches the fp32 weights through the cast, rounded to 16 bits as Megatron's is."""
+    if dtype not in HALF:
+        return list(params)
+    return [None if p is None else p.to(dtype) for p in params]
+
+
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm, with the option of a zero-centred weight: stored as scale - 1, so that
-    the initial weight is zero (as Megatron's --apply-layernorm-1p); the bias is unchanged."""
+    the initial weight is zero (as Megatron's --apply-layernorm-1p); the bias is unchanged.
+
+    A 16-bit input is normalised in its own dtype (fp32 arithmetic inside, the output and the
+    input saved for backward 16-bit), with autocast off: CUDA's autocast would run LayerNorm on
+    an fp32 copy of the input and keep that copy."""
 
     def __init__(self, dim: int, eps: float, bias: bool, zero_centered_gamma: bool) -> None:
         super().__init__(dim, eps=eps, bias=bias)
@@ -70,7 +86,11 @@ class LayerNorm(nn.LayerNorm):
                 self.weight.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, gamma(self), self.bias, self.eps)
+        if x.dtype not in HALF:
+            return F.layer_norm(x, self.normalized_shape, gamma(self), self.bias, self.eps)
+        weight, bias = in_dtype(x.dtype, gamma(self), self.bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
 def norm(cfg: GPTConfig, sequence_parallel: bool) -> nn.Module:
@@ -91,7 +111,7 @@ def apply_norm(module: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
     if fused and isinstance(module, nn.LayerNorm):
         # The kernel takes the scale itself; autograd carries its gradient to a zero-centred
         # weight unchanged (d(1 + w)/dw = 1).
-        return layer_norm(x, gamma(module), module.bias, module.eps)
+        return layer_norm(x, *in_dtype(x.dtype, gamma(module), module.bias), module.eps)
     return module(x)
 
 
@@ -278,5 +298,7 @@ class Block(nn.Module):
         # The first residual add goes into the second LayerNorm's kernel.
         h = self.drop(self.attn(apply_norm(self.ln_1, x, True), rope))
         ln_2 = self.ln_2
-        normed, x = add_layer_norm(h, x, gamma(ln_2), ln_2.bias, ln_2.eps)
+        # fp32 when the stream is, though h (the attention's output) is 16-bit under autocast.
+        weight, bias = in_dtype(torch.promote_types(h.dtype, x.dtype), gamma(ln_2), ln_2.bias)
+        normed, x = add_layer_norm(h, x, weight, bias, ln_2.eps)
         return x + self.drop(self.mlp(normed))

@@ -67,6 +67,12 @@ class GPTConfig:
     bias_gelu_fusion: bool = False  # the MLP's bias add + GeLU
     fused_layer_norm: bool = False  # LayerNorm, with the residual add before the second one
     cross_entropy_loss_fusion: bool = False  # loss and gradient in the logits' own buffer
+    # Under autocast (megart train's --bf16/--fp16) the residual stream, the hidden states
+    # between layers and between pipeline stages, is in autocast's 16-bit type from the
+    # embedding on, as in Megatron-LM, whose 16-bit weights make it so; norms run in it, with
+    # fp32 arithmetic inside. True (Megatron's --fp32-residual-connection) keeps it in fp32. Not
+    # under autocast, nothing is cast: the stream has the weights' dtype either way.
+    fp32_residual_connection: bool = False
     # Activation recomputation, Megatron's flags: "full" recomputes whole layers ("uniform":
     # groups of recompute_num_layers; "block": the first recompute_num_layers of each chunk),
     # "selective" the attention core only.

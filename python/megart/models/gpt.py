@@ -130,7 +130,9 @@ class GPTChunk(nn.Module):
             h = self.wte(x.t())  # [s, b, h], or this rank's slice of s
             if self.cfg.position_embedding == "learned":
                 h = h + self.wpe.weight[:seq][self._sequence_slice(seq)].unsqueeze(1)
-            x = self.drop(h)
+            x = self.drop(self._residual_stream(h))
+        else:
+            x = self._residual_stream(x)
         rope = None
         if self.cfg.position_embedding == "rotary":
             t = group_size(self.tp_group) if self.sequence_parallel else 1
@@ -151,6 +153,14 @@ class GPTChunk(nn.Module):
         # wte, that lookup's accumulation runs wte's hooks, once per backward as unfused.
         logits = linear(x, self.wte.weight, defer=False, run_hooks=not self.first)
         return self._mask_padding(logits)
+
+    def _residual_stream(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in the residual stream's dtype: autocast's 16-bit type under autocast (as in
+        Megatron-LM), unless cfg.fp32_residual_connection; otherwise unchanged."""
+        kind = x.device.type
+        if self.cfg.fp32_residual_connection or not torch.is_autocast_enabled(kind):
+            return x
+        return x.to(torch.get_autocast_dtype(kind))
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         per_rank = logits.shape[-1]

@@ -19,7 +19,8 @@ per layer, in elements of one microbatch (s tokens x b sequences), t tensor-para
                                           matrix; with --attention unfused the scores are
                                           kept as Korthikanti et al. count them, 5 a s/t)
 
-With autocast (--bf16/--fp16) the residual stream stays fp32 and the rest is 16-bit. Selective
+With autocast (--bf16/--fp16) everything is 16-bit, the residual stream too unless
+--fp32-residual-connection keeps it fp32. Selective
 recomputation drops the attention core's own saves (the log-sum-exp, or the s x s matrices);
 full recomputation keeps only each layer's input (and one layer's set while it is recomputed).
 Korthikanti et al.'s 34 s b h (with a 5 a s/h attention term) counts Megatron's tensors, which
@@ -39,14 +40,19 @@ class Precision:
     other: int  # bytes per element of the other saved activations
 
 
-def precision_of(bf16: bool, fp16: bool) -> Precision:
-    return Precision(4, 2) if (bf16 or fp16) else Precision(4, 4)
+def precision_of(bf16: bool, fp16: bool, fp32_residual_connection: bool = False) -> Precision:
+    """megart's saved activations: 16-bit under autocast, the residual stream too unless
+    --fp32-residual-connection; fp32 otherwise."""
+    if not (bf16 or fp16):
+        return Precision(4, 4)
+    return Precision(4 if fp32_residual_connection else 2, 2)
 
 
 def norm_statistics(cfg: GPTConfig) -> int:
     """Bytes per token a norm saves besides its input. LayerNorm: fp32 mean and rstd. megart's
-    RMSNorm computes in fp32 (the residual stream already is): the fp32 rsqrt and the
-    normalised product."""
+    RMSNorm computes in fp32: the fp32 rsqrt and the normalised product (fp32 with an fp32
+    stream; with a 16-bit one the product is 16-bit and the fp32 copy of the input is kept,
+    2 h bytes more than the input: the same sum)."""
     return 2 * 4 if cfg.normalization != "rmsnorm" else cfg.hidden_size * 4 + 4
 
 

@@ -69,8 +69,9 @@ def estimate(
     """Predicts ``layout`` for the model and batch of ``base`` on ``gpu``s. Raises ConfigError
     (megart train's checks) when the layout cannot run.
 
-    ``runtime`` "megart" counts what megart holds (fp32 weights, gradients and moments; fp32
-    residual stream under autocast; pipeline outputs kept until backward); "megatron" counts
+    ``runtime`` "megart" counts what megart holds (fp32 weights, gradients and moments; a 16-bit
+    residual stream under autocast unless --fp32-residual-connection; pipeline outputs kept
+    until backward); "megatron" counts
     Megatron-LM's conventions, which the published tables were measured with (bf16 weights, fp32
     gradients, fp32 main weights and moments; Korthikanti et al.'s activations; 16-bit pipeline
     messages; outputs freed once sent). ``tp_overlap``, ``dp_overlap`` and ``grad_reduce_bytes``
@@ -217,7 +218,7 @@ def _pipeline_run(
     theory when ``simulate`` is False and the schedule has a closed form), its messages over
     NVLink or a rail. megart's runtime is timed as it runs: its posting plan's NCCL groups."""
     t, p, v, b, sp = layout.sizes()
-    # Pipeline messages: the fp32 residual stream, 1/t of it with scatter/gather or
+    # Pipeline messages: the residual stream, 1/t of it with scatter/gather or
     # sequence parallelism; over a rail when consecutive stages sit on different nodes.
     scatter = sp or c.scatter_gather_tensors_in_pipeline
     message = cfg.seq_length * b * cfg.hidden_size * residual_bytes / (t if scatter else 1)

@@ -11,9 +11,11 @@ from megart.training.config import TrainConfig
 
 
 def precision(c: TrainConfig, runtime: str) -> act.Precision:
-    """Bytes of saved activations: megart keeps its residual stream in fp32 under autocast;
-    Megatron-LM runs in 16 bits throughout."""
-    return act.Precision(2, 2) if runtime == "megatron" else act.precision_of(c.bf16, c.fp16)
+    """Bytes of saved activations: megart's under autocast are 16-bit, its residual stream
+    fp32 with --fp32-residual-connection; Megatron-LM runs in 16 bits throughout."""
+    if runtime == "megatron":
+        return act.Precision(2, 2)
+    return act.precision_of(c.bf16, c.fp16, c.fp32_residual_connection)
 
 
 def rank_memory(

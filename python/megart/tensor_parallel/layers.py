@@ -200,7 +200,9 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_region(partial, self.tp_group)
         else:
             y = reduce_from_region(partial, self.tp_group)
-        return y if self.bias is None else y + self.bias
+        # In the output's dtype, as autocast gives F.linear's own bias add (a 16-bit output
+        # stays 16-bit, so a 16-bit residual stream does too).
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -100,6 +100,9 @@ class TrainConfig:
     distributed_backend: str | None = None
     bf16: bool = False
     fp16: bool = False  # fp16 compute with dynamic loss scaling (fp32 weights)
+    # Under --bf16/--fp16 the residual stream (and so every pipeline message) is 16-bit, as in
+    # Megatron-LM; Megatron's --fp32-residual-connection keeps it in fp32 (see GPTConfig).
+    fp32_residual_connection: bool = False
     loss_scale: float | None = None  # a static fp16 loss scale; None: dynamic
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
@@ -308,6 +311,7 @@ class TrainConfig:
             bias_gelu_fusion=self._bias_gelu_fusion(),
             fused_layer_norm=self.fused_layer_norm,
             cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
+            fp32_residual_connection=self.fp32_residual_connection,
             recompute_granularity=recompute,
             recompute_method=self.recompute_method,
             recompute_num_layers=self.recompute_num_layers,

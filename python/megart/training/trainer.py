@@ -114,6 +114,7 @@ class Trainer:
                 self.chunks,
                 self.link,
                 self._activation,
+                setup.residual_dtype(c),
                 device=self.device,
                 plan_costs=plan_costs(c),
             )

@@ -1,0 +1,116 @@
+"""The residual stream's precision under --bf16/--fp16: 16-bit from the embedding on, as in
+Megatron-LM (whose 16-bit weights make it so), or fp32 with --fp32-residual-connection. The
+stream is what crosses pipeline stages, so it sets the pipeline's bytes; norms run in it, with
+their fp32 weights cast to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import train_workers as tw
+from megart.launcher import launch
+from megart.models import GPTConfig
+from megart.models.blocks import Block
+from megart.models.gpt import GPT
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TINY = dict(vocab_size=64, seq_length=16, hidden_size=32, num_layers=3, num_attention_heads=4)
+
+
+def _stream_dtypes(cfg: GPTConfig, dtype: torch.dtype | None) -> list[torch.dtype]:
+    """The dtype of every block's output and of the final norm's input, in a forward and
+    backward under autocast to ``dtype`` (None: no autocast)."""
+    model = GPT(cfg)
+    seen: list[torch.dtype] = []
+    for block in model.chunk.blocks:
+        block.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator())
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        loss = model(tokens, tokens)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    return seen
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "norms",
+    [
+        dict(normalization="layernorm"),
+        dict(normalization="layernorm", fused_layer_norm=True),
+        dict(normalization="rmsnorm"),
+    ],
+    ids=["layernorm", "fused-layernorm", "rmsnorm"],
+)
+def test_the_stream_is_autocasts_type_unless_fp32_residual_connection(precision, norms):
+    kw = dict(TINY, **norms)
+    half = HALF[precision]
+    assert _stream_dtypes(GPTConfig(**kw), half) == [half] * 3
+    assert (
+        _stream_dtypes(GPTConfig(**kw, fp32_residual_connection=True), half) == [torch.float32] * 3
+    )
+    # Without autocast nothing is cast, whatever the flag.
+    assert _stream_dtypes(GPTConfig(**kw), None) == [torch.float32] * 3
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("fused_layer_norm", [False, True])
+def test_a_block_on_a_bf16_stream_matches_float64(fused_layer_norm):
+    """A layer fed and giving a bf16 stream, its fp32 weights autocast: output, input gradient
+    and every weight gradient (the norms' reach their fp32 weights through the cast) against
+    the same layer in float64. bf16 keeps 8 bits: a few roundings give up to 7e-3 norm-wise
+    here. A cast that drops the norms' gradients, a norm applied without its weight, or a
+    stream left in fp32 (the dtype check) fail."""
+    cfg = GPTConfig(**TINY, fused_layer_norm=fused_layer_norm, bias_gelu_fusion=True)
+    block = Block(cfg, 0, None, False)
+    with torch.no_grad():  # weights away from LayerNorm's initial 1 and 0
+        for p in block.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    exact = Block(cfg, 0, None, False).double()
+    exact.load_state_dict(block.state_dict())
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
+    x.requires_grad_(True)
+    x64 = x.detach().double().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block(x)
+    assert y.dtype == torch.bfloat16
+    y64 = exact(x64)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    y.backward(dy.bfloat16())
+    y64.backward(dy.bfloat16().double())
+    assert _relative_error(y, y64) < 1.5e-2
+    assert _relative_error(x.grad, x64.grad) < 1.5e-2
+    exact_params = dict(exact.named_parameters())
+    for name, p in block.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert _relative_error(p.grad, exact_params[name].grad) < 1.5e-2, name
+
+
+def _train(kw):
+    return tw.train(**kw)
+
+
+def test_pipeline_messages_are_16_bit_and_both_streams_follow_their_one_process_curve():
+    """pp2 under --bf16: each message is the bf16 stream (half the bytes of
+    --fp32-residual-connection's), and each run follows the one-process run of its own flags
+    (a pipeline changes no arithmetic: the same products in the same order); the two streams
+    round differently, and both stay near the fp32 curve."""
+    fp32 = launch(_train, 1, {}, timeout=300)[0]
+    curves = {}
+    for wide in (False, True):
+        kw = dict(bf16=True, fp32_residual_connection=wide)
+        one = launch(_train, 1, kw, timeout=300)[0]
+        pp2 = launch(_train, 2, dict(kw, pipeline_model_parallel_size=2), timeout=300)[0]
+        for h, r, f in zip(pp2, one, fp32, strict=True):
+            assert h["loss"] == pytest.approx(r["loss"], rel=1e-5)
+            assert h["loss"] == pytest.approx(f["loss"], rel=2e-2)
+        # m = 4 microbatches, an activation and its gradient each: s x b x h elements.
+        assert [h["pipeline_p2p_bytes"] for h in pp2] == [
+            2 * 4 * 16 * 2 * 32 * (4 if wide else 2)
+        ] * 3
+        curves[wide] = [h["loss"] for h in one]
+    assert curves[False] != curves[True]
