@@ -103,3 +103,20 @@ def test_a_group_used_after_destroy_is_refused_on_every_transport():
         assert t.tolist() == [1.0, 1.0]
     finally:
         dist.destroy()
+
+
+def test_an_nccl_groups_barrier_names_this_ranks_gpu(monkeypatch):
+    """torch's NCCL barrier is an all-reduce on some GPU: without device_ids it takes the
+    current one and warns (seen in `megart selftest` under torchrun on a GPU). megart names the
+    rank's own; over gloo it passes none, as before."""
+    from megart.distributed import torch_backend as tb
+
+    calls = []
+    monkeypatch.setattr(tb.td, "barrier", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(tb.torch.cuda, "current_device", lambda: 3)
+    comm = tb.TorchComm(object(), 0, 2, "test")
+    for backend in ("nccl", "gloo"):
+        monkeypatch.setattr(tb.td, "get_backend", lambda pg, b=backend: b)
+        comm.barrier()
+    assert [c["device_ids"] for c in calls] == [[3], None]
+    assert all(c["async_op"] for c in calls)

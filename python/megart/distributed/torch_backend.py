@@ -113,7 +113,10 @@ class TorchComm:
 
     def barrier(self) -> TorchWork:
         self.check_alive("barrier")
-        return TorchWork(td.barrier(group=self.pg, async_op=True))
+        # NCCL's barrier is an all-reduce of one element on a GPU: this rank's own (init_world
+        # set it), named so that torch need not take "the current device" and warn that it did.
+        ids = [torch.cuda.current_device()] if td.get_backend(self.pg) == "nccl" else None
+        return TorchWork(td.barrier(group=self.pg, async_op=True, device_ids=ids))
 
     def abort(self) -> None:
         # torch's groups cannot be aborted portably (gloo has no abort): later ops here raise.
