@@ -19,12 +19,16 @@ TINY = dict(vocab_size=64, seq_length=16, hidden_size=32, num_layers=3, num_atte
 
 
 def _stream_dtypes(cfg: GPTConfig, dtype: torch.dtype | None) -> list[torch.dtype]:
-    """The dtype of every block's output and of the final norm's input, in a forward and
-    backward under autocast to ``dtype`` (None: no autocast)."""
+    """The dtype of every block's output, and of every norm's output where the norm module
+    runs (the fused kernel's path calls no module), in a forward and backward under autocast
+    to ``dtype`` (None: no autocast)."""
     model = GPT(cfg)
     seen: list[torch.dtype] = []
     for block in model.chunk.blocks:
         block.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    norms = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1].startswith("ln_")]
+    for norm in norms:
+        norm.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator())
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         loss = model(tokens, tokens)
@@ -46,12 +50,15 @@ def _stream_dtypes(cfg: GPTConfig, dtype: torch.dtype | None) -> list[torch.dtyp
 def test_the_stream_is_autocasts_type_unless_fp32_residual_connection(precision, norms):
     kw = dict(TINY, **norms)
     half = HALF[precision]
-    assert _stream_dtypes(GPTConfig(**kw), half) == [half] * 3
-    assert (
-        _stream_dtypes(GPTConfig(**kw, fp32_residual_connection=True), half) == [torch.float32] * 3
-    )
+    # 3 blocks, and unless fused 2 norms in each and the final one.
+    seen = 3 if norms.get("fused_layer_norm") else 3 + 7
+    assert _stream_dtypes(GPTConfig(**kw), half) == [half] * seen
+    # The fp32 stream's norms give fp32 (on CPU autocast leaves LayerNorm alone; on CUDA it
+    # runs it in fp32), and so does RMSNorm's scale by its fp32 weight.
+    wide = _stream_dtypes(GPTConfig(**kw, fp32_residual_connection=True), half)
+    assert wide == [torch.float32] * seen
     # Without autocast nothing is cast, whatever the flag.
-    assert _stream_dtypes(GPTConfig(**kw), None) == [torch.float32] * 3
+    assert _stream_dtypes(GPTConfig(**kw), None) == [torch.float32] * seen
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

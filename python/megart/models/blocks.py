@@ -41,23 +41,6 @@ def gamma(module: nn.Module) -> torch.Tensor:
     return module.weight + 1 if getattr(module, "zero_centered_gamma", False) else module.weight
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, zero_centered_gamma: bool = False) -> None:
-        super().__init__()
-        self.eps = eps
-        self.zero_centered_gamma = zero_centered_gamma
-        # Either way the initial scale is 1.
-        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered_gamma else torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # 16-bit inputs are normalised in fp32 (as Megatron's and Hugging Face's RMSNorm do);
-        # float64 stays float64.
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * (
-            gamma(self)
-        )
-
-
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -68,6 +51,22 @@ def in_dtype(dtype: torch.dtype, *params: torch.Tensor | None) -> list[torch.Ten
     if dtype not in HALF:
         return list(params)
     return [None if p is None else p.to(dtype) for p in params]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, zero_centered_gamma: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.zero_centered_gamma = zero_centered_gamma
+        # Either way the initial scale is 1.
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered_gamma else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # 16-bit inputs are normalised in fp32 (as Megatron's and Hugging Face's RMSNorm do),
+        # then scaled in their own dtype; float64 stays float64.
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        normed = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+        return normed * in_dtype(x.dtype, gamma(self))[0]
 
 
 class LayerNorm(nn.LayerNorm):
