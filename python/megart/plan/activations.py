@@ -20,9 +20,9 @@ per layer, in elements of one microbatch (s tokens x b sequences), t tensor-para
                                           kept as Korthikanti et al. count them, 5 a s/t)
 
 With autocast (--bf16/--fp16) everything is 16-bit, the residual stream too unless
---fp32-residual-connection keeps it fp32. Selective
-recomputation drops the attention core's own saves (the log-sum-exp, or the s x s matrices);
-full recomputation keeps only each layer's input (and one layer's set while it is recomputed).
+--fp32-residual-connection keeps it fp32. Selective recomputation drops the attention core's
+own saves (the log-sum-exp, or the s x s matrices); full recomputation keeps only each layer's
+input (and one layer's set while it is recomputed).
 Korthikanti et al.'s 34 s b h (with a 5 a s/h attention term) counts Megatron's tensors, which
 differ slightly (dropout masks; Megatron re-gathers sequence-parallel inputs in backward).
 """

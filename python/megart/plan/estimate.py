@@ -70,20 +70,19 @@ def estimate(
     (megart train's checks) when the layout cannot run.
 
     ``runtime`` "megart" counts what megart holds (fp32 weights, gradients and moments; a 16-bit
-    residual stream under autocast unless --fp32-residual-connection; pipeline outputs kept
-    until backward); "megatron" counts
-    Megatron-LM's conventions, which the published tables were measured with (bf16 weights, fp32
-    gradients, fp32 main weights and moments; Korthikanti et al.'s activations; 16-bit pipeline
-    messages; outputs freed once sent). ``tp_overlap``, ``dp_overlap`` and ``grad_reduce_bytes``
-    describe the runtime's communication: megart's is the default (tensor-parallel collectives
-    not overlapped, gradient buckets reduced in fp32 during the last backward, pipeline
-    messages sent while the next action computes). ``pp_overlap`` False: every pipeline
-    exchange blocks both ranks until it has arrived, as SC21's Megatron-LM did (its
-    p2p_communication waited on each batch_isend_irecv and then synchronised the device), so
-    each (microbatch, chunk) pays one exchange after its forward and one after its backward.
+    residual stream under autocast unless --fp32-residual-connection; pipeline outputs kept until
+    backward); "megatron" counts Megatron-LM's conventions, which the published tables were measured
+    with (bf16 weights, fp32 gradients, fp32 main weights and moments; Korthikanti et al.'s
+    activations; 16-bit pipeline messages; outputs freed once sent). ``tp_overlap``, ``dp_overlap``
+    and ``grad_reduce_bytes`` describe the runtime's communication: megart's is the default
+    (tensor-parallel collectives not overlapped, gradient buckets reduced in fp32 during the last
+    backward, pipeline messages sent while the next action computes). ``pp_overlap`` False: every
+    pipeline exchange blocks both ranks until it has arrived, as SC21's Megatron-LM did (its
+    p2p_communication waited on each batch_isend_irecv and then synchronised the device), so each
+    (microbatch, chunk) pays one exchange after its forward and one after its backward.
     ``dp_overlap`` "single-stage": overlapped only when p = 1 (SINGLE_STAGE). A runtime that
-    interleaves only from ``interleaved_min_pp`` stages (SC21's Megatron-LM: 3) refuses
-    interleaved layouts on fewer with ConfigError."""
+    interleaves only from ``interleaved_min_pp`` stages (SC21's Megatron-LM: 3) refuses interleaved
+    layouts on fewer with ConfigError."""
     _check_runtime(layout, runtime, dp_overlap, interleaved_min_pp)
     c = layout_config(base, layout)
     world = layout.tp * layout.pp * layout.dp
