@@ -62,8 +62,11 @@ def test_layout_over_nccl_follows_the_one_process_gpu_curve(name, reference):
 
 
 # --bf16's residual stream crosses the stages in bf16 (half of the fp32 stream's bytes through
-# NCCL); a pipeline changes no product's shape, so the one-process bf16 GPU curve is followed to
-# the same bounds. Unrun on a GPU when written (2026-11-27).
+# NCCL). A pipeline changes no product's shape, but bf16 attention may run flash kernels whose
+# backward need not be deterministic, so the bounds are bf16's (a message read in the wrong
+# dtype gives garbage, far outside them). Unrun on a GPU when written (2026-11-27).
+BF16_LOSS_RTOL = 2e-3
+BF16_GRAD_NORM_RTOL = 2e-2
 BF16_LAYOUTS = {
     "pp2-bf16": dict(pipeline_model_parallel_size=2),
     "pp2-zb-v-bf16": dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-v"),
@@ -86,5 +89,5 @@ def test_bf16_pipeline_over_nccl_follows_the_one_process_bf16_curve(name, bf16_r
         assert [h["iteration"] for h in history] == [1, 2, 3]
         assert history[-1]["pipeline_p2p_bytes"] > 0
         for h, r in zip(history, bf16_reference, strict=True):
-            assert h["loss"] == pytest.approx(r["loss"], rel=LOSS_RTOL), name
-            assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=GRAD_NORM_RTOL), name
+            assert h["loss"] == pytest.approx(r["loss"], rel=BF16_LOSS_RTOL), name
+            assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=BF16_GRAD_NORM_RTOL), name
