@@ -17,9 +17,9 @@
 # grad-accum-fusion, then train-1.3b plan-1.3b, selftest, and grad_accum_fusion.py --profile:
 # 696 s over four calls. The fifth (one H100, 2026-11-27) ran selftest train-1.3b plan-1.3b
 # cpu-tests and grad_accum_fusion.py, then cpu-tests tests: 702 s over two calls, starts
-# included. Next, for the 16-bit residual stream (2026-11-27): STEP_TIMEOUT=150 ... selftest
-# tests residual-precision train-1.3b plan-1.3b, then cpu-tests cpu-tests-trainer. On a node
-# of several GPUs:
+# included. Next, for the 16-bit residual stream (2026-11-27): `bash bench/gpu_session.sh
+# selftest tests residual-precision train-1.3b plan-1.3b`, then in a second call cpu-tests
+# cpu-tests-trainer. On a node of several GPUs:
 # `torchrun --nproc-per-node N -m megart selftest`, NPROC=N allreduce p2p, and tests (whose
 # test_trainer_nccl runs every parallel layout, its ranks sharing GPU 0).
 # (-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion; -50k trains
