@@ -199,6 +199,14 @@ def test_predictions_are_finite_positive_and_monotone(layout, groups, gpu):
         estimate(base, on, profile, simulate=False).memory["optimizer"]
         <= estimate(base, off, profile, simulate=False).memory["optimizer"]
     )
+    # An fp32 residual stream never needs less memory than the 16-bit one (each rank holds
+    # more activations, so the worst rank's total grows, though which rank is worst can
+    # change), nor does it shorten the iteration (its pipeline messages are twice the bytes).
+    half = dataclasses.replace(base, bf16=True)
+    wide = dataclasses.replace(half, fp32_residual_connection=True)
+    narrow_e, wide_e = (estimate(c, layout, profile, simulate=False) for c in (half, wide))
+    assert narrow_e.memory["total"] <= wide_e.memory["total"]
+    assert narrow_e.iteration_time <= wide_e.iteration_time
 
 
 BIG = [
