@@ -38,6 +38,7 @@ import torch
 from megart.tensor_parallel.random import GeneratorStates
 from megart.training import dist_store
 from megart.training import megatron_dist_distopt as distopt
+from megart.training.config import half_dtype
 from megart.training.megatron_dist import BACKENDS, COMMON, METADATA, extra_states
 from megart.training.megatron_dist_places import Place, places
 from megart.training.megatron_files import CHECKPOINT_VERSION, to_grad_scaler, training_args
@@ -56,10 +57,6 @@ def moment_key(name: str, key: str) -> str:
 def rng_key(pp_rank: int, tp_rank: int, pp: int, tp: int) -> str:
     """The ShardedObject key of a rank's random states (Megatron's unique_key)."""
     return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
-
-
-def _half(config: Any) -> torch.dtype | None:
-    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
 
 
 def _extra_states(chunks: list[Any]) -> dict[str, list[None]]:
@@ -103,7 +100,7 @@ def write_rank(
     weights, random states and (non-distributed optimizer) moments; with
     --use-distributed-optimizer every rank its slices of Megatron's bucket tensors
     (megart.training.megatron_dist_distopt)."""
-    half = _half(config)
+    half = half_dtype(config)
     state: dict[str, Any] = {}
     if hasattr(optimizer, "wait_for_params"):  # --overlap-param-gather leaves gathers running
         optimizer.wait_for_params()
@@ -172,7 +169,7 @@ def finish(
         opt = {"param_groups": groups, "state": {}}
         if steps:  # Megatron-Core's _extract_common_per_param_step: one step for all
             opt["state"]["common_step"] = steps[0].detach().clone()
-        if _half(config) is not None:
+        if half_dtype(config) is not None:
             opt = {"optimizer": opt}
             if scaler is not None:
                 opt["grad_scaler"] = _scaler_state(config, scaler)

@@ -44,6 +44,7 @@ from megart.errors import ConfigError
 from megart.models import chunk_layers
 from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
+from megart.training.config import half_dtype
 from megart.training.megatron_args import args_record, check_args, config_from_args, megatron_args
 from megart.training.megatron_layout import OUTPUT, WORD, with_extra_states
 from megart.training.megatron_optimizer import (
@@ -151,7 +152,7 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
     model = [
         chunk_to_megatron(sd, cfg, ids) for sd, ids in zip(state["model"], layers, strict=True)
     ]
-    half = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
+    half = half_dtype(config)
     args = training_args(config, cfg, iteration, dp)
     args.consumed_train_samples = state["consumed_train_samples"]  # where Megatron keeps it
     out = rank_state(args, iteration, model)

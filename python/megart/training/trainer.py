@@ -25,7 +25,7 @@ from megart.tensor_parallel import fusing_accumulation, sync_sequence_parallel_g
 from megart.training import batch_rampup, checkpoint, memory_report
 from megart.training import optimizer as optim
 from megart.training import trainer_setup as setup
-from megart.training.config import TrainConfig
+from megart.training.config import TrainConfig, half_dtype, residual_dtype
 from megart.training.data import Dataset
 from megart.training.housekeeping import Housekeeping
 from megart.training.reporting import RunLog, peak_flops, run_description
@@ -114,7 +114,7 @@ class Trainer:
                 self.chunks,
                 self.link,
                 self._activation,
-                setup.residual_dtype(c),
+                residual_dtype(c),
                 device=self.device,
                 plan_costs=plan_costs(c),
             )
@@ -140,10 +140,10 @@ class Trainer:
         return self.chunks[-1].loss(logits, targets)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        c = self.config
-        if not (c.bf16 or c.fp16):
+        half = half_dtype(self.config)
+        if half is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16 if c.bf16 else torch.float16)
+        return torch.autocast(self.device.type, dtype=half)
 
     def _overflowed(self) -> bool:
         """fp16: unscales the gradients and says whether any rank saw an inf or NaN (then every

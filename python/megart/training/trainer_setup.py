@@ -111,14 +111,6 @@ def activation_shape(config: TrainConfig) -> tuple[int, int, int]:
     return (seq, config.micro_batch_size, config.hidden_size)
 
 
-def residual_dtype(config: TrainConfig) -> torch.dtype:
-    """The dtype of the residual stream, which is what crosses pipeline stages: autocast's
-    16-bit type under --bf16/--fp16 unless --fp32-residual-connection, else fp32."""
-    if config.fp32_residual_connection or not (config.bf16 or config.fp16):
-        return torch.float32
-    return torch.bfloat16 if config.bf16 else torch.float16
-
-
 def datasets(
     config: TrainConfig, tokens: Any | None
 ) -> tuple[Dataset, Dataset | None, Dataset | None]:
