@@ -67,20 +67,28 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 
 def held_bytes(kw: dict) -> dict:
     from megart.training.distributed_optimizer import DistributedOptimizer
+    from megart.training.main_weights import MainWeights
     from megart.training.trainer import Trainer
 
     trainer = Trainer(TrainConfig(**kw), tokens=builtin_corpus(1 << 16))
     trainer.train_step(0)  # the optimizer state exists after the first step
     params = [p for chunk in trainer.chunks for p in chunk.parameters()]
     opt = trainer.optimizer
+    mains: list[torch.Tensor] = []  # --half-weights: the fp32 main weights
     if isinstance(opt, DistributedOptimizer):
         param_bytes = _nbytes(opt.param_buffers)  # the parameters are views into these
         state = opt.optimizer.state
+        mains = [m for m in opt.main_buffers if m is not None]
+    elif isinstance(opt, MainWeights):
+        param_bytes = _nbytes(params)
+        state = opt.optimizer.state
+        mains = opt.mains
     else:
         param_bytes = _nbytes(params)
         state = opt.state
     grad_bytes = _nbytes([b.buffer for b in trainer.buckets.buckets])
-    opt_bytes = _nbytes([v for s in state.values() for v in s.values() if torch.is_tensor(v)])
+    moments = [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
+    opt_bytes = _nbytes(moments) + _nbytes(mains)
     meter = SavedBytes(params)
     with meter.hooks():
         trainer.train_step(1)

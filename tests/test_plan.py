@@ -207,6 +207,12 @@ def test_predictions_are_finite_positive_and_monotone(layout, groups, gpu):
     narrow_e, wide_e = (estimate(c, layout, profile, simulate=False) for c in (half, wide))
     assert narrow_e.memory["total"] <= wide_e.memory["total"]
     assert narrow_e.iteration_time <= wide_e.iteration_time
+    # --half-weights never needs more memory: 2 + 4 bytes of weight and main weight where fp32
+    # weights take 4 + a 2-byte autocast copy, the main weights sharded with the moments
+    # (padding aside, a bucket's few elements).
+    halved = estimate(dataclasses.replace(half, half_weights=True), layout, profile, simulate=False)
+    assert halved.memory["autocast_copies"] == 0
+    assert halved.memory["total"] <= narrow_e.memory["total"] + 64 * 4 * base.num_layers
 
 
 BIG = [
@@ -290,6 +296,23 @@ def test_fp32_residual_connection_is_planned_as_megart_train_runs_it(capsys):
     for part in ("activations", "total"):
         assert narrow["memory_gib"][part] < wide["memory_gib"][part]
     assert narrow["iteration_time_s"] <= wide["iteration_time_s"]
+
+
+def test_half_weights_are_planned_as_megart_train_holds_them(capsys):
+    """--half-weights: half the weights' bytes, no autocast copies, 4 bytes a stepped element
+    more optimizer state; with the distributed optimizer over d = 8 that is less in all."""
+    flags = [*BIG, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    flags += ["--micro-batch-size", "1", "--bf16", "--use-distributed-optimizer", "--json"]
+    out = {}
+    for half in (False, True):
+        more = ["--half-weights"] if half else []
+        assert megart_main(["plan", "--gpu", "a100-80gb", "--num-gpus", "32", *flags, *more]) == 0
+        out[half] = json.loads(capsys.readouterr().out)["memory_gib"]
+    fp32, half = out[False], out[True]
+    assert half["parameters"] == pytest.approx(fp32["parameters"] / 2)
+    assert half["gradients"] == fp32["gradients"] and half["autocast_copies"] == 0
+    assert half["optimizer"] == pytest.approx(fp32["optimizer"] * 1.5, rel=1e-3)
+    assert half["total"] < fp32["total"]
 
 
 @pytest.mark.parametrize(

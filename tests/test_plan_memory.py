@@ -116,6 +116,26 @@ CASES = [
         SMALL,
         dict(pipeline_model_parallel_size=2, use_distributed_optimizer=True, micro_batch_size=1),
     ),
+    # --half-weights: 16-bit weights, fp32 main weights (sharded with the distributed
+    # optimizer) beside the moments, and no autocast copies.
+    (
+        "pp2 bf16 half weights",
+        2,
+        SMALL,
+        dict(pipeline_model_parallel_size=2, bf16=True, half_weights=True, micro_batch_size=4),
+    ),
+    (
+        "pp2 x dp2 bf16 half weights distributed optimizer",
+        4,
+        SMALL,
+        dict(
+            pipeline_model_parallel_size=2,
+            bf16=True,
+            half_weights=True,
+            use_distributed_optimizer=True,
+            micro_batch_size=2,
+        ),
+    ),
     # Zero-bubble: autograd's saves are those of the pairs between F and I (I frees the graph;
     # what W needs is counted apart, below).
     (

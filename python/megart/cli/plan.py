@@ -37,6 +37,7 @@ MODEL_FLAGS = (
     "fp16",
     "bf16",
     "fp32_residual_connection",
+    "half_weights",
 )
 # Layout flags: given, they are fixed; left out, searched.
 LAYOUT_FLAGS = (

@@ -102,6 +102,10 @@ HELP = {
     "and pipeline messages in fp16 (as Megatron-LM's)",
     "fp32_residual_connection": "with --bf16/--fp16: keep the residual stream, and so the "
     "pipeline messages, in fp32",
+    "half_weights": "with --bf16/--fp16: keep the weights in that 16-bit type, with fp32 main "
+    "weights and gradients in the optimizer, as Megatron-LM does (2 + 4 + 4 bytes a parameter "
+    "besides Adam's 8, the main weights sharded with --use-distributed-optimizer; default: fp32 "
+    "weights under autocast)",
     "loss_scale": "a static fp16 loss scale (default: dynamic)",
     "initial_loss_scale": "the dynamic fp16 loss scale's start",
     "min_loss_scale": "the dynamic fp16 loss scale's floor",

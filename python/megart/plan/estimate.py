@@ -69,7 +69,8 @@ def estimate(
     """Predicts ``layout`` for the model and batch of ``base`` on ``gpu``s. Raises ConfigError
     (megart train's checks) when the layout cannot run.
 
-    ``runtime`` "megart" counts what megart holds (fp32 weights, gradients and moments; a 16-bit
+    ``runtime`` "megart" counts what megart holds (fp32 weights, gradients and moments, or with
+    --half-weights 16-bit weights and fp32 main weights as Megatron-LM; a 16-bit
     residual stream under autocast unless --fp32-residual-connection; pipeline outputs kept until
     backward); "megatron" counts Megatron-LM's conventions, which the published tables were measured
     with (bf16 weights, fp32 gradients, fp32 main weights and moments; Korthikanti et al.'s
@@ -115,7 +116,7 @@ def estimate(
         gpu,
         float(worst_rank_params),
         run.stage.backward,
-        runtime,
+        runtime == "megatron" or c.half_weights,
         dp_overlap,
         grad_reduce_bytes,
     )
@@ -323,17 +324,17 @@ def _data_parallel_seconds(
     gpu: GPUProfile,
     grad_elements_bytes: float,
     last_backward: float,
-    runtime: str,
+    half_weights: bool,
     dp_overlap: bool | str,
     grad_reduce_bytes: int,
 ) -> tuple[float, float, float]:
     """Seconds the iteration spends on data-parallel communication after its last backward:
     the gradient reduction's exposed part, the distributed optimizer's all-gather, and the tied
     embedding's all-reduce between the first and last stage. ``grad_elements_bytes``: fp32
-    bytes of the worst rank's gradients."""
+    bytes of the worst rank's gradients; ``half_weights``: the weights are 16-bit."""
     t, p = layout.tp, layout.pp
     dist = layout.distributed_optimizer
-    gather_bytes = FP32 if runtime != "megatron" else 2  # what the distributed optimizer gathers
+    gather_bytes = 2 if half_weights else FP32  # what the distributed optimizer gathers
     # megart reduces each 4 MiB bucket of fp32 gradients as soon as the last microbatch's
     # backward has produced it, so all but the last bucket overlap that backward.
     grad_bytes = grad_elements_bytes * grad_reduce_bytes / FP32

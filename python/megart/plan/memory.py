@@ -61,11 +61,16 @@ def rank_memory(
     working = full if rec == "full" else 0.0
     grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec)
     grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec)
+    # 16-bit weights with fp32 main weights (megart's --half-weights, counted exactly as megart
+    # holds them; Megatron-LM's, by its convention) need no autocast copies; fp32 weights under
+    # autocast need a 16-bit copy of each.
+    half = c.half_weights and prec.other < 4 and not megatron
     state = state_bytes(
-        cfg, t, p, pp_rank, v, dp, layout.distributed_optimizer, dp_rank, layout.kind == "zb-v"
-    )
+        cfg, t, p, pp_rank, v, dp, layout.distributed_optimizer, dp_rank, layout.kind == "zb-v",
+        half,
+    )  # fmt: skip
     params = state.parameters // FP32
-    autocast = params * prec.other if prec.other < 4 and not megatron else 0
+    autocast = params * prec.other if prec.other < 4 and not (half or megatron) else 0
     optimizer = float(state.optimizer)
     if megatron:  # + fp32 main weights: 12 bytes per stepped element instead of 8
         optimizer = float(state.optimizer) * 3 / 2

@@ -2,8 +2,9 @@
 make, computed from the model's shape alone (no torch): megart's own layout rules, so that the
 bytes predicted here are the bytes a ``megart train`` rank holds (tested against real ranks).
 
-Everything is fp32 in megart: with --bf16/--fp16 the weights stay fp32 (they are the
-optimizer's main weights) and autocast computes in 16 bits.
+By default everything is fp32 in megart: with --bf16/--fp16 the weights stay fp32 (they are the
+optimizer's main weights) and autocast computes in 16 bits. With --half-weights the weights are
+16-bit and the optimizer holds fp32 main weights of what it steps (megart.training.main_weights).
 """
 
 from __future__ import annotations
@@ -118,18 +119,24 @@ def state_bytes(
     distributed: bool,
     dp_rank: int | None = None,
     v_shape: bool = False,
+    half_weights: bool = False,
 ) -> StateBytes:
     """Bytes of parameters, gradients and AdamW state (two fp32 moments and a 0-d fp32 step per
     stepped tensor) on data-parallel rank ``dp_rank`` of pipeline rank ``pp_rank`` (None: the
-    worst one); ``v_shape``: zb-v's placement."""
+    worst one); ``v_shape``: zb-v's placement. ``half_weights``: 16-bit weights, and fp32 main
+    weights in the optimizer state (with the distributed optimizer: of the rank's padded slice
+    of each bucket)."""
     parts = dp if distributed else 1
     chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks, v_shape)
     bs = buckets(chunk_list, parts)
     grads = sum(padded(b, parts) for b in bs) * FP32
     n = sum(sum(c.tensors) for c in chunk_list)
     tensors = sum(len(c.tensors) for c in chunk_list)
+    weight = 2 if half_weights else FP32
     if not distributed:
-        return StateBytes(n * FP32, grads, n * 2 * FP32 + tensors * FP32)
+        mains = n * FP32 if half_weights else 0
+        return StateBytes(n * weight, grads, n * 2 * FP32 + tensors * FP32 + mains)
+    mains = grads // parts if half_weights else 0  # this rank's slice of every padded bucket
     # The distributed optimizer moves the parameters into buffers laid out (padded) as the
     # gradients, and steps 1/dp slices ("pieces") of them: moments for the elements of its
     # slice that belong to parameters, a step per piece.
@@ -151,4 +158,4 @@ def state_bytes(
                     pieces += 1
                 offset += n_p
         worst = max(worst, elements * 2 * FP32 + pieces * FP32)
-    return StateBytes(grads, grads, worst)
+    return StateBytes(grads // FP32 * weight, grads, worst + mains)

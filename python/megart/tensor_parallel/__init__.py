@@ -40,7 +40,7 @@ from megart.tensor_parallel.random import (
     fork,
     seed_tensor_parallel,
 )
-from megart.tensor_parallel.weight_grad import fusing_accumulation
+from megart.tensor_parallel.weight_grad import fusing_accumulation, grad_of
 
 __all__ = [
     "copy_to_region",
@@ -65,4 +65,5 @@ __all__ = [
     "seed_tensor_parallel",
     "TENSOR_PARALLEL",
     "fusing_accumulation",
+    "grad_of",
 ]

@@ -43,7 +43,7 @@ from megart.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_region,
     scatter_to_region,
 )
-from megart.tensor_parallel.weight_grad import linear
+from megart.tensor_parallel.weight_grad import grad_of, linear
 
 InitMethod = Callable[[torch.Tensor, torch.Generator | None], object]
 """Fills a full (master) weight in place, drawing from the given generator."""
@@ -269,8 +269,9 @@ def sync_sequence_parallel_grads(module: nn.Module, tp_group: ProcessGroup | Non
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in module.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        grad = grad_of(p)
+        if getattr(p, "sequence_parallel", False) and grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=tp_group)

@@ -100,11 +100,12 @@ def accumulate(kept: list[tuple], run_hooks: bool = True) -> None:
         x2 = x.reshape(-1, x.shape[-1])
         if _fusion is not None and _fusable(weight, bias):
             with torch.no_grad():  # W runs outside backward, where grad mode is on
-                _add_product(weight.grad, dy2, x2)
+                _add_product(grad_of(weight), dy2, x2)
                 if run_hooks:
                     _accumulated(weight)
                 if bias is not None:
-                    bias.grad.add_(dy2.sum(0, dtype=bias.grad.dtype))
+                    bias_grad = grad_of(bias)
+                    bias_grad.add_(dy2.sum(0, dtype=bias_grad.dtype))
                     if run_hooks:
                         _accumulated(bias)
             continue
@@ -121,10 +122,18 @@ def accumulate(kept: list[tuple], run_hooks: bool = True) -> None:
         torch.autograd.backward(params, grads)
 
 
+def grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the optimizer will read: ``param.main_grad`` where the weights are 16-bit
+    and their fp32 gradients live apart (--half-weights, Megatron's ``main_grad``), else
+    ``param.grad``."""
+    main = getattr(param, "main_grad", None)
+    return param.grad if main is None else main
+
+
 def _fusable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     # Only into gradients that exist (megart train's buffers): a missing one is autograd's to
     # create, as it would be without the fusion.
-    return weight.grad is not None and (bias is None or bias.grad is not None)
+    return grad_of(weight) is not None and (bias is None or grad_of(bias) is not None)
 
 
 # torch >= 2.8 has 16-bit products with an fp32 output on CUDA (addmm's out_dtype).

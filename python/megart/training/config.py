@@ -106,6 +106,9 @@ class TrainConfig:
     # Under --bf16/--fp16 the residual stream (and so every pipeline message) is 16-bit, as in
     # Megatron-LM; Megatron's --fp32-residual-connection keeps it in fp32 (see GPTConfig).
     fp32_residual_connection: bool = False
+    # Under --bf16/--fp16, 16-bit weights with fp32 main weights and gradients in the optimizer
+    # (Megatron-LM's way; megart.training.main_weights); without it fp32 weights under autocast.
+    half_weights: bool = False
     loss_scale: float | None = None  # a static fp16 loss scale; None: dynamic
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0

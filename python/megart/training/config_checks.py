@@ -120,6 +120,11 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     split_weights(cfg.split)
     if cfg.bf16 and cfg.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other; choose one")
+    if cfg.half_weights and not (cfg.bf16 or cfg.fp16):
+        raise ConfigError(
+            "--half-weights keeps the weights in the 16-bit type of --bf16 or --fp16; add one "
+            "of them (without, the weights are fp32)"
+        )
     if cfg.fp16:
         _check_loss_scale(cfg)
     if cfg.save_interval is not None and (cfg.save_interval < 1 or not cfg.save):

@@ -11,6 +11,12 @@ A slice is a range of a bucket's flat buffer, so it may cut a parameter anywhere
 steps 1-D views ("pieces") of the parameters. To make those views possible the parameters are
 moved into flat buffers laid out as the gradient buckets are.
 
+With 16-bit parameters (--half-weights) the parameters' buffers are 16-bit, and each rank keeps
+fp32 main weights for its own slices only (Megatron-LM's 2 + 12/dp bytes per parameter with the
+moments): a step updates them, rounds them into the 16-bit buffer, and the all-gather moves 16-bit
+parameters, half the bytes. :meth:`DistributedOptimizer.full_precision` gathers the whole fp32
+weights into the parameters for as long as a checkpoint is written or read.
+
 Checkpoints do not change: :meth:`DistributedOptimizer.state_dict` gathers the moments into the
 state dict a plain optimizer over the whole parameters would have (a collective over the
 data-parallel group), and :meth:`load_state_dict` takes this rank's slices of one. So a run may
@@ -19,7 +25,8 @@ switch the flag on or off on resume, and resharding and export work as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +43,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class Piece:
     """This rank's slice of one parameter: elements [start, end) of ``param`` flattened, a view
     ``data`` of them (with ``data.grad`` the same slice of the gradient) stepped by the inner
-    optimizer."""
+    optimizer. With 16-bit parameters ``data`` is a view of this rank's fp32 main weights."""
 
     param: torch.nn.Parameter
     index: int  # the parameter's number in a plain optimizer's state dict
@@ -87,11 +94,22 @@ class DistributedOptimizer:
         group_of = {id(p): k for k, g in enumerate(param_groups) for p in g["params"]}
         self.pieces: list[Piece] = []
         self.param_buffers = [self._move_into_buffer(b) for b in buckets.buckets]
+        # fp32 main weights of this rank's slice of each bucket, where the parameters are 16-bit
+        self.main_buffers: list[torch.Tensor | None] = []
+        for b, buffer in zip(buckets.buckets, self.param_buffers, strict=True):
+            start, end = buckets.shard_range(b)
+            half = buffer.dtype != torch.float32
+            self.main_buffers.append(buffer[start:end].float() if half else None)
         for k, (b, buffer) in enumerate(zip(buckets.buckets, self.param_buffers, strict=True)):
             numels = [p.numel() for p in b.params]
+            shard_start = buckets.shard_range(b)[0]
+            main = self.main_buffers[k]
             for i, start, end in pieces_of(b.offsets, numels, buckets.shard_range(b)):
                 p, at = b.params[i], b.offsets[i] + start
-                data = buffer[at : at + end - start]
+                if main is None:
+                    data = buffer[at : at + end - start]
+                else:
+                    data = main[at - shard_start : at - shard_start + end - start]
                 data.grad = b.buffer[at : at + end - start]
                 self.pieces.append(Piece(p, self._index[id(p)], start, end, data, k, at))
         inner_groups = [
@@ -106,9 +124,9 @@ class DistributedOptimizer:
 
     @staticmethod
     def _move_into_buffer(b: _Bucket) -> torch.Tensor:
-        """A flat buffer for the parameters of ``b``, laid out as its gradients; each
-        parameter's data becomes a view into it."""
-        buffer = torch.zeros_like(b.buffer)
+        """A flat buffer for the parameters of ``b`` (in their dtype), laid out as its
+        gradients; each parameter's data becomes a view into it."""
+        buffer = torch.zeros(b.buffer.numel(), dtype=b.params[0].dtype, device=b.buffer.device)
         for p, offset in zip(b.params, b.offsets, strict=True):
             view = buffer[offset : offset + p.numel()]
             view.copy_(p.detach().reshape(-1))
@@ -128,6 +146,12 @@ class DistributedOptimizer:
             inner.update({k: v for k, v in outer.items() if k != "params"})
         self.optimizer.step()
         self.steps += 1
+        for b, buffer, main in zip(
+            self.buckets.buckets, self.param_buffers, self.main_buffers, strict=True
+        ):
+            if main is not None:  # this rank's slice, rounded into the 16-bit parameters
+                start, end = self.buckets.shard_range(b)
+                buffer[start:end].copy_(main)
         if self.buckets.parts > 1:
             for k, (b, buffer) in enumerate(
                 zip(self.buckets.buckets, self.param_buffers, strict=True)
@@ -173,6 +197,42 @@ class DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         self.buckets.zero_grad()
+
+    @contextlib.contextmanager
+    def full_precision(self) -> Iterator[None]:
+        """With 16-bit parameters: for the duration each parameter holds its fp32 main weight
+        (every rank's slices, all-gathered: a collective), so that checkpoints write and read
+        fp32 weights; what is loaded into them becomes this rank's main weights and, rounded,
+        the parameters. Without: nothing changes."""
+        if all(main is None for main in self.main_buffers):
+            yield
+            return
+        self.wait_for_params()
+        wholes = []
+        for b, main in zip(self.buckets.buckets, self.main_buffers, strict=True):
+            whole = main
+            if self.buckets.parts > 1:
+                whole = torch.empty(b.buffer.numel(), dtype=torch.float32, device=main.device)
+                dist.all_gather_into_tensor(whole, main, group=self.group)
+            wholes.append(whole)
+            if whole is None:
+                continue
+            for p, offset in zip(b.params, b.offsets, strict=True):
+                p.data = whole[offset : offset + p.numel()].view_as(p)
+        try:
+            yield
+        finally:
+            for b, buffer, main, whole in zip(
+                self.buckets.buckets, self.param_buffers, self.main_buffers, wholes, strict=True
+            ):
+                if main is None:
+                    continue
+                start, end = self.buckets.shard_range(b)
+                if whole is not main:
+                    main.copy_(whole[start:end])
+                buffer.copy_(whole)
+                for p, offset in zip(b.params, b.offsets, strict=True):
+                    p.data = buffer[offset : offset + p.numel()].view_as(p)
 
     # -- state dicts in the format of a plain optimizer over the whole parameters ------------
 

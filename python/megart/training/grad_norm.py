@@ -12,6 +12,7 @@ import torch
 import megart.distributed as dist
 from megart.distributed import ProcessGroup
 from megart.optim.clip import grad_sum_of_squares, scale_grads_
+from megart.tensor_parallel import grad_of
 
 
 def counted_in_norm(chunk: torch.nn.Module, name: str, p: torch.nn.Parameter, tp_rank: int) -> bool:
@@ -32,12 +33,12 @@ def clip_grad_norm(
     """Returns the global gradient norm over ``mp_group`` (the same on each of its ranks) and
     scales every gradient of ``chunks`` to ``max_norm`` when it is larger (0: never)."""
     counted = [
-        p.grad
+        grad_of(p)
         for chunk in chunks
         for name, p in chunk.named_parameters()
-        if p.grad is not None and counted_in_norm(chunk, name, p, tp_rank)
+        if grad_of(p) is not None and counted_in_norm(chunk, name, p, tp_rank)
     ]
-    grads = [p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None]
+    grads = [grad_of(p) for chunk in chunks for p in chunk.parameters() if grad_of(p) is not None]
     return clip_grads(counted, grads, mp_group, max_norm, device)
 
 

@@ -7,8 +7,14 @@ each, one per microbatch), while backward goes on with earlier layers.
 
 With ``reduce_dtype`` (--grad-reduce-in-bf16) a bucket travels in that dtype: its sums are
 rounded into a buffer of that dtype, reduced there, and copied back, so the bytes on the wire
-halve; megart keeps accumulating the microbatches' gradients in the parameters' dtype (fp32),
-where Megatron-LM's bf16 gradient buffer accumulates them in bf16 too.
+halve; megart keeps accumulating the microbatches' gradients in fp32, where Megatron-LM's bf16
+gradient buffer accumulates them in bf16 too.
+
+With ``main_grads`` (--half-weights: 16-bit weights) the buffers are fp32 all the same, apart from
+the parameters: a view of them is ``param.main_grad`` (Megatron-LM's name), and each backward's
+16-bit ``param.grad`` is added into it and dropped as soon as autograd has written it (or a fused
+weight gradient goes there directly: megart.tensor_parallel.weight_grad), so that the
+microbatches' sum is an fp32 one and no 16-bit gradient outlives its backward.
 
 Two reductions: an all-reduce leaves the average in every rank's whole buffer (each rank then
 steps every parameter); with ``shard`` a reduce-scatter leaves it only in this rank's 1/dp
@@ -67,10 +73,15 @@ class _Bucket:
     into equal shards."""
 
     def __init__(
-        self, params: list[torch.nn.Parameter], parts: int, wire: torch.dtype | None = None
+        self,
+        params: list[torch.nn.Parameter],
+        parts: int,
+        wire: torch.dtype | None = None,
+        main_grads: bool = False,
     ) -> None:
         self.params = params
-        dtype, device = params[0].dtype, params[0].device
+        device = params[0].device
+        dtype = torch.float32 if main_grads else params[0].dtype
         numel = sum(p.numel() for p in params)
         padded = -(-numel // parts) * parts
         self.buffer = torch.zeros(padded, dtype=dtype, device=device)
@@ -83,7 +94,11 @@ class _Bucket:
         offset = 0
         for p in params:
             self.offsets.append(offset)
-            p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
+            view = self.buffer[offset : offset + p.numel()].view_as(p)
+            if main_grads:
+                p.main_grad = view
+            else:
+                p.grad = view
             offset += p.numel()
 
     def shard_range(self, rank: int, parts: int) -> tuple[int, int]:
@@ -102,7 +117,8 @@ class GradientBuckets:
     averaged (see the module docstring). Parameters in ``alone`` get a bucket of their own, so
     that their slices are the same on every stage that holds them (the tied embedding). With
     ``bucket_elements`` a bucket closes once it holds that many elements or more (Megatron's
-    rule) instead of before it would pass ``bucket_bytes``.
+    rule) instead of before it would pass ``bucket_bytes``. With ``main_grads`` the gradients
+    are kept in fp32 as ``param.main_grad`` (see the module docstring).
     """
 
     def __init__(
@@ -115,8 +131,10 @@ class GradientBuckets:
         alone: Collection[torch.nn.Parameter] = (),
         reduce_dtype: torch.dtype | None = None,
         bucket_elements: int | None = None,
+        main_grads: bool = False,
     ) -> None:
         self.group = dp_group
+        self.main_grads = main_grads
         self.overlap = overlap
         self.shard = shard
         self.parts = dp_group.size() if (shard and dp_group is not None) else 1
@@ -126,20 +144,22 @@ class GradientBuckets:
         self.buckets: list[_Bucket] = []
         current: list[torch.nn.Parameter] = []
         size = 0
+        grad_size = 4 if main_grads else None  # bytes per gradient element
         for p in reversed(params):
+            nbytes = p.numel() * (grad_size or p.element_size())
             if bucket_elements is None:  # megart's: before this parameter would pass the bytes
-                full = size + p.numel() * p.element_size() > bucket_bytes
+                full = size + nbytes > bucket_bytes
             else:  # Megatron's: once the bucket holds that many elements, with no regard to p
                 full = size >= bucket_elements
             if current and (
                 full or p.dtype != current[0].dtype or id(p) in lone or id(current[0]) in lone
             ):
-                self.buckets.append(_Bucket(current, self.parts, reduce_dtype))
+                self.buckets.append(_Bucket(current, self.parts, reduce_dtype, main_grads))
                 current, size = [], 0
             current.append(p)
-            size += p.numel() if bucket_elements is not None else p.numel() * p.element_size()
+            size += p.numel() if bucket_elements is not None else nbytes
         if current:
-            self.buckets.append(_Bucket(current, self.parts, reduce_dtype))
+            self.buckets.append(_Bucket(current, self.parts, reduce_dtype, main_grads))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._seen: dict[int, int] = {}
         self._expected = 0
@@ -178,6 +198,9 @@ class GradientBuckets:
         )
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if self.main_grads and p.grad is not None:  # None: a fused product wrote main_grad
+            p.main_grad.add_(p.grad)
+            p.grad = None
         n = self._seen.get(id(p), 0) + 1
         self._seen[id(p)] = n
         if n != self._expected:

@@ -9,6 +9,7 @@ gradients the step will read.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -16,11 +17,13 @@ import torch
 
 import megart.distributed as dist
 import megart.optim
+from megart.tensor_parallel import grad_of
 from megart.training.distributed_optimizer import DistributedOptimizer
 from megart.training.grad_norm import clip_grad_norm, clip_grads, counted_in_norm
 from megart.training.grad_sync import GradientBuckets, megatron_bucket_size
+from megart.training.main_weights import MainWeights
 
-Optimizer = torch.optim.Optimizer | DistributedOptimizer
+Optimizer = torch.optim.Optimizer | DistributedOptimizer | MainWeights
 
 
 def _tied_embeddings(chunks: list[torch.nn.Module], pp: int) -> list[torch.nn.Parameter]:
@@ -93,6 +96,7 @@ def build(
         alone=_tied_embeddings(chunks, c.pp),
         reduce_dtype=torch.bfloat16 if c.grad_reduce_in_bf16 else None,
         bucket_elements=elements,
+        main_grads=c.half_weights,
     )
     groups = param_groups(c, chunks)
     # megart's multi-tensor AdamW on CPU (tested against torch's); on GPU torch's fused AdamW
@@ -108,7 +112,18 @@ def build(
         if c.overlap_param_gather:
             zero.overlap_with_forward(chunks)
         return buckets, zero
+    if c.half_weights:
+        return buckets, MainWeights(groups, make)
     return buckets, make(groups)
+
+
+def full_precision(optimizer: Optimizer) -> contextlib.AbstractContextManager:
+    """A context in which the parameters hold their fp32 weights, for checkpoints: with 16-bit
+    weights (--half-weights) the optimizer's main weights (a collective with the distributed
+    optimizer), else the parameters as they are."""
+    if isinstance(optimizer, DistributedOptimizer | MainWeights):
+        return optimizer.full_precision()
+    return contextlib.nullcontext()
 
 
 def share_embedding_grads(
@@ -119,7 +134,7 @@ def share_embedding_grads(
     the embedding has a bucket of its own)."""
     grads = []
     for weight in _tied_embeddings(chunks, pp):
-        grad = weight.grad
+        grad = grad_of(weight)
         if buckets.shard:
             b = buckets.bucket_of(weight)
             start, end = buckets.shard_range(b)
@@ -139,6 +154,8 @@ def stepped_params(chunks: list[torch.nn.Module], optimizer: Optimizer) -> list[
     """The tensors the step updates, each with the ``.grad`` it reads: what fp16 unscales."""
     if isinstance(optimizer, DistributedOptimizer):
         return [piece.data for piece in optimizer.pieces]
+    if isinstance(optimizer, MainWeights):
+        return optimizer.mains
     return [p for chunk in chunks for p in chunk.parameters()]
 
 

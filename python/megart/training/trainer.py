@@ -91,17 +91,18 @@ class Trainer:
     def save_checkpoint(self, iterations_done: int) -> None:
         """Writes a checkpoint after ``iterations_done`` iterations to --save (every rank)."""
         self.wait_for_params()
-        checkpoint.save(
-            self.config.save,
-            iterations_done,
-            self.config,
-            self.grid,
-            self.chunks,
-            self.optimizer,
-            self.rng,
-            self.scaler,
-            self.consumed,
-        )
+        with optim.full_precision(self.optimizer):  # --half-weights: the fp32 main weights
+            checkpoint.save(
+                self.config.save,
+                iterations_done,
+                self.config,
+                self.grid,
+                self.chunks,
+                self.optimizer,
+                self.rng,
+                self.scaler,
+                self.consumed,
+            )
 
     def engine_for(self, m: int) -> PipelineEngine:
         """The pipeline engine of an iteration of ``m`` microbatches (schedules are cached)."""

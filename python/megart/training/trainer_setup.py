@@ -21,9 +21,11 @@ from megart.optim.loss_scale import LossScaler
 from megart.pipeline import StageLink
 from megart.tensor_parallel import RNGStatesTracker, seed_tensor_parallel
 from megart.training import checkpoint, checkpoint_dirs
+from megart.training.config import half_dtype
 from megart.training.data import Dataset, build_datasets
 from megart.training.flops import model_flops
 from megart.training.megatron_flags import mock_tokens
+from megart.training.optimizer import full_precision
 
 if TYPE_CHECKING:
     from megart.models import GPTChunk, GPTConfig
@@ -77,8 +79,9 @@ def model_chunks(
     device: torch.device,
 ) -> list[GPTChunk]:
     """This rank's model chunks (one, or its v interleaved chunks, or ZB-V's two), their weights
-    drawn from ``rng``'s streams, on ``device``."""
-    return [
+    drawn from ``rng``'s streams, on ``device``; with --half-weights rounded to the 16-bit type
+    (the parameters only: buffers such as rotary tables stay fp32)."""
+    chunks = [
         chunk.to(device)
         for chunk in pipeline_chunks(
             model_config,
@@ -91,6 +94,12 @@ def model_chunks(
             v_shape=config.schedule == "zb-v",
         )
     ]
+    half = half_dtype(config)
+    if config.half_weights and half is not None:
+        for chunk in chunks:
+            for p in chunk.parameters():
+                p.data = p.data.to(half)
+    return chunks
 
 
 def stage_link(config: TrainConfig, grid: ParallelGrid) -> StageLink:
@@ -177,8 +186,10 @@ def resume_point(
                 flush=True,
             )
     elif config.load:
-        # megart's files or Megatron-LM's legacy ones (read as megart's: megatron_files).
-        return checkpoint.load(config.load, config, grid, chunks, optimizer, rng, scaler)
+        # megart's files or Megatron-LM's legacy ones (read as megart's: megatron_files), into
+        # fp32 weights (with --half-weights the optimizer's main weights).
+        with full_precision(optimizer):
+            return checkpoint.load(config.load, config, grid, chunks, optimizer, rng, scaler)
     return 0, 0
 
 
