@@ -4,7 +4,7 @@
 # Steps: selftest train-default tests ln-tests allreduce p2p nccl-overhead adam kernels kernels-ln
 # profile-ln train-1.3b train-1.3b-fused train-1.3b-50k train-1.3b-50k-fused train-1.3b-recompute
 # plan-1.3b plan-1.3b-recompute gemm-sweep layer-profile grad-accum-fusion residual-precision
-# cpu-tests cpu-tests-trainer, or any shell
+# half-weights train-1.3b-half plan-1.3b-half cpu-tests cpu-tests-trainer, or any shell
 # command.
 # The first session with a GPU (one H200, 2026-11-26; bench/RESULTS.md) ran
 #   STEP_TIMEOUT=110 bash bench/gpu_session.sh selftest train-default tests train-1.3b kernels \
@@ -19,7 +19,8 @@
 # cpu-tests and grad_accum_fusion.py, then cpu-tests tests: 702 s over two calls, starts
 # included. Next, for the 16-bit residual stream (2026-11-27): `bash bench/gpu_session.sh
 # selftest tests residual-precision train-1.3b plan-1.3b`, then in a second call cpu-tests
-# cpu-tests-trainer. On a node of several GPUs:
+# cpu-tests-trainer; for --half-weights (same day) a third: half-weights train-1.3b-half
+# plan-1.3b-half. On a node of several GPUs:
 # `torchrun --nproc-per-node N -m megart selftest`, NPROC=N allreduce p2p, and tests (whose
 # test_trainer_nccl runs every parallel layout, its ranks sharing GPU 0).
 # (-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion; -50k trains
@@ -75,6 +76,7 @@ for step in "$@"; do
     plan-1.3b*) # the model and layout of train-1.3b (byte vocabulary), on this one GPU
       extra=()
       case "$step" in *-recompute) extra+=(--recompute-granularity full) ;; esac
+      case "$step" in *-half) extra+=(--half-weights) ;; esac
       limit python3 bench/plan_vs_run.py --log-jsonl "$OUT/train${step#plan}.jsonl" --gpu "$GPU_PROFILE" \
         --num-gpus 1 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
         --vocab-size 256 --global-batch-size 32 --micro-batch-size 4 --bf16 \
@@ -93,6 +95,8 @@ for step in "$@"; do
         limit python3 bench/grad_accum_fusion.py $a; done 2>&1 | show 12 ;;
     residual-precision) # the bf16 residual stream against --fp32-residual-connection, the same way
       limit python3 bench/grad_accum_fusion.py --compare residual --profile 2>&1 | show 40 ;;
+    half-weights) # --half-weights against fp32 weights under autocast, the same way
+      limit python3 bench/grad_accum_fusion.py --compare weights --profile 2>&1 | show 40 ;;
     kernels) limit python3 bench/kernels.py --json "$OUT/fused_kernels.json" 2>&1 | show 60 ;;
     allreduce|p2p) # NPROC=N: N ranks, one per GPU
       limit python3 -m megart.cli.bench "$step" --backend nccl ${NPROC:+--nproc "$NPROC"} -b 8 \
@@ -108,6 +112,7 @@ for step in "$@"; do
         --vocab-size 50256 --eval-iters 0) ;; esac
       case "$step" in *-recompute) extra+=(--recompute-granularity full --recompute-method uniform \
         --recompute-num-layers 1) ;; esac
+      case "$step" in *-half) extra+=(--half-weights) ;; esac
       case "$step" in *-fused) extra+=(--bias-gelu-fusion --fused-layer-norm \
         --cross-entropy-loss-fusion) ;; esac
       limit python3 -m megart train --bf16 "${extra[@]}" --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \

@@ -1,5 +1,6 @@
 """Gradient accumulation fusion against --no-gradient-accumulation-fusion, in one process (or,
-with --compare residual, the 16-bit residual stream against --fp32-residual-connection).
+with --compare residual, the 16-bit residual stream against --fp32-residual-connection; with
+--compare weights, fp32 weights under autocast against --half-weights).
 
 Builds two trainers of the same GPT (same seed, same data), one fused (megart's default: the
 weight-gradient product adds into the fp32 gradients itself) and one not (the product in the
@@ -10,7 +11,7 @@ default is the 1.2B GPT of bench/RESULTS.md's profiled run (24 x 2048, seq 2048,
 8 microbatches, bf16); on a CPU pass a small one.
 
     python bench/grad_accum_fusion.py [--layers 24 --hidden 2048 --heads 16 --micro-batch 4]
-        [--profile] [--compare residual]
+        [--profile] [--compare residual|weights]
     python bench/grad_accum_fusion.py --layers 2 --hidden 128 --heads 4 --seq 128 --rounds 3
 """
 
@@ -32,6 +33,7 @@ COMPARISONS = {
         "unfused": dict(gradient_accumulation_fusion=False),
     },
     "residual": {"16-bit": {}, "fp32": dict(fp32_residual_connection=True)},
+    "weights": {"fp32": {}, "16-bit": dict(half_weights=True)},
 }
 
 

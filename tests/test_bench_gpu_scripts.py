@@ -68,7 +68,12 @@ def test_without_a_gpu_both_exit_with_status_2_and_say_why(scripts, capsys):
 
 
 @pytest.mark.parametrize(
-    "compare, modes", [("fusion", ("fused", "unfused")), ("residual", ("16-bit", "fp32"))]
+    "compare, modes",
+    [
+        ("fusion", ("fused", "unfused")),
+        ("residual", ("16-bit", "fp32")),
+        ("weights", ("fp32", "16-bit")),
+    ],
 )
 def test_grad_accum_fusion_bench_times_both_modes_on_the_same_model(tmp_path, compare, modes):
     # bench/grad_accum_fusion.py on a CPU, tiny: both trainers train the same GPT on the same

@@ -91,3 +91,33 @@ def test_bf16_pipeline_over_nccl_follows_the_one_process_bf16_curve(name, bf16_r
         for h, r in zip(history, bf16_reference, strict=True):
             assert h["loss"] == pytest.approx(r["loss"], rel=BF16_LOSS_RTOL), name
             assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=BF16_GRAD_NORM_RTOL), name
+
+
+# --half-weights on the GPU: 16-bit weights, fp32 main_grad filled by cuBLAS's mixed-precision
+# product (fp32 output from bf16 inputs), the distributed optimizer's all-gather in bf16. Against
+# the one-process --half-weights curve with bf16's bounds. Unrun on a GPU when written
+# (2026-11-27).
+HALF_WEIGHTS_LAYOUTS = {
+    "pp2-half-weights": dict(pipeline_model_parallel_size=2),
+    "dp2-distopt-half-weights": dict(use_distributed_optimizer=True),
+}
+
+
+@pytest.fixture(scope="module")
+def half_weights_reference():
+    import nccl_workers
+
+    kw = dict(bf16=True, half_weights=True)
+    return launch(nccl_workers.train_on_gpu_0, 1, kw, timeout=300)[0]
+
+
+@pytest.mark.parametrize("name", list(HALF_WEIGHTS_LAYOUTS))
+def test_half_weights_over_nccl_follow_the_one_process_curve(name, half_weights_reference):
+    import nccl_workers
+
+    kw = dict(HALF_WEIGHTS_LAYOUTS[name], bf16=True, half_weights=True)
+    for history in launch(nccl_workers.train_on_gpu_0, 2, kw, timeout=300):
+        assert [h["iteration"] for h in history] == [1, 2, 3]
+        for h, r in zip(history, half_weights_reference, strict=True):
+            assert h["loss"] == pytest.approx(r["loss"], rel=BF16_LOSS_RTOL), name
+            assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=BF16_GRAD_NORM_RTOL), name
