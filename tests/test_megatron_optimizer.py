@@ -3,8 +3,10 @@
 FP32Optimizer load what megart train wrote and take the next steps as megart does (the same
 losses, the same weights after a step); and megart train --load resumes the checkpoint that
 Megatron-Core's side then wrote from its own state dicts, on megart's uninterrupted loss
-curve. GPT-2-style and Llama-style (RMSNorm, rope, SwiGLU with biases, GQA, untied) models, at
-tensor-parallel 1 and 2."""
+curve. Under --bf16 its Float16OptimizerWithFloat16Params loads megart's files and, with
+--half-weights (Megatron's own mixed precision), steps as megart does. GPT-2-style and
+Llama-style (RMSNorm, rope, SwiGLU with biases, GQA, untied) models, at tensor-parallel 1 and
+2."""
 
 import pytest
 import torch
@@ -129,6 +131,33 @@ def test_megatron_cores_bf16_optimizer_loads_megarts_bf16_files(tmp_path, tp):
         assert r["masters"] == r["params"] > 0
         assert r["masters_match"] and r["masters_differ"] and r["shapes_match"]
         assert r["steps"] == {2.0}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_cores_bf16_optimizer_steps_as_megart_half_weights(tmp_path, tp):
+    """--bf16 --half-weights, Megatron's own mixed precision: from megart's checkpoint after
+    iteration 1, Megatron-Core's Float16OptimizerWithFloat16Params, given the gradients
+    megart's next step read (as ``main_grad``) and its learning rate, steps its fp32 main
+    weights to megart's (float rounding apart: torch's AdamW against megart's) and rounds
+    them into the same bf16 weights."""
+    kw = {**CONFIGS["llama"], "bf16": True, "half_weights": True, "train_iters": 2,
+          "lr_warmup_iters": 0,  # iteration 1 moves the weights: its file is not the start
+          "tensor_model_parallel_size": tp, "ckpt_format": "torch"}  # fmt: skip
+    launch(_train, tp, {**kw, "save": str(tmp_path), "exit_interval": 1}, timeout=300)
+    ours = launch(mow.megart_half_weights_step, tp, kw, str(tmp_path), timeout=300)
+    torch.save(ours, tmp_path / "megart_step.pt")
+    theirs = launch(
+        mow.megatron_bf16_step,
+        tp,
+        kw,
+        str(tmp_path),
+        str(tmp_path / "megart_step.pt"),
+        timeout=300,
+    )
+    for r in theirs:
+        assert r["params"] > 0 and r["moved"] > 1e-4  # the step moved the main weights
+        assert r["main_diff"] < 1e-6 and r["rounded"]
+        assert r["weights_differing"] == 0
 
 
 def test_megatron_core_loads_each_pipeline_stages_optimizer_state(tmp_path):
