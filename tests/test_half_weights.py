@@ -15,7 +15,7 @@ import train_workers as tw
 from megart import ConfigError
 from megart.launcher import launch
 from megart.models import GPT
-from megart.tensor_parallel import weight_grad
+from megart.tensor_parallel import VocabParallelEmbedding, weight_grad
 from megart.training import checkpoint
 from megart.training.config import TrainConfig
 
@@ -76,6 +76,17 @@ def test_gradients_are_fp32_sums_of_the_16_bit_models_own(fusion, monkeypatch):
         assert p.dtype == torch.bfloat16 and p.grad is None, name
         assert p.main_grad.dtype == torch.float32, name
         assert _relative_error(p.main_grad, e.grad) < 2e-2, name
+
+
+def test_a_16_bit_embeddings_gradient_is_summed_in_fp32():
+    """A token repeated 4096 times: its row's gradient is the fp32 sum rounded once to bf16 (as
+    CUDA's embedding backward sums). CPU's own bf16 embedding backward stops at 256 here."""
+    table = VocabParallelEmbedding(8, 4, dtype=torch.bfloat16)
+    ids = torch.zeros(4096, dtype=torch.long)
+    dy = torch.rand(4096, 4, generator=torch.Generator().manual_seed(0)).bfloat16()
+    table(ids).backward(dy)
+    assert torch.equal(table.weight.grad[0], dy.float().sum(0).bfloat16())
+    assert not table.weight.grad[1:].any()
 
 
 def test_a_step_is_adamw_on_fp32_main_weights_rounded_into_the_weights():

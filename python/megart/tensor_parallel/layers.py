@@ -248,7 +248,15 @@ class VocabParallelEmbedding(nn.Module):
         # holds exactly one real row per id.
         elsewhere = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(elsewhere, 0)
-        rows = F.embedding(local, self.weight).masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        weight = self.weight
+        if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
+            # A 16-bit table (--half-weights): CPU's embedding backward sums a token's repeated
+            # rows in 16 bits, where they soon stop adding up (CUDA's sums in fp32). Looking up
+            # an fp32 copy gives the same rows and a gradient summed in fp32, rounded once.
+            rows = F.embedding(local, weight.float()).to(weight.dtype)
+        else:
+            rows = F.embedding(local, weight)
+        rows = rows.masked_fill(elsewhere.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_region(rows, self.tp_group)
         return reduce_from_region(rows, self.tp_group)
