@@ -13,7 +13,7 @@ from megart.plan import activations as act
 from megart.plan.hardware import GIB, GPUProfile
 from megart.plan.holding import Held, peaks, theory_in_flight
 from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
-from megart.plan.memory import precision, rank_memory
+from megart.plan.memory import precision, rank_memory, sixteen_bit_weights
 from megart.plan.parameters import BUCKET_BYTES, FP32
 from megart.plan.timing import Work, collective_seconds, layer_work, logits_work
 from megart.training.config import TrainConfig
@@ -116,7 +116,7 @@ def estimate(
         gpu,
         float(worst_rank_params),
         run.stage.backward,
-        runtime == "megatron" or c.half_weights,
+        sixteen_bit_weights(c, runtime),
         dp_overlap,
         grad_reduce_bytes,
     )

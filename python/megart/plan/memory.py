@@ -18,6 +18,12 @@ def precision(c: TrainConfig, runtime: str) -> act.Precision:
     return act.precision_of(c.bf16, c.fp16, c.fp32_residual_connection)
 
 
+def sixteen_bit_weights(c: TrainConfig, runtime: str) -> bool:
+    """Whether the weights are 16-bit, with fp32 main weights in the optimizer: Megatron-LM's
+    always (the published tables' runs), megart's with --half-weights under --bf16/--fp16."""
+    return runtime == "megatron" or (c.half_weights and (c.bf16 or c.fp16))
+
+
 def rank_memory(
     c: TrainConfig,
     layout: Layout,
@@ -61,10 +67,10 @@ def rank_memory(
     working = full if rec == "full" else 0.0
     grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec)
     grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec)
-    # 16-bit weights with fp32 main weights (megart's --half-weights, counted exactly as megart
-    # holds them; Megatron-LM's, by its convention) need no autocast copies; fp32 weights under
-    # autocast need a 16-bit copy of each.
-    half = c.half_weights and prec.other < 4 and not megatron
+    # 16-bit weights with fp32 main weights need no autocast copies (megart's --half-weights
+    # counted exactly as megart holds them, Megatron-LM's by its convention below); fp32
+    # weights under autocast need a 16-bit copy of each.
+    half = sixteen_bit_weights(c, runtime) and not megatron
     state = state_bytes(
         cfg, t, p, pp_rank, v, dp, layout.distributed_optimizer, dp_rank, layout.kind == "zb-v",
         half,

@@ -96,20 +96,16 @@ class DistributedOptimizer:
         self.param_buffers = [self._move_into_buffer(b) for b in buckets.buckets]
         # fp32 main weights of this rank's slice of each bucket, where the parameters are 16-bit
         self.main_buffers: list[torch.Tensor | None] = []
-        for b, buffer in zip(buckets.buckets, self.param_buffers, strict=True):
-            start, end = buckets.shard_range(b)
-            half = buffer.dtype != torch.float32
-            self.main_buffers.append(buffer[start:end].float() if half else None)
         for k, (b, buffer) in enumerate(zip(buckets.buckets, self.param_buffers, strict=True)):
+            lo, hi = buckets.shard_range(b)
+            main = buffer[lo:hi].float() if buffer.dtype != torch.float32 else None
+            self.main_buffers.append(main)
+            # What the step updates: the parameters' own buffer, or the main weights of the slice.
+            stepped, base = (buffer, 0) if main is None else (main, lo)
             numels = [p.numel() for p in b.params]
-            shard_start = buckets.shard_range(b)[0]
-            main = self.main_buffers[k]
-            for i, start, end in pieces_of(b.offsets, numels, buckets.shard_range(b)):
+            for i, start, end in pieces_of(b.offsets, numels, (lo, hi)):
                 p, at = b.params[i], b.offsets[i] + start
-                if main is None:
-                    data = buffer[at : at + end - start]
-                else:
-                    data = main[at - shard_start : at - shard_start + end - start]
+                data = stepped[at - base : at - base + end - start]
                 data.grad = b.buffer[at : at + end - start]
                 self.pieces.append(Piece(p, self._index[id(p)], start, end, data, k, at))
         inner_groups = [
@@ -207,6 +203,7 @@ class DistributedOptimizer:
         if all(main is None for main in self.main_buffers):
             yield
             return
+        # Every bucket has main weights: the parameters are all of one 16-bit type.
         self.wait_for_params()
         wholes = []
         for b, main in zip(self.buckets.buckets, self.main_buffers, strict=True):
@@ -215,8 +212,6 @@ class DistributedOptimizer:
                 whole = torch.empty(b.buffer.numel(), dtype=torch.float32, device=main.device)
                 dist.all_gather_into_tensor(whole, main, group=self.group)
             wholes.append(whole)
-            if whole is None:
-                continue
             for p, offset in zip(b.params, b.offsets, strict=True):
                 p.data = whole[offset : offset + p.numel()].view_as(p)
         try:
@@ -225,8 +220,6 @@ class DistributedOptimizer:
             for b, buffer, main, whole in zip(
                 self.buckets.buckets, self.param_buffers, self.main_buffers, wholes, strict=True
             ):
-                if main is None:
-                    continue
                 start, end = self.buckets.shard_range(b)
                 if whole is not main:
                     main.copy_(whole[start:end])

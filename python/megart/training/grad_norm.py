@@ -32,13 +32,15 @@ def clip_grad_norm(
 ) -> float:
     """Returns the global gradient norm over ``mp_group`` (the same on each of its ranks) and
     scales every gradient of ``chunks`` to ``max_norm`` when it is larger (0: never)."""
-    counted = [
-        grad_of(p)
-        for chunk in chunks
-        for name, p in chunk.named_parameters()
-        if grad_of(p) is not None and counted_in_norm(chunk, name, p, tp_rank)
-    ]
-    grads = [grad_of(p) for chunk in chunks for p in chunk.parameters() if grad_of(p) is not None]
+    counted, grads = [], []
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            grad = grad_of(p)
+            if grad is None:
+                continue
+            grads.append(grad)
+            if counted_in_norm(chunk, name, p, tp_rank):
+                counted.append(grad)
     return clip_grads(counted, grads, mp_group, max_norm, device)
 
 
