@@ -152,6 +152,11 @@ HELP = {
     "rotary_base": "rope's base",
     "rotary_interleaved": "rope rotates adjacent pairs (x[2i], x[2i+1]) instead of the halves "
     "(x[i], x[i + d/2]), Megatron's default; megart before this flag rotated adjacent pairs",
+    "use_rope_scaling": "scale rope's frequencies as Llama 3.x does (Hugging Face's rope type "
+    "llama3): those turning less than once over 8192 positions divided by "
+    "--rope-scaling-factor, those turning over 4 times kept, a smooth blend between",
+    "rope_scaling_factor": "with --use-rope-scaling: what the slow frequencies are divided by "
+    "(at least 1)",
     "attention_backend": "auto, flash, fused (torch's sdpa picks the kernel), unfused or local "
     "(its math kernel)",
     "tokenizer_type": "the tokenizer whose vocabulary the model has (GPT2BPETokenizer is implied "

@@ -114,12 +114,50 @@ def apply_norm(module: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
     return module(x)
 
 
+# Llama 3.x's frequency scaling: the constants Meta's Llama 3.1 and 3.2 use, which
+# Megatron-Core fixes (only the factor is a flag) and Hugging Face's "llama3" rope type
+# records as low_freq_factor, high_freq_factor and original_max_position_embeddings.
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def llama3_inv_freq(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float = LLAMA3_LOW_FREQ_FACTOR,
+    high_freq_factor: float = LLAMA3_HIGH_FREQ_FACTOR,
+    original_context: int = LLAMA3_ORIGINAL_CONTEXT,
+) -> torch.Tensor:
+    """rope's inverse frequencies scaled by Llama 3.x's rule (Megatron's --use-rope-scaling
+    --rope-scaling-factor; Hugging Face's rope type "llama3"). A frequency whose wavelength
+    2 pi / f is longer than original_context / low_freq_factor turned less than once over the
+    original context: it is divided by ``factor``, so that a context ``factor`` times longer
+    turns it no further than training did. One shorter than original_context / high_freq_factor
+    turned several times: it is kept, so nearby positions stay as distinguishable. Between the
+    two the frequency blends linearly in original_context / wavelength (the number of turns
+    over the original context) from f / factor to f."""
+    # Turns over the original context, computed through the wavelength as Megatron-Core and
+    # transformers compute it, so that the three agree to the last bit.
+    turns = original_context / (2 * math.pi / inv_freq)
+    # 0 at the slow end (fully divided), 1 at the fast end (kept), clamped beyond either.
+    keep = ((turns - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - keep) * inv_freq / factor + keep * inv_freq
+
+
 def rotary(
-    seq: int, dim: int, device: torch.device, base: float = 10000.0
+    seq: int,
+    dim: int,
+    device: torch.device,
+    base: float = 10000.0,
+    scaling_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, [seq, dim/2]: position p turns pair i by
-    p base^(-2i/dim) (RoFormer's, base 10000 by default as Megatron's --rotary-base)."""
+    p base^(-2i/dim) (RoFormer's, base 10000 by default as Megatron's --rotary-base); with
+    ``scaling_factor`` those frequencies first scaled by Llama 3.x's rule (llama3_inv_freq)."""
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    if scaling_factor is not None:
+        inv = llama3_inv_freq(inv, scaling_factor)
     angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
     return angles.cos(), angles.sin()
 

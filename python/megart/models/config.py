@@ -53,6 +53,13 @@ class GPTConfig:
     # adjacent pairs before it recorded this field: checkpoints without it load as interleaved.
     rotary_base: float = 10000.0
     rotary_interleaved: bool = False
+    # Megatron's --use-rope-scaling and --rope-scaling-factor (Megatron-Core's RotaryEmbedding
+    # rope_scaling, rope_scaling_factor; Hugging Face's rope type "llama3"): Llama 3.x's rule
+    # for a longer context, rope's slow frequencies divided by the factor, its fast ones kept,
+    # a smooth blend between (megart.models.blocks.llama3_inv_freq). The factor means nothing
+    # without rope_scaling; 8.0 is Megatron's default (and Llama 3.1's).
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     # Megatron's --attention-backend: "unfused" and "local" run the math kernel (explicit
     # scores); "auto", "flash" and "fused" let torch's scaled_dot_product_attention choose.
     attention_backend: str = "auto"
@@ -123,6 +130,17 @@ class GPTConfig:
             )
         if self.position_embedding == "rotary" and self.head_dim % 2:
             raise ConfigError(f"rotary positions need an even head size, not {self.head_dim}")
+        if self.rope_scaling and self.position_embedding != "rotary":
+            raise ConfigError(
+                "--use-rope-scaling (rope_scaling) scales rope's frequencies: add "
+                "--position-embedding-type rope (position_embedding='rotary') or leave it out"
+            )
+        if not self.rope_scaling_factor >= 1:  # also refuses NaN
+            raise ConfigError(
+                f"--rope-scaling-factor {self.rope_scaling_factor:g} (rope_scaling_factor): "
+                "the slow frequencies are divided by it, so it must be at least 1 (1 leaves "
+                "them unscaled; Llama 3.1's is 8, Llama 3.2's 32)"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -188,9 +206,15 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
         # The same weights mean another scale with and without it.
         "apply_layernorm_1p": ("" if cfg.apply_layernorm_1p else "no ") + "--apply-layernorm-1p",
         # Rotary settings change what the weights mean only where there are rotary positions.
+        # The factor is named only with the scaling on: without it, it changes nothing.
         "rotary": (
             f"--rotary-base {cfg.rotary_base:g}"
             + (" --rotary-interleaved" if cfg.rotary_interleaved else " (halves)")
+            + (
+                f" --use-rope-scaling --rope-scaling-factor {cfg.rope_scaling_factor:g}"
+                if cfg.rope_scaling
+                else ""
+            )
             if cfg.position_embedding == "rotary"
             else "no rope"
         ),

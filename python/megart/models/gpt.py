@@ -136,7 +136,8 @@ class GPTChunk(nn.Module):
         rope = None
         if self.cfg.position_embedding == "rotary":
             t = group_size(self.tp_group) if self.sequence_parallel else 1
-            rope = rotary(x.shape[0] * t, self.cfg.head_dim, x.device, self.cfg.rotary_base)
+            scale = self.cfg.rope_scaling_factor if self.cfg.rope_scaling else None
+            rope = rotary(x.shape[0] * t, self.cfg.head_dim, x.device, self.cfg.rotary_base, scale)
         x = self._blocks(x, rope)
         if not self.last:
             return x

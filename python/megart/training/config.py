@@ -138,6 +138,8 @@ class TrainConfig:
     kv_channels: int | None = None  # head size: h / heads (megart's only)
     rotary_base: int = 10000
     rotary_interleaved: bool = False  # rotate adjacent pairs instead of the halves
+    use_rope_scaling: bool = False  # Llama 3.x's frequency scaling (GPTConfig.rope_scaling)
+    rope_scaling_factor: float = 8.0  # Megatron's default, Llama 3.1's
     attention_backend: str = "auto"
     tokenizer_type: str | None = None
     vocab_file: str | None = None
@@ -311,6 +313,8 @@ class TrainConfig:
             num_query_groups=self.num_query_groups if self.group_query_attention else None,
             rotary_base=float(self.rotary_base),
             rotary_interleaved=self.rotary_interleaved,
+            rope_scaling=self.use_rope_scaling,
+            rope_scaling_factor=float(self.rope_scaling_factor),
             attention_backend=self.attention_backend,
             init_std=self.init_method_std,
             seed=self.seed,

@@ -40,6 +40,8 @@ def megatron_args(
         else "learned_absolute",
         rotary_base=int(cfg.rotary_base),
         rotary_interleaved=cfg.rotary_interleaved,
+        use_rope_scaling=cfg.rope_scaling,
+        rope_scaling_factor=cfg.rope_scaling_factor,
         swiglu=cfg.activation == "swiglu",
         add_bias_linear=cfg.bias,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
@@ -54,6 +56,10 @@ def megatron_args(
 
 def config_from_args(a: dict[str, Any]) -> GPTConfig:
     """The GPTConfig Megatron-LM's flags (``vars(args)``) describe."""
+    rope = a.get("position_embedding_type") == "rope"
+    # Megatron-LM's args from before it had the flags lack both: no scaling. Megatron ignores
+    # them without rope (GPTConfig refuses that pair), and the factor without the scaling.
+    scaled = rope and bool(a.get("use_rope_scaling", False))
     return GPTConfig(
         vocab_size=a.get("vocab_size") or a["padded_vocab_size"],
         seq_length=a["seq_length"],
@@ -67,9 +73,11 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         apply_layernorm_1p=bool(
             a.get("apply_layernorm_1p", a.get("layernorm_zero_centered_gamma", False))
         ),
-        position_embedding="rotary" if a.get("position_embedding_type") == "rope" else "learned",
+        position_embedding="rotary" if rope else "learned",
         rotary_base=float(a.get("rotary_base", 10000)),
         rotary_interleaved=bool(a.get("rotary_interleaved", False)),
+        rope_scaling=scaled,
+        rope_scaling_factor=float(a.get("rope_scaling_factor", 8.0)) if scaled else 8.0,
         activation="swiglu" if a.get("swiglu") else "gelu",
         bias=a.get("add_bias_linear", True),
         untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),

@@ -7,6 +7,10 @@ What each does in megart:
   --seq-length rows, so a learned table must be exactly that long (rope has no table).
 - --kv-channels: the head size, which megart takes as --hidden-size / --num-attention-heads.
 - --rotary-base, --rotary-interleaved: rope's base and which pairs turn (see GPTConfig).
+- --use-rope-scaling, --rope-scaling-factor (default 8.0): Llama 3.x's scaling of rope's
+  frequencies, as Megatron-Core's RotaryEmbedding and Hugging Face's rope type llama3 (see
+  GPTConfig.rope_scaling); a factor other than 8.0 without --use-rope-scaling is refused
+  (Megatron ignores it), as is --use-rope-scaling without --position-embedding-type rope.
 - --attention-backend: auto, flash and fused let torch's scaled_dot_product_attention pick its
   kernel; unfused and local run its math kernel (the explicit s x s scores).
 - --tokenizer-type GPT2BPETokenizer (--vocab-file, --merge-file; implied by those two, as the
@@ -111,7 +115,6 @@ FUSIONS_OFF = {
 # Megatron-LM flags (of its GPT and Llama example scripts and their neighbours) that megart
 # cannot honour yet: refused by name, with what to do instead.
 NOT_YET = {
-    "--use-rope-scaling": "megart's rope has no Llama 3.1 frequency scaling; leave it out",
     "--rotary-seq-len-interpolation-factor": "megart's rope has no position interpolation; "
     "leave it out",
     **{
@@ -232,6 +235,12 @@ def check_megatron_flags(config: Any) -> None:
     _check_housekeeping(config)
     if config.rotary_base < 1:
         raise ConfigError(f"--rotary-base {config.rotary_base} must be at least 1")
+    if config.rope_scaling_factor != 8.0 and not config.use_rope_scaling:
+        raise ConfigError(
+            f"--rope-scaling-factor {config.rope_scaling_factor:g} scales rope only with "
+            "--use-rope-scaling: add it (Megatron ignores the factor without; megart refuses "
+            "rather than ignore it)"
+        )
     if config.num_workers < 0:
         raise ConfigError(f"--num-workers {config.num_workers} must be at least 0")
     if config.mock_data and config.data_path:
