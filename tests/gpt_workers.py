@@ -56,7 +56,7 @@ def hf_logits(path: str, x: torch.Tensor) -> torch.Tensor:
     import megart
 
     grid = megart.initialize(tp=dist_world_size())
-    model = GPT.from_hf_gpt2(path, grid=grid).eval()
+    model = GPT.from_hf(path, grid=grid).eval()
     with torch.no_grad():
         return model(x)
 
@@ -69,5 +69,5 @@ def dist_world_size() -> int:
 
 def hf_export(src: str, dst: str) -> int:
     dist.init(timeout=120)
-    GPT.from_hf_gpt2(src, tp_group=dist.new_group()).save_hf_gpt2(dst)
+    GPT.from_hf(src, tp_group=dist.new_group()).save_hf(dst)
     return dist.get_rank()

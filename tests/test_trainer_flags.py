@@ -3,11 +3,12 @@ and --lr-warmup-fraction against Megatron-Core's own OptimizerParamScheduler.
 Architecture: each flag reaches GPTConfig through megart train's parser; a Llama-style model
 (RMSNorm, rope, SwiGLU, no biases) follows the single-process loss curve under tp2 and pp2;
 bad combinations are refused before any work, naming the flags; checkpoints record the
-architecture and --load and export-hf refuse what does not fit, naming the flags (FLOPs:
-test_flops.py)."""
+architecture and --load refuses what does not fit, naming the flags; export-hf writes a
+Llama-style model in Llama's format (FLOPs: test_flops.py)."""
 
 import argparse
 import dataclasses
+import json
 import math
 import subprocess
 import sys
@@ -366,9 +367,10 @@ def test_checkpoints_record_the_architecture_and_refuse_another(tmp_path):
     with pytest.raises(LaunchError, match=r"saved with --swiglu \(now no --swiglu\);"):
         kw = dict(arch, swiglu=False, ffn_hidden_size=64, train_iters=2, load=str(tmp_path))
         launch(_train, 1, kw, timeout=300)
-    # export-hf names the flags GPT-2 cannot represent.
-    with pytest.raises(ConfigError) as refused:
-        export_checkpoint(tmp_path, tmp_path / "hf")
-    for flag in ("--normalization RMSNorm", "--position-embedding-type rope", "--swiglu"):
-        assert flag in str(refused.value)
-    assert "--disable-bias-linear (bias=False; GPT-2 has True)" in str(refused.value)
+    # export-hf writes this architecture in Llama's format (GPT-2's cannot represent it), with
+    # the recorded epsilon; tests/test_hf_llama.py checks the weights and logits.
+    out = export_checkpoint(tmp_path, tmp_path / "hf")
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == ["LlamaForCausalLM"]
+    assert (written["rms_norm_eps"], written["intermediate_size"]) == (1e-6, 64)
+    assert not (written["attention_bias"] or written["mlp_bias"])

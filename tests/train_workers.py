@@ -120,7 +120,7 @@ def gradients_after_one_step(**kw: object) -> dict:
 
 def weights_after_training(kw: dict, hf_dir: str | None = None) -> dict:
     """Every weight this rank holds after training, by place (see by_place); with ``hf_dir``
-    (one process only) also written there by the live model's GPT.save_hf_gpt2."""
+    (one process only) also written there by the live model's GPT.save_hf."""
     from megart.models import GPT
     from megart.training.trainer import Trainer
 
@@ -129,7 +129,7 @@ def weights_after_training(kw: dict, hf_dir: str | None = None) -> dict:
     if hf_dir is not None:
         model = GPT(trainer.model_config)
         model.chunk.load_state_dict(trainer.chunks[0].state_dict())
-        model.save_hf_gpt2(hf_dir)
+        model.save_hf(hf_dir)
     return by_place(trainer, lambda p: p)
 
 

@@ -1,12 +1,12 @@
 """megart convert-checkpoint: between megart checkpoints, Megatron-LM's checkpoints (legacy,
-``--ckpt-format torch``, or distributed, ``torch_dist``) and Hugging Face GPT-2 directories, in
-one process.
+``--ckpt-format torch``, or distributed, ``torch_dist``) and Hugging Face directories (GPT-2's or
+Llama's format, by the model's architecture), in one process.
 
     megart convert-checkpoint --from megart --to megatron --load CKPT --save OUT \
         [--ckpt-format torch_dist] \
         [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
     megart convert-checkpoint --from megatron --to megart --load MEGATRON_CKPT --save OUT
-    megart convert-checkpoint --from megatron --to hf --load MEGATRON_CKPT --save GPT2_DIR
+    megart convert-checkpoint --from megatron --to hf --load MEGATRON_CKPT --save HF_DIR
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 from megart.cli.hf_common import run_conversion
 from megart.errors import ConfigError
@@ -52,12 +53,18 @@ def convert(
             return f"{files[0]}: Megatron-LM torch_dist checkpoint (weights)"
         return f"{files[0].parents[1]}: {len(files)} rank files (Megatron-LM legacy, weights)"
     if source == "megart":
-        return f"{export_checkpoint(load, save)}: GPT-2 files"
+        return _hf_files(export_checkpoint(load, save))
     if target == "megart":
         return f"{megatron_to_megart(load, save)} (megart release checkpoint)"
     with tempfile.TemporaryDirectory() as tmp:  # megatron -> megart -> hf
         megatron_to_megart(load, tmp)
-        return f"{export_checkpoint(tmp, save)}: GPT-2 files"
+        return _hf_files(export_checkpoint(tmp, save))
+
+
+def _hf_files(out: Path) -> str:
+    from megart.models.hf import format_name
+
+    return f"{out}: {format_name(out)} files"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

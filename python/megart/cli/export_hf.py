@@ -1,13 +1,14 @@
-"""megart export-hf: a training checkpoint to a Hugging Face GPT-2 directory, in one process.
+"""megart export-hf: a training checkpoint to a Hugging Face directory, in one process.
 
 The checkpoint may come from any tensor- and pipeline-parallel layout (interleaved too): its
 files are merged here, with no launcher and no process group.
 
-    megart export-hf --load CHECKPOINT_DIR --output GPT2_DIR [--iteration N]
+    megart export-hf --load CHECKPOINT_DIR --output HF_DIR [--iteration N]
 
-GPT2_DIR then holds config.json and model.safetensors, which
-``transformers.GPT2LMHeadModel.from_pretrained(GPT2_DIR)`` and megart's
-``GPT.from_hf_gpt2(GPT2_DIR)`` load.
+HF_DIR then holds config.json and model.safetensors in GPT-2's format (a model of GPT-2's
+architecture: ``transformers.GPT2LMHeadModel.from_pretrained(HF_DIR)``) or Llama's (one with
+RMSNorm, rotary positions and SwiGLU: ``LlamaForCausalLM``); megart's ``GPT.from_hf(HF_DIR)``
+loads either. A model neither format can represent is refused, naming the flags.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--load", required=True, metavar="DIR", help="a directory that megart train --save wrote"
     )
-    p.add_argument("--output", required=True, metavar="DIR", help="where to write the GPT-2 files")
+    p.add_argument(
+        "--output", required=True, metavar="DIR", help="where to write the Hugging Face files"
+    )
     p.add_argument(
         "--iteration", type=int, metavar="N", help="the checkpoint to export (default: latest)"
     )
     args = p.parse_args(argv)
 
     def convert() -> str:
+        from megart.models.hf import format_name
         from megart.training.export_hf import export_checkpoint
 
         out = export_checkpoint(args.load, args.output, args.iteration)
-        return f"{out}: config.json and model.safetensors (GPT-2)"
+        return f"{out}: config.json and model.safetensors ({format_name(out)})"
 
     return run_conversion("megart export-hf", convert)

@@ -1,7 +1,14 @@
-"""megart import-hf: a Hugging Face GPT-2 directory as a megart checkpoint, to fine-tune.
+"""megart import-hf: a Hugging Face GPT-2 or Llama directory as a megart checkpoint, to fine-tune.
 
-    megart import-hf --input GPT2_DIR --save CHECKPOINT_DIR [--seq-length N]
+    megart import-hf --input HF_DIR --save CHECKPOINT_DIR [--seq-length N]
         [--apply-layernorm-1p]
+
+HF_DIR is a save_pretrained directory of GPT2LMHeadModel or LlamaForCausalLM (config.json's
+model_type says which; safetensors weights). A Llama trains with --normalization RMSNorm
+--position-embedding-type rope --swiglu --untie-embeddings-and-output-weights (unless its
+config ties them) --disable-bias-linear (unless it has biases) and, with fewer key/value heads
+than heads, --group-query-attention --num-query-groups; the checkpoint records them, and
+``megart train --load`` names any that differ.
 
 CHECKPOINT_DIR then holds a release checkpoint (the weights alone) that ``megart train --load
 CHECKPOINT_DIR`` loads under any tensor- and pipeline-parallel layout, starting at iteration 0.
@@ -18,19 +25,24 @@ from megart.cli.hf_common import run_conversion
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="megart import-hf", description=__doc__.splitlines()[0])
     p.add_argument(
-        "--input", required=True, metavar="DIR", help="a GPT-2 directory (save_pretrained files)"
+        "--input",
+        required=True,
+        metavar="DIR",
+        help="a GPT-2 or Llama directory (save_pretrained files)",
     )
     p.add_argument("--save", required=True, metavar="DIR", help="where to write the checkpoint")
     p.add_argument(
         "--seq-length",
         type=int,
         metavar="N",
-        help="keep the first N learned positions (default: all, GPT-2's n_positions)",
+        help="the sequence length to train with: a GPT-2 keeps its first N learned positions "
+        "(default: all, n_positions); a Llama's rotary positions take any N (default: "
+        "max_position_embeddings)",
     )
     p.add_argument(
         "--apply-layernorm-1p",
         action="store_true",
-        help="store the LayerNorm weights zero-centred (GPT-2's minus 1), for megart train "
+        help="store the norm weights zero-centred (the file's minus 1), for megart train "
         "--apply-layernorm-1p: the same network",
     )
     args = p.parse_args(argv)

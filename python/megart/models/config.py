@@ -231,6 +231,22 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
     }
 
 
+def refuse_unlike(
+    cfg: GPTConfig, fmt: str, fields: list[tuple[str, object, object]], closing: str
+) -> None:
+    """Refuses ``cfg`` for a checkpoint format ``fmt`` where a field's value differs from the
+    format's, naming for each the megart train flag that gave it and the GPTConfig field;
+    ``fields`` holds (field, the model's value, the format's), ``closing`` ends the message."""
+    flags = architecture_flags(cfg)
+    unlike = [
+        f"{flags[name]} ({name}={value!r}; {fmt} has {theirs!r})"
+        for name, value, theirs in fields
+        if value != theirs
+    ]
+    if unlike:
+        raise ConfigError(f"a {fmt} checkpoint cannot represent {', '.join(unlike)}; {closing}")
+
+
 def fit_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """The vocab-parallel embedding's whole weight (or a state shaped like it) with ``rows``
     rows. The vocabulary is padded to a multiple of 128 t (GPTConfig.padded_vocab_size), so the

@@ -8,7 +8,7 @@ final norm and output layer when it is the last. ``GPT`` is all of it in one chu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -214,26 +214,40 @@ class GPT(nn.Module):
         return full.transpose(0, 1)
 
     @classmethod
-    def from_hf_gpt2(
+    def from_hf(
         cls,
         path: str,
         grid: ParallelGrid | None = None,
         tp_group: ProcessGroup | None = None,
         sequence_parallel: bool = False,
+        expect: str | None = None,
     ) -> GPT:
-        """Loads a GPT-2 directory written by transformers' ``save_pretrained`` (config.json
-        and model.safetensors; local files only) into this tensor-parallel layout."""
-        from megart.models.hf import load_gpt2
+        """Loads a GPT-2 or Llama directory written by transformers' ``save_pretrained``
+        (config.json and .safetensors files; local files only) into this tensor-parallel
+        layout; config.json's model_type says which (``expect``: "gpt2" or "llama" refuses
+        the other)."""
+        from megart.models.hf import load_hf
 
         tp_group = grid.tp_group if grid is not None else tp_group
-        return load_gpt2(cls, path, tp_group, sequence_parallel)
+        return load_hf(cls, path, tp_group, sequence_parallel, expect)
+
+    def save_hf(self, path: str, expect: str | None = None) -> None:
+        """Writes a directory that transformers' ``from_pretrained`` loads: GPT-2's format
+        (GPT2LMHeadModel) for GPT-2's architecture, Llama's (LlamaForCausalLM) for RMSNorm,
+        rotary positions and SwiGLU. Written on tensor-parallel rank 0; every rank must call
+        it, since the shards are gathered. ``expect``: "gpt2" or "llama" insists on one."""
+        from megart.models.hf import save_hf
+
+        save_hf(self, path, expect)
+
+    @classmethod
+    def from_hf_gpt2(cls, path: str, **kw: Any) -> GPT:
+        """``from_hf`` of a GPT-2 directory only."""
+        return cls.from_hf(path, **kw, expect="gpt2")
 
     def save_hf_gpt2(self, path: str) -> None:
-        """Writes a directory that ``GPT2LMHeadModel.from_pretrained`` loads (on tensor-parallel
-        rank 0; every rank must call it, since the shards are gathered)."""
-        from megart.models.hf import save_gpt2
-
-        save_gpt2(self, path)
+        """``save_hf`` in GPT-2's format only (``GPT2LMHeadModel.from_pretrained`` loads it)."""
+        self.save_hf(path, expect="gpt2")
 
 
 def chunk_layers(

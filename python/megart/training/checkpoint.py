@@ -213,10 +213,15 @@ def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -
     """Refuses a checkpoint of another model, naming each flag (or GPTConfig field) that
     differs: its weights cannot be resharded into this one."""
     saved = state["config"]
+    # Rotary positions have no table, so their weights train at any sequence length (as
+    # Megatron-LM's --load takes another --seq-length); learned positions are a row each.
+    free = ("seq_length",) if cfg.position_embedding == "rotary" else ()
     differ = [
         f"--{f.replace('_', '-')} {saved[f]} (now {getattr(config, f)})"
         for f in MODEL_FIELDS
-        if saved[f] != getattr(config, f) and not (f == "vocab_size" and saved[f] is None)
+        if saved[f] != getattr(config, f)
+        and not (f == "vocab_size" and saved[f] is None)
+        and f not in free
     ]
     if saved["vocab_size"] is None:  # Megatron-LM's, its tokenizer's size unrecorded
         t = saved["tensor_model_parallel_size"]

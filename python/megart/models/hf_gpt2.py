@@ -1,0 +1,150 @@
+"""Hugging Face GPT-2 (``GPT2LMHeadModel``) as one of megart.models.hf's formats.
+
+GPT-2 stores its linear layers as Conv1D ([in, out], y = x W + b) and its fused attention
+projection as [q | k | v] along the output; megart stores [out, in] and groups the fused
+projection per head ([q_i, k_i, v_i] for head i), so that a tensor-parallel slice holds whole
+heads. Everything else maps one to one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megart.errors import ConfigError
+from megart.models.config import GPTConfig, refuse_unlike
+
+NAME = "GPT-2"
+MODEL_TYPE = "gpt2"
+FILE_PREFIX = "transformer."  # GPT2LMHeadModel's files; GPT2Model's have none
+
+
+def _qkv_to_heads(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """[3h, ...] as [q | k | v] -> grouped per head."""
+    return w.reshape(3, heads, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def _qkv_from_heads(w: torch.Tensor, heads: int) -> torch.Tensor:
+    return w.reshape(heads, 3, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def _mapping(cfg: GPTConfig) -> list[tuple[str, str, str]]:
+    """(megart name, GPT-2 name, conversion) for every parameter of a one-chunk GPT."""
+    out = [
+        ("chunk.wte.weight", "wte.weight", ""),
+        ("chunk.wpe.weight", "wpe.weight", ""),
+        ("chunk.ln_f.weight", "ln_f.weight", "norm"),
+        ("chunk.ln_f.bias", "ln_f.bias", ""),
+    ]
+    for i in range(cfg.num_layers):
+        m, g = f"chunk.blocks.{i}.", f"h.{i}."
+        out += [
+            (m + "ln_1.weight", g + "ln_1.weight", "norm"),
+            (m + "ln_1.bias", g + "ln_1.bias", ""),
+            (m + "ln_2.weight", g + "ln_2.weight", "norm"),
+            (m + "ln_2.bias", g + "ln_2.bias", ""),
+            (m + "attn.qkv.weight", g + "attn.c_attn.weight", "conv1d,qkv"),
+            (m + "attn.qkv.bias", g + "attn.c_attn.bias", "qkv"),
+            (m + "attn.proj.weight", g + "attn.c_proj.weight", "conv1d"),
+            (m + "attn.proj.bias", g + "attn.c_proj.bias", ""),
+            (m + "mlp.fc.weight", g + "mlp.c_fc.weight", "conv1d"),
+            (m + "mlp.fc.bias", g + "mlp.c_fc.bias", ""),
+            (m + "mlp.proj.weight", g + "mlp.c_proj.weight", "conv1d"),
+            (m + "mlp.proj.bias", g + "mlp.c_proj.bias", ""),
+        ]
+    return out
+
+
+def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(
+            f"GPT-2 activation {act!r} is not supported; megart's GPT uses GeLU "
+            "with the tanh approximation (gelu_new)"
+        )
+    return GPTConfig(
+        vocab_size=hf["vocab_size"],
+        seq_length=hf["n_positions"],
+        hidden_size=hf["n_embd"],
+        num_layers=hf["n_layer"],
+        num_attention_heads=hf["n_head"],
+        ffn_hidden_size=hf.get("n_inner"),  # None: 4 n_embd, as GPT-2
+        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+    )
+
+
+def to_megart(cfg: GPTConfig, take: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole tensor of every megart parameter, from ``take(name)``: GPT-2's tensor by its
+    name without FILE_PREFIX (vocabulary unpadded)."""
+    out = {}
+    for ours, theirs, conv in _mapping(cfg):
+        w = take(theirs)
+        if "conv1d" in conv:
+            w = w.t()
+        if "qkv" in conv:
+            w = _qkv_to_heads(w, cfg.num_attention_heads)
+        out[ours] = w
+    return out
+
+
+def check(cfg: GPTConfig) -> None:
+    """Refuses a model that a GPT-2 checkpoint cannot represent, naming each option: the
+    megart train flag that gave it and the GPTConfig field."""
+    refuse_unlike(
+        cfg,
+        NAME,
+        [
+            ("normalization", cfg.normalization, "layernorm"),
+            ("position_embedding", cfg.position_embedding, "learned"),
+            ("activation", cfg.activation, "gelu"),
+            ("bias", cfg.bias, True),
+            ("untie_embeddings_and_output_weights", cfg.untie_embeddings_and_output_weights, False),
+            # GPT-2 has one key/value head per query head.
+            ("num_query_groups", cfg.query_groups, cfg.num_attention_heads),
+        ],
+        "only models trained with GPT-2's own architecture can be written in its format",
+    )
+
+
+def hf_tensors(cfg: GPTConfig, full: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-2's tensors, by name, from ``full(name)``: the whole (not tensor-parallel) tensor of
+    parameter ``name`` of a one-chunk GPT, vocabulary padding included. Called in
+    ``_mapping`` order, which gathers across ranks rely on."""
+    out = {}
+    for ours, theirs, conv in _mapping(cfg):
+        w = full(ours)
+        if conv == "norm" and cfg.apply_layernorm_1p:
+            w = w + 1  # GPT-2's LayerNorm holds the scale itself, not a zero-centred weight
+        if theirs == "wte.weight":
+            w = w[: cfg.vocab_size]
+        if "qkv" in conv:
+            w = _qkv_from_heads(w, cfg.num_attention_heads)
+        if "conv1d" in conv:
+            w = w.t()
+        out["transformer." + theirs] = w.contiguous()
+    return out
+
+
+def hf_config(cfg: GPTConfig) -> dict[str, Any]:
+    """GPT-2's config.json for ``cfg``."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": MODEL_TYPE,
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.seq_length,
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_layers,
+        "n_head": cfg.num_attention_heads,
+        # None is GPT-2's 4 n_embd; anything else must be written, or the MLP loads misshapen.
+        "n_inner": None if cfg.ffn_size == 4 * cfg.hidden_size else cfg.ffn_size,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.layernorm_epsilon,
+        "resid_pdrop": cfg.hidden_dropout,
+        "embd_pdrop": cfg.hidden_dropout,
+        "attn_pdrop": cfg.attention_dropout,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }

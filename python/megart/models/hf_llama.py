@@ -1,0 +1,253 @@
+"""Hugging Face Llama (``LlamaForCausalLM``) as one of megart.models.hf's formats.
+
+A Llama is megart's GPT with --normalization RMSNorm, --position-embedding-type rope and
+--swiglu; grouped-query attention, untied output weights, biases (Llama's attention_bias and
+mlp_bias together), --rotary-base, --use-rope-scaling (Llama 3.x's, the rope type "llama3")
+and --apply-layernorm-1p all have a Llama spelling. What
+differs is only where the weights sit:
+- megart fuses q, k and v into one projection whose rows are grouped per query group, [q of
+  the group's heads, k, v], so that a tensor-parallel slice holds whole groups; Llama keeps
+  q_proj, k_proj and v_proj, each in head order (query head j uses key/value head j // (heads /
+  groups) in both);
+- megart's MLP has ``fc`` (Llama's up_proj), ``gate`` (gate_proj) and ``proj`` (down_proj);
+- Llama rotates the halves of a head (x[i], x[i + d/2]), megart's default too. A model trained
+  with --rotary-interleaved rotates adjacent pairs (x[2i], x[2i+1]); its q and k rows are
+  reordered within each head on export, evens then odds, which turns pair (2i, 2i+1) into
+  (i, i + d/2) at the same frequency, and leaves q . k unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megart.errors import ConfigError
+from megart.models.blocks import (
+    LLAMA3_HIGH_FREQ_FACTOR,
+    LLAMA3_LOW_FREQ_FACTOR,
+    LLAMA3_ORIGINAL_CONTEXT,
+)
+from megart.models.config import GPTConfig, refuse_unlike
+
+NAME = "Llama"
+MODEL_TYPE = "llama"
+FILE_PREFIX = ""
+
+
+def _norm_names(cfg: GPTConfig) -> list[tuple[str, str]]:
+    out = [("chunk.ln_f.weight", "model.norm.weight")]
+    for i in range(cfg.num_layers):
+        m, g = f"chunk.blocks.{i}.", f"model.layers.{i}."
+        out += [
+            (m + "ln_1.weight", g + "input_layernorm.weight"),
+            (m + "ln_2.weight", g + "post_attention_layernorm.weight"),
+        ]
+    return out
+
+
+def _linear_names(cfg: GPTConfig, i: int) -> list[tuple[str, str]]:
+    """(megart, Llama) names of layer i's linear layers other than the fused q/k/v."""
+    m, g = f"chunk.blocks.{i}.", f"model.layers.{i}."
+    return [
+        (m + "attn.proj", g + "self_attn.o_proj"),
+        (m + "mlp.fc", g + "mlp.up_proj"),
+        (m + "mlp.gate", g + "mlp.gate_proj"),
+        (m + "mlp.proj", g + "mlp.down_proj"),
+    ]
+
+
+def _split_qkv(cfg: GPTConfig, w: torch.Tensor) -> list[torch.Tensor]:
+    """megart's fused rows (grouped per query group) -> [q_proj, k_proj, v_proj] rows."""
+    groups, d = cfg.query_groups, cfg.head_dim
+    per_group = cfg.num_attention_heads // groups
+    q, k, v = w.reshape(groups, per_group + 2, d, *w.shape[1:]).split([per_group, 1, 1], dim=1)
+    return [x.reshape(-1, *w.shape[1:]) for x in (q, k, v)]
+
+
+def _fuse_qkv(cfg: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    groups, d = cfg.query_groups, cfg.head_dim
+    rest = q.shape[1:]
+    parts = [x.reshape(groups, -1, d, *rest) for x in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _halves_order(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of each head reordered evens then odds: adjacent rotary pairs become halves."""
+    heads = x.reshape(-1, head_dim, *x.shape[1:])
+    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    return heads[:, order].reshape(x.shape)
+
+
+def check(cfg: GPTConfig) -> None:
+    """Refuses a model that a Llama checkpoint cannot represent, naming each option: the
+    megart train flag that gave it and the GPTConfig field."""
+    refuse_unlike(
+        cfg,
+        NAME,
+        [
+            ("normalization", cfg.normalization, "rmsnorm"),
+            ("position_embedding", cfg.position_embedding, "rotary"),
+            ("activation", cfg.activation, "swiglu"),
+        ],
+        "only models with RMSNorm, rotary positions and SwiGLU can be written in its format",
+    )
+
+
+# Hugging Face's "llama3" rope type with the constants megart's --use-rope-scaling fixes (as
+# Megatron-Core does); only the factor varies.
+LLAMA3_FIXED = {
+    "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+    "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+    "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT,
+}
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rotary base, rope scaling or None) from a config.json of transformers 5
+    (rope_parameters) or of earlier versions (rope_theta, rope_scaling)."""
+    params = hf.get("rope_parameters") or {}
+    base = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (params if "rope_type" in params else None)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return float(base), scaling
+
+
+def _rope_scaling(scaling: dict[str, Any] | None) -> tuple[bool, float, str | None]:
+    """(rope_scaling, rope_scaling_factor, what megart cannot take) for Hugging Face's rope
+    scaling: its "llama3" type with Llama 3.x's constants is --use-rope-scaling."""
+    if scaling is None:
+        return False, 8.0, None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    fixed = {k: scaling.get(k) for k in LLAMA3_FIXED}
+    if kind != "llama3" or fixed != LLAMA3_FIXED:
+        why = (
+            f"rope scaling {scaling} (megart's --use-rope-scaling is the llama3 rope type "
+            f"with {LLAMA3_FIXED}, as Megatron-LM's)"
+        )
+        return False, 8.0, why
+    return True, float(scaling["factor"]), None
+
+
+def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    problems = []
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf['hidden_act']!r} (megart's SwiGLU gates with silu)")
+    if hf.get("head_dim") not in (None, hidden // heads):
+        problems.append(
+            f"head_dim {hf['head_dim']} (megart's heads are hidden_size / num_attention_heads "
+            f"= {hidden // heads} wide)"
+        )
+    attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+    if attention_bias != mlp_bias:
+        problems.append(
+            f"attention_bias {attention_bias} with mlp_bias {mlp_bias} (megart's --disable-"
+            "bias-linear takes every linear layer's bias or none)"
+        )
+    base, scaling = _rope(hf)
+    rope_scaling, factor, unsupported = _rope_scaling(scaling)
+    if unsupported:
+        problems.append(unsupported)
+    if problems:
+        raise ConfigError(
+            "this Llama has " + "; ".join(problems) + ", which megart's GPT cannot represent"
+        )
+    groups = hf.get("num_key_value_heads") or heads
+    return GPTConfig(
+        vocab_size=hf["vocab_size"],
+        # Rotary positions have no table: this is only the length megart trains with unless
+        # told otherwise (import-hf --seq-length).
+        seq_length=hf.get("max_position_embeddings", 2048),
+        hidden_size=hidden,
+        num_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_query_groups=None if groups == heads else groups,
+        ffn_hidden_size=hf["intermediate_size"],
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        normalization="rmsnorm",
+        position_embedding="rotary",
+        rotary_base=base,
+        rope_scaling=rope_scaling,
+        rope_scaling_factor=factor,
+        activation="swiglu",
+        bias=bool(attention_bias),
+        # transformers' LlamaConfig unties by default.
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        init_std=hf.get("initializer_range", 0.02),
+    )
+
+
+def to_megart(cfg: GPTConfig, take: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole tensor of every megart parameter, from ``take(name)``: the Llama tensor of
+    that name (vocabulary unpadded)."""
+    out = {"chunk.wte.weight": take("model.embed_tokens.weight")}
+    if cfg.untie_embeddings_and_output_weights:
+        out["chunk.output_layer.weight"] = take("lm_head.weight")
+    out.update({ours: take(theirs) for ours, theirs in _norm_names(cfg)})
+    kinds = ("weight", "bias") if cfg.bias else ("weight",)
+    for i in range(cfg.num_layers):
+        g = f"model.layers.{i}.self_attn."
+        for kind in kinds:
+            qkv = [take(f"{g}{x}_proj.{kind}") for x in "qkv"]
+            out[f"chunk.blocks.{i}.attn.qkv.{kind}"] = _fuse_qkv(cfg, *qkv)
+            out.update({f"{m}.{kind}": take(f"{h}.{kind}") for m, h in _linear_names(cfg, i)})
+    return out
+
+
+def hf_tensors(cfg: GPTConfig, full: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Llama's tensors, by name, from ``full(name)``: the whole (not tensor-parallel) tensor
+    of parameter ``name`` of a one-chunk GPT, vocabulary padding included. Called in the
+    same order on every rank, which gathers across ranks rely on."""
+    out = {"model.embed_tokens.weight": full("chunk.wte.weight")[: cfg.vocab_size]}
+    if cfg.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = full("chunk.output_layer.weight")[: cfg.vocab_size]
+    for ours, theirs in _norm_names(cfg):
+        # Llama's RMSNorm holds the scale itself, not a zero-centred weight.
+        out[theirs] = full(ours) + 1 if cfg.apply_layernorm_1p else full(ours)
+    kinds = ("weight", "bias") if cfg.bias else ("weight",)
+    for i in range(cfg.num_layers):
+        g = f"model.layers.{i}.self_attn."
+        for kind in kinds:
+            q, k, v = _split_qkv(cfg, full(f"chunk.blocks.{i}.attn.qkv.{kind}"))
+            if cfg.rotary_interleaved:
+                q, k = _halves_order(q, cfg.head_dim), _halves_order(k, cfg.head_dim)
+            out.update({f"{g}q_proj.{kind}": q, f"{g}k_proj.{kind}": k, f"{g}v_proj.{kind}": v})
+            out.update({f"{h}.{kind}": full(f"{m}.{kind}") for m, h in _linear_names(cfg, i)})
+    return {name: w.contiguous() for name, w in out.items()}
+
+
+def hf_config(cfg: GPTConfig) -> dict[str, Any]:
+    """Llama's config.json for ``cfg``, readable by transformers 5 (rope_parameters) and by
+    earlier versions (rope_theta, rope_scaling)."""
+    scaling = None
+    if cfg.rope_scaling:
+        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, **LLAMA3_FIXED}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": MODEL_TYPE,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.query_groups,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.seq_length,
+        "rms_norm_eps": cfg.layernorm_epsilon,
+        "rope_theta": cfg.rotary_base,
+        "rope_scaling": scaling,
+        "rope_parameters": {
+            **(scaling or {"rope_type": "default"}),
+            "rope_theta": cfg.rotary_base,
+        },
+        "attention_bias": cfg.bias,
+        "mlp_bias": cfg.bias,
+        "attention_dropout": cfg.attention_dropout,
+        "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": "float32",
+    }
