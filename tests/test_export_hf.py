@@ -251,3 +251,72 @@ def test_a_1p_model_exports_its_scale_and_imports_back_zero_centred(tmp_path):
         torch.testing.assert_close(back.get_parameter(name), p, rtol=0, atol=1e-7, msg=name)
     with torch.no_grad():
         torch.testing.assert_close(back(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def shard_files(out):
+    return sorted(out.glob("model-*-of-*.safetensors"))
+
+
+def test_a_model_past_max_shard_size_is_written_in_numbered_files_with_an_index(
+    one_process, tmp_path, capsys, monkeypatch
+):
+    """save_pretrained's sharded layout: each file at most --max-shard-size of tensors (or one
+    larger tensor alone), an index naming each tensor's file, read by transformers and megart;
+    each whole tensor is merged from the checkpoint once, when it is written."""
+    import megart.training.export_hf as export_hf
+
+    ckpt, live = one_process
+    asked = []
+    merge = export_hf.whole_tensors
+    monkeypatch.setattr(
+        export_hf,
+        "whole_tensors",
+        lambda *a, wanted: asked.append(wanted) or merge(*a, wanted=wanted),
+    )
+    out = tmp_path / "sharded"
+    argv = ["export-hf", "--load", str(ckpt), "--output", str(out), "--max-shard-size", "20KB"]
+    assert megart_main(argv) == 0
+    files = shard_files(out)
+    assert len(files) > 2 and not (out / "model.safetensors").exists()
+    assert capsys.readouterr().out == (
+        f"{out}: config.json and model.safetensors.index.json and {len(files)} weight files "
+        "(GPT-2)\n"
+    )
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    expected = tensors(live)
+    got = {}
+    for f in files:
+        held = safetensors.load_file(str(f))
+        assert f.name == f"model-{files.index(f) + 1:05d}-of-{len(files):05d}.safetensors"
+        assert all(index["weight_map"][name] == f.name for name in held)
+        nbytes = sum(t.numel() * t.element_size() for t in held.values())
+        assert nbytes <= 20_000 or len(held) == 1, (f.name, nbytes)
+        got.update(held)
+    assert got.keys() == expected.keys() == index["weight_map"].keys()
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in got.values())
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    assert sorted(len(w) for w in asked) == [1] * len(asked)  # one tensor merged at a time
+    assert len(asked) == len({name for w in asked for name in w})  # and each once
+    hf, ours = logits(out)
+    torch.testing.assert_close(hf, ours, rtol=1e-5, atol=1e-5)
+    # Written again as one file, the directory keeps no stale shard or index.
+    export_checkpoint(ckpt, out)
+    assert not shard_files(out) and not (out / "model.safetensors.index.json").exists()
+    assert tensors(out).keys() == expected.keys()
+
+
+def test_export_in_bfloat16_rounds_each_weight_and_says_so(one_process, tmp_path, capsys):
+    ckpt, live = one_process
+    out = tmp_path / "bf16"
+    assert megart_main(["export-hf", "--load", str(ckpt), "--output", str(out),
+                        "--dtype", "bfloat16"]) == 0  # fmt: skip
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    expected = tensors(live)
+    got = tensors(out)
+    for name, value in expected.items():
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], value.bfloat16()), name
+    for size in ("0", "5XB", "GB"):
+        argv = ["export-hf", "--load", str(ckpt), "--output", str(out), "--max-shard-size", size]
+        assert megart_main(argv) == 2
+        assert "give a positive size such as 5GB" in capsys.readouterr().err

@@ -118,7 +118,8 @@ def test_megatron_core_loads_what_megart_writes(tmp_path, kind, tp, pp):
 def test_megart_reads_what_megatron_core_saves(tmp_path, kind, tp, pp):
     """Megatron-Core's GPTModel on tp x pp ranks saves its own weights (each rank its slices,
     with its extra states) through dist_checkpointing; convert-checkpoint --from megatron reads
-    the store whole and megart's GPT of it computes Megatron-Core's logits."""
+    the store whole and megart's GPT of it computes Megatron-Core's logits, as does
+    transformers' model of convert-checkpoint --to hf's files."""
     import megatron_dist_workers as mdw
 
     cfg = _cfg(kind)
@@ -137,6 +138,16 @@ def test_megart_reads_what_megatron_core_saves(tmp_path, kind, tp, pp):
     state = read_file(iteration_dir(tmp_path / "back", 0) / "mp_rank_00" / "model_optim_rng.pt")
     word = fit_vocab(model["embedding.word_embeddings.weight"], cfg.padded_vocab_size(1))
     assert torch.equal(state["model"][0]["wte.weight"], word)  # as read, not recast
+    # On to Hugging Face, in GPT-2's or Llama's format by the architecture: transformers' own
+    # model of the files computes Megatron-Core's logits.
+    transformers = pytest.importorskip("transformers")
+    assert main(["convert-checkpoint", "--from", "megatron", "--to", "hf", "--load",
+                 str(tmp_path / "dist"), "--save", str(tmp_path / "hf")]) == 0  # fmt: skip
+    auto = transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM
+    hf = auto.from_pretrained(tmp_path / "hf").double().eval()
+    with torch.no_grad():
+        logits = hf(_tokens(cfg)).logits
+    assert (logits - theirs[..., : cfg.vocab_size]).abs().max().item() < 1e-5
 
 
 def test_round_trip_keeps_every_weight(tmp_path):

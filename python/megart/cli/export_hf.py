@@ -4,8 +4,10 @@ The checkpoint may come from any tensor- and pipeline-parallel layout (interleav
 files are merged here, with no launcher and no process group.
 
     megart export-hf --load CHECKPOINT_DIR --output HF_DIR [--iteration N]
+        [--dtype {float32,bfloat16,float16}] [--max-shard-size 5GB]
 
-HF_DIR then holds config.json and model.safetensors in GPT-2's format (a model of GPT-2's
+HF_DIR then holds config.json and model.safetensors (or numbered files and their index, as
+save_pretrained shards a model larger than --max-shard-size) in GPT-2's format (a model of GPT-2's
 architecture: ``transformers.GPT2LMHeadModel.from_pretrained(HF_DIR)``) or Llama's (one with
 RMSNorm, rotary positions and SwiGLU: ``LlamaForCausalLM``); megart's ``GPT.from_hf(HF_DIR)``
 loads either. A model neither format can represent is refused, naming the flags.
@@ -30,13 +32,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--iteration", type=int, metavar="N", help="the checkpoint to export (default: latest)"
     )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the weights' type in the files (default: float32, as trained)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="the largest weight file, as transformers' save_pretrained takes it (5GB, 500MB, "
+        "2GiB; default 5GB); a larger model is written in numbered files with an index",
+    )
     args = p.parse_args(argv)
 
     def convert() -> str:
         from megart.models.hf import format_name
+        from megart.models.hf_files import INDEX
         from megart.training.export_hf import export_checkpoint
 
-        out = export_checkpoint(args.load, args.output, args.iteration)
-        return f"{out}: config.json and model.safetensors ({format_name(out)})"
+        out = export_checkpoint(
+            args.load, args.output, args.iteration, args.dtype, args.max_shard_size
+        )
+        shards = len(list(out.glob("model-*-of-*.safetensors")))
+        files = f"{INDEX} and {shards} weight files" if shards else "model.safetensors"
+        return f"{out}: config.json and {files} ({format_name(out)})"
 
     return run_conversion("megart export-hf", convert)

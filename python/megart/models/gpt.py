@@ -231,14 +231,22 @@ class GPT(nn.Module):
         tp_group = grid.tp_group if grid is not None else tp_group
         return load_hf(cls, path, tp_group, sequence_parallel, expect)
 
-    def save_hf(self, path: str, expect: str | None = None) -> None:
+    def save_hf(
+        self,
+        path: str,
+        expect: str | None = None,
+        dtype: str = "float32",
+        max_shard_size: str = "5GB",
+    ) -> None:
         """Writes a directory that transformers' ``from_pretrained`` loads: GPT-2's format
         (GPT2LMHeadModel) for GPT-2's architecture, Llama's (LlamaForCausalLM) for RMSNorm,
         rotary positions and SwiGLU. Written on tensor-parallel rank 0; every rank must call
-        it, since the shards are gathered. ``expect``: "gpt2" or "llama" insists on one."""
+        it, since the shards are gathered. ``expect``: "gpt2" or "llama" insists on one;
+        ``dtype``: float32, bfloat16 or float16; ``max_shard_size``: the largest weight file
+        (transformers' spelling, e.g. 5GB), beyond which files are numbered with an index."""
         from megart.models.hf import save_hf
 
-        save_hf(self, path, expect)
+        save_hf(self, path, expect, dtype, max_shard_size)
 
     @classmethod
     def from_hf_gpt2(cls, path: str, **kw: Any) -> GPT:

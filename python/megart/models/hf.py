@@ -7,8 +7,9 @@ common lives here: reading and writing the files, cutting each whole tensor into
 tensor-parallel slice, gathering the slices back, and choosing the format (by config.json's
 model_type when reading; by the model's architecture when writing).
 
-Writing goes check -> hf_tensors -> write_hf, fed by the live model's gathers here
-(GPT.save_hf) or by a training checkpoint's files (megart.training.export_hf).
+Writing goes check -> hf_tensors -> megart.models.hf_files.write_hf, fed one tensor at a time
+by the live model's gathers here (GPT.save_hf) or by a training checkpoint's files
+(megart.training.export_hf).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import megart.distributed as dist
 from megart.errors import ConfigError
 from megart.models import hf_gpt2, hf_llama
 from megart.models.config import GPTConfig, fit_vocab
+from megart.models.hf_files import DEFAULT_SHARD, parse_size, write_hf
 from megart.tensor_parallel._group import group_rank, group_size
 
 FORMATS = {m.MODEL_TYPE: m for m in (hf_gpt2, hf_llama)}  # by config.json's model_type
@@ -117,22 +119,17 @@ def writer(cfg: GPTConfig, expect: str | None = None) -> ModuleType:
     raise ConfigError("; and ".join(refusals))
 
 
-def write_hf(
-    fmt: ModuleType, cfg: GPTConfig, tensors: dict[str, torch.Tensor], path: str | Path
-) -> Path:
-    """Writes ``tensors`` (from ``fmt.hf_tensors``) and ``fmt``'s config.json into directory
-    ``path``."""
-    from safetensors.torch import save_file
-
-    root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
-    (root / "config.json").write_text(json.dumps(fmt.hf_config(cfg), indent=2))
-    return root
-
-
-def save_hf(model: Any, path: str, expect: str | None = None) -> None:
+def save_hf(
+    model: Any,
+    path: str,
+    expect: str | None = None,
+    dtype: str = "float32",
+    max_shard_size: str = DEFAULT_SHARD,
+) -> None:
+    """Writes ``model`` (megart's GPT, this rank's slice) as a Hugging Face directory; see
+    megart.models.hf_files.write_hf for ``dtype`` and ``max_shard_size``."""
     cfg: GPTConfig = model.cfg
+    limit = parse_size(max_shard_size)
     fmt = writer(cfg, expect)
     tp_group = model.chunk.tp_group
     params = dict(model.named_parameters())
@@ -143,4 +140,7 @@ def save_hf(model: Any, path: str, expect: str | None = None) -> None:
     # Every rank takes part in the gathers; tensor-parallel rank 0 writes.
     tensors = fmt.hf_tensors(cfg, full)
     if group_rank(tp_group) == 0:
-        write_hf(fmt, cfg, tensors, path)
+        write_hf(Path(path), fmt.hf_config(cfg), tensors, dtype, limit)
+    else:
+        for _ in tensors:  # the other ranks' part of each gather
+            pass

@@ -8,7 +8,7 @@ heads. Everything else maps one to one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -108,11 +108,13 @@ def check(cfg: GPTConfig) -> None:
     )
 
 
-def hf_tensors(cfg: GPTConfig, full: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GPT-2's tensors, by name, from ``full(name)``: the whole (not tensor-parallel) tensor of
-    parameter ``name`` of a one-chunk GPT, vocabulary padding included. Called in
+def hf_tensors(
+    cfg: GPTConfig, full: Callable[[str], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """GPT-2's tensors, (name, tensor) one at a time, from ``full(name)``: the whole (not
+    tensor-parallel) tensor of parameter ``name`` of a one-chunk GPT, vocabulary padding
+    included. A writer holds only what it writes next; every rank calls ``full`` in
     ``_mapping`` order, which gathers across ranks rely on."""
-    out = {}
     for ours, theirs, conv in _mapping(cfg):
         w = full(ours)
         if conv == "norm" and cfg.apply_layernorm_1p:
@@ -123,8 +125,7 @@ def hf_tensors(cfg: GPTConfig, full: Callable[[str], torch.Tensor]) -> dict[str,
             w = _qkv_from_heads(w, cfg.num_attention_heads)
         if "conv1d" in conv:
             w = w.t()
-        out["transformer." + theirs] = w.contiguous()
-    return out
+        yield "transformer." + theirs, w
 
 
 def hf_config(cfg: GPTConfig) -> dict[str, Any]:

@@ -18,7 +18,7 @@ differs is only where the weights sit:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -197,26 +197,37 @@ def to_megart(cfg: GPTConfig, take: Callable[[str], torch.Tensor]) -> dict[str, 
     return out
 
 
-def hf_tensors(cfg: GPTConfig, full: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Llama's tensors, by name, from ``full(name)``: the whole (not tensor-parallel) tensor
-    of parameter ``name`` of a one-chunk GPT, vocabulary padding included. Called in the
-    same order on every rank, which gathers across ranks rely on."""
-    out = {"model.embed_tokens.weight": full("chunk.wte.weight")[: cfg.vocab_size]}
-    if cfg.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = full("chunk.output_layer.weight")[: cfg.vocab_size]
-    for ours, theirs in _norm_names(cfg):
+def hf_tensors(
+    cfg: GPTConfig, full: Callable[[str], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Llama's tensors, (name, tensor) one at a time in Hugging Face's order (the embedding,
+    layer by layer, the final norm, the output layer), from ``full(name)``: the whole (not
+    tensor-parallel) tensor of parameter ``name`` of a one-chunk GPT, vocabulary padding
+    included. A writer holds only what it writes next; every rank calls ``full`` in the same
+    order, which gathers across ranks rely on."""
+
+    def scale(name: str) -> torch.Tensor:
         # Llama's RMSNorm holds the scale itself, not a zero-centred weight.
-        out[theirs] = full(ours) + 1 if cfg.apply_layernorm_1p else full(ours)
+        return full(name) + 1 if cfg.apply_layernorm_1p else full(name)
+
+    yield "model.embed_tokens.weight", full("chunk.wte.weight")[: cfg.vocab_size]
     kinds = ("weight", "bias") if cfg.bias else ("weight",)
     for i in range(cfg.num_layers):
-        g = f"model.layers.{i}.self_attn."
+        m, g = f"chunk.blocks.{i}.", f"model.layers.{i}."
+        yield g + "input_layernorm.weight", scale(m + "ln_1.weight")
+        yield g + "post_attention_layernorm.weight", scale(m + "ln_2.weight")
         for kind in kinds:
-            q, k, v = _split_qkv(cfg, full(f"chunk.blocks.{i}.attn.qkv.{kind}"))
+            q, k, v = _split_qkv(cfg, full(f"{m}attn.qkv.{kind}"))
             if cfg.rotary_interleaved:
                 q, k = _halves_order(q, cfg.head_dim), _halves_order(k, cfg.head_dim)
-            out.update({f"{g}q_proj.{kind}": q, f"{g}k_proj.{kind}": k, f"{g}v_proj.{kind}": v})
-            out.update({f"{h}.{kind}": full(f"{m}.{kind}") for m, h in _linear_names(cfg, i)})
-    return {name: w.contiguous() for name, w in out.items()}
+            yield f"{g}self_attn.q_proj.{kind}", q
+            yield f"{g}self_attn.k_proj.{kind}", k
+            yield f"{g}self_attn.v_proj.{kind}", v
+            for ours, theirs in _linear_names(cfg, i):
+                yield f"{theirs}.{kind}", full(f"{ours}.{kind}")
+    yield "model.norm.weight", scale("chunk.ln_f.weight")
+    if cfg.untie_embeddings_and_output_weights:
+        yield "lm_head.weight", full("chunk.output_layer.weight")[: cfg.vocab_size]
 
 
 def hf_config(cfg: GPTConfig) -> dict[str, Any]:

@@ -18,30 +18,42 @@ from pathlib import Path
 import torch
 
 from megart.errors import ConfigError
-from megart.models.hf import write_hf, writer
+from megart.models.hf import writer
+from megart.models.hf_files import DEFAULT_SHARD, DTYPES, parse_size, write_hf
 from megart.training.checkpoint import iteration_dir, model_config, required_latest_iteration
 from megart.training.shards import read_shards, whole_tensors
 
 
 def export_checkpoint(
-    load_dir: str | os.PathLike, output_dir: str | os.PathLike, iteration: int | None = None
+    load_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    iteration: int | None = None,
+    dtype: str = "float32",
+    max_shard_size: str = DEFAULT_SHARD,
 ) -> Path:
     """Writes the checkpoint of ``iteration`` (default: the latest) in ``load_dir`` as a
     directory that transformers' ``from_pretrained`` (GPT2LMHeadModel or LlamaForCausalLM) and
-    ``GPT.from_hf`` load; returns it. A missing checkpoint or file, or a model neither format
-    can represent, is a ConfigError."""
+    ``GPT.from_hf`` load, its weights in ``dtype`` (float32, bfloat16 or float16) in files of
+    at most ``max_shard_size`` (megart.models.hf_files); returns it. Each whole tensor is
+    merged from the memory-mapped files when it is written, so the export holds about one
+    weight file's worth. A missing checkpoint or file, or a model neither format can
+    represent, is a ConfigError."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    limit = parse_size(max_shard_size)
     root = iteration_dir(load_dir, _iteration(Path(load_dir), iteration))
     shards = read_shards(root)
     cfg = model_config(shards[0, 0])
     fmt = writer(cfg)
-    whole = whole_tensors(shards, cfg)
 
     def take(name: str) -> torch.Tensor:
+        whole = whole_tensors(shards, cfg, wanted=(name,))
         if name not in whole:
             raise ConfigError(f"{root}: no file holds {name}; the checkpoint is incomplete")
-        return whole.pop(name)  # popped: what conversion copies (transposes) is freed at once
+        return whole[name]
 
-    return write_hf(fmt, cfg, fmt.hf_tensors(cfg, take), output_dir)
+    tensors = fmt.hf_tensors(cfg, take)
+    return write_hf(Path(output_dir), fmt.hf_config(cfg), tensors, dtype, limit)
 
 
 def _iteration(load_dir: Path, iteration: int | None) -> int:
