@@ -257,8 +257,8 @@ def rewritten(path: Path, to: Path, **changes) -> Path:
         ({"head_dim": 16}, "head_dim 16 (megart's heads are hidden_size / num_attention_heads"),
         ({"attention_bias": True}, "attention_bias True with mlp_bias False"),
         (
-            {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-            "rope scaling {'rope_type': 'linear', 'factor': 2.0} (megart's --use-rope-scaling",
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            "rope scaling {'rope_type': 'dynamic', 'factor': 2.0} (megart's --use-rope-scaling",
         ),
         (  # llama3 with constants other than Llama 3.x's (and Megatron-Core's)
             {"rope_scaling": dict(LLAMA3_SCALING, original_max_position_embeddings=4096)},

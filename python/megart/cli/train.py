@@ -157,6 +157,9 @@ HELP = {
     "--rope-scaling-factor, those turning over 4 times kept, a smooth blend between",
     "rope_scaling_factor": "with --use-rope-scaling: what the slow frequencies are divided by "
     "(at least 1)",
+    "rotary_seq_len_interpolation_factor": "position interpolation: rope turns position p as "
+    "it would p / F (Hugging Face's rope type linear), to fit a context F times longer into "
+    "the angles trained; any positive number (Megatron-LM takes integers)",
     "attention_backend": "auto, flash, fused (torch's sdpa picks the kernel), unfused or local "
     "(its math kernel)",
     "tokenizer_type": "the tokenizer whose vocabulary the model has (GPT2BPETokenizer is implied "

@@ -151,14 +151,23 @@ def rotary(
     device: torch.device,
     base: float = 10000.0,
     scaling_factor: float | None = None,
+    interpolation_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, [seq, dim/2]: position p turns pair i by
     p base^(-2i/dim) (RoFormer's, base 10000 by default as Megatron's --rotary-base); with
-    ``scaling_factor`` those frequencies first scaled by Llama 3.x's rule (llama3_inv_freq)."""
+    ``scaling_factor`` those frequencies first scaled by Llama 3.x's rule (llama3_inv_freq);
+    with ``interpolation_factor`` F position p turns as p / F would (position interpolation,
+    Megatron's --rotary-seq-len-interpolation-factor)."""
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     if scaling_factor is not None:
         inv = llama3_inv_freq(inv, scaling_factor)
-    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    positions = torch.arange(seq, device=device, dtype=torch.float32)
+    if interpolation_factor is not None:
+        # Times the reciprocal, in float32, as Megatron-Core's RotaryEmbedding computes it, so
+        # that the angles are its to the bit (Hugging Face divides the frequencies instead:
+        # the same angles to a few units in the last place).
+        positions = positions * (1 / interpolation_factor)
+    angles = torch.outer(positions, inv)
     return angles.cos(), angles.sin()
 
 

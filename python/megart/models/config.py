@@ -60,6 +60,14 @@ class GPTConfig:
     # without rope_scaling; 8.0 is Megatron's default (and Llama 3.1's).
     rope_scaling: bool = False
     rope_scaling_factor: float = 8.0
+    # Megatron's --rotary-seq-len-interpolation-factor (Megatron-Core's RotaryEmbedding
+    # seq_len_interpolation_factor; Hugging Face's rope type "linear"): position interpolation
+    # (Chen et al. 2023), positions divided by the factor before rope turns them, so that a
+    # context F times longer than training's spans the angles training saw. Every frequency is
+    # slowed alike, unlike rope_scaling; Megatron-Core applies both when both are given (the
+    # frequencies scaled, then the positions divided), and so does megart. None: positions as
+    # they are.
+    rotary_seq_len_interpolation_factor: float | None = None
     # Megatron's --attention-backend: "unfused" and "local" run the math kernel (explicit
     # scores); "auto", "flash" and "fused" let torch's scaled_dot_product_attention choose.
     attention_backend: str = "auto"
@@ -141,6 +149,20 @@ class GPTConfig:
                 "the slow frequencies are divided by it, so it must be at least 1 (1 leaves "
                 "them unscaled; Llama 3.1's is 8, Llama 3.2's 32)"
             )
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and self.position_embedding != "rotary":
+            raise ConfigError(
+                "--rotary-seq-len-interpolation-factor (rotary_seq_len_interpolation_factor) "
+                "divides rope's positions: add --position-embedding-type rope "
+                "(position_embedding='rotary') or leave it out"
+            )
+        if factor is not None and not 0 < factor < math.inf:  # also refuses NaN
+            raise ConfigError(
+                f"--rotary-seq-len-interpolation-factor {factor:g} "
+                "(rotary_seq_len_interpolation_factor): rope's positions are divided by it, so "
+                "it must be a positive finite number (above 1 to fit a longer context into the "
+                "trained angles; leave it out for none)"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -213,6 +235,12 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
             + (
                 f" --use-rope-scaling --rope-scaling-factor {cfg.rope_scaling_factor:g}"
                 if cfg.rope_scaling
+                else ""
+            )
+            + (
+                " --rotary-seq-len-interpolation-factor "
+                f"{cfg.rotary_seq_len_interpolation_factor:g}"
+                if cfg.rotary_seq_len_interpolation_factor is not None
                 else ""
             )
             if cfg.position_embedding == "rotary"

@@ -137,7 +137,14 @@ class GPTChunk(nn.Module):
         if self.cfg.position_embedding == "rotary":
             t = group_size(self.tp_group) if self.sequence_parallel else 1
             scale = self.cfg.rope_scaling_factor if self.cfg.rope_scaling else None
-            rope = rotary(x.shape[0] * t, self.cfg.head_dim, x.device, self.cfg.rotary_base, scale)
+            rope = rotary(
+                x.shape[0] * t,
+                self.cfg.head_dim,
+                x.device,
+                self.cfg.rotary_base,
+                scale,
+                self.cfg.rotary_seq_len_interpolation_factor,
+            )
         x = self._blocks(x, rope)
         if not self.last:
             return x

@@ -2,9 +2,10 @@
 
 A Llama is megart's GPT with --normalization RMSNorm, --position-embedding-type rope and
 --swiglu; grouped-query attention, untied output weights, biases (Llama's attention_bias and
-mlp_bias together), --rotary-base, --use-rope-scaling (Llama 3.x's, the rope type "llama3")
-and --apply-layernorm-1p all have a Llama spelling. What
-differs is only where the weights sit:
+mlp_bias together), --rotary-base, --use-rope-scaling (Llama 3.x's, the rope type "llama3"),
+--rotary-seq-len-interpolation-factor (the rope type "linear"; not together with
+--use-rope-scaling, which no one rope type spells) and --apply-layernorm-1p all have a Llama
+spelling. What differs is only where the weights sit:
 - megart fuses q, k and v into one projection whose rows are grouped per query group, [q of
   the group's heads, k, v], so that a tensor-parallel slice holds whole groups; Llama keeps
   q_proj, k_proj and v_proj, each in head order (query head j uses key/value head j // (heads /
@@ -93,6 +94,16 @@ def check(cfg: GPTConfig) -> None:
         ],
         "only models with RMSNorm, rotary positions and SwiGLU can be written in its format",
     )
+    if cfg.rope_scaling and cfg.rotary_seq_len_interpolation_factor is not None:
+        # Hugging Face's config holds one rope type: "llama3" scales the frequencies, "linear"
+        # divides the positions, and none does both, as Megatron-Core does when given both.
+        raise ConfigError(
+            f"a {NAME} checkpoint cannot represent --use-rope-scaling --rope-scaling-factor "
+            f"{cfg.rope_scaling_factor:g} together with --rotary-seq-len-interpolation-factor "
+            f"{cfg.rotary_seq_len_interpolation_factor:g} (Hugging Face's rope type is llama3 "
+            "or linear, not both); only a model trained with one of them can be written in "
+            "its format"
+        )
 
 
 # Hugging Face's "llama3" rope type with the constants megart's --use-rope-scaling fixes (as
@@ -115,20 +126,24 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(base), scaling
 
 
-def _rope_scaling(scaling: dict[str, Any] | None) -> tuple[bool, float, str | None]:
-    """(rope_scaling, rope_scaling_factor, what megart cannot take) for Hugging Face's rope
-    scaling: its "llama3" type with Llama 3.x's constants is --use-rope-scaling."""
+def _rope_scaling(scaling: dict[str, Any] | None) -> tuple[dict[str, Any], str | None]:
+    """(GPTConfig's rope scaling fields, what megart cannot take) for Hugging Face's rope
+    scaling: its "llama3" type with Llama 3.x's constants is --use-rope-scaling, its "linear"
+    type (positions divided by the factor) --rotary-seq-len-interpolation-factor."""
     if scaling is None:
-        return False, 8.0, None
+        return {}, None
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear" and scaling.get("factor") is not None:
+        return {"rotary_seq_len_interpolation_factor": float(scaling["factor"])}, None
     fixed = {k: scaling.get(k) for k in LLAMA3_FIXED}
-    if kind != "llama3" or fixed != LLAMA3_FIXED:
-        why = (
-            f"rope scaling {scaling} (megart's --use-rope-scaling is the llama3 rope type "
-            f"with {LLAMA3_FIXED}, as Megatron-LM's)"
-        )
-        return False, 8.0, why
-    return True, float(scaling["factor"]), None
+    if kind == "llama3" and fixed == LLAMA3_FIXED:
+        return {"rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}, None
+    why = (
+        f"rope scaling {scaling} (megart's --use-rope-scaling is the llama3 rope type with "
+        f"{LLAMA3_FIXED}, as Megatron-LM's, and its --rotary-seq-len-interpolation-factor the "
+        "linear type with a factor)"
+    )
+    return {}, why
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
@@ -148,7 +163,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
             "bias-linear takes every linear layer's bias or none)"
         )
     base, scaling = _rope(hf)
-    rope_scaling, factor, unsupported = _rope_scaling(scaling)
+    scaled, unsupported = _rope_scaling(scaling)
     if unsupported:
         problems.append(unsupported)
     if problems:
@@ -170,8 +185,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         normalization="rmsnorm",
         position_embedding="rotary",
         rotary_base=base,
-        rope_scaling=rope_scaling,
-        rope_scaling_factor=factor,
+        **scaled,
         activation="swiglu",
         bias=bool(attention_bias),
         # transformers' LlamaConfig unties by default.
@@ -236,6 +250,8 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
     scaling = None
     if cfg.rope_scaling:
         scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, **LLAMA3_FIXED}
+    elif cfg.rotary_seq_len_interpolation_factor is not None:  # check() refuses both
+        scaling = {"rope_type": "linear", "factor": cfg.rotary_seq_len_interpolation_factor}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": MODEL_TYPE,

@@ -140,6 +140,9 @@ class TrainConfig:
     rotary_interleaved: bool = False  # rotate adjacent pairs instead of the halves
     use_rope_scaling: bool = False  # Llama 3.x's frequency scaling (GPTConfig.rope_scaling)
     rope_scaling_factor: float = 8.0  # Megatron's default, Llama 3.1's
+    # Position interpolation: rope's positions divided by this (Megatron-LM takes an integer;
+    # megart any positive number, as Hugging Face's rope type "linear").
+    rotary_seq_len_interpolation_factor: float | None = None
     attention_backend: str = "auto"
     tokenizer_type: str | None = None
     vocab_file: str | None = None
@@ -315,6 +318,9 @@ class TrainConfig:
             rotary_interleaved=self.rotary_interleaved,
             rope_scaling=self.use_rope_scaling,
             rope_scaling_factor=float(self.rope_scaling_factor),
+            rotary_seq_len_interpolation_factor=None
+            if self.rotary_seq_len_interpolation_factor is None
+            else float(self.rotary_seq_len_interpolation_factor),
             attention_backend=self.attention_backend,
             init_std=self.init_method_std,
             seed=self.seed,

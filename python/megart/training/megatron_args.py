@@ -42,6 +42,8 @@ def megatron_args(
         rotary_interleaved=cfg.rotary_interleaved,
         use_rope_scaling=cfg.rope_scaling,
         rope_scaling_factor=cfg.rope_scaling_factor,
+        # Megatron-LM's flag is an integer: written as one where it is (megart takes any).
+        rotary_seq_len_interpolation_factor=_integral(cfg.rotary_seq_len_interpolation_factor),
         swiglu=cfg.activation == "swiglu",
         add_bias_linear=cfg.bias,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
@@ -54,12 +56,19 @@ def megatron_args(
     )
 
 
+def _integral(x: float | None) -> float | int | None:
+    """``x`` as an int where it is a whole number, else as it is."""
+    return int(x) if x is not None and float(x).is_integer() else x
+
+
 def config_from_args(a: dict[str, Any]) -> GPTConfig:
     """The GPTConfig Megatron-LM's flags (``vars(args)``) describe."""
     rope = a.get("position_embedding_type") == "rope"
     # Megatron-LM's args from before it had the flags lack both: no scaling. Megatron ignores
     # them without rope (GPTConfig refuses that pair), and the factor without the scaling.
     scaled = rope and bool(a.get("use_rope_scaling", False))
+    # Likewise absent from older args (no interpolation), and ignored by Megatron without rope.
+    interpolation = a.get("rotary_seq_len_interpolation_factor") if rope else None
     return GPTConfig(
         vocab_size=a.get("vocab_size") or a["padded_vocab_size"],
         seq_length=a["seq_length"],
@@ -78,6 +87,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         rotary_interleaved=bool(a.get("rotary_interleaved", False)),
         rope_scaling=scaled,
         rope_scaling_factor=float(a.get("rope_scaling_factor", 8.0)) if scaled else 8.0,
+        rotary_seq_len_interpolation_factor=None if interpolation is None else float(interpolation),
         activation="swiglu" if a.get("swiglu") else "gelu",
         bias=a.get("add_bias_linear", True),
         untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),

@@ -11,6 +11,10 @@ What each does in megart:
   frequencies, as Megatron-Core's RotaryEmbedding and Hugging Face's rope type llama3 (see
   GPTConfig.rope_scaling); a factor other than 8.0 without --use-rope-scaling is refused
   (Megatron ignores it), as is --use-rope-scaling without --position-embedding-type rope.
+- --rotary-seq-len-interpolation-factor F: position interpolation, rope's positions divided by
+  F, as Megatron-Core's RotaryEmbedding and Hugging Face's rope type linear (see
+  GPTConfig.rotary_seq_len_interpolation_factor); with --use-rope-scaling both apply, as in
+  Megatron-Core. Refused without --position-embedding-type rope and for F <= 0.
 - --attention-backend: auto, flash and fused let torch's scaled_dot_product_attention pick its
   kernel; unfused and local run its math kernel (the explicit s x s scores).
 - --tokenizer-type GPT2BPETokenizer (--vocab-file, --merge-file; implied by those two, as the
@@ -115,8 +119,6 @@ FUSIONS_OFF = {
 # Megatron-LM flags (of its GPT and Llama example scripts and their neighbours) that megart
 # cannot honour yet: refused by name, with what to do instead.
 NOT_YET = {
-    "--rotary-seq-len-interpolation-factor": "megart's rope has no position interpolation; "
-    "leave it out",
     **{
         f"--fp8-{name}": _FP8
         for name in (
