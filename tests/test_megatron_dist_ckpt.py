@@ -150,6 +150,39 @@ def test_megart_reads_what_megatron_core_saves(tmp_path, kind, tp, pp):
     assert (logits - theirs[..., : cfg.vocab_size]).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("tp,pp", [(2, 2), (1, 1)])
+def test_megatron_core_runs_a_transformers_llama_converted_from_hf(tmp_path, tp, pp):
+    """convert-checkpoint --from hf --to megatron: transformers' own Llama (grouped-query,
+    untied), written as a torch_dist store for tp x pp, is read by Megatron-Core's ranks and
+    its pipeline computes transformers' logits."""
+    import megatron_dist_workers as mdw
+
+    transformers = pytest.importorskip("transformers")
+    cfg = _cfg("llama")
+    config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.query_groups,
+        intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.seq_length,
+        rms_norm_eps=cfg.layernorm_epsilon, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    hf = transformers.LlamaForCausalLM(config).double().eval()
+    hf.float().save_pretrained(tmp_path / "hf")
+    flags = ["--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp)]
+    assert main(["convert-checkpoint", "--from", "hf", "--to", "megatron", "--ckpt-format",
+                 "torch_dist", *flags, "--load", str(tmp_path / "hf"),
+                 "--save", str(tmp_path / "dist")]) == 0  # fmt: skip
+    with torch.no_grad():
+        want = hf.double()(_tokens(cfg)).logits
+    results = launch(mdw.load_and_run, tp * pp, str(tmp_path / "dist"), _tokens(cfg), tp, pp,
+                     timeout=300)  # fmt: skip
+    last = [r for r in results if r is not None]
+    assert len(last) == tp
+    for got in last:
+        assert (got[..., : cfg.vocab_size] - want).abs().max().item() < 1e-5
+    assert want.abs().max().item() > 0.1
+
+
 def test_round_trip_keeps_every_weight(tmp_path):
     cfg = _cfg("llama")
     weights = _megart_checkpoint(cfg, tmp_path / "megart")

@@ -7,6 +7,12 @@ Llama's format, by the model's architecture), in one process.
         [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
     megart convert-checkpoint --from megatron --to megart --load MEGATRON_CKPT --save OUT
     megart convert-checkpoint --from megatron --to hf --load MEGATRON_CKPT --save HF_DIR
+    megart convert-checkpoint --from hf --to megatron --load HF_DIR --save OUT \
+        [--ckpt-format torch_dist] \
+        [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
+
+A Hugging Face directory (GPT-2's or Llama's, save_pretrained files) goes through a megart
+release checkpoint (megart import-hf), so --from hf --to megart is import-hf itself.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ def convert(
     pp: int | None = None,
     ckpt_format: str = "torch",
 ) -> str:
-    """Converts the latest checkpoint in ``load``; returns what was written. ``tp`` and
+    """Converts the latest checkpoint in ``load`` (or the Hugging Face directory ``load``);
+    returns what was written. ``tp`` and
     ``pp``: the layout of a Megatron-LM checkpoint written (by default the source's);
     ``ckpt_format``: its format (a Megatron-LM checkpoint read is either)."""
     from megart.training.export_hf import export_checkpoint
+    from megart.training.import_hf import import_checkpoint
     from megart.training.megatron_checkpoint import megart_to_megatron, megatron_to_megart
 
     if source == target:
@@ -47,11 +55,14 @@ def convert(
             f"--ckpt-format {ckpt_format} sets the format of a Megatron-LM checkpoint written: "
             "use it with --to megatron only (a Megatron-LM checkpoint read may be either)"
         )
+    if source == "hf" and target == "megatron":
+        with tempfile.TemporaryDirectory() as tmp:  # hf -> megart -> megatron
+            import_checkpoint(load, tmp)
+            return _megatron_files(megart_to_megatron(tmp, save, tp, pp, ckpt_format), ckpt_format)
+    if source == "hf":
+        return f"{import_checkpoint(load, save)} (megart release checkpoint)"
     if source == "megart" and target == "megatron":
-        files = megart_to_megatron(load, save, tp, pp, ckpt_format)
-        if ckpt_format == "torch_dist":
-            return f"{files[0]}: Megatron-LM torch_dist checkpoint (weights)"
-        return f"{files[0].parents[1]}: {len(files)} rank files (Megatron-LM legacy, weights)"
+        return _megatron_files(megart_to_megatron(load, save, tp, pp, ckpt_format), ckpt_format)
     if source == "megart":
         return _hf_files(export_checkpoint(load, save))
     if target == "megart":
@@ -59,6 +70,12 @@ def convert(
     with tempfile.TemporaryDirectory() as tmp:  # megatron -> megart -> hf
         megatron_to_megart(load, tmp)
         return _hf_files(export_checkpoint(tmp, save))
+
+
+def _megatron_files(files: list[Path], ckpt_format: str) -> str:
+    if ckpt_format == "torch_dist":
+        return f"{files[0]}: Megatron-LM torch_dist checkpoint (weights)"
+    return f"{files[0].parents[1]}: {len(files)} rank files (Megatron-LM legacy, weights)"
 
 
 def _hf_files(out: Path) -> str:
@@ -71,9 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="megart convert-checkpoint", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--from", dest="source", required=True, choices=("megart", "megatron"))
+    p.add_argument("--from", dest="source", required=True, choices=("megart", "megatron", "hf"))
     p.add_argument("--to", dest="target", required=True, choices=("megart", "megatron", "hf"))
-    p.add_argument("--load", required=True, metavar="DIR", help="the checkpoint directory")
+    p.add_argument(
+        "--load", required=True, metavar="DIR", help="the checkpoint (or Hugging Face) directory"
+    )
     p.add_argument("--save", required=True, metavar="DIR", help="where to write")
     for what in ("tensor", "pipeline"):
         p.add_argument(
