@@ -2,6 +2,7 @@
 as a LlamaForCausalLM directory and read back, against transformers' own Llama: its logits,
 its files, and training from it under tensor and pipeline parallelism."""
 
+import argparse
 import dataclasses
 import json
 import tempfile
@@ -16,11 +17,14 @@ import gpt_workers as gw
 import train_workers as tw
 from megart import ConfigError
 from megart.cli.main import main as megart_main
+from megart.cli.train import add_arguments, config_from_args
 from megart.launcher import launch
 from megart.models import GPT, GPTConfig
+from megart.models.config import architecture_flags
 from megart.models.hf_llama import LLAMA3_FIXED
+from megart.training.config import TrainConfig
 from megart.training.export_hf import export_checkpoint
-from megart.training.import_hf import import_checkpoint
+from megart.training.import_hf import import_checkpoint, train_flags
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -176,14 +180,33 @@ def test_a_parallel_llama_checkpoint_exports_what_its_ranks_trained(tmp_path, ca
     assert relative_error(transformers_logits(out, x), ours) < 1e-5
 
 
-def test_import_hf_of_a_llama_trains_under_tp2_pp2_at_its_own_sequence_length(hf_llama, tmp_path):
+def train_config(argv: list[str]) -> TrainConfig:
+    """The TrainConfig that ``megart train ARGV`` runs."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_import_hf_of_a_llama_trains_under_tp2_pp2_with_the_flags_it_prints(
+    hf_llama, tmp_path, capsys
+):
     path, hf = hf_llama
     ckpt = tmp_path / "ckpt"
     assert megart_main(["import-hf", "--input", str(path), "--save", str(ckpt)]) == 0
-    # Saved at max_position_embeddings (64); trained at 16: rotary weights take any length.
+    printed = capsys.readouterr().out
+    flags = printed.split(f"train with --load {ckpt} ")[1].split()
+    # The model as printed (its sizes, RMSNorm, rope base, epsilon, groups, untied, no
+    # biases); then this test's run: the layout, and 16 positions where the checkpoint was
+    # saved at max_position_embeddings (64), since rotary weights take any length.
+    model = {
+        k: v
+        for k, v in dataclasses.asdict(train_config(flags)).items()
+        if v != getattr(TrainConfig(), k)
+    }
+    assert model["rotary_base"] == 500000 and model["num_query_groups"] == 2
     layout = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    kw = dict(load=str(ckpt), train_iters=2, lr_warmup_iters=0, **LLAMA_FLAGS, **layout)
-    kw.update(layernorm_epsilon=1e-6, rotary_base=500000.0)  # HF_TINY's (LlamaConfig's eps)
+    kw = dict(model, load=str(ckpt), train_iters=2, lr_warmup_iters=0, seq_length=16, **layout)
+    kw.update(hidden_dropout=0.0, attention_dropout=0.0)
     runs = launch(tw.loaded_and_first_step, 4, kw, timeout=300)
     reference = dict(GPT.from_hf(str(path)).named_parameters())
     merged = {}
@@ -198,6 +221,37 @@ def test_import_hf_of_a_llama_trains_under_tp2_pp2_at_its_own_sequence_length(hf
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
     assert history[0]["loss"] == pytest.approx(want, rel=1e-5)
     assert history[1]["loss"] < history[0]["loss"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    llama_style=st.booleans(),
+    groups=st.sampled_from([1, 2, 4]),
+    untied=st.booleans(),
+    bias=st.booleans(),
+    one_p=st.booleans(),
+    base=st.sampled_from([10000.0, 500000.0, 1e6]),
+    eps=st.sampled_from([1e-5, 1e-6]),
+    scaling=st.sampled_from([None, 8.0, 32.0]),
+    interpolation=st.sampled_from([None, 2.0, 4.0]),
+)
+def test_train_flags_build_the_model_they_were_printed_for(
+    llama_style, groups, untied, bias, one_p, base, eps, scaling, interpolation
+):
+    kw = LLAMA if llama_style else {}
+    rope = dict(rotary_base=base, rotary_seq_len_interpolation_factor=interpolation)
+    if scaling:
+        rope.update(rope_scaling=True, rope_scaling_factor=scaling)
+    cfg = GPTConfig(
+        vocab_size=100, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
+        ffn_hidden_size=48, num_query_groups=None if groups == 4 else groups,
+        untie_embeddings_and_output_weights=untied, bias=bias, apply_layernorm_1p=one_p,
+        layernorm_epsilon=eps, **kw, **(rope if llama_style else {}),
+    )  # fmt: skip
+    built = train_config(train_flags(cfg)).gpt_config()
+    assert architecture_flags(built) == architecture_flags(cfg)
+    sizes = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+    assert [getattr(built, f) for f in sizes] == [getattr(cfg, f) for f in sizes]
 
 
 @pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1's and Llama 3.2's

@@ -2,7 +2,8 @@
 layout.
 
     import_checkpoint("gpt2-dir", "ckpt")  # megart import-hf --input gpt2-dir --save ckpt
-    # then: megart train --load ckpt --vocab-size 50257 --num-layers 12 ... (any tp x pp)
+    # then: megart train --load ckpt --vocab-size 50257 --num-layers 12 ... (any tp x pp),
+    # the model's flags as train_flags gives them (import-hf prints them)
 
 The checkpoint is what Megatron calls a release checkpoint: the weights alone, in one
 tensor- and pipeline-parallel rank's file, marked ``release``. ``--load`` of it loads the
@@ -17,7 +18,8 @@ import os
 from pathlib import Path
 
 from megart.errors import ConfigError
-from megart.models import GPT
+from megart.models import GPT, GPTConfig
+from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS
 from megart.training.checkpoint import write_release
 
 
@@ -54,3 +56,43 @@ def import_checkpoint(
             # are the model for shorter sequences.
             weights["wpe.weight"] = weights["wpe.weight"][:seq_length].clone()
     return write_release(save_dir, cfg, weights, list(model.chunk.layer_ids))
+
+
+def train_flags(cfg: GPTConfig) -> list[str]:
+    """The ``megart train`` arguments (Megatron-LM's flags, as an argv list) that build
+    ``cfg``'s model, so that ``--load`` of its checkpoint finds the model it was saved with:
+    sizes, then architecture."""
+
+    def number(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+    flags = [
+        f"--num-layers {cfg.num_layers}",
+        f"--hidden-size {cfg.hidden_size}",
+        f"--num-attention-heads {cfg.num_attention_heads}",
+        f"--ffn-hidden-size {cfg.ffn_size}",
+        f"--seq-length {cfg.seq_length}",
+        f"--vocab-size {cfg.vocab_size}",
+        f"--normalization {MEGATRON_NORMS[cfg.normalization]}",
+        f"--layernorm-epsilon {cfg.layernorm_epsilon!r}",
+        f"--position-embedding-type {MEGATRON_POSITIONS[cfg.position_embedding]}",
+    ]
+    switches = {
+        "--apply-layernorm-1p": cfg.apply_layernorm_1p,
+        "--swiglu": cfg.activation == "swiglu",
+        "--disable-bias-linear": not cfg.bias,
+        "--untie-embeddings-and-output-weights": cfg.untie_embeddings_and_output_weights,
+    }
+    flags += [flag for flag, on in switches.items() if on]
+    if cfg.query_groups != cfg.num_attention_heads:
+        flags.append(f"--group-query-attention --num-query-groups {cfg.query_groups}")
+    if cfg.position_embedding == "rotary":
+        flags.append(f"--rotary-base {number(cfg.rotary_base)}")
+        if cfg.rotary_interleaved:
+            flags.append("--rotary-interleaved")
+        if cfg.rope_scaling:
+            flags.append(f"--use-rope-scaling --rope-scaling-factor {cfg.rope_scaling_factor!r}")
+        if cfg.rotary_seq_len_interpolation_factor is not None:
+            factor = cfg.rotary_seq_len_interpolation_factor
+            flags.append(f"--rotary-seq-len-interpolation-factor {number(factor)}")
+    return " ".join(flags).split()
