@@ -316,6 +316,8 @@ def test_export_in_bfloat16_rounds_each_weight_and_says_so(one_process, tmp_path
     got = tensors(out)
     for name, value in expected.items():
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], value.bfloat16()), name
+    with pytest.raises(ConfigError, match="--dtype int8: use one of float32, bfloat16"):
+        GPT(small()).save_hf(str(tmp_path / "int8"), dtype="int8")
     for size in ("0", "5XB", "GB"):
         argv = ["export-hf", "--load", str(ckpt), "--output", str(out), "--max-shard-size", size]
         assert megart_main(argv) == 2

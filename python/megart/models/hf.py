@@ -25,7 +25,7 @@ import megart.distributed as dist
 from megart.errors import ConfigError
 from megart.models import hf_gpt2, hf_llama
 from megart.models.config import GPTConfig, fit_vocab
-from megart.models.hf_files import DEFAULT_SHARD, parse_size, write_hf
+from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
 from megart.tensor_parallel._group import group_rank, group_size
 
 FORMATS = {m.MODEL_TYPE: m for m in (hf_gpt2, hf_llama)}  # by config.json's model_type
@@ -51,7 +51,7 @@ def read_format(path: str | Path, expect: str | None = None) -> tuple[ModuleType
 
 
 def format_name(path: str | Path) -> str:
-    """ "GPT-2" or "Llama": the format of the directory ``path`` (one that megart wrote)."""
+    """The name of the format ("GPT-2" or "Llama") of the directory ``path``."""
     return read_format(path)[0].NAME
 
 
@@ -129,6 +129,8 @@ def save_hf(
     """Writes ``model`` (megart's GPT, this rank's slice) as a Hugging Face directory; see
     megart.models.hf_files.write_hf for ``dtype`` and ``max_shard_size``."""
     cfg: GPTConfig = model.cfg
+    # Checked before the gathers, on every rank: none may stop while the others wait.
+    check_dtype(dtype)
     limit = parse_size(max_shard_size)
     fmt = writer(cfg, expect)
     tp_group = model.chunk.tp_group

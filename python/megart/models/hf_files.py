@@ -36,6 +36,11 @@ def parse_size(text: str) -> int:
     return int(match[1]) * _UNITS[(match[2] or "").upper()]
 
 
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+
+
 def write_hf(
     root: Path,
     config: dict[str, Any],

@@ -19,7 +19,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models.hf import writer
-from megart.models.hf_files import DEFAULT_SHARD, DTYPES, parse_size, write_hf
+from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
 from megart.training.checkpoint import iteration_dir, model_config, required_latest_iteration
 from megart.training.shards import read_shards, whole_tensors
 
@@ -38,8 +38,7 @@ def export_checkpoint(
     merged from the memory-mapped files when it is written, so the export holds about one
     weight file's worth. A missing checkpoint or file, or a model neither format can
     represent, is a ConfigError."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    check_dtype(dtype)
     limit = parse_size(max_shard_size)
     root = iteration_dir(load_dir, _iteration(Path(load_dir), iteration))
     shards = read_shards(root)
