@@ -322,3 +322,47 @@ def test_export_in_bfloat16_rounds_each_weight_and_says_so(one_process, tmp_path
         argv = ["export-hf", "--load", str(ckpt), "--output", str(out), "--max-shard-size", size]
         assert megart_main(argv) == 2
         assert "give a positive size such as 5GB" in capsys.readouterr().err
+
+
+def small_tokenizer(directory, byte_level: bool = False):
+    """A Hugging Face tokenizer saved in ``directory``: BPE over a few words (a dozen tokens),
+    or over all 256 bytes (more than tiny()'s 256-token vocabulary)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel() if byte_level else pre_tokenizers.Whitespace()
+    special = ["<unk>", "<s>", "</s>"]
+    bpe.train_from_iterator(["hello world", "held a word"] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_level else [],
+    ))  # fmt: skip
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(directory)
+    return fast
+
+
+def test_export_with_the_tokenizer_gives_a_directory_that_generates(one_process, tmp_path, capsys):
+    ckpt, _ = one_process
+    tokenizer = small_tokenizer(tmp_path / "tok")
+    out = tmp_path / "hf"
+    argv = ["export-hf", "--load", str(ckpt), "--output", str(out)]
+    assert megart_main([*argv, "--tokenizer-model", str(tmp_path / "tok")]) == 0
+    assert capsys.readouterr().out.endswith(f"(GPT-2); the tokenizer of {tmp_path / 'tok'}\n")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)  # <s>, </s>
+    back = transformers.AutoTokenizer.from_pretrained(out)
+    assert back("hello world held")["input_ids"] == tokenizer("hello world held")["input_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = back("hello world", return_tensors="pt")
+    with torch.no_grad():
+        generated = model.generate(**prompt, max_new_tokens=3, do_sample=False)
+    assert generated.shape == (1, prompt["input_ids"].shape[1] + 3)
+    # A tokenizer with more tokens than the model's vocabulary is refused before any weight.
+    small_tokenizer(tmp_path / "bytes", byte_level=True)
+    assert megart_main([*argv[:-1], str(tmp_path / "x"), "--tokenizer-model",
+                        str(tmp_path / "bytes")]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "tokens and the model's vocabulary 256: give the tokenizer the model" in err
+    assert not (tmp_path / "x").exists()

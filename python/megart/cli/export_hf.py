@@ -5,6 +5,7 @@ files are merged here, with no launcher and no process group.
 
     megart export-hf --load CHECKPOINT_DIR --output HF_DIR [--iteration N]
         [--dtype {float32,bfloat16,float16}] [--max-shard-size 5GB]
+        [--tokenizer-model NAME_OR_DIR]
 
 HF_DIR then holds config.json and model.safetensors (or numbered files and their index, as
 save_pretrained shards a model larger than --max-shard-size) in GPT-2's format (a model of GPT-2's
@@ -45,6 +46,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the largest weight file, as transformers' save_pretrained takes it (5GB, 500MB, "
         "2GiB; default 5GB); a larger model is written in numbered files with an index",
     )
+    p.add_argument(
+        "--tokenizer-model",
+        metavar="NAME_OR_DIR",
+        help="a Hugging Face tokenizer (directory, or name in the local cache) to save beside "
+        "the weights, as megart train's --tokenizer-model takes it: the directory then "
+        "generates text as it is",
+    )
     args = p.parse_args(argv)
 
     def convert() -> str:
@@ -53,10 +61,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megart.training.export_hf import export_checkpoint
 
         out = export_checkpoint(
-            args.load, args.output, args.iteration, args.dtype, args.max_shard_size
+            args.load,
+            args.output,
+            args.iteration,
+            args.dtype,
+            args.max_shard_size,
+            args.tokenizer_model,
         )
         shards = len(list(out.glob("model-*-of-*.safetensors")))
         files = f"{INDEX} and {shards} weight files" if shards else "model.safetensors"
-        return f"{out}: config.json and {files} ({format_name(out)})"
+        tokenizer = f"; the tokenizer of {args.tokenizer_model}" if args.tokenizer_model else ""
+        return f"{out}: config.json and {files} ({format_name(out)}){tokenizer}"
 
     return run_conversion("megart export-hf", convert)

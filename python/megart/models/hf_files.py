@@ -89,3 +89,27 @@ def write_hf(
         (root / INDEX).write_text(json.dumps(index, indent=2))
     (root / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2))
     return root
+
+
+def load_tokenizer(name_or_dir: str, vocab_size: int) -> Any:
+    """The Hugging Face tokenizer ``name_or_dir`` (a directory, or a name in the local cache),
+    to be saved beside exported weights; refused when it has more tokens than the model."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_dir)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--tokenizer-model {name_or_dir}: {e}") from e
+    if len(tokenizer) > vocab_size:
+        raise ConfigError(
+            f"--tokenizer-model {name_or_dir} has {len(tokenizer)} tokens and the model's "
+            f"vocabulary {vocab_size}: give the tokenizer the model was trained with"
+        )
+    return tokenizer
+
+
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """config.json's bos_token_id and eos_token_id (what generation stops at) from the
+    tokenizer, where it has them."""
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    return {key: value for key, value in ids.items() if value is not None}
