@@ -80,6 +80,7 @@ def megatron_model(
             rotary_base=int(cfg.rotary_base),
             rope_scaling=cfg.rope_scaling,
             rope_scaling_factor=cfg.rope_scaling_factor,
+            seq_len_interpolation_factor=cfg.rotary_seq_len_interpolation_factor,
             share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
             pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),

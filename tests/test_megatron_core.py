@@ -3,8 +3,8 @@ index, local transformer spec, CPU, float64): Megatron-Core loads megart's weigh
 (names mapped by megart.models.megatron_names) and computes the same logits, and megart loads a
 Megatron-Core model's weights and computes its logits, for GPT-2-style and Llama-style models
 (RMSNorm, rope rotating halves or, with --rotary-interleaved, adjacent pairs, SwiGLU, GQA,
-untied output layer, --use-rope-scaling), and with --apply-layernorm-1p (zero-centred LayerNorm
-weights)."""
+untied output layer, --use-rope-scaling, --rotary-seq-len-interpolation-factor), and with
+--apply-layernorm-1p (zero-centred LayerNorm weights)."""
 
 import pytest
 
@@ -27,6 +27,8 @@ CONFIGS = {
         "rope_scaling": True,
         "rope_scaling_factor": 4.0,
     },
+    # --rotary-seq-len-interpolation-factor: every position divided by 4 before it turns.
+    "llama-interpolated": {**LLAMA, "rotary_seq_len_interpolation_factor": 4.0},
     # Its FusedLayerNorm with zero-centred gamma (apex's kernel replaced by torch's function).
     "gpt2-layernorm-1p": dict(apply_layernorm_1p=True),
 }
@@ -51,6 +53,13 @@ def test_megatron_core_scales_rope_as_megart_does(results):
     differs from Megatron-Core's scaled one by 2e-6, where the two agree to 6e-11 (measured),
     so the bound here is tighter than the one above."""
     r = results["llama-rope-scaling"]
+    assert r["forward"] < 1e-8 and r["reverse"] < 1e-8
+
+
+def test_megatron_core_interpolates_rope_positions_as_megart_does(results):
+    """The same tight bound: with megart's positions left undivided the two differ by 7e-4
+    (measured)."""
+    r = results["llama-interpolated"]
     assert r["forward"] < 1e-8 and r["reverse"] < 1e-8
 
 
