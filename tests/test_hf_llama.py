@@ -277,6 +277,17 @@ def test_llama3_rope_scaling_is_use_rope_scaling_both_ways(tmp_path, factor):
     assert relative_error(transformers_logits(tmp_path / "back", x), expected) < 1e-5
 
 
+def test_a_mistral_without_a_sliding_window_loads_as_the_llama_it_is(tmp_path):
+    config = transformers.MistralConfig(**HF_TINY, sliding_window=None)
+    torch.manual_seed(3)
+    hf = transformers.MistralForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "mistral")
+    ours = GPT.from_hf(str(tmp_path / "mistral")).eval()
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert relative_error(ours(x), hf(x).logits) < 1e-5
+
+
 def test_a_model_neither_format_represents_is_refused_naming_both(tmp_path):
     cfg = llama(normalization="layernorm")
     with pytest.raises(ConfigError) as e:
@@ -306,7 +317,8 @@ def rewritten(path: Path, to: Path, **changes) -> Path:
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"model_type": "qwen2"}, "a model of type 'qwen2'; megart reads gpt2 and llama"),
+        ({"model_type": "qwen2"}, "a model of type 'qwen2'; megart reads gpt2, llama, mistral"),
+        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window 4096 (megart's"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"head_dim": 16}, "head_dim 16 (megart's heads are hidden_size / num_attention_heads"),
         ({"attention_bias": True}, "attention_bias True with mlp_bias False"),

@@ -28,7 +28,9 @@ from megart.models.config import GPTConfig, fit_vocab
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
 from megart.tensor_parallel._group import group_rank, group_size
 
-FORMATS = {m.MODEL_TYPE: m for m in (hf_gpt2, hf_llama)}  # by config.json's model_type
+WRITERS = (hf_gpt2, hf_llama)
+# By config.json's model_type. A Mistral without a sliding window is a Llama to the letter.
+FORMATS = {**{m.MODEL_TYPE: m for m in WRITERS}, "mistral": hf_llama}
 # Parameters whose rows are the (padded) vocabulary.
 VOCAB_ROWS = ("chunk.wte.weight", "chunk.output_layer.weight")
 
@@ -44,7 +46,7 @@ def read_format(path: str | Path, expect: str | None = None) -> tuple[ModuleType
     if kind not in FORMATS or expect not in (None, kind):
         known = [expect] if expect else list(FORMATS)
         raise ConfigError(
-            f"{root} holds a model of type {kind!r}; megart reads {' and '.join(known)} "
+            f"{root} holds a model of type {kind!r}; megart reads {', '.join(known)} "
             "checkpoints (config.json's model_type)"
         )
     return FORMATS[kind], FORMATS[kind].config_from_hf(hf)
@@ -108,8 +110,8 @@ def writer(cfg: GPTConfig, expect: str | None = None) -> ModuleType:
     Llama's for RMSNorm, rotary positions and SwiGLU; ``expect`` (a model_type) insists on
     one. A model neither can represent is refused with what each format lacks."""
     refusals = []
-    for kind, fmt in FORMATS.items():
-        if expect not in (None, kind):
+    for fmt in WRITERS:
+        if expect not in (None, fmt.MODEL_TYPE):
             continue
         try:
             fmt.check(cfg)
