@@ -357,6 +357,17 @@ def test_missing_tensors_and_other_formats_are_named(hf_llama, tmp_path, capsys)
     assert "has rotary positions; give a positive length" in err and err.count("\n") == 1
 
 
+def test_convert_from_hf_to_megart_is_import_hf(hf_llama, tmp_path, capsys):
+    args = ["--input", str(hf_llama[0]), "--save", str(tmp_path / "a")]
+    assert megart_main(["import-hf", *args]) == 0
+    imported = capsys.readouterr().out
+    args = ["--from", "hf", "--to", "megart", "--load", str(hf_llama[0])]
+    assert megart_main(["convert-checkpoint", *args, "--save", str(tmp_path / "b")]) == 0
+    assert capsys.readouterr().out == imported.replace(str(tmp_path / "a"), str(tmp_path / "b"))
+    a, b = (tmp_path / d / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt" for d in "ab")
+    assert a.read_bytes() == b.read_bytes()
+
+
 def test_import_then_export_gives_back_the_files_at_the_length_asked_for(hf_llama, tmp_path):
     path = hf_llama[0]
     import_checkpoint(path, tmp_path / "ckpt", seq_length=4096)  # past 64: rope has no table

@@ -40,7 +40,7 @@ def convert(
     ``pp``: the layout of a Megatron-LM checkpoint written (by default the source's);
     ``ckpt_format``: its format (a Megatron-LM checkpoint read is either)."""
     from megart.training.export_hf import export_checkpoint
-    from megart.training.import_hf import import_checkpoint
+    from megart.training.import_hf import how_to_train, import_checkpoint
     from megart.training.megatron_checkpoint import megart_to_megatron, megatron_to_megart
 
     if source == target:
@@ -60,7 +60,7 @@ def convert(
             import_checkpoint(load, tmp)
             return _megatron_files(megart_to_megatron(tmp, save, tp, pp, ckpt_format), ckpt_format)
     if source == "hf":
-        return f"{import_checkpoint(load, save)} (megart release checkpoint)"
+        return how_to_train(import_checkpoint(load, save), save)
     if source == "megart" and target == "megatron":
         return _megatron_files(megart_to_megatron(load, save, tp, pp, ckpt_format), ckpt_format)
     if source == "megart":

@@ -48,11 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def convert() -> str:
-        from megart.training.checkpoint import model_config, read_file
-        from megart.training.import_hf import import_checkpoint, train_flags
+        from megart.training.import_hf import how_to_train, import_checkpoint
 
         out = import_checkpoint(args.input, args.save, args.seq_length, args.apply_layernorm_1p)
-        flags = " ".join(train_flags(model_config(read_file(out))))
-        return f"{out}: release checkpoint; train with --load {args.save} {flags}"
+        return how_to_train(out, args.save)
 
     return run_conversion("megart import-hf", convert)

@@ -96,3 +96,12 @@ def train_flags(cfg: GPTConfig) -> list[str]:
             factor = cfg.rotary_seq_len_interpolation_factor
             flags.append(f"--rotary-seq-len-interpolation-factor {number(factor)}")
     return " ".join(flags).split()
+
+
+def how_to_train(release_file: Path, save_dir: str | os.PathLike) -> str:
+    """What import-hf prints: the release checkpoint written and the megart train flags that
+    load it."""
+    from megart.training.checkpoint import model_config, read_file
+
+    flags = " ".join(train_flags(model_config(read_file(release_file))))
+    return f"{release_file}: release checkpoint; train with --load {save_dir} {flags}"
