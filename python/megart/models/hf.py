@@ -64,33 +64,36 @@ def load_hf(
     sequence_parallel: bool,
     expect: str | None = None,
 ) -> Any:
-    """A ``cls`` (megart's GPT) holding this rank's slice of the model in ``path``."""
-    from safetensors.torch import load_file
+    """A ``cls`` (megart's GPT) holding this rank's slice of the model in ``path``. The files
+    are opened lazily and each tensor converted and copied into its parameter in turn, so the
+    load holds the model and one tensor, not copies of the whole."""
+    from safetensors import safe_open
 
     root = Path(path)
     fmt, cfg = read_format(root, expect)
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{root} has no .safetensors weights (only safetensors are read)")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update({k.removeprefix(fmt.FILE_PREFIX): v for k, v in load_file(str(f)).items()})
+    opened = [safe_open(str(f), framework="pt") for f in files]
+    where = {k.removeprefix(fmt.FILE_PREFIX): (f, k) for f in opened for k in f.keys()}
 
     def take(name: str) -> torch.Tensor:
-        if name not in tensors:
+        if name not in where:
             raise ConfigError(f"{root}: no file holds {name}; the {fmt.NAME} is incomplete")
-        return tensors[name].float()
+        handle, key = where[name]
+        return handle.get_tensor(key).float()
 
-    whole = fmt.to_megart(cfg, take)
     model = cls(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    params = dict(model.named_parameters())
     t, r = group_size(tp_group), group_rank(tp_group)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            w = whole[name]
+        for name, w in fmt.to_megart(cfg, take):
             if name in VOCAB_ROWS:
                 w = fit_vocab(w, cfg.padded_vocab_size(t))
+            p = params.pop(name)
             dim = getattr(p, "partition_dim", None)
             p.copy_(w if dim is None else w.chunk(t, dim)[r])
+    assert not params, f"no conversion for {sorted(params)}"  # every format maps all
     return model
 
 

@@ -75,18 +75,18 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     )
 
 
-def to_megart(cfg: GPTConfig, take: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The whole tensor of every megart parameter, from ``take(name)``: GPT-2's tensor by its
-    name without FILE_PREFIX (vocabulary unpadded)."""
-    out = {}
+def to_megart(
+    cfg: GPTConfig, take: Callable[[str], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(megart parameter name, its whole tensor) one at a time, from ``take(name)``: GPT-2's
+    tensor by its name without FILE_PREFIX (vocabulary unpadded)."""
     for ours, theirs, conv in _mapping(cfg):
         w = take(theirs)
         if "conv1d" in conv:
             w = w.t()
         if "qkv" in conv:
             w = _qkv_to_heads(w, cfg.num_attention_heads)
-        out[ours] = w
-    return out
+        yield ours, w
 
 
 def check(cfg: GPTConfig) -> None:

@@ -200,21 +200,24 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     )
 
 
-def to_megart(cfg: GPTConfig, take: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The whole tensor of every megart parameter, from ``take(name)``: the Llama tensor of
-    that name (vocabulary unpadded)."""
-    out = {"chunk.wte.weight": take("model.embed_tokens.weight")}
+def to_megart(
+    cfg: GPTConfig, take: Callable[[str], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(megart parameter name, its whole tensor) one at a time, from ``take(name)``: the
+    Llama tensor of that name (vocabulary unpadded)."""
+    yield "chunk.wte.weight", take("model.embed_tokens.weight")
     if cfg.untie_embeddings_and_output_weights:
-        out["chunk.output_layer.weight"] = take("lm_head.weight")
-    out.update({ours: take(theirs) for ours, theirs in _norm_names(cfg)})
+        yield "chunk.output_layer.weight", take("lm_head.weight")
+    for ours, theirs in _norm_names(cfg):
+        yield ours, take(theirs)
     kinds = ("weight", "bias") if cfg.bias else ("weight",)
     for i in range(cfg.num_layers):
         g = f"model.layers.{i}.self_attn."
         for kind in kinds:
             qkv = [take(f"{g}{x}_proj.{kind}") for x in "qkv"]
-            out[f"chunk.blocks.{i}.attn.qkv.{kind}"] = _fuse_qkv(cfg, *qkv)
-            out.update({f"{m}.{kind}": take(f"{h}.{kind}") for m, h in _linear_names(cfg, i)})
-    return out
+            yield f"chunk.blocks.{i}.attn.qkv.{kind}", _fuse_qkv(cfg, *qkv)
+            for ours, theirs in _linear_names(cfg, i):
+                yield f"{ours}.{kind}", take(f"{theirs}.{kind}")
 
 
 def hf_tensors(
