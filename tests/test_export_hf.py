@@ -366,3 +366,23 @@ def test_export_with_the_tokenizer_gives_a_directory_that_generates(one_process,
     err = capsys.readouterr().err
     assert "tokens and the model's vocabulary 256: give the tokenizer the model" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_an_export_that_fails_leaves_the_directory_as_it_was(one_process, tmp_path, monkeypatch):
+    import megart.training.export_hf as export_hf
+
+    ckpt, live = one_process
+    out = export_checkpoint(ckpt, tmp_path / "hf")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    merge, calls = export_hf.whole_tensors, []
+
+    def failing(*args, wanted):
+        calls.append(wanted)
+        if len(calls) == 20:  # after several 20KB files were written
+            raise ConfigError("no file holds it")
+        return merge(*args, wanted=wanted)
+
+    monkeypatch.setattr(export_hf, "whole_tensors", failing)
+    with pytest.raises(ConfigError, match="no file holds it"):
+        export_checkpoint(ckpt, out, max_shard_size="20KB")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -49,40 +49,48 @@ def write_hf(
     max_shard_bytes: int = parse_size(DEFAULT_SHARD),
 ) -> Path:
     """Writes ``tensors`` in ``dtype`` into files of at most ``max_shard_bytes`` (a larger
-    tensor alone in its file) and ``config`` as config.json, into directory ``root``; earlier
-    weight files of this layout there are removed first, so none is read with the new ones."""
+    tensor alone in its file) and ``config`` as config.json, into directory ``root``. Earlier
+    weight files of this layout there are removed once the new ones are all written (so none
+    is read with them), and not before: an export that fails leaves what was there."""
     from safetensors.torch import save_file
 
     root.mkdir(parents=True, exist_ok=True)
-    for old in [*root.glob("model*.safetensors"), root / INDEX]:
-        old.unlink(missing_ok=True)
     files: list[list[str]] = []  # the names each file holds
+
+    def part(i: int) -> Path:  # numbered now, renamed once the count is known
+        return root / f".megart-part-{i}.safetensors.tmp"
+
     pending: dict[str, torch.Tensor] = {}
-    size = 0
+    size = total = 0
 
     def flush() -> None:
         nonlocal pending, size
         if pending:
-            # Numbered now and renamed once the count is known.
-            save_file(pending, str(root / f"part-{len(files)}.tmp"), metadata={"format": "pt"})
+            save_file(pending, str(part(len(files))), metadata={"format": "pt"})
             files.append(list(pending))
             pending, size = {}, 0
 
-    total = 0
-    for name, tensor in tensors:
-        tensor = tensor.detach().to(DTYPES[dtype]).contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if size + nbytes > max_shard_bytes:
-            flush()
-        pending[name], size, total = tensor, size + nbytes, total + nbytes
-    flush()
+    try:
+        for name, tensor in tensors:
+            tensor = tensor.detach().to(DTYPES[dtype]).contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+            if size + nbytes > max_shard_bytes:
+                flush()
+            pending[name], size, total = tensor, size + nbytes, total + nbytes
+        flush()
+    except BaseException:
+        for i in range(len(files)):
+            part(i).unlink(missing_ok=True)
+        raise
+    for old in [*root.glob("model*.safetensors"), root / INDEX]:
+        old.unlink(missing_ok=True)
     names = (
         ["model.safetensors"]
         if len(files) == 1
         else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     )
     for i, name in enumerate(names):
-        (root / f"part-{i}.tmp").rename(root / name)
+        part(i).rename(root / name)
     if len(files) > 1:
         weight_map = {t: names[i] for i, held in enumerate(files) for t in held}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
