@@ -148,6 +148,17 @@ def test_megart_reads_what_megatron_core_saves(tmp_path, kind, tp, pp):
     with torch.no_grad():
         logits = hf(_tokens(cfg)).logits
     assert (logits - theirs[..., : cfg.vocab_size]).abs().max().item() < 1e-5
+    # export-hf's options pass through: bf16 in 4KB files, each weight the fp32 one rounded.
+    assert main(["convert-checkpoint", "--from", "megatron", "--to", "hf", "--load",
+                 str(tmp_path / "dist"), "--save", str(tmp_path / "bf16"), "--dtype",
+                 "bfloat16", "--max-shard-size", "4KB"]) == 0  # fmt: skip
+    from safetensors.torch import load_file
+
+    fp32 = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    files = sorted((tmp_path / "bf16").glob("model-*-of-*.safetensors"))
+    bf16 = {k: v for f in files for k, v in load_file(str(f)).items()}
+    assert len(files) > 1 and bf16.keys() == fp32.keys()
+    assert all(torch.equal(bf16[k], v.bfloat16()) for k, v in fp32.items())
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 2), (1, 1)])
@@ -192,6 +203,14 @@ def test_round_trip_keeps_every_weight(tmp_path):
     state = read_file(iteration_dir(tmp_path / "back", 0) / "mp_rank_00" / "model_optim_rng.pt")
     assert set(state["model"][0]) == set(weights)
     assert all(torch.equal(state["model"][0][k], v) for k, v in weights.items())
+
+
+def test_hf_options_are_for_hugging_face_directories_written(tmp_path, capsys):
+    argv = ["convert-checkpoint", "--from", "megart", "--to", "megatron", "--load", "x",
+            "--save", str(tmp_path), "--dtype", "bfloat16", "--max-shard-size", "1GB"]  # fmt: skip
+    assert main(argv) == 2
+    refused = "--dtype, --max-shard-size set how a Hugging Face directory is written"
+    assert f"{refused}: use them with --to hf only" in capsys.readouterr().err
 
 
 def test_ckpt_format_is_for_megatron_checkpoints_written(tmp_path, capsys):

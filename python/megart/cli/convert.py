@@ -6,7 +6,8 @@ Llama's format, by the model's architecture), in one process.
         [--ckpt-format torch_dist] \
         [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
     megart convert-checkpoint --from megatron --to megart --load MEGATRON_CKPT --save OUT
-    megart convert-checkpoint --from megatron --to hf --load MEGATRON_CKPT --save HF_DIR
+    megart convert-checkpoint --from megatron --to hf --load MEGATRON_CKPT --save HF_DIR \
+        [--dtype bfloat16] [--max-shard-size 5GB] [--tokenizer-model NAME_OR_DIR]
     megart convert-checkpoint --from hf --to megatron --load HF_DIR --save OUT \
         [--ckpt-format torch_dist] \
         [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
@@ -34,11 +35,14 @@ def convert(
     tp: int | None = None,
     pp: int | None = None,
     ckpt_format: str = "torch",
+    hf_options: dict[str, str] | None = None,
 ) -> str:
     """Converts the latest checkpoint in ``load`` (or the Hugging Face directory ``load``);
-    returns what was written. ``tp`` and
-    ``pp``: the layout of a Megatron-LM checkpoint written (by default the source's);
-    ``ckpt_format``: its format (a Megatron-LM checkpoint read is either)."""
+    returns what was written. ``tp`` and ``pp``: the layout of a Megatron-LM checkpoint
+    written (by default the source's); ``ckpt_format``: its format (a Megatron-LM checkpoint
+    read is either); ``hf_options``: export_checkpoint's dtype, max_shard_size and
+    tokenizer_model for a Hugging Face directory written."""
+    hf_options = hf_options or {}
     from megart.training.export_hf import export_checkpoint
     from megart.training.import_hf import how_to_train, import_checkpoint
     from megart.training.megatron_checkpoint import megart_to_megatron, megatron_to_megart
@@ -55,6 +59,11 @@ def convert(
             f"--ckpt-format {ckpt_format} sets the format of a Megatron-LM checkpoint written: "
             "use it with --to megatron only (a Megatron-LM checkpoint read may be either)"
         )
+    if hf_options and target != "hf":
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in hf_options)
+        raise ConfigError(
+            f"{flags} set how a Hugging Face directory is written: use them with --to hf only"
+        )
     if source == "hf" and target == "megatron":
         with tempfile.TemporaryDirectory() as tmp:  # hf -> megart -> megatron
             import_checkpoint(load, tmp)
@@ -64,12 +73,12 @@ def convert(
     if source == "megart" and target == "megatron":
         return _megatron_files(megart_to_megatron(load, save, tp, pp, ckpt_format), ckpt_format)
     if source == "megart":
-        return _hf_files(export_checkpoint(load, save))
+        return _hf_files(export_checkpoint(load, save, **hf_options))
     if target == "megart":
         return f"{megatron_to_megart(load, save)} (megart release checkpoint)"
     with tempfile.TemporaryDirectory() as tmp:  # megatron -> megart -> hf
         megatron_to_megart(load, tmp)
-        return _hf_files(export_checkpoint(tmp, save))
+        return _hf_files(export_checkpoint(tmp, save, **hf_options))
 
 
 def _megatron_files(files: list[Path], ckpt_format: str) -> str:
@@ -109,7 +118,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="--to megatron: Megatron-LM's legacy format (torch, the default here) or its "
         "distributed one (torch_dist, Megatron-LM's default)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="--to hf: the weights' type in the files (default float32), as export-hf's",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="--to hf: the largest weight file (default 5GB), as export-hf's",
+    )
+    p.add_argument(
+        "--tokenizer-model",
+        metavar="NAME_OR_DIR",
+        help="--to hf: a Hugging Face tokenizer to save beside the weights, as export-hf's",
+    )
     args = p.parse_args(argv)
+    names = ("dtype", "max_shard_size", "tokenizer_model")
+    hf_options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     return run_conversion(
         "megart convert-checkpoint",
         lambda: convert(
@@ -120,5 +146,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.target_tensor_parallel_size,
             args.target_pipeline_parallel_size,
             args.ckpt_format,
+            hf_options,
         ),
     )

@@ -1,5 +1,5 @@
 """Models: GPT (GPT-2/3 style, with RMSNorm, rotary and SwiGLU as options), tensor-parallel and
-splittable into pipeline chunks, with Hugging Face GPT-2 import and export."""
+splittable into pipeline chunks, with Hugging Face GPT-2 and Llama import and export."""
 
 from megart.models.config import GPTConfig
 from megart.models.gpt import GPT, GPTChunk, chunk_layers, pipeline_chunks
