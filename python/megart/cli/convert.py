@@ -44,7 +44,7 @@ def convert(
     tokenizer_model for a Hugging Face directory written."""
     hf_options = hf_options or {}
     from megart.training.export_hf import export_checkpoint
-    from megart.training.import_hf import how_to_train, import_checkpoint
+    from megart.training.import_hf import import_checkpoint, import_for_training
     from megart.training.megatron_checkpoint import megart_to_megatron, megatron_to_megart
 
     if source == target:
@@ -69,7 +69,7 @@ def convert(
             import_checkpoint(load, tmp)
             return _megatron_files(megart_to_megatron(tmp, save, tp, pp, ckpt_format), ckpt_format)
     if source == "hf":
-        return how_to_train(import_checkpoint(load, save), save)
+        return import_for_training(load, save)
     if source == "megart" and target == "megatron":
         return _megatron_files(megart_to_megatron(load, save, tp, pp, ckpt_format), ckpt_format)
     if source == "megart":

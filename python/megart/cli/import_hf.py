@@ -48,9 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def convert() -> str:
-        from megart.training.import_hf import how_to_train, import_checkpoint
+        from megart.training.import_hf import import_for_training
 
-        out = import_checkpoint(args.input, args.save, args.seq_length, args.apply_layernorm_1p)
-        return how_to_train(out, args.save)
+        return import_for_training(args.input, args.save, args.seq_length, args.apply_layernorm_1p)
 
     return run_conversion("megart import-hf", convert)

@@ -38,18 +38,19 @@ MODEL_TYPE = "llama"
 FILE_PREFIX = ""
 
 
-def _norm_names(cfg: GPTConfig) -> list[tuple[str, str]]:
-    out = [("chunk.ln_f.weight", "model.norm.weight")]
-    for i in range(cfg.num_layers):
-        m, g = f"chunk.blocks.{i}.", f"model.layers.{i}."
-        out += [
-            (m + "ln_1.weight", g + "input_layernorm.weight"),
-            (m + "ln_2.weight", g + "post_attention_layernorm.weight"),
-        ]
-    return out
+FINAL_NORM = ("chunk.ln_f.weight", "model.norm.weight")
 
 
-def _linear_names(cfg: GPTConfig, i: int) -> list[tuple[str, str]]:
+def _norm_names(i: int) -> list[tuple[str, str]]:
+    """(megart, Llama) names of layer i's two norm weights."""
+    m, g = f"chunk.blocks.{i}.", f"model.layers.{i}."
+    return [
+        (m + "ln_1.weight", g + "input_layernorm.weight"),
+        (m + "ln_2.weight", g + "post_attention_layernorm.weight"),
+    ]
+
+
+def _linear_names(i: int) -> list[tuple[str, str]]:
     """(megart, Llama) names of layer i's linear layers other than the fused q/k/v."""
     m, g = f"chunk.blocks.{i}.", f"model.layers.{i}."
     return [
@@ -206,18 +207,19 @@ def to_megart(
     """(megart parameter name, its whole tensor) one at a time, from ``take(name)``: the
     Llama tensor of that name (vocabulary unpadded)."""
     yield "chunk.wte.weight", take("model.embed_tokens.weight")
-    if cfg.untie_embeddings_and_output_weights:
-        yield "chunk.output_layer.weight", take("lm_head.weight")
-    for ours, theirs in _norm_names(cfg):
-        yield ours, take(theirs)
     kinds = ("weight", "bias") if cfg.bias else ("weight",)
     for i in range(cfg.num_layers):
+        for ours, theirs in _norm_names(i):
+            yield ours, take(theirs)
         g = f"model.layers.{i}.self_attn."
         for kind in kinds:
             qkv = [take(f"{g}{x}_proj.{kind}") for x in "qkv"]
             yield f"chunk.blocks.{i}.attn.qkv.{kind}", _fuse_qkv(cfg, *qkv)
-            for ours, theirs in _linear_names(cfg, i):
+            for ours, theirs in _linear_names(i):
                 yield f"{ours}.{kind}", take(f"{theirs}.{kind}")
+    yield FINAL_NORM[0], take(FINAL_NORM[1])
+    if cfg.untie_embeddings_and_output_weights:
+        yield "chunk.output_layer.weight", take("lm_head.weight")
 
 
 def hf_tensors(
@@ -237,8 +239,8 @@ def hf_tensors(
     kinds = ("weight", "bias") if cfg.bias else ("weight",)
     for i in range(cfg.num_layers):
         m, g = f"chunk.blocks.{i}.", f"model.layers.{i}."
-        yield g + "input_layernorm.weight", scale(m + "ln_1.weight")
-        yield g + "post_attention_layernorm.weight", scale(m + "ln_2.weight")
+        for ours, theirs in _norm_names(i):
+            yield theirs, scale(ours)
         for kind in kinds:
             q, k, v = _split_qkv(cfg, full(f"{m}attn.qkv.{kind}"))
             if cfg.rotary_interleaved:
@@ -246,9 +248,9 @@ def hf_tensors(
             yield f"{g}self_attn.q_proj.{kind}", q
             yield f"{g}self_attn.k_proj.{kind}", k
             yield f"{g}self_attn.v_proj.{kind}", v
-            for ours, theirs in _linear_names(cfg, i):
+            for ours, theirs in _linear_names(i):
                 yield f"{theirs}.{kind}", full(f"{ours}.{kind}")
-    yield "model.norm.weight", scale("chunk.ln_f.weight")
+    yield FINAL_NORM[1], scale(FINAL_NORM[0])
     if cfg.untie_embeddings_and_output_weights:
         yield "lm_head.weight", full("chunk.output_layer.weight")[: cfg.vocab_size]
 

@@ -21,6 +21,7 @@ from megart.errors import ConfigError
 from megart.models import GPT, GPTConfig
 from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS
 from megart.training.checkpoint import write_release
+from megart.training.megatron_args import integral
 
 
 def import_checkpoint(
@@ -36,6 +37,29 @@ def import_checkpoint(
     max_position_embeddings). ``apply_layernorm_1p`` writes a model for ``megart train
     --apply-layernorm-1p``: the same network, its norm weights stored zero-centred (the
     file's minus 1)."""
+    return _imported(input_dir, save_dir, seq_length, apply_layernorm_1p)[0]
+
+
+def import_for_training(
+    input_dir: str | os.PathLike,
+    save_dir: str | os.PathLike,
+    seq_length: int | None = None,
+    apply_layernorm_1p: bool = False,
+) -> str:
+    """import_checkpoint, then what import-hf prints: the release checkpoint written and the
+    megart train flags that load it."""
+    release_file, cfg = _imported(input_dir, save_dir, seq_length, apply_layernorm_1p)
+    flags = " ".join(train_flags(cfg))
+    return f"{release_file}: release checkpoint; train with --load {save_dir} {flags}"
+
+
+def _imported(
+    input_dir: str | os.PathLike,
+    save_dir: str | os.PathLike,
+    seq_length: int | None,
+    apply_layernorm_1p: bool,
+) -> tuple[Path, GPTConfig]:
+    """(the release file written, the model's GPTConfig as recorded in it)."""
     model = GPT.from_hf(str(input_dir))
     cfg, weights = model.cfg, model.chunk.state_dict()
     if apply_layernorm_1p:
@@ -55,16 +79,13 @@ def import_checkpoint(
             # Position p's embedding does not depend on how many follow it: the first rows
             # are the model for shorter sequences.
             weights["wpe.weight"] = weights["wpe.weight"][:seq_length].clone()
-    return write_release(save_dir, cfg, weights, list(model.chunk.layer_ids))
+    return write_release(save_dir, cfg, weights, list(model.chunk.layer_ids)), cfg
 
 
 def train_flags(cfg: GPTConfig) -> list[str]:
     """The ``megart train`` arguments (Megatron-LM's flags, as an argv list) that build
     ``cfg``'s model, so that ``--load`` of its checkpoint finds the model it was saved with:
     sizes, then architecture."""
-
-    def number(x: float) -> str:
-        return str(int(x)) if float(x).is_integer() else repr(float(x))
 
     flags = [
         f"--num-layers {cfg.num_layers}",
@@ -87,21 +108,12 @@ def train_flags(cfg: GPTConfig) -> list[str]:
     if cfg.query_groups != cfg.num_attention_heads:
         flags.append(f"--group-query-attention --num-query-groups {cfg.query_groups}")
     if cfg.position_embedding == "rotary":
-        flags.append(f"--rotary-base {number(cfg.rotary_base)}")
+        flags.append(f"--rotary-base {integral(cfg.rotary_base)}")
         if cfg.rotary_interleaved:
             flags.append("--rotary-interleaved")
         if cfg.rope_scaling:
             flags.append(f"--use-rope-scaling --rope-scaling-factor {cfg.rope_scaling_factor!r}")
         if cfg.rotary_seq_len_interpolation_factor is not None:
             factor = cfg.rotary_seq_len_interpolation_factor
-            flags.append(f"--rotary-seq-len-interpolation-factor {number(factor)}")
+            flags.append(f"--rotary-seq-len-interpolation-factor {integral(factor)}")
     return " ".join(flags).split()
-
-
-def how_to_train(release_file: Path, save_dir: str | os.PathLike) -> str:
-    """What import-hf prints: the release checkpoint written and the megart train flags that
-    load it."""
-    from megart.training.checkpoint import model_config, read_file
-
-    flags = " ".join(train_flags(model_config(read_file(release_file))))
-    return f"{release_file}: release checkpoint; train with --load {save_dir} {flags}"

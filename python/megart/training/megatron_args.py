@@ -43,7 +43,7 @@ def megatron_args(
         use_rope_scaling=cfg.rope_scaling,
         rope_scaling_factor=cfg.rope_scaling_factor,
         # Megatron-LM's flag is an integer: written as one where it is (megart takes any).
-        rotary_seq_len_interpolation_factor=_integral(cfg.rotary_seq_len_interpolation_factor),
+        rotary_seq_len_interpolation_factor=integral(cfg.rotary_seq_len_interpolation_factor),
         swiglu=cfg.activation == "swiglu",
         add_bias_linear=cfg.bias,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
@@ -56,8 +56,9 @@ def megatron_args(
     )
 
 
-def _integral(x: float | None) -> float | int | None:
-    """``x`` as an int where it is a whole number, else as it is."""
+def integral(x: float | None) -> float | int | None:
+    """``x`` as an int where it is a whole number, else as it is: how Megatron-LM's integer
+    flags take a float that megart allows (written in its args, or on a command line)."""
     return int(x) if x is not None and float(x).is_integer() else x
 
 
