@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from megart.errors import ConfigError
+from megart.models.stages import check_stages, uneven
 from megart.parallel.layout import divisors
 
 NORMS = ("layernorm", "rmsnorm")
@@ -184,8 +185,17 @@ class GPTConfig:
         multiple = 128 * tp
         return math.ceil(self.vocab_size / multiple) * multiple
 
-    def check_layout(self, tp: int = 1, pp: int = 1, chunks: int = 1) -> None:
-        """Refuses layouts this model cannot take, saying what would fit."""
+    def check_layout(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        chunks: int = 1,
+        first: int | None = None,
+        last: int | None = None,
+    ) -> None:
+        """Refuses layouts this model cannot take, saying what would fit (``first``/``last``:
+        uneven first/last pipeline stages' layers, see megart.models.stages)."""
+        check_stages(self.num_layers, pp, chunks, first, last)
         problems = []
         # A rank holds whole query groups (with their key and value heads), as Megatron-LM
         # requires; groups divide the heads, so this also splits the heads.
@@ -204,7 +214,7 @@ class GPTConfig:
             problems.append(
                 f"the MLP size {self.ffn_size} does not split over tensor-parallel size {tp}"
             )
-        if self.num_layers % (pp * chunks):
+        if not uneven(first, last) and self.num_layers % (pp * chunks):
             problems.append(
                 f"{self.num_layers} layers do not split into {pp} pipeline stages "
                 f"x {chunks} chunks (need a divisor of {self.num_layers})"

@@ -14,10 +14,12 @@ import torch
 from torch import nn
 
 from megart.distributed import ProcessGroup
+from megart.errors import ConfigError
 from megart.kernels import fused_vocab_parallel_cross_entropy
 from megart.models.blocks import Block, apply_norm, generator, norm, rotary
 from megart.models.config import GPTConfig
 from megart.models.recompute import checkpointed, recomputed_spans
+from megart.models.stages import FIRST, LAST, stage_ranges, uneven
 from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
@@ -266,12 +268,26 @@ class GPT(nn.Module):
 
 
 def chunk_layers(
-    num_layers: int, pp_rank: int, pp: int, chunks: int = 1, v_shape: bool = False
+    num_layers: int,
+    pp_rank: int,
+    pp: int,
+    chunks: int = 1,
+    v_shape: bool = False,
+    first: int | None = None,
+    last: int | None = None,
 ) -> list[range]:
     """The layers of each model chunk of pipeline rank ``pp_rank``: chunk c is virtual stage
-    vs = c * pp + pp_rank and holds layers [vs * n, (vs + 1) * n), n = layers / (pp * chunks).
-    ``v_shape`` (the zb-v schedule, two chunks): chunk 0 is stage pp_rank, chunk 1 stage
-    2 pp - 1 - pp_rank."""
+    vs = c * pp + pp_rank and holds layers [vs * n, (vs + 1) * n), n = layers / (pp * chunks),
+    or, with uneven first/last stages (``first``/``last`` layers, see megart.models.stages),
+    Megatron-Core's placement of them. ``v_shape`` (the zb-v schedule, two chunks): chunk 0 is
+    stage pp_rank, chunk 1 stage 2 pp - 1 - pp_rank (even stages only)."""
+    if uneven(first, last):
+        if v_shape:
+            raise ConfigError(
+                "--pipeline-schedule zb-v places two equal chunks per rank in a V and cannot "
+                f"take {FIRST} or {LAST}; use 1f1b, zb-h1 or interleaved, or even stages"
+            )
+        return stage_ranges(num_layers, pp_rank, pp, chunks, first, last)
     n = num_layers // (pp * chunks)
     stages = (
         [pp_rank, 2 * pp - 1 - pp_rank] if v_shape else [c * pp + pp_rank for c in range(chunks)]
@@ -288,10 +304,13 @@ def pipeline_chunks(
     sequence_parallel: bool = False,
     rng: RNGStatesTracker | None = None,
     v_shape: bool = False,
+    first: int | None = None,
+    last: int | None = None,
 ) -> list[GPTChunk]:
-    """This pipeline rank's model chunks (see chunk_layers); the first virtual stage holds the
-    embedding, the last the final norm and output layer."""
-    cfg.check_layout(tp=group_size(tp_group), pp=pp, chunks=chunks)
+    """This pipeline rank's model chunks (see chunk_layers; ``first``/``last``: the layers of
+    uneven first/last stages); the first virtual stage holds the embedding, the last the final
+    norm and output layer."""
+    cfg.check_layout(tp=group_size(tp_group), pp=pp, chunks=chunks, first=first, last=last)
     return [
         GPTChunk(
             cfg,
@@ -302,5 +321,5 @@ def pipeline_chunks(
             sequence_parallel,
             rng,
         )
-        for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape)
+        for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape, first, last)
     ]

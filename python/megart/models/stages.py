@@ -1,0 +1,103 @@
+"""Which layers each pipeline stage holds, with Megatron-LM's uneven first and last stages
+(``--decoder-first-pipeline-num-layers F``, ``--decoder-last-pipeline-num-layers L``).
+
+Without them every pipeline rank holds num_layers / p layers. With them the first (last) rank
+holds F (L) layers and the layers left spread evenly over the other ("middle") ranks. Each rank's
+layers split evenly over its v model chunks (interleaving): chunk c of rank r is virtual stage
+c p + r, and virtual stages hold consecutive layers in that order, so chunk c of rank r starts
+at c (num_layers / v) plus the layers of the chunks of ranks 0..r-1 (Megatron-Core's
+``get_transformer_layer_offset`` and ``get_num_layers_to_build`` place them the same way; the
+tests compare the two). ``check_stages`` refuses what Megatron-Core's TransformerConfig refuses.
+"""
+
+from __future__ import annotations
+
+from megart.errors import ConfigError
+
+FIRST = "--decoder-first-pipeline-num-layers"
+LAST = "--decoder-last-pipeline-num-layers"
+
+
+def rank_layer_counts(
+    num_layers: int, pp: int, first: int | None = None, last: int | None = None
+) -> list[int]:
+    """The number of layers of each pipeline rank (not checked: see check_stages)."""
+    ends = [n for n in (first, last) if n is not None]
+    middle_ranks = pp - len(ends)
+    per = (num_layers - sum(ends)) // middle_ranks if middle_ranks > 0 else 0
+    counts = [per] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def stage_ranges(
+    num_layers: int,
+    pp_rank: int,
+    pp: int,
+    chunks: int = 1,
+    first: int | None = None,
+    last: int | None = None,
+) -> list[range]:
+    """The layers of each model chunk (virtual stage c pp + pp_rank) of pipeline rank pp_rank."""
+    per_chunk = [n // chunks for n in rank_layer_counts(num_layers, pp, first, last)]
+    lap = sum(per_chunk)  # the layers of one chunk of every rank
+    starts = [c * lap + sum(per_chunk[:pp_rank]) for c in range(chunks)]
+    return [range(s, s + per_chunk[pp_rank]) for s in starts]
+
+
+def uneven(first: int | None, last: int | None) -> bool:
+    return first is not None or last is not None
+
+
+def check_stages(
+    num_layers: int, pp: int, chunks: int = 1, first: int | None = None, last: int | None = None
+) -> None:
+    """Refuses uneven stages that do not fit, naming the flags and what would (Megatron-Core's
+    rules: values above 0 and divisible by the chunks per rank, the layers left a multiple of
+    the middle ranks and of their chunks, no middle layers without middle ranks)."""
+    if not uneven(first, last):
+        return
+    given = " and ".join(
+        f"{flag} {n}" for flag, n in ((FIRST, first), (LAST, last)) if n is not None
+    )
+    if pp < 2:
+        raise ConfigError(
+            f"{given} set the layers of the first/last of several pipeline stages: use "
+            "--pipeline-model-parallel-size of at least 2, or leave them out"
+        )
+    for flag, n in ((FIRST, first), (LAST, last)):
+        if n is None:
+            continue
+        if n < 1:
+            raise ConfigError(f"{flag} {n} must be at least 1 (or left out)")
+        if n % chunks:
+            raise ConfigError(
+                f"{flag} {n} must be divisible by the {chunks} model chunks (virtual stages) "
+                f"of each pipeline rank; use a multiple of {chunks}"
+            )
+    middle_ranks = pp - (first is not None) - (last is not None)
+    middle = num_layers - (first or 0) - (last or 0)
+    if middle_ranks == 0:
+        if chunks > 1:  # Megatron-Core's layer offset divides by the middle stages there
+            raise ConfigError(
+                f"{given} with {pp} pipeline stages and {chunks} model chunks per rank leave "
+                "no middle stage, which Megatron-Core cannot place with interleaving: leave "
+                "one of them out, or interleaving"
+            )
+        if middle != 0:
+            raise ConfigError(
+                f"{given}: with {pp} pipeline stages both are given, so they must add up to "
+                f"--num-layers {num_layers} (they add up to {num_layers - middle})"
+            )
+        return
+    unit = middle_ranks * chunks  # the middle layers must fill these chunks evenly
+    if middle < unit or middle % unit:
+        need = "" if chunks == 1 else f" x {chunks} model chunks per rank"
+        raise ConfigError(
+            f"{given} leave {middle} of --num-layers {num_layers} layers for the "
+            f"{middle_ranks} middle pipeline stage(s); that must be a positive multiple of "
+            f"{middle_ranks} stage(s){need} = {unit}: change the flags so that it is"
+        )
