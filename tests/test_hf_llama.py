@@ -187,12 +187,17 @@ def train_config(argv: list[str]) -> TrainConfig:
     return config_from_args(parser.parse_args(argv))
 
 
+@pytest.mark.parametrize(
+    "target",
+    [[], ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]],
+    ids=["one-file", "tp2-pp2-files"],  # resharded at load; each rank's own file
+)
 def test_import_hf_of_a_llama_trains_under_tp2_pp2_with_the_flags_it_prints(
-    hf_llama, tmp_path, capsys
+    hf_llama, tmp_path, capsys, target
 ):
     path, hf = hf_llama
     ckpt = tmp_path / "ckpt"
-    assert megart_main(["import-hf", "--input", str(path), "--save", str(ckpt)]) == 0
+    assert megart_main(["import-hf", "--input", str(path), "--save", str(ckpt), *target]) == 0
     printed = capsys.readouterr().out
     flags = printed.split(f"train with --load {ckpt} ")[1].split()
     # The model as printed (its sizes, RMSNorm, rope base, epsilon, groups, untied, no

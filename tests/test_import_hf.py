@@ -36,6 +36,14 @@ def imported(gpt2, tmp_path_factory):
     return ckpt
 
 
+@pytest.fixture(scope="module")
+def imported_tp2_pp2(gpt2, tmp_path_factory):
+    """The import written as a tp2 x pp2 layout's four files."""
+    ckpt = tmp_path_factory.mktemp("ckpt_tp2_pp2")
+    assert len(import_checkpoint(gpt2, ckpt, seq_length=16, tp=2, pp=2)) == 4
+    return ckpt
+
+
 def hf_loss(gpt2, inputs, targets):
     """The mean next-token cross-entropy of transformers' own model on one global batch."""
     model = transformers.GPT2LMHeadModel.from_pretrained(gpt2).eval()
@@ -44,16 +52,30 @@ def hf_loss(gpt2, inputs, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
 
 
+TP2_PP2 = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+
+
 @pytest.mark.parametrize(
-    "nproc, layout",
+    "nproc, layout, saved_for",
     [
-        (1, {}),
-        (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
-        (2, dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)),
+        (1, {}, "one file"),
+        (4, TP2_PP2, "one file"),
+        (
+            2,
+            dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1),
+            "one file",
+        ),
+        (4, TP2_PP2, "tp2-pp2"),  # each rank reads its own file
+        (1, {}, "tp2-pp2"),  # merged back
     ],
-    ids=["one-process", "tp2-pp2", "pp2-interleaved"],
+    ids=["one-process", "tp2-pp2", "pp2-interleaved", "tp2-pp2-files", "tp2-pp2-files-merged"],
 )
-def test_a_release_checkpoint_trains_from_gpt2_under_any_layout(gpt2, imported, nproc, layout):
+def test_a_release_checkpoint_trains_from_gpt2_under_any_layout(
+    gpt2, request, nproc, layout, saved_for
+):
+    imported = request.getfixturevalue(
+        "imported" if saved_for == "one file" else "imported_tp2_pp2"
+    )
     # No warm-up: Megatron's starts at rate 0, and the first step is the one tested.
     kw = dict(load=str(imported), train_iters=2, lr_warmup_iters=0, **NO_DROPOUT, **layout)
     runs = launch(tw.loaded_and_first_step, nproc, kw, timeout=300)

@@ -202,7 +202,7 @@ def test_a_missing_rank_file_and_misplaced_target_flags_are_refused(saved, tmp_p
     err = capsys.readouterr().err
     assert "tensor-parallel 2 x pipeline-parallel 2" in err and str(gone) in err
     assert main([*args, "--save", str(tmp_path / "b2"), "--target-tensor-parallel-size", "2"]) == 2
-    assert "use them with --to megatron only" in capsys.readouterr().err
+    assert "use them there only" in capsys.readouterr().err
     write = ["convert-checkpoint", "--from", "megart", "--to", "megatron", "--load", str(saved)]
     assert main([*write, "--save", str(tmp_path / "b3"), "--target-tensor-parallel-size", "0"]) == 2
     assert "--target-tensor-parallel-size 0: give 1 or more" in capsys.readouterr().err

@@ -11,6 +11,8 @@ Llama's format, by the model's architecture), in one process.
     megart convert-checkpoint --from hf --to megatron --load HF_DIR --save OUT \
         [--ckpt-format torch_dist] \
         [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
+    megart convert-checkpoint --from hf --to megart --load HF_DIR --save OUT \
+        [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
 
 A Hugging Face directory (GPT-2's or Llama's, save_pretrained files) goes through a megart
 release checkpoint (megart import-hf), so --from hf --to megart is import-hf itself.
@@ -49,10 +51,12 @@ def convert(
 
     if source == target:
         raise ConfigError(f"--from {source} --to {target}: nothing to convert")
-    if (tp is not None or pp is not None) and target != "megatron":
+    layout_written = target == "megatron" or (source, target) == ("hf", "megart")
+    if (tp is not None or pp is not None) and not layout_written:
         raise ConfigError(
             "--target-tensor-parallel-size and --target-pipeline-parallel-size set the layout "
-            "of a Megatron-LM checkpoint written: use them with --to megatron only"
+            "of a Megatron-LM checkpoint written, or of an imported one (--from hf --to "
+            "megart): use them there only"
         )
     if ckpt_format != "torch" and target != "megatron":
         raise ConfigError(
@@ -69,7 +73,9 @@ def convert(
             import_checkpoint(load, tmp)
             return _megatron_files(megart_to_megatron(tmp, save, tp, pp, ckpt_format), ckpt_format)
     if source == "hf":
-        return import_for_training(load, save)
+        return import_for_training(
+            load, save, tp=1 if tp is None else tp, pp=1 if pp is None else pp
+        )
     if source == "megart" and target == "megatron":
         return _megatron_files(megart_to_megatron(load, save, tp, pp, ckpt_format), ckpt_format)
     if source == "megart":
@@ -109,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             type=int,
             metavar="N",
             help=f"--to megatron: the {what}-parallel size of the checkpoint written "
-            "(default: the source checkpoint's layout)",
+            "(default: the source checkpoint's layout); --from hf --to megart: as import-hf's",
         )
     p.add_argument(
         "--ckpt-format",

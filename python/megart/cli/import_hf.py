@@ -1,7 +1,8 @@
 """megart import-hf: a Hugging Face GPT-2 or Llama directory as a megart checkpoint, to fine-tune.
 
     megart import-hf --input HF_DIR --save CHECKPOINT_DIR [--seq-length N]
-        [--apply-layernorm-1p]
+        [--apply-layernorm-1p] [--target-tensor-parallel-size T]
+        [--target-pipeline-parallel-size P]
 
 HF_DIR is a save_pretrained directory of GPT2LMHeadModel or LlamaForCausalLM (config.json's
 model_type says which; safetensors weights). A Llama trains with --normalization RMSNorm
@@ -12,6 +13,10 @@ than heads, --group-query-attention --num-query-groups; the checkpoint records t
 
 CHECKPOINT_DIR then holds a release checkpoint (the weights alone) that ``megart train --load
 CHECKPOINT_DIR`` loads under any tensor- and pipeline-parallel layout, starting at iteration 0.
+With --target-tensor-parallel-size / --target-pipeline-parallel-size (the names of Megatron's
+converter) it is written as the files of that layout, one pipeline stage at a time: the import
+then holds one stage's weights, not the whole model, and a run of that layout reads only its
+own files.
 """
 
 from __future__ import annotations
@@ -45,11 +50,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="store the norm weights zero-centred (the file's minus 1), for megart train "
         "--apply-layernorm-1p: the same network",
     )
+    for dim in ("tensor", "pipeline"):
+        p.add_argument(
+            f"--target-{dim}-parallel-size",
+            type=int,
+            default=1,
+            metavar="N",
+            help=f"write the checkpoint as the files of {dim}-parallel size N (default 1); any "
+            "layout loads it, this one without resharding",
+        )
     args = p.parse_args(argv)
 
     def convert() -> str:
         from megart.training.import_hf import import_for_training
 
-        return import_for_training(args.input, args.save, args.seq_length, args.apply_layernorm_1p)
+        return import_for_training(
+            args.input,
+            args.save,
+            args.seq_length,
+            args.apply_layernorm_1p,
+            tp=args.target_tensor_parallel_size,
+            pp=args.target_pipeline_parallel_size,
+        )
 
     return run_conversion("megart import-hf", convert)

@@ -15,6 +15,7 @@ by the live model's gathers here (GPT.save_hf) or by a training checkpoint's fil
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -57,20 +58,13 @@ def format_name(path: str | Path) -> str:
     return read_format(path)[0].NAME
 
 
-def load_hf(
-    cls: type,
-    path: str,
-    tp_group: dist.ProcessGroup | None,
-    sequence_parallel: bool,
-    expect: str | None = None,
-) -> Any:
-    """A ``cls`` (megart's GPT) holding this rank's slice of the model in ``path``. The files
-    are opened lazily and each tensor converted and copied into its parameter in turn, so the
-    load holds the model and one tensor, not copies of the whole."""
+def lazy_tensors(path: str | Path, fmt: ModuleType) -> Callable[[str], torch.Tensor]:
+    """``take(name)``: the tensor of that name (without the format's FILE_PREFIX) in the
+    directory ``path``'s safetensors files, in float32, read from the file when asked for
+    (the files are memory-mapped, never read whole)."""
     from safetensors import safe_open
 
     root = Path(path)
-    fmt, cfg = read_format(root, expect)
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{root} has no .safetensors weights (only safetensors are read)")
@@ -83,6 +77,21 @@ def load_hf(
         handle, key = where[name]
         return handle.get_tensor(key).float()
 
+    return take
+
+
+def load_hf(
+    cls: type,
+    path: str,
+    tp_group: dist.ProcessGroup | None,
+    sequence_parallel: bool,
+    expect: str | None = None,
+) -> Any:
+    """A ``cls`` (megart's GPT) holding this rank's slice of the model in ``path``. The files
+    are opened lazily and each tensor converted and copied into its parameter in turn, so the
+    load holds the model and one tensor, not copies of the whole."""
+    fmt, cfg = read_format(path, expect)
+    take = lazy_tensors(path, fmt)
     model = cls(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
     params = dict(model.named_parameters())
     t, r = group_size(tp_group), group_rank(tp_group)

@@ -8,7 +8,7 @@ heads. Everything else maps one to one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -76,11 +76,14 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
 
 
 def to_megart(
-    cfg: GPTConfig, take: Callable[[str], torch.Tensor]
+    cfg: GPTConfig, take: Callable[[str], torch.Tensor], wanted: Collection[str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(megart parameter name, its whole tensor) one at a time, from ``take(name)``: GPT-2's
-    tensor by its name without FILE_PREFIX (vocabulary unpadded)."""
+    tensor by its name without FILE_PREFIX (vocabulary unpadded). Only the names in
+    ``wanted`` (default all) are converted, and only their GPT-2 tensors taken."""
     for ours, theirs, conv in _mapping(cfg):
+        if wanted is not None and ours not in wanted:
+            continue
         w = take(theirs)
         if "conv1d" in conv:
             w = w.t()

@@ -20,7 +20,7 @@ spelling. What differs is only where the weights sit:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -202,24 +202,31 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
 
 
 def to_megart(
-    cfg: GPTConfig, take: Callable[[str], torch.Tensor]
+    cfg: GPTConfig, take: Callable[[str], torch.Tensor], wanted: Collection[str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(megart parameter name, its whole tensor) one at a time, from ``take(name)``: the
-    Llama tensor of that name (vocabulary unpadded)."""
-    yield "chunk.wte.weight", take("model.embed_tokens.weight")
+    Llama tensor of that name (vocabulary unpadded). Only the names in ``wanted`` (default
+    all) are converted, and only their Llama tensors taken."""
     kinds = ("weight", "bias") if cfg.bias else ("weight",)
+    pairs = [("chunk.wte.weight", "model.embed_tokens.weight")]
     for i in range(cfg.num_layers):
-        for ours, theirs in _norm_names(i):
-            yield ours, take(theirs)
+        pairs += _norm_names(i)
         g = f"model.layers.{i}.self_attn."
         for kind in kinds:
-            qkv = [take(f"{g}{x}_proj.{kind}") for x in "qkv"]
-            yield f"chunk.blocks.{i}.attn.qkv.{kind}", _fuse_qkv(cfg, *qkv)
-            for ours, theirs in _linear_names(i):
-                yield f"{ours}.{kind}", take(f"{theirs}.{kind}")
-    yield FINAL_NORM[0], take(FINAL_NORM[1])
+            pairs.append(
+                (f"chunk.blocks.{i}.attn.qkv.{kind}", [f"{g}{x}_proj.{kind}" for x in "qkv"])
+            )
+            pairs += [(f"{ours}.{kind}", f"{theirs}.{kind}") for ours, theirs in _linear_names(i)]
+    pairs.append(FINAL_NORM)
     if cfg.untie_embeddings_and_output_weights:
-        yield "chunk.output_layer.weight", take("lm_head.weight")
+        pairs.append(("chunk.output_layer.weight", "lm_head.weight"))
+    for ours, theirs in pairs:
+        if wanted is not None and ours not in wanted:
+            continue
+        if isinstance(theirs, list):  # q, k and v, fused
+            yield ours, _fuse_qkv(cfg, *(take(name) for name in theirs))
+        else:
+            yield ours, take(theirs)
 
 
 def hf_tensors(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -153,12 +154,16 @@ def _publish(directory: Any, iteration: int, partial: Path, final: Path) -> Path
     tracker replaced (a crash before leaves the last complete checkpoint the latest)."""
     dist.barrier()
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        replace_text(Path(directory) / TRACKER, f"{iteration}\n")
-        checkpoint_dirs.remove_stale_partials(directory, iteration)
+        _swap_in(directory, iteration, partial, final)
     dist.barrier()
     return final
+
+
+def _swap_in(directory: Any, iteration: int, partial: Path, final: Path) -> None:
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+    replace_text(Path(directory) / TRACKER, f"{iteration}\n")
+    checkpoint_dirs.remove_stale_partials(directory, iteration)
 
 
 def write_release(
@@ -168,19 +173,42 @@ def write_release(
     layer_ids: list[int],
 ) -> Path:
     """Writes ``weights`` (one chunk's, of the whole model ``cfg``) as a release checkpoint in
-    ``save_dir`` (Megatron's term: the weights alone, one rank's file, iteration 0; --load
-    reshards it to any layout and starts as --finetune); returns the file."""
+    ``save_dir`` (Megatron's term: the weights alone, iteration 0; --load reshards it to any
+    layout and starts as --finetune); returns the file."""
+    return write_release_ranks(save_dir, cfg, 1, 1, [((0, 0), weights, layer_ids)])[0]
+
+
+def write_release_ranks(
+    save_dir: str | os.PathLike,
+    cfg: GPTConfig,
+    tp: int,
+    pp: int,
+    files: Iterable[tuple[tuple[int, int], dict[str, torch.Tensor], list[int]]],
+) -> list[Path]:
+    """A release checkpoint of ``tp`` x ``pp`` rank files: ``files`` gives each (tensor rank,
+    pipeline rank), its one chunk's weights and that chunk's layers, and each is written as
+    it comes (so a generator holds one at a time). The iteration directory appears, and the
+    tracker names it, only once every file is written."""
     layout = {f: getattr(cfg, f) for f in MODEL_FIELDS}
-    layout.update(zip(PARALLEL_FIELDS, (1, 1, None), strict=True))  # tp 1, pp 1, no interleaving
-    state = file_state(
-        0,
-        layout=layout,
-        model_config=dataclasses.asdict(cfg),
-        layer_ids=[layer_ids],
-        model=[weights],
-        release=True,
-    )
-    out = iteration_dir(save_dir, 0) / rank_dir(0, 0, 1) / FILE
-    write_file(out, state)
-    replace_text(Path(save_dir) / TRACKER, "0\n")
-    return out
+    layout.update(zip(PARALLEL_FIELDS, (tp, pp, None), strict=True))  # no interleaving
+    final = iteration_dir(save_dir, 0)
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    written = []
+    try:
+        for (t, p), weights, layer_ids in files:
+            state = file_state(
+                0,
+                layout=layout,
+                model_config=dataclasses.asdict(cfg),
+                layer_ids=[layer_ids],
+                model=[weights],
+                release=True,
+            )
+            write_file(partial / rank_dir(t, p, pp) / FILE, state)
+            written.append(final / rank_dir(t, p, pp) / FILE)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # an earlier checkpoint there stays whole
+        raise
+    _swap_in(save_dir, 0, partial, final)
+    return written

@@ -5,23 +5,32 @@ layout.
     # then: megart train --load ckpt --vocab-size 50257 --num-layers 12 ... (any tp x pp),
     # the model's flags as train_flags gives them (import-hf prints them)
 
-The checkpoint is what Megatron calls a release checkpoint: the weights alone, in one
-tensor- and pipeline-parallel rank's file, marked ``release``. ``--load`` of it loads the
-weights only and starts at iteration 0 (as ``--finetune``), resharded to the run's layout like
-any checkpoint of another layout (megart.training.reshard).
+The checkpoint is what Megatron calls a release checkpoint: the weights alone, marked
+``release``, in one rank's file or, with ``tp``/``pp``, in the files of that tensor- and
+pipeline-parallel layout (as Megatron's converter writes a target layout: each file is written
+without the whole model in memory, and a run of that layout reads only its own). ``--load`` of
+it loads the weights only and starts at iteration 0 (as ``--finetune``), resharded to the
+run's layout like any checkpoint of another layout (megart.training.reshard).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from megart.errors import ConfigError
-from megart.models import GPT, GPTConfig
-from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS
-from megart.training.checkpoint import write_release
+from megart.models import GPTConfig, chunk_layers
+from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, fit_vocab
+from megart.models.hf import VOCAB_ROWS, lazy_tensors, read_format
+from megart.training.checkpoint_save import write_release_ranks
 from megart.training.megatron_args import integral
+from megart.training.shards import partition_dims, split_shard, whole_name
+
+NORM_WEIGHTS = ("ln_1.weight", "ln_2.weight", "ln_f.weight")  # what --apply-layernorm-1p centres
 
 
 def import_checkpoint(
@@ -29,15 +38,21 @@ def import_checkpoint(
     save_dir: str | os.PathLike,
     seq_length: int | None = None,
     apply_layernorm_1p: bool = False,
-) -> Path:
+    tp: int = 1,
+    pp: int = 1,
+) -> list[Path]:
     """Writes the GPT-2 or Llama in ``input_dir`` (transformers' save_pretrained files) as a
-    release checkpoint in ``save_dir``; returns its file. ``seq_length`` is the length to
-    train with: a GPT-2 keeps that many of its learned positions (default all, n_positions);
-    a Llama's rotary positions have no table, so any length is the same weights (default its
-    max_position_embeddings). ``apply_layernorm_1p`` writes a model for ``megart train
-    --apply-layernorm-1p``: the same network, its norm weights stored zero-centred (the
-    file's minus 1)."""
-    return _imported(input_dir, save_dir, seq_length, apply_layernorm_1p)[0]
+    release checkpoint in ``save_dir``, of ``tp`` x ``pp`` rank files; returns them.
+    ``seq_length`` is the length to train with: a GPT-2 keeps that many of its learned
+    positions (default all, n_positions); a Llama's rotary positions have no table, so any
+    length is the same weights (default its max_position_embeddings). ``apply_layernorm_1p``
+    writes a model for ``megart train --apply-layernorm-1p``: the same network, its norm
+    weights stored zero-centred (the file's minus 1).
+
+    The files are converted one pipeline stage at a time, each tensor read from the
+    memory-mapped input when its stage is written: the import holds one stage's weights (all
+    its tensor-parallel slices), never the whole model."""
+    return _imported(input_dir, save_dir, seq_length, apply_layernorm_1p, tp, pp)[0]
 
 
 def import_for_training(
@@ -45,12 +60,16 @@ def import_for_training(
     save_dir: str | os.PathLike,
     seq_length: int | None = None,
     apply_layernorm_1p: bool = False,
+    tp: int = 1,
+    pp: int = 1,
 ) -> str:
     """import_checkpoint, then what import-hf prints: the release checkpoint written and the
     megart train flags that load it."""
-    release_file, cfg = _imported(input_dir, save_dir, seq_length, apply_layernorm_1p)
+    files, cfg = _imported(input_dir, save_dir, seq_length, apply_layernorm_1p, tp, pp)
     flags = " ".join(train_flags(cfg))
-    return f"{release_file}: release checkpoint; train with --load {save_dir} {flags}"
+    what = f"{files[0]}" if len(files) == 1 else f"{files[0].parents[1]}: {len(files)} rank files"
+    layout = "" if len(files) == 1 else f" (saved for tp {tp} x pp {pp}; any layout loads it)"
+    return f"{what}: release checkpoint{layout}; train with --load {save_dir} {flags}"
 
 
 def _imported(
@@ -58,28 +77,57 @@ def _imported(
     save_dir: str | os.PathLike,
     seq_length: int | None,
     apply_layernorm_1p: bool,
-) -> tuple[Path, GPTConfig]:
-    """(the release file written, the model's GPTConfig as recorded in it)."""
-    model = GPT.from_hf(str(input_dir))
-    cfg, weights = model.cfg, model.chunk.state_dict()
+    tp: int,
+    pp: int,
+) -> tuple[list[Path], GPTConfig]:
+    """(the release files written, the model's GPTConfig as recorded in them)."""
+    fmt, cfg = read_format(input_dir)
+    take = lazy_tensors(input_dir, fmt)
     if apply_layernorm_1p:
         # A checkpoint records its model's flags and train --load refuses another model's, so
         # the choice is made here, once, for the stored weights.
         cfg = dataclasses.replace(cfg, apply_layernorm_1p=True)
-        norms = ("ln_1.weight", "ln_2.weight", "ln_f.weight")
-        weights.update({k: w - 1 for k, w in weights.items() if k.endswith(norms)})
+    learned = cfg.position_embedding == "learned"
     if seq_length is not None and seq_length != cfg.seq_length:
-        learned = "wpe.weight" in weights
         if seq_length < 1 or (learned and seq_length > cfg.seq_length):
             what = f"{cfg.seq_length} learned positions" if learned else "rotary positions"
             limit = f"1 to {cfg.seq_length}" if learned else "a positive length"
             raise ConfigError(f"--seq-length {seq_length}: {input_dir} has {what}; give {limit}")
         cfg = dataclasses.replace(cfg, seq_length=seq_length)
-        if learned:
+    for flag, size in (("tensor", tp), ("pipeline", pp)):
+        if size < 1:
+            raise ConfigError(f"--target-{flag}-parallel-size {size}: give 1 or more")
+    cfg.check_layout(tp=tp, pp=pp)
+
+    def stored(name: str, whole: torch.Tensor) -> torch.Tensor:
+        """The HF file's whole tensor as the checkpoint holds it."""
+        if name in VOCAB_ROWS:
+            whole = fit_vocab(whole, cfg.padded_vocab_size(tp))
+        if apply_layernorm_1p and name.endswith(NORM_WEIGHTS):
+            whole = whole - 1
+        if name == "chunk.wpe.weight":
             # Position p's embedding does not depend on how many follow it: the first rows
             # are the model for shorter sequences.
-            weights["wpe.weight"] = weights["wpe.weight"][:seq_length].clone()
-    return write_release(save_dir, cfg, weights, list(model.chunk.layer_ids)), cfg
+            whole = whole[: cfg.seq_length]
+        return whole
+
+    def stages() -> Iterator[tuple[tuple[int, int], dict[str, torch.Tensor], list[int]]]:
+        for p in range(pp):
+            (layers,) = chunk_layers(cfg.num_layers, p, pp)
+            dims = partition_dims(cfg, len(layers), p == 0, p == pp - 1)
+            key_of = {whole_name(key, layers): key for key in dims}
+            ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+            for name, whole in fmt.to_megart(cfg, take, wanted=key_of):
+                whole = stored(name, whole)
+                for t in range(tp):
+                    # A copy of the slice, so the file holds only this rank's part.
+                    ranks[t][key_of[name]] = split_shard(whole, dims[key_of[name]], tp, t).clone()
+            missing = set(dims) - set(ranks[0])
+            assert not missing, f"no conversion for {sorted(missing)}"  # every format maps all
+            for t in range(tp):
+                yield (t, p), ranks[t], list(layers)
+
+    return write_release_ranks(save_dir, cfg, tp, pp, stages()), cfg
 
 
 def train_flags(cfg: GPTConfig) -> list[str]:
