@@ -81,6 +81,7 @@ def megatron_model(
             rope_scaling=cfg.rope_scaling,
             rope_scaling_factor=cfg.rope_scaling_factor,
             seq_len_interpolation_factor=cfg.rotary_seq_len_interpolation_factor,
+            rotary_percent=cfg.rotary_percent,
             share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
             pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),

@@ -3,7 +3,8 @@ index, local transformer spec, CPU, float64): Megatron-Core loads megart's weigh
 (names mapped by megart.models.megatron_names) and computes the same logits, and megart loads a
 Megatron-Core model's weights and computes its logits, for GPT-2-style and Llama-style models
 (RMSNorm, rope rotating halves or, with --rotary-interleaved, adjacent pairs, SwiGLU, GQA,
-untied output layer, --use-rope-scaling, --rotary-seq-len-interpolation-factor), and with
+untied output layer, --use-rope-scaling, --rotary-seq-len-interpolation-factor, --rotary-percent
+0.5), and with
 --apply-layernorm-1p (zero-centred LayerNorm weights)."""
 
 import pytest
@@ -29,6 +30,8 @@ CONFIGS = {
     },
     # --rotary-seq-len-interpolation-factor: every position divided by 4 before it turns.
     "llama-interpolated": {**LLAMA, "rotary_seq_len_interpolation_factor": 4.0},
+    # --rotary-percent 0.5: the first 4 channels of each head of 8 turn (see test_rotary_percent).
+    "llama-partial-rotary": {**LLAMA, "rotary_percent": 0.5},
     # Its FusedLayerNorm with zero-centred gamma (apex's kernel replaced by torch's function).
     "gpt2-layernorm-1p": dict(apply_layernorm_1p=True),
 }

@@ -116,7 +116,8 @@ def test_the_llama3_example_runs_and_resumes_in_torch_dist(tmp_path):
 def test_refused_flags_are_named_with_what_to_do():
     status, out = mw.run_cli(["--fp8-format", "hybrid", "--fp8-param-gather", "--num-layers", "2"])
     assert status == 2 and out.count("train with --bf16") == 2, out
-    with pytest.raises(ConfigError, match="--rotary-percent 0.5: .*use 1.0"):
+    # Partial rotary is rope's (tests/test_rotary_percent.py); without rope it is refused.
+    with pytest.raises(ConfigError, match="--rotary-percent 0.5 .*add --position-embedding-type"):
         tw.tiny(rotary_percent=0.5).check(1)
     with pytest.raises(ConfigError, match="--grad-reduce-in-bf16 .*add --bf16"):
         tw.tiny(grad_reduce_in_bf16=True).check(1)

@@ -206,7 +206,8 @@ HELP = {
     "expert_model_parallel_size": "expert parallelism (megart: only 1)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
     "GPTModel: megart's model and checkpoint names are that model's)",
-    "rotary_percent": "the part of each head rope rotates (megart: only 1.0, the whole head)",
+    "rotary_percent": "the part of each head rope rotates: its first int(head size x this) "
+    "channels (an even number), the rest unrotated (partial rotary); 1.0 rotates the whole head",
     "data_cache_path": "accepted: where Megatron caches its dataset indices; megart draws "
     "samples as a function of the seed and iteration and builds no index files",
     "tiktoken_pattern": "TikTokenizer's pattern (v1 or v2): accepted; megart takes no "

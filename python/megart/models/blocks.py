@@ -176,8 +176,16 @@ def apply_rotary(
 ) -> torch.Tensor:
     """Rotates pairs of the last dimension of x [b, heads, s, d]: (x[i], x[i + d/2]) (the
     halves, Megatron-LM's and Hugging Face Llama's default), or with ``interleaved`` adjacent
-    (x[2i], x[2i+1]) (Megatron's --rotary-interleaved, and megart's rotation before it)."""
-    xf = x.float()
+    (x[2i], x[2i+1]) (Megatron's --rotary-interleaved, and megart's rotation before it).
+    Where cos and sin cover fewer channels than x has (partial rotary, Megatron's
+    --rotary-percent), only the first 2 cos.shape[-1] channels turn, paired among themselves
+    as above, and the rest pass unchanged. Computed in fp32, or in x's type where it is wider
+    (float64, as Megatron-Core computes in it)."""
+    turned = 2 * cos.shape[-1]
+    if turned < x.shape[-1]:
+        rest = x[..., turned:]
+        return torch.cat((apply_rotary(x[..., :turned], cos, sin, interleaved), rest), dim=-1)
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     if interleaved:
         x1, x2 = xf[..., 0::2], xf[..., 1::2]
         return (

@@ -69,6 +69,12 @@ class GPTConfig:
     # frequencies scaled, then the positions divided), and so does megart. None: positions as
     # they are.
     rotary_seq_len_interpolation_factor: float | None = None
+    # Megatron's --rotary-percent (Megatron-Core's RotaryEmbedding rotary_percent): partial
+    # rotary, rope turning only the first rotary_dim = int(head_dim * rotary_percent) channels
+    # of each query and key head (as GPT-NeoX and GPT-J do) and passing the rest unturned; its
+    # frequencies are those of a head rotary_dim wide. rotary_interleaved pairs channels within
+    # those first ones, as in Megatron-Core. 1.0 turns the whole head.
+    rotary_percent: float = 1.0
     # Megatron's --attention-backend: "unfused" and "local" run the math kernel (explicit
     # scores); "auto", "flash" and "fused" let torch's scaled_dot_product_attention choose.
     attention_backend: str = "auto"
@@ -137,7 +143,8 @@ class GPTConfig:
                 f"recompute_method={self.recompute_method!r}, recompute_num_layers="
                 f"{self.recompute_num_layers}; use 'uniform' or 'block' and at least 1 layer"
             )
-        if self.position_embedding == "rotary" and self.head_dim % 2:
+        self._check_rotary_percent()
+        if self.position_embedding == "rotary" and self.head_dim % 2 and self.rotary_percent == 1:
             raise ConfigError(f"rotary positions need an even head size, not {self.head_dim}")
         if self.rope_scaling and self.position_embedding != "rotary":
             raise ConfigError(
@@ -165,9 +172,45 @@ class GPTConfig:
                 "trained angles; leave it out for none)"
             )
 
+    def _check_rotary_percent(self) -> None:
+        p, d = self.rotary_percent, self.head_dim
+        if p != 1 and self.position_embedding != "rotary":
+            raise ConfigError(
+                f"--rotary-percent {p:g} (rotary_percent) is the part of each head rope turns: "
+                "add --position-embedding-type rope (position_embedding='rotary') or leave it "
+                "out"
+            )
+        if not 0 < p <= 1:  # also refuses NaN
+            raise ConfigError(
+                f"--rotary-percent {p:g} (rotary_percent): rope turns that part of each head, "
+                "so it must be above 0 and at most 1 (1, the default, turns the whole head)"
+            )
+        turned = self.rotary_dim
+        if p == 1 or (turned > 0 and turned % 2 == 0):
+            return
+        # The even counts on either side (2 where none turned).
+        fits = [k for k in (turned - 1, max(2, turned + 1)) if 2 <= k <= d and k % 2 == 0]
+        options = " or ".join(f"{percent_for(k, d)} ({k} channels)" for k in fits)
+        raise ConfigError(
+            f"--rotary-percent {p:g} of head size {d} (--kv-channels {d}: --hidden-size "
+            f"{self.hidden_size} / --num-attention-heads {self.num_attention_heads}) turns "
+            f"int({d} x {p:g}) = {turned} channels, but rope turns channels in pairs, so it "
+            "must be an even number of at least 2: "
+            + (f"give --rotary-percent {options}, " if options else "")
+            + "or a head size (--hidden-size / --num-attention-heads) whose part is even"
+        )
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head that rope turns (rotary_percent of them, rounded down
+        as Megatron-Core's RotaryEmbedding rounds; all with rotary_percent 1)."""
+        if self.rotary_percent < 1:
+            return int(self.head_dim * self.rotary_percent)
+        return self.head_dim
 
     @property
     def query_groups(self) -> int:
@@ -223,6 +266,17 @@ class GPTConfig:
             raise ConfigError("; ".join(problems))
 
 
+def percent_for(channels: int, head_dim: int) -> str:
+    """The shortest --rotary-percent (at most 12 decimals) that turns ``channels`` of a head
+    of ``head_dim`` (int(head_dim * percent) == channels, in Megatron-Core's float64)."""
+    for decimals in range(1, 13):
+        scale = 10**decimals
+        percent = math.ceil(channels / head_dim * scale) / scale
+        if int(head_dim * percent) == channels:
+            return f"{percent:.{decimals}f}".rstrip("0").rstrip(".")
+    return repr(channels / head_dim)
+
+
 def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
     """The megart train flags (Megatron-LM's) that give ``cfg``'s architecture, by GPTConfig
     field ("no --swiglu" where a switch is off), so that messages about a model name what the
@@ -256,6 +310,8 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
             if cfg.position_embedding == "rotary"
             else "no rope"
         ),
+        # Which channels of a head rope turns: the weights mean another thing under another.
+        "rotary_percent": f"--rotary-percent {cfg.rotary_percent:g}",
         "untie_embeddings_and_output_weights": (
             "" if cfg.untie_embeddings_and_output_weights else "no "
         )

@@ -141,7 +141,7 @@ class GPTChunk(nn.Module):
             scale = self.cfg.rope_scaling_factor if self.cfg.rope_scaling else None
             rope = rotary(
                 x.shape[0] * t,
-                self.cfg.head_dim,
+                self.cfg.rotary_dim,
                 x.device,
                 self.cfg.rotary_base,
                 scale,

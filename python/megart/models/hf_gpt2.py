@@ -106,6 +106,7 @@ def check(cfg: GPTConfig) -> None:
             ("untie_embeddings_and_output_weights", cfg.untie_embeddings_and_output_weights, False),
             # GPT-2 has one key/value head per query head.
             ("num_query_groups", cfg.query_groups, cfg.num_attention_heads),
+            ("rotary_percent", cfg.rotary_percent, 1.0),
         ],
         "only models trained with GPT-2's own architecture can be written in its format",
     )

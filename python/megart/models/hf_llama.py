@@ -96,6 +96,14 @@ def check(cfg: GPTConfig) -> None:
         ],
         "only models with RMSNorm, rotary positions and SwiGLU can be written in its format",
     )
+    if cfg.rotary_percent != 1:
+        # transformers' Llama turns every channel of a head (its cos and sin span head_dim).
+        raise ConfigError(
+            f"a {NAME} checkpoint cannot represent --rotary-percent {cfg.rotary_percent:g} "
+            f"(rope turning {cfg.rotary_dim} of each head's {cfg.head_dim} channels): its rope "
+            "turns the whole head, so only a model trained with --rotary-percent 1.0 (the "
+            "default) can be written in its format"
+        )
     if cfg.rope_scaling and cfg.rotary_seq_len_interpolation_factor is not None:
         # Hugging Face's config holds one rope type: "llama3" scales the frequencies, "linear"
         # divides the positions, and none does both, as Megatron-Core does when given both.

@@ -174,7 +174,7 @@ class TrainConfig:
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
-    rotary_percent: float = 1.0  # the part of each head rope turns (megart: all of it)
+    rotary_percent: float = 1.0  # the part of each head rope turns (GPTConfig.rotary_percent)
     data_cache_path: str | None = None  # where Megatron caches dataset indices (megart: none)
     tiktoken_pattern: str | None = None  # TikTokenizer's (not a tokenizer megart takes)
     # What Megatron-LM does around each iteration besides training (megart.training.housekeeping).
@@ -321,6 +321,7 @@ class TrainConfig:
             rotary_seq_len_interpolation_factor=None
             if self.rotary_seq_len_interpolation_factor is None
             else float(self.rotary_seq_len_interpolation_factor),
+            rotary_percent=float(self.rotary_percent),
             attention_backend=self.attention_backend,
             init_std=self.init_method_std,
             seed=self.seed,

@@ -234,7 +234,8 @@ def check_model_flags(cfg: TrainConfig) -> None:
         )
     _check_query_groups(cfg)
     head = cfg.hidden_size // max(1, cfg.num_attention_heads)
-    if cfg.position_embedding_type == "rope" and head % 2:
+    # Under --rotary-percent below 1 only part of the head turns: GPTConfig checks that part.
+    if cfg.position_embedding_type == "rope" and head % 2 and cfg.rotary_percent == 1:
         raise ConfigError(
             f"--position-embedding-type rope rotates pairs of a head's dimensions, but "
             f"--hidden-size {cfg.hidden_size} / --num-attention-heads "

@@ -44,6 +44,7 @@ def megatron_args(
         rope_scaling_factor=cfg.rope_scaling_factor,
         # Megatron-LM's flag is an integer: written as one where it is (megart takes any).
         rotary_seq_len_interpolation_factor=integral(cfg.rotary_seq_len_interpolation_factor),
+        rotary_percent=cfg.rotary_percent,
         swiglu=cfg.activation == "swiglu",
         add_bias_linear=cfg.bias,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
@@ -89,6 +90,8 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         rope_scaling=scaled,
         rope_scaling_factor=float(a.get("rope_scaling_factor", 8.0)) if scaled else 8.0,
         rotary_seq_len_interpolation_factor=None if interpolation is None else float(interpolation),
+        # Megatron-LM's default 1.0 (whole heads) where older args lack it; ignored without rope.
+        rotary_percent=float(a.get("rotary_percent", 1.0)) if rope else 1.0,
         activation="swiglu" if a.get("swiglu") else "gelu",
         bias=a.get("add_bias_linear", True),
         untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),

@@ -69,7 +69,11 @@ What each does in megart:
   megart's model and its Megatron checkpoints are that model's, so the switch holds already.
 - --apply-layernorm-1p: every norm's weight zero-centred (initialised to 0, applied as
   1 + weight), as Megatron's layernorm_zero_centered_gamma; see GPTConfig.apply_layernorm_1p.
-- --rotary-percent: only 1.0 (rope turns the whole head; partial rotary is refused).
+- --rotary-percent p: partial rotary, rope turning only the first int(head size x p) channels
+  of each query and key head (with --rotary-interleaved, adjacent pairs among them), as
+  Megatron-Core's RotaryEmbedding (see GPTConfig.rotary_percent); refused without
+  --position-embedding-type rope, outside (0, 1], and where that channel count is odd or 0.
+  Tested against Megatron-Core's rope and GPTModel (tests/test_rotary_percent.py).
 - --data-cache-path: where Megatron writes its datasets' index files; megart draws samples as a
   function of the seed and iteration and writes none, so there is nothing to put there.
 - --tiktoken-pattern: an option of TikTokenizer, which megart does not take (--tokenizer-type
@@ -228,11 +232,6 @@ def check_megatron_flags(config: Any) -> None:
         raise ConfigError(
             f"--kv-channels {config.kv_channels}: megart's head size is --hidden-size {h} / "
             f"--num-attention-heads {heads}; leave it out or give {h // max(1, heads)}"
-        )
-    if config.rotary_percent != 1.0:
-        raise ConfigError(
-            f"--rotary-percent {config.rotary_percent}: megart's rope turns the whole head; "
-            "use 1.0 (the default)"
         )
     _check_housekeeping(config)
     if config.rotary_base < 1:

@@ -81,8 +81,14 @@ def partition_dims(cfg: GPTConfig, blocks: int, first: bool, last: bool) -> dict
     their parameters (as the live export's gathers do), on a copy of the chunk shrunk to a
     few numbers, since only names and dims matter."""
     heads = cfg.num_attention_heads
+    # Whole-head rope: a part of the shrunk heads of 2 could be no pair (rope has no weights).
     tiny = dataclasses.replace(
-        cfg, vocab_size=1, seq_length=1, hidden_size=2 * heads, ffn_hidden_size=None
+        cfg,
+        vocab_size=1,
+        seq_length=1,
+        hidden_size=2 * heads,
+        ffn_hidden_size=None,
+        rotary_percent=1.0,
     )
     # Forked: torch.nn's default initialisation draws from torch's default generator, which a
     # resharding rank must leave as its run seeded it.
