@@ -83,6 +83,10 @@ HELP = {
     "pipeline_model_parallel_size": "pipeline-parallel size p",
     "num_layers_per_virtual_pipeline_stage": "layers per model chunk: the interleaved 1F1B "
     "schedule (default: one chunk per rank, 1F1B)",
+    "decoder_first_pipeline_num_layers": "the number of transformer layers on the first "
+    "pipeline stage of the decoder (default: an even split of the layers over all stages)",
+    "decoder_last_pipeline_num_layers": "the number of transformer layers on the last pipeline "
+    "stage of the decoder (default: an even split of the layers over all stages)",
     "pipeline_schedule": "1f1b, interleaved (needs --num-layers-per-virtual-pipeline-stage), "
     "zb-h1 (zero bubble: backward split into input and weight gradients, 1F1B's memory) or "
     "zb-v (zero bubble, two chunks per rank in a V; needs 2p microbatches) (default: 1f1b, or "

@@ -48,6 +48,20 @@ def stage_ranges(
     return [range(s, s + per_chunk[pp_rank]) for s in starts]
 
 
+def ends_of(counts: list[int]) -> tuple[int | None, int | None]:
+    """The (first, last) flags that give pipeline ranks ``counts`` layers (rank_layer_counts'
+    inverse; (None, None) for an even split); at pp 2 the first alone."""
+    if len(set(counts)) <= 1:
+        return None, None
+    if len(counts) == 2:
+        return counts[0], None
+    middle = counts[1]
+    return (
+        counts[0] if counts[0] != middle else None,
+        counts[-1] if counts[-1] != middle else None,
+    )
+
+
 def uneven(first: int | None, last: int | None) -> bool:
     return first is not None or last is not None
 

@@ -121,12 +121,15 @@ def load(
     _check_placement(directory, state["config"], config)
     if load_optim and state.get("opt_param_scheduler") is not None:  # written by Megatron-LM
         check_scheduler(state["opt_param_scheduler"], config, directory)
-    if any(state["config"][f] != getattr(config, f) for f in PARALLEL_FIELDS):
+    if reshard.needed(state, config, chunks):
         reshard.restore(
             root, state["config"], config, grid, chunks, optimizer if load_optim else None
         )
         if dist.get_rank() == 0:
-            print(reshard.describe(directory, iteration, state["config"], config), flush=True)
+            held = reshard.saved_layers(root, state["config"], chunks[0].cfg)
+            counts = [len(held[p]) for p in sorted(held)]
+            line = reshard.describe(directory, iteration, state["config"], config, counts)
+            print(line, flush=True)
     else:
         if not own.exists():
             raise ConfigError(f"--load {directory}: {own} is missing")

@@ -93,6 +93,10 @@ class TrainConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
+    # Megatron's uneven pipeline stages: the first/last stage's layers, the rest spread evenly
+    # over the other stages (megart.models.stages; None: an even split).
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
     # None: 1f1b, or interleaved with --num-layers-per-virtual-pipeline-stage (Megatron's rule).
     pipeline_schedule: str | None = None
     sequence_parallel: bool = False
@@ -242,6 +246,14 @@ class TrainConfig:
             return 2
         per = self.num_layers_per_virtual_pipeline_stage
         return 1 if per is None else self.num_layers // (self.pp * per)
+
+    @property
+    def stages(self) -> dict[str, int | None]:
+        """chunk_layers' and pipeline_chunks' ``first``/``last``: the uneven stages' layers."""
+        return {
+            "first": self.decoder_first_pipeline_num_layers,
+            "last": self.decoder_last_pipeline_num_layers,
+        }
 
     @property
     def decay_iters(self) -> float:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from megart.errors import ConfigError
 from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS
+from megart.models.stages import uneven
 from megart.parallel.layout import divisors
 from megart.training.batch_rampup import check_rampup
 from megart.training.lr import check_decay_style
@@ -83,6 +84,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
             f"{per_step}; use a global batch of {options}"
         )
     per = cfg.num_layers_per_virtual_pipeline_stage
+    _check_uneven(cfg)
     _check_schedule(cfg, dp)
     check_rampup(cfg, dp)
     if per is not None:
@@ -101,7 +103,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
                 f"global batch of {per_step * pp * max(1, m // pp)} or "
                 f"{per_step * pp * (m // pp + 1)}"
             )
-    elif cfg.num_layers % pp:
+    elif cfg.num_layers % pp and not uneven(**cfg.stages):
         raise ConfigError(
             f"--num-layers {cfg.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"
         )
@@ -145,8 +147,33 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
         raise ConfigError(f"{flags} choose what --load DIR restores; give --load DIR")
     _check_lr_flags(cfg)
     check_megatron_flags(cfg)
-    cfg.gpt_config().check_layout(tp, pp, cfg.chunks)  # what GPTConfig refuses, too
+    cfg.gpt_config().check_layout(tp, pp, cfg.chunks, **cfg.stages)  # GPTConfig's refusals
     return dp
+
+
+def _check_uneven(cfg: TrainConfig) -> None:
+    """Uneven stages with interleaving take Megatron-LM's --num-virtual-stages-per-pipeline-rank,
+    which megart does not have (Megatron-LM refuses --num-layers-per-virtual-pipeline-stage with
+    them too), and not zb-v's V; the layer counts are GPTConfig.check_layout's."""
+    if not uneven(**cfg.stages):
+        return
+    given = " / ".join(
+        f"--{f.replace('_', '-')} {getattr(cfg, f)}"
+        for f in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+        if getattr(cfg, f) is not None
+    )
+    per = cfg.num_layers_per_virtual_pipeline_stage
+    if per is not None:
+        raise ConfigError(
+            f"{given} cannot take --num-layers-per-virtual-pipeline-stage {per} (neither can "
+            "Megatron-LM: it sets interleaving with uneven stages by "
+            "--num-virtual-stages-per-pipeline-rank, which megart does not have); leave one out"
+        )
+    if cfg.schedule == "zb-v":
+        raise ConfigError(
+            f"{given}: --pipeline-schedule zb-v places two equal chunks per rank in a V and "
+            "cannot take uneven stages; use 1f1b or zb-h1, or leave them out"
+        )
 
 
 def _check_schedule(cfg: TrainConfig, dp: int) -> None:

@@ -12,13 +12,22 @@ from typing import Any
 
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
+from megart.models.stages import check_stages, uneven
 
 
 def megatron_args(
-    cfg: GPTConfig, iteration: int, tp: int = 1, pp: int = 1, vpp: int = 1
+    cfg: GPTConfig,
+    iteration: int,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    first: int | None = None,
+    last: int | None = None,
 ) -> argparse.Namespace:
     """The Megatron-LM flags (argparse names) that describe ``cfg`` on ``tp`` x ``pp`` ranks
-    of ``vpp`` virtual stages each."""
+    of ``vpp`` virtual stages each, the first/last stage holding ``first``/``last`` layers
+    (Megatron-LM then takes interleaving as --num-virtual-stages-per-pipeline-rank only)."""
+    per = cfg.num_layers // (pp * vpp) if vpp > 1 and not uneven(first, last) else None
     return argparse.Namespace(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -51,7 +60,10 @@ def megatron_args(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        num_layers_per_virtual_pipeline_stage=cfg.num_layers // (pp * vpp) if vpp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=per,
+        num_virtual_stages_per_pipeline_rank=vpp if vpp > 1 and per is None else None,
+        decoder_first_pipeline_num_layers=first,
+        decoder_last_pipeline_num_layers=last,
         iteration=iteration,
         ckpt_format="torch",
     )
@@ -101,13 +113,18 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
 
 def check_args(a: dict[str, Any], where: Any) -> None:
     """Refuses a Megatron-LM checkpoint (its ``vars(args)``) of what megart cannot represent."""
-    for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-        if a.get(flag):
-            raise ConfigError(
-                f"{where}: saved with --{flag.replace('_', '-')} {a[flag]} (uneven pipeline "
-                "stages), which megart does not read; convert it to even stages with "
-                "Megatron's checkpoint converter first"
+    first, last = (
+        a.get("decoder_first_pipeline_num_layers"),
+        a.get("decoder_last_pipeline_num_layers"),
+    )
+    if uneven(first, last):  # Megatron-Core's placement of uneven stages (models.stages)
+        vpp = a.get("virtual_pipeline_model_parallel_size") or 1
+        try:
+            check_stages(
+                a["num_layers"], a.get("pipeline_model_parallel_size") or 1, vpp, first, last
             )
+        except ConfigError as e:
+            raise ConfigError(f"{where}: saved with {e}") from None
     if (a.get("expert_model_parallel_size") or 1) > 1 or (a.get("num_experts") or 0) > 0:
         raise ConfigError(f"{where}: a mixture-of-experts model, which megart does not have")
 
@@ -119,7 +136,7 @@ def args_record(a: dict[str, Any]) -> dict[str, Any]:
     tp, pp = a.get("tensor_model_parallel_size") or 1, a.get("pipeline_model_parallel_size") or 1
     vpp = a.get("virtual_pipeline_model_parallel_size") or 1
     per = a.get("num_layers_per_virtual_pipeline_stage") or (
-        cfg.num_layers // (pp * vpp) if vpp > 1 else None
+        cfg.num_layers // (pp * vpp) if vpp > 1 else None  # uneven stages: marks interleaving
     )
     layout = dict(
         num_layers=cfg.num_layers,

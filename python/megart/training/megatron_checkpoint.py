@@ -28,6 +28,7 @@ import torch
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.megatron_names import from_megatron, to_megatron
+from megart.models.stages import ends_of
 from megart.training import megatron_dist, megatron_layout
 from megart.training.checkpoint import (
     FILE,
@@ -67,25 +68,28 @@ def megart_to_megatron(
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
     layout = shards[0, 0]["config"]
-    vpp = 1
-    if tp is None and pp is None:
-        vpp = len(layer_ids(shards[0, 0], 0, layout["pipeline_model_parallel_size"], cfg))
+    vpp, ends = 1, (None, None)
+    if tp is None and pp is None:  # the source's layout: its chunks, its uneven stages
+        was = layout["pipeline_model_parallel_size"]
+        vpp = len(layer_ids(shards[0, 0], 0, was, cfg))
+        ids = [layer_ids(shards[0, p], p, was, cfg) for p in range(was)]
+        ends = ends_of([sum(map(len, chunks)) for chunks in ids])
     tp = layout["tensor_model_parallel_size"] if tp is None else tp
     pp = layout["pipeline_model_parallel_size"] if pp is None else pp
-    cfg.check_layout(tp, pp, vpp)
+    cfg.check_layout(tp, pp, vpp, *ends)
     whole = whole_tensors(shards, cfg)
     weights = to_megatron({k: v.clone() for k, v in whole.items()}, cfg)
     for name in VOCAB_NAMES:
         if name in weights:  # the padding of tp ranks, as Megatron's args say
             weights[name] = fit_vocab(weights[name], cfg.padded_vocab_size(tp))
-    args = megatron_args(cfg, iteration, tp, pp, vpp)
+    args = megatron_args(cfg, iteration, tp, pp, vpp, *ends)
     if ckpt_format == "torch_dist":  # one store for every layout; args say tp's vocab padding
         args.ckpt_format = ckpt_format
         root = megatron_dist.write(save_dir, iteration, args, weights, cfg)
         replace_text(Path(save_dir) / TRACKER, f"{iteration}\n")
         return [root]
     paths = []
-    for (t, p), chunks in megatron_layout.split(weights, cfg, tp, pp, vpp).items():
+    for (t, p), chunks in megatron_layout.split(weights, cfg, tp, pp, vpp, *ends).items():
         out = iteration_dir(save_dir, iteration) / rank_dir(t, p, pp) / FILE
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(rank_state(args, iteration, chunks), out)
@@ -134,7 +138,8 @@ def read_megatron(load_dir: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any
         pp = a.get("pipeline_model_parallel_size") or 1
         cfg = config_from_args(a)
         ranks = {r: model_chunks(read_rank(path)) for r, path in rank_files(root, tp, pp).items()}
-        model = megatron_layout.merge(ranks, cfg, tp, pp)
+        ends = (a.get(f"decoder_{end}_pipeline_num_layers") for end in ("first", "last"))
+        model = megatron_layout.merge(ranks, cfg, tp, pp, *ends)
     for name in VOCAB_NAMES:
         if name in model:
             model[name] = fit_vocab(model[name], cfg.padded_vocab_size(1))

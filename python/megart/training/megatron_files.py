@@ -45,7 +45,7 @@ from megart.models import chunk_layers
 from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
 from megart.training.config import half_dtype
-from megart.training.megatron_args import args_record, check_args, config_from_args, megatron_args
+from megart.training.megatron_args import args_record, check_args, megatron_args
 from megart.training.megatron_layout import OUTPUT, WORD, with_extra_states
 from megart.training.megatron_optimizer import (
     from_megatron_optimizer,
@@ -98,6 +98,18 @@ def model_chunks(state: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
     return [state[f"model{i}"] for i in range(count)]
 
 
+def megatron_layer_ids(a: dict[str, Any], pp_rank: int, chunks: int) -> list[list[int]]:
+    """The layers of each model chunk of a Megatron-LM rank file (its ``vars(args)``):
+    numbered from 0 in the file, they are Megatron-Core's offset on, uneven stages included."""
+    pp = a.get("pipeline_model_parallel_size") or 1
+    first, last = (
+        a.get("decoder_first_pipeline_num_layers"),
+        a.get("decoder_last_pipeline_num_layers"),
+    )
+    ranges = chunk_layers(a["num_layers"], pp_rank, pp, chunks, first=first, last=last)
+    return [list(r) for r in ranges]
+
+
 def is_megatron_file(state: Any) -> bool:
     return isinstance(state, dict) and "checkpoint_version" in state and "args" in state
 
@@ -107,7 +119,7 @@ def training_args(config: Any, cfg: GPTConfig, iteration: int, dp: int) -> argpa
     argparse names), over the model's."""
     per = config.num_layers_per_virtual_pipeline_stage
     vpp = cfg.num_layers // (config.pp * per) if per else 1
-    args = megatron_args(cfg, iteration, config.tp, config.pp, vpp)
+    args = megatron_args(cfg, iteration, config.tp, config.pp, vpp, **config.stages)
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         if not hasattr(args, field.name) and isinstance(value, (int, float, str, type(None))):
@@ -228,8 +240,6 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
     model and layout from its args, the layers from the file's place, the loss scale."""
     a = vars(state["args"])
     check_args(a, path)
-    cfg = config_from_args(a)
-    pp = a.get("pipeline_model_parallel_size") or 1
     chunks = len(model_chunks(state))
     place = re.fullmatch(r"mp_rank_\d+(?:_(\d+))?", Path(path).parent.name)
     p = int(place.group(1) or 0) if place else 0
@@ -240,7 +250,7 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
             "or --overlap-param-gather-with-optimizer-step), which megart does not have"
         )
     scaler = optimizer.get("grad_scaler") if isinstance(optimizer, dict) else None
-    rank_layers = [list(r) for r in chunk_layers(cfg.num_layers, p, pp, chunks)]
+    rank_layers = megatron_layer_ids(a, p, chunks)
     return {
         # Weights alone (as convert-checkpoint writes them): loaded as --finetune loads them.
         "release": optimizer is None,

@@ -6,7 +6,8 @@ Each rank's file (``mp_rank_TT`` for one pipeline stage, ``mp_rank_TT_PPP`` othe
 model chunks (``model``, or ``model0``, ``model1``, ... under interleaving), each the module state
 dict of a GPTModel of its layers, numbered from 0 in every chunk: chunk c of pipeline rank r is
 virtual stage c p + r and holds layers [s n, (s + 1) n), n = layers / (p v), as Megatron-Core's
-transformer-layer offset places them. The embeddings are on the first stage, the final norm and
+transformer-layer offset places them (with uneven first/last stages, its placement of those:
+megart.models.stages). The embeddings are on the first stage, the final norm and
 output layer on the last; a tied output layer is a copy of the word embedding on the last stage
 when that is not also the first (Megatron-Core allocates no weight where it reads the
 embedding's). Across tensor parallelism, column-parallel weights and biases (``linear_qkv``,
@@ -24,6 +25,7 @@ import torch
 from megart.errors import ConfigError
 from megart.models import GPTConfig, chunk_layers
 from megart.models.megatron_names import is_fc1_halves
+from megart.models.stages import uneven
 
 Ranks = dict[tuple[int, int], list[dict[str, torch.Tensor]]]  # (tp rank, pp rank) -> chunks
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
@@ -77,8 +79,12 @@ def with_extra_states(state: dict[str, torch.Tensor], last: bool) -> dict:
     return state | {f"{prefix}._extra_state": None for prefix in sorted(linears)}
 
 
-def _stage_layers(cfg: GPTConfig, pp: int, vpp: int) -> dict[tuple[int, int], range]:
-    if cfg.num_layers % (pp * vpp):
+def _stage_layers(
+    cfg: GPTConfig, pp: int, vpp: int, first: int | None, last: int | None
+) -> dict[tuple[int, int], range]:
+    if uneven(first, last):
+        cfg.check_layout(pp=pp, chunks=vpp, first=first, last=last)
+    elif cfg.num_layers % (pp * vpp):
         raise ConfigError(
             f"{cfg.num_layers} layers do not split evenly over pipeline-parallel {pp} x "
             f"{vpp} virtual stages; pick sizes that divide --num-layers"
@@ -86,16 +92,25 @@ def _stage_layers(cfg: GPTConfig, pp: int, vpp: int) -> dict[tuple[int, int], ra
     return {
         (p, c): layers
         for p in range(pp)
-        for c, layers in enumerate(chunk_layers(cfg.num_layers, p, pp, vpp))
+        for c, layers in enumerate(chunk_layers(cfg.num_layers, p, pp, vpp, first=first, last=last))
     }
 
 
-def split(whole: dict[str, torch.Tensor], cfg: GPTConfig, tp: int, pp: int, vpp: int = 1) -> Ranks:
+def split(
+    whole: dict[str, torch.Tensor],
+    cfg: GPTConfig,
+    tp: int,
+    pp: int,
+    vpp: int = 1,
+    first: int | None = None,
+    last: int | None = None,
+) -> Ranks:
     """Each rank's chunks of the whole model's Megatron-Core state dict ``whole`` (the word
-    embedding and output layer already padded to the vocabulary of ``tp`` ranks)."""
+    embedding and output layer already padded to the vocabulary of ``tp`` ranks); ``first``/
+    ``last``: uneven first/last stages' layers (--decoder-first/last-pipeline-num-layers)."""
     stages = pp * vpp
     out: Ranks = {}
-    for (p, c), layers in _stage_layers(cfg, pp, vpp).items():
+    for (p, c), layers in _stage_layers(cfg, pp, vpp, first, last).items():
         vs = c * pp + p
         first, last = vs == 0, vs == stages - 1
         for t in range(tp):
@@ -118,12 +133,19 @@ def split(whole: dict[str, torch.Tensor], cfg: GPTConfig, tp: int, pp: int, vpp:
     return out
 
 
-def merge(ranks: Ranks, cfg: GPTConfig, tp: int, pp: int) -> dict[str, torch.Tensor]:
+def merge(
+    ranks: Ranks,
+    cfg: GPTConfig,
+    tp: int,
+    pp: int,
+    first: int | None = None,
+    last: int | None = None,
+) -> dict[str, torch.Tensor]:
     """The whole model's Megatron-Core state dict from every rank's chunks (the inverse of
     split); ``_extra_state`` entries and a tied output layer's copy are dropped."""
     vpp = len(ranks[0, 0])
     whole: dict[str, torch.Tensor] = {}
-    for (p, c), layers in _stage_layers(cfg, pp, vpp).items():
+    for (p, c), layers in _stage_layers(cfg, pp, vpp, first, last).items():
         states = [ranks[t, p][c] for t in range(tp)]
         names = [n for n in states[0] if not n.endswith("_extra_state")]
         for t, state in enumerate(states[1:], 1):

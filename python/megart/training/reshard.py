@@ -27,11 +27,14 @@ from typing import Any
 import torch
 
 from megart.errors import ConfigError
-from megart.models import GPTChunk, chunk_layers
+from megart.models import GPTChunk
 from megart.models.config import fit_vocab
-from megart.training.ckpt_files import PARALLEL_FIELDS, optimizer_params
+from megart.models.stages import rank_layer_counts
+from megart.training.ckpt_files import FILE, PARALLEL_FIELDS, optimizer_params, rank_dir
+from megart.training.megatron_files import torch_load
 from megart.training.shards import (
     Shards,
+    file_layer_ids,
     read_shards,
     split_shard,
     whole_name,
@@ -54,7 +57,7 @@ def restore(
     rank's model chunks and, when given, ``optimizer`` (its param groups' hyperparameters
     too, as an unresharded load does)."""
     cfg = chunks[0].cfg
-    shards = read_shards(root, _pipeline_ranks(saved, chunks))
+    shards = read_shards(root, _pipeline_ranks(root, saved, chunks))
     mine = {
         (c, key): (whole_name(key, chunk.layer_ids), p)
         for c, chunk in enumerate(chunks)
@@ -79,17 +82,33 @@ def restore(
         )
 
 
+def needed(state: dict[str, Any], config: Any, chunks: list[GPTChunk]) -> bool:
+    """Whether file ``state`` (this rank's, or any when it has none) was saved under another
+    layout than this run's: other parallel sizes, or other layers in this rank's chunks (as
+    another uneven-stage split gives)."""
+    saved = state["config"]
+    return any(saved[f] != getattr(config, f) for f in PARALLEL_FIELDS) or [
+        list(ids) for ids in state.get("layer_ids", [])
+    ] != [list(chunk.layer_ids) for chunk in chunks]
+
+
 def describe(
-    directory: str | os.PathLike, iteration: int, saved: dict[str, Any], config: Any
+    directory: str | os.PathLike,
+    iteration: int,
+    saved: dict[str, Any],
+    config: Any,
+    saved_counts: list[int],
 ) -> str:
-    """The one line a resharded load prints."""
+    """The one line a resharded load prints (``saved_counts``: the layers of each saved
+    pipeline rank, see saved_layers)."""
 
-    def layout(tp: int, pp: int, per: int | None) -> str:
+    def layout(tp: int, pp: int, per: int | None, layers: list[int]) -> str:
         v = "" if per is None else f" (v {config.num_layers // (pp * per)})"
-        return f"tp {tp} x pp {pp}{v}"
+        return f"tp {tp} x pp {pp}{v}, layers per stage {' | '.join(map(str, layers))}"
 
-    before = layout(*(saved[f] for f in PARALLEL_FIELDS))
-    after = layout(*(getattr(config, f) for f in PARALLEL_FIELDS))
+    before = layout(*(saved[f] for f in PARALLEL_FIELDS), saved_counts)
+    counts = rank_layer_counts(config.num_layers, config.pp, **config.stages)
+    after = layout(*(getattr(config, f) for f in PARALLEL_FIELDS), counts)
     return (
         f"megart train: --load {directory}: iteration {iteration} was saved under {before}, "
         f"resharded to {after}; its random streams cannot be resharded, so this run keeps its "
@@ -97,20 +116,27 @@ def describe(
     )
 
 
-def _pipeline_ranks(saved: dict[str, Any], chunks: list[GPTChunk]) -> set[int]:
+def _pipeline_ranks(root: Path, saved: dict[str, Any], chunks: list[GPTChunk]) -> set[int]:
     """The saved pipeline ranks whose files hold what ``chunks`` need: their layers, and the
     first layer's stage for the embeddings, the last one's for the final norm."""
-    cfg = chunks[0].cfg
     layers = {i for chunk in chunks for i in chunk.layer_ids}
     if any(chunk.first or chunk.last for chunk in chunks):
         layers.add(0)  # the tied embedding is taken from the first stage's copy
-    pp, per = saved["pipeline_model_parallel_size"], saved["num_layers_per_virtual_pipeline_stage"]
-    v = 1 if per is None else cfg.num_layers // (pp * per)
-    return {
-        p
-        for p in range(pp)
-        if any(i in layers for r in chunk_layers(cfg.num_layers, p, pp, v) for i in r)
-    }
+    return {p for p, held in saved_layers(root, saved, chunks[0].cfg).items() if held & layers}
+
+
+def saved_layers(root: Path, saved: dict[str, Any], cfg: Any) -> dict[int, set[int]]:
+    """The layers each saved pipeline rank holds, as its tensor rank 0 file records them (an
+    uneven split is known only from the files): opened memory-mapped and unverified here, the
+    files then read are verified."""
+    pp = saved["pipeline_model_parallel_size"]
+    out = {}
+    for p in range(pp):
+        path = root / rank_dir(0, p, pp) / FILE
+        if not path.is_file():
+            raise ConfigError(f"{path} is missing: the checkpoint is incomplete")
+        out[p] = {i for ids in file_layer_ids(torch_load(path, mmap=True), p, pp, cfg) for i in ids}
+    return out
 
 
 def _slice(whole: torch.Tensor, p: torch.Tensor, name: str, tp: int, rank: int) -> torch.Tensor:

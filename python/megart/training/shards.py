@@ -23,6 +23,7 @@ import torch
 from megart.errors import ConfigError
 from megart.models import GPTChunk, GPTConfig, chunk_layers
 from megart.training.ckpt_files import FILE, rank_files, read_file
+from megart.training.megatron_files import is_megatron_file, megatron_layer_ids, model_chunks
 
 Shards = dict[tuple[int, int], dict[str, Any]]  # (tensor rank, pipeline rank) -> its file
 # pick((tensor rank, pipeline rank), chunk, name): the shard to merge, None where there is none
@@ -72,6 +73,16 @@ def layer_ids(state: dict[str, Any], pp_rank: int, pp: int, cfg: GPTConfig) -> l
     # Saved before checkpoints held them: the same assignment pipeline_chunks makes.
     chunks = len(state["model"])
     return [list(r) for r in chunk_layers(cfg.num_layers, pp_rank, pp, chunks)]
+
+
+def file_layer_ids(raw: dict[str, Any], pp_rank: int, pp: int, cfg: GPTConfig) -> list[list[int]]:
+    """The layers of each model chunk of a file as torch.load reads it: megart's format, or
+    Megatron-LM's legacy one (megart's record in it, or, written by Megatron-LM, its args)."""
+    if not is_megatron_file(raw):
+        return layer_ids(raw, pp_rank, pp, cfg)
+    if "megart" in raw:
+        return [list(ids) for ids in raw["megart"]["layer_ids"]]
+    return megatron_layer_ids(vars(raw["args"]), pp_rank, len(model_chunks(raw)))
 
 
 @functools.cache

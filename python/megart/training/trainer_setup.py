@@ -92,6 +92,7 @@ def model_chunks(
             config.sequence_parallel,
             rng,
             v_shape=config.schedule == "zb-v",
+            **config.stages,
         )
     ]
     half = half_dtype(config)
