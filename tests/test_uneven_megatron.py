@@ -96,12 +96,18 @@ def test_legacy_files_number_layers_from_megatron_cores_offsets(straight, tmp_pa
     assert all(loaded[k].equal(v) for k, v in held.items())
     assert _losses(ranks[0]) == pytest.approx(straight[2:4], rel=REL, abs=0)
 
-    from megart.training.megatron_checkpoint import read_megatron
+    from megart.training.megatron_checkpoint import megart_to_megatron, read_megatron
 
-    cfg, model, _ = read_megatron(theirs)
-    for g in range(6):
-        assert torch.equal(model[f"decoder.layers.{g}.mlp.linear_fc2.weight"],
-                           held[f"chunk.blocks.{g}.mlp.proj.weight"])  # fmt: skip
+    # convert-checkpoint --from megart --to megatron keeps the source's uneven split.
+    converted = tmp_path / "converted"
+    paths = megart_to_megatron(ckpt, converted)
+    args = torch.load(paths[0], weights_only=False)["args"]
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (1, 1)
+    for d in (theirs, converted):
+        cfg, model, _ = read_megatron(d)
+        for g in range(6):
+            assert torch.equal(model[f"decoder.layers.{g}.mlp.linear_fc2.weight"],
+                               held[f"chunk.blocks.{g}.mlp.proj.weight"])  # fmt: skip
 
 
 def test_torch_dist_uneven_checkpoint_resumes_under_another_layout(straight, tmp_path):

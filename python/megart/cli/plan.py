@@ -52,6 +52,11 @@ LAYOUT_FLAGS = (
 )
 
 
+# megart train's uneven pipeline stages: the planner's stage times, bubble and worst rank's
+# memory assume an even split, so it refuses them rather than predict another layout.
+UNEVEN_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+
+
 def _parser() -> argparse.ArgumentParser:
     from megart.plan.estimate import RUNTIMES
     from megart.plan.hardware import GPUS
@@ -78,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
             kind = int if str(f.type).startswith("int") else str
             choices = CHOICES.get(name) or (("full", "selective") if "recompute" in name else None)
             p.add_argument(flag, dest=name, type=kind, default=None, choices=choices, help=text)
+    for name in UNEVEN_FLAGS:  # accepted to be refused by name (see _run)
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=HELP[name])
     p.add_argument(
         "--runtime",
         choices=RUNTIMES,
@@ -106,6 +113,17 @@ def _run(args: argparse.Namespace) -> int:
     from megart.plan.report import draw, plan_json, table
     from megart.plan.search import Fixed, NoFit, search
 
+    uneven = [
+        f"--{n.replace('_', '-')} {getattr(args, n)}"
+        for n in UNEVEN_FLAGS
+        if getattr(args, n) is not None
+    ]
+    if uneven:
+        raise ConfigError(
+            f"{' and '.join(uneven)}: megart plan models even pipeline stages only (its stage "
+            "times, bubble and worst rank's memory assume num_layers / p layers per stage); "
+            "leave them out to plan the even layout"
+        )
     gpu = load_profile(args.gpu, args.gpu_profile)
     world = args.num_gpus
     if world < 1:
