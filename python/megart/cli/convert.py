@@ -28,6 +28,14 @@ from pathlib import Path
 from megart.cli.hf_common import run_conversion
 from megart.errors import ConfigError
 
+# export_checkpoint's options for --to hf, by their flags.
+HF_FLAGS = {
+    "dtype": "--dtype",
+    "max_shard_size": "--max-shard-size",
+    "tokenizer_model": "--tokenizer-model",
+    "recorded_tokenizer": "--no-tokenizer",
+}
+
 
 def convert(
     source: str,
@@ -45,7 +53,8 @@ def convert(
     read is either); ``hf_options``: export_checkpoint's dtype, max_shard_size and
     tokenizer_model for a Hugging Face directory written."""
     hf_options = hf_options or {}
-    from megart.training.export_hf import export_checkpoint
+    tokenizer = hf_options.get("tokenizer_model")
+    from megart.training.export_hf import describe, export_checkpoint
     from megart.training.import_hf import import_checkpoint, import_for_training
     from megart.training.megatron_checkpoint import megart_to_megatron, megatron_to_megart
 
@@ -64,10 +73,12 @@ def convert(
             "use it with --to megatron only (a Megatron-LM checkpoint read may be either)"
         )
     if hf_options and target != "hf":
-        flags = ", ".join(f"--{k.replace('_', '-')}" for k in hf_options)
+        flags = ", ".join(HF_FLAGS[k] for k in hf_options)
         raise ConfigError(
             f"{flags} set how a Hugging Face directory is written: use them with --to hf only"
         )
+    if tokenizer is not None and hf_options.get("recorded_tokenizer") is False:
+        raise ConfigError("--tokenizer-model and --no-tokenizer: give one or the other")
     if source == "hf" and target == "megatron":
         with tempfile.TemporaryDirectory() as tmp:  # hf -> megart -> megatron
             import_checkpoint(load, tmp)
@@ -79,24 +90,18 @@ def convert(
     if source == "megart" and target == "megatron":
         return _megatron_files(megart_to_megatron(load, save, tp, pp, ckpt_format), ckpt_format)
     if source == "megart":
-        return _hf_files(export_checkpoint(load, save, **hf_options))
+        return describe(export_checkpoint(load, save, **hf_options), tokenizer)
     if target == "megart":
         return f"{megatron_to_megart(load, save)} (megart release checkpoint)"
     with tempfile.TemporaryDirectory() as tmp:  # megatron -> megart -> hf
         megatron_to_megart(load, tmp)
-        return _hf_files(export_checkpoint(tmp, save, **hf_options))
+        return describe(export_checkpoint(tmp, save, **hf_options), tokenizer)
 
 
 def _megatron_files(files: list[Path], ckpt_format: str) -> str:
     if ckpt_format == "torch_dist":
         return f"{files[0]}: Megatron-LM torch_dist checkpoint (weights)"
     return f"{files[0].parents[1]}: {len(files)} rank files (Megatron-LM legacy, weights)"
-
-
-def _hf_files(out: Path) -> str:
-    from megart.models.hf import format_name
-
-    return f"{out}: {format_name(out)} files"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -139,9 +144,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME_OR_DIR",
         help="--to hf: a Hugging Face tokenizer to save beside the weights, as export-hf's",
     )
+    p.add_argument(
+        "--no-tokenizer",
+        dest="recorded_tokenizer",
+        action="store_const",
+        const=False,
+        help="--to hf: save no tokenizer, not even the one the checkpoint records",
+    )
     args = p.parse_args(argv)
-    names = ("dtype", "max_shard_size", "tokenizer_model")
-    hf_options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    hf_options = {k: getattr(args, k) for k in HF_FLAGS if getattr(args, k) is not None}
     return run_conversion(
         "megart convert-checkpoint",
         lambda: convert(

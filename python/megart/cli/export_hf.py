@@ -5,13 +5,16 @@ files are merged here, with no launcher and no process group.
 
     megart export-hf --load CHECKPOINT_DIR --output HF_DIR [--iteration N]
         [--dtype {float32,bfloat16,float16}] [--max-shard-size 5GB]
-        [--tokenizer-model NAME_OR_DIR]
+        [--tokenizer-model NAME_OR_DIR | --no-tokenizer]
 
 HF_DIR then holds config.json and model.safetensors (or numbered files and their index, as
 save_pretrained shards a model larger than --max-shard-size) in GPT-2's format (a model of GPT-2's
 architecture: ``transformers.GPT2LMHeadModel.from_pretrained(HF_DIR)``) or Llama's (one with
 RMSNorm, rotary positions and SwiGLU: ``LlamaForCausalLM``); megart's ``GPT.from_hf(HF_DIR)``
-loads either. A model neither format can represent is refused, naming the flags.
+loads either. A model neither format can represent is refused, naming the flags. The
+tokenizer the model was trained with (megart train's --tokenizer-model, or --vocab-file and
+--merge-file; import-hf's directory's own), which the checkpoint records, is saved beside the
+weights, or the one --tokenizer-model names.
 """
 
 from __future__ import annotations
@@ -51,14 +54,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME_OR_DIR",
         help="a Hugging Face tokenizer (directory, or name in the local cache) to save beside "
         "the weights, as megart train's --tokenizer-model takes it: the directory then "
-        "generates text as it is",
+        "generates text as it is (default: the tokenizer the checkpoint records, if any)",
+    )
+    p.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="save no tokenizer, not even the one the checkpoint records",
     )
     args = p.parse_args(argv)
+    if args.no_tokenizer and args.tokenizer_model:
+        p.error("--tokenizer-model and --no-tokenizer: give one or the other")
 
     def convert() -> str:
-        from megart.models.hf import format_name
-        from megart.models.hf_files import INDEX
-        from megart.training.export_hf import export_checkpoint
+        from megart.training.export_hf import describe, export_checkpoint
 
         out = export_checkpoint(
             args.load,
@@ -67,10 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.dtype,
             args.max_shard_size,
             args.tokenizer_model,
+            recorded_tokenizer=not args.no_tokenizer,
         )
-        shards = len(list(out.glob("model-*-of-*.safetensors")))
-        files = f"{INDEX} and {shards} weight files" if shards else "model.safetensors"
-        tokenizer = f"; the tokenizer of {args.tokenizer_model}" if args.tokenizer_model else ""
-        return f"{out}: config.json and {files} ({format_name(out)}){tokenizer}"
+        return describe(out, args.tokenizer_model)
 
     return run_conversion("megart export-hf", convert)

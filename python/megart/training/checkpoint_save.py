@@ -23,7 +23,13 @@ import torch
 import megart.distributed as dist
 from megart.models import GPTChunk, GPTConfig
 from megart.tensor_parallel.random import GeneratorStates
-from megart.training import checkpoint_dirs, checksum, megatron_dist_train, megatron_distrib_optim
+from megart.training import (
+    checkpoint_dirs,
+    checksum,
+    megatron_dist_train,
+    megatron_distrib_optim,
+    tokenizer_record,
+)
 from megart.training.ckpt_files import (
     FILE,
     MODEL_FIELDS,
@@ -59,11 +65,14 @@ def file_state(
     loss_scaler: dict[str, Any] | None = None,
     release: bool = False,
     consumed_train_samples: int | None = None,
+    tokenizer: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """What one model-parallel rank's file holds (the one definition of the format).
     ``layout``: MODEL_FIELDS and PARALLEL_FIELDS; ``release``: the weights alone (megart
     import-hf), loaded as --finetune loads a checkpoint; ``consumed_train_samples``: the
-    samples trained so far (Megatron's name), where --rampup-batch-size resumes its ramp."""
+    samples trained so far (Megatron's name), where --rampup-batch-size resumes its ramp;
+    ``tokenizer``: the tokenizer the model was trained with (megart.training.tokenizer_record),
+    which export-hf saves beside the weights."""
     return {
         "iteration": iteration,
         "consumed_train_samples": consumed_train_samples,
@@ -76,6 +85,7 @@ def file_state(
         "optimizer": optimizer,
         "rng": rng,
         "loss_scaler": loss_scaler,
+        "tokenizer": tokenizer,
     }
 
 
@@ -138,6 +148,7 @@ def save(
             rng=_rng_state(rng),
             loss_scaler=scaler.state_dict() if scaler is not None else None,
             consumed_train_samples=consumed,
+            tokenizer=tokenizer_record.record(config),
         )
         here = partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp)
         if config.ckpt_format == "torch":  # Megatron-LM's legacy layout (megatron_files)
@@ -171,11 +182,13 @@ def write_release(
     cfg: GPTConfig,
     weights: dict[str, torch.Tensor],
     layer_ids: list[int],
+    tokenizer: dict[str, str] | None = None,
 ) -> Path:
     """Writes ``weights`` (one chunk's, of the whole model ``cfg``) as a release checkpoint in
     ``save_dir`` (Megatron's term: the weights alone, iteration 0; --load reshards it to any
     layout and starts as --finetune); returns the file."""
-    return write_release_ranks(save_dir, cfg, 1, 1, [((0, 0), weights, layer_ids)])[0]
+    files = [((0, 0), weights, layer_ids)]
+    return write_release_ranks(save_dir, cfg, 1, 1, files, tokenizer)[0]
 
 
 def write_release_ranks(
@@ -184,11 +197,12 @@ def write_release_ranks(
     tp: int,
     pp: int,
     files: Iterable[tuple[tuple[int, int], dict[str, torch.Tensor], list[int]]],
+    tokenizer: dict[str, str] | None = None,
 ) -> list[Path]:
     """A release checkpoint of ``tp`` x ``pp`` rank files: ``files`` gives each (tensor rank,
     pipeline rank), its one chunk's weights and that chunk's layers, and each is written as
-    it comes (so a generator holds one at a time). The iteration directory appears, and the
-    tracker names it, only once every file is written."""
+    it comes (so a generator holds one at a time); ``tokenizer`` as file_state's. The
+    iteration directory appears, and the tracker names it, only once every file is written."""
     layout = {f: getattr(cfg, f) for f in MODEL_FIELDS}
     layout.update(zip(PARALLEL_FIELDS, (tp, pp, None), strict=True))  # no interleaving
     final = iteration_dir(save_dir, 0)
@@ -204,6 +218,7 @@ def write_release_ranks(
                 layer_ids=[layer_ids],
                 model=[weights],
                 release=True,
+                tokenizer=tokenizer,
             )
             write_file(partial / rank_dir(t, p, pp) / FILE, state)
             written.append(final / rank_dir(t, p, pp) / FILE)

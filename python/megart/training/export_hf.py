@@ -27,8 +27,22 @@ from megart.models.hf_files import (
     special_token_ids,
     write_hf,
 )
+from megart.training import tokenizer_record
 from megart.training.checkpoint import iteration_dir, model_config, required_latest_iteration
 from megart.training.shards import read_shards, whole_tensors
+
+# What transformers' save_pretrained writes for a tokenizer (fast tokenizers, and the files
+# of slow ones and of the special tokens, as versions 4 and 5 write them).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 
 
 def export_checkpoint(
@@ -38,6 +52,7 @@ def export_checkpoint(
     dtype: str = "float32",
     max_shard_size: str = DEFAULT_SHARD,
     tokenizer_model: str | None = None,
+    recorded_tokenizer: bool = True,
 ) -> Path:
     """Writes the checkpoint of ``iteration`` (default: the latest) in ``load_dir`` as a
     directory that transformers' ``from_pretrained`` (GPT2LMHeadModel or LlamaForCausalLM) and
@@ -46,7 +61,9 @@ def export_checkpoint(
     merged from the memory-mapped files when it is written, so the export holds about one
     weight file's worth. ``tokenizer_model`` (a Hugging Face tokenizer directory or cached
     name) is saved beside the weights, with its bos/eos ids in config.json, so that the
-    directory generates text as it is. A missing checkpoint or file, or a model neither format
+    directory generates text as it is; without it, the tokenizer the checkpoint records
+    (megart.training.tokenizer_record) is, unless ``recorded_tokenizer`` is False. A missing
+    checkpoint or file, a recorded tokenizer that cannot be loaded, or a model neither format
     can represent, is a ConfigError."""
     check_dtype(dtype)
     limit = parse_size(max_shard_size)
@@ -55,9 +72,13 @@ def export_checkpoint(
     cfg = model_config(shards[0, 0])
     fmt = writer(cfg)
     config = fmt.hf_config(cfg)
-    tokenizer = None
-    if tokenizer_model is not None:  # before the weights: a wrong one is refused at once
+    # Before the weights: a wrong tokenizer is refused at once.
+    tokenizer, recorded = None, shards[0, 0].get("tokenizer")
+    if tokenizer_model is not None:
         tokenizer = load_tokenizer(tokenizer_model, cfg.vocab_size)
+    elif recorded_tokenizer and recorded:
+        tokenizer = tokenizer_record.load(recorded, cfg.vocab_size)
+    if tokenizer is not None:
         config.update(special_token_ids(tokenizer))
 
     def take(name: str) -> torch.Tensor:
@@ -69,7 +90,26 @@ def export_checkpoint(
     out = write_hf(Path(output_dir), config, fmt.hf_tensors(cfg, take), dtype, limit)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    else:  # an earlier export's tokenizer is not this model's
+        for name in TOKENIZER_FILES:
+            (out / name).unlink(missing_ok=True)
     return out
+
+
+def describe(out: Path, tokenizer_model: str | None = None) -> str:
+    """What an export wrote, for the command line: the files, the format and the tokenizer
+    saved (``tokenizer_model`` as given, or the one the checkpoint records)."""
+    from megart.models.hf import format_name
+    from megart.models.hf_files import INDEX
+
+    shards = len(list(out.glob("model-*-of-*.safetensors")))
+    files = f"{INDEX} and {shards} weight files" if shards else "model.safetensors"
+    line = f"{out}: config.json and {files} ({format_name(out)})"
+    if tokenizer_model is not None:
+        return f"{line}; the tokenizer of {tokenizer_model}"
+    if (out / "tokenizer_config.json").is_file():
+        return f"{line}; the tokenizer it was trained with"
+    return line
 
 
 def _iteration(load_dir: Path, iteration: int | None) -> int:

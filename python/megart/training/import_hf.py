@@ -29,6 +29,7 @@ from megart.models.hf import VOCAB_ROWS, lazy_tensors, read_format
 from megart.training.checkpoint_save import write_release_ranks
 from megart.training.megatron_args import integral
 from megart.training.shards import partition_dims, split_shard, whole_name
+from megart.training.tokenizer_record import record
 
 NORM_WEIGHTS = ("ln_1.weight", "ln_2.weight", "ln_f.weight")  # what --apply-layernorm-1p centres
 
@@ -127,7 +128,16 @@ def _imported(
             for t in range(tp):
                 yield (t, p), ranks[t], list(layers)
 
-    return write_release_ranks(save_dir, cfg, tp, pp, stages()), cfg
+    return write_release_ranks(save_dir, cfg, tp, pp, stages(), _tokenizer(input_dir)), cfg
+
+
+def _tokenizer(input_dir: str | os.PathLike) -> dict[str, str] | None:
+    """The directory's own tokenizer, where save_pretrained wrote one beside the weights, as
+    the checkpoint records it (then export-hf saves it back without being told)."""
+    root = Path(input_dir)
+    if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return record({"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(root)})
 
 
 def train_flags(cfg: GPTConfig) -> list[str]:

@@ -29,7 +29,7 @@ from megart.errors import ConfigError
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.megatron_names import from_megatron, to_megatron
 from megart.models.stages import ends_of
-from megart.training import megatron_dist, megatron_layout
+from megart.training import megatron_dist, megatron_layout, tokenizer_record
 from megart.training.checkpoint import (
     FILE,
     TRACKER,
@@ -83,6 +83,7 @@ def megart_to_megatron(
         if name in weights:  # the padding of tp ranks, as Megatron's args say
             weights[name] = fit_vocab(weights[name], cfg.padded_vocab_size(tp))
     args = megatron_args(cfg, iteration, tp, pp, vpp, *ends)
+    vars(args).update(shards[0, 0].get("tokenizer") or {})  # as megart train's args record it
     if ckpt_format == "torch_dist":  # one store for every layout; args say tp's vocab padding
         args.ckpt_format = ckpt_format
         root = megatron_dist.write(save_dir, iteration, args, weights, cfg)
@@ -116,27 +117,35 @@ def first_rank_file(root: Path) -> Path | None:
     return found[0] if found else None
 
 
+def saved_args(load_dir: str | os.PathLike) -> tuple[dict[str, Any], Path, int]:
+    """Megatron-LM's args (``vars``), the iteration directory and the iteration of the latest
+    Megatron-LM checkpoint in ``load_dir``, legacy or torch_dist."""
+    iteration = required_latest_iteration(load_dir, " (Megatron-LM's checkpoint)")
+    root = iteration_dir(load_dir, iteration)
+    if megatron_dist.is_dist_checkpoint(root):
+        return vars(megatron_dist.read_common(root)["args"]), root, iteration
+    first = first_rank_file(root)
+    if first is None:
+        raise ConfigError(
+            f"{root} holds neither mp_rank_*/{FILE} (legacy) nor "
+            f"{megatron_dist.METADATA} (torch_dist): not a Megatron-LM checkpoint"
+        )
+    a = vars(read_rank(first)["args"])
+    check_args(a, first)
+    return a, root, iteration
+
+
 def read_megatron(load_dir: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any], int]:
     """The model config, whole Megatron-Core state dict (vocabulary padded for one rank) and
     iteration of the latest Megatron-LM checkpoint in ``load_dir``: legacy, of any tensor- and
     pipeline-parallel layout, or torch_dist."""
-    iteration = required_latest_iteration(load_dir, " (Megatron-LM's checkpoint)")
-    root = iteration_dir(load_dir, iteration)
+    a, root, iteration = saved_args(load_dir)
+    cfg = config_from_args(a)
     if megatron_dist.is_dist_checkpoint(root):
-        cfg = config_from_args(vars(megatron_dist.read_common(root)["args"]))
         model = megatron_dist.read(root)
     else:
-        first = first_rank_file(root)
-        if first is None:
-            raise ConfigError(
-                f"{root} holds neither mp_rank_*/{FILE} (legacy) nor "
-                f"{megatron_dist.METADATA} (torch_dist): not a Megatron-LM checkpoint"
-            )
-        a = vars(read_rank(first)["args"])
-        check_args(a, first)
         tp = a.get("tensor_model_parallel_size") or 1
         pp = a.get("pipeline_model_parallel_size") or 1
-        cfg = config_from_args(a)
         ranks = {r: model_chunks(read_rank(path)) for r, path in rank_files(root, tp, pp).items()}
         ends = (a.get(f"decoder_{end}_pipeline_num_layers") for end in ("first", "last"))
         model = megatron_layout.merge(ranks, cfg, tp, pp, *ends)
@@ -151,4 +160,5 @@ def megatron_to_megart(load_dir: str | os.PathLike, save_dir: str | os.PathLike)
     (weights only; --load reshards it to any layout and starts at iteration 0)."""
     cfg, model, _ = read_megatron(load_dir)
     weights = from_megatron(model, cfg)
-    return write_release(save_dir, cfg, weights, list(range(cfg.num_layers)))
+    tokenizer = tokenizer_record.record(saved_args(load_dir)[0])  # what its args record
+    return write_release(save_dir, cfg, weights, list(range(cfg.num_layers)), tokenizer)

@@ -44,6 +44,7 @@ from megart.errors import ConfigError
 from megart.models import chunk_layers
 from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
+from megart.training import tokenizer_record
 from megart.training.config import half_dtype
 from megart.training.megatron_args import args_record, check_args, megatron_args
 from megart.training.megatron_layout import OUTPUT, WORD, with_extra_states
@@ -124,6 +125,8 @@ def training_args(config: Any, cfg: GPTConfig, iteration: int, dp: int) -> argpa
         value = getattr(config, field.name)
         if not hasattr(args, field.name) and isinstance(value, (int, float, str, type(None))):
             setattr(args, field.name, value)
+    # Its files' paths absolute, so that the checkpoint's export finds them from elsewhere.
+    vars(args).update(tokenizer_record.record(config) or {})
     # The fusion as this run resolved it (TrainConfig's None is Megatron's default).
     args.bias_gelu_fusion = cfg.bias_gelu_fusion
     args.data_parallel_size = dp
@@ -321,4 +324,5 @@ def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
         "rng": rng,
         "loss_scaler": extra["loss_scaler"],
         "opt_param_scheduler": extra.get("opt_param_scheduler"),
+        "tokenizer": tokenizer_record.record(vars(state["args"])),  # as Megatron's args say
     }
