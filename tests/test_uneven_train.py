@@ -79,6 +79,17 @@ def test_uneven_checkpoint_reshards_to_even_and_to_another_split(saved, straight
     assert _losses(ranks[0]) == pytest.approx(straight[4:5], rel=REL, abs=0)
 
 
+def test_interleaved_uneven_stages_follow_the_one_process_curve():
+    """pp4, 10 layers, first 2 and last 4, two chunks per rank (--num-virtual-stages-per-
+    pipeline-rank, Megatron-LM's spelling with uneven stages): chunks of 1, 1, 1, 2 layers."""
+    kw = dict(num_layers=10, train_iters=3)
+    want = _losses(_run(1, kw)[0])
+    layout = dict(UNEVEN4, decoder_first_pipeline_num_layers=2, decoder_last_pipeline_num_layers=4)
+    ranks = _run(4, dict(kw, num_virtual_stages_per_pipeline_rank=2, **layout))
+    assert [_layers(r) for r in ranks] == [[0, 5], [1, 6], [2, 7], [3, 4, 8, 9]]
+    assert _losses(ranks[0]) == pytest.approx(want, rel=REL, abs=0)
+
+
 def test_the_flags_parse_with_megatrons_names():
     import argparse
 
@@ -99,6 +110,7 @@ def test_the_flags_parse_with_megatrons_names():
     "kw, says",
     [
         (dict(num_layers_per_virtual_pipeline_stage=1), "--num-virtual-stages-per-pipeline-rank"),
+        (dict(num_virtual_stages_per_pipeline_rank=2), "divisible by the 2 model chunks"),
         (dict(pipeline_schedule="zb-v", global_batch_size=16), "zb-v"),
         (dict(decoder_last_pipeline_num_layers=2), "leave 3 of --num-layers 6"),
         (dict(decoder_first_pipeline_num_layers=0), "must be at least 1"),

@@ -83,6 +83,9 @@ HELP = {
     "pipeline_model_parallel_size": "pipeline-parallel size p",
     "num_layers_per_virtual_pipeline_stage": "layers per model chunk: the interleaved 1F1B "
     "schedule (default: one chunk per rank, 1F1B)",
+    "num_virtual_stages_per_pipeline_rank": "model chunks per pipeline rank: the interleaved "
+    "1F1B schedule, as --num-layers-per-virtual-pipeline-stage but by count (Megatron-LM's "
+    "way with uneven stages)",
     "decoder_first_pipeline_num_layers": "the number of transformer layers on the first "
     "pipeline stage of the decoder (default: an even split of the layers over all stages)",
     "decoder_last_pipeline_num_layers": "the number of transformer layers on the last pipeline "

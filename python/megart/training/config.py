@@ -93,6 +93,9 @@ class TrainConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
+    # Megatron's other way to ask for interleaving: model chunks per pipeline rank (the one it
+    # takes with uneven stages); 1 is no interleaving.
+    num_virtual_stages_per_pipeline_rank: int | None = None
     # Megatron's uneven pipeline stages: the first/last stage's layers, the rest spread evenly
     # over the other stages (megart.models.stages; None: an even split).
     decoder_first_pipeline_num_layers: int | None = None
@@ -237,13 +240,17 @@ class TrainConfig:
         """The pipeline schedule this run uses."""
         if self.pipeline_schedule is not None:
             return self.pipeline_schedule
-        return "1f1b" if self.num_layers_per_virtual_pipeline_stage is None else "interleaved"
+        chunks = self.num_virtual_stages_per_pipeline_rank or 1
+        interleaved = self.num_layers_per_virtual_pipeline_stage is not None or chunks > 1
+        return "interleaved" if interleaved else "1f1b"
 
     @property
     def chunks(self) -> int:
         """Model chunks per pipeline rank (v): zb-v's V takes two, each half a stage's layers."""
         if self.schedule == "zb-v":
             return 2
+        if self.num_virtual_stages_per_pipeline_rank is not None:
+            return self.num_virtual_stages_per_pipeline_rank
         per = self.num_layers_per_virtual_pipeline_stage
         return 1 if per is None else self.num_layers // (self.pp * per)
 

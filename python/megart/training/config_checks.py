@@ -84,16 +84,18 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
             f"{per_step}; use a global batch of {options}"
         )
     per = cfg.num_layers_per_virtual_pipeline_stage
+    _check_virtual_flags(cfg)
     _check_uneven(cfg)
     _check_schedule(cfg, dp)
     check_rampup(cfg, dp)
-    if per is not None:
+    if cfg.schedule == "interleaved":
         if pp < 2:
-            raise ConfigError(
-                "--num-layers-per-virtual-pipeline-stage needs "
-                "--pipeline-model-parallel-size of at least 2"
-            )
-        check_virtual_stages(cfg.num_layers, pp, per)
+            flag = "--num-layers-per-virtual-pipeline-stage"
+            if per is None:
+                flag = "--num-virtual-stages-per-pipeline-rank"
+            raise ConfigError(f"{flag} needs --pipeline-model-parallel-size of at least 2")
+        if per is not None:
+            check_virtual_stages(cfg.num_layers, pp, per)
         m = cfg.microbatches(dp)
         if m % pp:
             raise ConfigError(
@@ -151,10 +153,28 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     return dp
 
 
+def _check_virtual_flags(cfg: TrainConfig) -> None:
+    """Megatron-LM's two spellings of interleaving: one at a time, chunks at least 1."""
+    per, vs = cfg.num_layers_per_virtual_pipeline_stage, cfg.num_virtual_stages_per_pipeline_rank
+    if vs is None:
+        return
+    if per is not None:
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage {per} and "
+            f"--num-virtual-stages-per-pipeline-rank {vs} both set interleaving; give one"
+        )
+    if vs < 1:
+        raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {vs} must be at least 1")
+    if vs > 1 and cfg.pipeline_schedule in ("1f1b", "zb-h1", "zb-v"):
+        raise ConfigError(
+            f"--pipeline-schedule {cfg.pipeline_schedule} runs its own chunks: leave out "
+            f"--num-virtual-stages-per-pipeline-rank {vs}, or use the interleaved schedule"
+        )
+
+
 def _check_uneven(cfg: TrainConfig) -> None:
-    """Uneven stages with interleaving take Megatron-LM's --num-virtual-stages-per-pipeline-rank,
-    which megart does not have (Megatron-LM refuses --num-layers-per-virtual-pipeline-stage with
-    them too), and not zb-v's V; the layer counts are GPTConfig.check_layout's."""
+    """Uneven stages take interleaving as --num-virtual-stages-per-pipeline-rank only (as
+    Megatron-LM), and not zb-v's V; the layer counts are GPTConfig.check_layout's."""
     if not uneven(**cfg.stages):
         return
     given = " / ".join(
@@ -166,8 +186,8 @@ def _check_uneven(cfg: TrainConfig) -> None:
     if per is not None:
         raise ConfigError(
             f"{given} cannot take --num-layers-per-virtual-pipeline-stage {per} (neither can "
-            "Megatron-LM: it sets interleaving with uneven stages by "
-            "--num-virtual-stages-per-pipeline-rank, which megart does not have); leave one out"
+            "Megatron-LM): give interleaving as --num-virtual-stages-per-pipeline-rank (model "
+            "chunks per rank) instead"
         )
     if cfg.schedule == "zb-v":
         raise ConfigError(
@@ -180,10 +200,15 @@ def _check_schedule(cfg: TrainConfig, dp: int) -> None:
     """Refuses --pipeline-schedule combinations that cannot run, saying what would."""
     name, per, pp = cfg.pipeline_schedule, cfg.num_layers_per_virtual_pipeline_stage, cfg.pp
     check_schedule_flags(name, per)
-    if name == "interleaved" and per is None:
+    if (
+        name == "interleaved"
+        and per is None
+        and (cfg.num_virtual_stages_per_pipeline_rank or 1) < 2
+    ):
         raise ConfigError(
             "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
-            "(the layers of each model chunk)"
+            "(the layers of each model chunk) or --num-virtual-stages-per-pipeline-rank of at "
+            "least 2"
         )
     if cfg.schedule != "zb-v":
         return

@@ -271,8 +271,7 @@ def saved_layout(args: dict[str, Any]) -> tuple[int, int, int]:
 
 def same_layout(args: dict[str, Any], config: Any) -> bool:
     """Whether this run's model chunks are the saved ones (its buffers are the store's)."""
-    per = config.num_layers_per_virtual_pipeline_stage
-    vpp = config.num_layers // (config.pp * per) if per else 1
+    vpp = config.chunks if config.schedule == "interleaved" else 1
     return saved_layout(args) == (config.tp, config.pp, vpp) and config.schedule != "zb-v"
 
 

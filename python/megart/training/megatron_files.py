@@ -118,8 +118,7 @@ def is_megatron_file(state: Any) -> bool:
 def training_args(config: Any, cfg: GPTConfig, iteration: int, dp: int) -> argparse.Namespace:
     """megart train's flags under Megatron's names (TrainConfig's fields are Megatron's
     argparse names), over the model's."""
-    per = config.num_layers_per_virtual_pipeline_stage
-    vpp = cfg.num_layers // (config.pp * per) if per else 1
+    vpp = config.chunks if config.schedule == "interleaved" else 1
     args = megatron_args(cfg, iteration, config.tp, config.pp, vpp, **config.stages)
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
