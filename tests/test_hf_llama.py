@@ -130,10 +130,9 @@ def test_a_llama_shaped_gpt_is_written_as_transformers_llama(
             assert torch.equal(p, model.get_parameter(name)), name
 
 
-@pytest.fixture(scope="module")
-def hf_llama(tmp_path_factory):
-    """transformers' own randomly initialised Llama (GQA, untied, rope base 500000)."""
-    root = tmp_path_factory.mktemp("llama")
+def saved_llama(root) -> object:
+    """transformers' own randomly initialised Llama (GQA, untied, rope base 500000), saved in
+    ``root``; returned in eval mode."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_TINY))
     with torch.no_grad():  # norm scales other than 1, so that a swapped norm shows
@@ -141,7 +140,13 @@ def hf_llama(tmp_path_factory):
             if "norm" in name:
                 p.add_(torch.randn(p.shape) * 0.3)
     model.save_pretrained(root)
-    return root, model.eval()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama")
+    return root, saved_llama(root)
 
 
 def test_transformers_llama_loads_at_tp1_and_tp2_and_writes_back_exactly(hf_llama, tmp_path):

@@ -294,6 +294,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             )
         else:
             p.add_argument(flag, dest="fusion_off", action="store_true", help=meaning)
+    # Megatron-LM's: the model's flags from --load's checkpoint (megart.training.checkpoint_args).
+    p.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="take the flags that define the model (sizes the command line leaves unset; the "
+        "architecture and tokenizer always) from the latest checkpoint in --load",
+    )
+    p.add_argument(
+        "--use-mp-args-from-checkpoint-args",
+        action="store_true",
+        help="with --use-checkpoint-args: also its tensor- and pipeline-parallel sizes, "
+        "interleaving and uneven stages",
+    )
+    p.add_argument(
+        "--no-use-tokenizer-model-from-checkpoint-args",
+        dest="use_tokenizer_model_from_checkpoint_args",
+        action="store_false",
+        help="with --use-checkpoint-args: not its tokenizer (type, model, vocab and merge "
+        "files); give this run's",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -306,6 +326,19 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         for f in dataclasses.fields(TrainConfig)
         if hasattr(args, f.name)
     }
+    use = getattr(args, "use_checkpoint_args", False)
+    mp = getattr(args, "use_mp_args_from_checkpoint_args", False)
+    tokenizer = getattr(args, "use_tokenizer_model_from_checkpoint_args", True)
+    if not use and (mp or not tokenizer):
+        flag = "--use-mp-args" if mp else "--no-use-tokenizer-model"
+        raise ConfigError(
+            f"{flag}-from-checkpoint-args goes with --use-checkpoint-args: add it (Megatron-LM "
+            "ignores it without; megart refuses rather than ignore it)"
+        )
+    if use:  # before TrainConfig resolves the tokenizer's vocabulary and checks the layout
+        from megart.training.checkpoint_args import apply
+
+        given = apply(given, mp, tokenizer)
     return TrainConfig(**given)
 
 
