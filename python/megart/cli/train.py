@@ -146,6 +146,13 @@ HELP = {
     "unset: only that one)",
     "load": "directory to resume from (its latest checkpoint, megart's or Megatron-LM's legacy "
     "one; one saved under another tensor- or pipeline-parallel layout is resharded)",
+    "no_save_optim": "save checkpoints without the optimizer state (nor the fp16 loss scale); "
+    "resuming from one needs --no-load-optim or --finetune",
+    "no_save_rng": "save checkpoints without the random streams; resuming from one needs "
+    "--no-load-rng or --finetune",
+    "ckpt_step": "load --load's checkpoint of iteration N (iter_000000N) instead of its latest",
+    "exit_on_missing_checkpoint": "stop with an error when --load holds no checkpoint, instead "
+    "of starting from scratch",
     "no_load_optim": "do not load the optimizer state (nor the fp16 loss scale) from --load",
     "no_load_rng": "do not load the random streams from --load (start them from --seed)",
     "finetune": "load only the model weights from --load and start at iteration 0 (fresh "

@@ -40,6 +40,7 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     MODEL_FIELDS,
     PARALLEL_FIELDS,
     TRACKER,
+    chosen_iteration,
     in_live_order,
     iteration_dir,
     latest_iteration,
@@ -72,6 +73,7 @@ __all__ = [
     "MODEL_FIELDS",
     "PARALLEL_FIELDS",
     "TRACKER",
+    "chosen_iteration",
     "iteration_dir",
     "latest_iteration",
     "load",
@@ -103,7 +105,11 @@ def load(
     tensor/pipeline layout is resharded (see megart.training.reshard), keeping this run's own
     random streams; a directory without a checkpoint, or a checkpoint of another model, is a
     ConfigError naming the flags."""
-    iteration = required_latest_iteration(directory, ", or leave --load out to start from scratch")
+    if config.ckpt_step is None:
+        otherwise = ", or leave --load out to start from scratch"
+        iteration = required_latest_iteration(directory, otherwise)
+    else:
+        iteration = chosen_iteration(directory, config.ckpt_step, "--ckpt-step")
     root = iteration_dir(directory, iteration)
     if megatron_dist.is_dist_checkpoint(root):
         return _load_dist(directory, root, config, grid, chunks, optimizer, rng, scaler)
@@ -118,6 +124,7 @@ def load(
     finetune = config.finetune or bool(state.get("release"))
     load_optim = not (finetune or config.no_load_optim)
     load_rng = not (finetune or config.no_load_rng)
+    _check_saved_parts(directory, state, load_optim, load_rng)
     _check_placement(directory, state["config"], config)
     if load_optim and state.get("opt_param_scheduler") is not None:  # written by Megatron-LM
         check_scheduler(state["opt_param_scheduler"], config, directory)
@@ -149,6 +156,26 @@ def load(
     if finetune:
         return 0, 0
     return _resume_point(int(state["iteration"]), state.get("consumed_train_samples"), config)
+
+
+def _check_saved_parts(directory: Any, state: dict, load_optim: bool, load_rng: bool) -> None:
+    """A checkpoint saved without its optimizer state or random streams (--no-save-optim,
+    --no-save-rng) resumes only when told not to load them, as in Megatron-LM."""
+    missing = [
+        (what, flag)
+        for what, flag, wanted, key in (
+            ("optimizer state", "--no-load-optim", load_optim, "optimizer"),
+            ("random streams", "--no-load-rng", load_rng, "rng"),
+        )
+        if wanted and state.get(key) is None
+    ]
+    if missing:
+        raise ConfigError(
+            f"--load {directory}: the checkpoint holds no {' and no '.join(w for w, _ in missing)} "
+            f"(saved with --no-save-optim or --no-save-rng); resume with "
+            f"{' '.join(f for _, f in missing)} (fresh ones, at the saved iteration) or with "
+            "--finetune (weights only, from iteration 0)"
+        )
 
 
 def _load_dist(

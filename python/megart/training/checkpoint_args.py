@@ -29,7 +29,13 @@ from megart.models.config import GPTConfig
 from megart.models.stages import ends_of, uneven
 from megart.training import megatron_dist, tokenizer_record
 from megart.training.checkpoint import model_config
-from megart.training.ckpt_files import FILE, iteration_dir, rank_dir, required_latest_iteration
+from megart.training.ckpt_files import (
+    FILE,
+    chosen_iteration,
+    iteration_dir,
+    rank_dir,
+    required_latest_iteration,
+)
 from megart.training.megatron_args import config_from_args, integral, megatron_args
 from megart.training.megatron_files import is_megatron_file, torch_load
 from megart.training.shards import layer_ids
@@ -62,13 +68,19 @@ STAGES = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers
 MISSING = object()  # what a checkpoint does not record (None is a value: "unset")
 
 
-def saved(load_dir: str | os.PathLike) -> tuple[dict[str, Any], GPTConfig, bool, str]:
-    """The latest checkpoint in ``load_dir`` as Megatron-LM's args (``vars``), its model, whether
-    megart wrote it (its vocabulary is then the model's, a NullTokenizer's end-of-document id
-    included) and a few words naming it."""
-    iteration = required_latest_iteration(
-        load_dir, " (--use-checkpoint-args reads the model's flags from its latest checkpoint)"
-    )
+def saved(
+    load_dir: str | os.PathLike, step: int | None = None
+) -> tuple[dict[str, Any], GPTConfig, bool, str]:
+    """The checkpoint of iteration ``step`` (--ckpt-step; default the latest) in ``load_dir``
+    as Megatron-LM's args (``vars``), its model, whether megart wrote it (its vocabulary is
+    then the model's, a NullTokenizer's end-of-document id included) and a few words naming
+    it."""
+    if step is None:
+        iteration = required_latest_iteration(
+            load_dir, " (--use-checkpoint-args reads the model's flags from its latest checkpoint)"
+        )
+    else:
+        iteration = chosen_iteration(load_dir, step, "--ckpt-step")
     root = iteration_dir(load_dir, iteration)
     where = f"{root}"
     if megatron_dist.is_dist_checkpoint(root):
@@ -210,7 +222,7 @@ def apply(
         )
     if say is None:
         say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda line: None)
-    a, cfg, megart_written, where = saved(load)
+    a, cfg, megart_written, where = saved(load, given.get("ckpt_step"))
     out = dict(given)
     say(f"--use-checkpoint-args: the model's flags from {where}")
     for field, value, forced in flags_from(a, cfg, megart_written, given, mp, tokenizer_model):

@@ -133,8 +133,9 @@ def save(
                 partial, config, chunks, grid.layout.dp, optimizer, scaler, iteration, consumed
             )
         return _publish(directory, iteration, partial, final)
-    # Every rank: a distributed optimizer gathers its state over data parallelism.
-    optimizer_state = optimizer.state_dict()
+    # Every rank (or none, with --no-save-optim): a distributed optimizer gathers its state over
+    # data parallelism.
+    optimizer_state = None if config.no_save_optim else optimizer.state_dict()
     if grid.dp_rank == 0:
         state = file_state(
             iteration,
@@ -143,10 +144,10 @@ def save(
             model_config=dataclasses.asdict(chunks[0].cfg),
             layer_ids=[list(chunk.layer_ids) for chunk in chunks],
             model=[chunk.state_dict() for chunk in chunks],
-            optimizer_params=optimizer_params(chunks, optimizer),
+            optimizer_params=None if config.no_save_optim else optimizer_params(chunks, optimizer),
             optimizer=optimizer_state,
-            rng=_rng_state(rng),
-            loss_scaler=scaler.state_dict() if scaler is not None else None,
+            rng=None if config.no_save_rng else _rng_state(rng),
+            loss_scaler=None if scaler is None or config.no_save_optim else scaler.state_dict(),
             consumed_train_samples=consumed,
             tokenizer=tokenizer_record.record(config),
         )

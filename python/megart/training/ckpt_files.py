@@ -74,6 +74,21 @@ def required_latest_iteration(directory: str | os.PathLike, otherwise: str = "")
     return iteration
 
 
+def chosen_iteration(directory: str | os.PathLike, iteration: int | None, flag: str) -> int:
+    """The iteration of ``directory``'s checkpoint to read: ``iteration`` (given by ``flag``,
+    refused naming the ones there when there is none of it), or the latest."""
+    if iteration is None:
+        return required_latest_iteration(directory)
+    if not iteration_dir(directory, iteration).is_dir():
+        saved = sorted(p.name for p in Path(directory).glob("iter_*") if p.is_dir())
+        raise ConfigError(
+            f"--load {directory} has no checkpoint of iteration {iteration} (it holds "
+            f"{', '.join(saved) or 'none'}); pass one of those, or leave {flag} out "
+            "for the latest"
+        )
+    return iteration
+
+
 def optimizer_params(
     chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer
 ) -> list[tuple[int, str]]:

@@ -209,12 +209,20 @@ class TrainConfig:
     log_memory_to_tensorboard: bool = False  # Megatron's mem-* scalars there too (CUDA only)
     save: str | None = None  # directory to write checkpoints to
     save_interval: int | None = None  # iterations between checkpoints (and one at the end)
+    # Megatron's: checkpoints without the optimizer state (and fp16 loss scale), or without
+    # the random streams (smaller; resuming from one then needs --no-load-optim/--no-load-rng).
+    no_save_optim: bool = False
+    no_save_rng: bool = False
     load: str | None = None  # directory to resume from (its latest checkpoint)
     # Megatron's: skip --load's optimizer state (and fp16 loss scale), or its random streams;
     # --finetune loads the model weights only and starts at iteration 0.
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    # Megatron's: load --load's checkpoint of iteration N instead of its latest; and stop when
+    # --load holds no checkpoint, instead of starting from scratch.
+    ckpt_step: int | None = None
+    exit_on_missing_checkpoint: bool = False
     # Megatron's early exits (megart.training.stopping), each saving first when --save is given.
     exit_interval: int | None = None  # stop after every N-th iteration
     exit_duration_in_mins: float | None = None  # stop once the run has trained this long

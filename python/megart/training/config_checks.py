@@ -143,10 +143,25 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
             f"--exit-duration-in-mins {cfg.exit_duration_in_mins} at least 0 (leave them "
             "out to train all --train-iters)"
         )
-    given = [f for f in ("no_load_optim", "no_load_rng", "finetune") if getattr(cfg, f)]
+    loading = ("no_load_optim", "no_load_rng", "finetune", "exit_on_missing_checkpoint")
+    given = [f for f in loading if getattr(cfg, f)] + (
+        ["ckpt_step"] if cfg.ckpt_step is not None else []
+    )
     if given and not cfg.load:
         flags = " and ".join("--" + f.replace("_", "-") for f in given)
         raise ConfigError(f"{flags} choose what --load DIR restores; give --load DIR")
+    if cfg.ckpt_step is not None and cfg.ckpt_step < 0:
+        raise ConfigError(f"--ckpt-step {cfg.ckpt_step}: give an iteration that --load holds")
+    saving = [f for f in ("no_save_optim", "no_save_rng") if getattr(cfg, f)]
+    if saving and not cfg.save:
+        flags = " and ".join("--" + f.replace("_", "-") for f in saving)
+        raise ConfigError(f"{flags} choose what --save DIR writes; give --save DIR")
+    if saving and cfg.ckpt_format == "torch_dist":
+        flags = " and ".join("--" + f.replace("_", "-") for f in saving)
+        raise ConfigError(
+            f"{flags} with --ckpt-format torch_dist: megart writes Megatron's distributed "
+            "store whole; use --ckpt-format megart or torch for checkpoints without them"
+        )
     _check_lr_flags(cfg)
     check_megatron_flags(cfg)
     cfg.gpt_config().check_layout(tp, pp, cfg.chunks, **cfg.stages)  # GPTConfig's refusals

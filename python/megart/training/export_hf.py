@@ -28,7 +28,7 @@ from megart.models.hf_files import (
     write_hf,
 )
 from megart.training import tokenizer_record
-from megart.training.checkpoint import iteration_dir, model_config, required_latest_iteration
+from megart.training.checkpoint import chosen_iteration, iteration_dir, model_config
 from megart.training.shards import read_shards, whole_tensors
 
 # What transformers' save_pretrained writes for a tokenizer (fast tokenizers, and the files
@@ -67,7 +67,7 @@ def export_checkpoint(
     can represent, is a ConfigError."""
     check_dtype(dtype)
     limit = parse_size(max_shard_size)
-    root = iteration_dir(load_dir, _iteration(Path(load_dir), iteration))
+    root = iteration_dir(load_dir, chosen_iteration(load_dir, iteration, "--iteration"))
     shards = read_shards(root)
     cfg = model_config(shards[0, 0])
     fmt = writer(cfg)
@@ -110,16 +110,3 @@ def describe(out: Path, tokenizer_model: str | None = None) -> str:
     if (out / "tokenizer_config.json").is_file():
         return f"{line}; the tokenizer it was trained with"
     return line
-
-
-def _iteration(load_dir: Path, iteration: int | None) -> int:
-    if iteration is None:
-        return required_latest_iteration(load_dir)
-    if not iteration_dir(load_dir, iteration).is_dir():
-        saved = sorted(p.name for p in load_dir.glob("iter_*") if p.is_dir())
-        raise ConfigError(
-            f"--load {load_dir} has no checkpoint of iteration {iteration} (it holds "
-            f"{', '.join(saved) or 'none'}); pass one of those, or leave --iteration out "
-            "for the latest"
-        )
-    return iteration

@@ -16,6 +16,7 @@ import torch
 
 import megart
 import megart.distributed as dist
+from megart.errors import ConfigError
 from megart.models import pipeline_chunks
 from megart.optim.loss_scale import LossScaler
 from megart.pipeline import StageLink
@@ -179,6 +180,12 @@ def resume_point(
     consumed_train_samples): (0, 0) for a fresh run, else --load's checkpoint's, restored into
     ``chunks``, ``optimizer``, ``rng`` and ``scaler`` so the run continues the same curve."""
     if config.load and checkpoint_dirs.no_checkpoint_yet(config.load):
+        if config.exit_on_missing_checkpoint:
+            raise ConfigError(
+                f"--load {config.load} holds no checkpoint and --exit-on-missing-checkpoint is "
+                "given: point --load at a directory that megart train --save (or Megatron-LM) "
+                "wrote, or leave the flag out to start from scratch"
+            )
         # A restartable job line (--save X --load X) on its first run, as Megatron does.
         if dist.get_rank() == 0:
             print(
