@@ -1,12 +1,12 @@
 """Megatron-LM's --use-checkpoint-args: the flags that define the model (and with
 --use-mp-args-from-checkpoint-args the parallel layout) taken from the latest checkpoint in
---load, so that a resume or a fine-tuning run needs no model flags.
+--load (or the one of --ckpt-step), so that a resume or a fine-tuning run needs no model flags.
 
     megart train --load ckpt --use-checkpoint-args --train-iters 100 ...
 
 It works on the flags the command line gave (argparse leaves an unset one out), before the
 config is built, so the tokenizer's vocabulary and the layout checks see the checkpoint's values.
-Each process reads the latest checkpoint's small records itself (memory-mapped; no process
+Each process reads the checkpoint's small records itself (memory-mapped; no process
 group needed): megart's files (``model_config``, ``config``, ``tokenizer``; import-hf's release
 checkpoints are such files), Megatron-LM's legacy files and torch_dist stores (their ``args``).
 
