@@ -36,19 +36,27 @@ def _losses(rank):
 
 def _megatron_offsets(args, pp):
     """Megatron-Core's first layer of each pipeline rank for the split ``args`` record."""
+    ends = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    return _megatron_places(args.num_layers, pp, *ends)[0]
+
+
+def _megatron_places(num_layers, pp, first, last):
+    """Megatron-Core 0.16.1's first layer and number of layers of each pipeline rank."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     cfg = TransformerConfig(
-        num_layers=args.num_layers,
+        num_layers=num_layers,
         hidden_size=8,
         num_attention_heads=1,
         pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32,
-        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
     )
-    return [get_transformer_layer_offset(cfg, None, r) for r in range(pp)]
+    offsets = [get_transformer_layer_offset(cfg, None, r) for r in range(pp)]
+    return offsets, [get_num_layers_to_build(cfg, None, r) for r in range(pp)]
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +78,7 @@ def test_legacy_files_number_layers_from_megatron_cores_offsets(straight, tmp_pa
     offsets = _megatron_offsets(args, 4)
     seen, counts = [], []
     for r, state in enumerate(raw):
-        local = sorted(
-            {int(m[1]) for k in state["model"] if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
-        )
+        local = _local_layers(state)
         assert local == list(range(len(local)))
         counts.append(len(local))
         for i in local:  # the MLP's output projection: the same matrix in both namings
@@ -118,3 +124,87 @@ def test_torch_dist_uneven_checkpoint_resumes_under_another_layout(straight, tmp
     back = dict(pipeline_model_parallel_size=2, decoder_last_pipeline_num_layers=1)
     ranks = _run(2, dict(train_iters=4, load=str(ckpt), ckpt_format="torch_dist", **back))
     assert _losses(ranks[0]) == pytest.approx(straight[2:4], rel=REL, abs=0)
+
+
+def _local_layers(state):
+    return sorted(
+        {int(m[1]) for k in state["model"] if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
+    )
+
+
+def test_convert_checkpoint_writes_target_uneven_stages(tmp_path, capsys):
+    """--target-decoder-first/last-pipeline-num-layers: a one-process checkpoint written as
+    pp3 with 1|2|3 layers (and pp2 with 4|2 and the first alone, as Megatron's args take it),
+    each rank file's layers where Megatron-Core places them; merged, the source's weights;
+    megart train --load of them under even pp2 holds exactly those weights and gives the loss
+    of --finetune from the source. torch_dist records the split in args. Refused by name
+    where they mean nothing, and splits that do not fit with megart train's text, before
+    anything is written."""
+    from megart.cli.main import main
+    from megart.training import megatron_dist
+    from megart.training.megatron_checkpoint import read_megatron
+
+    ckpt = tmp_path / "ckpt"
+    source = _run(1, dict(train_iters=2, save=str(ckpt)))[0]
+    held = source["trained"]["weights"]
+    write = ["convert-checkpoint", "--from", "megart", "--to", "megatron", "--load", str(ckpt)]
+    first, last = (f"--target-decoder-{end}-pipeline-num-layers" for end in ("first", "last"))
+    for pp, ends in ((3, (1, 3)), (2, (4, None))):
+        out = tmp_path / f"pp{pp}"
+        flags = [first, str(ends[0])] + ([last, str(ends[1])] if ends[1] else [])
+        assert main([*write, "--save", str(out), "--target-pipeline-parallel-size", str(pp),
+                     *flags]) == 0  # fmt: skip
+        root = iteration_dir(out, 2)
+        raw = [torch.load(root / f"mp_rank_00_{r:03d}" / FILE, weights_only=False)
+               for r in range(pp)]  # fmt: skip
+        args = raw[0]["args"]
+        ends_written = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+        assert ends_written == ends
+        offsets, counts = _megatron_places(6, pp, *ends)
+        seen = []
+        for r, state in enumerate(raw):
+            assert _local_layers(state) == list(range(counts[r]))
+            for i in range(counts[r]):
+                theirs = state["model"][f"decoder.layers.{i}.mlp.linear_fc2.weight"]
+                assert torch.equal(theirs, held[f"chunk.blocks.{offsets[r] + i}.mlp.proj.weight"])
+                seen.append(offsets[r] + i)
+        assert sorted(seen) == list(range(6))
+        _, model, _ = read_megatron(out)
+        for g in range(6):
+            assert torch.equal(model[f"decoder.layers.{g}.self_attention.linear_qkv.weight"],
+                               held[f"chunk.blocks.{g}.attn.qkv.weight"])  # fmt: skip
+
+    run = dict(train_iters=2, pipeline_model_parallel_size=2)
+    ranks = _run(2, dict(run, load=str(tmp_path / "pp3")))
+    loaded = tw.merged_by_place([r["loaded"] for r in ranks], "weights")
+    assert loaded.keys() == held.keys()
+    assert all(loaded[k].equal(v) for k, v in held.items())
+    tuned = _run(1, dict(train_iters=2, load=str(ckpt), finetune=True))[0]
+    assert _losses(ranks[0]) == pytest.approx(_losses(tuned), rel=REL, abs=0)
+
+    pytest.importorskip("psutil")  # Megatron-Core's torch_dist strategy needs it
+    dist = tmp_path / "dist"
+    assert main([*write, "--save", str(dist), "--ckpt-format", "torch_dist",
+                 "--target-pipeline-parallel-size", "3", first, "1", last, "3"]) == 0  # fmt: skip
+    args = megatron_dist.read_common(iteration_dir(dist, 2))["args"]
+    assert (args.pipeline_model_parallel_size, args.decoder_first_pipeline_num_layers,
+            args.decoder_last_pipeline_num_layers) == (3, 1, 3)  # fmt: skip
+
+    capsys.readouterr()
+    bad = tmp_path / "bad"
+    train_text = "leave 3 of --num-layers 6 layers for the 2 middle pipeline stage(s)"
+    zero = "--decoder-first-pipeline-num-layers 0 must be at least 1"
+    for flags, text in (
+        (["--target-pipeline-parallel-size", "4", first, "1", last, "2"], train_text),
+        (["--target-pipeline-parallel-size", "2", first, "2", last, "2"], "must add up to"),
+        (["--target-pipeline-parallel-size", "1", first, "2"], "at least 2"),
+        ([first, "0", "--target-pipeline-parallel-size", "2"], zero),
+    ):
+        assert main([*write, "--save", str(bad), *flags]) == 2
+        err = capsys.readouterr().err
+        assert text in err and "--target-decoder-first/last-pipeline-num-layers" in err, err
+        assert not bad.exists()
+    assert main([*write[:4], "hf", *write[5:], "--save", str(bad), last, "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{last} set the uneven pipeline stages" in err and "--to megatron only" in err
+    assert not bad.exists()

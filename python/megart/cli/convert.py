@@ -4,18 +4,26 @@ Llama's format, by the model's architecture), in one process.
 
     megart convert-checkpoint --from megart --to megatron --load CKPT --save OUT \
         [--ckpt-format torch_dist] \
-        [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
+        [--target-tensor-parallel-size T --target-pipeline-parallel-size P] \
+        [--target-decoder-first-pipeline-num-layers F] \
+        [--target-decoder-last-pipeline-num-layers L]
     megart convert-checkpoint --from megatron --to megart --load MEGATRON_CKPT --save OUT
     megart convert-checkpoint --from megatron --to hf --load MEGATRON_CKPT --save HF_DIR \
         [--dtype bfloat16] [--max-shard-size 5GB] [--tokenizer-model NAME_OR_DIR]
     megart convert-checkpoint --from hf --to megatron --load HF_DIR --save OUT \
         [--ckpt-format torch_dist] \
-        [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
+        [--target-tensor-parallel-size T --target-pipeline-parallel-size P] \
+        [--target-decoder-first-pipeline-num-layers F] \
+        [--target-decoder-last-pipeline-num-layers L]
     megart convert-checkpoint --from hf --to megart --load HF_DIR --save OUT \
         [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
 
 A Hugging Face directory (GPT-2's or Llama's, save_pretrained files) goes through a megart
-release checkpoint (megart import-hf), so --from hf --to megart is import-hf itself.
+release checkpoint (megart import-hf), so --from hf --to megart is import-hf itself. With
+--to megatron, --target-decoder-first/last-pipeline-num-layers give the checkpoint written
+uneven first/last pipeline stages (Megatron-LM's --decoder-first/last-pipeline-num-layers,
+checked as megart train checks those); without them a megart source's split is kept unless
+--target-pipeline-parallel-size or --target-tensor-parallel-size is given (then even).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ HF_FLAGS = {
     "tokenizer_model": "--tokenizer-model",
     "recorded_tokenizer": "--no-tokenizer",
 }
+TARGET_FIRST = "--target-decoder-first-pipeline-num-layers"
+TARGET_LAST = "--target-decoder-last-pipeline-num-layers"
 
 
 def convert(
@@ -46,12 +56,15 @@ def convert(
     pp: int | None = None,
     ckpt_format: str = "torch",
     hf_options: dict[str, str] | None = None,
+    first: int | None = None,
+    last: int | None = None,
 ) -> str:
     """Converts the latest checkpoint in ``load`` (or the Hugging Face directory ``load``);
     returns what was written. ``tp`` and ``pp``: the layout of a Megatron-LM checkpoint
     written (by default the source's); ``ckpt_format``: its format (a Megatron-LM checkpoint
     read is either); ``hf_options``: export_checkpoint's dtype, max_shard_size and
-    tokenizer_model for a Hugging Face directory written."""
+    tokenizer_model for a Hugging Face directory written; ``first``/``last``: the uneven
+    first/last pipeline stages of a Megatron-LM checkpoint written."""
     hf_options = hf_options or {}
     tokenizer = hf_options.get("tokenizer_model")
     from megart.training.export_hf import describe, export_checkpoint
@@ -66,6 +79,13 @@ def convert(
             "--target-tensor-parallel-size and --target-pipeline-parallel-size set the layout "
             "of a Megatron-LM checkpoint written, or of an imported one (--from hf --to "
             "megart): use them there only"
+        )
+    ends = {TARGET_FIRST: first, TARGET_LAST: last}
+    if target != "megatron" and any(n is not None for n in ends.values()):
+        flags = " and ".join(flag for flag, n in ends.items() if n is not None)
+        raise ConfigError(
+            f"{flags} set the uneven pipeline stages of a Megatron-LM checkpoint written: use "
+            "them with --to megatron only"
         )
     if ckpt_format != "torch" and target != "megatron":
         raise ConfigError(
@@ -82,13 +102,15 @@ def convert(
     if source == "hf" and target == "megatron":
         with tempfile.TemporaryDirectory() as tmp:  # hf -> megart -> megatron
             import_checkpoint(load, tmp)
-            return _megatron_files(megart_to_megatron(tmp, save, tp, pp, ckpt_format), ckpt_format)
+            files = megart_to_megatron(tmp, save, tp, pp, ckpt_format, first, last)
+            return _megatron_files(files, ckpt_format)
     if source == "hf":
         return import_for_training(
             load, save, tp=1 if tp is None else tp, pp=1 if pp is None else pp
         )
     if source == "megart" and target == "megatron":
-        return _megatron_files(megart_to_megatron(load, save, tp, pp, ckpt_format), ckpt_format)
+        files = megart_to_megatron(load, save, tp, pp, ckpt_format, first, last)
+        return _megatron_files(files, ckpt_format)
     if source == "megart":
         return describe(export_checkpoint(load, save, **hf_options), tokenizer)
     if target == "megart":
@@ -121,6 +143,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             metavar="N",
             help=f"--to megatron: the {what}-parallel size of the checkpoint written "
             "(default: the source checkpoint's layout); --from hf --to megart: as import-hf's",
+        )
+    for flag, end in ((TARGET_FIRST, "first"), (TARGET_LAST, "last")):
+        p.add_argument(
+            flag,
+            type=int,
+            metavar="N",
+            help=f"--to megatron: the layers of the {end} pipeline stage of the checkpoint "
+            f"written, as Megatron-LM's --decoder-{end}-pipeline-num-layers (the other stages "
+            "share the rest evenly; default: the source's split, or even with "
+            "--target-*-parallel-size); torch_dist records it in args",
         )
     p.add_argument(
         "--ckpt-format",
@@ -164,5 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.target_pipeline_parallel_size,
             args.ckpt_format,
             hf_options,
+            args.target_decoder_first_pipeline_num_layers,
+            args.target_decoder_last_pipeline_num_layers,
         ),
     )

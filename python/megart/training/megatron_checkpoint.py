@@ -28,7 +28,7 @@ import torch
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.megatron_names import from_megatron, to_megatron
-from megart.models.stages import ends_of
+from megart.models.stages import check_stages, ends_of, uneven
 from megart.training import megatron_dist, megatron_layout, tokenizer_record
 from megart.training.checkpoint import (
     FILE,
@@ -54,11 +54,16 @@ def megart_to_megatron(
     tp: int | None = None,
     pp: int | None = None,
     ckpt_format: str = "torch",
+    first: int | None = None,
+    last: int | None = None,
 ) -> list[Path]:
     """The latest checkpoint in megart's ``load_dir`` (any layout) as Megatron-LM's checkpoint
     in ``save_dir``, in ``ckpt_format`` (``torch``, legacy, or ``torch_dist``), for ``tp`` x
-    ``pp`` ranks (by default the source's layout, interleaving included); returns its files
-    (torch_dist: its iteration directory)."""
+    ``pp`` ranks (by default the source's layout, interleaving and uneven stages included);
+    ``first``/``last``: the layers of the first/last pipeline stage written (Megatron-LM's
+    --decoder-first/last-pipeline-num-layers; given, they replace the source's split; torch_dist
+    stores only record them in args). Returns its files (torch_dist: its iteration
+    directory)."""
     if ckpt_format not in ("torch", "torch_dist"):
         raise ConfigError(f"--ckpt-format {ckpt_format}: give torch or torch_dist")
     for flag, size in (("tensor", tp), ("pipeline", pp)):
@@ -76,6 +81,15 @@ def megart_to_megatron(
         ends = ends_of([sum(map(len, chunks)) for chunks in ids])
     tp = layout["tensor_model_parallel_size"] if tp is None else tp
     pp = layout["pipeline_model_parallel_size"] if pp is None else pp
+    if uneven(first, last):  # the target's split, checked as megart train checks it
+        ends = (first, last)
+        try:
+            check_stages(cfg.num_layers, pp, vpp, first, last)
+        except ConfigError as e:
+            raise ConfigError(
+                f"{e} (here: --target-decoder-first/last-pipeline-num-layers, for "
+                f"--target-pipeline-parallel-size {pp})"
+            ) from e
     cfg.check_layout(tp, pp, vpp, *ends)
     whole = whole_tensors(shards, cfg)
     weights = to_megatron({k: v.clone() for k, v in whole.items()}, cfg)
