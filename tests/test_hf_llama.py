@@ -204,7 +204,8 @@ def test_import_hf_of_a_llama_trains_under_tp2_pp2_with_the_flags_it_prints(
     ckpt = tmp_path / "ckpt"
     assert megart_main(["import-hf", "--input", str(path), "--save", str(ckpt), *target]) == 0
     printed = capsys.readouterr().out
-    flags = printed.split(f"train with --load {ckpt} ")[1].split()
+    assert f"train with --load {ckpt} --use-checkpoint-args, or " in printed
+    flags = printed.split(f"or with --load {ckpt} ")[1].split()
     # The model as printed (its sizes, RMSNorm, rope base, epsilon, groups, untied, no
     # biases); then this test's run: the layout, and 16 positions where the checkpoint was
     # saved at max_position_embeddings (64), since rotary weights take any length.

@@ -65,12 +65,15 @@ def import_for_training(
     pp: int = 1,
 ) -> str:
     """import_checkpoint, then what import-hf prints: the release checkpoint written and the
-    megart train flags that load it."""
+    megart train flags that load it (--use-checkpoint-args, or the model's flags spelled out)."""
     files, cfg = _imported(input_dir, save_dir, seq_length, apply_layernorm_1p, tp, pp)
     flags = " ".join(train_flags(cfg))
     what = f"{files[0]}" if len(files) == 1 else f"{files[0].parents[1]}: {len(files)} rank files"
     layout = "" if len(files) == 1 else f" (saved for tp {tp} x pp {pp}; any layout loads it)"
-    return f"{what}: release checkpoint{layout}; train with --load {save_dir} {flags}"
+    return (
+        f"{what}: release checkpoint{layout}; train with --load {save_dir} "
+        f"--use-checkpoint-args, or with --load {save_dir} {flags}"
+    )
 
 
 def _imported(
