@@ -154,6 +154,7 @@ CASES = [
 
 
 def _layout(c: TrainConfig, world: int) -> Layout:
+    """The planner's layout of a megart train config (uneven stages included)."""
     dp = world // (c.tp * c.pp)
     return Layout(
         c.tp,
@@ -165,6 +166,8 @@ def _layout(c: TrainConfig, world: int) -> Layout:
         c.gpt_config().recompute_granularity,
         c.use_distributed_optimizer,
         c.pipeline_schedule,
+        c.decoder_first_pipeline_num_layers,
+        c.decoder_last_pipeline_num_layers,
     )
 
 

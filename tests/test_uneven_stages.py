@@ -137,16 +137,3 @@ def test_refusals_name_the_flags(n, pp, vp, first, last, says):
 def test_zb_v_refuses_uneven_stages():
     with pytest.raises(ConfigError, match="zb-v .*--decoder-first-pipeline-num-layers"):
         chunk_layers(8, 0, 2, 2, v_shape=True, first=2)
-
-
-def test_plan_refuses_uneven_stages_by_name(capsys):
-    """megart plan models even stages only: the flags are accepted by its parser and refused
-    with a message naming them (exit 2), not predicted as the even layout."""
-    from megart.cli.plan import main
-
-    argv = "--gpu a100-80gb --num-gpus 8 --num-layers 8 --hidden-size 512 --num-attention-heads 8"
-    argv += " --seq-length 512 --vocab-size 1000 --global-batch-size 16"
-    argv += " --decoder-last-pipeline-num-layers 2"
-    assert main(argv.split()) == 2
-    err = capsys.readouterr().err
-    assert "--decoder-last-pipeline-num-layers 2: megart plan models even pipeline stages" in err

@@ -62,17 +62,23 @@ void bind_types(py::module_& m) {
 
   py::class_<Costs>(m, "Costs", "Costs of a simulated iteration, in any one unit of time.")
       .def(py::init([](double forward, double backward, double weight_fraction, double latency,
-                       double bandwidth, double message_bytes) {
-             return Costs{forward, backward, weight_fraction, latency, bandwidth, message_bytes};
+                       double bandwidth, double message_bytes, std::vector<double> stage_forward,
+                       std::vector<double> stage_backward) {
+             return Costs{forward,   backward,      weight_fraction, latency,
+                          bandwidth, message_bytes, stage_forward,   stage_backward};
            }),
            py::arg("forward") = 1.0, py::arg("backward") = 2.0, py::arg("weight_fraction") = 0.5,
-           py::arg("latency") = 0.0, py::arg("bandwidth") = 0.0, py::arg("message_bytes") = 0.0)
+           py::arg("latency") = 0.0, py::arg("bandwidth") = 0.0, py::arg("message_bytes") = 0.0,
+           py::arg("stage_forward") = std::vector<double>{},
+           py::arg("stage_backward") = std::vector<double>{})
       .def_readwrite("forward", &Costs::forward)
       .def_readwrite("backward", &Costs::backward)
       .def_readwrite("weight_fraction", &Costs::weight_fraction)
       .def_readwrite("latency", &Costs::latency)
       .def_readwrite("bandwidth", &Costs::bandwidth)
-      .def_readwrite("message_bytes", &Costs::message_bytes);
+      .def_readwrite("message_bytes", &Costs::message_bytes)
+      .def_readwrite("stage_forward", &Costs::stage_forward)
+      .def_readwrite("stage_backward", &Costs::stage_backward);
 
   py::class_<Span>(m, "Span", "An action on a timeline.")
       .def_readonly("action", &Span::action)

@@ -70,7 +70,7 @@ class Simulator {
   }
 
  private:
-  double cost(const Action& a) const { return costs_.of(a, s_.chunks); }
+  double cost(const Action& a, int rank) const { return costs_.of(a, s_.chunks, rank); }
 
   void push(double time, int rank, int peer, size_t span, size_t peer_span) {
     events_.push(Event{time, next_order_++, rank, peer, span, peer_span});
@@ -84,7 +84,7 @@ class Simulator {
     while (!computing_[rank] && sm.ready()) {
       const Action a = sm.issue();
       if (is_compute(a.op)) {
-        const double end = now + cost(a);
+        const double end = now + cost(a, rank);
         tl.compute.push_back(Span{a, now, now, end});
         computing_[rank] = true;
         push(end, rank, -1, tl.compute.size() - 1, 0);
@@ -153,8 +153,11 @@ class Simulator {
 
 }  // namespace
 
-double Costs::of(const Action& a, int chunks) const {
+double Costs::of(const Action& a, int chunks, int rank) const {
   const double v = chunks;
+  const bool staged = rank >= 0 && static_cast<size_t>(rank) < stage_forward.size();
+  const double forward = staged ? stage_forward[rank] : this->forward;
+  const double backward = staged ? stage_backward[rank] : this->backward;
   switch (a.op) {
     case Op::Forward:
       return forward / v;
@@ -171,10 +174,12 @@ double Costs::of(const Action& a, int chunks) const {
 
 void sum_up(Simulation& sim, const Costs& costs, int chunks) {
   sim.makespan = sim.ideal = 0;
-  for (RankTimeline& tl : sim.ranks) {
+  for (size_t r = 0; r < sim.ranks.size(); ++r) {
+    RankTimeline& tl = sim.ranks[r];
     tl.busy = 0;
     for (const Span& span : tl.compute) {
-      tl.busy += costs.of(span.action, chunks);  // not end - start: exact, whatever the rounding
+      // Not end - start: exact, whatever the rounding.
+      tl.busy += costs.of(span.action, chunks, static_cast<int>(r));
       sim.makespan = std::max(sim.makespan, span.end);
     }
     for (const Span& span : tl.communication) sim.makespan = std::max(sim.makespan, span.end);
@@ -188,11 +193,19 @@ double Costs::transfer() const {
   return latency + wire;
 }
 
-void check_costs(const Costs& c) {
+void check_costs(const Costs& c, int stages) {
   auto bad = [](double x) { return !(x >= 0) || x == std::numeric_limits<double>::infinity(); };
-  if (bad(c.forward) || bad(c.backward) || bad(c.latency) || bad(c.bandwidth) ||
-      bad(c.message_bytes)) {
-    throw ConfigError("simulation costs must be finite and non-negative");
+  bool any_bad = bad(c.forward) || bad(c.backward) || bad(c.latency) || bad(c.bandwidth) ||
+                 bad(c.message_bytes);
+  for (const std::vector<double>* list : {&c.stage_forward, &c.stage_backward}) {
+    for (double x : *list) any_bad = any_bad || bad(x);
+  }
+  if (any_bad) throw ConfigError("simulation costs must be finite and non-negative");
+  const size_t n = c.stage_forward.size();
+  if (c.stage_backward.size() != n || (stages >= 0 && n != 0 && n != size_t(stages))) {
+    throw ConfigError("stage_forward and stage_backward must both be empty or give one cost per " +
+                      std::string("pipeline rank (") + std::to_string(stages) + "), not " +
+                      std::to_string(n) + " and " + std::to_string(c.stage_backward.size()));
   }
   if (!(c.weight_fraction >= 0 && c.weight_fraction <= 1)) {
     throw ConfigError("weight_fraction must lie in [0, 1]");
@@ -200,7 +213,7 @@ void check_costs(const Costs& c) {
 }
 
 Simulation simulate(const Schedule& s, const Costs& costs) {
-  check_costs(costs);
+  check_costs(costs, s.stages);
   validate(s);
   return Simulator(s, costs).run();
 }

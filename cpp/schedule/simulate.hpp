@@ -18,15 +18,21 @@ struct Costs {
   double latency = 0.0;        // per message
   double bandwidth = 0.0;      // bytes per unit of time; 0 means unlimited
   double message_bytes = 0.0;  // bytes of one inter-stage tensor
+  // Uneven stages: rank r's forward and backward (its whole share, as `forward` and
+  // `backward`) are stage_forward[r] and stage_backward[r]; empty: the same on every rank.
+  std::vector<double> stage_forward;
+  std::vector<double> stage_backward;
 
-  // Time of one compute action of a schedule with `chunks` chunks per rank (0 for messages).
-  double of(const Action& a, int chunks) const;
+  // Time of one compute action of rank `rank` in a schedule with `chunks` chunks per rank (0
+  // for messages); rank -1: `forward` and `backward`, whatever the per-stage lists.
+  double of(const Action& a, int chunks, int rank = -1) const;
   // Time of one message on its link.
   double transfer() const;
 };
 
-// Throws ConfigError for costs that are negative or not finite.
-void check_costs(const Costs& c);
+// Throws ConfigError for costs that are negative or not finite, or per-stage lists that are not
+// empty or of `stages` entries each (stages -1: not checked).
+void check_costs(const Costs& c, int stages = -1);
 
 // One action on a timeline. Compute: issued == start, end when done. Communication: issued
 // when posted, start when the transfer began (both sides posted and the link free), end when

@@ -99,7 +99,7 @@ class PlanTimer {
     return n;
   }
 
-  double cost(const Action& a) const { return costs_.of(a, s_.chunks); }
+  double cost(const Action& a, int rank) const { return costs_.of(a, s_.chunks, rank); }
 
   static std::tuple<int, int, int, int> key(int rank, const Action& recv) {
     return {rank, static_cast<int>(recv.op), recv.microbatch, recv.chunk};
@@ -173,7 +173,7 @@ class PlanTimer {
           start = std::max(start, arrived);
         }
         if (ready) {
-          compute_end_[r][at.compute++] = start + cost(a);
+          compute_end_[r][at.compute++] = start + cost(a, r);
           progress = true;
           ++resolved;
         }
@@ -202,7 +202,7 @@ class PlanTimer {
       for (size_t k = 0; k < computes_[r].size(); ++k) {
         const Action& a = computes_[r][k];
         const double end = compute_end_[r][k];
-        tl.compute.push_back(Span{a, end - cost(a), end - cost(a), end});
+        tl.compute.push_back(Span{a, end - cost(a, r), end - cost(a, r), end});
       }
       for (size_t g : groups_of_[r]) {
         const Group& group = groups_[g];
@@ -235,7 +235,7 @@ class PlanTimer {
 
 Simulation simulate_plan(const Schedule& s, const Costs& costs,
                          const std::optional<Costs>& planned_for) {
-  check_costs(costs);
+  check_costs(costs, s.stages);
   return PlanTimer(s, costs, planned_for.value_or(costs)).run();  // post_plan validates
 }
 

@@ -103,7 +103,7 @@ TEST(forward_only_keeps_the_forwards_in_order_and_frees_each_at_once) {
   CHECK_EQ(ops(f.ranks[0], false), std::string("F0 SEND_F0 F1 SEND_F1 F2 SEND_F2 "));
   CHECK_EQ(ops(f.ranks[1], false), std::string("RECV_F0 F0 RECV_F1 F1 RECV_F2 F2 "));
   validate(f);
-  const Simulation sim = simulate(f, Costs{1.0, 2.0, 0.5, 0.0, 0.0, 0.0});
+  const Simulation sim = simulate(f, Costs{});
   CHECK(near(sim.makespan, 4.0));  // m + p - 1 forwards
   CHECK_EQ(sim.ranks[0].peak_stashed, 1);
   // A backward left in a forward-only schedule, or one missing from a training schedule.

@@ -16,7 +16,10 @@ from collections.abc import Sequence
 
 from megart.cli.train import HELP
 from megart.errors import MegartError
+from megart.models.stages import check_stages, uneven
 from megart.training.config import CHOICES, TrainConfig
+from megart.training.config_checks import _check_uneven as check_uneven
+from megart.training.config_checks import _check_virtual_flags as check_virtual_flags
 from megart.training.config_checks import check_schedule_flags, check_virtual_stages
 
 MODEL_FLAGS = (
@@ -45,6 +48,7 @@ LAYOUT_FLAGS = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
     "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
     "sequence_parallel",
     "recompute_granularity",
     "use_distributed_optimizer",
@@ -52,8 +56,8 @@ LAYOUT_FLAGS = (
 )
 
 
-# megart train's uneven pipeline stages: the planner's stage times, bubble and worst rank's
-# memory assume an even split, so it refuses them rather than predict another layout.
+# megart train's uneven pipeline stages: given, each rank's layers set its stage's costs and
+# memory (never searched; they need --pipeline-model-parallel-size).
 UNEVEN_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
 
 
@@ -83,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
             kind = int if str(f.type).startswith("int") else str
             choices = CHOICES.get(name) or (("full", "selective") if "recompute" in name else None)
             p.add_argument(flag, dest=name, type=kind, default=None, choices=choices, help=text)
-    for name in UNEVEN_FLAGS:  # accepted to be refused by name (see _run)
+    for name in UNEVEN_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=HELP[name])
     p.add_argument(
         "--runtime",
@@ -113,17 +117,6 @@ def _run(args: argparse.Namespace) -> int:
     from megart.plan.report import draw, plan_json, table
     from megart.plan.search import Fixed, NoFit, search
 
-    uneven = [
-        f"--{n.replace('_', '-')} {getattr(args, n)}"
-        for n in UNEVEN_FLAGS
-        if getattr(args, n) is not None
-    ]
-    if uneven:
-        raise ConfigError(
-            f"{' and '.join(uneven)}: megart plan models even pipeline stages only (its stage "
-            "times, bubble and worst rank's memory assume num_layers / p layers per stage); "
-            "leave them out to plan the even layout"
-        )
     gpu = load_profile(args.gpu, args.gpu_profile)
     world = args.num_gpus
     if world < 1:
@@ -135,6 +128,28 @@ def _run(args: argparse.Namespace) -> int:
     chunks = None
     per = args.num_layers_per_virtual_pipeline_stage
     check_schedule_flags(args.pipeline_schedule, per)  # megart train's refusals
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    virtual = args.num_virtual_stages_per_pipeline_rank
+    if uneven(first, last) or virtual is not None:
+        pp = args.pipeline_model_parallel_size
+        if pp is None:
+            given = [f"--{n.replace('_', '-')}" for n in UNEVEN_FLAGS if getattr(args, n)]
+            given += ["--num-virtual-stages-per-pipeline-rank"] if virtual is not None else []
+            raise ConfigError(f"{' and '.join(given)} need --pipeline-model-parallel-size")
+        # megart train's refusals, in its words.
+        probe = dataclasses.replace(
+            base,
+            pipeline_model_parallel_size=pp,
+            pipeline_schedule=args.pipeline_schedule,
+            num_layers_per_virtual_pipeline_stage=per,
+            num_virtual_stages_per_pipeline_rank=virtual,
+            decoder_first_pipeline_num_layers=first,
+            decoder_last_pipeline_num_layers=last,
+        )
+        check_virtual_flags(probe)
+        check_uneven(probe)
+        check_stages(base.num_layers, pp, probe.chunks, first, last)
+        chunks = virtual
     if per is not None:
         pp = args.pipeline_model_parallel_size
         if pp is None:
@@ -152,6 +167,8 @@ def _run(args: argparse.Namespace) -> int:
         recompute=args.recompute_granularity or False,
         distributed_optimizer=args.use_distributed_optimizer,
         schedule=args.pipeline_schedule,
+        first=first,
+        last=last,
     )
     try:
         found = search(base, world, gpu, fixed, keep=max(1, args.top), runtime=args.runtime)

@@ -47,6 +47,8 @@ class Estimate:
     # Zero-bubble schedules: of those, the pairs between I and W at each rank's largest memory.
     held_for_weights: list[int] = field(default_factory=list)
     stage: Work | None = None  # one microbatch through the slowest stage (what was simulated)
+    # Uneven stages: one microbatch through each pipeline rank's stage (simulated as such).
+    stages: list[Work] = field(default_factory=list)
 
     @property
     def iteration_time(self) -> float:
@@ -101,9 +103,18 @@ def estimate(
     if gpu.gpus_per_node % t:
         tp_gpu = dataclasses.replace(gpu, nvlink_bus_gb_per_s=gpu.rail_gb_per_s)
     per_layer = layer_work(cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap)
-    stage = per_layer * (cfg.num_layers / p) + logits_work(cfg, b, t, gpu)
+    logits = logits_work(cfg, b, t, gpu)
+    stage = per_layer * (cfg.num_layers / p) + logits
+    # Uneven stages: each rank's own layers (the output layer on the last), simulated with
+    # unequal stage costs; a split that is even after all is the even layout.
+    counts = layout.layer_counts(cfg.num_layers)
+    stages = []
+    if len(set(counts)) > 1:
+        stages = [per_layer * n for n in counts]
+        stages[-1] = stages[-1] + logits
+        stage = max(stages, key=lambda w: w.forward + w.backward)
     run = _pipeline_run(
-        c, cfg, layout, dp, gpu, stage, prec.residual, m, simulate, pp_overlap, runtime
+        c, cfg, layout, dp, gpu, stage, prec.residual, m, simulate, pp_overlap, runtime, stages
     )
     worst, held = _worst_rank_memory(c, cfg, layout, dp, run, runtime, unfused_attention)
     worst_rank_params = worst["gradients"]
@@ -158,6 +169,7 @@ def estimate(
         peak_in_flight=list(run.in_flight),
         held_for_weights=[h.weight_grads for h in held],
         stage=run.stage,
+        stages=run.stages,
     )
 
 
@@ -199,6 +211,7 @@ class _PipelineRun:
     compute_only: float  # m x (forward + backward), without blocking exchanges
     in_flight: list[int]  # per rank, (microbatch, chunk) pairs held at its peak
     plan: sched.Schedule | None = None  # the simulated schedule, where one was simulated
+    stages: list[Work] = field(default_factory=list)  # uneven stages: each rank's, as run
 
 
 def _pipeline_run(
@@ -213,10 +226,14 @@ def _pipeline_run(
     simulate: bool,
     pp_overlap: bool,
     runtime: str,
+    stages: list[Work] | None = None,
 ) -> _PipelineRun:
     """The schedule's makespan and bubble with ``stage``'s costs, by megart's simulator (or
     theory when ``simulate`` is False and the schedule has a closed form), its messages over
-    NVLink or a rail. megart's runtime is timed as it runs: its posting plan's NCCL groups."""
+    NVLink or a rail. megart's runtime is timed as it runs: its posting plan's NCCL groups.
+    ``stages`` (uneven stages): each rank's costs, ``stage`` the slowest of them; always
+    simulated (the bubble has no closed form for unequal stages)."""
+    stages = list(stages or [])
     t, p, v, b, sp = layout.sizes()
     # Pipeline messages: the residual stream, 1/t of it with scatter/gather or
     # sequence parallelism; over a rail when consecutive stages sit on different nodes.
@@ -234,10 +251,11 @@ def _pipeline_run(
         # spent by the rank instead of computing; the simulator's messages are then free.
         blocking = v * (latency + message / link_bw)
         stage = stage + Work(blocking, blocking, 0.0)
+        stages = [w + Work(blocking, blocking, 0.0) for w in stages]
         latency, message = 0.0, 0.0
     zero_bubble = p > 1 and kind in ZERO_BUBBLE
     plan = None
-    if p > 1 and (simulate or zero_bubble):
+    if p > 1 and (simulate or zero_bubble or stages):
         # Zero-bubble schedules are always simulated: their bubble has a closed form only
         # with equal F, I and W times.
         plan = sched.build(kind, p, m, v)
@@ -250,6 +268,8 @@ def _pipeline_run(
             message_bytes=message,
             weight_fraction=stage.weight / stage.backward if zero_bubble else 0.5,
             posted=runtime == "megart",
+            stage_forward=[w.forward for w in stages],
+            stage_backward=[w.backward for w in stages],
         )
         makespan, bubble = sim.makespan, sim.bubble_fraction
         in_flight = [r.peak_stashed for r in sim.ranks]
@@ -261,7 +281,7 @@ def _pipeline_run(
         in_flight = theory_in_flight(p, m, v)
     # Blocking exchanges count as pipeline communication, with their share of the bubble.
     compute_only = m * (stage.forward + stage.backward - 2 * blocking)
-    return _PipelineRun(stage, makespan, bubble, compute_only, in_flight, plan)
+    return _PipelineRun(stage, makespan, bubble, compute_only, in_flight, plan, stages)
 
 
 def _worst_rank_memory(
@@ -280,23 +300,25 @@ def _worst_rank_memory(
     t, p, v, b, sp = layout.sizes()
     prec = precision(c, runtime)
     held = [Held(n) for n in run.in_flight]
+    layers = [n // v for n in layout.layer_counts(cfg.num_layers)]  # per chunk, each rank
     if p > 1 and layout.kind in ZERO_BUBBLE:
         assert run.plan is not None
         rec = cfg.recompute_granularity
-        layers = cfg.num_layers // (p * v)
-        per_pair = layers * act.layer_bytes(
-            cfg, b, t, sp, rec, prec, unfused_attention
-        ) + act.output_bytes(cfg, b, t, sp, prec)
-        grads = act.weight_grad_bytes(cfg, b, t, prec) * layers
+        one = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention)
+        per_pair = [n * one + act.output_bytes(cfg, b, t, sp, prec) for n in layers]
+        grads = [act.weight_grad_bytes(cfg, b, t, prec) * n for n in layers]
         out_grads = act.output_weight_grad_bytes(cfg, b, t, prec)
         last = p * v - 1
         costs = [
-            [grads + (out_grads if run.plan.virtual_stage(r, k) == last else 0) for k in range(v)]
-            for r in range(p)
+            [g + (out_grads if run.plan.virtual_stage(r, k) == last else 0) for k in range(v)]
+            for r, g in enumerate(grads)
         ]
         held = peaks(run.plan, per_pair, costs)
     worst: dict[str, float] | None = None
-    for r in sorted({0, min(1, p - 1), p - 1}):
+    # Even stages: the first (embedding), the second (most in flight) or the last (output
+    # layer) holds the most; uneven ones: any may.
+    ranks = range(p) if layout.uneven else sorted({0, min(1, p - 1), p - 1})
+    for r in ranks:
         parts = rank_memory(c, layout, dp, r, held[r], runtime, unfused_attention)
         if worst is None or parts["total"] > worst["total"]:
             worst = parts

@@ -28,16 +28,20 @@ class Held:
 
 def peaks(
     schedule: sched.Schedule,
-    activation_bytes: float,
+    activation_bytes: float | Sequence[float],
     weight_grad_bytes: Sequence[Sequence[float]],
 ) -> list[Held]:
     """The holdings at each rank's largest byte count, walking its compute order: a pair
-    between F and I costs ``activation_bytes``, between I and W ``weight_grad_bytes[rank]
-    [chunk]``. The order alone decides what is held, not the timing."""
+    between F and I costs ``activation_bytes`` (or ``activation_bytes[rank]``: uneven stages),
+    between I and W ``weight_grad_bytes[rank][chunk]``. The order alone decides what is held,
+    not the timing."""
     last = schedule.stages * schedule.chunks - 1
     out = []
     for rank, actions in enumerate(schedule.ranks):  # .ranks converts them all: read once
         costs = weight_grad_bytes[rank]
+        per_pair = activation_bytes
+        if not isinstance(per_pair, (int, float)):
+            per_pair = per_pair[rank]
         is_last = [schedule.virtual_stage(rank, k) == last for k in range(schedule.chunks)]
         acts = grads = last_grads = 0
         by_chunk = [0] * schedule.chunks
@@ -56,9 +60,7 @@ def peaks(
                 last_grads += step * is_last[a.chunk]
             else:
                 continue
-            held = acts * activation_bytes + sum(
-                n * w for n, w in zip(by_chunk, costs, strict=True)
-            )
+            held = acts * per_pair + sum(n * w for n, w in zip(by_chunk, costs, strict=True))
             if held > best_bytes or (held == best_bytes and acts + grads > best.in_flight):
                 best, best_bytes = Held(acts, grads, last_grads), held
         out.append(best)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megart.models.stages import FIRST, LAST, rank_layer_counts
 from megart.training.config import TrainConfig
 
 ZERO_BUBBLE = ("zb-h1", "zb-v")
@@ -22,6 +23,17 @@ class Layout:
     distributed_optimizer: bool
     # megart train's --pipeline-schedule; None: its default (1f1b, or interleaved with v > 1).
     schedule: str | None = None
+    # Uneven stages: megart train's --decoder-first/last-pipeline-num-layers (None: even).
+    first: int | None = None
+    last: int | None = None
+
+    @property
+    def uneven(self) -> bool:
+        return self.first is not None or self.last is not None
+
+    def layer_counts(self, num_layers: int) -> list[int]:
+        """The layers of each pipeline rank (megart.models.stages' placement)."""
+        return rank_layer_counts(num_layers, self.pp, self.first, self.last)
 
     @property
     def kind(self) -> str:
@@ -39,9 +51,13 @@ class Layout:
             f"--pipeline-model-parallel-size {self.pp}",
             f"--micro-batch-size {self.micro_batch}",
         ]
-        if self.kind == "interleaved":
+        if self.kind == "interleaved" and self.uneven:  # the spelling uneven stages take
+            out.append(f"--num-virtual-stages-per-pipeline-rank {self.chunks}")
+        elif self.kind == "interleaved":
             per = num_layers // (self.pp * self.chunks)
             out.append(f"--num-layers-per-virtual-pipeline-stage {per}")
+        out += [f"{FIRST} {self.first}"] if self.first is not None else []
+        out += [f"{LAST} {self.last}"] if self.last is not None else []
         if self.schedule in ZERO_BUBBLE:
             out.append(f"--pipeline-schedule {self.schedule}")
         if self.sequence_parallel:
@@ -55,6 +71,8 @@ class Layout:
     def short(self) -> str:
         extra = [f"v{self.chunks}"] if self.kind == "interleaved" else []
         extra += [self.kind] if self.kind in ZERO_BUBBLE else []
+        extra += [f"first{self.first}"] if self.first is not None else []
+        extra += [f"last{self.last}"] if self.last is not None else []
         extra += ["sp"] if self.sequence_parallel else []
         extra += [f"rc={self.recompute}"] if self.recompute else []
         extra += ["distopt"] if self.distributed_optimizer else []
@@ -65,14 +83,19 @@ class Layout:
 
 def layout_config(base: TrainConfig, layout: Layout) -> TrainConfig:
     """``base`` with the layout's flags set."""
-    per = None
-    if layout.kind == "interleaved":
+    per = virtual = None
+    if layout.kind == "interleaved" and layout.uneven:
+        virtual = layout.chunks  # uneven stages take interleaving in chunks per rank only
+    elif layout.kind == "interleaved":
         per = base.num_layers // (layout.pp * layout.chunks)
     return dataclasses.replace(
         base,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         num_layers_per_virtual_pipeline_stage=per,
+        num_virtual_stages_per_pipeline_rank=virtual,
+        decoder_first_pipeline_num_layers=layout.first,
+        decoder_last_pipeline_num_layers=layout.last,
         pipeline_schedule=layout.schedule,
         micro_batch_size=layout.micro_batch,
         sequence_parallel=layout.sequence_parallel,

@@ -48,7 +48,7 @@ def rank_memory(
     t, p, v, b, sp = layout.sizes()
     rec = cfg.recompute_granularity
     prec = precision(c, runtime)
-    per_chunk_layers = cfg.num_layers // (p * v)
+    per_chunk_layers = layout.layer_counts(cfg.num_layers)[pp_rank] // v  # uneven: its own
     if megatron:
         layer_bytes = act.megatron_layer_bytes(cfg, b, t, sp, rec, unfused_attention)
         full = act.megatron_layer_bytes(cfg, b, t, sp, None, unfused_attention)
@@ -73,7 +73,7 @@ def rank_memory(
     half = sixteen_bit_weights(c, runtime) and not megatron
     state = state_bytes(
         cfg, t, p, pp_rank, v, dp, layout.distributed_optimizer, dp_rank, layout.kind == "zb-v",
-        half,
+        half, layout.first, layout.last,
     )  # fmt: skip
     params = state.parameters // FP32
     autocast = params * prec.other if prec.other < 4 and not (half or megatron) else 0

@@ -45,14 +45,22 @@ class ChunkTensors:
 
 
 def chunk_tensors(
-    cfg: GPTConfig, tp: int, pp: int, pp_rank: int, chunks: int, v_shape: bool = False
+    cfg: GPTConfig,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    chunks: int,
+    v_shape: bool = False,
+    first: int | None = None,
+    last: int | None = None,
 ) -> list[ChunkTensors]:
     """The parameters of each model chunk of pipeline rank ``pp_rank``, as megart builds them
-    (megart.models.gpt.GPTChunk); ``v_shape``: zb-v's placement (the last stage on rank 0)."""
+    (megart.models.gpt.GPTChunk); ``v_shape``: zb-v's placement (the last stage on rank 0);
+    ``first``/``last``: uneven stages' layers (megart.models.stages)."""
     h, vocab = cfg.hidden_size, cfg.padded_vocab_size(tp) // tp
     untied = cfg.untie_embeddings_and_output_weights
     out = []
-    for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape):
+    for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape, first, last):
         first, last = layers.start == 0, layers.stop == cfg.num_layers
         tensors, tied = [], None
         if first or (last and not untied):
@@ -120,14 +128,16 @@ def state_bytes(
     dp_rank: int | None = None,
     v_shape: bool = False,
     half_weights: bool = False,
+    first: int | None = None,
+    last: int | None = None,
 ) -> StateBytes:
     """Bytes of parameters, gradients and AdamW state (two fp32 moments and a 0-d fp32 step per
     stepped tensor) on data-parallel rank ``dp_rank`` of pipeline rank ``pp_rank`` (None: the
     worst one); ``v_shape``: zb-v's placement. ``half_weights``: 16-bit weights, and fp32 main
     weights in the optimizer state (with the distributed optimizer: of the rank's padded slice
-    of each bucket)."""
+    of each bucket). ``first``/``last``: uneven stages' layers (megart.models.stages)."""
     parts = dp if distributed else 1
-    chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks, v_shape)
+    chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks, v_shape, first, last)
     bs = buckets(chunk_list, parts)
     grads = sum(padded(b, parts) for b in bs) * FP32
     n = sum(sum(c.tensors) for c in chunk_list)

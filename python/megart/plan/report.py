@@ -19,8 +19,11 @@ def memory_gib(e: Estimate) -> dict[str, float]:
 
 
 def to_dict(e: Estimate, best: Estimate) -> dict[str, Any]:
+    # Uneven stages' first/last layers are given, not searched: in "flags" only, so that the
+    # layout's keys stay those of every plan.
+    layout = {k: v for k, v in dataclasses.asdict(e.layout).items() if k not in ("first", "last")}
     return {
-        "layout": {**dataclasses.asdict(e.layout), "flags": e.layout.flags(e.num_layers)},
+        "layout": {**layout, "flags": e.layout.flags(e.num_layers)},
         "microbatches": e.microbatches,
         "iteration_time_s": e.iteration_time,
         "time_s": dict(e.time),

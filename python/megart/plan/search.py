@@ -38,6 +38,8 @@ class Fixed:
     recompute: str | None | bool = False  # False: search; None: no recomputation
     distributed_optimizer: bool | None = None
     schedule: str | None = None  # --pipeline-schedule (None: search it)
+    first: int | None = None  # --decoder-first-pipeline-num-layers (uneven stages; not searched)
+    last: int | None = None  # --decoder-last-pipeline-num-layers
 
 
 def _schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list[tuple]:
@@ -48,8 +50,11 @@ def _schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list
         return [(fixed.chunks or 1, None)]
     if fixed.chunks:  # --num-layers-per-virtual-pipeline-stage: interleaved
         return [(fixed.chunks, None)]
-    inter = [(v, None) for v in range(2, MAX_CHUNKS + 1) if num_layers % (p * v) == 0]
-    zb = [(1, "zb-h1")] + ([(2, "zb-v")] if num_layers % (2 * p) == 0 else [])
+    uneven = fixed.first is not None or fixed.last is not None
+    # Uneven stages: megart train's checks refuse the chunks that do not divide them.
+    inter = [(v, None) for v in range(2, MAX_CHUNKS + 1) if uneven or num_layers % (p * v) == 0]
+    even_zb_v = num_layers % (2 * p) == 0 and (not uneven or fixed.schedule == "zb-v")
+    zb = [(1, "zb-h1")] + ([(2, "zb-v")] if even_zb_v else [])
     by_name = {"1f1b": [(1, None)], "interleaved": inter, "zb-h1": zb[:1], "zb-v": zb[1:]}
     if fixed.schedule is not None:
         return by_name[fixed.schedule]
@@ -101,7 +106,7 @@ def candidates(
                     continue
                 if kind == "zb-v" and m < 2 * p:
                     continue
-                out.append(Layout(t, p, d, v, b, sp, rec, do, kind))
+                out.append(Layout(t, p, d, v, b, sp, rec, do, kind, fixed.first, fixed.last))
     return out
 
 
@@ -182,6 +187,8 @@ def _explain(base: TrainConfig, world: int, fixed: Fixed, gpus_per_node: int | N
         rec,
         bool(fixed.distributed_optimizer),
         kind,
+        fixed.first,
+        fixed.last,
     )
     layout_config(base, plain).check(world)
     groups = base.num_query_groups if base.group_query_attention else None

@@ -100,6 +100,8 @@ def simulate(
     posted: bool = False,
     planned_for: Costs | None = None,
     costs: Costs | None = None,
+    stage_forward: Sequence[float] = (),
+    stage_backward: Sequence[float] = (),
 ) -> Simulation:
     """Runs all ranks together. ``forward_time`` and ``backward_time`` are for one microbatch
     through a rank's whole share of the model (each of v chunks takes 1/v of it); each message
@@ -112,7 +114,11 @@ def simulate(
     The plan is made for ``planned_for`` (by default these costs, messages included): timing a
     plan against costs it was not made for shows what a wrong guess costs.
 
-    ``costs`` gives all six costs as one :class:`Costs` (as :func:`post_plan` takes them),
+    ``stage_forward`` and ``stage_backward`` (uneven stages): one cost per pipeline rank, rank
+    r's forward and backward in place of ``forward_time`` and ``backward_time`` (empty: those on
+    every rank).
+
+    ``costs`` gives all the costs as one :class:`Costs` (as :func:`post_plan` takes them),
     instead of the float arguments."""
     given = Costs(
         forward=forward_time,
@@ -121,6 +127,8 @@ def simulate(
         latency=latency,
         bandwidth=bandwidth,
         message_bytes=message_bytes,
+        stage_forward=list(stage_forward),
+        stage_backward=list(stage_backward),
     )
     if costs is None:
         costs = given
@@ -133,8 +141,17 @@ def simulate(
     return _s.simulate(schedule, costs)
 
 
-def _fields(c: Costs) -> tuple[float, ...]:
-    return (c.forward, c.backward, c.weight_fraction, c.latency, c.bandwidth, c.message_bytes)
+def _fields(c: Costs) -> tuple:
+    return (
+        c.forward,
+        c.backward,
+        c.weight_fraction,
+        c.latency,
+        c.bandwidth,
+        c.message_bytes,
+        tuple(c.stage_forward),
+        tuple(c.stage_backward),
+    )
 
 
 def theoretical_bubble(kind: str, stages: int, microbatches: int, chunks: int = 1) -> float:
