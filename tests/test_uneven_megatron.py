@@ -12,26 +12,12 @@ import pytest
 import torch
 
 import train_workers as tw
-from megart.launcher import launch
 from megart.training.checkpoint import FILE, iteration_dir
 
 pytest.importorskip("megatron.core")
 
-BASE = dict(num_layers=6, vocab_size=300, lr_decay_iters=5)
-REL = 5e-6  # as test_checkpoint_reshard
-UNEVEN4 = dict(
-    pipeline_model_parallel_size=4,
-    decoder_first_pipeline_num_layers=1,
-    decoder_last_pipeline_num_layers=1,
-)
-
-
-def _run(nproc, kw):
-    return launch(tw.train_holding, nproc, {**BASE, **kw}, timeout=300)
-
-
-def _losses(rank):
-    return [h["loss"] for h in rank["history"]]
+from test_uneven_stages import megatron_ranges  # noqa: E402  (needs megatron.core)
+from test_uneven_train import REL, UNEVEN4, _losses, _run  # noqa: E402
 
 
 def _megatron_offsets(args, pp):
@@ -42,21 +28,8 @@ def _megatron_offsets(args, pp):
 
 def _megatron_places(num_layers, pp, first, last):
     """Megatron-Core 0.16.1's first layer and number of layers of each pipeline rank."""
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    cfg = TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=8,
-        num_attention_heads=1,
-        pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32,
-        num_layers_in_first_pipeline_stage=first,
-        num_layers_in_last_pipeline_stage=last,
-    )
-    offsets = [get_transformer_layer_offset(cfg, None, r) for r in range(pp)]
-    return offsets, [get_num_layers_to_build(cfg, None, r) for r in range(pp)]
+    ranges = [megatron_ranges(num_layers, pp, 1, first, last)[r, 0] for r in range(pp)]
+    return [r.start for r in ranges], [len(r) for r in ranges]
 
 
 @pytest.fixture(scope="module")

@@ -105,11 +105,8 @@ def load(
     tensor/pipeline layout is resharded (see megart.training.reshard), keeping this run's own
     random streams; a directory without a checkpoint, or a checkpoint of another model, is a
     ConfigError naming the flags."""
-    if config.ckpt_step is None:
-        otherwise = ", or leave --load out to start from scratch"
-        iteration = required_latest_iteration(directory, otherwise)
-    else:
-        iteration = chosen_iteration(directory, config.ckpt_step, "--ckpt-step")
+    otherwise = ", or leave --load out to start from scratch"
+    iteration = chosen_iteration(directory, config.ckpt_step, "--ckpt-step", otherwise)
     root = iteration_dir(directory, iteration)
     if megatron_dist.is_dist_checkpoint(root):
         return _load_dist(directory, root, config, grid, chunks, optimizer, rng, scaler)

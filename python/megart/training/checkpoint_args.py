@@ -34,7 +34,6 @@ from megart.training.ckpt_files import (
     chosen_iteration,
     iteration_dir,
     rank_dir,
-    required_latest_iteration,
 )
 from megart.training.megatron_args import config_from_args, integral, megatron_args
 from megart.training.megatron_files import is_megatron_file, torch_load
@@ -75,12 +74,8 @@ def saved(
     as Megatron-LM's args (``vars``), its model, whether megart wrote it (its vocabulary is
     then the model's, a NullTokenizer's end-of-document id included) and a few words naming
     it."""
-    if step is None:
-        iteration = required_latest_iteration(
-            load_dir, " (--use-checkpoint-args reads the model's flags from its latest checkpoint)"
-        )
-    else:
-        iteration = chosen_iteration(load_dir, step, "--ckpt-step")
+    otherwise = " (--use-checkpoint-args reads the model's flags from its latest checkpoint)"
+    iteration = chosen_iteration(load_dir, step, "--ckpt-step", otherwise)
     root = iteration_dir(load_dir, iteration)
     where = f"{root}"
     if megatron_dist.is_dist_checkpoint(root):

@@ -74,11 +74,14 @@ def required_latest_iteration(directory: str | os.PathLike, otherwise: str = "")
     return iteration
 
 
-def chosen_iteration(directory: str | os.PathLike, iteration: int | None, flag: str) -> int:
+def chosen_iteration(
+    directory: str | os.PathLike, iteration: int | None, flag: str, otherwise: str = ""
+) -> int:
     """The iteration of ``directory``'s checkpoint to read: ``iteration`` (given by ``flag``,
-    refused naming the ones there when there is none of it), or the latest."""
+    refused naming the ones there when there is none of it), or the latest (none is refused
+    as required_latest_iteration refuses it, ending with ``otherwise``)."""
     if iteration is None:
-        return required_latest_iteration(directory)
+        return required_latest_iteration(directory, otherwise)
     if not iteration_dir(directory, iteration).is_dir():
         saved = sorted(p.name for p in Path(directory).glob("iter_*") if p.is_dir())
         raise ConfigError(

@@ -153,7 +153,11 @@ def read_megatron(load_dir: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any
     """The model config, whole Megatron-Core state dict (vocabulary padded for one rank) and
     iteration of the latest Megatron-LM checkpoint in ``load_dir``: legacy, of any tensor- and
     pipeline-parallel layout, or torch_dist."""
-    a, root, iteration = saved_args(load_dir)
+    return _merged(*saved_args(load_dir))
+
+
+def _merged(a: dict[str, Any], root: Path, iteration: int) -> tuple[GPTConfig, dict[str, Any], int]:
+    """read_megatron's result, from saved_args' (args, iteration directory, iteration)."""
     cfg = config_from_args(a)
     if megatron_dist.is_dist_checkpoint(root):
         model = megatron_dist.read(root)
@@ -172,7 +176,8 @@ def read_megatron(load_dir: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any
 def megatron_to_megart(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> Path:
     """The latest Megatron-LM checkpoint in ``load_dir`` as a megart release checkpoint
     (weights only; --load reshards it to any layout and starts at iteration 0)."""
-    cfg, model, _ = read_megatron(load_dir)
+    a, root, iteration = saved_args(load_dir)
+    cfg, model, _ = _merged(a, root, iteration)
     weights = from_megatron(model, cfg)
-    tokenizer = tokenizer_record.record(saved_args(load_dir)[0])  # what its args record
+    tokenizer = tokenizer_record.record(a)  # what its args record
     return write_release(save_dir, cfg, weights, list(range(cfg.num_layers)), tokenizer)
