@@ -20,7 +20,11 @@
 # included. Next, for the 16-bit residual stream (2026-11-27): `bash bench/gpu_session.sh
 # selftest tests residual-precision train-1.3b plan-1.3b`, then in a second call cpu-tests
 # cpu-tests-trainer; for --half-weights (same day) a third: half-weights train-1.3b-half
-# plan-1.3b-half. On a node of several GPUs:
+# plan-1.3b-half. The sixth (one H200, 2026-11-27) ran `STEP_TIMEOUT=125 bash bench/gpu_session.sh
+# selftest tests residual-precision half-weights train-1.3b-half plan-1.3b-half` (the tests step
+# ran out of time and was rerun alone, in 180 s): 673 s over two calls, start included. Next:
+# train-1.3b plan-1.3b (the defaults since the 16-bit residual stream), cpu-tests
+# cpu-tests-trainer, grad-accum-fusion. On a node of several GPUs:
 # `torchrun --nproc-per-node N -m megart selftest`, NPROC=N allreduce p2p, and tests (whose
 # test_trainer_nccl runs every parallel layout, its ranks sharing GPU 0).
 # (-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion; -50k trains
@@ -87,7 +91,8 @@ for step in "$@"; do
         tests/test_distributed.py 2>&1 | show 20 ;;
     cpu-tests-trainer) limit python3 -m pytest -q -p no:cacheprovider tests/test_trainer.py \
         tests/test_residual_precision.py 2>&1 | show 20 ;;
-    tests) limit python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_trainer_nccl.py \
+    tests) # 203 tests took 171 s on an H200 (2026-11-27): at least 240 s whatever STEP_TIMEOUT
+      timeout -k 5 "$((STEP_TIMEOUT > 240 ? STEP_TIMEOUT : 240))" python3 -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_trainer_nccl.py \
              tests/test_optim_cuda.py "tests/test_grad_accumulation_fusion.py::test_cuda_fused_product_accumulates_in_fp32" \
              tests/test_kernels.py tests/test_fused_kernels_cuda.py tests/test_build_info.py 2>&1 | show 40 ;;
     grad-accum-fusion) # fused against unfused, alternating: train-1.3b's GPT, then a 2.5B one
