@@ -162,7 +162,7 @@ def test_iterations_and_samples_do_not_mix():
 @pytest.mark.parametrize(
     "flags, match",
     [
-        (dict(context_parallel_size=2), "--context-parallel-size 2: megart has no context"),
+        (dict(context_parallel_size=2, seq_length=18), "18 is not divisible by 2 x --context-"),
         (dict(expert_model_parallel_size=4), "--expert-model-parallel-size 4: megart has no"),
         (dict(max_position_embeddings=32), "--max-position-embeddings 32 with --seq-length 16"),
         (dict(kv_channels=4), "--kv-channels 4: .* give 8"),

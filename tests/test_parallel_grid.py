@@ -245,8 +245,8 @@ def test_rank_and_kind_arguments_are_checked():
         layout.coords(8)
     with pytest.raises(ConfigError, match="pp_rank=2 is outside pp=2"):
         layout.rank_of(0, 2, 0)
-    with pytest.raises(ConfigError, match="unknown group kind 'cp'"):
-        layout.groups("cp")
+    with pytest.raises(ConfigError, match="unknown group kind 'ep'"):
+        layout.groups("ep")
 
 
 # Model checks.

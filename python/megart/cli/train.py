@@ -216,7 +216,10 @@ HELP = {
     "--load reads any of them whatever this flag",
     "calculate_per_token_loss": "mean loss over the global batch's tokens (megart has no loss "
     "mask: the same as its per-microbatch means)",
-    "context_parallel_size": "context parallelism (megart: only 1)",
+    "context_parallel_size": "context parallelism: each sequence split over this many ranks "
+    "(Megatron's load-balanced 2 cp chunks; --seq-length divisible by 2 cp), keys and values "
+    "all-gathered over them (no ring); ranks tp x cp x dp x pp, cp between tp and dp. Not with "
+    "--sequence-parallel, zb-h1/zb-v or --ckpt-format torch_dist",
     "expert_model_parallel_size": "expert parallelism (megart: only 1)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
     "GPTModel: megart's model and checkpoint names are that model's)",

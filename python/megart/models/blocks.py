@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megart.distributed import ProcessGroup
 from megart.kernels import add_layer_norm, bias_gelu, layer_norm
 from megart.models.config import GPTConfig
+from megart.models.context_parallel import causal_mask, gather_kv
 from megart.models.recompute import checkpointed
 from megart.tensor_parallel import (
     ColumnParallelLinear,
@@ -26,7 +27,7 @@ from megart.tensor_parallel import (
     RowParallelLinear,
     normal_init,
 )
-from megart.tensor_parallel._group import group_size
+from megart.tensor_parallel._group import group_rank, group_size
 
 
 def generator(seed: int, *where: object) -> torch.Generator:
@@ -204,7 +205,11 @@ class Attention(nn.Module):
     heads in groups of heads/groups. The fused projection's rows are grouped per query group
     as [q of the group's heads, k, v], so a rank's contiguous slice holds whole groups (and
     resharding by contiguous row chunks stays right); with one group per head that is [q, k, v]
-    per head, the multi-head layout."""
+    per head, the multi-head layout.
+
+    With context parallelism (``cp_group``) each rank holds part of each sequence: keys and
+    values are gathered over the group after rope, and the causal mask follows the tokens'
+    global positions (megart.models.context_parallel)."""
 
     def __init__(
         self,
@@ -213,10 +218,11 @@ class Attention(nn.Module):
         tp_group: ProcessGroup | None,
         sequence_parallel: bool,
         rng: RNGStatesTracker | None = None,
+        cp_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         h, t = cfg.hidden_size, group_size(tp_group)
-        self.cfg, self.rng = cfg, rng
+        self.cfg, self.rng, self.cp_group = cfg, rng, cp_group
         self.local_heads = cfg.num_attention_heads // t
         self.local_groups = cfg.query_groups // t
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
@@ -254,15 +260,23 @@ class Attention(nn.Module):
         if rope is not None:
             turn = self.cfg.rotary_interleaved
             q, k = apply_rotary(q, *rope, turn), apply_rotary(k, *rope, turn)
+        mask = None
+        cp = group_size(self.cp_group)
+        if cp > 1:
+            k, v = gather_kv(k, self.cp_group), gather_kv(v, self.cp_group)
+            mask = causal_mask(cp, group_rank(self.cp_group), s, q.device)
         if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
-            y = checkpointed(self._core, self.rng, q, k, v)
+            y = checkpointed(self._core, self.rng, q, k, v, mask)
         else:
-            y = self._core(q, k, v)
+            y = self._core(q, k, v, mask)
         return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, -1))
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v, causal, with attention dropout on the tensor-parallel
-        stream: what selective recomputation recomputes (so it keeps k and v per group)."""
+    def _core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal (by ``mask`` when given: context parallelism's
+        global positions), with attention dropout on the tensor-parallel stream: what
+        selective recomputation recomputes (so it keeps k and v per group)."""
         per_group = q.shape[1] // k.shape[1]
         if per_group > 1:
             # Each group's key and value head, once per query head of the group (heads are
@@ -277,6 +291,8 @@ class Attention(nn.Module):
         unfused = self.cfg.attention_backend in ("unfused", "local")
         kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
         with stream, kernel:
+            if mask is not None:
+                return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
 
@@ -334,10 +350,11 @@ class Block(nn.Module):
         tp_group: ProcessGroup | None,
         sequence_parallel: bool,
         rng: RNGStatesTracker | None = None,
+        cp_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.ln_1 = norm(cfg, sequence_parallel)
-        self.attn = Attention(cfg, layer, tp_group, sequence_parallel, rng)
+        self.attn = Attention(cfg, layer, tp_group, sequence_parallel, rng, cp_group)
         self.ln_2 = norm(cfg, sequence_parallel)
         self.mlp = MLP(cfg, layer, tp_group, sequence_parallel)
         self.drop = nn.Dropout(cfg.hidden_dropout)

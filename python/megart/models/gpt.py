@@ -18,6 +18,7 @@ from megart.errors import ConfigError
 from megart.kernels import fused_vocab_parallel_cross_entropy
 from megart.models.blocks import Block, apply_norm, generator, norm, rotary
 from megart.models.config import GPTConfig
+from megart.models.context_parallel import group_positions
 from megart.models.recompute import checkpointed, recomputed_spans
 from megart.models.stages import FIRST, LAST, stage_ranges, uneven
 from megart.tensor_parallel import (
@@ -42,7 +43,10 @@ class GPTChunk(nn.Module):
     embedding), else hidden states [s, b, h] ([s/t, b, h] under sequence parallelism). Output:
     this rank's vocabulary slice of the logits, [s, b, V_padded/t], when ``last``, else hidden
     states. With tied embeddings, a last chunk on another rank than the first holds its own copy
-    of the embedding, initialised identically; the trainer sums the two gradients."""
+    of the embedding, initialised identically; the trainer sums the two gradients.
+
+    With context parallelism (``cp_group``) the tokens and every [s, b, h] are this rank's
+    part of each sequence (megart.models.context_parallel's split), and positions are global."""
 
     def __init__(
         self,
@@ -53,10 +57,12 @@ class GPTChunk(nn.Module):
         tp_group: ProcessGroup | None = None,
         sequence_parallel: bool = False,
         rng: RNGStatesTracker | None = None,
+        cp_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.first, self.last, self.rng = cfg, first, last, rng
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.cp_group = cp_group
         self.vocab = cfg.padded_vocab_size(group_size(tp_group))
         untied = cfg.untie_embeddings_and_output_weights
         if first or (last and not untied):
@@ -75,7 +81,9 @@ class GPTChunk(nn.Module):
             # Each rank adds the positions of its own sequence slice: a partial gradient.
             self.wpe.weight.sequence_parallel = sequence_parallel
         self.drop = nn.Dropout(cfg.hidden_dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i, tp_group, sequence_parallel, rng) for i in layers)
+        self.blocks = nn.ModuleList(
+            Block(cfg, i, tp_group, sequence_parallel, rng, cp_group) for i in layers
+        )
         self.layer_ids = list(layers)
         if last:
             self.ln_f = norm(cfg, sequence_parallel)
@@ -123,15 +131,17 @@ class GPTChunk(nn.Module):
         return slice(r * seq // t, (r + 1) * seq // t)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cp = group_size(self.cp_group)
         if self.first:
-            seq = x.shape[1]
+            seq = x.shape[1] * cp
             if seq > self.cfg.seq_length:
                 raise ValueError(
                     f"sequence of {seq} tokens; the model takes at most {self.cfg.seq_length}"
                 )
             h = self.wte(x.t())  # [s, b, h], or this rank's slice of s
             if self.cfg.position_embedding == "learned":
-                h = h + self.wpe.weight[:seq][self._sequence_slice(seq)].unsqueeze(1)
+                rows = group_positions(self.cp_group, x.shape[1], h.device)
+                h = h + self.wpe.weight[rows][self._sequence_slice(x.shape[1])].unsqueeze(1)
             x = self.drop(self._residual_stream(h))
         else:
             x = self._residual_stream(x)
@@ -140,13 +150,16 @@ class GPTChunk(nn.Module):
             t = group_size(self.tp_group) if self.sequence_parallel else 1
             scale = self.cfg.rope_scaling_factor if self.cfg.rope_scaling else None
             rope = rotary(
-                x.shape[0] * t,
+                x.shape[0] * t * cp,
                 self.cfg.rotary_dim,
                 x.device,
                 self.cfg.rotary_base,
                 scale,
                 self.cfg.rotary_seq_len_interpolation_factor,
             )
+            if cp > 1:  # the angles of this rank's tokens' global positions
+                rows = group_positions(self.cp_group, x.shape[0], x.device)
+                rope = (rope[0][rows], rope[1][rows])
         x = self._blocks(x, rope)
         if not self.last:
             return x
@@ -306,10 +319,11 @@ def pipeline_chunks(
     v_shape: bool = False,
     first: int | None = None,
     last: int | None = None,
+    cp_group: ProcessGroup | None = None,
 ) -> list[GPTChunk]:
     """This pipeline rank's model chunks (see chunk_layers; ``first``/``last``: the layers of
-    uneven first/last stages); the first virtual stage holds the embedding, the last the final
-    norm and output layer."""
+    uneven first/last stages; ``cp_group``: context parallelism's); the first virtual stage
+    holds the embedding, the last the final norm and output layer."""
     cfg.check_layout(tp=group_size(tp_group), pp=pp, chunks=chunks, first=first, last=last)
     return [
         GPTChunk(
@@ -320,6 +334,7 @@ def pipeline_chunks(
             tp_group,
             sequence_parallel,
             rng,
+            cp_group,
         )
         for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape, first, last)
     ]

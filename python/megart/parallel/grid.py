@@ -15,7 +15,8 @@ if TYPE_CHECKING:  # importing megart.distributed loads torch; the grid itself d
 @dataclass(frozen=True)
 class ParallelGrid:
     """Made by ``megart.initialize``. Every group holds this rank; ``embedding_group`` is None
-    on middle pipeline stages, which hold no embedding."""
+    on middle pipeline stages, which hold no embedding. Without context parallelism (cp = 1)
+    ``cp_group`` is None (a group of one) and ``dp_cp_group`` is ``dp_group``."""
 
     layout: GridLayout
     rank: int
@@ -25,9 +26,15 @@ class ParallelGrid:
     dp_group: ProcessGroup
     mp_group: ProcessGroup
     embedding_group: ProcessGroup | None
+    cp_group: ProcessGroup | None = None
+    dp_cp_group: ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.dp_cp_group is None:  # cp = 1: averaging over dp x cp is over dp
+            object.__setattr__(self, "dp_cp_group", self.dp_group)
 
     def group(self, kind: GroupKind) -> ProcessGroup | None:
-        """The group of this kind: "tp", "pp", "dp", "mp" or "embedding"."""
+        """The group of this kind: "tp", "pp", "dp", "cp", "dp_cp", "mp" or "embedding"."""
         return getattr(self, f"{kind}_group")
 
     @property
@@ -41,6 +48,10 @@ class ParallelGrid:
     @property
     def dp_rank(self) -> int:
         return self.coords.dp_rank
+
+    @property
+    def cp_rank(self) -> int:
+        return self.layout.cp_rank_of(self.rank)
 
     @property
     def is_first_stage(self) -> bool:

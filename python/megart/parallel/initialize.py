@@ -7,7 +7,13 @@ from datetime import timedelta
 
 from megart.errors import ConfigError
 from megart.parallel.grid import ParallelGrid
-from megart.parallel.layout import DEFAULT_ORDER, GROUP_KINDS, GridLayout, make_layout
+from megart.parallel.layout import (
+    CP_GROUP_KINDS,
+    DEFAULT_ORDER,
+    GROUP_KINDS,
+    GridLayout,
+    make_layout,
+)
 
 
 def initialize(
@@ -18,8 +24,10 @@ def initialize(
     gpus_per_node: int | None = None,
     backend: str | None = None,
     timeout: timedelta | float = timedelta(minutes=10),
+    cp: int = 1,
 ) -> ParallelGrid:
-    """Lays the world out as tp x pp x dp ranks in ``order`` and makes every process group.
+    """Lays the world out as tp x cp x pp x dp ranks in ``order`` (cp just inside dp) and makes
+    every process group.
 
     Initialises megart.distributed first when it is not yet (from torchrun's environment, or as
     a one-process world; ``backend`` and ``timeout`` are passed on). Every process must call
@@ -49,7 +57,7 @@ def initialize(
     # Checked before any group exists, so a bad layout fails the same way on every rank and
     # leaves things as they were: the caller may fix the sizes and call again.
     try:
-        layout = make_layout(world_size, tp, pp, dp, order, gpus_per_node)
+        layout = make_layout(world_size, tp, pp, dp, order, gpus_per_node, cp)
     except ConfigError:
         if started_here:
             dist.destroy()
@@ -60,7 +68,7 @@ def initialize(
 
     describe_ranks([_label(layout, r) for r in range(world_size)])
     mine: dict[str, dist.ProcessGroup | None] = {}
-    for kind in GROUP_KINDS:
+    for kind in GROUP_KINDS + (CP_GROUP_KINDS if layout.cp > 1 else ()):
         mine[kind] = None
         for ranks in layout.groups(kind):
             group = dist.new_group(list(ranks))
@@ -75,9 +83,12 @@ def initialize(
         dp_group=mine["dp"],
         mp_group=mine["mp"],
         embedding_group=mine["embedding"],
+        cp_group=mine.get("cp"),
+        dp_cp_group=mine.get("dp_cp"),
     )
 
 
 def _label(layout: GridLayout, rank: int) -> str:
     c = layout.coords(rank)
-    return f"global rank {rank} (tp {c.tp_rank}, pp {c.pp_rank}, dp {c.dp_rank})"
+    cp = f", cp {layout.cp_rank_of(rank)}" if layout.cp > 1 else ""
+    return f"global rank {rank} (tp {c.tp_rank}, pp {c.pp_rank}, dp {c.dp_rank}{cp})"

@@ -1,13 +1,19 @@
 """The rank grid as a pure function: (world size, tp, pp, dp, order, gpus per node) -> which rank
 sits where and which ranks form each group. No processes, no torch.
 
-A rank's coordinates are (tp_rank, pp_rank, dp_rank). ``order`` names the dimensions from the
-innermost (adjacent ranks) to the outermost. Megatron's order, the default, is "tp-dp-pp":
+A rank's coordinates are (tp_rank, pp_rank, dp_rank), and ``cp_rank_of`` its context-parallel
+rank. ``order`` names the dimensions
+from the innermost (adjacent ranks) to the outermost. Megatron's order, the default, is
+"tp-dp-pp":
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
 so a tensor-parallel group is ``tp`` consecutive ranks (one node, NVLink) and pipeline stages
 are ``tp * dp`` ranks apart.
+
+Context parallelism (``cp`` ranks splitting each sequence) sits just inside data parallelism,
+wherever the order puts "dp", as in Megatron's default tp-cp-ep-dp-pp: the "dp" slot of the
+order holds cp x dp ranks, cp innermost. With cp = 1 every rank sits where it did without it.
 
 Rails: a rank's rail is its local index on its node (``rank % gpus_per_node``); each GPU of a
 node has its own network card, and a rail-optimised network connects the same card of every
@@ -26,8 +32,10 @@ from megart.errors import ConfigError
 DIMS = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"
 ORDERS = tuple("-".join(p) for p in permutations(DIMS))
-GroupKind = Literal["tp", "pp", "dp", "mp", "embedding"]
+GroupKind = Literal["tp", "pp", "dp", "mp", "embedding", "cp", "dp_cp"]
 GROUP_KINDS: tuple[GroupKind, ...] = ("tp", "pp", "dp", "mp", "embedding")
+# Made only when cp > 1: with cp = 1 the cp groups are single ranks and dp x cp is dp.
+CP_GROUP_KINDS: tuple[GroupKind, ...] = ("cp", "dp_cp")
 
 
 class Coords(NamedTuple):
@@ -68,9 +76,10 @@ class GridLayout:
     dp: int
     order: str
     gpus_per_node: int
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "dp", "gpus_per_node"):
+        for name in ("world_size", "tp", "pp", "dp", "gpus_per_node", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -80,16 +89,17 @@ class GridLayout:
                 f"(innermost first; {DEFAULT_ORDER!r} is Megatron's, and tp innermost keeps "
                 "tensor-parallel groups inside a node)"
             )
-        used = self.tp * self.pp * self.dp
+        used = self.tp * self.pp * self.dp * self.cp
         if used != self.world_size:
+            cp = f" x cp={self.cp}" if self.cp > 1 else ""
             message = (
-                f"tp={self.tp} x pp={self.pp} x dp={self.dp} = {used} ranks, but world_size is "
-                f"{self.world_size}; "
+                f"tp={self.tp}{cp} x pp={self.pp} x dp={self.dp} = {used} ranks, but world_size "
+                f"is {self.world_size}; "
             )
-            if self.world_size % (self.tp * self.pp) == 0:
+            if self.world_size % (self.tp * self.pp * self.cp) == 0:
                 message += (
-                    f"dp={self.world_size // (self.tp * self.pp)} fits "
-                    f"(world_size / (tp x pp)), or leave dp unset to derive it"
+                    f"dp={self.world_size // (self.tp * self.pp * self.cp)} fits "
+                    f"(world_size / (tp x{cp[3:]} pp)), or leave dp unset to derive it"
                 )
             else:
                 message += "tp x pp must divide world_size: " + _size_hint(
@@ -114,16 +124,18 @@ class GridLayout:
             )
             raise ConfigError(f"{problem}; {hint}")
 
-    # Geometry.
+    # Geometry. The order's "dp" slot holds cp x dp ranks (cp inside), see the module's doc.
     def _sizes(self) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp * self.cp}
 
     def size(self, dim: str) -> int:
-        return self._sizes()[dim]
+        return self.cp if dim == "cp" else self.dp if dim == "dp" else self._sizes()[dim]
 
     def stride(self, dim: str) -> int:
         """How many ranks apart two neighbours along ``dim`` are."""
-        return _stride(self.order, self._sizes(), dim)
+        if dim == "cp":
+            return _stride(self.order, self._sizes(), "dp")
+        return _stride(self.order, self._sizes(), dim) * (self.cp if dim == "dp" else 1)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -132,12 +144,20 @@ class GridLayout:
     def coords(self, rank: int) -> Coords:
         """(tp_rank, pp_rank, dp_rank) of a global rank."""
         self._check_rank(rank)
-        return Coords(*((rank // self.stride(d)) % self.size(d) for d in ("tp", "pp", "dp")))
+        return Coords(*(self._index(d, rank) for d in ("tp", "pp", "dp")))
 
-    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+    def cp_rank_of(self, rank: int) -> int:
+        """The context-parallel rank of a global rank (0 when cp = 1)."""
+        self._check_rank(rank)
+        return self._index("cp", rank)
+
+    def _index(self, dim: str, rank: int) -> int:
+        return (rank // self.stride(dim)) % self.size(dim)
+
+    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> int:
         """The global rank at these coordinates (the inverse of ``coords``)."""
         rank = 0
-        for dim, value in (("tp", tp_rank), ("pp", pp_rank), ("dp", dp_rank)):
+        for dim, value in (("tp", tp_rank), ("pp", pp_rank), ("dp", dp_rank), ("cp", cp_rank)):
             if not 0 <= value < self.size(dim):
                 raise ConfigError(f"{dim}_rank={value} is outside {dim}={self.size(dim)}")
             rank += value * self.stride(dim)
@@ -147,25 +167,40 @@ class GridLayout:
     # by their first rank, so every process enumerates them identically.
     def _along(self, dim: str, rank: int) -> tuple[int, ...]:
         stride = self.stride(dim)
-        base = rank - self.coords(rank)._asdict()[f"{dim}_rank"] * stride
+        base = rank - self._index(dim, rank) * stride
         return tuple(base + i * stride for i in range(self.size(dim)))
 
     def group_of(self, kind: GroupKind, rank: int) -> tuple[int, ...] | None:
-        """The ranks of ``rank``'s group of this kind: "tp", "pp", "dp", "mp" (the tp x pp
-        ranks holding one model replica, ascending) or "embedding" (the first and last stage
-        of its pipeline, which share the tied word embedding; None for a middle stage)."""
-        if kind in ("tp", "pp", "dp"):
+        """The ranks of ``rank``'s group of this kind: "tp", "pp", "dp", "cp", "dp_cp" (the
+        dp x cp ranks that hold one model piece and average its gradients, Megatron's data
+        parallel group with context parallelism), "mp" (the tp x pp ranks holding one model
+        replica, ascending) or "embedding" (the first and last stage of its pipeline, which
+        share the tied word embedding; None for a middle stage)."""
+        if kind in ("tp", "pp", "dp", "cp"):
             return self._along(kind, rank)
-        if kind == "mp":
-            dp_rank = self.coords(rank).dp_rank
+        c, cp_rank = self.coords(rank), self.cp_rank_of(rank)
+        if kind == "dp_cp":
             return tuple(
-                sorted(self.rank_of(t, p, dp_rank) for t in range(self.tp) for p in range(self.pp))
+                sorted(
+                    self.rank_of(c.tp_rank, c.pp_rank, d, k)
+                    for d in range(self.dp)
+                    for k in range(self.cp)
+                )
+            )
+        if kind == "mp":
+            return tuple(
+                sorted(
+                    self.rank_of(t, p, c.dp_rank, cp_rank)
+                    for t in range(self.tp)
+                    for p in range(self.pp)
+                )
             )
         if kind == "embedding":
             pipeline = self._along("pp", rank)
             ends = (pipeline[0], pipeline[-1]) if self.pp > 1 else (pipeline[0],)
             return ends if rank in ends else None
-        raise ConfigError(f"unknown group kind {kind!r}; use one of {', '.join(GROUP_KINDS)}")
+        kinds = ", ".join(GROUP_KINDS + CP_GROUP_KINDS)
+        raise ConfigError(f"unknown group kind {kind!r}; use one of {kinds}")
 
     def groups(self, kind: GroupKind) -> list[tuple[int, ...]]:
         """Every group of this kind, each once, sorted by first rank."""
@@ -248,19 +283,26 @@ def make_layout(
     dp: int | None = None,
     order: str = DEFAULT_ORDER,
     gpus_per_node: int | None = None,
+    cp: int = 1,
 ) -> GridLayout:
     """The checked layout of ``world_size`` ranks. ``dp`` None derives it as
-    world_size / (tp x pp); ``gpus_per_node`` None means one node holds every rank."""
+    world_size / (tp x pp x cp); ``gpus_per_node`` None means one node holds every rank."""
     if dp is None:
-        if isinstance(tp, int) and isinstance(pp, int) and tp >= 1 and pp >= 1:
-            if world_size % (tp * pp):
+        sizes = (tp, pp, cp)
+        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
+            if world_size % (tp * pp * cp):
+                if cp > 1:
+                    raise ConfigError(
+                        f"tp={tp} x pp={pp} x cp={cp} = {tp * pp * cp} does not divide "
+                        f"world_size={world_size}, so no dp fits; change tp, pp or cp"
+                    )
                 raise ConfigError(
                     f"tp={tp} x pp={pp} = {tp * pp} does not divide world_size={world_size}, "
                     f"so no dp fits: " + _size_hint(world_size, tp, pp)
                 )
-            dp = world_size // (tp * pp)
+            dp = world_size // (tp * pp * cp)
         else:
-            dp = 1  # GridLayout names the bad tp or pp
+            dp = 1  # GridLayout names the bad tp, pp or cp
     return GridLayout(
-        world_size, tp, pp, dp, order, world_size if gpus_per_node is None else gpus_per_node
+        world_size, tp, pp, dp, order, world_size if gpus_per_node is None else gpus_per_node, cp
     )

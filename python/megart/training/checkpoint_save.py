@@ -136,11 +136,13 @@ def save(
     # Every rank (or none, with --no-save-optim): a distributed optimizer gathers its state over
     # data parallelism.
     optimizer_state = None if config.no_save_optim else optimizer.state_dict()
-    if grid.dp_rank == 0:
+    if grid.dp_rank == 0 and grid.cp_rank == 0:  # context-parallel ranks hold the same
         state = file_state(
             iteration,
+            # context_parallel_size is a record only: the weights' layout does not depend on it.
             layout={f: getattr(config, f) for f in MODEL_FIELDS + PARALLEL_FIELDS}
-            | {"pipeline_schedule": config.schedule},
+            | {"pipeline_schedule": config.schedule}
+            | {"context_parallel_size": config.context_parallel_size},
             model_config=dataclasses.asdict(chunks[0].cfg),
             layer_ids=[list(chunk.layer_ids) for chunk in chunks],
             model=[chunk.state_dict() for chunk in chunks],

@@ -11,6 +11,7 @@ from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS
 from megart.models.stages import uneven
 from megart.parallel.layout import divisors
 from megart.training.batch_rampup import check_rampup
+from megart.training.context_parallel_checks import check_context_parallel
 from megart.training.lr import check_decay_style
 from megart.training.megatron_flags import check_megatron_flags
 
@@ -57,14 +58,17 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     """Refuses layouts, batch shapes and flag combinations that cannot run, naming the
     numbers and flags and what would fit; returns the data-parallel size."""
     tp, pp = cfg.tp, cfg.pp
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
+    check_context_parallel(cfg)  # a valid cp before it divides the world
+    cp = cfg.context_parallel_size
+    if tp < 1 or pp < 1 or world_size % (tp * pp * cp):
+        by_cp = f" x context-parallel {cp} (--context-parallel-size {cp})" if cp > 1 else ""
         raise ConfigError(
             f"{world_size} process{'es do' if world_size > 1 else ' does'} not split into "
-            f"tensor-parallel {tp} x pipeline-parallel {pp}; the product must divide the "
-            f"number of processes: start a multiple of {max(1, tp * pp)} (torchrun "
+            f"tensor-parallel {tp}{by_cp} x pipeline-parallel {pp}; the product must divide "
+            f"the number of processes: start a multiple of {max(1, tp * pp * cp)} (torchrun "
             "--nproc-per-node N starts N) or choose smaller sizes"
         )
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * cp)
     if cfg.micro_batch_size < 1 or cfg.global_batch_size < 1:
         raise ConfigError(
             f"--micro-batch-size {cfg.micro_batch_size} and --global-batch-size "

@@ -56,7 +56,10 @@ What each does in megart:
 - --calculate-per-token-loss: megart has no loss mask, so every microbatch has b s tokens and
   the per-token mean over the global batch equals the mean of the per-microbatch means that
   megart computes: the gradients are the same.
-- --context-parallel-size, --expert-model-parallel-size: only 1 (refused otherwise).
+- --context-parallel-size: each sequence split over cp ranks, K and V all-gathered
+  (megart.models.context_parallel); what it does not combine with yet is refused by name
+  (megart.training.context_parallel_checks).
+- --expert-model-parallel-size: only 1 (refused otherwise).
 - --decoupled-lr, --decoupled-min-lr: the embedding's and output layer's own param group
   (megart.training.optimizer.param_groups), scheduled with its own peak and floor.
 - --grad-reduce-in-bf16 (with --bf16): the gradient buckets travel in bf16
@@ -95,6 +98,7 @@ import numpy as np
 from megart.errors import ConfigError
 from megart.training.batch_rampup import check_values
 from megart.training.batch_rampup import train_iters as ramp_train_iters
+from megart.training.context_parallel_checks import check_context_parallel
 from megart.training.grad_sync import megatron_bucket_size
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -199,14 +203,12 @@ def resolve_megatron_flags(config: Any) -> None:
 
 def check_megatron_flags(config: Any) -> None:
     """Refuses, naming the flag, what megart cannot do or what Megatron would refuse."""
-    for name in ("context_parallel_size", "expert_model_parallel_size"):
-        value = getattr(config, name)
-        if value != 1:
-            kind = name.split("_")[0]
-            raise ConfigError(
-                f"--{name.replace('_', '-')} {value}: megart has no {kind} parallelism yet; "
-                "use 1 (the default)"
-            )
+    if config.expert_model_parallel_size != 1:
+        raise ConfigError(
+            f"--expert-model-parallel-size {config.expert_model_parallel_size}: megart has no "
+            "expert parallelism yet; use 1 (the default)"
+        )
+    check_context_parallel(config)
     distopt_store = config.ckpt_format == "torch_dist" and config.use_distributed_optimizer
     if distopt_store and config.save and config.schedule == "zb-v":
         # The distributed optimizer's torch_dist state follows Megatron's buffers of each

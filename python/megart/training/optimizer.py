@@ -84,13 +84,16 @@ def build(
         # and chunk, where Megatron buckets only the first stage's first chunk.
         elements = megatron_bucket_size(
             sum(p.numel() for p in params),
-            grid.layout.dp,
+            grid.layout.dp * grid.layout.cp,
             c.ddp_bucket_size,
             c.ddp_num_buckets,
         )
+    # Context-parallel ranks hold the same weights and gradients of their own tokens: the
+    # gradients are averaged (and the distributed optimizer sharded) over dp x cp, as Megatron's
+    # data-parallel group with context parallelism.
     buckets = GradientBuckets(
         params,
-        grid.dp_group,
+        grid.dp_cp_group,
         overlap=c.overlap_grad_reduce,
         shard=shard,
         alone=_tied_embeddings(chunks, c.pp),
@@ -108,7 +111,7 @@ def build(
     )
     make = functools.partial(adamw, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
     if shard:
-        zero = DistributedOptimizer(groups, buckets, grid.dp_group, make)
+        zero = DistributedOptimizer(groups, buckets, grid.dp_cp_group, make)
         if c.overlap_param_gather:
             zero.overlap_with_forward(chunks)
         return buckets, zero

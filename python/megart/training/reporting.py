@@ -120,7 +120,9 @@ def run_description(trainer: Any) -> str:
         f"megart train: GPT {c.num_layers} layers x {c.hidden_size} hidden, "
         f"{c.num_attention_heads} heads"
         + (f" in {c.num_query_groups} query groups" if c.group_query_attention else "")
-        + f", seq {c.seq_length}; tp {c.tp} x pp {c.pp} x "
+        + f", seq {c.seq_length}; tp {c.tp} x "
+        + (f"cp {c.context_parallel_size} x " if c.context_parallel_size > 1 else "")
+        + f"pp {c.pp} x "
         f"dp {t.dp} (v {c.chunks}), global batch {c.global_batch_size} = "
         f"{t.m} microbatches of {c.micro_batch_size} per data-parallel rank"
         + (
@@ -131,7 +133,7 @@ def run_description(trainer: Any) -> str:
         )
         + "; "
         + (
-            f"Adam state 1/{t.dp} per rank (distributed optimizer); "
+            f"Adam state 1/{t.dp * c.context_parallel_size} per rank (distributed optimizer); "
             if c.use_distributed_optimizer
             else ""
         )

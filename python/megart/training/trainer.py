@@ -20,6 +20,7 @@ import torch
 import megart.distributed as dist
 from megart import schedule as sched
 from megart.errors import ConfigError
+from megart.models.context_parallel import split_for_cp
 from megart.pipeline import PipelineEngine
 from megart.tensor_parallel import fusing_accumulation, sync_sequence_parallel_grads
 from megart.training import batch_rampup, checkpoint, memory_report
@@ -126,15 +127,18 @@ class Trainer:
     def _microbatches(
         self, data: Dataset, iteration: int, size: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """This rank's microbatches of the global batch of ``size`` samples of ``iteration``."""
+        """This rank's microbatches of the global batch of ``size`` samples of ``iteration``:
+        its data-parallel share of the samples, and of each its context-parallel part."""
         c, g = self.config, self.grid
         inputs, targets = data.global_batch(c.seed, iteration, size)
         share = size // self.dp
         rows = slice(g.dp_rank * share, (g.dp_rank + 1) * share)
+        cp = c.context_parallel_size
+        inputs, targets = (split_for_cp(t[rows], 1, cp, g.cp_rank) for t in (inputs, targets))
         split = c.micro_batch_size
         return (
-            [x.to(self.device) for x in inputs[rows].split(split)],
-            [y.to(self.device) for y in targets[rows].split(split)],
+            [x.to(self.device) for x in inputs.split(split)],
+            [y.to(self.device) for y in targets.split(split)],
         )
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -258,7 +262,9 @@ class Trainer:
             device=self.device,  # nccl groups move device memory only
         )
         dist.all_reduce(figures[:1], group=g.pp_group)  # only the last stage adds a loss
-        dist.all_reduce(figures[:1], op="avg", group=g.dp_group)
+        # Averaged over data and context parallelism: every context-parallel rank holds as many
+        # tokens of each sequence (no loss mask), so the mean of their means is the batch's.
+        dist.all_reduce(figures[:1], op="avg", group=g.dp_cp_group)
         dist.all_reduce(figures[1:])  # bytes: summed over every rank
         return figures[0].item(), int(figures[1].item())
 
@@ -287,7 +293,7 @@ class Trainer:
                 chunk.train()
         loss = torch.tensor([total / c.eval_iters], dtype=torch.float64, device=self.device)
         dist.all_reduce(loss, group=g.pp_group)  # only the last stage adds a loss
-        dist.all_reduce(loss, op="avg", group=g.dp_group)
+        dist.all_reduce(loss, op="avg", group=g.dp_cp_group)  # as in _loss_and_p2p_bytes
         return loss.item()
 
     # -- the loop ----------------------------------------------------------------------------

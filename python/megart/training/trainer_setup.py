@@ -46,13 +46,20 @@ def checked_dp_size(config: TrainConfig) -> int:
 
 def join_grid(config: TrainConfig, dp: int) -> ParallelGrid:
     """Joins the other ranks (unless the caller already has) and lays them out in the tensor,
-    pipeline and data-parallel grid, with its process groups: the first wait on other ranks."""
+    context, pipeline and data-parallel grid, with its process groups: the first wait on other
+    ranks."""
     if not dist.is_initialized():
         dist.init(
             backend=config.distributed_backend,
             timeout=timedelta(minutes=config.distributed_timeout_minutes),
         )
-    return megart.initialize(tp=config.tp, pp=config.pp, dp=dp, backend=config.distributed_backend)
+    return megart.initialize(
+        tp=config.tp,
+        pp=config.pp,
+        dp=dp,
+        backend=config.distributed_backend,
+        cp=config.context_parallel_size,
+    )
 
 
 def local_device() -> torch.device:
@@ -94,6 +101,7 @@ def model_chunks(
             rng,
             v_shape=config.schedule == "zb-v",
             **config.stages,
+            cp_group=grid.cp_group,
         )
     ]
     half = half_dtype(config)
@@ -117,8 +125,10 @@ def stage_link(config: TrainConfig, grid: ParallelGrid) -> StageLink:
 
 def activation_shape(config: TrainConfig) -> tuple[int, int, int]:
     """(sequence, microbatch, hidden) of the activation a stage sends on, the pipeline engine's
-    buffer shape; sequence parallelism splits the sequence over the tensor-parallel ranks."""
-    seq = config.seq_length // config.tp if config.sequence_parallel else config.seq_length
+    buffer shape; context parallelism splits the sequence over the context-parallel ranks,
+    sequence parallelism over the tensor-parallel ranks."""
+    seq = config.seq_length // config.context_parallel_size
+    seq = seq // config.tp if config.sequence_parallel else seq
     return (seq, config.micro_batch_size, config.hidden_size)
 
 

@@ -1,0 +1,61 @@
+"""What megart train refuses of --context-parallel-size, before any rank waits on another.
+
+Context parallelism (megart.models.context_parallel) runs with tensor, pipeline (1F1B,
+interleaved) and data parallelism, the distributed optimizer, recomputation and megart's own
+checkpoints and Megatron-LM's legacy files (the weights' layout does not depend on cp, so a
+checkpoint resumes under any cp). What it has not been built or tested with is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megart.errors import ConfigError
+from megart.models.context_parallel import check_divisible
+
+FLAG = "--context-parallel-size"
+
+
+def check_context_parallel(config: Any) -> None:
+    """Refuses a context-parallel size megart cannot run, naming the flags and what to change."""
+    cp = config.context_parallel_size
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ConfigError(f"{FLAG} {cp!r} must be a positive integer (1, the default: none)")
+    if cp == 1:
+        return
+    check_divisible(config.seq_length, cp)
+    refused = []
+    if config.sequence_parallel:
+        refused.append(
+            "--sequence-parallel (megart's sequence-parallel regions split the whole sequence, "
+            "not a context-parallel part of it): leave it out"
+        )
+    if config.schedule in ("zb-h1", "zb-v"):
+        refused.append(
+            f"--pipeline-schedule {config.schedule} (the zero-bubble schedules are untested "
+            "with it): use 1f1b or interleaved"
+        )
+    if config.ckpt_format == "torch_dist":
+        refused.append(
+            "--ckpt-format torch_dist (Megatron's distributed store is not written or read "
+            "under context parallelism yet): use --ckpt-format megart (the default) or torch"
+        )
+    if config.ckpt_format == "torch" and config.use_distributed_optimizer and config.save:
+        refused.append(
+            "--ckpt-format torch with --use-distributed-optimizer and --save (Megatron's "
+            "distrib_optim.pt shards over data x context parallelism, which megart does not "
+            "write): use --ckpt-format megart, or leave out --use-distributed-optimizer"
+        )
+    if refused:
+        raise ConfigError(f"{FLAG} {cp} does not combine with " + "; nor with ".join(refused))
+
+
+def refuse_dist_load(config: Any, directory: Any) -> None:
+    """Refuses a torch_dist checkpoint under context parallelism (see check_context_parallel)."""
+    cp = config.context_parallel_size
+    if cp > 1:
+        raise ConfigError(
+            f"--load {directory} holds Megatron's torch_dist store, which megart does not read "
+            f"under {FLAG} {cp} yet: load it under {FLAG} 1 and save it with --ckpt-format "
+            "megart, then resume that under context parallelism"
+        )

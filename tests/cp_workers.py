@@ -1,0 +1,100 @@
+"""Context-parallel checks that run on every rank of a launched test (module level, so spawn
+can import them)."""
+
+from __future__ import annotations
+
+import torch
+
+import megart.distributed as dist
+from megart.models.blocks import Attention, rotary
+from megart.models.config import GPTConfig
+from megart.models.context_parallel import group_positions, split_for_cp
+from megart.models.gpt import GPTChunk
+from megart.tensor_parallel._group import group_rank, group_size
+
+F64 = torch.float64
+
+
+def attention(cfg: GPTConfig, group: dist.ProcessGroup | None, seed: int) -> dict:
+    """The attention of one layer on this rank's part of a seeded [s, b, h] input (rope at the
+    tokens' global positions, as GPTChunk gives it): output, input gradient and weight
+    gradients (partial sums over the context-parallel ranks) for a seeded output gradient."""
+    cp, r = group_size(group), group_rank(group)
+    gen = torch.Generator().manual_seed(seed)
+    s, b, h = cfg.seq_length, 2, cfg.hidden_size
+    x_all = torch.randn(s, b, h, generator=gen, dtype=F64)
+    dy_all = torch.randn(s, b, h, generator=gen, dtype=F64)
+    layer = Attention(cfg, 0, None, False, cp_group=group).to(F64)
+    x = split_for_cp(x_all, 0, cp, r).requires_grad_()
+    cos, sin = rotary(s, cfg.rotary_dim, x.device)
+    rows = group_positions(group, s // cp, x.device)
+    y = layer(x, (cos[rows].to(F64), sin[rows].to(F64)))
+    (y * split_for_cp(dy_all, 0, cp, r)).sum().backward()
+    grads = {n: p.grad for n, p in layer.named_parameters()}
+    return {"y": y.detach(), "dx": x.grad, "grads": grads}
+
+
+def model(cfg: GPTConfig, group: dist.ProcessGroup | None, seed: int) -> dict:
+    """A whole one-chunk GPT on this rank's part of seeded token sequences: the loss averaged
+    over the context-parallel ranks (each holds as many tokens) and the weight gradients of
+    that mean (this rank's part summed over the group, divided by cp, as the trainer's
+    averaging over dp x cp does)."""
+    cp, r = group_size(group), group_rank(group)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1),
+                           generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    chunk = GPTChunk(cfg, range(cfg.num_layers), True, True, cp_group=group).to(F64)
+    x, y = (split_for_cp(t, 1, cp, r) for t in (tokens[:, :-1], tokens[:, 1:]))
+    loss = chunk.loss(chunk(x), y)
+    loss.backward()
+    mean = loss.detach().clone()
+    grads = {n: p.grad.clone() for n, p in chunk.named_parameters()}
+    if group is not None:
+        for t in (mean, *grads.values()):
+            dist.all_reduce(t, op="avg", group=group)
+    return {"loss": mean, "grads": grads}
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def against_one_process(cfg_kw: dict, model_kws: list[dict]) -> dict[str, float]:
+    """On each of 4 ranks: one layer's attention (``cfg_kw``) at cp2 (two groups) and cp4, and
+    whole models (each of ``model_kws``) at cp2 and cp4, against one process; the largest
+    relative differences of outputs, input gradients and weight gradients."""
+    dist.init(timeout=60)
+    rank = dist.get_rank()
+    groups = {}
+    for size in (2, 4):
+        for start in range(0, 4, size):
+            g = dist.new_group(list(range(start, start + size)))
+            if rank in g.ranks:
+                groups[size] = g
+    cfg = GPTConfig(**cfg_kw)
+    want = attention(cfg, None, seed=7)
+    worst = {}
+    for size, g in groups.items():
+        got = attention(cfg, g, seed=7)
+        r = group_rank(g)
+        worst[f"cp{size} attention y"] = _rel(got["y"], split_for_cp(want["y"], 0, size, r))
+        worst[f"cp{size} attention dx"] = _rel(got["dx"], split_for_cp(want["dx"], 0, size, r))
+        for name, grad in got["grads"].items():
+            total = grad.clone()
+            dist.all_reduce(total, group=g)  # each rank's weight gradient is its tokens' part
+            worst[f"cp{size} attention d{name}"] = _rel(total, want["grads"][name])
+    for i, kw in enumerate(model_kws):
+        cfg = GPTConfig(**kw)
+        want = model(cfg, None, seed=3)
+        for size, g in groups.items():
+            got = model(cfg, g, seed=3)
+            worst[f"cp{size} model{i} loss"] = _rel(got["loss"], want["loss"])
+            grads = [_rel(got["grads"][n], w) for n, w in want["grads"].items()]
+            worst[f"cp{size} model{i} grads"] = max(grads)
+    return worst
+
+
+def losses(kw: dict) -> list[float]:
+    """The loss of each iteration of the tiny run (train_workers.tiny) on this rank."""
+    import train_workers as tw
+
+    return [h["loss"] for h in tw.train(**kw)]

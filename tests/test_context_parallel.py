@@ -1,0 +1,146 @@
+"""Context parallelism (--context-parallel-size): each sequence split over cp ranks as
+Megatron-Core splits it (2 cp chunks, rank r holding r and 2 cp - 1 - r), keys and values
+all-gathered over the group, positions global. The split is Megatron-Core's
+get_batch_on_this_cp_rank's; attention and whole models at cp2 and cp4 are the one-process ones
+(float64); `megart train` at cp2 x dp2 (distributed optimizer) and cp2 x pp2 follows the
+one-process loss curve, and a cp2 checkpoint resumes under cp1 on it; what cp cannot do yet is
+refused by name."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cp_workers as cw
+import megatron_workers as mw
+import train_workers as tw
+from megart import ConfigError
+from megart.launcher import launch
+from megart.models.context_parallel import causal_mask, split_for_cp
+from megart.parallel import make_layout
+
+REL = 5e-6  # as test_uneven_train: a lost reduction or a wrong position moves the loss far more
+F64_REL = 1e-12
+BASE = dict(vocab_size=300, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
+            init_std=0.5)  # fmt: skip
+LLAMA = dict(position_embedding="rotary", normalization="rmsnorm", activation="swiglu",
+             num_query_groups=2, untie_embeddings_and_output_weights=True)  # fmt: skip
+# The training runs: Llama-style (rope), 4 iterations, a checkpoint after 2.
+TRAIN = dict(vocab_size=300, train_iters=4, position_embedding_type="rope",
+             normalization="RMSNorm", swiglu=True)  # fmt: skip
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    cp=st.integers(1, 4),
+    per_chunk=st.integers(1, 3),
+    batch=st.integers(1, 3),
+    extra=st.lists(st.integers(1, 3), max_size=2),
+)
+def test_the_split_is_megatron_cores_get_batch_on_this_cp_rank(cp, per_chunk, batch, extra):
+    from megatron.core import parallel_state, utils
+
+    seq = 2 * cp * per_chunk
+    tokens = torch.arange(batch * seq * int(torch.tensor(extra).prod())).reshape(batch, seq, *extra)
+    for r in range(cp):
+        # Megatron-Core reads its parallel state without a group; patched to this cp rank.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
+            mp.setattr(parallel_state, "get_context_parallel_rank", lambda r=r: r)
+            want = utils.get_batch_on_this_cp_rank({"tokens": tokens.clone()})["tokens"]
+        assert torch.equal(split_for_cp(tokens, 1, cp, r), want)
+    # Every position is held by exactly one rank.
+    held = torch.cat([split_for_cp(torch.arange(seq), 0, cp, r) for r in range(cp)])
+    assert sorted(held.tolist()) == list(range(seq))
+
+
+def test_the_mask_follows_global_positions():
+    # cp2 rank 1 holds positions 4..7 and 8..11 of 16; gathered keys are rank 0's then rank 1's.
+    keys = [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+    queries = [4, 5, 6, 7, 8, 9, 10, 11]
+    want = torch.tensor([[k <= q for k in keys] for q in queries])
+    assert torch.equal(causal_mask(2, 1, 8, None), want)
+
+
+def test_attention_and_models_at_cp2_and_cp4_are_the_one_process_ones():
+    """float64: one layer's attention (rope, GQA), a GPT-2-style model (learned positions)
+    and a Llama-style one; outputs, input gradients and weight gradients."""
+    attention = dict(BASE, position_embedding="rotary", num_query_groups=2)
+    models = [BASE, dict(BASE, **LLAMA)]
+    per_rank = launch(cw.against_one_process, 4, attention, models, timeout=120)
+    worst = {k: max(r[k] for r in per_rank if k in r) for k in per_rank[0] | per_rank[-1]}
+    assert len(worst) == 2 * (2 + 4 + 2 * 2)
+    assert max(worst.values()) < F64_REL, worst
+
+
+def _losses(nproc, **kw):
+    return launch(cw.losses, nproc, {**TRAIN, **kw}, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def straight():
+    return _losses(1)
+
+
+@pytest.fixture(scope="module")
+def cp2_checkpoint(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("cp") / "ckpt"
+    layout = dict(context_parallel_size=2, use_distributed_optimizer=True)
+    return ckpt, _losses(4, save=str(ckpt), save_interval=2, **layout)
+
+
+def test_cp2_x_dp2_with_the_distributed_optimizer_follows_the_one_process_curve(
+    straight, cp2_checkpoint
+):
+    _, losses = cp2_checkpoint
+    assert losses == pytest.approx(straight, rel=REL, abs=0)
+
+
+def test_cp2_x_pp2_follows_the_one_process_curve(straight):
+    layout = dict(context_parallel_size=2, pipeline_model_parallel_size=2)
+    assert _losses(4, train_iters=3, **layout) == pytest.approx(straight[:3], rel=REL, abs=0)
+
+
+def test_a_cp2_checkpoint_resumes_under_cp1_on_the_curve(straight, cp2_checkpoint):
+    ckpt, _ = cp2_checkpoint
+    resumed = _losses(1, load=str(ckpt), ckpt_step=2, use_distributed_optimizer=True)
+    assert resumed == pytest.approx(straight[2:], rel=REL, abs=0)
+
+
+def test_the_grid_puts_cp_between_tp_and_dp():
+    layout = make_layout(16, tp=2, pp=2, cp=2)  # Megatron's tp-cp-dp-pp: dp = 2
+    assert layout.group_of("cp", 0) == (0, 2)
+    assert layout.group_of("dp", 0) == (0, 4)
+    assert layout.group_of("dp_cp", 0) == (0, 2, 4, 6)
+    assert layout.group_of("pp", 0) == (0, 8)
+    assert layout.group_of("mp", 2) == (2, 3, 10, 11)
+    assert [layout.cp_rank_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "kw, world, says",
+    [
+        (dict(seq_length=20), 3, "--seq-length 20 is not divisible by 2 x --context-parallel-size"
+         " 3 = 6 (context parallelism cuts each sequence into 2 cp equal chunks); use "
+         "--seq-length 18 or 24"),
+        (dict(sequence_parallel=True, tensor_model_parallel_size=2), 4, "--sequence-parallel"),
+        (dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-v"), 4, "zb-v"),
+        (dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1"), 4, "zb-h1"),
+        (dict(ckpt_format="torch_dist", save="x"), 2, "--ckpt-format torch_dist"),
+        (dict(ckpt_format="torch", save="x", use_distributed_optimizer=True), 2,
+         "distrib_optim.pt"),
+        (dict(), 3, "tensor-parallel 1 x context-parallel 2 (--context-parallel-size 2) x"),
+    ],
+)  # fmt: skip
+def test_what_cp_cannot_do_is_refused_by_name(kw, world, says):
+    cp = 3 if "seq_length" in kw else 2
+    with pytest.raises(ConfigError, match="context") as e:
+        tw.tiny(**{"context_parallel_size": cp, **kw}).check(world)
+    assert says in str(e.value)
+
+
+def test_the_cli_refuses_once_before_any_work():
+    status, out = mw.run_cli(["--context-parallel-size", "3", "--seq-length", "64"])
+    assert status == 2 and "iteration" not in out
+    assert "--seq-length 64 is not divisible by 2 x --context-parallel-size 3" in out
+    assert out.count("error") == 1, out
