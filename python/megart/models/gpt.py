@@ -140,8 +140,10 @@ class GPTChunk(nn.Module):
                 )
             h = self.wte(x.t())  # [s, b, h], or this rank's slice of s
             if self.cfg.position_embedding == "learned":
-                rows = group_positions(self.cp_group, x.shape[1], h.device)
-                h = h + self.wpe.weight[rows][self._sequence_slice(x.shape[1])].unsqueeze(1)
+                table = self.wpe.weight[:seq]
+                if cp > 1:  # the rows of this rank's tokens' global positions
+                    table = self.wpe.weight[group_positions(self.cp_group, x.shape[1], h.device)]
+                h = h + table[self._sequence_slice(x.shape[1])].unsqueeze(1)
             x = self.drop(self._residual_stream(h))
         else:
             x = self._residual_stream(x)

@@ -98,7 +98,6 @@ import numpy as np
 from megart.errors import ConfigError
 from megart.training.batch_rampup import check_values
 from megart.training.batch_rampup import train_iters as ramp_train_iters
-from megart.training.context_parallel_checks import check_context_parallel
 from megart.training.grad_sync import megatron_bucket_size
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -208,7 +207,6 @@ def check_megatron_flags(config: Any) -> None:
             f"--expert-model-parallel-size {config.expert_model_parallel_size}: megart has no "
             "expert parallelism yet; use 1 (the default)"
         )
-    check_context_parallel(config)
     distopt_store = config.ckpt_format == "torch_dist" and config.use_distributed_optimizer
     if distopt_store and config.save and config.schedule == "zb-v":
         # The distributed optimizer's torch_dist state follows Megatron's buffers of each
