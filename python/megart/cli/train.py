@@ -31,6 +31,8 @@ HELP = {
     "num_attention_heads": "attention heads (must divide the hidden size)",
     "seq_length": "tokens per sample",
     "vocab_size": "vocabulary size (256 for the built-in byte corpus; a tokenizer's otherwise)",
+    "make_vocab_size_divisible_by": "pad the vocabulary to a multiple of this times the "
+    "tensor-parallel size (Megatron's padding; padded entries never enter the loss)",
     "data_path": "PREFIX of a Megatron indexed dataset (PREFIX.bin/.idx), or a blend of several: "
     "W1 PREFIX1 W2 PREFIX2 ... (samples drawn with those weights) or PREFIX1 PREFIX2 ... "
     "(weighted by size); default: the built-in corpus (the Python standard library's sources "
@@ -55,6 +57,7 @@ HELP = {
     "adam_beta1": "AdamW beta1",
     "adam_beta2": "AdamW beta2",
     "adam_eps": "AdamW epsilon",
+    "optimizer": "adam only: Megatron's Adam with decoupled weight decay (AdamW), megart's",
     "clip_grad": "clip gradients to this global norm (0: no clipping)",
     "seed": "random seed: the same seed gives the same loss curve under every layout",
     "hidden_dropout": "dropout on hidden states",
@@ -141,6 +144,9 @@ HELP = {
     "log_memory_to_tensorboard": "also write the GPU memory scalars (Megatron-LM's "
     "mem-allocated-bytes, mem-max-allocated-bytes, mem-reserved-bytes, mem-allocated-count, and "
     "megart's mem-static-bytes) under --tensorboard-dir; nothing on CPU",
+    "tensorboard_log_interval": "iterations between TensorBoard scalars",
+    "log_validation_ppl_to_tensorboard": "accepted: megart writes the validation and test "
+    "perplexities (lm loss validation ppl, ...) always",
     "save": "directory to write checkpoints to (Megatron's layout)",
     "save_interval": "iterations between checkpoints (one is also written after the last; "
     "unset: only that one)",
@@ -157,6 +163,9 @@ HELP = {
     "no_load_rng": "do not load the random streams from --load (start them from --seed)",
     "finetune": "load only the model weights from --load and start at iteration 0 (fresh "
     "optimizer and random streams)",
+    "pretrained_checkpoint": "DIR: where --load holds no checkpoint yet (or is not given), "
+    "start from this checkpoint's weights at iteration 0, as --finetune (Megatron-LM's "
+    "fine-tuning start)",
     "exit_interval": "stop after every N-th iteration (saving first when --save is given)",
     "exit_duration_in_mins": "stop once the run has trained this many minutes (saving first)",
     "exit_signal_handler": "on SIGTERM finish the iteration, save (with --save) and stop",
@@ -176,6 +185,10 @@ HELP = {
     "the angles trained; any positive number (Megatron-LM takes integers)",
     "attention_backend": "auto, flash, fused (torch's sdpa picks the kernel), unfused or local "
     "(its math kernel)",
+    "use_flash_attn": "Megatron's older switch for its flash-attention kernel: --attention-backend "
+    "flash",
+    "transformer_impl": "accepted: megart's own layers compute Megatron-Core's GPT either way "
+    "(no Transformer Engine)",
     "tokenizer_type": "the tokenizer whose vocabulary the model has (GPT2BPETokenizer is implied "
     "by --vocab-file and --merge-file; NullTokenizer has --vocab-size + 1 ids)",
     "vocab_file": "GPT-2 vocabulary (gpt2-vocab.json) for GPT2BPETokenizer",

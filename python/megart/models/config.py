@@ -101,6 +101,9 @@ class GPTConfig:
     recompute_granularity: str | None = None
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    # Megatron's --make-vocab-size-divisible-by: the vocabulary is padded to a multiple of this
+    # times the tensor-parallel size (padded_vocab_size).
+    make_vocab_size_divisible_by: int = 128
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -110,6 +113,11 @@ class GPTConfig:
         ):
             if value not in allowed:
                 raise ConfigError(f"{name}={value!r}; use one of {', '.join(allowed)}")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ConfigError(
+                f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by}: give 1 or "
+                "more (Megatron-LM's default is 128)"
+            )
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} "
@@ -222,10 +230,11 @@ class GPTConfig:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
     def padded_vocab_size(self, tp: int) -> int:
-        """The vocabulary rounded up to a multiple of 128 t (Megatron's padding), so every
-        tensor-parallel rank holds an equal, aligned slice. Padded entries never win: their
-        logits are masked out of the loss, so losses do not depend on t."""
-        multiple = 128 * tp
+        """The vocabulary rounded up to a multiple of make_vocab_size_divisible_by x t
+        (Megatron's padding; 128 t by default), so every tensor-parallel rank holds an equal,
+        aligned slice. Padded entries never win: their logits are masked out of the loss, so
+        losses do not depend on t or the multiple."""
+        multiple = self.make_vocab_size_divisible_by * tp
         return math.ceil(self.vocab_size / multiple) * multiple
 
     def check_layout(

@@ -37,6 +37,8 @@ CHOICES = {
     "ckpt_format": CKPT_FORMATS,
     "empty_unused_memory_level": (0, 1, 2),
     "tiktoken_pattern": ("v1", "v2"),
+    "optimizer": ("adam",),
+    "transformer_impl": ("local", "transformer_engine"),
 }
 
 
@@ -49,6 +51,8 @@ class TrainConfig:
     num_attention_heads: int = 4
     seq_length: int = 128
     vocab_size: int = 256  # the built-in corpus is bytes
+    # Megatron's padding of the vocabulary: to a multiple of this times the tensor-parallel size.
+    make_vocab_size_divisible_by: int = 128
     # Megatron indexed datasets (PREFIX.bin/.idx): one PREFIX, or a blend "W1 P1 W2 P2 ..." (or
     # "P1 P2 ...", weighted by size); default: the built-in corpus.
     data_path: str | list[str] | None = None
@@ -71,6 +75,7 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    optimizer: str = "adam"  # Megatron's name for its AdamW (decoupled weight decay), megart's
     clip_grad: float = 1.0
     seed: int = 1234
     hidden_dropout: float = 0.0
@@ -151,6 +156,9 @@ class TrainConfig:
     # megart any positive number, as Hugging Face's rope type "linear").
     rotary_seq_len_interpolation_factor: float | None = None
     attention_backend: str = "auto"
+    use_flash_attn: bool = False  # Megatron's older switch: --attention-backend flash
+    # Megatron-Core's layer implementation; megart's own layers compute the same GPT either way.
+    transformer_impl: str = "transformer_engine"
     tokenizer_type: str | None = None
     vocab_file: str | None = None
     merge_file: str | None = None
@@ -207,6 +215,8 @@ class TrainConfig:
     log_jsonl: str | None = None
     tensorboard_dir: str | None = None  # TensorBoard scalars (needs the tensorboard package)
     log_memory_to_tensorboard: bool = False  # Megatron's mem-* scalars there too (CUDA only)
+    tensorboard_log_interval: int = 1  # iterations between TensorBoard's scalars (Megatron's)
+    log_validation_ppl_to_tensorboard: bool = False  # megart writes the perplexities always
     save: str | None = None  # directory to write checkpoints to
     save_interval: int | None = None  # iterations between checkpoints (and one at the end)
     # Megatron's: checkpoints without the optimizer state (and fp16 loss scale), or without
@@ -219,6 +229,9 @@ class TrainConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    # Megatron's: where --load holds no checkpoint yet (a restartable fine-tuning job's first
+    # run), this checkpoint's weights, from iteration 0, as --finetune.
+    pretrained_checkpoint: str | None = None
     # Megatron's: load --load's checkpoint of iteration N instead of its latest; and stop when
     # --load holds no checkpoint, instead of starting from scratch.
     ckpt_step: int | None = None
@@ -359,6 +372,7 @@ class TrainConfig:
             recompute_granularity=recompute,
             recompute_method=self.recompute_method,
             recompute_num_layers=self.recompute_num_layers,
+            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
         )
 
     def _bias_gelu_fusion(self) -> bool:

@@ -151,7 +151,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     given = [f for f in loading if getattr(cfg, f)] + (
         ["ckpt_step"] if cfg.ckpt_step is not None else []
     )
-    if given and not cfg.load:
+    if given and not (cfg.load or cfg.pretrained_checkpoint):
         flags = " and ".join("--" + f.replace("_", "-") for f in given)
         raise ConfigError(f"{flags} choose what --load DIR restores; give --load DIR")
     if cfg.ckpt_step is not None and cfg.ckpt_step < 0:

@@ -40,7 +40,7 @@ def megatron_args(
         max_position_embeddings=cfg.seq_length,
         vocab_size=cfg.vocab_size,
         padded_vocab_size=cfg.padded_vocab_size(tp),
-        make_vocab_size_divisible_by=128,
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         norm_epsilon=cfg.layernorm_epsilon,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
@@ -108,6 +108,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         bias=a.get("add_bias_linear", True),
         untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),
         num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else None,
+        make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by") or 128,
     )
 
 

@@ -85,6 +85,17 @@ What each does in megart:
   --profile, --profile-step-start, --profile-step-end, --use-pytorch-profiler, --profile-ranks,
   --pytorch-profiler-collect-shapes, --pytorch-profiler-collect-callstack: what Megatron-LM
   does around each iteration, done at the same points (megart.training.housekeeping).
+- --make-vocab-size-divisible-by N (default 128): the vocabulary padded to a multiple of N t,
+  Megatron's vocab_size_with_padding (GPTConfig.padded_vocab_size); padded rows stay zero and
+  out of the loss, so N changes no loss, and a checkpoint resumes under another N (resharded).
+- --pretrained-checkpoint DIR: where --load holds no checkpoint (a restartable fine-tuning job's
+  first run), DIR's weights from iteration 0, as --finetune (trainer_setup.pretrained_start).
+- --use-flash-attn: Megatron's older switch, --attention-backend flash. --transformer-impl
+  (local, transformer_engine): megart's own layers compute Megatron-Core's GPT either way.
+  --optimizer adam: Megatron's Adam is AdamW (decoupled weight decay), as megart's; others are
+  refused by argparse's choices.
+- --tensorboard-log-interval N: training scalars every N iterations, evaluations always, as
+  Megatron writes them; --log-validation-ppl-to-tensorboard: megart writes them always.
 - FUSIONS_OFF: Megatron's switches that turn a fused kernel off (each named below).
 - NOT_YET: Megatron flags megart has no capability for; the command line refuses each by name.
 """
@@ -104,6 +115,12 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 CKPT_FORMATS = ("megart", "torch", "torch_dist")
 MOCK_TOKENS = 1 << 20  # tokens of --mock-data's corpus
+_NO_LOSS_MASK = (
+    "megart trains on every token of each sample, under one causal mask, with positions "
+    "counted from the sample's start: it has no loss mask or per-document positions and "
+    "attention yet; leave it out (the end-of-document tokens then count in the loss, as in "
+    "Megatron-LM without the flag)"
+)
 _FP8 = (
     "megart has no FP8 training (Transformer Engine's): train with --bf16 and leave the fp8 "
     "flags out"
@@ -126,6 +143,47 @@ FUSIONS_OFF = {
 # Megatron-LM flags (of its GPT and Llama example scripts and their neighbours) that megart
 # cannot honour yet: refused by name, with what to do instead.
 NOT_YET = {
+    "--eod-mask-loss": _NO_LOSS_MASK,
+    "--reset-position-ids": _NO_LOSS_MASK,
+    "--reset-attention-mask": _NO_LOSS_MASK,
+    **{
+        f"--{split}-data-path": "megart splits one corpus (or blend): give --data-path with "
+        "--split (train,validation,test weights)"
+        for split in ("train", "valid", "test")
+    },
+    "--async-save": "megart's saves are synchronous (training waits for the files, so none is "
+    "lost); leave it out",
+    "--non-persistent-save-interval": "megart has no non-persistent checkpoints; use "
+    "--save-interval",
+    "--save-retain-interval": "megart keeps every checkpoint it saves; leave it out and delete "
+    "old iter_* directories yourself",
+    **{
+        f"--wandb-{name}": "megart logs to TensorBoard (--tensorboard-dir, Megatron's tags) "
+        "and to JSON lines (--log-jsonl), not to Weights & Biases; leave it out"
+        for name in ("project", "exp-name", "save-dir", "entity")
+    },
+    "--log-params-norm": "megart does not compute the weights' norm; leave it out",
+    "--log-num-zeros-in-grad": "megart does not count zero gradients; leave it out",
+    "--log-timers-to-tensorboard": "megart has no per-phase timers; leave it out (--profile "
+    "traces the iterations)",
+    "--timing-log-level": "megart has no per-phase timers; leave it out (--profile traces the "
+    "iterations)",
+    "--log-world-size-to-tensorboard": "megart does not write the world size; leave it out",
+    "--qk-layernorm": "megart's attention has no query/key norms; leave it out (a model "
+    "trained with them cannot be loaded)",
+    "--window-size": "megart's attention is causal over the whole sequence, with no sliding "
+    "window; leave it out",
+    "--init-method-xavier-uniform": "megart initialises from a normal of --init-method-std; "
+    "leave it out",
+    "--use-torch-fsdp2": "megart shards optimizer state with --use-distributed-optimizer "
+    "(ZeRO-1), not FSDP; use that",
+    "--tp-comm-overlap": "megart does not overlap tensor-parallel collectives with its "
+    "matrix products (Transformer Engine's userbuffers); leave it out",
+    "--num-distributed-optimizer-instances": "megart has one distributed-optimizer instance; "
+    "leave it out",
+    "--use-precision-aware-optimizer": "megart's Adam keeps fp32 moments and main weights; "
+    "leave it out",
+    "--optimizer-cpu-offload": "megart keeps the optimizer state on the GPU; leave it out",
     **{
         f"--fp8-{name}": _FP8
         for name in (
@@ -184,6 +242,18 @@ def tokenizer_vocab_size(config: Any) -> int | None:
 def resolve_megatron_flags(config: Any) -> None:
     """What the flags decide for the rest of the config: the tokenizer's vocabulary,
     --train-samples' iterations, and --loss-scale 0 meaning a dynamic scale."""
+    if config.use_flash_attn:  # Megatron's older switch for its flash-attention kernel
+        if config.attention_backend not in ("auto", "flash"):
+            raise ConfigError(
+                f"--use-flash-attn with --attention-backend {config.attention_backend}: give "
+                "one of them"
+            )
+        config.attention_backend = "flash"
+    if config.tensorboard_log_interval < 1:
+        raise ConfigError(
+            f"--tensorboard-log-interval {config.tensorboard_log_interval}: give 1 or more "
+            "(iterations between TensorBoard scalars)"
+        )
     if config.loss_scale == 0:
         # Megatron-LM builds its dynamic scaler unless the scale is truthy (`if
         # config.loss_scale:` in megatron/core/optimizer), so 0 asks for the dynamic scale.

@@ -185,13 +185,16 @@ class RunLog(contextlib.ExitStack):
 
     def record(self, fig: dict[str, Any]) -> None:
         """One iteration's figures: to the files, and its lines every --log-interval."""
+        c = self.config
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(fig) + "\n")
             self.jsonl.flush()
-        c = self.config
         if self.board is not None:
+            # Training figures every --tensorboard-log-interval iterations, evaluations always
+            # (as Megatron-LM writes them).
+            every = fig["iteration"] % c.tensorboard_log_interval == 0
             for tag, key in self.tags.items():
-                if fig.get(key) is not None:
+                if fig.get(key) is not None and (every or key.startswith(("valid_", "test_"))):
                     self.board.add_scalar(tag, fig[key], fig["iteration"])
         logged = fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1
         if logged:

@@ -85,11 +85,16 @@ def restore(
 def needed(state: dict[str, Any], config: Any, chunks: list[GPTChunk]) -> bool:
     """Whether file ``state`` (this rank's, or any when it has none) was saved under another
     layout than this run's: other parallel sizes, or other layers in this rank's chunks (as
-    another uneven-stage split gives)."""
+    another uneven-stage split gives, or another --make-vocab-size-divisible-by, which pads the
+    vocabulary to another size)."""
     saved = state["config"]
-    return any(saved[f] != getattr(config, f) for f in PARALLEL_FIELDS) or [
-        list(ids) for ids in state.get("layer_ids", [])
-    ] != [list(chunk.layer_ids) for chunk in chunks]
+    multiple = (state.get("model_config") or {}).get("make_vocab_size_divisible_by", 128)
+    return (
+        any(saved[f] != getattr(config, f) for f in PARALLEL_FIELDS)
+        or [list(ids) for ids in state.get("layer_ids", [])]
+        != [list(chunk.layer_ids) for chunk in chunks]
+        or multiple != chunks[0].cfg.make_vocab_size_divisible_by
+    )
 
 
 def describe(

@@ -8,6 +8,7 @@ what it builds, so ``Trainer.__init__`` shows every attribute it sets and where 
 
 from __future__ import annotations
 
+import copy
 import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -188,7 +189,12 @@ def resume_point(
 ) -> tuple[int, int]:
     """The iterations already done and the samples consumed (Megatron's
     consumed_train_samples): (0, 0) for a fresh run, else --load's checkpoint's, restored into
-    ``chunks``, ``optimizer``, ``rng`` and ``scaler`` so the run continues the same curve."""
+    ``chunks``, ``optimizer``, ``rng`` and ``scaler`` so the run continues the same curve.
+    Where --load holds none and --pretrained-checkpoint is given, that one's weights."""
+    start = pretrained_start(config)
+    if start is not None:
+        with full_precision(optimizer):
+            return checkpoint.load(start.load, start, grid, chunks, optimizer, rng, scaler)
     if config.load and checkpoint_dirs.no_checkpoint_yet(config.load):
         if config.exit_on_missing_checkpoint:
             raise ConfigError(
@@ -209,6 +215,29 @@ def resume_point(
         with full_precision(optimizer):
             return checkpoint.load(config.load, config, grid, chunks, optimizer, rng, scaler)
     return 0, 0
+
+
+def pretrained_start(config: TrainConfig) -> TrainConfig | None:
+    """Megatron-LM's fine-tuning start: where --pretrained-checkpoint is given and --load holds
+    no checkpoint (or is not given), the config that loads the pretrained one's weights, from
+    iteration 0, as --finetune; None otherwise (--load's own checkpoint wins, so a restarted
+    job resumes what it saved)."""
+    pretrained = config.pretrained_checkpoint
+    if pretrained is None or (config.load and not checkpoint_dirs.no_checkpoint_yet(config.load)):
+        return None
+    if checkpoint_dirs.no_checkpoint_yet(pretrained):
+        raise ConfigError(
+            f"--pretrained-checkpoint {pretrained} holds no checkpoint"
+            + (f" (nor does --load {config.load})" if config.load else "")
+            + ": point it at a directory that megart train --save, import-hf or Megatron-LM "
+            "wrote"
+        )
+    if dist.get_rank() == 0:
+        held = f"--load {config.load} holds no checkpoint yet" if config.load else "no --load"
+        print(f"megart train: {held}: fine-tuning from --pretrained-checkpoint {pretrained}")
+    start = copy.copy(config)  # not dataclasses.replace: the flags are resolved already
+    start.load, start.finetune = pretrained, True
+    return start
 
 
 def _launched_world_size() -> int:
