@@ -258,7 +258,8 @@ def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -
             differ.append(
                 f"a vocabulary padded to {saved['padded_vocab_size']} rows for "
                 f"tensor-parallel {t} (--vocab-size {config.vocab_size} pads to "
-                f"{cfg.padded_vocab_size(t)})"
+                f"{cfg.padded_vocab_size(t)} with --make-vocab-size-divisible-by "
+                f"{cfg.make_vocab_size_divisible_by})"
             )
     # The architecture flags that shape the weights or what they mean, beyond MODEL_FIELDS;
     # the rest (dropout, seed, --init-method-std, fused kernels, recomputation) may change.
