@@ -22,7 +22,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # megatron.core there has each rank start with it already imported. Nothing in megart imports
 # megatron (the pytest process itself imports it while collecting), the import starts no
 # threads, and a missing megatron-core is skipped by the fork server (it ignores ImportError).
-megart.launcher._PRELOAD = [*megart.launcher._PRELOAD, "megatron.core"]
+# tests.rank_preload (imported from the directory pytest runs in, as the server's sys.path has
+# it; from elsewhere it is skipped as missing) reads the built-in corpus there once, where each
+# rank that trained read it again.
+megart.launcher._PRELOAD = [*megart.launcher._PRELOAD, "megatron.core", "tests.rank_preload"]
 
 
 # On a machine with a GPU, a launched rank of a CPU test would pick the nccl backend and its
