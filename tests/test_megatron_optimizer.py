@@ -38,17 +38,23 @@ def _train(kw):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Per case: megart's uninterrupted 5 iterations; its checkpoints after iterations 1 and
-    2 in Megatron's format; Megatron-Core's iterations 2 and 3 from the first; megart resumed
-    from the checkpoint Megatron-Core's side wrote after iteration 3."""
+    """Per case: megart's uninterrupted 5 iterations, saving each in Megatron's format (of
+    which Megatron-Core's side reads those after iterations 1 and 2); Megatron-Core's
+    iterations 2 and 3 from the first; megart resumed from the checkpoint Megatron-Core's side
+    wrote after iteration 3.
+
+    One launch gives the curve and the files, where a run without --save gave the curve and
+    another, stopped after iteration 2, the files: that a --ckpt-format torch save leaves the
+    run it is taken from as it was is what tests/test_megatron_train_ckpt.py's resumed curves
+    check (against runs that save nothing), and a save that changed the live weights would put
+    Megatron-Core's iterations 2 and 3, taken from the files, off this curve."""
     out = {}
     for name, tp in CASES:
         tmp = tmp_path_factory.mktemp(f"{name}-tp{tp}")
         kw = {**CONFIGS[name], "train_iters": 5, "tensor_model_parallel_size": tp}
-        straight = launch(_train, tp, kw, timeout=300)[0]
         ours, theirs = str(tmp / "megart"), str(tmp / "megatron")
-        launch(_train, tp, {**kw, "save": ours, "save_interval": 1, "exit_interval": 2,
-                            "ckpt_format": "torch"}, timeout=300)  # fmt: skip
+        straight = launch(_train, tp, {**kw, "save": ours, "save_interval": 1,
+                                       "ckpt_format": "torch"}, timeout=300)[0]  # fmt: skip
         megatron = launch(mow.resume_and_write, tp, kw, ours, theirs, timeout=300)
         resumed = launch(_train, tp, {**kw, "load": theirs}, timeout=300)[0]
         out[name, tp] = dict(kw=kw, straight=straight, megatron=megatron, resumed=resumed,
