@@ -4,6 +4,7 @@ on the uninterrupted loss curve; Megatron-Core's own model and optimizer load it
 megart's weights and Adam moments exactly; a damaged or incomplete store is a ConfigError."""
 
 import pickle
+import re
 import shutil
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 import train_workers as tw
 from megart.errors import ConfigError
-from megart.launcher import LaunchError, launch
+from megart.launcher import launch
 from megart.models.config import fit_vocab
 from megart.models.megatron_names import to_megatron
 from megart.training import dist_store
@@ -223,21 +224,45 @@ def _damage_common(root):
     (root / "common.pt").write_bytes(b"not a checkpoint")
 
 
-@pytest.mark.parametrize(
-    "damage, match",
-    [
-        (_damage_data, "cannot be read as a torch_dist checkpoint"),
-        (_damage_chunk, "does not hold .* exactly once"),
-        (_damage_common, "common.pt cannot be read"),
-    ],
-    ids=["data-file-missing", "chunk-missing", "common-unreadable"],
-)
-def test_a_damaged_store_is_a_config_error(saved, tmp_path, damage, match):
-    store = tmp_path / "ckpt"
-    shutil.copytree(saved["tp2-to-pp2"][1], store)
-    damage(iteration_dir(store, 2))
-    with pytest.raises(LaunchError, match="ConfigError: .*" + match):
-        tw.holding(1, dict(train_iters=4, load=str(store)))
+DAMAGES = {
+    "data-file-missing": (_damage_data, "cannot be read as a torch_dist checkpoint"),
+    "chunk-missing": (_damage_chunk, "does not hold .* exactly once"),
+    "common-unreadable": (_damage_common, "common.pt cannot be read"),
+}
+
+
+def _load_each(stores: list[str]) -> list[str | None]:
+    """train_holding's load of each store in turn, in this one rank: what each raised, as a
+    launch's traceback ends (``Type: message``), or None where it loaded."""
+    out = []
+    for store in stores:
+        try:
+            tw.train_holding(dict(train_iters=4, load=store))
+        except Exception as e:  # the test reads which, and what it says
+            out.append(f"{type(e).__name__}: {e}")
+        else:
+            out.append(None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def damaged(saved, tmp_path_factory):
+    """Per damage: what loading the tp2 store so damaged raised. One launch loads the three
+    copies (each damage was a launch of its own)."""
+    stores = []
+    for name, (damage, _) in DAMAGES.items():
+        store = tmp_path_factory.mktemp(name) / "ckpt"
+        shutil.copytree(saved["tp2-to-pp2"][1], store)
+        damage(iteration_dir(store, 2))
+        stores.append(str(store))
+    (raised,) = launch(_load_each, 1, stores, timeout=300)
+    return dict(zip(DAMAGES, raised, strict=True))
+
+
+@pytest.mark.parametrize("name", list(DAMAGES))
+def test_a_damaged_store_is_a_config_error(damaged, name):
+    assert damaged[name] is not None, f"{name}: the damaged store loaded"
+    assert re.search("ConfigError: .*" + DAMAGES[name][1], damaged[name]), damaged[name]
 
 
 def _write_blocks(root, full, blocks):
