@@ -178,6 +178,7 @@ def test_switches_that_hold_already_are_taken():
         (["--qk-layernorm"], "no query/key norms"),
         (["--use-torch-fsdp2"], "use that"),
         (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
+        (["--cp-comm-type", "p2p", "--context-parallel-size", "2"], "all-gathers keys and"),
     ],
 )
 def test_flags_megart_cannot_honour_are_refused_by_name(argv, says, capsys):

@@ -233,6 +233,8 @@ HELP = {
     "(Megatron's load-balanced 2 cp chunks; --seq-length divisible by 2 cp), keys and values "
     "all-gathered over them (no ring); ranks tp x cp x dp x pp, cp between tp and dp. Not with "
     "--sequence-parallel, zb-h1/zb-v or --ckpt-format torch_dist",
+    "cp_comm_type": "how keys and values travel between context-parallel ranks: all_gather "
+    "(megart's; Megatron's default p2p ring and the all-to-all kinds are refused)",
     "expert_model_parallel_size": "expert parallelism (megart: only 1)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
     "GPTModel: megart's model and checkpoint names are that model's)",

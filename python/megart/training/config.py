@@ -39,6 +39,7 @@ CHOICES = {
     "tiktoken_pattern": ("v1", "v2"),
     "optimizer": ("adam",),
     "transformer_impl": ("local", "transformer_engine"),
+    "cp_comm_type": ("p2p", "all_gather", "a2a", "a2a+p2p"),  # Megatron's; all_gather only here
 }
 
 
@@ -187,6 +188,9 @@ class TrainConfig:
     ckpt_format: str = "megart"
     calculate_per_token_loss: bool = False
     context_parallel_size: int = 1
+    # How K and V travel between context-parallel ranks: megart all-gathers them (Megatron's
+    # "all_gather"); Megatron's default ring ("p2p") and the all-to-all kinds are refused.
+    cp_comm_type: str = "all_gather"
     expert_model_parallel_size: int = 1
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
     rotary_percent: float = 1.0  # the part of each head rope turns (GPTConfig.rotary_percent)

@@ -21,6 +21,14 @@ def check_context_parallel(config: Any) -> None:
     cp = config.context_parallel_size
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ConfigError(f"{FLAG} {cp!r} must be a positive integer (1, the default: none)")
+    if config.cp_comm_type != "all_gather":
+        # Megatron's default is the ring (p2p): the same attention, but its K/V exchange
+        # overlaps the attention kernels and holds one peer's K/V at a time.
+        raise ConfigError(
+            f"--cp-comm-type {config.cp_comm_type}: megart's context parallelism all-gathers "
+            "keys and values (Megatron's all_gather), with no ring or all-to-all exchange; give "
+            "--cp-comm-type all_gather or leave it out (the attention is the same)"
+        )
     if cp == 1:
         return
     check_divisible(config.seq_length, cp)
