@@ -21,6 +21,7 @@ from megart.training.config import CHOICES, TrainConfig
 from megart.training.config_checks import _check_uneven as check_uneven
 from megart.training.config_checks import _check_virtual_flags as check_virtual_flags
 from megart.training.config_checks import check_schedule_flags, check_virtual_stages
+from megart.training.context_parallel_checks import check_context_parallel
 
 MODEL_FLAGS = (
     "num_layers",
@@ -59,6 +60,9 @@ LAYOUT_FLAGS = (
 # megart train's uneven pipeline stages: given, each rank's layers set its stage's costs and
 # memory (never searched; they need --pipeline-model-parallel-size).
 UNEVEN_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+# megart train's context parallelism: given, each sequence split over that many ranks
+# (world = t x cp x d x p); never searched.
+CP_FLAG = "context_parallel_size"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
             kind = int if str(f.type).startswith("int") else str
             choices = CHOICES.get(name) or (("full", "selective") if "recompute" in name else None)
             p.add_argument(flag, dest=name, type=kind, default=None, choices=choices, help=text)
-    for name in UNEVEN_FLAGS:
+    for name in (*UNEVEN_FLAGS, CP_FLAG):
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=HELP[name])
     p.add_argument(
         "--runtime",
@@ -128,6 +132,17 @@ def _run(args: argparse.Namespace) -> int:
     chunks = None
     per = args.num_layers_per_virtual_pipeline_stage
     check_schedule_flags(args.pipeline_schedule, per)  # megart train's refusals
+    cp = 1 if args.context_parallel_size is None else args.context_parallel_size
+    # megart train's refusals of context parallelism, in its words: a size below 1, a
+    # sequence that does not split into 2 cp chunks, --sequence-parallel, zb-h1/zb-v.
+    check_context_parallel(
+        dataclasses.replace(
+            base,
+            context_parallel_size=cp,
+            sequence_parallel=bool(args.sequence_parallel),
+            pipeline_schedule=args.pipeline_schedule,
+        )
+    )
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     virtual = args.num_virtual_stages_per_pipeline_rank
     if uneven(first, last) or virtual is not None:
@@ -169,6 +184,7 @@ def _run(args: argparse.Namespace) -> int:
         schedule=args.pipeline_schedule,
         first=first,
         last=last,
+        cp=cp,
     )
     try:
         found = search(base, world, gpu, fixed, keep=max(1, args.top), runtime=args.runtime)

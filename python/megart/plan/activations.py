@@ -25,6 +25,19 @@ own saves (the log-sum-exp, or the s x s matrices); full recomputation keeps onl
 input (and one layer's set while it is recomputed).
 Korthikanti et al.'s 34 s b h (with a 5 a s/h attention term) counts Megatron's tensors, which
 differ slightly (dropout masks; Megatron re-gathers sequence-parallel inputs in backward).
+
+Context parallelism (cp ranks, megart.models.context_parallel) gives each rank s/cp tokens of
+every sequence: every term above counts those. Attention then all-gathers keys and values
+after the q/k/v projection and masks the scores by global positions, so each layer also keeps
+    the gathered keys and values           2 h/t per token of the whole sequence (with grouped
+                                           queries the keys and values repeated per head, which
+                                           replace the local ones counted above; with selective
+                                           recomputation the gathered 2 kv/t, the checkpoint's
+                                           inputs)
+    the mask                               (s/cp) x s, once per layer and microbatch (broadcast
+                                           over b and heads): sdpa's additive mask in q's dtype,
+                                           or with selective recomputation the boolean one
+and the first stage the int64 global positions of learned position embeddings (s/cp).
 """
 
 from __future__ import annotations
@@ -64,10 +77,12 @@ def layer_bytes(
     recompute: str | None,
     prec: Precision,
     unfused_attention: bool = False,
+    cp: int = 1,
 ) -> float:
-    """Bytes one layer keeps for one microbatch until its backward."""
+    """Bytes one layer keeps for one microbatch until its backward (``cp``: context-parallel
+    ranks, each holding s/cp tokens of every sequence)."""
     s, h, t, f = cfg.seq_length, cfg.hidden_size, tp, cfg.ffn_size
-    tokens = s * b
+    tokens = s // cp * b
     seq_share = 1 / t if sp else 1.0
     if recompute == "full":
         return tokens * h * seq_share * prec.residual
@@ -79,30 +94,57 @@ def layer_bytes(
     # output when a rank holds one group and a copy otherwise.
     qkv = 3 * h / t
     groups = cfg.query_groups // t
-    if groups * t != cfg.num_attention_heads:
+    grouped = groups * t != cfg.num_attention_heads
+    if grouped:
         fused = (h + 2 * cfg.query_groups * cfg.head_dim) / t
         qkv = 2 * h / t + (fused if groups == 1 else h / t)
+        if cp > 1:  # the repeated keys and values span the whole sequence: counted below
+            qkv -= 2 * h / t
     mlp = (4 if cfg.activation == "swiglu" else 2) * f / t
     other = (qkv + h / t + mlp) * prec.other
     norms = 2 * seq_share * norm_statistics(cfg)
     core = 0.0
-    if recompute != "selective":
+    if recompute != "selective":  # unfused: the scores of each query against all s keys
         core = heads * 4 if not unfused_attention else 5 * heads * s * prec.other / 2
-    return tokens * (residual + norm_out + other + norms + core)
+    local = tokens * (residual + norm_out + other + norms + core)
+    return local + (gathered_kv_bytes(cfg, b, tp, recompute, prec, cp) if cp > 1 else 0.0)
 
 
-def first_stage_bytes(cfg: GPTConfig, b: int, tp: int) -> float:
+def gathered_kv_bytes(
+    cfg: GPTConfig, b: int, tp: int, recompute: str | None, prec: Precision, cp: int
+) -> float:
+    """What context parallelism's attention adds to a layer's saves for one microbatch: the
+    keys and values all-gathered over the whole sequence (repeated per query head with grouped
+    queries; as gathered, 2 kv/t, when selective recomputation's checkpoint keeps them) and the
+    (s/cp) x s mask of global positions (sdpa's additive copy in q's dtype; the boolean one
+    under selective recomputation)."""
+    s, t = cfg.seq_length, tp
+    if recompute == "selective":
+        kv = 2 * cfg.query_groups * cfg.head_dim / t
+        mask = 1
+    else:
+        kv = 2 * cfg.hidden_size / t
+        mask = prec.other
+    return s * b * kv * prec.other + s // cp * s * mask
+
+
+def first_stage_bytes(cfg: GPTConfig, b: int, tp: int, cp: int = 1) -> float:
     """The embedding's saves: token ids (int64) and, with t > 1, the mask of ids held
-    elsewhere (one byte)."""
-    return cfg.seq_length * b * (8 + 1)
+    elsewhere (one byte); with context parallelism and learned positions, the int64 global
+    positions that index the position table."""
+    local = cfg.seq_length // cp
+    rows = local * 8 if cp > 1 and cfg.position_embedding == "learned" else 0
+    return local * b * (8 + 1) + rows
 
 
-def last_stage_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -> float:
+def last_stage_bytes(
+    cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision, cp: int = 1
+) -> float:
     """The final norm, output layer and vocab-parallel cross-entropy: norm input and output,
     the fp32 softmax over this rank's vocabulary slice, targets and masks (the padding mask of
-    the last tensor-parallel rank, the one holding padded entries)."""
+    the last tensor-parallel rank, the one holding padded entries); this rank's s/cp tokens."""
     s, h = cfg.seq_length, cfg.hidden_size
-    tokens = s * b
+    tokens = s // cp * b
     vocab = cfg.padded_vocab_size(tp) // tp
     seq_share = 1 / tp if sp else 1.0
     norm = tokens * (seq_share * (h * prec.residual + norm_statistics(cfg)) + h * prec.other)
@@ -110,9 +152,10 @@ def last_stage_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision)
     return norm + tokens * (vocab * 4 + 8 + 2) + padding_mask
 
 
-def output_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -> float:
+def output_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision, cp: int = 1) -> float:
     """A chunk's output, which megart's pipeline engine holds until that chunk's backward."""
-    return cfg.seq_length * b * cfg.hidden_size * (1 / tp if sp else 1.0) * prec.residual
+    tokens = cfg.seq_length // cp * b
+    return tokens * cfg.hidden_size * (1 / tp if sp else 1.0) * prec.residual
 
 
 def megatron_layer_bytes(

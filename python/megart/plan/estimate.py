@@ -88,22 +88,27 @@ def estimate(
     layouts on fewer with ConfigError."""
     _check_runtime(layout, runtime, dp_overlap, interleaved_min_pp)
     c = layout_config(base, layout)
-    world = layout.tp * layout.pp * layout.dp
-    dp = c.check(world)
+    world = layout.world
+    dp = c.check(world)  # megart train's checks, context parallelism's refusals included
     cfg = c.gpt_config()
     m = c.microbatches(dp)
     t, p, v, b, sp = layout.sizes()
+    cp = layout.cp
     rec = cfg.recompute_granularity
     prec = precision(c, runtime)
 
     # Per-microbatch costs of the slowest stage (the last: it adds the output layer).
     # A tensor-parallel group that does not divide a node spans nodes: its collectives cross
-    # the rails.
+    # the rails. Context-parallel ranks sit t apart (ranks tp-cp-dp-pp), as data-parallel ones
+    # do without them: inside a node while t x cp GPUs fit in one, else over the rails.
     tp_gpu = gpu
     if gpu.gpus_per_node % t:
         tp_gpu = dataclasses.replace(gpu, nvlink_bus_gb_per_s=gpu.rail_gb_per_s)
-    per_layer = layer_work(cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap)
-    logits = logits_work(cfg, b, t, gpu)
+    cp_bus = data_parallel_bus_gb_per_s(gpu, t, cp)
+    per_layer = layer_work(
+        cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap, cp=cp, cp_bus_gb_per_s=cp_bus
+    )
+    logits = logits_work(cfg, b, t, gpu, cp)
     stage = per_layer * (cfg.num_layers / p) + logits
     # Uneven stages: each rank's own layers (the output layer on the last), simulated with
     # unequal stage costs; a split that is even after all is the even layout.
@@ -120,10 +125,11 @@ def estimate(
     worst_rank_params = worst["gradients"]
     worst["allowance"] = gpu.memory_gib * GIB - gpu.usable_bytes
 
+    # Gradients are averaged, and the distributed optimizer sharded, over the d x cp ranks.
     dp_exposed, gather, tied = _data_parallel_seconds(
         cfg,
         layout,
-        dp,
+        dp * cp,
         gpu,
         float(worst_rank_params),
         run.stage.backward,
@@ -132,14 +138,16 @@ def estimate(
         grad_reduce_bytes,
     )
     dist = layout.distributed_optimizer
-    stepped = float(worst_rank_params) / FP32 / (dp if dist else 1)
+    stepped = float(worst_rank_params) / FP32 / (dp * cp if dist else 1)
     optimizer = stepped * ADAM_BYTES / (gpu.hbm_gb_per_s * 1e9)
     bubble, compute_only = run.bubble, run.compute_only
     pipeline_comm = run.makespan - compute_only * (1 + bubble) if p > 1 else 0.0
     tp_comm = m * run.stage.tp_comm
+    cp_comm = m * run.stage.cp_comm
     time = {
-        "compute": compute_only - tp_comm,
+        "compute": compute_only - tp_comm - cp_comm,
         "tp_comm": tp_comm,
+        "cp_comm": cp_comm,
         "bubble": compute_only * bubble,
         "pp_comm": max(0.0, pipeline_comm),
         "dp_comm": dp_exposed + gather + tied,
@@ -180,6 +188,12 @@ def _check_runtime(
     follow in layout_config's TrainConfig)."""
     if runtime not in RUNTIMES:
         raise ConfigError(f"runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
+    if runtime == "megatron" and layout.cp > 1:
+        raise ConfigError(
+            f"--context-parallel-size {layout.cp} with --runtime megatron: the planner models "
+            "megart's context parallelism (keys and values all-gathered), not Megatron-Core's "
+            "ring exchange; leave out --runtime megatron"
+        )
     if dp_overlap not in (True, False, SINGLE_STAGE):
         raise ConfigError(f"dp_overlap {dp_overlap!r}; use True, False or {SINGLE_STAGE!r}")
     if layout.kind == "interleaved" and layout.pp < interleaved_min_pp:
@@ -235,11 +249,13 @@ def _pipeline_run(
     simulated (the bubble has no closed form for unequal stages)."""
     stages = list(stages or [])
     t, p, v, b, sp = layout.sizes()
-    # Pipeline messages: the residual stream, 1/t of it with scatter/gather or
-    # sequence parallelism; over a rail when consecutive stages sit on different nodes.
+    # Pipeline messages: the residual stream of this rank's s/cp tokens, 1/t of it with
+    # scatter/gather or sequence parallelism; over a rail when consecutive stages sit on
+    # different nodes (t x cp x d ranks apart).
     scatter = sp or c.scatter_gather_tensors_in_pipeline
-    message = cfg.seq_length * b * cfg.hidden_size * residual_bytes / (t if scatter else 1)
-    cross_node = t * dp >= gpu.gpus_per_node
+    tokens = cfg.seq_length // layout.cp * b
+    message = tokens * cfg.hidden_size * residual_bytes / (t if scatter else 1)
+    cross_node = t * layout.cp * dp >= gpu.gpus_per_node
     link_bw = (gpu.rail_gb_per_s if cross_node else gpu.nvlink_bus_gb_per_s) * 1e9
     latency = gpu.link_latency_us * 1e-6
     if scatter and t > 1 and not sp:  # the receiver's all-gather over NVLink
@@ -327,8 +343,10 @@ def _worst_rank_memory(
 
 
 def data_parallel_bus_gb_per_s(gpu: GPUProfile, tp: int, dp: int) -> float:
-    """busbw of a data-parallel group's collectives. Ranks are numbered tensor-parallel first,
-    so the group's members sit tp apart and a node holds k = gpus_per_node / tp of them. Inside
+    """busbw of a data-parallel group's collectives (``dp`` ranks: with context parallelism the
+    d x cp ranks that average gradients, or the cp ranks that gather keys and values). Ranks
+    are numbered tensor-parallel first (then cp, then dp), so the group's members sit tp apart
+    and a node holds k = gpus_per_node / tp of them. Inside
     one node: NVLink. Across nodes, NCCL runs one channel per NIC nearest the group's GPUs, each
     channel entering and leaving a node once (its graph search, src/graph/search.cc;
     NVIDIA/nccl#687), so the group's k GPUs drive k rails at once; the node's other groups use

@@ -26,6 +26,8 @@ class Layout:
     # Uneven stages: megart train's --decoder-first/last-pipeline-num-layers (None: even).
     first: int | None = None
     last: int | None = None
+    # --context-parallel-size: each sequence split over cp ranks (given, never searched).
+    cp: int = 1
 
     @property
     def uneven(self) -> bool:
@@ -44,6 +46,16 @@ class Layout:
         """(t, p, v, b, sequence parallel)."""
         return self.tp, self.pp, self.chunks, self.micro_batch, self.sequence_parallel
 
+    @property
+    def world(self) -> int:
+        """GPUs of the layout: t x cp x d x p."""
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that average each gradient (and shard the distributed optimizer): d x cp."""
+        return self.dp * self.cp
+
     def flags(self, num_layers: int) -> str:
         """The megart train flags of this layout, for a model of ``num_layers``."""
         out = [
@@ -51,6 +63,8 @@ class Layout:
             f"--pipeline-model-parallel-size {self.pp}",
             f"--micro-batch-size {self.micro_batch}",
         ]
+        if self.cp > 1:
+            out.insert(1, f"--context-parallel-size {self.cp}")
         if self.kind == "interleaved" and self.uneven:  # the spelling uneven stages take
             out.append(f"--num-virtual-stages-per-pipeline-rank {self.chunks}")
         elif self.kind == "interleaved":
@@ -76,7 +90,8 @@ class Layout:
         extra += ["sp"] if self.sequence_parallel else []
         extra += [f"rc={self.recompute}"] if self.recompute else []
         extra += ["distopt"] if self.distributed_optimizer else []
-        return f"t{self.tp} p{self.pp} d{self.dp} b{self.micro_batch}" + "".join(
+        cp = f" c{self.cp}" if self.cp > 1 else ""
+        return f"t{self.tp}{cp} p{self.pp} d{self.dp} b{self.micro_batch}" + "".join(
             " " + e for e in extra
         )
 
@@ -102,4 +117,5 @@ def layout_config(base: TrainConfig, layout: Layout) -> TrainConfig:
         recompute_granularity=layout.recompute,
         recompute_activations=False,
         use_distributed_optimizer=layout.distributed_optimizer,
+        context_parallel_size=layout.cp,
     )

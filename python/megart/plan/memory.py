@@ -40,7 +40,12 @@ def rank_memory(
     saved-tensor hooks see) plus the chunk outputs megart's pipeline engine keeps ("outputs"),
     with full recomputation one layer's whole set while it is recomputed
     ("recompute_working"), and with zero-bubble schedules what pairs between I and W keep for
-    their weight gradients ("weight_grads")."""
+    their weight gradients ("weight_grads").
+
+    With context parallelism (``layout.cp``) the activations are those of the rank's s/cp
+    tokens plus what its attention gathers, and gradients and the distributed optimizer are
+    shared by the ``dp`` x cp ranks that average them: ``dp_rank`` is then the rank's index
+    in that group (Megatron's data-parallel group with context parallelism, cp innermost)."""
     if isinstance(held, int):
         held = Held(held)
     cfg = c.gpt_config()
@@ -48,22 +53,23 @@ def rank_memory(
     t, p, v, b, sp = layout.sizes()
     rec = cfg.recompute_granularity
     prec = precision(c, runtime)
+    cp = layout.cp
     per_chunk_layers = layout.layer_counts(cfg.num_layers)[pp_rank] // v  # uneven: its own
     if megatron:
         layer_bytes = act.megatron_layer_bytes(cfg, b, t, sp, rec, unfused_attention)
         full = act.megatron_layer_bytes(cfg, b, t, sp, None, unfused_attention)
     else:
-        layer_bytes = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention)
-        full = act.layer_bytes(cfg, b, t, sp, None, prec, unfused_attention)
+        layer_bytes = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention, cp)
+        full = act.layer_bytes(cfg, b, t, sp, None, prec, unfused_attention, cp)
     n = held.activations
     saved = n * per_chunk_layers * layer_bytes
     if pp_rank == 0:
-        saved += n * act.first_stage_bytes(cfg, b, t)
+        saved += n * act.first_stage_bytes(cfg, b, t, cp)
     if pp_rank == (0 if layout.kind == "zb-v" else p - 1):  # zb-v's last stage is on rank 0
-        saved += act.last_stage_bytes(cfg, b, t, sp, prec)
+        saved += act.last_stage_bytes(cfg, b, t, sp, prec, cp)
     outputs = 0.0
     if (pp_rank < p - 1 or v > 1) and not megatron:
-        outputs = n * act.output_bytes(cfg, b, t, sp, prec)
+        outputs = n * act.output_bytes(cfg, b, t, sp, prec, cp)
     working = full if rec == "full" else 0.0
     grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec)
     grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec)
@@ -72,8 +78,8 @@ def rank_memory(
     # weights under autocast need a 16-bit copy of each.
     half = sixteen_bit_weights(c, runtime) and not megatron
     state = state_bytes(
-        cfg, t, p, pp_rank, v, dp, layout.distributed_optimizer, dp_rank, layout.kind == "zb-v",
-        half, layout.first, layout.last,
+        cfg, t, p, pp_rank, v, dp * cp, layout.distributed_optimizer, dp_rank,
+        layout.kind == "zb-v", half, layout.first, layout.last,
     )  # fmt: skip
     params = state.parameters // FP32
     autocast = params * prec.other if prec.other < 4 and not (half or megatron) else 0

@@ -40,6 +40,7 @@ class Fixed:
     schedule: str | None = None  # --pipeline-schedule (None: search it)
     first: int | None = None  # --decoder-first-pipeline-num-layers (uneven stages; not searched)
     last: int | None = None  # --decoder-last-pipeline-num-layers
+    cp: int = 1  # --context-parallel-size (given, never searched)
 
 
 def _schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list[tuple]:
@@ -55,6 +56,7 @@ def _schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list
     inter = [(v, None) for v in range(2, MAX_CHUNKS + 1) if uneven or num_layers % (p * v) == 0]
     even_zb_v = num_layers % (2 * p) == 0 and (not uneven or fixed.schedule == "zb-v")
     zb = [(1, "zb-h1")] + ([(2, "zb-v")] if even_zb_v else [])
+    zero_bubble = zero_bubble and fixed.cp == 1  # megart train refuses them with cp > 1
     by_name = {"1f1b": [(1, None)], "interleaved": inter, "zb-h1": zb[:1], "zb-v": zb[1:]}
     if fixed.schedule is not None:
         return by_name[fixed.schedule]
@@ -70,18 +72,20 @@ def candidates(
     heads = base.num_query_groups if base.group_query_attention else base.num_attention_heads
     # Searched tensor-parallel groups stay inside a node (t divides the node's GPUs).
     tps = [fixed.tp] if fixed.tp else [t for t in divisors(world) if gpu.gpus_per_node % t == 0]
+    cp = fixed.cp  # context parallelism: given, d = world / (t cp p)
     out = []
     for t in tps:
         if fixed.tp is None and heads % t:
             continue
-        pps = [fixed.pp] if fixed.pp else divisors(world // t) if world % t == 0 else []
+        tc = t * cp
+        pps = [fixed.pp] if fixed.pp else divisors(world // tc) if world % tc == 0 else []
         for p in pps:
-            if world % (t * p):
+            if world % (tc * p):
                 continue
             if fixed.pp is None and base.num_layers % p:
                 continue
-            d = world // (t * p)
-            if megart and _grid_refuses(world, t, p, gpu.gpus_per_node):
+            d = world // (tc * p)
+            if megart and _grid_refuses(world, t, p, gpu.gpus_per_node, cp):
                 continue
             kinds = _schedules(fixed, p, base.num_layers, megart)
             bs = (
@@ -92,13 +96,13 @@ def candidates(
             sps = (
                 [fixed.sequence_parallel]
                 if fixed.sequence_parallel is not None
-                else ([False, True] if t > 1 else [False])
+                else ([False, True] if t > 1 and cp == 1 else [False])
             )
             recs = RECOMPUTE if fixed.recompute is False else (fixed.recompute,)
             dos = (
                 [fixed.distributed_optimizer]
                 if fixed.distributed_optimizer is not None
-                else ([False, True] if d > 1 else [False])
+                else ([False, True] if d * cp > 1 else [False])
             )
             for (v, kind), b, sp, rec, do in itertools.product(kinds, bs, sps, recs, dos):
                 m = base.global_batch_size // (b * d) if b * d else 0
@@ -106,15 +110,16 @@ def candidates(
                     continue
                 if kind == "zb-v" and m < 2 * p:
                     continue
-                out.append(Layout(t, p, d, v, b, sp, rec, do, kind, fixed.first, fixed.last))
+                out.append(Layout(t, p, d, v, b, sp, rec, do, kind, fixed.first, fixed.last, cp))
     return out
 
 
-def _grid_refuses(world: int, t: int, p: int, gpus_per_node: int) -> bool:
-    """Whether megart's rank grid refuses (t, p) on nodes of ``gpus_per_node`` GPUs: a pipeline
-    hop between nodes that changes rail (GridLayout's rule; Megatron-LM has no such rule)."""
+def _grid_refuses(world: int, t: int, p: int, gpus_per_node: int, cp: int = 1) -> bool:
+    """Whether megart's rank grid refuses (t, p, cp) on nodes of ``gpus_per_node`` GPUs: a
+    pipeline hop between nodes that changes rail (GridLayout's rule; Megatron-LM has no such
+    rule)."""
     try:
-        make_layout(world, t, p, gpus_per_node=gpus_per_node)
+        make_layout(world, t, p, gpus_per_node=gpus_per_node, cp=cp)
     except ConfigError:
         return True
     return False
@@ -180,7 +185,7 @@ def _explain(base: TrainConfig, world: int, fixed: Fixed, gpus_per_node: int | N
     plain = Layout(
         tp,
         pp,
-        max(1, world // (tp * pp)),
+        max(1, world // (tp * pp * fixed.cp)),
         chunks,
         fixed.micro_batch or 1,
         bool(fixed.sequence_parallel),
@@ -189,11 +194,12 @@ def _explain(base: TrainConfig, world: int, fixed: Fixed, gpus_per_node: int | N
         kind,
         fixed.first,
         fixed.last,
+        fixed.cp,
     )
     layout_config(base, plain).check(world)
     groups = base.num_query_groups if base.group_query_attention else None
     check_model_fits(
-        make_layout(world, tp, pp, gpus_per_node=gpus_per_node),
+        make_layout(world, tp, pp, gpus_per_node=gpus_per_node, cp=fixed.cp),
         base.num_layers,
         base.num_attention_heads,
         base.vocab_size,

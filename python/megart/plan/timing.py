@@ -14,6 +14,16 @@ Per microbatch and layer on one GPU (t tensor-parallel ranks):
 - tensor-parallel collectives over NVLink: 2 all-reduces of b s h 16-bit elements forward and 2
   backward (as reduce-scatter + all-gather pairs with sequence parallelism; the same bytes),
   2(t-1)/t of them on the wire, plus 2 more forward when full recomputation replays a layer.
+
+With context parallelism (cp ranks, megart.models.context_parallel) a rank holds s/cp tokens of
+each sequence: every per-token term above counts those. Its attention all-gathers keys and
+values (16-bit, b s kv/t each, kv = groups x head size) over the context-parallel group forward
+and reduce-scatters their gradients backward (again forward under full recomputation), and
+scores its s/cp queries against all s keys under an explicit mask of global positions: sdpa
+takes that mask as an additive bias, so no kernel skips the masked blocks, and the core runs
+every product of its (s/cp) x s scores (Megatron's load-balanced split gives each rank the
+same count); with flash attention off (the mask), the memory-efficient kernel's backward also
+recomputes the scores.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ class Work:
     backward: float
     tp_comm: float
     weight: float = 0.0
+    cp_comm: float = 0.0  # context parallelism's key/value all-gathers and reduce-scatters
 
     def __add__(self, other: Work) -> Work:
         return Work(
@@ -50,10 +61,17 @@ class Work:
             self.backward + other.backward,
             self.tp_comm + other.tp_comm,
             self.weight + other.weight,
+            self.cp_comm + other.cp_comm,
         )
 
     def __mul__(self, k: float) -> Work:
-        return Work(self.forward * k, self.backward * k, self.tp_comm * k, self.weight * k)
+        return Work(
+            self.forward * k,
+            self.backward * k,
+            self.tp_comm * k,
+            self.weight * k,
+            self.cp_comm * k,
+        )
 
 
 def gemm_seconds(
@@ -99,12 +117,16 @@ def layer_work(
     gpu: GPUProfile,
     unfused_attention: bool = False,
     tp_overlap: bool = False,
+    cp: int = 1,
+    cp_bus_gb_per_s: float | None = None,
 ) -> Work:
     """One layer, one microbatch. ``tp_overlap``: each tensor-parallel collective runs during
     the matrix product next to it (Megatron-Core's --tp-comm-overlap; megart does not), so only
-    what outlasts that product is exposed."""
+    what outlasts that product is exposed. ``cp``: context-parallel ranks, whose collectives run
+    at ``cp_bus_gb_per_s`` (None: NVLink)."""
     s, h, f, t = cfg.seq_length, cfg.hidden_size, cfg.ffn_size, tp
-    tokens = s * b
+    local = s // cp  # this rank's queries of each sequence
+    tokens = local * b
     kv = cfg.query_groups * cfg.head_dim
     # (cols, inner) of each product over the tokens: q/k/v and the MLP's first product(s) are
     # column-parallel (cols split over t), the output projection and the MLP's last product
@@ -116,8 +138,8 @@ def layer_work(
     # Per head: scores (s x d by d x s), then scores x values (s x s by s x d).
     heads = b * cfg.num_attention_heads / t
     d = cfg.head_dim
-    core_gemm = gemm_seconds(s, s, d, gpu, heads) + gemm_seconds(s, d, s, gpu, heads)
-    if not unfused_attention:
+    core_gemm = gemm_seconds(local, s, d, gpu, heads) + gemm_seconds(local, d, s, gpu, heads)
+    if not unfused_attention and cp == 1:  # a mask (context parallelism) skips no block
         core_gemm *= CAUSAL_SHARE
     # Element-wise bytes per token, forward: two norms (read, write), two residual adds with
     # bias and dropout (read two, write one), the activation (GeLU: read f write f; SwiGLU:
@@ -142,27 +164,37 @@ def layer_work(
             half = one / 2
             pairs = [dense_times[0], dense_times[1], sum(dense_times[2:-1]), dense_times[-1]]
             comm = sum(max(0.0, half - g) for g in pairs)
-    forward = fwd_gemm + core_gemm + fwd_elem + core_elem + comm
+    # Context parallelism: keys and values all-gathered forward, their gradients
+    # reduce-scattered backward, one collective each.
+    gather = scatter = 0.0
+    if cp > 1:
+        kv_bytes = s * b * cfg.query_groups * d / t * ACT  # one gathered tensor
+        bus = gpu.nvlink_bus_gb_per_s if cp_bus_gb_per_s is None else cp_bus_gb_per_s
+        gather = 2 * collective_seconds("all_gather", kv_bytes, cp, bus, gpu)
+        scatter = 2 * collective_seconds("reduce_scatter", kv_bytes, cp, bus, gpu)
+    forward = fwd_gemm + core_gemm + fwd_elem + core_elem + comm + gather
     # With the scores kept (unfused), the core's backward is two products per forward one, like
     # the dense ones'; flash attention keeps no scores and recomputes them.
     core_backward = 2 * core_gemm if unfused_attention else FLASH_BACKWARD * core_gemm
-    backward = 2 * (fwd_gemm + fwd_elem + core_elem) + core_backward + comm
+    backward = 2 * (fwd_gemm + fwd_elem + core_elem) + core_backward + comm + scatter
     tp_comm = 2 * comm
+    cp_comm = gather + scatter
     if recompute == "full":
         backward += forward
         tp_comm += comm
+        cp_comm += gather
     elif recompute == "selective":
         backward += core_gemm + core_elem
     # dW = dY^T X of each dense product costs what its forward did; the attention core has no
     # weights, so both its backward products belong to I.
-    return Work(forward, backward, tp_comm, fwd_gemm)
+    return Work(forward, backward, tp_comm, fwd_gemm, cp_comm)
 
 
-def logits_work(cfg: GPTConfig, b: int, tp: int, gpu: GPUProfile) -> Work:
-    """The output layer and the vocab-parallel cross-entropy (fp32 logits) of the last stage.
-    An untied output layer's weight gradient can wait for W; the tied one is the embedding's,
-    which megart computes in I."""
-    tokens = cfg.seq_length * b
+def logits_work(cfg: GPTConfig, b: int, tp: int, gpu: GPUProfile, cp: int = 1) -> Work:
+    """The output layer and the vocab-parallel cross-entropy (fp32 logits) of the last stage,
+    for this rank's s/``cp`` tokens. An untied output layer's weight gradient can wait for W;
+    the tied one is the embedding's, which megart computes in I."""
+    tokens = cfg.seq_length // cp * b
     vocab = cfg.padded_vocab_size(tp) // tp
     gemm = gemm_seconds(tokens, vocab, cfg.hidden_size, gpu)
     elem = tokens * vocab * 8 / (gpu.hbm_gb_per_s * 1e9)  # write and read the fp32 logits

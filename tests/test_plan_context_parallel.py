@@ -1,0 +1,306 @@
+"""megart plan with context parallelism (--context-parallel-size C, given, never searched):
+each rank's parameter, gradient and optimizer bytes (the distributed optimizer sharded over
+d x C) against real megart train ranks, its saved activations (s/C tokens of every layer, the
+keys and values all-gathered over the whole sequence, the mask of global positions) against
+torch's saved-tensor hooks; the attention core's and the key/value collectives' time; C = 1 as
+no flag; more C never more activations; and megart train's refusals in its words."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megart.cli.plan import main as plan_main
+from megart.errors import ConfigError
+from megart.launcher import launch
+from megart.models.config import GPTConfig
+from megart.parallel.layout import make_layout
+from megart.plan import activations as act
+from megart.plan.estimate import data_parallel_bus_gb_per_s, estimate
+from megart.plan.hardware import load_profile
+from megart.plan.layout import Layout, layout_config
+from megart.plan.memory import precision, rank_memory
+from megart.plan.timing import collective_seconds, gemm_seconds, layer_work
+from megart.training.config import TrainConfig
+from plan_workers import held_bytes
+from test_plan_memory import LLAMA, SMALL, _layout
+
+GPU = load_profile("a100-80gb")
+H100 = load_profile("h100-80gb")
+
+# --- memory against real ranks ------------------------------------------------------------
+
+# (name, model, layout flags), each on 4 ranks; one launch runs them all in turn.
+CASES = [
+    (
+        "cp2 x tp2",
+        SMALL,
+        dict(context_parallel_size=2, tensor_model_parallel_size=2, micro_batch_size=2),
+    ),
+    # d = 1: the distributed optimizer shards over the two context-parallel ranks alone. 48
+    # tokens per rank and microbatch: no weight's shape (see SavedBytes), and enough that the
+    # uncounted 16-bit casts of norm weights and biases (O(h) per layer) stay under 1%.
+    (
+        "cp2 x pp2 bf16 distributed optimizer",
+        dict(SMALL, seq_length=96),
+        dict(
+            context_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            use_distributed_optimizer=True,
+            bf16=True,
+            micro_batch_size=1,
+        ),
+    ),
+    (
+        "cp2 x dp2 llama-style selective distributed optimizer",
+        LLAMA,
+        dict(
+            context_parallel_size=2,
+            use_distributed_optimizer=True,
+            recompute_granularity="selective",
+            micro_batch_size=2,
+        ),
+    ),
+]
+
+
+def held_in_turn(runs: list[dict]) -> list[dict]:
+    """plan_workers.held_bytes for each config in turn on this rank (one launch for all), with
+    the rank's context-parallel rank (ranks tp-cp-dp-pp)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = []
+    for kw in runs:
+        c = TrainConfig(**kw)
+        grid = make_layout(world, c.tp, c.pp, cp=c.context_parallel_size)
+        out.append({**held_bytes(kw), "cp_rank": grid.cp_rank_of(rank)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def held() -> list[list[dict]]:
+    """Per case, what each of the 4 ranks held."""
+    per_rank = launch(held_in_turn, 4, [{**m, **f} for _, m, f in CASES], timeout=300)
+    return [list(ranks) for ranks in zip(*per_rank, strict=True)]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_predicted_bytes_are_what_a_context_parallel_rank_holds(case, held):
+    name, model, flags = CASES[case]
+    config = TrainConfig(**model, **flags)
+    cp = config.context_parallel_size
+    layout = dataclasses.replace(_layout(config, 4 // cp), cp=cp)
+    plan = estimate(config, layout, GPU)
+    c = layout_config(config, layout)
+    for rank in held[case]:
+        r = rank["pp_rank"]
+        # The rank's place in the d x cp group that shares gradients and optimizer state.
+        shard = rank["dp_rank"] * cp + rank["cp_rank"]
+        want = rank_memory(c, layout, layout.dp, r, plan.peak_in_flight[r], dp_rank=shard)
+        for part in ("parameters", "gradients", "optimizer"):
+            assert want[part] == rank[part], (name, rank, part, want[part])
+        assert rank["saved_peak"] == pytest.approx(want["saved"], rel=0.01), (name, rank, want)
+        assert rank["saved_after"] == 0
+
+
+# --- time ----------------------------------------------------------------------------------
+
+LONG = GPTConfig(
+    num_layers=4, hidden_size=2048, num_attention_heads=16, seq_length=8192, vocab_size=32000
+)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_rank_scores_its_queries_against_every_key(cp):
+    """A rank's s/C queries meet all s keys under an explicit mask, which no kernel skips: with
+    C sequences per microbatch a rank runs one process's dense work at one sequence, and the
+    whole s x s score matrix of each head where one process runs its causal half."""
+    one = layer_work(LONG, 1, 1, False, None, H100)
+    split = layer_work(LONG, cp, 1, False, None, H100, cp=cp)
+    assert split.weight == one.weight  # the dense products: the same tokens
+    d, heads = LONG.head_dim, LONG.num_attention_heads
+    full = gemm_seconds(LONG.seq_length, LONG.seq_length, d, H100, heads)
+    full += gemm_seconds(LONG.seq_length, d, LONG.seq_length, H100, heads)
+    more = full / 2  # C x (s/C) x s scores, less the causal half of s x s
+    gather = split.cp_comm / 2  # forward: two all-gathers of the same size as backward's
+    assert split.forward - gather - one.forward == pytest.approx(more, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "tp,cp,rails", [(1, 2, 0), (2, 4, 0), (4, 2, 0), (8, 2, 1), (4, 4, 2), (1, 16, 8)]
+)
+def test_keys_and_values_are_gathered_over_nvlink_or_the_rails(tp, cp, rails):
+    """Two all-gathers (K, V: b s kv/t 16-bit elements each, gathered) forward and two
+    reduce-scatters backward per layer, over NVLink while the t x C ranks fit in a node, else
+    over the rails the group has in each node (its members sit t apart)."""
+    w = layer_work(LONG, 1, tp, False, None, GPU, cp=cp,
+                   cp_bus_gb_per_s=data_parallel_bus_gb_per_s(GPU, tp, cp))  # fmt: skip
+    bus = rails * GPU.rail_gb_per_s if rails else GPU.nvlink_bus_gb_per_s
+    kv = LONG.seq_length * LONG.hidden_size / tp * 2
+    one = collective_seconds("all_gather", kv, cp, bus, GPU)
+    one += collective_seconds("reduce_scatter", kv, cp, bus, GPU)
+    assert w.cp_comm == pytest.approx(2 * one, rel=1e-12)
+    full = layer_work(LONG, 1, tp, False, "full", GPU, cp=cp,
+                      cp_bus_gb_per_s=data_parallel_bus_gb_per_s(GPU, tp, cp))  # fmt: skip
+    assert full.cp_comm == pytest.approx(w.cp_comm + w.cp_comm / 2, rel=1e-12)  # regathered
+
+
+def test_gradients_and_the_distributed_optimizer_span_d_x_cp():
+    """cp 2 x d 4 shares gradients and optimizer state over 8 ranks as d 8 does: the same
+    optimizer bytes per rank, Adam time and gradient all-gather time."""
+    base = TrainConfig(**dict(SMALL, seq_length=2048, hidden_size=1024, num_attention_heads=16,
+                              global_batch_size=32, bf16=True))  # fmt: skip
+    d8 = Layout(1, 1, 8, 1, 1, False, None, True)
+    cp2 = dataclasses.replace(d8, dp=4, cp=2)
+    a, b = estimate(base, d8, GPU), estimate(base, cp2, GPU)
+    assert b.memory["optimizer"] == a.memory["optimizer"]
+    assert b.time["optimizer"] == a.time["optimizer"]
+    assert b.memory["parameters"] == a.memory["parameters"]
+    assert b.time["cp_comm"] > 0 == a.time["cp_comm"]
+
+
+# --- cp 1, monotony ------------------------------------------------------------------------
+
+ARGV = (
+    "--gpu h100-80gb --num-gpus 8 --num-layers 4 --hidden-size 512 --num-attention-heads 8 "
+    "--seq-length 1024 --vocab-size 1000 --global-batch-size 16"
+)
+
+
+def test_cp1_is_the_prediction_without_the_flag(capsys):
+    assert plan_main((ARGV + " --json").split()) == 0
+    without = json.loads(capsys.readouterr().out)
+    assert plan_main((ARGV + " --context-parallel-size 1 --json").split()) == 0
+    assert json.loads(capsys.readouterr().out) == without
+
+
+def test_plan_names_the_context_parallel_layout(capsys):
+    assert plan_main((ARGV + " --context-parallel-size 2 --json").split()) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "--context-parallel-size 2" in out["layout"]["flags"]
+    for e in out["candidates"]:
+        layout = e["layout"]
+        assert layout["cp"] == 2 and layout["tp"] * 2 * layout["dp"] * layout["pp"] == 8
+        assert not layout["sequence_parallel"] and e["pipeline_schedule"] in ("1f1b", "interleaved")
+
+
+@st.composite
+def _models(draw: st.DrawFn, seqs: tuple[int, ...]) -> tuple[TrainConfig, Layout]:
+    t = draw(st.sampled_from([1, 2, 4]))
+    p = draw(st.sampled_from([1, 2]))
+    gqa = draw(st.booleans())
+    b = draw(st.sampled_from([1, 2]))
+    model = TrainConfig(
+        num_layers=4,
+        hidden_size=draw(st.sampled_from([1024, 2048])),
+        num_attention_heads=8,
+        **(dict(group_query_attention=True, num_query_groups=4) if gqa else {}),
+        swiglu=draw(st.booleans()),
+        seq_length=draw(st.sampled_from(seqs)),
+        vocab_size=1000,
+        global_batch_size=b * p * 2,
+        bf16=draw(st.booleans()),
+    )
+    rec = draw(st.sampled_from([None, "selective", "full"]))
+    return model, Layout(t, p, 1, 1, b, False, rec, draw(st.booleans()))
+
+
+def _activations(base: TrainConfig, layout: Layout, cps: tuple[int, ...]) -> list[float]:
+    held = []
+    for cp in cps:
+        e = estimate(base, dataclasses.replace(layout, cp=cp), GPU, simulate=False)
+        for x in (*e.time.values(), *e.memory.values()):
+            assert math.isfinite(x) and x >= 0
+        held.append(e.memory["activations"])
+    return held
+
+
+@settings(max_examples=25, deadline=None)
+@given(_models(seqs=(256, 512, 1024, 8192, 32768)))
+def test_more_context_parallelism_never_holds_more_activations(drawn):
+    """For a fixed sequence, d and layout, each doubling of C from 2 on divides every term but
+    the gathered keys and values, which stay the whole sequence's."""
+    held = _activations(*drawn, (2, 4, 8, 16))
+    assert held == sorted(held, reverse=True) and held[-1] < held[0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(_models(seqs=(256, 512, 1024)))
+def test_context_parallelism_holds_less_than_none_while_s_is_at_most_h(drawn):
+    """From C = 1 to 2 the local terms halve (some 17 s b h 16-bit bytes per layer) and each
+    layer gains the gathered keys and values (4 s b h/t) and the mask (s^2): less in all while
+    s <= h (for longer sequences see the test below)."""
+    held = _activations(*drawn, (1, 2, 4, 8))
+    assert held == sorted(held, reverse=True) and held[-1] < held[0]
+
+
+def test_the_mask_of_global_positions_outweighs_the_split_at_long_sequences():
+    """megart's context-parallel attention passes sdpa an (s/C) x s mask, which every layer
+    keeps for its backward as an additive 16-bit bias: at s = 32768, C = 2 that is 1 GiB per
+    layer and microbatch, more than halving the other saves of a 1024-wide layer returns."""
+    base = TrainConfig(num_layers=4, hidden_size=1024, num_attention_heads=8, seq_length=32768,
+                       vocab_size=1000, global_batch_size=2, bf16=True)  # fmt: skip
+    layout = Layout(1, 1, 1, 1, 1, False, None, False)
+    one, two = _activations(base, layout, (1, 2))
+    cfg = base.gpt_config()
+    prec = precision(layout_config(base, layout), "megart")
+    mask = 32768 // 2 * 32768 * 2
+    assert mask == 1 << 30
+    kv = act.gathered_kv_bytes(cfg, 1, 1, None, prec, 2)
+    assert kv == mask + 32768 * 2 * 1024 * 2
+    local = act.layer_bytes(cfg, 1, 1, False, None, prec, cp=2) - kv
+    assert local == act.layer_bytes(cfg, 1, 1, False, None, prec) / 2
+    # One microbatch in flight: four layers' saves, the embedding's and the output layer's.
+    ends = [
+        act.first_stage_bytes(cfg, 1, 1, cp) + act.last_stage_bytes(cfg, 1, 1, False, prec, cp)
+        for cp in (1, 2)
+    ]
+    assert two > one
+    assert two - one == pytest.approx(4 * (kv - local) + ends[1] - ends[0], rel=1e-12)
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra,train",
+    [
+        ("--context-parallel-size 3", dict(context_parallel_size=3)),  # 1024 % 6
+        ("--context-parallel-size 0", dict(context_parallel_size=0)),
+        (
+            "--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
+            dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
+        ),
+        *(
+            (
+                "--context-parallel-size 2 --pipeline-model-parallel-size 2 "
+                f"--pipeline-schedule {z}",
+                dict(context_parallel_size=2, pipeline_model_parallel_size=2, pipeline_schedule=z),
+            )
+            for z in ("zb-h1", "zb-v")
+        ),
+        (
+            "--context-parallel-size 16",  # 1024 splits, 8 GPUs do not
+            dict(context_parallel_size=16),
+        ),
+    ],
+)
+def test_plan_refuses_what_megart_train_refuses_in_its_words(extra, train, capsys):
+    assert plan_main((ARGV + " " + extra).split()) == 2
+    err = capsys.readouterr().err
+    model = dict(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=1024,
+                 vocab_size=1000, global_batch_size=16, bf16=True)  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig(**model, **train).check(8)
+    assert f"megart plan: error: {refused.value}" in err
+
+
+def test_megatrons_runtime_is_refused_with_context_parallelism(capsys):
+    argv = ARGV + " --context-parallel-size 2 --runtime megatron"
+    assert plan_main(argv.split()) == 2
+    assert "not Megatron-Core's ring exchange" in capsys.readouterr().err
