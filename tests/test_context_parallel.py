@@ -16,7 +16,12 @@ import megatron_workers as mw
 import train_workers as tw
 from megart import ConfigError
 from megart.launcher import launch
-from megart.models.context_parallel import causal_mask, split_for_cp
+from megart.models.context_parallel import (
+    blockwise_attention,
+    causal_mask,
+    masked_attention,
+    split_for_cp,
+)
 from megart.parallel import make_layout
 
 REL = 5e-6  # as test_uneven_train: a lost reduction or a wrong position moves the loss far more
@@ -62,6 +67,35 @@ def test_the_mask_follows_global_positions():
     queries = [4, 5, 6, 7, 8, 9, 10, 11]
     want = torch.tensor([[k <= q for k in keys] for q in queries])
     assert torch.equal(causal_mask(2, 1, 8, None), want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cp=st.sampled_from([2, 3, 4]),
+    rank=st.integers(0, 3),
+    half=st.sampled_from([1, 2, 5]),
+    heads=st.sampled_from([1, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_gpus_blockwise_attention_is_the_masked_one(cp, rank, half, heads, seed):
+    """What a GPU runs (each query chunk against the keys up to its end, causal aligned to the
+    lower right, with torch's causal bias object) equals what the CPU tests run (one call
+    under the explicit mask), outputs and the gradients of q and the gathered k, v, in float64."""
+    rank %= cp
+    g = torch.Generator().manual_seed(seed)
+    local, b, d = 2 * half, 2, 4
+
+    def draw(n: int) -> torch.Tensor:
+        return torch.randn(b, heads, n, d, generator=g, dtype=torch.float64, requires_grad=True)
+
+    q, k, v = draw(local), draw(local * cp), draw(local * cp)
+    grad = torch.randn(b, heads, local, d, generator=g, dtype=torch.float64)
+    outs = []
+    for attend in (masked_attention, blockwise_attention):
+        y = attend(q, k, v, cp, rank, 0.0)
+        outs.append((y, *torch.autograd.grad(y, (q, k, v), grad)))
+    for want, got in zip(*outs, strict=True):
+        assert torch.allclose(got, want, rtol=F64_REL, atol=1e-13)
 
 
 def test_attention_and_models_at_cp2_and_cp4_are_the_one_process_ones():

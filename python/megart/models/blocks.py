@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megart.distributed import ProcessGroup
 from megart.kernels import add_layer_norm, bias_gelu, layer_norm
 from megart.models.config import GPTConfig
-from megart.models.context_parallel import causal_mask, gather_kv
+from megart.models.context_parallel import context_attention, gather_kv
 from megart.models.recompute import checkpointed
 from megart.tensor_parallel import (
     ColumnParallelLinear,
@@ -208,8 +208,8 @@ class Attention(nn.Module):
     per head, the multi-head layout.
 
     With context parallelism (``cp_group``) each rank holds part of each sequence: keys and
-    values are gathered over the group after rope, and the causal mask follows the tokens'
-    global positions (megart.models.context_parallel)."""
+    values are gathered over the group after rope, and attention is causal by the tokens'
+    global positions (megart.models.context_parallel.context_attention)."""
 
     def __init__(
         self,
@@ -260,22 +260,26 @@ class Attention(nn.Module):
         if rope is not None:
             turn = self.cfg.rotary_interleaved
             q, k = apply_rotary(q, *rope, turn), apply_rotary(k, *rope, turn)
-        mask = None
         cp = group_size(self.cp_group)
+        where = None  # (cp, cp rank) with context parallelism
         if cp > 1:
             k, v = gather_kv(k, self.cp_group), gather_kv(v, self.cp_group)
-            mask = causal_mask(cp, group_rank(self.cp_group), s, q.device)
+            where = (cp, group_rank(self.cp_group))
         if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
-            y = checkpointed(self._core, self.rng, q, k, v, mask)
+            y = checkpointed(self._core, self.rng, q, k, v, where)
         else:
-            y = self._core(q, k, v, mask)
+            y = self._core(q, k, v, where)
         return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, -1))
 
     def _core(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        where: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v, causal (by ``mask`` when given: context parallelism's
-        global positions), with attention dropout on the tensor-parallel stream: what
+        """softmax(q k^T / sqrt(d)) v, causal (with context parallelism, ``where`` = (cp, cp
+        rank), by global positions), with attention dropout on the tensor-parallel stream: what
         selective recomputation recomputes (so it keeps k and v per group)."""
         per_group = q.shape[1] // k.shape[1]
         if per_group > 1:
@@ -291,8 +295,8 @@ class Attention(nn.Module):
         unfused = self.cfg.attention_backend in ("unfused", "local")
         kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
         with stream, kernel:
-            if mask is not None:
-                return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
+            if where is not None:
+                return context_attention(q, k, v, *where, dropout)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
 

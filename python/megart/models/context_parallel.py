@@ -7,14 +7,20 @@ rope and learned position embeddings use each token's global position.
 
 Attention needs the keys and values of every earlier token. Here they travel the simple, exact
 way (Megatron-Core's cp_comm_type "all_gather"): each rank all-gathers K and V over the group in
-the forward and reduce-scatters their gradients in the backward, and masks the scores by the
-tokens' global positions. No ring (p2p) exchange: every rank holds the whole K and V for the
-length of one layer's attention.
+the forward and reduce-scatters their gradients in the backward. On a GPU the gathered keys are
+put back in the sequence's order and each of the rank's two query chunks attends to the keys up
+to its own chunk's end, causal aligned to the lower right (blockwise_attention): no mask is
+built or kept, flash kernels apply, and every rank computes 1/cp of the causal scores.
+Elsewhere one call scores all keys under the explicit mask of global positions
+(masked_attention; the same attention, tested equal to the blockwise one). No ring (p2p)
+exchange: every rank holds the whole K and V for the length of one layer's attention.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from megart.distributed import ProcessGroup
 from megart.errors import ConfigError
@@ -67,6 +73,74 @@ def causal_mask(cp: int, cp_rank: int, local: int, device: torch.device | None) 
     queries = cp_positions(local * cp, cp, cp_rank, device)
     keys = torch.cat([cp_positions(local * cp, cp, r, device) for r in range(cp)])
     return keys.unsqueeze(0) <= queries.unsqueeze(1)
+
+
+def in_sequence_order(kv: torch.Tensor, cp: int, dim: int = 2) -> torch.Tensor:
+    """Gathered keys or values (group-rank order: rank r's chunks r and 2 cp - 1 - r, see
+    gather_kv) in the sequence's own order, chunk 0 first."""
+    pieces = kv.chunk(2 * cp, dim)  # rank r's two chunks are pieces 2r and 2r + 1
+    at = {}
+    for r in range(cp):
+        first, second = cp_chunks(cp, r)
+        at[first], at[second] = pieces[2 * r], pieces[2 * r + 1]
+    return torch.cat([at[chunk] for chunk in range(2 * cp)], dim)
+
+
+def query_blocks(cp: int, cp_rank: int, local: int) -> list[tuple[slice, int]]:
+    """For each of ``cp_rank``'s two query chunks (its ``local`` tokens' halves): its rows, and
+    how many keys of the sequence (in order, see in_sequence_order) it attends to, those up to
+    its chunk's end. Causal attention over them is aligned to the lower right: query i of the
+    chunk sees the keys up to its own global position."""
+    half = local // 2
+    return [
+        (slice(i * half, (i + 1) * half), (chunk + 1) * half)
+        for i, chunk in enumerate(cp_chunks(cp, cp_rank))
+    ]
+
+
+def context_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, cp_rank: int, dropout: float
+) -> torch.Tensor:
+    """Causal attention of ``cp_rank``'s queries over the keys and values gathered by
+    gather_kv (group-rank order). On a GPU blockwise (blockwise_attention: no mask tensor, flash
+    kernels, 1/cp of the causal scores); elsewhere one call under the explicit mask of global
+    positions (masked_attention: the same attention, and what the CPU tests measure)."""
+    if q.is_cuda:
+        return blockwise_attention(q, k, v, cp, cp_rank, dropout)
+    return masked_attention(q, k, v, cp, cp_rank, dropout)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, cp_rank: int, dropout: float
+) -> torch.Tensor:
+    """context_attention as one call of torch's attention over all gathered keys, masked by
+    global positions (causal_mask): every (s/cp) x s score computed, the mask kept for the
+    backward."""
+    mask = causal_mask(cp, cp_rank, q.shape[2], q.device)
+    return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
+
+
+def blockwise_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, cp_rank: int, dropout: float
+) -> torch.Tensor:
+    """context_attention as two calls, one per query chunk, over the keys in the sequence's
+    order up to that chunk's end (query_blocks), causal aligned to the lower right: torch's
+    causal bias object, which flash kernels apply without a mask tensor (elsewhere torch builds
+    the block's mask)."""
+    k, v = in_sequence_order(k, cp), in_sequence_order(v, cp)
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                q[:, :, rows],
+                k[:, :, :keys],
+                v[:, :, :keys],
+                attn_mask=causal_lower_right(rows.stop - rows.start, keys),
+                dropout_p=dropout,
+            )
+            for rows, keys in query_blocks(cp, cp_rank, q.shape[2])
+        ],
+        dim=2,
+    )
 
 
 def gather_kv(x: torch.Tensor, group: ProcessGroup | None, dim: int = 2) -> torch.Tensor:

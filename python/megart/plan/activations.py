@@ -28,15 +28,14 @@ differ slightly (dropout masks; Megatron re-gathers sequence-parallel inputs in 
 
 Context parallelism (cp ranks, megart.models.context_parallel) gives each rank s/cp tokens of
 every sequence: every term above counts those. Attention then all-gathers keys and values
-after the q/k/v projection and masks the scores by global positions, so each layer also keeps
+after the q/k/v projection, and each query chunk attends to the keys up to its own end under a
+causal bias aligned to the lower right, which flash kernels take without a mask tensor (a CPU
+builds each block's boolean mask for the call; not counted here), so each layer also keeps
     the gathered keys and values           2 h/t per token of the whole sequence (with grouped
                                            queries the keys and values repeated per head, which
                                            replace the local ones counted above; with selective
                                            recomputation the gathered 2 kv/t, the checkpoint's
                                            inputs)
-    the mask                               (s/cp) x s, once per layer and microbatch (broadcast
-                                           over b and heads): sdpa's additive mask in q's dtype,
-                                           or with selective recomputation the boolean one
 and the first stage the int64 global positions of learned position embeddings (s/cp).
 """
 
@@ -45,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
+from megart.plan.timing import cp_score_share
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,9 @@ def layer_bytes(
     other = (qkv + h / t + mlp) * prec.other
     norms = 2 * seq_share * norm_statistics(cfg)
     core = 0.0
-    if recompute != "selective":  # unfused: the scores of each query against all s keys
-        core = heads * 4 if not unfused_attention else 5 * heads * s * prec.other / 2
+    if recompute != "selective":  # unfused: the scores of each query against its keys
+        keys = s if cp == 1 else s * cp_score_share(cp)
+        core = heads * 4 if not unfused_attention else 5 * heads * keys * prec.other / 2
     local = tokens * (residual + norm_out + other + norms + core)
     return local + (gathered_kv_bytes(cfg, b, tp, recompute, prec, cp) if cp > 1 else 0.0)
 
@@ -115,17 +116,14 @@ def gathered_kv_bytes(
 ) -> float:
     """What context parallelism's attention adds to a layer's saves for one microbatch: the
     keys and values all-gathered over the whole sequence (repeated per query head with grouped
-    queries; as gathered, 2 kv/t, when selective recomputation's checkpoint keeps them) and the
-    (s/cp) x s mask of global positions (sdpa's additive copy in q's dtype; the boolean one
-    under selective recomputation)."""
+    queries; as gathered, 2 kv/t, when selective recomputation's checkpoint keeps them). No
+    mask: the causal bias of each query chunk is no tensor on a GPU."""
     s, t = cfg.seq_length, tp
     if recompute == "selective":
         kv = 2 * cfg.query_groups * cfg.head_dim / t
-        mask = 1
     else:
         kv = 2 * cfg.hidden_size / t
-        mask = prec.other
-    return s * b * kv * prec.other + s // cp * s * mask
+    return s * b * kv * prec.other
 
 
 def first_stage_bytes(cfg: GPTConfig, b: int, tp: int, cp: int = 1) -> float:

@@ -19,11 +19,10 @@ With context parallelism (cp ranks, megart.models.context_parallel) a rank holds
 each sequence: every per-token term above counts those. Its attention all-gathers keys and
 values (16-bit, b s kv/t each, kv = groups x head size) over the context-parallel group forward
 and reduce-scatters their gradients backward (again forward under full recomputation), and
-scores its s/cp queries against all s keys under an explicit mask of global positions: sdpa
-takes that mask as an additive bias, so no kernel skips the masked blocks, and the core runs
-every product of its (s/cp) x s scores (Megatron's load-balanced split gives each rank the
-same count); with flash attention off (the mask), the memory-efficient kernel's backward also
-recomputes the scores.
+each of its two query chunks attends to the keys up to its own end, causal aligned to the lower
+right: flash kernels skip the blocks above the diagonal, so a rank runs 1/cp of the causal
+scores (Megatron's load-balanced split gives each rank the same count), as one process would
+per sequence of s/cp queries against s keys, halved.
 """
 
 from __future__ import annotations
@@ -40,6 +39,13 @@ CAUSAL_SHARE = 0.5
 # (FlashAttention-2; on an H200, cuDNN's kernels take 3.2-3.4 times the forward's time,
 # bench/layer_profile.py).
 FLASH_BACKWARD = 2.5
+
+
+def cp_score_share(cp: int) -> float:
+    """The share of its (s/cp) x s scores that a context-parallel rank's explicit (unfused)
+    attention computes: each query chunk's keys up to its own end, (2 cp + 1) / (4 cp) (rank 0's
+    first chunk, whose keys are its own, a little less)."""
+    return (2 * cp + 1) / (4 * cp)
 
 
 @dataclass(frozen=True)
@@ -139,8 +145,10 @@ def layer_work(
     heads = b * cfg.num_attention_heads / t
     d = cfg.head_dim
     core_gemm = gemm_seconds(local, s, d, gpu, heads) + gemm_seconds(local, d, s, gpu, heads)
-    if not unfused_attention and cp == 1:  # a mask (context parallelism) skips no block
+    if not unfused_attention:
         core_gemm *= CAUSAL_SHARE
+    elif cp > 1:  # the explicit scores of each query chunk's keys (cp_score_share)
+        core_gemm *= cp_score_share(cp)
     # Element-wise bytes per token, forward: two norms (read, write), two residual adds with
     # bias and dropout (read two, write one), the activation (GeLU: read f write f; SwiGLU:
     # read 2f write f); unfused attention: softmax and dropout over heads/t x s scores.
