@@ -98,6 +98,29 @@ def test_the_gpus_blockwise_attention_is_the_masked_one(cp, rank, half, heads, s
         assert torch.allclose(got, want, rtol=F64_REL, atol=1e-13)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the flash kernels)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_blockwise_attention_on_a_gpu_is_the_masked_one_in_float64(dtype):
+    """On CUDA (where torch's causal bias object reaches the flash kernels) each rank's blockwise
+    attention at cp4 against the masked one on the CPU in float64: outputs and gradients."""
+    g = torch.Generator().manual_seed(7)
+    cp, local, b, heads, d = 4, 256, 2, 4, 64
+    shapes = [(b, heads, local, d), (b, heads, local * cp, d), (b, heads, local * cp, d)]
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
+    grad = torch.randn(b, heads, local, d, generator=g, dtype=torch.float64)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3  # flash accumulates in fp32 either way
+    for rank in range(cp):
+        got, want = [], []
+        for attend, device, kind in ((blockwise_attention, "cuda", dtype),
+                                     (masked_attention, "cpu", torch.float64)):  # fmt: skip
+            x = [t.to(device, kind).requires_grad_() for t in (q, k, v)]
+            y = attend(*x, cp, rank, 0.0)
+            grads = torch.autograd.grad(y, x, grad.to(device, kind))
+            (got if device == "cuda" else want).extend([y, *grads])
+        for a, w in zip(got, want, strict=True):
+            assert (a.double().cpu() - w).abs().max() <= tol * w.abs().max(), rank
+
+
 def test_attention_and_models_at_cp2_and_cp4_are_the_one_process_ones():
     """float64: one layer's attention (rope, GQA), a GPT-2-style model (learned positions)
     and a Llama-style one; outputs, input gradients and weight gradients."""
