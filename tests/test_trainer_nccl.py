@@ -38,6 +38,10 @@ LAYOUTS = {
     ),
     "tp2-pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
     "pp2-zb-v": (2, dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-v")),
+    # Context parallelism: on CUDA its blockwise attention (no mask; unrun on a GPU when
+    # written, 2026-11-27), K/V gathered and their gradients reduce-scattered through NCCL.
+    "cp2": (2, dict(context_parallel_size=2)),
+    "tp2-cp2": (4, dict(tensor_model_parallel_size=2, context_parallel_size=2)),
 }
 
 
