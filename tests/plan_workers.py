@@ -10,6 +10,16 @@ from megart.training.config import TrainConfig
 from megart.training.data import builtin_corpus
 
 
+def plan_json(argv: str, capsys: object) -> dict:
+    """What ``megart plan ARGV --json`` prints, parsed (``capsys``: pytest's fixture)."""
+    import json
+
+    from megart.cli.plan import main as plan_main
+
+    assert plan_main((argv + " --json").split()) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 class SavedBytes:
     """Bytes of the distinct storages that autograd's saved tensors hold, and their peak.
     Parameters (saved by every linear layer) are not activations and are left out, nor are

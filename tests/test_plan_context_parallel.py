@@ -8,7 +8,6 @@ no flag; more C never more activations; and megart train's refusals in its words
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 
@@ -28,7 +27,7 @@ from megart.plan.layout import Layout, layout_config
 from megart.plan.memory import precision, rank_memory
 from megart.plan.timing import collective_seconds, layer_work
 from megart.training.config import TrainConfig
-from plan_workers import held_bytes
+from plan_workers import held_bytes, plan_json
 from test_plan_memory import LLAMA, SMALL, _layout
 
 GPU = load_profile("a100-80gb")
@@ -183,15 +182,12 @@ ARGV = (
 
 
 def test_cp1_is_the_prediction_without_the_flag(capsys):
-    assert plan_main((ARGV + " --json").split()) == 0
-    without = json.loads(capsys.readouterr().out)
-    assert plan_main((ARGV + " --context-parallel-size 1 --json").split()) == 0
-    assert json.loads(capsys.readouterr().out) == without
+    without = plan_json(ARGV, capsys)
+    assert plan_json(ARGV + " --context-parallel-size 1", capsys) == without
 
 
 def test_plan_names_the_context_parallel_layout(capsys):
-    assert plan_main((ARGV + " --context-parallel-size 2 --json").split()) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = plan_json(ARGV + " --context-parallel-size 2", capsys)
     assert "--context-parallel-size 2" in out["layout"]["flags"]
     for e in out["candidates"]:
         layout = e["layout"]

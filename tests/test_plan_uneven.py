@@ -26,7 +26,7 @@ from megart.plan.memory import precision, rank_memory
 from megart.plan.parameters import layer_tensors
 from megart.plan.timing import layer_work, logits_work
 from megart.training.config import TrainConfig
-from plan_workers import held_bytes
+from plan_workers import held_bytes, plan_json
 from test_plan_memory import LLAMA, SMALL, _layout
 
 GPU = load_profile("a100-80gb")
@@ -299,13 +299,9 @@ ARGV = (
 
 
 def test_plan_predicts_uneven_stages_and_keeps_its_json(capsys):
-    import json
-
-    assert plan_main((ARGV + " --json").split()) == 0
-    even = json.loads(capsys.readouterr().out)
+    even = plan_json(ARGV, capsys)
     argv = ARGV + " --decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 1"
-    assert plan_main((argv + " --json").split()) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = plan_json(argv, capsys)
 
     def shape(x: object) -> object:  # the keys, nested
         if isinstance(x, dict):

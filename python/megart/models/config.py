@@ -20,6 +20,10 @@ MEGATRON_NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 MEGATRON_POSITIONS = {"learned": "learned_absolute", "rotary": "rope"}
 
 
+# Megatron-LM's default --make-vocab-size-divisible-by (also what checkpoints without it used).
+VOCAB_MULTIPLE = 128
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """A pre-LayerNorm GPT (GPT-2/3 style by default). Field names follow Megatron's flags."""
@@ -103,7 +107,7 @@ class GPTConfig:
     recompute_num_layers: int = 1
     # Megatron's --make-vocab-size-divisible-by: the vocabulary is padded to a multiple of this
     # times the tensor-parallel size (padded_vocab_size).
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = VOCAB_MULTIPLE
 
     def __post_init__(self) -> None:
         for name, value, allowed in (

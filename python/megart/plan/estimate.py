@@ -129,7 +129,7 @@ def estimate(
     dp_exposed, gather, tied = _data_parallel_seconds(
         cfg,
         layout,
-        dp * cp,
+        layout.dp_cp,
         gpu,
         float(worst_rank_params),
         run.stage.backward,
@@ -138,7 +138,7 @@ def estimate(
         grad_reduce_bytes,
     )
     dist = layout.distributed_optimizer
-    stepped = float(worst_rank_params) / FP32 / (dp * cp if dist else 1)
+    stepped = float(worst_rank_params) / FP32 / (layout.dp_cp if dist else 1)
     optimizer = stepped * ADAM_BYTES / (gpu.hbm_gb_per_s * 1e9)
     bubble, compute_only = run.bubble, run.compute_only
     pipeline_comm = run.makespan - compute_only * (1 + bubble) if p > 1 else 0.0

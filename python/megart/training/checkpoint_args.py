@@ -29,7 +29,7 @@ from megart.models.config import GPTConfig
 from megart.models.stages import ends_of, uneven
 from megart.training import megatron_dist, tokenizer_record
 from megart.training.checkpoint import model_config
-from megart.training.checkpoint_dirs import no_checkpoint_yet
+from megart.training.checkpoint_dirs import loads_pretrained
 from megart.training.ckpt_files import (
     FILE,
     chosen_iteration,
@@ -210,9 +210,9 @@ def apply(
     ``tokenizer_model``: not --no-use-tokenizer-model-from-checkpoint-args. Each value set is
     said on rank 0 (``say``, default print)."""
     load = given.get("load")
-    pretrained = given.get("pretrained_checkpoint")
-    if pretrained and (not load or no_checkpoint_yet(load)):
-        load = pretrained  # what this run will load (Megatron reads both, --load's winning)
+    if loads_pretrained(load, given.get("pretrained_checkpoint")):
+        # What this run will load (Megatron reads both, --load's winning).
+        load = given["pretrained_checkpoint"]
     if not load:
         raise ConfigError(
             "--use-checkpoint-args takes the model's flags from the checkpoint in --load: give "

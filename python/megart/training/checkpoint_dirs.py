@@ -33,6 +33,13 @@ def check_writable(directory: str | os.PathLike) -> None:
         ) from None
 
 
+def loads_pretrained(load: str | None, pretrained: str | None) -> bool:
+    """Whether a run starts from --pretrained-checkpoint (Megatron-LM's fine-tuning start):
+    given, and --load not given or holding no checkpoint yet; --load's own checkpoint wins, so a
+    restarted job resumes what it saved."""
+    return bool(pretrained) and (not load or no_checkpoint_yet(load))
+
+
 def no_checkpoint_yet(directory: str | os.PathLike) -> bool:
     """True when --load's directory is missing or holds neither a tracker file nor an
     ``iter_*`` checkpoint (crashed saves' ``.partial`` folders aside): nothing to resume, as on

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from megart.models.config import GPTConfig
+from megart.models.config import VOCAB_MULTIPLE, GPTConfig
 from megart.training.config_checks import (
     NORMALIZATIONS,
     PIPELINE_SCHEDULES,
@@ -53,7 +53,7 @@ class TrainConfig:
     seq_length: int = 128
     vocab_size: int = 256  # the built-in corpus is bytes
     # Megatron's padding of the vocabulary: to a multiple of this times the tensor-parallel size.
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = VOCAB_MULTIPLE
     # Megatron indexed datasets (PREFIX.bin/.idx): one PREFIX, or a blend "W1 P1 W2 P2 ..." (or
     # "P1 P2 ...", weighted by size); default: the built-in corpus.
     data_path: str | list[str] | None = None

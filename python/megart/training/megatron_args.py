@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from megart.errors import ConfigError
-from megart.models.config import GPTConfig
+from megart.models.config import VOCAB_MULTIPLE, GPTConfig
 from megart.models.stages import check_stages, uneven
 
 
@@ -108,7 +108,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         bias=a.get("add_bias_linear", True),
         untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),
         num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else None,
-        make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by") or 128,
+        make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by") or VOCAB_MULTIPLE,
     )
 
 

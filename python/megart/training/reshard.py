@@ -28,7 +28,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models import GPTChunk
-from megart.models.config import fit_vocab
+from megart.models.config import VOCAB_MULTIPLE, fit_vocab
 from megart.models.stages import rank_layer_counts
 from megart.training.ckpt_files import FILE, PARALLEL_FIELDS, optimizer_params, rank_dir
 from megart.training.megatron_files import torch_load
@@ -88,7 +88,8 @@ def needed(state: dict[str, Any], config: Any, chunks: list[GPTChunk]) -> bool:
     another uneven-stage split gives, or another --make-vocab-size-divisible-by, which pads the
     vocabulary to another size)."""
     saved = state["config"]
-    multiple = (state.get("model_config") or {}).get("make_vocab_size_divisible_by", 128)
+    saved_config = state.get("model_config") or {}
+    multiple = saved_config.get("make_vocab_size_divisible_by", VOCAB_MULTIPLE)
     return (
         any(saved[f] != getattr(config, f) for f in PARALLEL_FIELDS)
         or [list(ids) for ids in state.get("layer_ids", [])]

@@ -223,7 +223,7 @@ def pretrained_start(config: TrainConfig) -> TrainConfig | None:
     iteration 0, as --finetune; None otherwise (--load's own checkpoint wins, so a restarted
     job resumes what it saved)."""
     pretrained = config.pretrained_checkpoint
-    if pretrained is None or (config.load and not checkpoint_dirs.no_checkpoint_yet(config.load)):
+    if not checkpoint_dirs.loads_pretrained(config.load, pretrained):
         return None
     if checkpoint_dirs.no_checkpoint_yet(pretrained):
         raise ConfigError(
