@@ -129,10 +129,6 @@ def test_pp2_dp2_ramp_equals_one_process_and_the_whole_batch_gradient():
                 torch.testing.assert_close(g, r["trainer_grads"][name], rtol=1e-4, atol=1e-7)
 
 
-def _train(kw):
-    return tw.train(**kw)
-
-
 @pytest.mark.parametrize(
     "schedule",
     [
@@ -144,10 +140,10 @@ def _train(kw):
 )
 def test_every_pipeline_schedule_runs_the_ramp_on_the_one_process_curve(schedule):
     kw = dict(RAMP, **schedule)
-    reference = launch(_train, 1, {k: v for k, v in kw.items() if "pipeline" not in k},
+    reference = launch(tw.train_kw, 1, {k: v for k, v in kw.items() if "pipeline" not in k},
                        timeout=300)[0]  # fmt: skip
     assert len({h["microbatches"] for h in reference}) > 1  # the count does change
-    history = launch(_train, 2, dict(kw, pipeline_model_parallel_size=2), timeout=300)[0]
+    history = launch(tw.train_kw, 2, dict(kw, pipeline_model_parallel_size=2), timeout=300)[0]
     for h, r in zip(history, reference, strict=True):
         assert (h["global_batch_size"], h["microbatches"]) == (
             r["global_batch_size"], r["microbatches"],
@@ -157,14 +153,14 @@ def test_every_pipeline_schedule_runs_the_ramp_on_the_one_process_curve(schedule
 
 def test_resume_mid_ramp_continues_the_same_curve(tmp_path):
     layout = dict(RAMP, pipeline_model_parallel_size=2, hidden_dropout=0.1)
-    straight = launch(_train, 2, layout, timeout=300)[0]
-    first = launch(_train, 2, dict(layout, train_iters=3, save=str(tmp_path)), timeout=300)[0]
+    straight = launch(tw.train_kw, 2, layout, timeout=300)[0]
+    first = launch(tw.train_kw, 2, dict(layout, train_iters=3, save=str(tmp_path)), timeout=300)[0]
     # Megatron's rule: a checkpoint before each change of the batch (after iterations 2 and
     # 3), and at the end; the resumed run continues from the third's consumed samples.
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000002", "iter_0000003"]
     state = checkpoint.read_file(tmp_path / "iter_0000003" / "mp_rank_00_000" / checkpoint.FILE)
     assert state["consumed_train_samples"] == 16
-    resumed = launch(_train, 2, dict(layout, load=str(tmp_path)), timeout=300)[0]
+    resumed = launch(tw.train_kw, 2, dict(layout, load=str(tmp_path)), timeout=300)[0]
     assert [h["iteration"] for h in resumed] == [4, 5, 6]
     for a, b in zip(straight, first + resumed, strict=True):
         assert (b["global_batch_size"], b["consumed_samples"]) == (

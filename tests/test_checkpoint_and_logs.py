@@ -14,17 +14,19 @@ from megart.training import checkpoint
 DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)  # random streams must resume too
 
 
-def _train(kw):
-    return tw.train(**kw)
-
-
 def _resumed_equals_straight(tmp_path, nproc, layout):
-    straight = launch(_train, nproc, dict(train_iters=5, **DROPOUT, **layout), timeout=300)
+    straight = launch(tw.train_kw, nproc, dict(train_iters=5, **DROPOUT, **layout), timeout=300)
     first = launch(
-        _train, nproc, dict(train_iters=2, save=str(tmp_path), **DROPOUT, **layout), timeout=300
+        tw.train_kw,
+        nproc,
+        dict(train_iters=2, save=str(tmp_path), **DROPOUT, **layout),
+        timeout=300,
     )
     resumed = launch(
-        _train, nproc, dict(train_iters=5, load=str(tmp_path), **DROPOUT, **layout), timeout=300
+        tw.train_kw,
+        nproc,
+        dict(train_iters=5, load=str(tmp_path), **DROPOUT, **layout),
+        timeout=300,
     )
     for s, f, r in zip(straight, first, resumed, strict=True):
         assert [h["iteration"] for h in f] == [1, 2]
@@ -48,7 +50,7 @@ def test_resume_under_tensor_and_pipeline_parallelism(tmp_path):
 
 
 def test_save_interval_writes_every_interval_and_the_end(tmp_path):
-    launch(_train, 1, dict(train_iters=5, save=str(tmp_path), save_interval=2), timeout=300)
+    launch(tw.train_kw, 1, dict(train_iters=5, save=str(tmp_path), save_interval=2), timeout=300)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "iter_0000002",
         "iter_0000004",
@@ -63,21 +65,23 @@ def test_a_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path):
         launch(tw.train_crashing_at_second_save, 1, str(tmp_path), timeout=300)
     assert checkpoint.latest_iteration(tmp_path) == 1
     assert not (tmp_path / "iter_0000002").exists()
-    resumed = launch(_train, 1, dict(train_iters=2, load=str(tmp_path)), timeout=300)[0]
+    resumed = launch(tw.train_kw, 1, dict(train_iters=2, load=str(tmp_path)), timeout=300)[0]
     assert [h["iteration"] for h in resumed] == [2]
 
 
 def test_loading_another_model_or_nothing_is_refused(tmp_path):
-    launch(_train, 1, dict(train_iters=1, save=str(tmp_path)), timeout=300)
+    launch(tw.train_kw, 1, dict(train_iters=1, save=str(tmp_path)), timeout=300)
     with pytest.raises(LaunchError, match=r"--hidden-size 32 \(now 64\).*cannot be resharded"):
-        launch(_train, 1, dict(train_iters=2, load=str(tmp_path), hidden_size=64), timeout=300)
+        launch(tw.train_kw, 1, dict(train_iters=2, load=str(tmp_path), hidden_size=64), timeout=300)
     # A --load directory with no checkpoint yet is a restartable job's first run (Megatron's
     # behaviour): it starts from scratch. One with checkpoints but no tracker is damaged.
-    fresh = launch(_train, 1, dict(train_iters=1, load=str(tmp_path / "empty")), timeout=300)[0]
+    fresh = launch(tw.train_kw, 1, dict(train_iters=1, load=str(tmp_path / "empty")), timeout=300)[
+        0
+    ]
     assert [h["iteration"] for h in fresh] == [1]
     (tmp_path / checkpoint.TRACKER).unlink()
     with pytest.raises(LaunchError, match="no latest_checkpointed_iteration.txt"):
-        launch(_train, 1, dict(load=str(tmp_path)), timeout=300)
+        launch(tw.train_kw, 1, dict(load=str(tmp_path)), timeout=300)
 
 
 def test_save_interval_without_save_is_refused():
@@ -90,7 +94,7 @@ def test_tensorboard_scalars_match_the_iteration_figures(tmp_path):
         "tensorboard.backend.event_processing.event_accumulator"
     )
     kw = dict(train_iters=3, tensorboard_dir=str(tmp_path), eval_iters=1, eval_interval=2)
-    history = launch(_train, 1, kw, timeout=300)[0]
+    history = launch(tw.train_kw, 1, kw, timeout=300)[0]
     board = event_accumulator.EventAccumulator(str(tmp_path))
     board.Reload()
     losses = [(e.step, e.value) for e in board.Scalars("lm loss")]

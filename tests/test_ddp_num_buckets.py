@@ -68,10 +68,6 @@ def test_the_command_line_takes_and_refuses_the_flags():
     assert status == 2 and "exclude each other" in out
 
 
-def _train(kw):
-    return tw.train(**kw)
-
-
 def test_megatron_cores_distributed_optimizer_loads_a_run_with_num_buckets(tmp_path):
     """Interleaved pp2 x dp2 (the rank's parameters over both model chunks divided; bucketed
     only on the first stage's first chunk, which holds the tied embedding's bucket too), fp16
@@ -87,8 +83,8 @@ def test_megatron_cores_distributed_optimizer_loads_a_run_with_num_buckets(tmp_p
               fp16=True, loss_scale=1024.0, ddp_num_buckets=3, use_distributed_optimizer=True,
               train_iters=2)  # fmt: skip
     ref, ours = str(tmp_path / "ref"), str(tmp_path / "megart")
-    launch(_train, 4, dict(kw, save=ref), timeout=300)
-    launch(_train, 4, dict(kw, save=ours, ckpt_format="torch"), timeout=300)
+    launch(tw.train_kw, 4, dict(kw, save=ref), timeout=300)
+    launch(tw.train_kw, 4, dict(kw, save=ours, ckpt_format="torch"), timeout=300)
     ranks = launch(mdw.load_and_write, 4, kw, ours, ref, None, timeout=300)
     held: dict = {}
     for rank in ranks:

@@ -36,10 +36,6 @@ def test_slices_cover_every_parameter_exactly_once(numels, parts):
     assert all(c == [1] * n for c, n in zip(covered, numels, strict=True))
 
 
-def _train(kw):
-    return tw.train(**kw)
-
-
 LAYOUTS = {
     "dp2": (2, {}),
     "dp4": (4, {}),  # one microbatch per rank; small buckets split unevenly
@@ -53,13 +49,13 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference():
-    return launch(_train, 1, CLIPPED, timeout=300)[0]
+    return launch(tw.train_kw, 1, CLIPPED, timeout=300)[0]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_follows_the_single_process_loss_curve(name, reference):
     nproc, layout = LAYOUTS[name]
-    for history in launch(_train, nproc, {**CLIPPED, **ON, **layout}, timeout=300):
+    for history in launch(tw.train_kw, nproc, {**CLIPPED, **ON, **layout}, timeout=300):
         assert [h["iteration"] for h in history] == [1, 2, 3]
         for h, r in zip(history, reference, strict=True):
             assert r["grad_norm"] > CLIPPED["clip_grad"]
@@ -94,7 +90,7 @@ def test_each_rank_holds_its_share_of_the_moments_and_no_more():
 def test_the_checkpoint_is_the_plain_optimizers(tmp_path):
     """Saved under dp2 with the flag: the same file contents as without it."""
     for flag, sub in ((ON, "on"), ({}, "off")):
-        launch(_train, 2, dict(train_iters=2, save=str(tmp_path / sub), **flag), timeout=300)
+        launch(tw.train_kw, 2, dict(train_iters=2, save=str(tmp_path / sub), **flag), timeout=300)
     files = [
         torch.load(tmp_path / s / "iter_0000002/mp_rank_00/model_optim_rng.pt")
         for s in ("on", "off")
@@ -112,10 +108,10 @@ def test_the_checkpoint_is_the_plain_optimizers(tmp_path):
 
 @pytest.mark.parametrize("saved_with,resumed_with", [(ON, {}), ({}, ON)])
 def test_a_run_resumes_with_the_flag_switched(tmp_path, saved_with, resumed_with):
-    straight = launch(_train, 2, dict(train_iters=4), timeout=300)[0]
-    launch(_train, 2, dict(train_iters=2, save=str(tmp_path), **saved_with), timeout=300)
+    straight = launch(tw.train_kw, 2, dict(train_iters=4), timeout=300)[0]
+    launch(tw.train_kw, 2, dict(train_iters=2, save=str(tmp_path), **saved_with), timeout=300)
     for resumed in launch(
-        _train, 2, dict(train_iters=4, load=str(tmp_path), **resumed_with), timeout=300
+        tw.train_kw, 2, dict(train_iters=4, load=str(tmp_path), **resumed_with), timeout=300
     ):
         assert [h["iteration"] for h in resumed] == [3, 4]
         for h, s in zip(resumed, straight[2:], strict=True):

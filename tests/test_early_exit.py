@@ -18,21 +18,22 @@ from megart.launcher import launch
 from megart.training import checkpoint
 
 
-def _train(kw):
-    return tw.train(**kw)
-
-
 def test_exit_interval_saves_stops_and_resumes_on_the_same_curve(tmp_path):
     layout = dict(pipeline_model_parallel_size=2)
-    straight = launch(_train, 2, dict(train_iters=5, **layout), timeout=300)[0]
+    straight = launch(tw.train_kw, 2, dict(train_iters=5, **layout), timeout=300)[0]
     stopped = launch(
-        _train, 2, dict(train_iters=5, exit_interval=2, save=str(tmp_path), **layout), timeout=300
+        tw.train_kw,
+        2,
+        dict(train_iters=5, exit_interval=2, save=str(tmp_path), **layout),
+        timeout=300,
     )
     for history in stopped:
         assert [h["iteration"] for h in history] == [1, 2]
         assert history[-1]["exit"] == "--exit-interval 2"
     assert checkpoint.latest_iteration(tmp_path) == 2
-    resumed = launch(_train, 2, dict(train_iters=5, load=str(tmp_path), **layout), timeout=300)[0]
+    resumed = launch(
+        tw.train_kw, 2, dict(train_iters=5, load=str(tmp_path), **layout), timeout=300
+    )[0]
     assert [h["iteration"] for h in resumed] == [3, 4, 5]
     assert [h["loss"] for h in stopped[0] + resumed] == pytest.approx(
         [h["loss"] for h in straight], **tw.SAME_RUN
@@ -40,7 +41,9 @@ def test_exit_interval_saves_stops_and_resumes_on_the_same_curve(tmp_path):
 
 
 def test_exit_duration_stops_once_the_time_is_up():
-    for history in launch(_train, 2, dict(train_iters=5, exit_duration_in_mins=0.0), timeout=300):
+    for history in launch(
+        tw.train_kw, 2, dict(train_iters=5, exit_duration_in_mins=0.0), timeout=300
+    ):
         assert [h["iteration"] for h in history] == [1]
         assert history[0]["exit"].startswith("--exit-duration-in-mins 0.0")
 

@@ -28,10 +28,6 @@ def _trainer(**kw):
     return Trainer(tw.tiny(**kw), tokens=tw.builtin_corpus(1 << 16))
 
 
-def _train(kw):
-    return tw.train(**kw)
-
-
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 
@@ -194,8 +190,8 @@ def test_every_layout_follows_the_one_process_curve(precision, layout):
     keep the one-process microbatches: data parallelism divides each rank's loss by fewer of
     them, which scales its 16-bit gradients and so where they overflow, in Megatron-LM too.)"""
     kw = dict(precision, train_iters=5)
-    one = launch(_train, 1, kw, timeout=300)[0]
-    for rank in launch(_train, 2, dict(kw, **layout), timeout=300):
+    one = launch(tw.train_kw, 1, kw, timeout=300)[0]
+    for rank in launch(tw.train_kw, 2, dict(kw, **layout), timeout=300):
         assert [h["skipped"] for h in rank] == [h["skipped"] for h in one]
         for got, want in zip(rank, one, strict=True):
             assert got["loss"] == pytest.approx(want["loss"], **LAYOUT)
@@ -219,9 +215,9 @@ def test_a_resumed_run_continues_exactly(tmp_path, nproc, layout):
     """Checkpoints hold the fp32 main weights: a run resumed after iteration 2 repeats the
     uninterrupted run's iterations 3 and 4 exactly (rounded weights alone would not)."""
     kw = dict(HALF, train_iters=4, **layout)
-    straight = launch(_train, nproc, kw, timeout=300)
-    launch(_train, nproc, dict(kw, exit_interval=2, save=str(tmp_path)), timeout=300)
-    resumed = launch(_train, nproc, dict(kw, load=str(tmp_path)), timeout=300)
+    straight = launch(tw.train_kw, nproc, kw, timeout=300)
+    launch(tw.train_kw, nproc, dict(kw, exit_interval=2, save=str(tmp_path)), timeout=300)
+    resumed = launch(tw.train_kw, nproc, dict(kw, load=str(tmp_path)), timeout=300)
     for s, r in zip(straight, resumed, strict=True):
         assert [h["iteration"] for h in r] == [3, 4]
         for a, b in zip(s[2:], r, strict=True):
@@ -231,7 +227,7 @@ def test_a_resumed_run_continues_exactly(tmp_path, nproc, layout):
 def test_the_checkpoint_holds_the_main_weights_in_fp32(tmp_path):
     """The saved weights are the optimizer's fp32 main weights (not their bf16 rounding), so a
     run with fp32 weights (no --half-weights) loads them as they are."""
-    launch(_train, 1, dict(HALF, train_iters=2, save=str(tmp_path)), timeout=300)
+    launch(tw.train_kw, 1, dict(HALF, train_iters=2, save=str(tmp_path)), timeout=300)
     state = torch.load(
         tmp_path / "iter_0000002" / "mp_rank_00" / checkpoint.FILE, weights_only=False
     )
@@ -264,9 +260,9 @@ def test_a_run_resumes_with_another_flag_or_layout(tmp_path, saved, resumed, npr
     at iteration 4)."""
     kw = dict(train_iters=4)
     one = {**resumed, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
-    straight = launch(_train, 1, dict(kw, **one), timeout=300)[0]
-    launch(_train, 1, dict(kw, **saved, exit_interval=2, save=str(tmp_path)), timeout=300)
-    for rank in launch(_train, nproc, dict(kw, **resumed, load=str(tmp_path)), timeout=300):
+    straight = launch(tw.train_kw, 1, dict(kw, **one), timeout=300)[0]
+    launch(tw.train_kw, 1, dict(kw, **saved, exit_interval=2, save=str(tmp_path)), timeout=300)
+    for rank in launch(tw.train_kw, nproc, dict(kw, **resumed, load=str(tmp_path)), timeout=300):
         assert [h["iteration"] for h in rank] == [3, 4]
         for got, want in zip(rank, straight[2:], strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)

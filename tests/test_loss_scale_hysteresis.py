@@ -112,15 +112,11 @@ def test_a_hysteresis_below_one_is_refused():
     assert status == 2 and "--hysteresis 0" in out and "iteration" not in out
 
 
-def _train(kw):
-    return tw.train(**kw)
-
-
 def test_a_static_scale_trains_with_hysteresis_zero():
     """A static --loss-scale never updates, so --hysteresis 0 (which Megatron's constant
     scaler never reads) does not stop it."""
     kw = dict(fp16=True, loss_scale=1024.0, hysteresis=0, train_iters=2)
-    history = launch(_train, 1, kw, timeout=300)[0]
+    history = launch(tw.train_kw, 1, kw, timeout=300)[0]
     assert [h["loss_scale"] for h in history] == [1024.0, 1024.0]
 
 

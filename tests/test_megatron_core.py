@@ -10,6 +10,7 @@ untied output layer, --use-rope-scaling, --rotary-seq-len-interpolation-factor, 
 import pytest
 
 import megatron_core_workers as mcw
+import train_workers as tw
 from megart.launcher import launch
 
 BASE = dict(vocab_size=100, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4)
@@ -76,20 +77,14 @@ def test_megart_checkpoints_convert_to_megatrons_legacy_format_and_back(tmp_path
         "group_query_attention": True, "num_query_groups": 2, "num_layers": 2,
     }  # fmt: skip
     ckpt = tmp_path / "ckpt"
-    launch(_train, 2, {**llama, "train_iters": 1, "save": str(ckpt),
+    launch(tw.train_kw, 2, {**llama, "train_iters": 1, "save": str(ckpt),
                        "tensor_model_parallel_size": 2}, timeout=300)  # fmt: skip
     r = launch(mcw.legacy_checkpoint_roundtrip, 1, str(ckpt), str(tmp_path), timeout=300)[0]
     assert r["logits"] < 1e-5 and r["iteration"] == 1
     assert r["same_weights"] and r["same_config"]
     # --load of the Megatron-LM checkpoint, under another layout, is --finetune of the original.
-    tuned = launch(_train, 1, {**llama, "load": str(ckpt), "finetune": True}, timeout=300)[0]
+    tuned = launch(tw.train_kw, 1, {**llama, "load": str(ckpt), "finetune": True}, timeout=300)[0]
     megatron = str(tmp_path / "megatron")
-    for history in launch(_train, 2, {**llama, "load": megatron, "tensor_model_parallel_size": 2},
-                          timeout=300):  # fmt: skip
+    tp2 = {**llama, "load": megatron, "tensor_model_parallel_size": 2}
+    for history in launch(tw.train_kw, 2, tp2, timeout=300):
         assert history[0]["loss"] == pytest.approx(tuned[0]["loss"], rel=1e-5)
-
-
-def _train(kw):
-    import train_workers as tw
-
-    return tw.train(**kw)

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import train_workers as tw
 from megart.cli.main import main
 from megart.errors import ConfigError
 from megart.launcher import LaunchError, launch
@@ -257,7 +258,6 @@ def test_train_loads_megatron_cores_torch_dist_into_another_layout(tmp_path, kin
     columns, its stage's layers) and holds exactly the store's tensors; a store of weights
     alone loads as --finetune (iteration 0)."""
     import megatron_dist_workers as mdw
-    import train_workers as tw
 
     store = tmp_path / "dist"
     model_kw = {**TINY_MODEL, **CONFIGS[kind]}
@@ -288,7 +288,6 @@ def test_train_needs_a_flag_for_a_store_with_foreign_optimizer_state(tmp_path):
     """A store whose optimizer state is not the non-distributed optimizer's of this model
     (here one moment of the wrong shape, the rest missing) is refused unless --finetune or
     --no-load-optim, which goes on from the saved iteration."""
-    import train_workers as tw
     from megart.training.megatron_args import megatron_args
     from megart.training.megatron_dist import write
 
@@ -299,17 +298,11 @@ def test_train_needs_a_flag_for_a_store_with_foreign_optimizer_state(tmp_path):
     write(tmp_path / "dist", 5, megatron_args(cfg, 5), model, cfg)
     (tmp_path / "dist" / "latest_checkpointed_iteration.txt").write_text("5\n")
     with pytest.raises(LaunchError, match="add --finetune .* or --no-load-optim"):
-        launch(_train, 1, {"load": str(tmp_path / "dist")}, timeout=300)
+        launch(tw.train_kw, 1, {"load": str(tmp_path / "dist")}, timeout=300)
     kw = {"load": str(tmp_path / "dist"), "train_iters": 7, "no_load_optim": True,
           "no_load_rng": True}  # fmt: skip
     history = launch(tw.train_holding, 1, kw, timeout=300)[0]["history"]
     assert [h["iteration"] for h in history] == [6, 7]
-
-
-def _train(kw):
-    import train_workers as tw
-
-    return tw.train(**kw)
 
 
 def test_reading_keeps_the_globals_allowed_before(tmp_path):

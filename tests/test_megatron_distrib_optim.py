@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import megatron_distopt_workers as mdw
+import train_workers as tw
 from megart.errors import ConfigError
 from megart.launcher import launch
 from megart.training.checkpoint import FILE, iteration_dir, read_file
@@ -40,12 +41,6 @@ SCENARIOS = {  # name: (processes, flags); data-parallel 2 in each
 }  # fmt: skip
 
 
-def _train(kw):
-    import train_workers as tw
-
-    return tw.train(**kw)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Per scenario: megart's uninterrupted 4 iterations (saving its own format after 2, the
@@ -56,12 +51,12 @@ def runs(tmp_path_factory):
         tmp = tmp_path_factory.mktemp(name)
         kw = dict(flags, train_iters=4, use_distributed_optimizer=True)
         ref, ours, theirs = (str(tmp / d) for d in ("ref", "megart", "megatron"))
-        straight = launch(_train, nproc, dict(kw, save=ref, save_interval=2), timeout=300)[0]
-        launch(_train, nproc, dict(kw, save=ours, save_interval=2, exit_interval=2,
+        straight = launch(tw.train_kw, nproc, dict(kw, save=ref, save_interval=2), timeout=300)[0]
+        launch(tw.train_kw, nproc, dict(kw, save=ours, save_interval=2, exit_interval=2,
                                    ckpt_format="torch"), timeout=300)  # fmt: skip
         megatron = launch(mdw.load_and_write, nproc, kw, ours, ref, theirs, timeout=300)
         resumed = {
-            d: launch(_train, nproc, dict(kw, load=d), timeout=300)[0] for d in (ours, theirs)
+            d: launch(tw.train_kw, nproc, dict(kw, load=d), timeout=300)[0] for d in (ours, theirs)
         }
         out[name] = dict(straight=straight, megatron=megatron, ours=ours, theirs=theirs,
                          resumed_ours=resumed[ours], resumed_theirs=resumed[theirs])  # fmt: skip
@@ -167,7 +162,7 @@ def test_a_distrib_optim_checkpoint_reshards_on_load(runs):
     Adam's moments included."""
     r = runs["llama-tp2"]
     kw = dict(LLAMA, train_iters=4, load=r["theirs"])
-    resumed = launch(_train, 1, kw, timeout=300)[0]
+    resumed = launch(tw.train_kw, 1, kw, timeout=300)[0]
     want = [h["loss"] for h in r["straight"][2:]]
     assert [h["loss"] for h in resumed] == pytest.approx(want, rel=1e-5, abs=0)
 

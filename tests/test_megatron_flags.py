@@ -260,17 +260,13 @@ def test_overlap_flags_follow_the_single_process_loss_curve():
     """--overlap-param-gather leaves each bucket's all-gather running after the step (each
     forward waits only for its own buckets); --no-overlap-grad-reduce reduces after backward.
     Both give the single-process loss curve."""
-    reference = [h["loss"] for h in launch(_train, 1, {}, timeout=300)[0]]
+    reference = [h["loss"] for h in launch(tw.train_kw, 1, {}, timeout=300)[0]]
     zero = dict(use_distributed_optimizer=True, overlap_param_gather=True, eval_iters=1)
     for r in launch(mw.pending_gathers, 2, zero, timeout=300):
         assert r["losses"] == pytest.approx(reference, rel=1e-5)
         assert r["after_step"] == r["buckets"] > 0 and r["after_forward"] == 0
-    for history in launch(_train, 2, dict(overlap_grad_reduce=False), timeout=300):
+    for history in launch(tw.train_kw, 2, dict(overlap_grad_reduce=False), timeout=300):
         assert [h["loss"] for h in history] == pytest.approx(reference, rel=1e-5)
-
-
-def _train(kw):
-    return tw.train(**kw)
 
 
 def test_loading_a_checkpoint_of_the_other_rotation_is_refused_naming_the_flag():

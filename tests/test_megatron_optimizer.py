@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import megatron_optim_workers as mow
+import train_workers as tw
 from megart.errors import ConfigError
 from megart.launcher import launch
 from train_workers import SAME_RUN
@@ -28,12 +29,6 @@ CONFIGS = {
     "llama-decoupled-lr": dict(LLAMA, decoupled_lr=5e-4, decoupled_min_lr=1e-5),
 }
 CASES = [(name, tp) for name in ("gpt2", "llama") for tp in (1, 2)] + [("llama-decoupled-lr", 1)]
-
-
-def _train(kw):
-    import train_workers as tw
-
-    return tw.train(**kw)
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +48,10 @@ def runs(tmp_path_factory):
         tmp = tmp_path_factory.mktemp(f"{name}-tp{tp}")
         kw = {**CONFIGS[name], "train_iters": 5, "tensor_model_parallel_size": tp}
         ours, theirs = str(tmp / "megart"), str(tmp / "megatron")
-        straight = launch(_train, tp, {**kw, "save": ours, "save_interval": 1,
+        straight = launch(tw.train_kw, tp, {**kw, "save": ours, "save_interval": 1,
                                        "ckpt_format": "torch"}, timeout=300)[0]  # fmt: skip
         megatron = launch(mow.resume_and_write, tp, kw, ours, theirs, timeout=300)
-        resumed = launch(_train, tp, {**kw, "load": theirs}, timeout=300)[0]
+        resumed = launch(tw.train_kw, tp, {**kw, "load": theirs}, timeout=300)[0]
         out[name, tp] = dict(kw=kw, straight=straight, megatron=megatron, resumed=resumed,
                              dir=theirs)  # fmt: skip
     return out
@@ -95,7 +90,7 @@ def test_a_megatron_written_checkpoint_reshards_on_load(runs):
     resharding path takes it, Adam's moments included."""
     r = runs["llama", 2]
     kw = {**r["kw"], "tensor_model_parallel_size": 1, "load": r["dir"]}
-    resumed = launch(_train, 1, kw, timeout=300)[0]
+    resumed = launch(tw.train_kw, 1, kw, timeout=300)[0]
     want = [h["loss"] for h in r["straight"][3:]]
     assert [h["loss"] for h in resumed] == pytest.approx(want, **SAME_RUN)
 
@@ -132,7 +127,7 @@ def test_megatron_cores_bf16_optimizer_loads_megarts_bf16_files(tmp_path, tp):
     master is its own parameter's (it rounds to the model's bf16 tensor, and holds more than
     it), and every Adam state has its parameter's shape."""
     kw = {**CONFIGS["llama"], "bf16": True, "train_iters": 2, "tensor_model_parallel_size": tp}
-    launch(_train, tp, {**kw, "save": str(tmp_path), "ckpt_format": "torch"}, timeout=300)
+    launch(tw.train_kw, tp, {**kw, "save": str(tmp_path), "ckpt_format": "torch"}, timeout=300)
     for r in launch(mow.load_bf16, tp, kw, str(tmp_path), timeout=300):
         assert r["masters"] == r["params"] > 0
         assert r["masters_match"] and r["masters_differ"] and r["shapes_match"]
@@ -149,7 +144,7 @@ def test_megatron_cores_bf16_optimizer_steps_as_megart_half_weights(tmp_path, tp
     kw = {**CONFIGS["llama"], "bf16": True, "half_weights": True, "train_iters": 2,
           "lr_warmup_iters": 0,  # iteration 1 moves the weights: its file is not the start
           "tensor_model_parallel_size": tp, "ckpt_format": "torch"}  # fmt: skip
-    launch(_train, tp, {**kw, "save": str(tmp_path), "exit_interval": 1}, timeout=300)
+    launch(tw.train_kw, tp, {**kw, "save": str(tmp_path), "exit_interval": 1}, timeout=300)
     ours = launch(mow.megart_half_weights_step, tp, kw, str(tmp_path), timeout=300)
     torch.save(ours, tmp_path / "megart_step.pt")
     theirs = launch(
@@ -174,10 +169,10 @@ def test_megatron_core_loads_each_pipeline_stages_optimizer_state(tmp_path):
     state dicts resumes under megart's pp2 on the uninterrupted curve."""
     kw = dict(train_iters=4, ckpt_format="torch")
     one, two, theirs = (str(tmp_path / d) for d in ("pp1", "pp2", "megatron"))
-    straight = launch(_train, 1, kw, timeout=300)[0]
-    launch(_train, 1, {**kw, "save": one, "exit_interval": 2}, timeout=300)
+    straight = launch(tw.train_kw, 1, kw, timeout=300)[0]
+    launch(tw.train_kw, 1, {**kw, "save": one, "exit_interval": 2}, timeout=300)
     pp2 = {**kw, "pipeline_model_parallel_size": 2}
-    launch(_train, 2, {**pp2, "save": two, "exit_interval": 2}, timeout=300)
+    launch(tw.train_kw, 2, {**pp2, "save": two, "exit_interval": 2}, timeout=300)
     (want,) = launch(mow.pipeline_states, 1, kw, one, timeout=300)
     stages = launch(mow.pipeline_states, 2, kw, two, theirs, timeout=300)
     assert "embedding.word_embeddings.weight" in stages[1]  # the tied copy's moments
@@ -190,7 +185,7 @@ def test_megatron_core_loads_each_pipeline_stages_optimizer_state(tmp_path):
     # under pp2 and resharded to one stage.
     want_losses = [h["loss"] for h in straight[2:]]
     for n, flags in ((2, pp2), (1, kw)):
-        resumed = launch(_train, n, {**flags, "load": theirs}, timeout=300)[0]
+        resumed = launch(tw.train_kw, n, {**flags, "load": theirs}, timeout=300)[0]
         assert [h["iteration"] for h in resumed] == [3, 4]
         assert [h["loss"] for h in resumed] == pytest.approx(want_losses, **SAME_RUN)
 

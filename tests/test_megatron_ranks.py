@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import train_workers as tw
 from megart.cli.main import main
 from megart.launcher import launch
 from megart.models import GPT, GPTConfig
@@ -104,19 +105,13 @@ def test_split_follows_megatron_cores_rules_and_merge_inverts_it(tp, pp, vpp, ll
     assert all(torch.equal(merged[k], whole[k]) for k in whole)
 
 
-def _train(kw):
-    import train_workers as tw
-
-    return tw.train(**kw)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A tp2 x pp2 Llama-style megart checkpoint after one iteration."""
     ckpt = tmp_path_factory.mktemp("megart")
     kw = dict(TRAIN_LLAMA, train_iters=1, save=str(ckpt), tensor_model_parallel_size=2,
               pipeline_model_parallel_size=2)  # fmt: skip
-    launch(_train, 4, kw, timeout=300)
+    launch(tw.train_kw, 4, kw, timeout=300)
     return ckpt
 
 
@@ -184,10 +179,10 @@ def test_load_of_a_tp2_megatron_checkpoint_gives_the_one_rank_ones_loss(saved, t
         _convert("--from", "megart", "--to", "megatron", "--load", str(saved), "--save", str(out),
                  "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size",
                  "1")  # fmt: skip
-        losses[tp] = [h["loss"] for h in launch(_train, 1, {**run, "load": str(out)},
+        losses[tp] = [h["loss"] for h in launch(tw.train_kw, 1, {**run, "load": str(out)},
                                                    timeout=300)[0]]  # fmt: skip
     assert losses[2] == pytest.approx(losses[1], rel=1e-6)
-    tuned = launch(_train, 1, {**run, "load": str(saved), "finetune": True}, timeout=300)[0]
+    tuned = launch(tw.train_kw, 1, {**run, "load": str(saved), "finetune": True}, timeout=300)[0]
     assert losses[2] == pytest.approx([h["loss"] for h in tuned], rel=1e-5)
 
 

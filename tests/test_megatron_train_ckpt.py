@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import train_workers as tw
 from megart.launcher import launch
 from megart.training.checkpoint import FILE, iteration_dir, latest_iteration
 from train_workers import SAME_RUN
@@ -48,12 +49,6 @@ SCENARIOS = {  # name: (processes, flags)
 }
 
 
-def _train(kw):
-    import train_workers as tw
-
-    return tw.train(**kw)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Per scenario: the uninterrupted 4-iteration curve, the checkpoint after 2 iterations in
@@ -61,10 +56,10 @@ def runs(tmp_path_factory):
     out = {}
     for name, (nproc, flags) in SCENARIOS.items():
         ckpt = tmp_path_factory.mktemp(name) / "ckpt"
-        straight = launch(_train, nproc, dict(flags, train_iters=4), timeout=300)[0]
-        launch(_train, nproc, dict(flags, train_iters=2, save=str(ckpt), ckpt_format="torch"),
+        straight = launch(tw.train_kw, nproc, dict(flags, train_iters=4), timeout=300)[0]
+        launch(tw.train_kw, nproc, dict(flags, train_iters=2, save=str(ckpt), ckpt_format="torch"),
                timeout=300)  # fmt: skip
-        resumed = launch(_train, nproc, dict(flags, train_iters=4, load=str(ckpt)),
+        resumed = launch(tw.train_kw, nproc, dict(flags, train_iters=4, load=str(ckpt)),
                          timeout=300)[0]  # fmt: skip
         out[name] = straight, ckpt, resumed
     return out
@@ -190,7 +185,7 @@ def test_a_torch_format_checkpoint_reshards_on_load(runs):
     """The tp2 checkpoint resumed by one process: the files read back as megart's, so the
     resharding path takes them (Adam's moments included) and the curve goes on."""
     straight, ckpt, _ = runs["tp2-fp32"]
-    resumed = launch(_train, 1, dict(train_iters=4, load=str(ckpt)), timeout=300)[0]
+    resumed = launch(tw.train_kw, 1, dict(train_iters=4, load=str(ckpt)), timeout=300)[0]
     assert [h["iteration"] for h in resumed] == [3, 4]
     want = [h["loss"] for h in straight[2:]]
     assert [h["loss"] for h in resumed] == pytest.approx(want, rel=1e-5, abs=0)

@@ -88,14 +88,10 @@ def test_bad_recompute_settings_are_refused():
         dataclasses.replace(BASE, recompute_method="blocks")
 
 
-def _train(kw):
-    return tw.train(**kw)
-
-
 def test_trainer_loss_curve_is_unchanged_by_full_recomputation_at_tp2():
     tp2 = dict(tensor_model_parallel_size=2, hidden_dropout=0.1, attention_dropout=0.1)
-    plain = launch(_train, 2, tp2, timeout=300)[0]
-    full = launch(_train, 2, dict(tp2, recompute_granularity="full"), timeout=300)[0]
+    plain = launch(tw.train_kw, 2, tp2, timeout=300)[0]
+    full = launch(tw.train_kw, 2, dict(tp2, recompute_granularity="full"), timeout=300)[0]
     for a, b in zip(plain, full, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], **tw.SAME_RUN)
         assert b["tflops_per_gpu"] > 0

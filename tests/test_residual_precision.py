@@ -97,21 +97,17 @@ def test_a_block_on_a_bf16_stream_matches_float64(fused_layer_norm):
         assert _relative_error(p.grad, exact_params[name].grad) < 1.5e-2, name
 
 
-def _train(kw):
-    return tw.train(**kw)
-
-
 def test_pipeline_messages_are_16_bit_and_both_streams_follow_their_one_process_curve():
     """pp2 under --bf16: each message is the bf16 stream (half the bytes of
     --fp32-residual-connection's), and each run follows the one-process run of its own flags
     (a pipeline changes no arithmetic: the same products in the same order); the two streams
     round differently, and both stay near the fp32 curve."""
-    fp32 = launch(_train, 1, {}, timeout=300)[0]
+    fp32 = launch(tw.train_kw, 1, {}, timeout=300)[0]
     curves = {}
     for wide in (False, True):
         kw = dict(bf16=True, fp32_residual_connection=wide)
-        one = launch(_train, 1, kw, timeout=300)[0]
-        pp2 = launch(_train, 2, dict(kw, pipeline_model_parallel_size=2), timeout=300)[0]
+        one = launch(tw.train_kw, 1, kw, timeout=300)[0]
+        pp2 = launch(tw.train_kw, 2, dict(kw, pipeline_model_parallel_size=2), timeout=300)[0]
         for h, r, f in zip(pp2, one, fp32, strict=True):
             assert h["loss"] == pytest.approx(r["loss"], rel=1e-5)
             assert h["loss"] == pytest.approx(f["loss"], rel=2e-2)

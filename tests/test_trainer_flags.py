@@ -333,13 +333,9 @@ def test_llama_style_follows_the_single_process_loss_curve(nproc, layout, llama_
 # -- checkpoints ---------------------------------------------------------------------------
 
 
-def _train(kw):
-    return tw.train(**kw)
-
-
 def test_checkpoints_record_the_architecture_and_refuse_another(tmp_path):
     arch = dict(LLAMA, init_method_std=0.01, layernorm_epsilon=1e-6)
-    launch(_train, 1, dict(arch, train_iters=1, save=str(tmp_path)), timeout=300)
+    launch(tw.train_kw, 1, dict(arch, train_iters=1, save=str(tmp_path)), timeout=300)
     saved = checkpoint.read_file(tmp_path / "iter_0000001" / "mp_rank_00" / checkpoint.FILE)
     got = {k: saved["model_config"][k] for k in ("normalization", "position_embedding")}
     assert got == {"normalization": "rmsnorm", "position_embedding": "rotary"}
@@ -350,7 +346,10 @@ def test_checkpoints_record_the_architecture_and_refuse_another(tmp_path):
     assert saved["model_config"]["layernorm_epsilon"] == 1e-6
     # The same flags resume (a different --init-method-std only changes initial weights).
     resumed = launch(
-        _train, 1, dict(arch, init_method_std=0.02, train_iters=2, load=str(tmp_path)), timeout=300
+        tw.train_kw,
+        1,
+        dict(arch, init_method_std=0.02, train_iters=2, load=str(tmp_path)),
+        timeout=300,
     )[0]
     assert [h["iteration"] for h in resumed] == [2]
     # The GPT-2 architecture (every flag left out) is another model.
@@ -363,10 +362,10 @@ def test_checkpoints_record_the_architecture_and_refuse_another(tmp_path):
         r".*cannot be resharded"
     )
     with pytest.raises(LaunchError, match=message):
-        launch(_train, 1, dict(train_iters=2, load=str(tmp_path)), timeout=300)
+        launch(tw.train_kw, 1, dict(train_iters=2, load=str(tmp_path)), timeout=300)
     with pytest.raises(LaunchError, match=r"saved with --swiglu \(now no --swiglu\);"):
         kw = dict(arch, swiglu=False, ffn_hidden_size=64, train_iters=2, load=str(tmp_path))
-        launch(_train, 1, kw, timeout=300)
+        launch(tw.train_kw, 1, kw, timeout=300)
     # export-hf writes this architecture in Llama's format (GPT-2's cannot represent it), with
     # the recorded epsilon; tests/test_hf_llama.py checks the weights and logits.
     out = export_checkpoint(tmp_path, tmp_path / "hf")

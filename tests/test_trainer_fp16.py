@@ -45,17 +45,13 @@ def test_dynamic_scale_skips_overflowing_steps_then_trains(hysteresis):
 def test_static_scale_follows_the_fp32_curve_on_every_rank():
     fp32 = launch(tw.train, 1, timeout=300)[0]
     for history in launch(
-        _train, 2, dict(fp16=True, loss_scale=1024.0, tensor_model_parallel_size=2),
+        tw.train_kw, 2, dict(fp16=True, loss_scale=1024.0, tensor_model_parallel_size=2),
         timeout=300,
     ):  # fmt: skip
         assert [h["skipped"] for h in history] == [False] * 3
         assert [h["loss_scale"] for h in history] == [1024.0] * 3
         for h, r in zip(history, fp32, strict=True):
             assert h["loss"] == pytest.approx(r["loss"], rel=2e-3)
-
-
-def _train(kw):
-    return tw.train(**kw)
 
 
 def test_fp16_and_bf16_together_are_refused():
@@ -74,11 +70,11 @@ def test_a_resumed_run_keeps_the_hysteresis_tracker(tmp_path, ckpt_format):
 
     kw = dict(fp16=True, initial_loss_scale=2.0**24, hysteresis=3, ckpt_format=ckpt_format,
               train_iters=6)  # fmt: skip
-    straight = launch(_train, 1, kw, timeout=300)[0]
+    straight = launch(tw.train_kw, 1, kw, timeout=300)[0]
     ckpt = tmp_path / "ckpt"
     # Stopped after 1 of the 6 iterations (the schedule is the 6-iteration run's, as Megatron's
     # scheduler state is checked against the flags on --load).
-    launch(_train, 1, dict(kw, save=str(ckpt), exit_interval=1), timeout=300)
+    launch(tw.train_kw, 1, dict(kw, save=str(ckpt), exit_interval=1), timeout=300)
     file = iteration_dir(ckpt, 1) / "mp_rank_00" / FILE
     assert read_file(file)["loss_scaler"] == {
         "scale": 2.0**24, "good_steps": 0, "hysteresis_tracker": 2
@@ -100,7 +96,7 @@ def test_a_resumed_run_keeps_the_hysteresis_tracker(tmp_path, ckpt_format):
     want = [(h["loss_scale"], h["skipped"]) for h in straight[1:]]
     assert [s for _, s in want[:2]] == [True, True]  # overflows the tracker decides about
     for d in dirs:
-        resumed = launch(_train, 1, dict(kw, load=str(d)), timeout=300)[0]
+        resumed = launch(tw.train_kw, 1, dict(kw, load=str(d)), timeout=300)[0]
         assert [h["iteration"] for h in resumed] == [2, 3, 4, 5, 6]
         assert [(h["loss_scale"], h["skipped"]) for h in resumed] == want, d
 
@@ -112,9 +108,9 @@ def test_a_megatron_file_of_a_static_loss_scale_resumes(tmp_path):
     from megart.training.checkpoint import FILE, iteration_dir
 
     kw = dict(fp16=True, loss_scale=1024.0, ckpt_format="torch", train_iters=4)
-    straight = launch(_train, 1, kw, timeout=300)[0]
+    straight = launch(tw.train_kw, 1, kw, timeout=300)[0]
     ckpt = tmp_path / "ckpt"
-    launch(_train, 1, dict(kw, save=str(ckpt), exit_interval=2), timeout=300)
+    launch(tw.train_kw, 1, dict(kw, save=str(ckpt), exit_interval=2), timeout=300)
     rank = iteration_dir(ckpt, 2) / "mp_rank_00"
     raw = torch.load(rank / FILE, weights_only=False)
     assert raw["optimizer"]["grad_scaler"] == {}  # not the dynamic scaler's fields
@@ -122,7 +118,7 @@ def test_a_megatron_file_of_a_static_loss_scale_resumes(tmp_path):
     torch.save(raw, rank / FILE)
     for sums in rank.glob("*.sha256"):
         sums.unlink()
-    resumed = launch(_train, 1, dict(kw, load=str(ckpt)), timeout=300)[0]
+    resumed = launch(tw.train_kw, 1, dict(kw, load=str(ckpt)), timeout=300)[0]
     assert [h["iteration"] for h in resumed] == [3, 4]
     assert [h["loss_scale"] for h in resumed] == [1024.0, 1024.0]
     assert [h["loss"] for h in resumed] == pytest.approx([h["loss"] for h in straight[2:]],

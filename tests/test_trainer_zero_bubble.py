@@ -11,10 +11,6 @@ from megart import ConfigError
 from megart.launcher import launch
 
 
-def _train(kw):
-    return tw.train(**kw)
-
-
 def _grads(kw):
     return tw.gradients_after_one_step(**kw)
 
@@ -52,16 +48,19 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_zero_bubble_layouts_follow_the_single_process_loss_curve(name, reference):
     nproc, kw = LAYOUTS[name]
-    for history in launch(_train, nproc, kw, timeout=300):
+    for history in launch(tw.train_kw, nproc, kw, timeout=300):
         same_curve(history, reference)
 
 
 def test_zb_v_on_four_stages_follows_one_process():
     # zb-v's V needs 2p chunks of layers and 2p microbatches: 8 layers, 8 microbatches.
     kw = dict(num_layers=8, global_batch_size=16, train_iters=2)
-    one = launch(_train, 1, kw, timeout=300)[0]
+    one = launch(tw.train_kw, 1, kw, timeout=300)[0]
     for history in launch(
-        _train, 4, dict(kw, pipeline_model_parallel_size=4, pipeline_schedule="zb-v"), timeout=300
+        tw.train_kw,
+        4,
+        dict(kw, pipeline_model_parallel_size=4, pipeline_schedule="zb-v"),
+        timeout=300,
     ):
         for h, r in zip(history, one, strict=True):
             assert h["loss"] == pytest.approx(r["loss"], rel=1e-5)
@@ -86,7 +85,7 @@ def test_gradients_after_one_step_equal_the_single_process_ones():
 )
 def test_half_precision_runs_and_follows_the_fp32_curve(precision, reference):
     # Autocast rounds differently from fp32, so the curve agrees to 2e-2, as test_trainer_fp16's.
-    for history in launch(_train, 2, dict(PP2, **precision), timeout=300):
+    for history in launch(tw.train_kw, 2, dict(PP2, **precision), timeout=300):
         for h, r in zip(history, reference, strict=True):
             assert h["loss"] == pytest.approx(r["loss"], rel=2e-2)
 

@@ -34,13 +34,9 @@ def test_the_output_layer_has_its_own_weight():
     assert float(head.detach()[300:].abs().max()) == 0.0  # padding rows stay zero
 
 
-def _train(kw):
-    return tw.train(**kw)
-
-
 @pytest.fixture(scope="module")
 def reference():
-    return launch(_train, 1, BASE, timeout=300)[0]
+    return launch(tw.train_kw, 1, BASE, timeout=300)[0]
 
 
 LAYOUTS = {
@@ -59,17 +55,19 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_follows_the_single_process_loss_curve(name, reference):
     nproc, layout = LAYOUTS[name]
-    for history in launch(_train, nproc, {**BASE, **layout}, timeout=300):
+    for history in launch(tw.train_kw, nproc, {**BASE, **layout}, timeout=300):
         for h, r in zip(history, reference, strict=True):
             assert h["loss"] == pytest.approx(r["loss"], rel=1e-5)
             assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
 
 
 def test_a_tp2_pp2_checkpoint_resumes_resharded_under_tp1(tmp_path):
-    straight = launch(_train, 1, dict(train_iters=4, **BASE), timeout=300)[0]
+    straight = launch(tw.train_kw, 1, dict(train_iters=4, **BASE), timeout=300)[0]
     layout = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    launch(_train, 4, dict(train_iters=2, save=str(tmp_path), **BASE, **layout), timeout=300)
-    resumed = launch(_train, 1, dict(train_iters=4, load=str(tmp_path), **BASE), timeout=300)[0]
+    launch(tw.train_kw, 4, dict(train_iters=2, save=str(tmp_path), **BASE, **layout), timeout=300)
+    resumed = launch(tw.train_kw, 1, dict(train_iters=4, load=str(tmp_path), **BASE), timeout=300)[
+        0
+    ]
     assert [h["iteration"] for h in resumed] == [3, 4]
     assert [h["loss"] for h in resumed] == pytest.approx(
         [h["loss"] for h in straight[2:]], rel=5e-6, abs=0
@@ -77,6 +75,6 @@ def test_a_tp2_pp2_checkpoint_resumes_resharded_under_tp1(tmp_path):
 
 
 def test_a_tied_checkpoint_is_refused_naming_the_flag(tmp_path):
-    launch(_train, 1, dict(train_iters=1, save=str(tmp_path)), timeout=300)
+    launch(tw.train_kw, 1, dict(train_iters=1, save=str(tmp_path)), timeout=300)
     with pytest.raises(LaunchError, match="no --untie-embeddings-and-output-weights \\(now "):
-        launch(_train, 1, dict(train_iters=2, load=str(tmp_path), **UNTIED), timeout=300)
+        launch(tw.train_kw, 1, dict(train_iters=2, load=str(tmp_path), **UNTIED), timeout=300)

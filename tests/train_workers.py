@@ -28,6 +28,11 @@ def train(**kw: object) -> list[dict]:
     return trainer.train(quiet=True)
 
 
+def train_kw(kw: dict) -> list[dict]:
+    """``train(**kw)`` in the form launch calls: one positional argument."""
+    return train(**kw)
+
+
 def by_place(trainer: object, tensor_of: object) -> dict:
     """``tensor_of(p)`` for every parameter p this rank holds, gathered over tensor parallelism
     and named as the one-chunk GPT names it (``chunk.blocks.{layer}...``), so layouts can be
