@@ -122,6 +122,12 @@ HELP = {
     "mem-allocated-bytes, mem-max-allocated-bytes, mem-reserved-bytes, mem-allocated-count, and "
     "megart's mem-static-bytes) under --tensorboard-dir; nothing on CPU",
     "tensorboard_log_interval": "iterations between TensorBoard scalars",
+    "log_params_norm": "log the L2 norm of the weights after each step (the fp32 main weights "
+    "the optimizer steps; Megatron-LM's params norm / params-norm)",
+    "log_num_zeros_in_grad": "log how many gradient elements each step read as zero "
+    "(Megatron-LM's num zeros / num-zeros; none on a skipped fp16 step)",
+    "log_world_size_to_tensorboard": "also write the number of processes (world-size) under "
+    "--tensorboard-dir",
     "log_validation_ppl_to_tensorboard": "accepted: megart writes the validation and test "
     "perplexities (lm loss validation ppl, ...) always",
     "save": "directory to write checkpoints to (Megatron's layout)",

@@ -221,6 +221,10 @@ class TrainConfig:
     log_memory_to_tensorboard: bool = False  # Megatron's mem-* scalars there too (CUDA only)
     tensorboard_log_interval: int = 1  # iterations between TensorBoard's scalars (Megatron's)
     log_validation_ppl_to_tensorboard: bool = False  # megart writes the perplexities always
+    # Megatron's optional figures of each iteration (megart.training.iteration_stats).
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    log_world_size_to_tensorboard: bool = False
     save: str | None = None  # directory to write checkpoints to
     save_interval: int | None = None  # iterations between checkpoints (and one at the end)
     # Megatron's: checkpoints without the optimizer state (and fp16 loss scale), or without

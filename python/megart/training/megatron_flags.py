@@ -40,6 +40,9 @@ What each does in megart:
   the first stage's first chunk only); both together, or N < 1, are refused as Megatron does.
 - --distributed-timeout-minutes: the bound on every wait of megart's communicator.
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
+- --log-params-norm, --log-num-zeros-in-grad, --log-world-size-to-tensorboard: Megatron's
+  params-norm, num-zeros and world-size figures, in the progress line (the first two) and under
+  --tensorboard-dir (megart.training.iteration_stats).
 - --log-memory-to-tensorboard: Megatron's mem-* scalars under --tensorboard-dir on CUDA
   (megart.training.memory_report); on CPU there is no CUDA allocator, so it writes none.
 - --ckpt-format: megart (the default); torch writes Megatron-LM's legacy format
@@ -162,13 +165,10 @@ NOT_YET = {
         "and to JSON lines (--log-jsonl), not to Weights & Biases; leave it out"
         for name in ("project", "exp-name", "save-dir", "entity")
     },
-    "--log-params-norm": "megart does not compute the weights' norm; leave it out",
-    "--log-num-zeros-in-grad": "megart does not count zero gradients; leave it out",
     "--log-timers-to-tensorboard": "megart has no per-phase timers; leave it out (--profile "
     "traces the iterations)",
     "--timing-log-level": "megart has no per-phase timers; leave it out (--profile traces the "
     "iterations)",
-    "--log-world-size-to-tensorboard": "megart does not write the world size; leave it out",
     "--qk-layernorm": "megart's attention has no query/key norms; leave it out (a model "
     "trained with them cannot be loaded)",
     "--window-size": "megart's attention is causal over the whole sequence, with no sliding "

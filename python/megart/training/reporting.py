@@ -30,6 +30,9 @@ TENSORBOARD_TAGS = {
     "lm loss": "loss",
     "batch-size": "global_batch_size",
     "grad-norm": "grad_norm",
+    "num-zeros": "num_zeros_in_grad",
+    "params-norm": "params_norm",
+    "world-size": "world_size",
     "learning-rate": "lr",
     "tokens-per-second": "tokens_per_s",
     "tflops-per-gpu": "tflops_per_gpu",
@@ -47,7 +50,10 @@ def progress_line(fig: dict[str, Any], train_iters: int, cpu: bool = False) -> s
     return (
         f"iteration {fig['iteration']:>5}/{train_iters} | consumed samples "
         f"{fig['consumed_samples']} | global batch size {fig['global_batch_size']} | loss "
-        f"{fig['loss']:.4f} | grad norm {fig['grad_norm']:.3f} | lr {fig['lr']:.2e} | "
+        f"{fig['loss']:.4f} | grad norm {fig['grad_norm']:.3f} | "
+        + (f"num zeros {zeros} | " if (zeros := fig.get("num_zeros_in_grad")) is not None else "")
+        + (f"params norm {norm:.3f} | " if (norm := fig.get("params_norm")) is not None else "")
+        + f"lr {fig['lr']:.2e} | "
         f"{fig['tokens_per_s']:,.0f} tokens/s | "
         + _throughput(fig["tflops_per_gpu"], fig["mfu"], cpu)
     )

@@ -23,7 +23,7 @@ from megart.errors import ConfigError
 from megart.models.context_parallel import split_for_cp
 from megart.pipeline import PipelineEngine
 from megart.tensor_parallel import fusing_accumulation, sync_sequence_parallel_grads
-from megart.training import batch_rampup, checkpoint, memory_report
+from megart.training import batch_rampup, checkpoint, iteration_stats, memory_report
 from megart.training import optimizer as optim
 from megart.training import trainer_setup as setup
 from megart.training.config import TrainConfig, half_dtype, residual_dtype
@@ -171,7 +171,7 @@ class Trainer:
         m = c.microbatches(self.dp, batch)
         scale = self.scaler.scale if self.scaler else 1.0  # the scale this iteration runs at
         losses = self._forward_backward(iteration, batch, m, scale)
-        skipped, grad_norm, lr = self._update_weights(iteration)
+        skipped, grad_norm, lr, stats = self._update_weights(iteration)
         loss, p2p_bytes = self._loss_and_p2p_bytes(losses, m)
         if c.check_for_nan_in_loss_and_grad and not skipped:
             check_finite("loss", loss, iteration + 1)
@@ -199,6 +199,7 @@ class Trainer:
             "pipeline_p2p_bytes": p2p_bytes,
             "loss_scale": scale,
             "skipped": skipped,
+            **stats,
             **memory_report.static_figure(self.device),  # on CUDA only
         }
 
@@ -225,10 +226,11 @@ class Trainer:
         optim.share_embedding_grads(self.chunks, g, c.pp, self.buckets)
         return losses
 
-    def _update_weights(self, iteration: int) -> tuple[bool, float, float]:
+    def _update_weights(self, iteration: int) -> tuple[bool, float, float, dict[str, Any]]:
         """Clips the gradients by their global norm and steps AdamW at this iteration's learning
         rate, unless an fp16 overflow skips the step on every rank; returns (skipped, gradient
-        norm, learning rate)."""
+        norm, learning rate, the figures --log-num-zeros-in-grad and --log-params-norm ask
+        for)."""
         c, g = self.config, self.grid
         skipped = self.scaler is not None and self._overflowed()
         grad_norm = (
@@ -243,10 +245,23 @@ class Trainer:
         lr = c.learning_rate(done)
         for group in self.optimizer.param_groups:  # --decoupled-lr's group: its own peak, floor
             group["lr"] = c.learning_rate(done, group.get("max_lr"), group.get("min_lr"))
+        stats: dict[str, Any] = {}
+        if c.log_num_zeros_in_grad:  # what the step reads, after clipping, as Megatron counts
+            stats["num_zeros_in_grad"] = (
+                None if skipped else iteration_stats.zeros_in_grads(*self._stats_args)
+            )
         if not skipped:
             self.optimizer.step()
         self.chores.after_optimizer_step()
-        return skipped, grad_norm, lr
+        if c.log_params_norm:
+            stats["params_norm"] = iteration_stats.params_norm(*self._stats_args)
+        if c.log_world_size_to_tensorboard:
+            stats["world_size"] = dist.get_world_size()
+        return skipped, grad_norm, lr, stats
+
+    @property
+    def _stats_args(self) -> tuple[Any, ...]:
+        return self.chunks, self.grid, self.optimizer, self.device
 
     def _loss_and_p2p_bytes(self, losses: list[torch.Tensor], m: int) -> tuple[float, int]:
         """The global batch's mean loss and the pipeline bytes all ranks sent this iteration,
