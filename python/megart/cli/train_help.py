@@ -139,6 +139,9 @@ HELP = {
     "resuming from one needs --no-load-optim or --finetune",
     "no_save_rng": "save checkpoints without the random streams; resuming from one needs "
     "--no-load-rng or --finetune",
+    "save_retain_interval": "keep the checkpoints of iterations that are multiples of N and the "
+    "latest one; delete each other one once the next is complete (Megatron-LM's rule; a multiple "
+    "of --save-interval)",
     "ckpt_step": "load --load's checkpoint of iteration N (iter_000000N) instead of its latest",
     "exit_on_missing_checkpoint": "stop with an error when --load holds no checkpoint, instead "
     "of starting from scratch",

@@ -2,7 +2,7 @@
 --save is refused before any work (not at the first save, after training ran), and a --load
 directory that holds no checkpoint yet is the first run of a restartable job, not an error.
 Also removes the ``iter_*.partial`` folders that crashed saves leave once a newer checkpoint is
-complete."""
+complete, and the checkpoints --save-retain-interval does not keep."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from megart.errors import ConfigError
-from megart.training.ckpt_files import TRACKER
+from megart.training.ckpt_files import TRACKER, iteration_dir
 
 _ITER = re.compile(r"iter_(\d+)(\.partial)?$")
 
@@ -62,3 +62,22 @@ def remove_stale_partials(directory: str | os.PathLike, complete: int) -> None:
         m = _ITER.match(p.name)
         if m and m.group(2) and int(m.group(1)) < complete:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def tracked_iteration(directory: str | os.PathLike) -> int | None:
+    """The iteration the tracker file names, or None (no tracker, or a release checkpoint's)."""
+    tracker = Path(directory) / TRACKER
+    text = tracker.read_text().strip() if tracker.exists() else ""
+    return int(text) if text.isdigit() else None
+
+
+def retire(directory: str | os.PathLike, previous: int | None, latest: int, retain: int) -> None:
+    """Megatron-LM's --save-retain-interval: once checkpoint ``latest`` is complete, the one
+    the tracker named before it (``previous``) is deleted unless its iteration is a multiple of
+    ``retain``. Only that one: checkpoints from before the flag was given stay, and so does a
+    symbolic link (someone made it on purpose), as in Megatron."""
+    if not previous or previous == latest or previous % retain == 0:
+        return
+    path = iteration_dir(directory, previous)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)

@@ -132,7 +132,7 @@ def save(
             megatron_dist_train.finish(
                 partial, config, chunks, grid.layout.dp, optimizer, scaler, iteration, consumed
             )
-        return _publish(directory, iteration, partial, final)
+        return _publish(directory, iteration, partial, final, config.save_retain_interval)
     # Every rank (or none, with --no-save-optim): a distributed optimizer gathers its state over
     # data parallelism.
     optimizer_state = None if config.no_save_optim else optimizer.state_dict()
@@ -160,15 +160,21 @@ def save(
                 state, param_state = megatron_distrib_optim.split(state, grid.pp_rank)
                 write_file(here / megatron_distrib_optim.DISTRIB_FILE, param_state)
         write_file(here / FILE, state)
-    return _publish(directory, iteration, partial, final)
+    return _publish(directory, iteration, partial, final, config.save_retain_interval)
 
 
-def _publish(directory: Any, iteration: int, partial: Path, final: Path) -> Path:
+def _publish(
+    directory: Any, iteration: int, partial: Path, final: Path, retain: int | None = None
+) -> Path:
     """Once every rank has written: the iteration's directory renamed into place, then the
-    tracker replaced (a crash before leaves the last complete checkpoint the latest)."""
+    tracker replaced (a crash before leaves the last complete checkpoint the latest); with
+    --save-retain-interval ``retain``, the previous checkpoint then removed unless retained."""
     dist.barrier()
     if dist.get_rank() == 0:
+        previous = checkpoint_dirs.tracked_iteration(directory)
         _swap_in(directory, iteration, partial, final)
+        if retain is not None:
+            checkpoint_dirs.retire(directory, previous, iteration, retain)
     dist.barrier()
     return final
 

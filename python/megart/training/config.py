@@ -227,6 +227,9 @@ class TrainConfig:
     log_world_size_to_tensorboard: bool = False
     save: str | None = None  # directory to write checkpoints to
     save_interval: int | None = None  # iterations between checkpoints (and one at the end)
+    save_retain_interval: int | None = (
+        None  # Megatron's: keep these and the latest, delete the rest
+    )
     # Megatron's: checkpoints without the optimizer state (and fp16 loss scale), or without
     # the random streams (smaller; resuming from one then needs --no-load-optim/--no-load-rng).
     no_save_optim: bool = False

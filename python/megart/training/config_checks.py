@@ -139,6 +139,15 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
         raise ConfigError(
             f"--save-interval {cfg.save_interval} needs --save DIR and a value of at least 1"
         )
+    retain = cfg.save_retain_interval
+    if retain is not None and not (
+        cfg.save_interval and retain > 0 and retain % cfg.save_interval == 0
+    ):
+        raise ConfigError(
+            f"--save-retain-interval {retain} must be a positive multiple of --save-interval "
+            f"({cfg.save_interval}), as in Megatron-LM: give both, e.g. --save-interval "
+            f"{cfg.save_interval or 100} --save-retain-interval {10 * (cfg.save_interval or 100)}"
+        )
     if (cfg.exit_interval is not None and cfg.exit_interval < 1) or (
         cfg.exit_duration_in_mins is not None and cfg.exit_duration_in_mins < 0
     ):

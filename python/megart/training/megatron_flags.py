@@ -40,6 +40,8 @@ What each does in megart:
   the first stage's first chunk only); both together, or N < 1, are refused as Megatron does.
 - --distributed-timeout-minutes: the bound on every wait of megart's communicator.
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
+- --save-retain-interval N: Megatron's rule: once a checkpoint is complete, the one saved before
+  it is deleted unless its iteration is a multiple of N (megart.training.checkpoint_dirs.retire).
 - --log-params-norm, --log-num-zeros-in-grad, --log-world-size-to-tensorboard: Megatron's
   params-norm, num-zeros and world-size figures, in the progress line (the first two) and under
   --tensorboard-dir (megart.training.iteration_stats).
@@ -158,8 +160,6 @@ NOT_YET = {
     "lost); leave it out",
     "--non-persistent-save-interval": "megart has no non-persistent checkpoints; use "
     "--save-interval",
-    "--save-retain-interval": "megart keeps every checkpoint it saves; leave it out and delete "
-    "old iter_* directories yourself",
     **{
         f"--wandb-{name}": "megart logs to TensorBoard (--tensorboard-dir, Megatron's tags) "
         "and to JSON lines (--log-jsonl), not to Weights & Biases; leave it out"
