@@ -48,6 +48,7 @@ def megatron_model(
         ffn_hidden_size=cfg.ffn_size,
         layernorm_epsilon=cfg.layernorm_epsilon,
         layernorm_zero_centered_gamma=cfg.apply_layernorm_1p,
+        qk_layernorm=cfg.qk_layernorm,
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         add_bias_linear=cfg.bias,
         gated_linear_unit=swiglu,
@@ -73,7 +74,9 @@ def megatron_model(
     with norms, cuda:
         return GPTModel(
             config,
-            get_gpt_layer_local_spec(normalization=config.normalization),
+            get_gpt_layer_local_spec(
+                normalization=config.normalization, qk_layernorm=cfg.qk_layernorm
+            ),
             vocab_size=cfg.padded_vocab_size(tp),
             max_sequence_length=cfg.seq_length,
             position_embedding_type="rope" if rope else "learned_absolute",

@@ -46,6 +46,8 @@ HELP = {
     "layernorm_epsilon": "epsilon of LayerNorm and RMSNorm (also --norm-epsilon, Megatron's "
     "newer name)",
     "normalization": "LayerNorm or RMSNorm",
+    "qk_layernorm": "normalise each query and key head over its channels before rope (the "
+    "model's norm; Megatron-LM's q_layernorm and k_layernorm)",
     "apply_layernorm_1p": "store every norm's weight zero-centred: initialised to 0, the norm "
     "scales by 1 + weight (LayerNorm and RMSNorm; Megatron's layernorm_zero_centered_gamma)",
     "position_embedding_type": "learned_absolute (GPT-2's) or rope (rotary, base 10000)",

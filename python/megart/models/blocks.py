@@ -93,14 +93,15 @@ class LayerNorm(nn.LayerNorm):
             return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
-def norm(cfg: GPTConfig, sequence_parallel: bool) -> nn.Module:
-    """A LayerNorm or RMSNorm. Under sequence parallelism each rank normalises its own slice of
-    the sequence, so the weights' gradients are partial sums, marked for a sum across t."""
-    centred = cfg.apply_layernorm_1p
+def norm(cfg: GPTConfig, sequence_parallel: bool, size: int | None = None) -> nn.Module:
+    """A LayerNorm or RMSNorm over ``size`` channels (default the hidden size). Under sequence
+    parallelism each rank normalises its own slice of the sequence, so the weights' gradients
+    are partial sums, marked for a sum across t."""
+    centred, size = cfg.apply_layernorm_1p, size or cfg.hidden_size
     if cfg.normalization == "rmsnorm":
-        module: nn.Module = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, centred)
+        module: nn.Module = RMSNorm(size, cfg.layernorm_epsilon, centred)
     else:
-        module = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, cfg.bias, centred)
+        module = LayerNorm(size, cfg.layernorm_epsilon, cfg.bias, centred)
     for p in module.parameters():
         p.sequence_parallel = sequence_parallel
     return module
@@ -244,6 +245,11 @@ class Attention(nn.Module):
             init_method=normal_init(out_std),
             generator=generator(cfg.seed, layer, "proj"),
         )
+        if cfg.qk_layernorm:
+            # Each rank normalises its own heads with the same weights: like a sequence-parallel
+            # norm's, their gradients are partial sums across t (Megatron-Core sums them too).
+            self.q_layernorm = norm(cfg, True, cfg.head_dim)
+            self.k_layernorm = norm(cfg, True, cfg.head_dim)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -255,8 +261,11 @@ class Attention(nn.Module):
         q, k, v = grouped.split([per_group, 1, 1], dim=3)
         # [b, heads, s, d] and [b, groups, s, d]: views, with one group per head the very
         # strides the multi-head layout gave.
-        q = q.reshape(s, b, self.local_heads, d).permute(1, 2, 0, 3)
-        k, v = (kv.squeeze(3).permute(1, 2, 0, 3) for kv in (k, v))
+        q, k = q.reshape(s, b, self.local_heads, d), k.squeeze(3)
+        if self.cfg.qk_layernorm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q = q.permute(1, 2, 0, 3)
+        k, v = k.permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
         if rope is not None:
             turn = self.cfg.rotary_interleaved
             q, k = apply_rotary(q, *rope, turn), apply_rotary(k, *rope, turn)

@@ -42,6 +42,10 @@ class GPTConfig:
     # every norm's weight is stored zero-centred, initialised to 0 and applied as 1 + weight,
     # LayerNorm and RMSNorm alike; a LayerNorm's bias is as usual.
     apply_layernorm_1p: bool = False
+    # Megatron's --qk-layernorm: each query and key head normalised over its channels (the
+    # model's norm, one weight of head size for all query heads and one for all key heads)
+    # before rope, as Megatron-Core's q_layernorm and k_layernorm.
+    qk_layernorm: bool = False
     position_embedding: str = "learned"
     activation: str = "gelu"  # GeLU with the tanh approximation, as GPT-2
     bias: bool = True
@@ -304,6 +308,7 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
         "layernorm_epsilon": f"--layernorm-epsilon {cfg.layernorm_epsilon:g}",
         # The same weights mean another scale with and without it.
         "apply_layernorm_1p": ("" if cfg.apply_layernorm_1p else "no ") + "--apply-layernorm-1p",
+        "qk_layernorm": ("" if cfg.qk_layernorm else "no ") + "--qk-layernorm",
         # Rotary settings change what the weights mean only where there are rotary positions.
         # The factor is named only with the scaling on: without it, it changes nothing.
         "rotary": (

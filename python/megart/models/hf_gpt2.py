@@ -107,6 +107,7 @@ def check(cfg: GPTConfig) -> None:
             # GPT-2 has one key/value head per query head.
             ("num_query_groups", cfg.query_groups, cfg.num_attention_heads),
             ("rotary_percent", cfg.rotary_percent, 1.0),
+            ("qk_layernorm", cfg.qk_layernorm, False),
         ],
         "only models trained with GPT-2's own architecture can be written in its format",
     )

@@ -93,6 +93,7 @@ def check(cfg: GPTConfig) -> None:
             ("normalization", cfg.normalization, "rmsnorm"),
             ("position_embedding", cfg.position_embedding, "rotary"),
             ("activation", cfg.activation, "swiglu"),
+            ("qk_layernorm", cfg.qk_layernorm, False),  # Llama has no query/key norms
         ],
         "only models with RMSNorm, rotary positions and SwiGLU can be written in its format",
     )

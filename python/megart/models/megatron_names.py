@@ -27,6 +27,8 @@ LAYER_NAMES = {
     "ln_1": "input_layernorm",
     "attn.qkv": "self_attention.linear_qkv",
     "attn.proj": "self_attention.linear_proj",
+    "attn.q_layernorm": "self_attention.q_layernorm",
+    "attn.k_layernorm": "self_attention.k_layernorm",
     "ln_2": "pre_mlp_layernorm",
     "mlp.fc": "mlp.linear_fc1",
     "mlp.proj": "mlp.linear_fc2",

@@ -270,8 +270,9 @@ class VocabParallelEmbedding(nn.Module):
 
 def sync_sequence_parallel_grads(module: nn.Module, tp_group: ProcessGroup | None) -> None:
     """All-reduces, across ``tp_group``, the gradients of the parameters marked
-    ``sequence_parallel`` (replicated parameters applied to one sequence slice per rank, such
-    as RowParallelLinear's bias or a LayerNorm's weight), so that each holds the full gradient.
+    ``sequence_parallel`` (replicated parameters applied to one slice per rank: of the sequence,
+    as RowParallelLinear's bias or a LayerNorm's weight, or of the heads, as --qk-layernorm's
+    weights), so that each holds the full gradient.
     Call it after backward, before the optimizer step; one all-reduce per dtype."""
     if group_size(tp_group) == 1:
         return

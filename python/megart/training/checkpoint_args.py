@@ -57,6 +57,7 @@ FORCED = (
     "swiglu",
     "untie_embeddings_and_output_weights",
     "apply_layernorm_1p",
+    "qk_layernorm",
     "normalization",
     "layernorm_epsilon",
     "attention_dropout",
@@ -161,6 +162,7 @@ def flags_from(
         swiglu=cfg.activation == "swiglu",
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
+        qk_layernorm=cfg.qk_layernorm,
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         layernorm_epsilon=cfg.layernorm_epsilon,
         # Megatron-LM's args have them; megart's records too (import-hf's: 0).

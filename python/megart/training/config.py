@@ -88,6 +88,7 @@ class TrainConfig:
     layernorm_epsilon: float = 1e-5
     normalization: str = "LayerNorm"
     apply_layernorm_1p: bool = False  # zero-centred norm weights, applied as 1 + weight
+    qk_layernorm: bool = False  # Megatron's: query and key heads normalised before rope
     position_embedding_type: str = "learned_absolute"
     swiglu: bool = False
     disable_bias_linear: bool = False
@@ -360,6 +361,7 @@ class TrainConfig:
             layernorm_epsilon=self.layernorm_epsilon,
             normalization=NORMALIZATIONS[self.normalization],
             apply_layernorm_1p=self.apply_layernorm_1p,
+            qk_layernorm=self.qk_layernorm,
             position_embedding=POSITION_EMBEDDING_TYPES[self.position_embedding_type],
             activation="swiglu" if self.swiglu else "gelu",
             bias=not self.disable_bias_linear,

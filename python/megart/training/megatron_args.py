@@ -44,6 +44,7 @@ def megatron_args(
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         norm_epsilon=cfg.layernorm_epsilon,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
+        qk_layernorm=cfg.qk_layernorm,
         position_embedding_type="rope"
         if cfg.position_embedding == "rotary"
         else "learned_absolute",
@@ -96,6 +97,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         apply_layernorm_1p=bool(
             a.get("apply_layernorm_1p", a.get("layernorm_zero_centered_gamma", False))
         ),
+        qk_layernorm=bool(a.get("qk_layernorm", False)),
         position_embedding="rotary" if rope else "learned",
         rotary_base=float(a.get("rotary_base", 10000)),
         rotary_interleaved=bool(a.get("rotary_interleaved", False)),

@@ -40,6 +40,9 @@ What each does in megart:
   the first stage's first chunk only); both together, or N < 1, are refused as Megatron does.
 - --distributed-timeout-minutes: the bound on every wait of megart's communicator.
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
+- --qk-layernorm: each query and key head normalised before rope, as Megatron-Core's
+  q_layernorm/k_layernorm (megart.models.blocks.Attention); Hugging Face's Llama and GPT-2
+  formats have no such norms, so export-hf refuses such a model.
 - --save-retain-interval N: Megatron's rule: once a checkpoint is complete, the one saved before
   it is deleted unless its iteration is a multiple of N (megart.training.checkpoint_dirs.retire).
 - --log-params-norm, --log-num-zeros-in-grad, --log-world-size-to-tensorboard: Megatron's
@@ -169,8 +172,6 @@ NOT_YET = {
     "traces the iterations)",
     "--timing-log-level": "megart has no per-phase timers; leave it out (--profile traces the "
     "iterations)",
-    "--qk-layernorm": "megart's attention has no query/key norms; leave it out (a model "
-    "trained with them cannot be loaded)",
     "--window-size": "megart's attention is causal over the whole sequence, with no sliding "
     "window; leave it out",
     "--init-method-xavier-uniform": "megart initialises from a normal of --init-method-std; "
