@@ -117,10 +117,15 @@ def test_each_tensor_parallel_rank_holds_the_whole_gradient_of_the_norms(layout)
             torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-8)
 
 
-def test_a_tp2_checkpoint_resumes_on_one_process_and_records_the_flag(tmp_path, one_process):
-    kw = dict(TRAIN, save=str(tmp_path), exit_interval=2)
+@pytest.mark.parametrize("ckpt_format", ["megart", "torch", "torch_dist"])
+def test_a_tp2_checkpoint_resumes_on_one_process_and_records_the_flag(
+    tmp_path, one_process, ckpt_format
+):
+    kw = dict(TRAIN, save=str(tmp_path), exit_interval=2, ckpt_format=ckpt_format)
     launch(tw.train_kw, 2, dict(kw, tensor_model_parallel_size=2), timeout=300)
-    resumed = launch(tw.train_kw, 1, dict(TRAIN, load=str(tmp_path)), timeout=300)[0]
+    resumed = launch(
+        tw.train_kw, 1, dict(TRAIN, load=str(tmp_path), ckpt_format=ckpt_format), timeout=300
+    )[0]
     assert [h["loss"] for h in resumed] == pytest.approx(
         [h["loss"] for h in one_process[2:]], rel=5e-6
     )

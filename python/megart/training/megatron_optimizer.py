@@ -51,6 +51,8 @@ _LAYER_PARTS = (
     "input_layernorm",
     "self_attention.linear_proj",
     "self_attention.linear_qkv",
+    "self_attention.q_layernorm",  # --qk-layernorm's, built after linear_qkv
+    "self_attention.k_layernorm",
     "pre_mlp_layernorm",
     "mlp.linear_fc1",
     "mlp.linear_fc2",
