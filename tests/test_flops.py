@@ -68,8 +68,17 @@ def test_flops_of_any_mlp_size_and_swiglu_sum_the_matmuls(
         dict(ffn_hidden_size=24),
         dict(activation="swiglu", recompute_granularity="full"),
         {},
+        # Llama-style: rope (elementwise, no products), grouped queries (narrower k and v
+        # projections; the core over every query head, keys repeated), SwiGLU.
+        dict(
+            activation="swiglu",
+            num_query_groups=2,
+            position_embedding="rotary",
+            normalization="rmsnorm",
+            bias=False,
+        ),
     ],
-    ids=["swiglu-48", "gelu-24", "swiglu-4h-recompute", "gpt2"],
+    ids=["swiglu-48", "gelu-24", "swiglu-4h-recompute", "gpt2", "llama-gqa-rope"],
 )
 def test_flops_equal_torchs_flop_counter_on_the_model(kw):
     """torch counts the products a real forward and backward run (the attention core through
@@ -94,3 +103,34 @@ def test_flops_equal_torchs_flop_counter_on_the_model(kw):
     recompute = cfg.recompute_granularity == "full"
     # torch's math kernel multiplies the whole s x s matrix (the mask applied after).
     assert model_flops(cfg, 3, recompute, causal=False) == counter.get_total_flops()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    b=st.integers(1, 64),
+    s=st.integers(1, 8192),
+    l=st.integers(1, 96),
+    groups=st.integers(1, 16),
+    per_group=st.integers(1, 8),
+    d=st.integers(1, 256),
+    f=st.integers(1, 1 << 15),
+    v=st.integers(1, 1 << 17),
+    swiglu=st.booleans(),
+)
+def test_flops_of_grouped_queries_and_swiglu_are_megatrons(
+    b, s, l, groups, per_group, d, f, v, swiglu
+):
+    """Megatron-LM's num_floating_point_operations for a dense GPT (facts from its
+    training.py): per token and layer, 3 passes x 2 FLOPs per multiply-add over the q/k/v
+    projection h (q + 2 kv) and the output projection q h, q = heads x head size and kv =
+    groups x head size; the MLP h f times 3 with SwiGLU, 2 without; the logits h V once; per
+    sequence and layer, the same 6 times q s^2 / 2 (the causal half) for each of the scores
+    and the scores x values."""
+    heads = groups * per_group
+    h = q = heads * d
+    kv = groups * d
+    token = 6 * l * (h * (q + 2 * kv) + q * h + h * f * (3 if swiglu else 2)) + 6 * h * v
+    core = 6 * l * q * s * s  # 2 products x q s^2 / 2 each, x 3 passes x 2 FLOPs
+    megatron = b * s * token + b * core
+    got = iteration_flops(b, s, l, h, v, ffn_hidden=f, swiglu=swiglu, kv_hidden=kv)
+    assert got == megatron

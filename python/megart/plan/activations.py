@@ -5,19 +5,37 @@ per layer, in elements of one microbatch (s tokens x b sequences), t tensor-para
 
     norm inputs (the residual stream)     2 h        (/t with sequence parallelism)
     norm outputs, the q/k/v and MLP inputs 2 h        (whole sequence even with sequence
-                                                       parallelism: the gathered input is saved)
-    q, k, v per query head                3 h/t      (the fused output itself with one group per
-                                                       head; with grouped keys and values, the
-                                                       keys and values repeated per head, and q:
-                                                       a copy, or with one group per rank the
-                                                       fused output, (h + 2 kv)/t)
-    attention output (= projection input) h/t
-    MLP                                   2 f/t (GeLU: its input and output), 4 f/t (SwiGLU)
+                                                       parallelism: the gathered input is saved;
+                                                       3 h with SwiGLU and sequence parallelism,
+                                                       whose gate and up projections each gather
+                                                       and keep a copy)
+    q, k, v as attention takes them       3 h/t      with one group per head and learned
+                                                       positions: views of the fused q/k/v
+                                                       output (see attention_elements for rope,
+                                                       grouped queries and selective
+                                                       recomputation)
+    attention output (= projection input) h/t        (2 h/t with rope: see attention_elements)
+    MLP                                   2 f/t (GeLU: its input and output), 4 f/t (SwiGLU:
+                                          the gate's input, its SiLU, the up projection, the
+                                          product)
     norm statistics (fp32)                2 per norm (LayerNorm's mean and rstd; RMSNorm's
                                           input in fp32 instead)
     attention log-sum-exp (fp32)          heads/t per token (flash attention saves no s x s
                                           matrix; with --attention unfused the scores are
                                           kept as Korthikanti et al. count them, 5 a s/t)
+    hidden dropout masks (--hidden-dropout > 0) 2 h bytes (/t with sequence parallelism): a
+                                          GPU's fused dropout keeps a bool mask per sub-layer
+    and once per microbatch and chunk, rope's fp32 cos and sin tables, s rotary_dim elements
+    (rope_table_bytes), shared by the chunk's layers.
+
+Which kernel: the count is a GPU's with 16-bit activations (flash attention, torch's fused
+dropout), which is what megart plan assumes. A CPU's kernels save the same tensors here but
+for two: dropout keeps its mask in the activations' dtype (2 or 4 bytes, not 1), and attention
+dropout > 0 sends a CPU to the math kernel, which keeps s x s matrices that flash attention
+does not (a GPU's flash kernel keeps only a random-number state for it: nothing is counted).
+The tests add the first as a CPU term and run without attention dropout. An fp32 run on a GPU
+takes the memory-efficient kernel, whose output is sequence-major whatever q's layout: with
+rope its projection input is a view, h/t fewer than counted.
 
 With autocast (--bf16/--fp16) everything is 16-bit, the residual stream too unless
 --fp32-residual-connection keeps it fp32. Selective recomputation drops the attention core's
@@ -89,26 +107,80 @@ def layer_bytes(
     heads = cfg.num_attention_heads // t
     residual = 2 * h * seq_share * prec.residual
     norm_out = 2 * h * prec.other
-    # Attention keeps q, k and v per query head: views of the fused output with one group per
-    # head; with fewer groups the repeated keys and values, and q, which is a view of the fused
-    # output when a rank holds one group and a copy otherwise.
-    qkv = 3 * h / t
-    groups = cfg.query_groups // t
-    grouped = groups * t != cfg.num_attention_heads
-    if grouped:
-        fused = (h + 2 * cfg.query_groups * cfg.head_dim) / t
-        qkv = 2 * h / t + (fused if groups == 1 else h / t)
-        if cp > 1:  # the repeated keys and values span the whole sequence: counted below
-            qkv -= 2 * h / t
+    if sp and t > 1 and cfg.activation == "swiglu":
+        # SwiGLU's gate and up projections are two column-parallel layers: each all-gathers
+        # the sequence-parallel norm output and keeps its own gathered copy.
+        norm_out += h * prec.other
+    if cp == 1:
+        attention = attention_elements(cfg, t, recompute)
+    else:  # context parallelism's count, as it was (its rope and selective terms unaudited)
+        # Attention keeps q, k and v per query head: views of the fused output with one group
+        # per head; with fewer groups the repeated keys and values, and q, which is a view of
+        # the fused output when a rank holds one group and a copy otherwise.
+        qkv = 3 * h / t
+        groups = cfg.query_groups // t
+        if groups * t != cfg.num_attention_heads:
+            fused = (h + 2 * cfg.query_groups * cfg.head_dim) / t
+            qkv = 2 * h / t + (fused if groups == 1 else h / t)
+            qkv -= 2 * h / t  # the repeated keys and values span the whole sequence: below
+        attention = qkv + h / t
     mlp = (4 if cfg.activation == "swiglu" else 2) * f / t
-    other = (qkv + h / t + mlp) * prec.other
+    other = (attention + mlp) * prec.other
     norms = 2 * seq_share * norm_statistics(cfg)
+    masks = 2 * h * seq_share * dropout_mask_bytes(cfg)
     core = 0.0
     if recompute != "selective":  # unfused: the scores of each query against its keys
         keys = s if cp == 1 else s * cp_score_share(cp)
         core = heads * 4 if not unfused_attention else 5 * heads * keys * prec.other / 2
-    local = tokens * (residual + norm_out + other + norms + core)
+    local = tokens * (residual + norm_out + other + norms + masks + core)
     return local + (gathered_kv_bytes(cfg, b, tp, recompute, prec, cp) if cp > 1 else 0.0)
+
+
+def attention_elements(cfg: GPTConfig, t: int, recompute: str | None) -> float:
+    """Elements per token one layer's attention keeps besides its input (the norm output),
+    without context parallelism, from what megart's Attention hands on (traced with torch's
+    saved-tensor hooks). h = heads x head size, kv = query groups x head size, the fused q/k/v
+    projection's output is (h + 2 kv)/t per token on each of t ranks, and attention keeps its
+    q, k and v (flash attention's inputs, or selective recomputation's checkpoint inputs):
+
+    - q: a view of the fused output, except with rope (rope's output, h/t, a new tensor) or
+      with more than one query group per rank (the per-head reshape copies it, h/t).
+    - k: a view, except with rope (rope's output: h/t, or kv/t under selective recomputation,
+      which keeps k before it is repeated per head); with grouped queries and no selective
+      recomputation the keys repeated per head, h/t, whichever k was before.
+    - v: a view, or with grouped queries and no selective recomputation repeated per head, h/t.
+    - the fused output, (h + 2 kv)/t, whenever one of the three is a view of it.
+    - the attention output h/t (the projection's input, a view of it), and with rope a second
+      h/t: flash attention's output follows q's memory layout, and rope's q is laid out
+      [b, heads, s, d], so the projection's [s, b, h] input is a copy, not a view (with
+      selective recomputation only that copy is kept).
+
+    Multi-head attention with learned positions: 3 h/t + h/t, as Korthikanti et al. count
+    q, k, v and the attention output; with rope 7 h/t."""
+    h, kv = cfg.hidden_size, cfg.query_groups * cfg.head_dim
+    rope = cfg.position_embedding == "rotary"
+    grouped = cfg.query_groups != cfg.num_attention_heads
+    q_copied = rope or (grouped and cfg.query_groups // t > 1)
+    if recompute == "selective":  # the checkpoint's inputs: k and v before the repetition
+        kept = (h if q_copied else 0) + (kv if rope else 0)
+        views = True  # v always is one
+    else:
+        k_new, v_new = rope or grouped, grouped
+        kept = (h if q_copied else 0) + (h if k_new else 0) + (h if v_new else 0)
+        views = not (q_copied and k_new and v_new)
+    fused = h + 2 * kv if views else 0
+    # Under selective recomputation flash attention's own output is recomputed, not kept.
+    out = h * (2 if rope and recompute != "selective" else 1)
+    return (kept + fused + out) / t
+
+
+def rope_table_bytes(cfg: GPTConfig, recompute: str | None, cp: int = 1) -> float:
+    """rope's cos and sin, fp32 [s/cp, rotary_dim/2] each, made once per chunk and microbatch
+    and saved by every layer's rotation (the same two tensors): none with learned positions,
+    none held with full recomputation (made again inside each recomputed layer)."""
+    if cfg.position_embedding != "rotary" or recompute == "full":
+        return 0.0
+    return cfg.seq_length // cp * cfg.rotary_dim * 4
 
 
 def gathered_kv_bytes(
@@ -126,13 +198,21 @@ def gathered_kv_bytes(
     return s * b * kv * prec.other
 
 
-def first_stage_bytes(cfg: GPTConfig, b: int, tp: int, cp: int = 1) -> float:
+def dropout_mask_bytes(cfg: GPTConfig) -> int:
+    """Bytes per element of a hidden-dropout mask: a GPU's fused dropout keeps a bool mask;
+    none without dropout (a CPU keeps the mask in the activations' dtype instead)."""
+    return 1 if cfg.hidden_dropout > 0 else 0
+
+
+def first_stage_bytes(cfg: GPTConfig, b: int, tp: int, cp: int = 1, sp: bool = False) -> float:
     """The embedding's saves: token ids (int64) and, with t > 1, the mask of ids held
     elsewhere (one byte); with context parallelism and learned positions, the int64 global
-    positions that index the position table."""
+    positions that index the position table; with hidden dropout the embedding dropout's
+    mask (this rank's slice of the sequence with sequence parallelism)."""
     local = cfg.seq_length // cp
     rows = local * 8 if cp > 1 and cfg.position_embedding == "learned" else 0
-    return local * b * (8 + 1) + rows
+    mask = cfg.hidden_size / (tp if sp else 1) * dropout_mask_bytes(cfg)
+    return local * b * (8 + 1 + mask) + rows
 
 
 def last_stage_bytes(

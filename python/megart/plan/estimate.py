@@ -321,7 +321,8 @@ def _worst_rank_memory(
         assert run.plan is not None
         rec = cfg.recompute_granularity
         one = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention)
-        per_pair = [n * one + act.output_bytes(cfg, b, t, sp, prec) for n in layers]
+        pair = act.output_bytes(cfg, b, t, sp, prec) + act.rope_table_bytes(cfg, rec)
+        per_pair = [n * one + pair for n in layers]
         grads = [act.weight_grad_bytes(cfg, b, t, prec) * n for n in layers]
         out_grads = act.output_weight_grad_bytes(cfg, b, t, prec)
         last = p * v - 1

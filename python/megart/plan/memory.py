@@ -63,14 +63,16 @@ def rank_memory(
         full = act.layer_bytes(cfg, b, t, sp, None, prec, unfused_attention, cp)
     n = held.activations
     saved = n * per_chunk_layers * layer_bytes
+    if not megatron:  # rope's cos and sin, shared by a chunk's layers
+        saved += n * act.rope_table_bytes(cfg, rec, cp)
     if pp_rank == 0:
-        saved += n * act.first_stage_bytes(cfg, b, t, cp)
+        saved += n * act.first_stage_bytes(cfg, b, t, cp, sp)
     if pp_rank == (0 if layout.kind == "zb-v" else p - 1):  # zb-v's last stage is on rank 0
         saved += act.last_stage_bytes(cfg, b, t, sp, prec, cp)
     outputs = 0.0
     if (pp_rank < p - 1 or v > 1) and not megatron:
         outputs = n * act.output_bytes(cfg, b, t, sp, prec, cp)
-    working = full if rec == "full" else 0.0
+    working = full + act.rope_table_bytes(cfg, None, cp) if rec == "full" else 0.0
     grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec)
     grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec)
     # 16-bit weights with fp32 main weights need no autocast copies (megart's --half-weights

@@ -1,0 +1,146 @@
+"""megart plan's per-layer activation count against what one megart layer saves for backward
+(torch's saved-tensor hooks, one process), over the model options that change those saves:
+rope (whole or partial), SwiGLU, RMSNorm, grouped queries (one group, some, one per head), no
+biases, hidden dropout, fp32 or bf16 autocast, selective recomputation or none. The real-rank
+rows (tp2, pp2, sequence parallelism) are in test_plan_memory.py's CASES.
+
+The plan counts a GPU's kernels; a CPU's dropout keeps its mask in the activations' dtype where
+a GPU's keeps one byte per element, added here as a CPU term. Attention dropout stays 0: it
+sends a CPU to the math kernel (s x s matrices flash attention does not keep). Uncounted, under
+bf16: the 16-bit casts of 1-D weights and CPU LayerNorm's 16-bit mean and rstd (O(h) and
+O(s b) bytes against O(s b h), under 0.3% here)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megart.models.blocks import Block, rotary
+from megart.models.config import GPTConfig
+from megart.plan import activations as act
+from plan_workers import SavedBytes
+
+SEQ, BATCH = 32, 5  # 160 tokens: no weight's dimension (SavedBytes leaves those out)
+
+
+def saved_by_one_layer(cfg: GPTConfig, bf16: bool) -> int:
+    """Peak bytes one Block's forward leaves saved for its backward (its input not counted:
+    the previous layer's output, a leaf here)."""
+    torch.manual_seed(0)
+    block = Block(cfg, 0, None, False)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x = torch.randn(SEQ, BATCH, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    rope = None
+    if cfg.position_embedding == "rotary":
+        rope = rotary(SEQ, cfg.rotary_dim, x.device, cfg.rotary_base)
+    meter = SavedBytes(list(block.parameters()))
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    with meter.hooks(), cast:
+        y = block(x, rope)
+    del y
+    return meter.peak
+
+
+def planned(cfg: GPTConfig, bf16: bool) -> float:
+    """The plan's bytes for one layer and microbatch, with the chunk's rope tables, plus what
+    a CPU's dropout masks keep beyond a GPU's one byte."""
+    prec = act.precision_of(bf16, False)
+    rec = cfg.recompute_granularity
+    want = act.layer_bytes(cfg, BATCH, 1, False, rec, prec) + act.rope_table_bytes(cfg, rec)
+    if cfg.hidden_dropout > 0:
+        want += 2 * SEQ * BATCH * cfg.hidden_size * (prec.other - 1)
+    return want
+
+
+def llama(**kw: object) -> GPTConfig:
+    base = dict(
+        seq_length=SEQ,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_layers=1,
+        vocab_size=256,
+        normalization="rmsnorm",
+        activation="swiglu",
+        position_embedding="rotary",
+        bias=False,
+        num_query_groups=2,
+    )
+    return GPTConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("recompute", [None, "selective"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "name,cfg",
+    [
+        ("llama", llama()),
+        ("llama mha", llama(num_query_groups=None)),
+        ("llama mqa", llama(num_query_groups=1)),
+        ("llama partial rope", llama(rotary_percent=0.5)),
+        (
+            "gpt-2 with rope",
+            GPTConfig(
+                seq_length=SEQ,
+                hidden_size=64,
+                num_attention_heads=4,
+                num_layers=1,
+                position_embedding="rotary",
+            ),
+        ),
+    ],  # fmt: skip
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_one_layer_saves_what_the_plan_counts(name, cfg, bf16, recompute):
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, recompute_granularity=recompute)
+    got, want = saved_by_one_layer(cfg, bf16), planned(cfg, bf16)
+    # fp32: every saved tensor is counted, to the byte; bf16: see the module's docstring.
+    assert got == pytest.approx(want, rel=0.01 if bf16 else 0), (name, got, want, got / want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rope=st.booleans(),
+    partial=st.booleans(),
+    swiglu=st.booleans(),
+    rmsnorm=st.booleans(),
+    groups=st.sampled_from([None, 1, 2, 4]),
+    bias=st.booleans(),
+    dropout=st.sampled_from([0.0, 0.1]),
+    bf16=st.booleans(),
+    recompute=st.sampled_from([None, "selective"]),
+)
+def test_any_option_mix(rope, partial, swiglu, rmsnorm, groups, bias, dropout, bf16, recompute):
+    cfg = llama(
+        position_embedding="rotary" if rope else "learned",
+        rotary_percent=0.5 if partial and rope else 1.0,
+        activation="swiglu" if swiglu else "gelu",
+        normalization="rmsnorm" if rmsnorm else "layernorm",
+        num_query_groups=groups,
+        bias=bias,
+        hidden_dropout=dropout,
+        recompute_granularity=recompute,
+    )
+    got, want = saved_by_one_layer(cfg, bf16), planned(cfg, bf16)
+    assert got == pytest.approx(want, rel=0.01 if bf16 else 0), (cfg, bf16, got, want)
+
+
+def test_rope_keeps_more_than_learned_positions():
+    """rope's q and k are new tensors, and the attention output a copy of its own: 3 h more
+    per token than learned positions with multi-head attention (plus the cos/sin tables)."""
+    h = 64
+    rope = llama(num_query_groups=None, activation="gelu", normalization="layernorm")
+    learned = llama(
+        num_query_groups=None, activation="gelu", normalization="layernorm",
+        position_embedding="learned",
+    )  # fmt: skip
+    prec = act.precision_of(False, False)
+    diff = act.layer_bytes(rope, 1, 1, False, None, prec) - act.layer_bytes(
+        learned, 1, 1, False, None, prec
+    )
+    assert diff == SEQ * 3 * h * 4
