@@ -345,7 +345,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            return self.proj(F.silu(self.gate(x)) * self.fc(x))
+            x = self.fc.enter(x)  # once for both: one collective each way, one saved input
+            return self.proj(F.silu(self.gate(x, entered=True)) * self.fc(x, entered=True))
         if self.bias_gelu_fusion:
             y = self.fc(x, add_bias=False)
             # The bias in the activation's dtype, as autocast gives F.linear's bias add.

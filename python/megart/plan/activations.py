@@ -5,10 +5,8 @@ per layer, in elements of one microbatch (s tokens x b sequences), t tensor-para
 
     norm inputs (the residual stream)     2 h        (/t with sequence parallelism)
     norm outputs, the q/k/v and MLP inputs 2 h        (whole sequence even with sequence
-                                                       parallelism: the gathered input is saved;
-                                                       3 h with SwiGLU and sequence parallelism,
-                                                       whose gate and up projections each gather
-                                                       and keep a copy)
+                                                       parallelism: the gathered input is saved,
+                                                       once for SwiGLU's gate and up projections)
     q, k, v as attention takes them       3 h/t      with one group per head and learned
                                                        positions: views of the fused q/k/v
                                                        output (see attention_elements for rope,
@@ -107,10 +105,6 @@ def layer_bytes(
     heads = cfg.num_attention_heads // t
     residual = 2 * h * seq_share * prec.residual
     norm_out = 2 * h * prec.other
-    if sp and t > 1 and cfg.activation == "swiglu":
-        # SwiGLU's gate and up projections are two column-parallel layers: each all-gathers
-        # the sequence-parallel norm output and keeps its own gathered copy.
-        norm_out += h * prec.other
     if cp == 1:
         attention = attention_elements(cfg, t, recompute)
     else:  # context parallelism's count, as it was (its rope and selective terms unaudited)

@@ -129,15 +129,26 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as this layer multiplies it: gathered over the sequence with
+        ``sequence_parallel`` (its backward a reduce-scatter), else the same tensor, whose
+        gradient is all-reduced in the backward. Column-parallel layers that read one input (as
+        SwiGLU's gate and up projections do) can share one entry, and so one collective each
+        way and one saved copy, as Megatron-Core's fused linear_fc1 has."""
+        if self.sequence_parallel:
+            return gather_from_sequence_region(x, self.tp_group)
+        return copy_to_region(x, self.tp_group)
+
+    def forward(
+        self, x: torch.Tensor, add_bias: bool = True, entered: bool = False
+    ) -> torch.Tensor:
         """``add_bias=False`` leaves this rank's bias to the caller, to fuse with what follows
-        (so the output must stay split: not with gather_output)."""
+        (so the output must stay split: not with gather_output); ``entered``: ``x`` is already
+        what :meth:`enter` returned."""
         if not add_bias and self.gather_output:
             raise ConfigError("ColumnParallelLinear: add_bias=False needs gather_output=False")
-        if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.tp_group)
-        else:
-            x = copy_to_region(x, self.tp_group)
+        if not entered:
+            x = self.enter(x)
         y = linear(x, self.weight, self.bias if add_bias else None)
         return gather_from_region(y, self.tp_group) if self.gather_output else y
 
