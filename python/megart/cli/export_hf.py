@@ -10,8 +10,9 @@ files are merged here, with no launcher and no process group.
 HF_DIR then holds config.json and model.safetensors (or numbered files and their index, as
 save_pretrained shards a model larger than --max-shard-size) in GPT-2's format (a model of GPT-2's
 architecture: ``transformers.GPT2LMHeadModel.from_pretrained(HF_DIR)``) or Llama's (one with
-RMSNorm, rotary positions and SwiGLU: ``LlamaForCausalLM``); megart's ``GPT.from_hf(HF_DIR)``
-loads either. A model neither format can represent is refused, naming the flags. The
+RMSNorm, rotary positions and SwiGLU: ``LlamaForCausalLM``) or Qwen3's (such a model with
+--qk-layernorm and no linear biases: ``Qwen3ForCausalLM``); megart's ``GPT.from_hf(HF_DIR)``
+loads each. A model no format can represent is refused, naming the flags. The
 tokenizer the model was trained with (megart train's --tokenizer-model, or --vocab-file and
 --merge-file; import-hf's directory's own), which the checkpoint records, is saved beside the
 weights, or the one --tokenizer-model names.

@@ -1,11 +1,12 @@
-"""megart import-hf: a Hugging Face GPT-2 or Llama directory as a megart checkpoint, to fine-tune.
+"""megart import-hf: a Hugging Face GPT-2, Llama or Qwen3 directory as a megart checkpoint.
 
     megart import-hf --input HF_DIR --save CHECKPOINT_DIR [--seq-length N]
         [--apply-layernorm-1p] [--target-tensor-parallel-size T]
         [--target-pipeline-parallel-size P]
 
-HF_DIR is a save_pretrained directory of GPT2LMHeadModel or LlamaForCausalLM (config.json's
-model_type says which; safetensors weights). A Llama trains with --normalization RMSNorm
+HF_DIR is a save_pretrained directory of GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM
+(config.json's model_type says which; safetensors weights; a Qwen3 is a Llama that trains with
+--qk-layernorm too). A Llama trains with --normalization RMSNorm
 --position-embedding-type rope --swiglu --untie-embeddings-and-output-weights (unless its
 config ties them) --disable-bias-linear (unless it has biases) and, with fewer key/value heads
 than heads, --group-query-attention --num-query-groups; the checkpoint records them, and
@@ -33,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--input",
         required=True,
         metavar="DIR",
-        help="a GPT-2 or Llama directory (save_pretrained files)",
+        help="a GPT-2, Llama or Qwen3 directory (save_pretrained files)",
     )
     p.add_argument("--save", required=True, metavar="DIR", help="where to write the checkpoint")
     p.add_argument(

@@ -83,24 +83,36 @@ def _halves_order(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return heads[:, order].reshape(x.shape)
 
 
+def llama_style(cfg: GPTConfig) -> list[tuple[str, object, object]]:
+    """(field, the model's value, Llama's) of what makes a model Llama-style, for
+    refuse_unlike: RMSNorm, rotary positions and SwiGLU."""
+    return [
+        ("normalization", cfg.normalization, "rmsnorm"),
+        ("position_embedding", cfg.position_embedding, "rotary"),
+        ("activation", cfg.activation, "swiglu"),
+    ]
+
+
 def check(cfg: GPTConfig) -> None:
     """Refuses a model that a Llama checkpoint cannot represent, naming each option: the
     megart train flag that gave it and the GPTConfig field."""
     refuse_unlike(
         cfg,
         NAME,
-        [
-            ("normalization", cfg.normalization, "rmsnorm"),
-            ("position_embedding", cfg.position_embedding, "rotary"),
-            ("activation", cfg.activation, "swiglu"),
-            ("qk_layernorm", cfg.qk_layernorm, False),  # Llama has no query/key norms
-        ],
+        # Llama has no query/key norms (a Qwen3 is a Llama with them).
+        [*llama_style(cfg), ("qk_layernorm", cfg.qk_layernorm, False)],
         "only models with RMSNorm, rotary positions and SwiGLU can be written in its format",
     )
+    check_rope(cfg, NAME)
+
+
+def check_rope(cfg: GPTConfig, fmt: str) -> None:
+    """Refuses rope settings that Llama's config (and so format ``fmt``, which shares it)
+    cannot say."""
     if cfg.rotary_percent != 1:
         # transformers' Llama turns every channel of a head (its cos and sin span head_dim).
         raise ConfigError(
-            f"a {NAME} checkpoint cannot represent --rotary-percent {cfg.rotary_percent:g} "
+            f"a {fmt} checkpoint cannot represent --rotary-percent {cfg.rotary_percent:g} "
             f"(rope turning {cfg.rotary_dim} of each head's {cfg.head_dim} channels): its rope "
             "turns the whole head, so only a model trained with --rotary-percent 1.0 (the "
             "default) can be written in its format"
@@ -109,7 +121,7 @@ def check(cfg: GPTConfig) -> None:
         # Hugging Face's config holds one rope type: "llama3" scales the frequencies, "linear"
         # divides the positions, and none does both, as Megatron-Core does when given both.
         raise ConfigError(
-            f"a {NAME} checkpoint cannot represent --use-rope-scaling --rope-scaling-factor "
+            f"a {fmt} checkpoint cannot represent --use-rope-scaling --rope-scaling-factor "
             f"{cfg.rope_scaling_factor:g} together with --rotary-seq-len-interpolation-factor "
             f"{cfg.rotary_seq_len_interpolation_factor:g} (Hugging Face's rope type is llama3 "
             "or linear, not both); only a model trained with one of them can be written in "
@@ -157,7 +169,7 @@ def _rope_scaling(scaling: dict[str, Any] | None) -> tuple[dict[str, Any], str |
     return {}, why
 
 
-def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
+def config_from_hf(hf: dict[str, Any], fmt: str = NAME) -> GPTConfig:
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
@@ -184,7 +196,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         problems.append(unsupported)
     if problems:
         raise ConfigError(
-            "this Llama has " + "; ".join(problems) + ", which megart's GPT cannot represent"
+            f"this {fmt} has " + "; ".join(problems) + ", which megart's GPT cannot represent"
         )
     groups = hf.get("num_key_value_heads") or heads
     return GPTConfig(

@@ -63,7 +63,7 @@ def export_checkpoint(
     name) is saved beside the weights, with its bos/eos ids in config.json, so that the
     directory generates text as it is; without it, the tokenizer the checkpoint records
     (megart.training.tokenizer_record) is, unless ``recorded_tokenizer`` is False. A missing
-    checkpoint or file, a recorded tokenizer that cannot be loaded, or a model neither format
+    checkpoint or file, a recorded tokenizer that cannot be loaded, or a model no format
     can represent, is a ConfigError."""
     check_dtype(dtype)
     limit = parse_size(max_shard_size)

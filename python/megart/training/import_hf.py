@@ -1,4 +1,4 @@
-"""A Hugging Face GPT-2 or Llama directory as a megart checkpoint, to fine-tune under any
+"""A Hugging Face GPT-2, Llama or Qwen3 directory as a megart checkpoint, to fine-tune under any
 layout.
 
     import_checkpoint("gpt2-dir", "ckpt")  # megart import-hf --input gpt2-dir --save ckpt
@@ -31,7 +31,14 @@ from megart.training.megatron_args import integral
 from megart.training.shards import partition_dims, split_shard, whole_name
 from megart.training.tokenizer_record import record
 
-NORM_WEIGHTS = ("ln_1.weight", "ln_2.weight", "ln_f.weight")  # what --apply-layernorm-1p centres
+# What --apply-layernorm-1p centres: every norm's weight, --qk-layernorm's (a Qwen3's) too.
+NORM_WEIGHTS = (
+    "ln_1.weight",
+    "ln_2.weight",
+    "ln_f.weight",
+    "q_layernorm.weight",
+    "k_layernorm.weight",
+)
 
 
 def import_checkpoint(
@@ -161,6 +168,7 @@ def train_flags(cfg: GPTConfig) -> list[str]:
     ]
     switches = {
         "--apply-layernorm-1p": cfg.apply_layernorm_1p,
+        "--qk-layernorm": cfg.qk_layernorm,
         "--swiglu": cfg.activation == "swiglu",
         "--disable-bias-linear": not cfg.bias,
         "--untie-embeddings-and-output-weights": cfg.untie_embeddings_and_output_weights,

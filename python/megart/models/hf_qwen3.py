@@ -1,0 +1,108 @@
+"""Hugging Face Qwen3 (``Qwen3ForCausalLM``) as one of megart.models.hf's formats.
+
+A Qwen3 is a Llama (megart.models.hf_llama: RMSNorm, rope, SwiGLU, grouped-query attention)
+with --qk-layernorm: each query and key head goes through an RMSNorm over its channels before
+rope (Qwen3's ``self_attn.q_norm`` and ``k_norm``, megart's ``attn.q_layernorm`` and
+``k_layernorm``), and no MLP bias. Everything else, names included, is Llama's, so this module
+adds the two norms to Llama's conversion both ways. What Qwen3's config can say and megart's
+GPT cannot (a sliding window, a head size other than hidden_size / heads, rope scaling other
+than Llama's) is refused as for a Llama.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
+
+import torch
+
+from megart.errors import ConfigError
+from megart.models import hf_llama
+from megart.models.config import GPTConfig, refuse_unlike
+
+NAME = "Qwen3"
+MODEL_TYPE = "qwen3"
+FILE_PREFIX = ""
+
+
+def _qk_norm_names(i: int) -> list[tuple[str, str]]:
+    """(megart, Qwen3) names of layer i's query and key norm weights."""
+    m, g = f"chunk.blocks.{i}.attn.", f"model.layers.{i}.self_attn."
+    return [(m + "q_layernorm.weight", g + "q_norm.weight"),
+            (m + "k_layernorm.weight", g + "k_norm.weight")]  # fmt: skip
+
+
+_AFTER = re.compile(r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight$")
+
+
+def check(cfg: GPTConfig) -> None:
+    """Refuses a model a Qwen3 checkpoint cannot represent: Llama's refusals, with query/key
+    norms required and biases refused (Qwen3's MLP has none)."""
+    refuse_unlike(
+        cfg,
+        NAME,
+        [
+            *hf_llama.llama_style(cfg),
+            ("qk_layernorm", cfg.qk_layernorm, True),
+            ("bias", cfg.bias, False),
+        ],
+        "only models with RMSNorm, rotary positions, SwiGLU, query/key norms and no linear "
+        "biases can be written in its format",
+    )
+    hf_llama.check_rope(cfg, NAME)
+
+
+def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
+    if hf.get("use_sliding_window"):
+        raise ConfigError(
+            f"this Qwen3 has use_sliding_window true (window {hf.get('sliding_window')}), "
+            "which megart's GPT cannot represent: its attention is causal over the whole sequence"
+        )
+    if hf.get("attention_bias"):
+        raise ConfigError(
+            "this Qwen3 has attention_bias true with an MLP without biases, which megart's GPT "
+            "cannot represent (--disable-bias-linear takes every linear layer's bias or none)"
+        )
+    cfg = hf_llama.config_from_hf({**hf, "attention_bias": False, "mlp_bias": False}, NAME)
+    return dataclasses.replace(cfg, qk_layernorm=True)
+
+
+def to_megart(
+    cfg: GPTConfig, take: Callable[[str], torch.Tensor], wanted: Collection[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Llama's conversion (hf_llama.to_megart), then each layer's query and key norms."""
+    yield from hf_llama.to_megart(cfg, take, wanted)
+    for i in range(cfg.num_layers):
+        for ours, theirs in _qk_norm_names(i):
+            if wanted is None or ours in wanted:
+                yield ours, take(theirs)
+
+
+def hf_tensors(
+    cfg: GPTConfig, full: Callable[[str], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Llama's tensors in its order, each layer's query and key norms after its o_proj (where
+    Qwen3's attention registers them); zero-centred norm weights written as 1 + weight."""
+    for name, tensor in hf_llama.hf_tensors(cfg, full):
+        yield name, tensor
+        attention = _AFTER.match(name)
+        if attention:
+            for ours, theirs in _qk_norm_names(int(attention.group(1))):
+                yield theirs, (full(ours) + 1 if cfg.apply_layernorm_1p else full(ours))
+
+
+def hf_config(cfg: GPTConfig) -> dict[str, Any]:
+    """Qwen3's config.json: Llama's with Qwen3's type and its fields for the sliding window
+    (off) and biases (none)."""
+    out = hf_llama.hf_config(cfg)
+    del out["mlp_bias"]
+    return {
+        **out,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": MODEL_TYPE,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.num_layers,
+    }
