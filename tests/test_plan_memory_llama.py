@@ -144,3 +144,21 @@ def test_rope_keeps_more_than_learned_positions():
         learned, 1, 1, False, None, prec
     )
     assert diff == SEQ * 3 * h * 4
+
+
+def test_megart_plan_takes_the_options_the_count_depends_on(capsys):
+    """--hidden-dropout and --rotary-percent reach the count from the command line: the masks'
+    2 h / t bytes per token and layer under sequence parallelism (b = 1, t = 2, 32 layers) and
+    the embedding's h / t, and rope's smaller tables."""
+    from plan_workers import plan_json
+
+    base = ("--gpu h100-80gb --num-gpus 8 --num-layers 32 --hidden-size 4096 "
+            "--num-attention-heads 32 --seq-length 4096 --vocab-size 32000 --global-batch-size 64 "
+            "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --micro-batch-size 1 "
+            "--position-embedding-type rope --sequence-parallel")  # fmt: skip
+    gib = {extra: plan_json(base + extra, capsys)["memory_gib"]["activations"]
+           for extra in ("", " --hidden-dropout 0.1", " --rotary-percent 0.5")}  # fmt: skip
+    held = 1  # 1F1B on one stage: the microbatch in flight
+    masks = (2 * 32 + 1) * 4096 * 4096 / 2 * held / 2**30  # one byte per element
+    assert gib[" --hidden-dropout 0.1"] - gib[""] == pytest.approx(masks)
+    assert 0 < gib[""] - gib[" --rotary-percent 0.5"] < 1e-2

@@ -37,6 +37,8 @@ MODEL_FLAGS = (
     "untie_embeddings_and_output_weights",
     "group_query_attention",
     "num_query_groups",
+    "rotary_percent",
+    "hidden_dropout",
     "global_batch_size",
     "fp16",
     "bf16",
@@ -88,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
             default = None if name in LAYOUT_FLAGS else False
             p.add_argument(flag, dest=name, action="store_true", default=default, help=text)
         else:
-            kind = int if str(f.type).startswith("int") else str
+            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
             choices = CHOICES.get(name) or (("full", "selective") if "recompute" in name else None)
             p.add_argument(flag, dest=name, type=kind, default=None, choices=choices, help=text)
     for name in (*UNEVEN_FLAGS, CP_FLAG):

@@ -19,18 +19,21 @@ FP32 = 4
 BUCKET_BYTES = 4 << 20  # megart.training.grad_sync.GradientBuckets' default
 
 
-def _norm(cfg: GPTConfig) -> list[int]:
-    h = cfg.hidden_size
+def _norm(cfg: GPTConfig, size: int | None = None) -> list[int]:
+    h = size or cfg.hidden_size
     return [h] if cfg.normalization == "rmsnorm" or not cfg.bias else [h, h]
 
 
 def layer_tensors(cfg: GPTConfig, tp: int) -> list[int]:
     """Element counts of one layer's parameters on one tensor-parallel rank, in megart's
-    registration order (norm, fused q/k/v, output projection, norm, MLP)."""
+    registration order (norm, fused q/k/v, output projection, --qk-layernorm's query and key
+    norms, norm, MLP)."""
     h, f, t = cfg.hidden_size, cfg.ffn_size, tp
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // t
     bias = cfg.bias
     out = [*_norm(cfg), qkv * h, *([qkv] if bias else []), h * h // t, *([h] if bias else [])]
+    if cfg.qk_layernorm:  # replicated on every tensor-parallel rank, one head wide
+        out += _norm(cfg, cfg.head_dim) * 2
     out += _norm(cfg)
     column = [f // t * h, *([f // t] if bias else [])]
     out += column + (column if cfg.activation == "swiglu" else [])
