@@ -5,8 +5,9 @@ tensor-parallel training run on 2 launched ranks (against gloo and the one-proce
 a GPU also NCCL, one-rank nccl collectives against torch's NCCL, the CUDA AdamW against
 torch.optim.AdamW(fused=True) and a GPU training run against the CPU curve. Under torchrun with
 several ranks: every collective and point-to-point op of megart's default transport against
-torch.distributed's on the same ranks, and pipeline training (interleaved and zb-v over two
-stages) over that transport against the one-process curve.
+torch.distributed's on the same ranks, and training over that transport against the
+one-process curve: over two pipeline stages (interleaved and zb-v), with context parallelism,
+and a Llama-style GPT under tensor and sequence parallelism.
 """
 
 from __future__ import annotations
@@ -72,11 +73,12 @@ def _launched_checks(reference_curve: list[dict]) -> list[Check]:
     ]
 
 
-def _cpu_reference_curve() -> list[dict]:
+def _cpu_reference_curve(kw: dict | None = None) -> list[dict]:
     from megart.launcher import launch
     from megart.selftest import training
 
-    return launch(training.one_process_curve, 1, timeout=300, env={"CUDA_VISIBLE_DEVICES": ""})[0]
+    no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
+    return launch(training.one_process_curve, 1, kw, timeout=300, env=no_gpu)[0]
 
 
 def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
@@ -196,7 +198,8 @@ def run_distributed() -> list[Check]:
             dist.destroy()
 
     checks = guarded("collectives under torchrun", compare, AVOID_TRANSPORT)
-    return checks + guarded("pipeline training under torchrun", _pipeline_training, AVOID_TRANSPORT)
+    checks += guarded("pipeline training under torchrun", _pipeline_training, AVOID_TRANSPORT)
+    return checks + guarded("layouts under torchrun", _layout_training, AVOID_TRANSPORT)
 
 
 def _pipeline_training() -> list[Check]:
@@ -228,6 +231,39 @@ def _pipeline_training() -> list[Check]:
                 num_layers_per_virtual_pipeline_stage=chunk_layers,
             )
             name = f"training tp{tp} pp2 {schedule} ({backend}, {world} ranks)"
+            checks.append(training.compare_curves(name, history, reference, rtol, AVOID_TRANSPORT))
+        return checks
+    finally:
+        dist.destroy()
+
+
+def _layout_training() -> list[Check]:
+    """Context parallelism (cp2, tensor parallelism over the rest of the ranks), and a
+    Llama-style GPT (grouped queries, SwiGLU, query/key norms) under tp2 with sequence
+    parallelism (data parallelism over the rest), each against its one-process CPU curve."""
+    import megart.distributed as dist
+    from megart.selftest import training
+
+    world = int(os.environ["WORLD_SIZE"])
+    heads = training.TINY["num_attention_heads"]
+    if world % 2 or heads % (world // 2):
+        why = f"needs an even number of ranks whose half divides {heads} heads, not {world}"
+        return [skip("layouts under torchrun", why)]
+    runs = [
+        (f"training cp2 tp{world // 2}", {},
+         dict(context_parallel_size=2, tensor_model_parallel_size=world // 2)),
+        ("training llama-style tp2 sp qk-layernorm", training.LLAMA,
+         dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    ]  # fmt: skip
+    references = [_cpu_reference_curve(model) for _, model, _ in runs]
+    dist.init()
+    try:
+        backend = _world().backend
+        rtol = 1e-3 if backend == "nccl" else 1e-5  # GPU and CPU round differently
+        checks = []
+        for (name, model, layout), reference in zip(runs, references, strict=True):
+            history = training.curve(**model, **layout)
+            name = f"{name} ({backend}, {world} ranks)"
             checks.append(training.compare_curves(name, history, reference, rtol, AVOID_TRANSPORT))
         return checks
     finally:

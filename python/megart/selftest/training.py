@@ -33,12 +33,27 @@ def curve(**kw: Any) -> list[dict]:
     return trainer.train(quiet=True)
 
 
-def one_process_curve() -> list[dict]:
-    """The reference, in a one-process world of its own (destroyed afterwards)."""
+# A Llama-style tiny GPT with what its layouts add: query/key norms, whose gradients are summed
+# over tensor parallelism, and SwiGLU's one entry into the tensor-parallel region.
+LLAMA = dict(
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    disable_bias_linear=True,
+    group_query_attention=True,
+    num_query_groups=2,
+    qk_layernorm=True,
+    untie_embeddings_and_output_weights=True,
+)
+
+
+def one_process_curve(kw: dict | None = None) -> list[dict]:
+    """The reference (of the tiny GPT with ``kw``), in a one-process world of its own
+    (destroyed afterwards)."""
     import megart.distributed as dist
 
     try:
-        return curve()
+        return curve(**(kw or {}))
     finally:
         dist.destroy()
 
