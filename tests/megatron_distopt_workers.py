@@ -92,7 +92,9 @@ def _distributed_optimizer(ddps: list, kw: dict, args: dict[str, Any]):
             )  # fmt: skip
         return DistributedOptimizer(
             adamw, config, scaler, None, ddps, {i: ddp.buffers for i, ddp in enumerate(ddps)},
-            ps.get_data_parallel_group(), ps.get_data_parallel_group_gloo(),
+            # Megatron-LM's get_megatron_optimizer: sharded over data x context parallelism.
+            ps.get_data_parallel_group(with_context_parallel=True),
+            ps.get_data_parallel_group_gloo(with_context_parallel=True),
             ps.get_model_parallel_group().rank(), 0,
         )  # fmt: skip
 

@@ -2,9 +2,11 @@
 
 Context parallelism (megart.models.context_parallel) runs with tensor parallelism (and
 sequence parallelism, which splits each rank's s/cp tokens over t), pipeline (1F1B,
-interleaved) and data parallelism, the distributed optimizer, recomputation and megart's own
-checkpoints and Megatron-LM's legacy files (the weights' layout does not depend on cp, so a
-checkpoint resumes under any cp). What it has not been built or tested with is refused by name.
+interleaved) and data parallelism, the distributed optimizer, recomputation, megart's own
+checkpoints, Megatron-LM's legacy files and its torch_dist store (the weights' layout does not
+depend on cp, so a checkpoint resumes under any cp; the distributed optimizer's torch_dist
+state is sharded over d x cp and read back at any). What it has not been built or tested
+with is refused by name.
 """
 
 from __future__ import annotations
@@ -40,11 +42,6 @@ def check_context_parallel(config: Any) -> None:
             f"--pipeline-schedule {config.schedule} (the zero-bubble schedules are untested "
             "with it): use 1f1b or interleaved"
         )
-    if config.ckpt_format == "torch_dist":
-        refused.append(
-            "--ckpt-format torch_dist (Megatron's distributed store is not written or read "
-            "under context parallelism yet): use --ckpt-format megart (the default) or torch"
-        )
     if config.ckpt_format == "torch" and config.use_distributed_optimizer and config.save:
         refused.append(
             "--ckpt-format torch with --use-distributed-optimizer and --save (Megatron's "
@@ -71,14 +68,3 @@ def check_sequence_parallel_split(seq: int, tp: int, cp: int) -> None:
         f"(--tensor-model-parallel-size); it must divide: use --seq-length "
         f"{fitting_lengths(seq, unit)} (a multiple of {unit})"
     )
-
-
-def refuse_dist_load(config: Any, directory: Any) -> None:
-    """Refuses a torch_dist checkpoint under context parallelism (see check_context_parallel)."""
-    cp = config.context_parallel_size
-    if cp > 1:
-        raise ConfigError(
-            f"--load {directory} holds Megatron's torch_dist store, which megart does not read "
-            f"under {FLAG} {cp} yet: load it under {FLAG} 1 and save it with --ckpt-format "
-            "megart, then resume that under context parallelism"
-        )
