@@ -208,8 +208,6 @@ def test_the_grid_puts_cp_between_tp_and_dp():
          "--seq-length 18 or 24"),
         (dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-v"), 4, "zb-v"),
         (dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1"), 4, "zb-h1"),
-        (dict(ckpt_format="torch", save="x", use_distributed_optimizer=True), 2,
-         "distrib_optim.pt"),
         (dict(), 3, "tensor-parallel 1 x context-parallel 2 (--context-parallel-size 2) x"),
     ],
 )  # fmt: skip

@@ -1,10 +1,10 @@
-"""megart train --ckpt-format torch_dist under context parallelism: the weights' layout does
-not depend on cp (rank 0 of the data x context-parallel ranks writes them, Megatron-Core's
-replica 0), and the distributed optimizer's dp_reshardable state is sharded over d x cp (its
-buckets padded for that group). A store saved under cp resumes without it and the reverse, on
-the uninterrupted curve holding the saved state exactly; Megatron-Core's own
-DistributedOptimizer, its parallel state at cp3, reads megart's cp3 store and writes the same
-store, which megart resumes."""
+"""megart train --ckpt-format torch_dist (and the legacy torch) under context parallelism:
+the weights' layout does not depend on cp (rank 0 of the data x context-parallel ranks writes
+them, Megatron-Core's replica 0), and the distributed optimizer's dp_reshardable state is
+sharded over d x cp (its buckets padded for that group). A store saved under cp resumes
+without it and the reverse, on the uninterrupted curve holding the saved state exactly;
+Megatron-Core's own DistributedOptimizer, its parallel state at cp3, reads megart's cp3 store
+and writes the same store, which megart resumes."""
 
 import pytest
 
@@ -33,6 +33,10 @@ SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags)
     "cp3-distopt-to-one": ((3, dict(DIST, **DISTOPT, **CP3)), (1, dict(seq_length=24))),
     "dp2-distopt-to-cp2-dp2": ((2, dict(DIST, **DISTOPT)),
                                (4, dict(DISTOPT, context_parallel_size=2))),
+    # Megatron-LM's legacy format: distrib_optim.pt gathered over d x cp by its rank 0
+    # (Megatron-Core's side: tests/test_megatron_distrib_optim.py's llama-cp2).
+    "cp2-distopt-legacy-to-one": ((2, dict(DISTOPT, ckpt_format="torch", context_parallel_size=2)),
+                                  (1, DISTOPT)),
 }  # fmt: skip
 
 
