@@ -59,7 +59,10 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
     tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
     per = args.get("num_layers_per_virtual_pipeline_stage")
     vp = args["num_layers"] // (pp * per) if per else None
-    mow._init(tp, pp, vp)
+    # The model's weights do not depend on context parallelism (its TransformerConfig says
+    # cp 1, which Megatron-Core's local attention requires); the parallel state's groups do:
+    # the replica ids and the optimizer's shards run over data x context parallelism.
+    mow._init(tp, pp, vp, int(args.get("context_parallel_size") or 1))
     cfg = config_from_args(args)
     dtype = torch.bfloat16 if args.get("bf16") else torch.float16 if args.get("fp16") else None
     # As Megatron-LM's get_model: a model and a DistributedDataParallel per model chunk
@@ -73,9 +76,9 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
         _fresh_state(optimizer)
     # Megatron-LM's load_checkpoint: the content metadata from the store, its dp group added.
     content = dist_checkpointing.load_content_metadata(str(root))
-    metadata = {**content, "dp_cp_group": ps.get_data_parallel_group()}
+    metadata = {**content, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
-    d = ps.get_data_parallel_rank()
+    d = ps.get_data_parallel_rank(with_context_parallel=True)
 
     keys = ["model"] if len(ddps) == 1 else [f"model{i}" for i in range(len(ddps))]
 

@@ -92,7 +92,9 @@ def _distributed_optimizer(ddps: list, kw: dict, args: dict[str, Any]):
             )  # fmt: skip
         return DistributedOptimizer(
             adamw, config, scaler, None, ddps, {i: ddp.buffers for i, ddp in enumerate(ddps)},
-            ps.get_data_parallel_group(), ps.get_data_parallel_group_gloo(),
+            # Megatron-LM's get_megatron_optimizer: sharded over data x context parallelism.
+            ps.get_data_parallel_group(with_context_parallel=True),
+            ps.get_data_parallel_group_gloo(with_context_parallel=True),
             ps.get_model_parallel_group().rank(), 0,
         )  # fmt: skip
 
@@ -159,9 +161,11 @@ def load_and_write(kw: dict, megart_dir: str, ref_dir: str, out_dir: str | None)
     tp, pp = c.tp, c.pp
     per = c.num_layers_per_virtual_pipeline_stage
     vp = c.num_layers // (pp * per) if per else None
-    mow._init(tp, pp, vp)
+    mow._init(tp, pp, vp, c.context_parallel_size)
     t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    d, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    # The optimizer's shards (and so the pieces) run over data x context parallelism.
+    d = ps.get_data_parallel_rank(with_context_parallel=True)
+    dp = ps.get_data_parallel_world_size()
     iteration = latest_iteration(megart_dir)
     here = Path(f"iter_{iteration:07d}") / rank_dir(t, p, pp)
     state = torch.load(Path(megart_dir) / here / FILE, weights_only=False)
@@ -198,7 +202,8 @@ def load_and_write(kw: dict, megart_dir: str, ref_dir: str, out_dir: str | None)
     if out_dir is not None:
         written = mow._args(cfg, c, tp, iteration, pp)
         written.use_distributed_optimizer = True
-        written.data_parallel_size = dp
+        written.data_parallel_size = dp  # Megatron-LM's: without context parallelism
+        written.context_parallel_size = c.context_parallel_size
         written.overlap_grad_reduce = bool(args.get("overlap_grad_reduce"))
         written.bf16, written.fp16 = bool(args.get("bf16")), bool(args.get("fp16"))
         written.virtual_pipeline_model_parallel_size = vp

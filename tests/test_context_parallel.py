@@ -2,9 +2,12 @@
 Megatron-Core splits it (2 cp chunks, rank r holding r and 2 cp - 1 - r), keys and values
 all-gathered over the group, positions global. The split is Megatron-Core's
 get_batch_on_this_cp_rank's; attention and whole models at cp2 and cp4 are the one-process ones
-(float64); `megart train` at cp2 x dp2 (distributed optimizer) and cp2 x pp2 follows the
-one-process loss curve, and a cp2 checkpoint resumes under cp1 on it; what cp cannot do yet is
-refused by name."""
+(float64), and so are whole models at tp2 x cp2 with sequence parallelism; `megart train` at
+cp2 x dp2 (distributed optimizer), cp2 x pp2, and tp2 x cp2 (x pp2) with sequence parallelism
+follows the one-process loss curve, and a cp2 checkpoint resumes under cp1 on it; sequence
+lengths are Megatron's; what cp cannot do yet is refused by name."""
+
+import re
 
 import pytest
 import torch
@@ -132,6 +135,15 @@ def test_attention_and_models_at_cp2_and_cp4_are_the_one_process_ones():
     assert max(worst.values()) < F64_REL, worst
 
 
+def test_tp2_x_cp2_with_sequence_parallelism_is_the_one_process_model():
+    """float64, GPT-2-style (learned positions) and Llama-style (rope, GQA): each cp rank's
+    s/cp tokens split over t outside attention and the MLP; loss and every gradient."""
+    per_rank = launch(cw.tp_sp_against_one_process, 4, [BASE, dict(BASE, **LLAMA)], timeout=120)
+    worst = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    assert len(worst) == 2 + 28 + 27  # two losses; every gradient of gpt-2's 28, llama's 27
+    assert max(worst.values()) < F64_REL, worst
+
+
 def _losses(nproc, **kw):
     return launch(cw.losses, nproc, {**TRAIN, **kw}, timeout=300)[0]
 
@@ -160,6 +172,18 @@ def test_cp2_x_pp2_follows_the_one_process_curve(straight):
     assert _losses(4, train_iters=3, **layout) == pytest.approx(straight[:3], rel=REL, abs=0)
 
 
+SP = dict(tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel=True)
+
+
+def test_tp2_x_cp2_with_sequence_parallelism_follows_the_one_process_curve(straight):
+    assert _losses(4, **SP) == pytest.approx(straight, rel=REL, abs=0)
+
+
+def test_tp2_x_cp2_x_pp2_with_sequence_parallelism_follows_the_one_process_curve(straight):
+    layout = dict(SP, pipeline_model_parallel_size=2)
+    assert _losses(8, train_iters=3, **layout) == pytest.approx(straight[:3], rel=REL, abs=0)
+
+
 def test_a_cp2_checkpoint_resumes_under_cp1_on_the_curve(straight, cp2_checkpoint):
     ckpt, _ = cp2_checkpoint
     resumed = _losses(1, load=str(ckpt), ckpt_step=2, use_distributed_optimizer=True)
@@ -182,12 +206,8 @@ def test_the_grid_puts_cp_between_tp_and_dp():
         (dict(seq_length=20), 3, "--seq-length 20 is not divisible by 2 x --context-parallel-size"
          " 3 = 6 (context parallelism cuts each sequence into 2 cp equal chunks); use "
          "--seq-length 18 or 24"),
-        (dict(sequence_parallel=True, tensor_model_parallel_size=2), 4, "--sequence-parallel"),
         (dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-v"), 4, "zb-v"),
         (dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1"), 4, "zb-h1"),
-        (dict(ckpt_format="torch_dist", save="x"), 2, "--ckpt-format torch_dist"),
-        (dict(ckpt_format="torch", save="x", use_distributed_optimizer=True), 2,
-         "distrib_optim.pt"),
         (dict(), 3, "tensor-parallel 1 x context-parallel 2 (--context-parallel-size 2) x"),
     ],
 )  # fmt: skip
@@ -196,6 +216,38 @@ def test_what_cp_cannot_do_is_refused_by_name(kw, world, says):
     with pytest.raises(ConfigError, match="context") as e:
         tw.tiny(**{"context_parallel_size": cp, **kw}).check(world)
     assert says in str(e.value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(seq=st.integers(1, 100), tp=st.sampled_from([1, 2, 3, 4, 8]), cp=st.integers(1, 6))
+def test_sequence_parallelism_under_cp_takes_megatrons_lengths(seq, tp, cp):
+    """Megatron-LM's rules: s a multiple of 2 cp (arguments.py, with cp > 1), and each cp rank's
+    s/cp tokens a multiple of t (the scatter to the sequence-parallel region asserts it). A
+    refusal names lengths that pass."""
+    world = tp * cp
+    config = tw.tiny(seq_length=seq, tensor_model_parallel_size=tp, context_parallel_size=cp,
+                     sequence_parallel=True, num_attention_heads=24, hidden_size=48)  # fmt: skip
+    megatron = (cp == 1 or seq % (2 * cp) == 0) and (seq // cp) % tp == 0
+    try:
+        config.check(world)
+    except ConfigError as e:
+        assert not megatron, str(e)
+        fits = re.search(r"use --seq-length (\d+)(?: or (\d+))?", str(e)).groups()
+        for n in filter(None, fits):
+            tw.tiny(**{**config.__dict__, "seq_length": int(n)}).check(world)
+    else:
+        assert megatron
+
+
+def test_the_sequence_parallel_refusal_names_the_rank_s_tokens():
+    with pytest.raises(ConfigError) as e:
+        tw.tiny(seq_length=20, **dict(SP, tensor_model_parallel_size=4)).check(8)
+    assert str(e.value) == (
+        "--sequence-parallel splits each context-parallel rank's --seq-length 20 / "
+        "--context-parallel-size 2 = 10 tokens over tensor-parallel size 4 "
+        "(--tensor-model-parallel-size); it must divide: use --seq-length 16 or 24 (a multiple "
+        "of 8)"
+    )
 
 
 def test_the_cli_refuses_once_before_any_work():

@@ -244,12 +244,10 @@ def model_config_of(common):
     return model_config({"model_config": common["megart"]["model_config"]})
 
 
-def test_megart_writes_the_store_megatron_core_writes(runs, megatron):
-    """The same keys, global sizes and dtypes (megart's store adds only its random states),
-    the same objects (param groups with their step, the buckets' lengths, the grad scaler),
-    and the same common.pt optimizer entry and content metadata."""
-    ours = iteration_dir(runs["dp2-fp16-to-dp1"][1], 2)
-    theirs = iteration_dir(megatron["dp2-fp16-to-dp1"][1], 2)
+def assert_same_store(ours, theirs, objects: tuple[str, ...]) -> None:
+    """Two iteration directories' stores hold the same keys, global sizes and dtypes, except
+    megart's random states (Megatron-LM's are CUDA streams: none from Megatron-Core's CPU
+    ranks), and the same group-0 ``objects``."""
     meta = [
         pickle.loads((r / ".metadata").read_bytes()).state_dict_metadata for r in (ours, theirs)
     ]
@@ -259,9 +257,19 @@ def test_megart_writes_the_store_megatron_core_writes(runs, megatron):
         if hasattr(info, "size"):
             assert (meta[0][key].size, meta[0][key].properties.dtype) == (
                 info.size, info.properties.dtype), key  # fmt: skip
-    for name in ("optimizer", "grad_scaler", "per_bucket_numel", "per_bucket_numel_unpadded"):
+    for name in objects:
         key = f"{GROUP0}{name}/shard_0_1"
         assert read_object(ours, key) == read_object(theirs, key), name
+
+
+def test_megart_writes_the_store_megatron_core_writes(runs, megatron):
+    """The same keys, global sizes and dtypes (megart's store adds only its random states),
+    the same objects (param groups with their step, the buckets' lengths, the grad scaler),
+    and the same common.pt optimizer entry and content metadata."""
+    ours = iteration_dir(runs["dp2-fp16-to-dp1"][1], 2)
+    theirs = iteration_dir(megatron["dp2-fp16-to-dp1"][1], 2)
+    assert_same_store(ours, theirs, ("optimizer", "grad_scaler", "per_bucket_numel",
+                                     "per_bucket_numel_unpadded"))  # fmt: skip
     common = [read_common(r) for r in (ours, theirs)]
     assert common[0]["optimizer"] == common[1]["optimizer"]
     assert common[0]["content_metadata"] == common[1]["content_metadata"]

@@ -25,11 +25,14 @@ from train_workers import SAME_RUN
 LLAMA = dict(vocab_size=300, normalization="RMSNorm", position_embedding_type="rope",
              swiglu=True, ffn_hidden_size=64, untie_embeddings_and_output_weights=True,
              group_query_attention=True, num_query_groups=2)  # fmt: skip
-SCENARIOS = {  # name: (processes, flags); data-parallel 2 in each
+SCENARIOS = {  # name: (processes, flags); data-parallel 2 in each (with cp2, d x cp 2 x 2)
     # Tied embeddings over two stages: each tied copy in a bucket of its own.
     "gpt2-pp2": (4, dict(pipeline_model_parallel_size=2)),
     "llama-tp2": (4, dict(LLAMA, tensor_model_parallel_size=2)),
     "llama-bf16": (2, dict(LLAMA, bf16=True)),
+    # Context parallelism: the distributed optimizer shards over d x cp (4 ranks), rank 0 of
+    # them writes the file; Megatron-Core's parallel state at cp2 x dp2 loads and writes it.
+    "llama-cp2": (4, dict(LLAMA, context_parallel_size=2)),
     # Interleaved (two model chunks per rank: a DistributedDataParallel and a buffer each, the
     # tied embedding in the first stage's chunk 0 and the last stage's chunk 1) and fp16 (the
     # grad scaler beside the param groups) in one scenario, as launches are what cost here. A

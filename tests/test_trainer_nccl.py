@@ -42,6 +42,11 @@ LAYOUTS = {
     # written, 2026-11-27), K/V gathered and their gradients reduce-scattered through NCCL.
     "cp2": (2, dict(context_parallel_size=2)),
     "tp2-cp2": (4, dict(tensor_model_parallel_size=2, context_parallel_size=2)),
+    # Each cp rank's s/cp tokens split over t outside attention (unrun on a GPU when written).
+    "tp2-cp2-sequence-parallel": (
+        4,
+        dict(tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel=True),
+    ),
 }
 
 

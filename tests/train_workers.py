@@ -267,3 +267,12 @@ def holding(nproc: int, kw: dict) -> list[dict]:
     from megart.launcher import launch
 
     return launch(train_holding, nproc, kw, timeout=300)
+
+
+def saved_and_resumed(n_save: int, save: dict, n_run: int, run: dict, store: object) -> tuple:
+    """A 4-iteration run on ``n_save`` ranks (flags ``save``) that saves into ``store`` and
+    stops after iteration 2, then one resumed from it on ``n_run`` ranks (``run``): what the
+    saving ranks held at the save (held_state), and the resumed ranks' train_holding."""
+    saving = holding(n_save, dict(save, train_iters=4, exit_interval=2, save=str(store)))
+    resumed = holding(n_run, dict(run, train_iters=4, load=str(store)))
+    return [r["trained"] for r in saving], resumed

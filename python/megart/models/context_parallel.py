@@ -18,6 +18,8 @@ exchange: every rank holds the whole K and V for the length of one layer's atten
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -33,14 +35,26 @@ def cp_chunks(cp: int, cp_rank: int) -> tuple[int, int]:
     return cp_rank, 2 * cp - 1 - cp_rank
 
 
-def check_divisible(seq: int, cp: int) -> None:
-    """A sequence of ``seq`` tokens splits into 2 cp equal chunks, or a ConfigError says so."""
+def fitting_lengths(seq: int, unit: int) -> str:
+    """The multiples of ``unit`` nearest ``seq`` (below, if any, and above), for an error."""
+    return " or ".join(str(n) for n in (seq // unit * unit, (seq // unit + 1) * unit) if n)
+
+
+def check_divisible(seq: int, cp: int, sp_tp: int = 1) -> None:
+    """A sequence of ``seq`` tokens splits into 2 cp equal chunks, or a ConfigError says so.
+    ``sp_tp``: the tensor-parallel size that sequence parallelism splits each rank's s/cp
+    tokens over (1 without), so that the lengths the error names fit that split too."""
     if seq % (2 * cp):
-        fits = [n for n in (seq // (2 * cp) * 2 * cp, (seq // (2 * cp) + 1) * 2 * cp) if n]
+        unit = math.lcm(2 * cp, cp * sp_tp)
+        also = ""
+        if unit != 2 * cp:
+            also = (f" (multiples of {unit}: --sequence-parallel splits each rank's s/cp "
+                    f"tokens over tensor-parallel size {sp_tp})")  # fmt: skip
         raise ConfigError(
             f"--seq-length {seq} is not divisible by 2 x --context-parallel-size {cp} = "
             f"{2 * cp} (context parallelism cuts each sequence into 2 cp equal chunks); use "
-            f"--seq-length {' or '.join(map(str, fits))}, or another --context-parallel-size"
+            f"--seq-length {fitting_lengths(seq, unit)}{also}, or another "
+            "--context-parallel-size"
         )
 
 

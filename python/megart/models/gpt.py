@@ -159,8 +159,9 @@ class GPTChunk(nn.Module):
                 scale,
                 self.cfg.rotary_seq_len_interpolation_factor,
             )
-            if cp > 1:  # the angles of this rank's tokens' global positions
-                rows = group_positions(self.cp_group, x.shape[0], x.device)
+            if cp > 1:  # the angles of this rank's tokens' global positions: the s/cp
+                # that attention sees, gathered over t under sequence parallelism
+                rows = group_positions(self.cp_group, x.shape[0] * t, x.device)
                 rope = (rope[0][rows], rope[1][rows])
         x = self._blocks(x, rope)
         if not self.last:

@@ -54,6 +54,13 @@ class ParallelGrid:
         return self.layout.cp_rank_of(self.rank)
 
     @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place in the dp x cp group (cp innermost; Megatron's
+        get_data_parallel_rank(with_context_parallel=True)): 0 is the one that writes what
+        the group holds alike (Megatron's replica 0)."""
+        return self.dp_rank * self.layout.cp + self.cp_rank
+
+    @property
     def is_first_stage(self) -> bool:
         return self.coords.pp_rank == 0
 

@@ -96,7 +96,7 @@ def candidates(
             sps = (
                 [fixed.sequence_parallel]
                 if fixed.sequence_parallel is not None
-                else ([False, True] if t > 1 and cp == 1 else [False])
+                else ([False, True] if t > 1 else [False])
             )
             recs = RECOMPUTE if fixed.recompute is False else (fixed.recompute,)
             dos = (

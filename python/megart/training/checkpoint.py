@@ -49,7 +49,6 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     read_file,
     required_latest_iteration,
 )
-from megart.training.context_parallel_checks import refuse_dist_load
 from megart.training.megatron_args import args_record
 from megart.training.megatron_scheduler import check_scheduler
 
@@ -110,7 +109,6 @@ def load(
     iteration = chosen_iteration(directory, config.ckpt_step, "--ckpt-step", otherwise)
     root = iteration_dir(directory, iteration)
     if megatron_dist.is_dist_checkpoint(root):
-        refuse_dist_load(config, directory)
         return _load_dist(directory, root, config, grid, chunks, optimizer, rng, scaler)
     own = root / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE
     found = sorted(root.glob(f"mp_rank_*/{FILE}"))

@@ -121,8 +121,9 @@ def save(
         iteration * config.global_batch_size if consumed_samples is None else consumed_samples
     )
     if config.ckpt_format == "torch_dist":  # Megatron's distributed store (megatron_dist_train)
-        # With the distributed optimizer every rank writes its slices of the moments.
-        if grid.dp_rank == 0 or config.use_distributed_optimizer:
+        # With the distributed optimizer every rank writes its slices of the moments; else
+        # rank 0 of the data x context-parallel ranks, which all hold the same.
+        if grid.dp_cp_rank == 0 or config.use_distributed_optimizer:
             rank = dist.get_rank()
             megatron_dist_train.write_rank(
                 partial, rank, config, grid, chunks, optimizer, rng, scaler
@@ -136,7 +137,7 @@ def save(
     # Every rank (or none, with --no-save-optim): a distributed optimizer gathers its state over
     # data parallelism.
     optimizer_state = None if config.no_save_optim else optimizer.state_dict()
-    if grid.dp_rank == 0 and grid.cp_rank == 0:  # context-parallel ranks hold the same
+    if grid.dp_cp_rank == 0:  # data- and context-parallel ranks hold the same
         state = file_state(
             iteration,
             # context_parallel_size is a record only: the weights' layout does not depend on it.

@@ -11,7 +11,10 @@ from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS
 from megart.models.stages import uneven
 from megart.parallel.layout import divisors
 from megart.training.batch_rampup import check_rampup
-from megart.training.context_parallel_checks import check_context_parallel
+from megart.training.context_parallel_checks import (
+    check_context_parallel,
+    check_sequence_parallel_split,
+)
 from megart.training.lr import check_decay_style
 from megart.training.megatron_flags import check_megatron_flags
 
@@ -113,11 +116,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
         raise ConfigError(
             f"--num-layers {cfg.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"
         )
-    if cfg.sequence_parallel and cfg.seq_length % tp:
-        raise ConfigError(
-            f"--sequence-parallel splits --seq-length {cfg.seq_length} over "
-            f"tensor-parallel size {tp}; it must divide"
-        )
+    if cfg.sequence_parallel:
+        check_sequence_parallel_split(cfg.seq_length, tp, cp)
     if cfg.train_iters < 1 or cfg.log_interval < 1:
         raise ConfigError("--train-iters and --log-interval must be at least 1")
     if cfg.eval_iters < 0 or cfg.eval_interval < 1:

@@ -1,17 +1,21 @@
 """What megart train refuses of --context-parallel-size, before any rank waits on another.
 
-Context parallelism (megart.models.context_parallel) runs with tensor, pipeline (1F1B,
-interleaved) and data parallelism, the distributed optimizer, recomputation and megart's own
-checkpoints and Megatron-LM's legacy files (the weights' layout does not depend on cp, so a
-checkpoint resumes under any cp). What it has not been built or tested with is refused by name.
+Context parallelism (megart.models.context_parallel) runs with tensor parallelism (and
+sequence parallelism, which splits each rank's s/cp tokens over t), pipeline (1F1B,
+interleaved) and data parallelism, the distributed optimizer, recomputation, megart's own
+checkpoints, Megatron-LM's legacy files (distrib_optim.pt included) and its torch_dist store
+(the weights' layout does not depend on cp, so a checkpoint resumes under any cp; the
+distributed optimizer's state is sharded over d x cp and read back at any). What it has not
+been built or tested with is refused by name.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from megart.errors import ConfigError
-from megart.models.context_parallel import check_divisible
+from megart.models.context_parallel import check_divisible, fitting_lengths
 
 FLAG = "--context-parallel-size"
 
@@ -31,39 +35,27 @@ def check_context_parallel(config: Any) -> None:
         )
     if cp == 1:
         return
-    check_divisible(config.seq_length, cp)
-    refused = []
-    if config.sequence_parallel:
-        refused.append(
-            "--sequence-parallel (megart's sequence-parallel regions split the whole sequence, "
-            "not a context-parallel part of it): leave it out"
-        )
+    check_divisible(config.seq_length, cp, config.tp if config.sequence_parallel else 1)
     if config.schedule in ("zb-h1", "zb-v"):
-        refused.append(
-            f"--pipeline-schedule {config.schedule} (the zero-bubble schedules are untested "
-            "with it): use 1f1b or interleaved"
-        )
-    if config.ckpt_format == "torch_dist":
-        refused.append(
-            "--ckpt-format torch_dist (Megatron's distributed store is not written or read "
-            "under context parallelism yet): use --ckpt-format megart (the default) or torch"
-        )
-    if config.ckpt_format == "torch" and config.use_distributed_optimizer and config.save:
-        refused.append(
-            "--ckpt-format torch with --use-distributed-optimizer and --save (Megatron's "
-            "distrib_optim.pt shards over data x context parallelism, which megart does not "
-            "write): use --ckpt-format megart, or leave out --use-distributed-optimizer"
-        )
-    if refused:
-        raise ConfigError(f"{FLAG} {cp} does not combine with " + "; nor with ".join(refused))
-
-
-def refuse_dist_load(config: Any, directory: Any) -> None:
-    """Refuses a torch_dist checkpoint under context parallelism (see check_context_parallel)."""
-    cp = config.context_parallel_size
-    if cp > 1:
         raise ConfigError(
-            f"--load {directory} holds Megatron's torch_dist store, which megart does not read "
-            f"under {FLAG} {cp} yet: load it under {FLAG} 1 and save it with --ckpt-format "
-            "megart, then resume that under context parallelism"
+            f"{FLAG} {cp} does not combine with --pipeline-schedule {config.schedule} (the "
+            "zero-bubble schedules are untested with it): use 1f1b or interleaved"
         )
+
+
+def check_sequence_parallel_split(seq: int, tp: int, cp: int) -> None:
+    """Sequence parallelism splits each context-parallel rank's s/cp tokens (cp chunks checked
+    first: check_divisible) over the t tensor-parallel ranks: Megatron-Core's scatter to the
+    sequence-parallel region asserts that t divides them. Else a ConfigError names the lengths
+    that fit, multiples of t, and with cp > 1 of lcm(2 cp, cp t)."""
+    if (seq // cp) % tp == 0:
+        return
+    unit = tp if cp == 1 else math.lcm(2 * cp, cp * tp)
+    what = f"--seq-length {seq}"
+    if cp > 1:
+        what = f"each context-parallel rank's --seq-length {seq} / {FLAG} {cp} = {seq // cp} tokens"
+    raise ConfigError(
+        f"--sequence-parallel splits {what} over tensor-parallel size {tp} "
+        f"(--tensor-model-parallel-size); it must divide: use --seq-length "
+        f"{fitting_lengths(seq, unit)} (a multiple of {unit})"
+    )

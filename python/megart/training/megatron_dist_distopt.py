@@ -16,7 +16,9 @@ order, each at a multiple of 64 elements, cut into buckets): for each bucket ``k
 of the bucket's length without its end padding (``numel_unpadded``, which does not depend on
 the data-parallel size): the fp32 main weights and Adam's moments flattened at each parameter's
 place, the gaps between parameters covered too (Megatron writes them uninitialised; megart
-zeros). Beside them, ShardedObjects written by data-parallel rank 0 of each group:
+zeros). Under context parallelism the optimizer shards over the d x cp ranks (Megatron-Core's
+intra_dp_cp group), whose size pads the buckets; the tensors are the same. Beside them,
+ShardedObjects written by rank 0 of each group's d x cp ranks:
 ``...dp_group_idx_G.optimizer`` (DistributedOptimizer.state_dict()'s param groups, each with
 its ``step``), ``.grad_scaler`` under --fp16/--bf16 with a scaler, and ``.per_bucket_numel`` /
 ``.per_bucket_numel_unpadded`` (per buffer, ``{(param dtype, grad dtype): [per bucket]}``).
@@ -42,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from megart.errors import ConfigError
 from megart.models.megatron_names import megatron_part
 from megart.training import dist_store
-from megart.training.megatron_distrib_optim import BUCKET_ALIGN, dtype_key, layouts
+from megart.training.megatron_distrib_optim import BUCKET_ALIGN, dp_cp_size, dtype_key, layouts
 from megart.training.megatron_files import chunk_names_to_megatron, chunk_to_megatron
 
 SHARDING = "dp_reshardable"
@@ -97,7 +99,8 @@ class Span:
 @dataclass
 class Buffers:
     """This rank's buffers as Megatron lays them out: each buffer's bucket lengths (without
-    end padding) and dtype key, and every parameter's Span."""
+    end padding) and dtype key, every parameter's Span, and the size of the data x
+    context-parallel group they are sharded over."""
 
     buckets: list[tuple[int, ...]]
     dtype: tuple[torch.dtype, torch.dtype]
@@ -109,7 +112,7 @@ class Buffers:
 
     def numel(self, unpadded: bool) -> list[dict[Any, list[int]]]:
         """per_bucket_numel(_unpadded) as Megatron-Core keeps it: the end padding rounds each
-        bucket up to a multiple of lcm(data-parallel size, 128)."""
+        bucket up to a multiple of lcm(data x context-parallel size, 128)."""
         align = 1 if unpadded else math.lcm(self.dp, BUCKET_ALIGN)
         return [{self.dtype: [-(-n // align) * align for n in b]} for b in self.buckets]
 
@@ -152,7 +155,7 @@ def buffers(chunks: list[Any], args: dict[str, Any], pp_rank: int) -> Buffers:
             k, offset = layout.locate(layout.ranges[megatron][0] + (half or 0) * p.numel())
             spans[id(p)] = Span(g, k, offset, p.numel())
         per_buffer.append(layout.buckets)
-    return Buffers(per_buffer, dtype_key(args), spans, int(args.get("data_parallel_size") or 1))
+    return Buffers(per_buffer, dtype_key(args), spans, dp_cp_size(args))
 
 
 def _owned(optimizer: Any, params: list[Any], dp_rank: int) -> list[tuple[Any, int, dict]]:
@@ -203,12 +206,12 @@ def add_state(
         size = torch.Size([bufs.buckets[gbuf][bucket]])
         state.setdefault(key, dist_store.Slices(size)).add([at], data.detach().float())
 
-    for p, start, tensors in _owned(optimizer, params, grid.dp_rank):
+    for p, start, tensors in _owned(optimizer, params, grid.dp_cp_rank):
         span = bufs.spans[id(p)]
         for name in STATES:  # no moments before the first step: zeros, as a fresh Adam's
             data = tensors.get(name, torch.zeros_like(tensors["param"]))
             add(span.gbuf, span.bucket, name, span.start + start, data.reshape(-1))
-    if grid.dp_rank != 0:
+    if grid.dp_cp_rank != 0:
         return
     for gbuf, lengths in enumerate(bufs.buckets):
         for bucket, length in enumerate(lengths):

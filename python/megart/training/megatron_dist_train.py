@@ -96,9 +96,10 @@ def write_rank(
     rng: Any,
     scaler: Any = None,
 ) -> None:
-    """Writes this rank's slices into the store in ``partial``: data-parallel rank 0's
-    weights, random states and (non-distributed optimizer) moments; with
-    --use-distributed-optimizer every rank its slices of Megatron's bucket tensors
+    """Writes this rank's slices into the store in ``partial``: the weights, random states and
+    (non-distributed optimizer) moments of rank 0 of the data x context-parallel group (what
+    Megatron-Core's replica ids name the main replica); with --use-distributed-optimizer every
+    rank its slices of Megatron's bucket tensors, sharded over that group
     (megart.training.megatron_dist_distopt)."""
     half = half_dtype(config)
     state: dict[str, Any] = {}
@@ -112,7 +113,7 @@ def write_rank(
         distopt.add_state(
             state, chunks, optimizer, grid, config.tp, args, groups, _scaler_state(config, scaler)
         )
-    if grid.dp_rank != 0:
+    if grid.dp_cp_rank != 0:  # the weights are the same on every dp x cp rank
         dist_store.write_rank(partial, rank, state)
         return
 

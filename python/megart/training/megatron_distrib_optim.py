@@ -120,6 +120,13 @@ def _dp(args: dict[str, Any]) -> int:
     return int(args.get("data_parallel_size") or 1)
 
 
+def dp_cp_size(args: dict[str, Any]) -> int:
+    """The ranks a buffer is sharded over: Megatron-Core's DistributedDataParallel pads its
+    buckets for the data x context-parallel group (its default bucket size counts data
+    parallelism alone: _dp)."""
+    return _dp(args) * int(args.get("context_parallel_size") or 1)
+
+
 def _params(chunk: dict[str, Any], args: dict[str, Any]) -> list[tuple[str, int, bool]]:
     """(name, elements, tied copy under pipeline parallelism) of a chunk's parameters."""
     tied = not args.get("untie_embeddings_and_output_weights") and (
@@ -136,7 +143,7 @@ def layouts(chunks: list[dict[str, Any]], args: dict[str, Any], pp_rank: int) ->
     params = [_params(chunk, args) for chunk in chunks]
     total = sum(numel for chunk in params for _, numel, _ in chunk)
     return [
-        buffer_layout(chunk, bucket_size(args, pp_rank, c, total), _dp(args))
+        buffer_layout(chunk, bucket_size(args, pp_rank, c, total), dp_cp_size(args))
         for c, chunk in enumerate(params)
     ]
 
