@@ -191,7 +191,7 @@ CASES = [
 
 def _layout(c: TrainConfig, world: int) -> Layout:
     """The planner's layout of a megart train config (uneven stages included)."""
-    dp = world // (c.tp * c.pp)
+    dp = world // (c.tp * c.pp * c.context_parallel_size)
     return Layout(
         c.tp,
         c.pp,
@@ -204,6 +204,7 @@ def _layout(c: TrainConfig, world: int) -> Layout:
         c.pipeline_schedule,
         c.decoder_first_pipeline_num_layers,
         c.decoder_last_pipeline_num_layers,
+        c.context_parallel_size,
     )
 
 
@@ -254,6 +255,13 @@ def test_predicted_bytes_are_what_a_rank_holds(name, nproc, model, flags):
 # Zero-bubble schedules: what ranks keep between I and W, against the planner's count of the
 # deferred layers' X and dY times the pairs its schedule walk finds held between I and W.
 ZB_CASES = [
+    # Context parallelism: each rank defers its s/cp tokens' inputs and output gradients.
+    (
+        "zb-v pp2 cp2 llama-style",
+        4,
+        LLAMA,
+        dict(pipeline_schedule="zb-v", context_parallel_size=2, micro_batch_size=1),
+    ),
     ("zb-h1 pp2 bf16", 2, SMALL, dict(pipeline_schedule="zb-h1", bf16=True, micro_batch_size=2)),
     ("zb-v pp2 llama-style", 2, LLAMA, dict(pipeline_schedule="zb-v", micro_batch_size=1)),
     (
@@ -284,8 +292,9 @@ def test_weight_gradient_bytes_held_between_i_and_w(name, nproc, model, flags):
     t, p, v, b = layout.tp, layout.pp, layout.chunks, layout.micro_batch
     prec = precision(c, "megart")
     layers = cfg.num_layers // (p * v)
-    per_chunk = act.weight_grad_bytes(cfg, b, t, prec) * layers
-    out = act.output_weight_grad_bytes(cfg, b, t, prec)
+    cp = layout.cp
+    per_chunk = act.weight_grad_bytes(cfg, b, t, prec, cp) * layers
+    out = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
     plan = sched.build(layout.kind, p, c.microbatches(layout.dp), v)
     last = p * v - 1
     for held in launch(deferred_bytes, nproc, kw, timeout=300):

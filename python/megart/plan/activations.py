@@ -246,27 +246,31 @@ def megatron_layer_bytes(
     return tokens * h * (dense + scores)
 
 
-def weight_grad_bytes(cfg: GPTConfig, b: int, tp: int, prec: Precision) -> float:
+def weight_grad_bytes(cfg: GPTConfig, b: int, tp: int, prec: Precision, cp: int = 1) -> float:
     """Bytes one layer keeps for one microbatch between a zero-bubble schedule's I and W: each
     deferred linear layer's input X and output gradient dY (megart.tensor_parallel.weight_grad),
     16-bit under autocast. Per token: q/k/v's X is the norm output (h; gathered over the whole
     sequence with sequence parallelism) and dY its (h + 2 kv)/t outputs; the projection's X the
     attention output h/t and dY h (a row-parallel output is whole before its reduction); the
     first MLP product's X the norm output h and dY f/t (2 f/t with SwiGLU); the second's X the
-    activation f/t and dY h. Held with recomputation too: I recomputes the layer and keeps them."""
+    activation f/t and dY h. Held with recomputation too: I recomputes the layer and keeps them.
+    With context parallelism each rank holds its s/cp tokens' (the gathered keys and values
+    are attention's, not a linear layer's)."""
     h, t, f = cfg.hidden_size, tp, cfg.ffn_size
     kv = cfg.query_groups * cfg.head_dim
     fc1_out = (2 if cfg.activation == "swiglu" else 1) * f
     x = h + h / t + h + f / t
     dy = (h + 2 * kv) / t + h + fc1_out / t + h
-    return cfg.seq_length * b * (x + dy) * prec.other
+    return cfg.seq_length // cp * b * (x + dy) * prec.other
 
 
-def output_weight_grad_bytes(cfg: GPTConfig, b: int, tp: int, prec: Precision) -> float:
+def output_weight_grad_bytes(
+    cfg: GPTConfig, b: int, tp: int, prec: Precision, cp: int = 1
+) -> float:
     """An untied output layer's X (the final norm's output, h) and dY (this rank's logits,
     V_padded/t), kept from the last stage's I to its W; none when tied (the embedding's
     gradient is computed in I)."""
     if not cfg.untie_embeddings_and_output_weights:
         return 0.0
     vocab = cfg.padded_vocab_size(tp) // tp
-    return cfg.seq_length * b * (cfg.hidden_size + vocab) * prec.other
+    return cfg.seq_length // cp * b * (cfg.hidden_size + vocab) * prec.other

@@ -320,11 +320,12 @@ def _worst_rank_memory(
     if p > 1 and layout.kind in ZERO_BUBBLE:
         assert run.plan is not None
         rec = cfg.recompute_granularity
-        one = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention)
-        pair = act.output_bytes(cfg, b, t, sp, prec) + act.rope_table_bytes(cfg, rec)
+        cp = layout.cp
+        one = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention, cp)
+        pair = act.output_bytes(cfg, b, t, sp, prec, cp) + act.rope_table_bytes(cfg, rec, cp)
         per_pair = [n * one + pair for n in layers]
-        grads = [act.weight_grad_bytes(cfg, b, t, prec) * n for n in layers]
-        out_grads = act.output_weight_grad_bytes(cfg, b, t, prec)
+        grads = [act.weight_grad_bytes(cfg, b, t, prec, cp) * n for n in layers]
+        out_grads = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
         last = p * v - 1
         costs = [
             [g + (out_grads if run.plan.virtual_stage(r, k) == last else 0) for k in range(v)]

@@ -73,8 +73,8 @@ def rank_memory(
     if (pp_rank < p - 1 or v > 1) and not megatron:
         outputs = n * act.output_bytes(cfg, b, t, sp, prec, cp)
     working = full + act.rope_table_bytes(cfg, None, cp) if rec == "full" else 0.0
-    grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec)
-    grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec)
+    grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec, cp)
+    grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec, cp)
     # 16-bit weights with fp32 main weights need no autocast copies (megart's --half-weights
     # counted exactly as megart holds them, Megatron-LM's by its convention below); fp32
     # weights under autocast need a 16-bit copy of each.

@@ -2,11 +2,11 @@
 
 Context parallelism (megart.models.context_parallel) runs with tensor parallelism (and
 sequence parallelism, which splits each rank's s/cp tokens over t), pipeline (1F1B,
-interleaved) and data parallelism, the distributed optimizer, recomputation, megart's own
-checkpoints, Megatron-LM's legacy files (distrib_optim.pt included) and its torch_dist store
-(the weights' layout does not depend on cp, so a checkpoint resumes under any cp; the
-distributed optimizer's state is sharded over d x cp and read back at any). What it has not
-been built or tested with is refused by name.
+interleaved, zb-h1, zb-v) and data parallelism, the distributed optimizer, recomputation,
+megart's own checkpoints, Megatron-LM's legacy files (distrib_optim.pt included) and its
+torch_dist store (the weights' layout does not depend on cp, so a checkpoint resumes under any
+cp; the distributed optimizer's state is sharded over d x cp and read back at any). What it has
+not been built or tested with is refused by name.
 """
 
 from __future__ import annotations
@@ -36,11 +36,6 @@ def check_context_parallel(config: Any) -> None:
     if cp == 1:
         return
     check_divisible(config.seq_length, cp, config.tp if config.sequence_parallel else 1)
-    if config.schedule in ("zb-h1", "zb-v"):
-        raise ConfigError(
-            f"{FLAG} {cp} does not combine with --pipeline-schedule {config.schedule} (the "
-            "zero-bubble schedules are untested with it): use 1f1b or interleaved"
-        )
 
 
 def check_sequence_parallel_split(seq: int, tp: int, cp: int) -> None:
