@@ -128,6 +128,13 @@ HELP = {
     "the optimizer steps; Megatron-LM's params norm / params-norm)",
     "log_num_zeros_in_grad": "log how many gradient elements each step read as zero "
     "(Megatron-LM's num zeros / num-zeros; none on a skipped fp16 step)",
+    "timing_log_level": "Megatron-LM's per-phase timers, reported every --log-interval "
+    "iterations: 0 none, 1 the iteration's phases (forward-backward, gradient syncs, the "
+    "optimizer's parts), 2 also the batch generator (on a GPU each phase is timed between "
+    "device synchronisations)",
+    "timing_log_option": "how the timers are reported across ranks: max, minmax or all",
+    "log_timers_to_tensorboard": "also write the timers (each phase's max across ranks) under "
+    "--tensorboard-dir as <name>-time",
     "log_world_size_to_tensorboard": "also write the number of processes (world-size) under "
     "--tensorboard-dir",
     "log_validation_ppl_to_tensorboard": "accepted: megart writes the validation and test "

@@ -40,6 +40,8 @@ CHOICES = {
     "optimizer": ("adam",),
     "transformer_impl": ("local", "transformer_engine"),
     "cp_comm_type": ("p2p", "all_gather", "a2a", "a2a+p2p"),  # Megatron's; all_gather only here
+    "timing_log_level": (0, 1, 2),
+    "timing_log_option": ("max", "minmax", "all"),
 }
 
 
@@ -226,6 +228,11 @@ class TrainConfig:
     log_params_norm: bool = False
     log_num_zeros_in_grad: bool = False
     log_world_size_to_tensorboard: bool = False
+    # Megatron's per-phase timers (megart.training.timers): 0 none, 1 the iteration's phases,
+    # 2 also the batch generator; reported every --log-interval iterations.
+    timing_log_level: int = 0
+    timing_log_option: str = "minmax"
+    log_timers_to_tensorboard: bool = False
     save: str | None = None  # directory to write checkpoints to
     save_interval: int | None = None  # iterations between checkpoints (and one at the end)
     save_retain_interval: int | None = (

@@ -45,6 +45,8 @@ What each does in megart:
   formats have no such norms, so export-hf refuses such a model.
 - --save-retain-interval N: Megatron's rule: once a checkpoint is complete, the one saved before
   it is deleted unless its iteration is a multiple of N (megart.training.checkpoint_dirs.retire).
+- --timing-log-level, --timing-log-option, --log-timers-to-tensorboard: Megatron's per-phase
+  timers where megart has the phase (megart.training.timers).
 - --log-params-norm, --log-num-zeros-in-grad, --log-world-size-to-tensorboard: Megatron's
   params-norm, num-zeros and world-size figures, in the progress line (the first two) and under
   --tensorboard-dir (megart.training.iteration_stats).
@@ -168,10 +170,6 @@ NOT_YET = {
         "and to JSON lines (--log-jsonl), not to Weights & Biases; leave it out"
         for name in ("project", "exp-name", "save-dir", "entity")
     },
-    "--log-timers-to-tensorboard": "megart has no per-phase timers; leave it out (--profile "
-    "traces the iterations)",
-    "--timing-log-level": "megart has no per-phase timers; leave it out (--profile traces the "
-    "iterations)",
     "--window-size": "megart's attention is causal over the whole sequence, with no sliding "
     "window; leave it out",
     "--init-method-xavier-uniform": "megart initialises from a normal of --init-method-std; "

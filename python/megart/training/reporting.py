@@ -12,6 +12,7 @@ import torch
 from megart.errors import ConfigError
 from megart.training import memory_report
 from megart.training.flops import PEAK_FLOPS
+from megart.training.timers import tensorboard_scalars, timer_lines
 
 
 def peak_flops() -> tuple[float | None, str]:
@@ -208,6 +209,11 @@ class RunLog(contextlib.ExitStack):
         line = self.memory.line(fig, logged) if self.memory else None
         if line is not None:  # its own rule for which ranks print, so not say()
             print(line, flush=True)
+        if fig.get("timers_ms"):
+            self.say(timer_lines(fig["timers_ms"], c.timing_log_option))
+            if self.board is not None and c.log_timers_to_tensorboard:
+                for tag, ms in tensorboard_scalars(fig["timers_ms"]).items():
+                    self.board.add_scalar(tag, ms, fig["iteration"])
         if "valid_loss" in fig:
             self.say(validation_line(fig))
         if "test_loss" in fig:

@@ -31,6 +31,7 @@ from megart.training.data import Dataset
 from megart.training.housekeeping import Housekeeping
 from megart.training.reporting import RunLog, peak_flops, run_description
 from megart.training.stopping import EarlyExit, check_finite
+from megart.training.timers import Timers
 
 # Each pipeline message is planned as taking this share of one chunk's forward. A plan made for
 # costly messages keeps the schedule's bubble when they turn out free, and one made for free
@@ -67,6 +68,7 @@ class Trainer:
         self.m = c.microbatches(self.dp)
         self.device = setup.local_device()
         self.chores = Housekeeping(c, self.device, dist.get_rank())
+        self.timers = Timers(c.timing_log_level, self.device)  # Megatron's, by phase
         # The model: this rank's chunks of the GPT, on seeded streams.
         self.model_config = c.gpt_config()
         self.rng = setup.seeded_streams(c, g)
@@ -171,7 +173,8 @@ class Trainer:
         m = c.microbatches(self.dp, batch)
         scale = self.scaler.scale if self.scaler else 1.0  # the scale this iteration runs at
         losses = self._forward_backward(iteration, batch, m, scale)
-        skipped, grad_norm, lr, stats = self._update_weights(iteration)
+        with self.timers.phase("optimizer"):
+            skipped, grad_norm, lr, stats = self._update_weights(iteration)
         loss, p2p_bytes = self._loss_and_p2p_bytes(losses, m)
         if c.check_for_nan_in_loss_and_grad and not skipped:
             check_finite("loss", loss, iteration + 1)
@@ -180,6 +183,8 @@ class Trainer:
         tokens = batch * c.seq_length
         share = batch / c.global_batch_size  # FLOPs are linear in the batch
         tflops = self.flops * share / elapsed / dist.get_world_size() / 1e12
+        if c.timing_log_level and (iteration + 1) % c.log_interval == 0:
+            stats["timers_ms"] = self.timers.report(c.log_interval)  # every rank's
         return {
             "iteration": iteration + 1,
             "global_batch_size": batch,
@@ -210,20 +215,24 @@ class Trainer:
         ``batch`` samples and completes their gradients (averaged over data parallelism, summed
         over sequence parallelism and over the tied embedding's two copies), ready to step;
         returns the microbatch losses (the last stage's; none elsewhere)."""
-        c, g = self.config, self.grid
-        inputs, targets = self._microbatches(self.data, iteration, batch)
+        c, g, timed = self.config, self.grid, self.timers.phase
+        with timed("batch-generator"):
+            inputs, targets = self._microbatches(self.data, iteration, batch)
         self.buckets.zero_grad()
         self.buckets.start_iteration(m)
         dist.reset_bytes_sent(g.pp_group)
         fusion = fusing_accumulation(c.gradient_accumulation_fusion)
-        with self._autocast(), fusion:
+        with self._autocast(), fusion, timed("forward-backward"):
             # Each microbatch's loss is divided by m: the gradient is the batch mean's.
             losses = self.engine_for(m).run(inputs, targets, self._loss_fn, scale)
-        self.buckets.finish()
+        with timed("all-grads-sync"):
+            self.buckets.finish()
         self.chores.after_forward_backward()
-        for chunk in self.chunks:
-            sync_sequence_parallel_grads(chunk, g.tp_group)
-        optim.share_embedding_grads(self.chunks, g, c.pp, self.buckets)
+        with timed("layernorm-grads-all-reduce"):
+            for chunk in self.chunks:
+                sync_sequence_parallel_grads(chunk, g.tp_group)
+        with timed("embedding-grads-all-reduce"):
+            optim.share_embedding_grads(self.chunks, g, c.pp, self.buckets)
         return losses
 
     def _update_weights(self, iteration: int) -> tuple[bool, float, float, dict[str, Any]]:
@@ -231,13 +240,17 @@ class Trainer:
         rate, unless an fp16 overflow skips the step on every rank; returns (skipped, gradient
         norm, learning rate, the figures --log-num-zeros-in-grad and --log-params-norm ask
         for)."""
-        c, g = self.config, self.grid
-        skipped = self.scaler is not None and self._overflowed()
-        grad_norm = (
-            math.nan
-            if skipped
-            else optim.clip(self.chunks, g, self.optimizer, c.clip_grad, self.device)
-        )
+        c, g, timed = self.config, self.grid, self.timers.phase
+        skipped = False
+        if self.scaler is not None:  # fp16
+            with timed("optimizer-unscale-and-check-inf"):
+                skipped = self._overflowed()
+        with timed("optimizer-clip-main-grad"):
+            grad_norm = (
+                math.nan
+                if skipped
+                else optim.clip(self.chunks, g, self.optimizer, c.clip_grad, self.device)
+            )
         if c.check_for_nan_in_loss_and_grad and not skipped:
             check_finite("gradient norm", grad_norm, iteration + 1)  # before the step
         # Under --rampup-batch-size the schedule runs on samples, counted in global batches.
@@ -247,11 +260,13 @@ class Trainer:
             group["lr"] = c.learning_rate(done, group.get("max_lr"), group.get("min_lr"))
         stats: dict[str, Any] = {}
         if c.log_num_zeros_in_grad:  # what the step reads, after clipping, as Megatron counts
-            stats["num_zeros_in_grad"] = (
-                None if skipped else iteration_stats.zeros_in_grads(*self._stats_args)
-            )
+            with timed("optimizer-count-zeros"):
+                stats["num_zeros_in_grad"] = (
+                    None if skipped else iteration_stats.zeros_in_grads(*self._stats_args)
+                )
         if not skipped:
-            self.optimizer.step()
+            with timed("optimizer-inner-step"):
+                self.optimizer.step()
         self.chores.after_optimizer_step()
         if c.log_params_norm:
             stats["params_norm"] = iteration_stats.params_norm(*self._stats_args)
