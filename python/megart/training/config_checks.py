@@ -12,6 +12,7 @@ from megart.models.stages import uneven
 from megart.parallel.layout import divisors
 from megart.training.batch_rampup import check_rampup
 from megart.training.context_parallel_checks import check_context_parallel
+from megart.training.documents import check_document_flags
 from megart.training.lr import check_decay_style
 from megart.training.megatron_flags import check_megatron_flags
 
@@ -168,6 +169,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
         )
     _check_lr_flags(cfg)
     check_megatron_flags(cfg)
+    check_document_flags(cfg)
     cfg.gpt_config().check_layout(tp, pp, cfg.chunks, **cfg.stages)  # GPTConfig's refusals
     return dp
 
