@@ -13,6 +13,9 @@ EOD = VOCAB
 RUN = dict(tokenizer_type="NullTokenizer", vocab_size=VOCAB, init_method_std=0.2,
            position_embedding_type="rope", normalization="RMSNorm", swiglu=True)  # fmt: skip
 FLAGS = dict(eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+# Under the documents' mask rope's reset positions change nothing (rope sees relative positions,
+# and those within a document are the same): positions without the mask, to test them.
+POSITIONS = dict(eod_mask_loss=True, reset_position_ids=True)
 
 
 def corpus(n: int = 1 << 14, seed: int = 0, eod_share: float = 0.125) -> np.ndarray:
@@ -30,5 +33,7 @@ def trainer(**kw: object):
 
 
 def losses(kw: dict) -> list[float]:
-    """The loss of each iteration on this rank (the same on every rank)."""
-    return [h["loss"] for h in trainer(**kw).train(quiet=True)]
+    """The loss and gradient norm of each iteration on this rank (the same on every rank): the
+    norm as well, since Adam would hide a gradient scaled by a constant (a normalisation by the
+    wrong token count) from the loss curve."""
+    return [h[k] for h in trainer(**kw).train(quiet=True) for k in ("loss", "grad_norm")]

@@ -175,7 +175,8 @@ def _losses(nproc: int, **kw) -> list[float]:
 
 @pytest.fixture(scope="module")
 def straight():
-    return _losses(1, **dw.FLAGS)
+    runs = {"all": dw.FLAGS, "positions": dw.POSITIONS}
+    return {name: _losses(1, **flags) for name, flags in runs.items()}
 
 
 LAYOUTS = {
@@ -189,7 +190,17 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_multi_rank_runs_with_the_flags_follow_the_one_process_curve(straight, layout):
-    assert _losses(2, **dw.FLAGS, **LAYOUTS[layout]) == pytest.approx(straight, rel=REL, abs=0)
+    """Losses and gradient norms, with all three flags and with positions reset unmasked."""
+    for name, flags in {"all": dw.FLAGS, "positions": dw.POSITIONS}.items():
+        got = _losses(2, **flags, **LAYOUTS[layout])
+        assert got == pytest.approx(straight[name], rel=REL, abs=0), name
+
+
+def test_learned_positions_at_tp2_with_sequence_parallelism_follow_the_one_process_curve():
+    """The learned table's rows of each sample's reset positions, each rank adding its slice."""
+    kw = dict(dw.POSITIONS, position_embedding_type="learned_absolute")
+    tp2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+    assert _losses(2, **kw, **tp2) == pytest.approx(_losses(1, **kw), rel=REL, abs=0)
 
 
 @pytest.fixture(scope="module")
@@ -200,15 +211,17 @@ def plain():
 @pytest.mark.parametrize("flag", sorted(dw.FLAGS))
 def test_each_flag_moves_the_curve_far_beyond_the_tolerance(plain, flag):
     """So that a layout that dropped one of them (on some stage or rank) would be caught."""
-    moved = _losses(1, **{flag: True})
-    assert max(abs(a - b) / b for a, b in zip(moved, plain, strict=True)) > 100 * REL
+    moved = _losses(1, **{flag: True})[::2]  # the losses
+    assert max(abs(a - b) / b for a, b in zip(moved, plain[::2], strict=True)) > 100 * REL
 
 
 def test_per_token_loss_at_dp2_and_cp2_follows_the_one_process_curve():
     """--calculate-per-token-loss normalises over the whole global batch, across data and
     context parallel ranks; cp2 splits positions and loss masks as it splits tokens."""
-    kw = dict(eod_mask_loss=True, reset_position_ids=True, calculate_per_token_loss=True)
+    kw = dict(dw.POSITIONS, calculate_per_token_loss=True)
     one = _losses(1, **kw)
+    default = _losses(1, **dw.POSITIONS)  # the other normalisation: another curve
+    assert max(abs(a - b) / b for a, b in zip(one, default, strict=True)) > 100 * REL
     assert _losses(2, **kw) == pytest.approx(one, rel=REL, abs=0)
     assert _losses(2, context_parallel_size=2, **kw) == pytest.approx(one, rel=REL, abs=0)
 
