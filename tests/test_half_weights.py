@@ -22,6 +22,16 @@ from megart.training.config import TrainConfig
 HALF = dict(bf16=True, half_weights=True)
 
 
+@pytest.fixture(autouse=True)
+def _one_process_world():
+    """The trainers built here in the test process make a one-process world: ended after
+    each test, so that none is left to a later one."""
+    yield
+    import megart.distributed as dist
+
+    dist.destroy()
+
+
 def _trainer(**kw):
     from megart.training.trainer import Trainer
 

@@ -170,8 +170,7 @@ def test_switches_that_hold_already_are_taken():
 @pytest.mark.parametrize(
     "argv, says",
     [
-        (["--eod-mask-loss"], "no loss mask or per-document positions"),
-        (["--reset-position-ids"], "no loss mask or per-document positions"),
+        (["--non-persistent-save-interval", "5"], "no non-persistent checkpoints"),
         (["--train-data-path", "a"], "give --data-path with --split"),
         (["--async-save"], "saves are synchronous"),
         (["--wandb-project", "p"], "not to Weights & Biases"),

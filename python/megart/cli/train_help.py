@@ -194,7 +194,8 @@ HELP = {
     "training process",
     "mmap_bin_files": "read the .bin files into memory instead of memory-mapping them",
     "create_attention_mask_in_dataloader": "no attention mask from the data loader (megart "
-    "never builds one: the same model either way)",
+    "never builds one there: the same model either way; not with --reset-attention-mask, which "
+    "Megatron-LM then does not apply)",
     "train_samples": "samples to train: --train-iters = this // --global-batch-size",
     "lr_decay_samples": "samples of decay (default: --train-samples)",
     "lr_warmup_samples": "samples of linear warm-up",
@@ -222,8 +223,18 @@ HELP = {
     "training state, each rank writing its slices; with --use-distributed-optimizer its "
     "dp_reshardable buckets, not under zb-v). "
     "--load reads any of them whatever this flag",
-    "calculate_per_token_loss": "mean loss over the global batch's tokens (megart has no loss "
-    "mask: the same as its per-microbatch means)",
+    "calculate_per_token_loss": "with --eod-mask-loss: the gradient of the global batch's loss "
+    "sum over its unmasked tokens' count, instead of the mean of each microbatch's mean over "
+    "its own (without the mask the two are the same)",
+    "eod_mask_loss": "no loss for the prediction made from an end-of-document token (the "
+    "tokenizer's: <|endoftext|>, eos, NullTokenizer's extra id): each microbatch's loss is the "
+    "mean over its other tokens, as Megatron-LM's; the loss reported is the global batch's "
+    "mean over those tokens",
+    "reset_position_ids": "positions restart at 0 after each end-of-document token (learned "
+    "positions and rope)",
+    "reset_attention_mask": "tokens after an end-of-document token attend only to their own "
+    "document (block-diagonal causal mask; on CUDA an explicit mask, so no flash kernel). Not "
+    "with --context-parallel-size above 1",
     "context_parallel_size": "context parallelism: each sequence split over this many ranks "
     "(Megatron's load-balanced 2 cp chunks; --seq-length divisible by 2 cp), keys and values "
     "all-gathered over them (no ring); ranks tp x cp x dp x pp, cp between tp and dp. With "

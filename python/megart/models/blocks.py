@@ -252,18 +252,23 @@ class Attention(nn.Module):
             self.k_layernorm = norm(cfg, True, cfg.head_dim)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``mask``: [b, 1, s, s] booleans (True: may attend), causal already (documents'
+        block-diagonal mask, megart.models.documents); None: causal over the sequence."""
         qkv = self.qkv(x)  # [s, b, (heads + 2 groups) d / t]: whole sequence, rank's groups
         s, b, _ = qkv.shape
         d, per_group = self.cfg.head_dim, self.local_heads // self.local_groups
         grouped = qkv.view(s, b, self.local_groups, per_group + 2, d)
         q, k, v = grouped.split([per_group, 1, 1], dim=3)
+        q, k = q.reshape(s, b, self.local_heads, d), k.squeeze(3)
+        if self.cfg.qk_layernorm:  # each head over its channels, before rope
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         # [b, heads, s, d] and [b, groups, s, d]: views, with one group per head the very
         # strides the multi-head layout gave.
-        q, k = q.reshape(s, b, self.local_heads, d), k.squeeze(3)
-        if self.cfg.qk_layernorm:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
         q = q.permute(1, 2, 0, 3)
         k, v = k.permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
         if rope is not None:
@@ -275,9 +280,9 @@ class Attention(nn.Module):
             k, v = gather_kv(k, self.cp_group), gather_kv(v, self.cp_group)
             where = (cp, group_rank(self.cp_group))
         if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
-            y = checkpointed(self._core, self.rng, q, k, v, where)
+            y = checkpointed(self._core, self.rng, q, k, v, where, mask)
         else:
-            y = self._core(q, k, v, where)
+            y = self._core(q, k, v, where, mask)
         return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, -1))
 
     def _core(
@@ -286,10 +291,12 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         where: tuple[int, int] | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal (with context parallelism, ``where`` = (cp, cp
-        rank), by global positions), with attention dropout on the tensor-parallel stream: what
-        selective recomputation recomputes (so it keeps k and v per group)."""
+        rank), by global positions; with ``mask``, where it allows), with attention dropout on
+        the tensor-parallel stream: what selective recomputation recomputes (so it keeps k and v
+        per group)."""
         per_group = q.shape[1] // k.shape[1]
         if per_group > 1:
             # Each group's key and value head, once per query head of the group (heads are
@@ -306,6 +313,8 @@ class Attention(nn.Module):
         with stream, kernel:
             if where is not None:
                 return context_attention(q, k, v, *where, dropout)
+            if mask is not None:  # a mask tensor: on CUDA no flash kernel takes one
+                return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
 
@@ -375,13 +384,16 @@ class Block(nn.Module):
         self.fused_norm = cfg.fused_layer_norm
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not self.fused_norm:
-            x = x + self.drop(self.attn(self.ln_1(x), rope))
+            x = x + self.drop(self.attn(self.ln_1(x), rope, mask))
             return x + self.drop(self.mlp(self.ln_2(x)))
         # The first residual add goes into the second LayerNorm's kernel.
-        h = self.drop(self.attn(apply_norm(self.ln_1, x, True), rope))
+        h = self.drop(self.attn(apply_norm(self.ln_1, x, True), rope, mask))
         ln_2 = self.ln_2
         # fp32 when the stream is, though h (the attention's output) is 16-bit under autocast.
         weight, bias = in_dtype(torch.promote_types(h.dtype, x.dtype), gamma(ln_2), ln_2.bias)

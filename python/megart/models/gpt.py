@@ -19,6 +19,7 @@ from megart.kernels import fused_vocab_parallel_cross_entropy
 from megart.models.blocks import Block, apply_norm, generator, norm, rotary
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import group_positions
+from megart.models.documents import Documents
 from megart.models.recompute import checkpointed, recomputed_spans
 from megart.models.stages import FIRST, LAST, stage_ranges, uneven
 from megart.tensor_parallel import (
@@ -46,7 +47,12 @@ class GPTChunk(nn.Module):
     of the embedding, initialised identically; the trainer sums the two gradients.
 
     With context parallelism (``cp_group``) the tokens and every [s, b, h] are this rank's
-    part of each sequence (megart.models.context_parallel's split), and positions are global."""
+    part of each sequence (megart.models.context_parallel's split), and positions are global.
+
+    ``documents`` (megart.models.documents, Megatron's --reset-position-ids and
+    --reset-attention-mask): the microbatch's positions within documents, for the learned
+    table (first chunk) and rope (every chunk), and its documents' attention mask (every
+    chunk)."""
 
     def __init__(
         self,
@@ -101,19 +107,22 @@ class GPTChunk(nn.Module):
             self._unpadded_rows(self.output_layer.weight)
 
     def _blocks(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cfg = self.cfg
         if cfg.recompute_granularity != "full" or not torch.is_grad_enabled():
             for block in self.blocks:
-                x = block(x, rope)
+                x = block(x, rope, mask)
             return x
         spans = recomputed_spans(len(self.blocks), cfg.recompute_method, cfg.recompute_num_layers)
         for start, stop, recompute in spans:
 
             def run(h: torch.Tensor, start: int = start, stop: int = stop) -> torch.Tensor:
                 for block in self.blocks[start:stop]:
-                    h = block(h, rope)
+                    h = block(h, rope, mask)
                 return h
 
             x = checkpointed(run, self.rng, x) if recompute else run(x)
@@ -130,8 +139,9 @@ class GPTChunk(nn.Module):
         r = group_rank(self.tp_group) if self.sequence_parallel else 0
         return slice(r * seq // t, (r + 1) * seq // t)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         cp = group_size(self.cp_group)
+        positions = None if documents is None else documents.positions  # [b, s] or None
         if self.first:
             seq = x.shape[1] * cp
             if seq > self.cfg.seq_length:
@@ -140,10 +150,16 @@ class GPTChunk(nn.Module):
                 )
             h = self.wte(x.t())  # [s, b, h], or this rank's slice of s
             if self.cfg.position_embedding == "learned":
-                table = self.wpe.weight[:seq]
-                if cp > 1:  # the rows of this rank's tokens' global positions
-                    table = self.wpe.weight[group_positions(self.cp_group, x.shape[1], h.device)]
-                h = h + table[self._sequence_slice(x.shape[1])].unsqueeze(1)
+                rows = self._sequence_slice(x.shape[1])
+                if positions is not None:  # each sample's own rows: [s, b, h]
+                    h = h + self.wpe.weight[positions.t()[rows]]
+                else:
+                    table = self.wpe.weight[:seq]
+                    if cp > 1:  # the rows of this rank's tokens' global positions
+                        table = self.wpe.weight[
+                            group_positions(self.cp_group, x.shape[1], h.device)
+                        ]
+                    h = h + table[rows].unsqueeze(1)
             x = self.drop(self._residual_stream(h))
         else:
             x = self._residual_stream(x)
@@ -159,11 +175,14 @@ class GPTChunk(nn.Module):
                 scale,
                 self.cfg.rotary_seq_len_interpolation_factor,
             )
-            if cp > 1:  # the angles of this rank's tokens' global positions: the s/cp
+            if positions is not None:  # each sample's own angles: [b, 1, s, d/2]
+                rope = (rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1))
+            elif cp > 1:  # the angles of this rank's tokens' global positions: the s/cp
                 # that attention sees, gathered over t under sequence parallelism
                 rows = group_positions(self.cp_group, x.shape[0] * t, x.device)
                 rope = (rope[0][rows], rope[1][rows])
-        x = self._blocks(x, rope)
+        mask = None if documents is None else documents.attention_mask()
+        x = self._blocks(x, rope, mask)
         if not self.last:
             return x
         x = apply_norm(self.ln_f, x, self.cfg.fused_layer_norm)
@@ -198,11 +217,16 @@ class GPTChunk(nn.Module):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy from this rank's logits slice and targets [b, s]."""
+        return self.token_losses(logits, targets).mean()
+
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each token's next-token cross-entropy, [s, b], from this rank's logits slice and
+        targets [b, s]."""
         if self.cfg.cross_entropy_loss_fusion:
             ce = fused_vocab_parallel_cross_entropy
         else:
             ce = vocab_parallel_cross_entropy
-        return ce(logits, targets.t(), self.tp_group).mean()
+        return ce(logits, targets.t(), self.tp_group)
 
 
 class GPT(nn.Module):
@@ -210,8 +234,9 @@ class GPT(nn.Module):
 
     ``model(tokens)`` returns full-vocabulary logits [b, s, V] on every tensor-parallel rank
     (gathered: for inference and tests); ``model(tokens, targets)`` returns the mean
-    next-token cross-entropy, computed vocab-parallel. The tensor-parallel group comes from
-    ``grid`` (a megart.ParallelGrid) or ``tp_group``; neither means one process.
+    next-token cross-entropy, computed vocab-parallel (``documents``: see GPTChunk). The
+    tensor-parallel group comes from ``grid`` (a megart.ParallelGrid) or ``tp_group``; neither
+    means one process.
     """
 
     def __init__(
@@ -231,8 +256,13 @@ class GPT(nn.Module):
             cfg, range(cfg.num_layers), True, True, tp_group, sequence_parallel, rng
         )
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.chunk(tokens)
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
+        logits = self.chunk(tokens, documents)
         if targets is not None:
             return self.chunk.loss(logits, targets)
         full = gather_from_region(logits, self.chunk.tp_group)[..., : self.cfg.vocab_size]

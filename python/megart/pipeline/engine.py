@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from megart.errors import ConfigError, ScheduleError
 from megart.pipeline.p2p import StageLink
 from megart.tensor_parallel.weight_grad import WeightGradStore, deferring
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
 
 class PipelineEngine:
@@ -106,36 +107,41 @@ class PipelineEngine:
     def evaluate(
         self,
         inputs: Sequence[torch.Tensor] | None,
-        targets: Sequence[torch.Tensor] | None,
+        targets: Sequence[Any] | None,
         loss_fn: LossFn,
+        documents: Sequence[Any] | None = None,
     ) -> list[torch.Tensor]:
         """Runs the forward of every microbatch only (the schedule's forward_only pass, no
         autograd graph, each activation freed once sent); returns the losses as :meth:`run`
         does. Dropout stays as the modules' training flags set it: call ``eval()`` first."""
         with torch.no_grad():
-            return self._execute(self._evaluation, inputs, targets, loss_fn, 1.0)
+            return self._execute(self._evaluation, inputs, targets, loss_fn, 1.0, documents)
 
     def run(
         self,
         inputs: Sequence[torch.Tensor] | None,
-        targets: Sequence[torch.Tensor] | None,
+        targets: Sequence[Any] | None,
         loss_fn: LossFn,
         loss_scale: float = 1.0,
+        documents: Sequence[Any] | None = None,
     ) -> list[torch.Tensor]:
         """Runs forward and backward of every microbatch; gradients accumulate in the chunks'
         parameters (the loss is divided by m, so they are the batch mean's, times
         ``loss_scale``, which fp16 training sets). ``inputs`` are
-        needed on the first stage and ``targets`` on the last. Returns each microbatch's loss
+        needed on the first stage and ``targets`` (whatever ``loss_fn`` takes) on the last;
+        ``documents``, where given, is each microbatch's second argument to every chunk (its
+        positions and attention mask: megart.models.documents). Returns each microbatch's loss
         (detached) on the rank that holds the last stage, else an empty list."""
-        return self._execute(self.schedule, inputs, targets, loss_fn, loss_scale)
+        return self._execute(self.schedule, inputs, targets, loss_fn, loss_scale, documents)
 
     def _execute(
         self,
         s: sched.Schedule,
         inputs: Sequence[torch.Tensor] | None,
-        targets: Sequence[torch.Tensor] | None,
+        targets: Sequence[Any] | None,
         loss_fn: LossFn,
         loss_scale: float,
+        documents: Sequence[Any] | None = None,
     ) -> list[torch.Tensor]:
         m = s.microbatches
         if any(self._first(c) for c in range(s.chunks)) and (inputs is None or len(inputs) != m):
@@ -160,7 +166,8 @@ class PipelineEngine:
                 x = leaf = arrived.pop(("F", a.mb, a.chunk))
                 if training:
                     x.requires_grad_()
-            out = self.chunks[a.chunk](x)
+            extra = () if documents is None else (documents[a.mb],)
+            out = self.chunks[a.chunk](x, *extra)
             if self._last(a.chunk):
                 loss = loss_fn(out, targets[a.mb])
                 losses[a.mb] = loss.detach()

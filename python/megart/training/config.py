@@ -171,6 +171,12 @@ class TrainConfig:
     num_workers: int = 2
     mmap_bin_files: bool = True
     create_attention_mask_in_dataloader: bool = True
+    # Documents inside a sample, cut at the tokenizer's end-of-document token (see
+    # megart.training.documents): no loss for the prediction made from it, positions and
+    # attention restarting after it.
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
     train_samples: int | None = None
     lr_decay_samples: int | None = None
     lr_warmup_samples: int = 0

@@ -15,6 +15,7 @@ from megart.training.context_parallel_checks import (
     check_context_parallel,
     check_sequence_parallel_split,
 )
+from megart.training.documents import check_document_flags
 from megart.training.lr import check_decay_style
 from megart.training.megatron_flags import check_megatron_flags
 
@@ -177,6 +178,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
         )
     _check_lr_flags(cfg)
     check_megatron_flags(cfg)
+    check_document_flags(cfg)
     cfg.gpt_config().check_layout(tp, pp, cfg.chunks, **cfg.stages)  # GPTConfig's refusals
     return dp
 

@@ -27,7 +27,8 @@ What each does in megart:
   memory-mapped files, with no loader workers to start.
 - --no-mmap-bin-files: reads the .bin files into memory instead of mapping them.
 - --no-create-attention-mask-in-dataloader: megart never builds a mask in the loader (the
-  attention kernels mask causally), so both settings train the same model.
+  attention kernels mask causally), so both settings train the same model; with
+  --reset-attention-mask it is refused (Megatron then has no mask to reset).
 - --train-samples, --lr-decay-samples, --lr-warmup-samples: Megatron's formulas: train_iters =
   train_samples // global batch; the schedule counts samples, that is iterations times the
   global batch (see TrainConfig.decay_iters and warmup_iters).
@@ -63,9 +64,13 @@ What each does in megart:
   non-distributed optimizer's keys, or the distributed optimizer's (dp_reshardable), into any
   layout, --use-distributed-optimizer's included (megart.training.megatron_dist_train_load; weights
   alone with --finetune or --no-load-optim).
-- --calculate-per-token-loss: megart has no loss mask, so every microbatch has b s tokens and
-  the per-token mean over the global batch equals the mean of the per-microbatch means that
-  megart computes: the gradients are the same.
+- --eod-mask-loss, --reset-position-ids, --reset-attention-mask: documents inside a sample,
+  cut at the tokenizer's end-of-document token, as Megatron-Core's GPTDataset
+  (megart.models.documents, megart.training.documents; refused where the data has no
+  tokenizer, and --reset-attention-mask under context parallelism).
+- --calculate-per-token-loss: the gradient of the global batch's loss sum over its token
+  count, where Megatron's default is the mean of the microbatches' means; without
+  --eod-mask-loss every microbatch has b s tokens and the two are the same.
 - --context-parallel-size: each sequence split over cp ranks, K and V all-gathered
   (megart.models.context_parallel); what it does not combine with yet is refused by name
   (megart.training.context_parallel_checks).
@@ -125,12 +130,6 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 CKPT_FORMATS = ("megart", "torch", "torch_dist")
 MOCK_TOKENS = 1 << 20  # tokens of --mock-data's corpus
-_NO_LOSS_MASK = (
-    "megart trains on every token of each sample, under one causal mask, with positions "
-    "counted from the sample's start: it has no loss mask or per-document positions and "
-    "attention yet; leave it out (the end-of-document tokens then count in the loss, as in "
-    "Megatron-LM without the flag)"
-)
 _FP8 = (
     "megart has no FP8 training (Transformer Engine's): train with --bf16 and leave the fp8 "
     "flags out"
@@ -153,9 +152,6 @@ FUSIONS_OFF = {
 # Megatron-LM flags (of its GPT and Llama example scripts and their neighbours) that megart
 # cannot honour yet: refused by name, with what to do instead.
 NOT_YET = {
-    "--eod-mask-loss": _NO_LOSS_MASK,
-    "--reset-position-ids": _NO_LOSS_MASK,
-    "--reset-attention-mask": _NO_LOSS_MASK,
     **{
         f"--{split}-data-path": "megart splits one corpus (or blend): give --data-path with "
         "--split (train,validation,test weights)"

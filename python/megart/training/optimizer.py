@@ -181,3 +181,16 @@ def clip(
         if counted_in_norm(*where[id(piece.param)], piece.param, grid.tp_rank)
     ]
     return clip_grads(counted, optimizer.shard_grads(), None, max_norm, device)
+
+
+def overflowed(
+    chunks: list[torch.nn.Module], optimizer: Optimizer, scaler: Any, config: Any, device: Any
+) -> bool:
+    """fp16: unscales the gradients the step reads and says whether any rank saw an inf or NaN
+    (then every rank skips the step); updates a dynamic loss scale (no --loss-scale)."""
+    found = scaler.unscale_(stepped_params(chunks, optimizer)).to(device)
+    dist.all_reduce(found, op="max")
+    overflow = bool(found.item())
+    if config.loss_scale is None:
+        scaler.update(overflow)
+    return overflow

@@ -28,7 +28,9 @@ from megart.training import optimizer as optim
 from megart.training import trainer_setup as setup
 from megart.training.config import TrainConfig, half_dtype, residual_dtype
 from megart.training.data import Dataset
+from megart.training.documents import DocumentBatches, MaskedTargets, given, masked_loss
 from megart.training.housekeeping import Housekeeping
+from megart.training.loss_record import LossRecord, reduce_sums
 from megart.training.reporting import RunLog, peak_flops, run_description
 from megart.training.stopping import EarlyExit, check_finite
 from megart.training.timers import Timers
@@ -82,6 +84,9 @@ class Trainer:
         # Data-parallel gradient buckets (reduced during backward) and AdamW.
         self.buckets, self.optimizer = optim.build(c, self.chunks, g, self.device)
         self.data, self.valid, self.test = setup.datasets(c, tokens)
+        # --eod-mask-loss, --reset-position-ids, --reset-attention-mask (training.documents).
+        self.documents = DocumentBatches(c, self.dp * c.context_parallel_size) if given(c) else None
+        self.losses = LossRecord()  # the last stage's microbatch losses: what is reported
         # What the progress line reports against: the device's peak and a batch's FLOPs.
         self.peak, self.device_name = peak_flops()
         self.model_flops, self.flops = setup.flop_counts(c, self.model_config)
@@ -128,40 +133,46 @@ class Trainer:
 
     def _microbatches(
         self, data: Dataset, iteration: int, size: int
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    ) -> tuple[list[torch.Tensor], list[Any]]:
         """This rank's microbatches of the global batch of ``size`` samples of ``iteration``:
         its data-parallel share of the samples, and of each its context-parallel part."""
+        inputs, targets, _ = self._batch(data, iteration, size)
+        return inputs, targets
+
+    def _batch(
+        self, data: Dataset, iteration: int, size: int
+    ) -> tuple[list[torch.Tensor], list[Any], list[Any] | None]:
+        """_microbatches' inputs and targets (with the document flags, training.documents'
+        targets), and each microbatch's documents (None without the reset flags)."""
         c, g = self.config, self.grid
-        inputs, targets = data.global_batch(c.seed, iteration, size)
+        whole, targets = data.global_batch(c.seed, iteration, size)
         share = size // self.dp
         rows = slice(g.dp_rank * share, (g.dp_rank + 1) * share)
         cp = c.context_parallel_size
-        inputs, targets = (split_for_cp(t[rows], 1, cp, g.cp_rank) for t in (inputs, targets))
+        inputs, targets = (split_for_cp(t[rows], 1, cp, g.cp_rank) for t in (whole, targets))
         split = c.micro_batch_size
-        return (
-            [x.to(self.device) for x in inputs.split(split)],
-            [y.to(self.device) for y in targets.split(split)],
-        )
+        inputs = [x.to(self.device) for x in inputs.split(split)]
+        if self.documents is not None:
+            m = len(inputs)
+            return inputs, *self.documents.split(whole, rows, targets, g.cp_rank, m, self.device)
+        return inputs, [y.to(self.device) for y in targets.split(split)], None
 
-    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.chunks[-1].loss(logits, targets)
+    def _loss_fn(self, logits: torch.Tensor, targets: Any) -> torch.Tensor:
+        if isinstance(targets, MaskedTargets):  # --eod-mask-loss
+            loss, total, count = masked_loss(
+                self.chunks[-1].token_losses(logits, targets.labels), targets
+            )
+            self.losses.add(total, count)
+            return loss
+        loss = self.chunks[-1].loss(logits, targets)
+        self.losses.add(loss, 1.0)
+        return loss
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         half = half_dtype(self.config)
         if half is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=half)
-
-    def _overflowed(self) -> bool:
-        """fp16: unscales the gradients and says whether any rank saw an inf or NaN (then every
-        rank skips the step); updates a dynamic loss scale."""
-        params = optim.stepped_params(self.chunks, self.optimizer)
-        found = self.scaler.unscale_(params).to(self.device)
-        dist.all_reduce(found, op="max")
-        overflow = bool(found.item())
-        if self.config.loss_scale is None:
-            self.scaler.update(overflow)
-        return overflow
 
     def train_step(self, iteration: int) -> dict[str, float]:
         """Runs one iteration, the next after the samples consumed so far (whose number sets
@@ -172,10 +183,10 @@ class Trainer:
         batch = batch_rampup.batch_size(c, self.consumed)
         m = c.microbatches(self.dp, batch)
         scale = self.scaler.scale if self.scaler else 1.0  # the scale this iteration runs at
-        losses = self._forward_backward(iteration, batch, m, scale)
+        self._forward_backward(iteration, batch, m, scale)
         with self.timers.phase("optimizer"):
             skipped, grad_norm, lr, stats = self._update_weights(iteration)
-        loss, p2p_bytes = self._loss_and_p2p_bytes(losses, m)
+        loss, p2p_bytes = self._loss_and_p2p_bytes()
         if c.check_for_nan_in_loss_and_grad and not skipped:
             check_finite("loss", loss, iteration + 1)
         self.consumed += batch
@@ -217,14 +228,15 @@ class Trainer:
         returns the microbatch losses (the last stage's; none elsewhere)."""
         c, g, timed = self.config, self.grid, self.timers.phase
         with timed("batch-generator"):
-            inputs, targets = self._microbatches(self.data, iteration, batch)
+            inputs, targets, documents = self._batch(self.data, iteration, batch)
+        self.losses.clear()
         self.buckets.zero_grad()
         self.buckets.start_iteration(m)
         dist.reset_bytes_sent(g.pp_group)
         fusion = fusing_accumulation(c.gradient_accumulation_fusion)
         with self._autocast(), fusion, timed("forward-backward"):
             # Each microbatch's loss is divided by m: the gradient is the batch mean's.
-            losses = self.engine_for(m).run(inputs, targets, self._loss_fn, scale)
+            losses = self.engine_for(m).run(inputs, targets, self._loss_fn, scale, documents)
         with timed("all-grads-sync"):
             self.buckets.finish()
         self.chores.after_forward_backward()
@@ -244,7 +256,7 @@ class Trainer:
         skipped = False
         if self.scaler is not None:  # fp16
             with timed("optimizer-unscale-and-check-inf"):
-                skipped = self._overflowed()
+                skipped = optim.overflowed(self.chunks, self.optimizer, self.scaler, c, self.device)
         with timed("optimizer-clip-main-grad"):
             grad_norm = (
                 math.nan
@@ -259,44 +271,35 @@ class Trainer:
         for group in self.optimizer.param_groups:  # --decoupled-lr's group: its own peak, floor
             group["lr"] = c.learning_rate(done, group.get("max_lr"), group.get("min_lr"))
         stats: dict[str, Any] = {}
+        stats_args = (self.chunks, g, self.optimizer, self.device)
         if c.log_num_zeros_in_grad:  # what the step reads, after clipping, as Megatron counts
             with timed("optimizer-count-zeros"):
                 stats["num_zeros_in_grad"] = (
-                    None if skipped else iteration_stats.zeros_in_grads(*self._stats_args)
+                    None if skipped else iteration_stats.zeros_in_grads(*stats_args)
                 )
         if not skipped:
             with timed("optimizer-inner-step"):
                 self.optimizer.step()
         self.chores.after_optimizer_step()
         if c.log_params_norm:
-            stats["params_norm"] = iteration_stats.params_norm(*self._stats_args)
+            stats["params_norm"] = iteration_stats.params_norm(*stats_args)
         if c.log_world_size_to_tensorboard:
             stats["world_size"] = dist.get_world_size()
         return skipped, grad_norm, lr, stats
 
-    @property
-    def _stats_args(self) -> tuple[Any, ...]:
-        return self.chunks, self.grid, self.optimizer, self.device
-
-    def _loss_and_p2p_bytes(self, losses: list[torch.Tensor], m: int) -> tuple[float, int]:
+    def _loss_and_p2p_bytes(self) -> tuple[float, int]:
         """The global batch's mean loss and the pipeline bytes all ranks sent this iteration,
         the same on every rank, so that any rank can report them."""
         g = self.grid
-        # The global-batch mean loss: the last stage has it, averaged over data parallelism.
+        loss, weight = self.losses.take()
         figures = torch.tensor(
-            [
-                sum(x.item() for x in losses) / m if losses else 0.0,
-                float(sum(dist.bytes_sent(g.pp_group).values())),
-            ],
+            [loss, weight, float(sum(dist.bytes_sent(g.pp_group).values()))],
             dtype=torch.float64,
             device=self.device,  # nccl groups move device memory only
         )
-        dist.all_reduce(figures[:1], group=g.pp_group)  # only the last stage adds a loss
-        # Averaged over data and context parallelism: every context-parallel rank holds as many
-        # tokens of each sequence (no loss mask), so the mean of their means is the batch's.
-        dist.all_reduce(figures[:1], op="avg", group=g.dp_cp_group)
-        dist.all_reduce(figures[1:])  # bytes: summed over every rank
-        return figures[0].item(), int(figures[1].item())
+        reduce_sums(figures[:2], g)
+        dist.all_reduce(figures[2:])  # bytes: summed over every rank
+        return (figures[0] / figures[1]).item(), int(figures[2].item())
 
     def evaluate(self, data: Dataset | None = None) -> float:
         """The validation loss: the mean over --eval-iters global batches of the validation
@@ -304,27 +307,26 @@ class Trainer:
         dropout off; the same on every rank. The batches are the same at every evaluation, so
         the curve compares like with like, and no random stream moves, so evaluating never
         changes the training curve."""
-        c, g = self.config, self.grid
+        c = self.config
         data = self.valid if data is None else data
         if data is None:
             raise ConfigError("evaluation needs --eval-iters of at least 1")
         for chunk in self.chunks:
             chunk.eval()
+        self.losses.clear()
         try:
-            total = 0.0
             for i in range(c.eval_iters):
-                inputs, targets = self._microbatches(data, i, c.global_batch_size)
+                inputs, targets, documents = self._batch(data, i, c.global_batch_size)
                 with self._autocast():
-                    losses = self.engine.evaluate(inputs, targets, self._loss_fn)
-                total += sum(x.item() for x in losses) / self.m
+                    self.engine.evaluate(inputs, targets, self._loss_fn, documents)
                 self.chores.after_forward_backward()
         finally:
             for chunk in self.chunks:
                 chunk.train()
-        loss = torch.tensor([total / c.eval_iters], dtype=torch.float64, device=self.device)
-        dist.all_reduce(loss, group=g.pp_group)  # only the last stage adds a loss
-        dist.all_reduce(loss, op="avg", group=g.dp_cp_group)  # as in _loss_and_p2p_bytes
-        return loss.item()
+        # Over every batch's microbatches (Megatron's evaluation sums them all alike).
+        sums = torch.tensor(self.losses.take(), dtype=torch.float64, device=self.device)
+        reduce_sums(sums, self.grid)
+        return (sums[0] / sums[1]).item()
 
     # -- the loop ----------------------------------------------------------------------------
 
