@@ -13,7 +13,6 @@ from megart.training.config_checks import (
     PIPELINE_SCHEDULES,
     POSITION_EMBEDDING_TYPES,
     check_config,
-    check_model_flags,
 )
 from megart.training.lr import LR_DECAY_STYLES, learning_rate
 from megart.training.megatron_flags import (
@@ -22,6 +21,7 @@ from megart.training.megatron_flags import (
     TOKENIZER_TYPES,
     resolve_megatron_flags,
 )
+from megart.training.model_flags import gpt_config
 
 DEFAULT_WARMUP_ITERS = 4  # warm-up of the default run, when neither warm-up flag is given
 # The flags whose values are one of a few spellings (argparse's choices).
@@ -356,58 +356,8 @@ class TrainConfig:
         )
 
     def gpt_config(self) -> GPTConfig:
-        """The model these flags describe, Megatron's spellings mapped to GPTConfig's names;
-        bad flag combinations are refused first, naming the flags."""
-        check_model_flags(self)
-        recompute = self.recompute_granularity or (
-            "selective" if self.recompute_activations else None
-        )
-        return GPTConfig(
-            vocab_size=self.vocab_size,
-            seq_length=self.seq_length,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads,
-            ffn_hidden_size=self._ffn_hidden_size(),
-            hidden_dropout=self.hidden_dropout,
-            attention_dropout=self.attention_dropout,
-            layernorm_epsilon=self.layernorm_epsilon,
-            normalization=NORMALIZATIONS[self.normalization],
-            apply_layernorm_1p=self.apply_layernorm_1p,
-            qk_layernorm=self.qk_layernorm,
-            position_embedding=POSITION_EMBEDDING_TYPES[self.position_embedding_type],
-            activation="swiglu" if self.swiglu else "gelu",
-            bias=not self.disable_bias_linear,
-            untie_embeddings_and_output_weights=self.untie_embeddings_and_output_weights,
-            num_query_groups=self.num_query_groups if self.group_query_attention else None,
-            rotary_base=float(self.rotary_base),
-            rotary_interleaved=self.rotary_interleaved,
-            rope_scaling=self.use_rope_scaling,
-            rope_scaling_factor=float(self.rope_scaling_factor),
-            rotary_seq_len_interpolation_factor=None
-            if self.rotary_seq_len_interpolation_factor is None
-            else float(self.rotary_seq_len_interpolation_factor),
-            rotary_percent=float(self.rotary_percent),
-            attention_backend=self.attention_backend,
-            init_std=self.init_method_std,
-            seed=self.seed,
-            bias_gelu_fusion=self._bias_gelu_fusion(),
-            fused_layer_norm=self.fused_layer_norm,
-            cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
-            fp32_residual_connection=self.fp32_residual_connection,
-            recompute_granularity=recompute,
-            recompute_method=self.recompute_method,
-            recompute_num_layers=self.recompute_num_layers,
-            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
-        )
-
-    def _bias_gelu_fusion(self) -> bool:
-        """Whether the MLP fuses its bias add and GeLU: as asked, else Megatron-LM's default,
-        on unless there is no bias (it sets the fusion off then) or the MLP is SwiGLU (whose
-        MLP never uses the GeLU fusion)."""
-        if self.bias_gelu_fusion is not None:
-            return self.bias_gelu_fusion
-        return not (self.swiglu or self.disable_bias_linear)
+        """The model these flags describe (megart.training.model_flags.gpt_config)."""
+        return gpt_config(self)
 
     def _ffn_hidden_size(self) -> int | None:
         """--ffn-hidden-size; with --swiglu and none given, Megatron's int(4h * 2/3 / 64) * 64
