@@ -75,7 +75,7 @@ def test_gradients_are_fp32_sums_of_the_16_bit_models_own(fusion, monkeypatch):
     }
     assert len(products) == 4 * trainer.config.num_layers + 1
     assert fused_into == (products if fusion else set())
-    inputs, targets = trainer._microbatches(trainer.data, 0, trainer.config.global_batch_size)
+    inputs, targets, _ = trainer._microbatches(trainer.data, 0, trainer.config.global_batch_size)
     for x, y in zip(inputs, targets, strict=True):
         (exact.loss(exact(x), y) / len(inputs)).backward()
     for (name, p), e in zip(chunk.named_parameters(), exact.parameters(), strict=True):

@@ -32,6 +32,7 @@ from megart.models.documents import (
     document_positions,
     eod_loss_mask,
 )
+from megart.training.megatron_flags import hf_tokenizer
 
 FLAGS = ("eod_mask_loss", "reset_position_ids", "reset_attention_mask")
 
@@ -81,12 +82,7 @@ def _named_eod(kind: str, vocab_file: str | None, tokenizer_model: str | None) -
                 return json.load(f).get("<|endoftext|>")
         except (OSError, ValueError) as e:
             raise ConfigError(f"--vocab-file {vocab_file}: {e}") from e
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(tokenizer_model).eos_token_id
-    except Exception as e:  # the library's errors name the model
-        raise ConfigError(f"--tokenizer-model {tokenizer_model}: {e}") from e
+    return hf_tokenizer(tokenizer_model).eos_token_id
 
 
 def check_document_flags(config: Any) -> None:

@@ -24,6 +24,7 @@ from megart.tensor_parallel import grad_of
 from megart.training.distributed_optimizer import DistributedOptimizer
 from megart.training.grad_norm import counted_in_norm
 from megart.training.main_weights import MainWeights
+from megart.training.optimizer import counted_pieces
 
 
 def _counted(
@@ -32,13 +33,7 @@ def _counted(
     """The stepped tensors this rank counts (each with the gradient the step reads as its
     ``.grad``), and the group whose ranks together count the model once (None: every rank)."""
     if isinstance(optimizer, DistributedOptimizer):
-        where = {id(p): (chunk, name) for chunk in chunks for name, p in chunk.named_parameters()}
-        pieces = optimizer.pieces
-        return [
-            pc.data
-            for pc in pieces
-            if counted_in_norm(*where[id(pc.param)], pc.param, grid.tp_rank)
-        ], None
+        return counted_pieces(chunks, optimizer, grid.tp_rank), None
     main_of = {}
     if isinstance(optimizer, MainWeights):
         main_of = {id(p): m for p, m in zip(optimizer.params, optimizer.mains, strict=True)}

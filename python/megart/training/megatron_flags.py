@@ -117,6 +117,7 @@ What each does in megart:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -223,15 +224,22 @@ def tokenizer_vocab_size(config: Any) -> int | None:
                 "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a Hugging Face "
                 "tokenizer directory or name)"
             )
-        from transformers import AutoTokenizer
-
-        try:
-            return len(AutoTokenizer.from_pretrained(config.tokenizer_model))
-        except Exception as e:
-            raise ConfigError(f"--tokenizer-model {config.tokenizer_model}: {e}") from e
+        return len(hf_tokenizer(config.tokenizer_model))
     if kind == "NullTokenizer":
         return config.vocab_size + 1  # Megatron's: ids below --vocab-size, then end-of-document
     raise ConfigError(f"--tokenizer-type {kind!r}; megart takes {', '.join(TOKENIZER_TYPES)}")
+
+
+@functools.lru_cache(maxsize=4)
+def hf_tokenizer(name_or_dir: str) -> Any:
+    """The Hugging Face tokenizer --tokenizer-model names, loaded once per process: the
+    vocabulary's size and the document flags' end-of-document id both read it."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_dir)
+    except Exception as e:  # the library's errors name the model
+        raise ConfigError(f"--tokenizer-model {name_or_dir}: {e}") from e
 
 
 def resolve_megatron_flags(config: Any) -> None:

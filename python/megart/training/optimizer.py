@@ -174,13 +174,22 @@ def clip(
         return clip_grad_norm(chunks, grid.tp_rank, grid.mp_group, max_norm, device)
     # Each rank holds 1/dp of the averaged gradients: count its slices of what the
     # model-parallel rule counts, and sum over every rank (data x model parallel).
-    where = {id(p): (chunk, name) for chunk in chunks for name, p in chunk.named_parameters()}
-    counted = [
-        piece.data.grad
-        for piece in optimizer.pieces
-        if counted_in_norm(*where[id(piece.param)], piece.param, grid.tp_rank)
-    ]
+    counted = [piece.grad for piece in counted_pieces(chunks, optimizer, grid.tp_rank)]
     return clip_grads(counted, optimizer.shard_grads(), None, max_norm, device)
+
+
+def counted_pieces(
+    chunks: list[torch.nn.Module], optimizer: DistributedOptimizer, tp_rank: int
+) -> list[torch.Tensor]:
+    """This rank's slices of the distributed optimizer's parameters (each with its slice of
+    the gradient as ``.grad``) that the model-parallel rule counts once (counted_in_norm):
+    together over every rank, each element of the model once."""
+    where = {id(p): (chunk, name) for chunk in chunks for name, p in chunk.named_parameters()}
+    return [
+        piece.data
+        for piece in optimizer.pieces
+        if counted_in_norm(*where[id(piece.param)], piece.param, tp_rank)
+    ]
 
 
 def overflowed(

@@ -133,17 +133,11 @@ class Trainer:
 
     def _microbatches(
         self, data: Dataset, iteration: int, size: int
-    ) -> tuple[list[torch.Tensor], list[Any]]:
-        """This rank's microbatches of the global batch of ``size`` samples of ``iteration``:
-        its data-parallel share of the samples, and of each its context-parallel part."""
-        inputs, targets, _ = self._batch(data, iteration, size)
-        return inputs, targets
-
-    def _batch(
-        self, data: Dataset, iteration: int, size: int
     ) -> tuple[list[torch.Tensor], list[Any], list[Any] | None]:
-        """_microbatches' inputs and targets (with the document flags, training.documents'
-        targets), and each microbatch's documents (None without the reset flags)."""
+        """This rank's microbatches of the global batch of ``size`` samples of ``iteration``
+        (its data-parallel share of the samples, and of each its context-parallel part): their
+        inputs, targets (with the document flags, training.documents' targets) and documents
+        (None without the reset flags)."""
         c, g = self.config, self.grid
         whole, targets = data.global_batch(c.seed, iteration, size)
         share = size // self.dp
@@ -219,16 +213,14 @@ class Trainer:
             **memory_report.static_figure(self.device),  # on CUDA only
         }
 
-    def _forward_backward(
-        self, iteration: int, batch: int, m: int, scale: float
-    ) -> list[torch.Tensor]:
+    def _forward_backward(self, iteration: int, batch: int, m: int, scale: float) -> None:
         """Runs the pipeline schedule over this rank's ``m`` microbatches of the iteration's
         ``batch`` samples and completes their gradients (averaged over data parallelism, summed
         over sequence parallelism and over the tied embedding's two copies), ready to step;
-        returns the microbatch losses (the last stage's; none elsewhere)."""
+        the last stage's microbatch losses go to ``self.losses``."""
         c, g, timed = self.config, self.grid, self.timers.phase
         with timed("batch-generator"):
-            inputs, targets, documents = self._batch(self.data, iteration, batch)
+            inputs, targets, documents = self._microbatches(self.data, iteration, batch)
         self.losses.clear()
         self.buckets.zero_grad()
         self.buckets.start_iteration(m)
@@ -236,7 +228,7 @@ class Trainer:
         fusion = fusing_accumulation(c.gradient_accumulation_fusion)
         with self._autocast(), fusion, timed("forward-backward"):
             # Each microbatch's loss is divided by m: the gradient is the batch mean's.
-            losses = self.engine_for(m).run(inputs, targets, self._loss_fn, scale, documents)
+            self.engine_for(m).run(inputs, targets, self._loss_fn, scale, documents)
         with timed("all-grads-sync"):
             self.buckets.finish()
         self.chores.after_forward_backward()
@@ -245,7 +237,6 @@ class Trainer:
                 sync_sequence_parallel_grads(chunk, g.tp_group)
         with timed("embedding-grads-all-reduce"):
             optim.share_embedding_grads(self.chunks, g, c.pp, self.buckets)
-        return losses
 
     def _update_weights(self, iteration: int) -> tuple[bool, float, float, dict[str, Any]]:
         """Clips the gradients by their global norm and steps AdamW at this iteration's learning
@@ -316,7 +307,7 @@ class Trainer:
         self.losses.clear()
         try:
             for i in range(c.eval_iters):
-                inputs, targets, documents = self._batch(data, i, c.global_batch_size)
+                inputs, targets, documents = self._microbatches(data, i, c.global_batch_size)
                 with self._autocast():
                     self.engine.evaluate(inputs, targets, self._loss_fn, documents)
                 self.chores.after_forward_backward()
