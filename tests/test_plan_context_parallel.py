@@ -255,6 +255,9 @@ def test_plan_names_the_context_parallel_layout(capsys):
                         vocab_size=1000, global_batch_size=16)  # fmt: skip
     searched = {(c.tp, c.sequence_parallel) for c in candidates(model, 8, H100, Fixed(cp=2))}
     assert searched == {(1, False), (2, False), (2, True), (4, False), (4, True)}
+    # The zero-bubble schedules too, which megart train runs under context parallelism.
+    kinds = {c.kind for c in candidates(model, 8, H100, Fixed(cp=2))}
+    assert {"zb-h1", "zb-v"} <= kinds, kinds
     given = plan_json(ARGV + " --context-parallel-size 2 --tensor-model-parallel-size 2 "
                       "--sequence-parallel", capsys)  # fmt: skip
     assert "--sequence-parallel" in given["layout"]["flags"]

@@ -56,7 +56,6 @@ def _schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list
     inter = [(v, None) for v in range(2, MAX_CHUNKS + 1) if uneven or num_layers % (p * v) == 0]
     even_zb_v = num_layers % (2 * p) == 0 and (not uneven or fixed.schedule == "zb-v")
     zb = [(1, "zb-h1")] + ([(2, "zb-v")] if even_zb_v else [])
-    zero_bubble = zero_bubble and fixed.cp == 1  # megart train refuses them with cp > 1
     by_name = {"1f1b": [(1, None)], "interleaved": inter, "zb-h1": zb[:1], "zb-v": zb[1:]}
     if fixed.schedule is not None:
         return by_name[fixed.schedule]
