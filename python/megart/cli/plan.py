@@ -136,7 +136,7 @@ def _run(args: argparse.Namespace) -> int:
     check_schedule_flags(args.pipeline_schedule, per)  # megart train's refusals
     cp = 1 if args.context_parallel_size is None else args.context_parallel_size
     # megart train's refusals of context parallelism, in its words: a size below 1, a
-    # sequence that does not split into 2 cp chunks, --sequence-parallel, zb-h1/zb-v.
+    # sequence that does not split into 2 cp chunks (nor s/cp over t with --sequence-parallel).
     check_context_parallel(
         dataclasses.replace(
             base,

@@ -238,8 +238,7 @@ HELP = {
     "context_parallel_size": "context parallelism: each sequence split over this many ranks "
     "(Megatron's load-balanced 2 cp chunks; --seq-length divisible by 2 cp), keys and values "
     "all-gathered over them (no ring); ranks tp x cp x dp x pp, cp between tp and dp. With "
-    "--sequence-parallel each rank's s/cp tokens split over tp (s/cp divisible by tp). Not "
-    "with zb-h1/zb-v",
+    "--sequence-parallel each rank's s/cp tokens split over tp (s/cp divisible by tp)",
     "cp_comm_type": "how keys and values travel between context-parallel ranks: all_gather "
     "(megart's; Megatron's default p2p ring and the all-to-all kinds are refused)",
     "expert_model_parallel_size": "expert parallelism (megart: only 1)",
