@@ -202,60 +202,31 @@ def run_distributed() -> list[Check]:
     return checks + guarded("layouts under torchrun", _layout_training, AVOID_TRANSPORT)
 
 
-def _pipeline_training() -> list[Check]:
-    """The tiny GPT trained over two pipeline stages (tensor parallelism over the rest of the
-    ranks) under the multi-chunk schedules, whose posting plans NCCL must match, against the
-    one-process CPU curve. Every rank computes that curve in a process of its own, so every
-    rank judges alike."""
-    import megart.distributed as dist
+def _halves_refused(world: int) -> str | None:
+    """Why the training checks under torchrun cannot use ``world`` ranks, or None: they need an
+    even number of ranks whose half divides the tiny GPT's heads."""
     from megart.selftest import training
 
-    world = int(os.environ["WORLD_SIZE"])
-    tp = world // 2
-    heads = training.TINY["num_attention_heads"]
-    if world % 2 or heads % tp:
-        why = f"needs an even number of ranks whose half divides {heads} heads, not {world}"
-        return [skip("pipeline training under torchrun", why)]
-    reference = _cpu_reference_curve()
-    dist.init()
-    try:
-        backend = _world().backend
-        # GPU and CPU round differently (other kernels, other summation orders).
-        rtol = 1e-3 if backend == "nccl" else 1e-5
-        checks = []
-        for schedule, chunk_layers in (("interleaved", 1), ("zb-v", None)):
-            history = training.curve(
-                tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=2,
-                pipeline_schedule=schedule,
-                num_layers_per_virtual_pipeline_stage=chunk_layers,
-            )
-            name = f"training tp{tp} pp2 {schedule} ({backend}, {world} ranks)"
-            checks.append(training.compare_curves(name, history, reference, rtol, AVOID_TRANSPORT))
-        return checks
-    finally:
-        dist.destroy()
-
-
-def _layout_training() -> list[Check]:
-    """Context parallelism (cp2, tensor parallelism over the rest of the ranks), and a
-    Llama-style GPT (grouped queries, SwiGLU, query/key norms) under tp2 with sequence
-    parallelism (data parallelism over the rest), each against its one-process CPU curve."""
-    import megart.distributed as dist
-    from megart.selftest import training
-
-    world = int(os.environ["WORLD_SIZE"])
     heads = training.TINY["num_attention_heads"]
     if world % 2 or heads % (world // 2):
-        why = f"needs an even number of ranks whose half divides {heads} heads, not {world}"
-        return [skip("layouts under torchrun", why)]
-    runs = [
-        (f"training cp2 tp{world // 2}", {},
-         dict(context_parallel_size=2, tensor_model_parallel_size=world // 2)),
-        ("training llama-style tp2 sp qk-layernorm", training.LLAMA,
-         dict(tensor_model_parallel_size=2, sequence_parallel=True)),
-    ]  # fmt: skip
-    references = [_cpu_reference_curve(model) for _, model, _ in runs]
+        return f"needs an even number of ranks whose half divides {heads} heads, not {world}"
+    return None
+
+
+def _trained_against_cpu(runs: list[tuple[str, dict, dict]], world: int) -> list[Check]:
+    """Each (name, model, layout) run: the tiny GPT with ``model``'s flags trained over
+    megart's default transport in ``layout`` on every rank, against its one-process CPU curve.
+    Every rank computes the curves in processes of its own, so every rank judges alike."""
+    import megart.distributed as dist
+    from megart.selftest import training
+
+    curves: dict[tuple, list[dict]] = {}  # one reference per model, shared by its layouts
+    references = []
+    for _, model, _ in runs:
+        key = tuple(sorted(model.items()))
+        if key not in curves:
+            curves[key] = _cpu_reference_curve(model)
+        references.append(curves[key])
     dist.init()
     try:
         backend = _world().backend
@@ -268,6 +239,42 @@ def _layout_training() -> list[Check]:
         return checks
     finally:
         dist.destroy()
+
+
+def _pipeline_training() -> list[Check]:
+    """The tiny GPT trained over two pipeline stages (tensor parallelism over the rest of the
+    ranks) under the multi-chunk schedules, whose posting plans NCCL must match."""
+    world = int(os.environ["WORLD_SIZE"])
+    why = _halves_refused(world)
+    if why:
+        return [skip("pipeline training under torchrun", why)]
+    tp = world // 2
+    runs = [
+        (f"training tp{tp} pp2 {schedule}", {},
+         dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2,
+              pipeline_schedule=schedule, num_layers_per_virtual_pipeline_stage=chunk_layers))
+        for schedule, chunk_layers in (("interleaved", 1), ("zb-v", None))
+    ]  # fmt: skip
+    return _trained_against_cpu(runs, world)
+
+
+def _layout_training() -> list[Check]:
+    """Context parallelism (cp2, tensor parallelism over the rest of the ranks), and a
+    Llama-style GPT (grouped queries, SwiGLU, query/key norms) under tp2 with sequence
+    parallelism (data parallelism over the rest)."""
+    from megart.selftest import training
+
+    world = int(os.environ["WORLD_SIZE"])
+    why = _halves_refused(world)
+    if why:
+        return [skip("layouts under torchrun", why)]
+    runs = [
+        (f"training cp2 tp{world // 2}", {},
+         dict(context_parallel_size=2, tensor_model_parallel_size=world // 2)),
+        ("training llama-style tp2 sp qk-layernorm", training.LLAMA,
+         dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    ]  # fmt: skip
+    return _trained_against_cpu(runs, world)
 
 
 def run() -> list[Check]:
