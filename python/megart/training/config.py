@@ -8,12 +8,7 @@ from typing import Any
 import torch
 
 from megart.models.config import VOCAB_MULTIPLE, GPTConfig
-from megart.training.config_checks import (
-    NORMALIZATIONS,
-    PIPELINE_SCHEDULES,
-    POSITION_EMBEDDING_TYPES,
-    check_config,
-)
+from megart.training.config_checks import PIPELINE_SCHEDULES, check_config
 from megart.training.lr import LR_DECAY_STYLES, learning_rate
 from megart.training.megatron_flags import (
     ATTENTION_BACKENDS,
@@ -21,7 +16,7 @@ from megart.training.megatron_flags import (
     TOKENIZER_TYPES,
     resolve_megatron_flags,
 )
-from megart.training.model_flags import gpt_config
+from megart.training.model_flags import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, gpt_config
 
 DEFAULT_WARMUP_ITERS = 4  # warm-up of the default run, when neither warm-up flag is given
 # The flags whose values are one of a few spellings (argparse's choices).

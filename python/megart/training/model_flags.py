@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from megart.models.config import GPTConfig
-from megart.training.config_checks import (
-    NORMALIZATIONS,
-    POSITION_EMBEDDING_TYPES,
-    check_model_flags,
-)
+from megart.errors import ConfigError
+from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, GPTConfig
+from megart.parallel.layout import divisors
+
+# Megatron's spellings of --normalization and --position-embedding-type, to GPTConfig's names.
+NORMALIZATIONS = {flag: name for name, flag in MEGATRON_NORMS.items()}
+POSITION_EMBEDDING_TYPES = {flag: name for name, flag in MEGATRON_POSITIONS.items()}
 
 
 def gpt_config(config: Any) -> GPTConfig:
@@ -67,3 +68,83 @@ def _bias_gelu_fusion(config: Any) -> bool:
     if config.bias_gelu_fusion is not None:
         return config.bias_gelu_fusion
     return not (config.swiglu or config.disable_bias_linear)
+
+
+def check_model_flags(cfg: Any) -> None:
+    """Refuses architecture flags that cannot go together, naming them."""
+    for name, allowed in (
+        ("normalization", NORMALIZATIONS),
+        ("position_embedding_type", POSITION_EMBEDDING_TYPES),
+    ):
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {getattr(cfg, name)!r}; use one of "
+                f"{', '.join(allowed)} (Megatron-LM's spellings)"
+            )
+    if cfg.fused_layer_norm and cfg.normalization != "LayerNorm":
+        raise ConfigError(
+            f"--fused-layer-norm is a LayerNorm kernel: leave it out with --normalization "
+            f"{cfg.normalization}"
+        )
+    unfusable = [f for f in ("swiglu", "disable_bias_linear") if getattr(cfg, f)]
+    if cfg.bias_gelu_fusion and unfusable:
+        flags = " and ".join("--" + f.replace("_", "-") for f in unfusable)
+        raise ConfigError(
+            f"--bias-gelu-fusion fuses the MLP's bias add and GeLU: leave it out with {flags}"
+        )
+    ffn = cfg._ffn_hidden_size()
+    if ffn is not None and ffn < 1:
+        why = (
+            ""
+            if cfg.ffn_hidden_size is not None
+            else (
+                f" (--swiglu's default for --hidden-size {cfg.hidden_size}, Megatron's "
+                "int(8h/3 / 64) * 64)"
+            )
+        )
+        raise ConfigError(f"the MLP size {ffn}{why} must be positive; give --ffn-hidden-size")
+    if ffn is not None and ffn % cfg.tp:
+        raise ConfigError(
+            f"the MLP size {ffn} (--ffn-hidden-size) does not split over "
+            f"--tensor-model-parallel-size {cfg.tp}; use a multiple of {cfg.tp}"
+        )
+    _check_query_groups(cfg)
+    head = cfg.hidden_size // max(1, cfg.num_attention_heads)
+    # Under --rotary-percent below 1 only part of the head turns: GPTConfig checks that part.
+    if cfg.position_embedding_type == "rope" and head % 2 and cfg.rotary_percent == 1:
+        raise ConfigError(
+            f"--position-embedding-type rope rotates pairs of a head's dimensions, but "
+            f"--hidden-size {cfg.hidden_size} / --num-attention-heads "
+            f"{cfg.num_attention_heads} = {head} is odd; use an even head size"
+        )
+    if cfg.init_method_std < 0 or cfg.layernorm_epsilon <= 0:
+        raise ConfigError(
+            f"--init-method-std {cfg.init_method_std} must be at least 0 and "
+            f"--layernorm-epsilon {cfg.layernorm_epsilon} positive"
+        )
+
+
+def _check_query_groups(cfg: Any) -> None:
+    # max: a tensor-parallel size below 1 is check()'s to refuse, not a division by zero.
+    groups, heads, tp = cfg.num_query_groups, cfg.num_attention_heads, max(1, cfg.tp)
+    if not cfg.group_query_attention:
+        if groups is not None:
+            raise ConfigError(
+                f"--num-query-groups {groups} is used only with --group-query-attention "
+                "(as in Megatron-LM); add that flag, or leave --num-query-groups out for "
+                "multi-head attention"
+            )
+        return
+    if groups is None:
+        raise ConfigError(
+            "--group-query-attention needs --num-query-groups N, the number of key/value "
+            "heads (Megatron-LM's default, 1, is multi-query attention: give 1 for that)"
+        )
+    if groups < 1 or heads % groups or groups % tp:
+        fits = ", ".join(str(g) for g in divisors(heads) if g % tp == 0)
+        raise ConfigError(
+            f"--num-query-groups {groups} must divide --num-attention-heads {heads} and be "
+            f"divisible by --tensor-model-parallel-size {tp} (each rank holds whole "
+            "groups, as Megatron-LM requires); "
+            + (f"use one of {fits}" if fits else "no group count fits: change the sizes")
+        )
