@@ -19,6 +19,9 @@ TINY = dict(
     min_lr=1e-4,
     lr_warmup_iters=1,
     eval_iters=0,
+    # Without dropout, so that every layout's curve is the same function of the weights.
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
 )
 
 
