@@ -27,12 +27,14 @@ pytest.importorskip("safetensors.torch")
 
 BATCH = ["--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "0"]
 # A model unlike the default in every flag --use-checkpoint-args takes (GQA, SwiGLU, RMSNorm
-# with another epsilon, rope of another base, untied, no biases).
+# with another epsilon, rope of another base, untied, no biases, no dropout: which also makes
+# the curve the same in every layout).
 ARCH = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--ffn-hidden-size", "48", "--swiglu", "--normalization",
         "RMSNorm", "--layernorm-epsilon", "1e-6", "--position-embedding-type", "rope",
         "--rotary-base", "500000", "--untie-embeddings-and-output-weights",
-        "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2"]  # fmt: skip
+        "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2",
+        "--hidden-dropout", "0", "--attention-dropout", "0"]  # fmt: skip
 USE = ["--use-checkpoint-args"]
 MP = ["--use-mp-args-from-checkpoint-args"]
 
@@ -177,14 +179,14 @@ def test_refusals_and_what_the_command_line_keeps(tmp_path, capsys):
     capsys.readouterr()
     given = ["--swiglu", "--hidden-dropout", "0.2", "--num-layers", "3", "--seq-length", "32"]
     config = flags_config(["--load", str(ckpt), *USE, *given])
-    assert (config.swiglu, config.hidden_dropout) == (False, 0.0)
+    assert (config.swiglu, config.hidden_dropout) == (False, 0.1)  # the default it recorded
     assert (config.num_layers, config.seq_length, config.hidden_size) == (3, 32, 32)
     assert config.max_position_embeddings is None  # --seq-length's table, given
     printed = capsys.readouterr().out
     assert "Setting swiglu to False from checkpoint (overriding the command line's --swiglu)\n" in (
         printed
     )
-    assert "Setting hidden_dropout to 0.0 from checkpoint (overriding the command line's " in (
+    assert "Setting hidden_dropout to 0.1 from checkpoint (overriding the command line's " in (
         printed
     )
     assert "num_layers" not in printed and "seq_length" not in printed

@@ -1,14 +1,15 @@
 """megart plan's per-layer activation count against what one megart layer saves for backward
 (torch's saved-tensor hooks, one process), over the model options that change those saves:
 rope (whole or partial), SwiGLU, RMSNorm, grouped queries (one group, some, one per head), no
-biases, hidden dropout, fp32 or bf16 autocast, selective recomputation or none. The real-rank
-rows (tp2, pp2, sequence parallelism) are in test_plan_memory.py's CASES.
+biases, hidden dropout, --qk-layernorm, fp32 or bf16 autocast, selective recomputation or none.
+The real-rank rows (tp2, pp2, sequence parallelism) are in test_plan_memory.py's CASES.
 
 The plan counts a GPU's kernels; a CPU's dropout keeps its mask in the activations' dtype where
 a GPU's keeps one byte per element, added here as a CPU term. Attention dropout stays 0: it
 sends a CPU to the math kernel (s x s matrices flash attention does not keep). Uncounted, under
 bf16: the 16-bit casts of 1-D weights and CPU LayerNorm's 16-bit mean and rstd (O(h) and
-O(s b) bytes against O(s b h), under 0.3% here)."""
+O(s b) bytes against O(s b h), under 0.3% here); with --qk-layernorm and LayerNorm the heads'
+16-bit mean and rstd are a CPU term, as the masks (2-3% of a layer here)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,10 @@ def planned(cfg: GPTConfig, bf16: bool) -> float:
     want = act.layer_bytes(cfg, BATCH, 1, False, rec, prec) + act.rope_table_bytes(cfg, rec)
     if cfg.hidden_dropout > 0:
         want += 2 * SEQ * BATCH * cfg.hidden_size * (prec.other - 1)
+    if cfg.qk_layernorm and cfg.normalization == "layernorm" and bf16:
+        # A CPU's 16-bit LayerNorm keeps each head's mean and rstd 16-bit, a GPU's fp32.
+        heads = cfg.num_attention_heads + cfg.query_groups
+        want -= SEQ * BATCH * heads * 2 * (4 - 2)
     return want
 
 
@@ -81,6 +86,11 @@ def llama(**kw: object) -> GPTConfig:
         ("llama mha", llama(num_query_groups=None)),
         ("llama mqa", llama(num_query_groups=1)),
         ("llama partial rope", llama(rotary_percent=0.5)),
+        ("qwen3 (--qk-layernorm)", llama(qk_layernorm=True)),
+        (
+            "qk-layernorm, learned, layernorm",
+            llama(qk_layernorm=True, normalization="layernorm", position_embedding="learned"),
+        ),
         (
             "gpt-2 with rope",
             GPTConfig(
@@ -114,9 +124,11 @@ def test_one_layer_saves_what_the_plan_counts(name, cfg, bf16, recompute):
     dropout=st.sampled_from([0.0, 0.1]),
     bf16=st.booleans(),
     recompute=st.sampled_from([None, "selective"]),
+    qk=st.booleans(),
 )
-def test_any_option_mix(rope, partial, swiglu, rmsnorm, groups, bias, dropout, bf16, recompute):
+def test_any_option_mix(rope, partial, swiglu, rmsnorm, groups, bias, dropout, bf16, recompute, qk):
     cfg = llama(
+        qk_layernorm=qk,
         position_embedding="rotary" if rope else "learned",
         rotary_percent=0.5 if partial and rope else 1.0,
         activation="swiglu" if swiglu else "gelu",
@@ -147,18 +159,23 @@ def test_rope_keeps_more_than_learned_positions():
 
 
 def test_megart_plan_takes_the_options_the_count_depends_on(capsys):
-    """--hidden-dropout and --rotary-percent reach the count from the command line: the masks'
-    2 h / t bytes per token and layer under sequence parallelism (b = 1, t = 2, 32 layers) and
-    the embedding's h / t, and rope's smaller tables."""
+    """--hidden-dropout, --rotary-percent and --qk-layernorm reach the count from the command
+    line: the masks' 2 h / t bytes per token and layer under sequence parallelism (b = 1, t = 2,
+    32 layers) and the embedding's h / t, rope's smaller tables, the query and key norms'."""
     from plan_workers import plan_json
 
     base = ("--gpu h100-80gb --num-gpus 8 --num-layers 32 --hidden-size 4096 "
             "--num-attention-heads 32 --seq-length 4096 --vocab-size 32000 --global-batch-size 64 "
             "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --micro-batch-size 1 "
-            "--position-embedding-type rope --sequence-parallel")  # fmt: skip
+            "--position-embedding-type rope --sequence-parallel --hidden-dropout 0")  # fmt: skip
+    extras = ("", " --hidden-dropout 0.1", " --rotary-percent 0.5", " --qk-layernorm")
     gib = {extra: plan_json(base + extra, capsys)["memory_gib"]["activations"]
-           for extra in ("", " --hidden-dropout 0.1", " --rotary-percent 0.5")}  # fmt: skip
+           for extra in extras}  # fmt: skip
     held = 1  # 1F1B on one stage: the microbatch in flight
     masks = (2 * 32 + 1) * 4096 * 4096 / 2 * held / 2**30  # one byte per element
     assert gib[" --hidden-dropout 0.1"] - gib[""] == pytest.approx(masks)
     assert 0 < gib[""] - gib[" --rotary-percent 0.5"] < 1e-2
+    # LayerNorm's fp32 mean and rstd per query and key head (32 + 32 heads over t = 2), and
+    # q and k become the norms' outputs: rope's, already new tensors here, so nothing else.
+    stats = 32 * 4096 * (32 + 32) / 2 * 2 * 4 / 2**30
+    assert gib[" --qk-layernorm"] - gib[""] == pytest.approx(stats)

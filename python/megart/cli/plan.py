@@ -37,6 +37,7 @@ MODEL_FLAGS = (
     "untie_embeddings_and_output_weights",
     "group_query_attention",
     "num_query_groups",
+    "qk_layernorm",
     "rotary_percent",
     "hidden_dropout",
     "global_batch_size",
@@ -127,7 +128,8 @@ def _run(args: argparse.Namespace) -> int:
     world = args.num_gpus
     if world < 1:
         raise ConfigError(f"--num-gpus {world} must be at least 1")
-    given = {n: getattr(args, n) for n in MODEL_FLAGS if getattr(args, n) not in (None, False)}
+    # "is": a switch left out is False, but --hidden-dropout 0 (== False) is a value given.
+    given = {n: v for n in MODEL_FLAGS if (v := getattr(args, n)) is not None and v is not False}
     if not args.fp16 and not args.bf16:
         given["bf16"] = True  # 16-bit compute is assumed; say --fp16 for fp16
     base = TrainConfig(**given)

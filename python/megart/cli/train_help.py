@@ -20,16 +20,14 @@ HELP = {
     "batch grows from START by INCREMENT to --global-batch-size over SAMPLES consumed samples "
     "(START and INCREMENT multiples of --micro-batch-size x data-parallel size)",
     "train_iters": "iterations to train",
-    "lr": "peak learning rate",
+    "lr": "peak learning rate (Megatron-LM has none: a script gives it; this is the default run's)",
     "min_lr": "learning rate at the end of the decay (the floor of inverse-square-root)",
-    "lr_warmup_iters": "iterations of linear warm-up; unset: 4, or none with "
-    "--lr-warmup-fraction (Megatron's default is 0)",
+    "lr_warmup_iters": "iterations of linear warm-up",
     "lr_warmup_init": "the rate warm-up starts from (the first iteration's)",
     "lr_warmup_fraction": "warm up for this fraction of the decay iterations instead (not "
     "with a non-zero --lr-warmup-iters)",
     "lr_decay_iters": "iterations of decay (default: --train-iters)",
-    "lr_decay_style": "learning-rate decay after warm-up, Megatron's formulas (Megatron's "
-    "default is linear; megart's default run is cosine)",
+    "lr_decay_style": "learning-rate decay after warm-up, Megatron's formulas",
     "weight_decay": "AdamW weight decay (not on biases and norms)",
     "adam_beta1": "AdamW beta1",
     "adam_beta2": "AdamW beta2",

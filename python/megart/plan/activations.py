@@ -106,7 +106,7 @@ def layer_bytes(
     residual = 2 * h * seq_share * prec.residual
     norm_out = 2 * h * prec.other
     if cp == 1:
-        attention = attention_elements(cfg, t, recompute)
+        attention = attention_elements(cfg, t, recompute, prec.other < 4)
     else:  # context parallelism's count, as it was (its rope and selective terms unaudited)
         # Attention keeps q, k and v per query head: views of the fused output with one group
         # per head; with fewer groups the repeated keys and values, and q, which is a view of
@@ -122,15 +122,17 @@ def layer_bytes(
     other = (attention + mlp) * prec.other
     norms = 2 * seq_share * norm_statistics(cfg)
     masks = 2 * h * seq_share * dropout_mask_bytes(cfg)
+    # With context parallelism only the norms' own saves are added (the count as it was).
+    qk_norms = qk_norm_bytes(cfg, t, prec)
     core = 0.0
     if recompute != "selective":  # unfused: the scores of each query against its keys
         keys = s if cp == 1 else s * cp_score_share(cp)
         core = heads * 4 if not unfused_attention else 5 * heads * keys * prec.other / 2
-    local = tokens * (residual + norm_out + other + norms + masks + core)
+    local = tokens * (residual + norm_out + other + norms + masks + qk_norms + core)
     return local + (gathered_kv_bytes(cfg, b, tp, recompute, prec, cp) if cp > 1 else 0.0)
 
 
-def attention_elements(cfg: GPTConfig, t: int, recompute: str | None) -> float:
+def attention_elements(cfg: GPTConfig, t: int, recompute: str | None, half: bool = False) -> float:
     """Elements per token one layer's attention keeps besides its input (the norm output),
     without context parallelism, from what megart's Attention hands on (traced with torch's
     saved-tensor hooks). h = heads x head size, kv = query groups x head size, the fused q/k/v
@@ -149,23 +151,54 @@ def attention_elements(cfg: GPTConfig, t: int, recompute: str | None) -> float:
       [b, heads, s, d], so the projection's [s, b, h] input is a copy, not a view (with
       selective recomputation only that copy is kept).
 
+    With --qk-layernorm q and k are the norms' outputs, new tensors (before rope, which keeps
+    only its own output); the norms' own saves are qk_norm_bytes.
+
     Multi-head attention with learned positions: 3 h/t + h/t, as Korthikanti et al. count
     q, k, v and the attention output; with rope 7 h/t."""
     h, kv = cfg.hidden_size, cfg.query_groups * cfg.head_dim
-    rope = cfg.position_embedding == "rotary"
+    rope, qk = cfg.position_embedding == "rotary", cfg.qk_layernorm
     grouped = cfg.query_groups != cfg.num_attention_heads
-    q_copied = rope or (grouped and cfg.query_groups // t > 1)
+    q_reshaped = grouped and cfg.query_groups // t > 1  # the per-head reshape copies q
+    q_copied = rope or qk or q_reshaped  # qk: the norms' outputs are new tensors
     if recompute == "selective":  # the checkpoint's inputs: k and v before the repetition
-        kept = (h if q_copied else 0) + (kv if rope else 0)
+        kept = (h if q_copied else 0) + (kv if rope or qk else 0)
         views = True  # v always is one
     else:
-        k_new, v_new = rope or grouped, grouped
+        k_new, v_new = rope or qk or grouped, grouped
         kept = (h if q_copied else 0) + (h if k_new else 0) + (h if v_new else 0)
         views = not (q_copied and k_new and v_new)
+    if qk and qk_norm_keeps_input(cfg, half):
+        # The norms keep their inputs: k is a view of the fused output, and q a view of it
+        # too, or the reshape's copy (kept by the norm, besides the norm's output).
+        kept += h if q_reshaped else 0
+        views = True
     fused = h + 2 * kv if views else 0
     # Under selective recomputation flash attention's own output is recomputed, not kept.
     out = h * (2 if rope and recompute != "selective" else 1)
     return (kept + fused + out) / t
+
+
+def qk_norm_keeps_input(cfg: GPTConfig, half: bool) -> bool:
+    """Whether --qk-layernorm's norms keep their inputs: LayerNorm does; megart's RMSNorm
+    keeps its fp32 view of the input, which is the input itself only without autocast."""
+    return cfg.normalization != "rmsnorm" or not half
+
+
+def qk_norm_bytes(cfg: GPTConfig, t: int, prec: Precision) -> float:
+    """Bytes per token --qk-layernorm's query and key norms keep besides their inputs (see
+    attention_elements), over heads/t query and groups/t key heads of head_dim channels each:
+    LayerNorm, an fp32 mean and rstd per head (a GPU's; a CPU's 16-bit LayerNorm keeps them
+    16-bit); RMSNorm, an fp32 rsqrt per head and the normalised product before the weight
+    (the activations' dtype), and under autocast the fp32 copy of the input it normalises."""
+    if not cfg.qk_layernorm:
+        return 0.0
+    heads = (cfg.num_attention_heads + cfg.query_groups) / t
+    if cfg.normalization != "rmsnorm":
+        return heads * 2 * 4
+    channels = heads * cfg.head_dim
+    half = prec.other < 4
+    return heads * 4 + channels * prec.other + (channels * 4 if half else 0)
 
 
 def rope_table_bytes(cfg: GPTConfig, recompute: str | None, cp: int = 1) -> float:

@@ -153,10 +153,12 @@ def layer_work(
     # bias and dropout (read two, write one), the activation (GeLU: read f write f; SwiGLU:
     # read 2f write f); unfused attention: softmax and dropout over heads/t x s scores.
     replicated = 10 * h * (1 / t if sp else 1.0)
+    # --qk-layernorm's norms read and write this rank's query and key heads.
+    qk_norms = 2 * (h + kv) / t if cfg.qk_layernorm else 0.0
     mlp = (3 if cfg.activation == "swiglu" else 2) * f / t
     scores = 4.5 * cfg.num_attention_heads / t * s if unfused_attention else 0.0
     hbm = gpu.hbm_gb_per_s * 1e9
-    fwd_elem = tokens * (replicated + mlp) * ACT / hbm
+    fwd_elem = tokens * (replicated + qk_norms + mlp) * ACT / hbm
     core_elem = tokens * scores * ACT / hbm
     comm = 0.0
     if t > 1:

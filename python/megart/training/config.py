@@ -18,7 +18,6 @@ from megart.training.megatron_flags import (
 )
 from megart.training.model_flags import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, gpt_config
 
-DEFAULT_WARMUP_ITERS = 4  # warm-up of the default run, when neither warm-up flag is given
 # The flags whose values are one of a few spellings (argparse's choices).
 
 CHOICES = {
@@ -60,24 +59,23 @@ class TrainConfig:
     # --global-batch-size over SAMPLES consumed samples (megart.training.batch_rampup).
     rampup_batch_size: list[int] | None = None
     train_iters: int = 40
+    # Megatron-LM has no default rate (a script gives --lr); the rest are Megatron's defaults.
     lr: float = 3e-3
-    min_lr: float = 3e-4
-    # None: DEFAULT_WARMUP_ITERS, or 0 with --lr-warmup-fraction (Megatron's default is 0).
-    lr_warmup_iters: int | None = None
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
     lr_warmup_fraction: float | None = None  # of the decay iterations; excludes the above
     lr_warmup_init: float = 0.0  # the rate warm-up starts from (Megatron's default)
     lr_decay_iters: int | None = None  # train_iters
-    # Megatron's default is linear; megart's default run (and its recorded figures) is cosine.
-    lr_decay_style: str = "cosine"
+    lr_decay_style: str = "linear"
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
+    adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     optimizer: str = "adam"  # Megatron's name for its AdamW (decoupled weight decay), megart's
     clip_grad: float = 1.0
     seed: int = 1234
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
     # The model's architecture, Megatron's flags and spellings (see gpt_config): the default is
     # GPT-2's; RMSNorm, rope, --swiglu and --disable-bias-linear make a Llama-style model.
     ffn_hidden_size: int | None = None  # 4 h; with --swiglu, Megatron's int(8h/3 / 64) * 64
@@ -315,14 +313,12 @@ class TrainConfig:
     @property
     def warmup_iters(self) -> float:
         """Warm-up iterations: --lr-warmup-iters, or --lr-warmup-fraction of the decay
-        iterations (not rounded, as Megatron's), or the default run's."""
+        iterations (not rounded, as Megatron's), or --lr-warmup-samples' iterations."""
         if self.lr_warmup_fraction is not None:
             return self.lr_warmup_fraction * self.decay_iters
         if self.lr_warmup_samples:
             return self.lr_warmup_samples / self.global_batch_size
-        if self.train_samples is not None and self.lr_warmup_iters is None:
-            return 0  # Megatron's default; samples-based runs never had megart's default run
-        return DEFAULT_WARMUP_ITERS if self.lr_warmup_iters is None else self.lr_warmup_iters
+        return self.lr_warmup_iters
 
     def decoupled_rates(self) -> tuple[float, float] | None:
         """--decoupled-lr's peak and floor (the floor --min-lr's unless --decoupled-min-lr);

@@ -267,8 +267,16 @@ def _check_lr_flags(cfg: TrainConfig) -> None:
             f"--lr-warmup-fraction {fraction} must be at least 0 and below 1 (a fraction of "
             f"the {cfg.decay_iters} decay iterations)"
         )
-    if iters is not None and iters < 0:
+    if iters < 0:
         raise ConfigError(f"--lr-warmup-iters {iters} must be at least 0")
+    # Megatron-Core's OptimizerParamScheduler asserts 0 <= min_lr <= lr and init_lr <= lr.
+    if not 0 <= cfg.min_lr <= cfg.lr or cfg.lr_warmup_init > cfg.lr:
+        raise ConfigError(
+            f"--min-lr {cfg.min_lr}, --lr-warmup-init {cfg.lr_warmup_init} and --lr {cfg.lr}: "
+            "the rate decays from --lr down to --min-lr (Megatron-LM's default 0) and warms "
+            "up from --lr-warmup-init (default 0), so give 0 <= --min-lr <= --lr and "
+            "--lr-warmup-init <= --lr"
+        )
 
 
 def check_schedule_flags(name: str | None, per: int | None) -> None:
