@@ -73,7 +73,7 @@ def test_batches_and_iterations_are_megatron_cores(ramp, train_samples):
             consumed += batch
         assert ours == megatron_batches(c, dp, 60)
     c = tw.tiny(global_batch_size=gbs, rampup_batch_size=values, train_samples=train_samples,
-                train_iters=None, lr_warmup_iters=None)  # fmt: skip
+                train_iters=None, lr_warmup_iters=0)  # fmt: skip
     assert c.train_iters == megatron_train_iters(c)
 
 

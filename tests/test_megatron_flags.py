@@ -142,7 +142,7 @@ def test_samples_based_schedules_follow_megatrons_formulas(gbs, iters, warmup, s
     decay, warm = samples - gbs, min(warmup * gbs // 3, samples - 2 * gbs)
     c = tw.tiny(global_batch_size=gbs, micro_batch_size=1, train_samples=samples,
                 lr_decay_samples=decay, lr_warmup_samples=warm, lr_decay_style=style,
-                lr_warmup_iters=None)  # fmt: skip
+                lr_warmup_iters=0)  # fmt: skip
     c.check(1)
     assert c.train_iters == iters
     for n in range(iters + 1):  # Megatron-Core's scheduler after n iterations of gbs samples
@@ -154,7 +154,7 @@ def test_iterations_and_samples_do_not_mix():
     with pytest.raises(ConfigError, match="--train-iters and --train-samples exclude"):
         parse("--train-iters", "5", "--train-samples", "80")
     with pytest.raises(ConfigError, match="--lr-decay-iters with --train-samples"):
-        tw.tiny(train_samples=80, lr_decay_iters=4, lr_warmup_iters=None).check(1)
+        tw.tiny(train_samples=80, lr_decay_iters=4, lr_warmup_iters=0).check(1)
     with pytest.raises(ConfigError, match="--lr-decay-samples with --train-iters"):
         tw.tiny(lr_decay_samples=80).check(1)
 

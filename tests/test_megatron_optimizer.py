@@ -101,7 +101,7 @@ def test_a_megatron_written_checkpoint_reshards_on_load(runs):
         (dict(lr=2e-3), "--lr"),
         (dict(min_lr=0.0), "--min-lr"),
         (dict(train_iters=6), "--lr-decay-iters"),
-        (dict(lr_decay_style="linear"), "--lr-decay-style"),
+        (dict(lr_decay_style="cosine"), "--lr-decay-style"),
         (dict(lr_warmup_iters=2), "--lr-warmup-iters"),
         (dict(weight_decay=0.1), "--weight-decay"),
     ],

@@ -32,6 +32,10 @@ SMALL = dict(
     train_iters=2,
     lr_warmup_iters=1,
     eval_iters=0,
+    # No dropout unless a case asks: attention dropout sends a CPU to the math kernel (s x s
+    # matrices a GPU's flash kernel does not keep), and hidden dropout is a case of its own.
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
 )
 LLAMA = dict(
     SMALL,

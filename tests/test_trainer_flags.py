@@ -95,18 +95,18 @@ def test_every_decay_style_reaches_its_endpoints(style):
         )
 
 
-def test_lr_flags_reach_the_schedule_and_the_default_is_unchanged():
-    default = parse()
-    assert (default.lr_decay_style, default.warmup_iters, default.decay_iters) == ("cosine", 4, 40)
-    c = parse("--lr-decay-style", "linear", "--lr-warmup-fraction", "0.1", "--lr-decay-iters", "50")
-    assert (c.lr_decay_style, c.warmup_iters) == ("linear", 5.0)
+def test_lr_flags_reach_the_schedule_and_the_default_is_megatrons():
+    default = parse()  # Megatron-LM's: linear, no warm-up, down to --min-lr 0
+    assert (default.lr_decay_style, default.warmup_iters, default.decay_iters) == ("linear", 0, 40)
+    assert (default.learning_rate(0), default.learning_rate(40)) == (default.lr, 0.0)
+    c = parse("--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.1", "--lr-decay-iters", "50")
+    assert (c.lr_decay_style, c.warmup_iters) == ("cosine", 5.0)
     explicit = parse(
-        "--lr-decay-style", "linear", "--lr-warmup-iters", "5", "--lr-decay-iters", "50"
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "5", "--lr-decay-iters", "50"
     )
     assert [c.learning_rate(i) for i in range(60)] == [explicit.learning_rate(i) for i in range(60)]
-    # --lr-warmup-iters 0 is no warm-up, so it goes with a fraction (Megatron's default is 0).
+    # --lr-warmup-iters 0 is no warm-up, so it goes with a fraction.
     assert parse("--lr-warmup-iters", "0", "--lr-warmup-fraction", "0.2").warmup_iters == 8.0
-    assert parse("--lr-warmup-iters", "0").learning_rate(0) == default.lr
 
 
 # -- architecture flags --------------------------------------------------------------------
@@ -143,12 +143,14 @@ def test_swiglu_takes_megatrons_mlp_size_unless_one_is_given():
     assert parse().gpt_config().ffn_hidden_size is None  # 4h, recorded as before
 
 
-def test_defaults_build_the_gpt2_model_the_trainer_always_built():
+def test_defaults_build_the_gpt2_model_with_megatrons_dropout():
     gpt2 = GPTConfig(
         vocab_size=256, seq_length=128, hidden_size=128, num_layers=4, num_attention_heads=4
     )
-    # The MLP's bias add and GeLU fused, Megatron's default: a kernel choice, the same math.
-    assert parse().gpt_config() == dataclasses.replace(gpt2, bias_gelu_fusion=True)
+    # The MLP's bias add and GeLU fused, Megatron's default: a kernel choice, the same math;
+    # Megatron's dropouts (GPTConfig, megart's model API, has none by default).
+    megatron = dict(bias_gelu_fusion=True, hidden_dropout=0.1, attention_dropout=0.1)
+    assert parse().gpt_config() == dataclasses.replace(gpt2, **megatron)
 
 
 @pytest.mark.parametrize(
@@ -261,7 +263,7 @@ def test_megart_train_lists_the_flags_and_refuses_before_any_work():
         "--disable-bias-linear no biases",
     ):
         assert flag in text
-    assert "Megatron's default is linear" in text
+    assert "(default: linear)" in text
     out = megart("train", "--swiglu", "--bias-gelu-fusion")
     assert out.returncode == 2 and "iteration" not in out.stdout
     assert "--bias-gelu-fusion fuses the MLP's bias add and GeLU" in out.stderr
