@@ -65,7 +65,7 @@ class GPTConfig:
     # Megatron's --use-rope-scaling and --rope-scaling-factor (Megatron-Core's RotaryEmbedding
     # rope_scaling, rope_scaling_factor; Hugging Face's rope type "llama3"): Llama 3.x's rule
     # for a longer context, rope's slow frequencies divided by the factor, its fast ones kept,
-    # a smooth blend between (megart.models.blocks.llama3_inv_freq). The factor means nothing
+    # a smooth blend between (megart.models.rope.llama3_inv_freq). The factor means nothing
     # without rope_scaling; 8.0 is Megatron's default (and Llama 3.1's).
     rope_scaling: bool = False
     rope_scaling_factor: float = 8.0

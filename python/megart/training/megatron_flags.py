@@ -42,7 +42,7 @@ What each does in megart:
 - --distributed-timeout-minutes: the bound on every wait of megart's communicator.
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
 - --qk-layernorm: each query and key head normalised before rope, as Megatron-Core's
-  q_layernorm/k_layernorm (megart.models.blocks.Attention); Hugging Face's Llama and GPT-2
+  q_layernorm/k_layernorm (megart.models.attention.Attention); Hugging Face's Llama and GPT-2
   formats have no such norms, so export-hf refuses such a model.
 - --save-retain-interval N: Megatron's rule: once a checkpoint is complete, the one saved before
   it is deleted unless its iteration is a multiple of N (megart.training.checkpoint_dirs.retire).
