@@ -17,6 +17,7 @@ from megart.models.init import generator
 from megart.models.norms import norm
 from megart.models.recompute import checkpointed
 from megart.models.rope import apply_rotary
+from megart.models.window import covers, window_mask
 from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
@@ -39,7 +40,12 @@ class Attention(nn.Module):
 
     With context parallelism (``cp_group``) each rank holds part of each sequence: keys and
     values are gathered over the group after rope, and attention is causal by the tokens'
-    global positions (megart.models.context_parallel.context_attention)."""
+    global positions (megart.models.context_parallel.context_attention).
+
+    With a sliding window (GPTConfig.window_size, on the layers window_attn_skip_freq picks)
+    each token attends to itself and the window's earlier tokens only (megart.models.window),
+    by global positions under context parallelism, within its document with a documents'
+    mask."""
 
     def __init__(
         self,
@@ -55,6 +61,7 @@ class Attention(nn.Module):
         self.cfg, self.rng, self.cp_group = cfg, rng, cp_group
         self.local_heads = cfg.num_attention_heads // t
         self.local_groups = cfg.query_groups // t
+        self.window = cfg.layer_window(layer)  # earlier tokens seen; None: all
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(
             h,
@@ -108,10 +115,17 @@ class Attention(nn.Module):
         if cp > 1:
             k, v = gather_kv(k, self.cp_group), gather_kv(v, self.cp_group)
             where = (cp, group_rank(self.cp_group))
+        # A window that reaches back to the sequence's start masks nothing: none, so that the
+        # kernels without a mask tensor still apply.
+        window = None if covers(self.window, s * cp) else self.window
+        if window is not None and where is None:
+            positions = torch.arange(s, device=q.device)
+            near = window_mask(positions, positions, window)
+            mask = near if mask is None else mask & near
         if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
-            y = checkpointed(self._core, self.rng, q, k, v, where, mask)
+            y = checkpointed(self._core, self.rng, q, k, v, where, mask, window)
         else:
-            y = self._core(q, k, v, where, mask)
+            y = self._core(q, k, v, where, mask, window)
         return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, -1))
 
     def _core(
@@ -121,9 +135,11 @@ class Attention(nn.Module):
         v: torch.Tensor,
         where: tuple[int, int] | None = None,
         mask: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal (with context parallelism, ``where`` = (cp, cp
-        rank), by global positions; with ``mask``, where it allows), with attention dropout on
+        rank), by global positions, within ``window`` earlier tokens; with ``mask``, where it
+        allows), with attention dropout on
         the tensor-parallel stream: what selective recomputation recomputes (so it keeps k and v
         per group)."""
         per_group = q.shape[1] // k.shape[1]
@@ -141,7 +157,7 @@ class Attention(nn.Module):
         kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
         with stream, kernel:
             if where is not None:
-                return context_attention(q, k, v, *where, dropout)
+                return context_attention(q, k, v, *where, dropout, window)
             if mask is not None:  # a mask tensor: on CUDA no flash kernel takes one
                 return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)

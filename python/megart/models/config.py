@@ -9,6 +9,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models.stages import check_stages, uneven
+from megart.models.window import check_window, layer_window, refuse_window
 from megart.parallel.layout import divisors
 
 NORMS = ("layernorm", "rmsnorm")
@@ -86,6 +87,11 @@ class GPTConfig:
     # Megatron's --attention-backend: "unfused" and "local" run the math kernel (explicit
     # scores); "auto", "flash" and "fused" let torch's scaled_dot_product_attention choose.
     attention_backend: str = "auto"
+    # Megatron's --window-size LEFT,0 and --window-attn-skip-freq: sliding-window attention,
+    # each token attending to itself and the LEFT tokens before it (-1: all of them), in every
+    # layer or in those the pattern picks (megart.models.window).
+    window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
     init_std: float = 0.02
     seed: int = 1234  # initial weights depend on this alone, not on the parallel layout
     # megart's fused CUDA kernels (megart.kernels) in place of the unfused torch ops; on a CPU,
@@ -114,6 +120,10 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = VOCAB_MULTIPLE
 
     def __post_init__(self) -> None:
+        for name in ("window_size", "window_attn_skip_freq"):  # lists, as JSON records give them
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        check_window(self.window_size, self.window_attn_skip_freq, self.num_layers)
         for name, value, allowed in (
             ("normalization", self.normalization, NORMS),
             ("position_embedding", self.position_embedding, POSITIONS),
@@ -227,6 +237,14 @@ class GPTConfig:
         if self.rotary_percent < 1:
             return int(self.head_dim * self.rotary_percent)
         return self.head_dim
+
+    def refuse_window(self, fmt: str) -> None:
+        """Refuses this model for checkpoint format ``fmt`` if some layer has a window."""
+        refuse_window(self.window_size, self.window_attn_skip_freq, self.num_layers, fmt)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The earlier tokens layer ``layer`` (0-based) attends to, or None for all of them."""
+        return layer_window(self.window_size, self.window_attn_skip_freq, layer)
 
     @property
     def query_groups(self) -> int:

@@ -94,6 +94,10 @@ class TrainConfig:
     # (but megart wants it given: Megatron's default of 1 group is multi-query attention).
     group_query_attention: bool = False
     num_query_groups: int | None = None
+    # Sliding-window attention, Megatron's spellings: "LEFT,RIGHT" (RIGHT 0: causal) and "N" or
+    # a list expression of 0/1 per layer (megart.models.window).
+    window_size: str | None = None
+    window_attn_skip_freq: str | None = None
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None

@@ -74,6 +74,10 @@ What each does in megart:
 - --context-parallel-size: each sequence split over cp ranks, K and V all-gathered
   (megart.models.context_parallel); what it does not combine with yet is refused by name
   (megart.training.context_parallel_checks).
+- --window-size LEFT,RIGHT, --window-attn-skip-freq: sliding-window attention, each token
+  attending to itself and the LEFT tokens before it, in every layer or those the pattern picks
+  (megart.models.window); RIGHT must be 0 (the attention is causal). Megatron's FLOP count,
+  and megart's, ignore the window (its attention FLOPs are counted as full causal ones).
 - --expert-model-parallel-size: only 1 (refused otherwise).
 - --decoupled-lr, --decoupled-min-lr: the embedding's and output layer's own param group
   (megart.training.optimizer.param_groups), scheduled with its own peak and floor.
@@ -167,8 +171,6 @@ NOT_YET = {
         "and to JSON lines (--log-jsonl), not to Weights & Biases; leave it out"
         for name in ("project", "exp-name", "save-dir", "entity")
     },
-    "--window-size": "megart's attention is causal over the whole sequence, with no sliding "
-    "window; leave it out",
     "--init-method-xavier-uniform": "megart initialises from a normal of --init-method-std; "
     "leave it out",
     "--use-torch-fsdp2": "megart shards optimizer state with --use-distributed-optimizer "
