@@ -43,6 +43,10 @@ HELP = {
     "int(8h/3 / 64) * 64)",
     "init_method_std": "standard deviation of the initial weights (output projections: "
     "divided by sqrt(2 x layers))",
+    "init_method_xavier_uniform": "draw every weight (the embeddings and output projections "
+    "too) from Glorot's uniform, U(-a, a) with a = sqrt(6 / (fan_in + fan_out)) of the whole "
+    "tensor (Megatron-Core's fused qkv and fc1 shapes; the same for every tensor-parallel "
+    "size), instead of a normal of --init-method-std",
     "layernorm_epsilon": "epsilon of LayerNorm and RMSNorm (also --norm-epsilon, Megatron's "
     "newer name)",
     "normalization": "LayerNorm or RMSNorm",

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megart.distributed import ProcessGroup
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import context_attention, gather_kv
-from megart.models.init import generator
+from megart.models.init import generator, weight_init
 from megart.models.norms import norm
 from megart.models.recompute import checkpointed
 from megart.models.rope import apply_rotary
@@ -22,7 +22,6 @@ from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
     RowParallelLinear,
-    normal_init,
 )
 from megart.tensor_parallel._group import group_rank, group_size
 
@@ -63,13 +62,14 @@ class Attention(nn.Module):
         self.local_groups = cfg.query_groups // t
         self.window = cfg.layer_window(layer)  # earlier tokens seen; None: all
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        qkv_rows = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         self.qkv = ColumnParallelLinear(
             h,
-            (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim,
+            qkv_rows,
             bias=cfg.bias,
             sequence_parallel=sequence_parallel,
             tp_group=tp_group,
-            init_method=normal_init(cfg.init_std),
+            init_method=weight_init(cfg, cfg.init_std, (qkv_rows, h)),
             generator=generator(cfg.seed, layer, "qkv"),
         )
         self.proj = RowParallelLinear(
@@ -78,7 +78,7 @@ class Attention(nn.Module):
             bias=cfg.bias,
             sequence_parallel=sequence_parallel,
             tp_group=tp_group,
-            init_method=normal_init(out_std),
+            init_method=weight_init(cfg, out_std, (h, h)),
             generator=generator(cfg.seed, layer, "proj"),
         )
         if cfg.qk_layernorm:

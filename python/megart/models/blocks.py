@@ -17,7 +17,7 @@ from megart.distributed import ProcessGroup
 from megart.kernels import add_layer_norm, bias_gelu
 from megart.models.attention import Attention
 from megart.models.config import GPTConfig
-from megart.models.init import generator
+from megart.models.init import generator, weight_init
 from megart.models.norms import HALF, LayerNorm, RMSNorm, apply_norm, gamma, in_dtype, norm
 from megart.models.rope import (
     LLAMA3_HIGH_FREQ_FACTOR,
@@ -31,7 +31,6 @@ from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
     RowParallelLinear,
-    normal_init,
 )
 
 # The layer's pieces live in attention.py, norms.py, rope.py and init.py; the names other
@@ -75,7 +74,8 @@ class MLP(nn.Module):
                 bias=cfg.bias,
                 sequence_parallel=sequence_parallel,
                 tp_group=tp_group,
-                init_method=normal_init(cfg.init_std),
+                # Megatron-Core's fc1 is one tensor, gate and up together under SwiGLU.
+                init_method=weight_init(cfg, cfg.init_std, (f * (1 + self.swiglu), h)),
                 generator=generator(cfg.seed, layer, name),
             )
 
@@ -87,7 +87,7 @@ class MLP(nn.Module):
             bias=cfg.bias,
             sequence_parallel=sequence_parallel,
             tp_group=tp_group,
-            init_method=normal_init(cfg.init_std / math.sqrt(2 * cfg.num_layers)),
+            init_method=weight_init(cfg, cfg.init_std / math.sqrt(2 * cfg.num_layers), (h, f)),
             generator=generator(cfg.seed, layer, "mlp_proj"),
         )
 

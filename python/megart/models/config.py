@@ -93,6 +93,9 @@ class GPTConfig:
     window_size: tuple[int, int] | None = None
     window_attn_skip_freq: int | tuple[int, ...] | None = None
     init_std: float = 0.02
+    # Megatron's --init-method-xavier-uniform: weights drawn from Glorot's uniform instead of
+    # N(0, init_std^2) (megart.models.init says which and with which fans).
+    init_method_xavier_uniform: bool = False
     seed: int = 1234  # initial weights depend on this alone, not on the parallel layout
     # megart's fused CUDA kernels (megart.kernels) in place of the unfused torch ops; on a CPU,
     # or without megart._cuda, the ops' torch references run. Off by default here, in the

@@ -82,6 +82,7 @@ class TrainConfig:
     # GPT-2's; RMSNorm, rope, --swiglu and --disable-bias-linear make a Llama-style model.
     ffn_hidden_size: int | None = None  # 4 h; with --swiglu, Megatron's int(8h/3 / 64) * 64
     init_method_std: float = 0.02
+    init_method_xavier_uniform: bool = False  # Glorot's uniform instead (megart.models.init)
     layernorm_epsilon: float = 1e-5
     normalization: str = "LayerNorm"
     apply_layernorm_1p: bool = False  # zero-centred norm weights, applied as 1 + weight

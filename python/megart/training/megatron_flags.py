@@ -78,6 +78,9 @@ What each does in megart:
   attending to itself and the LEFT tokens before it, in every layer or those the pattern picks
   (megart.models.window); RIGHT must be 0 (the attention is causal). Megatron's FLOP count,
   and megart's, ignore the window (its attention FLOPs are counted as full causal ones).
+- --init-method-xavier-uniform: every weight (embeddings and output projections included)
+  from Glorot's uniform with the whole tensor's fans (megart.models.init says why: Megatron-LM
+  itself fails with this flag since 2023).
 - --expert-model-parallel-size: only 1 (refused otherwise).
 - --decoupled-lr, --decoupled-min-lr: the embedding's and output layer's own param group
   (megart.training.optimizer.param_groups), scheduled with its own peak and floor.
@@ -171,8 +174,6 @@ NOT_YET = {
         "and to JSON lines (--log-jsonl), not to Weights & Biases; leave it out"
         for name in ("project", "exp-name", "save-dir", "entity")
     },
-    "--init-method-xavier-uniform": "megart initialises from a normal of --init-method-std; "
-    "leave it out",
     "--use-torch-fsdp2": "megart shards optimizer state with --use-distributed-optimizer "
     "(ZeRO-1), not FSDP; use that",
     "--tp-comm-overlap": "megart does not overlap tensor-parallel collectives with its "

@@ -54,6 +54,7 @@ def gpt_config(config: Any) -> GPTConfig:
         if config.window_attn_skip_freq is None
         else parse_skip_freq(config.window_attn_skip_freq),
         init_std=config.init_method_std,
+        init_method_xavier_uniform=config.init_method_xavier_uniform,
         seed=config.seed,
         bias_gelu_fusion=_bias_gelu_fusion(config),
         fused_layer_norm=config.fused_layer_norm,
