@@ -38,8 +38,14 @@ def megatron_model(
         # It puts the attention scores' scratch buffer and rope's frequencies on "the current
         # CUDA device": on this CPU-only process that is the CPU.
         torch.cuda.current_device = lambda: "cpu"
+        from megatron.core.fusions import fused_softmax
+
+        fused_softmax.get_sliding_window_causal_mask = on_cpu(
+            fused_softmax.get_sliding_window_causal_mask
+        )
     vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     swiglu = cfg.activation == "swiglu"
+    skip = cfg.window_attn_skip_freq
     config = TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -63,6 +69,9 @@ def megatron_model(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         rotary_interleaved=cfg.rotary_interleaved,
+        window_size=cfg.window_size,
+        # Megatron-Core tells a pattern by isinstance(list).
+        window_attn_skip_freq=list(skip) if isinstance(skip, tuple) else skip,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
         pipeline_dtype=torch.float32 if pp > 1 else None,
@@ -123,6 +132,21 @@ def zero_centred_layer_norm():
         mock.patch.object(transformer_block, "LayerNormImpl", fused.FusedLayerNorm),
     ):
         yield
+
+
+def on_cpu(make_mask):
+    """Megatron-Core's ``make_mask`` (its sliding-window mask, which it builds on "cuda") run
+    on the CPU: its own code, with torch.ones' device left out."""
+
+    def run(*args):
+        real = torch.ones
+        torch.ones = lambda *a, device=None, **kw: real(*a, **kw)
+        try:
+            return make_mask(*args)
+        finally:
+            torch.ones = real
+
+    return run
 
 
 @contextlib.contextmanager

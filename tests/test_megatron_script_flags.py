@@ -174,7 +174,7 @@ def test_switches_that_hold_already_are_taken():
         (["--train-data-path", "a"], "give --data-path with --split"),
         (["--async-save"], "saves are synchronous"),
         (["--wandb-project", "p"], "not to Weights & Biases"),
-        (["--window-size", "4,0"], "sliding"),
+        (["--use-precision-aware-optimizer"], "fp32 moments"),
         (["--use-torch-fsdp2"], "use that"),
         (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
         (["--cp-comm-type", "p2p", "--context-parallel-size", "2"], "all-gathers keys and"),

@@ -58,9 +58,9 @@ def test_gradients_equal_the_model_that_keeps_activations(recompute):
 def test_without_replaying_the_tensor_parallel_stream_gradients_would_differ(monkeypatch):
     """The check above can fail: recompute with the tracker left out and attention dropout
     draws new masks."""
-    from megart.models import blocks
+    from megart.models import attention
 
-    monkeypatch.setattr(blocks, "checkpointed", lambda fn, rng, *a: _no_replay(fn, *a))
+    monkeypatch.setattr(attention, "checkpointed", lambda fn, rng, *a: _no_replay(fn, *a))
     _, grads = _grads()
     _, grads_r = _grads(recompute_granularity="selective")
     assert any(not torch.equal(grads_r[n], g) for n, g in grads.items())

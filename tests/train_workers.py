@@ -123,6 +123,13 @@ def gradients_after_one_step(**kw: object) -> dict:
     return by_place(trainer, lambda p: p.grad)
 
 
+def initial_weights(kw: dict) -> dict:
+    """Every weight this rank holds before training, by place (see by_place)."""
+    from megart.training.trainer import Trainer
+
+    return by_place(Trainer(tiny(**kw), tokens=builtin_corpus(1 << 16)), lambda p: p)
+
+
 def weights_after_training(kw: dict, hf_dir: str | None = None) -> dict:
     """Every weight this rank holds after training, by place (see by_place); with ``hf_dir``
     (one process only) also written there by the live model's GPT.save_hf."""

@@ -41,6 +41,10 @@ HELP = {
     "int(8h/3 / 64) * 64)",
     "init_method_std": "standard deviation of the initial weights (output projections: "
     "divided by sqrt(2 x layers))",
+    "init_method_xavier_uniform": "draw every weight (the embeddings and output projections "
+    "too) from Glorot's uniform, U(-a, a) with a = sqrt(6 / (fan_in + fan_out)) of the whole "
+    "tensor (Megatron-Core's fused qkv and fc1 shapes; the same for every tensor-parallel "
+    "size), instead of a normal of --init-method-std",
     "layernorm_epsilon": "epsilon of LayerNorm and RMSNorm (also --norm-epsilon, Megatron's "
     "newer name)",
     "normalization": "LayerNorm or RMSNorm",
@@ -56,6 +60,12 @@ HELP = {
     "input embedding's (Llama-style; GPT-2 ties them)",
     "group_query_attention": "grouped-query attention: query heads share key/value heads in "
     "--num-query-groups groups",
+    "window_size": "LEFT,RIGHT: sliding-window attention (Megatron's, Mistral's): each token "
+    "attends to itself and the LEFT tokens before it (-1: all of them); RIGHT must be 0 (the "
+    "attention is causal). Hugging Face's sliding_window W is LEFT = W - 1",
+    "window_attn_skip_freq": "with --window-size, the layers without the window: N (every "
+    "N-th layer, counting from 1) or a list of 0 (whole sequence) or 1 (window) per layer, "
+    'e.g. "([1]*3+[0])*2"',
     "num_query_groups": "key/value heads (query groups) with --group-query-attention; must "
     "divide --num-attention-heads and be divisible by the tensor-parallel size (1: multi-query "
     "attention)",

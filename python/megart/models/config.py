@@ -9,6 +9,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models.stages import check_stages, uneven
+from megart.models.window import check_window, layer_window, refuse_window
 from megart.parallel.layout import divisors
 
 NORMS = ("layernorm", "rmsnorm")
@@ -65,7 +66,7 @@ class GPTConfig:
     # Megatron's --use-rope-scaling and --rope-scaling-factor (Megatron-Core's RotaryEmbedding
     # rope_scaling, rope_scaling_factor; Hugging Face's rope type "llama3"): Llama 3.x's rule
     # for a longer context, rope's slow frequencies divided by the factor, its fast ones kept,
-    # a smooth blend between (megart.models.blocks.llama3_inv_freq). The factor means nothing
+    # a smooth blend between (megart.models.rope.llama3_inv_freq). The factor means nothing
     # without rope_scaling; 8.0 is Megatron's default (and Llama 3.1's).
     rope_scaling: bool = False
     rope_scaling_factor: float = 8.0
@@ -86,7 +87,15 @@ class GPTConfig:
     # Megatron's --attention-backend: "unfused" and "local" run the math kernel (explicit
     # scores); "auto", "flash" and "fused" let torch's scaled_dot_product_attention choose.
     attention_backend: str = "auto"
+    # Megatron's --window-size LEFT,0 and --window-attn-skip-freq: sliding-window attention,
+    # each token attending to itself and the LEFT tokens before it (-1: all of them), in every
+    # layer or in those the pattern picks (megart.models.window).
+    window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
     init_std: float = 0.02
+    # Megatron's --init-method-xavier-uniform: weights drawn from Glorot's uniform instead of
+    # N(0, init_std^2) (megart.models.init says which and with which fans).
+    init_method_xavier_uniform: bool = False
     seed: int = 1234  # initial weights depend on this alone, not on the parallel layout
     # megart's fused CUDA kernels (megart.kernels) in place of the unfused torch ops; on a CPU,
     # or without megart._cuda, the ops' torch references run. Off by default here, in the
@@ -114,6 +123,10 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = VOCAB_MULTIPLE
 
     def __post_init__(self) -> None:
+        for name in ("window_size", "window_attn_skip_freq"):  # lists, as JSON records give them
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        check_window(self.window_size, self.window_attn_skip_freq, self.num_layers)
         for name, value, allowed in (
             ("normalization", self.normalization, NORMS),
             ("position_embedding", self.position_embedding, POSITIONS),
@@ -227,6 +240,14 @@ class GPTConfig:
         if self.rotary_percent < 1:
             return int(self.head_dim * self.rotary_percent)
         return self.head_dim
+
+    def refuse_window(self, fmt: str) -> None:
+        """Refuses this model for checkpoint format ``fmt`` if some layer has a window."""
+        refuse_window(self.window_size, self.window_attn_skip_freq, self.num_layers, fmt)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The earlier tokens layer ``layer`` (0-based) attends to, or None for all of them."""
+        return layer_window(self.window_size, self.window_attn_skip_freq, layer)
 
     @property
     def query_groups(self) -> int:

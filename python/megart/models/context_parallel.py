@@ -26,6 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from megart.distributed import ProcessGroup
 from megart.errors import ConfigError
+from megart.models.window import window_mask
 from megart.tensor_parallel._group import group_rank, group_size
 from megart.tensor_parallel.mappings import gather_from_sequence_region
 
@@ -81,12 +82,15 @@ def group_positions(
     return cp_positions(local * cp, cp, group_rank(group), device)
 
 
-def causal_mask(cp: int, cp_rank: int, local: int, device: torch.device | None) -> torch.Tensor:
+def causal_mask(
+    cp: int, cp_rank: int, local: int, device: torch.device | None, window: int | None = None
+) -> torch.Tensor:
     """[local, local x cp] booleans: query i of ``cp_rank`` may attend to gathered key j (keys in
-    group-rank order, each rank's own split) when j's global position is not after i's."""
+    group-rank order, each rank's own split) when j's global position is not after i's (and,
+    with a sliding ``window``, at most that many before it: megart.models.window)."""
     queries = cp_positions(local * cp, cp, cp_rank, device)
     keys = torch.cat([cp_positions(local * cp, cp, r, device) for r in range(cp)])
-    return keys.unsqueeze(0) <= queries.unsqueeze(1)
+    return window_mask(queries, keys, window)
 
 
 def in_sequence_order(kv: torch.Tensor, cp: int, dim: int = 2) -> torch.Tensor:
@@ -113,24 +117,37 @@ def query_blocks(cp: int, cp_rank: int, local: int) -> list[tuple[slice, int]]:
 
 
 def context_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, cp_rank: int, dropout: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: int,
+    cp_rank: int,
+    dropout: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``cp_rank``'s queries over the keys and values gathered by
     gather_kv (group-rank order). On a GPU blockwise (blockwise_attention: no mask tensor, flash
-    kernels, 1/cp of the causal scores); elsewhere one call under the explicit mask of global
-    positions (masked_attention: the same attention, and what the CPU tests measure)."""
-    if q.is_cuda:
+    kernels, 1/cp of the causal scores); elsewhere, and with a sliding ``window``, one call under
+    the explicit mask of global positions (masked_attention: the same attention, and what the
+    CPU tests measure)."""
+    if q.is_cuda and window is None:
         return blockwise_attention(q, k, v, cp, cp_rank, dropout)
-    return masked_attention(q, k, v, cp, cp_rank, dropout)
+    return masked_attention(q, k, v, cp, cp_rank, dropout, window)
 
 
 def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, cp_rank: int, dropout: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: int,
+    cp_rank: int,
+    dropout: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """context_attention as one call of torch's attention over all gathered keys, masked by
-    global positions (causal_mask): every (s/cp) x s score computed, the mask kept for the
-    backward."""
-    mask = causal_mask(cp, cp_rank, q.shape[2], q.device)
+    global positions (causal_mask, with the sliding ``window`` if any): every (s/cp) x s score
+    computed, the mask kept for the backward."""
+    mask = causal_mask(cp, cp_rank, q.shape[2], q.device, window)
     return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
 
 

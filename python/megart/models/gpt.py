@@ -20,6 +20,7 @@ from megart.models.blocks import Block, apply_norm, generator, norm, rotary
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import group_positions
 from megart.models.documents import Documents
+from megart.models.init import weight_init
 from megart.models.recompute import checkpointed, recomputed_spans
 from megart.models.stages import FIRST, LAST, stage_ranges, uneven
 from megart.tensor_parallel import (
@@ -29,7 +30,6 @@ from megart.tensor_parallel import (
     copy_to_region,
     gather_from_region,
     gather_from_sequence_region,
-    normal_init,
     vocab_parallel_cross_entropy,
 )
 from megart.tensor_parallel._group import group_rank, group_size
@@ -71,19 +71,23 @@ class GPTChunk(nn.Module):
         self.cp_group = cp_group
         self.vocab = cfg.padded_vocab_size(group_size(tp_group))
         untied = cfg.untie_embeddings_and_output_weights
+        # Xavier's fans: the vocabulary padded as at tensor-parallel size 1, so that the
+        # draw does not depend on t (megart.models.init).
+        vocab_shape = (cfg.padded_vocab_size(1), cfg.hidden_size)
         if first or (last and not untied):
             self.wte = VocabParallelEmbedding(
                 self.vocab,
                 cfg.hidden_size,
                 sequence_parallel=sequence_parallel,
                 tp_group=tp_group,
-                init_method=normal_init(cfg.init_std),
+                init_method=weight_init(cfg, cfg.init_std, vocab_shape),
                 generator=generator(cfg.seed, "wte"),
             )
             self._unpadded_rows(self.wte.weight)
         if first and cfg.position_embedding == "learned":
             self.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
-            nn.init.normal_(self.wpe.weight, std=cfg.init_std, generator=generator(cfg.seed, "wpe"))
+            draw = weight_init(cfg, cfg.init_std, (cfg.seq_length, cfg.hidden_size))
+            draw(self.wpe.weight.data, generator(cfg.seed, "wpe"))
             # Each rank adds the positions of its own sequence slice: a partial gradient.
             self.wpe.weight.sequence_parallel = sequence_parallel
         self.drop = nn.Dropout(cfg.hidden_dropout)
@@ -101,7 +105,7 @@ class GPTChunk(nn.Module):
                 bias=False,
                 sequence_parallel=sequence_parallel,
                 tp_group=tp_group,
-                init_method=normal_init(cfg.init_std),
+                init_method=weight_init(cfg, cfg.init_std, vocab_shape),
                 generator=generator(cfg.seed, "output_layer"),
             )
             self._unpadded_rows(self.output_layer.weight)

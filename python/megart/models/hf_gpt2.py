@@ -111,6 +111,7 @@ def check(cfg: GPTConfig) -> None:
         ],
         "only models trained with GPT-2's own architecture can be written in its format",
     )
+    cfg.refuse_window(NAME)
 
 
 def hf_tensors(

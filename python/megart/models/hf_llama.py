@@ -104,6 +104,7 @@ def check(cfg: GPTConfig) -> None:
         "only models with RMSNorm, rotary positions and SwiGLU can be written in its format",
     )
     check_rope(cfg, NAME)
+    cfg.refuse_window(NAME)
 
 
 def check_rope(cfg: GPTConfig, fmt: str) -> None:

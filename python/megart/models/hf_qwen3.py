@@ -52,6 +52,7 @@ def check(cfg: GPTConfig) -> None:
         "biases can be written in its format",
     )
     hf_llama.check_rope(cfg, NAME)
+    cfg.refuse_window(NAME)
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:

@@ -23,6 +23,7 @@ from megart.tensor_parallel.layers import (
     standard_normal_init,
     sync_sequence_parallel_grads,
     uniform_fan_in_init,
+    xavier_uniform_init,
 )
 from megart.tensor_parallel.mappings import (
     copy_to_region,
@@ -56,6 +57,7 @@ __all__ = [
     "InitMethod",
     "normal_init",
     "standard_normal_init",
+    "xavier_uniform_init",
     "uniform_fan_in_init",
     "sync_sequence_parallel_grads",
     "vocab_parallel_cross_entropy",

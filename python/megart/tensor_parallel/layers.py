@@ -58,6 +58,19 @@ def normal_init(std: float = 0.02) -> InitMethod:
     return init
 
 
+def xavier_uniform_init(fan_out: int | None = None, fan_in: int | None = None) -> InitMethod:
+    """U(-a, a) with a = sqrt(6 / (fan_in + fan_out)) (Glorot and Bengio's, torch's
+    xavier_uniform_); the fans of the weight it fills ([out, in]) unless given, for a weight
+    that stands for part of a larger one (a fused weight split in two)."""
+
+    def init(weight: torch.Tensor, generator: torch.Generator | None) -> None:
+        out, in_ = fan_out or weight.shape[0], fan_in or weight.shape[1]
+        bound = math.sqrt(6.0 / (in_ + out))
+        nn.init.uniform_(weight, -bound, bound, generator=generator)
+
+    return init
+
+
 def standard_normal_init(weight: torch.Tensor, generator: torch.Generator | None) -> None:
     """N(0, 1): the distribution of torch.nn.Embedding's default weights."""
     nn.init.normal_(weight, generator=generator)

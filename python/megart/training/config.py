@@ -80,6 +80,7 @@ class TrainConfig:
     # GPT-2's; RMSNorm, rope, --swiglu and --disable-bias-linear make a Llama-style model.
     ffn_hidden_size: int | None = None  # 4 h; with --swiglu, Megatron's int(8h/3 / 64) * 64
     init_method_std: float = 0.02
+    init_method_xavier_uniform: bool = False  # Glorot's uniform instead (megart.models.init)
     layernorm_epsilon: float = 1e-5
     normalization: str = "LayerNorm"
     apply_layernorm_1p: bool = False  # zero-centred norm weights, applied as 1 + weight
@@ -92,6 +93,10 @@ class TrainConfig:
     # (but megart wants it given: Megatron's default of 1 group is multi-query attention).
     group_query_attention: bool = False
     num_query_groups: int | None = None
+    # Sliding-window attention, Megatron's spellings: "LEFT,RIGHT" (RIGHT 0: causal) and "N" or
+    # a list expression of 0/1 per layer (megart.models.window).
+    window_size: str | None = None
+    window_attn_skip_freq: str | None = None
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None

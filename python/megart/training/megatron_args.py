@@ -28,6 +28,7 @@ def megatron_args(
     of ``vpp`` virtual stages each, the first/last stage holding ``first``/``last`` layers
     (Megatron-LM then takes interleaving as --num-virtual-stages-per-pipeline-rank only)."""
     per = cfg.num_layers // (pp * vpp) if vpp > 1 and not uneven(first, last) else None
+    skip = cfg.window_attn_skip_freq
     return argparse.Namespace(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -55,6 +56,9 @@ def megatron_args(
         # Megatron-LM's flag is an integer: written as one where it is (megart takes any).
         rotary_seq_len_interpolation_factor=integral(cfg.rotary_seq_len_interpolation_factor),
         rotary_percent=cfg.rotary_percent,
+        # As Megatron-LM's argparse gives them: a tuple, and an int or a list per layer.
+        window_size=cfg.window_size,
+        window_attn_skip_freq=list(skip) if isinstance(skip, tuple) else skip,
         swiglu=cfg.activation == "swiglu",
         add_bias_linear=cfg.bias,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
@@ -106,6 +110,8 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         rotary_seq_len_interpolation_factor=None if interpolation is None else float(interpolation),
         # Megatron-LM's default 1.0 (whole heads) where older args lack it; ignored without rope.
         rotary_percent=float(a.get("rotary_percent", 1.0)) if rope else 1.0,
+        window_size=a.get("window_size"),  # absent from older args: no window
+        window_attn_skip_freq=a.get("window_attn_skip_freq"),
         activation="swiglu" if a.get("swiglu") else "gelu",
         bias=a.get("add_bias_linear", True),
         untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),

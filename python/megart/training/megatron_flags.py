@@ -42,7 +42,7 @@ What each does in megart:
 - --distributed-timeout-minutes: the bound on every wait of megart's communicator.
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
 - --qk-layernorm: each query and key head normalised before rope, as Megatron-Core's
-  q_layernorm/k_layernorm (megart.models.blocks.Attention); Hugging Face's Llama and GPT-2
+  q_layernorm/k_layernorm (megart.models.attention.Attention); Hugging Face's Llama and GPT-2
   formats have no such norms, so export-hf refuses such a model.
 - --save-retain-interval N: Megatron's rule: once a checkpoint is complete, the one saved before
   it is deleted unless its iteration is a multiple of N (megart.training.checkpoint_dirs.retire).
@@ -74,6 +74,13 @@ What each does in megart:
 - --context-parallel-size: each sequence split over cp ranks, K and V all-gathered
   (megart.models.context_parallel); what it does not combine with yet is refused by name
   (megart.training.context_parallel_checks).
+- --window-size LEFT,RIGHT, --window-attn-skip-freq: sliding-window attention, each token
+  attending to itself and the LEFT tokens before it, in every layer or those the pattern picks
+  (megart.models.window); RIGHT must be 0 (the attention is causal). Megatron's FLOP count,
+  and megart's, ignore the window (its attention FLOPs are counted as full causal ones).
+- --init-method-xavier-uniform: every weight (embeddings and output projections included)
+  from Glorot's uniform with the whole tensor's fans (megart.models.init says why: Megatron-LM
+  itself fails with this flag since 2023).
 - --expert-model-parallel-size: only 1 (refused otherwise).
 - --decoupled-lr, --decoupled-min-lr: the embedding's and output layer's own param group
   (megart.training.optimizer.param_groups), scheduled with its own peak and floor.
@@ -167,10 +174,6 @@ NOT_YET = {
         "and to JSON lines (--log-jsonl), not to Weights & Biases; leave it out"
         for name in ("project", "exp-name", "save-dir", "entity")
     },
-    "--window-size": "megart's attention is causal over the whole sequence, with no sliding "
-    "window; leave it out",
-    "--init-method-xavier-uniform": "megart initialises from a normal of --init-method-std; "
-    "leave it out",
     "--use-torch-fsdp2": "megart shards optimizer state with --use-distributed-optimizer "
     "(ZeRO-1), not FSDP; use that",
     "--tp-comm-overlap": "megart does not overlap tensor-parallel collectives with its "

@@ -7,6 +7,7 @@ from typing import Any
 
 from megart.errors import ConfigError
 from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, GPTConfig
+from megart.models.window import parse_skip_freq, parse_window_size
 from megart.parallel.layout import divisors
 
 # Megatron's spellings of --normalization and --position-embedding-type, to GPTConfig's names.
@@ -48,7 +49,12 @@ def gpt_config(config: Any) -> GPTConfig:
         else float(config.rotary_seq_len_interpolation_factor),
         rotary_percent=float(config.rotary_percent),
         attention_backend=config.attention_backend,
+        window_size=None if config.window_size is None else parse_window_size(config.window_size),
+        window_attn_skip_freq=None
+        if config.window_attn_skip_freq is None
+        else parse_skip_freq(config.window_attn_skip_freq),
         init_std=config.init_method_std,
+        init_method_xavier_uniform=config.init_method_xavier_uniform,
         seed=config.seed,
         bias_gelu_fusion=_bias_gelu_fusion(config),
         fused_layer_norm=config.fused_layer_norm,

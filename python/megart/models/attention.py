@@ -1,0 +1,163 @@
+"""Self-attention of a GPT layer, tensor-parallel (activations [s, b, h], sequence first)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from megart.distributed import ProcessGroup
+from megart.models.config import GPTConfig
+from megart.models.context_parallel import context_attention, gather_kv
+from megart.models.init import generator, weight_init
+from megart.models.norms import norm
+from megart.models.recompute import checkpointed
+from megart.models.rope import apply_rotary
+from megart.models.window import covers, window_mask
+from megart.tensor_parallel import (
+    ColumnParallelLinear,
+    RNGStatesTracker,
+    RowParallelLinear,
+)
+from megart.tensor_parallel._group import group_rank, group_size
+
+
+class Attention(nn.Module):
+    """Causal self-attention with heads split across tensor parallelism: the fused q/k/v
+    projection is column-parallel, the output projection row-parallel. Attention dropout runs
+    on the tracker's tensor-parallel stream, distinct per rank, as Megatron's does.
+
+    With grouped-query attention (GPTConfig.num_query_groups) the heads share key and value
+    heads in groups of heads/groups. The fused projection's rows are grouped per query group
+    as [q of the group's heads, k, v], so a rank's contiguous slice holds whole groups (and
+    resharding by contiguous row chunks stays right); with one group per head that is [q, k, v]
+    per head, the multi-head layout.
+
+    With context parallelism (``cp_group``) each rank holds part of each sequence: keys and
+    values are gathered over the group after rope, and attention is causal by the tokens'
+    global positions (megart.models.context_parallel.context_attention).
+
+    With a sliding window (GPTConfig.window_size, on the layers window_attn_skip_freq picks)
+    each token attends to itself and the window's earlier tokens only (megart.models.window),
+    by global positions under context parallelism, within its document with a documents'
+    mask."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        layer: int,
+        tp_group: ProcessGroup | None,
+        sequence_parallel: bool,
+        rng: RNGStatesTracker | None = None,
+        cp_group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        h, t = cfg.hidden_size, group_size(tp_group)
+        self.cfg, self.rng, self.cp_group = cfg, rng, cp_group
+        self.local_heads = cfg.num_attention_heads // t
+        self.local_groups = cfg.query_groups // t
+        self.window = cfg.layer_window(layer)  # earlier tokens seen; None: all
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        qkv_rows = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+        self.qkv = ColumnParallelLinear(
+            h,
+            qkv_rows,
+            bias=cfg.bias,
+            sequence_parallel=sequence_parallel,
+            tp_group=tp_group,
+            init_method=weight_init(cfg, cfg.init_std, (qkv_rows, h)),
+            generator=generator(cfg.seed, layer, "qkv"),
+        )
+        self.proj = RowParallelLinear(
+            h,
+            h,
+            bias=cfg.bias,
+            sequence_parallel=sequence_parallel,
+            tp_group=tp_group,
+            init_method=weight_init(cfg, out_std, (h, h)),
+            generator=generator(cfg.seed, layer, "proj"),
+        )
+        if cfg.qk_layernorm:
+            # Each rank normalises its own heads with the same weights: like a sequence-parallel
+            # norm's, their gradients are partial sums across t (Megatron-Core sums them too).
+            self.q_layernorm = norm(cfg, True, cfg.head_dim)
+            self.k_layernorm = norm(cfg, True, cfg.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``mask``: [b, 1, s, s] booleans (True: may attend), causal already (documents'
+        block-diagonal mask, megart.models.documents); None: causal over the sequence."""
+        qkv = self.qkv(x)  # [s, b, (heads + 2 groups) d / t]: whole sequence, rank's groups
+        s, b, _ = qkv.shape
+        d, per_group = self.cfg.head_dim, self.local_heads // self.local_groups
+        grouped = qkv.view(s, b, self.local_groups, per_group + 2, d)
+        q, k, v = grouped.split([per_group, 1, 1], dim=3)
+        q, k = q.reshape(s, b, self.local_heads, d), k.squeeze(3)
+        if self.cfg.qk_layernorm:  # each head over its channels, before rope
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        # [b, heads, s, d] and [b, groups, s, d]: views, with one group per head the very
+        # strides the multi-head layout gave.
+        q = q.permute(1, 2, 0, 3)
+        k, v = k.permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
+        if rope is not None:
+            turn = self.cfg.rotary_interleaved
+            q, k = apply_rotary(q, *rope, turn), apply_rotary(k, *rope, turn)
+        cp = group_size(self.cp_group)
+        where = None  # (cp, cp rank) with context parallelism
+        if cp > 1:
+            k, v = gather_kv(k, self.cp_group), gather_kv(v, self.cp_group)
+            where = (cp, group_rank(self.cp_group))
+        # A window that reaches back to the sequence's start masks nothing: none, so that the
+        # kernels without a mask tensor still apply.
+        window = None if covers(self.window, s * cp) else self.window
+        if window is not None and where is None:
+            positions = torch.arange(s, device=q.device)
+            near = window_mask(positions, positions, window)
+            mask = near if mask is None else mask & near
+        if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
+            y = checkpointed(self._core, self.rng, q, k, v, where, mask, window)
+        else:
+            y = self._core(q, k, v, where, mask, window)
+        return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+    def _core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        where: tuple[int, int] | None = None,
+        mask: torch.Tensor | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal (with context parallelism, ``where`` = (cp, cp
+        rank), by global positions, within ``window`` earlier tokens; with ``mask``, where it
+        allows), with attention dropout on
+        the tensor-parallel stream: what selective recomputation recomputes (so it keeps k and v
+        per group)."""
+        per_group = q.shape[1] // k.shape[1]
+        if per_group > 1:
+            # Each group's key and value head, once per query head of the group (heads are
+            # numbered group by group). Explicit rather than sdpa's enable_gqa, so that every
+            # attention backend and torch's FLOP counter see plain multi-head attention.
+            k = k.repeat_interleave(per_group, dim=1)
+            v = v.repeat_interleave(per_group, dim=1)
+        dropout = self.cfg.attention_dropout if self.training else 0.0
+        stream = self.rng.fork() if dropout and self.rng else contextlib.nullcontext()
+        # Megatron's --attention-backend unfused/local: the softmax of the explicit s x s
+        # scores (torch's math kernel); otherwise torch picks flash or fused kernels.
+        unfused = self.cfg.attention_backend in ("unfused", "local")
+        kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
+        with stream, kernel:
+            if where is not None:
+                return context_attention(q, k, v, *where, dropout, window)
+            if mask is not None:  # a mask tensor: on CUDA no flash kernel takes one
+                return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)

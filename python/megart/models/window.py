@@ -1,0 +1,159 @@
+"""Sliding-window attention: Megatron-LM's --window-size and --window-attn-skip-freq
+(TransformerConfig.window_size, window_attn_skip_freq), Mistral's sliding window.
+
+Megatron's window_size is (left, right), -1 meaning unbounded: the query at position i attends
+to the keys at positions i - left .. i + right (the diagonals of Megatron-Core's
+get_sliding_window_causal_mask; flash attention's window_size, which Transformer Engine takes).
+A GPT's attention is causal, so right is 0: Transformer Engine sets it to 0 under a causal mask
+(with a warning), and Megatron-Core's local path would let queries read later tokens, so megart
+takes (left, 0) only. Token i then sees tokens i - left .. i, left + 1 of them. Hugging Face's
+sliding_window w counts the keys instead (key > query - w: query - w + 1 .. query), so it is
+Megatron's left w - 1.
+
+--window-attn-skip-freq picks the windowed layers (numbered from 1, as Megatron-Core's
+is_layer_window_attention): an integer N windows every layer but each N-th; a list of 0s and 1s,
+one per layer, windows the layers marked 1. Without it every layer is windowed.
+
+Positions are global: under context parallelism a rank's queries and the gathered keys are
+compared by their places in the whole sequence (megart.models.context_parallel.causal_mask).
+With documents (--reset-attention-mask) the window and the documents' mask both apply.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+
+import torch
+
+from megart.errors import ConfigError
+
+Window = tuple[int, int]
+SkipFreq = int | tuple[int, ...]
+
+
+def layer_window(window: Window | None, skip_freq: SkipFreq | None, layer: int) -> int | None:
+    """How many earlier tokens layer ``layer`` (0-based) attends to besides each token itself,
+    or None for the whole causal past (no window, an unbounded one, or a skipped layer)."""
+    if window is None or window[0] < 0:
+        return None
+    number = layer + 1  # Megatron numbers layers from 1
+    if isinstance(skip_freq, int) and number % skip_freq == 0:
+        return None
+    if isinstance(skip_freq, tuple) and not skip_freq[layer]:
+        return None
+    return window[0]
+
+
+def covers(left: int | None, seq: int) -> bool:
+    """Whether a window of ``left`` earlier tokens reaches every earlier token of a ``seq``-token
+    sequence, so that it masks nothing beyond causality."""
+    return left is None or left >= seq - 1
+
+
+def window_mask(queries: torch.Tensor, keys: torch.Tensor, left: int | None) -> torch.Tensor:
+    """[len(queries), len(keys)] booleans (True: may attend) from global positions: key j is
+    causal for query i (j <= i) and, with a window, within ``left`` tokens of it (j >= i - left)."""
+    q, k = queries.unsqueeze(1), keys.unsqueeze(0)
+    allowed = k <= q
+    return allowed if left is None else allowed & (k >= q - left)
+
+
+def refuse_window(
+    window: Window | None, skip_freq: SkipFreq | None, num_layers: int, fmt: str
+) -> None:
+    """Refuses a model with a window in some layer for a checkpoint format ``fmt`` that has
+    none (it would load as full causal attention: another model)."""
+    if any(layer_window(window, skip_freq, i) is not None for i in range(num_layers)):
+        assert window is not None
+        pattern = "" if skip_freq is None else f" --window-attn-skip-freq {skip_freq}"
+        raise ConfigError(
+            f"a {fmt} checkpoint cannot represent --window-size {window[0]},{window[1]}"
+            f"{pattern} (sliding-window attention; megart writes {fmt} configs without one)"
+        )
+
+
+def check_window(window: Window | None, skip_freq: SkipFreq | None, num_layers: int) -> None:
+    """Refuses a window or layer pattern megart cannot take, naming the flag."""
+    if window is not None:
+        if len(window) != 2:
+            raise ConfigError(
+                f"--window-size {','.join(map(str, window))}: give two numbers LEFT,RIGHT (as "
+                "Megatron-LM's), e.g. 4095,0 for a window of 4096 tokens"
+            )
+        left, right = window
+        if right != 0:
+            raise ConfigError(
+                f"--window-size {left},{right}: a GPT's attention is causal, so RIGHT (the later "
+                f"tokens a query sees) must be 0; give --window-size {left},0 (Transformer "
+                "Engine sets it to 0 itself)"
+            )
+        if left < -1:
+            raise ConfigError(
+                f"--window-size {left},{right}: LEFT is the earlier tokens each token sees, at "
+                "least 0, or -1 for all of them"
+            )
+    if skip_freq is None:
+        return
+    if window is None:
+        raise ConfigError(
+            "--window-attn-skip-freq picks the layers without --window-size's window: add "
+            "--window-size (Megatron ignores it without; megart refuses rather than ignore it)"
+        )
+    if isinstance(skip_freq, int) and skip_freq < 1:
+        raise ConfigError(
+            f"--window-attn-skip-freq {skip_freq}: every N-th layer attends to the whole "
+            "sequence, so N must be at least 1"
+        )
+    if isinstance(skip_freq, tuple) and (
+        len(skip_freq) != num_layers or any(x not in (0, 1) for x in skip_freq)
+    ):
+        raise ConfigError(
+            f"--window-attn-skip-freq {list(skip_freq)}: give one 0 (whole sequence) or 1 "
+            f"(window) per layer, {num_layers} of them (--num-layers)"
+        )
+
+
+def parse_window_size(text: str) -> Window:
+    """--window-size's value, "LEFT,RIGHT" or "(LEFT,RIGHT)" (Megatron-LM's tuple_type)."""
+    try:
+        return tuple(int(x) for x in text.strip().strip("()").split(","))  # type: ignore[return-value]
+    except ValueError:
+        raise ConfigError(
+            f"--window-size {text}: give two integers LEFT,RIGHT, e.g. 4095,0"
+        ) from None
+
+
+LONGEST = 1 << 16
+_OPS = {ast.Add: operator.add, ast.Mult: operator.mul}
+
+
+def parse_skip_freq(text: str) -> SkipFreq:
+    """--window-attn-skip-freq's value: an integer N, or a Python list expression of 0s and
+    1s such as "([1]*3+[0])*2" (Megatron-LM's moe_freq_type; here read without eval: lists,
+    integers, + and * only)."""
+
+    def value(node: ast.AST) -> object:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(x) for x in node.elts]
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = value(node.left), value(node.right)
+            if any(isinstance(x, int) and x > LONGEST for x in (left, right)):
+                raise ValueError  # bounds a repeated list: no model has that many layers
+            return _OPS[type(node.op)](left, right)
+        raise ValueError
+
+    try:
+        got = value(ast.parse(text.strip(), mode="eval").body)
+        if isinstance(got, int):
+            return got
+        if isinstance(got, list) and all(type(x) is int for x in got):
+            return tuple(got)
+    except (SyntaxError, ValueError, TypeError):
+        pass
+    raise ConfigError(
+        f"--window-attn-skip-freq {text}: give an integer N (every N-th layer without the "
+        'window) or a list of 0s and 1s per layer, e.g. "([1]*3+[0])*2"'
+    )
