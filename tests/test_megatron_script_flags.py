@@ -171,7 +171,6 @@ def test_switches_that_hold_already_are_taken():
     "argv, says",
     [
         (["--non-persistent-save-interval", "5"], "no non-persistent checkpoints"),
-        (["--train-data-path", "a"], "give --data-path with --split"),
         (["--async-save"], "saves are synchronous"),
         (["--wandb-project", "p"], "not to Weights & Biases"),
         (["--window-size", "4,0"], "sliding"),

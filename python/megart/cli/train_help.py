@@ -14,6 +14,12 @@ HELP = {
     "W1 PREFIX1 W2 PREFIX2 ... (samples drawn with those weights) or PREFIX1 PREFIX2 ... "
     "(weighted by size); default: the built-in corpus (the Python standard library's sources "
     "as bytes)",
+    "train_data_path": "the training dataset, in --data-path's forms (a PREFIX or a blend), "
+    "read whole: Megatron-LM's separate dataset per split, instead of --data-path and --split",
+    "valid_data_path": "the validation dataset, in --data-path's forms, read whole (with "
+    "--train-data-path; unset: no validation)",
+    "test_data_path": "the test dataset, in --data-path's forms, read whole (with "
+    "--train-data-path; unset: no test)",
     "micro_batch_size": "samples per microbatch",
     "global_batch_size": "samples per iteration, over all data-parallel ranks",
     "rampup_batch_size": "START INCREMENT SAMPLES: Megatron's batch-size ramp-up: the global "
@@ -117,7 +123,8 @@ HELP = {
     "log_interval": "iterations between progress lines",
     "eval_interval": "iterations between validation-loss evaluations (and one after the last)",
     "eval_iters": "global batches per evaluation (0: no evaluation)",
-    "split": "train,validation,test weights over the corpus, e.g. 969,30,1",
+    "split": "train,validation,test weights over the corpus, e.g. 90,5,5 (unset: 969,30,1, "
+    "Megatron-LM's legacy default; not with the per-split paths)",
     "log_jsonl": "write one JSON object per iteration to this file",
     "tensorboard_dir": "write TensorBoard scalars here (needs the tensorboard package)",
     "log_memory_to_tensorboard": "also write the GPU memory scalars (Megatron-LM's "

@@ -54,6 +54,11 @@ class TrainConfig:
     # Megatron indexed datasets (PREFIX.bin/.idx): one PREFIX, or a blend "W1 P1 W2 P2 ..." (or
     # "P1 P2 ...", weighted by size); default: the built-in corpus.
     data_path: str | list[str] | None = None
+    # Megatron's separate datasets per split, each in --data-path's forms, instead of
+    # --data-path cut by --split (megart.training.data.build_split_datasets).
+    train_data_path: str | list[str] | None = None
+    valid_data_path: str | list[str] | None = None
+    test_data_path: str | list[str] | None = None
     micro_batch_size: int = 4
     global_batch_size: int = 16
     # Megatron's START INCREMENT SAMPLES: the global batch grows from START by INCREMENT up to
@@ -219,7 +224,7 @@ class TrainConfig:
     # Megatron's defaults are 1000 and 100, sized for long runs; these suit the default run.
     eval_interval: int = 20
     eval_iters: int = 4
-    split: str = "969,30,1"
+    split: str | None = None  # None: Megatron's legacy default, DEFAULT_SPLIT
     log_jsonl: str | None = None
     tensorboard_dir: str | None = None  # TensorBoard scalars (needs the tensorboard package)
     log_memory_to_tensorboard: bool = False  # Megatron's mem-* scalars there too (CUDA only)

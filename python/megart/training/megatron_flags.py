@@ -22,6 +22,10 @@ What each does in megart:
   (--vocab-size, plus one for its end-of-document id): the model's vocabulary is the
   tokenizer's (padded to a multiple of 128 t, as Megatron pads it). Token ids come already
   tokenized in --data-path's .bin files, so training needs nothing else from the tokenizer.
+- --train-data-path, --valid-data-path, --test-data-path: a dataset (or blend, in --data-path's
+  forms) per split, read whole, instead of --data-path cut by --split
+  (megart.training.data.build_split_datasets); with --data-path, --mock-data or --split, or
+  without --train-data-path, refused (megart.training.config_checks).
 - --mock-data: random tokens of the vocabulary (seeded by --seed) instead of a corpus.
 - --num-workers: accepted and checked; megart reads samples in the training process from
   memory-mapped files, with no loader workers to start.
@@ -153,11 +157,6 @@ FUSIONS_OFF = {
 # Megatron-LM flags (of its GPT and Llama example scripts and their neighbours) that megart
 # cannot honour yet: refused by name, with what to do instead.
 NOT_YET = {
-    **{
-        f"--{split}-data-path": "megart splits one corpus (or blend): give --data-path with "
-        "--split (train,validation,test weights)"
-        for split in ("train", "valid", "test")
-    },
     "--async-save": "megart's saves are synchronous (training waits for the files, so none is "
     "lost); leave it out",
     "--non-persistent-save-interval": "megart has no non-persistent checkpoints; use "
@@ -317,7 +316,7 @@ def check_megatron_flags(config: Any) -> None:
         )
     if config.num_workers < 0:
         raise ConfigError(f"--num-workers {config.num_workers} must be at least 0")
-    if config.mock_data and config.data_path:
+    if config.mock_data and config.data_path:  # the per-split paths: config_checks
         raise ConfigError("--mock-data and --data-path exclude each other; give one")
     _check_samples(config)
     if config.decoupled_min_lr is not None and config.decoupled_lr is None:

@@ -24,7 +24,7 @@ from megart.pipeline import StageLink
 from megart.tensor_parallel import RNGStatesTracker, seed_tensor_parallel
 from megart.training import checkpoint, checkpoint_dirs
 from megart.training.config import half_dtype
-from megart.training.data import Dataset, build_datasets
+from megart.training.data import Dataset, build_datasets, build_split_datasets
 from megart.training.flops import model_flops
 from megart.training.megatron_flags import mock_tokens
 from megart.training.optimizer import full_precision
@@ -137,8 +137,18 @@ def datasets(
     config: TrainConfig, tokens: Any | None
 ) -> tuple[Dataset, Dataset | None, Dataset | None]:
     """The training, validation and test ranges of ``tokens`` (or --mock-data's, or
-    --data-path's, or the built-in corpus). The validation range is evaluated every
-    --eval-interval iterations, the test range once at the end (none without --eval-iters)."""
+    --data-path's, or the built-in corpus), or the per-split paths' datasets. The validation
+    range is evaluated every --eval-interval iterations, the test range once at the end (none
+    without --eval-iters)."""
+    per_split = (config.train_data_path, config.valid_data_path, config.test_data_path)
+    if tokens is None and any(per_split):
+        return build_split_datasets(
+            per_split,
+            config.seq_length,
+            config.vocab_size,
+            evaluate=config.eval_iters > 0,
+            mmap=config.mmap_bin_files,
+        )
     if tokens is None and config.mock_data:
         tokens = mock_tokens(config)
     return build_datasets(
