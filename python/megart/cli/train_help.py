@@ -158,6 +158,18 @@ HELP = {
     "save_retain_interval": "keep the checkpoints of iterations that are multiples of N and the "
     "latest one; delete each other one once the next is complete (Megatron-LM's rule; a multiple "
     "of --save-interval)",
+    "non_persistent_save_interval": "also save every N iterations (where no --save-interval "
+    "checkpoint is due) a checkpoint that is not kept: each deletes the older ones but the "
+    "newest; --load resumes from the newest of both kinds (Megatron-LM's; needs "
+    "--non-persistent-ckpt-type global and --ckpt-format megart or torch_dist)",
+    "non_persistent_ckpt_type": "global: non-persistent checkpoints are whole checkpoints in "
+    "--non-persistent-global-ckpt-dir, which --load also reads (local and in_memory, Megatron's "
+    "per-rank kinds, are refused)",
+    "non_persistent_global_ckpt_dir": "where non-persistent checkpoints are saved and loaded "
+    "(default: <save>/non_persistent, and <load>/non_persistent for --load)",
+    "async_save": "write --ckpt-format torch_dist checkpoints in a background thread from a "
+    "copy of the state taken at the save; each is completed (its tracker written) before the "
+    "next save and at the end of training (Megatron-LM's --async-save)",
     "ckpt_step": "load --load's checkpoint of iteration N (iter_000000N) instead of its latest",
     "exit_on_missing_checkpoint": "stop with an error when --load holds no checkpoint, instead "
     "of starting from scratch",

@@ -17,6 +17,7 @@ from megart.training.megatron_flags import (
     resolve_megatron_flags,
 )
 from megart.training.model_flags import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, gpt_config
+from megart.training.save_modes import NON_PERSISTENT_TYPES
 
 DEFAULT_WARMUP_ITERS = 4  # warm-up of the default run, when neither warm-up flag is given
 # The flags whose values are one of a few spellings (argparse's choices).
@@ -30,6 +31,7 @@ CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "tokenizer_type": TOKENIZER_TYPES,
     "ckpt_format": CKPT_FORMATS,
+    "non_persistent_ckpt_type": NON_PERSISTENT_TYPES,
     "empty_unused_memory_level": (0, 1, 2),
     "tiktoken_pattern": ("v1", "v2"),
     "optimizer": ("adam",),
@@ -244,6 +246,11 @@ class TrainConfig:
     save_retain_interval: int | None = (
         None  # Megatron's: keep these and the latest, delete the rest
     )
+    # Megatron's non-persistent checkpoints and background saves (megart.training.save_modes).
+    non_persistent_save_interval: int | None = None
+    non_persistent_ckpt_type: str | None = None
+    non_persistent_global_ckpt_dir: str | None = None  # None: <save>/non_persistent
+    async_save: bool = False
     # Megatron's: checkpoints without the optimizer state (and fp16 loss scale), or without
     # the random streams (smaller; resuming from one then needs --no-load-optim/--no-load-rng).
     no_save_optim: bool = False

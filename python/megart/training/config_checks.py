@@ -16,6 +16,7 @@ from megart.training.context_parallel_checks import (
 from megart.training.documents import check_document_flags
 from megart.training.lr import check_decay_style
 from megart.training.megatron_flags import check_megatron_flags
+from megart.training.save_modes import check_save_modes
 
 DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's --split when --data-path is given without it
 
@@ -174,6 +175,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
             f"{flags} with --ckpt-format torch_dist: megart writes Megatron's distributed "
             "store whole; use --ckpt-format megart or torch for checkpoints without them"
         )
+    check_save_modes(cfg)
     _check_lr_flags(cfg)
     check_megatron_flags(cfg)
     check_document_flags(cfg)

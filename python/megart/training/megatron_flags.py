@@ -48,6 +48,8 @@ What each does in megart:
 - --qk-layernorm: each query and key head normalised before rope, as Megatron-Core's
   q_layernorm/k_layernorm (megart.models.blocks.Attention); Hugging Face's Llama and GPT-2
   formats have no such norms, so export-hf refuses such a model.
+- --non-persistent-save-interval, --non-persistent-ckpt-type global,
+  --non-persistent-global-ckpt-dir, --async-save: megart.training.save_modes.
 - --save-retain-interval N: Megatron's rule: once a checkpoint is complete, the one saved before
   it is deleted unless its iteration is a multiple of N (megart.training.checkpoint_dirs.retire).
 - --timing-log-level, --timing-log-option, --log-timers-to-tensorboard: Megatron's per-phase
@@ -157,10 +159,6 @@ FUSIONS_OFF = {
 # Megatron-LM flags (of its GPT and Llama example scripts and their neighbours) that megart
 # cannot honour yet: refused by name, with what to do instead.
 NOT_YET = {
-    "--async-save": "megart's saves are synchronous (training waits for the files, so none is "
-    "lost); leave it out",
-    "--non-persistent-save-interval": "megart has no non-persistent checkpoints; use "
-    "--save-interval",
     **{
         f"--wandb-{name}": "megart logs to TensorBoard (--tensorboard-dir, Megatron's tags) "
         "and to JSON lines (--log-jsonl), not to Weights & Biases; leave it out"

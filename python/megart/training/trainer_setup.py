@@ -205,7 +205,9 @@ def resume_point(
     if start is not None:
         with full_precision(optimizer):
             return checkpoint.load(start.load, start, grid, chunks, optimizer, rng, scaler)
-    if config.load and checkpoint_dirs.no_checkpoint_yet(config.load):
+    # --load, or its non-persistent checkpoints' directory where those are newer.
+    load = checkpoint_dirs.resume_dir(config)
+    if load and checkpoint_dirs.no_checkpoint_yet(load):
         if config.exit_on_missing_checkpoint:
             raise ConfigError(
                 f"--load {config.load} holds no checkpoint and --exit-on-missing-checkpoint is "
@@ -219,11 +221,13 @@ def resume_point(
                 "starting from scratch",
                 flush=True,
             )
-    elif config.load:
+    elif load:
+        if load != config.load and dist.get_rank() == 0:
+            print(f"megart train: resuming from the non-persistent checkpoint in {load}")
         # megart's files or Megatron-LM's legacy ones (read as megart's: megatron_files), into
         # fp32 weights (with --half-weights the optimizer's main weights).
         with full_precision(optimizer):
-            return checkpoint.load(config.load, config, grid, chunks, optimizer, rng, scaler)
+            return checkpoint.load(load, config, grid, chunks, optimizer, rng, scaler)
     return 0, 0
 
 
@@ -233,7 +237,7 @@ def pretrained_start(config: TrainConfig) -> TrainConfig | None:
     iteration 0, as --finetune; None otherwise (--load's own checkpoint wins, so a restarted
     job resumes what it saved)."""
     pretrained = config.pretrained_checkpoint
-    if not checkpoint_dirs.loads_pretrained(config.load, pretrained):
+    if not checkpoint_dirs.loads_pretrained(checkpoint_dirs.resume_dir(config), pretrained):
         return None
     if checkpoint_dirs.no_checkpoint_yet(pretrained):
         raise ConfigError(
