@@ -99,9 +99,13 @@ def failing_in_training(kw: dict, fail_at: int) -> dict:
     real = _held_back(dist_store, release, entered)
     step = trainer.train_step
 
+    import megart.distributed as dist
+
     def train_step(iteration: int):
         if iteration + 1 == fail_at:
-            release.set()  # the write goes on while the exception unwinds
+            # The write goes on while the exception unwinds: other ranks' two seconds later,
+            # so that rank 0 must wait for their files.
+            threading.Timer(2.0 * (dist.get_rank() != 0), release.set).start()
             raise RuntimeError("a failure in training")
         return step(iteration)
 

@@ -93,11 +93,16 @@ def test_what_training_changes_after_the_snapshot_stays_out_of_the_checkpoint(tm
     _same(saved_rng, loaded_rng, "rng")
 
 
-def test_a_save_in_flight_when_training_fails_is_completed(tmp_path):
-    kw = dict(train_iters=4, save=str(tmp_path), save_interval=2, async_save=True, **DIST)
-    out = launch(sw.failing_in_training, 1, kw, 3, timeout=300)[0]
-    assert out["error"] == "a failure in training"
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_save_in_flight_when_training_fails_is_completed(tmp_path, tp):
+    """Every rank fails while its write waits; rank 0 publishes once every writer's files are
+    complete (at tp2, rank 1's too), with no wait on the other rank's training."""
+    kw = dict(train_iters=4, save=str(tmp_path), save_interval=2, async_save=True,
+              tensor_model_parallel_size=tp, **DIST)  # fmt: skip
+    out = launch(sw.failing_in_training, tp, kw, 3, timeout=300)
+    assert [o["error"] for o in out] == ["a failure in training"] * tp
     assert latest_iteration(tmp_path) == 2 and not list(tmp_path.glob("*.partial"))
+    assert not [p.name for p in iteration_dir(tmp_path, 2).glob("__*") if "distcp" not in p.name]
     straight = launch(tw.train_kw, 1, dict(train_iters=4), timeout=300)[0]
     resumed = tw.holding(1, dict(train_iters=4, load=str(tmp_path), **DIST))
     tw.assert_resumed_on_curve(straight, resumed, **tw.SAME_RUN)

@@ -1,7 +1,8 @@
 """--async-save: Megatron-LM's background saves of torch_dist checkpoints.
 
 ``start`` takes the snapshot while training waits: every rank's slices of the store as copies
-of its tensors (dist_store.Slices copies each piece; the objects beside them are deep-copied),
+of its tensors in host memory (dist_store.Slices copies each piece; the objects beside them are
+deep-copied),
 and rank 0's common.pt, so the steps that follow may change the weights, the moments and the
 random streams without reaching the files. A thread then writes the rank's part into the
 save's ``iter_N.partial`` folder while training goes on. Nothing names the checkpoint yet: as
@@ -37,10 +38,18 @@ _WRITING, _DONE, _FAILED = "__writing_", "__done_", "__failed_"
 
 
 def _copied(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with every value that is not already a copy (Slices are) deep-copied."""
-    return {
-        k: v if isinstance(v, dist_store.Slices) else copy.deepcopy(v) for k, v in state.items()
-    }
+    """``state`` as the snapshot holds it: each Slices' pieces (copies already) in host memory,
+    copied there now, so that the copy is complete before training goes on whatever stream
+    the device's work runs on (and holds no device memory while it is written, as
+    Megatron-LM's background saves copy to the host first); every other value deep-copied."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dist_store.Slices):
+            value.pieces = {at: piece.cpu() for at, piece in value.pieces.items()}
+            out[key] = value
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 def _marks(partial: Path, prefix: str) -> set[int]:
