@@ -170,9 +170,8 @@ def test_switches_that_hold_already_are_taken():
 @pytest.mark.parametrize(
     "argv, says",
     [
-        (["--non-persistent-save-interval", "5"], "no non-persistent checkpoints"),
-        (["--train-data-path", "a"], "give --data-path with --split"),
-        (["--async-save"], "saves are synchronous"),
+        (["--non-persistent-save-interval", "5"], "needs --non-persistent-ckpt-type global"),
+        (["--async-save"], "only torch_dist checkpoints are written in the background"),
         (["--wandb-project", "p"], "not to Weights & Biases"),
         (["--use-precision-aware-optimizer"], "fp32 moments"),
         (["--use-torch-fsdp2"], "use that"),

@@ -10,6 +10,7 @@
   ``CommTimeoutError``: a wait ran past its timeout (also a ``TimeoutError``). Both name this
   rank, the op, the peer and the group.
 - ``TrainingError``: training cannot go on (a loss or gradient norm that is not finite).
+- ``CheckpointError``: a (background, --async-save) save that did not complete.
 """
 
 from megart._core import (
@@ -49,3 +50,8 @@ __all__ = [
     "CommTimeoutError",
     "TrainingError",
 ]
+
+
+class CheckpointError(MegartError):
+    """A save that did not complete (a rank's background write failed): says which rank and
+    iteration; the tracker file still names the last complete checkpoint."""

@@ -14,6 +14,12 @@ HELP = {
     "W1 PREFIX1 W2 PREFIX2 ... (samples drawn with those weights) or PREFIX1 PREFIX2 ... "
     "(weighted by size); default: the built-in corpus (the Python standard library's sources "
     "as bytes)",
+    "train_data_path": "the training dataset, in --data-path's forms (a PREFIX or a blend), "
+    "read whole: Megatron-LM's separate dataset per split, instead of --data-path and --split",
+    "valid_data_path": "the validation dataset, in --data-path's forms, read whole (with "
+    "--train-data-path; unset: no validation)",
+    "test_data_path": "the test dataset, in --data-path's forms, read whole (with "
+    "--train-data-path; unset: no test)",
     "micro_batch_size": "samples per microbatch",
     "global_batch_size": "samples per iteration, over all data-parallel ranks",
     "rampup_batch_size": "START INCREMENT SAMPLES: Megatron's batch-size ramp-up: the global "
@@ -125,7 +131,8 @@ HELP = {
     "log_interval": "iterations between progress lines",
     "eval_interval": "iterations between validation-loss evaluations (and one after the last)",
     "eval_iters": "global batches per evaluation (0: no evaluation)",
-    "split": "train,validation,test weights over the corpus, e.g. 969,30,1",
+    "split": "train,validation,test weights over the corpus, e.g. 90,5,5 (unset: 969,30,1, "
+    "Megatron-LM's legacy default; not with the per-split paths)",
     "log_jsonl": "write one JSON object per iteration to this file",
     "tensorboard_dir": "write TensorBoard scalars here (needs the tensorboard package)",
     "log_memory_to_tensorboard": "also write the GPU memory scalars (Megatron-LM's "
@@ -151,7 +158,8 @@ HELP = {
     "save_interval": "iterations between checkpoints (one is also written after the last; "
     "unset: only that one)",
     "load": "directory to resume from (its latest checkpoint, megart's or Megatron-LM's legacy "
-    "one; one saved under another tensor- or pipeline-parallel layout is resharded)",
+    "one; one saved under another tensor- or pipeline-parallel layout is resharded; with "
+    "--non-persistent-ckpt-type global, the non-persistent one where it is newer)",
     "no_save_optim": "save checkpoints without the optimizer state (nor the fp16 loss scale); "
     "resuming from one needs --no-load-optim or --finetune",
     "no_save_rng": "save checkpoints without the random streams; resuming from one needs "
@@ -159,6 +167,18 @@ HELP = {
     "save_retain_interval": "keep the checkpoints of iterations that are multiples of N and the "
     "latest one; delete each other one once the next is complete (Megatron-LM's rule; a multiple "
     "of --save-interval)",
+    "non_persistent_save_interval": "also save every N iterations (where no --save-interval "
+    "checkpoint is due) a checkpoint that is not kept: each deletes the older ones but the "
+    "newest; --load resumes from the newest of both kinds (Megatron-LM's; needs "
+    "--non-persistent-ckpt-type global and --ckpt-format megart or torch_dist)",
+    "non_persistent_ckpt_type": "global: non-persistent checkpoints are whole checkpoints in "
+    "--non-persistent-global-ckpt-dir, which --load also reads (local and in_memory, Megatron's "
+    "per-rank kinds, are refused)",
+    "non_persistent_global_ckpt_dir": "where non-persistent checkpoints are saved and loaded "
+    "(default: <save>/non_persistent, and <load>/non_persistent for --load)",
+    "async_save": "write --ckpt-format torch_dist checkpoints in a background thread from a "
+    "copy of the state taken at the save; each is completed (its tracker written) before the "
+    "next save and at the end of training (Megatron-LM's --async-save)",
     "ckpt_step": "load --load's checkpoint of iteration N (iter_000000N) instead of its latest",
     "exit_on_missing_checkpoint": "stop with an error when --load holds no checkpoint, instead "
     "of starting from scratch",

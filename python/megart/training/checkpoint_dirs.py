@@ -10,11 +10,13 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from megart.errors import ConfigError
 from megart.training.ckpt_files import TRACKER, iteration_dir
 
-_ITER = re.compile(r"iter_(\d+)(\.partial)?$")
+NON_PERSISTENT = "non_persistent"  # Megatron-LM's _NON_PERSISTENT_CKPT_SUBDIR of --save
+ITER = re.compile(r"iter_(\d+)(\.partial)?$")
 
 
 def check_writable(directory: str | os.PathLike) -> None:
@@ -52,14 +54,14 @@ def no_checkpoint_yet(directory: str | os.PathLike) -> bool:
         return True
     if (path / TRACKER).exists():
         return False
-    return not any((m := _ITER.match(p.name)) and not m.group(2) for p in path.iterdir())
+    return not any((m := ITER.match(p.name)) and not m.group(2) for p in path.iterdir())
 
 
 def remove_stale_partials(directory: str | os.PathLike, complete: int) -> None:
     """Removes ``iter_N.partial`` folders with N below ``complete``, the iteration of a
     checkpoint just completed: what saves that crashed before it left."""
     for p in Path(directory).iterdir():
-        m = _ITER.match(p.name)
+        m = ITER.match(p.name)
         if m and m.group(2) and int(m.group(1)) < complete:
             shutil.rmtree(p, ignore_errors=True)
 
@@ -81,3 +83,35 @@ def retire(directory: str | os.PathLike, previous: int | None, latest: int, reta
     path = iteration_dir(directory, previous)
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
+
+
+def non_persistent_dir(cfg: Any) -> Path:
+    """Where non-persistent checkpoints are written."""
+    return Path(cfg.non_persistent_global_ckpt_dir or Path(cfg.save) / NON_PERSISTENT)
+
+
+def resume_dir(cfg: Any) -> str | None:
+    """The directory --load resumes from: --load, or its non-persistent directory (with
+    --non-persistent-ckpt-type global) when that holds a checkpoint at least as recent."""
+    if not cfg.load or cfg.non_persistent_ckpt_type != "global" or cfg.ckpt_step is not None:
+        return cfg.load
+    other = cfg.non_persistent_global_ckpt_dir or os.path.join(cfg.load, NON_PERSISTENT)
+    newer = tracked_iteration(other) if Path(other).is_dir() else None
+    persistent = tracked_iteration(cfg.load) if Path(cfg.load).is_dir() else None
+    if newer is not None and (persistent is None or newer >= persistent):
+        return str(other)
+    return cfg.load
+
+
+def remove_old_non_persistent(directory: Path) -> None:
+    """Megatron-LM's cleanup before a non-persistent save: every complete checkpoint in
+    ``directory`` but the newest is deleted."""
+    if not directory.is_dir():
+        return
+    found = sorted(
+        (int(m.group(1)), p)
+        for p in directory.iterdir()
+        if (m := ITER.match(p.name)) and not m.group(2) and p.is_dir()
+    )
+    for _, path in found[:-1]:
+        shutil.rmtree(path, ignore_errors=True)

@@ -26,6 +26,7 @@ from megart.tensor_parallel.random import GeneratorStates
 from megart.training import (
     checkpoint_dirs,
     checksum,
+    dist_store,
     megatron_dist_train,
     megatron_distrib_optim,
     tokenizer_record,
@@ -98,6 +99,21 @@ def write_file(path: Path, state: dict[str, Any]) -> None:
     checksum.write(path)
 
 
+def begin(directory: str | os.PathLike, iteration: int, persistent: bool = True) -> Path:
+    """Every rank, as a save starts: its ``iter_N.partial`` folder, emptied and created by rank
+    0 (before a non-persistent save, once the older non-persistent checkpoints but the newest
+    are deleted, as Megatron-LM's cleanup does); returns it."""
+    final = iteration_dir(directory, iteration)
+    partial = final.with_name(final.name + ".partial")
+    if dist.get_rank() == 0:
+        if not persistent:
+            checkpoint_dirs.remove_old_non_persistent(Path(directory))
+        shutil.rmtree(partial, ignore_errors=True)  # a crash's leftovers
+        partial.mkdir(parents=True)
+    dist.barrier()
+    return partial
+
+
 def save(
     directory: str | os.PathLike,
     iteration: int,
@@ -108,32 +124,29 @@ def save(
     rng: Any,
     scaler: Any = None,
     consumed_samples: int | None = None,
+    persistent: bool = True,
 ) -> Path:
     """Saves this job's state after ``iteration`` iterations (``consumed_samples`` samples;
-    None: iteration x --global-batch-size). Every rank calls it."""
+    None: iteration x --global-batch-size). Every rank calls it. A non-persistent checkpoint
+    (not ``persistent``) is the same, and --save-retain-interval leaves it alone."""
     final = iteration_dir(directory, iteration)
-    partial = final.with_name(final.name + ".partial")
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # a crash's leftovers
-        partial.mkdir(parents=True)
-    dist.barrier()
+    partial = begin(directory, iteration, persistent)
+    retain = config.save_retain_interval if persistent else None
     consumed = (
         iteration * config.global_batch_size if consumed_samples is None else consumed_samples
     )
     if config.ckpt_format == "torch_dist":  # Megatron's distributed store (megatron_dist_train)
-        # With the distributed optimizer every rank writes its slices of the moments; else
-        # rank 0 of the data x context-parallel ranks, which all hold the same.
-        if grid.dp_cp_rank == 0 or config.use_distributed_optimizer:
-            rank = dist.get_rank()
-            megatron_dist_train.write_rank(
-                partial, rank, config, grid, chunks, optimizer, rng, scaler
-            )
+        if dist_writer(config, grid):
+            state = megatron_dist_train.rank_state(config, grid, chunks, optimizer, rng, scaler)
+            dist_store.write_rank(partial, dist.get_rank(), state)
         dist.barrier()
         if dist.get_rank() == 0:
-            megatron_dist_train.finish(
-                partial, config, chunks, grid.layout.dp, optimizer, scaler, iteration, consumed
+            dp = grid.layout.dp
+            common = megatron_dist_train.common_state(
+                config, chunks, dp, optimizer, scaler, iteration, consumed
             )
-        return _publish(directory, iteration, partial, final, config.save_retain_interval)
+            megatron_dist_train.write_common(partial, common)
+        return publish(directory, iteration, partial, final, retain)
     # Every rank (or none, with --no-save-optim): a distributed optimizer gathers its state over
     # data parallelism.
     optimizer_state = None if config.no_save_optim else optimizer.state_dict()
@@ -161,10 +174,17 @@ def save(
                 state, param_state = megatron_distrib_optim.split(state, grid.pp_rank)
                 write_file(here / megatron_distrib_optim.DISTRIB_FILE, param_state)
         write_file(here / FILE, state)
-    return _publish(directory, iteration, partial, final, config.save_retain_interval)
+    return publish(directory, iteration, partial, final, retain)
 
 
-def _publish(
+def dist_writer(config: Any, grid: Any) -> bool:
+    """Whether this rank writes slices of a torch_dist store: every rank with the distributed
+    optimizer (its slices of the moments), else rank 0 of the data x context-parallel ranks,
+    which all hold the same."""
+    return grid.dp_cp_rank == 0 or config.use_distributed_optimizer
+
+
+def publish(
     directory: Any, iteration: int, partial: Path, final: Path, retain: int | None = None
 ) -> Path:
     """Once every rank has written: the iteration's directory renamed into place, then the
@@ -172,19 +192,23 @@ def _publish(
     --save-retain-interval ``retain``, the previous checkpoint then removed unless retained."""
     dist.barrier()
     if dist.get_rank() == 0:
-        previous = checkpoint_dirs.tracked_iteration(directory)
-        _swap_in(directory, iteration, partial, final)
-        if retain is not None:
-            checkpoint_dirs.retire(directory, previous, iteration, retain)
+        swap_in(directory, iteration, partial, final, retain)
     dist.barrier()
     return final
 
 
-def _swap_in(directory: Any, iteration: int, partial: Path, final: Path) -> None:
+def swap_in(
+    directory: Any, iteration: int, partial: Path, final: Path, retain: int | None = None
+) -> None:
+    """Rank 0: the complete ``partial`` renamed to ``final``, then the tracker replaced, then
+    the previous checkpoint retired (--save-retain-interval ``retain``)."""
+    previous = checkpoint_dirs.tracked_iteration(directory)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
     replace_text(Path(directory) / TRACKER, f"{iteration}\n")
     checkpoint_dirs.remove_stale_partials(directory, iteration)
+    if retain is not None:
+        checkpoint_dirs.retire(directory, previous, iteration, retain)
 
 
 def write_release(
@@ -235,5 +259,5 @@ def write_release_ranks(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # an earlier checkpoint there stays whole
         raise
-    _swap_in(save_dir, 0, partial, final)
+    swap_in(save_dir, 0, partial, final)
     return written

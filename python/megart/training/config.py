@@ -17,6 +17,7 @@ from megart.training.megatron_flags import (
     resolve_megatron_flags,
 )
 from megart.training.model_flags import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, gpt_config
+from megart.training.save_modes import NON_PERSISTENT_TYPES
 
 # The flags whose values are one of a few spellings (argparse's choices).
 
@@ -29,6 +30,7 @@ CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "tokenizer_type": TOKENIZER_TYPES,
     "ckpt_format": CKPT_FORMATS,
+    "non_persistent_ckpt_type": NON_PERSISTENT_TYPES,
     "empty_unused_memory_level": (0, 1, 2),
     "tiktoken_pattern": ("v1", "v2"),
     "optimizer": ("adam",),
@@ -53,6 +55,11 @@ class TrainConfig:
     # Megatron indexed datasets (PREFIX.bin/.idx): one PREFIX, or a blend "W1 P1 W2 P2 ..." (or
     # "P1 P2 ...", weighted by size); default: the built-in corpus.
     data_path: str | list[str] | None = None
+    # Megatron's separate datasets per split, each in --data-path's forms, instead of
+    # --data-path cut by --split (megart.training.data.build_split_datasets).
+    train_data_path: str | list[str] | None = None
+    valid_data_path: str | list[str] | None = None
+    test_data_path: str | list[str] | None = None
     micro_batch_size: int = 4
     global_batch_size: int = 16
     # Megatron's START INCREMENT SAMPLES: the global batch grows from START by INCREMENT up to
@@ -222,7 +229,7 @@ class TrainConfig:
     # Megatron's defaults are 1000 and 100, sized for long runs; these suit the default run.
     eval_interval: int = 20
     eval_iters: int = 4
-    split: str = "969,30,1"
+    split: str | None = None  # None: Megatron's legacy default, DEFAULT_SPLIT
     log_jsonl: str | None = None
     tensorboard_dir: str | None = None  # TensorBoard scalars (needs the tensorboard package)
     log_memory_to_tensorboard: bool = False  # Megatron's mem-* scalars there too (CUDA only)
@@ -242,6 +249,11 @@ class TrainConfig:
     save_retain_interval: int | None = (
         None  # Megatron's: keep these and the latest, delete the rest
     )
+    # Megatron's non-persistent checkpoints and background saves (megart.training.save_modes).
+    non_persistent_save_interval: int | None = None
+    non_persistent_ckpt_type: str | None = None
+    non_persistent_global_ckpt_dir: str | None = None  # None: <save>/non_persistent
+    async_save: bool = False
     # Megatron's: checkpoints without the optimizer state (and fp16 loss scale), or without
     # the random streams (smaller; resuming from one then needs --no-load-optim/--no-load-rng).
     no_save_optim: bool = False

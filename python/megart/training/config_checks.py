@@ -16,6 +16,9 @@ from megart.training.context_parallel_checks import (
 from megart.training.documents import check_document_flags
 from megart.training.lr import check_decay_style
 from megart.training.megatron_flags import check_megatron_flags
+from megart.training.save_modes import check_save_modes
+
+DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's --split when --data-path is given without it
 
 if TYPE_CHECKING:
     from megart.training.config import TrainConfig
@@ -122,6 +125,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
             f"--eval-interval {cfg.eval_interval} at least 1"
         )
     split_weights(cfg.split)
+    _check_data_sources(cfg)
     if cfg.bf16 and cfg.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other; choose one")
     if cfg.half_weights and not (cfg.bf16 or cfg.fp16):
@@ -171,11 +175,40 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
             f"{flags} with --ckpt-format torch_dist: megart writes Megatron's distributed "
             "store whole; use --ckpt-format megart or torch for checkpoints without them"
         )
+    check_save_modes(cfg)
     _check_lr_flags(cfg)
     check_megatron_flags(cfg)
     check_document_flags(cfg)
     cfg.gpt_config().check_layout(tp, pp, cfg.chunks, **cfg.stages)  # GPTConfig's refusals
     return dp
+
+
+def _check_data_sources(cfg: TrainConfig) -> None:
+    """Megatron-LM's data sources, one at a time: --mock-data, --data-path (cut by --split),
+    or the per-split paths, of which training needs --train-data-path."""
+    per_split = [
+        f"--{s}-data-path" for s in ("train", "valid", "test") if getattr(cfg, f"{s}_data_path")
+    ]
+    if not per_split:
+        return
+    named = " and ".join(per_split)
+    other = "--data-path" if cfg.data_path else "--mock-data" if cfg.mock_data else None
+    if other:
+        raise ConfigError(
+            f"{other} and {named} exclude each other (as in Megatron-LM, one data source): give "
+            "--data-path with --split, or a dataset per split"
+        )
+    if cfg.split is not None:
+        raise ConfigError(
+            f"--split {cfg.split} with {named}: --split cuts --data-path, and each split has "
+            "its own dataset here (Megatron-LM ignores it; megart refuses rather than ignore "
+            "it); leave --split out"
+        )
+    if not cfg.train_data_path:
+        raise ConfigError(
+            f"{named} without --train-data-path: training reads --train-data-path's dataset; "
+            "add it (or give --data-path with --split)"
+        )
 
 
 def _check_virtual_flags(cfg: TrainConfig) -> None:
@@ -316,8 +349,10 @@ def check_virtual_stages(num_layers: int, pp: int, per: int) -> None:
     )
 
 
-def split_weights(split: str) -> tuple[float, float, float]:
-    """--split "969,30,1" (or "90,10"; missing weights are 0) as fractions of the corpus."""
+def split_weights(split: str | None) -> tuple[float, float, float]:
+    """--split "969,30,1" (or "90,10"; missing weights are 0) as fractions of the corpus; None
+    (not given) is Megatron-LM's legacy default, DEFAULT_SPLIT."""
+    split = DEFAULT_SPLIT if split is None else split
     try:
         weights = [float(w) for w in split.replace("/", ",").split(",")]
     except ValueError:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from megart.errors import ConfigError
-from megart.training.config_checks import split_weights
+from megart.training.config_checks import DEFAULT_SPLIT, split_weights
 from megart.training.indexed import IndexedTokens
 
 BYTE_VOCAB = 256
@@ -38,7 +38,9 @@ def builtin_corpus(max_bytes: int = 8 << 20) -> np.ndarray:
     return np.concatenate(chunks)[:max_bytes]
 
 
-def split_tokens(tokens: np.ndarray, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_tokens(
+    tokens: np.ndarray, split: str | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Megatron's --split: consecutive train, validation and test ranges of the corpus, sized
     by the weights. Cut by token position (Megatron cuts between documents); slices of a memory
     map stay memory maps."""
@@ -145,9 +147,24 @@ class BlendedDataset:
 Dataset = TokenDataset | BlendedDataset
 
 
+def _opened(
+    data_path: str | Sequence[str], vocab_size: int, mmap: bool, flag: str = "--data-path"
+) -> list[tuple[float | None, str, np.ndarray]]:
+    """--data-path's forms (parse_blend) opened: (weight or None, prefix, tokens) each, every
+    dataset's ids checked against the vocabulary; ``flag`` names the paths in errors."""
+    opened = [(w, p, IndexedTokens(p, mmap, flag)) for w, p in parse_blend(data_path)]
+    for _, _, data in opened:
+        data.check_vocab(vocab_size)
+    return [(w, p, data.tokens) for w, p, data in opened]
+
+
+def _blend(parts: list[TokenDataset], weights: list[float]) -> Dataset:
+    return parts[0] if len(parts) == 1 else BlendedDataset(parts, weights)
+
+
 def build_datasets(
     data_path: str | Sequence[str] | None,
-    split: str,
+    split: str | None,
     seq_length: int,
     vocab_size: int,
     tokens: np.ndarray | None = None,
@@ -161,14 +178,11 @@ def build_datasets(
     if tokens is not None or not data_path:
         sources = [(1.0, "", tokens if tokens is not None else builtin_corpus())]
     else:
-        opened = [(w, p, IndexedTokens(p, mmap)) for w, p in parse_blend(data_path)]
-        for _, _, data in opened:
-            data.check_vocab(vocab_size)
-        sources = [(w, f" of {p}", data.tokens) for w, p, data in opened]
+        sources = [(w, f" of {p}", t) for w, p, t in _opened(data_path, vocab_size, mmap)]
     ranges = [split_tokens(t, split) for _, _, t in sources]
     # Weighted by the training ranges' sizes when --data-path gives no weights.
     weights = [len(r[0]) if w is None else w for (w, _, _), r in zip(sources, ranges, strict=True)]
-    hint = f" of --split {split!r} (or set --eval-iters 0)"
+    hint = f" of --split {split or DEFAULT_SPLIT!r} (or set --eval-iters 0)"
     kinds = (("training", ""), ("validation", hint), ("test", hint))
     out: list[Dataset | None] = []
     for i, (kind, why) in enumerate(kinds):
@@ -179,5 +193,31 @@ def build_datasets(
             TokenDataset(r[i], seq_length, vocab_size, f"the {kind} split{name}{why}")
             for (_, name, _), r in zip(sources, ranges, strict=True)
         ]
-        out.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights))
+        out.append(_blend(parts, weights))
+    return out[0], out[1], out[2]
+
+
+def build_split_datasets(
+    paths: Sequence[str | Sequence[str] | None],
+    seq_length: int,
+    vocab_size: int,
+    evaluate: bool = True,
+    mmap: bool = True,
+) -> tuple[Dataset, Dataset | None, Dataset | None]:
+    """Megatron-LM's --train-data-path, --valid-data-path and --test-data-path (``paths``, in
+    that order): each split its own dataset or blend, in --data-path's forms, read whole (no
+    --split cuts it). A split without a path has no dataset (Megatron then neither validates
+    nor tests), nor do validation and test without ``evaluate``; prefixes without weights are
+    weighted by their datasets' sizes."""
+    flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
+    out: list[Dataset | None] = []
+    for i, (flag, path) in enumerate(zip(flags, paths, strict=True)):
+        if not path or (i and not evaluate):
+            out.append(None)
+            continue
+        opened = _opened(path, vocab_size, mmap, flag)
+        parts = [TokenDataset(t, seq_length, vocab_size, f"{flag} {p}") for _, p, t in opened]
+        out.append(_blend(parts, [len(t) if w is None else w for w, _, t in opened]))
+    if out[0] is None:
+        raise ConfigError("--train-data-path is missing: training reads its dataset")
     return out[0], out[1], out[2]

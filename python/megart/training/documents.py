@@ -54,6 +54,8 @@ def eod_token(config: Any) -> int:
             if config.mock_data
             else f"--data-path {config.data_path}"
             if config.data_path
+            else f"--train-data-path {config.train_data_path}"
+            if config.train_data_path
             else "the built-in corpus (Python sources as bytes, with no token between files)"
         )
         raise ConfigError(

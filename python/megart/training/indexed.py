@@ -35,13 +35,15 @@ class IndexedTokens:
     """A dataset written in Megatron's format: its sequences and the whole token stream, both
     memory-mapped (nothing is read until used)."""
 
-    def __init__(self, prefix: str | os.PathLike, mmap: bool = True) -> None:
+    def __init__(
+        self, prefix: str | os.PathLike, mmap: bool = True, flag: str = "--data-path"
+    ) -> None:
         self.prefix = str(prefix)
         idx, bin_ = Path(self.prefix + ".idx"), Path(self.prefix + ".bin")
         for path in (idx, bin_):
             if not path.exists():
                 raise ConfigError(
-                    f"--data-path {self.prefix}: {path} does not exist; give the prefix that "
+                    f"{flag} {self.prefix}: {path} does not exist; give the prefix that "
                     "both .bin and .idx follow (megart preprocess-data writes them)"
                 )
         with open(idx, "rb") as f:

@@ -86,21 +86,14 @@ def _rng_record(rng: Any) -> dict[str, Any]:
     }
 
 
-def write_rank(
-    partial: Path,
-    rank: int,
-    config: Any,
-    grid: Any,
-    chunks: list[Any],
-    optimizer: Any,
-    rng: Any,
-    scaler: Any = None,
-) -> None:
-    """Writes this rank's slices into the store in ``partial``: the weights, random states and
-    (non-distributed optimizer) moments of rank 0 of the data x context-parallel group (what
-    Megatron-Core's replica ids name the main replica); with --use-distributed-optimizer every
-    rank its slices of Megatron's bucket tensors, sharded over that group
-    (megart.training.megatron_dist_distopt)."""
+def rank_state(
+    config: Any, grid: Any, chunks: list[Any], optimizer: Any, rng: Any, scaler: Any = None
+) -> dict[str, Any]:
+    """This rank's slices of the store, copies of the live tensors (dist_store.Slices): the
+    weights, random states and (non-distributed optimizer) moments of rank 0 of the data x
+    context-parallel group (what Megatron-Core's replica ids name the main replica); with
+    --use-distributed-optimizer every rank its slices of Megatron's bucket tensors, sharded
+    over that group (megart.training.megatron_dist_distopt)."""
     half = half_dtype(config)
     state: dict[str, Any] = {}
     if hasattr(optimizer, "wait_for_params"):  # --overlap-param-gather leaves gathers running
@@ -114,8 +107,7 @@ def write_rank(
             state, chunks, optimizer, grid, config.tp, args, groups, _scaler_state(config, scaler)
         )
     if grid.dp_cp_rank != 0:  # the weights are the same on every dp x cp rank
-        dist_store.write_rank(partial, rank, state)
-        return
+        return state
 
     def add(key: str, place: Place, tensor: torch.Tensor) -> None:
         state.setdefault(key, dist_store.Slices(place.size)).add(place.offsets, place.piece(tensor))
@@ -136,11 +128,18 @@ def write_rank(
     # --data-parallel-random-init); its torch_dist strategy stores a ShardedObject's data in
     # a list of its own (as the extra states' [None]).
     state[rng_key(grid.pp_rank, grid.tp_rank, config.pp, config.tp)] = [[_rng_record(rng)]]
-    dist_store.write_rank(partial, rank, state)
+    return state
 
 
-def finish(
-    partial: Path,
+def write_common(partial: Path, common: dict[str, Any]) -> None:
+    """Rank 0, after every rank wrote: the store's merged metadata, ``common`` (common_state's)
+    as common.pt, and metadata.json."""
+    dist_store.merge(partial, dist_store.written_ranks(partial))
+    torch.save(common, partial / COMMON)
+    (partial / METADATA).write_text(json.dumps(BACKENDS))
+
+
+def common_state(
     config: Any,
     chunks: list[Any],
     dp: int,
@@ -148,10 +147,8 @@ def finish(
     scaler: Any,
     iteration: int,
     consumed: int,
-) -> None:
-    """Rank 0, after every rank wrote: the store's merged metadata, common.pt and
-    metadata.json."""
-    dist_store.merge(partial, dist_store.written_ranks(partial))
+) -> dict[str, Any]:
+    """What common.pt holds (see the module's description)."""
     cfg = chunks[0].cfg
     args = training_args(config, cfg, iteration, dp)
     args.ckpt_format = "torch_dist"
@@ -182,8 +179,7 @@ def finish(
         "opt_param_scheduler": scheduler_state(config, iteration, consumed),
         "megart": {"model_config": dataclasses.asdict(cfg)},
     }
-    torch.save(common, partial / COMMON)
-    (partial / METADATA).write_text(json.dumps(BACKENDS))
+    return common
 
 
 def _scaler_state(config: Any, scaler: Any) -> dict[str, Any] | None:

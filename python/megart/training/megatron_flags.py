@@ -22,6 +22,10 @@ What each does in megart:
   (--vocab-size, plus one for its end-of-document id): the model's vocabulary is the
   tokenizer's (padded to a multiple of 128 t, as Megatron pads it). Token ids come already
   tokenized in --data-path's .bin files, so training needs nothing else from the tokenizer.
+- --train-data-path, --valid-data-path, --test-data-path: a dataset (or blend, in --data-path's
+  forms) per split, read whole, instead of --data-path cut by --split
+  (megart.training.data.build_split_datasets); with --data-path, --mock-data or --split, or
+  without --train-data-path, refused (megart.training.config_checks).
 - --mock-data: random tokens of the vocabulary (seeded by --seed) instead of a corpus.
 - --num-workers: accepted and checked; megart reads samples in the training process from
   memory-mapped files, with no loader workers to start.
@@ -44,6 +48,8 @@ What each does in megart:
 - --qk-layernorm: each query and key head normalised before rope, as Megatron-Core's
   q_layernorm/k_layernorm (megart.models.attention.Attention); Hugging Face's Llama and GPT-2
   formats have no such norms, so export-hf refuses such a model.
+- --non-persistent-save-interval, --non-persistent-ckpt-type global,
+  --non-persistent-global-ckpt-dir, --async-save: megart.training.save_modes.
 - --save-retain-interval N: Megatron's rule: once a checkpoint is complete, the one saved before
   it is deleted unless its iteration is a multiple of N (megart.training.checkpoint_dirs.retire).
 - --timing-log-level, --timing-log-option, --log-timers-to-tensorboard: Megatron's per-phase
@@ -160,15 +166,6 @@ FUSIONS_OFF = {
 # Megatron-LM flags (of its GPT and Llama example scripts and their neighbours) that megart
 # cannot honour yet: refused by name, with what to do instead.
 NOT_YET = {
-    **{
-        f"--{split}-data-path": "megart splits one corpus (or blend): give --data-path with "
-        "--split (train,validation,test weights)"
-        for split in ("train", "valid", "test")
-    },
-    "--async-save": "megart's saves are synchronous (training waits for the files, so none is "
-    "lost); leave it out",
-    "--non-persistent-save-interval": "megart has no non-persistent checkpoints; use "
-    "--save-interval",
     **{
         f"--wandb-{name}": "megart logs to TensorBoard (--tensorboard-dir, Megatron's tags) "
         "and to JSON lines (--log-jsonl), not to Weights & Biases; leave it out"
@@ -320,7 +317,7 @@ def check_megatron_flags(config: Any) -> None:
         )
     if config.num_workers < 0:
         raise ConfigError(f"--num-workers {config.num_workers} must be at least 0")
-    if config.mock_data and config.data_path:
+    if config.mock_data and config.data_path:  # the per-split paths: config_checks
         raise ConfigError("--mock-data and --data-path exclude each other; give one")
     _check_samples(config)
     if config.decoupled_min_lr is not None and config.decoupled_lr is None:

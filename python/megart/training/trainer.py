@@ -23,9 +23,10 @@ from megart.errors import ConfigError
 from megart.models.context_parallel import split_for_cp
 from megart.pipeline import PipelineEngine
 from megart.tensor_parallel import fusing_accumulation, sync_sequence_parallel_grads
-from megart.training import batch_rampup, checkpoint, iteration_stats, memory_report
+from megart.training import batch_rampup, iteration_stats, memory_report
 from megart.training import optimizer as optim
 from megart.training import trainer_setup as setup
+from megart.training.checkpointer import Checkpointer
 from megart.training.config import TrainConfig, half_dtype, residual_dtype
 from megart.training.data import Dataset
 from megart.training.documents import DocumentBatches, MaskedTargets, given, masked_loss
@@ -95,22 +96,15 @@ class Trainer:
         self.start_iteration, self.consumed = setup.resume_point(
             c, g, self.chunks, self.optimizer, self.rng, self.scaler
         )
+        self.saves = Checkpointer(c)  # --save's, non-persistent ones, --async-save's in flight
 
-    def save_checkpoint(self, iterations_done: int) -> None:
-        """Writes a checkpoint after ``iterations_done`` iterations to --save (every rank)."""
+    def save_checkpoint(self, iterations_done: int, kind: str = "persistent") -> None:
+        """Writes a checkpoint after ``iterations_done`` iterations (every rank): to --save, or
+        a non-persistent one (``kind``); with --async-save it is finalized at the next save or
+        by ``self.saves.finish()``."""
         self.wait_for_params()
         with optim.full_precision(self.optimizer):  # --half-weights: the fp32 main weights
-            checkpoint.save(
-                self.config.save,
-                iterations_done,
-                self.config,
-                self.grid,
-                self.chunks,
-                self.optimizer,
-                self.rng,
-                self.scaler,
-                self.consumed,
-            )
+            self.saves.save(kind, iterations_done, self)
 
     def engine_for(self, m: int) -> PipelineEngine:
         """The pipeline engine of an iteration of ``m`` microbatches (schedules are cached)."""
@@ -328,11 +322,16 @@ class Trainer:
 
     def iterations(self) -> Iterator[dict[str, float]]:
         """Runs the iterations left (from a loaded checkpoint's on), saving every
-        --save-interval iterations and after the last one when --save is given, and adding
+        --save-interval iterations and after the last one when --save is given (and a
+        non-persistent checkpoint every --non-persistent-save-interval), and adding
         ``valid_loss`` and ``valid_ppl`` every --eval-interval iterations and after the last, and
         ``test_loss`` and ``test_ppl`` (the test range) after the last. Stops early (saving
         first) as --exit-interval, --exit-duration-in-mins or --exit-signal-handler say, with
         ``exit`` (why) in the last figures."""
+        with self.saves.completing():  # a background save in flight, finalized at the end
+            yield from self._iterations()
+
+    def _iterations(self) -> Iterator[dict[str, float]]:
         c = self.config
         with EarlyExit(c, self.device).installed() as early, self.chores.running():
             for it in range(self.start_iteration, c.train_iters):
@@ -349,11 +348,13 @@ class Trainer:
                 # As Megatron, a checkpoint also before each change of the ramp's batch.
                 grows = batch_rampup.batch_size(c, self.consumed) != figures["global_batch_size"]
                 interval = c.save_interval and done % c.save_interval == 0
-                if c.save and (last or stop or interval or grows):
-                    self.save_checkpoint(done)
+                kind = self.saves.due(done, bool(last or stop or interval or grows))
+                if kind:
+                    self.save_checkpoint(done, kind)
                 if stop:
                     figures["exit"] = stop
                 if last or stop:
+                    self.saves.finish()  # the checkpoint complete before the last figures
                     self.wait_for_params()
                 yield figures
                 if stop:

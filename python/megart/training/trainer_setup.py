@@ -24,7 +24,7 @@ from megart.pipeline import StageLink
 from megart.tensor_parallel import RNGStatesTracker, seed_tensor_parallel
 from megart.training import checkpoint, checkpoint_dirs
 from megart.training.config import half_dtype
-from megart.training.data import Dataset, build_datasets
+from megart.training.data import Dataset, build_datasets, build_split_datasets
 from megart.training.flops import model_flops
 from megart.training.megatron_flags import mock_tokens
 from megart.training.optimizer import full_precision
@@ -137,8 +137,18 @@ def datasets(
     config: TrainConfig, tokens: Any | None
 ) -> tuple[Dataset, Dataset | None, Dataset | None]:
     """The training, validation and test ranges of ``tokens`` (or --mock-data's, or
-    --data-path's, or the built-in corpus). The validation range is evaluated every
-    --eval-interval iterations, the test range once at the end (none without --eval-iters)."""
+    --data-path's, or the built-in corpus), or the per-split paths' datasets. The validation
+    range is evaluated every --eval-interval iterations, the test range once at the end (none
+    without --eval-iters)."""
+    per_split = (config.train_data_path, config.valid_data_path, config.test_data_path)
+    if tokens is None and any(per_split):
+        return build_split_datasets(
+            per_split,
+            config.seq_length,
+            config.vocab_size,
+            evaluate=config.eval_iters > 0,
+            mmap=config.mmap_bin_files,
+        )
     if tokens is None and config.mock_data:
         tokens = mock_tokens(config)
     return build_datasets(
@@ -195,7 +205,9 @@ def resume_point(
     if start is not None:
         with full_precision(optimizer):
             return checkpoint.load(start.load, start, grid, chunks, optimizer, rng, scaler)
-    if config.load and checkpoint_dirs.no_checkpoint_yet(config.load):
+    # --load, or its non-persistent checkpoints' directory where those are newer.
+    load = checkpoint_dirs.resume_dir(config)
+    if load and checkpoint_dirs.no_checkpoint_yet(load):
         if config.exit_on_missing_checkpoint:
             raise ConfigError(
                 f"--load {config.load} holds no checkpoint and --exit-on-missing-checkpoint is "
@@ -209,11 +221,13 @@ def resume_point(
                 "starting from scratch",
                 flush=True,
             )
-    elif config.load:
+    elif load:
+        if load != config.load and dist.get_rank() == 0:
+            print(f"megart train: resuming from the non-persistent checkpoint in {load}")
         # megart's files or Megatron-LM's legacy ones (read as megart's: megatron_files), into
         # fp32 weights (with --half-weights the optimizer's main weights).
         with full_precision(optimizer):
-            return checkpoint.load(config.load, config, grid, chunks, optimizer, rng, scaler)
+            return checkpoint.load(load, config, grid, chunks, optimizer, rng, scaler)
     return 0, 0
 
 
@@ -223,7 +237,7 @@ def pretrained_start(config: TrainConfig) -> TrainConfig | None:
     iteration 0, as --finetune; None otherwise (--load's own checkpoint wins, so a restarted
     job resumes what it saved)."""
     pretrained = config.pretrained_checkpoint
-    if not checkpoint_dirs.loads_pretrained(config.load, pretrained):
+    if not checkpoint_dirs.loads_pretrained(checkpoint_dirs.resume_dir(config), pretrained):
         return None
     if checkpoint_dirs.no_checkpoint_yet(pretrained):
         raise ConfigError(
