@@ -83,7 +83,7 @@ for step in "$@"; do
       case "$step" in *-half) extra+=(--half-weights) ;; esac
       limit python3 bench/plan_vs_run.py --log-jsonl "$OUT/train${step#plan}.jsonl" --gpu "$GPU_PROFILE" \
         --num-gpus 1 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
-        --vocab-size 256 --global-batch-size 32 --micro-batch-size 4 --bf16 \
+        --vocab-size 256 --global-batch-size 32 --micro-batch-size 4 --bf16 --hidden-dropout 0 \
         --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "${extra[@]}" 2>&1 | show 12 ;;
     cpu-tests) # the multi-rank CPU tests on a GPU machine (their ranks must not take the GPU);
       # on an H100's 16 cores the three files took over 170 s, so they come in two steps
@@ -122,6 +122,8 @@ for step in "$@"; do
       case "$step" in *-half) extra+=(--half-weights) ;; esac
       case "$step" in *-fused) extra+=(--bias-gelu-fusion --fused-layer-norm \
         --cross-entropy-loss-fusion) ;; esac
+      # The settings of the recorded runs (megart's defaults until 2026-11-27, Megatron's since).
+      extra+=(--hidden-dropout 0 --attention-dropout 0 --adam-beta2 0.95 --lr-decay-style cosine)
       limit python3 -m megart train --bf16 "${extra[@]}" --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
         --seq-length 2048 --micro-batch-size 4 --global-batch-size 32 --train-iters 30 \
         --lr 2e-4 --min-lr 2e-5 --lr-warmup-iters 5 --log-interval 5 \
