@@ -21,6 +21,7 @@ from megart.kernels import add_layer_norm, bias_gelu, layer_norm
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import context_attention, gather_kv
 from megart.models.recompute import checkpointed
+from megart.models.ring_attention import ring_attention
 from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
@@ -277,7 +278,8 @@ class Attention(nn.Module):
         cp = group_size(self.cp_group)
         where = None  # (cp, cp rank) with context parallelism
         if cp > 1:
-            k, v = gather_kv(k, self.cp_group), gather_kv(v, self.cp_group)
+            if self.cfg.cp_comm_type == "all_gather":  # else each rank's K/V go round a ring
+                k, v = gather_kv(k, self.cp_group), gather_kv(v, self.cp_group)
             where = (cp, group_rank(self.cp_group))
         if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
             y = checkpointed(self._core, self.rng, q, k, v, where, mask)
@@ -298,14 +300,17 @@ class Attention(nn.Module):
         the tensor-parallel stream: what selective recomputation recomputes (so it keeps k and v
         per group)."""
         per_group = q.shape[1] // k.shape[1]
+        dropout = self.cfg.attention_dropout if self.training else 0.0
+        stream = self.rng.fork() if dropout and self.rng else contextlib.nullcontext()
+        if where is not None and self.cfg.cp_comm_type == "p2p":  # the groups' K/V travel
+            with stream:
+                return ring_attention(q, k, v, self.cp_group, dropout)
         if per_group > 1:
             # Each group's key and value head, once per query head of the group (heads are
             # numbered group by group). Explicit rather than sdpa's enable_gqa, so that every
             # attention backend and torch's FLOP counter see plain multi-head attention.
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
-        dropout = self.cfg.attention_dropout if self.training else 0.0
-        stream = self.rng.fork() if dropout and self.rng else contextlib.nullcontext()
         # Megatron's --attention-backend unfused/local: the softmax of the explicit s x s
         # scores (torch's math kernel); otherwise torch picks flash or fused kernels.
         unfused = self.cfg.attention_backend in ("unfused", "local")

@@ -14,6 +14,7 @@ from megart.parallel.layout import divisors
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 ACTIVATIONS = ("gelu", "swiglu")
+CP_COMM_TYPES = ("p2p", "all_gather")  # of Megatron's; its a2a and a2a+p2p are not built
 # Megatron-LM's spellings of these choices (the values of megart train's --normalization and
 # --position-embedding-type), by GPTConfig's names.
 MEGATRON_NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
@@ -86,6 +87,10 @@ class GPTConfig:
     # Megatron's --attention-backend: "unfused" and "local" run the math kernel (explicit
     # scores); "auto", "flash" and "fused" let torch's scaled_dot_product_attention choose.
     attention_backend: str = "auto"
+    # Megatron's --cp-comm-type: how keys and values travel between context-parallel ranks,
+    # "p2p" (a ring, megart.models.ring_attention; Megatron's default) or "all_gather"
+    # (megart.models.context_parallel). Nothing without context parallelism.
+    cp_comm_type: str = "p2p"
     init_std: float = 0.02
     seed: int = 1234  # initial weights depend on this alone, not on the parallel layout
     # megart's fused CUDA kernels (megart.kernels) in place of the unfused torch ops; on a CPU,
@@ -118,6 +123,7 @@ class GPTConfig:
             ("normalization", self.normalization, NORMS),
             ("position_embedding", self.position_embedding, POSITIONS),
             ("activation", self.activation, ACTIVATIONS),
+            ("cp_comm_type", self.cp_comm_type, CP_COMM_TYPES),
         ):
             if value not in allowed:
                 raise ConfigError(f"{name}={value!r}; use one of {', '.join(allowed)}")

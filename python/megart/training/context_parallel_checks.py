@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from megart.errors import ConfigError
+from megart.models.config import CP_COMM_TYPES
 from megart.models.context_parallel import check_divisible, fitting_lengths
 
 FLAG = "--context-parallel-size"
@@ -25,13 +26,14 @@ def check_context_parallel(config: Any) -> None:
     cp = config.context_parallel_size
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ConfigError(f"{FLAG} {cp!r} must be a positive integer (1, the default: none)")
-    if config.cp_comm_type != "all_gather":
-        # Megatron's default is the ring (p2p): the same attention, but its K/V exchange
-        # overlaps the attention kernels and holds one peer's K/V at a time.
+    if config.cp_comm_type not in CP_COMM_TYPES:
+        # Megatron's all-to-all kinds (Ulysses: heads scattered, the sequence gathered) are
+        # another exchange altogether; the ring and the all-gather give the same attention.
         raise ConfigError(
-            f"--cp-comm-type {config.cp_comm_type}: megart's context parallelism all-gathers "
-            "keys and values (Megatron's all_gather), with no ring or all-to-all exchange; give "
-            "--cp-comm-type all_gather or leave it out (the attention is the same)"
+            f"--cp-comm-type {config.cp_comm_type}: megart's context parallelism passes keys "
+            "and values around a ring (p2p, Megatron's default) or all-gathers them "
+            "(all_gather), with no all-to-all exchange (a2a, a2a+p2p); give --cp-comm-type p2p "
+            "or all_gather (the attention is the same)"
         )
     if cp == 1:
         return

@@ -48,6 +48,7 @@ def gpt_config(config: Any) -> GPTConfig:
         else float(config.rotary_seq_len_interpolation_factor),
         rotary_percent=float(config.rotary_percent),
         attention_backend=config.attention_backend,
+        cp_comm_type=config.cp_comm_type,
         init_std=config.init_method_std,
         seed=config.seed,
         bias_gelu_fusion=_bias_gelu_fusion(config),

@@ -1,0 +1,159 @@
+"""Ring attention, context parallelism's --cp-comm-type p2p (Megatron's default): each rank keeps
+its queries and passes keys and values around the cp group in cp steps, folding the partial
+attentions by log-sum-exp. At cp2, cp3 and cp4 its output and gradients equal one process's
+float64 causal attention (GQA included; one layer and whole models at cp2 and cp4, and at tp2
+x cp2 with sequence parallelism, are tests/test_context_parallel.py's, for both exchanges);
+`megart train` follows the one-process curve at cp2, tp2 x cp2 with sequence parallelism and
+cp2 x pp2. The traffic is a ring (cp - 1 K/V blocks to
+the next rank forward; cp - 1 K/V blocks and cp dK/dV blocks backward; no collective), and
+autograd saves no K/V but the rank's own. With dropout it is one process's attention under
+the masks it drew. The all-gather exchange is tests/test_context_parallel.py's."""
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cp_workers as cw
+import ring_workers as rw
+from megart import ConfigError
+from megart.launcher import launch
+from megart.models.ring_attention import block_of
+from megart.training.config import TrainConfig
+
+F64_ABS = 1e-12
+REL = 5e-6  # as tests/test_context_parallel.py's curves
+BASE = dict(vocab_size=300, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
+            init_std=0.5, cp_comm_type="p2p")  # fmt: skip
+TRAIN = dict(vocab_size=300, train_iters=4, position_embedding_type="rope", init_method_std=0.2,
+             normalization="RMSNorm", swiglu=True, group_query_attention=True,
+             num_query_groups=2)  # fmt: skip
+CASE = dict(seed=1, b=2, heads=4, groups=2, half=3, d=5)
+
+
+def test_the_blocks_follow_the_load_balanced_chunks():
+    """Which of the rank's query rows see which keys of the block visiting at each step,
+    against the chunks' global positions: every (query, key) pair with key <= query is in
+    exactly one step's block, never a later key, and a pair shown without a causal mask is
+    wholly allowed."""
+    for cp in (2, 3, 4):
+        half, local = 2, 4
+        pos = [[c * half + i for c in (r, 2 * cp - 1 - r) for i in range(half)] for r in range(cp)]
+        for r in range(cp):
+            seen = set()
+            for step in range(cp):
+                rows, keys, causal = block_of(step, cp, r, local)
+                held = pos[(r - step) % cp]
+                for qi in range(rows.start, rows.stop):
+                    for ki in range(keys.start, keys.stop):
+                        q, k = pos[r][qi], held[ki]
+                        if causal and ki > qi:
+                            continue
+                        assert k <= q, (cp, r, step, q, k)
+                        seen.add((q, k))
+            assert seen == {(q, k) for q in pos[r] for k in range(q + 1)}
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_the_ring_is_one_process_attention_in_float64(cp):
+    cases = [CASE, dict(seed=2, b=1, heads=3, groups=3, half=1, d=4),
+             dict(seed=3, b=1, heads=2, groups=1, half=2, d=3)]  # fmt: skip
+    assert max(launch(rw.against_reference, cp, cases, timeout=120)) < F64_ABS
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    cp=st.integers(2, 4),
+    cases=st.lists(
+        st.fixed_dictionaries(
+            dict(
+                seed=st.integers(0, 2**16),
+                b=st.integers(1, 2),
+                groups=st.integers(1, 3),
+                per_group=st.integers(1, 3),
+                half=st.integers(1, 4),
+                d=st.integers(1, 6),
+            )
+        ),  # fmt: skip
+        min_size=1,
+        max_size=4,
+    ),
+)
+def test_the_ring_is_one_process_attention_over_shapes(cp, cases):
+    """Every launch runs its drawn shapes (heads a multiple of the groups: GQA, MQA, MHA)."""
+    cases = [dict(c, heads=c["groups"] * c.pop("per_group")) for c in cases]
+    assert max(launch(rw.against_reference, cp, cases, timeout=120)) < F64_ABS
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_the_traffic_is_a_ring(cp):
+    """Each rank sends only to the next and receives only from the previous: cp - 1 K/V blocks
+    forward; cp - 1 K/V blocks and cp dK/dV blocks (its own K/V's size each) backward; no
+    collective at all (in particular no all-gather of K/V)."""
+    for rank in launch(rw.traffic, cp, CASE, timeout=120):
+        kv = rank["kv_bytes"]
+        fwd, bwd = rank["forward"], rank["backward"]
+        assert fwd["send"] == [(rank["next"], kv)] * (cp - 1)
+        assert fwd["recv"] == [(rank["prev"], kv)] * (cp - 1)
+        assert sorted(bwd["send"]) == [(rank["next"], kv)] * (2 * cp - 1)
+        assert sorted(bwd["recv"]) == [(rank["prev"], kv)] * (2 * cp - 1)
+        assert fwd["collectives"] == bwd["collectives"] == []
+
+
+def test_autograd_saves_no_other_ranks_keys_and_values():
+    """One layer (s = 16, cp4: 4 tokens a rank): under the all-gather the saves include the
+    gathered K/V (16 tokens long); under the ring no saved tensor reaches past the rank's own 4
+    tokens, and the saves are smaller."""
+    cfg = dict(BASE, num_layers=1)
+    kinds = {}
+    for comm in ("all_gather", "p2p"):
+        kinds[comm] = launch(rw.saved_by_attention, 4, cfg, comm, timeout=120)
+    for gathered, ring in zip(kinds["all_gather"], kinds["p2p"], strict=True):
+        assert any(16 in shape for shape in gathered)
+        assert all(16 not in shape for shape in ring), ring
+        size = [sum(torch.Size(s).numel() for s in saves) for saves in (gathered, ring)]
+        assert size[1] < size[0]
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_with_dropout_the_ring_is_one_process_attention_under_its_masks(cp):
+    """Attention dropout draws each block's mask from the random stream and the backward draws
+    them again: output and gradients equal one process's float64 attention with those kept
+    entries applied to the softmax's probabilities (the one-process run's own masks differ:
+    a different draw, as under the all-gather)."""
+    case = dict(CASE, b=1, half=2)
+    assert max(launch(rw.against_reference_with_dropout, cp, case, 0.3, timeout=120)) < F64_ABS
+
+
+def _losses(nproc, **kw):
+    return launch(cw.losses, nproc, {**TRAIN, **kw}, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def straight():
+    return _losses(1)
+
+
+def test_cp2_follows_the_one_process_curve(straight):
+    assert _losses(2, context_parallel_size=2) == pytest.approx(straight, rel=REL, abs=0)
+
+
+def test_tp2_x_cp2_with_sequence_parallelism_follows_the_one_process_curve(straight):
+    layout = dict(tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel=True)
+    assert _losses(4, **layout) == pytest.approx(straight, rel=REL, abs=0)
+
+
+def test_cp2_x_pp2_follows_the_one_process_curve(straight):
+    layout = dict(context_parallel_size=2, pipeline_model_parallel_size=2)
+    assert _losses(4, train_iters=3, **layout) == pytest.approx(straight[:3], rel=REL, abs=0)
+
+
+def test_the_ring_is_megatrons_default_and_all_to_all_is_refused():
+    assert TrainConfig().cp_comm_type == "p2p"
+    for kind in ("a2a", "a2a+p2p"):
+        with pytest.raises(
+            ConfigError, match=re.escape(f"--cp-comm-type {kind}: ") + ".*no all-to-all"
+        ):
+            TrainConfig(context_parallel_size=2, seq_length=16, cp_comm_type=kind).check(2)
