@@ -146,9 +146,8 @@ class RingAttention(torch.autograd.Function):
             # Online softmax: both partial outputs reweighted to the combined normaliser.
             old = lse[:, :, rows]
             new = torch.logaddexp(old, block_lse)
-            out[:, :, rows] = out[:, :, rows] * torch.exp(old - new).unsqueeze(
-                -1
-            ) + block_out * torch.exp(block_lse - new).unsqueeze(-1)
+            kept, added = (torch.exp(x - new).unsqueeze(-1) for x in (old, block_lse))
+            out[:, :, rows] = out[:, :, rows] * kept + block_out * added
             lse[:, :, rows] = new
             if step + 1 < ring.cp:
                 _wait(works)
