@@ -84,6 +84,13 @@ CASES = [
         ),
     ),
 ]
+# The cases above run the ring (--cp-comm-type p2p, the default); these the all-gather.
+GATHERED = dict(cp_comm_type="all_gather")
+CASES += [
+    (f"{name} all_gather", model, dict(flags, **GATHERED))
+    for name, model, flags in CASES
+    if name in ("cp2 x tp2", "cp2 x dp2 llama-style selective distributed optimizer")
+]
 # On 8 ranks: sequence parallelism's chunk outputs (1/t of the rank's s/C tokens), which the
 # pipeline engine holds per microbatch in flight.
 WIDE_CASES = [

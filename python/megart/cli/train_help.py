@@ -237,10 +237,15 @@ HELP = {
     "with --context-parallel-size above 1",
     "context_parallel_size": "context parallelism: each sequence split over this many ranks "
     "(Megatron's load-balanced 2 cp chunks; --seq-length divisible by 2 cp), keys and values "
-    "all-gathered over them (no ring); ranks tp x cp x dp x pp, cp between tp and dp. With "
+    "passed around a ring of them (--cp-comm-type p2p, the default) or all-gathered over them "
+    "(all_gather); ranks tp x cp x dp x pp, cp between tp and dp. With "
     "--sequence-parallel each rank's s/cp tokens split over tp (s/cp divisible by tp)",
-    "cp_comm_type": "how keys and values travel between context-parallel ranks: all_gather "
-    "(megart's; Megatron's default p2p ring and the all-to-all kinds are refused)",
+    "cp_comm_type": "how keys and values travel between context-parallel ranks: p2p (Megatron's "
+    "default), a ring: each rank keeps its queries and its own K/V, passes K/V blocks to the next "
+    "rank cp - 1 times and folds the partial attentions by log-sum-exp; the backward recomputes "
+    "each block and sends dK/dV back to their owner (a rank holds at most the visiting K/V "
+    "block and the arriving one); or all_gather: every rank gathers the whole sequence's K/V. "
+    "The same attention either way. a2a and a2a+p2p (all-to-all) are refused",
     "expert_model_parallel_size": "expert parallelism (megart: only 1)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
     "GPTModel: megart's model and checkpoint names are that model's)",
