@@ -150,6 +150,23 @@ def test_cp2_x_pp2_follows_the_one_process_curve(straight):
     assert _losses(4, train_iters=3, **layout) == pytest.approx(straight[:3], rel=REL, abs=0)
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-v"),
+        dict(recompute_granularity="selective"),
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    ],
+    ids=["x pp2 zb-v", "selective recomputation", "full recomputation"],
+)
+def test_cp2_with_zero_bubble_or_recomputation_follows_the_one_process_curve(straight, kw):
+    """The ring's backward runs in the zero-bubble schedule's I (it has no weights); under
+    recomputation its forward exchange runs again inside the backward, on every cp rank alike."""
+    nproc = 2 * kw.get("pipeline_model_parallel_size", 1)
+    losses = _losses(nproc, train_iters=3, context_parallel_size=2, **kw)
+    assert losses == pytest.approx(straight[:3], rel=REL, abs=0)
+
+
 def test_the_ring_is_megatrons_default_and_all_to_all_is_refused():
     assert TrainConfig().cp_comm_type == "p2p"
     for kind in ("a2a", "a2a+p2p"):
