@@ -13,7 +13,7 @@ import megart.distributed as dist
 from megart.models.blocks import Attention
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import split_for_cp
-from megart.models.ring_attention import block_of, ring_attention
+from megart.models.ring_attention import TILE_ELEMENTS, block_of, ring_attention
 
 F64 = torch.float64
 
@@ -39,20 +39,27 @@ def draw(case: dict, cp: int) -> list[torch.Tensor]:
 
 
 def ring_on_this_rank(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dy: torch.Tensor, group, dropout=0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dy: torch.Tensor,
+    group: dist.ProcessGroup,
+    dropout: float = 0.0,
+    tile_elements: int = TILE_ELEMENTS,
 ) -> list[torch.Tensor]:
     """This rank's part of the whole-sequence q, k, v, dy through ring_attention: y, dq, dk,
     dv (this rank's parts)."""
     cp, r = group.size(), group.rank()
     mine = [split_for_cp(t, 2, cp, r).requires_grad_() for t in (q, k, v)]
-    y = ring_attention(*mine, group, dropout)
+    y = ring_attention(*mine, group, dropout, tile_elements)
     y.backward(split_for_cp(dy, 2, cp, r))
     return [y.detach(), *(t.grad for t in mine)]
 
 
 def against_reference(cases: list[dict]) -> float:
     """On every rank of one cp group (the world): the largest absolute difference of the ring's
-    output and gradients from the one-process reference's part of them, over ``cases``."""
+    output and gradients from the one-process reference's part of them, over ``cases`` (each
+    with its scores per tile, ``tile``, or the default)."""
     dist.init(timeout=60)
     group = dist.new_group(list(range(dist.get_world_size())))
     cp, r = group.size(), group.rank()
@@ -60,7 +67,7 @@ def against_reference(cases: list[dict]) -> float:
     for case in cases:
         q, k, v, dy = draw(case, cp)
         want = [split_for_cp(t, 2, cp, r) for t in reference(q, k, v, dy)]
-        got = ring_on_this_rank(q, k, v, dy, group)
+        got = ring_on_this_rank(q, k, v, dy, group, 0.0, case.get("tile", TILE_ELEMENTS))
         worst = max(worst, *((a - w).abs().max().item() for a, w in zip(got, want, strict=True)))
     return worst
 

@@ -20,7 +20,7 @@ import cp_workers as cw
 import ring_workers as rw
 from megart import ConfigError
 from megart.launcher import launch
-from megart.models.ring_attention import block_of
+from megart.models.ring_attention import TILE_ELEMENTS, block_of, tiles
 from megart.training.config import TrainConfig
 
 F64_ABS = 1e-12
@@ -56,10 +56,16 @@ def test_the_blocks_follow_the_load_balanced_chunks():
             assert seen == {(q, k) for q in pos[r] for k in range(q + 1)}
 
 
+def test_tiles_cover_the_rows_within_the_budget():
+    assert tiles(slice(4, 8), 8, 2, 1) == [slice(i, i + 1) for i in range(4, 8)]
+    assert tiles(slice(4, 8), 8, 2, 48) == [slice(4, 7), slice(7, 8)]  # 3 rows: 48 scores
+    assert tiles(slice(0, 8), 8, 2, TILE_ELEMENTS) == [slice(0, 8)]
+
+
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_the_ring_is_one_process_attention_in_float64(cp):
     cases = [CASE, dict(seed=2, b=1, heads=3, groups=3, half=1, d=4),
-             dict(seed=3, b=1, heads=2, groups=1, half=2, d=3)]  # fmt: skip
+             dict(seed=3, b=1, heads=2, groups=1, half=2, d=3), dict(CASE, tile=30)]  # fmt: skip
     assert max(launch(rw.against_reference, cp, cases, timeout=120)) < F64_ABS
 
 
@@ -75,6 +81,7 @@ def test_the_ring_is_one_process_attention_in_float64(cp):
                 per_group=st.integers(1, 3),
                 half=st.integers(1, 4),
                 d=st.integers(1, 6),
+                tile=st.sampled_from([1, 5, 24, TILE_ELEMENTS]),
             )
         ),  # fmt: skip
         min_size=1,
@@ -82,7 +89,8 @@ def test_the_ring_is_one_process_attention_in_float64(cp):
     ),
 )
 def test_the_ring_is_one_process_attention_over_shapes(cp, cases):
-    """Every launch runs its drawn shapes (heads a multiple of the groups: GQA, MQA, MHA)."""
+    """Every launch runs its drawn shapes (heads a multiple of the groups: GQA, MQA, MHA), each
+    step's scores in tiles of query rows of at most ``tile`` scores (one row, a few, whole)."""
     cases = [dict(c, heads=c["groups"] * c.pop("per_group")) for c in cases]
     assert max(launch(rw.against_reference, cp, cases, timeout=120)) < F64_ABS
 

@@ -21,11 +21,11 @@ exchange hands it back to its owner. Messages: cp - 1 K/V blocks forward; cp - 1
 cp dK/dV blocks backward, each to the next rank.
 
 With grouped-query attention the K/V that travel are the groups' (not repeated per head). The
-blocks are computed with explicit matrices on every device (no flash kernel yet): exact, but
-the scores of one block exist at a time. Attention dropout draws each block's mask from the
-current random stream and the backward replays the stream from its saved state, so that the
-backward is the forward's own derivative; the masks are not the one-process attention's (nor
-are the all-gather path's).
+blocks are computed with explicit matrices on every device (no flash kernel yet), in tiles of
+query rows so that one tile's scores (TILE_ELEMENTS) exist at a time, however long the
+sequence. Attention dropout draws each tile's mask from the current random stream and the
+backward replays the stream from its saved state, so that the backward is the forward's own
+derivative; the masks are not the one-process attention's (nor are the all-gather path's).
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ import torch
 
 import megart.distributed as dist
 from megart.distributed import ProcessGroup
+
+# Scores per tile of query rows (fp32: 256 MiB): a step's explicit products never hold more
+# than a few tiles' worth, whatever the sequence length.
+TILE_ELEMENTS = 1 << 26
 
 
 def block_of(step: int, cp: int, cp_rank: int, local: int) -> tuple[slice, slice, bool]:
@@ -67,13 +71,24 @@ def _fold(x: torch.Tensor, per_group: int) -> torch.Tensor:
     return x.view(b, h // per_group, per_group, n, d).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """q k^T / sqrt(d), in q's (compute) type; above the diagonal -inf where causal."""
+def _scores(q: torch.Tensor, k: torch.Tensor, first_row: int | None) -> torch.Tensor:
+    """q k^T / sqrt(d), in q's (compute) type. ``first_row``: None for no mask, else the
+    index in the block of q's first row: key j is masked (-inf) for row i when j > first_row + i
+    (causal, both counted from the block's start)."""
     s = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
-    if causal:
-        above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(above, float("-inf"))
+    if first_row is not None:
+        rows = torch.arange(first_row, first_row + q.shape[-2], device=s.device)
+        later = torch.arange(k.shape[-2], device=s.device).unsqueeze(0) > rows.unsqueeze(1)
+        s = s.masked_fill(later, float("-inf"))
     return s
+
+
+def tiles(rows: slice, keys: int, heads: int, tile_elements: int) -> list[slice]:
+    """``rows`` in tiles of as many query rows as keep one tile's scores ([heads, rows,
+    keys], heads counting the batch) within ``tile_elements``: the largest temporary of a
+    step is then a tile's, however long the sequence."""
+    per_tile = max(1, tile_elements // max(1, heads * keys))
+    return [slice(i, min(i + per_tile, rows.stop)) for i in range(rows.start, rows.stop, per_tile)]
 
 
 def _keep(shape: torch.Size, dropout: float, like: torch.Tensor) -> torch.Tensor | None:
@@ -123,6 +138,7 @@ class RingAttention(torch.autograd.Function):
         v: torch.Tensor,
         group: ProcessGroup,
         dropout: float,
+        tile_elements: int,
     ) -> torch.Tensor:
         ring = _Ring(group)
         c = _compute_dtype(q.dtype)
@@ -138,23 +154,24 @@ class RingAttention(torch.autograd.Function):
                 arriving, works = ring.pass_on(kv)
             rows, keys, causal = block_of(step, ring.cp, ring.rank, local)
             kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
-            s = _scores(qc[:, :, rows], kb, causal)
-            block_lse = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - block_lse.unsqueeze(-1))
-            keep = _keep(p.shape, dropout, p)
-            block_out = (p if keep is None else p * keep) @ vb
-            # Online softmax: both partial outputs reweighted to the combined normaliser.
-            old = lse[:, :, rows]
-            new = torch.logaddexp(old, block_lse)
-            kept, added = (torch.exp(x - new).unsqueeze(-1) for x in (old, block_lse))
-            out[:, :, rows] = out[:, :, rows] * kept + block_out * added
-            lse[:, :, rows] = new
+            for t in tiles(rows, kb.shape[2], b * h, tile_elements):
+                s = _scores(qc[:, :, t], kb, t.start if causal else None)
+                tile_lse = torch.logsumexp(s, dim=-1)
+                p = torch.exp(s - tile_lse.unsqueeze(-1))
+                keep = _keep(p.shape, dropout, p)
+                tile_out = (p if keep is None else p * keep) @ vb
+                # Online softmax: both partial outputs reweighted to the combined normaliser.
+                old = lse[:, :, t]
+                new = torch.logaddexp(old, tile_lse)
+                kept, added = (torch.exp(x - new).unsqueeze(-1) for x in (old, tile_lse))
+                out[:, :, t] = out[:, :, t] * kept + tile_out * added
+                lse[:, :, t] = new
             if step + 1 < ring.cp:
                 _wait(works)
                 kv = arriving
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.ring, ctx.dropout, ctx.rng = ring, dropout, rng
+        ctx.ring, ctx.dropout, ctx.rng, ctx.tile_elements = ring, dropout, rng, tile_elements
         return result
 
     @staticmethod
@@ -176,18 +193,22 @@ class RingAttention(torch.autograd.Function):
                     arriving, works = ring.pass_on(kv)
                 rows, keys, causal = block_of(step, ring.cp, ring.rank, local)
                 kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
-                qb, dob = qc[:, :, rows], doc[:, :, rows]
-                p = torch.exp(_scores(qb, kb, causal) - lse[:, :, rows].unsqueeze(-1))
-                keep = _keep(p.shape, dropout, p)
-                dp = dob @ vb.transpose(-1, -2)
-                if keep is not None:
-                    dp = dp * keep
-                    dv = (p * keep).transpose(-1, -2) @ dob
-                else:
-                    dv = p.transpose(-1, -2) @ dob
-                ds = p * (dp - delta[:, :, rows].unsqueeze(-1))
-                dq[:, :, rows] += ds @ kb * scale
-                dkv[0][:, :, keys] += _fold(ds.transpose(-1, -2) @ qb * scale, per_group)
+                dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+                for t in tiles(rows, kb.shape[2], q.shape[0] * h, ctx.tile_elements):
+                    qt, dot = qc[:, :, t], doc[:, :, t]
+                    p = torch.exp(_scores(qt, kb, t.start if causal else None) - lse[:, :, t, None])
+                    keep = _keep(p.shape, dropout, p)
+                    dp = dot @ vb.transpose(-1, -2)
+                    if keep is not None:
+                        dp = dp * keep
+                        p_kept = p * keep
+                    else:
+                        p_kept = p
+                    dv += p_kept.transpose(-1, -2) @ dot
+                    ds = p * (dp - delta[:, :, t].unsqueeze(-1))
+                    dq[:, :, t] += ds @ kb * scale
+                    dk += ds.transpose(-1, -2) @ qt * scale
+                dkv[0][:, :, keys] += _fold(dk, per_group)
                 dkv[1][:, :, keys] += _fold(dv, per_group)
                 # The accumulator goes on with its block; the last exchange brings the rank's
                 # own block's, complete, back from the previous rank.
@@ -196,7 +217,7 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < ring.cp:
                     _wait(works)
                     kv = arriving
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:
@@ -231,9 +252,15 @@ class _replayed:
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, dropout: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: ProcessGroup,
+    dropout: float = 0.0,
+    tile_elements: int = TILE_ELEMENTS,
 ) -> torch.Tensor:
     """Causal attention of this context-parallel rank's queries ([b, heads, s/cp, d]) over the
     sequence, from each rank's own keys and values ([b, groups, s/cp, d], heads a multiple of
-    groups) passed around ``group`` (see the module's docstring)."""
-    return RingAttention.apply(q, k, v, group, dropout)
+    groups) passed around ``group`` (see the module's docstring); each step's scores computed
+    in tiles of query rows of at most ``tile_elements`` scores (see tiles)."""
+    return RingAttention.apply(q, k, v, group, dropout, tile_elements)
