@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import megart.distributed as dist
+from megart.models.all_to_all_attention import all_to_all_attention
 from megart.models.blocks import Attention
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import split_for_cp
@@ -45,13 +46,16 @@ def ring_on_this_rank(
     dy: torch.Tensor,
     group: dist.ProcessGroup,
     dropout: float = 0.0,
-    tile_elements: int = TILE_ELEMENTS,
+    tile_elements: int | None = TILE_ELEMENTS,
 ) -> list[torch.Tensor]:
     """This rank's part of the whole-sequence q, k, v, dy through ring_attention: y, dq, dk,
-    dv (this rank's parts)."""
+    dv (this rank's parts). ``tile_elements`` None: all_to_all_attention instead."""
     cp, r = group.size(), group.rank()
     mine = [split_for_cp(t, 2, cp, r).requires_grad_() for t in (q, k, v)]
-    y = ring_attention(*mine, group, dropout, tile_elements)
+    if tile_elements is None:
+        y = all_to_all_attention(*mine, group, dropout)
+    else:
+        y = ring_attention(*mine, group, dropout, tile_elements)
     y.backward(split_for_cp(dy, 2, cp, r))
     return [y.detach(), *(t.grad for t in mine)]
 
@@ -59,7 +63,8 @@ def ring_on_this_rank(
 def against_reference(cases: list[dict]) -> float:
     """On every rank of one cp group (the world): the largest absolute difference of the ring's
     output and gradients from the one-process reference's part of them, over ``cases`` (each
-    with its scores per tile, ``tile``, or the default)."""
+    with its scores per tile, ``tile``, or the default; or with ``kind`` "a2a" the all-to-all
+    exchange's)."""
     dist.init(timeout=60)
     group = dist.new_group(list(range(dist.get_world_size())))
     cp, r = group.size(), group.rank()
@@ -67,7 +72,8 @@ def against_reference(cases: list[dict]) -> float:
     for case in cases:
         q, k, v, dy = draw(case, cp)
         want = [split_for_cp(t, 2, cp, r) for t in reference(q, k, v, dy)]
-        got = ring_on_this_rank(q, k, v, dy, group, 0.0, case.get("tile", TILE_ELEMENTS))
+        tile = None if case.get("kind") == "a2a" else case.get("tile", TILE_ELEMENTS)
+        got = ring_on_this_rank(q, k, v, dy, group, 0.0, tile)
         worst = max(worst, *((a - w).abs().max().item() for a, w in zip(got, want, strict=True)))
     return worst
 

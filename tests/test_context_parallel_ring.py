@@ -4,10 +4,13 @@ attentions by log-sum-exp. At cp2, cp3 and cp4 its output and gradients equal on
 float64 causal attention (GQA included; one layer and whole models at cp2 and cp4, and at tp2
 x cp2 with sequence parallelism, are tests/test_context_parallel.py's, for both exchanges);
 `megart train` follows the one-process curve at cp2, tp2 x cp2 with sequence parallelism and
-cp2 x pp2. The traffic is a ring (cp - 1 K/V blocks to
-the next rank forward; cp - 1 K/V blocks and cp dK/dV blocks backward; no collective), and
-autograd saves no K/V but the rank's own. With dropout it is one process's attention under
-the masks it drew. The all-gather exchange is tests/test_context_parallel.py's."""
+cp2 x pp2, with zero-bubble schedules and recomputation too. The traffic is a ring (cp - 1
+K/V blocks to the next rank forward; cp - 1 K/V blocks and cp dK/dV blocks backward; no
+collective), and autograd saves no K/V but the rank's own. With dropout it is one process's
+attention under the masks it drew. The all-to-all exchange (--cp-comm-type a2a: heads
+scattered, the sequence gathered) equals one process in float64 and follows the curve too,
+and refuses heads or query groups that cp does not divide. The all-gather exchange is
+tests/test_context_parallel.py's."""
 
 import re
 
@@ -175,10 +178,52 @@ def test_cp2_with_zero_bubble_or_recomputation_follows_the_one_process_curve(str
     assert losses == pytest.approx(straight[:3], rel=REL, abs=0)
 
 
-def test_the_ring_is_megatrons_default_and_all_to_all_is_refused():
+def test_the_ring_is_megatrons_default_and_the_hierarchical_kind_is_refused():
     assert TrainConfig().cp_comm_type == "p2p"
-    for kind in ("a2a", "a2a+p2p"):
-        with pytest.raises(
-            ConfigError, match=re.escape(f"--cp-comm-type {kind}: ") + ".*no all-to-all"
-        ):
-            TrainConfig(context_parallel_size=2, seq_length=16, cp_comm_type=kind).check(2)
+    with pytest.raises(ConfigError, match=re.escape("--cp-comm-type a2a+p2p: ") + ".*no hier"):
+        TrainConfig(context_parallel_size=2, seq_length=16, cp_comm_type="a2a+p2p").check(2)
+
+
+# --- the all-to-all exchange (--cp-comm-type a2a) ------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_all_to_all_exchange_is_one_process_attention_in_float64(cp):
+    """Heads (and query groups) scattered over the cp ranks, the sequence gathered: output and
+    gradients equal one process's (GQA and MHA; heads and groups divisible by cp)."""
+    cases = [dict(seed=1, b=2, heads=8, groups=4, half=3, d=5, kind="a2a"),
+             dict(seed=2, b=1, heads=4, groups=4, half=1, d=4, kind="a2a")]  # fmt: skip
+    assert max(launch(rw.against_reference, cp, cases, timeout=120)) < F64_ABS
+
+
+def test_the_all_to_all_exchange_follows_the_one_process_curve(straight):
+    layout = dict(context_parallel_size=2, cp_comm_type="a2a")
+    assert _losses(2, train_iters=3, **layout) == pytest.approx(straight[:3], rel=REL, abs=0)
+
+
+def test_the_all_to_all_exchange_at_tp2_x_cp2_with_sequence_parallelism_follows_the_curve():
+    """Multi-head (TRAIN's 2 query groups do not split over t x cp = 4): 2 heads a tensor-
+    parallel rank, one a context-parallel rank."""
+    mha = dict(train_iters=3, group_query_attention=False, num_query_groups=None)
+    layout = dict(tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel=True,
+                  cp_comm_type="a2a")  # fmt: skip
+    assert _losses(4, **mha, **layout) == pytest.approx(_losses(1, **mha), rel=REL, abs=0)
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        (dict(num_attention_heads=6, hidden_size=48, context_parallel_size=4),
+         "each tensor-parallel rank's 6 attention heads (--num-attention-heads / "
+         "--tensor-model-parallel-size 1) over --context-parallel-size 4"),
+        (dict(group_query_attention=True, num_query_groups=2, tensor_model_parallel_size=2,
+              context_parallel_size=2),
+         "each tensor-parallel rank's 1 query groups (--num-query-groups / "
+         "--tensor-model-parallel-size 2) over --context-parallel-size 2"),
+    ],
+)  # fmt: skip
+def test_the_all_to_all_exchange_needs_heads_and_groups_divisible_by_cp(kw, says):
+    config = TrainConfig(**{"seq_length": 16, "cp_comm_type": "a2a", **kw})
+    with pytest.raises(ConfigError) as e:
+        config.check(config.context_parallel_size * config.tp)
+    assert says in str(e.value) and "use --cp-comm-type p2p or all_gather" in str(e.value)

@@ -177,7 +177,7 @@ def test_switches_that_hold_already_are_taken():
         (["--window-size", "4,0"], "sliding"),
         (["--use-torch-fsdp2"], "use that"),
         (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
-        (["--cp-comm-type", "a2a", "--context-parallel-size", "2"], "no all-to-all exchange"),
+        (["--cp-comm-type", "a2a+p2p", "--context-parallel-size", "2"], "no hierarchical"),
     ],
 )
 def test_flags_megart_cannot_honour_are_refused_by_name(argv, says, capsys):

@@ -411,4 +411,10 @@ def test_plan_refuses_what_megart_train_refuses_in_its_words(extra, train, capsy
 def test_megatrons_runtime_is_refused_with_context_parallelism(capsys):
     argv = ARGV + " --context-parallel-size 2 --runtime megatron"
     assert plan_main(argv.split()) == 2
-    assert "not Megatron-Core's ring exchange" in capsys.readouterr().err
+    assert "not Megatron-Core's exchanges" in capsys.readouterr().err
+
+
+def test_the_all_to_all_exchange_is_not_planned(capsys):
+    argv = ARGV + " --context-parallel-size 2 --cp-comm-type a2a"
+    assert plan_main(argv.split()) == 2
+    assert "megart plan models context parallelism's ring" in capsys.readouterr().err

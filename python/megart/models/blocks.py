@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megart.distributed import ProcessGroup
 from megart.kernels import add_layer_norm, bias_gelu, layer_norm
+from megart.models.all_to_all_attention import all_to_all_attention
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import context_attention, gather_kv
 from megart.models.recompute import checkpointed
@@ -302,19 +303,20 @@ class Attention(nn.Module):
         per_group = q.shape[1] // k.shape[1]
         dropout = self.cfg.attention_dropout if self.training else 0.0
         stream = self.rng.fork() if dropout and self.rng else contextlib.nullcontext()
-        if where is not None and self.cfg.cp_comm_type == "p2p":  # the groups' K/V travel
-            with stream:
-                return ring_attention(q, k, v, self.cp_group, dropout)
+        # Megatron's --attention-backend unfused/local: the softmax of the explicit s x s
+        # scores (torch's math kernel); otherwise torch picks flash or fused kernels.
+        unfused = self.cfg.attention_backend in ("unfused", "local")
+        kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
+        if where is not None and self.cfg.cp_comm_type != "all_gather":  # the groups' K/V travel
+            attend = ring_attention if self.cfg.cp_comm_type == "p2p" else all_to_all_attention
+            with stream, kernel:
+                return attend(q, k, v, self.cp_group, dropout)
         if per_group > 1:
             # Each group's key and value head, once per query head of the group (heads are
             # numbered group by group). Explicit rather than sdpa's enable_gqa, so that every
             # attention backend and torch's FLOP counter see plain multi-head attention.
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
-        # Megatron's --attention-backend unfused/local: the softmax of the explicit s x s
-        # scores (torch's math kernel); otherwise torch picks flash or fused kernels.
-        unfused = self.cfg.attention_backend in ("unfused", "local")
-        kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
         with stream, kernel:
             if where is not None:
                 return context_attention(q, k, v, *where, dropout)

@@ -14,7 +14,7 @@ from megart.parallel.layout import divisors
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 ACTIVATIONS = ("gelu", "swiglu")
-CP_COMM_TYPES = ("p2p", "all_gather")  # of Megatron's; its a2a and a2a+p2p are not built
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # of Megatron's; its a2a+p2p is not built
 # Megatron-LM's spellings of these choices (the values of megart train's --normalization and
 # --position-embedding-type), by GPTConfig's names.
 MEGATRON_NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
@@ -88,8 +88,9 @@ class GPTConfig:
     # scores); "auto", "flash" and "fused" let torch's scaled_dot_product_attention choose.
     attention_backend: str = "auto"
     # Megatron's --cp-comm-type: how keys and values travel between context-parallel ranks,
-    # "p2p" (a ring, megart.models.ring_attention; Megatron's default) or "all_gather"
-    # (megart.models.context_parallel). Nothing without context parallelism.
+    # "p2p" (a ring, megart.models.ring_attention; Megatron's default), "all_gather"
+    # (megart.models.context_parallel) or "a2a" (heads scattered, the sequence gathered,
+    # megart.models.all_to_all_attention). Nothing without context parallelism.
     cp_comm_type: str = "p2p"
     init_std: float = 0.02
     seed: int = 1234  # initial weights depend on this alone, not on the parallel layout
