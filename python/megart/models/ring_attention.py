@@ -4,8 +4,9 @@
 Each context-parallel rank keeps its own queries and, at step i, holds the keys and values of
 rank r - i (mod cp): its own at step 0, then each one received from the previous rank while it
 sent the block it held to the next. The partial attention of every step is folded into the
-output by log-sum-exp (online softmax), in fp32 (float64 stays float64), so that no rank ever
-holds more than two ranks' K/V (the one it computes with and the one arriving).
+output by log-sum-exp (online softmax), in fp32 (float64 stays float64), so that besides its
+own a rank holds at most two other ranks' K/V at once (the one it computes with and the one
+arriving), never the whole sequence's.
 
 Under the load-balanced split (rank r holds chunks r and 2 cp - 1 - r,
 megart.models.context_parallel) causal masking is per block pair: step 0 is the rank's own

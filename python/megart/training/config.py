@@ -34,7 +34,7 @@ CHOICES = {
     "tiktoken_pattern": ("v1", "v2"),
     "optimizer": ("adam",),
     "transformer_impl": ("local", "transformer_engine"),
-    "cp_comm_type": ("p2p", "all_gather", "a2a", "a2a+p2p"),  # Megatron's; p2p, all_gather here
+    "cp_comm_type": ("p2p", "all_gather", "a2a", "a2a+p2p"),  # Megatron's; a2a+p2p refused
     "timing_log_level": (0, 1, 2),
     "timing_log_option": ("max", "minmax", "all"),
 }
@@ -193,8 +193,8 @@ class TrainConfig:
     calculate_per_token_loss: bool = False
     context_parallel_size: int = 1
     # How K and V travel between context-parallel ranks: around a ring ("p2p", Megatron's
-    # default, megart.models.ring_attention) or all-gathered ("all_gather"); Megatron's
-    # all-to-all kinds are refused.
+    # default, megart.models.ring_attention), all-gathered ("all_gather") or exchanged for
+    # heads ("a2a"); Megatron's hierarchical "a2a+p2p" is refused.
     cp_comm_type: str = "p2p"
     expert_model_parallel_size: int = 1
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
