@@ -29,15 +29,17 @@ from megart.parallel import make_layout
 
 REL = 5e-6  # as test_uneven_train: a lost reduction or a wrong position moves the loss far more
 F64_REL = 1e-12
+# This file's training runs use the all-gather exchange (--cp-comm-type all_gather); the
+# ring's, the default, are tests/test_context_parallel_ring.py's.
 BASE = dict(vocab_size=300, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
-            init_std=0.5)  # fmt: skip
+            init_std=0.5, cp_comm_type="all_gather")  # fmt: skip
 LLAMA = dict(position_embedding="rotary", normalization="rmsnorm", activation="swiglu",
              num_query_groups=2, untie_embeddings_and_output_weights=True)  # fmt: skip
 # The training runs: Llama-style (rope), 4 iterations, a checkpoint after 2. Weights drawn wider
 # than the default 0.02, whose near-uniform attention hides positions: rope at each rank's local
 # positions moves this curve by 1e-2 relative, the default's by 1e-6.
 TRAIN = dict(vocab_size=300, train_iters=4, position_embedding_type="rope", init_method_std=0.2,
-             normalization="RMSNorm", swiglu=True)  # fmt: skip
+             normalization="RMSNorm", swiglu=True, cp_comm_type="all_gather")  # fmt: skip
 
 
 @settings(max_examples=25, deadline=None)
@@ -124,21 +126,30 @@ def test_the_blockwise_attention_on_a_gpu_is_the_masked_one_in_float64(dtype):
             assert (a.double().cpu() - w).abs().max() <= tol * w.abs().max(), rank
 
 
-def test_attention_and_models_at_cp2_and_cp4_are_the_one_process_ones():
+# The float64 equalities hold for both exchanges of keys and values (the ring's own checks are
+# tests/test_context_parallel_ring.py's).
+COMMS = pytest.mark.parametrize("comm", ["all_gather", "p2p"])
+
+
+@COMMS
+def test_attention_and_models_at_cp2_and_cp4_are_the_one_process_ones(comm):
     """float64: one layer's attention (rope, GQA), a GPT-2-style model (learned positions)
     and a Llama-style one; outputs, input gradients and weight gradients."""
-    attention = dict(BASE, position_embedding="rotary", num_query_groups=2)
-    models = [BASE, dict(BASE, **LLAMA)]
+    base = dict(BASE, cp_comm_type=comm)
+    attention = dict(base, position_embedding="rotary", num_query_groups=2)
+    models = [base, dict(base, **LLAMA)]
     per_rank = launch(cw.against_one_process, 4, attention, models, timeout=120)
     worst = {k: max(r[k] for r in per_rank if k in r) for k in per_rank[0] | per_rank[-1]}
     assert len(worst) == 2 * (2 + 4 + 2 * 2)
     assert max(worst.values()) < F64_REL, worst
 
 
-def test_tp2_x_cp2_with_sequence_parallelism_is_the_one_process_model():
+@COMMS
+def test_tp2_x_cp2_with_sequence_parallelism_is_the_one_process_model(comm):
     """float64, GPT-2-style (learned positions) and Llama-style (rope, GQA): each cp rank's
     s/cp tokens split over t outside attention and the MLP; loss and every gradient."""
-    per_rank = launch(cw.tp_sp_against_one_process, 4, [BASE, dict(BASE, **LLAMA)], timeout=120)
+    base = dict(BASE, cp_comm_type=comm)
+    per_rank = launch(cw.tp_sp_against_one_process, 4, [base, dict(base, **LLAMA)], timeout=120)
     worst = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
     assert len(worst) == 2 + 28 + 27  # two losses; every gradient of gpt-2's 28, llama's 27
     assert max(worst.values()) < F64_REL, worst

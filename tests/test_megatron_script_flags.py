@@ -176,7 +176,7 @@ def test_switches_that_hold_already_are_taken():
         (["--use-precision-aware-optimizer"], "fp32 moments"),
         (["--use-torch-fsdp2"], "use that"),
         (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
-        (["--cp-comm-type", "p2p", "--context-parallel-size", "2"], "all-gathers keys and"),
+        (["--cp-comm-type", "a2a+p2p", "--context-parallel-size", "2"], "no hierarchical"),
     ],
 )
 def test_flags_megart_cannot_honour_are_refused_by_name(argv, says, capsys):

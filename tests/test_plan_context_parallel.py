@@ -84,6 +84,13 @@ CASES = [
         ),
     ),
 ]
+# The cases above run the ring (--cp-comm-type p2p, the default); these the all-gather.
+GATHERED = dict(cp_comm_type="all_gather")
+CASES += [
+    (f"{name} all_gather", model, dict(flags, **GATHERED))
+    for name, model, flags in CASES
+    if name in ("cp2 x tp2", "cp2 x dp2 llama-style selective distributed optimizer")
+]
 # On 8 ranks: sequence parallelism's chunk outputs (1/t of the rank's s/C tokens), which the
 # pipeline engine holds per microbatch in flight.
 WIDE_CASES = [
@@ -123,8 +130,9 @@ def cpu_mask(config: TrainConfig, in_flight: int, pp: int) -> float:
     causal bias is no tensor: models.context_parallel.blockwise_attention): the (s/C) x s
     mask of global positions of masked_attention, kept by torch's CPU kernel as an additive
     mask in the activations' dtype, per layer and microbatch in flight; none under selective
-    recomputation (made inside the checkpoint)."""
-    if config.recompute_granularity == "selective":
+    recomputation (made inside the checkpoint), and none under the ring (--cp-comm-type p2p,
+    the default: its blocks' masks are made and dropped one at a time)."""
+    if config.recompute_granularity == "selective" or config.cp_comm_type == "p2p":
         return 0.0
     s, cp = config.seq_length, config.context_parallel_size
     dtype = 2 if config.bf16 or config.fp16 else 4
@@ -156,8 +164,10 @@ def test_predicted_bytes_are_what_a_context_parallel_rank_holds(case, held):
 # --- time ----------------------------------------------------------------------------------
 
 LONG = GPTConfig(
-    num_layers=4, hidden_size=2048, num_attention_heads=16, seq_length=8192, vocab_size=32000
-)
+    num_layers=4, hidden_size=2048, num_attention_heads=16, seq_length=8192, vocab_size=32000,
+    cp_comm_type="all_gather",
+)  # fmt: skip
+RING = dataclasses.replace(LONG, cp_comm_type="p2p")
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -317,7 +327,8 @@ def test_long_sequences_keep_the_gathered_keys_and_values_and_no_mask():
     """At s = 32768, C = 2 a layer keeps half its local saves and the whole sequence's K and V,
     nothing of size s^2 (an (s/C) x s mask would be 1 GiB per layer in 16 bits)."""
     base = TrainConfig(num_layers=4, hidden_size=1024, num_attention_heads=8, seq_length=32768,
-                       vocab_size=1000, global_batch_size=2, bf16=True)  # fmt: skip
+                       vocab_size=1000, global_batch_size=2, bf16=True,
+                       cp_comm_type="all_gather")  # fmt: skip
     layout = Layout(1, 1, 1, 1, 1, False, None, False)
     one, two = _activations(base, layout, (1, 2))
     cfg = base.gpt_config()
@@ -333,6 +344,39 @@ def test_long_sequences_keep_the_gathered_keys_and_values_and_no_mask():
     ]
     assert two < one
     assert two - one == pytest.approx(4 * (kv - local) + ends[1] - ends[0], rel=1e-12)
+
+
+def test_under_the_ring_long_sequences_keep_no_other_ranks_keys_and_values():
+    """--cp-comm-type p2p at s = 32768, C = 2: a layer keeps half its one-process saves and
+    its attention output besides the projection's copy of it (h per token, 16-bit), no
+    gathered K/V: less than under the all-gather by the whole sequence's K and V, less that."""
+    cfg = GPTConfig(num_layers=4, hidden_size=1024, num_attention_heads=8, seq_length=32768,
+                    vocab_size=1000)  # fmt: skip
+    prec = act.Precision(residual=2, other=2)
+    ring = act.layer_bytes(cfg, 1, 1, False, None, prec, cp=2)
+    one = act.layer_bytes(cfg, 1, 1, False, None, prec)
+    assert ring == one / 2 + 32768 // 2 * 1024 * 2
+    gathered = dataclasses.replace(cfg, cp_comm_type="all_gather")
+    kv = act.gathered_kv_bytes(gathered, 1, 1, None, prec, 2)
+    assert act.layer_bytes(gathered, 1, 1, False, None, prec, cp=2) - ring == kv - 32768 * 1024
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 2), (2, 4), (8, 2)])
+def test_the_ring_passes_keys_and_values_cp_minus_1_times_and_their_gradients_back(tp, cp):
+    """Under the ring a layer's exchange is cp - 1 steps forward of the rank's K and V (2 b
+    s/C kv/t 16-bit elements) to the next rank, and cp - 1 such steps and C of their fp32
+    gradients backward, one latency each, counted whole (the overlap is unmeasured); again
+    forward under full recomputation. Its scores: (C + 1) / 2C of (s/C) x s, explicit."""
+    bus = data_parallel_bus_gb_per_s(GPU, tp, cp)
+    w = layer_work(RING, 1, tp, False, None, GPU, cp=cp, cp_bus_gb_per_s=bus)
+    kv = 2 * RING.seq_length // cp * RING.hidden_size / tp * 2
+    latency = GPU.link_latency_us * 1e-6
+    forward = (cp - 1) * (kv / (bus * 1e9) + latency)
+    backward = forward + cp * (2 * kv / (bus * 1e9) + latency)
+    assert w.cp_comm == pytest.approx(forward + backward, rel=1e-12)
+    full = layer_work(RING, 1, tp, False, "full", GPU, cp=cp, cp_bus_gb_per_s=bus)
+    assert full.cp_comm == pytest.approx(w.cp_comm + forward, rel=1e-12)
+    assert w.weight == layer_work(LONG, 1, tp, False, None, GPU, cp=cp).weight
 
 
 # --- refusals -------------------------------------------------------------------------------
@@ -367,4 +411,10 @@ def test_plan_refuses_what_megart_train_refuses_in_its_words(extra, train, capsy
 def test_megatrons_runtime_is_refused_with_context_parallelism(capsys):
     argv = ARGV + " --context-parallel-size 2 --runtime megatron"
     assert plan_main(argv.split()) == 2
-    assert "not Megatron-Core's ring exchange" in capsys.readouterr().err
+    assert "not Megatron-Core's exchanges" in capsys.readouterr().err
+
+
+def test_the_all_to_all_exchange_is_not_planned(capsys):
+    argv = ARGV + " --context-parallel-size 2 --cp-comm-type a2a"
+    assert plan_main(argv.split()) == 2
+    assert "megart plan models context parallelism's ring" in capsys.readouterr().err

@@ -11,11 +11,13 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megart.distributed import ProcessGroup
+from megart.models.all_to_all_attention import all_to_all_attention
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import context_attention, gather_kv
 from megart.models.init import generator, weight_init
 from megart.models.norms import norm
 from megart.models.recompute import checkpointed
+from megart.models.ring_attention import ring_attention
 from megart.models.rope import apply_rotary
 from megart.models.window import covers, window_mask
 from megart.tensor_parallel import (
@@ -113,7 +115,8 @@ class Attention(nn.Module):
         cp = group_size(self.cp_group)
         where = None  # (cp, cp rank) with context parallelism
         if cp > 1:
-            k, v = gather_kv(k, self.cp_group), gather_kv(v, self.cp_group)
+            if self.cfg.cp_comm_type == "all_gather":  # else each rank's K/V go round a ring
+                k, v = gather_kv(k, self.cp_group), gather_kv(v, self.cp_group)
             where = (cp, group_rank(self.cp_group))
         # A window that reaches back to the sequence's start masks nothing: none, so that the
         # kernels without a mask tensor still apply.
@@ -143,18 +146,22 @@ class Attention(nn.Module):
         the tensor-parallel stream: what selective recomputation recomputes (so it keeps k and v
         per group)."""
         per_group = q.shape[1] // k.shape[1]
-        if per_group > 1:
-            # Each group's key and value head, once per query head of the group (heads are
-            # numbered group by group). Explicit rather than sdpa's enable_gqa, so that every
-            # attention backend and torch's FLOP counter see plain multi-head attention.
-            k = k.repeat_interleave(per_group, dim=1)
-            v = v.repeat_interleave(per_group, dim=1)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         stream = self.rng.fork() if dropout and self.rng else contextlib.nullcontext()
         # Megatron's --attention-backend unfused/local: the softmax of the explicit s x s
         # scores (torch's math kernel); otherwise torch picks flash or fused kernels.
         unfused = self.cfg.attention_backend in ("unfused", "local")
         kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
+        if where is not None and self.cfg.cp_comm_type != "all_gather":  # the groups' K/V travel
+            attend = ring_attention if self.cfg.cp_comm_type == "p2p" else all_to_all_attention
+            with stream, kernel:
+                return attend(q, k, v, self.cp_group, dropout)
+        if per_group > 1:
+            # Each group's key and value head, once per query head of the group (heads are
+            # numbered group by group). Explicit rather than sdpa's enable_gqa, so that every
+            # attention backend and torch's FLOP counter see plain multi-head attention.
+            k = k.repeat_interleave(per_group, dim=1)
+            v = v.repeat_interleave(per_group, dim=1)
         with stream, kernel:
             if where is not None:
                 return context_attention(q, k, v, *where, dropout, window)

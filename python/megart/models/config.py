@@ -15,6 +15,7 @@ from megart.parallel.layout import divisors
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 ACTIVATIONS = ("gelu", "swiglu")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # of Megatron's; its a2a+p2p is not built
 # Megatron-LM's spellings of these choices (the values of megart train's --normalization and
 # --position-embedding-type), by GPTConfig's names.
 MEGATRON_NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
@@ -92,6 +93,11 @@ class GPTConfig:
     # layer or in those the pattern picks (megart.models.window).
     window_size: tuple[int, int] | None = None
     window_attn_skip_freq: int | tuple[int, ...] | None = None
+    # Megatron's --cp-comm-type: how keys and values travel between context-parallel ranks,
+    # "all_gather" (megart.models.context_parallel; megart's default), "p2p" (a ring,
+    # megart.models.ring_attention; Megatron's default) or "a2a" (heads scattered, the sequence
+    # gathered, megart.models.all_to_all_attention). Nothing without context parallelism.
+    cp_comm_type: str = "all_gather"
     init_std: float = 0.02
     # Megatron's --init-method-xavier-uniform: weights drawn from Glorot's uniform instead of
     # N(0, init_std^2) (megart.models.init says which and with which fans).
@@ -131,6 +137,7 @@ class GPTConfig:
             ("normalization", self.normalization, NORMS),
             ("position_embedding", self.position_embedding, POSITIONS),
             ("activation", self.activation, ACTIVATIONS),
+            ("cp_comm_type", self.cp_comm_type, CP_COMM_TYPES),
         ):
             if value not in allowed:
                 raise ConfigError(f"{name}={value!r}; use one of {', '.join(allowed)}")

@@ -6,14 +6,17 @@ early (cheap) as late (costly) query positions. Tokens, targets and positions ar
 rope and learned position embeddings use each token's global position.
 
 Attention needs the keys and values of every earlier token. Here they travel the simple, exact
-way (Megatron-Core's cp_comm_type "all_gather"): each rank all-gathers K and V over the group in
-the forward and reduce-scatters their gradients in the backward. On a GPU the gathered keys are
-put back in the sequence's order and each of the rank's two query chunks attends to the keys up
-to its own chunk's end, causal aligned to the lower right (blockwise_attention): no mask is
-built or kept, flash kernels apply, and every rank computes 1/cp of the causal scores.
+way (Megatron-Core's cp_comm_type "all_gather", --cp-comm-type all_gather): each rank
+all-gathers K and V over the group in the forward and reduce-scatters their gradients in the
+backward. On a GPU the gathered keys are put back in the sequence's order and each of the
+rank's two query chunks attends to the keys up to its own chunk's end, causal aligned to the
+lower right (blockwise_attention): no mask is built or kept, flash kernels apply, and every
+rank computes 1/cp of the causal scores.
 Elsewhere one call scores all keys under the explicit mask of global positions
-(masked_attention; the same attention, tested equal to the blockwise one). No ring (p2p)
-exchange: every rank holds the whole K and V for the length of one layer's attention.
+(masked_attention; the same attention, tested equal to the blockwise one). Under this exchange
+every rank holds the whole K and V for the length of one layer's attention; the ring
+(--cp-comm-type p2p, the default: megart.models.ring_attention) and the all-to-all (a2a:
+megart.models.all_to_all_attention) do not.
 """
 
 from __future__ import annotations

@@ -105,8 +105,11 @@ def layer_bytes(
     heads = cfg.num_attention_heads // t
     residual = 2 * h * seq_share * prec.residual
     norm_out = 2 * h * prec.other
+    ring = cp > 1 and cfg.cp_comm_type == "p2p"
     if cp == 1:
         attention = attention_elements(cfg, t, recompute, prec.other < 4)
+    elif ring:
+        attention = ring_attention_elements(cfg, t, recompute, prec.other < 4)
     else:  # context parallelism's count, as it was (its rope and selective terms unaudited)
         # Attention keeps q, k and v per query head: views of the fused output with one group
         # per head; with fewer groups the repeated keys and values, and q, which is a view of
@@ -127,9 +130,11 @@ def layer_bytes(
     core = 0.0
     if recompute != "selective":  # unfused: the scores of each query against its keys
         keys = s if cp == 1 else s * cp_score_share(cp)
-        core = heads * 4 if not unfused_attention else 5 * heads * keys * prec.other / 2
+        # The ring keeps its fp32 log-sum-exp, as flash does, whatever the backend.
+        core = heads * 4 if ring or not unfused_attention else 5 * heads * keys * prec.other / 2
     local = tokens * (residual + norm_out + other + norms + masks + qk_norms + core)
-    return local + (gathered_kv_bytes(cfg, b, tp, recompute, prec, cp) if cp > 1 else 0.0)
+    gathered = cp > 1 and not ring
+    return local + (gathered_kv_bytes(cfg, b, tp, recompute, prec, cp) if gathered else 0.0)
 
 
 def attention_elements(cfg: GPTConfig, t: int, recompute: str | None, half: bool = False) -> float:
@@ -199,6 +204,19 @@ def qk_norm_bytes(cfg: GPTConfig, t: int, prec: Precision) -> float:
     channels = heads * cfg.head_dim
     half = prec.other < 4
     return heads * 4 + channels * prec.other + (channels * 4 if half else 0)
+
+
+def ring_attention_elements(
+    cfg: GPTConfig, t: int, recompute: str | None, half: bool = False
+) -> float:
+    """attention_elements under context parallelism's ring (--cp-comm-type p2p,
+    megart.models.ring_attention), per token of the rank's own: it keeps q, k and v as given
+    (k and v per group, never repeated: what selective recomputation's checkpoint keeps
+    without context parallelism) and its output, a new tensor [b, heads, s/cp, d] that the
+    projection's [s, b, h] input copies (h/t each; under selective recomputation only the
+    copy), besides its fp32 log-sum-exp (layer_bytes' core term). No other rank's K/V."""
+    selective = attention_elements(cfg, t, "selective", half)
+    return selective + (0 if recompute == "selective" else cfg.hidden_size / t)
 
 
 def rope_table_bytes(cfg: GPTConfig, recompute: str | None, cp: int = 1) -> float:

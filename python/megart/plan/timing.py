@@ -16,7 +16,11 @@ Per microbatch and layer on one GPU (t tensor-parallel ranks):
   2(t-1)/t of them on the wire, plus 2 more forward when full recomputation replays a layer.
 
 With context parallelism (cp ranks, megart.models.context_parallel) a rank holds s/cp tokens of
-each sequence: every per-token term above counts those. Its attention all-gathers keys and
+each sequence: every per-token term above counts those. Under the ring (--cp-comm-type p2p, the
+default; megart.models.ring_attention) each rank passes its keys and values on cp - 1 times
+forward, and again with their gradients backward (ring_seconds), and computes each step's block
+with explicit products (ring_score_share of its scores, softmax over them; the backward
+recomputes them, as flash's does). Under all_gather its attention all-gathers keys and
 values (16-bit, b s kv/t each, kv = groups x head size) over the context-parallel group forward
 and reduce-scatters their gradients backward (again forward under full recomputation), and
 each of its two query chunks attends to the keys up to its own end, causal aligned to the lower
@@ -46,6 +50,31 @@ def cp_score_share(cp: int) -> float:
     attention computes: each query chunk's keys up to its own end, (2 cp + 1) / (4 cp) (rank 0's
     first chunk, whose keys are its own, a little less)."""
     return (2 * cp + 1) / (4 * cp)
+
+
+def ring_score_share(cp: int) -> float:
+    """The share of its (s/cp) x s scores that a rank of context parallelism's ring computes
+    (megart.models.ring_attention, explicit products): its own block whole, (s/cp)^2, then
+    cp - 1 half blocks: (cp + 1) / (2 cp)."""
+    return (cp + 1) / (2 * cp)
+
+
+def ring_seconds(
+    kv_elements: float, cp: int, bus_gb_per_s: float, gpu: GPUProfile
+) -> tuple[float, float]:
+    """Forward and backward seconds of one layer's ring exchange (--cp-comm-type p2p) of a
+    rank holding ``kv_elements`` keys (as many values; 16-bit): cp - 1 steps forward, each its
+    K and V to the next rank while it receives the previous one's; backward cp - 1 such steps
+    and cp of their gradients (fp32 accumulators: twice the bytes). Counted as exposed: the
+    ring posts each step's exchange before that step's products, but that it overlaps on a
+    GPU is unmeasured."""
+    if cp <= 1:
+        return 0.0, 0.0
+    latency = gpu.link_latency_us * 1e-6
+    kv_bytes = 2 * kv_elements * ACT
+    step = kv_bytes / (bus_gb_per_s * 1e9) + latency
+    grad_step = 2 * kv_bytes / (bus_gb_per_s * 1e9) + latency
+    return (cp - 1) * step, (cp - 1) * step + cp * grad_step
 
 
 @dataclass(frozen=True)
@@ -145,7 +174,10 @@ def layer_work(
     heads = b * cfg.num_attention_heads / t
     d = cfg.head_dim
     core_gemm = gemm_seconds(local, s, d, gpu, heads) + gemm_seconds(local, d, s, gpu, heads)
-    if not unfused_attention:
+    ring = cp > 1 and cfg.cp_comm_type == "p2p"
+    if ring:  # explicit products of each block's scores, every step (ring_score_share)
+        core_gemm *= ring_score_share(cp)
+    elif not unfused_attention:
         core_gemm *= CAUSAL_SHARE
     elif cp > 1:  # the explicit scores of each query chunk's keys (cp_score_share)
         core_gemm *= cp_score_share(cp)
@@ -157,6 +189,8 @@ def layer_work(
     qk_norms = 2 * (h + kv) / t if cfg.qk_layernorm else 0.0
     mlp = (3 if cfg.activation == "swiglu" else 2) * f / t
     scores = 4.5 * cfg.num_attention_heads / t * s if unfused_attention else 0.0
+    if ring:  # the softmax over each block's explicit scores
+        scores = 4.5 * cfg.num_attention_heads / t * s * ring_score_share(cp)
     hbm = gpu.hbm_gb_per_s * 1e9
     fwd_elem = tokens * (replicated + qk_norms + mlp) * ACT / hbm
     core_elem = tokens * scores * ACT / hbm
@@ -177,7 +211,10 @@ def layer_work(
     # Context parallelism: keys and values all-gathered forward, their gradients
     # reduce-scattered backward, one collective each.
     gather = scatter = 0.0
-    if cp > 1:
+    if ring:
+        bus = gpu.nvlink_bus_gb_per_s if cp_bus_gb_per_s is None else cp_bus_gb_per_s
+        gather, scatter = ring_seconds(tokens * kv / t, cp, bus, gpu)
+    elif cp > 1:
         kv_bytes = s * b * cfg.query_groups * d / t * ACT  # one gathered tensor
         bus = gpu.nvlink_bus_gb_per_s if cp_bus_gb_per_s is None else cp_bus_gb_per_s
         gather = 2 * collective_seconds("all_gather", kv_bytes, cp, bus, gpu)
@@ -185,7 +222,7 @@ def layer_work(
     forward = fwd_gemm + core_gemm + fwd_elem + core_elem + comm + gather
     # With the scores kept (unfused), the core's backward is two products per forward one, like
     # the dense ones'; flash attention keeps no scores and recomputes them.
-    core_backward = 2 * core_gemm if unfused_attention else FLASH_BACKWARD * core_gemm
+    core_backward = 2 * core_gemm if unfused_attention and not ring else FLASH_BACKWARD * core_gemm
     backward = 2 * (fwd_gemm + fwd_elem + core_elem) + core_backward + comm + scatter
     tp_comm = 2 * comm
     cp_comm = gather + scatter

@@ -35,7 +35,7 @@ CHOICES = {
     "tiktoken_pattern": ("v1", "v2"),
     "optimizer": ("adam",),
     "transformer_impl": ("local", "transformer_engine"),
-    "cp_comm_type": ("p2p", "all_gather", "a2a", "a2a+p2p"),  # Megatron's; all_gather only here
+    "cp_comm_type": ("p2p", "all_gather", "a2a", "a2a+p2p"),  # Megatron's; a2a+p2p refused
     "timing_log_level": (0, 1, 2),
     "timing_log_option": ("max", "minmax", "all"),
 }
@@ -202,8 +202,10 @@ class TrainConfig:
     ckpt_format: str = "megart"
     calculate_per_token_loss: bool = False
     context_parallel_size: int = 1
-    # How K and V travel between context-parallel ranks: megart all-gathers them (Megatron's
-    # "all_gather"); Megatron's default ring ("p2p") and the all-to-all kinds are refused.
+    # How K and V travel between context-parallel ranks: all-gathered ("all_gather", megart's
+    # default: flash kernels on a GPU), around a ring ("p2p", Megatron's default,
+    # megart.models.ring_attention: explicit fp32 blocks, no flash kernel yet) or exchanged for
+    # heads ("a2a"); Megatron's hierarchical "a2a+p2p" is refused.
     cp_comm_type: str = "all_gather"
     expert_model_parallel_size: int = 1
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's

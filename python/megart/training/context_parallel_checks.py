@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from megart.errors import ConfigError
+from megart.models.config import CP_COMM_TYPES
 from megart.models.context_parallel import check_divisible, fitting_lengths
 
 FLAG = "--context-parallel-size"
@@ -25,17 +26,45 @@ def check_context_parallel(config: Any) -> None:
     cp = config.context_parallel_size
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ConfigError(f"{FLAG} {cp!r} must be a positive integer (1, the default: none)")
-    if config.cp_comm_type != "all_gather":
-        # Megatron's default is the ring (p2p): the same attention, but its K/V exchange
-        # overlaps the attention kernels and holds one peer's K/V at a time.
+    if config.cp_comm_type not in CP_COMM_TYPES:
+        # Megatron's hierarchical kind (all-to-all inside --hierarchical-context-parallel-sizes
+        # groups, a ring across them) is not built; the other kinds give the same attention.
         raise ConfigError(
-            f"--cp-comm-type {config.cp_comm_type}: megart's context parallelism all-gathers "
-            "keys and values (Megatron's all_gather), with no ring or all-to-all exchange; give "
-            "--cp-comm-type all_gather or leave it out (the attention is the same)"
+            f"--cp-comm-type {config.cp_comm_type}: megart's context parallelism passes keys "
+            "and values around a ring (p2p, Megatron's default), all-gathers them (all_gather) "
+            "or exchanges heads for the sequence all-to-all (a2a), with no hierarchical "
+            "a2a+p2p; give --cp-comm-type p2p, all_gather or a2a (the attention is the same)"
         )
     if cp == 1:
         return
     check_divisible(config.seq_length, cp, config.tp if config.sequence_parallel else 1)
+    if config.window_size is not None and config.cp_comm_type != "all_gather":
+        raise ConfigError(
+            f"--window-size with --cp-comm-type {config.cp_comm_type}: megart's sliding window "
+            "under context parallelism masks the all-gathered keys by global position; give "
+            "--cp-comm-type all_gather (megart's default)"
+        )
+    if config.cp_comm_type == "a2a":
+        check_heads_split(config, cp)
+
+
+def check_heads_split(config: Any, cp: int) -> None:
+    """Under --cp-comm-type a2a each context-parallel rank attends with 1/cp of its tensor-
+    parallel rank's heads and query groups (K/V heads): both must divide by cp."""
+    heads = config.num_attention_heads // config.tp
+    groups = (config.num_query_groups if config.group_query_attention else None) or (
+        config.num_attention_heads
+    )
+    groups //= config.tp
+    for what, n, flag in (("attention heads", heads, "--num-attention-heads"),
+                          ("query groups", groups, "--num-query-groups")):  # fmt: skip
+        if n % cp:
+            raise ConfigError(
+                f"--cp-comm-type a2a scatters each tensor-parallel rank's {n} {what} ({flag} / "
+                f"--tensor-model-parallel-size {config.tp}) over --context-parallel-size {cp}: "
+                f"they must divide by it; use --cp-comm-type p2p or all_gather, or {flag} a "
+                f"multiple of {cp * config.tp}"
+            )
 
 
 def check_sequence_parallel_split(seq: int, tp: int, cp: int) -> None:

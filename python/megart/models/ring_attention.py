@@ -1,0 +1,267 @@
+"""Ring attention: context parallelism's keys and values passed around the group in cp steps
+(Megatron-Core's cp_comm_type "p2p", Transformer Engine's AttnFuncWithCPAndKVP2P).
+
+Each context-parallel rank keeps its own queries and, at step i, holds the keys and values of
+rank r - i (mod cp): its own at step 0, then each one received from the previous rank while it
+sent the block it held to the next. The partial attention of every step is folded into the
+output by log-sum-exp (online softmax), in fp32 (float64 stays float64), so that besides its
+own a rank holds at most two other ranks' K/V at once (the one it computes with and the one
+arriving), never the whole sequence's.
+
+Under the load-balanced split (rank r holds chunks r and 2 cp - 1 - r,
+megart.models.context_parallel) causal masking is per block pair: step 0 is the rank's own
+block, causal (its tokens are in order); a block from an earlier rank j < r is seen whole by all
+the rank's queries, but only its first chunk (j; chunk 2 cp - 1 - j is later than all of them);
+a block from a later rank j > r is seen, whole, by the rank's second query chunk only. The steps
+after the first each compute half a block's scores.
+
+The backward recomputes each block's scores from the saved queries, the rank's own K/V, the
+output and the log-sum-exp (nothing of other ranks' K/V is saved), passing K/V around the ring
+again; each block's dK/dV accumulator travels with it, every rank adding its part, and a last
+exchange hands it back to its owner. Messages: cp - 1 K/V blocks forward; cp - 1 K/V blocks and
+cp dK/dV blocks backward, each to the next rank.
+
+With grouped-query attention the K/V that travel are the groups' (not repeated per head). The
+blocks are computed with explicit matrices on every device (no flash kernel yet), in tiles of
+query rows so that one tile's scores (TILE_ELEMENTS) exist at a time, however long the
+sequence. Attention dropout draws each tile's mask from the current random stream and the
+backward replays the stream from its saved state, so that the backward is the forward's own
+derivative; the masks are not the one-process attention's (nor are the all-gather path's).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+import megart.distributed as dist
+from megart.distributed import ProcessGroup
+
+# Scores per tile of query rows (fp32: 256 MiB): a step's explicit products never hold more
+# than a few tiles' worth, whatever the sequence length.
+TILE_ELEMENTS = 1 << 26
+
+
+def block_of(step: int, cp: int, cp_rank: int, local: int) -> tuple[slice, slice, bool]:
+    """At ``step`` of the ring, which of ``cp_rank``'s ``local`` query rows attend to which of
+    the visiting block's ``local`` keys, and whether causally: (rows, keys, causal)."""
+    half = local // 2
+    if step == 0:
+        return slice(0, local), slice(0, local), True
+    if (cp_rank - step) % cp < cp_rank:  # an earlier rank's block: its first chunk, all rows
+        return slice(0, local), slice(0, half), False
+    return slice(half, local), slice(0, local), False  # a later rank's: the second chunk's rows
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _expand(x: torch.Tensor, per_group: int) -> torch.Tensor:
+    """Each group's key or value head once per query head of the group."""
+    return x.repeat_interleave(per_group, dim=1) if per_group > 1 else x
+
+
+def _fold(x: torch.Tensor, per_group: int) -> torch.Tensor:
+    """The gradient of _expand: each group's heads' gradients summed."""
+    if per_group == 1:
+        return x
+    b, h, n, d = x.shape
+    return x.view(b, h // per_group, per_group, n, d).sum(2)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, first_row: int | None) -> torch.Tensor:
+    """q k^T / sqrt(d), in q's (compute) type. ``first_row``: None for no mask, else the
+    index in the block of q's first row: key j is masked (-inf) for row i when j > first_row + i
+    (causal, both counted from the block's start)."""
+    s = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
+    if first_row is not None:
+        rows = torch.arange(first_row, first_row + q.shape[-2], device=s.device)
+        later = torch.arange(k.shape[-2], device=s.device).unsqueeze(0) > rows.unsqueeze(1)
+        s = s.masked_fill(later, float("-inf"))
+    return s
+
+
+def tiles(rows: slice, keys: int, heads: int, tile_elements: int) -> list[slice]:
+    """``rows`` in tiles of as many query rows as keep one tile's scores ([heads, rows,
+    keys], heads counting the batch) within ``tile_elements``: the largest temporary of a
+    step is then a tile's, however long the sequence."""
+    per_tile = max(1, tile_elements // max(1, heads * keys))
+    return [slice(i, min(i + per_tile, rows.stop)) for i in range(rows.start, rows.stop, per_tile)]
+
+
+def _keep(shape: torch.Size, dropout: float, like: torch.Tensor) -> torch.Tensor | None:
+    """A dropout mask, scaled by 1 / (1 - p), drawn from the current random stream."""
+    if not dropout:
+        return None
+    keep = torch.rand(shape, device=like.device, dtype=like.dtype) >= dropout
+    return keep.to(like.dtype) / (1.0 - dropout)
+
+
+class _Ring:
+    """One rank's place in the ring: the peers and the exchange of a block with them."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.cp, self.rank = group.size(), group.rank()
+        self.next = group.ranks[(self.rank + 1) % self.cp]
+        self.prev = group.ranks[(self.rank - 1) % self.cp]
+
+    def pass_on(self, block: torch.Tensor) -> tuple[torch.Tensor, list[dist.Work]]:
+        """Starts sending ``block`` to the next rank and receiving the previous rank's into a
+        new tensor; returns it and the ops to wait on before reading it."""
+        arriving = torch.empty_like(block)
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, block, self.next, self.group),
+                dist.P2POp(dist.irecv, arriving, self.prev, self.group),
+            ]
+        )
+        return arriving, works
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for w in works:
+        w.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries [b, heads, s/cp, d] over the whole sequence,
+    given this rank's keys and values [b, groups, s/cp, d] (see the module's docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: ProcessGroup,
+        dropout: float,
+        tile_elements: int,
+    ) -> torch.Tensor:
+        ring = _Ring(group)
+        c = _compute_dtype(q.dtype)
+        b, h, local, d = q.shape
+        per_group = h // k.shape[1]
+        rng = _rng_state(q.device) if dropout else None
+        qc = q.to(c)
+        out = torch.zeros(b, h, local, d, dtype=c, device=q.device)
+        lse = torch.full((b, h, local), float("-inf"), dtype=c, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(ring.cp):
+            if step + 1 < ring.cp:  # the next block travels while this one is computed
+                arriving, works = ring.pass_on(kv)
+            rows, keys, causal = block_of(step, ring.cp, ring.rank, local)
+            kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
+            for t in tiles(rows, kb.shape[2], b * h, tile_elements):
+                s = _scores(qc[:, :, t], kb, t.start if causal else None)
+                tile_lse = torch.logsumexp(s, dim=-1)
+                p = torch.exp(s - tile_lse.unsqueeze(-1))
+                keep = _keep(p.shape, dropout, p)
+                tile_out = (p if keep is None else p * keep) @ vb
+                # Online softmax: both partial outputs reweighted to the combined normaliser.
+                old = lse[:, :, t]
+                new = torch.logaddexp(old, tile_lse)
+                kept, added = (torch.exp(x - new).unsqueeze(-1) for x in (old, tile_lse))
+                out[:, :, t] = out[:, :, t] * kept + tile_out * added
+                lse[:, :, t] = new
+            if step + 1 < ring.cp:
+                _wait(works)
+                kv = arriving
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.ring, ctx.dropout, ctx.rng, ctx.tile_elements = ring, dropout, rng, tile_elements
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, dropout = ctx.ring, ctx.dropout
+        c = _compute_dtype(q.dtype)
+        h, local = q.shape[1], q.shape[2]
+        per_group = h // k.shape[1]
+        qc, doc = q.to(c), dout.to(c)
+        delta = (doc * out.to(c)).sum(-1)  # rowsum(dO o O): the softmax's backward term
+        dq = torch.zeros_like(qc)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=c, device=kv.device)  # the visiting block's dK, dV
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        with _replayed(ctx.rng, q.device):
+            for step in range(ring.cp):
+                if step + 1 < ring.cp:
+                    arriving, works = ring.pass_on(kv)
+                rows, keys, causal = block_of(step, ring.cp, ring.rank, local)
+                kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
+                dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+                for t in tiles(rows, kb.shape[2], q.shape[0] * h, ctx.tile_elements):
+                    qt, dot = qc[:, :, t], doc[:, :, t]
+                    p = torch.exp(_scores(qt, kb, t.start if causal else None) - lse[:, :, t, None])
+                    keep = _keep(p.shape, dropout, p)
+                    dp = dot @ vb.transpose(-1, -2)
+                    if keep is not None:
+                        dp = dp * keep
+                        p_kept = p * keep
+                    else:
+                        p_kept = p
+                    dv += p_kept.transpose(-1, -2) @ dot
+                    ds = p * (dp - delta[:, :, t].unsqueeze(-1))
+                    dq[:, :, t] += ds @ kb * scale
+                    dk += ds.transpose(-1, -2) @ qt * scale
+                dkv[0][:, :, keys] += _fold(dk, per_group)
+                dkv[1][:, :, keys] += _fold(dv, per_group)
+                # The accumulator goes on with its block; the last exchange brings the rank's
+                # own block's, complete, back from the previous rank.
+                dkv, grad_works = ring.pass_on(dkv)
+                _wait(grad_works)
+                if step + 1 < ring.cp:
+                    _wait(works)
+                    kv = arriving
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+class _replayed:
+    """The random stream set back to ``state`` (saved by the forward) for the duration, so
+    that the backward draws the forward's dropout masks again; the stream is restored after.
+    Nothing without a state (no dropout)."""
+
+    def __init__(self, state: torch.Tensor | None, device: torch.device) -> None:
+        self.state, self.device = state, device
+
+    def __enter__(self) -> None:
+        if self.state is None:
+            return
+        self.now = _rng_state(self.device)
+        self._set(self.state)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.state is not None:
+            self._set(self.now)
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: ProcessGroup,
+    dropout: float = 0.0,
+    tile_elements: int = TILE_ELEMENTS,
+) -> torch.Tensor:
+    """Causal attention of this context-parallel rank's queries ([b, heads, s/cp, d]) over the
+    sequence, from each rank's own keys and values ([b, groups, s/cp, d], heads a multiple of
+    groups) passed around ``group`` (see the module's docstring); each step's scores computed
+    in tiles of query rows of at most ``tile_elements`` scores (see tiles)."""
+    return RingAttention.apply(q, k, v, group, dropout, tile_elements)
