@@ -178,8 +178,18 @@ def test_cp2_with_zero_bubble_or_recomputation_follows_the_one_process_curve(str
     assert losses == pytest.approx(straight[:3], rel=REL, abs=0)
 
 
-def test_the_ring_is_megatrons_default_and_the_hierarchical_kind_is_refused():
-    assert TrainConfig().cp_comm_type == "p2p"
+def test_the_default_is_all_gather_and_the_hierarchical_kind_is_refused():
+    # Megatron's default is the ring; megart's stays the all-gather, whose GPU path runs flash
+    # kernels (the ring's blocks are explicit products: README, Context parallelism).
+    assert TrainConfig().cp_comm_type == "all_gather"
+    TrainConfig(context_parallel_size=2, seq_length=16, cp_comm_type="p2p").check(2)  # runs
+    # The sliding window masks the all-gathered keys by global position: not the ring's.
+    for kind in ("p2p", "a2a"):
+        windowed = TrainConfig(
+            context_parallel_size=2, seq_length=16, cp_comm_type=kind, window_size="4,0"
+        )
+        with pytest.raises(ConfigError, match=f"--window-size with --cp-comm-type {kind}"):
+            windowed.check(2)
     with pytest.raises(ConfigError, match=re.escape("--cp-comm-type a2a+p2p: ") + ".*no hier"):
         TrainConfig(context_parallel_size=2, seq_length=16, cp_comm_type="a2a+p2p").check(2)
 

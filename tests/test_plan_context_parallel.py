@@ -351,7 +351,7 @@ def test_under_the_ring_long_sequences_keep_no_other_ranks_keys_and_values():
     its attention output besides the projection's copy of it (h per token, 16-bit), no
     gathered K/V: less than under the all-gather by the whole sequence's K and V, less that."""
     cfg = GPTConfig(num_layers=4, hidden_size=1024, num_attention_heads=8, seq_length=32768,
-                    vocab_size=1000)  # fmt: skip
+                    vocab_size=1000, cp_comm_type="p2p")  # fmt: skip
     prec = act.Precision(residual=2, other=2)
     ring = act.layer_bytes(cfg, 1, 1, False, None, prec, cp=2)
     one = act.layer_bytes(cfg, 1, 1, False, None, prec)
