@@ -21,7 +21,8 @@ from megart.launcher import launch
 from megart.models.config import GPTConfig
 from megart.parallel.layout import make_layout
 from megart.plan import activations as act
-from megart.plan.estimate import data_parallel_bus_gb_per_s, estimate
+from megart.plan.data_parallel import data_parallel_bus_gb_per_s
+from megart.plan.estimate import estimate
 from megart.plan.hardware import load_profile
 from megart.plan.layout import Layout, layout_config
 from megart.plan.memory import precision, rank_memory

@@ -12,7 +12,7 @@ import pytest
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
 from megart.plan import load_profile
-from megart.plan.estimate import data_parallel_bus_gb_per_s
+from megart.plan.data_parallel import data_parallel_bus_gb_per_s
 from megart.plan.hardware import PROFILE_DIR
 from megart.plan.timing import gemm_seconds, layer_work
 

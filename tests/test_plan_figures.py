@@ -8,7 +8,7 @@ import pytest
 
 from megart.errors import ConfigError
 from megart.plan import Layout, estimate, load_profile, search
-from megart.plan.estimate import SINGLE_STAGE
+from megart.plan.data_parallel import SINGLE_STAGE
 from megart.plan.published import TABLES, config, fixed, model_options
 from megart.training.config import TrainConfig
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megart.plan.estimate import SINGLE_STAGE
+from megart.plan.data_parallel import SINGLE_STAGE
 from megart.plan.layout import Layout
 from megart.plan.search import Fixed
 from megart.training.config import TrainConfig

@@ -1,0 +1,75 @@
+"""The data-parallel part of an iteration's time: the bus a data-parallel (or context-parallel)
+group's collectives get, and what of the gradient reduction, the distributed optimizer's
+all-gather and the tied embedding's all-reduce is left after the last backward."""
+
+from __future__ import annotations
+
+from megart.models import GPTConfig
+from megart.plan.hardware import GPUProfile
+from megart.plan.layout import Layout
+from megart.plan.parameters import BUCKET_BYTES, FP32
+from megart.plan.timing import collective_seconds
+
+# dp_overlap="single-stage": the gradient all-reduce overlaps the last microbatch's backward
+# only with p = 1, as in SC21's Megatron-LM: its p = 1 runs used --DDP-impl torch (its
+# examples/sc21), whose no_sync() spared only the last microbatch (schedules.py), so its 25 MiB
+# buckets were reduced during that backward; p > 1 required local DDP, reduced after it all.
+SINGLE_STAGE = "single-stage"
+TORCH_DDP_BUCKET_BYTES = 25 << 20
+
+
+def data_parallel_bus_gb_per_s(gpu: GPUProfile, tp: int, dp: int) -> float:
+    """busbw of a data-parallel group's collectives (``dp`` ranks: with context parallelism the
+    d x cp ranks that average gradients, or the cp ranks that gather keys and values). Ranks
+    are numbered tensor-parallel first (then cp, then dp), so the group's members sit tp apart
+    and a node holds k = gpus_per_node / tp of them. Inside
+    one node: NVLink. Across nodes, NCCL runs one channel per NIC nearest the group's GPUs, each
+    channel entering and leaving a node once (its graph search, src/graph/search.cc;
+    NVIDIA/nccl#687), so the group's k GPUs drive k rails at once; the node's other groups use
+    the other rails."""
+    if tp * dp <= gpu.gpus_per_node:
+        return gpu.nvlink_bus_gb_per_s
+    per_node = max(1, min(dp, gpu.gpus_per_node // tp))
+    return min(per_node * gpu.rail_gb_per_s, gpu.nvlink_bus_gb_per_s)
+
+
+def data_parallel_seconds(
+    cfg: GPTConfig,
+    layout: Layout,
+    dp: int,
+    gpu: GPUProfile,
+    grad_elements_bytes: float,
+    last_backward: float,
+    half_weights: bool,
+    dp_overlap: bool | str,
+    grad_reduce_bytes: int,
+) -> tuple[float, float, float]:
+    """Seconds the iteration spends on data-parallel communication after its last backward:
+    the gradient reduction's exposed part, the distributed optimizer's all-gather, and the tied
+    embedding's all-reduce between the first and last stage. ``grad_elements_bytes``: fp32
+    bytes of the worst rank's gradients; ``half_weights``: the weights are 16-bit."""
+    t, p = layout.tp, layout.pp
+    dist = layout.distributed_optimizer
+    gather_bytes = 2 if half_weights else FP32  # what the distributed optimizer gathers
+    # megart reduces each 4 MiB bucket of fp32 gradients as soon as the last microbatch's
+    # backward has produced it, so all but the last bucket overlap that backward.
+    grad_bytes = grad_elements_bytes * grad_reduce_bytes / FP32
+    dp_bw = data_parallel_bus_gb_per_s(gpu, t, dp)
+    # The distributed optimizer reduce-scatters the gradients, then all-gathers the parameters.
+    kind = "reduce_scatter" if dist else "all_reduce"
+    reduce = collective_seconds(kind, grad_bytes, dp, dp_bw, gpu)
+    bucket = TORCH_DDP_BUCKET_BYTES if dp_overlap == SINGLE_STAGE else BUCKET_BYTES
+    last_bucket = reduce * min(1.0, bucket / max(grad_bytes, 1.0))
+    exposed = max(reduce - last_backward, last_bucket) if reduce else 0.0
+    if not dp_overlap or (dp_overlap == SINGLE_STAGE and p > 1):
+        exposed = reduce
+    gather = 0.0
+    if dist:
+        params = grad_elements_bytes * gather_bytes / FP32
+        gather = collective_seconds("all_gather", params, dp, dp_bw, gpu)
+    tied = 0.0
+    # The tied embedding's two copies: on the first and last ranks, both on rank 0 in zb-v.
+    if p > 1 and not cfg.untie_embeddings_and_output_weights and layout.kind != "zb-v":
+        emb = cfg.padded_vocab_size(t) // t * cfg.hidden_size * FP32 / (dp if dist else 1)
+        tied = collective_seconds("all_reduce", emb, 2, gpu.rail_gb_per_s, gpu)
+    return exposed, gather, tied
