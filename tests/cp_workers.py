@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 
 import megart.distributed as dist
-from megart.models.blocks import Attention, rotary
+from megart.models.attention import Attention
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import group_positions, split_for_cp
 from megart.models.gpt import GPTChunk
 from megart.models.hf import _gather
+from megart.models.rope import rotary
 from megart.tensor_parallel import sync_sequence_parallel_grads
 from megart.tensor_parallel._group import group_rank, group_size
 

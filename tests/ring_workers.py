@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import megart.distributed as dist
 from megart.models.all_to_all_attention import all_to_all_attention
-from megart.models.blocks import Attention
+from megart.models.attention import Attention
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import split_for_cp
 from megart.models.ring_attention import TILE_ELEMENTS, block_of, ring_attention

@@ -21,9 +21,10 @@ from megart import ConfigError
 from megart.cli.train import add_arguments, config_from_args
 from megart.launcher import LaunchError, launch
 from megart.models import GPT, GPTConfig
-from megart.models.blocks import Attention, rotary
+from megart.models.attention import Attention
 from megart.models.config import architecture_flags
 from megart.models.hf_gpt2 import check as check_gpt2
+from megart.models.rope import rotary
 from megart.training.data import builtin_corpus
 from megart.training.export_hf import export_checkpoint
 from megart.training.flops import iteration_flops, model_flops

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import megatron_workers as mw
 from megart.launcher import launch
 from megart.models import GPT, GPTConfig
-from megart.models.blocks import apply_norm, norm
+from megart.models.norms import apply_norm, norm
 from megart.training.checkpoint import FILE, iteration_dir
 from megart.training.config import TrainConfig
 from megart.training.export_hf import export_checkpoint

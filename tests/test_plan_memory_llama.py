@@ -20,8 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megart.models.blocks import Block, rotary
+from megart.models.blocks import Block
 from megart.models.config import GPTConfig
+from megart.models.rope import rotary
 from megart.plan import activations as act
 from plan_workers import SavedBytes
 

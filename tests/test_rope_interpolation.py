@@ -18,7 +18,7 @@ import train_workers as tw
 from megart.errors import ConfigError
 from megart.launcher import launch
 from megart.models import GPT, GPTConfig
-from megart.models.blocks import rotary
+from megart.models.rope import rotary
 from megart.training import checkpoint
 from megart.training.megatron_args import config_from_args, megatron_args
 

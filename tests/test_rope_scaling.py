@@ -18,7 +18,7 @@ import train_workers as tw
 from megart.errors import ConfigError
 from megart.launcher import launch
 from megart.models import GPTConfig
-from megart.models.blocks import llama3_inv_freq, rotary
+from megart.models.rope import llama3_inv_freq, rotary
 from megart.training import checkpoint
 from megart.training.megatron_args import config_from_args, megatron_args
 

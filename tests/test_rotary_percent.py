@@ -21,7 +21,7 @@ import train_workers as tw
 from megart.errors import ConfigError
 from megart.launcher import launch
 from megart.models import GPT, GPTConfig
-from megart.models.blocks import apply_rotary, rotary
+from megart.models.rope import apply_rotary, rotary
 from megart.training.checkpoint import FILE, iteration_dir
 from megart.training.export_hf import export_checkpoint
 from megart.training.megatron_args import config_from_args, megatron_args

@@ -1,4 +1,5 @@
-"""The pieces of a GPT layer, tensor-parallel: norms, rotary positions, attention, the MLP.
+"""A GPT layer, tensor-parallel: the MLP and the block that joins it to attention (attention.py)
+with the norms (norms.py); rotary positions are rope.py's, initial weights init.py's.
 
 Activations are [s, b, h] (sequence first, Megatron's layout): sequence parallelism splits
 dimension 0. Each parameter is drawn from a generator seeded by (model seed, layer, name), so a
@@ -18,42 +19,12 @@ from megart.kernels import add_layer_norm, bias_gelu
 from megart.models.attention import Attention
 from megart.models.config import GPTConfig
 from megart.models.init import generator, weight_init
-from megart.models.norms import HALF, LayerNorm, RMSNorm, apply_norm, gamma, in_dtype, norm
-from megart.models.rope import (
-    LLAMA3_HIGH_FREQ_FACTOR,
-    LLAMA3_LOW_FREQ_FACTOR,
-    LLAMA3_ORIGINAL_CONTEXT,
-    apply_rotary,
-    llama3_inv_freq,
-    rotary,
-)
+from megart.models.norms import apply_norm, gamma, in_dtype, norm
 from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
     RowParallelLinear,
 )
-
-# The layer's pieces live in attention.py, norms.py, rope.py and init.py; the names other
-# modules have imported from here stay importable from here.
-__all__ = [
-    "HALF",
-    "LLAMA3_HIGH_FREQ_FACTOR",
-    "LLAMA3_LOW_FREQ_FACTOR",
-    "LLAMA3_ORIGINAL_CONTEXT",
-    "MLP",
-    "Attention",
-    "Block",
-    "LayerNorm",
-    "RMSNorm",
-    "apply_norm",
-    "apply_rotary",
-    "gamma",
-    "generator",
-    "in_dtype",
-    "llama3_inv_freq",
-    "norm",
-    "rotary",
-]
 
 
 class MLP(nn.Module):

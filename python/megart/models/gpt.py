@@ -16,12 +16,14 @@ from torch import nn
 from megart.distributed import ProcessGroup
 from megart.errors import ConfigError
 from megart.kernels import fused_vocab_parallel_cross_entropy
-from megart.models.blocks import Block, apply_norm, generator, norm, rotary
+from megart.models.blocks import Block
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import group_positions
 from megart.models.documents import Documents
-from megart.models.init import weight_init
+from megart.models.init import generator, weight_init
+from megart.models.norms import apply_norm, norm
 from megart.models.recompute import checkpointed, recomputed_spans
+from megart.models.rope import rotary
 from megart.models.stages import FIRST, LAST, stage_ranges, uneven
 from megart.tensor_parallel import (
     ColumnParallelLinear,

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from megart.errors import ConfigError
-from megart.models.blocks import (
+from megart.models.config import GPTConfig, refuse_unlike
+from megart.models.rope import (
     LLAMA3_HIGH_FREQ_FACTOR,
     LLAMA3_LOW_FREQ_FACTOR,
     LLAMA3_ORIGINAL_CONTEXT,
 )
-from megart.models.config import GPTConfig, refuse_unlike
 
 NAME = "Llama"
 MODEL_TYPE = "llama"
