@@ -59,7 +59,7 @@ def test_torchrun_megart_selftest_compares_every_op_with_torch(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     checks = json.loads(run.stdout)["checks"]  # printed once, by rank 0
-    assert len(checks) == 27 + 2 + 2  # 9 ops x fp32, bf16, fp16; two schedules; two layouts
+    assert len(checks) == 27 + 2 + 3  # 9 ops x fp32, bf16, fp16; two schedules; three layouts
     assert all(c["status"] == "pass" for c in checks), checks
     assert all(c["name"].startswith("shm 2 ranks") for c in checks[:27])
     # A second init under torchrun's store, and ranks launched from a torchrun worker (the
@@ -67,6 +67,7 @@ def test_torchrun_megart_selftest_compares_every_op_with_torch(tmp_path):
     assert [c["name"] for c in checks[27:]] == [
         *(f"training tp1 pp2 {kind} (shm, 2 ranks)" for kind in ("interleaved", "zb-v")),
         "training cp2 tp1 (shm, 2 ranks)",
+        "training cp2 ring tp1 (shm, 2 ranks)",
         "training llama-style tp2 sp qk-layernorm (shm, 2 ranks)",
     ]
 

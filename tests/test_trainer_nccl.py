@@ -42,6 +42,10 @@ LAYOUTS = {
     # written, 2026-11-27), K/V gathered and their gradients reduce-scattered through NCCL.
     "cp2": (2, dict(context_parallel_size=2)),
     "tp2-cp2": (4, dict(tensor_model_parallel_size=2, context_parallel_size=2)),
+    # The ring (NCCL sends and receives, posted before each block) and Ulysses' all-to-all
+    # (unrun on a GPU when written, 2026-11-27).
+    "cp2-ring": (2, dict(context_parallel_size=2, cp_comm_type="p2p")),
+    "cp2-a2a": (2, dict(context_parallel_size=2, cp_comm_type="a2a")),
     # Each cp rank's s/cp tokens split over t outside attention (unrun on a GPU when written).
     "tp2-cp2-sequence-parallel": (
         4,

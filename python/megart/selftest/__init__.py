@@ -259,9 +259,10 @@ def _pipeline_training() -> list[Check]:
 
 
 def _layout_training() -> list[Check]:
-    """Context parallelism (cp2, tensor parallelism over the rest of the ranks), and a
-    Llama-style GPT (grouped queries, SwiGLU, query/key norms) under tp2 with sequence
-    parallelism (data parallelism over the rest)."""
+    """Context parallelism (cp2, tensor parallelism over the rest of the ranks), all-gathered
+    and around the ring (--cp-comm-type p2p: NCCL's point-to-point sends), and a Llama-style
+    GPT (grouped queries, SwiGLU, query/key norms) under tp2 with sequence parallelism (data
+    parallelism over the rest)."""
     from megart.selftest import training
 
     world = int(os.environ["WORLD_SIZE"])
@@ -271,6 +272,9 @@ def _layout_training() -> list[Check]:
     runs = [
         (f"training cp2 tp{world // 2}", {},
          dict(context_parallel_size=2, tensor_model_parallel_size=world // 2)),
+        (f"training cp2 ring tp{world // 2}", {},
+         dict(context_parallel_size=2, tensor_model_parallel_size=world // 2,
+              cp_comm_type="p2p")),
         ("training llama-style tp2 sp qk-layernorm", training.LLAMA,
          dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     ]  # fmt: skip
