@@ -84,3 +84,26 @@ def test_without_the_type_load_reads_only_persistent_checkpoints(tmp_path):
 def test_what_megart_does_not_do_is_refused_by_name(kw, says):
     with pytest.raises(ConfigError, match=says):
         tw.tiny(**kw).check(1)
+
+
+def test_use_checkpoint_args_reads_the_checkpoint_load_resumes(tmp_path, capsys):
+    """As Megatron-LM's load_args_from_checkpoint (through _load_base_checkpoint): the flags
+    come from the newer non-persistent checkpoint when that is what --load resumes."""
+    from test_checkpoint_args import flags_config
+
+    kw = dict(train_iters=4, hidden_size=48, save=str(tmp_path), save_interval=10,
+              non_persistent_save_interval=1, **NP)  # fmt: skip
+    launch(sw.killed_after, 1, kw, 2, timeout=300)
+    assert latest_iteration(tmp_path) is None and latest_iteration(tmp_path / "non_persistent") == 2
+    argv = [
+        "--load",
+        str(tmp_path),
+        "--use-checkpoint-args",
+        "--non-persistent-ckpt-type",
+        "global",
+    ]
+    assert flags_config(argv).hidden_size == 48
+    assert f"flags from {tmp_path / 'non_persistent' / 'iter_0000002'}" in capsys.readouterr().out
+    # Without the type only persistent checkpoints count, as --load's resume: none here.
+    with pytest.raises(ConfigError, match="no latest_checkpointed_iteration.txt there"):
+        flags_config(argv[:3])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from megart.errors import ConfigError
@@ -29,7 +30,7 @@ from megart.models.config import GPTConfig
 from megart.models.stages import ends_of, uneven
 from megart.training import megatron_dist, tokenizer_record
 from megart.training.checkpoint import model_config
-from megart.training.checkpoint_dirs import loads_pretrained
+from megart.training.checkpoint_dirs import NON_PERSISTENT_FLAGS, loads_pretrained, resume_dir
 from megart.training.ckpt_files import (
     FILE,
     chosen_iteration,
@@ -215,6 +216,8 @@ def apply(
     if loads_pretrained(load, given.get("pretrained_checkpoint")):
         # What this run will load (Megatron reads both, --load's winning).
         load = given["pretrained_checkpoint"]
+    elif load:  # the checkpoint --load resumes: a newer non-persistent one, as Megatron's
+        load = resume_dir(SimpleNamespace(**{**NON_PERSISTENT_FLAGS, **given}))
     if not load:
         raise ConfigError(
             "--use-checkpoint-args takes the model's flags from the checkpoint in --load: give "

@@ -90,6 +90,12 @@ def non_persistent_dir(cfg: Any) -> Path:
     return Path(cfg.non_persistent_global_ckpt_dir or Path(cfg.save) / NON_PERSISTENT)
 
 
+# The flags resume_dir reads, unset (for a command line's flags before TrainConfig's defaults).
+NON_PERSISTENT_FLAGS = dict(
+    load=None, ckpt_step=None, non_persistent_ckpt_type=None, non_persistent_global_ckpt_dir=None
+)
+
+
 def resume_dir(cfg: Any) -> str | None:
     """The directory --load resumes from: --load, or its non-persistent directory (with
     --non-persistent-ckpt-type global) when that holds a checkpoint at least as recent."""
