@@ -4,7 +4,6 @@ split and sample counts), sample by sample, tokens and labels."""
 
 from __future__ import annotations
 
-import types
 import warnings
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import megatron_order_workers as mow
 from megart.training.config import TrainConfig
 from megart.training.indexed import write_indexed
 from megart.training.megatron_blend import megatron_datasets, num_samples
@@ -169,3 +169,38 @@ def test_any_seed_sequence_length_and_document_lengths(
         data_path=prefix, split="80,20,0", seed=seed, seq_length=seq_length, train_iters=iters
     )
     _assert_same(cfg, d / "cache")
+
+
+def _sampler_slices(n: int, mbs: int, dp: int, rank: int) -> list[list[int]]:
+    """Megatron's MegatronPretrainingSampler from sample 0: rank ``rank``'s micro batches, each
+    the rank-th run of ``mbs`` samples of every ``mbs * dp`` (written from its documented
+    behaviour, not from megart's row order)."""
+    return [list(range(s + rank * mbs, s + (rank + 1) * mbs)) for s in range(0, n, mbs * dp)]
+
+
+def test_a_dp2_training_run_feeds_each_rank_megatrons_sampler_slices(tmp_path):
+    from megart.launcher import launch
+
+    prefix = _write(tmp_path, "a", np.random.default_rng(20).integers(1, 40, 400), 21, vocab=200)
+    kw = dict(data_path=prefix, data_order="megatron", seq_length=16, vocab_size=256,
+              micro_batch_size=2, global_batch_size=8, train_iters=4, eval_interval=2,
+              eval_iters=1, split="90,10,0", seed=77)  # fmt: skip
+    cfg = _config(**kw)
+    fed = launch(mow.fed, 2, kw, timeout=300)
+    train, valid, _ = _megatron(cfg, tmp_path / "cache")
+    gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
+    for rank, batches in enumerate(fed):
+        assert [(s, b) for s, b, _, _ in batches] == [
+            ("train", 0),
+            ("train", 1),
+            ("valid", 0),
+            ("train", 2),
+            ("train", 3),
+            ("valid", 2),
+        ]  # validation goes on: batch 1 was Megatron's in-loop evaluation at iteration 4
+        for split, b, inputs, targets in batches:
+            data = train if split == "train" else valid
+            for j, ids in enumerate(_sampler_slices(gbs, mbs, 2, rank)):
+                want = [data[b * gbs + i] for i in ids]
+                assert inputs[j] == [w["tokens"].tolist() for w in want], (rank, split, b, j)
+                assert targets[j] == [w["labels"].tolist() for w in want], (rank, split, b, j)
