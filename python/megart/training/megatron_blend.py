@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from megart.errors import ConfigError
-from megart.training.config_checks import DEFAULT_SPLIT
 from megart.training.indexed import IndexedTokens
 from megart.training.megatron_order import GPTOrder, split_bookends, split_sequences
 
@@ -98,11 +97,14 @@ def build_orders(
     seed: int,
     seq_length: int,
     opened: dict[str, IndexedTokens],
+    mmap: bool = True,
 ) -> list[Order | None]:
     """One blend's three splits (None where ``bookends`` or ``sizes`` has none), as
     BlendedMegatronDatasetBuilder builds them."""
     prefixes, weights = parse_megatron_blend(path)
-    data = [opened.setdefault(p, IndexedTokens(p)) for p in prefixes]
+    data = [
+        opened[p] if p in opened else opened.setdefault(p, IndexedTokens(p, mmap)) for p in prefixes
+    ]
 
     def gpt(d: IndexedTokens, i: int, n: int | None) -> GPTOrder:
         return GPTOrder(d, split_sequences(len(d), bookends[i]), n, seed, seq_length)
@@ -158,6 +160,14 @@ class MegatronOrderDataset:
         return windows[:, :-1], windows[:, 1:]
 
 
+def eval_batch(config, done: int, last: bool) -> int:  # noqa: ANN001 (TrainConfig)
+    """The first validation batch of the evaluation after ``done`` iterations: Megatron's
+    validation iterator goes on from evaluation to evaluation (every --eval-interval, then
+    once more after the last iteration: that one is the last evaluation megart reports)."""
+    k = config.train_iters // config.eval_interval if last else done // config.eval_interval - 1
+    return k * config.eval_iters
+
+
 def megatron_datasets(config, dp: int) -> tuple:  # noqa: ANN001 (TrainConfig: no cycle)
     """The training, validation and test datasets of --data-path (cut by --split) or of the
     per-split paths, in Megatron-Core's order (None where Megatron builds none or
@@ -167,16 +177,19 @@ def megatron_datasets(config, dp: int) -> tuple:  # noqa: ANN001 (TrainConfig: n
         sizes[1] = sizes[2] = None
     args = (config.seed, config.seq_length)
     opened: dict[str, IndexedTokens] = {}
+    mmap = config.mmap_bin_files
     per_split = (config.train_data_path, config.valid_data_path, config.test_data_path)
     if any(per_split):
         orders: list[Order | None] = []
         for i, path in enumerate(per_split):
             whole = [None, None, None]
             whole[i] = (0.0, 1.0)
-            orders.append(build_orders(path, whole, sizes, *args, opened)[i] if path else None)
+            orders.append(
+                build_orders(path, whole, sizes, *args, opened, mmap)[i] if path else None
+            )
     else:
-        bookends = split_bookends(config.split or DEFAULT_SPLIT)
-        orders = build_orders(config.data_path, bookends, sizes, *args, opened)
+        bookends = split_bookends(config.split or "969,30,1")  # Megatron-LM's default
+        orders = build_orders(config.data_path, bookends, sizes, *args, opened, mmap)
     for d in opened.values():
         d.check_vocab(config.vocab_size)
     mbs = config.micro_batch_size
