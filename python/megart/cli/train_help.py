@@ -220,6 +220,11 @@ HELP = {
     "mock_data": "train on random tokens of the vocabulary (seeded) instead of a corpus",
     "num_workers": "data loader workers: accepted; megart reads memory-mapped samples in the "
     "training process",
+    "data_order": "megart (default): megart's sample order; megatron: Megatron-Core's "
+    "GPTDataset/BlendedDataset samples in Megatron-LM's order and data-parallel slices, so "
+    "batches equal Megatron-LM's for the same --data-path (or per-split paths), --split, "
+    "--seed, --seq-length and batch flags (indexed datasets only; no --train-samples or "
+    "--rampup-batch-size)",
     "mmap_bin_files": "read the .bin files into memory instead of memory-mapping them",
     "create_attention_mask_in_dataloader": "no attention mask from the data loader (megart "
     "never builds one there: the same model either way; not with --reset-attention-mask, which "

@@ -38,6 +38,7 @@ CHOICES = {
     "cp_comm_type": ("p2p", "all_gather", "a2a", "a2a+p2p"),  # Megatron's; a2a+p2p refused
     "timing_log_level": (0, 1, 2),
     "timing_log_option": ("max", "minmax", "all"),
+    "data_order": ("megart", "megatron"),
 }
 
 
@@ -173,6 +174,9 @@ class TrainConfig:
     merge_file: str | None = None
     tokenizer_model: str | None = None
     mock_data: bool = False
+    # megart's own sample order, or Megatron-Core's GPTDataset/BlendedDataset order and
+    # sampler (megart.training.megatron_blend); Megatron-LM has no such flag.
+    data_order: str = "megart"
     num_workers: int = 2
     mmap_bin_files: bool = True
     create_attention_mask_in_dataloader: bool = True

@@ -126,6 +126,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
         )
     split_weights(cfg.split)
     _check_data_sources(cfg)
+    check_megatron_order(cfg)
     if cfg.bf16 and cfg.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other; choose one")
     if cfg.half_weights and not (cfg.bf16 or cfg.fp16):
@@ -209,6 +210,26 @@ def _check_data_sources(cfg: TrainConfig) -> None:
             f"{named} without --train-data-path: training reads --train-data-path's dataset; "
             "add it (or give --data-path with --split)"
         )
+
+
+def check_megatron_order(config: TrainConfig) -> None:
+    """--data-order megatron covers Megatron's indexed datasets at a constant batch; what it
+    does not cover is refused by name."""
+    if config.data_order != "megatron":
+        return
+    per_split = (config.train_data_path, config.valid_data_path, config.test_data_path)
+    refused = [
+        (config.mock_data, "--mock-data (Megatron's mock dataset is not reproduced)"),
+        (not config.data_path and not any(per_split), "the built-in corpus (no --data-path)"),
+        (config.train_samples is not None, "--train-samples (give --train-iters)"),
+        (config.rampup_batch_size, "--rampup-batch-size (a constant --global-batch-size only)"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(
+                f"--data-order megatron does not cover {what}; use --data-order megart or "
+                "drop the flag"
+            )
 
 
 def _check_virtual_flags(cfg: TrainConfig) -> None:

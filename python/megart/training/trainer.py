@@ -32,6 +32,7 @@ from megart.training.data import Dataset
 from megart.training.documents import DocumentBatches, MaskedTargets, given, masked_loss
 from megart.training.housekeeping import Housekeeping
 from megart.training.loss_record import LossRecord, reduce_sums
+from megart.training.megatron_blend import eval_batch
 from megart.training.reporting import RunLog, peak_flops, run_description
 from megart.training.stopping import EarlyExit, check_finite
 from megart.training.timers import Timers
@@ -84,7 +85,7 @@ class Trainer:
         self.engine = self.engine_for(self.m)
         # Data-parallel gradient buckets (reduced during backward) and AdamW.
         self.buckets, self.optimizer = optim.build(c, self.chunks, g, self.device)
-        self.data, self.valid, self.test = setup.datasets(c, tokens)
+        self.data, self.valid, self.test = setup.datasets(c, tokens, self.dp)
         # --eod-mask-loss, --reset-position-ids, --reset-attention-mask (training.documents).
         self.documents = DocumentBatches(c, self.dp * c.context_parallel_size) if given(c) else None
         self.losses = LossRecord()  # the last stage's microbatch losses: what is reported
@@ -286,12 +287,13 @@ class Trainer:
         dist.all_reduce(figures[2:])  # bytes: summed over every rank
         return (figures[0] / figures[1]).item(), int(figures[2].item())
 
-    def evaluate(self, data: Dataset | None = None) -> float:
+    def evaluate(self, data: Dataset | None = None, first: int = 0) -> float:
         """The validation loss: the mean over --eval-iters global batches of the validation
         split (or of ``data``, e.g. ``self.test``), forward only through the pipeline, with
         dropout off; the same on every rank. The batches are the same at every evaluation, so
         the curve compares like with like, and no random stream moves, so evaluating never
-        changes the training curve."""
+        changes the training curve. ``first``: the first batch (--data-order megatron's
+        validation goes on from evaluation to evaluation, as Megatron's iterator)."""
         c = self.config
         data = self.valid if data is None else data
         if data is None:
@@ -301,7 +303,9 @@ class Trainer:
         self.losses.clear()
         try:
             for i in range(c.eval_iters):
-                inputs, targets, documents = self._microbatches(data, i, c.global_batch_size)
+                inputs, targets, documents = self._microbatches(
+                    data, first + i, c.global_batch_size
+                )
                 with self._autocast():
                     self.engine.evaluate(inputs, targets, self._loss_fn, documents)
                 self.chores.after_forward_backward()
@@ -315,9 +319,9 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def _loss_and_ppl(self, split: str, data: Dataset) -> dict[str, float]:
+    def _loss_and_ppl(self, split: str, data: Dataset, first: int = 0) -> dict[str, float]:
         with self.chores.evaluating():
-            loss = self.evaluate(data)
+            loss = self.evaluate(data, first)
         return {f"{split}_loss": loss, f"{split}_ppl": math.exp(min(20.0, loss))}  # as Megatron
 
     def iterations(self) -> Iterator[dict[str, float]]:
@@ -341,7 +345,8 @@ class Trainer:
                 self.chores.after_iteration(done)
                 last = done == c.train_iters
                 if self.valid is not None and (done % c.eval_interval == 0 or last):
-                    figures.update(self._loss_and_ppl("valid", self.valid))
+                    first = eval_batch(c, done, last) if c.data_order == "megatron" else 0
+                    figures.update(self._loss_and_ppl("valid", self.valid, first))
                 if self.test is not None and last:
                     figures.update(self._loss_and_ppl("test", self.test))
                 stop = None if last else early.reason(done)

@@ -26,6 +26,7 @@ from megart.training import checkpoint, checkpoint_dirs
 from megart.training.config import half_dtype
 from megart.training.data import Dataset, build_datasets, build_split_datasets
 from megart.training.flops import model_flops
+from megart.training.megatron_blend import megatron_datasets
 from megart.training.megatron_flags import mock_tokens
 from megart.training.optimizer import full_precision
 
@@ -134,12 +135,16 @@ def activation_shape(config: TrainConfig) -> tuple[int, int, int]:
 
 
 def datasets(
-    config: TrainConfig, tokens: Any | None
+    config: TrainConfig, tokens: Any | None, dp: int = 1
 ) -> tuple[Dataset, Dataset | None, Dataset | None]:
     """The training, validation and test ranges of ``tokens`` (or --mock-data's, or
     --data-path's, or the built-in corpus), or the per-split paths' datasets. The validation
     range is evaluated every --eval-interval iterations, the test range once at the end (none
     without --eval-iters)."""
+    if config.data_order == "megatron":  # Megatron's samples, sliced as its sampler (dp)
+        if tokens is not None:
+            raise ConfigError("--data-order megatron reads --data-path's files, not given tokens")
+        return megatron_datasets(config, dp)
     per_split = (config.train_data_path, config.valid_data_path, config.test_data_path)
     if tokens is None and any(per_split):
         return build_split_datasets(

@@ -1,0 +1,24 @@
+"""A --data-order megatron training run on every rank of a launched test: what each rank's
+trainer fed its model (training and validation micro batches), as token arrays."""
+
+from __future__ import annotations
+
+
+def fed(kw: dict) -> list[tuple[str, int, list, list]]:
+    """(split, batch, this rank's micro batch inputs, targets) for every batch the trainer read."""
+    import train_workers as tw
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(tw.tiny(**kw))
+    seen = []
+    original = trainer._microbatches
+
+    def recording(data, iteration, size):
+        inputs, targets, documents = original(data, iteration, size)
+        split = "train" if data is trainer.data else "valid" if data is trainer.valid else "test"
+        seen.append((split, iteration, [x.tolist() for x in inputs], [y.tolist() for y in targets]))
+        return inputs, targets, documents
+
+    trainer._microbatches = recording
+    trainer.train(quiet=True)
+    return seen

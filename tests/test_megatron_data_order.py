@@ -1,0 +1,206 @@
+"""--data-order megatron: megart's samples equal Megatron-Core 0.16.1's GPTDataset and
+BlendedDataset samples (built by its BlendedMegatronDatasetBuilder on the same files, seed,
+split and sample counts), sample by sample, tokens and labels."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import megatron_order_workers as mow
+from megart.training.config import TrainConfig
+from megart.training.indexed import write_indexed
+from megart.training.megatron_blend import megatron_datasets, num_samples
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+
+
+class _Tokenizer:
+    """What GPTDataset reads of a tokenizer: the end-of-document id (no pad id)."""
+
+    eod = 0
+    vocab_size = None
+    unique_identifiers = {"class": "test tokenizer"}
+
+
+def _write(directory, name, lengths, seed, vocab=1000):
+    rng = np.random.default_rng(seed)
+    prefix = str(directory / name)
+    write_indexed(prefix, [rng.integers(1, vocab, n) for n in lengths], np.uint16)
+    return prefix
+
+
+def _megatron(cfg: TrainConfig, cache) -> list:
+    """Megatron-Core's three datasets for megart's flags, as pretrain_gpt builds them."""
+    per_split = [cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path]
+    blend = None if any(per_split) else get_blend_from_list(_as_list(cfg.data_path))
+    config = GPTDatasetConfig(
+        random_seed=cfg.seed,
+        sequence_length=cfg.seq_length,
+        blend=blend,
+        blend_per_split=[get_blend_from_list(_as_list(p)) for p in per_split]
+        if any(per_split)
+        else None,
+        split=None if any(per_split) else (cfg.split or "969,30,1"),
+        path_to_cache=str(cache),
+        tokenizer=_Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        mid_level_dataset_surplus=0.005,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        builder = BlendedMegatronDatasetBuilder(
+            GPTDataset, list(num_samples(cfg)), lambda: True, config
+        )
+        return builder.build()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_rank_group(tmp_path_factory):
+    """BlendedDataset asks torch.distributed for its rank: a group of one process."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "s"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _as_list(path):
+    return None if path is None else [path] if isinstance(path, str) else list(path)
+
+
+def _assert_same(cfg: TrainConfig, cache, splits=(0, 1, 2)) -> None:
+    ours = megatron_datasets(cfg, dp=1)
+    theirs = _megatron(cfg, cache)
+    counts = num_samples(cfg)
+    for i in splits:
+        assert (ours[i] is None) == (theirs[i] is None), i
+        if ours[i] is None:
+            continue
+        n = counts[i]
+        x, y = ours[i].global_batch(cfg.seed, 0, n) if n else (None, None)
+        for k in range(n):
+            sample = theirs[i][k]
+            assert np.array_equal(x[k].numpy(), sample["tokens"].numpy()), (i, k)
+            assert np.array_equal(y[k].numpy(), sample["labels"].numpy()), (i, k)
+
+
+def _config(**kw) -> TrainConfig:
+    base = dict(
+        seq_length=16,
+        vocab_size=1024,
+        micro_batch_size=1,
+        global_batch_size=4,
+        train_iters=30,
+        eval_interval=10,
+        eval_iters=2,
+        seed=1234,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_a_single_prefix_cut_969_30_1_matches_megatron(tmp_path):
+    # 400 sequences: the test split (1/1000) keeps round(0.999 * 400)..400, none; 2000 keep 2.
+    prefix = _write(tmp_path, "a", np.random.default_rng(0).integers(1, 40, 2000), 1)
+    cfg = _config(data_path=prefix, train_iters=300)
+    _assert_same(cfg, tmp_path / "cache")
+
+
+def test_several_epochs_with_and_without_a_separate_final_epoch(tmp_path):
+    prefix = _write(tmp_path, "a", np.random.default_rng(2).integers(1, 30, 60), 3)
+    for iters in (40, 52, 70):  # epochs whose last is a small or a large share of an epoch
+        cfg = _config(data_path=prefix, split="90,10,0", train_iters=iters)
+        _assert_same(cfg, tmp_path / f"cache{iters}")
+
+
+def test_a_weighted_blend_of_two_matches_megatron(tmp_path):
+    a = _write(tmp_path, "a", np.random.default_rng(4).integers(1, 50, 300), 5)
+    b = _write(tmp_path, "b", np.random.default_rng(6).integers(1, 20, 500), 7)
+    cfg = _config(data_path=["0.3", a, "0.7", b], split="98,2,0", train_iters=50)
+    _assert_same(cfg, tmp_path / "cache")
+
+
+def test_prefixes_without_weights_blend_by_their_sample_counts(tmp_path):
+    a = _write(tmp_path, "a", np.random.default_rng(8).integers(1, 50, 300), 9)
+    b = _write(tmp_path, "b", np.random.default_rng(10).integers(1, 20, 500), 11)
+    cfg = _config(data_path=[a, b], split="98,2,0", train_iters=20, eval_iters=1)
+    _assert_same(cfg, tmp_path / "cache")
+
+
+def test_per_split_paths_match_megatron(tmp_path):
+    a = _write(tmp_path, "a", np.random.default_rng(12).integers(1, 50, 200), 13)
+    b = _write(tmp_path, "b", np.random.default_rng(14).integers(1, 20, 200), 15)
+    c = _write(tmp_path, "c", np.random.default_rng(16).integers(1, 30, 100), 17)
+    cfg = _config(
+        train_data_path=["2", a, "1", b], valid_data_path=c, test_data_path=b, train_iters=40
+    )
+    _assert_same(cfg, tmp_path / "cache")
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    seq_length=st.integers(2, 24),
+    lengths=st.lists(st.integers(1, 60), min_size=20, max_size=80),
+    iters=st.integers(1, 40),
+)
+def test_any_seed_sequence_length_and_document_lengths(
+    tmp_path_factory, seed, seq_length, lengths, iters
+):
+    d = tmp_path_factory.mktemp("h")
+    prefix = _write(d, "a", np.array(lengths), seed % 1000)
+    cfg = _config(
+        data_path=prefix, split="80,20,0", seed=seed, seq_length=seq_length, train_iters=iters
+    )
+    _assert_same(cfg, d / "cache")
+
+
+def _sampler_slices(n: int, mbs: int, dp: int, rank: int) -> list[list[int]]:
+    """Megatron's MegatronPretrainingSampler from sample 0: rank ``rank``'s micro batches, each
+    the rank-th run of ``mbs`` samples of every ``mbs * dp`` (written from its documented
+    behaviour, not from megart's row order)."""
+    return [list(range(s + rank * mbs, s + (rank + 1) * mbs)) for s in range(0, n, mbs * dp)]
+
+
+def test_a_dp2_training_run_feeds_each_rank_megatrons_sampler_slices(tmp_path):
+    from megart.launcher import launch
+
+    prefix = _write(tmp_path, "a", np.random.default_rng(20).integers(1, 40, 400), 21, vocab=200)
+    kw = dict(data_path=prefix, data_order="megatron", seq_length=16, vocab_size=256,
+              micro_batch_size=2, global_batch_size=8, train_iters=4, eval_interval=2,
+              eval_iters=1, split="90,10,0", seed=77)  # fmt: skip
+    cfg = _config(**kw)
+    fed = launch(mow.fed, 2, kw, timeout=300)
+    train, valid, _ = _megatron(cfg, tmp_path / "cache")
+    gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
+    for rank, batches in enumerate(fed):
+        assert [(s, b) for s, b, _, _ in batches] == [
+            ("train", 0),
+            ("train", 1),
+            ("valid", 0),
+            ("train", 2),
+            ("train", 3),
+            ("valid", 2),
+        ]  # validation goes on: batch 1 was Megatron's in-loop evaluation at iteration 4
+        for split, b, inputs, targets in batches:
+            data = train if split == "train" else valid
+            for j, ids in enumerate(_sampler_slices(gbs, mbs, 2, rank)):
+                want = [data[b * gbs + i] for i in ids]
+                assert inputs[j] == [w["tokens"].tolist() for w in want], (rank, split, b, j)
+                assert targets[j] == [w["labels"].tolist() for w in want], (rank, split, b, j)
