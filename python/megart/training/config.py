@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
 
 from megart.models.config import VOCAB_MULTIPLE, GPTConfig
 from megart.training.config_checks import PIPELINE_SCHEDULES, check_config
@@ -390,15 +387,3 @@ class TrainConfig:
         """Refuses layouts, batch shapes and flag combinations that cannot run, naming the
         numbers and flags and what would fit; returns the data-parallel size."""
         return check_config(self, world_size)
-
-
-def half_dtype(config: Any) -> torch.dtype | None:
-    """The 16-bit type of --bf16 or --fp16 (what autocast computes in), None without either."""
-    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
-
-
-def residual_dtype(config: Any) -> torch.dtype:
-    """The dtype of the residual stream, which is what crosses pipeline stages: the 16-bit type
-    under --bf16/--fp16 unless --fp32-residual-connection, else fp32 (see GPTConfig)."""
-    half = half_dtype(config)
-    return torch.float32 if half is None or config.fp32_residual_connection else half

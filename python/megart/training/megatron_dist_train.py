@@ -38,7 +38,7 @@ import torch
 from megart.tensor_parallel.random import GeneratorStates
 from megart.training import dist_store
 from megart.training import megatron_dist_distopt as distopt
-from megart.training.config import half_dtype
+from megart.training.dtypes import half_dtype
 from megart.training.megatron_dist import BACKENDS, COMMON, METADATA, extra_states
 from megart.training.megatron_dist_places import Place, places
 from megart.training.megatron_files import CHECKPOINT_VERSION, to_grad_scaler, training_args

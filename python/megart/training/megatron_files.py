@@ -45,7 +45,7 @@ from megart.models import chunk_layers
 from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
 from megart.training import tokenizer_record
-from megart.training.config import half_dtype
+from megart.training.dtypes import half_dtype
 from megart.training.megatron_args import args_record, check_args, megatron_args
 from megart.training.megatron_layout import OUTPUT, WORD, with_extra_states
 from megart.training.megatron_optimizer import (

@@ -27,9 +27,10 @@ from megart.training import batch_rampup, iteration_stats, memory_report
 from megart.training import optimizer as optim
 from megart.training import trainer_setup as setup
 from megart.training.checkpointer import Checkpointer
-from megart.training.config import TrainConfig, half_dtype, residual_dtype
+from megart.training.config import TrainConfig
 from megart.training.data import Dataset
 from megart.training.documents import DocumentBatches, MaskedTargets, given, masked_loss
+from megart.training.dtypes import half_dtype, residual_dtype
 from megart.training.housekeeping import Housekeeping
 from megart.training.loss_record import LossRecord, reduce_sums
 from megart.training.megatron_blend import eval_batch

@@ -23,8 +23,8 @@ from megart.optim.loss_scale import LossScaler
 from megart.pipeline import StageLink
 from megart.tensor_parallel import RNGStatesTracker, seed_tensor_parallel
 from megart.training import checkpoint, checkpoint_dirs
-from megart.training.config import half_dtype
 from megart.training.data import Dataset, build_datasets, build_split_datasets
+from megart.training.dtypes import half_dtype
 from megart.training.flops import model_flops
 from megart.training.megatron_blend import megatron_datasets
 from megart.training.megatron_flags import mock_tokens
