@@ -22,3 +22,11 @@ def fed(kw: dict) -> list[tuple[str, int, list, list]]:
     trainer._microbatches = recording
     trainer.train(quiet=True)
     return seen
+
+
+def trained(kw: dict) -> list[dict]:
+    """The run's figures: a tiny GPT (tests/train_workers.tiny) on --data-path's data."""
+    import train_workers as tw
+    from megart.training.trainer import Trainer
+
+    return Trainer(tw.tiny(**kw)).train(quiet=True)

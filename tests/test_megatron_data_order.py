@@ -204,3 +204,25 @@ def test_a_dp2_training_run_feeds_each_rank_megatrons_sampler_slices(tmp_path):
                 want = [data[b * gbs + i] for i in ids]
                 assert inputs[j] == [w["tokens"].tolist() for w in want], (rank, split, b, j)
                 assert targets[j] == [w["labels"].tolist() for w in want], (rank, split, b, j)
+
+
+def test_a_resumed_run_continues_at_megatrons_next_samples(tmp_path):
+    """Saved after iteration 2 and resumed, a --data-order megatron run trains iterations 3
+    and 4 on the batches (and so with the losses) of the uninterrupted run: the samples from 2
+    global batches on, as Megatron's sampler resumes at its consumed samples."""
+    import train_workers as tw
+    from megart.launcher import launch
+
+    prefix = _write(tmp_path, "a", np.random.default_rng(30).integers(1, 40, 400), 31, vocab=200)
+    kw = dict(data_path=prefix, data_order="megatron", seq_length=16, vocab_size=256,
+              micro_batch_size=2, global_batch_size=8, train_iters=4, eval_iters=0,
+              split="90,10,0", seed=77, hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    straight = launch(mow.trained, 1, kw, timeout=300)[0]
+    ckpt = str(tmp_path / "ckpt")
+    launch(mow.trained, 1, dict(kw, save=ckpt, save_interval=2, exit_interval=2), timeout=300)
+    resumed = launch(mow.trained, 1, dict(kw, load=ckpt), timeout=300)[0]
+    assert [h["iteration"] for h in resumed] == [3, 4]
+    want = [h["loss"] for h in straight[2:]]
+    assert [h["loss"] for h in resumed] == pytest.approx(want, **tw.SAME_RUN)
+    # The batches differ from iteration to iteration, so a resume at the wrong sample shows.
+    assert abs(straight[2]["loss"] - straight[3]["loss"]) > 1e-3
