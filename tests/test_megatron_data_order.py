@@ -4,6 +4,7 @@ split and sample counts), sample by sample, tokens and labels."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -226,3 +227,21 @@ def test_a_resumed_run_continues_at_megatrons_next_samples(tmp_path):
     assert [h["loss"] for h in resumed] == pytest.approx(want, **tw.SAME_RUN)
     # The batches differ from iteration to iteration, so a resume at the wrong sample shows.
     assert abs(straight[2]["loss"] - straight[3]["loss"]) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        (dict(mock_data=True), "--mock-data"),
+        (dict(), "the built-in corpus"),
+        (dict(data_path="a", train_samples=120, train_iters=None), "--train-samples"),
+        (dict(data_path="a", rampup_batch_size=[2, 2, 40]), "--rampup-batch-size"),
+    ],
+)
+def test_what_the_megatron_order_does_not_cover_is_refused_by_name(kw, named):
+    from megart import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=re.escape(f"--data-order megatron does not cover {named}")
+    ):
+        _config(data_order="megatron", **kw).check(1)
