@@ -245,3 +245,23 @@ def test_what_the_megatron_order_does_not_cover_is_refused_by_name(kw, named):
         ConfigError, match=re.escape(f"--data-order megatron does not cover {named}")
     ):
         _config(data_order="megatron", **kw).check(1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    raw=st.lists(st.integers(1, 1000), min_size=1, max_size=6),
+    size=st.integers(0, 3000),
+)
+def test_the_blending_order_is_megatron_cores_helper(raw, size):
+    """megart's C++ blending rule against Megatron-Core's own compiled helper
+    (build_blending_indices), on normalised weights, ties included (equal weights)."""
+    helpers = pytest.importorskip("megatron.core.datasets.helpers_cpp")
+    from megart.training.megatron_blend import blending_indices, normalize
+
+    weights = normalize(raw)
+    which = np.zeros(size, dtype=np.int16)
+    nth = np.zeros(size, dtype=np.int64)
+    helpers.build_blending_indices(which, nth, np.array(weights), len(weights), size, False)
+    got_which, got_nth = blending_indices(weights, size)
+    assert got_which.dtype == np.int16 and got_nth.dtype == np.int64
+    assert np.array_equal(got_which, which) and np.array_equal(got_nth, nth)

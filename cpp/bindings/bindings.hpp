@@ -10,5 +10,6 @@ void bind_schedule(pybind11::module_& m);
 void bind_comm(pybind11::module_& m);
 void bind_p2p_batch(pybind11::module_& m);  // part of the comm submodule
 void bind_optim(pybind11::module_& m);
+void bind_data(pybind11::module_& m);
 
 }  // namespace megart::bindings

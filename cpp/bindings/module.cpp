@@ -21,7 +21,9 @@ void bind_errors(py::module_& m) {
 }  // namespace megart::bindings
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "megart's C++ core: pipeline schedules and communication (no torch, no CUDA)";
+  m.doc() =
+      "megart's C++ core: pipeline schedules, communication, optimizers and dataset order (no "
+      "torch, no CUDA)";
   m.attr("__version__") = MEGART_VERSION;
   megart::bindings::bind_errors(m);
   auto schedule = m.def_submodule("schedule", "pipeline schedules: build, validate, simulate");
@@ -30,4 +32,6 @@ PYBIND11_MODULE(_core, m) {
   megart::bindings::bind_comm(comm);
   auto optim = m.def_submodule("optim", "optimizers: multi-tensor Adam, norms, scaling (CPU)");
   megart::bindings::bind_optim(optim);
+  auto data = m.def_submodule("data", "datasets: Megatron-Core's blending order");
+  megart::bindings::bind_data(data);
 }
