@@ -265,3 +265,31 @@ def test_the_blending_order_is_megatron_cores_helper(raw, size):
     got_which, got_nth = blending_indices(weights, size)
     assert got_which.dtype == np.int16 and got_nth.dtype == np.int64
     assert np.array_equal(got_which, which) and np.array_equal(got_nth, nth)
+
+
+def test_the_data_cache_path_builds_the_indices_once_and_never_serves_stale_ones(tmp_path):
+    """--data-cache-path: a dp2 run's ranks read the indices rank 0 wrote there, and are fed
+    what they are fed without it; a second run maps the same files (not rewritten); data
+    rewritten under the same prefix gets indices of its own."""
+    from megart.launcher import launch
+
+    lengths = np.random.default_rng(40).integers(1, 40, 300)
+    prefix = _write(tmp_path, "a", lengths, 41, vocab=200)
+    other = _write(tmp_path, "b", np.random.default_rng(42).integers(1, 40, 300), 43, vocab=200)
+    cache = tmp_path / "cache"
+    kw = dict(data_path=["0.4", prefix, "0.6", other], data_order="megatron", seq_length=16,
+              vocab_size=256, micro_batch_size=2, global_batch_size=8, train_iters=3,
+              eval_interval=3, eval_iters=1, split="90,10,0", seed=5)  # fmt: skip
+    plain = launch(mow.fed, 2, kw, timeout=300)
+    assert launch(mow.fed, 2, dict(kw, data_cache_path=str(cache)), timeout=300) == plain
+    files = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    # Two datasets' train and valid indices (3 arrays each) and the two blends' (2 each).
+    assert len([n for n in files if n.endswith(".json")]) == 6
+    assert len([n for n in files if n.endswith(".npy")]) == 4 * 3 + 2 * 2
+    assert not [n for n in files if n.endswith(".tmp")]
+    assert launch(mow.fed, 2, dict(kw, data_cache_path=str(cache)), timeout=300) == plain
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == files  # mapped, not rebuilt
+    _write(tmp_path, "a", lengths[::-1], 44, vocab=200)  # new documents, the same prefix
+    changed = launch(mow.fed, 2, dict(kw, data_cache_path=str(cache)), timeout=300)
+    assert changed == launch(mow.fed, 2, kw, timeout=300) != plain
+    assert len(list(cache.glob("*.json"))) > 6

@@ -288,8 +288,12 @@ HELP = {
     "GPTModel: megart's model and checkpoint names are that model's)",
     "rotary_percent": "the part of each head rope rotates: its first int(head size x this) "
     "channels (an even number), the rest unrotated (partial rotary); 1.0 rotates the whole head",
-    "data_cache_path": "accepted: where Megatron caches its dataset indices; megart draws "
-    "samples as a function of the seed and iteration and builds no index files",
+    "data_cache_path": "with --data-order megatron: where rank 0 writes the datasets' indices "
+    "once (Megatron-Core's document, sample, shuffle and blending arrays, as .npy files named by "
+    "a hash of what they depend on, the data files' size and time included) for every rank to "
+    "map read-only, and later runs to reuse; a file system every node sees. Without it each "
+    "rank builds them in memory. Accepted and unused with megart's own order, which builds no "
+    "index",
     "tiktoken_pattern": "TikTokenizer's pattern (v1 or v2): accepted; megart takes no "
     "TikTokenizer, so it changes nothing",
     "manual_gc": "turn Python's automatic garbage collector off for the run and collect at "

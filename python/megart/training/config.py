@@ -211,7 +211,7 @@ class TrainConfig:
     expert_model_parallel_size: int = 1
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
     rotary_percent: float = 1.0  # the part of each head rope turns (GPTConfig.rotary_percent)
-    data_cache_path: str | None = None  # where Megatron caches dataset indices (megart: none)
+    data_cache_path: str | None = None  # --data-order megatron's indices, built once
     tiktoken_pattern: str | None = None  # TikTokenizer's (not a tokenizer megart takes)
     # What Megatron-LM does around each iteration besides training (megart.training.housekeeping).
     manual_gc: bool = False

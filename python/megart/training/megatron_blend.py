@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from megart.errors import ConfigError
+from megart.training.index_cache import cached
 from megart.training.indexed import IndexedTokens
 from megart.training.megatron_order import GPTOrder, split_bookends, split_sequences
 
@@ -51,9 +52,23 @@ def parse_megatron_blend(path: str | Sequence[str]) -> tuple[list[str], list[flo
 class BlendOrder:
     """Megatron-Core's BlendedDataset: ``size`` samples drawn from ``parts`` by weight."""
 
-    def __init__(self, parts: Sequence[GPTOrder], weights: Sequence[float], size: int) -> None:
+    def __init__(
+        self,
+        parts: Sequence[GPTOrder],
+        weights: Sequence[float],
+        size: int,
+        cache: str | None = None,
+    ) -> None:
         self.parts = list(parts)
-        self.which, self.nth = blending_indices(normalize(weights), size)
+        w = normalize(weights)
+        description = {"parts": [p.description for p in self.parts], "weights": w, "size": size}
+
+        def build() -> dict[str, np.ndarray]:
+            which, nth = blending_indices(w, size)
+            return {"dataset_index": which, "dataset_sample_index": nth}
+
+        arrays = cached(cache, "BlendedDataset", description, build)
+        self.which, self.nth = arrays["dataset_index"], arrays["dataset_sample_index"]
         for k, part in enumerate(self.parts):
             wanted = int(np.sum(self.which == k))
             if wanted > len(part):
@@ -89,6 +104,7 @@ def build_orders(
     seq_length: int,
     opened: dict[str, IndexedTokens],
     mmap: bool = True,
+    cache: str | None = None,
 ) -> list[Order | None]:
     """One blend's three splits (None where ``bookends`` or ``sizes`` has none), as
     BlendedMegatronDatasetBuilder builds them."""
@@ -98,7 +114,7 @@ def build_orders(
     ]
 
     def gpt(d: IndexedTokens, i: int, n: int | None) -> GPTOrder:
-        return GPTOrder(d, split_sequences(len(d), bookends[i]), n, seed, seq_length)
+        return GPTOrder(d, split_sequences(len(d), bookends[i]), n, seed, seq_length, cache)
 
     out: list[Order | None] = []
     for i, bookend in enumerate(bookends):
@@ -112,11 +128,11 @@ def build_orders(
             parts = [
                 gpt(d, i, math.ceil(t * (1 + SURPLUS))) for d, t in zip(data, target, strict=True)
             ]
-            out.append(BlendOrder(parts, w, sum(target)))
+            out.append(BlendOrder(parts, w, sum(target), cache))
         else:  # weighted by each dataset's one-epoch sample count
             parts = [gpt(d, i, None) for d in data]
             lengths = [len(p) for p in parts]
-            out.append(BlendOrder(parts, lengths, min(sizes[i], sum(lengths))))
+            out.append(BlendOrder(parts, lengths, min(sizes[i], sum(lengths)), cache))
     return out
 
 
@@ -168,7 +184,7 @@ def megatron_datasets(config, dp: int) -> tuple:  # noqa: ANN001 (TrainConfig: n
         sizes[1] = sizes[2] = None
     args = (config.seed, config.seq_length)
     opened: dict[str, IndexedTokens] = {}
-    mmap = config.mmap_bin_files
+    mmap, cache = config.mmap_bin_files, config.data_cache_path
     per_split = (config.train_data_path, config.valid_data_path, config.test_data_path)
     if any(per_split):
         orders: list[Order | None] = []
@@ -176,11 +192,11 @@ def megatron_datasets(config, dp: int) -> tuple:  # noqa: ANN001 (TrainConfig: n
             whole = [None, None, None]
             whole[i] = (0.0, 1.0)
             orders.append(
-                build_orders(path, whole, sizes, *args, opened, mmap)[i] if path else None
+                build_orders(path, whole, sizes, *args, opened, mmap, cache)[i] if path else None
             )
     else:
         bookends = split_bookends(config.split or "969,30,1")  # Megatron-LM's default
-        orders = build_orders(config.data_path, bookends, sizes, *args, opened, mmap)
+        orders = build_orders(config.data_path, bookends, sizes, *args, opened, mmap, cache)
     for d in opened.values():
         d.check_vocab(config.vocab_size)
     mbs = config.micro_batch_size

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megart.training.index_cache import cached, data_files_stamp
 from megart.training.indexed import IndexedTokens
 
 # GPTDataset: a final epoch that supplies fewer than this share of an epoch's samples is
@@ -91,6 +92,29 @@ def shuffle_index(first: int, total: int, rng: np.random.RandomState) -> np.ndar
     return np.concatenate((head, tail))
 
 
+def indices(
+    data: IndexedTokens, documents: np.ndarray, num_samples: int | None, seed: int, seq_length: int
+) -> dict[str, np.ndarray]:
+    """GPTDataset's three arrays for one dataset's split: the shuffled sequences of every
+    epoch, where each window starts, and the windows' shuffled order."""
+    sizes = np.asarray(data.sizes, dtype=np.int64)
+    per_epoch = int(np.sum(sizes[documents]))
+    epochs = num_epochs(per_epoch, num_samples, seq_length)
+    separate = False
+    before_final = 0
+    if epochs > 1:
+        before_final = ((epochs - 1) * per_epoch - 1) // seq_length
+        per_epoch_samples = (per_epoch - 1) // seq_length
+        from_final = num_samples - before_final
+        separate = from_final < int(SEPARATE_FINAL_EPOCH_BELOW * per_epoch_samples)
+    rng = np.random.RandomState(seed)
+    doc_index = document_index(documents, epochs, rng, separate)
+    samples = sample_index(sizes, doc_index, seq_length, per_epoch, epochs)
+    total = len(samples) - 1
+    shuffled = shuffle_index(before_final if separate else total, total, rng)
+    return {"document_index": doc_index, "sample_index": samples, "shuffle_index": shuffled}
+
+
 class GPTOrder:
     """One dataset's split in Megatron-Core's GPTDataset order: ``sample(i)`` is its i-th
     window of seq_length + 1 tokens (inputs are the first seq_length, labels the last)."""
@@ -102,23 +126,26 @@ class GPTOrder:
         num_samples: int | None,
         seed: int,
         seq_length: int,
+        cache: str | None = None,
     ) -> None:
         self.data, self.seq_length = data, seq_length
-        sizes = np.asarray(data.sizes, dtype=np.int64)
-        per_epoch = int(np.sum(sizes[documents]))
-        epochs = num_epochs(per_epoch, num_samples, seq_length)
-        separate = False
-        before_final = 0
-        if epochs > 1:
-            before_final = ((epochs - 1) * per_epoch - 1) // seq_length
-            per_epoch_samples = (per_epoch - 1) // seq_length
-            from_final = num_samples - before_final
-            separate = from_final < int(SEPARATE_FINAL_EPOCH_BELOW * per_epoch_samples)
-        rng = np.random.RandomState(seed)
-        self.doc_index = document_index(documents, epochs, rng, separate)
-        self.sample_index = sample_index(sizes, self.doc_index, seq_length, per_epoch, epochs)
-        total = len(self.sample_index) - 1
-        self.shuffle = shuffle_index(before_final if separate else total, total, rng)
+        first = int(documents[0]) if len(documents) else 0
+        self.description = {
+            "data": data_files_stamp(data.prefix),
+            "documents": [first, len(documents)],  # a split's contiguous range
+            "num_samples": num_samples,
+            "seed": seed,
+            "seq_length": seq_length,
+        }
+        arrays = cached(
+            cache,
+            "GPTDataset",
+            self.description,
+            lambda: indices(data, documents, num_samples, seed, seq_length),
+        )
+        self.doc_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle = arrays["shuffle_index"]
 
     def __len__(self) -> int:
         return len(self.shuffle)
