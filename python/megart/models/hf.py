@@ -24,14 +24,15 @@ import torch
 
 import megart.distributed as dist
 from megart.errors import ConfigError
-from megart.models import hf_gpt2, hf_llama, hf_qwen3
+from megart.models import hf_gpt2, hf_llama, hf_mistral, hf_qwen3
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
 from megart.tensor_parallel._group import group_rank, group_size
 
-WRITERS = (hf_gpt2, hf_llama, hf_qwen3)
-# By config.json's model_type. A Mistral without a sliding window is a Llama to the letter.
-FORMATS = {**{m.MODEL_TYPE: m for m in WRITERS}, "mistral": hf_llama}
+# A Llama-style model without a window is written as a Llama, one with a window as a Mistral.
+WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen3)
+# By config.json's model_type.
+FORMATS = {m.MODEL_TYPE: m for m in WRITERS}
 # Parameters whose rows are the (padded) vocabulary.
 VOCAB_ROWS = ("chunk.wte.weight", "chunk.output_layer.weight")
 
