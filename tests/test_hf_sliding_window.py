@@ -229,6 +229,15 @@ def test_windows_megart_cannot_read_are_refused_naming_what(
     assert named in str(e.value)
 
 
+def test_a_qwen3_without_layer_types_slides_from_max_window_layers_on(qwen3, tmp_path):
+    # As transformers before 4.53 saved it: layers max_window_layers (1) and up, from 0.
+    path, hf = qwen3
+    ours = GPT.from_hf(str(rewritten(path, tmp_path / "hf", layer_types=None))).eval()
+    assert ours.cfg.window_attn_skip_freq == (0, 1, 1, 1)
+    with torch.no_grad():
+        assert relative_error(ours(inputs()), hf(inputs()).logits) < 1e-5
+
+
 def test_a_qwen3_with_use_sliding_window_false_has_no_window(qwen3, tmp_path):
     # transformers drops the window then, and layer_types computed from it are all full.
     path = rewritten(qwen3[0], tmp_path / "hf", use_sliding_window=False, layer_types=None)
