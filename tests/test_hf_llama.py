@@ -328,8 +328,7 @@ def rewritten(path: Path, to: Path, **changes) -> Path:
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"model_type": "qwen2"}, "type 'qwen2'; megart reads gpt2, llama, qwen3, mistral"),
-        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window 4096 (megart's"),
+        ({"model_type": "qwen2"}, "type 'qwen2'; megart reads gpt2, llama, mistral, qwen3"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"head_dim": 16}, "head_dim 16 (megart's heads are hidden_size / num_attention_heads"),
         ({"attention_bias": True}, "attention_bias True with mlp_bias False"),

@@ -95,7 +95,8 @@ def test_import_hf_prints_the_flags_and_tp2_fine_tunes_from_it(hf_qwen3, tmp_pat
 
 @pytest.mark.parametrize(
     "changes, named",
-    [(dict(use_sliding_window=True, sliding_window=8), "use_sliding_window"),
+    [(dict(use_sliding_window=False, layer_types=["sliding_attention", "full_attention"]),
+      "marks layers sliding_attention in layer_types without a window"),
      (dict(attention_bias=True), "attention_bias"),
      (dict(head_dim=16), "head_dim 16")],
 )  # fmt: skip

@@ -1,7 +1,8 @@
-"""Hugging Face interop: load a ``save_pretrained`` directory of a GPT-2 or a Llama into any
-tensor-parallel layout, and write one that transformers' ``from_pretrained`` loads.
+"""Hugging Face interop: load a ``save_pretrained`` directory of a GPT-2, a Llama, a Mistral or
+a Qwen3 into any tensor-parallel layout, and write one that transformers' ``from_pretrained``
+loads.
 
-Each format is a module (megart.models.hf_gpt2, megart.models.hf_llama) that maps names and
+Each format is a module (megart.models.hf_gpt2, hf_llama, hf_mistral, hf_qwen3) that maps names and
 layouts between its whole tensors and the whole tensors of megart's one-chunk GPT. What is
 common lives here: reading and writing the files, cutting each whole tensor into this rank's
 tensor-parallel slice, gathering the slices back, and choosing the format (by config.json's
@@ -24,14 +25,15 @@ import torch
 
 import megart.distributed as dist
 from megart.errors import ConfigError
-from megart.models import hf_gpt2, hf_llama, hf_qwen3
+from megart.models import hf_gpt2, hf_llama, hf_mistral, hf_qwen3
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
 from megart.tensor_parallel._group import group_rank, group_size
 
-WRITERS = (hf_gpt2, hf_llama, hf_qwen3)
-# By config.json's model_type. A Mistral without a sliding window is a Llama to the letter.
-FORMATS = {**{m.MODEL_TYPE: m for m in WRITERS}, "mistral": hf_llama}
+# A Llama-style model without a window is written as a Llama, one with a window as a Mistral.
+WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen3)
+# By config.json's model_type.
+FORMATS = {m.MODEL_TYPE: m for m in WRITERS}
 # Parameters whose rows are the (padded) vocabulary.
 VOCAB_ROWS = ("chunk.wte.weight", "chunk.output_layer.weight")
 
@@ -119,8 +121,9 @@ def _gather(p: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor
 
 def writer(cfg: GPTConfig, expect: str | None = None) -> ModuleType:
     """The format that ``cfg``'s model is written in: GPT-2's for GPT-2's architecture,
-    Llama's for RMSNorm, rotary positions and SwiGLU; ``expect`` (a model_type) insists on
-    one. A model neither can represent is refused with what each format lacks."""
+    Llama's for RMSNorm, rotary positions and SwiGLU (Mistral's with a window in every layer,
+    Qwen3's with query/key norms); ``expect`` (a model_type) insists on one. A model no format
+    can represent is refused with what each format lacks."""
     refusals = []
     for fmt in WRITERS:
         if expect not in (None, fmt.MODEL_TYPE):

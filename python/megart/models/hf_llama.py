@@ -1,5 +1,5 @@
 """Hugging Face Llama (``LlamaForCausalLM``) as one of megart.models.hf's formats; a Mistral
-(``MistralForCausalLM``) without a sliding window has the same names and is read as one.
+(``MistralForCausalLM``, megart.models.hf_mistral) has the same names and a sliding window.
 
 A Llama is megart's GPT with --normalization RMSNorm, --position-embedding-type rope and
 --swiglu; grouped-query attention, untied output weights, biases (Llama's attention_bias and
@@ -185,11 +185,6 @@ def config_from_hf(hf: dict[str, Any], fmt: str = NAME) -> GPTConfig:
         problems.append(
             f"attention_bias {attention_bias} with mlp_bias {mlp_bias} (megart's --disable-"
             "bias-linear takes every linear layer's bias or none)"
-        )
-    if hf.get("model_type") == "mistral" and hf.get("sliding_window") is not None:
-        problems.append(
-            f"sliding_window {hf['sliding_window']} (megart's attention is causal over the "
-            "whole sequence; a Mistral with sliding_window null, as from v0.2 on, loads)"
         )
     base, scaling = _rope(hf)
     scaled, unsupported = _rope_scaling(scaling)

@@ -5,8 +5,14 @@ with --qk-layernorm: each query and key head goes through an RMSNorm over its ch
 rope (Qwen3's ``self_attn.q_norm`` and ``k_norm``, megart's ``attn.q_layernorm`` and
 ``k_layernorm``), and no MLP bias. Everything else, names included, is Llama's, so this module
 adds the two norms to Llama's conversion both ways. What Qwen3's config can say and megart's
-GPT cannot (a sliding window, a head size other than hidden_size / heads, rope scaling other
-than Llama's) is refused as for a Llama.
+GPT cannot (a head size other than hidden_size / heads, rope scaling other than Llama's) is
+refused as for a Llama.
+
+Qwen3's sliding window, as transformers 5 applies it: with use_sliding_window true, the layers
+that layer_types marks "sliding_attention" (by default those numbered max_window_layers and
+up, from 0) mask the keys at k <= q - sliding_window, as Mistral's (megart.models.hf_mistral):
+megart's --window-size W-1,0 with --window-attn-skip-freq 1 on those layers and 0 (the whole
+sequence) on the others, Megatron's list form; no list where every layer slides.
 """
 
 from __future__ import annotations
@@ -52,22 +58,71 @@ def check(cfg: GPTConfig) -> None:
         "biases can be written in its format",
     )
     hf_llama.check_rope(cfg, NAME)
-    cfg.refuse_window(NAME)
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+MAX_WINDOW_LAYERS = 28  # transformers' Qwen3Config default
+
+
+def _window(hf: dict[str, Any]) -> dict[str, Any]:
+    """GPTConfig's window_size and window_attn_skip_freq for Qwen3's window fields, read as
+    transformers 5's Qwen3Config does (layer_types, which it saves, or else the layers from
+    max_window_layers on)."""
+    size = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        first = hf.get("max_window_layers", MAX_WINDOW_LAYERS)
+        types = [SLIDING if size is not None and i >= first else FULL for i in range(n)]
+    if len(types) != n or not set(types) <= {SLIDING, FULL}:
+        raise ConfigError(
+            f"this {NAME} has layer_types {types}: megart reads one {SLIDING!r} or {FULL!r} "
+            f"per layer, {n} of them (num_hidden_layers)"
+        )
+    sliding = [t == SLIDING for t in types]
+    if not any(sliding):
+        return {}
+    if size is None:  # transformers refuses it too (no window for those layers' mask)
+        raise ConfigError(
+            f"this {NAME} marks layers {SLIDING} in layer_types without a window "
+            f"(use_sliding_window {hf.get('use_sliding_window')}, sliding_window "
+            f"{hf.get('sliding_window')}): set both, or mark every layer {FULL}"
+        )
+    if type(size) is not int or size < 1:
+        raise ConfigError(
+            f"this {NAME} has sliding_window {size!r}: megart reads a window of at least one "
+            "token (the token itself)"
+        )
+    pattern = None if all(sliding) else tuple(int(s) for s in sliding)
+    return {"window_size": (size - 1, 0), "window_attn_skip_freq": pattern}
+
+
+def _window_fields(cfg: GPTConfig) -> dict[str, Any]:
+    """Qwen3's window fields for ``cfg``: off without a window; otherwise layer_types from
+    megart's per-layer windows, and max_window_layers the full-attention layers before the
+    first windowed one (what versions of transformers without layer_types read)."""
+    sliding = [cfg.layer_window(i) is not None for i in range(cfg.num_layers)]
+    if not any(sliding):
+        return {"use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": cfg.num_layers}  # fmt: skip
+    assert cfg.window_size is not None
+    return {
+        "use_sliding_window": True,
+        "sliding_window": cfg.window_size[0] + 1,
+        "max_window_layers": sliding.index(True),
+        "layer_types": [SLIDING if s else FULL for s in sliding],
+    }
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
-    if hf.get("use_sliding_window"):
-        raise ConfigError(
-            f"this Qwen3 has use_sliding_window true (window {hf.get('sliding_window')}), "
-            "which megart's GPT cannot represent: its attention is causal over the whole sequence"
-        )
+    window = _window(hf)
     if hf.get("attention_bias"):
         raise ConfigError(
             "this Qwen3 has attention_bias true with an MLP without biases, which megart's GPT "
             "cannot represent (--disable-bias-linear takes every linear layer's bias or none)"
         )
     cfg = hf_llama.config_from_hf({**hf, "attention_bias": False, "mlp_bias": False}, NAME)
-    return dataclasses.replace(cfg, qk_layernorm=True)
+    return dataclasses.replace(cfg, qk_layernorm=True, **window)
 
 
 def to_megart(
@@ -96,14 +151,12 @@ def hf_tensors(
 
 def hf_config(cfg: GPTConfig) -> dict[str, Any]:
     """Qwen3's config.json: Llama's with Qwen3's type and its fields for the sliding window
-    (off) and biases (none)."""
+    and biases (none)."""
     out = hf_llama.hf_config(cfg)
     del out["mlp_bias"]
     return {
         **out,
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": MODEL_TYPE,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": cfg.num_layers,
+        **_window_fields(cfg),
     }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def import_for_training(
     """import_checkpoint, then what import-hf prints: the release checkpoint written and the
     megart train flags that load it (--use-checkpoint-args, or the model's flags spelled out)."""
     files, cfg = _imported(input_dir, save_dir, seq_length, apply_layernorm_1p, tp, pp)
-    flags = " ".join(train_flags(cfg))
+    flags = shlex.join(train_flags(cfg))  # a list of --window-attn-skip-freq quoted
     what = f"{files[0]}" if len(files) == 1 else f"{files[0].parents[1]}: {len(files)} rank files"
     layout = "" if len(files) == 1 else f" (saved for tp {tp} x pp {pp}; any layout loads it)"
     return (
@@ -185,4 +186,12 @@ def train_flags(cfg: GPTConfig) -> list[str]:
         if cfg.rotary_seq_len_interpolation_factor is not None:
             factor = cfg.rotary_seq_len_interpolation_factor
             flags.append(f"--rotary-seq-len-interpolation-factor {integral(factor)}")
+    if any(cfg.layer_window(i) is not None for i in range(cfg.num_layers)):
+        assert cfg.window_size is not None
+        flags.append(f"--window-size {cfg.window_size[0]},{cfg.window_size[1]}")
+        skip = cfg.window_attn_skip_freq
+        if isinstance(skip, tuple):  # Megatron's list form, without spaces: one argument
+            flags.append("--window-attn-skip-freq [" + ",".join(map(str, skip)) + "]")
+        elif skip is not None:
+            flags.append(f"--window-attn-skip-freq {skip}")
     return " ".join(flags).split()
