@@ -293,3 +293,17 @@ def test_the_data_cache_path_builds_the_indices_once_and_never_serves_stale_ones
     changed = launch(mow.fed, 2, dict(kw, data_cache_path=str(cache)), timeout=300)
     assert changed == launch(mow.fed, 2, kw, timeout=300) != plain
     assert len(list(cache.glob("*.json"))) > 6
+
+
+def test_an_empty_split_megatron_needs_samples_from_is_refused_by_name(tmp_path):
+    """969,30,1 of 80 sequences leaves the test split none (Megatron-Core would count epochs
+    of no tokens for ever); with --eval-iters 0 nothing is asked of it."""
+    from megart import ConfigError
+    from megart.training.megatron_blend import megatron_datasets
+
+    prefix = _write(tmp_path, "a", np.full(80, 30), 50, vocab=200)
+    cfg = _config(data_path=prefix, data_order="megatron", split="969,30,1", vocab_size=256)
+    with pytest.raises(ConfigError, match=r"its test split .* of its 80, --split\) holds no token"):
+        megatron_datasets(cfg, 1)
+    train, valid, test = megatron_datasets(_config(**{**vars(cfg), "eval_iters": 0}), 1)
+    assert train is not None and valid is None and test is None

@@ -15,6 +15,7 @@ from megart.training.index_cache import cached
 from megart.training.indexed import IndexedTokens
 from megart.training.megatron_order import GPTOrder, split_bookends, split_sequences
 
+SPLITS = ("train", "valid", "test")
 # Megatron-LM's --mid-level-dataset-surplus: each dataset of a weighted blend builds this share
 # more samples than its weight asks for.
 SURPLUS = 0.005
@@ -114,7 +115,18 @@ def build_orders(
     ]
 
     def gpt(d: IndexedTokens, i: int, n: int | None) -> GPTOrder:
-        return GPTOrder(d, split_sequences(len(d), bookends[i]), n, seed, seq_length, cache)
+        documents = split_sequences(len(d), bookends[i])
+        if not np.any(np.asarray(d.sizes)[documents]):
+            # Megatron-Core would count epochs of no tokens for ever.
+            begin, end = bookends[i]
+            raise ConfigError(
+                f"{d.prefix}: its {SPLITS[i]} split (the sequences from {begin:.4g} to "
+                f"{end:.4g} of its {len(d)}, --split) holds no token, but Megatron's order "
+                f"needs {n if n is not None else 'an epoch of'} samples from it; give more "
+                "sequences, another --split, or --eval-iters 0 for an empty validation or "
+                "test split"
+            )
+        return GPTOrder(d, documents, n, seed, seq_length, cache)
 
     out: list[Order | None] = []
     for i, bookend in enumerate(bookends):
