@@ -24,10 +24,12 @@ COMMANDS: dict[str, Command] = {
         "megart.cli.preprocess", "turn text or JSONL into a Megatron indexed dataset (.bin/.idx)"
     ),
     "export-hf": Command(
-        "megart.cli.export_hf", "write a megart checkpoint as a Hugging Face GPT-2 or Llama model"
+        "megart.cli.export_hf",
+        "write a megart checkpoint as a Hugging Face GPT-2, Llama, Mistral or Qwen3 model",
     ),
     "import-hf": Command(
-        "megart.cli.import_hf", "turn a Hugging Face GPT-2 or Llama model into a megart checkpoint"
+        "megart.cli.import_hf",
+        "turn a Hugging Face GPT-2, Llama, Mistral or Qwen3 model into a megart checkpoint",
     ),
     "convert-checkpoint": Command(
         "megart.cli.convert", "convert checkpoints between megart, Megatron-LM and Hugging Face"
