@@ -130,17 +130,23 @@ def test_a_llama_shaped_gpt_is_written_as_transformers_llama(
             assert torch.equal(p, model.get_parameter(name)), name
 
 
-def saved_llama(root) -> object:
-    """transformers' own randomly initialised Llama (GQA, untied, rope base 500000), saved in
-    ``root``; returned in eval mode."""
+def saved_hf(root, cls: type, config: object) -> object:
+    """transformers' own randomly initialised ``cls`` with ``config``, its norm scales drawn
+    away from 1 (so that a swapped, missing or misplaced norm shows), saved in ``root``;
+    returned in eval mode."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_TINY))
-    with torch.no_grad():  # norm scales other than 1, so that a swapped norm shows
+    model = cls(config)
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn(p.shape) * 0.3)
     model.save_pretrained(root)
     return model.eval()
+
+
+def saved_llama(root) -> object:
+    """transformers' own Llama (GQA, untied, rope base 500000): saved_hf's."""
+    return saved_hf(root, transformers.LlamaForCausalLM, transformers.LlamaConfig(**HF_TINY))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from megart import ConfigError
 from megart.cli.main import main as megart_main
 from megart.launcher import launch
 from megart.models import GPT, GPTConfig
+from test_hf_llama import relative_error, saved_hf
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors.torch")
@@ -22,23 +23,13 @@ HF_TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_
                max_position_embeddings=64, rope_theta=1e6, tie_word_embeddings=True)  # fmt: skip
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 @pytest.fixture(scope="module")
 def hf_qwen3(tmp_path_factory):
     """transformers' own Qwen3, norm scales (q_norm and k_norm included) drawn away from 1 so
     that a missing or misplaced norm shows, saved with save_pretrained."""
     root = tmp_path_factory.mktemp("qwen3")
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**HF_TINY))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn(p.shape) * 0.3)
-    model.save_pretrained(root)
-    return root, model.eval()
+    config = transformers.Qwen3Config(**HF_TINY)
+    return root, saved_hf(root, transformers.Qwen3ForCausalLM, config)
 
 
 def test_a_qwen3_loads_at_tp1_and_tp2_and_writes_back_exactly(hf_qwen3, tmp_path):

@@ -23,7 +23,8 @@ from megart.models import GPT, GPTConfig
 from megart.training.config import TrainConfig
 from megart.training.export_hf import export_checkpoint
 from megart.training.import_hf import import_checkpoint
-from test_hf_llama import rewritten
+from test_hf_llama import relative_error, rewritten
+from test_hf_llama import saved_hf as saved
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -35,23 +36,6 @@ TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_lay
 # Qwen3's default from max_window_layers 1: layer 0 full, layers 1-3 windowed.
 QWEN3 = dict(TINY, head_dim=8, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
 QWEN3_FIELDS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def saved(root: Path, cls: type, config: object) -> object:
-    """transformers' ``cls`` with ``config``, norm scales drawn away from 1, saved in
-    ``root``; returned in eval mode."""
-    torch.manual_seed(0)
-    model = cls(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn(p.shape) * 0.3)
-    model.save_pretrained(root)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
