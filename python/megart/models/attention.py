@@ -19,7 +19,7 @@ from megart.models.norms import norm
 from megart.models.recompute import checkpointed
 from megart.models.ring_attention import ring_attention
 from megart.models.rope import apply_rotary
-from megart.models.window import covers, window_mask
+from megart.models.window import covers, sliding_causal_mask
 from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
@@ -122,8 +122,7 @@ class Attention(nn.Module):
         # kernels without a mask tensor still apply.
         window = None if covers(self.window, s * cp) else self.window
         if window is not None and where is None:
-            positions = torch.arange(s, device=q.device)
-            near = window_mask(positions, positions, window)
+            near = sliding_causal_mask(s, window, q.device)
             mask = near if mask is None else mask & near
         if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
             y = checkpointed(self._core, self.rng, q, k, v, where, mask, window)

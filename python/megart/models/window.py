@@ -22,6 +22,7 @@ With documents (--reset-attention-mask) the window and the documents' mask both 
 from __future__ import annotations
 
 import ast
+import functools
 import operator
 
 import torch
@@ -57,6 +58,18 @@ def window_mask(queries: torch.Tensor, keys: torch.Tensor, left: int | None) -> 
     q, k = queries.unsqueeze(1), keys.unsqueeze(0)
     allowed = k <= q
     return allowed if left is None else allowed & (k >= q - left)
+
+
+@functools.lru_cache(maxsize=4)
+def sliding_causal_mask(length: int, left: int, device: torch.device) -> torch.Tensor:
+    """window_mask of a ``length``-token sequence against itself, made once per length, window
+    and device: every windowed layer's forward takes (and its backward keeps) the same tensor
+    instead of a new s x s mask each. Read-only: callers combine it into new tensors."""
+    # A normal tensor even when first made under inference mode, so that a later training
+    # forward may keep it for backward.
+    with torch.inference_mode(False):
+        positions = torch.arange(length, device=device)
+        return window_mask(positions, positions, left)
 
 
 def refuse_window(
