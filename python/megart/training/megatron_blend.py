@@ -207,7 +207,7 @@ def megatron_datasets(config, dp: int) -> tuple:  # noqa: ANN001 (TrainConfig: n
                 build_orders(path, whole, sizes, *args, opened, mmap, cache)[i] if path else None
             )
     else:
-        bookends = split_bookends(config.split or "969,30,1")  # Megatron-LM's default
+        bookends = split_bookends(config.split)  # None: Megatron-LM's default
         orders = build_orders(config.data_path, bookends, sizes, *args, opened, mmap, cache)
     for d in opened.values():
         d.check_vocab(config.vocab_size)

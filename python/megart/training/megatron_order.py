@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megart.training.config_checks import split_weights
 from megart.training.index_cache import cached, data_files_stamp
 from megart.training.indexed import IndexedTokens
 
@@ -21,18 +22,13 @@ from megart.training.indexed import IndexedTokens
 SEPARATE_FINAL_EPOCH_BELOW = 0.80
 
 
-def split_bookends(split: str) -> list[tuple[float, float] | None]:
+def split_bookends(split: str | None) -> list[tuple[float, float] | None]:
     """--split "969,30,1" as Megatron's split matrix: each split's [begin, end) fraction of the
-    sequences (None for an empty split), from weights normalized in float64."""
-    import re
-
-    weights = [float(w) for w in re.findall(r"[.0-9]+", split)]
-    weights += [0.0] * (3 - len(weights))
-    w = np.array(weights, dtype=np.float64)
-    fractions = (w / np.sum(w)).tolist()
+    sequences (None for an empty split), the weights normalized in float64 (split_weights, which
+    also takes None for Megatron's default) and accumulated left to right, as Megatron's."""
     ends = [0.0]
-    for f in fractions:
-        ends.append(ends[-1] + f)  # accumulated left to right, as Megatron's reduce
+    for f in split_weights(split):
+        ends.append(ends[-1] + f)
     return [(a, b) if b > a else None for a, b in zip(ends[:-1], ends[1:], strict=True)]
 
 
