@@ -307,3 +307,20 @@ def test_an_empty_split_megatron_needs_samples_from_is_refused_by_name(tmp_path)
         megatron_datasets(cfg, 1)
     train, valid, test = megatron_datasets(_config(**{**vars(cfg), "eval_iters": 0}), 1)
     assert train is not None and valid is None and test is None
+
+
+def test_a_blend_that_asks_a_dataset_for_more_than_it_has_is_refused():
+    from megart import ConfigError
+    from megart.training.megatron_blend import BlendOrder
+
+    class Part:  # what BlendOrder reads of a dataset: its length and description
+        def __init__(self, n: int) -> None:
+            self.n, self.description = n, {"n": n}
+
+        def __len__(self) -> int:
+            return self.n
+
+    sized = [Part(50), Part(3)]
+    BlendOrder(sized, [0.5, 0.5], 6)  # 3 each: enough
+    with pytest.raises(ConfigError, match="asks dataset 1 for 4 samples, more than its 3"):
+        BlendOrder(sized, [0.5, 0.5], 8)

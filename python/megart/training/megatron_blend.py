@@ -70,8 +70,9 @@ class BlendOrder:
 
         arrays = cached(cache, "BlendedDataset", description, build)
         self.which, self.nth = arrays["dataset_index"], arrays["dataset_sample_index"]
-        for k, part in enumerate(self.parts):
-            wanted = int(np.sum(self.which == k))
+        # One pass over the (possibly ~1e9-long) index, not one per dataset.
+        counts = np.bincount(self.which, minlength=len(self.parts))
+        for k, (part, wanted) in enumerate(zip(self.parts, counts.tolist(), strict=True)):
             if wanted > len(part):
                 raise ConfigError(
                     f"the blend asks dataset {k} for {wanted} samples, more than its "
