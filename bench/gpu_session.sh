@@ -4,8 +4,8 @@
 # Steps: selftest train-default tests ln-tests allreduce p2p nccl-overhead adam kernels kernels-ln
 # profile-ln train-1.3b train-1.3b-fused train-1.3b-50k train-1.3b-50k-fused train-1.3b-recompute
 # plan-1.3b plan-1.3b-recompute gemm-sweep layer-profile grad-accum-fusion residual-precision
-# half-weights train-1.3b-half plan-1.3b-half cpu-tests cpu-tests-trainer, or any shell
-# command.
+# half-weights train-1.3b-half plan-1.3b-half cpu-tests cpu-tests-trainer ring-flash async-save
+# core-so, or any shell command.
 # The first session with a GPU (one H200, 2026-11-26; bench/RESULTS.md) ran
 #   STEP_TIMEOUT=110 bash bench/gpu_session.sh selftest train-default tests train-1.3b kernels \
 #     adam train-1.3b-fused nccl-overhead
@@ -24,7 +24,9 @@
 # selftest tests residual-precision half-weights train-1.3b-half plan-1.3b-half` (the tests step
 # ran out of time and was rerun alone, in 180 s): 673 s over two calls, start included. Next:
 # train-1.3b plan-1.3b (the defaults since the 16-bit residual stream), cpu-tests
-# cpu-tests-trainer, grad-accum-fusion. On a node of several GPUs:
+# cpu-tests-trainer, grad-accum-fusion. The seventh (one H200, 2026-11-28) ran
+# `STEP_TIMEOUT=110 bash bench/gpu_session.sh core-so selftest ring-flash async-save tests
+# train-1.3b plan-1.3b` in 399 s (467 s of device time with the start). On a node of several GPUs:
 # `torchrun --nproc-per-node N -m megart selftest`, NPROC=N allreduce p2p, and tests (whose
 # test_trainer_nccl runs every parallel layout, its ranks sharing GPU 0).
 # (-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion; -50k trains
@@ -104,6 +106,11 @@ for step in "$@"; do
       limit python3 bench/grad_accum_fusion.py --compare residual --profile 2>&1 | show 40 ;;
     half-weights) # --half-weights against fp32 weights under autocast, the same way
       limit python3 bench/grad_accum_fusion.py --compare weights --profile 2>&1 | show 40 ;;
+    ring-flash) # the ring's blocks by torch's flash kernels against its explicit products
+      limit python3 bench/ring_flash.py 2>&1 | show 20 ;;
+    async-save) limit bash bench/async_save_check.sh 2>&1 | show 10 ;;
+    core-so) # the built extension, for a later call on a fresh machine to use without a build
+      cp "$(python3 -c 'import megart._core as c; print(c.__file__)')" "$OUT/" && ls -la "$OUT" ;;
     kernels) limit python3 bench/kernels.py --json "$OUT/fused_kernels.json" 2>&1 | show 60 ;;
     allreduce|p2p) # NPROC=N: N ranks, one per GPU
       limit python3 -m megart.cli.bench "$step" --backend nccl ${NPROC:+--nproc "$NPROC"} -b 8 \
