@@ -98,6 +98,7 @@ for step in "$@"; do
              tests/test_optim_cuda.py "tests/test_grad_accumulation_fusion.py::test_cuda_fused_product_accumulates_in_fp32" \
              tests/test_kernels.py tests/test_fused_kernels_cuda.py tests/test_build_info.py \
              "tests/test_context_parallel.py::test_the_blockwise_attention_on_a_gpu_is_the_masked_one_in_float64" \
+             tests/test_flash_blocks.py "tests/test_context_parallel_ring.py::test_on_a_gpu_the_flash_ring_in_bf16_is_one_process_attention_in_float64" \
              2>&1 | show 40 ;;
     grad-accum-fusion) # fused against unfused, alternating: train-1.3b's GPT, then a 2.5B one
       for a in "" "--layers 32 --hidden 2560 --heads 32"; do

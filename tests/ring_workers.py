@@ -47,15 +47,17 @@ def ring_on_this_rank(
     group: dist.ProcessGroup,
     dropout: float = 0.0,
     tile_elements: int | None = TILE_ELEMENTS,
+    blocks: str = "auto",
 ) -> list[torch.Tensor]:
-    """This rank's part of the whole-sequence q, k, v, dy through ring_attention: y, dq, dk,
-    dv (this rank's parts). ``tile_elements`` None: all_to_all_attention instead."""
+    """This rank's part of the whole-sequence q, k, v, dy through ring_attention (its blocks
+    as ``blocks`` says): y, dq, dk, dv (this rank's parts). ``tile_elements`` None:
+    all_to_all_attention instead."""
     cp, r = group.size(), group.rank()
     mine = [split_for_cp(t, 2, cp, r).requires_grad_() for t in (q, k, v)]
     if tile_elements is None:
         y = all_to_all_attention(*mine, group, dropout)
     else:
-        y = ring_attention(*mine, group, dropout, tile_elements)
+        y = ring_attention(*mine, group, dropout, tile_elements, blocks)
     y.backward(split_for_cp(dy, 2, cp, r))
     return [y.detach(), *(t.grad for t in mine)]
 
@@ -63,8 +65,8 @@ def ring_on_this_rank(
 def against_reference(cases: list[dict]) -> float:
     """On every rank of one cp group (the world): the largest absolute difference of the ring's
     output and gradients from the one-process reference's part of them, over ``cases`` (each
-    with its scores per tile, ``tile``, or the default; or with ``kind`` "a2a" the all-to-all
-    exchange's)."""
+    with its ``blocks``, "flash" or "explicit" with its scores per tile, ``tile``, or the
+    defaults; or with ``kind`` "a2a" the all-to-all exchange's)."""
     dist.init(timeout=60)
     group = dist.new_group(list(range(dist.get_world_size())))
     cp, r = group.size(), group.rank()
@@ -73,8 +75,28 @@ def against_reference(cases: list[dict]) -> float:
         q, k, v, dy = draw(case, cp)
         want = [split_for_cp(t, 2, cp, r) for t in reference(q, k, v, dy)]
         tile = None if case.get("kind") == "a2a" else case.get("tile", TILE_ELEMENTS)
-        got = ring_on_this_rank(q, k, v, dy, group, 0.0, tile)
+        blocks = case.get("blocks", "explicit" if "tile" in case else "auto")
+        got = ring_on_this_rank(q, k, v, dy, group, 0.0, tile, blocks)
         worst = max(worst, *((a - w).abs().max().item() for a, w in zip(got, want, strict=True)))
+    return worst
+
+
+def against_reference_on_gpu_0(case: dict) -> float:
+    """As against_reference, on GPU 0 over megart's nccl transport (tests/nccl_workers.py) with
+    bf16 inputs and the flash blocks: the largest difference of the output and each gradient
+    from the float64 reference's, over that reference's largest value."""
+    import nccl_workers
+
+    device = nccl_workers._init_on_gpu_0(timeout=120)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    cp, r = group.size(), group.rank()
+    q, k, v, dy = draw(case, cp)
+    want = [split_for_cp(t, 2, cp, r) for t in reference(q, k, v, dy)]
+    on_gpu = [t.to(device, torch.bfloat16) for t in (q, k, v, dy)]
+    got = ring_on_this_rank(*on_gpu, group, 0.0, TILE_ELEMENTS, "flash")
+    worst = max(((a.double().cpu() - w).abs().max() / w.abs().max()).item()
+                for a, w in zip(got, want, strict=True))  # fmt: skip
+    dist.destroy()
     return worst
 
 
@@ -125,6 +147,25 @@ def traffic(case: dict) -> dict:
     kv_bytes = 2 * mine[1].numel() * 8
     return {"forward": forward, "backward": backward, "kv_bytes": kv_bytes,
             "next": group.ranks[(r + 1) % cp], "prev": group.ranks[(r - 1) % cp]}  # fmt: skip
+
+
+def aten_ops_called(case: dict, blocks: str) -> set[str]:
+    """The aten operators one ring attention's forward and backward call on this rank (cp = the
+    world), with ``blocks`` as ring_attention's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            called.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    dist.init(timeout=60)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    q, k, v, dy = draw(case, group.size())
+    called: set[str] = set()
+    with Recording():
+        ring_on_this_rank(q, k, v, dy, group, 0.0, TILE_ELEMENTS, blocks)
+    return called
 
 
 def saved_by_attention(cfg_kw: dict, comm: str) -> list[tuple[int, ...]]:

@@ -21,12 +21,18 @@ again; each block's dK/dV accumulator travels with it, every rank adding its par
 exchange hands it back to its owner. Messages: cp - 1 K/V blocks forward; cp - 1 K/V blocks and
 cp dK/dV blocks backward, each to the next rank.
 
-With grouped-query attention the K/V that travel are the groups' (not repeated per head). The
-blocks are computed with explicit matrices on every device (no flash kernel yet), in tiles of
-query rows so that one tile's scores (TILE_ELEMENTS) exist at a time, however long the
-sequence. Attention dropout draws each tile's mask from the current random stream and the
-backward replays the stream from its saved state, so that the backward is the forward's own
-derivative; the masks are not the one-process attention's (nor are the all-gather path's).
+With grouped-query attention the K/V that travel are the groups' (not repeated per head).
+Each step's block is computed by torch's flash kernels where they take the queries
+(megart.models.flash_blocks: CUDA in fp16/bf16, with dropout; the CPU without dropout): the
+forward's block output and log-sum-exp are folded as above, and each block's backward is the
+flash backward given the folded output and log-sum-exp. Elsewhere (fp32 on CUDA, dropout on the
+CPU) the blocks are explicit products in fp32, in tiles of query rows so that one tile's
+scores (TILE_ELEMENTS) exist at a time, however long the sequence; attention dropout then
+draws each tile's mask from the current random stream and the backward replays the stream from
+its saved state, so that the backward is the forward's own derivative. Either way the dropout
+masks are not the one-process attention's (nor are the all-gather path's). On an H200 the flash
+blocks computed one rank's ring 14.6 times faster than the explicit ones (bench/ring_flash.py,
+bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 
 import megart.distributed as dist
 from megart.distributed import ProcessGroup
+from megart.models import flash_blocks
 
 # Scores per tile of query rows (fp32: 256 MiB): a step's explicit products never hold more
 # than a few tiles' worth, whatever the sequence length.
@@ -140,39 +147,44 @@ class RingAttention(torch.autograd.Function):
         group: ProcessGroup,
         dropout: float,
         tile_elements: int,
+        flash: bool,
     ) -> torch.Tensor:
         ring = _Ring(group)
         c = _compute_dtype(q.dtype)
         b, h, local, d = q.shape
         per_group = h // k.shape[1]
-        rng = _rng_state(q.device) if dropout else None
+        rng = _rng_state(q.device) if dropout and not flash else None
         qc = q.to(c)
         out = torch.zeros(b, h, local, d, dtype=c, device=q.device)
         lse = torch.full((b, h, local), float("-inf"), dtype=c, device=q.device)
         kv = torch.stack([k, v]).contiguous()
+        flash_saved = []  # per step, what its flash backward needs of its forward
         for step in range(ring.cp):
             if step + 1 < ring.cp:  # the next block travels while this one is computed
                 arriving, works = ring.pass_on(kv)
             rows, keys, causal = block_of(step, ring.cp, ring.rank, local)
-            kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
-            for t in tiles(rows, kb.shape[2], b * h, tile_elements):
-                s = _scores(qc[:, :, t], kb, t.start if causal else None)
-                tile_lse = torch.logsumexp(s, dim=-1)
-                p = torch.exp(s - tile_lse.unsqueeze(-1))
-                keep = _keep(p.shape, dropout, p)
-                tile_out = (p if keep is None else p * keep) @ vb
-                # Online softmax: both partial outputs reweighted to the combined normaliser.
-                old = lse[:, :, t]
-                new = torch.logaddexp(old, tile_lse)
-                kept, added = (torch.exp(x - new).unsqueeze(-1) for x in (old, tile_lse))
-                out[:, :, t] = out[:, :, t] * kept + tile_out * added
-                lse[:, :, t] = new
+            if flash:
+                kb, vb = (_expand(x[:, :, keys], per_group) for x in kv)
+                block_out, block_lse, saved = flash_blocks.forward(
+                    q[:, :, rows], kb, vb, causal, dropout
+                )
+                flash_saved.append(saved)
+                _fold_in(out, lse, rows, block_out.to(c), block_lse.to(c))
+            else:
+                kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
+                for t in tiles(rows, kb.shape[2], b * h, tile_elements):
+                    s = _scores(qc[:, :, t], kb, t.start if causal else None)
+                    tile_lse = torch.logsumexp(s, dim=-1)
+                    p = torch.exp(s - tile_lse.unsqueeze(-1))
+                    keep = _keep(p.shape, dropout, p)
+                    _fold_in(out, lse, t, (p if keep is None else p * keep) @ vb, tile_lse)
             if step + 1 < ring.cp:
                 _wait(works)
                 kv = arriving
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.ring, ctx.dropout, ctx.rng, ctx.tile_elements = ring, dropout, rng, tile_elements
+        ctx.flash_saved = flash_saved if flash else None
         return result
 
     @staticmethod
@@ -193,22 +205,31 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < ring.cp:
                     arriving, works = ring.pass_on(kv)
                 rows, keys, causal = block_of(step, ring.cp, ring.rank, local)
-                kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
-                dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
-                for t in tiles(rows, kb.shape[2], q.shape[0] * h, ctx.tile_elements):
-                    qt, dot = qc[:, :, t], doc[:, :, t]
-                    p = torch.exp(_scores(qt, kb, t.start if causal else None) - lse[:, :, t, None])
-                    keep = _keep(p.shape, dropout, p)
-                    dp = dot @ vb.transpose(-1, -2)
-                    if keep is not None:
-                        dp = dp * keep
-                        p_kept = p * keep
-                    else:
-                        p_kept = p
-                    dv += p_kept.transpose(-1, -2) @ dot
-                    ds = p * (dp - delta[:, :, t].unsqueeze(-1))
-                    dq[:, :, t] += ds @ kb * scale
-                    dk += ds.transpose(-1, -2) @ qt * scale
+                if ctx.flash_saved is not None:
+                    kb, vb = (_expand(x[:, :, keys], per_group) for x in kv)
+                    dor, qr, outr, lser = (x[:, :, rows].contiguous() for x in (dout, q, out, lse))
+                    dqb, dk, dv = flash_blocks.backward(
+                        dor, qr, kb, vb, outr, lser, causal, dropout, ctx.flash_saved[step]
+                    )
+                    dq[:, :, rows] += dqb
+                else:
+                    kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
+                    dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+                    for t in tiles(rows, kb.shape[2], q.shape[0] * h, ctx.tile_elements):
+                        qt, dot = qc[:, :, t], doc[:, :, t]
+                        s = _scores(qt, kb, t.start if causal else None)
+                        p = torch.exp(s - lse[:, :, t, None])
+                        keep = _keep(p.shape, dropout, p)
+                        dp = dot @ vb.transpose(-1, -2)
+                        if keep is not None:
+                            dp = dp * keep
+                            p_kept = p * keep
+                        else:
+                            p_kept = p
+                        dv += p_kept.transpose(-1, -2) @ dot
+                        ds = p * (dp - delta[:, :, t].unsqueeze(-1))
+                        dq[:, :, t] += ds @ kb * scale
+                        dk += ds.transpose(-1, -2) @ qt * scale
                 dkv[0][:, :, keys] += _fold(dk, per_group)
                 dkv[1][:, :, keys] += _fold(dv, per_group)
                 # The accumulator goes on with its block; the last exchange brings the rank's
@@ -218,7 +239,19 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < ring.cp:
                     _wait(works)
                     kv = arriving
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def _fold_in(
+    out: torch.Tensor, lse: torch.Tensor, rows: slice, part: torch.Tensor, part_lse: torch.Tensor
+) -> None:
+    """Online softmax: ``part``, the attention of ``rows`` over some keys with log-sum-exp
+    ``part_lse``, folded into ``out`` and ``lse``, both reweighted to the combined normaliser."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, part_lse)
+    kept, added = (torch.exp(x - new).unsqueeze(-1) for x in (old, part_lse))
+    out[:, :, rows] = out[:, :, rows] * kept + part * added
+    lse[:, :, rows] = new
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:
@@ -259,9 +292,21 @@ def ring_attention(
     group: ProcessGroup,
     dropout: float = 0.0,
     tile_elements: int = TILE_ELEMENTS,
+    blocks: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of this context-parallel rank's queries ([b, heads, s/cp, d]) over the
     sequence, from each rank's own keys and values ([b, groups, s/cp, d], heads a multiple of
-    groups) passed around ``group`` (see the module's docstring); each step's scores computed
-    in tiles of query rows of at most ``tile_elements`` scores (see tiles)."""
-    return RingAttention.apply(q, k, v, group, dropout, tile_elements)
+    groups) passed around ``group`` (see the module's docstring). ``blocks``: "flash" computes
+    each step's block with torch's flash kernels (megart.models.flash_blocks), "explicit" with
+    explicit products in tiles of query rows of at most ``tile_elements`` scores (see tiles),
+    "auto" the first where the kernels take the queries' device, type and dropout."""
+    if blocks not in ("auto", "flash", "explicit"):
+        raise ValueError(f"blocks must be 'auto', 'flash' or 'explicit', not {blocks!r}")
+    usable = flash_blocks.usable(q, dropout)
+    if blocks == "flash" and not usable:
+        raise ValueError(
+            f"the flash kernels do not take {q.dtype} queries of head dimension {q.shape[-1]} "
+            f"on {q.device.type} with dropout {dropout}"
+        )
+    flash = usable if blocks == "auto" else blocks == "flash"
+    return RingAttention.apply(q, k, v, group, dropout, tile_elements, flash)
