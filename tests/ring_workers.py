@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import megart.distributed as dist
+from megart import ConfigError
 from megart.models.all_to_all_attention import all_to_all_attention
 from megart.models.attention import Attention
 from megart.models.config import GPTConfig
@@ -166,6 +167,20 @@ def aten_ops_called(case: dict, blocks: str) -> set[str]:
     with Recording():
         ring_on_this_rank(q, k, v, dy, group, 0.0, TILE_ELEMENTS, blocks)
     return called
+
+
+def windowed_layer_under_the_ring() -> str:
+    """An Attention layer with a sliding window built on a cp group of the world, under the
+    default exchange (the ring): the ConfigError's message (none: built)."""
+    dist.init(timeout=60)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    cfg = GPTConfig(vocab_size=300, seq_length=16, hidden_size=32, num_layers=1,
+                    num_attention_heads=4, window_size=(3, 0))  # fmt: skip
+    try:
+        Attention(cfg, 0, None, False, cp_group=group)
+    except ConfigError as e:
+        return str(e)
+    return "built"
 
 
 def saved_by_attention(cfg_kw: dict, comm: str) -> list[tuple[int, ...]]:

@@ -24,6 +24,7 @@ import ring_workers as rw
 from megart import ConfigError
 from megart.launcher import launch
 from megart.models import flash_blocks
+from megart.models.config import GPTConfig
 from megart.models.ring_attention import TILE_ELEMENTS, block_of, ring_attention, tiles
 from megart.training.config import TrainConfig
 
@@ -219,18 +220,20 @@ def test_cp2_with_zero_bubble_or_recomputation_follows_the_one_process_curve(str
     assert losses == pytest.approx(straight[:3], rel=REL, abs=0)
 
 
-def test_the_default_is_all_gather_and_the_hierarchical_kind_is_refused():
-    # Megatron's default is the ring; megart's stays the all-gather, whose GPU path runs flash
-    # kernels (the ring's blocks are explicit products: README, Context parallelism).
-    assert TrainConfig().cp_comm_type == "all_gather"
-    TrainConfig(context_parallel_size=2, seq_length=16, cp_comm_type="p2p").check(2)  # runs
-    # The sliding window masks the all-gathered keys by global position: not the ring's.
+def test_the_default_is_the_ring_and_the_hierarchical_kind_is_refused():
+    # Megatron's default, the ring (its blocks flash kernels where they apply).
+    assert TrainConfig().cp_comm_type == "p2p" and GPTConfig().cp_comm_type == "p2p"
+    TrainConfig(context_parallel_size=2, seq_length=16, cp_comm_type="all_gather").check(2)
+    # The sliding window masks the all-gathered keys by global position: not the ring's, nor
+    # the all-to-all's; refused by the command line's checks and by the model's layers.
     for kind in ("p2p", "a2a"):
         windowed = TrainConfig(
             context_parallel_size=2, seq_length=16, cp_comm_type=kind, window_size="4,0"
         )
         with pytest.raises(ConfigError, match=f"--window-size with --cp-comm-type {kind}"):
             windowed.check(2)
+    for said in launch(rw.windowed_layer_under_the_ring, 2, timeout=120):
+        assert "only the all-gather exchange applies the window" in said, said
     with pytest.raises(ConfigError, match=re.escape("--cp-comm-type a2a+p2p: ") + ".*no hier"):
         TrainConfig(context_parallel_size=2, seq_length=16, cp_comm_type="a2a+p2p").check(2)
 

@@ -118,7 +118,15 @@ def test_a_model_over_documents_is_each_document_on_its_own(model, ends, seed):
             alone = net(tokens[b : b + 1, cols])[0]
             assert torch.allclose(got[b, cols], alone, rtol=F64, atol=F64)
     if bool((ids[:, -1] > 0).any()):  # more than one document somewhere
-        for partial in (Documents(documents.positions, None), Documents(None, ids)):
+        without_mask, without_positions = Documents(documents.positions, None), Documents(None, ids)
+        partials = [without_mask]
+        # Rope turns only the relative positions of a query and its keys: a later document of
+        # one token (its only key itself) gives the same logits at any position (hypothesis
+        # found it: a sample ending in an end-of-document and one token).
+        later_lengths = [int((ids[b] == d).sum()) for b in range(2) for d in ids[b].unique()[1:]]
+        if model == "gpt2" or max(later_lengths) > 1:
+            partials.append(without_positions)
+        for partial in partials:
             assert (net(tokens, documents=partial) - got).abs().max() > 1e3 * F64
 
 

@@ -24,7 +24,7 @@ DIFFERENT = {
     "overlap_grad_reduce": "megart reduces during backward by default (the same sums)",
     "recompute_method": "Megatron asks for it with full recomputation; megart: uniform",
     "recompute_num_layers": "likewise; megart: 1",
-    "cp_comm_type": "megart's ring (p2p) has no flash kernel yet: all_gather is faster on a GPU",
+    "cp_comm_type": "arguments.py's default is p2p (TransformerConfig's None means the same)",
 }
 
 

@@ -146,7 +146,7 @@ def test_megatron_core_computes_megarts_logits_with_the_window(mcore, name):
 # -- context parallelism -------------------------------------------------------------------------
 
 CP = dict(vocab_size=300, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
-          init_std=0.5)  # fmt: skip
+          init_std=0.5, cp_comm_type="all_gather")  # fmt: skip
 
 
 def test_cp2_and_cp4_are_the_one_process_model_by_global_positions():
@@ -184,7 +184,7 @@ def test_the_window_changes_the_curve(straight):
     [
         (dict(tensor_model_parallel_size=2, sequence_parallel=True), 2),
         (dict(pipeline_model_parallel_size=2), 2),
-        (dict(context_parallel_size=2), 2),
+        (dict(context_parallel_size=2, cp_comm_type="all_gather"), 2),
     ],
     ids=["tp2-sp", "pp2", "cp2"],
 )

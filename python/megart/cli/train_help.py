@@ -270,16 +270,17 @@ HELP = {
     "with --context-parallel-size above 1",
     "context_parallel_size": "context parallelism: each sequence split over this many ranks "
     "(Megatron's load-balanced 2 cp chunks; --seq-length divisible by 2 cp), keys and values "
-    "all-gathered over them (--cp-comm-type all_gather, the default), passed around a ring of "
-    "them (p2p) or exchanged for heads (a2a); ranks tp x cp x dp x pp, cp between tp and "
-    "dp. With --sequence-parallel each rank's s/cp tokens split over tp (s/cp divisible by tp)",
-    "cp_comm_type": "how keys and values travel between context-parallel ranks: all_gather "
-    "(megart's default): every rank gathers the whole sequence's K/V and runs flash kernels on "
-    "a GPU; p2p (Megatron's default), a ring: each rank keeps its queries and its own K/V, "
-    "passes K/V blocks to the next rank cp - 1 times and folds the partial attentions by "
-    "log-sum-exp; the backward recomputes each block and sends dK/dV back to their owner (a "
-    "rank holds at most the visiting K/V block and the arriving one), its blocks explicit fp32 "
-    "products (no flash kernel yet: megart plan predicts it slower on a GPU); or a2a "
+    "passed around a ring of them (--cp-comm-type p2p, the default, as in Megatron), "
+    "all-gathered over them (all_gather) or exchanged for heads (a2a); ranks tp x cp x dp x "
+    "pp, cp between tp and dp. With --sequence-parallel each rank's s/cp tokens split over tp "
+    "(s/cp divisible by tp)",
+    "cp_comm_type": "how keys and values travel between context-parallel ranks: p2p "
+    "(Megatron's default), a ring: each rank keeps its queries and its own K/V, passes K/V "
+    "blocks to the next rank cp - 1 times and folds the partial attentions by log-sum-exp; the "
+    "backward recomputes each block and sends dK/dV back to their owner (a rank holds at most "
+    "the visiting K/V block and the arriving one); its blocks are flash kernels on a GPU in "
+    "fp16/bf16 and on the CPU without dropout, explicit fp32 products otherwise. all_gather: "
+    "every rank gathers the whole sequence's K/V (needed with --window-size). a2a "
     "(DeepSpeed Ulysses): all-to-all exchanges give each rank 1/cp of the heads for the whole "
     "sequence (heads and query groups per tensor-parallel rank divisible by cp). The same "
     "attention every way. a2a+p2p (hierarchical) is refused",

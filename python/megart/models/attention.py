@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megart.distributed import ProcessGroup
+from megart.errors import ConfigError
 from megart.models.all_to_all_attention import all_to_all_attention
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import context_attention, gather_kv
@@ -63,6 +64,17 @@ class Attention(nn.Module):
         self.local_heads = cfg.num_attention_heads // t
         self.local_groups = cfg.query_groups // t
         self.window = cfg.layer_window(layer)  # earlier tokens seen; None: all
+        if (
+            self.window is not None
+            and group_size(cp_group) > 1
+            and cfg.cp_comm_type != "all_gather"
+        ):
+            # Only the all-gathered keys are masked by global position (TrainConfig refuses it too).
+            raise ConfigError(
+                f"a sliding window (window_size) with cp_comm_type={cfg.cp_comm_type!r}: under "
+                "context parallelism only the all-gather exchange applies the window; give "
+                "cp_comm_type='all_gather'"
+            )
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         qkv_rows = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         self.qkv = ColumnParallelLinear(

@@ -94,10 +94,10 @@ class GPTConfig:
     window_size: tuple[int, int] | None = None
     window_attn_skip_freq: int | tuple[int, ...] | None = None
     # Megatron's --cp-comm-type: how keys and values travel between context-parallel ranks,
-    # "all_gather" (megart.models.context_parallel; megart's default), "p2p" (a ring,
-    # megart.models.ring_attention; Megatron's default) or "a2a" (heads scattered, the sequence
-    # gathered, megart.models.all_to_all_attention). Nothing without context parallelism.
-    cp_comm_type: str = "all_gather"
+    # "p2p" (a ring, megart.models.ring_attention; Megatron's default), "all_gather"
+    # (megart.models.context_parallel) or "a2a" (heads scattered, the sequence gathered,
+    # megart.models.all_to_all_attention). Nothing without context parallelism.
+    cp_comm_type: str = "p2p"
     init_std: float = 0.02
     # Megatron's --init-method-xavier-uniform: weights drawn from Glorot's uniform instead of
     # N(0, init_std^2) (megart.models.init says which and with which fans).

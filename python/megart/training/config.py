@@ -203,11 +203,11 @@ class TrainConfig:
     ckpt_format: str = "megart"
     calculate_per_token_loss: bool = False
     context_parallel_size: int = 1
-    # How K and V travel between context-parallel ranks: all-gathered ("all_gather", megart's
-    # default: flash kernels on a GPU), around a ring ("p2p", Megatron's default,
-    # megart.models.ring_attention: explicit fp32 blocks, no flash kernel yet) or exchanged for
-    # heads ("a2a"); Megatron's hierarchical "a2a+p2p" is refused.
-    cp_comm_type: str = "all_gather"
+    # How K and V travel between context-parallel ranks: around a ring ("p2p", Megatron's
+    # default, megart.models.ring_attention, its blocks by flash kernels where they apply),
+    # all-gathered ("all_gather") or exchanged for heads ("a2a"); Megatron's hierarchical
+    # "a2a+p2p" is refused.
+    cp_comm_type: str = "p2p"
     expert_model_parallel_size: int = 1
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
     rotary_percent: float = 1.0  # the part of each head rope turns (GPTConfig.rotary_percent)

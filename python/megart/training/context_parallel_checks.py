@@ -42,7 +42,7 @@ def check_context_parallel(config: Any) -> None:
         raise ConfigError(
             f"--window-size with --cp-comm-type {config.cp_comm_type}: megart's sliding window "
             "under context parallelism masks the all-gathered keys by global position; give "
-            "--cp-comm-type all_gather (megart's default)"
+            "--cp-comm-type all_gather"
         )
     if config.cp_comm_type == "a2a":
         check_heads_split(config, cp)
