@@ -11,12 +11,19 @@ import argparse
 import dataclasses
 import difflib
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from megart.cli.train_aliases import (
+    DISABLE_SPELLING,
+    add_alias_arguments,
+    apply_aliases,
+    check_no_position_embedding,
+)
 from megart.cli.train_help import HELP
 from megart.errors import ConfigError, MegartError
 from megart.training.config import CHOICES, TrainConfig
-from megart.training.megatron_flags import FUSIONS_OFF, NOT_YET
+from megart.training.megatron_flags import FUSIONS_OFF
+from megart.training.megatron_refusals import refusal
 
 # Other names Megatron-LM has used for a flag.
 ALIASES = {"layernorm_epsilon": ["--norm-epsilon"]}
@@ -34,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool) and f.default is True:
-            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=HELP[f.name])
+            spellings = ["--no-" + flag[2:]] + ["--disable-" + flag[2:]] * (
+                f.name in DISABLE_SPELLING
+            )
+            p.add_argument(*spellings, dest=f.name, action="store_false", help=HELP[f.name])
             if f.name in ON_BY_DEFAULT:  # Megatron's switch for what megart does by default
                 p.add_argument(flag, dest=f.name, action="store_true", help=argparse.SUPPRESS)
         elif f.type in ("bool", bool):
@@ -91,11 +101,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--no-use-tokenizer-model-from-checkpoint-args",
+        "--disable-use-tokenizer-model-from-checkpoint-args",
         dest="use_tokenizer_model_from_checkpoint_args",
         action="store_false",
         help="with --use-checkpoint-args: not its tokenizer (type, model, vocab and merge "
         "files); give this run's",
     )
+    add_alias_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -117,31 +129,43 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             f"{flag}-from-checkpoint-args goes with --use-checkpoint-args: add it (Megatron-LM "
             "ignores it without; megart refuses rather than ignore it)"
         )
+    apply_aliases(args, given)
     if use:  # before TrainConfig resolves the tokenizer's vocabulary and checks the layout
         from megart.training.checkpoint_args import apply
 
         given = apply(given, mp, tokenizer)
+    check_no_position_embedding(args, given)
     return TrainConfig(**given)
 
 
 class FlagParser(argparse.ArgumentParser):
     """argparse, except that a bad flag is a ConfigError of one line (with the closest flag's
     name for a misspelt one) instead of a usage message of some 70 lines, so that it is said
-    once across ranks and reaches torchrun's report (megart.cli.failure) like other errors."""
+    once across ranks and reaches torchrun's report (megart.cli.failure) like other errors.
+    Megatron-LM's flags that megart cannot honour are refused by name, with why
+    (megart.training.megatron_refusals). As Megatron-LM's parser, it takes no abbreviated
+    flag (one of Megatron's could otherwise be read as a longer megart flag it begins)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         hints = []
         if message.startswith("unrecognized arguments:"):
             given = message.split(":", 1)[1].split()
-            names = dict.fromkeys(w.split("=")[0] for w in given)
-            refused = [f"{w}: {NOT_YET[w]}" for w in names if w in NOT_YET]
-            if refused:  # Megatron's flags that megart cannot honour: each named, with why
-                raise ConfigError("; ".join(refused))
+            names = dict.fromkeys(w.split("=")[0] for w in given if w.startswith("--"))
+            refused = [why for why in map(refusal, names) if why]
+            others = [w for w in names if not refusal(w)]
             flags = [a for a in self._option_string_actions if a.startswith("--")]
-            for word in given:
-                close = difflib.get_close_matches(word.split("=")[0], flags, n=1)
-                if word.startswith("--") and close:
+            for word in others:
+                close = difflib.get_close_matches(word, flags, n=1)
+                if close:
                     hints.append(f"{word}: did you mean {close[0]}?")
+            if refused:  # Megatron's flags that megart cannot honour: each named, with why
+                rest = f"; unrecognized: {', '.join(others)}" if others else ""
+                rest += f" ({'; '.join(hints)})" if hints else ""
+                raise ConfigError("; ".join(refused) + rest)
         hints.append(f"'{self.prog} --help' lists the flags")
         raise ConfigError(f"{message} ({'; '.join(hints)})")
 

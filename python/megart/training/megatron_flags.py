@@ -125,7 +125,8 @@ What each does in megart:
 - --tensorboard-log-interval N: training scalars every N iterations, evaluations always, as
   Megatron writes them; --log-validation-ppl-to-tensorboard: megart writes them always.
 - FUSIONS_OFF: Megatron's switches that turn a fused kernel off (each named below).
-- NOT_YET: Megatron flags megart has no capability for; the command line refuses each by name.
+- The Megatron-LM flags megart cannot honour are refused by name, each with why and what to do
+  instead: megart.training.megatron_refusals.
 """
 
 from __future__ import annotations
@@ -144,10 +145,6 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 CKPT_FORMATS = ("megart", "torch", "torch_dist")
 MOCK_TOKENS = 1 << 20  # tokens of --mock-data's corpus
-_FP8 = (
-    "megart has no FP8 training (Transformer Engine's): train with --bf16 and leave the fp8 "
-    "flags out"
-)
 # Megatron-LM's switches that turn one of its fused kernels off, with what each means here. A
 # kernel choice never changes the math, so megart accepts each: --no-bias-gelu-fusion sets
 # megart's own bias-GeLU fusion off (on by default, as Megatron's), and the others turn off
@@ -162,37 +159,6 @@ FUSIONS_OFF = {
     "--no-bias-dropout-fusion": "accepted: megart adds bias, dropout and residual unfused",
     "--no-rope-fusion": "accepted: megart's rope is plain torch, never a fused rope kernel",
     "--no-persist-layer-norm": "accepted: megart has no persistent LayerNorm kernel (apex's)",
-}
-# Megatron-LM flags (of its GPT and Llama example scripts and their neighbours) that megart
-# cannot honour yet: refused by name, with what to do instead.
-NOT_YET = {
-    **{
-        f"--wandb-{name}": "megart logs to TensorBoard (--tensorboard-dir, Megatron's tags) "
-        "and to JSON lines (--log-jsonl), not to Weights & Biases; leave it out"
-        for name in ("project", "exp-name", "save-dir", "entity")
-    },
-    "--use-torch-fsdp2": "megart shards optimizer state with --use-distributed-optimizer "
-    "(ZeRO-1), not FSDP; use that",
-    "--tp-comm-overlap": "megart does not overlap tensor-parallel collectives with its "
-    "matrix products (Transformer Engine's userbuffers); leave it out",
-    "--num-distributed-optimizer-instances": "megart has one distributed-optimizer instance; "
-    "leave it out",
-    "--use-precision-aware-optimizer": "megart's Adam keeps fp32 moments and main weights; "
-    "leave it out",
-    "--optimizer-cpu-offload": "megart keeps the optimizer state on the GPU; leave it out",
-    **{
-        f"--fp8-{name}": _FP8
-        for name in (
-            "format",
-            "recipe",
-            "margin",
-            "amax-history-len",
-            "amax-compute-algo",
-            "param-gather",
-            "interval",
-            "wgrad",
-        )
-    },
 }
 
 
