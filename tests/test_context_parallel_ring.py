@@ -281,3 +281,17 @@ def test_the_all_to_all_exchange_needs_heads_and_groups_divisible_by_cp(kw, says
     with pytest.raises(ConfigError) as e:
         config.check(config.context_parallel_size * config.tp)
     assert says in str(e.value) and "use --cp-comm-type p2p or all_gather" in str(e.value)
+
+
+def test_megatrons_per_layer_list_is_taken_when_it_repeats_one_kind():
+    """Megatron's --cp-comm-type takes one kind per layer; megart's layers share one, so a list
+    of one kind is that kind and a mixed one is refused by name."""
+    from megart.cli.train import FlagParser, add_arguments, config_from_args
+
+    parser = FlagParser()
+    add_arguments(parser)
+    argv = ["--context-parallel-size", "2", "--seq-length", "16", "--cp-comm-type"]
+    config = config_from_args(parser.parse_args([*argv, "a2a", "a2a"]))
+    assert config.cp_comm_type == "a2a"
+    with pytest.raises(ConfigError, match="--cp-comm-type p2p a2a: .*give one kind"):
+        config_from_args(parser.parse_args([*argv, "p2p", "a2a"]))

@@ -28,7 +28,9 @@ from megart.training.megatron_refusals import refusal
 # Other names Megatron-LM has used for a flag.
 ALIASES = {"layernorm_epsilon": ["--norm-epsilon"]}
 # Flags that take a fixed number of values.
-NARGS = {"rampup_batch_size": 3}
+# --cp-comm-type takes Megatron's per-layer list too (one kind per layer); megart's layers all
+# use one kind, so a list must repeat it (config_from_args).
+NARGS = {"rampup_batch_size": 3, "cp_comm_type": "+"}
 METAVARS = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES")}
 # Switches on by default in megart but off in Megatron-LM: both spellings are accepted.
 ON_BY_DEFAULT = ("overlap_grad_reduce",)
@@ -129,6 +131,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             f"{flag}-from-checkpoint-args goes with --use-checkpoint-args: add it (Megatron-LM "
             "ignores it without; megart refuses rather than ignore it)"
         )
+    if "cp_comm_type" in given:
+        kinds = given["cp_comm_type"]
+        if len(set(kinds)) > 1:
+            raise ConfigError(
+                f"--cp-comm-type {' '.join(kinds)}: megart's layers all exchange keys and "
+                "values one way (Megatron's per-layer list is not built); give one kind"
+            )
+        given["cp_comm_type"] = kinds[0]
     apply_aliases(args, given)
     if use:  # before TrainConfig resolves the tokenizer's vocabulary and checks the layout
         from megart.training.checkpoint_args import apply
