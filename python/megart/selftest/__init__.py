@@ -86,7 +86,7 @@ def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
 
     import megart.distributed as dist
     from megart.distributed.nccl import find_nccl
-    from megart.selftest import collectives, components, training
+    from megart.selftest import collectives, components, ring_blocks, training
 
     device = torch.device("cuda", torch.cuda.current_device())
     checks: list[Check] = []
@@ -114,6 +114,11 @@ def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
 
         checks += guarded("nccl one-rank collectives", one_rank, AVOID_TRANSPORT)
     checks += guarded("kernels (CUDA)", lambda: components.check_kernels(device))
+    checks += guarded(
+        "ring attention flash blocks (CUDA)",
+        lambda: ring_blocks.check_ring_blocks(device),
+        "--cp-comm-type all_gather",
+    )
     checks += guarded("AdamW (CUDA)", lambda: components.check_adamw(device))
     checks += guarded(
         "gradient accumulation fusion (CUDA)",
@@ -134,7 +139,7 @@ def run_single() -> list[Check]:
     """Every check of one process (launching 2 CPU ranks for the transport and training)."""
     import torch
 
-    from megart.selftest import components, training
+    from megart.selftest import components, ring_blocks, training
 
     checks: list[Check] = []
     checks += guarded("core", components.check_core)
@@ -143,6 +148,11 @@ def run_single() -> list[Check]:
         "gradient accumulation fusion (CPU)",
         lambda: components.check_grad_accumulation_fusion(torch.device("cpu")),
         "--no-gradient-accumulation-fusion",
+    )
+    checks += guarded(
+        "ring attention flash blocks (CPU)",
+        lambda: ring_blocks.check_ring_blocks(torch.device("cpu")),
+        "--cp-comm-type all_gather",
     )
     no_gpu = _no_gpu_reason()
     if no_gpu is None:
@@ -157,6 +167,7 @@ def run_single() -> list[Check]:
             "NCCL",
             "nccl one-rank collectives",
             "kernels (CUDA), every dtype",
+            "ring attention flash blocks (CUDA)",
             "AdamW (CUDA) vs torch fused",
             "training on GPU vs CPU",
         ):
