@@ -1,8 +1,9 @@
-"""Can the ring's blocks (--cp-comm-type p2p) use torch's flash kernels? One rank's whole ring,
-in one process (no messages): each step's block by torch's flash attention op, which returns the
-log-sum-exp the ring folds by, and each block's backward by the flash backward given the folded
-output and log-sum-exp; against the same fold with the explicit fp32 products the ring computes
-today (megart.models.ring_attention), and both against float64.
+"""The ring's blocks (--cp-comm-type p2p) by torch's flash kernels against explicit products. One
+rank's whole ring, in one process (no messages): each step's block by torch's flash attention op
+(megart.models.flash_blocks), which returns the log-sum-exp the ring folds by, and each block's
+backward by the flash backward given the folded output and log-sum-exp; against the same fold
+with explicit fp32 products (what the ring computed before, and still does for fp32 on CUDA and
+dropout on the CPU), and both against float64.
 
     python bench/ring_flash.py                     # on a GPU: accuracy, then the timing
     python bench/ring_flash.py --seq 1024 --heads 4 --dim 32   # on CPU (flash's CPU kernel)
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megart.models import flash_blocks
 from megart.models.context_parallel import masked_attention
 from megart.models.ring_attention import _scores, block_of
 
@@ -31,13 +33,9 @@ KVs = list[tuple[Tensor, Tensor]]
 
 
 def flash_block(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Block:
-    """Attention of one block, its rows' log-sum-exp (fp32) and what the kernel's backward
-    needs of its forward (CUDA: the sequence bounds and random state), by torch's flash kernel."""
-    if q.is_cuda:
-        out, lse, *extra = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-        return out, lse, extra[:6]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    return out, lse, None
+    """Attention of one block, its rows' log-sum-exp and what its backward needs, by torch's
+    flash kernel (megart.models.flash_blocks, as the ring computes it)."""
+    return flash_blocks.forward(q, k, v, causal, 0.0)
 
 
 def flash_block_backward(
@@ -50,16 +48,8 @@ def flash_block_backward(
     causal: bool,
     extra: Any,
 ) -> Grads:
-    """The block's share of dq, dk, dv, given the whole attention's output and log-sum-exp
-    (the kernel's softmax term rowsum(dO o O) then uses the folded output, as the ring needs)."""
-    if q.is_cuda:
-        cum_q, cum_k, max_q, max_k, seed, offset = extra
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset
-        )
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal
-    )
+    """The block's share of dq, dk, dv, given the whole attention's output and log-sum-exp."""
+    return flash_blocks.backward(dout, q, k, v, out, lse, causal, 0.0, extra)
 
 
 def explicit_block(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Block:
