@@ -66,7 +66,7 @@ def test_torchrun_megart_selftest_compares_every_op_with_torch(tmp_path):
     # one-process reference): both hung before their fixes.
     assert [c["name"] for c in checks[27:]] == [
         *(f"training tp1 pp2 {kind} (shm, 2 ranks)" for kind in ("interleaved", "zb-v")),
-        "training cp2 tp1 (shm, 2 ranks)",
+        "training cp2 all-gather tp1 (shm, 2 ranks)",
         "training cp2 ring tp1 (shm, 2 ranks)",
         "training llama-style tp2 sp qk-layernorm (shm, 2 ranks)",
     ]

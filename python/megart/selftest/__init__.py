@@ -281,8 +281,9 @@ def _layout_training() -> list[Check]:
     if why:
         return [skip("layouts under torchrun", why)]
     runs = [
-        (f"training cp2 tp{world // 2}", {},
-         dict(context_parallel_size=2, tensor_model_parallel_size=world // 2)),
+        (f"training cp2 all-gather tp{world // 2}", {},
+         dict(context_parallel_size=2, tensor_model_parallel_size=world // 2,
+              cp_comm_type="all_gather")),
         (f"training cp2 ring tp{world // 2}", {},
          dict(context_parallel_size=2, tensor_model_parallel_size=world // 2,
               cp_comm_type="p2p")),
