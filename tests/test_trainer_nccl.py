@@ -38,12 +38,15 @@ LAYOUTS = {
     ),
     "tp2-pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
     "pp2-zb-v": (2, dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-v")),
-    # Context parallelism: on CUDA its blockwise attention (no mask; unrun on a GPU when
-    # written, 2026-11-27), K/V gathered and their gradients reduce-scattered through NCCL.
-    "cp2": (2, dict(context_parallel_size=2)),
-    "tp2-cp2": (4, dict(tensor_model_parallel_size=2, context_parallel_size=2)),
-    # The ring (NCCL sends and receives, posted before each block) and Ulysses' all-to-all
-    # (unrun on a GPU when written, 2026-11-27).
+    # Context parallelism all-gathered: on CUDA its blockwise attention (no mask), K/V gathered
+    # and their gradients reduce-scattered through NCCL (passed on an H200, 2026-11-28).
+    "cp2": (2, dict(context_parallel_size=2, cp_comm_type="all_gather")),
+    "tp2-cp2": (
+        4,
+        dict(tensor_model_parallel_size=2, context_parallel_size=2, cp_comm_type="all_gather"),
+    ),
+    # The ring (NCCL sends and receives, posted before each block; the default since
+    # 2026-11-28) and Ulysses' all-to-all (both passed on an H200, 2026-11-28).
     "cp2-ring": (2, dict(context_parallel_size=2, cp_comm_type="p2p")),
     "cp2-a2a": (2, dict(context_parallel_size=2, cp_comm_type="a2a")),
     # Each cp rank's s/cp tokens split over t outside attention (unrun on a GPU when written).
