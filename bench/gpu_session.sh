@@ -26,7 +26,11 @@
 # train-1.3b plan-1.3b (the defaults since the 16-bit residual stream), cpu-tests
 # cpu-tests-trainer, grad-accum-fusion. The seventh (one H200, 2026-11-28) ran
 # `STEP_TIMEOUT=110 bash bench/gpu_session.sh core-so selftest ring-flash async-save tests
-# train-1.3b plan-1.3b` in 399 s (467 s of device time with the start). On a node of several GPUs:
+# train-1.3b plan-1.3b` in 399 s (467 s of device time with the start), then the flash ring's
+# tests in a second call (core-so's extension lacks megart's CUDA module: build, do not carry).
+# Next: `STEP_TIMEOUT=110 bash bench/gpu_session.sh selftest tests` (the selftest's ring-block
+# check and tests/test_context_parallel_ring.py's GPU test are unrun on a GPU), then
+# ring-flash. On a node of several GPUs:
 # `torchrun --nproc-per-node N -m megart selftest`, NPROC=N allreduce p2p, and tests (whose
 # test_trainer_nccl runs every parallel layout, its ranks sharing GPU 0).
 # (-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion; -50k trains
