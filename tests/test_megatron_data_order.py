@@ -68,15 +68,8 @@ def _megatron(cfg: TrainConfig, cache) -> list:
         return builder.build()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_rank_group(tmp_path_factory):
-    """BlendedDataset asks torch.distributed for its rank: a group of one process."""
-    import torch.distributed as dist
-
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "s"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+# BlendedDataset asks torch.distributed for its rank (conftest).
+pytestmark = pytest.mark.usefixtures("torch_group_of_one")
 
 
 def _as_list(path):

@@ -16,6 +16,7 @@ from megart.training.context_parallel_checks import (
 from megart.training.documents import check_document_flags
 from megart.training.lr import check_decay_style
 from megart.training.megatron_flags import check_megatron_flags
+from megart.training.pad_tokens import check_pad_flags
 from megart.training.save_modes import check_save_modes
 
 DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's --split when --data-path is given without it
@@ -215,6 +216,7 @@ def _check_data_sources(cfg: TrainConfig) -> None:
 def check_megatron_order(config: TrainConfig) -> None:
     """--data-order megatron covers Megatron's indexed datasets at a constant batch; what it
     does not cover is refused by name."""
+    check_pad_flags(config)
     if config.data_order != "megatron":
         return
     per_split = (config.train_data_path, config.valid_data_path, config.test_data_path)
