@@ -240,6 +240,24 @@ def test_what_the_megatron_order_does_not_cover_is_refused_by_name(kw, named):
         _config(data_order="megatron", **kw).check(1)
 
 
+@pytest.mark.parametrize("order", ["megart", "megatron"])
+def test_full_validation_is_refused_by_name(order):
+    """Megatron-LM's --full-validation: megatron-core 0.16's Megatron-LM stops its evaluation
+    once the set is read, and its main branch means something else since (config_checks)."""
+    import argparse
+
+    from megart import ConfigError
+    from megart.cli.train import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--full-validation"]).full_validation  # Megatron's name, known
+    cfg = _config(data_order=order, data_path="a", full_validation=True)
+    with pytest.raises(ConfigError, match=r"^--full-validation is not reproduced.*--eval-iters N"):
+        cfg.check(1)
+    _config(data_order=order, data_path="a").check(1)  # the default: no refusal
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     raw=st.lists(st.integers(1, 1000), min_size=1, max_size=6),

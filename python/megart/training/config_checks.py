@@ -128,6 +128,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     split_weights(cfg.split)
     _check_data_sources(cfg)
     check_megatron_order(cfg)
+    _refuse_full_validation(cfg)
     if cfg.bf16 and cfg.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other; choose one")
     if cfg.half_weights and not (cfg.bf16 or cfg.fp16):
@@ -232,6 +233,23 @@ def check_megatron_order(config: TrainConfig) -> None:
                 f"--data-order megatron does not cover {what}; use --data-order megart or "
                 "drop the flag"
             )
+
+
+def _refuse_full_validation(cfg: TrainConfig) -> None:
+    """Megatron-LM's --full-validation: refused. Megatron-LM of megatron-core 0.16's time
+    (its default --dataloader-type single) sets --eval-iters to the validation sampler's
+    length, which is the set's sample count rather than its batch count, and reads a single
+    set through an iterator that does not cycle, so its evaluation stops (StopIteration) once
+    the set is read; its main branch has since redefined the flag (one sample per rank and
+    micro batch, a cycling iterator, --eval-iters the largest rank's count)."""
+    if cfg.full_validation:
+        raise ConfigError(
+            "--full-validation is not reproduced: its meaning changes between Megatron-LM "
+            "versions (the one of megatron-core 0.16 stops its evaluation with StopIteration "
+            "once the validation set is read); give --eval-iters N, the validation batches of "
+            "each evaluation (with --data-order megatron they go on from evaluation to "
+            "evaluation, as Megatron's)"
+        )
 
 
 def _check_virtual_flags(cfg: TrainConfig) -> None:
