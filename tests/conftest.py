@@ -59,3 +59,15 @@ def _no_distributed_state_left_behind(request: pytest.FixtureRequest):
     if dist.is_initialized():
         dist.destroy()
         pytest.fail(f"{request.node.nodeid} left megart.distributed initialised: launch it")
+
+
+@pytest.fixture(scope="module")
+def torch_group_of_one(tmp_path_factory: pytest.TempPathFactory):
+    """A torch.distributed group of this one process for a module's tests: Megatron-Core's
+    BlendedDataset asks torch.distributed for its rank."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "s"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

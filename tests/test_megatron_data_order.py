@@ -68,15 +68,8 @@ def _megatron(cfg: TrainConfig, cache) -> list:
         return builder.build()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_rank_group(tmp_path_factory):
-    """BlendedDataset asks torch.distributed for its rank: a group of one process."""
-    import torch.distributed as dist
-
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "s"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+# BlendedDataset asks torch.distributed for its rank (conftest).
+pytestmark = pytest.mark.usefixtures("torch_group_of_one")
 
 
 def _as_list(path):
@@ -245,6 +238,24 @@ def test_what_the_megatron_order_does_not_cover_is_refused_by_name(kw, named):
         ConfigError, match=re.escape(f"--data-order megatron does not cover {named}")
     ):
         _config(data_order="megatron", **kw).check(1)
+
+
+@pytest.mark.parametrize("order", ["megart", "megatron"])
+def test_full_validation_is_refused_by_name(order):
+    """Megatron-LM's --full-validation: megatron-core 0.16's Megatron-LM stops its evaluation
+    once the set is read, and its main branch means something else since (config_checks)."""
+    import argparse
+
+    from megart import ConfigError
+    from megart.cli.train import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--full-validation"]).full_validation  # Megatron's name, known
+    cfg = _config(data_order=order, data_path="a", full_validation=True)
+    with pytest.raises(ConfigError, match=r"^--full-validation is not reproduced.*--eval-iters N"):
+        cfg.check(1)
+    _config(data_order=order, data_path="a").check(1)  # the default: no refusal
 
 
 @settings(max_examples=40, deadline=None)

@@ -225,6 +225,11 @@ HELP = {
     "batches equal Megatron-LM's for the same --data-path (or per-split paths), --split, "
     "--seed, --seq-length and batch flags (indexed datasets only; no --train-samples or "
     "--rampup-batch-size)",
+    "allow_ambiguous_pad_tokens": "with --data-order megatron and a Hugging Face tokenizer "
+    "whose pad id is its end-of-document id: mask that id's labels and map it to 0 as a pad "
+    "(Megatron-Core's GPTDataset otherwise masks nothing; a distinct pad id is always masked)",
+    "full_validation": "Megatron-LM's whole-validation-set evaluation: refused (its meaning "
+    "differs between Megatron-LM versions; give --eval-iters)",
     "mmap_bin_files": "read the .bin files into memory instead of memory-mapping them",
     "create_attention_mask_in_dataloader": "no attention mask from the data loader (megart "
     "never builds one there: the same model either way; not with --reset-attention-mask, which "

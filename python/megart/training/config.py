@@ -174,6 +174,11 @@ class TrainConfig:
     # megart's own sample order, or Megatron-Core's GPTDataset/BlendedDataset order and
     # sampler (megart.training.megatron_blend); Megatron-LM has no such flag.
     data_order: str = "megart"
+    # Megatron-LM's: under --data-order megatron, a pad id equal to the end-of-document id is
+    # still masked (megart.training.pad_tokens).
+    allow_ambiguous_pad_tokens: bool = False
+    # Megatron-LM's switch to validate on the whole validation set: refused (config_checks).
+    full_validation: bool = False
     num_workers: int = 2
     mmap_bin_files: bool = True
     create_attention_mask_in_dataloader: bool = True

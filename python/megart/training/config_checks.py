@@ -16,6 +16,7 @@ from megart.training.context_parallel_checks import (
 from megart.training.documents import check_document_flags
 from megart.training.lr import check_decay_style
 from megart.training.megatron_flags import check_megatron_flags
+from megart.training.pad_tokens import check_pad_flags
 from megart.training.save_modes import check_save_modes
 
 DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's --split when --data-path is given without it
@@ -127,6 +128,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     split_weights(cfg.split)
     _check_data_sources(cfg)
     check_megatron_order(cfg)
+    _refuse_full_validation(cfg)
     if cfg.bf16 and cfg.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other; choose one")
     if cfg.half_weights and not (cfg.bf16 or cfg.fp16):
@@ -215,6 +217,7 @@ def _check_data_sources(cfg: TrainConfig) -> None:
 def check_megatron_order(config: TrainConfig) -> None:
     """--data-order megatron covers Megatron's indexed datasets at a constant batch; what it
     does not cover is refused by name."""
+    check_pad_flags(config)
     if config.data_order != "megatron":
         return
     per_split = (config.train_data_path, config.valid_data_path, config.test_data_path)
@@ -230,6 +233,23 @@ def check_megatron_order(config: TrainConfig) -> None:
                 f"--data-order megatron does not cover {what}; use --data-order megart or "
                 "drop the flag"
             )
+
+
+def _refuse_full_validation(cfg: TrainConfig) -> None:
+    """Megatron-LM's --full-validation: refused. Megatron-LM of megatron-core 0.16's time
+    (its default --dataloader-type single) sets --eval-iters to the validation sampler's
+    length, which is the set's sample count rather than its batch count, and reads a single
+    set through an iterator that does not cycle, so its evaluation stops (StopIteration) once
+    the set is read; its main branch has since redefined the flag (one sample per rank and
+    micro batch, a cycling iterator, --eval-iters the largest rank's count)."""
+    if cfg.full_validation:
+        raise ConfigError(
+            "--full-validation is not reproduced: its meaning changes between Megatron-LM "
+            "versions (the one of megatron-core 0.16 stops its evaluation with StopIteration "
+            "once the validation set is read); give --eval-iters N, the validation batches of "
+            "each evaluation (with --data-order megatron they go on from evaluation to "
+            "evaluation, as Megatron's)"
+        )
 
 
 def _check_virtual_flags(cfg: TrainConfig) -> None:

@@ -33,6 +33,7 @@ from megart.models.documents import (
     eod_loss_mask,
 )
 from megart.training.megatron_flags import hf_tokenizer
+from megart.training.pad_tokens import pad_loss_mask, pad_to_zero
 
 FLAGS = ("eod_mask_loss", "reset_position_ids", "reset_attention_mask")
 
@@ -110,9 +111,10 @@ def check_document_flags(config: Any) -> None:
 
 @dataclass
 class MaskedTargets:
-    """One microbatch's targets under --eod-mask-loss: the labels [b, s], the loss mask [b, s]
-    (this rank's context-parallel part of both) and what the mask's loss sum is divided by for
-    the backward (None: the microbatch's own unmasked count, at least 1)."""
+    """One microbatch's targets under a loss mask (--eod-mask-loss, Megatron's pad labels): the
+    labels [b, s], the loss mask [b, s] (this rank's context-parallel part of both) and what the
+    mask's loss sum is divided by for the backward (None: the microbatch's own unmasked count,
+    at least 1)."""
 
     labels: torch.Tensor
     mask: torch.Tensor
@@ -120,54 +122,65 @@ class MaskedTargets:
 
 
 class DocumentBatches:
-    """Cuts a rank's rows of a global batch into microbatches with their document data."""
+    """Cuts a rank's rows of a global batch into microbatches with their document data and
+    loss masks (the document flags', and under --data-order megatron Megatron-Core's mask of
+    pad labels: ``pad``, megart.training.pad_tokens)."""
 
-    def __init__(self, config: Any, dp_cp: int) -> None:
-        self.config, self.dp_cp = config, dp_cp
-        self.eod = eod_token(config)
+    def __init__(self, config: Any, dp_cp: int, pad: int | None = None) -> None:
+        self.config, self.dp_cp, self.pad = config, dp_cp, pad
+        self.eod = eod_token(config) if given(config) else None
+
+    def loss_mask(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """The loss mask of samples as read (None: nothing masked): the EOD inputs' under
+        --eod-mask-loss, times the pad labels' (Megatron-Core's GPTDataset: both found before
+        it maps the pad id to 0)."""
+        mask = eod_loss_mask(inputs, self.eod) if self.config.eod_mask_loss else None
+        if self.pad is not None:
+            pads = pad_loss_mask(labels, self.pad)
+            mask = pads if mask is None else mask * pads
+        return mask
 
     def split(
         self,
-        global_inputs: torch.Tensor,
+        global_batch: tuple[torch.Tensor, torch.Tensor],
         rows: slice,
-        targets: torch.Tensor,
         cp_rank: int,
         m: int,
         device: torch.device,
     ) -> tuple[list[Any], list[Documents] | None]:
-        """The targets (MaskedTargets under --eod-mask-loss, else the labels) and Documents
+        """The targets (MaskedTargets where a loss mask applies, else the labels) and Documents
         (None without either reset flag) of each of this rank's ``m`` microbatches: ``rows``
-        of ``global_inputs`` [B, s] (whole sequences: masks and positions are found before
-        the context-parallel split); ``targets`` are this rank's rows and part already."""
+        of the global batch's inputs and labels [B, s] as read (whole sequences: masks and
+        positions are found before the context-parallel split and the pad's mapping to 0)."""
         c, eod = self.config, self.eod
         cp = c.context_parallel_size
-        inputs = global_inputs[rows]
+        global_inputs, global_labels = global_batch
+        inputs, labels = global_inputs[rows], global_labels[rows]
         b = c.micro_batch_size
 
         def parts(x: torch.Tensor) -> list[torch.Tensor]:
             return [t.to(device) for t in split_for_cp(x, 1, cp, cp_rank).split(b)]
 
-        count = len(targets) // b
-        positions = (
-            parts(document_positions(inputs, eod)) if c.reset_position_ids else [None] * count
-        )
-        ids = parts(document_ids(inputs, eod)) if c.reset_attention_mask else [None] * count
+        positions = parts(document_positions(inputs, eod)) if c.reset_position_ids else [None] * m
+        ids = parts(document_ids(inputs, eod)) if c.reset_attention_mask else [None] * m
         documents = None
         if c.reset_position_ids or c.reset_attention_mask:
             documents = [Documents(p, i) for p, i in zip(positions, ids, strict=True)]
-        labels = [y.to(device) for y in targets.split(b)]
-        if not c.eod_mask_loss:
-            return labels, documents
+        mask = self.loss_mask(inputs, labels)
+        if self.pad is not None:
+            labels = pad_to_zero(labels, self.pad)
+        targets = parts(labels)
+        if mask is None:
+            return targets, documents
         denominator = None
         if c.calculate_per_token_loss:
             # The gradient of (global sum / global count): each microbatch's sum times m dp cp /
             # count, since the engine divides by m and the gradients are averaged over dp x cp.
-            unmasked = float(eod_loss_mask(global_inputs, eod).sum())
+            unmasked = float(self.loss_mask(global_inputs, global_labels).sum())
             denominator = max(unmasked, 1.0) / (m * self.dp_cp)
-        masks = parts(eod_loss_mask(inputs, eod))
-        return [MaskedTargets(y, k, denominator) for y, k in zip(labels, masks, strict=True)], (
-            documents
-        )
+        return [
+            MaskedTargets(y, k, denominator) for y, k in zip(targets, parts(mask), strict=True)
+        ], documents
 
 
 def masked_loss(
@@ -181,3 +194,31 @@ def masked_loss(
     count = mask.sum()
     denominator = count.clamp(min=1) if targets.denominator is None else targets.denominator
     return total / denominator, total.detach(), count
+
+
+def rank_microbatches(
+    config: Any,
+    batches: DocumentBatches | None,
+    global_batch: tuple[torch.Tensor, torch.Tensor],
+    dp: int,
+    dp_rank: int,
+    cp_rank: int,
+    device: torch.device,
+) -> tuple[list[torch.Tensor], list[Any], list[Documents] | None]:
+    """A rank's microbatches of a global batch (inputs and labels [B, s] as read): its
+    data-parallel rows, cut into microbatches, each its context-parallel part; the inputs
+    (Megatron's pad id mapped to 0 where ``batches`` has one), the targets (``batches``'
+    MaskedTargets where a loss mask applies, else the labels) and the documents (None without
+    the reset flags)."""
+    whole, labels = global_batch
+    share = len(whole) // dp
+    rows = slice(dp_rank * share, (dp_rank + 1) * share)
+    cp, b = config.context_parallel_size, config.micro_batch_size
+    inputs = split_for_cp(whole[rows], 1, cp, cp_rank)
+    if batches is not None and batches.pad is not None:
+        inputs = pad_to_zero(inputs, batches.pad)
+    inputs = [x.to(device) for x in inputs.split(b)]
+    if batches is not None:
+        return inputs, *batches.split(global_batch, rows, cp_rank, len(inputs), device)
+    labels = split_for_cp(labels[rows], 1, cp, cp_rank)
+    return inputs, [y.to(device) for y in labels.split(b)], None

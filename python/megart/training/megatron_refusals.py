@@ -163,7 +163,6 @@ REFUSED: dict[str, str] = {
     "--eval-micro-batch-size": "megart evaluates with the training batch sizes; " + _LEAVE,
     "--skip-train": "megart train always trains; " + _LEAVE,
     "--test-mode": "megart has no test mode; " + _LEAVE,
-    "--full-validation": "megart validates on --eval-iters batches; use that",
     "--multiple-validation-sets": "megart has one validation set; " + _LEAVE,
     "--validation-set-names": "megart has one validation set; " + _LEAVE,
     "--phase-transition-iterations": "megart has no training phases; " + _LEAVE,
@@ -173,12 +172,13 @@ REFUSED: dict[str, str] = {
     "--per-split-data-args-path": "megart takes --train/valid/test-data-path on the command "
     "line; give them there",
     "--per-dataset-sequences-path": "megart reads sequence counts from each .idx file; " + _LEAVE,
-    "--dataloader-fast-cache-load": "megart writes no dataset index cache; " + _LEAVE,
-    "--dataloader-defer-npy-index-mmap": "megart writes no dataset index cache; " + _LEAVE,
+    "--dataloader-fast-cache-load": "megart's index cache (--data-cache-path) has one way "
+    "of loading; " + _LEAVE,
+    "--dataloader-defer-npy-index-mmap": "megart's index cache (--data-cache-path) has one way "
+    "of loading; " + _LEAVE,
     "--num-dataset-builder-threads": "megart builds datasets in one thread; " + _LEAVE,
     "--object-storage-cache-path": "megart reads local files only; " + _LEAVE,
     "--mid-level-dataset-surplus": "megart's blends have no such surplus; " + _LEAVE,
-    "--allow-ambiguous-pad-tokens": "megart's data has no pad tokens; " + _LEAVE,
     "--padded-vocab-size": "megart pads the vocabulary with --make-vocab-size-divisible-by; "
     "use that",
     "--no-pad-vocab-size": "megart pads the vocabulary with --make-vocab-size-divisible-by "

@@ -20,7 +20,6 @@ import torch
 import megart.distributed as dist
 from megart import schedule as sched
 from megart.errors import ConfigError
-from megart.models.context_parallel import split_for_cp
 from megart.pipeline import PipelineEngine
 from megart.tensor_parallel import fusing_accumulation, sync_sequence_parallel_grads
 from megart.training import batch_rampup, iteration_stats, memory_report
@@ -29,11 +28,18 @@ from megart.training import trainer_setup as setup
 from megart.training.checkpointer import Checkpointer
 from megart.training.config import TrainConfig
 from megart.training.data import Dataset
-from megart.training.documents import DocumentBatches, MaskedTargets, given, masked_loss
+from megart.training.documents import (
+    DocumentBatches,
+    MaskedTargets,
+    given,
+    masked_loss,
+    rank_microbatches,
+)
 from megart.training.dtypes import half_dtype, residual_dtype
 from megart.training.housekeeping import Housekeeping
 from megart.training.loss_record import LossRecord, reduce_sums
 from megart.training.megatron_blend import eval_batch
+from megart.training.pad_tokens import megatron_pad_id
 from megart.training.reporting import RunLog, peak_flops, run_description
 from megart.training.stopping import EarlyExit, check_finite
 from megart.training.timers import Timers
@@ -88,7 +94,11 @@ class Trainer:
         self.buckets, self.optimizer = optim.build(c, self.chunks, g, self.device)
         self.data, self.valid, self.test = setup.datasets(c, tokens, self.dp)
         # --eod-mask-loss, --reset-position-ids, --reset-attention-mask (training.documents).
-        self.documents = DocumentBatches(c, self.dp * c.context_parallel_size) if given(c) else None
+        # And under --data-order megatron, Megatron-Core's pad labels (training.pad_tokens).
+        self.pad = megatron_pad_id(c)
+        dp_cp = self.dp * c.context_parallel_size
+        needed = given(c) or self.pad is not None
+        self.documents = DocumentBatches(c, dp_cp, self.pad) if needed else None
         self.losses = LossRecord()  # the last stage's microbatch losses: what is reported
         # What the progress line reports against: the device's peak and a batch's FLOPs.
         self.peak, self.device_name = peak_flops()
@@ -132,23 +142,15 @@ class Trainer:
     ) -> tuple[list[torch.Tensor], list[Any], list[Any] | None]:
         """This rank's microbatches of the global batch of ``size`` samples of ``iteration``
         (its data-parallel share of the samples, and of each its context-parallel part): their
-        inputs, targets (with the document flags, training.documents' targets) and documents
-        (None without the reset flags)."""
+        inputs, targets (with a loss mask, training.documents' targets) and documents (None
+        without the reset flags)."""
         c, g = self.config, self.grid
-        whole, targets = data.global_batch(c.seed, iteration, size)
-        share = size // self.dp
-        rows = slice(g.dp_rank * share, (g.dp_rank + 1) * share)
-        cp = c.context_parallel_size
-        inputs, targets = (split_for_cp(t[rows], 1, cp, g.cp_rank) for t in (whole, targets))
-        split = c.micro_batch_size
-        inputs = [x.to(self.device) for x in inputs.split(split)]
-        if self.documents is not None:
-            m = len(inputs)
-            return inputs, *self.documents.split(whole, rows, targets, g.cp_rank, m, self.device)
-        return inputs, [y.to(self.device) for y in targets.split(split)], None
+        batch = data.global_batch(c.seed, iteration, size)
+        ranks = (self.dp, g.dp_rank, g.cp_rank)
+        return rank_microbatches(c, self.documents, batch, *ranks, self.device)
 
     def _loss_fn(self, logits: torch.Tensor, targets: Any) -> torch.Tensor:
-        if isinstance(targets, MaskedTargets):  # --eod-mask-loss
+        if isinstance(targets, MaskedTargets):  # --eod-mask-loss, Megatron's pad labels
             loss, total, count = masked_loss(
                 self.chunks[-1].token_losses(logits, targets.labels), targets
             )
