@@ -45,7 +45,7 @@ MODEL_FLAGS = (
     "bf16",
     "fp32_residual_connection",
     "half_weights",
-    "cp_comm_type",  # how the K/V of context parallelism travel: p2p (default) or all_gather
+    "cp_comm_type",  # how context parallelism's K/V travel: all_gather (default) or p2p
 )
 # Layout flags: given, they are fixed; left out, searched.
 LAYOUT_FLAGS = (
