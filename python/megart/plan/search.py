@@ -16,8 +16,8 @@ slower than that one; those with C > 1 then enter where they can: those whose wo
 table's fitting layouts are not estimated, and the fastest few are simulated beside the
 others. With C > 1 only micro-batch 1 is tried: b = 2k at C runs each rank's tokens, the same
 m, the same FLOPs and gradient traffic as k at C / 2, whose exchanges are fewer and smaller
-(and whose gathered keys and values are fewer): never faster, and its memory differs only by
-rope's table (s/C rotary-dim fp32 per microbatch in flight).
+(and whose gathered keys and values are fewer): never faster, and never less memory but for
+the per-microbatch tables of the rank's s/C rows (rope's cos and sin, learned positions' index).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _layouts(
     """candidates() of tensor-parallel size ``t`` and context-parallel size ``cp``."""
     searched_cp = cp > 1 and fixed.cp is None
     # Sequence parallelism splits each rank's s/cp tokens over t (megart train refuses else).
-    sp_fits = t > 1 and (base.seq_length // cp) % t == 0
+    sp_fits = (base.seq_length // cp) % t == 0
     if searched_cp and fixed.sequence_parallel and not sp_fits:
         return []
     tc = t * cp
