@@ -1,4 +1,5 @@
-"""megart plan with context parallelism (--context-parallel-size C, given, never searched):
+"""megart plan with context parallelism (--context-parallel-size C given; searched when left out:
+test_plan_cp_search.py):
 each rank's parameter, gradient and optimizer bytes (the distributed optimizer sharded over
 d x C) against real megart train ranks, its saved activations (s/C tokens of every layer, the
 keys and values all-gathered over the whole sequence) against
