@@ -1,4 +1,5 @@
-"""megart plan with context parallelism (--context-parallel-size C, given, never searched):
+"""megart plan with context parallelism (--context-parallel-size C given; searched when left out:
+test_plan_cp_search.py):
 each rank's parameter, gradient and optimizer bytes (the distributed optimizer sharded over
 d x C) against real megart train ranks, its saved activations (s/C tokens of every layer, the
 keys and values all-gathered over the whole sequence) against
@@ -27,7 +28,7 @@ from megart.plan.hardware import load_profile
 from megart.plan.layout import Layout, layout_config
 from megart.plan.memory import precision, rank_memory
 from megart.plan.search import Fixed, candidates
-from megart.plan.timing import collective_seconds, layer_work
+from megart.plan.timing import collective_seconds, layer_work, ring_seconds
 from megart.training.config import TrainConfig
 from plan_workers import held_bytes, plan_json
 from test_plan_memory import LLAMA, SMALL, _layout
@@ -367,7 +368,7 @@ def test_the_ring_passes_keys_and_values_cp_minus_1_times_and_their_gradients_ba
     """Under the ring a layer's exchange is cp - 1 steps forward of the rank's K and V (2 b
     s/C kv/t 16-bit elements) to the next rank, and cp - 1 such steps and C of their fp32
     gradients backward, one latency each, counted whole (the overlap is unmeasured); again
-    forward under full recomputation. Its scores: (C + 1) / 2C of (s/C) x s, explicit."""
+    forward under full recomputation. Its blocks: flash kernels (test below)."""
     bus = data_parallel_bus_gb_per_s(GPU, tp, cp)
     w = layer_work(RING, 1, tp, False, None, GPU, cp=cp, cp_bus_gb_per_s=bus)
     kv = 2 * RING.seq_length // cp * RING.hidden_size / tp * 2
@@ -378,6 +379,25 @@ def test_the_ring_passes_keys_and_values_cp_minus_1_times_and_their_gradients_ba
     full = layer_work(RING, 1, tp, False, "full", GPU, cp=cp, cp_bus_gb_per_s=bus)
     assert full.cp_comm == pytest.approx(w.cp_comm + forward, rel=1e-12)
     assert w.weight == layer_work(LONG, 1, tp, False, None, GPU, cp=cp).weight
+
+
+@pytest.mark.parametrize("tp,cp,rec", [(1, 2, None), (2, 4, "selective"), (8, 2, "full")])
+def test_the_rings_blocks_compute_what_the_all_gathers_flash_attention_does(tp, cp, rec):
+    """The ring runs its blocks with flash kernels: the same causal FLOPs (1/C of one
+    process's causal scores per rank) at the same efficiency, flash's backward, no scores in
+    memory; so with the exchanges set aside a ring layer costs what an all-gather layer does,
+    forward, backward and recomputed."""
+    ring = layer_work(RING, 2, tp, False, rec, GPU, cp=cp)
+    gather = layer_work(LONG, 2, tp, False, rec, GPU, cp=cp)
+    fwd_ring, bwd_ring = ring_seconds(2 * RING.seq_length // cp * RING.hidden_size / tp, cp,
+                                      GPU.nvlink_bus_gb_per_s, GPU)  # fmt: skip
+    fwd_gather = gather.cp_comm / (3 if rec == "full" else 2)  # two all-gathers, as backward's
+    assert ring.forward - fwd_ring == pytest.approx(gather.forward - fwd_gather, rel=1e-12)
+    again = fwd_ring if rec == "full" else 0.0  # full recomputation replays the forward
+    assert ring.backward - bwd_ring - again == pytest.approx(
+        gather.backward - (gather.cp_comm - fwd_gather), rel=1e-12
+    )
+    assert ring.weight == gather.weight
 
 
 # --- refusals -------------------------------------------------------------------------------

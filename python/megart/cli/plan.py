@@ -45,7 +45,7 @@ MODEL_FLAGS = (
     "bf16",
     "fp32_residual_connection",
     "half_weights",
-    "cp_comm_type",  # how the K/V of context parallelism travel: p2p (default) or all_gather
+    "cp_comm_type",  # how context parallelism's K/V travel: all_gather (default) or p2p
 )
 # Layout flags: given, they are fixed; left out, searched.
 LAYOUT_FLAGS = (
@@ -64,9 +64,14 @@ LAYOUT_FLAGS = (
 # megart train's uneven pipeline stages: given, each rank's layers set its stage's costs and
 # memory (never searched; they need --pipeline-model-parallel-size).
 UNEVEN_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
-# megart train's context parallelism: given, each sequence split over that many ranks
-# (world = t x cp x d x p); never searched.
+# megart train's context parallelism: each sequence split over that many ranks (world =
+# t x cp x d x p); searched when left out.
 CP_FLAG = "context_parallel_size"
+CP_SEARCHED = (
+    " (searched when left out: 1 and each power of two C with --seq-length divisible by 2 C "
+    "and C dividing --num-gpus; 1 only with --runtime megatron or --cp-comm-type a2a, which the "
+    "planner does not model)"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -96,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
             choices = CHOICES.get(name) or (("full", "selective") if "recompute" in name else None)
             p.add_argument(flag, dest=name, type=kind, default=None, choices=choices, help=text)
     for name in (*UNEVEN_FLAGS, CP_FLAG):
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=HELP[name])
+        text = HELP[name] + (CP_SEARCHED if name == CP_FLAG else "")
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=text)
     p.add_argument(
         "--runtime",
         choices=RUNTIMES,
@@ -137,13 +143,13 @@ def _run(args: argparse.Namespace) -> int:
     chunks = None
     per = args.num_layers_per_virtual_pipeline_stage
     check_schedule_flags(args.pipeline_schedule, per)  # megart train's refusals
-    cp = 1 if args.context_parallel_size is None else args.context_parallel_size
+    cp = args.context_parallel_size  # None: searched
     # megart train's refusals of context parallelism, in its words: a size below 1, a
     # sequence that does not split into 2 cp chunks (nor s/cp over t with --sequence-parallel).
     check_context_parallel(
         dataclasses.replace(
             base,
-            context_parallel_size=cp,
+            context_parallel_size=1 if cp is None else cp,
             sequence_parallel=bool(args.sequence_parallel),
             pipeline_schedule=args.pipeline_schedule,
         )

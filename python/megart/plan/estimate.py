@@ -4,6 +4,7 @@ by part, with the pipeline bubble from megart's schedule simulator."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from megart import schedule as sched
@@ -16,7 +17,7 @@ from megart.plan.data_parallel import (
     data_parallel_seconds,
 )
 from megart.plan.hardware import GIB, GPUProfile
-from megart.plan.holding import Held, peaks, theory_in_flight
+from megart.plan.holding import Held, State, peaks, states, theory_in_flight
 from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
 from megart.plan.memory import precision, rank_memory, sixteen_bit_weights
 from megart.plan.parameters import FP32
@@ -98,31 +99,10 @@ def estimate(
     cfg = c.gpt_config()
     m = c.microbatches(dp)
     t, p, v, b, sp = layout.sizes()
-    cp = layout.cp
     rec = cfg.recompute_granularity
     prec = precision(c, runtime)
 
-    # Per-microbatch costs of the slowest stage (the last: it adds the output layer).
-    # A tensor-parallel group that does not divide a node spans nodes: its collectives cross
-    # the rails. Context-parallel ranks sit t apart (ranks tp-cp-dp-pp), as data-parallel ones
-    # do without them: inside a node while t x cp GPUs fit in one, else over the rails.
-    tp_gpu = gpu
-    if gpu.gpus_per_node % t:
-        tp_gpu = dataclasses.replace(gpu, nvlink_bus_gb_per_s=gpu.rail_gb_per_s)
-    cp_bus = data_parallel_bus_gb_per_s(gpu, t, cp)
-    per_layer = layer_work(
-        cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap, cp=cp, cp_bus_gb_per_s=cp_bus
-    )
-    logits = logits_work(cfg, b, t, gpu, cp)
-    stage = per_layer * (cfg.num_layers / p) + logits
-    # Uneven stages: each rank's own layers (the output layer on the last), simulated with
-    # unequal stage costs; a split that is even after all is the even layout.
-    counts = layout.layer_counts(cfg.num_layers)
-    stages = []
-    if len(set(counts)) > 1:
-        stages = [per_layer * n for n in counts]
-        stages[-1] = stages[-1] + logits
-        stage = max(stages, key=lambda w: w.forward + w.backward)
+    stage, stages = _stage_work(cfg, layout, gpu, unfused_attention, tp_overlap)
     run = _pipeline_run(
         c, cfg, layout, dp, gpu, stage, prec.residual, m, simulate, pp_overlap, runtime, stages
     )
@@ -186,6 +166,55 @@ def estimate(
     )
 
 
+def work_bound(
+    base: TrainConfig,
+    layout: Layout,
+    gpu: GPUProfile,
+    unfused_attention: bool = False,
+    tp_overlap: bool = False,
+    **_: object,
+) -> float:
+    """A lower bound of estimate()'s iteration time for the same options, found without its
+    memory or schedule: the m microbatches' forward and backward of the busiest pipeline rank,
+    which no schedule shortens (no bubble, no exchange, no step counted). Raises ConfigError
+    as estimate() does for a layout megart train refuses."""
+    c = layout_config(base, layout)
+    dp = c.check(layout.world)
+    stage, _ = _stage_work(c.gpt_config(), layout, gpu, unfused_attention, tp_overlap)
+    return c.microbatches(dp) * (stage.forward + stage.backward)
+
+
+def _stage_work(
+    cfg: GPTConfig, layout: Layout, gpu: GPUProfile, unfused_attention: bool, tp_overlap: bool
+) -> tuple[Work, list[Work]]:
+    """One microbatch through the slowest stage (even stages: the last, which adds the output
+    layer), and with uneven stages through each rank's (else an empty list)."""
+    t, p, v, b, sp = layout.sizes()
+    cp = layout.cp
+    # A tensor-parallel group that does not divide a node spans nodes: its collectives cross
+    # the rails. Context-parallel ranks sit t apart (ranks tp-cp-dp-pp), as data-parallel ones
+    # do without them: inside a node while t x cp GPUs fit in one, else over the rails.
+    tp_gpu = gpu
+    if gpu.gpus_per_node % t:
+        tp_gpu = dataclasses.replace(gpu, nvlink_bus_gb_per_s=gpu.rail_gb_per_s)
+    cp_bus = data_parallel_bus_gb_per_s(gpu, t, cp)
+    rec = cfg.recompute_granularity
+    per_layer = layer_work(
+        cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap, cp=cp, cp_bus_gb_per_s=cp_bus
+    )
+    logits = logits_work(cfg, b, t, gpu, cp)
+    stage = per_layer * (cfg.num_layers / p) + logits
+    # Uneven stages: each rank's own layers (the output layer on the last), simulated with
+    # unequal stage costs; a split that is even after all is the even layout.
+    counts = layout.layer_counts(cfg.num_layers)
+    stages = []
+    if len(set(counts)) > 1:
+        stages = [per_layer * n for n in counts]
+        stages[-1] = stages[-1] + logits
+        stage = max(stages, key=lambda w: w.forward + w.backward)
+    return stage, stages
+
+
 def _check_runtime(
     layout: Layout, runtime: str, dp_overlap: bool | str, interleaved_min_pp: int
 ) -> None:
@@ -218,6 +247,49 @@ def _check_runtime(
             f"--pipeline-schedule {layout.kind} runs {want} model chunk(s) per rank, "
             f"not {layout.chunks}"
         )
+
+
+# A search builds the same few schedules for thousands of layouts: each once (they are never
+# changed once built), with what its ranks hold after each compute.
+@functools.lru_cache(maxsize=64)
+def _schedule(kind: str, p: int, m: int, v: int) -> sched.Schedule:
+    return sched.build(kind, p, m, v)
+
+
+@functools.lru_cache(maxsize=64)
+def _states(kind: str, p: int, m: int, v: int) -> list[list[State]]:
+    return states(_schedule(kind, p, m, v))
+
+
+@functools.lru_cache(maxsize=1024)
+def _simulated(
+    shape: tuple[str, int, int, int],
+    forward: float,
+    backward: float,
+    latency: float,
+    bandwidth: float,
+    message: float,
+    weight_fraction: float,
+    posted: bool,
+    stage_forward: tuple[float, ...],
+    stage_backward: tuple[float, ...],
+) -> tuple[float, float, list[int]]:
+    """The simulator's makespan, bubble fraction and peak pairs per rank of the schedule of
+    ``shape`` (kind, p, m, v) with these costs. Layouts that differ in what the schedule
+    does not see (the distributed optimizer) simulate once."""
+    sim = sched.simulate(
+        _schedule(*shape),
+        forward,
+        backward,
+        latency=latency,
+        bandwidth=bandwidth,
+        message_bytes=message,
+        weight_fraction=weight_fraction,
+        posted=posted,
+        stage_forward=list(stage_forward),
+        stage_backward=list(stage_backward),
+    )
+    return sim.makespan, sim.bubble_fraction, [r.peak_stashed for r in sim.ranks]
 
 
 @dataclass
@@ -279,21 +351,20 @@ def _pipeline_run(
     if p > 1 and (simulate or zero_bubble or stages):
         # Zero-bubble schedules are always simulated: their bubble has a closed form only
         # with equal F, I and W times.
-        plan = sched.build(kind, p, m, v)
-        sim = sched.simulate(
-            plan,
+        plan = _schedule(kind, p, m, v)
+        makespan, bubble, peak = _simulated(
+            (kind, p, m, v),
             stage.forward,
             stage.backward,
-            latency=latency,
-            bandwidth=link_bw,
-            message_bytes=message,
-            weight_fraction=stage.weight / stage.backward if zero_bubble else 0.5,
-            posted=runtime == "megart",
-            stage_forward=[w.forward for w in stages],
-            stage_backward=[w.backward for w in stages],
+            latency,
+            link_bw,
+            message,
+            stage.weight / stage.backward if zero_bubble else 0.5,
+            runtime == "megart",
+            tuple(w.forward for w in stages),
+            tuple(w.backward for w in stages),
         )
-        makespan, bubble = sim.makespan, sim.bubble_fraction
-        in_flight = [r.peak_stashed for r in sim.ranks]
+        in_flight = list(peak)  # the cached list stays as simulated
     else:
         work = m * (stage.forward + stage.backward)
         bubble = sched.theoretical_bubble(kind, p, m, v) if p > 1 else 0.0
@@ -336,7 +407,7 @@ def _worst_rank_memory(
             [g + (out_grads if run.plan.virtual_stage(r, k) == last else 0) for k in range(v)]
             for r, g in enumerate(grads)
         ]
-        held = peaks(run.plan, per_pair, costs)
+        held = peaks(run.plan, per_pair, costs, _states(layout.kind, p, run.plan.microbatches, v))
     worst: dict[str, float] | None = None
     # Even stages: the first (embedding), the second (most in flight) or the last (output
     # layer) holds the most; uneven ones: any may.

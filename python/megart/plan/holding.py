@@ -26,26 +26,21 @@ class Held:
         return self.activations + self.weight_grads
 
 
-def peaks(
-    schedule: sched.Schedule,
-    activation_bytes: float | Sequence[float],
-    weight_grad_bytes: Sequence[Sequence[float]],
-) -> list[Held]:
-    """The holdings at each rank's largest byte count, walking its compute order: a pair
-    between F and I costs ``activation_bytes`` (or ``activation_bytes[rank]``: uneven stages),
-    between I and W ``weight_grad_bytes[rank][chunk]``. The order alone decides what is held,
-    not the timing."""
+# One rank's holding after a compute: pairs between F and I (or B), pairs between I and W by
+# chunk, and of those the pairs of the model's last virtual stage.
+State = tuple[int, tuple[int, ...], int]
+
+
+def states(schedule: sched.Schedule) -> list[list[State]]:
+    """Each rank's distinct holdings after each of its computes, in its compute order (first
+    occurrences): all peaks() needs of the schedule, whatever the bytes."""
     last = schedule.stages * schedule.chunks - 1
     out = []
     for rank, actions in enumerate(schedule.ranks):  # .ranks converts them all: read once
-        costs = weight_grad_bytes[rank]
-        per_pair = activation_bytes
-        if not isinstance(per_pair, (int, float)):
-            per_pair = per_pair[rank]
         is_last = [schedule.virtual_stage(rank, k) == last for k in range(schedule.chunks)]
-        acts = grads = last_grads = 0
+        acts = last_grads = 0
         by_chunk = [0] * schedule.chunks
-        best, best_bytes = Held(0), -1.0
+        seen: dict[State, None] = {}
         for a in actions:
             op = a.op
             if op == "F":
@@ -55,12 +50,36 @@ def peaks(
             elif op in ("I", "W"):
                 step = 1 if op == "I" else -1
                 acts -= op == "I"
-                grads += step
                 by_chunk[a.chunk] += step
                 last_grads += step * is_last[a.chunk]
             else:
                 continue
+            seen.setdefault((acts, tuple(by_chunk), last_grads))
+        out.append(list(seen))
+    return out
+
+
+def peaks(
+    schedule: sched.Schedule,
+    activation_bytes: float | Sequence[float],
+    weight_grad_bytes: Sequence[Sequence[float]],
+    held_states: list[list[State]] | None = None,
+) -> list[Held]:
+    """The holdings at each rank's largest byte count, walking its compute order: a pair
+    between F and I costs ``activation_bytes`` (or ``activation_bytes[rank]``: uneven stages),
+    between I and W ``weight_grad_bytes[rank][chunk]``. The order alone decides what is held,
+    not the timing. ``held_states``: states(schedule), when already known. Of equal byte
+    counts the first with the most pairs wins (a repeated holding changes nothing)."""
+    out = []
+    for rank, rank_states in enumerate(held_states or states(schedule)):
+        costs = weight_grad_bytes[rank]
+        per_pair = activation_bytes
+        if not isinstance(per_pair, (int, float)):
+            per_pair = per_pair[rank]
+        best, best_bytes = Held(0), -1.0
+        for acts, by_chunk, last_grads in rank_states:
             held = acts * per_pair + sum(n * w for n, w in zip(by_chunk, costs, strict=True))
+            grads = sum(by_chunk)
             if held > best_bytes or (held == best_bytes and acts + grads > best.in_flight):
                 best, best_bytes = Held(acts, grads, last_grads), held
         out.append(best)

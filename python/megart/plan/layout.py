@@ -26,7 +26,7 @@ class Layout:
     # Uneven stages: megart train's --decoder-first/last-pipeline-num-layers (None: even).
     first: int | None = None
     last: int | None = None
-    # --context-parallel-size: each sequence split over cp ranks (given, never searched).
+    # --context-parallel-size: each sequence split over cp ranks (searched when left out).
     cp: int = 1
 
     @property

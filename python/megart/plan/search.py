@@ -6,17 +6,30 @@ bubble having no closed form for unequal F, I and W times); the fastest few are 
 again with the schedule simulator, which decides the ranking. The schedules tried on p > 1
 stages: 1F1B, each interleaving that divides the layers, and for megart's runtime zb-h1 and
 zb-v.
+
+Context parallelism left out is searched (megart's runtime only): C = 1 and each power of two
+that cuts the sequence into 2 C chunks and divides the GPUs, its ranks placed as megart's grid
+places them (tp-cp-dp-pp: the C ranks t apart, d x C averaging gradients). Layouts with C = 1
+are searched exactly as when --context-parallel-size 1 is given, so the recommendation is never
+slower than that one; those with C > 1 then enter where they can: those whose work alone
+(estimate.work_bound, which no schedule shortens) already takes longer than the slowest of the
+table's fitting layouts are not estimated, and the fastest few are simulated beside the
+others. With C > 1 only micro-batch 1 is tried: b = 2k at C runs each rank's tokens, the same
+m, the same FLOPs and gradient traffic as k at C / 2, whose exchanges are fewer and smaller
+(and whose gathered keys and values are fewer): never faster, and never less memory but for
+the per-microbatch tables of the rank's s/C rows (rope's cos and sin, learned positions' index).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from megart.errors import ConfigError
 from megart.parallel.checks import check_model_fits
 from megart.parallel.layout import divisors, make_layout
-from megart.plan.estimate import Estimate, estimate
+from megart.plan.estimate import Estimate, estimate, work_bound
 from megart.plan.hardware import GIB, GPUProfile
 from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
 from megart.training.config import TrainConfig
@@ -40,7 +53,7 @@ class Fixed:
     schedule: str | None = None  # --pipeline-schedule (None: search it)
     first: int | None = None  # --decoder-first-pipeline-num-layers (uneven stages; not searched)
     last: int | None = None  # --decoder-last-pipeline-num-layers
-    cp: int = 1  # --context-parallel-size (given, never searched)
+    cp: int | None = None  # --context-parallel-size (None: search it)
 
 
 def _schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list[tuple]:
@@ -62,54 +75,84 @@ def _schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list
     return [(1, None)] + inter + (zb if zero_bubble else [])
 
 
+def context_parallel_sizes(base: TrainConfig, world: int, fixed: Fixed, megart: bool) -> list[int]:
+    """The context-parallel sizes to try: the one given; else 1 and each power of two C that
+    cuts the sequence into 2 C equal chunks (megart's load-balanced split) and divides the
+    GPUs. 1 alone for Megatron-LM's runtime and for --cp-comm-type a2a, whose exchanges the
+    planner does not model (it refuses them when C is given)."""
+    if fixed.cp is not None:
+        return [fixed.cp]
+    if not megart or base.cp_comm_type not in ("all_gather", "p2p"):
+        return [1]
+    out, cp = [1], 2
+    while world % cp == 0 and base.seq_length % (2 * cp) == 0:
+        out.append(cp)
+        cp *= 2
+    return out
+
+
 def candidates(
     base: TrainConfig, world: int, gpu: GPUProfile, fixed: Fixed, megart: bool = True
 ) -> list[Layout]:
     """Every layout within ``fixed`` that passes megart train's checks; ``megart``: the
-    runtime is megart's (zero-bubble schedules, and its rank grid's rule on nodes of the
-    profile's size), else Megatron-LM's."""
+    runtime is megart's (zero-bubble schedules, context parallelism searched, and its rank
+    grid's rule on nodes of the profile's size), else Megatron-LM's."""
     heads = base.num_query_groups if base.group_query_attention else base.num_attention_heads
     # Searched tensor-parallel groups stay inside a node (t divides the node's GPUs).
     tps = [fixed.tp] if fixed.tp else [t for t in divisors(world) if gpu.gpus_per_node % t == 0]
-    cp = fixed.cp  # context parallelism: given, d = world / (t cp p)
+    cps = context_parallel_sizes(base, world, fixed, megart)
     out = []
     for t in tps:
         if fixed.tp is None and heads % t:
             continue
-        tc = t * cp
-        pps = [fixed.pp] if fixed.pp else divisors(world // tc) if world % tc == 0 else []
-        for p in pps:
-            if world % (tc * p):
+        for cp in cps:  # d = world / (t cp p)
+            out += _layouts(base, world, gpu, fixed, megart, t, cp)
+    return out
+
+
+def _layouts(
+    base: TrainConfig, world: int, gpu: GPUProfile, fixed: Fixed, megart: bool, t: int, cp: int
+) -> list[Layout]:
+    """candidates() of tensor-parallel size ``t`` and context-parallel size ``cp``."""
+    searched_cp = cp > 1 and fixed.cp is None
+    # Sequence parallelism splits each rank's s/cp tokens over t (megart train refuses else).
+    sp_fits = (base.seq_length // cp) % t == 0
+    if searched_cp and fixed.sequence_parallel and not sp_fits:
+        return []
+    tc = t * cp
+    pps = [fixed.pp] if fixed.pp else divisors(world // tc) if world % tc == 0 else []
+    out = []
+    for p in pps:
+        if world % (tc * p):
+            continue
+        if fixed.pp is None and base.num_layers % p:
+            continue
+        d = world // (tc * p)
+        if megart and _grid_refuses(world, t, p, gpu.gpus_per_node, cp):
+            continue
+        kinds = _schedules(fixed, p, base.num_layers, megart)
+        bs = [fixed.micro_batch] if fixed.micro_batch else list(MICRO_BATCHES)
+        if searched_cp and not fixed.micro_batch:
+            bs = [1]  # b > 1 at C is dominated by b / 2 at C / 2 (the module's doc)
+        bs = [b for b in bs if fixed.micro_batch or base.global_batch_size % (b * d) == 0]
+        sps = (
+            [fixed.sequence_parallel]
+            if fixed.sequence_parallel is not None
+            else ([False, True] if t > 1 and (sp_fits or not searched_cp) else [False])
+        )
+        recs = RECOMPUTE if fixed.recompute is False else (fixed.recompute,)
+        dos = (
+            [fixed.distributed_optimizer]
+            if fixed.distributed_optimizer is not None
+            else ([False, True] if d * cp > 1 else [False])
+        )
+        for (v, kind), b, sp, rec, do in itertools.product(kinds, bs, sps, recs, dos):
+            m = base.global_batch_size // (b * d) if b * d else 0
+            if kind is None and v > 1 and (m == 0 or m % p):
                 continue
-            if fixed.pp is None and base.num_layers % p:
+            if kind == "zb-v" and m < 2 * p:
                 continue
-            d = world // (tc * p)
-            if megart and _grid_refuses(world, t, p, gpu.gpus_per_node, cp):
-                continue
-            kinds = _schedules(fixed, p, base.num_layers, megart)
-            bs = (
-                [fixed.micro_batch]
-                if fixed.micro_batch
-                else [b for b in MICRO_BATCHES if base.global_batch_size % (b * d) == 0]
-            )
-            sps = (
-                [fixed.sequence_parallel]
-                if fixed.sequence_parallel is not None
-                else ([False, True] if t > 1 else [False])
-            )
-            recs = RECOMPUTE if fixed.recompute is False else (fixed.recompute,)
-            dos = (
-                [fixed.distributed_optimizer]
-                if fixed.distributed_optimizer is not None
-                else ([False, True] if d * cp > 1 else [False])
-            )
-            for (v, kind), b, sp, rec, do in itertools.product(kinds, bs, sps, recs, dos):
-                m = base.global_batch_size // (b * d) if b * d else 0
-                if kind is None and v > 1 and (m == 0 or m % p):
-                    continue
-                if kind == "zb-v" and m < 2 * p:
-                    continue
-                out.append(Layout(t, p, d, v, b, sp, rec, do, kind, fixed.first, fixed.last, cp))
+            out.append(Layout(t, p, d, v, b, sp, rec, do, kind, fixed.first, fixed.last, cp))
     return out
 
 
@@ -142,13 +185,19 @@ def search(
             "use 1f1b or interleaved with --runtime megatron"
         )
     layouts = candidates(base, world, gpu, fixed, megart)
-    quick: list[Estimate] = []
-    first_error: ConfigError | None = None
-    for layout in layouts:
-        try:
-            quick.append(estimate(base, layout, gpu, simulate=False, **model))
-        except ConfigError as e:
-            first_error = first_error or e
+    # Searched context parallelism comes second: the layouts without it are searched as when
+    # --context-parallel-size 1 is given, then those with it that could enter the table.
+    split = [x for x in layouts if x.cp > 1 and fixed.cp is None]
+    plain = [x for x in layouts if x.cp == 1 or fixed.cp is not None]
+    short = max(keep, 24)
+    quick, first_error = _quick(base, plain, gpu, model)
+    best = _simulated(base, quick, gpu, short, model)
+    if split:
+        limit = _time_to_beat(best, keep)
+        more, error = _quick(base, _could_enter(base, split, gpu, limit, model), gpu, model)
+        first_error = first_error or error
+        quick += more
+        best += _simulated(base, more, gpu, short, model)
     if not quick:
         if first_error is not None:
             raise first_error
@@ -157,8 +206,6 @@ def search(
             f"no layout of {world} GPUs runs this model with global batch "
             f"{base.global_batch_size}: check that the batch splits over data parallelism"
         )
-    quick.sort(key=_rank)
-    best = [estimate(base, e.layout, gpu, simulate=True, **model) for e in quick[: max(keep, 24)]]
     best.sort(key=_rank)
     if not best[0].fits:
         short = best[0].missing_bytes / GIB
@@ -177,14 +224,14 @@ def _explain(base: TrainConfig, world: int, fixed: Fixed, gpus_per_node: int | N
     """Raises the error megart train gives for the fixed flags (no candidate was left): its
     own checks first, then the layout module's (on nodes of ``gpus_per_node``), which list
     what would fit."""
-    tp, pp, chunks = fixed.tp or 1, fixed.pp or 1, fixed.chunks or 1
+    tp, pp, chunks, cp = fixed.tp or 1, fixed.pp or 1, fixed.chunks or 1, fixed.cp or 1
     kind = fixed.schedule if fixed.schedule in ZERO_BUBBLE else None
     chunks = 2 if kind == "zb-v" else chunks
     rec = None if fixed.recompute is False else fixed.recompute
     plain = Layout(
         tp,
         pp,
-        max(1, world // (tp * pp * fixed.cp)),
+        max(1, world // (tp * pp * cp)),
         chunks,
         fixed.micro_batch or 1,
         bool(fixed.sequence_parallel),
@@ -193,18 +240,70 @@ def _explain(base: TrainConfig, world: int, fixed: Fixed, gpus_per_node: int | N
         kind,
         fixed.first,
         fixed.last,
-        fixed.cp,
+        cp,
     )
     layout_config(base, plain).check(world)
     groups = base.num_query_groups if base.group_query_attention else None
     check_model_fits(
-        make_layout(world, tp, pp, gpus_per_node=gpus_per_node, cp=fixed.cp),
+        make_layout(world, tp, pp, gpus_per_node=gpus_per_node, cp=cp),
         base.num_layers,
         base.num_attention_heads,
         base.vocab_size,
         chunks,
         groups,
     )
+
+
+def _quick(
+    base: TrainConfig, layouts: list[Layout], gpu: GPUProfile, model: dict
+) -> tuple[list[Estimate], ConfigError | None]:
+    """The quick estimates of ``layouts`` (theoretical bubble where it has a closed form), and
+    the first refusal met."""
+    out: list[Estimate] = []
+    first_error: ConfigError | None = None
+    for layout in layouts:
+        try:
+            out.append(estimate(base, layout, gpu, simulate=False, **model))
+        except ConfigError as e:
+            first_error = first_error or e
+    return out, first_error
+
+
+def _simulated(
+    base: TrainConfig, quick: list[Estimate], gpu: GPUProfile, short: int, model: dict
+) -> list[Estimate]:
+    """The ``short`` best of ``quick`` for each context-parallel size, estimated with the
+    schedule simulator (those quick already simulated kept as they are)."""
+    taken: dict[int, int] = {}
+    out = []
+    for e in sorted(quick, key=_rank):
+        if taken.setdefault(e.layout.cp, 0) < short:
+            taken[e.layout.cp] += 1
+            done = e.simulated or e.layout.pp == 1  # one stage: no schedule to simulate
+            out.append(e if done else estimate(base, e.layout, gpu, simulate=True, **model))
+    return out
+
+
+def _time_to_beat(found: list[Estimate], keep: int) -> float:
+    """The time a layout must beat to enter the ``keep`` shown: the keep-th fitting one's
+    (infinite while fewer fit)."""
+    fitting = sorted(e.iteration_time for e in found if e.fits)
+    return fitting[keep - 1] if len(fitting) >= keep else math.inf
+
+
+def _could_enter(
+    base: TrainConfig, layouts: list[Layout], gpu: GPUProfile, limit: float, model: dict
+) -> list[Layout]:
+    """The layouts whose work alone (work_bound, which no schedule shortens) takes less than
+    ``limit``, and those megart train refuses (left to estimate() to say why)."""
+    out = []
+    for layout in layouts:
+        try:
+            if work_bound(base, layout, gpu, **model) < limit:
+                out.append(layout)
+        except ConfigError:
+            out.append(layout)
+    return out
 
 
 class NoFit(ConfigError):

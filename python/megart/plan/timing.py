@@ -16,17 +16,21 @@ Per microbatch and layer on one GPU (t tensor-parallel ranks):
   2(t-1)/t of them on the wire, plus 2 more forward when full recomputation replays a layer.
 
 With context parallelism (cp ranks, megart.models.context_parallel) a rank holds s/cp tokens of
-each sequence: every per-token term above counts those. Under the ring (--cp-comm-type p2p, the
-default; megart.models.ring_attention) each rank passes its keys and values on cp - 1 times
-forward, and again with their gradients backward (ring_seconds), and computes each step's block
-with explicit products (ring_score_share of its scores, softmax over them; the backward
-recomputes them, as flash's does). Under all_gather its attention all-gathers keys and
-values (16-bit, b s kv/t each, kv = groups x head size) over the context-parallel group forward
-and reduce-scatters their gradients backward (again forward under full recomputation), and
-each of its two query chunks attends to the keys up to its own end, causal aligned to the lower
-right: flash kernels skip the blocks above the diagonal, so a rank runs 1/cp of the causal
-scores (Megatron's load-balanced split gives each rank the same count), as one process would
-per sequence of s/cp queries against s keys, halved.
+each sequence: every per-token term above counts those. Under all_gather (megart's default) its
+attention all-gathers keys and values (16-bit, b s kv/t each, kv = groups x head size) over the
+context-parallel group forward and reduce-scatters their gradients backward (again forward under
+full recomputation), and each of its two query chunks attends to the keys up to its own end,
+causal aligned to the lower right: flash kernels skip the blocks above the diagonal, so a rank
+runs 1/cp of the causal scores (Megatron's load-balanced split gives each rank the same count),
+as one process would per sequence of s/cp queries against s keys, halved. Under the ring
+(--cp-comm-type p2p, megart.models.ring_attention) each rank passes its keys and values on
+cp - 1 times forward, and again with their gradients backward (ring_seconds), and computes each
+step's block with flash kernels (torch's, as the all-gather's attention): its own block causal,
+then cp - 1 half blocks, (s/cp)^2 / 2 each, the same 1/cp of the causal scores as above, at the
+same efficiency, with flash's backward (FLASH_BACKWARD); no scores are written to memory. (Until
+the ring ran flash kernels its blocks were explicit products, (cp + 1) / (2 cp) of the rank's
+(s/cp) x s scores with a softmax over them: 14.6 times slower on an H200 at s = 16384, cp 2,
+bench/RESULTS.md.)
 """
 
 from __future__ import annotations
@@ -50,13 +54,6 @@ def cp_score_share(cp: int) -> float:
     attention computes: each query chunk's keys up to its own end, (2 cp + 1) / (4 cp) (rank 0's
     first chunk, whose keys are its own, a little less)."""
     return (2 * cp + 1) / (4 * cp)
-
-
-def ring_score_share(cp: int) -> float:
-    """The share of its (s/cp) x s scores that a rank of context parallelism's ring computes
-    (megart.models.ring_attention, explicit products): its own block whole, (s/cp)^2, then
-    cp - 1 half blocks: (cp + 1) / (2 cp)."""
-    return (cp + 1) / (2 * cp)
 
 
 def ring_seconds(
@@ -175,9 +172,7 @@ def layer_work(
     d = cfg.head_dim
     core_gemm = gemm_seconds(local, s, d, gpu, heads) + gemm_seconds(local, d, s, gpu, heads)
     ring = cp > 1 and cfg.cp_comm_type == "p2p"
-    if ring:  # explicit products of each block's scores, every step (ring_score_share)
-        core_gemm *= ring_score_share(cp)
-    elif not unfused_attention:
+    if ring or not unfused_attention:  # flash kernels (the ring's blocks too): causal half
         core_gemm *= CAUSAL_SHARE
     elif cp > 1:  # the explicit scores of each query chunk's keys (cp_score_share)
         core_gemm *= cp_score_share(cp)
@@ -188,9 +183,8 @@ def layer_work(
     # --qk-layernorm's norms read and write this rank's query and key heads.
     qk_norms = 2 * (h + kv) / t if cfg.qk_layernorm else 0.0
     mlp = (3 if cfg.activation == "swiglu" else 2) * f / t
-    scores = 4.5 * cfg.num_attention_heads / t * s if unfused_attention else 0.0
-    if ring:  # the softmax over each block's explicit scores
-        scores = 4.5 * cfg.num_attention_heads / t * s * ring_score_share(cp)
+    unfused = unfused_attention and not ring  # the ring's flash blocks write no scores
+    scores = 4.5 * cfg.num_attention_heads / t * s if unfused else 0.0
     hbm = gpu.hbm_gb_per_s * 1e9
     fwd_elem = tokens * (replicated + qk_norms + mlp) * ACT / hbm
     core_elem = tokens * scores * ACT / hbm
@@ -222,7 +216,7 @@ def layer_work(
     forward = fwd_gemm + core_gemm + fwd_elem + core_elem + comm + gather
     # With the scores kept (unfused), the core's backward is two products per forward one, like
     # the dense ones'; flash attention keeps no scores and recomputes them.
-    core_backward = 2 * core_gemm if unfused_attention and not ring else FLASH_BACKWARD * core_gemm
+    core_backward = 2 * core_gemm if unfused else FLASH_BACKWARD * core_gemm
     backward = 2 * (fwd_gemm + fwd_elem + core_elem) + core_backward + comm + scatter
     tp_comm = 2 * comm
     cp_comm = gather + scatter
