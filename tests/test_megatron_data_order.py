@@ -243,7 +243,7 @@ def test_what_the_megatron_order_does_not_cover_is_refused_by_name(kw, named):
 @pytest.mark.parametrize("order", ["megart", "megatron"])
 def test_full_validation_is_refused_by_name(order):
     """Megatron-LM's --full-validation: megatron-core 0.16's Megatron-LM stops its evaluation
-    once the set is read, and its main branch means something else since (config_checks)."""
+    once the set is read, and its main branch means something else since (data_checks)."""
     import argparse
 
     from megart import ConfigError

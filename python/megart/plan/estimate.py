@@ -4,10 +4,8 @@ by part, with the pipeline bubble from megart's schedule simulator."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 
-from megart import schedule as sched
 from megart.errors import ConfigError
 from megart.models import GPTConfig
 from megart.plan import activations as act
@@ -17,10 +15,11 @@ from megart.plan.data_parallel import (
     data_parallel_seconds,
 )
 from megart.plan.hardware import GIB, GPUProfile
-from megart.plan.holding import Held, State, peaks, states, theory_in_flight
+from megart.plan.holding import Held, peaks
 from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
 from megart.plan.memory import precision, rank_memory, sixteen_bit_weights
 from megart.plan.parameters import FP32
+from megart.plan.pipeline_run import PipelineRun, pipeline_run, states_of
 from megart.plan.timing import Work, layer_work, logits_work
 from megart.training.config import TrainConfig
 from megart.training.flops import model_flops
@@ -103,7 +102,7 @@ def estimate(
     prec = precision(c, runtime)
 
     stage, stages = _stage_work(cfg, layout, gpu, unfused_attention, tp_overlap)
-    run = _pipeline_run(
+    run = pipeline_run(
         c, cfg, layout, dp, gpu, stage, prec.residual, m, simulate, pp_overlap, runtime, stages
     )
     worst, held = _worst_rank_memory(c, cfg, layout, dp, run, runtime, unfused_attention)
@@ -249,139 +248,12 @@ def _check_runtime(
         )
 
 
-# A search builds the same few schedules for thousands of layouts: each once (they are never
-# changed once built), with what its ranks hold after each compute.
-@functools.lru_cache(maxsize=64)
-def _schedule(kind: str, p: int, m: int, v: int) -> sched.Schedule:
-    return sched.build(kind, p, m, v)
-
-
-@functools.lru_cache(maxsize=64)
-def _states(kind: str, p: int, m: int, v: int) -> list[list[State]]:
-    return states(_schedule(kind, p, m, v))
-
-
-@functools.lru_cache(maxsize=1024)
-def _simulated(
-    shape: tuple[str, int, int, int],
-    forward: float,
-    backward: float,
-    latency: float,
-    bandwidth: float,
-    message: float,
-    weight_fraction: float,
-    posted: bool,
-    stage_forward: tuple[float, ...],
-    stage_backward: tuple[float, ...],
-) -> tuple[float, float, list[int]]:
-    """The simulator's makespan, bubble fraction and peak pairs per rank of the schedule of
-    ``shape`` (kind, p, m, v) with these costs. Layouts that differ in what the schedule
-    does not see (the distributed optimizer) simulate once."""
-    sim = sched.simulate(
-        _schedule(*shape),
-        forward,
-        backward,
-        latency=latency,
-        bandwidth=bandwidth,
-        message_bytes=message,
-        weight_fraction=weight_fraction,
-        posted=posted,
-        stage_forward=list(stage_forward),
-        stage_backward=list(stage_backward),
-    )
-    return sim.makespan, sim.bubble_fraction, [r.peak_stashed for r in sim.ranks]
-
-
-@dataclass
-class _PipelineRun:
-    """One iteration's schedule on the slowest stage."""
-
-    stage: Work  # one microbatch through it, blocking exchanges included
-    makespan: float
-    bubble: float
-    compute_only: float  # m x (forward + backward), without blocking exchanges
-    in_flight: list[int]  # per rank, (microbatch, chunk) pairs held at its peak
-    plan: sched.Schedule | None = None  # the simulated schedule, where one was simulated
-    stages: list[Work] = field(default_factory=list)  # uneven stages: each rank's, as run
-
-
-def _pipeline_run(
-    c: TrainConfig,
-    cfg: GPTConfig,
-    layout: Layout,
-    dp: int,
-    gpu: GPUProfile,
-    stage: Work,
-    residual_bytes: int,
-    m: int,
-    simulate: bool,
-    pp_overlap: bool,
-    runtime: str,
-    stages: list[Work] | None = None,
-) -> _PipelineRun:
-    """The schedule's makespan and bubble with ``stage``'s costs, by megart's simulator (or
-    theory when ``simulate`` is False and the schedule has a closed form), its messages over
-    NVLink or a rail. megart's runtime is timed as it runs: its posting plan's NCCL groups.
-    ``stages`` (uneven stages): each rank's costs, ``stage`` the slowest of them; always
-    simulated (the bubble has no closed form for unequal stages)."""
-    stages = list(stages or [])
-    t, p, v, b, sp = layout.sizes()
-    # Pipeline messages: the residual stream of this rank's s/cp tokens, 1/t of it with
-    # scatter/gather or sequence parallelism; over a rail when consecutive stages sit on
-    # different nodes (t x cp x d ranks apart).
-    scatter = sp or c.scatter_gather_tensors_in_pipeline
-    tokens = cfg.seq_length // layout.cp * b
-    message = tokens * cfg.hidden_size * residual_bytes / (t if scatter else 1)
-    cross_node = t * layout.cp * dp >= gpu.gpus_per_node
-    link_bw = (gpu.rail_gb_per_s if cross_node else gpu.nvlink_bus_gb_per_s) * 1e9
-    latency = gpu.link_latency_us * 1e-6
-    if scatter and t > 1 and not sp:  # the receiver's all-gather over NVLink
-        latency += message * (t - 1) / (gpu.nvlink_bus_gb_per_s * 1e9)
-    kind = layout.kind
-    blocking = 0.0
-    if p > 1 and not pp_overlap:
-        # Sends and receives of one step go out together (full duplex): one message's time,
-        # spent by the rank instead of computing; the simulator's messages are then free.
-        blocking = v * (latency + message / link_bw)
-        stage = stage + Work(blocking, blocking, 0.0)
-        stages = [w + Work(blocking, blocking, 0.0) for w in stages]
-        latency, message = 0.0, 0.0
-    zero_bubble = p > 1 and kind in ZERO_BUBBLE
-    plan = None
-    if p > 1 and (simulate or zero_bubble or stages):
-        # Zero-bubble schedules are always simulated: their bubble has a closed form only
-        # with equal F, I and W times.
-        plan = _schedule(kind, p, m, v)
-        makespan, bubble, peak = _simulated(
-            (kind, p, m, v),
-            stage.forward,
-            stage.backward,
-            latency,
-            link_bw,
-            message,
-            stage.weight / stage.backward if zero_bubble else 0.5,
-            runtime == "megart",
-            tuple(w.forward for w in stages),
-            tuple(w.backward for w in stages),
-        )
-        in_flight = list(peak)  # the cached list stays as simulated
-    else:
-        work = m * (stage.forward + stage.backward)
-        bubble = sched.theoretical_bubble(kind, p, m, v) if p > 1 else 0.0
-        hops = 2 * (p - 1) * (latency + message / link_bw) if p > 1 else 0.0
-        makespan = work * (1 + bubble) + hops
-        in_flight = theory_in_flight(p, m, v)
-    # Blocking exchanges count as pipeline communication, with their share of the bubble.
-    compute_only = m * (stage.forward + stage.backward - 2 * blocking)
-    return _PipelineRun(stage, makespan, bubble, compute_only, in_flight, plan, stages)
-
-
 def _worst_rank_memory(
     c: TrainConfig,
     cfg: GPTConfig,
     layout: Layout,
     dp: int,
-    run: _PipelineRun,
+    run: PipelineRun,
     runtime: str,
     unfused_attention: bool,
 ) -> tuple[dict[str, float], list[Held]]:
@@ -407,7 +279,7 @@ def _worst_rank_memory(
             [g + (out_grads if run.plan.virtual_stage(r, k) == last else 0) for k in range(v)]
             for r, g in enumerate(grads)
         ]
-        held = peaks(run.plan, per_pair, costs, _states(layout.kind, p, run.plan.microbatches, v))
+        held = peaks(run.plan, per_pair, costs, states_of(layout.kind, p, run.plan.microbatches, v))
     worst: dict[str, float] | None = None
     # Even stages: the first (embedding), the second (most in flight) or the last (output
     # layer) holds the most; uneven ones: any may.

@@ -1,5 +1,6 @@
 """The checks a training configuration passes before any work: layouts, batch shapes, the
-pipeline schedule and learning-rate flags (the model flags': model_flags.py). Each error names
+pipeline schedule and learning-rate flags (the model flags': model_flags.py; the data
+sources': data_checks.py). Each error names
 the flags and numbers and says what would fit."""
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from megart.training.context_parallel_checks import (
     check_context_parallel,
     check_sequence_parallel_split,
 )
+from megart.training.data_checks import (
+    check_data_sources,
+    check_megatron_order,
+    refuse_full_validation,
+    split_weights,
+)
 from megart.training.documents import check_document_flags
 from megart.training.lr import check_decay_style
 from megart.training.megatron_flags import check_megatron_flags
-from megart.training.pad_tokens import check_pad_flags
 from megart.training.save_modes import check_save_modes
-
-DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's --split when --data-path is given without it
 
 if TYPE_CHECKING:
     from megart.training.config import TrainConfig
@@ -126,9 +130,9 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
             f"--eval-interval {cfg.eval_interval} at least 1"
         )
     split_weights(cfg.split)
-    _check_data_sources(cfg)
+    check_data_sources(cfg)
     check_megatron_order(cfg)
-    _refuse_full_validation(cfg)
+    refuse_full_validation(cfg)
     if cfg.bf16 and cfg.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other; choose one")
     if cfg.half_weights and not (cfg.bf16 or cfg.fp16):
@@ -184,72 +188,6 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     check_document_flags(cfg)
     cfg.gpt_config().check_layout(tp, pp, cfg.chunks, **cfg.stages)  # GPTConfig's refusals
     return dp
-
-
-def _check_data_sources(cfg: TrainConfig) -> None:
-    """Megatron-LM's data sources, one at a time: --mock-data, --data-path (cut by --split),
-    or the per-split paths, of which training needs --train-data-path."""
-    per_split = [
-        f"--{s}-data-path" for s in ("train", "valid", "test") if getattr(cfg, f"{s}_data_path")
-    ]
-    if not per_split:
-        return
-    named = " and ".join(per_split)
-    other = "--data-path" if cfg.data_path else "--mock-data" if cfg.mock_data else None
-    if other:
-        raise ConfigError(
-            f"{other} and {named} exclude each other (as in Megatron-LM, one data source): give "
-            "--data-path with --split, or a dataset per split"
-        )
-    if cfg.split is not None:
-        raise ConfigError(
-            f"--split {cfg.split} with {named}: --split cuts --data-path, and each split has "
-            "its own dataset here (Megatron-LM ignores it; megart refuses rather than ignore "
-            "it); leave --split out"
-        )
-    if not cfg.train_data_path:
-        raise ConfigError(
-            f"{named} without --train-data-path: training reads --train-data-path's dataset; "
-            "add it (or give --data-path with --split)"
-        )
-
-
-def check_megatron_order(config: TrainConfig) -> None:
-    """--data-order megatron covers Megatron's indexed datasets at a constant batch; what it
-    does not cover is refused by name."""
-    check_pad_flags(config)
-    if config.data_order != "megatron":
-        return
-    per_split = (config.train_data_path, config.valid_data_path, config.test_data_path)
-    refused = [
-        (config.mock_data, "--mock-data (Megatron's mock dataset is not reproduced)"),
-        (not config.data_path and not any(per_split), "the built-in corpus (no --data-path)"),
-        (config.train_samples is not None, "--train-samples (give --train-iters)"),
-        (config.rampup_batch_size, "--rampup-batch-size (a constant --global-batch-size only)"),
-    ]
-    for bad, what in refused:
-        if bad:
-            raise ConfigError(
-                f"--data-order megatron does not cover {what}; use --data-order megart or "
-                "drop the flag"
-            )
-
-
-def _refuse_full_validation(cfg: TrainConfig) -> None:
-    """Megatron-LM's --full-validation: refused. Megatron-LM of megatron-core 0.16's time
-    (its default --dataloader-type single) sets --eval-iters to the validation sampler's
-    length, which is the set's sample count rather than its batch count, and reads a single
-    set through an iterator that does not cycle, so its evaluation stops (StopIteration) once
-    the set is read; its main branch has since redefined the flag (one sample per rank and
-    micro batch, a cycling iterator, --eval-iters the largest rank's count)."""
-    if cfg.full_validation:
-        raise ConfigError(
-            "--full-validation is not reproduced: its meaning changes between Megatron-LM "
-            "versions (the one of megatron-core 0.16 stops its evaluation with StopIteration "
-            "once the validation set is read); give --eval-iters N, the validation batches of "
-            "each evaluation (with --data-order megatron they go on from evaluation to "
-            "evaluation, as Megatron's)"
-        )
 
 
 def _check_virtual_flags(cfg: TrainConfig) -> None:
@@ -388,21 +326,3 @@ def check_virtual_stages(num_layers: int, pp: int, per: int) -> None:
         f"--num-layers-per-virtual-pipeline-stage {per}; {hint} (layers per model chunk: each "
         f"of the {pp} pipeline ranks holds num_layers / ({pp} x value) chunks)"
     )
-
-
-def split_weights(split: str | None) -> tuple[float, float, float]:
-    """--split "969,30,1" (or "90,10"; missing weights are 0) as fractions of the corpus; None
-    (not given) is Megatron-LM's legacy default, DEFAULT_SPLIT."""
-    split = DEFAULT_SPLIT if split is None else split
-    try:
-        weights = [float(w) for w in split.replace("/", ",").split(",")]
-    except ValueError:
-        weights = []
-    if not 1 <= len(weights) <= 3 or min(weights) < 0 or weights[0] <= 0:
-        raise ConfigError(
-            f"--split {split!r}: give up to three non-negative weights for train, validation "
-            "and test, with a positive train weight, e.g. --split 969,30,1"
-        )
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return weights[0] / total, weights[1] / total, weights[2] / total

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from megart.errors import ConfigError
-from megart.training.config_checks import DEFAULT_SPLIT, split_weights
+from megart.training.data_checks import DEFAULT_SPLIT, split_weights
 from megart.training.indexed import IndexedTokens
 
 BYTE_VOCAB = 256

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megart.training.config_checks import split_weights
+from megart.training.data_checks import split_weights
 from megart.training.index_cache import cached, data_files_stamp
 from megart.training.indexed import IndexedTokens
 
