@@ -203,4 +203,6 @@ def test_the_cli_refuses_before_any_work_and_names_megatrons_flags_it_does_not_h
     assert out.count("error") == 1
     for flag in (["--decrease-batch-size-if-needed"], ["--step-batch-size-schedule", "0:16"]):
         status, out = mw.run_cli([*flag, "--rampup-batch-size", "4", "4", "10"])
-        assert status == 2 and f"unrecognized arguments: {flag[0]}" in out
+        # Refused by name, with a reason (megart.training.megatron_refusals), never ignored.
+        assert status == 2 and out.startswith(f"megart train: error: {flag[0]}: "), out
+        assert "unrecognized" not in out and out.count("error") == 1
