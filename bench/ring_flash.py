@@ -25,7 +25,7 @@ from torch import Tensor
 
 from megart.models import flash_blocks
 from megart.models.context_parallel import masked_attention
-from megart.models.ring_attention import _scores, block_of
+from megart.models.ring_attention import _scores, block_of, fold_in
 
 Block = tuple[Tensor, Tensor, Any]  # a block's output, log-sum-exp, what its backward needs
 Grads = tuple[Tensor, Tensor, Tensor]
@@ -93,10 +93,7 @@ def ring_rank(
         rows, keys, causal = block_of(step, cp, rank, local)
         o, l, extra = block(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal)
         extras.append(extra)
-        new = torch.logaddexp(lse[:, :, rows], l.to(out.dtype))
-        kept, added = (torch.exp(x - new).unsqueeze(-1) for x in (lse[:, :, rows], l))
-        out[:, :, rows] = out[:, :, rows] * kept + o.to(out.dtype) * added
-        lse[:, :, rows] = new
+        fold_in(out, lse, rows, o.to(out.dtype), l.to(out.dtype))
     out = out.to(q.dtype)
     dq = torch.zeros_like(q, dtype=lse.dtype)
     dkv = [(torch.zeros_like(k, dtype=lse.dtype), torch.zeros_like(v, dtype=lse.dtype))

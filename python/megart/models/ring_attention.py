@@ -154,7 +154,7 @@ class RingAttention(torch.autograd.Function):
         b, h, local, d = q.shape
         per_group = h // k.shape[1]
         rng = _rng_state(q.device) if dropout and not flash else None
-        qc = q.to(c)
+        qc = None if flash else q.to(c)  # the explicit products' fp32 queries
         out = torch.zeros(b, h, local, d, dtype=c, device=q.device)
         lse = torch.full((b, h, local), float("-inf"), dtype=c, device=q.device)
         kv = torch.stack([k, v]).contiguous()
@@ -169,7 +169,7 @@ class RingAttention(torch.autograd.Function):
                     q[:, :, rows], kb, vb, causal, dropout
                 )
                 flash_saved.append(saved)
-                _fold_in(out, lse, rows, block_out.to(c), block_lse.to(c))
+                fold_in(out, lse, rows, block_out.to(c), block_lse.to(c))
             else:
                 kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
                 for t in tiles(rows, kb.shape[2], b * h, tile_elements):
@@ -177,7 +177,7 @@ class RingAttention(torch.autograd.Function):
                     tile_lse = torch.logsumexp(s, dim=-1)
                     p = torch.exp(s - tile_lse.unsqueeze(-1))
                     keep = _keep(p.shape, dropout, p)
-                    _fold_in(out, lse, t, (p if keep is None else p * keep) @ vb, tile_lse)
+                    fold_in(out, lse, t, (p if keep is None else p * keep) @ vb, tile_lse)
             if step + 1 < ring.cp:
                 _wait(works)
                 kv = arriving
@@ -194,9 +194,11 @@ class RingAttention(torch.autograd.Function):
         c = _compute_dtype(q.dtype)
         h, local = q.shape[1], q.shape[2]
         per_group = h // k.shape[1]
-        qc, doc = q.to(c), dout.to(c)
-        delta = (doc * out.to(c)).sum(-1)  # rowsum(dO o O): the softmax's backward term
-        dq = torch.zeros_like(qc)
+        flash = ctx.flash_saved is not None
+        if not flash:  # the explicit products' fp32 operands (the flash kernels take their own)
+            qc, doc = q.to(c), dout.to(c)
+            delta = (doc * out.to(c)).sum(-1)  # rowsum(dO o O): the softmax's backward term
+        dq = torch.zeros(q.shape, dtype=c, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=c, device=kv.device)  # the visiting block's dK, dV
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -205,7 +207,7 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < ring.cp:
                     arriving, works = ring.pass_on(kv)
                 rows, keys, causal = block_of(step, ring.cp, ring.rank, local)
-                if ctx.flash_saved is not None:
+                if flash:
                     kb, vb = (_expand(x[:, :, keys], per_group) for x in kv)
                     dor, qr, outr, lser = (x[:, :, rows].contiguous() for x in (dout, q, out, lse))
                     dqb, dk, dv = flash_blocks.backward(
@@ -242,11 +244,12 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def _fold_in(
+def fold_in(
     out: torch.Tensor, lse: torch.Tensor, rows: slice, part: torch.Tensor, part_lse: torch.Tensor
 ) -> None:
     """Online softmax: ``part``, the attention of ``rows`` over some keys with log-sum-exp
-    ``part_lse``, folded into ``out`` and ``lse``, both reweighted to the combined normaliser."""
+    ``part_lse``, folded into ``out`` and ``lse``, both reweighted to the combined normaliser
+    (the ring's fold, which megart selftest and bench/ring_flash.py also call)."""
     old = lse[:, :, rows]
     new = torch.logaddexp(old, part_lse)
     kept, added = (torch.exp(x - new).unsqueeze(-1) for x in (old, part_lse))

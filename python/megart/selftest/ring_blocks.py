@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megart.models import flash_blocks
+from megart.models.ring_attention import fold_in
 from megart.selftest.report import Check, judged, relative_error, skip
 
 # bf16 and fp16 inputs, fp32 accumulation: the dtype's rounding (as the fused kernels').
@@ -19,16 +20,20 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 def folded(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal_first: bool
 ) -> list[torch.Tensor]:
-    """Keys and values split in two blocks, each attended by flash_blocks and folded by
-    log-sum-exp; then each block's backward: [out, dq, dk, dv]."""
+    """Keys and values split in two blocks, each attended by flash_blocks and folded by the
+    ring's own fold (log-sum-exp); then each block's backward: [out, dq, dk, dv]."""
     half = k.shape[2] // 2
     blocks = [
         (k[:, :, :half], v[:, :, :half], causal_first),
         (k[:, :, half:], v[:, :, half:], False),
     ]
     forwards = [flash_blocks.forward(q, kb, vb, causal, 0.0) for kb, vb, causal in blocks]
-    lse = torch.logaddexp(forwards[0][1], forwards[1][1])
-    out = sum(o.to(lse.dtype) * torch.exp(l - lse).unsqueeze(-1) for o, l, _ in forwards)
+    c = torch.promote_types(q.dtype, torch.float32)  # the ring's fold: fp32 (float64 stays)
+    out = torch.zeros(q.shape, dtype=c, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=c, device=q.device)
+    every_row = slice(0, q.shape[2])
+    for block_out, block_lse, _ in forwards:
+        fold_in(out, lse, every_row, block_out.to(c), block_lse.to(c))
     out = out.to(q.dtype)
     grads = [flash_blocks.backward(dout, q, kb, vb, out, lse, causal, 0.0, saved)
              for (kb, vb, causal), (_, _, saved) in zip(blocks, forwards, strict=True)]  # fmt: skip
