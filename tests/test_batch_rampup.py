@@ -103,7 +103,7 @@ def megatron_learning_rates(config, batches):
 def test_pp2_dp2_ramp_equals_one_process_and_the_whole_batch_gradient():
     import torch
 
-    reference = launch(rw.whole_batch_reference, 1, RAMP, timeout=300)[0]
+    reference = launch(rw.whole_batch_reference, 1, RAMP, timeout=300, env=tw.ONE_THREAD)[0]
     want = megatron_batches(tw.tiny(**RAMP), 2, 6)
     assert [b for b, _ in want] == [4, 4, 8, 12, 16, 16]  # the ramp runs, then the full batch
     one = [r["figures"] for r in reference]

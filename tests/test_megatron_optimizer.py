@@ -169,8 +169,8 @@ def test_megatron_core_loads_each_pipeline_stages_optimizer_state(tmp_path):
     state dicts resumes under megart's pp2 on the uninterrupted curve."""
     kw = dict(train_iters=4, ckpt_format="torch")
     one, two, theirs = (str(tmp_path / d) for d in ("pp1", "pp2", "megatron"))
-    straight = launch(tw.train_kw, 1, kw, timeout=300)[0]
-    launch(tw.train_kw, 1, {**kw, "save": one, "exit_interval": 2}, timeout=300)
+    straight = launch(tw.train_kw, 1, kw, timeout=300, env=tw.ONE_THREAD)[0]
+    launch(tw.train_kw, 1, {**kw, "save": one, "exit_interval": 2}, timeout=300, env=tw.ONE_THREAD)
     pp2 = {**kw, "pipeline_model_parallel_size": 2}
     launch(tw.train_kw, 2, {**pp2, "save": two, "exit_interval": 2}, timeout=300)
     (want,) = launch(mow.pipeline_states, 1, kw, one, timeout=300)
