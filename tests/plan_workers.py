@@ -139,3 +139,31 @@ def deferred_bytes(kw: dict) -> dict:
     finally:
         WeightGradStore.defer = defer
     return {"pp_rank": trainer.grid.pp_rank, "tp_rank": trainer.grid.tp_rank, "peak": peak[0]}
+
+
+def a2a_traffic(kw: dict) -> dict:
+    """One megart train step's all-to-alls (--cp-comm-type a2a) on this rank: each call's
+    buffer (elements, element size), in the order posted, and the bytes the rank sent to each
+    peer of its context-parallel group (its transport's own count), after a first step."""
+    import megart.models.all_to_all_attention as a2a
+    from megart.distributed import bytes_sent, reset_bytes_sent
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(TrainConfig(**kw), tokens=builtin_corpus(1 << 16))
+    trainer.train_step(0)
+    calls: list[tuple[int, int]] = []
+    real = a2a.all_to_all
+
+    def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append((x.numel(), x.element_size()))
+        return real(x, *args)
+
+    group = trainer.grid.cp_group
+    reset_bytes_sent(group)
+    a2a.all_to_all = counted
+    try:
+        trainer.train_step(1)
+    finally:
+        a2a.all_to_all = real
+    sent = {peer: n for peer, n in bytes_sent(group).items() if n}
+    return {"calls": calls, "sent": sent, "cp_ranks": list(group.ranks)}

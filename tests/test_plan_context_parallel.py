@@ -433,9 +433,3 @@ def test_megatrons_runtime_is_refused_with_context_parallelism(capsys):
     argv = ARGV + " --context-parallel-size 2 --runtime megatron"
     assert plan_main(argv.split()) == 2
     assert "not Megatron-Core's exchanges" in capsys.readouterr().err
-
-
-def test_the_all_to_all_exchange_is_not_planned(capsys):
-    argv = ARGV + " --context-parallel-size 2 --cp-comm-type a2a"
-    assert plan_main(argv.split()) == 2
-    assert "megart plan models context parallelism's ring" in capsys.readouterr().err

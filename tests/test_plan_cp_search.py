@@ -60,14 +60,19 @@ def test_context_parallelism_is_searched_only_where_megart_train_runs_it(seq, wo
             assert not x.sequence_parallel or (seq // x.cp) % x.tp == 0
 
 
-def test_given_megatrons_runtime_or_all_to_all_context_parallelism_is_not_searched():
-    """The planner models megart's all-gather and ring only: 1 alone under --runtime megatron
-    and --cp-comm-type a2a (which it refuses when C is given), and the size given alone."""
+def test_given_megatrons_runtime_context_parallelism_is_not_searched():
+    """The planner models megart's all-gather, ring and all-to-all: 1 alone under --runtime
+    megatron, every C under --cp-comm-type a2a whose t x C divides the 8 heads (tests/
+    test_plan_a2a.py), and the size given alone."""
     base = _model(4096, 8)
     assert {x.cp for x in candidates(base, 8, H100, Fixed())} == {1, 2, 4, 8}
     assert {x.cp for x in candidates(base, 8, H100, Fixed(), megart=False)} == {1}
     a2a = dataclasses.replace(base, cp_comm_type="a2a")
-    assert {x.cp for x in candidates(a2a, 8, H100, Fixed())} == {1}
+    assert {x.cp for x in candidates(a2a, 8, H100, Fixed())} == {1, 2, 4, 8}
+    assert {(x.tp, x.cp) for x in candidates(a2a, 8, H100, Fixed()) if x.tp == 4} == {
+        (4, 1),
+        (4, 2),
+    }
     assert {x.cp for x in candidates(base, 8, H100, Fixed(cp=2))} == {2}
     assert {x.cp for x in candidates(base, 8, H100, Fixed(cp=1))} == {1}
 
@@ -108,7 +113,7 @@ def test_the_context_parallel_groups_links_are_those_of_megarts_rank_grid(world,
     seq=st.sampled_from([2048, 8192, 32768, 65536]),
     world=st.sampled_from([8, 16]),
     hidden=st.sampled_from([1024, 2048]),
-    comm=st.sampled_from(["all_gather", "p2p"]),
+    comm=st.sampled_from(["all_gather", "p2p", "a2a"]),
     batch=st.sampled_from([1, 4, 16]),
 )
 def test_searched_context_parallelism_is_never_slower_and_predicted_as_given(
@@ -224,7 +229,7 @@ def test_work_bound_never_exceeds_the_estimate(seq, world, comm, pick):
     pp=st.sampled_from([1, 2]),
     half=st.sampled_from([1, 2]),
     rec=st.sampled_from([None, "selective", "full"]),
-    comm=st.sampled_from(["all_gather", "p2p"]),
+    comm=st.sampled_from(["all_gather", "p2p", "a2a"]),
     rope=st.booleans(),
 )
 def test_micro_batch_2k_at_c_is_never_faster_than_k_at_half_c(
@@ -233,7 +238,9 @@ def test_micro_batch_2k_at_c_is_never_faster_than_k_at_half_c(
     """Why C > 1 is searched at b = 1 alone: b = 2k at C runs what b = k at C/2 runs (each
     rank's tokens, the microbatches, the d x C ranks of the gradients) with more exchange;
     its memory is no less but for per-microbatch tables of the rank's s/C rows (rope's cos and
-    sin, learned positions' int64 index), which are not per sequence."""
+    sin, learned positions' int64 index), which are not per sequence. (a2a: where t x C
+    divides the 8 heads, as megart train requires.)"""
+    assume(comm != "a2a" or 8 % (tp * cp) == 0)
     pos = dict(position_embedding_type="rope") if rope else {}
     base = _model(seq, 8, cp_comm_type=comm, **pos)
     world = tp * cp * pp * 2

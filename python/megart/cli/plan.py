@@ -45,7 +45,7 @@ MODEL_FLAGS = (
     "bf16",
     "fp32_residual_connection",
     "half_weights",
-    "cp_comm_type",  # how context parallelism's K/V travel: all_gather (default) or p2p
+    "cp_comm_type",  # how context parallelism's K/V travel: p2p (default), all_gather or a2a
 )
 # Layout flags: given, they are fixed; left out, searched.
 LAYOUT_FLAGS = (
@@ -69,7 +69,8 @@ UNEVEN_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_
 CP_FLAG = "context_parallel_size"
 CP_SEARCHED = (
     " (searched when left out: 1 and each power of two C with --seq-length divisible by 2 C "
-    "and C dividing --num-gpus; 1 only with --runtime megatron or --cp-comm-type a2a, which the "
+    "and C dividing --num-gpus that megart train accepts (--cp-comm-type a2a: attention heads "
+    "and query groups divisible by t x C); 1 only with --runtime megatron, whose exchanges the "
     "planner does not model)"
 )
 

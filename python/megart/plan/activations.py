@@ -53,6 +53,8 @@ builds each block's boolean mask for the call; not counted here), so each layer 
                                            recomputation the gathered 2 kv/t, the checkpoint's
                                            inputs)
 and the first stage the int64 global positions of learned position embeddings (s/cp).
+Under the ring (--cp-comm-type p2p) and the all-to-all (a2a) no layer keeps another rank's keys
+and values: ring_attention_elements, a2a_attention_elements.
 """
 
 from __future__ import annotations
@@ -106,10 +108,13 @@ def layer_bytes(
     residual = 2 * h * seq_share * prec.residual
     norm_out = 2 * h * prec.other
     ring = cp > 1 and cfg.cp_comm_type == "p2p"
+    a2a = cp > 1 and cfg.cp_comm_type == "a2a"
     if cp == 1:
         attention = attention_elements(cfg, t, recompute, prec.other < 4)
     elif ring:
         attention = ring_attention_elements(cfg, t, recompute, prec.other < 4)
+    elif a2a:
+        attention = a2a_attention_elements(cfg, t, recompute, prec.other < 4, unfused_attention)
     else:  # context parallelism's count, as it was (its rope and selective terms unaudited)
         # Attention keeps q, k and v per query head: views of the fused output with one group
         # per head; with fewer groups the repeated keys and values, and q, which is a view of
@@ -129,11 +134,12 @@ def layer_bytes(
     qk_norms = qk_norm_bytes(cfg, t, prec)
     core = 0.0
     if recompute != "selective":  # unfused: the scores of each query against its keys
-        keys = s if cp == 1 else s * cp_score_share(cp)
+        # a2a: s x s scores of heads/(t cp) heads, as many per rank as heads/t over s/cp rows.
+        keys = s if cp == 1 or a2a else s * cp_score_share(cp)
         # The ring keeps its fp32 log-sum-exp, as flash does, whatever the backend.
         core = heads * 4 if ring or not unfused_attention else 5 * heads * keys * prec.other / 2
     local = tokens * (residual + norm_out + other + norms + masks + qk_norms + core)
-    gathered = cp > 1 and not ring
+    gathered = cp > 1 and not ring and not a2a
     return local + (gathered_kv_bytes(cfg, b, tp, recompute, prec, cp) if gathered else 0.0)
 
 
@@ -217,6 +223,30 @@ def ring_attention_elements(
     copy), besides its fp32 log-sum-exp (layer_bytes' core term). No other rank's K/V."""
     selective = attention_elements(cfg, t, "selective", half)
     return selective + (0 if recompute == "selective" else cfg.hidden_size / t)
+
+
+def a2a_attention_elements(
+    cfg: GPTConfig, t: int, recompute: str | None, half: bool = False, unfused: bool = False
+) -> float:
+    """attention_elements under context parallelism's all-to-all (--cp-comm-type a2a,
+    megart.models.all_to_all_attention), per token of the rank's own (traced with torch's
+    saved-tensor hooks). Its exchanges save nothing, so nothing before them is kept for
+    attention's sake: the kernel's inputs are the exchanged q, k and v, heads/(t cp) heads of
+    the whole sequence (with grouped queries the keys and values repeated per head), h/t each
+    per own token; flash attention's output, as many; and the projection's input, a copy of
+    the returned output (h/t). torch's math kernel (``unfused``) keeps no output (its scores
+    are layer_bytes' core term). --qk-layernorm's norms that keep their inputs keep the fused
+    q/k/v output, and the per-head reshape's copy of q with more than one group per rank.
+    Selective recomputation's checkpoint keeps q, k and v before the exchange, as the ring's
+    does (attention_elements' selective count)."""
+    if recompute == "selective":
+        return attention_elements(cfg, t, "selective", half)
+    h, kv = cfg.hidden_size, cfg.query_groups * cfg.head_dim
+    kept = (4 if unfused else 5) * h
+    if cfg.qk_layernorm and qk_norm_keeps_input(cfg, half):
+        grouped = cfg.query_groups != cfg.num_attention_heads
+        kept += h + 2 * kv + (h if grouped and cfg.query_groups // t > 1 else 0)
+    return kept / t
 
 
 def rope_table_bytes(cfg: GPTConfig, recompute: str | None, cp: int = 1) -> float:

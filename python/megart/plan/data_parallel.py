@@ -5,7 +5,7 @@ all-gather and the tied embedding's all-reduce is left after the last backward."
 from __future__ import annotations
 
 from megart.models import GPTConfig
-from megart.plan.hardware import GPUProfile
+from megart.plan.hardware import GPUProfile, group_ranks_per_node
 from megart.plan.layout import Layout
 from megart.plan.parameters import BUCKET_BYTES, FP32
 from megart.plan.timing import collective_seconds
@@ -29,8 +29,7 @@ def data_parallel_bus_gb_per_s(gpu: GPUProfile, tp: int, dp: int) -> float:
     the other rails."""
     if tp * dp <= gpu.gpus_per_node:
         return gpu.nvlink_bus_gb_per_s
-    per_node = max(1, min(dp, gpu.gpus_per_node // tp))
-    return min(per_node * gpu.rail_gb_per_s, gpu.nvlink_bus_gb_per_s)
+    return min(group_ranks_per_node(gpu, tp, dp) * gpu.rail_gb_per_s, gpu.nvlink_bus_gb_per_s)
 
 
 def data_parallel_seconds(

@@ -89,12 +89,6 @@ def estimate(
     c = layout_config(base, layout)
     world = layout.world
     dp = c.check(world)  # megart train's checks, context parallelism's refusals included
-    if layout.cp > 1 and c.cp_comm_type == "a2a":
-        raise ConfigError(
-            "--cp-comm-type a2a: megart plan models context parallelism's ring (p2p) and "
-            "all-gather (all_gather), not the all-to-all exchange; give --cp-comm-type p2p or "
-            "all_gather to plan"
-        )
     cfg = c.gpt_config()
     m = c.microbatches(dp)
     t, p, v, b, sp = layout.sizes()
@@ -224,8 +218,9 @@ def _check_runtime(
     if runtime == "megatron" and layout.cp > 1:
         raise ConfigError(
             f"--context-parallel-size {layout.cp} with --runtime megatron: the planner models "
-            "megart's context parallelism (its ring and all-gather), not Megatron-Core's "
-            "exchanges (Transformer Engine's kernels); leave out --runtime megatron"
+            "megart's context parallelism (its ring, all-gather and all-to-all), not "
+            "Megatron-Core's exchanges (Transformer Engine's kernels); leave out --runtime "
+            "megatron"
         )
     if dp_overlap not in (True, False, SINGLE_STAGE):
         raise ConfigError(f"dp_overlap {dp_overlap!r}; use True, False or {SINGLE_STAGE!r}")

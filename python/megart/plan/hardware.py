@@ -88,3 +88,12 @@ def load_profile(gpu: str | None = None, path: str | None = None) -> GPUProfile:
     if not isinstance(data["gpus_per_node"], int):
         raise ConfigError(f"--gpu-profile {path}: gpus_per_node must be an integer")
     return GPUProfile(**data)
+
+
+def group_ranks_per_node(gpu: GPUProfile, tp: int, n: int) -> int:
+    """How many of a group's ``n`` ranks one node holds, the members sitting ``tp`` apart (a
+    data- or context-parallel group: megart train places ranks tp-cp-dp-pp): all while t x n
+    GPUs fit in a node, else gpus_per_node / t (at least one)."""
+    if tp * n <= gpu.gpus_per_node:
+        return n
+    return max(1, min(n, gpu.gpus_per_node // tp))

@@ -9,19 +9,23 @@ zb-v.
 
 Context parallelism left out is searched (megart's runtime only): C = 1 and each power of two
 that cuts the sequence into 2 C chunks and divides the GPUs, its ranks placed as megart's grid
-places them (tp-cp-dp-pp: the C ranks t apart, d x C averaging gradients). Layouts with C = 1
+places them (tp-cp-dp-pp: the C ranks t apart, d x C averaging gradients); with each t only the
+C that megart train's context-parallel checks accept (--cp-comm-type a2a: heads and query
+groups per tensor-parallel rank divisible by C). Layouts with C = 1
 are searched exactly as when --context-parallel-size 1 is given, so the recommendation is never
 slower than that one; those with C > 1 then enter where they can: those whose work alone
 (estimate.work_bound, which no schedule shortens) already takes longer than the slowest of the
 table's fitting layouts are not estimated, and the fastest few are simulated beside the
 others. With C > 1 only micro-batch 1 is tried: b = 2k at C runs each rank's tokens, the same
 m, the same FLOPs and gradient traffic as k at C / 2, whose exchanges are fewer and smaller
-(and whose gathered keys and values are fewer): never faster, and never less memory but for
+(and whose gathered keys and values are fewer; under a2a each of its all-to-alls sends
+(C/2 - 1)/(C/2) of the same buffer, not (C - 1)/C): never faster, and never less memory but for
 the per-microbatch tables of the rank's s/C rows (rope's cos and sin, learned positions' index).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ from megart.plan.estimate import Estimate, estimate, work_bound
 from megart.plan.hardware import GIB, GPUProfile
 from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
 from megart.training.config import TrainConfig
+from megart.training.context_parallel_checks import check_context_parallel
 
 RECOMPUTE = (None, "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # 16: SC21 Table 1 ran 1.7B-7.5B at 16 (Megatron-LM examples/sc21)
@@ -78,11 +83,11 @@ def _schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list
 def context_parallel_sizes(base: TrainConfig, world: int, fixed: Fixed, megart: bool) -> list[int]:
     """The context-parallel sizes to try: the one given; else 1 and each power of two C that
     cuts the sequence into 2 C equal chunks (megart's load-balanced split) and divides the
-    GPUs. 1 alone for Megatron-LM's runtime and for --cp-comm-type a2a, whose exchanges the
-    planner does not model (it refuses them when C is given)."""
+    GPUs (candidates keeps those megart train accepts with each t). 1 alone for Megatron-LM's
+    runtime, whose exchanges the planner does not model."""
     if fixed.cp is not None:
         return [fixed.cp]
-    if not megart or base.cp_comm_type not in ("all_gather", "p2p"):
+    if not megart:
         return [1]
     out, cp = [1], 2
     while world % cp == 0 and base.seq_length % (2 * cp) == 0:
@@ -106,8 +111,23 @@ def candidates(
         if fixed.tp is None and heads % t:
             continue
         for cp in cps:  # d = world / (t cp p)
+            if fixed.cp is None and not _runs_context_parallel(base, t, cp):
+                continue
             out += _layouts(base, world, gpu, fixed, megart, t, cp)
     return out
+
+
+def _runs_context_parallel(base: TrainConfig, t: int, cp: int) -> bool:
+    """Whether megart train's context-parallel checks accept a searched ``cp`` with tensor-
+    parallel size ``t`` (sequence parallelism, searched apart, left out)."""
+    probe = dataclasses.replace(
+        base, tensor_model_parallel_size=t, context_parallel_size=cp, sequence_parallel=False
+    )
+    try:
+        check_context_parallel(probe)
+    except ConfigError:
+        return False
+    return True
 
 
 def _layouts(

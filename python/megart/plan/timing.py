@@ -30,7 +30,13 @@ then cp - 1 half blocks, (s/cp)^2 / 2 each, the same 1/cp of the causal scores a
 same efficiency, with flash's backward (FLASH_BACKWARD); no scores are written to memory. (Until
 the ring ran flash kernels its blocks were explicit products, (cp + 1) / (2 cp) of the rank's
 (s/cp) x s scores with a softmax over them: 14.6 times slower on an H200 at s = 16384, cp 2,
-bench/RESULTS.md.)
+bench/RESULTS.md.) Under the all-to-all (--cp-comm-type a2a, megart.models.all_to_all_attention,
+plan.context_parallel) each rank runs plain causal attention over the whole sequence for
+heads/(t cp) of the heads (flash kernels: the causal half; --attention unfused: torch's math
+kernel, all s x s products and the same score bytes per rank as cp = 1 at heads/t over s/cp
+queries), and its all-to-alls (four forward, four backward, four more replayed under either
+recomputation: all four under full, the three before the kernel under selective) are counted
+exposed.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
+from megart.plan.context_parallel import a2a_layer_seconds
 from megart.plan.hardware import GPUProfile
 
 ACT = 2  # bytes of a 16-bit activation element
@@ -170,11 +177,15 @@ def layer_work(
     # Per head: scores (s x d by d x s), then scores x values (s x s by s x d).
     heads = b * cfg.num_attention_heads / t
     d = cfg.head_dim
-    core_gemm = gemm_seconds(local, s, d, gpu, heads) + gemm_seconds(local, d, s, gpu, heads)
     ring = cp > 1 and cfg.cp_comm_type == "p2p"
+    a2a = cp > 1 and cfg.cp_comm_type == "a2a"
+    rows = local
+    if a2a:  # the whole sequence's queries of heads/(t cp) heads
+        heads, rows = heads / cp, s
+    core_gemm = gemm_seconds(rows, s, d, gpu, heads) + gemm_seconds(rows, d, s, gpu, heads)
     if ring or not unfused_attention:  # flash kernels (the ring's blocks too): causal half
         core_gemm *= CAUSAL_SHARE
-    elif cp > 1:  # the explicit scores of each query chunk's keys (cp_score_share)
+    elif cp > 1 and not a2a:  # the explicit scores of each query chunk's keys (cp_score_share)
         core_gemm *= cp_score_share(cp)
     # Element-wise bytes per token, forward: two norms (read, write), two residual adds with
     # bias and dropout (read two, write one), the activation (GeLU: read f write f; SwiGLU:
@@ -183,7 +194,9 @@ def layer_work(
     # --qk-layernorm's norms read and write this rank's query and key heads.
     qk_norms = 2 * (h + kv) / t if cfg.qk_layernorm else 0.0
     mlp = (3 if cfg.activation == "swiglu" else 2) * f / t
-    unfused = unfused_attention and not ring  # the ring's flash blocks write no scores
+    # The ring's flash blocks write no scores. a2a's math kernel: s x s scores of heads/(t cp)
+    # heads per rank, the same bytes as heads/t over the rank's s/cp queries counted here.
+    unfused = unfused_attention and not ring
     scores = 4.5 * cfg.num_attention_heads / t * s if unfused else 0.0
     hbm = gpu.hbm_gb_per_s * 1e9
     fwd_elem = tokens * (replicated + qk_norms + mlp) * ACT / hbm
@@ -204,8 +217,10 @@ def layer_work(
             comm = sum(max(0.0, half - g) for g in pairs)
     # Context parallelism: keys and values all-gathered forward, their gradients
     # reduce-scattered backward, one collective each.
-    gather = scatter = 0.0
-    if ring:
+    gather = scatter = replayed = 0.0
+    if a2a:  # the exchanges inside selective recomputation's checkpoint are replayed too
+        gather, scatter, replayed = a2a_layer_seconds(cfg, b, t, cp, recompute, gpu, ACT)
+    elif ring:
         bus = gpu.nvlink_bus_gb_per_s if cp_bus_gb_per_s is None else cp_bus_gb_per_s
         gather, scatter = ring_seconds(tokens * kv / t, cp, bus, gpu)
     elif cp > 1:
@@ -225,7 +240,8 @@ def layer_work(
         tp_comm += comm
         cp_comm += gather
     elif recompute == "selective":
-        backward += core_gemm + core_elem
+        backward += core_gemm + core_elem + replayed
+        cp_comm += replayed
     # dW = dY^T X of each dense product costs what its forward did; the attention core has no
     # weights, so both its backward products belong to I.
     return Work(forward, backward, tp_comm, fwd_gemm, cp_comm)
