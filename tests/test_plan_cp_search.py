@@ -239,7 +239,8 @@ def test_micro_batch_2k_at_c_is_never_faster_than_k_at_half_c(
     rank's tokens, the microbatches, the d x C ranks of the gradients) with more exchange;
     its memory is no less but for per-microbatch tables of the rank's s/C rows (rope's cos and
     sin, learned positions' int64 index), which are not per sequence. (a2a: where t x C
-    divides the 8 heads, as megart train requires.)"""
+    divides the 8 heads, as megart train requires; its memory against C/2 = 1, one process,
+    is not compared: see below.)"""
     assume(comm != "a2a" or 8 % (tp * cp) == 0)
     pos = dict(position_embedding_type="rope") if rope else {}
     base = _model(seq, 8, cp_comm_type=comm, **pos)
@@ -257,6 +258,12 @@ def test_micro_batch_2k_at_c_is_never_faster_than_k_at_half_c(
         a, b = estimate(base, y, H100), estimate(base, x, H100)
         assert (a.microbatches, a.layout.dp * cp) == (b.microbatches, b.layout.dp * (cp // 2))
         assert a.iteration_time >= b.iteration_time * (1 - 1e-12)
+        if comm == "a2a" and cp == 2:
+            # One process against the all-to-all: with rope it keeps the fused q/k/v output
+            # (v is a view of it) and rope's q and k, 7 h per token, where a2a's attention
+            # keeps the exchanged q, k and v, 5 h (activations.a2a_attention_elements): less
+            # at b = 2k, C = 2 than at k, C = 1, and less again at b = 1, C = 2, searched.
+            continue
         rows = seq // (cp // 2) * (base.gpt_config().rotary_dim * 4 + 8)
         assert a.memory["total"] >= b.memory["total"] - max(b.peak_in_flight) * rows
 

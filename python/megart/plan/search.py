@@ -21,6 +21,9 @@ m, the same FLOPs and gradient traffic as k at C / 2, whose exchanges are fewer 
 (and whose gathered keys and values are fewer; under a2a each of its all-to-alls sends
 (C/2 - 1)/(C/2) of the same buffer, not (C - 1)/C): never faster, and never less memory but for
 the per-microbatch tables of the rank's s/C rows (rope's cos and sin, learned positions' index).
+One exception: a2a at C = 2 against one process with rope keeps less (its attention's 5 h per
+token against the fused q/k/v output and rope's q and k, 7 h), and b = 1 at C = 2 less again;
+a b = 2 at C = 2 faster than b = 1 there, where one process does not fit, is not looked for.
 """
 
 from __future__ import annotations
