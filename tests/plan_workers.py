@@ -167,3 +167,18 @@ def a2a_traffic(kw: dict) -> dict:
         a2a.all_to_all = real
     sent = {peer: n for peer, n in bytes_sent(group).items() if n}
     return {"calls": calls, "sent": sent, "cp_ranks": list(group.ranks)}
+
+
+def cp_bytes_sent(kw: dict) -> dict:
+    """The bytes this rank's transport sent to each peer of its context-parallel group during
+    one megart train step (after a first), and the group's ranks."""
+    from megart.distributed import bytes_sent, reset_bytes_sent
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(TrainConfig(**kw), tokens=builtin_corpus(1 << 16))
+    trainer.train_step(0)
+    group = trainer.grid.cp_group
+    reset_bytes_sent(group)
+    trainer.train_step(1)
+    sent = {peer: n for peer, n in bytes_sent(group).items() if n}
+    return {"sent": sent, "cp_ranks": list(group.ranks)}

@@ -368,7 +368,9 @@ def test_the_ring_passes_keys_and_values_cp_minus_1_times_and_their_gradients_ba
     """Under the ring a layer's exchange is cp - 1 steps forward of the rank's K and V (2 b
     s/C kv/t 16-bit elements) to the next rank, and cp - 1 such steps and C of their fp32
     gradients backward, one latency each, counted whole (the overlap is unmeasured); again
-    forward under full recomputation. Its blocks: flash kernels (test below)."""
+    forward under either recomputation (the ring runs inside selective recomputation's
+    checkpoint; a real step's bytes: test_plan_ring_traffic). Its blocks: flash kernels (test
+    below)."""
     bus = data_parallel_bus_gb_per_s(GPU, tp, cp)
     w = layer_work(RING, 1, tp, False, None, GPU, cp=cp, cp_bus_gb_per_s=bus)
     kv = 2 * RING.seq_length // cp * RING.hidden_size / tp * 2
@@ -378,6 +380,8 @@ def test_the_ring_passes_keys_and_values_cp_minus_1_times_and_their_gradients_ba
     assert w.cp_comm == pytest.approx(forward + backward, rel=1e-12)
     full = layer_work(RING, 1, tp, False, "full", GPU, cp=cp, cp_bus_gb_per_s=bus)
     assert full.cp_comm == pytest.approx(w.cp_comm + forward, rel=1e-12)
+    selective = layer_work(RING, 1, tp, False, "selective", GPU, cp=cp, cp_bus_gb_per_s=bus)
+    assert selective.cp_comm == pytest.approx(w.cp_comm + forward, rel=1e-12)
     assert w.weight == layer_work(LONG, 1, tp, False, None, GPU, cp=cp).weight
 
 
@@ -393,7 +397,9 @@ def test_the_rings_blocks_compute_what_the_all_gathers_flash_attention_does(tp, 
                                       GPU.nvlink_bus_gb_per_s, GPU)  # fmt: skip
     fwd_gather = gather.cp_comm / (3 if rec == "full" else 2)  # two all-gathers, as backward's
     assert ring.forward - fwd_ring == pytest.approx(gather.forward - fwd_gather, rel=1e-12)
-    again = fwd_ring if rec == "full" else 0.0  # full recomputation replays the forward
+    # Either recomputation replays the ring's forward exchange (it runs inside selective's
+    # checkpoint); the all-gathers run outside it, so only full recomputation replays them.
+    again = fwd_ring if rec in ("full", "selective") else 0.0
     assert ring.backward - bwd_ring - again == pytest.approx(
         gather.backward - (gather.cp_comm - fwd_gather), rel=1e-12
     )

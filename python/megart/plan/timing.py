@@ -24,7 +24,9 @@ causal aligned to the lower right: flash kernels skip the blocks above the diago
 runs 1/cp of the causal scores (Megatron's load-balanced split gives each rank the same count),
 as one process would per sequence of s/cp queries against s keys, halved. Under the ring
 (--cp-comm-type p2p, megart.models.ring_attention) each rank passes its keys and values on
-cp - 1 times forward, and again with their gradients backward (ring_seconds), and computes each
+cp - 1 times forward, and again with their gradients backward (ring_seconds); either
+recomputation replays the forward's (the ring runs inside selective recomputation's checkpoint;
+a real step's bytes: tests/test_plan_ring_traffic.py), and it computes each
 step's block with flash kernels (torch's, as the all-gather's attention): its own block causal,
 then cp - 1 half blocks, (s/cp)^2 / 2 each, the same 1/cp of the causal scores as above, at the
 same efficiency, with flash's backward (FLASH_BACKWARD); no scores are written to memory. (Until
@@ -223,6 +225,10 @@ def layer_work(
     elif ring:
         bus = gpu.nvlink_bus_gb_per_s if cp_bus_gb_per_s is None else cp_bus_gb_per_s
         gather, scatter = ring_seconds(tokens * kv / t, cp, bus, gpu)
+        if recompute == "selective":
+            # The ring runs inside selective recomputation's checkpoint (Attention._core) and
+            # saves its tensors after its last step, so the replay passes K and V round again.
+            replayed = gather
     elif cp > 1:
         kv_bytes = s * b * cfg.query_groups * d / t * ACT  # one gathered tensor
         bus = gpu.nvlink_bus_gb_per_s if cp_bus_gb_per_s is None else cp_bus_gb_per_s
