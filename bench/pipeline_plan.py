@@ -5,7 +5,7 @@ forward, timed as NCCL runs the plan (``simulate(..., posted=True)``) and divide
 schedule as written, whose messages overlap freely (what no single communicator can do).
 
 Rows: the message share of the run. Columns: the plan made for free messages, for the
-runtime's guess (``megart.training.trainer.PLANNED_MESSAGE_SHARE``), and for the run's own
+runtime's guess (``megart.training.pipeline_costs.PLANNED_MESSAGE_SHARE``), and for the run's own
 share; each the worst and the mean ratio over the schedules. Then the same for random costs
 (F, B, the weight-gradient share, latency and bandwidth drawn per case): how often a plan made
 for the run's costs beats one made for free messages, and whether plans made for costly
@@ -23,7 +23,7 @@ import statistics
 from collections.abc import Iterator
 
 from megart import schedule as sched
-from megart.training.trainer import PLANNED_MESSAGE_SHARE
+from megart.training.pipeline_costs import PLANNED_MESSAGE_SHARE
 
 KINDS = (
     ("gpipe", 1),

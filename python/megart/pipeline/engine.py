@@ -42,7 +42,7 @@ class PipelineEngine:
     microbatch's hidden states), so receive buffers can be posted before the data exists.
     ``plan_costs``: the expected relative costs of the computes and messages, which the posting
     plan is made for (see :func:`megart.schedule.post_plan`; the trainer's are
-    :func:`megart.training.trainer.plan_costs`); the same on every rank.
+    :func:`megart.training.pipeline_costs.plan_costs`); the same on every rank.
     """
 
     def __init__(

@@ -153,13 +153,11 @@ class DocumentBatches:
         of the global batch's inputs and labels [B, s] as read (whole sequences: masks and
         positions are found before the context-parallel split and the pad's mapping to 0)."""
         c, eod = self.config, self.eod
-        cp = c.context_parallel_size
         global_inputs, global_labels = global_batch
         inputs, labels = global_inputs[rows], global_labels[rows]
-        b = c.micro_batch_size
 
         def parts(x: torch.Tensor) -> list[torch.Tensor]:
-            return [t.to(device) for t in split_for_cp(x, 1, cp, cp_rank).split(b)]
+            return microbatch_parts(c, x, cp_rank, device)
 
         positions = parts(document_positions(inputs, eod)) if c.reset_position_ids else [None] * m
         ids = parts(document_ids(inputs, eod)) if c.reset_attention_mask else [None] * m
@@ -213,12 +211,20 @@ def rank_microbatches(
     whole, labels = global_batch
     share = len(whole) // dp
     rows = slice(dp_rank * share, (dp_rank + 1) * share)
-    cp, b = config.context_parallel_size, config.micro_batch_size
-    inputs = split_for_cp(whole[rows], 1, cp, cp_rank)
+    inputs = whole[rows]
     if batches is not None and batches.pad is not None:
         inputs = pad_to_zero(inputs, batches.pad)
-    inputs = [x.to(device) for x in inputs.split(b)]
+    inputs = microbatch_parts(config, inputs, cp_rank, device)
     if batches is not None:
         return inputs, *batches.split(global_batch, rows, cp_rank, len(inputs), device)
-    labels = split_for_cp(labels[rows], 1, cp, cp_rank)
-    return inputs, [y.to(device) for y in labels.split(b)], None
+    return inputs, microbatch_parts(config, labels[rows], cp_rank, device), None
+
+
+def microbatch_parts(
+    config: Any, rows: torch.Tensor, cp_rank: int, device: torch.device
+) -> list[torch.Tensor]:
+    """A rank's ``rows`` [n, s] of a global batch (or of anything laid out as its tokens) cut
+    into --micro-batch-size microbatches, each this context-parallel rank's part of the
+    sequence, on ``device``."""
+    part = split_for_cp(rows, 1, config.context_parallel_size, cp_rank)
+    return [x.to(device) for x in part.split(config.micro_batch_size)]
