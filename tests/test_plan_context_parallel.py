@@ -22,6 +22,7 @@ from megart.launcher import launch
 from megart.models.config import GPTConfig
 from megart.parallel.layout import make_layout
 from megart.plan import activations as act
+from megart.plan.context_parallel import ring_passes
 from megart.plan.data_parallel import data_parallel_bus_gb_per_s
 from megart.plan.estimate import estimate
 from megart.plan.hardware import load_profile
@@ -201,6 +202,10 @@ def test_keys_and_values_are_gathered_over_nvlink_or_the_rails(tp, cp, rails):
     full = layer_work(LONG, 1, tp, False, "full", GPU, cp=cp,
                       cp_bus_gb_per_s=data_parallel_bus_gb_per_s(GPU, tp, cp))  # fmt: skip
     assert full.cp_comm == pytest.approx(w.cp_comm + w.cp_comm / 2, rel=1e-12)  # regathered
+    # Selective recomputation's checkpoint starts after the all-gathers: none replayed.
+    selective = layer_work(LONG, 1, tp, False, "selective", GPU, cp=cp,
+                           cp_bus_gb_per_s=data_parallel_bus_gb_per_s(GPU, tp, cp))  # fmt: skip
+    assert selective.cp_comm == w.cp_comm
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -367,10 +372,10 @@ def test_under_the_ring_long_sequences_keep_no_other_ranks_keys_and_values():
 def test_the_ring_passes_keys_and_values_cp_minus_1_times_and_their_gradients_back(tp, cp):
     """Under the ring a layer's exchange is cp - 1 steps forward of the rank's K and V (2 b
     s/C kv/t 16-bit elements) to the next rank, and cp - 1 such steps and C of their fp32
-    gradients backward, one latency each, counted whole (the overlap is unmeasured); again
-    forward under either recomputation (the ring runs inside selective recomputation's
-    checkpoint; a real step's bytes: test_plan_ring_traffic). Its blocks: flash kernels (test
-    below)."""
+    gradients backward, one latency each, counted whole (the overlap is unmeasured); the
+    forward's steps again under full and under selective recomputation (the ring runs inside
+    selective's checkpoint; counted on real steps: test_plan_cp_exchanges.py). Its blocks:
+    flash kernels (test below)."""
     bus = data_parallel_bus_gb_per_s(GPU, tp, cp)
     w = layer_work(RING, 1, tp, False, None, GPU, cp=cp, cp_bus_gb_per_s=bus)
     kv = 2 * RING.seq_length // cp * RING.hidden_size / tp * 2
@@ -378,10 +383,9 @@ def test_the_ring_passes_keys_and_values_cp_minus_1_times_and_their_gradients_ba
     forward = (cp - 1) * (kv / (bus * 1e9) + latency)
     backward = forward + cp * (2 * kv / (bus * 1e9) + latency)
     assert w.cp_comm == pytest.approx(forward + backward, rel=1e-12)
-    full = layer_work(RING, 1, tp, False, "full", GPU, cp=cp, cp_bus_gb_per_s=bus)
-    assert full.cp_comm == pytest.approx(w.cp_comm + forward, rel=1e-12)
-    selective = layer_work(RING, 1, tp, False, "selective", GPU, cp=cp, cp_bus_gb_per_s=bus)
-    assert selective.cp_comm == pytest.approx(w.cp_comm + forward, rel=1e-12)
+    for rec in ("full", "selective"):
+        again = layer_work(RING, 1, tp, False, rec, GPU, cp=cp, cp_bus_gb_per_s=bus)
+        assert again.cp_comm == pytest.approx(w.cp_comm + forward, rel=1e-12), rec
     assert w.weight == layer_work(LONG, 1, tp, False, None, GPU, cp=cp).weight
 
 
@@ -393,13 +397,11 @@ def test_the_rings_blocks_compute_what_the_all_gathers_flash_attention_does(tp, 
     forward, backward and recomputed."""
     ring = layer_work(RING, 2, tp, False, rec, GPU, cp=cp)
     gather = layer_work(LONG, 2, tp, False, rec, GPU, cp=cp)
-    fwd_ring, bwd_ring = ring_seconds(2 * RING.seq_length // cp * RING.hidden_size / tp, cp,
-                                      GPU.nvlink_bus_gb_per_s, GPU)  # fmt: skip
+    passes = ring_passes(RING, 2, tp, cp, rec)
+    fwd_ring, bwd_ring, again = ring_seconds(passes, GPU.nvlink_bus_gb_per_s, GPU)
+    assert passes.replayed == (cp - 1 if rec else 0)  # either recomputation replays the ring
     fwd_gather = gather.cp_comm / (3 if rec == "full" else 2)  # two all-gathers, as backward's
     assert ring.forward - fwd_ring == pytest.approx(gather.forward - fwd_gather, rel=1e-12)
-    # Either recomputation replays the ring's forward exchange (it runs inside selective's
-    # checkpoint); the all-gathers run outside it, so only full recomputation replays them.
-    again = fwd_ring if rec in ("full", "selective") else 0.0
     assert ring.backward - bwd_ring - again == pytest.approx(
         gather.backward - (gather.cp_comm - fwd_gather), rel=1e-12
     )

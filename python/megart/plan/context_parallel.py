@@ -1,17 +1,33 @@
-"""Context parallelism's all-to-all exchange (--cp-comm-type a2a, megart's
-models.all_to_all_attention) as megart plan counts it.
+"""Context parallelism's exchanges as megart plan counts them: what one rank posts per layer and
+microbatch under each --cp-comm-type, forward, backward, and replayed in the backward by
+recomputation (each counted on real megart train steps: tests/test_plan_a2a.py,
+tests/test_plan_cp_exchanges.py); the all-to-all's time too (the ring's and the all-gather's
+collectives are timed in plan.timing).
 
-Per layer and microbatch each rank of the cp group runs, forward, one all-to-all per tensor
-that attention hands it: q ([b, heads/t, s/cp, d]), k and v ([b, groups/t, s/cp, d], before any
-repetition per head), which leave it holding heads/(t cp) heads of the whole sequence, and one
-more that returns the attention output (q's size) as its own s/cp tokens of every head. Each
-exchange is megart's AllToAll autograd function, whose backward is the same exchange reversed:
-four more backward (the output's gradient, then those of q, k and v). Recomputation replays
-forward ones in the backward: full recomputation the layer's four; selective recomputation's
-checkpoint (models.attention's _core) the first three only, for torch's non-reentrant
-checkpoint stops replaying once every tensor it saved is back (its early stop, on by default):
-the attention kernel's saves are the checkpoint's last, and the output's exchange comes after
-them (counted on a real megart train step: tests/test_plan_a2a.py).
+The ring (p2p, models.ring_attention): cp - 1 passes forward of the rank's K/V block (k and v
+of its s/cp tokens, groups/t heads: 2 b s/cp groups/t d 16-bit elements) to the next rank;
+backward cp - 1 such passes and cp of the dK/dV accumulators (the block's size, fp32). Both
+recomputations replay the cp - 1 forward passes: the ring runs inside selective recomputation's
+checkpoint (models.attention's _core), and its saves (ctx.save_for_backward) come after its
+last pass, so torch's early stop comes too late to skip any.
+
+The all-gather (all_gather, models.context_parallel's gather_kv): two all-gathers forward (K
+and V, each gathered to b s groups/t d elements), two reduce-scatters of their gradients
+backward; full recomputation replays the two all-gathers, selective none (they run before its
+checkpoint, which gets the gathered K/V as inputs).
+
+The all-to-all (a2a, models.all_to_all_attention): per layer and microbatch each rank of the cp
+group runs, forward, one all-to-all per tensor that attention hands it: q ([b, heads/t, s/cp,
+d]), k and v ([b, groups/t, s/cp, d], before any repetition per head), which leave it holding
+heads/(t cp) heads of the whole sequence, and one more that returns the attention output (q's
+size) as its own s/cp tokens of every head. Each exchange is megart's AllToAll autograd
+function, whose backward is the same exchange reversed: four more backward (the output's
+gradient, then those of q, k and v). Recomputation replays forward ones in the backward: full
+recomputation the layer's four; selective recomputation's checkpoint (models.attention's _core)
+the first three only, for torch's non-reentrant checkpoint stops replaying once every tensor it
+saved is back (its early stop, on by default): the attention kernel's saves are the
+checkpoint's last, and the output's exchange comes after them (counted on a real megart train
+step: tests/test_plan_a2a.py).
 
 The cost of one: each rank cuts its buffer into cp pieces and sends piece j to group rank j,
 all posted together (one latency). The group's ranks sit t apart (megart train places ranks
@@ -25,6 +41,50 @@ from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
 from megart.plan.hardware import GPUProfile, group_ranks_per_node
+
+
+@dataclass(frozen=True)
+class RingPasses:
+    """The blocks one rank of the ring passes to the next for one layer and microbatch (see
+    the module's docstring): each ``block`` elements (its K and V); 16-bit ``forward``,
+    ``backward`` and ``replayed`` passes of K/V, and ``grads`` passes of fp32 dK/dV."""
+
+    block: float
+    forward: int
+    backward: int
+    grads: int
+    replayed: int
+
+
+def ring_passes(cfg: GPTConfig, b: int, tp: int, cp: int, recompute: str | None) -> RingPasses:
+    """The ring's passes of one layer and microbatch on a rank of ``cp`` (none without context
+    parallelism); recomputation, full or selective, replays the forward ones."""
+    if cp <= 1:
+        return RingPasses(0.0, 0, 0, 0, 0)
+    block = 2 * (cfg.seq_length // cp) * b * cfg.query_groups * cfg.head_dim / tp
+    return RingPasses(block, cp - 1, cp - 1, cp, cp - 1 if recompute else 0)
+
+
+@dataclass(frozen=True)
+class Gathers:
+    """The all-gather exchange's collectives of one layer and microbatch (see the module's
+    docstring): ``gathered`` elements of each gathered tensor (K or V over the whole sequence,
+    1/cp of it the rank's own), ``forward`` all-gathers, ``backward`` reduce-scatters of their
+    gradients, ``replayed`` all-gathers that recomputation replays."""
+
+    gathered: float
+    forward: int
+    backward: int
+    replayed: int
+
+
+def kv_gathers(cfg: GPTConfig, b: int, tp: int, cp: int, recompute: str | None) -> Gathers:
+    """The all-gather exchange's collectives on a rank of ``cp`` (none without context
+    parallelism); full recomputation replays the two all-gathers, selective none."""
+    if cp <= 1:
+        return Gathers(0.0, 0, 0, 0)
+    gathered = cfg.seq_length * b * cfg.query_groups * cfg.head_dim / tp
+    return Gathers(gathered, 2, 2, 2 if recompute == "full" else 0)
 
 
 @dataclass(frozen=True)

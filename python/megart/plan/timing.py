@@ -16,29 +16,29 @@ Per microbatch and layer on one GPU (t tensor-parallel ranks):
   2(t-1)/t of them on the wire, plus 2 more forward when full recomputation replays a layer.
 
 With context parallelism (cp ranks, megart.models.context_parallel) a rank holds s/cp tokens of
-each sequence: every per-token term above counts those. Under all_gather (megart's default) its
+each sequence: every per-token term above counts those. Under all_gather its
 attention all-gathers keys and values (16-bit, b s kv/t each, kv = groups x head size) over the
-context-parallel group forward and reduce-scatters their gradients backward (again forward under
-full recomputation), and each of its two query chunks attends to the keys up to its own end,
-causal aligned to the lower right: flash kernels skip the blocks above the diagonal, so a rank
-runs 1/cp of the causal scores (Megatron's load-balanced split gives each rank the same count),
-as one process would per sequence of s/cp queries against s keys, halved. Under the ring
-(--cp-comm-type p2p, megart.models.ring_attention) each rank passes its keys and values on
-cp - 1 times forward, and again with their gradients backward (ring_seconds); either
-recomputation replays the forward's (the ring runs inside selective recomputation's checkpoint;
-a real step's bytes: tests/test_plan_ring_traffic.py), and it computes each
-step's block with flash kernels (torch's, as the all-gather's attention): its own block causal,
-then cp - 1 half blocks, (s/cp)^2 / 2 each, the same 1/cp of the causal scores as above, at the
-same efficiency, with flash's backward (FLASH_BACKWARD); no scores are written to memory. (Until
-the ring ran flash kernels its blocks were explicit products, (cp + 1) / (2 cp) of the rank's
-(s/cp) x s scores with a softmax over them: 14.6 times slower on an H200 at s = 16384, cp 2,
-bench/RESULTS.md.) Under the all-to-all (--cp-comm-type a2a, megart.models.all_to_all_attention,
-plan.context_parallel) each rank runs plain causal attention over the whole sequence for
-heads/(t cp) of the heads (flash kernels: the causal half; --attention unfused: torch's math
-kernel, all s x s products and the same score bytes per rank as cp = 1 at heads/t over s/cp
-queries), and its all-to-alls (four forward, four backward, four more replayed under either
-recomputation: all four under full, the three before the kernel under selective) are counted
-exposed.
+context-parallel group forward and reduce-scatters their gradients backward (the all-gathers
+again under full recomputation; selective recomputation's checkpoint starts after them), and
+each of its two query chunks attends to the keys up to its own end, causal aligned to the lower
+right: flash kernels skip the blocks above the diagonal, so a rank runs 1/cp of the causal
+scores (Megatron's load-balanced split gives each rank the same count), as one process would
+per sequence of s/cp queries against s keys, halved. Under the ring (--cp-comm-type p2p,
+megart.models.ring_attention) each rank passes its keys and values on cp - 1 times forward, and
+again with their gradients backward, the forward's passes replayed under either recomputation
+(the ring runs inside selective's checkpoint; plan.context_parallel, ring_seconds), and
+computes each step's block with flash kernels (torch's, as the all-gather's attention): its own
+block causal, then cp - 1 half blocks, (s/cp)^2 / 2 each, the same 1/cp of the causal scores as
+above, at the same efficiency, with flash's backward (FLASH_BACKWARD); no scores are written to
+memory. (Until the ring ran flash kernels its blocks were explicit products, (cp + 1) / (2 cp)
+of the rank's (s/cp) x s scores with a softmax over them: 14.6 times slower on an H200 at s =
+16384, cp 2, bench/RESULTS.md.) Under the all-to-all (--cp-comm-type a2a,
+megart.models.all_to_all_attention, plan.context_parallel) each rank runs plain causal
+attention over the whole sequence for heads/(t cp) of the heads (flash kernels: the causal
+half; --attention unfused: torch's math kernel, all s x s products and the same score bytes per
+rank as cp = 1 at heads/t over s/cp queries), and its all-to-alls (four forward, four backward,
+four more replayed under either recomputation: all four under full, the three before the kernel
+under selective) are counted exposed.
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
-from megart.plan.context_parallel import a2a_layer_seconds
+from megart.plan.context_parallel import RingPasses, a2a_layer_seconds, kv_gathers, ring_passes
 from megart.plan.hardware import GPUProfile
 
 ACT = 2  # bytes of a 16-bit activation element
+GRAD_BYTES = 4  # the ring's dK/dV accumulators travel in fp32 (models.ring_attention)
 # Flash attention skips the score blocks above a causal mask's diagonal: half the products.
 CAUSAL_SHARE = 0.5
 # Its backward recomputes the scores: five products of the forward's size to the forward's two
@@ -66,21 +67,18 @@ def cp_score_share(cp: int) -> float:
 
 
 def ring_seconds(
-    kv_elements: float, cp: int, bus_gb_per_s: float, gpu: GPUProfile
-) -> tuple[float, float]:
-    """Forward and backward seconds of one layer's ring exchange (--cp-comm-type p2p) of a
-    rank holding ``kv_elements`` keys (as many values; 16-bit): cp - 1 steps forward, each its
-    K and V to the next rank while it receives the previous one's; backward cp - 1 such steps
-    and cp of their gradients (fp32 accumulators: twice the bytes). Counted as exposed: the
-    ring posts each step's exchange before that step's products, but that it overlaps on a
-    GPU is unmeasured."""
-    if cp <= 1:
-        return 0.0, 0.0
+    passes: RingPasses, bus_gb_per_s: float, gpu: GPUProfile
+) -> tuple[float, float, float]:
+    """Forward, backward and replayed seconds of one layer's ring exchange (--cp-comm-type
+    p2p; plan.context_parallel.ring_passes): each pass a rank's block to the next rank while it
+    receives the previous one's, 16-bit K/V or fp32 dK/dV (twice the bytes), one latency each.
+    Counted as exposed: the ring posts each step's exchange before that step's products, but
+    that it overlaps on a GPU is unmeasured."""
     latency = gpu.link_latency_us * 1e-6
-    kv_bytes = 2 * kv_elements * ACT
-    step = kv_bytes / (bus_gb_per_s * 1e9) + latency
-    grad_step = 2 * kv_bytes / (bus_gb_per_s * 1e9) + latency
-    return (cp - 1) * step, (cp - 1) * step + cp * grad_step
+    step = passes.block * ACT / (bus_gb_per_s * 1e9) + latency
+    grad_step = passes.block * GRAD_BYTES / (bus_gb_per_s * 1e9) + latency
+    backward = passes.backward * step + passes.grads * grad_step
+    return passes.forward * step, backward, passes.replayed * step
 
 
 @dataclass(frozen=True)
@@ -217,37 +215,32 @@ def layer_work(
             half = one / 2
             pairs = [dense_times[0], dense_times[1], sum(dense_times[2:-1]), dense_times[-1]]
             comm = sum(max(0.0, half - g) for g in pairs)
-    # Context parallelism: keys and values all-gathered forward, their gradients
-    # reduce-scattered backward, one collective each.
+    # Context parallelism's exchanges (plan.context_parallel): forward, backward, and those that
+    # recomputation replays in the backward.
     gather = scatter = replayed = 0.0
-    if a2a:  # the exchanges inside selective recomputation's checkpoint are replayed too
+    bus = gpu.nvlink_bus_gb_per_s if cp_bus_gb_per_s is None else cp_bus_gb_per_s
+    if a2a:
         gather, scatter, replayed = a2a_layer_seconds(cfg, b, t, cp, recompute, gpu, ACT)
     elif ring:
-        bus = gpu.nvlink_bus_gb_per_s if cp_bus_gb_per_s is None else cp_bus_gb_per_s
-        gather, scatter = ring_seconds(tokens * kv / t, cp, bus, gpu)
-        if recompute == "selective":
-            # The ring runs inside selective recomputation's checkpoint (Attention._core) and
-            # saves its tensors after its last step, so the replay passes K and V round again.
-            replayed = gather
-    elif cp > 1:
-        kv_bytes = s * b * cfg.query_groups * d / t * ACT  # one gathered tensor
-        bus = gpu.nvlink_bus_gb_per_s if cp_bus_gb_per_s is None else cp_bus_gb_per_s
-        gather = 2 * collective_seconds("all_gather", kv_bytes, cp, bus, gpu)
-        scatter = 2 * collective_seconds("reduce_scatter", kv_bytes, cp, bus, gpu)
+        gather, scatter, replayed = ring_seconds(ring_passes(cfg, b, t, cp, recompute), bus, gpu)
+    elif cp > 1:  # K and V all-gathered forward, their gradients reduce-scattered backward
+        g = kv_gathers(cfg, b, t, cp, recompute)
+        nbytes = g.gathered * ACT  # one gathered tensor
+        gather = g.forward * collective_seconds("all_gather", nbytes, cp, bus, gpu)
+        scatter = g.backward * collective_seconds("reduce_scatter", nbytes, cp, bus, gpu)
+        replayed = g.replayed * collective_seconds("all_gather", nbytes, cp, bus, gpu)
     forward = fwd_gemm + core_gemm + fwd_elem + core_elem + comm + gather
     # With the scores kept (unfused), the core's backward is two products per forward one, like
     # the dense ones'; flash attention keeps no scores and recomputes them.
     core_backward = 2 * core_gemm if unfused else FLASH_BACKWARD * core_gemm
     backward = 2 * (fwd_gemm + fwd_elem + core_elem) + core_backward + comm + scatter
     tp_comm = 2 * comm
-    cp_comm = gather + scatter
-    if recompute == "full":
-        backward += forward
+    cp_comm = gather + scatter + replayed
+    if recompute == "full":  # the layer's forward again, its exchanges as replayed counts them
+        backward += forward - gather + replayed
         tp_comm += comm
-        cp_comm += gather
     elif recompute == "selective":
         backward += core_gemm + core_elem + replayed
-        cp_comm += replayed
     # dW = dY^T X of each dense product costs what its forward did; the attention core has no
     # weights, so both its backward products belong to I.
     return Work(forward, backward, tp_comm, fwd_gemm, cp_comm)
