@@ -6,7 +6,6 @@ import contextlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -20,7 +19,7 @@ from megart.models.norms import norm
 from megart.models.recompute import checkpointed
 from megart.models.ring_attention import ring_attention
 from megart.models.rope import apply_rotary
-from megart.models.window import covers, sliding_causal_mask
+from megart.models.window import covers, sequence_attention
 from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
@@ -67,13 +66,14 @@ class Attention(nn.Module):
         if (
             self.window is not None
             and group_size(cp_group) > 1
-            and cfg.cp_comm_type != "all_gather"
+            and cfg.cp_comm_type not in ("all_gather", "a2a")
         ):
-            # Only the all-gathered keys are masked by global position (TrainConfig refuses it too).
+            # The all-gathered keys are masked by global position, the all-to-all's whole
+            # sequence as one process's; not the ring's blocks (TrainConfig refuses it too).
             raise ConfigError(
                 f"a sliding window (window_size) with cp_comm_type={cfg.cp_comm_type!r}: under "
-                "context parallelism only the all-gather exchange applies the window; give "
-                "cp_comm_type='all_gather'"
+                "context parallelism only the all-gather and all-to-all exchanges apply the "
+                "window; give cp_comm_type='all_gather' or 'a2a'"
             )
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         qkv_rows = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
@@ -133,9 +133,6 @@ class Attention(nn.Module):
         # A window that reaches back to the sequence's start masks nothing: none, so that the
         # kernels without a mask tensor still apply.
         window = None if covers(self.window, s * cp) else self.window
-        if window is not None and where is None:
-            near = sliding_causal_mask(s, window, q.device)
-            mask = near if mask is None else mask & near
         if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
             y = checkpointed(self._core, self.rng, q, k, v, where, mask, window)
         else:
@@ -164,9 +161,10 @@ class Attention(nn.Module):
         unfused = self.cfg.attention_backend in ("unfused", "local")
         kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
         if where is not None and self.cfg.cp_comm_type != "all_gather":  # the groups' K/V travel
-            attend = ring_attention if self.cfg.cp_comm_type == "p2p" else all_to_all_attention
             with stream, kernel:
-                return attend(q, k, v, self.cp_group, dropout)
+                if self.cfg.cp_comm_type == "p2p":
+                    return ring_attention(q, k, v, self.cp_group, dropout)
+                return all_to_all_attention(q, k, v, self.cp_group, dropout, window)
         if per_group > 1:
             # Each group's key and value head, once per query head of the group (heads are
             # numbered group by group). Explicit rather than sdpa's enable_gqa, so that every
@@ -176,6 +174,4 @@ class Attention(nn.Module):
         with stream, kernel:
             if where is not None:
                 return context_attention(q, k, v, *where, dropout, window)
-            if mask is not None:  # a mask tensor: on CUDA no flash kernel takes one
-                return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+            return sequence_attention(q, k, v, dropout, window, mask)
