@@ -68,8 +68,8 @@ HELP = {
     "--num-query-groups groups",
     "window_size": "LEFT,RIGHT: sliding-window attention (Megatron's, Mistral's): each token "
     "attends to itself and the LEFT tokens before it (-1: all of them); RIGHT must be 0 (the "
-    "attention is causal). Hugging Face's sliding_window W is LEFT = W - 1. With "
-    "--context-parallel-size above 1: --cp-comm-type all_gather or a2a",
+    "attention is causal). Hugging Face's sliding_window W is LEFT = W - 1. Under context "
+    "parallelism by global positions, with every --cp-comm-type",
     "window_attn_skip_freq": "with --window-size, the layers without the window: N (every "
     "N-th layer, counting from 1) or a list of 0 (whole sequence) or 1 (window) per layer, "
     'e.g. "([1]*3+[0])*2"',
@@ -288,9 +288,9 @@ HELP = {
     "fp16/bf16 and on the CPU without dropout, explicit fp32 products otherwise. all_gather: "
     "every rank gathers the whole sequence's K/V. a2a "
     "(DeepSpeed Ulysses): all-to-all exchanges give each rank 1/cp of the heads for the whole "
-    "sequence (heads and query groups per tensor-parallel rank divisible by cp). --window-size "
-    "needs all_gather or a2a. The same "
-    "attention every way. a2a+p2p (hierarchical) is refused",
+    "sequence (heads and query groups per tensor-parallel rank divisible by cp). The same "
+    "attention every way (with --window-size the ring's blocks are the explicit ones: flash "
+    "kernels take no window). a2a+p2p (hierarchical) is refused",
     "expert_model_parallel_size": "expert parallelism (megart: only 1)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
     "GPTModel: megart's model and checkpoint names are that model's)",

@@ -10,7 +10,6 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megart.distributed import ProcessGroup
-from megart.errors import ConfigError
 from megart.models.all_to_all_attention import all_to_all_attention
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import context_attention, gather_kv
@@ -63,18 +62,6 @@ class Attention(nn.Module):
         self.local_heads = cfg.num_attention_heads // t
         self.local_groups = cfg.query_groups // t
         self.window = cfg.layer_window(layer)  # earlier tokens seen; None: all
-        if (
-            self.window is not None
-            and group_size(cp_group) > 1
-            and cfg.cp_comm_type not in ("all_gather", "a2a")
-        ):
-            # The all-gathered keys are masked by global position, the all-to-all's whole
-            # sequence as one process's; not the ring's blocks (TrainConfig refuses it too).
-            raise ConfigError(
-                f"a sliding window (window_size) with cp_comm_type={cfg.cp_comm_type!r}: under "
-                "context parallelism only the all-gather and all-to-all exchanges apply the "
-                "window; give cp_comm_type='all_gather' or 'a2a'"
-            )
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         qkv_rows = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         self.qkv = ColumnParallelLinear(
@@ -161,10 +148,9 @@ class Attention(nn.Module):
         unfused = self.cfg.attention_backend in ("unfused", "local")
         kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
         if where is not None and self.cfg.cp_comm_type != "all_gather":  # the groups' K/V travel
+            attend = ring_attention if self.cfg.cp_comm_type == "p2p" else all_to_all_attention
             with stream, kernel:
-                if self.cfg.cp_comm_type == "p2p":
-                    return ring_attention(q, k, v, self.cp_group, dropout)
-                return all_to_all_attention(q, k, v, self.cp_group, dropout, window)
+                return attend(q, k, v, self.cp_group, dropout, window=window)
         if per_group > 1:
             # Each group's key and value head, once per query head of the group (heads are
             # numbered group by group). Explicit rather than sdpa's enable_gqa, so that every
