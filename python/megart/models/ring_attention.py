@@ -70,18 +70,39 @@ def block_of(step: int, cp: int, cp_rank: int, local: int) -> tuple[slice, slice
     return slice(half, local), slice(0, local), False  # a later rank's: the second chunk's rows
 
 
-def window_block(
+class BlockWindow:
+    """A sliding window over one step's block: the global positions of the rank's query
+    ``rows`` and of the visiting ``keys`` (rank r - step's), whether any row's window reaches a
+    key of the block (decided on the host, without waiting on the device), and each tile's
+    mask (built per tile, so that it stays as small as the tile's scores)."""
+
+    def __init__(
+        self, step: int, ring: _Ring, local: int, rows: slice, keys: slice, window: int
+    ) -> None:
+        seq, owner = local * ring.cp, (ring.rank - step) % ring.cp
+        queries = cp_positions(seq, ring.cp, ring.rank, None)[rows]
+        held = cp_positions(seq, ring.cp, owner, None)[keys]
+        ordered = held.sort().values
+        # Query q sees the keys in [q - window, q]: some key of the block lies there.
+        seen = torch.searchsorted(ordered, queries, right=True)
+        self.reaches = bool((seen > torch.searchsorted(ordered, queries - window)).any())
+        self.rows, self.window, self.queries, self.keys = rows, window, queries, held
+
+    def mask(self, tile: slice, device: torch.device) -> torch.Tensor:
+        """[tile's rows, keys] booleans, True where the key is in the query's window."""
+        at = slice(tile.start - self.rows.start, tile.stop - self.rows.start)
+        return window_mask(self.queries[at].to(device), self.keys.to(device), self.window)
+
+
+def block_window(
     step: int, ring: _Ring, local: int, rows: slice, keys: slice, window: int | None
-) -> torch.Tensor | None:
-    """With a sliding ``window``, which of ``rows`` of this rank's queries may attend to which
-    ``keys`` of the block visiting at ``step`` (that of rank r - step), by global positions:
-    [rows, keys] booleans; None without a window (block_of's causality is the whole mask)."""
-    if window is None:
-        return None
-    seq = local * ring.cp
-    queries = cp_positions(seq, ring.cp, ring.rank, None)[rows]
-    owner = (ring.rank - step) % ring.cp
-    return window_mask(queries, cp_positions(seq, ring.cp, owner, None)[keys], window)
+) -> BlockWindow | None:
+    """The step's BlockWindow, or None without a window (block_of's causality is the mask)."""
+    return None if window is None else BlockWindow(step, ring, local, rows, keys, window)
+
+
+def _tile_mask(bw: BlockWindow | None, tile: slice, device: torch.device) -> torch.Tensor | None:
+    return None if bw is None else bw.mask(tile, device)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -107,10 +128,10 @@ def _scores(
     """q k^T / sqrt(d), in q's (compute) type. ``first_row``: None for no mask, else the
     index in the block of q's first row: key j is masked (-inf) for row i when j > first_row + i
     (causal, both counted from the block's start). ``allowed``: [rows, keys] booleans, the
-    mask instead (a sliding window's, window_block)."""
+    mask instead (a sliding window's, BlockWindow.mask)."""
     s = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
     if allowed is not None:
-        return s.masked_fill(~allowed.to(s.device), float("-inf"))
+        return s.masked_fill(~allowed, float("-inf"))
     if first_row is not None:
         rows = torch.arange(first_row, first_row + q.shape[-2], device=s.device)
         later = torch.arange(k.shape[-2], device=s.device).unsqueeze(0) > rows.unsqueeze(1)
@@ -198,14 +219,12 @@ class RingAttention(torch.autograd.Function):
                 )
                 flash_saved.append(saved)
                 fold_in(out, lse, rows, block_out.to(c), block_lse.to(c))
-            elif (allowed := window_block(step, ring, local, rows, keys, window)) is None or (
-                allowed.any()
-            ):  # else the block lies wholly outside the window
+            elif (bw := block_window(step, ring, local, rows, keys, window)) is None or bw.reaches:
+                # (else the block lies wholly outside the window: nothing to fold in)
                 kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
                 for t in tiles(rows, kb.shape[2], b * h, tile_elements):
-                    s = _scores(
-                        qc[:, :, t], kb, t.start if causal else None, _part(allowed, rows, t)
-                    )
+                    allowed = _tile_mask(bw, t, q.device)
+                    s = _scores(qc[:, :, t], kb, t.start if causal else None, allowed)
                     tile_lse = torch.logsumexp(s, dim=-1)
                     # A row with no key of the block in its window: no weight (lse -inf, kept
                     # by the fold; every row has its own key at step 0, so the fold stays finite).
@@ -250,15 +269,16 @@ class RingAttention(torch.autograd.Function):
                     )
                     dq[:, :, rows] += dqb
                 else:
-                    allowed = window_block(step, ring, local, rows, keys, ctx.window)
+                    bw = block_window(step, ring, local, rows, keys, ctx.window)
                     kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
                     dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
-                    skip = allowed is not None and not allowed.any()  # outside the window
+                    skip = bw is not None and not bw.reaches  # wholly outside the window
                     for t in (
                         [] if skip else tiles(rows, kb.shape[2], q.shape[0] * h, ctx.tile_elements)
                     ):
                         qt, dot = qc[:, :, t], doc[:, :, t]
-                        s = _scores(qt, kb, t.start if causal else None, _part(allowed, rows, t))
+                        allowed = _tile_mask(bw, t, q.device)
+                        s = _scores(qt, kb, t.start if causal else None, allowed)
                         p = torch.exp(s - lse[:, :, t, None])
                         keep = _keep(p.shape, dropout, p)
                         dp = dot @ vb.transpose(-1, -2)
@@ -281,11 +301,6 @@ class RingAttention(torch.autograd.Function):
                     _wait(works)
                     kv = arriving
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *[None] * 5
-
-
-def _part(allowed: torch.Tensor | None, rows: slice, tile: slice) -> torch.Tensor | None:
-    """The rows of a block's window mask (window_block, over ``rows``) that ``tile`` holds."""
-    return None if allowed is None else allowed[tile.start - rows.start : tile.stop - rows.start]
 
 
 def fold_in(
