@@ -89,6 +89,20 @@ def test_cp2_and_cp4_are_the_one_process_model_in_float64(kind, left, skip):
     assert max(worst.values()) < 1e-12, worst
 
 
+@pytest.mark.parametrize("kind", ["a2a", "p2p"])
+def test_tp2_x_cp2_with_sequence_parallelism_is_the_one_process_model_in_float64(kind):
+    """cw.tp_sp_against_one_process: the Llama-style model, windows of 1 and 5 tokens on two of
+    its three layers, each cp rank's s/cp tokens split over t outside attention and the MLP
+    (a2a: 4 heads in 2 groups a tensor-parallel rank, split over cp); loss and every
+    gradient."""
+    model = dict(A2A, **LLAMA, window_size=(1, 0), window_attn_skip_freq=3, cp_comm_type=kind)
+    models = [model, dict(model, window_size=(5, 0), window_attn_skip_freq=(0, 1, 1))]
+    per_rank = launch(cw.tp_sp_against_one_process, 4, models, timeout=120)
+    worst = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    assert len(worst) == 2 * (1 + 24), worst  # a loss and 24 gradients a model
+    assert max(worst.values()) < 1e-12, worst
+
+
 # -- megart train ----------------------------------------------------------------------------
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
