@@ -197,42 +197,56 @@ def saved_by_attention(cfg_kw: dict, comm: str) -> list[tuple[int, ...]]:
     return shapes
 
 
-def dropout_masks(case: dict, cp: int, r: int, dropout: float) -> torch.Tensor:
+def dropout_masks(
+    case: dict, cp: int, r: int, dropout: float, window: int | None = None
+) -> torch.Tensor:
     """The kept entries (scaled by 1 / (1 - p)) that ring attention with ``dropout`` draws on
     rank ``r`` from the current stream, as [b, heads, s/cp, s] over the keys' global positions:
-    one torch.rand per step of the ring, over that step's block (block_of), in order."""
+    one torch.rand per step of the ring, over that step's block (block_of), in order; with a
+    sliding ``window`` none for a block that no query's window reaches."""
     b, h, half = case["b"], case["heads"], case["half"]
     local, s = 2 * half, 2 * cp * half
     positions = [split_for_cp(torch.arange(s), 0, cp, j) for j in range(cp)]
     out = torch.zeros(b, h, local, s, dtype=F64)
     for step in range(cp):
         rows, keys, _ = block_of(step, cp, r, local)
+        columns = positions[(r - step) % cp][keys]
+        queries = positions[r][rows].unsqueeze(1)
+        seen = (columns <= queries) & (columns >= queries - (s if window is None else window))
+        if not seen.any():
+            continue
         shape = (b, h, rows.stop - rows.start, keys.stop - keys.start)
         kept = (torch.rand(shape, dtype=F64) >= dropout).to(F64) / (1 - dropout)
-        columns = positions[(r - step) % cp][keys]
         out[:, :, rows.start : rows.stop, columns] = kept
     return out
 
 
-def against_reference_with_dropout(case: dict, dropout: float) -> float:
+def against_reference_with_dropout(case: dict, dropout: float, window: int | None = None) -> float:
     """On every rank of the world group: ring attention with ``dropout`` against one process's
     float64 attention given the same kept entries (dropout_masks, drawn from the same seed)
     over the rank's queries, softmax o mask then x V; output and gradients (k's and v's summed
-    over the ranks' queries). The largest absolute difference; also that dropout dropped."""
+    over the ranks' queries; with a sliding ``window``, the explicit blocks' and the keys at most
+    that many tokens back). The largest absolute difference; also that dropout dropped."""
     dist.init(timeout=60)
     group = dist.new_group(list(range(dist.get_world_size())))
     cp, r = group.size(), group.rank()
     q, k, v, dy = draw(case, cp)
     torch.manual_seed(11)
-    got = ring_on_this_rank(q, k, v, dy, group, dropout)
+    got = ring_on_this_rank(q, k, v, dy, group, dropout, window=window)
     torch.manual_seed(11)
-    keep = dropout_masks(case, cp, r, dropout)
+    keep = dropout_masks(case, cp, r, dropout, window)
     assert (keep == 0).any()
     per_group = q.shape[1] // k.shape[1]
     mine = split_for_cp(q, 2, cp, r).requires_grad_()
     kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
     scores = mine @ kk.repeat_interleave(per_group, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
-    later = split_for_cp(torch.arange(q.shape[2]), 0, cp, r).unsqueeze(1) < torch.arange(q.shape[2])
+    mine_at, keys_at = (
+        split_for_cp(torch.arange(q.shape[2]), 0, cp, r).unsqueeze(1),
+        torch.arange(q.shape[2]),
+    )
+    later = mine_at < keys_at
+    if window is not None:
+        later |= keys_at < mine_at - window
     p = torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1)
     y = (p * keep) @ vv.repeat_interleave(per_group, 1)
     y.backward(split_for_cp(dy, 2, cp, r))

@@ -69,6 +69,16 @@ def test_the_ring_scores_only_the_blocks_inside_the_window(window, want):
     assert launch(rw.scored_steps, 4, case, window, timeout=120) == want
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_rings_dropout_with_a_window_is_its_own_derivative(cp):
+    """Attention dropout 0.3 with a window of 2 (the explicit blocks, some skipped): output and
+    gradients equal one process's float64 attention under the same window given the kept
+    entries the ring drew (ring_workers.dropout_masks, no draw for a skipped block), so the
+    backward replays the forward's masks."""
+    case = dict(seed=3, b=1, heads=4, groups=2, half=2, d=3)
+    assert max(launch(rw.against_reference_with_dropout, cp, case, 0.3, 2, timeout=120)) < 1e-12
+
+
 # -- layers and models -------------------------------------------------------------------------
 
 
