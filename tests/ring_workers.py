@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 import megart.distributed as dist
-from megart import ConfigError
 from megart.models.all_to_all_attention import all_to_all_attention
 from megart.models.attention import Attention
 from megart.models.config import GPTConfig
@@ -20,13 +19,18 @@ from megart.models.ring_attention import TILE_ELEMENTS, block_of, ring_attention
 F64 = torch.float64
 
 
-def reference(q, k, v, dy):
+def reference(q, k, v, dy, window=None):
     """One process, float64: causal attention of the whole sequence (torch's own kernel, each
-    group's K/V repeated per head), its output and the gradients of q, k, v for ``dy``."""
+    group's K/V repeated per head; with a sliding ``window`` key j seen by query i when
+    i - window <= j <= i), its output and the gradients of q, k, v for ``dy``."""
     per_group = q.shape[1] // k.shape[1]
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     kk, vv = k.repeat_interleave(per_group, 1), v.repeat_interleave(per_group, 1)
-    y = F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+    if window is None:
+        y = F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+    else:
+        i, j = torch.arange(q.shape[2]).unsqueeze(1), torch.arange(q.shape[2]).unsqueeze(0)
+        y = F.scaled_dot_product_attention(q, kk, vv, (j <= i) & (j >= i - window))
     y.backward(dy)
     return y.detach(), q.grad, k.grad, v.grad
 
@@ -49,16 +53,17 @@ def ring_on_this_rank(
     dropout: float = 0.0,
     tile_elements: int | None = TILE_ELEMENTS,
     blocks: str = "auto",
+    window: int | None = None,
 ) -> list[torch.Tensor]:
     """This rank's part of the whole-sequence q, k, v, dy through ring_attention (its blocks
-    as ``blocks`` says): y, dq, dk, dv (this rank's parts). ``tile_elements`` None:
-    all_to_all_attention instead."""
+    as ``blocks`` says; a sliding ``window``, if any): y, dq, dk, dv (this rank's parts).
+    ``tile_elements`` None: all_to_all_attention instead."""
     cp, r = group.size(), group.rank()
     mine = [split_for_cp(t, 2, cp, r).requires_grad_() for t in (q, k, v)]
     if tile_elements is None:
-        y = all_to_all_attention(*mine, group, dropout)
+        y = all_to_all_attention(*mine, group, dropout, window)
     else:
-        y = ring_attention(*mine, group, dropout, tile_elements, blocks)
+        y = ring_attention(*mine, group, dropout, tile_elements, blocks, window)
     y.backward(split_for_cp(dy, 2, cp, r))
     return [y.detach(), *(t.grad for t in mine)]
 
@@ -67,17 +72,19 @@ def against_reference(cases: list[dict]) -> float:
     """On every rank of one cp group (the world): the largest absolute difference of the ring's
     output and gradients from the one-process reference's part of them, over ``cases`` (each
     with its ``blocks``, "flash" or "explicit" with its scores per tile, ``tile``, or the
-    defaults; or with ``kind`` "a2a" the all-to-all exchange's)."""
+    defaults; or with ``kind`` "a2a" the all-to-all exchange's; with ``window`` a sliding
+    window)."""
     dist.init(timeout=60)
     group = dist.new_group(list(range(dist.get_world_size())))
     cp, r = group.size(), group.rank()
     worst = 0.0
     for case in cases:
         q, k, v, dy = draw(case, cp)
-        want = [split_for_cp(t, 2, cp, r) for t in reference(q, k, v, dy)]
+        window = case.get("window")
+        want = [split_for_cp(t, 2, cp, r) for t in reference(q, k, v, dy, window)]
         tile = None if case.get("kind") == "a2a" else case.get("tile", TILE_ELEMENTS)
         blocks = case.get("blocks", "explicit" if "tile" in case else "auto")
-        got = ring_on_this_rank(q, k, v, dy, group, 0.0, tile, blocks)
+        got = ring_on_this_rank(q, k, v, dy, group, 0.0, tile, blocks, window)
         worst = max(worst, *((a - w).abs().max().item() for a, w in zip(got, want, strict=True)))
     return worst
 
@@ -169,20 +176,6 @@ def aten_ops_called(case: dict, blocks: str) -> set[str]:
     return called
 
 
-def windowed_layer_under_the_ring() -> str:
-    """An Attention layer with a sliding window built on a cp group of the world, under the
-    default exchange (the ring): the ConfigError's message (none: built)."""
-    dist.init(timeout=60)
-    group = dist.new_group(list(range(dist.get_world_size())))
-    cfg = GPTConfig(vocab_size=300, seq_length=16, hidden_size=32, num_layers=1,
-                    num_attention_heads=4, window_size=(3, 0))  # fmt: skip
-    try:
-        Attention(cfg, 0, None, False, cp_group=group)
-    except ConfigError as e:
-        return str(e)
-    return "built"
-
-
 def saved_by_attention(cfg_kw: dict, comm: str) -> list[tuple[int, ...]]:
     """The shapes of the tensors autograd saves for one Attention layer's forward at this
     rank (cp = the world), with ``comm`` as --cp-comm-type."""
@@ -204,42 +197,56 @@ def saved_by_attention(cfg_kw: dict, comm: str) -> list[tuple[int, ...]]:
     return shapes
 
 
-def dropout_masks(case: dict, cp: int, r: int, dropout: float) -> torch.Tensor:
+def dropout_masks(
+    case: dict, cp: int, r: int, dropout: float, window: int | None = None
+) -> torch.Tensor:
     """The kept entries (scaled by 1 / (1 - p)) that ring attention with ``dropout`` draws on
     rank ``r`` from the current stream, as [b, heads, s/cp, s] over the keys' global positions:
-    one torch.rand per step of the ring, over that step's block (block_of), in order."""
+    one torch.rand per step of the ring, over that step's block (block_of), in order; with a
+    sliding ``window`` none for a block that no query's window reaches."""
     b, h, half = case["b"], case["heads"], case["half"]
     local, s = 2 * half, 2 * cp * half
     positions = [split_for_cp(torch.arange(s), 0, cp, j) for j in range(cp)]
     out = torch.zeros(b, h, local, s, dtype=F64)
     for step in range(cp):
         rows, keys, _ = block_of(step, cp, r, local)
+        columns = positions[(r - step) % cp][keys]
+        queries = positions[r][rows].unsqueeze(1)
+        seen = (columns <= queries) & (columns >= queries - (s if window is None else window))
+        if not seen.any():
+            continue
         shape = (b, h, rows.stop - rows.start, keys.stop - keys.start)
         kept = (torch.rand(shape, dtype=F64) >= dropout).to(F64) / (1 - dropout)
-        columns = positions[(r - step) % cp][keys]
         out[:, :, rows.start : rows.stop, columns] = kept
     return out
 
 
-def against_reference_with_dropout(case: dict, dropout: float) -> float:
+def against_reference_with_dropout(case: dict, dropout: float, window: int | None = None) -> float:
     """On every rank of the world group: ring attention with ``dropout`` against one process's
     float64 attention given the same kept entries (dropout_masks, drawn from the same seed)
     over the rank's queries, softmax o mask then x V; output and gradients (k's and v's summed
-    over the ranks' queries). The largest absolute difference; also that dropout dropped."""
+    over the ranks' queries; with a sliding ``window``, the explicit blocks' and the keys at most
+    that many tokens back). The largest absolute difference; also that dropout dropped."""
     dist.init(timeout=60)
     group = dist.new_group(list(range(dist.get_world_size())))
     cp, r = group.size(), group.rank()
     q, k, v, dy = draw(case, cp)
     torch.manual_seed(11)
-    got = ring_on_this_rank(q, k, v, dy, group, dropout)
+    got = ring_on_this_rank(q, k, v, dy, group, dropout, window=window)
     torch.manual_seed(11)
-    keep = dropout_masks(case, cp, r, dropout)
+    keep = dropout_masks(case, cp, r, dropout, window)
     assert (keep == 0).any()
     per_group = q.shape[1] // k.shape[1]
     mine = split_for_cp(q, 2, cp, r).requires_grad_()
     kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
     scores = mine @ kk.repeat_interleave(per_group, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
-    later = split_for_cp(torch.arange(q.shape[2]), 0, cp, r).unsqueeze(1) < torch.arange(q.shape[2])
+    mine_at, keys_at = (
+        split_for_cp(torch.arange(q.shape[2]), 0, cp, r).unsqueeze(1),
+        torch.arange(q.shape[2]),
+    )
+    later = mine_at < keys_at
+    if window is not None:
+        later |= keys_at < mine_at - window
     p = torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1)
     y = (p * keep) @ vv.repeat_interleave(per_group, 1)
     y.backward(split_for_cp(dy, 2, cp, r))
@@ -247,3 +254,27 @@ def against_reference_with_dropout(case: dict, dropout: float) -> float:
         dist.all_reduce(t, group=group)
     want = [y.detach(), mine.grad, *(split_for_cp(t.grad, 2, cp, r) for t in (kk, vv))]
     return max((a - w).abs().max().item() for a, w in zip(got, want, strict=True))
+
+
+def scored_steps(case: dict, window: int | None) -> list[int]:
+    """On every rank of the world group: the ring's forward and backward with the explicit
+    blocks and a sliding ``window``; the number of tiles whose scores were computed (one tile
+    per block: no block is split)."""
+    import megart.models.ring_attention as ra
+
+    dist.init(timeout=60)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    q, k, v, dy = draw(case, group.size())
+    calls = []
+    real = ra._scores
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    ra._scores = counting
+    try:
+        ring_on_this_rank(q, k, v, dy, group, 0.0, TILE_ELEMENTS, "explicit", window)
+    finally:
+        ra._scores = real
+    return len(calls)

@@ -224,16 +224,10 @@ def test_the_default_is_the_ring_and_the_hierarchical_kind_is_refused():
     # Megatron's default, the ring (its blocks flash kernels where they apply).
     assert TrainConfig().cp_comm_type == "p2p" and GPTConfig().cp_comm_type == "p2p"
     TrainConfig(context_parallel_size=2, seq_length=16, cp_comm_type="all_gather").check(2)
-    # The sliding window masks the all-gathered keys by global position: not the ring's, nor
-    # the all-to-all's; refused by the command line's checks and by the model's layers.
-    for kind in ("p2p", "a2a"):
-        windowed = TrainConfig(
-            context_parallel_size=2, seq_length=16, cp_comm_type=kind, window_size="4,0"
-        )
-        with pytest.raises(ConfigError, match=f"--window-size with --cp-comm-type {kind}"):
-            windowed.check(2)
-    for said in launch(rw.windowed_layer_under_the_ring, 2, timeout=120):
-        assert "only the all-gather exchange applies the window" in said, said
+    # The sliding window applies under every exchange (tests/test_sliding_window_cp.py).
+    for kind in ("p2p", "all_gather", "a2a"):
+        TrainConfig(context_parallel_size=2, seq_length=16, cp_comm_type=kind,
+                    window_size="4,0").check(2)  # fmt: skip
     with pytest.raises(ConfigError, match=re.escape("--cp-comm-type a2a+p2p: ") + ".*no hier"):
         TrainConfig(context_parallel_size=2, seq_length=16, cp_comm_type="a2a+p2p").check(2)
 

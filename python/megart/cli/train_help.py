@@ -68,7 +68,8 @@ HELP = {
     "--num-query-groups groups",
     "window_size": "LEFT,RIGHT: sliding-window attention (Megatron's, Mistral's): each token "
     "attends to itself and the LEFT tokens before it (-1: all of them); RIGHT must be 0 (the "
-    "attention is causal). Hugging Face's sliding_window W is LEFT = W - 1",
+    "attention is causal). Hugging Face's sliding_window W is LEFT = W - 1. Under context "
+    "parallelism by global positions, with every --cp-comm-type",
     "window_attn_skip_freq": "with --window-size, the layers without the window: N (every "
     "N-th layer, counting from 1) or a list of 0 (whole sequence) or 1 (window) per layer, "
     'e.g. "([1]*3+[0])*2"',
@@ -285,10 +286,11 @@ HELP = {
     "backward recomputes each block and sends dK/dV back to their owner (a rank holds at most "
     "the visiting K/V block and the arriving one); its blocks are flash kernels on a GPU in "
     "fp16/bf16 and on the CPU without dropout, explicit fp32 products otherwise. all_gather: "
-    "every rank gathers the whole sequence's K/V (needed with --window-size). a2a "
+    "every rank gathers the whole sequence's K/V. a2a "
     "(DeepSpeed Ulysses): all-to-all exchanges give each rank 1/cp of the heads for the whole "
     "sequence (heads and query groups per tensor-parallel rank divisible by cp). The same "
-    "attention every way. a2a+p2p (hierarchical) is refused",
+    "attention every way (with --window-size the ring's blocks are the explicit ones: flash "
+    "kernels take no window). a2a+p2p (hierarchical) is refused",
     "expert_model_parallel_size": "expert parallelism (megart: only 1)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
     "GPTModel: megart's model and checkpoint names are that model's)",

@@ -4,7 +4,8 @@ heads scattered over the context-parallel group, the sequence gathered.
 Each rank holds its s/cp tokens (chunks r and 2 cp - 1 - r, megart.models.context_parallel) of
 every local head. One all-to-all per tensor gives each rank 1/cp of the heads (and of the
 query groups: both must divide by cp) for the whole sequence; after putting the chunks in the
-sequence's order it runs plain causal attention (torch's kernels: flash on a GPU), and a last
+sequence's order it runs one process's causal attention (torch's kernels: flash on a GPU; with
+a sliding window the same explicit mask as one process, megart.models.window), and a last
 all-to-all returns each rank its own tokens of every head. The backward is the same exchanges
 reversed. The all-to-all is built from megart's batched point-to-point ops (each rank sends
 one piece to every other rank and receives one from each, all posted together).
@@ -15,11 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import megart.distributed as dist
 from megart.distributed import ProcessGroup
 from megart.models.context_parallel import in_sequence_order, split_for_cp
+from megart.models.window import sequence_attention
 
 
 def all_to_all(x: torch.Tensor, group: ProcessGroup, split_dim: int, cat_dim: int) -> torch.Tensor:
@@ -63,15 +64,21 @@ def in_rank_order(x: torch.Tensor, cp: int, dim: int = 2) -> torch.Tensor:
 
 
 def all_to_all_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, dropout: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: ProcessGroup,
+    dropout: float = 0.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this context-parallel rank's queries ([b, heads, s/cp, d]) over the
     sequence, from every rank's own keys and values ([b, groups, s/cp, d]; heads and groups
-    divisible by cp), by all-to-all exchanges over ``group`` (see the module's docstring)."""
+    divisible by cp), by all-to-all exchanges over ``group`` (see the module's docstring);
+    within ``window`` earlier tokens (None: all), by positions in the whole sequence."""
     cp = group.size()
     q, k, v = (in_sequence_order(AllToAll.apply(x, group, 1, 2), cp) for x in (q, k, v))
     per_group = q.shape[1] // k.shape[1]
     if per_group > 1:  # each group's K/V once per query head of the group, as Attention does
         k, v = k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+    y = sequence_attention(q, k, v, dropout, window)
     return AllToAll.apply(in_rank_order(y, cp), group, 2, 1)

@@ -6,12 +6,10 @@ import contextlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megart.distributed import ProcessGroup
-from megart.errors import ConfigError
 from megart.models.all_to_all_attention import all_to_all_attention
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import context_attention, gather_kv
@@ -20,7 +18,7 @@ from megart.models.norms import norm
 from megart.models.recompute import checkpointed
 from megart.models.ring_attention import ring_attention
 from megart.models.rope import apply_rotary
-from megart.models.window import covers, sliding_causal_mask
+from megart.models.window import covers, sequence_attention
 from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
@@ -64,17 +62,6 @@ class Attention(nn.Module):
         self.local_heads = cfg.num_attention_heads // t
         self.local_groups = cfg.query_groups // t
         self.window = cfg.layer_window(layer)  # earlier tokens seen; None: all
-        if (
-            self.window is not None
-            and group_size(cp_group) > 1
-            and cfg.cp_comm_type != "all_gather"
-        ):
-            # Only the all-gathered keys are masked by global position (TrainConfig refuses it too).
-            raise ConfigError(
-                f"a sliding window (window_size) with cp_comm_type={cfg.cp_comm_type!r}: under "
-                "context parallelism only the all-gather exchange applies the window; give "
-                "cp_comm_type='all_gather'"
-            )
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         qkv_rows = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         self.qkv = ColumnParallelLinear(
@@ -133,9 +120,6 @@ class Attention(nn.Module):
         # A window that reaches back to the sequence's start masks nothing: none, so that the
         # kernels without a mask tensor still apply.
         window = None if covers(self.window, s * cp) else self.window
-        if window is not None and where is None:
-            near = sliding_causal_mask(s, window, q.device)
-            mask = near if mask is None else mask & near
         if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
             y = checkpointed(self._core, self.rng, q, k, v, where, mask, window)
         else:
@@ -166,7 +150,7 @@ class Attention(nn.Module):
         if where is not None and self.cfg.cp_comm_type != "all_gather":  # the groups' K/V travel
             attend = ring_attention if self.cfg.cp_comm_type == "p2p" else all_to_all_attention
             with stream, kernel:
-                return attend(q, k, v, self.cp_group, dropout)
+                return attend(q, k, v, self.cp_group, dropout, window=window)
         if per_group > 1:
             # Each group's key and value head, once per query head of the group (heads are
             # numbered group by group). Explicit rather than sdpa's enable_gqa, so that every
@@ -176,6 +160,4 @@ class Attention(nn.Module):
         with stream, kernel:
             if where is not None:
                 return context_attention(q, k, v, *where, dropout, window)
-            if mask is not None:  # a mask tensor: on CUDA no flash kernel takes one
-                return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+            return sequence_attention(q, k, v, dropout, window, mask)

@@ -33,6 +33,12 @@ its saved state, so that the backward is the forward's own derivative. Either wa
 masks are not the one-process attention's (nor are the all-gather path's). On an H200 the flash
 blocks computed one rank's ring 14.6 times faster than the explicit ones (bench/ring_flash.py,
 bench/RESULTS.md).
+
+With a sliding window (megart.models.window) the blocks are the explicit ones: torch's flash
+kernels take no window. Each step's block is then masked by the global positions of the rank's
+queries and the visiting block's keys (causal, and within the window), and a block with no key
+inside any of its rows' windows is not computed (it still travels: the ring's exchanges are the
+same at every step).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ import torch
 import megart.distributed as dist
 from megart.distributed import ProcessGroup
 from megart.models import flash_blocks
+from megart.models.context_parallel import cp_positions
+from megart.models.window import window_mask
 
 # Scores per tile of query rows (fp32: 256 MiB): a step's explicit products never hold more
 # than a few tiles' worth, whatever the sequence length.
@@ -60,6 +68,41 @@ def block_of(step: int, cp: int, cp_rank: int, local: int) -> tuple[slice, slice
     if (cp_rank - step) % cp < cp_rank:  # an earlier rank's block: its first chunk, all rows
         return slice(0, local), slice(0, half), False
     return slice(half, local), slice(0, local), False  # a later rank's: the second chunk's rows
+
+
+class BlockWindow:
+    """A sliding window over one step's block: the global positions of the rank's query
+    ``rows`` and of the visiting ``keys`` (rank r - step's), whether any row's window reaches a
+    key of the block (decided on the host, without waiting on the device), and each tile's
+    mask (built per tile, so that it stays as small as the tile's scores)."""
+
+    def __init__(
+        self, step: int, ring: _Ring, local: int, rows: slice, keys: slice, window: int
+    ) -> None:
+        seq, owner = local * ring.cp, (ring.rank - step) % ring.cp
+        queries = cp_positions(seq, ring.cp, ring.rank, None)[rows]
+        held = cp_positions(seq, ring.cp, owner, None)[keys]
+        ordered = held.sort().values
+        # Query q sees the keys in [q - window, q]: some key of the block lies there.
+        seen = torch.searchsorted(ordered, queries, right=True)
+        self.reaches = bool((seen > torch.searchsorted(ordered, queries - window)).any())
+        self.rows, self.window, self.queries, self.keys = rows, window, queries, held
+
+    def mask(self, tile: slice, device: torch.device) -> torch.Tensor:
+        """[tile's rows, keys] booleans, True where the key is in the query's window."""
+        at = slice(tile.start - self.rows.start, tile.stop - self.rows.start)
+        return window_mask(self.queries[at].to(device), self.keys.to(device), self.window)
+
+
+def block_window(
+    step: int, ring: _Ring, local: int, rows: slice, keys: slice, window: int | None
+) -> BlockWindow | None:
+    """The step's BlockWindow, or None without a window (block_of's causality is the mask)."""
+    return None if window is None else BlockWindow(step, ring, local, rows, keys, window)
+
+
+def _tile_mask(bw: BlockWindow | None, tile: slice, device: torch.device) -> torch.Tensor | None:
+    return None if bw is None else bw.mask(tile, device)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -79,11 +122,16 @@ def _fold(x: torch.Tensor, per_group: int) -> torch.Tensor:
     return x.view(b, h // per_group, per_group, n, d).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, first_row: int | None) -> torch.Tensor:
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, first_row: int | None, allowed: torch.Tensor | None = None
+) -> torch.Tensor:
     """q k^T / sqrt(d), in q's (compute) type. ``first_row``: None for no mask, else the
     index in the block of q's first row: key j is masked (-inf) for row i when j > first_row + i
-    (causal, both counted from the block's start)."""
+    (causal, both counted from the block's start). ``allowed``: [rows, keys] booleans, the
+    mask instead (a sliding window's, BlockWindow.mask)."""
     s = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
+    if allowed is not None:
+        return s.masked_fill(~allowed, float("-inf"))
     if first_row is not None:
         rows = torch.arange(first_row, first_row + q.shape[-2], device=s.device)
         later = torch.arange(k.shape[-2], device=s.device).unsqueeze(0) > rows.unsqueeze(1)
@@ -148,6 +196,7 @@ class RingAttention(torch.autograd.Function):
         dropout: float,
         tile_elements: int,
         flash: bool,
+        window: int | None = None,
     ) -> torch.Tensor:
         ring = _Ring(group)
         c = _compute_dtype(q.dtype)
@@ -170,12 +219,16 @@ class RingAttention(torch.autograd.Function):
                 )
                 flash_saved.append(saved)
                 fold_in(out, lse, rows, block_out.to(c), block_lse.to(c))
-            else:
+            elif (bw := block_window(step, ring, local, rows, keys, window)) is None or bw.reaches:
+                # (else the block lies wholly outside the window: nothing to fold in)
                 kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
                 for t in tiles(rows, kb.shape[2], b * h, tile_elements):
-                    s = _scores(qc[:, :, t], kb, t.start if causal else None)
+                    allowed = _tile_mask(bw, t, q.device)
+                    s = _scores(qc[:, :, t], kb, t.start if causal else None, allowed)
                     tile_lse = torch.logsumexp(s, dim=-1)
-                    p = torch.exp(s - tile_lse.unsqueeze(-1))
+                    # A row with no key of the block in its window: no weight (lse -inf, kept
+                    # by the fold; every row has its own key at step 0, so the fold stays finite).
+                    p = torch.exp(s - tile_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
                     keep = _keep(p.shape, dropout, p)
                     fold_in(out, lse, t, (p if keep is None else p * keep) @ vb, tile_lse)
             if step + 1 < ring.cp:
@@ -184,6 +237,7 @@ class RingAttention(torch.autograd.Function):
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.ring, ctx.dropout, ctx.rng, ctx.tile_elements = ring, dropout, rng, tile_elements
+        ctx.window = window
         ctx.flash_saved = flash_saved if flash else None
         return result
 
@@ -215,11 +269,16 @@ class RingAttention(torch.autograd.Function):
                     )
                     dq[:, :, rows] += dqb
                 else:
+                    bw = block_window(step, ring, local, rows, keys, ctx.window)
                     kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
                     dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
-                    for t in tiles(rows, kb.shape[2], q.shape[0] * h, ctx.tile_elements):
+                    skip = bw is not None and not bw.reaches  # wholly outside the window
+                    for t in (
+                        [] if skip else tiles(rows, kb.shape[2], q.shape[0] * h, ctx.tile_elements)
+                    ):
                         qt, dot = qc[:, :, t], doc[:, :, t]
-                        s = _scores(qt, kb, t.start if causal else None)
+                        allowed = _tile_mask(bw, t, q.device)
+                        s = _scores(qt, kb, t.start if causal else None, allowed)
                         p = torch.exp(s - lse[:, :, t, None])
                         keep = _keep(p.shape, dropout, p)
                         dp = dot @ vb.transpose(-1, -2)
@@ -241,7 +300,7 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < ring.cp:
                     _wait(works)
                     kv = arriving
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *[None] * 5
 
 
 def fold_in(
@@ -296,20 +355,24 @@ def ring_attention(
     dropout: float = 0.0,
     tile_elements: int = TILE_ELEMENTS,
     blocks: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this context-parallel rank's queries ([b, heads, s/cp, d]) over the
     sequence, from each rank's own keys and values ([b, groups, s/cp, d], heads a multiple of
     groups) passed around ``group`` (see the module's docstring). ``blocks``: "flash" computes
     each step's block with torch's flash kernels (megart.models.flash_blocks), "explicit" with
     explicit products in tiles of query rows of at most ``tile_elements`` scores (see tiles),
-    "auto" the first where the kernels take the queries' device, type and dropout."""
+    "auto" the first where the kernels take the queries' device, type and dropout. With a
+    sliding ``window`` (earlier tokens seen; None: all) the explicit ones: the flash kernels
+    take none."""
     if blocks not in ("auto", "flash", "explicit"):
         raise ValueError(f"blocks must be 'auto', 'flash' or 'explicit', not {blocks!r}")
-    usable = flash_blocks.usable(q, dropout)
+    usable = flash_blocks.usable(q, dropout) and window is None
     if blocks == "flash" and not usable:
         raise ValueError(
             f"the flash kernels do not take {q.dtype} queries of head dimension {q.shape[-1]} "
             f"on {q.device.type} with dropout {dropout}"
+            + ("" if window is None else f" and a sliding window of {window}")
         )
     flash = usable if blocks == "auto" else blocks == "flash"
-    return RingAttention.apply(q, k, v, group, dropout, tile_elements, flash)
+    return RingAttention.apply(q, k, v, group, dropout, tile_elements, flash, window)

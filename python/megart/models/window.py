@@ -15,7 +15,10 @@ is_layer_window_attention): an integer N windows every layer but each N-th; a li
 one per layer, windows the layers marked 1. Without it every layer is windowed.
 
 Positions are global: under context parallelism a rank's queries and the gathered keys are
-compared by their places in the whole sequence (megart.models.context_parallel.causal_mask).
+compared by their places in the whole sequence (megart.models.context_parallel.causal_mask);
+under the all-to-all exchange each rank holds some heads over the whole sequence in order, so
+the window applies as in one process (sequence_attention); the ring masks each step's block by
+them (megart.models.ring_attention.window_block).
 With documents (--reset-attention-mask) the window and the documents' mask both apply.
 """
 
@@ -26,6 +29,7 @@ import functools
 import operator
 
 import torch
+import torch.nn.functional as F
 
 from megart.errors import ConfigError
 
@@ -70,6 +74,26 @@ def sliding_causal_mask(length: int, left: int, device: torch.device) -> torch.T
     with torch.inference_mode(False):
         positions = torch.arange(length, device=device)
         return window_mask(positions, positions, left)
+
+
+def sequence_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout: float,
+    window: int | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention over a whole sequence in its order ([b, heads, s, d], keys and values
+    repeated per query head), within ``window`` earlier tokens and where ``mask`` allows: one
+    process's attention, and each all-to-all rank's (its heads over the whole sequence). Without
+    a window or mask torch's causal kernels apply (flash on a GPU); with one, an explicit mask."""
+    if window is not None:
+        near = sliding_causal_mask(q.shape[2], window, q.device)
+        mask = near if mask is None else mask & near
+    if mask is not None:  # a mask tensor: on CUDA no flash kernel takes one
+        return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
 
 def refuse_window(

@@ -38,12 +38,6 @@ def check_context_parallel(config: Any) -> None:
     if cp == 1:
         return
     check_divisible(config.seq_length, cp, config.tp if config.sequence_parallel else 1)
-    if config.window_size is not None and config.cp_comm_type != "all_gather":
-        raise ConfigError(
-            f"--window-size with --cp-comm-type {config.cp_comm_type}: megart's sliding window "
-            "under context parallelism masks the all-gathered keys by global position; give "
-            "--cp-comm-type all_gather"
-        )
     if config.cp_comm_type == "a2a":
         check_heads_split(config, cp)
 
