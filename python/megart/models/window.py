@@ -18,7 +18,7 @@ Positions are global: under context parallelism a rank's queries and the gathere
 compared by their places in the whole sequence (megart.models.context_parallel.causal_mask);
 under the all-to-all exchange each rank holds some heads over the whole sequence in order, so
 the window applies as in one process (sequence_attention); the ring masks each step's block by
-them (megart.models.ring_attention.window_block).
+them (megart.models.ring_attention.BlockWindow).
 With documents (--reset-attention-mask) the window and the documents' mask both apply.
 """
 
