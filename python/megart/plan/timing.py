@@ -37,8 +37,8 @@ megart.models.all_to_all_attention, plan.context_parallel) each rank runs plain 
 attention over the whole sequence for heads/(t cp) of the heads (flash kernels: the causal
 half; --attention unfused: torch's math kernel, all s x s products and the same score bytes per
 rank as cp = 1 at heads/t over s/cp queries), and its all-to-alls (four forward, four backward,
-four more replayed under either recomputation: all four under full, the three before the kernel
-under selective) are counted exposed.
+and replayed: all four under full recomputation, the three before the kernel under selective)
+are counted exposed.
 """
 
 from __future__ import annotations
@@ -226,9 +226,9 @@ def layer_work(
     elif cp > 1:  # K and V all-gathered forward, their gradients reduce-scattered backward
         g = kv_gathers(cfg, b, t, cp, recompute)
         nbytes = g.gathered * ACT  # one gathered tensor
-        gather = g.forward * collective_seconds("all_gather", nbytes, cp, bus, gpu)
+        one_gather = collective_seconds("all_gather", nbytes, cp, bus, gpu)
+        gather, replayed = g.forward * one_gather, g.replayed * one_gather
         scatter = g.backward * collective_seconds("reduce_scatter", nbytes, cp, bus, gpu)
-        replayed = g.replayed * collective_seconds("all_gather", nbytes, cp, bus, gpu)
     forward = fwd_gemm + core_gemm + fwd_elem + core_elem + comm + gather
     # With the scores kept (unfused), the core's backward is two products per forward one, like
     # the dense ones'; flash attention keeps no scores and recomputes them.
