@@ -1,6 +1,6 @@
 """megart plan: predicts the iteration time, TFLOP/s and memory per GPU of training a GPT on a
-cluster, and recommends a layout. The model flags are megart train's; every layout flag left out
-is searched.
+cluster, and recommends a layout. It takes megart train's flags (a training command line plans
+unchanged); every layout flag left out is searched.
 
     megart plan --gpu a100-80gb --num-gpus 1024 --num-layers 96 --hidden-size 12288 \\
         --num-attention-heads 96 --seq-length 2048 --vocab-size 51200 --global-batch-size 1536
@@ -9,78 +9,59 @@ is searched.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 
-from megart.cli.train import HELP
+from megart.cli.train import HELP, FlagParser, add_arguments, config_from_args
 from megart.errors import MegartError
 from megart.models.stages import check_stages, uneven
-from megart.training.config import CHOICES, TrainConfig
+from megart.training.config import TrainConfig
 from megart.training.config_checks import _check_uneven as check_uneven
 from megart.training.config_checks import _check_virtual_flags as check_virtual_flags
 from megart.training.config_checks import check_schedule_flags, check_virtual_stages
 from megart.training.context_parallel_checks import check_context_parallel
 
-MODEL_FLAGS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "seq_length",
-    "vocab_size",
-    "ffn_hidden_size",
-    "normalization",
-    "position_embedding_type",
-    "swiglu",
-    "disable_bias_linear",
-    "untie_embeddings_and_output_weights",
-    "group_query_attention",
-    "num_query_groups",
-    "qk_layernorm",
-    "rotary_percent",
-    "hidden_dropout",
-    "global_batch_size",
-    "fp16",
-    "bf16",
-    "fp32_residual_connection",
-    "half_weights",
-    "cp_comm_type",  # how context parallelism's K/V travel: p2p (default), all_gather or a2a
-)
-# Layout flags: given, they are fixed; left out, searched.
-LAYOUT_FLAGS = (
+# Layout flags megart plan searches when they are left out (the others of
+# megart.plan.flags.LAYOUT are fixed when given: uneven stages, chunks per rank).
+SEARCHED = (
     "micro_batch_size",
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
     "num_layers_per_virtual_pipeline_stage",
-    "num_virtual_stages_per_pipeline_rank",
     "sequence_parallel",
     "recompute_granularity",
     "use_distributed_optimizer",
     "pipeline_schedule",
 )
-
-
-# megart train's uneven pipeline stages: given, each rank's layers set its stage's costs and
-# memory (never searched; they need --pipeline-model-parallel-size).
 UNEVEN_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
-# megart train's context parallelism: each sequence split over that many ranks (world =
-# t x cp x d x p); searched when left out.
-CP_FLAG = "context_parallel_size"
 CP_SEARCHED = (
     " (searched when left out: 1 and each power of two C with --seq-length divisible by 2 C "
     "and C dividing --num-gpus that megart train accepts (--cp-comm-type a2a: attention heads "
     "and query groups divisible by t x C); 1 only with --runtime megatron, whose exchanges the "
     "planner does not model)"
 )
+EPILOG = (
+    "Every megart train flag is taken, so that a training command line plans unchanged. Those "
+    "that change neither an iteration's time nor what a GPU holds (learning rate, data, "
+    "tokenizer files, checkpoints, logging, evaluation) are accepted and change nothing; those "
+    "whose effect the planner does not model are refused by name unless left at megart "
+    "train's default (megart.plan.flags)."
+)
 
 
 def _parser() -> argparse.ArgumentParser:
     from megart.plan.estimate import RUNTIMES
+    from megart.plan.flags import NO_EFFECT, UNMODELLED
     from megart.plan.hardware import GPUS
 
-    p = argparse.ArgumentParser(
-        prog="megart plan", description=__doc__.split("\n\n")[0].replace("\n", " ")
+    p = FlagParser(
+        prog="megart plan",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog=EPILOG,
+        conflict_handler="resolve",  # the searched switches replace megart train's below
     )
     p.add_argument("--gpu", choices=GPUS, help="a built-in cluster profile")
     p.add_argument(
@@ -89,21 +70,20 @@ def _parser() -> argparse.ArgumentParser:
         help="a profile JSON file (copy one of megart/plan/profiles/ and edit it)",
     )
     p.add_argument("--num-gpus", type=int, required=True, help="GPUs in the job")
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    for name in MODEL_FLAGS + LAYOUT_FLAGS:
-        f = fields[name]
+    add_arguments(p)  # megart train's flags, spelt and checked as there
+    for name in ("sequence_parallel", "use_distributed_optimizer"):
+        # Unset (None) is searched; megart train's switch would read False.
         flag = "--" + name.replace("_", "-")
-        text = HELP[name] + (" (searched when left out)" if name in LAYOUT_FLAGS else "")
-        if f.type in ("bool", bool):
-            default = None if name in LAYOUT_FLAGS else False
-            p.add_argument(flag, dest=name, action="store_true", default=default, help=text)
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-            choices = CHOICES.get(name) or (("full", "selective") if "recompute" in name else None)
-            p.add_argument(flag, dest=name, type=kind, default=None, choices=choices, help=text)
-    for name in (*UNEVEN_FLAGS, CP_FLAG):
-        text = HELP[name] + (CP_SEARCHED if name == CP_FLAG else "")
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=text)
+        p.add_argument(flag, dest=name, action="store_true", default=None, help=HELP[name])
+    for action in p._actions:
+        if action.dest in SEARCHED:
+            action.help = f"{action.help} (searched when left out)"
+        elif action.dest == "context_parallel_size":
+            action.help = HELP["context_parallel_size"] + CP_SEARCHED
+        elif action.dest in UNMODELLED:
+            action.help = f"{action.help} (megart plan: refused unless the default; not modelled)"
+        elif action.dest in (*NO_EFFECT, "fusion_off") or action.dest.startswith("deprecated_"):
+            action.help = argparse.SUPPRESS  # accepted, no effect: see the epilog
     p.add_argument(
         "--runtime",
         choices=RUNTIMES,
@@ -117,10 +97,30 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _base_config(args: argparse.Namespace) -> TrainConfig:
+    """The command line's TrainConfig as megart train reads it (aliases, the tokenizer's
+    vocabulary, --use-checkpoint-args), 16-bit compute assumed unless --fp16; refuses what the
+    planner does not model. The layout flags go back to their defaults (each candidate sets its
+    own), and so do the flags without effect and the tokenizer's, once their vocabulary is
+    resolved: every candidate's config is made anew from this one, and would otherwise load the
+    tokenizer again or count a --train-samples schedule's iterations again."""
+    from megart.plan.flags import LAYOUT, NO_EFFECT, TOKENIZER, refuse_unmodelled
+
+    # --use-checkpoint-args says what it takes, as Megatron-LM does, on stdout: here that is for
+    # the table or the JSON, so those lines go to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        config = config_from_args(args)
+    if not config.fp16 and not config.bf16:
+        config = dataclasses.replace(config, bf16=True)  # say --fp16 for fp16
+    refuse_unmodelled(config)
+    reset = (*LAYOUT, *NO_EFFECT, *TOKENIZER)
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in reset}
+    return dataclasses.replace(config, **defaults)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     try:
-        return _run(args)
+        return _run(_parser().parse_args(argv))
     except MegartError as e:
         print(f"megart plan: error: {e}", file=sys.stderr)
         return 2
@@ -128,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from megart.errors import ConfigError
+    from megart.plan.flags import LAYOUT
     from megart.plan.hardware import load_profile
     from megart.plan.report import draw, plan_json, table
     from megart.plan.search import Fixed, NoFit, search
@@ -136,38 +137,36 @@ def _run(args: argparse.Namespace) -> int:
     world = args.num_gpus
     if world < 1:
         raise ConfigError(f"--num-gpus {world} must be at least 1")
-    # "is": a switch left out is False, but --hidden-dropout 0 (== False) is a value given.
-    given = {n: v for n in MODEL_FLAGS if (v := getattr(args, n)) is not None and v is not False}
-    if not args.fp16 and not args.bf16:
-        given["bf16"] = True  # 16-bit compute is assumed; say --fp16 for fp16
-    base = TrainConfig(**given)
+    base = _base_config(args)
+    # The layout flags given (None: searched); megart train's parser leaves out the others.
+    lay = argparse.Namespace(**{n: getattr(args, n, None) for n in LAYOUT})
     chunks = None
-    per = args.num_layers_per_virtual_pipeline_stage
-    check_schedule_flags(args.pipeline_schedule, per)  # megart train's refusals
-    cp = args.context_parallel_size  # None: searched
+    per = lay.num_layers_per_virtual_pipeline_stage
+    check_schedule_flags(lay.pipeline_schedule, per)  # megart train's refusals
+    cp = lay.context_parallel_size  # None: searched
     # megart train's refusals of context parallelism, in its words: a size below 1, a
     # sequence that does not split into 2 cp chunks (nor s/cp over t with --sequence-parallel).
     check_context_parallel(
         dataclasses.replace(
             base,
             context_parallel_size=1 if cp is None else cp,
-            sequence_parallel=bool(args.sequence_parallel),
-            pipeline_schedule=args.pipeline_schedule,
+            sequence_parallel=bool(lay.sequence_parallel),
+            pipeline_schedule=lay.pipeline_schedule,
         )
     )
-    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    virtual = args.num_virtual_stages_per_pipeline_rank
+    first, last = lay.decoder_first_pipeline_num_layers, lay.decoder_last_pipeline_num_layers
+    virtual = lay.num_virtual_stages_per_pipeline_rank
     if uneven(first, last) or virtual is not None:
-        pp = args.pipeline_model_parallel_size
+        pp = lay.pipeline_model_parallel_size
         if pp is None:
-            given = [f"--{n.replace('_', '-')}" for n in UNEVEN_FLAGS if getattr(args, n)]
+            given = [f"--{n.replace('_', '-')}" for n in UNEVEN_FLAGS if getattr(lay, n)]
             given += ["--num-virtual-stages-per-pipeline-rank"] if virtual is not None else []
             raise ConfigError(f"{' and '.join(given)} need --pipeline-model-parallel-size")
         # megart train's refusals, in its words.
         probe = dataclasses.replace(
             base,
             pipeline_model_parallel_size=pp,
-            pipeline_schedule=args.pipeline_schedule,
+            pipeline_schedule=lay.pipeline_schedule,
             num_layers_per_virtual_pipeline_stage=per,
             num_virtual_stages_per_pipeline_rank=virtual,
             decoder_first_pipeline_num_layers=first,
@@ -178,22 +177,24 @@ def _run(args: argparse.Namespace) -> int:
         check_stages(base.num_layers, pp, probe.chunks, first, last)
         chunks = virtual
     if per is not None:
-        pp = args.pipeline_model_parallel_size
+        pp = lay.pipeline_model_parallel_size
         if pp is None:
             raise ConfigError(
                 "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size"
             )
         check_virtual_stages(base.num_layers, pp, per)
         chunks = base.num_layers // (pp * per)
+    # Megatron's --recompute-activations is --recompute-granularity selective (model_flags).
+    recompute = lay.recompute_granularity or ("selective" if lay.recompute_activations else False)
     fixed = Fixed(
-        tp=args.tensor_model_parallel_size,
-        pp=args.pipeline_model_parallel_size,
+        tp=lay.tensor_model_parallel_size,
+        pp=lay.pipeline_model_parallel_size,
         chunks=chunks,
-        micro_batch=args.micro_batch_size,
-        sequence_parallel=args.sequence_parallel,
-        recompute=args.recompute_granularity or False,
-        distributed_optimizer=args.use_distributed_optimizer,
-        schedule=args.pipeline_schedule,
+        micro_batch=lay.micro_batch_size,
+        sequence_parallel=lay.sequence_parallel,
+        recompute=recompute,
+        distributed_optimizer=lay.use_distributed_optimizer,
+        schedule=lay.pipeline_schedule,
         first=first,
         last=last,
         cp=cp,

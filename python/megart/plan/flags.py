@@ -1,0 +1,174 @@
+"""What megart plan does with each of megart train's flags, so that a training command line
+plans unchanged (megart train FLAGS -> megart plan --gpu G --num-gpus N FLAGS).
+
+Every TrainConfig field is in exactly one of these (tests/test_plan_train_flags.py):
+- LAYOUT: given, fixed; left out, searched (megart.cli.plan).
+- MODELLED: the estimate reads it (the model's shape, the batch, the precision, what the
+  runtime holds and sends).
+- NO_EFFECT: changes neither an iteration's time nor what a GPU holds in it (the learning rate
+  and its schedule, data and tokenizer files, checkpoints, logging, evaluation, seeds...).
+- UNMODELLED: changes time or memory in a way the planner does not model; refused by name
+  unless left at megart train's default (or another value the plan predicts alike), so that no
+  prediction silently describes another run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megart.errors import ConfigError
+from megart.training.config import TrainConfig
+
+LAYOUT = (
+    "micro_batch_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "pipeline_schedule",
+    "sequence_parallel",
+    "recompute_granularity",
+    "recompute_activations",  # Megatron's switch for --recompute-granularity selective
+    "use_distributed_optimizer",
+    "context_parallel_size",
+)
+
+# The tokenizer sets the vocabulary when --vocab-size is left out (TrainConfig resolves it).
+TOKENIZER = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "tiktoken_pattern")
+
+MODELLED = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "vocab_size",
+    "make_vocab_size_divisible_by",  # the padded vocabulary: embedding, logits
+    "global_batch_size",
+    "hidden_dropout",  # its masks are held for backward
+    "ffn_hidden_size",
+    "normalization",
+    "qk_layernorm",
+    "position_embedding_type",
+    "max_position_embeddings",  # the learned position table's rows
+    "kv_channels",  # the head size, when not hidden / heads
+    "rotary_percent",
+    "swiglu",
+    "disable_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "group_query_attention",
+    "num_query_groups",
+    "bf16",
+    "fp16",
+    "fp32_residual_connection",
+    "half_weights",
+    "cp_comm_type",
+    # The ramp's batches must split over a layout's data-parallel ranks (megart train's check);
+    # the plan is the full batch's iteration.
+    "rampup_batch_size",
+    *TOKENIZER,
+)
+
+# field -> (the values the plan predicts alike, why another one is not modelled)
+UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "window_size": ((None,), "sliding-window attention's work and masks"),
+    "window_attn_skip_freq": ((None,), "sliding-window attention's work and masks"),
+    "recompute_method": (("uniform",), "which layers full recomputation replays"),
+    "recompute_num_layers": ((1,), "which layers full recomputation replays"),
+    "overlap_grad_reduce": ((True,), "the gradient reduction's overlap with backward"),
+    "overlap_param_gather": ((False,), "the distributed optimizer's parameter all-gather"),
+    "ddp_bucket_size": ((None,), "the gradient buckets' overlap with backward"),
+    "ddp_num_buckets": ((None,), "the gradient buckets' overlap with backward"),
+    "grad_reduce_in_bf16": ((False,), "the gradient reduction's bytes"),
+    "accumulate_allreduce_grads_in_fp32": ((False,), "the gradient reduction's bytes"),
+    "scatter_gather_tensors_in_pipeline": (
+        (True,),
+        "pipeline messages of b s h per rank instead of b s h / t",
+    ),
+    "attention_backend": (
+        ("auto", "flash", "fused"),
+        "the unfused attention's s x s scores (torch's fused kernels are planned)",
+    ),
+    "reset_attention_mask": ((False,), "attention under the documents' masks"),
+    "bias_gelu_fusion": ((None, True), "the element-wise work and memory of an unfused MLP"),
+    "gradient_accumulation_fusion": (
+        (True,),
+        "weight gradients made apart and then added to the main gradients",
+    ),
+    "fused_layer_norm": ((False,), "the fused LayerNorm's element-wise work and memory"),
+    "cross_entropy_loss_fusion": ((False,), "the fused cross-entropy's logits memory"),
+}
+
+# Accepted and change nothing in the prediction: the optimizer's hyperparameters and schedule
+# (megart's Adam either way), initialisation, data and its order, loss scaling, rope's
+# frequencies (the same work), checkpoints (written between iterations, copied to the host under
+# --async-save), logging, profiling, evaluation (the plan is a training iteration's), exits.
+NO_EFFECT = (
+    # the optimizer and its schedule
+    "train_iters", "train_samples", "lr", "min_lr", "lr_warmup_iters",
+    "lr_warmup_fraction", "lr_warmup_init", "lr_warmup_samples", "lr_decay_iters",
+    "lr_decay_samples", "lr_decay_style", "decoupled_lr", "decoupled_min_lr", "weight_decay",
+    "adam_beta1", "adam_beta2", "adam_eps", "optimizer", "clip_grad",
+    # initial values and numerics that do not change the work
+    "seed", "init_method_std", "init_method_xavier_uniform", "layernorm_epsilon",
+    "apply_layernorm_1p", "rotary_base", "rotary_interleaved", "use_rope_scaling",
+    "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "loss_scale",
+    "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
+    "calculate_per_token_loss", "check_for_nan_in_loss_and_grad",
+    # inside torch's attention kernels on a GPU (no mask held); --use-flash-attn sets
+    # --attention-backend flash, and the implementations name the same attention
+    "attention_dropout", "use_flash_attn", "transformer_impl", "use_mcore_models",
+    "expert_model_parallel_size",  # 1 only: megart train refuses more
+    "distributed_backend",
+    # data
+    "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "mock_data",
+    "data_order", "data_cache_path", "allow_ambiguous_pad_tokens", "num_workers",
+    "mmap_bin_files", "create_attention_mask_in_dataloader", "eod_mask_loss",
+    "reset_position_ids",
+    # evaluation, checkpoints, exits
+    "eval_interval", "eval_iters", "full_validation", "ckpt_format", "save", "save_interval",
+    "save_retain_interval", "non_persistent_save_interval", "non_persistent_ckpt_type",
+    "non_persistent_global_ckpt_dir", "async_save", "no_save_optim", "no_save_rng", "load",
+    "no_load_optim", "no_load_rng", "finetune", "pretrained_checkpoint", "ckpt_step",
+    "exit_on_missing_checkpoint", "exit_interval", "exit_duration_in_mins",
+    "exit_signal_handler", "distributed_timeout_minutes",
+    # host-side housekeeping: garbage collection, the allocator's cache (peak bytes unchanged)
+    "manual_gc", "manual_gc_interval", "manual_gc_eval", "empty_unused_memory_level",
+    # logging and profiling
+    "log_interval", "log_throughput", "log_jsonl", "tensorboard_dir", "tensorboard_log_interval",
+    "log_memory_to_tensorboard", "log_validation_ppl_to_tensorboard", "log_params_norm",
+    "log_num_zeros_in_grad", "log_world_size_to_tensorboard", "log_timers_to_tensorboard",
+    "timing_log_level", "timing_log_option", "profile", "profile_step_start", "profile_step_end",
+    "use_pytorch_profiler", "profile_ranks", "pytorch_profiler_collect_shapes",
+    "pytorch_profiler_collect_callstack",
+)  # fmt: skip
+
+
+def flag(name: str, value: Any) -> str:
+    """How ``value`` of field ``name`` is spelt on megart train's command line."""
+    spelt = "--" + name.replace("_", "-")
+    if value is True:
+        return spelt
+    if value is False:
+        return "--no-" + spelt[2:]
+    if isinstance(value, (list, tuple)):
+        return f"{spelt} {' '.join(map(str, value))}"
+    return f"{spelt} {value}"
+
+
+def refuse_unmodelled(config: TrainConfig) -> None:
+    """Refuses, naming each, the flags of ``config`` whose effect the planner does not model."""
+    refused = []
+    for name, (alike, what) in UNMODELLED.items():
+        value = getattr(config, name)
+        if value not in alike:
+            refused.append(f"{flag(name, value)} ({what})")
+    if refused:
+        raise ConfigError(
+            "megart plan does not model "
+            + "; ".join(refused)
+            + ": leave "
+            + ("it" if len(refused) == 1 else "them")
+            + " out to plan megart train's default"
+        )

@@ -1,0 +1,168 @@
+"""megart plan takes megart train's whole command line: every flag is classified
+(megart.plan.flags), a training command plans as its model and layout flags alone do, the flags
+the planner does not model are refused by name (and accepted at their defaults), and
+--use-checkpoint-args reads the model from a checkpoint as megart train does."""
+
+import argparse
+import dataclasses
+import json
+import re
+
+import pytest
+
+import megatron_workers as mw
+from megart.cli.plan import _parser
+from megart.cli.plan import main as plan_main
+from megart.cli.train import add_arguments
+from megart.launcher import launch
+from megart.plan import flags
+from megart.training.config import TrainConfig
+
+CLUSTER = ["--gpu", "a100-80gb", "--num-gpus", "64"]
+MODEL = [
+    "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+    "--seq-length", "2048", "--vocab-size", "50257", "--global-batch-size", "256",
+]  # fmt: skip
+
+
+def plan(capsys, *argv: str) -> tuple[int, dict | str]:
+    code = plan_main([*CLUSTER, *argv, "--json", "--top", "3"])
+    out = capsys.readouterr()
+    return code, json.loads(out.out) if code == 0 else out.err
+
+
+def test_every_train_config_field_is_classified_once():
+    """A field added to TrainConfig fails here until someone decides what the plan does with
+    it."""
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    groups = [flags.LAYOUT, flags.MODELLED, tuple(flags.UNMODELLED), flags.NO_EFFECT]
+    classified = [n for group in groups for n in group]
+    assert sorted(classified) == sorted(names)  # each once: no duplicates, none missing
+    for name, (alike, _) in flags.UNMODELLED.items():
+        assert getattr(TrainConfig(), name) in alike, name  # the default always plans
+
+
+def test_every_train_flag_is_a_plan_flag():
+    train = argparse.ArgumentParser()
+    add_arguments(train)
+    spellings = {s for a in train._actions for s in a.option_strings} - {"-h", "--help"}
+    assert spellings <= set(_parser()._option_string_actions)
+
+
+def test_a_training_command_line_plans_as_its_model_and_layout_flags(capsys):
+    """Megatron's GPT-3 example's flags that change no iteration's time or memory (schedule,
+    data, checkpoints, logging, evaluation, Megatron's aliases) leave the prediction as it is."""
+    # fmt: off
+    train = [
+        "--max-position-embeddings", "2048", "--attention-backend", "auto",
+        "--train-samples", "146484375",
+        "--lr-decay-samples", "126953125", "--lr-warmup-samples", "183105",
+        "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--init-method-std", "0.006", "--clip-grad", "1.0", "--lr", "6.0e-5",
+        "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--data-path", "/no/such/corpus",
+        "--split", "949,50,1", "--log-interval", "100", "--save-interval", "10000",
+        "--eval-interval", "1000", "--save", "/no/such/ckpt", "--load", "/no/such/ckpt",
+        "--eval-iters", "10", "--tensorboard-dir", "/no/such/tb", "--seed", "7",
+        "--no-masked-softmax-fusion", "--use-flash-attn", "--transformer-impl", "local",
+        "--use-mcore-models", "--distributed-backend", "nccl", "--use-dist-ckpt",
+    ]
+    # fmt: on
+    code, alone = plan(capsys, *MODEL, "--fp16")
+    assert code == 0, alone
+    code, whole = plan(capsys, *MODEL, "--fp16", *train)
+    assert code == 0, whole
+    assert whole == alone
+    # The layout flags of a command are kept, not searched.
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    code, fixed = plan(capsys, *MODEL, *layout, *train)
+    assert code == 0, fixed
+    assert {(c["layout"]["tp"], c["layout"]["pp"]) for c in fixed["candidates"]} == {(2, 2)}
+
+
+def test_a_batch_ramp_up_keeps_the_layouts_megart_train_would_run_it_on(capsys):
+    """--rampup-batch-size 16 16 N: megart train refuses a layout whose micro-batch times
+    data-parallel size does not divide the ramp's batches, so the plan leaves those out and
+    plans the full batch's iteration."""
+    code, ramp = plan(capsys, *MODEL, "--rampup-batch-size", "16", "16", "5859375")
+    assert code == 0, ramp
+    code, alone = plan(capsys, *MODEL)
+    assert code == 0, alone
+    assert alone["layout"]["dp"] * alone["layout"]["micro_batch"] > 16  # the ramp matters here
+    for c in ramp["candidates"]:
+        assert 16 % (c["layout"]["dp"] * c["layout"]["micro_batch"]) == 0, c["layout"]
+
+
+# A value other than megart train's default, spelt as megart train takes it.
+UNMODELLED_GIVEN = {
+    "window_size": ["--window-size", "255,0"],
+    "window_attn_skip_freq": ["--window-size", "255,0", "--window-attn-skip-freq", "2"],
+    "recompute_method": ["--recompute-method", "block"],
+    "recompute_num_layers": ["--recompute-num-layers", "2"],
+    "overlap_grad_reduce": ["--no-overlap-grad-reduce"],
+    "overlap_param_gather": ["--overlap-param-gather", "--use-distributed-optimizer"],
+    "ddp_bucket_size": ["--ddp-bucket-size", "1000000"],
+    "ddp_num_buckets": ["--ddp-num-buckets", "4"],
+    "grad_reduce_in_bf16": ["--grad-reduce-in-bf16"],
+    "accumulate_allreduce_grads_in_fp32": ["--accumulate-allreduce-grads-in-fp32"],
+    "scatter_gather_tensors_in_pipeline": ["--no-scatter-gather-tensors-in-pipeline"],
+    "attention_backend": ["--attention-backend", "unfused"],
+    "reset_attention_mask": ["--reset-attention-mask"],
+    "bias_gelu_fusion": ["--no-bias-gelu-fusion"],
+    "gradient_accumulation_fusion": ["--no-gradient-accumulation-fusion"],
+    "fused_layer_norm": ["--fused-layer-norm"],
+    "cross_entropy_loss_fusion": ["--cross-entropy-loss-fusion"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(flags.UNMODELLED))
+def test_a_flag_the_plan_does_not_model_is_refused_by_name(name, capsys):
+    code, err = plan(capsys, *MODEL, *UNMODELLED_GIVEN[name])
+    assert code == 2
+    refused = err.split("megart plan does not model ", 1)[1]
+    assert re.search(rf"(^|; )--(no-)?{name.replace('_', '-')}\b", refused), err
+    assert "out to plan megart train's default" in err and err.count("\n") == 1  # one line
+
+
+def test_unmodelled_flags_at_their_default_values_plan_as_left_out(capsys):
+    code, alone = plan(capsys, *MODEL)
+    assert code == 0, alone
+    defaults = [
+        "--overlap-grad-reduce", "--attention-backend", "flash", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1", "--bias-gelu-fusion",
+    ]  # fmt: skip
+    code, same = plan(capsys, *MODEL, *defaults)
+    assert code == 0, same
+    assert same == alone
+
+
+def test_recompute_activations_plans_as_selective_recomputation(capsys):
+    code, switch = plan(capsys, *MODEL, "--recompute-activations")
+    assert code == 0, switch
+    code, granularity = plan(capsys, *MODEL, "--recompute-granularity", "selective")
+    assert code == 0, granularity
+    assert switch == granularity
+    assert {c["layout"]["recompute"] for c in switch["candidates"]} == {"selective"}
+
+
+def test_use_checkpoint_args_plans_the_checkpoints_model(tmp_path, capsys):
+    """megart plan --use-checkpoint-args --load DIR takes the model megart train saved there,
+    as megart train would resume it."""
+    ckpt = tmp_path / "ckpt"
+    saved = [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--position-embedding-type", "rope", "--swiglu",
+        "--untie-embeddings-and-output-weights", "--normalization", "RMSNorm",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1",
+        "--save", str(ckpt),
+    ]  # fmt: skip
+    status, out = launch(mw.run_cli, 1, saved, timeout=300)[0]
+    assert status == 0, out
+    model = saved[: saved.index("--micro-batch-size")]
+    batch = ["--global-batch-size", "64"]
+    code, direct = plan(capsys, *model, "--vocab-size", "256", *batch)
+    assert code == 0, direct
+    code, loaded = plan(capsys, "--use-checkpoint-args", "--load", str(ckpt), *batch)
+    assert code == 0, loaded
+    assert loaded == direct
+    code, other = plan(capsys, "--num-layers", "2", "--hidden-size", "64", *batch)
+    assert code == 0 and other != direct  # the checkpoint's architecture mattered
