@@ -54,6 +54,27 @@ LLAMA_ROPE = dict(LLAMA, position_embedding_type="rope", bf16=True, global_batch
 
 # (name, processes, model, layout flags)
 CASES = [
+    # --cross-entropy-loss-fusion: the loss keeps the logits (fp32 here, bf16 there) instead
+    # of an fp32 softmax; padded vocabulary, tensor-parallel slices.
+    (
+        "tp2 fused loss",
+        2,
+        SMALL,
+        dict(tensor_model_parallel_size=2, micro_batch_size=2, cross_entropy_loss_fusion=True),
+    ),
+    (
+        "pp2 bf16 fused loss llama-style",
+        2,
+        # h 96: 64 tokens' [64, V] logits would look like a weight of h 64 (SavedBytes); b 2:
+        # the loss's int64 targets are then a copy, not a view of the whole batch's tokens.
+        dict(LLAMA, hidden_size=96),
+        dict(
+            pipeline_model_parallel_size=2,
+            bf16=True,
+            micro_batch_size=2,
+            cross_entropy_loss_fusion=True,
+        ),
+    ),
     ("tp2", 2, SMALL, dict(tensor_model_parallel_size=2, micro_batch_size=2)),
     (
         "tp2 sp selective",

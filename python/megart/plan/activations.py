@@ -294,15 +294,22 @@ def last_stage_bytes(
     cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision, cp: int = 1
 ) -> float:
     """The final norm, output layer and vocab-parallel cross-entropy: norm input and output,
-    the fp32 softmax over this rank's vocabulary slice, targets and masks (the padding mask of
-    the last tensor-parallel rank, the one holding padded entries); this rank's s/cp tokens."""
+    the loss's saves over this rank's vocabulary slice, and the padding mask of the last
+    tensor-parallel rank (the one holding padded entries); this rank's s/cp tokens. The
+    unfused loss keeps the fp32 softmax, the int64 local targets and two boolean masks;
+    --cross-entropy-loss-fusion keeps the logits themselves (the compute dtype: its backward
+    writes their gradient there), the int64 targets, the fp32 maximum and sum, and one mask."""
     s, h = cfg.seq_length, cfg.hidden_size
     tokens = s // cp * b
     vocab = cfg.padded_vocab_size(tp) // tp
     seq_share = 1 / tp if sp else 1.0
     norm = tokens * (seq_share * (h * prec.residual + norm_statistics(cfg)) + h * prec.other)
     padding_mask = vocab if cfg.padded_vocab_size(tp) > cfg.vocab_size else 0
-    return norm + tokens * (vocab * 4 + 8 + 2) + padding_mask
+    if cfg.cross_entropy_loss_fusion:
+        loss = vocab * prec.other + 8 + 4 + 4 + 1
+    else:
+        loss = vocab * 4 + 8 + 1 + 1
+    return norm + tokens * loss + padding_mask
 
 
 def output_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision, cp: int = 1) -> float:
