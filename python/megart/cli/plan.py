@@ -43,6 +43,9 @@ CP_SEARCHED = (
     "and query groups divisible by t x C); 1 only with --runtime megatron, whose exchanges the "
     "planner does not model)"
 )
+# megart train's spellings that set no TrainConfig field and change nothing planned: the
+# fusions megart does not have, the only signal and sampler it has.
+ALIASES_WITHOUT_EFFECT = ("fusion_off", "exit_signal", "dataloader_type")
 EPILOG = (
     "Every megart train flag is taken, so that a training command line plans unchanged. Those "
     "that change neither an iteration's time nor what a GPU holds (learning rate, data, "
@@ -82,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
             action.help = HELP["context_parallel_size"] + CP_SEARCHED
         elif action.dest in UNMODELLED:
             action.help = f"{action.help} (megart plan: refused unless the default; not modelled)"
-        elif action.dest in (*NO_EFFECT, "fusion_off") or action.dest.startswith("deprecated_"):
+        elif action.dest in (*NO_EFFECT, *ALIASES_WITHOUT_EFFECT) or action.dest.startswith(
+            "deprecated_"
+        ):
             action.help = argparse.SUPPRESS  # accepted, no effect: see the epilog
     p.add_argument(
         "--runtime",
