@@ -184,3 +184,32 @@ def test_no_s_by_s_tensor_at_4096_with_a_window_of_255():
     assert largest.most <= bound < s * s // 100, largest.most
     assert max(saved) <= bound
     assert sum(saved) < 8 * s * (tile + left)  # every tile's saved tensors: O(s (T + left))
+
+
+@pytest.mark.parametrize("skip", [None, (1, 0, 1)])
+def test_a_gpt_in_tiles_is_the_gpt_with_one_mask_in_float64(monkeypatch, skip):
+    """A Llama-style GPT (rope, GQA) at s = 64, LEFT = 5: logits and gradients with 4-token tiles
+    (TILE_FLOOR lowered) equal those with one s x s mask (the floor as shipped: no tiles)."""
+    from megart.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, seq_length=64, hidden_size=32, num_layers=3,
+                    num_attention_heads=4, num_query_groups=2, position_embedding="rotary",
+                    init_std=0.5, window_size=(5, 0), window_attn_skip_freq=skip)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(cfg).double()
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        model.zero_grad()
+        logits = model(tokens)
+        logits.square().sum().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    assert wt.band_tile(64, 5) is None
+    want, want_grads = run()
+    monkeypatch.setattr(wt, "TILE_FLOOR", 4)
+    assert wt.band_tile(64, 5) == 6
+    got, got_grads = run()
+    assert (got - want).abs().max() < 1e-12
+    for a, w in zip(got_grads, want_grads, strict=True):
+        assert (a - w).abs().max() <= 1e-10 * max(1.0, w.abs().max().item())
