@@ -17,7 +17,8 @@ one per layer, windows the layers marked 1. Without it every layer is windowed.
 Positions are global: under context parallelism a rank's queries and the gathered keys are
 compared by their places in the whole sequence (megart.models.context_parallel.causal_mask);
 under the all-to-all exchange each rank holds some heads over the whole sequence in order, so
-the window applies as in one process (sequence_attention); the ring masks each step's block by
+the window applies as in one process (sequence_attention, in query tiles when the window is
+much shorter than the sequence: megart.models.window_tiles); the ring masks each step's block by
 them (megart.models.ring_attention.BlockWindow).
 With documents (--reset-attention-mask) the window and the documents' mask both apply.
 """
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from megart.errors import ConfigError
+from megart.models.window_tiles import band_tile, tiled_window_attention
 
 Window = tuple[int, int]
 SkipFreq = int | tuple[int, ...]
@@ -87,8 +89,13 @@ def sequence_attention(
     """Causal attention over a whole sequence in its order ([b, heads, s, d], keys and values
     repeated per query head), within ``window`` earlier tokens and where ``mask`` allows: one
     process's attention, and each all-to-all rank's (its heads over the whole sequence). Without
-    a window or mask torch's causal kernels apply (flash on a GPU); with one, an explicit mask."""
+    a window or mask torch's causal kernels apply (flash on a GPU); a window much shorter than
+    the sequence runs in query tiles, each over the keys its windows reach with one small mask
+    (megart.models.window_tiles); otherwise an explicit s x s mask."""
     if window is not None:
+        tile = band_tile(q.shape[2], window)
+        if tile is not None:
+            return tiled_window_attention(q, k, v, dropout, window, tile, mask)
         near = sliding_causal_mask(q.shape[2], window, q.device)
         mask = near if mask is None else mask & near
     if mask is not None:  # a mask tensor: on CUDA no flash kernel takes one

@@ -4,10 +4,13 @@ by part, with the pipeline bubble from megart's schedule simulator."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 
 from megart.errors import ConfigError
 from megart.models import GPTConfig
+from megart.models.stages import stage_ranges
+from megart.models.window import layer_window
 from megart.plan import activations as act
 from megart.plan.data_parallel import (
     SINGLE_STAGE,
@@ -192,17 +195,29 @@ def _stage_work(
         tp_gpu = dataclasses.replace(gpu, nvlink_bus_gb_per_s=gpu.rail_gb_per_s)
     cp_bus = data_parallel_bus_gb_per_s(gpu, t, cp)
     rec = cfg.recompute_granularity
-    per_layer = layer_work(
-        cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap, cp=cp, cp_bus_gb_per_s=cp_bus
-    )
+    # Each layer's work by its sliding window (None: full causal attention).
+    windows = [layer_window(cfg.window_size, cfg.window_attn_skip_freq, i)
+               for i in range(cfg.num_layers)]  # fmt: skip
+    works = {
+        w: layer_work(cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap, cp=cp,
+                      cp_bus_gb_per_s=cp_bus, window=w)
+        for w in set(windows)
+    }  # fmt: skip
     logits = logits_work(cfg, b, t, gpu, cp)
-    stage = per_layer * (cfg.num_layers / p) + logits
     # Uneven stages: each rank's own layers (the output layer on the last), simulated with
-    # unequal stage costs; a split that is even after all is the even layout.
+    # unequal stage costs; a split that is even after all is the even layout. Ranks whose
+    # layers differ in windows are uneven too.
     counts = layout.layer_counts(cfg.num_layers)
+    first, last = layout.first, layout.last
+    ranks = []
+    for r in range(p):
+        held = Counter(windows[i] for c in stage_ranges(cfg.num_layers, r, p, v, first, last)
+                       for i in c)  # fmt: skip
+        ranks.append(sum((works[w] * n for w, n in held.items()), Work(0.0, 0.0, 0.0)))
+    stage = ranks[-1] + logits
     stages = []
-    if len(set(counts)) > 1:
-        stages = [per_layer * n for n in counts]
+    if len(set(counts)) > 1 or len(set(ranks)) > 1:
+        stages = list(ranks)
         stages[-1] = stages[-1] + logits
         stage = max(stages, key=lambda w: w.forward + w.backward)
     return stage, stages

@@ -39,6 +39,16 @@ half; --attention unfused: torch's math kernel, all s x s products and the same 
 rank as cp = 1 at heads/t over s/cp queries), and its all-to-alls (four forward, four backward,
 and replayed: all four under full recomputation, the three before the kernel under selective)
 are counted exposed.
+
+A layer with a sliding window (--window-size, the layers --window-attn-skip-freq picks; the
+others as above) runs explicit masks, which no flash kernel takes: over the whole sequence (one
+process, each a2a rank's heads) megart's query tiles score window_share of the s x s products,
+about (T + left) / s (all of them where tiling would not pay), under all_gather one mask over
+all of a rank's (s/cp) x s; at the attention core's efficiency above, the backward recomputing
+the scores as flash's (or keeping them, unfused, with their bytes scaled alike). The cached
+band mask (T x (T + left) booleans) is not counted in memory. The ring's windowed blocks
+(explicit fp32 products, blocks wholly outside the window skipped) are still planned as its
+flash blocks.
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
+from megart.models.window import covers
+from megart.models.window_tiles import band_tile, scored_entries
 from megart.plan.context_parallel import RingPasses, a2a_layer_seconds, kv_gathers, ring_passes
 from megart.plan.hardware import GPUProfile
 
@@ -64,6 +76,21 @@ def cp_score_share(cp: int) -> float:
     attention computes: each query chunk's keys up to its own end, (2 cp + 1) / (4 cp) (rank 0's
     first chunk, whose keys are its own, a little less)."""
     return (2 * cp + 1) / (4 * cp)
+
+
+def window_share(seq: int, left: int, whole_sequence: bool) -> float:
+    """The share of the s x s (or, under all_gather, a rank's (s/cp) x s) query-key products
+    that a layer with a sliding window of ``left`` earlier tokens computes, as megart runs it:
+    over a ``whole_sequence`` (one process; each a2a rank's heads) the query tiles' entries
+    (models.window_tiles.scored_entries: about (T + left) / s), or every entry under one
+    explicit s x s mask when tiling would not pay; under all_gather the gathered keys' one
+    explicit mask (context_parallel.masked_attention): every entry. Either way a masked call
+    (the memory-efficient kernel with the mask as a bias on a GPU, or the math kernel) skips
+    no block, unlike flash's causal half; its backward recomputes the scores as flash's does
+    (FLASH_BACKWARD), or with --attention-backend unfused keeps them (these entries' bytes)."""
+    if not whole_sequence:
+        return 1.0
+    return scored_entries(seq, left, band_tile(seq, left)) / (seq * seq)
 
 
 def ring_seconds(
@@ -158,11 +185,13 @@ def layer_work(
     tp_overlap: bool = False,
     cp: int = 1,
     cp_bus_gb_per_s: float | None = None,
+    window: int | None = None,
 ) -> Work:
     """One layer, one microbatch. ``tp_overlap``: each tensor-parallel collective runs during
     the matrix product next to it (Megatron-Core's --tp-comm-overlap; megart does not), so only
     what outlasts that product is exposed. ``cp``: context-parallel ranks, whose collectives run
-    at ``cp_bus_gb_per_s`` (None: NVLink)."""
+    at ``cp_bus_gb_per_s`` (None: NVLink). ``window``: the layer's sliding window (earlier
+    tokens each token sees; None: the whole causal past; window_share)."""
     s, h, f, t = cfg.seq_length, cfg.hidden_size, cfg.ffn_size, tp
     local = s // cp  # this rank's queries of each sequence
     tokens = local * b
@@ -183,7 +212,11 @@ def layer_work(
     if a2a:  # the whole sequence's queries of heads/(t cp) heads
         heads, rows = heads / cp, s
     core_gemm = gemm_seconds(rows, s, d, gpu, heads) + gemm_seconds(rows, d, s, gpu, heads)
-    if ring or not unfused_attention:  # flash kernels (the ring's blocks too): causal half
+    # A windowed layer's explicit masks (the ring's windowed blocks are not modelled: flash's).
+    share = None if ring or covers(window, s) else window_share(s, window, a2a or cp == 1)
+    if share is not None:
+        core_gemm *= share
+    elif ring or not unfused_attention:  # flash kernels (the ring's blocks too): causal half
         core_gemm *= CAUSAL_SHARE
     elif cp > 1 and not a2a:  # the explicit scores of each query chunk's keys (cp_score_share)
         core_gemm *= cp_score_share(cp)
@@ -197,7 +230,7 @@ def layer_work(
     # The ring's flash blocks write no scores. a2a's math kernel: s x s scores of heads/(t cp)
     # heads per rank, the same bytes as heads/t over the rank's s/cp queries counted here.
     unfused = unfused_attention and not ring
-    scores = 4.5 * cfg.num_attention_heads / t * s if unfused else 0.0
+    scores = 4.5 * cfg.num_attention_heads / t * s * (share or 1.0) if unfused else 0.0
     hbm = gpu.hbm_gb_per_s * 1e9
     fwd_elem = tokens * (replicated + qk_norms + mlp) * ACT / hbm
     core_elem = tokens * scores * ACT / hbm
