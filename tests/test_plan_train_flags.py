@@ -26,7 +26,7 @@ MODEL = [
 
 
 def plan(capsys, *argv: str) -> tuple[int, dict | str]:
-    code = plan_main([*CLUSTER, *argv, "--json", "--top", "3"])
+    code = plan_main([*CLUSTER, "--json", "--top", "3", *argv])
     out = capsys.readouterr()
     return code, json.loads(out.out) if code == 0 else out.err
 
@@ -94,8 +94,6 @@ def test_a_batch_ramp_up_keeps_the_layouts_megart_train_would_run_it_on(capsys):
 
 # A value other than megart train's default, spelt as megart train takes it.
 UNMODELLED_GIVEN = {
-    "window_size": ["--window-size", "255,0"],
-    "window_attn_skip_freq": ["--window-size", "255,0", "--window-attn-skip-freq", "2"],
     "recompute_method": ["--recompute-method", "block"],
     "recompute_num_layers": ["--recompute-num-layers", "2"],
     "overlap_grad_reduce": ["--no-overlap-grad-reduce"],
@@ -185,3 +183,24 @@ def test_pipeline_messages_without_scatter_gather_take_longer():
             times[sp, scatter] = e.iteration_time
     assert times[False, False] > times[False, True]
     assert times[True, False] == times[True, True]
+
+
+LONG = [
+    "--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16",
+    "--seq-length", "32768", "--vocab-size", "32000", "--global-batch-size", "8",
+    "--window-size", "4095,0",
+]  # fmt: skip
+
+
+def test_a_window_plans_context_parallelism_only_where_its_attention_is_modelled(capsys):
+    """The ring's windowed blocks (explicit fp32 products) are not modelled: with a window
+    under --cp-comm-type p2p, C is searched at 1 only and a given C > 1 is refused by name;
+    a2a (the query tiles over each rank's heads) is searched and planned."""
+    code, ring = plan(capsys, *LONG, "--top", "50")
+    assert code == 0, ring
+    assert {c["layout"]["cp"] for c in ring["candidates"]} == {1}
+    code, err = plan(capsys, *LONG, "--context-parallel-size", "2")
+    assert code == 2 and "--context-parallel-size 2 with --window-size" in err, err
+    code, a2a = plan(capsys, *LONG, "--cp-comm-type", "a2a", "--context-parallel-size", "2")
+    assert code == 0, a2a
+    assert {c["layout"]["cp"] for c in a2a["candidates"]} == {2}

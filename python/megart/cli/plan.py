@@ -41,7 +41,8 @@ CP_SEARCHED = (
     " (searched when left out: 1 and each power of two C with --seq-length divisible by 2 C "
     "and C dividing --num-gpus that megart train accepts (--cp-comm-type a2a: attention heads "
     "and query groups divisible by t x C); 1 only with --runtime megatron, whose exchanges the "
-    "planner does not model)"
+    "planner does not model, and with --window-size under --cp-comm-type p2p, whose windowed "
+    "ring blocks it does not model)"
 )
 # megart train's spellings that set no TrainConfig field and change nothing planned: the
 # fusions megart does not have, the only signal and sampler it has.
@@ -136,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
     from megart.plan.flags import LAYOUT
     from megart.plan.hardware import load_profile
     from megart.plan.report import draw, plan_json, table
-    from megart.plan.search import Fixed, NoFit, search
+    from megart.plan.search import Fixed, NoFit, search, windowed_ring
 
     gpu = load_profile(args.gpu, args.gpu_profile)
     world = args.num_gpus
@@ -149,6 +150,12 @@ def _run(args: argparse.Namespace) -> int:
     per = lay.num_layers_per_virtual_pipeline_stage
     check_schedule_flags(lay.pipeline_schedule, per)  # megart train's refusals
     cp = lay.context_parallel_size  # None: searched
+    if cp is not None and cp > 1 and windowed_ring(base):
+        raise ConfigError(
+            f"megart plan does not model --context-parallel-size {cp} with --window-size under "
+            "--cp-comm-type p2p (the ring's windowed blocks are explicit fp32 products): give "
+            "--cp-comm-type a2a or all_gather, or leave --context-parallel-size out"
+        )
     # megart train's refusals of context parallelism, in its words: a size below 1, a
     # sequence that does not split into 2 cp chunks (nor s/cp over t with --sequence-parallel).
     check_context_parallel(

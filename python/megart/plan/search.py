@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from megart.errors import ConfigError
+from megart.models.window import layer_window
 from megart.parallel.checks import check_model_fits
 from megart.parallel.layout import divisors, make_layout
 from megart.plan.estimate import Estimate, estimate, work_bound
@@ -87,16 +88,28 @@ def context_parallel_sizes(base: TrainConfig, world: int, fixed: Fixed, megart: 
     """The context-parallel sizes to try: the one given; else 1 and each power of two C that
     cuts the sequence into 2 C equal chunks (megart's load-balanced split) and divides the
     GPUs (candidates keeps those megart train accepts with each t). 1 alone for Megatron-LM's
-    runtime, whose exchanges the planner does not model."""
+    runtime, whose exchanges the planner does not model, and for the ring through windowed
+    layers (windowed_ring)."""
     if fixed.cp is not None:
         return [fixed.cp]
-    if not megart:
+    if not megart or windowed_ring(base):
         return [1]
     out, cp = [1], 2
     while world % cp == 0 and base.seq_length % (2 * cp) == 0:
         out.append(cp)
         cp *= 2
     return out
+
+
+def windowed_ring(base: TrainConfig) -> bool:
+    """Whether context parallelism would run the ring (--cp-comm-type p2p) through layers with
+    a sliding window: those blocks are explicit fp32 products (models.ring_attention), which
+    the planner does not model (it would time them as the flash blocks of other layers)."""
+    cfg = base.gpt_config()
+    windows = (
+        layer_window(cfg.window_size, cfg.window_attn_skip_freq, i) for i in range(cfg.num_layers)
+    )
+    return base.cp_comm_type == "p2p" and any(w is not None for w in windows)
 
 
 def candidates(
