@@ -96,7 +96,10 @@ def held_bytes(kw: dict) -> dict:
     else:
         param_bytes = _nbytes(params)
         state = opt.state
-    grad_bytes = _nbytes([b.buffer for b in trainer.buckets.buckets])
+    buckets = trainer.buckets.buckets
+    # With --grad-reduce-in-bf16 each bucket also keeps the bf16 copy it reduces.
+    copies = [b.reduced for b in buckets if b.reduced is not b.buffer]
+    grad_bytes = _nbytes([b.buffer for b in buckets]) + _nbytes(copies)
     moments = [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
     opt_bytes = _nbytes(moments) + _nbytes(mains)
     meter = SavedBytes(params)

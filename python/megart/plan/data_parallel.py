@@ -9,6 +9,8 @@ from megart.plan.hardware import GPUProfile, group_ranks_per_node
 from megart.plan.layout import Layout
 from megart.plan.parameters import BUCKET_BYTES, FP32
 from megart.plan.timing import collective_seconds
+from megart.training.config import TrainConfig
+from megart.training.grad_sync import megatron_bucket_size
 
 # dp_overlap="single-stage": the gradient all-reduce overlaps the last microbatch's backward
 # only with p = 1, as in SC21's Megatron-LM: its p = 1 runs used --DDP-impl torch (its
@@ -32,6 +34,17 @@ def data_parallel_bus_gb_per_s(gpu: GPUProfile, tp: int, dp: int) -> float:
     return min(group_ranks_per_node(gpu, tp, dp) * gpu.rail_gb_per_s, gpu.nvlink_bus_gb_per_s)
 
 
+def bucket_elements_of(c: TrainConfig, grad_elements: float, dp: int) -> float:
+    """Elements in one of megart's gradient buckets (megart.training.optimizer.build): Megatron's
+    size from --ddp-bucket-size/--ddp-num-buckets over the rank's ``grad_elements``, else
+    megart's 4 MiB of fp32 gradients (the wire dtype does not change the bucket's members)."""
+    if c.ddp_bucket_size is None and c.ddp_num_buckets is None:
+        return BUCKET_BYTES / FP32
+    size = megatron_bucket_size(int(grad_elements), dp, c.ddp_bucket_size, c.ddp_num_buckets)
+    assert size is not None  # overlap left at its default: a size
+    return float(size)
+
+
 def data_parallel_seconds(
     cfg: GPTConfig,
     layout: Layout,
@@ -42,27 +55,39 @@ def data_parallel_seconds(
     half_weights: bool,
     dp_overlap: bool | str,
     grad_reduce_bytes: int,
+    bucket_elements: float | None = None,
 ) -> tuple[float, float, float]:
     """Seconds the iteration spends on data-parallel communication after its last backward:
     the gradient reduction's exposed part, the distributed optimizer's all-gather, and the tied
     embedding's all-reduce between the first and last stage. ``grad_elements_bytes``: fp32
-    bytes of the worst rank's gradients; ``half_weights``: the weights are 16-bit."""
+    bytes of the worst rank's gradients; ``half_weights``: the weights are 16-bit;
+    ``grad_reduce_bytes``: bytes per gradient element on the wire; ``bucket_elements``: the
+    elements of a gradient bucket (bucket_elements_of; None: the runtime's bucket bytes over
+    ``grad_reduce_bytes``)."""
     t, p = layout.tp, layout.pp
     dist = layout.distributed_optimizer
     gather_bytes = 2 if half_weights else FP32  # what the distributed optimizer gathers
-    # megart reduces each 4 MiB bucket of fp32 gradients as soon as the last microbatch's
-    # backward has produced it, so all but the last bucket overlap that backward.
+    # Each bucket is reduced as soon as the last microbatch's backward has produced it, so all
+    # but the last bucket overlap that backward.
     grad_bytes = grad_elements_bytes * grad_reduce_bytes / FP32
     dp_bw = data_parallel_bus_gb_per_s(gpu, t, dp)
     # The distributed optimizer reduce-scatters the gradients, then all-gathers the parameters.
     kind = "reduce_scatter" if dist else "all_reduce"
     reduce = collective_seconds(kind, grad_bytes, dp, dp_bw, gpu)
-    bucket = TORCH_DDP_BUCKET_BYTES if dp_overlap == SINGLE_STAGE else BUCKET_BYTES
-    last_bucket = reduce * min(1.0, bucket / max(grad_bytes, 1.0))
+    if bucket_elements is None:
+        bucket = TORCH_DDP_BUCKET_BYTES if dp_overlap == SINGLE_STAGE else BUCKET_BYTES
+        bucket_elements = bucket / grad_reduce_bytes
+    elements = grad_elements_bytes / FP32
+    last_bucket = reduce * min(1.0, bucket_elements / max(elements, 1.0))
     exposed = max(reduce - last_backward, last_bucket) if reduce else 0.0
     if not dp_overlap or (dp_overlap == SINGLE_STAGE and p > 1):
         exposed = reduce
     gather = 0.0
+    # The all-gather after the step is exposed whole, with --overlap-param-gather too: megart
+    # then leaves it running, but each model chunk's forward first waits for every bucket of
+    # its own parameters (DistributedOptimizer.overlap_with_forward), and the first stage's
+    # first chunk, whose forward begins the iteration, is gathered last (buckets run in reverse
+    # parameter order, one after another on the group).
     if dist:
         params = grad_elements_bytes * gather_bytes / FP32
         gather = collective_seconds("all_gather", params, dp, dp_bw, gpu)

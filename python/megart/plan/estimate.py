@@ -14,6 +14,7 @@ from megart.models.window import layer_window
 from megart.plan import activations as act
 from megart.plan.data_parallel import (
     SINGLE_STAGE,
+    bucket_elements_of,
     data_parallel_bus_gb_per_s,
     data_parallel_seconds,
 )
@@ -85,10 +86,13 @@ def estimate(
     pipeline exchange blocks both ranks until it has arrived, as SC21's Megatron-LM did (its
     p2p_communication waited on each batch_isend_irecv and then synchronised the device), so each
     (microbatch, chunk) pays one exchange after its forward and one after its backward.
-    ``dp_overlap`` "single-stage": overlapped only when p = 1 (SINGLE_STAGE). A runtime that
+    ``dp_overlap`` "single-stage": overlapped only when p = 1 (SINGLE_STAGE). With runtime "megart"
+    ``base``'s flags decide instead (--no-overlap-grad-reduce, --grad-reduce-in-bf16,
+    --ddp-bucket-size, --ddp-num-buckets), and ``dp_overlap``/``grad_reduce_bytes`` other than
+    their defaults are refused. A runtime that
     interleaves only from ``interleaved_min_pp`` stages (SC21's Megatron-LM: 3) refuses interleaved
     layouts on fewer with ConfigError."""
-    _check_runtime(layout, runtime, dp_overlap, interleaved_min_pp)
+    _check_runtime(layout, runtime, dp_overlap, interleaved_min_pp, grad_reduce_bytes)
     c = layout_config(base, layout)
     world = layout.world
     dp = c.check(world)  # megart train's checks, context parallelism's refusals included
@@ -103,9 +107,14 @@ def estimate(
         c, cfg, layout, dp, gpu, stage, prec.residual, m, simulate, pp_overlap, runtime, stages
     )
     worst, held = _worst_rank_memory(c, cfg, layout, dp, run, runtime, unfused_attention)
-    worst_rank_params = worst["gradients"]
+    worst_rank_params = worst["gradient_buffers"]
     worst["allowance"] = gpu.memory_gib * GIB - gpu.usable_bytes
 
+    bucket = None
+    if runtime == "megart":  # megart train's flags decide its data-parallel communication
+        dp_overlap = c.overlap_grad_reduce
+        grad_reduce_bytes = 2 if c.grad_reduce_in_bf16 else FP32
+        bucket = bucket_elements_of(c, worst_rank_params / FP32, layout.dp_cp)
     # Gradients are averaged, and the distributed optimizer sharded, over the d x cp ranks.
     dp_exposed, gather, tied = data_parallel_seconds(
         cfg,
@@ -117,6 +126,7 @@ def estimate(
         sixteen_bit_weights(c, runtime),
         dp_overlap,
         grad_reduce_bytes,
+        bucket,
     )
     dist = layout.distributed_optimizer
     stepped = float(worst_rank_params) / FP32 / (layout.dp_cp if dist else 1)
@@ -224,7 +234,11 @@ def _stage_work(
 
 
 def _check_runtime(
-    layout: Layout, runtime: str, dp_overlap: bool | str, interleaved_min_pp: int
+    layout: Layout,
+    runtime: str,
+    dp_overlap: bool | str,
+    interleaved_min_pp: int,
+    grad_reduce_bytes: int = FP32,
 ) -> None:
     """What the runtime cannot run, refused before any estimate (megart train's own checks
     follow in layout_config's TrainConfig)."""
@@ -239,6 +253,12 @@ def _check_runtime(
         )
     if dp_overlap not in (True, False, SINGLE_STAGE):
         raise ConfigError(f"dp_overlap {dp_overlap!r}; use True, False or {SINGLE_STAGE!r}")
+    if runtime == "megart" and (dp_overlap is not True or grad_reduce_bytes != FP32):
+        raise ConfigError(
+            f"dp_overlap {dp_overlap!r} and grad_reduce_bytes {grad_reduce_bytes} describe "
+            "--runtime megatron; megart's come from its flags: give --no-overlap-grad-reduce "
+            "or --grad-reduce-in-bf16 instead"
+        )
     if layout.kind == "interleaved" and layout.pp < interleaved_min_pp:
         # Megatron-LM's arguments.py asserted p > 2 from 182841f7df (2021) to 3ee489d9ea (2024).
         raise ConfigError(

@@ -79,9 +79,12 @@ def rank_memory(
     # counted exactly as megart holds them, Megatron-LM's by its convention below); fp32
     # weights under autocast need a 16-bit copy of each.
     half = sixteen_bit_weights(c, runtime) and not megatron
+    # megart's data-parallel flags as megart.training.optimizer builds the buckets from them;
+    # Megatron-LM's runtime is counted by its own convention (fp32 gradients, its buckets).
+    ddp = () if megatron else (c.ddp_bucket_size, c.ddp_num_buckets, c.grad_reduce_in_bf16)
     state = state_bytes(
         cfg, t, p, pp_rank, v, dp * cp, layout.distributed_optimizer, dp_rank,
-        layout.kind == "zb-v", half, layout.first, layout.last,
+        layout.kind == "zb-v", half, layout.first, layout.last, *ddp,
     )  # fmt: skip
     params = state.parameters // FP32
     autocast = params * prec.other if prec.other < 4 and not (half or megatron) else 0
@@ -90,11 +93,13 @@ def rank_memory(
         optimizer = float(state.optimizer) * 3 / 2
     parts = {
         "parameters": float(state.parameters) / (2 if megatron else 1),
-        "gradients": float(state.gradients),
+        "gradients": float(state.gradients + state.reduce_copies),
         "optimizer": optimizer,
         "activations": saved + outputs + working + grads,
         "autocast_copies": float(autocast),
     }
     parts["total"] = sum(parts.values())
     parts.update(saved=saved, outputs=outputs, recompute_working=working, weight_grads=grads)
+    # The fp32 gradient buffers alone (what is reduced, in fp32 elements) and their bf16 copies.
+    parts.update(gradient_buffers=float(state.gradients), reduce_copies=float(state.reduce_copies))
     return parts

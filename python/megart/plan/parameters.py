@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
 from megart.models.gpt import chunk_layers
+from megart.training.grad_sync import megatron_bucket_size
 
 FP32 = 4
 BUCKET_BYTES = 4 << 20  # megart.training.grad_sync.GradientBuckets' default
@@ -82,10 +83,13 @@ def chunk_tensors(
     return out
 
 
-def buckets(chunks: list[ChunkTensors], parts: int) -> list[list[int]]:
+def buckets(
+    chunks: list[ChunkTensors], parts: int, bucket_elements: int | None = None
+) -> list[list[int]]:
     """The gradient buckets (element counts of their parameters, in bucket order) that
     megart.training.grad_sync.GradientBuckets makes: parameters in reverse order, a new bucket
-    past BUCKET_BYTES, the tied embedding alone."""
+    past BUCKET_BYTES (with ``bucket_elements``, --ddp-bucket-size/--ddp-num-buckets: once a
+    bucket holds that many elements or more, Megatron's rule), the tied embedding alone."""
     flat, lone = [], set()
     for c in chunks:
         if c.tied is not None:
@@ -96,12 +100,16 @@ def buckets(chunks: list[ChunkTensors], parts: int) -> list[list[int]]:
     size, current_lone = 0, False
     for i in reversed(range(len(flat))):
         n = flat[i]
-        if current and (size + n * FP32 > BUCKET_BYTES or i in lone or current_lone):
+        if bucket_elements is None:
+            full = size + n * FP32 > BUCKET_BYTES
+        else:
+            full = size >= bucket_elements
+        if current and (full or i in lone or current_lone):
             out.append(current)
             current, size = [], 0
         current_lone = i in lone if not current else current_lone
         current.append(n)
-        size += n * FP32
+        size += n if bucket_elements is not None else n * FP32
     if current:
         out.append(current)
     return out
@@ -115,8 +123,10 @@ def padded(bucket: list[int], parts: int) -> int:
 @dataclass(frozen=True)
 class StateBytes:
     parameters: int
-    gradients: int
+    gradients: int  # the fp32 gradient buffers
     optimizer: int
+    # --grad-reduce-in-bf16: each bucket's bf16 copy, what is reduced (grad_sync's _Bucket)
+    reduce_copies: int = 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -133,22 +143,33 @@ def state_bytes(
     half_weights: bool = False,
     first: int | None = None,
     last: int | None = None,
+    ddp_bucket_size: int | None = None,
+    ddp_num_buckets: int | None = None,
+    reduce_in_bf16: bool = False,
 ) -> StateBytes:
     """Bytes of parameters, gradients and AdamW state (two fp32 moments and a 0-d fp32 step per
     stepped tensor) on data-parallel rank ``dp_rank`` of pipeline rank ``pp_rank`` (None: the
     worst one); ``v_shape``: zb-v's placement. ``half_weights``: 16-bit weights, and fp32 main
     weights in the optimizer state (with the distributed optimizer: of the rank's padded slice
-    of each bucket). ``first``/``last``: uneven stages' layers (megart.models.stages)."""
+    of each bucket). ``first``/``last``: uneven stages' layers (megart.models.stages).
+    ``ddp_bucket_size``/``ddp_num_buckets``: Megatron's bucket sizes, as megart.training.optimizer
+    applies them (over this rank's parameters, ``dp`` ranks); ``reduce_in_bf16``
+    (--grad-reduce-in-bf16): the gradients stay fp32 and each bucket gets a bf16 copy that is
+    reduced, kept beside it (``reduce_copies``)."""
     parts = dp if distributed else 1
     chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks, v_shape, first, last)
-    bs = buckets(chunk_list, parts)
-    grads = sum(padded(b, parts) for b in bs) * FP32
     n = sum(sum(c.tensors) for c in chunk_list)
+    elements = None
+    if ddp_bucket_size is not None or ddp_num_buckets is not None:
+        elements = megatron_bucket_size(n, dp, ddp_bucket_size, ddp_num_buckets)
+    bs = buckets(chunk_list, parts, elements)
+    grads = sum(padded(b, parts) for b in bs) * FP32
+    copies = grads // FP32 * 2 if reduce_in_bf16 else 0
     tensors = sum(len(c.tensors) for c in chunk_list)
     weight = 2 if half_weights else FP32
     if not distributed:
         mains = n * FP32 if half_weights else 0
-        return StateBytes(n * weight, grads, n * 2 * FP32 + tensors * FP32 + mains)
+        return StateBytes(n * weight, grads, n * 2 * FP32 + tensors * FP32 + mains, copies)
     mains = grads // parts if half_weights else 0  # this rank's slice of every padded bucket
     # The distributed optimizer moves the parameters into buffers laid out (padded) as the
     # gradients, and steps 1/dp slices ("pieces") of them: moments for the elements of its
@@ -171,4 +192,4 @@ def state_bytes(
                     pieces += 1
                 offset += n_p
         worst = max(worst, elements * 2 * FP32 + pieces * FP32)
-    return StateBytes(grads // FP32 * weight, grads, worst + mains)
+    return StateBytes(grads // FP32 * weight, grads, worst + mains, copies)
