@@ -96,12 +96,6 @@ def test_a_batch_ramp_up_keeps_the_layouts_megart_train_would_run_it_on(capsys):
 UNMODELLED_GIVEN = {
     "recompute_method": ["--recompute-method", "block"],
     "recompute_num_layers": ["--recompute-num-layers", "2"],
-    "overlap_grad_reduce": ["--no-overlap-grad-reduce"],
-    "overlap_param_gather": ["--overlap-param-gather", "--use-distributed-optimizer"],
-    "ddp_bucket_size": ["--ddp-bucket-size", "1000000"],
-    "ddp_num_buckets": ["--ddp-num-buckets", "4"],
-    "grad_reduce_in_bf16": ["--grad-reduce-in-bf16"],
-    "accumulate_allreduce_grads_in_fp32": ["--accumulate-allreduce-grads-in-fp32"],
     "attention_backend": ["--attention-backend", "unfused"],
     "reset_attention_mask": ["--reset-attention-mask"],
     "bias_gelu_fusion": ["--no-bias-gelu-fusion"],
@@ -204,3 +198,22 @@ def test_a_window_plans_context_parallelism_only_where_its_attention_is_modelled
     code, a2a = plan(capsys, *LONG, "--cp-comm-type", "a2a", "--context-parallel-size", "2")
     assert code == 0, a2a
     assert {c["layout"]["cp"] for c in a2a["candidates"]} == {2}
+
+
+def test_data_parallel_flags_reach_the_plan_from_the_command_line(capsys):
+    """The flags plan.data_parallel models, given on the command line: --grad-reduce-in-bf16
+    adds each bucket's bf16 copy (half the fp32 gradients) to the gradients' memory, and
+    --no-overlap-grad-reduce leaves the whole reduction exposed (never faster)."""
+    layout = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+              "--micro-batch-size", "1"]  # fmt: skip
+    runs = {}
+    for name, given in {"default": [], "bf16 reduce": ["--grad-reduce-in-bf16"],
+                        "no overlap": ["--no-overlap-grad-reduce"]}.items():  # fmt: skip
+        code, out = plan(capsys, *MODEL, *layout, *given)
+        assert code == 0, out
+        runs[name] = out
+    grads = {n: r["memory_gib"]["gradients"] for n, r in runs.items()}
+    assert grads["bf16 reduce"] == pytest.approx(1.5 * grads["default"])
+    exposed = {n: r["time_s"]["dp_comm"] for n, r in runs.items()}
+    assert exposed["no overlap"] > exposed["default"]
+    assert exposed["bf16 reduce"] < exposed["default"]

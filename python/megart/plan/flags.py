@@ -68,6 +68,16 @@ MODELLED = (
     # context parallelism then searched at 1 only, and refused when given (megart.cli.plan).
     "window_size",
     "window_attn_skip_freq",
+    # The data-parallel reduction (plan.data_parallel, plan.parameters): exposed or overlapped,
+    # its buckets, 2 bytes an element and the buckets' bf16 copies; --overlap-param-gather and
+    # --accumulate-allreduce-grads-in-fp32 change nothing in megart's runtime (each chunk's
+    # forward waits for all its buckets; gradients are fp32 always).
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "ddp_bucket_size",
+    "ddp_num_buckets",
+    "grad_reduce_in_bf16",
+    "accumulate_allreduce_grads_in_fp32",
     "scatter_gather_tensors_in_pipeline",  # pipeline messages of b s h / t, or b s h without
     # The loss's saves (the logits instead of an fp32 softmax); its time is charged as the
     # unfused loss's element-wise work (timing.logits_work), an overestimate on a GPU.
@@ -82,12 +92,6 @@ MODELLED = (
 UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
     "recompute_method": (("uniform",), "which layers full recomputation replays"),
     "recompute_num_layers": ((1,), "which layers full recomputation replays"),
-    "overlap_grad_reduce": ((True,), "the gradient reduction's overlap with backward"),
-    "overlap_param_gather": ((False,), "the distributed optimizer's parameter all-gather"),
-    "ddp_bucket_size": ((None,), "the gradient buckets' overlap with backward"),
-    "ddp_num_buckets": ((None,), "the gradient buckets' overlap with backward"),
-    "grad_reduce_in_bf16": ((False,), "the gradient reduction's bytes"),
-    "accumulate_allreduce_grads_in_fp32": ((False,), "the gradient reduction's bytes"),
     "attention_backend": (
         ("auto", "flash", "fused"),
         "the unfused attention's s x s scores (torch's fused kernels are planned)",
