@@ -143,10 +143,10 @@ def test_use_checkpoint_args_plans_the_checkpoints_model(tmp_path, capsys):
         "--seq-length", "32", "--position-embedding-type", "rope", "--swiglu",
         "--untie-embeddings-and-output-weights", "--normalization", "RMSNorm",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1",
-        "--save", str(ckpt),
+        "--pipeline-model-parallel-size", "2", "--save", str(ckpt),
     ]  # fmt: skip
-    status, out = launch(mw.run_cli, 1, saved, timeout=300)[0]
-    assert status == 0, out
+    for status, out in launch(mw.run_cli, 2, saved, timeout=300):
+        assert status == 0, out
     model = saved[: saved.index("--micro-batch-size")]
     batch = ["--global-batch-size", "64"]
     code, direct = plan(capsys, *model, "--vocab-size", "256", *batch)
@@ -156,6 +156,18 @@ def test_use_checkpoint_args_plans_the_checkpoints_model(tmp_path, capsys):
     assert loaded == direct
     code, other = plan(capsys, "--num-layers", "2", "--hidden-size", "64", *batch)
     assert code == 0 and other != direct  # the checkpoint's architecture mattered
+    # The layout is searched unless --use-mp-args-from-checkpoint-args takes the checkpoint's.
+    both = ["--use-checkpoint-args", "--load", str(ckpt), *batch, "--top", "20"]
+    code, searched = plan(capsys, *both)
+    assert code == 0, searched
+    code, kept = plan(capsys, *both, "--use-mp-args-from-checkpoint-args")
+    assert code == 0, kept
+
+    def layouts(out: dict) -> set:
+        return {(c["layout"]["tp"], c["layout"]["pp"], c["layout"]["chunks"])
+                for c in out["candidates"]}  # fmt: skip
+
+    assert layouts(kept) == {(1, 2, 1)} != layouts(searched)
 
 
 def test_pipeline_messages_without_scatter_gather_take_longer():

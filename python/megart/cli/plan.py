@@ -36,6 +36,15 @@ SEARCHED = (
     "use_distributed_optimizer",
     "pipeline_schedule",
 )
+# What --use-mp-args-from-checkpoint-args takes from the checkpoint.
+CHECKPOINT_LAYOUT = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+)
 UNEVEN_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
 CP_SEARCHED = (
     " (searched when left out: 1 and each power of two C with --seq-length divisible by 2 C "
@@ -103,13 +112,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _base_config(args: argparse.Namespace) -> TrainConfig:
+def _base_config(args: argparse.Namespace) -> tuple[TrainConfig, TrainConfig]:
     """The command line's TrainConfig as megart train reads it (aliases, the tokenizer's
     vocabulary, --use-checkpoint-args), 16-bit compute assumed unless --fp16; refuses what the
     planner does not model. The layout flags go back to their defaults (each candidate sets its
     own), and so do the flags without effect and the tokenizer's, once their vocabulary is
     resolved: every candidate's config is made anew from this one, and would otherwise load the
-    tokenizer again or count a --train-samples schedule's iterations again."""
+    tokenizer again or count a --train-samples schedule's iterations again. Returns the config
+    as read and that base."""
     from megart.plan.flags import LAYOUT, NO_EFFECT, TOKENIZER, refuse_unmodelled
 
     # --use-checkpoint-args says what it takes, as Megatron-LM does, on stdout: here that is for
@@ -121,7 +131,7 @@ def _base_config(args: argparse.Namespace) -> TrainConfig:
     refuse_unmodelled(config)
     reset = (*LAYOUT, *NO_EFFECT, *TOKENIZER)
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in reset}
-    return dataclasses.replace(config, **defaults)
+    return config, dataclasses.replace(config, **defaults)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -143,9 +153,14 @@ def _run(args: argparse.Namespace) -> int:
     world = args.num_gpus
     if world < 1:
         raise ConfigError(f"--num-gpus {world} must be at least 1")
-    base = _base_config(args)
+    config, base = _base_config(args)
     # The layout flags given (None: searched); megart train's parser leaves out the others.
     lay = argparse.Namespace(**{n: getattr(args, n, None) for n in LAYOUT})
+    if getattr(args, "use_mp_args_from_checkpoint_args", False):
+        # Megatron's: the checkpoint's tensor and pipeline sizes, interleaving and uneven
+        # stages are the run's (megart.training.checkpoint_args), so they are not searched.
+        for name in CHECKPOINT_LAYOUT:
+            setattr(lay, name, getattr(config, name))
     chunks = None
     per = lay.num_layers_per_virtual_pipeline_stage
     check_schedule_flags(lay.pipeline_schedule, per)  # megart train's refusals
@@ -198,6 +213,8 @@ def _run(args: argparse.Namespace) -> int:
         chunks = base.num_layers // (pp * per)
     # Megatron's --recompute-activations is --recompute-granularity selective (model_flags).
     recompute = lay.recompute_granularity or ("selective" if lay.recompute_activations else False)
+    if chunks is None and getattr(args, "use_mp_args_from_checkpoint_args", False):
+        chunks = config.chunks  # the checkpoint's, 1 when it was not interleaved
     fixed = Fixed(
         tp=lay.tensor_model_parallel_size,
         pp=lay.pipeline_model_parallel_size,
