@@ -110,6 +110,23 @@ def _estimate(**kw):
     return estimate(TrainConfig(**BASE, **kw), layout, GPU, simulate=False)
 
 
+def test_zb_v_ranks_hold_their_v_shaped_layers_and_the_output_layer_on_rank_0():
+    """zb-v places chunk 0 down the ranks and chunk 1 back up (models.gpt.chunk_layers): at
+    4 layers on pp2 rank 0 holds layers 1 and 4 (and the output layer), rank 1 layers 2 and 3;
+    windowing layers 1 and 4 makes rank 0 the cheaper one, the output layer counted on it."""
+    from megart.plan.timing import logits_work
+
+    layout = Layout(1, 2, 1, 2, 1, False, None, False, "zb-v")
+    config = TrainConfig(**BASE, window_size="255,0", window_attn_skip_freq="[1,0,0,1]")
+    v = estimate(config, layout, GPU, simulate=False)
+    cfg = config.gpt_config()
+    windowed = layer_work(cfg, 1, 1, False, None, GPU, window=255)
+    full = layer_work(cfg, 1, 1, False, None, GPU)
+    logits = logits_work(cfg, 1, 1, GPU)
+    assert v.stages[0].forward == pytest.approx(2 * windowed.forward + logits.forward)
+    assert v.stages[1].forward == pytest.approx(2 * full.forward)
+
+
 def test_pipeline_ranks_with_other_windows_are_uneven_stages():
     plain = _estimate()
     assert plain.stages == []

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from megart.errors import ConfigError
 from megart.models import GPTConfig
-from megart.models.stages import stage_ranges
+from megart.models.gpt import chunk_layers
 from megart.models.window import layer_window
 from megart.plan import activations as act
 from megart.plan.data_parallel import (
@@ -217,18 +217,21 @@ def _stage_work(
     # Uneven stages: each rank's own layers (the output layer on the last), simulated with
     # unequal stage costs; a split that is even after all is the even layout. Ranks whose
     # layers differ in windows are uneven too.
+    # Each rank's layers as megart train places them (zb-v's V: rank 0 holds the first and the
+    # last chunk, so the output layer too).
     counts = layout.layer_counts(cfg.num_layers)
-    first, last = layout.first, layout.last
+    v_shape = layout.kind == "zb-v"
     ranks = []
     for r in range(p):
-        held = Counter(windows[i] for c in stage_ranges(cfg.num_layers, r, p, v, first, last)
-                       for i in c)  # fmt: skip
+        placed = chunk_layers(cfg.num_layers, r, p, v, v_shape, layout.first, layout.last)
+        held = Counter(windows[i] for c in placed for i in c)
         ranks.append(sum((works[w] * n for w, n in held.items()), Work(0.0, 0.0, 0.0)))
-    stage = ranks[-1] + logits
+    output_rank = 0 if v_shape else p - 1
+    stage = ranks[output_rank] + logits
     stages = []
     if len(set(counts)) > 1 or len(set(ranks)) > 1:
         stages = list(ranks)
-        stages[-1] = stages[-1] + logits
+        stages[output_rank] = stages[output_rank] + logits
         stage = max(stages, key=lambda w: w.forward + w.backward)
     return stage, stages
 
