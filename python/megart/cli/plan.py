@@ -61,7 +61,8 @@ EPILOG = (
     "that change neither an iteration's time nor what a GPU holds (learning rate, data, "
     "tokenizer files, checkpoints, logging, evaluation) are accepted and change nothing; those "
     "whose effect the planner does not model are refused by name unless left at megart "
-    "train's default (megart.plan.flags)."
+    "train's default (megart.plan.flags). With neither --bf16 nor --fp16 it plans bf16 (megart "
+    "train would run fp32, which the planner's figures, fitted to 16-bit runs, do not cover)."
 )
 
 
@@ -128,7 +129,7 @@ def _base_config(args: argparse.Namespace) -> tuple[TrainConfig, TrainConfig]:
         config = config_from_args(args)
     if not config.fp16 and not config.bf16:
         config = dataclasses.replace(config, bf16=True)  # say --fp16 for fp16
-    refuse_unmodelled(config)
+    refuse_unmodelled(config, args.runtime)
     reset = (*LAYOUT, *NO_EFFECT, *TOKENIZER)
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in reset}
     return config, dataclasses.replace(config, **defaults)
@@ -161,6 +162,8 @@ def _run(args: argparse.Namespace) -> int:
         # stages are the run's (megart.training.checkpoint_args), so they are not searched.
         for name in CHECKPOINT_LAYOUT:
             setattr(lay, name, getattr(config, name))
+    if lay.micro_batch_size is not None and lay.micro_batch_size < 1:  # 0 is not "searched"
+        raise ConfigError(f"--micro-batch-size {lay.micro_batch_size} must be at least 1")
     chunks = None
     per = lay.num_layers_per_virtual_pipeline_stage
     check_schedule_flags(lay.pipeline_schedule, per)  # megart train's refusals

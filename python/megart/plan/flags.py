@@ -4,9 +4,10 @@ plans unchanged (megart train FLAGS -> megart plan --gpu G --num-gpus N FLAGS).
 Every TrainConfig field is in exactly one of these (tests/test_plan_train_flags.py):
 - LAYOUT: given, fixed; left out, searched (megart.cli.plan).
 - MODELLED: the estimate reads it (the model's shape, the batch, the precision, what the
-  runtime holds and sends).
+  runtime holds and sends), or megart train's checks on it limit the layouts.
 - NO_EFFECT: changes neither an iteration's time nor what a GPU holds in it (the learning rate
-  and its schedule, data and tokenizer files, checkpoints, logging, evaluation, seeds...).
+  and its schedule, data and tokenizer files, checkpoints, logging, evaluation, seeds...), or
+  is accepted only at values that change nothing (--kv-channels, --max-position-embeddings).
 - UNMODELLED: changes time or memory in a way the planner does not model; refused by name
   unless left at megart train's default (or another value the plan predicts alike), so that no
   prediction silently describes another run.
@@ -51,8 +52,6 @@ MODELLED = (
     "normalization",
     "qk_layernorm",
     "position_embedding_type",
-    "max_position_embeddings",  # the learned position table's rows
-    "kv_channels",  # the head size, when not hidden / heads
     "rotary_percent",
     "swiglu",
     "disable_bias_linear",
@@ -69,15 +68,14 @@ MODELLED = (
     "window_size",
     "window_attn_skip_freq",
     # The data-parallel reduction (plan.data_parallel, plan.parameters): exposed or overlapped,
-    # its buckets, 2 bytes an element and the buckets' bf16 copies; --overlap-param-gather and
-    # --accumulate-allreduce-grads-in-fp32 change nothing in megart's runtime (each chunk's
-    # forward waits for all its buckets; gradients are fp32 always).
+    # its buckets, 2 bytes an element and the buckets' bf16 copies. --overlap-param-gather
+    # changes no time in megart's runtime (each chunk's forward waits for all its buckets) but
+    # needs the distributed optimizer (megart train's check limits the layouts).
     "overlap_grad_reduce",
     "overlap_param_gather",
     "ddp_bucket_size",
     "ddp_num_buckets",
     "grad_reduce_in_bf16",
-    "accumulate_allreduce_grads_in_fp32",
     "scatter_gather_tensors_in_pipeline",  # pipeline messages of b s h / t, or b s h without
     # The loss's saves (the logits instead of an fp32 softmax); its time is charged as the
     # unfused loss's element-wise work (timing.logits_work), an overestimate on a GPU.
@@ -103,7 +101,24 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
         "weight gradients made apart and then added to the main gradients",
     ),
     "fused_layer_norm": ((False,), "the fused LayerNorm's element-wise work and memory"),
+    # Per-iteration work megart train adds for its logs, and the allocator emptied each step.
+    "log_params_norm": ((False,), "a pass over the weights and an all-reduce each iteration"),
+    "log_num_zeros_in_grad": ((False,), "a pass over the gradients each iteration"),
+    "timing_log_level": ((0,), "a device synchronisation at each timed phase"),
+    "empty_unused_memory_level": ((0,), "the allocator's cache emptied and refilled"),
 }
+
+# Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the
+# published tables) refuses them rather than predict as if they were left out.
+MEGART_RUNTIME_ONLY = (
+    "window_size",
+    "window_attn_skip_freq",
+    "overlap_grad_reduce",
+    "ddp_bucket_size",
+    "ddp_num_buckets",
+    "grad_reduce_in_bf16",
+    "cross_entropy_loss_fusion",
+)
 
 # Accepted and change nothing in the prediction: the optimizer's hyperparameters and schedule
 # (megart's Adam either way), initialisation, data and its order, loss scaling, rope's
@@ -121,6 +136,9 @@ NO_EFFECT = (
     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "loss_scale",
     "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
     "calculate_per_token_loss", "check_for_nan_in_loss_and_grad",
+    # megart train takes them only where they change nothing: the head size h / heads, a
+    # learned position table of --seq-length rows; megart's gradients are fp32 always
+    "kv_channels", "max_position_embeddings", "accumulate_allreduce_grads_in_fp32",
     # inside torch's attention kernels on a GPU (no mask held); --use-flash-attn sets
     # --attention-backend flash, and the implementations name the same attention
     "attention_dropout", "use_flash_attn", "transformer_impl", "use_mcore_models",
@@ -139,12 +157,12 @@ NO_EFFECT = (
     "exit_on_missing_checkpoint", "exit_interval", "exit_duration_in_mins",
     "exit_signal_handler", "distributed_timeout_minutes",
     # host-side housekeeping: garbage collection, the allocator's cache (peak bytes unchanged)
-    "manual_gc", "manual_gc_interval", "manual_gc_eval", "empty_unused_memory_level",
+    "manual_gc", "manual_gc_interval", "manual_gc_eval",
     # logging and profiling
     "log_interval", "log_throughput", "log_jsonl", "tensorboard_dir", "tensorboard_log_interval",
-    "log_memory_to_tensorboard", "log_validation_ppl_to_tensorboard", "log_params_norm",
-    "log_num_zeros_in_grad", "log_world_size_to_tensorboard", "log_timers_to_tensorboard",
-    "timing_log_level", "timing_log_option", "profile", "profile_step_start", "profile_step_end",
+    "log_memory_to_tensorboard", "log_validation_ppl_to_tensorboard",
+    "log_world_size_to_tensorboard", "log_timers_to_tensorboard",
+    "timing_log_option", "profile", "profile_step_start", "profile_step_end",
     "use_pytorch_profiler", "profile_ranks", "pytorch_profiler_collect_shapes",
     "pytorch_profiler_collect_callstack",
 )  # fmt: skip
@@ -162,13 +180,20 @@ def flag(name: str, value: Any) -> str:
     return f"{spelt} {value}"
 
 
-def refuse_unmodelled(config: TrainConfig) -> None:
-    """Refuses, naming each, the flags of ``config`` whose effect the planner does not model."""
+def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
+    """Refuses, naming each, the flags of ``config`` whose effect the planner does not model
+    (for ``runtime``)."""
     refused = []
     for name, (alike, what) in UNMODELLED.items():
         value = getattr(config, name)
         if value not in alike:
             refused.append(f"{flag(name, value)} ({what})")
+    if runtime != "megart":
+        default = TrainConfig()
+        for name in MEGART_RUNTIME_ONLY:
+            value = getattr(config, name)
+            if value != getattr(default, name):
+                refused.append(f"{flag(name, value)} (with --runtime {runtime})")
     if refused:
         raise ConfigError(
             "megart plan does not model "
