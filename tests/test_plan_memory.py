@@ -54,6 +54,38 @@ LLAMA_ROPE = dict(LLAMA, position_embedding_type="rope", bf16=True, global_batch
 
 # (name, processes, model, layout flags)
 CASES = [
+    # --recompute-method/--recompute-num-layers: uniform groups keep one input each and replay
+    # the whole group at once; block keeps everything of the layers past the first N.
+    (
+        "uniform 2",
+        1,
+        SMALL,
+        dict(recompute_granularity="full", recompute_num_layers=2, micro_batch_size=2),
+    ),
+    (
+        "pp2 block 1",
+        2,
+        SMALL,
+        dict(
+            pipeline_model_parallel_size=2,
+            recompute_granularity="full",
+            recompute_method="block",
+            micro_batch_size=2,
+        ),
+    ),
+    (
+        "tp2 sp block 3 llama rope",
+        2,
+        LLAMA_ROPE,
+        dict(
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            recompute_granularity="full",
+            recompute_method="block",
+            recompute_num_layers=3,
+            micro_batch_size=3,
+        ),
+    ),
     # --cross-entropy-loss-fusion: the loss keeps the logits (fp32 here, bf16 there) instead
     # of an fp32 softmax; padded vocabulary, tensor-parallel slices.
     (

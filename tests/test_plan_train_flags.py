@@ -96,8 +96,6 @@ def test_a_batch_ramp_up_keeps_the_layouts_megart_train_would_run_it_on(capsys):
 
 # A value other than megart train's default, spelt as megart train takes it.
 UNMODELLED_GIVEN = {
-    "recompute_method": ["--recompute-method", "block"],
-    "recompute_num_layers": ["--recompute-num-layers", "2"],
     "attention_backend": ["--attention-backend", "unfused"],
     "reset_attention_mask": ["--reset-attention-mask"],
     "bias_gelu_fusion": ["--no-bias-gelu-fusion"],
@@ -249,6 +247,8 @@ def test_flags_modelled_for_megarts_runtime_only_are_refused_under_megatrons(nam
         "ddp_num_buckets": ["--ddp-num-buckets", "4"],
         "grad_reduce_in_bf16": ["--grad-reduce-in-bf16", "--bf16"],
         "cross_entropy_loss_fusion": ["--cross-entropy-loss-fusion"],
+        "recompute_method": ["--recompute-granularity", "full", "--recompute-method", "block"],
+        "recompute_num_layers": ["--recompute-granularity", "full", "--recompute-num-layers", "2"],
     }[name]
     code, out = plan(capsys, *MODEL, *given)
     assert code == 0, out

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from megart.errors import ConfigError
 from megart.models import GPTConfig
 from megart.models.gpt import chunk_layers
+from megart.models.recompute import recomputed_spans
 from megart.models.window import layer_window
 from megart.plan import activations as act
 from megart.plan.data_parallel import (
@@ -147,8 +148,11 @@ def estimate(
     time["iteration"] = run.makespan + dp_exposed + gather + tied + optimizer
     # The paper's count (the whole s x s attention), as SC21's and Megatron-Core's published
     # tables were counted; megart train prints Megatron's current, causal count.
-    flops_run = model_flops(cfg, c.global_batch_size, recompute=rec == "full", causal=False)
     flops_model = model_flops(cfg, c.global_batch_size, causal=False)
+    flops_run = flops_model
+    if rec == "full":  # the replayed layers' forward again (all of them but under block)
+        again = model_flops(cfg, c.global_batch_size, recompute=True, causal=False) - flops_model
+        flops_run += again * _replayed_share(cfg, layout)
     tflops = flops_run / time["iteration"] / world / 1e12
     model_tflops = flops_model / time["iteration"] / world / 1e12
     missing = worst["total"] - gpu.usable_bytes
@@ -208,10 +212,13 @@ def _stage_work(
     # Each layer's work by its sliding window (None: full causal attention).
     windows = [layer_window(cfg.window_size, cfg.window_attn_skip_freq, i)
                for i in range(cfg.num_layers)]  # fmt: skip
+    # Full recomputation replays the layers --recompute-method/--recompute-num-layers pick
+    # (block: the first N of each chunk; the others run as without recomputation).
+    kinds = {rec} | ({None} if rec == "full" and cfg.recompute_method == "block" else set())
     works = {
-        w: layer_work(cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap, cp=cp,
-                      cp_bus_gb_per_s=cp_bus, window=w)
-        for w in set(windows)
+        (w, r): layer_work(cfg, b, t, sp, r, tp_gpu, unfused_attention, tp_overlap, cp=cp,
+                           cp_bus_gb_per_s=cp_bus, window=w)
+        for w in set(windows) for r in kinds
     }  # fmt: skip
     logits = logits_work(cfg, b, t, gpu, cp)
     # Uneven stages: each rank's own layers (the output layer on the last), simulated with
@@ -224,7 +231,11 @@ def _stage_work(
     ranks = []
     for r in range(p):
         placed = chunk_layers(cfg.num_layers, r, p, v, v_shape, layout.first, layout.last)
-        held = Counter(windows[i] for c in placed for i in c)
+        held = Counter(
+            (windows[c[i]], rec if again else None)
+            for c in placed
+            for i, again in enumerate(replayed_layers(len(c), cfg))
+        )
         ranks.append(sum((works[w] * n for w, n in held.items()), Work(0.0, 0.0, 0.0)))
     output_rank = 0 if v_shape else p - 1
     stage = ranks[output_rank] + logits
@@ -234,6 +245,28 @@ def _stage_work(
         stages[output_rank] = stages[output_rank] + logits
         stage = max(stages, key=lambda w: w.forward + w.backward)
     return stage, stages
+
+
+def replayed_layers(layers: int, cfg: GPTConfig) -> list[bool]:
+    """Whether each of a chunk's ``layers`` layers is replayed under full recomputation
+    (megart.models.recompute.recomputed_spans; every layer but under --recompute-method
+    block)."""
+    if cfg.recompute_granularity != "full":  # the method picks nothing then
+        return [True] * layers
+    spans = recomputed_spans(layers, cfg.recompute_method, cfg.recompute_num_layers)
+    return [again for start, stop, again in spans for _ in range(start, stop)]
+
+
+def _replayed_share(cfg: GPTConfig, layout: Layout) -> float:
+    """The share of the model's layers full recomputation replays, over every rank's chunks."""
+    p, v = layout.pp, layout.chunks
+    chunks = [
+        c
+        for r in range(p)
+        for c in chunk_layers(cfg.num_layers, r, p, v, layout.kind == "zb-v", layout.first,
+                              layout.last)
+    ]  # fmt: skip
+    return sum(sum(replayed_layers(len(c), cfg)) for c in chunks) / cfg.num_layers
 
 
 def _check_runtime(

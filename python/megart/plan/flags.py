@@ -76,6 +76,9 @@ MODELLED = (
     "ddp_bucket_size",
     "ddp_num_buckets",
     "grad_reduce_in_bf16",
+    # Which layers full recomputation replays and keeps (plan.memory, estimate._stage_work).
+    "recompute_method",
+    "recompute_num_layers",
     "scatter_gather_tensors_in_pipeline",  # pipeline messages of b s h / t, or b s h without
     # The loss's saves (the logits instead of an fp32 softmax); its time is charged as the
     # unfused loss's element-wise work (timing.logits_work), an overestimate on a GPU.
@@ -88,8 +91,6 @@ MODELLED = (
 
 # field -> (the values the plan predicts alike, why another one is not modelled)
 UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "recompute_method": (("uniform",), "which layers full recomputation replays"),
-    "recompute_num_layers": ((1,), "which layers full recomputation replays"),
     "attention_backend": (
         ("auto", "flash", "fused"),
         "the unfused attention's s x s scores (torch's fused kernels are planned)",
@@ -111,6 +112,8 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the
 # published tables) refuses them rather than predict as if they were left out.
 MEGART_RUNTIME_ONLY = (
+    "recompute_method",
+    "recompute_num_layers",
     "window_size",
     "window_attn_skip_freq",
     "overlap_grad_reduce",

@@ -3,6 +3,7 @@ state it owns and the activations its schedule holds."""
 
 from __future__ import annotations
 
+from megart.models.recompute import recomputed_spans
 from megart.plan import activations as act
 from megart.plan.holding import Held
 from megart.plan.layout import Layout
@@ -63,7 +64,18 @@ def rank_memory(
         full = act.layer_bytes(cfg, b, t, sp, None, prec, unfused_attention, cp)
     n = held.activations
     saved = n * per_chunk_layers * layer_bytes
-    if not megatron:  # rope's cos and sin, shared by a chunk's layers
+    working_layers = 1  # layers whose whole set one recomputation makes live at once
+    if rec == "full" and not megatron:
+        # --recompute-method/--recompute-num-layers: each recomputed span keeps its input only,
+        # the layers outside them (block) keep everything, as megart.models.gpt runs a chunk.
+        spans = recomputed_spans(per_chunk_layers, cfg.recompute_method, cfg.recompute_num_layers)
+        kept = sum(stop - start for start, stop, again in spans if not again)
+        replayed = [stop - start for start, stop, again in spans if again]
+        saved = n * (len(replayed) * layer_bytes + kept * full)
+        working_layers = max(replayed)
+        if kept:  # the kept layers' rope tables, as without recomputation
+            saved += n * act.rope_table_bytes(cfg, None, cp)
+    elif not megatron:  # rope's cos and sin, shared by a chunk's layers
         saved += n * act.rope_table_bytes(cfg, rec, cp)
     if pp_rank == 0:
         saved += n * act.first_stage_bytes(cfg, b, t, cp, sp)
@@ -72,7 +84,7 @@ def rank_memory(
     outputs = 0.0
     if (pp_rank < p - 1 or v > 1) and not megatron:
         outputs = n * act.output_bytes(cfg, b, t, sp, prec, cp)
-    working = full + act.rope_table_bytes(cfg, None, cp) if rec == "full" else 0.0
+    working = working_layers * full + act.rope_table_bytes(cfg, None, cp) if rec == "full" else 0.0
     grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec, cp)
     grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec, cp)
     # 16-bit weights with fp32 main weights need no autocast copies (megart's --half-weights
