@@ -221,11 +221,10 @@ def _stage_work(
         for w in set(windows) for r in kinds
     }  # fmt: skip
     logits = logits_work(cfg, b, t, gpu, cp)
-    # Uneven stages: each rank's own layers (the output layer on the last), simulated with
-    # unequal stage costs; a split that is even after all is the even layout. Ranks whose
-    # layers differ in windows are uneven too.
     # Each rank's layers as megart train places them (zb-v's V: rank 0 holds the first and the
-    # last chunk, so the output layer too).
+    # last chunk, so the output layer too). Uneven stages, and ranks whose layers differ in
+    # windows or recomputation, are simulated with each rank's own costs; a split that is even
+    # after all is the even layout.
     counts = layout.layer_counts(cfg.num_layers)
     v_shape = layout.kind == "zb-v"
     ranks = []
