@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from megart.cli.train import HELP, FlagParser, add_arguments, config_from_args
 from megart.errors import MegartError
 from megart.models.stages import check_stages, uneven
+from megart.training.checkpoint_args import INTERLEAVING, STAGES
 from megart.training.config import TrainConfig
 from megart.training.config_checks import _check_uneven as check_uneven
 from megart.training.config_checks import _check_virtual_flags as check_virtual_flags
@@ -36,16 +37,9 @@ SEARCHED = (
     "use_distributed_optimizer",
     "pipeline_schedule",
 )
-# What --use-mp-args-from-checkpoint-args takes from the checkpoint.
-CHECKPOINT_LAYOUT = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "num_layers_per_virtual_pipeline_stage",
-    "num_virtual_stages_per_pipeline_rank",
-    "decoder_first_pipeline_num_layers",
-    "decoder_last_pipeline_num_layers",
-)
-UNEVEN_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+# What --use-mp-args-from-checkpoint-args takes from the checkpoint (checkpoint_args' own lists).
+CHECKPOINT_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", *INTERLEAVING,
+                     *STAGES)  # fmt: skip
 CP_SEARCHED = (
     " (searched when left out: 1 and each power of two C with --seq-length divisible by 2 C "
     "and C dividing --num-gpus that megart train accepts (--cp-comm-type a2a: attention heads "
@@ -189,7 +183,7 @@ def _run(args: argparse.Namespace) -> int:
     if uneven(first, last) or virtual is not None:
         pp = lay.pipeline_model_parallel_size
         if pp is None:
-            given = [f"--{n.replace('_', '-')}" for n in UNEVEN_FLAGS if getattr(lay, n)]
+            given = [f"--{n.replace('_', '-')}" for n in STAGES if getattr(lay, n)]
             given += ["--num-virtual-stages-per-pipeline-rank"] if virtual is not None else []
             raise ConfigError(f"{' and '.join(given)} need --pipeline-model-parallel-size")
         # megart train's refusals, in its words.

@@ -52,6 +52,11 @@ def layer_window(window: Window | None, skip_freq: SkipFreq | None, layer: int) 
     return window[0]
 
 
+def any_windowed(window: Window | None, skip_freq: SkipFreq | None, num_layers: int) -> bool:
+    """Whether some layer of ``num_layers`` attends within a window (layer_window)."""
+    return any(layer_window(window, skip_freq, i) is not None for i in range(num_layers))
+
+
 def covers(left: int | None, seq: int) -> bool:
     """Whether a window of ``left`` earlier tokens reaches every earlier token of a ``seq``-token
     sequence, so that it masks nothing beyond causality."""
@@ -108,7 +113,7 @@ def refuse_window(
 ) -> None:
     """Refuses a model with a window in some layer for a checkpoint format ``fmt`` that has
     none (it would load as full causal attention: another model)."""
-    if any(layer_window(window, skip_freq, i) is not None for i in range(num_layers)):
+    if any_windowed(window, skip_freq, num_layers):
         assert window is not None
         pattern = "" if skip_freq is None else f" --window-attn-skip-freq {skip_freq}"
         raise ConfigError(

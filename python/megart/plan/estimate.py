@@ -226,17 +226,15 @@ def _stage_work(
     # windows or recomputation, are simulated with each rank's own costs; a split that is even
     # after all is the even layout.
     counts = layout.layer_counts(cfg.num_layers)
-    v_shape = layout.kind == "zb-v"
     ranks = []
-    for r in range(p):
-        placed = chunk_layers(cfg.num_layers, r, p, v, v_shape, layout.first, layout.last)
+    for placed in _rank_chunks(cfg, layout):
         held = Counter(
             (windows[c[i]], rec if again else None)
             for c in placed
             for i, again in enumerate(replayed_layers(len(c), cfg))
         )
         ranks.append(sum((works[w] * n for w, n in held.items()), Work(0.0, 0.0, 0.0)))
-    output_rank = 0 if v_shape else p - 1
+    output_rank = 0 if layout.kind == "zb-v" else p - 1
     stage = ranks[output_rank] + logits
     stages = []
     if len(set(counts)) > 1 or len(set(ranks)) > 1:
@@ -256,15 +254,17 @@ def replayed_layers(layers: int, cfg: GPTConfig) -> list[bool]:
     return [again for start, stop, again in spans for _ in range(start, stop)]
 
 
+def _rank_chunks(cfg: GPTConfig, layout: Layout) -> list[list[range]]:
+    """Each pipeline rank's chunks of layers, as megart train places them (zb-v's V too)."""
+    p, v = layout.pp, layout.chunks
+    v_shape = layout.kind == "zb-v"
+    return [chunk_layers(cfg.num_layers, r, p, v, v_shape, layout.first, layout.last)
+            for r in range(p)]  # fmt: skip
+
+
 def _replayed_share(cfg: GPTConfig, layout: Layout) -> float:
     """The share of the model's layers full recomputation replays, over every rank's chunks."""
-    p, v = layout.pp, layout.chunks
-    chunks = [
-        c
-        for r in range(p)
-        for c in chunk_layers(cfg.num_layers, r, p, v, layout.kind == "zb-v", layout.first,
-                              layout.last)
-    ]  # fmt: skip
+    chunks = [c for placed in _rank_chunks(cfg, layout) for c in placed]
     return sum(sum(replayed_layers(len(c), cfg)) for c in chunks) / cfg.num_layers
 
 

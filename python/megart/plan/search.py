@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from megart.errors import ConfigError
-from megart.models.window import layer_window
+from megart.models.window import any_windowed
 from megart.parallel.checks import check_model_fits
 from megart.parallel.layout import divisors, make_layout
 from megart.plan.estimate import Estimate, estimate, work_bound
@@ -106,10 +106,8 @@ def windowed_ring(base: TrainConfig) -> bool:
     a sliding window: those blocks are explicit fp32 products (models.ring_attention), which
     the planner does not model (it would time them as the flash blocks of other layers)."""
     cfg = base.gpt_config()
-    windows = (
-        layer_window(cfg.window_size, cfg.window_attn_skip_freq, i) for i in range(cfg.num_layers)
-    )
-    return base.cp_comm_type == "p2p" and any(w is not None for w in windows)
+    windowed = any_windowed(cfg.window_size, cfg.window_attn_skip_freq, cfg.num_layers)
+    return base.cp_comm_type == "p2p" and windowed
 
 
 def candidates(
