@@ -20,7 +20,7 @@ from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
 from megart.plan.memory import precision, rank_memory, sixteen_bit_weights
 from megart.plan.parameters import FP32
 from megart.plan.pipeline_run import PipelineRun, pipeline_run, states_of
-from megart.plan.timing import Work, layer_work, logits_work
+from megart.plan.timing import Work, layer_work, logits_work, recomputed_layers
 from megart.training.config import TrainConfig
 from megart.training.flops import model_flops
 
@@ -92,7 +92,6 @@ def estimate(
     cfg = c.gpt_config()
     m = c.microbatches(dp)
     t, p, v, b, sp = layout.sizes()
-    rec = cfg.recompute_granularity
     prec = precision(c, runtime)
 
     stage, stages = _stage_work(cfg, layout, gpu, unfused_attention, tp_overlap)
@@ -134,13 +133,17 @@ def estimate(
     time["iteration"] = run.makespan + dp_exposed + gather + tied + optimizer
     # The paper's count (the whole s x s attention), as SC21's and Megatron-Core's published
     # tables were counted; megart train prints Megatron's current, causal count.
-    flops_run = model_flops(cfg, c.global_batch_size, recompute=rec == "full", causal=False)
     flops_model = model_flops(cfg, c.global_batch_size, causal=False)
+    # Recomputed FLOPs of the layers full recomputation replays (block: N of each chunk's),
+    # each a layer's forward: an exact share of the count with every layer replayed.
+    replayed = sum(recomputed_layers(cfg, n, v) for n in layout.layer_counts(cfg.num_layers))
+    every = model_flops(cfg, c.global_batch_size, recompute=True, causal=False) - flops_model
+    flops_run = flops_model + every // cfg.num_layers * replayed
     tflops = flops_run / time["iteration"] / world / 1e12
     model_tflops = flops_model / time["iteration"] / world / 1e12
     missing = worst["total"] - gpu.usable_bytes
     return Estimate(
-        layout=dataclasses.replace(layout, dp=dp),
+        layout=_returned_layout(layout, c, dp),
         num_layers=cfg.num_layers,
         microbatches=m,
         memory=worst,
@@ -157,6 +160,16 @@ def estimate(
         stage=run.stage,
         stages=run.stages,
     )
+
+
+def _returned_layout(layout: Layout, c: TrainConfig, dp: int) -> Layout:
+    """The layout as estimated: its data-parallel size, and under full recomputation the
+    spans (--recompute-method, --recompute-num-layers) where they are not the defaults."""
+    out = dataclasses.replace(layout, dp=dp)
+    given = dataclasses.replace(
+        out, recompute_method=c.recompute_method, recompute_num_layers=c.recompute_num_layers
+    )
+    return given if layout.recompute == "full" and given.spans_given else out
 
 
 def work_bound(
@@ -192,17 +205,24 @@ def _stage_work(
         tp_gpu = dataclasses.replace(gpu, nvlink_bus_gb_per_s=gpu.rail_gb_per_s)
     cp_bus = data_parallel_bus_gb_per_s(gpu, t, cp)
     rec = cfg.recompute_granularity
-    per_layer = layer_work(
-        cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap, cp=cp, cp_bus_gb_per_s=cp_bus
-    )
+    kw = dict(cp=cp, cp_bus_gb_per_s=cp_bus)
+    per_layer = layer_work(cfg, b, t, sp, rec, tp_gpu, unfused_attention, tp_overlap, **kw)
+    kept = per_layer
+    if rec == "full":  # --recompute-method block keeps all but N layers of each chunk
+        kept = layer_work(cfg, b, t, sp, None, tp_gpu, unfused_attention, tp_overlap, **kw)
+
+    def rank_work(n: int) -> Work:  # a rank's n layers, v chunks of them
+        replayed = recomputed_layers(cfg, n, v)
+        return per_layer * replayed + kept * (n - replayed)
+
     logits = logits_work(cfg, b, t, gpu, cp)
-    stage = per_layer * (cfg.num_layers / p) + logits
+    counts = layout.layer_counts(cfg.num_layers)
+    stage = rank_work(counts[-1]) + logits
     # Uneven stages: each rank's own layers (the output layer on the last), simulated with
     # unequal stage costs; a split that is even after all is the even layout.
-    counts = layout.layer_counts(cfg.num_layers)
     stages = []
     if len(set(counts)) > 1:
-        stages = [per_layer * n for n in counts]
+        stages = [rank_work(n) for n in counts]
         stages[-1] = stages[-1] + logits
         stage = max(stages, key=lambda w: w.forward + w.backward)
     return stage, stages
@@ -264,9 +284,11 @@ def _worst_rank_memory(
         assert run.plan is not None
         rec = cfg.recompute_granularity
         cp = layout.cp
-        one = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention, cp)
         pair = act.output_bytes(cfg, b, t, sp, prec, cp) + act.rope_table_bytes(cfg, rec, cp)
-        per_pair = [n * one + pair for n in layers]
+        per_pair = [
+            act.chunk_layer_bytes(cfg, b, t, sp, prec, n, unfused_attention, cp)[0] + pair
+            for n in layers
+        ]
         grads = [act.weight_grad_bytes(cfg, b, t, prec, cp) * n for n in layers]
         out_grads = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
         last = p * v - 1

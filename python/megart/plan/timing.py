@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
+from megart.models.recompute import recomputed_spans
 from megart.plan.context_parallel import RingPasses, a2a_layer_seconds, kv_gathers, ring_passes
 from megart.plan.hardware import GPUProfile
 
@@ -244,6 +245,18 @@ def layer_work(
     # dW = dY^T X of each dense product costs what its forward did; the attention core has no
     # weights, so both its backward products belong to I.
     return Work(forward, backward, tp_comm, fwd_gemm, cp_comm)
+
+
+def recomputed_layers(cfg: GPTConfig, layers: int, chunks: int = 1) -> int:
+    """How many of a rank's ``layers`` (``chunks`` model chunks of layers / chunks each) full
+    recomputation replays, as megart train runs it (models.recompute.recomputed_spans):
+    --recompute-method uniform all of them, whatever --recompute-num-layers; block the first N
+    of each chunk. None without full recomputation."""
+    if cfg.recompute_granularity != "full":
+        return 0
+    method, n = cfg.recompute_method, cfg.recompute_num_layers
+    spans = recomputed_spans(layers // chunks, method, n)
+    return chunks * sum(stop - start for start, stop, recomputed in spans if recomputed)
 
 
 def logits_work(cfg: GPTConfig, b: int, tp: int, gpu: GPUProfile, cp: int = 1) -> Work:
