@@ -165,11 +165,20 @@ def chunk_layer_bytes(
     whole = layer_bytes(cfg, b, tp, sp, None, prec, unfused_attention, cp)
     rope = rope_table_bytes(cfg, None, cp)
     method, n = cfg.recompute_method, cfg.recompute_num_layers
-    return full_recompute_bytes(layers, method, n, one, whole, rope)
+    # The first norm keeps the span's input itself (LayerNorm; RMSNorm's fp32 view of it when
+    # the stream is fp32), else its fp32 copy: counted in ``whole`` either way.
+    shared = cfg.normalization != "rmsnorm" or prec.residual == 4
+    return full_recompute_bytes(layers, method, n, one, whole, rope, shared)
 
 
 def full_recompute_bytes(
-    layers: int, method: str, num_layers: int, input_bytes: float, whole: float, rope: float
+    layers: int,
+    method: str,
+    num_layers: int,
+    input_bytes: float,
+    whole: float,
+    rope: float,
+    shared: bool = True,
 ) -> tuple[float, float]:
     """One (microbatch, chunk) pair of ``layers`` layers under full recomputation, spans as
     megart train runs them (models.recompute.recomputed_spans: --recompute-method uniform,
@@ -177,23 +186,25 @@ def full_recompute_bytes(
     kept): (the bytes it keeps from its forward to its backward, how far above that its
     backward rises while a span is recomputed). ``input_bytes``: one layer's input (what a
     checkpoint keeps), ``whole``: one layer's saves without recomputation, ``rope``: rope's
-    tables (every layer's rotation saves the same two).
+    tables (every layer's rotation saves the same two), ``shared``: the replayed first layer
+    saves the span's kept input itself (not a copy of it).
 
     Kept: each checkpointed span's input, the kept layers' whole saves and, when some layer is
     kept, the rope tables. Backward runs the spans last first, each freeing its saves; a
     checkpointed span's recomputation makes all its layers' saves at once (torch's checkpoint
     recomputes the span at the first saved tensor backward asks for, and frees each one as it
-    is used), its first layer's input being the span's kept input, and the rope tables again
-    (the kept layers' backward, which comes first, has freed theirs). So recomputing span k
-    holds the inputs of spans 0..k and span k's layers' whole saves but its input: with equal
-    groups the last span's moment is the highest, with a shorter last group (N not dividing the
-    layers) the one before may be. Under block with N < layers the kept layers held more at
-    the start of the backward: nothing rises."""
+    is used), its first layer's input being the span's kept input (``shared``), and the rope
+    tables again (the kept layers' backward, which comes first, has freed theirs). So
+    recomputing span k holds the inputs of spans 0..k and span k's layers' whole saves (but
+    the shared input): with equal groups the last span's moment is the highest, with a shorter
+    last group (N not dividing the layers) the one before may be. Under block with N < layers
+    the kept layers held as much at the start of the backward: nothing rises."""
     held = peak = kept = 0.0
     for start, stop, recomputed in recomputed_spans(layers, method, num_layers):
         if recomputed:
             held += input_bytes
-            peak = max(peak, held - input_bytes + (stop - start) * whole + rope)
+            again = (stop - start) * whole + rope - (input_bytes if shared else 0.0)
+            peak = max(peak, held + again)
         else:
             kept += (stop - start) * whole + rope
     stored = held + kept

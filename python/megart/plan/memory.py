@@ -73,17 +73,17 @@ def rank_memory(
         saved += n * act.rope_table_bytes(cfg, rec, cp)
     if pp_rank == 0:
         saved += n * act.first_stage_bytes(cfg, b, t, cp, sp)
-    loss = 0.0
     if pp_rank == (0 if layout.kind == "zb-v" else p - 1):  # zb-v's last stage is on rank 0
-        loss = act.last_stage_bytes(cfg, b, t, sp, prec, cp)
-    saved += loss
+        saved += act.last_stage_bytes(cfg, b, t, sp, prec, cp)
     outputs = 0.0
     if (pp_rank < p - 1 or v > 1) and not megatron:
         outputs = n * act.output_bytes(cfg, b, t, sp, prec, cp)
     # The rank's most pairs are held when a backward starts (the count only falls by one),
-    # that pair's own saves included until it replays its last span; the last stage's loss
-    # saves are freed by then (its backward runs first).
-    working = max(0.0, risen - loss)
+    # that pair's saves included until it replays its spans. On the last stage the loss's
+    # saves are freed by then (its backward runs first), but that backward makes the logits'
+    # gradient, as large as the fp32 softmax it keeps, which no part counts: the loss's saves,
+    # counted beside the replay, stand for it.
+    working = risen
     grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec, cp)
     grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec, cp)
     # 16-bit weights with fp32 main weights need no autocast copies (megart's --half-weights
