@@ -55,7 +55,7 @@ CASES = [
     # rope's tables: saved by the kept layers, and again by each replay.
     *[
         _case("llama rope bf16", 1, {}, m, n, model=dict(LLAMA_ROPE, recompute_granularity="full"))
-        for m, n in (("uniform", 2), ("block", 1))
+        for m, n in (("uniform", 2), ("block", 1), ("block", 3))
     ],  # fmt: skip
 ]
 
