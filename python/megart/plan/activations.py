@@ -37,8 +37,9 @@ rope its projection input is a view, h/t fewer than counted.
 
 With autocast (--bf16/--fp16) everything is 16-bit, the residual stream too unless
 --fp32-residual-connection keeps it fp32. Selective recomputation drops the attention core's
-own saves (the log-sum-exp, or the s x s matrices); full recomputation keeps only each layer's
-input (and one layer's set while it is recomputed).
+own saves (the log-sum-exp, or the s x s matrices); full recomputation keeps only the input of
+each checkpointed span of layers (--recompute-method, --recompute-num-layers; block keeps the
+other layers' whole sets), and a span's whole sets while it is replayed (full_recompute_bytes).
 Korthikanti et al.'s 34 s b h (with a 5 a s/h attention term) counts Megatron's tensors, which
 differ slightly (dropout masks; Megatron re-gathers sequence-parallel inputs in backward).
 
@@ -320,7 +321,8 @@ def a2a_attention_elements(
 def rope_table_bytes(cfg: GPTConfig, recompute: str | None, cp: int = 1) -> float:
     """rope's cos and sin, fp32 [s/cp, rotary_dim/2] each, made once per chunk and microbatch
     and saved by every layer's rotation (the same two tensors): none with learned positions,
-    none held with full recomputation (made again inside each recomputed layer)."""
+    none here with full recomputation, whose checkpoints save none (chunk_layer_bytes counts
+    them for block's kept layers and for each replay)."""
     if cfg.position_embedding != "rotary" or recompute == "full":
         return 0.0
     return cfg.seq_length // cp * cfg.rotary_dim * 4
