@@ -71,6 +71,59 @@ class _Held:
         self.meter.release(self.ptr)
 
 
+class RecomputedBytes:
+    """While active, each full-recomputation replay (torch's non-reentrant checkpoint, which
+    saves the replayed span's tensors under its own hooks, unseen by ``meter``) is measured
+    when it ends, before backward uses any: the distinct storages it saved that ``meter`` does
+    not already hold (the span's input is one), parameters and autocast's weight copies left
+    out as SavedBytes leaves them. ``peak``: the most ``meter`` held plus one replay's saves,
+    over the replays (all the replayed saves are alive then: backward frees each as it uses
+    it)."""
+
+    def __init__(self, meter: SavedBytes) -> None:
+        self.meter, self.peak = meter, 0
+
+    def __enter__(self) -> RecomputedBytes:
+        import torch.utils.checkpoint as ckpt
+
+        self.hook = ckpt._recomputation_hook
+        outer = self
+
+        class Counted(self.hook):
+            def __init__(self, *args: object) -> None:
+                super().__init__(*args)
+                self.seen: dict[int, int] = {}
+                pack = self.pack_hook
+
+                def counted(x: torch.Tensor) -> object:
+                    outer.note(self.seen, x)
+                    return pack(x)
+
+                self.pack_hook = counted
+
+            def __exit__(self, *exc: object) -> None:
+                held = outer.meter.now + sum(self.seen.values())
+                outer.peak = max(outer.peak, held)
+                return super().__exit__(*exc)
+
+        ckpt._recomputation_hook = Counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.utils.checkpoint as ckpt
+
+        ckpt._recomputation_hook = self.hook
+
+    def note(self, seen: dict[int, int], t: torch.Tensor) -> None:
+        m = self.meter
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in m.params or ptr in m.live:
+            return
+        if t.dtype in (torch.bfloat16, torch.float16) and t.shape in m.weight_shapes:
+            return
+        seen[ptr] = t.untyped_storage().nbytes()
+
+
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -103,7 +156,7 @@ def held_bytes(kw: dict) -> dict:
     moments = [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
     opt_bytes = _nbytes(moments) + _nbytes(mains)
     meter = SavedBytes(params)
-    with meter.hooks():
+    with meter.hooks(), RecomputedBytes(meter) as replays:
         trainer.train_step(1)
     g = trainer.grid
     return {
@@ -115,6 +168,7 @@ def held_bytes(kw: dict) -> dict:
         "optimizer": opt_bytes,
         "saved_peak": meter.peak,
         "saved_after": meter.now,
+        "recompute_peak": replays.peak,  # 0 without full recomputation
     }
 
 

@@ -247,8 +247,6 @@ def test_flags_modelled_for_megarts_runtime_only_are_refused_under_megatrons(nam
         "ddp_num_buckets": ["--ddp-num-buckets", "4"],
         "grad_reduce_in_bf16": ["--grad-reduce-in-bf16", "--bf16"],
         "cross_entropy_loss_fusion": ["--cross-entropy-loss-fusion"],
-        "recompute_method": ["--recompute-granularity", "full", "--recompute-method", "block"],
-        "recompute_num_layers": ["--recompute-granularity", "full", "--recompute-num-layers", "2"],
     }[name]
     code, out = plan(capsys, *MODEL, *given)
     assert code == 0, out

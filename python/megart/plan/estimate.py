@@ -100,7 +100,6 @@ def estimate(
     cfg = c.gpt_config()
     m = c.microbatches(dp)
     t, p, v, b, sp = layout.sizes()
-    rec = cfg.recompute_granularity
     prec = precision(c, runtime)
 
     stage, stages = _stage_work(cfg, layout, gpu, unfused_attention, tp_overlap)
@@ -150,14 +149,14 @@ def estimate(
     # tables were counted; megart train prints Megatron's current, causal count.
     flops_model = model_flops(cfg, c.global_batch_size, causal=False)
     flops_run = flops_model
-    if rec == "full":  # the replayed layers' forward again (all of them but under block)
+    if cfg.recompute_granularity == "full":  # replayed layers' forward again (block: N a chunk)
         again = model_flops(cfg, c.global_batch_size, recompute=True, causal=False) - flops_model
         flops_run += again * _replayed_share(cfg, layout)
     tflops = flops_run / time["iteration"] / world / 1e12
     model_tflops = flops_model / time["iteration"] / world / 1e12
     missing = worst["total"] - gpu.usable_bytes
     return Estimate(
-        layout=dataclasses.replace(layout, dp=dp),
+        layout=_returned_layout(layout, c, dp),
         num_layers=cfg.num_layers,
         microbatches=m,
         memory=worst,
@@ -174,6 +173,16 @@ def estimate(
         stage=run.stage,
         stages=run.stages,
     )
+
+
+def _returned_layout(layout: Layout, c: TrainConfig, dp: int) -> Layout:
+    """The layout as estimated: its data-parallel size, and under full recomputation the
+    spans (--recompute-method, --recompute-num-layers) where they are not the defaults."""
+    out = dataclasses.replace(layout, dp=dp)
+    given = dataclasses.replace(
+        out, recompute_method=c.recompute_method, recompute_num_layers=c.recompute_num_layers
+    )
+    return given if layout.recompute == "full" and given.spans_given else out
 
 
 def work_bound(
@@ -334,9 +343,11 @@ def _worst_rank_memory(
         assert run.plan is not None
         rec = cfg.recompute_granularity
         cp = layout.cp
-        one = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention, cp)
         pair = act.output_bytes(cfg, b, t, sp, prec, cp) + act.rope_table_bytes(cfg, rec, cp)
-        per_pair = [n * one + pair for n in layers]
+        per_pair = [
+            act.chunk_layer_bytes(cfg, b, t, sp, prec, n, unfused_attention, cp)[0] + pair
+            for n in layers
+        ]
         grads = [act.weight_grad_bytes(cfg, b, t, prec, cp) * n for n in layers]
         out_grads = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
         last = p * v - 1

@@ -112,8 +112,6 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the
 # published tables) refuses them rather than predict as if they were left out.
 MEGART_RUNTIME_ONLY = (
-    "recompute_method",
-    "recompute_num_layers",
     "window_size",
     "window_attn_skip_freq",
     "overlap_grad_reduce",

@@ -28,6 +28,11 @@ class Layout:
     last: int | None = None
     # --context-parallel-size: each sequence split over cp ranks (searched when left out).
     cp: int = 1
+    # --recompute-method and --recompute-num-layers under full recomputation (None: the base
+    # config's, megart train's defaults uniform and 1 unless it sets them). estimate() fills
+    # them in where they are not the defaults, so flags() prints a runnable command.
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
 
     @property
     def uneven(self) -> bool:
@@ -56,6 +61,17 @@ class Layout:
         """Ranks that average each gradient (and shard the distributed optimizer): d x cp."""
         return self.dp * self.cp
 
+    @property
+    def spans(self) -> tuple[str, int]:
+        """Full recomputation's --recompute-method and --recompute-num-layers (None: megart
+        train's defaults, uniform and 1)."""
+        return self.recompute_method or "uniform", self.recompute_num_layers or 1
+
+    @property
+    def spans_given(self) -> bool:
+        """Whether full recomputation's spans are other than the defaults."""
+        return self.spans != ("uniform", 1)
+
     def flags(self, num_layers: int) -> str:
         """The megart train flags of this layout, for a model of ``num_layers``."""
         out = [
@@ -78,6 +94,9 @@ class Layout:
             out.append("--sequence-parallel")
         if self.recompute:
             out.append(f"--recompute-granularity {self.recompute}")
+        if self.recompute == "full" and self.spans_given:
+            method, n = self.spans
+            out += [f"--recompute-method {method}", f"--recompute-num-layers {n}"]
         if self.distributed_optimizer:
             out.append("--use-distributed-optimizer")
         return " ".join(out)
@@ -88,7 +107,10 @@ class Layout:
         extra += [f"first{self.first}"] if self.first is not None else []
         extra += [f"last{self.last}"] if self.last is not None else []
         extra += ["sp"] if self.sequence_parallel else []
-        extra += [f"rc={self.recompute}"] if self.recompute else []
+        if self.recompute == "full" and self.spans_given:
+            extra.append("rc=full-{}{}".format(*self.spans))
+        elif self.recompute:
+            extra.append(f"rc={self.recompute}")
         extra += ["distopt"] if self.distributed_optimizer else []
         cp = f" c{self.cp}" if self.cp > 1 else ""
         return f"t{self.tp}{cp} p{self.pp} d{self.dp} b{self.micro_batch}" + "".join(
@@ -115,6 +137,8 @@ def layout_config(base: TrainConfig, layout: Layout) -> TrainConfig:
         micro_batch_size=layout.micro_batch,
         sequence_parallel=layout.sequence_parallel,
         recompute_granularity=layout.recompute,
+        recompute_method=layout.recompute_method or base.recompute_method,
+        recompute_num_layers=layout.recompute_num_layers or base.recompute_num_layers,
         recompute_activations=False,
         use_distributed_optimizer=layout.distributed_optimizer,
         context_parallel_size=layout.cp,

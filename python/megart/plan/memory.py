@@ -3,7 +3,6 @@ state it owns and the activations its schedule holds."""
 
 from __future__ import annotations
 
-from megart.models.recompute import recomputed_spans
 from megart.plan import activations as act
 from megart.plan.holding import Held
 from megart.plan.layout import Layout
@@ -39,9 +38,10 @@ def rank_memory(
     at its peak, by part, with ``held`` (microbatch, chunk) pairs in flight (a count: all
     between forward and backward). "activations" is what autograd saves ("saved", what
     saved-tensor hooks see) plus the chunk outputs megart's pipeline engine keeps ("outputs"),
-    with full recomputation one layer's whole set while it is recomputed
-    ("recompute_working"), and with zero-bubble schedules what pairs between I and W keep for
-    their weight gradients ("weight_grads").
+    with full recomputation what a pair's backward holds above its kept bytes while it
+    recomputes a span of layers (act.full_recompute_bytes: "recompute_working"), and with
+    zero-bubble schedules what pairs between I and W keep for their weight gradients
+    ("weight_grads").
 
     With context parallelism (``layout.cp``) the activations are those of the rank's s/cp
     tokens plus what its attention gathers, and gradients and the distributed optimizer are
@@ -56,26 +56,20 @@ def rank_memory(
     prec = precision(c, runtime)
     cp = layout.cp
     per_chunk_layers = layout.layer_counts(cfg.num_layers)[pp_rank] // v  # uneven: its own
-    if megatron:
-        layer_bytes = act.megatron_layer_bytes(cfg, b, t, sp, rec, unfused_attention)
-        full = act.megatron_layer_bytes(cfg, b, t, sp, None, unfused_attention)
-    else:
-        layer_bytes = act.layer_bytes(cfg, b, t, sp, rec, prec, unfused_attention, cp)
-        full = act.layer_bytes(cfg, b, t, sp, None, prec, unfused_attention, cp)
     n = held.activations
-    saved = n * per_chunk_layers * layer_bytes
-    working_layers = 1  # layers whose whole set one recomputation makes live at once
-    if rec == "full" and not megatron:
-        # --recompute-method/--recompute-num-layers: each recomputed span keeps its input only,
-        # the layers outside them (block) keep everything, as megart.models.gpt runs a chunk.
-        spans = recomputed_spans(per_chunk_layers, cfg.recompute_method, cfg.recompute_num_layers)
-        kept = sum(stop - start for start, stop, again in spans if not again)
-        replayed = [stop - start for start, stop, again in spans if again]
-        saved = n * (len(replayed) * layer_bytes + kept * full)
-        working_layers = max(replayed)
-        if kept:  # the kept layers' rope tables, as without recomputation
-            saved += n * act.rope_table_bytes(cfg, None, cp)
-    elif not megatron:  # rope's cos and sin, shared by a chunk's layers
+    if megatron:  # Korthikanti et al.'s counts, spans as Megatron-LM's (and megart's) run
+        one = act.megatron_layer_bytes(cfg, b, t, sp, rec, unfused_attention)
+        kept, risen = per_chunk_layers * one, 0.0
+        if rec == "full":
+            whole = act.megatron_layer_bytes(cfg, b, t, sp, None, unfused_attention)
+            method, span = cfg.recompute_method, cfg.recompute_num_layers
+            kept, risen = act.full_recompute_bytes(per_chunk_layers, method, span, one, whole, 0)
+    else:
+        kept, risen = act.chunk_layer_bytes(
+            cfg, b, t, sp, prec, per_chunk_layers, unfused_attention, cp
+        )
+    saved = n * kept
+    if not megatron:  # rope's cos and sin, shared by a chunk's layers
         saved += n * act.rope_table_bytes(cfg, rec, cp)
     if pp_rank == 0:
         saved += n * act.first_stage_bytes(cfg, b, t, cp, sp)
@@ -84,7 +78,12 @@ def rank_memory(
     outputs = 0.0
     if (pp_rank < p - 1 or v > 1) and not megatron:
         outputs = n * act.output_bytes(cfg, b, t, sp, prec, cp)
-    working = working_layers * full + act.rope_table_bytes(cfg, None, cp) if rec == "full" else 0.0
+    # The rank's most pairs are held when a backward starts (the count only falls by one),
+    # that pair's saves included until it replays its spans. On the last stage the loss's
+    # saves are freed by then (its backward runs first), but that backward makes the logits'
+    # gradient, as large as the fp32 softmax it keeps, which no part counts: the loss's saves,
+    # counted beside the replay, stand for it.
+    working = risen
     grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec, cp)
     grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec, cp)
     # 16-bit weights with fp32 main weights need no autocast copies (megart's --half-weights

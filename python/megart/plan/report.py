@@ -19,9 +19,10 @@ def memory_gib(e: Estimate) -> dict[str, float]:
 
 
 def to_dict(e: Estimate, best: Estimate) -> dict[str, Any]:
-    # Uneven stages' first/last layers are given, not searched: in "flags" only, so that the
-    # layout's keys stay those of every plan.
-    layout = {k: v for k, v in dataclasses.asdict(e.layout).items() if k not in ("first", "last")}
+    # Uneven stages' first/last layers and full recomputation's spans are given, not
+    # searched: in "flags" only, so that the layout's keys stay those of every plan.
+    given = ("first", "last", "recompute_method", "recompute_num_layers")
+    layout = {k: v for k, v in dataclasses.asdict(e.layout).items() if k not in given}
     return {
         "layout": {**layout, "flags": e.layout.flags(e.num_layers)},
         "microbatches": e.microbatches,
