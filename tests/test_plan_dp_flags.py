@@ -138,16 +138,24 @@ def test_bf16_reduce_sends_two_bytes_an_element():
     assert e.memory["gradients"] == plain.memory["gradients"] * 3 / 2
 
 
+@pytest.mark.parametrize("distributed", [False, True])
 @pytest.mark.parametrize("buckets", [1, 4, 64])
-def test_overlap_leaves_the_last_bucket_exposed(buckets):
+def test_overlap_leaves_the_last_bucket_exposed(buckets, distributed):
     # Each bucket is reduced once backward has produced it: what outlasts the last backward,
-    # at least the last bucket (--ddp-num-buckets N: the rank's parameters // N elements).
-    layout = _layout_of(8)
-    e = estimate(TrainConfig(**BIG, ddp_num_buckets=buckets), layout, GPU)
-    elements, _, whole = _split(e, layout)
-    size = int(elements) // buckets
+    # at least the last bucket. --ddp-num-buckets N: the rank's parameters // N elements, as
+    # megart.training.optimizer counts them: unpadded, where the distributed optimizer pads
+    # each bucket to a multiple of d (a few elements at d = 6, which rel=1e-9 sees).
+    dp, flags = 6, dict(BIG, global_batch_size=48, ddp_num_buckets=buckets)
+    plain = estimate(TrainConfig(**flags), _layout_of(dp), GPU)
+    layout = _layout_of(dp, distributed=distributed)
+    e = estimate(TrainConfig(**flags, use_distributed_optimizer=distributed), layout, GPU)
+    elements, bw, whole = _split(e, layout)
+    size = int(plain.memory["parameters"] / FP32) // buckets  # fp32 weights, never padded
+    assert e.memory["bucket_elements"] == size
     last = whole * min(1.0, size / elements)
-    assert e.time["dp_comm"] == pytest.approx(max(whole - e.stage.backward, last), rel=1e-6)
+    gather = collective_seconds("all_gather", elements * FP32, dp, bw, GPU) if distributed else 0
+    exposed = max(whole - e.stage.backward, last)
+    assert e.time["dp_comm"] == pytest.approx(exposed + gather, rel=1e-9)
 
 
 def test_param_gather_overlap_and_fp32_accumulation_change_nothing():

@@ -9,8 +9,6 @@ from megart.plan.hardware import GPUProfile, group_ranks_per_node
 from megart.plan.layout import Layout
 from megart.plan.parameters import BUCKET_BYTES, FP32
 from megart.plan.timing import collective_seconds
-from megart.training.config import TrainConfig
-from megart.training.grad_sync import megatron_bucket_size
 
 # dp_overlap="single-stage": the gradient all-reduce overlaps the last microbatch's backward
 # only with p = 1, as in SC21's Megatron-LM: its p = 1 runs used --DDP-impl torch (its
@@ -34,15 +32,12 @@ def data_parallel_bus_gb_per_s(gpu: GPUProfile, tp: int, dp: int) -> float:
     return min(group_ranks_per_node(gpu, tp, dp) * gpu.rail_gb_per_s, gpu.nvlink_bus_gb_per_s)
 
 
-def bucket_elements_of(c: TrainConfig, grad_elements: float, dp: int) -> float:
-    """Elements in one of megart's gradient buckets (megart.training.optimizer.build): Megatron's
-    size from --ddp-bucket-size/--ddp-num-buckets over the rank's ``grad_elements``, else
-    megart's 4 MiB of fp32 gradients (the wire dtype does not change the bucket's members)."""
-    if c.ddp_bucket_size is None and c.ddp_num_buckets is None:
-        return BUCKET_BYTES / FP32
-    size = megatron_bucket_size(int(grad_elements), dp, c.ddp_bucket_size, c.ddp_num_buckets)
-    assert size is not None  # overlap left at its default: a size
-    return float(size)
+def bucket_elements_of(memory: dict[str, float]) -> float:
+    """Elements in one of megart's gradient buckets (megart.training.optimizer.build) on the rank
+    whose ``memory`` (plan.memory.rank_memory) is given: Megatron's size from
+    --ddp-bucket-size/--ddp-num-buckets as that rank's parameters gave it, else megart's 4 MiB
+    of fp32 gradients (the wire dtype does not change the bucket's members)."""
+    return memory["bucket_elements"] or BUCKET_BYTES / FP32
 
 
 def data_parallel_seconds(

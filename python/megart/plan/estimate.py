@@ -114,7 +114,7 @@ def estimate(
     if runtime == "megart":  # megart train's flags decide its data-parallel communication
         dp_overlap = c.overlap_grad_reduce
         grad_reduce_bytes = 2 if c.grad_reduce_in_bf16 else FP32
-        bucket = bucket_elements_of(c, worst_rank_params / FP32, layout.dp_cp)
+        bucket = bucket_elements_of(worst)
     # Gradients are averaged, and the distributed optimizer sharded, over the d x cp ranks.
     dp_exposed, gather, tied = data_parallel_seconds(
         cfg,

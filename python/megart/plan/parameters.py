@@ -127,6 +127,8 @@ class StateBytes:
     optimizer: int
     # --grad-reduce-in-bf16: each bucket's bf16 copy, what is reduced (grad_sync's _Bucket)
     reduce_copies: int = 0
+    # Elements per bucket from --ddp-bucket-size/--ddp-num-buckets (None: megart's 4 MiB)
+    bucket_elements: int | None = None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -155,21 +157,22 @@ def state_bytes(
     ``ddp_bucket_size``/``ddp_num_buckets``: Megatron's bucket sizes, as megart.training.optimizer
     applies them (over this rank's parameters, ``dp`` ranks); ``reduce_in_bf16``
     (--grad-reduce-in-bf16): the gradients stay fp32 and each bucket gets a bf16 copy that is
-    reduced, kept beside it (``reduce_copies``)."""
+    reduced, kept beside it (``reduce_copies``); the bucket size it used: ``bucket_elements``."""
     parts = dp if distributed else 1
     chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks, v_shape, first, last)
     n = sum(sum(c.tensors) for c in chunk_list)
-    elements = None
+    bucket_size = None
     if ddp_bucket_size is not None or ddp_num_buckets is not None:
-        elements = megatron_bucket_size(n, dp, ddp_bucket_size, ddp_num_buckets)
-    bs = buckets(chunk_list, parts, elements)
+        bucket_size = megatron_bucket_size(n, dp, ddp_bucket_size, ddp_num_buckets)
+    bs = buckets(chunk_list, parts, bucket_size)
     grads = sum(padded(b, parts) for b in bs) * FP32
     copies = grads // FP32 * 2 if reduce_in_bf16 else 0
     tensors = sum(len(c.tensors) for c in chunk_list)
     weight = 2 if half_weights else FP32
     if not distributed:
         mains = n * FP32 if half_weights else 0
-        return StateBytes(n * weight, grads, n * 2 * FP32 + tensors * FP32 + mains, copies)
+        optimizer = n * 2 * FP32 + tensors * FP32 + mains
+        return StateBytes(n * weight, grads, optimizer, copies, bucket_size)
     mains = grads // parts if half_weights else 0  # this rank's slice of every padded bucket
     # The distributed optimizer moves the parameters into buffers laid out (padded) as the
     # gradients, and steps 1/dp slices ("pieces") of them: moments for the elements of its
@@ -192,4 +195,4 @@ def state_bytes(
                     pieces += 1
                 offset += n_p
         worst = max(worst, elements * 2 * FP32 + pieces * FP32)
-    return StateBytes(grads // FP32 * weight, grads, worst + mains, copies)
+    return StateBytes(grads // FP32 * weight, grads, worst + mains, copies, bucket_size)
