@@ -99,7 +99,6 @@ def estimate(
     dp = c.check(world)  # megart train's checks, context parallelism's refusals included
     cfg = c.gpt_config()
     m = c.microbatches(dp)
-    t, p, v, b, sp = layout.sizes()
     prec = precision(c, runtime)
 
     stage, stages = _stage_work(cfg, layout, gpu, unfused_attention, tp_overlap)
@@ -107,32 +106,85 @@ def estimate(
         c, cfg, layout, dp, gpu, stage, prec.residual, m, simulate, pp_overlap, runtime, stages
     )
     worst, held = _worst_rank_memory(c, cfg, layout, dp, run, runtime, unfused_attention)
-    worst_rank_params = worst["gradient_buffers"]
     worst["allowance"] = gpu.memory_gib * GIB - gpu.usable_bytes
+    dp_time = _data_parallel_time(c, cfg, layout, gpu, worst, run, runtime, dp_overlap,
+                                  grad_reduce_bytes)  # fmt: skip
+    time = _time_parts(layout, gpu, worst, run, m, dp_time)
+    flops_model, flops_run = _flops(c, cfg, layout)
+    tflops = flops_run / time["iteration"] / world / 1e12
+    model_tflops = flops_model / time["iteration"] / world / 1e12
+    missing = worst["total"] - gpu.usable_bytes
+    return Estimate(
+        layout=_returned_layout(layout, c, dp),
+        num_layers=cfg.num_layers,
+        microbatches=m,
+        memory=worst,
+        time=time,
+        bubble_fraction=run.bubble,
+        fits=missing <= 0,
+        missing_bytes=max(0.0, missing),
+        tflops_per_gpu=tflops,
+        model_tflops_per_gpu=model_tflops,
+        mfu=model_tflops / gpu.peak_tflops,
+        simulated=run.plan is not None,
+        peak_in_flight=list(run.in_flight),
+        held_for_weights=[h.weight_grads for h in held],
+        stage=run.stage,
+        stages=run.stages,
+    )
 
+
+def _data_parallel_time(
+    c: TrainConfig,
+    cfg: GPTConfig,
+    layout: Layout,
+    gpu: GPUProfile,
+    worst: dict[str, float],
+    run: PipelineRun,
+    runtime: str,
+    dp_overlap: bool | str,
+    grad_reduce_bytes: int,
+) -> tuple[float, float, float]:
+    """data_parallel_seconds for the worst rank's gradients: megart train's flags decide its
+    runtime's communication, the caller's options Megatron-LM's."""
     bucket = None
-    if runtime == "megart":  # megart train's flags decide its data-parallel communication
+    if runtime == "megart":
         dp_overlap = c.overlap_grad_reduce
         grad_reduce_bytes = 2 if c.grad_reduce_in_bf16 else FP32
         bucket = bucket_elements_of(worst)
     # Gradients are averaged, and the distributed optimizer sharded, over the d x cp ranks.
-    dp_exposed, gather, tied = data_parallel_seconds(
+    return data_parallel_seconds(
         cfg,
         layout,
         layout.dp_cp,
         gpu,
-        float(worst_rank_params),
+        worst["gradient_buffers"],
         run.stage.backward,
         sixteen_bit_weights(c, runtime),
         dp_overlap,
         grad_reduce_bytes,
         bucket,
     )
-    dist = layout.distributed_optimizer
-    stepped = float(worst_rank_params) / FP32 / (layout.dp_cp if dist else 1)
+
+
+def _time_parts(
+    layout: Layout,
+    gpu: GPUProfile,
+    worst: dict[str, float],
+    run: PipelineRun,
+    m: int,
+    dp_time: tuple[float, float, float],
+) -> dict[str, float]:
+    """An iteration's seconds by part, and the whole ("iteration"): the pipeline's makespan,
+    then what data-parallel communication outlasts it, then the optimizer's step (a pass over
+    the rank's stepped fp32 state at HBM speed)."""
+    dp_exposed, gather, tied = dp_time
+    stepped = worst["gradient_buffers"] / FP32
+    if layout.distributed_optimizer:
+        stepped /= layout.dp_cp
     optimizer = stepped * ADAM_BYTES / (gpu.hbm_gb_per_s * 1e9)
     bubble, compute_only = run.bubble, run.compute_only
-    pipeline_comm = run.makespan - compute_only * (1 + bubble) if p > 1 else 0.0
+    pipeline_comm = run.makespan - compute_only * (1 + bubble) if layout.pp > 1 else 0.0
     tp_comm = m * run.stage.tp_comm
     cp_comm = m * run.stage.cp_comm
     time = {
@@ -145,34 +197,20 @@ def estimate(
         "optimizer": optimizer,
     }
     time["iteration"] = run.makespan + dp_exposed + gather + tied + optimizer
-    # The paper's count (the whole s x s attention), as SC21's and Megatron-Core's published
-    # tables were counted; megart train prints Megatron's current, causal count.
-    flops_model = model_flops(cfg, c.global_batch_size, causal=False)
-    flops_run = flops_model
-    if cfg.recompute_granularity == "full":  # replayed layers' forward again (block: N a chunk)
-        again = model_flops(cfg, c.global_batch_size, recompute=True, causal=False) - flops_model
-        flops_run += again * _replayed_share(cfg, layout)
-    tflops = flops_run / time["iteration"] / world / 1e12
-    model_tflops = flops_model / time["iteration"] / world / 1e12
-    missing = worst["total"] - gpu.usable_bytes
-    return Estimate(
-        layout=_returned_layout(layout, c, dp),
-        num_layers=cfg.num_layers,
-        microbatches=m,
-        memory=worst,
-        time=time,
-        bubble_fraction=bubble,
-        fits=missing <= 0,
-        missing_bytes=max(0.0, missing),
-        tflops_per_gpu=tflops,
-        model_tflops_per_gpu=model_tflops,
-        mfu=model_tflops / gpu.peak_tflops,
-        simulated=run.plan is not None,
-        peak_in_flight=list(run.in_flight),
-        held_for_weights=[h.weight_grads for h in held],
-        stage=run.stage,
-        stages=run.stages,
-    )
+    return time
+
+
+def _flops(c: TrainConfig, cfg: GPTConfig, layout: Layout) -> tuple[float, float]:
+    """The global batch's FLOPs: the model's, and what runs (the replayed layers' forward
+    again under full recomputation; block: N of each chunk). The paper's count (the whole s x s
+    attention), as SC21's and Megatron-Core's published tables were counted; megart train
+    prints Megatron's current, causal count."""
+    model = model_flops(cfg, c.global_batch_size, causal=False)
+    run = float(model)
+    if cfg.recompute_granularity == "full":
+        again = model_flops(cfg, c.global_batch_size, recompute=True, causal=False) - model
+        run += again * _replayed_share(cfg, layout)
+    return float(model), run
 
 
 def _returned_layout(layout: Layout, c: TrainConfig, dp: int) -> Layout:
