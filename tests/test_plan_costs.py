@@ -100,3 +100,22 @@ def test_a_profile_with_the_old_flops_constant_is_told_what_replaced_it(tmp_path
     path.write_text(json.dumps(old))
     with pytest.raises(ConfigError, match="gemm_half_gflop was replaced by gemm_half_dim"):
         load_profile(path=str(path))
+
+
+def test_the_fused_loss_moves_the_16_bit_logits_once_each_way():
+    """--cross-entropy-loss-fusion's kernels read the 16-bit logits once forward and read and
+    overwrite them with their gradient backward (megart.kernels.cross_entropy); the unfused
+    loss writes and reads fp32 logits each way. The output layer's products are the same."""
+    from megart.plan.timing import logits_work
+
+    gpu = load_profile("h100-80gb")
+    model = dict(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=2048,
+                 vocab_size=50257)  # fmt: skip
+    b, tp = 2, 2
+    unfused = logits_work(GPTConfig(**model), b, tp, gpu)
+    fused = logits_work(GPTConfig(**model, cross_entropy_loss_fusion=True), b, tp, gpu)
+    logits = 2048 * b * GPTConfig(**model).padded_vocab_size(tp) // tp  # elements on a rank
+    hbm = gpu.hbm_gb_per_s * 1e9
+    assert unfused.forward - fused.forward == pytest.approx(logits * (8 - 2) / hbm, rel=1e-12)
+    assert unfused.backward - fused.backward == pytest.approx(logits * (8 - 4) / hbm, rel=1e-12)
+    assert fused.weight == unfused.weight

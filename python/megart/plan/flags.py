@@ -80,8 +80,8 @@ MODELLED = (
     "recompute_method",
     "recompute_num_layers",
     "scatter_gather_tensors_in_pipeline",  # pipeline messages of b s h / t, or b s h without
-    # The loss's saves (the logits instead of an fp32 softmax); its time is charged as the
-    # unfused loss's element-wise work (timing.logits_work), an overestimate on a GPU.
+    # The loss's saves (the logits instead of an fp32 softmax) and its element-wise passes
+    # (timing.logits_work: one read forward, a read and a write backward, of 16-bit logits).
     "cross_entropy_loss_fusion",
     # The ramp's batches must split over a layout's data-parallel ranks (megart train's check);
     # the plan is the full batch's iteration.

@@ -280,12 +280,21 @@ def layer_work(
 
 
 def logits_work(cfg: GPTConfig, b: int, tp: int, gpu: GPUProfile, cp: int = 1) -> Work:
-    """The output layer and the vocab-parallel cross-entropy (fp32 logits) of the last stage,
-    for this rank's s/``cp`` tokens. An untied output layer's weight gradient can wait for W;
-    the tied one is the embedding's, which megart computes in I."""
+    """The output layer and the vocab-parallel cross-entropy of the last stage, for this rank's
+    s/``cp`` tokens. An untied output layer's weight gradient can wait for W; the tied one is
+    the embedding's, which megart computes in I. The loss is element-wise, at HBM speed: the
+    unfused one writes and reads fp32 logits each way; --cross-entropy-loss-fusion's kernels
+    (megart.kernels.cross_entropy) read the 16-bit logits once forward and read and overwrite
+    them with their gradient backward."""
     tokens = cfg.seq_length // cp * b
     vocab = cfg.padded_vocab_size(tp) // tp
     gemm = gemm_seconds(tokens, vocab, cfg.hidden_size, gpu)
-    elem = tokens * vocab * 8 / (gpu.hbm_gb_per_s * 1e9)  # write and read the fp32 logits
+    forward_bytes, backward_bytes = (2, 4) if cfg.cross_entropy_loss_fusion else (8, 8)
+    hbm = gpu.hbm_gb_per_s * 1e9
     weight = gemm if cfg.untie_embeddings_and_output_weights else 0.0
-    return Work(gemm + elem, 2 * gemm + elem, 0.0, weight)
+    return Work(
+        gemm + tokens * vocab * forward_bytes / hbm,
+        2 * gemm + tokens * vocab * backward_bytes / hbm,
+        0.0,
+        weight,
+    )
