@@ -24,9 +24,9 @@ A matmul of an (m x k) by a (k x n) matrix is 2 m k n FLOPs. One layer's forward
 and the logits 2 B s h V. Backward is twice the forward (input and weight gradients), and full
 recomputation runs the forward of each layer it replays once more (not the logits'): every layer
 under --recompute-method uniform, the first N of each model chunk under block
-(:func:`replayed_layers`). Megatron-LM's count leaves recomputation out whatever the flags; megart
-keeps the paper's convention for TFLOP/s (what runs, the recomputed forward included) and counts
-the model alone for MFU.
+(:func:`replayed_in_chunks`). Megatron-LM's count leaves recomputation out whatever the flags;
+megart keeps the paper's convention for TFLOP/s (what runs, the recomputed forward included) and
+counts the model alone for MFU.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def model_flops(
 ) -> int:
     """iteration_flops of the model ``cfg`` describes, ``batch`` sequences per iteration, with
     the logits over the vocabulary padded for tensor-parallel size ``tp`` (as Megatron);
-    ``replayed``: the layers ``recompute`` runs again (None: all; :func:`replayed_layers`
+    ``replayed``: the layers ``recompute`` runs again (None: all; :func:`replayed_in_chunks`
     counts them for a run's chunks)."""
     return iteration_flops(
         batch,
@@ -103,7 +103,7 @@ def model_flops(
     )
 
 
-def replayed_layers(cfg: GPTConfig, chunks: Iterable[int]) -> int:
+def replayed_in_chunks(cfg: GPTConfig, chunks: Iterable[int]) -> int:
     """How many layers full recomputation replays in model chunks of ``chunks`` layers each
     (every chunk of every pipeline rank, for the whole model's count), as the chunks run them
     (recomputed_spans): none without full recomputation."""

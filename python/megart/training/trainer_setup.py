@@ -26,7 +26,7 @@ from megart.tensor_parallel import RNGStatesTracker, seed_tensor_parallel
 from megart.training import checkpoint, checkpoint_dirs
 from megart.training.data import Dataset, build_datasets, build_split_datasets
 from megart.training.dtypes import half_dtype
-from megart.training.flops import model_flops, replayed_layers
+from megart.training.flops import model_flops, replayed_in_chunks
 from megart.training.megatron_blend import megatron_datasets
 from megart.training.megatron_flags import mock_tokens
 from megart.training.optimizer import full_precision
@@ -131,7 +131,7 @@ def every_rank_layers(config: TrainConfig) -> list[list[range]]:
 def replayed_layer_count(config: TrainConfig, model_config: GPTConfig) -> int:
     """The layers full recomputation replays over the whole model: every chunk of every
     pipeline rank, each as its chunk runs it (block: the first N of each chunk)."""
-    return replayed_layers(
+    return replayed_in_chunks(
         model_config, (len(c) for ranks in every_rank_layers(config) for c in ranks)
     )
 
