@@ -22,12 +22,19 @@ A matmul of an (m x k) by a (k x n) matrix is 2 m k n FLOPs. One layer's forward
     MLP                      4 B s h f      (GeLU: two matrices; SwiGLU: 6 B s h f)
 
 and the logits 2 B s h V. Backward is twice the forward (input and weight gradients), and full
-recomputation runs each layer's forward once more (not the logits').
+recomputation runs the forward of each layer it replays once more (not the logits'): every layer
+under --recompute-method uniform, the first N of each model chunk under block
+(:func:`replayed_in_chunks`). Megatron-LM's count leaves recomputation out whatever the flags;
+megart keeps the paper's convention for TFLOP/s (what runs, the recomputed forward included) and
+counts the model alone for MFU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from megart.models.config import GPTConfig
+from megart.models.recompute import recomputed_spans
 
 # Dense bf16 peak per GPU, FLOP/s (datasheets); MFU is reported against the one that applies.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -44,13 +51,15 @@ def iteration_flops(
     swiglu: bool = False,
     kv_hidden: int | None = None,
     causal: bool = True,
+    replayed: int | None = None,
 ) -> int:
-    """Model FLOPs of one iteration (forward and backward, plus the recomputed forward when
-    ``recompute``), for an MLP of ``ffn_hidden`` (default 4 h), GeLU or ``swiglu``, and keys
-    and values ``kv_hidden`` wide (query groups x head size; default h, multi-head). An exact
-    integer: in floating point the paper's formula and this count could differ by rounding.
-    ``causal`` counts the attention core over the causal half (Megatron's count, B s^2 h per
-    layer and product less than the paper's, which ``causal=False`` gives)."""
+    """Model FLOPs of one iteration (forward and backward, plus, when ``recompute``, the
+    recomputed forward of ``replayed`` of the ``layers``: all of them by default), for an MLP
+    of ``ffn_hidden`` (default 4 h), GeLU or ``swiglu``, and keys and values ``kv_hidden``
+    wide (query groups x head size; default h, multi-head). An exact integer: in floating point
+    the paper's formula and this count could differ by rounding. ``causal`` counts the
+    attention core over the causal half (Megatron's count, B s^2 h per layer and product less
+    than the paper's, which ``causal=False`` gives)."""
     b, s, l, h, v = batch, seq, layers, hidden, vocab
     f = 4 * h if ffn_hidden is None else ffn_hidden
     kv = h if kv_hidden is None else kv_hidden
@@ -60,15 +69,25 @@ def iteration_flops(
     attention = qkv + core + 2 * b * s * h * h
     mlp = (3 if swiglu else 2) * 2 * b * s * h * f
     logits = 2 * b * s * h * v
-    passes = 4 if recompute else 3  # forward, backward (twice the forward), recomputed forward
-    return passes * l * (attention + mlp) + 3 * logits
+    again = (l if replayed is None else replayed) if recompute else 0
+    if not 0 <= again <= l:
+        raise ValueError(f"replayed={replayed}: full recomputation replays 0 to {l} layers")
+    # Forward, backward (twice the forward), and the replayed layers' forward once more.
+    return (3 * l + again) * (attention + mlp) + 3 * logits
 
 
 def model_flops(
-    cfg: GPTConfig, batch: int, recompute: bool = False, tp: int = 1, causal: bool = True
+    cfg: GPTConfig,
+    batch: int,
+    recompute: bool = False,
+    tp: int = 1,
+    causal: bool = True,
+    replayed: int | None = None,
 ) -> int:
     """iteration_flops of the model ``cfg`` describes, ``batch`` sequences per iteration, with
-    the logits over the vocabulary padded for tensor-parallel size ``tp`` (as Megatron)."""
+    the logits over the vocabulary padded for tensor-parallel size ``tp`` (as Megatron);
+    ``replayed``: the layers ``recompute`` runs again (None: all; :func:`replayed_in_chunks`
+    counts them for a run's chunks)."""
     return iteration_flops(
         batch,
         cfg.seq_length,
@@ -80,6 +99,22 @@ def model_flops(
         cfg.activation == "swiglu",
         cfg.query_groups * cfg.head_dim,
         causal,
+        replayed,
+    )
+
+
+def replayed_in_chunks(cfg: GPTConfig, chunks: Iterable[int]) -> int:
+    """How many layers full recomputation replays in model chunks of ``chunks`` layers each
+    (every chunk of every pipeline rank, for the whole model's count), as the chunks run them
+    (recomputed_spans): none without full recomputation."""
+    if cfg.recompute_granularity != "full":
+        return 0
+    method, n = cfg.recompute_method, cfg.recompute_num_layers
+    return sum(
+        stop - start
+        for layers in chunks
+        for start, stop, again in recomputed_spans(layers, method, n)
+        if again
     )
 
 

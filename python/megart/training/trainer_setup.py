@@ -19,13 +19,14 @@ import megart
 import megart.distributed as dist
 from megart.errors import ConfigError
 from megart.models import pipeline_chunks
+from megart.models.gpt import chunk_layers
 from megart.optim.loss_scale import LossScaler
 from megart.pipeline import StageLink
 from megart.tensor_parallel import RNGStatesTracker, seed_tensor_parallel
 from megart.training import checkpoint, checkpoint_dirs
 from megart.training.data import Dataset, build_datasets, build_split_datasets
 from megart.training.dtypes import half_dtype
-from megart.training.flops import model_flops
+from megart.training.flops import model_flops, replayed_in_chunks
 from megart.training.megatron_blend import megatron_datasets
 from megart.training.megatron_flags import mock_tokens
 from megart.training.optimizer import full_precision
@@ -96,14 +97,11 @@ def model_chunks(
         for chunk in pipeline_chunks(
             model_config,
             grid.pp_rank,
-            config.pp,
-            config.chunks,
-            grid.tp_group,
-            config.sequence_parallel,
-            rng,
-            v_shape=config.schedule == "zb-v",
-            **config.stages,
+            tp_group=grid.tp_group,
+            sequence_parallel=config.sequence_parallel,
+            rng=rng,
             cp_group=grid.cp_group,
+            **placement(config),
         )
     ]
     half = half_dtype(config)
@@ -112,6 +110,30 @@ def model_chunks(
             for p in chunk.parameters():
                 p.data = p.data.to(half)
     return chunks
+
+
+def placement(config: TrainConfig) -> dict[str, Any]:
+    """chunk_layers' (and pipeline_chunks') placement of the layers: pp ranks of v chunks each
+    (zb-v's V, uneven first/last stages), as model_chunks builds them."""
+    return {
+        "pp": config.pp,
+        "chunks": config.chunks,
+        "v_shape": config.schedule == "zb-v",
+        **config.stages,
+    }
+
+
+def every_rank_layers(config: TrainConfig) -> list[list[range]]:
+    """The layers of each model chunk of each pipeline rank (rank r's list at index r)."""
+    return [chunk_layers(config.num_layers, r, **placement(config)) for r in range(config.pp)]
+
+
+def replayed_layer_count(config: TrainConfig, model_config: GPTConfig) -> int:
+    """The layers full recomputation replays over the whole model: every chunk of every
+    pipeline rank, each as its chunk runs it (block: the first N of each chunk)."""
+    return replayed_in_chunks(
+        model_config, (len(c) for ranks in every_rank_layers(config) for c in ranks)
+    )
 
 
 def stage_link(config: TrainConfig, grid: ParallelGrid) -> StageLink:
@@ -169,11 +191,13 @@ def datasets(
 
 def flop_counts(config: TrainConfig, model_config: GPTConfig) -> tuple[int, int]:
     """The FLOPs of a full global batch: the model's, which MFU counts as its definition says,
-    and what runs, which TFLOP/s count (Megatron's causal count, plus the recomputed forward
-    under full recomputation)."""
+    and what runs, which TFLOP/s count (Megatron's causal count, plus the forward again of the
+    layers full recomputation replays: all of them, or under --recompute-method block the first
+    --recompute-num-layers of each model chunk, summed over every pipeline rank's chunks)."""
     batch, full = config.global_batch_size, model_config.recompute_granularity == "full"
     model = model_flops(model_config, batch, tp=config.tp)
-    run = model_flops(model_config, batch, recompute=full, tp=config.tp)
+    replayed = replayed_layer_count(config, model_config)
+    run = model_flops(model_config, batch, recompute=full, tp=config.tp, replayed=replayed)
     return model, run
 
 
