@@ -27,7 +27,7 @@ from megart.plan.parameters import FP32
 from megart.plan.pipeline_run import PipelineRun, pipeline_run, states_of
 from megart.plan.timing import Work, layer_work, logits_work
 from megart.training.config import TrainConfig
-from megart.training.flops import model_flops
+from megart.training.flops import model_flops, replayed_in_chunks
 
 RUNTIMES = ("megart", "megatron")
 ADAM_BYTES = 28  # per fp32 element stepped: read p, g, m, v; write p, m, v (REFERENCES.md)
@@ -200,17 +200,16 @@ def _time_parts(
     return time
 
 
-def _flops(c: TrainConfig, cfg: GPTConfig, layout: Layout) -> tuple[float, float]:
+def _flops(c: TrainConfig, cfg: GPTConfig, layout: Layout) -> tuple[int, int]:
     """The global batch's FLOPs: the model's, and what runs (the replayed layers' forward
     again under full recomputation; block: N of each chunk). The paper's count (the whole s x s
     attention), as SC21's and Megatron-Core's published tables were counted; megart train
     prints Megatron's current, causal count."""
-    model = model_flops(cfg, c.global_batch_size, causal=False)
-    run = float(model)
-    if cfg.recompute_granularity == "full":
-        again = model_flops(cfg, c.global_batch_size, recompute=True, causal=False) - model
-        run += again * _replayed_share(cfg, layout)
-    return float(model), run
+    batch, full = c.global_batch_size, cfg.recompute_granularity == "full"
+    chunks = [len(chunk) for placed in _rank_chunks(cfg, layout) for chunk in placed]
+    replayed = replayed_in_chunks(cfg, chunks)
+    run = model_flops(cfg, batch, recompute=full, causal=False, replayed=replayed)
+    return model_flops(cfg, batch, causal=False), run
 
 
 def _returned_layout(layout: Layout, c: TrainConfig, dp: int) -> Layout:
@@ -307,12 +306,6 @@ def _rank_chunks(cfg: GPTConfig, layout: Layout) -> list[list[range]]:
     v_shape = layout.kind == "zb-v"
     return [chunk_layers(cfg.num_layers, r, p, v, v_shape, layout.first, layout.last)
             for r in range(p)]  # fmt: skip
-
-
-def _replayed_share(cfg: GPTConfig, layout: Layout) -> float:
-    """The share of the model's layers full recomputation replays, over every rank's chunks."""
-    chunks = [c for placed in _rank_chunks(cfg, layout) for c in placed]
-    return sum(sum(replayed_layers(len(c), cfg)) for c in chunks) / cfg.num_layers
 
 
 def _check_runtime(
