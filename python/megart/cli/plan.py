@@ -14,9 +14,10 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from megart.cli.train import HELP, FlagParser, add_arguments, config_from_args
-from megart.errors import MegartError
+from megart.errors import ConfigError, MegartError
 from megart.models.stages import check_stages, uneven
 from megart.training.checkpoint_args import INTERLEAVING, STAGES
 from megart.training.config import TrainConfig
@@ -24,6 +25,11 @@ from megart.training.config_checks import _check_uneven as check_uneven
 from megart.training.config_checks import _check_virtual_flags as check_virtual_flags
 from megart.training.config_checks import check_schedule_flags, check_virtual_stages
 from megart.training.context_parallel_checks import check_context_parallel
+
+if TYPE_CHECKING:
+    from megart.plan.estimate import Estimate
+    from megart.plan.hardware import GPUProfile
+    from megart.plan.search import Fixed
 
 # Layout flags megart plan searches when they are left out (the others of
 # megart.plan.flags.LAYOUT are fixed when given: uneven stages, chunks per rank).
@@ -138,29 +144,70 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megart.errors import ConfigError
-    from megart.plan.flags import LAYOUT
     from megart.plan.hardware import load_profile
-    from megart.plan.report import draw, plan_json, table
-    from megart.plan.search import Fixed, NoFit, search, windowed_ring
 
     gpu = load_profile(args.gpu, args.gpu_profile)
-    world = args.num_gpus
-    if world < 1:
-        raise ConfigError(f"--num-gpus {world} must be at least 1")
+    if args.num_gpus < 1:
+        raise ConfigError(f"--num-gpus {args.num_gpus} must be at least 1")
     config, base = _base_config(args)
-    # The layout flags given (None: searched); megart train's parser leaves out the others.
+    found = _search(args, base, gpu, _fixed(args, config, base))
+    _report(args, found, gpu)
+    return 0
+
+
+def _fixed(args: argparse.Namespace, config: TrainConfig, base: TrainConfig) -> Fixed:
+    """The layout the command line fixes (None where searched), refused in megart train's
+    words where megart train would refuse it."""
+    from megart.plan.search import Fixed
+
+    lay = _given_layout(args, config)
+    check_schedule_flags(lay.pipeline_schedule, lay.num_layers_per_virtual_pipeline_stage)
+    _check_context_parallel(lay, base)
+    chunks = _chunks(lay, base)
+    if chunks is None and _from_checkpoint(args):
+        chunks = config.chunks  # the checkpoint's, 1 when it was not interleaved
+    # Megatron's --recompute-activations is --recompute-granularity selective (model_flags).
+    recompute = lay.recompute_granularity or ("selective" if lay.recompute_activations else False)
+    return Fixed(
+        tp=lay.tensor_model_parallel_size,
+        pp=lay.pipeline_model_parallel_size,
+        chunks=chunks,
+        micro_batch=lay.micro_batch_size,
+        sequence_parallel=lay.sequence_parallel,
+        recompute=recompute,
+        distributed_optimizer=lay.use_distributed_optimizer,
+        schedule=lay.pipeline_schedule,
+        first=lay.decoder_first_pipeline_num_layers,
+        last=lay.decoder_last_pipeline_num_layers,
+        cp=lay.context_parallel_size,
+    )
+
+
+def _from_checkpoint(args: argparse.Namespace) -> bool:
+    """Whether the layout is the checkpoint's (--use-mp-args-from-checkpoint-args)."""
+    return getattr(args, "use_mp_args_from_checkpoint_args", False)
+
+
+def _given_layout(args: argparse.Namespace, config: TrainConfig) -> argparse.Namespace:
+    """The layout flags given (None: searched); megart train's parser leaves out the others."""
+    from megart.plan.flags import LAYOUT
+
     lay = argparse.Namespace(**{n: getattr(args, n, None) for n in LAYOUT})
-    if getattr(args, "use_mp_args_from_checkpoint_args", False):
+    if _from_checkpoint(args):
         # Megatron's: the checkpoint's tensor and pipeline sizes, interleaving and uneven
         # stages are the run's (megart.training.checkpoint_args), so they are not searched.
         for name in CHECKPOINT_LAYOUT:
             setattr(lay, name, getattr(config, name))
     if lay.micro_batch_size is not None and lay.micro_batch_size < 1:  # 0 is not "searched"
         raise ConfigError(f"--micro-batch-size {lay.micro_batch_size} must be at least 1")
-    chunks = None
-    per = lay.num_layers_per_virtual_pipeline_stage
-    check_schedule_flags(lay.pipeline_schedule, per)  # megart train's refusals
+    return lay
+
+
+def _check_context_parallel(lay: argparse.Namespace, base: TrainConfig) -> None:
+    """Refuses a context-parallel size given that the planner does not model or megart train
+    would refuse."""
+    from megart.plan.search import windowed_ring
+
     cp = lay.context_parallel_size  # None: searched
     if cp is not None and cp > 1 and windowed_ring(base):
         raise ConfigError(
@@ -178,10 +225,17 @@ def _run(args: argparse.Namespace) -> int:
             pipeline_schedule=lay.pipeline_schedule,
         )
     )
+
+
+def _chunks(lay: argparse.Namespace, base: TrainConfig) -> int | None:
+    """Model chunks per pipeline rank that the stage flags given fix (None: searched), after
+    megart train's checks of those flags; they need --pipeline-model-parallel-size."""
     first, last = lay.decoder_first_pipeline_num_layers, lay.decoder_last_pipeline_num_layers
     virtual = lay.num_virtual_stages_per_pipeline_rank
+    per = lay.num_layers_per_virtual_pipeline_stage
+    pp = lay.pipeline_model_parallel_size
+    chunks = None
     if uneven(first, last) or virtual is not None:
-        pp = lay.pipeline_model_parallel_size
         if pp is None:
             given = [f"--{n.replace('_', '-')}" for n in STAGES if getattr(lay, n)]
             given += ["--num-virtual-stages-per-pipeline-rank"] if virtual is not None else []
@@ -201,40 +255,38 @@ def _run(args: argparse.Namespace) -> int:
         check_stages(base.num_layers, pp, probe.chunks, first, last)
         chunks = virtual
     if per is not None:
-        pp = lay.pipeline_model_parallel_size
         if pp is None:
             raise ConfigError(
                 "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size"
             )
         check_virtual_stages(base.num_layers, pp, per)
         chunks = base.num_layers // (pp * per)
-    # Megatron's --recompute-activations is --recompute-granularity selective (model_flags).
-    recompute = lay.recompute_granularity or ("selective" if lay.recompute_activations else False)
-    if chunks is None and getattr(args, "use_mp_args_from_checkpoint_args", False):
-        chunks = config.chunks  # the checkpoint's, 1 when it was not interleaved
-    fixed = Fixed(
-        tp=lay.tensor_model_parallel_size,
-        pp=lay.pipeline_model_parallel_size,
-        chunks=chunks,
-        micro_batch=lay.micro_batch_size,
-        sequence_parallel=lay.sequence_parallel,
-        recompute=recompute,
-        distributed_optimizer=lay.use_distributed_optimizer,
-        schedule=lay.pipeline_schedule,
-        first=first,
-        last=last,
-        cp=cp,
-    )
+    return chunks
+
+
+def _search(
+    args: argparse.Namespace, base: TrainConfig, gpu: GPUProfile, fixed: Fixed
+) -> list[Estimate]:
+    """The best layouts, fastest first; where none fits, --png still draws the candidates
+    before the error says how much memory is missing."""
+    from megart.plan.report import draw
+    from megart.plan.search import NoFit, search
+
     try:
-        found = search(base, world, gpu, fixed, keep=max(1, args.top), runtime=args.runtime)
+        return search(base, args.num_gpus, gpu, fixed, keep=max(1, args.top), runtime=args.runtime)
     except NoFit as e:
         if args.png:
             draw(e.estimates, gpu, args.png)
         raise
+
+
+def _report(args: argparse.Namespace, found: list[Estimate], gpu: GPUProfile) -> None:
+    """--png's drawing, then the table or --json's object on stdout."""
+    from megart.plan.report import draw, plan_json, table
+
     if args.png:
         draw(found, gpu, args.png)
     if args.json:
-        print(json.dumps(plan_json(found, gpu, world), indent=1))
+        print(json.dumps(plan_json(found, gpu, args.num_gpus), indent=1))
     else:
-        print(table(found, gpu, world))
-    return 0
+        print(table(found, gpu, args.num_gpus))

@@ -26,13 +26,16 @@ With documents (--reset-attention-mask) the window and the documents' mask both 
 from __future__ import annotations
 
 import ast
-import functools
 import operator
 
 import torch
 import torch.nn.functional as F
 
 from megart.errors import ConfigError
+
+# window_mask re-exported: the context-parallel and ring masks, and tests, import it from here.
+from megart.models.window_masks import sliding_causal_mask
+from megart.models.window_masks import window_mask as window_mask
 from megart.models.window_tiles import band_tile, tiled_window_attention
 
 Window = tuple[int, int]
@@ -61,26 +64,6 @@ def covers(left: int | None, seq: int) -> bool:
     """Whether a window of ``left`` earlier tokens reaches every earlier token of a ``seq``-token
     sequence, so that it masks nothing beyond causality."""
     return left is None or left >= seq - 1
-
-
-def window_mask(queries: torch.Tensor, keys: torch.Tensor, left: int | None) -> torch.Tensor:
-    """[len(queries), len(keys)] booleans (True: may attend) from global positions: key j is
-    causal for query i (j <= i) and, with a window, within ``left`` tokens of it (j >= i - left)."""
-    q, k = queries.unsqueeze(1), keys.unsqueeze(0)
-    allowed = k <= q
-    return allowed if left is None else allowed & (k >= q - left)
-
-
-@functools.lru_cache(maxsize=4)
-def sliding_causal_mask(length: int, left: int, device: torch.device) -> torch.Tensor:
-    """window_mask of a ``length``-token sequence against itself, made once per length, window
-    and device: every windowed layer's forward takes (and its backward keeps) the same tensor
-    instead of a new s x s mask each. Read-only: callers combine it into new tensors."""
-    # A normal tensor even when first made under inference mode, so that a later training
-    # forward may keep it for backward.
-    with torch.inference_mode(False):
-        positions = torch.arange(length, device=device)
-        return window_mask(positions, positions, left)
 
 
 def sequence_attention(

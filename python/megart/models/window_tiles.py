@@ -5,8 +5,9 @@ The queries are cut into tiles of T tokens; the tile [a, a + n) reads the contig
 [max(0, a - left), a + n), at most T + left of them, through one SDPA call with a [n, keys]
 mask. For a full-width tile (a >= left, n = T) that mask is the same whatever a: query row r
 (position a + r) may read key column c (position a - left + c) when r <= c <= r + left. It is
-built once per (T, left, device) (band_mask); a tile near the start (a < left, keys from 0)
-takes its columns from left - a on, and the last, shorter tile its first n rows: views, no copy.
+built once per (T, left, device) (band_mask, megart.models.window_masks); a tile near the start
+(a < left, keys from 0) takes its columns from left - a on, and the last, shorter tile its first
+n rows: views, no copy.
 Documents (--reset-attention-mask) take the same slice of their [b, 1, s, s] mask.
 
 Each tile scores n x keys entries against the whole sequence's s x s for one masked call: the
@@ -21,10 +22,10 @@ megart.plan counts the same entries (scored_entries) for a windowed layer's atte
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
+
+from megart.models.window_masks import band_mask
 
 # The smallest tile. A tile of T queries scores T x (T + left) entries of which about
 # T x (left + 1) are inside the windows (less T^2 / 2 of the triangle no query reaches): the
@@ -59,17 +60,6 @@ def scored_entries(seq: int, left: int, tile: int | None) -> int:
     if tile is None:
         return seq * seq
     return sum(n * (a + n - first) for a, n, first in band_tiles(seq, left, tile))
-
-
-@functools.lru_cache(maxsize=8)
-def band_mask(tile: int, left: int, device: torch.device) -> torch.Tensor:
-    """[tile, tile + left] booleans: row r may read column c when r <= c <= r + left (a
-    full-width tile's window; see the module's docstring). Read-only, shared by every tile and
-    layer."""
-    with torch.inference_mode(False):  # kept for backward even if first made in inference
-        rows = torch.arange(tile, device=device).unsqueeze(1)
-        cols = torch.arange(tile + left, device=device).unsqueeze(0)
-        return (cols >= rows) & (cols <= rows + left)
 
 
 def tiled_window_attention(
