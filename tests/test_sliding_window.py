@@ -25,7 +25,7 @@ from megart.launcher import launch
 from megart.models import GPT, GPTConfig
 from megart.models.attention import Attention
 from megart.models.documents import document_attention_mask
-from megart.models.window import window_mask
+from megart.models.window_masks import window_mask
 
 # -- the mask ---------------------------------------------------------------------------------
 

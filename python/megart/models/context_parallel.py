@@ -29,7 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from megart.distributed import ProcessGroup
 from megart.errors import ConfigError
-from megart.models.window import window_mask
+from megart.models.window_masks import window_mask
 from megart.tensor_parallel._group import group_rank, group_size
 from megart.tensor_parallel.mappings import gather_from_sequence_region
 

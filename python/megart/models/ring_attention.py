@@ -52,7 +52,7 @@ import megart.distributed as dist
 from megart.distributed import ProcessGroup
 from megart.models import flash_blocks
 from megart.models.context_parallel import cp_positions
-from megart.models.window import window_mask
+from megart.models.window_masks import window_mask
 
 # Scores per tile of query rows (fp32: 256 MiB): a step's explicit products never hold more
 # than a few tiles' worth, whatever the sequence length.

@@ -32,10 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from megart.errors import ConfigError
-
-# window_mask re-exported: the context-parallel and ring masks, and tests, import it from here.
 from megart.models.window_masks import sliding_causal_mask
-from megart.models.window_masks import window_mask as window_mask
 from megart.models.window_tiles import band_tile, tiled_window_attention
 
 Window = tuple[int, int]
