@@ -15,6 +15,7 @@ from megart.launcher import launch
 from megart.models import GPT, GPTConfig
 from megart.models.recompute import recomputed_spans
 from megart.tensor_parallel import RNGStatesTracker, seed_tensor_parallel
+from megart.training.config import TrainConfig
 
 BASE = GPTConfig(
     vocab_size=64,
@@ -86,6 +87,10 @@ def test_bad_recompute_settings_are_refused():
         dataclasses.replace(BASE, recompute_granularity="some")
     with pytest.raises(ConfigError, match="use 'uniform' or 'block'"):
         dataclasses.replace(BASE, recompute_method="blocks")
+    # megart train names the flag (GPTConfig, a Python API, names its field).
+    flags = TrainConfig(num_layers=2, recompute_granularity="full", recompute_num_layers=0)
+    with pytest.raises(ConfigError, match="--recompute-num-layers 0: .* at least 1 layer"):
+        flags.gpt_config()
 
 
 def test_trainer_loss_curve_is_unchanged_by_full_recomputation_at_tp2():

@@ -99,6 +99,11 @@ def check_model_flags(cfg: Any) -> None:
         raise ConfigError(
             f"--bias-gelu-fusion fuses the MLP's bias add and GeLU: leave it out with {flags}"
         )
+    if cfg.recompute_num_layers < 1:
+        raise ConfigError(
+            f"--recompute-num-layers {cfg.recompute_num_layers}: full recomputation's spans are "
+            "at least 1 layer (uniform: layers per group; block: layers of each chunk replayed)"
+        )
     ffn = cfg._ffn_hidden_size()
     if ffn is not None and ffn < 1:
         why = (
