@@ -29,7 +29,8 @@
 # train-1.3b plan-1.3b` in 399 s (467 s of device time with the start), then the flash ring's
 # tests in a second call (core-so's extension lacks megart's CUDA module: build, do not carry).
 # Next: `STEP_TIMEOUT=110 bash bench/gpu_session.sh selftest tests` (the selftest's ring-block
-# check and tests/test_context_parallel_ring.py's GPU test are unrun on a GPU), then
+# and sliding-window checks and tests/test_context_parallel_ring.py's GPU test are unrun on a
+# GPU), then
 # ring-flash. On a node of several GPUs:
 # `torchrun --nproc-per-node N -m megart selftest`, NPROC=N allreduce p2p, and tests (whose
 # test_trainer_nccl runs every parallel layout, its ranks sharing GPU 0).
@@ -103,7 +104,7 @@ for step in "$@"; do
              tests/test_kernels.py tests/test_fused_kernels_cuda.py tests/test_build_info.py \
              "tests/test_context_parallel.py::test_the_blockwise_attention_on_a_gpu_is_the_masked_one_in_float64" \
              tests/test_flash_blocks.py "tests/test_context_parallel_ring.py::test_on_a_gpu_the_flash_ring_in_bf16_is_one_process_attention_in_float64" \
-             2>&1 | show 40 ;;
+             tests/test_selftest_windows.py 2>&1 | show 40 ;;
     grad-accum-fusion) # fused against unfused, alternating: train-1.3b's GPT, then a 2.5B one
       for a in "" "--layers 32 --hidden 2560 --heads 32"; do
         limit python3 bench/grad_accum_fusion.py $a; done 2>&1 | show 12 ;;

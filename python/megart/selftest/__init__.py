@@ -86,7 +86,7 @@ def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
 
     import megart.distributed as dist
     from megart.distributed.nccl import find_nccl
-    from megart.selftest import collectives, components, ring_blocks, training
+    from megart.selftest import collectives, components, ring_blocks, training, windows
 
     device = torch.device("cuda", torch.cuda.current_device())
     checks: list[Check] = []
@@ -119,6 +119,7 @@ def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
         lambda: ring_blocks.check_ring_blocks(device),
         "--cp-comm-type all_gather",
     )
+    checks += guarded("sliding window (CUDA)", lambda: windows.check_sliding_window(device))
     checks += guarded("AdamW (CUDA)", lambda: components.check_adamw(device))
     checks += guarded(
         "gradient accumulation fusion (CUDA)",
@@ -139,7 +140,7 @@ def run_single() -> list[Check]:
     """Every check of one process (launching 2 CPU ranks for the transport and training)."""
     import torch
 
-    from megart.selftest import components, ring_blocks, training
+    from megart.selftest import components, ring_blocks, training, windows
 
     checks: list[Check] = []
     checks += guarded("core", components.check_core)
@@ -153,6 +154,9 @@ def run_single() -> list[Check]:
         "ring attention flash blocks (CPU)",
         lambda: ring_blocks.check_ring_blocks(torch.device("cpu")),
         "--cp-comm-type all_gather",
+    )
+    checks += guarded(
+        "sliding window (CPU)", lambda: windows.check_sliding_window(torch.device("cpu"))
     )
     no_gpu = _no_gpu_reason()
     if no_gpu is None:
@@ -168,6 +172,7 @@ def run_single() -> list[Check]:
             "nccl one-rank collectives",
             "kernels (CUDA), every dtype",
             "ring attention flash blocks (CUDA)",
+            "sliding window (CUDA)",
             "AdamW (CUDA) vs torch fused",
             "training on GPU vs CPU",
         ):
