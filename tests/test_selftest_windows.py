@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megart.models import window, window_tiles
-from megart.models.window_masks import band_mask, window_mask
+from megart.models.window_masks import band_bias, sliding_causal_bias
 from megart.selftest import windows
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -33,18 +33,19 @@ def test_the_definition_is_float64_exact_for_megarts_path():
 
 
 def test_a_shifted_band_fails_the_tiled_check(monkeypatch):
-    wrong = lambda tile, left, device: band_mask(tile, left + 1, device)[:, 1:]  # noqa: E731
-    monkeypatch.setattr(window_tiles, "band_mask", wrong)
+    def shifted(tile, left, dtype, device):
+        return band_bias(tile, left + 1, dtype, device)[:, 1:]
+
+    monkeypatch.setattr(window_tiles, "band_bias", shifted)
     tiled, masked = windows.check_sliding_window(torch.device("cpu"))
     assert tiled.status == "fail" and masked.status == "pass", (tiled, masked)
 
 
 def test_a_wider_window_fails_the_single_mask_check(monkeypatch):
-    def wide(length, left, device):
-        positions = torch.arange(length, device=device)
-        return window_mask(positions, positions, left + 1)
+    def wide(length, left, dtype, device):
+        return sliding_causal_bias(length, left + 1, dtype, device)
 
-    monkeypatch.setattr(window, "sliding_causal_mask", wide)
+    monkeypatch.setattr(window, "sliding_causal_bias", wide)
     tiled, masked = windows.check_sliding_window(torch.device("cpu"))
     assert masked.status == "fail" and tiled.status == "pass", (tiled, masked)
 

@@ -3,11 +3,19 @@ definition (row r reads column c when r <= c <= r + left) and the rows of the wh
 mask for the queries at positions left .., and both cached masks, first made under inference
 mode, are normal tensors a training forward may keep for backward."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megart.models.window_masks import band_mask, sliding_causal_mask
+from megart.models.window import sequence_attention
+from megart.models.window_masks import (
+    band_mask,
+    sliding_causal_bias,
+    sliding_causal_mask,
+    window_mask,
+)
+from megart.models.window_tiles import band_tile, tiled_window_attention
 
 CPU = torch.device("cpu")
 
@@ -29,3 +37,49 @@ def test_masks_first_made_in_inference_mode_are_normal_tensors():
         made = band_mask(8, 3, CPU), sliding_causal_mask(8, 3, CPU)
     assert not any(m.is_inference() for m in made)
     assert band_mask(8, 3, CPU) is made[0]  # the cached tensor, reused outside inference mode
+
+
+def _saved_masks(fn):
+    """(shape, storage) of the 2-D tensors autograd keeps during ``fn()``: the masks."""
+    saved = []
+
+    def pack(t):
+        if t.dim() == 2:
+            saved.append((tuple(t.shape), t.untyped_storage().data_ptr()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return saved, out
+
+
+@pytest.mark.parametrize("seq,left", [(512, 300), (2048, 100)])  # one mask; query tiles
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_every_windowed_call_keeps_the_one_cached_bias_and_computes_as_the_boolean_mask(
+    seq, left, dtype
+):
+    """Given a boolean mask, SDPA makes an s x s float copy per call and its backward keeps
+    it; the cached bias is kept by reference instead (one storage however many layers), and
+    the attention is bitwise the boolean masks' (the whole sequence's, or each tile's)."""
+    q, k, v = (torch.randn(1, 2, seq, 8, dtype=dtype, requires_grad=True) for _ in "qkv")
+    saved, outs = _saved_masks(lambda: [sequence_attention(q, k, v, 0.0, left) for _ in "ab"])
+    assert len(saved) >= 2 and len({ptr for _, ptr in saved}) == 1, saved
+    tile = band_tile(seq, left)
+    if tile is None:
+        positions = torch.arange(seq)
+        allowed = window_mask(positions, positions, left)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, allowed)
+    else:  # a mask of documents that allows all: each tile's boolean band
+        everything = torch.ones(1, 1, seq, seq, dtype=torch.bool)
+        want = tiled_window_attention(q, k, v, 0.0, left, tile, everything)
+    assert torch.equal(outs[0], want) and torch.equal(outs[1], want)
+
+
+def test_under_autocast_the_bias_is_made_in_autocasts_dtype():
+    """CPU autocast runs SDPA in bf16 and casts a float32 bias to it, a copy per call; the
+    bias is made in bf16 so that the cached one is kept."""
+    q, k, v = (torch.randn(1, 2, 512, 8, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        saved, _ = _saved_masks(lambda: [sequence_attention(q, k, v, 0.0, 300) for _ in "ab"])
+    assert len({ptr for _, ptr in saved}) == 1, saved
+    assert sliding_causal_bias(512, 300, torch.bfloat16, CPU).data_ptr() == saved[0][1]

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from megart.errors import ConfigError
-from megart.models.window_masks import sliding_causal_mask
+from megart.models.window_masks import bias_dtype, sliding_causal_bias, sliding_causal_mask
 from megart.models.window_tiles import band_tile, tiled_window_attention
 
 Window = tuple[int, int]
@@ -81,8 +81,10 @@ def sequence_attention(
         tile = band_tile(q.shape[2], window)
         if tile is not None:
             return tiled_window_attention(q, k, v, dropout, window, tile, mask)
-        near = sliding_causal_mask(q.shape[2], window, q.device)
-        mask = near if mask is None else mask & near
+        if mask is None:  # the cached bias, one tensor for every call (window_masks)
+            bias = sliding_causal_bias(q.shape[2], window, bias_dtype(q), q.device)
+            return F.scaled_dot_product_attention(q, k, v, bias, dropout_p=dropout)
+        mask = mask & sliding_causal_mask(q.shape[2], window, q.device)
     if mask is not None:  # a mask tensor: on CUDA no flash kernel takes one
         return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)

@@ -4,6 +4,13 @@ One builder, window_mask, and the two read-only masks made from it once per shap
 a whole sequence's (sliding_causal_mask, megart.models.window) and a full-width query tile's
 (band_mask, megart.models.window_tiles). Its own module so that both import it: window imports
 window_tiles.
+
+Attention takes them as additive biases (0 where allowed, -inf elsewhere: sliding_causal_bias,
+band_bias), cached in the dtype the attention runs in. Given a boolean mask, torch's
+scaled_dot_product_attention makes that bias itself, a new one per call, which its backward
+keeps: every windowed layer and microbatch held its own s x s (or tile x keys) copy until its
+backward (measured on the CPU: an fp32 s x s tensor per call). The cached bias is one tensor
+that every call keeps instead.
 """
 
 from __future__ import annotations
@@ -11,6 +18,12 @@ from __future__ import annotations
 import functools
 
 import torch
+
+# The cached biases' row stride, in elements: a multiple of 16, so that a GPU's memory-efficient
+# kernel (the one that takes a bias) may use the cached rows as they are rather than pad a
+# copy of them per call, which torch does for rows not so aligned (a tile's T + left keys
+# rarely are). Unverified on a GPU.
+ALIGN = 16
 
 
 def window_mask(queries: torch.Tensor, keys: torch.Tensor, left: int | None) -> torch.Tensor:
@@ -47,3 +60,36 @@ def band_mask(tile: int, left: int, device: torch.device) -> torch.Tensor:
     positions after its first key, so row r is the query at position left + r and column c the
     key at position c. Read-only, shared by every tile and layer."""
     return _kept_mask(left, tile, tile + left, left, device)
+
+
+def bias_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype scaled_dot_product_attention computes ``q`` in: autocast's where it is on for
+    q's device (it casts q and the bias to it), else q's own."""
+    if torch.is_autocast_enabled(q.device.type):
+        return torch.get_autocast_dtype(q.device.type)
+    return q.dtype
+
+
+def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, -inf elsewhere, in ``dtype``, its rows ALIGN-strided; a normal
+    tensor even when first made under inference mode (it is cached, see _kept_mask)."""
+    rows, cols = allowed.shape
+    with torch.inference_mode(False):
+        stride = -(-cols // ALIGN) * ALIGN
+        store = torch.full((rows, stride), float("-inf"), dtype=dtype, device=allowed.device)
+        return store[:, :cols].masked_fill_(allowed, 0.0)
+
+
+@functools.lru_cache(maxsize=4)
+def sliding_causal_bias(
+    length: int, left: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """sliding_causal_mask as an additive bias in ``dtype``, one tensor shared by every call
+    (see the module's docstring). Read-only."""
+    return _bias(sliding_causal_mask(length, left, device), dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def band_bias(tile: int, left: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """band_mask as an additive bias in ``dtype``, shared by every tile and layer. Read-only."""
+    return _bias(band_mask(tile, left, device), dtype)

@@ -5,14 +5,14 @@ The queries are cut into tiles of T tokens; the tile [a, a + n) reads the contig
 [max(0, a - left), a + n), at most T + left of them, through one SDPA call with a [n, keys]
 mask. For a full-width tile (a >= left, n = T) that mask is the same whatever a: query row r
 (position a + r) may read key column c (position a - left + c) when r <= c <= r + left. It is
-built once per (T, left, device) (band_mask, megart.models.window_masks); a tile near the start
-(a < left, keys from 0) takes its columns from left - a on, and the last, shorter tile its first
-n rows: views, no copy.
+built once per (T, left, device), and as an additive bias once per dtype too (band_mask,
+band_bias: megart.models.window_masks); a tile near the start (a < left, keys from 0) takes its
+columns from left - a on, and the last, shorter tile its first n rows: views, no copy.
 Documents (--reset-attention-mask) take the same slice of their [b, 1, s, s] mask.
 
 Each tile scores n x keys entries against the whole sequence's s x s for one masked call: the
 saving is about s / (T + left), and the largest tensor a tile makes (its scores under torch's
-math kernel, the mask converted to a bias by the memory-efficient one) is
+math kernel) is
 b x heads x T x (T + left) instead of b x heads x s x s. Dropout draws per tile (each call its
 own draw from the same generator, in tile order, so a replay under recomputation redraws the
 same masks).
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megart.models.window_masks import band_mask
+from megart.models.window_masks import band_bias, band_mask, bias_dtype
 
 # The smallest tile. A tile of T queries scores T x (T + left) entries of which about
 # T x (left + 1) are inside the windows (less T^2 / 2 of the triangle no query reaches): the
@@ -75,7 +75,12 @@ def tiled_window_attention(
     repeated per query head), and where ``mask`` ([b or 1, 1, s, s], True: may attend) allows,
     in query tiles of ``tile`` tokens."""
     seq = q.shape[2]
-    band = band_mask(tile, left, q.device)
+    # Without documents, the cached bias (one tensor that every call keeps, window_masks);
+    # with them, each tile's boolean band and documents combined.
+    if mask is None:
+        band = band_bias(tile, left, bias_dtype(q), q.device)
+    else:
+        band = band_mask(tile, left, q.device)
     out = []
     for a, n, first in band_tiles(seq, left, tile):
         offset = left - (a - first)  # the columns before position 0 that this tile lacks
