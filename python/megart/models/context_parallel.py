@@ -21,6 +21,7 @@ megart.models.all_to_all_attention) do not.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,7 +30,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from megart.distributed import ProcessGroup
 from megart.errors import ConfigError
-from megart.models.window_masks import window_mask
+from megart.models.window_masks import additive_bias, bias_dtype, window_mask
 from megart.tensor_parallel._group import group_rank, group_size
 from megart.tensor_parallel.mappings import gather_from_sequence_region
 
@@ -150,8 +151,18 @@ def masked_attention(
     """context_attention as one call of torch's attention over all gathered keys, masked by
     global positions (causal_mask, with the sliding ``window`` if any): every (s/cp) x s score
     computed, the mask kept for the backward."""
-    mask = causal_mask(cp, cp_rank, q.shape[2], q.device, window)
-    return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
+    bias = causal_bias(cp, cp_rank, q.shape[2], window, bias_dtype(q), q.device)
+    return F.scaled_dot_product_attention(q, k, v, bias, dropout_p=dropout)
+
+
+@functools.lru_cache(maxsize=4)
+def causal_bias(
+    cp: int, cp_rank: int, local: int, window: int | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """causal_mask as an additive bias in ``dtype``, made once and kept by every call: given
+    the boolean mask, torch's attention would make (and its backward keep) a float copy per
+    layer and microbatch (megart.models.window_masks). Read-only."""
+    return additive_bias(causal_mask(cp, cp_rank, local, device, window), dtype)
 
 
 def blockwise_attention(

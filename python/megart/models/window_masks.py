@@ -70,9 +70,10 @@ def bias_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype
 
 
-def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where ``allowed``, -inf elsewhere, in ``dtype``, its rows ALIGN-strided; a normal
-    tensor even when first made under inference mode (it is cached, see _kept_mask)."""
+def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed`` ([queries, keys] booleans), -inf elsewhere, in ``dtype``, its rows
+    ALIGN-strided; a normal tensor even when first made under inference mode (callers cache
+    it, see _kept_mask)."""
     rows, cols = allowed.shape
     with torch.inference_mode(False):
         stride = -(-cols // ALIGN) * ALIGN
@@ -86,10 +87,10 @@ def sliding_causal_bias(
 ) -> torch.Tensor:
     """sliding_causal_mask as an additive bias in ``dtype``, one tensor shared by every call
     (see the module's docstring). Read-only."""
-    return _bias(sliding_causal_mask(length, left, device), dtype)
+    return additive_bias(sliding_causal_mask(length, left, device), dtype)
 
 
 @functools.lru_cache(maxsize=8)
 def band_bias(tile: int, left: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """band_mask as an additive bias in ``dtype``, shared by every tile and layer. Read-only."""
-    return _bias(band_mask(tile, left, device), dtype)
+    return additive_bias(band_mask(tile, left, device), dtype)
