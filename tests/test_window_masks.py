@@ -39,12 +39,13 @@ def test_masks_first_made_in_inference_mode_are_normal_tensors():
     assert band_mask(8, 3, CPU) is made[0]  # the cached tensor, reused outside inference mode
 
 
-def _saved_masks(fn):
-    """(shape, storage) of the 2-D tensors autograd keeps during ``fn()``: the masks."""
+def _saved_masks(fn, dims=2):
+    """(shape, storage) of the ``dims``-D tensors autograd keeps during ``fn()`` (2: the window
+    masks; 4: the documents' masks, beside q, k and v)."""
     saved = []
 
     def pack(t):
-        if t.dim() == 2:
+        if t.dim() == dims and (dims == 2 or t.shape[1] == 1):
             saved.append((tuple(t.shape), t.untyped_storage().data_ptr()))
         return t
 
@@ -83,3 +84,29 @@ def test_under_autocast_the_bias_is_made_in_autocasts_dtype():
         saved, _ = _saved_masks(lambda: [sequence_attention(q, k, v, 0.0, 300) for _ in "ab"])
     assert len({ptr for _, ptr in saved}) == 1, saved
     assert sliding_causal_bias(512, 300, torch.bfloat16, CPU).data_ptr() == saved[0][1]
+
+
+@pytest.mark.parametrize("window", [None, 300, 100])  # no window; one mask; query tiles
+def test_a_documents_mask_is_one_bias_for_every_layer_and_attends_as_the_boolean_one(window):
+    """The documents' [b, 1, s, s] mask, the same tensor for a chunk's layers, becomes one
+    bias that every call without a window keeps (with a window each call's sum is its own);
+    the attention is bitwise the boolean masks'."""
+    seq = 1024 if window == 100 else 512
+    q, k, v = (torch.randn(2, 2, seq, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    ids = torch.cat([torch.zeros(2, seq // 3), torch.ones(2, seq - seq // 3)], 1)
+    documents = (ids.unsqueeze(-1) == ids.unsqueeze(-2)).unsqueeze(1)
+    documents &= torch.ones(seq, seq, dtype=torch.bool).tril()
+    saved, outs = _saved_masks(
+        lambda: [sequence_attention(q, k, v, 0.0, window, documents) for _ in "ab"], dims=4
+    )
+    if window is None:
+        assert len(saved) == 2 and len({ptr for _, ptr in saved}) == 1, saved
+    positions = torch.arange(seq)
+    allowed = documents & window_mask(positions, positions, window)
+    tile = band_tile(seq, window) if window is not None else None
+    if tile is None:
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, allowed)
+        assert torch.equal(outs[0], want) and torch.equal(outs[1], want)
+    else:  # per tile: against the whole mask, to rounding
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, allowed)
+        assert (outs[0] - want).abs().max() < 1e-12

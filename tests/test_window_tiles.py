@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megart.models import window_tiles as wt
-from megart.models.window import sequence_attention, sliding_causal_mask
-from megart.models.window_masks import ALIGN
+from megart.models.window import sequence_attention
+from megart.models.window_masks import ALIGN, band_mask, sliding_causal_mask
 
 
 def reference(q, k, v, left, ids=None):
@@ -170,7 +170,7 @@ def test_no_s_by_s_tensor_at_4096_with_a_window_of_255():
     assert tile == 256
     q, k, v, _ = inputs(1, 1, 1, s, d, 0)
     sliding_causal_mask.cache_clear()
-    wt.band_mask.cache_clear()
+    band_mask.cache_clear()
     wt.band_bias.cache_clear()
     saved = []
     with (

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from megart.errors import ConfigError
-from megart.models.window_masks import bias_dtype, sliding_causal_bias, sliding_causal_mask
+from megart.models.window_masks import as_bias, bias_dtype, sliding_causal_bias
 from megart.models.window_tiles import band_tile, tiled_window_attention
 
 Window = tuple[int, int]
@@ -77,14 +77,15 @@ def sequence_attention(
     a window or mask torch's causal kernels apply (flash on a GPU); a window much shorter than
     the sequence runs in query tiles, each over the keys its windows reach with one small mask
     (megart.models.window_tiles); otherwise an explicit s x s mask."""
+    if mask is not None:  # documents': one bias for every layer (window_masks.as_bias)
+        mask = as_bias(mask, bias_dtype(q))
     if window is not None:
         tile = band_tile(q.shape[2], window)
         if tile is not None:
             return tiled_window_attention(q, k, v, dropout, window, tile, mask)
-        if mask is None:  # the cached bias, one tensor for every call (window_masks)
-            bias = sliding_causal_bias(q.shape[2], window, bias_dtype(q), q.device)
-            return F.scaled_dot_product_attention(q, k, v, bias, dropout_p=dropout)
-        mask = mask & sliding_causal_mask(q.shape[2], window, q.device)
+        # The cached bias, one tensor for every call (window_masks); with documents, a sum.
+        bias = sliding_causal_bias(q.shape[2], window, bias_dtype(q), q.device)
+        mask = bias if mask is None else mask + bias
     if mask is not None:  # a mask tensor: on CUDA no flash kernel takes one
         return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)

@@ -71,14 +71,30 @@ def bias_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where ``allowed`` ([queries, keys] booleans), -inf elsewhere, in ``dtype``, its rows
-    ALIGN-strided; a normal tensor even when first made under inference mode (callers cache
-    it, see _kept_mask)."""
-    rows, cols = allowed.shape
+    """0 where ``allowed`` ([..., queries, keys] booleans), -inf elsewhere, in ``dtype``, its
+    rows ALIGN-strided; a normal tensor even when first made under inference mode (callers
+    cache it, see _kept_mask)."""
+    *lead, cols = allowed.shape
     with torch.inference_mode(False):
         stride = -(-cols // ALIGN) * ALIGN
-        store = torch.full((rows, stride), float("-inf"), dtype=dtype, device=allowed.device)
-        return store[:, :cols].masked_fill_(allowed, 0.0)
+        store = torch.full((*lead, stride), float("-inf"), dtype=dtype, device=allowed.device)
+        return store[..., :cols].masked_fill_(allowed, 0.0)
+
+
+# The last boolean mask given to as_bias, its dtype and its bias: a chunk's layers all take the
+# same documents' mask in one forward (megart.models.gpt), so they share one bias.
+_last: tuple[torch.Tensor, torch.dtype, torch.Tensor] | None = None
+
+
+def as_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean ``mask`` (documents') as an additive bias in ``dtype``, the same tensor for
+    consecutive calls with the same mask (see the module's docstring); a float mask as given."""
+    global _last
+    if mask.dtype != torch.bool:
+        return mask
+    if _last is None or _last[0] is not mask or _last[1] != dtype:
+        _last = (mask, dtype, additive_bias(mask, dtype))
+    return _last[2]
 
 
 @functools.lru_cache(maxsize=4)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megart.models.window_masks import band_bias, band_mask, bias_dtype
+from megart.models.window_masks import as_bias, band_bias, bias_dtype
 
 # The smallest tile. A tile of T queries scores T x (T + left) entries of which about
 # T x (left + 1) are inside the windows (less T^2 / 2 of the triangle no query reaches): the
@@ -72,21 +72,20 @@ def tiled_window_attention(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention within ``left`` earlier tokens ([b, heads, s, d], keys and values
-    repeated per query head), and where ``mask`` ([b or 1, 1, s, s], True: may attend) allows,
-    in query tiles of ``tile`` tokens."""
+    repeated per query head), and where ``mask`` ([b or 1, 1, s, s], True: may attend, or its
+    additive bias) allows, in query tiles of ``tile`` tokens."""
     seq = q.shape[2]
-    # Without documents, the cached bias (one tensor that every call keeps, window_masks);
-    # with them, each tile's boolean band and documents combined.
-    if mask is None:
-        band = band_bias(tile, left, bias_dtype(q), q.device)
-    else:
-        band = band_mask(tile, left, q.device)
+    # The cached band bias (one tensor that every call keeps, window_masks); with documents,
+    # each tile's sum of the band and the documents' bias.
+    band = band_bias(tile, left, bias_dtype(q), q.device)
+    if mask is not None:
+        mask = as_bias(mask, bias_dtype(q))
     out = []
     for a, n, first in band_tiles(seq, left, tile):
         offset = left - (a - first)  # the columns before position 0 that this tile lacks
         allowed = band[:n, offset : offset + a + n - first]
         if mask is not None:
-            allowed = mask[..., a : a + n, first : a + n] & allowed
+            allowed = mask[..., a : a + n, first : a + n] + allowed
         keys, values = k[:, :, first : a + n], v[:, :, first : a + n]
         out.append(F.scaled_dot_product_attention(q[:, :, a : a + n], keys, values, allowed,
                                                   dropout_p=dropout))  # fmt: skip
