@@ -4,6 +4,10 @@ hold during the next one (torch's saved-tensor hooks)."""
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Iterator
+
 import torch
 
 from megart.training.config import TrainConfig
@@ -39,12 +43,22 @@ class SavedBytes:
             return t
         if t.dtype in (torch.bfloat16, torch.float16) and t.shape in self.weight_shapes:
             return t
+        self._add(t, ptr)
+        return _Held(t, ptr, self)
+
+    def _add(self, t: torch.Tensor, ptr: int) -> None:
         entry = self.live.setdefault(ptr, [0, t.untyped_storage().nbytes()])
         if entry[0] == 0:
             self.now += entry[1]
             self.peak = max(self.peak, self.now)
         entry[0] += 1
-        return _Held(t, ptr, self)
+
+    def hold(self, t: torch.Tensor) -> None:
+        """Counts ``t``'s storage as held until ``t`` itself is collected (a tensor kept
+        otherwise than as a saved tensor)."""
+        ptr = t.untyped_storage().data_ptr()
+        self._add(t, ptr)
+        weakref.finalize(t, self.release, ptr)
 
     @staticmethod
     def unpack(held: object) -> torch.Tensor:
@@ -128,6 +142,27 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@contextlib.contextmanager
+def _rope_held(meter: SavedBytes) -> Iterator[None]:
+    """Counts rope's cos and sin tables as held for as long as they live: a chunk's layers
+    save them (one storage), and under full recomputation the checkpoints' closures keep them
+    to replay, which saved-tensor hooks do not see."""
+    from megart.models.gpt import GPTChunk
+
+    blocks = GPTChunk._blocks
+
+    def counted(self: object, x: torch.Tensor, rope: tuple | None, *args: object) -> object:
+        for table in rope or ():
+            meter.hold(table)
+        return blocks(self, x, rope, *args)
+
+    GPTChunk._blocks = counted
+    try:
+        yield
+    finally:
+        GPTChunk._blocks = blocks
+
+
 def held_bytes(kw: dict) -> dict:
     from megart.training.distributed_optimizer import DistributedOptimizer
     from megart.training.main_weights import MainWeights
@@ -156,7 +191,7 @@ def held_bytes(kw: dict) -> dict:
     moments = [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
     opt_bytes = _nbytes(moments) + _nbytes(mains)
     meter = SavedBytes(params)
-    with meter.hooks(), RecomputedBytes(meter) as replays:
+    with meter.hooks(), RecomputedBytes(meter) as replays, _rope_held(meter):
         trainer.train_step(1)
     g = trainer.grid
     return {

@@ -52,7 +52,7 @@ def planned(cfg: GPTConfig, bf16: bool) -> float:
     a CPU's dropout masks keep beyond a GPU's one byte."""
     prec = act.precision_of(bf16, False)
     rec = cfg.recompute_granularity
-    want = act.layer_bytes(cfg, BATCH, 1, False, rec, prec) + act.rope_table_bytes(cfg, rec)
+    want = act.layer_bytes(cfg, BATCH, 1, False, rec, prec) + act.rope_table_bytes(cfg)
     if cfg.hidden_dropout > 0:
         want += 2 * SEQ * BATCH * cfg.hidden_size * (prec.other - 1)
     if cfg.qk_layernorm and cfg.normalization == "layernorm" and bf16:

@@ -58,7 +58,9 @@ CASES = [
         for m, n in (("uniform", 2), ("block", 1), ("block", 2))
     ],  # fmt: skip
     *[_case("tp2 sp", 2, TP2_SP, m, n) for m, n in (("uniform", 2), ("block", 1), ("block", 3))],
-    # rope's tables: saved by the kept layers, and again by each replay.
+    # rope's tables: held by each pair whatever the spans (saved by kept layers, kept by the
+    # checkpoints to replay; plan_workers counts them as long as they live), and one a pair
+    # (uniform 2: every layer replayed, the tables held by the checkpoints only).
     *[
         _case("llama rope bf16", 1, {}, m, n, model=dict(LLAMA_ROPE, recompute_granularity="full"))
         for m, n in (("uniform", 2), ("block", 1), ("block", 3))

@@ -157,19 +157,18 @@ def chunk_layer_bytes(
 ) -> tuple[float, float]:
     """A (microbatch, chunk) pair's ``layers`` layers: (the bytes they keep until its backward,
     how far above that its backward rises while full recomputation replays a span; see
-    full_recompute_bytes). Rope's tables are counted here only under full recomputation (with
-    kept layers), else by rope_table_bytes."""
+    full_recompute_bytes). Rope's tables are not counted here (rope_table_bytes: once a
+    pair)."""
     rec = cfg.recompute_granularity
     one = layer_bytes(cfg, b, tp, sp, rec, prec, unfused_attention, cp)
     if rec != "full":
         return layers * one, 0.0
     whole = layer_bytes(cfg, b, tp, sp, None, prec, unfused_attention, cp)
-    rope = rope_table_bytes(cfg, None, cp)
     method, n = cfg.recompute_method, cfg.recompute_num_layers
     # The first norm keeps the span's input itself (LayerNorm; RMSNorm's fp32 view of it when
     # the stream is fp32), else its fp32 copy: counted in ``whole`` either way.
     shared = cfg.normalization != "rmsnorm" or prec.residual == 4
-    return full_recompute_bytes(layers, method, n, one, whole, rope, shared)
+    return full_recompute_bytes(layers, method, n, one, whole, shared)
 
 
 def full_recompute_bytes(
@@ -178,7 +177,6 @@ def full_recompute_bytes(
     num_layers: int,
     input_bytes: float,
     whole: float,
-    rope: float,
     shared: bool = True,
 ) -> tuple[float, float]:
     """One (microbatch, chunk) pair of ``layers`` layers under full recomputation, spans as
@@ -186,28 +184,27 @@ def full_recompute_bytes(
     groups of --recompute-num-layers layers; block, the first N layers one by one and the rest
     kept): (the bytes it keeps from its forward to its backward, how far above that its
     backward rises while a span is recomputed). ``input_bytes``: one layer's input (what a
-    checkpoint keeps), ``whole``: one layer's saves without recomputation, ``rope``: rope's
-    tables (every layer's rotation saves the same two), ``shared``: the replayed first layer
-    saves the span's kept input itself (not a copy of it).
+    checkpoint keeps), ``whole``: one layer's saves without recomputation, ``shared``: the
+    replayed first layer saves the span's kept input itself (not a copy of it). Rope's tables
+    are the pair's whatever the spans (rope_table_bytes).
 
-    Kept: each checkpointed span's input, the kept layers' whole saves and, when some layer is
-    kept, the rope tables. Backward runs the spans last first, each freeing its saves; a
-    checkpointed span's recomputation makes all its layers' saves at once (torch's checkpoint
-    recomputes the span at the first saved tensor backward asks for, and frees each one as it
-    is used), its first layer's input being the span's kept input (``shared``), and the rope
-    tables again (the kept layers' backward, which comes first, has freed theirs). So
-    recomputing span k holds the inputs of spans 0..k and span k's layers' whole saves (but
-    the shared input): with equal groups the last span's moment is the highest, with a shorter
-    last group (N not dividing the layers) the one before may be. Under block with N < layers
-    the kept layers held as much at the start of the backward: nothing rises."""
+    Kept: each checkpointed span's input and the kept layers' whole saves. Backward runs the
+    spans last first, each freeing its saves; a checkpointed span's recomputation makes all its
+    layers' saves at once (torch's checkpoint recomputes the span at the first saved tensor
+    backward asks for, and frees each one as it is used), its first layer's input being the
+    span's kept input (``shared``). So recomputing span k holds the inputs of spans 0..k and
+    span k's layers' whole saves (but the shared input): with equal groups the last span's
+    moment is the highest, with a shorter last group (N not dividing the layers) the one before
+    may be. Under block with N < layers the kept layers held as much at the start of the
+    backward: nothing rises."""
     held = peak = kept = 0.0
     for start, stop, recomputed in recomputed_spans(layers, method, num_layers):
         if recomputed:
             held += input_bytes
-            again = (stop - start) * whole + rope - (input_bytes if shared else 0.0)
+            again = (stop - start) * whole - (input_bytes if shared else 0.0)
             peak = max(peak, held + again)
         else:
-            kept += (stop - start) * whole + rope
+            kept += (stop - start) * whole
     stored = held + kept
     return stored, max(0.0, peak - stored)
 
@@ -318,12 +315,12 @@ def a2a_attention_elements(
     return kept / t
 
 
-def rope_table_bytes(cfg: GPTConfig, recompute: str | None, cp: int = 1) -> float:
+def rope_table_bytes(cfg: GPTConfig, cp: int = 1) -> float:
     """rope's cos and sin, fp32 [s/cp, rotary_dim/2] each, made once per chunk and microbatch
-    and saved by every layer's rotation (the same two tensors): none with learned positions,
-    none here with full recomputation, whose checkpoints save none (chunk_layer_bytes counts
-    them for block's kept layers and for each replay)."""
-    if cfg.position_embedding != "rotary" or recompute == "full":
+    and held until that pair's backward: saved by every layer's rotation (the same two
+    tensors), or under full recomputation kept by the checkpoints to replay (megart.models.gpt
+    hands them to each span); none with learned positions."""
+    if cfg.position_embedding != "rotary":
         return 0.0
     return cfg.seq_length // cp * cfg.rotary_dim * 4
 

@@ -372,9 +372,8 @@ def _worst_rank_memory(
     layers = [n // v for n in layout.layer_counts(cfg.num_layers)]  # per chunk, each rank
     if p > 1 and layout.kind in ZERO_BUBBLE:
         assert run.plan is not None
-        rec = cfg.recompute_granularity
         cp = layout.cp
-        pair = act.output_bytes(cfg, b, t, sp, prec, cp) + act.rope_table_bytes(cfg, rec, cp)
+        pair = act.output_bytes(cfg, b, t, sp, prec, cp) + act.rope_table_bytes(cfg, cp)
         per_pair = [
             act.chunk_layer_bytes(cfg, b, t, sp, prec, n, unfused_attention, cp)[0] + pair
             for n in layers

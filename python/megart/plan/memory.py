@@ -63,14 +63,14 @@ def rank_memory(
         if rec == "full":
             whole = act.megatron_layer_bytes(cfg, b, t, sp, None, unfused_attention)
             method, span = cfg.recompute_method, cfg.recompute_num_layers
-            kept, risen = act.full_recompute_bytes(per_chunk_layers, method, span, one, whole, 0)
+            kept, risen = act.full_recompute_bytes(per_chunk_layers, method, span, one, whole)
     else:
         kept, risen = act.chunk_layer_bytes(
             cfg, b, t, sp, prec, per_chunk_layers, unfused_attention, cp
         )
     saved = n * kept
     if not megatron:  # rope's cos and sin, shared by a chunk's layers
-        saved += n * act.rope_table_bytes(cfg, rec, cp)
+        saved += n * act.rope_table_bytes(cfg, cp)
     if pp_rank == 0:
         saved += n * act.first_stage_bytes(cfg, b, t, cp, sp)
     if pp_rank == (0 if layout.kind == "zb-v" else p - 1):  # zb-v's last stage is on rank 0
