@@ -158,6 +158,18 @@ def test_overlap_leaves_the_last_bucket_exposed(buckets, distributed):
     assert e.time["dp_comm"] == pytest.approx(exposed + gather, rel=1e-9)
 
 
+def test_a_bucket_per_tensor_is_planned_as_such():
+    # --ddp-bucket-size 0 (Megatron: every parameter its own bucket) is not megart's 4 MiB:
+    # the last bucket, one small tensor, is all that outlasts a long enough last backward.
+    layout = _layout_of(8)
+    zero = estimate(TrainConfig(**BIG, ddp_bucket_size=0), layout, GPU)
+    default = estimate(TrainConfig(**BIG), layout, GPU)
+    assert zero.memory["bucket_elements"] == 0 and "bucket_elements" not in default.memory
+    _, _, whole = _split(zero, layout)
+    assert zero.time["dp_comm"] == pytest.approx(max(whole - zero.stage.backward, 0.0))
+    assert zero.time["dp_comm"] < default.time["dp_comm"]
+
+
 def test_param_gather_overlap_and_fp32_accumulation_change_nothing():
     # --overlap-param-gather: the first chunk's forward waits for all of its buckets, gathered
     # last; --accumulate-allreduce-grads-in-fp32: megart accumulates and keeps fp32 always.

@@ -189,7 +189,7 @@ def test_the_count_follows_the_definition_for_any_layout(p, v, per_chunk, extra,
 def test_no_layers_is_refused():
     """--recompute-num-layers 0 is refused, as Megatron-LM's config asks for 1 or more."""
     c = config({}, dict(recompute_granularity="full", recompute_method="block"))
-    with pytest.raises(ConfigError, match="recompute_num_layers=0"):
+    with pytest.raises(ConfigError, match="--recompute-num-layers 0"):
         dataclasses.replace(c, recompute_num_layers=0).gpt_config()
 
 

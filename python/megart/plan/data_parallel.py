@@ -37,7 +37,7 @@ def bucket_elements_of(memory: dict[str, float]) -> float:
     whose ``memory`` (plan.memory.rank_memory) is given: Megatron's size from
     --ddp-bucket-size/--ddp-num-buckets as that rank's parameters gave it, else megart's 4 MiB
     of fp32 gradients (the wire dtype does not change the bucket's members)."""
-    return memory["bucket_elements"] or BUCKET_BYTES / FP32
+    return memory.get("bucket_elements", BUCKET_BYTES / FP32)
 
 
 def data_parallel_seconds(

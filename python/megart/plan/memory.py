@@ -112,7 +112,9 @@ def rank_memory(
     parts["total"] = sum(parts.values())
     parts.update(saved=saved, outputs=outputs, recompute_working=working, weight_grads=grads)
     # The fp32 gradient buffers alone (what is reduced, in fp32 elements), their bf16 copies,
-    # and the elements per bucket --ddp-bucket-size/--ddp-num-buckets gave (0: megart's own).
+    # and the elements per bucket --ddp-bucket-size/--ddp-num-buckets gave (0: a bucket per
+    # tensor; absent: megart's own 4 MiB).
     parts.update(gradient_buffers=float(state.gradients), reduce_copies=float(state.reduce_copies))
-    parts.update(bucket_elements=float(state.bucket_elements or 0))
+    if state.bucket_elements is not None:
+        parts["bucket_elements"] = float(state.bucket_elements)
     return parts
