@@ -21,8 +21,9 @@ from megart import ConfigError
 from megart.launcher import launch
 from megart.models import pipeline_chunks
 from megart.training.config import TrainConfig
+from megart.training.layer_placement import placement, replayed_layer_count
 from megart.training.pipeline_costs import plan_costs
-from megart.training.trainer_setup import flop_counts, placement, replayed_layer_count
+from megart.training.trainer_setup import flop_counts
 
 MODEL = dict(hidden_size=16, num_attention_heads=2, seq_length=8, micro_batch_size=1)
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from megart.errors import ConfigError
 from megart.models import GPTConfig
-from megart.models.gpt import chunk_layers
 from megart.models.recompute import recomputed_spans
 from megart.models.window import layer_window
 from megart.plan import activations as act
@@ -27,7 +26,8 @@ from megart.plan.parameters import FP32
 from megart.plan.pipeline_run import PipelineRun, pipeline_run, states_of
 from megart.plan.timing import Work, layer_work, logits_work
 from megart.training.config import TrainConfig
-from megart.training.flops import model_flops, replayed_in_chunks
+from megart.training.flops import model_flops
+from megart.training.layer_placement import every_rank_layers, replayed_layer_count
 
 RUNTIMES = ("megart", "megatron")
 ADAM_BYTES = 28  # per fp32 element stepped: read p, g, m, v; write p, m, v (REFERENCES.md)
@@ -101,7 +101,7 @@ def estimate(
     m = c.microbatches(dp)
     prec = precision(c, runtime)
 
-    stage, stages = _stage_work(cfg, layout, gpu, unfused_attention, tp_overlap)
+    stage, stages = _stage_work(c, cfg, layout, gpu, unfused_attention, tp_overlap)
     run = pipeline_run(
         c, cfg, layout, dp, gpu, stage, prec.residual, m, simulate, pp_overlap, runtime, stages
     )
@@ -110,7 +110,7 @@ def estimate(
     dp_time = _data_parallel_time(c, cfg, layout, gpu, worst, run, runtime, dp_overlap,
                                   grad_reduce_bytes)  # fmt: skip
     time = _time_parts(layout, gpu, worst, run, m, dp_time)
-    flops_model, flops_run = _flops(c, cfg, layout)
+    flops_model, flops_run = _flops(c, cfg)
     tflops = flops_run / time["iteration"] / world / 1e12
     model_tflops = flops_model / time["iteration"] / world / 1e12
     missing = worst["total"] - gpu.usable_bytes
@@ -200,14 +200,13 @@ def _time_parts(
     return time
 
 
-def _flops(c: TrainConfig, cfg: GPTConfig, layout: Layout) -> tuple[int, int]:
+def _flops(c: TrainConfig, cfg: GPTConfig) -> tuple[int, int]:
     """The global batch's FLOPs: the model's, and what runs (the replayed layers' forward
     again under full recomputation; block: N of each chunk). The paper's count (the whole s x s
     attention), as SC21's and Megatron-Core's published tables were counted; megart train
     prints Megatron's current, causal count."""
     batch, full = c.global_batch_size, cfg.recompute_granularity == "full"
-    chunks = [len(chunk) for placed in _rank_chunks(cfg, layout) for chunk in placed]
-    replayed = replayed_in_chunks(cfg, chunks)
+    replayed = replayed_layer_count(c, cfg)
     run = model_flops(cfg, batch, recompute=full, causal=False, replayed=replayed)
     return model_flops(cfg, batch, causal=False), run
 
@@ -236,12 +235,17 @@ def work_bound(
     as estimate() does for a layout megart train refuses."""
     c = layout_config(base, layout)
     dp = c.check(layout.world)
-    stage, _ = _stage_work(c.gpt_config(), layout, gpu, unfused_attention, tp_overlap)
+    stage, _ = _stage_work(c, c.gpt_config(), layout, gpu, unfused_attention, tp_overlap)
     return c.microbatches(dp) * (stage.forward + stage.backward)
 
 
 def _stage_work(
-    cfg: GPTConfig, layout: Layout, gpu: GPUProfile, unfused_attention: bool, tp_overlap: bool
+    c: TrainConfig,
+    cfg: GPTConfig,
+    layout: Layout,
+    gpu: GPUProfile,
+    unfused_attention: bool,
+    tp_overlap: bool,
 ) -> tuple[Work, list[Work]]:
     """One microbatch through the slowest stage (even stages: the last, which adds the output
     layer), and with uneven stages through each rank's (else an empty list)."""
@@ -273,11 +277,11 @@ def _stage_work(
     # after all is the even layout.
     counts = layout.layer_counts(cfg.num_layers)
     ranks = []
-    for placed in _rank_chunks(cfg, layout):
+    for placed in every_rank_layers(c):
         held = Counter(
-            (windows[c[i]], rec if again else None)
-            for c in placed
-            for i, again in enumerate(replayed_layers(len(c), cfg))
+            (windows[chunk[i]], rec if again else None)
+            for chunk in placed
+            for i, again in enumerate(_runs_recomputation(len(chunk), cfg))
         )
         ranks.append(sum((works[w] * n for w, n in held.items()), Work(0.0, 0.0, 0.0)))
     output_rank = 0 if layout.kind == "zb-v" else p - 1
@@ -290,22 +294,14 @@ def _stage_work(
     return stage, stages
 
 
-def replayed_layers(layers: int, cfg: GPTConfig) -> list[bool]:
-    """Whether each of a chunk's ``layers`` layers is replayed under full recomputation
-    (megart.models.recompute.recomputed_spans; every layer but under --recompute-method
-    block)."""
+def _runs_recomputation(layers: int, cfg: GPTConfig) -> list[bool]:
+    """Whether each of a chunk's ``layers`` layers runs the granularity's recomputation: all
+    of them, but under full recomputation with --recompute-method block only the first N
+    (megart.models.recompute.recomputed_spans)."""
     if cfg.recompute_granularity != "full":  # the method picks nothing then
         return [True] * layers
     spans = recomputed_spans(layers, cfg.recompute_method, cfg.recompute_num_layers)
     return [again for start, stop, again in spans for _ in range(start, stop)]
-
-
-def _rank_chunks(cfg: GPTConfig, layout: Layout) -> list[list[range]]:
-    """Each pipeline rank's chunks of layers, as megart train places them (zb-v's V too)."""
-    p, v = layout.pp, layout.chunks
-    v_shape = layout.kind == "zb-v"
-    return [chunk_layers(cfg.num_layers, r, p, v, v_shape, layout.first, layout.last)
-            for r in range(p)]  # fmt: skip
 
 
 def _check_runtime(

@@ -4,9 +4,9 @@ reach (megart.models.window_tiles) when the window is much shorter than the sequ
 one explicit s x s mask otherwise; output and gradients against the definition (each query
 attends to itself and the ``left`` tokens before it) in float64 on the CPU.
 
-On a GPU this is the path the CPU suite cannot run: SDPA with a boolean mask there is the
-memory-efficient kernel, which converts the mask to a bias and pads its rows to 8 or 16
-columns (a tile's keys, T + left, are rarely a multiple)."""
+On a GPU this is the path the CPU suite cannot run: SDPA with a mask there is the
+memory-efficient kernel, which takes the cached additive bias (megart.models.window_masks,
+its rows padded to 16 elements; a tile's keys, T + left, are rarely a multiple)."""
 
 from __future__ import annotations
 

@@ -102,7 +102,8 @@ def check_model_flags(cfg: Any) -> None:
     if cfg.recompute_num_layers < 1:
         raise ConfigError(
             f"--recompute-num-layers {cfg.recompute_num_layers}: full recomputation's spans are "
-            "at least 1 layer (uniform: layers per group; block: layers of each chunk replayed)"
+            "at least 1 layer (uniform: layers per group; block: layers of each chunk "
+            "replayed); give 1 or more"
         )
     ffn = cfg._ffn_hidden_size()
     if ffn is not None and ffn < 1:

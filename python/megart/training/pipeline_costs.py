@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from megart import schedule as sched
 from megart.training.config import TrainConfig
-from megart.training.trainer_setup import replayed_layer_count
+from megart.training.layer_placement import replayed_layer_count
 
 # Each pipeline message is planned as taking this share of one chunk's forward. A plan made for
 # costly messages keeps the schedule's bubble when they turn out free, and one made for free

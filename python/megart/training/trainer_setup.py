@@ -19,14 +19,14 @@ import megart
 import megart.distributed as dist
 from megart.errors import ConfigError
 from megart.models import pipeline_chunks
-from megart.models.gpt import chunk_layers
 from megart.optim.loss_scale import LossScaler
 from megart.pipeline import StageLink
 from megart.tensor_parallel import RNGStatesTracker, seed_tensor_parallel
 from megart.training import checkpoint, checkpoint_dirs
 from megart.training.data import Dataset, build_datasets, build_split_datasets
 from megart.training.dtypes import half_dtype
-from megart.training.flops import model_flops, replayed_in_chunks
+from megart.training.flops import model_flops
+from megart.training.layer_placement import placement, replayed_layer_count
 from megart.training.megatron_blend import megatron_datasets
 from megart.training.megatron_flags import mock_tokens
 from megart.training.optimizer import full_precision
@@ -110,30 +110,6 @@ def model_chunks(
             for p in chunk.parameters():
                 p.data = p.data.to(half)
     return chunks
-
-
-def placement(config: TrainConfig) -> dict[str, Any]:
-    """chunk_layers' (and pipeline_chunks') placement of the layers: pp ranks of v chunks each
-    (zb-v's V, uneven first/last stages), as model_chunks builds them."""
-    return {
-        "pp": config.pp,
-        "chunks": config.chunks,
-        "v_shape": config.schedule == "zb-v",
-        **config.stages,
-    }
-
-
-def every_rank_layers(config: TrainConfig) -> list[list[range]]:
-    """The layers of each model chunk of each pipeline rank (rank r's list at index r)."""
-    return [chunk_layers(config.num_layers, r, **placement(config)) for r in range(config.pp)]
-
-
-def replayed_layer_count(config: TrainConfig, model_config: GPTConfig) -> int:
-    """The layers full recomputation replays over the whole model: every chunk of every
-    pipeline rank, each as its chunk runs it (block: the first N of each chunk)."""
-    return replayed_in_chunks(
-        model_config, (len(c) for ranks in every_rank_layers(config) for c in ranks)
-    )
 
 
 def stage_link(config: TrainConfig, grid: ParallelGrid) -> StageLink:

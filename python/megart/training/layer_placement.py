@@ -1,0 +1,36 @@
+"""Which layers each pipeline rank's model chunks hold, as megart train builds them, and how
+many of them full recomputation replays: one place for the trainer (model_chunks), its FLOP
+count and posting-plan costs, and megart plan."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megart.models.config import GPTConfig
+from megart.models.gpt import chunk_layers
+from megart.training.config import TrainConfig
+from megart.training.flops import replayed_in_chunks
+
+
+def placement(config: TrainConfig) -> dict[str, Any]:
+    """chunk_layers' (and pipeline_chunks') placement of the layers: pp ranks of v chunks each
+    (zb-v's V, uneven first/last stages), as model_chunks builds them."""
+    return {
+        "pp": config.pp,
+        "chunks": config.chunks,
+        "v_shape": config.schedule == "zb-v",
+        **config.stages,
+    }
+
+
+def every_rank_layers(config: TrainConfig) -> list[list[range]]:
+    """The layers of each model chunk of each pipeline rank (rank r's list at index r)."""
+    return [chunk_layers(config.num_layers, r, **placement(config)) for r in range(config.pp)]
+
+
+def replayed_layer_count(config: TrainConfig, model_config: GPTConfig) -> int:
+    """The layers full recomputation replays over the whole model: every chunk of every
+    pipeline rank, each as its chunk runs it (block: the first N of each chunk)."""
+    return replayed_in_chunks(
+        model_config, (len(c) for ranks in every_rank_layers(config) for c in ranks)
+    )
