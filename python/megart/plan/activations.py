@@ -39,7 +39,8 @@ With autocast (--bf16/--fp16) everything is 16-bit, the residual stream too unle
 --fp32-residual-connection keeps it fp32. Selective recomputation drops the attention core's
 own saves (the log-sum-exp, or the s x s matrices); full recomputation keeps only the input of
 each checkpointed span of layers (--recompute-method, --recompute-num-layers; block keeps the
-other layers' whole sets), and a span's whole sets while it is replayed (full_recompute_bytes).
+other layers' whole sets), and a span's whole sets while it is replayed
+(megart.plan.recompute_memory).
 Korthikanti et al.'s 34 s b h (with a 5 a s/h attention term) counts Megatron's tensors, which
 differ slightly (dropout masks; Megatron re-gathers sequence-parallel inputs in backward).
 
@@ -63,7 +64,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
-from megart.models.recompute import recomputed_spans
 from megart.plan.timing import cp_score_share
 
 
@@ -143,70 +143,6 @@ def layer_bytes(
     local = tokens * (residual + norm_out + other + norms + masks + qk_norms + core)
     gathered = cp > 1 and not ring and not a2a
     return local + (gathered_kv_bytes(cfg, b, tp, recompute, prec, cp) if gathered else 0.0)
-
-
-def chunk_layer_bytes(
-    cfg: GPTConfig,
-    b: int,
-    tp: int,
-    sp: bool,
-    prec: Precision,
-    layers: int,
-    unfused_attention: bool = False,
-    cp: int = 1,
-) -> tuple[float, float]:
-    """A (microbatch, chunk) pair's ``layers`` layers: (the bytes they keep until its backward,
-    how far above that its backward rises while full recomputation replays a span; see
-    full_recompute_bytes). Rope's tables are not counted here (rope_table_bytes: once a
-    pair)."""
-    rec = cfg.recompute_granularity
-    one = layer_bytes(cfg, b, tp, sp, rec, prec, unfused_attention, cp)
-    if rec != "full":
-        return layers * one, 0.0
-    whole = layer_bytes(cfg, b, tp, sp, None, prec, unfused_attention, cp)
-    method, n = cfg.recompute_method, cfg.recompute_num_layers
-    # The first norm keeps the span's input itself (LayerNorm; RMSNorm's fp32 view of it when
-    # the stream is fp32), else its fp32 copy: counted in ``whole`` either way.
-    shared = cfg.normalization != "rmsnorm" or prec.residual == 4
-    return full_recompute_bytes(layers, method, n, one, whole, shared)
-
-
-def full_recompute_bytes(
-    layers: int,
-    method: str,
-    num_layers: int,
-    input_bytes: float,
-    whole: float,
-    shared: bool = True,
-) -> tuple[float, float]:
-    """One (microbatch, chunk) pair of ``layers`` layers under full recomputation, spans as
-    megart train runs them (models.recompute.recomputed_spans: --recompute-method uniform,
-    groups of --recompute-num-layers layers; block, the first N layers one by one and the rest
-    kept): (the bytes it keeps from its forward to its backward, how far above that its
-    backward rises while a span is recomputed). ``input_bytes``: one layer's input (what a
-    checkpoint keeps), ``whole``: one layer's saves without recomputation, ``shared``: the
-    replayed first layer saves the span's kept input itself (not a copy of it). Rope's tables
-    are the pair's whatever the spans (rope_table_bytes).
-
-    Kept: each checkpointed span's input and the kept layers' whole saves. Backward runs the
-    spans last first, each freeing its saves; a checkpointed span's recomputation makes all its
-    layers' saves at once (torch's checkpoint recomputes the span at the first saved tensor
-    backward asks for, and frees each one as it is used), its first layer's input being the
-    span's kept input (``shared``). So recomputing span k holds the inputs of spans 0..k and
-    span k's layers' whole saves (but the shared input): with equal groups the last span's
-    moment is the highest, with a shorter last group (N not dividing the layers) the one before
-    may be. Under block with N < layers the kept layers held as much at the start of the
-    backward: nothing rises."""
-    held = peak = kept = 0.0
-    for start, stop, recomputed in recomputed_spans(layers, method, num_layers):
-        if recomputed:
-            held += input_bytes
-            again = (stop - start) * whole - (input_bytes if shared else 0.0)
-            peak = max(peak, held + again)
-        else:
-            kept += (stop - start) * whole
-    stored = held + kept
-    return stored, max(0.0, peak - stored)
 
 
 def attention_elements(cfg: GPTConfig, t: int, recompute: str | None, half: bool = False) -> float:

@@ -24,6 +24,7 @@ from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
 from megart.plan.memory import precision, rank_memory, sixteen_bit_weights
 from megart.plan.parameters import FP32
 from megart.plan.pipeline_run import PipelineRun, pipeline_run, states_of
+from megart.plan.recompute_memory import chunk_layer_bytes
 from megart.plan.timing import Work, layer_work, logits_work
 from megart.training.config import TrainConfig
 from megart.training.flops import model_flops
@@ -371,7 +372,7 @@ def _worst_rank_memory(
         cp = layout.cp
         pair = act.output_bytes(cfg, b, t, sp, prec, cp) + act.rope_table_bytes(cfg, cp)
         per_pair = [
-            act.chunk_layer_bytes(cfg, b, t, sp, prec, n, unfused_attention, cp)[0] + pair
+            chunk_layer_bytes(cfg, b, t, sp, prec, n, unfused_attention, cp)[0] + pair
             for n in layers
         ]
         grads = [act.weight_grad_bytes(cfg, b, t, prec, cp) * n for n in layers]

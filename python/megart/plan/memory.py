@@ -7,6 +7,7 @@ from megart.plan import activations as act
 from megart.plan.holding import Held
 from megart.plan.layout import Layout
 from megart.plan.parameters import FP32, state_bytes
+from megart.plan.recompute_memory import chunk_layer_bytes, full_recompute_bytes
 from megart.training.config import TrainConfig
 
 
@@ -39,7 +40,7 @@ def rank_memory(
     between forward and backward). "activations" is what autograd saves ("saved", what
     saved-tensor hooks see) plus the chunk outputs megart's pipeline engine keeps ("outputs"),
     with full recomputation what a pair's backward holds above its kept bytes while it
-    recomputes a span of layers (act.full_recompute_bytes: "recompute_working"), and with
+    recomputes a span of layers (recompute_memory: "recompute_working"), and with
     zero-bubble schedules what pairs between I and W keep for their weight gradients
     ("weight_grads").
 
@@ -63,9 +64,9 @@ def rank_memory(
         if rec == "full":
             whole = act.megatron_layer_bytes(cfg, b, t, sp, None, unfused_attention)
             method, span = cfg.recompute_method, cfg.recompute_num_layers
-            kept, risen = act.full_recompute_bytes(per_chunk_layers, method, span, one, whole)
+            kept, risen = full_recompute_bytes(per_chunk_layers, method, span, one, whole)
     else:
-        kept, risen = act.chunk_layer_bytes(
+        kept, risen = chunk_layer_bytes(
             cfg, b, t, sp, prec, per_chunk_layers, unfused_attention, cp
         )
     saved = n * kept

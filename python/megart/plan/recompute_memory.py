@@ -1,0 +1,74 @@
+"""What a (microbatch, chunk) pair's layers hold under full recomputation, spans as megart
+train runs them (--recompute-method, --recompute-num-layers; megart.models.recompute), from one
+layer's saves (megart.plan.activations): the bytes kept until the pair's backward, and how far
+above them the backward rises while a span is replayed."""
+
+from __future__ import annotations
+
+from megart.models.config import GPTConfig
+from megart.models.recompute import recomputed_spans
+from megart.plan.activations import Precision, layer_bytes
+
+
+def chunk_layer_bytes(
+    cfg: GPTConfig,
+    b: int,
+    tp: int,
+    sp: bool,
+    prec: Precision,
+    layers: int,
+    unfused_attention: bool = False,
+    cp: int = 1,
+) -> tuple[float, float]:
+    """A (microbatch, chunk) pair's ``layers`` layers: (the bytes they keep until its backward,
+    how far above that its backward rises while full recomputation replays a span; see
+    full_recompute_bytes). Rope's tables are not counted here (rope_table_bytes: once a
+    pair)."""
+    rec = cfg.recompute_granularity
+    one = layer_bytes(cfg, b, tp, sp, rec, prec, unfused_attention, cp)
+    if rec != "full":
+        return layers * one, 0.0
+    whole = layer_bytes(cfg, b, tp, sp, None, prec, unfused_attention, cp)
+    method, n = cfg.recompute_method, cfg.recompute_num_layers
+    # The first norm keeps the span's input itself (LayerNorm; RMSNorm's fp32 view of it when
+    # the stream is fp32), else its fp32 copy: counted in ``whole`` either way.
+    shared = cfg.normalization != "rmsnorm" or prec.residual == 4
+    return full_recompute_bytes(layers, method, n, one, whole, shared)
+
+
+def full_recompute_bytes(
+    layers: int,
+    method: str,
+    num_layers: int,
+    input_bytes: float,
+    whole: float,
+    shared: bool = True,
+) -> tuple[float, float]:
+    """One (microbatch, chunk) pair of ``layers`` layers under full recomputation, spans as
+    megart train runs them (models.recompute.recomputed_spans: --recompute-method uniform,
+    groups of --recompute-num-layers layers; block, the first N layers one by one and the rest
+    kept): (the bytes it keeps from its forward to its backward, how far above that its
+    backward rises while a span is recomputed). ``input_bytes``: one layer's input (what a
+    checkpoint keeps), ``whole``: one layer's saves without recomputation, ``shared``: the
+    replayed first layer saves the span's kept input itself (not a copy of it). Rope's tables
+    are the pair's whatever the spans (rope_table_bytes).
+
+    Kept: each checkpointed span's input and the kept layers' whole saves. Backward runs the
+    spans last first, each freeing its saves; a checkpointed span's recomputation makes all its
+    layers' saves at once (torch's checkpoint recomputes the span at the first saved tensor
+    backward asks for, and frees each one as it is used), its first layer's input being the
+    span's kept input (``shared``). So recomputing span k holds the inputs of spans 0..k and
+    span k's layers' whole saves (but the shared input): with equal groups the last span's
+    moment is the highest, with a shorter last group (N not dividing the layers) the one before
+    may be. Under block with N < layers the kept layers held as much at the start of the
+    backward: nothing rises."""
+    held = peak = kept = 0.0
+    for start, stop, recomputed in recomputed_spans(layers, method, num_layers):
+        if recomputed:
+            held += input_bytes
+            again = (stop - start) * whole - (input_bytes if shared else 0.0)
+            peak = max(peak, held + again)
+        else:
+            kept += (stop - start) * whole
+    stored = held + kept
+    return stored, max(0.0, peak - stored)
