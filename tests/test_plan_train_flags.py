@@ -219,11 +219,12 @@ def test_a_window_plans_context_parallelism_only_where_its_attention_is_modelled
 def test_data_parallel_flags_reach_the_plan_from_the_command_line(capsys):
     """The flags plan.data_parallel models, given on the command line: --grad-reduce-in-bf16
     adds each bucket's bf16 copy (half the fp32 gradients) to the gradients' memory, and
-    --no-overlap-grad-reduce leaves the whole reduction exposed (never faster)."""
+    --no-overlap-grad-reduce leaves the whole reduction exposed (never faster). --bf16 as
+    megart train needs it with --grad-reduce-in-bf16 (the plan's bf16 when left out)."""
     layout = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
               "--micro-batch-size", "1"]  # fmt: skip
     runs = {}
-    for name, given in {"default": [], "bf16 reduce": ["--grad-reduce-in-bf16"],
+    for name, given in {"default": [], "bf16 reduce": ["--bf16", "--grad-reduce-in-bf16"],
                         "no overlap": ["--no-overlap-grad-reduce"]}.items():  # fmt: skip
         code, out = plan(capsys, *MODEL, *layout, *given)
         assert code == 0, out

@@ -116,23 +116,39 @@ def _parser() -> argparse.ArgumentParser:
 def _base_config(args: argparse.Namespace) -> tuple[TrainConfig, TrainConfig]:
     """The command line's TrainConfig as megart train reads it (aliases, the tokenizer's
     vocabulary, --use-checkpoint-args), 16-bit compute assumed unless --fp16; refuses what the
-    planner does not model. The layout flags go back to their defaults (each candidate sets its
-    own), and so do the flags without effect and the tokenizer's, once their vocabulary is
-    resolved: every candidate's config is made anew from this one, and would otherwise load the
-    tokenizer again or count a --train-samples schedule's iterations again. Returns the config
-    as read and that base."""
+    planner does not model, and what megart train refuses of the flags besides the layout.
+    The layout flags go back to their defaults (each candidate sets its own), and so do the
+    flags without effect and the tokenizer's, once their vocabulary is resolved: every
+    candidate's config is made anew from this one, and would otherwise load the tokenizer
+    again or count a --train-samples schedule's iterations again. Returns the config as read
+    and that base."""
     from megart.plan.flags import LAYOUT, NO_EFFECT, TOKENIZER, refuse_unmodelled
 
     # --use-checkpoint-args says what it takes, as Megatron-LM does, on stdout: here that is for
     # the table or the JSON, so those lines go to stderr.
     with contextlib.redirect_stdout(sys.stderr):
         config = config_from_args(args)
+    refuse_unmodelled(config, args.runtime)
+    _check_as_megart_train(config)  # before bf16 is assumed
     if not config.fp16 and not config.bf16:
         config = dataclasses.replace(config, bf16=True)  # say --fp16 for fp16
-    refuse_unmodelled(config, args.runtime)
     reset = (*LAYOUT, *NO_EFFECT, *TOKENIZER)
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in reset}
     return config, dataclasses.replace(config, **defaults)
+
+
+def _check_as_megart_train(config: TrainConfig) -> None:
+    """megart train's refusals of the flags other than the layout's, in its words: its checks
+    of the command line's config as on one process, the layout flags (each candidate's own,
+    checked with it) at values every model runs with. The distributed optimizer stays on
+    unless refused: searched, it is there for --overlap-param-gather, which needs it."""
+    from megart.plan.flags import LAYOUT
+
+    neutral = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in LAYOUT}
+    del neutral["recompute_granularity"], neutral["recompute_activations"]  # as given
+    neutral["use_distributed_optimizer"] = config.use_distributed_optimizer is not False
+    neutral["micro_batch_size"] = 1  # any global batch splits into microbatches of 1
+    dataclasses.replace(config, **neutral).check(1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -269,24 +285,34 @@ def _search(
 ) -> list[Estimate]:
     """The best layouts, fastest first; where none fits, --png still draws the candidates
     before the error says how much memory is missing."""
-    from megart.plan.report import draw
     from megart.plan.search import NoFit, search
 
     try:
         return search(base, args.num_gpus, gpu, fixed, keep=max(1, args.top), runtime=args.runtime)
     except NoFit as e:
         if args.png:
-            draw(e.estimates, gpu, args.png)
+            _draw(e.estimates, gpu, args.png)
         raise
 
 
 def _report(args: argparse.Namespace, found: list[Estimate], gpu: GPUProfile) -> None:
     """--png's drawing, then the table or --json's object on stdout."""
-    from megart.plan.report import draw, plan_json, table
+    from megart.plan.report import plan_json, table
 
     if args.png:
-        draw(found, gpu, args.png)
+        _draw(found, gpu, args.png)
     if args.json:
         print(json.dumps(plan_json(found, gpu, args.num_gpus), indent=1))
     else:
         print(table(found, gpu, args.num_gpus))
+
+
+def _draw(found: list[Estimate], gpu: GPUProfile, path: str) -> None:
+    """--png's drawing; a path it cannot write (no such folder, no permission, a suffix
+    matplotlib has no format for) is refused naming it."""
+    from megart.plan.report import draw
+
+    try:
+        draw(found, gpu, path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--png {path}: cannot write it ({e}); give a writable .png path") from e

@@ -41,8 +41,8 @@ HELP = {
     "optimizer": "adam only: Megatron's Adam with decoupled weight decay (AdamW), megart's",
     "clip_grad": "clip gradients to this global norm (0: no clipping)",
     "seed": "random seed: the same seed gives the same loss curve under every layout",
-    "hidden_dropout": "dropout on hidden states",
-    "attention_dropout": "dropout on attention probabilities",
+    "hidden_dropout": "dropout probability on hidden states (0 to 1)",
+    "attention_dropout": "dropout probability on attention probabilities (0 to 1)",
     "ffn_hidden_size": "MLP hidden size (default: 4 x --hidden-size; with --swiglu Megatron's "
     "int(8h/3 / 64) * 64)",
     "init_method_std": "standard deviation of the initial weights (output projections: "

@@ -132,6 +132,10 @@ class GPTConfig:
         for name in ("window_size", "window_attn_skip_freq"):  # lists, as JSON records give them
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        sizes = ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_attention_heads")
+        small = [f"{n}={getattr(self, n)}" for n in sizes if getattr(self, n) < 1]
+        if small:  # before any of them divides or counts
+            raise ConfigError(f"{', '.join(small)}: the model's sizes must be at least 1")
         check_window(self.window_size, self.window_attn_skip_freq, self.num_layers)
         for name, value, allowed in (
             ("normalization", self.normalization, NORMS),

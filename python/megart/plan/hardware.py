@@ -5,6 +5,7 @@ figure comes from (its ``sources``), and which two were fitted."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -55,9 +56,22 @@ def load_profile(gpu: str | None = None, path: str | None = None) -> GPUProfile:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"--gpu-profile {path}: cannot read it as JSON ({e})") from e
+    _check_profile(path, data)
+    return GPUProfile(**{"sources": {}, **data})
+
+
+def _check_profile(path: str, data: object) -> None:
+    """Refuses, naming the key, a profile whose figures could not describe a GPU: a JSON
+    value other than an object, keys missing or unknown, a figure that is not a finite positive
+    number (NaN and Infinity are JSON to Python's reader), a usable fraction above 1, a
+    workspace that leaves no memory to train in."""
+    where = f"--gpu-profile {path}"
+    copy = f"copy one of {PROFILE_DIR} and edit it"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: a profile is one JSON object ({copy})")
     if "gemm_half_gflop" in data:
         raise ConfigError(
-            f"--gpu-profile {path}: gemm_half_gflop was replaced by gemm_half_dim (efficiency "
+            f"{where}: gemm_half_gflop was replaced by gemm_half_dim (efficiency "
             "now follows a product's smallest dimension, not its FLOPs); refit it with "
             "bench/plan_tables.py --fit or copy the value from one of "
             f"{PROFILE_DIR}"
@@ -66,28 +80,34 @@ def load_profile(gpu: str | None = None, path: str | None = None) -> GPUProfile:
     missing = [n for n in names if n not in data and n != "sources"]
     unknown = [k for k in data if k not in names]
     if missing or unknown:
-        raise ConfigError(
-            f"--gpu-profile {path}: "
-            + "; ".join(
-                x
-                for x in (
-                    f"missing {', '.join(missing)}" if missing else "",
-                    f"unknown keys {', '.join(unknown)}" if unknown else "",
-                )
-                if x
-            )
-            + f" (copy one of {PROFILE_DIR} and edit it)"
-        )
-    data.setdefault("sources", {})
+        said = [f"missing {', '.join(missing)}"] if missing else []
+        said += [f"unknown keys {', '.join(unknown)}"] if unknown else []
+        raise ConfigError(f"{where}: {'; '.join(said)} ({copy})")
+    for n in ("name", "description"):
+        if not isinstance(data[n], str):
+            raise ConfigError(f"{where}: {n} must be a string, got {data[n]!r}")
+    if not isinstance(data.get("sources", {}), dict):
+        raise ConfigError(f"{where}: sources must be an object (figure -> where it comes from)")
     for n in names:
         if n in ("name", "description", "sources"):
             continue
         v = data[n]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise ConfigError(f"--gpu-profile {path}: {n} must be a positive number, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ConfigError(f"{where}: {n} must be a finite positive number, got {v!r}")
     if not isinstance(data["gpus_per_node"], int):
-        raise ConfigError(f"--gpu-profile {path}: gpus_per_node must be an integer")
-    return GPUProfile(**data)
+        raise ConfigError(f"{where}: gpus_per_node must be an integer")
+    if data["memory_usable_fraction"] > 1:
+        raise ConfigError(
+            f"{where}: memory_usable_fraction {data['memory_usable_fraction']} is the share of "
+            "memory_gib the allocator can hand out: give at most 1"
+        )
+    usable = data["memory_gib"] * data["memory_usable_fraction"]
+    if data["workspace_gib"] >= usable:
+        raise ConfigError(
+            f"{where}: workspace_gib {data['workspace_gib']} leaves nothing of the "
+            f"{usable:g} GiB usable (memory_gib x memory_usable_fraction) to train in: give "
+            "a smaller workspace_gib"
+        )
 
 
 def group_ranks_per_node(gpu: GPUProfile, tp: int, n: int) -> int:

@@ -77,16 +77,44 @@ def _bias_gelu_fusion(config: Any) -> bool:
     return not (config.swiglu or config.disable_bias_linear)
 
 
+# The model's sizes: none can be 0 or negative (a model of no layers, no heads, an empty
+# sequence or vocabulary would fail later in building it, or divide by zero).
+SIZES = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+
+
 def check_model_flags(cfg: Any) -> None:
     """Refuses architecture flags that cannot go together, naming them."""
+    small = [f"--{n.replace('_', '-')} {getattr(cfg, n)}" for n in SIZES if getattr(cfg, n) < 1]
+    if small:
+        raise ConfigError(
+            f"{' and '.join(small)}: the model's sizes must be at least 1; give "
+            f"{'positive values' if len(small) > 1 else 'a positive value'}"
+        )
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    if h % heads:
+        below = h // heads * heads
+        sizes = " or ".join(str(x) for x in (below, below + heads) if x)
+        fits = ", ".join(str(d) for d in divisors(h) if d <= 2 * heads)
+        raise ConfigError(
+            f"--hidden-size {h} does not split into --num-attention-heads {heads} heads of one "
+            f"size: use a multiple of {heads} ({sizes}) or a head count that divides {h} ({fits})"
+        )
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0 <= getattr(cfg, name) <= 1:  # also refuses NaN
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {getattr(cfg, name):g} is a probability: give a "
+                "value from 0 to 1 (Megatron-LM's default 0.1)"
+            )
     for name, allowed in (
         ("normalization", NORMALIZATIONS),
         ("position_embedding_type", POSITION_EMBEDDING_TYPES),
+        ("recompute_granularity", (None, "full", "selective")),
+        ("recompute_method", ("uniform", "block")),
     ):
         if getattr(cfg, name) not in allowed:
             raise ConfigError(
                 f"--{name.replace('_', '-')} {getattr(cfg, name)!r}; use one of "
-                f"{', '.join(allowed)} (Megatron-LM's spellings)"
+                f"{', '.join(a for a in allowed if a)} (Megatron-LM's spellings)"
             )
     if cfg.fused_layer_norm and cfg.normalization != "LayerNorm":
         raise ConfigError(
