@@ -214,8 +214,11 @@ def _given_layout(args: argparse.Namespace, config: TrainConfig) -> argparse.Nam
         # stages are the run's (megart.training.checkpoint_args), so they are not searched.
         for name in CHECKPOINT_LAYOUT:
             setattr(lay, name, getattr(config, name))
-    if lay.micro_batch_size is not None and lay.micro_batch_size < 1:  # 0 is not "searched"
-        raise ConfigError(f"--micro-batch-size {lay.micro_batch_size} must be at least 1")
+    # 0 is not "searched": sizes given must be at least 1 (megart train refuses them too).
+    for name in ("micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        value = getattr(lay, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be at least 1")
     return lay
 
 

@@ -69,7 +69,11 @@ def _schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list
     """(chunks, schedule) pairs to try on p stages: 1F1B and each interleaving that divides
     the layers, and (``zero_bubble``: the runtime has them) zb-h1 and zb-v; those the user
     named only. A schedule of None is megart train's default for its chunks."""
-    if p == 1:
+    if p == 1:  # one stage: megart train interleaves nothing, and zb-v folds its layers in two
+        if fixed.schedule == "interleaved" and not fixed.chunks:
+            return []
+        if fixed.schedule == "zb-v":
+            return [(2, "zb-v")] if num_layers % 2 == 0 else []
         return [(fixed.chunks or 1, None)]
     if fixed.chunks:  # --num-layers-per-virtual-pipeline-stage: interleaved
         return [(fixed.chunks, None)]
@@ -182,7 +186,9 @@ def _layouts(
         )
         for (v, kind), b, sp, rec, do in itertools.product(kinds, bs, sps, recs, dos):
             m = base.global_batch_size // (b * d) if b * d else 0
-            if kind is None and v > 1 and (m == 0 or m % p):
+            # Interleaved (any given --num-layers-per-virtual-pipeline-stage is, to megart
+            # train, even at one chunk a rank): microbatches a multiple of the stages.
+            if kind is None and (v > 1 or fixed.chunks) and (m == 0 or m % p):
                 continue
             if kind == "zb-v" and m < 2 * p:
                 continue
