@@ -19,8 +19,8 @@ def memory_gib(e: Estimate) -> dict[str, float]:
 
 
 def to_dict(e: Estimate, best: Estimate) -> dict[str, Any]:
-    # Uneven stages' first/last layers and full recomputation's spans are given, not
-    # searched: in "flags" only, so that the layout's keys stay those of every plan.
+    # Uneven stages' first/last layers and full recomputation's spans (given, or block N
+    # searched) are in "flags" only, so that the layout's keys stay those of every plan.
     given = ("first", "last", "recompute_method", "recompute_num_layers")
     layout = {k: v for k, v in dataclasses.asdict(e.layout).items() if k not in given}
     return {

@@ -37,6 +37,7 @@ from megart.errors import ConfigError
 from megart.models.window import any_windowed
 from megart.parallel.checks import check_model_fits
 from megart.parallel.layout import divisors, make_layout
+from megart.plan.block_spans import block_candidates, searches_spans
 from megart.plan.estimate import Estimate, estimate, work_bound
 from megart.plan.hardware import GIB, GPUProfile
 from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
@@ -230,11 +231,13 @@ def search(
     split = [x for x in layouts if x.cp > 1 and fixed.cp is None]
     plain = [x for x in layouts if x.cp == 1 or fixed.cp is not None]
     short = max(keep, 24)
-    quick, first_error = _quick(base, plain, gpu, model)
+    blocks = short if fixed.recompute is False and searches_spans(base) else 0
+    quick, first_error = _quick(base, plain, gpu, model, blocks)
     best = _simulated(base, quick, gpu, short, model)
     if split:
         limit = _time_to_beat(best, keep)
-        more, error = _quick(base, _could_enter(base, split, gpu, limit, model), gpu, model)
+        entering = _could_enter(base, split, gpu, limit, model)
+        more, error = _quick(base, entering, gpu, model, blocks, limit)
         first_error = first_error or error
         quick += more
         best += _simulated(base, more, gpu, short, model)
@@ -295,10 +298,17 @@ def _explain(base: TrainConfig, world: int, fixed: Fixed, gpus_per_node: int | N
 
 
 def _quick(
-    base: TrainConfig, layouts: list[Layout], gpu: GPUProfile, model: dict
+    base: TrainConfig,
+    layouts: list[Layout],
+    gpu: GPUProfile,
+    model: dict,
+    blocks: int = 0,
+    limit: float = math.inf,
 ) -> tuple[list[Estimate], ConfigError | None]:
     """The quick estimates of ``layouts`` (theoretical bubble where it has a closed form), and
-    the first refusal met."""
+    the first refusal met; ``blocks`` > 0: with the block candidates that could be among the
+    ``blocks`` fastest of their context-parallel size and faster than ``limit``
+    (block_spans.block_candidates)."""
     out: list[Estimate] = []
     first_error: ConfigError | None = None
     for layout in layouts:
@@ -306,6 +316,8 @@ def _quick(
             out.append(estimate(base, layout, gpu, simulate=False, **model))
         except ConfigError as e:
             first_error = first_error or e
+    if blocks:
+        out += block_candidates(base, out, gpu, model, blocks, limit)
     return out, first_error
 
 
