@@ -192,7 +192,10 @@ def _fixed(args: argparse.Namespace, config: TrainConfig, base: TrainConfig) -> 
         sequence_parallel=lay.sequence_parallel,
         recompute=recompute,
         distributed_optimizer=lay.use_distributed_optimizer,
-        schedule=lay.pipeline_schedule,
+        # A given --num-layers-per-virtual-pipeline-stage is the interleaved schedule to
+        # megart train, even at one chunk a rank (its microbatches a multiple of the stages).
+        schedule=lay.pipeline_schedule
+        or ("interleaved" if lay.num_layers_per_virtual_pipeline_stage is not None else None),
         first=lay.decoder_first_pipeline_num_layers,
         last=lay.decoder_last_pipeline_num_layers,
         cp=lay.context_parallel_size,

@@ -187,9 +187,10 @@ def _layouts(
         )
         for (v, kind), b, sp, rec, do in itertools.product(kinds, bs, sps, recs, dos):
             m = base.global_batch_size // (b * d) if b * d else 0
-            # Interleaved (any given --num-layers-per-virtual-pipeline-stage is, to megart
+            # Interleaved (a given --num-layers-per-virtual-pipeline-stage is, to megart
             # train, even at one chunk a rank): microbatches a multiple of the stages.
-            if kind is None and (v > 1 or fixed.chunks) and (m == 0 or m % p):
+            interleaved = v > 1 or fixed.schedule == "interleaved"
+            if kind is None and interleaved and (m == 0 or m % p):
                 continue
             if kind == "zb-v" and m < 2 * p:
                 continue
