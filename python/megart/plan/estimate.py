@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from megart.errors import ConfigError
 from megart.models import GPTConfig
-from megart.models.recompute import recomputed_spans
 from megart.models.window import layer_window
 from megart.plan import activations as act
 from megart.plan.data_parallel import (
@@ -27,7 +26,7 @@ from megart.plan.pipeline_run import PipelineRun, pipeline_run, states_of
 from megart.plan.recompute_memory import chunk_layer_bytes
 from megart.plan.timing import Work, layer_work, logits_work
 from megart.training.config import TrainConfig
-from megart.training.flops import model_flops
+from megart.training.flops import model_flops, replayed_layers
 from megart.training.layer_placement import every_rank_layers, replayed_layer_count
 
 RUNTIMES = ("megart", "megatron")
@@ -297,12 +296,11 @@ def _stage_work(
 
 def _runs_recomputation(layers: int, cfg: GPTConfig) -> list[bool]:
     """Whether each of a chunk's ``layers`` layers runs the granularity's recomputation: all
-    of them, but under full recomputation with --recompute-method block only the first N
-    (megart.models.recompute.recomputed_spans)."""
+    of them, but under full recomputation only those it replays (training.flops'
+    replayed_layers: with --recompute-method block the first N)."""
     if cfg.recompute_granularity != "full":  # the method picks nothing then
         return [True] * layers
-    spans = recomputed_spans(layers, cfg.recompute_method, cfg.recompute_num_layers)
-    return [again for start, stop, again in spans for _ in range(start, stop)]
+    return replayed_layers(cfg, layers)
 
 
 def _check_runtime(

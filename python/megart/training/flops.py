@@ -103,19 +103,19 @@ def model_flops(
     )
 
 
+def replayed_layers(cfg: GPTConfig, layers: int) -> list[bool]:
+    """Whether full recomputation replays each of a chunk's ``layers`` layers, as the chunk
+    runs them (recomputed_spans): none without full recomputation."""
+    if cfg.recompute_granularity != "full":
+        return [False] * layers
+    spans = recomputed_spans(layers, cfg.recompute_method, cfg.recompute_num_layers)
+    return [again for start, stop, again in spans for _ in range(start, stop)]
+
+
 def replayed_in_chunks(cfg: GPTConfig, chunks: Iterable[int]) -> int:
     """How many layers full recomputation replays in model chunks of ``chunks`` layers each
-    (every chunk of every pipeline rank, for the whole model's count), as the chunks run them
-    (recomputed_spans): none without full recomputation."""
-    if cfg.recompute_granularity != "full":
-        return 0
-    method, n = cfg.recompute_method, cfg.recompute_num_layers
-    return sum(
-        stop - start
-        for layers in chunks
-        for start, stop, again in recomputed_spans(layers, method, n)
-        if again
-    )
+    (every chunk of every pipeline rank, for the whole model's count): replayed_layers'."""
+    return sum(sum(replayed_layers(cfg, layers)) for layers in chunks)
 
 
 def parameter_count(layers: int, hidden: int, vocab: int, seq: int) -> float:
