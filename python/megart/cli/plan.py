@@ -122,6 +122,7 @@ def _base_config(args: argparse.Namespace) -> tuple[TrainConfig, TrainConfig]:
     candidate's config is made anew from this one, and would otherwise load the tokenizer
     again or count a --train-samples schedule's iterations again. Returns the config as read
     and that base."""
+    from megart.plan.documents import with_end_of_document
     from megart.plan.flags import LAYOUT, NO_EFFECT, TOKENIZER, refuse_unmodelled
 
     # --use-checkpoint-args says what it takes, as Megatron-LM does, on stdout: here that is for
@@ -134,7 +135,7 @@ def _base_config(args: argparse.Namespace) -> tuple[TrainConfig, TrainConfig]:
         config = dataclasses.replace(config, bf16=True)  # say --fp16 for fp16
     reset = (*LAYOUT, *NO_EFFECT, *TOKENIZER)
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in reset}
-    return config, dataclasses.replace(config, **defaults)
+    return config, with_end_of_document(dataclasses.replace(config, **defaults))
 
 
 def _check_as_megart_train(config: TrainConfig) -> None:
