@@ -50,8 +50,9 @@ CP_SEARCHED = (
     " (searched when left out: 1 and each power of two C with --seq-length divisible by 2 C "
     "and C dividing --num-gpus that megart train accepts (--cp-comm-type a2a: attention heads "
     "and query groups divisible by t x C); 1 only with --runtime megatron, whose exchanges the "
-    "planner does not model, and with --window-size under --cp-comm-type p2p, whose windowed "
-    "ring blocks it does not model)"
+    "planner does not model, with --window-size under --cp-comm-type p2p, whose windowed "
+    "ring blocks it does not model, and with --reset-attention-mask, which megart train "
+    "refuses with context parallelism)"
 )
 # megart train's spellings that set no TrainConfig field and change nothing planned: the
 # fusions megart does not have, the only signal and sampler it has.
