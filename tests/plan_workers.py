@@ -8,6 +8,7 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from megart.training.config import TrainConfig
@@ -163,12 +164,47 @@ def _rope_held(meter: SavedBytes) -> Iterator[None]:
         GPTChunk._blocks = blocks
 
 
-def held_bytes(kw: dict) -> dict:
+@contextlib.contextmanager
+def _masks_held(meter: SavedBytes) -> Iterator[None]:
+    """Counts --reset-attention-mask's boolean masks and their biases as held for as long as
+    they live: models.window_masks.as_bias keeps the last mask and bias it was given, and
+    recomputation's checkpoints keep the masks (their inputs) to replay, which saved-tensor
+    hooks do not see."""
+    import megart.models.window as window
+
+    as_bias = window.as_bias
+
+    def counted(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        bias = as_bias(mask, dtype)
+        if mask.dtype == torch.bool:
+            meter.hold(mask)
+            meter.hold(bias)
+        return bias
+
+    window.as_bias = counted
+    try:
+        yield
+    finally:
+        window.as_bias = as_bias
+
+
+def document_corpus(vocab: int, n: int = 1 << 16, seed: int = 0) -> np.ndarray:
+    """Random tokens of NullTokenizer's ``vocab`` (--vocab-size) ids with its end-of-document
+    id (``vocab``, the one after them) at about one token in eight."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, n)
+    tokens[rng.random(n) < 0.125] = vocab
+    return tokens
+
+
+def held_bytes(kw: dict, tokens: np.ndarray | None = None) -> dict:
+    """``tokens``: the corpus (None: the built-in one)."""
     from megart.training.distributed_optimizer import DistributedOptimizer
     from megart.training.main_weights import MainWeights
     from megart.training.trainer import Trainer
 
-    trainer = Trainer(TrainConfig(**kw), tokens=builtin_corpus(1 << 16))
+    corpus = builtin_corpus(1 << 16) if tokens is None else tokens
+    trainer = Trainer(TrainConfig(**kw), tokens=corpus)
     trainer.train_step(0)  # the optimizer state exists after the first step
     params = [p for chunk in trainer.chunks for p in chunk.parameters()]
     opt = trainer.optimizer
@@ -191,7 +227,7 @@ def held_bytes(kw: dict) -> dict:
     moments = [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
     opt_bytes = _nbytes(moments) + _nbytes(mains)
     meter = SavedBytes(params)
-    with meter.hooks(), RecomputedBytes(meter) as replays, _rope_held(meter):
+    with meter.hooks(), RecomputedBytes(meter) as replays, _rope_held(meter), _masks_held(meter):
         trainer.train_step(1)
     g = trainer.grid
     return {

@@ -50,8 +50,9 @@ CP_SEARCHED = (
     " (searched when left out: 1 and each power of two C with --seq-length divisible by 2 C "
     "and C dividing --num-gpus that megart train accepts (--cp-comm-type a2a: attention heads "
     "and query groups divisible by t x C); 1 only with --runtime megatron, whose exchanges the "
-    "planner does not model, and with --window-size under --cp-comm-type p2p, whose windowed "
-    "ring blocks it does not model)"
+    "planner does not model, with --window-size under --cp-comm-type p2p, whose windowed "
+    "ring blocks it does not model, and with --reset-attention-mask, which megart train "
+    "refuses with context parallelism)"
 )
 # megart train's spellings that set no TrainConfig field and change nothing planned: the
 # fusions megart does not have, the only signal and sampler it has.
@@ -122,6 +123,7 @@ def _base_config(args: argparse.Namespace) -> tuple[TrainConfig, TrainConfig]:
     candidate's config is made anew from this one, and would otherwise load the tokenizer
     again or count a --train-samples schedule's iterations again. Returns the config as read
     and that base."""
+    from megart.plan.documents import with_end_of_document
     from megart.plan.flags import LAYOUT, NO_EFFECT, TOKENIZER, refuse_unmodelled
 
     # --use-checkpoint-args says what it takes, as Megatron-LM does, on stdout: here that is for
@@ -134,7 +136,7 @@ def _base_config(args: argparse.Namespace) -> tuple[TrainConfig, TrainConfig]:
         config = dataclasses.replace(config, bf16=True)  # say --fp16 for fp16
     reset = (*LAYOUT, *NO_EFFECT, *TOKENIZER)
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in reset}
-    return config, dataclasses.replace(config, **defaults)
+    return config, with_end_of_document(dataclasses.replace(config, **defaults))
 
 
 def _check_as_megart_train(config: TrainConfig) -> None:

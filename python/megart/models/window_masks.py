@@ -70,13 +70,19 @@ def bias_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype
 
 
+def bias_row_stride(cols: int) -> int:
+    """The row stride, in elements, of a cached bias of ``cols`` keys: cols rounded up to
+    ALIGN (megart.plan counts these bytes)."""
+    return -(-cols // ALIGN) * ALIGN
+
+
 def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``allowed`` ([..., queries, keys] booleans), -inf elsewhere, in ``dtype``, its
     rows ALIGN-strided; a normal tensor even when first made under inference mode (callers
     cache it, see _kept_mask)."""
     *lead, cols = allowed.shape
     with torch.inference_mode(False):
-        stride = -(-cols // ALIGN) * ALIGN
+        stride = bias_row_stride(cols)
         store = torch.full((*lead, stride), float("-inf"), dtype=dtype, device=allowed.device)
         return store[..., :cols].masked_fill_(allowed, 0.0)
 

@@ -267,7 +267,7 @@ def _stage_work(
     kinds = {rec} | ({None} if rec == "full" and cfg.recompute_method == "block" else set())
     works = {
         (w, r): layer_work(cfg, b, t, sp, r, tp_gpu, unfused_attention, tp_overlap, cp=cp,
-                           cp_bus_gb_per_s=cp_bus, window=w)
+                           cp_bus_gb_per_s=cp_bus, window=w, documents=c.reset_attention_mask)
         for w in set(windows) for r in kinds
     }  # fmt: skip
     logits = logits_work(cfg, b, t, gpu, cp)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from megart.errors import ConfigError
+from megart.plan.documents import refuse_windowed_documents
 from megart.training.config import TrainConfig
 
 LAYOUT = (
@@ -86,6 +87,14 @@ MODELLED = (
     # The ramp's batches must split over a layout's data-parallel ranks (megart train's check);
     # the plan is the full batch's iteration.
     "rampup_batch_size",
+    # Documents inside a sample (plan.documents): under the documents' mask each layer's
+    # attention scores every s x s entry and keeps that mask, as a bias or as booleans, once
+    # per (microbatch, chunk); reset positions give each sample its own rope tables (or index
+    # the learned table), and --eod-mask-loss's loss keeps its mask. With context parallelism
+    # megart train refuses the mask (its check limits the layouts).
+    "reset_attention_mask",
+    "reset_position_ids",
+    "eod_mask_loss",
     *TOKENIZER,
 )
 
@@ -95,7 +104,6 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
         ("auto", "flash", "fused"),
         "the unfused attention's s x s scores (torch's fused kernels are planned)",
     ),
-    "reset_attention_mask": ((False,), "attention under the documents' masks"),
     "bias_gelu_fusion": ((None, True), "the element-wise work and memory of an unfused MLP"),
     "gradient_accumulation_fusion": (
         (True,),
@@ -119,6 +127,7 @@ MEGART_RUNTIME_ONLY = (
     "ddp_num_buckets",
     "grad_reduce_in_bf16",
     "cross_entropy_loss_fusion",
+    "reset_attention_mask",
 )
 
 # Accepted and change nothing in the prediction: the optimizer's hyperparameters and schedule
@@ -148,8 +157,7 @@ NO_EFFECT = (
     # data
     "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "mock_data",
     "data_order", "data_cache_path", "allow_ambiguous_pad_tokens", "num_workers",
-    "mmap_bin_files", "create_attention_mask_in_dataloader", "eod_mask_loss",
-    "reset_position_ids",
+    "mmap_bin_files", "create_attention_mask_in_dataloader",
     # evaluation, checkpoints, exits
     "eval_interval", "eval_iters", "full_validation", "ckpt_format", "save", "save_interval",
     "save_retain_interval", "non_persistent_save_interval", "non_persistent_ckpt_type",
@@ -183,7 +191,8 @@ def flag(name: str, value: Any) -> str:
 
 def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
     """Refuses, naming each, the flags of ``config`` whose effect the planner does not model
-    (for ``runtime``)."""
+    (for ``runtime``), and the combinations it does not model."""
+    refuse_windowed_documents(config)
     refused = []
     for name, (alike, what) in UNMODELLED.items():
         value = getattr(config, name)

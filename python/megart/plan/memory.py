@@ -4,6 +4,7 @@ state it owns and the activations its schedule holds."""
 from __future__ import annotations
 
 from megart.plan import activations as act
+from megart.plan import documents as docs
 from megart.plan.holding import Held
 from megart.plan.layout import Layout
 from megart.plan.parameters import FP32, state_bytes
@@ -72,10 +73,14 @@ def rank_memory(
     saved = n * kept
     if not megatron:  # rope's cos and sin, shared by a chunk's layers
         saved += n * act.rope_table_bytes(cfg, cp)
+        # The document flags' (plan.documents): the documents' mask, per pair and once.
+        per_pair, once = docs.mask_bytes(c, b, prec)
+        saved += n * (per_pair + docs.positions_bytes(c, b, cp, pp_rank == 0)) + once
     if pp_rank == 0:
         saved += n * act.first_stage_bytes(cfg, b, t, cp, sp)
     if pp_rank == (0 if layout.kind == "zb-v" else p - 1):  # zb-v's last stage is on rank 0
         saved += act.last_stage_bytes(cfg, b, t, sp, prec, cp)
+        saved += 0.0 if megatron else docs.loss_mask_bytes(c, b, cp)
     outputs = 0.0
     if (pp_rank < p - 1 or v > 1) and not megatron:
         outputs = n * act.output_bytes(cfg, b, t, sp, prec, cp)

@@ -49,6 +49,13 @@ the scores as flash's (or keeping them, unfused, with their bytes scaled alike).
 band mask (T x (T + left) booleans) is not counted in memory. The ring's windowed blocks
 (explicit fp32 products, blocks wholly outside the window skipped) are still planned as its
 flash blocks.
+
+Under --reset-attention-mask (documents in a sample; megart train refuses it with context
+parallelism, megart plan with a window) every layer's attention is one masked call over all
+s x s entries with the documents' bias (plan.documents), timed as a window's single masked call:
+all the products at the core's efficiency, the backward recomputing the scores
+(FLASH_BACKWARD), plus one read of the bias per pass (documents_mask_read). Model FLOPs
+(training.flops) ignore the mask, as Megatron-LM's count does.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
 from megart.models.window import covers
+from megart.models.window_masks import bias_row_stride
 from megart.models.window_tiles import band_tile, scored_entries
 from megart.plan.context_parallel import RingPasses, a2a_layer_seconds, kv_gathers, ring_passes
 from megart.plan.hardware import GPUProfile
@@ -91,6 +99,14 @@ def window_share(seq: int, left: int, whole_sequence: bool) -> float:
     if not whole_sequence:
         return 1.0
     return scored_entries(seq, left, band_tile(seq, left)) / (seq * seq)
+
+
+def documents_mask_read(seq: int, b: int, gpu: GPUProfile) -> float:
+    """Seconds to read --reset-attention-mask's bias once at HBM speed: b s x s 16-bit
+    entries, rows padded to 16 (plan.documents). Each layer's masked kernel reads it forward
+    and again backward (and in a replayed forward): counted once per pass, as if its heads
+    shared each tile of it through the cache (a lower bound; unmeasured on a GPU)."""
+    return b * seq * bias_row_stride(seq) * ACT / (gpu.hbm_gb_per_s * 1e9)
 
 
 def ring_seconds(
@@ -186,12 +202,15 @@ def layer_work(
     cp: int = 1,
     cp_bus_gb_per_s: float | None = None,
     window: int | None = None,
+    documents: bool = False,
 ) -> Work:
     """One layer, one microbatch. ``tp_overlap``: each tensor-parallel collective runs during
     the matrix product next to it (Megatron-Core's --tp-comm-overlap; megart does not), so only
     what outlasts that product is exposed. ``cp``: context-parallel ranks, whose collectives run
     at ``cp_bus_gb_per_s`` (None: NVLink). ``window``: the layer's sliding window (earlier
-    tokens each token sees; None: the whole causal past; window_share)."""
+    tokens each token sees; None: the whole causal past; window_share). ``documents``: under
+    --reset-attention-mask's bias (without context parallelism or a window: megart train and
+    plan refuse them with it; documents_mask_read)."""
     s, h, f, t = cfg.seq_length, cfg.hidden_size, cfg.ffn_size, tp
     local = s // cp  # this rank's queries of each sequence
     tokens = local * b
@@ -214,6 +233,8 @@ def layer_work(
     core_gemm = gemm_seconds(rows, s, d, gpu, heads) + gemm_seconds(rows, d, s, gpu, heads)
     # A windowed layer's explicit masks (the ring's windowed blocks are not modelled: flash's).
     share = None if ring or covers(window, s) else window_share(s, window, a2a or cp == 1)
+    if share is None and documents:  # one masked call over every s x s entry, as a window's
+        share = 1.0
     if share is not None:
         core_gemm *= share
     elif ring or not unfused_attention:  # flash kernels (the ring's blocks too): causal half
@@ -234,6 +255,7 @@ def layer_work(
     hbm = gpu.hbm_gb_per_s * 1e9
     fwd_elem = tokens * (replicated + qk_norms + mlp) * ACT / hbm
     core_elem = tokens * scores * ACT / hbm
+    bias_read = documents_mask_read(s, b, gpu) if documents else 0.0
     comm = 0.0
     if t > 1:
         nbytes = tokens * h * ACT
@@ -262,18 +284,18 @@ def layer_work(
         one_gather = collective_seconds("all_gather", nbytes, cp, bus, gpu)
         gather, replayed = g.forward * one_gather, g.replayed * one_gather
         scatter = g.backward * collective_seconds("reduce_scatter", nbytes, cp, bus, gpu)
-    forward = fwd_gemm + core_gemm + fwd_elem + core_elem + comm + gather
+    forward = fwd_gemm + core_gemm + fwd_elem + core_elem + bias_read + comm + gather
     # With the scores kept (unfused), the core's backward is two products per forward one, like
     # the dense ones'; flash attention keeps no scores and recomputes them.
     core_backward = 2 * core_gemm if unfused else FLASH_BACKWARD * core_gemm
-    backward = 2 * (fwd_gemm + fwd_elem + core_elem) + core_backward + comm + scatter
+    backward = 2 * (fwd_gemm + fwd_elem + core_elem) + core_backward + bias_read + comm + scatter
     tp_comm = 2 * comm
     cp_comm = gather + scatter + replayed
     if recompute == "full":  # the layer's forward again, its exchanges as replayed counts them
         backward += forward - gather + replayed
         tp_comm += comm
     elif recompute == "selective":
-        backward += core_gemm + core_elem + replayed
+        backward += core_gemm + core_elem + bias_read + replayed
     # dW = dY^T X of each dense product costs what its forward did; the attention core has no
     # weights, so both its backward products belong to I.
     return Work(forward, backward, tp_comm, fwd_gemm, cp_comm)

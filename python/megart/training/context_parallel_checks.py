@@ -37,6 +37,14 @@ def check_context_parallel(config: Any) -> None:
         )
     if cp == 1:
         return
+    if getattr(config, "reset_attention_mask", False):
+        # Here rather than with the other document flags' checks (training.documents), so that
+        # megart plan's context-parallel search, which runs these checks, refuses it too.
+        raise ConfigError(
+            f"--reset-attention-mask with {FLAG} {cp}: megart's context-parallel attention "
+            "masks by global positions only, not by documents; use --context-parallel-size 1, "
+            "or leave out --reset-attention-mask"
+        )
     check_divisible(config.seq_length, cp, config.tp if config.sequence_parallel else 1)
     if config.cp_comm_type == "a2a":
         check_heads_split(config, cp)

@@ -95,12 +95,7 @@ def check_document_flags(config: Any) -> None:
     eod_token(config)
     if not config.reset_attention_mask:
         return
-    if config.context_parallel_size > 1:
-        raise ConfigError(
-            f"--reset-attention-mask with --context-parallel-size {config.context_parallel_size}: "
-            "megart's context-parallel attention masks by global positions only, not by "
-            "documents; use --context-parallel-size 1, or leave out --reset-attention-mask"
-        )
+    # With --context-parallel-size > 1 it is refused by check_context_parallel.
     if not config.create_attention_mask_in_dataloader:
         raise ConfigError(
             "--reset-attention-mask with --no-create-attention-mask-in-dataloader: Megatron-LM "
