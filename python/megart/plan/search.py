@@ -64,6 +64,10 @@ class Fixed:
     first: int | None = None  # --decoder-first-pipeline-num-layers (uneven stages; not searched)
     last: int | None = None  # --decoder-last-pipeline-num-layers
     cp: int | None = None  # --context-parallel-size (None: search it)
+    # --recompute-method or --recompute-num-layers given: full recomputation runs the base
+    # config's spans, even megart train's defaults (uniform 1) spelt out. False: block N is
+    # searched where the base's are those defaults (block_spans.searches_spans).
+    spans: bool = False
 
 
 def _schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list[tuple]:
@@ -232,7 +236,7 @@ def search(
     split = [x for x in layouts if x.cp > 1 and fixed.cp is None]
     plain = [x for x in layouts if x.cp == 1 or fixed.cp is not None]
     short = max(keep, 24)
-    blocks = short if fixed.recompute is False and searches_spans(base) else 0
+    blocks = short if fixed.recompute is False and searches_spans(base, fixed.spans) else 0
     quick, first_error = _quick(base, plain, gpu, model, blocks)
     best = _simulated(base, quick, gpu, short, model)
     if split:
