@@ -54,6 +54,11 @@ CP_SEARCHED = (
     "ring blocks it does not model, and with --reset-attention-mask, which megart train "
     "refuses with context parallelism)"
 )
+SPANS_SEARCHED = (
+    " (megart plan: kept when given, even uniform 1; with both left out and "
+    "--recompute-granularity searched, a layout that fits only with full recomputation is "
+    "also planned under block with the smallest N that fits)"
+)
 # megart train's spellings that set no TrainConfig field and change nothing planned: the
 # fusions megart does not have, the only signal and sampler it has.
 ALIASES_WITHOUT_EFFECT = ("fusion_off", "exit_signal", "dataloader_type")
@@ -95,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
             action.help = f"{action.help} (searched when left out)"
         elif action.dest == "context_parallel_size":
             action.help = HELP["context_parallel_size"] + CP_SEARCHED
+        elif action.dest in ("recompute_method", "recompute_num_layers"):
+            action.help = f"{action.help}{SPANS_SEARCHED}"
         elif action.dest in UNMODELLED:
             action.help = f"{action.help} (megart plan: refused unless the default; not modelled)"
         elif action.dest in (*NO_EFFECT, *ALIASES_WITHOUT_EFFECT) or action.dest.startswith(
@@ -201,6 +208,9 @@ def _fixed(args: argparse.Namespace, config: TrainConfig, base: TrainConfig) -> 
         first=lay.decoder_first_pipeline_num_layers,
         last=lay.decoder_last_pipeline_num_layers,
         cp=lay.context_parallel_size,
+        # Given, even at megart train's defaults (Megatron's uniform 1 spelt out): kept, not
+        # searched. Left out, megart train's parser leaves them unset (SUPPRESS).
+        spans=any(hasattr(args, n) for n in ("recompute_method", "recompute_num_layers")),
     )
 
 

@@ -31,10 +31,12 @@ from megart.schedule import theoretical_bubble
 from megart.training.config import TrainConfig
 
 
-def searches_spans(base: TrainConfig) -> bool:
-    """Whether the spans are left to the search: --recompute-method and --recompute-num-layers
-    at megart train's defaults (uniform, 1), which the base config cannot tell from given."""
-    return (base.recompute_method, base.recompute_num_layers) == ("uniform", 1)
+def searches_spans(base: TrainConfig, given: bool = False) -> bool:
+    """Whether the spans are left to the search: neither --recompute-method nor
+    --recompute-num-layers ``given`` (megart plan's command line says; the base config cannot
+    tell megart train's defaults, uniform and 1, spelt out from left out), and the base's at
+    those defaults (a caller of the search that sets others has given them)."""
+    return not given and (base.recompute_method, base.recompute_num_layers) == ("uniform", 1)
 
 
 def block_candidates(
