@@ -160,6 +160,21 @@ def test_iterations_and_samples_do_not_mix():
 
 
 @pytest.mark.parametrize(
+    "selective", [["--recompute-granularity", "selective"], ["--recompute-activations"]]
+)
+def test_a_recompute_method_with_selective_recomputation_is_refused_as_megatron_does(selective):
+    """Megatron-LM asserts that selective recomputation has no --recompute-method; megart's
+    config has a default method, so the command line is what tells it was given."""
+    with pytest.raises(ConfigError, match="--recompute-method block with selective"):
+        parse(*selective, "--recompute-method", "block")
+    assert parse(*selective, "--recompute-num-layers", "2").gpt_config().recompute_granularity == (
+        "selective"
+    )  # Megatron asserts nothing of the number
+    full = parse("--recompute-granularity", "full", "--recompute-method", "block")
+    assert full.gpt_config().recompute_method == "block"
+
+
+@pytest.mark.parametrize(
     "flags, match",
     [
         (dict(context_parallel_size=2, seq_length=18), "18 is not divisible by 2 x --context-"),

@@ -145,6 +145,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
         given = apply(given, mp, tokenizer)
     check_no_position_embedding(args, given)
+    selective = given.get("recompute_granularity") == "selective" or given.get(
+        "recompute_activations"
+    )
+    if selective and getattr(args, "recompute_method", None) is not None:
+        # Megatron-LM asserts this too: its selective checkpoints have no method; megart's
+        # TrainConfig cannot tell the flag from its default, so the command line is read here.
+        raise ConfigError(
+            f"--recompute-method {args.recompute_method} with selective recomputation "
+            "(--recompute-granularity selective or --recompute-activations): Megatron-LM refuses "
+            "a method there; leave --recompute-method out, or use --recompute-granularity full"
+        )
     return TrainConfig(**given)
 
 
