@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from megart import schedule as sched
 from megart.models import GPTConfig
+from megart.plan import sim_cap
 from megart.plan.hardware import GPUProfile
 from megart.plan.holding import State, states, theory_in_flight
 from megart.plan.layout import ZERO_BUBBLE, Layout
@@ -41,23 +42,34 @@ def _simulated(
     posted: bool,
     stage_forward: tuple[float, ...],
     stage_backward: tuple[float, ...],
-) -> tuple[float, float, list[int]]:
+) -> tuple[float, float, list[int], int]:
     """The simulator's makespan, bubble fraction and peak pairs per rank of the schedule of
-    ``shape`` (kind, p, m, v) with these costs. Layouts that differ in what the schedule
-    does not see (the distributed optimizer) simulate once."""
-    sim = sched.simulate(
-        schedule_of(*shape),
-        forward,
-        backward,
-        latency=latency,
-        bandwidth=bandwidth,
-        message_bytes=message,
-        weight_fraction=weight_fraction,
-        posted=posted,
-        stage_forward=list(stage_forward),
-        stage_backward=list(stage_backward),
-    )
-    return sim.makespan, sim.bubble_fraction, [r.peak_stashed for r in sim.ranks]
+    ``shape`` (kind, p, m, v) with these costs, and the microbatches of the longest schedule
+    simulated: m, or above sim_cap's threshold fewer, from which m's results follow exactly
+    (megart.plan.sim_cap). Layouts that differ in what the schedule does not see (the
+    distributed optimizer) simulate once."""
+    kind, p, m, v = shape
+
+    def run(count: int) -> sched.Simulation:
+        return sched.simulate(
+            schedule_of(kind, p, count, v),
+            forward,
+            backward,
+            latency=latency,
+            bandwidth=bandwidth,
+            message_bytes=message,
+            weight_fraction=weight_fraction,
+            posted=posted,
+            stage_forward=list(stage_forward),
+            stage_backward=list(stage_backward),
+        )
+
+    if sim_cap.caps(kind, p, m):
+        got = sim_cap.capped(kind, p, m, run)
+        if got is not None:
+            return got.makespan, got.bubble, got.peaks, got.simulated_m
+    sim = run(m)
+    return sim.makespan, sim.bubble_fraction, [r.peak_stashed for r in sim.ranks], m
 
 
 @dataclass
@@ -69,7 +81,9 @@ class PipelineRun:
     bubble: float
     compute_only: float  # m x (forward + backward), without blocking exchanges
     in_flight: list[int]  # per rank, (microbatch, chunk) pairs held at its peak
-    plan: sched.Schedule | None = None  # the simulated schedule, where one was simulated
+    # The simulated schedule, where one was simulated: above sim_cap's threshold one of fewer
+    # microbatches than m, whose holdings (peaks, states_of) are m's; nothing draws or prints it.
+    plan: sched.Schedule | None = None
     stages: list[Work] = field(default_factory=list)  # uneven stages: each rank's, as run
 
 
@@ -119,8 +133,7 @@ def pipeline_run(
     if p > 1 and (simulate or zero_bubble or stages):
         # Zero-bubble schedules are always simulated: their bubble has a closed form only
         # with equal F, I and W times.
-        plan = schedule_of(kind, p, m, v)
-        makespan, bubble, peak = _simulated(
+        makespan, bubble, peak, simulated_m = _simulated(
             (kind, p, m, v),
             stage.forward,
             stage.backward,
@@ -133,6 +146,7 @@ def pipeline_run(
             tuple(w.backward for w in stages),
         )
         in_flight = list(peak)  # the cached list stays as simulated
+        plan = schedule_of(kind, p, simulated_m, v)
     else:
         work = m * (stage.forward + stage.backward)
         bubble = sched.theoretical_bubble(kind, p, m, v) if p > 1 else 0.0
