@@ -37,9 +37,26 @@ std::vector<std::vector<Step>> post_plan(const Schedule& s, const Costs& costs) 
         by_start[spans.at(message++).start].emplace_back(computes.size(), a);
       }
     }
+    // Moments equal in exact arithmetic but reached by different sums of costs can differ in
+    // their last bits; left apart, they would split a group at random microbatches of a long
+    // schedule. Starts within a rounding tolerance of a group's first are one group: the
+    // schedule's distinct moments lie at least one compute (far more) apart.
+    const double tolerance = 1e-9 * as_written.makespan;
+    std::vector<std::pair<double, std::vector<std::pair<size_t, Action>>>> groups;
+    for (auto& [start, messages] : by_start) {
+      if (groups.empty() || start - groups.back().first > tolerance) {
+        groups.emplace_back(start, std::move(messages));
+      } else {
+        auto& joined = groups.back().second;
+        joined.insert(joined.end(), messages.begin(), messages.end());
+        // By the computes before them, the rank's order within one start.
+        std::stable_sort(joined.begin(), joined.end(),
+                         [](const auto& a, const auto& b) { return a.first < b.first; });
+      }
+    }
     std::vector<Step>& steps = plan[r];
     size_t taken = 0;  // computes placed so far
-    for (auto& [start, messages] : by_start) {
+    for (auto& [start, messages] : groups) {
       Step group;
       size_t after = taken;
       for (auto& [before, a] : messages) {

@@ -12,7 +12,7 @@
 // by when the schedule, played as written, would start them: the simulator (simulate.hpp) runs
 // every rank with the expected costs (by default F = 1, B = 2, I = W = 1, messages free), each
 // message starting once both ends have posted it and its link is free. The messages a rank starts
-// at the same moment form one group, and every rank posts its groups in the order of those
+// at the same moment (to rounding: 1e-9 of the makespan) form one group, and every rank posts its groups in the order of those
 // moments, each right after the compute that made its last send (and after the rank's previous
 // group), so a send leaves as soon as its tensor exists.
 //

@@ -22,13 +22,11 @@ Where no period shows (a transient still running at the probe, a period above 2p
 or in shorter ones, m is simulated. tests/test_plan_sim_cap.py compares the capped results with
 the full ones.
 
-With megart's runtime (``posted``) the full simulation is not always the schedule's: the posting
-plan groups messages that start at the same moment by exact equality of the simulated times, and
-two moments equal in exact arithmetic, reached by different sums, can differ by rounding once
-the times are large, which splits a group and adds a latency (at random microbatches: one
-planner case at zb-h1, p = 2, gave 2.91e-5 to 3.13e-5 s per microbatch between m = 256 and
-6250). No extrapolation reproduces that; the capped result is the schedule's as in exact
-arithmetic, which the tests check with costs on a binary grid (where every time is exact)."""
+With megart's runtime (``posted``) the timeline is periodic too since the posting plan groups
+messages whose starts are equal to rounding (cpp/schedule/post_plan.cpp); grouping by exactly
+equal starts split groups at random microbatches of long schedules (one planner case at zb-h1,
+p = 2, gave 2.91e-5 to 3.13e-5 s per microbatch between m = 256 and 6250), which no
+extrapolation reproduces."""
 
 from __future__ import annotations
 
@@ -123,8 +121,7 @@ def capped(
     no period shows (simulate m itself)."""
     m_p = m_p or probe_count(kind, p)
     step = step_of(kind, p)
-    # Halved while no period shows: with megart's runtime the full timeline can carry rounding
-    # artefacts (see the module's docstring) that a shorter probe may not have reached.
+    # Halved while no period shows (a transient still running at the probe).
     while True:
         probe = run(m_p)
         found = period(probe, kind, p, m_p)
