@@ -12,9 +12,9 @@
 // by when the schedule, played as written, would start them: the simulator (simulate.hpp) runs
 // every rank with the expected costs (by default F = 1, B = 2, I = W = 1, messages free), each
 // message starting once both ends have posted it and its link is free. The messages a rank starts
-// at the same moment (to rounding: 1e-9 of the makespan) form one group, and every rank posts its groups in the order of those
-// moments, each right after the compute that made its last send (and after the rank's previous
-// group), so a send leaves as soon as its tensor exists.
+// at the same moment (to rounding: 1e-9 of the makespan) form one group, and every rank posts its
+// groups in the order of those moments, each right after the compute that made its last send (and
+// after the rank's previous group), so a send leaves as soon as its tensor exists.
 //
 // A message's two ends start at the same moment, so both ranks of a pair group their messages
 // alike; every rank posts in the order of the moments, and every wait points to an earlier moment
