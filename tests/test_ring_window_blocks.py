@@ -37,6 +37,8 @@ class _FakeRing(_Ring):
 @given(cp=st.integers(2, 4), half=st.integers(1, 6), window=st.integers(0, 50))
 @example(cp=4, half=3, window=1)  # shorter than a chunk
 @example(cp=2, half=4, window=4)  # a chunk
+@example(cp=2, half=600, window=40)  # query runs in tiles of 257 rows (band_tile)
+@example(cp=3, half=700, window=0)
 def test_the_pieces_are_the_blocks_allowed_pairs_each_row_and_key_seen(cp, half, window):
     """For every rank and step: the pieces' pairs allowed by their masks are the block's allowed
     pairs (global positions: causal, at most ``window`` back), each once; every row of a piece
@@ -49,14 +51,12 @@ def test_the_pieces_are_the_blocks_allowed_pairs_each_row_and_key_seen(cp, half,
         for step in range(cp):
             held = cp_positions(local * cp, cp, (rank - step) % cp, None)
             rows, keys, _ = block_of(step, cp, rank, local)
-            allowed = window_mask(queries[rows], held[keys], window)
-            want = {(i + rows.start, j + keys.start) for i, j in allowed.nonzero().tolist()}
-            got: list[tuple[int, int]] = []
+            covered = torch.zeros(local, local, dtype=torch.int64)
             parts = ring_window.pieces(step, cp, rank, local, rows, keys, window)
             for p in parts:
                 mask = window_mask(queries[p.rows], held[p.keys], window)
                 assert mask.any(1).all() and mask.any(0).all(), (rank, step, p)
-                got += [(i + p.rows.start, j + p.keys.start) for i, j in mask.nonzero().tolist()]
+                covered[p.rows, p.keys] += mask
                 assert p.full == bool(mask.all())
                 assert p.causal == (not p.full and torch.equal(mask, torch.ones_like(mask).tril()))
                 bias = p.bias(window, torch.float64, torch.device("cpu"))
@@ -64,7 +64,9 @@ def test_the_pieces_are_the_blocks_allowed_pairs_each_row_and_key_seen(cp, half,
                     continue
                 assert bias.stride(0) % ALIGN == 0
                 assert torch.equal(bias == 0, mask) and bool((bias[~mask] == -torch.inf).all())
-            assert sorted(got) == sorted(want) and len(got) == len(set(got))
+            want = torch.zeros(local, local, dtype=torch.int64)
+            want[rows, keys] = window_mask(queries[rows], held[keys], window).long()
+            assert torch.equal(covered, want), (rank, step)
             bw = BlockWindow(step, _FakeRing(cp, rank), local, rows, keys, window)
             assert bool(parts) == bw.reaches
 
@@ -72,11 +74,13 @@ def test_the_pieces_are_the_blocks_allowed_pairs_each_row_and_key_seen(cp, half,
 @pytest.mark.parametrize("cp", [2, 4])
 def test_the_windowed_ring_with_masked_kernels_is_one_process_attention_in_float64(cp):
     """Chunks of 3 tokens (6 a rank): windows of 0, 1 (shorter than a chunk), 3 (a chunk), 6 (a
-    rank's tokens), 8 and 100 (covering the sequence); GQA (4 heads, 2 groups), MQA, MHA."""
+    rank's tokens), 8 and 100 (covering the sequence); GQA (4 heads, 2 groups), MQA, MHA; and
+    chunks of 600 with a window of 40, whose query runs are cut in tiles (band_tile)."""
     base = dict(b=2, heads=4, groups=2, half=3, d=5, blocks="flash")
     cases = [dict(base, seed=w, window=w) for w in (0, 1, 3, 6, 8, 100)]
     cases += [dict(base, seed=7, heads=3, groups=1, window=2),
-              dict(base, seed=8, heads=2, groups=2, half=2, window=5)]  # fmt: skip
+              dict(base, seed=8, heads=2, groups=2, half=2, window=5),
+              dict(base, seed=9, b=1, heads=2, groups=1, half=600, d=4, window=40)]  # fmt: skip
     assert max(launch(rw.against_reference, cp, cases, timeout=120)) < F64_ABS
 
 

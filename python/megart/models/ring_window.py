@@ -11,6 +11,11 @@ one interval of i and the keys seen by some row one interval of j. Each pair is 
 two intervals (a Piece); a pair with none is not computed, nor is a block without pieces (it
 still travels: the ring's exchanges are the same at every step).
 
+Where the window is short against a chunk, a query run is first cut into tiles of T rows
+(megart.models.window_tiles.band_tile, as a windowed layer's query tiles), so that a piece on
+the diagonal scores T x (T + window) entries rather than a whole chunk's square: the kernels
+take a bias but do not skip the parts of it that mask everything.
+
 So every row a kernel is given has a key in its window. Both kernels return a row whose keys
 are all masked with log-sum-exp 0 (not -inf) and output 0, which the fold would count as a
 part of weight exp(0); the explicit blocks' -inf for such a row (folded as nothing) is here
@@ -32,6 +37,7 @@ import torch
 
 from megart.models.context_parallel import cp_positions
 from megart.models.window_masks import additive_bias, window_mask
+from megart.models.window_tiles import band_tile
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,17 @@ def _runs(positions: list[int], part: slice) -> list[tuple[int, int, int]]:
         else:
             runs.append([i, positions[i], 1])
     return [(a, b, n) for a, b, n in runs]
+
+
+def _tiles(run: tuple[int, int, int], window: int) -> list[tuple[int, int, int]]:
+    """A query run in tiles of T rows where a short window makes tiling pay (band_tile, as a
+    windowed layer's query tiles): each tile is then cut to the T + window keys it reaches,
+    and the full-width tiles on the diagonal share one bias."""
+    first, pos, n = run
+    tile = band_tile(n, window)
+    if tile is None:
+        return [run]
+    return [(first + a, pos + a, min(tile, n - a)) for a in range(0, n, tile)]
 
 
 def cut(q_run: tuple[int, int, int], k_run: tuple[int, int, int], window: int) -> Piece | None:
@@ -101,7 +118,7 @@ def _pieces(
     queries = cp_positions(seq, cp, rank, None).tolist()
     held = cp_positions(seq, cp, owner, None).tolist()
     out = []
-    for q_run in _runs(queries, slice(r0, r1)):
+    for q_run in (t for run in _runs(queries, slice(r0, r1)) for t in _tiles(run, window)):
         for k_run in _runs(held, slice(k0, k1)):
             if (piece := cut(q_run, k_run, window)) is not None:
                 out.append(piece)
