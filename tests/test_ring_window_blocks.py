@@ -14,6 +14,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import cp_workers as cw
 import ring_workers as rw
 from megart.launcher import launch
 from megart.models import ring_window
@@ -94,6 +95,19 @@ def test_in_fp32_and_bf16_the_windowed_ring_is_float64_within_rounding(cp):
     bf16 = [dict(c, dtype=torch.bfloat16) for c in fp32]
     assert max(launch(rw.relative_on_cpu, cp, fp32, timeout=120)) < FP32_REL
     assert max(launch(rw.relative_on_cpu, cp, bf16, timeout=120)) < BF16_REL
+
+
+def test_megart_train_in_bf16_with_a_window_at_cp2_follows_the_one_process_bf16_curve():
+    """--bf16 (autocast), a window of 3 on every other layer, GQA, rope: the ring's windowed
+    blocks by the CPU kernel in bf16 (the explicit ones were fp32), within the bound
+    tests/test_context_parallel_ring.py uses for the ring's bf16 curve."""
+    kw = dict(vocab_size=300, train_iters=4, position_embedding_type="rope",
+              init_method_std=0.2, normalization="RMSNorm", swiglu=True,
+              group_query_attention=True, num_query_groups=2, bf16=True,
+              window_size="3,0", window_attn_skip_freq="2")  # fmt: skip
+    want = launch(cw.losses, 1, kw, timeout=300)[0]
+    got = launch(cw.losses, 2, dict(kw, context_parallel_size=2), timeout=300)[0]
+    assert got == pytest.approx(want, rel=2e-3, abs=0)
 
 
 def test_the_selftest_check_passes_here_and_fails_a_shifted_window(monkeypatch):
