@@ -10,6 +10,14 @@ dropout on the CPU), and both against float64.
 
 The timing alternates the two, forward and backward of one rank's cp steps, warmed up, and
 prints medians: a ratio measured in one run, on one device.
+
+With --window W (a sliding window, W tokens back) the fused side is the ring's windowed blocks:
+each block cut into its pieces inside the window, each by the masked kernels given its cached
+bias (megart.selftest.ring_window_blocks.windowed_ring_rank, what the ring computes); the
+explicit side is each block's fp32 products masked by global positions, a block wholly outside
+the window skipped (what the ring computed before, and still does for dropout on the CPU).
+
+    python bench/ring_flash.py --seq 4096 --heads 4 --dim 64 --window 256   # on CPU
 """
 
 from __future__ import annotations
@@ -24,8 +32,10 @@ import torch
 from torch import Tensor
 
 from megart.models import flash_blocks
-from megart.models.context_parallel import masked_attention
+from megart.models.context_parallel import cp_positions, masked_attention
 from megart.models.ring_attention import _scores, block_of, fold_in
+from megart.models.window_masks import window_mask
+from megart.selftest.ring_window_blocks import definition, windowed_ring_rank
 
 Block = tuple[Tensor, Tensor, Any]  # a block's output, log-sum-exp, what its backward needs
 Grads = tuple[Tensor, Tensor, Tensor]
@@ -112,6 +122,44 @@ def ring_rank(
     return [out, dq] + [g for pair in dkv for g in pair]
 
 
+def explicit_windowed_rank(
+    q: Tensor, kvs: KVs, rank: int, window: int, dout: Tensor
+) -> list[Tensor]:
+    """One rank's ring with a sliding window by explicit fp32 products, each block masked by
+    the global positions of its queries and keys (made per call, as the ring's tiles are) and
+    skipped where no key is in any row's window: [out, dq, then dk, dv of each rank]."""
+    cp, local = len(kvs), q.shape[2]
+    c = torch.promote_types(q.dtype, torch.float32)
+    seq, qc, doc = local * cp, q.to(c), dout.to(c)
+    out = torch.zeros(q.shape, dtype=c, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=c, device=q.device)
+    blocks = []
+    for step in range(cp):
+        j = (rank - step) % cp
+        rows, keys, _ = block_of(step, cp, rank, local)
+        queries = cp_positions(seq, cp, rank, q.device)[rows]
+        allowed = window_mask(queries, cp_positions(seq, cp, j, q.device)[keys], window)
+        if not bool(allowed.any()):
+            continue
+        k, v = (x[:, :, keys].to(c) for x in kvs[j])
+        s = _scores(qc[:, :, rows], k, None, allowed)
+        block_lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - block_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
+        fold_in(out, lse, rows, p @ v, block_lse)
+        blocks.append((j, rows, keys, allowed, k, v))
+    delta = (doc * out).sum(-1, keepdim=True)
+    dq = torch.zeros_like(out)
+    grads = [[torch.zeros(k.shape, dtype=c, device=q.device) for _ in "kv"] for k, _ in kvs]
+    for j, rows, keys, allowed, k, v in blocks:
+        p = torch.exp(_scores(qc[:, :, rows], k, None, allowed) - lse[:, :, rows, None])
+        dor = doc[:, :, rows]
+        ds = p * (dor @ v.transpose(-1, -2) - delta[:, :, rows]) / q.shape[-1] ** 0.5
+        dq[:, :, rows] += ds @ k
+        grads[j][0][:, :, keys] += ds.transpose(-1, -2) @ qc[:, :, rows]
+        grads[j][1][:, :, keys] += p.transpose(-1, -2) @ dor
+    return [out.to(q.dtype), dq, *(g for pair in grads for g in pair)]
+
+
 def reference(q: Tensor, kvs: KVs, rank: int, dout: Tensor) -> list[Tensor]:
     """float64: torch's attention over all keys, masked by global positions."""
     q = q.double().cpu().requires_grad_()
@@ -153,10 +201,13 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--window", type=int, default=None, help="a sliding window, tokens back")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print(f"device {device}, {dtype}, torch {torch.__version__}, {vars(args)}")
+    if args.window is not None:
+        return windowed(args, device, dtype)
 
     small = argparse.Namespace(**{**vars(args), "seq": 512 * args.cp, "heads": 4})
     for cp in (2, 4):
@@ -172,19 +223,54 @@ def main() -> None:
                 print(f"cp{cp} rank {rank} {name:8s}: largest error / largest value {err:.2e}")
 
     q, kvs, dout = draw(args, device, dtype)
-    runs = {"flash": (flash_block, flash_block_backward),
-            "explicit": (explicit_block, explicit_block_backward)}  # fmt: skip
+    runs = {"flash": lambda: ring_rank(q, kvs, args.cp - 1, flash_block, flash_block_backward,
+                                       dout),
+            "explicit": lambda: ring_rank(q, kvs, args.cp - 1, explicit_block,
+                                          explicit_block_backward, dout)}  # fmt: skip
+    report_times(runs, args, device)
+
+
+def report_times(
+    runs: dict[str, Callable[[], object]], args: argparse.Namespace, device: torch.device
+) -> None:
+    """Alternates ``runs`` (fused first, then explicit), a warm-up round then args.rounds;
+    prints each one's median and explicit over fused."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(args.rounds + 1):  # the first round warms up both
-        for name, fns in runs.items():
-            t = timed(lambda fns=fns: ring_rank(q, kvs, args.cp - 1, *fns, dout), device)
+        for name, fn in runs.items():
+            t = timed(fn, device)
             if round_:
                 times[name].append(t)
     med = {name: statistics.median(t) for name, t in times.items()}
     for name, t in times.items():
         print(f"{name:8s}: {med[name] * 1e3:9.2f} ms median of {[round(x * 1e3, 2) for x in t]}")
-    print(f"explicit / flash: {med['explicit'] / med['flash']:.2f} (rank {args.cp - 1}, "
+    fused, explicit = list(med)
+    print(f"explicit / {fused}: {med[explicit] / med[fused]:.2f} (rank {args.cp - 1}, "
           f"forward and backward of its {args.cp} steps, no messages)")  # fmt: skip
+
+
+def windowed(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+    """--window: accuracy of both against the float64 definition (every rank of a small
+    ring), then the timing of the last rank at the given size."""
+    small = argparse.Namespace(**{**vars(args), "heads": 4, "dim": 64})
+    for cp in (2, 4):
+        small.cp, small.seq = cp, 256 * cp
+        for window in (args.window, 40, 300):
+            q, kvs, dout = draw(small, device, dtype, seed=cp)
+            for rank in range(cp):
+                want = definition(q, kvs, rank, window, dout)
+                for name, fn in (("masked", windowed_ring_rank),
+                                 ("explicit", explicit_windowed_rank)):  # fmt: skip
+                    got = fn(q, kvs, rank, window, dout)
+                    err = max(((a.double().cpu() - w).abs().max() / w.abs().max()).item()
+                              for a, w in zip(got, want, strict=True))  # fmt: skip
+                    print(f"cp{cp} window {window} rank {rank} {name:8s}: largest error / "
+                          f"largest value {err:.2e}")  # fmt: skip
+    q, kvs, dout = draw(args, device, dtype)
+    rank, w = args.cp - 1, args.window
+    runs = {"masked": lambda: windowed_ring_rank(q, kvs, rank, w, dout),
+            "explicit": lambda: explicit_windowed_rank(q, kvs, rank, w, dout)}  # fmt: skip
+    report_times(runs, args, device)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,15 @@ def ring_on_this_rank(
     return [y.detach(), *(t.grad for t in mine)]
 
 
+def drawn_and_wanted(
+    case: dict, cp: int, r: int
+) -> tuple[list[torch.Tensor], int | None, list[torch.Tensor]]:
+    """The case's whole-sequence q, k, v, dy (draw), its ``window`` and rank ``r``'s part of
+    the float64 reference's output and gradients."""
+    drawn, window = draw(case, cp), case.get("window")
+    return drawn, window, [split_for_cp(t, 2, cp, r) for t in reference(*drawn, window)]
+
+
 def against_reference(cases: list[dict]) -> float:
     """On every rank of one cp group (the world): the largest absolute difference of the ring's
     output and gradients from the one-process reference's part of them, over ``cases`` (each
@@ -79,9 +88,7 @@ def against_reference(cases: list[dict]) -> float:
     cp, r = group.size(), group.rank()
     worst = 0.0
     for case in cases:
-        q, k, v, dy = draw(case, cp)
-        window = case.get("window")
-        want = [split_for_cp(t, 2, cp, r) for t in reference(q, k, v, dy, window)]
+        (q, k, v, dy), window, want = drawn_and_wanted(case, cp, r)
         tile = None if case.get("kind") == "a2a" else case.get("tile", TILE_ELEMENTS)
         blocks = case.get("blocks", "explicit" if "tile" in case else "auto")
         got = ring_on_this_rank(q, k, v, dy, group, 0.0, tile, blocks, window)
@@ -89,21 +96,38 @@ def against_reference(cases: list[dict]) -> float:
     return worst
 
 
+def relative_to_reference(
+    cases: list[dict], group: dist.ProcessGroup, device: torch.device | None = None
+) -> float:
+    """On every rank of ``group``: the ring with the fused blocks ("flash"; with a ``window``
+    the masked kernels) on inputs of each case's ``dtype`` (bf16 unless given) on ``device``,
+    against the float64 reference: the largest difference of the output and each gradient
+    from the reference's, over that reference's largest value."""
+    cp, r = group.size(), group.rank()
+    worst = 0.0
+    for case in cases:
+        drawn, window, want = drawn_and_wanted(case, cp, r)
+        given = [t.to(device, case.get("dtype", torch.bfloat16)) for t in drawn]
+        got = ring_on_this_rank(*given, group, 0.0, TILE_ELEMENTS, "flash", window)
+        worst = max(worst, *(((a.double().cpu() - w).abs().max() / w.abs().max()).item()
+                             for a, w in zip(got, want, strict=True)))  # fmt: skip
+    return worst
+
+
+def relative_on_cpu(cases: list[dict]) -> float:
+    """relative_to_reference on this rank's CPU (cp = the world)."""
+    dist.init(timeout=60)
+    return relative_to_reference(cases, dist.new_group(list(range(dist.get_world_size()))))
+
+
 def against_reference_on_gpu_0(case: dict) -> float:
-    """As against_reference, on GPU 0 over megart's nccl transport (tests/nccl_workers.py) with
-    bf16 inputs and the flash blocks: the largest difference of the output and each gradient
-    from the float64 reference's, over that reference's largest value."""
+    """relative_to_reference (bf16, or the case's ``dtype``; its ``window`` if any) on GPU 0
+    over megart's nccl transport (tests/nccl_workers.py)."""
     import nccl_workers
 
     device = nccl_workers._init_on_gpu_0(timeout=120)
     group = dist.new_group(list(range(dist.get_world_size())))
-    cp, r = group.size(), group.rank()
-    q, k, v, dy = draw(case, cp)
-    want = [split_for_cp(t, 2, cp, r) for t in reference(q, k, v, dy)]
-    on_gpu = [t.to(device, torch.bfloat16) for t in (q, k, v, dy)]
-    got = ring_on_this_rank(*on_gpu, group, 0.0, TILE_ELEMENTS, "flash")
-    worst = max(((a.double().cpu() - w).abs().max() / w.abs().max()).item()
-                for a, w in zip(got, want, strict=True))  # fmt: skip
+    worst = relative_to_reference([case], group, device)
     dist.destroy()
     return worst
 
@@ -159,7 +183,7 @@ def traffic(case: dict) -> dict:
 
 def aten_ops_called(case: dict, blocks: str) -> set[str]:
     """The aten operators one ring attention's forward and backward call on this rank (cp = the
-    world), with ``blocks`` as ring_attention's."""
+    world), with ``blocks`` as ring_attention's (and the case's sliding ``window``, if any)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Recording(TorchDispatchMode):
@@ -172,7 +196,7 @@ def aten_ops_called(case: dict, blocks: str) -> set[str]:
     q, k, v, dy = draw(case, group.size())
     called: set[str] = set()
     with Recording():
-        ring_on_this_rank(q, k, v, dy, group, 0.0, TILE_ELEMENTS, blocks)
+        ring_on_this_rank(q, k, v, dy, group, 0.0, TILE_ELEMENTS, blocks, case.get("window"))
     return called
 
 

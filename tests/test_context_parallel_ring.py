@@ -86,22 +86,27 @@ def test_on_a_gpu_the_flash_ring_in_bf16_is_one_process_attention_in_float64(cp)
     assert max(launch(rw.against_reference_on_gpu_0, cp, case, timeout=300)) < 2e-2
 
 
-def test_the_blocks_are_flash_kernels_where_they_apply():
+@pytest.mark.parametrize("window", [None, 2])
+def test_the_blocks_are_flash_kernels_where_they_apply(window):
     """Without dropout on the CPU "auto" calls the CPU flash kernel forward and backward and
-    no explicit product; "explicit" the products and no flash kernel; dropout keeps the
-    explicit blocks (the CPU kernel has none) and asking for flash with it is refused."""
+    no explicit product (with a sliding window too: the masked kernels' pieces,
+    tests/test_ring_window_blocks.py); "explicit" the products and no flash kernel; dropout
+    keeps the explicit blocks (the CPU kernel has none) and asking for flash with it is
+    refused."""
     flash = {"_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_dot_product_flash_attention_for_cpu_backward"}  # fmt: skip
     for blocks in ("auto", "explicit"):
-        for called in launch(rw.aten_ops_called, 2, CASE, blocks, timeout=120):
+        for called in launch(rw.aten_ops_called, 2, dict(CASE, window=window), blocks, timeout=120):
             if blocks == "auto":
                 assert flash <= called and "logsumexp" not in called, called
             else:
                 assert not flash & called and "logsumexp" in called, called
     q = torch.zeros(1, 2, 4, 8)
-    assert flash_blocks.usable(q, 0.0) and not flash_blocks.usable(q, 0.1)
-    with pytest.raises(ValueError, match="flash kernels do not take"):
-        ring_attention(q, q, q, None, 0.1, blocks="flash")
+    usable = flash_blocks.usable if window is None else flash_blocks.masked_usable
+    assert usable(q, 0.0) and not usable(q, 0.1)
+    kind = "flash" if window is None else "masked"
+    with pytest.raises(ValueError, match=f"{kind} kernels do not take"):
+        ring_attention(q, q, q, None, 0.1, blocks="flash", window=window)
 
 
 @settings(max_examples=15, deadline=None)
@@ -118,6 +123,7 @@ def test_the_blocks_are_flash_kernels_where_they_apply():
                 d=st.integers(1, 6),
                 tile=st.sampled_from([1, 5, 24, TILE_ELEMENTS]),
                 blocks=st.sampled_from(["flash", "explicit"]),
+                window=st.one_of(st.none(), st.integers(0, 45)),
             )
         ),  # fmt: skip
         min_size=1,
@@ -125,9 +131,10 @@ def test_the_blocks_are_flash_kernels_where_they_apply():
     ),
 )
 def test_the_ring_is_one_process_attention_over_shapes(cp, cases):
-    """Every launch runs its drawn shapes (heads a multiple of the groups: GQA, MQA, MHA), each
-    step's block by the CPU's flash kernel or by explicit products in tiles of query rows of at
-    most ``tile`` scores (one row, a few, whole)."""
+    """Every launch runs its drawn shapes (heads a multiple of the groups: GQA, MQA, MHA) and
+    sliding windows (None: none), each step's block by the CPU's flash kernel (with a window
+    the masked kernels' pieces) or by explicit products in tiles of query rows of at most
+    ``tile`` scores (one row, a few, whole)."""
     cases = [dict(c, heads=c["groups"] * c.pop("per_group")) for c in cases]
     assert max(launch(rw.against_reference, cp, cases, timeout=120)) < F64_ABS
 

@@ -20,6 +20,7 @@ GPU_CHECKS = {
     "nccl one-rank collectives",
     "kernels (CUDA), every dtype",
     "ring attention flash blocks (CUDA)",
+    "ring attention windowed blocks (CUDA)",
     "sliding window (CUDA)",
     "AdamW (CUDA) vs torch fused",
     "training on GPU vs CPU",
@@ -45,6 +46,7 @@ def test_python_m_megart_selftest_passes_on_cpu_and_skips_the_gpu_checks(tmp_pat
     assert {"core: 1f1b schedule simulator", "AdamW (C++ multi-tensor)"} <= cpu
     assert "training tp2 (shm, 2 ranks)" in cpu
     assert {"sliding window query tiles float32", "sliding window one s x s mask float32"} <= cpu
+    assert "ring attention windowed blocks float32" in cpu
     # The shm transport: every op at fp32 and bf16, with its error and time against gloo.
     shm = [c for c in checks if c["name"].startswith("shm ")]
     assert len(shm) == 18 and all(c["error"] == 0 and c["time_ratio"] > 0 for c in shm)

@@ -1,12 +1,12 @@
 """Sliding-window attention under context parallelism's exchanges other than the all-gather
 (tests/test_sliding_window.py has that one): the all-to-all (--cp-comm-type a2a), whose ranks
 attend with some heads over the whole sequence in order, so that the window applies as in one
-process, and the ring (p2p), whose explicit blocks are masked by global positions and skipped
-where wholly outside the window. The exchanges' attention equals one process's in float64 at
-cp2 to cp4 (several tiles a block too); float64 attention and whole models at cp2 and cp4 equal
-one process's for windows shorter than a rank's chunk up to windows covering the sequence, with
-windowed and full layers mixed; megart train's command line with --window-size under either
-follows the one-process curve."""
+process, and the ring (p2p), whose blocks are masked by global positions (the masked kernels'
+pieces, or explicit products) and skipped where wholly outside the window. The exchanges'
+attention equals one process's in float64 at cp2 to cp4 (several tiles a block too); float64
+attention and whole models at cp2 and cp4 equal one process's for windows shorter than a
+rank's chunk up to windows covering the sequence, with windowed and full layers mixed; megart
+train's command line with --window-size under either follows the one-process curve."""
 
 import json
 
@@ -48,9 +48,9 @@ patterns = st.one_of(
 def test_the_exchanges_attention_with_a_window_is_one_process_in_float64(
     cp, half, groups, left, tile
 ):
-    """The ring's blocks (explicit, as "auto" picks with a window; or in tiles of 7 scores, so
-    that a block's mask spans tiles) and the all-to-all: output and q, k, v gradients against
-    a float64 reference written from the definition."""
+    """The ring's blocks ("auto": the masked kernels' pieces, tests/test_ring_window_blocks.py;
+    or explicit in tiles of 7 scores, so that a block's mask spans tiles) and the all-to-all:
+    output and q, k, v gradients against a float64 reference written from the definition."""
     base = dict(seed=left, b=2, heads=4, groups=groups, half=half, d=3, window=left)
     ring = dict(base) if tile is None else dict(base, tile=tile)
     cases = [ring, dict(base, heads=2 * cp, groups=cp, kind="a2a")]  # heads, groups split

@@ -285,12 +285,13 @@ HELP = {
     "blocks to the next rank cp - 1 times and folds the partial attentions by log-sum-exp; the "
     "backward recomputes each block and sends dK/dV back to their owner (a rank holds at most "
     "the visiting K/V block and the arriving one); its blocks are flash kernels on a GPU in "
-    "fp16/bf16 and on the CPU without dropout, explicit fp32 products otherwise. all_gather: "
+    "fp16/bf16 and on the CPU without dropout, explicit fp32 products otherwise (with "
+    "--window-size each block's pieces inside the window by kernels given a bias: on a GPU "
+    "the memory-efficient kernel in fp16/bf16/fp32, on the CPU without dropout). all_gather: "
     "every rank gathers the whole sequence's K/V. a2a "
     "(DeepSpeed Ulysses): all-to-all exchanges give each rank 1/cp of the heads for the whole "
     "sequence (heads and query groups per tensor-parallel rank divisible by cp). The same "
-    "attention every way (with --window-size the ring's blocks are the explicit ones: flash "
-    "kernels take no window). a2a+p2p (hierarchical) is refused",
+    "attention every way. a2a+p2p (hierarchical) is refused",
     "expert_model_parallel_size": "expert parallelism (megart: only 1)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
     "GPTModel: megart's model and checkpoint names are that model's)",

@@ -34,11 +34,18 @@ masks are not the one-process attention's (nor are the all-gather path's). On an
 blocks computed one rank's ring 14.6 times faster than the explicit ones (bench/ring_flash.py,
 bench/RESULTS.md).
 
-With a sliding window (megart.models.window) the blocks are the explicit ones: torch's flash
-kernels take no window. Each step's block is then masked by the global positions of the rank's
-queries and the visiting block's keys (causal, and within the window), and a block with no key
-inside any of its rows' windows is not computed (it still travels: the ring's exchanges are the
-same at every step).
+With a sliding window (megart.models.window) each step's block is masked by the global
+positions of the rank's queries and the visiting block's keys (causal, and within the window),
+and a block with no key inside any of its rows' windows is not computed (it still travels: the
+ring's exchanges are the same at every step). Where the masked kernels take the queries
+(flash_blocks.masked_usable: CUDA in fp16, bf16 and fp32, with dropout, by the memory-efficient
+kernel; the CPU without dropout, by its flash kernel) the block is cut into the pieces inside
+the window (megart.models.ring_window: per pair of a query chunk and a key chunk, the rows that
+see some key and the keys seen), each computed by those kernels given its cached additive bias
+and folded as above; no piece has a row without a key in its window (the kernels return such
+a row as a part of log-sum-exp 0, where the explicit blocks give -inf, which the fold ignores).
+Elsewhere (dropout on the CPU, float64 on CUDA) the blocks are the explicit ones, each tile
+masked. The CUDA branch of the masked kernels is unverified on a GPU.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ import megart.distributed as dist
 from megart.distributed import ProcessGroup
 from megart.models import flash_blocks
 from megart.models.context_parallel import cp_positions
+from megart.models.ring_window import pieces
+from megart.models.rng_replay import replayed, rng_state
 from megart.models.window_masks import window_mask
 
 # Scores per tile of query rows (fp32: 256 MiB): a step's explicit products never hold more
@@ -202,7 +211,7 @@ class RingAttention(torch.autograd.Function):
         c = _compute_dtype(q.dtype)
         b, h, local, d = q.shape
         per_group = h // k.shape[1]
-        rng = _rng_state(q.device) if dropout and not flash else None
+        rng = rng_state(q.device) if dropout and not flash else None
         qc = None if flash else q.to(c)  # the explicit products' fp32 queries
         out = torch.zeros(b, h, local, d, dtype=c, device=q.device)
         lse = torch.full((b, h, local), float("-inf"), dtype=c, device=q.device)
@@ -212,7 +221,18 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < ring.cp:  # the next block travels while this one is computed
                 arriving, works = ring.pass_on(kv)
             rows, keys, causal = block_of(step, ring.cp, ring.rank, local)
-            if flash:
+            if flash and window is not None:  # the block's pieces inside the window, if any
+                saves = []
+                for piece in pieces(step, ring.cp, ring.rank, local, rows, keys, window):
+                    kb, vb = (_expand(x[:, :, piece.keys], per_group) for x in kv)
+                    bias = piece.bias(window, q.dtype, q.device)
+                    part, part_lse, saved = flash_blocks.masked_forward(
+                        q[:, :, piece.rows], kb, vb, bias, piece.causal, dropout
+                    )
+                    saves.append(saved)
+                    fold_in(out, lse, piece.rows, part.to(c), part_lse.to(c))
+                flash_saved.append(saves)
+            elif flash:
                 kb, vb = (_expand(x[:, :, keys], per_group) for x in kv)
                 block_out, block_lse, saved = flash_blocks.forward(
                     q[:, :, rows], kb, vb, causal, dropout
@@ -256,18 +276,35 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=c, device=kv.device)  # the visiting block's dK, dV
         scale = 1.0 / math.sqrt(q.shape[-1])
-        with _replayed(ctx.rng, q.device):
+        with replayed(ctx.rng, q.device):
             for step in range(ring.cp):
                 if step + 1 < ring.cp:
                     arriving, works = ring.pass_on(kv)
                 rows, keys, causal = block_of(step, ring.cp, ring.rank, local)
-                if flash:
+                if flash and ctx.window is not None:
+                    window = ctx.window
+                    parts = pieces(step, ring.cp, ring.rank, local, rows, keys, window)
+                    for piece, saved in zip(parts, ctx.flash_saved[step], strict=True):
+                        kb, vb = (_expand(x[:, :, piece.keys], per_group) for x in kv)
+                        dor, qr, outr, lser = (
+                            x[:, :, piece.rows].contiguous() for x in (dout, q, out, lse)
+                        )
+                        bias = piece.bias(window, q.dtype, q.device)
+                        dqb, dk, dv = flash_blocks.masked_backward(
+                            dor, qr, kb, vb, outr, lser, bias, piece.causal, dropout, saved
+                        )
+                        dq[:, :, piece.rows] += dqb
+                        dkv[0][:, :, piece.keys] += _fold(dk, per_group)
+                        dkv[1][:, :, piece.keys] += _fold(dv, per_group)
+                elif flash:
                     kb, vb = (_expand(x[:, :, keys], per_group) for x in kv)
                     dor, qr, outr, lser = (x[:, :, rows].contiguous() for x in (dout, q, out, lse))
                     dqb, dk, dv = flash_blocks.backward(
                         dor, qr, kb, vb, outr, lser, causal, dropout, ctx.flash_saved[step]
                     )
                     dq[:, :, rows] += dqb
+                    dkv[0][:, :, keys] += _fold(dk, per_group)
+                    dkv[1][:, :, keys] += _fold(dv, per_group)
                 else:
                     bw = block_window(step, ring, local, rows, keys, ctx.window)
                     kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
@@ -291,8 +328,8 @@ class RingAttention(torch.autograd.Function):
                         ds = p * (dp - delta[:, :, t].unsqueeze(-1))
                         dq[:, :, t] += ds @ kb * scale
                         dk += ds.transpose(-1, -2) @ qt * scale
-                dkv[0][:, :, keys] += _fold(dk, per_group)
-                dkv[1][:, :, keys] += _fold(dv, per_group)
+                    dkv[0][:, :, keys] += _fold(dk, per_group)
+                    dkv[1][:, :, keys] += _fold(dv, per_group)
                 # The accumulator goes on with its block; the last exchange brings the rank's
                 # own block's, complete, back from the previous rank.
                 dkv, grad_works = ring.pass_on(dkv)
@@ -316,37 +353,6 @@ def fold_in(
     lse[:, :, rows] = new
 
 
-def _rng_state(device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
-
-
-class _replayed:
-    """The random stream set back to ``state`` (saved by the forward) for the duration, so
-    that the backward draws the forward's dropout masks again; the stream is restored after.
-    Nothing without a state (no dropout)."""
-
-    def __init__(self, state: torch.Tensor | None, device: torch.device) -> None:
-        self.state, self.device = state, device
-
-    def __enter__(self) -> None:
-        if self.state is None:
-            return
-        self.now = _rng_state(self.device)
-        self._set(self.state)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.state is not None:
-            self._set(self.now)
-
-    def _set(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
-
-
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -363,16 +369,18 @@ def ring_attention(
     each step's block with torch's flash kernels (megart.models.flash_blocks), "explicit" with
     explicit products in tiles of query rows of at most ``tile_elements`` scores (see tiles),
     "auto" the first where the kernels take the queries' device, type and dropout. With a
-    sliding ``window`` (earlier tokens seen; None: all) the explicit ones: the flash kernels
-    take none."""
+    sliding ``window`` (earlier tokens seen; None: all) "flash" means the masked kernels, each
+    block cut into its pieces inside the window (megart.models.ring_window)."""
     if blocks not in ("auto", "flash", "explicit"):
         raise ValueError(f"blocks must be 'auto', 'flash' or 'explicit', not {blocks!r}")
-    usable = flash_blocks.usable(q, dropout) and window is None
+    if window is None:
+        usable = flash_blocks.usable(q, dropout)
+    else:
+        usable = flash_blocks.masked_usable(q, dropout)
     if blocks == "flash" and not usable:
         raise ValueError(
-            f"the flash kernels do not take {q.dtype} queries of head dimension {q.shape[-1]} "
-            f"on {q.device.type} with dropout {dropout}"
-            + ("" if window is None else f" and a sliding window of {window}")
+            f"the {'flash' if window is None else 'masked'} kernels do not take {q.dtype} "
+            f"queries of head dimension {q.shape[-1]} on {q.device.type} with dropout {dropout}"
         )
     flash = usable if blocks == "auto" else blocks == "flash"
     return RingAttention.apply(q, k, v, group, dropout, tile_elements, flash, window)

@@ -87,6 +87,7 @@ def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
     import megart.distributed as dist
     from megart.distributed.nccl import find_nccl
     from megart.selftest import collectives, components, ring_blocks, training, windows
+    from megart.selftest.ring_window_blocks import check_ring_window_blocks
 
     device = torch.device("cuda", torch.cuda.current_device())
     checks: list[Check] = []
@@ -119,6 +120,11 @@ def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
         lambda: ring_blocks.check_ring_blocks(device),
         "--cp-comm-type all_gather",
     )
+    checks += guarded(
+        "ring attention windowed blocks (CUDA)",
+        lambda: check_ring_window_blocks(device),
+        "--cp-comm-type all_gather",
+    )
     checks += guarded("sliding window (CUDA)", lambda: windows.check_sliding_window(device))
     checks += guarded("AdamW (CUDA)", lambda: components.check_adamw(device))
     checks += guarded(
@@ -141,6 +147,7 @@ def run_single() -> list[Check]:
     import torch
 
     from megart.selftest import components, ring_blocks, training, windows
+    from megart.selftest.ring_window_blocks import check_ring_window_blocks
 
     checks: list[Check] = []
     checks += guarded("core", components.check_core)
@@ -153,6 +160,11 @@ def run_single() -> list[Check]:
     checks += guarded(
         "ring attention flash blocks (CPU)",
         lambda: ring_blocks.check_ring_blocks(torch.device("cpu")),
+        "--cp-comm-type all_gather",
+    )
+    checks += guarded(
+        "ring attention windowed blocks (CPU)",
+        lambda: check_ring_window_blocks(torch.device("cpu")),
         "--cp-comm-type all_gather",
     )
     checks += guarded(
@@ -172,6 +184,7 @@ def run_single() -> list[Check]:
             "nccl one-rank collectives",
             "kernels (CUDA), every dtype",
             "ring attention flash blocks (CUDA)",
+            "ring attention windowed blocks (CUDA)",
             "sliding window (CUDA)",
             "AdamW (CUDA) vs torch fused",
             "training on GPU vs CPU",
