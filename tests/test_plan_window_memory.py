@@ -5,7 +5,9 @@ for as long as they live (plan_workers._windows_held), within 1% as the other me
 what the window adds (the same run without it subtracted) within 0.1%: the window's bytes are
 a few percent of a rank's activations here, so that an error in them (a bias per layer or per
 pair, the rows' padding, the tiles' second output, the windows of another rank) would hide
-inside 1%. Under full recomputation the same for a replay's moment (RecomputedBytes).
+inside 1%. Under full recomputation the same for a replay's moment (RecomputedBytes). One
+process, pipelines (interleaved chunks that differ in windows among them) and the all-to-all's
+context parallelism (each rank's heads over the whole sequence).
 
 760 tokens: a window of 300 runs one s x s bias (rows padded to 768 elements), one of 100 runs
 query tiles of 256 (models.window_tiles.band_tile; 356 keys, padded to 368). What a GPU's
@@ -39,6 +41,7 @@ FIRST_HALF = dict(window_attn_skip_freq="[1,1,0,0]")  # rank 1 of pp2 holds no w
 ONLY_FIRST = dict(window_attn_skip_freq="[1,0,0,0]")  # interleaved: rank 0's chunks differ
 INTERLEAVED = dict(PP2, num_layers_per_virtual_pipeline_stage=1)
 FULL = dict(recompute_granularity="full")
+A2A = dict(context_parallel_size=2, cp_comm_type="a2a")
 
 # (name, processes, flags)
 CASES = [
@@ -64,6 +67,9 @@ CASES = [
     ("pp2 interleaved fp32 tiles", 2, dict(TILES, **INTERLEAVED, **ONLY_FIRST)),
     ("pp2 interleaved bf16 one bias", 2, dict(ONE, **INTERLEAVED, **FIRST_HALF, bf16=True)),
     ("pp2 bf16 tiles full", 2, dict(TILES, **PP2, **FIRST_HALF, **FULL, bf16=True)),
+    # The all-to-all: each rank's heads over the whole sequence, the same cached tensors.
+    ("cp2 a2a fp32 tiles", 2, dict(TILES, **A2A)),
+    ("cp2 a2a bf16 one bias", 2, dict(ONE, **A2A, bf16=True)),
 ]
 WINDOW_FLAGS = ("window_size", "window_attn_skip_freq")
 

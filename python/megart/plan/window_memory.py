@@ -26,12 +26,16 @@ layers only has none), and each pair the extra outputs of its chunk's tiled laye
 interleaved chunks that differ in windows, the pairs of each chunk held at the rank's peak
 (held_by_chunk, from megart's schedule). Under the all-to-all exchange (--cp-comm-type a2a)
 each rank attends over the whole sequence (models.window.sequence_attention): the same cached
-tensors, no extra output (the projection's input is a copy of the exchanged output anyway);
-under all_gather every windowed layer takes one cached bias of the rank's (s/cp) x s
-(context_parallel.causal_bias; the boolean mask it is made from is freed). Not modelled: the
-ring's windowed blocks (models.ring_attention; megart plan searches cp 1 for them), and with
---attention unfused (torch's math kernel) the tiles' scores, smaller than the s x s counted.
-Megatron-LM's runtime (--runtime megatron) passes the window to flash kernels: nothing added.
+tensors, no extra output (the projection's input is a copy of the exchanged output anyway;
+measured). Under all_gather every windowed layer takes one cached bias of the rank's
+(s/cp) x s (context_parallel.causal_bias; the boolean mask it is made from is freed), counted
+once a rank; unmeasured, since a CPU caches such a bias without a window too, and what a
+GPU's masked call keeps per pair beside the blockwise flash calls it replaces is the
+context-parallel count's own, unaudited (plan.activations). Not modelled: the
+ring's windowed blocks (models.ring_attention; megart plan searches cp 1 for them); under
+torch's math kernel (unfused attention) the tiles' scores, fewer than the s x s counted; and
+zero-bubble schedules pick their peak moment (holding.peaks) from pair bytes without the
+window's. --runtime megatron refuses the window (plan.flags).
 
 Measured on real CPU ranks (tests/test_plan_window_memory.py: saved-tensor hooks, and the
 cached biases and masks held for as long as they live). What a GPU's kernels keep is a model,
