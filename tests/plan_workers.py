@@ -188,6 +188,42 @@ def _masks_held(meter: SavedBytes) -> Iterator[None]:
         window.as_bias = as_bias
 
 
+@contextlib.contextmanager
+def _windows_held(meter: SavedBytes) -> Iterator[None]:
+    """Counts the sliding window's cached tensors as held (they live as long as the process:
+    models.window_masks caches them): the additive bias that windowed layers' attention takes,
+    one s x s or one query tile's band (models.window_tiles), and the boolean mask it was made
+    from. Saved-tensor hooks see the bias only while some call saves it, and the mask never."""
+    import megart.models.window as window
+    import megart.models.window_masks as masks
+    import megart.models.window_tiles as tiles
+
+    whole, band = window.sliding_causal_bias, tiles.band_bias
+    seen: set[int] = set()
+
+    def hold(*tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                meter.hold(t)
+
+    def whole_held(length: int, left: int, dtype: torch.dtype, device: object) -> torch.Tensor:
+        bias = whole(length, left, dtype, device)
+        hold(bias, masks.sliding_causal_mask(length, left, device))
+        return bias
+
+    def band_held(tile: int, left: int, dtype: torch.dtype, device: object) -> torch.Tensor:
+        bias = band(tile, left, dtype, device)
+        hold(bias, masks.band_mask(tile, left, device))
+        return bias
+
+    window.sliding_causal_bias, tiles.band_bias = whole_held, band_held
+    try:
+        yield
+    finally:
+        window.sliding_causal_bias, tiles.band_bias = whole, band
+
+
 def document_corpus(vocab: int, n: int = 1 << 16, seed: int = 0) -> np.ndarray:
     """Random tokens of NullTokenizer's ``vocab`` (--vocab-size) ids with its end-of-document
     id (``vocab``, the one after them) at about one token in eight."""
@@ -227,7 +263,13 @@ def held_bytes(kw: dict, tokens: np.ndarray | None = None) -> dict:
     moments = [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
     opt_bytes = _nbytes(moments) + _nbytes(mains)
     meter = SavedBytes(params)
-    with meter.hooks(), RecomputedBytes(meter) as replays, _rope_held(meter), _masks_held(meter):
+    with (
+        meter.hooks(),
+        RecomputedBytes(meter) as replays,
+        _rope_held(meter),
+        _masks_held(meter),
+        _windows_held(meter),
+    ):
         trainer.train_step(1)
     g = trainer.grid
     return {

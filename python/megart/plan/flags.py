@@ -64,7 +64,8 @@ MODELLED = (
     "fp32_residual_connection",
     "half_weights",
     "cp_comm_type",
-    # Windowed layers' attention as megart runs it (query tiles); under the ring not modelled:
+    # Windowed layers' attention as megart runs it (query tiles; their time, and their cached
+    # bias and extra outputs in memory, plan.window_memory); under the ring not modelled:
     # context parallelism then searched at 1 only, and refused when given (megart.cli.plan).
     "window_size",
     "window_attn_skip_freq",

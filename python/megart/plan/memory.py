@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from megart.plan import activations as act
 from megart.plan import documents as docs
+from megart.plan import window_memory as windows
 from megart.plan.holding import Held
 from megart.plan.layout import Layout
 from megart.plan.parameters import FP32, state_bytes
-from megart.plan.recompute_memory import chunk_layer_bytes, full_recompute_bytes
+from megart.plan.recompute_memory import full_recompute_bytes
 from megart.training.config import TrainConfig
 
 
@@ -66,13 +67,13 @@ def rank_memory(
             whole = act.megatron_layer_bytes(cfg, b, t, sp, None, unfused_attention)
             method, span = cfg.recompute_method, cfg.recompute_num_layers
             kept, risen = full_recompute_bytes(per_chunk_layers, method, span, one, whole)
-    else:
-        kept, risen = chunk_layer_bytes(
-            cfg, b, t, sp, prec, per_chunk_layers, unfused_attention, cp
+        saved = n * kept
+    else:  # each chunk's layers with their sliding windows (plan.window_memory)
+        saved, risen, cached = windows.rank_layer_bytes(
+            c, layout, dp, pp_rank, n, prec, unfused_attention
         )
-    saved = n * kept
-    if not megatron:  # rope's cos and sin, shared by a chunk's layers
-        saved += n * act.rope_table_bytes(cfg, cp)
+        saved += cached  # the window's bias and mask, once a rank
+        saved += n * act.rope_table_bytes(cfg, cp)  # rope's cos and sin, shared by its layers
         # The document flags' (plan.documents): the documents' mask, per pair and once.
         per_pair, once = docs.mask_bytes(c, b, prec)
         saved += n * (per_pair + docs.positions_bytes(c, b, cp, pp_rank == 0)) + once

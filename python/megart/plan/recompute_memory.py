@@ -5,6 +5,8 @@ above them the backward rises while a span is replayed."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from megart.models.config import GPTConfig
 from megart.models.recompute import recomputed_spans
 from megart.plan.activations import Precision, layer_bytes
@@ -19,21 +21,27 @@ def chunk_layer_bytes(
     layers: int,
     unfused_attention: bool = False,
     cp: int = 1,
+    extras: Sequence[float] = (),
 ) -> tuple[float, float]:
     """A (microbatch, chunk) pair's ``layers`` layers: (the bytes they keep until its backward,
     how far above that its backward rises while full recomputation replays a span; see
     full_recompute_bytes). Rope's tables are not counted here (rope_table_bytes: once a
-    pair)."""
+    pair). ``extras``: what each layer's saves without recomputation add to layer_bytes' (a
+    tiled sliding window's second attention output, plan.window_memory), none under selective
+    recomputation (recomputed with the core) and under full recomputation while replayed
+    (or kept, by block's kept layers)."""
     rec = cfg.recompute_granularity
     one = layer_bytes(cfg, b, tp, sp, rec, prec, unfused_attention, cp)
+    extras = list(extras) or [0.0] * layers
     if rec != "full":
-        return layers * one, 0.0
+        return layers * one + (sum(extras) if rec is None else 0.0), 0.0
     whole = layer_bytes(cfg, b, tp, sp, None, prec, unfused_attention, cp)
     method, n = cfg.recompute_method, cfg.recompute_num_layers
     # The first norm keeps the span's input itself (LayerNorm; RMSNorm's fp32 view of it when
     # the stream is fp32), else its fp32 copy: counted in ``whole`` either way.
     shared = cfg.normalization != "rmsnorm" or prec.residual == 4
-    return full_recompute_bytes(layers, method, n, one, whole, shared)
+    wholes = [whole + extra for extra in extras]
+    return full_recompute_bytes(layers, method, n, one, wholes, shared)
 
 
 def full_recompute_bytes(
@@ -41,7 +49,7 @@ def full_recompute_bytes(
     method: str,
     num_layers: int,
     input_bytes: float,
-    whole: float,
+    whole: float | Sequence[float],
     shared: bool = True,
 ) -> tuple[float, float]:
     """One (microbatch, chunk) pair of ``layers`` layers under full recomputation, spans as
@@ -49,9 +57,9 @@ def full_recompute_bytes(
     groups of --recompute-num-layers layers; block, the first N layers one by one and the rest
     kept): (the bytes it keeps from its forward to its backward, how far above that its
     backward rises while a span is recomputed). ``input_bytes``: one layer's input (what a
-    checkpoint keeps), ``whole``: one layer's saves without recomputation, ``shared``: the
-    replayed first layer saves the span's kept input itself (not a copy of it). Rope's tables
-    are the pair's whatever the spans (rope_table_bytes).
+    checkpoint keeps), ``whole``: one layer's saves without recomputation (or each layer's),
+    ``shared``: the replayed first layer saves the span's kept input itself (not a copy of
+    it). Rope's tables are the pair's whatever the spans (rope_table_bytes).
 
     Kept: each checkpointed span's input and the kept layers' whole saves. Backward runs the
     spans last first, each freeing its saves; a checkpointed span's recomputation makes all its
@@ -62,13 +70,14 @@ def full_recompute_bytes(
     moment is the highest, with a shorter last group (N not dividing the layers) the one before
     may be. Under block with N < layers the kept layers held as much at the start of the
     backward: nothing rises."""
+    wholes = [whole] * layers if isinstance(whole, (int, float)) else list(whole)
     held = peak = kept = 0.0
     for start, stop, recomputed in recomputed_spans(layers, method, num_layers):
         if recomputed:
             held += input_bytes
-            again = (stop - start) * whole - (input_bytes if shared else 0.0)
+            again = sum(wholes[start:stop]) - (input_bytes if shared else 0.0)
             peak = max(peak, held + again)
         else:
-            kept += (stop - start) * whole
+            kept += sum(wholes[start:stop])
     stored = held + kept
     return stored, max(0.0, peak - stored)
