@@ -162,14 +162,15 @@ def test_iterations_and_samples_do_not_mix():
 @pytest.mark.parametrize(
     "selective", [["--recompute-granularity", "selective"], ["--recompute-activations"]]
 )
-def test_a_recompute_method_with_selective_recomputation_is_refused_as_megatron_does(selective):
-    """Megatron-LM asserts that selective recomputation has no --recompute-method; megart's
-    config has a default method, so the command line is what tells it was given."""
+def test_recompute_spans_with_selective_recomputation_are_refused_as_megatron_does(selective):
+    """Megatron-LM asserts that selective recomputation has no --recompute-method, and
+    Megatron-Core's TransformerConfig no --recompute-num-layers; megart's config has defaults
+    for both, so the command line is what tells they were given."""
     with pytest.raises(ConfigError, match="--recompute-method block with selective"):
         parse(*selective, "--recompute-method", "block")
-    assert parse(*selective, "--recompute-num-layers", "2").gpt_config().recompute_granularity == (
-        "selective"
-    )  # Megatron asserts nothing of the number
+    with pytest.raises(ConfigError, match="--recompute-num-layers 2 with selective"):
+        parse(*selective, "--recompute-num-layers", "2")
+    assert parse(*selective).gpt_config().recompute_granularity == "selective"
     full = parse("--recompute-granularity", "full", "--recompute-method", "block")
     assert full.gpt_config().recompute_method == "block"
 

@@ -148,13 +148,19 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     selective = given.get("recompute_granularity") == "selective" or given.get(
         "recompute_activations"
     )
-    if selective and getattr(args, "recompute_method", None) is not None:
-        # Megatron-LM asserts this too: its selective checkpoints have no method; megart's
-        # TrainConfig cannot tell the flag from its default, so the command line is read here.
+    spans = [
+        f"--{name.replace('_', '-')} {getattr(args, name)}"
+        for name in ("recompute_method", "recompute_num_layers")
+        if getattr(args, name, None) is not None
+    ]
+    if selective and spans:
+        # Megatron-LM refuses these too (its arguments and Megatron-Core's TransformerConfig):
+        # selective checkpoints have no spans. megart's TrainConfig has defaults for both and
+        # cannot tell a flag from them, so the command line is read here.
         raise ConfigError(
-            f"--recompute-method {args.recompute_method} with selective recomputation "
-            "(--recompute-granularity selective or --recompute-activations): Megatron-LM refuses "
-            "a method there; leave --recompute-method out, or use --recompute-granularity full"
+            f"{' and '.join(spans)} with selective recomputation (--recompute-granularity "
+            "selective or --recompute-activations): Megatron-LM refuses them there; leave them "
+            "out, or use --recompute-granularity full"
         )
     return TrainConfig(**given)
 
