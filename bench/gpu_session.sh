@@ -104,7 +104,9 @@ for step in "$@"; do
              tests/test_kernels.py tests/test_fused_kernels_cuda.py tests/test_build_info.py \
              "tests/test_context_parallel.py::test_the_blockwise_attention_on_a_gpu_is_the_masked_one_in_float64" \
              tests/test_flash_blocks.py "tests/test_context_parallel_ring.py::test_on_a_gpu_the_flash_ring_in_bf16_is_one_process_attention_in_float64" \
-             tests/test_selftest_windows.py 2>&1 | show 40 ;;
+             tests/test_selftest_windows.py \
+             "tests/test_ring_window_blocks.py::test_on_a_gpu_the_windowed_ring_is_one_process_attention_in_float64" \
+             2>&1 | show 40 ;;
     grad-accum-fusion) # fused against unfused, alternating: train-1.3b's GPT, then a 2.5B one
       for a in "" "--layers 32 --hidden 2560 --heads 32"; do
         limit python3 bench/grad_accum_fusion.py $a; done 2>&1 | show 12 ;;
@@ -112,8 +114,9 @@ for step in "$@"; do
       limit python3 bench/grad_accum_fusion.py --compare residual --profile 2>&1 | show 40 ;;
     half-weights) # --half-weights against fp32 weights under autocast, the same way
       limit python3 bench/grad_accum_fusion.py --compare weights --profile 2>&1 | show 40 ;;
-    ring-flash) # the ring's blocks by torch's flash kernels against its explicit products
-      limit python3 bench/ring_flash.py 2>&1 | show 20 ;;
+    ring-flash) # the ring's blocks by torch's flash kernels against its explicit products, then
+      # a windowed ring's pieces by the memory-efficient kernel against its explicit products
+      for a in "" "--window 4096"; do limit python3 bench/ring_flash.py $a; done 2>&1 | show 40 ;;
     async-save) limit bash bench/async_save_check.sh 2>&1 | show 10 ;;
     core-so) # the built extension, for a later call on a fresh machine to use without a build
       cp "$(python3 -c 'import megart._core as c; print(c.__file__)')" "$OUT/" && ls -la "$OUT" ;;
