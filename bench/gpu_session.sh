@@ -28,10 +28,10 @@
 # `STEP_TIMEOUT=110 bash bench/gpu_session.sh core-so selftest ring-flash async-save tests
 # train-1.3b plan-1.3b` in 399 s (467 s of device time with the start), then the flash ring's
 # tests in a second call (core-so's extension lacks megart's CUDA module: build, do not carry).
-# Next: `STEP_TIMEOUT=110 bash bench/gpu_session.sh selftest tests` (the selftest's ring-block
-# and sliding-window checks and tests/test_context_parallel_ring.py's GPU test are unrun on a
-# GPU), then
-# ring-flash. On a node of several GPUs:
+# Next: `STEP_TIMEOUT=110 bash bench/gpu_session.sh selftest tests` (the selftest's ring-block,
+# windowed-ring and sliding-window checks and the GPU tests of tests/test_context_parallel_ring.py
+# and tests/test_ring_window_blocks.py are unrun on a GPU), then ring-flash (its windowed run
+# too). On a node of several GPUs:
 # `torchrun --nproc-per-node N -m megart selftest`, NPROC=N allreduce p2p, and tests (whose
 # test_trainer_nccl runs every parallel layout, its ranks sharing GPU 0).
 # (-fused adds --bias-gelu-fusion --fused-layer-norm --cross-entropy-loss-fusion; -50k trains
