@@ -122,6 +122,26 @@ def test_tokenizers_give_the_vocabulary(gpt2_files, tmp_path):
         tw.tiny(tokenizer_type="HuggingFaceTokenizer")
 
 
+def test_a_copy_of_a_config_keeps_its_resolved_vocabulary(gpt2_files):
+    """dataclasses.replace runs TrainConfig's resolution again on the resolved value:
+    NullTokenizer's end-of-document id must not be added twice (it was: 101, 102, 103), and a
+    --vocab-size given to the copy is the flag again."""
+    null = tw.tiny(tokenizer_type="NullTokenizer", vocab_size=100)
+    again = dataclasses.replace(dataclasses.replace(null, lr=1e-3))
+    assert (null.vocab_size, again.vocab_size) == (101, 101)
+    assert again.gpt_config().vocab_size == null.gpt_config().vocab_size
+    assert dataclasses.replace(null, vocab_size=200).vocab_size == 201
+    assert type(null.gpt_config().vocab_size) is int  # what checkpoints hold
+    where, vocab = gpt2_files
+    files = dict(
+        vocab_file=str(where / "gpt2-vocab.json"), merge_file=str(where / "gpt2-merges.txt")
+    )
+    bpe = tw.tiny(tokenizer_type="GPT2BPETokenizer", **files)
+    assert dataclasses.replace(bpe).vocab_size == vocab
+    # The GPT-2 vocabulary given to NullTokenizer as its flag: its id is added to it.
+    assert dataclasses.replace(bpe, tokenizer_type="NullTokenizer").vocab_size == vocab + 1
+
+
 def _bpe(where):
     from tokenizers import ByteLevelBPETokenizer
 

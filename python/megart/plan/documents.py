@@ -51,6 +51,7 @@ from megart.models.window_masks import bias_row_stride
 from megart.plan.activations import Precision, rope_table_bytes
 from megart.training.config import TrainConfig
 from megart.training.documents import given
+from megart.training.megatron_flags import ResolvedVocabulary
 
 
 def mask_bytes(c: TrainConfig, b: int, prec: Precision) -> tuple[float, float]:
@@ -109,19 +110,6 @@ def refuse_windowed_documents(c: TrainConfig) -> None:
             )
 
 
-@dataclasses.dataclass
-class _ResolvedVocabulary(TrainConfig):
-    """A TrainConfig whose vocabulary is resolved already and stays as given through
-    dataclasses.replace, with NullTokenizer's end-of-document id (its last id) for the document
-    flags' check: TrainConfig resolves --tokenizer-type's vocabulary on every construction, and
-    NullTokenizer's adds one to --vocab-size each time."""
-
-    def __post_init__(self) -> None:
-        vocab = self.vocab_size
-        super().__post_init__()
-        self.vocab_size = vocab
-
-
 def with_end_of_document(base: TrainConfig) -> TrainConfig:
     """megart plan's base config (its tokenizer's flags reset once the vocabulary is resolved,
     megart.cli.plan) made to pass the document flags' check on every candidate: that check
@@ -129,5 +117,6 @@ def with_end_of_document(base: TrainConfig) -> TrainConfig:
     config, checked before, has. Unchanged without the document flags."""
     if not given(base):
         return base
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
-    return _ResolvedVocabulary(**{**fields, "tokenizer_type": "NullTokenizer"})
+    # NullTokenizer's end-of-document id is its last; the vocabulary stays as resolved.
+    vocab = ResolvedVocabulary(base.vocab_size, "NullTokenizer")
+    return dataclasses.replace(base, tokenizer_type="NullTokenizer", vocab_size=vocab)

@@ -156,7 +156,8 @@ def save(
             # context_parallel_size is a record only: the weights' layout does not depend on it.
             layout={f: getattr(config, f) for f in MODEL_FIELDS + PARALLEL_FIELDS}
             | {"pipeline_schedule": config.schedule}
-            | {"context_parallel_size": config.context_parallel_size},
+            | {"context_parallel_size": config.context_parallel_size}
+            | {"vocab_size": int(config.vocab_size)},  # plain (megatron_flags.ResolvedVocabulary)
             model_config=dataclasses.asdict(chunks[0].cfg),
             layer_ids=[list(chunk.layer_ids) for chunk in chunks],
             model=[chunk.state_dict() for chunk in chunks],

@@ -122,6 +122,8 @@ def training_args(config: Any, cfg: GPTConfig, iteration: int, dp: int) -> argpa
     args = megatron_args(cfg, iteration, config.tp, config.pp, vpp, **config.stages)
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
+        if type(value) is not bool and isinstance(value, int):
+            value = int(value)  # plain: megatron_flags.ResolvedVocabulary is an int subclass
         if not hasattr(args, field.name) and isinstance(value, (int, float, str, type(None))):
             setattr(args, field.name, value)
     # Its files' paths absolute, so that the checkpoint's export finds them from elsewhere.

@@ -162,6 +162,21 @@ FUSIONS_OFF = {
 }
 
 
+class ResolvedVocabulary(int):
+    """--vocab-size once resolved from ``kind``'s tokenizer: TrainConfig resolves the tokenizer's
+    vocabulary in __post_init__, which dataclasses.replace runs again on the resolved value, and
+    NullTokenizer's adds its end-of-document id to --vocab-size; given this, it adds nothing
+    again. An int everywhere else; what is saved takes int() of it (the model's config, the
+    checkpoints' args: torch's weights-only loading takes no other class)."""
+
+    kind: str
+
+    def __new__(cls, size: int, kind: str = "") -> ResolvedVocabulary:
+        resolved = super().__new__(cls, size)
+        resolved.kind = kind
+        return resolved
+
+
 def tokenizer_vocab_size(config: Any) -> int | None:
     """The vocabulary of --tokenizer-type (None when no tokenizer is given), loaded through
     the ``tokenizers`` and ``transformers`` libraries."""
@@ -192,6 +207,8 @@ def tokenizer_vocab_size(config: Any) -> int | None:
             )
         return len(hf_tokenizer(config.tokenizer_model))
     if kind == "NullTokenizer":
+        if getattr(config.vocab_size, "kind", None) == kind:  # resolved already (a copy's)
+            return config.vocab_size
         return config.vocab_size + 1  # Megatron's: ids below --vocab-size, then end-of-document
     raise ConfigError(f"--tokenizer-type {kind!r}; megart takes {', '.join(TOKENIZER_TYPES)}")
 
@@ -229,7 +246,7 @@ def resolve_megatron_flags(config: Any) -> None:
         config.loss_scale = None
     vocab = tokenizer_vocab_size(config)
     if vocab is not None:
-        config.vocab_size = vocab
+        config.vocab_size = ResolvedVocabulary(vocab, config.tokenizer_type or "GPT2BPETokenizer")
     check_values(config)  # before the ramp's iterations are counted
     if config.train_samples is not None and config.global_batch_size > 0:
         config.train_iters = (

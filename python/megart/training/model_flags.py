@@ -23,7 +23,7 @@ def gpt_config(config: Any) -> GPTConfig:
         "selective" if config.recompute_activations else None
     )
     return GPTConfig(
-        vocab_size=config.vocab_size,
+        vocab_size=int(config.vocab_size),  # a plain int (megatron_flags.ResolvedVocabulary)
         seq_length=config.seq_length,
         hidden_size=config.hidden_size,
         num_layers=config.num_layers,
