@@ -203,7 +203,7 @@ LONG = [
 
 
 def test_a_window_plans_context_parallelism_only_where_its_attention_is_modelled(capsys):
-    """The ring's windowed blocks (explicit fp32 products) are not modelled: with a window
+    """The ring's windowed blocks (pieces inside the window) are not modelled: with a window
     under --cp-comm-type p2p, C is searched at 1 only and a given C > 1 is refused by name;
     a2a (the query tiles over each rank's heads) is searched and planned."""
     code, ring = plan(capsys, *LONG, "--top", "50")

@@ -246,7 +246,7 @@ def _check_context_parallel(lay: argparse.Namespace, base: TrainConfig) -> None:
     if cp is not None and cp > 1 and windowed_ring(base):
         raise ConfigError(
             f"megart plan does not model --context-parallel-size {cp} with --window-size under "
-            "--cp-comm-type p2p (the ring's windowed blocks are explicit fp32 products): give "
+            "--cp-comm-type p2p (the ring's windowed pieces are not modelled): give "
             "--cp-comm-type a2a or all_gather, or leave --context-parallel-size out"
         )
     # megart train's refusals of context parallelism, in its words: a size below 1, a

@@ -53,8 +53,9 @@ def context_parallel_sizes(base: TrainConfig, world: int, fixed: Fixed, megart: 
 
 def windowed_ring(base: TrainConfig) -> bool:
     """Whether context parallelism would run the ring (--cp-comm-type p2p) through layers with
-    a sliding window: those blocks are explicit fp32 products (models.ring_attention), which
-    the planner does not model (it would time them as the flash blocks of other layers)."""
+    a sliding window: those blocks are cut into the pieces inside the window
+    (models.ring_window), which the planner does not model (it would time them as the flash
+    blocks of other layers)."""
     cfg = base.gpt_config()
     windowed = any_windowed(cfg.window_size, cfg.window_attn_skip_freq, cfg.num_layers)
     return base.cp_comm_type == "p2p" and windowed

@@ -46,9 +46,9 @@ process, each a2a rank's heads) megart's query tiles score window_share of the s
 about (T + left) / s (all of them where tiling would not pay), under all_gather one mask over
 all of a rank's (s/cp) x s; at the attention core's efficiency above, the backward recomputing
 the scores as flash's (or keeping them, unfused, with their bytes scaled alike). The cached
-masks and biases are memory (plan.window_memory), not time. The ring's windowed blocks
-(explicit fp32 products, blocks wholly outside the window skipped) are still planned as its
-flash blocks.
+masks and biases are memory (plan.window_memory), not time. The ring's windowed blocks (the
+pieces inside the window, models.ring_window) are not modelled: megart plan searches C = 1
+only for them.
 
 Under --reset-attention-mask (documents in a sample; megart train refuses it with context
 parallelism, megart plan with a window) every layer's attention is one masked call over all
