@@ -46,9 +46,9 @@ from __future__ import annotations
 import dataclasses
 
 from megart.errors import ConfigError
-from megart.models.window import covers, layer_window
 from megart.models.window_masks import bias_row_stride
 from megart.plan.activations import Precision, rope_table_bytes
+from megart.plan.window_memory import masking_window
 from megart.training.config import TrainConfig
 from megart.training.documents import given
 from megart.training.megatron_flags import ResolvedVocabulary
@@ -101,13 +101,12 @@ def refuse_windowed_documents(c: TrainConfig) -> None:
     if not c.reset_attention_mask:
         return
     cfg = c.gpt_config()
-    for i in range(cfg.num_layers):
-        if not covers(layer_window(cfg.window_size, cfg.window_attn_skip_freq, i), c.seq_length):
-            raise ConfigError(
-                "megart plan does not model --reset-attention-mask with --window-size "
-                f"{cfg.window_size[0]},{cfg.window_size[1]} (each windowed layer's own sum of "
-                "the window's and the documents' biases): leave one of them out to plan it"
-            )
+    if any(masking_window(cfg, i) is not None for i in range(cfg.num_layers)):
+        raise ConfigError(
+            "megart plan does not model --reset-attention-mask with --window-size "
+            f"{cfg.window_size[0]},{cfg.window_size[1]} (each windowed layer's own sum of "
+            "the window's and the documents' biases): leave one of them out to plan it"
+        )
 
 
 def with_end_of_document(base: TrainConfig) -> TrainConfig:

@@ -70,7 +70,7 @@ def rank_memory(
         saved = n * kept
     else:  # each chunk's layers with their sliding windows (plan.window_memory)
         saved, risen, cached = windows.rank_layer_bytes(
-            c, layout, dp, pp_rank, n, prec, unfused_attention
+            c, cfg, layout, dp, pp_rank, n, prec, unfused_attention
         )
         saved += cached  # the window's bias and mask, once a rank
         saved += n * act.rope_table_bytes(cfg, cp)  # rope's cos and sin, shared by its layers

@@ -57,7 +57,7 @@ import functools
 from collections.abc import Sequence
 
 from megart.models.config import GPTConfig
-from megart.models.window import covers, layer_window
+from megart.models.window import covers
 from megart.models.window_masks import bias_row_stride
 from megart.models.window_tiles import band_tile
 from megart.plan.activations import Precision
@@ -65,12 +65,12 @@ from megart.plan.layout import Layout
 from megart.plan.pipeline_run import schedule_of
 from megart.plan.recompute_memory import chunk_layer_bytes
 from megart.training.config import TrainConfig
-from megart.training.layer_placement import every_rank_layers
+from megart.training.layer_placement import rank_layers
 
 
 def masking_window(cfg: GPTConfig, layer: int) -> int | None:
     """The window of ``layer`` (0-based) if it masks something of the sequence, else None."""
-    left = layer_window(cfg.window_size, cfg.window_attn_skip_freq, layer)
+    left = cfg.layer_window(layer)
     return None if covers(left, cfg.seq_length) else left
 
 
@@ -84,6 +84,8 @@ def once_bytes(cfg: GPTConfig, layers: Sequence[int], prec: Precision, cp: int =
     """The window's cached tensors on a rank holding ``layers`` (model indices): the bias in
     the attention's dtype (``prec.other``), rows ALIGN-strided, and the boolean mask it was
     made from (the module's doc); none without a masking window among them."""
+    if cfg.window_size is None:  # no window: the common case, without a look at each layer
+        return 0.0
     windows = {masking_window(cfg, i) for i in layers} - {None}
     if not windows:
         return 0.0
@@ -114,6 +116,7 @@ def layer_extra(cfg: GPTConfig, layer: int, b: int, tp: int, prec: Precision, cp
 
 def rank_layer_bytes(
     c: TrainConfig,
+    cfg: GPTConfig,
     layout: Layout,
     dp: int,
     pp_rank: int,
@@ -126,16 +129,21 @@ def rank_layer_bytes(
     recomputation replays a span, the window's cached tensors), each chunk with its own
     layers' windows (training.layer_placement), the pairs of each chunk as the schedule holds
     them at the rank's peak (held_by_chunk). The rise is the highest chunk's: a rank's
-    backwards start with its most pairs held, whichever chunk they replay."""
-    cfg = c.gpt_config()
+    backwards start with its most pairs held, whichever chunk they replay. ``cfg``: c's
+    model (c.gpt_config(), which the caller has)."""
     t, p, v, b, sp = layout.sizes()
     cp = layout.cp
-    chunks = every_rank_layers(c)[pp_rank]
+    chunks = rank_layers(c, pp_rank)
+
+    def extras(chunk: range) -> list[float]:  # none without a window: the common case, fast
+        if cfg.window_size is None:
+            return []
+        return [layer_extra(cfg, i, b, t, prec, cp) for i in chunk]
+
     per_chunk = [
-        chunk_layer_bytes(cfg, b, t, sp, prec, len(chunk), unfused_attention, cp,
-                          [layer_extra(cfg, i, b, t, prec, cp) for i in chunk])
+        chunk_layer_bytes(cfg, b, t, sp, prec, len(chunk), unfused_attention, cp, extras(chunk))
         for chunk in chunks
-    ]  # fmt: skip
+    ]
     kept = tuple(k for k, _ in per_chunk)
     if len(set(kept)) == 1:
         held = pairs * kept[0]

@@ -23,9 +23,14 @@ def placement(config: TrainConfig) -> dict[str, Any]:
     }
 
 
+def rank_layers(config: TrainConfig, pp_rank: int) -> list[range]:
+    """The layers of each model chunk of pipeline rank ``pp_rank``."""
+    return chunk_layers(config.num_layers, pp_rank, **placement(config))
+
+
 def every_rank_layers(config: TrainConfig) -> list[list[range]]:
     """The layers of each model chunk of each pipeline rank (rank r's list at index r)."""
-    return [chunk_layers(config.num_layers, r, **placement(config)) for r in range(config.pp)]
+    return [rank_layers(config, r) for r in range(config.pp)]
 
 
 def replayed_layer_count(config: TrainConfig, model_config: GPTConfig) -> int:
