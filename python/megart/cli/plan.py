@@ -73,9 +73,9 @@ EPILOG = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    from megart.plan.estimate import RUNTIMES
     from megart.plan.flags import NO_EFFECT, UNMODELLED
     from megart.plan.hardware import GPUS
+    from megart.plan.runtime_options import RUNTIMES
 
     p = FlagParser(
         prog="megart plan",

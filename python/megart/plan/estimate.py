@@ -7,29 +7,25 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megart.errors import ConfigError
 from megart.models import GPTConfig
 from megart.models.window import layer_window
-from megart.plan import activations as act
 from megart.plan.data_parallel import (
-    SINGLE_STAGE,
     bucket_elements_of,
     data_parallel_bus_gb_per_s,
     data_parallel_seconds,
 )
 from megart.plan.hardware import GIB, GPUProfile
-from megart.plan.holding import Held, peaks
-from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
-from megart.plan.memory import precision, rank_memory, sixteen_bit_weights
+from megart.plan.layout import Layout, layout_config
+from megart.plan.memory import precision, sixteen_bit_weights
 from megart.plan.parameters import FP32
-from megart.plan.pipeline_run import PipelineRun, pipeline_run, states_of
-from megart.plan.recompute_memory import chunk_layer_bytes
+from megart.plan.pipeline_run import PipelineRun, pipeline_run
+from megart.plan.runtime_options import check_runtime, gradient_copy_bytes
 from megart.plan.timing import Work, layer_work, logits_work
+from megart.plan.worst_rank import worst_rank_memory
 from megart.training.config import TrainConfig
 from megart.training.flops import model_flops, replayed_layers
 from megart.training.layer_placement import every_rank_layers, replayed_layer_count
 
-RUNTIMES = ("megart", "megatron")
 ADAM_BYTES = 28  # per fp32 element stepped: read p, g, m, v; write p, m, v (REFERENCES.md)
 
 
@@ -71,6 +67,7 @@ def estimate(
     grad_reduce_bytes: int = FP32,
     pp_overlap: bool = True,
     interleaved_min_pp: int = 2,
+    fp32_grad_copies: bool = False,
 ) -> Estimate:
     """Predicts ``layout`` for the model and batch of ``base`` on ``gpu``s. Raises ConfigError
     (megart train's checks) when the layout cannot run.
@@ -92,8 +89,12 @@ def estimate(
     --ddp-bucket-size, --ddp-num-buckets), and ``dp_overlap``/``grad_reduce_bytes`` other than
     their defaults are refused. A runtime that
     interleaves only from ``interleaved_min_pp`` stages (SC21's Megatron-LM: 3) refuses interleaved
-    layouts on fewer with ConfigError."""
-    _check_runtime(layout, runtime, dp_overlap, interleaved_min_pp, grad_reduce_bytes)
+    layouts on fewer with ConfigError. ``fp32_grad_copies``: the 16-bit gradients and the
+    optimizer's fp32 copies of them that SC21's Megatron-LM held (and torch DDP's buckets where
+    it ran: runtime_options.gradient_copy_bytes); False counts one fp32 gradient per element."""
+    check_runtime(
+        layout, runtime, dp_overlap, interleaved_min_pp, grad_reduce_bytes, fp32_grad_copies
+    )
     c = layout_config(base, layout)
     world = layout.world
     dp = c.check(world)  # megart train's checks, context parallelism's refusals included
@@ -105,7 +106,8 @@ def estimate(
     run = pipeline_run(
         c, cfg, layout, dp, gpu, stage, prec.residual, m, simulate, pp_overlap, runtime, stages
     )
-    worst, held = _worst_rank_memory(c, cfg, layout, dp, run, runtime, unfused_attention)
+    copies = gradient_copy_bytes(fp32_grad_copies, grad_reduce_bytes, dp_overlap, layout.pp)
+    worst, held = worst_rank_memory(c, cfg, layout, dp, run, runtime, unfused_attention, copies)
     worst["allowance"] = gpu.memory_gib * GIB - gpu.usable_bytes
     dp_time = _data_parallel_time(c, cfg, layout, gpu, worst, run, runtime, dp_overlap,
                                   grad_reduce_bytes)  # fmt: skip
@@ -301,93 +303,3 @@ def _runs_recomputation(layers: int, cfg: GPTConfig) -> list[bool]:
     if cfg.recompute_granularity != "full":  # the method picks nothing then
         return [True] * layers
     return replayed_layers(cfg, layers)
-
-
-def _check_runtime(
-    layout: Layout,
-    runtime: str,
-    dp_overlap: bool | str,
-    interleaved_min_pp: int,
-    grad_reduce_bytes: int = FP32,
-) -> None:
-    """What the runtime cannot run, refused before any estimate (megart train's own checks
-    follow in layout_config's TrainConfig)."""
-    if runtime not in RUNTIMES:
-        raise ConfigError(f"runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
-    if runtime == "megatron" and layout.cp > 1:
-        raise ConfigError(
-            f"--context-parallel-size {layout.cp} with --runtime megatron: the planner models "
-            "megart's context parallelism (its ring, all-gather and all-to-all), not "
-            "Megatron-Core's exchanges (Transformer Engine's kernels); leave out --runtime "
-            "megatron"
-        )
-    if dp_overlap not in (True, False, SINGLE_STAGE):
-        raise ConfigError(f"dp_overlap {dp_overlap!r}; use True, False or {SINGLE_STAGE!r}")
-    if runtime == "megart" and (dp_overlap is not True or grad_reduce_bytes != FP32):
-        raise ConfigError(
-            f"dp_overlap {dp_overlap!r} and grad_reduce_bytes {grad_reduce_bytes} describe "
-            "--runtime megatron; megart's come from its flags: give --no-overlap-grad-reduce "
-            "or --grad-reduce-in-bf16 instead"
-        )
-    if layout.kind == "interleaved" and layout.pp < interleaved_min_pp:
-        # Megatron-LM's arguments.py asserted p > 2 from 182841f7df (2021) to 3ee489d9ea (2024).
-        raise ConfigError(
-            f"--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size "
-            f">= {interleaved_min_pp} in this runtime, not {layout.pp}"
-        )
-    if runtime == "megatron" and layout.kind in ZERO_BUBBLE:
-        raise ConfigError(
-            f"--pipeline-schedule {layout.kind}: Megatron-LM has no zero-bubble schedule; "
-            "use 1f1b or interleaved with --runtime megatron"
-        )
-    want = {"zb-h1": 1, "zb-v": 2}.get(layout.kind)
-    if want is not None and layout.chunks != want:
-        raise ConfigError(
-            f"--pipeline-schedule {layout.kind} runs {want} model chunk(s) per rank, "
-            f"not {layout.chunks}"
-        )
-
-
-def _worst_rank_memory(
-    c: TrainConfig,
-    cfg: GPTConfig,
-    layout: Layout,
-    dp: int,
-    run: PipelineRun,
-    runtime: str,
-    unfused_attention: bool,
-) -> tuple[dict[str, float], list[Held]]:
-    """Memory by part of the pipeline rank that holds the most (the first, the second or the
-    last: embedding, most in flight, output layer), and each rank's pairs held at its peak.
-    Under zero-bubble schedules pairs between I and W keep other tensors than pairs between F
-    and I: the rank's compute order says how many of each it holds at its largest."""
-    t, p, v, b, sp = layout.sizes()
-    prec = precision(c, runtime)
-    held = [Held(n) for n in run.in_flight]
-    layers = [n // v for n in layout.layer_counts(cfg.num_layers)]  # per chunk, each rank
-    if p > 1 and layout.kind in ZERO_BUBBLE:
-        assert run.plan is not None
-        cp = layout.cp
-        pair = act.output_bytes(cfg, b, t, sp, prec, cp) + act.rope_table_bytes(cfg, cp)
-        per_pair = [
-            chunk_layer_bytes(cfg, b, t, sp, prec, n, unfused_attention, cp)[0] + pair
-            for n in layers
-        ]
-        grads = [act.weight_grad_bytes(cfg, b, t, prec, cp) * n for n in layers]
-        out_grads = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
-        last = p * v - 1
-        costs = [
-            [g + (out_grads if run.plan.virtual_stage(r, k) == last else 0) for k in range(v)]
-            for r, g in enumerate(grads)
-        ]
-        held = peaks(run.plan, per_pair, costs, states_of(layout.kind, p, run.plan.microbatches, v))
-    worst: dict[str, float] | None = None
-    # Even stages: the first (embedding), the second (most in flight) or the last (output
-    # layer) holds the most; uneven ones: any may.
-    ranks = range(p) if layout.uneven else sorted({0, min(1, p - 1), p - 1})
-    for r in ranks:
-        parts = rank_memory(c, layout, dp, r, held[r], runtime, unfused_attention)
-        if worst is None or parts["total"] > worst["total"]:
-            worst = parts
-    assert worst is not None
-    return worst, held

@@ -36,6 +36,7 @@ def rank_memory(
     runtime: str = "megart",
     unfused_attention: bool = False,
     dp_rank: int | None = None,
+    gradient_copies: int = 0,
 ) -> dict[str, float]:
     """Bytes pipeline rank ``pp_rank`` (data-parallel rank ``dp_rank``, None: the worst) holds
     at its peak, by part, with ``held`` (microbatch, chunk) pairs in flight (a count: all
@@ -49,7 +50,10 @@ def rank_memory(
     With context parallelism (``layout.cp``) the activations are those of the rank's s/cp
     tokens plus what its attention gathers, and gradients and the distributed optimizer are
     shared by the ``dp`` x cp ranks that average them: ``dp_rank`` is then the rank's index
-    in that group (Megatron's data-parallel group with context parallelism, cp innermost)."""
+    in that group (Megatron's data-parallel group with context parallelism, cp innermost).
+
+    ``gradient_copies``: bytes per gradient element held beside the fp32 gradients counted
+    (runtime_options.gradient_copy_bytes: SC21's Megatron-LM's 16-bit gradients)."""
     if isinstance(held, int):
         held = Held(held)
     cfg = c.gpt_config()
@@ -109,9 +113,10 @@ def rank_memory(
     optimizer = float(state.optimizer)
     if megatron:  # + fp32 main weights: 12 bytes per stepped element instead of 8
         optimizer = float(state.optimizer) * 3 / 2
+    copies = float(state.gradients) / FP32 * gradient_copies
     parts = {
         "parameters": float(state.parameters) / (2 if megatron else 1),
-        "gradients": float(state.gradients + state.reduce_copies),
+        "gradients": float(state.gradients + state.reduce_copies) + copies,
         "optimizer": optimizer,
         "activations": saved + outputs + working + grads,
         "autocast_copies": float(autocast),

@@ -90,6 +90,9 @@ class Table:
     counts_recompute: bool  # whether the published TFLOP/s count recomputed FLOPs
     # SC21's Megatron-LM interleaved only with p > 2 (arguments.py, March 2021 to May 2024).
     interleaved_min_pp: int = 2
+    # SC21's Megatron-LM held fp16 gradients and its optimizer's fp32 copies of them, and torch
+    # DDP's buckets at p = 1 (runtime_options.gradient_copy_bytes); MCore one fp32 buffer.
+    fp32_grad_copies: bool = False
 
 
 TABLES = (
@@ -109,6 +112,7 @@ TABLES = (
         False,
         True,
         interleaved_min_pp=3,
+        fp32_grad_copies=True,
     ),
     Table(
         "Megatron-Core H100",
@@ -171,4 +175,5 @@ def model_options(table: Table) -> dict:
         grad_reduce_bytes=table.grad_reduce_bytes,
         pp_overlap=table.pp_overlap,
         interleaved_min_pp=table.interleaved_min_pp,
+        fp32_grad_copies=table.fp32_grad_copies,
     )
