@@ -81,7 +81,10 @@ def gradient_copy_bytes(
     examples/sc21). Torch's DDP (SC21's p = 1 runs: ``dp_overlap`` SINGLE_STAGE) keeps one more
     copy in its buckets: gradient_as_bucket_view is off by default, and torch's documentation
     gives the gradients' size as what turning it on saves. The planner's fp32 gradient stands
-    for the fp32 copies; this is the rest."""
+    for the fp32 copies; this is the rest. After the fix the copies still coexist with the
+    others at the step (the fp16 gradients are freed only by the next zero_grad), when no
+    activations are left: counting them through the backward overstates such a run by its
+    activations at the peak, not by the copies."""
     if not fp32_grad_copies:
         return 0
     torch_ddp_buckets = grad_reduce_bytes if dp_overlap == SINGLE_STAGE and pp == 1 else 0
