@@ -220,15 +220,15 @@ def test_search_uses_the_given_spans_for_full_recomputation():
 
 def test_printed_flags_run_the_estimated_layout():
     """Layout.flags() as megart train's TrainConfig reads them gives the same spans, and
-    short() names them; the defaults print nothing."""
+    short() names them; the defaults are spelt out in the flags (Megatron-LM asks for both with
+    full recomputation) and short() leaves them out."""
     e = estimate(_base("block", 3), _full(), GPU)
     flags = e.layout.flags(e.num_layers).split()
     assert flags[flags.index("--recompute-method") + 1] == "block"
     assert flags[flags.index("--recompute-num-layers") + 1] == "3"
     assert "rc=full-block3" in e.layout.short()
     plain = estimate(_base("uniform", 1), _full(), GPU)
-    assert "--recompute-method" not in plain.layout.flags(8)
-    assert "--recompute-num-layers" not in plain.layout.flags(8)
+    assert "--recompute-method uniform --recompute-num-layers 1" in plain.layout.flags(8)
     assert plain.layout.short().endswith("rc=full")
     assert "rc=full-uniform2" in estimate(_base("uniform", 2), _full(), GPU).layout.short()
 

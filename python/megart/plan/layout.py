@@ -94,8 +94,8 @@ class Layout:
             out.append("--sequence-parallel")
         if self.recompute:
             out.append(f"--recompute-granularity {self.recompute}")
-        if self.recompute == "full" and self.spans_given:
-            method, n = self.spans
+        if self.recompute == "full":  # spelt out even at megart's defaults: Megatron-LM asks
+            method, n = self.spans  # for both with full recomputation (its arguments.py)
             out += [f"--recompute-method {method}", f"--recompute-num-layers {n}"]
         if self.distributed_optimizer:
             out.append("--use-distributed-optimizer")
