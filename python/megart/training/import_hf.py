@@ -172,6 +172,7 @@ def train_flags(cfg: GPTConfig) -> list[str]:
         "--qk-layernorm": cfg.qk_layernorm,
         "--swiglu": cfg.activation == "swiglu",
         "--disable-bias-linear": not cfg.bias,
+        "--add-qkv-bias": cfg.add_qkv_bias,
         "--untie-embeddings-and-output-weights": cfg.untie_embeddings_and_output_weights,
     }
     flags += [flag for flag, on in switches.items() if on]
