@@ -21,7 +21,7 @@ from megart.plan.parameters import chunk_tensors
 from megart.training.megatron_args import config_from_args as megatron_config
 from megart.training.megatron_args import megatron_args
 from megart.training.optimizer import param_groups
-from test_megatron_ranks import _convert, _megart_whole
+from test_megatron_ranks import _convert, megart_logits
 
 BASE = dict(vocab_size=100, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4)
 QWEN2 = dict(normalization="rmsnorm", position_embedding="rotary", activation="swiglu",
@@ -152,18 +152,15 @@ def test_megatron_cores_tp2_model_loads_the_converted_checkpoint(tmp_path):
     launch(tw.train_kw, 2, kw, timeout=300)
     _convert("--from", "megart", "--to", "megatron", "--load", str(ckpt), "--save", str(out),
              "--target-tensor-parallel-size", "2")  # fmt: skip
-    cfg, whole = _megart_whole(ckpt)
-    assert all(whole[n].abs().max() > 0 for n in qkv_bias_names(cfg))  # trained away from 0
-    ours = GPT(cfg)
-    ours.chunk.load_state_dict({k.removeprefix("chunk."): v for k, v in whole.items()})
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
-                           generator=torch.Generator().manual_seed(5))  # fmt: skip
+    ours, tokens, want = megart_logits(ckpt)
+    cfg = ours.cfg
+    params = dict(ours.named_parameters())
+    assert all(params[n].abs().max() > 0 for n in qkv_bias_names(cfg))  # trained away from 0
     with torch.no_grad():
-        want = ours.double()(tokens)
-        without = GPT(dataclasses.replace(cfg, add_qkv_bias=False))
+        without = GPT(dataclasses.replace(cfg, add_qkv_bias=False)).double()
         state = {k: v for k, v in ours.state_dict().items() if not k.endswith("qkv.bias")}
         without.load_state_dict(state)
-        assert (without.double()(tokens) - want).abs().max() > 1e-6  # the biases count
+        assert (without(tokens) - want).abs().max() > 1e-6  # the biases count
     for got in launch(mcw.tp_rank_logits, 2, str(out), tokens, timeout=300):
         assert (got[..., : want.shape[-1]] - want).abs().max().item() < 1e-10
 
