@@ -1,5 +1,5 @@
-"""A Hugging Face GPT-2, Llama or Qwen3 directory as a megart checkpoint, to fine-tune under any
-layout.
+"""A Hugging Face GPT-2, Llama, Mistral, Qwen2 or Qwen3 directory as a megart checkpoint, to
+fine-tune under any layout.
 
     import_checkpoint("gpt2-dir", "ckpt")  # megart import-hf --input gpt2-dir --save ckpt
     # then: megart train --load ckpt --vocab-size 50257 --num-layers 12 ... (any tp x pp),
