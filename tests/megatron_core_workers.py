@@ -57,6 +57,7 @@ def megatron_model(
         qk_layernorm=cfg.qk_layernorm,
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         add_bias_linear=cfg.bias,
+        add_qkv_bias=cfg.add_qkv_bias,
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else tanh_gelu,
         hidden_dropout=0.0,
@@ -169,13 +170,26 @@ def megatron_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tenso
         return model(tokens, positions, mask)
 
 
-def compare(kw: dict) -> dict:
+def drawn(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with noise added to every parameter: biases (zero from both initialisations)
+    and norm scales away from their starting values, so that one misplaced shows."""
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+    return model
+
+
+def compare(kw: dict, draw: bool = False) -> dict:
     """Both directions: megart's weights in Megatron-Core's model (loaded strictly), and a
-    Megatron-Core model's weights in megart's; the largest logit difference of each."""
+    Megatron-Core model's weights in megart's; the largest logit difference of each. With
+    ``draw`` both sides' initial weights get noise first (see drawn)."""
     cfg = GPTConfig(**kw)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
                            generator=torch.Generator().manual_seed(3))  # fmt: skip
     ours = GPT(cfg).double()
+    if draw:
+        drawn(ours)
     theirs = megatron_model(cfg)
     mapped = to_megatron(ours.state_dict(), cfg)
     extra = {k: v for k, v in theirs.state_dict().items() if k.endswith("_extra_state")}
@@ -186,6 +200,8 @@ def compare(kw: dict) -> dict:
     forward = (got - want).abs().max().item()
 
     fresh = megatron_model(cfg)  # Megatron-Core's own initial weights
+    if draw:
+        drawn(fresh)
     back = GPT(cfg).double()
     back.chunk.load_state_dict(from_megatron(fresh.state_dict(), cfg), strict=True)
     with torch.no_grad():
@@ -194,8 +210,8 @@ def compare(kw: dict) -> dict:
     return dict(forward=forward, reverse=reverse, scale=want.abs().max().item())
 
 
-def compare_all(configs: list[dict]) -> list[dict]:
-    return [compare(kw) for kw in configs]
+def compare_all(configs: list[dict], draw: bool = False) -> list[dict]:
+    return [compare(kw, draw) for kw in configs]
 
 
 def legacy_checkpoint_roundtrip(megart_dir: str, out_dir: str) -> dict:

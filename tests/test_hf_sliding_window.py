@@ -162,9 +162,11 @@ def randomized(cfg: GPTConfig) -> GPT:
      (dict(window_size=(3, 0), qk_layernorm=True), "Qwen3ForCausalLM", "qwen3"),
      (dict(window_size=(3, 0), window_attn_skip_freq=3, qk_layernorm=True),
       "Qwen3ForCausalLM", "qwen3"),
+     (dict(window_size=(3, 0), window_attn_skip_freq=3, add_qkv_bias=True),
+      "Qwen2ForCausalLM", "qwen2"),
      (dict(window_size=(-1, 0)), "LlamaForCausalLM", "llama")],  # unbounded: no window
 )  # fmt: skip
-def test_a_windowed_gpt_is_written_as_mistral_or_qwen3(tmp_path, kw, cls, model_type):
+def test_a_windowed_gpt_is_written_as_mistral_qwen3_or_qwen2(tmp_path, kw, cls, model_type):
     model = randomized(llama_style(**kw))
     model.save_hf(str(tmp_path))
     written = json.loads((tmp_path / "config.json").read_text())

@@ -125,6 +125,17 @@ def _megart_whole(ckpt) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     return cfg, whole_tensors(shards, cfg)
 
 
+def megart_logits(ckpt) -> tuple[GPT, torch.Tensor, torch.Tensor]:
+    """megart's GPT (float64) of the checkpoint's weights, tokens, and its logits of them."""
+    cfg, whole = _megart_whole(ckpt)
+    ours = GPT(cfg)
+    ours.chunk.load_state_dict({k.removeprefix("chunk."): v for k, v in whole.items()})
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
+                           generator=torch.Generator().manual_seed(5))  # fmt: skip
+    with torch.no_grad():
+        return ours.double(), tokens, ours.double()(tokens)
+
+
 def test_tp2_pp2_round_trip_through_megatrons_ranks_keeps_the_weights(saved, tmp_path):
     megatron, back = tmp_path / "megatron", tmp_path / "back"
     _convert("--from", "megart", "--to", "megatron", "--load", str(saved), "--save", str(megatron))
@@ -216,13 +227,7 @@ def test_megatron_cores_tp2_model_loads_each_rank_file_and_computes_megarts_logi
     _convert("--from", "megart", "--to", "megatron", "--load", str(saved), "--save", str(out),
              "--target-tensor-parallel-size", "2",
              "--target-pipeline-parallel-size", "1")  # fmt: skip
-    cfg, whole = _megart_whole(saved)
-    ours = GPT(cfg)
-    ours.chunk.load_state_dict({k.removeprefix("chunk."): v for k, v in whole.items()})
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
-                           generator=torch.Generator().manual_seed(5))  # fmt: skip
-    with torch.no_grad():
-        want = ours.double()(tokens)
+    _, tokens, want = megart_logits(saved)
     for got in launch(mcw.tp_rank_logits, 2, str(out), tokens, timeout=300):
         got = got[..., : want.shape[-1]]
         assert (got - want).abs().max().item() < 1e-5

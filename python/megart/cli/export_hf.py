@@ -11,10 +11,11 @@ HF_DIR then holds config.json and model.safetensors (or numbered files and their
 save_pretrained shards a model larger than --max-shard-size) in GPT-2's format (a model of GPT-2's
 architecture: ``transformers.GPT2LMHeadModel.from_pretrained(HF_DIR)``) or Llama's (one with
 RMSNorm, rotary positions and SwiGLU: ``LlamaForCausalLM``) or Qwen3's (such a model with
---qk-layernorm and no linear biases: ``Qwen3ForCausalLM``); a Llama-style model with
---window-size LEFT,0 in every layer and no biases is written as a Mistral
-(``MistralForCausalLM``, sliding_window LEFT + 1), a Qwen3 one with its windowed layers in
-layer_types; megart's ``GPT.from_hf(HF_DIR)`` loads each. A model no format can represent is
+--qk-layernorm and no linear biases: ``Qwen3ForCausalLM``) or Qwen2's (such a model with
+--disable-bias-linear --add-qkv-bias, biases on q/k/v alone: ``Qwen2ForCausalLM``); a
+Llama-style model with --window-size LEFT,0 in every layer and no biases is written as a Mistral
+(``MistralForCausalLM``, sliding_window LEFT + 1), a Qwen3 or Qwen2 one with its windowed layers
+in layer_types; megart's ``GPT.from_hf(HF_DIR)`` loads each. A model no format can represent is
 refused, naming the flags. The tokenizer the model was trained with (megart train's
 --tokenizer-model, or --vocab-file and --merge-file; import-hf's directory's own), which the
 checkpoint records, is saved beside the weights, or the one --tokenizer-model names.

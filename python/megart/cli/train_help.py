@@ -62,6 +62,8 @@ HELP = {
     "swiglu": "SwiGLU MLP (three matrices) instead of GeLU",
     "disable_bias_linear": "no biases in the linear layers (unlike Megatron, LayerNorm loses "
     "its bias too)",
+    "add_qkv_bias": "keep the attention's fused q/k/v projection's bias under "
+    "--disable-bias-linear (Qwen2's attention; with biases on it changes nothing)",
     "untie_embeddings_and_output_weights": "give the output layer its own weight instead of the "
     "input embedding's (Llama-style; GPT-2 ties them)",
     "group_query_attention": "grouped-query attention: query heads share key/value heads in "

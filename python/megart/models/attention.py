@@ -67,7 +67,9 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(
             h,
             qkv_rows,
-            bias=cfg.bias,
+            # Its rows (and so the bias's) grouped per query group like the weight's: a rank's
+            # contiguous slice of both holds its whole groups.
+            bias=cfg.qkv_bias,
             sequence_parallel=sequence_parallel,
             tp_group=tp_group,
             init_method=weight_init(cfg, cfg.init_std, (qkv_rows, h)),

@@ -8,6 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from megart.errors import ConfigError
+
+# Re-exported: megart.models.config's names before config_flags was split out of it.
+from megart.models.config_flags import MEGATRON_NORMS as MEGATRON_NORMS
+from megart.models.config_flags import MEGATRON_POSITIONS as MEGATRON_POSITIONS
+from megart.models.config_flags import architecture_flags as architecture_flags
+from megart.models.config_flags import refuse_unlike as refuse_unlike
 from megart.models.stages import check_stages, uneven
 from megart.models.window import check_window, layer_window, refuse_window
 from megart.parallel.layout import divisors
@@ -16,10 +22,6 @@ NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 ACTIVATIONS = ("gelu", "swiglu")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # of Megatron's; its a2a+p2p is not built
-# Megatron-LM's spellings of these choices (the values of megart train's --normalization and
-# --position-embedding-type), by GPTConfig's names.
-MEGATRON_NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
-MEGATRON_POSITIONS = {"learned": "learned_absolute", "rotary": "rope"}
 
 
 # Megatron-LM's default --make-vocab-size-divisible-by (also what checkpoints without it used).
@@ -51,6 +53,11 @@ class GPTConfig:
     position_embedding: str = "learned"
     activation: str = "gelu"  # GeLU with the tanh approximation, as GPT-2
     bias: bool = True
+    # Megatron's --add-qkv-bias (Megatron-Core's TransformerConfig.add_qkv_bias): the fused
+    # q/k/v projection keeps a bias where bias=False (--disable-bias-linear) removes the other
+    # linear layers' (Qwen2's attention). With bias=True it changes nothing and is stored False,
+    # so that one model has one config (Megatron-LM's args record True then instead).
+    add_qkv_bias: bool = False
     # Megatron's --untie-embeddings-and-output-weights: the output layer has its own weight
     # (Llama-style) instead of reusing the input embedding's (GPT-2's).
     untie_embeddings_and_output_weights: bool = False
@@ -132,6 +139,8 @@ class GPTConfig:
         for name in ("window_size", "window_attn_skip_freq"):  # lists, as JSON records give them
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.bias:  # every linear layer has its bias: the QKV one is no extra
+            object.__setattr__(self, "add_qkv_bias", False)
         sizes = ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_attention_heads")
         small = [f"{n}={getattr(self, n)}" for n in sizes if getattr(self, n) < 1]
         if small:  # before any of them divides or counts
@@ -261,6 +270,12 @@ class GPTConfig:
         return layer_window(self.window_size, self.window_attn_skip_freq, layer)
 
     @property
+    def qkv_bias(self) -> bool:
+        """Whether the fused q/k/v projection has a bias: with every linear layer's
+        (bias) or alone (add_qkv_bias), as Megatron-Core's add_bias_linear or add_qkv_bias."""
+        return self.bias or self.add_qkv_bias
+
+    @property
     def query_groups(self) -> int:
         """Key/value heads: num_query_groups, or one per attention head."""
         return self.num_query_groups or self.num_attention_heads
@@ -324,71 +339,6 @@ def percent_for(channels: int, head_dim: int) -> str:
         if int(head_dim * percent) == channels:
             return f"{percent:.{decimals}f}".rstrip("0").rstrip(".")
     return repr(channels / head_dim)
-
-
-def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
-    """The megart train flags (Megatron-LM's) that give ``cfg``'s architecture, by GPTConfig
-    field ("no --swiglu" where a switch is off), so that messages about a model name what the
-    user can change rather than GPTConfig's internal names."""
-    position = MEGATRON_POSITIONS[cfg.position_embedding]
-    return {
-        "ffn_hidden_size": f"--ffn-hidden-size {cfg.ffn_size}",
-        "normalization": f"--normalization {MEGATRON_NORMS[cfg.normalization]}",
-        "position_embedding": f"--position-embedding-type {position}",
-        "activation": ("" if cfg.activation == "swiglu" else "no ") + "--swiglu",
-        "bias": ("no " if cfg.bias else "") + "--disable-bias-linear",
-        "layernorm_epsilon": f"--layernorm-epsilon {cfg.layernorm_epsilon:g}",
-        # The same weights mean another scale with and without it.
-        "apply_layernorm_1p": ("" if cfg.apply_layernorm_1p else "no ") + "--apply-layernorm-1p",
-        "qk_layernorm": ("" if cfg.qk_layernorm else "no ") + "--qk-layernorm",
-        # Rotary settings change what the weights mean only where there are rotary positions.
-        # The factor is named only with the scaling on: without it, it changes nothing.
-        "rotary": (
-            f"--rotary-base {cfg.rotary_base:g}"
-            + (" --rotary-interleaved" if cfg.rotary_interleaved else " (halves)")
-            + (
-                f" --use-rope-scaling --rope-scaling-factor {cfg.rope_scaling_factor:g}"
-                if cfg.rope_scaling
-                else ""
-            )
-            + (
-                " --rotary-seq-len-interpolation-factor "
-                f"{cfg.rotary_seq_len_interpolation_factor:g}"
-                if cfg.rotary_seq_len_interpolation_factor is not None
-                else ""
-            )
-            if cfg.position_embedding == "rotary"
-            else "no rope"
-        ),
-        # Which channels of a head rope turns: the weights mean another thing under another.
-        "rotary_percent": f"--rotary-percent {cfg.rotary_percent:g}",
-        "untie_embeddings_and_output_weights": (
-            "" if cfg.untie_embeddings_and_output_weights else "no "
-        )
-        + "--untie-embeddings-and-output-weights",
-        # Keyed by the field, but one group per head is multi-head attention however given.
-        "num_query_groups": (
-            f"--group-query-attention --num-query-groups {cfg.query_groups}"
-            if cfg.query_groups != cfg.num_attention_heads
-            else "no --group-query-attention"
-        ),
-    }
-
-
-def refuse_unlike(
-    cfg: GPTConfig, fmt: str, fields: list[tuple[str, object, object]], closing: str
-) -> None:
-    """Refuses ``cfg`` for a checkpoint format ``fmt`` where a field's value differs from the
-    format's, naming for each the megart train flag that gave it and the GPTConfig field;
-    ``fields`` holds (field, the model's value, the format's), ``closing`` ends the message."""
-    flags = architecture_flags(cfg)
-    unlike = [
-        f"{flags[name]} ({name}={value!r}; {fmt} has {theirs!r})"
-        for name, value, theirs in fields
-        if value != theirs
-    ]
-    if unlike:
-        raise ConfigError(f"a {fmt} checkpoint cannot represent {', '.join(unlike)}; {closing}")
 
 
 def fit_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,12 +1,12 @@
-"""Hugging Face interop: load a ``save_pretrained`` directory of a GPT-2, a Llama, a Mistral or
-a Qwen3 into any tensor-parallel layout, and write one that transformers' ``from_pretrained``
-loads.
+"""Hugging Face interop: load a ``save_pretrained`` directory of a GPT-2, a Llama, a Mistral, a
+Qwen2 or a Qwen3 into any tensor-parallel layout, and write one that transformers'
+``from_pretrained`` loads.
 
-Each format is a module (megart.models.hf_gpt2, hf_llama, hf_mistral, hf_qwen3) that maps names and
-layouts between its whole tensors and the whole tensors of megart's one-chunk GPT. What is
-common lives here: reading and writing the files, cutting each whole tensor into this rank's
-tensor-parallel slice, gathering the slices back, and choosing the format (by config.json's
-model_type when reading; by the model's architecture when writing).
+Each format is a module (megart.models.hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3) that
+maps names and layouts between its whole tensors and the whole tensors of megart's one-chunk GPT.
+What is common lives here: reading and writing the files, cutting each whole tensor into this
+rank's tensor-parallel slice, gathering the slices back, and choosing the format (by
+config.json's model_type when reading; by the model's architecture when writing).
 
 Writing goes check -> hf_tensors -> megart.models.hf_files.write_hf, fed one tensor at a time
 by the live model's gathers here (GPT.save_hf) or by a training checkpoint's files
@@ -25,13 +25,15 @@ import torch
 
 import megart.distributed as dist
 from megart.errors import ConfigError
-from megart.models import hf_gpt2, hf_llama, hf_mistral, hf_qwen3
+from megart.models import hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
 from megart.tensor_parallel._group import group_rank, group_size
 
-# A Llama-style model without a window is written as a Llama, one with a window as a Mistral.
-WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen3)
+# A Llama-style model without a window is written as a Llama, one with a window as a Mistral,
+# one with query/key norms as a Qwen3, one with biases on q/k/v alone as a Qwen2: each check()
+# takes only its own, so at most one format takes a model.
+WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3)
 # By config.json's model_type.
 FORMATS = {m.MODEL_TYPE: m for m in WRITERS}
 # Parameters whose rows are the (padded) vocabulary.
@@ -122,8 +124,9 @@ def _gather(p: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor
 def writer(cfg: GPTConfig, expect: str | None = None) -> ModuleType:
     """The format that ``cfg``'s model is written in: GPT-2's for GPT-2's architecture,
     Llama's for RMSNorm, rotary positions and SwiGLU (Mistral's with a window in every layer,
-    Qwen3's with query/key norms); ``expect`` (a model_type) insists on one. A model no format
-    can represent is refused with what each format lacks."""
+    Qwen3's with query/key norms, Qwen2's with biases on q/k/v alone); ``expect`` (a
+    model_type) insists on one. A model no format can represent is refused with what each
+    format lacks."""
     refusals = []
     for fmt in WRITERS:
         if expect not in (None, fmt.MODEL_TYPE):

@@ -103,6 +103,7 @@ def check(cfg: GPTConfig) -> None:
             ("position_embedding", cfg.position_embedding, "learned"),
             ("activation", cfg.activation, "gelu"),
             ("bias", cfg.bias, True),
+            ("add_qkv_bias", cfg.add_qkv_bias, False),  # a bias on q/k/v alone
             ("untie_embeddings_and_output_weights", cfg.untie_embeddings_and_output_weights, False),
             # GPT-2 has one key/value head per query head.
             ("num_query_groups", cfg.query_groups, cfg.num_attention_heads),

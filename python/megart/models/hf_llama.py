@@ -76,6 +76,12 @@ def _fuse_qkv(cfg: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
+def _kinds(cfg: GPTConfig) -> list[tuple[str, bool, bool]]:
+    """(weight or bias, whether the fused q/k/v has one, whether the other linear layers
+    do), in Hugging Face's order: q/k/v keep their bias alone under --add-qkv-bias."""
+    return [("weight", True, True), ("bias", cfg.qkv_bias, cfg.bias)]
+
+
 def _halves_order(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Rows of each head reordered evens then odds: adjacent rotary pairs become halves."""
     heads = x.reshape(-1, head_dim, *x.shape[1:])
@@ -99,8 +105,13 @@ def check(cfg: GPTConfig) -> None:
     refuse_unlike(
         cfg,
         NAME,
-        # Llama has no query/key norms (a Qwen3 is a Llama with them).
-        [*llama_style(cfg), ("qk_layernorm", cfg.qk_layernorm, False)],
+        # Llama has no query/key norms (a Qwen3 is a Llama with them), and its attention_bias
+        # gives o_proj a bias too: none on q/k/v alone (a Qwen2 is a Llama with that).
+        [
+            *llama_style(cfg),
+            ("qk_layernorm", cfg.qk_layernorm, False),
+            ("add_qkv_bias", cfg.add_qkv_bias, False),
+        ],
         "only models with RMSNorm, rotary positions and SwiGLU can be written in its format",
     )
     check_rope(cfg, NAME)
@@ -224,16 +235,16 @@ def to_megart(
     """(megart parameter name, its whole tensor) one at a time, from ``take(name)``: the
     Llama tensor of that name (vocabulary unpadded). Only the names in ``wanted`` (default
     all) are converted, and only their Llama tensors taken."""
-    kinds = ("weight", "bias") if cfg.bias else ("weight",)
     pairs = [("chunk.wte.weight", "model.embed_tokens.weight")]
     for i in range(cfg.num_layers):
         pairs += _norm_names(i)
         g = f"model.layers.{i}.self_attn."
-        for kind in kinds:
-            pairs.append(
-                (f"chunk.blocks.{i}.attn.qkv.{kind}", [f"{g}{x}_proj.{kind}" for x in "qkv"])
-            )
-            pairs += [(f"{ours}.{kind}", f"{theirs}.{kind}") for ours, theirs in _linear_names(i)]
+        for kind, qkv, others in _kinds(cfg):
+            if qkv:
+                ours = f"chunk.blocks.{i}.attn.qkv.{kind}"
+                pairs.append((ours, [f"{g}{x}_proj.{kind}" for x in "qkv"]))
+            if others:
+                pairs += [(f"{m}.{kind}", f"{hf}.{kind}") for m, hf in _linear_names(i)]
     pairs.append(FINAL_NORM)
     if cfg.untie_embeddings_and_output_weights:
         pairs.append(("chunk.output_layer.weight", "lm_head.weight"))
@@ -260,19 +271,19 @@ def hf_tensors(
         return full(name) + 1 if cfg.apply_layernorm_1p else full(name)
 
     yield "model.embed_tokens.weight", full("chunk.wte.weight")[: cfg.vocab_size]
-    kinds = ("weight", "bias") if cfg.bias else ("weight",)
     for i in range(cfg.num_layers):
         m, g = f"chunk.blocks.{i}.", f"model.layers.{i}."
         for ours, theirs in _norm_names(i):
             yield theirs, scale(ours)
-        for kind in kinds:
-            q, k, v = _split_qkv(cfg, full(f"{m}attn.qkv.{kind}"))
-            if cfg.rotary_interleaved:
-                q, k = _halves_order(q, cfg.head_dim), _halves_order(k, cfg.head_dim)
-            yield f"{g}self_attn.q_proj.{kind}", q
-            yield f"{g}self_attn.k_proj.{kind}", k
-            yield f"{g}self_attn.v_proj.{kind}", v
-            for ours, theirs in _linear_names(i):
+        for kind, qkv, others in _kinds(cfg):
+            if qkv:
+                q, k, v = _split_qkv(cfg, full(f"{m}attn.qkv.{kind}"))
+                if cfg.rotary_interleaved:  # a bias's rows too: each is a head's channel
+                    q, k = _halves_order(q, cfg.head_dim), _halves_order(k, cfg.head_dim)
+                yield f"{g}self_attn.q_proj.{kind}", q
+                yield f"{g}self_attn.k_proj.{kind}", k
+                yield f"{g}self_attn.v_proj.{kind}", v
+            for ours, theirs in _linear_names(i) if others else ():
                 yield f"{theirs}.{kind}", full(f"{ours}.{kind}")
     yield FINAL_NORM[1], scale(FINAL_NORM[0])
     if cfg.untie_embeddings_and_output_weights:

@@ -36,6 +36,7 @@ def check(cfg: GPTConfig) -> None:
             *hf_llama.llama_style(cfg),
             ("qk_layernorm", cfg.qk_layernorm, False),
             ("bias", cfg.bias, False),
+            ("add_qkv_bias", cfg.add_qkv_bias, False),
         ],
         "only models with RMSNorm, rotary positions, SwiGLU and no linear biases can be "
         "written in its format",

@@ -53,6 +53,7 @@ def check(cfg: GPTConfig) -> None:
             *hf_llama.llama_style(cfg),
             ("qk_layernorm", cfg.qk_layernorm, True),
             ("bias", cfg.bias, False),
+            ("add_qkv_bias", cfg.add_qkv_bias, False),
         ],
         "only models with RMSNorm, rotary positions, SwiGLU, query/key norms and no linear "
         "biases can be written in its format",
@@ -64,10 +65,10 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 MAX_WINDOW_LAYERS = 28  # transformers' Qwen3Config default
 
 
-def _window(hf: dict[str, Any]) -> dict[str, Any]:
+def window(hf: dict[str, Any], fmt: str = NAME) -> dict[str, Any]:
     """GPTConfig's window_size and window_attn_skip_freq for Qwen3's window fields, read as
     transformers 5's Qwen3Config does (layer_types, which it saves, or else the layers from
-    max_window_layers on)."""
+    max_window_layers on); ``fmt``: the format whose fields these are (Qwen2's are the same)."""
     size = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types")
@@ -76,7 +77,7 @@ def _window(hf: dict[str, Any]) -> dict[str, Any]:
         types = [SLIDING if size is not None and i >= first else FULL for i in range(n)]
     if len(types) != n or not set(types) <= {SLIDING, FULL}:
         raise ConfigError(
-            f"this {NAME} has layer_types {types}: megart reads one {SLIDING!r} or {FULL!r} "
+            f"this {fmt} has layer_types {types}: megart reads one {SLIDING!r} or {FULL!r} "
             f"per layer, {n} of them (num_hidden_layers)"
         )
     sliding = [t == SLIDING for t in types]
@@ -84,20 +85,20 @@ def _window(hf: dict[str, Any]) -> dict[str, Any]:
         return {}
     if size is None:  # transformers refuses it too (no window for those layers' mask)
         raise ConfigError(
-            f"this {NAME} marks layers {SLIDING} in layer_types without a window "
+            f"this {fmt} marks layers {SLIDING} in layer_types without a window "
             f"(use_sliding_window {hf.get('use_sliding_window')}, sliding_window "
             f"{hf.get('sliding_window')}): set both, or mark every layer {FULL}"
         )
     if type(size) is not int or size < 1:
         raise ConfigError(
-            f"this {NAME} has sliding_window {size!r}: megart reads a window of at least one "
+            f"this {fmt} has sliding_window {size!r}: megart reads a window of at least one "
             "token (the token itself)"
         )
     pattern = None if all(sliding) else tuple(int(s) for s in sliding)
     return {"window_size": (size - 1, 0), "window_attn_skip_freq": pattern}
 
 
-def _window_fields(cfg: GPTConfig) -> dict[str, Any]:
+def window_fields(cfg: GPTConfig) -> dict[str, Any]:
     """Qwen3's window fields for ``cfg``: off without a window; otherwise layer_types from
     megart's per-layer windows, and max_window_layers the full-attention layers before the
     first windowed one (what versions of transformers without layer_types read)."""
@@ -115,14 +116,14 @@ def _window_fields(cfg: GPTConfig) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
-    window = _window(hf)
+    layers = window(hf)
     if hf.get("attention_bias"):
         raise ConfigError(
             "this Qwen3 has attention_bias true with an MLP without biases, which megart's GPT "
             "cannot represent (--disable-bias-linear takes every linear layer's bias or none)"
         )
     cfg = hf_llama.config_from_hf({**hf, "attention_bias": False, "mlp_bias": False}, NAME)
-    return dataclasses.replace(cfg, qk_layernorm=True, **window)
+    return dataclasses.replace(cfg, qk_layernorm=True, **layers)
 
 
 def to_megart(
@@ -158,5 +159,5 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
         **out,
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": MODEL_TYPE,
-        **_window_fields(cfg),
+        **window_fields(cfg),
     }

@@ -56,6 +56,7 @@ MODELLED = (
     "rotary_percent",
     "swiglu",
     "disable_bias_linear",
+    "add_qkv_bias",  # the q/k/v projection's bias: parameters (plan.parameters)
     "untie_embeddings_and_output_weights",
     "group_query_attention",
     "num_query_groups",

@@ -93,6 +93,7 @@ class TrainConfig:
     position_embedding_type: str = "learned_absolute"
     swiglu: bool = False
     disable_bias_linear: bool = False
+    add_qkv_bias: bool = False  # the q/k/v projection's bias kept under --disable-bias-linear
     untie_embeddings_and_output_weights: bool = False  # the output layer's own weight
     # Grouped-query attention: as in Megatron-LM the group count counts only with the switch
     # (but megart wants it given: Megatron's default of 1 group is multi-query attention).

@@ -1,5 +1,5 @@
-"""A Hugging Face GPT-2, Llama or Qwen3 directory as a megart checkpoint, to fine-tune under any
-layout.
+"""A Hugging Face GPT-2, Llama, Mistral, Qwen2 or Qwen3 directory as a megart checkpoint, to
+fine-tune under any layout.
 
     import_checkpoint("gpt2-dir", "ckpt")  # megart import-hf --input gpt2-dir --save ckpt
     # then: megart train --load ckpt --vocab-size 50257 --num-layers 12 ... (any tp x pp),
@@ -172,6 +172,7 @@ def train_flags(cfg: GPTConfig) -> list[str]:
         "--qk-layernorm": cfg.qk_layernorm,
         "--swiglu": cfg.activation == "swiglu",
         "--disable-bias-linear": not cfg.bias,
+        "--add-qkv-bias": cfg.add_qkv_bias,
         "--untie-embeddings-and-output-weights": cfg.untie_embeddings_and_output_weights,
     }
     flags += [flag for flag, on in switches.items() if on]

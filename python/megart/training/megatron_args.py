@@ -61,6 +61,8 @@ def megatron_args(
         window_attn_skip_freq=list(skip) if isinstance(skip, tuple) else skip,
         swiglu=cfg.activation == "swiglu",
         add_bias_linear=cfg.bias,
+        # True with add_bias_linear too, as Megatron-LM's arguments keep the two in sync.
+        add_qkv_bias=cfg.qkv_bias,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -114,6 +116,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         window_attn_skip_freq=a.get("window_attn_skip_freq"),
         activation="swiglu" if a.get("swiglu") else "gelu",
         bias=a.get("add_bias_linear", True),
+        add_qkv_bias=bool(a.get("add_qkv_bias", False)),  # absent from older args: none
         untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),
         num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else None,
         make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by") or VOCAB_MULTIPLE,

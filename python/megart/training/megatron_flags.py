@@ -45,6 +45,9 @@ What each does in megart:
   the first stage's first chunk only); both together, or N < 1, are refused as Megatron does.
 - --distributed-timeout-minutes: the bound on every wait of megart's communicator.
 - --log-throughput: megart's progress line always has TFLOP/s per GPU (Megatron's count).
+- --add-qkv-bias: the fused q/k/v projection keeps its bias under --disable-bias-linear, as
+  Megatron-Core's add_qkv_bias (sharded by query group with the weight); Hugging Face's Qwen2
+  format holds it, the others refuse it.
 - --qk-layernorm: each query and key head normalised before rope, as Megatron-Core's
   q_layernorm/k_layernorm (megart.models.attention.Attention); Hugging Face's Llama and GPT-2
   formats have no such norms, so export-hf refuses such a model.

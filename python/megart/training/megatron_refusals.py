@@ -26,8 +26,6 @@ REFUSED: dict[str, str] = {
     "--checkpoint-activations": _DEPRECATED
     + "--recompute-activations (or --recompute-granularity and --recompute-method)",
     # Models and layers.
-    "--add-qkv-bias": "megart's linear layers have biases all (the default) or none "
-    "(--disable-bias-linear), not on QKV alone; " + _LEAVE,
     "--apply-residual-connection-post-layernorm": "megart's residual is taken before the "
     "norm (pre-norm, Megatron's default); " + _LEAVE,
     "--openai-gelu": "megart's GeLU is the exact (erf) one, Megatron's default; " + _LEAVE,

@@ -38,6 +38,7 @@ def gpt_config(config: Any) -> GPTConfig:
         position_embedding=POSITION_EMBEDDING_TYPES[config.position_embedding_type],
         activation="swiglu" if config.swiglu else "gelu",
         bias=not config.disable_bias_linear,
+        add_qkv_bias=config.add_qkv_bias,
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
         num_query_groups=config.num_query_groups if config.group_query_attention else None,
         rotary_base=float(config.rotary_base),

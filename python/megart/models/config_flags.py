@@ -1,0 +1,84 @@
+"""GPTConfig's fields as megart train's flags (Megatron-LM's spellings): the flags that give a
+model's architecture, and the refusal of a model whose architecture a checkpoint format lacks,
+naming them. Kept apart from the config itself, which re-exports these names."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megart.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megart.models.config import GPTConfig
+
+# Megatron-LM's spellings of GPTConfig's normalization and position_embedding (the values of
+# megart train's --normalization and --position-embedding-type), by GPTConfig's names.
+MEGATRON_NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+MEGATRON_POSITIONS = {"learned": "learned_absolute", "rotary": "rope"}
+
+
+def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
+    """The megart train flags (Megatron-LM's) that give ``cfg``'s architecture, by GPTConfig
+    field ("no --swiglu" where a switch is off), so that messages about a model name what the
+    user can change rather than GPTConfig's internal names."""
+    position = MEGATRON_POSITIONS[cfg.position_embedding]
+    return {
+        "ffn_hidden_size": f"--ffn-hidden-size {cfg.ffn_size}",
+        "normalization": f"--normalization {MEGATRON_NORMS[cfg.normalization]}",
+        "position_embedding": f"--position-embedding-type {position}",
+        "activation": ("" if cfg.activation == "swiglu" else "no ") + "--swiglu",
+        "bias": ("no " if cfg.bias else "") + "--disable-bias-linear",
+        # Named apart only where it adds a bias (GPTConfig stores it False with biases on).
+        "add_qkv_bias": ("" if cfg.add_qkv_bias else "no ") + "--add-qkv-bias",
+        "layernorm_epsilon": f"--layernorm-epsilon {cfg.layernorm_epsilon:g}",
+        # The same weights mean another scale with and without it.
+        "apply_layernorm_1p": ("" if cfg.apply_layernorm_1p else "no ") + "--apply-layernorm-1p",
+        "qk_layernorm": ("" if cfg.qk_layernorm else "no ") + "--qk-layernorm",
+        # Rotary settings change what the weights mean only where there are rotary positions.
+        # The factor is named only with the scaling on: without it, it changes nothing.
+        "rotary": (
+            f"--rotary-base {cfg.rotary_base:g}"
+            + (" --rotary-interleaved" if cfg.rotary_interleaved else " (halves)")
+            + (
+                f" --use-rope-scaling --rope-scaling-factor {cfg.rope_scaling_factor:g}"
+                if cfg.rope_scaling
+                else ""
+            )
+            + (
+                " --rotary-seq-len-interpolation-factor "
+                f"{cfg.rotary_seq_len_interpolation_factor:g}"
+                if cfg.rotary_seq_len_interpolation_factor is not None
+                else ""
+            )
+            if cfg.position_embedding == "rotary"
+            else "no rope"
+        ),
+        # Which channels of a head rope turns: the weights mean another thing under another.
+        "rotary_percent": f"--rotary-percent {cfg.rotary_percent:g}",
+        "untie_embeddings_and_output_weights": (
+            "" if cfg.untie_embeddings_and_output_weights else "no "
+        )
+        + "--untie-embeddings-and-output-weights",
+        # Keyed by the field, but one group per head is multi-head attention however given.
+        "num_query_groups": (
+            f"--group-query-attention --num-query-groups {cfg.query_groups}"
+            if cfg.query_groups != cfg.num_attention_heads
+            else "no --group-query-attention"
+        ),
+    }
+
+
+def refuse_unlike(
+    cfg: GPTConfig, fmt: str, fields: list[tuple[str, object, object]], closing: str
+) -> None:
+    """Refuses ``cfg`` for a checkpoint format ``fmt`` where a field's value differs from the
+    format's, naming for each the megart train flag that gave it and the GPTConfig field;
+    ``fields`` holds (field, the model's value, the format's), ``closing`` ends the message."""
+    flags = architecture_flags(cfg)
+    unlike = [
+        f"{flags[name]} ({name}={value!r}; {fmt} has {theirs!r})"
+        for name, value, theirs in fields
+        if value != theirs
+    ]
+    if unlike:
+        raise ConfigError(f"a {fmt} checkpoint cannot represent {', '.join(unlike)}; {closing}")
