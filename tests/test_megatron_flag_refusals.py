@@ -126,6 +126,7 @@ def config(*argv: str):
         (["--dataloader-type", "single", "--data-order", "megatron"], ["--data-order", "megatron"]),
         (["--use-dist-ckpt", "--dist-ckpt-format", "torch_dist"], []),
         (["--ckpt-fully-parallel-save", "--disable-msc"], []),
+        (["--openai-gelu"], []),  # megart's GeLU is already the tanh form
     ],
 )
 def test_an_alias_gives_its_megart_spellings_config(alias, canonical):

@@ -13,6 +13,9 @@ otherwise ignore it.
   megatron gives (cyclic and external it has not).
 - --use-dist-ckpt, --dist-ckpt-format, --ckpt-fully-parallel-save, --disable-msc: deprecated in
   Megatron-LM, where they have no effect (it says so when given); nor here.
+- --openai-gelu: OpenAI's GeLU, the tanh approximation, which megart's GeLU always is (fused or
+  not); Megatron-LM keeps the flag "for backward compatibility" and no longer reads it (its
+  fused bias-GeLU is the tanh form, its unfused MLP F.gelu's exact erf form).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from megart.errors import ConfigError
 # megart's --no-X switches (TrainConfig fields) that Megatron also spells --disable-X.
 DISABLE_SPELLING = ("manual_gc_eval",)
 # Megatron-LM's deprecated flags that have no effect there: (values taken, help).
+# --openai-gelu is kept there for backward compatibility, unread.
 DEPRECATED_NO_OPS = {
     "--use-dist-ckpt": (0, "deprecated in Megatron-LM, where it has no effect (--ckpt-format "
                         "picks the format); nor here"),
@@ -34,6 +38,8 @@ DEPRECATED_NO_OPS = {
                                    "(saving in parallel is its default); nor here"),
     "--disable-msc": (0, "deprecated in Megatron-LM, where it has no effect (MultiStorageClient "
                       "is off by default); megart has none"),
+    "--openai-gelu": (0, "OpenAI's GeLU (the tanh approximation), which megart's GeLU always "
+                      "is; Megatron-LM no longer reads it"),
 }  # fmt: skip
 
 

@@ -28,7 +28,6 @@ REFUSED: dict[str, str] = {
     # Models and layers.
     "--apply-residual-connection-post-layernorm": "megart's residual is taken before the "
     "norm (pre-norm, Megatron's default); " + _LEAVE,
-    "--openai-gelu": "megart's GeLU is the exact (erf) one, Megatron's default; " + _LEAVE,
     "--squared-relu": "megart's MLP activations are GeLU and --swiglu; " + _LEAVE,
     "--quick-geglu": "megart's MLP activations are GeLU and --swiglu; " + _LEAVE,
     "--glu-linear-offset": "megart's --swiglu has no offset; " + _LEAVE,
