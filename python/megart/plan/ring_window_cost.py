@@ -49,11 +49,13 @@ CAUSAL_PIECE = 0.5  # a causal piece: the kernel skips the blocks above the diag
 class RankPieces:
     """One rank's windowed ring through one layer, per head and microbatch sample (see the
     module's docstring): query-key ``entries`` computed over the steps, bias elements read per
-    pass (``bias_reads``) and held in the cache (``cached``)."""
+    pass (``bias_reads``) and held in the cache (``cached``), and the ``unmasked`` pieces (no
+    bias: full, or under the kernel's causal mask)."""
 
     entries: float
     bias_reads: int
     cached: int
+    unmasked: int
 
 
 def _steps_reached(seq: int, cp: int, rank: int, window: int) -> list[int]:
@@ -72,17 +74,19 @@ def rank_pieces(seq: int, cp: int, rank: int, window: int) -> RankPieces:
     """``rank``'s count (see RankPieces) for a ``seq``-token sequence under a window of
     ``window`` earlier tokens."""
     local = seq // cp
-    entries, reads, shapes = 0.0, 0, set()
+    entries, reads, unmasked, shapes = 0.0, 0, 0, set()
     for step in _steps_reached(seq, cp, rank, window):
         rows, keys, _ = block_of(step, cp, rank, local)
         for p in block_pieces(step, cp, rank, local, rows, keys, window):
             n_rows, n_keys = p.rows.stop - p.rows.start, p.keys.stop - p.keys.start
             entries += n_rows * n_keys * (CAUSAL_PIECE if p.causal else 1.0)
-            if not (p.full or p.causal):
+            if p.full or p.causal:
+                unmasked += 1
+            else:
                 reads += n_rows * bias_row_stride(n_keys)
                 shapes.add((n_rows, n_keys, p.delta))
     held = sorted((r * bias_row_stride(k) for r, k, _ in shapes), reverse=True)
-    return RankPieces(entries, reads, sum(held[:PIECE_BIAS_CACHE]))
+    return RankPieces(entries, reads, sum(held[:PIECE_BIAS_CACHE]), unmasked)
 
 
 @functools.lru_cache(maxsize=64)
