@@ -193,12 +193,14 @@ def _windows_held(meter: SavedBytes) -> Iterator[None]:
     """Counts the sliding window's cached tensors as held (they live as long as the process:
     models.window_masks caches them): the additive bias that windowed layers' attention takes,
     one s x s or one query tile's band (models.window_tiles), and the boolean mask it was made
-    from. Saved-tensor hooks see the bias only while some call saves it, and the mask never."""
+    from; the ring's pieces' biases (models.ring_window.piece_bias, whose masks are freed).
+    Saved-tensor hooks see the bias only while some call saves it, and the mask never."""
+    import megart.models.ring_window as ring_window
     import megart.models.window as window
     import megart.models.window_masks as masks
     import megart.models.window_tiles as tiles
 
-    whole, band = window.sliding_causal_bias, tiles.band_bias
+    whole, band, piece = window.sliding_causal_bias, tiles.band_bias, ring_window.piece_bias
     seen: set[int] = set()
 
     def hold(*tensors: torch.Tensor) -> None:
@@ -217,11 +219,18 @@ def _windows_held(meter: SavedBytes) -> Iterator[None]:
         hold(bias, masks.band_mask(tile, left, device))
         return bias
 
+    def piece_held(*args: object) -> torch.Tensor:
+        bias = piece(*args)
+        hold(bias)
+        return bias
+
     window.sliding_causal_bias, tiles.band_bias = whole_held, band_held
+    ring_window.piece_bias = piece_held
     try:
         yield
     finally:
         window.sliding_causal_bias, tiles.band_bias = whole, band
+        ring_window.piece_bias = piece
 
 
 def document_corpus(vocab: int, n: int = 1 << 16, seed: int = 0) -> np.ndarray:

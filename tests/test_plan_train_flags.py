@@ -202,18 +202,18 @@ LONG = [
 ]  # fmt: skip
 
 
-def test_a_window_plans_context_parallelism_only_where_its_attention_is_modelled(capsys):
-    """The ring's windowed blocks (pieces inside the window) are not modelled: with a window
-    under --cp-comm-type p2p, C is searched at 1 only and a given C > 1 is refused by name;
-    a2a (the query tiles over each rank's heads) is searched and planned."""
-    code, ring = plan(capsys, *LONG, "--top", "50")
-    assert code == 0, ring
-    assert {c["layout"]["cp"] for c in ring["candidates"]} == {1}
-    code, err = plan(capsys, *LONG, "--context-parallel-size", "2")
-    assert code == 2 and "--context-parallel-size 2 with --window-size" in err, err
-    code, a2a = plan(capsys, *LONG, "--cp-comm-type", "a2a", "--context-parallel-size", "2")
-    assert code == 0, a2a
-    assert {c["layout"]["cp"] for c in a2a["candidates"]} == {2}
+def test_a_window_plans_context_parallelism_under_every_exchange(capsys):
+    """A window under the ring (p2p: its pieces inside the window, plan.ring_window_cost), the
+    all-to-all (the query tiles over each rank's heads) and the all-gather: a given C > 1
+    planned; C searched, and C > 1 among the 50 best under the ring and the all-to-all."""
+    for comm in ("p2p", "a2a", "all_gather"):
+        code, searched = plan(capsys, *LONG, "--cp-comm-type", comm, "--top", "50")
+        assert code == 0, searched
+        cps = {c["layout"]["cp"] for c in searched["candidates"]}
+        assert cps - {1} if comm != "all_gather" else cps, (comm, cps)
+        code, given = plan(capsys, *LONG, "--cp-comm-type", comm, "--context-parallel-size", "2")
+        assert code == 0, given
+        assert {c["layout"]["cp"] for c in given["candidates"]} == {2}
 
 
 def test_data_parallel_flags_reach_the_plan_from_the_command_line(capsys):

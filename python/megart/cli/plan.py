@@ -238,17 +238,8 @@ def _given_layout(args: argparse.Namespace, config: TrainConfig) -> argparse.Nam
 
 
 def _check_context_parallel(lay: argparse.Namespace, base: TrainConfig) -> None:
-    """Refuses a context-parallel size given that the planner does not model or megart train
-    would refuse."""
-    from megart.plan.search import windowed_ring
-
+    """Refuses a context-parallel size given that megart train would refuse."""
     cp = lay.context_parallel_size  # None: searched
-    if cp is not None and cp > 1 and windowed_ring(base):
-        raise ConfigError(
-            f"megart plan does not model --context-parallel-size {cp} with --window-size under "
-            "--cp-comm-type p2p (the ring's windowed pieces are not modelled): give "
-            "--cp-comm-type a2a or all_gather, or leave --context-parallel-size out"
-        )
     # megart train's refusals of context parallelism, in its words: a size below 1, a
     # sequence that does not split into 2 cp chunks (nor s/cp over t with --sequence-parallel).
     check_context_parallel(

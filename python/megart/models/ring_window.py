@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megart.models.context_parallel import cp_positions
+from megart.models.context_parallel import cp_chunks
 from megart.models.window_masks import additive_bias, window_mask
 from megart.models.window_tiles import band_tile
 
@@ -60,16 +60,24 @@ class Piece:
         return piece_bias(n_rows, n_keys, self.delta, window, dtype, device)
 
 
-def _runs(positions: list[int], part: slice) -> list[tuple[int, int, int]]:
-    """``positions[part]`` as maximal runs of consecutive positions: (first index, first
-    position, length) each."""
-    runs: list[list[int]] = []
-    for i in range(part.start, part.stop):
-        if runs and positions[i] == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
+def position_runs(seq: int, cp: int, rank: int, part: slice) -> list[tuple[int, int, int]]:
+    """``rank``'s tokens ``part`` (local indices) of a ``seq``-token sequence as maximal runs of
+    consecutive global positions: (first index, first position, length) each. Its two chunks
+    (context_parallel.cp_chunks, of seq / (2 cp) tokens each) in local order, one run where
+    they meet (rank cp - 1's chunks cp - 1 and cp). Arithmetic only, so that megart plan
+    counts the same pieces (plan.ring_window_cost) without building positions."""
+    half = seq // (2 * cp)
+    runs: list[tuple[int, int, int]] = []
+    for c, chunk in enumerate(cp_chunks(cp, rank)):
+        lo, hi = max(part.start, c * half), min(part.stop, (c + 1) * half)
+        if lo >= hi:
+            continue
+        pos = chunk * half + lo - c * half
+        if runs and runs[-1][0] + runs[-1][2] == lo and runs[-1][1] + runs[-1][2] == pos:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + hi - lo)
         else:
-            runs.append([i, positions[i], 1])
-    return [(a, b, n) for a, b, n in runs]
+            runs.append((lo, pos, hi - lo))
+    return runs
 
 
 def _tiles(run: tuple[int, int, int], window: int) -> list[tuple[int, int, int]]:
@@ -114,14 +122,21 @@ def pieces(
 def _pieces(
     step: int, cp: int, rank: int, local: int, r0: int, r1: int, k0: int, k1: int, window: int
 ) -> tuple[Piece, ...]:
+    return block_pieces(step, cp, rank, local, slice(r0, r1), slice(k0, k1), window)
+
+
+def block_pieces(
+    step: int, cp: int, rank: int, local: int, rows: slice, keys: slice, window: int
+) -> tuple[Piece, ...]:
+    """``pieces``, uncached: host arithmetic only (megart plan counts them, and visits more
+    blocks than the runtime's cache holds)."""
     seq, owner = local * cp, (rank - step) % cp
-    queries = cp_positions(seq, cp, rank, None).tolist()
-    held = cp_positions(seq, cp, owner, None).tolist()
     out = []
-    for q_run in (t for run in _runs(queries, slice(r0, r1)) for t in _tiles(run, window)):
-        for k_run in _runs(held, slice(k0, k1)):
-            if (piece := cut(q_run, k_run, window)) is not None:
-                out.append(piece)
+    for run in position_runs(seq, cp, rank, rows):
+        for q_run in _tiles(run, window):
+            for k_run in position_runs(seq, cp, owner, keys):
+                if (piece := cut(q_run, k_run, window)) is not None:
+                    out.append(piece)
     return tuple(out)
 
 

@@ -22,7 +22,6 @@ import dataclasses
 import itertools
 
 from megart.errors import ConfigError
-from megart.models.window import any_windowed
 from megart.parallel.layout import divisors, make_layout
 from megart.plan.fixed import Fixed, schedules
 from megart.plan.hardware import GPUProfile
@@ -38,27 +37,17 @@ def context_parallel_sizes(base: TrainConfig, world: int, fixed: Fixed, megart: 
     """The context-parallel sizes to try: the one given; else 1 and each power of two C that
     cuts the sequence into 2 C equal chunks (megart's load-balanced split) and divides the
     GPUs (candidates keeps those megart train accepts with each t). 1 alone for Megatron-LM's
-    runtime, whose exchanges the planner does not model, and for the ring through windowed
-    layers (windowed_ring)."""
+    runtime, whose exchanges the planner does not model. The ring through windowed layers is
+    searched as the others (its pieces inside the window: plan.ring_window_cost)."""
     if fixed.cp is not None:
         return [fixed.cp]
-    if not megart or windowed_ring(base):
+    if not megart:
         return [1]
     out, cp = [1], 2
     while world % cp == 0 and base.seq_length % (2 * cp) == 0:
         out.append(cp)
         cp *= 2
     return out
-
-
-def windowed_ring(base: TrainConfig) -> bool:
-    """Whether context parallelism would run the ring (--cp-comm-type p2p) through layers with
-    a sliding window: those blocks are cut into the pieces inside the window
-    (models.ring_window), which the planner does not model (it would time them as the flash
-    blocks of other layers)."""
-    cfg = base.gpt_config()
-    windowed = any_windowed(cfg.window_size, cfg.window_attn_skip_freq, cfg.num_layers)
-    return base.cp_comm_type == "p2p" and windowed
 
 
 def candidates(

@@ -66,8 +66,8 @@ MODELLED = (
     "half_weights",
     "cp_comm_type",
     # Windowed layers' attention as megart runs it (query tiles; their time, and their cached
-    # bias and extra outputs in memory, plan.window_memory); under the ring not modelled:
-    # context parallelism then searched at 1 only, and refused when given (megart.cli.plan).
+    # bias and extra outputs in memory, plan.window_memory; under the ring the pieces of its
+    # blocks inside the window, plan.ring_window_cost).
     "window_size",
     "window_attn_skip_freq",
     # The data-parallel reduction (plan.data_parallel, plan.parameters): exposed or overlapped,

@@ -23,7 +23,7 @@ from megart.errors import ConfigError
 from megart.parallel.checks import check_model_fits
 from megart.parallel.layout import make_layout
 from megart.plan.block_spans import block_candidates, searches_spans
-from megart.plan.candidates import candidates, windowed_ring
+from megart.plan.candidates import candidates
 from megart.plan.estimate import Estimate, estimate
 from megart.plan.fixed import Fixed
 from megart.plan.hardware import GIB, GPUProfile
@@ -33,7 +33,7 @@ from megart.training.config import TrainConfig
 
 # Importable from here as before the split (megart.plan, megart.cli.plan, the tests). _quick
 # calls block_candidates through this module: tests/test_plan_block_search.py replaces it here.
-__all__ = ["Fixed", "NoFit", "candidates", "search", "why_slower", "windowed_ring"]
+__all__ = ["Fixed", "NoFit", "candidates", "search", "why_slower"]
 
 
 def search(

@@ -46,9 +46,12 @@ process, each a2a rank's heads) megart's query tiles score window_share of the s
 about (T + left) / s (all of them where tiling would not pay), under all_gather one mask over
 all of a rank's (s/cp) x s; at the attention core's efficiency above, the backward recomputing
 the scores as flash's (or keeping them, unfused, with their bytes scaled alike). The cached
-masks and biases are memory (plan.window_memory), not time. The ring's windowed blocks (the
-pieces inside the window, models.ring_window) are not modelled: megart plan searches C = 1
-only for them.
+masks and biases are memory (plan.window_memory), not time. Under the ring each rank computes
+the pieces of its blocks inside the window (models.ring_window, by the kernels that take a
+bias: plan.ring_window_cost counts their products, a causal piece's half), timed as the
+masked call above at the busiest rank's share of its (s/cp) x s products, plus one read of its
+pieces' biases per pass as the documents' bias below; its exchanges are the ring's (every
+block still travels).
 
 Under --reset-attention-mask (documents in a sample; megart train refuses it with context
 parallelism, megart plan with a window) every layer's attention is one masked call over all
@@ -68,6 +71,7 @@ from megart.models.window_masks import bias_row_stride
 from megart.models.window_tiles import band_tile, scored_entries
 from megart.plan.context_parallel import RingPasses, a2a_layer_seconds, kv_gathers, ring_passes
 from megart.plan.hardware import GPUProfile
+from megart.plan.ring_window_cost import ring_bias_reads, ring_window_share
 
 ACT = 2  # bytes of a 16-bit activation element
 GRAD_BYTES = 4  # the ring's dK/dV accumulators travel in fp32 (models.ring_attention)
@@ -231,8 +235,11 @@ def layer_work(
     if a2a:  # the whole sequence's queries of heads/(t cp) heads
         heads, rows = heads / cp, s
     core_gemm = gemm_seconds(rows, s, d, gpu, heads) + gemm_seconds(rows, d, s, gpu, heads)
-    # A windowed layer's explicit masks (the ring's windowed blocks are not modelled: flash's).
-    share = None if ring or covers(window, s) else window_share(s, window, a2a or cp == 1)
+    # A windowed layer's masked calls: the ring's pieces inside the window, else the tiles'.
+    share = None
+    if not covers(window, s):
+        whole = a2a or cp == 1
+        share = ring_window_share(s, cp, window) if ring else window_share(s, window, whole)
     if share is None and documents:  # one masked call over every s x s entry, as a window's
         share = 1.0
     if share is not None:
@@ -256,6 +263,8 @@ def layer_work(
     fwd_elem = tokens * (replicated + qk_norms + mlp) * ACT / hbm
     core_elem = tokens * scores * ACT / hbm
     bias_read = documents_mask_read(s, b, gpu) if documents else 0.0
+    if ring and share is not None:  # each piece's bias, read once per pass (ring_window_cost)
+        bias_read = ring_bias_reads(s, cp, window) * ACT / hbm
     comm = 0.0
     if t > 1:
         nbytes = tokens * h * ACT

@@ -31,9 +31,13 @@ measured). Under all_gather every windowed layer takes one cached bias of the ra
 (s/cp) x s (context_parallel.causal_bias; the boolean mask it is made from is freed), counted
 once a rank; unmeasured, since a CPU caches such a bias without a window too, and what a
 GPU's masked call keeps per pair beside the blockwise flash calls it replaces is the
-context-parallel count's own, unaudited (plan.activations). Not modelled: the
-ring's windowed blocks (models.ring_attention; megart plan searches cp 1 for them); under
-torch's math kernel (unfused attention) the tiles' scores, fewer than the s x s counted; and
+context-parallel count's own, unaudited (plan.activations). Under the ring (p2p) each rank
+caches one bias per shape of its pieces inside the window (models.ring_window.piece_bias; the
+boolean mask it is made from is freed), counted once a rank (plan.ring_window_cost, the cp
+rank with the most), and its pairs keep what the ring keeps without a window (the pieces'
+kernels save nothing through autograd: the ring's own function keeps q, k, v, the output and
+its log-sum-exp; a GPU's per-piece random state, two scalars, is not counted). Not modelled:
+under torch's math kernel (unfused attention) the tiles' scores, fewer than the s x s counted; and
 zero-bubble schedules pick their peak moment (holding.peaks) from pair bytes without the
 window's. --runtime megatron refuses the window (plan.flags).
 
@@ -64,6 +68,7 @@ from megart.plan.activations import Precision
 from megart.plan.layout import Layout
 from megart.plan.pipeline_run import schedule_of
 from megart.plan.recompute_memory import chunk_layer_bytes
+from megart.plan.ring_window_cost import ring_cached_bias
 from megart.training.config import TrainConfig
 from megart.training.layer_placement import rank_layers
 
@@ -94,7 +99,7 @@ def once_bytes(cfg: GPTConfig, layers: Sequence[int], prec: Precision, cp: int =
     if not _whole_sequence(cfg, cp):
         if cfg.cp_comm_type == "all_gather":  # a rank's (s/cp) x s bias; its mask is freed
             return s // cp * bias_row_stride(s) * prec.other
-        return 0.0  # the ring's windowed blocks: not modelled
+        return ring_cached_bias(s, cp, left) * prec.other  # the ring's pieces' biases
     tile = band_tile(s, left)
     if tile is None:
         return s * bias_row_stride(s) * prec.other + s * s
