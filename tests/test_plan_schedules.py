@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 from megart import schedule as sched
 from megart.cli.main import main as megart_main
 from megart.errors import ConfigError
-from megart.plan import Fixed, Layout, estimate, load_profile, search
+from megart.plan import Fixed, Layout, estimate, load_profile, pipeline_run, search
 from megart.plan.holding import theory_in_flight
+from megart.plan.layout import layout_config
 from megart.plan.timing import Work
 from megart.training.config import TrainConfig
+from megart.training.pipeline_costs import plan_costs
 from test_plan import BIG, MODEL, _free
 
 CHUNKS = {"1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}
@@ -63,17 +65,23 @@ def test_with_the_plans_own_times_zero_bubble_beats_1f1b(p, groups, rec):
     m = p * groups
     base = TrainConfig(**MODEL, global_batch_size=m)
     gpu = _free(load_profile("h100-80gb"))
-    plans = {
-        k: estimate(base, dataclasses.replace(_layout(k, p), recompute=rec), gpu)
-        for k in ("1f1b", "zb-h1", "zb-v")
-    }
+    plans, calls = {}, {}
+    for k in ("1f1b", "zb-h1", "zb-v"):
+        layout = dataclasses.replace(_layout(k, p), recompute=rec)
+        plans[k], calls[k] = _simulations_of(lambda lay=layout: estimate(base, lay, gpu))
     s = plans["zb-h1"].stage
     t_f, t_w = s.forward, s.weight
     t_i = s.backward - t_w
     assert 0 < t_w < t_i  # the weight-gradient products are part of the backward
-    # Qi et al.: ZB-H1's bubble is (p-1)(T_F + T_I - T_W).
+    # Qi et al.: ZB-H1's bubble is (p-1)(T_F + T_I - T_W), for a plan made for these times
+    # (megart train's is made for fixed ratios: the planner's bubble is that plan's).
     zb_h1 = (p - 1) * (t_f + t_i - t_w) / (m * (t_f + t_i + t_w))
-    assert plans["zb-h1"].bubble_fraction == pytest.approx(zb_h1, rel=1e-6)
+    ((args, kwargs),) = calls["zb-h1"]
+    own = sched.simulate(*args, **dict(kwargs, planned_for=None))
+    assert own.bubble_fraction == pytest.approx(zb_h1, rel=1e-6)
+    assert plans["zb-h1"].bubble_fraction == pytest.approx(
+        sched.simulate(*args, **kwargs).bubble_fraction, rel=1e-12
+    )
     # (zb-v's "at most half of zb-h1's" holds for equal times, not for these: with
     # recomputation T_I is far above T_W.)
     for k in ("zb-h1", "zb-v"):
@@ -149,3 +157,45 @@ def test_a_layout_whose_chunks_do_not_match_its_schedule_is_refused():
     base = TrainConfig(**MODEL, global_batch_size=16)
     with pytest.raises(ConfigError, match="zb-v runs 2 model chunk"):
         estimate(base, Layout(1, 2, 1, 1, 1, False, None, False, "zb-v"), load_profile("h200"))
+
+
+def _simulations_of(run):
+    """run()'s result and the (args, kwargs) of each simulation it ran (none cached)."""
+    calls = []
+    real = sched.simulate
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    pipeline_run._simulated.cache_clear()
+    with mock.patch.object(sched, "simulate", spy):
+        return run(), calls
+
+
+def _plan_costs_of(costs: sched.Costs) -> tuple[float, ...]:
+    return costs.forward, costs.backward, costs.weight_fraction, costs.latency
+
+
+@pytest.mark.parametrize("kind", sorted(CHUNKS))
+def test_megarts_posting_plan_is_simulated_as_megart_train_makes_it(kind):
+    """The planner times the posting plan megart train posts: made for the fixed ratios of
+    training.pipeline_costs.plan_costs (what Trainer.engine_for gives the engine: the runtime
+    cannot measure its layers and links before it runs), not for the predicted costs it is
+    timed with. Megatron-LM's runtime posts no plan."""
+    base = TrainConfig(**MODEL, global_batch_size=16)
+    layout = _layout(kind, 4)
+    for runtime in ("megart", "megatron"):
+        if runtime == "megatron" and kind.startswith("zb"):
+            continue  # Megatron-LM has no zero-bubble schedule
+        _, calls = _simulations_of(
+            lambda r=runtime: estimate(base, layout, load_profile("h200"), runtime=r)
+        )
+        seen = [kwargs for _, kwargs in calls]
+        assert seen
+        if runtime == "megatron":
+            assert not any(k["posted"] for k in seen)
+            continue
+        runs = plan_costs(layout_config(base, layout))
+        assert all(k["posted"] for k in seen)
+        assert {_plan_costs_of(k["planned_for"]) for k in seen} == {_plan_costs_of(runs)}

@@ -28,6 +28,7 @@ from megart.plan.timing import layer_work, logits_work
 from megart.training.config import TrainConfig
 from plan_workers import held_bytes, plan_json
 from test_plan_memory import LLAMA, SMALL, _layout
+from test_plan_schedules import _simulations_of
 
 GPU = load_profile("a100-80gb")
 
@@ -217,7 +218,7 @@ def test_iteration_never_beats_the_slowest_stage(first, last):
     base = TrainConfig(**dict(BIG_VOCAB, num_layers=12, global_batch_size=32))
     layout = Layout(1, 4, 1, 1, 1, False, None, False, None, first, last)
     check_stages(12, 4, 1, first, last)
-    e = estimate(base, layout, GPU)
+    e, calls = _simulations_of(lambda: estimate(base, layout, GPU))
     cfg = layout_config(base, layout).gpt_config()
     per_layer = layer_work(cfg, 1, 1, False, None, GPU)
     logits = logits_work(cfg, 1, 1, GPU)
@@ -229,9 +230,14 @@ def test_iteration_never_beats_the_slowest_stage(first, last):
         assert [w.forward for w in e.stages] == pytest.approx([w.forward for w in stages])
         assert [w.backward for w in e.stages] == pytest.approx([w.backward for w in stages])
         # Simulated with each stage's own costs: the stages other than the slowest fill and
-        # drain faster than it, so the bubble is below equal stages' (p - 1) / m (the output
-        # layer's stage is the slowest by far here; messages take microseconds).
-        assert e.bubble_fraction < sched.theoretical_bubble("1f1b", 4, e.microbatches)
+        # drain faster than it, so with a posting plan made for those costs the bubble is below
+        # equal stages' (p - 1) / m (the output layer's stage is the slowest by far here;
+        # messages take microseconds). megart train's plan is made for equal stages
+        # (training.pipeline_costs), and the planner's bubble is that plan's.
+        ((args, kwargs),) = calls
+        own = sched.simulate(*args, **dict(kwargs, planned_for=None))
+        assert own.bubble_fraction < sched.theoretical_bubble("1f1b", 4, e.microbatches)
+        assert e.bubble_fraction == sched.simulate(*args, **kwargs).bubble_fraction
     assert e.iteration_time >= e.microbatches * slowest * (1 - 1e-12)
     assert e.time["compute"] + e.time["tp_comm"] == pytest.approx(e.microbatches * slowest)
 

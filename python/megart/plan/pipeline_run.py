@@ -16,6 +16,7 @@ from megart.plan.holding import State, states, theory_in_flight
 from megart.plan.layout import ZERO_BUBBLE, Layout
 from megart.plan.timing import Work
 from megart.training.config import TrainConfig
+from megart.training.pipeline_costs import plan_costs
 
 
 # A search builds the same few schedules for thousands of layouts: each once (they are never
@@ -42,12 +43,24 @@ def _simulated(
     posted: bool,
     stage_forward: tuple[float, ...],
     stage_backward: tuple[float, ...],
+    planned_for: tuple[float, float, float, float] | None = None,
 ) -> tuple[float, float, list[int], int]:
     """The simulator's makespan, bubble fraction and peak pairs per rank of the schedule of
     ``shape`` (kind, p, m, v) with these costs, and the microbatches of the longest schedule
     simulated: m, or above sim_cap's threshold fewer, from which m's results follow exactly
     (megart.plan.sim_cap). Layouts that differ in what the schedule does not see (the
-    distributed optimizer) simulate once."""
+    distributed optimizer) simulate once. ``planned_for`` (with ``posted``): the relative
+    forward, backward, weight fraction and message latency the posting plan is made for
+    (None: these costs)."""
+    planned = None
+    if posted and planned_for is not None:
+        forward_share, backward_share, fraction, message_share = planned_for
+        planned = sched.Costs(
+            forward=forward_share,
+            backward=backward_share,
+            weight_fraction=fraction,
+            latency=message_share,
+        )
     kind, p, m, v = shape
 
     def run(count: int) -> sched.Simulation:
@@ -62,6 +75,7 @@ def _simulated(
             posted=posted,
             stage_forward=list(stage_forward),
             stage_backward=list(stage_backward),
+            planned_for=planned,
         )
 
     if sim_cap.caps(kind, p, m):
@@ -70,6 +84,14 @@ def _simulated(
             return got.makespan, got.bubble, got.peaks, got.simulated_m
     sim = run(m)
     return sim.makespan, sim.bubble_fraction, [r.peak_stashed for r in sim.ranks], m
+
+
+def _runtime_plan_costs(c: TrainConfig) -> tuple[float, float, float, float]:
+    """The costs megart train's posting plan is made for (training.pipeline_costs.plan_costs:
+    fixed ratios, as the runtime cannot measure its layers and links before it runs), so that
+    the plan simulated is the plan run, timed with the predicted costs."""
+    k = plan_costs(c)
+    return k.forward, k.backward, k.weight_fraction, k.latency
 
 
 @dataclass
@@ -103,7 +125,8 @@ def pipeline_run(
 ) -> PipelineRun:
     """The schedule's makespan and bubble with ``stage``'s costs, by megart's simulator (or
     theory when ``simulate`` is False and the schedule has a closed form), its messages over
-    NVLink or a rail. megart's runtime is timed as it runs: its posting plan's NCCL groups.
+    NVLink or a rail. megart's runtime is timed as it runs: the NCCL groups of its posting plan,
+    made as megart train makes it (for plan_costs' fixed ratios, not the predicted costs).
     ``stages`` (uneven stages): each rank's costs, ``stage`` the slowest of them; always
     simulated (the bubble has no closed form for unequal stages)."""
     stages = list(stages or [])
@@ -144,6 +167,7 @@ def pipeline_run(
             runtime == "megart",
             tuple(w.forward for w in stages),
             tuple(w.backward for w in stages),
+            _runtime_plan_costs(c) if runtime == "megart" else None,
         )
         in_flight = list(peak)  # the cached list stays as simulated
         plan = schedule_of(kind, p, simulated_m, v)
