@@ -13,10 +13,18 @@ import torch.nn.functional as F
 
 from megart.models import GPT, GPTConfig
 from megart.models import window_tiles as wt
+from megart.models.window_masks import bias_row_stride
 from megart.plan.estimate import estimate
 from megart.plan.hardware import load_profile
 from megart.plan.layout import Layout
-from megart.plan.timing import CAUSAL_SHARE, FLASH_BACKWARD, gemm_seconds, layer_work, window_share
+from megart.plan.timing import (
+    CAUSAL_SHARE,
+    FLASH_BACKWARD,
+    gemm_seconds,
+    layer_work,
+    window_bias_reads,
+    window_share,
+)
 from megart.training.config import TrainConfig
 
 GPU = load_profile("h100-80gb")
@@ -33,7 +41,9 @@ def test_the_plans_entries_are_the_runtimes_sdpa_calls(monkeypatch, s, left, ski
     sdpa = F.scaled_dot_product_attention
 
     def counted(q, k, *args, is_causal=False, **kwargs):
-        calls.append((q.shape[2] * k.shape[2], is_causal))
+        mask = args[1] if len(args) > 1 else kwargs.get("attn_mask")
+        reads = 0 if mask is None else mask.shape[-2] * bias_row_stride(mask.shape[-1])
+        calls.append((q.shape[2] * k.shape[2], is_causal, reads))
         return sdpa(q, k, *args, is_causal=is_causal, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
@@ -47,9 +57,11 @@ def test_the_plans_entries_are_the_runtimes_sdpa_calls(monkeypatch, s, left, ski
         for i in range(3)
         if (skip is None or (skip[i] if isinstance(skip, tuple) else (i + 1) % skip))
     )
-    masked = sum(n for n, causal in calls if not causal)
+    masked = sum(n for n, causal, _ in calls if not causal)
     assert masked == round(windowed * window_share(s, left, True) * s * s)
-    assert [n for n, causal in calls if causal] == [s * s] * (3 - windowed)
+    assert [n for n, causal, _ in calls if causal] == [s * s] * (3 - windowed)
+    # The bias slices the masked calls take, as the plan reads them once a pass.
+    assert sum(r for *_, r in calls) == windowed * window_bias_reads(s, left, True)
     if left == 20:  # 2 (24 + 20) > 48: one s x s mask, every entry
         assert window_share(s, left, True) == 1.0
 
@@ -73,9 +85,13 @@ def test_a_windowed_layers_core_is_its_share_of_the_products(cp, comm):
     tiles = [(a, min(4096, s - a), max(0, a - left)) for a in range(0, s, 4096)]
     share = sum(n * (a + n - k) for a, n, k in tiles) / s**2 if comm == "a2a" else 1.0
     assert share == window_share(s, left, comm == "a2a")
-    assert windowed.forward - full.forward == pytest.approx(core * (share - CAUSAL_SHARE))
+    # Each pass reads the bias slices once: the tiles' [n, keys] (rows 16-aligned), or the
+    # rank's [s/cp, s] under all_gather; 16-bit.
+    aligned = [n * -(-(a + n - k) // 16) * 16 for a, n, k in tiles]
+    read = (sum(aligned) if comm == "a2a" else s // cp * s) * 2 / (GPU.hbm_gb_per_s * 1e9)
+    assert windowed.forward - full.forward == pytest.approx(core * (share - CAUSAL_SHARE) + read)
     assert windowed.backward - full.backward == pytest.approx(
-        FLASH_BACKWARD * core * (share - CAUSAL_SHARE)
+        FLASH_BACKWARD * core * (share - CAUSAL_SHARE) + read
     )
     if comm == "a2a":  # (2 T + ... ) / s: under the causal half's 0.5 at s = 8 T
         assert share < CAUSAL_SHARE
@@ -96,9 +112,10 @@ def test_unfused_scores_are_the_tiles_entries():
     core = gemm_seconds(s, s, d, GPU, heads) + gemm_seconds(s, d, s, GPU, heads)
     score_bytes = s * 4.5 * heads * s * 2 / (GPU.hbm_gb_per_s * 1e9)  # 16-bit, per token
     shrink = (core + score_bytes) * (1 - share)
-    assert full.forward - windowed.forward == pytest.approx(shrink)
+    read = window_bias_reads(s, left, True) * 2 / (GPU.hbm_gb_per_s * 1e9)  # once a pass
+    assert full.forward - windowed.forward == pytest.approx(shrink - read)
     assert full.backward - windowed.backward == pytest.approx(
-        2 * core * (1 - share) + 2 * score_bytes * (1 - share)
+        2 * core * (1 - share) + 2 * score_bytes * (1 - share) - read
     )
 
 

@@ -45,8 +45,9 @@ others as above) runs explicit masks, which no flash kernel takes: over the whol
 process, each a2a rank's heads) megart's query tiles score window_share of the s x s products,
 about (T + left) / s (all of them where tiling would not pay), under all_gather one mask over
 all of a rank's (s/cp) x s; at the attention core's efficiency above, the backward recomputing
-the scores as flash's (or keeping them, unfused, with their bytes scaled alike). The cached
-masks and biases are memory (plan.window_memory), not time. Under the ring each rank computes
+the scores as flash's (or keeping them, unfused, with their bytes scaled alike), plus one read
+per pass of the cached bias slices its calls take (window_bias_reads; what the caches hold is
+memory: plan.window_memory). Under the ring each rank computes
 the pieces of its blocks inside the window (models.ring_window, by the kernels that take a
 bias: plan.ring_window_cost counts their products, a causal piece's half), timed as the
 masked call above at the busiest rank's share of its (s/cp) x s products, plus one read of its
@@ -68,7 +69,7 @@ from dataclasses import dataclass
 from megart.models.config import GPTConfig
 from megart.models.window import covers
 from megart.models.window_masks import bias_row_stride
-from megart.models.window_tiles import band_tile, scored_entries
+from megart.models.window_tiles import band_tile, band_tiles, scored_entries
 from megart.plan.context_parallel import RingPasses, a2a_layer_seconds, kv_gathers, ring_passes
 from megart.plan.hardware import GPUProfile
 from megart.plan.ring_window_cost import ring_bias_reads, ring_window_share
@@ -103,6 +104,20 @@ def window_share(seq: int, left: int, whole_sequence: bool) -> float:
     if not whole_sequence:
         return 1.0
     return scored_entries(seq, left, band_tile(seq, left)) / (seq * seq)
+
+
+def window_bias_reads(seq: int, left: int, whole_sequence: bool, cp: int = 1) -> int:
+    """Bias elements a windowed layer's masked calls read in one pass (not the ring's pieces:
+    ring_window_cost), rows ALIGN-strided as ring_window_cost counts its pieces' and broadcast
+    over the batch and heads: over a ``whole_sequence`` each query tile's [n, keys] slice of
+    the cached band bias (models.window_tiles), or the one s x s bias; under all_gather the
+    rank's [s/cp, s] bias (context_parallel.masked_attention)."""
+    if not whole_sequence:
+        return seq // cp * bias_row_stride(seq)
+    tile = band_tile(seq, left)
+    if tile is None:
+        return seq * bias_row_stride(seq)
+    return sum(n * bias_row_stride(a + n - first) for a, n, first in band_tiles(seq, left, tile))
 
 
 def documents_mask_read(seq: int, b: int, gpu: GPUProfile) -> float:
@@ -263,8 +278,11 @@ def layer_work(
     fwd_elem = tokens * (replicated + qk_norms + mlp) * ACT / hbm
     core_elem = tokens * scores * ACT / hbm
     bias_read = documents_mask_read(s, b, gpu) if documents else 0.0
-    if ring and share is not None:  # each piece's bias, read once per pass (ring_window_cost)
-        bias_read = ring_bias_reads(s, cp, window) * ACT / hbm
+    if not covers(window, s):  # the window's cached biases, read once per pass
+        if ring:  # each piece's (ring_window_cost)
+            bias_read = ring_bias_reads(s, cp, window) * ACT / hbm
+        else:
+            bias_read = window_bias_reads(s, window, a2a or cp == 1, cp) * ACT / hbm
     comm = 0.0
     if t > 1:
         nbytes = tokens * h * ACT
