@@ -300,3 +300,15 @@ def test_an_older_checkpoint_without_norm_biases_loads_them_as_zero(older_checkp
     trained = norm_biases(resumed[0]["trained"]["exp_avg"])
     assert len(trained) == len(zeros) and all(m.abs().max() > 0 for m in trained.values())
     assert all(not m.isnan().any() for m in trained.values())
+
+
+def test_an_older_torch_dist_store_is_refused_naming_the_conversion_that_completes_it(tmp_path):
+    store, out = tmp_path / "dist", tmp_path / "converted"
+    kw = dict(TRAIN, train_iters=2, ckpt_format="torch_dist")
+    launch(_as_older_megart, 1, dict(kw, save=str(store)), timeout=300)
+    with pytest.raises(Exception, match="(?s)older megart.*convert-checkpoint --from megatron"):
+        launch(tw.train_kw, 1, dict(kw, load=str(store)), timeout=300)
+    _convert("--from", "megatron", "--to", "megart", "--load", str(store), "--save", str(out))
+    resumed = launch(_resumed, 1, dict(TRAIN, train_iters=1, load=str(out)), timeout=300)[0]
+    zeros = norm_biases(resumed["loaded"]["weights"])
+    assert len(zeros) == 4 * tw.tiny().num_layers + 1 and not any(b.any() for b in zeros.values())
