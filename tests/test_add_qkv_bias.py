@@ -33,9 +33,10 @@ TRAIN = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=Tru
              num_query_groups=2, ffn_hidden_size=64)  # fmt: skip
 MODELS = {
     "qwen2-style": QWEN2,
-    # Learned positions, GeLU, multi-head; RMSNorm, since megart's LayerNorm loses its bias
-    # under --disable-bias-linear where Megatron-Core's keeps it.
+    # Learned positions, GeLU, multi-head.
     "gelu-learned-mha": dict(normalization="rmsnorm", bias=False, add_qkv_bias=True),
+    # LayerNorm keeps its bias under --disable-bias-linear (Falcon's norms with Qwen2's q/k/v).
+    "layernorm-gelu-learned-mha": dict(bias=False, add_qkv_bias=True),
 }
 
 

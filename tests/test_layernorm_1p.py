@@ -62,7 +62,8 @@ def test_a_1p_norm_is_the_formula_with_one_plus_weight(kind, fused, bias, rows, 
     # fused: megart.kernels.layer_norm (its torch reference on a CPU) for LayerNorm.
     y = apply_norm(module, x, fused)
     (y * upstream).sum().backward()
-    b = module.bias if kind == "layernorm" and bias else None
+    # A LayerNorm has its bias with or without --disable-bias-linear (Megatron-Core's).
+    b = module.bias if kind == "layernorm" else None
     ref_inputs = [t.detach().clone().requires_grad_() for t in (x, module.weight)]
     ref_bias = None if b is None else b.detach().clone().requires_grad_()
     ref = formula(kind, *ref_inputs, ref_bias, cfg.layernorm_epsilon)

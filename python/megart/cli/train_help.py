@@ -60,8 +60,8 @@ HELP = {
     "scales by 1 + weight (LayerNorm and RMSNorm; Megatron's layernorm_zero_centered_gamma)",
     "position_embedding_type": "learned_absolute (GPT-2's) or rope (rotary, base 10000)",
     "swiglu": "SwiGLU MLP (three matrices) instead of GeLU",
-    "disable_bias_linear": "no biases in the linear layers (unlike Megatron, LayerNorm loses "
-    "its bias too)",
+    "disable_bias_linear": "no biases in the linear layers; LayerNorm keeps its bias (as "
+    "Megatron-Core's add_bias_linear=False)",
     "add_qkv_bias": "keep the attention's fused q/k/v projection's bias under "
     "--disable-bias-linear (Qwen2's attention; with biases on it changes nothing)",
     "untie_embeddings_and_output_weights": "give the output layer its own weight instead of the "

@@ -46,15 +46,16 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm, with the option of a zero-centred weight: stored as scale - 1, so that
-    the initial weight is zero (as Megatron's --apply-layernorm-1p); the bias is unchanged.
+    """nn.LayerNorm (weight and zero-initialised bias), with the option of a zero-centred
+    weight: stored as scale - 1, so that the initial weight is zero (as Megatron's
+    --apply-layernorm-1p); the bias is unchanged.
 
     A 16-bit input is normalised in its own dtype (fp32 arithmetic inside, the output and the
     input saved for backward 16-bit), with autocast off: CUDA's autocast would run LayerNorm on
     an fp32 copy of the input and keep that copy."""
 
-    def __init__(self, dim: int, eps: float, bias: bool, zero_centered_gamma: bool) -> None:
-        super().__init__(dim, eps=eps, bias=bias)
+    def __init__(self, dim: int, eps: float, zero_centered_gamma: bool) -> None:
+        super().__init__(dim, eps=eps, bias=True)
         self.zero_centered_gamma = zero_centered_gamma
         if zero_centered_gamma:
             with torch.no_grad():
@@ -69,14 +70,17 @@ class LayerNorm(nn.LayerNorm):
 
 
 def norm(cfg: GPTConfig, sequence_parallel: bool, size: int | None = None) -> nn.Module:
-    """A LayerNorm or RMSNorm over ``size`` channels (default the hidden size). Under sequence
-    parallelism each rank normalises its own slice of the sequence, so the weights' gradients
-    are partial sums, marked for a sum across t."""
+    """A LayerNorm or RMSNorm over ``size`` channels (default the hidden size). A LayerNorm
+    has its bias whatever --disable-bias-linear says: as in Megatron-Core, that flag removes
+    the linear layers' biases only (add_bias_linear), and every LayerNorm it builds (the
+    layers' input and pre-MLP norms, the final norm, --qk-layernorm's) has weight and bias.
+    Under sequence parallelism each rank normalises its own slice of the sequence, so the
+    weights' and bias's gradients are partial sums, marked for a sum across t."""
     centred, size = cfg.apply_layernorm_1p, size or cfg.hidden_size
     if cfg.normalization == "rmsnorm":
         module: nn.Module = RMSNorm(size, cfg.layernorm_epsilon, centred)
     else:
-        module = LayerNorm(size, cfg.layernorm_epsilon, cfg.bias, centred)
+        module = LayerNorm(size, cfg.layernorm_epsilon, centred)
     for p in module.parameters():
         p.sequence_parallel = sequence_parallel
     return module

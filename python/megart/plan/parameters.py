@@ -21,8 +21,10 @@ BUCKET_BYTES = 4 << 20  # megart.training.grad_sync.GradientBuckets' default
 
 
 def _norm(cfg: GPTConfig, size: int | None = None) -> list[int]:
+    """A norm's tensors: RMSNorm's weight; LayerNorm's weight and bias (--disable-bias-linear
+    or not, as Megatron-Core's)."""
     h = size or cfg.hidden_size
-    return [h] if cfg.normalization == "rmsnorm" or not cfg.bias else [h, h]
+    return [h] if cfg.normalization == "rmsnorm" else [h, h]
 
 
 def layer_tensors(cfg: GPTConfig, tp: int) -> list[int]:

@@ -33,11 +33,12 @@ from megart.errors import ConfigError
 from megart.models import GPTConfig
 from megart.models.config import architecture_flags
 from megart.tensor_parallel.random import GeneratorStates
-from megart.training import megatron_dist, megatron_dist_train_load, reshard
+from megart.training import megatron_dist, megatron_dist_train_load, norm_biases, reshard
 from megart.training.checkpoint_save import save, write_release  # re-exported: the public API
 from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as before
     FILE,
     MODEL_FIELDS,
+    NORM_BIASES_ADDED,
     PARALLEL_FIELDS,
     TRACKER,
     chosen_iteration,
@@ -117,6 +118,8 @@ def load(
     # Any file tells the layout, the iteration and the loss scale (the same in every file).
     state = read_file(own if own.exists() else found[0])
     _check_model(directory, state, config, chunks[0].cfg)
+    if state[NORM_BIASES_ADDED] and dist.get_rank() == 0:
+        print(norm_biases.note(directory, state[NORM_BIASES_ADDED]), flush=True)
     # A release checkpoint (megart import-hf) holds weights only and is loaded as --finetune.
     finetune = config.finetune or bool(state.get("release"))
     load_optim = not (finetune or config.no_load_optim)

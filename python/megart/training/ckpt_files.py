@@ -16,6 +16,10 @@ import torch
 from megart.errors import ConfigError
 from megart.training import checksum, megatron_distrib_optim
 from megart.training.megatron_files import from_megatron_file, is_megatron_file, torch_load
+from megart.training.norm_biases import add_zero_norm_biases
+
+# read_file's key for the LayerNorm biases it added (megart.training.norm_biases), not saved.
+NORM_BIASES_ADDED = "norm_biases_added"
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -166,4 +170,6 @@ def read_file(path: Path) -> dict[str, Any]:
         state = from_megatron_file(megatron_distrib_optim.join(state, path), path)
     if not isinstance(state, dict) or "config" not in state or "model" not in state:
         raise ConfigError(f"{path} is not a megart checkpoint file (no 'config' and 'model')")
+    # An older megart's LayerNorm without its bias under --disable-bias-linear: zero biases.
+    state[NORM_BIASES_ADDED] = add_zero_norm_biases(state)
     return state

@@ -12,6 +12,7 @@ this model is refused with the flags that load less of it (--finetune, --no-load
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,22 @@ def _foreign(root: Path, problem: str) -> ConfigError:
     )
 
 
+# A LayerNorm's bias (the final norm's, --qk-layernorm's, Transformer Engine's fused ones).
+NORM_BIAS = re.compile(r"(layernorm\.bias|layer_norm_bias)$")
+
+
+def _older_norms(root: Path, key: str) -> ConfigError:
+    """An older megart's store of LayerNorm with --disable-bias-linear: it built the norms
+    without their bias (megart.training.norm_biases), which a torch_dist load does not fill."""
+    return ConfigError(
+        f"{root}: the store holds no {key}: an older megart saved it, whose LayerNorm had no "
+        "bias under --disable-bias-linear (Megatron-Core's and now megart's keeps it); convert "
+        "it with 'megart convert-checkpoint --from megatron --to megart --load DIR --save OUT' "
+        "and --load OUT (its weights with zero norm biases, from iteration 0), or resume it "
+        "with the megart that saved it"
+    )
+
+
 class _Reads:
     """The slices this rank reads, per key, checked against the store."""
 
@@ -58,6 +75,8 @@ class _Reads:
             problem = f"{key} has shape {list(meta.size)}, this model's {list(place.size)}"
         else:
             problem = None
+        if problem is not None and meta is None and NORM_BIAS.search(key):
+            raise _older_norms(self.root, key)
         if problem is not None and key.startswith("optimizer."):
             raise _foreign(self.root, problem)
         if problem is not None:

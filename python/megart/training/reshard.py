@@ -57,7 +57,7 @@ def restore(
     rank's model chunks and, when given, ``optimizer`` (its param groups' hyperparameters
     too, as an unresharded load does)."""
     cfg = chunks[0].cfg
-    shards = read_shards(root, _pipeline_ranks(root, saved, chunks))
+    shards = read_shards(root, _pipeline_ranks(root, saved, chunks), announce=False)
     mine = {
         (c, key): (whole_name(key, chunk.layer_ids), p)
         for c, chunk in enumerate(chunks)

@@ -22,7 +22,8 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models import GPTChunk, GPTConfig, chunk_layers
-from megart.training.ckpt_files import FILE, rank_files, read_file
+from megart.training import norm_biases
+from megart.training.ckpt_files import FILE, NORM_BIASES_ADDED, rank_files, read_file
 from megart.training.megatron_files import is_megatron_file, megatron_layer_ids, model_chunks
 
 Shards = dict[tuple[int, int], dict[str, Any]]  # (tensor rank, pipeline rank) -> its file
@@ -52,9 +53,11 @@ def whole_name(key: str, layers: Sequence[int]) -> str:
     return "chunk." + key
 
 
-def read_shards(root: Path, pp_ranks: Iterable[int] | None = None) -> Shards:
+def read_shards(root: Path, pp_ranks: Iterable[int] | None = None, announce: bool = True) -> Shards:
     """The model-parallel files of checkpoint ``root`` (all of them must be there), read
-    memory-mapped: every file, or the tensor-parallel files of pipeline ranks ``pp_ranks``."""
+    memory-mapped: every file, or the tensor-parallel files of pipeline ranks ``pp_ranks``.
+    ``announce``: print the note on LayerNorm biases an older megart left out, if it did
+    (megart.training.norm_biases; a training load prints it once, from rank 0)."""
     found = sorted(root.glob(f"mp_rank_*/{FILE}"))
     if not found:
         raise ConfigError(f"{root} holds no mp_rank_*/{FILE}: it is not a megart checkpoint")
@@ -63,7 +66,11 @@ def read_shards(root: Path, pp_ranks: Iterable[int] | None = None) -> Shards:
     pp = layout["pipeline_model_parallel_size"]
     paths = rank_files(root, tp, pp)
     wanted = set(range(pp) if pp_ranks is None else pp_ranks)
-    return {(t, p): read_file(path) for (t, p), path in paths.items() if p in wanted}
+    files = {(t, p): read_file(path) for (t, p), path in paths.items() if p in wanted}
+    added = [n for f in files.values() for n in f[NORM_BIASES_ADDED]]
+    if added and announce:
+        print(norm_biases.note(root, added), flush=True)
+    return files
 
 
 def layer_ids(state: dict[str, Any], pp_rank: int, pp: int, cfg: GPTConfig) -> list[list[int]]:
