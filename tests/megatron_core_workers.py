@@ -214,6 +214,23 @@ def compare_all(configs: list[dict], draw: bool = False) -> list[dict]:
     return [compare(kw, draw) for kw in configs]
 
 
+def compare_named(base: dict, models: dict[str, dict]) -> dict[str, dict]:
+    """compare (weights drawn) of ``base`` updated by each of ``models``, all in one launched
+    process, by the models' names. Called from the test process."""
+    from megart.launcher import launch
+
+    configs = [{**base, **kw} for kw in models.values()]
+    return dict(zip(models, launch(compare_all, 1, configs, True, timeout=300)[0], strict=True))
+
+
+def assert_same_both_ways(result: dict) -> None:
+    """compare's result: megart's and Megatron-Core's logits agree (float64 both sides),
+    weights converted either way, on logits that are not near zero."""
+    assert result["scale"] > 0.1
+    assert result["forward"] < 1e-10
+    assert result["reverse"] < 1e-10
+
+
 def legacy_checkpoint_roundtrip(megart_dir: str, out_dir: str) -> dict:
     """megart checkpoint -> Megatron-LM legacy checkpoint (loaded strictly by Megatron-Core's
     GPTModel, logits compared with megart's GPT of the checkpoint's weights) -> megart release

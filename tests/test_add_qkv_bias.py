@@ -83,17 +83,12 @@ def test_megatron_flags_and_args_carry_it():
 
 @pytest.fixture(scope="module")
 def against_megatron_core():
-    configs = [{**BASE, **kw} for kw in MODELS.values()]
-    results = launch(mcw.compare_all, 1, configs, True, timeout=300)[0]
-    return dict(zip(MODELS, results, strict=True))
+    return mcw.compare_named(BASE, MODELS)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_megatron_core_computes_the_same_logits_both_ways(against_megatron_core, name):
-    r = against_megatron_core[name]
-    assert r["scale"] > 0.1
-    assert r["forward"] < 1e-10  # float64 both sides
-    assert r["reverse"] < 1e-10
+    mcw.assert_same_both_ways(against_megatron_core[name])
 
 
 def _local_grads(kw: dict) -> dict:

@@ -105,17 +105,12 @@ def test_megatron_names_carry_the_norm_biases_transformer_engines_included():
 
 @pytest.fixture(scope="module")
 def against_megatron_core():
-    configs = [{**BASE, **kw} for kw in MODELS.values()]
-    results = launch(mcw.compare_all, 1, configs, True, timeout=300)[0]
-    return dict(zip(MODELS, results, strict=True))
+    return mcw.compare_named(BASE, MODELS)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_megatron_core_computes_the_same_logits_both_ways(against_megatron_core, name):
-    r = against_megatron_core[name]
-    assert r["scale"] > 0.1
-    assert r["forward"] < 1e-10  # float64 both sides
-    assert r["reverse"] < 1e-10
+    mcw.assert_same_both_ways(against_megatron_core[name])
 
 
 def test_the_fused_layer_norm_path_takes_the_bias():
