@@ -134,3 +134,23 @@ def test_flops_of_grouped_queries_and_swiglu_are_megatrons(
     megatron = b * s * token + b * core
     got = iteration_flops(b, s, l, h, v, ffn_hidden=f, swiglu=swiglu, kv_hidden=kv)
     assert got == megatron
+
+
+@settings(max_examples=200, deadline=None)
+@given(b=sizes, s=sizes, l=st.integers(1, 256), h=sizes, v=st.integers(1, 1 << 18))
+def test_selective_recomputation_runs_every_attention_core_once_more(b, s, l, h, v):
+    """Selective recomputation's replay: both of the core's products (2 B s^2 h each over the
+    whole s x s matrix, half causal) in every layer; nothing else. Korthikanti et al.'s hardware
+    count, s/(3h) in place of the model's s/(6h), is three times that replay."""
+    for causal, per_product in ((False, 2 * b * s * s * h), (True, b * s * s * h)):
+        model = iteration_flops(b, s, l, h, v, causal=causal)
+        selective = iteration_flops(b, s, l, h, v, causal=causal, selective=True)
+        assert selective - model == l * 2 * per_product
+    korthikanti = Fraction(72 * b * s * l * h * h) * (
+        1 + Fraction(s, 3 * h) + Fraction(v, 12 * l * h)
+    )
+    replay = iteration_flops(b, s, l, h, v, causal=False, selective=True)
+    replay -= iteration_flops(b, s, l, h, v, causal=False)
+    assert korthikanti - iteration_flops(b, s, l, h, v, causal=False) == 3 * replay
+    with pytest.raises(ValueError, match="exclusive"):
+        iteration_flops(b, s, l, h, v, recompute=True, selective=True)

@@ -453,3 +453,16 @@ def test_searched_tensor_parallel_groups_stay_inside_a_node():
         return search(base, 48, gpu, only)[0].time["tp_comm"]
 
     assert tp_comm(6) > 3 * tp_comm(4)
+
+
+def test_tflops_count_selective_recomputations_replayed_cores():
+    """Under selective recomputation TFLOP/s count what runs, as under full: the model's FLOPs
+    and every layer's attention core again (the paper's whole s x s); MFU the model's alone."""
+    gpu = load_profile("a100-80gb")
+    base = TrainConfig(**MODEL, global_batch_size=8)
+    b, s, h, l = 8, MODEL["seq_length"], MODEL["hidden_size"], MODEL["num_layers"]
+    for recompute, again in (("selective", l * 4 * b * s * s * h), (None, 0)):
+        e = estimate(base, Layout(1, 1, 1, 1, 1, False, recompute, False), gpu)
+        flops_per_tflop = e.iteration_time * 1e12  # one GPU
+        ran, model = e.tflops_per_gpu * flops_per_tflop, e.model_tflops_per_gpu * flops_per_tflop
+        assert ran - model == pytest.approx(again, rel=1e-9, abs=1.0)

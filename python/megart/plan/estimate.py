@@ -204,12 +204,19 @@ def _time_parts(
 
 def _flops(c: TrainConfig, cfg: GPTConfig) -> tuple[int, int]:
     """The global batch's FLOPs: the model's, and what runs (the replayed layers' forward
-    again under full recomputation; block: N of each chunk). The paper's count (the whole s x s
-    attention), as SC21's and Megatron-Core's published tables were counted; megart train
-    prints Megatron's current, causal count."""
-    batch, full = c.global_batch_size, cfg.recompute_granularity == "full"
+    again under full recomputation; block: N of each chunk; selective: every attention core's).
+    The paper's count (the whole s x s attention), as SC21's and Megatron-Core's published tables
+    were counted; megart train prints Megatron's current, causal count."""
+    batch, granularity = c.global_batch_size, cfg.recompute_granularity
     replayed = replayed_layer_count(c, cfg)
-    run = model_flops(cfg, batch, recompute=full, causal=False, replayed=replayed)
+    run = model_flops(
+        cfg,
+        batch,
+        recompute=granularity == "full",
+        causal=False,
+        replayed=replayed,
+        selective=granularity == "selective",
+    )
     return model_flops(cfg, batch, causal=False), run
 
 

@@ -27,6 +27,15 @@ under --recompute-method uniform, the first N of each model chunk under block
 (:func:`replayed_in_chunks`). Megatron-LM's count leaves recomputation out whatever the flags;
 megart keeps the paper's convention for TFLOP/s (what runs, the recomputed forward included) and
 counts the model alone for MFU.
+
+Selective recomputation (``selective``) runs every layer's attention core once more: both of its
+products where the core is one call (Megatron-LM's checkpoint of it, flash and memory-efficient
+kernels), which is what megart plan counts. megart train does not count it in its TFLOP/s: with
+torch's math kernel (``--attention-backend unfused``, and the CPU) the checkpoint stops once the
+scores x values product's inputs are back, so only the scores product runs again, and which
+kernel runs is torch's choice. Korthikanti et al.'s hardware FLOPs under selective recomputation
+have s/(3h) where the model's count has s/(6h): the core's forward and backward once more, three
+times the replay counted here.
 """
 
 from __future__ import annotations
@@ -52,9 +61,11 @@ def iteration_flops(
     kv_hidden: int | None = None,
     causal: bool = True,
     replayed: int | None = None,
+    selective: bool = False,
 ) -> int:
     """Model FLOPs of one iteration (forward and backward, plus, when ``recompute``, the
-    recomputed forward of ``replayed`` of the ``layers``: all of them by default), for an MLP
+    recomputed forward of ``replayed`` of the ``layers``: all of them by default; with
+    ``selective``, every layer's attention core once more), for an MLP
     of ``ffn_hidden`` (default 4 h), GeLU or ``swiglu``, and keys and values ``kv_hidden``
     wide (query groups x head size; default h, multi-head). An exact integer: in floating point
     the paper's formula and this count could differ by rounding. ``causal`` counts the
@@ -72,8 +83,11 @@ def iteration_flops(
     again = (l if replayed is None else replayed) if recompute else 0
     if not 0 <= again <= l:
         raise ValueError(f"replayed={replayed}: full recomputation replays 0 to {l} layers")
-    # Forward, backward (twice the forward), and the replayed layers' forward once more.
-    return (3 * l + again) * (attention + mlp) + 3 * logits
+    if selective and recompute:
+        raise ValueError("selective and full recomputation are exclusive")
+    # Forward, backward (twice the forward), and the replayed layers' forward (or, selective,
+    # every layer's attention core) once more.
+    return (3 * l + again) * (attention + mlp) + l * core * selective + 3 * logits
 
 
 def model_flops(
@@ -83,11 +97,12 @@ def model_flops(
     tp: int = 1,
     causal: bool = True,
     replayed: int | None = None,
+    selective: bool = False,
 ) -> int:
     """iteration_flops of the model ``cfg`` describes, ``batch`` sequences per iteration, with
     the logits over the vocabulary padded for tensor-parallel size ``tp`` (as Megatron);
     ``replayed``: the layers ``recompute`` runs again (None: all; :func:`replayed_in_chunks`
-    counts them for a run's chunks)."""
+    counts them for a run's chunks); ``selective``: the attention cores replayed."""
     return iteration_flops(
         batch,
         cfg.seq_length,
@@ -100,6 +115,7 @@ def model_flops(
         cfg.query_groups * cfg.head_dim,
         causal,
         replayed,
+        selective,
     )
 
 
