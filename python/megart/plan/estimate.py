@@ -62,7 +62,7 @@ def estimate(
     simulate: bool = True,
     unfused_attention: bool = False,
     runtime: str = "megart",
-    tp_overlap: bool = False,
+    tp_overlap: bool | str = False,
     dp_overlap: bool | str = True,
     grad_reduce_bytes: int = FP32,
     pp_overlap: bool = True,
@@ -84,6 +84,8 @@ def estimate(
     pipeline exchange blocks both ranks until it has arrived, as SC21's Megatron-LM did (its
     p2p_communication waited on each batch_isend_irecv and then synchronised the device), so each
     (microbatch, chunk) pays one exchange after its forward and one after its backward.
+    ``tp_overlap`` "backward" (timing.BACKWARD_OVERLAP): Megatron-LM's asynchronous backward
+    collectives of its column-parallel products (2021-2022), not those of the forward.
     ``dp_overlap`` "single-stage": overlapped only when p = 1 (SINGLE_STAGE). With runtime "megart"
     ``base``'s flags decide instead (--no-overlap-grad-reduce, --grad-reduce-in-bf16,
     --ddp-bucket-size, --ddp-num-buckets), and ``dp_overlap``/``grad_reduce_bytes`` other than
@@ -235,7 +237,7 @@ def work_bound(
     layout: Layout,
     gpu: GPUProfile,
     unfused_attention: bool = False,
-    tp_overlap: bool = False,
+    tp_overlap: bool | str = False,
     **_: object,
 ) -> float:
     """A lower bound of estimate()'s iteration time for the same options, found without its
@@ -254,7 +256,7 @@ def _stage_work(
     layout: Layout,
     gpu: GPUProfile,
     unfused_attention: bool,
-    tp_overlap: bool,
+    tp_overlap: bool | str,
 ) -> tuple[Work, list[Work]]:
     """One microbatch through the slowest stage (even stages: the last, which adds the output
     layer), and with uneven stages through each rank's (else an empty list)."""

@@ -72,7 +72,7 @@ class Table:
     seq: int
     untied: bool
     unfused_attention: bool  # SC21's Megatron kept the s x s scores; MCore ran flash attention
-    tp_overlap: bool  # MCore overlaps tensor-parallel collectives with GEMMs; SC21 did not
+    tp_overlap: bool | str  # MCore overlaps tensor-parallel collectives with GEMMs; SC21 did not
     # SC21's Megatron all-reduced fp16 gradients after the whole schedule with p > 1 (its
     # local DDP, the only one it allowed there). Its p = 1 runs used torch DDP, which overlapped
     # the all-reduce with the last microbatch's backward: SINGLE_STAGE, as they ran

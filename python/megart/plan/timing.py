@@ -209,6 +209,32 @@ def collective_seconds(
     return nbytes * factor / (bus_gb_per_s * 1e9) + steps * gpu.link_latency_us * 1e-6
 
 
+# Megatron-LM's asynchronous backward collectives of its column-parallel linears
+# (LinearWithGradAccumulationAndAsyncCommunication): without sequence parallelism the input
+# gradient's all-reduce runs beside the weight-gradient product (--async-tensor-model-parallel-
+# allreduce, 16c90445e7, September 2021); with it (9aad9203aa, May 2022) the input's re-gather
+# runs beside the input-gradient product and the input gradient's reduce-scatter beside the
+# weight-gradient product. Forward collectives, and the row-parallel linears' backward all-gather
+# of the output gradient under sequence parallelism, are not overlapped.
+BACKWARD_OVERLAP = "backward"
+
+
+def tp_backward_seconds(
+    nbytes: float, t: int, sp: bool, columns: list[float], gpu: GPUProfile
+) -> float:
+    """The exposed tensor-parallel time of one layer's backward under BACKWARD_OVERLAP:
+    ``columns``, the forward times of the two column-parallel products (each backward product
+    takes as long); ``nbytes`` one layer activation."""
+    bus = gpu.nvlink_bus_gb_per_s
+    if not sp:
+        reduce = collective_seconds("all_reduce", nbytes, t, bus, gpu)
+        return sum(max(0.0, reduce - g) for g in columns)
+    gather = collective_seconds("all_gather", nbytes, t, bus, gpu)
+    scatter = collective_seconds("reduce_scatter", nbytes, t, bus, gpu)
+    rows = 2 * gather  # the row-parallel products' output gradients, gathered before them
+    return rows + sum(max(0.0, gather - g) + max(0.0, scatter - g) for g in columns)
+
+
 def layer_work(
     cfg: GPTConfig,
     b: int,
@@ -217,19 +243,20 @@ def layer_work(
     recompute: str | None,
     gpu: GPUProfile,
     unfused_attention: bool = False,
-    tp_overlap: bool = False,
+    tp_overlap: bool | str = False,
     cp: int = 1,
     cp_bus_gb_per_s: float | None = None,
     window: int | None = None,
     documents: bool = False,
 ) -> Work:
-    """One layer, one microbatch. ``tp_overlap``: each tensor-parallel collective runs during
-    the matrix product next to it (Megatron-Core's --tp-comm-overlap; megart does not), so only
-    what outlasts that product is exposed. ``cp``: context-parallel ranks, whose collectives run
-    at ``cp_bus_gb_per_s`` (None: NVLink). ``window``: the layer's sliding window (earlier
-    tokens each token sees; None: the whole causal past; window_share). ``documents``: under
-    --reset-attention-mask's bias (without context parallelism or a window: megart train and
-    plan refuse them with it; documents_mask_read)."""
+    """One layer, one microbatch. ``tp_overlap``: True, each tensor-parallel collective runs
+    during the matrix product next to it (Megatron-Core's --tp-comm-overlap; megart does not),
+    so only what outlasts that product is exposed; BACKWARD_OVERLAP, only the column-parallel
+    products' backward collectives do (tp_backward_seconds). ``cp``: context-parallel ranks,
+    whose collectives run at ``cp_bus_gb_per_s`` (None: NVLink). ``window``: the layer's
+    sliding window (earlier tokens each token sees; None: the whole causal past;
+    window_share). ``documents``: under --reset-attention-mask's bias (without context
+    parallelism or a window: megart train and plan refuse them with it; documents_mask_read)."""
     s, h, f, t = cfg.seq_length, cfg.hidden_size, cfg.ffn_size, tp
     local = s // cp  # this rank's queries of each sequence
     tokens = local * b
@@ -283,7 +310,7 @@ def layer_work(
             bias_read = ring_bias_reads(s, cp, window) * ACT / hbm
         else:
             bias_read = window_bias_reads(s, window, a2a or cp == 1, cp) * ACT / hbm
-    comm = 0.0
+    comm = comm_backward = 0.0
     if t > 1:
         nbytes = tokens * h * ACT
         if sp:
@@ -291,12 +318,15 @@ def layer_work(
             one = sum(collective_seconds(k, nbytes, t, gpu.nvlink_bus_gb_per_s, gpu) for k in pair)
         else:
             one = collective_seconds("all_reduce", nbytes, t, gpu.nvlink_bus_gb_per_s, gpu)
-        comm = 2 * one  # two per pass
-        if tp_overlap:
+        comm = comm_backward = 2 * one  # two per pass
+        if tp_overlap == BACKWARD_OVERLAP:
+            columns = [dense_times[0], sum(dense_times[2:-1])]  # q/k/v, the MLP's first
+            comm_backward = tp_backward_seconds(nbytes, t, sp, columns, gpu)
+        elif tp_overlap:
             # Four halves (all-gather or reduce-scatter) per pass, each beside one product.
             half = one / 2
             pairs = [dense_times[0], dense_times[1], sum(dense_times[2:-1]), dense_times[-1]]
-            comm = sum(max(0.0, half - g) for g in pairs)
+            comm = comm_backward = sum(max(0.0, half - g) for g in pairs)
     # Context parallelism's exchanges (plan.context_parallel): forward, backward, and those that
     # recomputation replays in the backward.
     gather = scatter = replayed = 0.0
@@ -315,8 +345,9 @@ def layer_work(
     # With the scores kept (unfused), the core's backward is two products per forward one, like
     # the dense ones'; flash attention keeps no scores and recomputes them.
     core_backward = 2 * core_gemm if unfused else FLASH_BACKWARD * core_gemm
-    backward = 2 * (fwd_gemm + fwd_elem + core_elem) + core_backward + bias_read + comm + scatter
-    tp_comm = 2 * comm
+    backward = 2 * (fwd_gemm + fwd_elem + core_elem) + core_backward + bias_read + scatter
+    backward += comm_backward
+    tp_comm = comm + comm_backward
     cp_comm = gather + scatter + replayed
     if recompute == "full":  # the layer's forward again, its exchanges as replayed counts them
         backward += forward - gather + replayed
