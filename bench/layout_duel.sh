@@ -4,7 +4,7 @@
 # where the planner predicts SC21 Table 1's layout (t 8, p 1) slower than t 2, p 4 interleaved.
 # The default is one data-parallel replica of Table 1's 18.4B run (40 layers, hidden 6144, 48
 # heads, sequence 2048, 32 sequences per iteration, full recomputation, bf16) on 8 GPUs: plan
-# predicts (megart's runtime, a100-80gb) 7.82 s for t8 p1 b16 and 7.03 s for t2 p4 b2 v5, both
+# predicts (megart's runtime, a100-80gb) 7.58 s for t8 p1 b16 and 6.99 s for t2 p4 b2 v5, both
 # within 44 GiB per GPU (46 with --fp32-residual-connection). Nothing here has run on GPUs yet;
 # a run's figures belong in bench/RESULTS.md with the date, the GPUs and this command.
 #

@@ -64,8 +64,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            x = self.fc.enter(x)  # once for both: one collective each way, one saved input
-            return self.proj(F.silu(self.gate(x, entered=True)) * self.fc(x, entered=True))
+            x, slot = self.fc.enter(x)  # once for both: one collective each way, one saved input
+            gate = self.gate(x, entered=True, slot=slot)
+            return self.proj(F.silu(gate) * self.fc(x, entered=True, slot=slot))
         if self.bias_gelu_fusion:
             y = self.fc(x, add_bias=False)
             # The bias in the activation's dtype, as autocast gives F.linear's bias add.

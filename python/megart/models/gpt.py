@@ -29,12 +29,11 @@ from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
     VocabParallelEmbedding,
-    copy_to_region,
     gather_from_region,
-    gather_from_sequence_region,
     vocab_parallel_cross_entropy,
 )
 from megart.tensor_parallel._group import group_rank, group_size
+from megart.tensor_parallel.column_entry import enter_column_region
 from megart.tensor_parallel.weight_grad import linear
 
 if TYPE_CHECKING:
@@ -195,14 +194,11 @@ class GPTChunk(nn.Module):
         if self.cfg.untie_embeddings_and_output_weights:
             # Gathers the sequence (or marks the copy for backward's all-reduce) itself.
             return self._mask_padding(self.output_layer(x))  # [s, b, V_padded / t]
-        if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.tp_group)
-        else:
-            x = copy_to_region(x, self.tp_group)
+        x, slot = enter_column_region(x, self.tp_group, self.sequence_parallel)
         # Fused like the other linear layers, but never deferred to a zero-bubble W (its dY, the
         # logits' gradient, would be held until then). In a chunk that also looks tokens up in
         # wte, that lookup's accumulation runs wte's hooks, once per backward as unfused.
-        logits = linear(x, self.wte.weight, defer=False, run_hooks=not self.first)
+        logits = linear(x, self.wte.weight, defer=False, run_hooks=not self.first, slot=slot)
         return self._mask_padding(logits)
 
     def _residual_stream(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from megart.plan.layout import Layout, layout_config
 from megart.plan.memory import precision, sixteen_bit_weights
 from megart.plan.parameters import FP32
 from megart.plan.pipeline_run import PipelineRun, pipeline_run
-from megart.plan.runtime_options import check_runtime, gradient_copy_bytes
+from megart.plan.runtime_options import check_runtime, gradient_copy_bytes, runtime_tp_overlap
 from megart.plan.timing import Work, layer_work, logits_work
 from megart.plan.worst_rank import worst_rank_memory
 from megart.training.config import TrainConfig
@@ -62,7 +62,7 @@ def estimate(
     simulate: bool = True,
     unfused_attention: bool = False,
     runtime: str = "megart",
-    tp_overlap: bool | str = False,
+    tp_overlap: bool | str | None = None,
     dp_overlap: bool | str = True,
     grad_reduce_bytes: int = FP32,
     pp_overlap: bool = True,
@@ -79,13 +79,15 @@ def estimate(
     with (bf16 weights, fp32 gradients, fp32 main weights and moments; Korthikanti et al.'s
     activations; 16-bit pipeline messages; outputs freed once sent). ``tp_overlap``, ``dp_overlap``
     and ``grad_reduce_bytes`` describe the runtime's communication: megart's is the default
-    (tensor-parallel collectives not overlapped, gradient buckets reduced in fp32 during the last
-    backward, pipeline messages sent while the next action computes). ``pp_overlap`` False: every
+    (the column-parallel products' backward collectives beside their weight gradients, gradient
+    buckets reduced in fp32 during the last backward, pipeline messages sent while the next
+    action computes). ``pp_overlap`` False: every
     pipeline exchange blocks both ranks until it has arrived, as SC21's Megatron-LM did (its
     p2p_communication waited on each batch_isend_irecv and then synchronised the device), so each
     (microbatch, chunk) pays one exchange after its forward and one after its backward.
     ``tp_overlap`` "backward" (timing.BACKWARD_OVERLAP): Megatron-LM's asynchronous backward
-    collectives of its column-parallel products (2021-2022), not those of the forward.
+    collectives of its column-parallel products (2021-2022), not those of the forward; None:
+    the runtime's own (megart's: timing.KEPT_INPUT_OVERLAP; "megatron": none).
     ``dp_overlap`` "single-stage": overlapped only when p = 1 (SINGLE_STAGE). With runtime "megart"
     ``base``'s flags decide instead (--no-overlap-grad-reduce, --grad-reduce-in-bf16,
     --ddp-bucket-size, --ddp-num-buckets), and ``dp_overlap``/``grad_reduce_bytes`` other than
@@ -97,6 +99,7 @@ def estimate(
     check_runtime(
         layout, runtime, dp_overlap, interleaved_min_pp, grad_reduce_bytes, fp32_grad_copies
     )
+    tp_overlap = runtime_tp_overlap(runtime, tp_overlap, layout)
     c = layout_config(base, layout)
     world = layout.world
     dp = c.check(world)  # megart train's checks, context parallelism's refusals included
@@ -237,7 +240,8 @@ def work_bound(
     layout: Layout,
     gpu: GPUProfile,
     unfused_attention: bool = False,
-    tp_overlap: bool | str = False,
+    tp_overlap: bool | str | None = None,
+    runtime: str = "megart",
     **_: object,
 ) -> float:
     """A lower bound of estimate()'s iteration time for the same options, found without its
@@ -246,6 +250,7 @@ def work_bound(
     as estimate() does for a layout megart train refuses."""
     c = layout_config(base, layout)
     dp = c.check(layout.world)
+    tp_overlap = runtime_tp_overlap(runtime, tp_overlap, layout)
     stage, _ = _stage_work(c, c.gpt_config(), layout, gpu, unfused_attention, tp_overlap)
     return c.microbatches(dp) * (stage.forward + stage.backward)
 

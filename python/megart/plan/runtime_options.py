@@ -11,6 +11,7 @@ from megart.errors import ConfigError
 from megart.plan.data_parallel import SINGLE_STAGE
 from megart.plan.layout import ZERO_BUBBLE, Layout
 from megart.plan.parameters import FP32
+from megart.plan.timing import KEPT_INPUT_OVERLAP
 
 RUNTIMES = ("megart", "megatron")
 
@@ -89,3 +90,18 @@ def gradient_copy_bytes(
         return 0
     torch_ddp_buckets = grad_reduce_bytes if dp_overlap == SINGLE_STAGE and pp == 1 else 0
     return grad_reduce_bytes + torch_ddp_buckets
+
+
+def runtime_tp_overlap(runtime: str, tp_overlap: bool | str | None, layout: Layout) -> bool | str:
+    """Which tensor-parallel collectives the runtime overlaps (timing.layer_work's
+    ``tp_overlap``): None, the runtime's own. megart's are its column-parallel entries' backward
+    collectives, beside the products' weight gradients (tensor_parallel.column_entry), and it
+    takes no other; under a zero-bubble schedule those gradients wait for W, so none."""
+    if runtime == "megart":
+        if tp_overlap not in (None, KEPT_INPUT_OVERLAP):
+            raise ConfigError(
+                f"tp_overlap {tp_overlap!r} describes --runtime megatron; megart overlaps its "
+                "column-parallel products' backward collectives, and no others"
+            )
+        return False if layout.kind in ZERO_BUBBLE else KEPT_INPUT_OVERLAP
+    return False if tp_overlap is None else tp_overlap

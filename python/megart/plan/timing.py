@@ -217,14 +217,20 @@ def collective_seconds(
 # weight-gradient product. Forward collectives, and the row-parallel linears' backward all-gather
 # of the output gradient under sequence parallelism, are not overlapped.
 BACKWARD_OVERLAP = "backward"
+# megart's (tensor_parallel.column_entry, since 2026-11-28): the same reduce-scatter or
+# all-reduce beside the weight-gradient products, but no re-gather: megart keeps the gathered
+# input of a column-parallel product (plan.activations counts it).
+KEPT_INPUT_OVERLAP = "backward, gathered input kept"
+BACKWARD_MODES = (BACKWARD_OVERLAP, KEPT_INPUT_OVERLAP)
 
 
 def tp_backward_seconds(
-    nbytes: float, t: int, sp: bool, columns: list[float], gpu: GPUProfile
+    nbytes: float, t: int, sp: bool, columns: list[float], gpu: GPUProfile, regather: bool = True
 ) -> float:
-    """The exposed tensor-parallel time of one layer's backward under BACKWARD_OVERLAP:
-    ``columns``, the forward times of the two column-parallel products (each backward product
-    takes as long); ``nbytes`` one layer activation."""
+    """The exposed tensor-parallel time of one layer's backward under BACKWARD_OVERLAP
+    (``regather``) or KEPT_INPUT_OVERLAP: ``columns``, the forward times of the two
+    column-parallel products (each backward product takes as long); ``nbytes`` one layer
+    activation."""
     bus = gpu.nvlink_bus_gb_per_s
     if not sp:
         reduce = collective_seconds("all_reduce", nbytes, t, bus, gpu)
@@ -232,7 +238,8 @@ def tp_backward_seconds(
     gather = collective_seconds("all_gather", nbytes, t, bus, gpu)
     scatter = collective_seconds("reduce_scatter", nbytes, t, bus, gpu)
     rows = 2 * gather  # the row-parallel products' output gradients, gathered before them
-    return rows + sum(max(0.0, gather - g) + max(0.0, scatter - g) for g in columns)
+    again = gather if regather else 0.0
+    return rows + sum(max(0.0, again - g) + max(0.0, scatter - g) for g in columns)
 
 
 def layer_work(
@@ -250,9 +257,10 @@ def layer_work(
     documents: bool = False,
 ) -> Work:
     """One layer, one microbatch. ``tp_overlap``: True, each tensor-parallel collective runs
-    during the matrix product next to it (Megatron-Core's --tp-comm-overlap; megart does not),
-    so only what outlasts that product is exposed; BACKWARD_OVERLAP, only the column-parallel
-    products' backward collectives do (tp_backward_seconds). ``cp``: context-parallel ranks,
+    during the matrix product next to it (Megatron-Core's --tp-comm-overlap),
+    so only what outlasts that product is exposed; BACKWARD_OVERLAP or KEPT_INPUT_OVERLAP
+    (megart's), only the column-parallel products' backward collectives do
+    (tp_backward_seconds). ``cp``: context-parallel ranks,
     whose collectives run at ``cp_bus_gb_per_s`` (None: NVLink). ``window``: the layer's
     sliding window (earlier tokens each token sees; None: the whole causal past;
     window_share). ``documents``: under --reset-attention-mask's bias (without context
@@ -319,9 +327,10 @@ def layer_work(
         else:
             one = collective_seconds("all_reduce", nbytes, t, gpu.nvlink_bus_gb_per_s, gpu)
         comm = comm_backward = 2 * one  # two per pass
-        if tp_overlap == BACKWARD_OVERLAP:
+        if tp_overlap in BACKWARD_MODES:
             columns = [dense_times[0], sum(dense_times[2:-1])]  # q/k/v, the MLP's first
-            comm_backward = tp_backward_seconds(nbytes, t, sp, columns, gpu)
+            regather = tp_overlap == BACKWARD_OVERLAP
+            comm_backward = tp_backward_seconds(nbytes, t, sp, columns, gpu, regather)
         elif tp_overlap:
             # Four halves (all-gather or reduce-scatter) per pass, each beside one product.
             half = one / 2

@@ -35,10 +35,9 @@ import megart.distributed as dist
 from megart.distributed import ProcessGroup
 from megart.errors import ConfigError
 from megart.tensor_parallel._group import divide, group_rank, group_size
+from megart.tensor_parallel.column_entry import WeightGradSlot, enter_column_region
 from megart.tensor_parallel.mappings import (
-    copy_to_region,
     gather_from_region,
-    gather_from_sequence_region,
     reduce_from_region,
     reduce_scatter_to_sequence_region,
     scatter_to_region,
@@ -142,27 +141,31 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
+    def enter(self, x: torch.Tensor) -> tuple[torch.Tensor, WeightGradSlot | None]:
         """The input as this layer multiplies it: gathered over the sequence with
         ``sequence_parallel`` (its backward a reduce-scatter), else the same tensor, whose
-        gradient is all-reduced in the backward. Column-parallel layers that read one input (as
-        SwiGLU's gate and up projections do) can share one entry, and so one collective each
-        way and one saved copy, as Megatron-Core's fused linear_fc1 has."""
-        if self.sequence_parallel:
-            return gather_from_sequence_region(x, self.tp_group)
-        return copy_to_region(x, self.tp_group)
+        gradient is all-reduced in the backward; and the slot in which the products reading it
+        leave their weight gradients, computed while that collective is in flight
+        (column_entry). Column-parallel layers that read one input (as SwiGLU's gate and up
+        projections do) can share one entry, and so one collective each way and one saved copy,
+        as Megatron-Core's fused linear_fc1 has."""
+        return enter_column_region(x, self.tp_group, self.sequence_parallel)
 
     def forward(
-        self, x: torch.Tensor, add_bias: bool = True, entered: bool = False
+        self,
+        x: torch.Tensor,
+        add_bias: bool = True,
+        entered: bool = False,
+        slot: WeightGradSlot | None = None,
     ) -> torch.Tensor:
         """``add_bias=False`` leaves this rank's bias to the caller, to fuse with what follows
-        (so the output must stay split: not with gather_output); ``entered``: ``x`` is already
-        what :meth:`enter` returned."""
+        (so the output must stay split: not with gather_output); ``entered``: ``x`` and ``slot``
+        are what :meth:`enter` returned."""
         if not add_bias and self.gather_output:
             raise ConfigError("ColumnParallelLinear: add_bias=False needs gather_output=False")
         if not entered:
-            x = self.enter(x)
-        y = linear(x, self.weight, self.bias if add_bias else None)
+            x, slot = self.enter(x)
+        y = linear(x, self.weight, self.bias if add_bias else None, slot=slot)
         return gather_from_region(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -36,9 +36,15 @@ from megart.tensor_parallel._group import divide, group_rank, group_size
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
+    out, work = start_all_reduce(x, group)
+    work.wait()
     return out
+
+
+def start_all_reduce(x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
+    """Starts the sum of ``x`` over ``group`` into a new tensor: (that tensor, its Work)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    return out, dist.all_reduce(out, group=group, async_op=True)
 
 
 def _split(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -57,13 +63,19 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    front = x.movedim(dim, 0).contiguous()
-    rows = divide(
-        front.shape[0], group_size(group), f"dimension {dim} of a {tuple(x.shape)} tensor"
-    )
-    out = front.new_empty((rows, *front.shape[1:]))
-    dist.reduce_scatter_tensor(out, front, group=group)
+    divide(x.shape[dim], group_size(group), f"dimension {dim} of a {tuple(x.shape)} tensor")
+    out, work = start_reduce_scatter(x.movedim(dim, 0), group)
+    work.wait()
     return out.movedim(0, dim).contiguous()
+
+
+def start_reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
+    """Starts the sum of ``x`` over ``group``, this rank keeping its slice of dimension 0 (the
+    sequence of [s, b, h]), into a new tensor: (that tensor, its Work)."""
+    front = x.contiguous()
+    rows = divide(front.shape[0], group_size(group), f"dimension 0 of a {tuple(x.shape)} tensor")
+    out = front.new_empty((rows, *front.shape[1:]))
+    return out, dist.reduce_scatter_tensor(out, front, group=group, async_op=True)
 
 
 # ---------------------------------------------------------------------------------------------

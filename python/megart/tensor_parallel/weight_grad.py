@@ -37,9 +37,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Hashable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # column_entry imports this module
+    from megart.tensor_parallel.column_entry import WeightGradSlot
 
 _active: WeightGradStore | None = None
 _fusion: _Fusion | None = None  # set by fusing_accumulation()
@@ -217,7 +221,7 @@ class _Linear(torch.autograd.Function):
     buckets."""
 
     @staticmethod
-    def forward(ctx, x, store, params, anchor, run_hooks=True):  # noqa: ANN001, ANN205, ARG004
+    def forward(ctx, x, store, params, anchor, run_hooks=True, slot=None):  # noqa: ANN001, ANN205, ARG004
         device = x.device.type
         # Under autocast, compute in its dtype, as F.linear would; gradients go back to the
         # inputs' own dtypes (autocast's casts do that for F.linear).
@@ -228,6 +232,7 @@ class _Linear(torch.autograd.Function):
             y = F.linear(xc, _cast(params[0], dtype), b)
         ctx.save_for_backward(xc)
         ctx.params, ctx.store, ctx.x_dtype, ctx.run_hooks = params, store, x.dtype, run_hooks
+        ctx.slot = slot
         return y
 
     @staticmethod
@@ -237,9 +242,13 @@ class _Linear(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             dx = dy.matmul(_cast(weight, dy.dtype)).to(ctx.x_dtype)
-        if ctx.store is None or not ctx.store.defer(xc, dy, ctx.params):
+        if ctx.store is not None and ctx.store.defer(xc, dy, ctx.params):
+            pass  # the running I's W computes it
+        elif ctx.slot is not None:  # the entry's backward, beside its collective
+            ctx.slot.keep((xc, dy, ctx.params), ctx.run_hooks)
+        else:
             accumulate([(xc, dy, ctx.params)], ctx.run_hooks)  # outside an I (a plain B): now
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
 
 def linear(
@@ -249,6 +258,7 @@ def linear(
     *,
     defer: bool = True,
     run_hooks: bool = True,
+    slot: WeightGradSlot | None = None,
 ) -> torch.Tensor:
     """``F.linear``, except with gradients on inside :func:`deferring`, where the weight
     gradient is left to the store's W, or inside :func:`fusing_accumulation`, where it is
@@ -259,15 +269,22 @@ def linear(
     autograd accumulates after this product's (a GPT's output layer tied to the embedding of
     the same chunk): autograd would sum both uses and run the hooks once, so the fused product
     leaves the hooks to that use; where it cannot fuse (no region, no ``.grad`` yet) this is
-    plain ``F.linear``. It needs ``defer=False``: a W would come after that use's hooks."""
+    plain ``F.linear``. It needs ``defer=False``: a W would come after that use's hooks.
+
+    ``slot``: the column-parallel entry ``x`` came from (column_entry), whose backward computes
+    the weight gradient while its collective is in flight, where no W takes it."""
     if defer and not run_hooks:
         raise ValueError("run_hooks=False needs defer=False: a W would run after the hooks")
     store = _active if defer else None
     fuse = _fusion is not None and (run_hooks or _fusable(weight, bias))
-    if not ((store is not None or fuse) and torch.is_grad_enabled() and weight.requires_grad):
+    # Only where the entry's backward will run (x needs a gradient), and where the product
+    # could run here (with run_hooks=False only into an existing gradient, as fused).
+    slot = slot if x.requires_grad and (run_hooks or fuse) else None
+    wanted = store is not None or fuse or slot is not None
+    if not (wanted and torch.is_grad_enabled() and weight.requires_grad):
         return F.linear(x, weight, bias)
     anchor = _ANCHOR if store is None else store.anchor
-    return _Linear.apply(x, store, (weight, bias), anchor, run_hooks)
+    return _Linear.apply(x, store, (weight, bias), anchor, run_hooks, slot)
 
 
 # Puts a layer whose input needs no gradient into the graph, as WeightGradStore.anchor does.

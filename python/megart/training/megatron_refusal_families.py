@@ -65,8 +65,9 @@ FAMILIES: tuple[tuple[str, str], ...] = (
         ),
     ),
     (
-        "megart does not overlap tensor-parallel collectives with its matrix products "
-        "(Transformer Engine's userbuffers); leave it out",
+        "megart overlaps only its column-parallel products' backward collectives with their "
+        "weight gradients, always, not every collective with the products (Transformer "
+        "Engine's userbuffers); leave it out",
         "--tp-comm- --no-tp-comm- --disable-tp-comm-",
     ),
     (
