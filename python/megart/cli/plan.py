@@ -113,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=RUNTIMES,
         default="megart",
         help="whose memory conventions: megart's (default) or Megatron-LM's (16-bit weights, "
-        "fp32 main weights, Korthikanti et al.'s activations)",
+        "fp32 main weights, Korthikanti et al.'s activations; its asynchronous backward "
+        "tensor-parallel collectives)",
     )
     p.add_argument("--top", type=int, default=8, help="candidates to show (default: 8)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")

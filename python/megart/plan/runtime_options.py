@@ -11,7 +11,7 @@ from megart.errors import ConfigError
 from megart.plan.data_parallel import SINGLE_STAGE
 from megart.plan.layout import ZERO_BUBBLE, Layout
 from megart.plan.parameters import FP32
-from megart.plan.timing import KEPT_INPUT_OVERLAP
+from megart.plan.timing import BACKWARD_OVERLAP, KEPT_INPUT_OVERLAP
 
 RUNTIMES = ("megart", "megatron")
 
@@ -96,7 +96,9 @@ def runtime_tp_overlap(runtime: str, tp_overlap: bool | str | None, layout: Layo
     """Which tensor-parallel collectives the runtime overlaps (timing.layer_work's
     ``tp_overlap``): None, the runtime's own. megart's are its column-parallel entries' backward
     collectives, beside the products' weight gradients (tensor_parallel.column_entry), and it
-    takes no other; under a zero-bubble schedule those gradients wait for W, so none."""
+    takes no other; under a zero-bubble schedule those gradients wait for W, so none.
+    Megatron-LM's own, without Transformer Engine's --tp-comm-overlap: the same collectives and,
+    under sequence parallelism, each input's re-gather (timing.BACKWARD_OVERLAP)."""
     if runtime == "megart":
         if tp_overlap not in (None, KEPT_INPUT_OVERLAP):
             raise ConfigError(
@@ -104,4 +106,4 @@ def runtime_tp_overlap(runtime: str, tp_overlap: bool | str | None, layout: Layo
                 "column-parallel products' backward collectives, and no others"
             )
         return False if layout.kind in ZERO_BUBBLE else KEPT_INPUT_OVERLAP
-    return False if tp_overlap is None else tp_overlap
+    return BACKWARD_OVERLAP if tp_overlap is None else tp_overlap
