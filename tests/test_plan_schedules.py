@@ -21,7 +21,8 @@ from megart.plan.layout import layout_config
 from megart.plan.timing import Work
 from megart.training.config import TrainConfig
 from megart.training.pipeline_costs import plan_costs
-from test_plan import BIG, MODEL, _free
+from test_plan import MODEL, _free
+from test_plan_cli import BIG
 
 CHUNKS = {"1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}
 CLOSED_FORM = {"1f1b": 1, "interleaved": 2, "zb-h1": 3, "zb-v": 6}  # (p-1)/(k m)
