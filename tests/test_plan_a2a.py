@@ -29,7 +29,8 @@ from megart.plan.memory import rank_memory
 from megart.plan.search import Fixed, candidates
 from megart.plan.timing import ACT, layer_work
 from megart.training.config import TrainConfig
-from plan_workers import a2a_traffic, held_bytes, plan_json
+from plan_exchange_workers import a2a_traffic
+from plan_workers import held_bytes, plan_json
 from test_plan_memory import LLAMA, SMALL, _layout
 
 GPU = load_profile("a100-80gb")
@@ -88,7 +89,7 @@ CASES = [
 
 def measured_in_turn(runs: list[dict]) -> list[dict]:
     """For each config in turn on this rank: what it holds (plan_workers.held_bytes), its
-    context-parallel rank, and one step's all-to-alls (plan_workers.a2a_traffic)."""
+    context-parallel rank, and one step's all-to-alls (plan_exchange_workers.a2a_traffic)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = []
     for kw in runs:

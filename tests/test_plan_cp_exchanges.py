@@ -15,7 +15,7 @@ from megart.launcher import launch
 from megart.plan.context_parallel import kv_gathers, ring_passes
 from megart.plan.timing import ACT, GRAD_BYTES
 from megart.training.config import TrainConfig
-from plan_workers import cp_traffic
+from plan_exchange_workers import cp_traffic
 from test_plan_memory import LLAMA, SMALL, _layout
 
 RING, GATHER = dict(cp_comm_type="p2p"), dict(cp_comm_type="all_gather")
