@@ -11,6 +11,7 @@ Llama-style (RMSNorm, rope, SwiGLU with biases, GQA, untied) models, at tensor-p
 import pytest
 import torch
 
+import megatron_bf16_workers as mbw
 import megatron_optim_workers as mow
 import train_workers as tw
 from megart.errors import ConfigError
@@ -128,7 +129,7 @@ def test_megatron_cores_bf16_optimizer_loads_megarts_bf16_files(tmp_path, tp):
     it), and every Adam state has its parameter's shape."""
     kw = {**CONFIGS["llama"], "bf16": True, "train_iters": 2, "tensor_model_parallel_size": tp}
     launch(tw.train_kw, tp, {**kw, "save": str(tmp_path), "ckpt_format": "torch"}, timeout=300)
-    for r in launch(mow.load_bf16, tp, kw, str(tmp_path), timeout=300):
+    for r in launch(mbw.load_bf16, tp, kw, str(tmp_path), timeout=300):
         assert r["masters"] == r["params"] > 0
         assert r["masters_match"] and r["masters_differ"] and r["shapes_match"]
         assert r["steps"] == {2.0}
@@ -145,10 +146,10 @@ def test_megatron_cores_bf16_optimizer_steps_as_megart_half_weights(tmp_path, tp
           "lr_warmup_iters": 0,  # iteration 1 moves the weights: its file is not the start
           "tensor_model_parallel_size": tp, "ckpt_format": "torch"}  # fmt: skip
     launch(tw.train_kw, tp, {**kw, "save": str(tmp_path), "exit_interval": 1}, timeout=300)
-    ours = launch(mow.megart_half_weights_step, tp, kw, str(tmp_path), timeout=300)
+    ours = launch(mbw.megart_half_weights_step, tp, kw, str(tmp_path), timeout=300)
     torch.save(ours, tmp_path / "megart_step.pt")
     theirs = launch(
-        mow.megatron_bf16_step,
+        mbw.megatron_bf16_step,
         tp,
         kw,
         str(tmp_path),
