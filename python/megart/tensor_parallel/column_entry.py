@@ -44,8 +44,10 @@ class WeightGradSlot:
     def run(self) -> None:
         """Computes and accumulates every kept dW, then forgets them."""
         kept, self._kept = self._kept, []
-        for item, run_hooks in kept:
-            accumulate([item], run_hooks)
+        for run_hooks in (True, False):  # one accumulate (one autograd call) for each
+            items = [item for item, hooks in kept if hooks == run_hooks]
+            if items:
+                accumulate(items, run_hooks)
 
     def __len__(self) -> int:
         return len(self._kept)

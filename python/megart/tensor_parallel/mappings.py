@@ -63,19 +63,25 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    divide(x.shape[dim], group_size(group), f"dimension {dim} of a {tuple(x.shape)} tensor")
-    out, work = start_reduce_scatter(x.movedim(dim, 0), group)
+    out, work = start_reduce_scatter(x, group, dim)
     work.wait()
-    return out.movedim(0, dim).contiguous()
+    return out.contiguous()
 
 
-def start_reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
-    """Starts the sum of ``x`` over ``group``, this rank keeping its slice of dimension 0 (the
-    sequence of [s, b, h]), into a new tensor: (that tensor, its Work)."""
-    front = x.contiguous()
-    rows = divide(front.shape[0], group_size(group), f"dimension 0 of a {tuple(x.shape)} tensor")
+def start_reduce_scatter(
+    x: torch.Tensor, group: ProcessGroup, dim: int = 0
+) -> tuple[torch.Tensor, dist.Work]:
+    """Starts the sum of ``x`` over ``group``, this rank keeping its slice of ``dim`` (by
+    default the sequence of [s, b, h]), into a new tensor: (that tensor, its Work). The tensor
+    is a view of the transport's buffer, laid out with ``dim`` first, and valid after the wait."""
+    # The transport scatters along the flat memory, i.e. along dim 0 (as _all_gather).
+    front = x.movedim(dim, 0).contiguous()
+    rows = divide(
+        front.shape[0], group_size(group), f"dimension {dim} of a {tuple(x.shape)} tensor"
+    )
     out = front.new_empty((rows, *front.shape[1:]))
-    return out, dist.reduce_scatter_tensor(out, front, group=group, async_op=True)
+    work = dist.reduce_scatter_tensor(out, front, group=group, async_op=True)
+    return out.movedim(0, dim), work
 
 
 # ---------------------------------------------------------------------------------------------
