@@ -111,7 +111,7 @@ def test_scatter_gather_halves_pipeline_bytes_at_tp2(reference):
             ),
             2,
             "needs the number of microbatches (3 = global batch 6 / (micro batch 2 x data-parallel "
-            "1)) to be a multiple of the pipeline size (2)",
+            "1)) to be a multiple of the pipeline size (2); use a global batch of 4 or 8",
         ),
         (dict(tensor_model_parallel_size=3), 4, "do not split into tensor-parallel 3"),
         (dict(pipeline_model_parallel_size=3), 3, "--num-layers 4 is not divisible by"),
@@ -120,6 +120,17 @@ def test_scatter_gather_halves_pipeline_bytes_at_tp2(reference):
 def test_wrong_layouts_are_refused_with_numbers(kw, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         tw.tiny(**kw).check(world)
+
+
+def test_fewer_microbatches_than_stages_get_one_batch_to_use():
+    # Two microbatches on four interleaved stages: the only batch to suggest is the one above
+    # (the message once offered "8 or 8").
+    cfg = tw.tiny(
+        pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=1, global_batch_size=4
+    )
+    with pytest.raises(ConfigError) as refused:
+        cfg.check(4)
+    assert str(refused.value).endswith("pipeline size (4); use a global batch of 8")
 
 
 def megart(*args, **kw):

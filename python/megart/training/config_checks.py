@@ -109,12 +109,16 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
             check_virtual_stages(cfg.num_layers, pp, per)
         m = cfg.microbatches(dp)
         if m % pp:
+            # The nearest batches whose microbatches fill whole rounds of the stages: the one
+            # below (when there is one) and the one above.
+            rounds = per_step * pp
+            below = m // pp * rounds
+            options = f"{below} or {below + rounds}" if below else f"{rounds}"
             raise ConfigError(
                 f"the interleaved schedule needs the number of microbatches ({m} = global "
                 f"batch {cfg.global_batch_size} / (micro batch {cfg.micro_batch_size} x "
                 f"data-parallel {dp})) to be a multiple of the pipeline size ({pp}); use a "
-                f"global batch of {per_step * pp * max(1, m // pp)} or "
-                f"{per_step * pp * (m // pp + 1)}"
+                f"global batch of {options}"
             )
     elif cfg.num_layers % pp and not uneven(**cfg.stages):
         raise ConfigError(
