@@ -240,6 +240,19 @@ def test_bad_values_are_refused_naming_the_flag(argv, message):
         parse(*argv).gpt_config()
 
 
+def test_the_python_api_takes_megatron_cores_values_as_the_flags():
+    # TransformerConfig's types: (left, right), and an int or a list per layer.
+    for window, skip in (((7, 0), 3), ([7, 0], [1, 1, 0, 1, 1, 0]), ((7, 0), (1, 1, 0) * 2)):
+        cfg = tw.tiny(num_layers=6, window_size=window, window_attn_skip_freq=skip).gpt_config()
+        assert [cfg.layer_window(i) for i in range(6)] == [7, 7, None, 7, 7, None]
+    with pytest.raises(ConfigError, match="--window-size 7.5: give the flag's text, or"):
+        tw.tiny(window_size=7.5)
+    with pytest.raises(ConfigError, match="--window-attn-skip-freq 0.5: give"):
+        tw.tiny(window_size=(7, 0), window_attn_skip_freq=0.5)
+    with pytest.raises(ConfigError, match="give two numbers LEFT,RIGHT"):
+        tw.tiny(window_size=(7,)).gpt_config()
+
+
 def test_hugging_face_formats_refuse_a_window_by_name():
     # Mistral's and Qwen3's formats write one: tests/test_hf_sliding_window.py.
     from megart.models import hf_gpt2, hf_llama

@@ -156,6 +156,26 @@ def parse_window_size(text: str) -> Window:
         ) from None
 
 
+def as_flag_text(window_size: object, skip_freq: object) -> tuple[str | None, str | None]:
+    """--window-size and --window-attn-skip-freq as the flags spell them, from the flags'
+    strings or, through the Python API, Megatron-Core's TransformerConfig values: (left,
+    right), and an integer or a list of 0s and 1s per layer."""
+    window = window_size
+    if isinstance(window, (tuple, list)) and all(type(x) is int for x in window):
+        window = ",".join(map(str, window))
+    skip = skip_freq
+    if type(skip) is int or (isinstance(skip, (tuple, list)) and all(type(x) is int for x in skip)):
+        skip = str(list(skip)) if isinstance(skip, (tuple, list)) else str(skip)
+    for flag, value in (("--window-size", window), ("--window-attn-skip-freq", skip)):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(
+                f"{flag} {value!r}: give the flag's text, or as Megatron-Core's TransformerConfig "
+                "takes it: (LEFT, RIGHT) for the window, an integer or a list of 0s and 1s per "
+                "layer for the skip frequency"
+            )
+    return window, skip
+
+
 LONGEST = 1 << 16
 _OPS = {ast.Add: operator.add, ast.Mult: operator.mul}
 

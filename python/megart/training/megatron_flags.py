@@ -140,6 +140,7 @@ from typing import Any
 import numpy as np
 
 from megart.errors import ConfigError
+from megart.models.window import as_flag_text
 from megart.training.batch_rampup import check_values
 from megart.training.batch_rampup import train_iters as ramp_train_iters
 from megart.training.grad_sync import megatron_bucket_size
@@ -243,6 +244,10 @@ def resolve_megatron_flags(config: Any) -> None:
             f"--tensorboard-log-interval {config.tensorboard_log_interval}: give 1 or more "
             "(iterations between TensorBoard scalars)"
         )
+    # The Python API also takes the window as Megatron-Core's TransformerConfig does.
+    config.window_size, config.window_attn_skip_freq = as_flag_text(
+        config.window_size, config.window_attn_skip_freq
+    )
     if config.loss_scale == 0:
         # Megatron-LM builds its dynamic scaler unless the scale is truthy (`if
         # config.loss_scale:` in megatron/core/optimizer), so 0 asks for the dynamic scale.
