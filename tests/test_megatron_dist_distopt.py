@@ -50,6 +50,12 @@ SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags)
         (4, dict(SAVE, **INTERLEAVED, overlap_grad_reduce=True, ddp_bucket_size=3000)),
         (2, INTERLEAVED),
     ),
+    # Uneven stages (1 and 3 layers), resumed on one rank: the saved buffers follow the
+    # saved stages, not the resuming run's.
+    "pp2-uneven-dp2-to-dp1": (
+        (4, dict(SAVE, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)),
+        (1, {}),
+    ),
 }  # fmt: skip
 # Stores resumed on another tensor/pipeline layout (Megatron-LM refuses that for its
 # dp_reshardable layout): name -> (the scenario's store, resuming ranks and flags).
@@ -64,6 +70,11 @@ RESHARD = {
     # read in runs of a row.
     "interleaved-to-tp2": ("pp2-interleaved-buckets-to-dp1",
                            (2, dict(tensor_model_parallel_size=2)), REL),
+    # The same pipeline size with even stages: other buffers though the sizes match (megart
+    # once read them as this run's and refused the store).
+    "uneven-to-even-pp2": ("pp2-uneven-dp2-to-dp1",
+                           (2, dict(pipeline_model_parallel_size=2,
+                                    use_distributed_optimizer=True)), REL),
 }  # fmt: skip
 # Megatron-Core's DistributedOptimizer loads these stores on their saving layouts; the first
 # it also saves, for megart to resume.

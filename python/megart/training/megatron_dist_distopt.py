@@ -42,6 +42,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megart.errors import ConfigError
+from megart.models.gpt import chunk_layers
 from megart.models.megatron_names import megatron_part
 from megart.training import dist_store
 from megart.training.megatron_distrib_optim import BUCKET_ALIGN, dp_cp_size, dtype_key, layouts
@@ -272,10 +273,26 @@ def saved_layout(args: dict[str, Any]) -> tuple[int, int, int]:
     return tp, pp, int(vpp)
 
 
+def saved_stages(args: dict[str, Any]) -> dict[str, int | None]:
+    """The saved uneven first/last stages' layers (chunk_layers' ``first``/``last``)."""
+    return {
+        "first": args.get("decoder_first_pipeline_num_layers"),
+        "last": args.get("decoder_last_pipeline_num_layers"),
+    }
+
+
 def same_layout(args: dict[str, Any], config: Any) -> bool:
-    """Whether this run's model chunks are the saved ones (its buffers are the store's)."""
+    """Whether this run's model chunks are the saved ones (its buffers are the store's): the
+    same sizes and each chunk the same layers (uneven stages can differ at the same sizes)."""
     vpp = config.chunks if config.schedule == "interleaved" else 1
-    return saved_layout(args) == (config.tp, config.pp, vpp) and config.schedule != "zb-v"
+    if saved_layout(args) != (config.tp, config.pp, vpp) or config.schedule == "zb-v":
+        return False
+    n, pp = config.num_layers, config.pp
+    saved, mine = saved_stages(args), config.stages
+    return all(
+        chunk_layers(n, r, pp, vpp, **saved) == chunk_layers(n, r, pp, vpp, **mine)
+        for r in range(pp)
+    )
 
 
 def read_state(

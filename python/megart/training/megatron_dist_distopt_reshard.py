@@ -68,7 +68,7 @@ class Index:
         self.offset = torch.zeros(total, dtype=torch.int64)
         self.buckets: dict[str, list] = {}  # group prefix -> per_bucket_numel_unpadded
         dtype = dtype_key(args)
-        ranks = split(whole, cfg, tp, pp, vpp)
+        ranks = split(whole, cfg, tp, pp, vpp, **distopt.saved_stages(args))
         for (t, s), chunks in ranks.items():
             chunks = [
                 in_megatron_order({n: v for n, v in c.items() if v is not None}) for c in chunks
