@@ -142,3 +142,6 @@ def test_a_zb_v_checkpoint_loads_only_into_the_same_layout_and_schedule():
     ):
         with pytest.raises(ConfigError, match="a zb-v checkpoint loads only into zb-v"):
             _check_placement("ckpt", saved, config)
+    # The other way: a zb-v run is told which schedule resumes the checkpoint.
+    with pytest.raises(ConfigError, match="this run uses zb-v, .* --pipeline-schedule 1f1b"):
+        _check_placement("ckpt", dict(saved, pipeline_schedule="1f1b"), zb_v)

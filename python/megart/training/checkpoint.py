@@ -54,18 +54,37 @@ from megart.training.megatron_args import args_record
 from megart.training.megatron_scheduler import check_scheduler
 
 
+def _flags(values: dict[str, Any]) -> str:
+    """Fields as the command line spells them, those left unset out."""
+    return " ".join(f"--{f.replace('_', '-')} {v}" for f, v in values.items() if v is not None)
+
+
 def _check_placement(directory: str | os.PathLike, saved: dict, config: Any) -> None:
     """zb-v places its chunks in a V, which resharding does not know: such a checkpoint loads
-    only into the same layout and schedule."""
+    only into the same layout and schedule, and a zb-v run loads only such a checkpoint."""
     was = saved.get("pipeline_schedule", "1f1b")  # saved before schedules were recorded
-    same = all(saved[f] == getattr(config, f) for f in PARALLEL_FIELDS)
-    if (was == "zb-v") != (config.schedule == "zb-v") or (
-        "zb-v" in (was, config.schedule) and not same
-    ):
+    if "zb-v" not in (was, config.schedule):
+        return
+    where = f"--load {directory} was saved with --pipeline-schedule {was}"
+    if was != "zb-v":
         raise ConfigError(
-            f"--load {directory} was saved with --pipeline-schedule {was} and this run uses "
-            f"{config.schedule}; a zb-v checkpoint loads only into zb-v with the same tensor- "
-            "and pipeline-parallel sizes (resharding it is not supported)"
+            f"{where} and this run uses zb-v, which places its chunks in a V that resharding "
+            f"does not know; resume with --pipeline-schedule {was} (zb-v runs load only zb-v "
+            "checkpoints of their own tensor- and pipeline-parallel sizes)"
+        )
+    sizes = _flags({f: saved[f] for f in PARALLEL_FIELDS})
+    if config.schedule != "zb-v":
+        raise ConfigError(
+            f"{where} ({sizes}) and this run uses {config.schedule}; a zb-v checkpoint loads "
+            "only into zb-v with the same tensor- and pipeline-parallel sizes (resharding it is "
+            "not supported)"
+        )
+    if any(saved[f] != getattr(config, f) for f in PARALLEL_FIELDS):
+        mine = _flags({f: getattr(config, f) for f in PARALLEL_FIELDS})
+        raise ConfigError(
+            f"{where} at {sizes}, and this run has {mine}; a zb-v checkpoint loads only into "
+            "zb-v with the same tensor- and pipeline-parallel sizes (resharding it is not "
+            "supported)"
         )
 
 
