@@ -16,7 +16,7 @@ from megart.training.config import TrainConfig
 REQUIRED_BY_MEGATRON = {"num_layers", "hidden_size", "num_attention_heads", "lr"}
 # Megatron-LM's arguments.py overrides the dataclass (it excludes gradient_accumulation_fusion
 # from its TransformerConfig flags, on by default, and defaults --min-lr to 0.0), or megart
-# differs on purpose without changing the numbers (README, Defaults).
+# differs on purpose without changing the numbers (docs/training.md, Defaults).
 DIFFERENT = {
     "gradient_accumulation_fusion": "arguments.py: on unless --no-gradient-accumulation-fusion",
     "min_lr": "arguments.py's default is 0.0 (OptimizerConfig's None means the same)",

@@ -1,5 +1,5 @@
 """megart plan: predict the iteration time, TFLOP/s and memory per GPU of a layout on a cluster,
-and recommend the best layout. See README ("Planning a run") for the model and its calibration."""
+and recommend the best layout. See docs/plan.md for the model and its calibration."""
 
 from megart.plan.estimate import Estimate, estimate
 from megart.plan.hardware import GPUS, GPUProfile, load_profile

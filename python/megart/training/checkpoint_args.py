@@ -14,7 +14,8 @@ As Megatron-LM's load_args_from_checkpoint: the sizes (layers, hidden, MLP, head
 length, head size, position table, vocabulary) are taken only where the command line left them
 unset, the architecture switches always ("forced", a contradicting command-line value is
 overridden, and said so), the tokenizer (type and files) unless
---no-use-tokenizer-model-from-checkpoint-args. Where megart differs: see the README.
+--no-use-tokenizer-model-from-checkpoint-args. Where megart differs: see docs/training.md
+(`--use-checkpoint-args`).
 """
 
 from __future__ import annotations
