@@ -18,11 +18,18 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TINY = dict(vocab_size=64, seq_length=16, hidden_size=32, num_layers=3, num_attention_heads=4)
 
 
-def _stream_dtypes(cfg: GPTConfig, dtype: torch.dtype | None) -> list[torch.dtype]:
+def _stream_dtypes(
+    cfg: GPTConfig, dtype: torch.dtype | None, half_weights: bool = False
+) -> list[torch.dtype]:
     """The dtype of every block's output, and of every norm's output where the norm module
     runs (the fused kernel's path calls no module), in a forward and backward under autocast
-    to ``dtype`` (None: no autocast)."""
+    to ``dtype`` (None: no autocast); with ``half_weights`` the weights themselves in
+    ``dtype`` (--half-weights)."""
     model = GPT(cfg)
+    weights = torch.float32
+    if half_weights:
+        assert dtype is not None
+        model, weights = model.to(dtype), dtype
     seen: list[torch.dtype] = []
     for block in model.chunk.blocks:
         block.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
@@ -33,7 +40,7 @@ def _stream_dtypes(cfg: GPTConfig, dtype: torch.dtype | None) -> list[torch.dtyp
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         loss = model(tokens, tokens)
     loss.backward()
-    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    assert all(p.grad is not None and p.grad.dtype == weights for p in model.parameters())
     return seen
 
 
@@ -59,6 +66,32 @@ def test_the_stream_is_autocasts_type_unless_fp32_residual_connection(precision,
     assert wide == [torch.float32] * seen
     # Without autocast nothing is cast, whatever the flag.
     assert _stream_dtypes(GPTConfig(**kw), None) == [torch.float32] * seen
+
+
+@pytest.mark.parametrize("norms", [dict(normalization="layernorm"),
+                                   dict(normalization="layernorm", fused_layer_norm=True),
+                                   dict(normalization="rmsnorm")],
+                         ids=["layernorm", "fused-layernorm", "rmsnorm"])  # fmt: skip
+def test_16_bit_weights_keep_the_fp32_stream_when_asked(norms):
+    # --half-weights looks up 16-bit embeddings: --fp32-residual-connection casts them to fp32
+    # (as Megatron-LM's embedding does), and the norms take their 16-bit weights to it.
+    kw = dict(TINY, **norms)
+    seen = 3 if norms.get("fused_layer_norm") else 3 + 7
+    wide = GPTConfig(**kw, fp32_residual_connection=True)
+    assert _stream_dtypes(wide, torch.bfloat16, half_weights=True) == [torch.float32] * seen
+    narrow = _stream_dtypes(GPTConfig(**kw), torch.bfloat16, half_weights=True)
+    assert narrow == [torch.bfloat16] * seen
+
+
+def test_half_weights_with_the_fp32_stream_cross_pipeline_stages_in_fp32():
+    """--bf16 --half-weights --fp32-residual-connection under pp2: fp32 messages and the
+    one-process curve (the first stage once sent the bf16 stream its peer did not expect)."""
+    kw = dict(bf16=True, half_weights=True, fp32_residual_connection=True)
+    one = launch(tw.train_kw, 1, kw, timeout=300)[0]
+    pp2 = launch(tw.train_kw, 2, dict(kw, pipeline_model_parallel_size=2), timeout=300)[0]
+    for h, r in zip(pp2, one, strict=True):
+        assert h["loss"] == pytest.approx(r["loss"], rel=1e-5)
+    assert [h["pipeline_p2p_bytes"] for h in pp2] == [2 * 4 * 16 * 2 * 32 * 4] * 3
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

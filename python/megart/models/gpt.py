@@ -203,9 +203,12 @@ class GPTChunk(nn.Module):
 
     def _residual_stream(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` in the residual stream's dtype: autocast's 16-bit type under autocast (as in
-        Megatron-LM), unless cfg.fp32_residual_connection; otherwise unchanged."""
+        Megatron-LM); fp32 with cfg.fp32_residual_connection (16-bit weights, --half-weights,
+        look up 16-bit embeddings: Megatron-LM casts them too); otherwise unchanged."""
+        if self.cfg.fp32_residual_connection:
+            return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         kind = x.device.type
-        if self.cfg.fp32_residual_connection or not torch.is_autocast_enabled(kind):
+        if not torch.is_autocast_enabled(kind):
             return x
         return x.to(torch.get_autocast_dtype(kind))
 

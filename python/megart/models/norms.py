@@ -21,12 +21,11 @@ HALF = (torch.bfloat16, torch.float16)
 
 
 def in_dtype(dtype: torch.dtype, *params: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """A norm's weights in its input's ``dtype`` when that is 16-bit (a 16-bit residual stream,
-    as Megatron-LM's 16-bit weights give it); unchanged for fp32 and float64 inputs. The
-    gradient reaches the fp32 weights through the cast, rounded to 16 bits as Megatron's is."""
-    if dtype not in HALF:
-        return list(params)
-    return [None if p is None else p.to(dtype) for p in params]
+    """A norm's weights in its input's ``dtype``: 16-bit for a 16-bit residual stream (as
+    Megatron-LM's 16-bit weights give it; the gradient reaches fp32 weights through the cast,
+    rounded to 16 bits as Megatron's is), fp32 for an fp32 stream over 16-bit weights
+    (--half-weights with --fp32-residual-connection); weights already in it unchanged."""
+    return [p if p is None or p.dtype == dtype else p.to(dtype) for p in params]
 
 
 class RMSNorm(nn.Module):
@@ -62,9 +61,9 @@ class LayerNorm(nn.LayerNorm):
                 self.weight.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in HALF:
-            return F.layer_norm(x, self.normalized_shape, gamma(self), self.bias, self.eps)
         weight, bias = in_dtype(x.dtype, gamma(self), self.bias)
+        if x.dtype not in HALF:
+            return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
         with torch.autocast(x.device.type, enabled=False):
             return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
