@@ -229,6 +229,31 @@ CASES = [
             micro_batch_size=3,
         ),
     ),
+    # --fp32-residual-connection under SwiGLU: the fp32 norm output enters the gate and up
+    # projections once, in 16 bits (one saved copy, as with a 16-bit stream), and with
+    # --half-weights the 16-bit embedding's lookup joins the fp32 stream.
+    (
+        "llama rope tp2 sp fp32 residual",
+        2,
+        LLAMA_ROPE,
+        dict(
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            fp32_residual_connection=True,
+            micro_batch_size=3,
+        ),
+    ),
+    (
+        "llama rope pp2 half weights fp32 residual",
+        2,
+        LLAMA_ROPE,
+        dict(
+            pipeline_model_parallel_size=2,
+            half_weights=True,
+            fp32_residual_connection=True,
+            micro_batch_size=3,
+        ),
+    ),
     # Zero-bubble: autograd's saves are those of the pairs between F and I (I frees the graph;
     # what W needs is counted apart, below).
     (
