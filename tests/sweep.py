@@ -147,13 +147,18 @@ def one(rng: random.Random, mode: str) -> str:
         return f"{kind} {ranks} ranks {layout} {base}: {_reason(e)}"
     finally:
         shutil.rmtree(store, ignore_errors=True)
+    return f"{judge(histories, straight, mode)} {ranks} ranks {layout} {base}"
+
+
+def judge(histories: list[list[dict]], straight: list[dict], mode: str) -> str:
+    """OK or MISMATCH, with the largest relative loss difference of any rank's history from
+    the one-process run's, against ``mode``'s tolerance."""
     worst = max(
         abs(h["loss"] - r["loss"]) / abs(r["loss"])
         for history in histories
         for h, r in zip(history, straight, strict=True)
     )
-    verdict = "OK" if worst < TOLERANCE[mode] else "MISMATCH"
-    return f"{verdict} {worst:.1e} {ranks} ranks {layout} {base}"
+    return f"{'OK' if worst < TOLERANCE[mode] else 'MISMATCH'} {worst:.1e}"
 
 
 def main() -> int:
