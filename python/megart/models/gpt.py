@@ -203,8 +203,9 @@ class GPTChunk(nn.Module):
 
     def _residual_stream(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` in the residual stream's dtype: autocast's 16-bit type under autocast (as in
-        Megatron-LM); fp32 with cfg.fp32_residual_connection (16-bit weights, --half-weights,
-        look up 16-bit embeddings: Megatron-LM casts them too); otherwise unchanged."""
+        Megatron-LM); fp32 with cfg.fp32_residual_connection, which Megatron-LM's embedding
+        casts to as well (--half-weights' 16-bit embedding looks up 16-bit rows); otherwise
+        unchanged."""
         if self.cfg.fp32_residual_connection:
             return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         kind = x.device.type
