@@ -3,6 +3,8 @@ state it owns and the activations its schedule holds."""
 
 from __future__ import annotations
 
+import functools
+
 from megart.plan import activations as act
 from megart.plan import documents as docs
 from megart.plan import window_memory as windows
@@ -25,6 +27,16 @@ def sixteen_bit_weights(c: TrainConfig, runtime: str) -> bool:
     """Whether the weights are 16-bit, with fp32 main weights in the optimizer: Megatron-LM's
     always (the published tables' runs), megart's with --half-weights under --bf16/--fp16."""
     return runtime == "megatron" or (c.half_weights and (c.bf16 or c.fp16))
+
+
+@functools.lru_cache(maxsize=256)
+def _first_stage_pairs(kind: str, p: int, m: int, v: int, pairs: int) -> int:
+    """Of ``pairs`` held on rank 0, those of its first chunk (virtual stage 0, the embedding's;
+    zb-v's too): every pair with one chunk, else the most of any moment holding ``pairs``
+    under the schedule (window_memory.held_by_chunk)."""
+    if v == 1:
+        return pairs
+    return windows.held_by_chunk(kind, p, m, v, 0, pairs, (1.0,) + (0.0,) * (v - 1))[0]
 
 
 def rank_memory(
@@ -81,8 +93,9 @@ def rank_memory(
         # The document flags' (plan.documents): the documents' mask, per pair and once.
         per_pair, once = docs.mask_bytes(c, b, prec)
         saved += n * (per_pair + docs.positions_bytes(c, b, cp, pp_rank == 0)) + once
-    if pp_rank == 0:
-        saved += n * act.first_stage_bytes(cfg, b, t, cp, sp)
+    if pp_rank == 0:  # the embedding's saves, kept by the pairs of the first virtual stage
+        first_pairs = _first_stage_pairs(layout.kind, p, c.microbatches(dp), v, n)
+        saved += first_pairs * act.first_stage_bytes(cfg, b, t, cp, sp)
     if pp_rank == (0 if layout.kind == "zb-v" else p - 1):  # zb-v's last stage is on rank 0
         saved += act.last_stage_bytes(cfg, b, t, sp, prec, cp)
         saved += 0.0 if megatron else docs.loss_mask_bytes(c, b, cp)
