@@ -6,13 +6,15 @@ megart's one-line reason, or ERROR) and exits 1 if any combination mismatched or
     python tests/sweep.py curves --seed 7 --count 40     # layouts x model variants x flags
     python tests/sweep.py precision --seed 31 --count 40 # the same under bf16/fp16 flags
     python tests/sweep.py resume --seed 17 --count 40    # save in one layout, resume in another
+    python tests/sweep.py memory --seed 23 --count 40    # megart plan's memory against ranks
 
 A layout is up to 4 ranks of tensor, pipeline (1f1b, interleaved, zb-h1, zb-v, uneven
 stages), context (p2p, all_gather, a2a) and data parallelism (distributed optimizer, overlapped
 reduction); a model variant mixes SwiGLU, grouped queries, rope, RMSNorm, untied output,
-no biases, --qk-layernorm, a sliding window, recomputation and the fused loss. On 2026-11-29
-these sweeps found five bugs (git log: "found by a random ... sweep"). REFUSED lines are
-expected (layouts a batch or layer count does not allow); read them for unclear messages.
+no biases, --qk-layernorm, a sliding window, recomputation and the fused loss (memory: the
+small GPTs of test_plan_memory). On 2026-11-29 these sweeps found six bugs (git log: "found
+by a random ... sweep"). REFUSED lines are expected (layouts a batch or layer count does not
+allow); read them for unclear messages.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from megart.launcher import launch  # noqa: E402
 
 # How far a run may stray from the one-process curve: fp32 layouts reorder sums only; 16-bit
 # runs round differently per layout (up to 6.1e-5 over 76 accepted combinations, 2026-11-29).
-TOLERANCE = {"curves": 1e-5, "precision": 2e-2, "resume": 1e-5}
+# memory: megart plan's saved activations against what real ranks hold (relative; parameter,
+# gradient and optimizer bytes must be equal), test_plan_memory's bound.
+TOLERANCE = {"curves": 1e-5, "precision": 2e-2, "resume": 1e-5, "memory": 1e-2}
 
 
 def _model(rng: random.Random) -> dict:
@@ -74,6 +78,16 @@ def _precision(rng: random.Random) -> dict:
     return flags
 
 
+def _schedule(rng: random.Random, flags: dict) -> str:
+    """Draws a pipeline schedule into ``flags``; its name."""
+    schedule = rng.choice(["1f1b", "interleaved", "zb-h1", "zb-v"])
+    if schedule == "interleaved":
+        flags["num_layers_per_virtual_pipeline_stage"] = 1
+    elif schedule != "1f1b":
+        flags["pipeline_schedule"] = schedule
+    return schedule
+
+
 def _layout(rng: random.Random, layers: int) -> tuple[int, dict, int]:
     """(ranks, layout flags, data-parallel size)."""
     tp, pp, cp, dp = (rng.choice(c) for c in ([1, 2], [1, 2, 2, 4], [1, 1, 2], [1, 2]))
@@ -86,14 +100,8 @@ def _layout(rng: random.Random, layers: int) -> tuple[int, dict, int]:
         flags["cp_comm_type"] = rng.choice(["p2p", "all_gather", "a2a"])
     if tp > 1 and rng.random() < 0.6:
         flags["sequence_parallel"] = True
-    if pp > 1:
-        schedule = rng.choice(["1f1b", "interleaved", "zb-h1", "zb-v"])
-        if schedule == "interleaved":
-            flags["num_layers_per_virtual_pipeline_stage"] = 1
-        elif schedule != "1f1b":
-            flags["pipeline_schedule"] = schedule
-        elif layers == 8 and rng.random() < 0.5:
-            flags["decoder_first_pipeline_num_layers"] = 1 if pp == 4 else 3
+    if pp > 1 and _schedule(rng, flags) == "1f1b" and layers == 8 and rng.random() < 0.5:
+        flags["decoder_first_pipeline_num_layers"] = 1 if pp == 4 else 3
     if dp > 1:
         for flag in ("use_distributed_optimizer", "overlap_grad_reduce"):
             if rng.random() < 0.5:
@@ -122,8 +130,63 @@ def _reason(error: Exception) -> str:
     return lines[-1] if lines else str(error)[-400:]
 
 
+def _memory_case(rng: random.Random) -> tuple[int, dict]:
+    """(ranks, flags) of one of test_plan_memory's small GPTs on a drawn layout."""
+    from plan_memory_check import LLAMA, LLAMA_ROPE, SMALL
+
+    model = dict(rng.choice([SMALL, LLAMA, LLAMA_ROPE]))
+    tp, pp, dp = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2])
+    cp = 2 if tp * pp * dp <= 2 and rng.random() < 0.3 else 1
+    flags: dict = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                       context_parallel_size=cp)  # fmt: skip
+    if tp > 1 and rng.random() < 0.5:
+        flags["sequence_parallel"] = True
+    if pp > 1:
+        _schedule(rng, flags)
+    recompute = rng.choice([None, None, None, "selective", "full"])
+    if recompute:
+        flags["recompute_granularity"] = recompute
+    if dp > 1 and rng.random() < 0.5:
+        flags["use_distributed_optimizer"] = True
+    if "bf16" not in model and rng.random() < 0.4:
+        flags["bf16"] = True
+    if model.get("bf16") or flags.get("bf16"):
+        for flag, chance in (("half_weights", 0.3), ("fp32_residual_connection", 0.3)):
+            if rng.random() < chance:
+                flags[flag] = True
+    if rng.random() < 0.2:
+        flags["cross_entropy_loss_fusion"] = True
+    # Tokens per microbatch unlike any weight's dimension (plan_workers.SavedBytes' rule).
+    micro = rng.choice([3, 5]) if model["hidden_size"] == 64 else rng.choice([1, 3])
+    rounds = rng.choice([2, 4]) if pp > 1 else rng.choice([1, 2])
+    flags.update(micro_batch_size=micro, global_batch_size=micro * dp * rounds)
+    return tp * pp * dp * cp, {**model, **flags}
+
+
+def memory_verdict(rng: random.Random) -> str:
+    """megart plan's memory against real ranks for one drawn case (test_plan_memory's check)."""
+    from plan_memory_check import predicted_and_held
+
+    ranks, kw = _memory_case(rng)
+    try:
+        rows = predicted_and_held(ranks, kw)
+    except Exception as e:  # noqa: BLE001 (every failure is a verdict, printed)
+        kind = "REFUSED" if "ConfigError" in str(e) else "ERROR"
+        return f"{kind} {ranks} ranks {kw}: {_reason(e)}"
+    worst = 0.0
+    for held, want, cpu in rows:
+        for part in ("parameters", "gradients", "optimizer"):
+            if want[part] != held[part]:
+                return f"MISMATCH {part} {want[part]} planned, {held[part]} held {kw}"
+        worst = max(worst, abs(held["saved_peak"] / (want["saved"] + cpu) - 1))
+    verdict = "OK" if worst < TOLERANCE["memory"] else "MISMATCH"
+    return f"{verdict} {worst:.1e} (saved) {ranks} ranks {kw}"
+
+
 def one(rng: random.Random, mode: str) -> str:
     """Runs one drawn combination; its verdict line."""
+    if mode == "memory":
+        return memory_verdict(rng)
     ranks, base, layout = draw(rng, mode)
     iters = 4 if mode == "resume" else 2
     base["train_iters"] = iters

@@ -1,0 +1,103 @@
+"""The small GPTs and the check of tests/test_plan_memory.py, shared with the plan tests that
+build on them and with tests/sweep.py's memory mode: megart plan's memory for a rank against
+what a real megart train rank holds."""
+
+from __future__ import annotations
+
+from megart import schedule as sched
+from megart.launcher import launch
+from megart.plan.estimate import estimate
+from megart.plan.hardware import load_profile
+from megart.plan.holding import peaks
+from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
+from megart.plan.memory import precision, rank_memory
+from megart.training.config import TrainConfig
+from plan_workers import held_bytes
+
+SMALL = dict(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=32,
+    vocab_size=256,
+    global_batch_size=8,
+    train_iters=2,
+    lr_warmup_iters=1,
+    eval_iters=0,
+    # No dropout unless a case asks: attention dropout sends a CPU to the math kernel (s x s
+    # matrices a GPU's flash kernel does not keep), and hidden dropout is a case of its own.
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+LLAMA = dict(
+    SMALL,
+    normalization="RMSNorm",
+    position_embedding_type="learned_absolute",
+    swiglu=True,
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+    group_query_attention=True,
+    num_query_groups=2,
+    vocab_size=300,  # padded: the output layer masks the padding
+)
+# Llama proper: rope besides RMSNorm, SwiGLU, grouped queries, no biases and an untied output
+# layer, in bf16. 96 tokens per microbatch (3 x 32): no weight's dimension (see SavedBytes).
+LLAMA_ROPE = dict(LLAMA, position_embedding_type="rope", bf16=True, global_batch_size=12)
+
+
+def _layout(c: TrainConfig, world: int) -> Layout:
+    """The planner's layout of a megart train config (uneven stages included)."""
+    dp = world // (c.tp * c.pp * c.context_parallel_size)
+    return Layout(
+        c.tp,
+        c.pp,
+        dp,
+        c.chunks,
+        c.micro_batch_size,
+        c.sequence_parallel,
+        c.gpt_config().recompute_granularity,
+        c.use_distributed_optimizer,
+        c.pipeline_schedule,
+        c.decoder_first_pipeline_num_layers,
+        c.decoder_last_pipeline_num_layers,
+        c.context_parallel_size,
+    )
+
+
+def cpu_dropout_masks(config: TrainConfig, layout: Layout, pp_rank: int, pairs: int) -> float:
+    """What a CPU rank keeps beyond the plan, which counts a GPU's fused dropout (a bool mask,
+    1 byte per element): a CPU's dropout keeps its mask in the activations' dtype. Two masks
+    per layer (the attention's and the MLP's outputs, 16-bit under autocast) and the
+    embedding's on the first stage (the residual stream's dtype), each this rank's slice of
+    the sequence with sequence parallelism; ``pairs`` (microbatch, chunk) pairs in flight."""
+    if config.hidden_dropout == 0:
+        return 0.0
+    prec = precision(config, "megart")
+    cfg = config.gpt_config()
+    tokens = cfg.seq_length * layout.micro_batch / (layout.tp if layout.sequence_parallel else 1)
+    layers = layout.layer_counts(cfg.num_layers)[pp_rank] // layout.chunks
+    extra = 2 * layers * (prec.other - 1)
+    if pp_rank == 0:
+        extra += prec.residual - 1
+    return pairs * tokens * cfg.hidden_size * extra
+
+
+def predicted_and_held(nproc: int, kw: dict) -> list[tuple[dict, dict, float]]:
+    """Per rank of a real ``nproc``-rank run of ``kw``: what it held (plan_workers.held_bytes),
+    what megart plan predicts for that rank (rank_memory), and what a CPU keeps beyond the plan
+    (cpu_dropout_masks)."""
+    config = TrainConfig(**kw)
+    layout = _layout(config, nproc)
+    # The in-flight counts come from the schedule simulator, as the planner uses them.
+    plan = estimate(config, layout, load_profile("a100-80gb"))
+    c = layout_config(config, layout)
+    order = sched.build(layout.kind, layout.pp, c.microbatches(layout.dp), layout.chunks)
+    out = []
+    for held in launch(held_bytes, nproc, kw, timeout=300):
+        r = held["pp_rank"]
+        pairs = plan.peak_in_flight[r]
+        if layout.kind in ZERO_BUBBLE:  # the most pairs between F and I
+            pairs = peaks(order, 1.0, [[0.0] * layout.chunks] * layout.pp)[r].activations
+        want = rank_memory(c, layout, layout.dp, r, pairs, dp_rank=held["dp_rank"])
+        out.append((held, want, cpu_dropout_masks(config, layout, r, pairs)))
+    return out
