@@ -98,6 +98,8 @@ def predicted_and_held(nproc: int, kw: dict) -> list[tuple[dict, dict, float]]:
         pairs = plan.peak_in_flight[r]
         if layout.kind in ZERO_BUBBLE:  # the most pairs between F and I
             pairs = peaks(order, 1.0, [[0.0] * layout.chunks] * layout.pp)[r].activations
-        want = rank_memory(c, layout, layout.dp, r, pairs, dp_rank=held["dp_rank"])
+        # Under context parallelism the optimizer shards over d x cp ranks: the rank's index
+        # there (rank_memory's dp_rank).
+        want = rank_memory(c, layout, layout.dp, r, pairs, dp_rank=held["dp_cp_rank"])
         out.append((held, want, cpu_dropout_masks(config, layout, r, pairs)))
     return out

@@ -284,6 +284,7 @@ def held_bytes(kw: dict, tokens: np.ndarray | None = None) -> dict:
     return {
         "pp_rank": g.pp_rank,
         "dp_rank": g.dp_rank,
+        "dp_cp_rank": g.dp_cp_rank,  # the distributed optimizer's shard index under cp
         "tp_rank": g.tp_rank,
         "parameters": param_bytes,
         "gradients": grad_bytes,

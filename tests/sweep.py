@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train_workers as tw  # noqa: E402
+from megart import ConfigError  # noqa: E402
 from megart.launcher import launch  # noqa: E402
 
 # How far a run may stray from the one-process curve: fp32 layouts reorder sums only; 16-bit
@@ -171,7 +172,7 @@ def memory_verdict(rng: random.Random) -> str:
     try:
         rows = predicted_and_held(ranks, kw)
     except Exception as e:  # noqa: BLE001 (every failure is a verdict, printed)
-        kind = "REFUSED" if "ConfigError" in str(e) else "ERROR"
+        kind = "REFUSED" if isinstance(e, ConfigError) or "ConfigError" in str(e) else "ERROR"
         return f"{kind} {ranks} ranks {kw}: {_reason(e)}"
     worst = 0.0
     for held, want, cpu in rows:
