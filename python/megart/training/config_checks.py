@@ -61,6 +61,13 @@ def _check_loss_scale(cfg: TrainConfig) -> None:
             raise ConfigError(f"{flag} {value:g} must be positive")
 
 
+def _batches_around(batch: int, unit: int) -> str:
+    """The multiples of ``unit`` nearest ``batch`` (not one): the one below, when there is
+    one, and the one above."""
+    below = batch // unit * unit
+    return f"{below} or {below + unit}" if below else f"{unit}"
+
+
 def check_config(cfg: TrainConfig, world_size: int) -> int:
     """Refuses layouts, batch shapes and flag combinations that cannot run, naming the
     numbers and flags and what would fit; returns the data-parallel size."""
@@ -87,12 +94,10 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
         )
     per_step = cfg.micro_batch_size * dp
     if cfg.global_batch_size % per_step:
-        below = cfg.global_batch_size // per_step * per_step
-        options = f"{below} or {below + per_step}" if below else f"{per_step}"
         raise ConfigError(
             f"--global-batch-size {cfg.global_batch_size} is not divisible by "
             f"--micro-batch-size {cfg.micro_batch_size} x data-parallel size {dp} = "
-            f"{per_step}; use a global batch of {options}"
+            f"{per_step}; use a global batch of {_batches_around(cfg.global_batch_size, per_step)}"
         )
     per = cfg.num_layers_per_virtual_pipeline_stage
     _check_virtual_flags(cfg)
@@ -108,17 +113,13 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
         if per is not None:
             check_virtual_stages(cfg.num_layers, pp, per)
         m = cfg.microbatches(dp)
-        if m % pp:
-            # The nearest batches whose microbatches fill whole rounds of the stages: the one
-            # below (when there is one) and the one above.
-            rounds = per_step * pp
-            below = m // pp * rounds
-            options = f"{below} or {below + rounds}" if below else f"{rounds}"
+        if m % pp:  # the batches whose microbatches fill whole rounds of the stages
+            batches = _batches_around(cfg.global_batch_size, per_step * pp)
             raise ConfigError(
                 f"the interleaved schedule needs the number of microbatches ({m} = global "
                 f"batch {cfg.global_batch_size} / (micro batch {cfg.micro_batch_size} x "
                 f"data-parallel {dp})) to be a multiple of the pipeline size ({pp}); use a "
-                f"global batch of {options}"
+                f"global batch of {batches}"
             )
     elif cfg.num_layers % pp and not uneven(**cfg.stages):
         raise ConfigError(
