@@ -160,12 +160,16 @@ def as_flag_text(window_size: object, skip_freq: object) -> tuple[str | None, st
     """--window-size and --window-attn-skip-freq as the flags spell them, from the flags'
     strings or, through the Python API, Megatron-Core's TransformerConfig values: (left,
     right), and an integer or a list of 0s and 1s per layer."""
-    window = window_size
-    if isinstance(window, (tuple, list)) and all(type(x) is int for x in window):
-        window = ",".join(map(str, window))
+
+    def ints(value: object) -> bool:
+        return isinstance(value, (tuple, list)) and all(type(x) is int for x in value)
+
+    window = ",".join(map(str, window_size)) if ints(window_size) else window_size
     skip = skip_freq
-    if type(skip) is int or (isinstance(skip, (tuple, list)) and all(type(x) is int for x in skip)):
-        skip = str(list(skip)) if isinstance(skip, (tuple, list)) else str(skip)
+    if type(skip) is int:
+        skip = str(skip)
+    elif ints(skip):
+        skip = str(list(skip))
     for flag, value in (("--window-size", window), ("--window-attn-skip-freq", skip)):
         if value is not None and not isinstance(value, str):
             raise ConfigError(
