@@ -126,9 +126,13 @@ def _train(kw: dict) -> list[dict]:
     return tw.train(**kw)
 
 
-def _reason(error: Exception) -> str:
+def _failed(error: Exception, what: str) -> str:
+    """The verdict line of a run that raised: REFUSED (megart's ConfigError, raised here or in
+    a rank) or ERROR, with its one-line reason."""
     lines = [line for line in str(error).splitlines() if "Error:" in line]
-    return lines[-1] if lines else str(error)[-400:]
+    reason = lines[-1] if lines else str(error)[-400:]
+    refused = isinstance(error, ConfigError) or "ConfigError" in str(error)
+    return f"{'REFUSED' if refused else 'ERROR'} {what}: {reason}"
 
 
 def _memory_case(rng: random.Random) -> tuple[int, dict]:
@@ -172,8 +176,7 @@ def memory_verdict(rng: random.Random) -> str:
     try:
         rows = predicted_and_held(ranks, kw)
     except Exception as e:  # noqa: BLE001 (every failure is a verdict, printed)
-        kind = "REFUSED" if isinstance(e, ConfigError) or "ConfigError" in str(e) else "ERROR"
-        return f"{kind} {ranks} ranks {kw}: {_reason(e)}"
+        return _failed(e, f"{ranks} ranks {kw}")
     worst = 0.0
     for held, want, cpu in rows:
         for part in ("parameters", "gradients", "optimizer"):
@@ -189,28 +192,29 @@ def one(rng: random.Random, mode: str) -> str:
     if mode == "memory":
         return memory_verdict(rng)
     ranks, base, layout = draw(rng, mode)
-    iters = 4 if mode == "resume" else 2
-    base["train_iters"] = iters
-    straight = launch(_train, 1, base, timeout=300)[0]
-    store = tempfile.mkdtemp()
+    resume = mode == "resume"
+    if resume and layout.get("pipeline_schedule") == "zb-v":  # documented: not reshardable
+        return f"SKIP a zb-v store {layout}"
+    base["train_iters"] = 4 if resume else 2
+    store = tempfile.mkdtemp() if resume else None
     try:
-        if mode == "resume":
-            if layout.get("pipeline_schedule") == "zb-v":  # documented: not reshardable
-                return f"SKIP a zb-v store {layout}"
+        straight = launch(_train, 1, base, timeout=300)[0]
+        flags = layout
+        if store is not None:
             fmt = rng.choice(["megart", "torch", "torch_dist"])
             save = dict(base, **layout, exit_interval=2, save=store, save_interval=2)
             launch(_train, ranks, dict(save, ckpt_format=fmt), timeout=300)
             saved = {k: v for k, v in layout.items() if v not in (1, None)}
-            ranks, _, layout = draw(rng, mode)  # another layout of the same run
-            layout.update(load=store, ckpt_format=fmt, saved_in=saved)
+            ranks, _, flags = draw(rng, mode)  # another layout of the same run
+            flags.update(load=store, ckpt_format=fmt)
+            layout = dict(flags, saved_in=saved)  # what the verdict line shows
             straight = straight[2:]
-        flags = {k: v for k, v in layout.items() if k != "saved_in"}
         histories = launch(_train, ranks, {**base, **flags}, timeout=300)
     except Exception as e:  # noqa: BLE001 (every failure is a verdict, printed)
-        kind = "REFUSED" if "ConfigError" in str(e) else "ERROR"
-        return f"{kind} {ranks} ranks {layout} {base}: {_reason(e)}"
+        return _failed(e, f"{ranks} ranks {layout} {base}")
     finally:
-        shutil.rmtree(store, ignore_errors=True)
+        if store is not None:
+            shutil.rmtree(store, ignore_errors=True)
     return f"{judge(histories, straight, mode)} {ranks} ranks {layout} {base}"
 
 
