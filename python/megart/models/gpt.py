@@ -21,7 +21,7 @@ from megart.models.config import GPTConfig
 from megart.models.context_parallel import group_positions
 from megart.models.documents import Documents
 from megart.models.init import generator, weight_init
-from megart.models.norms import apply_norm, norm
+from megart.models.norms import HALF, apply_norm, norm
 from megart.models.recompute import checkpointed, recomputed_spans
 from megart.models.rope import rotary
 from megart.models.stages import FIRST, LAST, stage_ranges, uneven
@@ -207,7 +207,7 @@ class GPTChunk(nn.Module):
         casts to as well (--half-weights' 16-bit embedding looks up 16-bit rows); otherwise
         unchanged."""
         if self.cfg.fp32_residual_connection:
-            return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+            return x.float() if x.dtype in HALF else x
         kind = x.device.type
         if not torch.is_autocast_enabled(kind):
             return x

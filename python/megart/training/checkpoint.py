@@ -73,19 +73,15 @@ def _check_placement(directory: str | os.PathLike, saved: dict, config: Any) -> 
             "checkpoints of their own tensor- and pipeline-parallel sizes)"
         )
     sizes = _flags({f: saved[f] for f in PARALLEL_FIELDS})
+    only = (
+        "a zb-v checkpoint loads only into zb-v with the same tensor- and pipeline-parallel "
+        "sizes (resharding it is not supported)"
+    )
     if config.schedule != "zb-v":
-        raise ConfigError(
-            f"{where} ({sizes}) and this run uses {config.schedule}; a zb-v checkpoint loads "
-            "only into zb-v with the same tensor- and pipeline-parallel sizes (resharding it is "
-            "not supported)"
-        )
+        raise ConfigError(f"{where} ({sizes}) and this run uses {config.schedule}; {only}")
     if any(saved[f] != getattr(config, f) for f in PARALLEL_FIELDS):
         mine = _flags({f: getattr(config, f) for f in PARALLEL_FIELDS})
-        raise ConfigError(
-            f"{where} at {sizes}, and this run has {mine}; a zb-v checkpoint loads only into "
-            "zb-v with the same tensor- and pipeline-parallel sizes (resharding it is not "
-            "supported)"
-        )
+        raise ConfigError(f"{where} at {sizes}, and this run has {mine}; {only}")
 
 
 __all__ = [
