@@ -44,8 +44,9 @@ def _stream_dtypes(
     return seen
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize(
+# Each norm kind, and how many outputs _stream_dtypes sees with it: the 3 blocks' and, unless
+# fused (no module runs), their 2 norms each and the final one.
+NORMS = pytest.mark.parametrize(
     "norms",
     [
         dict(normalization="layernorm"),
@@ -54,11 +55,18 @@ def _stream_dtypes(
     ],
     ids=["layernorm", "fused-layernorm", "rmsnorm"],
 )
+
+
+def _outputs(norms: dict) -> int:
+    return 3 if norms.get("fused_layer_norm") else 3 + 7
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@NORMS
 def test_the_stream_is_autocasts_type_unless_fp32_residual_connection(precision, norms):
     kw = dict(TINY, **norms)
     half = HALF[precision]
-    # 3 blocks, and unless fused 2 norms in each and the final one.
-    seen = 3 if norms.get("fused_layer_norm") else 3 + 7
+    seen = _outputs(norms)
     assert _stream_dtypes(GPTConfig(**kw), half) == [half] * seen
     # The fp32 stream's norms give fp32 (on CPU autocast leaves LayerNorm alone; on CUDA it
     # runs it in fp32), and so does RMSNorm's scale by its fp32 weight.
@@ -68,15 +76,12 @@ def test_the_stream_is_autocasts_type_unless_fp32_residual_connection(precision,
     assert _stream_dtypes(GPTConfig(**kw), None) == [torch.float32] * seen
 
 
-@pytest.mark.parametrize("norms", [dict(normalization="layernorm"),
-                                   dict(normalization="layernorm", fused_layer_norm=True),
-                                   dict(normalization="rmsnorm")],
-                         ids=["layernorm", "fused-layernorm", "rmsnorm"])  # fmt: skip
+@NORMS
 def test_16_bit_weights_keep_the_fp32_stream_when_asked(norms):
     # --half-weights looks up 16-bit embeddings: --fp32-residual-connection casts them to fp32
     # (as Megatron-LM's embedding does), and the norms take their 16-bit weights to it.
     kw = dict(TINY, **norms)
-    seen = 3 if norms.get("fused_layer_norm") else 3 + 7
+    seen = _outputs(norms)
     wide = GPTConfig(**kw, fp32_residual_connection=True)
     assert _stream_dtypes(wide, torch.bfloat16, half_weights=True) == [torch.float32] * seen
     narrow = _stream_dtypes(GPTConfig(**kw), torch.bfloat16, half_weights=True)
