@@ -1,7 +1,8 @@
 """megart export-hf: a training checkpoint to a Hugging Face directory, in one process.
 
-The checkpoint may come from any tensor- and pipeline-parallel layout (interleaved too): its
-files are merged here, with no launcher and no process group.
+The checkpoint may come from any tensor- and pipeline-parallel layout (interleaved too) and
+any --ckpt-format megart train writes (megart, torch, torch_dist): its files are merged here,
+with no launcher and no process group.
 
     megart export-hf --load CHECKPOINT_DIR --output HF_DIR [--iteration N]
         [--dtype {float32,bfloat16,float16}] [--max-shard-size 5GB]

@@ -13,6 +13,7 @@ conversion as ``GPT.save_hf``.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from megart.models.hf_files import (
     special_token_ids,
     write_hf,
 )
-from megart.training import tokenizer_record
+from megart.training import megatron_dist, tokenizer_record
 from megart.training.checkpoint import chosen_iteration, iteration_dir, model_config
 from megart.training.shards import read_shards, whole_tensors
 
@@ -64,10 +65,24 @@ def export_checkpoint(
     directory generates text as it is; without it, the tokenizer the checkpoint records
     (megart.training.tokenizer_record) is, unless ``recorded_tokenizer`` is False. A missing
     checkpoint or file, a recorded tokenizer that cannot be loaded, or a model no format
-    can represent, is a ConfigError."""
+    can represent, is a ConfigError. A torch_dist store (``--ckpt-format torch_dist``) is
+    read whole, as convert-checkpoint reads Megatron-LM's, into a release checkpoint beside
+    ``output_dir`` that is removed after the export."""
     check_dtype(dtype)
     limit = parse_size(max_shard_size)
-    root = iteration_dir(load_dir, chosen_iteration(load_dir, iteration, "--iteration"))
+    iteration = chosen_iteration(load_dir, iteration, "--iteration")
+    root = iteration_dir(load_dir, iteration)
+    if megatron_dist.is_dist_checkpoint(root):
+        # A store of whole tensors (megart train --ckpt-format torch_dist, or Megatron-LM's):
+        # read as convert-checkpoint --from megatron reads it, through a release checkpoint.
+        from megart.training.megatron_checkpoint import megatron_to_megart
+
+        Path(output_dir).parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=Path(output_dir).parent) as tmp:
+            megatron_to_megart(load_dir, tmp, iteration)
+            return export_checkpoint(
+                tmp, output_dir, None, dtype, max_shard_size, tokenizer_model, recorded_tokenizer
+            )
     shards = read_shards(root)
     cfg = model_config(shards[0, 0])
     fmt = writer(cfg)

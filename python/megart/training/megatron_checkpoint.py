@@ -131,10 +131,14 @@ def first_rank_file(root: Path) -> Path | None:
     return found[0] if found else None
 
 
-def saved_args(load_dir: str | os.PathLike) -> tuple[dict[str, Any], Path, int]:
-    """Megatron-LM's args (``vars``), the iteration directory and the iteration of the latest
-    Megatron-LM checkpoint in ``load_dir``, legacy or torch_dist."""
-    iteration = required_latest_iteration(load_dir, " (Megatron-LM's checkpoint)")
+def saved_args(
+    load_dir: str | os.PathLike, iteration: int | None = None
+) -> tuple[dict[str, Any], Path, int]:
+    """Megatron-LM's args (``vars``), the iteration directory and the iteration of the
+    Megatron-LM checkpoint of ``iteration`` (default: the latest) in ``load_dir``, legacy or
+    torch_dist."""
+    if iteration is None:
+        iteration = required_latest_iteration(load_dir, " (Megatron-LM's checkpoint)")
     root = iteration_dir(load_dir, iteration)
     if megatron_dist.is_dist_checkpoint(root):
         return vars(megatron_dist.read_common(root)["args"]), root, iteration
@@ -173,10 +177,13 @@ def _merged(a: dict[str, Any], root: Path, iteration: int) -> tuple[GPTConfig, d
     return cfg, model, iteration
 
 
-def megatron_to_megart(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> Path:
-    """The latest Megatron-LM checkpoint in ``load_dir`` as a megart release checkpoint
-    (weights only; --load reshards it to any layout and starts at iteration 0)."""
-    a, root, iteration = saved_args(load_dir)
+def megatron_to_megart(
+    load_dir: str | os.PathLike, save_dir: str | os.PathLike, iteration: int | None = None
+) -> Path:
+    """The Megatron-LM checkpoint of ``iteration`` (default: the latest) in ``load_dir`` as a
+    megart release checkpoint (weights only; --load reshards it to any layout and starts at
+    iteration 0)."""
+    a, root, iteration = saved_args(load_dir, iteration)
     cfg, model, _ = _merged(a, root, iteration)
     weights = from_megatron(model, cfg)
     tokenizer = tokenizer_record.record(a)  # what its args record
