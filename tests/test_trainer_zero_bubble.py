@@ -127,21 +127,3 @@ def test_bad_combinations_are_refused_with_what_fits(kw, world, message):
     with pytest.raises(ConfigError) as e:
         tw.tiny(**kw).check(world)
     assert message in str(e.value)
-
-
-def test_a_zb_v_checkpoint_loads_only_into_the_same_layout_and_schedule():
-    from megart.training.checkpoint import PARALLEL_FIELDS, _check_placement
-
-    zb_v = tw.tiny(**PP2, pipeline_schedule="zb-v")
-    saved = {f: getattr(zb_v, f) for f in PARALLEL_FIELDS} | {"pipeline_schedule": "zb-v"}
-    _check_placement("ckpt", saved, zb_v)  # the same: loads
-    _check_placement("ckpt", dict(saved, pipeline_schedule="1f1b"), tw.tiny(**PP2))
-    for config in (
-        tw.tiny(**PP2),
-        tw.tiny(pipeline_model_parallel_size=1, pipeline_schedule="zb-v"),
-    ):
-        with pytest.raises(ConfigError, match="a zb-v checkpoint loads only into zb-v"):
-            _check_placement("ckpt", saved, config)
-    # The other way: a zb-v run is told which schedule resumes the checkpoint.
-    with pytest.raises(ConfigError, match="this run uses zb-v, .* --pipeline-schedule 1f1b"):
-        _check_placement("ckpt", dict(saved, pipeline_schedule="1f1b"), zb_v)

@@ -14,7 +14,8 @@ iteration, the learning rate and --rampup-batch-size's batch of the consumed sam
 also holds the model's whole GPTConfig, each chunk's layer ids and the parameter each
 optimizer state belongs to, so that the files can be merged into one model without the
 training flags (megart.training.shards): megart.training.export_hf writes it out, and ``load``
-reshards a checkpoint of another tensor/pipeline layout (megart.training.reshard). Checkpoints
+reshards a checkpoint of another tensor/pipeline layout (megart.training.reshard), whatever
+places the layers (zb-v's V too: the files say which layers each chunk holds). Checkpoints
 from before those were saved hold a GPT-2-architecture model (the Trainer built no other) and
 the Trainer's optimizer order.
 """
@@ -52,37 +53,6 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
 )
 from megart.training.megatron_args import args_record
 from megart.training.megatron_scheduler import check_scheduler
-
-
-def _flags(values: dict[str, Any]) -> str:
-    """Fields as the command line spells them, those left unset out."""
-    return " ".join(f"--{f.replace('_', '-')} {v}" for f, v in values.items() if v is not None)
-
-
-def _check_placement(directory: str | os.PathLike, saved: dict, config: Any) -> None:
-    """zb-v places its chunks in a V, which resharding does not know: such a checkpoint loads
-    only into the same layout and schedule, and a zb-v run loads only such a checkpoint."""
-    was = saved.get("pipeline_schedule", "1f1b")  # saved before schedules were recorded
-    if "zb-v" not in (was, config.schedule):
-        return
-    where = f"--load {directory} was saved with --pipeline-schedule {was}"
-    if was != "zb-v":
-        raise ConfigError(
-            f"{where} and this run uses zb-v, which places its chunks in a V that resharding "
-            f"does not know; resume with --pipeline-schedule {was} (zb-v runs load only zb-v "
-            "checkpoints of their own tensor- and pipeline-parallel sizes)"
-        )
-    sizes = _flags({f: saved[f] for f in PARALLEL_FIELDS})
-    only = (
-        "a zb-v checkpoint loads only into zb-v with the same tensor- and pipeline-parallel "
-        "sizes (resharding it is not supported)"
-    )
-    if config.schedule != "zb-v":
-        raise ConfigError(f"{where} ({sizes}) and this run uses {config.schedule}; {only}")
-    if any(saved[f] != getattr(config, f) for f in PARALLEL_FIELDS):
-        mine = _flags({f: getattr(config, f) for f in PARALLEL_FIELDS})
-        raise ConfigError(f"{where} at {sizes}, and this run has {mine}; {only}")
-
 
 __all__ = [
     "FILE",
@@ -140,7 +110,6 @@ def load(
     load_optim = not (finetune or config.no_load_optim)
     load_rng = not (finetune or config.no_load_rng)
     _check_saved_parts(directory, state, load_optim, load_rng)
-    _check_placement(directory, state["config"], config)
     if load_optim and state.get("opt_param_scheduler") is not None:  # written by Megatron-LM
         check_scheduler(state["opt_param_scheduler"], config, directory)
     if reshard.needed(state, config, chunks):
