@@ -368,6 +368,16 @@ def test_export_with_the_tokenizer_gives_a_directory_that_generates(one_process,
     assert not (tmp_path / "x").exists()
 
 
+def test_an_export_without_a_tokenizer_names_no_token_outside_its_vocabulary(one_process, tmp_path):
+    # GPT2Config's default bos/eos is 50256, GPT-2's <|endoftext|>: no token of a 256-token
+    # model, which transformers warns of and generation would wait for.
+    ckpt, _ = one_process
+    out = export_checkpoint(ckpt, tmp_path / "hf", recorded_tokenizer=False)
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.vocab_size == 256
+    assert (config.bos_token_id, config.eos_token_id) == (None, None)
+
+
 def test_an_export_that_fails_leaves_the_directory_as_it_was(one_process, tmp_path, monkeypatch):
     import megart.training.export_hf as export_hf
 

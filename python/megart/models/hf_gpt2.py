@@ -135,6 +135,9 @@ def hf_tensors(
         yield "transformer." + theirs, w
 
 
+GPT2_EOD = 50256  # GPT-2's <|endoftext|>, GPT2Config's bos_token_id and eos_token_id
+
+
 def hf_config(cfg: GPTConfig) -> dict[str, Any]:
     """GPT-2's config.json for ``cfg``."""
     return {
@@ -155,4 +158,8 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": True,
         "torch_dtype": "float32",
+        # GPT2Config's default bos/eos is GPT-2's <|endoftext|>, 50256: outside a smaller
+        # vocabulary it is no token (transformers warns, and generation would stop at none).
+        # An export with a tokenizer writes the tokenizer's ids over these.
+        **({} if cfg.vocab_size > GPT2_EOD else {"bos_token_id": None, "eos_token_id": None}),
     }
