@@ -7,14 +7,16 @@ megart's one-line reason, or ERROR) and exits 1 if any combination mismatched or
     python tests/sweep.py precision --seed 31 --count 40 # the same under bf16/fp16 flags
     python tests/sweep.py resume --seed 17 --count 40    # save in one layout, resume in another
     python tests/sweep.py memory --seed 23 --count 40    # megart plan's memory against ranks
+    python tests/sweep.py hf --seed 5 --count 40         # export-hf and import-hf (sweep_hf)
 
 A layout is up to 4 ranks of tensor, pipeline (1f1b, interleaved, zb-h1, zb-v, uneven
 stages), context (p2p, all_gather, a2a) and data parallelism (distributed optimizer, overlapped
 reduction); a model variant mixes SwiGLU, grouped queries, rope, RMSNorm, untied output,
 no biases, --qk-layernorm, a sliding window, recomputation and the fused loss (memory: the
-small GPTs of test_plan_memory). On 2026-11-29 these sweeps found six bugs (git log: "found
-by a random ... sweep"). REFUSED lines are expected (layouts a batch or layer count does not
-allow); read them for unclear messages.
+small GPTs of test_plan_memory; hf: a model of a Hugging Face family, see sweep_hf). On
+2026-11-29 these sweeps found six bugs (git log: "found by a random ... sweep"). REFUSED
+lines are expected (layouts a batch or layer count does not allow); read them for unclear
+messages.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from megart.launcher import launch  # noqa: E402
 # runs round differently per layout (up to 6.1e-5 over 76 accepted combinations, 2026-11-29).
 # memory: megart plan's saved activations against what real ranks hold (relative; parameter,
 # gradient and optimizer bytes must be equal), test_plan_memory's bound.
-TOLERANCE = {"curves": 1e-5, "precision": 2e-2, "resume": 1e-5, "memory": 1e-2}
+# hf: the curve of an imported export in another layout (its logits: sweep_hf.LOGITS).
+TOLERANCE = {"curves": 1e-5, "precision": 2e-2, "resume": 1e-5, "memory": 1e-2, "hf": 1e-5}
 
 
 def _model(rng: random.Random) -> dict:
@@ -191,10 +194,12 @@ def one(rng: random.Random, mode: str) -> str:
     """Runs one drawn combination; its verdict line."""
     if mode == "memory":
         return memory_verdict(rng)
+    if mode == "hf":
+        import sweep_hf
+
+        return sweep_hf.verdict(rng, _layout, launch, judge, _failed)
     ranks, base, layout = draw(rng, mode)
     resume = mode == "resume"
-    if resume and layout.get("pipeline_schedule") == "zb-v":  # documented: not reshardable
-        return f"SKIP a zb-v store {layout}"
     base["train_iters"] = 4 if resume else 2
     store = tempfile.mkdtemp() if resume else None
     try:

@@ -1,0 +1,122 @@
+"""tests/sweep.py's hf mode: a model of a Hugging Face family, trained in a drawn layout and
+checkpoint format, exported by megart export-hf, must be the model one process trains (its
+transformers logits those of the one-process run's live GPT.save_hf export); megart's
+GPT.from_hf must give transformers' logits; and the export, imported by megart import-hf (as
+one file or as a drawn layout's files), must train in another drawn layout as the one-process
+import of the live export does."""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+import torch
+
+import train_workers as tw
+
+# Of logits, relative to the largest: two fp32 layouts' weights after two steps differ by
+# reordered sums (about 1e-7 relative); transformers and megart compute attention and GeLU
+# with different arithmetic.
+LOGITS = 1e-5
+
+
+def family(rng: random.Random) -> tuple[str, dict]:
+    """(a Hugging Face family, megart train's model flags of one of its models)."""
+    name = rng.choice(["gpt2", "llama", "qwen3", "qwen2", "mistral"])
+    model: dict = dict(num_layers=rng.choice([4, 8]))
+    if rng.random() < 0.2:
+        model["vocab_size"] = 300  # padded to the tensor-parallel multiple
+    if name == "gpt2":
+        return name, model
+    model.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True)
+    if rng.random() < 0.5:
+        model.update(group_query_attention=True, num_query_groups=rng.choice([1, 2]))
+    if rng.random() < 0.5:
+        model["untie_embeddings_and_output_weights"] = True
+    if name == "llama":
+        model["disable_bias_linear"] = rng.random() < 0.7
+        return name, model
+    model["disable_bias_linear"] = True
+    if name == "qwen3":
+        model["qk_layernorm"] = True
+    if name == "qwen2":
+        model["add_qkv_bias"] = True
+    if name == "mistral" or rng.random() < 0.3:
+        model["window_size"] = rng.choice(["5,0", "3,0"])
+        if name != "mistral" and rng.random() < 0.5:
+            model["window_attn_skip_freq"] = "2"
+    return name, model
+
+
+def logits(hf_dir: Path, megart: bool = False) -> torch.Tensor:
+    """The logits of transformers' model in ``hf_dir`` (or megart's GPT.from_hf of it) on
+    fixed tokens."""
+    import transformers
+
+    from megart.models import GPT
+
+    transformers.utils.logging.disable_progress_bar()
+
+    vocab = int(transformers.AutoConfig.from_pretrained(hf_dir).vocab_size)
+    x = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(3))
+    if megart:
+        model = GPT.from_hf(str(hf_dir)).eval()
+        with torch.no_grad():
+            return model(x)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        return model(x).logits
+
+
+def apart(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _live_export(kw: dict, hf_dir: str) -> dict:
+    return tw.weights_after_training(kw, hf_dir)
+
+
+def verdict(rng: random.Random, draw_layout, launch, judge, failed) -> str:
+    """One drawn case's line (tests/sweep.py's verdicts): ``draw_layout(rng, layers)`` gives
+    (ranks, flags, data-parallel size); ``judge`` compares loss curves."""
+    from megart.training.export_hf import export_checkpoint
+    from megart.training.import_hf import import_checkpoint
+
+    name, model = family(rng)
+    ranks, layout, dp = draw_layout(rng, model["num_layers"])
+    micro = rng.choice([1, 2])
+    model.update(micro_batch_size=micro, global_batch_size=micro * dp * 4, train_iters=2)
+    fmt = rng.choice(["megart", "torch", "torch_dist"])
+    what = f"{name} {model} {fmt} {layout}"
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        try:
+            launch(_live_export, 1, model, str(root / "live"), timeout=300)
+            save = dict(model, **layout, save=str(root / "ckpt"), ckpt_format=fmt)
+            launch(tw.train_kw, ranks, save, timeout=300)
+            export_checkpoint(root / "ckpt", root / "hf")
+            want = logits(root / "live")
+            got, ours = logits(root / "hf"), logits(root / "hf", megart=True)
+            off = apart(got, want)
+            if max(off, apart(ours, got)) > LOGITS:
+                return (
+                    f"MISMATCH logits {off:.1e} (export against one process), "
+                    f"{apart(ours, got):.1e} (megart against transformers) {ranks} ranks {what}"
+                )
+            # The export back in: another layout, as one file or as that layout's files.
+            ranks, layout, _ = draw_layout(rng, model["num_layers"])
+            split = rng.random() < 0.5
+            shape = dict(
+                tp=layout["tensor_model_parallel_size"], pp=layout["pipeline_model_parallel_size"]
+            )
+            what += f"; imported {f'as {shape}' if split else 'as one file'} into {layout}"
+            import_checkpoint(root / "hf", root / "in", 16, **(shape if split else {}))
+            import_checkpoint(root / "live", root / "in-live", 16)
+            tune = dict(model, global_batch_size=micro * 2 * 4, lr_warmup_iters=0)
+            straight = launch(tw.train_kw, 1, dict(tune, load=str(root / "in-live")), timeout=300)
+            tune.update(layout, load=str(root / "in"))
+            histories = launch(tw.train_kw, ranks, tune, timeout=300)
+        except Exception as e:  # noqa: BLE001 (every failure is a verdict, printed)
+            return failed(e, f"{ranks} ranks {what}")
+    return f"{judge(histories, straight[0], 'hf')} (logits {off:.1e}) {ranks} ranks {what}"
