@@ -165,7 +165,11 @@ def test_convert_checkpoint_writes_target_uneven_stages(tmp_path, capsys):
 
     capsys.readouterr()
     bad = tmp_path / "bad"
-    train_text = "leave 3 of --num-layers 6 layers for the 2 middle pipeline stage(s)"
+    train_text = (
+        "leave 3 of --num-layers 6 layers for the other 2 pipeline stage(s), which hold them "
+        "evenly: 3 is not a positive multiple of 2 stage(s) = 2; use "
+        "--decoder-first-pipeline-num-layers 2, or --decoder-last-pipeline-num-layers 1 or 3"
+    )
     zero = "--decoder-first-pipeline-num-layers 0 must be at least 1"
     for flags, text in (
         (["--target-pipeline-parallel-size", "4", first, "1", last, "2"], train_text),

@@ -119,7 +119,7 @@ def test_uneven_examples_match_megatron_core(n, pp, vp, first, last):
     [
         (10, 4, 1, 0, 3, "--decoder-first-pipeline-num-layers 0 must be at least 1"),
         (10, 4, 2, 3, 3, "divisible by the 2 model chunks"),
-        (10, 4, 1, 2, 3, "leave 5 of --num-layers 10 layers for the 2 middle"),
+        (10, 4, 1, 2, 3, "leave 5 of --num-layers 10 layers for the other 2 pipeline stage(s)"),
         (8, 2, 1, 3, 4, "must add up to --num-layers 8"),
         (4, 3, 1, 3, 3, "leave -2 of"),
         (4, 2, 2, 2, 2, "no middle stage"),
@@ -132,6 +132,34 @@ def test_refusals_name_the_flags(n, pp, vp, first, last, says):
     with pytest.raises(ConfigError, match="decoder-") as e:
         cfg.check_layout(pp=pp, chunks=vp, first=first, last=last)
     assert says in str(e.value)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(2, 24),
+    pp=st.integers(2, 6),
+    vp=st.integers(1, 3),
+    first=st.none() | st.integers(1, 12),
+    last=st.none() | st.integers(1, 12),
+)
+def test_the_values_a_refusal_suggests_fit_megart_and_megatron_core(n, pp, vp, first, last):
+    """Where the other stages cannot hold the layers left evenly, each value the refusal names
+    for a flag (the other kept) is a layout both megart and Megatron-Core accept."""
+    cfg = GPTConfig(num_layers=n, hidden_size=8, num_attention_heads=1, vocab_size=16)
+    try:
+        cfg.check_layout(pp=pp, chunks=vp, first=first, last=last)
+        return
+    except ConfigError as e:
+        text = str(e)
+    if "pipeline stage(s), which hold them evenly" not in text or "; use " not in text:
+        return
+    for option in text.split("; use ")[1].split(", or "):
+        flag, values = option.split(" ", 1)
+        for value in map(int, values.split(" or ")):
+            ends = dict(first=first, last=last)
+            ends["first" if "first" in flag else "last"] = value
+            cfg.check_layout(pp=pp, chunks=vp, **ends)  # accepted
+            assert megatron_ranges(n, pp, vp, ends["first"], ends["last"]) is not None
 
 
 def test_zb_v_refuses_uneven_stages():

@@ -110,8 +110,30 @@ def check_stages(
     unit = middle_ranks * chunks  # the middle layers must fill these chunks evenly
     if middle < unit or middle % unit:
         need = "" if chunks == 1 else f" x {chunks} model chunks per rank"
+        verb = "leave" if first is not None and last is not None else "leaves"
         raise ConfigError(
-            f"{given} leave {middle} of --num-layers {num_layers} layers for the "
-            f"{middle_ranks} middle pipeline stage(s); that must be a positive multiple of "
-            f"{middle_ranks} stage(s){need} = {unit}: change the flags so that it is"
+            f"{given} {verb} {middle} of --num-layers {num_layers} layers for the other "
+            f"{middle_ranks} pipeline stage(s), which hold them evenly: {middle} is not a "
+            f"positive multiple of {middle_ranks} stage(s){need} = {unit}; "
+            f"{_fitting(num_layers, unit, chunks, first, last)}"
         )
+
+
+def _fitting(num_layers: int, unit: int, chunks: int, first: int | None, last: int | None) -> str:
+    """What check_stages suggests: for each flag given, the two values nearest to it (the other
+    kept) that leave the other stages a positive multiple of ``unit`` layers."""
+    options = []
+    for flag, n, other in ((FIRST, first, last), (LAST, last, first)):
+        if n is None:
+            continue
+        fits = [
+            v
+            for v in range(chunks, num_layers, chunks)
+            if (rest := num_layers - v - (other or 0)) >= unit and rest % unit == 0
+        ]
+        nearest = sorted(sorted(fits, key=lambda v: abs(v - n))[:2])
+        if nearest:
+            options.append(f"{flag} {' or '.join(map(str, nearest))}")
+    if not options:
+        return "change --num-layers or --pipeline-model-parallel-size"
+    return "use " + ", or ".join(options)
