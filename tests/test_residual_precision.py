@@ -155,3 +155,15 @@ def test_pipeline_messages_are_16_bit_and_both_streams_follow_their_one_process_
         ] * 3
         curves[wide] = [h["loss"] for h in one]
     assert curves[False] != curves[True]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_sequence_parallel_entries_gather_16_bit_elements_from_the_fp32_stream(tied):
+    """Under --fp32-residual-connection every column-parallel entry, the output layer's tied to
+    the embedding or not, takes the fp32 norm output to autocast's type before it gathers the
+    sequence (half the bytes; the products would cast it anyway)."""
+    kw = dict(bf16=True, fp32_residual_connection=True, tensor_model_parallel_size=2,
+              sequence_parallel=True, untie_embeddings_and_output_weights=not tied)  # fmt: skip
+    for dtypes in launch(tw.gathered_dtypes, 2, kw, timeout=300):
+        # Per layer q/k/v's and the MLP's entries, and the output layer's, in the forward.
+        assert len(dtypes) >= 2 * 4 + 1 and set(dtypes) == {"torch.bfloat16"}, dtypes

@@ -292,3 +292,22 @@ def saved_and_resumed(n_save: int, save: dict, n_run: int, run: dict, store: obj
     saving = holding(n_save, dict(save, train_iters=4, exit_interval=2, save=str(store)))
     resumed = holding(n_run, dict(run, train_iters=4, load=str(store)))
     return [r["trained"] for r in saving], resumed
+
+
+def gathered_dtypes(kw: dict) -> list[str]:
+    """The dtypes sequence parallelism's column entries gather over one training iteration
+    (megart.tensor_parallel.column_entry's all-gathers, in order)."""
+    from megart.tensor_parallel import column_entry
+
+    seen, gather = [], column_entry._all_gather
+
+    def recording(x, dim, group):  # noqa: ANN001, ANN202 (the wrapped function's own)
+        seen.append(str(x.dtype))
+        return gather(x, dim, group)
+
+    column_entry._all_gather = recording
+    try:
+        train(train_iters=1, **kw)
+    finally:
+        column_entry._all_gather = gather
+    return seen

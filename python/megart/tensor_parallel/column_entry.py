@@ -77,7 +77,16 @@ def enter_column_region(
     """The input of column-parallel products as they multiply it (the same tensor, or with
     ``sequence_parallel`` this rank's slice of dimension 0 gathered over ``group``), and the
     slot those products leave their dW in (weight_grad.linear's ``slot``); None alone, where
-    there is no collective to overlap."""
+    there is no collective to overlap.
+
+    Under autocast the input enters in its 16-bit type, which the products would each cast it
+    to: an fp32 residual stream's norm output (--fp32-residual-connection) then gives SwiGLU's
+    gate and up one saved 16-bit copy, not one each, and sequence parallelism gathers (and its
+    backward reduce-scatters) 16-bit elements, as with a 16-bit stream: for every column-parallel
+    entry, the tied output layer's included."""
+    device = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
     if group_size(group) == 1:
         return x, None
     slot = WeightGradSlot()

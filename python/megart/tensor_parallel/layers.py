@@ -148,14 +148,8 @@ class ColumnParallelLinear(nn.Module):
         leave their weight gradients, computed while that collective is in flight
         (column_entry). Column-parallel layers that read one input (as SwiGLU's gate and up
         projections do) can share one entry, and so one collective each way and one saved copy,
-        as Megatron-Core's fused linear_fc1 has.
-
-        Under autocast the input enters in its 16-bit type (the products would each cast it):
-        an fp32 residual stream's norm output then gives SwiGLU's two products one saved
-        16-bit copy, not one each, and sequence parallelism gathers 16-bit elements."""
-        device = x.device.type
-        if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
-            x = x.to(torch.get_autocast_dtype(device))
+        as Megatron-Core's fused linear_fc1 has. Under autocast the input enters in its 16-bit
+        type (enter_column_region)."""
         return enter_column_region(x, self.tp_group, self.sequence_parallel)
 
     def forward(
