@@ -119,6 +119,28 @@ def test_megatrons_scheduler_state_must_match_the_flags(runs, change, flag):
     check_scheduler(saved, tw.tiny(**r["kw"]), r["dir"])  # the flags that wrote it
     with pytest.raises(ConfigError, match=flag):
         check_scheduler(saved, tw.tiny(**{**r["kw"], **change}), r["dir"])
+    # Megatron's --override-opt_param-scheduler: the flags' schedule is taken instead.
+    overriding = {**r["kw"], **change, "override_opt_param_scheduler": True}
+    check_scheduler(saved, tw.tiny(**overriding), r["dir"])
+
+
+def test_override_opt_param_scheduler_resumes_on_the_flags_schedule(runs):
+    """A longer run resumed from Megatron-Core's checkpoint: refused as it was written (the
+    decay follows --train-iters), and with the override its learning rates are those of a run
+    given the new flags from the start, at the saved iteration on."""
+    import train_workers as tw
+
+    r = runs["gpt2", 1]
+    longer = {**r["kw"], "train_iters": 7}
+    with pytest.raises(Exception, match="--override-opt_param-scheduler"):
+        launch(tw.train_kw, 1, {**longer, "load": r["dir"]}, timeout=300)
+    override = {**longer, "load": r["dir"], "override_opt_param_scheduler": True}
+    resumed = launch(tw.train_kw, 1, override, timeout=300)[0]
+    straight = launch(tw.train_kw, 1, longer, timeout=300)[0]
+    assert [h["iteration"] for h in resumed] == [4, 5, 6, 7]
+    assert [h["lr"] for h in resumed] == pytest.approx([h["lr"] for h in straight[3:]])
+    # Not the schedule the checkpoint was saved with (decaying to --min-lr by iteration 5).
+    assert [h["lr"] for h in resumed[:2]] != pytest.approx([h["lr"] for h in r["straight"][3:]])
 
 
 @pytest.mark.parametrize("tp", [1, 2])

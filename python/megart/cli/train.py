@@ -26,7 +26,10 @@ from megart.training.megatron_flags import FUSIONS_OFF
 from megart.training.megatron_refusals import refusal
 
 # Other names Megatron-LM has used for a flag.
-ALIASES = {"layernorm_epsilon": ["--norm-epsilon"]}
+ALIASES = {
+    "layernorm_epsilon": ["--norm-epsilon"],
+    "override_opt_param_scheduler": ["--override-opt_param-scheduler"],  # Megatron's spelling
+}
 # Flags that take a fixed number of values.
 # --cp-comm-type takes Megatron's per-layer list too (one kind per layer); megart's layers all
 # use one kind, so a list must repeat it (config_from_args).
@@ -50,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             if f.name in ON_BY_DEFAULT:  # Megatron's switch for what megart does by default
                 p.add_argument(flag, dest=f.name, action="store_true", help=argparse.SUPPRESS)
         elif f.type in ("bool", bool):
-            p.add_argument(flag, dest=f.name, action="store_true", help=HELP[f.name])
+            spellings = [flag, *ALIASES.get(f.name, [])]
+            p.add_argument(*spellings, dest=f.name, action="store_true", help=HELP[f.name])
         elif f.type == "bool | None":  # a switch whose default the config resolves: unset
             p.add_argument(
                 flag,

@@ -185,6 +185,9 @@ HELP = {
     "ckpt_step": "load --load's checkpoint of iteration N (iter_000000N) instead of its latest",
     "exit_on_missing_checkpoint": "stop with an error when --load holds no checkpoint, instead "
     "of starting from scratch",
+    "override_opt_param_scheduler": "resume a Megatron-LM checkpoint (--ckpt-format torch or "
+    "torch_dist) whose saved learning-rate schedule differs from these flags, following the "
+    "flags (Megatron-LM's --override-opt_param-scheduler; without it a difference is refused)",
     "no_load_optim": "do not load the optimizer state (nor the fp16 loss scale) from --load",
     "no_load_rng": "do not load the random streams from --load (start them from --seed)",
     "finetune": "load only the model weights from --load and start at iteration 0 (fresh "

@@ -273,6 +273,10 @@ class TrainConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    # Megatron's --override-opt_param-scheduler: a Megatron-LM checkpoint's saved learning-rate
+    # schedule (lr, warm-up, decay iterations and style, weight decay) may differ from this
+    # run's flags, which the schedule follows (megart's own format always takes the flags).
+    override_opt_param_scheduler: bool = False
     # Megatron's: where --load holds no checkpoint yet (a restartable fine-tuning job's first
     # run), this checkpoint's weights, from iteration 0, as --finetune.
     pretrained_checkpoint: str | None = None

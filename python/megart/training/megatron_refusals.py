@@ -143,10 +143,6 @@ REFUSED: dict[str, str] = {
     "--lr-wsd-decay-style": "megart's --lr-decay-style has no WSD; " + _LEAVE,
     "--lr-wsd-decay-iters": "megart's --lr-decay-style has no WSD; " + _LEAVE,
     "--lr-wsd-decay-samples": "megart's --lr-decay-style has no WSD; " + _LEAVE,
-    "--override-opt_param-scheduler": "megart's schedule always follows this run's flags; "
-    + _LEAVE,
-    "--override-opt-param-scheduler": "megart's schedule always follows this run's flags; "
-    + _LEAVE,
     "--use-checkpoint-opt_param-scheduler": "megart's schedule follows this run's flags, not "
     "the checkpoint's; " + _LEAVE,
     "--use-checkpoint-opt-param-scheduler": "megart's schedule follows this run's flags, not "

@@ -59,8 +59,11 @@ _SCHEDULER_FLAGS = {
 
 def check_scheduler(saved: dict[str, Any], config: Any, directory: Any) -> None:
     """Refuses to resume Megatron's scheduler ``saved`` under flags that give other values, as
-    its load_state_dict does by default (megart has neither --override-opt_param-scheduler nor
-    --use-checkpoint-opt_param-scheduler), naming the flag."""
+    its load_state_dict does by default, naming the flag; with --override-opt_param-scheduler
+    the flags' schedule is taken, as Megatron's override takes it (megart has no
+    --use-checkpoint-opt_param-scheduler)."""
+    if config.override_opt_param_scheduler:
+        return
     now = scheduler_state(config, 0)
     for key, (names, flag) in _SCHEDULER_FLAGS.items():
         was = next((saved[n] for n in names if n in saved), None)
@@ -73,5 +76,6 @@ def check_scheduler(saved: dict[str, Any], config: Any, directory: Any) -> None:
             raise ConfigError(
                 f"--load {directory}: Megatron-LM's scheduler state was saved with {key} {was} "
                 f"and this run's flags give {now[key]}; set {flag} as the run that wrote it "
-                "did (Megatron-LM refuses the same unless told to override it)"
+                "did, or give --override-opt_param-scheduler to follow this run's flags (as "
+                "Megatron-LM)"
             )
