@@ -94,7 +94,7 @@ def test_layouts_the_model_cannot_take_are_refused():
     with pytest.raises(
         ConfigError,
         match=r"4 attention heads do not split over tensor-parallel "
-        r"size 3 \(use one of \[1, 2, 4\]\)",
+        r"size 3 \(use tensor-parallel size 1, 2 or 4\)",
     ):
         GPTConfig(hidden_size=32, num_attention_heads=4).check_layout(tp=3)
     with pytest.raises(ConfigError, match="12 layers do not split into 5 pipeline stages"):

@@ -304,7 +304,7 @@ def test_gpt_config_refuses_groups_that_do_not_fit():
     with pytest.raises(
         ConfigError,
         match=r"^2 query groups \(--num-query-groups\) of 4 attention heads do not split over "
-        r"tensor-parallel size 4 \(use one of \[1, 2\]\)$",
+        r"tensor-parallel size 4 \(use tensor-parallel size 1 or 2\)$",
     ):
         cfg.check_layout(tp=4)
     # Multi-head attention keeps its message.

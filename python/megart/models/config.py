@@ -311,11 +311,14 @@ class GPTConfig:
             what = (
                 f"{heads} attention heads"
                 if groups == heads
-                else f"{groups} query groups (--num-query-groups) of {heads} attention heads"
+                else f"{groups} query group{'s' * (groups > 1)} (--num-query-groups) of {heads} "
+                "attention heads"
             )
+            *others, largest = divisors(groups)
+            sizes = f"{', '.join(map(str, others))} or {largest}" if others else str(largest)
             problems.append(
-                f"{what} do not split over tensor-parallel size {tp} (use one of "
-                f"{divisors(groups)})"
+                f"{what} do not split over tensor-parallel size {tp} (use tensor-parallel size "
+                f"{sizes})"
             )
         if self.ffn_size % tp:
             problems.append(
