@@ -27,9 +27,15 @@ def family(rng: random.Random) -> tuple[str, dict]:
     model: dict = dict(num_layers=rng.choice([4, 8]))
     if rng.random() < 0.2:
         model["vocab_size"] = 300  # padded to the tensor-parallel multiple
+    if rng.random() < 0.2:
+        model["apply_layernorm_1p"] = True  # weights stored as weight - 1
     if name == "gpt2":
         return name, model
     model.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True)
+    for flag, value, chance in (("rotary_interleaved", True, 0.2), ("rotary_base", 500000, 0.3),
+                                ("use_rope_scaling", True, 0.2)):  # fmt: skip
+        if rng.random() < chance:
+            model[flag] = value
     if rng.random() < 0.5:
         model.update(group_query_attention=True, num_query_groups=rng.choice([1, 2]))
     if rng.random() < 0.5:
@@ -111,9 +117,13 @@ def verdict(rng: random.Random, draw_layout, launch, judge, failed) -> str:
                 tp=layout["tensor_model_parallel_size"], pp=layout["pipeline_model_parallel_size"]
             )
             what += f"; imported {f'as {shape}' if split else 'as one file'} into {layout}"
-            import_checkpoint(root / "hf", root / "in", 16, **(shape if split else {}))
-            import_checkpoint(root / "live", root / "in-live", 16)
+            # Hugging Face's rope turns halves: the import is such a model (megart's
+            # interleaved rotation is reordered into it); --apply-layernorm-1p is import-hf's too.
+            one_p = model.get("apply_layernorm_1p", False)
+            import_checkpoint(root / "hf", root / "in", 16, one_p, **(shape if split else {}))
+            import_checkpoint(root / "live", root / "in-live", 16, one_p)
             tune = dict(model, global_batch_size=micro * 2 * 4, lr_warmup_iters=0)
+            tune.pop("rotary_interleaved", None)
             straight = launch(tw.train_kw, 1, dict(tune, load=str(root / "in-live")), timeout=300)
             tune.update(layout, load=str(root / "in"))
             histories = launch(tw.train_kw, ranks, tune, timeout=300)
