@@ -8,12 +8,14 @@ megart's one-line reason, or ERROR) and exits 1 if any combination mismatched or
     python tests/sweep.py resume --seed 17 --count 40    # save in one layout, resume in another
     python tests/sweep.py memory --seed 23 --count 40    # megart plan's memory against ranks
     python tests/sweep.py hf --seed 5 --count 40         # export-hf and import-hf (sweep_hf)
+    python tests/sweep.py convert --seed 9 --count 40    # convert-checkpoint (sweep_convert)
 
 A layout is up to 4 ranks of tensor, pipeline (1f1b, interleaved, zb-h1, zb-v, uneven
 stages), context (p2p, all_gather, a2a) and data parallelism (distributed optimizer, overlapped
 reduction); a model variant mixes SwiGLU, grouped queries, rope, RMSNorm, untied output,
 no biases, --qk-layernorm, a sliding window, recomputation and the fused loss (memory: the
-small GPTs of test_plan_memory; hf: a model of a Hugging Face family, see sweep_hf). On
+small GPTs of test_plan_memory; hf: a model of a Hugging Face family, see sweep_hf; convert:
+checkpoints through convert-checkpoint, see sweep_convert). On
 2026-11-29 these sweeps found six bugs (git log: "found by a random ... sweep"). REFUSED
 lines are expected (layouts a batch or layer count does not allow); read them for unclear
 messages.
@@ -40,7 +42,9 @@ from megart.launcher import launch  # noqa: E402
 # memory: megart plan's saved activations against what real ranks hold (relative; parameter,
 # gradient and optimizer bytes must be equal), test_plan_memory's bound.
 # hf: the curve of an imported export in another layout (its logits: sweep_hf.LOGITS).
-TOLERANCE = {"curves": 1e-5, "precision": 2e-2, "resume": 1e-5, "memory": 1e-2, "hf": 1e-5}
+# convert: the fine-tuning curve of a converted checkpoint.
+TOLERANCE = {"curves": 1e-5, "precision": 2e-2, "resume": 1e-5, "memory": 1e-2, "hf": 1e-5,
+             "convert": 1e-5}  # fmt: skip
 
 
 def _model(rng: random.Random) -> dict:
@@ -198,6 +202,10 @@ def one(rng: random.Random, mode: str) -> str:
         import sweep_hf
 
         return sweep_hf.verdict(rng, _layout, launch, judge, _failed)
+    if mode == "convert":
+        import sweep_convert
+
+        return sweep_convert.verdict(rng, _model, _layout, launch, judge, _failed)
     ranks, base, layout = draw(rng, mode)
     resume = mode == "resume"
     base["train_iters"] = 4 if resume else 2

@@ -1,8 +1,9 @@
 """A few of tests/sweep.py's random combinations in every run of the suite (the sweep itself runs
 longer, by hand): a drawn layout, model variant and flags that megart train accepts follows the
 one-process loss curve, under 16-bit flags too, resumes in another layout from a store
-written in one, and goes through Hugging Face's format and back (sweep_hf). A refusal is a
-verdict too (a batch or layer count the layout cannot take); an error or a mismatch fails."""
+written in one, goes through Hugging Face's format and back (sweep_hf) and through
+convert-checkpoint (sweep_convert). A refusal is a verdict too (a batch or layer count the
+layout cannot take); an error or a mismatch fails."""
 
 from __future__ import annotations
 

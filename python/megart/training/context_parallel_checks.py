@@ -62,7 +62,8 @@ def check_heads_split(config: Any, cp: int) -> None:
                           ("query groups", groups, "--num-query-groups")):  # fmt: skip
         if n % cp:
             raise ConfigError(
-                f"--cp-comm-type a2a scatters each tensor-parallel rank's {n} {what} ({flag} / "
+                f"--cp-comm-type a2a scatters each tensor-parallel rank's {n} "
+                f"{what if n > 1 else what[:-1]} ({flag} / "
                 f"--tensor-model-parallel-size {config.tp}) over --context-parallel-size {cp}: "
                 f"they must divide by it; use --cp-comm-type p2p or all_gather, or {flag} a "
                 f"multiple of {cp * config.tp}"
