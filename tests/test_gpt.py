@@ -97,8 +97,17 @@ def test_layouts_the_model_cannot_take_are_refused():
         r"size 3 \(use tensor-parallel size 1, 2 or 4\)",
     ):
         GPTConfig(hidden_size=32, num_attention_heads=4).check_layout(tp=3)
-    with pytest.raises(ConfigError, match="12 layers do not split into 5 pipeline stages"):
+    with pytest.raises(
+        ConfigError,
+        match=r"12 layers do not split into 5 pipeline stages \(use pipeline size 1, 2, 3, 4, "
+        r"6 or 12, or uneven first/last stages\)",
+    ):
         GPTConfig().check_layout(pp=5)
+    # Each suggested size fits; interleaving (two chunks) suggests none under two stages.
+    with pytest.raises(ConfigError, match=r"x 2 chunks \(use pipeline size 2, 3 or 6, or"):
+        GPTConfig().check_layout(pp=4, chunks=2)
+    for pp in (2, 3, 6):
+        GPTConfig().check_layout(pp=pp, chunks=2)
     with pytest.raises(ConfigError, match="normalization='batchnorm'"):
         GPTConfig(normalization="batchnorm")
 

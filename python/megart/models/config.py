@@ -325,10 +325,19 @@ class GPTConfig:
                 f"the MLP size {self.ffn_size} does not split over tensor-parallel size {tp}"
             )
         if not uneven(first, last) and self.num_layers % (pp * chunks):
-            problems.append(
-                f"{self.num_layers} layers do not split into {pp} pipeline stages "
-                f"x {chunks} chunks (need a divisor of {self.num_layers})"
-            )
+            # Interleaving needs two stages or more, as in Megatron-LM.
+            fits = [
+                p
+                for p in divisors(self.num_layers)
+                if self.num_layers % (p * chunks) == 0 and (chunks == 1 or p > 1)
+            ]
+            where = "pipeline stages" if chunks == 1 else f"pipeline stages x {chunks} chunks"
+            use = "another --num-layers, or uneven first/last stages"
+            if fits:
+                *others, largest = fits
+                sizes = f"{', '.join(map(str, others))} or {largest}" if others else str(largest)
+                use = f"pipeline size {sizes}, or uneven first/last stages"
+            problems.append(f"{self.num_layers} layers do not split into {pp} {where} (use {use})")
         if problems:
             raise ConfigError("; ".join(problems))
 
