@@ -9,6 +9,7 @@ megart's one-line reason, or ERROR) and exits 1 if any combination mismatched or
     python tests/sweep.py memory --seed 23 --count 40    # megart plan's memory against ranks
     python tests/sweep.py hf --seed 5 --count 40         # export-hf and import-hf (sweep_hf)
     python tests/sweep.py convert --seed 9 --count 40    # convert-checkpoint (sweep_convert)
+    python tests/sweep.py hf-import --seed 3 --count 40  # transformers' models (sweep_hf)
 
 A layout is up to 4 ranks of tensor, pipeline (1f1b, interleaved, zb-h1, zb-v, uneven
 stages), context (p2p, all_gather, a2a) and data parallelism (distributed optimizer, overlapped
@@ -43,8 +44,9 @@ from megart.launcher import launch  # noqa: E402
 # gradient and optimizer bytes must be equal), test_plan_memory's bound.
 # hf: the curve of an imported export in another layout (its logits: sweep_hf.LOGITS).
 # convert: the fine-tuning curve of a converted checkpoint.
+# hf-import: the first loss of an imported transformers model against transformers' own.
 TOLERANCE = {"curves": 1e-5, "precision": 2e-2, "resume": 1e-5, "memory": 1e-2, "hf": 1e-5,
-             "convert": 1e-5}  # fmt: skip
+             "convert": 1e-5, "hf-import": 1e-5}  # fmt: skip
 
 
 def _model(rng: random.Random) -> dict:
@@ -202,6 +204,10 @@ def one(rng: random.Random, mode: str) -> str:
         import sweep_hf
 
         return sweep_hf.verdict(rng, _layout, launch, judge, _failed)
+    if mode == "hf-import":
+        import sweep_hf
+
+        return sweep_hf.import_verdict(rng, _layout, launch, _failed)
     if mode == "convert":
         import sweep_convert
 

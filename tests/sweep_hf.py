@@ -130,3 +130,79 @@ def verdict(rng: random.Random, draw_layout, launch, judge, failed) -> str:
         except Exception as e:  # noqa: BLE001 (every failure is a verdict, printed)
             return failed(e, f"{ranks} ranks {what}")
     return f"{judge(histories, straight[0], 'hf')} (logits {off:.1e}) {ranks} ranks {what}"
+
+
+def transformers_model(rng: random.Random):  # noqa: ANN201 (a transformers PreTrainedModel)
+    """transformers' own randomly initialised model of a drawn family and config."""
+    import transformers
+
+    name = rng.choice(["gpt2", "llama", "qwen2", "qwen3", "mistral"])
+    layers, vocab = rng.choice([2, 4]), rng.choice([256, 300])
+    torch.manual_seed(rng.randrange(1 << 16))
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=vocab, n_positions=rng.choice([16, 32]), n_embd=32, n_layer=layers,
+            n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            layer_norm_epsilon=rng.choice([1e-5, 1e-6]),
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    kw = dict(
+        vocab_size=vocab, hidden_size=rng.choice([32, 64]), intermediate_size=rng.choice([64, 96]),
+        num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=rng.choice([1, 2, 4]), max_position_embeddings=64,
+        rms_norm_eps=rng.choice([1e-5, 1e-6]), tie_word_embeddings=rng.random() < 0.5,
+        rope_theta=rng.choice([10000.0, 500000.0]),
+    )  # fmt: skip
+    if name == "llama":
+        kw.update(attention_bias=rng.random() < 0.3, mlp_bias=rng.random() < 0.3)
+        if rng.random() < 0.3:
+            kw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 16}  # fmt: skip
+    if name == "mistral" and rng.random() < 0.7:
+        kw["sliding_window"] = rng.choice([4, 6])
+    if name in ("qwen2", "qwen3") and rng.random() < 0.4:
+        kw.update(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    classes = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    prefix = classes[name]
+    config = getattr(transformers, f"{prefix}Config")(**kw)
+    return getattr(transformers, f"{prefix}ForCausalLM")(config)
+
+
+def import_verdict(rng: random.Random, draw_layout, launch, failed) -> str:
+    """tests/sweep.py's hf-import mode: transformers' own model of a drawn family and config,
+    imported by import-hf (one file or a drawn layout's files), loads in a drawn layout and
+    trains its first iteration at the loss transformers computes on that batch."""
+    from megart.training import checkpoint_args
+    from megart.training.import_hf import import_checkpoint
+
+    model = transformers_model(rng)
+    layers = (
+        model.config.num_hidden_layers
+        if hasattr(model.config, "num_hidden_layers")
+        else (model.config.n_layer)
+    )
+    ranks, layout, dp = draw_layout(rng, layers)
+    split = rng.random() < 0.5
+    shape = dict(tp=layout["tensor_model_parallel_size"], pp=layout["pipeline_model_parallel_size"])
+    micro = rng.choice([1, 2])
+    what = f"{model.config.to_diff_dict()} imported {f'as {shape}' if split else 'as one file'}"
+    what += f" into {layout}"
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        try:
+            model.save_pretrained(root / "hf")
+            import_checkpoint(root / "hf", root / "ckpt", 16, **(shape if split else {}))
+            kw = checkpoint_args.apply({"load": str(root / "ckpt")}, say=lambda _: None)
+            kw.update(layout, load=str(root / "ckpt"), train_iters=1, lr_warmup_iters=0,
+                      micro_batch_size=micro, global_batch_size=micro * dp * 4,
+                      hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+            runs = launch(tw.loaded_and_first_step, ranks, kw, timeout=300)
+        except Exception as e:  # noqa: BLE001 (every failure is a verdict, printed)
+            return failed(e, f"{ranks} ranks {what}")
+    _, history, (inputs, targets) = runs[0]
+    with torch.no_grad():
+        logits = model.eval()(inputs).logits
+    want = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    off = max(abs(h[0]["loss"] - want) / want for _, h, _ in runs)
+    return f"{'OK' if off < LOGITS else 'MISMATCH'} {off:.1e} {ranks} ranks {what}"

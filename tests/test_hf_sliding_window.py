@@ -271,6 +271,22 @@ def test_import_hf_of_a_windowed_qwen3_prints_the_layers_window(qwen3, tmp_path,
     assert (layers.window_size, layers.window_attn_skip_freq) == ((WINDOW - 1, 0), (0, 1, 1, 1))
 
 
+@pytest.mark.parametrize("model", ["mistral", "qwen3"])
+def test_use_checkpoint_args_takes_the_imported_window(model, request, tmp_path):
+    """import-hf says to train with --use-checkpoint-args: it takes the window the printed flags
+    give (Megatron-LM's takes neither flag); one given on the command line is kept."""
+    from megart.training import checkpoint_args
+
+    path = request.getfixturevalue(model)[0]
+    import_checkpoint(path, tmp_path / "ckpt", seq_length=16)
+    taken = checkpoint_args.apply({"load": str(tmp_path / "ckpt")}, say=lambda _: None)
+    layers = TrainConfig(**{k: v for k, v in taken.items() if k != "load"}).gpt_config()
+    skip = None if model == "mistral" else (0, 1, 1, 1)
+    assert (layers.window_size, layers.window_attn_skip_freq) == ((WINDOW - 1, 0), skip)
+    given = {"load": str(tmp_path / "ckpt"), "window_size": "1,0"}
+    assert checkpoint_args.apply(given, say=lambda _: None)["window_size"] == "1,0"
+
+
 def test_import_then_export_hf_gives_back_the_mistrals_files(mistral, tmp_path):
     path = mistral[0]
     import_checkpoint(path, tmp_path / "ckpt", tp=2)

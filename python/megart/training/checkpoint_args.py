@@ -29,6 +29,7 @@ from typing import Any
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
 from megart.models.stages import ends_of, uneven
+from megart.models.window import as_flag_text
 from megart.training import megatron_dist, tokenizer_record
 from megart.training.checkpoint import model_config
 from megart.training.checkpoint_dirs import NON_PERSISTENT_FLAGS, loads_pretrained, resume_dir
@@ -44,6 +45,10 @@ from megart.training.shards import layer_ids
 
 # TrainConfig fields set only where the command line left them unset (Megatron's force=False).
 SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length")
+# The sliding window, set where the command line left it unset: Megatron-LM takes neither flag
+# (megart's import-hf of a Mistral or windowed Qwen says to train with --use-checkpoint-args),
+# and a fine-tuning run may change it, as it changes no weight's meaning.
+WINDOW = ("window_size", "window_attn_skip_freq")
 # Set whatever the command line gave (Megatron's force=True), megart's rope and norm extras too.
 FORCED = (
     "num_query_groups",
@@ -146,7 +151,10 @@ def flags_from(
 ) -> list[tuple[str, Any, bool]]:
     """(TrainConfig field, the checkpoint's value, forced) for each flag to take."""
     rope = cfg.position_embedding == "rotary"
+    window_size, window_attn_skip_freq = as_flag_text(cfg.window_size, cfg.window_attn_skip_freq)
     values: dict[str, Any] = dict(
+        window_size=window_size,
+        window_attn_skip_freq=window_attn_skip_freq,
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_size,
@@ -173,7 +181,8 @@ def flags_from(
         attention_dropout=a.get("attention_dropout", MISSING),
         hidden_dropout=a.get("hidden_dropout", MISSING),
     )
-    out = [(f, values[f], False) for f in SIZES] + [(f, values[f], True) for f in FORCED]
+    out = [(f, values[f], False) for f in SIZES + WINDOW]
+    out += [(f, values[f], True) for f in FORCED]
     # What depends on a size the command line gave is left to it: megart's position table is
     # --seq-length long, its head size --hidden-size / --num-attention-heads.
     if "seq_length" not in given:
