@@ -51,6 +51,7 @@ def megatron_model(
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.query_groups,
+        kv_channels=cfg.head_dim,
         ffn_hidden_size=cfg.ffn_size,
         layernorm_epsilon=cfg.layernorm_epsilon,
         layernorm_zero_centered_gamma=cfg.apply_layernorm_1p,

@@ -66,6 +66,8 @@ def _model(rng: random.Random) -> dict:
             model["window_attn_skip_freq"] = "2"
     if rng.random() < 0.2:
         model["vocab_size"] = 300  # padded to the tensor-parallel multiple
+    if rng.random() < 0.15:
+        model["kv_channels"] = rng.choice([4, 16])  # heads other than h / heads = 8 wide
     recompute = rng.choice([None, None, "full", "selective"])
     if recompute:
         model["recompute_granularity"] = recompute

@@ -33,7 +33,8 @@ def family(rng: random.Random) -> tuple[str, dict]:
         return name, model
     model.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True)
     for flag, value, chance in (("rotary_interleaved", True, 0.2), ("rotary_base", 500000, 0.3),
-                                ("use_rope_scaling", True, 0.2)):  # fmt: skip
+                                ("use_rope_scaling", True, 0.2),
+                                ("kv_channels", 16, 0.25)):  # fmt: skip
         if rng.random() < chance:
             model[flag] = value
     if rng.random() < 0.5:
@@ -158,11 +159,13 @@ def transformers_model(rng: random.Random):  # noqa: ANN201 (a transformers PreT
         if rng.random() < 0.3:
             kw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 16}  # fmt: skip
+                                  "original_max_position_embeddings": 8192}  # fmt: skip
     if name == "mistral" and rng.random() < 0.7:
         kw["sliding_window"] = rng.choice([4, 6])
     if name in ("qwen2", "qwen3") and rng.random() < 0.4:
         kw.update(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    # Qwen3's config defaults to heads 128 wide whatever the hidden size; --kv-channels.
+    kw["head_dim"] = rng.choice([kw["hidden_size"] // 4, 16])
     classes = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
     prefix = classes[name]
     config = getattr(transformers, f"{prefix}Config")(**kw)

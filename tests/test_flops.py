@@ -77,8 +77,19 @@ def test_flops_of_any_mlp_size_and_swiglu_sum_the_matmuls(
             normalization="rmsnorm",
             bias=False,
         ),
+        # --kv-channels: heads of 16 on h = 32 (q = 64 wide), and of 4 (q = 16).
+        dict(activation="swiglu", num_query_groups=2, kv_channels=16, bias=False),
+        dict(kv_channels=4),
     ],
-    ids=["swiglu-48", "gelu-24", "swiglu-4h-recompute", "gpt2", "llama-gqa-rope"],
+    ids=[
+        "swiglu-48",
+        "gelu-24",
+        "swiglu-4h-recompute",
+        "gpt2",
+        "llama-gqa-rope",
+        "wide-heads",
+        "narrow-heads",
+    ],  # fmt: skip
 )
 def test_flops_equal_torchs_flop_counter_on_the_model(kw):
     """torch counts the products a real forward and backward run (the attention core through
@@ -116,24 +127,28 @@ def test_flops_equal_torchs_flop_counter_on_the_model(kw):
     f=st.integers(1, 1 << 15),
     v=st.integers(1, 1 << 17),
     swiglu=st.booleans(),
+    hidden=st.none() | st.integers(1, 1 << 14),
 )
 def test_flops_of_grouped_queries_and_swiglu_are_megatrons(
-    b, s, l, groups, per_group, d, f, v, swiglu
+    b, s, l, groups, per_group, d, f, v, swiglu, hidden
 ):
     """Megatron-LM's num_floating_point_operations for a dense GPT (facts from its
     training.py): per token and layer, 3 passes x 2 FLOPs per multiply-add over the q/k/v
     projection h (q + 2 kv) and the output projection q h, q = heads x head size and kv =
     groups x head size; the MLP h f times 3 with SwiGLU, 2 without; the logits h V once; per
     sequence and layer, the same 6 times q s^2 / 2 (the causal half) for each of the scores
-    and the scores x values."""
+    and the scores x values. ``hidden``: an h other than q (--kv-channels)."""
     heads = groups * per_group
-    h = q = heads * d
+    q = heads * d
+    h = q if hidden is None else hidden
     kv = groups * d
     token = 6 * l * (h * (q + 2 * kv) + q * h + h * f * (3 if swiglu else 2)) + 6 * h * v
     core = 6 * l * q * s * s  # 2 products x q s^2 / 2 each, x 3 passes x 2 FLOPs
     megatron = b * s * token + b * core
-    got = iteration_flops(b, s, l, h, v, ffn_hidden=f, swiglu=swiglu, kv_hidden=kv)
-    assert got == megatron
+    kw = dict(ffn_hidden=f, swiglu=swiglu, kv_hidden=kv)
+    assert iteration_flops(b, s, l, h, v, **kw, query_hidden=q) == megatron
+    if hidden is None:  # q = h: the default
+        assert iteration_flops(b, s, l, h, v, **kw) == megatron
 
 
 @settings(max_examples=200, deadline=None)

@@ -336,7 +336,6 @@ def rewritten(path: Path, to: Path, **changes) -> Path:
     [
         ({"model_type": "phi3"}, "type 'phi3'; megart reads gpt2, llama, mistral, qwen2, qwen3"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"head_dim": 16}, "head_dim 16 (megart's heads are hidden_size / num_attention_heads"),
         ({"attention_bias": True}, "attention_bias True with mlp_bias False"),
         (
             {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},

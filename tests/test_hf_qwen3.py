@@ -88,8 +88,7 @@ def test_import_hf_prints_the_flags_and_tp2_fine_tunes_from_it(hf_qwen3, tmp_pat
     "changes, named",
     [(dict(use_sliding_window=False, layer_types=["sliding_attention", "full_attention"]),
       "marks layers sliding_attention in layer_types without a window"),
-     (dict(attention_bias=True), "attention_bias"),
-     (dict(head_dim=16), "head_dim 16")],
+     (dict(attention_bias=True), "attention_bias")],
 )  # fmt: skip
 def test_qwen3s_megart_cannot_represent_are_refused_naming_what(tmp_path, changes, named):
     config = transformers.Qwen3Config(**{**HF_TINY, **changes})

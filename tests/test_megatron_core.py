@@ -5,7 +5,7 @@ Megatron-Core model's weights and computes its logits, for GPT-2-style and Llama
 (RMSNorm, rope rotating halves or, with --rotary-interleaved, adjacent pairs, SwiGLU, GQA,
 untied output layer, --use-rope-scaling, --rotary-seq-len-interpolation-factor, --rotary-percent
 0.5), and with
---apply-layernorm-1p (zero-centred LayerNorm weights)."""
+--apply-layernorm-1p (zero-centred LayerNorm weights) and --kv-channels other than h / heads."""
 
 import pytest
 
@@ -35,6 +35,9 @@ CONFIGS = {
     "llama-partial-rotary": {**LLAMA, "rotary_percent": 0.5},
     # Its FusedLayerNorm with zero-centred gamma (apex's kernel replaced by torch's function).
     "gpt2-layernorm-1p": dict(apply_layernorm_1p=True),
+    # --kv-channels: heads of 16 on a hidden size of 32 (Qwen3's kind), and narrower ones.
+    "llama-wide-heads": {**LLAMA, "kv_channels": 16, "qk_layernorm": True},
+    "gpt2-narrow-heads": dict(kv_channels=4),
 }
 
 

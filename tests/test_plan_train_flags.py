@@ -117,6 +117,12 @@ def test_a_flag_the_plan_does_not_model_is_refused_by_name(name, capsys):
     assert "out to plan megart train's default" in err and err.count("\n") == 1  # one line
 
 
+def test_a_head_size_other_than_h_over_heads_is_refused_by_name(capsys):
+    assert plan(capsys, *MODEL, "--kv-channels", "128")[0] == 0  # 2048 / 16: the same heads
+    code, err = plan(capsys, *MODEL, "--kv-channels", "64")
+    assert code == 2 and "megart plan does not model --kv-channels 64 (attention heads" in err
+
+
 def test_unmodelled_flags_at_their_default_values_plan_as_left_out(capsys):
     code, alone = plan(capsys, *MODEL)
     assert code == 0, alone

@@ -200,7 +200,8 @@ HELP = {
     "exit_signal_handler": "on SIGTERM finish the iteration, save (with --save) and stop",
     "max_position_embeddings": "rows of the learned position table (megart's: exactly "
     "--seq-length; with rope at least that)",
-    "kv_channels": "head size (megart's: --hidden-size / --num-attention-heads)",
+    "kv_channels": "each attention head's width (default --hidden-size / "
+    "--num-attention-heads; Qwen3's head_dim)",
     "rotary_base": "rope's base",
     "rotary_interleaved": "rope rotates adjacent pairs (x[2i], x[2i+1]) instead of the halves "
     "(x[i], x[i + d/2]), Megatron's default; megart before this flag rotated adjacent pairs",

@@ -76,12 +76,12 @@ class Attention(nn.Module):
             generator=generator(cfg.seed, layer, "qkv"),
         )
         self.proj = RowParallelLinear(
-            h,
+            cfg.query_size,
             h,
             bias=cfg.bias,
             sequence_parallel=sequence_parallel,
             tp_group=tp_group,
-            init_method=weight_init(cfg, out_std, (h, h)),
+            init_method=weight_init(cfg, out_std, (h, cfg.query_size)),
             generator=generator(cfg.seed, layer, "proj"),
         )
         if cfg.qk_layernorm:

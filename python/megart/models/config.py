@@ -65,6 +65,10 @@ class GPTConfig:
     # this many groups (1 is multi-query attention), shrinking the k/v projections and the
     # inference cache. None is one group per head: plain multi-head attention.
     num_query_groups: int | None = None
+    # Megatron's --kv-channels: each attention head's width d, where it is not hidden_size /
+    # num_attention_heads (Qwen3's and Gemma's heads are wider): q/k/v project h to heads x d
+    # (and groups x d) and the output projection heads x d back to h. None: h / heads.
+    kv_channels: int | None = None
     # Rotary positions (position_embedding="rotary"), Megatron's --rotary-base and
     # --rotary-interleaved: pairs are the halves of a head (x[i], x[i + d/2]) as Megatron's
     # and Llama's default, or adjacent (x[2i], x[2i+1]) when interleaved. megart rotated
@@ -159,7 +163,9 @@ class GPTConfig:
                 f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by}: give 1 or "
                 "more (Megatron-LM's default is 128)"
             )
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ConfigError(f"kv_channels={self.kv_channels}: a head is at least 1 wide")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} "
                 "attention heads"
@@ -241,8 +247,14 @@ class GPTConfig:
         fits = [k for k in (turned - 1, max(2, turned + 1)) if 2 <= k <= d and k % 2 == 0]
         options = " or ".join(f"{percent_for(k, d)} ({k} channels)" for k in fits)
         raise ConfigError(
-            f"--rotary-percent {p:g} of head size {d} (--kv-channels {d}: --hidden-size "
-            f"{self.hidden_size} / --num-attention-heads {self.num_attention_heads}) turns "
+            f"--rotary-percent {p:g} of head size {d} (--kv-channels {d}"
+            + (
+                ""
+                if self.kv_channels is not None
+                else f": --hidden-size {self.hidden_size} / --num-attention-heads "
+                f"{self.num_attention_heads}"
+            )
+            + f") turns "
             f"int({d} x {p:g}) = {turned} channels, but rope turns channels in pairs, so it "
             "must be an even number of at least 2: "
             + (f"give --rotary-percent {options}, " if options else "")
@@ -251,7 +263,16 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
+        """Each attention head's width: kv_channels, else hidden_size / num_attention_heads."""
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_size(self) -> int:
+        """The width of all query heads together (the attention's output before its
+        projection): hidden_size unless kv_channels says otherwise."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def rotary_dim(self) -> int:

@@ -34,6 +34,7 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
         # The same weights mean another scale with and without it.
         "apply_layernorm_1p": ("" if cfg.apply_layernorm_1p else "no ") + "--apply-layernorm-1p",
         "qk_layernorm": ("" if cfg.qk_layernorm else "no ") + "--qk-layernorm",
+        "kv_channels": f"--kv-channels {cfg.head_dim}",
         # Rotary settings change what the weights mean only where there are rotary positions.
         # The factor is named only with the scaling on: without it, it changes nothing.
         "rotary": (

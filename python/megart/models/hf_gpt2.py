@@ -109,6 +109,8 @@ def check(cfg: GPTConfig) -> None:
             ("num_query_groups", cfg.query_groups, cfg.num_attention_heads),
             ("rotary_percent", cfg.rotary_percent, 1.0),
             ("qk_layernorm", cfg.qk_layernorm, False),
+            # GPT-2's heads are n_embd / n_head wide.
+            ("kv_channels", cfg.kv_channels, None),
         ],
         "only models trained with GPT-2's own architecture can be written in its format",
     )

@@ -186,11 +186,6 @@ def config_from_hf(hf: dict[str, Any], fmt: str = NAME) -> GPTConfig:
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r} (megart's SwiGLU gates with silu)")
-    if hf.get("head_dim") not in (None, hidden // heads):
-        problems.append(
-            f"head_dim {hf['head_dim']} (megart's heads are hidden_size / num_attention_heads "
-            f"= {hidden // heads} wide)"
-        )
     attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
     if attention_bias != mlp_bias:
         problems.append(
@@ -215,6 +210,8 @@ def config_from_hf(hf: dict[str, Any], fmt: str = NAME) -> GPTConfig:
         num_layers=hf["num_hidden_layers"],
         num_attention_heads=heads,
         num_query_groups=None if groups == heads else groups,
+        # transformers' head_dim where it is not hidden / heads (Qwen3's usually is not).
+        kv_channels=None if hf.get("head_dim") in (None, hidden / heads) else hf["head_dim"],
         ffn_hidden_size=hf["intermediate_size"],
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         normalization="rmsnorm",

@@ -4,9 +4,9 @@ A Qwen3 is a Llama (megart.models.hf_llama: RMSNorm, rope, SwiGLU, grouped-query
 with --qk-layernorm: each query and key head goes through an RMSNorm over its channels before
 rope (Qwen3's ``self_attn.q_norm`` and ``k_norm``, megart's ``attn.q_layernorm`` and
 ``k_layernorm``), and no MLP bias. Everything else, names included, is Llama's, so this module
-adds the two norms to Llama's conversion both ways. What Qwen3's config can say and megart's
-GPT cannot (a head size other than hidden_size / heads, rope scaling other than Llama's) is
-refused as for a Llama.
+adds the two norms to Llama's conversion both ways; a head_dim other than hidden_size / heads
+(as most Qwen3 checkpoints have) is megart's --kv-channels. What Qwen3's config can say and
+megart's GPT cannot (rope scaling other than Llama's, say) is refused as for a Llama.
 
 Qwen3's sliding window, as transformers 5 applies it: with use_sliding_window true, the layers
 that layer_types marks "sliding_attention" (by default those numbered max_window_layers and

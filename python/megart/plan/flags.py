@@ -148,8 +148,9 @@ NO_EFFECT = (
     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "loss_scale",
     "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
     "calculate_per_token_loss", "check_for_nan_in_loss_and_grad",
-    # megart train takes them only where they change nothing: the head size h / heads, a
-    # learned position table of --seq-length rows; megart's gradients are fp32 always
+    # Where they change nothing: the head size h / heads (another is refused below, in
+    # refuse_unmodelled), a learned position table of --seq-length rows (megart train's only);
+    # megart's gradients are fp32 always
     "kv_channels", "max_position_embeddings", "accumulate_allreduce_grads_in_fp32",
     # inside torch's attention kernels on a GPU (no mask held); --use-flash-attn sets
     # --attention-backend flash, and the implementations name the same attention
@@ -201,6 +202,9 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
         value = getattr(config, name)
         if value not in alike:
             refused.append(f"{flag(name, value)} ({what})")
+    d, h, heads = config.kv_channels, config.hidden_size, config.num_attention_heads
+    if d is not None and d * heads != h:
+        refused.append(f"--kv-channels {d} (attention heads other than --hidden-size / heads)")
     if runtime != "megart":
         default = TrainConfig()
         for name in MEGART_RUNTIME_ONLY:

@@ -155,7 +155,7 @@ class TrainConfig:
     log_interval: int = 1
     # Megatron-LM flags whose effects megart.training.megatron_flags describes and checks.
     max_position_embeddings: int | None = None  # --seq-length (megart's table is that long)
-    kv_channels: int | None = None  # head size: h / heads (megart's only)
+    kv_channels: int | None = None  # each head's width (None: h / heads)
     rotary_base: int = 10000
     rotary_interleaved: bool = False  # rotate adjacent pairs instead of the halves
     use_rope_scaling: bool = False  # Llama 3.x's frequency scaling (GPTConfig.rope_scaling)

@@ -12,7 +12,10 @@ B global batch (sequences), s sequence length, l layers, h hidden size, V vocabu
 The paper assumes an MLP of 4h, GeLU and multi-head attention; iteration_flops counts the
 matmuls for any MLP size f, for SwiGLU (three h x f matrices instead of two) and for
 grouped-query attention (K and V projections to g key/value heads of size d = h / heads, kv =
-g d wide instead of h), and reduces exactly to the formulas above for f = 4h, GeLU and kv = h.
+g d wide instead of h; with --kv-channels d the query heads are q = heads x d wide, which
+replaces h in the query and output projections and the core, as Megatron's
+query_projection_size), and reduces exactly to the formulas above for f = 4h, GeLU, kv = h and
+q = h.
 A matmul of an (m x k) by a (k x n) matrix is 2 m k n FLOPs. One layer's forward:
 
     Q, K, V projections      2 B s h (h + 2 kv)      (6 B s h^2 for multi-head attention)
@@ -62,6 +65,7 @@ def iteration_flops(
     causal: bool = True,
     replayed: int | None = None,
     selective: bool = False,
+    query_hidden: int | None = None,
 ) -> int:
     """Model FLOPs of one iteration (forward and backward, plus, when ``recompute``, the
     recomputed forward of ``replayed`` of the ``layers``: all of them by default; with
@@ -70,14 +74,17 @@ def iteration_flops(
     wide (query groups x head size; default h, multi-head). An exact integer: in floating point
     the paper's formula and this count could differ by rounding. ``causal`` counts the
     attention core over the causal half (Megatron's count, B s^2 h per layer and product less
-    than the paper's, which ``causal=False`` gives)."""
+    than the paper's, which ``causal=False`` gives). ``query_hidden``: the query heads' width
+    (heads x head size; default h), which replaces h in the query projection, the attention
+    core and the output projection, as Megatron's query_projection_size does (--kv-channels)."""
     b, s, l, h, v = batch, seq, layers, hidden, vocab
     f = 4 * h if ffn_hidden is None else ffn_hidden
     kv = h if kv_hidden is None else kv_hidden
+    q = h if query_hidden is None else query_hidden
     # The scores and values products run over every query head (keys and values repeated).
-    qkv = 2 * b * s * h * (h + 2 * kv)
-    core = (b * s * s * h if causal else 2 * b * s * s * h) * 2  # Q K^T and scores x V
-    attention = qkv + core + 2 * b * s * h * h
+    qkv = 2 * b * s * h * (q + 2 * kv)
+    core = (b * s * s * q if causal else 2 * b * s * s * q) * 2  # Q K^T and scores x V
+    attention = qkv + core + 2 * b * s * q * h
     mlp = (3 if swiglu else 2) * 2 * b * s * h * f
     logits = 2 * b * s * h * v
     again = (l if replayed is None else replayed) if recompute else 0
@@ -116,6 +123,7 @@ def model_flops(
         causal,
         replayed,
         selective,
+        cfg.query_size,
     )
 
 

@@ -283,7 +283,7 @@ def check_megatron_flags(config: Any) -> None:
             "--use-distributed-optimizer (the store then holds the whole tensors), or save "
             "--ckpt-format megart (the default)"
         )
-    s, h, heads = config.seq_length, config.hidden_size, config.num_attention_heads
+    s = config.seq_length
     most = config.max_position_embeddings
     learned = config.position_embedding_type == "learned_absolute"
     if most is not None and (most < s or (learned and most != s)):
@@ -291,11 +291,6 @@ def check_megatron_flags(config: Any) -> None:
             f"--max-position-embeddings {most} with --seq-length {s}: megart's learned "
             "position table has exactly --seq-length rows (give the same number), and no "
             "position embedding may be shorter than the sequence"
-        )
-    if config.kv_channels is not None and config.kv_channels * heads != h:
-        raise ConfigError(
-            f"--kv-channels {config.kv_channels}: megart's head size is --hidden-size {h} / "
-            f"--num-attention-heads {heads}; leave it out or give {h // max(1, heads)}"
         )
     _check_housekeeping(config)
     if config.rotary_base < 1:

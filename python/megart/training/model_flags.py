@@ -41,6 +41,7 @@ def gpt_config(config: Any) -> GPTConfig:
         add_qkv_bias=config.add_qkv_bias,
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
         num_query_groups=config.num_query_groups if config.group_query_attention else None,
+        kv_channels=_kv_channels(config),
         rotary_base=float(config.rotary_base),
         rotary_interleaved=config.rotary_interleaved,
         rope_scaling=config.use_rope_scaling,
@@ -92,7 +93,9 @@ def check_model_flags(cfg: Any) -> None:
             f"{'positive values' if len(small) > 1 else 'a positive value'}"
         )
     h, heads = cfg.hidden_size, cfg.num_attention_heads
-    if h % heads:
+    if cfg.kv_channels is not None and cfg.kv_channels < 1:
+        raise ConfigError(f"--kv-channels {cfg.kv_channels}: a head is at least 1 wide")
+    if h % heads and cfg.kv_channels is None:  # Megatron-LM's rule: --kv-channels is h / heads
         below = h // heads * heads
         sizes = " or ".join(str(x) for x in (below, below + heads) if x)
         fits = ", ".join(str(d) for d in divisors(h) if d <= 2 * heads)
@@ -151,13 +154,18 @@ def check_model_flags(cfg: Any) -> None:
             f"--tensor-model-parallel-size {cfg.tp}; use a multiple of {cfg.tp}"
         )
     _check_query_groups(cfg)
-    head = cfg.hidden_size // max(1, cfg.num_attention_heads)
+    head = cfg.kv_channels or cfg.hidden_size // max(1, cfg.num_attention_heads)
     # Under --rotary-percent below 1 only part of the head turns: GPTConfig checks that part.
     if cfg.position_embedding_type == "rope" and head % 2 and cfg.rotary_percent == 1:
+        width = (
+            f"--kv-channels {head}"
+            if cfg.kv_channels
+            else f"--hidden-size {cfg.hidden_size} / --num-attention-heads "
+            f"{cfg.num_attention_heads} = {head}"
+        )
         raise ConfigError(
             f"--position-embedding-type rope rotates pairs of a head's dimensions, but "
-            f"--hidden-size {cfg.hidden_size} / --num-attention-heads "
-            f"{cfg.num_attention_heads} = {head} is odd; use an even head size"
+            f"{width} is odd; use an even head size"
         )
     if cfg.init_method_std < 0 or cfg.layernorm_epsilon <= 0:
         raise ConfigError(
@@ -190,3 +198,11 @@ def _check_query_groups(cfg: Any) -> None:
             "groups, as Megatron-LM requires); "
             + (f"use one of {fits}" if fits else "no group count fits: change the sizes")
         )
+
+
+def _kv_channels(config: Any) -> int | None:
+    """--kv-channels where it is not --hidden-size / --num-attention-heads (GPTConfig's None,
+    so that models of the usual head size record what they always have)."""
+    d = config.kv_channels
+    h, heads = config.hidden_size, config.num_attention_heads
+    return None if d is None or (h % heads == 0 and d == h // heads) else d
