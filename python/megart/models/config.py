@@ -363,6 +363,13 @@ class GPTConfig:
             raise ConfigError("; ".join(problems))
 
 
+def distinct_head_size(d: int | None, hidden: int, heads: int) -> int | None:
+    """GPTConfig's kv_channels for a head size ``d`` given as --kv-channels or Hugging Face's
+    head_dim: ``d`` where it is not hidden / heads, else None, so that models of the usual
+    head size record what they always have."""
+    return None if d is None or (hidden % heads == 0 and d == hidden // heads) else int(d)
+
+
 def percent_for(channels: int, head_dim: int) -> str:
     """The shortest --rotary-percent (at most 12 decimals) that turns ``channels`` of a head
     of ``head_dim`` (int(head_dim * percent) == channels, in Megatron-Core's float64)."""

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from megart.errors import ConfigError
-from megart.models.config import GPTConfig, refuse_unlike
+from megart.models.config import GPTConfig, distinct_head_size, refuse_unlike
 from megart.models.rope import (
     LLAMA3_HIGH_FREQ_FACTOR,
     LLAMA3_LOW_FREQ_FACTOR,
@@ -211,7 +211,7 @@ def config_from_hf(hf: dict[str, Any], fmt: str = NAME) -> GPTConfig:
         num_attention_heads=heads,
         num_query_groups=None if groups == heads else groups,
         # transformers' head_dim where it is not hidden / heads (Qwen3's usually is not).
-        kv_channels=None if hf.get("head_dim") in (None, hidden / heads) else hf["head_dim"],
+        kv_channels=distinct_head_size(hf.get("head_dim"), hidden, heads),
         ffn_hidden_size=hf["intermediate_size"],
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         normalization="rmsnorm",

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from megart.errors import ConfigError
-from megart.models.config import VOCAB_MULTIPLE, GPTConfig
+from megart.models.config import VOCAB_MULTIPLE, GPTConfig, distinct_head_size
 from megart.models.stages import check_stages, uneven
 
 
@@ -119,15 +119,11 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         add_qkv_bias=bool(a.get("add_qkv_bias", False)),  # absent from older args: none
         untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),
         num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else None,
-        kv_channels=_kv_channels(a),
+        kv_channels=distinct_head_size(
+            a.get("kv_channels"), a["hidden_size"], a["num_attention_heads"]
+        ),
         make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by") or VOCAB_MULTIPLE,
     )
-
-
-def _kv_channels(a: dict[str, Any]) -> int | None:
-    """--kv-channels where it is not hidden / heads (GPTConfig's None otherwise)."""
-    d, h, heads = a.get("kv_channels"), a["hidden_size"], a["num_attention_heads"]
-    return None if d is None or (h % heads == 0 and d == h // heads) else int(d)
 
 
 def check_args(a: dict[str, Any], where: Any) -> None:

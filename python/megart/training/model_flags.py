@@ -6,7 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from megart.errors import ConfigError
-from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, GPTConfig
+from megart.models.config import (
+    MEGATRON_NORMS,
+    MEGATRON_POSITIONS,
+    GPTConfig,
+    distinct_head_size,
+)
 from megart.models.window import parse_skip_freq, parse_window_size
 from megart.parallel.layout import divisors
 
@@ -41,7 +46,9 @@ def gpt_config(config: Any) -> GPTConfig:
         add_qkv_bias=config.add_qkv_bias,
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
         num_query_groups=config.num_query_groups if config.group_query_attention else None,
-        kv_channels=_kv_channels(config),
+        kv_channels=distinct_head_size(
+            config.kv_channels, config.hidden_size, config.num_attention_heads
+        ),
         rotary_base=float(config.rotary_base),
         rotary_interleaved=config.rotary_interleaved,
         rope_scaling=config.use_rope_scaling,
@@ -198,11 +205,3 @@ def _check_query_groups(cfg: Any) -> None:
             "groups, as Megatron-LM requires); "
             + (f"use one of {fits}" if fits else "no group count fits: change the sizes")
         )
-
-
-def _kv_channels(config: Any) -> int | None:
-    """--kv-channels where it is not --hidden-size / --num-attention-heads (GPTConfig's None,
-    so that models of the usual head size record what they always have)."""
-    d = config.kv_channels
-    h, heads = config.hidden_size, config.num_attention_heads
-    return None if d is None or (h % heads == 0 and d == h // heads) else d
