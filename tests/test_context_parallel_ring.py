@@ -242,23 +242,6 @@ def test_the_default_is_the_ring_and_the_hierarchical_kind_is_refused():
 # --- the all-to-all exchange (--cp-comm-type a2a) ------------------------------------------
 
 
-def test_a2a_refuses_heads_or_groups_a_tensor_parallel_rank_cannot_scatter():
-    a2a = dict(context_parallel_size=2, seq_length=16, cp_comm_type="a2a")
-    TrainConfig(**a2a, tensor_model_parallel_size=2, num_attention_heads=4).check(4)
-    with pytest.raises(ConfigError) as e:  # one group per tensor-parallel rank, over cp 2
-        TrainConfig(**a2a, tensor_model_parallel_size=2, num_attention_heads=4,
-                    group_query_attention=True, num_query_groups=2).check(4)  # fmt: skip
-    assert str(e.value) == (
-        "--cp-comm-type a2a scatters each tensor-parallel rank's 1 query group "
-        "(--num-query-groups / --tensor-model-parallel-size 2) over --context-parallel-size 2: "
-        "they must divide by it; use --cp-comm-type p2p or all_gather, or --num-query-groups "
-        "a multiple of 4"
-    )
-    with pytest.raises(ConfigError, match="rank's 3 attention heads .* multiple of 4"):
-        TrainConfig(**a2a, tensor_model_parallel_size=2, num_attention_heads=6,
-                    hidden_size=48).check(4)  # fmt: skip
-
-
 @pytest.mark.parametrize("cp", [2, 4])
 def test_the_all_to_all_exchange_is_one_process_attention_in_float64(cp):
     """Heads (and query groups) scattered over the cp ranks, the sequence gathered: output and
@@ -290,7 +273,7 @@ def test_the_all_to_all_exchange_at_tp2_x_cp2_with_sequence_parallelism_follows_
          "--tensor-model-parallel-size 1) over --context-parallel-size 4"),
         (dict(group_query_attention=True, num_query_groups=2, tensor_model_parallel_size=2,
               context_parallel_size=2),
-         "each tensor-parallel rank's 1 query groups (--num-query-groups / "
+         "each tensor-parallel rank's 1 query group (--num-query-groups / "
          "--tensor-model-parallel-size 2) over --context-parallel-size 2"),
     ],
 )  # fmt: skip

@@ -264,7 +264,7 @@ def test_a_size_below_one_is_refused_as_megart_train_refuses_it(flag, value, cap
     "changed, named",
     [
         (dict(hidden_size="130"), "--hidden-size 130 does not split into --num-attention-heads 4"),
-        (dict(kv_channels="7"), "--kv-channels 7"),
+        (dict(kv_channels="0"), "--kv-channels 0"),
         (dict(max_position_embeddings="64"), "--max-position-embeddings 64"),
         (dict(expert_model_parallel_size="2"), "--expert-model-parallel-size 2"),
         (dict(lr="-1"), "--lr -1.0"),

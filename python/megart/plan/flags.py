@@ -203,7 +203,7 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
         if value not in alike:
             refused.append(f"{flag(name, value)} ({what})")
     d, h, heads = config.kv_channels, config.hidden_size, config.num_attention_heads
-    if d is not None and d * heads != h:
+    if d is not None and d >= 1 and d * heads != h:  # (below 1: megart train's refusal)
         refused.append(f"--kv-channels {d} (attention heads other than --hidden-size / heads)")
     if runtime != "megart":
         default = TrainConfig()
