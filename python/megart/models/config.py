@@ -16,7 +16,7 @@ from megart.models.config_flags import architecture_flags as architecture_flags
 from megart.models.config_flags import refuse_unlike as refuse_unlike
 from megart.models.stages import check_stages, uneven
 from megart.models.window import check_window, layer_window, refuse_window
-from megart.parallel.layout import divisors
+from megart.parallel.layout import divisors, either
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
@@ -335,11 +335,9 @@ class GPTConfig:
                 else f"{groups} query group{'s' * (groups > 1)} (--num-query-groups) of {heads} "
                 "attention heads"
             )
-            *others, largest = divisors(groups)
-            sizes = f"{', '.join(map(str, others))} or {largest}" if others else str(largest)
             problems.append(
                 f"{what} do not split over tensor-parallel size {tp} (use tensor-parallel size "
-                f"{sizes})"
+                f"{either(divisors(groups))})"
             )
         if self.ffn_size % tp:
             problems.append(
@@ -355,9 +353,7 @@ class GPTConfig:
             where = "pipeline stages" if chunks == 1 else f"pipeline stages x {chunks} chunks"
             use = "another --num-layers, or uneven first/last stages"
             if fits:
-                *others, largest = fits
-                sizes = f"{', '.join(map(str, others))} or {largest}" if others else str(largest)
-                use = f"pipeline size {sizes}, or uneven first/last stages"
+                use = f"pipeline size {either(fits)}, or uneven first/last stages"
             problems.append(f"{self.num_layers} layers do not split into {pp} {where} (use {use})")
         if problems:
             raise ConfigError("; ".join(problems))

@@ -31,6 +31,7 @@ from torch.nn.attention.bias import causal_lower_right
 from megart.distributed import ProcessGroup
 from megart.errors import ConfigError
 from megart.models.window_masks import additive_bias, bias_dtype, window_mask
+from megart.parallel.layout import nearest_multiples
 from megart.tensor_parallel._group import group_rank, group_size
 from megart.tensor_parallel.mappings import gather_from_sequence_region
 
@@ -38,11 +39,6 @@ from megart.tensor_parallel.mappings import gather_from_sequence_region
 def cp_chunks(cp: int, cp_rank: int) -> tuple[int, int]:
     """The two of the 2 cp chunks of a sequence that context-parallel rank ``cp_rank`` holds."""
     return cp_rank, 2 * cp - 1 - cp_rank
-
-
-def fitting_lengths(seq: int, unit: int) -> str:
-    """The multiples of ``unit`` nearest ``seq`` (below, if any, and above), for an error."""
-    return " or ".join(str(n) for n in (seq // unit * unit, (seq // unit + 1) * unit) if n)
 
 
 def check_divisible(seq: int, cp: int, sp_tp: int = 1) -> None:
@@ -58,7 +54,7 @@ def check_divisible(seq: int, cp: int, sp_tp: int = 1) -> None:
         raise ConfigError(
             f"--seq-length {seq} is not divisible by 2 x --context-parallel-size {cp} = "
             f"{2 * cp} (context parallelism cuts each sequence into 2 cp equal chunks); use "
-            f"--seq-length {fitting_lengths(seq, unit)}{also}, or another "
+            f"--seq-length {nearest_multiples(seq, unit)}{also}, or another "
             "--context-parallel-size"
         )
 

@@ -3,6 +3,8 @@ option, and how 16-bit inputs are normalised."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,9 +64,8 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = in_dtype(x.dtype, gamma(self), self.bias)
-        if x.dtype not in HALF:
-            return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
-        with torch.autocast(x.device.type, enabled=False):
+        own = torch.autocast(x.device.type, enabled=False) if x.dtype in HALF else nullcontext()
+        with own:
             return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 

@@ -13,6 +13,7 @@ tests compare the two). ``check_stages`` refuses what Megatron-Core's Transforme
 from __future__ import annotations
 
 from megart.errors import ConfigError
+from megart.parallel.layout import either
 
 FIRST = "--decoder-first-pipeline-num-layers"
 LAST = "--decoder-last-pipeline-num-layers"
@@ -133,7 +134,7 @@ def _fitting(num_layers: int, unit: int, chunks: int, first: int | None, last: i
         ]
         nearest = sorted(sorted(fits, key=lambda v: abs(v - n))[:2])
         if nearest:
-            options.append(f"{flag} {' or '.join(map(str, nearest))}")
+            options.append(f"{flag} {either(nearest)}")
     if not options:
         return "change --num-layers or --pipeline-model-parallel-size"
     return "use " + ", or ".join(options)

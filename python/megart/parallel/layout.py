@@ -48,6 +48,19 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def either(values: list[int]) -> str:
+    """Values as a refusal offers them: "4", "2 or 4", "1, 2 or 4"."""
+    *others, last = values
+    return f"{', '.join(map(str, others))} or {last}" if others else str(last)
+
+
+def nearest_multiples(n: int, unit: int) -> str:
+    """The multiples of ``unit`` nearest ``n`` (which is not one), for a refusal: the one
+    below, when there is one, and the one above."""
+    below = n // unit * unit
+    return either([m for m in (below, below + unit) if m])
+
+
 def _join(values: list[int]) -> str:
     return ", ".join(map(str, values)) if values else "none"
 

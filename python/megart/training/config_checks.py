@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from megart.errors import ConfigError
 from megart.models.stages import uneven
+from megart.parallel.layout import nearest_multiples
 from megart.training.batch_rampup import check_rampup
 from megart.training.context_parallel_checks import (
     check_context_parallel,
@@ -61,13 +62,6 @@ def _check_loss_scale(cfg: TrainConfig) -> None:
             raise ConfigError(f"{flag} {value:g} must be positive")
 
 
-def _batches_around(batch: int, unit: int) -> str:
-    """The multiples of ``unit`` nearest ``batch`` (not one): the one below, when there is
-    one, and the one above."""
-    below = batch // unit * unit
-    return f"{below} or {below + unit}" if below else f"{unit}"
-
-
 def check_config(cfg: TrainConfig, world_size: int) -> int:
     """Refuses layouts, batch shapes and flag combinations that cannot run, naming the
     numbers and flags and what would fit; returns the data-parallel size."""
@@ -97,7 +91,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
         raise ConfigError(
             f"--global-batch-size {cfg.global_batch_size} is not divisible by "
             f"--micro-batch-size {cfg.micro_batch_size} x data-parallel size {dp} = "
-            f"{per_step}; use a global batch of {_batches_around(cfg.global_batch_size, per_step)}"
+            f"{per_step}; use a global batch of "
+            f"{nearest_multiples(cfg.global_batch_size, per_step)}"
         )
     per = cfg.num_layers_per_virtual_pipeline_stage
     _check_virtual_flags(cfg)
@@ -114,7 +109,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
             check_virtual_stages(cfg.num_layers, pp, per)
         m = cfg.microbatches(dp)
         if m % pp:  # the batches whose microbatches fill whole rounds of the stages
-            batches = _batches_around(cfg.global_batch_size, per_step * pp)
+            batches = nearest_multiples(cfg.global_batch_size, per_step * pp)
             raise ConfigError(
                 f"the interleaved schedule needs the number of microbatches ({m} = global "
                 f"batch {cfg.global_batch_size} / (micro batch {cfg.micro_batch_size} x "

@@ -16,7 +16,8 @@ from typing import Any
 
 from megart.errors import ConfigError
 from megart.models.config import CP_COMM_TYPES
-from megart.models.context_parallel import check_divisible, fitting_lengths
+from megart.models.context_parallel import check_divisible
+from megart.parallel.layout import nearest_multiples
 
 FLAG = "--context-parallel-size"
 
@@ -84,5 +85,5 @@ def check_sequence_parallel_split(seq: int, tp: int, cp: int) -> None:
     raise ConfigError(
         f"--sequence-parallel splits {what} over tensor-parallel size {tp} "
         f"(--tensor-model-parallel-size); it must divide: use --seq-length "
-        f"{fitting_lengths(seq, unit)} (a multiple of {unit})"
+        f"{nearest_multiples(seq, unit)} (a multiple of {unit})"
     )

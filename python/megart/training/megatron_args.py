@@ -126,12 +126,19 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
     )
 
 
+def saved_stages(a: dict[str, Any]) -> dict[str, int | None]:
+    """The uneven first/last stages' layers Megatron-LM's args (``vars(args)``) record, as
+    chunk_layers' ``first``/``last`` (None: even)."""
+    return {
+        "first": a.get("decoder_first_pipeline_num_layers"),
+        "last": a.get("decoder_last_pipeline_num_layers"),
+    }
+
+
 def check_args(a: dict[str, Any], where: Any) -> None:
     """Refuses a Megatron-LM checkpoint (its ``vars(args)``) of what megart cannot represent."""
-    first, last = (
-        a.get("decoder_first_pipeline_num_layers"),
-        a.get("decoder_last_pipeline_num_layers"),
-    )
+    stages = saved_stages(a)
+    first, last = stages["first"], stages["last"]
     if uneven(first, last):  # Megatron-Core's placement of uneven stages (models.stages)
         vpp = a.get("virtual_pipeline_model_parallel_size") or 1
         try:

@@ -41,7 +41,12 @@ from megart.training.checkpoint import (
 )
 from megart.training.checkpoint_save import replace_text
 from megart.training.ckpt_files import rank_files
-from megart.training.megatron_args import check_args, config_from_args, megatron_args
+from megart.training.megatron_args import (
+    check_args,
+    config_from_args,
+    megatron_args,
+    saved_stages,
+)
 from megart.training.megatron_files import model_chunks, rank_state, torch_load
 from megart.training.shards import layer_ids, read_shards, whole_tensors
 
@@ -169,8 +174,7 @@ def _merged(a: dict[str, Any], root: Path, iteration: int) -> tuple[GPTConfig, d
         tp = a.get("tensor_model_parallel_size") or 1
         pp = a.get("pipeline_model_parallel_size") or 1
         ranks = {r: model_chunks(read_rank(path)) for r, path in rank_files(root, tp, pp).items()}
-        ends = (a.get(f"decoder_{end}_pipeline_num_layers") for end in ("first", "last"))
-        model = megatron_layout.merge(ranks, cfg, tp, pp, *ends)
+        model = megatron_layout.merge(ranks, cfg, tp, pp, **saved_stages(a))
     for name in VOCAB_NAMES:
         if name in model:
             model[name] = fit_vocab(model[name], cfg.padded_vocab_size(1))

@@ -45,6 +45,7 @@ from megart.errors import ConfigError
 from megart.models.gpt import chunk_layers
 from megart.models.megatron_names import megatron_part
 from megart.training import dist_store
+from megart.training.megatron_args import saved_stages
 from megart.training.megatron_distrib_optim import BUCKET_ALIGN, dp_cp_size, dtype_key, layouts
 from megart.training.megatron_files import chunk_names_to_megatron, chunk_to_megatron
 
@@ -271,14 +272,6 @@ def saved_layout(args: dict[str, Any]) -> tuple[int, int, int]:
         int(args["num_layers"]) // (pp * per) if per else 1
     )
     return tp, pp, int(vpp)
-
-
-def saved_stages(args: dict[str, Any]) -> dict[str, int | None]:
-    """The saved uneven first/last stages' layers (chunk_layers' ``first``/``last``)."""
-    return {
-        "first": args.get("decoder_first_pipeline_num_layers"),
-        "last": args.get("decoder_last_pipeline_num_layers"),
-    }
 
 
 def same_layout(args: dict[str, Any], config: Any) -> bool:

@@ -25,6 +25,7 @@ from megart.models import GPT
 from megart.models.megatron_names import to_megatron
 from megart.training import dist_store
 from megart.training import megatron_dist_distopt as distopt
+from megart.training.megatron_args import saved_stages
 from megart.training.megatron_distrib_optim import dtype_key, layouts
 from megart.training.megatron_layout import OUTPUT, WORD, split
 from megart.training.megatron_optimizer import in_megatron_order
@@ -68,7 +69,7 @@ class Index:
         self.offset = torch.zeros(total, dtype=torch.int64)
         self.buckets: dict[str, list] = {}  # group prefix -> per_bucket_numel_unpadded
         dtype = dtype_key(args)
-        ranks = split(whole, cfg, tp, pp, vpp, **distopt.saved_stages(args))
+        ranks = split(whole, cfg, tp, pp, vpp, **saved_stages(args))
         for (t, s), chunks in ranks.items():
             chunks = [
                 in_megatron_order({n: v for n, v in c.items() if v is not None}) for c in chunks

@@ -46,7 +46,7 @@ from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
 from megart.training import tokenizer_record
 from megart.training.dtypes import half_dtype
-from megart.training.megatron_args import args_record, check_args, megatron_args
+from megart.training.megatron_args import args_record, check_args, megatron_args, saved_stages
 from megart.training.megatron_layout import OUTPUT, WORD, with_extra_states
 from megart.training.megatron_optimizer import (
     from_megatron_optimizer,
@@ -103,11 +103,7 @@ def megatron_layer_ids(a: dict[str, Any], pp_rank: int, chunks: int) -> list[lis
     """The layers of each model chunk of a Megatron-LM rank file (its ``vars(args)``):
     numbered from 0 in the file, they are Megatron-Core's offset on, uneven stages included."""
     pp = a.get("pipeline_model_parallel_size") or 1
-    first, last = (
-        a.get("decoder_first_pipeline_num_layers"),
-        a.get("decoder_last_pipeline_num_layers"),
-    )
-    ranges = chunk_layers(a["num_layers"], pp_rank, pp, chunks, first=first, last=last)
+    ranges = chunk_layers(a["num_layers"], pp_rank, pp, chunks, **saved_stages(a))
     return [list(r) for r in ranges]
 
 

@@ -13,7 +13,7 @@ from megart.models.config import (
     distinct_head_size,
 )
 from megart.models.window import parse_skip_freq, parse_window_size
-from megart.parallel.layout import divisors
+from megart.parallel.layout import divisors, nearest_multiples
 
 # Megatron's spellings of --normalization and --position-embedding-type, to GPTConfig's names.
 NORMALIZATIONS = {flag: name for name, flag in MEGATRON_NORMS.items()}
@@ -103,8 +103,7 @@ def check_model_flags(cfg: Any) -> None:
     if cfg.kv_channels is not None and cfg.kv_channels < 1:
         raise ConfigError(f"--kv-channels {cfg.kv_channels}: a head is at least 1 wide")
     if h % heads and cfg.kv_channels is None:  # Megatron-LM's rule: --kv-channels is h / heads
-        below = h // heads * heads
-        sizes = " or ".join(str(x) for x in (below, below + heads) if x)
+        sizes = nearest_multiples(h, heads)
         fits = ", ".join(str(d) for d in divisors(h) if d <= 2 * heads)
         raise ConfigError(
             f"--hidden-size {h} does not split into --num-attention-heads {heads} heads of one "
