@@ -13,7 +13,6 @@ conversion as ``GPT.save_hf``.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -66,29 +65,33 @@ def export_checkpoint(
     (megart.training.tokenizer_record) is, unless ``recorded_tokenizer`` is False. A missing
     checkpoint or file, a recorded tokenizer that cannot be loaded, or a model no format
     can represent, is a ConfigError. A torch_dist store (``--ckpt-format torch_dist``) is
-    read whole, as convert-checkpoint reads Megatron-LM's, into a release checkpoint beside
-    ``output_dir`` that is removed after the export."""
+    read whole, as convert-checkpoint reads Megatron-LM's (megatron_checkpoint.megatron_weights),
+    and held while it is written."""
     check_dtype(dtype)
     limit = parse_size(max_shard_size)
     iteration = chosen_iteration(load_dir, iteration, "--iteration")
     root = iteration_dir(load_dir, iteration)
     if megatron_dist.is_dist_checkpoint(root):
-        # A store of whole tensors (megart train --ckpt-format torch_dist, or Megatron-LM's):
-        # read as convert-checkpoint --from megatron reads it, through a release checkpoint.
-        from megart.training.megatron_checkpoint import megatron_to_megart
+        # A store of whole tensors (megart train --ckpt-format torch_dist, or Megatron-LM's).
+        from megart.training.megatron_checkpoint import megatron_weights
 
-        Path(output_dir).parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=Path(output_dir).parent) as tmp:
-            megatron_to_megart(load_dir, tmp, iteration)
-            return export_checkpoint(
-                tmp, output_dir, None, dtype, max_shard_size, tokenizer_model, recorded_tokenizer
-            )
-    shards = read_shards(root)
-    cfg = model_config(shards[0, 0])
+        cfg, weights, recorded = megatron_weights(load_dir, iteration)
+
+        def merged(name: str) -> dict[str, torch.Tensor]:
+            local = name.removeprefix("chunk.")
+            return {name: weights[local]} if local in weights else {}
+
+    else:
+        shards = read_shards(root)
+        cfg, recorded = model_config(shards[0, 0]), shards[0, 0].get("tokenizer")
+
+        def merged(name: str) -> dict[str, torch.Tensor]:
+            return whole_tensors(shards, cfg, wanted=(name,))
+
     fmt = writer(cfg)
     config = fmt.hf_config(cfg)
     # Before the weights: a wrong tokenizer is refused at once.
-    tokenizer, recorded = None, shards[0, 0].get("tokenizer")
+    tokenizer = None
     if tokenizer_model is not None:
         tokenizer = load_tokenizer(tokenizer_model, cfg.vocab_size)
     elif recorded_tokenizer and recorded:
@@ -97,7 +100,7 @@ def export_checkpoint(
         config.update(special_token_ids(tokenizer))
 
     def take(name: str) -> torch.Tensor:
-        whole = whole_tensors(shards, cfg, wanted=(name,))
+        whole = merged(name)
         if name not in whole:
             raise ConfigError(f"{root}: no file holds {name}; the checkpoint is incomplete")
         return whole[name]

@@ -181,14 +181,19 @@ def _merged(a: dict[str, Any], root: Path, iteration: int) -> tuple[GPTConfig, d
     return cfg, model, iteration
 
 
-def megatron_to_megart(
-    load_dir: str | os.PathLike, save_dir: str | os.PathLike, iteration: int | None = None
-) -> Path:
-    """The Megatron-LM checkpoint of ``iteration`` (default: the latest) in ``load_dir`` as a
-    megart release checkpoint (weights only; --load reshards it to any layout and starts at
-    iteration 0)."""
+def megatron_weights(
+    load_dir: str | os.PathLike, iteration: int | None = None
+) -> tuple[GPTConfig, dict[str, torch.Tensor], dict[str, str] | None]:
+    """The model, whole weights under megart's one-chunk names (vocabulary padded for one
+    rank) and tokenizer record (what its args record) of the Megatron-LM checkpoint of
+    ``iteration`` (default: the latest) in ``load_dir``: legacy, of any layout, or torch_dist."""
     a, root, iteration = saved_args(load_dir, iteration)
     cfg, model, _ = _merged(a, root, iteration)
-    weights = from_megatron(model, cfg)
-    tokenizer = tokenizer_record.record(a)  # what its args record
+    return cfg, from_megatron(model, cfg), tokenizer_record.record(a)
+
+
+def megatron_to_megart(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> Path:
+    """The latest Megatron-LM checkpoint in ``load_dir`` as a megart release checkpoint
+    (weights only; --load reshards it to any layout and starts at iteration 0)."""
+    cfg, weights, tokenizer = megatron_weights(load_dir)
     return write_release(save_dir, cfg, weights, list(range(cfg.num_layers)), tokenizer)
