@@ -151,6 +151,8 @@ def _memory_case(rng: random.Random) -> tuple[int, dict]:
     from plan_memory_check import LLAMA, LLAMA_ROPE, SMALL
 
     model = dict(rng.choice([SMALL, LLAMA, LLAMA_ROPE]))
+    if rng.random() < 0.2:
+        model["kv_channels"] = rng.choice([8, 32])  # heads other than h / heads = 16 wide
     tp, pp, dp = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2])
     cp = 2 if tp * pp * dp <= 2 and rng.random() < 0.3 else 1
     flags: dict = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

@@ -119,3 +119,34 @@ def test_the_fused_loss_moves_the_16_bit_logits_once_each_way():
     assert unfused.forward - fused.forward == pytest.approx(logits * (8 - 2) / hbm, rel=1e-12)
     assert unfused.backward - fused.backward == pytest.approx(logits * (8 - 4) / hbm, rel=1e-12)
     assert fused.weight == unfused.weight
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(num_query_groups=2, activation="swiglu", bias=False),
+        dict(kv_channels=32, num_query_groups=2),  # q = 4 x 32 = 128 on h 64
+        dict(kv_channels=8, activation="swiglu"),  # q = 32
+    ],
+    ids=["gpt", "llama-gqa", "wide-heads", "narrow-heads"],
+)
+def test_the_products_timed_are_the_ones_a_layer_runs(kw):
+    """The plan's dense products (q/k/v, output projection, MLP) against those one megart
+    layer's forward runs, counted by torch's flop counter: at a constant efficiency (no
+    half-dimension) their time is their FLOPs over the product rate."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megart.models.blocks import Block
+
+    cfg = GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16,
+                    vocab_size=256, **kw)  # fmt: skip
+    b = 3
+    with FlopCounterMode(display=False) as counter:
+        Block(cfg, 0, None, False)(torch.randn(cfg.seq_length, b, 64), None)
+    counts = counter.get_flop_counts()["Global"]
+    dense = sum(n for op, n in counts.items() if str(op).split(".")[1] in ("mm", "addmm"))
+    gpu = dataclasses.replace(A100, gemm_half_dim=0)
+    rate = gpu.peak_tflops * 1e12 * gpu.gemm_efficiency_max
+    assert layer_work(cfg, b, 1, False, None, gpu).weight * rate == pytest.approx(dense)

@@ -224,6 +224,25 @@ CASES = [
             micro_batch_size=3,
         ),
     ),
+    # --kv-channels: heads wider than h / heads (q = 4 x 32 = 128 on h 64, as Qwen3's head_dim
+    # 128 on a smaller h), with its query and key norms; and narrower (q = 32), interleaved.
+    (
+        "qwen3-style tp2 sp kv-channels 32",
+        2,
+        dict(LLAMA_ROPE, kv_channels=32, qk_layernorm=True),
+        dict(tensor_model_parallel_size=2, sequence_parallel=True, micro_batch_size=3),
+    ),
+    (
+        "pp2 interleaved selective kv-channels 8",
+        2,
+        dict(SMALL, kv_channels=8),
+        dict(
+            pipeline_model_parallel_size=2,
+            num_layers_per_virtual_pipeline_stage=1,
+            recompute_granularity="selective",
+            micro_batch_size=2,
+        ),
+    ),
     # Interleaved with full recomputation: little else is saved, so the embedding's saves
     # (token ids, the tp mask) must be charged to the first chunk's held pairs only.
     (
@@ -282,6 +301,12 @@ ZB_CASES = [
     ),
     ("zb-h1 pp2 bf16", 2, SMALL, dict(pipeline_schedule="zb-h1", bf16=True, micro_batch_size=2)),
     ("zb-v pp2 llama-style", 2, LLAMA, dict(pipeline_schedule="zb-v", micro_batch_size=1)),
+    (
+        "zb-v pp2 llama-style kv-channels 32",
+        2,
+        dict(LLAMA, kv_channels=32),
+        dict(pipeline_schedule="zb-v", micro_batch_size=1),
+    ),
     (
         "zb-h1 pp2 tp2 sp full recompute",
         4,

@@ -1,7 +1,8 @@
 """megart plan's per-layer activation count against what one megart layer saves for backward
 (torch's saved-tensor hooks, one process), over the model options that change those saves:
 rope (whole or partial), SwiGLU, RMSNorm, grouped queries (one group, some, one per head), no
-biases, hidden dropout, --qk-layernorm, fp32 or bf16 autocast, selective recomputation or none.
+biases, hidden dropout, --qk-layernorm, --kv-channels, fp32 or bf16 autocast, selective
+recomputation or none.
 The real-rank rows (tp2, pp2, sequence parallelism) are in test_plan_memory.py's CASES.
 
 The plan counts a GPU's kernels; a CPU's dropout keeps its mask in the activations' dtype where
@@ -88,6 +89,13 @@ def llama(**kw: object) -> GPTConfig:
         ("llama mqa", llama(num_query_groups=1)),
         ("llama partial rope", llama(rotary_percent=0.5)),
         ("qwen3 (--qk-layernorm)", llama(qk_layernorm=True)),
+        # --kv-channels: heads 16 wide on h 64 / 8 heads (q = 128, as Qwen3's head_dim 128),
+        # and 4 wide with learned positions and one group per head (q = 32).
+        ("qwen3 --kv-channels 16", llama(qk_layernorm=True, kv_channels=16)),
+        (
+            "mha --kv-channels 4, learned",
+            llama(kv_channels=4, num_query_groups=None, position_embedding="learned"),
+        ),
         (
             "qk-layernorm, learned, layernorm",
             llama(qk_layernorm=True, normalization="layernorm", position_embedding="learned"),
@@ -126,9 +134,15 @@ def test_one_layer_saves_what_the_plan_counts(name, cfg, bf16, recompute):
     bf16=st.booleans(),
     recompute=st.sampled_from([None, "selective"]),
     qk=st.booleans(),
+    # --kv-channels: q = 32 or 96 on h 64 (not 16: with one group the fused q/k/v weight
+    # would be 160 x 64, the shape of the 160 tokens' norm output, which SavedBytes skips)
+    head=st.sampled_from([None, 4, 12]),
 )
-def test_any_option_mix(rope, partial, swiglu, rmsnorm, groups, bias, dropout, bf16, recompute, qk):
+def test_any_option_mix(
+    rope, partial, swiglu, rmsnorm, groups, bias, dropout, bf16, recompute, qk, head
+):
     cfg = llama(
+        kv_channels=head,
         qk_layernorm=qk,
         position_embedding="rotary" if rope else "learned",
         rotary_percent=0.5 if partial and rope else 1.0,

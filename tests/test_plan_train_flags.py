@@ -117,10 +117,20 @@ def test_a_flag_the_plan_does_not_model_is_refused_by_name(name, capsys):
     assert "out to plan megart train's default" in err and err.count("\n") == 1  # one line
 
 
-def test_a_head_size_other_than_h_over_heads_is_refused_by_name(capsys):
-    assert plan(capsys, *MODEL, "--kv-channels", "128")[0] == 0  # 2048 / 16: the same heads
-    code, err = plan(capsys, *MODEL, "--kv-channels", "64")
-    assert code == 2 and "megart plan does not model --kv-channels 64 (attention heads" in err
+def test_a_head_size_other_than_h_over_heads_is_planned_for_megarts_runtime(capsys):
+    """--kv-channels 128 is 2048 / 16, the same heads; 64 makes the query heads half as wide,
+    which the plan models (tests/test_plan_memory*.py) but not for Megatron-LM's runtime."""
+    fixed = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--micro-batch-size", "1"]  # fmt: skip
+    usual = plan(capsys, *MODEL, *fixed)[1]
+    same = plan(capsys, *MODEL, *fixed, "--kv-channels", "128")[1]
+    assert same["memory_gib"] == usual["memory_gib"]
+    narrow = plan(capsys, *MODEL, *fixed, "--kv-channels", "64")[1]
+    for part in ("parameters", "activations"):
+        assert narrow["memory_gib"][part] < usual["memory_gib"][part], part
+    assert narrow["iteration_time_s"] < usual["iteration_time_s"]
+    code, err = plan(capsys, *MODEL, "--kv-channels", "64", "--runtime", "megatron")
+    assert code == 2 and "megart plan does not model --kv-channels 64 (heads other" in err
 
 
 def test_unmodelled_flags_at_their_default_values_plan_as_left_out(capsys):

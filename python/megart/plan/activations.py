@@ -121,13 +121,14 @@ def layer_bytes(
         # Attention keeps q, k and v per query head: views of the fused output with one group
         # per head; with fewer groups the repeated keys and values, and q, which is a view of
         # the fused output when a rank holds one group and a copy otherwise.
-        qkv = 3 * h / t
+        q = cfg.query_size
+        qkv = 3 * q / t
         groups = cfg.query_groups // t
         if groups * t != cfg.num_attention_heads:
-            fused = (h + 2 * cfg.query_groups * cfg.head_dim) / t
-            qkv = 2 * h / t + (fused if groups == 1 else h / t)
-            qkv -= 2 * h / t  # the repeated keys and values span the whole sequence: below
-        attention = qkv + h / t
+            fused = (q + 2 * cfg.query_groups * cfg.head_dim) / t
+            qkv = 2 * q / t + (fused if groups == 1 else q / t)
+            qkv -= 2 * q / t  # the repeated keys and values span the whole sequence: below
+        attention = qkv + q / t
     mlp = (4 if cfg.activation == "swiglu" else 2) * f / t
     other = (attention + mlp) * prec.other
     norms = 2 * seq_share * norm_statistics(cfg)
@@ -148,7 +149,8 @@ def layer_bytes(
 def attention_elements(cfg: GPTConfig, t: int, recompute: str | None, half: bool = False) -> float:
     """Elements per token one layer's attention keeps besides its input (the norm output),
     without context parallelism, from what megart's Attention hands on (traced with torch's
-    saved-tensor hooks). h = heads x head size, kv = query groups x head size, the fused q/k/v
+    saved-tensor hooks). h = heads x head size (the hidden size unless --kv-channels says
+    otherwise: GPTConfig.query_size), kv = query groups x head size, the fused q/k/v
     projection's output is (h + 2 kv)/t per token on each of t ranks, and attention keeps its
     q, k and v (flash attention's inputs, or selective recomputation's checkpoint inputs):
 
@@ -169,7 +171,7 @@ def attention_elements(cfg: GPTConfig, t: int, recompute: str | None, half: bool
 
     Multi-head attention with learned positions: 3 h/t + h/t, as Korthikanti et al. count
     q, k, v and the attention output; with rope 7 h/t."""
-    h, kv = cfg.hidden_size, cfg.query_groups * cfg.head_dim
+    h, kv = cfg.query_size, cfg.query_groups * cfg.head_dim
     rope, qk = cfg.position_embedding == "rotary", cfg.qk_layernorm
     grouped = cfg.query_groups != cfg.num_attention_heads
     q_reshaped = grouped and cfg.query_groups // t > 1  # the per-head reshape copies q
@@ -224,7 +226,7 @@ def ring_attention_elements(
     projection's [s, b, h] input copies (h/t each; under selective recomputation only the
     copy), besides its fp32 log-sum-exp (layer_bytes' core term). No other rank's K/V."""
     selective = attention_elements(cfg, t, "selective", half)
-    return selective + (0 if recompute == "selective" else cfg.hidden_size / t)
+    return selective + (0 if recompute == "selective" else cfg.query_size / t)
 
 
 def a2a_attention_elements(
@@ -243,7 +245,7 @@ def a2a_attention_elements(
     does (attention_elements' selective count)."""
     if recompute == "selective":
         return attention_elements(cfg, t, "selective", half)
-    h, kv = cfg.hidden_size, cfg.query_groups * cfg.head_dim
+    h, kv = cfg.query_size, cfg.query_groups * cfg.head_dim  # h: all query heads' width
     kept = (4 if unfused else 5) * h
     if cfg.qk_layernorm and qk_norm_keeps_input(cfg, half):
         grouped = cfg.query_groups != cfg.num_attention_heads
@@ -272,7 +274,7 @@ def gathered_kv_bytes(
     if recompute == "selective":
         kv = 2 * cfg.query_groups * cfg.head_dim / t
     else:
-        kv = 2 * cfg.hidden_size / t
+        kv = 2 * cfg.query_size / t
     return s * b * kv * prec.other
 
 
@@ -347,11 +349,11 @@ def weight_grad_bytes(cfg: GPTConfig, b: int, tp: int, prec: Precision, cp: int 
     activation f/t and dY h. Held with recomputation too: I recomputes the layer and keeps them.
     With context parallelism each rank holds its s/cp tokens' (the gathered keys and values
     are attention's, not a linear layer's)."""
-    h, t, f = cfg.hidden_size, tp, cfg.ffn_size
+    h, t, f, q = cfg.hidden_size, tp, cfg.ffn_size, cfg.query_size
     kv = cfg.query_groups * cfg.head_dim
     fc1_out = (2 if cfg.activation == "swiglu" else 1) * f
-    x = h + h / t + h + f / t
-    dy = (h + 2 * kv) / t + h + fc1_out / t + h
+    x = h + q / t + h + f / t
+    dy = (q + 2 * kv) / t + h + fc1_out / t + h
     return cfg.seq_length // cp * b * (x + dy) * prec.other
 
 

@@ -7,7 +7,7 @@ Every TrainConfig field is in exactly one of these (tests/test_plan_train_flags.
   runtime holds and sends), or megart train's checks on it limit the layouts.
 - NO_EFFECT: changes neither an iteration's time nor what a GPU holds in it (the learning rate
   and its schedule, data and tokenizer files, checkpoints, logging, evaluation, seeds...), or
-  is accepted only at values that change nothing (--kv-channels, --max-position-embeddings).
+  is accepted only at values that change nothing (--max-position-embeddings).
 - UNMODELLED: changes time or memory in a way the planner does not model; refused by name
   unless left at megart train's default (or another value the plan predicts alike), so that no
   prediction silently describes another run.
@@ -44,6 +44,7 @@ MODELLED = (
     "num_layers",
     "hidden_size",
     "num_attention_heads",
+    "kv_channels",  # the heads' width: q = heads x d in attention (megart's runtime only)
     "seq_length",
     "vocab_size",
     "make_vocab_size_divisible_by",  # the padded vocabulary: embedding, logits
@@ -148,10 +149,9 @@ NO_EFFECT = (
     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "loss_scale",
     "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
     "calculate_per_token_loss", "check_for_nan_in_loss_and_grad",
-    # Where they change nothing: the head size h / heads (another is refused below, in
-    # refuse_unmodelled), a learned position table of --seq-length rows (megart train's only);
-    # megart's gradients are fp32 always
-    "kv_channels", "max_position_embeddings", "accumulate_allreduce_grads_in_fp32",
+    # Where they change nothing: a learned position table of --seq-length rows (megart
+    # train's only); megart's gradients are fp32 always
+    "max_position_embeddings", "accumulate_allreduce_grads_in_fp32",
     # inside torch's attention kernels on a GPU (no mask held); --use-flash-attn sets
     # --attention-backend flash, and the implementations name the same attention
     "attention_dropout", "use_flash_attn", "transformer_impl", "use_mcore_models",
@@ -202,10 +202,12 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
         value = getattr(config, name)
         if value not in alike:
             refused.append(f"{flag(name, value)} ({what})")
-    d, h, heads = config.kv_channels, config.hidden_size, config.num_attention_heads
-    if d is not None and d >= 1 and d * heads != h:  # (below 1: megart train's refusal)
-        refused.append(f"--kv-channels {d} (attention heads other than --hidden-size / heads)")
     if runtime != "megart":
+        # Megatron-LM's activations are Korthikanti et al.'s count, whose heads are h / heads.
+        d, h, heads = config.kv_channels, config.hidden_size, config.num_attention_heads
+        if d is not None and d >= 1 and d * heads != h:  # (below 1: megart train's refusal)
+            refused.append(f"--kv-channels {d} (heads other than --hidden-size / heads, with "
+                           f"--runtime {runtime})")  # fmt: skip
         default = TrainConfig()
         for name in MEGART_RUNTIME_ONLY:
             value = getattr(config, name)

@@ -34,7 +34,7 @@ def layer_tensors(cfg: GPTConfig, tp: int) -> list[int]:
     h, f, t = cfg.hidden_size, cfg.ffn_size, tp
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // t
     bias = cfg.bias
-    out = [*_norm(cfg), qkv * h, *([qkv] if cfg.qkv_bias else []), h * h // t]
+    out = [*_norm(cfg), qkv * h, *([qkv] if cfg.qkv_bias else []), h * cfg.query_size // t]
     out += [h] if bias else []
     if cfg.qk_layernorm:  # replicated on every tensor-parallel rank, one head wide
         out += _norm(cfg, cfg.head_dim) * 2

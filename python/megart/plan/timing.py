@@ -268,12 +268,12 @@ def layer_work(
     s, h, f, t = cfg.seq_length, cfg.hidden_size, cfg.ffn_size, tp
     local = s // cp  # this rank's queries of each sequence
     tokens = local * b
-    kv = cfg.query_groups * cfg.head_dim
+    q, kv = cfg.query_size, cfg.query_groups * cfg.head_dim
     # (cols, inner) of each product over the tokens: q/k/v and the MLP's first product(s) are
     # column-parallel (cols split over t), the output projection and the MLP's last product
     # row-parallel (inner split).
     ups = 2 if cfg.activation == "swiglu" else 1
-    shapes = [((h + 2 * kv) / t, h), (h, h / t)] + [(f / t, h)] * ups + [(h, f / t)]
+    shapes = [((q + 2 * kv) / t, h), (h, q / t)] + [(f / t, h)] * ups + [(h, f / t)]
     dense_times = [gemm_seconds(tokens, cols, inner, gpu) for cols, inner in shapes]
     fwd_gemm = sum(dense_times)
     # Per head: scores (s x d by d x s), then scores x values (s x s by s x d).
@@ -303,7 +303,7 @@ def layer_work(
     # read 2f write f); unfused attention: softmax and dropout over heads/t x s scores.
     replicated = 10 * h * (1 / t if sp else 1.0)
     # --qk-layernorm's norms read and write this rank's query and key heads.
-    qk_norms = 2 * (h + kv) / t if cfg.qk_layernorm else 0.0
+    qk_norms = 2 * (q + kv) / t if cfg.qk_layernorm else 0.0
     mlp = (3 if cfg.activation == "swiglu" else 2) * f / t
     # The ring's flash blocks write no scores. a2a's math kernel: s x s scores of heads/(t cp)
     # heads per rank, the same bytes as heads/t over the rank's s/cp queries counted here.

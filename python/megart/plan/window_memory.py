@@ -116,7 +116,7 @@ def layer_extra(cfg: GPTConfig, layer: int, b: int, tp: int, prec: Precision, cp
     if left is None or cp > 1 or cfg.position_embedding == "rotary":
         return 0.0
     s = cfg.seq_length
-    return 0.0 if band_tile(s, left) is None else b * s * cfg.hidden_size / tp * prec.other
+    return 0.0 if band_tile(s, left) is None else b * s * cfg.query_size / tp * prec.other
 
 
 def rank_layer_bytes(
