@@ -297,3 +297,24 @@ def pipeline_states(kw: dict, megart_dir: str, out_dir: str | None = None) -> di
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return out
+
+
+def megatron_rates(states: list[dict]) -> list[float]:
+    """Megatron-Core's OptimizerParamScheduler, built with other values and loaded from each
+    saved state (as Megatron's --use-checkpoint-opt_param-scheduler does): the rate of the
+    next step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class Stub:
+        param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+
+    rates = []
+    for saved in states:
+        sched = OptimizerParamScheduler(
+            Stub(), init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10,
+            lr_decay_style="linear", start_wd=0.0, end_wd=0.0, wd_incr_steps=10,
+            wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
+        )  # fmt: skip
+        sched.load_state_dict(saved)
+        rates.append(sched.get_lr(Stub.param_groups[0]))
+    return rates

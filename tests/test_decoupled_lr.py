@@ -100,7 +100,8 @@ def test_resuming_under_other_param_groups_names_decoupled_lr(tmp_path, fmt):
     """A checkpoint saved without --decoupled-lr resumed with it (its optimizer state has one
     group less than the run's) is refused naming the flag, in either checkpoint format."""
     ckpt = str(tmp_path / "ckpt")
-    launch(tw.train_kw, 1, dict(train_iters=2, save=ckpt, ckpt_format=fmt), timeout=300)
+    launch(tw.train_kw, 1, dict(train_iters=3, exit_interval=2, save=ckpt, ckpt_format=fmt),
+           timeout=300)  # fmt: skip
     with pytest.raises(LaunchError, match="2 param groups and this run's optimizer 3 "
                        r"\(--decoupled-lr adds one"):  # fmt: skip
         launch(tw.train_kw, 1, dict(train_iters=3, load=ckpt, decoupled_lr=5e-4), timeout=300)

@@ -153,8 +153,9 @@ def _train(argv: list[str]) -> tuple[int, str]:
 def test_megart_train_with_the_flag_saves_zero_centred_weights_and_loads_only_with_it(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     argv = [*TRAIN, "--apply-layernorm-1p", "--ckpt-format", "torch", "--save", ckpt]
-    status, out = _train([*argv, "--train-iters", "2"])
-    assert status == 0 and "iteration     2/2" in out, out
+    # Stopped after 2 of 3 iterations: the resumed run's --train-iters 3 is the saved schedule's.
+    status, out = _train([*argv, "--train-iters", "3", "--exit-interval", "2"])
+    assert status == 0 and "iteration     2/3" in out, out
     state = torch.load(iteration_dir(ckpt, 2) / "mp_rank_00" / FILE, weights_only=False)
     assert isinstance(state["args"], argparse.Namespace) and state["args"].apply_layernorm_1p
     assert state["megart"]["model_config"]["apply_layernorm_1p"]

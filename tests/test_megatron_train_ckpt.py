@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import megatron_optim_workers as mow
 import train_workers as tw
 from megart.launcher import launch
 from megart.training.checkpoint import FILE, iteration_dir, latest_iteration
@@ -51,14 +52,15 @@ SCENARIOS = {  # name: (processes, flags)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Per scenario: the uninterrupted 4-iteration curve, the checkpoint after 2 iterations in
-    Megatron's format, and the curve resumed from it."""
+    """Per scenario: the uninterrupted 4-iteration curve, the checkpoint after 2 of them in
+    Megatron's format (--exit-interval: the saved scheduler is the 4-iteration run's, which the
+    resumed run's flags must give), and the curve resumed from it."""
     out = {}
     for name, (nproc, flags) in SCENARIOS.items():
         ckpt = tmp_path_factory.mktemp(name) / "ckpt"
         straight = launch(tw.train_kw, nproc, dict(flags, train_iters=4), timeout=300)[0]
-        launch(tw.train_kw, nproc, dict(flags, train_iters=2, save=str(ckpt), ckpt_format="torch"),
-               timeout=300)  # fmt: skip
+        launch(tw.train_kw, nproc, dict(flags, train_iters=4, exit_interval=2, save=str(ckpt),
+                                        ckpt_format="torch"), timeout=300)  # fmt: skip
         resumed = launch(tw.train_kw, nproc, dict(flags, train_iters=4, load=str(ckpt)),
                          timeout=300)[0]  # fmt: skip
         out[name] = straight, ckpt, resumed
@@ -151,34 +153,13 @@ def test_megatrons_scheduler_restored_from_the_state_gives_megarts_rate(runs):
     ckpt = runs["tp2-fp32"][1]
     state = _raw(iteration_dir(ckpt, 2) / "mp_rank_00" / FILE)
     assert set(state["optimizer"]) == {"state", "param_groups"}  # FP32Optimizer: torch's
-    cases = [(state["opt_param_scheduler"], tw.tiny(train_iters=2).learning_rate(2))]
+    cases = [(state["opt_param_scheduler"], tw.tiny(train_iters=4).learning_rate(2))]
     for style in STYLES:
         config = tw.tiny(train_iters=20, lr_warmup_iters=3, lr_decay_style=style)
         cases += [(scheduler_state(config, i), config.learning_rate(i)) for i in (4, 9, 15)]
-    got = launch(_megatron_lrs, 1, [saved for saved, _ in cases], timeout=300)[0]
+    got = launch(mow.megatron_rates, 1, [saved for saved, _ in cases], timeout=300)[0]
     assert got == pytest.approx([want for _, want in cases], rel=1e-12)
     assert len({round(w, 12) for _, w in cases}) > 5  # rates that tell styles apart
-
-
-def _megatron_lrs(states: list[dict]) -> list[float]:
-    """Megatron-Core's OptimizerParamScheduler, built with other values and loaded from the
-    saved state (as Megatron's --use-checkpoint-opt_param-scheduler does): the rate of the
-    next step."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    class Stub:
-        param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
-
-    rates = []
-    for saved in states:
-        sched = OptimizerParamScheduler(
-            Stub(), init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10,
-            lr_decay_style="linear", start_wd=0.0, end_wd=0.0, wd_incr_steps=10,
-            wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
-        )  # fmt: skip
-        sched.load_state_dict(saved)
-        rates.append(sched.get_lr(Stub.param_groups[0]))
-    return rates
 
 
 def test_a_torch_format_checkpoint_reshards_on_load(runs):

@@ -194,9 +194,9 @@ def test_megart_train_takes_the_flag_on_tp2_and_megatrons_checkpoint_keeps_it(tm
 
     ckpt = str(tmp_path / "ckpt")
     argv = [*TINY, *LLAMA, "--rotary-percent", "0.5", "--ckpt-format", "torch"]
-    status, out = _train([*argv, "--save", ckpt, "--train-iters", "2",
+    status, out = _train([*argv, "--save", ckpt, "--train-iters", "3", "--exit-interval", "2",
                           "--tensor-model-parallel-size", "2"], ranks=2)  # fmt: skip
-    assert status == 0 and "iteration     2/2 |" in out and "loss nan" not in out, out
+    assert status == 0 and "iteration     2/3 |" in out and "loss nan" not in out, out
     for rank in (0, 1):
         state = torch.load(iteration_dir(ckpt, 2) / f"mp_rank_0{rank}" / FILE,
                            weights_only=False)  # fmt: skip

@@ -29,6 +29,7 @@ from megart.training.megatron_refusals import refusal
 ALIASES = {
     "layernorm_epsilon": ["--norm-epsilon"],
     "override_opt_param_scheduler": ["--override-opt_param-scheduler"],  # Megatron's spelling
+    "use_checkpoint_opt_param_scheduler": ["--use-checkpoint-opt_param-scheduler"],
 }
 # Flags that take a fixed number of values.
 # --cp-comm-type takes Megatron's per-layer list too (one kind per layer); megart's layers all

@@ -188,6 +188,9 @@ HELP = {
     "override_opt_param_scheduler": "resume a Megatron-LM checkpoint (--ckpt-format torch or "
     "torch_dist) whose saved learning-rate schedule differs from these flags, following the "
     "flags (Megatron-LM's --override-opt_param-scheduler; without it a difference is refused)",
+    "use_checkpoint_opt_param_scheduler": "resume on the learning-rate schedule saved in a "
+    "Megatron-LM checkpoint (--ckpt-format torch or torch_dist) instead of these flags' "
+    "(Megatron-LM's --use-checkpoint-opt_param-scheduler; the flags set to it are printed)",
     "no_load_optim": "do not load the optimizer state (nor the fp16 loss scale) from --load",
     "no_load_rng": "do not load the random streams from --load (start them from --seed)",
     "finetune": "load only the model weights from --load and start at iteration 0 (fresh "

@@ -166,6 +166,7 @@ NO_EFFECT = (
     "save_retain_interval", "non_persistent_save_interval", "non_persistent_ckpt_type",
     "non_persistent_global_ckpt_dir", "async_save", "no_save_optim", "no_save_rng", "load",
     "no_load_optim", "no_load_rng", "finetune", "override_opt_param_scheduler",
+    "use_checkpoint_opt_param_scheduler",
     "pretrained_checkpoint", "ckpt_step",
     "exit_on_missing_checkpoint", "exit_interval", "exit_duration_in_mins",
     "exit_signal_handler", "distributed_timeout_minutes",

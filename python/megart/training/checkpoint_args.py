@@ -85,19 +85,28 @@ def saved(
     then the model's, a NullTokenizer's end-of-document id included) and a few words naming
     it."""
     otherwise = " (--use-checkpoint-args reads the model's flags from its latest checkpoint)"
+    raw, where, root = checkpoint_records(load_dir, step, otherwise)
+    if "args" in raw:  # Megatron-LM's file or store (megart's records beside them)
+        return _from_args(vars(raw["args"]), raw.get("megart"), where)
+    return _from_megart(root, raw) + (where,)
+
+
+def checkpoint_records(
+    load_dir: str | os.PathLike, step: int | None = None, otherwise: str = ""
+) -> tuple[dict[str, Any], str, Path]:
+    """The small records of the checkpoint of iteration ``step`` (default the latest) in
+    ``load_dir``: a torch_dist store's common state, or its first ``mp_rank_*`` file (Megatron's
+    legacy or megart's, memory-mapped); a few words naming it; its folder. ``otherwise`` ends
+    the refusal when there is no checkpoint."""
     iteration = chosen_iteration(load_dir, step, "--ckpt-step", otherwise)
     root = iteration_dir(load_dir, iteration)
-    where = f"{root}"
     if megatron_dist.is_dist_checkpoint(root):
-        common = megatron_dist.read_common(root)
-        return _from_args(vars(common["args"]), common.get("megart"), where + " (torch_dist)")
+        return megatron_dist.read_common(root), f"{root} (torch_dist)", root
     files = sorted(root.glob(f"mp_rank_*/{FILE}"))
     if not files:
         raise ConfigError(f"--load {load_dir}: {root} holds no mp_rank_*/{FILE}")
     raw = _read(files[0])
-    if is_megatron_file(raw):
-        return _from_args(vars(raw["args"]), raw.get("megart"), where + " (torch)")
-    return _from_megart(root, raw) + (where,)
+    return raw, f"{root} (torch)" if is_megatron_file(raw) else f"{root}", root
 
 
 def _read(path: Path) -> dict[str, Any]:

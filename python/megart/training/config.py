@@ -277,6 +277,9 @@ class TrainConfig:
     # schedule (lr, warm-up, decay iterations and style, weight decay) may differ from this
     # run's flags, which the schedule follows (megart's own format always takes the flags).
     override_opt_param_scheduler: bool = False
+    # Megatron's --use-checkpoint-opt_param-scheduler: the other way, the saved schedule in
+    # place of the flags' (megart.training.checkpoint_scheduler, which sets the flags to it).
+    use_checkpoint_opt_param_scheduler: bool = False
     # Megatron's: where --load holds no checkpoint yet (a restartable fine-tuning job's first
     # run), this checkpoint's weights, from iteration 0, as --finetune.
     pretrained_checkpoint: str | None = None

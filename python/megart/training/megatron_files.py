@@ -320,6 +320,7 @@ def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
         "optimizer": optimizer,
         "rng": rng,
         "loss_scaler": extra["loss_scaler"],
-        "opt_param_scheduler": extra.get("opt_param_scheduler"),
+        # The file's own, whoever wrote it (megart's record beside Megatron's keys has none).
+        "opt_param_scheduler": state.get("opt_param_scheduler"),
         "tokenizer": tokenizer_record.record(vars(state["args"])),  # as Megatron's args say
     }

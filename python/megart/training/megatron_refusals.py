@@ -143,10 +143,6 @@ REFUSED: dict[str, str] = {
     "--lr-wsd-decay-style": "megart's --lr-decay-style has no WSD; " + _LEAVE,
     "--lr-wsd-decay-iters": "megart's --lr-decay-style has no WSD; " + _LEAVE,
     "--lr-wsd-decay-samples": "megart's --lr-decay-style has no WSD; " + _LEAVE,
-    "--use-checkpoint-opt_param-scheduler": "megart's schedule follows this run's flags, not "
-    "the checkpoint's; " + _LEAVE,
-    "--use-checkpoint-opt-param-scheduler": "megart's schedule follows this run's flags, not "
-    "the checkpoint's; " + _LEAVE,
     "--start-weight-decay": "megart's weight decay is constant (--weight-decay); use that",
     "--end-weight-decay": "megart's weight decay is constant (--weight-decay); use that",
     "--weight-decay-incr-style": "megart's weight decay is constant (--weight-decay); use that",

@@ -57,16 +57,24 @@ _SCHEDULER_FLAGS = {
 }  # fmt: skip
 
 
+def saved_value(saved: dict[str, Any], key: str) -> Any:
+    """The value of ``key`` (scheduler_state's name) in Megatron's saved scheduler state, under
+    its current or an older name; None where it was saved before Megatron kept it."""
+    return next((saved[n] for n in _SCHEDULER_FLAGS[key][0] if n in saved), None)
+
+
 def check_scheduler(saved: dict[str, Any], config: Any, directory: Any) -> None:
     """Refuses to resume Megatron's scheduler ``saved`` under flags that give other values, as
     its load_state_dict does by default, naming the flag; with --override-opt_param-scheduler
-    the flags' schedule is taken, as Megatron's override takes it (megart has no
-    --use-checkpoint-opt_param-scheduler)."""
-    if config.override_opt_param_scheduler:
+    the flags' schedule is taken, as Megatron's override takes it, and with
+    --use-checkpoint-opt_param-scheduler the flags were made the saved schedule's
+    (megart.training.checkpoint_scheduler; what it does not set, such as the weight decay's
+    steps of a constant decay, changes no rate)."""
+    if config.override_opt_param_scheduler or config.use_checkpoint_opt_param_scheduler:
         return
     now = scheduler_state(config, 0)
-    for key, (names, flag) in _SCHEDULER_FLAGS.items():
-        was = next((saved[n] for n in names if n in saved), None)
+    for key, (_, flag) in _SCHEDULER_FLAGS.items():
+        was = saved_value(saved, key)
         if was is None:
             continue  # saved before Megatron kept it
         same = (

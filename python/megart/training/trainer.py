@@ -25,6 +25,7 @@ from megart.tensor_parallel import fusing_accumulation, sync_sequence_parallel_g
 from megart.training import batch_rampup, iteration_stats, memory_report
 from megart.training import optimizer as optim
 from megart.training import trainer_setup as setup
+from megart.training.checkpoint_scheduler import with_saved_schedule
 from megart.training.checkpointer import Checkpointer
 from megart.training.config import TrainConfig
 from megart.training.data import Dataset
@@ -54,7 +55,8 @@ class Trainer:
         # The steps run in this order (trainer_setup says why each is where it is): every rank
         # refuses bad flags before any waits on another, and the random streams are seeded
         # before the weights are drawn, so that a seed gives one loss curve.
-        self.config = c = config
+        # --use-checkpoint-opt_param-scheduler: the resumed checkpoint's schedule as the flags.
+        self.config = c = with_saved_schedule(config)
         self.dp = setup.checked_dp_size(c)
         self.grid = g = setup.join_grid(c, self.dp)
         self.m = c.microbatches(self.dp)

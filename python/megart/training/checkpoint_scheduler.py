@@ -1,0 +1,128 @@
+"""Megatron-LM's --use-checkpoint-opt_param-scheduler: a resumed run follows the learning-rate
+schedule saved in --load's checkpoint (Megatron's ``opt_param_scheduler`` state), not the one
+its flags give.
+
+Megatron-Core's OptimizerParamScheduler.load_state_dict then takes each saved value (peak and
+floor rate, warm-up and decay steps, decay style, weight decay) in place of its own, and the
+optimizer's loaded param groups bring back their saved peak and floor (--decoupled-lr's group
+too). megart computes every rate from its TrainConfig, so the saved values become the run's
+flags before anything reads them, each said on rank 0 as --use-checkpoint-args says its own.
+The scheduler counts samples: its steps turn into this run's iterations of --global-batch-size
+(or stay samples under --train-samples).
+
+Where Megatron-LM loads no scheduler the flags' schedule runs, as there: a restartable job's
+first run (--load holding no checkpoint yet) and its start from --pretrained-checkpoint.
+Where the flag cannot take effect megart refuses it rather than ignore it: with --finetune or
+--no-load-optim (Megatron-LM loads no scheduler and goes on with the flags), with
+--override-opt_param-scheduler (Megatron-Core asserts the two exclude each other), and on a
+checkpoint that holds no scheduler state (megart's own format, a release checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from megart.errors import ConfigError
+from megart.training.checkpoint_args import checkpoint_records
+from megart.training.checkpoint_dirs import loads_pretrained, no_checkpoint_yet, resume_dir
+from megart.training.megatron_scheduler import saved_value
+
+FLAG = "--use-checkpoint-opt_param-scheduler"
+
+
+def with_saved_schedule(config: Any) -> Any:
+    """``config`` (a TrainConfig) with the learning-rate schedule of the checkpoint it resumes
+    when --use-checkpoint-opt_param-scheduler is given (and the checkpoint is loaded with its
+    scheduler); otherwise ``config`` itself."""
+    if not config.use_checkpoint_opt_param_scheduler:
+        return config
+    for flag, given in (("--override-opt_param-scheduler", config.override_opt_param_scheduler),
+                        ("--finetune", config.finetune),
+                        ("--no-load-optim", config.no_load_optim)):  # fmt: skip
+        if given:
+            raise ConfigError(
+                f"{FLAG} with {flag}: "
+                + (
+                    "the two exclude each other (Megatron-Core asserts it); give one"
+                    if flag.startswith("--override")
+                    else "no scheduler state is loaded then (Megatron-LM goes on with the flags' "
+                    f"schedule); leave {FLAG} out"
+                )  # fmt: skip
+            )
+    if not config.load and not config.pretrained_checkpoint:
+        raise ConfigError(f"{FLAG} takes the schedule from --load's checkpoint: give --load DIR")
+    if loads_pretrained(config.load, config.pretrained_checkpoint) or no_checkpoint_yet(
+        config.load
+    ):
+        return config  # nothing resumed: this run starts the schedule its flags give
+    load = resume_dir(config)
+    records, where, _ = checkpoint_records(load, config.ckpt_step)
+    state = records.get("opt_param_scheduler")
+    if records.get("release") or state is None:
+        raise ConfigError(
+            f"{FLAG}: {where} holds no learning-rate scheduler state (megart's own "
+            "--ckpt-format and release checkpoints follow the flags' schedule); leave the flag "
+            "out and give the schedule's flags (--lr, --min-lr, --lr-warmup-iters, "
+            "--lr-decay-iters, --lr-decay-style, --weight-decay)"
+        )
+    values = schedule_flags(state, config, where)
+    args = records.get("args")
+    if args is not None:  # Megatron-LM restores --decoupled-lr's group from its saved groups
+        saved = vars(args)
+        for field in ("decoupled_lr", "decoupled_min_lr"):
+            if field in saved:
+                values[field] = saved[field]
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{FLAG}: the learning-rate schedule from {where}", flush=True)
+        for field, value in values.items():
+            if value != getattr(config, field):
+                print(f"Setting {field} to {value} from checkpoint", flush=True)
+    return dataclasses.replace(config, **values)
+
+
+def schedule_flags(state: dict[str, Any], config: Any, where: str) -> dict[str, Any]:
+    """The TrainConfig fields that give Megatron's saved scheduler ``state`` for a run of
+    ``config``'s batch: the rates, the style and the weight decay as saved, the warm-up and
+    decay steps (samples) in this run's units."""
+    start_wd, end_wd = saved_value(state, "start_wd"), saved_value(state, "end_wd")
+    style = saved_value(state, "wd_incr_style")
+    if start_wd != end_wd or style not in (None, "constant"):
+        raise ConfigError(
+            f"{FLAG}: {where} was saved with weight decay rising from {start_wd} to {end_wd} "
+            f"({style}); megart's weight decay is constant: leave the flag out and give "
+            "--weight-decay"
+        )
+    warmup = saved_value(state, "lr_warmup_steps")
+    decay = saved_value(state, "lr_decay_steps")
+    values: dict[str, Any] = dict(
+        lr=saved_value(state, "max_lr"),
+        min_lr=saved_value(state, "min_lr"),
+        lr_decay_style=saved_value(state, "lr_decay_style"),
+        weight_decay=start_wd,
+        lr_warmup_fraction=None,
+        lr_warmup_iters=0,
+        lr_warmup_samples=0,
+        lr_decay_iters=None,
+        lr_decay_samples=None,
+    )
+    if config.train_samples is not None:  # counted in samples, as the scheduler counts
+        values["lr_decay_samples"] = int(decay)
+        unit = 1
+    else:
+        gbs = config.global_batch_size
+        if decay % gbs:
+            raise ConfigError(
+                f"{FLAG}: {where} decays over {decay} samples, which is no whole number of "
+                f"this run's global batches of {gbs}: give --global-batch-size a divisor of "
+                f"{decay}, or --train-samples"
+            )
+        values["lr_decay_iters"] = int(decay // gbs)
+        unit = gbs
+    if warmup % unit == 0:
+        key = "lr_warmup_samples" if unit == 1 else "lr_warmup_iters"
+        values[key] = int(warmup // unit)
+    else:  # a --lr-warmup-fraction's unrounded steps, or a batch that does not divide them
+        values["lr_warmup_fraction"] = warmup / decay
+    return values
