@@ -61,3 +61,10 @@ def test_the_draws_are_small_models_of_the_options_claimed():
     padded = [kw for kw in draws if GPTConfig(vocab_size=kw["vocab_size"]).padded_vocab_size(1)
               != kw["vocab_size"]]  # fmt: skip
     assert len(padded) > 50
+
+
+def test_without_megatron_core_a_draw_is_skipped(monkeypatch):
+    # test_sweep's two draws of every mode then pass where megatron-core is not installed.
+    monkeypatch.setattr(sweep_mcore.importlib.util, "find_spec", lambda name: None)
+    verdict = sweep.one(random.Random(0), "mcore")
+    assert verdict.startswith("SKIP") and "megatron-core" in verdict, verdict
