@@ -1,0 +1,70 @@
+"""tests/sweep.py's mcore mode catches what it exists to catch: a mapping between megart's GPT
+and Megatron-Core's GPTModel that is off by one weight's 1e-8, or a rope pairing one side reads
+otherwise, is a MISMATCH; the same model mapped right is OK; a model GPTConfig refuses is
+REFUSED with its reason; and the draws are models of the options the mode claims."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import sweep
+import sweep_mcore
+from megart.launcher import launch
+from megart.models import GPTConfig
+
+LLAMA = dict(vocab_size=100, seq_length=12, hidden_size=32, num_layers=2, num_attention_heads=4,
+             normalization="rmsnorm", position_embedding="rotary", activation="swiglu",
+             bias=False, untie_embeddings_and_output_weights=True, num_query_groups=2)  # fmt: skip
+
+
+def _check(kw: dict, sabotage: str | None = None) -> str:
+    return sweep_mcore.check(kw, launch, sweep._failed, sweep.TOLERANCE["mcore"], sabotage)
+
+
+@pytest.mark.parametrize("sabotage", [None, "weight", "interleaved"])
+def test_a_wrong_mapping_is_a_mismatch_and_the_right_one_is_ok(sabotage):
+    pytest.importorskip("megatron.core")
+    verdict = _check(LLAMA, sabotage)
+    if sabotage is None:
+        assert verdict.startswith("OK"), verdict
+    else:
+        assert verdict.startswith("MISMATCH"), verdict
+    # The largest of both directions' differences comes first, then each.
+    worst = float(verdict.split()[1])
+    assert (worst < 1e-12) if sabotage is None else (worst > 1e-10)
+
+
+def test_a_refused_model_is_refused_with_megarts_reason():
+    verdict = _check(dict(LLAMA, num_query_groups=3))
+    assert verdict.startswith("REFUSED") and "num_query_groups=3" in verdict, verdict
+
+
+def test_the_draws_are_small_models_of_the_options_claimed():
+    rng = random.Random(0)
+    draws = [sweep_mcore.config(rng) for _ in range(300)]
+    for kw in draws:
+        assert 1 <= kw["num_layers"] <= 3 and 2 <= kw["num_attention_heads"] <= 8
+        assert 8 <= kw["seq_length"] <= 16 and 16 <= kw["hidden_size"] <= 64
+        # What Megatron-Core's local spec cannot do is drawn around (see sweep_mcore).
+        assert not (kw.get("apply_layernorm_1p") and kw.get("normalization") == "rmsnorm")
+        assert kw.get("window_size", (0, 0))[0] >= 0
+    seen = {k for kw in draws for k in kw}
+    fields = {"normalization", "apply_layernorm_1p", "rotary_base", "rotary_interleaved",
+              "rotary_percent", "rope_scaling", "rope_scaling_factor",
+              "rotary_seq_len_interpolation_factor", "activation", "bias", "add_qkv_bias",
+              "untie_embeddings_and_output_weights", "num_query_groups", "kv_channels",
+              "qk_layernorm", "window_size", "window_attn_skip_freq", "ffn_hidden_size",
+              "layernorm_epsilon", "make_vocab_size_divisible_by"}  # fmt: skip
+    assert fields <= seen, fields - seen
+    padded = [kw for kw in draws if GPTConfig(vocab_size=kw["vocab_size"]).padded_vocab_size(1)
+              != kw["vocab_size"]]  # fmt: skip
+    assert len(padded) > 50
+
+
+def test_without_megatron_core_a_draw_is_skipped(monkeypatch):
+    # test_sweep's two draws of every mode then pass where megatron-core is not installed.
+    monkeypatch.setattr(sweep_mcore.importlib.util, "find_spec", lambda name: None)
+    verdict = sweep.one(random.Random(0), "mcore")
+    assert verdict.startswith("SKIP") and "megatron-core" in verdict, verdict
