@@ -238,7 +238,7 @@ ROPE = dict(position_embedding_type="rope")
     [
         (
             dict(**ROPE, hidden_size=256, rotary_percent=0.3),
-            r"--rotary-percent 0.3 of head size 64 \(--kv-channels 64: --hidden-size 256 / "
+            r"--rotary-percent 0.3 of head size 64 \(--hidden-size 256 / "
             r"--num-attention-heads 4\) turns int\(64 x 0.3\) = 19 channels, but rope turns "
             r"channels in pairs.*give --rotary-percent 0.29 \(18 channels\) or 0.32 \(20 "
             r"channels\), or a head size",
@@ -247,6 +247,13 @@ ROPE = dict(position_embedding_type="rope")
             dict(**ROPE, rotary_percent=0.1),
             r"--rotary-percent 0.1 of head size 8 .* = 0 channels.*give --rotary-percent 0.3 "
             r"\(2 channels\), or",
+        ),
+        # A head size given by --kv-channels is named so, and so is the flag to change; one
+        # channel is one.
+        (
+            dict(**ROPE, kv_channels=6, rotary_percent=0.25),
+            r"of head size 6 \(--kv-channels 6\) turns int\(6 x 0.25\) = 1 channel, but .*"
+            r"or a head size \(--kv-channels\) whose",
         ),
         (dict(**ROPE, rotary_percent=1.5), "--rotary-percent 1.5 .*above 0 and at most 1"),
         (dict(**ROPE, rotary_percent=0.0), "--rotary-percent 0 .*above 0 and at most 1"),

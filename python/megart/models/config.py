@@ -246,19 +246,23 @@ class GPTConfig:
         # The even counts on either side (2 where none turned).
         fits = [k for k in (turned - 1, max(2, turned + 1)) if 2 <= k <= d and k % 2 == 0]
         options = " or ".join(f"{percent_for(k, d)} ({k} channels)" for k in fits)
+        head = (
+            "--kv-channels"
+            if self.kv_channels is not None
+            else "--hidden-size / --num-attention-heads"
+        )
+        given = (
+            f"--kv-channels {d}"
+            if self.kv_channels is not None
+            else f"--hidden-size {self.hidden_size} / --num-attention-heads "
+            f"{self.num_attention_heads}"
+        )
         raise ConfigError(
-            f"--rotary-percent {p:g} of head size {d} (--kv-channels {d}"
-            + (
-                ""
-                if self.kv_channels is not None
-                else f": --hidden-size {self.hidden_size} / --num-attention-heads "
-                f"{self.num_attention_heads}"
-            )
-            + f") turns "
-            f"int({d} x {p:g}) = {turned} channels, but rope turns channels in pairs, so it "
-            "must be an even number of at least 2: "
+            f"--rotary-percent {p:g} of head size {d} ({given}) turns int({d} x {p:g}) = "
+            f"{turned} channel{'' if turned == 1 else 's'}, but rope turns channels in pairs, "
+            "so it must be an even number of at least 2: "
             + (f"give --rotary-percent {options}, " if options else "")
-            + "or a head size (--hidden-size / --num-attention-heads) whose part is even"
+            + f"or a head size ({head}) whose part is even"
         )
 
     @property
