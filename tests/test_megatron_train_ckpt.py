@@ -144,9 +144,10 @@ STYLES = ("linear", "cosine", "constant", "inverse-square-root")
 
 
 def test_megatrons_scheduler_restored_from_the_state_gives_megarts_rate(runs):
-    """Megatron-Core's scheduler loaded from the file (saved after the last of 2 iterations)
-    and from states of longer runs, at iterations past warm-up (megart's warm-up runs one
-    iteration ahead of Megatron's): its rate for the next step is megart's."""
+    """Megatron-Core's scheduler loaded from the file (saved after 2 of 4 iterations) and
+    from states of longer runs, in warm-up, at its end and past it: its rate for the next step
+    is megart's. (--lr-warmup-init is no part of the saved state: the stub's is 0, megart's
+    default.)"""
     import train_workers as tw
     from megart.training.megatron_scheduler import scheduler_state
 
@@ -156,7 +157,7 @@ def test_megatrons_scheduler_restored_from_the_state_gives_megarts_rate(runs):
     cases = [(state["opt_param_scheduler"], tw.tiny(train_iters=4).learning_rate(2))]
     for style in STYLES:
         config = tw.tiny(train_iters=20, lr_warmup_iters=3, lr_decay_style=style)
-        cases += [(scheduler_state(config, i), config.learning_rate(i)) for i in (4, 9, 15)]
+        cases += [(scheduler_state(config, i), config.learning_rate(i)) for i in (1, 3, 4, 9, 15)]
     got = launch(mow.megatron_rates, 1, [saved for saved, _ in cases], timeout=300)[0]
     assert got == pytest.approx([want for _, want in cases], rel=1e-12)
     assert len({round(w, 12) for _, w in cases}) > 5  # rates that tell styles apart
