@@ -236,6 +236,11 @@ def one(rng: random.Random, mode: str) -> str:
             saved = {k: v for k, v in layout.items() if v not in (1, None)}
             ranks, _, flags = draw(rng, mode)  # another layout of the same run
             flags.update(load=store, ckpt_format=fmt)
+            if fmt != "megart" and rng.random() < 0.4:
+                # Another schedule on the command line, the saved one taken instead: the curve
+                # must be the uninterrupted run's all the same.
+                flags.update(use_checkpoint_opt_param_scheduler=True, lr=5e-3, min_lr=0.0,
+                             lr_decay_style="cosine", weight_decay=0.3)  # fmt: skip
             layout = dict(flags, saved_in=saved)  # what the verdict line shows
             straight = straight[2:]
         histories = launch(_train, ranks, {**base, **flags}, timeout=300)

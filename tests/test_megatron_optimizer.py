@@ -249,3 +249,24 @@ def test_a_vocabulary_that_pads_otherwise_is_refused(runs):
     grid = SimpleNamespace(tp_rank=0, pp_rank=0)
     with pytest.raises(ConfigError, match="padded to 384 rows .*--vocab-size 400 pads to 512"):
         checkpoint.load(r["dir"], config, grid, chunks, None, None)
+
+
+def test_convert_to_hf_merges_megatron_cores_files_in_memory(runs, tmp_path):
+    """convert-checkpoint --from megatron --to hf of Megatron-Core's own tp2 legacy files
+    writes, without a release checkpoint on the way, the files that going through one
+    (--to megart, then export-hf) writes."""
+    from megart.cli.convert import convert
+    from megart.training.export_hf import export_checkpoint
+    from megart.training.megatron_checkpoint import megatron_to_megart
+
+    r = runs["llama", 2]
+    convert("megatron", "hf", r["dir"], str(tmp_path / "direct"))
+    megatron_to_megart(r["dir"], tmp_path / "release")
+    export_checkpoint(tmp_path / "release", tmp_path / "through")
+    files = sorted(p.name for p in (tmp_path / "direct").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "through").iterdir())
+    assert "model.safetensors" in files
+    for name in files:
+        assert (tmp_path / "direct" / name).read_bytes() == (
+            tmp_path / "through" / name
+        ).read_bytes(), name

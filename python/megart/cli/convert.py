@@ -115,9 +115,8 @@ def convert(
         return describe(export_checkpoint(load, save, **hf_options), tokenizer)
     if target == "megart":
         return f"{megatron_to_megart(load, save)} (megart release checkpoint)"
-    with tempfile.TemporaryDirectory() as tmp:  # megatron -> megart -> hf
-        megatron_to_megart(load, tmp)
-        return describe(export_checkpoint(tmp, save, **hf_options), tokenizer)
+    # Merged in memory, as --to megart merges it (no release checkpoint written on the way).
+    return describe(export_checkpoint(load, save, megatron=True, **hf_options), tokenizer)
 
 
 def _megatron_files(files: list[Path], ckpt_format: str) -> str:

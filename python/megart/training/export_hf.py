@@ -53,6 +53,7 @@ def export_checkpoint(
     max_shard_size: str = DEFAULT_SHARD,
     tokenizer_model: str | None = None,
     recorded_tokenizer: bool = True,
+    megatron: bool = False,
 ) -> Path:
     """Writes the checkpoint of ``iteration`` (default: the latest) in ``load_dir`` as a
     directory that transformers' ``from_pretrained`` (GPT2LMHeadModel or LlamaForCausalLM) and
@@ -65,14 +66,17 @@ def export_checkpoint(
     (megart.training.tokenizer_record) is, unless ``recorded_tokenizer`` is False. A missing
     checkpoint or file, a recorded tokenizer that cannot be loaded, or a model no format
     can represent, is a ConfigError. A torch_dist store (``--ckpt-format torch_dist``) is
-    read whole, as convert-checkpoint reads Megatron-LM's (megatron_checkpoint.megatron_weights),
-    and held while it is written."""
+    read whole (megatron_checkpoint.megatron_weights) and held while it is written, and so is
+    any Megatron-LM checkpoint with ``megatron`` (convert-checkpoint --from megatron: legacy
+    files are then read as Megatron's converter reads them, the model's weights, where megart's
+    reader of files to resume takes --fp16/--bf16 runs' fp32 main weights)."""
     check_dtype(dtype)
     limit = parse_size(max_shard_size)
     iteration = chosen_iteration(load_dir, iteration, "--iteration")
     root = iteration_dir(load_dir, iteration)
-    if megatron_dist.is_dist_checkpoint(root):
-        # A store of whole tensors (megart train --ckpt-format torch_dist, or Megatron-LM's).
+    if megatron or megatron_dist.is_dist_checkpoint(root):
+        # A store of whole tensors (megart train --ckpt-format torch_dist, or Megatron-LM's), or
+        # Megatron-LM's legacy files merged in memory.
         from megart.training.megatron_checkpoint import megatron_weights
 
         cfg, weights, recorded = megatron_weights(load_dir, iteration)
