@@ -72,6 +72,7 @@ OPTIONAL = {
     "--decoder-first-pipeline-num-layers": st.sampled_from(["1", "2", "3", "6"]),
     "--decoder-last-pipeline-num-layers": st.sampled_from(["1", "2", "3", "6"]),
     "--num-query-groups": st.sampled_from(["1", "2", "4", "3"]),
+    "--kv-channels": st.sampled_from(["8", "16", "24", "128", "0"]),  # heads of any width
     "--ffn-hidden-size": st.sampled_from(["64", "200", "256", "1024"]),
     "--ddp-num-buckets": st.sampled_from(["1", "2", "4"]),
     "--ddp-bucket-size": st.sampled_from(["0", "1000", "40000000"]),
@@ -275,6 +276,12 @@ def test_a_size_below_one_is_refused_as_megart_train_refuses_it(flag, value, cap
         (dict(attention_dropout="nan"), "--attention-dropout nan is a probability"),
         (dict(recompute_granularity="bogus"), "--recompute-granularity 'bogus'"),
         (dict(recompute_method="bogus"), "--recompute-method 'bogus'"),
+        # Found by a longer fuzz (2026-11-29): planned as one stage, no interleaving.
+        (
+            dict(num_layers_per_virtual_pipeline_stage="1", pipeline_model_parallel_size="1"),
+            "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size of "
+            "at least 2",
+        ),
     ],
 )
 def test_the_plan_refuses_what_megart_train_refuses_in_its_words(changed, named, capsys):
@@ -318,3 +325,22 @@ def test_search_picks_what_megart_train_accepts_at_the_edges(changed, capsys):
     world = changed.pop("num_gpus", "8")
     argv = [*tiny(**changed), f"--num-gpus={world}"]
     check_plan(argv, ["--gpu", "a100-80gb", "--top=1"], capsys)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # Found by longer fuzz runs (2026-11-29). The pick spelt interleaving by layers, and
+        # megart train refuses both spellings together:
+        ["--pipeline-model-parallel-size=2", "--num-virtual-stages-per-pipeline-rank=2"],
+        # The pick was full recomputation where --recompute-activations makes it selective:
+        ["--recompute-activations", "--recompute-granularity=full"],
+    ],
+)
+def test_the_pick_of_these_runs_as_megart_train(argv, capsys):
+    base = ["--num-gpus=2", "--num-layers=4", "--hidden-size=16", "--num-attention-heads=1",
+            "--seq-length=64", "--vocab-size=50", "--global-batch-size=2", "--top=1"]  # fmt: skip
+    cluster = ["--gpu", "a100-80gb"]
+    assert plan_main([*cluster, *base, *argv]) == 0, capsys.readouterr().err  # it plans
+    capsys.readouterr()
+    check_plan([*base, *argv], cluster, capsys)  # and megart train takes the pick

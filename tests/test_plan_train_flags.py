@@ -152,6 +152,12 @@ def test_recompute_activations_plans_as_selective_recomputation(capsys):
     assert code == 0, granularity
     assert switch == granularity
     assert {c["layout"]["recompute"] for c in switch["candidates"]} == {"selective"}
+    # Whatever --recompute-granularity says, as Megatron-LM's validate_args sets it (the plan
+    # fuzz found the plan recommending full there, which megart train then refused).
+    code, both = plan(capsys, *MODEL, "--recompute-activations", "--recompute-granularity", "full")
+    assert code == 0 and both == switch, both
+    config = TrainConfig(recompute_activations=True, recompute_granularity="full")
+    assert config.gpt_config().recompute_granularity == "selective"
 
 
 def test_use_checkpoint_args_plans_the_checkpoints_model(tmp_path, capsys):

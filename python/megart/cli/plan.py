@@ -23,7 +23,11 @@ from megart.training.checkpoint_args import INTERLEAVING, STAGES
 from megart.training.config import TrainConfig
 from megart.training.config_checks import _check_uneven as check_uneven
 from megart.training.config_checks import _check_virtual_flags as check_virtual_flags
-from megart.training.config_checks import check_schedule_flags, check_virtual_stages
+from megart.training.config_checks import (
+    check_schedule_flags,
+    check_two_stages,
+    check_virtual_stages,
+)
 from megart.training.context_parallel_checks import check_context_parallel
 
 if TYPE_CHECKING:
@@ -192,8 +196,9 @@ def _fixed(args: argparse.Namespace, config: TrainConfig, base: TrainConfig) -> 
     chunks = _chunks(lay, base)
     if chunks is None and _from_checkpoint(args):
         chunks = config.chunks  # the checkpoint's, 1 when it was not interleaved
-    # Megatron's --recompute-activations is --recompute-granularity selective (model_flags).
-    recompute = lay.recompute_granularity or ("selective" if lay.recompute_activations else False)
+    # Megatron's --recompute-activations is --recompute-granularity selective, whatever that
+    # flag says (model_flags).
+    recompute = "selective" if lay.recompute_activations else lay.recompute_granularity or False
     return Fixed(
         tp=lay.tensor_model_parallel_size,
         pp=lay.pipeline_model_parallel_size,
@@ -212,6 +217,7 @@ def _fixed(args: argparse.Namespace, config: TrainConfig, base: TrainConfig) -> 
         # Given, even at megart train's defaults (Megatron's uniform 1 spelt out): kept, not
         # searched. Left out, megart train's parser leaves them unset (SUPPRESS).
         spans=any(hasattr(args, n) for n in ("recompute_method", "recompute_num_layers")),
+        chunks_by_count=lay.num_virtual_stages_per_pipeline_rank is not None,
     )
 
 
@@ -285,6 +291,7 @@ def _chunks(lay: argparse.Namespace, base: TrainConfig) -> int | None:
             raise ConfigError(
                 "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size"
             )
+        check_two_stages("--num-layers-per-virtual-pipeline-stage", pp)  # as megart train
         check_virtual_stages(base.num_layers, pp, per)
         chunks = base.num_layers // (pp * per)
     return chunks

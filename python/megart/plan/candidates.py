@@ -129,7 +129,8 @@ def _layouts(
                 continue
             if kind == "zb-v" and m < 2 * p:
                 continue
-            out.append(Layout(t, p, d, v, b, sp, rec, do, kind, fixed.first, fixed.last, cp))
+            out.append(Layout(t, p, d, v, b, sp, rec, do, kind, fixed.first, fixed.last, cp,
+                              chunks_by_count=fixed.chunks_by_count))  # fmt: skip
     return out
 
 

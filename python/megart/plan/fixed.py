@@ -27,6 +27,9 @@ class Fixed:
     # config's spans, even megart train's defaults (uniform 1) spelt out. False: block N is
     # searched where the base's are those defaults (block_spans.searches_spans).
     spans: bool = False
+    # --num-virtual-stages-per-pipeline-rank given: the layouts' flags spell interleaving so
+    # (megart train refuses both spellings together).
+    chunks_by_count: bool = False
 
 
 def schedules(fixed: Fixed, p: int, num_layers: int, zero_bubble: bool) -> list[tuple]:

@@ -33,6 +33,8 @@ class Layout:
     # them in where they are not the defaults, so flags() prints a runnable command.
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # flags() spells interleaving by --num-virtual-stages-per-pipeline-rank (as the user did).
+    chunks_by_count: bool = False
 
     @property
     def uneven(self) -> bool:
@@ -81,7 +83,8 @@ class Layout:
         ]
         if self.cp > 1:
             out.insert(1, f"--context-parallel-size {self.cp}")
-        if self.kind == "interleaved" and self.uneven:  # the spelling uneven stages take
+        # The spelling uneven stages take, or the user's.
+        if self.kind == "interleaved" and (self.uneven or self.chunks_by_count):
             out.append(f"--num-virtual-stages-per-pipeline-rank {self.chunks}")
         elif self.kind == "interleaved":
             per = num_layers // (self.pp * self.chunks)

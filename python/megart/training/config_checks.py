@@ -62,6 +62,12 @@ def _check_loss_scale(cfg: TrainConfig) -> None:
             raise ConfigError(f"{flag} {value:g} must be positive")
 
 
+def check_two_stages(flag: str, pp: int) -> None:
+    """Interleaving (``flag``) splits each of at least two pipeline stages into chunks."""
+    if pp < 2:
+        raise ConfigError(f"{flag} needs --pipeline-model-parallel-size of at least 2")
+
+
 def check_config(cfg: TrainConfig, world_size: int) -> int:
     """Refuses layouts, batch shapes and flag combinations that cannot run, naming the
     numbers and flags and what would fit; returns the data-parallel size."""
@@ -100,11 +106,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     _check_schedule(cfg, dp)
     check_rampup(cfg, dp)
     if cfg.schedule == "interleaved":
-        if pp < 2:
-            flag = "--num-layers-per-virtual-pipeline-stage"
-            if per is None:
-                flag = "--num-virtual-stages-per-pipeline-rank"
-            raise ConfigError(f"{flag} needs --pipeline-model-parallel-size of at least 2")
+        flag = "--num-layers-per-virtual-pipeline-stage"
+        check_two_stages(flag if per is not None else "--num-virtual-stages-per-pipeline-rank", pp)
         if per is not None:
             check_virtual_stages(cfg.num_layers, pp, per)
         m = cfg.microbatches(dp)

@@ -24,9 +24,9 @@ def gpt_config(config: Any) -> GPTConfig:
     """The model a TrainConfig's flags describe, Megatron's spellings mapped to GPTConfig's
     names; bad flag combinations are refused first, naming the flags."""
     check_model_flags(config)
-    recompute = config.recompute_granularity or (
-        "selective" if config.recompute_activations else None
-    )
+    # --recompute-activations sets selective whatever --recompute-granularity says, as
+    # Megatron-LM's validate_args does.
+    recompute = "selective" if config.recompute_activations else config.recompute_granularity
     return GPTConfig(
         vocab_size=int(config.vocab_size),  # a plain int (megatron_flags.ResolvedVocabulary)
         seq_length=config.seq_length,
