@@ -144,3 +144,21 @@ def test_a_restartable_jobs_first_run_starts_the_flags_schedule(tmp_path):
     assert with_saved_schedule(config) is config
     with pytest.raises(ConfigError, match="give --load DIR"):
         with_saved_schedule(tw.tiny(use_checkpoint_opt_param_scheduler=True))
+
+
+def test_the_decoupled_groups_bounds_come_from_the_saved_args(tmp_path):
+    """--decoupled-lr's group (word embedding and output layer): Megatron-LM restores its
+    bounds from the saved param groups, megart from the saved args, so a resumed run without
+    the flag has the groups and the curve of the run that saved."""
+    decoupled = dict(SAVED, decoupled_lr=5e-4, decoupled_min_lr=1e-5)
+    kw = dict(decoupled, save=str(tmp_path), save_interval=3, ckpt_format="torch")
+    straight = launch(tw.train_kw, 1, kw, timeout=300)[0]
+    resumed_kw = dict(OTHER, load=str(tmp_path), ckpt_format="torch", ckpt_step=3,
+                      use_checkpoint_opt_param_scheduler=True)  # fmt: skip
+    resumed = launch(tw.train_kw, 1, resumed_kw, timeout=300)[0]
+    assert [h["loss"] for h in resumed[:3]] == pytest.approx(
+        [h["loss"] for h in straight[3:]], **SAME_RUN
+    )
+    # Without the saved bounds the embedding would step at the flags' --lr: another curve.
+    plain = launch(tw.train_kw, 1, dict(SAVED, train_iters=6), timeout=300)[0]
+    assert [h["loss"] for h in plain[3:]] != pytest.approx([h["loss"] for h in straight[3:]])
