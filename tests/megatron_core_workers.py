@@ -23,7 +23,6 @@ def megatron_model(
     parallelism is already initialised: this rank's pipeline stage; under interleaving, with
     the virtual pipeline size initialised, its model chunk ``vp_stage``, as Megatron-LM's
     get_model builds each)."""
-    import megatron.core.tensor_parallel.random as mrandom
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -33,16 +32,7 @@ def megatron_model(
         store = torch.distributed.HashStore()  # one rank: no rendezvous
         torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, 1)
-        # No CUDA: the tensor-parallel RNG tracker's fork would switch CUDA generators.
-        mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-        # It puts the attention scores' scratch buffer and rope's frequencies on "the current
-        # CUDA device": on this CPU-only process that is the CPU.
-        torch.cuda.current_device = lambda: "cpu"
-        from megatron.core.fusions import fused_softmax
-
-        fused_softmax.get_sliding_window_causal_mask = on_cpu(
-            fused_softmax.get_sliding_window_causal_mask
-        )
+        on_cpu_only()
     vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     swiglu = cfg.activation == "swiglu"
     skip = cfg.window_attn_skip_freq
@@ -134,6 +124,22 @@ def zero_centred_layer_norm():
         mock.patch.object(transformer_block, "LayerNormImpl", fused.FusedLayerNorm),
     ):
         yield
+
+
+def on_cpu_only() -> None:
+    """What Megatron-Core puts on CUDA, kept on this CPU-only process (once per process, after
+    its parallel state is initialised)."""
+    import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core.fusions import fused_softmax
+
+    # The tensor-parallel RNG tracker's fork would switch CUDA generators.
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    # It puts the attention scores' scratch buffer and rope's frequencies on "the current
+    # CUDA device": here the CPU.
+    torch.cuda.current_device = lambda: "cpu"
+    fused_softmax.get_sliding_window_causal_mask = on_cpu(
+        fused_softmax.get_sliding_window_causal_mask
+    )
 
 
 def on_cpu(make_mask):
@@ -302,10 +308,7 @@ def tp_rank_logits(megatron_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     state = read_rank(root / f"mp_rank_{rank:02d}" / checkpoint.FILE)
     assert state["args"].tensor_model_parallel_size == tp
     cfg = config_from_args(vars(state["args"]))
-    import megatron.core.tensor_parallel.random as mrandom
-
-    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    torch.cuda.current_device = lambda: "cpu"
+    on_cpu_only()  # a windowed model's mask too
     model = megatron_model(cfg, tp)
     model.load_state_dict(state["model"], strict=True)
     local = megatron_logits(model, tokens).contiguous()

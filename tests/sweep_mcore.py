@@ -169,10 +169,15 @@ def check(kw: dict, launch, failed, tolerance: float, sabotage: str | None = Non
     return f"{'OK' if worst < tolerance else 'MISMATCH'} {numbers} {kw}"
 
 
-def verdict(rng: random.Random, launch, failed, tolerance: float) -> str:
-    """One drawn model's line; SKIP where megatron-core is not installed."""
+def skipped() -> str | None:
+    """The SKIP line where megatron-core is not installed, else None."""
     if importlib.util.find_spec("megatron") is None or not importlib.util.find_spec(
         "megatron.core"
     ):
         return "SKIP megatron-core is not installed"
-    return check(config(rng), launch, failed, tolerance)
+    return None
+
+
+def verdict(rng: random.Random, launch, failed, tolerance: float) -> str:
+    """One drawn model's line; SKIP where megatron-core is not installed."""
+    return skipped() or check(config(rng), launch, failed, tolerance)

@@ -11,6 +11,7 @@ import pytest
 
 import sweep
 import sweep_mcore
+import sweep_mcore_tp
 from megart.launcher import launch
 from megart.models import GPTConfig
 
@@ -68,3 +69,13 @@ def test_without_megatron_core_a_draw_is_skipped(monkeypatch):
     monkeypatch.setattr(sweep_mcore.importlib.util, "find_spec", lambda name: None)
     verdict = sweep.one(random.Random(0), "mcore")
     assert verdict.startswith("SKIP") and "megatron-core" in verdict, verdict
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_mcore_tp2_catches_ranks_that_hold_each_others_shards(swap):
+    """The mcore-tp2 mode: Megatron-Core's tp2 model on the tp2 files megart converts to gives
+    megart's logits; each rank given the other's file (a rank-order mistake) does not."""
+    pytest.importorskip("megatron.core")
+    verdict = sweep_mcore_tp.check(LLAMA, launch, sweep._failed, sweep.TOLERANCE["mcore-tp2"],
+                                   swap_ranks=swap)  # fmt: skip
+    assert verdict.startswith("MISMATCH" if swap else "OK"), verdict
