@@ -156,11 +156,15 @@ def _scheduler(c: TrainConfig, optimizer):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     gbs = c.global_batch_size
+    # Megatron-LM's validate_args sets both ends to --weight-decay for a constant decay.
+    constant = c.weight_decay_incr_style == "constant"
+    start = c.weight_decay if constant else c.start_weight_decay
+    end = c.weight_decay if constant else c.end_weight_decay
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=c.lr, min_lr=c.min_lr,
         lr_warmup_steps=c.lr_warmup_iters * gbs, lr_decay_steps=c.train_iters * gbs,
-        lr_decay_style=c.lr_decay_style, start_wd=c.weight_decay, end_wd=c.weight_decay,
-        wd_incr_steps=c.train_iters * gbs, wd_incr_style="constant",
+        lr_decay_style=c.lr_decay_style, start_wd=start, end_wd=end,
+        wd_incr_steps=c.train_iters * gbs, wd_incr_style=c.weight_decay_incr_style,
     )  # fmt: skip
 
 
@@ -303,6 +307,12 @@ def megatron_rates(states: list[dict]) -> list[float]:
     """Megatron-Core's OptimizerParamScheduler, built with other values and loaded from each
     saved state (as Megatron's --use-checkpoint-opt_param-scheduler does): the rate of the
     next step."""
+    return [rate for rate, _ in megatron_rates_and_decays(states)]
+
+
+def megatron_rates_and_decays(states: list[dict]) -> list[tuple[float, float]]:
+    """megatron_rates, with the weight decay (get_wd) the loaded scheduler gives beside each
+    rate."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     class Stub:
@@ -316,5 +326,5 @@ def megatron_rates(states: list[dict]) -> list[float]:
             wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
         )  # fmt: skip
         sched.load_state_dict(saved)
-        rates.append(sched.get_lr(Stub.param_groups[0]))
+        rates.append((sched.get_lr(Stub.param_groups[0]), sched.get_wd()))
     return rates

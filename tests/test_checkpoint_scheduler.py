@@ -105,7 +105,11 @@ def test_saved_steps_become_this_runs_iterations_or_samples():
 @pytest.mark.parametrize(
     "state,flags,match",
     [
-        (_state(end_wd=0.2, wd_incr_style="linear"), {}, "weight decay is constant"),
+        (
+            _state(end_wd=0.2, wd_incr_style="linear"),
+            {},
+            "raises the weight decay over 80 samples and this run lasts 24; give --train-iters",
+        ),
         (_state(lr_decay_steps=84), {}, "no whole number of this run's global batches of 8"),
     ],
 )
@@ -162,3 +166,21 @@ def test_the_decoupled_groups_bounds_come_from_the_saved_args(tmp_path):
     # Without the saved bounds the embedding would step at the flags' --lr: another curve.
     plain = launch(tw.train_kw, 1, dict(SAVED, train_iters=6), timeout=300)[0]
     assert [h["loss"] for h in plain[3:]] != pytest.approx([h["loss"] for h in straight[3:]])
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_a_rising_weight_decay_is_taken_with_the_schedule(style):
+    """A saved --weight-decay-incr-style linear or cosine becomes this run's (its span must be
+    this run's: megart's rise spans --train-iters), and the decay each iteration is the one
+    Megatron-Core's scheduler, loaded from the state, gives (get_wd)."""
+    from megart.training.lr import weight_decay_rate
+
+    config = tw.tiny(global_batch_size=8, train_iters=10)
+    state = _state(start_wd=0.01, end_wd=0.2, wd_incr_style=style)
+    taken = dataclasses.replace(config, **schedule_flags(state, config, "here"))
+    assert (taken.start_weight_decay, taken.end_weight_decay) == (0.01, 0.2)
+    assert taken.weight_decay_incr_style == style
+    states = [dict(state, num_steps=8 * i) for i in range(12)]
+    want = [wd for _, wd in launch(mow.megatron_rates_and_decays, 1, states, timeout=300)[0]]
+    assert [weight_decay_rate(taken, i) for i in range(12)] == pytest.approx(want, rel=1e-12)
+    assert len({round(w, 9) for w in want}) > 8  # a rise, not a constant

@@ -28,8 +28,16 @@ CONFIGS = {
     # --decoupled-lr: the word embedding and the (untied) output layer in a third group between
     # the two, at their own rates (Megatron-Core's _get_param_groups, OptimizerParamScheduler).
     "llama-decoupled-lr": dict(LLAMA, decoupled_lr=5e-4, decoupled_min_lr=1e-5),
+    # --weight-decay-incr-style: Megatron-Core's scheduler raises the decay each step (its
+    # get_wd), megart's trainer as it (an effect of lr x wd x w ~ 1e-5 on the weights).
+    "gpt2-rising-weight-decay": dict(
+        weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.5
+    ),
 }
-CASES = [(name, tp) for name in ("gpt2", "llama") for tp in (1, 2)] + [("llama-decoupled-lr", 1)]
+CASES = [(name, tp) for name in ("gpt2", "llama") for tp in (1, 2)] + [
+    ("llama-decoupled-lr", 1),
+    ("gpt2-rising-weight-decay", 1),
+]
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,12 @@ HELP = {
     "lr_decay_iters": "iterations of decay (default: --train-iters)",
     "lr_decay_style": "learning-rate decay after warm-up, Megatron's formulas",
     "weight_decay": "AdamW weight decay (not on biases and norms)",
+    "start_weight_decay": "with --weight-decay-incr-style linear or cosine: the weight decay "
+    "the run starts with",
+    "end_weight_decay": "with --weight-decay-incr-style linear or cosine: the weight decay "
+    "the run ends with",
+    "weight_decay_incr_style": "how the weight decay rises from --start-weight-decay to "
+    "--end-weight-decay over the run (constant: --weight-decay throughout), Megatron's formulas",
     "adam_beta1": "AdamW beta1",
     "adam_beta2": "AdamW beta2",
     "adam_eps": "AdamW epsilon",

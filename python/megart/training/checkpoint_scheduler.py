@@ -14,8 +14,10 @@ Where Megatron-LM loads no scheduler the flags' schedule runs, as there: a resta
 first run (--load holding no checkpoint yet) and its start from --pretrained-checkpoint.
 Where the flag cannot take effect megart refuses it rather than ignore it: with --finetune or
 --no-load-optim (Megatron-LM loads no scheduler and goes on with the flags), with
---override-opt_param-scheduler (Megatron-Core asserts the two exclude each other), and on a
-checkpoint that holds no scheduler state (megart's own format, a release checkpoint).
+--override-opt_param-scheduler (Megatron-Core asserts the two exclude each other), on a
+checkpoint that holds no scheduler state (megart's own format, a release checkpoint), and where
+a rising weight decay was saved over another run length than this one (megart's rise spans the
+run's --train-iters; Megatron's would keep the saved span).
 """
 
 from __future__ import annotations
@@ -87,13 +89,19 @@ def schedule_flags(state: dict[str, Any], config: Any, where: str) -> dict[str, 
     ``config``'s batch: the rates, the style and the weight decay as saved, the warm-up and
     decay steps (samples) in this run's units."""
     start_wd, end_wd = saved_value(state, "start_wd"), saved_value(state, "end_wd")
-    style = saved_value(state, "wd_incr_style")
-    if start_wd != end_wd or style not in (None, "constant"):
-        raise ConfigError(
-            f"{FLAG}: {where} was saved with weight decay rising from {start_wd} to {end_wd} "
-            f"({style}); megart's weight decay is constant: leave the flag out and give "
-            "--weight-decay"
-        )
+    style = saved_value(state, "wd_incr_style") or "constant"
+    rising = dict(start_weight_decay=start_wd, end_weight_decay=end_wd)
+    if style == "constant":  # Megatron's start and end are then --weight-decay
+        rising = dict.fromkeys(rising)
+    else:  # megart's rise spans this run: it must be the saved one's
+        steps = saved_value(state, "wd_incr_steps")
+        run = config.train_samples or config.train_iters * config.global_batch_size
+        if steps is not None and steps != run:
+            raise ConfigError(
+                f"{FLAG}: {where} raises the weight decay over {steps} samples and this run "
+                f"lasts {run}; give --train-iters (or --train-samples) as the run that wrote "
+                "it did"
+            )
     warmup = saved_value(state, "lr_warmup_steps")
     decay = saved_value(state, "lr_decay_steps")
     values: dict[str, Any] = dict(
@@ -101,6 +109,8 @@ def schedule_flags(state: dict[str, Any], config: Any, where: str) -> dict[str, 
         min_lr=saved_value(state, "min_lr"),
         lr_decay_style=saved_value(state, "lr_decay_style"),
         weight_decay=start_wd,
+        weight_decay_incr_style=style,
+        **rising,
         lr_warmup_fraction=None,
         lr_warmup_iters=0,
         lr_warmup_samples=0,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from megart.models.config import VOCAB_MULTIPLE, GPTConfig
 from megart.training.config_checks import PIPELINE_SCHEDULES, check_config
-from megart.training.lr import LR_DECAY_STYLES, learning_rate
+from megart.training.lr import LR_DECAY_STYLES, WD_INCR_STYLES, learning_rate
 from megart.training.megatron_flags import (
     ATTENTION_BACKENDS,
     CKPT_FORMATS,
@@ -21,6 +21,7 @@ from megart.training.save_modes import NON_PERSISTENT_TYPES
 CHOICES = {
     "pipeline_schedule": PIPELINE_SCHEDULES,
     "lr_decay_style": LR_DECAY_STYLES,
+    "weight_decay_incr_style": WD_INCR_STYLES,
     "normalization": tuple(NORMALIZATIONS),
     "position_embedding_type": tuple(POSITION_EMBEDDING_TYPES),
     "distributed_backend": ("nccl", "shm", "torch"),
@@ -73,6 +74,10 @@ class TrainConfig:
     lr_decay_iters: int | None = None  # train_iters
     lr_decay_style: str = "linear"
     weight_decay: float = 0.01
+    # Megatron's rising weight decay over the run (lr.weight_decay_rate; constant: --weight-decay)
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8

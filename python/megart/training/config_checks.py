@@ -269,8 +269,33 @@ def _check_schedule(cfg: TrainConfig, dp: int) -> None:
         )
 
 
+def _check_weight_decay_flags(cfg: TrainConfig) -> None:
+    """Megatron-LM's rules: --start-weight-decay and --end-weight-decay go together, with
+    --weight-decay-incr-style linear or cosine (which then replaces --weight-decay)."""
+    ends = {"--start-weight-decay": cfg.start_weight_decay,
+            "--end-weight-decay": cfg.end_weight_decay}  # fmt: skip
+    given = [f"{flag} {v}" for flag, v in ends.items() if v is not None]
+    style = cfg.weight_decay_incr_style
+    if style == "constant" and given:
+        raise ConfigError(
+            f"{' and '.join(given)} with --weight-decay-incr-style constant: a constant decay is "
+            "--weight-decay; give --weight-decay-incr-style linear or cosine for a rising one "
+            "(Megatron-LM refuses them too)"
+        )
+    if style != "constant" and len(given) < 2:
+        missing = " and ".join(flag for flag, v in ends.items() if v is None)
+        raise ConfigError(
+            f"--weight-decay-incr-style {style} rises from --start-weight-decay to "
+            f"--end-weight-decay: give {missing}"
+        )
+    for text, value in zip(given, (v for v in ends.values() if v is not None), strict=True):
+        if not value >= 0:  # NaN too
+            raise ConfigError(f"{text}: a weight decay is 0 or more")
+
+
 def _check_lr_flags(cfg: TrainConfig) -> None:
     check_decay_style(cfg.lr_decay_style)
+    _check_weight_decay_flags(cfg)
     fraction, iters = cfg.lr_warmup_fraction, cfg.lr_warmup_iters
     if fraction is not None and iters:
         raise ConfigError(

@@ -20,10 +20,12 @@ at rate 0, as Megatron's does: Adam's moments take its gradients, the weights do
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from megart.errors import ConfigError
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 
 def check_decay_style(style: str) -> None:
@@ -60,3 +62,30 @@ def learning_rate(
     ratio = (iteration - warmup_iters) / (decay_iters - warmup_iters)
     coeff = 1.0 - ratio if style == "linear" else 0.5 * (1.0 + math.cos(math.pi * ratio))
     return min_lr + coeff * (lr - min_lr)
+
+
+def weight_decay(
+    iteration: float, start: float, end: float, style: str, increase_iters: float
+) -> float:
+    """Megatron-LM's weight decay of the iteration after ``iteration`` iterations (its
+    OptimizerParamScheduler.get_wd, --start-weight-decay to --end-weight-decay over the whole
+    run, ``increase_iters`` iterations, under --weight-decay-incr-style): linear, or cosine's
+    0.5 (cos(pi (1 - r)) + 1) of the rise, r the share of the run done; ``end`` past it."""
+    if iteration > increase_iters or style == "constant":
+        return end
+    ratio = iteration / increase_iters
+    coeff = ratio if style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+    return start + coeff * (end - start)
+
+
+def weight_decay_rate(config: Any, iteration: float) -> float:
+    """A TrainConfig's weight decay of its decayed groups for the iteration after
+    ``iteration`` (counted as learning_rate counts): --weight-decay, or under
+    --weight-decay-incr-style linear or cosine the rise from --start-weight-decay to
+    --end-weight-decay over the run (--train-iters, or --train-samples in global batches)."""
+    c = config
+    if c.weight_decay_incr_style == "constant":
+        return c.weight_decay
+    run = c.train_samples / c.global_batch_size if c.train_samples is not None else c.train_iters
+    start, end = c.start_weight_decay, c.end_weight_decay
+    return weight_decay(iteration, start, end, c.weight_decay_incr_style, run)

@@ -20,6 +20,7 @@ def scheduler_state(config: Any, iteration: int, consumed: int | None = None) ->
     Megatron-LM's get_optimizer_param_scheduler computes them from the flags."""
     gbs = config.global_batch_size
     decay = round(config.decay_iters * gbs)
+    constant = config.weight_decay_incr_style == "constant"
     fraction = config.lr_warmup_fraction
     return {
         "max_lr": config.lr,
@@ -31,9 +32,10 @@ def scheduler_state(config: Any, iteration: int, consumed: int | None = None) ->
         "lr_decay_style": config.lr_decay_style,
         "lr_decay_steps": decay,
         "min_lr": config.min_lr,
-        "start_wd": config.weight_decay,
-        "end_wd": config.weight_decay,
-        "wd_incr_style": "constant",
+        # Megatron's validate_args sets both ends to --weight-decay for a constant decay.
+        "start_wd": config.weight_decay if constant else config.start_weight_decay,
+        "end_wd": config.weight_decay if constant else config.end_weight_decay,
+        "wd_incr_style": config.weight_decay_incr_style,
         "wd_incr_steps": config.train_iters * gbs
         if config.train_samples is None
         else config.train_samples,
@@ -50,10 +52,10 @@ _SCHEDULER_FLAGS = {
     "lr_decay_steps": (("end_iter", "decay_steps", "lr_decay_steps"),
                        "--lr-decay-iters (or --lr-decay-samples; by default --train-iters)"),
     "lr_decay_style": (("decay_style", "lr_decay_style"), "--lr-decay-style"),
-    "start_wd": (("start_wd",), "--weight-decay"),
-    "end_wd": (("end_wd",), "--weight-decay"),
+    "start_wd": (("start_wd",), "--weight-decay (or --start-weight-decay)"),
+    "end_wd": (("end_wd",), "--weight-decay (or --end-weight-decay)"),
     "wd_incr_steps": (("wd_incr_steps",), "--train-iters (or --train-samples)"),
-    "wd_incr_style": (("wd_incr_style",), "--weight-decay-incr-style (megart: constant only)"),
+    "wd_incr_style": (("wd_incr_style",), "--weight-decay-incr-style"),
 }  # fmt: skip
 
 

@@ -21,6 +21,7 @@ from megart.tensor_parallel import grad_of
 from megart.training.distributed_optimizer import DistributedOptimizer
 from megart.training.grad_norm import clip_grad_norm, clip_grads, counted_in_norm
 from megart.training.grad_sync import GradientBuckets, megatron_bucket_size
+from megart.training.lr import weight_decay_rate
 from megart.training.main_weights import MainWeights
 
 Optimizer = torch.optim.Optimizer | DistributedOptimizer | MainWeights
@@ -61,13 +62,20 @@ def param_groups(config: Any, chunks: list[torch.nn.Module]) -> list[dict[str, A
     for chunk in chunks:
         for n, p in chunk.named_parameters():
             members[group_index(n, p, rates is not None)].append(p)
-    groups = [{"params": members[0], "weight_decay": c.weight_decay}]
+    decay = weight_decay_rate(c, 0)
+    groups = [{"params": members[0], "weight_decay": decay}]
     if rates is not None:
         peak, floor = rates
-        groups.append({"params": members[1], "weight_decay": c.weight_decay,
+        groups.append({"params": members[1], "weight_decay": decay,
                        "max_lr": peak, "min_lr": floor})  # fmt: skip
     groups.append({"params": members[-1], "weight_decay": 0.0})
     return groups
+
+
+def set_weight_decay(optimizer: Optimizer, decay: float) -> None:
+    """``decay`` on param_groups' decayed groups (all but the last: biases and norms)."""
+    for group in optimizer.param_groups[:-1]:
+        group["weight_decay"] = decay
 
 
 def build(

@@ -39,6 +39,7 @@ from megart.training.documents import (
 from megart.training.dtypes import half_dtype, residual_dtype
 from megart.training.housekeeping import Housekeeping
 from megart.training.loss_record import LossRecord, reduce_sums
+from megart.training.lr import weight_decay_rate
 from megart.training.megatron_blend import eval_batch
 from megart.training.pad_tokens import megatron_pad_id
 from megart.training.pipeline_costs import plan_costs
@@ -242,6 +243,8 @@ class Trainer:
         lr = c.learning_rate(done)
         for group in self.optimizer.param_groups:  # --decoupled-lr's group: its own peak, floor
             group["lr"] = c.learning_rate(done, group.get("max_lr"), group.get("min_lr"))
+        if c.weight_decay_incr_style != "constant":  # Megatron's rising weight decay
+            optim.set_weight_decay(self.optimizer, weight_decay_rate(c, done))
         stats: dict[str, Any] = {}
         stats_args = (self.chunks, g, self.optimizer, self.device)
         if c.log_num_zeros_in_grad:  # what the step reads, after clipping, as Megatron counts
