@@ -77,6 +77,9 @@ def _model(rng: random.Random) -> dict:
         model["recompute_granularity"] = recompute
     if rng.random() < 0.3:
         model["cross_entropy_loss_fusion"] = True
+    if rng.random() < 0.15:  # Megatron's rising weight decay, set on every rank each step
+        model.update(weight_decay_incr_style=rng.choice(["linear", "cosine"]),
+                     start_weight_decay=0.0, end_weight_decay=0.5)  # fmt: skip
     return model
 
 
