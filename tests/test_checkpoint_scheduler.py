@@ -1,5 +1,6 @@
 """--use-checkpoint-opt_param-scheduler (Megatron-LM's): a run resumed from a checkpoint in
-Megatron's formats follows the learning-rate schedule saved there, whatever its own flags say,
+Megatron's formats (or megart's, which records the same state) follows the learning-rate
+schedule saved there, whatever its own flags say,
 at the rates Megatron-Core's OptimizerParamScheduler gives once it has loaded that state; and
 where the flag cannot take effect it is refused by name."""
 
@@ -30,7 +31,7 @@ def saved_runs(tmp_path_factory):
     """Per format: the saving run's uninterrupted curve (checkpoints after iterations 3 and 6)
     and the run resumed from iteration 3's (--ckpt-step) under OTHER's flags with the flag."""
     out = {}
-    for fmt in ("torch", "torch_dist"):
+    for fmt in ("megart", "torch", "torch_dist"):
         ckpt = str(tmp_path_factory.mktemp(fmt))
         kw = dict(SAVED, save=ckpt, save_interval=3, ckpt_format=fmt)
         straight = launch(tw.train_kw, 1, kw, timeout=300)[0]
@@ -41,7 +42,7 @@ def saved_runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("fmt", ["megart", "torch", "torch_dist"])
 def test_a_resumed_run_follows_the_saved_schedule(saved_runs, fmt):
     r = saved_runs[fmt]
     resumed, straight = r["resumed"], r["straight"]
@@ -55,7 +56,7 @@ def test_a_resumed_run_follows_the_saved_schedule(saved_runs, fmt):
     # stepped by the global batch each iteration, gives every resumed iteration's rate: past
     # the saved decay, the saved --min-lr, not the flags' 0.
     records, _, _ = checkpoint_records(r["dir"], 3)
-    state = records["opt_param_scheduler"]
+    state = records.get("opt_param_scheduler") or records["scheduler"]  # megart's own record
     gbs = tw.tiny().global_batch_size
     states = [dict(state, num_steps=(h["iteration"] - 1) * gbs) for h in resumed]
     want = launch(mow.megatron_rates, 1, states, timeout=300)[0]
@@ -133,8 +134,15 @@ def test_flags_that_leave_it_without_effect_are_refused(saved_runs, flags, match
         with_saved_schedule(config)
 
 
-def test_megarts_own_format_holds_no_schedule_to_take(tmp_path):
-    launch(tw.train_kw, 1, dict(SAVED, train_iters=2, save=str(tmp_path)), timeout=300)
+def test_a_release_checkpoint_holds_no_schedule_to_take(tmp_path):
+    """A release checkpoint (import-hf's, convert-checkpoint's: weights alone) loads as
+    --finetune, with no scheduler: refused, naming what to give instead."""
+    from megart.models import GPT
+    from megart.training.checkpoint_save import write_release
+
+    cfg = tw.tiny().gpt_config()
+    weights = GPT(cfg).chunk.state_dict()
+    write_release(tmp_path, cfg, weights, list(range(cfg.num_layers)))
     config = tw.tiny(load=str(tmp_path), use_checkpoint_opt_param_scheduler=True)
     with pytest.raises(ConfigError, match="holds no learning-rate scheduler state"):
         with_saved_schedule(config)

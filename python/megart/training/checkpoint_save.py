@@ -41,6 +41,7 @@ from megart.training.ckpt_files import (
     rank_dir,
 )
 from megart.training.megatron_files import to_megatron_file
+from megart.training.megatron_scheduler import scheduler_state
 
 
 def _rng_state(rng: Any) -> dict[str, Any]:
@@ -67,13 +68,17 @@ def file_state(
     release: bool = False,
     consumed_train_samples: int | None = None,
     tokenizer: dict[str, str] | None = None,
+    scheduler: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What one model-parallel rank's file holds (the one definition of the format).
     ``layout``: MODEL_FIELDS and PARALLEL_FIELDS; ``release``: the weights alone (megart
     import-hf), loaded as --finetune loads a checkpoint; ``consumed_train_samples``: the
     samples trained so far (Megatron's name), where --rampup-batch-size resumes its ramp;
     ``tokenizer``: the tokenizer the model was trained with (megart.training.tokenizer_record),
-    which export-hf saves beside the weights."""
+    which export-hf saves beside the weights; ``scheduler``: the learning-rate schedule in
+    Megatron's scheduler state (megatron_scheduler.scheduler_state), which
+    --use-checkpoint-opt_param-scheduler takes (megart's resumes follow their flags: it is
+    not checked against them, as Megatron's formats' is)."""
     return {
         "iteration": iteration,
         "consumed_train_samples": consumed_train_samples,
@@ -87,6 +92,7 @@ def file_state(
         "rng": rng,
         "loss_scaler": loss_scaler,
         "tokenizer": tokenizer,
+        "scheduler": scheduler,
     }
 
 
@@ -167,6 +173,7 @@ def save(
             loss_scaler=None if scaler is None or config.no_save_optim else scaler.state_dict(),
             consumed_train_samples=consumed,
             tokenizer=tokenizer_record.record(config),
+            scheduler=scheduler_state(config, iteration, consumed),
         )
         here = partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp)
         if config.ckpt_format == "torch":  # Megatron-LM's legacy layout (megatron_files)

@@ -15,7 +15,8 @@ first run (--load holding no checkpoint yet) and its start from --pretrained-che
 Where the flag cannot take effect megart refuses it rather than ignore it: with --finetune or
 --no-load-optim (Megatron-LM loads no scheduler and goes on with the flags), with
 --override-opt_param-scheduler (Megatron-Core asserts the two exclude each other), on a
-checkpoint that holds no scheduler state (megart's own format, a release checkpoint), and where
+checkpoint that holds no scheduler state (a release checkpoint, megart's own format before
+2026-11-29: its files now record Megatron's scheduler state too), and where
 a rising weight decay was saved over another run length than this one (megart's rise spans the
 run's --train-iters; Megatron's would keep the saved span).
 """
@@ -61,13 +62,14 @@ def with_saved_schedule(config: Any) -> Any:
         return config  # nothing resumed: this run starts the schedule its flags give
     load = resume_dir(config)
     records, where, _ = checkpoint_records(load, config.ckpt_step)
-    state = records.get("opt_param_scheduler")
+    # Megatron's formats' state, or megart's own record of it (since 2026-11-29).
+    state = records.get("opt_param_scheduler") or records.get("scheduler")
     if records.get("release") or state is None:
         raise ConfigError(
-            f"{FLAG}: {where} holds no learning-rate scheduler state (megart's own "
-            "--ckpt-format and release checkpoints follow the flags' schedule); leave the flag "
-            "out and give the schedule's flags (--lr, --min-lr, --lr-warmup-iters, "
-            "--lr-decay-iters, --lr-decay-style, --weight-decay)"
+            f"{FLAG}: {where} holds no learning-rate scheduler state (a release checkpoint, or "
+            "megart's own format written before 2026-11-29); leave the flag out and give the "
+            "schedule's flags (--lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, "
+            "--lr-decay-style, --weight-decay)"
         )
     values = schedule_flags(state, config, where)
     args = records.get("args")
