@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megart import ConfigError
 from megart.models import GPTConfig
+from megart.training.ckpt_files import iteration_dir, rank_dir
 
 TP = 2
 
@@ -72,7 +73,8 @@ def check(kw: dict, launch, failed, tolerance: float, swap_ranks: bool = False) 
         except Exception as e:  # noqa: BLE001 (every failure is a verdict, printed)
             return failed(e, str(kw))
         if swap_ranks:
-            files = [Path(tmp, "megatron", "iter_0000000", f"mp_rank_0{r}") for r in range(TP)]
+            root = iteration_dir(Path(tmp, "megatron"), 0)
+            files = [root / rank_dir(r, 0, 1) for r in range(TP)]
             files[0].rename(f"{files[0]}.swap")
             files[1].rename(files[0])
             Path(f"{files[0]}.swap").rename(files[1])

@@ -30,7 +30,7 @@ from typing import Any
 from megart.errors import ConfigError
 from megart.training.checkpoint_args import checkpoint_records
 from megart.training.checkpoint_dirs import loads_pretrained, no_checkpoint_yet, resume_dir
-from megart.training.megatron_scheduler import saved_value
+from megart.training.megatron_scheduler import saved_value, scheduler_state
 
 FLAG = "--use-checkpoint-opt_param-scheduler"
 
@@ -97,7 +97,7 @@ def schedule_flags(state: dict[str, Any], config: Any, where: str) -> dict[str, 
         rising = dict.fromkeys(rising)
     else:  # megart's rise spans this run: it must be the saved one's
         steps = saved_value(state, "wd_incr_steps")
-        run = config.train_samples or config.train_iters * config.global_batch_size
+        run = scheduler_state(config, 0)["wd_incr_steps"]  # what this run would save
         if steps is not None and steps != run:
             raise ConfigError(
                 f"{FLAG}: {where} raises the weight decay over {steps} samples and this run "
