@@ -160,11 +160,14 @@ def _scheduler(c: TrainConfig, optimizer):
     constant = c.weight_decay_incr_style == "constant"
     start = c.weight_decay if constant else c.start_weight_decay
     end = c.weight_decay if constant else c.end_weight_decay
+    anneal = c.lr_wsd_decay_iters
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=c.lr, min_lr=c.min_lr,
         lr_warmup_steps=c.lr_warmup_iters * gbs, lr_decay_steps=c.train_iters * gbs,
         lr_decay_style=c.lr_decay_style, start_wd=start, end_wd=end,
         wd_incr_steps=c.train_iters * gbs, wd_incr_style=c.weight_decay_incr_style,
+        wsd_decay_steps=None if anneal is None else anneal * gbs,
+        lr_wsd_decay_style=c.lr_wsd_decay_style,
     )  # fmt: skip
 
 
@@ -303,14 +306,19 @@ def pipeline_states(kw: dict, megart_dir: str, out_dir: str | None = None) -> di
     return out
 
 
-def megatron_rates(states: list[dict]) -> list[float]:
+def megatron_rates(
+    states: list[dict], anneal: int | None = None, anneal_style: str | None = None
+) -> list[float]:
     """Megatron-Core's OptimizerParamScheduler, built with other values and loaded from each
     saved state (as Megatron's --use-checkpoint-opt_param-scheduler does): the rate of the
-    next step."""
-    return [rate for rate, _ in megatron_rates_and_decays(states)]
+    next step. WSD's anneal (``anneal`` samples, ``anneal_style``) is no part of the state:
+    Megatron-LM builds it from the flags."""
+    return [rate for rate, _ in megatron_rates_and_decays(states, anneal, anneal_style)]
 
 
-def megatron_rates_and_decays(states: list[dict]) -> list[tuple[float, float]]:
+def megatron_rates_and_decays(
+    states: list[dict], anneal: int | None = None, anneal_style: str | None = None
+) -> list[tuple[float, float]]:
     """megatron_rates, with the weight decay (get_wd) the loaded scheduler gives beside each
     rate."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -324,6 +332,7 @@ def megatron_rates_and_decays(states: list[dict]) -> list[tuple[float, float]]:
             Stub(), init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10,
             lr_decay_style="linear", start_wd=0.0, end_wd=0.0, wd_incr_steps=10,
             wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
+            wsd_decay_steps=anneal, lr_wsd_decay_style=anneal_style,
         )  # fmt: skip
         sched.load_state_dict(saved)
         rates.append((sched.get_lr(Stub.param_groups[0]), sched.get_wd()))

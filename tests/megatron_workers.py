@@ -40,10 +40,10 @@ def pending_gathers(kw: dict) -> dict:
     )
 
 
-def megatron_scheduler(lr, min_lr, w, d, style, init=0.0):
+def megatron_scheduler(lr, min_lr, w, d, style, init=0.0, anneal=None, anneal_style=None):
     """Megatron-Core's OptimizerParamScheduler (warm-up ``w``, decay ``d`` steps, warm-up from
-    ``init``), the independent reference for learning rates; returns it and a function giving
-    its current rate."""
+    ``init``; WSD's anneal over the last ``anneal`` steps by ``anneal_style``), the independent
+    reference for learning rates; returns it and a function giving its current rate."""
     from types import SimpleNamespace
 
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -51,13 +51,13 @@ def megatron_scheduler(lr, min_lr, w, d, style, init=0.0):
     groups = [{}]
     scheduler = OptimizerParamScheduler(
         SimpleNamespace(param_groups=groups), init, lr, min_lr, w, d, style, 0.0, 0.0, 1,
-        "constant",
+        "constant", wsd_decay_steps=anneal, lr_wsd_decay_style=anneal_style,
     )  # fmt: skip
     return scheduler, lambda: scheduler.get_lr(groups[0])
 
 
-def megatron_rate(i, lr, min_lr, w, d, style, init=0.0):
+def megatron_rate(i, lr, min_lr, w, d, style, init=0.0, anneal=None, anneal_style=None):
     """Megatron-Core's rate after ``i`` steps (see megatron_scheduler)."""
-    scheduler, rate = megatron_scheduler(lr, min_lr, w, d, style, init)
+    scheduler, rate = megatron_scheduler(lr, min_lr, w, d, style, init, anneal, anneal_style)
     scheduler.step(i)
     return rate()

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_workers as tw  # noqa: E402
 from megart import ConfigError  # noqa: E402
 from megart.launcher import launch  # noqa: E402
+from megart.training.lr import WSD_DECAY_STYLES  # noqa: E402
 
 # How far a run may stray from the one-process curve: fp32 layouts reorder sums only; 16-bit
 # runs round differently per layout (up to 6.1e-5 over 76 accepted combinations, 2026-11-29).
@@ -80,6 +81,9 @@ def _model(rng: random.Random) -> dict:
     if rng.random() < 0.15:  # Megatron's rising weight decay, set on every rank each step
         model.update(weight_decay_incr_style=rng.choice(["linear", "cosine"]),
                      start_weight_decay=0.0, end_weight_decay=0.5)  # fmt: skip
+    if rng.random() < 0.15:  # WSD: its anneal over the run's last iterations
+        model.update(lr_decay_style="WSD", lr_wsd_decay_iters=rng.choice([2, 3]),
+                     lr_wsd_decay_style=rng.choice(WSD_DECAY_STYLES))  # fmt: skip
     return model
 
 

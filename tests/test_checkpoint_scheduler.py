@@ -103,6 +103,21 @@ def test_saved_steps_become_this_runs_iterations_or_samples():
     assert [by_samples.learning_rate(i) for i in range(12)] == pytest.approx(want[:12], rel=1e-12)
 
 
+def test_a_saved_wsd_schedule_anneals_as_this_runs_flags_say():
+    """Megatron's saved state says WSD but not how long its anneal is: Megatron-LM builds
+    that from the flags, and so does megart; the rates are Megatron-Core's scheduler's, built
+    with the anneal's flags and loaded from the state."""
+    config = tw.tiny(global_batch_size=8, train_iters=10, use_checkpoint_opt_param_scheduler=True,
+                     lr_wsd_decay_iters=4, lr_wsd_decay_style="cosine")  # fmt: skip
+    taken = dataclasses.replace(config, **schedule_flags(_state(lr_decay_style="WSD"), config, ""))
+    taken.check(1)
+    assert taken.lr_decay_style == "WSD"
+    states = [_state(lr_decay_style="WSD", num_steps=8 * i) for i in range(12)]
+    want = launch(mow.megatron_rates, 1, states, 4 * 8, "cosine", timeout=300)[0]
+    assert [taken.learning_rate(i) for i in range(12)] == pytest.approx(want, rel=1e-12)
+    assert want[3] == want[6] == 1e-3 and 1e-5 < want[8] < want[7] < 1e-3  # stable, annealing
+
+
 @pytest.mark.parametrize(
     "state,flags,match",
     [
@@ -112,6 +127,12 @@ def test_saved_steps_become_this_runs_iterations_or_samples():
             "raises the weight decay over 80 samples and this run lasts 24; give --train-iters",
         ),
         (_state(lr_decay_steps=84), {}, "no whole number of this run's global batches of 8"),
+        (
+            _state(lr_decay_style="WSD"),
+            {},
+            "holds a WSD schedule, whose anneal length "
+            "Megatron's scheduler state does not keep .*give --lr-wsd-decay-iters",
+        ),
     ],
 )
 def test_a_saved_schedule_megart_cannot_follow_is_refused(state, flags, match):

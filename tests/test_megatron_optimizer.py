@@ -33,10 +33,13 @@ CONFIGS = {
     "gpt2-rising-weight-decay": dict(
         weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.5
     ),
+    # WSD: Megatron-Core's iterations 2 and 3 are inside the exponential anneal of the last 4.
+    "gpt2-wsd": dict(lr_decay_style="WSD", lr_wsd_decay_iters=4),
 }
 CASES = [(name, tp) for name in ("gpt2", "llama") for tp in (1, 2)] + [
     ("llama-decoupled-lr", 1),
     ("gpt2-rising-weight-decay", 1),
+    ("gpt2-wsd", 1),
 ]
 
 

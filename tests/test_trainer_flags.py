@@ -26,7 +26,7 @@ from megart.training import checkpoint
 from megart.training.data import builtin_corpus
 from megart.training.export_hf import export_checkpoint
 from megart.training.flops import iteration_flops
-from megart.training.lr import LR_DECAY_STYLES, learning_rate
+from megart.training.lr import LR_DECAY_STYLES, WSD_DECAY_STYLES, learning_rate
 from megatron_workers import megatron_rate
 
 LLAMA = dict(
@@ -47,7 +47,7 @@ def parse(*argv: str):
 # -- learning rate -------------------------------------------------------------------------
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
     style=st.sampled_from(LR_DECAY_STYLES),
     warmup=st.one_of(st.integers(0, 40), st.floats(0.1, 40)),
@@ -56,19 +56,25 @@ def parse(*argv: str):
     lr=st.floats(1e-5, 1.0),
     floor=st.floats(0, 1),
     init=st.sampled_from([0.0, 0.1, 1.0]),
+    # WSD's anneal: a share of the decay, past it (into warm-up) too, or none at all
+    anneal=st.sampled_from([0.0, 0.1, 0.5, 1.0, 1.5]),
+    anneal_style=st.sampled_from(WSD_DECAY_STYLES),
 )
-def test_every_decay_style_is_megatron_cores(style, warmup, span, at, lr, floor, init):
+def test_every_decay_style_is_megatron_cores(
+    style, warmup, span, at, lr, floor, init, anneal, anneal_style
+):
     decay = warmup + span
     i = int(at * (decay + 2))
     min_lr = lr * floor
-    got = learning_rate(i, lr, min_lr, warmup, decay, style, init * lr)
-    want = megatron_rate(i, lr, min_lr, warmup, decay, style, init * lr)
+    wsd = (anneal * span, anneal_style) if style == "WSD" else (None, "exponential")
+    got = learning_rate(i, lr, min_lr, warmup, decay, style, init * lr, 1.0, *wsd)
+    want = megatron_rate(i, lr, min_lr, warmup, decay, style, init * lr, *wsd)
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
     assert 0 <= got <= lr * (1 + 1e-12)
     assert i <= warmup or got >= min_lr  # the floor, once warm-up is over
 
 
-@pytest.mark.parametrize("style", LR_DECAY_STYLES)
+@pytest.mark.parametrize("style", [s for s in LR_DECAY_STYLES if s != "WSD"])
 def test_every_decay_style_reaches_its_endpoints(style):
     lr, min_lr, w, d = 2.0, 0.2, 10, 110
     lrs = [learning_rate(i, lr, min_lr, w, d, style) for i in range(140)]
@@ -93,6 +99,49 @@ def test_every_decay_style_reaches_its_endpoints(style):
         assert quarter == pytest.approx(
             min_lr + (lr - min_lr) * (0.75 if style == "linear" else (1 + math.sqrt(0.5)) / 2)
         )
+
+
+@pytest.mark.parametrize("anneal_style", WSD_DECAY_STYLES)
+def test_wsd_holds_the_peak_then_anneals_to_the_floor(anneal_style):
+    """Warm-up, stable at --lr, then the last A iterations of the decay fall to --min-lr, the
+    share a of the anneal done giving each shape's coefficient (1 at a = 0, 0 at a = 1)."""
+    lr, min_lr, w, d, a = 2.0, 0.2, 10, 110, 40
+    lrs = [learning_rate(i, lr, min_lr, w, d, "WSD", 0.0, 1.0, a, anneal_style) for i in range(140)]
+    assert lrs[w - 1] == pytest.approx(lr * (w - 1) / w)  # warm-up as the other styles'
+    assert lrs[w : d - a + 1] == [lr] * (d - a + 1 - w)  # stable up to the anneal's start
+    falling = lrs[d - a :]
+    assert all(x > y for x, y in zip(falling[:a], falling[1 : a + 1], strict=True))
+    assert lrs[d] == pytest.approx(min_lr) and lrs[d + 1 :] == [min_lr] * (len(lrs) - d - 1)
+    half = {"exponential": math.sqrt(2) - 1, "linear": 0.5, "cosine": 0.5,
+            "minus_sqrt": 1 - math.sqrt(0.5)}[anneal_style]  # fmt: skip
+    assert lrs[d - a // 2] == pytest.approx(min_lr + half * (lr - min_lr))
+
+
+def test_wsd_flags_reach_the_schedule_and_are_refused_where_they_do_nothing():
+    c = parse("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "10",
+              "--lr-wsd-decay-style", "linear", "--train-iters", "40")  # fmt: skip
+    c.check(1)
+    assert [c.learning_rate(i) for i in (29, 30, 35, 40)] == pytest.approx(
+        [c.lr, c.lr, c.lr / 2, 0.0]
+    )
+    by_samples = tw.tiny(lr_decay_style="WSD", train_samples=640, global_batch_size=16,
+                         lr_wsd_decay_samples=160, lr_warmup_iters=0)  # fmt: skip
+    by_samples.check(1)
+    assert by_samples.anneal_iters == 10
+    for flags, message in [
+        (["--lr-decay-style", "WSD"], r"give its length, --lr-wsd-decay-iters \(Megatron-LM"),
+        (["--lr-wsd-decay-iters", "5"], "--lr-wsd-decay-iters 5 shape the anneal of "
+         "--lr-decay-style WSD, and do nothing under --lr-decay-style linear"),
+        (["--lr-wsd-decay-style", "cosine", "--lr-decay-style", "cosine"],
+         "--lr-wsd-decay-style cosine shape the anneal"),
+        (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "-1"], "an anneal lasts 0 or more"),
+        (["--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "64"],
+         "--lr-wsd-decay-samples with --train-iters: as in Megatron-LM"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            parse(*flags).check(1)
+    with pytest.raises(ConfigError, match="--lr-wsd-decay-iters with --train-samples"):
+        dataclasses.replace(by_samples, lr_wsd_decay_samples=None, lr_wsd_decay_iters=3).check(1)
 
 
 def test_lr_flags_reach_the_schedule_and_the_default_is_megatrons():
@@ -239,8 +288,8 @@ def test_bad_combinations_are_refused_naming_the_flags(argv, world, message):
 def test_the_python_api_is_refused_in_megatrons_spellings():
     with pytest.raises(ConfigError, match="--normalization 'rmsnorm'; use one of LayerNorm, RMSN"):
         tw.tiny(normalization="rmsnorm").check(1)
-    with pytest.raises(ConfigError, match="--lr-decay-style 'WSD'; use one of constant, linear"):
-        tw.tiny(lr_decay_style="WSD").check(1)
+    with pytest.raises(ConfigError, match="--lr-decay-style 'wsd'; use one of constant, linear"):
+        tw.tiny(lr_decay_style="wsd").check(1)
 
 
 def megart(*args):
@@ -252,7 +301,8 @@ def megart(*args):
 def test_megart_train_lists_the_flags_and_refuses_before_any_work():
     text = " ".join(megart("train", "--help").stdout.split())
     for flag in (
-        "--lr-decay-style {constant,linear,cosine,inverse-square-root}",
+        "--lr-decay-style {constant,linear,cosine,inverse-square-root,WSD}",
+        "--lr-wsd-decay-style {exponential,linear,cosine,minus_sqrt}",
         "--lr-warmup-fraction LR_WARMUP_FRACTION",
         "--ffn-hidden-size FFN_HIDDEN_SIZE",
         "--init-method-std INIT_METHOD_STD",

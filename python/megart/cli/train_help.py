@@ -33,7 +33,11 @@ HELP = {
     "lr_warmup_fraction": "warm up for this fraction of the decay iterations instead (not "
     "with a non-zero --lr-warmup-iters)",
     "lr_decay_iters": "iterations of decay (default: --train-iters)",
-    "lr_decay_style": "learning-rate decay after warm-up, Megatron's formulas",
+    "lr_decay_style": "learning-rate decay after warm-up, Megatron's formulas (WSD: --lr "
+    "until the anneal, its last --lr-wsd-decay-iters)",
+    "lr_wsd_decay_iters": "with --lr-decay-style WSD: the iterations of the anneal, the last "
+    "ones of the decay",
+    "lr_wsd_decay_style": "with --lr-decay-style WSD: the anneal's shape, from --lr to --min-lr",
     "weight_decay": "AdamW weight decay (not on biases and norms)",
     "start_weight_decay": "with --weight-decay-incr-style linear or cosine: the weight decay "
     "the run starts with",
@@ -252,6 +256,7 @@ HELP = {
     "Megatron-LM then does not apply)",
     "train_samples": "samples to train: --train-iters = this // --global-batch-size",
     "lr_decay_samples": "samples of decay (default: --train-samples)",
+    "lr_wsd_decay_samples": "with --lr-decay-style WSD: the samples of the anneal",
     "lr_warmup_samples": "samples of linear warm-up",
     "overlap_grad_reduce": "reduce every gradient bucket after backward instead of while it "
     "runs",  # its flag is --no-...; --overlap-grad-reduce (megart's default) is accepted too

@@ -141,7 +141,8 @@ NO_EFFECT = (
     # the optimizer and its schedule
     "train_iters", "train_samples", "lr", "min_lr", "lr_warmup_iters",
     "lr_warmup_fraction", "lr_warmup_init", "lr_warmup_samples", "lr_decay_iters",
-    "lr_decay_samples", "lr_decay_style", "decoupled_lr", "decoupled_min_lr", "weight_decay",
+    "lr_decay_samples", "lr_decay_style", "lr_wsd_decay_iters", "lr_wsd_decay_samples",
+    "lr_wsd_decay_style", "decoupled_lr", "decoupled_min_lr", "weight_decay",
     "adam_beta1", "adam_beta2", "adam_eps", "optimizer", "clip_grad", "start_weight_decay",
     "end_weight_decay", "weight_decay_incr_style",
     # initial values and numerics that do not change the work

@@ -18,7 +18,8 @@ Where the flag cannot take effect megart refuses it rather than ignore it: with 
 checkpoint that holds no scheduler state (a release checkpoint, megart's own format before
 2026-11-29: its files now record Megatron's scheduler state too), and where
 a rising weight decay was saved over another run length than this one (megart's rise spans the
-run's --train-iters; Megatron's would keep the saved span).
+run's --train-iters; Megatron's would keep the saved span). WSD's anneal (--lr-wsd-decay-iters,
+--lr-wsd-decay-style) is not in the saved state: it comes from the flags, as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def schedule_flags(state: dict[str, Any], config: Any, where: str) -> dict[str, 
             )
     warmup = saved_value(state, "lr_warmup_steps")
     decay = saved_value(state, "lr_decay_steps")
+    if saved_value(state, "lr_decay_style") == "WSD" and config.anneal_iters is None:
+        raise ConfigError(
+            f"{FLAG}: {where} holds a WSD schedule, whose anneal length Megatron's scheduler "
+            "state does not keep (Megatron-LM takes it from the flags): give "
+            "--lr-wsd-decay-iters (or --lr-wsd-decay-samples) as the run that wrote it did"
+        )
     values: dict[str, Any] = dict(
         lr=saved_value(state, "max_lr"),
         min_lr=saved_value(state, "min_lr"),

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from megart.models.config import VOCAB_MULTIPLE, GPTConfig
 from megart.training.config_checks import PIPELINE_SCHEDULES, check_config
-from megart.training.lr import LR_DECAY_STYLES, WD_INCR_STYLES, learning_rate
+from megart.training.lr import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES, learning_rate
 from megart.training.megatron_flags import (
     ATTENTION_BACKENDS,
     CKPT_FORMATS,
@@ -21,6 +21,7 @@ from megart.training.save_modes import NON_PERSISTENT_TYPES
 CHOICES = {
     "pipeline_schedule": PIPELINE_SCHEDULES,
     "lr_decay_style": LR_DECAY_STYLES,
+    "lr_wsd_decay_style": WSD_DECAY_STYLES,
     "weight_decay_incr_style": WD_INCR_STYLES,
     "normalization": tuple(NORMALIZATIONS),
     "position_embedding_type": tuple(POSITION_EMBEDDING_TYPES),
@@ -73,6 +74,9 @@ class TrainConfig:
     lr_warmup_init: float = 0.0  # the rate warm-up starts from (Megatron's default)
     lr_decay_iters: int | None = None  # train_iters
     lr_decay_style: str = "linear"
+    # WSD's anneal: the decay's last iterations (or samples) and its shape (megart.training.lr)
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_style: str = "exponential"
     weight_decay: float = 0.01
     # Megatron's rising weight decay over the run (lr.weight_decay_rate; constant: --weight-decay)
     start_weight_decay: float | None = None
@@ -196,6 +200,7 @@ class TrainConfig:
     reset_attention_mask: bool = False
     train_samples: int | None = None
     lr_decay_samples: int | None = None
+    lr_wsd_decay_samples: int | None = None
     lr_warmup_samples: int = 0
     # On by default (megart's measured default; Megatron's is off): --no-overlap-grad-reduce
     # reduces every bucket after backward.
@@ -358,6 +363,14 @@ class TrainConfig:
             return self.lr_warmup_samples / self.global_batch_size
         return self.lr_warmup_iters
 
+    @property
+    def anneal_iters(self) -> float | None:
+        """WSD's anneal: --lr-wsd-decay-iters, or --lr-wsd-decay-samples in global batches
+        (Megatron's scheduler counts samples); None when neither is given."""
+        if self.lr_wsd_decay_samples is not None:
+            return self.lr_wsd_decay_samples / self.global_batch_size
+        return self.lr_wsd_decay_iters
+
     def decoupled_rates(self) -> tuple[float, float] | None:
         """--decoupled-lr's peak and floor (the floor --min-lr's unless --decoupled-min-lr);
         None without --decoupled-lr."""
@@ -382,6 +395,8 @@ class TrainConfig:
             self.lr_decay_style,
             self.lr_warmup_init,
             1.0 / self.global_batch_size,
+            self.anneal_iters,
+            self.lr_wsd_decay_style,
         )
 
     def gpt_config(self) -> GPTConfig:

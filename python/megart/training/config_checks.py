@@ -293,8 +293,38 @@ def _check_weight_decay_flags(cfg: TrainConfig) -> None:
             raise ConfigError(f"{text}: a weight decay is 0 or more")
 
 
+def _check_wsd_flags(cfg: TrainConfig) -> None:
+    """WSD's anneal length is Megatron-LM's --lr-wsd-decay-iters (--lr-wsd-decay-samples in a
+    --train-samples run), which it asserts is given; the anneal's flags under another decay
+    style, which Megatron-LM ignores, are refused as the mistake they most likely are."""
+    lengths = {"--lr-wsd-decay-iters": cfg.lr_wsd_decay_iters,
+               "--lr-wsd-decay-samples": cfg.lr_wsd_decay_samples}  # fmt: skip
+    given = [f"{flag} {v}" for flag, v in lengths.items() if v is not None]
+    style = cfg.lr_decay_style
+    if style != "WSD":
+        if cfg.lr_wsd_decay_style != "exponential":  # Megatron's default
+            given.append(f"--lr-wsd-decay-style {cfg.lr_wsd_decay_style}")
+        if given and not cfg.use_checkpoint_opt_param_scheduler:  # else the saved style rules
+            raise ConfigError(
+                f"{' and '.join(given)} shape the anneal of --lr-decay-style WSD, and do "
+                f"nothing under --lr-decay-style {style}: give --lr-decay-style WSD, or leave "
+                "them out"
+            )
+        return
+    if not given:
+        unit = "samples" if cfg.train_samples is not None else "iters"
+        raise ConfigError(
+            f"--lr-decay-style WSD anneals the rate over the last part of the decay: give its "
+            f"length, --lr-wsd-decay-{unit} (Megatron-LM asserts it is given too)"
+        )
+    for text, value in zip(given, (v for v in lengths.values() if v is not None), strict=True):
+        if value < 0:
+            raise ConfigError(f"{text}: an anneal lasts 0 or more")
+
+
 def _check_lr_flags(cfg: TrainConfig) -> None:
     check_decay_style(cfg.lr_decay_style)
+    _check_wsd_flags(cfg)
     _check_weight_decay_flags(cfg)
     fraction, iters = cfg.lr_warmup_fraction, cfg.lr_warmup_iters
     if fraction is not None and iters:

@@ -10,7 +10,12 @@ samples consumed, in global batches), W warm-up and D decay iterations, lr0 = --
     linear               min_lr + (lr - min_lr) (1 - r),              r = (n - W) / (D - W)
     cosine               min_lr + (lr - min_lr) (1 + cos(pi r)) / 2
     inverse-square-root  max(min_lr, lr sqrt(max(W, u) / max(n, u)))
+    WSD                  lr until n = D - A, then min_lr + (lr - min_lr) c(a), a = (n - D + A) / A
     any but constant     min_lr once n > D (linear and cosine reach it at n = D)
+
+WSD (warm-up, stable, decay) anneals over the last A iterations of the decay (--lr-wsd-decay-iters,
+or --lr-wsd-decay-samples) by --lr-wsd-decay-style's c: exponential 2 (1/2)^a - 1, linear 1 - a,
+cosine (1 + cos(pi a)) / 2, minus_sqrt 1 - sqrt(a); each falls from 1 to 0 as a goes 0 to 1.
 
 Megatron counts its steps in samples; u is one sample in iterations (1 / global batch), where
 its inverse-square-root clamps. With the default --lr-warmup-init 0 the first iteration runs
@@ -24,8 +29,17 @@ from typing import Any
 
 from megart.errors import ConfigError
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+# WSD's anneal coefficient at the share a of the anneal done (Megatron-Core's get_lr).
+_ANNEALS = {
+    "exponential": lambda a: 2.0 * 0.5**a - 1.0,
+    "linear": lambda a: 1.0 - a,
+    "cosine": lambda a: 0.5 * (1.0 + math.cos(math.pi * a)),
+    "minus_sqrt": lambda a: 1.0 - math.sqrt(a),
+}
 
 
 def check_decay_style(style: str) -> None:
@@ -42,10 +56,13 @@ def learning_rate(
     style: str = "cosine",
     warmup_init: float = 0.0,
     sample: float = 1.0,
+    anneal_iters: float | None = None,
+    anneal_style: str = "exponential",
 ) -> float:
     """The rate of the iteration after ``iteration`` iterations (a fraction under
     --rampup-batch-size: the samples consumed in global batches) under ``style`` (one of
-    LR_DECAY_STYLES); ``sample`` is one sample in iterations, where inverse-square-root clamps."""
+    LR_DECAY_STYLES); ``sample`` is one sample in iterations, where inverse-square-root clamps;
+    WSD anneals over the last ``anneal_iters`` of the decay by ``anneal_style``."""
     check_decay_style(style)
     if warmup_iters > 0 and iteration <= warmup_iters:
         return warmup_init + (lr - warmup_init) * iteration / warmup_iters
@@ -59,6 +76,12 @@ def learning_rate(
         # No decay phase (Megatron refuses W >= D; a one-iteration run has it): iteration is
         # then D, the end of the decay.
         return min_lr
+    if style == "WSD":
+        if anneal_iters is None:
+            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or -samples)")
+        start = decay_iters - anneal_iters
+        share = 0.0 if iteration <= start else (iteration - start) / anneal_iters
+        return min_lr + _ANNEALS[anneal_style](share) * (lr - min_lr)
     ratio = (iteration - warmup_iters) / (decay_iters - warmup_iters)
     coeff = 1.0 - ratio if style == "linear" else 0.5 * (1.0 + math.cos(math.pi * ratio))
     return min_lr + coeff * (lr - min_lr)

@@ -356,16 +356,19 @@ def _check_samples(config: Any) -> None:
     mixed = (
         ["--lr-decay-samples"] * (config.lr_decay_samples is not None)
         + ["--lr-warmup-samples"] * bool(config.lr_warmup_samples)
+        + ["--lr-wsd-decay-samples"] * (config.lr_wsd_decay_samples is not None)
         if not by_samples
         else ["--lr-decay-iters"] * (config.lr_decay_iters is not None)
         + ["--lr-warmup-iters"] * bool(config.lr_warmup_iters)
+        + ["--lr-wsd-decay-iters"] * (config.lr_wsd_decay_iters is not None)
     )
     if mixed:
         kind = "--train-samples" if by_samples else "--train-iters"
         raise ConfigError(
             f"{' and '.join(mixed)} with {kind}: as in Megatron-LM, a run counts iterations "
-            "(--train-iters, --lr-decay-iters, --lr-warmup-iters) or samples (--train-samples, "
-            "--lr-decay-samples, --lr-warmup-samples), not both"
+            "(--train-iters, --lr-decay-iters, --lr-warmup-iters, --lr-wsd-decay-iters) or "
+            "samples (--train-samples, --lr-decay-samples, --lr-warmup-samples, "
+            "--lr-wsd-decay-samples), not both"
         )
     if config.lr_warmup_fraction is not None and config.lr_warmup_samples:
         raise ConfigError(

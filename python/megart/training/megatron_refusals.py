@@ -140,9 +140,6 @@ REFUSED: dict[str, str] = {
     "--exit-signal-handler-for-training": "megart's --exit-signal-handler covers training; "
     "use that",
     "--iterations-to-skip": "megart trains every iteration; " + _LEAVE,
-    "--lr-wsd-decay-style": "megart's --lr-decay-style has no WSD; " + _LEAVE,
-    "--lr-wsd-decay-iters": "megart's --lr-decay-style has no WSD; " + _LEAVE,
-    "--lr-wsd-decay-samples": "megart's --lr-decay-style has no WSD; " + _LEAVE,
     "--freeze-all-layers": "megart trains every layer; " + _LEAVE,
     "--start-eval-at-iter": "megart evaluates every --eval-interval iterations; " + _LEAVE,
     "--eval-global-batch-size": "megart evaluates with the training batch sizes; " + _LEAVE,
