@@ -24,6 +24,7 @@ def megatron_model(
     the virtual pipeline size initialised, its model chunk ``vp_stage``, as Megatron-LM's
     get_model builds each)."""
     from megatron.core import parallel_state
+    from megatron.core.activations import squared_relu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -35,6 +36,8 @@ def megatron_model(
         on_cpu_only()
     vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     swiglu = cfg.activation == "swiglu"
+    # Megatron-LM's --squared-relu is Megatron-Core's own squared_relu.
+    non_gated = {"gelu": tanh_gelu, "squared_relu": squared_relu}
     skip = cfg.window_attn_skip_freq
     config = TransformerConfig(
         num_layers=cfg.num_layers,
@@ -50,7 +53,7 @@ def megatron_model(
         add_bias_linear=cfg.bias,
         add_qkv_bias=cfg.add_qkv_bias,
         gated_linear_unit=swiglu,
-        activation_func=F.silu if swiglu else tanh_gelu,
+        activation_func=F.silu if swiglu else non_gated[cfg.activation],
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,

@@ -97,6 +97,8 @@ def config(rng: random.Random) -> dict:
             kw[flag] = True
     if rng.random() < 0.5:
         kw["activation"] = "swiglu"
+    elif rng.random() < 0.3:
+        kw["activation"] = "squared_relu"
     if rng.random() < 0.4:
         kw["bias"] = False
     if rng.random() < 0.5:
@@ -109,7 +111,7 @@ def config(rng: random.Random) -> dict:
     # instead of torch's attention, and the fused kernels' torch references.
     if rng.random() < 0.3:
         kw["attention_backend"] = "unfused"
-    if kw.get("activation") != "swiglu" and kw.get("bias", True) and rng.random() < 0.3:
+    if kw.get("activation", "gelu") == "gelu" and kw.get("bias", True) and rng.random() < 0.3:
         kw["bias_gelu_fusion"] = True
     if kw.get("normalization") != "rmsnorm" and rng.random() < 0.3:
         kw["fused_layer_norm"] = True

@@ -5,7 +5,8 @@ Megatron-Core model's weights and computes its logits, for GPT-2-style and Llama
 (RMSNorm, rope rotating halves or, with --rotary-interleaved, adjacent pairs, SwiGLU, GQA,
 untied output layer, --use-rope-scaling, --rotary-seq-len-interpolation-factor, --rotary-percent
 0.5), and with
---apply-layernorm-1p (zero-centred LayerNorm weights) and --kv-channels other than h / heads."""
+--apply-layernorm-1p (zero-centred LayerNorm weights), --kv-channels other than h / heads and
+--squared-relu."""
 
 import pytest
 
@@ -38,6 +39,18 @@ CONFIGS = {
     # --kv-channels: heads of 16 on a hidden size of 32 (Qwen3's kind), and narrower ones.
     "llama-wide-heads": {**LLAMA, "kv_channels": 16, "qk_layernorm": True},
     "gpt2-narrow-heads": dict(kv_channels=4),
+    # --squared-relu: with biases, and Nemotron's mix (zero-centred LayerNorm, half the head
+    # turning, no biases, untied).
+    "gpt2-squared-relu": dict(activation="squared_relu"),
+    "nemotron-style": dict(
+        activation="squared_relu",
+        apply_layernorm_1p=True,
+        bias=False,
+        position_embedding="rotary",
+        rotary_percent=0.5,
+        num_query_groups=2,
+        untie_embeddings_and_output_weights=True,
+    ),  # fmt: skip
 }
 
 

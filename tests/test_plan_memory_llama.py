@@ -1,8 +1,8 @@
 """megart plan's per-layer activation count against what one megart layer saves for backward
 (torch's saved-tensor hooks, one process), over the model options that change those saves:
-rope (whole or partial), SwiGLU, RMSNorm, grouped queries (one group, some, one per head), no
-biases, hidden dropout, --qk-layernorm, --kv-channels, fp32 or bf16 autocast, selective
-recomputation or none.
+rope (whole or partial), SwiGLU or squared ReLU, RMSNorm, grouped queries (one group, some,
+one per head), no biases, hidden dropout, --qk-layernorm, --kv-channels, fp32 or bf16
+autocast, selective recomputation or none.
 The real-rank rows (tp2, pp2, sequence parallelism) are in test_plan_memory.py's CASES.
 
 The plan counts a GPU's kernels; a CPU's dropout keeps its mask in the activations' dtype where
@@ -126,7 +126,7 @@ def test_one_layer_saves_what_the_plan_counts(name, cfg, bf16, recompute):
 @given(
     rope=st.booleans(),
     partial=st.booleans(),
-    swiglu=st.booleans(),
+    activation=st.sampled_from(["gelu", "swiglu", "squared_relu"]),
     rmsnorm=st.booleans(),
     groups=st.sampled_from([None, 1, 2, 4]),
     bias=st.booleans(),
@@ -139,14 +139,14 @@ def test_one_layer_saves_what_the_plan_counts(name, cfg, bf16, recompute):
     head=st.sampled_from([None, 4, 12]),
 )
 def test_any_option_mix(
-    rope, partial, swiglu, rmsnorm, groups, bias, dropout, bf16, recompute, qk, head
+    rope, partial, activation, rmsnorm, groups, bias, dropout, bf16, recompute, qk, head
 ):
     cfg = llama(
         kv_channels=head,
         qk_layernorm=qk,
         position_embedding="rotary" if rope else "learned",
         rotary_percent=0.5 if partial and rope else 1.0,
-        activation="swiglu" if swiglu else "gelu",
+        activation=activation,
         normalization="rmsnorm" if rmsnorm else "layernorm",
         num_query_groups=groups,
         bias=bias,

@@ -408,14 +408,16 @@ def test_checkpoints_record_the_architecture_and_refuse_another(tmp_path):
     message = (
         r"saved with --ffn-hidden-size 64 \(now --ffn-hidden-size 128\), --normalization "
         r"RMSNorm \(now --normalization LayerNorm\), --position-embedding-type rope \(now "
-        r"--position-embedding-type learned_absolute\), --swiglu \(now no --swiglu\), "
-        r"--disable-bias-linear \(now no --disable-bias-linear\), --layernorm-epsilon 1e-06 "
-        r"\(now --layernorm-epsilon 1e-05\), --rotary-base 10000 \(halves\) \(now no rope\); "
+        r"--position-embedding-type learned_absolute\), --swiglu \(now neither --swiglu nor "
+        r"--squared-relu\), --disable-bias-linear \(now no --disable-bias-linear\), "
+        r"--layernorm-epsilon 1e-06 \(now --layernorm-epsilon 1e-05\), --rotary-base 10000 "
+        r"\(halves\) \(now no rope\); "
         r".*cannot be resharded"
     )
     with pytest.raises(LaunchError, match=message):
         launch(tw.train_kw, 1, dict(train_iters=2, load=str(tmp_path)), timeout=300)
-    with pytest.raises(LaunchError, match=r"saved with --swiglu \(now no --swiglu\);"):
+    neither = r"\(now neither --swiglu nor --squared-relu\);"
+    with pytest.raises(LaunchError, match=r"saved with --swiglu " + neither):
         kw = dict(arch, swiglu=False, ffn_hidden_size=64, train_iters=2, load=str(tmp_path))
         launch(tw.train_kw, 1, kw, timeout=300)
     # export-hf writes this architecture in Llama's format (GPT-2's cannot represent it), with

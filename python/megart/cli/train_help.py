@@ -70,6 +70,7 @@ HELP = {
     "scales by 1 + weight (LayerNorm and RMSNorm; Megatron's layernorm_zero_centered_gamma)",
     "position_embedding_type": "learned_absolute (GPT-2's) or rope (rotary, base 10000)",
     "swiglu": "SwiGLU MLP (three matrices) instead of GeLU",
+    "squared_relu": "squared ReLU, relu(x)^2, as the MLP's activation instead of GeLU (Nemotron's)",
     "disable_bias_linear": "no biases in the linear layers; LayerNorm keeps its bias (as "
     "Megatron-Core's add_bias_linear=False)",
     "add_qkv_bias": "keep the attention's fused q/k/v projection's bias under "

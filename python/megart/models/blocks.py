@@ -28,7 +28,7 @@ from megart.tensor_parallel import (
 
 
 class MLP(nn.Module):
-    """h -> ffn (column-parallel) -> GeLU or SwiGLU -> h (row-parallel)."""
+    """h -> ffn (column-parallel) -> GeLU, SwiGLU or squared ReLU -> h (row-parallel)."""
 
     def __init__(
         self, cfg: GPTConfig, layer: int, tp_group: ProcessGroup | None, sequence_parallel: bool
@@ -36,6 +36,7 @@ class MLP(nn.Module):
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_size
         self.swiglu = cfg.activation == "swiglu"
+        self.squared_relu = cfg.activation == "squared_relu"
         self.bias_gelu_fusion = cfg.bias_gelu_fusion
 
         def column(name: str) -> ColumnParallelLinear:
@@ -67,6 +68,8 @@ class MLP(nn.Module):
             x, slot = self.fc.enter(x)  # once for both: one collective each way, one saved input
             gate = self.gate(x, entered=True, slot=slot)
             return self.proj(F.silu(gate) * self.fc(x, entered=True, slot=slot))
+        if self.squared_relu:  # Megatron-Core's squared_relu (Nemotron's relu2)
+            return self.proj(torch.pow(F.relu(self.fc(x)), 2))
         if self.bias_gelu_fusion:
             y = self.fc(x, add_bias=False)
             # The bias in the activation's dtype, as autocast gives F.linear's bias add.

@@ -20,8 +20,14 @@ from megart.parallel.layout import divisors, either
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "swiglu", "squared_relu")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # of Megatron's; its a2a+p2p is not built
+
+
+def activation_of(swiglu: bool, squared_relu: bool) -> str:
+    """GPTConfig's activation for Megatron-LM's --swiglu and --squared-relu switches (GeLU
+    where neither is on)."""
+    return "swiglu" if swiglu else "squared_relu" if squared_relu else "gelu"
 
 
 # Megatron-LM's default --make-vocab-size-divisible-by (also what checkpoints without it used).

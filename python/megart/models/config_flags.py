@@ -17,16 +17,20 @@ MEGATRON_NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 MEGATRON_POSITIONS = {"learned": "learned_absolute", "rotary": "rope"}
 
 
+_ACTIVATION_FLAGS = {"swiglu": "--swiglu", "squared_relu": "--squared-relu",
+                     "gelu": "neither --swiglu nor --squared-relu"}  # fmt: skip
+
+
 def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
     """The megart train flags (Megatron-LM's) that give ``cfg``'s architecture, by GPTConfig
-    field ("no --swiglu" where a switch is off), so that messages about a model name what the
-    user can change rather than GPTConfig's internal names."""
+    field ("no --disable-bias-linear" where a switch is off), so that messages about a model
+    name what the user can change rather than GPTConfig's internal names."""
     position = MEGATRON_POSITIONS[cfg.position_embedding]
     return {
         "ffn_hidden_size": f"--ffn-hidden-size {cfg.ffn_size}",
         "normalization": f"--normalization {MEGATRON_NORMS[cfg.normalization]}",
         "position_embedding": f"--position-embedding-type {position}",
-        "activation": ("" if cfg.activation == "swiglu" else "no ") + "--swiglu",
+        "activation": _ACTIVATION_FLAGS[cfg.activation],
         "bias": ("no " if cfg.bias else "") + "--disable-bias-linear",
         # Named apart only where it adds a bias (GPTConfig stores it False with biases on).
         "add_qkv_bias": ("" if cfg.add_qkv_bias else "no ") + "--add-qkv-bias",

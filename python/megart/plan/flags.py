@@ -56,6 +56,7 @@ MODELLED = (
     "position_embedding_type",
     "rotary_percent",
     "swiglu",
+    "squared_relu",
     "disable_bias_linear",
     "add_qkv_bias",  # the q/k/v projection's bias: parameters (plan.parameters)
     "untie_embeddings_and_output_weights",

@@ -171,6 +171,7 @@ def train_flags(cfg: GPTConfig) -> list[str]:
         "--apply-layernorm-1p": cfg.apply_layernorm_1p,
         "--qk-layernorm": cfg.qk_layernorm,
         "--swiglu": cfg.activation == "swiglu",
+        "--squared-relu": cfg.activation == "squared_relu",
         "--disable-bias-linear": not cfg.bias,
         "--add-qkv-bias": cfg.add_qkv_bias,
         "--untie-embeddings-and-output-weights": cfg.untie_embeddings_and_output_weights,

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from megart.errors import ConfigError
-from megart.models.config import VOCAB_MULTIPLE, GPTConfig, distinct_head_size
+from megart.models.config import VOCAB_MULTIPLE, GPTConfig, activation_of, distinct_head_size
 from megart.models.stages import check_stages, uneven
 
 
@@ -60,6 +60,7 @@ def megatron_args(
         window_size=cfg.window_size,
         window_attn_skip_freq=list(skip) if isinstance(skip, tuple) else skip,
         swiglu=cfg.activation == "swiglu",
+        squared_relu=cfg.activation == "squared_relu",
         add_bias_linear=cfg.bias,
         # True with add_bias_linear too, as Megatron-LM's arguments keep the two in sync.
         add_qkv_bias=cfg.qkv_bias,
@@ -114,7 +115,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         rotary_percent=float(a.get("rotary_percent", 1.0)) if rope else 1.0,
         window_size=a.get("window_size"),  # absent from older args: no window
         window_attn_skip_freq=a.get("window_attn_skip_freq"),
-        activation="swiglu" if a.get("swiglu") else "gelu",
+        activation=activation_of(bool(a.get("swiglu")), bool(a.get("squared_relu"))),
         bias=a.get("add_bias_linear", True),
         add_qkv_bias=bool(a.get("add_qkv_bias", False)),  # absent from older args: none
         untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),

@@ -10,6 +10,7 @@ from megart.models.config import (
     MEGATRON_NORMS,
     MEGATRON_POSITIONS,
     GPTConfig,
+    activation_of,
     distinct_head_size,
 )
 from megart.models.window import parse_skip_freq, parse_window_size
@@ -41,7 +42,7 @@ def gpt_config(config: Any) -> GPTConfig:
         apply_layernorm_1p=config.apply_layernorm_1p,
         qk_layernorm=config.qk_layernorm,
         position_embedding=POSITION_EMBEDDING_TYPES[config.position_embedding_type],
-        activation="swiglu" if config.swiglu else "gelu",
+        activation=activation_of(config.swiglu, config.squared_relu),
         bias=not config.disable_bias_linear,
         add_qkv_bias=config.add_qkv_bias,
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
@@ -80,10 +81,11 @@ def gpt_config(config: Any) -> GPTConfig:
 def _bias_gelu_fusion(config: Any) -> bool:
     """Whether the MLP fuses its bias add and GeLU: as asked, else Megatron-LM's default,
     on unless there is no bias (it sets the fusion off then) or the MLP is SwiGLU (whose
-    MLP never uses the GeLU fusion)."""
+    MLP never uses the GeLU fusion) or squared ReLU (which Megatron-Core cannot fuse: Megatron-LM
+    fails there unless told --no-bias-gelu-fusion; megart leaves it off)."""
     if config.bias_gelu_fusion is not None:
         return config.bias_gelu_fusion
-    return not (config.swiglu or config.disable_bias_linear)
+    return not (config.swiglu or config.squared_relu or config.disable_bias_linear)
 
 
 # The model's sizes: none can be 0 or negative (a model of no layers, no heads, an empty
@@ -131,7 +133,12 @@ def check_model_flags(cfg: Any) -> None:
             f"--fused-layer-norm is a LayerNorm kernel: leave it out with --normalization "
             f"{cfg.normalization}"
         )
-    unfusable = [f for f in ("swiglu", "disable_bias_linear") if getattr(cfg, f)]
+    if cfg.swiglu and cfg.squared_relu:
+        raise ConfigError(
+            "--swiglu and --squared-relu are two MLP activations: give one (Megatron-LM "
+            "asserts it too)"
+        )
+    unfusable = [f for f in ("swiglu", "squared_relu", "disable_bias_linear") if getattr(cfg, f)]
     if cfg.bias_gelu_fusion and unfusable:
         flags = " and ".join("--" + f.replace("_", "-") for f in unfusable)
         raise ConfigError(
