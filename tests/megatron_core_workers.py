@@ -17,12 +17,18 @@ def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def megatron_model(
-    cfg: GPTConfig, tp: int = 1, pp: int = 1, vp_stage: int | None = None
+    cfg: GPTConfig,
+    tp: int = 1,
+    pp: int = 1,
+    vp_stage: int | None = None,
+    first: int | None = None,
+    last: int | None = None,
 ) -> torch.nn.Module:
     """Megatron-Core's GPTModel of ``cfg`` (one rank of ``tp`` x ``pp`` when model
     parallelism is already initialised: this rank's pipeline stage; under interleaving, with
     the virtual pipeline size initialised, its model chunk ``vp_stage``, as Megatron-LM's
-    get_model builds each)."""
+    get_model builds each; ``first``/``last``: the uneven first/last stages' layers, as
+    Megatron-LM's --decoder-first/last-pipeline-num-layers set them)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -67,6 +73,8 @@ def megatron_model(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
         pipeline_dtype=torch.float32 if pp > 1 else None,
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
     )
     rope = cfg.position_embedding == "rotary"
     norms = zero_centred_layer_norm() if cfg.apply_layernorm_1p else contextlib.nullcontext()
