@@ -246,16 +246,12 @@ def assert_same_both_ways(result: dict) -> None:
     assert result["reverse"] < 1e-10
 
 
-def legacy_checkpoint_roundtrip(megart_dir: str, out_dir: str) -> dict:
-    """megart checkpoint -> Megatron-LM legacy checkpoint (loaded strictly by Megatron-Core's
-    GPTModel, logits compared with megart's GPT of the checkpoint's weights) -> megart release
-    checkpoint (weights compared with the original)."""
-    from pathlib import Path
-
-    from megart.cli.main import main
+def checkpoint_gpt(megart_dir: str) -> tuple[GPT, dict[str, torch.Tensor]]:
+    """megart's one-process GPT (float64) of the latest checkpoint in ``megart_dir`` (any
+    layout, any of megart's formats), and its whole weights (one chunk's names, the vocabulary
+    padded for one rank)."""
     from megart.models.config import fit_vocab
     from megart.training import checkpoint
-    from megart.training.megatron_checkpoint import read_megatron
     from megart.training.shards import read_shards, whole_tensors
 
     root = checkpoint.iteration_dir(megart_dir, checkpoint.latest_iteration(megart_dir))
@@ -268,7 +264,27 @@ def legacy_checkpoint_roundtrip(megart_dir: str, out_dir: str) -> dict:
             whole[name] = fit_vocab(whole[name], rows)
     ours = GPT(cfg)
     ours.chunk.load_state_dict(whole, strict=True)
-    ours = ours.double()
+    return ours.double(), whole
+
+
+def checkpoint_logits(megart_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    """checkpoint_gpt's float64 logits of ``tokens``."""
+    with torch.no_grad():
+        return checkpoint_gpt(megart_dir)[0](tokens)
+
+
+def legacy_checkpoint_roundtrip(megart_dir: str, out_dir: str) -> dict:
+    """megart checkpoint -> Megatron-LM legacy checkpoint (loaded strictly by Megatron-Core's
+    GPTModel, logits compared with megart's GPT of the checkpoint's weights) -> megart release
+    checkpoint (weights compared with the original)."""
+    from pathlib import Path
+
+    from megart.cli.main import main
+    from megart.training import checkpoint
+    from megart.training.megatron_checkpoint import read_megatron
+
+    ours, whole = checkpoint_gpt(megart_dir)
+    cfg = ours.cfg
 
     megatron_dir, back_dir = Path(out_dir) / "megatron", Path(out_dir) / "back"
     convert = ["convert-checkpoint", "--load"]
