@@ -43,7 +43,7 @@ def config(rng: random.Random, layers: int) -> dict:
 
 
 def layout(rng: random.Random) -> tuple[int, dict]:
-    """A drawn layer count (2 to 8) and megart_to_megatron's keywords of a layout of PP
+    """A drawn layer count (2 to 9) and megart_to_megatron's keywords of a layout of PP
     pipeline ranks for it: plain, interleaved (vpp 2) or uneven first/last stages (first,
     last or both given; interleaved now and then). One draw in ten gets a layer more, which
     megart's converter mostly refuses (its reasons, read in the REFUSED lines)."""
