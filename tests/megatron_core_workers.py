@@ -17,12 +17,18 @@ def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def megatron_model(
-    cfg: GPTConfig, tp: int = 1, pp: int = 1, vp_stage: int | None = None
+    cfg: GPTConfig,
+    tp: int = 1,
+    pp: int = 1,
+    vp_stage: int | None = None,
+    first: int | None = None,
+    last: int | None = None,
 ) -> torch.nn.Module:
     """Megatron-Core's GPTModel of ``cfg`` (one rank of ``tp`` x ``pp`` when model
     parallelism is already initialised: this rank's pipeline stage; under interleaving, with
     the virtual pipeline size initialised, its model chunk ``vp_stage``, as Megatron-LM's
-    get_model builds each)."""
+    get_model builds each; ``first``/``last``: the uneven first/last stages' layers, as
+    Megatron-LM's --decoder-first/last-pipeline-num-layers set them)."""
     from megatron.core import parallel_state
     from megatron.core.activations import squared_relu
     from megatron.core.models.gpt import GPTModel
@@ -70,6 +76,8 @@ def megatron_model(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
         pipeline_dtype=torch.float32 if pp > 1 else None,
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
     )
     rope = cfg.position_embedding == "rotary"
     norms = zero_centred_layer_norm() if cfg.apply_layernorm_1p else contextlib.nullcontext()
@@ -241,16 +249,12 @@ def assert_same_both_ways(result: dict) -> None:
     assert result["reverse"] < 1e-10
 
 
-def legacy_checkpoint_roundtrip(megart_dir: str, out_dir: str) -> dict:
-    """megart checkpoint -> Megatron-LM legacy checkpoint (loaded strictly by Megatron-Core's
-    GPTModel, logits compared with megart's GPT of the checkpoint's weights) -> megart release
-    checkpoint (weights compared with the original)."""
-    from pathlib import Path
-
-    from megart.cli.main import main
+def checkpoint_gpt(megart_dir: str) -> tuple[GPT, dict[str, torch.Tensor]]:
+    """megart's one-process GPT (float64) of the latest checkpoint in ``megart_dir`` (any
+    layout, any of megart's formats), and its whole weights (one chunk's names, the vocabulary
+    padded for one rank)."""
     from megart.models.config import fit_vocab
     from megart.training import checkpoint
-    from megart.training.megatron_checkpoint import read_megatron
     from megart.training.shards import read_shards, whole_tensors
 
     root = checkpoint.iteration_dir(megart_dir, checkpoint.latest_iteration(megart_dir))
@@ -263,7 +267,27 @@ def legacy_checkpoint_roundtrip(megart_dir: str, out_dir: str) -> dict:
             whole[name] = fit_vocab(whole[name], rows)
     ours = GPT(cfg)
     ours.chunk.load_state_dict(whole, strict=True)
-    ours = ours.double()
+    return ours.double(), whole
+
+
+def checkpoint_logits(megart_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    """checkpoint_gpt's float64 logits of ``tokens``."""
+    with torch.no_grad():
+        return checkpoint_gpt(megart_dir)[0](tokens)
+
+
+def legacy_checkpoint_roundtrip(megart_dir: str, out_dir: str) -> dict:
+    """megart checkpoint -> Megatron-LM legacy checkpoint (loaded strictly by Megatron-Core's
+    GPTModel, logits compared with megart's GPT of the checkpoint's weights) -> megart release
+    checkpoint (weights compared with the original)."""
+    from pathlib import Path
+
+    from megart.cli.main import main
+    from megart.training import checkpoint
+    from megart.training.megatron_checkpoint import read_megatron
+
+    ours, whole = checkpoint_gpt(megart_dir)
+    cfg = ours.cfg
 
     megatron_dir, back_dir = Path(out_dir) / "megatron", Path(out_dir) / "back"
     convert = ["convert-checkpoint", "--load"]

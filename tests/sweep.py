@@ -12,6 +12,7 @@ megart's one-line reason, or ERROR) and exits 1 if any combination mismatched or
     python tests/sweep.py hf-import --seed 3 --count 40  # transformers' models (sweep_hf)
     python tests/sweep.py mcore --seed 1 --count 40      # Megatron-Core's GPTModel (sweep_mcore)
     python tests/sweep.py mcore-tp2 --seed 11 --count 40 # its tp2 model on converted files
+    python tests/sweep.py mcore-pp2 --seed 21 --count 30 # its pp2 stages (sweep_mcore_pp)
 
 A layout is up to 4 ranks of tensor, pipeline (1f1b, interleaved, zb-h1, zb-v, uneven
 stages), context (p2p, all_gather, a2a) and data parallelism (distributed optimizer, overlapped
@@ -49,9 +50,11 @@ from megart.training.lr import WSD_DECAY_STYLES  # noqa: E402
 # convert: the fine-tuning curve of a converted checkpoint.
 # hf-import: the first loss of an imported transformers model against transformers' own.
 # mcore: float64 logits of megart's GPT and Megatron-Core's GPTModel, weights mapped either way;
-# mcore-tp2: of Megatron-Core's tp2 model loading the tp2 checkpoint megart converts to.
+# mcore-tp2: of Megatron-Core's tp2 model loading the tp2 checkpoint megart converts to;
+# mcore-pp2: of its pipeline stages (plain, interleaved, uneven) on pp2 converted files.
 TOLERANCE = {"curves": 1e-5, "precision": 2e-2, "resume": 1e-5, "memory": 1e-2, "hf": 1e-5,
-             "convert": 1e-5, "hf-import": 1e-5, "mcore": 1e-10, "mcore-tp2": 1e-10}  # fmt: skip
+             "convert": 1e-5, "hf-import": 1e-5, "mcore": 1e-10, "mcore-tp2": 1e-10,
+             "mcore-pp2": 1e-10}  # fmt: skip
 
 
 def _model(rng: random.Random) -> dict:
@@ -235,6 +238,10 @@ def one(rng: random.Random, mode: str) -> str:
         import sweep_mcore_tp
 
         return sweep_mcore_tp.verdict(rng, launch, _failed, TOLERANCE["mcore-tp2"])
+    if mode == "mcore-pp2":
+        import sweep_mcore_pp
+
+        return sweep_mcore_pp.verdict(rng, launch, _failed, TOLERANCE["mcore-pp2"])
     ranks, base, layout = draw(rng, mode)
     resume = mode == "resume"
     base["train_iters"] = 4 if resume else 2

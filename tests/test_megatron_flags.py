@@ -212,6 +212,10 @@ def test_recompute_spans_with_selective_recomputation_are_refused_as_megatron_do
             "--ckpt-format torch_dist with --use-distributed-optimizer, --save and "
             "--pipeline-schedule zb-v",
         ),
+        (  # zb-v's two chunks on one stage too (Megatron-LM's files there hold one)
+            dict(ckpt_format="torch", save="ckpt", pipeline_schedule="zb-v"),
+            "--ckpt-format torch with --save and --pipeline-schedule zb-v: Megatron-LM's legacy",
+        ),
         (dict(overlap_param_gather=True), "add --use-distributed-optimizer"),
         (dict(mock_data=True, data_path="x"), "--mock-data and --data-path"),
     ],
@@ -219,6 +223,16 @@ def test_recompute_spans_with_selective_recomputation_are_refused_as_megatron_do
 def test_what_megart_cannot_do_is_refused_by_name_before_any_work(flags, match):
     with pytest.raises(ConfigError, match=match):
         tw.tiny(**flags).check(1)
+
+
+def test_megatrons_legacy_files_are_refused_under_zb_v_at_pp2_and_read_under_it():
+    """Rank r of zb-v holds stages r and 2p - 1 - r, which Megatron-LM's legacy files cannot
+    hold (test_zero_bubble_resharding: convert-checkpoint writes Megatron's placement); loading
+    such files under zb-v stays allowed."""
+    zb_v = dict(ckpt_format="torch", pipeline_schedule="zb-v", pipeline_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="use --pipeline-schedule interleaved"):
+        tw.tiny(**zb_v, save="ckpt").check(2)
+    tw.tiny(**zb_v, load="ckpt").check(2)
 
 
 def test_cli_refuses_context_parallelism_before_building_anything():

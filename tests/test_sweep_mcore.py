@@ -1,7 +1,9 @@
 """tests/sweep.py's mcore mode catches what it exists to catch: a mapping between megart's GPT
 and Megatron-Core's GPTModel that is off by one weight's 1e-8, or a rope pairing one side reads
 otherwise, is a MISMATCH; the same model mapped right is OK; a model GPTConfig refuses is
-REFUSED with its reason; and the draws are models of the options the mode claims."""
+REFUSED with its reason; and the draws are models of the options the mode claims. The
+mcore-tp2 and mcore-pp2 modes (Megatron-Core on the tp2 and pp2 files megart converts to) catch
+shards and layers on the wrong rank, chunk or stage."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import pytest
 
 import sweep
 import sweep_mcore
+import sweep_mcore_pp
 import sweep_mcore_tp
+from megart import ConfigError
 from megart.launcher import launch
 from megart.models import GPTConfig
 
@@ -79,3 +83,60 @@ def test_mcore_tp2_catches_ranks_that_hold_each_others_shards(swap):
     verdict = sweep_mcore_tp.check(LLAMA, launch, sweep._failed, sweep.TOLERANCE["mcore-tp2"],
                                    swap_ranks=swap)  # fmt: skip
     assert verdict.startswith("MISMATCH" if swap else "OK"), verdict
+
+
+PP_MODEL = dict(LLAMA, num_layers=4, untie_embeddings_and_output_weights=False)
+INTERLEAVED = dict(tp=1, pp=2, vpp=2)
+
+
+@pytest.mark.parametrize(
+    "layout, sabotage",
+    [(INTERLEAVED, None), (INTERLEAVED, "v"), (INTERLEAVED, "chunks"), (dict(tp=1, pp=2), "ranks")],
+)
+def test_mcore_pp2_catches_layers_on_other_stages_than_megatrons(layout, sabotage):
+    """The mcore-pp2 mode: Megatron-Core's pipeline stages on the interleaved pp2 files megart
+    converts to give megart's logits; the same files with layers where Megatron does not place
+    them do not: zb-v's V (rank 0 holding stage 3's layers, rank 1 stage 2's), a rank's two
+    chunks in the other order, or under plain pp2 each rank holding the other's layers."""
+    pytest.importorskip("megatron.core")
+    tolerance = sweep.TOLERANCE["mcore-pp2"]
+    verdict = sweep_mcore_pp.check(PP_MODEL, layout, launch, sweep._failed, tolerance, sabotage)
+    assert verdict.startswith("MISMATCH" if sabotage else "OK"), verdict
+
+
+def test_mcore_pp2_draws_run_clean():
+    """Three draws of the sweep's seed 21 (interleaved, plain, interleaved with an uneven
+    first stage): each is OK."""
+    pytest.importorskip("megatron.core")
+    rng = random.Random(21)
+    verdicts = [sweep.one(rng, "mcore-pp2") for _ in range(3)]
+    assert all(v.startswith("OK") for v in verdicts), verdicts
+    assert [v.split(" {")[0].split(") ")[1] for v in verdicts] == [
+        "pp2 vpp=2", "pp2", "pp2 vpp=2 first=2"
+    ]  # fmt: skip
+
+
+def test_mcore_pp2_draws_every_layout_and_mostly_ones_that_fit():
+    rng = random.Random(0)
+    draws = [sweep_mcore_pp.layout(rng) for _ in range(300)]
+    kinds = {(o.get("vpp", 1), "first" in o, "last" in o) for _, o in draws}
+    assert kinds == {(v, f, la) for v in (1, 2) for f, la in ((0, 0), (1, 0), (0, 1))} | {
+        (1, True, True)
+    }, kinds
+    fits = 0
+    for layers, o in draws:
+        assert 2 <= layers <= 9
+        try:
+            GPTConfig(num_layers=layers).check_layout(1, 2, o.get("vpp", 1), o.get("first"),
+                                                      o.get("last"))  # fmt: skip
+            fits += 1
+        except ConfigError:
+            pass
+    assert 0.85 * len(draws) < fits < len(draws)
+
+
+def test_megart_to_megatron_refuses_fewer_than_one_virtual_stage(tmp_path):
+    from megart.training.megatron_checkpoint import megart_to_megatron
+
+    with pytest.raises(ConfigError, match="0 virtual stages per pipeline rank: give 1 or more"):
+        megart_to_megatron(tmp_path, tmp_path / "out", 1, 2, vpp=0)

@@ -1,8 +1,11 @@
 """zb-v's checkpoints reshard like any other: each file records the layers its chunks hold, so
 a store saved under zb-v's V resumes under another layout or schedule, and one saved under
-1F1B, interleaved or another size resumes under zb-v, in megart's format and Megatron's
-legacy one, on the uninterrupted run's loss curve (with Adam's moments: two iterations after
-the resume would leave it if they were lost or misplaced)."""
+1F1B, interleaved or another size resumes under zb-v, in megart's format, Megatron's
+distributed one (torch_dist) and, loaded under zb-v, Megatron's legacy one, on the
+uninterrupted run's loss curve (with Adam's moments: two iterations after the resume would
+leave it if they were lost or misplaced). Megatron's legacy files are not written under zb-v
+(megatron_flags refuses it: they cannot hold the V); megart convert-checkpoint writes a zb-v
+checkpoint in Megatron's placement, which Megatron-Core's stages run to megart's logits."""
 
 import pytest
 
@@ -20,17 +23,17 @@ CASES = {
     "zb-v-dp2-distopt-to-tp2": (
         (4, dict(ZB_V2, use_distributed_optimizer=True)),
         (2, dict(tensor_model_parallel_size=2)),
-        "torch",
+        "megart",
     ),
     "tp2-to-zb-v-pp4": (
         (2, dict(tensor_model_parallel_size=2)),
         (4, dict(pipeline_model_parallel_size=4, pipeline_schedule="zb-v")),
-        "megart",
+        "torch",
     ),
     "zb-v-pp4-to-interleaved": (
         (4, dict(pipeline_model_parallel_size=4, pipeline_schedule="zb-v")),
         (2, dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2)),
-        "torch",
+        "torch_dist",
     ),
 }
 
@@ -55,3 +58,27 @@ def test_a_store_resumes_across_zb_v_on_the_uninterrupted_curve(straight, tmp_pa
     for history in histories:
         assert [h["iteration"] for h in history] == [3, 4]
         assert [h["loss"] for h in history] == pytest.approx(want, **tw.SAME_RUN)
+
+
+def test_a_zb_v_checkpoint_converts_to_megatrons_placement(tmp_path):
+    """Saved under zb-v (rank 0 holding layers 0-1 and 6-7 of 8), megart's checkpoint goes
+    through convert-checkpoint --to megatron into Megatron's interleaved placement (rank 0:
+    layers 0-1 and 4-5): Megatron-Core's GPTModel chunks built from those files' args, run stage
+    by stage (sweep_mcore_pp), give megart's float64 logits of the saved weights."""
+    pytest.importorskip("megatron.core")
+    import torch
+
+    import megatron_core_workers as mcw
+    import sweep_mcore_pp
+    from megart.cli.main import main
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "megatron"
+    launch(tw.train_kw, 2, dict(BASE, **ZB_V2, train_iters=2, save=str(ckpt)), timeout=300)
+    write = ["convert-checkpoint", "--from", "megart", "--to", "megatron", "--load", str(ckpt)]
+    assert main([*write, "--save", str(out)]) == 0
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+    want = launch(mcw.checkpoint_logits, 1, str(ckpt), tokens, timeout=300)[0]
+    stages = launch(sweep_mcore_pp.stage_logits, 2, str(out), tokens, timeout=300)
+    assert stages[0] is None  # the last stage is rank 1's second chunk
+    got = stages[1][..., : want.shape[-1]]
+    assert want.abs().max() > 0.1 and (got - want).abs().max() < 1e-10

@@ -61,31 +61,36 @@ def megart_to_megatron(
     ckpt_format: str = "torch",
     first: int | None = None,
     last: int | None = None,
+    vpp: int | None = None,
 ) -> list[Path]:
     """The latest checkpoint in megart's ``load_dir`` (any layout) as Megatron-LM's checkpoint
     in ``save_dir``, in ``ckpt_format`` (``torch``, legacy, or ``torch_dist``), for ``tp`` x
     ``pp`` ranks (by default the source's layout, interleaving and uneven stages included);
     ``first``/``last``: the layers of the first/last pipeline stage written (Megatron-LM's
     --decoder-first/last-pipeline-num-layers; given, they replace the source's split; torch_dist
-    stores only record them in args). Returns its files (torch_dist: its iteration
-    directory)."""
+    stores only record them in args); ``vpp``: the model chunks (virtual stages) of each
+    pipeline rank written, Megatron-LM's interleaving (given, it replaces the source's).
+    Returns its files (torch_dist: its iteration directory)."""
     if ckpt_format not in ("torch", "torch_dist"):
         raise ConfigError(f"--ckpt-format {ckpt_format}: give torch or torch_dist")
     for flag, size in (("tensor", tp), ("pipeline", pp)):
         if size is not None and size < 1:
             raise ConfigError(f"--target-{flag}-parallel-size {size}: give 1 or more")
+    if vpp is not None and vpp < 1:
+        raise ConfigError(f"{vpp} virtual stages per pipeline rank: give 1 or more")
     iteration = required_latest_iteration(load_dir)
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
     layout = shards[0, 0]["config"]
-    vpp, ends = 1, (None, None)
+    vpp_source, ends = 1, (None, None)
     if tp is None and pp is None:  # the source's layout: its chunks, its uneven stages
         was = layout["pipeline_model_parallel_size"]
-        vpp = len(layer_ids(shards[0, 0], 0, was, cfg))
+        vpp_source = len(layer_ids(shards[0, 0], 0, was, cfg))
         ids = [layer_ids(shards[0, p], p, was, cfg) for p in range(was)]
         ends = ends_of([sum(map(len, chunks)) for chunks in ids])
     tp = layout["tensor_model_parallel_size"] if tp is None else tp
     pp = layout["pipeline_model_parallel_size"] if pp is None else pp
+    vpp = vpp or vpp_source
     if uneven(first, last):  # the target's split, checked as megart train checks it
         ends = (first, last)
         try:

@@ -67,7 +67,8 @@ What each does in megart:
   distrib_optim.pt, megart.training.megatron_distrib_optim), torch_dist writes Megatron's
   distributed format, the whole training state (megart.training.megatron_dist_train; with
   --use-distributed-optimizer its state as Megatron's dp_reshardable buckets,
-  megart.training.megatron_dist_distopt; not under zb-v). --load
+  megart.training.megatron_dist_distopt; not under zb-v; torch is not written under zb-v,
+  whose V Megatron-LM's legacy files cannot place). --load
   resumes a Megatron-LM legacy checkpoint of any layout in full (megart.training.megatron_files;
   as --finetune when it holds no optimizer) and resumes a torch_dist checkpoint of the
   non-distributed optimizer's keys, or the distributed optimizer's (dp_reshardable), into any
@@ -282,6 +283,20 @@ def check_megatron_flags(config: Any) -> None:
             "Megatron's model chunks, which zb-v's V placement does not have; leave out "
             "--use-distributed-optimizer (the store then holds the whole tensors), or save "
             "--ckpt-format megart (the default)"
+        )
+    if config.ckpt_format == "torch" and config.save and config.schedule == "zb-v":
+        # Megatron-LM's legacy files hold a rank's chunks as model0, model1, ..., chunk c of
+        # rank r being virtual stage c p + r; zb-v's V puts stages r and 2p - 1 - r on rank r,
+        # and its args (no interleaving) build one model per rank: Megatron-LM cannot load them.
+        raise ConfigError(
+            "--ckpt-format torch with --save and --pipeline-schedule zb-v: Megatron-LM's legacy "
+            "files place a rank's model chunks as its interleaving does (chunk c of rank r is "
+            "stage c x pipeline size + r), not in zb-v's V (rank r holds stages r and "
+            "2 x pipeline size - 1 - r), so Megatron-LM could not load them; save --ckpt-format "
+            "torch_dist (its tensors are placed by layer, for any layout; without "
+            "--use-distributed-optimizer) or megart (the default; megart convert-checkpoint "
+            "--to megatron then writes Megatron's placement), or use --pipeline-schedule "
+            "interleaved"
         )
     s = config.seq_length
     most = config.max_position_embeddings
