@@ -23,13 +23,22 @@ LOGITS = 1e-5
 
 def family(rng: random.Random) -> tuple[str, dict]:
     """(a Hugging Face family, megart train's model flags of one of its models)."""
-    name = rng.choice(["gpt2", "llama", "qwen3", "qwen2", "mistral"])
+    name = rng.choice(["gpt2", "llama", "qwen3", "qwen2", "mistral", "nemotron"])
     model: dict = dict(num_layers=rng.choice([4, 8]))
     if rng.random() < 0.2:
         model["vocab_size"] = 300  # padded to the tensor-parallel multiple
     if rng.random() < 0.2:
         model["apply_layernorm_1p"] = True  # weights stored as weight - 1
     if name == "gpt2":
+        return name, model
+    if name == "nemotron":  # squared ReLU, zero-centred LayerNorm, part of each head turning
+        model.update(squared_relu=True, apply_layernorm_1p=True, position_embedding_type="rope",
+                     rotary_percent=rng.choice([0.5, 1.0]), disable_bias_linear=rng.random() < 0.7,
+                     untie_embeddings_and_output_weights=rng.random() < 0.7)  # fmt: skip
+        if rng.random() < 0.5:
+            model.update(group_query_attention=True, num_query_groups=rng.choice([1, 2]))
+        if rng.random() < 0.25:
+            model["kv_channels"] = 16
         return name, model
     model.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True)
     for flag, value, chance in (("rotary_interleaved", True, 0.2), ("rotary_base", 500000, 0.3),
@@ -137,7 +146,7 @@ def transformers_model(rng: random.Random):  # noqa: ANN201 (a transformers PreT
     """transformers' own randomly initialised model of a drawn family and config."""
     import transformers
 
-    name = rng.choice(["gpt2", "llama", "qwen2", "qwen3", "mistral"])
+    name = rng.choice(["gpt2", "llama", "qwen2", "qwen3", "mistral", "nemotron"])
     layers, vocab = rng.choice([2, 4]), rng.choice([256, 300])
     torch.manual_seed(rng.randrange(1 << 16))
     if name == "gpt2":
@@ -166,7 +175,14 @@ def transformers_model(rng: random.Random):  # noqa: ANN201 (a transformers PreT
         kw.update(use_sliding_window=True, sliding_window=4, max_window_layers=1)
     # Qwen3's config defaults to heads 128 wide whatever the hidden size; --kv-channels.
     kw["head_dim"] = rng.choice([kw["hidden_size"] // 4, 16])
-    classes = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    if name == "nemotron":  # its own names for the norm's epsilon and the rope
+        rope = {"rope_type": "default", "rope_theta": kw.pop("rope_theta"),
+                "partial_rotary_factor": rng.choice([0.25, 0.5, 1.0])}  # fmt: skip
+        bias = rng.random() < 0.3
+        kw.update(norm_eps=kw.pop("rms_norm_eps"), rope_parameters=rope, attention_bias=bias,
+                  mlp_bias=bias)  # fmt: skip
+    classes = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+               "nemotron": "Nemotron"}  # fmt: skip
     prefix = classes[name]
     config = getattr(transformers, f"{prefix}Config")(**kw)
     return getattr(transformers, f"{prefix}ForCausalLM")(config)

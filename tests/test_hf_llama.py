@@ -251,19 +251,24 @@ def test_import_hf_of_a_llama_trains_under_tp2_pp2_with_the_flags_it_prints(
     eps=st.sampled_from([1e-5, 1e-6]),
     scaling=st.sampled_from([None, 8.0, 32.0]),
     interpolation=st.sampled_from([None, 2.0, 4.0]),
+    head=st.sampled_from([None, 4, 16]),  # --kv-channels (8 is h / heads)
+    percent=st.sampled_from([1.0, 0.5]),
+    squared_relu=st.booleans(),  # in place of GeLU
 )
 def test_train_flags_build_the_model_they_were_printed_for(
-    llama_style, groups, untied, bias, one_p, base, eps, scaling, interpolation
-):
-    kw = LLAMA if llama_style else {}
-    rope = dict(rotary_base=base, rotary_seq_len_interpolation_factor=interpolation)
+    llama_style, groups, untied, bias, one_p, base, eps, scaling, interpolation, head, percent,
+    squared_relu,
+):  # fmt: skip
+    kw = LLAMA if llama_style else {"activation": "squared_relu" if squared_relu else "gelu"}
+    rope = dict(rotary_base=base, rotary_seq_len_interpolation_factor=interpolation,
+                rotary_percent=percent)  # fmt: skip
     if scaling:
         rope.update(rope_scaling=True, rope_scaling_factor=scaling)
     cfg = GPTConfig(
         vocab_size=100, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
         ffn_hidden_size=48, num_query_groups=None if groups == 4 else groups,
         untie_embeddings_and_output_weights=untied, bias=bias, apply_layernorm_1p=one_p,
-        layernorm_epsilon=eps, **kw, **(rope if llama_style else {}),
+        layernorm_epsilon=eps, kv_channels=head, **kw, **(rope if llama_style else {}),
     )  # fmt: skip
     built = train_config(train_flags(cfg)).gpt_config()
     assert architecture_flags(built) == architecture_flags(cfg)

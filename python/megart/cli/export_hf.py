@@ -16,7 +16,9 @@ RMSNorm, rotary positions and SwiGLU: ``LlamaForCausalLM``) or Qwen3's (such a m
 --disable-bias-linear --add-qkv-bias, biases on q/k/v alone: ``Qwen2ForCausalLM``); a
 Llama-style model with --window-size LEFT,0 in every layer and no biases is written as a Mistral
 (``MistralForCausalLM``, sliding_window LEFT + 1), a Qwen3 or Qwen2 one with its windowed layers
-in layer_types; megart's ``GPT.from_hf(HF_DIR)`` loads each. A model no format can represent is
+in layer_types; a model with --squared-relu, --apply-layernorm-1p and rope (LayerNorm, unscaled,
+halves) in Nemotron's (``NemotronForCausalLM``, partial_rotary_factor its --rotary-percent);
+megart's ``GPT.from_hf(HF_DIR)`` loads each. A model no format can represent is
 refused, naming the flags. The tokenizer the model was trained with (megart train's
 --tokenizer-model, or --vocab-file and --merge-file; import-hf's directory's own), which the
 checkpoint records, is saved beside the weights, or the one --tokenizer-model names.

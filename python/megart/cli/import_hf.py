@@ -1,12 +1,14 @@
-"""megart import-hf: a Hugging Face GPT-2, Llama, Mistral, Qwen2 or Qwen3 directory as a megart
-checkpoint.
+"""megart import-hf: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3 or Nemotron directory as
+a megart checkpoint.
 
     megart import-hf --input HF_DIR --save CHECKPOINT_DIR [--seq-length N]
         [--apply-layernorm-1p] [--target-tensor-parallel-size T]
         [--target-pipeline-parallel-size P]
 
 HF_DIR is a save_pretrained directory of GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM or Qwen3ForCausalLM (config.json's model_type says which; safetensors weights;
+Qwen2ForCausalLM, Qwen3ForCausalLM or NemotronForCausalLM (config.json's model_type says which;
+safetensors weights; a Nemotron trains with --squared-relu --apply-layernorm-1p
+--position-embedding-type rope --rotary-percent (its partial_rotary_factor);
 a Qwen3 is a Llama that trains with --qk-layernorm too, a Qwen2 one with --disable-bias-linear
 --add-qkv-bias; a sliding window W, a Mistral's or on a Qwen2's or Qwen3's sliding layers,
 trains with --window-size W-1,0, and --window-attn-skip-freq where only some layers have it). A
@@ -38,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--input",
         required=True,
         metavar="DIR",
-        help="a GPT-2, Llama, Mistral, Qwen2 or Qwen3 directory (save_pretrained files)",
+        help="a GPT-2, Llama, Mistral, Qwen2, Qwen3 or Nemotron directory (save_pretrained files)",
     )
     p.add_argument("--save", required=True, metavar="DIR", help="where to write the checkpoint")
     p.add_argument(

@@ -25,11 +25,13 @@ COMMANDS: dict[str, Command] = {
     ),
     "export-hf": Command(
         "megart.cli.export_hf",
-        "write a megart checkpoint as a Hugging Face GPT-2, Llama, Mistral or Qwen3 model",
+        "write a megart checkpoint as a Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3 or "
+        "Nemotron model",
     ),
     "import-hf": Command(
         "megart.cli.import_hf",
-        "turn a Hugging Face GPT-2, Llama, Mistral or Qwen3 model into a megart checkpoint",
+        "turn a Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3 or Nemotron model into a megart "
+        "checkpoint",
     ),
     "convert-checkpoint": Command(
         "megart.cli.convert", "convert checkpoints between megart, Megatron-LM and Hugging Face"

@@ -61,7 +61,7 @@ def _linear_names(i: int) -> list[tuple[str, str]]:
     ]
 
 
-def _split_qkv(cfg: GPTConfig, w: torch.Tensor) -> list[torch.Tensor]:
+def split_qkv(cfg: GPTConfig, w: torch.Tensor) -> list[torch.Tensor]:
     """megart's fused rows (grouped per query group) -> [q_proj, k_proj, v_proj] rows."""
     groups, d = cfg.query_groups, cfg.head_dim
     per_group = cfg.num_attention_heads // groups
@@ -69,7 +69,7 @@ def _split_qkv(cfg: GPTConfig, w: torch.Tensor) -> list[torch.Tensor]:
     return [x.reshape(-1, *w.shape[1:]) for x in (q, k, v)]
 
 
-def _fuse_qkv(cfg: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def fuse_qkv(cfg: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     groups, d = cfg.query_groups, cfg.head_dim
     rest = q.shape[1:]
     parts = [x.reshape(groups, -1, d, *rest) for x in (q, k, v)]
@@ -249,7 +249,7 @@ def to_megart(
         if wanted is not None and ours not in wanted:
             continue
         if isinstance(theirs, list):  # q, k and v, fused
-            yield ours, _fuse_qkv(cfg, *(take(name) for name in theirs))
+            yield ours, fuse_qkv(cfg, *(take(name) for name in theirs))
         else:
             yield ours, take(theirs)
 
@@ -274,7 +274,7 @@ def hf_tensors(
             yield theirs, scale(ours)
         for kind, qkv, others in _kinds(cfg):
             if qkv:
-                q, k, v = _split_qkv(cfg, full(f"{m}attn.qkv.{kind}"))
+                q, k, v = split_qkv(cfg, full(f"{m}attn.qkv.{kind}"))
                 if cfg.rotary_interleaved:  # a bias's rows too: each is a head's channel
                     q, k = _halves_order(q, cfg.head_dim), _halves_order(k, cfg.head_dim)
                 yield f"{g}self_attn.q_proj.{kind}", q

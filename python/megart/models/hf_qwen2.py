@@ -5,7 +5,7 @@ A Qwen2 is a Llama (megart.models.hf_llama: RMSNorm, rope, SwiGLU, grouped-query
 same tensor names and layouts) whose q_proj, k_proj and v_proj have biases and whose o_proj and
 MLP have none: megart's --disable-bias-linear --add-qkv-bias (GPTConfig's bias=False,
 add_qkv_bias=True). Llama's conversion both ways carries the q/k/v biases as it carries their
-weights (fused per query group in megart, megart.models.hf_llama._fuse_qkv), so this module
+weights (fused per query group in megart, megart.models.hf_llama.fuse_qkv), so this module
 adds only the config. What Qwen2's config can say and megart's GPT cannot (rope scaling other
 than Llama's) is refused as for a Llama.
 

@@ -179,8 +179,12 @@ def train_flags(cfg: GPTConfig) -> list[str]:
     flags += [flag for flag, on in switches.items() if on]
     if cfg.query_groups != cfg.num_attention_heads:
         flags.append(f"--group-query-attention --num-query-groups {cfg.query_groups}")
+    if cfg.kv_channels is not None:  # heads of another width than h / heads (Qwen3's)
+        flags.append(f"--kv-channels {cfg.head_dim}")
     if cfg.position_embedding == "rotary":
         flags.append(f"--rotary-base {integral(cfg.rotary_base)}")
+        if cfg.rotary_percent != 1:  # part of each head turning (Nemotron's half)
+            flags.append(f"--rotary-percent {cfg.rotary_percent!r}")
         if cfg.rotary_interleaved:
             flags.append("--rotary-interleaved")
         if cfg.rope_scaling:
