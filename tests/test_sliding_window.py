@@ -7,6 +7,7 @@ cp4 is the one-process model (global positions); tp2 with sequence parallelism, 
 follow the one-process loss curve; bad values are refused naming the flag."""
 
 import argparse
+import dataclasses
 import math
 import subprocess
 import sys
@@ -26,6 +27,8 @@ from megart.models import GPT, GPTConfig
 from megart.models.attention import Attention
 from megart.models.documents import document_attention_mask
 from megart.models.window_masks import window_mask
+from megart.training.megatron_args import config_from_args as megatron_config_from_args
+from megart.training.megatron_args import megatron_args
 
 # -- the mask ---------------------------------------------------------------------------------
 
@@ -141,6 +144,24 @@ def test_megatron_core_computes_megarts_logits_with_the_window(mcore, name):
     r = mcore[name]
     assert r["scale"] > 0.1
     assert r["forward"] < 1e-10 and r["reverse"] < 1e-10, r
+
+
+def test_an_unbounded_window_goes_to_megatron_as_no_window():
+    """--window-size -1,0 (every earlier token: megart's and Transformer Engine's reading) is
+    written to Megatron's args as no window, since Megatron-Core's local spec reads (-1, 0)
+    as a window masking every key: its model of the written args is megart's, its model of
+    (-1, 0) another; megart's model is the same with either."""
+    unbounded = {**MODEL, "window_size": (-1, 0), "window_attn_skip_freq": 2}
+    args = megatron_args(GPTConfig(**unbounded), 0)
+    assert (args.window_size, args.window_attn_skip_freq) == (None, None)
+    written = dataclasses.asdict(megatron_config_from_args(vars(args)))
+    as_given, as_written = launch(mcw.compare_all, 1, [unbounded, written], True, timeout=300)[0]
+    assert as_written["forward"] < 1e-10 and as_written["reverse"] < 1e-10
+    assert as_given["forward"] > 1e-3  # what writing (-1, 0) would have made of it
+    x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    ours, plain = GPT(GPTConfig(**unbounded)), GPT(GPTConfig(**MODEL))
+    plain.load_state_dict(ours.state_dict())
+    assert torch.equal(ours(x), plain(x))
 
 
 # -- context parallelism -------------------------------------------------------------------------

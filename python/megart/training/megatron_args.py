@@ -13,6 +13,7 @@ from typing import Any
 from megart.errors import ConfigError
 from megart.models.config import VOCAB_MULTIPLE, GPTConfig, activation_of, distinct_head_size
 from megart.models.stages import check_stages, uneven
+from megart.models.window import any_windowed
 
 
 def megatron_args(
@@ -29,6 +30,7 @@ def megatron_args(
     (Megatron-LM then takes interleaving as --num-virtual-stages-per-pipeline-rank only)."""
     per = cfg.num_layers // (pp * vpp) if vpp > 1 and not uneven(first, last) else None
     skip = cfg.window_attn_skip_freq
+    windowed = any_windowed(cfg.window_size, skip, cfg.num_layers)
     return argparse.Namespace(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -56,9 +58,13 @@ def megatron_args(
         # Megatron-LM's flag is an integer: written as one where it is (megart takes any).
         rotary_seq_len_interpolation_factor=integral(cfg.rotary_seq_len_interpolation_factor),
         rotary_percent=cfg.rotary_percent,
-        # As Megatron-LM's argparse gives them: a tuple, and an int or a list per layer.
-        window_size=cfg.window_size,
-        window_attn_skip_freq=list(skip) if isinstance(skip, tuple) else skip,
+        # As Megatron-LM's argparse gives them: a tuple, and an int or a list per layer. None
+        # where no layer has a window (--window-size -1,0): Megatron-Core's local spec would
+        # read (-1, 0) as a window that masks every key, Transformer Engine as none.
+        window_size=cfg.window_size if windowed else None,
+        window_attn_skip_freq=(list(skip) if isinstance(skip, tuple) else skip)
+        if windowed
+        else None,
         swiglu=cfg.activation == "swiglu",
         squared_relu=cfg.activation == "squared_relu",
         add_bias_linear=cfg.bias,
