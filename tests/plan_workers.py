@@ -25,52 +25,63 @@ def plan_json(argv: str, capsys: object) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """One storage's identity, whatever its size: --recompute-modules layernorm frees a saved
+    storage in place (resized to 0 bytes, megart.models.dropped_output), whose address the
+    allocator may then give another."""
+    return t.untyped_storage()._cdata
+
+
 class SavedBytes:
     """Bytes of the distinct storages that autograd's saved tensors hold, and their peak.
     Parameters (saved by every linear layer) are not activations and are left out, nor are
     autocast's 16-bit copies of the weights (the planner counts those apart): recognised as
     16-bit tensors shaped as a weight or its transpose, so the tests pick sizes where no
-    activation has such a shape."""
+    activation has such a shape. A storage counts its size when the count is taken: one freed
+    in place after it was saved (and refilled before backward reads it) counts 0 meanwhile."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
-        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.params = {storage_key(p) for p in params}
         self.weight_shapes = {s for p in params if p.dim() == 2 for s in (p.shape, p.shape[::-1])}
-        self.live: dict[int, list[int]] = {}  # storage -> [saved tensors holding it, bytes]
-        self.now = self.peak = 0
+        # storage -> [saved tensors holding it, the storage]
+        self.live: dict[int, list] = {}
+        self.peak = 0
+
+    @property
+    def now(self) -> int:
+        """The bytes held now, each storage at its present size."""
+        return sum(entry[1].nbytes() for entry in self.live.values())
 
     def pack(self, t: torch.Tensor) -> object:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.params:
+        key = storage_key(t)
+        if key in self.params:
             return t
         if t.dtype in (torch.bfloat16, torch.float16) and t.shape in self.weight_shapes:
             return t
-        self._add(t, ptr)
-        return _Held(t, ptr, self)
+        self._add(t, key)
+        return _Held(t, key, self)
 
-    def _add(self, t: torch.Tensor, ptr: int) -> None:
-        entry = self.live.setdefault(ptr, [0, t.untyped_storage().nbytes()])
-        if entry[0] == 0:
-            self.now += entry[1]
-            self.peak = max(self.peak, self.now)
+    def _add(self, t: torch.Tensor, key: int) -> None:
+        entry = self.live.setdefault(key, [0, t.untyped_storage()])
         entry[0] += 1
+        self.peak = max(self.peak, self.now)
 
     def hold(self, t: torch.Tensor) -> None:
         """Counts ``t``'s storage as held until ``t`` itself is collected (a tensor kept
         otherwise than as a saved tensor)."""
-        ptr = t.untyped_storage().data_ptr()
-        self._add(t, ptr)
-        weakref.finalize(t, self.release, ptr)
+        key = storage_key(t)
+        self._add(t, key)
+        weakref.finalize(t, self.release, key)
 
     @staticmethod
     def unpack(held: object) -> torch.Tensor:
         return held.tensor if isinstance(held, _Held) else held
 
-    def release(self, ptr: int) -> None:
-        entry = self.live[ptr]
+    def release(self, key: int) -> None:
+        entry = self.live[key]
         entry[0] -= 1
         if entry[0] == 0:
-            self.now -= entry[1]
-            del self.live[ptr]
+            del self.live[key]
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -131,12 +142,12 @@ class RecomputedBytes:
 
     def note(self, seen: dict[int, int], t: torch.Tensor) -> None:
         m = self.meter
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in m.params or ptr in m.live:
+        key = storage_key(t)
+        if key in m.params or key in m.live:
             return
         if t.dtype in (torch.bfloat16, torch.float16) and t.shape in m.weight_shapes:
             return
-        seen[ptr] = t.untyped_storage().nbytes()
+        seen[key] = t.untyped_storage().nbytes()
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:

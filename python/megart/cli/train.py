@@ -35,7 +35,7 @@ ALIASES = {
 # --cp-comm-type takes Megatron's per-layer list too (one kind per layer); megart's layers all
 # use one kind, so a list must repeat it (config_from_args).
 NARGS = {"rampup_batch_size": 3, "cp_comm_type": "+"}
-METAVARS = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES")}
+METAVARS = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES"), "recompute_modules": "MODULE"}
 # Switches on by default in megart but off in Megatron-LM: both spellings are accepted.
 ON_BY_DEFAULT = ("overlap_grad_reduce",)
 # What each flag does (--help): megart.cli.train_help.HELP, one entry per TrainConfig field.

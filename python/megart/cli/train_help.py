@@ -137,9 +137,15 @@ HELP = {
     "dtype, then cast and add them into the fp32 gradients (by default the product adds them "
     "itself, accumulating in fp32, as Megatron-LM's fusion does)",
     "cross_entropy_loss_fusion": "megart's in-place vocab-parallel cross-entropy CUDA kernel",
-    "recompute_activations": "shorthand for --recompute-granularity selective",
-    "recompute_granularity": "full (whole layers) or selective (attention core) recomputation "
-    "(default: none)",
+    "recompute_activations": "shorthand for --recompute-granularity selective (recomputing "
+    "--recompute-modules, by default the attention core)",
+    "recompute_granularity": "full (whole layers) or selective (the --recompute-modules) "
+    "recomputation (default: none)",
+    "recompute_modules": "what selective recomputation recomputes, one or more of core_attn "
+    "(the attention core), layernorm (the input and pre-MLP norms' outputs, freed and made "
+    "again in backward) and mlp (the whole MLP, from its input); Megatron's other modules "
+    "(moe, moe_act, shared_experts, mla_up_proj...) are refused; only with "
+    "--recompute-granularity selective or --recompute-activations (default: core_attn)",
     "recompute_method": "uniform or block: which layers full recomputation covers",
     "recompute_num_layers": "layers per recomputed group (uniform) or recomputed layers (block)",
     "log_interval": "iterations between progress lines",

@@ -25,6 +25,7 @@ from megart.tensor_parallel import (
     RowParallelLinear,
 )
 from megart.tensor_parallel._group import group_rank, group_size
+from megart.tensor_parallel.column_entry import WeightGradSlot
 
 
 class Attention(nn.Module):
@@ -95,10 +96,14 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         mask: torch.Tensor | None = None,
+        entered: bool = False,
+        slot: WeightGradSlot | None = None,
     ) -> torch.Tensor:
         """``mask``: [b, 1, s, s] booleans (True: may attend), causal already (documents'
-        block-diagonal mask, megart.models.documents); None: causal over the sequence."""
-        qkv = self.qkv(x)  # [s, b, (heads + 2 groups) d / t]: whole sequence, rank's groups
+        block-diagonal mask, megart.models.documents); None: causal over the sequence.
+        ``entered``: ``x`` and ``slot`` are what ``self.qkv.enter`` made of the input."""
+        # [s, b, (heads + 2 groups) d / t]: whole sequence, rank's groups
+        qkv = self.qkv(x, entered=entered, slot=slot)
         s, b, _ = qkv.shape
         d, per_group = self.cfg.head_dim, self.local_heads // self.local_groups
         grouped = qkv.view(s, b, self.local_groups, per_group + 2, d)
@@ -122,7 +127,7 @@ class Attention(nn.Module):
         # A window that reaches back to the sequence's start masks nothing: none, so that the
         # kernels without a mask tensor still apply.
         window = None if covers(self.window, s * cp) else self.window
-        if self.cfg.recompute_granularity == "selective" and torch.is_grad_enabled():
+        if self.cfg.recomputes("core_attn") and torch.is_grad_enabled():
             y = checkpointed(self._core, self.rng, q, k, v, where, mask, window)
         else:
             y = self._core(q, k, v, where, mask, window)

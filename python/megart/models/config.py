@@ -14,6 +14,7 @@ from megart.models.config_flags import MEGATRON_NORMS as MEGATRON_NORMS
 from megart.models.config_flags import MEGATRON_POSITIONS as MEGATRON_POSITIONS
 from megart.models.config_flags import architecture_flags as architecture_flags
 from megart.models.config_flags import refuse_unlike as refuse_unlike
+from megart.models.recompute import DEFAULT_MODULES, MODULES
 from megart.models.stages import check_stages, uneven
 from megart.models.window import check_window, layer_window, refuse_window
 from megart.parallel.layout import divisors, either
@@ -137,16 +138,19 @@ class GPTConfig:
     fp32_residual_connection: bool = False
     # Activation recomputation, Megatron's flags: "full" recomputes whole layers ("uniform":
     # groups of recompute_num_layers; "block": the first recompute_num_layers of each chunk),
-    # "selective" the attention core only.
+    # "selective" the modules of recompute_modules (models.recompute.MODULES: the attention
+    # core, the two norms' outputs, the MLP), Megatron's default the attention core only.
     recompute_granularity: str | None = None
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    recompute_modules: tuple[str, ...] = DEFAULT_MODULES
     # Megatron's --make-vocab-size-divisible-by: the vocabulary is padded to a multiple of this
     # times the tensor-parallel size (padded_vocab_size).
     make_vocab_size_divisible_by: int = VOCAB_MULTIPLE
 
     def __post_init__(self) -> None:
-        for name in ("window_size", "window_attn_skip_freq"):  # lists, as JSON records give them
+        lists = ("window_size", "window_attn_skip_freq", "recompute_modules")
+        for name in lists:  # lists, as JSON records give them
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.bias:  # every linear layer has its bias: the QKV one is no extra
@@ -203,6 +207,12 @@ class GPTConfig:
             raise ConfigError(
                 f"recompute_method={self.recompute_method!r}, recompute_num_layers="
                 f"{self.recompute_num_layers}; use 'uniform' or 'block' and at least 1 layer"
+            )
+        unknown = [m for m in self.recompute_modules if m not in MODULES]
+        if unknown:
+            raise ConfigError(
+                f"recompute_modules={list(self.recompute_modules)}: megart recomputes "
+                f"{', '.join(MODULES)} (not {', '.join(unknown)})"
             )
         self._check_rotary_percent()
         if self.position_embedding == "rotary" and self.head_dim % 2 and self.rotary_percent == 1:
@@ -270,6 +280,10 @@ class GPTConfig:
             + (f"give --rotary-percent {options}, " if options else "")
             + f"or a head size ({head}) whose part is even"
         )
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recomputation recomputes ``module`` (models.recompute.MODULES)."""
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
 
     @property
     def head_dim(self) -> int:

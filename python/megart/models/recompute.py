@@ -20,6 +20,29 @@ from megart.tensor_parallel import RNGStatesTracker
 
 GRANULARITIES = ("full", "selective")
 METHODS = ("uniform", "block")
+# Megatron's --recompute-modules under selective recomputation that megart's dense layers have:
+# attention's core (softmax(q k^T) v, torch's checkpoint), the input and pre-MLP norms' outputs
+# (dropped and made again, models.dropped_output) and the whole MLP (checkpointed).
+MODULES = ("core_attn", "layernorm", "mlp")
+DEFAULT_MODULES = ("core_attn",)  # Megatron-Core's when none are given
+# Megatron-Core's other choices (0.16's and later ones), and why megart has none of them.
+_NO_MOE = "megart has no MoE layers"
+OTHER_MODULES = {
+    "moe": _NO_MOE,
+    "moe_act": _NO_MOE,
+    "shared_experts": _NO_MOE,
+    "mla_up_proj": "megart has no multi-latent attention",
+    "gdn_norm_out": "megart has no gated delta net layers",
+    "gdp_in_proj": "megart has no gated delta product layers",
+    "gdp_qkv": "megart has no gated delta product layers",
+    "mhc": "megart has no hyper-connections",
+}
+
+
+def recomputed_modules(cfg: Any, recompute: str | None) -> tuple[str, ...]:
+    """What selective recomputation recomputes of a GPTConfig's layers (its recompute_modules;
+    Megatron's default the attention core alone); nothing under another ``recompute``."""
+    return tuple(cfg.recompute_modules) if recompute == "selective" else ()
 
 
 def checkpointed(fn: Callable[..., Any], rng: RNGStatesTracker | None, *args: Any) -> Any:

@@ -64,6 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
+from megart.models.recompute import recomputed_modules
 from megart.plan.timing import cp_score_share
 
 
@@ -106,9 +107,13 @@ def layer_bytes(
     seq_share = 1 / t if sp else 1.0
     if recompute == "full":
         return tokens * h * seq_share * prec.residual
+    modules = recomputed_modules(cfg, recompute)
+    norms_again, mlp_again = "layernorm" in modules, "mlp" in modules
+    # Attention's own terms as with or without the core's recomputation.
+    recompute = "selective" if "core_attn" in modules else None
     heads = cfg.num_attention_heads // t
     residual = 2 * h * seq_share * prec.residual
-    norm_out = 2 * h * prec.other
+    norm_out = norm_output_bytes(cfg, tp, sp, prec, norms_again, mlp_again)
     ring = cp > 1 and cfg.cp_comm_type == "p2p"
     a2a = cp > 1 and cfg.cp_comm_type == "a2a"
     if cp == 1:
@@ -129,9 +134,9 @@ def layer_bytes(
             qkv = 2 * q / t + (fused if groups == 1 else q / t)
             qkv -= 2 * q / t  # the repeated keys and values span the whole sequence: below
         attention = qkv + q / t
-    mlp = (4 if cfg.activation == "swiglu" else 2) * f / t
+    mlp = 0 if mlp_again else (4 if cfg.activation == "swiglu" else 2) * f / t
     other = (attention + mlp) * prec.other
-    norms = 2 * seq_share * norm_statistics(cfg)
+    norms = 0 if norms_again else 2 * seq_share * norm_statistics(cfg)
     masks = 2 * h * seq_share * dropout_mask_bytes(cfg)
     # With context parallelism only the norms' own saves are added (the count as it was).
     qk_norms = qk_norm_bytes(cfg, t, prec)
@@ -144,6 +149,26 @@ def layer_bytes(
     local = tokens * (residual + norm_out + other + norms + masks + qk_norms + core)
     gathered = cp > 1 and not ring and not a2a
     return local + (gathered_kv_bytes(cfg, b, tp, recompute, prec, cp) if gathered else 0.0)
+
+
+def norm_output_bytes(
+    cfg: GPTConfig, tp: int, sp: bool, prec: Precision, norms_again: bool, mlp_again: bool
+) -> float:
+    """Bytes per token the two norms' outputs keep: each is the column-parallel products'
+    saved input (the whole sequence with sequence parallelism, gathered; 16-bit under
+    autocast), h. --recompute-modules layernorm frees both (and those copies) until the
+    backward makes them again; mlp keeps the MLP's checkpoint input instead, the pre-MLP
+    norm's own output (this rank's s/t tokens with sequence parallelism, in the residual
+    stream's dtype), unless layernorm frees that too."""
+    h = cfg.hidden_size
+    attention_input = 0.0 if norms_again else h * prec.other
+    if norms_again:
+        mlp_input = 0.0
+    elif mlp_again:
+        mlp_input = h * (1 / tp if sp else 1.0) * prec.residual
+    else:
+        mlp_input = h * prec.other
+    return attention_input + mlp_input
 
 
 def attention_elements(cfg: GPTConfig, t: int, recompute: str | None, half: bool = False) -> float:

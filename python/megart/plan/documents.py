@@ -64,7 +64,9 @@ def mask_bytes(c: TrainConfig, b: int, prec: Precision) -> tuple[float, float]:
     s = c.seq_length
     bias = b * s * bias_row_stride(s) * prec.other
     booleans = b * s * s
-    if c.gpt_config().recompute_granularity is None:
+    cfg = c.gpt_config()
+    # A checkpoint of the attention (full, or selective's core_attn) keeps the booleans.
+    if not (cfg.recompute_granularity == "full" or cfg.recomputes("core_attn")):
         return float(bias), float(booleans)
     return float(booleans), float(bias)
 

@@ -209,7 +209,8 @@ def _time_parts(
 
 def _flops(c: TrainConfig, cfg: GPTConfig) -> tuple[int, int]:
     """The global batch's FLOPs: the model's, and what runs (the replayed layers' forward
-    again under full recomputation; block: N of each chunk; selective: every attention core's).
+    again under full recomputation; block: N of each chunk; selective: every attention core's
+    and MLP's that --recompute-modules names).
     The paper's count (the whole s x s attention), as SC21's and Megatron-Core's published tables
     were counted; megart train prints Megatron's current, causal count."""
     batch, granularity = c.global_batch_size, cfg.recompute_granularity
@@ -220,7 +221,8 @@ def _flops(c: TrainConfig, cfg: GPTConfig) -> tuple[int, int]:
         recompute=granularity == "full",
         causal=False,
         replayed=replayed,
-        selective=granularity == "selective",
+        selective=cfg.recomputes("core_attn"),
+        mlp_again=cfg.recomputes("mlp"),
     )
     return model_flops(cfg, batch, causal=False), run
 

@@ -84,6 +84,9 @@ MODELLED = (
     # Which layers full recomputation replays and keeps (plan.memory, estimate._stage_work).
     "recompute_method",
     "recompute_num_layers",
+    # What selective recomputation drops and replays (activations.layer_bytes, timing.layer_work,
+    # the recomputed MLPs' FLOPs); megart train refuses it without selective recomputation.
+    "recompute_modules",
     "scatter_gather_tensors_in_pipeline",  # pipeline messages of b s h / t, or b s h without
     # The loss's saves (the logits instead of an fp32 softmax) and its element-wise passes
     # (timing.logits_work: one read forward, a read and a write backward, of 16-bit logits).
@@ -212,6 +215,10 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
         if d is not None and d >= 1 and d * heads != h:  # (below 1: megart train's refusal)
             refused.append(f"--kv-channels {d} (heads other than --hidden-size / heads, with "
                            f"--runtime {runtime})")  # fmt: skip
+        modules = config.recompute_modules
+        if modules is not None and set(modules) != {"core_attn"}:  # Korthikanti et al.'s
+            refused.append(f"{flag('recompute_modules', modules)} (Megatron-LM's selective "
+                           f"count is the attention core's, with --runtime {runtime})")  # fmt: skip
         default = TrainConfig()
         for name in MEGART_RUNTIME_ONLY:
             value = getattr(config, name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megart.models.config import GPTConfig
-from megart.models.recompute import recomputed_spans
+from megart.models.recompute import recomputed_modules, recomputed_spans
 from megart.plan.activations import Precision, layer_bytes
 
 
@@ -27,14 +27,15 @@ def chunk_layer_bytes(
     how far above that its backward rises while full recomputation replays a span; see
     full_recompute_bytes). Rope's tables are not counted here (rope_table_bytes: once a
     pair). ``extras``: what each layer's saves without recomputation add to layer_bytes' (a
-    tiled sliding window's second attention output, plan.window_memory), none under selective
-    recomputation (recomputed with the core) and under full recomputation while replayed
-    (or kept, by block's kept layers)."""
+    tiled sliding window's second attention output, plan.window_memory), none where selective
+    recomputation recomputes the attention core (--recompute-modules core_attn: recomputed
+    with it) and under full recomputation while replayed (or kept, by block's kept layers)."""
     rec = cfg.recompute_granularity
     one = layer_bytes(cfg, b, tp, sp, rec, prec, unfused_attention, cp)
     extras = list(extras) or [0.0] * layers
     if rec != "full":
-        return layers * one + (sum(extras) if rec is None else 0.0), 0.0
+        core_again = "core_attn" in recomputed_modules(cfg, rec)
+        return layers * one + (0.0 if core_again else sum(extras)), 0.0
     whole = layer_bytes(cfg, b, tp, sp, None, prec, unfused_attention, cp)
     method, n = cfg.recompute_method, cfg.recompute_num_layers
     # The first norm keeps the span's input itself (LayerNorm; RMSNorm's fp32 view of it when

@@ -67,6 +67,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
+from megart.models.recompute import recomputed_modules
 from megart.models.window import covers
 from megart.models.window_masks import bias_row_stride
 from megart.models.window_tiles import band_tile, band_tiles, scored_entries
@@ -266,6 +267,9 @@ def layer_work(
     window_share). ``documents``: under --reset-attention-mask's bias (without context
     parallelism or a window: megart train and plan refuse them with it; documents_mask_read)."""
     s, h, f, t = cfg.seq_length, cfg.hidden_size, cfg.ffn_size, tp
+    modules = recomputed_modules(cfg, recompute)  # selective's --recompute-modules
+    if recompute == "selective":  # attention's terms: as with its core recomputed, or without
+        recompute = "selective" if "core_attn" in modules else None
     local = s // cp  # this rank's queries of each sequence
     tokens = local * b
     q, kv = cfg.query_size, cfg.query_groups * cfg.head_dim
@@ -363,6 +367,15 @@ def layer_work(
         tp_comm += comm
     elif recompute == "selective":
         backward += core_gemm + core_elem + bias_read + replayed
+    if "layernorm" in modules:  # both norms again (read, write); sequence parallelism gathers
+        backward += tokens * 4 * h * (1 / t if sp else 1.0) * ACT / hbm
+        # the dropped norm outputs again for the products that saved them gathered
+        regathers = (2 - ("mlp" in modules)) * (sp and t > 1)
+        backward += regathers * collective_seconds("all_gather", tokens * h * ACT, t,
+                                                   gpu.nvlink_bus_gb_per_s, gpu)  # fmt: skip
+    if "mlp" in modules:  # the MLP's forward again, its entry's and exit's collectives too
+        backward += sum(dense_times[2:]) + tokens * mlp * ACT / hbm + comm / 2
+        tp_comm += comm / 2
     # dW = dY^T X of each dense product costs what its forward did; the attention core has no
     # weights, so both its backward products belong to I.
     return Work(forward, backward, tp_comm, fwd_gemm, cp_comm)

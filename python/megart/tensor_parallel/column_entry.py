@@ -91,3 +91,14 @@ def enter_column_region(
         return x, None
     slot = WeightGradSlot()
     return _Enter.apply(x, group, sequence_parallel, slot), slot
+
+
+def enter_again(
+    x: torch.Tensor, dtype: torch.dtype, group: ProcessGroup | None, sequence: bool
+) -> torch.Tensor:
+    """What :func:`enter_column_region` made of ``x`` (its autocast copy in ``dtype``, the
+    sequence gathered), made again without autograd: to refill an entered copy whose memory
+    was freed (megart.models.dropped_output)."""
+    with torch.no_grad():
+        x = x.to(dtype)
+        return _all_gather(x, 0, group) if sequence and group_size(group) > 1 else x

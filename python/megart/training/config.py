@@ -162,6 +162,9 @@ class TrainConfig:
     recompute_granularity: str | None = None
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    # What selective recomputation recomputes (models.recompute.MODULES); None, as Megatron's
+    # argparse leaves it unset, is Megatron-Core's default, ["core_attn"].
+    recompute_modules: list[str] | None = None
     log_interval: int = 1
     # Megatron-LM flags whose effects megart.training.megatron_flags describes and checks.
     max_position_embeddings: int | None = None  # --seq-length (megart's table is that long)

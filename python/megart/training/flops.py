@@ -36,7 +36,10 @@ products where the core is one call (Megatron-LM's checkpoint of it, flash and m
 kernels), which is what megart plan counts. megart train does not count it in its TFLOP/s: with
 torch's math kernel (``--attention-backend unfused``, and the CPU) the checkpoint stops once the
 scores x values product's inputs are back, so only the scores product runs again, and which
-kernel runs is torch's choice. Korthikanti et al.'s hardware FLOPs under selective recomputation
+kernel runs is torch's choice. With --recompute-modules mlp (``mlp_again``) every layer's MLP
+runs its forward once more, which megart plan and megart train both count, whole, as a replayed
+layer's forward is counted (torch's checkpoint may skip the last product: see test_flops);
+layernorm recomputes no product. Korthikanti et al.'s hardware FLOPs under selective recomputation
 have s/(3h) where the model's count has s/(6h): the core's forward and backward once more, three
 times the replay counted here.
 """
@@ -66,6 +69,7 @@ def iteration_flops(
     replayed: int | None = None,
     selective: bool = False,
     query_hidden: int | None = None,
+    mlp_again: bool = False,
 ) -> int:
     """Model FLOPs of one iteration (forward and backward, plus, when ``recompute``, the
     recomputed forward of ``replayed`` of the ``layers``: all of them by default; with
@@ -76,7 +80,8 @@ def iteration_flops(
     attention core over the causal half (Megatron's count, B s^2 h per layer and product less
     than the paper's, which ``causal=False`` gives). ``query_hidden``: the query heads' width
     (heads x head size; default h), which replaces h in the query projection, the attention
-    core and the output projection, as Megatron's query_projection_size does (--kv-channels)."""
+    core and the output projection, as Megatron's query_projection_size does (--kv-channels).
+    ``mlp_again``: every layer's MLP forward once more (--recompute-modules mlp)."""
     b, s, l, h, v = batch, seq, layers, hidden, vocab
     f = 4 * h if ffn_hidden is None else ffn_hidden
     kv = h if kv_hidden is None else kv_hidden
@@ -90,11 +95,12 @@ def iteration_flops(
     again = (l if replayed is None else replayed) if recompute else 0
     if not 0 <= again <= l:
         raise ValueError(f"replayed={replayed}: full recomputation replays 0 to {l} layers")
-    if selective and recompute:
+    if (selective or mlp_again) and recompute:
         raise ValueError("selective and full recomputation are exclusive")
     # Forward, backward (twice the forward), and the replayed layers' forward (or, selective,
-    # every layer's attention core) once more.
-    return (3 * l + again) * (attention + mlp) + l * core * selective + 3 * logits
+    # every layer's attention core, and MLP) once more.
+    again_selective = core * selective + mlp * mlp_again
+    return (3 * l + again) * (attention + mlp) + l * again_selective + 3 * logits
 
 
 def model_flops(
@@ -105,11 +111,13 @@ def model_flops(
     causal: bool = True,
     replayed: int | None = None,
     selective: bool = False,
+    mlp_again: bool = False,
 ) -> int:
     """iteration_flops of the model ``cfg`` describes, ``batch`` sequences per iteration, with
     the logits over the vocabulary padded for tensor-parallel size ``tp`` (as Megatron);
     ``replayed``: the layers ``recompute`` runs again (None: all; :func:`replayed_in_chunks`
-    counts them for a run's chunks); ``selective``: the attention cores replayed."""
+    counts them for a run's chunks); ``selective``: the attention cores replayed;
+    ``mlp_again``: the MLPs replayed."""
     return iteration_flops(
         batch,
         cfg.seq_length,
@@ -124,6 +132,7 @@ def model_flops(
         replayed,
         selective,
         cfg.query_size,
+        mlp_again,
     )
 
 

@@ -101,8 +101,6 @@ REFUSED: dict[str, str] = {
     "groups microbatches by the pipeline size, as Megatron's default; " + _LEAVE,
     "--distribute-saved-activations": "megart does not distribute recomputed layers' inputs "
     "over tensor-parallel ranks; " + _LEAVE,
-    "--recompute-modules": "megart's selective recomputation recomputes attention's core; "
-    "use --recompute-granularity",
     "--moe-layer-recompute": "megart has no MoE layers; " + _LEAVE,
     "--no-align-grad-reduce": "megart's gradient reduction has no such option; " + _LEAVE,
     "--disable-align-grad-reduce": "megart's gradient reduction has no such option; " + _LEAVE,

@@ -13,6 +13,7 @@ from megart.models.config import (
     activation_of,
     distinct_head_size,
 )
+from megart.models.recompute import DEFAULT_MODULES, MODULES, OTHER_MODULES
 from megart.models.window import parse_skip_freq, parse_window_size
 from megart.parallel.layout import divisors, nearest_multiples
 
@@ -74,6 +75,9 @@ def gpt_config(config: Any) -> GPTConfig:
         recompute_granularity=recompute,
         recompute_method=config.recompute_method,
         recompute_num_layers=config.recompute_num_layers,
+        recompute_modules=DEFAULT_MODULES
+        if config.recompute_modules is None
+        else tuple(dict.fromkeys(config.recompute_modules)),  # Megatron's list as a set
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
     )
 
@@ -144,6 +148,7 @@ def check_model_flags(cfg: Any) -> None:
         raise ConfigError(
             f"--bias-gelu-fusion fuses the MLP's bias add and GeLU: leave it out with {flags}"
         )
+    _check_recompute_modules(cfg)
     if cfg.recompute_num_layers < 1:
         raise ConfigError(
             f"--recompute-num-layers {cfg.recompute_num_layers}: full recomputation's spans are "
@@ -210,4 +215,32 @@ def _check_query_groups(cfg: Any) -> None:
             f"divisible by --tensor-model-parallel-size {tp} (each rank holds whole "
             "groups, as Megatron-LM requires); "
             + (f"use one of {fits}" if fits else "no group count fits: change the sizes")
+        )
+
+
+def _check_recompute_modules(cfg: Any) -> None:
+    """--recompute-modules: only under selective recomputation (Megatron-LM ignores it
+    otherwise; megart refuses rather than ignore it), and only the modules megart's dense
+    layers have, each other one refused by name."""
+    modules = cfg.recompute_modules
+    if modules is None:
+        return
+    given = "--recompute-modules " + (" ".join(modules) if modules else "(none)")
+    if not (cfg.recompute_activations or cfg.recompute_granularity == "selective"):
+        why = "without recomputation" if cfg.recompute_granularity is None else (
+            f"with --recompute-granularity {cfg.recompute_granularity}"
+        )  # fmt: skip
+        raise ConfigError(
+            f"{given} {why}: the modules are what selective recomputation recomputes, and "
+            "Megatron-LM ignores them otherwise (megart refuses rather than ignore them); add "
+            "--recompute-granularity selective (or --recompute-activations), or leave it out"
+        )
+    refused = [f"{m} ({OTHER_MODULES[m]})" for m in dict.fromkeys(modules) if m in OTHER_MODULES]
+    unknown = [m for m in dict.fromkeys(modules) if m not in MODULES and m not in OTHER_MODULES]
+    if unknown:  # Megatron-Core asserts they are among its choices
+        refused.append(f"{' '.join(unknown)} (not a module Megatron-LM recomputes)")
+    if refused:
+        raise ConfigError(
+            f"--recompute-modules {'; '.join(refused)}: megart recomputes "
+            f"{', '.join(MODULES)} of its dense layers; leave the others out"
         )

@@ -169,11 +169,19 @@ def flop_counts(config: TrainConfig, model_config: GPTConfig) -> tuple[int, int]
     """The FLOPs of a full global batch: the model's, which MFU counts as its definition says,
     and what runs, which TFLOP/s count (Megatron's causal count, plus the forward again of the
     layers full recomputation replays: all of them, or under --recompute-method block the first
-    --recompute-num-layers of each model chunk, summed over every pipeline rank's chunks)."""
+    --recompute-num-layers of each model chunk, summed over every pipeline rank's chunks; and
+    under --recompute-modules mlp every layer's MLP forward)."""
     batch, full = config.global_batch_size, model_config.recompute_granularity == "full"
     model = model_flops(model_config, batch, tp=config.tp)
     replayed = replayed_layer_count(config, model_config)
-    run = model_flops(model_config, batch, recompute=full, tp=config.tp, replayed=replayed)
+    run = model_flops(
+        model_config,
+        batch,
+        recompute=full,
+        tp=config.tp,
+        replayed=replayed,
+        mlp_again=model_config.recomputes("mlp"),
+    )
     return model, run
 
 
