@@ -37,8 +37,9 @@ class SavedBytes:
     Parameters (saved by every linear layer) are not activations and are left out, nor are
     autocast's 16-bit copies of the weights (the planner counts those apart): recognised as
     16-bit tensors shaped as a weight or its transpose, so the tests pick sizes where no
-    activation has such a shape. A storage counts its size when the count is taken: one freed
-    in place after it was saved (and refilled before backward reads it) counts 0 meanwhile."""
+    activation has such a shape. A storage counts its size when the count is taken (at each
+    save and each read): one freed in place after it was saved counts 0 until it is refilled,
+    before backward reads it (--recompute-modules layernorm, megart.models.dropped_output)."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = {storage_key(p) for p in params}
@@ -73,9 +74,13 @@ class SavedBytes:
         self._add(t, key)
         weakref.finalize(t, self.release, key)
 
-    @staticmethod
-    def unpack(held: object) -> torch.Tensor:
-        return held.tensor if isinstance(held, _Held) else held
+    def unpack(self, held: object) -> torch.Tensor:
+        if not isinstance(held, _Held):
+            return held
+        # A storage freed after it was saved grows back before backward reads it: counted when
+        # read (between saves, only a refill can raise the count).
+        self.peak = max(self.peak, self.now)
+        return held.tensor
 
     def release(self, key: int) -> None:
         entry = self.live[key]

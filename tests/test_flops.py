@@ -80,6 +80,12 @@ def test_flops_of_any_mlp_size_and_swiglu_sum_the_matmuls(
         # --kv-channels: heads of 16 on h = 32 (q = 64 wide), and of 4 (q = 16).
         dict(activation="swiglu", num_query_groups=2, kv_channels=16, bias=False),
         dict(kv_channels=4),
+        # --recompute-modules: the MLPs' forward again (layernorm runs no product); with
+        # core_attn the core's two products too.
+        dict(activation="swiglu", recompute_granularity="selective", recompute_modules=("mlp",)),
+        dict(
+            recompute_granularity="selective", recompute_modules=("core_attn", "layernorm", "mlp")
+        ),
     ],
     ids=[
         "swiglu-48",
@@ -89,6 +95,8 @@ def test_flops_of_any_mlp_size_and_swiglu_sum_the_matmuls(
         "llama-gqa-rope",
         "wide-heads",
         "narrow-heads",
+        "swiglu-mlp-recomputed",
+        "all-modules-recomputed",
     ],  # fmt: skip
 )
 def test_flops_equal_torchs_flop_counter_on_the_model(kw):
@@ -112,8 +120,10 @@ def test_flops_equal_torchs_flop_counter_on_the_model(kw):
     ):
         model(tokens[:, :-1], tokens[:, 1:]).backward()
     recompute = cfg.recompute_granularity == "full"
+    selective = dict(selective=cfg.recomputes("core_attn"), mlp_again=cfg.recomputes("mlp"))
     # torch's math kernel multiplies the whole s x s matrix (the mask applied after).
-    assert model_flops(cfg, 3, recompute, causal=False) == counter.get_total_flops()
+    got = model_flops(cfg, 3, recompute, causal=False, **selective)
+    assert got == counter.get_total_flops()
 
 
 @settings(max_examples=200, deadline=None)

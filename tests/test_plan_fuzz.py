@@ -67,6 +67,7 @@ OPTIONAL = {
     "--recompute-granularity": st.sampled_from(["full", "selective"]),
     "--recompute-method": st.sampled_from(["uniform", "block"]),
     "--recompute-num-layers": st.sampled_from(["1", "2", "3"]),
+    "--recompute-modules": st.sampled_from(["core_attn", "layernorm mlp", "mlp", "moe"]),
     "--window-size": st.sampled_from(["16,0", "32,0", "8,8", "-1,0", "16", "0,0"]),
     "--window-attn-skip-freq": st.sampled_from(["1", "2", "3", "([1]*3+[0])*2"]),
     "--decoder-first-pipeline-num-layers": st.sampled_from(["1", "2", "3", "6"]),
@@ -276,6 +277,12 @@ def test_a_size_below_one_is_refused_as_megart_train_refuses_it(flag, value, cap
         (dict(attention_dropout="nan"), "--attention-dropout nan is a probability"),
         (dict(recompute_granularity="bogus"), "--recompute-granularity 'bogus'"),
         (dict(recompute_method="bogus"), "--recompute-method 'bogus'"),
+        # --recompute-modules where Megatron-LM ignores it, and a module megart has not.
+        (dict(recompute_modules="mlp"), "--recompute-modules mlp without recomputation"),
+        (
+            dict(recompute_activations="", recompute_modules="shared_experts"),
+            "--recompute-modules shared_experts (megart has no MoE layers)",
+        ),
         # Found by a longer fuzz (2026-11-29): planned as one stage, no interleaving.
         (
             dict(num_layers_per_virtual_pipeline_stage="1", pipeline_model_parallel_size="1"),

@@ -89,6 +89,32 @@ CASES = [
             micro_batch_size=2,
         ),
     ),
+    # --recompute-modules: layernorm frees the norms' outputs (on pp rank 0 the peak is a
+    # norm's output saved until read, or made again in backward with the norm's own saves),
+    # mlp keeps the MLP's input only; with sequence parallelism the gathered copies go too.
+    (
+        "pp2 selective layernorm mlp",
+        2,
+        SMALL,
+        dict(
+            pipeline_model_parallel_size=2,
+            recompute_granularity="selective",
+            recompute_modules=["layernorm", "mlp"],
+            micro_batch_size=2,
+        ),
+    ),
+    (
+        "llama rope tp2 sp selective all modules",
+        2,
+        LLAMA_ROPE,
+        dict(
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            recompute_activations=True,
+            recompute_modules=["core_attn", "layernorm", "mlp"],
+            micro_batch_size=3,
+        ),
+    ),
     ("pp2 1f1b", 2, SMALL, dict(pipeline_model_parallel_size=2, micro_batch_size=1)),
     (
         "pp2 interleaved",

@@ -2,7 +2,8 @@
 (torch's saved-tensor hooks, one process), over the model options that change those saves:
 rope (whole or partial), SwiGLU or squared ReLU, RMSNorm, grouped queries (one group, some,
 one per head), no biases, hidden dropout, --qk-layernorm, --kv-channels, fp32 or bf16
-autocast, selective recomputation or none.
+autocast, selective recomputation of any --recompute-modules (core_attn, layernorm, mlp) or
+none.
 The real-rank rows (tp2, pp2, sequence parallelism) are in test_plan_memory.py's CASES.
 
 The plan counts a GPU's kernels; a CPU's dropout keeps its mask in the activations' dtype where
@@ -15,6 +16,7 @@ O(s b) bytes against O(s b h), under 0.3% here); with --qk-layernorm and LayerNo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from hypothesis import strategies as st
 
 from megart.models.blocks import Block
 from megart.models.config import GPTConfig
+from megart.models.recompute import MODULES
 from megart.models.rope import rotary
 from megart.plan import activations as act
 from plan_workers import SavedBytes
@@ -81,7 +84,18 @@ def llama(**kw: object) -> GPTConfig:
     return GPTConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("recompute", [None, "selective"])
+def recomputing(cfg: GPTConfig, modules: tuple[str, ...] | None) -> GPTConfig:
+    """``cfg`` under selective recomputation of ``modules`` (None: no recomputation)."""
+    if modules is None:
+        return dataclasses.replace(cfg, recompute_granularity=None)
+    return dataclasses.replace(cfg, recompute_granularity="selective", recompute_modules=modules)
+
+
+# None, Megatron's default, the norms with the MLP, and all three.
+MODULE_SETS = [None, ("core_attn",), ("layernorm", "mlp"), MODULES]
+
+
+@pytest.mark.parametrize("recompute", MODULE_SETS, ids=str)
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "name,cfg",
@@ -116,9 +130,7 @@ def llama(**kw: object) -> GPTConfig:
     ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_one_layer_saves_what_the_plan_counts(name, cfg, bf16, recompute):
-    import dataclasses
-
-    cfg = dataclasses.replace(cfg, recompute_granularity=recompute)
+    cfg = recomputing(cfg, recompute)
     got, want = saved_by_one_layer(cfg, bf16), planned(cfg, bf16)
     # fp32: every saved tensor is counted, to the byte; bf16: see the module's docstring.
     assert got == pytest.approx(want, rel=0.01 if bf16 else 0), (name, got, want, got / want)
@@ -134,7 +146,7 @@ def test_one_layer_saves_what_the_plan_counts(name, cfg, bf16, recompute):
     bias=st.booleans(),
     dropout=st.sampled_from([0.0, 0.1]),
     bf16=st.booleans(),
-    recompute=st.sampled_from([None, "selective"]),
+    recompute=st.one_of(st.none(), st.lists(st.sampled_from(MODULES), max_size=3).map(tuple)),
     qk=st.booleans(),
     # --kv-channels: q = 32 or 96 on h 64 (not 16: with one group the fused q/k/v weight
     # would be 160 x 64, the shape of the 160 tokens' norm output, which SavedBytes skips)
@@ -153,8 +165,8 @@ def test_any_option_mix(
         num_query_groups=groups,
         bias=bias,
         hidden_dropout=dropout,
-        recompute_granularity=recompute,
     )
+    cfg = recomputing(cfg, recompute)
     got, want = saved_by_one_layer(cfg, bf16), planned(cfg, bf16)
     assert got == pytest.approx(want, rel=0.01 if bf16 else 0), (cfg, bf16, got, want)
 

@@ -160,6 +160,41 @@ def test_recompute_activations_plans_as_selective_recomputation(capsys):
     assert config.gpt_config().recompute_granularity == "selective"
 
 
+def test_recompute_modules_plan_what_each_drops_and_replays(capsys):
+    """--recompute-modules: on one layout, layernorm and mlp each hold less than Megatron's
+    default, all three less still; mlp's replay takes longer and its FLOPs count in TFLOP/s;
+    Megatron's default given is the flag left out. Refused as megart train refuses it (without
+    selective recomputation, MoE's modules), and under --runtime megatron unless core_attn."""
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--micro-batch-size", "1", "--sequence-parallel", "--use-distributed-optimizer",
+              "--recompute-granularity", "selective"]  # fmt: skip
+
+    def pick(*modules: str) -> dict:
+        code, out = plan(
+            capsys, *MODEL, *layout, *(("--recompute-modules", *modules) * bool(modules))
+        )
+        assert code == 0, out
+        return out
+
+    default, core = pick(), pick("core_attn")
+    assert core == default
+    gib = {m: pick(*m.split())["memory_gib"]["activations"]
+           for m in ("core_attn", "layernorm", "mlp", "core_attn layernorm mlp")}  # fmt: skip
+    assert gib["core_attn layernorm mlp"] < min(gib["layernorm"], gib["mlp"]) < gib["core_attn"]
+    mlp = pick("core_attn", "mlp")
+    assert mlp["time_s"]["iteration"] > default["time_s"]["iteration"]
+    flops = mlp["tflops_per_gpu"] * mlp["time_s"]["iteration"]
+    assert flops > default["tflops_per_gpu"] * default["time_s"]["iteration"]
+    for argv, said in [
+        (["--recompute-modules", "mlp"], "--recompute-modules mlp without recomputation"),
+        ([*layout, "--recompute-modules", "moe"], "--recompute-modules moe (megart has no MoE"),
+        ([*layout, "--recompute-modules", "mlp", "--runtime", "megatron"],
+         "--recompute-modules mlp (Megatron-LM's selective count is the attention core's"),
+    ]:  # fmt: skip
+        code, err = plan(capsys, *MODEL, *argv)
+        assert code == 2 and said in err, err
+
+
 def test_use_checkpoint_args_plans_the_checkpoints_model(tmp_path, capsys):
     """megart plan --use-checkpoint-args --load DIR takes the model megart train saved there,
     as megart train would resume it."""

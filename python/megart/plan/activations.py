@@ -113,7 +113,7 @@ def layer_bytes(
     recompute = "selective" if "core_attn" in modules else None
     heads = cfg.num_attention_heads // t
     residual = 2 * h * seq_share * prec.residual
-    norm_out = norm_output_bytes(cfg, tp, sp, prec, norms_again, mlp_again)
+    norm_out = 0.0 if norms_again else sum(norm_outputs(cfg, tp, sp, prec, mlp_again))
     ring = cp > 1 and cfg.cp_comm_type == "p2p"
     a2a = cp > 1 and cfg.cp_comm_type == "a2a"
     if cp == 1:
@@ -151,24 +151,17 @@ def layer_bytes(
     return local + (gathered_kv_bytes(cfg, b, tp, recompute, prec, cp) if gathered else 0.0)
 
 
-def norm_output_bytes(
-    cfg: GPTConfig, tp: int, sp: bool, prec: Precision, norms_again: bool, mlp_again: bool
-) -> float:
-    """Bytes per token the two norms' outputs keep: each is the column-parallel products'
+def norm_outputs(
+    cfg: GPTConfig, tp: int, sp: bool, prec: Precision, mlp_again: bool
+) -> tuple[float, float]:
+    """Bytes per token each of the two norms' outputs keeps: the column-parallel products'
     saved input (the whole sequence with sequence parallelism, gathered; 16-bit under
-    autocast), h. --recompute-modules layernorm frees both (and those copies) until the
-    backward makes them again; mlp keeps the MLP's checkpoint input instead, the pre-MLP
-    norm's own output (this rank's s/t tokens with sequence parallelism, in the residual
-    stream's dtype), unless layernorm frees that too."""
+    autocast), h; under --recompute-modules mlp the second is the MLP's checkpoint input
+    instead, the pre-MLP norm's own output (this rank's s/t tokens with sequence parallelism,
+    in the residual stream's dtype). --recompute-modules layernorm frees both."""
     h = cfg.hidden_size
-    attention_input = 0.0 if norms_again else h * prec.other
-    if norms_again:
-        mlp_input = 0.0
-    elif mlp_again:
-        mlp_input = h * (1 / tp if sp else 1.0) * prec.residual
-    else:
-        mlp_input = h * prec.other
-    return attention_input + mlp_input
+    mlp_input = h * (1 / tp if sp else 1.0) * prec.residual if mlp_again else h * prec.other
+    return h * prec.other, mlp_input
 
 
 def attention_elements(cfg: GPTConfig, t: int, recompute: str | None, half: bool = False) -> float:

@@ -11,7 +11,7 @@ from megart.plan import window_memory as windows
 from megart.plan.holding import Held
 from megart.plan.layout import Layout
 from megart.plan.parameters import FP32, state_bytes
-from megart.plan.recompute_memory import full_recompute_bytes
+from megart.plan.recompute_memory import dropped_norms_rise, full_recompute_bytes
 from megart.training.config import TrainConfig
 
 
@@ -96,9 +96,13 @@ def rank_memory(
     if pp_rank == 0:  # the embedding's saves, kept by the pairs of the first virtual stage
         first_pairs = _first_stage_pairs(layout.kind, p, c.microbatches(dp), v, n)
         saved += first_pairs * act.first_stage_bytes(cfg, b, t, cp, sp)
+    loss = 0.0
     if pp_rank == (0 if layout.kind == "zb-v" else p - 1):  # zb-v's last stage is on rank 0
-        saved += act.last_stage_bytes(cfg, b, t, sp, prec, cp)
-        saved += 0.0 if megatron else docs.loss_mask_bytes(c, b, cp)
+        loss = act.last_stage_bytes(cfg, b, t, sp, prec, cp)
+        saved += loss + (0.0 if megatron else docs.loss_mask_bytes(c, b, cp))
+    # --recompute-modules layernorm: a norm's output saved until read, or made again with its
+    # own saves, at one layer; on the loss's rank the loss's saves are gone by the latter.
+    saved += max(0.0, dropped_norms_rise(cfg, b, t, sp, prec, cp) - loss)
     outputs = 0.0
     if (pp_rank < p - 1 or v > 1) and not megatron:
         outputs = n * act.output_bytes(cfg, b, t, sp, prec, cp)

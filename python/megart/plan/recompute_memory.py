@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from megart.models.config import GPTConfig
 from megart.models.recompute import recomputed_modules, recomputed_spans
-from megart.plan.activations import Precision, layer_bytes
+from megart.plan.activations import Precision, layer_bytes, norm_outputs, norm_statistics
 
 
 def chunk_layer_bytes(
@@ -82,3 +82,25 @@ def full_recompute_bytes(
             kept += sum(wholes[start:stop])
     stored = held + kept
     return stored, max(0.0, peak - stored)
+
+
+def dropped_norms_rise(
+    cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision, cp: int = 1
+) -> float:
+    """How far above its layers' kept bytes a rank's saves rise under --recompute-modules
+    layernorm (models.dropped_output), at one layer of the pair in flight: in its forward a
+    norm's output stays saved until the products that read it have run (the pre-MLP norm's
+    until the MLP's saves are made, the input norm's before the MLP), and when the backward
+    reaches the pair's last layer it makes the pre-MLP norm's output again with the norm's
+    own saves (LayerNorm's mean and rstd, RMSNorm's fp32 product or fp32 input copy: a 16-bit
+    stream's RMSNorm also keeps its 16-bit product) before the MLP's backward frees anything.
+    The rank's peak on a last stage already holds the loss's saves, freed by that backward
+    (megart.plan.memory takes the larger)."""
+    if not cfg.recomputes("layernorm"):
+        return 0.0
+    attention_input, mlp_input = norm_outputs(cfg, tp, sp, prec, cfg.recomputes("mlp"))
+    again = norm_statistics(cfg)
+    if cfg.normalization == "rmsnorm" and prec.residual < 4:
+        again += cfg.hidden_size * prec.residual
+    tokens = cfg.seq_length // cp * b
+    return tokens * max(attention_input, mlp_input + again * (1 / tp if sp else 1.0))

@@ -126,6 +126,13 @@ def training_args(config: Any, cfg: GPTConfig, iteration: int, dp: int) -> argpa
     vars(args).update(tokenizer_record.record(config) or {})
     # The fusion as this run resolved it (TrainConfig's None is Megatron's default).
     args.bias_gelu_fusion = cfg.bias_gelu_fusion
+    # Recomputation as Megatron-LM's args hold it: its validate_args turns
+    # --recompute-activations into --recompute-granularity selective and deletes the switch;
+    # --recompute-modules (nargs "+") is a list of names, None unless given.
+    args.recompute_granularity = cfg.recompute_granularity
+    vars(args).pop("recompute_activations", None)
+    modules = config.recompute_modules
+    args.recompute_modules = None if modules is None else list(modules)
     args.data_parallel_size = dp
     args.ckpt_format = "torch"
     return args
