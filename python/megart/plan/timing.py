@@ -367,12 +367,12 @@ def layer_work(
         tp_comm += comm
     elif recompute == "selective":
         backward += core_gemm + core_elem + bias_read + replayed
-    if "layernorm" in modules:  # both norms again (read, write); sequence parallelism gathers
+    if "layernorm" in modules:  # both norms again (read, write), and with sequence
+        # parallelism the gathered copies the products saved (mlp's checkpoint gathers its own)
         backward += tokens * 4 * h * (1 / t if sp else 1.0) * ACT / hbm
-        # the dropped norm outputs again for the products that saved them gathered
-        regathers = (2 - ("mlp" in modules)) * (sp and t > 1)
-        backward += regathers * collective_seconds("all_gather", tokens * h * ACT, t,
-                                                   gpu.nvlink_bus_gb_per_s, gpu)  # fmt: skip
+        again = (2 - ("mlp" in modules)) * (sp and t > 1)
+        again *= collective_seconds("all_gather", tokens * h * ACT, t, gpu.nvlink_bus_gb_per_s, gpu)
+        backward, tp_comm = backward + again, tp_comm + again
     if "mlp" in modules:  # the MLP's forward again, its entry's and exit's collectives too
         backward += sum(dense_times[2:]) + tokens * mlp * ACT / hbm + comm / 2
         tp_comm += comm / 2
