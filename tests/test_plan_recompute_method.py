@@ -3,7 +3,8 @@
 hooks, and each replay's saves through torch's recomputation hook: plan_workers.RecomputedBytes)
 within 1% as tests/test_plan_memory.py (exact in fp32; under bf16 the difference is each
 replayed layer's 16-bit casts of its 1-D weights, O(h) bytes); the replayed work and FLOPs of
-the recomputed layers only; the refusals megart train gives; the printed flags."""
+the recomputed layers only; the refusals megart train gives; the printed flags. Also one MLP's
+replay under --recompute-modules mlp (selective recomputation)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from megart.plan.search import Fixed, search
 from megart.training.config import TrainConfig
 from megart.training.flops import model_flops
 from plan_workers import held_bytes
-from test_plan_memory import LLAMA_ROPE, SMALL, _layout
+from test_plan_memory import LLAMA, LLAMA_ROPE, SMALL, _layout
 
 GPU = load_profile("a100-80gb")
 FULL = dict(SMALL, recompute_granularity="full")
@@ -69,6 +70,27 @@ CASES = [
 ]
 
 
+def _held_and_planned(nproc: int, kw: dict) -> list[tuple[dict, dict, float]]:
+    """Each rank of a real ``nproc``-rank run of ``kw``: what it held (plan_workers.held_bytes),
+    the plan's rank_memory for it, and the most the plan says it holds during a replay: its
+    saves less the loss's (freed before any replay: rank_memory counts them beside the replay
+    for the logits' gradient it does not model) plus recompute_working."""
+    config = TrainConfig(**kw)
+    layout = _layout(config, nproc)
+    plan = estimate(config, layout, GPU)
+    c = layout_config(config, layout)
+    t, p, _, b, sp = layout.sizes()
+    out = []
+    for held in launch(held_bytes, nproc, kw, timeout=300):
+        r = held["pp_rank"]
+        want = rank_memory(c, layout, layout.dp, r, plan.peak_in_flight[r])
+        loss = act.last_stage_bytes(c.gpt_config(), b, t, sp, precision(c, "megart"))
+        out.append(
+            (held, want, want["saved"] - (loss if r == p - 1 else 0.0) + want["recompute_working"])
+        )
+    return out
+
+
 @pytest.mark.parametrize("name,nproc,model,flags", CASES, ids=[c[0] for c in CASES])
 def test_recomputed_spans_hold_what_a_rank_holds(name, nproc, model, flags):
     """The saves autograd keeps (checkpointed spans' inputs, kept layers' whole saves) at the
@@ -77,25 +99,38 @@ def test_recomputed_spans_hold_what_a_rank_holds(name, nproc, model, flags):
     replay for the logits' gradient it does not model) plus recompute_working."""
     kw = {**model, **flags}
     config = TrainConfig(**kw)
-    layout = _layout(config, nproc)
-    plan = estimate(config, layout, GPU)
-    c = layout_config(config, layout)
+    c = layout_config(config, _layout(config, nproc))
     assert (c.recompute_method, c.recompute_num_layers) == (
         flags["recompute_method"],
         flags["recompute_num_layers"],
     )
-    t, p, _, b, sp = layout.sizes()
-    for held in launch(held_bytes, nproc, kw, timeout=300):
-        r = held["pp_rank"]
-        want = rank_memory(c, layout, layout.dp, r, plan.peak_in_flight[r])
+    for held, want, replay in _held_and_planned(nproc, kw):
         assert held["saved_peak"] == pytest.approx(want["saved"], rel=0.01), (name, held, want)
-        loss = act.last_stage_bytes(c.gpt_config(), b, t, sp, precision(c, "megart"))
-        replay = want["saved"] - (loss if r == p - 1 else 0.0) + want["recompute_working"]
         if want["recompute_working"] > 0:
             assert held["recompute_peak"] == pytest.approx(replay, rel=0.01), (name, held, want)
         else:  # block with N below a chunk's layers: the kept layers held more
             assert 0 < held["recompute_peak"] <= replay * 1.01, (name, held, want)
         assert held["saved_after"] == 0
+
+
+# --recompute-modules mlp: torch's checkpoint replays one MLP at a time in the backward, holding
+# its saves at once (and, under sequence parallelism or autocast's copy, its products' input)
+# above the layers' kept bytes: recompute_working, as a span's replay above.
+MLP_CASES = [
+    ("pp2 mlp", 2, dict(SMALL, **PP2, micro_batch_size=2)),
+    ("llama-style tp2 sp swiglu mlp", 2, dict(LLAMA, **TP2_SP, micro_batch_size=4)),
+    ("pp2 bf16 fp32 residual mlp", 2, dict(SMALL, **PP2, bf16=True, fp32_residual_connection=True,
+                                          micro_batch_size=4)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,nproc,kw", MLP_CASES, ids=[c[0] for c in MLP_CASES])
+def test_an_mlps_replay_holds_what_the_plan_counts(name, nproc, kw):
+    kw = dict(kw, recompute_granularity="selective", recompute_modules=["mlp"])
+    for held, want, replay in _held_and_planned(nproc, kw):
+        assert held["saved_peak"] == pytest.approx(want["saved"], rel=0.01), (name, held, want)
+        assert want["recompute_working"] > 0
+        assert held["recompute_peak"] == pytest.approx(replay, rel=0.01), (name, held, want)
 
 
 def _base(method: str, n: int, layers: int = 8, **kw: object) -> TrainConfig:

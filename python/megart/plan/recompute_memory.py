@@ -26,7 +26,8 @@ def chunk_layer_bytes(
     """A (microbatch, chunk) pair's ``layers`` layers: (the bytes they keep until its backward,
     how far above that its backward rises while full recomputation replays a span; see
     full_recompute_bytes). Rope's tables are not counted here (rope_table_bytes: once a
-    pair). ``extras``: what each layer's saves without recomputation add to layer_bytes' (a
+    pair); under --recompute-modules mlp the rise is one MLP's replay (mlp_replay_bytes).
+    ``extras``: what each layer's saves without recomputation add to layer_bytes' (a
     tiled sliding window's second attention output, plan.window_memory), none where selective
     recomputation recomputes the attention core (--recompute-modules core_attn: recomputed
     with it) and under full recomputation while replayed (or kept, by block's kept layers)."""
@@ -35,7 +36,8 @@ def chunk_layer_bytes(
     extras = list(extras) or [0.0] * layers
     if rec != "full":
         core_again = "core_attn" in recomputed_modules(cfg, rec)
-        return layers * one + (0.0 if core_again else sum(extras)), 0.0
+        replay = mlp_replay_bytes(cfg, b, tp, sp, prec, cp) if layers else 0.0
+        return layers * one + (0.0 if core_again else sum(extras)), replay
     whole = layer_bytes(cfg, b, tp, sp, None, prec, unfused_attention, cp)
     method, n = cfg.recompute_method, cfg.recompute_num_layers
     # The first norm keeps the span's input itself (LayerNorm; RMSNorm's fp32 view of it when
@@ -104,3 +106,20 @@ def dropped_norms_rise(
         again += cfg.hidden_size * prec.residual
     tokens = cfg.seq_length // cp * b
     return tokens * max(attention_input, mlp_input + again * (1 / tp if sp else 1.0))
+
+
+def mlp_replay_bytes(
+    cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision, cp: int = 1
+) -> float:
+    """--recompute-modules mlp: what one MLP's replay in the backward holds at once above the
+    layers' kept bytes (torch's checkpoint makes all its saves before the MLP's backward
+    frees any): its 2 f/t (GeLU, squared ReLU) or 4 f/t (SwiGLU) tensors, and the products'
+    saved input where the column-parallel entry makes a new one (the sequence gathered over t
+    ranks, or autocast's 16-bit copy of an fp32 stream's norm output), h; else that input is
+    the checkpoint's own, kept already."""
+    if not cfg.recomputes("mlp"):
+        return 0.0
+    mlp = (4 if cfg.activation == "swiglu" else 2) * cfg.ffn_size / tp * prec.other
+    copied = (sp and tp > 1) or prec.residual != prec.other
+    entry = cfg.hidden_size * prec.other if copied else 0.0
+    return cfg.seq_length // cp * b * (mlp + entry)
