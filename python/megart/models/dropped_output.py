@@ -113,6 +113,11 @@ class DroppedOutput:
 
 
 def _fill(tensor: torch.Tensor, values: torch.Tensor) -> None:
+    """``tensor``'s freed storage grown back and holding ``values`` (its shape, laid out
+    contiguously), copied storage to storage: no version counter sees it."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if values.untyped_storage().nbytes() != nbytes or not values.is_contiguous():
+        values = values.contiguous().clone()  # a storage of its own, exactly the values
     storage = tensor.untyped_storage()
-    storage.resize_(values.untyped_storage().nbytes())
+    storage.resize_(nbytes)
     storage.copy_(values.untyped_storage())
