@@ -64,6 +64,8 @@ def _model(rng: random.Random) -> dict:
                          ("disable_bias_linear", 0.3), ("qk_layernorm", 0.2)):  # fmt: skip
         if rng.random() < chance:
             model[flag] = "rope" if flag == "position_embedding_type" else True
+    if "swiglu" not in model and rng.random() < 0.2:
+        model["squared_relu"] = True
     if rng.random() < 0.4:
         model.update(group_query_attention=True, num_query_groups=2)
     if rng.random() < 0.3:
