@@ -13,8 +13,8 @@ def fed(kw: dict) -> list[tuple[str, int, list, list]]:
     seen = []
     original = trainer._microbatches
 
-    def recording(data, iteration, size):
-        inputs, targets, documents = original(data, iteration, size)
+    def recording(data, iteration, size, micro=None):
+        inputs, targets, documents = original(data, iteration, size, micro)
         split = "train" if data is trainer.data else "valid" if data is trainer.valid else "test"
         seen.append((split, iteration, [x.tolist() for x in inputs], [y.tolist() for y in targets]))
         return inputs, targets, documents
@@ -43,8 +43,8 @@ def fed_masked(kw: dict) -> list[tuple[str, int, list, list, list, float | None]
     seen = []
     original = trainer._microbatches
 
-    def recording(data, iteration, size):
-        inputs, targets, documents = original(data, iteration, size)
+    def recording(data, iteration, size, micro=None):
+        inputs, targets, documents = original(data, iteration, size, micro)
         assert all(isinstance(t, MaskedTargets) for t in targets)
         split = "train" if data is trainer.data else "valid" if data is trainer.valid else "test"
         seen.append((split, iteration, [x.tolist() for x in inputs],

@@ -151,6 +151,8 @@ HELP = {
     "log_interval": "iterations between progress lines",
     "eval_interval": "iterations between validation-loss evaluations (and one after the last)",
     "eval_iters": "global batches per evaluation (0: no evaluation)",
+    "eval_global_batch_size": "samples of each evaluation batch (default: --global-batch-size)",
+    "eval_micro_batch_size": "samples of each evaluation microbatch (default: --micro-batch-size)",
     "split": "train,validation,test weights over the corpus, e.g. 90,5,5 (unset: 969,30,1, "
     "Megatron-LM's legacy default; not with the per-split paths)",
     "log_jsonl": "write one JSON object per iteration to this file",

@@ -168,7 +168,8 @@ NO_EFFECT = (
     "data_order", "data_cache_path", "allow_ambiguous_pad_tokens", "num_workers",
     "mmap_bin_files", "create_attention_mask_in_dataloader",
     # evaluation, checkpoints, exits
-    "eval_interval", "eval_iters", "full_validation", "ckpt_format", "save", "save_interval",
+    "eval_interval", "eval_iters", "eval_global_batch_size",
+    "eval_micro_batch_size", "full_validation", "ckpt_format", "save", "save_interval",
     "save_retain_interval", "non_persistent_save_interval", "non_persistent_ckpt_type",
     "non_persistent_global_ckpt_dir", "async_save", "no_save_optim", "no_save_rng", "load",
     "no_load_optim", "no_load_rng", "finetune", "override_opt_param_scheduler",

@@ -252,6 +252,9 @@ class TrainConfig:
     # Megatron's defaults are 1000 and 100, sized for long runs; these suit the default run.
     eval_interval: int = 20
     eval_iters: int = 4
+    # Megatron's: each evaluation batch's samples and microbatch (None: the training ones).
+    eval_global_batch_size: int | None = None
+    eval_micro_batch_size: int | None = None
     split: str | None = None  # None: Megatron's legacy default, DEFAULT_SPLIT
     log_jsonl: str | None = None
     tensorboard_dir: str | None = None  # TensorBoard scalars (needs the tensorboard package)
@@ -414,6 +417,14 @@ class TrainConfig:
         if self.ffn_hidden_size is None and self.swiglu:
             return self.hidden_size // 24 * 64  # the same integer, without float rounding
         return self.ffn_hidden_size
+
+    @property
+    def eval_batch_sizes(self) -> tuple[int, int]:
+        """(samples, microbatch) of an evaluation batch: --eval-global-batch-size and
+        --eval-micro-batch-size, by default --global-batch-size and --micro-batch-size."""
+        size, micro = self.eval_global_batch_size, self.eval_micro_batch_size
+        return (self.global_batch_size if size is None else size,
+                self.micro_batch_size if micro is None else micro)  # fmt: skip
 
     def microbatches(self, dp: int, batch: int | None = None) -> int:
         """Microbatches per data-parallel rank of a global batch of ``batch`` samples (None:

@@ -132,6 +132,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
             f"--eval-iters {cfg.eval_iters} must be at least 0 (0: no evaluation) and "
             f"--eval-interval {cfg.eval_interval} at least 1"
         )
+    _check_eval_batch(cfg, dp)
     split_weights(cfg.split)
     check_data_sources(cfg)
     check_megatron_order(cfg)
@@ -266,6 +267,34 @@ def _check_schedule(cfg: TrainConfig, dp: int) -> None:
             f"microbatches, got {m} (global batch {cfg.global_batch_size} / (micro batch "
             f"{cfg.micro_batch_size} x data-parallel {dp})); use a global batch of at least "
             f"{2 * pp * per_step}, or zb-h1"
+        )
+
+
+def _check_eval_batch(cfg: TrainConfig, dp: int) -> None:
+    """Megatron-LM's --eval-global-batch-size and --eval-micro-batch-size: the batch splits
+    into whole microbatches on every data-parallel rank (Megatron asserts it), as many as the
+    pipeline schedule runs (the training batch's rules, for the evaluation's forwards)."""
+    if cfg.eval_global_batch_size is None and cfg.eval_micro_batch_size is None:
+        return
+    size, micro = cfg.eval_batch_sizes
+    given = f"--eval-global-batch-size {size} and --eval-micro-batch-size {micro}"
+    if size < 1 or micro < 1:
+        raise ConfigError(f"{given} must be at least 1")
+    if size % (micro * dp):
+        raise ConfigError(
+            f"{given}: the evaluation batch is not divisible by its microbatch x data-parallel "
+            f"size {dp} = {micro * dp} (Megatron-LM asserts it); use an evaluation batch of "
+            f"{nearest_multiples(size, micro * dp)}"
+        )
+    m, pp = size // (micro * dp), cfg.pp
+    need = {"interleaved": (m % pp, f"a multiple of the pipeline size {pp}"),
+            "zb-v": (m < 2 * pp, f"at least 2 x pipeline size = {2 * pp}")}  # fmt: skip
+    need = need.get(cfg.schedule)
+    if need is not None and need[0]:
+        raise ConfigError(
+            f"{given} make {m} microbatches per data-parallel rank; --pipeline-schedule "
+            f"{cfg.schedule} runs evaluation's forwards on {need[1]}: change the evaluation "
+            "batch"
         )
 
 

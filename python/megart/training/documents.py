@@ -151,8 +151,8 @@ class DocumentBatches:
         global_inputs, global_labels = global_batch
         inputs, labels = global_inputs[rows], global_labels[rows]
 
-        def parts(x: torch.Tensor) -> list[torch.Tensor]:
-            return microbatch_parts(c, x, cp_rank, device)
+        def parts(x: torch.Tensor) -> list[torch.Tensor]:  # m microbatches of the rows
+            return microbatch_parts(c, x, cp_rank, device, len(inputs) // m)
 
         positions = parts(document_positions(inputs, eod)) if c.reset_position_ids else [None] * m
         ids = parts(document_ids(inputs, eod)) if c.reset_attention_mask else [None] * m
@@ -197,29 +197,30 @@ def rank_microbatches(
     dp_rank: int,
     cp_rank: int,
     device: torch.device,
+    micro: int | None = None,
 ) -> tuple[list[torch.Tensor], list[Any], list[Documents] | None]:
     """A rank's microbatches of a global batch (inputs and labels [B, s] as read): its
     data-parallel rows, cut into microbatches, each its context-parallel part; the inputs
     (Megatron's pad id mapped to 0 where ``batches`` has one), the targets (``batches``'
     MaskedTargets where a loss mask applies, else the labels) and the documents (None without
-    the reset flags)."""
+    the reset flags); ``micro`` samples each (None: --micro-batch-size)."""
     whole, labels = global_batch
     share = len(whole) // dp
     rows = slice(dp_rank * share, (dp_rank + 1) * share)
     inputs = whole[rows]
     if batches is not None and batches.pad is not None:
         inputs = pad_to_zero(inputs, batches.pad)
-    inputs = microbatch_parts(config, inputs, cp_rank, device)
+    inputs = microbatch_parts(config, inputs, cp_rank, device, micro)
     if batches is not None:
         return inputs, *batches.split(global_batch, rows, cp_rank, len(inputs), device)
-    return inputs, microbatch_parts(config, labels[rows], cp_rank, device), None
+    return inputs, microbatch_parts(config, labels[rows], cp_rank, device, micro), None
 
 
 def microbatch_parts(
-    config: Any, rows: torch.Tensor, cp_rank: int, device: torch.device
+    config: Any, rows: torch.Tensor, cp_rank: int, device: torch.device, micro: int | None = None
 ) -> list[torch.Tensor]:
     """A rank's ``rows`` [n, s] of a global batch (or of anything laid out as its tokens) cut
-    into --micro-batch-size microbatches, each this context-parallel rank's part of the
-    sequence, on ``device``."""
+    into microbatches of ``micro`` (None: --micro-batch-size), each this context-parallel
+    rank's part of the sequence, on ``device``."""
     part = split_for_cp(rows, 1, config.context_parallel_size, cp_rank)
-    return [x.to(device) for x in part.split(config.micro_batch_size)]
+    return [x.to(device) for x in part.split(micro or config.micro_batch_size)]

@@ -91,11 +91,13 @@ Order = GPTOrder | BlendOrder
 
 def num_samples(config) -> tuple[int, int, int]:  # noqa: ANN001 (TrainConfig: no cycle)
     """Megatron-LM's get_train_valid_test_num_samples: train --train-iters global batches;
-    validation --eval-iters batches at each of train_iters // eval_interval + 1 evaluations;
-    test --eval-iters batches."""
-    gbs = config.global_batch_size
+    validation --eval-iters batches (of --eval-global-batch-size, by default the global
+    batch) at each of train_iters // eval_interval + 1 evaluations; test --eval-iters
+    batches."""
+    gbs, eval_gbs = config.global_batch_size, config.eval_batch_sizes[0]
     evals = config.train_iters // config.eval_interval + 1
-    return config.train_iters * gbs, evals * config.eval_iters * gbs, config.eval_iters * gbs
+    return (config.train_iters * gbs, evals * config.eval_iters * eval_gbs,
+            config.eval_iters * eval_gbs)  # fmt: skip
 
 
 def build_orders(

@@ -140,8 +140,6 @@ REFUSED: dict[str, str] = {
     "--iterations-to-skip": "megart trains every iteration; " + _LEAVE,
     "--freeze-all-layers": "megart trains every layer; " + _LEAVE,
     "--start-eval-at-iter": "megart evaluates every --eval-interval iterations; " + _LEAVE,
-    "--eval-global-batch-size": "megart evaluates with the training batch sizes; " + _LEAVE,
-    "--eval-micro-batch-size": "megart evaluates with the training batch sizes; " + _LEAVE,
     "--skip-train": "megart train always trains; " + _LEAVE,
     "--test-mode": "megart has no test mode; " + _LEAVE,
     "--multiple-validation-sets": "megart has one validation set; " + _LEAVE,

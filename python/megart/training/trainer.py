@@ -72,7 +72,7 @@ class Trainer:
         # built on first use; evaluation and a constant batch use the full batch's.
         self.link = setup.stage_link(c, g)
         self._activation = setup.activation_shape(c)
-        self._engines: dict[int, PipelineEngine] = {}
+        self._engines: dict[tuple[int, int], PipelineEngine] = {}
         self.engine = self.engine_for(self.m)
         # Data-parallel gradient buckets (reduced during backward) and AdamW.
         self.buckets, self.optimizer = optim.build(c, self.chunks, g, self.device)
@@ -102,36 +102,39 @@ class Trainer:
         with optim.full_precision(self.optimizer):  # --half-weights: the fp32 main weights
             self.saves.save(kind, iterations_done, self)
 
-    def engine_for(self, m: int) -> PipelineEngine:
-        """The pipeline engine of an iteration of ``m`` microbatches (schedules are cached)."""
-        if m not in self._engines:
-            c, g = self.config, self.grid
+    def engine_for(self, m: int, micro: int | None = None) -> PipelineEngine:
+        """The pipeline engine of an iteration of ``m`` microbatches of ``micro`` samples (None:
+        --micro-batch-size; evaluation's may differ: the stages send that shape); cached."""
+        c, g = self.config, self.grid
+        micro = micro or c.micro_batch_size
+        if (m, micro) not in self._engines:
+            seq, _, hidden = self._activation
             schedule = sched.build(c.schedule, c.pp, m, c.chunks)
-            self._engines[m] = PipelineEngine(
+            self._engines[m, micro] = PipelineEngine(
                 schedule,
                 g.pp_rank,
                 self.chunks,
                 self.link,
-                self._activation,
+                (seq, micro, hidden),
                 residual_dtype(c),
                 device=self.device,
                 plan_costs=plan_costs(c),
             )
-        return self._engines[m]
+        return self._engines[m, micro]
 
     # -- one iteration ----------------------------------------------------------------------
 
     def _microbatches(
-        self, data: Dataset, iteration: int, size: int
+        self, data: Dataset, iteration: int, size: int, micro: int | None = None
     ) -> tuple[list[torch.Tensor], list[Any], list[Any] | None]:
-        """This rank's microbatches of the global batch of ``size`` samples of ``iteration``
-        (its data-parallel share of the samples, and of each its context-parallel part): their
-        inputs, targets (with a loss mask, training.documents' targets) and documents (None
-        without the reset flags)."""
+        """This rank's microbatches (of ``micro`` samples; None: --micro-batch-size) of the
+        global batch of ``size`` samples of ``iteration`` (its data-parallel share of the
+        samples, and of each its context-parallel part): their inputs, targets (with a loss
+        mask, training.documents' targets) and documents (None without the reset flags)."""
         c, g = self.config, self.grid
         batch = data.global_batch(c.seed, iteration, size)
         ranks = (self.dp, g.dp_rank, g.cp_rank)
-        return rank_microbatches(c, self.documents, batch, *ranks, self.device)
+        return rank_microbatches(c, self.documents, batch, *ranks, self.device, micro)
 
     def _loss_fn(self, logits: torch.Tensor, targets: Any) -> torch.Tensor:
         if isinstance(targets, MaskedTargets):  # --eod-mask-loss, Megatron's pad labels
@@ -290,13 +293,13 @@ class Trainer:
         for chunk in self.chunks:
             chunk.eval()
         self.losses.clear()
+        size, micro = c.eval_batch_sizes  # --eval-global-batch-size, --eval-micro-batch-size
+        engine = self.engine_for(size // (micro * self.dp), micro)
         try:
             for i in range(c.eval_iters):
-                inputs, targets, documents = self._microbatches(
-                    data, first + i, c.global_batch_size
-                )
+                inputs, targets, documents = self._microbatches(data, first + i, size, micro)
                 with self._autocast():
-                    self.engine.evaluate(inputs, targets, self._loss_fn, documents)
+                    engine.evaluate(inputs, targets, self._loss_fn, documents)
                 self.chores.after_forward_backward()
         finally:
             for chunk in self.chunks:
