@@ -81,6 +81,8 @@ def _model(rng: random.Random) -> dict:
     recompute = rng.choice([None, None, "full", "selective"])
     if recompute:
         model["recompute_granularity"] = recompute
+    if recompute == "selective" and rng.random() < 0.6:  # Megatron's --recompute-modules
+        model["recompute_modules"] = _modules(rng)
     if rng.random() < 0.3:
         model["cross_entropy_loss_fusion"] = True
     if rng.random() < 0.15:  # Megatron's rising weight decay, set on every rank each step
@@ -90,6 +92,11 @@ def _model(rng: random.Random) -> dict:
         model.update(lr_decay_style="WSD", lr_wsd_decay_iters=rng.choice([2, 3]),
                      lr_wsd_decay_style=rng.choice(WSD_DECAY_STYLES))  # fmt: skip
     return model
+
+
+def _modules(rng: random.Random) -> list[str]:
+    """Some of the modules --recompute-modules takes, in a drawn order."""
+    return rng.sample(["core_attn", "layernorm", "mlp"], rng.randint(1, 3))
 
 
 def _precision(rng: random.Random) -> dict:
@@ -180,6 +187,8 @@ def _memory_case(rng: random.Random) -> tuple[int, dict]:
     recompute = rng.choice([None, None, None, "selective", "full"])
     if recompute:
         flags["recompute_granularity"] = recompute
+    if recompute == "selective" and rng.random() < 0.6:
+        flags["recompute_modules"] = _modules(rng)
     if dp > 1 and rng.random() < 0.5:
         flags["use_distributed_optimizer"] = True
     if "bf16" not in model and rng.random() < 0.4:

@@ -33,6 +33,7 @@ def verdict(rng: random.Random, draw_model, draw_layout, launch, judge, failed) 
 
     model = draw_model(rng)
     model.pop("recompute_granularity", None)  # the layouts' business, not the weights'
+    model.pop("recompute_modules", None)
     micro = rng.choice([1, 2])
     model.update(micro_batch_size=micro, global_batch_size=micro * 2 * 4, train_iters=2)
     fmt = rng.choice(["torch", "torch_dist"])
