@@ -181,17 +181,40 @@ def _rope_scaling(scaling: dict[str, Any] | None) -> tuple[dict[str, Any], str |
     return {}, why
 
 
-def config_from_hf(hf: dict[str, Any], fmt: str = NAME) -> GPTConfig:
+def sizes(hf: dict[str, Any]) -> dict[str, Any]:
+    """GPTConfig's sizes from the fields the Llama family's configs (Nemotron's too) share:
+    vocabulary, widths, layers, heads, key/value heads (grouped queries) and head_dim
+    (--kv-channels where it is not hidden / heads, as Qwen3's usually is not)."""
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    groups = hf.get("num_key_value_heads") or heads
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_query_groups=None if groups == heads else groups,
+        kv_channels=distinct_head_size(hf.get("head_dim"), hidden, heads),
+        ffn_hidden_size=hf["intermediate_size"],
+    )
+
+
+def one_sided_bias(hf: dict[str, Any]) -> list[str]:
+    """What megart cannot represent of a config's attention_bias and mlp_bias: a bias on one
+    side only (none when they agree)."""
+    attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+    if attention_bias == mlp_bias:
+        return []
+    return [
+        f"attention_bias {attention_bias} with mlp_bias {mlp_bias} (megart's --disable-"
+        "bias-linear takes every linear layer's bias or none)"
+    ]
+
+
+def config_from_hf(hf: dict[str, Any], fmt: str = NAME) -> GPTConfig:
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r} (megart's SwiGLU gates with silu)")
-    attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
-    if attention_bias != mlp_bias:
-        problems.append(
-            f"attention_bias {attention_bias} with mlp_bias {mlp_bias} (megart's --disable-"
-            "bias-linear takes every linear layer's bias or none)"
-        )
+    problems += one_sided_bias(hf)
     base, scaling = _rope(hf)
     scaled, unsupported = _rope_scaling(scaling)
     if unsupported:
@@ -200,26 +223,18 @@ def config_from_hf(hf: dict[str, Any], fmt: str = NAME) -> GPTConfig:
         raise ConfigError(
             f"this {fmt} has " + "; ".join(problems) + ", which megart's GPT cannot represent"
         )
-    groups = hf.get("num_key_value_heads") or heads
     return GPTConfig(
-        vocab_size=hf["vocab_size"],
+        **sizes(hf),
         # Rotary positions have no table: this is only the length megart trains with unless
         # told otherwise (import-hf --seq-length).
         seq_length=hf.get("max_position_embeddings", 2048),
-        hidden_size=hidden,
-        num_layers=hf["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_query_groups=None if groups == heads else groups,
-        # transformers' head_dim where it is not hidden / heads (Qwen3's usually is not).
-        kv_channels=distinct_head_size(hf.get("head_dim"), hidden, heads),
-        ffn_hidden_size=hf["intermediate_size"],
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         normalization="rmsnorm",
         position_embedding="rotary",
         rotary_base=base,
         **scaled,
         activation="swiglu",
-        bias=bool(attention_bias),
+        bias=bool(hf.get("attention_bias", False)),
         # transformers' LlamaConfig unties by default.
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         init_std=hf.get("initializer_range", 0.02),

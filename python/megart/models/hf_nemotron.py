@@ -25,10 +25,9 @@ from megart.errors import ConfigError
 from megart.models.config import (
     GPTConfig,
     architecture_flags,
-    distinct_head_size,
     refuse_unlike,
 )
-from megart.models.hf_llama import fuse_qkv, split_qkv
+from megart.models.hf_llama import fuse_qkv, one_sided_bias, sizes, split_qkv
 
 NAME = "Nemotron"
 MODEL_TYPE = "nemotron"
@@ -99,33 +98,20 @@ def _rope(hf: dict[str, Any]) -> tuple[float, float, str]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
-    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     base, partial, kind = _rope(hf)
-    attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
     problems = []
     if hf.get("hidden_act", "relu2") != "relu2":
         problems.append(f"hidden_act {hf['hidden_act']!r} (megart's --squared-relu is relu2)")
     if kind != "default":
         problems.append(f"rope type {kind!r} (megart reads Nemotron's unscaled rope)")
-    if attention_bias != mlp_bias:
-        problems.append(
-            f"attention_bias {attention_bias} with mlp_bias {mlp_bias} (megart's --disable-"
-            "bias-linear takes every linear layer's bias or none)"
-        )
+    problems += one_sided_bias(hf)
     if problems:
         raise ConfigError(
             f"this {NAME} has " + "; ".join(problems) + ", which megart's GPT cannot represent"
         )
-    groups = hf.get("num_key_value_heads") or heads
     return GPTConfig(
-        vocab_size=hf["vocab_size"],
+        **sizes(hf),
         seq_length=hf.get("max_position_embeddings", 4096),
-        hidden_size=hidden,
-        num_layers=hf["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_query_groups=None if groups == heads else groups,
-        kv_channels=distinct_head_size(hf.get("head_dim"), hidden, heads),
-        ffn_hidden_size=hf["intermediate_size"],
         layernorm_epsilon=hf.get("norm_eps", 1e-5),
         normalization="layernorm",
         apply_layernorm_1p=True,
@@ -133,7 +119,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         rotary_base=base,
         rotary_percent=partial,
         activation="squared_relu",
-        bias=bool(attention_bias),
+        bias=bool(hf.get("attention_bias", False)),
         # transformers' NemotronConfig unties by default.
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         init_std=hf.get("initializer_range", 0.0134),
