@@ -68,12 +68,11 @@ class Trainer:
         self.model_config = c.gpt_config()
         self.rng = setup.seeded_streams(c, g)
         self.chunks = setup.model_chunks(c, self.model_config, g, self.rng, self.device)
-        # The pipeline: one engine per number of microbatches (--rampup-batch-size varies it),
-        # built on first use; evaluation and a constant batch use the full batch's.
+        # The pipeline: one engine per number and size of microbatches (--rampup-batch-size
+        # varies the number; evaluation's flags may set both), built on first use.
         self.link = setup.stage_link(c, g)
         self._activation = setup.activation_shape(c)
         self._engines: dict[tuple[int, int], PipelineEngine] = {}
-        self.engine = self.engine_for(self.m)
         # Data-parallel gradient buckets (reduced during backward) and AdamW.
         self.buckets, self.optimizer = optim.build(c, self.chunks, g, self.device)
         self.data, self.valid, self.test = setup.datasets(c, tokens, self.dp)
