@@ -32,7 +32,6 @@ def megatron_model(
     from megatron.core import parallel_state
     from megatron.core.activations import squared_relu
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if not torch.distributed.is_initialized():
@@ -78,6 +77,7 @@ def megatron_model(
         pipeline_dtype=torch.float32 if pp > 1 else None,
         num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last,
+        **moe_config(cfg),
     )
     rope = cfg.position_embedding == "rotary"
     norms = zero_centred_layer_norm() if cfg.apply_layernorm_1p else contextlib.nullcontext()
@@ -86,9 +86,7 @@ def megatron_model(
     with norms, cuda:
         return GPTModel(
             config,
-            get_gpt_layer_local_spec(
-                normalization=config.normalization, qk_layernorm=cfg.qk_layernorm
-            ),
+            layer_spec(cfg, config, vp_stage),
             vocab_size=cfg.padded_vocab_size(tp),
             max_sequence_length=cfg.seq_length,
             position_embedding_type="rope" if rope else "learned_absolute",
@@ -102,6 +100,47 @@ def megatron_model(
             post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),
             vp_stage=vp_stage,
         ).double()
+
+
+def moe_config(cfg: GPTConfig) -> dict:
+    """TransformerConfig's MoE fields for ``cfg`` (none without experts): megart's GPTConfig
+    fields of the same names, SequentialMLP's experts (no grouped GEMM)."""
+    if cfg.num_experts is None:
+        return {}
+    freq = cfg.moe_layer_freq
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_ffn_hidden_size=cfg.moe_ffn_size,
+        moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+        moe_router_score_function=cfg.moe_router_score_function,
+        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
+        moe_router_dtype=cfg.moe_router_dtype,
+        moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+    )
+
+
+def layer_spec(cfg: GPTConfig, config, vp_stage: int | None):
+    """Megatron-Core's local layer spec for ``cfg``: one spec for every layer, or with experts
+    its decoder block spec, which takes each layer's MoE or dense spec from moe_layer_freq."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+
+    if cfg.num_experts is None:
+        return get_gpt_layer_local_spec(
+            normalization=config.normalization, qk_layernorm=cfg.qk_layernorm
+        )
+    return get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=config.normalization,
+        vp_stage=vp_stage,
+    )  # fmt: skip
 
 
 class _TorchLayerNormAffine:
@@ -142,12 +181,16 @@ def on_cpu_only() -> None:
     its parallel state is initialised)."""
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer.moe import moe_utils
 
     # The tensor-parallel RNG tracker's fork would switch CUDA generators.
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     # It puts the attention scores' scratch buffer and rope's frequencies on "the current
     # CUDA device": here the CPU.
     torch.cuda.current_device = lambda: "cpu"
+    # Megatron-Core 0.16.1's router gate names Transformer Engine's GEMM, which it only
+    # defines where Transformer Engine is installed; None takes its torch path.
+    moe_utils.te_general_gemm = None
     fused_softmax.get_sliding_window_causal_mask = on_cpu(
         fused_softmax.get_sliding_window_causal_mask
     )

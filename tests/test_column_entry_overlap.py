@@ -17,8 +17,8 @@ from megart.launcher import launch
 
 def _mlp_events(sequence_parallel: bool, activation: str, fuse: bool) -> dict:
     import megart.distributed as dist
-    from megart.models.blocks import MLP
     from megart.models.config import GPTConfig
+    from megart.models.mlp import MLP
     from megart.tensor_parallel import column_entry, weight_grad
 
     dist.init(timeout=60)

@@ -100,7 +100,7 @@ def test_the_default_run_fuses_bias_and_gelu_where_the_mlp_has_them(monkeypatch,
     --disable-bias-linear). Each layer's MLP calls bias_gelu exactly when it is on."""
     import torch
 
-    import megart.models.blocks as blocks
+    import megart.models.mlp as blocks
     from megart.models import GPT
 
     config = parse(*argv)

@@ -322,6 +322,22 @@ HELP = {
     "sequence (heads and query groups per tensor-parallel rank divisible by cp). The same "
     "attention every way. a2a+p2p (hierarchical) is refused",
     "expert_model_parallel_size": "expert parallelism (megart: only 1)",
+    "num_experts": "mixture of experts: this many MLPs in each MoE layer, each token routed to "
+    "--moe-router-topk of them (needs --disable-bias-linear; tensor-parallel size 1)",
+    "moe_ffn_hidden_size": "each expert's MLP width (default: --ffn-hidden-size)",
+    "moe_layer_freq": "which layers are MoE: N (every N-th from the first) or a list "
+    'expression of 0/1 per layer, e.g. "([0]+[1]*3)*2" (default: every layer)',
+    "moe_router_topk": "experts each token goes to",
+    "moe_router_pre_softmax": "softmax over all experts before the top-k (default: the "
+    "softmax of the top-k logits); needed with --moe-router-topk 1",
+    "moe_router_score_function": "the router's scores: softmax, or sigmoid normalised over "
+    "the chosen experts",
+    "moe_router_topk_scaling_factor": "the routing weights times this",
+    "moe_router_dtype": "the router's logits in fp32 or fp64 (default: the input's dtype)",
+    "moe_router_load_balancing_type": "aux_loss (the Switch Transformer's load-balancing loss "
+    "over each microbatch) or none; Megatron's other kinds are refused",
+    "moe_aux_loss_coeff": "the load-balancing loss's weight (Megatron suggests 1e-2)",
+    "moe_z_loss_coeff": "the router z-loss's weight (default: none)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
     "GPTModel: megart's model and checkpoint names are that model's)",
     "rotary_percent": "the part of each head rope rotates: its first int(head size x this) "

@@ -1,5 +1,6 @@
-"""A GPT layer, tensor-parallel: the MLP and the block that joins it to attention (attention.py)
-with the norms (norms.py); rotary positions are rope.py's, initial weights init.py's.
+"""A GPT layer, tensor-parallel: the block that joins attention (attention.py) to the MLP
+(mlp.py, or moe.py's mixture of experts) with the norms (norms.py); rotary positions are
+rope.py's.
 
 Activations are [s, b, h] (sequence first, Megatron's layout): sequence parallelism splits
 dimension 0. Each parameter is drawn from a generator seeded by (model seed, layer, name), so a
@@ -8,80 +9,20 @@ parameter's initial value does not depend on which stage or rank builds it.
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megart.distributed import ProcessGroup
-from megart.kernels import add_layer_norm, bias_gelu
+from megart.kernels import add_layer_norm
 from megart.models.attention import Attention
 from megart.models.config import GPTConfig
 from megart.models.dropped_output import DroppedOutput
-from megart.models.init import generator, weight_init
+from megart.models.mlp import MLP
+from megart.models.moe import AuxLossScale, MoE
 from megart.models.norms import apply_norm, gamma, in_dtype, norm
 from megart.models.recompute import checkpointed
-from megart.tensor_parallel import (
-    ColumnParallelLinear,
-    RNGStatesTracker,
-    RowParallelLinear,
-)
+from megart.tensor_parallel import ColumnParallelLinear, RNGStatesTracker
 from megart.tensor_parallel.column_entry import WeightGradSlot, enter_again
-
-
-class MLP(nn.Module):
-    """h -> ffn (column-parallel) -> GeLU, SwiGLU or squared ReLU -> h (row-parallel)."""
-
-    def __init__(
-        self, cfg: GPTConfig, layer: int, tp_group: ProcessGroup | None, sequence_parallel: bool
-    ) -> None:
-        super().__init__()
-        h, f = cfg.hidden_size, cfg.ffn_size
-        self.swiglu = cfg.activation == "swiglu"
-        self.squared_relu = cfg.activation == "squared_relu"
-        self.bias_gelu_fusion = cfg.bias_gelu_fusion
-
-        def column(name: str) -> ColumnParallelLinear:
-            return ColumnParallelLinear(
-                h,
-                f,
-                bias=cfg.bias,
-                sequence_parallel=sequence_parallel,
-                tp_group=tp_group,
-                # Megatron-Core's fc1 is one tensor, gate and up together under SwiGLU.
-                init_method=weight_init(cfg, cfg.init_std, (f * (1 + self.swiglu), h)),
-                generator=generator(cfg.seed, layer, name),
-            )
-
-        self.fc = column("fc")
-        self.gate = column("gate") if self.swiglu else None
-        self.proj = RowParallelLinear(
-            f,
-            h,
-            bias=cfg.bias,
-            sequence_parallel=sequence_parallel,
-            tp_group=tp_group,
-            init_method=weight_init(cfg, cfg.init_std / math.sqrt(2 * cfg.num_layers), (h, f)),
-            generator=generator(cfg.seed, layer, "mlp_proj"),
-        )
-
-    def forward(
-        self, x: torch.Tensor, entered: bool = False, slot: WeightGradSlot | None = None
-    ) -> torch.Tensor:
-        """``entered``: ``x`` and ``slot`` are what ``self.fc.enter`` made of the input."""
-        if self.swiglu:
-            if not entered:  # once for both: one collective each way, one saved input
-                x, slot = self.fc.enter(x)
-            gate = self.gate(x, entered=True, slot=slot)
-            return self.proj(F.silu(gate) * self.fc(x, entered=True, slot=slot))
-        if self.squared_relu:  # Megatron-Core's squared_relu (Nemotron's relu2)
-            return self.proj(torch.pow(F.relu(self.fc(x, entered=entered, slot=slot)), 2))
-        if self.bias_gelu_fusion:
-            y = self.fc(x, add_bias=False, entered=entered, slot=slot)
-            # The bias in the activation's dtype, as autocast gives F.linear's bias add.
-            return self.proj(bias_gelu(y, self.fc.bias.to(y.dtype)))
-        return self.proj(F.gelu(self.fc(x, entered=entered, slot=slot), approximate="tanh"))
 
 
 class Block(nn.Module):
@@ -95,18 +36,27 @@ class Block(nn.Module):
         sequence_parallel: bool,
         rng: RNGStatesTracker | None = None,
         cp_group: ProcessGroup | None = None,
+        loss_scale: AuxLossScale | None = None,
     ) -> None:
+        """``loss_scale``: the factor of an MoE layer's auxiliary losses' gradients (the
+        chunk's; models.moe)."""
         super().__init__()
         self.ln_1 = norm(cfg, sequence_parallel)
         self.attn = Attention(cfg, layer, tp_group, sequence_parallel, rng, cp_group)
         self.ln_2 = norm(cfg, sequence_parallel)
-        self.mlp = MLP(cfg, layer, tp_group, sequence_parallel)
+        moe = cfg.is_moe_layer(layer)
+        self.mlp: nn.Module = (
+            MoE(cfg, layer, loss_scale or AuxLossScale())
+            if moe
+            else MLP(cfg, layer, tp_group, sequence_parallel)
+        )
         self.drop = nn.Dropout(cfg.hidden_dropout)
         self.fused_norm = cfg.fused_layer_norm
         self.rng = rng
         # Megatron's --recompute-modules layernorm and mlp (models.recompute.MODULES).
         self.recompute_norms = cfg.recomputes("layernorm")
-        self.recompute_mlp = cfg.recomputes("mlp")
+        # As in Megatron-Core, "mlp" checkpoints dense MLPs only (its "moe" is not built).
+        self.recompute_mlp = cfg.recomputes("mlp") and not moe
 
     def forward(
         self,

@@ -14,7 +14,9 @@ from megart.models.config_flags import MEGATRON_NORMS as MEGATRON_NORMS
 from megart.models.config_flags import MEGATRON_POSITIONS as MEGATRON_POSITIONS
 from megart.models.config_flags import architecture_flags as architecture_flags
 from megart.models.config_flags import refuse_unlike as refuse_unlike
+from megart.models.moe_checks import check_moe, is_moe_layer
 from megart.models.recompute import DEFAULT_MODULES, MODULES
+from megart.models.rope_checks import check_rotary_percent
 from megart.models.stages import check_stages, uneven
 from megart.models.window import check_window, layer_window, refuse_window
 from megart.parallel.layout import divisors, either
@@ -147,9 +149,27 @@ class GPTConfig:
     # Megatron's --make-vocab-size-divisible-by: the vocabulary is padded to a multiple of this
     # times the tensor-parallel size (padded_vocab_size).
     make_vocab_size_divisible_by: int = VOCAB_MULTIPLE
+    # Mixture of experts (megart.models.moe), Megatron's flags: num_experts MLPs of
+    # moe_ffn_hidden_size (None: ffn_size) in the MoE layers (moe_layer_freq: every N-th from
+    # the first, or a 0/1 per layer), each token sent to moe_router_topk of them by a linear
+    # router: top-k of the logits then softmax, or softmax then top-k (pre_softmax), or sigmoid
+    # scores, their weights times the scaling factor; logits in moe_router_dtype (None: the
+    # input's). Training adds the load-balancing loss times moe_aux_loss_coeff and the z-loss
+    # times moe_z_loss_coeff. Checked by models.moe_checks.
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_dtype: str | None = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
 
     def __post_init__(self) -> None:
-        lists = ("window_size", "window_attn_skip_freq", "recompute_modules")
+        lists = ("window_size", "window_attn_skip_freq", "recompute_modules", "moe_layer_freq")
         for name in lists:  # lists, as JSON records give them
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -214,7 +234,8 @@ class GPTConfig:
                 f"recompute_modules={list(self.recompute_modules)}: megart recomputes "
                 f"{', '.join(MODULES)} (not {', '.join(unknown)})"
             )
-        self._check_rotary_percent()
+        check_rotary_percent(self)
+        check_moe(self)
         if self.position_embedding == "rotary" and self.head_dim % 2 and self.rotary_percent == 1:
             raise ConfigError(f"rotary positions need an even head size, not {self.head_dim}")
         if self.rope_scaling and self.position_embedding != "rotary":
@@ -242,44 +263,6 @@ class GPTConfig:
                 "it must be a positive finite number (above 1 to fit a longer context into the "
                 "trained angles; leave it out for none)"
             )
-
-    def _check_rotary_percent(self) -> None:
-        p, d = self.rotary_percent, self.head_dim
-        if p != 1 and self.position_embedding != "rotary":
-            raise ConfigError(
-                f"--rotary-percent {p:g} (rotary_percent) is the part of each head rope turns: "
-                "add --position-embedding-type rope (position_embedding='rotary') or leave it "
-                "out"
-            )
-        if not 0 < p <= 1:  # also refuses NaN
-            raise ConfigError(
-                f"--rotary-percent {p:g} (rotary_percent): rope turns that part of each head, "
-                "so it must be above 0 and at most 1 (1, the default, turns the whole head)"
-            )
-        turned = self.rotary_dim
-        if p == 1 or (turned > 0 and turned % 2 == 0):
-            return
-        # The even counts on either side (2 where none turned).
-        fits = [k for k in (turned - 1, max(2, turned + 1)) if 2 <= k <= d and k % 2 == 0]
-        options = " or ".join(f"{percent_for(k, d)} ({k} channels)" for k in fits)
-        head = (
-            "--kv-channels"
-            if self.kv_channels is not None
-            else "--hidden-size / --num-attention-heads"
-        )
-        given = (
-            f"--kv-channels {d}"
-            if self.kv_channels is not None
-            else f"--hidden-size {self.hidden_size} / --num-attention-heads "
-            f"{self.num_attention_heads}"
-        )
-        raise ConfigError(
-            f"--rotary-percent {p:g} of head size {d} ({given}) turns int({d} x {p:g}) = "
-            f"{turned} channel{'' if turned == 1 else 's'}, but rope turns channels in pairs, "
-            "so it must be an even number of at least 2: "
-            + (f"give --rotary-percent {options}, " if options else "")
-            + f"or a head size ({head}) whose part is even"
-        )
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recomputation recomputes ``module`` (models.recompute.MODULES)."""
@@ -329,6 +312,15 @@ class GPTConfig:
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    @property
+    def moe_ffn_size(self) -> int:
+        """Each expert's MLP width: moe_ffn_hidden_size, else ffn_size (as Megatron-LM)."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) is a mixture of experts (models.moe_checks)."""
+        return is_moe_layer(self, layer)
+
     def padded_vocab_size(self, tp: int) -> int:
         """The vocabulary rounded up to a multiple of make_vocab_size_divisible_by x t
         (Megatron's padding; 128 t by default), so every tensor-parallel rank holds an equal,
@@ -363,6 +355,11 @@ class GPTConfig:
                 f"{what} do not split over tensor-parallel size {tp} (use tensor-parallel size "
                 f"{either(divisors(groups))})"
             )
+        if self.num_experts is not None and tp > 1:
+            problems.append(
+                f"megart's mixture-of-experts layers (--num-experts {self.num_experts}) run at "
+                "tensor-parallel size 1 so far (use pipeline and data parallelism)"
+            )
         if self.ffn_size % tp:
             problems.append(
                 f"the MLP size {self.ffn_size} does not split over tensor-parallel size {tp}"
@@ -388,17 +385,6 @@ def distinct_head_size(d: int | None, hidden: int, heads: int) -> int | None:
     head_dim: ``d`` where it is not hidden / heads, else None, so that models of the usual
     head size record what they always have."""
     return None if d is None or (hidden % heads == 0 and d == hidden // heads) else int(d)
-
-
-def percent_for(channels: int, head_dim: int) -> str:
-    """The shortest --rotary-percent (at most 12 decimals) that turns ``channels`` of a head
-    of ``head_dim`` (int(head_dim * percent) == channels, in Megatron-Core's float64)."""
-    for decimals in range(1, 13):
-        scale = 10**decimals
-        percent = math.ceil(channels / head_dim * scale) / scale
-        if int(head_dim * percent) == channels:
-            return f"{percent:.{decimals}f}".rstrip("0").rstrip(".")
-    return repr(channels / head_dim)
 
 
 def fit_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from megart.models.config import GPTConfig
 from megart.models.context_parallel import group_positions
 from megart.models.documents import Documents
 from megart.models.init import generator, weight_init
+from megart.models.moe import AuxLossScale
 from megart.models.norms import HALF, apply_norm, norm
 from megart.models.recompute import checkpointed, recomputed_spans
 from megart.models.rope import rotary
@@ -92,8 +93,11 @@ class GPTChunk(nn.Module):
             # Each rank adds the positions of its own sequence slice: a partial gradient.
             self.wpe.weight.sequence_parallel = sequence_parallel
         self.drop = nn.Dropout(cfg.hidden_dropout)
+        # Shared by this chunk's MoE layers (models.moe): set by set_loss_scale.
+        self.aux_loss_scale = AuxLossScale()
         self.blocks = nn.ModuleList(
-            Block(cfg, i, tp_group, sequence_parallel, rng, cp_group) for i in layers
+            Block(cfg, i, tp_group, sequence_parallel, rng, cp_group, self.aux_loss_scale)
+            for i in layers
         )
         self.layer_ids = list(layers)
         if last:
@@ -132,6 +136,11 @@ class GPTChunk(nn.Module):
 
             x = checkpointed(run, self.rng, x) if recompute else run(x)
         return x
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The factor on this run's loss gradients (loss scale / microbatches; the pipeline
+        engine sets it), which the MoE layers' auxiliary losses' gradients take too."""
+        self.aux_loss_scale.value = scale
 
     def _unpadded_rows(self, weight: torch.Tensor) -> None:
         """Zeroes the rows of padded vocabulary entries, so the weights do not depend on t."""

@@ -5,6 +5,10 @@ The tensors are the same but for SwiGLU: megart keeps ``mlp.gate`` (silu applied
 grouped per query group as [q of the group's heads, k, v] in both. A tied output layer reads
 the word embedding in both (Megatron-Core's tied model has no ``output_layer.weight`` on a
 single stage).
+
+An MoE layer's (models.moe) router is ``mlp.router`` in both; its expert e's MLP is megart's
+``mlp.experts.e`` and Megatron-Core's ``mlp.experts.local_experts.e`` (SequentialMLP's, the
+local spec's without grouped GEMM), each named inside as a dense MLP is.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ FC1 = LAYER_NAMES["mlp.fc"]
 FC1_HALVES = ("mlp.gate", "mlp.fc")
 GATE, UP = 0, 1
 _LAYER = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)$")
+ROUTER = "mlp.router"
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)$")
+_MEGATRON_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _FC1_TENSOR = re.compile(r"\.linear_fc1\.(weight|bias)$")
 # Transformer Engine's layer spec (Megatron's default on GPUs) fuses each norm into the linear
 # layer after it: its parameters are the same norm's, under these names.
@@ -52,6 +59,13 @@ def megatron_part(part: str, cfg: GPTConfig) -> tuple[str, int | None]:
     the name between ``blocks.N.`` and ``.weight`` or ``.bias``) and which half of it the part
     is: GATE or UP (the first or second half of ``linear_fc1``) for SwiGLU's ``mlp.gate`` and
     ``mlp.fc``, None where the part is the whole tensor."""
+    expert = _EXPERT.match(part)
+    if expert:  # an expert's MLP: named inside as a dense one
+        e, inner = expert.groups()
+        megatron, half = megatron_part("mlp." + inner, cfg)
+        return megatron.replace("mlp.", f"mlp.experts.local_experts.{e}.", 1), half
+    if part == ROUTER:
+        return ROUTER, None
     if cfg.activation == "swiglu" and part in FC1_HALVES:
         return FC1, FC1_HALVES.index(part)
     return LAYER_NAMES[part], None
@@ -80,7 +94,7 @@ def to_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, tor
         if half == GATE:
             continue  # written with the up half, below
         if half == UP:
-            value = torch.cat([state[f"blocks.{layer}.{h}.{kind}"] for h in FC1_HALVES])
+            value = torch.cat([state[f"blocks.{layer}.{h}.{kind}"] for h in _halves(part)])
         out[f"decoder.layers.{layer}.{megatron}.{kind}"] = value
     return out
 
@@ -101,12 +115,30 @@ def from_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, t
             out[back[name]] = value
             continue
         match = pattern.match(name)
-        if not match or match.group(2) not in layer_back:
+        ours = match and _megart_part(match.group(2), layer_back)
+        if not ours:
             raise KeyError(f"{name}: not a Megatron-Core GPTModel parameter megart has")
-        layer, part, kind = match.groups()
+        layer, _, kind = match.groups()
         if is_fc1_halves(name, cfg):
-            for half, piece in zip(FC1_HALVES, value.chunk(2), strict=True):
+            for half, piece in zip(_halves(ours), value.chunk(2), strict=True):
                 out[f"blocks.{layer}.{half}.{kind}"] = piece
         else:
-            out[f"blocks.{layer}.{layer_back[part]}.{kind}"] = value
+            out[f"blocks.{layer}.{ours}.{kind}"] = value
     return out
+
+
+def _megart_part(part: str, layer_back: dict[str, str]) -> str | None:
+    """megart's layer part for Megatron-Core's ``part``, or None where megart has none."""
+    expert = _MEGATRON_EXPERT.match(part)
+    if expert:
+        e, inner = expert.groups()
+        dense = layer_back.get("mlp." + inner)
+        return dense and dense.replace("mlp.", f"mlp.experts.{e}.", 1)
+    return ROUTER if part == ROUTER else layer_back.get(part)
+
+
+def _halves(part: str) -> list[str]:
+    """The gate and up parts of SwiGLU's fc1 whose megart up part is ``part`` (``mlp.fc`` or
+    an expert's ``mlp.experts.e.fc``)."""
+    owner = part.rsplit(".", 1)[0]
+    return [f"{owner}.{h.rsplit('.', 1)[1]}" for h in FC1_HALVES]

@@ -184,10 +184,10 @@ LONGEST = 1 << 16
 _OPS = {ast.Add: operator.add, ast.Mult: operator.mul}
 
 
-def parse_skip_freq(text: str) -> SkipFreq:
-    """--window-attn-skip-freq's value: an integer N, or a Python list expression of 0s and
-    1s such as "([1]*3+[0])*2" (Megatron-LM's moe_freq_type; here read without eval: lists,
-    integers, + and * only)."""
+def parse_skip_freq(text: str, flag: str = "--window-attn-skip-freq") -> SkipFreq:
+    """--window-attn-skip-freq's value (or another ``flag`` of Megatron-LM's moe_freq_type,
+    such as --moe-layer-freq): an integer N, or a Python list expression of 0s and 1s such as
+    "([1]*3+[0])*2" (here read without eval: lists, integers, + and * only)."""
 
     def value(node: ast.AST) -> object:
         if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -209,7 +209,9 @@ def parse_skip_freq(text: str) -> SkipFreq:
             return tuple(got)
     except (SyntaxError, ValueError, TypeError):
         pass
+    meaning = {"--moe-layer-freq": "every N-th layer MoE, from the first"}
     raise ConfigError(
-        f"--window-attn-skip-freq {text}: give an integer N (every N-th layer without the "
-        'window) or a list of 0s and 1s per layer, e.g. "([1]*3+[0])*2"'
+        f"{flag} {text}: give an integer N "
+        f"({meaning.get(flag, 'every N-th layer without the window')}) or a list of 0s and 1s "
+        'per layer, e.g. "([1]*3+[0])*2"'
     )

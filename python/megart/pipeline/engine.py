@@ -43,6 +43,10 @@ class PipelineEngine:
     ``plan_costs``: the expected relative costs of the computes and messages, which the posting
     plan is made for (see :func:`megart.schedule.post_plan`; the trainer's are
     :func:`megart.training.pipeline_costs.plan_costs`); the same on every rank.
+
+    A chunk with a ``set_loss_scale(factor)`` method is told, before each training run, the
+    factor its losses' gradients carry (loss scale / m): megart's GPT chunks pass it to their
+    MoE layers, whose auxiliary losses seed their own gradients (megart.models.moe).
     """
 
     def __init__(
@@ -150,6 +154,10 @@ class PipelineEngine:
             raise ConfigError(f"the last pipeline stage needs {m} microbatch targets")
 
         training = not s.forward_only
+        if training:  # MoE layers' auxiliary losses take the loss's factor (models.moe)
+            for chunk in self.chunks:
+                if hasattr(chunk, "set_loss_scale"):
+                    chunk.set_loss_scale(loss_scale / m)
         recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}
         arrived: dict[tuple[str, int, int], torch.Tensor] = {}
         sends: list[dist.Work] = []

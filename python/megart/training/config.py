@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megart.models.config import VOCAB_MULTIPLE, GPTConfig
+from megart.models.moe_checks import SCORE_FUNCTIONS
 from megart.training.config_checks import PIPELINE_SCHEDULES, check_config
-from megart.training.lr import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES, learning_rate
+from megart.training.lr import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
+from megart.training.lr_flags import LearningRateFlags
 from megart.training.megatron_flags import (
     ATTENTION_BACKENDS,
     CKPT_FORMATS,
@@ -38,11 +40,22 @@ CHOICES = {
     "timing_log_level": (0, 1, 2),
     "timing_log_option": ("max", "minmax", "all"),
     "data_order": ("megart", "megatron"),
+    "moe_router_score_function": SCORE_FUNCTIONS,
+    "moe_router_dtype": ("fp32", "fp64"),
+    # Megatron's choices: those megart lacks are refused with why (models.moe_checks).
+    "moe_router_load_balancing_type": (
+        "aux_loss",
+        "seq_aux_loss",
+        "global_aux_loss",
+        "sinkhorn",
+        "quantile_balancing",
+        "none",
+    ),
 }
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(LearningRateFlags):
     """Defaults train a small GPT on the built-in corpus in seconds on a CPU."""
 
     num_layers: int = 4
@@ -229,6 +242,19 @@ class TrainConfig:
     # "a2a+p2p" is refused.
     cp_comm_type: str = "p2p"
     expert_model_parallel_size: int = 1
+    # Mixture of experts, Megatron's flags (GPTConfig's fields of the same names, models.moe);
+    # --moe-layer-freq is "N" or a list expression of 0/1 per layer, as --window-attn-skip-freq.
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_layer_freq: str | None = None
+    moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_dtype: str | None = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
     rotary_percent: float = 1.0  # the part of each head rope turns (GPTConfig.rotary_percent)
     data_cache_path: str | None = None  # --data-order megatron's indices, built once
@@ -350,61 +376,6 @@ class TrainConfig:
             "first": self.decoder_first_pipeline_num_layers,
             "last": self.decoder_last_pipeline_num_layers,
         }
-
-    @property
-    def decay_iters(self) -> float:
-        """--lr-decay-iters, or --lr-decay-samples (or --train-samples) in global batches, as
-        Megatron's scheduler counts samples; else --train-iters."""
-        samples = self.lr_decay_samples or self.train_samples
-        if samples is not None:
-            return samples / self.global_batch_size
-        return self.lr_decay_iters or self.train_iters
-
-    @property
-    def warmup_iters(self) -> float:
-        """Warm-up iterations: --lr-warmup-iters, or --lr-warmup-fraction of the decay
-        iterations (not rounded, as Megatron's), or --lr-warmup-samples' iterations."""
-        if self.lr_warmup_fraction is not None:
-            return self.lr_warmup_fraction * self.decay_iters
-        if self.lr_warmup_samples:
-            return self.lr_warmup_samples / self.global_batch_size
-        return self.lr_warmup_iters
-
-    @property
-    def anneal_iters(self) -> float | None:
-        """WSD's anneal: --lr-wsd-decay-iters, or --lr-wsd-decay-samples in global batches
-        (Megatron's scheduler counts samples); None when neither is given."""
-        if self.lr_wsd_decay_samples is not None:
-            return self.lr_wsd_decay_samples / self.global_batch_size
-        return self.lr_wsd_decay_iters
-
-    def decoupled_rates(self) -> tuple[float, float] | None:
-        """--decoupled-lr's peak and floor (the floor --min-lr's unless --decoupled-min-lr);
-        None without --decoupled-lr."""
-        if self.decoupled_lr is None:
-            return None
-        floor = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
-        return self.decoupled_lr, floor
-
-    def learning_rate(
-        self, iteration: float, peak: float | None = None, floor: float | None = None
-    ) -> float:
-        """The rate of the iteration after ``iteration`` (0-based; under --rampup-batch-size
-        the samples consumed in global batches: see megart.training.lr) under
-        --lr-decay-style; ``peak`` and ``floor`` replace --lr and --min-lr (a param group's own,
-        as Megatron-Core's scheduler takes a group's max_lr and min_lr)."""
-        return learning_rate(
-            iteration,
-            self.lr if peak is None else peak,
-            self.min_lr if floor is None else floor,
-            self.warmup_iters,
-            self.decay_iters,
-            self.lr_decay_style,
-            self.lr_warmup_init,
-            1.0 / self.global_batch_size,
-            self.anneal_iters,
-            self.lr_wsd_decay_style,
-        )
 
     def gpt_config(self) -> GPTConfig:
         """The model these flags describe (megart.training.model_flags.gpt_config)."""

@@ -27,6 +27,13 @@ def check_context_parallel(config: Any) -> None:
     cp = config.context_parallel_size
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ConfigError(f"{FLAG} {cp!r} must be a positive integer (1, the default: none)")
+    if cp > 1 and config.num_experts:
+        # The load-balancing loss would count one rank's part of each sequence only
+        # (Megatron-Core sums the experts' token counts over the context-parallel group).
+        raise ConfigError(
+            f"{FLAG} {cp} with --num-experts {config.num_experts}: megart's mixture-of-experts "
+            "layers run without context parallelism so far; use --context-parallel-size 1"
+        )
     if config.cp_comm_type not in CP_COMM_TYPES:
         # Megatron's hierarchical kind (all-to-all inside --hierarchical-context-parallel-sizes
         # groups, a ring across them) is not built; the other kinds give the same attention.

@@ -9,10 +9,12 @@ from __future__ import annotations
 # the family.
 FAMILIES: tuple[tuple[str, str], ...] = (
     (
-        "megart has no mixture of experts (MoE) layers; train a dense model (leave the MoE "
-        "flags out; --expert-model-parallel-size takes 1 only)",
+        "megart's mixture-of-experts layers (--num-experts) route each token to its top-k "
+        "experts (--moe-router-topk, --moe-router-pre-softmax, --moe-router-score-function, "
+        "--moe-router-topk-scaling-factor, --moe-router-dtype) with the aux_loss or z-loss, "
+        "every expert on each rank of its layer; this MoE feature is not built (leave it out)",
         (
-            "--moe- --num-experts --expert-tensor-parallel- --use-grouped-gemm-for- "
+            "--moe- --expert-tensor-parallel- --use-grouped-gemm-for- "
             "--overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad "
             "--ep-overlap-early-attn-memory-release --high-priority-a2a-comm-stream "
             "--save-tokens-per-expert-interval"

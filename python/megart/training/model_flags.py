@@ -79,6 +79,26 @@ def gpt_config(config: Any) -> GPTConfig:
         if config.recompute_modules is None
         else tuple(dict.fromkeys(config.recompute_modules)),  # Megatron's list as a set
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+        **moe_fields(config),
+    )
+
+
+def moe_fields(config: Any) -> dict[str, Any]:
+    """GPTConfig's MoE fields from a TrainConfig's flags (--num-experts 0 is none, as
+    Megatron-LM reads it)."""
+    freq = config.moe_layer_freq
+    return dict(
+        num_experts=config.num_experts or None,
+        moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+        moe_layer_freq=1 if freq is None else parse_skip_freq(freq, "--moe-layer-freq"),
+        moe_router_topk=config.moe_router_topk,
+        moe_router_pre_softmax=config.moe_router_pre_softmax,
+        moe_router_score_function=config.moe_router_score_function,
+        moe_router_topk_scaling_factor=config.moe_router_topk_scaling_factor,
+        moe_router_dtype=config.moe_router_dtype,
+        moe_router_load_balancing_type=config.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=float(config.moe_aux_loss_coeff),
+        moe_z_loss_coeff=config.moe_z_loss_coeff,
     )
 
 

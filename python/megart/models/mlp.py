@@ -1,0 +1,99 @@
+"""A GPT layer's MLP, tensor-parallel: h -> ffn (column-parallel) -> activation -> h
+(row-parallel). models.blocks joins it (or models.moe's experts, each one of these) to
+attention; its initial weights are init.py's."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megart.distributed import ProcessGroup
+from megart.kernels import bias_gelu
+from megart.models.config import GPTConfig
+from megart.models.init import generator, weight_init
+from megart.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megart.tensor_parallel.column_entry import WeightGradSlot
+
+
+class MLP(nn.Module):
+    """h -> ffn (column-parallel) -> GeLU, SwiGLU or squared ReLU -> h (row-parallel)."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        layer: int,
+        tp_group: ProcessGroup | None,
+        sequence_parallel: bool,
+        ffn: int | None = None,
+        name: str = "",
+    ) -> None:
+        """``ffn``: the width (cfg.ffn_size by default); ``name`` tells apart the initial
+        weights of several MLPs in one layer (an MoE layer's experts)."""
+        super().__init__()
+        h, f = cfg.hidden_size, ffn or cfg.ffn_size
+        self.swiglu = cfg.activation == "swiglu"
+        self.squared_relu = cfg.activation == "squared_relu"
+        self.bias_gelu_fusion = cfg.bias_gelu_fusion
+
+        def column(kind: str) -> ColumnParallelLinear:
+            return ColumnParallelLinear(
+                h,
+                f,
+                bias=cfg.bias,
+                sequence_parallel=sequence_parallel,
+                tp_group=tp_group,
+                # Megatron-Core's fc1 is one tensor, gate and up together under SwiGLU.
+                init_method=weight_init(cfg, cfg.init_std, (f * (1 + self.swiglu), h)),
+                generator=generator(cfg.seed, layer, name + kind),
+            )
+
+        self.fc = column("fc")
+        self.gate = column("gate") if self.swiglu else None
+        self.proj = RowParallelLinear(
+            f,
+            h,
+            bias=cfg.bias,
+            sequence_parallel=sequence_parallel,
+            tp_group=tp_group,
+            init_method=weight_init(cfg, cfg.init_std / math.sqrt(2 * cfg.num_layers), (h, f)),
+            generator=generator(cfg.seed, layer, name + "mlp_proj"),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        entered: bool = False,
+        slot: WeightGradSlot | None = None,
+        scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``entered``: ``x`` and ``slot`` are what ``self.fc.enter`` made of the input.
+        ``scale``: a factor per token on the activation before the last product (an expert's
+        routing weights, where Megatron-Core's experts apply them)."""
+        return self.proj(self._activation(x, entered, slot, scale))
+
+    def _activation(
+        self,
+        x: torch.Tensor,
+        entered: bool,
+        slot: WeightGradSlot | None,
+        scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if self.swiglu:
+            if not entered:  # once for both: one collective each way, one saved input
+                x, slot = self.fc.enter(x)
+            gate = self.gate(x, entered=True, slot=slot)
+            y = F.silu(gate) * self.fc(x, entered=True, slot=slot)
+        elif self.squared_relu:  # Megatron-Core's squared_relu (Nemotron's relu2)
+            y = torch.pow(F.relu(self.fc(x, entered=entered, slot=slot)), 2)
+        elif self.bias_gelu_fusion:
+            y = self.fc(x, add_bias=False, entered=entered, slot=slot)
+            # The bias in the activation's dtype, as autocast gives F.linear's bias add.
+            y = bias_gelu(y, self.fc.bias.to(y.dtype))
+        else:
+            y = F.gelu(self.fc(x, entered=entered, slot=slot), approximate="tanh")
+        if scale is None:
+            return y
+        return (y * scale.unsqueeze(-1)).to(y.dtype)

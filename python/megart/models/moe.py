@@ -1,0 +1,160 @@
+"""A mixture-of-experts layer (Megatron's --num-experts): in place of a layer's MLP, a linear
+router picks moe_router_topk of num_experts MLPs for each token and sums their outputs weighted
+by its routing weights, as Megatron-Core's MoELayer with its TopKRouter and SequentialMLP.
+
+Training adds two losses to the model's, through their gradients only (the reported loss is the
+language model's): the Switch Transformer's load-balancing loss, E * sum_i f_i P_i times
+--moe-aux-loss-coeff over each microbatch (f_i: the share of the k T choices that went to
+expert i, P_i: its mean router probability), and ST-MoE's z-loss, the mean squared logsumexp of
+the router's logits times --moe-z-loss-coeff. Like Megatron-Core's MoEAuxLossAutoScaler, each
+is attached to a tensor of the forward and seeds its own gradient in backward, scaled as the
+language model's loss is (1/m of the batch, times fp16's loss scale: AuxLossScale), so pipeline
+stages need not carry them to the last stage.
+
+The experts of a layer live on every rank of it (no expert or tensor parallelism yet: see
+GPTConfig.check_layout).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megart.models.config import GPTConfig
+from megart.models.init import generator, weight_init
+from megart.models.mlp import MLP
+
+_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+
+class AuxLossScale:
+    """What the training loss's gradient is scaled by in this run (loss scale / microbatches),
+    set by megart.pipeline's engine before each one (GPTChunk.set_loss_scale): the auxiliary
+    losses' gradients get the same factor."""
+
+    def __init__(self) -> None:
+        self.value = 1.0
+
+
+class _SeedGradient(torch.autograd.Function):
+    """``x`` as it is; in backward, ``loss``'s gradient is ``scale.value`` (Megatron-Core's
+    MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        ctx.scale = scale.value
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
+def _softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over experts in fp32 at least, in the logits' dtype (Megatron-Core's; float64
+    logits keep float64 here, where it rounds to fp32)."""
+    return torch.softmax(x, dim=-1, dtype=torch.promote_types(x.dtype, torch.float32)).type_as(x)
+
+
+def route(logits: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron-Core's top-k routing of [T, E] logits: each token's routing weights ([T, E],
+    zero off its k experts) and which experts it goes to ([T, E] bool)."""
+    k = cfg.moe_router_topk
+    if cfg.moe_router_score_function == "sigmoid":
+        weights, top = torch.topk(torch.sigmoid(logits.float()).type_as(logits), k, dim=1)
+        if k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    elif cfg.moe_router_pre_softmax:  # softmax over all experts, the top k's weights kept
+        weights, top = torch.topk(_softmax(logits), k, dim=1)
+    else:  # softmax over the top k logits
+        top_logits, top = torch.topk(logits, k, dim=1)
+        weights = _softmax(top_logits)
+    if cfg.moe_router_topk_scaling_factor:
+        weights = weights * cfg.moe_router_topk_scaling_factor
+    probs = torch.zeros_like(logits).scatter(1, top, weights)
+    chosen = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+    return probs, chosen
+
+
+def load_balancing_loss(logits: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """The Switch Transformer's loss over these T tokens, times --moe-aux-loss-coeff:
+    E coeff / (k T^2) sum_i (sum_x s(x, i)) (tokens whose top k hold i), s the full scores."""
+    num_tokens, experts = logits.shape
+    k = cfg.moe_router_topk
+    if cfg.moe_router_score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        wide = torch.promote_types(logits.dtype, torch.float32)  # fp32 scores from bf16 logits
+        scores = torch.softmax(logits, dim=-1, dtype=wide)
+    top = torch.topk(scores, k, dim=1).indices
+    tokens_per_expert = torch.zeros_like(scores).scatter(1, top, 1.0).sum(dim=0)
+    scale = experts * cfg.moe_aux_loss_coeff / (k * num_tokens * num_tokens)
+    return torch.sum(scores.sum(dim=0) * tokens_per_expert) * scale
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean of logsumexp(logits)^2 over tokens, times ``coeff``."""
+    return torch.square(torch.logsumexp(logits, dim=-1)).mean() * coeff
+
+
+class Router(nn.Module):
+    """Logits over the experts, [T, E], from a weight [E, h] without bias (Megatron-Core's
+    TopKRouter's gate), in --moe-router-dtype where given."""
+
+    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+        super().__init__()
+        shape = (cfg.num_experts, cfg.hidden_size)
+        self.weight = nn.Parameter(torch.empty(shape))
+        draw = weight_init(cfg, cfg.init_std, shape)
+        draw(self.weight.data, generator(cfg.seed, layer, "router"))
+        self.dtype = _DTYPES[cfg.moe_router_dtype]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.dtype is None:  # the input's dtype (autocast's, where it runs)
+            return F.linear(tokens, self.weight)
+        with torch.autocast(tokens.device.type, enabled=False):
+            return F.linear(tokens.to(self.dtype), self.weight.to(self.dtype))
+
+
+class MoE(nn.Module):
+    """[s, b, h] -> [s, b, h]: each token through its top-k experts (models.mlp.MLP, each
+    moe_ffn_size wide), their outputs summed with the routing weights."""
+
+    def __init__(self, cfg: GPTConfig, layer: int, loss_scale: AuxLossScale) -> None:
+        super().__init__()
+        self.cfg, self.loss_scale = cfg, loss_scale
+        self.router = Router(cfg, layer)
+        self.experts = nn.ModuleList(
+            MLP(cfg, layer, None, False, ffn=cfg.moe_ffn_size, name=f"expert{e}_")
+            for e in range(cfg.num_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = self.router(tokens)
+        training = self.training and torch.is_grad_enabled()
+        if training and cfg.moe_z_loss_coeff:
+            logits = self._attach(logits, z_loss(logits, cfg.moe_z_loss_coeff))
+        probs, chosen = route(logits, cfg)
+        if training and cfg.moe_aux_loss_coeff > 0:
+            probs = self._attach(probs, load_balancing_loss(logits, cfg))
+        out: torch.Tensor | None = None
+        # Every expert runs, on no tokens where none chose it, so that each weight gets a
+        # gradient (zero then), as Megatron-Core's SequentialMLP.
+        for e, expert in enumerate(self.experts):
+            rows = chosen[:, e].nonzero().squeeze(1)  # in token order, as Megatron permutes
+            y = expert(tokens[rows], scale=probs[rows, e])
+            if out is None:
+                out = tokens.new_zeros(tokens.shape, dtype=y.dtype)
+            out = out.index_add(0, rows, y)
+        return out.view(x.shape)
+
+    def _attach(self, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return _SeedGradient.apply(x, loss, self.loss_scale)
