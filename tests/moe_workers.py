@@ -17,11 +17,14 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tenso
     return F.cross_entropy(logits[..., :vocab].reshape(-1, vocab), labels.reshape(-1))
 
 
-def gradients(kw: dict, factor: float = 0.5, ours_factor: float | None = None) -> dict:
+def gradients(
+    kw: dict, factor: float = 0.5, ours_factor: float | None = None, ours_kw: dict | None = None
+) -> dict:
     """One step of both models on the same weights, each loss times ``factor``, Megatron-Core's
     auxiliary losses scaled by it (MoEAuxLossAutoScaler.set_loss_scale, as its schedules set
     loss scale / m) and megart's by ``ours_factor`` (default the same; GPTChunk.set_loss_scale,
-    as megart's engine sets it). Returns the largest gradient difference over all parameters
+    as megart's engine sets it); ``ours_kw`` changes megart's model only (the same weights).
+    Returns the largest gradient difference over all parameters
     relative to the largest gradient, and the router weights' alone."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -31,8 +34,14 @@ def gradients(kw: dict, factor: float = 0.5, ours_factor: float | None = None) -
     labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
     ours = drawn(GPT(cfg).double())
     theirs = megatron_model(cfg)
+    if ours_kw:
+        changed = GPT(GPTConfig(**{**kw, **ours_kw})).double()
+        changed.load_state_dict(ours.state_dict())
+        ours, theirs_weights = changed, ours.state_dict()
+    else:
+        theirs_weights = ours.state_dict()
     extra = {k: v for k, v in theirs.state_dict().items() if k.endswith("_extra_state")}
-    theirs.load_state_dict({**to_megatron(ours.state_dict(), cfg), **extra}, strict=True)
+    theirs.load_state_dict({**to_megatron(theirs_weights, cfg), **extra}, strict=True)
 
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(factor, dtype=torch.float64))
     s = cfg.seq_length
@@ -54,5 +63,28 @@ def gradients(kw: dict, factor: float = 0.5, ours_factor: float | None = None) -
     return dict(largest=max(diff.values()), router=max(routers), top=top)
 
 
-def gradients_all(cases: list[tuple[dict, float, float | None]]) -> list[dict]:
-    return [gradients(kw, factor, ours) for kw, factor, ours in cases]
+def gradients_all(cases: list[tuple]) -> list[dict]:
+    """gradients of each case, (kw, factor, ours_factor, ours_kw), in one launched process."""
+    return [gradients(*case) for case in cases]
+
+
+def step_gradients(kw: dict) -> dict:
+    """Every gradient after one megart train iteration with flags ``kw``, by place."""
+    import train_workers as tw
+
+    return tw.gradients_after_one_step(**kw)
+
+
+def auxiliary_factor(kw: dict) -> tuple[float, float]:
+    """After one megart train iteration with flags ``kw`` (one process): the factor its MoE
+    layers' auxiliary losses were seeded with, and the loss scale / microbatches the engine
+    scaled the language model's loss by."""
+    import train_workers as tw
+    from megart.training.data import builtin_corpus
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(tw.tiny(train_iters=1, **kw), tokens=builtin_corpus(1 << 16))
+    scale = trainer.scaler.scale if trainer.scaler is not None else 1.0
+    trainer.train(quiet=True)
+    m = trainer.config.microbatches(1)
+    return trainer.chunks[0].aux_loss_scale.value, float(scale) / m

@@ -1,0 +1,222 @@
+"""Mixture of experts (megart.models.moe; Megatron's --num-experts and --moe-* router flags)
+against Megatron-Core 0.16.1's own MoE GPTModel (local spec, SequentialMLP experts, CPU,
+float64): its logits from megart's weights and megart's from its own, and the gradients of a
+training step with the load-balancing loss and the z-loss under a pipeline run's loss factor.
+Then megart's runs: flags reach the model, what cannot run is refused by name, pipeline and
+data-parallel runs follow the one-process curve, recomputation changes no gradient, and a
+checkpoint resumes on the curve.
+
+Megatron-Core's softmax over experts rounds to fp32 even in a float64 model (its
+torch.softmax(..., dtype=torch.float32)); megart's keeps the logits' dtype from fp32 up, so the
+two agree to some 1e-7 of logits near 2, not 1e-12 (the sigmoid rows, without that softmax,
+agree to 1e-15)."""
+
+import argparse
+
+import pytest
+
+import megatron_core_workers as mcw
+import moe_workers as mw
+import train_workers as tw
+from megart import ConfigError
+from megart.cli.train import add_arguments, config_from_args
+from megart.launcher import launch
+from train_workers import SAME_RUN
+
+BASE = dict(vocab_size=100, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
+            bias=False, num_experts=4)  # fmt: skip
+LLAMA = dict(normalization="rmsnorm", position_embedding="rotary", activation="swiglu",
+             untie_embeddings_and_output_weights=True, num_query_groups=2)  # fmt: skip
+MODELS = {
+    "gelu-top2": {},
+    "swiglu-pre-softmax-narrow-experts": dict(
+        activation="swiglu", moe_router_pre_softmax=True, moe_ffn_hidden_size=24
+    ),
+    # Every second layer dense (Megatron-Core's decoder block spec takes the pattern).
+    "top1-dense-then-moe": dict(
+        num_experts=3, moe_router_topk=1, moe_router_pre_softmax=True, moe_layer_freq=(0, 1)
+    ),
+    "sigmoid-scaled-fp32-router": dict(
+        moe_router_score_function="sigmoid",
+        moe_router_topk_scaling_factor=2.5,
+        moe_router_dtype="fp32",
+    ),
+    "every-second-of-4": dict(num_layers=4, moe_layer_freq=2),
+    "llama-style-top3-of-8": {**LLAMA, "num_experts": 8, "moe_router_topk": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def logits():
+    configs = [{**BASE, **kw} for kw in MODELS.values()]
+    return dict(zip(MODELS, launch(mcw.compare_all, 1, configs, True, timeout=300)[0], strict=True))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_megatron_core_computes_megarts_logits_both_ways(logits, name):
+    r = logits[name]
+    assert r["scale"] > 0.5  # logits of some size: routing reaches them
+    assert r["forward"] < 1e-6  # megart's weights in Megatron-Core's MoE GPTModel
+    assert r["reverse"] < 1e-6  # Megatron-Core's weights in megart's GPT
+
+
+LOSSES = dict(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+GRADIENT_CASES = {
+    # (model, the loss factor both use, megart's factor, megart's model changes)
+    "aux-and-z-loss-half": ({**BASE, **LOSSES}, 0.5, None, None),
+    "no-auxiliary-losses": (BASE, 0.5, None, None),
+    "swiglu-pre-softmax-quarter": (
+        {**BASE, "activation": "swiglu", "moe_router_pre_softmax": True, **LOSSES},
+        0.25,
+        None,
+        None,
+    ),
+    "sigmoid": ({**BASE, "moe_router_score_function": "sigmoid", **LOSSES}, 0.5, None, None),
+    # The mistakes this exists to catch: the losses' gradients not scaled as the loss is, and
+    # the load-balancing loss weighed wrongly.
+    "wrong-factor": ({**BASE, **LOSSES}, 0.5, 1.0, None),
+    "wrong-coefficient": ({**BASE, **LOSSES}, 0.5, None, dict(moe_aux_loss_coeff=0.2)),
+}
+
+
+@pytest.fixture(scope="module")
+def gradients():
+    cases = list(GRADIENT_CASES.values())
+    results = launch(mw.gradients_all, 1, cases, timeout=300)[0]
+    return dict(zip(GRADIENT_CASES, results, strict=True))
+
+
+@pytest.mark.parametrize("name", [n for n in GRADIENT_CASES if not n.startswith("wrong")])
+def test_a_training_step_has_megatron_cores_gradients(gradients, name):
+    r = gradients[name]
+    assert r["top"] > 1e-3
+    assert r["largest"] < 1e-6  # every parameter, relative to the largest gradient
+    assert r["router"] < 1e-6
+
+
+@pytest.mark.parametrize("name", ["wrong-factor", "wrong-coefficient"])
+def test_the_comparison_catches_wrongly_scaled_auxiliary_losses(gradients, name):
+    assert gradients[name]["router"] > 1e-3
+
+
+def parse(*argv: str):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_the_flags_reach_the_model():
+    cfg = parse(
+        "--num-experts", "8", "--disable-bias-linear", "--moe-ffn-hidden-size", "48",
+        "--moe-layer-freq", "([0]+[1]*1)*2", "--moe-router-topk", "1",
+        "--moe-router-pre-softmax", "--moe-router-score-function", "softmax",
+        "--moe-router-topk-scaling-factor", "1.5", "--moe-router-dtype", "fp32",
+        "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+    ).gpt_config()  # fmt: skip
+    assert (cfg.num_experts, cfg.moe_ffn_size, cfg.moe_layer_freq) == (8, 48, (0, 1, 0, 1))
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert (cfg.moe_router_topk, cfg.moe_router_pre_softmax) == (1, True)
+    assert (cfg.moe_router_topk_scaling_factor, cfg.moe_router_dtype) == (1.5, "fp32")
+    assert (cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff) == (0.01, 0.001)
+    assert parse("--num-experts", "0").gpt_config().num_experts is None  # Megatron's "none"
+    every = parse("--num-experts", "2", "--disable-bias-linear", "--moe-layer-freq", "3")
+    assert [every.gpt_config().is_moe_layer(i) for i in range(4)] == [True, False, False, True]
+
+
+MOE = ("--num-experts", "4", "--disable-bias-linear")
+
+
+@pytest.mark.parametrize(
+    "argv,world,message",
+    [
+        (("--num-experts", "4"), 1, "add --disable-bias-linear"),
+        ((*MOE, "--tensor-model-parallel-size", "2"), 2, "run at tensor-parallel size 1"),
+        ((*MOE, "--context-parallel-size", "2"), 2, "without context parallelism"),
+        (("--moe-aux-loss-coeff", "0.01"), 1, "the model has no experts"),
+        ((*MOE, "--moe-router-topk", "1"), 1, "add --moe-router-pre-softmax"),
+        ((*MOE, "--moe-router-topk", "5"), 1, "between 1 and --num-experts 4"),
+        ((*MOE, "--moe-router-load-balancing-type", "sinkhorn"), 1, "sinkhorn .* not built"),
+        ((*MOE, "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.1"), 1,
+         "does not compute"),
+        ((*MOE, "--moe-layer-freq", "[1,0,1]"), 1, "one 0 .dense. or 1 .MoE. per layer, 4"),
+        ((*MOE, "--moe-layer-freq", "every"), 1, "--moe-layer-freq every: give an integer"),
+    ],
+)  # fmt: skip
+def test_what_megart_cannot_run_is_refused_by_name(argv, world, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(*argv).check(world)
+
+
+def test_megatrons_other_moe_flags_are_refused_by_name(capsys):
+    from megart.cli.train import main
+
+    assert main([*MOE, "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "8"]) != 0
+    err = capsys.readouterr().err
+    assert "--moe-grouped-gemm: megart's mixture-of-experts layers" in err
+    assert "--moe-shared-expert-intermediate-size: megart's mixture-of-experts" in err
+
+
+MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,
+             moe_z_loss_coeff=0.01)  # fmt: skip
+TRAIN = dict(MODEL, train_iters=4)
+
+
+@pytest.fixture(scope="module")
+def curves():
+    one = launch(tw.train_kw, 1, TRAIN, timeout=300)[0]
+    pp2 = launch(tw.train_kw, 2, dict(TRAIN, pipeline_model_parallel_size=2), timeout=300)[-1]
+    interleaved = launch(tw.train_kw, 2, dict(TRAIN, pipeline_model_parallel_size=2,
+                         num_layers_per_virtual_pipeline_stage=1), timeout=300)[-1]  # fmt: skip
+    dp2 = launch(tw.train_kw, 2, TRAIN, timeout=300)[0]
+    plain = launch(tw.train_kw, 1, dict(TRAIN, moe_aux_loss_coeff=0.0), timeout=300)[0]
+    return one, pp2, interleaved, dp2, plain
+
+
+def test_pipeline_and_data_parallel_runs_follow_the_one_process_curve(curves):
+    """Each microbatch's auxiliary losses weigh 1/m of the batch on every layout (the engine's
+    factor), so pp2, interleaved pp2 and dp2 are the one-process run."""
+    one, pp2, interleaved, dp2, plain = curves
+    want = [h["loss"] for h in one]
+    assert [h["loss"] for h in pp2] == pytest.approx(want, **SAME_RUN)
+    assert [h["loss"] for h in interleaved] == pytest.approx(want, **SAME_RUN)
+    assert [h["loss"] for h in dp2] == pytest.approx(want, **SAME_RUN)
+    # The load-balancing loss is in the curve (the reported loss is the language model's).
+    assert [h["loss"] for h in plain][1:] != pytest.approx(want[1:], rel=1e-5)
+
+
+def _same_gradients(a: dict, b: dict) -> bool:
+    import torch
+
+    return set(a) == set(b) and all(torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-8) for n in a)
+
+
+def test_recomputation_changes_no_gradient():
+    """Full recomputation replays the router (its choice included) and the experts; selective
+    "mlp" checkpoints dense MLPs only, as Megatron-Core's, and leaves MoE layers as they are."""
+    kw = dict(MODEL, moe_layer_freq="2")
+    plain = launch(mw.step_gradients, 1, kw, timeout=300)[0]
+    full = launch(mw.step_gradients, 1, dict(kw, recompute_granularity="full"), timeout=300)[0]
+    mlp = launch(mw.step_gradients, 1, dict(kw, recompute_granularity="selective",
+                 recompute_modules=["core_attn", "mlp"]), timeout=300)[0]  # fmt: skip
+    assert any(".router." in n for n in plain)
+    assert _same_gradients(plain, full)
+    assert _same_gradients(plain, mlp)
+
+
+def test_a_checkpoint_resumes_on_the_curve(tmp_path):
+    straight = launch(tw.train_kw, 2, dict(TRAIN, pipeline_model_parallel_size=2),
+                      timeout=300)[-1]  # fmt: skip
+    pp2 = dict(TRAIN, pipeline_model_parallel_size=2)
+    trained, resumed = tw.saved_and_resumed(2, pp2, 1, TRAIN, tmp_path / "ckpt")
+    tw.assert_holds(trained, resumed)
+    tw.assert_resumed_on_curve(straight, resumed, **SAME_RUN)
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, dict(fp16=True, loss_scale=64.0), dict(global_batch_size=16)], ids=str
+)
+def test_the_engine_seeds_the_auxiliary_losses_as_it_scales_the_loss(kw):
+    """What the gradient comparison above takes as given (its factor set by hand): the engine
+    tells the chunks the loss's factor, loss scale / m, before each run."""
+    got, want = launch(mw.auxiliary_factor, 1, dict(MODEL, **kw), timeout=300)[0]
+    assert got == want and want != 1.0
