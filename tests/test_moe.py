@@ -168,16 +168,20 @@ def curves():
     interleaved = launch(tw.train_kw, 2, dict(TRAIN, pipeline_model_parallel_size=2,
                          num_layers_per_virtual_pipeline_stage=1), timeout=300)[-1]  # fmt: skip
     dp2 = launch(tw.train_kw, 2, TRAIN, timeout=300)[0]
+    # Zero-bubble's V: the experts' weight gradients deferred to its W steps.
+    zbv = launch(tw.train_kw, 2, dict(TRAIN, pipeline_model_parallel_size=2,
+                 pipeline_schedule="zb-v"), timeout=300)[0]  # fmt: skip
     plain = launch(tw.train_kw, 1, dict(TRAIN, moe_aux_loss_coeff=0.0), timeout=300)[0]
-    return one, pp2, interleaved, dp2, plain
+    return one, pp2, interleaved, dp2, zbv, plain
 
 
 def test_pipeline_and_data_parallel_runs_follow_the_one_process_curve(curves):
     """Each microbatch's auxiliary losses weigh 1/m of the batch on every layout (the engine's
-    factor), so pp2, interleaved pp2 and dp2 are the one-process run."""
-    one, pp2, interleaved, dp2, plain = curves
+    factor), so pp2 (1F1B, interleaved, zero-bubble V) and dp2 are the one-process run."""
+    one, pp2, interleaved, dp2, zbv, plain = curves
     want = [h["loss"] for h in one]
     assert [h["loss"] for h in pp2] == pytest.approx(want, **SAME_RUN)
+    assert [h["loss"] for h in zbv] == pytest.approx(want, **SAME_RUN)
     assert [h["loss"] for h in interleaved] == pytest.approx(want, **SAME_RUN)
     assert [h["loss"] for h in dp2] == pytest.approx(want, **SAME_RUN)
     # The load-balancing loss is in the curve (the reported loss is the language model's).
