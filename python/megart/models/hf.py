@@ -46,6 +46,11 @@ from megart.tensor_parallel._group import group_rank, group_size
 WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3, hf_nemotron, hf_mixtral)
 # By config.json's model_type.
 FORMATS = {m.MODEL_TYPE: m for m in WRITERS}
+# Formats megart knows and cannot represent, by model_type: why.
+UNREPRESENTABLE = {
+    "qwen2_moe": "its MoE layers add shared experts (shared_expert, gated by "
+    "shared_expert_gate) to the routed ones, and megart's MoE has no shared experts",
+}
 # Parameters whose rows are the (padded) vocabulary.
 VOCAB_ROWS = ("chunk.wte.weight", "chunk.output_layer.weight")
 
@@ -58,6 +63,10 @@ def read_format(path: str | Path, expect: str | None = None) -> tuple[ModuleType
         raise FileNotFoundError(f"{root} has no config.json: is it a save_pretrained directory?")
     hf = json.loads((root / "config.json").read_text())
     kind = hf.get("model_type")
+    if kind in UNREPRESENTABLE:
+        raise ConfigError(
+            f"{root} holds a {kind}, which megart cannot read: {UNREPRESENTABLE[kind]}"
+        )
     if kind not in FORMATS or expect not in (None, kind):
         known = [expect] if expect else list(FORMATS)
         raise ConfigError(
