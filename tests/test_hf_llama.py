@@ -224,7 +224,13 @@ def test_import_hf_of_a_llama_trains_under_tp2_pp2_with_the_flags_it_prints(
     layout = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     kw = dict(model, load=str(ckpt), train_iters=2, lr_warmup_iters=0, seq_length=16, **layout)
     kw.update(hidden_dropout=0.0, attention_dropout=0.0)
-    runs = launch(tw.loaded_and_first_step, 4, kw, timeout=300)
+    assert_fine_tunes(launch(tw.loaded_and_first_step, 4, kw, timeout=300), path, hf)
+
+
+def assert_fine_tunes(runs: list, path, hf: object) -> None:
+    """The ranks of train_workers.loaded_and_first_step (``runs``) loaded exactly GPT.from_hf's
+    weights of the directory ``path``, trained first at the loss transformers' model ``hf``
+    computes on their batch (fp32 on both sides: within 1e-5), and then lower."""
     reference = dict(GPT.from_hf(str(path)).named_parameters())
     merged = {}
     for loaded, _, _ in runs:

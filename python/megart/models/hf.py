@@ -1,13 +1,13 @@
 """Hugging Face interop: load a ``save_pretrained`` directory of a GPT-2, a Llama, a Mistral, a
-Qwen2, a Qwen3 or a Nemotron into any tensor-parallel layout, and write one that transformers'
-``from_pretrained`` loads.
+Qwen2, a Qwen3, a Nemotron or a Mixtral into any tensor-parallel layout (a Mixtral's experts:
+tensor-parallel size 1), and write one that transformers' ``from_pretrained`` loads.
 
 Each format is a module (megart.models.hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3,
-hf_nemotron) that maps names and layouts between its whole tensors and the whole tensors of
-megart's one-chunk GPT. What is common lives here: reading and writing the files, cutting each
-whole tensor into this rank's tensor-parallel slice, gathering the slices back, and choosing
-the format (by config.json's model_type when reading; by the model's architecture when
-writing).
+hf_nemotron, hf_mixtral) that maps names and layouts between its whole tensors and the whole
+tensors of megart's one-chunk GPT. What is common lives here: reading and writing the files,
+cutting each whole tensor into this rank's tensor-parallel slice, gathering the slices back,
+and choosing the format (by config.json's model_type when reading; by the model's
+architecture when writing).
 
 Writing goes check -> hf_tensors -> megart.models.hf_files.write_hf, fed one tensor at a time
 by the live model's gathers here (GPT.save_hf) or by a training checkpoint's files
@@ -26,18 +26,31 @@ import torch
 
 import megart.distributed as dist
 from megart.errors import ConfigError
-from megart.models import hf_gpt2, hf_llama, hf_mistral, hf_nemotron, hf_qwen2, hf_qwen3
+from megart.models import (
+    hf_gpt2,
+    hf_llama,
+    hf_mistral,
+    hf_mixtral,
+    hf_nemotron,
+    hf_qwen2,
+    hf_qwen3,
+)
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
 from megart.tensor_parallel._group import group_rank, group_size
 
 # A Llama-style model without a window is written as a Llama, one with a window as a Mistral,
 # one with query/key norms as a Qwen3, one with biases on q/k/v alone as a Qwen2; squared ReLU
-# with zero-centred LayerNorm as a Nemotron: each check() takes only its own, so at most one
-# format takes a model.
-WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3, hf_nemotron)
+# with zero-centred LayerNorm as a Nemotron; one with experts in every layer as a Mixtral (the
+# others refuse experts): each check() takes only its own, so at most one format takes a model.
+WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3, hf_nemotron, hf_mixtral)
 # By config.json's model_type.
 FORMATS = {m.MODEL_TYPE: m for m in WRITERS}
+# Formats megart knows and cannot represent, by model_type: why.
+UNREPRESENTABLE = {
+    "qwen2_moe": "its MoE layers add shared experts (shared_expert, gated by "
+    "shared_expert_gate) to the routed ones, and megart's MoE has no shared experts",
+}
 # Parameters whose rows are the (padded) vocabulary.
 VOCAB_ROWS = ("chunk.wte.weight", "chunk.output_layer.weight")
 
@@ -50,6 +63,10 @@ def read_format(path: str | Path, expect: str | None = None) -> tuple[ModuleType
         raise FileNotFoundError(f"{root} has no config.json: is it a save_pretrained directory?")
     hf = json.loads((root / "config.json").read_text())
     kind = hf.get("model_type")
+    if kind in UNREPRESENTABLE:
+        raise ConfigError(
+            f"{root} holds a {kind}, which megart cannot read: {UNREPRESENTABLE[kind]}"
+        )
     if kind not in FORMATS or expect not in (None, kind):
         known = [expect] if expect else list(FORMATS)
         raise ConfigError(

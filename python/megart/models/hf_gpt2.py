@@ -15,6 +15,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig, refuse_unlike
+from megart.models.hf_llama import refuse_experts
 
 NAME = "GPT-2"
 MODEL_TYPE = "gpt2"
@@ -115,6 +116,7 @@ def check(cfg: GPTConfig) -> None:
         "only models trained with GPT-2's own architecture can be written in its format",
     )
     cfg.refuse_window(NAME)
+    refuse_experts(cfg, NAME)
 
 
 def hf_tensors(

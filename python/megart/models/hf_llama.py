@@ -50,15 +50,34 @@ def _norm_names(i: int) -> list[tuple[str, str]]:
     ]
 
 
-def _linear_names(i: int) -> list[tuple[str, str]]:
-    """(megart, Llama) names of layer i's linear layers other than the fused q/k/v."""
+# A format's names of MoE layer i's router and experts: (megart, Hugging Face) pairs without
+# ".weight" (megart's experts have no biases), for the families whose other tensors are
+# Llama's (megart.models.hf_mixtral).
+MoeNames = Callable[[int], list[tuple[str, str]]]
+
+
+def _linear_names(cfg: GPTConfig, i: int, moe: MoeNames | None = None) -> list[tuple[str, str]]:
+    """(megart, Llama) names of layer i's linear layers other than the fused q/k/v: an MoE
+    layer's router and experts by ``moe`` where given."""
     m, g = f"chunk.blocks.{i}.", f"model.layers.{i}."
-    return [
-        (m + "attn.proj", g + "self_attn.o_proj"),
+    attention = [(m + "attn.proj", g + "self_attn.o_proj")]
+    if moe is not None and cfg.is_moe_layer(i):
+        return attention + moe(i)
+    return attention + [
         (m + "mlp.fc", g + "mlp.up_proj"),
         (m + "mlp.gate", g + "mlp.gate_proj"),
         (m + "mlp.proj", g + "mlp.down_proj"),
     ]
+
+
+def refuse_experts(cfg: GPTConfig, fmt: str) -> None:
+    """Refuses a model with experts for format ``fmt``, whose MLPs are dense."""
+    if cfg.num_experts is not None:
+        raise ConfigError(
+            f"a {fmt} checkpoint cannot represent --num-experts {cfg.num_experts} (mixture-"
+            f"of-experts layers; {fmt}'s MLPs are dense): only a model without experts can be "
+            "written in its format (one with experts in every layer, as a Mixtral)"
+        )
 
 
 def split_qkv(cfg: GPTConfig, w: torch.Tensor) -> list[torch.Tensor]:
@@ -116,6 +135,7 @@ def check(cfg: GPTConfig) -> None:
     )
     check_rope(cfg, NAME)
     cfg.refuse_window(NAME)
+    refuse_experts(cfg, NAME)
 
 
 def check_rope(cfg: GPTConfig, fmt: str) -> None:
@@ -242,11 +262,14 @@ def config_from_hf(hf: dict[str, Any], fmt: str = NAME) -> GPTConfig:
 
 
 def to_megart(
-    cfg: GPTConfig, take: Callable[[str], torch.Tensor], wanted: Collection[str] | None = None
+    cfg: GPTConfig,
+    take: Callable[[str], torch.Tensor],
+    wanted: Collection[str] | None = None,
+    moe: MoeNames | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(megart parameter name, its whole tensor) one at a time, from ``take(name)``: the
     Llama tensor of that name (vocabulary unpadded). Only the names in ``wanted`` (default
-    all) are converted, and only their Llama tensors taken."""
+    all) are converted, and only their Llama tensors taken; ``moe`` names MoE layers'."""
     pairs = [("chunk.wte.weight", "model.embed_tokens.weight")]
     for i in range(cfg.num_layers):
         pairs += _norm_names(i)
@@ -256,7 +279,7 @@ def to_megart(
                 ours = f"chunk.blocks.{i}.attn.qkv.{kind}"
                 pairs.append((ours, [f"{g}{x}_proj.{kind}" for x in "qkv"]))
             if others:
-                pairs += [(f"{m}.{kind}", f"{hf}.{kind}") for m, hf in _linear_names(i)]
+                pairs += [(f"{m}.{kind}", f"{hf}.{kind}") for m, hf in _linear_names(cfg, i, moe)]
     pairs.append(FINAL_NORM)
     if cfg.untie_embeddings_and_output_weights:
         pairs.append(("chunk.output_layer.weight", "lm_head.weight"))
@@ -270,13 +293,13 @@ def to_megart(
 
 
 def hf_tensors(
-    cfg: GPTConfig, full: Callable[[str], torch.Tensor]
+    cfg: GPTConfig, full: Callable[[str], torch.Tensor], moe: MoeNames | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Llama's tensors, (name, tensor) one at a time in Hugging Face's order (the embedding,
-    layer by layer, the final norm, the output layer), from ``full(name)``: the whole (not
-    tensor-parallel) tensor of parameter ``name`` of a one-chunk GPT, vocabulary padding
-    included. A writer holds only what it writes next; every rank calls ``full`` in the same
-    order, which gathers across ranks rely on."""
+    """Llama's tensors (MoE layers' named by ``moe``), (name, tensor) one at a time in Hugging
+    Face's order (the embedding, layer by layer, the final norm, the output layer), from
+    ``full(name)``: the whole (not tensor-parallel) tensor of parameter ``name`` of a one-chunk
+    GPT, vocabulary padding included. A writer holds only what it writes next; every rank
+    calls ``full`` in the same order, which gathers across ranks rely on."""
 
     def scale(name: str) -> torch.Tensor:
         # Llama's RMSNorm holds the scale itself, not a zero-centred weight.
@@ -295,7 +318,7 @@ def hf_tensors(
                 yield f"{g}self_attn.q_proj.{kind}", q
                 yield f"{g}self_attn.k_proj.{kind}", k
                 yield f"{g}self_attn.v_proj.{kind}", v
-            for ours, theirs in _linear_names(i) if others else ():
+            for ours, theirs in _linear_names(cfg, i, moe) if others else ():
                 yield f"{theirs}.{kind}", full(f"{ours}.{kind}")
     yield FINAL_NORM[1], scale(FINAL_NORM[0])
     if cfg.untie_embeddings_and_output_weights:

@@ -27,7 +27,7 @@ from megart.models.config import (
     architecture_flags,
     refuse_unlike,
 )
-from megart.models.hf_llama import fuse_qkv, one_sided_bias, sizes, split_qkv
+from megart.models.hf_llama import fuse_qkv, one_sided_bias, refuse_experts, sizes, split_qkv
 
 NAME = "Nemotron"
 MODEL_TYPE = "nemotron"
@@ -84,6 +84,7 @@ def check(cfg: GPTConfig) -> None:
             "trained without --rotary-interleaved and rope scaling can be written in its format"
         )
     cfg.refuse_window(NAME)
+    refuse_experts(cfg, NAME)
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, float, str]:

@@ -47,6 +47,7 @@ def check(cfg: GPTConfig) -> None:
         "(--disable-bias-linear --add-qkv-bias) can be written in its format",
     )
     hf_llama.check_rope(cfg, NAME)
+    hf_llama.refuse_experts(cfg, NAME)
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:

@@ -59,6 +59,7 @@ def check(cfg: GPTConfig) -> None:
         "biases can be written in its format",
     )
     hf_llama.check_rope(cfg, NAME)
+    hf_llama.refuse_experts(cfg, NAME)
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"

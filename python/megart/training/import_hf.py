@@ -1,5 +1,5 @@
-"""A Hugging Face GPT-2, Llama, Mistral, Qwen2 or Qwen3 directory as a megart checkpoint, to
-fine-tune under any layout.
+"""A Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Nemotron or Mixtral directory as a megart
+checkpoint, to fine-tune under any layout (a Mixtral's experts: tensor-parallel size 1).
 
     import_checkpoint("gpt2-dir", "ckpt")  # megart import-hf --input gpt2-dir --save ckpt
     # then: megart train --load ckpt --vocab-size 50257 --num-layers 12 ... (any tp x pp),
@@ -200,4 +200,33 @@ def train_flags(cfg: GPTConfig) -> list[str]:
             flags.append("--window-attn-skip-freq [" + ",".join(map(str, skip)) + "]")
         elif skip is not None:
             flags.append(f"--window-attn-skip-freq {skip}")
-    return " ".join(flags).split()
+    return " ".join(flags + moe_flags(cfg)).split()
+
+
+def moe_flags(cfg: GPTConfig) -> list[str]:
+    """--num-experts and the --moe- flags that shape the network, where not Megatron's default
+    (none without experts). The auxiliary losses (--moe-aux-loss-coeff, --moe-z-loss-coeff,
+    --moe-router-load-balancing-type) and --moe-router-dtype are how a run trains, as --bf16
+    is, and are left to it: a Mixtral's router_aux_loss_coef in particular weighs another loss
+    (transformers' pools every layer's routing into one statistic and counts each of the k
+    choices, about k / layers times Megatron's sum of per-layer losses), applied only with
+    output_router_logits, which Mixtral's released configs leave off."""
+    if cfg.num_experts is None:
+        return []
+    flags = [f"--num-experts {cfg.num_experts}"]
+    if cfg.moe_ffn_hidden_size is not None:  # experts of another width than --ffn-hidden-size
+        flags.append(f"--moe-ffn-hidden-size {cfg.moe_ffn_hidden_size}")
+    freq = cfg.moe_layer_freq
+    if isinstance(freq, tuple):  # one argument, as --window-attn-skip-freq's list
+        flags.append("--moe-layer-freq [" + ",".join(map(str, freq)) + "]")
+    elif freq != 1:
+        flags.append(f"--moe-layer-freq {freq}")
+    if cfg.moe_router_topk != 2:
+        flags.append(f"--moe-router-topk {cfg.moe_router_topk}")
+    if cfg.moe_router_pre_softmax:
+        flags.append("--moe-router-pre-softmax")
+    if cfg.moe_router_score_function != "softmax":
+        flags.append(f"--moe-router-score-function {cfg.moe_router_score_function}")
+    if cfg.moe_router_topk_scaling_factor is not None:
+        flags.append(f"--moe-router-topk-scaling-factor {cfg.moe_router_topk_scaling_factor!r}")
+    return flags
