@@ -164,6 +164,7 @@ def zero_centred_layer_norm():
 
     from megatron.core.fusions import fused_layer_norm as fused
     from megatron.core.models import backends
+    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer import transformer_block
 
     # Looked up at each forward: installed for good (only FusedLayerNorm calls it).
@@ -172,6 +173,8 @@ def zero_centred_layer_norm():
         mock.patch.object(fused, "HAVE_FUSED_LAYER_NORM", True),
         mock.patch.object(backends, "LNImpl", fused.FusedLayerNorm),
         mock.patch.object(transformer_block, "LayerNormImpl", fused.FusedLayerNorm),
+        # The MoE decoder block spec's final norm (get_gpt_decoder_block_spec's LNImpl).
+        mock.patch.object(gpt_layer_specs, "LNImpl", fused.FusedLayerNorm),
     ):
         yield
 

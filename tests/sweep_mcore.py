@@ -2,9 +2,10 @@
 Megatron-Core's GPTModel both have and megart.models.megatron_names maps (norms, 1p, rope's
 base, pairing, part, llama3 scaling and position interpolation, SwiGLU, biases, the QKV bias,
 untied output, grouped queries, head widths, --qk-layernorm, windows, the MLP width, a padded
-vocabulary, epsilon), compared with megatron_core_workers.compare (weights drawn, float64, CPU)
-in a launched process: megart's weights in Megatron-Core's model and Megatron-Core's in
-megart's must give the same logits, both ways within the mode's tolerance."""
+vocabulary, epsilon, mixture of experts), compared with megatron_core_workers.compare (weights
+drawn, float64, CPU) in a launched process: megart's weights in Megatron-Core's model and
+Megatron-Core's in megart's must give the same logits, both ways within the mode's tolerance (a
+model with experts: MOE_TOLERANCE, see there)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ from megart.parallel.layout import divisors
 
 # Below this largest logit the absolute bound says little (assert_same_both_ways' floor).
 SCALE = 0.1
+# A model with experts is judged against this bound where the mode's is tighter: Megatron-Core
+# takes the router's softmax (or sigmoid) in fp32 even in a float64 model (its moe_utils
+# casts the scores), so its routing weights are rounded to ~6e-8 relative and the logits move
+# by ~1e-7 of their scale (the first slice's hand check: 1.5e-7 at scale 2).
+MOE_TOLERANCE = 1e-6
+
+
+def tolerance_for(kw: dict, tolerance: float) -> float:
+    """The bound of model ``kw``: the mode's, or MOE_TOLERANCE for a model with experts."""
+    return max(tolerance, MOE_TOLERANCE) if kw.get("num_experts") else tolerance
 
 
 def _heads(rng: random.Random, rotary: bool) -> dict:
@@ -70,6 +81,30 @@ def _window(rng: random.Random, layers: int) -> dict:
     return kw
 
 
+def _moe(rng: random.Random, layers: int) -> dict:
+    """Mixture-of-experts options for ``layers`` layers: experts, top-k (1 mostly with the
+    softmax first, else megart's and Megatron's refusal), the layers (every N-th or a 0/1
+    pattern), sigmoid scores, a scaling factor, the experts' width and the router's dtype."""
+    experts = rng.randint(1, 6)
+    kw: dict = dict(num_experts=experts, moe_router_topk=rng.randint(1, experts))
+    if rng.random() < 0.4 or (kw["moe_router_topk"] == 1 and rng.random() < 0.9):
+        kw["moe_router_pre_softmax"] = True
+    if rng.random() < 0.5:
+        if rng.random() < 0.5:
+            kw["moe_layer_freq"] = rng.randint(1, 3)
+        else:
+            kw["moe_layer_freq"] = tuple(rng.choice([0, 1]) for _ in range(layers))
+    if rng.random() < 0.2:
+        kw["moe_router_score_function"] = "sigmoid"
+    if rng.random() < 0.3:
+        kw["moe_router_topk_scaling_factor"] = rng.choice([0.5, 2.0, 2.5])
+    if rng.random() < 0.4:
+        kw["moe_ffn_hidden_size"] = rng.randint(4, 48)
+    if rng.random() < 0.3:
+        kw["moe_router_dtype"] = rng.choice(["fp32", "fp64"])
+    return kw
+
+
 def config(rng: random.Random) -> dict:
     """GPTConfig's keywords of one drawn model: small (s 8-16, h 16-64, 1-3 layers, 2-8 heads)
     so that a draw takes seconds."""
@@ -107,6 +142,10 @@ def config(rng: random.Random) -> dict:
         kw["layernorm_epsilon"] = rng.choice([1e-6, 1e-3, 0.1])  # 0.1 moves the logits
     if rng.random() < 0.25:
         kw.update(_window(rng, layers))
+    if rng.random() < 0.3:
+        kw.update(_moe(rng, layers))
+        if rng.random() < 0.9:  # megart's experts have no biases (else its refusal)
+            kw["bias"] = False
     # megart's own ways to the same math (Megatron-Core's side has one): the math kernel
     # instead of torch's attention, and the fused kernels' torch references.
     if rng.random() < 0.3:
@@ -168,7 +207,7 @@ def check(kw: dict, launch, failed, tolerance: float, sabotage: str | None = Non
     numbers += f"largest logit {r['scale']:.2g})"
     if r["scale"] < SCALE:
         return f"ERROR logits too small to judge: {numbers} {kw}"
-    return f"{'OK' if worst < tolerance else 'MISMATCH'} {numbers} {kw}"
+    return f"{'OK' if worst < tolerance_for(kw, tolerance) else 'MISMATCH'} {numbers} {kw}"
 
 
 def skipped() -> str | None:

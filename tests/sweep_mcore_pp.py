@@ -31,14 +31,15 @@ SABOTAGES = {"ranks": ((0, 0), (1, 0)), "v": ((0, 1), (1, 1)), "chunks": ((1, 0)
 
 
 def config(rng: random.Random, layers: int) -> dict:
-    """sweep_mcore.config's model with ``layers`` layers (a per-layer window pattern redrawn
-    for them)."""
+    """sweep_mcore.config's model with ``layers`` layers (a per-layer window or MoE pattern
+    redrawn for them)."""
     import sweep_mcore
 
     kw = sweep_mcore.config(rng)
     kw["num_layers"] = layers
-    if isinstance(kw.get("window_attn_skip_freq"), tuple):
-        kw["window_attn_skip_freq"] = tuple(rng.choice([0, 1]) for _ in range(layers))
+    for name in ("window_attn_skip_freq", "moe_layer_freq"):
+        if isinstance(kw.get(name), tuple):
+            kw[name] = tuple(rng.choice([0, 1]) for _ in range(layers))
     return kw
 
 
@@ -170,9 +171,12 @@ def check(
     def alter(megatron_dir: Path) -> None:
         sabotage_files(megatron_dir, SABOTAGES[sabotage])
 
+    import sweep_mcore
+
     what = f"{described(layout)} {kw}"
+    bound = sweep_mcore.tolerance_for(kw, tolerance)  # a model with experts: fp32 routing
     return sweep_mcore_tp.converted_verdict(kw, what, layout, stage_logits, PP, launch, failed,
-                                            tolerance, alter if sabotage else None)  # fmt: skip
+                                            bound, alter if sabotage else None)  # fmt: skip
 
 
 def verdict(rng: random.Random, launch, failed, tolerance: float) -> str:

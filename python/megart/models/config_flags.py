@@ -17,6 +17,7 @@ MEGATRON_NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 MEGATRON_POSITIONS = {"learned": "learned_absolute", "rotary": "rope"}
 
 
+DENSE = "no --num-experts"  # every MoE entry of a dense model's architecture_flags
 _ACTIVATION_FLAGS = {"swiglu": "--swiglu", "squared_relu": "--squared-relu",
                      "gelu": "neither --swiglu nor --squared-relu"}  # fmt: skip
 
@@ -70,7 +71,44 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
             if cfg.query_groups != cfg.num_attention_heads
             else "no --group-query-attention"
         ),
+        **moe_flags(cfg),
     }
+
+
+def moe_flags(cfg: GPTConfig) -> dict[str, str]:
+    """architecture_flags' mixture-of-experts part: the experts, their width, which layers
+    have them and how the router weighs them (its dtype and the training losses may change).
+    A dense model's every entry is DENSE: a dense and an MoE model differ in num_experts, which
+    names it (refuse_unlike and checkpoint loads leave the others out, see differing)."""
+    fields = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk",
+              "moe_router_pre_softmax", "moe_router_score_function",
+              "moe_router_topk_scaling_factor")  # fmt: skip
+    if cfg.num_experts is None:
+        return dict.fromkeys(fields, DENSE)
+    factor = cfg.moe_router_topk_scaling_factor
+    # As the layers' 0/1 pattern: an N and the pattern it makes are one model.
+    pattern = [int(cfg.is_moe_layer(i)) for i in range(cfg.num_layers)]
+    return {
+        "num_experts": f"--num-experts {cfg.num_experts}",
+        "moe_ffn_hidden_size": f"--moe-ffn-hidden-size {cfg.moe_ffn_size}",
+        "moe_layer_freq": f"--moe-layer-freq {pattern}",
+        "moe_router_topk": f"--moe-router-topk {cfg.moe_router_topk}",
+        "moe_router_pre_softmax": ("" if cfg.moe_router_pre_softmax else "no ")
+        + "--moe-router-pre-softmax",
+        "moe_router_score_function": "--moe-router-score-function " + cfg.moe_router_score_function,
+        "moe_router_topk_scaling_factor": "no --moe-router-topk-scaling-factor"
+        if factor is None
+        else f"--moe-router-topk-scaling-factor {factor:g}",
+    }
+
+
+def differing(was: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The architecture_flags fields whose texts differ between two models, ``was`` and
+    ``now``; between a dense and an MoE model the MoE entries but num_experts left out (the
+    dense one's are all DENSE)."""
+    return [
+        f for f in was if was[f] != now[f] and (f == "num_experts" or DENSE not in (was[f], now[f]))
+    ]
 
 
 def refuse_unlike(
@@ -80,6 +118,7 @@ def refuse_unlike(
     format's, naming for each the megart train flag that gave it and the GPTConfig field;
     ``fields`` holds (field, the model's value, the format's), ``closing`` ends the message."""
     flags = architecture_flags(cfg)
+    fields = [(n, v, t) for n, v, t in fields if n == "num_experts" or flags[n] != DENSE]
     unlike = [
         f"{flags[name]} ({name}={value!r}; {fmt} has {theirs!r})"
         for name, value, theirs in fields

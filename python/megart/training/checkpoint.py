@@ -33,6 +33,7 @@ import megart.distributed as dist
 from megart.errors import ConfigError
 from megart.models import GPTConfig
 from megart.models.config import architecture_flags
+from megart.models.config_flags import differing
 from megart.tensor_parallel.random import GeneratorStates
 from megart.training import megatron_dist, megatron_dist_train_load, norm_biases, reshard
 from megart.training.checkpoint_save import save, write_release  # re-exported: the public API
@@ -249,7 +250,7 @@ def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -
     # The architecture flags that shape the weights or what they mean, beyond MODEL_FIELDS;
     # the rest (dropout, seed, --init-method-std, fused kernels, recomputation) may change.
     was, now = architecture_flags(model_config(state)), architecture_flags(cfg)
-    differ += [f"{was[f]} (now {now[f]})" for f in was if was[f] != now[f]]
+    differ += [f"{was[f]} (now {now[f]})" for f in differing(was, now)]
     if differ:
         raise ConfigError(
             f"--load {directory}: the checkpoint was saved with " + ", ".join(differ) + "; "

@@ -72,6 +72,20 @@ FORCED = (
     "attention_dropout",
     "hidden_dropout",
 )
+# Mixture of experts, as Megatron-LM 0.16 takes them: the experts and their width always (a
+# dense checkpoint's None too), the layers and the router's flags (forced) only from a
+# checkpoint with experts, so that a dense one names no router setting. Its training flags
+# (--moe-aux-loss-coeff, --moe-z-loss-coeff, --moe-router-load-balancing-type) stay the
+# command line's, as in Megatron; megart takes --moe-router-dtype (which Megatron leaves to
+# the command line) where the command line leaves it unset, as the window.
+EXPERTS = ("num_experts", "moe_ffn_hidden_size")
+ROUTER = (
+    "moe_layer_freq",
+    "moe_router_topk",
+    "moe_router_pre_softmax",
+    "moe_router_score_function",
+    "moe_router_topk_scaling_factor",
+)
 TOKENIZER = tokenizer_record.FIELDS
 INTERLEAVING = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
 STAGES = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
@@ -194,6 +208,7 @@ def flags_from(
     )
     out = [(f, values[f], False) for f in SIZES + WINDOW]
     out += [(f, values[f], True) for f in FORCED]
+    out += moe_flags(cfg)
     # What depends on a size the command line gave is left to it: megart's position table is
     # --seq-length long, its head size --hidden-size / --num-attention-heads.
     if "seq_length" not in given:
@@ -222,6 +237,24 @@ def flags_from(
         if not set(STAGES) & set(given):
             out += [(f, a.get(f, MISSING), False) for f in STAGES]
     return out
+
+
+def moe_flags(cfg: GPTConfig) -> list[tuple[str, Any, bool]]:
+    """flags_from's mixture-of-experts part (see EXPERTS and ROUTER)."""
+    if cfg.num_experts is None:
+        return [(f, None, True) for f in EXPERTS]
+    freq = cfg.moe_layer_freq  # TrainConfig's is the flag's text
+    values = {
+        "num_experts": cfg.num_experts,
+        "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size,  # None: --ffn-hidden-size's
+        "moe_layer_freq": str(list(freq) if isinstance(freq, tuple) else freq),
+        "moe_router_topk": cfg.moe_router_topk,
+        "moe_router_pre_softmax": cfg.moe_router_pre_softmax,
+        "moe_router_score_function": cfg.moe_router_score_function,
+        "moe_router_topk_scaling_factor": cfg.moe_router_topk_scaling_factor,
+    }
+    out = [(f, values[f], True) for f in EXPERTS + ROUTER]
+    return out + [("moe_router_dtype", cfg.moe_router_dtype, False)]
 
 
 def apply(

@@ -80,6 +80,34 @@ def megatron_args(
         decoder_last_pipeline_num_layers=last,
         iteration=iteration,
         ckpt_format="torch",
+        **moe_args(cfg),
+    )
+
+
+def moe_args(cfg: GPTConfig) -> dict[str, Any]:
+    """The mixture-of-experts flags of ``cfg`` as Megatron-LM 0.16's args hold them after its
+    validate_args: num_experts None without experts (its --num-experts 0 too), and
+    moe_ffn_hidden_size then None, else the experts' width (--ffn-hidden-size's where not
+    given); --moe-layer-freq an int or a list of 0/1 per layer (its moe_freq_type);
+    --moe-router-load-balancing-type and --moe-aux-loss-coeff (nargs "+") a single value, as
+    validate_args leaves a list of one. No grouped GEMM (megart's experts are SequentialMLP's
+    names) and no expert parallelism."""
+    freq = cfg.moe_layer_freq
+    return dict(
+        num_experts=cfg.num_experts,
+        moe_ffn_hidden_size=None if cfg.num_experts is None else cfg.moe_ffn_size,
+        moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+        moe_router_score_function=cfg.moe_router_score_function,
+        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
+        moe_router_dtype=cfg.moe_router_dtype,
+        moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff,
+        moe_grouped_gemm=False,
+        moe_shared_expert_intermediate_size=None,
+        expert_model_parallel_size=1,
     )
 
 
@@ -130,6 +158,38 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
             a.get("kv_channels"), a["hidden_size"], a["num_attention_heads"]
         ),
         make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by") or VOCAB_MULTIPLE,
+        **moe_fields(a),
+    )
+
+
+def moe_fields(a: dict[str, Any]) -> dict[str, Any]:
+    """GPTConfig's mixture-of-experts fields from Megatron-LM's args (``vars``): none (a dense
+    model) where they lack num_experts, as args from before Megatron had experts do, or hold
+    None or 0 (its validate_args' None). A list of one where Megatron's nargs "+" flags are
+    read before validate_args made them single values."""
+    experts = a.get("num_experts") or None
+    if experts is None:
+        return {}
+
+    def single(name: str, default: Any) -> Any:
+        value = a.get(name, default)
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    width = a.get("moe_ffn_hidden_size")
+    freq = a.get("moe_layer_freq", 1)
+    return dict(
+        num_experts=int(experts),
+        # Written as --ffn-hidden-size's where validate_args filled it in: megart keeps None.
+        moe_ffn_hidden_size=None if width == a.get("ffn_hidden_size") else width,
+        moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
+        moe_router_topk=a.get("moe_router_topk", 2),
+        moe_router_pre_softmax=bool(a.get("moe_router_pre_softmax", False)),
+        moe_router_score_function=a.get("moe_router_score_function", "softmax"),
+        moe_router_topk_scaling_factor=a.get("moe_router_topk_scaling_factor"),
+        moe_router_dtype=a.get("moe_router_dtype"),
+        moe_router_load_balancing_type=single("moe_router_load_balancing_type", "aux_loss"),
+        moe_aux_loss_coeff=float(single("moe_aux_loss_coeff", 0.0)),
+        moe_z_loss_coeff=a.get("moe_z_loss_coeff"),
     )
 
 
@@ -140,6 +200,30 @@ def saved_stages(a: dict[str, Any]) -> dict[str, int | None]:
         "first": a.get("decoder_first_pipeline_num_layers"),
         "last": a.get("decoder_last_pipeline_num_layers"),
     }
+
+
+def refuse_experts(num_experts: int | None, what: str) -> None:
+    """Refuses ``what`` (a save, a load or a conversion in torch_dist) of a model with
+    ``num_experts``: Megatron-Core's SequentialMLP keys its experts' tensors in the store by
+    the global expert number, one more sharded axis (``decoder.layers.mlp.experts.experts.
+    linear_fc1.weight``, its sharded_state_dict), which megart.training.megatron_dist does not
+    write or read yet."""
+    if num_experts:
+        raise ConfigError(
+            f"{what}: --ckpt-format torch_dist with --num-experts {num_experts}: megart writes "
+            "and reads Megatron's distributed store for dense models only so far (its experts' "
+            "keys are not built); use --ckpt-format torch (Megatron-LM's legacy files, which "
+            "Megatron-Core loads) or megart (the default)"
+        )
+
+
+# Megatron-LM's MoE flags that change the experts' parameters (names or kinds) from the ones
+# megart has: grouped GEMM (TEGroupedMLP's weights), shared experts, the router's expert bias.
+MOE_UNBUILT = (
+    "moe_grouped_gemm",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_enable_expert_bias",
+)
 
 
 def check_args(a: dict[str, Any], where: Any) -> None:
@@ -154,8 +238,16 @@ def check_args(a: dict[str, Any], where: Any) -> None:
             )
         except ConfigError as e:
             raise ConfigError(f"{where}: saved with {e}") from None
-    if (a.get("expert_model_parallel_size") or 1) > 1 or (a.get("num_experts") or 0) > 0:
-        raise ConfigError(f"{where}: a mixture-of-experts model, which megart does not have")
+    ep = a.get("expert_model_parallel_size") or 1
+    unlike = [f"--expert-model-parallel-size {ep}"] if ep > 1 else []
+    # Other expert layouts than SequentialMLP's local_experts, with other parameter names.
+    unlike += [f"--{k.replace('_', '-')}" for k in MOE_UNBUILT if a.get(k)]
+    if unlike and a.get("num_experts"):
+        raise ConfigError(
+            f"{where}: a mixture-of-experts model saved with {', '.join(unlike)}, which megart "
+            "does not have (its experts are Megatron-Core's SequentialMLP, without expert "
+            "parallelism)"
+        )
 
 
 def args_record(a: dict[str, Any]) -> dict[str, Any]:

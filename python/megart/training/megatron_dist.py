@@ -40,7 +40,7 @@ from megart.errors import ConfigError
 from megart.models.config import GPTConfig
 from megart.models.megatron_names import NAMES, TE_NORMS, megatron_part
 from megart.training.ckpt_files import iteration_dir
-from megart.training.megatron_args import check_args
+from megart.training.megatron_args import check_args, refuse_experts
 from megart.training.megatron_files import CHECKPOINT_VERSION, torch_load
 
 METADATA = "metadata.json"
@@ -139,6 +139,7 @@ def write(
     """Writes ``model`` (Megatron-Core's whole state dict, the vocabulary padded as ``args``
     say) with ``args`` as the torch_dist checkpoint of ``iteration`` in ``save_dir``; returns
     its iteration directory. The tracker file is the caller's to write."""
+    refuse_experts(cfg.num_experts, f"writing {save_dir}")
     root = iteration_dir(save_dir, iteration)
     root.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {
@@ -169,6 +170,7 @@ def read_common(root: Path) -> dict[str, Any]:
     if not isinstance(common, dict) or common.get("args") is None:
         raise ConfigError(f"{root / COMMON}: no args; not a Megatron-LM checkpoint")
     check_args(vars(common["args"]), root)
+    refuse_experts(getattr(common["args"], "num_experts", None), f"reading {root}")
     return common
 
 

@@ -56,7 +56,11 @@ _LAYER_PARTS = (
     "pre_mlp_layernorm",
     "mlp.linear_fc1",
     "mlp.linear_fc2",
+    # An MoE layer's (in place of the two above): its router, then each expert's fc1 and fc2.
+    "mlp.router",
+    "mlp.experts",
 )
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)$")
 _SUFFIXES = ("weight", "bias", "_extra_state")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)\.(\w+)$")
 
@@ -70,12 +74,17 @@ def _order_key(name: str) -> tuple:
     }
     module, suffix = name.rsplit(".", 1)
     if module in top:
-        return (top[module], 0, 0, _SUFFIXES.index(suffix))
+        return (top[module], 0, 0, 0, 0, _SUFFIXES.index(suffix))
     match = _LAYER.match(name)
-    if not match or match.group(2) not in _LAYER_PARTS:
+    expert = match and _EXPERT.match(match.group(2))
+    if not match or not (expert or match.group(2) in _LAYER_PARTS):
         raise KeyError(f"{name}: not a Megatron-Core GPTModel parameter megart writes")
     layer, part, suffix = match.groups()
-    return (2, int(layer), _LAYER_PARTS.index(part), _SUFFIXES.index(suffix))
+    if expert:  # SequentialMLP's local experts in their order, each its fc1 then fc2
+        e, fc = expert.groups()
+        within = (int(e), fc == "linear_fc2")
+        return (2, int(layer), _LAYER_PARTS.index("mlp.experts"), *within, _SUFFIXES.index(suffix))
+    return (2, int(layer), _LAYER_PARTS.index(part), 0, 0, _SUFFIXES.index(suffix))
 
 
 def in_megatron_order(state: dict[str, Any]) -> dict[str, Any]:
