@@ -88,10 +88,29 @@ def _model(rng: random.Random) -> dict:
     if rng.random() < 0.15:  # Megatron's rising weight decay, set on every rank each step
         model.update(weight_decay_incr_style=rng.choice(["linear", "cosine"]),
                      start_weight_decay=0.0, end_weight_decay=0.5)  # fmt: skip
+    if rng.random() < 0.2:  # mixture of experts (refused with tensor or context parallelism)
+        model.update(_experts(rng, model["num_layers"]), disable_bias_linear=True)
     if rng.random() < 0.15:  # WSD: its anneal over the run's last iterations
         model.update(lr_decay_style="WSD", lr_wsd_decay_iters=rng.choice([2, 3]),
                      lr_wsd_decay_style=rng.choice(WSD_DECAY_STYLES))  # fmt: skip
     return model
+
+
+def _experts(rng: random.Random, layers: int) -> dict:
+    """Mixture-of-experts flags for ``layers`` layers: experts, top-k, routing, which layers
+    and the two losses."""
+    experts = rng.choice([2, 3, 4])
+    flags: dict = dict(num_experts=experts, moe_router_topk=rng.randint(1, min(3, experts)),
+                       moe_aux_loss_coeff=rng.choice([0.0, 0.01, 0.1]))  # fmt: skip
+    if flags["moe_router_topk"] == 1 or rng.random() < 0.3:
+        flags["moe_router_pre_softmax"] = True
+    pattern = rng.choice(["2", f"([0]+[1]*3)*{layers // 4}"])
+    for flag, value, chance in (("moe_layer_freq", pattern, 0.3),
+                                ("moe_ffn_hidden_size", 48, 0.3), ("moe_z_loss_coeff", 0.01, 0.3),
+                                ("moe_router_score_function", "sigmoid", 0.15)):  # fmt: skip
+        if rng.random() < chance:
+            flags[flag] = value
+    return flags
 
 
 def _modules(rng: random.Random) -> list[str]:

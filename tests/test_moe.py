@@ -140,6 +140,8 @@ MOE = ("--num-experts", "4", "--disable-bias-linear")
          "does not compute"),
         ((*MOE, "--moe-layer-freq", "[1,0,1]"), 1, "one 0 .dense. or 1 .MoE. per layer, 4"),
         ((*MOE, "--moe-layer-freq", "every"), 1, "--moe-layer-freq every: give an integer"),
+        ((*MOE, "--recompute-granularity", "selective", "--recompute-modules", "layernorm"), 1,
+         "layernorm with --num-experts"),
     ],
 )  # fmt: skip
 def test_what_megart_cannot_run_is_refused_by_name(argv, world, message):
