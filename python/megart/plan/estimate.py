@@ -24,7 +24,11 @@ from megart.plan.timing import Work, layer_work, logits_work
 from megart.plan.worst_rank import worst_rank_memory
 from megart.training.config import TrainConfig
 from megart.training.flops import model_flops, replayed_layers
-from megart.training.layer_placement import every_rank_layers, replayed_layer_count
+from megart.training.layer_placement import (
+    every_rank_layers,
+    replayed_layer_count,
+    replayed_moe_layer_count,
+)
 
 ADAM_BYTES = 28  # per fp32 element stepped: read p, g, m, v; write p, m, v (REFERENCES.md)
 
@@ -223,6 +227,7 @@ def _flops(c: TrainConfig, cfg: GPTConfig) -> tuple[int, int]:
         replayed=replayed,
         selective=cfg.recomputes("core_attn"),
         mlp_again=cfg.recomputes("mlp"),
+        replayed_moe=replayed_moe_layer_count(c, cfg),
     )
     return model_flops(cfg, batch, causal=False), run
 
