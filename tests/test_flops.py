@@ -61,6 +61,29 @@ def test_flops_of_any_mlp_size_and_swiglu_sum_the_matmuls(
     assert got == matmul_count(b, s, l, h, v, f, heads, swiglu, recompute)
 
 
+def torch_count(layers: int, **kw: object) -> tuple[GPTConfig, int]:
+    """A small GPT of ``layers`` layers and the FLOPs torch's counter sees in its forward and
+    backward over 3 sequences of 16 tokens: the math attention kernel (products torch can
+    count), and checkpoints that replay the whole forward (early stop off)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = GPTConfig(
+        vocab_size=256, seq_length=16, hidden_size=32, num_layers=layers, num_attention_heads=4,
+        **kw,
+    )  # fmt: skip
+    model = GPT(cfg)
+    tokens = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(0))
+    with (
+        set_checkpoint_early_stop(False),
+        sdpa_kernel(SDPBackend.MATH),
+        FlopCounterMode(display=False) as counter,
+    ):
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    return cfg, counter.get_total_flops()
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -104,26 +127,12 @@ def test_flops_equal_torchs_flop_counter_on_the_model(kw):
     the math kernel, which is made of products torch can count). The paper counts a whole
     recomputed forward; torch's checkpoint stops recomputing once backward's saved tensors are
     back, skipping each recomputed group's last product, unless early stop is off."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.checkpoint import set_checkpoint_early_stop
-    from torch.utils.flop_counter import FlopCounterMode
-
-    cfg = GPTConfig(
-        vocab_size=256, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4, **kw
-    )
-    model = GPT(cfg)
-    tokens = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(0))
-    with (
-        set_checkpoint_early_stop(False),
-        sdpa_kernel(SDPBackend.MATH),
-        FlopCounterMode(display=False) as counter,
-    ):
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    cfg, counted = torch_count(layers=2, **kw)
     recompute = cfg.recompute_granularity == "full"
     selective = dict(selective=cfg.recomputes("core_attn"), mlp_again=cfg.recomputes("mlp"))
     # torch's math kernel multiplies the whole s x s matrix (the mask applied after).
     got = model_flops(cfg, 3, recompute, causal=False, **selective)
-    assert got == counter.get_total_flops()
+    assert got == counted
 
 
 @settings(max_examples=200, deadline=None)
@@ -179,3 +188,92 @@ def test_selective_recomputation_runs_every_attention_core_once_more(b, s, l, h,
     assert korthikanti - iteration_flops(b, s, l, h, v, causal=False) == 3 * replay
     with pytest.raises(ValueError, match="exclusive"):
         iteration_flops(b, s, l, h, v, recompute=True, selective=True)
+
+
+def megatron_moe_flops(b, s, l, h, v, f, swiglu, pattern, moe_ffn, topk):
+    """Megatron-LM's num_floating_point_operations for a GPT with --num-experts (facts from its
+    training.py, written out here): per token, 3 passes x 2 FLOPs x h times the dense layers'
+    f x (3 with SwiGLU, else 2) plus the MoE layers' moe_ffn x topk x the same factor (no
+    router, no shared experts); attention and logits as for a dense model (multi-head here)."""
+    factor = 3 if swiglu else 2
+    moe_layers = sum(pattern)
+    mlp = 6 * h * (f * factor * (l - moe_layers) + moe_ffn * topk * factor * moe_layers)
+    attention = 6 * l * (h * 3 * h + h * h)
+    return b * s * (mlp + attention + 6 * h * v) + b * s * s * 6 * l * h
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    b=st.integers(1, 64),
+    s=st.integers(1, 4096),
+    pattern=st.lists(st.integers(0, 1), min_size=1, max_size=48),
+    h=st.integers(1, 1 << 13),
+    f=st.integers(1, 1 << 15),
+    moe_ffn=st.integers(1, 1 << 15),
+    topk=st.integers(1, 8),
+    v=st.integers(1, 1 << 17),
+    swiglu=st.booleans(),
+)
+def test_moe_flops_are_megatrons(b, s, pattern, h, f, moe_ffn, topk, v, swiglu):
+    """Any mix of dense and MoE layers: Megatron-LM's count, the routed experts' products
+    moe_ffn x topk wide, whichever layers are MoE (only how many)."""
+    l = len(pattern)
+    got = iteration_flops(b, s, l, h, v, ffn_hidden=f, swiglu=swiglu, moe_layers=sum(pattern),
+                          routed_hidden=moe_ffn * topk)  # fmt: skip
+    assert got == megatron_moe_flops(b, s, l, h, v, f, swiglu, pattern, moe_ffn, topk)
+    dense = iteration_flops(b, s, l, h, v, ffn_hidden=f, swiglu=swiglu)
+    assert (got == dense) == (sum(pattern) == 0 or moe_ffn * topk == f)
+
+
+def test_moe_replays_must_say_which_layers():
+    """Full recomputation of some layers of a mixed model: which are MoE layers changes the
+    count, so it must be given; all or none replayed needs no telling."""
+    kw = dict(ffn_hidden=64, moe_layers=2, routed_hidden=96)
+    with pytest.raises(ValueError, match="replayed_moe"):
+        iteration_flops(2, 8, 4, 16, 32, recompute=True, replayed=2, **kw)
+    one = iteration_flops(2, 8, 4, 16, 32, recompute=True, replayed=2, replayed_moe=1, **kw)
+    two = iteration_flops(2, 8, 4, 16, 32, recompute=True, replayed=2, replayed_moe=2, **kw)
+    assert two - one == 2 * 2 * 2 * 8 * 16 * (96 - 64)  # one MLP's forward, MoE for dense
+    with pytest.raises(ValueError, match="replayed_moe=3"):
+        iteration_flops(2, 8, 4, 16, 32, recompute=True, replayed=2, replayed_moe=3, **kw)
+
+
+MOE = dict(num_experts=4, bias=False, moe_ffn_hidden_size=24)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(MOE),
+        dict(MOE, activation="swiglu", moe_router_topk=1, moe_router_pre_softmax=True),
+        dict(MOE, moe_layer_freq=(0, 1, 1), moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
+        dict(MOE, moe_layer_freq=2, activation="swiglu", recompute_granularity="full"),
+        dict(MOE, moe_layer_freq=(1, 0, 1), recompute_granularity="full",
+             recompute_method="block", recompute_num_layers=2),
+        dict(MOE, moe_layer_freq=(1, 0, 0), recompute_granularity="selective",
+             recompute_modules=("core_attn", "mlp")),
+    ],
+    ids=["every-layer", "swiglu-top1", "pattern-losses", "freq2-full", "block2", "mlp-dense-only"],
+)  # fmt: skip
+def test_moe_flops_are_torchs_count_less_the_router(kw):
+    """torch's FLOP counter over a real MoE GPT's forward and backward: the experts run on
+    the tokens routed to them, k of them per token, so their products are exactly those of
+    one MLP moe_ffn x k wide whatever the routing; the router's h x E product (forward, and
+    its two backward products) is the one thing Megatron's count, and megart's, leave out.
+    Replays: full recomputation replays the router too; --recompute-modules mlp only dense
+    layers' MLPs."""
+    from megart.models.recompute import recomputed_spans
+
+    cfg, counted = torch_count(layers=3, **kw)
+    full = cfg.recompute_granularity == "full"
+    spans = recomputed_spans(3, cfg.recompute_method, cfg.recompute_num_layers) if full else []
+    again = [i for start, stop, rec in spans if rec for i in range(start, stop)]
+    moe = [i for i in range(3) if cfg.is_moe_layer(i)]
+    router = 2 * 3 * 16 * 32 * 4  # tokens x h x E, x 2 FLOPs
+    passes = 3 * len(moe) + len([i for i in again if i in moe])
+    got = model_flops(
+        cfg, 3, full, causal=False, replayed=len(again),
+        replayed_moe=len([i for i in again if i in moe]), mlp_again=cfg.recomputes("mlp"),
+        selective=cfg.recomputes("core_attn"),
+    )  # fmt: skip
+    assert got + passes * router == counted

@@ -306,6 +306,7 @@ def test_flags_modelled_for_megarts_runtime_only_are_refused_under_megatrons(nam
         "grad_reduce_in_bf16": ["--grad-reduce-in-bf16", "--bf16"],
         "cross_entropy_loss_fusion": ["--cross-entropy-loss-fusion"],
         "reset_attention_mask": ["--reset-attention-mask", "--tokenizer-type", "NullTokenizer"],
+        "num_experts": ["--num-experts", "4", "--disable-bias-linear"],
     }[name]
     code, out = plan(capsys, *MODEL, *given)
     assert code == 0, out

@@ -216,3 +216,23 @@ def test_megart_train_logs_the_replayed_layers_flops(tmp_path):
         logged = r["tflops_per_gpu"] * 1e12 * r["time_s"] * 2
         assert logged == pytest.approx(want, rel=1e-9)
         assert logged != pytest.approx(plain + 8 * layer_forward_flops(c), rel=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["pp2-v2", "pp2-first2", "pp2-zbv"])
+def test_the_replayed_moe_layers_count_their_experts(layout):
+    """Block 1 over chunks of a model whose even layers are MoE layers (4 experts of 24, top
+    2): each chunk's first layer is replayed, and those that are MoE layers replay the experts'
+    products (24 x 2 wide) in place of a dense MLP's 4h, written out per replayed layer."""
+    kw, sizes = LAYOUTS[layout]
+    moe = dict(num_experts=4, moe_ffn_hidden_size=24, moe_layer_freq="2", disable_bias_linear=True)
+    c = config({**kw, **moe}, RECOMPUTE["block1"])
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    if layout == "pp2-zbv":  # the V: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+        starts = [0, 6, 2, 4]
+    b, s, h = c.global_batch_size, c.seq_length, c.hidden_size
+    want = 0
+    for first in starts:  # the replayed layer of each chunk
+        mlp = 2 * 2 * b * s * h * (24 * 2 if first % 2 == 0 else 4 * h)
+        want += layer_forward_flops(c) - 16 * b * s * h * h + mlp
+    model, run = flop_counts(c, c.gpt_config())
+    assert run - model == want

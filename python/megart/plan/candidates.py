@@ -25,7 +25,7 @@ from megart.errors import ConfigError
 from megart.parallel.layout import divisors, make_layout
 from megart.plan.fixed import Fixed, schedules
 from megart.plan.hardware import GPUProfile
-from megart.plan.layout import Layout
+from megart.plan.layout import ZERO_BUBBLE, Layout
 from megart.training.config import TrainConfig
 from megart.training.context_parallel_checks import check_context_parallel
 
@@ -59,6 +59,8 @@ def candidates(
     heads = base.num_query_groups if base.group_query_attention else base.num_attention_heads
     # Searched tensor-parallel groups stay inside a node (t divides the node's GPUs).
     tps = [fixed.tp] if fixed.tp else [t for t in divisors(world) if gpu.gpus_per_node % t == 0]
+    if base.num_experts and not fixed.tp:  # megart's MoE layers run at t = 1 (check_layout)
+        tps = [1]
     cps = context_parallel_sizes(base, world, fixed, megart)
     out = []
     for t in tps:
@@ -105,6 +107,8 @@ def _layouts(
         if megart and _grid_refuses(world, t, p, gpu.gpus_per_node, cp):
             continue
         kinds = schedules(fixed, p, base.num_layers, megart)
+        if base.num_experts:  # zero-bubble schedules are not modelled with experts (plan.flags)
+            kinds = [(v, kind) for v, kind in kinds if kind not in ZERO_BUBBLE]
         bs = [fixed.micro_batch] if fixed.micro_batch else list(MICRO_BATCHES)
         if searched_cp and not fixed.micro_batch:
             bs = [1]  # b > 1 at C is dominated by b / 2 at C / 2 (the module's doc)

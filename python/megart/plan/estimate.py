@@ -24,7 +24,11 @@ from megart.plan.timing import Work, layer_work, logits_work
 from megart.plan.worst_rank import worst_rank_memory
 from megart.training.config import TrainConfig
 from megart.training.flops import model_flops, replayed_layers
-from megart.training.layer_placement import every_rank_layers, replayed_layer_count
+from megart.training.layer_placement import (
+    every_rank_layers,
+    replayed_layer_count,
+    replayed_moe_layer_count,
+)
 
 ADAM_BYTES = 28  # per fp32 element stepped: read p, g, m, v; write p, m, v (REFERENCES.md)
 
@@ -223,6 +227,7 @@ def _flops(c: TrainConfig, cfg: GPTConfig) -> tuple[int, int]:
         replayed=replayed,
         selective=cfg.recomputes("core_attn"),
         mlp_again=cfg.recomputes("mlp"),
+        replayed_moe=replayed_moe_layer_count(c, cfg),
     )
     return model_flops(cfg, batch, causal=False), run
 
@@ -283,10 +288,13 @@ def _stage_work(
     # Full recomputation replays the layers --recompute-method/--recompute-num-layers pick
     # (block: the first N of each chunk; the others run as without recomputation).
     kinds = {rec} | ({None} if rec == "full" and cfg.recompute_method == "block" else set())
+    # Each layer's kind: (window, MoE layer or not).
+    layer_kinds = [(windows[i], cfg.is_moe_layer(i)) for i in range(cfg.num_layers)]
     works = {
         (w, r): layer_work(cfg, b, t, sp, r, tp_gpu, unfused_attention, tp_overlap, cp=cp,
-                           cp_bus_gb_per_s=cp_bus, window=w, documents=c.reset_attention_mask)
-        for w in set(windows) for r in kinds
+                           cp_bus_gb_per_s=cp_bus, window=w[0], documents=c.reset_attention_mask,
+                           moe=w[1])
+        for w in set(layer_kinds) for r in kinds
     }  # fmt: skip
     logits = logits_work(cfg, b, t, gpu, cp)
     # Each rank's layers as megart train places them (zb-v's V: rank 0 holds the first and the
@@ -297,7 +305,7 @@ def _stage_work(
     ranks = []
     for placed in every_rank_layers(c):
         held = Counter(
-            (windows[chunk[i]], rec if again else None)
+            (layer_kinds[chunk[i]], rec if again else None)
             for chunk in placed
             for i, again in enumerate(_runs_recomputation(len(chunk), cfg))
         )

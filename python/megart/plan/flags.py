@@ -19,6 +19,7 @@ from typing import Any
 
 from megart.errors import ConfigError
 from megart.plan.documents import refuse_windowed_documents
+from megart.plan.layout import ZERO_BUBBLE
 from megart.training.config import TrainConfig
 
 LAYOUT = (
@@ -102,6 +103,18 @@ MODELLED = (
     "reset_attention_mask",
     "reset_position_ids",
     "eod_mask_loss",
+    # Mixture of experts (plan.moe_memory, plan.moe_time; parameters, FLOPs): the experts'
+    # weights and state, the router's and experts' saves, their products; tensor-parallel
+    # size 1 and no context parallelism (megart train's checks limit the layouts).
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_router_topk",
+    "moe_router_pre_softmax",
+    "moe_router_score_function",
+    "moe_router_dtype",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
     *TOKENIZER,
 )
 
@@ -135,6 +148,7 @@ MEGART_RUNTIME_ONLY = (
     "grad_reduce_in_bf16",
     "cross_entropy_loss_fusion",
     "reset_attention_mask",
+    "num_experts",  # Korthikanti et al.'s count has no experts
 )
 
 # Accepted and change nothing in the prediction: the optimizer's hyperparameters and schedule
@@ -162,6 +176,9 @@ NO_EFFECT = (
     # --attention-backend flash, and the implementations name the same attention
     "attention_dropout", "use_flash_attn", "transformer_impl", "use_mcore_models",
     "expert_model_parallel_size",  # 1 only: megart train refuses more
+    # the routing weights times a number (nothing saved); aux_loss or none, the loss computed
+    # as --moe-aux-loss-coeff says (modelled)
+    "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
     "distributed_backend",
     # data
     "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "mock_data",
@@ -225,6 +242,7 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
             value = getattr(config, name)
             if value != getattr(default, name):
                 refused.append(f"{flag(name, value)} (with --runtime {runtime})")
+    refused += _moe_unmodelled(config)
     if refused:
         raise ConfigError(
             "megart plan does not model "
@@ -233,3 +251,18 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
             + ("it" if len(refused) == 1 else "them")
             + " out to plan megart train's default"
         )
+
+
+def _moe_unmodelled(config: TrainConfig) -> list[str]:
+    """What the planner does not model with --num-experts: zero-bubble schedules (the experts'
+    deferred weight gradients are uncounted; searched layouts leave them out,
+    plan.candidates) and --recompute-modules layernorm (megart train's MoE layers cannot run
+    it yet)."""
+    if not config.num_experts:
+        return []
+    out = []
+    if config.pipeline_schedule in ZERO_BUBBLE:
+        out.append(f"--pipeline-schedule {config.pipeline_schedule} with --num-experts")
+    if config.recompute_modules is not None and "layernorm" in config.recompute_modules:
+        out.append(f"{flag('recompute_modules', config.recompute_modules)} with --num-experts")
+    return out

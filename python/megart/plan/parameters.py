@@ -27,10 +27,11 @@ def _norm(cfg: GPTConfig, size: int | None = None) -> list[int]:
     return [h] if cfg.normalization == "rmsnorm" else [h, h]
 
 
-def layer_tensors(cfg: GPTConfig, tp: int) -> list[int]:
-    """Element counts of one layer's parameters on one tensor-parallel rank, in megart's
+def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0) -> list[int]:
+    """Element counts of layer ``layer``'s parameters on one tensor-parallel rank, in megart's
     registration order (norm, fused q/k/v, output projection, --qk-layernorm's query and key
-    norms, norm, MLP)."""
+    norms, norm, MLP; an MoE layer's router [E, h] and then each expert's MLP of
+    moe_ffn_size, without biases: models.moe)."""
     h, f, t = cfg.hidden_size, cfg.ffn_size, tp
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // t
     bias = cfg.bias
@@ -39,6 +40,10 @@ def layer_tensors(cfg: GPTConfig, tp: int) -> list[int]:
     if cfg.qk_layernorm:  # replicated on every tensor-parallel rank, one head wide
         out += _norm(cfg, cfg.head_dim) * 2
     out += _norm(cfg)
+    if cfg.is_moe_layer(layer):  # tensor-parallel size 1 (GPTConfig.check_layout)
+        fm = cfg.moe_ffn_size
+        expert = [fm * h] * (2 if cfg.activation == "swiglu" else 1) + [h * fm]
+        return out + [cfg.num_experts * h] + expert * cfg.num_experts
     column = [f // t * h, *([f // t] if bias else [])]
     out += column + (column if cfg.activation == "swiglu" else [])
     out += [h * f // t, *([h] if bias else [])]
@@ -76,8 +81,8 @@ def chunk_tensors(
             tensors.append(vocab * h)
         if first and cfg.position_embedding == "learned":
             tensors.append(cfg.seq_length * h)
-        for _ in layers:
-            tensors += layer_tensors(cfg, tp)
+        for i in layers:
+            tensors += layer_tensors(cfg, tp, i)
         if last:
             tensors += _norm(cfg)
         if last and untied:

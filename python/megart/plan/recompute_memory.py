@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from megart.models.config import GPTConfig
 from megart.models.recompute import recomputed_modules, recomputed_spans
 from megart.plan.activations import Precision, layer_bytes, norm_outputs, norm_statistics
+from megart.plan.moe_memory import moe_layer_extra
 
 
 def chunk_layer_bytes(
@@ -22,6 +23,8 @@ def chunk_layer_bytes(
     unfused_attention: bool = False,
     cp: int = 1,
     extras: Sequence[float] = (),
+    moe: Sequence[bool] = (),
+    weight_bytes: int = 4,
 ) -> tuple[float, float]:
     """A (microbatch, chunk) pair's ``layers`` layers: (the bytes they keep until its backward,
     how far above that its backward rises while full recomputation replays a span; see
@@ -30,15 +33,22 @@ def chunk_layer_bytes(
     ``extras``: what each layer's saves without recomputation add to layer_bytes' (a
     tiled sliding window's second attention output, plan.window_memory), none where selective
     recomputation recomputes the attention core (--recompute-modules core_attn: recomputed
-    with it) and under full recomputation while replayed (or kept, by block's kept layers)."""
+    with it) and under full recomputation while replayed (or kept, by block's kept layers).
+    ``moe``: whether each layer is a mixture-of-experts layer (plan.moe_memory: its saves
+    beyond a dense layer's; none: all dense), with weights of ``weight_bytes``."""
     rec = cfg.recompute_granularity
     one = layer_bytes(cfg, b, tp, sp, rec, prec, unfused_attention, cp)
     extras = list(extras) or [0.0] * layers
+    moe = list(moe) or [False] * layers
     if rec != "full":
         core_again = "core_attn" in recomputed_modules(cfg, rec)
-        replay = mlp_replay_bytes(cfg, b, tp, sp, prec, cp) if layers else 0.0
-        return layers * one + (0.0 if core_again else sum(extras)), replay
+        # Only dense MLPs are checkpointed by --recompute-modules mlp (models.blocks).
+        replay = mlp_replay_bytes(cfg, b, tp, sp, prec, cp) if not all(moe) else 0.0
+        kept = layers * one + sum(moe) * moe_layer_extra(cfg, b, rec, prec, cp, weight_bytes)
+        return kept + (0.0 if core_again else sum(extras)), replay
     whole = layer_bytes(cfg, b, tp, sp, None, prec, unfused_attention, cp)
+    extras = [x + (moe_layer_extra(cfg, b, None, prec, cp, weight_bytes) if m else 0.0)
+              for x, m in zip(extras, moe, strict=True)]  # fmt: skip
     method, n = cfg.recompute_method, cfg.recompute_num_layers
     # The first norm keeps the span's input itself (LayerNorm; RMSNorm's fp32 view of it when
     # the stream is fp32), else its fp32 copy: counted in ``whole`` either way.

@@ -73,6 +73,7 @@ from megart.models.window_masks import bias_row_stride
 from megart.models.window_tiles import band_tile, band_tiles, scored_entries
 from megart.plan.context_parallel import RingPasses, a2a_layer_seconds, kv_gathers, ring_passes
 from megart.plan.hardware import GPUProfile
+from megart.plan.moe_time import moe_elementwise, moe_mlp_shapes
 from megart.plan.ring_window_cost import ring_bias_reads, ring_window_share
 
 ACT = 2  # bytes of a 16-bit activation element
@@ -256,6 +257,7 @@ def layer_work(
     cp_bus_gb_per_s: float | None = None,
     window: int | None = None,
     documents: bool = False,
+    moe: bool = False,
 ) -> Work:
     """One layer, one microbatch. ``tp_overlap``: True, each tensor-parallel collective runs
     during the matrix product next to it (Megatron-Core's --tp-comm-overlap),
@@ -265,7 +267,9 @@ def layer_work(
     whose collectives run at ``cp_bus_gb_per_s`` (None: NVLink). ``window``: the layer's
     sliding window (earlier tokens each token sees; None: the whole causal past;
     window_share). ``documents``: under --reset-attention-mask's bias (without context
-    parallelism or a window: megart train and plan refuse them with it; documents_mask_read)."""
+    parallelism or a window: megart train and plan refuse them with it; documents_mask_read).
+    ``moe``: a mixture-of-experts layer (tensor-parallel size 1): moe_mlp_shapes' products in
+    place of the MLP's, and its element-wise work (moe_elementwise)."""
     s, h, f, t = cfg.seq_length, cfg.hidden_size, cfg.ffn_size, tp
     modules = recomputed_modules(cfg, recompute)  # selective's --recompute-modules
     if recompute == "selective":  # attention's terms: as with its core recomputed, or without
@@ -279,6 +283,9 @@ def layer_work(
     ups = 2 if cfg.activation == "swiglu" else 1
     shapes = [((q + 2 * kv) / t, h), (h, q / t)] + [(f / t, h)] * ups + [(h, f / t)]
     dense_times = [gemm_seconds(tokens, cols, inner, gpu) for cols, inner in shapes]
+    if moe:  # the router's and the experts' products in place of the MLP's
+        experts = moe_mlp_shapes(cfg, tokens)
+        dense_times[2:] = [gemm_seconds(r, c, i, gpu, n) for r, c, i, n in experts]
     fwd_gemm = sum(dense_times)
     # Per head: scores (s x d by d x s), then scores x values (s x s by s x d).
     heads = b * cfg.num_attention_heads / t
@@ -309,6 +316,8 @@ def layer_work(
     # --qk-layernorm's norms read and write this rank's query and key heads.
     qk_norms = 2 * (q + kv) / t if cfg.qk_layernorm else 0.0
     mlp = (3 if cfg.activation == "swiglu" else 2) * f / t
+    if moe:
+        mlp = moe_elementwise(cfg)
     # The ring's flash blocks write no scores. a2a's math kernel: s x s scores of heads/(t cp)
     # heads per rank, the same bytes as heads/t over the rank's s/cp queries counted here.
     unfused = unfused_attention and not ring
@@ -373,7 +382,8 @@ def layer_work(
         again = (2 - ("mlp" in modules)) * (sp and t > 1)
         again *= collective_seconds("all_gather", tokens * h * ACT, t, gpu.nvlink_bus_gb_per_s, gpu)
         backward, tp_comm = backward + again, tp_comm + again
-    if "mlp" in modules:  # the MLP's forward again, its entry's and exit's collectives too
+    if "mlp" in modules and not moe:  # the MLP's forward again (dense MLPs only, as
+        # models.blocks checkpoints them), its entry's and exit's collectives too
         backward += sum(dense_times[2:]) + tokens * mlp * ACT / hbm + comm / 2
         tp_comm += comm / 2
     # dW = dY^T X of each dense product costs what its forward did; the attention core has no

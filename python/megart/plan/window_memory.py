@@ -145,8 +145,23 @@ def rank_layer_bytes(
             return []
         return [layer_extra(cfg, i, b, t, prec, cp) for i in chunk]
 
+    def moe(chunk: range) -> list[bool]:  # each layer's kind: dense unless --num-experts
+        return [cfg.is_moe_layer(i) for i in chunk] if cfg.num_experts else []
+
     per_chunk = [
-        chunk_layer_bytes(cfg, b, t, sp, prec, len(chunk), unfused_attention, cp, extras(chunk))
+        chunk_layer_bytes(
+            cfg,
+            b,
+            t,
+            sp,
+            prec,
+            len(chunk),
+            unfused_attention,
+            cp,
+            extras(chunk),
+            moe(chunk),
+            2 if c.half_weights and (c.bf16 or c.fp16) else 4,
+        )  # fmt: skip
         for chunk in chunks
     ]
     kept = tuple(k for k, _ in per_chunk)

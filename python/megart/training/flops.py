@@ -31,6 +31,15 @@ under --recompute-method uniform, the first N of each model chunk under block
 megart keeps the paper's convention for TFLOP/s (what runs, the recomputed forward included) and
 counts the model alone for MFU.
 
+Mixture-of-experts layers (--num-experts; --moe-layer-freq picks which) are counted as Megatron-LM
+counts them: each token's MLP products are those of its --moe-router-topk experts, k MLPs of
+--moe-ffn-hidden-size (4 B s h f_moe k forward, 6 B s h f_moe k with SwiGLU), whichever experts
+they are, so the count does not depend on the routing. Like Megatron-LM's, the count leaves out
+the router's product (2 B s h E forward per MoE layer, E experts): a model-FLOP convention, not
+what runs (tests/test_flops.py adds it to match torch's counter). Full recomputation replays a
+MoE layer's experts with the rest of it; --recompute-modules mlp replays dense MLPs only (megart,
+as Megatron-Core, does not checkpoint an MoE layer's experts as "mlp").
+
 Selective recomputation (``selective``) runs every layer's attention core once more: both of its
 products where the core is one call (Megatron-LM's checkpoint of it, flash and memory-efficient
 kernels), which is what megart plan counts. megart train does not count it in its TFLOP/s: with
@@ -70,6 +79,9 @@ def iteration_flops(
     selective: bool = False,
     query_hidden: int | None = None,
     mlp_again: bool = False,
+    moe_layers: int = 0,
+    routed_hidden: int = 0,
+    replayed_moe: int | None = None,
 ) -> int:
     """Model FLOPs of one iteration (forward and backward, plus, when ``recompute``, the
     recomputed forward of ``replayed`` of the ``layers``: all of them by default; with
@@ -81,7 +93,11 @@ def iteration_flops(
     than the paper's, which ``causal=False`` gives). ``query_hidden``: the query heads' width
     (heads x head size; default h), which replaces h in the query projection, the attention
     core and the output projection, as Megatron's query_projection_size does (--kv-channels).
-    ``mlp_again``: every layer's MLP forward once more (--recompute-modules mlp)."""
+    ``mlp_again``: every dense layer's MLP forward once more (--recompute-modules mlp).
+    ``moe_layers``: how many of the ``layers`` are mixture-of-experts layers, whose MLP
+    products are those of an MLP ``routed_hidden`` wide (--moe-ffn-hidden-size x
+    --moe-router-topk: each token's experts); ``replayed_moe``: how many of the replayed
+    layers are (None: every MoE layer when every layer is replayed, none when no layer is)."""
     b, s, l, h, v = batch, seq, layers, hidden, vocab
     f = 4 * h if ffn_hidden is None else ffn_hidden
     kv = h if kv_hidden is None else kv_hidden
@@ -91,16 +107,27 @@ def iteration_flops(
     core = (b * s * s * q if causal else 2 * b * s * s * q) * 2  # Q K^T and scores x V
     attention = qkv + core + 2 * b * s * q * h
     mlp = (3 if swiglu else 2) * 2 * b * s * h * f
+    moe = (3 if swiglu else 2) * 2 * b * s * h * routed_hidden
     logits = 2 * b * s * h * v
     again = (l if replayed is None else replayed) if recompute else 0
     if not 0 <= again <= l:
         raise ValueError(f"replayed={replayed}: full recomputation replays 0 to {l} layers")
+    if not 0 <= moe_layers <= l:
+        raise ValueError(f"moe_layers={moe_layers}: 0 to {l} of the layers")
+    if replayed_moe is None:
+        if 0 < again < l and moe_layers:
+            raise ValueError("which replayed layers are MoE layers: give replayed_moe")
+        replayed_moe = moe_layers if again == l else 0
+    if not 0 <= replayed_moe <= min(again, moe_layers):
+        raise ValueError(f"replayed_moe={replayed_moe}: 0 to {min(again, moe_layers)}")
     if (selective or mlp_again) and recompute:
         raise ValueError("selective and full recomputation are exclusive")
+    dense = l - moe_layers
     # Forward, backward (twice the forward), and the replayed layers' forward (or, selective,
-    # every layer's attention core, and MLP) once more.
-    again_selective = core * selective + mlp * mlp_again
-    return (3 * l + again) * (attention + mlp) + l * again_selective + 3 * logits
+    # every layer's attention core, and every dense layer's MLP) once more.
+    passes = (3 * l + again) * attention + (3 * dense + again - replayed_moe) * mlp
+    passes += (3 * moe_layers + replayed_moe) * moe
+    return passes + l * core * selective + dense * mlp * mlp_again + 3 * logits
 
 
 def model_flops(
@@ -112,12 +139,14 @@ def model_flops(
     replayed: int | None = None,
     selective: bool = False,
     mlp_again: bool = False,
+    replayed_moe: int | None = None,
 ) -> int:
     """iteration_flops of the model ``cfg`` describes, ``batch`` sequences per iteration, with
     the logits over the vocabulary padded for tensor-parallel size ``tp`` (as Megatron);
     ``replayed``: the layers ``recompute`` runs again (None: all; :func:`replayed_in_chunks`
     counts them for a run's chunks); ``selective``: the attention cores replayed;
-    ``mlp_again``: the MLPs replayed."""
+    ``mlp_again``: the MLPs replayed; ``replayed_moe``: how many of the ``replayed`` are
+    mixture-of-experts layers (:func:`replayed_moe_in_chunks`)."""
     return iteration_flops(
         batch,
         cfg.seq_length,
@@ -133,7 +162,17 @@ def model_flops(
         selective,
         cfg.query_size,
         mlp_again,
+        moe_layer_count(cfg),
+        cfg.moe_ffn_size * cfg.moe_router_topk if cfg.num_experts else 0,
+        replayed_moe,
     )
+
+
+def moe_layer_count(cfg: GPTConfig) -> int:
+    """How many of the model's layers are mixture-of-experts layers (0 for a dense model)."""
+    if cfg.num_experts is None:
+        return 0
+    return sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
 
 
 def replayed_layers(cfg: GPTConfig, layers: int) -> list[bool]:
@@ -149,6 +188,16 @@ def replayed_in_chunks(cfg: GPTConfig, chunks: Iterable[int]) -> int:
     """How many layers full recomputation replays in model chunks of ``chunks`` layers each
     (every chunk of every pipeline rank, for the whole model's count): replayed_layers'."""
     return sum(sum(replayed_layers(cfg, layers)) for layers in chunks)
+
+
+def replayed_moe_in_chunks(cfg: GPTConfig, chunks: Iterable[range]) -> int:
+    """Of the layers full recomputation replays in model chunks holding ``chunks`` (model
+    layer indices), how many are mixture-of-experts layers."""
+    return sum(
+        again and cfg.is_moe_layer(i)
+        for chunk in chunks
+        for i, again in zip(chunk, replayed_layers(cfg, len(chunk)), strict=True)
+    )
 
 
 def parameter_count(layers: int, hidden: int, vocab: int, seq: int) -> float:

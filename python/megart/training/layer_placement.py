@@ -9,7 +9,7 @@ from typing import Any
 from megart.models.config import GPTConfig
 from megart.models.gpt import chunk_layers
 from megart.training.config import TrainConfig
-from megart.training.flops import replayed_in_chunks
+from megart.training.flops import replayed_in_chunks, replayed_moe_in_chunks
 
 
 def placement(config: TrainConfig) -> dict[str, Any]:
@@ -38,4 +38,12 @@ def replayed_layer_count(config: TrainConfig, model_config: GPTConfig) -> int:
     pipeline rank, each as its chunk runs it (block: the first N of each chunk)."""
     return replayed_in_chunks(
         model_config, (len(c) for ranks in every_rank_layers(config) for c in ranks)
+    )
+
+
+def replayed_moe_layer_count(config: TrainConfig, model_config: GPTConfig) -> int:
+    """Of replayed_layer_count's layers, the mixture-of-experts ones (their experts' products
+    replayed: training.flops)."""
+    return replayed_moe_in_chunks(
+        model_config, (c for ranks in every_rank_layers(config) for c in ranks)
     )

@@ -26,7 +26,11 @@ from megart.training import checkpoint, checkpoint_dirs
 from megart.training.data import Dataset, build_datasets, build_split_datasets
 from megart.training.dtypes import half_dtype
 from megart.training.flops import model_flops
-from megart.training.layer_placement import placement, replayed_layer_count
+from megart.training.layer_placement import (
+    placement,
+    replayed_layer_count,
+    replayed_moe_layer_count,
+)
 from megart.training.megatron_blend import megatron_datasets
 from megart.training.megatron_flags import mock_tokens
 from megart.training.optimizer import full_precision
@@ -181,6 +185,7 @@ def flop_counts(config: TrainConfig, model_config: GPTConfig) -> tuple[int, int]
         tp=config.tp,
         replayed=replayed,
         mlp_again=model_config.recomputes("mlp"),
+        replayed_moe=replayed_moe_layer_count(config, model_config),
     )
     return model, run
 
