@@ -145,16 +145,15 @@ class MoE(nn.Module):
         probs, chosen = route(logits, cfg)
         if training and cfg.moe_aux_loss_coeff > 0:
             probs = self._attach(probs, load_balancing_loss(logits, cfg))
-        # The tokens grouped by expert, in token order within each (Megatron-Core's permute):
-        # one host sync for the pairs and one for the counts, whatever the number of experts.
-        experts, rows = chosen.t().nonzero(as_tuple=True)
-        counts = torch.bincount(experts, minlength=len(self.experts)).tolist()
-        inputs, weights = tokens[rows].split(counts), probs[rows, experts].split(counts)
+        out: torch.Tensor | None = None
         # Every expert runs, on no tokens where none chose it, so that each weight gets a
         # gradient (zero then), as Megatron-Core's SequentialMLP.
-        outputs = [e(x, scale=w) for e, x, w in zip(self.experts, inputs, weights, strict=True)]
-        y = torch.cat(outputs)
-        out = tokens.new_zeros(tokens.shape, dtype=y.dtype).index_add(0, rows, y)
+        for e, expert in enumerate(self.experts):
+            rows = chosen[:, e].nonzero().squeeze(1)  # in token order, as Megatron permutes
+            y = expert(tokens[rows], scale=probs[rows, e])
+            if out is None:
+                out = tokens.new_zeros(tokens.shape, dtype=y.dtype)
+            out = out.index_add(0, rows, y)
         return out.view(x.shape)
 
     def _attach(self, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
