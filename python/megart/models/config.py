@@ -14,7 +14,7 @@ from megart.models.config_flags import MEGATRON_NORMS as MEGATRON_NORMS
 from megart.models.config_flags import MEGATRON_POSITIONS as MEGATRON_POSITIONS
 from megart.models.config_flags import architecture_flags as architecture_flags
 from megart.models.config_flags import refuse_unlike as refuse_unlike
-from megart.models.moe_checks import check_moe, is_moe_layer
+from megart.models.moe_checks import check_moe, is_moe_layer, moe_layout_problems
 from megart.models.recompute import DEFAULT_MODULES, MODULES
 from megart.models.rope_checks import check_rotary_percent
 from megart.models.stages import check_stages, uneven
@@ -355,11 +355,7 @@ class GPTConfig:
                 f"{what} do not split over tensor-parallel size {tp} (use tensor-parallel size "
                 f"{either(divisors(groups))})"
             )
-        if self.num_experts is not None and tp > 1:
-            problems.append(
-                f"megart's mixture-of-experts layers (--num-experts {self.num_experts}) run at "
-                "tensor-parallel size 1 so far (use pipeline and data parallelism)"
-            )
+        problems += moe_layout_problems(self, tp)  # the experts' width
         if self.ffn_size % tp:
             problems.append(
                 f"the MLP size {self.ffn_size} does not split over tensor-parallel size {tp}"

@@ -15,7 +15,8 @@ from megart.kernels import bias_gelu
 from megart.models.config import GPTConfig
 from megart.models.init import generator, weight_init
 from megart.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megart.tensor_parallel.column_entry import WeightGradSlot
+from megart.tensor_parallel.column_entry import WeightGradSlot, enter_column_region
+from megart.tensor_parallel.weight_grad import linear
 
 
 class MLP(nn.Module):
@@ -29,10 +30,16 @@ class MLP(nn.Module):
         sequence_parallel: bool,
         ffn: int | None = None,
         name: str = "",
+        expert: bool = False,
     ) -> None:
         """``ffn``: the width (cfg.ffn_size by default); ``name`` tells apart the initial
-        weights of several MLPs in one layer (an MoE layer's experts)."""
+        weights of several MLPs in one layer (an MoE layer's experts). ``expert``: an MoE
+        layer's expert (Megatron-Core's is_expert), split over ``tp_group`` like this MLP but
+        communicating nothing: its input is already every rank's (the layer gathered it, and
+        reduce-scatters the input's gradient), and its output is this rank's partial sum
+        (the layer sums it)."""
         super().__init__()
+        self.expert = expert
         h, f = cfg.hidden_size, ffn or cfg.ffn_size
         self.swiglu = cfg.activation == "swiglu"
         self.squared_relu = cfg.activation == "squared_relu"
@@ -72,6 +79,11 @@ class MLP(nn.Module):
         """``entered``: ``x`` and ``slot`` are what ``self.fc.enter`` made of the input.
         ``scale``: a factor per token on the activation before the last product (an expert's
         routing weights, where Megatron-Core's experts apply them)."""
+        if self.expert:
+            if not entered:  # autocast's cast alone, no collective
+                x, slot = enter_column_region(x, None, False)
+            y = self._activation(x, True, slot, scale)
+            return linear(y, self.proj.weight)  # the row-parallel product, not summed here
         return self.proj(self._activation(x, entered, slot, scale))
 
     def _activation(

@@ -11,8 +11,19 @@ is attached to a tensor of the forward and seeds its own gradient in backward, s
 language model's loss is (1/m of the batch, times fp16's loss scale: AuxLossScale), so pipeline
 stages need not carry them to the last stage.
 
-The experts of a layer live on every rank of it (no expert or tensor parallelism yet: see
-GPTConfig.check_layout).
+Under tensor parallelism (with sequence parallelism, which Megatron-Core requires for MoE
+training: moe_checks.check_moe_tensor_parallel) each expert's MLP is split over the group as the
+dense MLP is, and the layer works as Megatron-Core's allgather token dispatcher with the expert
+tensor-parallel size equal to the tensor-parallel size: the router, replicated, routes this
+rank's slice of the sequence; the tokens, their routing weights and choices are gathered over
+the group (backward: the weights' and tokens' gradients reduce-scattered, as each rank's are
+partial sums over its part of the experts' width); every rank runs every expert's part on all
+tokens, and the partial outputs are reduce-scattered back to the slices (backward: gathered).
+The router's gradient is a partial sum over the slices, completed with the norms' (its weight
+is marked ``sequence_parallel``). The load-balancing loss counts each expert's tokens over the
+group and divides by all of them (local x t), weighing only this rank's scores, and the z-loss
+coefficient is divided by t, as Megatron-Core's: the ranks' losses then add up to the
+one-process loss of the whole sequence. No expert parallelism (every expert on every rank).
 """
 
 from __future__ import annotations
@@ -23,9 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import megart.distributed as dist
+from megart.distributed import ProcessGroup
 from megart.models.config import GPTConfig
 from megart.models.init import generator, weight_init
 from megart.models.mlp import MLP
+from megart.models.moe_checks import check_moe_tensor_parallel
+from megart.tensor_parallel import gather_from_sequence_region, reduce_scatter_to_sequence_region
+from megart.tensor_parallel._group import group_size
+from megart.tensor_parallel.column_entry import enter_column_region
 
 _DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -81,10 +98,16 @@ def route(logits: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Ten
     return probs, chosen
 
 
-def load_balancing_loss(logits: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+def load_balancing_loss(
+    logits: torch.Tensor, cfg: GPTConfig, tp_group: ProcessGroup | None = None
+) -> torch.Tensor:
     """The Switch Transformer's loss over these T tokens, times --moe-aux-loss-coeff:
-    E coeff / (k T^2) sum_i (sum_x s(x, i)) (tokens whose top k hold i), s the full scores."""
+    E coeff / (k T^2) sum_i (sum_x s(x, i)) (tokens whose top k hold i), s the full scores.
+    Under tensor (so sequence) parallelism, this rank's share of the loss of the whole
+    sequence (Megatron-Core's): the counts over every rank's tokens, T = local tokens x t, the
+    scores of this rank's."""
     num_tokens, experts = logits.shape
+    t = group_size(tp_group)
     k = cfg.moe_router_topk
     if cfg.moe_router_score_function == "sigmoid":
         scores = torch.sigmoid(logits)
@@ -94,6 +117,10 @@ def load_balancing_loss(logits: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
         scores = torch.softmax(logits, dim=-1, dtype=wide)
     top = torch.topk(scores, k, dim=1).indices
     tokens_per_expert = torch.zeros_like(scores).scatter(1, top, 1.0).sum(dim=0)
+    if t > 1:  # counts of choices: no gradient flows through them
+        tokens_per_expert = tokens_per_expert.detach().clone()
+        dist.all_reduce(tokens_per_expert, group=tp_group)
+        num_tokens *= t
     scale = experts * cfg.moe_aux_loss_coeff / (k * num_tokens * num_tokens)
     return torch.sum(scores.sum(dim=0) * tokens_per_expert) * scale
 
@@ -107,12 +134,15 @@ class Router(nn.Module):
     """Logits over the experts, [T, E], from a weight [E, h] without bias (Megatron-Core's
     TopKRouter's gate), in --moe-router-dtype where given."""
 
-    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int, sequence_parallel: bool = False) -> None:
         super().__init__()
         shape = (cfg.num_experts, cfg.hidden_size)
         self.weight = nn.Parameter(torch.empty(shape))
         draw = weight_init(cfg, cfg.init_std, shape)
         draw(self.weight.data, generator(cfg.seed, layer, "router"))
+        # Replicated, and applied to this rank's slice of the sequence: its gradient is
+        # completed over the group with the norms' (tensor_parallel.sync_sequence_parallel_grads).
+        self.weight.sequence_parallel = sequence_parallel
         self.dtype = _DTYPES[cfg.moe_router_dtype]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -126,25 +156,44 @@ class MoE(nn.Module):
     """[s, b, h] -> [s, b, h]: each token through its top-k experts (models.mlp.MLP, each
     moe_ffn_size wide), their outputs summed with the routing weights."""
 
-    def __init__(self, cfg: GPTConfig, layer: int, loss_scale: AuxLossScale) -> None:
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        layer: int,
+        loss_scale: AuxLossScale,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+    ) -> None:
+        """``tp_group``: the experts split over it (with ``sequence_parallel``, required
+        then)."""
         super().__init__()
-        self.cfg, self.loss_scale = cfg, loss_scale
-        self.router = Router(cfg, layer)
+        self.tp = group_size(tp_group)
+        check_moe_tensor_parallel(cfg, self.tp, sequence_parallel)
+        self.cfg, self.loss_scale, self.tp_group = cfg, loss_scale, tp_group
+        self.router = Router(cfg, layer, sequence_parallel)
         self.experts = nn.ModuleList(
-            MLP(cfg, layer, None, False, ffn=cfg.moe_ffn_size, name=f"expert{e}_")
+            MLP(cfg, layer, tp_group, False, ffn=cfg.moe_ffn_size, name=f"expert{e}_", expert=True)
             for e in range(cfg.num_experts)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        tokens = x.reshape(-1, x.shape[-1])
+        cfg, group = self.cfg, self.tp_group
+        tokens = x.reshape(-1, x.shape[-1])  # [s b, h], or this rank's [s/t b, h]
         logits = self.router(tokens)
         training = self.training and torch.is_grad_enabled()
         if training and cfg.moe_z_loss_coeff:
-            logits = self._attach(logits, z_loss(logits, cfg.moe_z_loss_coeff))
+            # Each rank's mean over its slice: divided by t, the ranks' add up to the mean.
+            z = z_loss(logits, cfg.moe_z_loss_coeff / self.tp)
+            logits = self._attach(logits, z)
         probs, chosen = route(logits, cfg)
         if training and cfg.moe_aux_loss_coeff > 0:
-            probs = self._attach(probs, load_balancing_loss(logits, cfg))
+            probs = self._attach(probs, load_balancing_loss(logits, cfg, group))
+        if self.tp > 1:  # every rank's tokens (in sequence order), as the dispatcher gathers
+            with torch.no_grad():
+                chosen = gather_from_sequence_region(chosen.to(torch.uint8), group).bool()
+            probs = gather_from_sequence_region(probs, group)
+            # In autocast's type, where the experts' products would cast them.
+            tokens = gather_from_sequence_region(enter_column_region(tokens, None, False)[0], group)
         out: torch.Tensor | None = None
         # Every expert runs, on no tokens where none chose it, so that each weight gets a
         # gradient (zero then), as Megatron-Core's SequentialMLP.
@@ -154,6 +203,9 @@ class MoE(nn.Module):
             if out is None:
                 out = tokens.new_zeros(tokens.shape, dtype=y.dtype)
             out = out.index_add(0, rows, y)
+        if self.tp > 1:  # each rank's part of every expert's output: summed, sliced back
+            # Summed in the routing weights' type, as Megatron-Core's combine sums them.
+            out = reduce_scatter_to_sequence_region(out.to(probs.dtype), group).to(out.dtype)
         return out.view(x.shape)
 
     def _attach(self, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:

@@ -105,6 +105,30 @@ def check_moe(cfg: GPTConfig) -> None:
         )
 
 
+def check_moe_tensor_parallel(cfg: GPTConfig, tp: int, sequence_parallel: bool) -> None:
+    """Refuses experts split over ``tp`` > 1 ranks without sequence parallelism, which
+    Megatron-Core's MoE layer refuses to train (its tokens are gathered from, and its outputs
+    reduce-scattered to, the ranks' slices of the sequence)."""
+    if cfg.num_experts is not None and tp > 1 and not sequence_parallel:
+        raise ConfigError(
+            f"--num-experts {cfg.num_experts} at --tensor-model-parallel-size {tp} needs "
+            "--sequence-parallel (as Megatron-Core's MoE layers do): add it, or run at "
+            "tensor-parallel size 1"
+        )
+
+
+def moe_layout_problems(cfg: GPTConfig, tp: int) -> list[str]:
+    """What keeps the experts from splitting over ``tp`` tensor-parallel ranks (for
+    GPTConfig.check_layout): their width, each rank holding a 1/t of every expert (Megatron's
+    expert tensor-parallel size equal to the tensor-parallel size)."""
+    if cfg.num_experts is None or cfg.moe_ffn_size % tp == 0:
+        return []
+    return [
+        f"the experts' MLP size {cfg.moe_ffn_size} (--moe-ffn-hidden-size) does not split over "
+        f"tensor-parallel size {tp}"
+    ]
+
+
 def _check_router(cfg: GPTConfig) -> None:
     if cfg.moe_router_score_function not in SCORE_FUNCTIONS:
         raise ConfigError(

@@ -59,7 +59,7 @@ def candidates(
     heads = base.num_query_groups if base.group_query_attention else base.num_attention_heads
     # Searched tensor-parallel groups stay inside a node (t divides the node's GPUs).
     tps = [fixed.tp] if fixed.tp else [t for t in divisors(world) if gpu.gpus_per_node % t == 0]
-    if base.num_experts and not fixed.tp:  # megart's MoE layers run at t = 1 (check_layout)
+    if base.num_experts and not fixed.tp:  # MoE is modelled at t = 1 (plan.flags refuses more)
         tps = [1]
     cps = context_parallel_sizes(base, world, fixed, megart)
     out = []

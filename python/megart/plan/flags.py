@@ -256,11 +256,15 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
 def _moe_unmodelled(config: TrainConfig) -> list[str]:
     """What the planner does not model with --num-experts: zero-bubble schedules (the experts'
     deferred weight gradients are uncounted; searched layouts leave them out,
-    plan.candidates) and --recompute-modules layernorm (megart train's MoE layers cannot run
-    it yet)."""
+    plan.candidates), --recompute-modules layernorm (megart train's MoE layers cannot run
+    it yet) and tensor parallelism (megart train splits the experts over it, but the plan's
+    MoE memory and time are a whole layer's on one rank, without the dispatcher's gathers;
+    searched layouts keep t = 1)."""
     if not config.num_experts:
         return []
     out = []
+    if config.tp > 1:
+        out.append(f"--tensor-model-parallel-size {config.tp} with --num-experts")
     if config.pipeline_schedule in ZERO_BUBBLE:
         out.append(f"--pipeline-schedule {config.pipeline_schedule} with --num-experts")
     if config.recompute_modules is not None and "layernorm" in config.recompute_modules:

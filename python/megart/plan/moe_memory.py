@@ -60,9 +60,9 @@ def moe_layer_extra(
 ) -> float:
     """Bytes an MoE layer keeps for one microbatch beyond activations.layer_bytes' count of a
     dense layer under ``recompute`` (none under full recomputation: the layer's input alone,
-    as a dense layer's); tensor-parallel size 1, which MoE layers need. ``weight_bytes``: the
-    weights' (2 under --half-weights), which --moe-router-dtype's cast of the router's weight
-    copies when they differ."""
+    as a dense layer's); at tensor-parallel size 1, the one the plan models (plan.flags).
+    ``weight_bytes``: the weights' (2 under --half-weights), which --moe-router-dtype's cast of
+    the router's weight copies when they differ."""
     if recompute == "full":
         return 0.0
     h, k, e, fm = cfg.hidden_size, cfg.moe_router_topk, cfg.num_experts, cfg.moe_ffn_size

@@ -40,7 +40,7 @@ def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0) -> list[int]:
     if cfg.qk_layernorm:  # replicated on every tensor-parallel rank, one head wide
         out += _norm(cfg, cfg.head_dim) * 2
     out += _norm(cfg)
-    if cfg.is_moe_layer(layer):  # tensor-parallel size 1 (GPTConfig.check_layout)
+    if cfg.is_moe_layer(layer):  # modelled at tensor-parallel size 1 (plan.flags)
         fm = cfg.moe_ffn_size
         expert = [fm * h] * (2 if cfg.activation == "swiglu" else 1) + [h * fm]
         return out + [cfg.num_experts * h] + expert * cfg.num_experts

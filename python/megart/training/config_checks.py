@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megart.errors import ConfigError
+from megart.models.moe_checks import check_moe_tensor_parallel
 from megart.models.stages import uneven
 from megart.parallel.layout import nearest_multiples
 from megart.training.batch_rampup import check_rampup
@@ -191,6 +192,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     check_megatron_flags(cfg)
     check_document_flags(cfg)
     cfg.gpt_config().check_layout(tp, pp, cfg.chunks, **cfg.stages)  # GPTConfig's refusals
+    check_moe_tensor_parallel(cfg.gpt_config(), tp, cfg.sequence_parallel)
     return dp
 
 
