@@ -23,8 +23,11 @@ def megatron_model(
     vp_stage: int | None = None,
     first: int | None = None,
     last: int | None = None,
+    sequence_parallel: bool = False,
 ) -> torch.nn.Module:
-    """Megatron-Core's GPTModel of ``cfg`` (one rank of ``tp`` x ``pp`` when model
+    """Megatron-Core's GPTModel of ``cfg`` (``sequence_parallel``: with its
+    --sequence-parallel, which its MoE layers need to train at ``tp`` > 1; one rank of ``tp`` x
+    ``pp`` when model
     parallelism is already initialised: this rank's pipeline stage; under interleaving, with
     the virtual pipeline size initialised, its model chunk ``vp_stage``, as Megatron-LM's
     get_model builds each; ``first``/``last``: the uneven first/last stages' layers, as
@@ -78,9 +81,15 @@ def megatron_model(
         num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last,
         **moe_config(cfg),
+        # Its config checks sequence parallelism against its own tensor-parallel size.
+        **(
+            dict(sequence_parallel=True, tensor_model_parallel_size=tp) if sequence_parallel else {}
+        ),
     )
     rope = cfg.position_embedding == "rotary"
-    norms = zero_centred_layer_norm() if cfg.apply_layernorm_1p else contextlib.nullcontext()
+    # Its torch norms refuse sequence parallelism; its fused one (torch's function inside) not.
+    fused = cfg.apply_layernorm_1p or sequence_parallel
+    norms = zero_centred_layer_norm() if fused else contextlib.nullcontext()
     # The stages' tied embedding copies are made equal by an all-reduce of CUDA tensors.
     cuda = cuda_stays_on_cpu() if pp > 1 else contextlib.nullcontext()
     with norms, cuda:
@@ -384,7 +393,8 @@ def tp_rank_logits(megatron_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     on_cpu_only()  # a windowed model's mask too
     model = megatron_model(cfg, tp)
     model.load_state_dict(state["model"], strict=True)
-    local = megatron_logits(model, tokens).contiguous()
+    # Evaluation mode: its MoE layers refuse to train at tp > 1 without sequence parallelism.
+    local = megatron_logits(model.eval(), tokens).contiguous()
     parts = [torch.empty_like(local) for _ in range(tp)]
     torch.distributed.all_gather(parts, local)
     torch.distributed.destroy_process_group()

@@ -13,7 +13,7 @@ from megart.models.megatron_names import from_megatron, to_megatron
 from megatron_core_workers import drawn, megatron_model
 
 
-def _loss(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
     return F.cross_entropy(logits[..., :vocab].reshape(-1, vocab), labels.reshape(-1))
 
 
@@ -48,11 +48,11 @@ def gradients(
     positions = torch.arange(s).unsqueeze(0).expand_as(tokens)
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
     theirs.train()
-    (_loss(theirs(tokens, positions, mask), labels, cfg.vocab_size) * factor).backward()
+    (lm_loss(theirs(tokens, positions, mask), labels, cfg.vocab_size) * factor).backward()
 
     ours.train()
     ours.chunk.set_loss_scale(factor if ours_factor is None else ours_factor)
-    (_loss(ours(tokens), labels, cfg.vocab_size) * factor).backward()
+    (lm_loss(ours(tokens), labels, cfg.vocab_size) * factor).backward()
 
     want = from_megatron({n: p.grad for n, p in theirs.named_parameters()}, cfg)
     got = {n: p.grad for n, p in ours.chunk.named_parameters()}

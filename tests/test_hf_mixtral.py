@@ -4,8 +4,8 @@ own MixtralForCausalLM: its routing is megart's default (checked on numbers), it
 megart's GPT, its files written back exactly, a megart model and a pp2 training checkpoint
 written in its format, a wrong expert mapping caught by the logit bound, what either side
 cannot represent refused by name, and an imported Mixtral fine-tuned under pipeline
-parallelism with the flags import-hf prints (tensor parallelism refused: megart's experts run
-at tensor-parallel size 1)."""
+parallelism with the flags import-hf prints (imported at tensor-parallel size 2 as well, the
+experts split over the ranks)."""
 
 import dataclasses
 import json
@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+import megatron_core_workers as mcw
 import train_workers as tw
 from megart import ConfigError
 from megart.cli.main import main as megart_main
@@ -196,10 +197,15 @@ def test_import_hf_prints_the_moe_flags_and_pp2_fine_tunes_from_them(tmp_path, c
     hf = saved_mixtral(tmp_path / "hf", num_experts_per_tok=3)
     ckpt = tmp_path / "ckpt"
     argv = ["import-hf", "--input", str(tmp_path / "hf"), "--save", str(ckpt)]
-    assert megart_main([*argv, "--target-tensor-parallel-size", "2"]) == 2
-    refusal = "mixture-of-experts layers (--num-experts 4) run at tensor-parallel size 1"
-    assert refusal in capsys.readouterr().err
+    # The experts split over tensor parallelism too (megart train then needs
+    # --sequence-parallel): the same whole weights as the pp2 import below.
+    tp2 = ["import-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "tp2")]
+    assert megart_main([*tp2, "--target-tensor-parallel-size", "2"]) == 0
+    capsys.readouterr()
     assert megart_main([*argv, "--target-pipeline-parallel-size", "2"]) == 0
+    split, staged = (mcw.checkpoint_gpt(str(d))[1] for d in (tmp_path / "tp2", ckpt))
+    assert split.keys() == staged.keys() and any(".experts.3.proj." in n for n in split)
+    assert all(torch.equal(split[n], staged[n]) for n in split)
     flags = capsys.readouterr().out.split(f"or with --load {ckpt} ")[1].split()
     for flag in ("--num-experts", "--moe-router-topk", "--disable-bias-linear", "--swiglu"):
         assert flag in flags, flag

@@ -1,10 +1,12 @@
 """Mixture of experts (megart.models.moe; Megatron's --num-experts and --moe-* router flags)
 against Megatron-Core 0.16.1's own MoE GPTModel (local spec, SequentialMLP experts, CPU,
 float64): its logits from megart's weights and megart's from its own, and the gradients of a
-training step with the load-balancing loss and the z-loss under a pipeline run's loss factor.
-Then megart's runs: flags reach the model, what cannot run is refused by name, pipeline and
-data-parallel runs follow the one-process curve, recomputation changes no gradient, and a
-checkpoint resumes on the curve.
+training step with the load-balancing loss and the z-loss under a pipeline run's loss factor;
+the same at tensor-parallel size 2 with sequence parallelism, each side's own shards (and the
+legacy checkpoint of tp2 experts loaded by Megatron-Core). Then megart's runs: flags reach
+the model, what cannot run is refused by name, pipeline, data-parallel and tensor-parallel
+runs follow the one-process curve, recomputation changes no gradient, and a checkpoint resumes
+on the curve, at another tensor-parallel size too.
 
 Megatron-Core's softmax over experts rounds to fp32 even in a float64 model (its
 torch.softmax(..., dtype=torch.float32)); megart's keeps the logits' dtype from fp32 up, so the
@@ -16,6 +18,7 @@ import argparse
 import pytest
 
 import megatron_core_workers as mcw
+import moe_tp_workers as mtw
 import moe_workers as mw
 import train_workers as tw
 from megart import ConfigError
@@ -99,6 +102,49 @@ def test_the_comparison_catches_wrongly_scaled_auxiliary_losses(gradients, name)
     assert gradients[name]["router"] > 1e-3
 
 
+# Tensor parallelism 2 with sequence parallelism (Megatron-Core's --sequence-parallel too):
+# (model, loss factor, megart's deliberate mistake or None; see moe_tp_workers.compare).
+TP_CASES = {
+    "aux-and-z-loss": ({**BASE, **LOSSES}, 0.5, None),
+    "swiglu-pre-softmax-narrow": (
+        {**BASE, **LOSSES, "activation": "swiglu", "moe_router_pre_softmax": True,
+         "moe_ffn_hidden_size": 24}, 0.25, None),
+    "sigmoid-top3-of-8": (
+        {**BASE, **LOSSES, "num_experts": 8, "moe_router_topk": 3,
+         "moe_router_score_function": "sigmoid"}, 0.5, None),
+    "dense-then-moe": ({**BASE, **LOSSES, "moe_layer_freq": (0, 1)}, 0.5, None),
+    # The mistakes this exists to catch.
+    "aux-loss-counts-not-summed": ({**BASE, **LOSSES}, 0.5, "aux-local"),
+    "router-gradient-not-summed": ({**BASE, **LOSSES}, 0.5, "router-unsummed"),
+    "z-loss-not-divided": ({**BASE, **LOSSES}, 0.5, "z-undivided"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    results = launch(mtw.compare_all, 2, list(TP_CASES.values()), timeout=300)[0]
+    return dict(zip(TP_CASES, results, strict=True))
+
+
+@pytest.mark.parametrize("name", [n for n, c in TP_CASES.items() if c[2] is None])
+def test_tensor_parallel_experts_are_megatron_cores(tp2, name):
+    """megart's tp2 shards and Megatron-Core's tp2 shards of the same weights: the same
+    logits (and megart's one process's), and one training step's gradients, the router's
+    included, with the load-balancing loss and the z-loss."""
+    r = tp2[name]
+    assert r["scale"] > 0.5
+    assert r["megatron_logits"] < 1e-6  # its softmax over experts rounds to fp32
+    assert r["one_process_logits"] < 1e-12
+    assert r["top"] > 1e-3
+    assert r["largest"] < 1e-6
+    assert r["router"] < 1e-6
+
+
+@pytest.mark.parametrize("name", [n for n, c in TP_CASES.items() if c[2] is not None])
+def test_the_tensor_parallel_comparison_catches_a_missing_sum_over_ranks(tp2, name):
+    assert tp2[name]["router"] > 1e-2
+
+
 def parse(*argv: str):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -130,7 +176,9 @@ MOE = ("--num-experts", "4", "--disable-bias-linear")
     "argv,world,message",
     [
         (("--num-experts", "4"), 1, "add --disable-bias-linear"),
-        ((*MOE, "--tensor-model-parallel-size", "2"), 2, "run at tensor-parallel size 1"),
+        ((*MOE, "--tensor-model-parallel-size", "2"), 2, "needs --sequence-parallel"),
+        ((*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+          "--moe-ffn-hidden-size", "15"), 2, "experts' MLP size 15 .* tensor-parallel size 2"),
         ((*MOE, "--context-parallel-size", "2"), 2, "without context parallelism"),
         (("--moe-aux-loss-coeff", "0.01"), 1, "the model has no experts"),
         ((*MOE, "--moe-router-topk", "1"), 1, "add --moe-router-pre-softmax"),
@@ -174,14 +222,20 @@ def curves():
     zbv = launch(tw.train_kw, 2, dict(TRAIN, pipeline_model_parallel_size=2,
                  pipeline_schedule="zb-v"), timeout=300)[0]  # fmt: skip
     plain = launch(tw.train_kw, 1, dict(TRAIN, moe_aux_loss_coeff=0.0), timeout=300)[0]
-    return one, pp2, interleaved, dp2, zbv, plain
+    tp2 = launch(tw.train_kw, 2, dict(TRAIN, **TP2), timeout=300)[0]
+    return one, pp2, interleaved, dp2, zbv, plain, tp2
+
+
+TP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
 
 
 def test_pipeline_and_data_parallel_runs_follow_the_one_process_curve(curves):
     """Each microbatch's auxiliary losses weigh 1/m of the batch on every layout (the engine's
-    factor), so pp2 (1F1B, interleaved, zero-bubble V) and dp2 are the one-process run."""
-    one, pp2, interleaved, dp2, zbv, plain = curves
+    factor), so pp2 (1F1B, interleaved, zero-bubble V) and dp2 are the one-process run; so is
+    tp2 with sequence parallelism, its ranks' auxiliary losses adding up to the sequence's."""
+    one, pp2, interleaved, dp2, zbv, plain, tp2 = curves
     want = [h["loss"] for h in one]
+    assert [h["loss"] for h in tp2] == pytest.approx(want, **SAME_RUN)
     assert [h["loss"] for h in pp2] == pytest.approx(want, **SAME_RUN)
     assert [h["loss"] for h in zbv] == pytest.approx(want, **SAME_RUN)
     assert [h["loss"] for h in interleaved] == pytest.approx(want, **SAME_RUN)
@@ -216,6 +270,36 @@ def test_a_checkpoint_resumes_on_the_curve(tmp_path):
     trained, resumed = tw.saved_and_resumed(2, pp2, 1, TRAIN, tmp_path / "ckpt")
     tw.assert_holds(trained, resumed)
     tw.assert_resumed_on_curve(straight, resumed, **SAME_RUN)
+
+
+@pytest.mark.parametrize("save_tp,run_tp", [(2, 1), (1, 2)])
+def test_a_tensor_parallel_checkpoint_resumes_at_another_size(tmp_path, curves, save_tp, run_tp):
+    """megart's checkpoint reshards the experts' pieces by their partition_dim: saved at tp2,
+    resumed at tp1, and the other way round, the weights and Adam's moments are what were
+    saved, and the run goes on on the one-process curve."""
+    layouts = {1: TRAIN, 2: dict(TRAIN, **TP2)}
+    trained, resumed = tw.saved_and_resumed(
+        save_tp, layouts[save_tp], run_tp, layouts[run_tp], tmp_path / "ckpt"
+    )
+    tw.assert_holds(trained, resumed)
+    tw.assert_resumed_on_curve(curves[0], resumed, **SAME_RUN)
+
+
+def test_megatrons_legacy_checkpoint_of_tensor_parallel_experts_loads_in_megatron_core():
+    """megart's weights converted to Megatron-LM's legacy files split over two tensor-parallel
+    ranks (the experts' linear_fc1 rows, SwiGLU's [gate_r; up_r], and linear_fc2 columns, the
+    router whole): Megatron-Core's tp2 GPTModel loads each rank's file strictly and gives
+    megart's logits."""
+    import sweep_mcore_tp as smt
+
+    def failed(e: Exception, what: str) -> str:
+        return f"ERROR {type(e).__name__}: {e} {what}"
+
+    kw = {**BASE, **LLAMA, "normalization": "layernorm", "moe_router_pre_softmax": True}
+    verdict = smt.check(kw, launch, failed, 1e-6)
+    assert verdict.startswith("OK"), verdict
+    swapped = smt.check(kw, launch, failed, 1e-6, swap_ranks=True)  # a wrong split shows
+    assert swapped.startswith("MISMATCH"), swapped
 
 
 @pytest.mark.parametrize(

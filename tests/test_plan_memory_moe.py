@@ -93,9 +93,10 @@ ARGV = (
 
 
 def test_the_cli_plans_moe_at_tensor_parallel_size_1(capsys):
-    """Every candidate megart plan shows for an MoE model is one megart train runs with it:
-    t = 1 and no context parallelism (megart train refuses either with experts), and no
-    zero-bubble schedule (not modelled with experts)."""
+    """Every candidate megart plan shows for an MoE model is one megart train runs with it and
+    the plan models: t = 1 (tensor-parallel experts are not modelled) and no context
+    parallelism (megart train refuses it with experts), and no zero-bubble schedule (not
+    modelled with experts)."""
     assert megart_main(ARGV.split()) == 0
     out = json.loads(capsys.readouterr().out)
     layouts = [c["layout"] for c in out["candidates"]]
@@ -108,7 +109,11 @@ def test_the_cli_plans_moe_at_tensor_parallel_size_1(capsys):
 @pytest.mark.parametrize(
     "extra,says",
     [
-        ("--tensor-model-parallel-size 2", "tensor-parallel size 1"),
+        # megart train runs it (with sequence parallelism); the plan does not model it.
+        (
+            "--tensor-model-parallel-size 2 --sequence-parallel",
+            "does not model --tensor-model-parallel-size 2 with --num-experts",
+        ),
         ("--context-parallel-size 2", "--num-experts"),
         ("--recompute-activations --recompute-modules layernorm", "layernorm"),
         ("--pipeline-model-parallel-size 2 --pipeline-schedule zb-h1", "zb-h1"),
