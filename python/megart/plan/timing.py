@@ -268,8 +268,9 @@ def layer_work(
     sliding window (earlier tokens each token sees; None: the whole causal past;
     window_share). ``documents``: under --reset-attention-mask's bias (without context
     parallelism or a window: megart train and plan refuse them with it; documents_mask_read).
-    ``moe``: a mixture-of-experts layer (tensor-parallel size 1): moe_mlp_shapes' products in
-    place of the MLP's, and its element-wise work (moe_elementwise)."""
+    ``moe``: a mixture-of-experts layer (modelled at tensor-parallel size 1 only):
+    moe_mlp_shapes' products in place of the MLP's, and its element-wise work
+    (moe_elementwise)."""
     s, h, f, t = cfg.seq_length, cfg.hidden_size, cfg.ffn_size, tp
     modules = recomputed_modules(cfg, recompute)  # selective's --recompute-modules
     if recompute == "selective":  # attention's terms: as with its core recomputed, or without

@@ -1,5 +1,6 @@
 """A Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Nemotron or Mixtral directory as a megart
-checkpoint, to fine-tune under any layout (a Mixtral's experts: tensor-parallel size 1).
+checkpoint, to fine-tune under any layout (a Mixtral at tensor-parallel size 2 or more needs
+--sequence-parallel, as its experts do).
 
     import_checkpoint("gpt2-dir", "ckpt")  # megart import-hf --input gpt2-dir --save ckpt
     # then: megart train --load ckpt --vocab-size 50257 --num-layers 12 ... (any tp x pp),
