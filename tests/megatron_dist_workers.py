@@ -4,7 +4,6 @@ keeps its parallel state in module globals)."""
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import zlib
@@ -14,7 +13,7 @@ import torch
 
 from megart.models import GPT, GPTConfig
 from megart.models.config import fit_vocab
-from megatron_core_workers import megatron_logits, megatron_model
+from megatron_core_workers import megatron_logits, megatron_model, on_cpu_only
 
 # Megatron-LM's default --dist-ckpt-strictness: a key asked for that the checkpoint lacks fails.
 STRICTNESS = "assume_ok_unexpected"
@@ -26,14 +25,13 @@ def _no_cuda() -> None:
 
 
 def _parallel(tp: int, pp: int) -> None:
-    """Megatron-Core's model parallelism over the launched ranks (gloo)."""
-    import megatron.core.tensor_parallel.random as mrandom
+    """Megatron-Core's model parallelism over the launched ranks (gloo), kept on the CPU
+    (megatron_core_workers.on_cpu_only: an MoE router's gate too)."""
     from megatron.core import parallel_state
 
     torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tp, pp)
-    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    torch.cuda.current_device = lambda: "cpu"
+    on_cpu_only()
 
 
 def stage_logits(model: torch.nn.Module, tokens: torch.Tensor, tp: int, pp: int) -> torch.Tensor:

@@ -73,7 +73,7 @@ def test_sharded_keys_stack_layers_and_invert(layers, llama, tied):
     cfg = GPTConfig(vocab_size=50, seq_length=4, hidden_size=8, num_layers=layers,
                     num_attention_heads=2, **kw)  # fmt: skip
     model = {k: torch.randn_like(v) for k, v in to_megatron(GPT(cfg).state_dict(), cfg).items()}
-    stored = sharded_keys(model, layers)
+    stored = sharded_keys(model, cfg)
     for key, value in stored.items():
         assert not key.startswith("decoder.layers.") or value.shape[0] == layers, key
         assert "input_layernorm" not in key and "pre_mlp_layernorm" not in key, key

@@ -29,6 +29,8 @@ LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=Tru
              disable_bias_linear=True, untie_embeddings_and_output_weights=True,
              group_query_attention=True, num_query_groups=2, ffn_hidden_size=48)  # fmt: skip
 SAVE = dict(use_distributed_optimizer=True, ckpt_format="torch_dist")
+MOE = dict(num_experts=3, moe_layer_freq="[0,1,1,1]", moe_ffn_hidden_size=24, swiglu=True,
+           disable_bias_linear=True, moe_aux_loss_coeff=0.01)  # fmt: skip
 FP16 = dict(fp16=True, initial_loss_scale=1024)
 INTERLEAVED = dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
 SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags)
@@ -56,6 +58,10 @@ SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags)
         (4, dict(SAVE, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)),
         (1, {}),
     ),
+    # Mixture of experts (a dense first layer, then MoE layers: each layer its own model key,
+    # the experts among the dense parameters in Megatron's buffers at expert parallelism 1),
+    # SwiGLU's halves in every expert's fc1; dp2 to one rank's plain Adam.
+    "moe-dp2-to-dp1": ((2, dict(SAVE, **MOE)), (1, MOE)),
 }  # fmt: skip
 # Stores resumed on another tensor/pipeline layout (Megatron-LM refuses that for its
 # dp_reshardable layout): name -> (the scenario's store, resuming ranks and flags).
@@ -78,7 +84,7 @@ RESHARD = {
 }  # fmt: skip
 # Megatron-Core's DistributedOptimizer loads these stores on their saving layouts; the first
 # it also saves, for megart to resume.
-MEGATRON = ("dp2-fp16-to-dp1", "pp2-interleaved-buckets-to-dp1")
+MEGATRON = ("dp2-fp16-to-dp1", "pp2-interleaved-buckets-to-dp1", "moe-dp2-to-dp1")
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +238,9 @@ def test_megatron_core_distributed_optimizer_holds_megarts_state(runs, megatron,
                 assert not got[want.numel() :].any(), (name, local, theirs)
             covered.setdefault((t, p, chunk, local), []).append((start, end))
     assert {k[3] for k in covered} >= {"decoder.layers.0.mlp.linear_fc1.weight"}
+    if "moe" in name:  # each expert's slices, placed by Megatron-Core's own buffers
+        expert = "decoder.layers.3.mlp.experts.local_experts.2.linear_fc1.weight"
+        assert {k[3] for k in covered} >= {expert, "decoder.layers.1.mlp.router.weight"}
     for key, ranges in covered.items():
         ranges.sort()
         assert ranges[0][0] == 0, key

@@ -170,7 +170,7 @@ def _megatron_wholes(saved, key, cfg, tp):
     for name in (WORD, OUTPUT):
         if name in model:
             model[name] = fit_vocab(model[name], cfg.padded_vocab_size(tp))
-    return sharded_keys(model, cfg.num_layers)
+    return sharded_keys(model, cfg)
 
 
 @pytest.mark.parametrize("name, tp, pp", [("tp2-to-pp2", 2, 1), ("llama-pp2-bf16-dropout", 1, 2)])

@@ -2,8 +2,8 @@
 as Megatron-LM 0.16 records them (and read back, older args meaning a dense model),
 --use-checkpoint-args' MoE flags, the loads' refusal of another architecture naming the MoE
 flag, Megatron-LM's legacy files (--ckpt-format torch) that Megatron-Core 0.16.1's own MoE
-GPTModel loads strictly at pp1 and pp2 with megart's logits and that megart resumes from, and
-torch_dist refused by name with --num-experts."""
+GPTModel loads strictly at pp1 and pp2 with megart's logits and that megart resumes from
+(torch_dist: test_megatron_dist_moe)."""
 
 import dataclasses
 import shutil
@@ -20,7 +20,6 @@ from megart.training.megatron_args import (
     check_args,
     config_from_args,
     megatron_args,
-    refuse_experts,
 )
 from megart.training.megatron_files import torch_load
 from test_checkpoint_args import USE, flags_config, strip_megart_record
@@ -82,25 +81,6 @@ def test_megatron_written_and_older_args():
         with pytest.raises(ConfigError, match=f"saved with {name}.*megart does not have"):
             check_args({**a, flag: value}, "ckpt")
     check_args(a, "ckpt")  # megart's own: taken
-
-
-def test_torch_dist_is_refused_with_experts_by_name(tmp_path, capsys):
-    for use in (["--save", str(tmp_path / "x")], ["--load", str(tmp_path / "x")]):
-        argv = [*FLAGS, *EXPERTS, "--ckpt-format", "torch_dist", "--train-iters", "1", *use]
-        status, out = launch(mw.run_cli, 1, argv, timeout=300)[0]
-        assert status != 0 and "--ckpt-format torch_dist with --num-experts 4" in out
-    with pytest.raises(ConfigError, match="reading r: --ckpt-format torch_dist with --num-exp"):
-        refuse_experts(2, "reading r")
-    refuse_experts(None, "a dense model")  # nothing to refuse
-    ckpt = tmp_path / "ckpt"
-    argv = [*FLAGS, *EXPERTS, "--train-iters", "1", "--save", str(ckpt)]
-    status, out = launch(mw.run_cli, 1, argv, timeout=300)[0]
-    assert status == 0, out
-    convert = ["convert-checkpoint", "--from", "megart", "--to", "megatron", "--load", str(ckpt),
-               "--save", str(tmp_path / "dist"), "--ckpt-format", "torch_dist"]  # fmt: skip
-    assert megart_main(convert) != 0
-    assert "--ckpt-format torch_dist with --num-experts 4" in capsys.readouterr().err
-    assert not (tmp_path / "dist" / "iter_0000001").exists()
 
 
 @pytest.fixture(scope="module")

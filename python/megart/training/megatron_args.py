@@ -202,21 +202,6 @@ def saved_stages(a: dict[str, Any]) -> dict[str, int | None]:
     }
 
 
-def refuse_experts(num_experts: int | None, what: str) -> None:
-    """Refuses ``what`` (a save, a load or a conversion in torch_dist) of a model with
-    ``num_experts``: Megatron-Core's SequentialMLP keys its experts' tensors in the store by
-    the global expert number, one more sharded axis (``decoder.layers.mlp.experts.experts.
-    linear_fc1.weight``, its sharded_state_dict), which megart.training.megatron_dist does not
-    write or read yet."""
-    if num_experts:
-        raise ConfigError(
-            f"{what}: --ckpt-format torch_dist with --num-experts {num_experts}: megart writes "
-            "and reads Megatron's distributed store for dense models only so far (its experts' "
-            "keys are not built); use --ckpt-format torch (Megatron-LM's legacy files, which "
-            "Megatron-Core loads) or megart (the default)"
-        )
-
-
 # Megatron-LM's MoE flags that change the experts' parameters (names or kinds) from the ones
 # megart has: grouped GEMM (TEGroupedMLP's weights), shared experts, the router's expert bias.
 MOE_UNBUILT = (

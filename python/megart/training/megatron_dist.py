@@ -6,10 +6,13 @@ wrote it), ``common.pt`` (what is not sharded: ``args``, ``checkpoint_version``,
 ``iteration``, ...) and a torch.distributed.checkpoint (DCP) store: ``.metadata`` and
 ``__R_K.distcp`` files. The store is independent of the parallel layout: each tensor is kept
 under one key with its global shape, and Megatron-Core's ranks read the slices they own. Its
-keys are Megatron-Core's sharded keys (``GPTModel.sharded_state_dict()``): a layer's parameter
-is one tensor over all layers (dimension 0 the layer number), the norms are named as Transformer
-Engine's fused layers name them (``linear_qkv.layer_norm_weight``) whatever the layer spec, and
-each linear layer has an ``_extra_state`` object per layer (None unless it holds fp8 scales).
+keys are Megatron-Core's sharded keys (``GPTModel.sharded_state_dict()``,
+megart.training.megatron_dist_keys): a layer's parameter is one tensor over all layers
+(dimension 0 the layer number; each layer its own key where --moe-layer-freq mixes dense and
+MoE layers), an MoE layer's experts one more dimension (the expert number), the norms are named
+as Transformer Engine's fused layers name them (``linear_qkv.layer_norm_weight``) whatever the
+layer spec, and each linear layer (each expert's too) has an ``_extra_state`` object (None
+unless it holds fp8 scales).
 A whole tensor is the one-rank layout: SwiGLU's fc1 is [gate; up] and q/k/v are grouped per
 query group as in the legacy files; only the vocabulary's padding depends on the tensor-parallel
 size, so a checkpoint is written for the one it names in its ``args``.
@@ -26,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -38,9 +40,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
-from megart.models.megatron_names import NAMES, TE_NORMS, megatron_part
 from megart.training.ckpt_files import iteration_dir
-from megart.training.megatron_args import check_args, refuse_experts
+from megart.training.megatron_args import check_args
+from megart.training.megatron_dist_keys import extra_state_keys, layer_names, sharded_keys
 from megart.training.megatron_files import CHECKPOINT_VERSION, torch_load
 
 METADATA = "metadata.json"
@@ -51,17 +53,9 @@ BACKENDS = {
     "common_backend": "torch",
     "common_backend_version": 1,
 }
-LINEAR_LAYERS = (
-    "self_attention.linear_qkv",
-    "self_attention.linear_proj",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-)
 MODEL_KEYS = ("embedding.", "decoder.", "output_layer.")
 # What reading a damaged or foreign store raises (DCP's CheckpointException is a BaseException).
 UNREADABLE = (OSError, RuntimeError, EOFError, pickle.UnpicklingError, CheckpointException)
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
-_STACKED = re.compile(r"decoder\.layers\.(.+)$")
 
 
 def is_dist_checkpoint(directory: str | os.PathLike) -> bool:
@@ -75,55 +69,13 @@ def is_dist_checkpoint(directory: str | os.PathLike) -> bool:
         return False
 
 
-def _to_fused_norm(part: str) -> str:
-    for fused, norm in TE_NORMS.items():
-        if part.startswith(norm):
-            return fused + part.removeprefix(norm)
-    return part
-
-
-def sharded_keys(model: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Megatron-Core's whole state dict (``decoder.layers.N.`` names) under torch_dist's
-    keys: each layer parameter stacked over the layers, the norms under the fused names."""
-    out: dict[str, torch.Tensor] = {}
-    per_layer: dict[str, list[torch.Tensor | None]] = {}
-    for name, value in model.items():
-        match = _LAYER.match(name)
-        if match is None:
-            out[name] = value
-            continue
-        layer, part = int(match.group(1)), _to_fused_norm(match.group(2))
-        per_layer.setdefault(part, [None] * num_layers)[layer] = value
-    for part, layers in per_layer.items():
-        if any(t is None for t in layers):
-            raise ValueError(f"decoder.layers.*.{part}: not every layer has it")
-        out[f"decoder.layers.{part}"] = torch.stack(layers)  # type: ignore[arg-type]
-    return out
-
-
-def layer_names(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """torch_dist's keys back to Megatron-Core's per-layer names (norms keep the fused
-    names, which megart.models.megatron_names reads)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in stored.items():
-        match = _STACKED.match(key)
-        if match is None:
-            out[key] = value
-            continue
-        for layer, tensor in enumerate(value.unbind(0)):
-            out[f"decoder.layers.{layer}.{match.group(1)}"] = tensor
-    return out
-
-
-def extra_states(layers: Iterable[int], num_layers: int, output: bool) -> dict[str, list[None]]:
-    """The ``_extra_state`` (None: no fp8 scales) of each linear layer of ``layers`` (of
-    ``num_layers``), and of the untied output layer with ``output``, as Megatron-Core's
-    torch_dist strategy stores a ShardedObject: a list of its data, torch.save'd (by DCP's
-    planner here), keyed ``key/shard_<offset>_<shape>``. Megatron-Core's load asks for them."""
-    out = {}
-    for layer in layers:
-        for part in LINEAR_LAYERS:
-            out[f"decoder.layers.{part}._extra_state/shard_{layer}_{num_layers}"] = [None]
+def extra_states(layers: Iterable[int], cfg: GPTConfig, output: bool) -> dict[str, list[None]]:
+    """The ``_extra_state`` (None: no fp8 scales) of each linear layer (and expert's) of
+    ``layers``, and of the untied output layer with ``output``, as Megatron-Core's torch_dist
+    strategy stores a ShardedObject: a list of its data, torch.save'd (by DCP's planner here),
+    keyed ``key/shard_<offset>_<shape>`` (megart.training.megatron_dist_keys). Megatron-Core's
+    load asks for them."""
+    out = {key: [None] for layer in layers for key in extra_state_keys(layer, cfg)}
     if output:
         out["output_layer._extra_state/shard_0_1"] = [None]
     return out
@@ -139,14 +91,12 @@ def write(
     """Writes ``model`` (Megatron-Core's whole state dict, the vocabulary padded as ``args``
     say) with ``args`` as the torch_dist checkpoint of ``iteration`` in ``save_dir``; returns
     its iteration directory. The tracker file is the caller's to write."""
-    refuse_experts(cfg.num_experts, f"writing {save_dir}")
     root = iteration_dir(save_dir, iteration)
     root.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {
-        k: v.detach().contiguous() for k, v in sharded_keys(model, cfg.num_layers).items()
+        k: v.detach().contiguous() for k, v in sharded_keys(model, cfg).items()
     }
-    n = cfg.num_layers
-    state.update(extra_states(range(n), n, cfg.untie_embeddings_and_output_weights))
+    state.update(extra_states(range(cfg.num_layers), cfg, cfg.untie_embeddings_and_output_weights))
     # One process writes the whole store: no process group, hence no_dist. Not flattened, so
     # that each extra state's list is one object, as Megatron-Core's planner writes it.
     dcp.save(
@@ -170,7 +120,13 @@ def read_common(root: Path) -> dict[str, Any]:
     if not isinstance(common, dict) or common.get("args") is None:
         raise ConfigError(f"{root / COMMON}: no args; not a Megatron-LM checkpoint")
     check_args(vars(common["args"]), root)
-    refuse_experts(getattr(common["args"], "num_experts", None), f"reading {root}")
+    if (common.get("content_metadata") or {}).get("singleton_local_shards"):
+        # Megatron-Core's other keying (each layer, each expert and SwiGLU's halves under keys
+        # of their own), which Megatron-LM 0.16 does not write: megart reads the default.
+        raise ConfigError(
+            f"{root}: saved with singleton_local_shards (each expert and SwiGLU half under its "
+            "own key); megart reads Megatron-LM's default keys (singleton_local_shards False)"
+        )
     return common
 
 
@@ -213,16 +169,3 @@ def read(root: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"{root}: no embedding.word_embeddings.weight; not a GPT's weights")
     load_store(root, whole)
     return layer_names(whole)
-
-
-def stored_place(name: str, cfg: GPTConfig) -> tuple[str, int | None, int | None]:
-    """Where the one-chunk GPT's parameter ``name`` (megart's, without ``chunk.``) lies in the
-    store: its key, its layer (None for a tensor of no layer) and which half of the key's
-    tensor it is (megart.models.megatron_names.megatron_part: SwiGLU's gate and up are the
-    halves of ``linear_fc1``; None for the whole tensor)."""
-    if name in NAMES:
-        return NAMES[name], None, None
-    _, layer, rest = name.split(".", 2)
-    part, kind = rest.rsplit(".", 1)
-    megatron, half = megatron_part(part, cfg)
-    return f"decoder.layers.{_to_fused_norm(megatron + '.' + kind)}", int(layer), half

@@ -1,6 +1,7 @@
 """Where each of a megart rank's parameters lies in Megatron-LM's torch_dist store
 (megart.training.megatron_dist): its key, the offsets of its slice in that key's global tensor
-(dimension 0 the layer for a layer's parameter), and whether this rank writes it.
+(its layer and expert first where the key has those dimensions:
+megart.training.megatron_dist_keys), and whether this rank writes it.
 
 Megatron-Core's sharded keys hold each tensor once, whole, whatever the layout: a
 tensor-parallel slice lies at its rank's rows (column-parallel, the vocabulary) or columns
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from megart.models.megatron_names import NAMES
-from megart.training.megatron_dist import stored_place
+from megart.training.megatron_dist_keys import stored_place
 from megart.training.shards import whole_name
 
 VOCAB_KEYS = (NAMES["wte.weight"], NAMES["output_layer.weight"])
@@ -32,13 +33,13 @@ class Place:
 
     param: torch.nn.Parameter
     key: str
-    offsets: list[int]  # in the stored tensor (the layer first for a layer's parameter)
+    offsets: list[int]  # in the stored tensor (its layer and expert first, where it has them)
     size: torch.Size  # the stored tensor's, as this run's layout writes it
     owner: bool  # whether this rank writes it (False: a replica another rank writes)
 
     def piece(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (the parameter's shape) shaped as its chunk of the store."""
-        return tensor.unsqueeze(0) if len(self.offsets) > tensor.dim() else tensor
+        return tensor[(None,) * (len(self.offsets) - tensor.dim())]  # a view: loads fill it
 
 
 def places(chunks: list[Any], tp_rank: int, tp: int) -> list[Place]:
@@ -51,7 +52,7 @@ def places(chunks: list[Any], tp_rank: int, tp: int) -> list[Place]:
             name = whole_name(key, chunk.layer_ids).removeprefix("chunk.")
             # The last stage's copy of the tied embedding (its own ``wte``): read, not written.
             copy = name == "wte.weight" and not chunk.first
-            store_key, layer, half = stored_place(name, cfg)
+            store_key, leading, half = stored_place(name, cfg)
             dim = getattr(p, "partition_dim", None)
             offsets, size = [0] * p.dim(), list(p.shape)
             if dim is not None:
@@ -60,8 +61,8 @@ def places(chunks: list[Any], tp_rank: int, tp: int) -> list[Place]:
                 if half is not None:  # [gate; up] in one tensor, split on its rows
                     offsets[0] += half * size[0]
                     size[0] *= 2
-            if layer is not None:
-                offsets, size = [layer, *offsets], [cfg.num_layers, *size]
+            offsets = [i for i, _ in leading] + offsets  # its layer, its expert
+            size = [n for _, n in leading] + size
             owner = not copy and (dim is not None or tp_rank == 0)
             out.append(Place(p, store_key, offsets, torch.Size(size), owner))
     return out

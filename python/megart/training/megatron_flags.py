@@ -145,7 +145,6 @@ from megart.models.window import as_flag_text
 from megart.training.batch_rampup import check_values
 from megart.training.batch_rampup import train_iters as ramp_train_iters
 from megart.training.grad_sync import megatron_bucket_size
-from megart.training.megatron_args import refuse_experts
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -273,8 +272,6 @@ def check_megatron_flags(config: Any) -> None:
             f"--expert-model-parallel-size {config.expert_model_parallel_size}: megart has no "
             "expert parallelism yet; use 1 (the default)"
         )
-    if config.ckpt_format == "torch_dist":
-        refuse_experts(config.num_experts, "megart train")
     distopt_store = config.ckpt_format == "torch_dist" and config.use_distributed_optimizer
     if distopt_store and config.save and config.schedule == "zb-v":
         # The distributed optimizer's torch_dist state follows Megatron's buffers of each
