@@ -126,7 +126,7 @@ def _imported(
     def stages() -> Iterator[tuple[tuple[int, int], dict[str, torch.Tensor], list[int]]]:
         for p in range(pp):
             (layers,) = chunk_layers(cfg.num_layers, p, pp)
-            dims = partition_dims(cfg, len(layers), p == 0, p == pp - 1)
+            dims = partition_dims(cfg, tuple(layers), p == 0, p == pp - 1)
             key_of = {whole_name(key, layers): key for key in dims}
             ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
             for name, whole in fmt.to_megart(cfg, take, wanted=key_of):
