@@ -9,6 +9,7 @@ experts split over the ranks)."""
 
 import dataclasses
 import json
+import shlex
 
 import pytest
 import torch
@@ -63,21 +64,28 @@ def moe(**kw) -> GPTConfig:
     return GPTConfig(**{**base, **MIXTRAL, **kw})
 
 
+def routed(router: torch.nn.Module, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the logits [512, 8] of random tokens, transformers' ``router``'s routing weights for
+    them, zero off each token's chosen experts) for a random router weight [8, 32]."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, weight = torch.randn(512, 32, generator=g), torch.randn(8, 32, generator=g)
+    with torch.no_grad():
+        router.weight.copy_(weight)
+        _, scores, chosen = router(hidden)
+    return torch.nn.functional.linear(hidden, weight), torch.zeros(512, 8).scatter(
+        1, chosen, scores
+    )
+
+
 @pytest.mark.parametrize("k", [2, 3])
 def test_mixtrals_routing_is_megarts_default_top_k_softmax(k):
     """Softmax over all experts, top k, renormalised (transformers' MixtralTopKRouter) gives the
     weights megart's default routing gives (the softmax of the top k logits)."""
     cfg = moe(num_experts=8, moe_router_topk=k)
-    g = torch.Generator().manual_seed(k)
-    hidden, weight = torch.randn(512, 32, generator=g), torch.randn(8, 32, generator=g)
     router = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter(
         transformers.MixtralConfig(**{**HF_TINY, "num_local_experts": 8, "num_experts_per_tok": k})
     )
-    with torch.no_grad():
-        router.weight.copy_(weight)
-        _, scores, chosen = router(hidden)
-    theirs = torch.zeros(512, 8).scatter(1, chosen, scores)
-    logits = torch.nn.functional.linear(hidden, weight)
+    logits, theirs = routed(router, seed=k)
     ours, _ = route(logits, cfg)
     assert (ours - theirs).abs().max() < 1e-6  # float32 softmaxes: measured 1.8e-7
     # The identity itself, in float64: exp(l_i) / sum_topk exp(l_j), whatever the denominator.
@@ -122,20 +130,25 @@ def rewritten(src, dst, change) -> str:
     return str(dst)
 
 
-def _swap(tensors: dict, a: str, b: str) -> None:
+def swap(tensors: dict, a: str, b: str) -> None:
     tensors[a], tensors[b] = tensors[b], tensors[a]
 
 
-def _experts(tensors: dict, router_too: bool) -> None:
-    g = "model.layers.0.block_sparse_moe."
-    for w in ("w1", "w2", "w3"):
-        _swap(tensors, f"{g}experts.0.{w}.weight", f"{g}experts.1.{w}.weight")
+def swap_experts(tensors: dict, g: str, weights: tuple, router_too: bool) -> None:
+    """Experts 0 and 1 of the MoE block ``g`` (its prefix) of four swapped, each of their
+    ``weights``; with ``router_too`` their router rows as well."""
+    for w in weights:
+        swap(tensors, f"{g}experts.0.{w}.weight", f"{g}experts.1.{w}.weight")
     if router_too:  # the same network: router row e picks expert e
         tensors[g + "gate.weight"] = tensors[g + "gate.weight"][[1, 0, 2, 3]]
 
 
+def _experts(tensors: dict, router_too: bool) -> None:
+    swap_experts(tensors, "model.layers.0.block_sparse_moe.", ("w1", "w2", "w3"), router_too)
+
+
 SABOTAGE = {
-    "w1-w3-swapped": lambda t: _swap(t, *(f"model.layers.1.block_sparse_moe.experts.2.{w}.weight"
+    "w1-w3-swapped": lambda t: swap(t, *(f"model.layers.1.block_sparse_moe.experts.2.{w}.weight"
                                           for w in ("w1", "w3"))),
     "experts-permuted": lambda t: _experts(t, router_too=False),
 }  # fmt: skip
@@ -195,32 +208,47 @@ def test_a_pp2_moe_checkpoint_exports_as_the_mixtral_its_ranks_trained(tmp_path)
 
 def test_import_hf_prints_the_moe_flags_and_pp2_fine_tunes_from_them(tmp_path, capsys):
     hf = saved_mixtral(tmp_path / "hf", num_experts_per_tok=3)
-    ckpt = tmp_path / "ckpt"
-    argv = ["import-hf", "--input", str(tmp_path / "hf"), "--save", str(ckpt)]
-    # The experts split over tensor parallelism too (megart train then needs
-    # --sequence-parallel): the same whole weights as the pp2 import below.
-    tp2 = ["import-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "tp2")]
-    assert megart_main([*tp2, "--target-tensor-parallel-size", "2"]) == 0
-    capsys.readouterr()
-    assert megart_main([*argv, "--target-pipeline-parallel-size", "2"]) == 0
-    split, staged = (mcw.checkpoint_gpt(str(d))[1] for d in (tmp_path / "tp2", ckpt))
-    assert split.keys() == staged.keys() and any(".experts.3.proj." in n for n in split)
-    assert all(torch.equal(split[n], staged[n]) for n in split)
-    flags = capsys.readouterr().out.split(f"or with --load {ckpt} ")[1].split()
+    flags = imported_at_pp2(tmp_path / "hf", tmp_path / "ckpt", capsys)
     for flag in ("--num-experts", "--moe-router-topk", "--disable-bias-linear", "--swiglu"):
         assert flag in flags, flag
+    # Measured: the first loss 6.5e-8 relative from transformers'.
+    model = assert_fine_tunes_at_pp2(flags, tmp_path / "ckpt", tmp_path / "hf", hf)
+    assert (model["num_experts"], model["moe_router_topk"]) == (4, 3)
+
+
+def imported_at_pp2(hf_dir, ckpt, capsys) -> list[str]:
+    """import-hf of the MoE model in ``hf_dir`` at tp2 (the experts split over tensor
+    parallelism too; megart train then needs --sequence-parallel) and, into ``ckpt``, at pp2,
+    the two the same whole weights: the model's flags it prints (a shell line, so split as the
+    shell would)."""
+    argv = ["import-hf", "--input", str(hf_dir), "--save", str(ckpt)]
+    tp2 = ckpt.parent / f"{ckpt.name}-tp2"
+    split_argv = ["import-hf", "--input", str(hf_dir), "--save", str(tp2)]
+    assert megart_main([*split_argv, "--target-tensor-parallel-size", "2"]) == 0
+    capsys.readouterr()
+    assert megart_main([*argv, "--target-pipeline-parallel-size", "2"]) == 0
+    split, staged = (mcw.checkpoint_gpt(str(d))[1] for d in (tp2, ckpt))
+    assert split.keys() == staged.keys() and any(".mlp.experts." in n for n in split)
+    assert all(torch.equal(split[n], staged[n]) for n in split)
+    flags = shlex.split(capsys.readouterr().out.split(f"or with --load {ckpt} ")[1])
     # The aux loss is the run's choice (training.import_hf.moe_flags says why).
     assert "--moe-aux-loss-coeff" not in flags
+    return flags
+
+
+def assert_fine_tunes_at_pp2(flags: list[str], ckpt, hf_dir, hf: object) -> dict:
+    """Two pp2 ranks train from ``ckpt`` with the printed ``flags``: assert_fine_tunes (the
+    first loss transformers' on the same batch within 1e-5, the second lower); returns the
+    model's TrainConfig fields the flags set."""
     model = {
         k: v
         for k, v in dataclasses.asdict(train_config(flags)).items()
         if v != getattr(TrainConfig(), k)
     }
-    assert (model["num_experts"], model["moe_router_topk"]) == (4, 3)
     kw = dict(model, load=str(ckpt), train_iters=2, lr_warmup_iters=0, seq_length=16)
     kw.update(pipeline_model_parallel_size=2, hidden_dropout=0.0, attention_dropout=0.0)
-    # Measured: the first loss 6.5e-8 relative from transformers'.
-    assert_fine_tunes(launch(tw.loaded_and_first_step, 2, kw, timeout=300), tmp_path / "hf", hf)
+    assert_fine_tunes(launch(tw.loaded_and_first_step, 2, kw, timeout=300), hf_dir, hf)
+    return model
 
 
 @pytest.mark.parametrize(
@@ -254,7 +282,6 @@ def test_train_flags_of_a_dense_model_name_no_experts():
         (dict(moe_router_pre_softmax=True), "--moe-router-pre-softmax (Mixtral divides"),
         (dict(moe_router_score_function="sigmoid"), "--moe-router-score-function sigmoid"),
         (dict(moe_router_topk_scaling_factor=2.0), "--moe-router-topk-scaling-factor 2.0"),
-        (dict(qk_layernorm=True), "Mixtral checkpoint cannot represent --qk-layernorm"),
         (dict(window_size=(3, 0), window_attn_skip_freq=(1, 0)), "Mixtral's sliding window"),
     ],
 )
@@ -266,6 +293,13 @@ def test_a_megart_model_mixtral_cannot_represent_is_refused_naming_the_flag(
             GPT(moe(**changes)).save_hf(str(tmp_path), expect=expect)
         assert named in str(e.value)
     assert not (tmp_path / "config.json").exists()
+
+
+def test_a_moe_model_with_query_key_norms_is_a_qwen3_moe_not_a_mixtral(tmp_path):
+    with pytest.raises(ConfigError, match="Mixtral checkpoint cannot represent --qk-layernorm"):
+        GPT(moe(qk_layernorm=True)).save_hf(str(tmp_path), expect="mixtral")
+    GPT(moe(qk_layernorm=True)).save_hf(str(tmp_path))  # tests/test_hf_qwen3_moe.py checks it
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_moe"
 
 
 @pytest.mark.parametrize(

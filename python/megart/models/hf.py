@@ -1,13 +1,13 @@
 """Hugging Face interop: load a ``save_pretrained`` directory of a GPT-2, a Llama, a Mistral, a
-Qwen2, a Qwen3, a Nemotron or a Mixtral into any tensor-parallel layout (a Mixtral's experts:
+Qwen2, a Qwen3, a Nemotron, a Mixtral or a Qwen3-MoE into any tensor-parallel layout (experts:
 tensor-parallel size 1), and write one that transformers' ``from_pretrained`` loads.
 
 Each format is a module (megart.models.hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3,
-hf_nemotron, hf_mixtral) that maps names and layouts between its whole tensors and the whole
-tensors of megart's one-chunk GPT. What is common lives here: reading and writing the files,
-cutting each whole tensor into this rank's tensor-parallel slice, gathering the slices back,
-and choosing the format (by config.json's model_type when reading; by the model's
-architecture when writing).
+hf_nemotron, hf_mixtral, hf_qwen3_moe) that maps names and layouts between its whole tensors
+and the whole tensors of megart's one-chunk GPT. What is common lives here: reading and
+writing the files, cutting each whole tensor into this rank's tensor-parallel slice,
+gathering the slices back, and choosing the format (by config.json's model_type when reading;
+by the model's architecture when writing).
 
 Writing goes check -> hf_tensors -> megart.models.hf_files.write_hf, fed one tensor at a time
 by the live model's gathers here (GPT.save_hf) or by a training checkpoint's files
@@ -34,6 +34,7 @@ from megart.models import (
     hf_nemotron,
     hf_qwen2,
     hf_qwen3,
+    hf_qwen3_moe,
 )
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
@@ -41,9 +42,10 @@ from megart.tensor_parallel._group import group_rank, group_size
 
 # A Llama-style model without a window is written as a Llama, one with a window as a Mistral,
 # one with query/key norms as a Qwen3, one with biases on q/k/v alone as a Qwen2; squared ReLU
-# with zero-centred LayerNorm as a Nemotron; one with experts in every layer as a Mixtral (the
-# others refuse experts): each check() takes only its own, so at most one format takes a model.
-WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3, hf_nemotron, hf_mixtral)
+# with zero-centred LayerNorm as a Nemotron; one with experts in every layer as a Mixtral, one
+# with experts and query/key norms as a Qwen3-MoE (the others refuse experts): each check()
+# takes only its own, so at most one format takes a model.
+WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3, hf_nemotron, hf_mixtral, hf_qwen3_moe)
 # By config.json's model_type.
 FORMATS = {m.MODEL_TYPE: m for m in WRITERS}
 # Formats megart knows and cannot represent, by model_type: why.

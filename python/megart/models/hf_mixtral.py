@@ -41,15 +41,7 @@ EXPERT_NAMES = (("gate", "w1"), ("fc", "w3"), ("proj", "w2"))
 
 def moe_names(cfg: GPTConfig) -> hf_llama.MoeNames:
     """Layer i's (megart, Mixtral) router and expert names, without ".weight"."""
-
-    def names(i: int) -> list[tuple[str, str]]:
-        m, g = f"chunk.blocks.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."
-        out = [(m + "router", g + "gate")]
-        for e in range(cfg.num_experts or 0):
-            out += [(f"{m}experts.{e}.{ours}", f"{g}experts.{e}.{w}") for ours, w in EXPERT_NAMES]
-        return out
-
-    return names
+    return hf_llama.expert_names(cfg, "block_sparse_moe", EXPERT_NAMES)
 
 
 def check(cfg: GPTConfig) -> None:
@@ -63,29 +55,40 @@ def check(cfg: GPTConfig) -> None:
             "mixture of experts); this one has none, and is written as a Llama or a Mistral"
         )
     unlike = [
-        (flag, why)
-        for flag, why in (
-            (_layer_freq(cfg), "Mixtral has no dense MLP layers: give every layer experts"),
-            (
-                "--moe-router-pre-softmax" * cfg.moe_router_pre_softmax,
-                "Mixtral divides the top k probabilities by their sum",
-            ),
-            (
-                f"--moe-router-score-function {cfg.moe_router_score_function}"
-                * (cfg.moe_router_score_function != "softmax"),
-                "Mixtral's scores are a softmax",
-            ),
-            (
-                f"--moe-router-topk-scaling-factor {cfg.moe_router_topk_scaling_factor}"
-                * (cfg.moe_router_topk_scaling_factor not in (None, 1.0)),
-                "Mixtral's routing weights sum to 1",
-            ),
-        )
-        if flag
+        (_layer_freq(cfg), "Mixtral has no dense MLP layers: give every layer experts"),
+        (
+            "--moe-router-pre-softmax" * cfg.moe_router_pre_softmax,
+            "Mixtral divides the top k probabilities by their sum",
+        ),
+        *softmax_routing(cfg, NAME, "Mixtral's routing weights sum to 1"),
     ]
-    if unlike:
-        said = "; ".join(f"{flag} ({why})" for flag, why in unlike)
-        raise ConfigError(f"a {NAME} checkpoint cannot represent {said}")
+    refuse_routing(unlike, NAME)
+
+
+def softmax_routing(cfg: GPTConfig, fmt: str, weights: str) -> list[tuple[str, str]]:
+    """(flag or "", why) for the router settings a Hugging Face softmax router (format
+    ``fmt``'s; ``weights`` says what its weights are) cannot spell: sigmoid scores, a top-k
+    scaling factor."""
+    return [
+        (
+            f"--moe-router-score-function {cfg.moe_router_score_function}"
+            * (cfg.moe_router_score_function != "softmax"),
+            f"{fmt}'s scores are a softmax",
+        ),
+        (
+            f"--moe-router-topk-scaling-factor {cfg.moe_router_topk_scaling_factor}"
+            * (cfg.moe_router_topk_scaling_factor not in (None, 1.0)),
+            weights,
+        ),
+    ]
+
+
+def refuse_routing(unlike: list[tuple[str, str]], fmt: str) -> None:
+    """Refuses the model for format ``fmt`` naming each (flag, why) of ``unlike`` whose flag
+    was given (not "")."""
+    said = "; ".join(f"{flag} ({why})" for flag, why in unlike if flag)
+    if said:
+        raise ConfigError(f"a {fmt} checkpoint cannot represent {said}")
 
 
 def _layer_freq(cfg: GPTConfig) -> str:
@@ -97,17 +100,23 @@ def _layer_freq(cfg: GPTConfig) -> str:
     return "--moe-layer-freq " + (str(freq) if isinstance(freq, int) else str(list(freq)))
 
 
+def refuse_weight_one(k: int, fmt: str, why: str = "") -> None:
+    """Refuses format ``fmt``'s num_experts_per_tok ``k`` of 1 where the router divides the
+    top k by their sum (``why``: the config field that says so, if one does)."""
+    if k == 1:
+        raise ConfigError(
+            f"this {fmt} has num_experts_per_tok 1{why}, which megart's GPT cannot represent: "
+            f"{fmt} gives the one expert weight 1, the routing megart (as Megatron-LM) refuses "
+            "for --moe-router-topk 1 since the router would get no gradient, and "
+            "--moe-router-pre-softmax would weigh it by its probability instead"
+        )
+
+
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     """Mistral's reading (Llama's sizes, rope and refusals, the window), with experts in every
     layer."""
     experts, k = hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2)
-    if k == 1:
-        raise ConfigError(
-            f"this {NAME} has num_experts_per_tok 1, which megart's GPT cannot represent: "
-            "Mixtral gives the one expert weight 1, the routing megart (as Megatron-LM) refuses "
-            "for --moe-router-topk 1 since the router would get no gradient, and "
-            "--moe-router-pre-softmax would weigh it by its probability instead"
-        )
+    refuse_weight_one(k, NAME)
     # MixtralForCausalLM's projections have no biases whatever attention_bias says.
     cfg = hf_llama.config_from_hf({**hf, "attention_bias": False, "mlp_bias": False}, NAME)
     return dataclasses.replace(

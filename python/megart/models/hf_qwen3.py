@@ -46,9 +46,16 @@ _AFTER = re.compile(r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight$")
 def check(cfg: GPTConfig) -> None:
     """Refuses a model a Qwen3 checkpoint cannot represent: Llama's refusals, with query/key
     norms required and biases refused (Qwen3's MLP has none)."""
+    check_qwen3_style(cfg, NAME)
+    hf_llama.refuse_experts(cfg, NAME)
+
+
+def check_qwen3_style(cfg: GPTConfig, fmt: str) -> None:
+    """Refuses for format ``fmt`` (Qwen3's or Qwen3-MoE's) a model other than a Llama with
+    query/key norms and no biases, or with rope Llama's config cannot say."""
     refuse_unlike(
         cfg,
-        NAME,
+        fmt,
         [
             *hf_llama.llama_style(cfg),
             ("qk_layernorm", cfg.qk_layernorm, True),
@@ -58,8 +65,7 @@ def check(cfg: GPTConfig) -> None:
         "only models with RMSNorm, rotary positions, SwiGLU, query/key norms and no linear "
         "biases can be written in its format",
     )
-    hf_llama.check_rope(cfg, NAME)
-    hf_llama.refuse_experts(cfg, NAME)
+    hf_llama.check_rope(cfg, fmt)
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -117,21 +123,30 @@ def window_fields(cfg: GPTConfig) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
-    layers = window(hf)
+    return dataclasses.replace(qwen3_style(hf, NAME), **window(hf))
+
+
+def qwen3_style(hf: dict[str, Any], fmt: str) -> GPTConfig:
+    """Llama's reading of a config of format ``fmt`` (Qwen3's or Qwen3-MoE's), with query/key
+    norms and no biases (attention_bias refused: the MLP has none)."""
     if hf.get("attention_bias"):
         raise ConfigError(
-            "this Qwen3 has attention_bias true with an MLP without biases, which megart's GPT "
+            f"this {fmt} has attention_bias true with an MLP without biases, which megart's GPT "
             "cannot represent (--disable-bias-linear takes every linear layer's bias or none)"
         )
-    cfg = hf_llama.config_from_hf({**hf, "attention_bias": False, "mlp_bias": False}, NAME)
-    return dataclasses.replace(cfg, qk_layernorm=True, **layers)
+    cfg = hf_llama.config_from_hf({**hf, "attention_bias": False, "mlp_bias": False}, fmt)
+    return dataclasses.replace(cfg, qk_layernorm=True)
 
 
 def to_megart(
-    cfg: GPTConfig, take: Callable[[str], torch.Tensor], wanted: Collection[str] | None = None
+    cfg: GPTConfig,
+    take: Callable[[str], torch.Tensor],
+    wanted: Collection[str] | None = None,
+    moe: hf_llama.MoeNames | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Llama's conversion (hf_llama.to_megart), then each layer's query and key norms."""
-    yield from hf_llama.to_megart(cfg, take, wanted)
+    """Llama's conversion (hf_llama.to_megart; MoE layers' names by ``moe``), then each
+    layer's query and key norms."""
+    yield from hf_llama.to_megart(cfg, take, wanted, moe)
     for i in range(cfg.num_layers):
         for ours, theirs in _qk_norm_names(i):
             if wanted is None or ours in wanted:
@@ -139,11 +154,12 @@ def to_megart(
 
 
 def hf_tensors(
-    cfg: GPTConfig, full: Callable[[str], torch.Tensor]
+    cfg: GPTConfig, full: Callable[[str], torch.Tensor], moe: hf_llama.MoeNames | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Llama's tensors in its order, each layer's query and key norms after its o_proj (where
-    Qwen3's attention registers them); zero-centred norm weights written as 1 + weight."""
-    for name, tensor in hf_llama.hf_tensors(cfg, full):
+    """Llama's tensors in its order (MoE layers' named by ``moe``), each layer's query and key
+    norms after its o_proj (where Qwen3's attention registers them); zero-centred norm weights
+    written as 1 + weight."""
+    for name, tensor in hf_llama.hf_tensors(cfg, full, moe):
         yield name, tensor
         attention = _AFTER.match(name)
         if attention:

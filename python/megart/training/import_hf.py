@@ -1,6 +1,6 @@
-"""A Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Nemotron or Mixtral directory as a megart
-checkpoint, to fine-tune under any layout (a Mixtral at tensor-parallel size 2 or more needs
---sequence-parallel, as its experts do).
+"""A Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Nemotron, Mixtral or Qwen3-MoE directory as
+a megart checkpoint, to fine-tune under any layout (experts at tensor-parallel size 2 or more
+need --sequence-parallel in megart train).
 
     import_checkpoint("gpt2-dir", "ckpt")  # megart import-hf --input gpt2-dir --save ckpt
     # then: megart train --load ckpt --vocab-size 50257 --num-layers 12 ... (any tp x pp),
@@ -127,7 +127,7 @@ def _imported(
     def stages() -> Iterator[tuple[tuple[int, int], dict[str, torch.Tensor], list[int]]]:
         for p in range(pp):
             (layers,) = chunk_layers(cfg.num_layers, p, pp)
-            dims = partition_dims(cfg, len(layers), p == 0, p == pp - 1)
+            dims = partition_dims(cfg, tuple(layers), p == 0, p == pp - 1)
             key_of = {whole_name(key, layers): key for key in dims}
             ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
             for name, whole in fmt.to_megart(cfg, take, wanted=key_of):
@@ -208,10 +208,10 @@ def moe_flags(cfg: GPTConfig) -> list[str]:
     """--num-experts and the --moe- flags that shape the network, where not Megatron's default
     (none without experts). The auxiliary losses (--moe-aux-loss-coeff, --moe-z-loss-coeff,
     --moe-router-load-balancing-type) and --moe-router-dtype are how a run trains, as --bf16
-    is, and are left to it: a Mixtral's router_aux_loss_coef in particular weighs another loss
-    (transformers' pools every layer's routing into one statistic and counts each of the k
-    choices, about k / layers times Megatron's sum of per-layer losses), applied only with
-    output_router_logits, which Mixtral's released configs leave off."""
+    is, and are left to it: a Mixtral's or Qwen3-MoE's router_aux_loss_coef in particular
+    weighs another loss (transformers' pools every layer's routing into one statistic and
+    counts each of the k choices, about k / layers times Megatron's sum of per-layer losses),
+    applied only with output_router_logits, which their released configs leave off."""
     if cfg.num_experts is None:
         return []
     flags = [f"--num-experts {cfg.num_experts}"]

@@ -93,11 +93,15 @@ def file_layer_ids(raw: dict[str, Any], pp_rank: int, pp: int, cfg: GPTConfig) -
 
 
 @functools.cache
-def partition_dims(cfg: GPTConfig, blocks: int, first: bool, last: bool) -> dict[str, int | None]:
-    """The dimension each parameter of such a chunk is split along across tensor parallelism,
-    None for replicated ones: read from the ``partition_dim`` the tensor-parallel layers give
-    their parameters (as the live export's gathers do), on a copy of the chunk shrunk to a
-    few numbers, since only names and dims matter."""
+def partition_dims(
+    cfg: GPTConfig, layers: tuple[int, ...], first: bool, last: bool
+) -> dict[str, int | None]:
+    """The dimension each parameter of the chunk of ``layers`` (the model's layer numbers) is
+    split along across tensor parallelism, None for replicated ones: read from the
+    ``partition_dim`` the tensor-parallel layers give their parameters (as the live export's
+    gathers do), on a copy of the chunk shrunk to a few numbers, since only names and dims
+    matter. The numbers, not just how many: which layers have experts (--moe-layer-freq)
+    depends on them."""
     heads = cfg.num_attention_heads
     # Whole-head rope: a part of the shrunk heads of 2 could be no pair (rope has no weights).
     tiny = dataclasses.replace(
@@ -111,7 +115,7 @@ def partition_dims(cfg: GPTConfig, blocks: int, first: bool, last: bool) -> dict
     # Forked: torch.nn's default initialisation draws from torch's default generator, which a
     # resharding rank must leave as its run seeded it.
     with torch.random.fork_rng(devices=[]):
-        probe = GPTChunk(tiny, range(blocks), first, last)
+        probe = GPTChunk(tiny, layers, first, last)
     return {name: getattr(p, "partition_dim", None) for name, p in probe.named_parameters()}
 
 
@@ -140,7 +144,7 @@ def whole_tensors(
         files = [shards[t, p] for t in range(tp)]
         for c, layers in enumerate(layer_ids(files[0], p, pp, cfg)):
             first, last = layers[0] == 0, layers[-1] == cfg.num_layers - 1
-            dims = partition_dims(cfg, len(layers), first, last)
+            dims = partition_dims(cfg, tuple(layers), first, last)
             _check_names([f["model"][c] for f in files], dims, p, c)
             for key, dim in dims.items():
                 name = whole_name(key, layers)
