@@ -160,7 +160,11 @@ def _mistaken(mistake: str | None) -> mock._patch | mock.MagicMock:
     """A patch of megart's MoE layer that makes ``mistake`` (see compare), or nothing."""
     if mistake == "aux-local":
         real = moe.load_balancing_loss
-        return mock.patch.object(moe, "load_balancing_loss", lambda x, c, g=None: real(x, c))
+
+        def local(x: torch.Tensor, c: GPTConfig, g: object = None, cp: object = None) -> object:
+            return real(x, c)  # the counts of this rank's tokens only
+
+        return mock.patch.object(moe, "load_balancing_loss", local)
     if mistake == "z-undivided":
         real_z = moe.z_loss
         return mock.patch.object(moe, "z_loss", lambda x, c: real_z(x, c * TP))

@@ -88,3 +88,33 @@ def auxiliary_factor(kw: dict) -> tuple[float, float]:
     trainer.train(quiet=True)
     m = trainer.config.microbatches(1)
     return trainer.chunks[0].aux_loss_scale.value, float(scale) / m
+
+
+def train_mistaken(kw: dict, mistake: str | None = None) -> list[dict]:
+    """The history of a megart train run with flags ``kw``, its MoE layers wrong on purpose
+    under context parallelism where ``mistake`` says: "counts-over-t-only" (the load-balancing
+    loss's counts not summed over the cp ranks, nor T counted over them), "z-undivided" (the
+    z-loss coefficient not divided by cp), "seed-without-cp" (the auxiliary losses' gradients
+    seeded with the language model's factor, not cp times it)."""
+    from unittest import mock
+
+    import train_workers as tw
+    from megart.models import moe
+
+    cp = kw.get("context_parallel_size", 1)
+    patches = {
+        None: mock.MagicMock(),  # a context manager that changes nothing
+        "counts-over-t-only": mock.patch.object(
+            moe, "load_balancing_loss", _without_cp(moe.load_balancing_loss)
+        ),
+        "z-undivided": mock.patch.object(moe, "z_loss", lambda x, c, z=moe.z_loss: z(x, c * cp)),
+        "seed-without-cp": mock.patch.object(
+            moe.MoE, "_attach", lambda m, x, loss: moe._SeedGradient.apply(x, loss, m.loss_scale, 1)
+        ),
+    }
+    with patches[mistake]:
+        return tw.train(**kw)
+
+
+def _without_cp(real: object) -> object:
+    return lambda x, cfg, tp_group=None, cp_group=None: real(x, cfg, tp_group)

@@ -4,9 +4,10 @@ float64): its logits from megart's weights and megart's from its own, and the gr
 training step with the load-balancing loss and the z-loss under a pipeline run's loss factor;
 the same at tensor-parallel size 2 with sequence parallelism, each side's own shards (and the
 legacy checkpoint of tp2 experts loaded by Megatron-Core). Then megart's runs: flags reach
-the model, what cannot run is refused by name, pipeline, data-parallel and tensor-parallel
-runs follow the one-process curve, recomputation changes no gradient, and a checkpoint resumes
-on the curve, at another tensor-parallel size too.
+the model, what cannot run is refused by name, pipeline, data-parallel, tensor-parallel and
+context-parallel runs follow the one-process curve (and the curve catches the auxiliary losses
+wrongly weighed under cp), recomputation changes no gradient, and a checkpoint resumes on the
+curve, at another tensor-parallel size too.
 
 Megatron-Core's softmax over experts rounds to fp32 even in a float64 model (its
 torch.softmax(..., dtype=torch.float32)); megart's keeps the logits' dtype from fp32 up, so the
@@ -179,7 +180,6 @@ MOE = ("--num-experts", "4", "--disable-bias-linear")
         ((*MOE, "--tensor-model-parallel-size", "2"), 2, "needs --sequence-parallel"),
         ((*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel",
           "--moe-ffn-hidden-size", "15"), 2, "experts' MLP size 15 .* tensor-parallel size 2"),
-        ((*MOE, "--context-parallel-size", "2"), 2, "without context parallelism"),
         (("--moe-aux-loss-coeff", "0.01"), 1, "the model has no experts"),
         ((*MOE, "--moe-router-topk", "1"), 1, "add --moe-router-pre-softmax"),
         ((*MOE, "--moe-router-topk", "5"), 1, "between 1 and --num-experts 4"),
@@ -212,8 +212,13 @@ TRAIN = dict(MODEL, train_iters=4)
 
 
 @pytest.fixture(scope="module")
-def curves():
-    one = launch(tw.train_kw, 1, TRAIN, timeout=300)[0]
+def one_process():
+    return launch(tw.train_kw, 1, TRAIN, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def curves(one_process):
+    one = one_process
     pp2 = launch(tw.train_kw, 2, dict(TRAIN, pipeline_model_parallel_size=2), timeout=300)[-1]
     interleaved = launch(tw.train_kw, 2, dict(TRAIN, pipeline_model_parallel_size=2,
                          num_layers_per_virtual_pipeline_stage=1), timeout=300)[-1]  # fmt: skip
@@ -242,6 +247,46 @@ def test_pipeline_and_data_parallel_runs_follow_the_one_process_curve(curves):
     assert [h["loss"] for h in dp2] == pytest.approx(want, **SAME_RUN)
     # The load-balancing loss is in the curve (the reported loss is the language model's).
     assert [h["loss"] for h in plain][1:] != pytest.approx(want[1:], rel=1e-5)
+
+
+# Context parallelism: (processes, layout, moe_workers.train_mistaken's mistake or None).
+CP2 = dict(TRAIN, context_parallel_size=2)
+CP_RUNS = {
+    "cp2-p2p": (2, dict(CP2, cp_comm_type="p2p"), None),
+    "cp2-all_gather": (2, dict(CP2, cp_comm_type="all_gather"), None),
+    "cp2-a2a": (2, dict(CP2, cp_comm_type="a2a"), None),
+    "tp2-sp-cp2-p2p": (4, dict(CP2, **TP2, cp_comm_type="p2p"), None),
+    # The mistakes this exists to catch.
+    "counts-over-t-only": (2, CP2, "counts-over-t-only"),
+    "tp2-sp-cp2-counts-over-t-only": (4, dict(CP2, **TP2), "counts-over-t-only"),
+    "z-undivided": (2, CP2, "z-undivided"),
+    "seed-without-cp": (2, CP2, "seed-without-cp"),
+}
+
+
+@pytest.fixture(scope="module")
+def cp_runs():
+    return {
+        name: launch(mw.train_mistaken, n, kw, mistake, timeout=300)[0]
+        for name, (n, kw, mistake) in CP_RUNS.items()
+    }
+
+
+@pytest.mark.parametrize("name", [n for n, c in CP_RUNS.items() if c[2] is None])
+def test_context_parallel_runs_follow_the_one_process_curve(one_process, cp_runs, name):
+    """Each cp rank routes its own part of every sequence; the load-balancing loss counts
+    the experts' tokens over t x cp, the z-loss coefficient is divided by t cp, and both
+    losses' gradients are seeded cp times the loss's factor (the gradients are averaged over
+    the cp ranks): the one-process run, under each exchange of keys and values, and at
+    tp2 x cp2 with sequence parallelism."""
+    want = [h["loss"] for h in one_process]
+    assert [h["loss"] for h in cp_runs[name]] == pytest.approx(want, **SAME_RUN)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CP_RUNS.items() if c[2] is not None])
+def test_the_context_parallel_curve_catches_a_wrong_factor(one_process, cp_runs, name):
+    want = [h["loss"] for h in one_process]
+    assert [h["loss"] for h in cp_runs[name]] != pytest.approx(want, **SAME_RUN)
 
 
 def _same_gradients(a: dict, b: dict) -> bool:

@@ -46,7 +46,7 @@ class Block(nn.Module):
         self.ln_2 = norm(cfg, sequence_parallel)
         moe = cfg.is_moe_layer(layer)
         self.mlp: nn.Module = (
-            MoE(cfg, layer, loss_scale or AuxLossScale(), tp_group, sequence_parallel)
+            MoE(cfg, layer, loss_scale or AuxLossScale(), tp_group, sequence_parallel, cp_group)
             if moe
             else MLP(cfg, layer, tp_group, sequence_parallel)
         )

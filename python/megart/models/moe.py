@@ -24,6 +24,15 @@ is marked ``sequence_parallel``). The load-balancing loss counts each expert's t
 group and divides by all of them (local x t), weighing only this rank's scores, and the z-loss
 coefficient is divided by t, as Megatron-Core's: the ranks' losses then add up to the
 one-process loss of the whole sequence. No expert parallelism (every expert on every rank).
+
+Under context parallelism (cp_group: each sequence split over cp ranks, megart.models.
+context_parallel) routing and the experts are token-wise and need no exchange; only the losses'
+statistics do, over t x cp as Megatron-Core's tp_cp group: the counts summed over both groups,
+T = local x t x cp, the z-loss coefficient divided by t cp. The ranks' losses again add up to
+the sequence's; but gradients are averaged over dp x cp (the language model's loss is each cp
+rank's mean over its own tokens, and their average the sequence's mean), which would leave the
+auxiliary losses at 1/cp of their sum: their gradients are seeded cp times the language model's
+factor, as Megatron-Core's schedules set MoEAuxLossAutoScaler's scale to loss scale x cp / m.
 """
 
 from __future__ import annotations
@@ -57,19 +66,21 @@ class AuxLossScale:
 
 
 class _SeedGradient(torch.autograd.Function):
-    """``x`` as it is; in backward, ``loss``'s gradient is ``scale.value`` (Megatron-Core's
-    MoEAuxLossAutoScaler)."""
+    """``x`` as it is; in backward, ``loss``'s gradient is ``scale.value`` times ``factor``
+    (Megatron-Core's MoEAuxLossAutoScaler)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale, factor: float
+    ) -> torch.Tensor:
         ctx.save_for_backward(loss)
-        ctx.scale = scale.value
+        ctx.scale = scale.value * factor
         return x
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, ctx.scale), None
+        return grad, torch.full_like(loss, ctx.scale), None, None
 
 
 def _softmax(x: torch.Tensor) -> torch.Tensor:
@@ -99,15 +110,18 @@ def route(logits: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Ten
 
 
 def load_balancing_loss(
-    logits: torch.Tensor, cfg: GPTConfig, tp_group: ProcessGroup | None = None
+    logits: torch.Tensor,
+    cfg: GPTConfig,
+    tp_group: ProcessGroup | None = None,
+    cp_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The Switch Transformer's loss over these T tokens, times --moe-aux-loss-coeff:
     E coeff / (k T^2) sum_i (sum_x s(x, i)) (tokens whose top k hold i), s the full scores.
-    Under tensor (so sequence) parallelism, this rank's share of the loss of the whole
-    sequence (Megatron-Core's): the counts over every rank's tokens, T = local tokens x t, the
-    scores of this rank's."""
+    Under tensor (so sequence) and context parallelism, this rank's share of the loss of the
+    whole sequence (Megatron-Core's, over its tp_cp group): the counts over every rank's tokens,
+    T = local tokens x t x cp, the scores of this rank's."""
     num_tokens, experts = logits.shape
-    t = group_size(tp_group)
+    groups = [g for g in (tp_group, cp_group) if group_size(g) > 1]
     k = cfg.moe_router_topk
     if cfg.moe_router_score_function == "sigmoid":
         scores = torch.sigmoid(logits)
@@ -117,10 +131,11 @@ def load_balancing_loss(
         scores = torch.softmax(logits, dim=-1, dtype=wide)
     top = torch.topk(scores, k, dim=1).indices
     tokens_per_expert = torch.zeros_like(scores).scatter(1, top, 1.0).sum(dim=0)
-    if t > 1:  # counts of choices: no gradient flows through them
+    if groups:  # counts of choices: no gradient flows through them
         tokens_per_expert = tokens_per_expert.detach().clone()
-        dist.all_reduce(tokens_per_expert, group=tp_group)
-        num_tokens *= t
+        for group in groups:  # over t, then cp: the sum over the t x cp ranks (exact counts)
+            dist.all_reduce(tokens_per_expert, group=group)
+            num_tokens *= group_size(group)
     scale = experts * cfg.moe_aux_loss_coeff / (k * num_tokens * num_tokens)
     return torch.sum(scores.sum(dim=0) * tokens_per_expert) * scale
 
@@ -163,13 +178,15 @@ class MoE(nn.Module):
         loss_scale: AuxLossScale,
         tp_group: ProcessGroup | None = None,
         sequence_parallel: bool = False,
+        cp_group: ProcessGroup | None = None,
     ) -> None:
         """``tp_group``: the experts split over it (with ``sequence_parallel``, required
-        then)."""
+        then); ``cp_group``: context parallelism's, over which the losses' statistics go."""
         super().__init__()
-        self.tp = group_size(tp_group)
+        self.tp, self.cp = group_size(tp_group), group_size(cp_group)
         check_moe_tensor_parallel(cfg, self.tp, sequence_parallel)
         self.cfg, self.loss_scale, self.tp_group = cfg, loss_scale, tp_group
+        self.cp_group = cp_group
         self.router = Router(cfg, layer, sequence_parallel)
         self.experts = nn.ModuleList(
             MLP(cfg, layer, tp_group, False, ffn=cfg.moe_ffn_size, name=f"expert{e}_", expert=True)
@@ -182,12 +199,13 @@ class MoE(nn.Module):
         logits = self.router(tokens)
         training = self.training and torch.is_grad_enabled()
         if training and cfg.moe_z_loss_coeff:
-            # Each rank's mean over its slice: divided by t, the ranks' add up to the mean.
-            z = z_loss(logits, cfg.moe_z_loss_coeff / self.tp)
+            # Each rank's mean over its slice: divided by t cp, the ranks' add up to the mean.
+            z = z_loss(logits, cfg.moe_z_loss_coeff / (self.tp * self.cp))
             logits = self._attach(logits, z)
         probs, chosen = route(logits, cfg)
         if training and cfg.moe_aux_loss_coeff > 0:
-            probs = self._attach(probs, load_balancing_loss(logits, cfg, group))
+            balance = load_balancing_loss(logits, cfg, group, self.cp_group)
+            probs = self._attach(probs, balance)
         if self.tp > 1:  # every rank's tokens (in sequence order), as the dispatcher gathers
             with torch.no_grad():
                 chosen = gather_from_sequence_region(chosen.to(torch.uint8), group).bool()
@@ -209,4 +227,5 @@ class MoE(nn.Module):
         return out.view(x.shape)
 
     def _attach(self, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        return _SeedGradient.apply(x, loss, self.loss_scale)
+        # Times cp: the gradients' average over the cp ranks is then the sum of their losses.
+        return _SeedGradient.apply(x, loss, self.loss_scale, self.cp)

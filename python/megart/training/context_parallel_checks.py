@@ -2,7 +2,8 @@
 
 Context parallelism (megart.models.context_parallel) runs with tensor parallelism (and
 sequence parallelism, which splits each rank's s/cp tokens over t), pipeline (1F1B,
-interleaved, zb-h1, zb-v) and data parallelism, the distributed optimizer, recomputation,
+interleaved, zb-h1, zb-v) and data parallelism, mixture-of-experts layers (models.moe: the
+auxiliary losses' statistics over t x cp), the distributed optimizer, recomputation,
 megart's own checkpoints, Megatron-LM's legacy files (distrib_optim.pt included) and its
 torch_dist store (the weights' layout does not depend on cp, so a checkpoint resumes under any
 cp; the distributed optimizer's state is sharded over d x cp and read back at any). What it has
@@ -22,17 +23,19 @@ from megart.parallel.layout import nearest_multiples
 FLAG = "--context-parallel-size"
 
 
-def check_context_parallel(config: Any) -> None:
-    """Refuses a context-parallel size megart cannot run, naming the flags and what to change."""
+def check_context_parallel(config: Any, experts: bool = False) -> None:
+    """Refuses a context-parallel size megart cannot run, naming the flags and what to change.
+    ``experts``: whether mixture-of-experts layers are accepted under context parallelism, as
+    megart train runs them (models.moe); megart plan, which calls this without, does not model
+    them so and refuses them here, by name."""
     cp = config.context_parallel_size
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ConfigError(f"{FLAG} {cp!r} must be a positive integer (1, the default: none)")
-    if cp > 1 and config.num_experts:
-        # The load-balancing loss would count one rank's part of each sequence only
-        # (Megatron-Core sums the experts' token counts over the context-parallel group).
+    if cp > 1 and config.num_experts and not experts:
         raise ConfigError(
-            f"{FLAG} {cp} with --num-experts {config.num_experts}: megart's mixture-of-experts "
-            "layers run without context parallelism so far; use --context-parallel-size 1"
+            f"{FLAG} {cp} with --num-experts {config.num_experts}: megart plan does not model "
+            "mixture-of-experts layers under context parallelism (megart train runs them); "
+            "use --context-parallel-size 1 to plan"
         )
     if config.cp_comm_type not in CP_COMM_TYPES:
         # Megatron's hierarchical kind (all-to-all inside --hierarchical-context-parallel-sizes
