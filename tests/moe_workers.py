@@ -26,6 +26,7 @@ def gradients(
     as megart's engine sets it); ``ours_kw`` changes megart's model only (the same weights).
     Returns the largest gradient difference over all parameters
     relative to the largest gradient, and the router weights' alone."""
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     cfg = GPTConfig(**kw)
@@ -44,6 +45,7 @@ def gradients(
     theirs.load_state_dict({**to_megatron(theirs_weights, cfg), **extra}, strict=True)
 
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(factor, dtype=torch.float64))
+    moe_utils.clear_aux_losses_tracker()
     s = cfg.seq_length
     positions = torch.arange(s).unsqueeze(0).expand_as(tokens)
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
@@ -60,7 +62,16 @@ def gradients(
     top = max(w.abs().max().item() for w in want.values())
     diff = {n: (got[n] - want[n]).abs().max().item() / top for n in want}
     routers = [d for n, d in diff.items() if n.endswith("mlp.router.weight")]
-    return dict(largest=max(diff.values()), router=max(routers), top=top)
+    # The losses each logs, per MoE layer: Megatron-Core's tracker (its unweighted values)
+    # and megart's (summed over layers there), for this one microbatch.
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    ours_logged = ours.chunk.aux_loss_scale.take()
+    logged = {
+        name: (float(ours_logged[name]), float(tracker[name]["values"].sum()))
+        for name in ("load_balancing_loss", "z_loss")
+        if name in ours_logged
+    }
+    return dict(largest=max(diff.values()), router=max(routers), top=top, logged=logged)
 
 
 def gradients_all(cases: list[tuple]) -> list[dict]:
@@ -109,7 +120,9 @@ def train_mistaken(kw: dict, mistake: str | None = None) -> list[dict]:
         ),
         "z-undivided": mock.patch.object(moe, "z_loss", lambda x, c, z=moe.z_loss: z(x, c * cp)),
         "seed-without-cp": mock.patch.object(
-            moe.MoE, "_attach", lambda m, x, loss: moe._SeedGradient.apply(x, loss, m.loss_scale, 1)
+            moe.MoE,
+            "_attach",
+            lambda m, x, loss, name, c: moe._SeedGradient.apply(x, loss, m.loss_scale, 1, name, c),
         ),
     }
     with patches[mistake]:

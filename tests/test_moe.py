@@ -96,6 +96,9 @@ def test_a_training_step_has_megatron_cores_gradients(gradients, name):
     assert r["top"] > 1e-3
     assert r["largest"] < 1e-6  # every parameter, relative to the largest gradient
     assert r["router"] < 1e-6
+    # What each logs: its tracker's per-layer losses and megart's (models.moe.AuxLossScale).
+    for logged, (ours, theirs) in r["logged"].items():
+        assert theirs > 0.1 and ours == pytest.approx(theirs, rel=1e-6), logged
 
 
 @pytest.mark.parametrize("name", ["wrong-factor", "wrong-coefficient"])
@@ -247,6 +250,34 @@ def test_pipeline_and_data_parallel_runs_follow_the_one_process_curve(curves):
     assert [h["loss"] for h in dp2] == pytest.approx(want, **SAME_RUN)
     # The load-balancing loss is in the curve (the reported loss is the language model's).
     assert [h["loss"] for h in plain][1:] != pytest.approx(want[1:], rel=1e-5)
+
+
+LOGGED = ("load_balancing_loss", "z_loss")
+
+
+def test_every_layout_logs_the_one_process_moe_losses(curves, one_process, cp_runs):
+    """The logged load-balancing loss and z-loss (Megatron's track_moe_metrics: without their
+    coefficients, the mean over MoE layers and microbatches) are the one-process figures on
+    every layout: the stages' layers summed, tensor- and context-parallel shares added (the
+    z-loss's means averaged), data-parallel ranks averaged."""
+    one, pp2, interleaved, dp2, zbv, _, tp2 = curves
+    runs = [pp2, interleaved, dp2, zbv, tp2, *(cp_runs[n] for n in ("cp2-p2p", "tp2-sp-cp2-p2p"))]
+    for name in LOGGED:
+        want = [h[name] for h in one]
+        assert 0.5 < want[0] < 5  # a figure of the Switch loss's size (1 when balanced)
+        for run in runs:
+            assert [h[name] for h in run] == pytest.approx(want, **SAME_RUN), name
+    plain = launch(tw.train_kw, 1, dict(TRAIN, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None),
+                   timeout=300)[0]  # fmt: skip
+    assert not any(name in plain[0] for name in LOGGED)  # nothing computed, nothing logged
+
+
+def test_recomputation_logs_each_loss_once(one_process):
+    """Full recomputation runs each MoE layer's forward twice; the losses are recorded when
+    their gradients are seeded, once."""
+    full = launch(tw.train_kw, 1, dict(TRAIN, recompute_granularity="full"), timeout=300)[0]
+    for name in LOGGED:
+        assert [h[name] for h in full] == pytest.approx([h[name] for h in one_process], rel=1e-6)
 
 
 # Context parallelism: (processes, layout, moe_workers.train_mistaken's mistake or None).

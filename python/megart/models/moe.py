@@ -59,28 +59,51 @@ _DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 class AuxLossScale:
     """What the training loss's gradient is scaled by in this run (loss scale / microbatches),
     set by megart.pipeline's engine before each one (GPTChunk.set_loss_scale): the auxiliary
-    losses' gradients get the same factor."""
+    losses' gradients get the same factor. Also the losses' values for the log, by name
+    (``load_balancing_loss``, ``z_loss``: unweighted, summed over this chunk's MoE layers and
+    microbatches), recorded when their gradients are seeded, so once per microbatch even where
+    recomputation runs a layer's forward twice; the trainer takes them after each iteration
+    (megart.training.moe_metrics)."""
 
     def __init__(self) -> None:
         self.value = 1.0
+        self.tracked: dict[str, torch.Tensor] = {}
+
+    def track(self, name: str, value: torch.Tensor) -> None:
+        """Adds ``value`` to what ``name`` has gathered since the last take."""
+        old = self.tracked.get(name)
+        self.tracked[name] = value if old is None else old + value
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """What was tracked since the last take (then cleared)."""
+        tracked, self.tracked = self.tracked, {}
+        return tracked
 
 
 class _SeedGradient(torch.autograd.Function):
     """``x`` as it is; in backward, ``loss``'s gradient is ``scale.value`` times ``factor``
-    (Megatron-Core's MoEAuxLossAutoScaler)."""
+    (Megatron-Core's MoEAuxLossAutoScaler), and ``loss`` / ``divisor`` is tracked as ``name``
+    (the loss without its coefficient)."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale, factor: float
+        ctx: Any,
+        x: torch.Tensor,
+        loss: torch.Tensor,
+        scale: AuxLossScale,
+        factor: float,
+        name: str,
+        divisor: float,
     ) -> torch.Tensor:
         ctx.save_for_backward(loss)
-        ctx.scale = scale.value * factor
+        ctx.scale, ctx.tracker, ctx.name, ctx.divisor = scale.value * factor, scale, name, divisor
         return x
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, ctx.scale), None, None
+        ctx.tracker.track(ctx.name, loss.detach().double() / ctx.divisor)
+        return grad, torch.full_like(loss, ctx.scale), None, None, None, None
 
 
 def _softmax(x: torch.Tensor) -> torch.Tensor:
@@ -200,12 +223,12 @@ class MoE(nn.Module):
         training = self.training and torch.is_grad_enabled()
         if training and cfg.moe_z_loss_coeff:
             # Each rank's mean over its slice: divided by t cp, the ranks' add up to the mean.
-            z = z_loss(logits, cfg.moe_z_loss_coeff / (self.tp * self.cp))
-            logits = self._attach(logits, z)
+            coeff = cfg.moe_z_loss_coeff / (self.tp * self.cp)
+            logits = self._attach(logits, z_loss(logits, coeff), "z_loss", coeff)
         probs, chosen = route(logits, cfg)
         if training and cfg.moe_aux_loss_coeff > 0:
             balance = load_balancing_loss(logits, cfg, group, self.cp_group)
-            probs = self._attach(probs, balance)
+            probs = self._attach(probs, balance, "load_balancing_loss", cfg.moe_aux_loss_coeff)
         if self.tp > 1:  # every rank's tokens (in sequence order), as the dispatcher gathers
             with torch.no_grad():
                 chosen = gather_from_sequence_region(chosen.to(torch.uint8), group).bool()
@@ -226,6 +249,7 @@ class MoE(nn.Module):
             out = reduce_scatter_to_sequence_region(out.to(probs.dtype), group).to(out.dtype)
         return out.view(x.shape)
 
-    def _attach(self, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    def _attach(self, x: torch.Tensor, loss: torch.Tensor, name: str, coeff: float) -> torch.Tensor:
+        """``x``, with ``loss`` (``coeff`` times the loss ``name``) seeding its gradient."""
         # Times cp: the gradients' average over the cp ranks is then the sum of their losses.
-        return _SeedGradient.apply(x, loss, self.loss_scale, self.cp)
+        return _SeedGradient.apply(x, loss, self.loss_scale, self.cp, name, coeff)

@@ -39,11 +39,16 @@ TENSORBOARD_TAGS = {
     "tflops-per-gpu": "tflops_per_gpu",
     "mfu": "mfu",
     "pipeline-p2p-bytes": "pipeline_p2p_bytes",
+    "load_balancing_loss": "load_balancing_loss",  # MoE's (training.moe_metrics)
+    "z_loss": "z_loss",
     "lm loss validation": "valid_loss",
     "lm loss validation ppl": "valid_ppl",
     "lm loss test": "test_loss",
     "lm loss test ppl": "test_ppl",
 }
+
+
+MOE_LOSSES = ("load_balancing_loss", "z_loss")
 
 
 def progress_line(fig: dict[str, Any], train_iters: int, cpu: bool = False) -> str:
@@ -54,6 +59,7 @@ def progress_line(fig: dict[str, Any], train_iters: int, cpu: bool = False) -> s
         f"{fig['loss']:.4f} | grad norm {fig['grad_norm']:.3f} | "
         + (f"num zeros {zeros} | " if (zeros := fig.get("num_zeros_in_grad")) is not None else "")
         + (f"params norm {norm:.3f} | " if (norm := fig.get("params_norm")) is not None else "")
+        + "".join(f"{name} {fig[name]:.4E} | " for name in MOE_LOSSES if name in fig)
         + f"lr {fig['lr']:.2e} | "
         f"{fig['tokens_per_s']:,.0f} tokens/s | "
         + _throughput(fig["tflops_per_gpu"], fig["mfu"], cpu)

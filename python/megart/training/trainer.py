@@ -41,6 +41,7 @@ from megart.training.housekeeping import Housekeeping
 from megart.training.loss_record import LossRecord, reduce_sums
 from megart.training.lr import weight_decay_rate
 from megart.training.megatron_blend import eval_batch
+from megart.training.moe_metrics import moe_losses
 from megart.training.pad_tokens import megatron_pad_id
 from megart.training.pipeline_costs import plan_costs
 from megart.training.reporting import RunLog, peak_flops, run_description
@@ -165,6 +166,7 @@ class Trainer:
         with self.timers.phase("optimizer"):
             skipped, grad_norm, lr, stats = self._update_weights(iteration)
         loss, p2p_bytes = self._loss_and_p2p_bytes()
+        moe = moe_losses(self.chunks, self.model_config, self.grid, m, self.device)
         if c.check_for_nan_in_loss_and_grad and not skipped:
             check_finite("loss", loss, iteration + 1)
         self.consumed += batch
@@ -191,6 +193,7 @@ class Trainer:
                 else None
             ),
             "pipeline_p2p_bytes": p2p_bytes,
+            **moe,  # load_balancing_loss, z_loss (training.moe_metrics)
             "loss_scale": scale,
             "skipped": skipped,
             **stats,

@@ -1,0 +1,64 @@
+"""The mixture-of-experts losses an iteration reports, as Megatron-LM logs them
+(``load_balancing_loss``, ``z_loss``; its track_moe_metrics): each loss without its coefficient,
+the mean over the MoE layers and the microbatches of the iteration.
+
+The MoE layers record their losses when their gradients are seeded (models.moe.AuxLossScale).
+Each layer lives on one pipeline stage, so the stages' sums add up. Under tensor or context
+parallelism a rank's load-balancing loss is its share of the sequence's (the shares add up, as
+Megatron sums them over its tp_cp group), and its z-loss is the mean over its own tokens (the
+ranks' mean is the sequence's: Megatron logs one rank's instead); data-parallel ranks are
+averaged, as Megatron averages them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import megart.distributed as dist
+from megart.distributed import ProcessGroup
+from megart.tensor_parallel._group import group_size
+
+# What each loss is over the tensor- and context-parallel ranks: their sum or their mean.
+SHARED = {"load_balancing_loss": "sum", "z_loss": "mean"}
+
+
+def tracked_names(cfg: Any) -> list[str]:
+    """The losses a model's MoE layers compute in training (GPTConfig ``cfg``)."""
+    if cfg.num_experts is None:
+        return []
+    on = {"load_balancing_loss": cfg.moe_aux_loss_coeff > 0, "z_loss": bool(cfg.moe_z_loss_coeff)}
+    return [name for name, computed in on.items() if computed]
+
+
+def moe_losses(chunks: list[Any], cfg: Any, grid: Any, m: int, device: Any) -> dict[str, float]:
+    """The iteration's MoE losses by name (empty without any), the same on every rank, from
+    what ``chunks`` tracked over ``m`` microbatches (then cleared)."""
+    names = tracked_names(cfg)
+    if not names:
+        return {}
+    sums = torch.zeros(len(names), dtype=torch.float64, device=device)
+    for chunk in chunks:
+        tracked = chunk.aux_loss_scale.take()
+        for i, name in enumerate(names):
+            if name in tracked:
+                sums[i] += tracked[name].to(sums.device)
+    dist.all_reduce(sums, group=grid.pp_group)
+    for group in (grid.tp_group, grid.cp_group):
+        _over(sums, names, group)
+    dist.all_reduce(sums, group=grid.dp_group)
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    sums /= group_size(grid.dp_group) * m * layers
+    return {name: float(value) for name, value in zip(names, sums.tolist(), strict=True)}
+
+
+def _over(sums: torch.Tensor, names: list[str], group: ProcessGroup | None) -> None:
+    """Each loss's sum or mean over ``group``'s ranks (SHARED), in place."""
+    size = group_size(group)
+    if size == 1:
+        return
+    dist.all_reduce(sums, group=group)
+    for i, name in enumerate(names):
+        if SHARED[name] == "mean":
+            sums[i] /= size
