@@ -1,6 +1,7 @@
 """megart selftest: passes on this CPU machine with its GPU checks skipped (with the reason);
 its GPU checks' logic, run here on CPU tensors, fails a wrong kernel or transport and names the
-flag that avoids it; under torchrun it compares every collective with torch.distributed's."""
+flag that avoids it (the mixture-of-experts check's: tests/test_selftest_moe.py); under
+torchrun it compares every collective with torch.distributed's."""
 
 import dataclasses
 import json
@@ -22,6 +23,7 @@ GPU_CHECKS = {
     "ring attention flash blocks (CUDA)",
     "ring attention windowed blocks (CUDA)",
     "sliding window (CUDA)",
+    "mixture of experts (CUDA)",
     "AdamW (CUDA) vs torch fused",
     "training on GPU vs CPU",
     "collectives under torchrun vs torch NCCL",
@@ -47,6 +49,8 @@ def test_python_m_megart_selftest_passes_on_cpu_and_skips_the_gpu_checks(tmp_pat
     assert "training tp2 (shm, 2 ranks)" in cpu
     assert {"sliding window query tiles float32", "sliding window one s x s mask float32"} <= cpu
     assert "ring attention windowed blocks float32" in cpu
+    assert {"moe top-2 softmax float32", "moe swiglu top-2 bfloat16"} <= cpu
+    assert sum(name.startswith("moe ") for name in cpu) == 10  # 5 layers x fp32, bf16
     # The shm transport: every op at fp32 and bf16, with its error and time against gloo.
     shm = [c for c in checks if c["name"].startswith("shm ")]
     assert len(shm) == 18 and all(c["error"] == 0 and c["time_ratio"] > 0 for c in shm)

@@ -1,13 +1,14 @@
 """``megart selftest``: checks every component megart would use on this machine.
 
-One process: the C++ core, AdamW against torch's, the fused kernels, the shm transport and a
-tensor-parallel training run on 2 launched ranks (against gloo and the one-process curve), and on
-a GPU also NCCL, one-rank nccl collectives against torch's NCCL, the CUDA AdamW against
-torch.optim.AdamW(fused=True) and a GPU training run against the CPU curve. Under torchrun with
-several ranks: every collective and point-to-point op of megart's default transport against
-torch.distributed's on the same ranks, and training over that transport against the
-one-process curve: over two pipeline stages (interleaved and zb-v), with context parallelism,
-and a Llama-style GPT under tensor and sequence parallelism.
+One process: the C++ core, AdamW against torch's, the fused kernels, the mixture-of-experts
+layer in fp32 and bf16 against float64, the shm transport and a tensor-parallel training run on
+2 launched ranks (against gloo and the one-process curve), and on a GPU also NCCL, one-rank
+nccl collectives against torch's NCCL, the CUDA AdamW against torch.optim.AdamW(fused=True),
+the mixture-of-experts layer on CUDA and a GPU training run against the CPU curve. Under
+torchrun with several ranks: every collective and point-to-point op of megart's default
+transport against torch.distributed's on the same ranks, and training over that transport
+against the one-process curve: over two pipeline stages (interleaved and zb-v), with context
+parallelism, and a Llama-style GPT under tensor and sequence parallelism.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
 
     import megart.distributed as dist
     from megart.distributed.nccl import find_nccl
-    from megart.selftest import collectives, components, ring_blocks, training, windows
+    from megart.selftest import collectives, components, moe, ring_blocks, training, windows
     from megart.selftest.ring_window_blocks import check_ring_window_blocks
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -126,6 +127,7 @@ def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
         "--cp-comm-type all_gather",
     )
     checks += guarded("sliding window (CUDA)", lambda: windows.check_sliding_window(device))
+    checks += guarded("mixture of experts (CUDA)", lambda: moe.check_moe(device))
     checks += guarded("AdamW (CUDA)", lambda: components.check_adamw(device))
     checks += guarded(
         "gradient accumulation fusion (CUDA)",
@@ -146,7 +148,7 @@ def run_single() -> list[Check]:
     """Every check of one process (launching 2 CPU ranks for the transport and training)."""
     import torch
 
-    from megart.selftest import components, ring_blocks, training, windows
+    from megart.selftest import components, moe, ring_blocks, training, windows
     from megart.selftest.ring_window_blocks import check_ring_window_blocks
 
     checks: list[Check] = []
@@ -170,6 +172,7 @@ def run_single() -> list[Check]:
     checks += guarded(
         "sliding window (CPU)", lambda: windows.check_sliding_window(torch.device("cpu"))
     )
+    checks += guarded("mixture of experts (CPU)", lambda: moe.check_moe(torch.device("cpu")))
     no_gpu = _no_gpu_reason()
     if no_gpu is None:
         reference = _cpu_reference_curve()
@@ -186,6 +189,7 @@ def run_single() -> list[Check]:
             "ring attention flash blocks (CUDA)",
             "ring attention windowed blocks (CUDA)",
             "sliding window (CUDA)",
+            "mixture of experts (CUDA)",
             "AdamW (CUDA) vs torch fused",
             "training on GPU vs CPU",
         ):
