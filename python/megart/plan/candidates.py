@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 
 from megart.errors import ConfigError
+from megart.models.moe_checks import check_moe_tensor_parallel
 from megart.parallel.layout import divisors, make_layout
 from megart.plan.fixed import Fixed, schedules
 from megart.plan.hardware import GPUProfile
@@ -59,8 +60,10 @@ def candidates(
     heads = base.num_query_groups if base.group_query_attention else base.num_attention_heads
     # Searched tensor-parallel groups stay inside a node (t divides the node's GPUs).
     tps = [fixed.tp] if fixed.tp else [t for t in divisors(world) if gpu.gpus_per_node % t == 0]
-    if base.num_experts and not fixed.tp:  # MoE is modelled at t = 1 (plan.flags refuses more)
-        tps = [1]
+    if base.num_experts and (fixed.tp or 1) > 1 and not fixed.sequence_parallel:
+        # Left out, --sequence-parallel is searched, but megart train reads it as off and
+        # refuses experts split without it: refused here in its words, as it would be.
+        check_moe_tensor_parallel(base.gpt_config(), fixed.tp, False)
     cps = context_parallel_sizes(base, world, fixed, megart)
     out = []
     for t in tps:
@@ -118,6 +121,8 @@ def _layouts(
             if fixed.sequence_parallel is not None
             else ([False, True] if t > 1 and (sp_fits or not searched_cp) else [False])
         )
+        if base.num_experts and t > 1:  # experts split over t need it (megart train's check)
+            sps = [sp for sp in sps if sp]
         recs = RECOMPUTE if fixed.recompute is False else (fixed.recompute,)
         dos = (
             [fixed.distributed_optimizer]

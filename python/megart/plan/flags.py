@@ -104,8 +104,9 @@ MODELLED = (
     "reset_position_ids",
     "eod_mask_loss",
     # Mixture of experts (plan.moe_memory, plan.moe_time; parameters, FLOPs): the experts'
-    # weights and state, the router's and experts' saves, their products; tensor-parallel
-    # size 1 and no context parallelism (megart train's checks limit the layouts).
+    # weights and state, the router's and experts' saves, their products and, split over
+    # tensor-parallel ranks, the dispatcher's gathers; no context parallelism (megart
+    # train's checks limit the layouts).
     "num_experts",
     "moe_ffn_hidden_size",
     "moe_layer_freq",
@@ -256,15 +257,12 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
 def _moe_unmodelled(config: TrainConfig) -> list[str]:
     """What the planner does not model with --num-experts: zero-bubble schedules (the experts'
     deferred weight gradients are uncounted; searched layouts leave them out,
-    plan.candidates), --recompute-modules layernorm (megart train's MoE layers cannot run
-    it yet) and tensor parallelism (megart train splits the experts over it, but the plan's
-    MoE memory and time are a whole layer's on one rank, without the dispatcher's gathers;
-    searched layouts keep t = 1)."""
+    plan.candidates) and --recompute-modules layernorm (megart train's MoE layers cannot run
+    it yet). Tensor parallelism is modelled (with sequence parallelism, which megart train
+    requires for experts: plan.candidates refuses a given t > 1 without it in its words)."""
     if not config.num_experts:
         return []
     out = []
-    if config.tp > 1:
-        out.append(f"--tensor-model-parallel-size {config.tp} with --num-experts")
     if config.pipeline_schedule in ZERO_BUBBLE:
         out.append(f"--pipeline-schedule {config.pipeline_schedule} with --num-experts")
     if config.recompute_modules is not None and "layernorm" in config.recompute_modules:

@@ -28,11 +28,21 @@ else the activations'), w = max(r, 4) (softmaxes over experts run in fp32 at lea
                                   5 f, the dense four and the scaled one), the token's routing
                                   weight (r) and its row index (int64)
 
-in place of the dense MLP's 2 f or 4 f. Every expert term is per token an expert got, and the
-experts' counts add up to k T whatever the routing, so the bytes do not depend on which expert
-got which token: exact, not an estimate of the routing (measured with the experts' actual
-counts by the same hooks). What may differ on a GPU: nothing that is kernel-specific here (no
-fused kernel runs in an MoE layer).
+in place of the dense MLP's 2 f or 4 f.
+
+Under tensor parallelism (t ranks, sequence parallelism required: models.moe) the router runs
+on this rank's s/t slice of the sequence: its input and every routing and loss term above are
+per token of the slice (the once-per-microbatch terms as they are: the token counts, summed
+over the ranks, are still E), in place of the gathered norm output layer_bytes counts for a
+dense MLP's input (h per token of the whole sequence). The experts run on the tokens gathered
+from every rank, each rank f/t of every expert's width: their terms are per token of the whole
+sequence, with f/t for f (and the dense MLP's 2 f/t or 4 f/t are what they replace). The
+gathers and the reduce-scatter save nothing. Exact on real tp2 ranks as at t = 1.
+
+Every expert term is per token an expert got, and the experts' counts add up to k T whatever
+the routing, so the bytes do not depend on which expert got which token: exact, not an estimate
+of the routing (measured with the experts' actual counts by the same hooks). What may differ on
+a GPU: nothing that is kernel-specific here (no fused kernel runs in an MoE layer).
 
 Recomputation: full recomputation keeps an MoE layer's input like any layer's and replays all
 of the above. --recompute-modules mlp checkpoints dense MLPs only (models.blocks, as
@@ -45,9 +55,8 @@ from __future__ import annotations
 
 from megart.models.config import GPTConfig
 from megart.models.recompute import recomputed_modules
-from megart.plan.activations import Precision
-
-ROUTER_BYTES = {"fp32": 4, "fp64": 8}
+from megart.plan.activations import Precision, norm_outputs
+from megart.plan.moe_time import ROUTER_BYTES
 
 
 def moe_layer_extra(
@@ -57,12 +66,15 @@ def moe_layer_extra(
     prec: Precision,
     cp: int = 1,
     weight_bytes: int = 4,
+    tp: int = 1,
+    sp: bool = False,
 ) -> float:
     """Bytes an MoE layer keeps for one microbatch beyond activations.layer_bytes' count of a
     dense layer under ``recompute`` (none under full recomputation: the layer's input alone,
-    as a dense layer's); at tensor-parallel size 1, the one the plan models (plan.flags).
-    ``weight_bytes``: the weights' (2 under --half-weights), which --moe-router-dtype's cast of
-    the router's weight copies when they differ."""
+    as a dense layer's), on one of ``tp`` tensor-parallel ranks (with sequence parallelism,
+    ``sp``, which megart train requires for experts at tp > 1). ``weight_bytes``: the weights'
+    (2 under --half-weights), which --moe-router-dtype's cast of the router's weight copies
+    when they differ."""
     if recompute == "full":
         return 0.0
     h, k, e, fm = cfg.hidden_size, cfg.moe_router_topk, cfg.num_experts, cfg.moe_ffn_size
@@ -70,7 +82,7 @@ def moe_layer_extra(
     given = ROUTER_BYTES.get(cfg.moe_router_dtype or "")
     r = given or other
     w = max(r, 4)
-    per_token = h * (given - other) if given else 0.0  # the router's own copy of its input
+    per_token = 0.0  # the router's, per token of this rank's slice of the sequence
     if cfg.moe_router_score_function == "sigmoid":
         per_token += e * 4 + 8 * k + ((k + 1) * r if k > 1 else 0)
     elif cfg.moe_router_pre_softmax:
@@ -87,12 +99,18 @@ def moe_layer_extra(
     if cfg.moe_z_loss_coeff:
         per_token += (e + 1) * r
         once += r
-    swiglu = cfg.activation == "swiglu"
-    # Each expert's output too: the sum's index_add keeps its source (whose shape it needs).
-    per_token += k * (2 * h * other + (5 if swiglu else 3) * fm * other + r + 8)
+    # The router's input, its own copy in --moe-router-dtype or the norm's output (autocast's
+    # 16-bit copy of an fp32 one), in place of what layer_bytes counted for the MLP's input
+    # (the gathered norm output, or --recompute-modules mlp's checkpoint input).
     modules = recomputed_modules(cfg, recompute)
-    if "mlp" in modules:  # layer_bytes counted a checkpoint's input and no MLP tensors
-        per_token += h * (other - prec.residual)
-    else:
-        per_token -= (4 if swiglu else 2) * cfg.ffn_size * other
+    per_token += h * r
+    per_token *= 1 / tp if sp else 1.0
+    per_token -= norm_outputs(cfg, tp, sp, prec, "mlp" in modules)[1]
+    if "mlp" not in modules:  # layer_bytes counted a dense MLP's tensors
+        per_token -= (4 if cfg.activation == "swiglu" else 2) * cfg.ffn_size / tp * other
+    swiglu = cfg.activation == "swiglu"
+    # Per token an expert got, over the gathered sequence on every rank: its input, its
+    # output (the sum's index_add keeps its source, whose shape it needs), its MLP's tensors
+    # over this rank's f/t, its routing weight and row index.
+    per_token += k * (2 * h * other + (5 if swiglu else 3) * fm / tp * other + r + 8)
     return cfg.seq_length // cp * b * per_token + once

@@ -30,8 +30,8 @@ def _norm(cfg: GPTConfig, size: int | None = None) -> list[int]:
 def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0) -> list[int]:
     """Element counts of layer ``layer``'s parameters on one tensor-parallel rank, in megart's
     registration order (norm, fused q/k/v, output projection, --qk-layernorm's query and key
-    norms, norm, MLP; an MoE layer's router [E, h] and then each expert's MLP of
-    moe_ffn_size, without biases: models.moe)."""
+    norms, norm, MLP; an MoE layer's router [E, h], replicated, and then each expert's MLP of
+    moe_ffn_size split over t as the dense MLP, without biases: models.moe)."""
     h, f, t = cfg.hidden_size, cfg.ffn_size, tp
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // t
     bias = cfg.bias
@@ -40,8 +40,8 @@ def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0) -> list[int]:
     if cfg.qk_layernorm:  # replicated on every tensor-parallel rank, one head wide
         out += _norm(cfg, cfg.head_dim) * 2
     out += _norm(cfg)
-    if cfg.is_moe_layer(layer):  # modelled at tensor-parallel size 1 (plan.flags)
-        fm = cfg.moe_ffn_size
+    if cfg.is_moe_layer(layer):  # the router replicated, each expert split as a dense MLP
+        fm = cfg.moe_ffn_size // t
         expert = [fm * h] * (2 if cfg.activation == "swiglu" else 1) + [h * fm]
         return out + [cfg.num_experts * h] + expert * cfg.num_experts
     column = [f // t * h, *([f // t] if bias else [])]

@@ -44,10 +44,11 @@ def chunk_layer_bytes(
         core_again = "core_attn" in recomputed_modules(cfg, rec)
         # Only dense MLPs are checkpointed by --recompute-modules mlp (models.blocks).
         replay = mlp_replay_bytes(cfg, b, tp, sp, prec, cp) if not all(moe) else 0.0
-        kept = layers * one + sum(moe) * moe_layer_extra(cfg, b, rec, prec, cp, weight_bytes)
+        moe_extra = moe_layer_extra(cfg, b, rec, prec, cp, weight_bytes, tp, sp)
+        kept = layers * one + sum(moe) * moe_extra
         return kept + (0.0 if core_again else sum(extras)), replay
     whole = layer_bytes(cfg, b, tp, sp, None, prec, unfused_attention, cp)
-    extras = [x + (moe_layer_extra(cfg, b, None, prec, cp, weight_bytes) if m else 0.0)
+    extras = [x + (moe_layer_extra(cfg, b, None, prec, cp, weight_bytes, tp, sp) if m else 0.0)
               for x, m in zip(extras, moe, strict=True)]  # fmt: skip
     method, n = cfg.recompute_method, cfg.recompute_num_layers
     # The first norm keeps the span's input itself (LayerNorm; RMSNorm's fp32 view of it when

@@ -13,7 +13,8 @@ Per microbatch and layer on one GPU (t tensor-parallel ranks):
   over t unless sequence parallel;
 - tensor-parallel collectives over NVLink: 2 all-reduces of b s h 16-bit elements forward and 2
   backward (as reduce-scatter + all-gather pairs with sequence parallelism; the same bytes),
-  2(t-1)/t of them on the wire, plus 2 more forward when full recomputation replays a layer.
+  2(t-1)/t of them on the wire, plus 2 more forward when full recomputation replays a layer;
+  an MoE layer's experts replace the MLP's pair with its dispatcher's (plan.moe_time), exposed.
 
 With context parallelism (cp ranks, megart.models.context_parallel) a rank holds s/cp tokens of
 each sequence: every per-token term above counts those. Under all_gather its
@@ -73,7 +74,7 @@ from megart.models.window_masks import bias_row_stride
 from megart.models.window_tiles import band_tile, band_tiles, scored_entries
 from megart.plan.context_parallel import RingPasses, a2a_layer_seconds, kv_gathers, ring_passes
 from megart.plan.hardware import GPUProfile
-from megart.plan.moe_time import moe_elementwise, moe_mlp_shapes
+from megart.plan.moe_time import moe_collectives, moe_elementwise, moe_mlp_shapes
 from megart.plan.ring_window_cost import ring_bias_reads, ring_window_share
 
 ACT = 2  # bytes of a 16-bit activation element
@@ -231,15 +232,16 @@ def tp_backward_seconds(
 ) -> float:
     """The exposed tensor-parallel time of one layer's backward under BACKWARD_OVERLAP
     (``regather``) or KEPT_INPUT_OVERLAP: ``columns``, the forward times of the two
-    column-parallel products (each backward product takes as long); ``nbytes`` one layer
-    activation."""
+    column-parallel products (each backward product takes as long; an MoE layer's attention's
+    alone, its experts' collectives being its own); ``nbytes`` one layer activation."""
     bus = gpu.nvlink_bus_gb_per_s
     if not sp:
         reduce = collective_seconds("all_reduce", nbytes, t, bus, gpu)
         return sum(max(0.0, reduce - g) for g in columns)
     gather = collective_seconds("all_gather", nbytes, t, bus, gpu)
     scatter = collective_seconds("reduce_scatter", nbytes, t, bus, gpu)
-    rows = 2 * gather  # the row-parallel products' output gradients, gathered before them
+    # The row-parallel products' output gradients (one per column-parallel one), gathered.
+    rows = len(columns) * gather
     again = gather if regather else 0.0
     return rows + sum(max(0.0, again - g) + max(0.0, scatter - g) for g in columns)
 
@@ -268,9 +270,9 @@ def layer_work(
     sliding window (earlier tokens each token sees; None: the whole causal past;
     window_share). ``documents``: under --reset-attention-mask's bias (without context
     parallelism or a window: megart train and plan refuse them with it; documents_mask_read).
-    ``moe``: a mixture-of-experts layer (modelled at tensor-parallel size 1 only):
-    moe_mlp_shapes' products in place of the MLP's, and its element-wise work
-    (moe_elementwise)."""
+    ``moe``: a mixture-of-experts layer: moe_mlp_shapes' products in place of the MLP's, its
+    element-wise work (moe_elementwise) and at t > 1 its dispatcher's collectives
+    (moe_collectives, exposed) in place of the MLP's."""
     s, h, f, t = cfg.seq_length, cfg.hidden_size, cfg.ffn_size, tp
     modules = recomputed_modules(cfg, recompute)  # selective's --recompute-modules
     if recompute == "selective":  # attention's terms: as with its core recomputed, or without
@@ -285,7 +287,7 @@ def layer_work(
     shapes = [((q + 2 * kv) / t, h), (h, q / t)] + [(f / t, h)] * ups + [(h, f / t)]
     dense_times = [gemm_seconds(tokens, cols, inner, gpu) for cols, inner in shapes]
     if moe:  # the router's and the experts' products in place of the MLP's
-        experts = moe_mlp_shapes(cfg, tokens)
+        experts = moe_mlp_shapes(cfg, tokens, t)
         dense_times[2:] = [gemm_seconds(r, c, i, gpu, n) for r, c, i, n in experts]
     fwd_gemm = sum(dense_times)
     # Per head: scores (s x d by d x s), then scores x values (s x s by s x d).
@@ -318,7 +320,7 @@ def layer_work(
     qk_norms = 2 * (q + kv) / t if cfg.qk_layernorm else 0.0
     mlp = (3 if cfg.activation == "swiglu" else 2) * f / t
     if moe:
-        mlp = moe_elementwise(cfg)
+        mlp = moe_elementwise(cfg, t)
     # The ring's flash blocks write no scores. a2a's math kernel: s x s scores of heads/(t cp)
     # heads per rank, the same bytes as heads/t over the rank's s/cp queries counted here.
     unfused = unfused_attention and not ring
@@ -340,16 +342,22 @@ def layer_work(
             one = sum(collective_seconds(k, nbytes, t, gpu.nvlink_bus_gb_per_s, gpu) for k in pair)
         else:
             one = collective_seconds("all_reduce", nbytes, t, gpu.nvlink_bus_gb_per_s, gpu)
-        comm = comm_backward = 2 * one  # two per pass
+        parts = 1 if moe else 2  # attention's and the MLP's; an MoE layer's experts: below
+        comm = comm_backward = parts * one  # per pass
         if tp_overlap in BACKWARD_MODES:
-            columns = [dense_times[0], sum(dense_times[2:-1])]  # q/k/v, the MLP's first
+            columns = [dense_times[0], sum(dense_times[2:-1])][:parts]  # q/k/v, the MLP's first
             regather = tp_overlap == BACKWARD_OVERLAP
             comm_backward = tp_backward_seconds(nbytes, t, sp, columns, gpu, regather)
         elif tp_overlap:
             # Four halves (all-gather or reduce-scatter) per pass, each beside one product.
             half = one / 2
             pairs = [dense_times[0], dense_times[1], sum(dense_times[2:-1]), dense_times[-1]]
-            comm = comm_backward = sum(max(0.0, half - g) for g in pairs)
+            comm = comm_backward = sum(max(0.0, half - g) for g in pairs[: 2 * parts])
+        if moe:
+            link = gpu.nvlink_bus_gb_per_s
+            fwd, bwd = (sum(collective_seconds(kind, n, t, link, gpu) for kind, n in passes)
+                        for passes in moe_collectives(cfg, tokens, ACT))  # fmt: skip
+            comm, comm_backward = comm + fwd, comm_backward + bwd
     # Context parallelism's exchanges (plan.context_parallel): forward, backward, and those that
     # recomputation replays in the backward.
     gather = scatter = replayed = 0.0
