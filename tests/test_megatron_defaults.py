@@ -25,6 +25,8 @@ DIFFERENT = {
     "recompute_method": "Megatron asks for it with full recomputation; megart: uniform",
     "recompute_num_layers": "likewise; megart: 1",
     "cp_comm_type": "arguments.py's default is p2p (TransformerConfig's None means the same)",
+    "moe_layer_freq": "the flag's text here (parsed as Megatron's moe_freq_type); None means 1, "
+    "every layer MoE (model_flags.moe_fields)",
 }
 
 
