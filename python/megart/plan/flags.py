@@ -121,6 +121,10 @@ MODELLED = (
 
 # field -> (the values the plan predicts alike, why another one is not modelled)
 UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "expert_model_parallel_size": (
+        (1,),
+        "expert parallelism: the experts spread over ranks and their token exchanges",
+    ),
     "attention_backend": (
         ("auto", "flash", "fused"),
         "the unfused attention's s x s scores (torch's fused kernels are planned)",
@@ -176,7 +180,6 @@ NO_EFFECT = (
     # inside torch's attention kernels on a GPU (no mask held); --use-flash-attn sets
     # --attention-backend flash, and the implementations name the same attention
     "attention_dropout", "use_flash_attn", "transformer_impl", "use_mcore_models",
-    "expert_model_parallel_size",  # 1 only: megart train refuses more
     # the routing weights times a number (nothing saved); aux_loss or none, the loss computed
     # as --moe-aux-loss-coeff says (modelled)
     "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
