@@ -199,7 +199,7 @@ def test_recompute_spans_with_selective_recomputation_are_refused_as_megatron_do
     "flags, match",
     [
         (dict(context_parallel_size=2, seq_length=18), "18 is not divisible by 2 x --context-"),
-        (dict(expert_model_parallel_size=4), "--expert-model-parallel-size 4: megart has no"),
+        (dict(expert_model_parallel_size=4), "--expert-model-parallel-size 4 needs --num-experts"),
         (dict(max_position_embeddings=32), "--max-position-embeddings 32 with --seq-length 16"),
         (dict(kv_channels=0), "--kv-channels 0: a head is at least 1 wide"),
         (

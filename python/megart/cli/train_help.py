@@ -321,7 +321,8 @@ HELP = {
     "(DeepSpeed Ulysses): all-to-all exchanges give each rank 1/cp of the heads for the whole "
     "sequence (heads and query groups per tensor-parallel rank divisible by cp). The same "
     "attention every way. a2a+p2p (hierarchical) is refused",
-    "expert_model_parallel_size": "expert parallelism (megart: only 1)",
+    "expert_model_parallel_size": "expert parallelism: each MoE layer's experts spread over "
+    "this many data-parallel ranks (tensor- and context-parallel size 1)",
     "num_experts": "mixture of experts: this many MLPs in each MoE layer, each token routed to "
     "--moe-router-topk of them (needs --disable-bias-linear; tensor-parallel size 1)",
     "moe_ffn_hidden_size": "each expert's MLP width (default: --ffn-hidden-size)",

@@ -37,16 +37,25 @@ class Block(nn.Module):
         rng: RNGStatesTracker | None = None,
         cp_group: ProcessGroup | None = None,
         loss_scale: AuxLossScale | None = None,
+        ep_group: ProcessGroup | None = None,
     ) -> None:
         """``loss_scale``: the factor of an MoE layer's auxiliary losses' gradients (the
-        chunk's; models.moe)."""
+        chunk's; models.moe); ``ep_group``: the group its experts are spread over."""
         super().__init__()
         self.ln_1 = norm(cfg, sequence_parallel)
         self.attn = Attention(cfg, layer, tp_group, sequence_parallel, rng, cp_group)
         self.ln_2 = norm(cfg, sequence_parallel)
         moe = cfg.is_moe_layer(layer)
         self.mlp: nn.Module = (
-            MoE(cfg, layer, loss_scale or AuxLossScale(), tp_group, sequence_parallel, cp_group)
+            MoE(
+                cfg,
+                layer,
+                loss_scale or AuxLossScale(),
+                tp_group,
+                sequence_parallel,
+                cp_group,
+                ep_group,
+            )
             if moe
             else MLP(cfg, layer, tp_group, sequence_parallel)
         )

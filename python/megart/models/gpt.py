@@ -66,6 +66,7 @@ class GPTChunk(nn.Module):
         sequence_parallel: bool = False,
         rng: RNGStatesTracker | None = None,
         cp_group: ProcessGroup | None = None,
+        ep_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.first, self.last, self.rng = cfg, first, last, rng
@@ -96,7 +97,7 @@ class GPTChunk(nn.Module):
         # Shared by this chunk's MoE layers (models.moe): set by set_loss_scale.
         self.aux_loss_scale = AuxLossScale()
         self.blocks = nn.ModuleList(
-            Block(cfg, i, tp_group, sequence_parallel, rng, cp_group, self.aux_loss_scale)
+            Block(cfg, i, tp_group, sequence_parallel, rng, cp_group, self.aux_loss_scale, ep_group)
             for i in layers
         )
         self.layer_ids = list(layers)
@@ -368,9 +369,11 @@ def pipeline_chunks(
     first: int | None = None,
     last: int | None = None,
     cp_group: ProcessGroup | None = None,
+    ep_group: ProcessGroup | None = None,
 ) -> list[GPTChunk]:
     """This pipeline rank's model chunks (see chunk_layers; ``first``/``last``: the layers of
-    uneven first/last stages; ``cp_group``: context parallelism's); the first virtual stage
+    uneven first/last stages; ``cp_group``: context parallelism's, ``ep_group`` expert
+    parallelism's: models.moe); the first virtual stage
     holds the embedding, the last the final norm and output layer."""
     cfg.check_layout(tp=group_size(tp_group), pp=pp, chunks=chunks, first=first, last=last)
     return [
@@ -383,6 +386,7 @@ def pipeline_chunks(
             sequence_parallel,
             rng,
             cp_group,
+            ep_group,
         )
         for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape, first, last)
     ]

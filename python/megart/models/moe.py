@@ -33,6 +33,11 @@ the sequence's; but gradients are averaged over dp x cp (the language model's lo
 rank's mean over its own tokens, and their average the sequence's mean), which would leave the
 auxiliary losses at 1/cp of their sum: their gradients are seeded cp times the language model's
 factor, as Megatron-Core's schedules set MoEAuxLossAutoScaler's scale to loss scale x cp / m.
+
+Under expert parallelism (ep_group, at tensor- and context-parallel size 1: models.
+expert_exchange) each rank builds only its num_experts / ep experts, global indices ep_rank x
+E/ep onwards, drawn as one process draws those experts and named by their global index
+(``experts.E.``); the router and the losses are each rank's own, as without it.
 """
 
 from __future__ import annotations
@@ -46,9 +51,10 @@ from torch import nn
 import megart.distributed as dist
 from megart.distributed import ProcessGroup
 from megart.models.config import GPTConfig
+from megart.models.expert_exchange import expert_parallel_mlp
 from megart.models.init import generator, weight_init
 from megart.models.mlp import MLP
-from megart.models.moe_checks import check_moe_tensor_parallel
+from megart.models.moe_checks import check_expert_parallel_layer, check_moe_tensor_parallel
 from megart.tensor_parallel import gather_from_sequence_region, reduce_scatter_to_sequence_region
 from megart.tensor_parallel._group import group_size
 from megart.tensor_parallel.column_entry import enter_column_region
@@ -202,19 +208,34 @@ class MoE(nn.Module):
         tp_group: ProcessGroup | None = None,
         sequence_parallel: bool = False,
         cp_group: ProcessGroup | None = None,
+        ep_group: ProcessGroup | None = None,
     ) -> None:
         """``tp_group``: the experts split over it (with ``sequence_parallel``, required
-        then); ``cp_group``: context parallelism's, over which the losses' statistics go."""
+        then); ``cp_group``: context parallelism's, over which the losses' statistics go;
+        ``ep_group``: expert parallelism's, over which the experts are spread."""
         super().__init__()
         self.tp, self.cp = group_size(tp_group), group_size(cp_group)
         check_moe_tensor_parallel(cfg, self.tp, sequence_parallel)
         self.cfg, self.loss_scale, self.tp_group = cfg, loss_scale, tp_group
-        self.cp_group = cp_group
+        self.cp_group, self.layer = cp_group, layer
         self.router = Router(cfg, layer, sequence_parallel)
-        self.experts = nn.ModuleList(
-            MLP(cfg, layer, tp_group, False, ffn=cfg.moe_ffn_size, name=f"expert{e}_", expert=True)
-            for e in range(cfg.num_experts)
-        )
+        self.ep_group = ep_group if group_size(ep_group) > 1 else None
+        if self.ep_group is None:
+            self.experts: nn.Module = nn.ModuleList(self._expert(e) for e in range(cfg.num_experts))
+        else:  # this rank's share, under their global indices
+            check_expert_parallel_layer(cfg, self.tp, self.cp, self.ep_group.size())
+            local = cfg.num_experts // self.ep_group.size()
+            first = self.ep_group.rank() * local
+            self.experts = nn.ModuleDict(
+                {str(e): self._expert(e) for e in range(first, first + local)}
+            )
+            for p in self.experts.parameters():  # averaged over expert-data parallelism
+                p.expert_parallel = True
+
+    def _expert(self, e: int) -> MLP:
+        """Expert ``e`` (global index) of this layer, drawn from its own stream."""
+        cfg, ffn = self.cfg, self.cfg.moe_ffn_size
+        return MLP(cfg, self.layer, self.tp_group, False, ffn=ffn, name=f"expert{e}_", expert=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, group = self.cfg, self.tp_group
@@ -235,6 +256,9 @@ class MoE(nn.Module):
             probs = gather_from_sequence_region(probs, group)
             # In autocast's type, where the experts' products would cast them.
             tokens = gather_from_sequence_region(enter_column_region(tokens, None, False)[0], group)
+        if self.ep_group is not None:
+            experts = [(int(e), m) for e, m in self.experts.items()]
+            return expert_parallel_mlp(tokens, probs, chosen, experts, self.ep_group).view(x.shape)
         out: torch.Tensor | None = None
         # Every expert runs, on no tokens where none chose it, so that each weight gets a
         # gradient (zero then), as Megatron-Core's SequentialMLP.

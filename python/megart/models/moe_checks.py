@@ -117,6 +117,20 @@ def check_moe_tensor_parallel(cfg: GPTConfig, tp: int, sequence_parallel: bool) 
         )
 
 
+def check_expert_parallel_layer(cfg: GPTConfig, tp: int, cp: int, ep: int) -> None:
+    """Refuses an MoE layer spread over ``ep`` > 1 expert-parallel ranks that it cannot be:
+    experts not divisible by ``ep``, or tensor or context parallelism as well (not built)."""
+    if tp > 1 or cp > 1:
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} with tensor-parallel size {tp} and context-"
+            f"parallel size {cp}: megart's expert parallelism runs at both sizes 1 only"
+        )
+    if cfg.num_experts is None or cfg.num_experts % ep:
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} must divide --num-experts {cfg.num_experts}"
+        )
+
+
 def moe_layout_problems(cfg: GPTConfig, tp: int) -> list[str]:
     """What keeps the experts from splitting over ``tp`` tensor-parallel ranks (for
     GPTConfig.check_layout): their width, each rank holding a 1/t of every expert (Megatron's

@@ -28,13 +28,18 @@ class ParallelGrid:
     embedding_group: ProcessGroup | None
     cp_group: ProcessGroup | None = None
     dp_cp_group: ProcessGroup | None = None
+    # Expert parallelism's (parallel.experts), made only at --expert-model-parallel-size > 1:
+    # None otherwise (every rank holds every expert; their gradients average over dp x cp).
+    ep_group: ProcessGroup | None = None
+    edp_group: ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if self.dp_cp_group is None:  # cp = 1: averaging over dp x cp is over dp
             object.__setattr__(self, "dp_cp_group", self.dp_group)
 
     def group(self, kind: GroupKind) -> ProcessGroup | None:
-        """The group of this kind: "tp", "pp", "dp", "cp", "dp_cp", "mp" or "embedding"."""
+        """The group of this kind: "tp", "pp", "dp", "cp", "dp_cp", "mp", "embedding", "ep" or
+        "edp"."""
         return getattr(self, f"{kind}_group")
 
     @property
@@ -59,6 +64,22 @@ class ParallelGrid:
         get_data_parallel_rank(with_context_parallel=True)): 0 is the one that writes what
         the group holds alike (Megatron's replica 0)."""
         return self.dp_rank * self.layout.cp + self.cp_rank
+
+    @property
+    def ep(self) -> int:
+        """The expert-parallel size (1 without expert parallelism)."""
+        return 1 if self.ep_group is None else self.ep_group.size()
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-model-parallel group (0 without one)."""
+        return 0 if self.ep_group is None else self.ep_group.rank()
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks holding its experts: 0 is the one
+        that saves them (its data-parallel rank without expert parallelism)."""
+        return self.dp_cp_rank if self.ep_group is None else self.edp_group.rank()
 
     @property
     def is_first_stage(self) -> bool:

@@ -6,6 +6,7 @@ import os
 from datetime import timedelta
 
 from megart.errors import ConfigError
+from megart.parallel.experts import check_expert_parallel, expert_groups
 from megart.parallel.grid import ParallelGrid
 from megart.parallel.layout import (
     CP_GROUP_KINDS,
@@ -25,6 +26,8 @@ def initialize(
     backend: str | None = None,
     timeout: timedelta | float = timedelta(minutes=10),
     cp: int = 1,
+    ep: int = 1,
+    num_experts: int | None = None,
 ) -> ParallelGrid:
     """Lays the world out as tp x cp x pp x dp ranks in ``order`` (cp just inside dp) and makes
     every process group.
@@ -58,6 +61,7 @@ def initialize(
     # leaves things as they were: the caller may fix the sizes and call again.
     try:
         layout = make_layout(world_size, tp, pp, dp, order, gpus_per_node, cp)
+        check_expert_parallel(layout, ep, num_experts)
     except ConfigError:
         if started_here:
             dist.destroy()
@@ -74,6 +78,12 @@ def initialize(
             group = dist.new_group(list(ranks))
             if rank in ranks:
                 mine[kind] = group
+    if ep > 1:  # made only then: at ep 1 the expert groups are the data-parallel ones
+        for kind, groups in zip(("ep", "edp"), expert_groups(layout, ep), strict=True):
+            for ranks in groups:
+                group = dist.new_group(list(ranks))
+                if rank in ranks:
+                    mine[kind] = group
     return ParallelGrid(
         layout=layout,
         rank=rank,
@@ -85,6 +95,8 @@ def initialize(
         embedding_group=mine["embedding"],
         cp_group=mine.get("cp"),
         dp_cp_group=mine.get("dp_cp"),
+        ep_group=mine.get("ep"),
+        edp_group=mine.get("edp"),
     )
 
 

@@ -32,7 +32,7 @@ from megart.errors import ConfigError
 DIMS = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"
 ORDERS = tuple("-".join(p) for p in permutations(DIMS))
-GroupKind = Literal["tp", "pp", "dp", "mp", "embedding", "cp", "dp_cp"]
+GroupKind = Literal["tp", "pp", "dp", "mp", "embedding", "cp", "dp_cp", "ep", "edp"]
 GROUP_KINDS: tuple[GroupKind, ...] = ("tp", "pp", "dp", "mp", "embedding")
 # Made only when cp > 1: with cp = 1 the cp groups are single ranks and dp x cp is dp.
 CP_GROUP_KINDS: tuple[GroupKind, ...] = ("cp", "dp_cp")

@@ -176,7 +176,7 @@ NO_EFFECT = (
     # inside torch's attention kernels on a GPU (no mask held); --use-flash-attn sets
     # --attention-backend flash, and the implementations name the same attention
     "attention_dropout", "use_flash_attn", "transformer_impl", "use_mcore_models",
-    "expert_model_parallel_size",  # 1 only: megart train refuses more
+    "expert_model_parallel_size",  # above 1: refused with experts (_moe_unmodelled)
     # the routing weights times a number (nothing saved); aux_loss or none, the loss computed
     # as --moe-aux-loss-coeff says (modelled)
     "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
@@ -257,14 +257,19 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
 def _moe_unmodelled(config: TrainConfig) -> list[str]:
     """What the planner does not model with --num-experts: zero-bubble schedules (the experts'
     deferred weight gradients are uncounted; searched layouts leave them out,
-    plan.candidates) and --recompute-modules layernorm (megart train's MoE layers cannot run
-    it yet). Tensor parallelism is modelled (with sequence parallelism, which megart train
-    requires for experts: plan.candidates refuses a given t > 1 without it in its words)."""
+    plan.candidates), expert parallelism and --recompute-modules layernorm (megart train's
+    MoE layers cannot run it yet). Tensor parallelism is modelled (with sequence parallelism,
+    which megart train requires for experts: plan.candidates refuses a given t > 1 without it
+    in its words)."""
     if not config.num_experts:
         return []
     out = []
     if config.pipeline_schedule in ZERO_BUBBLE:
         out.append(f"--pipeline-schedule {config.pipeline_schedule} with --num-experts")
+    ep = config.expert_model_parallel_size
+    if ep != 1:  # (a dense model's is megart train's refusal)
+        out.append(f"--expert-model-parallel-size {ep} (expert parallelism: the experts spread "
+                   "over ranks and their token exchanges)")  # fmt: skip
     if config.recompute_modules is not None and "layernorm" in config.recompute_modules:
         out.append(f"{flag('recompute_modules', config.recompute_modules)} with --num-experts")
     return out

@@ -50,7 +50,9 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     optimizer_params,
     rank_dir,
     read_file,
+    refuse_expert_parallel,
     required_latest_iteration,
+    saved_expert_parallel,
 )
 from megart.training.megatron_args import args_record
 from megart.training.megatron_scheduler import check_scheduler
@@ -95,15 +97,24 @@ def load(
     otherwise = ", or leave --load out to start from scratch"
     iteration = chosen_iteration(directory, config.ckpt_step, "--ckpt-step", otherwise)
     root = iteration_dir(directory, iteration)
+    # Without expert parallelism the grid may be any object with the other coordinates.
+    ep, ep_rank = getattr(grid, "ep", 1), getattr(grid, "ep_rank", 0)
     if megatron_dist.is_dist_checkpoint(root):
+        if ep > 1:
+            raise ConfigError(
+                f"--load {directory}: a torch_dist store, at --expert-model-parallel-size "
+                f"{ep}: megart loads expert parallelism's own checkpoints only (--ckpt-"
+                "format megart, saved at the same expert-parallel size)"
+            )
         return _load_dist(directory, root, config, grid, chunks, optimizer, rng, scaler)
-    own = root / rank_dir(grid.tp_rank, grid.pp_rank, config.pp) / FILE
+    own = root / rank_dir(grid.tp_rank, grid.pp_rank, config.pp, ep_rank, ep) / FILE
     found = sorted(root.glob(f"mp_rank_*/{FILE}"))
     if not found:
         raise ConfigError(f"--load {directory}: {root} holds no mp_rank_*/{FILE}")
     # Any file tells the layout, the iteration and the loss scale (the same in every file).
     state = read_file(own if own.exists() else found[0])
     _check_model(directory, state, config, chunks[0].cfg)
+    _check_expert_parallel(directory, state, ep)
     if state[NORM_BIASES_ADDED] and dist.get_rank() == 0:
         print(norm_biases.note(directory, state[NORM_BIASES_ADDED]), flush=True)
     # A release checkpoint (megart import-hf) holds weights only and is loaded as --finetune.
@@ -141,6 +152,21 @@ def load(
     if finetune:
         return 0, 0
     return _resume_point(int(state["iteration"]), state.get("consumed_train_samples"), config)
+
+
+def _check_expert_parallel(directory: Any, state: dict, ep: int) -> None:
+    """Expert parallelism resumes at the expert-parallel size it was saved at only (each
+    expert-parallel rank's file holds its own experts; resharding them is not built)."""
+    saved = saved_expert_parallel(state)
+    if saved == ep:
+        return
+    if saved > 1:
+        refuse_expert_parallel(directory, state, f"load at --expert-model-parallel-size {ep}")
+    raise ConfigError(
+        f"--load {directory}: the checkpoint holds every expert in each file "
+        f"(--expert-model-parallel-size 1); megart cannot spread them over --expert-model-"
+        f"parallel-size {ep} ranks on load yet: resume at --expert-model-parallel-size 1"
+    )
 
 
 def _check_saved_parts(directory: Any, state: dict, load_optim: bool, load_rng: bool) -> None:

@@ -38,6 +38,7 @@ from megart.training.ckpt_files import (
     chosen_iteration,
     iteration_dir,
     rank_dir,
+    saved_expert_parallel,
 )
 from megart.training.megatron_args import config_from_args, integral, megatron_args
 from megart.training.megatron_files import is_megatron_file, torch_load
@@ -152,7 +153,7 @@ def _from_megart(root: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], GPTCo
     tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
     chunks = [layer_ids(raw, 0, pp, cfg)]
     for p in range(1, pp):  # a missing file is --load's to name
-        path = root / rank_dir(0, p, pp) / FILE
+        path = root / rank_dir(0, p, pp, 0, saved_expert_parallel(raw)) / FILE
         chunks.append(layer_ids(_read(path), p, pp, cfg) if path.is_file() else chunks[0])
     first, last = ends_of([sum(map(len, c)) for c in chunks])
     per = layout.get("num_layers_per_virtual_pipeline_stage")

@@ -32,6 +32,7 @@ from megart.training import (
     tokenizer_record,
 )
 from megart.training.ckpt_files import (
+    EXPERT_PARALLEL,
     FILE,
     MODEL_FIELDS,
     PARALLEL_FIELDS,
@@ -156,13 +157,18 @@ def save(
     # Every rank (or none, with --no-save-optim): a distributed optimizer gathers its state over
     # data parallelism.
     optimizer_state = None if config.no_save_optim else optimizer.state_dict()
-    if grid.dp_cp_rank == 0:  # data- and context-parallel ranks hold the same
+    # Data- and context-parallel ranks hold the same; under expert parallelism rank 0 of each
+    # expert-data-parallel group writes (each expert-parallel rank holds other experts).
+    ep_size, ep_rank = getattr(grid, "ep", 1), getattr(grid, "ep_rank", 0)
+    if getattr(grid, "edp_rank", grid.dp_cp_rank) == 0:
+        ep = {EXPERT_PARALLEL: ep_size} if ep_size > 1 else {}
         state = file_state(
             iteration,
             # context_parallel_size is a record only: the weights' layout does not depend on it.
             layout={f: getattr(config, f) for f in MODEL_FIELDS + PARALLEL_FIELDS}
             | {"pipeline_schedule": config.schedule}
             | {"context_parallel_size": config.context_parallel_size}
+            | ep
             | {"vocab_size": int(config.vocab_size)},  # plain (megatron_flags.ResolvedVocabulary)
             model_config=dataclasses.asdict(chunks[0].cfg),
             layer_ids=[list(chunk.layer_ids) for chunk in chunks],
@@ -175,7 +181,7 @@ def save(
             tokenizer=tokenizer_record.record(config),
             scheduler=scheduler_state(config, iteration, consumed),
         )
-        here = partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp)
+        here = partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp, ep_rank, ep_size)
         if config.ckpt_format == "torch":  # Megatron-LM's legacy layout (megatron_files)
             state = to_megatron_file(state, config, chunks[0].cfg, grid.layout.dp)
             if config.use_distributed_optimizer and state.get("optimizer") is not None:

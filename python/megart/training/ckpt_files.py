@@ -37,8 +37,33 @@ def iteration_dir(directory: str | os.PathLike, iteration: int) -> Path:
     return Path(directory) / f"iter_{iteration:07d}"
 
 
-def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """A rank's folder; under expert parallelism (``ep`` > 1) each expert-parallel rank has
+    its own, suffixed with its rank as Megatron-LM's get_checkpoint_name does."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep == 1 else f"{name}_{ep_rank:03d}"
+
+
+# The saved layout's key for the expert-parallel size, written only where it is above 1.
+EXPERT_PARALLEL = "expert_model_parallel_size"
+
+
+def saved_expert_parallel(state: dict[str, Any]) -> int:
+    """The expert-parallel size a rank's file was saved at (1: every expert in every file)."""
+    return int(state["config"].get(EXPERT_PARALLEL) or 1)
+
+
+def refuse_expert_parallel(directory: Any, state: dict[str, Any], what: str) -> None:
+    """Refuses, by name, to ``what`` a checkpoint saved under expert parallelism (each
+    expert-parallel rank's file holds other experts: the whole-tensor readers take one file
+    per tensor- and pipeline-parallel rank)."""
+    ep = saved_expert_parallel(state)
+    if ep > 1:
+        raise ConfigError(
+            f"{directory} was saved at --expert-model-parallel-size {ep}: megart cannot {what} "
+            "a checkpoint whose experts are spread over expert-parallel ranks yet; resume it "
+            f"at the layout it was saved at (--expert-model-parallel-size {ep})"
+        )
 
 
 def rank_files(root: Path, tp: int, pp: int) -> dict[tuple[int, int], Path]:

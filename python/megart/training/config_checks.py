@@ -23,6 +23,7 @@ from megart.training.data_checks import (
     split_weights,
 )
 from megart.training.documents import check_document_flags
+from megart.training.expert_checks import check_expert_flags
 from megart.training.lr_checks import check_lr_flags
 from megart.training.megatron_flags import check_megatron_flags
 from megart.training.save_modes import check_save_modes
@@ -190,6 +191,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     check_save_modes(cfg)
     check_lr_flags(cfg)
     check_megatron_flags(cfg)
+    check_expert_flags(cfg, dp)
     check_document_flags(cfg)
     cfg.gpt_config().check_layout(tp, pp, cfg.chunks, **cfg.stages)  # GPTConfig's refusals
     check_moe_tensor_parallel(cfg.gpt_config(), tp, cfg.sequence_parallel)

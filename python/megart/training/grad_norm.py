@@ -29,10 +29,13 @@ def clip_grad_norm(
     mp_group: ProcessGroup,
     max_norm: float,
     device: torch.device,
+    ep_group: ProcessGroup | None = None,
 ) -> float:
     """Returns the global gradient norm over ``mp_group`` (the same on each of its ranks) and
-    scales every gradient of ``chunks`` to ``max_norm`` when it is larger (0: never)."""
-    counted, grads = [], []
+    scales every gradient of ``chunks`` to ``max_norm`` when it is larger (0: never). Under
+    expert parallelism (``ep_group``) each rank holds other experts: theirs are summed over
+    it too, so that each expert counts once, as Megatron-Core's expert-model-parallel norm."""
+    counted, spread, grads = [], [], []
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             grad = grad_of(p)
@@ -40,8 +43,11 @@ def clip_grad_norm(
                 continue
             grads.append(grad)
             if counted_in_norm(chunk, name, p, tp_rank):
-                counted.append(grad)
-    return clip_grads(counted, grads, mp_group, max_norm, device)
+                expert = ep_group is not None and getattr(p, "expert_parallel", False)
+                (spread if expert else counted).append(grad)
+    if ep_group is None:
+        return clip_grads(counted, grads, mp_group, max_norm, device)
+    return clip_grads(counted, grads, mp_group, max_norm, device, (spread, ep_group))
 
 
 def clip_grads(
@@ -50,20 +56,29 @@ def clip_grads(
     group: ProcessGroup | None,
     max_norm: float,
     device: torch.device,
+    spread: tuple[list[torch.Tensor], ProcessGroup] | None = None,
 ) -> float:
     """The norm of ``counted`` summed over ``group`` (None: every rank), and ``grads`` scaled
     to ``max_norm`` when it is larger (0: never). Each element of the model must be counted on
-    exactly one rank of the group."""
+    exactly one rank of the group. ``spread``: more gradients to count, each of them on one
+    rank of its group (expert parallelism's experts), summed over that group first."""
     # float64 sums of squares (megart's multi-tensor sweep on CPU, on the device on GPU), read
     # on the host once.
-    total = (
-        grad_sum_of_squares(counted).reshape(1)
-        if counted
-        else torch.zeros(1, dtype=torch.float64, device=device)
-    )
+    total = _sum_of_squares(counted, device)
+    if spread is not None:
+        experts = _sum_of_squares(spread[0], device)
+        dist.all_reduce(experts, group=spread[1])
+        total += experts
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     norm = math.sqrt(total.item())
     if max_norm > 0 and norm > max_norm and grads:
         scale_grads_(grads, max_norm / (norm + 1e-6))
     return norm
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The float64 sum of squares of ``grads``, a [1] tensor (zero for none)."""
+    if not grads:
+        return torch.zeros(1, dtype=torch.float64, device=device)
+    return grad_sum_of_squares(grads).reshape(1)

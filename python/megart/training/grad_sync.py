@@ -118,7 +118,9 @@ class GradientBuckets:
     that their slices are the same on every stage that holds them (the tied embedding). With
     ``bucket_elements`` a bucket closes once it holds that many elements or more (Megatron's
     rule) instead of before it would pass ``bucket_bytes``. With ``main_grads`` the gradients
-    are kept in fp32 as ``param.main_grad`` (see the module docstring).
+    are kept in fp32 as ``param.main_grad`` (see the module docstring). ``scale`` multiplies
+    the averages (with or without a group to average over): expert parallelism's experts
+    average over their expert-data-parallel ranks, times edp / dp (training.expert_grads).
     """
 
     def __init__(
@@ -132,8 +134,9 @@ class GradientBuckets:
         reduce_dtype: torch.dtype | None = None,
         bucket_elements: int | None = None,
         main_grads: bool = False,
+        scale: float = 1.0,
     ) -> None:
-        self.group = dp_group
+        self.group, self.scale = dp_group, scale
         self.main_grads = main_grads
         self.overlap = overlap
         self.shard = shard
@@ -214,6 +217,7 @@ class GradientBuckets:
         """Waits for every bucket's reduction; buckets whose parameters got no gradient this
         iteration (unused layers) are reduced now, in order, so every rank agrees."""
         if not self.active:
+            self._scale()
             return
         for b in self.buckets:
             if b.work is None:
@@ -224,6 +228,12 @@ class GradientBuckets:
             if b.reduced is not b.buffer:  # the average back where the optimizer reads it
                 start, end = self.shard_range(b)
                 b.buffer[start:end].copy_(b.reduced[start:end])
+        self._scale()
+
+    def _scale(self) -> None:
+        if self.scale != 1.0:
+            for b in self.buckets:
+                b.buffer.mul_(self.scale)
 
     def remove(self) -> None:
         for h in self._hooks:

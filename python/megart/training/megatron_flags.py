@@ -91,7 +91,8 @@ What each does in megart:
 - --init-method-xavier-uniform: every weight (embeddings and output projections included)
   from Glorot's uniform with the whole tensor's fans (megart.models.init says why: Megatron-LM
   itself fails with this flag since 2023).
-- --expert-model-parallel-size: only 1 (refused otherwise).
+- --expert-model-parallel-size: expert parallelism at tensor- and context-parallel size 1,
+  without the distributed optimizer, saving megart's format (megart.training.expert_checks).
 - --decoupled-lr, --decoupled-min-lr: the embedding's and output layer's own param group
   (megart.training.optimizer.param_groups), scheduled with its own peak and floor.
 - --grad-reduce-in-bf16 (with --bf16): the gradient buckets travel in bf16
@@ -267,11 +268,6 @@ def resolve_megatron_flags(config: Any) -> None:
 
 def check_megatron_flags(config: Any) -> None:
     """Refuses, naming the flag, what megart cannot do or what Megatron would refuse."""
-    if config.expert_model_parallel_size != 1:
-        raise ConfigError(
-            f"--expert-model-parallel-size {config.expert_model_parallel_size}: megart has no "
-            "expert parallelism yet; use 1 (the default)"
-        )
     distopt_store = config.ckpt_format == "torch_dist" and config.use_distributed_optimizer
     if distopt_store and config.save and config.schedule == "zb-v":
         # The distributed optimizer's torch_dist state follows Megatron's buffers of each

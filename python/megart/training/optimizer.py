@@ -19,6 +19,7 @@ import megart.distributed as dist
 import megart.optim
 from megart.tensor_parallel import grad_of
 from megart.training.distributed_optimizer import DistributedOptimizer
+from megart.training.expert_grads import split_buckets
 from megart.training.grad_norm import clip_grad_norm, clip_grads, counted_in_norm
 from megart.training.grad_sync import GradientBuckets, megatron_bucket_size
 from megart.training.lr import weight_decay_rate
@@ -99,9 +100,8 @@ def build(
     # Context-parallel ranks hold the same weights and gradients of their own tokens: the
     # gradients are averaged (and the distributed optimizer sharded) over dp x cp, as Megatron's
     # data-parallel group with context parallelism.
-    buckets = GradientBuckets(
-        params,
-        grid.dp_cp_group,
+    make = functools.partial(
+        GradientBuckets,
         overlap=c.overlap_grad_reduce,
         shard=shard,
         alone=_tied_embeddings(chunks, c.pp),
@@ -109,6 +109,8 @@ def build(
         bucket_elements=elements,
         main_grads=c.half_weights,
     )
+    # Expert parallelism: the experts' gradients in buckets of their own (training.expert_grads).
+    buckets = split_buckets(params, grid, make) if grid.ep > 1 else make(params, grid.dp_cp_group)
     groups = param_groups(c, chunks)
     # megart's multi-tensor AdamW on CPU (tested against torch's); on GPU torch's fused AdamW
     # until megart's CUDA kernel has been verified on one.
@@ -179,7 +181,9 @@ def clip(
 ) -> float:
     """The global gradient norm, with the gradients the step reads scaled to ``max_norm``."""
     if not isinstance(optimizer, DistributedOptimizer):
-        return clip_grad_norm(chunks, grid.tp_rank, grid.mp_group, max_norm, device)
+        return clip_grad_norm(
+            chunks, grid.tp_rank, grid.mp_group, max_norm, device, getattr(grid, "ep_group", None)
+        )
     # Each rank holds 1/dp of the averaged gradients: count its slices of what the
     # model-parallel rule counts, and sum over every rank (data x model parallel).
     counted = [piece.grad for piece in counted_pieces(chunks, optimizer, grid.tp_rank)]

@@ -23,7 +23,13 @@ import torch
 from megart.errors import ConfigError
 from megart.models import GPTChunk, GPTConfig, chunk_layers
 from megart.training import norm_biases
-from megart.training.ckpt_files import FILE, NORM_BIASES_ADDED, rank_files, read_file
+from megart.training.ckpt_files import (
+    FILE,
+    NORM_BIASES_ADDED,
+    rank_files,
+    read_file,
+    refuse_expert_parallel,
+)
 from megart.training.megatron_files import is_megatron_file, megatron_layer_ids, model_chunks
 
 Shards = dict[tuple[int, int], dict[str, Any]]  # (tensor rank, pipeline rank) -> its file
@@ -62,6 +68,9 @@ def read_shards(root: Path, pp_ranks: Iterable[int] | None = None, announce: boo
     if not found:
         raise ConfigError(f"{root} holds no mp_rank_*/{FILE}: it is not a megart checkpoint")
     layout = read_file(found[0])["config"]
+    refuse_expert_parallel(
+        root, {"config": layout}, "merge the files of (reshard, export, convert)"
+    )
     tp = layout["tensor_model_parallel_size"]
     pp = layout["pipeline_model_parallel_size"]
     paths = rank_files(root, tp, pp)

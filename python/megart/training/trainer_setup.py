@@ -66,6 +66,8 @@ def join_grid(config: TrainConfig, dp: int) -> ParallelGrid:
         dp=dp,
         backend=config.distributed_backend,
         cp=config.context_parallel_size,
+        ep=config.expert_model_parallel_size,
+        num_experts=config.num_experts,
     )
 
 
@@ -105,6 +107,7 @@ def model_chunks(
             sequence_parallel=config.sequence_parallel,
             rng=rng,
             cp_group=grid.cp_group,
+            ep_group=grid.ep_group,
             **placement(config),
         )
     ]

@@ -1,0 +1,77 @@
+"""Gradients under expert parallelism (--expert-model-parallel-size > 1): two bucket sets.
+
+The dense parameters (attention, norms, embeddings, the routers) are on every data-parallel
+rank and average over data parallelism, as without experts. An expert is on the ep ranks of
+one expert-data-parallel group only, and its gradient there already sums the contributions of
+the tokens of all ep ranks of its expert-model-parallel group (they were sent to it): its
+buckets average over the expert-data-parallel group (dp / ep ranks) and scale by edp / dp,
+Megatron-Core's expert_gradient_scaling_factor, so that the result is the sum over every
+data-parallel rank's tokens divided by dp: what the dense gradients are, and what one process
+computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megart.training.grad_sync import GradientBuckets
+
+
+def is_expert(p: torch.nn.Parameter) -> bool:
+    """Whether ``p`` is an expert's weight spread over expert parallelism (models.moe)."""
+    return getattr(p, "expert_parallel", False)
+
+
+class SplitBuckets:
+    """The dense and the expert bucket sets, driven together as one GradientBuckets (the
+    trainer's calls); no sharding (the distributed optimizer is refused with experts spread)."""
+
+    shard = False
+
+    def __init__(self, dense: GradientBuckets, experts: GradientBuckets) -> None:
+        self.sets = (dense, experts)
+
+    @property
+    def buckets(self) -> list:
+        return [b for s in self.sets for b in s.buckets]
+
+    @property
+    def active(self) -> bool:
+        return any(s.active for s in self.sets)
+
+    def bucket_of(self, p: torch.nn.Parameter) -> object:
+        return self.sets[is_expert(p)].bucket_of(p)
+
+    def shard_range(self, bucket: object) -> tuple[int, int]:
+        return 0, bucket.buffer.numel()
+
+    def zero_grad(self) -> None:
+        for s in self.sets:
+            s.zero_grad()
+
+    def start_iteration(self, backward_passes: int) -> None:
+        for s in self.sets:
+            s.start_iteration(backward_passes)
+
+    def finish(self) -> None:
+        for s in self.sets:
+            s.finish()
+
+    def remove(self) -> None:
+        for s in self.sets:
+            s.remove()
+
+
+def split_buckets(
+    params: Sequence[torch.nn.Parameter], grid: object, make: Callable[..., GradientBuckets]
+) -> SplitBuckets:
+    """The two sets over ``params``: ``make(params, group, scale=...)`` builds each (with the
+    trainer's bucket options), the dense one over dp, the expert one over edp."""
+    dense = [p for p in params if not is_expert(p)]
+    experts = [p for p in params if is_expert(p)]
+    edp, dp = grid.edp_group.size(), grid.dp_group.size()
+    return SplitBuckets(
+        make(dense, grid.dp_cp_group), make(experts, grid.edp_group, scale=edp / dp)
+    )

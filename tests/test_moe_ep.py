@@ -1,0 +1,169 @@
+"""Expert parallelism (--expert-model-parallel-size, models.expert_exchange, training.
+expert_grads): each rank of an expert-model-parallel group holds 1/ep of every MoE layer's
+experts, drawn as one process draws them; its tokens travel to their experts' owners and
+back. Runs of ep2 (dp2), ep2 x pp2 (1F1B and interleaved), ep2 and ep4 at dp4, ep2 with full
+recomputation (the exchanges replayed) follow the one-process loss curve, its
+gradient norm and its logged load-balancing and z-losses, with both auxiliary losses on; the
+curve catches the experts' gradients unscaled and a norm counting each rank's experts only; a
+checkpoint resumes on the curve at the same layout, every expert-parallel rank writing its own
+file; what this slice cannot run is refused by name."""
+
+import pytest
+
+import moe_ep_workers as ew
+import train_workers as tw
+from megart import ConfigError
+from megart.launcher import LaunchError, launch
+from megart.parallel import make_layout
+from megart.parallel.experts import check_expert_parallel, expert_groups, expert_ranks
+from megart.training.config import TrainConfig
+from train_workers import SAME_RUN
+
+MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,
+             moe_z_loss_coeff=0.01)  # fmt: skip
+TRAIN = dict(MODEL, train_iters=4)
+EP2 = dict(TRAIN, expert_model_parallel_size=2)
+EP4 = dict(TRAIN, expert_model_parallel_size=4)
+PP2 = dict(pipeline_model_parallel_size=2)
+# name: (processes, flags, train_mistaken's mistake or None, the rank whose history to read)
+RUNS = {
+    "ep2": (2, EP2, None, 0),
+    "ep2-pp2": (4, dict(EP2, **PP2), None, -1),
+    "ep2-dp4": (4, EP2, None, 0),
+    "ep4-dp4": (4, EP4, None, 0),
+    "ep2-pp2-interleaved": (4, dict(EP2, **PP2, num_layers_per_virtual_pipeline_stage=1), None, -1),
+    "ep2-recompute-full": (2, dict(EP2, recompute_granularity="full"), None, 0),
+    # The mistakes the curve exists to catch.
+    "ep2-experts-unscaled": (2, EP2, "experts-unscaled", 0),
+    "ep2-dp4-experts-unscaled": (4, EP2, "experts-unscaled", 0),
+    "ep2-experts-norm-local": (2, EP2, "experts-norm-local", 0),
+}
+LOGGED = ("load_balancing_loss", "z_loss")
+
+
+def test_the_expert_groups_are_megatrons():
+    """Megatron-Core's parallel_state at tp = cp = 1: ep consecutive data-parallel ranks, and
+    the data-parallel ranks of one expert-parallel index; per pipeline stage."""
+    layout = make_layout(8, pp=2)  # dp 4: ranks 0-3 stage 0, 4-7 stage 1
+    model, data = expert_groups(layout, 2)
+    assert model == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert data == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert [expert_ranks(layout, 2, r) for r in (0, 1, 2, 3, 5)] == [
+        (0, 0), (1, 0), (0, 1), (1, 1), (1, 0),
+    ]  # fmt: skip
+    assert expert_groups(layout, 4) == ([(0, 1, 2, 3), (4, 5, 6, 7)], [(0,), (1,), (2,), (3,),
+                                        (4,), (5,), (6,), (7,)])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "world,kw,ep,experts,message",
+    [
+        (4, {}, 3, 6, "must divide the data-parallel size 4"),
+        (4, {}, 4, 6, "must divide --num-experts 6"),
+        (4, dict(tp=2), 2, 4, "tensor-parallel size 2 and context-parallel size 1"),
+        (4, dict(cp=2), 2, 4, "tensor-parallel size 1 and context-parallel size 2"),
+        (2, {}, 2, None, "needs --num-experts"),
+    ],
+)
+def test_the_grid_refuses_what_does_not_split(world, kw, ep, experts, message):
+    with pytest.raises(ConfigError, match=f"--expert-model-parallel-size {ep}.*{message}"):
+        check_expert_parallel(make_layout(world, **kw), ep, experts)
+
+
+@pytest.mark.parametrize(
+    "world,flags,message",
+    [
+        (4, dict(expert_model_parallel_size=3), "must divide the data-parallel size 4"),
+        (4, dict(tensor_model_parallel_size=2, sequence_parallel=True), "tensor-parallel size 2"),
+        (4, dict(context_parallel_size=2), "context-parallel size 2"),
+        (2, dict(use_distributed_optimizer=True), "with --use-distributed-optimizer"),
+        (2, dict(ckpt_format="torch"), "with --ckpt-format torch:"),
+        (2, dict(log_params_norm=True), "with --log-params-norm"),
+        (2, dict(log_num_zeros_in_grad=True), "with --log-num-zeros-in-grad"),
+        (2, dict(ckpt_format="torch_dist"), "with --ckpt-format torch_dist:"),
+    ],
+)
+def test_megart_train_refuses_what_this_slice_cannot_run(world, flags, message):
+    config = tw.tiny(**dict(EP2, **flags))
+    with pytest.raises(ConfigError, match=f"--expert-model-parallel-size .*{message}"):
+        config.check(world)
+
+
+def test_megart_plan_refuses_expert_parallelism_by_name():
+    from megart.plan.flags import refuse_unmodelled
+
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size 2 \(expert parallelism"):
+        refuse_unmodelled(TrainConfig(**EP2))
+
+
+def test_each_rank_draws_the_one_process_experts_of_its_global_indices():
+    one = launch(tw.initial_weights, 1, TRAIN, timeout=300)[0]
+    ranks = launch(tw.initial_weights, 2, EP2, timeout=300)
+    held = [{n for n in r if ".experts." in n} for r in ranks]
+    assert held[0] == {n for n in one if ".experts.0." in n or ".experts.1." in n}
+    assert held[1] == {n for n in one if ".experts.2." in n or ".experts.3." in n}
+    merged = tw.merged_by_place(
+        [{"w": r} for r in ranks], "w"
+    )  # the dense weights equal on both ranks
+    assert set(merged) == set(one)
+    assert all((merged[n] == one[n]).all() for n in one)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return launch(tw.train_kw, 1, TRAIN, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {
+        name: launch(ew.train_mistaken, n, kw, mistake, timeout=300)[rank]
+        for name, (n, kw, mistake, rank) in RUNS.items()
+    }
+
+
+@pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r[2] is None])
+def test_expert_parallel_runs_follow_the_one_process_curve(one_process, runs, name):
+    """The loss, the clipped gradient's norm (the tiny runs clip at 1.0, below the norm of
+    every iteration here) and the logged auxiliary losses of the one-process run."""
+    run = runs[name]
+    for key in ("loss", "grad_norm", *LOGGED):
+        want = [h[key] for h in one_process]
+        assert [h[key] for h in run] == pytest.approx(want, **SAME_RUN), key
+    assert all(h["grad_norm"] > 1.0 for h in one_process)  # so the clip acts on every step
+
+
+@pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r[2] is not None])
+def test_the_curve_catches_wrong_expert_gradients(one_process, runs, name):
+    """Measured: the gradient norm off by 2e-2 (local norm) to 1e-1 (unscaled) of itself
+    from the first step, the loss by 1.6e-5 to 2.8e-5 from the second on."""
+    for key, after in (("grad_norm", 0), ("loss", 1)):
+        want = [h[key] for h in one_process][after:]
+        assert [h[key] for h in runs[name]][after:] != pytest.approx(want, **SAME_RUN), key
+
+
+def test_a_checkpoint_resumes_on_the_curve_at_the_same_layout(tmp_path, runs):
+    """Every expert-parallel rank writes its file (Megatron's _EEE suffix), the resumed ranks
+    hold what the saving ranks held, and the run goes on on the curve; another
+    expert-parallel size, and the whole-tensor readers, refuse the checkpoint by name."""
+    layout = dict(EP2, **PP2)
+    store = tmp_path / "ckpt"
+    trained, resumed = tw.saved_and_resumed(4, layout, 4, layout, store)
+    tw.assert_holds(trained, resumed)
+    straight = [{"loss": h["loss"]} for h in runs["ep2-pp2"]]
+    tw.assert_resumed_on_curve(straight, [resumed[-1]], **SAME_RUN)
+    saved = sorted(p.parent.name for p in (store / "iter_0000002").glob("*/*.pt"))
+    assert saved == ["mp_rank_00_000_000", "mp_rank_00_000_001",
+                     "mp_rank_00_001_000", "mp_rank_00_001_001"]  # fmt: skip
+    with pytest.raises(LaunchError, match="saved at --expert-model-parallel-size 2"):
+        launch(tw.train_kw, 2, dict(TRAIN, **PP2, load=str(store)), timeout=300)
+    from megart.training.shards import read_shards
+
+    with pytest.raises(ConfigError, match="cannot merge .* a checkpoint whose experts"):
+        read_shards(store / "iter_0000002")
+
+
+def test_a_checkpoint_without_expert_parallelism_is_not_spread_on_load(tmp_path):
+    launch(tw.train_kw, 2, dict(TRAIN, train_iters=1, save=str(tmp_path)), timeout=300)
+    with pytest.raises(LaunchError, match="every expert in each file.*resume at --expert-mo"):
+        launch(tw.train_kw, 2, dict(EP2, load=str(tmp_path)), timeout=300)
