@@ -31,6 +31,8 @@ BASE = dict(vocab_size=100, seq_length=16, hidden_size=32, num_layers=2, num_att
             bias=False, num_experts=4)  # fmt: skip
 LLAMA = dict(normalization="rmsnorm", position_embedding="rotary", activation="swiglu",
              untie_embeddings_and_output_weights=True, num_query_groups=2)  # fmt: skip
+SHARED = dict(moe_shared_expert_intermediate_size=40)
+SWIGLU_SHARED = dict(activation="swiglu", moe_shared_expert_intermediate_size=24)
 MODELS = {
     "gelu-top2": {},
     "swiglu-pre-softmax-narrow-experts": dict(
@@ -47,6 +49,9 @@ MODELS = {
     ),
     "every-second-of-4": dict(num_layers=4, moe_layer_freq=2),
     "llama-style-top3-of-8": {**LLAMA, "num_experts": 8, "moe_router_topk": 3},
+    # Shared experts (Megatron-Core's SharedExpertMLP, ungated): an MLP added to the experts'.
+    "shared-experts": SHARED,
+    "swiglu-shared-experts-dense-then-moe": {**SWIGLU_SHARED, "moe_layer_freq": (0, 1)},
 }
 
 
@@ -76,6 +81,8 @@ GRADIENT_CASES = {
         None,
     ),
     "sigmoid": ({**BASE, "moe_router_score_function": "sigmoid", **LOSSES}, 0.5, None, None),
+    "shared-experts": ({**BASE, **LOSSES, **SHARED}, 0.5, None, None),
+    "swiglu-shared-experts": ({**BASE, **LOSSES, **SWIGLU_SHARED}, 0.5, None, None),
     # The mistakes this exists to catch: the losses' gradients not scaled as the loss is, and
     # the load-balancing loss weighed wrongly.
     "wrong-factor": ({**BASE, **LOSSES}, 0.5, 1.0, None),
@@ -117,6 +124,7 @@ TP_CASES = {
         {**BASE, **LOSSES, "num_experts": 8, "moe_router_topk": 3,
          "moe_router_score_function": "sigmoid"}, 0.5, None),
     "dense-then-moe": ({**BASE, **LOSSES, "moe_layer_freq": (0, 1)}, 0.5, None),
+    "swiglu-shared-experts": ({**BASE, **LOSSES, **SWIGLU_SHARED}, 0.5, None),
     # The mistakes this exists to catch.
     "aux-loss-counts-not-summed": ({**BASE, **LOSSES}, 0.5, "aux-local"),
     "router-gradient-not-summed": ({**BASE, **LOSSES}, 0.5, "router-unsummed"),
@@ -203,10 +211,10 @@ def test_what_megart_cannot_run_is_refused_by_name(argv, world, message):
 def test_megatrons_other_moe_flags_are_refused_by_name(capsys):
     from megart.cli.train import main
 
-    assert main([*MOE, "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "8"]) != 0
+    assert main([*MOE, "--moe-grouped-gemm", "--moe-shared-expert-gate"]) != 0
     err = capsys.readouterr().err
     assert "--moe-grouped-gemm: megart's mixture-of-experts layers" in err
-    assert "--moe-shared-expert-intermediate-size: megart's mixture-of-experts" in err
+    assert "--moe-shared-expert-gate: megart's mixture-of-experts" in err
 
 
 MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,

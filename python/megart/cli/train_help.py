@@ -339,6 +339,8 @@ HELP = {
     "over each microbatch) or none; Megatron's other kinds are refused",
     "moe_aux_loss_coeff": "the load-balancing loss's weight (Megatron suggests 1e-2)",
     "moe_z_loss_coeff": "the router z-loss's weight (default: none)",
+    "moe_shared_expert_intermediate_size": "shared experts: an MLP this wide in each MoE layer "
+    "that every token goes through, added to the routed experts' sum (no gate)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
     "GPTModel: megart's model and checkpoint names are that model's)",
     "rotary_percent": "the part of each head rope rotates: its first int(head size x this) "

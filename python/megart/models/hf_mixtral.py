@@ -61,6 +61,7 @@ def check(cfg: GPTConfig) -> None:
             "Mixtral divides the top k probabilities by their sum",
         ),
         *softmax_routing(cfg, NAME, "Mixtral's routing weights sum to 1"),
+        shared_experts(cfg, NAME),
     ]
     refuse_routing(unlike, NAME)
 
@@ -81,6 +82,13 @@ def softmax_routing(cfg: GPTConfig, fmt: str, weights: str) -> list[tuple[str, s
             weights,
         ),
     ]
+
+
+def shared_experts(cfg: GPTConfig, fmt: str) -> tuple[str, str]:
+    """(flag or "", why) for shared experts, which format ``fmt`` has none of."""
+    size = cfg.moe_shared_expert_intermediate_size
+    flag = "" if size is None else f"--moe-shared-expert-intermediate-size {size}"
+    return flag, f"{fmt} has no shared experts"
 
 
 def refuse_routing(unlike: list[tuple[str, str]], fmt: str) -> None:

@@ -70,7 +70,8 @@ def check(cfg: GPTConfig) -> None:
             "mixture of experts); this one has none, and is written as a Qwen3"
         )
     weights = f"{NAME}'s routing weights are the probabilities, or those divided by their sum"
-    hf_mixtral.refuse_routing(hf_mixtral.softmax_routing(cfg, NAME, weights), NAME)
+    unlike = hf_mixtral.softmax_routing(cfg, NAME, weights)
+    hf_mixtral.refuse_routing([*unlike, hf_mixtral.shared_experts(cfg, NAME)], NAME)
 
 
 def sparse_layers(hf: dict[str, Any]) -> list[bool]:

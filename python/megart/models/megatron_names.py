@@ -8,7 +8,8 @@ single stage).
 
 An MoE layer's (models.moe) router is ``mlp.router`` in both; its expert e's MLP is megart's
 ``mlp.experts.e`` and Megatron-Core's ``mlp.experts.local_experts.e`` (SequentialMLP's, the
-local spec's without grouped GEMM), each named inside as a dense MLP is.
+local spec's without grouped GEMM), each named inside as a dense MLP is; so are its shared
+experts, ``mlp.shared_experts`` in both (Megatron-Core's SharedExpertMLP).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ _LAYER = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)$")
 ROUTER = "mlp.router"
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)$")
 _MEGATRON_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+SHARED = "mlp.shared_experts."
 _FC1_TENSOR = re.compile(r"\.linear_fc1\.(weight|bias)$")
 # Transformer Engine's layer spec (Megatron's default on GPUs) fuses each norm into the linear
 # layer after it: its parameters are the same norm's, under these names.
@@ -64,6 +66,9 @@ def megatron_part(part: str, cfg: GPTConfig) -> tuple[str, int | None]:
         e, inner = expert.groups()
         megatron, half = megatron_part("mlp." + inner, cfg)
         return megatron.replace("mlp.", f"mlp.experts.local_experts.{e}.", 1), half
+    if part.startswith(SHARED):  # the shared experts' MLP: likewise
+        megatron, half = megatron_part("mlp." + part.removeprefix(SHARED), cfg)
+        return megatron.replace("mlp.", SHARED, 1), half
     if part == ROUTER:
         return ROUTER, None
     if cfg.activation == "swiglu" and part in FC1_HALVES:
@@ -134,11 +139,14 @@ def _megart_part(part: str, layer_back: dict[str, str]) -> str | None:
         e, inner = expert.groups()
         dense = layer_back.get("mlp." + inner)
         return dense and dense.replace("mlp.", f"mlp.experts.{e}.", 1)
+    if part.startswith(SHARED):
+        dense = layer_back.get("mlp." + part.removeprefix(SHARED))
+        return dense and dense.replace("mlp.", SHARED, 1)
     return ROUTER if part == ROUTER else layer_back.get(part)
 
 
 def _halves(part: str) -> list[str]:
     """The gate and up parts of SwiGLU's fc1 whose megart up part is ``part`` (``mlp.fc`` or
-    an expert's ``mlp.experts.e.fc``)."""
+    an expert's ``mlp.experts.e.fc``, the shared experts' ``mlp.shared_experts.fc``)."""
     owner = part.rsplit(".", 1)[0]
     return [f"{owner}.{h.rsplit('.', 1)[1]}" for h in FC1_HALVES]

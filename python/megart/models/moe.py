@@ -38,6 +38,13 @@ Under expert parallelism (ep_group, at tensor- and context-parallel size 1: mode
 expert_exchange) each rank builds only its num_experts / ep experts, global indices ep_rank x
 E/ep onwards, drawn as one process draws those experts and named by their global index
 (``experts.E.``); the router and the losses are each rank's own, as without it.
+
+Shared experts (--moe-shared-expert-intermediate-size S, Megatron-Core's SharedExpertMLP without
+its gate): one more models.mlp.MLP of width S that every token goes through, applied to the
+layer's input and split over the tensor-parallel group as the dense MLP is (under sequence
+parallelism its input gathered from, and its output reduce-scattered to, the ranks' slices),
+its output added to the experts' sum. Under expert parallelism it is an ordinary parameter,
+the same on every rank and averaged over all data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -198,7 +205,8 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     """[s, b, h] -> [s, b, h]: each token through its top-k experts (models.mlp.MLP, each
-    moe_ffn_size wide), their outputs summed with the routing weights."""
+    moe_ffn_size wide), their outputs summed with the routing weights, plus the shared
+    experts' output where there are any."""
 
     def __init__(
         self,
@@ -231,6 +239,12 @@ class MoE(nn.Module):
             )
             for p in self.experts.parameters():  # averaged over expert-data parallelism
                 p.expert_parallel = True
+        width = cfg.moe_shared_expert_intermediate_size
+        self.shared_experts = (
+            None
+            if width is None
+            else MLP(cfg, layer, tp_group, sequence_parallel, ffn=width, name="shared_")
+        )
 
     def _expert(self, e: int) -> MLP:
         """Expert ``e`` (global index) of this layer, drawn from its own stream."""
@@ -238,6 +252,13 @@ class MoE(nn.Module):
         return MLP(cfg, self.layer, self.tp_group, False, ffn=ffn, name=f"expert{e}_", expert=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._routed(x)
+        if self.shared_experts is None:
+            return out
+        return out + self.shared_experts(x)  # Megatron-Core's postprocess: routed + shared
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for ``x``."""
         cfg, group = self.cfg, self.tp_group
         tokens = x.reshape(-1, x.shape[-1])  # [s b, h], or this rank's [s/t b, h]
         logits = self.router(tokens)

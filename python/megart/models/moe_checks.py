@@ -31,6 +31,7 @@ MOE_DEFAULTS: dict[str, object] = {
     "moe_router_load_balancing_type": "aux_loss",
     "moe_aux_loss_coeff": 0.0,
     "moe_z_loss_coeff": None,
+    "moe_shared_expert_intermediate_size": None,
 }
 
 
@@ -80,6 +81,12 @@ def check_moe(cfg: GPTConfig) -> None:
         )
     if cfg.moe_ffn_hidden_size is not None and cfg.moe_ffn_hidden_size < 1:
         raise ConfigError(f"--moe-ffn-hidden-size {cfg.moe_ffn_hidden_size}: give 1 or more")
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared is not None and shared < 1:
+        raise ConfigError(
+            f"--moe-shared-expert-intermediate-size {shared}: give 1 or more (or leave it out: "
+            "no shared experts)"
+        )
     _check_router(cfg)
     freq = cfg.moe_layer_freq
     if isinstance(freq, int) and freq < 1:
@@ -134,12 +141,17 @@ def check_expert_parallel_layer(cfg: GPTConfig, tp: int, cp: int, ep: int) -> No
 def moe_layout_problems(cfg: GPTConfig, tp: int) -> list[str]:
     """What keeps the experts from splitting over ``tp`` tensor-parallel ranks (for
     GPTConfig.check_layout): their width, each rank holding a 1/t of every expert (Megatron's
-    expert tensor-parallel size equal to the tensor-parallel size)."""
-    if cfg.num_experts is None or cfg.moe_ffn_size % tp == 0:
+    expert tensor-parallel size equal to the tensor-parallel size), and the shared experts'."""
+    if cfg.num_experts is None:
         return []
+    widths = [(cfg.moe_ffn_size, "experts' MLP size", "--moe-ffn-hidden-size")]
+    if cfg.moe_shared_expert_intermediate_size is not None:  # split as the dense MLP is
+        shared = cfg.moe_shared_expert_intermediate_size
+        widths.append((shared, "shared experts' MLP size", "--moe-shared-expert-intermediate-size"))
     return [
-        f"the experts' MLP size {cfg.moe_ffn_size} (--moe-ffn-hidden-size) does not split over "
-        f"tensor-parallel size {tp}"
+        f"the {what} {width} ({name}) does not split over tensor-parallel size {tp}"
+        for width, what, name in widths
+        if width % tp
     ]
 
 

@@ -136,6 +136,10 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
     "log_num_zeros_in_grad": ((False,), "a pass over the gradients each iteration"),
     "timing_log_level": ((0,), "a device synchronisation at each timed phase"),
     "empty_unused_memory_level": ((0,), "the allocator's cache emptied and refilled"),
+    "moe_shared_expert_intermediate_size": (
+        (None,),
+        "the MoE layers' shared experts: their weights, saves and products",
+    ),
 }
 
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the

@@ -86,6 +86,7 @@ ROUTER = (
     "moe_router_pre_softmax",
     "moe_router_score_function",
     "moe_router_topk_scaling_factor",
+    "moe_shared_expert_intermediate_size",
 )
 TOKENIZER = tokenizer_record.FIELDS
 INTERLEAVING = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
@@ -253,6 +254,7 @@ def moe_flags(cfg: GPTConfig) -> list[tuple[str, Any, bool]]:
         "moe_router_pre_softmax": cfg.moe_router_pre_softmax,
         "moe_router_score_function": cfg.moe_router_score_function,
         "moe_router_topk_scaling_factor": cfg.moe_router_topk_scaling_factor,
+        "moe_shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
     }
     out = [(f, values[f], True) for f in EXPERTS + ROUTER]
     return out + [("moe_router_dtype", cfg.moe_router_dtype, False)]

@@ -12,7 +12,8 @@ FAMILIES: tuple[tuple[str, str], ...] = (
         "megart's mixture-of-experts layers (--num-experts) route each token to its top-k "
         "experts (--moe-router-topk, --moe-router-pre-softmax, --moe-router-score-function, "
         "--moe-router-topk-scaling-factor, --moe-router-dtype) with the aux_loss or z-loss, "
-        "every expert on each rank of its layer; this MoE feature is not built (leave it out)",
+        "plus ungated shared experts (--moe-shared-expert-intermediate-size); this MoE "
+        "feature is not built (leave it out)",
         (
             "--moe- --expert-tensor-parallel- --use-grouped-gemm-for- "
             "--overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad "

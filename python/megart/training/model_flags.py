@@ -99,6 +99,7 @@ def moe_fields(config: Any) -> dict[str, Any]:
         moe_router_load_balancing_type=config.moe_router_load_balancing_type,
         moe_aux_loss_coeff=float(config.moe_aux_loss_coeff),
         moe_z_loss_coeff=config.moe_z_loss_coeff,
+        moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
     )
 
 
