@@ -131,3 +131,15 @@ def train_mistaken(kw: dict, mistake: str | None = None) -> list[dict]:
 
 def _without_cp(real: object) -> object:
     return lambda x, cfg, tp_group=None, cp_group=None: real(x, cfg, tp_group)
+
+
+def refusal(kw: dict) -> str:
+    """The ConfigError's message a megart train run with flags ``kw`` stops with ("" if none)."""
+    import train_workers as tw
+    from megart import ConfigError
+
+    try:
+        tw.train(**kw)
+    except ConfigError as e:
+        return str(e)
+    return ""

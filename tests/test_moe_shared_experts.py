@@ -5,9 +5,11 @@ logits and gradients are tests/test_moe.py's MODELS, GRADIENT_CASES and TP_CASES
 parts of megart cannot take yet is refused by name."""
 
 import argparse
+import dataclasses
 
 import pytest
 
+import moe_workers as mw
 import train_workers as tw
 from megart import ConfigError
 from megart.cli.train import add_arguments, config_from_args
@@ -137,8 +139,28 @@ def test_hugging_face_writers_refuse_shared_experts_by_name(fmt, kw):
 
 
 def test_use_checkpoint_args_takes_the_shared_experts_from_a_megart_checkpoint(tmp_path):
-    """As Megatron-LM's --use-checkpoint-args forces --moe-shared-expert-intermediate-size."""
+    """As Megatron-LM's --use-checkpoint-args forces --moe-shared-expert-intermediate-size;
+    without it, a run of other shared experts is refused naming the flag."""
     launch(tw.train_kw, 1, dict(TRAIN, train_iters=1, save=str(tmp_path)), timeout=300)
     got = parse("--load", str(tmp_path), "--use-checkpoint-args", *SHARED[:1], "8")
     assert got.moe_shared_expert_intermediate_size == 24
     assert got.gpt_config().moe_shared_expert_intermediate_size == 24
+    other = dict(TRAIN, moe_shared_expert_intermediate_size=8, load=str(tmp_path))
+    said = launch(mw.refusal, 1, other, timeout=300)[0]
+    assert "--moe-shared-expert-intermediate-size 24" in said, said
+
+
+def test_the_flops_count_the_shared_experts_as_megatron():
+    """Megatron's formula: each MoE layer's MLP work is (moe_ffn x topk + S) wide."""
+    from megart.training.flops import model_flops
+
+    cfg = parse("--num-experts", "4", "--disable-bias-linear").gpt_config()
+    shared = dataclasses.replace(
+        cfg, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=32
+    )
+    wider = dataclasses.replace(cfg, moe_ffn_hidden_size=32)  # 2 x 32 = 2 x 16 + 32
+    assert (
+        model_flops(shared, 8)
+        == model_flops(wider, 8)
+        > model_flops(dataclasses.replace(shared, moe_shared_expert_intermediate_size=None), 8)
+    )

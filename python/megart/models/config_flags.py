@@ -82,10 +82,10 @@ def moe_flags(cfg: GPTConfig) -> dict[str, str]:
     names it (refuse_unlike and checkpoint loads leave the others out, see differing)."""
     fields = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk",
               "moe_router_pre_softmax", "moe_router_score_function",
-              "moe_router_topk_scaling_factor")  # fmt: skip
+              "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size")  # fmt: skip
     if cfg.num_experts is None:
         return dict.fromkeys(fields, DENSE)
-    factor = cfg.moe_router_topk_scaling_factor
+    factor, shared = cfg.moe_router_topk_scaling_factor, cfg.moe_shared_expert_intermediate_size
     # As the layers' 0/1 pattern: an N and the pattern it makes are one model.
     pattern = [int(cfg.is_moe_layer(i)) for i in range(cfg.num_layers)]
     return {
@@ -99,6 +99,9 @@ def moe_flags(cfg: GPTConfig) -> dict[str, str]:
         "moe_router_topk_scaling_factor": "no --moe-router-topk-scaling-factor"
         if factor is None
         else f"--moe-router-topk-scaling-factor {factor:g}",
+        "moe_shared_expert_intermediate_size": "no --moe-shared-expert-intermediate-size"
+        if shared is None
+        else f"--moe-shared-expert-intermediate-size {shared}",
     }
 
 

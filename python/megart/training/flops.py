@@ -163,7 +163,10 @@ def model_flops(
         cfg.query_size,
         mlp_again,
         moe_layer_count(cfg),
-        cfg.moe_ffn_size * cfg.moe_router_topk if cfg.num_experts else 0,
+        # Each token's expert width: its top k experts' and the shared experts' (Megatron's).
+        cfg.moe_ffn_size * cfg.moe_router_topk + (cfg.moe_shared_expert_intermediate_size or 0)
+        if cfg.num_experts
+        else 0,
         replayed_moe,
     )
 
