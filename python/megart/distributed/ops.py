@@ -273,6 +273,31 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     return _batch_checked(p2p_op_list)
 
 
+def all_to_all(
+    output_tensor_list: list[torch.Tensor],
+    input_tensor_list: list[torch.Tensor],
+    group: ProcessGroup | None = None,
+) -> None:
+    """torch.distributed.all_to_all's exchange: ``input_tensor_list[j]`` to group rank j,
+    ``output_tensor_list[i]`` filled from group rank i (this rank's own piece copied, unless
+    it is the input itself), built from batched point-to-point ops. Pieces may differ in size
+    (both sides know them); an empty one travels as no message."""
+    g = resolve(group)
+    me = g.rank()
+    if output_tensor_list[me] is not input_tensor_list[me]:
+        output_tensor_list[me].copy_(input_tensor_list[me])
+    ops = []
+    for j, peer in enumerate(g.ranks):
+        if j == me:
+            continue
+        if input_tensor_list[j].numel():
+            ops.append(P2POp(isend, input_tensor_list[j].contiguous(), peer, group))
+        if output_tensor_list[j].numel():
+            ops.append(P2POp(irecv, output_tensor_list[j], peer, group))
+    for work in batch_isend_irecv(ops):
+        work.wait()
+
+
 def _batch_checked(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     """batch_isend_irecv with every check in Python: ops of several groups, nccl groups, and
     bad arguments (the error names what is wrong before anything is sent)."""

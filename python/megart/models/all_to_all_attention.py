@@ -30,14 +30,7 @@ def all_to_all(x: torch.Tensor, group: ProcessGroup, split_dim: int, cat_dim: in
     pieces = [p.contiguous() for p in x.chunk(cp, split_dim)]
     received = [torch.empty_like(p) for p in pieces]
     received[me] = pieces[me]
-    ops = []
-    for j in range(cp):
-        if j != me:
-            peer = group.ranks[j]
-            ops.append(dist.P2POp(dist.isend, pieces[j], peer, group))
-            ops.append(dist.P2POp(dist.irecv, received[j], peer, group))
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    dist.all_to_all(received, pieces, group)
     return torch.cat(received, cat_dim)
 
 

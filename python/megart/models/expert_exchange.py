@@ -4,8 +4,8 @@ ep of every MoE layer's experts (global expert ep_rank x E/ep + local), and rout
 tokens; the copies of each token for its chosen experts travel to those experts' owners, run
 there, and come back to be summed with the routing weights.
 
-One exchange is an all-to-all with uneven splits, built from megart's batched point-to-point
-ops as models.all_to_all_attention's: first the counts (how many rows each rank sends each of
+One exchange is an all-to-all with uneven splits (megart.distributed.all_to_all, as
+models.all_to_all_attention's): first the counts (how many rows each rank sends each of
 the receiver's experts), then the rows. Its gradient is the same exchange reversed.
 """
 
@@ -29,17 +29,7 @@ def exchange(
     pieces = list(x.split(send))
     received = [x.new_empty((n, *x.shape[1:])) for n in receive]
     received[me] = pieces[me]
-    ops = []
-    for j, peer in enumerate(group.ranks):
-        if j == me:
-            continue
-        if send[j]:
-            ops.append(dist.P2POp(dist.isend, pieces[j].contiguous(), peer, group))
-        if receive[j]:
-            ops.append(dist.P2POp(dist.irecv, received[j], peer, group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    dist.all_to_all(received, pieces, group)
     return torch.cat(received)
 
 
