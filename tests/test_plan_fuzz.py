@@ -281,7 +281,8 @@ def test_a_size_below_one_is_refused_as_megart_train_refuses_it(flag, value, cap
         (dict(recompute_modules="mlp"), "--recompute-modules mlp without recomputation"),
         (
             dict(recompute_activations="", recompute_modules="shared_experts"),
-            "--recompute-modules shared_experts (megart has no MoE layers)",
+            "--recompute-modules shared_experts (not built for megart's MoE layers yet; "
+            "--recompute-granularity full recomputes them)",
         ),
         # Found by a longer fuzz (2026-11-29): planned as one stage, no interleaving.
         (

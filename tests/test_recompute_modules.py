@@ -139,7 +139,8 @@ def _parse(*argv: str) -> TrainConfig:
         ),
         (
             ["--recompute-activations", "--recompute-modules", "core_attn", "moe_act"],
-            "--recompute-modules moe_act (megart has no MoE layers)",
+            "--recompute-modules moe_act (not built for megart's MoE layers yet; "
+            "--recompute-granularity full recomputes them)",
         ),
         (
             ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
@@ -147,8 +148,10 @@ def _parse(*argv: str) -> TrainConfig:
         ),
         (
             ["--recompute-activations", "--recompute-modules", "moe", "shared_experts", "attn"],
-            "--recompute-modules moe (megart has no MoE layers); shared_experts (megart has no "
-            "MoE layers); attn (not a module Megatron-LM recomputes)",
+            "--recompute-modules moe (not built for megart's MoE layers yet; "
+            "--recompute-granularity full recomputes them); shared_experts (not built for "
+            "megart's MoE layers yet; --recompute-granularity full recomputes them); attn "
+            "(not a module Megatron-LM recomputes)",
         ),
         # Megatron-LM's parser takes one or more names (nargs "+").
         (

@@ -15,8 +15,8 @@ from megart.models.config_flags import MEGATRON_POSITIONS as MEGATRON_POSITIONS
 from megart.models.config_flags import architecture_flags as architecture_flags
 from megart.models.config_flags import refuse_unlike as refuse_unlike
 from megart.models.moe_checks import check_moe, is_moe_layer, moe_layout_problems
-from megart.models.recompute import DEFAULT_MODULES, MODULES
-from megart.models.rope_checks import check_rotary_percent
+from megart.models.recompute import DEFAULT_MODULES, check_recompute
+from megart.models.rope_checks import check_rope_scaling, check_rotary_percent
 from megart.models.stages import check_stages, uneven
 from megart.models.window import check_window, layer_window, refuse_window
 from megart.parallel.layout import divisors, either
@@ -221,51 +221,12 @@ class GPTConfig:
                 "fused_layer_norm is a LayerNorm kernel; turn it off with "
                 f"normalization={self.normalization!r}"
             )
-        if self.recompute_granularity not in (None, "full", "selective"):
-            raise ConfigError(
-                f"recompute_granularity={self.recompute_granularity!r}; use 'full' or "
-                "'selective' (or None)"
-            )
-        if self.recompute_method not in ("uniform", "block") or self.recompute_num_layers < 1:
-            raise ConfigError(
-                f"recompute_method={self.recompute_method!r}, recompute_num_layers="
-                f"{self.recompute_num_layers}; use 'uniform' or 'block' and at least 1 layer"
-            )
-        unknown = [m for m in self.recompute_modules if m not in MODULES]
-        if unknown:
-            raise ConfigError(
-                f"recompute_modules={list(self.recompute_modules)}: megart recomputes "
-                f"{', '.join(MODULES)} (not {', '.join(unknown)})"
-            )
+        check_recompute(self)
         check_rotary_percent(self)
         check_moe(self)
         if self.position_embedding == "rotary" and self.head_dim % 2 and self.rotary_percent == 1:
             raise ConfigError(f"rotary positions need an even head size, not {self.head_dim}")
-        if self.rope_scaling and self.position_embedding != "rotary":
-            raise ConfigError(
-                "--use-rope-scaling (rope_scaling) scales rope's frequencies: add "
-                "--position-embedding-type rope (position_embedding='rotary') or leave it out"
-            )
-        if not self.rope_scaling_factor >= 1:  # also refuses NaN
-            raise ConfigError(
-                f"--rope-scaling-factor {self.rope_scaling_factor:g} (rope_scaling_factor): "
-                "the slow frequencies are divided by it, so it must be at least 1 (1 leaves "
-                "them unscaled; Llama 3.1's is 8, Llama 3.2's 32)"
-            )
-        factor = self.rotary_seq_len_interpolation_factor
-        if factor is not None and self.position_embedding != "rotary":
-            raise ConfigError(
-                "--rotary-seq-len-interpolation-factor (rotary_seq_len_interpolation_factor) "
-                "divides rope's positions: add --position-embedding-type rope "
-                "(position_embedding='rotary') or leave it out"
-            )
-        if factor is not None and not 0 < factor < math.inf:  # also refuses NaN
-            raise ConfigError(
-                f"--rotary-seq-len-interpolation-factor {factor:g} "
-                "(rotary_seq_len_interpolation_factor): rope's positions are divided by it, so "
-                "it must be a positive finite number (above 1 to fit a longer context into the "
-                "trained angles; leave it out for none)"
-            )
+        check_rope_scaling(self)
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recomputation recomputes ``module`` (models.recompute.MODULES)."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch.utils.checkpoint import checkpoint
 
+from megart.errors import ConfigError
 from megart.tensor_parallel import RNGStatesTracker
 
 GRANULARITIES = ("full", "selective")
@@ -26,7 +27,7 @@ METHODS = ("uniform", "block")
 MODULES = ("core_attn", "layernorm", "mlp")
 DEFAULT_MODULES = ("core_attn",)  # Megatron-Core's when none are given
 # Megatron-Core's other choices (0.16's and later ones), and why megart has none of them.
-_NO_MOE = "megart has no MoE layers"
+_NO_MOE = "not built for megart's MoE layers yet; --recompute-granularity full recomputes them"
 OTHER_MODULES = {
     "moe": _NO_MOE,
     "moe_act": _NO_MOE,
@@ -37,6 +38,27 @@ OTHER_MODULES = {
     "gdp_qkv": "megart has no gated delta product layers",
     "mhc": "megart has no hyper-connections",
 }
+
+
+def check_recompute(cfg: Any) -> None:
+    """Refuses GPTConfig's recomputation fields where they name no granularity, method or
+    module megart has."""
+    if cfg.recompute_granularity not in (None, "full", "selective"):
+        raise ConfigError(
+            f"recompute_granularity={cfg.recompute_granularity!r}; use 'full' or "
+            "'selective' (or None)"
+        )
+    if cfg.recompute_method not in ("uniform", "block") or cfg.recompute_num_layers < 1:
+        raise ConfigError(
+            f"recompute_method={cfg.recompute_method!r}, recompute_num_layers="
+            f"{cfg.recompute_num_layers}; use 'uniform' or 'block' and at least 1 layer"
+        )
+    unknown = [m for m in cfg.recompute_modules if m not in MODULES]
+    if unknown:
+        raise ConfigError(
+            f"recompute_modules={list(cfg.recompute_modules)}: megart recomputes "
+            f"{', '.join(MODULES)} (not {', '.join(unknown)})"
+        )
 
 
 def recomputed_modules(cfg: Any, recompute: str | None) -> tuple[str, ...]:

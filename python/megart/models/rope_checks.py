@@ -1,5 +1,6 @@
-"""The check of GPTConfig's rotary_percent (Megatron's --rotary-percent), kept apart from the
-config itself, which calls it."""
+"""The checks of GPTConfig's rope fields (Megatron's --rotary-percent, --use-rope-scaling,
+--rope-scaling-factor, --rotary-seq-len-interpolation-factor), kept apart from the config
+itself, which calls them."""
 
 from __future__ import annotations
 
@@ -48,6 +49,36 @@ def check_rotary_percent(cfg: GPTConfig) -> None:
         + (f"give --rotary-percent {options}, " if options else "")
         + f"or a head size ({head}) whose part is even"
     )
+
+
+def check_rope_scaling(cfg: GPTConfig) -> None:
+    """Refuses rope scaling (--use-rope-scaling, --rope-scaling-factor) and position
+    interpolation (--rotary-seq-len-interpolation-factor) that cannot apply."""
+    if cfg.rope_scaling and cfg.position_embedding != "rotary":
+        raise ConfigError(
+            "--use-rope-scaling (rope_scaling) scales rope's frequencies: add "
+            "--position-embedding-type rope (position_embedding='rotary') or leave it out"
+        )
+    if not cfg.rope_scaling_factor >= 1:  # also refuses NaN
+        raise ConfigError(
+            f"--rope-scaling-factor {cfg.rope_scaling_factor:g} (rope_scaling_factor): "
+            "the slow frequencies are divided by it, so it must be at least 1 (1 leaves "
+            "them unscaled; Llama 3.1's is 8, Llama 3.2's 32)"
+        )
+    factor = cfg.rotary_seq_len_interpolation_factor
+    if factor is not None and cfg.position_embedding != "rotary":
+        raise ConfigError(
+            "--rotary-seq-len-interpolation-factor (rotary_seq_len_interpolation_factor) "
+            "divides rope's positions: add --position-embedding-type rope "
+            "(position_embedding='rotary') or leave it out"
+        )
+    if factor is not None and not 0 < factor < math.inf:  # also refuses NaN
+        raise ConfigError(
+            f"--rotary-seq-len-interpolation-factor {factor:g} "
+            "(rotary_seq_len_interpolation_factor): rope's positions are divided by it, so "
+            "it must be a positive finite number (above 1 to fit a longer context into the "
+            "trained angles; leave it out for none)"
+        )
 
 
 def percent_for(channels: int, head_dim: int) -> str:
