@@ -143,3 +143,34 @@ def refusal(kw: dict) -> str:
     except ConfigError as e:
         return str(e)
     return ""
+
+
+def forward_calls(kw: dict) -> tuple[dict, dict]:
+    """One megart train iteration with flags ``kw`` (one process): every gradient by place,
+    and how many times each kind of module ran forward ("router", "shared_experts", "expert",
+    "moe", "dense_mlp"), recomputation's second runs included."""
+    from collections import Counter
+
+    import train_workers as tw
+    from megart.models.mlp import MLP
+    from megart.models.moe import MoE, Router
+    from megart.training.data import builtin_corpus
+    from megart.training.trainer import Trainer
+
+    trainer = Trainer(tw.tiny(train_iters=1, **kw), tokens=builtin_corpus(1 << 16))
+    calls: Counter = Counter()
+    for chunk in trainer.chunks:
+        for name, module in chunk.named_modules():
+            last = name.rsplit(".", 1)[-1]
+            kind = (
+                "router" if isinstance(module, Router)
+                else "moe" if isinstance(module, MoE)
+                else "shared_experts" if last == "shared_experts"
+                else "expert" if isinstance(module, MLP) and ".experts." in name
+                else "dense_mlp" if isinstance(module, MLP)
+                else None
+            )  # fmt: skip
+            if kind is not None:
+                module.register_forward_pre_hook(lambda *_, k=kind: calls.update([k]))
+    trainer.train(quiet=True)
+    return tw.by_place(trainer, lambda p: p.grad), dict(calls)

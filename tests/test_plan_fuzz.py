@@ -280,9 +280,9 @@ def test_a_size_below_one_is_refused_as_megart_train_refuses_it(flag, value, cap
         # --recompute-modules where Megatron-LM ignores it, and a module megart has not.
         (dict(recompute_modules="mlp"), "--recompute-modules mlp without recomputation"),
         (
-            dict(recompute_activations="", recompute_modules="shared_experts"),
-            "--recompute-modules shared_experts (not built for megart's MoE layers yet; "
-            "--recompute-granularity full recomputes them)",
+            dict(recompute_activations="", recompute_modules="moe_act"),
+            "--recompute-modules moe_act (Megatron-LM recomputes the experts' activation only "
+            "with --moe-grouped-gemm",
         ),
         # Found by a longer fuzz (2026-11-29): planned as one stage, no interleaving.
         (

@@ -139,19 +139,17 @@ def _parse(*argv: str) -> TrainConfig:
         ),
         (
             ["--recompute-activations", "--recompute-modules", "core_attn", "moe_act"],
-            "--recompute-modules moe_act (not built for megart's MoE layers yet; "
-            "--recompute-granularity full recomputes them)",
+            "--recompute-modules moe_act (Megatron-LM recomputes the experts' activation only "
+            "with --moe-grouped-gemm, which megart does not have)",
         ),
         (
             ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
             "--recompute-modules mla_up_proj (megart has no multi-latent attention)",
         ),
         (
-            ["--recompute-activations", "--recompute-modules", "moe", "shared_experts", "attn"],
-            "--recompute-modules moe (not built for megart's MoE layers yet; "
-            "--recompute-granularity full recomputes them); shared_experts (not built for "
-            "megart's MoE layers yet; --recompute-granularity full recomputes them); attn "
-            "(not a module Megatron-LM recomputes)",
+            ["--recompute-activations", "--recompute-modules", "moe", "mla_up_proj", "attn"],
+            "--recompute-modules mla_up_proj (megart has no multi-latent attention); attn (not a "
+            "module Megatron-LM recomputes)",
         ),
         # Megatron-LM's parser takes one or more names (nargs "+").
         (
@@ -173,8 +171,8 @@ def test_megatrons_default_is_the_attention_core_and_recompute_activations_keeps
     # An empty list (Megatron-Core's TransformerConfig takes one): nothing recomputed.
     none = TrainConfig(recompute_granularity="selective", recompute_modules=[]).gpt_config()
     assert not any(none.recomputes(m) for m in MODULES)
-    with pytest.raises(ConfigError, match=r"recompute_modules=\['moe'\]: megart recomputes"):
-        dataclasses.replace(BASE, recompute_modules=("moe",))
+    with pytest.raises(ConfigError, match=r"recompute_modules=\['moe_act'\]: megart recomputes"):
+        dataclasses.replace(BASE, recompute_modules=("moe_act",))
 
 
 def test_megatron_checkpoint_args_record_the_modules_as_megatron_lms_parser():

@@ -64,8 +64,8 @@ class Block(nn.Module):
         self.rng = rng
         # Megatron's --recompute-modules layernorm and mlp (models.recompute.MODULES).
         self.recompute_norms = cfg.recomputes("layernorm")
-        # As in Megatron-Core, "mlp" checkpoints dense MLPs only (its "moe" is not built).
-        self.recompute_mlp = cfg.recomputes("mlp") and not moe
+        # As in Megatron-Core, "mlp" checkpoints dense MLPs only, "moe" whole MoE layers.
+        self.recompute_mlp = cfg.recomputes("moe" if moe else "mlp")
 
     def forward(
         self,
@@ -91,9 +91,9 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """forward under --recompute-modules layernorm (the two norms' outputs, and the copies
         the column-parallel products save of them, freed after the products read them and made
-        again in backward: DroppedOutput) and/or mlp (the MLP checkpointed from its input, as
-        Megatron-Core's tensor_parallel.checkpoint of it): the same operations in the same
-        order as forward's, so the same values."""
+        again in backward: DroppedOutput) and/or mlp or moe (the MLP or MoE layer checkpointed
+        from its input, as Megatron-Core's tensor_parallel.checkpoint of it): the same
+        operations in the same order as forward's, so the same values."""
         attn, mlp, norms = self.attn, self.mlp, self.recompute_norms
         if norms:
             first = DroppedOutput(lambda t: apply_norm(self.ln_1, t, self.fused_norm))

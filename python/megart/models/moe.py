@@ -62,6 +62,7 @@ from megart.models.expert_exchange import expert_parallel_mlp
 from megart.models.init import generator, weight_init
 from megart.models.mlp import MLP
 from megart.models.moe_checks import check_expert_parallel_layer, check_moe_tensor_parallel
+from megart.models.recompute import checkpointed
 from megart.tensor_parallel import gather_from_sequence_region, reduce_scatter_to_sequence_region
 from megart.tensor_parallel._group import group_size
 from megart.tensor_parallel.column_entry import enter_column_region
@@ -245,6 +246,7 @@ class MoE(nn.Module):
             if width is None
             else MLP(cfg, layer, tp_group, sequence_parallel, ffn=width, name="shared_")
         )
+        self.recompute_shared = cfg.recomputes("shared_experts")
 
     def _expert(self, e: int) -> MLP:
         """Expert ``e`` (global index) of this layer, drawn from its own stream."""
@@ -255,6 +257,8 @@ class MoE(nn.Module):
         out = self._routed(x)
         if self.shared_experts is None:
             return out
+        if self.recompute_shared and torch.is_grad_enabled():  # --recompute-modules shared_experts
+            return out + checkpointed(self.shared_experts, None, x)
         return out + self.shared_experts(x)  # Megatron-Core's postprocess: routed + shared
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,17 +21,17 @@ from megart.tensor_parallel import RNGStatesTracker
 
 GRANULARITIES = ("full", "selective")
 METHODS = ("uniform", "block")
-# Megatron's --recompute-modules under selective recomputation that megart's dense layers have:
+# Megatron's --recompute-modules under selective recomputation that megart's layers have:
 # attention's core (softmax(q k^T) v, torch's checkpoint), the input and pre-MLP norms' outputs
-# (dropped and made again, models.dropped_output) and the whole MLP (checkpointed).
-MODULES = ("core_attn", "layernorm", "mlp")
+# (dropped and made again, models.dropped_output), the whole MLP of dense layers (checkpointed),
+# the whole MoE layer of MoE layers and the shared experts within it (checkpointed: Megatron-
+# Core's "moe" and "shared_experts").
+MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 DEFAULT_MODULES = ("core_attn",)  # Megatron-Core's when none are given
 # Megatron-Core's other choices (0.16's and later ones), and why megart has none of them.
-_NO_MOE = "not built for megart's MoE layers yet; --recompute-granularity full recomputes them"
 OTHER_MODULES = {
-    "moe": _NO_MOE,
-    "moe_act": _NO_MOE,
-    "shared_experts": _NO_MOE,
+    "moe_act": "Megatron-LM recomputes the experts' activation only with --moe-grouped-gemm, "
+    "which megart does not have",
     "mla_up_proj": "megart has no multi-latent attention",
     "gdn_norm_out": "megart has no gated delta net layers",
     "gdp_in_proj": "megart has no gated delta product layers",

@@ -261,8 +261,9 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
 def _moe_unmodelled(config: TrainConfig) -> list[str]:
     """What the planner does not model with --num-experts: zero-bubble schedules (the experts'
     deferred weight gradients are uncounted; searched layouts leave them out,
-    plan.candidates), expert parallelism and --recompute-modules layernorm (megart train's
-    MoE layers cannot run it yet). Tensor parallelism is modelled (with sequence parallelism,
+    plan.candidates), expert parallelism, --recompute-modules layernorm (megart train's
+    MoE layers cannot run it yet) and its moe and shared_experts (not modelled yet). Tensor
+    parallelism is modelled (with sequence parallelism,
     which megart train requires for experts: plan.candidates refuses a given t > 1 without it
     in its words)."""
     if not config.num_experts:
@@ -274,6 +275,7 @@ def _moe_unmodelled(config: TrainConfig) -> list[str]:
     if ep != 1:  # (a dense model's is megart train's refusal)
         out.append(f"--expert-model-parallel-size {ep} (expert parallelism: the experts spread "
                    "over ranks and their token exchanges)")  # fmt: skip
-    if config.recompute_modules is not None and "layernorm" in config.recompute_modules:
-        out.append(f"{flag('recompute_modules', config.recompute_modules)} with --num-experts")
+    modules = config.recompute_modules or ()
+    if {"layernorm", "moe", "shared_experts"} & set(modules):  # not yet (layernorm: not built)
+        out.append(f"{flag('recompute_modules', modules)} with --num-experts")
     return out

@@ -263,5 +263,5 @@ def _check_recompute_modules(cfg: Any) -> None:
     if refused:
         raise ConfigError(
             f"--recompute-modules {'; '.join(refused)}: megart recomputes "
-            f"{', '.join(MODULES)} of its dense layers; leave the others out"
+            f"{', '.join(MODULES)}; leave the others out"
         )
