@@ -107,7 +107,8 @@ def _experts(rng: random.Random, layers: int) -> dict:
     pattern = rng.choice(["2", f"([0]+[1]*3)*{layers // 4}"])
     for flag, value, chance in (("moe_layer_freq", pattern, 0.3),
                                 ("moe_ffn_hidden_size", 48, 0.3), ("moe_z_loss_coeff", 0.01, 0.3),
-                                ("moe_router_score_function", "sigmoid", 0.15)):  # fmt: skip
+                                ("moe_router_score_function", "sigmoid", 0.15),
+                                ("moe_shared_expert_intermediate_size", 24, 0.2)):  # fmt: skip
         if rng.random() < chance:
             flags[flag] = value
     return flags
@@ -115,7 +116,7 @@ def _experts(rng: random.Random, layers: int) -> dict:
 
 def _modules(rng: random.Random) -> list[str]:
     """Some of the modules --recompute-modules takes, in a drawn order."""
-    return rng.sample(["core_attn", "layernorm", "mlp"], rng.randint(1, 3))
+    return rng.sample(["core_attn", "layernorm", "mlp", "moe", "shared_experts"], rng.randint(1, 3))
 
 
 def _precision(rng: random.Random) -> dict:
@@ -169,6 +170,9 @@ def draw(rng: random.Random, mode: str) -> tuple[int, dict, dict]:
     if mode == "precision":
         model.update(_precision(rng))
     ranks, layout, dp = _layout(rng, model["num_layers"])
+    experts = model.get("num_experts") or 1
+    if dp > 1 and experts % dp == 0 and rng.random() < 0.5:  # expert parallelism over dp
+        layout["expert_model_parallel_size"] = dp
     micro = rng.choice([1, 2])
     rounds = rng.choice([2, 4, 8]) if layout["pipeline_model_parallel_size"] > 1 else 2
     model.update(micro_batch_size=micro, global_batch_size=micro * dp * rounds)
