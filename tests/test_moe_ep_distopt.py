@@ -161,3 +161,18 @@ def test_megatron_checkpoint_formats_stay_refused(fmt):
         ConfigError, match=f"--expert-model-parallel-size 2 with --ckpt-format {fmt}:"
     ):
         config.check(2)
+
+
+def test_the_run_line_says_the_experts_state_is_sharded_over_their_ranks():
+    from types import SimpleNamespace
+
+    from megart.training.reporting import run_description
+
+    fake = SimpleNamespace(
+        config=tw.tiny(**EP2), chunks=[], peak=None, dp=4, m=1, device_name="CPU"
+    )
+    assert "Adam state 1/4 per rank (distributed optimizer, the experts' 1/2);" in run_description(
+        fake
+    )
+    fake.config = tw.tiny(**ZERO)
+    assert "Adam state 1/4 per rank (distributed optimizer);" in run_description(fake)
