@@ -7,7 +7,8 @@ gradient norm and its logged auxiliary losses; the curve catches the experts sha
 parallelism, sliced as the dense buckets are, or unscaled. Checkpoints resume on the curve at
 the same layout, at another data-parallel size and without the distributed optimizer, in fp32
 and with 16-bit weights. --log-params-norm and --log-num-zeros-in-grad count each expert once
-with and without the distributed optimizer. Megatron-LM's checkpoint formats stay refused."""
+with and without the distributed optimizer. Megatron-LM's checkpoint formats stay refused, on
+save and on load."""
 
 import pytest
 
@@ -176,3 +177,20 @@ def test_the_run_line_says_the_experts_state_is_sharded_over_their_ranks():
     )
     fake.config = tw.tiny(**ZERO)
     assert "Adam state 1/4 per rank (distributed optimizer);" in run_description(fake)
+
+
+@pytest.mark.parametrize(
+    "fmt,message",
+    [
+        ("torch_dist", "a torch_dist store, at --expert-model-parallel-size 2: megart loads "
+                       "expert parallelism's own checkpoints only"),
+        ("torch", r"every expert in each file \(--expert-model-parallel-size 1\)"),
+    ],
+)  # fmt: skip
+def test_megatron_checkpoints_are_not_spread_over_expert_parallel_ranks(tmp_path, fmt, message):
+    """Megatron-LM's formats, written at expert-parallel size 1 with the distributed
+    optimizer, are refused by name on a load at ep2 with it."""
+    launch(tw.train_kw, 2, dict(ZERO, train_iters=1, ckpt_format=fmt, save=str(tmp_path)),
+           timeout=300)  # fmt: skip
+    with pytest.raises(LaunchError, match=message):
+        launch(tw.train_kw, 2, dict(EP2, load=str(tmp_path)), timeout=300)
