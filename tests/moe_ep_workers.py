@@ -1,6 +1,7 @@
-"""megart train runs under expert parallelism for tests/test_moe_ep.py, in launched processes:
-as they are, or with a deliberate mistake the tests must catch (as moe_workers.train_mistaken
-does for context parallelism)."""
+"""megart train runs under expert parallelism for tests/test_moe_ep.py and
+tests/test_moe_ep_distopt.py, in launched processes: as they are, or with a deliberate mistake
+the tests must catch (as moe_workers.train_mistaken does for context parallelism); and the
+checks of their histories against the one-process curve."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ def train_mistaken(kw: dict, mistake: str | None = None) -> list[dict]:
     ``mistake`` says: "experts-unscaled" (the experts' averaged gradients not scaled by
     edp / dp, so each is ep times the one-process gradient), "experts-norm-local" (the
     gradient norm counting each rank's own experts, not summed over the expert-parallel
-    group)."""
+    group), "experts-sharded-over-dp" (the experts' buckets reduced, and with the distributed
+    optimizer sharded and gathered, over data parallelism instead of their expert-data-parallel
+    group), "experts-sliced-as-dense" (the distributed optimizer taking the dense buckets'
+    slices and group for the experts' buckets too), "experts-stats-local" (--log-params-norm
+    and --log-num-zeros-in-grad counting each rank's own experts only)."""
     from unittest import mock
 
     import train_workers as tw
-    from megart.training import optimizer
+    from megart.training import expert_grads, iteration_stats, optimizer
 
     def unscaled(params, grid, make, real=optimizer.split_buckets):  # noqa: ANN001, ANN202
         return real(params, grid, lambda ps, group, scale=1.0: make(ps, group))
@@ -22,10 +27,66 @@ def train_mistaken(kw: dict, mistake: str | None = None) -> list[dict]:
     def local(*args, ep_group=None, real=optimizer.clip_grad_norm):  # noqa: ANN001, ANN202
         return real(*args[:5])
 
+    def over_dp(params, grid, make, real=optimizer.split_buckets):  # noqa: ANN001, ANN202
+        return real(
+            params, grid, lambda ps, group, scale=1.0: make(ps, grid.dp_cp_group, scale=scale)
+        )
+
+    def as_dense(self, bucket):  # noqa: ANN001, ANN202
+        return self.sets[0]
+
+    def stats_local(chunks, grid, opt, real=iteration_stats._counted):  # noqa: ANN001, ANN202
+        dense, experts, group = real(chunks, grid, opt)
+        return dense + (experts or []), None, group
+
     patches = {
         None: mock.MagicMock(),  # a context manager that changes nothing
         "experts-unscaled": mock.patch.object(optimizer, "split_buckets", unscaled),
         "experts-norm-local": mock.patch.object(optimizer, "clip_grad_norm", local),
+        "experts-sharded-over-dp": mock.patch.object(optimizer, "split_buckets", over_dp),
+        "experts-sliced-as-dense": mock.patch.object(expert_grads.SplitBuckets, "owner", as_dense),
+        "experts-stats-local": mock.patch.object(iteration_stats, "_counted", stats_local),
     }
     with patches[mistake]:
         return tw.train(**kw)
+
+
+# The auxiliary losses every MoE run logs, compared along the curve with the loss and the norm.
+LOGGED = ("load_balancing_loss", "z_loss")
+
+
+def launched(runs: dict) -> dict:
+    """Each of ``runs`` (name: (processes, flags, train_mistaken's mistake or None, the rank
+    whose history to read)) launched: that rank's history, by name."""
+    from megart.launcher import launch
+
+    return {
+        name: launch(train_mistaken, n, kw, mistake, timeout=300)[rank]
+        for name, (n, kw, mistake, rank) in runs.items()
+    }
+
+
+def assert_on_curve(one_process: list[dict], run: list[dict]) -> None:
+    """``run`` has the loss, the clipped gradient's norm and the logged auxiliary losses of
+    the one-process run (the tiny runs clip at 1.0, below the norm of every iteration: so the
+    clip acts on every step)."""
+    import pytest
+
+    from train_workers import SAME_RUN
+
+    for key in ("loss", "grad_norm", *LOGGED):
+        want = [h[key] for h in one_process]
+        assert [h[key] for h in run] == pytest.approx(want, **SAME_RUN), key
+    assert all(h["grad_norm"] > 1.0 for h in one_process)
+
+
+def assert_off_curve(one_process: list[dict], run: list[dict]) -> None:
+    """``run``'s gradient norm leaves the one-process curve from the first step, its loss from
+    the second on (the first step's loss precedes any update)."""
+    import pytest
+
+    from train_workers import SAME_RUN
+
+    for key, after in (("grad_norm", 0), ("loss", 1)):
+        want = [h[key] for h in one_process][after:]
+        assert [h[key] for h in run][after:] != pytest.approx(want, **SAME_RUN), key

@@ -245,7 +245,7 @@ def test_a_chunks_forward_waits_for_all_its_buckets_under_param_gather_overlap()
     params = list(chunk.parameters())
     buckets = GradientBuckets(params, None, bucket_bytes=64 * 64 * FP32, shard=True)
     assert len(buckets.buckets) > 2
-    zero = DistributedOptimizer([{"params": params}], buckets, None, torch.optim.AdamW)
+    zero = DistributedOptimizer([{"params": params}], buckets, torch.optim.AdamW)
     zero.overlap_with_forward([chunk])
     waited: list[list[int]] = []
     zero.wait_for_params = lambda wanted=None: waited.append(list(wanted))

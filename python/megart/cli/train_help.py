@@ -109,7 +109,8 @@ HELP = {
     "scatter_gather_tensors_in_pipeline": "send whole activations between stages (no 1/t "
     "slices)",  # its flag is --no-... (see below)
     "use_distributed_optimizer": "shard the optimizer state over data-parallel ranks (ZeRO-1): "
-    "reduce-scatter the gradients, step 1/dp of the parameters, all-gather them",
+    "reduce-scatter the gradients, step 1/dp of the parameters, all-gather them (the experts' "
+    "over their dp/EP expert-data-parallel ranks under --expert-model-parallel-size EP)",
     "distributed_backend": "communication: megart's nccl transport (default with a GPU), its "
     "shm transport (default on CPU), or torch: torch.distributed's groups (NCCL on GPU, gloo on "
     "CPU), the fallback when `megart selftest` fails a megart transport",

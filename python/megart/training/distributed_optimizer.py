@@ -21,6 +21,12 @@ Checkpoints do not change: :meth:`DistributedOptimizer.state_dict` gathers the m
 state dict a plain optimizer over the whole parameters would have (a collective over the
 data-parallel group), and :meth:`load_state_dict` takes this rank's slices of one. So a run may
 switch the flag on or off on resume, and resharding and export work as before.
+
+Under expert parallelism the buckets come in two sets (training.expert_grads.SplitBuckets):
+the experts' shard over their expert-data-parallel group (dp / ep ranks), as Megatron-Core's
+second distributed optimizer over its expert_parallel_buffers, the dense ones over data
+parallelism. Each bucket's slices, all-gathers and gathered moments go over the group of the
+set that owns it (``buckets.owner``).
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ from typing import Any
 import torch
 
 import megart.distributed as dist
-from megart.distributed import ProcessGroup
 from megart.training.grad_sync import GradientBuckets, _Bucket
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -73,21 +78,22 @@ class DistributedOptimizer:
     """Steps this rank's slices of ``param_groups`` (torch.optim-style groups of the whole
     parameters) with the optimizer ``make_optimizer`` builds from groups of pieces.
 
-    ``buckets`` must shard (``GradientBuckets(..., shard=True)``) over ``dp_group``.
-    ``param_groups`` is kept as given, so setting ``group["lr"]`` between steps works as with
-    any torch optimizer.
+    ``buckets`` must shard (``GradientBuckets(..., shard=True)``); each bucket's slices are
+    gathered over the group of the set that reduces it (``buckets.owner``: data parallelism,
+    or the experts' expert-data-parallel group). ``param_groups`` is kept as given, so setting
+    ``group["lr"]`` between steps works as with any torch optimizer.
     """
 
     def __init__(
         self,
         param_groups: list[dict[str, Any]],
         buckets: GradientBuckets,
-        dp_group: ProcessGroup | None,
         make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
     ) -> None:
         self.param_groups = param_groups
         self.buckets = buckets
-        self.group = dp_group
+        # The bucket set (its group, its number of slices) each bucket is sharded over.
+        self._owners = [buckets.owner(b) for b in buckets.buckets]
         self.steps = 0  # steps taken (the same on every rank); a state dict's "step"
         # A parameter's number in a plain optimizer's state dict, and its group.
         self._index = {id(p): i for i, p in enumerate(p for g in param_groups for p in g["params"])}
@@ -148,17 +154,17 @@ class DistributedOptimizer:
             if main is not None:  # this rank's slice, rounded into the 16-bit parameters
                 start, end = self.buckets.shard_range(b)
                 buffer[start:end].copy_(main)
-        if self.buckets.parts > 1:
-            for k, (b, buffer) in enumerate(
-                zip(self.buckets.buckets, self.param_buffers, strict=True)
-            ):
+        for k, (b, buffer, owner) in enumerate(
+            zip(self.buckets.buckets, self.param_buffers, self._owners, strict=True)
+        ):
+            if owner.parts > 1:
                 start, end = self.buckets.shard_range(b)
                 # In place: this rank's slice of the output is the input, as NCCL allows.
                 self._gathers[k] = dist.all_gather_into_tensor(
-                    buffer, buffer[start:end], group=self.group, async_op=True
+                    buffer, buffer[start:end], group=owner.group, async_op=True
                 )
-            if not self.overlap_param_gather:
-                self.wait_for_params()
+        if not self.overlap_param_gather:
+            self.wait_for_params()
 
     def wait_for_params(self, buckets: Sequence[int] | None = None) -> None:
         """Waits for the all-gathers of ``buckets`` (all by default) that the last step left
@@ -206,11 +212,13 @@ class DistributedOptimizer:
         # Every bucket has main weights: the parameters are all of one 16-bit type.
         self.wait_for_params()
         wholes = []
-        for b, main in zip(self.buckets.buckets, self.main_buffers, strict=True):
+        for b, main, owner in zip(
+            self.buckets.buckets, self.main_buffers, self._owners, strict=True
+        ):
             whole = main
-            if self.buckets.parts > 1:
+            if owner.parts > 1:
                 whole = torch.empty(b.buffer.numel(), dtype=torch.float32, device=main.device)
-                dist.all_gather_into_tensor(whole, main, group=self.group)
+                dist.all_gather_into_tensor(whole, main, group=owner.group)
             wholes.append(whole)
             for p, offset in zip(b.params, b.offsets, strict=True):
                 p.data = whole[offset : offset + p.numel()].view_as(p)
@@ -231,8 +239,8 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """What a plain optimizer over the whole parameters would return: every parameter's
-        moments, gathered over the data-parallel group. A collective: call it on every rank
-        of the group."""
+        moments, gathered over the data-parallel group (the experts' over their
+        expert-data-parallel group). A collective: call it on every rank of the group."""
         self.wait_for_params()
         groups, start = [], 0
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
@@ -261,10 +269,11 @@ class DistributedOptimizer:
             if piece.bucket == k and piece.data in self.optimizer.state:
                 at = piece.at - start
                 mine[at : at + piece.end - piece.start] = self.optimizer.state[piece.data][key]
-        if self.buckets.parts == 1:
+        owner = self._owners[k]
+        if owner.parts == 1:
             return mine  # the whole bucket
         whole = torch.empty(b.buffer.numel(), dtype=torch.float32, device=b.buffer.device)
-        dist.all_gather_into_tensor(whole, mine, group=self.group)
+        dist.all_gather_into_tensor(whole, mine, group=owner.group)
         return whole
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

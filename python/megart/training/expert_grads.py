@@ -8,6 +8,12 @@ buckets average over the expert-data-parallel group (dp / ep ranks) and scale by
 Megatron-Core's expert_gradient_scaling_factor, so that the result is the sum over every
 data-parallel rank's tokens divided by dp: what the dense gradients are, and what one process
 computes.
+
+With the distributed optimizer (--use-distributed-optimizer) each set shards over its own
+group, as Megatron-Core's expert_parallel_buffers and its second DistributedOptimizer over the
+expert-data-parallel group: a dense bucket is reduce-scattered into dp slices and all-gathered
+over data parallelism, an expert bucket into edp slices over the expert-data-parallel group
+(training.distributed_optimizer asks each bucket's ``owner``).
 """
 
 from __future__ import annotations
@@ -26,12 +32,12 @@ def is_expert(p: torch.nn.Parameter) -> bool:
 
 class SplitBuckets:
     """The dense and the expert bucket sets, driven together as one GradientBuckets (the
-    trainer's calls); no sharding (the distributed optimizer is refused with experts spread)."""
-
-    shard = False
+    trainer's and the distributed optimizer's calls); both shard or neither does."""
 
     def __init__(self, dense: GradientBuckets, experts: GradientBuckets) -> None:
         self.sets = (dense, experts)
+        self.shard = dense.shard
+        self._owner = {id(b): s for s in self.sets for b in s.buckets}
 
     @property
     def buckets(self) -> list:
@@ -44,8 +50,13 @@ class SplitBuckets:
     def bucket_of(self, p: torch.nn.Parameter) -> object:
         return self.sets[is_expert(p)].bucket_of(p)
 
+    def owner(self, bucket: object) -> GradientBuckets:
+        """The set that reduces ``bucket``: over data parallelism, or the experts' over their
+        expert-data-parallel group."""
+        return self._owner[id(bucket)]
+
     def shard_range(self, bucket: object) -> tuple[int, int]:
-        return 0, bucket.buffer.numel()
+        return self.owner(bucket).shard_range(bucket)
 
     def zero_grad(self) -> None:
         for s in self.sets:

@@ -179,6 +179,11 @@ class GradientBuckets:
         """This rank's slice [start, end) of ``bucket``'s buffer (all of it without ``shard``)."""
         return bucket.shard_range(self.rank, self.parts)
 
+    def owner(self, bucket: _Bucket) -> GradientBuckets:
+        """The bucket set that reduces ``bucket`` (its ``group`` and ``parts``): this one
+        (expert parallelism's two sets answer for each of theirs: training.expert_grads)."""
+        return self
+
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.buffer.zero_()

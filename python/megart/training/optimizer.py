@@ -121,7 +121,7 @@ def build(
     )
     make = functools.partial(adamw, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
     if shard:
-        zero = DistributedOptimizer(groups, buckets, grid.dp_cp_group, make)
+        zero = DistributedOptimizer(groups, buckets, make)
         if c.overlap_param_gather:
             zero.overlap_with_forward(chunks)
         return buckets, zero

@@ -129,6 +129,9 @@ def run_description(trainer: Any) -> str:
     t, c = trainer, trainer.config
     n = sum(p.numel() for chunk in t.chunks for p in chunk.parameters())
     peak = f"{t.peak / 1e12:.0f} TFLOP/s dense bf16" if t.peak else "n/a on CPU"
+    ep = c.expert_model_parallel_size
+    # Expert parallelism shards the experts' state over their expert-data-parallel ranks.
+    experts = f", the experts' 1/{t.dp // ep}" if ep > 1 else ""
     return (
         f"megart train: GPT {c.num_layers} layers x {c.hidden_size} hidden, "
         f"{c.num_attention_heads} heads"
@@ -147,7 +150,8 @@ def run_description(trainer: Any) -> str:
         )
         + "; "
         + (
-            f"Adam state 1/{t.dp * c.context_parallel_size} per rank (distributed optimizer); "
+            f"Adam state 1/{t.dp * c.context_parallel_size} per rank (distributed optimizer"
+            f"{experts}); "
             if c.use_distributed_optimizer
             else ""
         )
