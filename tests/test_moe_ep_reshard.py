@@ -146,20 +146,21 @@ def _megatron_model(directory):
 def test_an_expert_parallel_checkpoint_exports_and_converts_as_its_ep1_copy(
     tmp_path, family, flags
 ):
-    """export-hf of an EP2 x dp2 checkpoint: the weights its ranks trained, bit for bit, and
-    the very files (tensors and config.json) written from the same model saved at EP1 (loaded
-    into one process and saved); convert-checkpoint to Megatron-LM's legacy files likewise,
-    at expert-parallel size 1."""
+    """megart export-hf of an EP2 x dp2 checkpoint: the weights its ranks trained, bit for
+    bit, and the very files (tensors and config.json) written from the same model saved at
+    EP1 (loaded into one process and saved); megart convert-checkpoint to Megatron-LM's legacy
+    files likewise, at expert-parallel size 1."""
+    from megart.cli.main import main as megart_main
     from megart.models import GPT
-    from megart.training.export_hf import export_checkpoint
-    from megart.training.megatron_checkpoint import megart_to_megatron
 
     ep2, ep1 = tmp_path / "ep2", tmp_path / "ep1"
     kw = dict(flags, expert_model_parallel_size=2, train_iters=2, save=str(ep2))
     ranks = launch(tw.weights_after_training, 2, kw, timeout=300)
     weights = tw.merged_by_place([{"w": r} for r in ranks], "w")
     launch(rw.resharded_and_saved, 1, dict(flags, train_iters=2, load=str(ep2), save=str(ep1)))
-    out = {d.name: export_checkpoint(d, tmp_path / f"hf-{d.name}") for d in (ep2, ep1)}
+    out = {d.name: tmp_path / f"hf-{d.name}" for d in (ep2, ep1)}
+    for d in (ep2, ep1):
+        assert megart_main(["export-hf", "--load", str(d), "--output", str(out[d.name])]) == 0
     config = json.loads((out["ep2"] / "config.json").read_text())
     assert config["model_type"] == family
     assert config == json.loads((out["ep1"] / "config.json").read_text())
@@ -170,7 +171,15 @@ def test_an_expert_parallel_checkpoint_exports_and_converts_as_its_ep1_copy(
     for name, value in weights.items():
         assert torch.equal(back.get_parameter(name).detach()[: value.shape[0]], value), name
     for d in (ep2, ep1):
-        megart_to_megatron(d, tmp_path / f"megatron-{d.name}")
+        to = [
+            "--from",
+            "megart",
+            "--to",
+            "megatron",
+            "--save",
+            str(tmp_path / f"megatron-{d.name}"),
+        ]
+        assert megart_main(["convert-checkpoint", *to, "--load", str(d)]) == 0
     (a, args), (b, _) = (_megatron_model(tmp_path / f"megatron-{d}") for d in ("ep2", "ep1"))
     assert args.expert_model_parallel_size == 1 and args.num_experts == 4
     assert a.keys() == b.keys() and all(_same(a[n], b[n]) for n in a)
