@@ -1,13 +1,13 @@
-"""Expert-parallel checkpoints as ordinary ones (training.expert_shards): a checkpoint saved
-under --expert-model-parallel-size (every expert-parallel rank's file holding its experts) is
-merged by the experts' global indices, so that megart train --load reshards it into another
-expert-parallel size, pipeline or data-parallel layout (EP2 x dp2 and EP2 x pp2 into EP1, EP4 x
-dp4 and interleaved EP2 x pp2; a checkpoint without expert parallelism into EP2), holding right
-after load exactly the weights and Adam moments the saving ranks held and going on on the
-one-process curve; export-hf (Mixtral and Qwen3-MoE) and convert-checkpoint (Megatron-LM's
-legacy files, EP1) write from it what they write from the same model's EP1 checkpoint, and the
-weights its ranks trained. Experts merged at the wrong global index are caught; what cannot be
-merged is refused by name."""
+"""Expert-parallel checkpoints as ordinary ones (training.expert_shards): a checkpoint saved under
+--expert-model-parallel-size (every expert-parallel rank's file holding its experts) is merged
+by the experts' global indices, so that megart train --load reshards it into another expert-
+parallel size, pipeline or data-parallel layout (EP2 x dp2 and EP2 x pp2 into EP1, EP4 x dp4 and
+interleaved EP2 x pp2; megart's and Megatron-LM's legacy checkpoints without expert parallelism
+into EP2), holding right after load exactly the weights and Adam moments the saving ranks held
+and going on on the one-process curve; export-hf (Mixtral and Qwen3-MoE) and convert-checkpoint
+(Megatron-LM's legacy files, EP1) write from it what they write from the same model's EP1
+checkpoint, and the weights its ranks trained. Experts merged at the wrong global index are
+caught; what cannot be merged is refused by name, and so is a torch_dist store at EP2."""
 
 import json
 import shutil
@@ -19,7 +19,7 @@ import torch
 import moe_ep_reshard_workers as rw
 import train_workers as tw
 from megart import ConfigError
-from megart.launcher import launch
+from megart.launcher import LaunchError, launch
 from megart.training import expert_shards
 from megart.training.shards import read_shards
 from train_workers import SAME_RUN
@@ -30,7 +30,12 @@ EP2 = dict(MODEL, expert_model_parallel_size=2)
 EP4 = dict(MODEL, expert_model_parallel_size=4)
 PP2 = dict(pipeline_model_parallel_size=2)
 # name: (processes, flags) of the runs that save after iteration 2 of 4.
-SAVED = {"ep2-dp2": (2, EP2), "ep2-pp2": (4, dict(EP2, **PP2)), "ep1": (1, MODEL)}
+SAVED = {
+    "ep2-dp2": (2, EP2),
+    "ep2-pp2": (4, dict(EP2, **PP2)),
+    "ep1": (1, MODEL),
+    "ep1-megatron-legacy": (1, dict(MODEL, ckpt_format="torch")),
+}
 # name: (the saved run, processes, flags) of the runs resumed from it.
 RESUMED = {
     "ep2-dp2 into ep1": ("ep2-dp2", 1, MODEL),
@@ -43,6 +48,7 @@ RESUMED = {
         dict(EP2, **PP2, num_layers_per_virtual_pipeline_stage=1),
     ),  # fmt: skip
     "ep1 into ep2-dp2": ("ep1", 2, EP2),
+    "ep1-megatron-legacy into ep2-dp2": ("ep1-megatron-legacy", 2, EP2),
 }
 LOGGED = ("loss", "grad_norm", "load_balancing_loss", "z_loss")
 
@@ -157,7 +163,8 @@ def test_an_expert_parallel_checkpoint_exports_and_converts_as_its_ep1_copy(
     kw = dict(flags, expert_model_parallel_size=2, train_iters=2, save=str(ep2))
     ranks = launch(tw.weights_after_training, 2, kw, timeout=300)
     weights = tw.merged_by_place([{"w": r} for r in ranks], "w")
-    launch(rw.resharded_and_saved, 1, dict(flags, train_iters=2, load=str(ep2), save=str(ep1)))
+    resave = dict(flags, train_iters=2, load=str(ep2), save=str(ep1))
+    launch(rw.resharded_and_saved, 1, resave, timeout=300)
     out = {d.name: tmp_path / f"hf-{d.name}" for d in (ep2, ep1)}
     for d in (ep2, ep1):
         assert megart_main(["export-hf", "--load", str(d), "--output", str(out[d.name])]) == 0
@@ -203,6 +210,18 @@ def test_export_catches_experts_at_the_wrong_global_index(saved):
     whole = whole_tensors(shards, model_config(shards[0, 0]))
     wrong = sorted(n for n in want if not torch.equal(whole[n][: want[n].shape[0]], want[n]))
     assert wrong and all(".mlp.experts." in n for n in wrong)
+
+
+def test_a_torch_dist_store_is_refused_at_expert_parallelism(tmp_path):
+    store = str(tmp_path / "dist")
+    launch(
+        tw.train_kw,
+        1,
+        dict(MODEL, train_iters=1, ckpt_format="torch_dist", save=store),
+        timeout=300,
+    )
+    with pytest.raises(LaunchError, match="torch_dist stores at expert-parallel size 1 only"):
+        launch(tw.train_kw, 2, dict(EP2, train_iters=2, load=store), timeout=300)
 
 
 def _copy(store, tmp_path):

@@ -101,8 +101,9 @@ def load(
         if ep > 1:
             raise ConfigError(
                 f"--load {directory}: a torch_dist store, at --expert-model-parallel-size "
-                f"{ep}: megart loads expert parallelism's checkpoints in its own format only "
-                "(--ckpt-format megart, of any expert-parallel size)"
+                f"{ep}: megart reads torch_dist stores at expert-parallel size 1 only; resume "
+                "there and save with --ckpt-format megart or torch, which load at any "
+                "expert-parallel size"
             )
         return _load_dist(directory, root, config, grid, chunks, optimizer, rng, scaler)
     own = root / rank_dir(grid.tp_rank, grid.pp_rank, config.pp, ep_rank, ep) / FILE
