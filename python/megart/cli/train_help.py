@@ -181,7 +181,8 @@ HELP = {
     "save_interval": "iterations between checkpoints (one is also written after the last; "
     "unset: only that one)",
     "load": "directory to resume from (its latest checkpoint, megart's or Megatron-LM's legacy "
-    "one; one saved under another tensor- or pipeline-parallel layout is resharded; with "
+    "one; one saved under another tensor-, pipeline- or expert-parallel layout is resharded; "
+    "with "
     "--non-persistent-ckpt-type global, the non-persistent one where it is newer)",
     "no_save_optim": "save checkpoints without the optimizer state (nor the fp16 loss scale); "
     "resuming from one needs --no-load-optim or --finetune",

@@ -14,10 +14,10 @@ iteration, the learning rate and --rampup-batch-size's batch of the consumed sam
 also holds the model's whole GPTConfig, each chunk's layer ids and the parameter each
 optimizer state belongs to, so that the files can be merged into one model without the
 training flags (megart.training.shards): megart.training.export_hf writes it out, and ``load``
-reshards a checkpoint of another tensor/pipeline layout (megart.training.reshard), whatever
-places the layers (zb-v's V too: the files say which layers each chunk holds). Checkpoints
-from before those were saved hold a GPT-2-architecture model (the Trainer built no other) and
-the Trainer's optimizer order.
+reshards a checkpoint of another tensor/pipeline/expert-parallel layout (megart.training.
+reshard), whatever places the layers (zb-v's V too: the files say which layers each chunk
+holds). Checkpoints from before those were saved hold a GPT-2-architecture model (the Trainer
+built no other) and the Trainer's optimizer order.
 """
 
 from __future__ import annotations
@@ -50,9 +50,7 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     optimizer_params,
     rank_dir,
     read_file,
-    refuse_expert_parallel,
     required_latest_iteration,
-    saved_expert_parallel,
 )
 from megart.training.megatron_args import args_record
 from megart.training.megatron_scheduler import check_scheduler
@@ -91,9 +89,9 @@ def load(
     saved before they were recorded, as Megatron assumes). ``config.no_load_optim`` and
     ``config.no_load_rng`` skip those parts; with ``config.finetune`` only the weights are
     loaded and the run starts at iteration 0, as Megatron's flags. A checkpoint of another
-    tensor/pipeline layout is resharded (see megart.training.reshard), keeping this run's own
-    random streams; a directory without a checkpoint, or a checkpoint of another model, is a
-    ConfigError naming the flags."""
+    tensor/pipeline/expert-parallel layout is resharded (see megart.training.reshard; experts
+    by their global index), keeping this run's own random streams; a directory without a
+    checkpoint, or a checkpoint of another model, is a ConfigError naming the flags."""
     otherwise = ", or leave --load out to start from scratch"
     iteration = chosen_iteration(directory, config.ckpt_step, "--ckpt-step", otherwise)
     root = iteration_dir(directory, iteration)
@@ -103,8 +101,9 @@ def load(
         if ep > 1:
             raise ConfigError(
                 f"--load {directory}: a torch_dist store, at --expert-model-parallel-size "
-                f"{ep}: megart loads expert parallelism's own checkpoints only (--ckpt-"
-                "format megart, saved at the same expert-parallel size)"
+                f"{ep}: megart reads torch_dist stores at expert-parallel size 1 only; resume "
+                "there and save with --ckpt-format megart or torch, which load at any "
+                "expert-parallel size"
             )
         return _load_dist(directory, root, config, grid, chunks, optimizer, rng, scaler)
     own = root / rank_dir(grid.tp_rank, grid.pp_rank, config.pp, ep_rank, ep) / FILE
@@ -114,7 +113,6 @@ def load(
     # Any file tells the layout, the iteration and the loss scale (the same in every file).
     state = read_file(own if own.exists() else found[0])
     _check_model(directory, state, config, chunks[0].cfg)
-    _check_expert_parallel(directory, state, ep)
     if state[NORM_BIASES_ADDED] and dist.get_rank() == 0:
         print(norm_biases.note(directory, state[NORM_BIASES_ADDED]), flush=True)
     # A release checkpoint (megart import-hf) holds weights only and is loaded as --finetune.
@@ -152,21 +150,6 @@ def load(
     if finetune:
         return 0, 0
     return _resume_point(int(state["iteration"]), state.get("consumed_train_samples"), config)
-
-
-def _check_expert_parallel(directory: Any, state: dict, ep: int) -> None:
-    """Expert parallelism resumes at the expert-parallel size it was saved at only (each
-    expert-parallel rank's file holds its own experts; resharding them is not built)."""
-    saved = saved_expert_parallel(state)
-    if saved == ep:
-        return
-    if saved > 1:
-        refuse_expert_parallel(directory, state, f"load at --expert-model-parallel-size {ep}")
-    raise ConfigError(
-        f"--load {directory}: the checkpoint holds every expert in each file "
-        f"(--expert-model-parallel-size 1); megart cannot spread them over --expert-model-"
-        f"parallel-size {ep} ranks on load yet: resume at --expert-model-parallel-size 1"
-    )
 
 
 def _check_saved_parts(directory: Any, state: dict, load_optim: bool, load_rng: bool) -> None:

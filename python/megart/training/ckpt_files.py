@@ -48,33 +48,38 @@ def rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1)
 EXPERT_PARALLEL = "expert_model_parallel_size"
 
 
+# Written beside it where the distributed optimizer ran too: whether its files can be merged
+# is the distributed optimizer's to say (megart.training.expert_shards refuses them).
+EXPERT_DISTRIBUTED_OPTIMIZER = "use_distributed_optimizer"
+
+
 def saved_expert_parallel(state: dict[str, Any]) -> int:
     """The expert-parallel size a rank's file was saved at (1: every expert in every file)."""
     return int(state["config"].get(EXPERT_PARALLEL) or 1)
 
 
-def refuse_expert_parallel(directory: Any, state: dict[str, Any], what: str) -> None:
-    """Refuses, by name, to ``what`` a checkpoint saved under expert parallelism (each
-    expert-parallel rank's file holds other experts: the whole-tensor readers take one file
-    per tensor- and pipeline-parallel rank)."""
-    ep = saved_expert_parallel(state)
-    if ep > 1:
-        raise ConfigError(
-            f"{directory} was saved at --expert-model-parallel-size {ep}: megart cannot {what} "
-            "a checkpoint whose experts are spread over expert-parallel ranks yet; resume it "
-            f"at the layout it was saved at (--expert-model-parallel-size {ep})"
-        )
-
-
 def rank_files(root: Path, tp: int, pp: int) -> dict[tuple[int, int], Path]:
     """Every (tensor, pipeline) rank's file of checkpoint ``root`` of ``tp`` x ``pp`` ranks;
     a missing one is a ConfigError naming them all."""
-    paths = {(t, p): root / rank_dir(t, p, pp) / FILE for t in range(tp) for p in range(pp)}
+    return {(t, p): path for (t, p, _), path in expert_rank_files(root, tp, pp, 1).items()}
+
+
+def expert_rank_files(root: Path, tp: int, pp: int, ep: int) -> dict[tuple[int, int, int], Path]:
+    """Every (tensor, pipeline, expert-parallel) rank's file of checkpoint ``root`` of ``tp`` x
+    ``pp`` x ``ep`` ranks (``ep`` 1: rank_files' files); a missing one is a ConfigError naming
+    them all."""
+    paths = {
+        (t, p, e): root / rank_dir(t, p, pp, e, ep) / FILE
+        for t in range(tp)
+        for p in range(pp)
+        for e in range(ep)
+    }
     missing = [str(path) for path in paths.values() if not path.is_file()]
     if missing:
+        ranks = f" x expert-parallel {ep}" if ep > 1 else ""
         raise ConfigError(
-            f"{root} was saved by tensor-parallel {tp} x pipeline-parallel {pp} ranks, but "
-            f"{len(missing)} of its {len(paths)} files are missing: {', '.join(missing)}; "
+            f"{root} was saved by tensor-parallel {tp} x pipeline-parallel {pp}{ranks} ranks, "
+            f"but {len(missing)} of its {len(paths)} files are missing: {', '.join(missing)}; "
             "copy the whole iteration directory the training job wrote"
         )
     return paths

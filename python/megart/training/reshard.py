@@ -1,13 +1,16 @@
 """Loading a checkpoint under another parallel layout (resharding), in every rank, on load.
 
 Megatron-LM reshards offline (tools/checkpoint with --target-tensor/pipeline-parallel-size);
-megart does it when ``--load`` finds a checkpoint saved under other tensor- or
-pipeline-parallel sizes or another virtual-stage layout (the model must be the same: see
-megart.training.checkpoint.load). Each rank reads, memory-mapped, the files of the saved
-pipeline ranks that hold its layers, merges the whole tensors of its own chunks' parameters
-through megart.training.shards (the exporter's path) and takes its own tensor-parallel slice.
-The vocab-parallel embedding's zero padding (to a multiple of 128 t) is cut or added first, and
-a last stage takes the tied embedding from the saved first stage (the copies are kept equal).
+megart does it when ``--load`` finds a checkpoint saved under other tensor- or pipeline-
+parallel sizes, another virtual-stage layout or another expert-parallel size (the model must be
+the same: see megart.training.checkpoint.load). An expert-parallel checkpoint's files of a
+pipeline rank are merged first (megart.training.expert_shards: each expert by its global
+index), and a rank of an expert-parallel run takes its own experts of the whole. Each rank
+reads, memory-mapped, the files of the saved pipeline ranks that hold its layers, merges the
+whole tensors of its own chunks' parameters through megart.training.shards (the exporter's
+path) and takes its own tensor-parallel slice. The vocab-parallel embedding's zero padding (to
+a multiple of 128 t) is cut or added first, and a last stage takes the tied embedding from the
+saved first stage (the copies are kept equal).
 
 Adam's per-parameter states (exp_avg, exp_avg_sq, and fp32 main weights where stored: every
 state shaped like its parameter) are resharded the same way, mapped to parameter names by the
@@ -30,7 +33,14 @@ from megart.errors import ConfigError
 from megart.models import GPTChunk
 from megart.models.config import VOCAB_MULTIPLE, fit_vocab
 from megart.models.stages import rank_layer_counts
-from megart.training.ckpt_files import FILE, PARALLEL_FIELDS, optimizer_params, rank_dir
+from megart.training.ckpt_files import (
+    FILE,
+    PARALLEL_FIELDS,
+    optimizer_params,
+    rank_dir,
+    saved_expert_parallel,
+)
+from megart.training.expert_shards import check_live
 from megart.training.megatron_files import torch_load
 from megart.training.shards import (
     Shards,
@@ -57,6 +67,7 @@ def restore(
     rank's model chunks and, when given, ``optimizer`` (its param groups' hyperparameters
     too, as an unresharded load does)."""
     cfg = chunks[0].cfg
+    check_live(config)
     shards = read_shards(root, _pipeline_ranks(root, saved, chunks), announce=False)
     mine = {
         (c, key): (whole_name(key, chunk.layer_ids), p)
@@ -84,14 +95,15 @@ def restore(
 
 def needed(state: dict[str, Any], config: Any, chunks: list[GPTChunk]) -> bool:
     """Whether file ``state`` (this rank's, or any when it has none) was saved under another
-    layout than this run's: other parallel sizes, or other layers in this rank's chunks (as
-    another uneven-stage split gives, or another --make-vocab-size-divisible-by, which pads the
-    vocabulary to another size)."""
+    layout than this run's: other parallel sizes (the expert-parallel one too), or other
+    layers in this rank's chunks (as another uneven-stage split gives, or another
+    --make-vocab-size-divisible-by, which pads the vocabulary to another size)."""
     saved = state["config"]
     saved_config = state.get("model_config") or {}
     multiple = saved_config.get("make_vocab_size_divisible_by", VOCAB_MULTIPLE)
     return (
         any(saved[f] != getattr(config, f) for f in PARALLEL_FIELDS)
+        or saved_expert_parallel(state) != _expert_parallel(config)
         or [list(ids) for ids in state.get("layer_ids", [])]
         != [list(chunk.layer_ids) for chunk in chunks]
         or multiple != chunks[0].cfg.make_vocab_size_divisible_by
@@ -108,18 +120,26 @@ def describe(
     """The one line a resharded load prints (``saved_counts``: the layers of each saved
     pipeline rank, see saved_layers)."""
 
-    def layout(tp: int, pp: int, per: int | None, layers: list[int]) -> str:
-        v = "" if per is None else f" (v {config.num_layers // (pp * per)})"
-        return f"tp {tp} x pp {pp}{v}, layers per stage {' | '.join(map(str, layers))}"
+    was, now = saved_expert_parallel({"config": saved}), _expert_parallel(config)
 
-    before = layout(*(saved[f] for f in PARALLEL_FIELDS), saved_counts)
+    def layout(tp: int, pp: int, per: int | None, layers: list[int], ep: int) -> str:
+        v = "" if per is None else f" (v {config.num_layers // (pp * per)})"
+        e = f" x ep {ep}" if max(was, now) > 1 else ""
+        return f"tp {tp} x pp {pp}{v}{e}, layers per stage {' | '.join(map(str, layers))}"
+
+    before = layout(*(saved[f] for f in PARALLEL_FIELDS), saved_counts, was)
     counts = rank_layer_counts(config.num_layers, config.pp, **config.stages)
-    after = layout(*(getattr(config, f) for f in PARALLEL_FIELDS), counts)
+    after = layout(*(getattr(config, f) for f in PARALLEL_FIELDS), counts, now)
     return (
         f"megart train: --load {directory}: iteration {iteration} was saved under {before}, "
         f"resharded to {after}; its random streams cannot be resharded, so this run keeps its "
         f"own, seeded from --seed {config.seed}"
     )
+
+
+def _expert_parallel(config: Any) -> int:
+    """This run's expert-parallel size (1 for a config without the field)."""
+    return getattr(config, "expert_model_parallel_size", 1)
 
 
 def _pipeline_ranks(root: Path, saved: dict[str, Any], chunks: list[GPTChunk]) -> set[int]:
@@ -135,10 +155,10 @@ def saved_layers(root: Path, saved: dict[str, Any], cfg: Any) -> dict[int, set[i
     """The layers each saved pipeline rank holds, as its tensor rank 0 file records them (an
     uneven split is known only from the files): opened memory-mapped and unverified here, the
     files then read are verified."""
-    pp = saved["pipeline_model_parallel_size"]
+    pp, ep = saved["pipeline_model_parallel_size"], saved_expert_parallel({"config": saved})
     out = {}
     for p in range(pp):
-        path = root / rank_dir(0, p, pp) / FILE
+        path = root / rank_dir(0, p, pp, 0, ep) / FILE
         if not path.is_file():
             raise ConfigError(f"{path} is missing: the checkpoint is incomplete")
         out[p] = {i for ids in file_layer_ids(torch_load(path, mmap=True), p, pp, cfg) for i in ids}

@@ -26,10 +26,11 @@ from megart.training import norm_biases
 from megart.training.ckpt_files import (
     FILE,
     NORM_BIASES_ADDED,
-    rank_files,
+    expert_rank_files,
     read_file,
-    refuse_expert_parallel,
+    saved_expert_parallel,
 )
+from megart.training.expert_shards import check_mergeable, merge_expert_files
 from megart.training.megatron_files import is_megatron_file, megatron_layer_ids, model_chunks
 
 Shards = dict[tuple[int, int], dict[str, Any]]  # (tensor rank, pipeline rank) -> its file
@@ -61,21 +62,27 @@ def whole_name(key: str, layers: Sequence[int]) -> str:
 
 def read_shards(root: Path, pp_ranks: Iterable[int] | None = None, announce: bool = True) -> Shards:
     """The model-parallel files of checkpoint ``root`` (all of them must be there), read
-    memory-mapped: every file, or the tensor-parallel files of pipeline ranks ``pp_ranks``.
+    memory-mapped: every file, or the tensor-parallel files of pipeline ranks ``pp_ranks``;
+    an expert-parallel checkpoint's files of each rank merged (megart.training.expert_shards).
     ``announce``: print the note on LayerNorm biases an older megart left out, if it did
     (megart.training.norm_biases; a training load prints it once, from rank 0)."""
     found = sorted(root.glob(f"mp_rank_*/{FILE}"))
     if not found:
         raise ConfigError(f"{root} holds no mp_rank_*/{FILE}: it is not a megart checkpoint")
     layout = read_file(found[0])["config"]
-    refuse_expert_parallel(
-        root, {"config": layout}, "merge the files of (reshard, export, convert)"
-    )
+    check_mergeable(root, layout)
     tp = layout["tensor_model_parallel_size"]
     pp = layout["pipeline_model_parallel_size"]
-    paths = rank_files(root, tp, pp)
+    ep = saved_expert_parallel({"config": layout})
+    paths = expert_rank_files(root, tp, pp, ep)
     wanted = set(range(pp) if pp_ranks is None else pp_ranks)
-    files = {(t, p): read_file(path) for (t, p), path in paths.items() if p in wanted}
+    # An expert-parallel checkpoint's files of one (tensor, pipeline) rank merged into one.
+    files = {
+        (t, p): merge_expert_files(root, p, [read_file(paths[t, p, e]) for e in range(ep)])
+        for t in range(tp)
+        for p in range(pp)
+        if p in wanted
+    }
     added = [n for f in files.values() for n in f[NORM_BIASES_ADDED]]
     if added and announce:
         print(norm_biases.note(root, added), flush=True)
