@@ -7,8 +7,9 @@ gradient norm and its logged auxiliary losses; the curve catches the experts sha
 parallelism, sliced as the dense buckets are, or unscaled. Checkpoints resume on the curve at
 the same layout, at another data-parallel size and without the distributed optimizer, in fp32
 and with 16-bit weights. --log-params-norm and --log-num-zeros-in-grad count each expert once
-with and without the distributed optimizer. Megatron-LM's checkpoint formats stay refused, on
-save and on load."""
+with and without the distributed optimizer. Megatron-LM's checkpoint formats are refused on
+save; on load its legacy files are spread over the expert-parallel ranks, its torch_dist
+stores refused."""
 
 import pytest
 
@@ -85,18 +86,17 @@ def test_a_checkpoint_resumes_on_the_curve_at_the_same_layout(tmp_path, runs):
                      "mp_rank_00_001_000", "mp_rank_00_001_001"]  # fmt: skip
 
 
-def test_a_checkpoint_resumes_at_another_data_parallel_size_not_another_ep(tmp_path, runs):
+def test_a_checkpoint_resumes_at_another_data_parallel_size(tmp_path, runs):
     """Saved at ep2 dp2 with the distributed optimizer; the files hold every moment of their
     experts, so ep2 at dp4 (the experts now sliced in two) and ep2 at dp2 without the
-    distributed optimizer resume on the curve holding what was saved; ep4 is refused by name."""
+    distributed optimizer resume on the curve holding what was saved (another EP size:
+    test_moe_ep_reshard.py)."""
     store = tmp_path / "ckpt"
     trained, at_dp4 = tw.saved_and_resumed(2, EP2, 4, EP2, store)
     without = tw.holding(2, dict(EP2, use_distributed_optimizer=False, load=str(store)))
     for resumed in (at_dp4, without):
         tw.assert_holds(trained, resumed)
         tw.assert_resumed_on_curve(runs["ep2-dp2"], resumed, **SAME_RUN)
-    with pytest.raises(LaunchError, match="saved at --expert-model-parallel-size 2"):
-        launch(tw.train_kw, 4, dict(EP4, load=str(store)), timeout=300)
 
 
 def test_sixteen_bit_weights_resume_on_their_curve(tmp_path):
@@ -179,18 +179,23 @@ def test_the_run_line_says_the_experts_state_is_sharded_over_their_ranks():
     assert "Adam state 1/4 per rank (distributed optimizer);" in run_description(fake)
 
 
-@pytest.mark.parametrize(
-    "fmt,message",
-    [
-        ("torch_dist", "a torch_dist store, at --expert-model-parallel-size 2: megart loads "
-                       "expert parallelism's own checkpoints only"),
-        ("torch", r"every expert in each file \(--expert-model-parallel-size 1\)"),
-    ],
-)  # fmt: skip
-def test_megatron_checkpoints_are_not_spread_over_expert_parallel_ranks(tmp_path, fmt, message):
-    """Megatron-LM's formats, written at expert-parallel size 1 with the distributed
-    optimizer, are refused by name on a load at ep2 with it."""
-    launch(tw.train_kw, 2, dict(ZERO, train_iters=1, ckpt_format=fmt, save=str(tmp_path)),
-           timeout=300)  # fmt: skip
-    with pytest.raises(LaunchError, match=message):
+def test_a_megatron_torch_dist_store_is_refused_at_expert_parallelism(tmp_path):
+    """Written at expert-parallel size 1 with the distributed optimizer, refused by name on a
+    load at ep2 with it (megart reads torch_dist stores at EP 1 only)."""
+    launch(tw.train_kw, 2, dict(ZERO, train_iters=1, ckpt_format="torch_dist",
+           save=str(tmp_path)), timeout=300)  # fmt: skip
+    said = "a torch_dist store, at --expert-model-parallel-size 2: megart reads torch_dist"
+    with pytest.raises(LaunchError, match=said):
         launch(tw.train_kw, 2, dict(EP2, load=str(tmp_path)), timeout=300)
+
+
+def test_a_megatron_legacy_checkpoint_resumes_spread_over_expert_parallel_ranks(
+    tmp_path, one_process
+):
+    """Megatron-LM's legacy files (every expert in each, its distrib_optim.pt beside), written
+    at dp2 with the distributed optimizer, resume at ep2 with it holding what was saved, on
+    the one-process curve (training.expert_shards' reshard)."""
+    saved = dict(ZERO, ckpt_format="torch")
+    trained, resumed = tw.saved_and_resumed(2, saved, 2, EP2, tmp_path / "ckpt")
+    tw.assert_holds(trained, resumed)
+    tw.assert_resumed_on_curve(one_process, resumed, **SAME_RUN)

@@ -3,15 +3,15 @@
 by the experts' global indices, so that megart train --load reshards it into another expert-
 parallel size, pipeline or data-parallel layout (EP2 x dp2 and EP2 x pp2 into EP1, EP4 x dp4 and
 interleaved EP2 x pp2; megart's and Megatron-LM's legacy checkpoints without expert parallelism
-into EP2), holding right after load exactly the weights and Adam moments the saving ranks held
-and going on on the one-process curve; export-hf (Mixtral and Qwen3-MoE) and convert-checkpoint
-(Megatron-LM's legacy files, EP1) write from it what they write from the same model's EP1
-checkpoint, and the weights its ranks trained. Experts merged at the wrong global index are
-caught; what cannot be merged is refused by name, and so is a torch_dist store at EP2."""
+into EP2; with the distributed optimizer saving or resuming), holding right after load exactly
+the weights and Adam moments the saving ranks held and going on on the one-process curve;
+export-hf (Mixtral and Qwen3-MoE) and convert-checkpoint (Megatron-LM's legacy files, EP1)
+write from it what they write from the same model's EP1 checkpoint, and the weights its ranks
+trained. Experts merged at the wrong global index are caught; what cannot be merged is refused
+by name, and so is a torch_dist store at EP2."""
 
 import json
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,6 +35,7 @@ SAVED = {
     "ep2-pp2": (4, dict(EP2, **PP2)),
     "ep1": (1, MODEL),
     "ep1-megatron-legacy": (1, dict(MODEL, ckpt_format="torch")),
+    "ep2-dp2-distopt": (2, dict(EP2, use_distributed_optimizer=True)),
 }
 # name: (the saved run, processes, flags) of the runs resumed from it.
 RESUMED = {
@@ -49,6 +50,14 @@ RESUMED = {
     ),  # fmt: skip
     "ep1 into ep2-dp2": ("ep1", 2, EP2),
     "ep1-megatron-legacy into ep2-dp2": ("ep1-megatron-legacy", 2, EP2),
+    # The distributed optimizer's files hold their experts' whole moments, as the others do.
+    "ep2-dp2-distopt into ep1": ("ep2-dp2-distopt", 1, MODEL),
+    "ep2-dp2-distopt into ep4-dp4-distopt": (
+        "ep2-dp2-distopt",
+        4,
+        dict(EP4, use_distributed_optimizer=True),
+    ),  # fmt: skip
+    "ep2-dp2 into ep4-dp4-distopt": ("ep2-dp2", 4, dict(EP4, use_distributed_optimizer=True)),
 }
 LOGGED = ("loss", "grad_norm", "load_balancing_loss", "z_loss")
 
@@ -227,22 +236,6 @@ def test_a_torch_dist_store_is_refused_at_expert_parallelism(tmp_path):
 def _copy(store, tmp_path):
     shutil.copytree(store, tmp_path / "copy")
     return tmp_path / "copy" / "iter_0000002"
-
-
-def test_an_expert_parallel_checkpoint_of_the_distributed_optimizer_is_refused(saved, tmp_path):
-    """Its files' optimizer state is the distributed optimizer's (not merged here)."""
-    root = _copy(saved["ep2-dp2"][1], tmp_path)
-    for path in root.glob("mp_rank_*/model_optim_rng.pt"):
-        tw.rewrite_checkpoint_file(
-            path, lambda s: s["config"].update(use_distributed_optimizer=True)
-        )
-    with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 with --use-distribu"):
-        read_shards(root)
-    live = SimpleNamespace(
-        load="ckpt", expert_model_parallel_size=2, use_distributed_optimizer=True
-    )
-    with pytest.raises(ConfigError, match="resharding a checkpoint into --expert-model-parallel"):
-        expert_shards.check_live(live)
 
 
 def test_a_missing_expert_parallel_file_is_named(saved, tmp_path):

@@ -32,7 +32,6 @@ from megart.training import (
     tokenizer_record,
 )
 from megart.training.ckpt_files import (
-    EXPERT_DISTRIBUTED_OPTIMIZER,
     EXPERT_PARALLEL,
     FILE,
     MODEL_FIELDS,
@@ -163,8 +162,6 @@ def save(
     ep_size, ep_rank = getattr(grid, "ep", 1), getattr(grid, "ep_rank", 0)
     if getattr(grid, "edp_rank", grid.dp_cp_rank) == 0:
         ep = {EXPERT_PARALLEL: ep_size} if ep_size > 1 else {}
-        if ep and config.use_distributed_optimizer:  # see expert_shards.check_mergeable
-            ep[EXPERT_DISTRIBUTED_OPTIMIZER] = True
         state = file_state(
             iteration,
             # context_parallel_size is a record only: the weights' layout does not depend on it.

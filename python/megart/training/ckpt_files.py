@@ -48,11 +48,6 @@ def rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1)
 EXPERT_PARALLEL = "expert_model_parallel_size"
 
 
-# Written beside it where the distributed optimizer ran too: whether its files can be merged
-# is the distributed optimizer's to say (megart.training.expert_shards refuses them).
-EXPERT_DISTRIBUTED_OPTIMIZER = "use_distributed_optimizer"
-
-
 def saved_expert_parallel(state: dict[str, Any]) -> int:
     """The expert-parallel size a rank's file was saved at (1: every expert in every file)."""
     return int(state["config"].get(EXPERT_PARALLEL) or 1)

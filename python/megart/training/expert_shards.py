@@ -12,6 +12,8 @@ expert-parallel rank 0's file and every rank's experts, each under its own name;
 state likewise: each parameter's Adam state, renumbered into the saved param groups, and named
 in ``optimizer_params`` (megart.training.reshard maps the states to parameters by those names).
 Expert-parallel rank 0's file gives the rest (the iteration, the loss scale, the records).
+The distributed optimizer's files are no different: each holds its experts' whole moments,
+gathered over their expert-data-parallel group (megart.training.distributed_optimizer).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megart.errors import ConfigError
-from megart.training.ckpt_files import EXPERT_DISTRIBUTED_OPTIMIZER, EXPERT_PARALLEL
+from megart.training.ckpt_files import EXPERT_PARALLEL
 
 # A routed expert's parameter in a chunk's state dict (not a shared expert's: shared_experts).
 EXPERT = re.compile(r"(?:^|\.)mlp\.experts\.\d+\.")
@@ -32,31 +34,6 @@ def is_expert(key: str) -> bool:
     """Whether the chunk's parameter ``key`` belongs to a routed expert (one expert-parallel
     rank's only)."""
     return EXPERT.search(key) is not None
-
-
-def check_mergeable(root: Any, layout: dict[str, Any]) -> None:
-    """Refuses, by name, an expert-parallel checkpoint the distributed optimizer wrote: how its
-    files hold the experts' optimizer state is the distributed optimizer's own (not built here
-    for expert parallelism)."""
-    ep = int(layout.get(EXPERT_PARALLEL) or 1)
-    if ep > 1 and layout.get(EXPERT_DISTRIBUTED_OPTIMIZER):
-        raise ConfigError(
-            f"{root} was saved at --expert-model-parallel-size {ep} with "
-            "--use-distributed-optimizer: megart cannot merge the files of such a checkpoint "
-            "(reshard, export, convert) yet; resume it at the layout it was saved at"
-        )
-
-
-def check_live(config: Any) -> None:
-    """Refuses resharding a checkpoint into a run of expert parallelism with the distributed
-    optimizer (a load into that run takes its own files only, at the layout it saved)."""
-    ep = getattr(config, "expert_model_parallel_size", 1)
-    if ep > 1 and getattr(config, "use_distributed_optimizer", False):
-        raise ConfigError(
-            f"--load {config.load}: resharding a checkpoint into --expert-model-parallel-size "
-            f"{ep} with --use-distributed-optimizer is not built; resume at the layout it was "
-            "saved at, or without the distributed optimizer"
-        )
 
 
 def merge_expert_files(root: Path, pp_rank: int, files: list[dict[str, Any]]) -> dict[str, Any]:

@@ -40,7 +40,6 @@ from megart.training.ckpt_files import (
     rank_dir,
     saved_expert_parallel,
 )
-from megart.training.expert_shards import check_live
 from megart.training.megatron_files import torch_load
 from megart.training.shards import (
     Shards,
@@ -67,7 +66,6 @@ def restore(
     rank's model chunks and, when given, ``optimizer`` (its param groups' hyperparameters
     too, as an unresharded load does)."""
     cfg = chunks[0].cfg
-    check_live(config)
     shards = read_shards(root, _pipeline_ranks(root, saved, chunks), announce=False)
     mine = {
         (c, key): (whole_name(key, chunk.layer_ids), p)

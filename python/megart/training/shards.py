@@ -30,7 +30,7 @@ from megart.training.ckpt_files import (
     read_file,
     saved_expert_parallel,
 )
-from megart.training.expert_shards import check_mergeable, merge_expert_files
+from megart.training.expert_shards import merge_expert_files
 from megart.training.megatron_files import is_megatron_file, megatron_layer_ids, model_chunks
 
 Shards = dict[tuple[int, int], dict[str, Any]]  # (tensor rank, pipeline rank) -> its file
@@ -70,7 +70,6 @@ def read_shards(root: Path, pp_ranks: Iterable[int] | None = None, announce: boo
     if not found:
         raise ConfigError(f"{root} holds no mp_rank_*/{FILE}: it is not a megart checkpoint")
     layout = read_file(found[0])["config"]
-    check_mergeable(root, layout)
     tp = layout["tensor_model_parallel_size"]
     pp = layout["pipeline_model_parallel_size"]
     ep = saved_expert_parallel({"config": layout})
