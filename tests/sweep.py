@@ -28,6 +28,7 @@ messages.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import shutil
 import sys
@@ -170,13 +171,20 @@ def draw(rng: random.Random, mode: str) -> tuple[int, dict, dict]:
     if mode == "precision":
         model.update(_precision(rng))
     ranks, layout, dp = _layout(rng, model["num_layers"])
-    experts = model.get("num_experts") or 1
-    if dp > 1 and experts % dp == 0 and rng.random() < 0.5:  # expert parallelism over dp
-        layout["expert_model_parallel_size"] = dp
+    _spread_experts(rng, model, layout, dp)
     micro = rng.choice([1, 2])
     rounds = rng.choice([2, 4, 8]) if layout["pipeline_model_parallel_size"] > 1 else 2
     model.update(micro_batch_size=micro, global_batch_size=micro * dp * rounds)
     return ranks, model, layout
+
+
+def _spread_experts(rng: random.Random, model: dict, layout: dict, dp: int) -> None:
+    """At times, expert parallelism over the data-parallel ranks, where ``model``'s experts
+    split over them (into ``layout``; any other draw's taken out)."""
+    layout.pop("expert_model_parallel_size", None)
+    experts = model.get("num_experts") or 1
+    if dp > 1 and experts % dp == 0 and rng.random() < 0.5:
+        layout["expert_model_parallel_size"] = dp
 
 
 def _train(kw: dict) -> list[dict]:
@@ -289,6 +297,9 @@ def one(rng: random.Random, mode: str) -> str:
             launch(_train, ranks, dict(save, ckpt_format=fmt), timeout=300)
             saved = {k: v for k, v in layout.items() if v not in (1, None)}
             ranks, _, flags = draw(rng, mode)  # another layout of the same run
+            sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size")  # fmt: skip
+            _spread_experts(rng, base, flags, ranks // math.prod(flags[k] for k in sizes))
             flags.update(load=store, ckpt_format=fmt)
             if fmt != "megart" and rng.random() < 0.4:
                 # Another schedule on the command line, the saved one taken instead: the curve
