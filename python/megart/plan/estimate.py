@@ -17,6 +17,7 @@ from megart.plan.data_parallel import (
 from megart.plan.hardware import GIB, GPUProfile
 from megart.plan.layout import Layout, layout_config
 from megart.plan.memory import precision, sixteen_bit_weights
+from megart.plan.moe_time import expert_group_near
 from megart.plan.parameters import FP32
 from megart.plan.pipeline_run import PipelineRun, pipeline_run
 from megart.plan.runtime_options import check_runtime, gradient_copy_bytes, runtime_tp_overlap
@@ -175,6 +176,7 @@ def _data_parallel_time(
         dp_overlap,
         grad_reduce_bytes,
         bucket,
+        worst["expert_gradient_buffers"],
     )
 
 
@@ -198,10 +200,12 @@ def _time_parts(
     pipeline_comm = run.makespan - compute_only * (1 + bubble) if layout.pp > 1 else 0.0
     tp_comm = m * run.stage.tp_comm
     cp_comm = m * run.stage.cp_comm
+    ep_comm = m * run.stage.ep_comm
     time = {
-        "compute": compute_only - tp_comm - cp_comm,
+        "compute": compute_only - tp_comm - cp_comm - ep_comm,
         "tp_comm": tp_comm,
         "cp_comm": cp_comm,
+        "ep_comm": ep_comm,
         "bubble": compute_only * bubble,
         "pp_comm": max(0.0, pipeline_comm),
         "dp_comm": dp_exposed + gather + tied,
@@ -290,10 +294,13 @@ def _stage_work(
     kinds = {rec} | ({None} if rec == "full" and cfg.recompute_method == "block" else set())
     # Each layer's kind: (window, MoE layer or not).
     layer_kinds = [(windows[i], cfg.is_moe_layer(i)) for i in range(cfg.num_layers)]
+    # Expert parallelism's groups: ep consecutive ranks, split over nodes where they must be.
+    ep = layout.ep
+    near = expert_group_near(gpu.gpus_per_node, layout.dp, p, ep) if ep > 1 else None
     works = {
         (w, r): layer_work(cfg, b, t, sp, r, tp_gpu, unfused_attention, tp_overlap, cp=cp,
                            cp_bus_gb_per_s=cp_bus, window=w[0], documents=c.reset_attention_mask,
-                           moe=w[1])
+                           moe=w[1], ep=ep, ep_near=near)
         for w in set(layer_kinds) for r in kinds
     }  # fmt: skip
     logits = logits_work(cfg, b, t, gpu, cp)

@@ -27,11 +27,12 @@ def _norm(cfg: GPTConfig, size: int | None = None) -> list[int]:
     return [h] if cfg.normalization == "rmsnorm" else [h, h]
 
 
-def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0) -> list[int]:
+def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0, ep: int = 1) -> list[int]:
     """Element counts of layer ``layer``'s parameters on one tensor-parallel rank, in megart's
     registration order (norm, fused q/k/v, output projection, --qk-layernorm's query and key
     norms, norm, MLP; an MoE layer's router [E, h], replicated, and then each expert's MLP of
-    moe_ffn_size split over t as the dense MLP, without biases: models.moe)."""
+    moe_ffn_size split over t as the dense MLP, without biases: models.moe; under expert
+    parallelism over ``ep`` ranks, E/ep of the experts)."""
     h, f, t = cfg.hidden_size, cfg.ffn_size, tp
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // t
     bias = cfg.bias
@@ -43,7 +44,7 @@ def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0) -> list[int]:
     if cfg.is_moe_layer(layer):  # the router replicated, each expert split as a dense MLP
         fm = cfg.moe_ffn_size // t
         expert = [fm * h] * (2 if cfg.activation == "swiglu" else 1) + [h * fm]
-        return out + [cfg.num_experts * h] + expert * cfg.num_experts
+        return out + [cfg.num_experts * h] + expert * (cfg.num_experts // ep)
     column = [f // t * h, *([f // t] if bias else [])]
     out += column + (column if cfg.activation == "swiglu" else [])
     out += [h * f // t, *([h] if bias else [])]
@@ -65,10 +66,12 @@ def chunk_tensors(
     v_shape: bool = False,
     first: int | None = None,
     last: int | None = None,
+    ep: int = 1,
 ) -> list[ChunkTensors]:
     """The parameters of each model chunk of pipeline rank ``pp_rank``, as megart builds them
     (megart.models.gpt.GPTChunk); ``v_shape``: zb-v's placement (the last stage on rank 0);
-    ``first``/``last``: uneven stages' layers (megart.models.stages)."""
+    ``first``/``last``: uneven stages' layers (megart.models.stages); ``ep``: expert-parallel
+    ranks sharing each MoE layer's experts."""
     h, vocab = cfg.hidden_size, cfg.padded_vocab_size(tp) // tp
     untied = cfg.untie_embeddings_and_output_weights
     out = []
@@ -82,7 +85,7 @@ def chunk_tensors(
         if first and cfg.position_embedding == "learned":
             tensors.append(cfg.seq_length * h)
         for i in layers:
-            tensors += layer_tensors(cfg, tp, i)
+            tensors += layer_tensors(cfg, tp, i, ep)
         if last:
             tensors += _norm(cfg)
         if last and untied:
@@ -137,6 +140,9 @@ class StateBytes:
     reduce_copies: int = 0
     # Elements per bucket from --ddp-bucket-size/--ddp-num-buckets (None: megart's 4 MiB)
     bucket_elements: int | None = None
+    # Under expert parallelism, of ``gradients`` the experts' buckets (training.expert_grads:
+    # averaged over the expert-data-parallel ranks, apart from the dense ones); 0 without it
+    expert_gradients: int = 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -156,6 +162,7 @@ def state_bytes(
     ddp_bucket_size: int | None = None,
     ddp_num_buckets: int | None = None,
     reduce_in_bf16: bool = False,
+    ep: int = 1,
 ) -> StateBytes:
     """Bytes of parameters, gradients and AdamW state (two fp32 moments and a 0-d fp32 step per
     stepped tensor) on data-parallel rank ``dp_rank`` of pipeline rank ``pp_rank`` (None: the
@@ -165,9 +172,11 @@ def state_bytes(
     ``ddp_bucket_size``/``ddp_num_buckets``: Megatron's bucket sizes, as megart.training.optimizer
     applies them (over this rank's parameters, ``dp`` ranks); ``reduce_in_bf16``
     (--grad-reduce-in-bf16): the gradients stay fp32 and each bucket gets a bf16 copy that is
-    reduced, kept beside it (``reduce_copies``); the bucket size it used: ``bucket_elements``."""
+    reduced, kept beside it (``reduce_copies``); the bucket size it used: ``bucket_elements``.
+    ``ep``: expert-parallel ranks sharing each MoE layer's experts (not with ``distributed``:
+    megart train refuses both)."""
     parts = dp if distributed else 1
-    chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks, v_shape, first, last)
+    chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks, v_shape, first, last, ep)
     n = sum(sum(c.tensors) for c in chunk_list)
     bucket_size = None
     if ddp_bucket_size is not None or ddp_num_buckets is not None:
@@ -180,7 +189,8 @@ def state_bytes(
     if not distributed:
         mains = n * FP32 if half_weights else 0
         optimizer = n * 2 * FP32 + tensors * FP32 + mains
-        return StateBytes(n * weight, grads, optimizer, copies, bucket_size)
+        experts = expert_elements(cfg, tp, pp, pp_rank, chunks, v_shape, first, last, ep)
+        return StateBytes(n * weight, grads, optimizer, copies, bucket_size, experts * FP32)
     mains = grads // parts if half_weights else 0  # this rank's slice of every padded bucket
     # The distributed optimizer moves the parameters into buffers laid out (padded) as the
     # gradients, and steps 1/dp slices ("pieces") of them: moments for the elements of its
@@ -204,3 +214,26 @@ def state_bytes(
                 offset += n_p
         worst = max(worst, elements * 2 * FP32 + pieces * FP32)
     return StateBytes(grads // FP32 * weight, grads, worst + mains, copies, bucket_size)
+
+
+def expert_elements(
+    cfg: GPTConfig,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    chunks: int,
+    v_shape: bool,
+    first: int | None,
+    last: int | None,
+    ep: int,
+) -> int:
+    """Elements of the experts pipeline rank ``pp_rank`` holds under expert parallelism over
+    ``ep`` > 1 ranks (E/ep of each MoE layer's, each split over t as a dense MLP): what its
+    expert buckets hold (training.expert_grads); 0 at ``ep`` 1, where they are dense ones."""
+    if ep == 1 or not cfg.num_experts:
+        return 0
+    ups = 2 if cfg.activation == "swiglu" else 1
+    one = (ups + 1) * cfg.moe_ffn_size // tp * cfg.hidden_size
+    layers = chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape, first, last)
+    moe = sum(cfg.is_moe_layer(i) for span in layers for i in span)
+    return moe * cfg.num_experts // ep * one
