@@ -175,6 +175,25 @@ def test_the_all_to_all_time_is_the_hand_computation(ep, near):
     assert replayed.ep_comm == pytest.approx(2 * forward + backward, rel=1e-12)
 
 
+def test_an_iterations_ep_comm_is_every_moe_layers_exchanges():
+    """estimate(): m microbatches through every MoE layer of the one stage, each its
+    layer_work's all-to-alls (the group of 8 inside a node), and the experts' buckets
+    (E/ep experts of each MoE layer, fp32) reduced apart."""
+    from megart.plan.estimate import estimate
+
+    base = TrainConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=2048,
+                       vocab_size=32000, global_batch_size=64, num_experts=8,
+                       disable_bias_linear=True, moe_layer_freq="[1,0,1,0]", bf16=True)  # fmt: skip
+    layout = Layout(1, 1, 16, 1, 2, False, None, False, ep=8)
+    e = estimate(base, layout, H100)
+    cfg = base.gpt_config()
+    one = layer_work(cfg, 2, 1, False, None, H100, moe=True, ep=8, ep_near=8)
+    assert e.time["ep_comm"] == pytest.approx(e.microbatches * 2 * one.ep_comm, rel=1e-12)
+    expert = 2 * (8 // 8) * 2 * cfg.moe_ffn_size * 1024 * 4  # layers, experts, fc and proj
+    assert e.memory["expert_gradient_buffers"] == expert
+    assert e.time["ep_comm"] > 0 and e.layout.ep == 8
+
+
 @pytest.mark.parametrize(
     "dp,pp,ep,near",
     [(16, 1, 8, 8), (16, 1, 16, 8), (12, 1, 3, 1), (6, 2, 3, 1), (6, 2, 2, 2), (4, 2, 4, 4)],
