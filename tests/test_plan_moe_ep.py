@@ -4,7 +4,9 @@ ep2 x pp2, ep2 at dp4) with the routing prescribed (plan_moe_ep_workers), the pa
 gradient and optimizer bytes exactly and the activations autograd saves at the peak exactly in
 fp32, as a function of the token copies each rank's experts get (balanced: k T each; all on
 rank 0's experts: ep k T and none); in bf16 within 1%, the experts' terms exact (the same
-difference as at ep1: the dense layers' known CPU differences). The all-to-alls' buffers are
+difference as at ep1: the dense layers' known CPU differences); with the distributed optimizer
+(each bucket set sharded over its own group) every rank's state bytes exactly, 16-bit weights,
+bf16 reduction and Megatron's bucket size included. The all-to-alls' buffers are
 what the ranks post, forward, backward and replayed; their time, the experts' gradient
 reduction and the search are checked by hand and by properties; the command line searches
 expert parallelism where megart train runs it and refuses, in megart train's words, where it
@@ -81,6 +83,30 @@ def test_predicted_ep_bytes_are_what_a_rank_holds(name, nproc, kw, routing):
     if routing == "first":  # the routing, not the plan, decides which rank holds more
         peak = "recompute_peak" if kw.get("recompute_granularity") == "full" else "saved_peak"
         assert ranks[0][0][peak] > ranks[1][0][peak]
+
+
+DISTOPT = dict(EP2, use_distributed_optimizer=True)
+# (name, processes, flags, the saved bytes exact too: fp32 at sizes no weight shares)
+DISTOPT_CASES = [
+    ("ep2 dp2", 2, DISTOPT, True),
+    ("ep2 dp4", 4, dict(DISTOPT, global_batch_size=16), True),
+    ("ep2 dp4 bf16 half weights", 4,
+     dict(DISTOPT, global_batch_size=16, bf16=True, half_weights=True, micro_batch_size=1), False),
+    ("ep2 pp2 dp2 bf16 reduce ddp-bucket-size", 4,
+     dict(DISTOPT, pipeline_model_parallel_size=2, bf16=True, grad_reduce_in_bf16=True,
+          ddp_bucket_size=3000, micro_batch_size=1), False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,nproc,kw,saved", DISTOPT_CASES, ids=[c[0] for c in DISTOPT_CASES])
+def test_the_distributed_optimizer_shards_each_set_over_its_group(name, nproc, kw, saved):
+    """The dense buckets over d, the experts' over their d / ep ranks (a rank's index there
+    d // ep): each rank's moments, steps, main weights and padded buffers as it holds them."""
+    for held, want, cpu in predicted_and_held(nproc, kw, pw.routed_held_bytes, ("balanced",)):
+        for part in ("parameters", "gradients", "optimizer"):
+            assert want[part] == held[part], (name, held, part, want[part])
+        if saved:
+            assert held["saved_peak"] == want["saved"] + cpu, (name, held, want)
 
 
 @pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
@@ -205,24 +231,32 @@ def test_expert_groups_are_placed_as_megarts_grid_places_them(dp, pp, ep, near):
     assert expert_group_near(8, dp, pp, ep) == near
 
 
-def test_the_experts_gradients_are_reduced_over_their_expert_data_parallel_group():
-    """The dense gradients all-reduced over d, the experts' over d / ep ranks ep apart,
-    one after the other; at ep = d the experts' need none."""
-    layout = Layout(1, 1, 16, 1, 1, False, None, False, ep=4)
+@pytest.mark.parametrize("distributed", [False, True], ids=["all-reduce", "distributed"])
+def test_the_experts_gradients_are_reduced_over_their_expert_data_parallel_group(distributed):
+    """The dense gradients reduced over d, the experts' over d / ep ranks ep apart, one after
+    the other (all-reduced; with the distributed optimizer reduce-scattered, and the 16-bit
+    parameters all-gathered over the same groups); at ep = d the experts' need none."""
+    layout = Layout(1, 1, 16, 1, 1, False, None, distributed, ep=4)
     grads, experts = 4e9, 3e9
 
-    def exposed(lay: Layout, expert_bytes: float) -> float:
-        return data_parallel_seconds(MIXTRAL, lay, lay.dp, H100, grads, 0.0, False, False,
-                                     4, None, expert_bytes)[0]  # fmt: skip
+    def seconds(lay: Layout, expert_bytes: float) -> tuple[float, float, float]:
+        return data_parallel_seconds(MIXTRAL, lay, lay.dp, H100, grads, 0.0, True, False,
+                                     4, None, expert_bytes)  # fmt: skip
 
-    dense = collective_seconds(
-        "all_reduce", grads - experts, 16, data_parallel_bus_gb_per_s(H100, 1, 16), H100
-    )
-    edp = collective_seconds("all_reduce", experts, 4, data_parallel_bus_gb_per_s(H100, 4, 4), H100)
-    assert exposed(layout, experts) == pytest.approx(dense + edp, rel=1e-12)
+    d_bus, e_bus = data_parallel_bus_gb_per_s(H100, 1, 16), data_parallel_bus_gb_per_s(H100, 4, 4)
+    kind = "reduce_scatter" if distributed else "all_reduce"
+    dense = collective_seconds(kind, grads - experts, 16, d_bus, H100)
+    edp = collective_seconds(kind, experts, 4, e_bus, H100)
+    exposed, gather, _ = seconds(layout, experts)
+    assert exposed == pytest.approx(dense + edp, rel=1e-12)
+    want = 0.0
+    if distributed:  # 16-bit weights: half the fp32 gradients' bytes
+        want = collective_seconds("all_gather", (grads - experts) / 2, 16, d_bus, H100)
+        want += collective_seconds("all_gather", experts / 2, 4, e_bus, H100)
+    assert gather == pytest.approx(want, rel=1e-12)
     whole = dataclasses.replace(layout, ep=16)
-    assert exposed(whole, experts) == pytest.approx(dense, rel=1e-12)
-    assert exposed(whole, experts) < exposed(layout, experts)
+    assert seconds(whole, experts)[0] == pytest.approx(dense, rel=1e-12)
+    assert seconds(whole, experts)[0] < exposed
 
 
 SMALL_CFG = dict(vocab_size=256, seq_length=64, hidden_size=64, num_layers=4,
@@ -288,14 +322,15 @@ def _candidates(argv: str, capsys: pytest.CaptureFixture[str]) -> list[dict]:
 
 def test_the_cli_searches_expert_parallelism_where_megart_train_runs_it(capsys):
     """Left out, ep is searched: each size dividing d and the experts, at t = cp = 1 only,
-    never with the distributed optimizer; the JSON's layout and flags and the table name it,
-    and its all-to-alls are timed."""
+    with and without the distributed optimizer; the JSON's layout and flags and the table
+    name it, and its all-to-alls are timed."""
     found = _candidates(ARGV, capsys)
     layouts = [c["layout"] for c in found]
     spread = [lay for lay in layouts if lay["ep"] > 1]
     assert {lay["ep"] for lay in spread} >= {2, 4, 8}
+    assert {lay["distributed_optimizer"] for lay in spread} == {False, True}
     for lay in spread:
-        assert lay["tp"] == lay["cp"] == 1 and not lay["distributed_optimizer"]
+        assert lay["tp"] == lay["cp"] == 1
         assert lay["dp"] % lay["ep"] == 0 and 8 % lay["ep"] == 0
         assert f"--expert-model-parallel-size {lay['ep']}" in lay["flags"]
     assert all(c["time_s"]["ep_comm"] > 0 for c in found if c["layout"]["ep"] > 1)
@@ -308,6 +343,13 @@ def test_the_cli_searches_expert_parallelism_where_megart_train_runs_it(capsys):
 def test_the_cli_keeps_a_given_expert_parallel_size(capsys):
     found = _candidates(f"{ARGV} --expert-model-parallel-size 4", capsys)
     assert found and all(c["layout"]["ep"] == 4 and c["layout"]["tp"] == 1 for c in found)
+    one = f"{ARGV} --expert-model-parallel-size 4 --pipeline-model-parallel-size 1"
+    both = _candidates(f"{one} --micro-batch-size 1", capsys)
+    plain = [c for c in both if not c["layout"]["distributed_optimizer"]]
+    sharded = [c for c in both if c["layout"]["distributed_optimizer"]]
+    assert plain and sharded
+    # Every rank's state sharded: the dense over d = 16, the experts' over d / ep = 4.
+    assert sharded[0]["memory_gib"]["optimizer"] < plain[0]["memory_gib"]["optimizer"] / 4
 
 
 @pytest.mark.parametrize(
@@ -316,10 +358,9 @@ def test_the_cli_keeps_a_given_expert_parallel_size(capsys):
         ("--expert-model-parallel-size 3", "--expert-model-parallel-size 3: it must divide"),
         ("--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
          "--expert-model-parallel-size 2 with tensor-parallel size 2"),
-        ("--expert-model-parallel-size 2 --use-distributed-optimizer",
-         "--expert-model-parallel-size 2 with --use-distributed-optimizer"),
+        ("--expert-model-parallel-size 16", "must divide --num-experts 8"),
     ],
-    ids=["not-dividing", "with-tp", "with-distributed-optimizer"],
+    ids=["not-dividing-d", "with-tp", "not-dividing-experts"],
 )  # fmt: skip
 def test_the_cli_refuses_what_megart_train_cannot_run(extra, says, capsys):
     assert megart_main(f"{ARGV} {extra}".split()) == 2

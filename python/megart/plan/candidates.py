@@ -16,9 +16,10 @@ rope's q and k, 7 h), and b = 1 at C = 2 less again; a b = 2 at C = 2 faster tha
 where one process does not fit, is not looked for.
 
 Expert parallelism left out is searched for MoE models where megart train runs it: at t = cp = 1,
-each E dividing both d and --num-experts (E = 1 included), without the distributed optimizer
-(megart train refuses both; plan.flags). Given, it is kept, and the search stays at t = cp = 1
-unless those are given too (then megart train's checks refuse them in its words).
+each E dividing both d and --num-experts (E = 1 included), with and without the distributed
+optimizer (where megart train refuses both, its check drops those layouts). Given, it is kept,
+and the search stays at t = cp = 1 unless those are given too (then megart train's checks
+refuse them in its words).
 """
 
 from __future__ import annotations
@@ -138,8 +139,6 @@ def _layouts(
         )
         eps = expert_parallel_sizes(base, fixed, t, cp, d)
         for (v, kind), b, sp, rec, do, ep in itertools.product(kinds, bs, sps, recs, dos, eps):
-            if ep > 1 and do:  # not with the distributed optimizer (plan.flags)
-                continue
             m = base.global_batch_size // (b * d) if b * d else 0
             # Interleaved (a given --num-layers-per-virtual-pipeline-stage is, to megart
             # train, even at one chunk a rank): microbatches a multiple of the stages.

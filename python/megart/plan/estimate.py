@@ -193,8 +193,9 @@ def _time_parts(
     the rank's stepped fp32 state at HBM speed)."""
     dp_exposed, gather, tied = dp_time
     stepped = worst["gradient_buffers"] / FP32
-    if layout.distributed_optimizer:
-        stepped /= layout.dp_cp
+    if layout.distributed_optimizer:  # the experts' slices are 1/(d / ep) of theirs
+        experts = worst["expert_gradient_buffers"] / FP32
+        stepped = (stepped - experts) / layout.dp_cp + experts / (layout.dp_cp // layout.ep)
     optimizer = stepped * ADAM_BYTES / (gpu.hbm_gb_per_s * 1e9)
     bubble, compute_only = run.bubble, run.compute_only
     pipeline_comm = run.makespan - compute_only * (1 + bubble) if layout.pp > 1 else 0.0

@@ -264,22 +264,17 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
 def _moe_unmodelled(config: TrainConfig) -> list[str]:
     """What the planner does not model with --num-experts: zero-bubble schedules (the experts'
     deferred weight gradients are uncounted; searched layouts leave them out,
-    plan.candidates), expert parallelism with the distributed optimizer (the experts' buckets
-    sharded over their expert-data-parallel ranks, not modelled yet; searched layouts leave
-    it out), --recompute-modules layernorm (megart train's MoE layers cannot run it yet) and
-    its moe and shared_experts (not modelled yet). Tensor parallelism is modelled (with
+    plan.candidates), --recompute-modules layernorm (megart train's MoE layers cannot run it
+    yet) and its moe and shared_experts (not modelled yet). Tensor parallelism is modelled (with
     sequence parallelism, which megart train requires for experts: plan.candidates refuses a
-    given t > 1 without it in its words), and expert parallelism at t = cp = 1 (megart
-    train's checks refuse the rest in its words)."""
+    given t > 1 without it in its words), and expert parallelism at t = cp = 1, with the
+    distributed optimizer too (each bucket set sharded over its own group; megart train's
+    checks refuse what it cannot run in its words)."""
     if not config.num_experts:
         return []
     out = []
     if config.pipeline_schedule in ZERO_BUBBLE:
         out.append(f"--pipeline-schedule {config.pipeline_schedule} with --num-experts")
-    ep = config.expert_model_parallel_size
-    if ep not in (None, 1) and config.use_distributed_optimizer:
-        out.append(f"--expert-model-parallel-size {ep} with --use-distributed-optimizer (the "
-                   "experts' buckets sharded over their expert-data-parallel ranks)")  # fmt: skip
     modules = config.recompute_modules or ()
     if {"layernorm", "moe", "shared_experts"} & set(modules):  # not yet (layernorm: not built)
         out.append(f"{flag('recompute_modules', modules)} with --num-experts")

@@ -67,31 +67,44 @@ def chunk_tensors(
     first: int | None = None,
     last: int | None = None,
     ep: int = 1,
+    experts: bool | None = None,
 ) -> list[ChunkTensors]:
     """The parameters of each model chunk of pipeline rank ``pp_rank``, as megart builds them
     (megart.models.gpt.GPTChunk); ``v_shape``: zb-v's placement (the last stage on rank 0);
     ``first``/``last``: uneven stages' layers (megart.models.stages); ``ep``: expert-parallel
-    ranks sharing each MoE layer's experts."""
+    ranks sharing each MoE layer's experts. ``experts`` True: the experts' tensors alone,
+    False: all but them (expert parallelism's two bucket sets, training.expert_grads); None:
+    all."""
     h, vocab = cfg.hidden_size, cfg.padded_vocab_size(tp) // tp
     untied = cfg.untie_embeddings_and_output_weights
     out = []
     for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape, first, last):
         first, last = layers.start == 0, layers.stop == cfg.num_layers
         tensors, tied = [], None
-        if first or (last and not untied):
+        dense = experts is not True
+        if dense and (first or (last and not untied)):
             if pp > 1 and not untied:
                 tied = len(tensors)
             tensors.append(vocab * h)
-        if first and cfg.position_embedding == "learned":
+        if dense and first and cfg.position_embedding == "learned":
             tensors.append(cfg.seq_length * h)
         for i in layers:
-            tensors += layer_tensors(cfg, tp, i, ep)
-        if last:
+            layer = layer_tensors(cfg, tp, i, ep)
+            cut = len(layer) - _expert_tensors(cfg, i, ep)  # the experts come last
+            tensors += {None: layer, True: layer[cut:], False: layer[:cut]}[experts]
+        if dense and last:
             tensors += _norm(cfg)
-        if last and untied:
+        if dense and last and untied:
             tensors.append(vocab * h)
         out.append(ChunkTensors(tensors, tied))
     return out
+
+
+def _expert_tensors(cfg: GPTConfig, layer: int, ep: int) -> int:
+    """How many of layer ``layer``'s tensors are its experts' (E/ep MLPs without biases)."""
+    if not cfg.is_moe_layer(layer):
+        return 0
+    return cfg.num_experts // ep * (3 if cfg.activation == "swiglu" else 2)
 
 
 def buckets(
@@ -173,25 +186,36 @@ def state_bytes(
     applies them (over this rank's parameters, ``dp`` ranks); ``reduce_in_bf16``
     (--grad-reduce-in-bf16): the gradients stay fp32 and each bucket gets a bf16 copy that is
     reduced, kept beside it (``reduce_copies``); the bucket size it used: ``bucket_elements``.
-    ``ep``: expert-parallel ranks sharing each MoE layer's experts (not with ``distributed``:
-    megart train refuses both)."""
-    parts = dp if distributed else 1
+    ``ep``: expert-parallel ranks sharing each MoE layer's experts, whose buckets are a set of
+    their own (training.expert_grads: ``expert_gradients``), sharded by the distributed
+    optimizer over their dp / ep expert-data-parallel ranks (the rank's index there d // ep)."""
     chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks, v_shape, first, last, ep)
     n = sum(sum(c.tensors) for c in chunk_list)
     bucket_size = None
     if ddp_bucket_size is not None or ddp_num_buckets is not None:
         bucket_size = megatron_bucket_size(n, dp, ddp_bucket_size, ddp_num_buckets)
-    bs = buckets(chunk_list, parts, bucket_size)
-    grads = sum(padded(b, parts) for b in bs) * FP32
+    # (buckets, ranks sharding them, data-parallel ranks per index among those)
+    sets = [(buckets(chunk_list, 1, bucket_size), dp if distributed else 1, 1)]
+    if ep > 1:
+        where = (cfg, tp, pp, pp_rank, chunks, v_shape, first, last, ep)
+        experts = buckets(chunk_tensors(*where, experts=True), 1, bucket_size)
+        sets = [
+            (buckets(chunk_tensors(*where, experts=False), 1, bucket_size), sets[0][1], 1),
+            (experts, dp // ep if distributed else 1, ep),
+        ]
+    padded_sets = [sum(padded(b, parts) for b in bs) for bs, parts, _ in sets]
+    grads = sum(padded_sets) * FP32
+    expert_grads = padded_sets[1] * FP32 if ep > 1 else 0
     copies = grads // FP32 * 2 if reduce_in_bf16 else 0
     tensors = sum(len(c.tensors) for c in chunk_list)
     weight = 2 if half_weights else FP32
     if not distributed:
         mains = n * FP32 if half_weights else 0
         optimizer = n * 2 * FP32 + tensors * FP32 + mains
-        experts = expert_elements(cfg, tp, pp, pp_rank, chunks, v_shape, first, last, ep)
-        return StateBytes(n * weight, grads, optimizer, copies, bucket_size, experts * FP32)
-    mains = grads // parts if half_weights else 0  # this rank's slice of every padded bucket
+        return StateBytes(n * weight, grads, optimizer, copies, bucket_size, expert_grads)
+    # This rank's slice of every padded bucket.
+    slices = sum(total // parts for total, (_, parts, _) in zip(padded_sets, sets, strict=True))
+    mains = slices * FP32 if half_weights else 0
     # The distributed optimizer moves the parameters into buffers laid out (padded) as the
     # gradients, and steps 1/dp slices ("pieces") of them: moments for the elements of its
     # slice that belong to parameters, a step per piece.
@@ -199,41 +223,29 @@ def state_bytes(
         ranks: range | tuple[int, ...] = (dp_rank,)
     else:
         # Every rank for small models (exact); rank 0, which holds whole slices, for large.
-        ranks = range(dp) if len(bs) * dp <= 4096 else (0,)
+        count = sum(len(bs) for bs, _, _ in sets)
+        ranks = range(dp) if count * dp <= 4096 else (0,)
     worst = 0
     for r in ranks:
         elements = pieces = 0
-        for b in bs:
-            size = padded(b, parts) // parts
-            lo, hi, offset = r * size, (r + 1) * size, 0
-            for n_p in b:
-                start, end = max(lo, offset), min(hi, offset + n_p)
-                if start < end:
-                    elements += end - start
-                    pieces += 1
-                offset += n_p
+        for bs, parts, per in sets:
+            e, k = _slice_state(bs, parts, r // per)
+            elements, pieces = elements + e, pieces + k
         worst = max(worst, elements * 2 * FP32 + pieces * FP32)
-    return StateBytes(grads // FP32 * weight, grads, worst + mains, copies, bucket_size)
+    return StateBytes(grads // FP32 * weight, grads, worst + mains, copies, bucket_size,
+                      expert_grads)  # fmt: skip
 
 
-def expert_elements(
-    cfg: GPTConfig,
-    tp: int,
-    pp: int,
-    pp_rank: int,
-    chunks: int,
-    v_shape: bool,
-    first: int | None,
-    last: int | None,
-    ep: int,
-) -> int:
-    """Elements of the experts pipeline rank ``pp_rank`` holds under expert parallelism over
-    ``ep`` > 1 ranks (E/ep of each MoE layer's, each split over t as a dense MLP): what its
-    expert buckets hold (training.expert_grads); 0 at ``ep`` 1, where they are dense ones."""
-    if ep == 1 or not cfg.num_experts:
-        return 0
-    ups = 2 if cfg.activation == "swiglu" else 1
-    one = (ups + 1) * cfg.moe_ffn_size // tp * cfg.hidden_size
-    layers = chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape, first, last)
-    moe = sum(cfg.is_moe_layer(i) for span in layers for i in span)
-    return moe * cfg.num_experts // ep * one
+def _slice_state(bs: list[list[int]], parts: int, r: int) -> tuple[int, int]:
+    """(elements of parameters, pieces) in slice ``r`` of ``parts`` of each bucket of ``bs``."""
+    elements = pieces = 0
+    for b in bs:
+        size = padded(b, parts) // parts
+        lo, hi, offset = r * size, (r + 1) * size, 0
+        for n_p in b:
+            start, end = max(lo, offset), min(hi, offset + n_p)
+            if start < end:
+                elements += end - start
+                pieces += 1
+            offset += n_p
+    return elements, pieces
