@@ -365,3 +365,23 @@ def test_the_cli_keeps_a_given_expert_parallel_size(capsys):
 def test_the_cli_refuses_what_megart_train_cannot_run(extra, says, capsys):
     assert megart_main(f"{ARGV} {extra}".split()) == 2
     assert says in capsys.readouterr().err
+
+
+def test_expert_parallelism_with_tensor_parallelism_is_refused_even_once_train_runs_it():
+    """megart train refuses ep > 1 at t > 1 today, in its words; were its checks to pass
+    (expert parallelism with tensor parallelism built), the plan still refuses what it does
+    not model, rather than count it as at t = 1."""
+    from unittest import mock
+
+    from megart.errors import ConfigError
+    from megart.plan.estimate import estimate
+
+    base = TrainConfig(**dict(MOE, bf16=True))
+    layout = Layout(2, 1, 2, 1, 2, True, None, False, ep=2)
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 with tensor-parallel"):
+        estimate(base, layout, H100)  # megart train's refusal
+    with (
+        mock.patch.object(TrainConfig, "check", lambda self, world: 2),
+        pytest.raises(ConfigError, match="megart plan models expert parallelism at tensor- and"),
+    ):
+        estimate(base, layout, H100)

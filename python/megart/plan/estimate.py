@@ -7,6 +7,7 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
+from megart.errors import ConfigError
 from megart.models import GPTConfig
 from megart.models.window import layer_window
 from megart.plan.data_parallel import (
@@ -108,6 +109,7 @@ def estimate(
     c = layout_config(base, layout)
     world = layout.world
     dp = c.check(world)  # megart train's checks, context parallelism's refusals included
+    _check_expert_layout(layout)
     cfg = c.gpt_config()
     m = c.microbatches(dp)
     prec = precision(c, runtime)
@@ -144,6 +146,19 @@ def estimate(
         stage=run.stage,
         stages=run.stages,
     )
+
+
+def _check_expert_layout(layout: Layout) -> None:
+    """Refuses expert parallelism beside tensor or context parallelism, which megart train
+    refuses today (its words come first) and the planner does not model (plan.moe_memory and
+    plan.moe_time count t = cp = 1), so that megart train running it one day makes no
+    prediction of it silently wrong."""
+    if layout.ep > 1 and (layout.tp > 1 or layout.cp > 1):
+        raise ConfigError(
+            f"--expert-model-parallel-size {layout.ep} with tensor-parallel size {layout.tp} "
+            f"and context-parallel size {layout.cp}: megart plan models expert parallelism at "
+            "tensor- and context-parallel size 1 only; plan it there"
+        )
 
 
 def _data_parallel_time(
