@@ -4,6 +4,8 @@ what a real megart train rank holds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from megart import schedule as sched
 from megart.launcher import launch
 from megart.plan.estimate import estimate
@@ -61,6 +63,7 @@ def _layout(c: TrainConfig, world: int) -> Layout:
         c.decoder_first_pipeline_num_layers,
         c.decoder_last_pipeline_num_layers,
         c.context_parallel_size,
+        ep=c.expert_model_parallel_size,
     )
 
 
@@ -82,10 +85,17 @@ def cpu_dropout_masks(config: TrainConfig, layout: Layout, pp_rank: int, pairs: 
     return pairs * tokens * cfg.hidden_size * extra
 
 
-def predicted_and_held(nproc: int, kw: dict) -> list[tuple[dict, dict, float]]:
-    """Per rank of a real ``nproc``-rank run of ``kw``: what it held (plan_workers.held_bytes),
-    what megart plan predicts for that rank (rank_memory), and what a CPU keeps beyond the plan
-    (cpu_dropout_masks)."""
+def predicted_and_held(
+    nproc: int,
+    kw: dict,
+    held_by: Callable[..., dict] = held_bytes,
+    args: tuple = (),
+    expert_tokens: Callable[[dict], float] = lambda held: 1.0,
+) -> list[tuple[dict, dict, float]]:
+    """Per rank of a real ``nproc``-rank run of ``kw``: what it held (``held_by(kw, *args)``,
+    plan_workers.held_bytes by default), what megart plan predicts for that rank (rank_memory;
+    under expert parallelism with the token copies ``expert_tokens(held)`` says that rank's
+    experts got, in k T), and what a CPU keeps beyond the plan (cpu_dropout_masks)."""
     config = TrainConfig(**kw)
     layout = _layout(config, nproc)
     # The in-flight counts come from the schedule simulator, as the planner uses them.
@@ -93,13 +103,14 @@ def predicted_and_held(nproc: int, kw: dict) -> list[tuple[dict, dict, float]]:
     c = layout_config(config, layout)
     order = sched.build(layout.kind, layout.pp, c.microbatches(layout.dp), layout.chunks)
     out = []
-    for held in launch(held_bytes, nproc, kw, timeout=300):
+    for held in launch(held_by, nproc, kw, *args, timeout=300):
         r = held["pp_rank"]
         pairs = plan.peak_in_flight[r]
         if layout.kind in ZERO_BUBBLE:  # the most pairs between F and I
             pairs = peaks(order, 1.0, [[0.0] * layout.chunks] * layout.pp)[r].activations
         # Under context parallelism the optimizer shards over d x cp ranks: the rank's index
         # there (rank_memory's dp_rank).
-        want = rank_memory(c, layout, layout.dp, r, pairs, dp_rank=held["dp_cp_rank"])
+        want = rank_memory(c, layout, layout.dp, r, pairs, dp_rank=held["dp_cp_rank"],
+                           expert_tokens=expert_tokens(held))  # fmt: skip
         out.append((held, want, cpu_dropout_masks(config, layout, r, pairs)))
     return out

@@ -58,6 +58,12 @@ CP_SEARCHED = (
     "ring blocks it does not model, and with --reset-attention-mask, which megart train "
     "refuses with context parallelism)"
 )
+EP_SEARCHED = (
+    " (megart plan: searched when left out for a model with --num-experts: each size that "
+    "divides the data-parallel size and --num-experts, at tensor- and context-parallel size 1 "
+    "and without --use-distributed-optimizer, where megart train runs it; timed for balanced "
+    "routing)"
+)
 SPANS_SEARCHED = (
     " (megart plan: kept when given, even uniform 1; with both left out and "
     "--recompute-granularity searched, a layout that fits only with full recomputation is "
@@ -104,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
             action.help = f"{action.help} (searched when left out)"
         elif action.dest == "context_parallel_size":
             action.help = HELP["context_parallel_size"] + CP_SEARCHED
+        elif action.dest == "expert_model_parallel_size":
+            action.help = f"{action.help}{EP_SEARCHED}"
         elif action.dest in ("recompute_method", "recompute_num_layers"):
             action.help = f"{action.help}{SPANS_SEARCHED}"
         elif action.dest in UNMODELLED:
@@ -214,6 +222,7 @@ def _fixed(args: argparse.Namespace, config: TrainConfig, base: TrainConfig) -> 
         first=lay.decoder_first_pipeline_num_layers,
         last=lay.decoder_last_pipeline_num_layers,
         cp=lay.context_parallel_size,
+        ep=lay.expert_model_parallel_size,
         # Given, even at megart train's defaults (Megatron's uniform 1 spelt out): kept, not
         # searched. Left out, megart train's parser leaves them unset (SUPPRESS).
         spans=any(hasattr(args, n) for n in ("recompute_method", "recompute_num_layers")),

@@ -14,6 +14,12 @@ never faster, and never less memory but for the per-microbatch tables of the ran
 process with rope keeps less (its attention's 5 h per token against the fused q/k/v output and
 rope's q and k, 7 h), and b = 1 at C = 2 less again; a b = 2 at C = 2 faster than b = 1 there,
 where one process does not fit, is not looked for.
+
+Expert parallelism left out is searched for MoE models where megart train runs it: at t = cp = 1,
+each E dividing both d and --num-experts (E = 1 included), with and without the distributed
+optimizer (where megart train refuses both, its check drops those layouts). Given, it is kept,
+and the search stays at t = cp = 1 unless those are given too (then megart train's checks
+refuse them in its words).
 """
 
 from __future__ import annotations
@@ -60,11 +66,13 @@ def candidates(
     heads = base.num_query_groups if base.group_query_attention else base.num_attention_heads
     # Searched tensor-parallel groups stay inside a node (t divides the node's GPUs).
     tps = [fixed.tp] if fixed.tp else [t for t in divisors(world) if gpu.gpus_per_node % t == 0]
+    spread = (fixed.ep or 1) > 1  # a given expert-parallel size runs at t = cp = 1 only
+    tps = [1] if spread and not fixed.tp else tps
     if base.num_experts and (fixed.tp or 1) > 1 and not fixed.sequence_parallel:
         # Left out, --sequence-parallel is searched, but megart train reads it as off and
         # refuses experts split without it: refused here in its words, as it would be.
         check_moe_tensor_parallel(base.gpt_config(), fixed.tp, False)
-    cps = context_parallel_sizes(base, world, fixed, megart)
+    cps = [1] if spread and not fixed.cp else context_parallel_sizes(base, world, fixed, megart)
     out = []
     for t in tps:
         if fixed.tp is None and heads % t:
@@ -129,7 +137,8 @@ def _layouts(
             if fixed.distributed_optimizer is not None
             else ([False, True] if d * cp > 1 else [False])
         )
-        for (v, kind), b, sp, rec, do in itertools.product(kinds, bs, sps, recs, dos):
+        eps = expert_parallel_sizes(base, fixed, t, cp, d)
+        for (v, kind), b, sp, rec, do, ep in itertools.product(kinds, bs, sps, recs, dos, eps):
             m = base.global_batch_size // (b * d) if b * d else 0
             # Interleaved (a given --num-layers-per-virtual-pipeline-stage is, to megart
             # train, even at one chunk a rank): microbatches a multiple of the stages.
@@ -139,8 +148,19 @@ def _layouts(
             if kind == "zb-v" and m < 2 * p:
                 continue
             out.append(Layout(t, p, d, v, b, sp, rec, do, kind, fixed.first, fixed.last, cp,
-                              chunks_by_count=fixed.chunks_by_count))  # fmt: skip
+                              chunks_by_count=fixed.chunks_by_count, ep=ep))  # fmt: skip
     return out
+
+
+def expert_parallel_sizes(base: TrainConfig, fixed: Fixed, t: int, cp: int, d: int) -> list[int]:
+    """The expert-parallel sizes to try with ``t``, ``cp`` and ``d`` data-parallel ranks: the
+    one given; else for an MoE model at t = cp = 1 each divisor of d that divides
+    --num-experts (megart train's check_expert_parallel), else 1."""
+    if fixed.ep is not None:
+        return [fixed.ep]
+    if not base.num_experts or t > 1 or cp > 1:
+        return [1]
+    return [e for e in divisors(d) if base.num_experts % e == 0]
 
 
 def _grid_refuses(world: int, t: int, p: int, gpus_per_node: int, cp: int = 1) -> bool:

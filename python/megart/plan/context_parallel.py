@@ -118,12 +118,19 @@ def a2a_exchanges(cfg: GPTConfig, b: int, tp: int, cp: int, recompute: str | Non
 def a2a_seconds(nbytes: float, cp: int, tp: int, gpu: GPUProfile) -> float:
     """One all-to-all of an ``nbytes`` buffer on each of ``cp`` ranks placed t apart (see the
     module's docstring): its NVLink and rail pieces at once, one latency."""
-    if cp <= 1 or nbytes <= 0:
+    return all_to_all_seconds(nbytes, cp, group_ranks_per_node(gpu, tp, cp), gpu)
+
+
+def all_to_all_seconds(nbytes: float, n: int, near: int, gpu: GPUProfile) -> float:
+    """One all-to-all of an ``nbytes`` send buffer on each of ``n`` ranks, ``near`` of them
+    (the rank counted) in the node of the worst-placed one: its pieces of nbytes / n to the
+    near - 1 node mates over NVLink and to the n - near others over its own rail at once, one
+    latency (expert parallelism's too: plan.moe_time)."""
+    if n <= 1 or nbytes <= 0:
         return 0.0
-    near = group_ranks_per_node(gpu, tp, cp)
-    piece = nbytes / cp
+    piece = nbytes / n
     inside = (near - 1) * piece / (gpu.nvlink_bus_gb_per_s * 1e9)
-    across = (cp - near) * piece / (gpu.rail_gb_per_s * 1e9)
+    across = (n - near) * piece / (gpu.rail_gb_per_s * 1e9)
     return max(inside, across) + gpu.link_latency_us * 1e-6
 
 

@@ -51,6 +51,7 @@ def data_parallel_seconds(
     dp_overlap: bool | str,
     grad_reduce_bytes: int,
     bucket_elements: float | None = None,
+    expert_bytes: float = 0.0,
 ) -> tuple[float, float, float]:
     """Seconds the iteration spends on data-parallel communication after its last backward:
     the gradient reduction's exposed part, the distributed optimizer's all-gather, and the tied
@@ -58,7 +59,11 @@ def data_parallel_seconds(
     bytes of the worst rank's gradients; ``half_weights``: the weights are 16-bit;
     ``grad_reduce_bytes``: bytes per gradient element on the wire; ``bucket_elements``: the
     elements of a gradient bucket (bucket_elements_of; None: the runtime's bucket bytes over
-    ``grad_reduce_bytes``)."""
+    ``grad_reduce_bytes``). ``expert_bytes``: of ``grad_elements_bytes``, the experts' buckets
+    under expert parallelism (layout.ep > 1, t = 1), reduced over their expert-data-parallel
+    group instead (training.expert_grads: the dp / ep ranks holding the same experts, ep
+    apart), and with the distributed optimizer their parameters gathered over it, after or
+    before the dense ones on the same links: their times add up."""
     t, p = layout.tp, layout.pp
     dist = layout.distributed_optimizer
     gather_bytes = 2 if half_weights else FP32  # what the distributed optimizer gathers
@@ -68,7 +73,13 @@ def data_parallel_seconds(
     dp_bw = data_parallel_bus_gb_per_s(gpu, t, dp)
     # The distributed optimizer reduce-scatters the gradients, then all-gathers the parameters.
     kind = "reduce_scatter" if dist else "all_reduce"
-    reduce = collective_seconds(kind, grad_bytes, dp, dp_bw, gpu)
+    dense = grad_bytes - expert_bytes * grad_reduce_bytes / FP32
+    reduce = collective_seconds(kind, dense, dp, dp_bw, gpu)
+    edp, edp_bw = dp // layout.ep, 0.0
+    if expert_bytes:
+        edp_bw = data_parallel_bus_gb_per_s(gpu, layout.ep * t, edp)
+        experts = expert_bytes * grad_reduce_bytes / FP32
+        reduce += collective_seconds(kind, experts, edp, edp_bw, gpu)
     if bucket_elements is None:
         bucket = TORCH_DDP_BUCKET_BYTES if dp_overlap == SINGLE_STAGE else BUCKET_BYTES
         bucket_elements = bucket / grad_reduce_bytes
@@ -84,8 +95,11 @@ def data_parallel_seconds(
     # first chunk, whose forward begins the iteration, is gathered last (buckets run in reverse
     # parameter order, one after another on the group).
     if dist:
-        params = grad_elements_bytes * gather_bytes / FP32
+        params = (grad_elements_bytes - expert_bytes) * gather_bytes / FP32
         gather = collective_seconds("all_gather", params, dp, dp_bw, gpu)
+        if expert_bytes:
+            experts = expert_bytes * gather_bytes / FP32
+            gather += collective_seconds("all_gather", experts, edp, edp_bw, gpu)
     tied = 0.0
     # The tied embedding's two copies: on the first and last ranks, both on rank 0 in zb-v.
     if p > 1 and not cfg.untie_embeddings_and_output_weights and layout.kind != "zb-v":

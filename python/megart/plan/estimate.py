@@ -7,6 +7,7 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
+from megart.errors import ConfigError
 from megart.models import GPTConfig
 from megart.models.window import layer_window
 from megart.plan.data_parallel import (
@@ -17,6 +18,7 @@ from megart.plan.data_parallel import (
 from megart.plan.hardware import GIB, GPUProfile
 from megart.plan.layout import Layout, layout_config
 from megart.plan.memory import precision, sixteen_bit_weights
+from megart.plan.moe_time import expert_group_near
 from megart.plan.parameters import FP32
 from megart.plan.pipeline_run import PipelineRun, pipeline_run
 from megart.plan.runtime_options import check_runtime, gradient_copy_bytes, runtime_tp_overlap
@@ -107,6 +109,7 @@ def estimate(
     c = layout_config(base, layout)
     world = layout.world
     dp = c.check(world)  # megart train's checks, context parallelism's refusals included
+    _check_expert_layout(layout)
     cfg = c.gpt_config()
     m = c.microbatches(dp)
     prec = precision(c, runtime)
@@ -145,6 +148,19 @@ def estimate(
     )
 
 
+def _check_expert_layout(layout: Layout) -> None:
+    """Refuses expert parallelism beside tensor or context parallelism, which megart train
+    refuses today (its words come first) and the planner does not model (plan.moe_memory and
+    plan.moe_time count t = cp = 1), so that megart train running it one day makes no
+    prediction of it silently wrong."""
+    if layout.ep > 1 and (layout.tp > 1 or layout.cp > 1):
+        raise ConfigError(
+            f"--expert-model-parallel-size {layout.ep} with tensor-parallel size {layout.tp} "
+            f"and context-parallel size {layout.cp}: megart plan models expert parallelism at "
+            "tensor- and context-parallel size 1 only; plan it there"
+        )
+
+
 def _data_parallel_time(
     c: TrainConfig,
     cfg: GPTConfig,
@@ -175,6 +191,7 @@ def _data_parallel_time(
         dp_overlap,
         grad_reduce_bytes,
         bucket,
+        worst["expert_gradient_buffers"],
     )
 
 
@@ -191,17 +208,20 @@ def _time_parts(
     the rank's stepped fp32 state at HBM speed)."""
     dp_exposed, gather, tied = dp_time
     stepped = worst["gradient_buffers"] / FP32
-    if layout.distributed_optimizer:
-        stepped /= layout.dp_cp
+    if layout.distributed_optimizer:  # the experts' slices are 1/(d / ep) of theirs
+        experts = worst["expert_gradient_buffers"] / FP32
+        stepped = (stepped - experts) / layout.dp_cp + experts / (layout.dp_cp // layout.ep)
     optimizer = stepped * ADAM_BYTES / (gpu.hbm_gb_per_s * 1e9)
     bubble, compute_only = run.bubble, run.compute_only
     pipeline_comm = run.makespan - compute_only * (1 + bubble) if layout.pp > 1 else 0.0
     tp_comm = m * run.stage.tp_comm
     cp_comm = m * run.stage.cp_comm
+    ep_comm = m * run.stage.ep_comm
     time = {
-        "compute": compute_only - tp_comm - cp_comm,
+        "compute": compute_only - tp_comm - cp_comm - ep_comm,
         "tp_comm": tp_comm,
         "cp_comm": cp_comm,
+        "ep_comm": ep_comm,
         "bubble": compute_only * bubble,
         "pp_comm": max(0.0, pipeline_comm),
         "dp_comm": dp_exposed + gather + tied,
@@ -290,10 +310,13 @@ def _stage_work(
     kinds = {rec} | ({None} if rec == "full" and cfg.recompute_method == "block" else set())
     # Each layer's kind: (window, MoE layer or not).
     layer_kinds = [(windows[i], cfg.is_moe_layer(i)) for i in range(cfg.num_layers)]
+    # Expert parallelism's groups: ep consecutive ranks, split over nodes where they must be.
+    ep = layout.ep
+    near = expert_group_near(gpu.gpus_per_node, layout.dp, p, ep) if ep > 1 else None
     works = {
         (w, r): layer_work(cfg, b, t, sp, r, tp_gpu, unfused_attention, tp_overlap, cp=cp,
                            cp_bus_gb_per_s=cp_bus, window=w[0], documents=c.reset_attention_mask,
-                           moe=w[1])
+                           moe=w[1], ep=ep, ep_near=near)
         for w in set(layer_kinds) for r in kinds
     }  # fmt: skip
     logits = logits_work(cfg, b, t, gpu, cp)

@@ -23,6 +23,7 @@ class Fixed:
     first: int | None = None  # --decoder-first-pipeline-num-layers (uneven stages; not searched)
     last: int | None = None  # --decoder-last-pipeline-num-layers
     cp: int | None = None  # --context-parallel-size (None: search it)
+    ep: int | None = None  # --expert-model-parallel-size (None: search it, MoE models only)
     # --recompute-method or --recompute-num-layers given: full recomputation runs the base
     # config's spans, even megart train's defaults (uniform 1) spelt out. False: block N is
     # searched where the base's are those defaults (block_spans.searches_spans).

@@ -36,6 +36,9 @@ LAYOUT = (
     "recompute_activations",  # Megatron's switch for --recompute-granularity selective
     "use_distributed_optimizer",
     "context_parallel_size",
+    # Searched for MoE models at t = cp = 1 (plan.candidates); a dense model's above 1 is megart
+    # train's refusal.
+    "expert_model_parallel_size",
 )
 
 # The tokenizer sets the vocabulary when --vocab-size is left out (TrainConfig resolves it).
@@ -105,8 +108,9 @@ MODELLED = (
     "eod_mask_loss",
     # Mixture of experts (plan.moe_memory, plan.moe_time; parameters, FLOPs): the experts'
     # weights and state, the router's and experts' saves, their products and, split over
-    # tensor-parallel ranks, the dispatcher's gathers; no context parallelism (megart
-    # train's checks limit the layouts).
+    # tensor-parallel ranks, the dispatcher's gathers; spread over expert-parallel ranks
+    # (a layout flag), their all-to-alls; no context parallelism (megart train's checks limit
+    # the layouts).
     "num_experts",
     "moe_ffn_hidden_size",
     "moe_layer_freq",
@@ -180,7 +184,6 @@ NO_EFFECT = (
     # inside torch's attention kernels on a GPU (no mask held); --use-flash-attn sets
     # --attention-backend flash, and the implementations name the same attention
     "attention_dropout", "use_flash_attn", "transformer_impl", "use_mcore_models",
-    "expert_model_parallel_size",  # above 1: refused with experts (_moe_unmodelled)
     # the routing weights times a number (nothing saved); aux_loss or none, the loss computed
     # as --moe-aux-loss-coeff says (modelled)
     "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
@@ -261,20 +264,17 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
 def _moe_unmodelled(config: TrainConfig) -> list[str]:
     """What the planner does not model with --num-experts: zero-bubble schedules (the experts'
     deferred weight gradients are uncounted; searched layouts leave them out,
-    plan.candidates), expert parallelism, --recompute-modules layernorm (megart train's
-    MoE layers cannot run it yet) and its moe and shared_experts (not modelled yet). Tensor
-    parallelism is modelled (with sequence parallelism,
-    which megart train requires for experts: plan.candidates refuses a given t > 1 without it
-    in its words)."""
+    plan.candidates), --recompute-modules layernorm (megart train's MoE layers cannot run it
+    yet) and its moe and shared_experts (not modelled yet). Tensor parallelism is modelled (with
+    sequence parallelism, which megart train requires for experts: plan.candidates refuses a
+    given t > 1 without it in its words), and expert parallelism at t = cp = 1, with the
+    distributed optimizer too (each bucket set sharded over its own group; megart train's
+    checks refuse what it cannot run in its words)."""
     if not config.num_experts:
         return []
     out = []
     if config.pipeline_schedule in ZERO_BUBBLE:
         out.append(f"--pipeline-schedule {config.pipeline_schedule} with --num-experts")
-    ep = config.expert_model_parallel_size
-    if ep != 1:  # (a dense model's is megart train's refusal)
-        out.append(f"--expert-model-parallel-size {ep} (expert parallelism: the experts spread "
-                   "over ranks and their token exchanges)")  # fmt: skip
     modules = config.recompute_modules or ()
     if {"layernorm", "moe", "shared_experts"} & set(modules):  # not yet (layernorm: not built)
         out.append(f"{flag('recompute_modules', modules)} with --num-experts")

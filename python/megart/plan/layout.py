@@ -35,6 +35,9 @@ class Layout:
     recompute_num_layers: int | None = None
     # flags() spells interleaving by --num-virtual-stages-per-pipeline-rank (as the user did).
     chunks_by_count: bool = False
+    # --expert-model-parallel-size: each MoE layer's experts spread over ep of the d
+    # data-parallel ranks (megart train runs it at t = cp = 1; searched when left out).
+    ep: int = 1
 
     @property
     def uneven(self) -> bool:
@@ -83,6 +86,8 @@ class Layout:
         ]
         if self.cp > 1:
             out.insert(1, f"--context-parallel-size {self.cp}")
+        if self.ep > 1:
+            out.append(f"--expert-model-parallel-size {self.ep}")
         # The spelling uneven stages take, or the user's.
         if self.kind == "interleaved" and (self.uneven or self.chunks_by_count):
             out.append(f"--num-virtual-stages-per-pipeline-rank {self.chunks}")
@@ -116,7 +121,8 @@ class Layout:
             extra.append(f"rc={self.recompute}")
         extra += ["distopt"] if self.distributed_optimizer else []
         cp = f" c{self.cp}" if self.cp > 1 else ""
-        return f"t{self.tp}{cp} p{self.pp} d{self.dp} b{self.micro_batch}" + "".join(
+        ep = f" e{self.ep}" if self.ep > 1 else ""
+        return f"t{self.tp}{cp} p{self.pp} d{self.dp}{ep} b{self.micro_batch}" + "".join(
             " " + e for e in extra
         )
 
@@ -145,4 +151,5 @@ def layout_config(base: TrainConfig, layout: Layout) -> TrainConfig:
         recompute_activations=False,
         use_distributed_optimizer=layout.distributed_optimizer,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
     )

@@ -49,6 +49,7 @@ def rank_memory(
     unfused_attention: bool = False,
     dp_rank: int | None = None,
     gradient_copies: int = 0,
+    expert_tokens: float = 1.0,
 ) -> dict[str, float]:
     """Bytes pipeline rank ``pp_rank`` (data-parallel rank ``dp_rank``, None: the worst) holds
     at its peak, by part, with ``held`` (microbatch, chunk) pairs in flight (a count: all
@@ -65,7 +66,12 @@ def rank_memory(
     in that group (Megatron's data-parallel group with context parallelism, cp innermost).
 
     ``gradient_copies``: bytes per gradient element held beside the fp32 gradients counted
-    (runtime_options.gradient_copy_bytes: SC21's Megatron-LM's 16-bit gradients)."""
+    (runtime_options.gradient_copy_bytes: SC21's Megatron-LM's 16-bit gradients).
+
+    Under expert parallelism (``layout.ep`` > 1) the rank holds E/ep of each MoE layer's
+    experts, and its experts' saves are for the token copies the all-to-all brings them:
+    ``expert_tokens`` times k T a microbatch (1: balanced routing, what the planner assumes;
+    plan.moe_memory)."""
     if isinstance(held, int):
         held = Held(held)
     cfg = c.gpt_config()
@@ -86,7 +92,7 @@ def rank_memory(
         saved = n * kept
     else:  # each chunk's layers with their sliding windows (plan.window_memory)
         saved, risen, cached = windows.rank_layer_bytes(
-            c, cfg, layout, dp, pp_rank, n, prec, unfused_attention
+            c, cfg, layout, dp, pp_rank, n, prec, unfused_attention, expert_tokens
         )
         saved += cached  # the window's bias and mask, once a rank
         saved += n * act.rope_table_bytes(cfg, cp)  # rope's cos and sin, shared by its layers
@@ -123,7 +129,7 @@ def rank_memory(
     ddp = () if megatron else (c.ddp_bucket_size, c.ddp_num_buckets, c.grad_reduce_in_bf16)
     state = state_bytes(
         cfg, t, p, pp_rank, v, dp * cp, layout.distributed_optimizer, dp_rank,
-        layout.kind == "zb-v", half, layout.first, layout.last, *ddp,
+        layout.kind == "zb-v", half, layout.first, layout.last, *ddp, ep=layout.ep,
     )  # fmt: skip
     params = state.parameters // FP32
     autocast = params * prec.other if prec.other < 4 and not (half or megatron) else 0
@@ -144,6 +150,8 @@ def rank_memory(
     # and the elements per bucket --ddp-bucket-size/--ddp-num-buckets gave (0: a bucket per
     # tensor; absent: megart's own 4 MiB).
     parts.update(gradient_buffers=float(state.gradients), reduce_copies=float(state.reduce_copies))
+    # Of those, the experts' under expert parallelism (reduced over expert-data parallelism).
+    parts["expert_gradient_buffers"] = float(state.expert_gradients)
     if state.bucket_elements is not None:
         parts["bucket_elements"] = float(state.bucket_elements)
     return parts

@@ -44,6 +44,18 @@ the routing, so the bytes do not depend on which expert got which token: exact, 
 of the routing (measured with the experts' actual counts by the same hooks). What may differ on
 a GPU: nothing that is kernel-specific here (no fused kernel runs in an MoE layer).
 
+Under expert parallelism (ep ranks, at t = 1: models.expert_exchange) a rank's tokens are
+routed as above, and their k T copies sent to their experts' owners, run there, and sent back
+to be summed: per copy the rank sends, the returned output the sum keeps (h) and two row
+indices (int64: each expert's rows, and the order the copies leave in); per copy its own
+experts get, from any rank, the expert's input and output (h each: the output kept by the
+copy into the returned buffer), its MLP's tensors, its routing weight (r) and two row indices
+(int64: its rows, and where its outputs go). The exchanges themselves save nothing. How many
+copies a rank's experts get is the routing's: k T on every rank when it is balanced (what the
+planner assumes; the group's ranks send ep k T copies in all), from 0 to ep k T otherwise;
+``expert_tokens`` gives it in k T. Exact on real ep2 ranks with the routing prescribed
+(tests/test_plan_moe_ep.py).
+
 Recomputation: full recomputation keeps an MoE layer's input like any layer's and replays all
 of the above. --recompute-modules mlp checkpoints dense MLPs only (models.blocks, as
 Megatron-Core's "mlp"): an MoE layer keeps its whole saves, and its norm output is the router's
@@ -68,13 +80,16 @@ def moe_layer_extra(
     weight_bytes: int = 4,
     tp: int = 1,
     sp: bool = False,
+    ep: int = 1,
+    expert_tokens: float = 1.0,
 ) -> float:
     """Bytes an MoE layer keeps for one microbatch beyond activations.layer_bytes' count of a
     dense layer under ``recompute`` (none under full recomputation: the layer's input alone,
     as a dense layer's), on one of ``tp`` tensor-parallel ranks (with sequence parallelism,
     ``sp``, which megart train requires for experts at tp > 1). ``weight_bytes``: the weights'
     (2 under --half-weights), which --moe-router-dtype's cast of the router's weight copies
-    when they differ."""
+    when they differ. ``ep``: expert-parallel ranks (at t = 1), this one's experts getting
+    ``expert_tokens`` k T token copies (1: balanced routing; the module's doc)."""
     if recompute == "full":
         return 0.0
     h, k, e, fm = cfg.hidden_size, cfg.moe_router_topk, cfg.num_experts, cfg.moe_ffn_size
@@ -112,5 +127,9 @@ def moe_layer_extra(
     # Per token an expert got, over the gathered sequence on every rank: its input, its
     # output (the sum's index_add keeps its source, whose shape it needs), its MLP's tensors
     # over this rank's f/t, its routing weight and row index.
-    per_token += k * (2 * h * other + (5 if swiglu else 3) * fm / tp * other + r + 8)
+    expert = (5 if swiglu else 3) * fm / tp * other + r
+    if ep == 1:
+        per_token += k * (2 * h * other + expert + 8)
+    else:  # sent: the returned output and two indices; received: the expert's saves
+        per_token += k * (h * other + 16) + expert_tokens * k * (2 * h * other + expert + 16)
     return cfg.seq_length // cp * b * per_token + once

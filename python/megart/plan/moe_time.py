@@ -1,39 +1,60 @@
 """The work of a mixture-of-experts layer's MLP part (megart.models.moe) for timing.layer_work:
 its matrix products by their sizes, its element-wise traffic and, split over t tensor-parallel
-ranks (with sequence parallelism), the allgather dispatcher's collectives."""
+ranks (with sequence parallelism), the allgather dispatcher's collectives; spread over ep
+expert-parallel ranks (at t = 1, models.expert_exchange), its all-to-alls.
+
+Expert parallelism is timed for balanced routing: every rank's experts get k T token copies a
+microbatch (each expert k T / E from each rank's T tokens, ep k T / E from the group), each
+rank sends (ep - 1) / ep of its own k T copies away and gets as many. Uneven routing runs the
+same FLOPs but makes the rank whose experts get the most the slowest, and its all-to-alls
+longer; neither is modelled. The group is ep consecutive ranks (megart's grid at t = cp = 1:
+parallel.experts), inside a node when it fits in one, else split over nodes: each all-to-all
+is posted at once (one latency), its pieces to the rank's node mates over NVLink and to the
+others over the rank's own rail at the same time (context_parallel.a2a_seconds' model), the
+group's worst-placed rank setting the pace (expert_group_near).
+"""
 
 from __future__ import annotations
 
+import functools
+
 from megart.models.config import GPTConfig
+from megart.plan.context_parallel import all_to_all_seconds
+from megart.plan.hardware import GPUProfile
 
 # Bytes per element of --moe-router-dtype (else the activations').
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
 
 
 def moe_mlp_shapes(
-    cfg: GPTConfig, tokens: float, tp: int = 1
+    cfg: GPTConfig, tokens: float, tp: int = 1, ep: int = 1
 ) -> list[tuple[float, float, float, float]]:
     """(rows, cols, inner, count) of an MoE layer's forward products over ``tokens`` tokens (the
     whole sequence's) on one of ``tp`` ranks: the router's over this rank's slice (tokens / t
     x h by h x E), and each expert's MLP over the tokens routed to it, gathered from every
     rank, f/t of its width (column- then row-parallel), taken as balanced (k tokens / E each:
     an estimate, the routing being the data's; unequal counts run the same FLOPs in thinner or
-    thicker products)."""
+    thicker products). Under expert parallelism (``ep`` ranks, t = 1) the rank's E/ep experts,
+    each over the ep k T / E copies the group's ranks send it, balanced."""
     h, e, fm = cfg.hidden_size, cfg.num_experts, cfg.moe_ffn_size / tp
-    rows = tokens * cfg.moe_router_topk / e
+    rows = tokens * cfg.moe_router_topk / e * ep
     ups = 2 if cfg.activation == "swiglu" else 1
-    return [(tokens / tp, e, h, 1), (rows, fm, h, e * ups), (rows, h, fm, e)]
+    local = e // ep
+    return [(tokens / tp, e, h, 1), (rows, fm, h, local * ups), (rows, h, fm, local)]
 
 
-def moe_elementwise(cfg: GPTConfig, tp: int = 1) -> float:
+def moe_elementwise(cfg: GPTConfig, tp: int = 1, ep: int = 1) -> float:
     """Element-wise elements read and written per token by an MoE layer's MLP part on one of
     ``tp`` ranks: its k experts' activations over f/t (as a dense MLP's of moe_ffn_size, plus
     the routing weight's product: read and write f/t) and the tokens' gather to and sum from
     their experts (read and write h each way, every rank all of them); the router's softmax
-    over E, small beside them, is left out."""
+    over E, small beside them, is left out. Under expert parallelism (``ep`` > 1) each copy
+    is gathered and placed once more (read and write h each) on the rank whose expert runs it,
+    balanced: as many as it sends."""
     fm, k = cfg.moe_ffn_size / tp, cfg.moe_router_topk
     activation = (3 if cfg.activation == "swiglu" else 2) * fm + 2 * fm
-    return k * (activation + 4 * cfg.hidden_size)
+    moves = 4 if ep == 1 else 8
+    return k * (activation + moves * cfg.hidden_size)
 
 
 Collectives = list[tuple[str, float]]  # (timing.BUS_FACTOR's kind, the whole buffer's bytes)
@@ -64,3 +85,49 @@ def moe_collectives(cfg: GPTConfig, tokens: float, act: int) -> tuple[Collective
         ("reduce_scatter", tokens * e * r),
     ]
     return forward, backward
+
+
+def expert_exchanges(cfg: GPTConfig, tokens: float, act: int) -> tuple[list[float], list[float]]:
+    """The all-to-alls of an MoE layer spread over expert-parallel ranks for one microbatch of
+    ``tokens`` tokens on a rank, forward and backward, as models.expert_exchange runs them:
+    each the bytes of the rank's whole send buffer (its pieces for every rank, its own
+    included), routing balanced. Forward: the counts (E int64: how many copies each of the
+    receiver's experts gets), the k T token copies (h, ``act`` bytes: the norm's output), their
+    routing weights (the router's dtype, else ``act``) and the experts' outputs back (h,
+    ``act``: the experts' products' dtype); backward the same three reversed, gradients of the
+    outputs, the weights and the tokens. The dispatch and the combine carry all but a
+    k T E-th of the bytes."""
+    copies = tokens * cfg.moe_router_topk
+    h = cfg.hidden_size
+    r = ROUTER_BYTES.get(cfg.moe_router_dtype or "", act)
+    forward = [cfg.num_experts * 8, copies * h * act, copies * r, copies * h * act]
+    backward = [copies * h * act, copies * r, copies * h * act]
+    return forward, backward
+
+
+@functools.lru_cache(maxsize=1024)
+def expert_group_near(gpus_per_node: int, dp: int, pp: int, ep: int) -> int:
+    """The fewest ranks of its own expert-model-parallel group that any rank has in its node,
+    itself counted: the ``ep`` consecutive data-parallel ranks of each group, global rank
+    d + dp x stage at t = cp = 1 (megart's grid places ranks tp-cp-dp-pp)."""
+    fewest = ep
+    for stage in range(pp):
+        for start in range(0, dp, ep):
+            first = stage * dp + start
+            nodes = [(first + i) // gpus_per_node for i in range(ep)]
+            fewest = min(fewest, min(nodes.count(n) for n in set(nodes)))
+    return fewest
+
+
+def expert_exchange_seconds(
+    cfg: GPTConfig, tokens: float, ep: int, near: int, gpu: GPUProfile, act: int
+) -> tuple[float, float]:
+    """Forward and backward seconds of one MoE layer's all-to-alls (expert_exchanges) for one
+    microbatch of ``tokens`` tokens on a rank of ``ep``, ``near`` of them in the worst-placed
+    rank's node (expert_group_near), counted exposed (nothing runs beside them: the experts
+    wait for their tokens, the sum for their outputs)."""
+    forward, backward = expert_exchanges(cfg, tokens, act)
+    return (
+        sum(all_to_all_seconds(n, ep, near, gpu) for n in forward),
+        sum(all_to_all_seconds(n, ep, near, gpu) for n in backward),
+    )

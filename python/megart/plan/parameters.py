@@ -27,11 +27,12 @@ def _norm(cfg: GPTConfig, size: int | None = None) -> list[int]:
     return [h] if cfg.normalization == "rmsnorm" else [h, h]
 
 
-def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0) -> list[int]:
+def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0, ep: int = 1) -> list[int]:
     """Element counts of layer ``layer``'s parameters on one tensor-parallel rank, in megart's
     registration order (norm, fused q/k/v, output projection, --qk-layernorm's query and key
     norms, norm, MLP; an MoE layer's router [E, h], replicated, and then each expert's MLP of
-    moe_ffn_size split over t as the dense MLP, without biases: models.moe)."""
+    moe_ffn_size split over t as the dense MLP, without biases: models.moe; under expert
+    parallelism over ``ep`` ranks, E/ep of the experts)."""
     h, f, t = cfg.hidden_size, cfg.ffn_size, tp
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // t
     bias = cfg.bias
@@ -43,7 +44,7 @@ def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0) -> list[int]:
     if cfg.is_moe_layer(layer):  # the router replicated, each expert split as a dense MLP
         fm = cfg.moe_ffn_size // t
         expert = [fm * h] * (2 if cfg.activation == "swiglu" else 1) + [h * fm]
-        return out + [cfg.num_experts * h] + expert * cfg.num_experts
+        return out + [cfg.num_experts * h] + expert * (cfg.num_experts // ep)
     column = [f // t * h, *([f // t] if bias else [])]
     out += column + (column if cfg.activation == "swiglu" else [])
     out += [h * f // t, *([h] if bias else [])]
@@ -65,30 +66,45 @@ def chunk_tensors(
     v_shape: bool = False,
     first: int | None = None,
     last: int | None = None,
+    ep: int = 1,
+    experts: bool | None = None,
 ) -> list[ChunkTensors]:
     """The parameters of each model chunk of pipeline rank ``pp_rank``, as megart builds them
     (megart.models.gpt.GPTChunk); ``v_shape``: zb-v's placement (the last stage on rank 0);
-    ``first``/``last``: uneven stages' layers (megart.models.stages)."""
+    ``first``/``last``: uneven stages' layers (megart.models.stages); ``ep``: expert-parallel
+    ranks sharing each MoE layer's experts. ``experts`` True: the experts' tensors alone,
+    False: all but them (expert parallelism's two bucket sets, training.expert_grads); None:
+    all."""
     h, vocab = cfg.hidden_size, cfg.padded_vocab_size(tp) // tp
     untied = cfg.untie_embeddings_and_output_weights
     out = []
     for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape, first, last):
         first, last = layers.start == 0, layers.stop == cfg.num_layers
         tensors, tied = [], None
-        if first or (last and not untied):
+        dense = experts is not True
+        if dense and (first or (last and not untied)):
             if pp > 1 and not untied:
                 tied = len(tensors)
             tensors.append(vocab * h)
-        if first and cfg.position_embedding == "learned":
+        if dense and first and cfg.position_embedding == "learned":
             tensors.append(cfg.seq_length * h)
         for i in layers:
-            tensors += layer_tensors(cfg, tp, i)
-        if last:
+            layer = layer_tensors(cfg, tp, i, ep)
+            cut = len(layer) - _expert_tensors(cfg, i, ep)  # the experts come last
+            tensors += {None: layer, True: layer[cut:], False: layer[:cut]}[experts]
+        if dense and last:
             tensors += _norm(cfg)
-        if last and untied:
+        if dense and last and untied:
             tensors.append(vocab * h)
         out.append(ChunkTensors(tensors, tied))
     return out
+
+
+def _expert_tensors(cfg: GPTConfig, layer: int, ep: int) -> int:
+    """How many of layer ``layer``'s tensors are its experts' (E/ep MLPs without biases)."""
+    if not cfg.is_moe_layer(layer):
+        return 0
+    return cfg.num_experts // ep * (3 if cfg.activation == "swiglu" else 2)
 
 
 def buckets(
@@ -137,6 +153,9 @@ class StateBytes:
     reduce_copies: int = 0
     # Elements per bucket from --ddp-bucket-size/--ddp-num-buckets (None: megart's 4 MiB)
     bucket_elements: int | None = None
+    # Under expert parallelism, of ``gradients`` the experts' buckets (training.expert_grads:
+    # averaged over the expert-data-parallel ranks, apart from the dense ones); 0 without it
+    expert_gradients: int = 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -156,6 +175,7 @@ def state_bytes(
     ddp_bucket_size: int | None = None,
     ddp_num_buckets: int | None = None,
     reduce_in_bf16: bool = False,
+    ep: int = 1,
 ) -> StateBytes:
     """Bytes of parameters, gradients and AdamW state (two fp32 moments and a 0-d fp32 step per
     stepped tensor) on data-parallel rank ``dp_rank`` of pipeline rank ``pp_rank`` (None: the
@@ -165,23 +185,37 @@ def state_bytes(
     ``ddp_bucket_size``/``ddp_num_buckets``: Megatron's bucket sizes, as megart.training.optimizer
     applies them (over this rank's parameters, ``dp`` ranks); ``reduce_in_bf16``
     (--grad-reduce-in-bf16): the gradients stay fp32 and each bucket gets a bf16 copy that is
-    reduced, kept beside it (``reduce_copies``); the bucket size it used: ``bucket_elements``."""
-    parts = dp if distributed else 1
-    chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks, v_shape, first, last)
+    reduced, kept beside it (``reduce_copies``); the bucket size it used: ``bucket_elements``.
+    ``ep``: expert-parallel ranks sharing each MoE layer's experts, whose buckets are a set of
+    their own (training.expert_grads: ``expert_gradients``), sharded by the distributed
+    optimizer over their dp / ep expert-data-parallel ranks (the rank's index there d // ep)."""
+    chunk_list = chunk_tensors(cfg, tp, pp, pp_rank, chunks, v_shape, first, last, ep)
     n = sum(sum(c.tensors) for c in chunk_list)
     bucket_size = None
     if ddp_bucket_size is not None or ddp_num_buckets is not None:
         bucket_size = megatron_bucket_size(n, dp, ddp_bucket_size, ddp_num_buckets)
-    bs = buckets(chunk_list, parts, bucket_size)
-    grads = sum(padded(b, parts) for b in bs) * FP32
+    # (buckets, ranks sharding them, data-parallel ranks per index among those)
+    sets = [(buckets(chunk_list, 1, bucket_size), dp if distributed else 1, 1)]
+    if ep > 1:
+        where = (cfg, tp, pp, pp_rank, chunks, v_shape, first, last, ep)
+        experts = buckets(chunk_tensors(*where, experts=True), 1, bucket_size)
+        sets = [
+            (buckets(chunk_tensors(*where, experts=False), 1, bucket_size), sets[0][1], 1),
+            (experts, dp // ep if distributed else 1, ep),
+        ]
+    padded_sets = [sum(padded(b, parts) for b in bs) for bs, parts, _ in sets]
+    grads = sum(padded_sets) * FP32
+    expert_grads = padded_sets[1] * FP32 if ep > 1 else 0
     copies = grads // FP32 * 2 if reduce_in_bf16 else 0
     tensors = sum(len(c.tensors) for c in chunk_list)
     weight = 2 if half_weights else FP32
     if not distributed:
         mains = n * FP32 if half_weights else 0
         optimizer = n * 2 * FP32 + tensors * FP32 + mains
-        return StateBytes(n * weight, grads, optimizer, copies, bucket_size)
-    mains = grads // parts if half_weights else 0  # this rank's slice of every padded bucket
+        return StateBytes(n * weight, grads, optimizer, copies, bucket_size, expert_grads)
+    # This rank's slice of every padded bucket.
+    slices = sum(total // parts for total, (_, parts, _) in zip(padded_sets, sets, strict=True))
+    mains = slices * FP32 if half_weights else 0
     # The distributed optimizer moves the parameters into buffers laid out (padded) as the
     # gradients, and steps 1/dp slices ("pieces") of them: moments for the elements of its
     # slice that belong to parameters, a step per piece.
@@ -189,18 +223,29 @@ def state_bytes(
         ranks: range | tuple[int, ...] = (dp_rank,)
     else:
         # Every rank for small models (exact); rank 0, which holds whole slices, for large.
-        ranks = range(dp) if len(bs) * dp <= 4096 else (0,)
+        count = sum(len(bs) for bs, _, _ in sets)
+        ranks = range(dp) if count * dp <= 4096 else (0,)
     worst = 0
     for r in ranks:
         elements = pieces = 0
-        for b in bs:
-            size = padded(b, parts) // parts
-            lo, hi, offset = r * size, (r + 1) * size, 0
-            for n_p in b:
-                start, end = max(lo, offset), min(hi, offset + n_p)
-                if start < end:
-                    elements += end - start
-                    pieces += 1
-                offset += n_p
+        for bs, parts, per in sets:
+            e, k = _slice_state(bs, parts, r // per)
+            elements, pieces = elements + e, pieces + k
         worst = max(worst, elements * 2 * FP32 + pieces * FP32)
-    return StateBytes(grads // FP32 * weight, grads, worst + mains, copies, bucket_size)
+    return StateBytes(grads // FP32 * weight, grads, worst + mains, copies, bucket_size,
+                      expert_grads)  # fmt: skip
+
+
+def _slice_state(bs: list[list[int]], parts: int, r: int) -> tuple[int, int]:
+    """(elements of parameters, pieces) in slice ``r`` of ``parts`` of each bucket of ``bs``."""
+    elements = pieces = 0
+    for b in bs:
+        size = padded(b, parts) // parts
+        lo, hi, offset = r * size, (r + 1) * size, 0
+        for n_p in b:
+            start, end = max(lo, offset), min(hi, offset + n_p)
+            if start < end:
+                elements += end - start
+                pieces += 1
+            offset += n_p
+    return elements, pieces

@@ -25,6 +25,8 @@ def chunk_layer_bytes(
     extras: Sequence[float] = (),
     moe: Sequence[bool] = (),
     weight_bytes: int = 4,
+    ep: int = 1,
+    expert_tokens: float = 1.0,
 ) -> tuple[float, float]:
     """A (microbatch, chunk) pair's ``layers`` layers: (the bytes they keep until its backward,
     how far above that its backward rises while full recomputation replays a span; see
@@ -35,7 +37,8 @@ def chunk_layer_bytes(
     recomputation recomputes the attention core (--recompute-modules core_attn: recomputed
     with it) and under full recomputation while replayed (or kept, by block's kept layers).
     ``moe``: whether each layer is a mixture-of-experts layer (plan.moe_memory: its saves
-    beyond a dense layer's; none: all dense), with weights of ``weight_bytes``."""
+    beyond a dense layer's; none: all dense), with weights of ``weight_bytes``, its experts
+    spread over ``ep`` ranks, this one's getting ``expert_tokens`` k T token copies."""
     rec = cfg.recompute_granularity
     one = layer_bytes(cfg, b, tp, sp, rec, prec, unfused_attention, cp)
     extras = list(extras) or [0.0] * layers
@@ -44,12 +47,12 @@ def chunk_layer_bytes(
         core_again = "core_attn" in recomputed_modules(cfg, rec)
         # Only dense MLPs are checkpointed by --recompute-modules mlp (models.blocks).
         replay = mlp_replay_bytes(cfg, b, tp, sp, prec, cp) if not all(moe) else 0.0
-        moe_extra = moe_layer_extra(cfg, b, rec, prec, cp, weight_bytes, tp, sp)
+        moe_extra = moe_layer_extra(cfg, b, rec, prec, cp, weight_bytes, tp, sp, ep, expert_tokens)
         kept = layers * one + sum(moe) * moe_extra
         return kept + (0.0 if core_again else sum(extras)), replay
     whole = layer_bytes(cfg, b, tp, sp, None, prec, unfused_attention, cp)
-    extras = [x + (moe_layer_extra(cfg, b, None, prec, cp, weight_bytes, tp, sp) if m else 0.0)
-              for x, m in zip(extras, moe, strict=True)]  # fmt: skip
+    moe_whole = moe_layer_extra(cfg, b, None, prec, cp, weight_bytes, tp, sp, ep, expert_tokens)
+    extras = [x + (moe_whole if m else 0.0) for x, m in zip(extras, moe, strict=True)]
     method, n = cfg.recompute_method, cfg.recompute_num_layers
     # The first norm keeps the span's input itself (LayerNorm; RMSNorm's fp32 view of it when
     # the stream is fp32), else its fp32 copy: counted in ``whole`` either way.

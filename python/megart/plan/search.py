@@ -112,6 +112,7 @@ def _explain(base: TrainConfig, world: int, fixed: Fixed, gpus_per_node: int | N
         fixed.first,
         fixed.last,
         cp,
+        ep=fixed.ep or 1,
     )
     layout_config(base, plain).check(world)
     groups = base.num_query_groups if base.group_query_attention else None

@@ -14,7 +14,8 @@ Per microbatch and layer on one GPU (t tensor-parallel ranks):
 - tensor-parallel collectives over NVLink: 2 all-reduces of b s h 16-bit elements forward and 2
   backward (as reduce-scatter + all-gather pairs with sequence parallelism; the same bytes),
   2(t-1)/t of them on the wire, plus 2 more forward when full recomputation replays a layer;
-  an MoE layer's experts replace the MLP's pair with its dispatcher's (plan.moe_time), exposed.
+  an MoE layer's experts replace the MLP's pair with its dispatcher's (plan.moe_time), exposed,
+  and spread over expert-parallel ranks add their all-to-alls (exposed; ep_comm).
 
 With context parallelism (cp ranks, megart.models.context_parallel) a rank holds s/cp tokens of
 each sequence: every per-token term above counts those. Under all_gather its
@@ -77,7 +78,12 @@ from megart.plan.attention_shares import cp_score_share as cp_score_share
 from megart.plan.attention_shares import window_bias_reads, window_share
 from megart.plan.context_parallel import RingPasses, a2a_layer_seconds, kv_gathers, ring_passes
 from megart.plan.hardware import GPUProfile
-from megart.plan.moe_time import moe_collectives, moe_elementwise, moe_mlp_shapes
+from megart.plan.moe_time import (
+    expert_exchange_seconds,
+    moe_collectives,
+    moe_elementwise,
+    moe_mlp_shapes,
+)
 from megart.plan.ring_window_cost import ring_bias_reads, ring_window_share
 
 ACT = 2  # bytes of a 16-bit activation element
@@ -119,6 +125,7 @@ class Work:
     tp_comm: float
     weight: float = 0.0
     cp_comm: float = 0.0  # context parallelism's key/value all-gathers and reduce-scatters
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (plan.moe_time)
 
     def __add__(self, other: Work) -> Work:
         return Work(
@@ -127,6 +134,7 @@ class Work:
             self.tp_comm + other.tp_comm,
             self.weight + other.weight,
             self.cp_comm + other.cp_comm,
+            self.ep_comm + other.ep_comm,
         )
 
     def __mul__(self, k: float) -> Work:
@@ -136,6 +144,7 @@ class Work:
             self.tp_comm * k,
             self.weight * k,
             self.cp_comm * k,
+            self.ep_comm * k,
         )
 
 
@@ -221,6 +230,8 @@ def layer_work(
     window: int | None = None,
     documents: bool = False,
     moe: bool = False,
+    ep: int = 1,
+    ep_near: int | None = None,
 ) -> Work:
     """One layer, one microbatch. ``tp_overlap``: True, each tensor-parallel collective runs
     during the matrix product next to it (Megatron-Core's --tp-comm-overlap),
@@ -233,7 +244,9 @@ def layer_work(
     parallelism or a window: megart train and plan refuse them with it; documents_mask_read).
     ``moe``: a mixture-of-experts layer: moe_mlp_shapes' products in place of the MLP's, its
     element-wise work (moe_elementwise) and at t > 1 its dispatcher's collectives
-    (moe_collectives, exposed) in place of the MLP's."""
+    (moe_collectives, exposed) in place of the MLP's; its experts spread over ``ep`` ranks
+    (``ep_near`` of them in the worst-placed one's node; None: all), their all-to-alls
+    (moe_time.expert_exchange_seconds, exposed)."""
     s, h, f, t = cfg.seq_length, cfg.hidden_size, cfg.ffn_size, tp
     modules = recomputed_modules(cfg, recompute)  # selective's --recompute-modules
     if recompute == "selective":  # attention's terms: as with its core recomputed, or without
@@ -248,7 +261,7 @@ def layer_work(
     shapes = [((q + 2 * kv) / t, h), (h, q / t)] + [(f / t, h)] * ups + [(h, f / t)]
     dense_times = [gemm_seconds(tokens, cols, inner, gpu) for cols, inner in shapes]
     if moe:  # the router's and the experts' products in place of the MLP's
-        experts = moe_mlp_shapes(cfg, tokens, t)
+        experts = moe_mlp_shapes(cfg, tokens, t, ep)
         dense_times[2:] = [gemm_seconds(r, c, i, gpu, n) for r, c, i, n in experts]
     fwd_gemm = sum(dense_times)
     # Per head: scores (s x d by d x s), then scores x values (s x s by s x d).
@@ -281,7 +294,7 @@ def layer_work(
     qk_norms = 2 * (q + kv) / t if cfg.qk_layernorm else 0.0
     mlp = (3 if cfg.activation == "swiglu" else 2) * f / t
     if moe:
-        mlp = moe_elementwise(cfg, t)
+        mlp = moe_elementwise(cfg, t, ep)
     # The ring's flash blocks write no scores. a2a's math kernel: s x s scores of heads/(t cp)
     # heads per rank, the same bytes as heads/t over the rank's s/cp queries counted here.
     unfused = unfused_attention and not ring
@@ -333,17 +346,22 @@ def layer_work(
         one_gather = collective_seconds("all_gather", nbytes, cp, bus, gpu)
         gather, replayed = g.forward * one_gather, g.replayed * one_gather
         scatter = g.backward * collective_seconds("reduce_scatter", nbytes, cp, bus, gpu)
-    forward = fwd_gemm + core_gemm + fwd_elem + core_elem + bias_read + comm + gather
+    ep_fwd, ep_bwd = (0.0, 0.0)
+    if moe and ep > 1:
+        ep_fwd, ep_bwd = expert_exchange_seconds(cfg, tokens, ep, ep_near or ep, gpu, ACT)
+    forward = fwd_gemm + core_gemm + fwd_elem + core_elem + bias_read + comm + gather + ep_fwd
     # With the scores kept (unfused), the core's backward is two products per forward one, like
     # the dense ones'; flash attention keeps no scores and recomputes them.
     core_backward = 2 * core_gemm if unfused else FLASH_BACKWARD * core_gemm
     backward = 2 * (fwd_gemm + fwd_elem + core_elem) + core_backward + bias_read + scatter
-    backward += comm_backward
+    backward += comm_backward + ep_bwd
     tp_comm = comm + comm_backward
+    ep_comm = ep_fwd + ep_bwd
     cp_comm = gather + scatter + replayed
     if recompute == "full":  # the layer's forward again, its exchanges as replayed counts them
         backward += forward - gather + replayed
         tp_comm += comm
+        ep_comm += ep_fwd
     elif recompute == "selective":
         backward += core_gemm + core_elem + bias_read + replayed
     if "layernorm" in modules:  # both norms again (read, write), and with sequence
@@ -358,7 +376,7 @@ def layer_work(
         tp_comm += comm / 2
     # dW = dY^T X of each dense product costs what its forward did; the attention core has no
     # weights, so both its backward products belong to I.
-    return Work(forward, backward, tp_comm, fwd_gemm, cp_comm)
+    return Work(forward, backward, tp_comm, fwd_gemm, cp_comm, ep_comm)
 
 
 def logits_work(cfg: GPTConfig, b: int, tp: int, gpu: GPUProfile, cp: int = 1) -> Work:

@@ -128,6 +128,7 @@ def rank_layer_bytes(
     pairs: int,
     prec: Precision,
     unfused_attention: bool = False,
+    expert_tokens: float = 1.0,
 ) -> tuple[float, float, float]:
     """Pipeline rank ``pp_rank``'s layers with ``pairs`` (microbatch, chunk) pairs held: (the
     bytes the pairs' layers keep, how far above them a backward rises while full
@@ -135,7 +136,8 @@ def rank_layer_bytes(
     layers' windows (training.layer_placement), the pairs of each chunk as the schedule holds
     them at the rank's peak (held_by_chunk). The rise is the highest chunk's: a rank's
     backwards start with its most pairs held, whichever chunk they replay. ``cfg``: c's
-    model (c.gpt_config(), which the caller has)."""
+    model (c.gpt_config(), which the caller has). ``expert_tokens``: under expert parallelism,
+    the token copies this rank's experts get, in k T a microbatch (plan.moe_memory)."""
     t, p, v, b, sp = layout.sizes()
     cp = layout.cp
     chunks = rank_layers(c, pp_rank)
@@ -161,6 +163,8 @@ def rank_layer_bytes(
             extras(chunk),
             moe(chunk),
             2 if c.half_weights and (c.bf16 or c.fp16) else 4,
+            layout.ep,
+            expert_tokens,
         )  # fmt: skip
         for chunk in chunks
     ]
