@@ -189,7 +189,8 @@ def test_recompute_modules_plan_what_each_drops_and_replays(capsys):
     assert flops > default["tflops_per_gpu"] * default["time_s"]["iteration"]
     for argv, said in [
         (["--recompute-modules", "mlp"], "--recompute-modules mlp without recomputation"),
-        ([*layout, "--recompute-modules", "moe"], "--recompute-modules moe (megart has no MoE"),
+        ([*layout, "--recompute-modules", "moe_act"], "--recompute-modules moe_act (Megatron-LM "
+         "recomputes the experts' activation only with --moe-grouped-gemm"),
         ([*layout, "--recompute-modules", "mlp", "--runtime", "megatron"],
          "--recompute-modules mlp (Megatron-LM's selective count is the attention core's"),
     ]:  # fmt: skip
