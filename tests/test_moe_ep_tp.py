@@ -7,7 +7,9 @@ shared experts at ep2 x tp2 follow the one-process loss curve, its gradient norm
 load-balancing and z-losses; the curve catches the experts' outputs not summed over the
 tensor-parallel group, their gradients scaled by edp / dp instead of edp / (dp x cp), and a
 norm counting their tensor-parallel shards on one rank only; checkpoints resume on the curve at
-the same layout and are refused by name at another tensor-parallel size."""
+the same layout and are refused by name at another tensor-parallel size. Against Megatron-Core's
+own tp2 x EP2 model on 4 processes, with its allgather and its alltoall token dispatchers: the
+same logits and one step's gradients."""
 
 import pytest
 
@@ -182,3 +184,53 @@ def test_the_logged_norm_and_zeros_count_each_expert_shard_once():
         assert [h["num_zeros_in_grad"] for h in run] == [h["num_zeros_in_grad"] for h in one]
         for key in ("params_norm", "loss"):
             assert [h[key] for h in run] == pytest.approx([h[key] for h in one], **SAME_RUN)
+
+
+# Against Megatron-Core's own model at tp2 x EP2 (tests/moe_ep_tp_workers.py): (model, loss
+# factor, its token dispatcher, megart's deliberate mistake or None).
+BASE = dict(vocab_size=100, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
+            bias=False, num_experts=4, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)  # fmt: skip
+MEGATRON_CASES = {
+    "allgather": (BASE, 0.5, "allgather", None),
+    "alltoall": (BASE, 0.5, "alltoall", None),
+    "alltoall-swiglu-shared-experts": (
+        dict(BASE, activation="swiglu", moe_shared_expert_intermediate_size=24), 0.5, "alltoall",
+        None),
+    "alltoall-sigmoid-top3-of-8": (
+        dict(BASE, num_experts=8, moe_router_topk=3, moe_router_score_function="sigmoid"), 0.25,
+        "alltoall", None),
+    # The mistake this exists to catch.
+    "alltoall-experts-output-sliced": (BASE, 0.5, "alltoall", "experts-output-sliced"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    """Each case's results on each of the 4 ranks (tp rank innermost: rank = tp + 2 dp)."""
+    pytest.importorskip("megatron.core")
+    import moe_ep_tp_workers as mew
+
+    ranks = launch(mew.compare_all, 4, list(MEGATRON_CASES.values()), timeout=300)
+    return {name: [r[i] for r in ranks] for i, name in enumerate(MEGATRON_CASES)}
+
+
+@pytest.mark.parametrize("name", [n for n, c in MEGATRON_CASES.items() if c[3] is None])
+def test_ep2_tp2_experts_are_megatron_cores(megatron, name):
+    """megart's and Megatron-Core's tp2 x EP2 models holding the same pieces of one set of
+    weights, each data-parallel rank on its own tokens: the same logits (and megart's one
+    process's on those tokens), and one training step's gradients before any data-parallel
+    average, every expert's (each summing both data-parallel ranks' tokens) included."""
+    ranks = megatron[name]
+    experts = MEGATRON_CASES[name][0]["num_experts"]
+    assert sorted({e for r in ranks for e in r["held"]}) == list(range(experts))
+    assert [r["held"] for r in ranks[:2]] == [list(range(experts // 2))] * 2  # tp rank 0, 1
+    for r in ranks:
+        assert r["scale"] > 0.5 and r["top"] > 1e-3
+        assert r["megatron_logits"] < 1e-6  # its softmax over experts rounds to fp32
+        assert r["one_process_logits"] < 1e-12
+        assert r["largest"] < 1e-6 and r["experts"] < 1e-6
+
+
+def test_the_megatron_comparison_catches_outputs_not_summed_over_tp(megatron):
+    for r in megatron["alltoall-experts-output-sliced"]:
+        assert r["megatron_logits"] > 1e-2 and r["largest"] > 1e-2
