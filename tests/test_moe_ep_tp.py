@@ -2,14 +2,14 @@
 Megatron-Core 0.16 with --expert-tensor-parallel-size left at the tensor-parallel size: the
 expert groups are Megatron-Core's own RankGenerator's (an expert-parallel group of the same
 tensor-parallel rank, spanning context-parallel ranks where cp > 1); runs of ep2 x tp2, ep2 x
-cp2 (each with and without the distributed optimizer), ep4 over cp2 x dp2, ep2 x tp2 x pp2 and
-shared experts at ep2 x tp2 follow the one-process loss curve, its gradient norm and its logged
-load-balancing and z-losses; the curve catches the experts' outputs not summed over the
-tensor-parallel group, their gradients scaled by edp / dp instead of edp / (dp x cp), and a
-norm counting their tensor-parallel shards on one rank only; checkpoints resume on the curve at
-the same layout and are refused by name at another tensor-parallel size. Against Megatron-Core's
-own tp2 x EP2 model on 4 processes, with its allgather and its alltoall token dispatchers: the
-same logits and one step's gradients."""
+cp2 (each with and without the distributed optimizer), ep4 over cp2 x dp2, ep2 x tp2 x pp2,
+ep2 x tp2 x cp2, --recompute-modules moe and shared experts at ep2 x tp2 follow the
+one-process loss curve, its gradient norm and its logged load-balancing and z-losses; the curve
+catches the experts' outputs not summed over the tensor-parallel group, their gradients scaled
+by edp / dp instead of edp / (dp x cp), and a norm counting their tensor-parallel shards on one
+rank only; checkpoints resume on the curve at the same layout and are refused by name at
+another tensor-parallel size. Against Megatron-Core's own tp2 x EP2 model on 4 processes, with
+its allgather and its alltoall token dispatchers: the same logits and one step's gradients."""
 
 import pytest
 
@@ -29,6 +29,7 @@ TP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
 CP2 = dict(context_parallel_size=2)
 ZERO = dict(use_distributed_optimizer=True)
 SHARED = dict(moe_shared_expert_intermediate_size=48)
+RECOMPUTE_MOE = dict(recompute_granularity="selective", recompute_modules=["moe"])
 # name: (processes, flags, train_mistaken's mistake or None, the rank whose history to read)
 RUNS = {
     "ep2-tp2": (4, dict(EP2, **TP2), None, 0),
@@ -37,6 +38,8 @@ RUNS = {
     "ep2-cp2-distopt": (4, dict(EP2, **CP2, **ZERO), None, 0),
     "ep4-cp2-dp2": (4, dict(EP2, **CP2, expert_model_parallel_size=4), None, 0),
     "ep2-tp2-pp2-distopt": (8, dict(EP2, **TP2, **ZERO, pipeline_model_parallel_size=2), None, -1),
+    "ep2-tp2-cp2": (8, dict(EP2, **TP2, **CP2), None, 0),
+    "ep2-tp2-recompute-moe": (4, dict(EP2, **TP2, **RECOMPUTE_MOE), None, 0),
     # The mistakes the curve exists to catch.
     "ep2-tp2-experts-output-sliced": (4, dict(EP2, **TP2), "experts-output-sliced", 0),
     "ep2-cp2-experts-scaled-over-dp": (4, dict(EP2, **CP2), "experts-scaled-over-dp", 0),
