@@ -160,14 +160,17 @@ def test_an_ep2_tp2_checkpoint_resumes_on_the_curve_at_its_layout(tmp_path, curv
 
 def test_an_ep2_cp2_checkpoint_resumes_on_the_curve(tmp_path, curves):
     """The second expert-parallel rank's file is written by a context-parallel rank 1 (rank 0
-    of its expert-data-parallel group)."""
+    of its expert-data-parallel group); the checkpoint resumes at cp2 and, the files being the
+    same, at cp1 (ep2 over dp2)."""
     layout = dict(EP2, **CP2)
     store = tmp_path / "ckpt"
     trained, resumed = tw.saved_and_resumed(4, layout, 4, layout, store)
-    tw.assert_holds(trained, resumed)
-    tw.assert_resumed_on_curve(curves[1]["ep2-cp2"], resumed, **SAME_RUN)
     saved = sorted(p.parent.name for p in (store / "iter_0000002").glob("*/*.pt"))
     assert saved == ["mp_rank_00_000", "mp_rank_00_001"]
+    at_cp1 = tw.holding(2, dict(EP2, load=str(store)))
+    for run in (resumed, at_cp1):
+        tw.assert_holds(trained, run)
+        tw.assert_resumed_on_curve(curves[1]["ep2-cp2"], run, **SAME_RUN)
 
 
 # 16 experts, each token to one: some get no token in an iteration, so the zero count depends
