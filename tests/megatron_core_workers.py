@@ -24,6 +24,7 @@ def megatron_model(
     first: int | None = None,
     last: int | None = None,
     sequence_parallel: bool = False,
+    ep: int = 1,
 ) -> torch.nn.Module:
     """Megatron-Core's GPTModel of ``cfg`` (``sequence_parallel``: with its
     --sequence-parallel, which its MoE layers need to train at ``tp`` > 1; one rank of ``tp`` x
@@ -31,7 +32,8 @@ def megatron_model(
     parallelism is already initialised: this rank's pipeline stage; under interleaving, with
     the virtual pipeline size initialised, its model chunk ``vp_stage``, as Megatron-LM's
     get_model builds each; ``first``/``last``: the uneven first/last stages' layers, as
-    Megatron-LM's --decoder-first/last-pipeline-num-layers set them)."""
+    Megatron-LM's --decoder-first/last-pipeline-num-layers set them; ``ep``: its experts
+    spread over that many expert-parallel ranks, as initialised)."""
     from megatron.core import parallel_state
     from megatron.core.activations import squared_relu
     from megatron.core.models.gpt import GPTModel
@@ -81,6 +83,7 @@ def megatron_model(
         num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last,
         **moe_config(cfg),
+        **(dict(expert_model_parallel_size=ep) if ep > 1 else {}),
         # Its config checks sequence parallelism against its own tensor-parallel size.
         **(
             dict(sequence_parallel=True, tensor_model_parallel_size=tp) if sequence_parallel else {}

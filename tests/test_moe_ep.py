@@ -26,6 +26,8 @@ TRAIN = dict(MODEL, train_iters=4)
 EP2 = dict(TRAIN, expert_model_parallel_size=2)
 EP4 = dict(TRAIN, expert_model_parallel_size=4)
 PP2 = dict(pipeline_model_parallel_size=2)
+TP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+CP2 = dict(context_parallel_size=2)
 # name: (processes, flags, train_mistaken's mistake or None, the rank whose history to read)
 RUNS = {
     "ep2": (2, EP2, None, 0),
@@ -60,8 +62,8 @@ def test_the_expert_groups_are_megatrons():
     [
         (4, {}, 3, 6, "must divide the data-parallel size 4"),
         (4, {}, 4, 6, "must divide --num-experts 6"),
-        (4, dict(tp=2), 2, 4, "tensor-parallel size 2 and context-parallel size 1"),
-        (4, dict(cp=2), 2, 4, "tensor-parallel size 1 and context-parallel size 2"),
+        (4, dict(tp=2), 4, 4, "must divide the data-parallel size 2 "),
+        (6, dict(cp=2), 4, 4, "must divide data-parallel size 3 x context-parallel size 2 = 6"),
         (2, {}, 2, None, "needs --num-experts"),
     ],
 )
@@ -74,8 +76,8 @@ def test_the_grid_refuses_what_does_not_split(world, kw, ep, experts, message):
     "world,flags,message",
     [
         (4, dict(expert_model_parallel_size=3), "must divide the data-parallel size 4"),
-        (4, dict(tensor_model_parallel_size=2, sequence_parallel=True), "tensor-parallel size 2"),
-        (4, dict(context_parallel_size=2), "context-parallel size 2"),
+        (4, dict(TP2, expert_model_parallel_size=4), "must divide the data-parallel size 2 "),
+        (6, dict(CP2, expert_model_parallel_size=4, global_batch_size=12), "size 2 = 6"),
         (2, dict(ckpt_format="torch"), "with --ckpt-format torch:"),
         (2, dict(ckpt_format="torch_dist"), "with --ckpt-format torch_dist:"),
     ],

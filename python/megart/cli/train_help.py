@@ -110,7 +110,7 @@ HELP = {
     "slices)",  # its flag is --no-... (see below)
     "use_distributed_optimizer": "shard the optimizer state over data-parallel ranks (ZeRO-1): "
     "reduce-scatter the gradients, step 1/dp of the parameters, all-gather them (the experts' "
-    "over their dp/EP expert-data-parallel ranks under --expert-model-parallel-size EP)",
+    "over their dp x cp/EP expert-data-parallel ranks under --expert-model-parallel-size EP)",
     "distributed_backend": "communication: megart's nccl transport (default with a GPU), its "
     "shm transport (default on CPU), or torch: torch.distributed's groups (NCCL on GPU, gloo on "
     "CPU), the fallback when `megart selftest` fails a megart transport",
@@ -324,9 +324,11 @@ HELP = {
     "sequence (heads and query groups per tensor-parallel rank divisible by cp). The same "
     "attention every way. a2a+p2p (hierarchical) is refused",
     "expert_model_parallel_size": "expert parallelism: each MoE layer's experts spread over "
-    "this many data-parallel ranks (tensor- and context-parallel size 1)",
+    "this many data- and context-parallel ranks (each expert split over the tensor-parallel "
+    "ranks as the MLP is, Megatron's default --expert-tensor-parallel-size)",
     "num_experts": "mixture of experts: this many MLPs in each MoE layer, each token routed to "
-    "--moe-router-topk of them (needs --disable-bias-linear; tensor-parallel size 1)",
+    "--moe-router-topk of them (needs --disable-bias-linear; --sequence-parallel under tensor "
+    "parallelism)",
     "moe_ffn_hidden_size": "each expert's MLP width (default: --ffn-hidden-size)",
     "moe_layer_freq": "which layers are MoE: N (every N-th from the first) or a list "
     'expression of 0/1 per layer, e.g. "([0]+[1]*3)*2" (default: every layer)',

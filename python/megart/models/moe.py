@@ -23,7 +23,7 @@ The router's gradient is a partial sum over the slices, completed with the norms
 is marked ``sequence_parallel``). The load-balancing loss counts each expert's tokens over the
 group and divides by all of them (local x t), weighing only this rank's scores, and the z-loss
 coefficient is divided by t, as Megatron-Core's: the ranks' losses then add up to the
-one-process loss of the whole sequence. No expert parallelism (every expert on every rank).
+one-process loss of the whole sequence.
 
 Under context parallelism (cp_group: each sequence split over cp ranks, megart.models.
 context_parallel) routing and the experts are token-wise and need no exchange; only the losses'
@@ -34,17 +34,22 @@ rank's mean over its own tokens, and their average the sequence's mean), which w
 auxiliary losses at 1/cp of their sum: their gradients are seeded cp times the language model's
 factor, as Megatron-Core's schedules set MoEAuxLossAutoScaler's scale to loss scale x cp / m.
 
-Under expert parallelism (ep_group, at tensor- and context-parallel size 1: models.
-expert_exchange) each rank builds only its num_experts / ep experts, global indices ep_rank x
-E/ep onwards, drawn as one process draws those experts and named by their global index
-(``experts.E.``); the router and the losses are each rank's own, as without it.
+Under expert parallelism (ep_group: models.expert_exchange) each rank builds only its
+num_experts / ep experts, global indices ep_rank x E/ep onwards, drawn as one process draws
+those experts and named by their global index (``experts.E.``); the router and the losses are
+each rank's own, as without it. With tensor parallelism as well (the expert tensor-parallel size
+equal to it, Megatron's default) each of them is this rank's tensor-parallel shard: the tokens
+gathered over the tensor-parallel group are exchanged with the ranks of the same tensor-parallel
+rank (parallel.experts), run through the shards, exchanged back and reduce-scattered as above.
+With context parallelism each rank exchanges its own tokens; an expert-parallel group may span
+context-parallel ranks.
 
 Shared experts (--moe-shared-expert-intermediate-size S, Megatron-Core's SharedExpertMLP without
 its gate): one more models.mlp.MLP of width S that every token goes through, applied to the
 layer's input and split over the tensor-parallel group as the dense MLP is (under sequence
 parallelism its input gathered from, and its output reduce-scattered to, the ranks' slices),
 its output added to the experts' sum. Under expert parallelism it is an ordinary parameter,
-the same on every rank and averaged over all data-parallel ranks.
+the same on every expert-parallel rank and averaged over all data- and context-parallel ranks.
 """
 
 from __future__ import annotations
@@ -232,7 +237,7 @@ class MoE(nn.Module):
         if self.ep_group is None:
             self.experts: nn.Module = nn.ModuleList(self._expert(e) for e in range(cfg.num_experts))
         else:  # this rank's share, under their global indices
-            check_expert_parallel_layer(cfg, self.tp, self.cp, self.ep_group.size())
+            check_expert_parallel_layer(cfg, self.ep_group.size())
             local = cfg.num_experts // self.ep_group.size()
             first = self.ep_group.rank() * local
             self.experts = nn.ModuleDict(
@@ -281,18 +286,19 @@ class MoE(nn.Module):
             probs = gather_from_sequence_region(probs, group)
             # In autocast's type, where the experts' products would cast them.
             tokens = gather_from_sequence_region(enter_column_region(tokens, None, False)[0], group)
-        if self.ep_group is not None:
+        if self.ep_group is not None:  # (under tp, the group's tokens, with same-tp-rank peers)
             experts = [(int(e), m) for e, m in self.experts.items()]
-            return expert_parallel_mlp(tokens, probs, chosen, experts, self.ep_group).view(x.shape)
-        out: torch.Tensor | None = None
-        # Every expert runs, on no tokens where none chose it, so that each weight gets a
-        # gradient (zero then), as Megatron-Core's SequentialMLP.
-        for e, expert in enumerate(self.experts):
-            rows = chosen[:, e].nonzero().squeeze(1)  # in token order, as Megatron permutes
-            y = expert(tokens[rows], scale=probs[rows, e])
-            if out is None:
-                out = tokens.new_zeros(tokens.shape, dtype=y.dtype)
-            out = out.index_add(0, rows, y)
+            out = expert_parallel_mlp(tokens, probs, chosen, experts, self.ep_group)
+        else:
+            out = tokens.new_zeros(0)
+            # Every expert runs, on no tokens where none chose it, so that each weight gets a
+            # gradient (zero then), as Megatron-Core's SequentialMLP.
+            for e, expert in enumerate(self.experts):
+                rows = chosen[:, e].nonzero().squeeze(1)  # in token order, as Megatron permutes
+                y = expert(tokens[rows], scale=probs[rows, e])
+                if e == 0:
+                    out = tokens.new_zeros(tokens.shape, dtype=y.dtype)
+                out = out.index_add(0, rows, y)
         if self.tp > 1:  # each rank's part of every expert's output: summed, sliced back
             # Summed in the routing weights' type, as Megatron-Core's combine sums them.
             out = reduce_scatter_to_sequence_region(out.to(probs.dtype), group).to(out.dtype)

@@ -124,14 +124,9 @@ def check_moe_tensor_parallel(cfg: GPTConfig, tp: int, sequence_parallel: bool) 
         )
 
 
-def check_expert_parallel_layer(cfg: GPTConfig, tp: int, cp: int, ep: int) -> None:
+def check_expert_parallel_layer(cfg: GPTConfig, ep: int) -> None:
     """Refuses an MoE layer spread over ``ep`` > 1 expert-parallel ranks that it cannot be:
-    experts not divisible by ``ep``, or tensor or context parallelism as well (not built)."""
-    if tp > 1 or cp > 1:
-        raise ConfigError(
-            f"--expert-model-parallel-size {ep} with tensor-parallel size {tp} and context-"
-            f"parallel size {cp}: megart's expert parallelism runs at both sizes 1 only"
-        )
+    experts not divisible by ``ep``."""
     if cfg.num_experts is None or cfg.num_experts % ep:
         raise ConfigError(
             f"--expert-model-parallel-size {ep} must divide --num-experts {cfg.num_experts}"
