@@ -17,7 +17,6 @@ from megart import ConfigError
 from megart.launcher import launch
 from megart.parallel import make_layout
 from megart.parallel.experts import check_expert_parallel, expert_groups, expert_ranks
-from megart.training.config import TrainConfig
 from train_workers import SAME_RUN
 
 MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,
@@ -86,13 +85,6 @@ def test_megart_train_refuses_what_this_slice_cannot_run(world, flags, message):
     config = tw.tiny(**dict(EP2, **flags))
     with pytest.raises(ConfigError, match=f"--expert-model-parallel-size .*{message}"):
         config.check(world)
-
-
-def test_megart_plan_refuses_expert_parallelism_by_name():
-    from megart.plan.flags import refuse_unmodelled
-
-    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size 2 \(expert parallelism"):
-        refuse_unmodelled(TrainConfig(**EP2))
 
 
 def test_each_rank_draws_the_one_process_experts_of_its_global_indices():

@@ -16,7 +16,7 @@ import pytest
 import moe_ep_workers as ew
 import train_workers as tw
 from megart import ConfigError
-from megart.launcher import LaunchError, launch
+from megart.launcher import launch
 from megart.parallel import make_layout
 from megart.parallel.experts import check_expert_parallel, expert_groups, expert_ranks
 from train_workers import SAME_RUN
@@ -143,9 +143,9 @@ def test_shared_experts_follow_their_curve_at_ep2_tp2():
 
 def test_an_ep2_tp2_checkpoint_resumes_on_the_curve_at_its_layout(tmp_path, curves):
     """Each (tensor-parallel, expert-parallel) rank writes its file (mp_rank_TT_EEE); the
-    resumed ranks hold what the saving ranks held and go on on the curve. At another
-    tensor-parallel size the load reaches the resharding readers, which refuse the spread
-    experts by name."""
+    resumed ranks hold what the saving ranks held and go on on the curve; so do runs at
+    another tensor-parallel size (ep2 x dp4 with the distributed optimizer, and one process),
+    which reshard it (training.expert_shards merges each tensor-parallel rank's files)."""
     layout = dict(EP2, **TP2, **ZERO)
     store = tmp_path / "ckpt"
     trained, resumed = tw.saved_and_resumed(4, layout, 4, layout, store)
@@ -153,9 +153,11 @@ def test_an_ep2_tp2_checkpoint_resumes_on_the_curve_at_its_layout(tmp_path, curv
     tw.assert_resumed_on_curve(curves[1]["ep2-tp2-distopt"], resumed, **SAME_RUN)
     saved = sorted(p.parent.name for p in (store / "iter_0000002").glob("*/*.pt"))
     assert saved == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-    refused = "saved at --expert-model-parallel-size 2: megart cannot reshard"
-    with pytest.raises(LaunchError, match=refused):
-        launch(tw.train_kw, 4, dict(EP2, **ZERO, load=str(store)), timeout=300)
+    at_tp1 = tw.holding(4, dict(EP2, **ZERO, load=str(store)))
+    at_one = tw.holding(1, dict(TRAIN, load=str(store)))
+    for run in (at_tp1, at_one):
+        tw.assert_holds(trained, run)
+        tw.assert_resumed_on_curve(curves[1]["ep2-tp2-distopt"], run, **SAME_RUN)
 
 
 def test_an_ep2_cp2_checkpoint_resumes_on_the_curve(tmp_path, curves):

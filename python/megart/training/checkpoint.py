@@ -123,8 +123,6 @@ def load(
     if load_optim and state.get("opt_param_scheduler") is not None:  # written by Megatron-LM
         check_scheduler(state["opt_param_scheduler"], config, directory)
     if reshard.needed(state, config, chunks):
-        # Its readers take one file per tensor and pipeline rank (not each expert-parallel one).
-        refuse_expert_parallel(directory, state, "reshard (another tensor or pipeline layout)")
         reshard.restore(
             root, state["config"], config, grid, chunks, optimizer if load_optim else None
         )
