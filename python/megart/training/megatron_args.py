@@ -105,6 +105,10 @@ def moe_args(cfg: GPTConfig) -> dict[str, Any]:
         moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=cfg.moe_z_loss_coeff,
+        moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
+        moe_router_num_groups=cfg.moe_router_num_groups,
+        moe_router_group_topk=cfg.moe_router_group_topk,
         moe_grouped_gemm=False,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
         expert_model_parallel_size=1,
@@ -190,6 +194,10 @@ def moe_fields(a: dict[str, Any]) -> dict[str, Any]:
         moe_router_load_balancing_type=single("moe_router_load_balancing_type", "aux_loss"),
         moe_aux_loss_coeff=float(single("moe_aux_loss_coeff", 0.0)),
         moe_z_loss_coeff=a.get("moe_z_loss_coeff"),
+        moe_router_enable_expert_bias=bool(a.get("moe_router_enable_expert_bias", False)),
+        moe_router_bias_update_rate=float(a.get("moe_router_bias_update_rate", 1e-3)),
+        moe_router_num_groups=a.get("moe_router_num_groups"),
+        moe_router_group_topk=a.get("moe_router_group_topk"),
         moe_shared_expert_intermediate_size=a.get("moe_shared_expert_intermediate_size"),
     )
 
@@ -220,6 +228,17 @@ def refuse_shared_experts(cfg: GPTConfig, fmt: str) -> None:
             f"--moe-shared-expert-intermediate-size {cfg.moe_shared_expert_intermediate_size} "
             f"with --ckpt-format {fmt}: megart does not write or read the shared experts in "
             "Megatron-LM's checkpoint formats yet; use --ckpt-format megart (the default)"
+        )
+
+
+def refuse_expert_bias(cfg: GPTConfig, fmt: str) -> None:
+    """Refuses writing or reading Megatron-LM's checkpoint format ``fmt`` for a model with
+    the router's expert bias: megart does not place it in those files yet."""
+    if cfg.num_experts is not None and cfg.moe_router_enable_expert_bias:
+        raise ConfigError(
+            f"--moe-router-enable-expert-bias with --ckpt-format {fmt}: megart does not write "
+            "or read the routers' expert bias in Megatron-LM's checkpoint formats yet; use "
+            "--ckpt-format megart (the default)"
         )
 
 

@@ -1,5 +1,6 @@
 """The mixture-of-experts losses an iteration reports, as Megatron-LM logs them
-(``load_balancing_loss``, ``z_loss``; its track_moe_metrics): each loss without its coefficient,
+(``load_balancing_loss``, or ``seq_load_balancing_loss`` under seq_aux_loss, and ``z_loss``;
+its track_moe_metrics): each loss without its coefficient,
 the mean over the MoE layers and the microbatches of the iteration.
 
 The MoE layers record their losses when their gradients are seeded (models.moe.AuxLossScale).
@@ -21,14 +22,20 @@ from megart.distributed import ProcessGroup
 from megart.tensor_parallel._group import group_size
 
 # What each loss is over the tensor- and context-parallel ranks: their sum or their mean.
-SHARED = {"load_balancing_loss": "sum", "z_loss": "mean"}
+SHARED = {"load_balancing_loss": "sum", "seq_load_balancing_loss": "sum", "z_loss": "mean"}
 
 
 def tracked_names(cfg: Any) -> list[str]:
     """The losses a model's MoE layers compute in training (GPTConfig ``cfg``)."""
     if cfg.num_experts is None:
         return []
-    on = {"load_balancing_loss": cfg.moe_aux_loss_coeff > 0, "z_loss": bool(cfg.moe_z_loss_coeff)}
+    balance = cfg.moe_aux_loss_coeff > 0
+    seq = cfg.moe_router_load_balancing_type == "seq_aux_loss"
+    on = {
+        "load_balancing_loss": balance and not seq,
+        "seq_load_balancing_loss": balance and seq,
+        "z_loss": bool(cfg.moe_z_loss_coeff),
+    }
     return [name for name, computed in on.items() if computed]
 
 

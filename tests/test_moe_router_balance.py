@@ -1,0 +1,294 @@
+"""DeepSeek-V3's router options (models.moe_router): aux-loss-free balancing by an expert bias
+(--moe-router-enable-expert-bias, --moe-router-bias-update-rate), the sequence-wise
+load-balancing loss (--moe-router-load-balancing-type seq_aux_loss) and group-limited routing
+(--moe-router-num-groups, --moe-router-group-topk), against Megatron-Core 0.16.1's own: its
+routing function on the same logits, its MoE GPTModel's logits with the same expert biases and
+one training step's gradients (float64), its update rule of the bias (its own function) on
+megart's counts over several steps of megart's trainer. Then megart's runs: dp2, tp2 with
+sequence parallelism, pp2, cp2, ep2 and full recomputation end with the one-process run's
+expert biases, losses and logged sequence loss; a checkpoint resumes on the curve with its
+biases, at another layout; what cannot run is refused by name. Each comparison catches a
+mistake made on purpose."""
+
+import argparse
+
+import pytest
+import torch
+
+import moe_router_workers as rw
+import moe_workers as mw
+from megart import ConfigError
+from megart.cli.train import add_arguments, config_from_args
+from megart.launcher import launch
+from megart.models import GPTConfig
+from train_workers import SAME_RUN
+
+BASE = dict(vocab_size=100, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
+            bias=False, num_experts=8)  # fmt: skip
+SIGMOID = dict(moe_router_score_function="sigmoid")
+BIAS = dict(SIGMOID, moe_router_enable_expert_bias=True)
+GROUPS = dict(moe_router_num_groups=2, moe_router_group_topk=1)  # 2 groups of 4: one chosen
+SEQ = dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1,
+           moe_z_loss_coeff=0.01)  # fmt: skip
+
+ROUTING = {
+    "sigmoid-bias-top2": ({**BASE, **BIAS}, 1),
+    "sigmoid-bias-top3-scaled": (
+        {**BASE, **BIAS, "moe_router_topk": 3, "moe_router_topk_scaling_factor": 2.5}, 2),
+    "softmax-groups": ({**BASE, **GROUPS}, 3),
+    "pre-softmax-groups-top3": (
+        {**BASE, **GROUPS, "moe_router_pre_softmax": True, "moe_router_topk": 3}, 4),
+    "sigmoid-bias-4-groups-top4": (
+        {**BASE, **BIAS, "moe_router_num_groups": 4, "moe_router_group_topk": 2,
+         "moe_router_topk": 4}, 5),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    """Everything compared with Megatron-Core, in one launched process."""
+    routing = launch(rw.routing, 1, list(ROUTING.values()), timeout=300)[0]
+    logits = launch(rw.logits_all, 1, list(LOGITS.values()), timeout=300)[0]
+    grads = launch(mw.gradients_all, 1, list(GRADIENTS.values()), timeout=300)[0]
+    return (dict(zip(ROUTING, routing, strict=True)), dict(zip(LOGITS, logits, strict=True)),
+            dict(zip(GRADIENTS, grads, strict=True)))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ROUTING))
+def test_routing_is_megatron_cores(megatron, name):
+    """The same choices, and the same weights (to its fp32 softmax), on logits where the bias
+    or the groups move most tokens off the plain top k."""
+    r = megatron[0][name]
+    assert r["same_choice"]
+    assert r["weights"] < 1e-6
+    assert r["moved"] > 16  # of 64 tokens
+
+
+LOGITS = {
+    "bias": ({**BASE, **BIAS}, 1, None),
+    "bias-and-groups": ({**BASE, **BIAS, "moe_router_num_groups": 4, "moe_router_group_topk": 2},
+                        2, None),
+    "groups-pre-softmax": ({**BASE, **GROUPS, "moe_router_pre_softmax": True}, 3, None),
+    # The mistake this exists to catch: the bias in the routing weights too.
+    "bias-in-weights": ({**BASE, **BIAS}, 1, "bias-in-weights"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [n for n, c in LOGITS.items() if c[2] is None])
+def test_megatron_core_computes_megarts_logits_with_the_same_expert_bias(megatron, name):
+    r = megatron[1][name]
+    assert r["scale"] > 0.5
+    assert r["diff"] < 1e-6
+
+
+def test_the_logits_catch_the_bias_in_the_weights(megatron):
+    assert megatron[1]["bias-in-weights"]["diff"] > 1e-2
+
+
+GRADIENTS = {
+    # (model, loss factor, megart's factor, megart's model changes, expert biases' seed)
+    "seq-aux-loss-softmax": ({**BASE, **SEQ}, 0.5, None, None, None),
+    "seq-aux-loss-pre-softmax-top1": (
+        {**BASE, **SEQ, "moe_router_topk": 1, "moe_router_pre_softmax": True}, 0.25, None, None,
+        None),
+    "seq-aux-loss-sigmoid-bias-groups": (
+        {**BASE, **SEQ, **BIAS, "moe_router_num_groups": 4, "moe_router_group_topk": 2}, 0.5,
+        None, None, 7),
+    "aux-loss-sigmoid-bias": ({**BASE, **BIAS, **SEQ, "moe_router_load_balancing_type":
+                              "aux_loss"}, 0.5, None, None, 8),
+    # The mistake this exists to catch: the microbatch's loss for each sequence's.
+    "seq-as-microbatch": ({**BASE, **SEQ}, 0.5, None,
+                          dict(moe_router_load_balancing_type="aux_loss"), None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [n for n, c in GRADIENTS.items() if c[3] is None])
+def test_a_training_step_has_megatron_cores_gradients(megatron, name):
+    """Every parameter's gradient, the router's included, with the load-balancing loss of
+    each sequence (or of the microbatch) and the z-loss; the logged losses (Megatron-Core's
+    tracker: seq_load_balancing_loss under seq_aux_loss); the tokens each expert got, counted
+    for the bias's update, where the bias is on."""
+    r = megatron[2][name]
+    assert r["top"] > 1e-3
+    assert r["largest"] < 1e-6
+    assert r["router"] < 1e-6
+    want = "seq_load_balancing_loss" if "seq" in name else "load_balancing_loss"
+    assert set(r["logged"]) == {want, "z_loss"}
+    for logged, (ours, theirs) in r["logged"].items():
+        assert theirs > 0.1 and ours == pytest.approx(theirs, rel=1e-6), logged
+    assert r["counted"] == ([True, True] if "bias" in name else [])
+
+
+def test_the_gradients_catch_the_microbatchs_loss_for_each_sequences(megatron):
+    assert megatron[2]["seq-as-microbatch"]["router"] > 1e-3
+
+
+MODEL = dict(num_experts=4, disable_bias_linear=True, **BIAS, **SEQ)  # Megatron's update rate
+TRAIN = dict(MODEL, train_iters=4)
+
+
+def test_the_expert_bias_follows_megatron_cores_update_rule():
+    """At each of 4 iterations of megart's trainer, the biases after its update are
+    Megatron-Core's get_updated_expert_bias of the counts and biases before it, exactly; the
+    counts are the batch's k choices per token in every layer, and the bias moves each step."""
+    r = launch(rw.bias_steps, 1, TRAIN, timeout=300)[0]
+    assert len(r["steps"]) == 4
+    tokens = 8 * 16 * 2  # global batch x sequence x top k
+    for step in r["steps"]:
+        assert torch.equal(step["after"], step["megatron"])
+        assert step["counts"].sum(dim=1).tolist() == [tokens] * 4
+        assert not torch.equal(step["after"], step["before"])
+    assert r["steps"][-1]["after"].abs().max() > 0
+
+
+TP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+# name: (processes, flags, train_bias's mistake or None, the rank whose figures to read)
+RUNS = {
+    "dp2": (2, TRAIN, None, 0),
+    "tp2-sp": (2, dict(TRAIN, **TP2), None, 0),
+    "pp2": (2, dict(TRAIN, pipeline_model_parallel_size=2), None, -1),
+    "cp2": (2, dict(TRAIN, context_parallel_size=2), None, 0),
+    "ep2": (2, dict(TRAIN, expert_model_parallel_size=2), None, 0),
+    "recompute-full": (1, dict(TRAIN, recompute_granularity="full"), None, 0),
+    # The mistakes this exists to catch.
+    "dp2-counts-unsummed": (2, TRAIN, "counts-unsummed", 0),
+    "tp2-sp-counts-unsummed": (2, dict(TRAIN, **TP2), "counts-unsummed", 0),
+    "cp2-counts-over-tp-only": (2, dict(TRAIN, context_parallel_size=2), "counts-over-tp-only", 0),
+    "tp2-sp-seq-counts-local": (2, dict(TRAIN, **TP2), "seq-counts-local", 0),
+    "cp2-seq-counts-local": (2, dict(TRAIN, context_parallel_size=2), "seq-counts-local", 0),
+}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return launch(rw.train_bias, 1, TRAIN, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {
+        name: launch(rw.train_bias, n, kw, mistake, timeout=300)[rank]
+        for name, (n, kw, mistake, rank) in RUNS.items()
+    }
+
+
+@pytest.mark.parametrize("name", [n for n, c in RUNS.items() if c[2] is None])
+def test_every_layout_ends_with_the_one_process_expert_biases(one_process, runs, name):
+    """The counts are summed over the tensor-, data- and context-parallel ranks (and the
+    stages' layers gathered for the figure), the sequence loss's counts over t x cp: the
+    one-process biases exactly, its loss curve and its logged sequence loss."""
+    want, got = one_process, runs[name]
+    assert (want["bias"] != 0).sum() > 8  # of 4 layers x 4 experts
+    assert torch.equal(got["bias"], want["bias"])
+    assert [h["loss"] for h in got["history"]] == pytest.approx(
+        [h["loss"] for h in want["history"]], **SAME_RUN
+    )
+    logged = [h["seq_load_balancing_loss"] for h in want["history"]]
+    assert 0.5 < logged[0] < 5
+    assert [h["seq_load_balancing_loss"] for h in got["history"]] == pytest.approx(
+        logged, **SAME_RUN
+    )
+    assert "load_balancing_loss" not in got["history"][0]
+
+
+@pytest.mark.parametrize("name", [n for n, c in RUNS.items() if "counts-unsummed" in n
+                                  or "over-tp-only" in n])  # fmt: skip
+def test_the_biases_catch_counts_not_summed_over_the_ranks(one_process, runs, name):
+    assert not torch.equal(runs[name]["bias"], one_process["bias"])
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if "seq-counts-local" in n])
+def test_the_logged_sequence_loss_catches_counts_not_summed_over_the_ranks(one_process, runs, name):
+    want = [h["seq_load_balancing_loss"] for h in one_process["history"]]
+    got = [h["seq_load_balancing_loss"] for h in runs[name]["history"]]
+    assert got != pytest.approx(want, rel=1e-3)
+
+
+def test_a_checkpoint_resumes_on_the_curve_with_its_expert_biases(tmp_path, one_process):
+    """Saved at pp2 after 2 iterations (every layer's bias in every file), resumed in one
+    process: iterations 3 and 4 are the one-process run's, and so are its final biases; not
+    so where the biases are not loaded (the run goes on from zeros)."""
+    store = str(tmp_path / "ckpt")
+    saving = dict(TRAIN, pipeline_model_parallel_size=2, exit_interval=2, save=store)
+    launch(rw.train_bias, 2, saving, timeout=300)
+    resumed = launch(rw.train_bias, 1, dict(TRAIN, load=store), timeout=300)[0]
+    assert [h["iteration"] for h in resumed["history"]] == [3, 4]
+    want = [h["loss"] for h in one_process["history"][2:]]
+    assert [h["loss"] for h in resumed["history"]] == pytest.approx(want, **SAME_RUN)
+    assert torch.equal(resumed["bias"], one_process["bias"])
+    lost = launch(rw.train_bias, 1, dict(TRAIN, load=store), "bias-not-loaded", timeout=300)[0]
+    assert not torch.equal(lost["bias"], one_process["bias"])
+
+
+def parse(*argv: str):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+MOE = ("--num-experts", "4", "--disable-bias-linear")
+
+
+def test_the_flags_reach_the_model():
+    cfg = parse(
+        *MOE, "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "0.01", "--moe-router-load-balancing-type",
+        "seq_aux_loss", "--moe-aux-loss-coeff", "0.001", "--moe-router-num-groups", "2",
+        "--moe-router-group-topk", "1",
+    ).gpt_config()  # fmt: skip
+    assert (cfg.moe_router_enable_expert_bias, cfg.moe_router_bias_update_rate) == (True, 0.01)
+    assert cfg.moe_router_load_balancing_type == "seq_aux_loss"
+    assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk) == (2, 1)
+    assert parse(*MOE).gpt_config().moe_router_bias_update_rate == 1e-3  # Megatron's default
+
+
+def test_megatron_lm_args_carry_the_router_options():
+    from megart.training.megatron_args import moe_args, moe_fields
+
+    cfg = GPTConfig(**{**BASE, **BIAS, **SEQ, **GROUPS, "moe_router_bias_update_rate": 0.01})
+    args = moe_args(cfg)
+    assert args["moe_router_num_groups"] == 2 and args["moe_router_enable_expert_bias"]
+    read = moe_fields({**args, "ffn_hidden_size": cfg.ffn_size})  # as Megatron's args hold it
+    assert GPTConfig(**{**BASE, **read}) == cfg
+
+
+SIG = ("--moe-router-score-function", "sigmoid")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        ((*MOE, "--moe-router-enable-expert-bias"), "sigmoid scores only"),
+        ((*MOE, "--moe-router-num-groups", "2"), "takes both"),
+        ((*MOE, "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"),
+         "split --num-experts 4 evenly"),
+        ((*MOE, "--moe-router-num-groups", "2", "--moe-router-group-topk", "3"),
+         "--moe-router-group-topk 3: .* 1 <= g <= G"),
+        ((*MOE, "--moe-router-topk", "3", "--moe-router-num-groups", "4",
+          "--moe-router-group-topk", "1"), "g <= k <= g x 1"),
+        ((*MOE, "--moe-router-load-balancing-type", "global_aux_loss"),
+         "global_aux_loss and sinkhorn are not built"),
+        ((*MOE, "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.1"),
+         "does not compute"),
+        ((*MOE, *SIG, "--moe-router-enable-expert-bias", "--ckpt-format", "torch"),
+         "expert bias in Megatron-LM's checkpoint formats"),
+        ((*MOE, *SIG, "--moe-router-enable-expert-bias", "--ckpt-format", "torch_dist"),
+         "expert bias in Megatron-LM's checkpoint formats"),
+    ],
+)  # fmt: skip
+def test_what_megart_cannot_run_is_refused_by_name(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(*argv).check(1)
+
+
+@pytest.mark.parametrize("kw", [BIAS, GROUPS], ids=["expert-bias", "groups"])
+@pytest.mark.parametrize("writer,qk", [("hf_mixtral", False), ("hf_qwen3_moe", True)])
+def test_hugging_face_writers_refuse_the_router_options_by_name(kw, writer, qk):
+    import importlib
+
+    llama = dict(normalization="rmsnorm", position_embedding="rotary", activation="swiglu",
+                 untie_embeddings_and_output_weights=True, qk_layernorm=qk)  # fmt: skip
+    cfg = GPTConfig(**{**BASE, **llama, **kw})
+    check = importlib.import_module(f"megart.models.{writer}").check
+    with pytest.raises(ConfigError, match="expert bias|top k of all experts"):
+        check(cfg)
