@@ -173,3 +173,32 @@ def train_bias(kw: dict, mistake: str | None = None) -> dict:
     if cfg.moe_router_enable_expert_bias:
         rows = moe_router.expert_bias_rows(t.chunks, cfg, t.grid.pp_group, t.device)
     return dict(history=history, bias=rows)
+
+
+def legacy_file_in_megatron_core(directory: str) -> dict:
+    """The one-rank Megatron-LM legacy file megart train saved in ``directory``, loaded
+    strictly by Megatron-Core's GPTModel (its args' model): its routers' expert biases against
+    megart's record of them, and its logits against megart's GPT of the checkpoint's weights
+    and biases."""
+    from megart.training import checkpoint
+    from megart.training.megatron_args import config_from_args
+    from megart.training.megatron_files import torch_load
+
+    root = checkpoint.iteration_dir(directory, checkpoint.latest_iteration(directory))
+    state = torch_load(root / "mp_rank_00" / checkpoint.FILE)
+    rows = state["megart"]["expert_bias"]
+    cfg = config_from_args(vars(state["args"]))
+    theirs = mcw.megatron_model(cfg)
+    theirs.load_state_dict(state["model"], strict=True)
+    routers = [layer.mlp.router for layer in theirs.decoder.layers]
+    same = all(torch.equal(r.expert_bias.float(), rows[i]) for i, r in enumerate(routers))
+    ours = mcw.checkpoint_gpt(directory)[0]
+    moe_router.load_expert_bias([ours.chunk], rows)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
+                           generator=torch.Generator().manual_seed(5))  # fmt: skip
+    with torch.no_grad():
+        want = ours.eval()(tokens)
+    got = mcw.megatron_logits(theirs.eval(), tokens)[..., : want.shape[-1]]
+    return dict(
+        same_bias=same, nonzero=int((rows != 0).sum()), diff=(got - want).abs().max().item()
+    )

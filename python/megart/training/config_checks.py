@@ -192,6 +192,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     check_save_modes(cfg)
     if cfg.ckpt_format != "megart":
         refuse_shared_experts(cfg.gpt_config(), cfg.ckpt_format)
+    if cfg.ckpt_format == "torch_dist":
         refuse_expert_bias(cfg.gpt_config(), cfg.ckpt_format)
     check_lr_flags(cfg)
     check_megatron_flags(cfg)

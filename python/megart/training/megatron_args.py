@@ -231,14 +231,15 @@ def refuse_shared_experts(cfg: GPTConfig, fmt: str) -> None:
         )
 
 
-def refuse_expert_bias(cfg: GPTConfig, fmt: str) -> None:
-    """Refuses writing or reading Megatron-LM's checkpoint format ``fmt`` for a model with
-    the router's expert bias: megart does not place it in those files yet."""
+def refuse_expert_bias(cfg: GPTConfig, fmt: str, what: str = "--ckpt-format") -> None:
+    """Refuses Megatron-LM's checkpoint format ``fmt`` (for ``what``) for a model with the
+    routers' expert bias where megart does not place it: the torch_dist store, and
+    convert-checkpoint (megart train's legacy files hold it, under Megatron-Core's name)."""
     if cfg.num_experts is not None and cfg.moe_router_enable_expert_bias:
         raise ConfigError(
-            f"--moe-router-enable-expert-bias with --ckpt-format {fmt}: megart does not write "
-            "or read the routers' expert bias in Megatron-LM's checkpoint formats yet; use "
-            "--ckpt-format megart (the default)"
+            f"--moe-router-enable-expert-bias with {what} {fmt}: megart does not write or read "
+            "the routers' expert bias there yet; use megart train's --ckpt-format megart (the "
+            "default) or torch"
         )
 
 

@@ -84,7 +84,7 @@ def megart_to_megatron(
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
     refuse_shared_experts(cfg, ckpt_format)
-    refuse_expert_bias(cfg, ckpt_format)
+    refuse_expert_bias(cfg, ckpt_format, "convert-checkpoint --to")
     layout = shards[0, 0]["config"]
     vpp_source, ends = 1, (None, None)
     if tp is None and pp is None:  # the source's layout: its chunks, its uneven stages
