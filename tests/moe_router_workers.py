@@ -5,6 +5,7 @@ with. Run in launched processes, as megatron_core_workers."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from unittest import mock
 
@@ -140,21 +141,21 @@ def _seq_loss_local(logits, cfg, seq, tp_group=None, cp_group=None):
     return moe_router.sequence_load_balancing_loss(logits, cfg, seq)
 
 
-def _bias_not_loaded(chunks, rows):
+def _bias_not_loaded(*args):
     return None
 
 
+UPDATE = "megart.training.trainer.update_expert_bias"
+# name: the (target, replacement) patches of the mistake
 TRAIN_MISTAKES = {
-    "counts-unsummed": (
-        "megart.training.trainer.update_expert_bias",
-        _unsummed(("tp_group", "dp_cp_group")),
-    ),
-    "counts-over-tp-only": (
-        "megart.training.trainer.update_expert_bias",
-        _unsummed(("dp_cp_group",)),
-    ),
-    "seq-counts-local": ("megart.models.moe.sequence_load_balancing_loss", _seq_loss_local),
-    "bias-not-loaded": ("megart.training.checkpoint.load_expert_bias", _bias_not_loaded),
+    "counts-unsummed": [(UPDATE, _unsummed(("tp_group", "dp_cp_group")))],
+    "counts-over-tp-only": [(UPDATE, _unsummed(("dp_cp_group",)))],
+    "seq-counts-local": [("megart.models.moe.sequence_load_balancing_loss", _seq_loss_local)],
+    # megart's files and Megatron-LM's legacy ones; torch_dist stores.
+    "bias-not-loaded": [
+        ("megart.training.checkpoint.load_expert_bias", _bias_not_loaded),
+        ("megart.training.megatron_dist_train_load.load_expert_bias", _bias_not_loaded),
+    ],
 }
 
 
@@ -164,8 +165,9 @@ def train_bias(kw: dict, mistake: str | None = None) -> dict:
     from megart.training.data import builtin_corpus
     from megart.training.trainer import Trainer
 
-    patch = mock.patch(*TRAIN_MISTAKES[mistake]) if mistake else mock.MagicMock()
-    with patch:
+    with contextlib.ExitStack() as stack:
+        for target, new in TRAIN_MISTAKES.get(mistake, []):
+            stack.enter_context(mock.patch(target, new))
         t = Trainer(tw.tiny(**kw), tokens=builtin_corpus(1 << 16))
         history = t.train(quiet=True)
     cfg = t.model_config
@@ -202,3 +204,49 @@ def legacy_file_in_megatron_core(directory: str) -> dict:
     return dict(
         same_bias=same, nonzero=int((rows != 0).sum()), diff=(got - want).abs().max().item()
     )
+
+
+def store_biases_in_megatron_core(directory: str) -> torch.Tensor:
+    """megart train's torch_dist store (one rank) in ``directory`` loaded by Megatron-Core's
+    GPTModel as megatron_dist_workers.load_and_run loads it (strictly): its routers' expert
+    biases, [layers, E]."""
+    from unittest import mock
+
+    import megatron_dist_workers as mdw
+
+    models = []
+
+    def kept(*args, **kw):
+        models.append(mcw.megatron_model(*args, **kw))
+        return models[-1]
+
+    with mock.patch.object(mdw, "megatron_model", kept):
+        mdw.load_and_run(directory, torch.zeros(1, 8, dtype=torch.long), 1, 1)
+    return torch.stack([layer.mlp.router.expert_bias for layer in models[0].decoder.layers])
+
+
+def megatron_core_store_with_biases(kw: dict, directory: str) -> torch.Tensor:
+    """Megatron-Core's GPTModel of ``kw`` (one rank), its routers' expert biases drawn at
+    random, saved to a torch_dist store in ``directory`` by megatron_dist_workers.save_megatron;
+    the biases, [MoE layers, E]."""
+    from unittest import mock
+
+    import megatron_dist_workers as mdw
+
+    g = torch.Generator().manual_seed(9)
+    biases = []
+
+    def drawn(*args, **kw):
+        model = mcw.megatron_model(*args, **kw)
+        for layer in model.decoder.layers:
+            if hasattr(layer.mlp, "router"):
+                bias = torch.randn(layer.mlp.router.expert_bias.shape, generator=g)
+                layer.mlp.router.expert_bias.copy_(bias)
+                biases.append(bias)
+        return model
+
+    cfg = GPTConfig(**kw)
+    tokens = torch.zeros(1, cfg.seq_length, dtype=torch.long)
+    with mock.patch.object(mdw, "megatron_model", drawn):
+        mdw.save_megatron(kw, directory, 1, 1, tokens)
+    return torch.stack(biases)

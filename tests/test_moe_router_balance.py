@@ -204,10 +204,11 @@ def test_the_logged_sequence_loss_catches_counts_not_summed_over_the_ranks(one_p
     assert got != pytest.approx(want, rel=1e-3)
 
 
-@pytest.mark.parametrize("fmt", ["megart", "torch"])
+@pytest.mark.parametrize("fmt", ["megart", "torch", "torch_dist"])
 def test_a_checkpoint_resumes_on_the_curve_with_its_expert_biases(tmp_path, one_process, fmt):
-    """Saved at pp2 after 2 iterations (every layer's bias in every file; Megatron-LM's legacy
-    files hold each stage's under Megatron-Core's name too), resumed in one process:
+    """Saved at pp2 after 2 iterations (megart's files hold every layer's bias, Megatron-LM's
+    legacy files each stage's under Megatron-Core's name too, its torch_dist store each layer's
+    slice of Megatron-Core's key), resumed in one process:
     iterations 3 and 4 are the one-process run's, and so are its final biases; not so where
     the biases are not loaded (the run goes on from zeros)."""
     store = str(tmp_path / "ckpt")
@@ -226,13 +227,51 @@ def test_a_checkpoint_resumes_on_the_curve_with_its_expert_biases(tmp_path, one_
 def test_megatron_core_loads_the_legacy_file_with_its_expert_biases(tmp_path):
     """megart train's --ckpt-format torch file (one rank): Megatron-Core's GPTModel loads it
     strictly, its routers' expert_bias buffers are megart's biases, and it gives the logits
-    of megart's GPT with the checkpoint's weights and biases."""
+    of megart's GPT with the checkpoint's weights and biases. megart's conversions, which
+    carry weights alone, refuse it by name either way."""
+    from megart.cli.main import main
+    from megart.training.megatron_checkpoint import read_megatron
+
     store = str(tmp_path / "ckpt")
     launch(rw.train_bias, 1, dict(TRAIN, train_iters=2, save=store, ckpt_format="torch"),
            timeout=300)  # fmt: skip
     r = launch(rw.legacy_file_in_megatron_core, 1, store, timeout=300)[0]
     assert r["same_bias"] and r["nonzero"] > 4
     assert r["diff"] < 1e-6
+    with pytest.raises(ConfigError, match="--moe-router-enable-expert-bias; megart carries"):
+        read_megatron(store)
+    out = str(tmp_path / "converted")
+    argv = ["convert-checkpoint", "--load", store, "--save", out, "--from", "megart",
+            "--to", "megatron"]  # fmt: skip
+    assert main(argv) != 0
+
+
+def test_megatron_core_loads_the_torch_dist_store_with_its_expert_biases(tmp_path):
+    """megart train's --ckpt-format torch_dist store: Megatron-Core's GPTModel loads it
+    strictly (its expert_bias key included) with megart's biases."""
+    store = str(tmp_path / "dist")
+    saved = launch(rw.train_bias, 1, dict(TRAIN, train_iters=2, save=store,
+                   ckpt_format="torch_dist"), timeout=300)[0]  # fmt: skip
+    loaded = launch(rw.store_biases_in_megatron_core, 1, store, timeout=300)[0]
+    assert (saved["bias"] != 0).sum() > 4 and torch.equal(loaded, saved["bias"])
+
+
+@pytest.mark.parametrize("freq", [1, 2])
+def test_megart_reads_megatron_cores_store_of_expert_biases(tmp_path, freq):
+    """Megatron-Core's own torch_dist save (its biases drawn at random): megart's load puts
+    each layer's row into its router, with every layer under one key (--moe-layer-freq 1) or
+    each its own (a mix of dense and MoE layers)."""
+    from megart.models import GPT
+    from megart.models.moe_router import biased_routers
+    from megart.training.checkpoint import iteration_dir
+    from megart.training.megatron_dist_train_load import load_expert_bias
+
+    kw = {**BASE, **BIAS, "num_layers": 4, "moe_layer_freq": freq}
+    want = launch(rw.megatron_core_store_with_biases, 1, kw, str(tmp_path), timeout=300)[0]
+    ours = GPT(GPTConfig(**kw))
+    load_expert_bias(iteration_dir(tmp_path, 3), [ours.chunk], 0)
+    got = torch.stack([r.expert_bias for r in biased_routers([ours.chunk])])
+    assert got.shape == want.shape and torch.equal(got, want)
 
 
 def parse(*argv: str):
@@ -267,9 +306,6 @@ def test_megatron_lm_args_carry_the_router_options():
     assert GPTConfig(**{**BASE, **read}) == cfg
 
 
-SIG = ("--moe-router-score-function", "sigmoid")
-
-
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -285,8 +321,6 @@ SIG = ("--moe-router-score-function", "sigmoid")
          "global_aux_loss and sinkhorn are not built"),
         ((*MOE, "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.1"),
          "does not compute"),
-        ((*MOE, *SIG, "--moe-router-enable-expert-bias", "--ckpt-format", "torch_dist"),
-         "--moe-router-enable-expert-bias with --ckpt-format torch_dist: .* not write"),
     ],
 )  # fmt: skip
 def test_what_megart_cannot_run_is_refused_by_name(argv, message):

@@ -212,11 +212,10 @@ def saved_stages(a: dict[str, Any]) -> dict[str, int | None]:
 
 
 # Megatron-LM's MoE flags that change the experts' parameters (names or kinds) from the ones
-# megart has: grouped GEMM (TEGroupedMLP's weights), shared experts, the router's expert bias.
+# megart has: grouped GEMM (TEGroupedMLP's weights), shared experts.
 MOE_UNBUILT = (
     "moe_grouped_gemm",
     "moe_shared_expert_intermediate_size",
-    "moe_router_enable_expert_bias",
 )
 
 
@@ -231,15 +230,15 @@ def refuse_shared_experts(cfg: GPTConfig, fmt: str) -> None:
         )
 
 
-def refuse_expert_bias(cfg: GPTConfig, fmt: str, what: str = "--ckpt-format") -> None:
-    """Refuses Megatron-LM's checkpoint format ``fmt`` (for ``what``) for a model with the
-    routers' expert bias where megart does not place it: the torch_dist store, and
-    convert-checkpoint (megart train's legacy files hold it, under Megatron-Core's name)."""
+def refuse_expert_bias(cfg: GPTConfig, where: Any) -> None:
+    """Refuses a model with the routers' expert bias where megart would lose it: its
+    conversions between formats, and Megatron-LM's own legacy files (whose biases megart
+    reads per stage only, not whole for any layout)."""
     if cfg.num_experts is not None and cfg.moe_router_enable_expert_bias:
         raise ConfigError(
-            f"--moe-router-enable-expert-bias with {what} {fmt}: megart does not write or read "
-            "the routers' expert bias there yet; use megart train's --ckpt-format megart (the "
-            "default) or torch"
+            f"{where}: a model with --moe-router-enable-expert-bias; megart carries the "
+            "routers' expert biases in megart train's checkpoints (--ckpt-format megart, torch "
+            "or torch_dist) and reads Megatron-LM's torch_dist stores of them, not here yet"
         )
 
 

@@ -46,7 +46,14 @@ from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
 from megart.training import tokenizer_record
 from megart.training.dtypes import half_dtype
-from megart.training.megatron_args import args_record, check_args, megatron_args, saved_stages
+from megart.training.megatron_args import (
+    args_record,
+    check_args,
+    config_from_args,
+    megatron_args,
+    refuse_expert_bias,
+    saved_stages,
+)
 from megart.training.megatron_layout import OUTPUT, WORD, with_extra_states
 from megart.training.megatron_optimizer import (
     from_megatron_optimizer,
@@ -270,6 +277,7 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
     model and layout from its args, the layers from the file's place, the loss scale."""
     a = vars(state["args"])
     check_args(a, path)
+    refuse_expert_bias(config_from_args(a), path)
     chunks = len(model_chunks(state))
     place = re.fullmatch(r"mp_rank_\d+(?:_(\d+))?", Path(path).parent.name)
     p = int(place.group(1) or 0) if place else 0
