@@ -105,8 +105,6 @@ def bias_steps(kw: dict) -> dict:
     the same counts and biases (its own function: its all-reduce over its one-rank world)."""
     from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 
-    from megart.training import trainer
-
     mcw.one_rank_world()
     steps = []
     real = moe_router.update_expert_bias
@@ -121,7 +119,7 @@ def bias_steps(kw: dict) -> dict:
         megatron = get_updated_expert_bias(counts.clone(), before.clone(), rate)
         steps.append(dict(counts=counts, before=before, after=after, megatron=megatron))
 
-    with mock.patch.object(trainer, "update_expert_bias", recorded):
+    with mock.patch.object(moe_router, "update_expert_bias", recorded):
         history = tw.train(**kw)
     return dict(history=history, steps=steps)
 
@@ -141,16 +139,17 @@ def _seq_loss_local(logits, cfg, seq, tp_group=None, cp_group=None):
     return moe_router.sequence_load_balancing_loss(logits, cfg, seq)
 
 
-def _bias_not_loaded(*args):
+def _bias_not_loaded(*args):  # also: no group for the global loss's counts
     return None
 
 
-UPDATE = "megart.training.trainer.update_expert_bias"
+UPDATE = "megart.models.moe_router.update_expert_bias"
 # name: the (target, replacement) patches of the mistake
 TRAIN_MISTAKES = {
     "counts-unsummed": [(UPDATE, _unsummed(("tp_group", "dp_cp_group")))],
     "counts-over-tp-only": [(UPDATE, _unsummed(("dp_cp_group",)))],
     "seq-counts-local": [("megart.models.moe.sequence_load_balancing_loss", _seq_loss_local)],
+    "global-counts-local": [("megart.training.trainer_setup.set_global_group", _bias_not_loaded)],
     # megart's files and Megatron-LM's legacy ones; torch_dist stores.
     "bias-not-loaded": [
         ("megart.training.checkpoint.load_expert_bias", _bias_not_loaded),

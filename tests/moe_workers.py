@@ -18,6 +18,10 @@ from megatron_core_workers import drawn, megatron_model
 MEGATRON_ONLY = ("_extra_state", "router.expert_bias")
 
 
+# The losses Megatron-Core's tracker logs, by its names.
+LOGGED = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
     return F.cross_entropy(logits[..., :vocab].reshape(-1, vocab), labels.reshape(-1))
 
@@ -28,12 +32,14 @@ def gradients(
     ours_factor: float | None = None,
     ours_kw: dict | None = None,
     bias_seed: int | None = None,
+    microbatches: int = 1,
 ) -> dict:
     """One step of both models on the same weights, each loss times ``factor``, Megatron-Core's
     auxiliary losses scaled by it (MoEAuxLossAutoScaler.set_loss_scale, as its schedules set
     loss scale / m) and megart's by ``ours_factor`` (default the same; GPTChunk.set_loss_scale,
     as megart's engine sets it); ``ours_kw`` changes megart's model only (the same weights);
-    ``bias_seed``: both models' expert biases drawn from it (set_expert_biases).
+    ``bias_seed``: both models' expert biases drawn from it (set_expert_biases);
+    ``microbatches``: that many forward and backward passes, the gradients accumulated.
     Returns the largest gradient difference over all parameters
     relative to the largest gradient, and the router weights' alone."""
     from megatron.core.transformer.moe import moe_utils
@@ -41,8 +47,9 @@ def gradients(
 
     cfg = GPTConfig(**kw)
     g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
-    labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    shape = (2 * microbatches, cfg.seq_length)
+    tokens = torch.randint(0, cfg.vocab_size, shape, generator=g).split(2)
+    labels = torch.randint(0, cfg.vocab_size, shape, generator=g).split(2)
     ours = drawn(GPT(cfg).double())
     theirs = megatron_model(cfg)
     if ours_kw:
@@ -59,14 +66,16 @@ def gradients(
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(factor, dtype=torch.float64))
     moe_utils.clear_aux_losses_tracker()
     s = cfg.seq_length
-    positions = torch.arange(s).unsqueeze(0).expand_as(tokens)
+    positions = torch.arange(s).unsqueeze(0).expand_as(tokens[0])
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
     theirs.train()
-    (lm_loss(theirs(tokens, positions, mask), labels, cfg.vocab_size) * factor).backward()
+    for x, y in zip(tokens, labels, strict=True):
+        (lm_loss(theirs(x, positions, mask), y, cfg.vocab_size) * factor).backward()
 
     ours.train()
     ours.chunk.set_loss_scale(factor if ours_factor is None else ours_factor)
-    (lm_loss(ours(tokens), labels, cfg.vocab_size) * factor).backward()
+    for x, y in zip(tokens, labels, strict=True):
+        (lm_loss(ours(x), y, cfg.vocab_size) * factor).backward()
 
     want = from_megatron({n: p.grad for n, p in theirs.named_parameters()}, cfg)
     got = {n: p.grad for n, p in ours.chunk.named_parameters()}
@@ -83,7 +92,7 @@ def gradients(
             float(ours_logged[name]),
             float(tracker[name]["values"].sum() if name in tracker else "nan"),
         )
-        for name in ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+        for name in LOGGED
         if name in ours_logged
     }
     # The tokens each expert got, counted for the expert bias's update (where it is on).

@@ -1,13 +1,15 @@
 """DeepSeek-V3's router options (models.moe_router): aux-loss-free balancing by an expert bias
-(--moe-router-enable-expert-bias, --moe-router-bias-update-rate), the sequence-wise
-load-balancing loss (--moe-router-load-balancing-type seq_aux_loss) and group-limited routing
-(--moe-router-num-groups, --moe-router-group-topk), against Megatron-Core 0.16.1's own: its
-routing function on the same logits, its MoE GPTModel's logits with the same expert biases and
-one training step's gradients (float64), its update rule of the bias (its own function) on
-megart's counts over several steps of megart's trainer. Then megart's runs: dp2, tp2 with
-sequence parallelism, pp2, cp2, ep2 and full recomputation end with the one-process run's
-expert biases, losses and logged sequence loss; a checkpoint resumes on the curve with its
-biases, at another layout; what cannot run is refused by name. Each comparison catches a
+(--moe-router-enable-expert-bias, --moe-router-bias-update-rate), the sequence-wise and global
+load-balancing losses (--moe-router-load-balancing-type seq_aux_loss, global_aux_loss) and
+group-limited routing (--moe-router-num-groups, --moe-router-group-topk), against Megatron-Core
+0.16.1's own: its routing function on the same logits, its MoE GPTModel's logits with the same
+expert biases and one training step's gradients (float64; two microbatches for the global
+loss), its update rule of the bias (its own function) on megart's counts over several steps of
+megart's trainer. Then megart's runs: dp2, tp2 with sequence parallelism, pp2, cp2, ep2 and full
+recomputation end with the one-process run's expert biases, losses and logged sequence loss,
+and the global loss's runs follow theirs; a checkpoint in each of megart's formats resumes on
+the curve with its biases, at another layout, and Megatron-Core loads the Megatron-LM formats'
+biases (and megart its store's); what cannot run is refused by name. Each comparison catches a
 mistake made on purpose."""
 
 import argparse
@@ -30,6 +32,7 @@ BIAS = dict(SIGMOID, moe_router_enable_expert_bias=True)
 GROUPS = dict(moe_router_num_groups=2, moe_router_group_topk=1)  # 2 groups of 4: one chosen
 SEQ = dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1,
            moe_z_loss_coeff=0.01)  # fmt: skip
+GLOBAL = dict(SEQ, moe_router_load_balancing_type="global_aux_loss")
 
 ROUTING = {
     "sigmoid-bias-top2": ({**BASE, **BIAS}, 1),
@@ -86,7 +89,8 @@ def test_the_logits_catch_the_bias_in_the_weights(megatron):
 
 
 GRADIENTS = {
-    # (model, loss factor, megart's factor, megart's model changes, expert biases' seed)
+    # (model, loss factor, megart's factor, megart's model changes, expert biases' seed,
+    # microbatches)
     "seq-aux-loss-softmax": ({**BASE, **SEQ}, 0.5, None, None, None),
     "seq-aux-loss-pre-softmax-top1": (
         {**BASE, **SEQ, "moe_router_topk": 1, "moe_router_pre_softmax": True}, 0.25, None, None,
@@ -96,31 +100,40 @@ GRADIENTS = {
         None, None, 7),
     "aux-loss-sigmoid-bias": ({**BASE, **BIAS, **SEQ, "moe_router_load_balancing_type":
                               "aux_loss"}, 0.5, None, None, 8),
-    # The mistake this exists to catch: the microbatch's loss for each sequence's.
+    # global_aux_loss: the second microbatch's counts the mean of both microbatches'.
+    "global-aux-loss-two-microbatches": ({**BASE, **GLOBAL}, 0.5, None, None, None, 2),
+    "global-aux-loss-sigmoid-bias-two-microbatches": (
+        {**BASE, **GLOBAL, **BIAS}, 0.25, None, None, 9, 2),
+    # The mistakes this exists to catch: the microbatch's loss for each sequence's, and for
+    # the global batch's.
     "seq-as-microbatch": ({**BASE, **SEQ}, 0.5, None,
                           dict(moe_router_load_balancing_type="aux_loss"), None),
+    "global-as-microbatch": ({**BASE, **GLOBAL}, 0.5, None,
+                             dict(moe_router_load_balancing_type="aux_loss"), None, 2),
 }  # fmt: skip
+KINDS = {"seq": "seq_load_balancing_loss", "global": "global_load_balancing_loss"}
 
 
 @pytest.mark.parametrize("name", [n for n, c in GRADIENTS.items() if c[3] is None])
 def test_a_training_step_has_megatron_cores_gradients(megatron, name):
     """Every parameter's gradient, the router's included, with the load-balancing loss of
-    each sequence (or of the microbatch) and the z-loss; the logged losses (Megatron-Core's
-    tracker: seq_load_balancing_loss under seq_aux_loss); the tokens each expert got, counted
-    for the bias's update, where the bias is on."""
+    each sequence, of the microbatch or of the global batch (two microbatches) and the
+    z-loss; the logged losses (Megatron-Core's tracker's names); the tokens each expert got,
+    counted for the bias's update, where the bias is on."""
     r = megatron[2][name]
     assert r["top"] > 1e-3
     assert r["largest"] < 1e-6
     assert r["router"] < 1e-6
-    want = "seq_load_balancing_loss" if "seq" in name else "load_balancing_loss"
+    want = KINDS.get(name.split("-")[0], "load_balancing_loss")
     assert set(r["logged"]) == {want, "z_loss"}
     for logged, (ours, theirs) in r["logged"].items():
         assert theirs > 0.1 and ours == pytest.approx(theirs, rel=1e-6), logged
     assert r["counted"] == ([True, True] if "bias" in name else [])
 
 
-def test_the_gradients_catch_the_microbatchs_loss_for_each_sequences(megatron):
-    assert megatron[2]["seq-as-microbatch"]["router"] > 1e-3
+@pytest.mark.parametrize("name", ["seq-as-microbatch", "global-as-microbatch"])
+def test_the_gradients_catch_the_microbatchs_loss_for_anothers(megatron, name):
+    assert megatron[2][name]["router"] > 1e-3
 
 
 MODEL = dict(num_experts=4, disable_bias_linear=True, **BIAS, **SEQ)  # Megatron's update rate
@@ -274,6 +287,58 @@ def test_megart_reads_megatron_cores_store_of_expert_biases(tmp_path, freq):
     assert got.shape == want.shape and torch.equal(got, want)
 
 
+GLOBAL_TRAIN = dict(num_experts=4, disable_bias_linear=True, **GLOBAL, train_iters=4)
+ONE_BATCH = dict(micro_batch_size=2, global_batch_size=4)  # per data-parallel rank: one
+# name: (processes, flags, train_bias's mistake or None, the rank whose figures to read)
+GLOBAL_RUNS = {
+    "dp2": (2, dict(GLOBAL_TRAIN, **ONE_BATCH), None, 0),
+    "tp2-sp": (2, dict(GLOBAL_TRAIN, **TP2), None, 0),
+    "cp2": (2, dict(GLOBAL_TRAIN, context_parallel_size=2), None, 0),
+    "pp2": (2, dict(GLOBAL_TRAIN, pipeline_model_parallel_size=2), None, -1),
+    # The mistake this exists to catch: the counts of each data-parallel rank alone.
+    "dp2-counts-local": (2, dict(GLOBAL_TRAIN, **ONE_BATCH), "global-counts-local", 0),
+}
+
+
+@pytest.fixture(scope="module")
+def global_runs():
+    """The runs, and two one-process ones: of GLOBAL_TRAIN, and of dp2's global batch as one
+    microbatch at half the coefficient (each dp2 rank's loss is its half of the batch's, and
+    dp2 averages the ranks' gradients: half the one-process batch's)."""
+    runs = {
+        name: launch(rw.train_bias, n, kw, mistake, timeout=300)[rank]
+        for name, (n, kw, mistake, rank) in GLOBAL_RUNS.items()
+    }
+    runs["one"] = launch(rw.train_bias, 1, GLOBAL_TRAIN, timeout=300)[0]
+    half = dict(GLOBAL_TRAIN, micro_batch_size=4, global_batch_size=4, moe_aux_loss_coeff=0.05)
+    runs["one-batch"] = launch(rw.train_bias, 1, half, timeout=300)[0]
+    return runs
+
+
+def _figures(run: dict, name: str) -> list[float]:
+    return [h[name] for h in run["history"]]
+
+
+@pytest.mark.parametrize("name", [n for n, c in GLOBAL_RUNS.items() if c[2] is None])
+def test_global_aux_loss_runs_follow_the_one_process_curve(global_runs, name):
+    """The counts are summed over the tensor-, data- and context-parallel ranks and averaged
+    over the iteration's microbatches so far: tp2 with sequence parallelism, cp2 and pp2 are
+    the one-process run, dp2 its global batch in one microbatch at half the coefficient; the
+    logged global_load_balancing_loss (the ranks' shares summed) too."""
+    want = global_runs["one-batch" if name == "dp2" else "one"]
+    got = global_runs[name]
+    assert _figures(got, "loss") == pytest.approx(_figures(want, "loss"), **SAME_RUN)
+    logged = _figures(want, "global_load_balancing_loss")
+    assert 0.5 < logged[0] < 5
+    assert _figures(got, "global_load_balancing_loss") == pytest.approx(logged, **SAME_RUN)
+
+
+def test_the_global_curve_catches_counts_of_one_data_parallel_rank(global_runs):
+    want = _figures(global_runs["one-batch"], "global_load_balancing_loss")
+    got = _figures(global_runs["dp2-counts-local"], "global_load_balancing_loss")
+    assert got != pytest.approx(want, rel=1e-3)
+
+
 def parse(*argv: str):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -317,8 +382,10 @@ def test_megatron_lm_args_carry_the_router_options():
          "--moe-router-group-topk 3: .* 1 <= g <= G"),
         ((*MOE, "--moe-router-topk", "3", "--moe-router-num-groups", "4",
           "--moe-router-group-topk", "1"), "g <= k <= g x 1"),
-        ((*MOE, "--moe-router-load-balancing-type", "global_aux_loss"),
-         "global_aux_loss and sinkhorn are not built"),
+        ((*MOE, "--moe-router-load-balancing-type", "sinkhorn"), "sinkhorn is not built"),
+        ((*MOE, "--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff",
+          "0.1", "--recompute-granularity", "full"),
+         "global_aux_loss with --recompute-granularity full: not built"),
         ((*MOE, "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.1"),
          "does not compute"),
     ],

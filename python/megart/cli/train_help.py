@@ -336,8 +336,9 @@ HELP = {
     "moe_router_topk_scaling_factor": "the routing weights times this",
     "moe_router_dtype": "the router's logits in fp32 or fp64 (default: the input's dtype)",
     "moe_router_load_balancing_type": "aux_loss (the Switch Transformer's load-balancing loss "
-    "over each microbatch), seq_aux_loss (DeepSeek's, over each sequence) or none; Megatron's "
-    "other kinds are refused",
+    "over each microbatch), seq_aux_loss (DeepSeek's, over each sequence), global_aux_loss "
+    "(over the global batch: every data-parallel rank's and microbatch's counts) or none; "
+    "Megatron's sinkhorn is refused",
     "moe_aux_loss_coeff": "the load-balancing loss's weight (Megatron suggests 1e-2)",
     "moe_z_loss_coeff": "the router z-loss's weight (default: none)",
     "moe_router_enable_expert_bias": "aux-loss-free load balancing (DeepSeek-V3's): a "

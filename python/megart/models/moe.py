@@ -65,6 +65,7 @@ from megart.models.mlp import MLP
 from megart.models.moe_checks import check_expert_parallel_layer, check_moe_tensor_parallel
 from megart.models.moe_router import (  # noqa: F401 (route, Router: their names here too)
     Router,
+    global_load_balancing_loss,
     load_balancing_loss,
     route,
     sequence_load_balancing_loss,
@@ -220,11 +221,15 @@ class MoE(nn.Module):
 
     def _balance(self, probs: torch.Tensor, logits: torch.Tensor, seq: int) -> torch.Tensor:
         """``probs``, with the load-balancing loss of --moe-router-load-balancing-type attached
-        (over the microbatch, or each of its sequences of ``seq`` tokens here)."""
+        (over the microbatch, each of its sequences of ``seq`` tokens here, or the
+        iteration's microbatches so far on every data-parallel rank)."""
         cfg, coeff = self.cfg, self.cfg.moe_aux_loss_coeff
         if cfg.moe_router_load_balancing_type == "seq_aux_loss":
             loss = sequence_load_balancing_loss(logits, cfg, seq, self.tp_group, self.cp_group)
             return self._attach(probs, loss, "seq_load_balancing_loss", coeff)
+        if cfg.moe_router_load_balancing_type == "global_aux_loss":
+            loss = global_load_balancing_loss(logits, cfg, self.router, self.tp_group)
+            return self._attach(probs, loss, "global_load_balancing_loss", coeff)
         loss = load_balancing_loss(logits, cfg, self.tp_group, self.cp_group)
         return self._attach(probs, loss, "load_balancing_loss", coeff)
 

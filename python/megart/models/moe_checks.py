@@ -14,9 +14,10 @@ if TYPE_CHECKING:
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = (None, "fp32", "fp64")
 # Of Megatron's --moe-router-load-balancing-type: the Switch Transformer's loss over each
-# microbatch, DeepSeek's over each sequence, or none. Its global_aux_loss and sinkhorn are
-# refused by name (check_moe).
-BALANCING = ("aux_loss", "seq_aux_loss", "none")
+# microbatch, DeepSeek's over each sequence, the global batch's (its counts over every
+# data-parallel rank and the iteration's microbatches), or none. Its sinkhorn is refused by
+# name (check_moe).
+BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 # The MoE fields' defaults (Megatron-Core's TransformerConfig's), by field: a model without
 # experts must leave them so, as anything else would be ignored.
@@ -175,8 +176,8 @@ def _check_router(cfg: GPTConfig) -> None:
         raise ConfigError(
             f"--moe-router-load-balancing-type {balancing}: megart balances with aux_loss "
             "(the Switch Transformer's loss over each microbatch, Megatron's default), "
-            "seq_aux_loss (over each sequence) or none; Megatron's global_aux_loss and sinkhorn "
-            "are not built"
+            "seq_aux_loss (over each sequence), global_aux_loss (over the global batch) or none; "
+            "Megatron's sinkhorn is not built"
         )
     coeff, z = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
     if not coeff >= 0 or (z is not None and not z >= 0):  # also refuses NaN
@@ -187,8 +188,15 @@ def _check_router(cfg: GPTConfig) -> None:
     if coeff > 0 and balancing == "none":
         raise ConfigError(
             f"--moe-aux-loss-coeff {coeff:g} weighs the load-balancing loss, which "
-            f"--moe-router-load-balancing-type {balancing} does not compute: give aux_loss "
-            "or seq_aux_loss, or leave the coefficient out"
+            f"--moe-router-load-balancing-type {balancing} does not compute: give aux_loss, "
+            "seq_aux_loss or global_aux_loss, or leave the coefficient out"
+        )
+    if balancing == "global_aux_loss" and coeff > 0 and cfg.recompute_granularity == "full":
+        # Its running counts grow in each forward, which recomputation would run twice.
+        raise ConfigError(
+            "--moe-router-load-balancing-type global_aux_loss with --recompute-granularity "
+            "full: not built (the loss's counts accumulate over the iteration's forwards); "
+            "leave one out"
         )
     if cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function != "sigmoid":
         raise ConfigError(  # Megatron-Core's TransformerConfig refuses it too

@@ -21,9 +21,14 @@ down where more, unchanged where exactly the mean (the sign of the difference).
 
 The load-balancing losses (their values; models.moe attaches them): --moe-router-load-balancing-
 type aux_loss, the Switch Transformer's over each microbatch, and seq_aux_loss, DeepSeek's,
-the same loss over each sequence of the microbatch and averaged over them. Both count choices by
+the same loss over each sequence of the microbatch and averaged over them; both count choices by
 the unbiased scores' plain top k (Megatron-Core's compute_routing_scores_for_aux_loss) and, under
-tensor (so sequence) and context parallelism, over the t x cp ranks' tokens.
+tensor (so sequence) and context parallelism, over the t x cp ranks' tokens. global_aux_loss
+counts them over the data-parallel ranks too and averages the counts over the iteration's
+microbatches so far (a running sum on the router, started again each iteration): each rank's
+loss is its share of the global batch's, so that the data-parallel average of the gradients
+weighs it 1/dp, as Megatron-Core's does. Its counts grow in each training forward: full
+recomputation, which runs a forward twice, is refused with it (moe_checks).
 """
 
 from __future__ import annotations
@@ -110,23 +115,26 @@ def _balance_scores(logits: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor,
     return scores, torch.zeros_like(scores).scatter(1, top, 1.0)
 
 
-def _switch_loss(
-    scores: torch.Tensor,
-    chosen: torch.Tensor,
-    tokens: int,
-    cfg: GPTConfig,
-    groups: list[ProcessGroup | None],
-) -> torch.Tensor:
-    """E coeff / (k T^2) sum_c (sum_x scores(x, c)) count(c) over the columns c of [N, C]
-    ``scores``, the counts of ``chosen`` summed over ``groups`` (T: ``tokens`` times their
-    sizes)."""
+def _summed(
+    chosen: torch.Tensor, tokens: int, groups: list[ProcessGroup | None]
+) -> tuple[torch.Tensor, int]:
+    """The counts of [N, C] ``chosen`` per column summed over ``groups`` (one after the other:
+    the sum over all their ranks, exact), and ``tokens`` times the groups' sizes."""
     counts = chosen.sum(dim=0)
     if any(group_size(g) > 1 for g in groups):  # counts of choices: no gradient flows through them
         counts = counts.detach().clone()
-        for group in groups:  # over t, then cp: the sum over the t x cp ranks (exact counts)
+        for group in groups:
             if group_size(group) > 1:
                 dist.all_reduce(counts, group=group)
                 tokens *= group_size(group)
+    return counts, tokens
+
+
+def _switch_loss(
+    scores: torch.Tensor, counts: torch.Tensor, tokens: int, cfg: GPTConfig
+) -> torch.Tensor:
+    """E coeff / (k T^2) sum_c (sum_x scores(x, c)) counts(c) over the columns c of [N, C]
+    ``scores`` (T: ``tokens``)."""
     k, experts = cfg.moe_router_topk, cfg.num_experts
     scale = experts * cfg.moe_aux_loss_coeff / (k * tokens * tokens)
     return torch.sum(scores.sum(dim=0) * counts) * scale
@@ -144,7 +152,8 @@ def load_balancing_loss(
     whole sequence (Megatron-Core's, over its tp_cp group): the counts over every rank's tokens,
     T = local tokens x t x cp, the scores of this rank's."""
     scores, chosen = _balance_scores(logits, cfg)
-    return _switch_loss(scores, chosen, logits.shape[0], cfg, [tp_group, cp_group])
+    counts, tokens = _summed(chosen, logits.shape[0], [tp_group, cp_group])
+    return _switch_loss(scores, counts, tokens, cfg)
 
 
 def sequence_load_balancing_loss(
@@ -162,10 +171,24 @@ def sequence_load_balancing_loss(
     scores, chosen = _balance_scores(logits, cfg)
     b = logits.shape[0] // seq
     # [s, b E]: each column one expert of one sequence (Megatron-Core's reshape).
-    loss = _switch_loss(
-        scores.reshape(seq, -1), chosen.reshape(seq, -1), seq, cfg, [tp_group, cp_group]
-    )
-    return loss / b
+    counts, tokens = _summed(chosen.reshape(seq, -1), seq, [tp_group, cp_group])
+    return _switch_loss(scores.reshape(seq, -1), counts, tokens, cfg) / b
+
+
+def global_load_balancing_loss(
+    logits: torch.Tensor, cfg: GPTConfig, router: Router, tp_group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """Megatron-Core's global_aux_loss, times --moe-aux-loss-coeff: this rank's share of the
+    Switch loss whose counts are every tensor-, data- and context-parallel rank's
+    (``router.global_group``: the data x context-parallel ranks), averaged over the
+    iteration's microbatches so far (``router``'s running sums, started again each
+    iteration by finish_iteration), T = local tokens x t x dp x cp, the scores this rank's."""
+    scores, chosen = _balance_scores(logits, cfg)
+    counts, tokens = _summed(chosen, logits.shape[0], [tp_group, router.global_group])
+    router.global_tokens_per_expert += counts
+    router.global_steps += 1
+    mean = router.global_tokens_per_expert / router.global_steps  # fp32, as Megatron-Core's
+    return _switch_loss(scores, mean, tokens, cfg)
 
 
 def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
@@ -214,6 +237,13 @@ class Router(nn.Module):
         self.register_buffer(
             "local_tokens_per_expert", None if zeros is None else zeros.clone(), persistent=False
         )
+        # global_aux_loss's running counts over the iteration's microbatches, and the group
+        # they are summed over besides the tensor-parallel one (set_global_group).
+        balance = cfg.moe_router_load_balancing_type == "global_aux_loss"
+        running = torch.zeros(cfg.num_experts) if balance and cfg.moe_aux_loss_coeff > 0 else None
+        self.register_buffer("global_tokens_per_expert", running, persistent=False)
+        self.global_steps = 0
+        self.global_group: ProcessGroup | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.dtype is None:  # the input's dtype (autocast's, where it runs)
@@ -242,6 +272,24 @@ def biased_routers(chunks: list[nn.Module]) -> list[Router]:
         for m in chunk.modules()
         if isinstance(m, Router) and m.bias() is not None
     ]
+
+
+def set_global_group(chunks: list[nn.Module], group: ProcessGroup | None) -> None:
+    """The data x context-parallel ``group`` global_aux_loss's counts are summed over."""
+    for m in (m for chunk in chunks for m in chunk.modules()):
+        if isinstance(m, Router):
+            m.global_group = group
+
+
+def finish_iteration(chunks: list[nn.Module], grid: Any) -> None:
+    """The routers' part of Megatron-Core's finalize_model_grads, once per iteration after the
+    gradients are complete: the expert biases' update; global_aux_loss's running counts
+    started again."""
+    update_expert_bias(chunks, grid)
+    for m in (m for chunk in chunks for m in chunk.modules()):
+        if isinstance(m, Router) and m.global_tokens_per_expert is not None:
+            m.global_tokens_per_expert.zero_()
+            m.global_steps = 0
 
 
 def update_expert_bias(chunks: list[nn.Module], grid: Any) -> None:
