@@ -39,11 +39,7 @@ def megatron_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if not torch.distributed.is_initialized():
-        store = torch.distributed.HashStore()  # one rank: no rendezvous
-        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
-        on_cpu_only()
+    one_rank_world()
     vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     swiglu = cfg.activation == "swiglu"
     # Megatron-LM's --squared-relu is Megatron-Core's own squared_relu.
@@ -114,6 +110,17 @@ def megatron_model(
         ).double()
 
 
+def one_rank_world() -> None:
+    """Megatron-Core's parallel state over a one-rank gloo world on the CPU (once)."""
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        store = torch.distributed.HashStore()  # one rank: no rendezvous
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        on_cpu_only()
+
+
 def moe_config(cfg: GPTConfig) -> dict:
     """TransformerConfig's MoE fields for ``cfg`` (none without experts): megart's GPTConfig
     fields of the same names, SequentialMLP's experts (no grouped GEMM)."""
@@ -132,6 +139,10 @@ def moe_config(cfg: GPTConfig) -> dict:
         moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=cfg.moe_z_loss_coeff,
+        moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
+        moe_router_num_groups=cfg.moe_router_num_groups,
+        moe_router_group_topk=cfg.moe_router_group_topk,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,

@@ -107,6 +107,15 @@ UNMODELLED_GIVEN = {
     "empty_unused_memory_level": ["--empty-unused-memory-level", "1"],
     "moe_shared_expert_intermediate_size": ["--num-experts", "8", "--disable-bias-linear",
                                             "--moe-shared-expert-intermediate-size", "1024"],
+    "moe_router_enable_expert_bias": ["--num-experts", "8", "--disable-bias-linear",
+                                      "--moe-router-score-function", "sigmoid",
+                                      "--moe-router-enable-expert-bias"],
+    "moe_router_num_groups": ["--num-experts", "8", "--disable-bias-linear",
+                              "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
+    "moe_router_group_topk": ["--num-experts", "8", "--disable-bias-linear",
+                              "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
+    "moe_router_load_balancing_type": ["--num-experts", "8", "--disable-bias-linear",
+                                       "--moe-router-load-balancing-type", "seq_aux_loss"],
 }  # fmt: skip
 
 

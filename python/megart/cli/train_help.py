@@ -340,9 +340,19 @@ HELP = {
     "moe_router_topk_scaling_factor": "the routing weights times this",
     "moe_router_dtype": "the router's logits in fp32 or fp64 (default: the input's dtype)",
     "moe_router_load_balancing_type": "aux_loss (the Switch Transformer's load-balancing loss "
-    "over each microbatch) or none; Megatron's other kinds are refused",
+    "over each microbatch), seq_aux_loss (DeepSeek's, over each sequence), global_aux_loss "
+    "(over the global batch: every data-parallel rank's and microbatch's counts) or none; "
+    "Megatron's sinkhorn is refused",
     "moe_aux_loss_coeff": "the load-balancing loss's weight (Megatron suggests 1e-2)",
     "moe_z_loss_coeff": "the router z-loss's weight (default: none)",
+    "moe_router_enable_expert_bias": "aux-loss-free load balancing (DeepSeek-V3's): a "
+    "per-expert bias added to the sigmoid scores to choose the top k, updated every iteration "
+    "from the tokens each expert got; needs --moe-router-score-function sigmoid",
+    "moe_router_bias_update_rate": "how far the expert bias moves each iteration",
+    "moe_router_num_groups": "group-limited routing: the experts in this many groups (with "
+    "--moe-router-group-topk)",
+    "moe_router_group_topk": "group-limited routing: each token's experts from this many of "
+    "the --moe-router-num-groups groups, those whose top k/g scores sum highest",
     "moe_shared_expert_intermediate_size": "shared experts: an MLP this wide in each MoE layer "
     "that every token goes through, added to the routed experts' sum (no gate)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
