@@ -130,6 +130,7 @@ def moe_config(cfg: GPTConfig) -> dict:
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=cfg.moe_z_loss_coeff,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=cfg.moe_shared_expert_gate,
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
     )

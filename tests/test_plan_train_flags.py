@@ -107,6 +107,9 @@ UNMODELLED_GIVEN = {
     "empty_unused_memory_level": ["--empty-unused-memory-level", "1"],
     "moe_shared_expert_intermediate_size": ["--num-experts", "8", "--disable-bias-linear",
                                             "--moe-shared-expert-intermediate-size", "1024"],
+    "moe_shared_expert_gate": ["--num-experts", "8", "--disable-bias-linear",
+                               "--moe-shared-expert-intermediate-size", "1024",
+                               "--moe-shared-expert-gate"],
 }  # fmt: skip
 
 

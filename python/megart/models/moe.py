@@ -44,7 +44,10 @@ its gate): one more models.mlp.MLP of width S that every token goes through, app
 layer's input and split over the tensor-parallel group as the dense MLP is (under sequence
 parallelism its input gathered from, and its output reduce-scattered to, the ranks' slices),
 its output added to the experts' sum. Under expert parallelism it is an ordinary parameter,
-the same on every rank and averaged over all data-parallel ranks.
+the same on every rank and averaged over all data-parallel ranks. With --moe-shared-expert-gate
+(SharedExpertMLP's gate) their output is first multiplied, token by token, by sigmoid(x . w),
+w one [1, h] weight applied to the layer's input as the router is (replicated; under sequence
+parallelism to this rank's slice, its gradient completed over the group with the norms').
 """
 
 from __future__ import annotations
@@ -203,6 +206,24 @@ class Router(nn.Module):
             return F.linear(tokens.to(self.dtype), self.weight.to(self.dtype))
 
 
+class SharedExpertGate(nn.Module):
+    """[..., h] -> [..., 1]: sigmoid(x . w) for each token, from a weight [1, h] (Megatron-Core's
+    SharedExpertMLP ``gate_weight``, drawn as its other weights), which scales the shared
+    experts' output."""
+
+    def __init__(self, cfg: GPTConfig, layer: int, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        shape = (1, cfg.hidden_size)
+        self.weight = nn.Parameter(torch.empty(shape))
+        draw = weight_init(cfg, cfg.init_std, shape)
+        draw(self.weight.data, generator(cfg.seed, layer, "shared_expert_gate"))
+        # As the router's: replicated, applied to this rank's slice of the sequence.
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.weight))
+
+
 class MoE(nn.Module):
     """[s, b, h] -> [s, b, h]: each token through its top-k experts (models.mlp.MLP, each
     moe_ffn_size wide), their outputs summed with the routing weights, plus the shared
@@ -245,6 +266,9 @@ class MoE(nn.Module):
             if width is None
             else MLP(cfg, layer, tp_group, sequence_parallel, ffn=width, name="shared_")
         )
+        self.shared_expert_gate = (
+            SharedExpertGate(cfg, layer, sequence_parallel) if cfg.moe_shared_expert_gate else None
+        )
 
     def _expert(self, e: int) -> MLP:
         """Expert ``e`` (global index) of this layer, drawn from its own stream."""
@@ -255,7 +279,10 @@ class MoE(nn.Module):
         out = self._routed(x)
         if self.shared_experts is None:
             return out
-        return out + self.shared_experts(x)  # Megatron-Core's postprocess: routed + shared
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = shared * self.shared_expert_gate(x)
+        return out + shared  # Megatron-Core's postprocess: routed + shared
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for ``x``."""

@@ -140,6 +140,7 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
         (None,),
         "the MoE layers' shared experts: their weights, saves and products",
     ),
+    "moe_shared_expert_gate": ((False,), "the shared experts' gate: its weights and products"),
 }
 
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the

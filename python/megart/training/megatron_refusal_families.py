@@ -12,8 +12,8 @@ FAMILIES: tuple[tuple[str, str], ...] = (
         "megart's mixture-of-experts layers (--num-experts) route each token to its top-k "
         "experts (--moe-router-topk, --moe-router-pre-softmax, --moe-router-score-function, "
         "--moe-router-topk-scaling-factor, --moe-router-dtype) with the aux_loss or z-loss, "
-        "plus ungated shared experts (--moe-shared-expert-intermediate-size); this MoE "
-        "feature is not built (leave it out)",
+        "plus shared experts (--moe-shared-expert-intermediate-size, --moe-shared-expert-gate); "
+        "this MoE feature is not built (leave it out)",
         (
             "--moe- --expert-tensor-parallel- --use-grouped-gemm-for- "
             "--overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad "

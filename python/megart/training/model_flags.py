@@ -100,6 +100,7 @@ def moe_fields(config: Any) -> dict[str, Any]:
         moe_aux_loss_coeff=float(config.moe_aux_loss_coeff),
         moe_z_loss_coeff=config.moe_z_loss_coeff,
         moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=config.moe_shared_expert_gate,
     )
 
 
