@@ -103,9 +103,6 @@ def test_the_shared_experts_are_in_the_curve(one_process):
         ((*MOE[:-1], "15", "--tensor-model-parallel-size", "2", "--sequence-parallel"), 2,
          r"shared experts' MLP size 15 \(--moe-shared-expert-intermediate-size\) does not "
          "split over tensor-parallel size 2"),
-        ((*MOE, "--ckpt-format", "torch"), 1,
-         "--moe-shared-expert-intermediate-size 24 with --ckpt-format torch: megart does not"),
-        ((*MOE, "--ckpt-format", "torch_dist"), 1, "with --ckpt-format torch_dist: megart"),
     ],
 )  # fmt: skip
 def test_what_megart_cannot_run_is_refused_by_name(argv, world, message):

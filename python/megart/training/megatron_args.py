@@ -107,6 +107,7 @@ def moe_args(cfg: GPTConfig) -> dict[str, Any]:
         moe_z_loss_coeff=cfg.moe_z_loss_coeff,
         moe_grouped_gemm=False,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=cfg.moe_shared_expert_gate,
         expert_model_parallel_size=1,
     )
 
@@ -191,6 +192,7 @@ def moe_fields(a: dict[str, Any]) -> dict[str, Any]:
         moe_aux_loss_coeff=float(single("moe_aux_loss_coeff", 0.0)),
         moe_z_loss_coeff=a.get("moe_z_loss_coeff"),
         moe_shared_expert_intermediate_size=a.get("moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=bool(a.get("moe_shared_expert_gate", False)),  # older args lack it
     )
 
 
@@ -204,23 +206,11 @@ def saved_stages(a: dict[str, Any]) -> dict[str, int | None]:
 
 
 # Megatron-LM's MoE flags that change the experts' parameters (names or kinds) from the ones
-# megart has: grouped GEMM (TEGroupedMLP's weights), shared experts, the router's expert bias.
+# megart has: grouped GEMM (TEGroupedMLP's weights), the router's expert bias.
 MOE_UNBUILT = (
     "moe_grouped_gemm",
-    "moe_shared_expert_intermediate_size",
     "moe_router_enable_expert_bias",
 )
-
-
-def refuse_shared_experts(cfg: GPTConfig, fmt: str) -> None:
-    """Refuses writing or reading Megatron-LM's checkpoint format ``fmt`` for a model with
-    shared experts: megart does not place their tensors in its files yet."""
-    if cfg.num_experts is not None and cfg.moe_shared_expert_intermediate_size is not None:
-        raise ConfigError(
-            f"--moe-shared-expert-intermediate-size {cfg.moe_shared_expert_intermediate_size} "
-            f"with --ckpt-format {fmt}: megart does not write or read the shared experts in "
-            "Megatron-LM's checkpoint formats yet; use --ckpt-format megart (the default)"
-        )
 
 
 def check_args(a: dict[str, Any], where: Any) -> None:

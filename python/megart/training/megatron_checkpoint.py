@@ -45,7 +45,6 @@ from megart.training.megatron_args import (
     check_args,
     config_from_args,
     megatron_args,
-    refuse_shared_experts,
     saved_stages,
 )
 from megart.training.megatron_files import model_chunks, rank_state, torch_load
@@ -82,7 +81,6 @@ def megart_to_megatron(
     iteration = required_latest_iteration(load_dir)
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
-    refuse_shared_experts(cfg, ckpt_format)
     layout = shards[0, 0]["config"]
     vpp_source, ends = 1, (None, None)
     if tp is None and pp is None:  # the source's layout: its chunks, its uneven stages
