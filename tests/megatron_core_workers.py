@@ -144,6 +144,7 @@ def moe_config(cfg: GPTConfig) -> dict:
         moe_router_num_groups=cfg.moe_router_num_groups,
         moe_router_group_topk=cfg.moe_router_group_topk,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=cfg.moe_shared_expert_gate,
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
     )

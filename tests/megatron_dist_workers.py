@@ -79,7 +79,8 @@ def load_and_run(dist_dir: str, tokens: torch.Tensor, tp: int, pp: int) -> torch
     wanted = {"model": model.sharded_state_dict()}
     loaded = dist_checkpointing.load(wanted, str(root), strict=STRICTNESS)
     model.load_state_dict(loaded["model"], strict=True)
-    logits = stage_logits(model, tokens, tp, pp)
+    # Evaluation mode: its MoE layers refuse to train at tp > 1 without sequence parallelism.
+    logits = stage_logits(model.eval(), tokens, tp, pp)
     torch.distributed.destroy_process_group()
     return logits
 
@@ -121,7 +122,7 @@ def save_megatron(kw: dict, out_dir: str, tp: int, pp: int, tokens: torch.Tensor
     dist_checkpointing.save(state, str(root))
     if torch.distributed.get_rank() == 0:
         (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text("3\n")
-    logits = stage_logits(model, tokens, tp, pp)
+    logits = stage_logits(model.eval(), tokens, tp, pp)  # eval: as load_and_run's
     torch.distributed.destroy_process_group()
     return {"logits": logits, "rank": int(os.environ["RANK"])}
 

@@ -27,15 +27,14 @@ FILE = "model_optim_rng.pt"
 def _init(tp: int, pp: int = 1, vp: int | None = None, cp: int = 1) -> None:
     """Megatron-Core's parallel state of the launched world (``vp`` model chunks per pipeline
     rank under interleaving, ``cp`` context-parallel ranks)."""
-    import megatron.core.tensor_parallel.random as mrandom
     from megatron.core import parallel_state
+
+    from megatron_core_workers import on_cpu_only
 
     torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tp, pp, vp, context_parallel_size=cp)
-    # No CUDA: the tracker's fork would switch CUDA generators; buffers go to "the current
-    # CUDA device", which on this CPU-only process is the CPU.
-    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    torch.cuda.current_device = lambda: "cpu"
+    # No CUDA: the tracker's fork, buffers on "the current CUDA device", an MoE router's gate.
+    on_cpu_only()
 
 
 def _fp32_optimizer(groups: list[dict], c: TrainConfig):

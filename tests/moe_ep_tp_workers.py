@@ -173,7 +173,7 @@ def compare(kw: dict, factor: float, dispatcher: str, groups: tuple, mistake: st
     backward_both(ours, theirs, (tokens, labels, positions, mask), factor, wrong)
 
     want_grads = _their_grads(theirs, cfg, tp_group, first)
-    got_grads = _our_grads(ours, tp_group, sum_router=True)
+    got_grads = _our_grads(ours, tp_group, None)
     figures, diff = compared((got, want, megatron), want_grads, got_grads, v)
     experts = {n: d for n, d in diff.items() if ".experts." in n}
     held = {int(n.split(".experts.")[1].split(".")[0]) for n in experts}

@@ -21,7 +21,7 @@ from megart.tensor_parallel import sync_sequence_parallel_grads
 from megart.tensor_parallel._group import group_rank
 from megart.training.megatron_layout import shard, tp_dim, unshard
 from megatron_core_workers import drawn, megatron_model, on_cpu_only
-from moe_workers import lm_loss
+from moe_workers import gate_mistake, lm_loss
 
 TP = 2
 VOCAB_ROWS = ("wte.weight", "output_layer.weight")
@@ -90,12 +90,12 @@ def renumbered_experts(names: dict, offset: int) -> dict:
     return {_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + offset}.", k): v for k, v in names.items()}
 
 
-def _our_grads(model: GPT, group: dist.ProcessGroup, sum_router: bool) -> dict:
+def _our_grads(model: GPT, group: dist.ProcessGroup, unsummed: str | None) -> dict:
     """megart's whole gradients: the sequence-parallel ones completed as the trainer does
-    (``sum_router`` False: the router's left out, a mistake to catch), the split ones
-    gathered."""
-    routers = [p for n, p in model.chunk.named_parameters() if n.endswith("router.weight")]
-    for p in routers if not sum_router else []:
+    (but those of parameters named ending in ``unsummed``, left out: a mistake to catch), the
+    split ones gathered."""
+    left_out = [p for n, p in model.chunk.named_parameters() if unsummed and n.endswith(unsummed)]
+    for p in left_out:
         p.sequence_parallel = False
     sync_sequence_parallel_grads(model, group)
     return {n: _gather(_grad(p), group) for n, p in model.chunk.named_parameters()}
@@ -116,7 +116,9 @@ def compare(kw: dict, factor: float, group: dist.ProcessGroup, mistake: str | No
     over all parameters and over the routers', relative to the largest gradient. ``mistake``
     makes megart's step wrong on purpose: "aux-local" (the load-balancing loss without the
     counts summed over the group), "router-unsummed" (the router's gradient not completed over
-    the group), "z-undivided" (the z-loss coefficient not divided by t)."""
+    the group), "z-undivided" (the z-loss coefficient not divided by t), "gate-unsummed" (the
+    shared-expert gate's gradient not completed), or moe_workers.gate_mistake's (the logits
+    too)."""
 
     cfg = GPTConfig(**kw)
     rank = group_rank(group)
@@ -131,7 +133,7 @@ def compare(kw: dict, factor: float, group: dist.ProcessGroup, mistake: str | No
     positions = torch.arange(s).unsqueeze(0).expand_as(tokens)
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
     ours.eval(), theirs.eval(), one.eval()
-    with torch.no_grad():
+    with torch.no_grad(), _mistaken(mistake):
         want = one(tokens)[..., :v]
         got = ours(tokens)[..., :v]
         local = theirs(tokens, positions, mask).contiguous()
@@ -142,7 +144,8 @@ def compare(kw: dict, factor: float, group: dist.ProcessGroup, mistake: str | No
     backward_both(ours, theirs, (tokens, labels, positions, mask), factor, _mistaken(mistake))
 
     want_grads = _their_grads(theirs, cfg, group)
-    got_grads = _our_grads(ours, group, sum_router=mistake != "router-unsummed")
+    unsummed = {"router-unsummed": "router.weight", "gate-unsummed": "shared_expert_gate.weight"}
+    got_grads = _our_grads(ours, group, unsummed.get(mistake or ""))
     figures, diff = compared((got, want, megatron), want_grads, got_grads, v)
     return dict(figures, router=max(d for n, d in diff.items() if n.endswith("router.weight")))
 
@@ -188,6 +191,7 @@ def compared(logits: tuple, want: dict, got: dict, vocab: int) -> tuple[dict, di
         one_process_logits=(ours - one).abs().max().item(),
         scale=one.abs().max().item(),
         largest=max(diff.values()),
+        gate=max([d for n, d in diff.items() if "shared_expert_gate" in n], default=None),
         top=top,
     )
     return figures, diff
@@ -205,7 +209,7 @@ def _mistaken(mistake: str | None) -> mock._patch | mock.MagicMock:
     if mistake == "z-undivided":
         real_z = moe.z_loss
         return mock.patch.object(moe, "z_loss", lambda x, c: real_z(x, c * TP))
-    return mock.MagicMock()  # a context manager that changes nothing
+    return gate_mistake(mistake)  # a shared-expert gate's mistake, or nothing
 
 
 def compare_all(cases: list[tuple]) -> list[dict]:

@@ -5,6 +5,8 @@ launched process, as megatron_core_workers."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,7 @@ def gradients(
     ours_kw: dict | None = None,
     bias_seed: int | None = None,
     microbatches: int = 1,
+    mistake: str | None = None,
 ) -> dict:
     """One step of both models on the same weights, each loss times ``factor``, Megatron-Core's
     auxiliary losses scaled by it (MoEAuxLossAutoScaler.set_loss_scale, as its schedules set
@@ -40,6 +43,7 @@ def gradients(
     as megart's engine sets it); ``ours_kw`` changes megart's model only (the same weights);
     ``bias_seed``: both models' expert biases drawn from it (set_expert_biases);
     ``microbatches``: that many forward and backward passes, the gradients accumulated.
+    ``mistake`` makes megart's shared-expert gate wrong on purpose (gate_mistake).
     Returns the largest gradient difference over all parameters
     relative to the largest gradient, and the router weights' alone."""
     from megatron.core.transformer.moe import moe_utils
@@ -74,8 +78,9 @@ def gradients(
 
     ours.train()
     ours.chunk.set_loss_scale(factor if ours_factor is None else ours_factor)
-    for x, y in zip(tokens, labels, strict=True):
-        (lm_loss(ours(x), y, cfg.vocab_size) * factor).backward()
+    with gate_mistake(mistake):
+        for x, y in zip(tokens, labels, strict=True):
+            (lm_loss(ours(x), y, cfg.vocab_size) * factor).backward()
 
     want = from_megatron({n: p.grad for n, p in theirs.named_parameters()}, cfg)
     got = {n: p.grad for n, p in ours.chunk.named_parameters()}
@@ -101,8 +106,14 @@ def gradients(
         for r in biased_routers([ours.chunk])
     ]
     counted = [mine == t.local_tokens_per_expert.tolist() for mine, t in counts]
+    gate = max([d for n, d in diff.items() if "shared_expert_gate" in n], default=None)
     return dict(
-        largest=max(diff.values()), router=max(routers), top=top, logged=logged, counted=counted
+        largest=max(diff.values()),
+        router=max(routers),
+        gate=gate,
+        top=top,
+        logged=logged,
+        counted=counted,
     )
 
 
@@ -117,8 +128,27 @@ def set_expert_biases(ours: GPT, theirs: torch.nn.Module, seed: int, scale: floa
 
 
 def gradients_all(cases: list[tuple]) -> list[dict]:
-    """gradients of each case, (kw, factor, ours_factor, ours_kw), in one launched process."""
+    """gradients of each case, (kw, factor, ours_factor, ours_kw[, bias_seed, microbatches,
+    mistake]), in one launched process."""
     return [gradients(*case) for case in cases]
+
+
+def gate_mistake(mistake: str | None) -> Any:
+    """A patch of megart's shared-expert gate that makes ``mistake``: "gate-not-applied" (the
+    shared experts' output as it is), "gate-without-sigmoid" (times x . w itself); nothing for
+    None or another mistake (moe_tp_workers' own)."""
+    from unittest import mock
+
+    from megart.models import moe
+
+    wrong = {
+        # Its weight kept in the graph (a zero gradient), as the comparison needs one.
+        "gate-not-applied": lambda self, x: 1 + 0 * F.linear(x, self.weight),
+        "gate-without-sigmoid": lambda self, x: F.linear(x, self.weight),
+    }
+    if mistake not in wrong:
+        return mock.MagicMock()  # a context manager that changes nothing
+    return mock.patch.object(moe.SharedExpertGate, "forward", wrong[mistake])
 
 
 def step_gradients(kw: dict) -> dict:

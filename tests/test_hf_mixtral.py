@@ -326,9 +326,3 @@ def test_mixtrals_megart_cannot_represent_are_refused_naming_what(tmp_path, chan
     (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
     with pytest.raises(ConfigError, match=named):
         GPT.from_hf(str(tmp_path))
-
-
-def test_a_qwen2_moe_is_refused_for_its_shared_experts(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_moe"}))
-    with pytest.raises(ConfigError, match="holds a qwen2_moe, .*megart's MoE has no shared"):
-        GPT.from_hf(str(tmp_path))

@@ -81,6 +81,12 @@ def test_qwen3_moe_routing_is_megarts_default_or_pre_softmax(normalised, k):
     router = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(
         transformers.Qwen3MoeConfig(**config)
     )
+    assert_routes_as(router, cfg, normalised, k)
+
+
+def assert_routes_as(router: object, cfg: GPTConfig, normalised: bool, k: int) -> None:
+    """transformers' ``router`` (norm_topk_prob ``normalised``, top ``k``) routes random
+    tokens as megart's ``cfg``, and not as the other reading of norm_topk_prob."""
     logits, theirs = routed(router, seed=k)
     ours, _ = route(logits, cfg)
     assert (ours - theirs).abs().max() < 1e-6  # float32 softmaxes: measured up to 1.8e-7
@@ -106,23 +112,32 @@ def test_a_qwen3_moe_loads_and_writes_back_exactly(tmp_path, variant):
         changes.get("moe_intermediate_size", 24),
     )
     assert c.window_size == ((7, 0) if "sliding_window" in changes else None)
+    written = assert_written_back(ours, hf, tmp_path / "back", pattern, normalised)
+    assert written["architectures"] == ["Qwen3MoeForCausalLM"]
+
+
+def assert_written_back(ours: GPT, hf: object, root, pattern: object, normalised: bool) -> dict:
+    """megart's ``ours``, read from transformers' 4-layer ``hf``, gives its logits; written to
+    ``root`` (the experts on ``pattern``'s layers, norm_topk_prob ``normalised``) and loaded by
+    transformers, it holds ``hf``'s every tensor bit for bit and computes its logits exactly.
+    Returns the config.json written."""
     x = tokens(1)
     with torch.no_grad():
         expected = hf(x).logits
         assert relative_error(ours(x), expected) < BOUND
-    ours.save_hf(str(tmp_path / "back"))
-    written = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert written["architectures"] == ["Qwen3MoeForCausalLM"]
+    ours.save_hf(str(root))
+    written = json.loads((root / "config.json").read_text())
     dense = [i for i, moe_layer in enumerate(pattern if pattern != 1 else [1] * 4) if not moe_layer]
     assert (written["mlp_only_layers"], written["decoder_sparse_step"]) == (dense, 1)
     assert written["norm_topk_prob"] == normalised
-    back = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "back").eval()
+    back = type(hf).from_pretrained(root).eval()
     original = hf.state_dict()
     assert back.state_dict().keys() == original.keys()
     for name, value in back.state_dict().items():
         assert torch.equal(value, original[name]), name
     with torch.no_grad():  # the config too: the same network, computed the same way
         assert torch.equal(back(x).logits, expected)
+    return written
 
 
 def _experts(tensors: dict, router_too: bool) -> None:

@@ -88,36 +88,43 @@ def test_megarts_keys_are_megatron_cores():
     cfgs = [_cfg(name) for name in MODELS]
     theirs = launch(megatron_core_keys, 1, cfgs, timeout=300)[0]
     for name, cfg, their in zip(MODELS, cfgs, theirs, strict=True):
-        model = {k: torch.randn_like(v) for k, v in to_megatron(GPT(cfg).state_dict(), cfg).items()}
-        model["embedding.word_embeddings.weight"] = torch.randn(128, 16)  # Megatron's padding
-        if cfg.untie_embeddings_and_output_weights:
-            model["output_layer.weight"] = torch.randn(128, 16)
-        stored = sharded_keys(model, cfg)
-        assert {k: tuple(v.shape) for k, v in stored.items()} == their["shapes"], name
-        # Each layer's (and expert's) tensor at Megatron-Core's offsets in its key.
-        for megatron, offsets in their["offsets"].items():
-            match = re.match(r"decoder\.layers\.(\d+)\.(.+)$", megatron)
-            if match:
-                leading = layer_key(int(match.group(1)), match.group(2), cfg)[1]
-                assert {o[: len(leading)] for o in offsets} == {tuple(i for i, _ in leading)}
-        e2 = "decoder.layers.2.mlp.experts.local_experts.2.linear_fc2.weight"
-        assert their["offsets"][e2] == [(2, 0, 0) if per_layer_keys(cfg) else (2, 2, 0, 0)]
-        n, output = cfg.num_layers, cfg.untie_embeddings_and_output_weights
-        # GPTModel drops its output layer's extra state from what it asks for (older stores
-        # lack it); megart's dense stores have always carried it, unasked.
-        objects = set(extra_states(range(n), cfg, output)) - {"output_layer._extra_state/shard_0_1"}
-        assert objects == their["objects"], name
-        back = layer_names(stored)
-        fused = {k.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
-                  .replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"): v
-                 for k, v in model.items()}  # fmt: skip
-        assert back.keys() == fused.keys()
-        assert all(torch.equal(back[k], v) for k, v in fused.items())
+        assert_keys_are(their, cfg, name)
     assert not per_layer_keys(cfgs[0]) and per_layer_keys(cfgs[1]) and per_layer_keys(cfgs[2])
     assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in theirs[0]["shapes"]
     assert theirs[0]["shapes"]["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (
         4, 3, 48, 16)  # fmt: skip
     assert "decoder.layers.1.mlp.linear_fc2.weight" in theirs[1]["shapes"]  # a dense layer
+
+
+def assert_keys_are(their: dict, cfg: GPTConfig, name: str) -> None:
+    """The store megart writes for ``cfg`` (sharded_keys of its whole state dict) has the keys,
+    global shapes, per-parameter offsets and extra states' objects of Megatron-Core's model
+    (``their``: megatron_core_keys'); layer_names inverts sharded_keys."""
+    model = {k: torch.randn_like(v) for k, v in to_megatron(GPT(cfg).state_dict(), cfg).items()}
+    model["embedding.word_embeddings.weight"] = torch.randn(128, 16)  # Megatron's padding
+    if cfg.untie_embeddings_and_output_weights:
+        model["output_layer.weight"] = torch.randn(128, 16)
+    stored = sharded_keys(model, cfg)
+    assert {k: tuple(v.shape) for k, v in stored.items()} == their["shapes"], name
+    # Each layer's (and expert's) tensor at Megatron-Core's offsets in its key.
+    for megatron, offsets in their["offsets"].items():
+        match = re.match(r"decoder\.layers\.(\d+)\.(.+)$", megatron)
+        if match:
+            leading = layer_key(int(match.group(1)), match.group(2), cfg)[1]
+            assert {o[: len(leading)] for o in offsets} == {tuple(i for i, _ in leading)}
+    e2 = "decoder.layers.2.mlp.experts.local_experts.2.linear_fc2.weight"
+    assert their["offsets"][e2] == [(2, 0, 0) if per_layer_keys(cfg) else (2, 2, 0, 0)]
+    n, output = cfg.num_layers, cfg.untie_embeddings_and_output_weights
+    # GPTModel drops its output layer's extra state from what it asks for (older stores
+    # lack it); megart's dense stores have always carried it, unasked.
+    objects = set(extra_states(range(n), cfg, output)) - {"output_layer._extra_state/shard_0_1"}
+    assert objects == their["objects"], name
+    back = layer_names(stored)
+    fused = {k.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+              .replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"): v
+             for k, v in model.items()}  # fmt: skip
+    assert back.keys() == fused.keys()
+    assert all(torch.equal(back[k], v) for k, v in fused.items())
 
 
 @pytest.mark.parametrize("name,pp", [("swiglu-every-layer", 1), ("gelu-pattern", 2),
@@ -188,10 +195,14 @@ SCENARIOS = {  # name: (saving ranks, flags), (resuming ranks, flags), tolerance
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Per scenario: the uninterrupted 4 iterations, the store after 2, what the saving ranks
-    held then, and the run resumed from the store."""
+    return scenario_runs(SCENARIOS, tmp_path_factory)
+
+
+def scenario_runs(scenarios: dict, tmp_path_factory) -> dict:
+    """Per scenario (SCENARIOS' form): the uninterrupted 4 iterations, the store after 2, what
+    the saving ranks held then, and the run resumed from the store."""
     out = {}
-    for name, ((n_save, save), (n_run, run), _) in SCENARIOS.items():
+    for name, ((n_save, save), (n_run, run), _) in scenarios.items():
         store = tmp_path_factory.mktemp(name) / "ckpt"
         plain = {k: v for k, v in save.items() if k not in DISTOPT}
         straight = tw.holding(n_save, dict(plain, train_iters=4))[0]["history"]
@@ -222,8 +233,17 @@ def test_megatron_core_loads_megarts_train_store_and_holds_its_state(runs):
                         ["model_config"]})  # fmt: skip
     assert cfg.num_experts == 4
     results = launch(w.megatron_loads, 2, str(store), 1, 2, flags, timeout=300)
+    seen = assert_megatron_core_holds(results, trained, cfg, 1)
+    assert "decoder.layers.2.mlp.experts.experts.linear_fc1.weight" in seen
+
+
+def assert_megatron_core_holds(results: list, trained: list, cfg: GPTConfig, tp: int) -> set:
+    """Each piece Megatron-Core's ranks hold after loading a store (``results``: the ranks'
+    megatron_loads), placed by its own sharded tensors, equals what megart's saving ranks held
+    (``trained``), weights and Adam moments bitwise, and they hold every key; its step is 2.
+    Returns the keys held."""
     for what, key in (("model", "weights"), ("main", "weights"), *((m, m) for m in MOMENTS)):
-        want = _megatron_wholes(trained, key, cfg, 1)
+        want = _megatron_wholes(trained, key, cfg, tp)
         seen = set()
         for rank in results:
             for name_, offset, axes, data in rank["held"][what]:
@@ -233,8 +253,8 @@ def test_megatron_core_loads_megarts_train_store_and_holds_its_state(runs):
                 assert torch.equal(data, want[name_][index]), (what, name_, offset)
                 seen.add(name_)
         assert seen == set(want), what
-        assert "decoder.layers.2.mlp.experts.experts.linear_fc1.weight" in seen
     assert all(rank["steps"] == {2.0} for rank in results)
+    return seen
 
 
 def test_train_and_convert_take_experts_in_torch_dist(tmp_path):

@@ -211,10 +211,10 @@ def test_what_megart_cannot_run_is_refused_by_name(argv, world, message):
 def test_megatrons_other_moe_flags_are_refused_by_name(capsys):
     from megart.cli.train import main
 
-    assert main([*MOE, "--moe-grouped-gemm", "--moe-shared-expert-gate"]) != 0
+    assert main([*MOE, "--moe-grouped-gemm", "--moe-shared-expert-overlap"]) != 0
     err = capsys.readouterr().err
     assert "--moe-grouped-gemm: megart's mixture-of-experts layers" in err
-    assert "--moe-shared-expert-gate: megart's mixture-of-experts" in err
+    assert "--moe-shared-expert-overlap: megart's mixture-of-experts" in err
 
 
 MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,

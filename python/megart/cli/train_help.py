@@ -354,7 +354,10 @@ HELP = {
     "moe_router_group_topk": "group-limited routing: each token's experts from this many of "
     "the --moe-router-num-groups groups, those whose top k/g scores sum highest",
     "moe_shared_expert_intermediate_size": "shared experts: an MLP this wide in each MoE layer "
-    "that every token goes through, added to the routed experts' sum (no gate)",
+    "that every token goes through, added to the routed experts' sum",
+    "moe_shared_expert_gate": "the shared experts' output times a learned sigmoid gate, "
+    "sigmoid(x . w) with w one [1, hidden] weight per layer (Megatron-Core's SharedExpertMLP "
+    "gate; Qwen2-MoE's shared_expert_gate)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
     "GPTModel: megart's model and checkpoint names are that model's)",
     "rotary_percent": "the part of each head rope rotates: its first int(head size x this) "

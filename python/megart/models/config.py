@@ -156,8 +156,9 @@ class GPTConfig:
     # scores, their weights times the scaling factor; logits in moe_router_dtype (None: the
     # input's). Training adds the load-balancing loss times moe_aux_loss_coeff and the z-loss
     # times moe_z_loss_coeff. moe_shared_expert_intermediate_size S: a shared MLP of width S
-    # in each MoE layer that every token goes through, added to the experts' sum (None: none).
-    # Checked by models.moe_checks.
+    # in each MoE layer that every token goes through, added to the experts' sum (None: none);
+    # moe_shared_expert_gate: its output times sigmoid(x . w), w a [1, h] weight (Megatron-Core's
+    # SharedExpertMLP gate, Qwen2-MoE's shared_expert_gate). Checked by models.moe_checks.
     num_experts: int | None = None
     moe_ffn_hidden_size: int | None = None
     moe_layer_freq: int | tuple[int, ...] = 1
@@ -179,6 +180,7 @@ class GPTConfig:
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         lists = ("window_size", "window_attn_skip_freq", "recompute_modules", "moe_layer_freq")

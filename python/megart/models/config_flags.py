@@ -82,7 +82,8 @@ def moe_flags(cfg: GPTConfig) -> dict[str, str]:
     names it (refuse_unlike and checkpoint loads leave the others out, see differing)."""
     fields = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk",
               "moe_router_pre_softmax", "moe_router_score_function",
-              "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size")  # fmt: skip
+              "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
+              "moe_shared_expert_gate")  # fmt: skip
     if cfg.num_experts is None:
         return dict.fromkeys(fields, DENSE)
     factor, shared = cfg.moe_router_topk_scaling_factor, cfg.moe_shared_expert_intermediate_size
@@ -102,6 +103,8 @@ def moe_flags(cfg: GPTConfig) -> dict[str, str]:
         "moe_shared_expert_intermediate_size": "no --moe-shared-expert-intermediate-size"
         if shared is None
         else f"--moe-shared-expert-intermediate-size {shared}",
+        "moe_shared_expert_gate": ("" if cfg.moe_shared_expert_gate else "no ")
+        + "--moe-shared-expert-gate",
     }
 
 

@@ -1,12 +1,12 @@
 """Hugging Face interop: load a ``save_pretrained`` directory of a GPT-2, a Llama, a Mistral, a
-Qwen2, a Qwen3, a Nemotron, a Mixtral or a Qwen3-MoE into any tensor-parallel layout (experts:
-tensor-parallel size 1), and write one that transformers' ``from_pretrained`` loads.
+Qwen2, a Qwen3, a Nemotron, a Mixtral, a Qwen3-MoE or a Qwen2-MoE into any tensor-parallel
+layout, and write one that transformers' ``from_pretrained`` loads.
 
 Each format is a module (megart.models.hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3,
-hf_nemotron, hf_mixtral, hf_qwen3_moe) that maps names and layouts between its whole tensors
-and the whole tensors of megart's one-chunk GPT. What is common lives here: reading and
-writing the files, cutting each whole tensor into this rank's tensor-parallel slice,
-gathering the slices back, and choosing the format (by config.json's model_type when reading;
+hf_nemotron, hf_mixtral, hf_qwen3_moe, hf_qwen2_moe) that maps names and layouts between its
+whole tensors and the whole tensors of megart's one-chunk GPT. What is common lives here:
+reading and writing the files, cutting each whole tensor into this rank's tensor-parallel
+slice, gathering the slices back, and choosing the format (by config.json's model_type when reading;
 by the model's architecture when writing).
 
 Writing goes check -> hf_tensors -> megart.models.hf_files.write_hf, fed one tensor at a time
@@ -33,6 +33,7 @@ from megart.models import (
     hf_mixtral,
     hf_nemotron,
     hf_qwen2,
+    hf_qwen2_moe,
     hf_qwen3,
     hf_qwen3_moe,
 )
@@ -43,16 +44,15 @@ from megart.tensor_parallel._group import group_rank, group_size
 # A Llama-style model without a window is written as a Llama, one with a window as a Mistral,
 # one with query/key norms as a Qwen3, one with biases on q/k/v alone as a Qwen2; squared ReLU
 # with zero-centred LayerNorm as a Nemotron; one with experts in every layer as a Mixtral, one
-# with experts and query/key norms as a Qwen3-MoE (the others refuse experts): each check()
-# takes only its own, so at most one format takes a model.
-WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3, hf_nemotron, hf_mixtral, hf_qwen3_moe)
+# with experts and query/key norms as a Qwen3-MoE, one with experts and gated shared experts as
+# a Qwen2-MoE (the others refuse experts, or shared experts): each check() takes only its own,
+# so at most one format takes a model.
+WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3, hf_nemotron, hf_mixtral,
+           hf_qwen3_moe, hf_qwen2_moe)  # fmt: skip
 # By config.json's model_type.
 FORMATS = {m.MODEL_TYPE: m for m in WRITERS}
-# Formats megart knows and cannot represent, by model_type: why.
-UNREPRESENTABLE = {
-    "qwen2_moe": "its MoE layers add shared experts (shared_expert, gated by "
-    "shared_expert_gate) to the routed ones, and megart's MoE has no shared experts",
-}
+# Formats megart knows and cannot represent, by model_type: why (none at present).
+UNREPRESENTABLE: dict[str, str] = {}
 # Parameters whose rows are the (padded) vocabulary.
 VOCAB_ROWS = ("chunk.wte.weight", "chunk.output_layer.weight")
 

@@ -74,25 +74,29 @@ def check(cfg: GPTConfig) -> None:
     hf_mixtral.refuse_routing([*unlike, hf_mixtral.shared_experts(cfg, NAME)], NAME)
 
 
-def sparse_layers(hf: dict[str, Any]) -> list[bool]:
-    """Which layers transformers' Qwen3MoeForCausalLM gives experts, by its rule."""
-    step, dense = _field(hf, "decoder_sparse_step"), hf.get("mlp_only_layers") or []
+def sparse_layers(
+    hf: dict[str, Any], fmt: str = NAME, defaults: dict[str, Any] = DEFAULTS
+) -> list[bool]:
+    """Which layers transformers' Qwen3MoeForCausalLM (or Qwen2-MoE's, by the same rule, with
+    its ``defaults``: format ``fmt``) gives experts."""
+    step, dense = _field(hf, "decoder_sparse_step", defaults), hf.get("mlp_only_layers") or []
     if type(step) is not int or step < 1:
         raise ConfigError(
-            f"this {NAME} has decoder_sparse_step {step!r}: give 1 or more (layer i has experts "
+            f"this {fmt} has decoder_sparse_step {step!r}: give 1 or more (layer i has experts "
             "where (i + 1) % decoder_sparse_step == 0)"
         )
-    experts = _field(hf, "num_experts") > 0
+    experts = _field(hf, "num_experts", defaults) > 0
     return [experts and i not in dense and (i + 1) % step == 0
             for i in range(hf["num_hidden_layers"])]  # fmt: skip
 
 
-def _field(hf: dict[str, Any], name: str) -> Any:
-    """A Qwen3-MoE field by transformers' name or default; num_experts is saved by
-    transformers 5 as num_local_experts (its attribute_map), by the hub's configs as itself."""
+def _field(hf: dict[str, Any], name: str, defaults: dict[str, Any] = DEFAULTS) -> Any:
+    """A Qwen3-MoE (or Qwen2-MoE: its ``defaults``) field by transformers' name or default;
+    num_experts is saved by transformers 5 as num_local_experts (its attribute_map), by the
+    hub's configs as itself."""
     if name == "num_experts" and name not in hf:
-        return hf.get("num_local_experts", DEFAULTS[name])
-    return hf.get(name, DEFAULTS[name])
+        return hf.get("num_local_experts", defaults[name])
+    return hf.get(name, defaults[name])
 
 
 def window(hf: dict[str, Any]) -> dict[str, Any]:
@@ -122,16 +126,26 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
             "which megart's MoE cannot represent (and Qwen3MoeForCausalLM does not build)"
         )
     cfg = dataclasses.replace(hf_qwen3.qwen3_style(hf, NAME), **window(hf))
-    sparse = sparse_layers(hf)
-    if not any(sparse):  # a Qwen3 in all but name
+    return with_experts(cfg, hf)
+
+
+def with_experts(
+    cfg: GPTConfig, hf: dict[str, Any], fmt: str = NAME, defaults: dict[str, Any] = DEFAULTS
+) -> GPTConfig:
+    """``cfg`` with the experts of a Qwen3-MoE's (or Qwen2-MoE's: format ``fmt``, its
+    ``defaults``) config ``hf`` on the layers that have them, routed as norm_topk_prob says;
+    ``cfg`` itself where no layer has experts."""
+    sparse = sparse_layers(hf, fmt, defaults)
+    if not any(sparse):  # a dense model in all but name
         return cfg
-    k, normalised = _field(hf, "num_experts_per_tok"), bool(_field(hf, "norm_topk_prob"))
+    k = _field(hf, "num_experts_per_tok", defaults)
+    normalised = bool(_field(hf, "norm_topk_prob", defaults))
     if normalised:
-        hf_mixtral.refuse_weight_one(k, NAME, " with norm_topk_prob true")
-    width = _field(hf, "moe_intermediate_size")
+        hf_mixtral.refuse_weight_one(k, fmt, " with norm_topk_prob true")
+    width = _field(hf, "moe_intermediate_size", defaults)
     return dataclasses.replace(
         cfg,
-        num_experts=_field(hf, "num_experts"),
+        num_experts=_field(hf, "num_experts", defaults),
         moe_router_topk=k,
         moe_router_pre_softmax=not normalised,
         moe_ffn_hidden_size=None if width == cfg.ffn_hidden_size else width,
@@ -166,6 +180,15 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
         **out,
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": MODEL_TYPE,
+        **expert_fields(cfg),
+        **window,
+        "max_window_layers": 0,  # earlier transformers window the layers from it on
+    }
+
+
+def expert_fields(cfg: GPTConfig) -> dict[str, Any]:
+    """The config.json fields of ``cfg``'s MLPs and experts, Qwen3-MoE's and Qwen2-MoE's."""
+    return {
         "intermediate_size": cfg.ffn_size,
         "moe_intermediate_size": cfg.moe_ffn_size,
         "num_experts": cfg.num_experts,
@@ -173,8 +196,6 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
         "norm_topk_prob": not cfg.moe_router_pre_softmax,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)],
-        **window,
-        "max_window_layers": 0,  # earlier transformers window the layers from it on
         # Training settings of transformers' own, off: megart's --moe-aux-loss-coeff is
         # another loss (megart.training.import_hf.moe_flags).
         "output_router_logits": False,

@@ -9,7 +9,9 @@ single stage).
 An MoE layer's (models.moe) router is ``mlp.router`` in both; its expert e's MLP is megart's
 ``mlp.experts.e`` and Megatron-Core's ``mlp.experts.local_experts.e`` (SequentialMLP's, the
 local spec's without grouped GEMM), each named inside as a dense MLP is; so are its shared
-experts, ``mlp.shared_experts`` in both (Megatron-Core's SharedExpertMLP).
+experts, ``mlp.shared_experts`` in both (Megatron-Core's SharedExpertMLP), whose gate's weight
+is megart's ``mlp.shared_expert_gate.weight`` and Megatron-Core's ``mlp.shared_experts.gate_weight``
+(a parameter of SharedExpertMLP, not a module of its own).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ ROUTER = "mlp.router"
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)$")
 _MEGATRON_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 SHARED = "mlp.shared_experts."
+# The shared experts' gate: megart's layer part and kind, Megatron-Core's name in the layer.
+SHARED_GATE = ("mlp.shared_expert_gate.weight", SHARED + "gate_weight")
 _FC1_TENSOR = re.compile(r"\.linear_fc1\.(weight|bias)$")
 # Transformer Engine's layer spec (Megatron's default on GPUs) fuses each norm into the linear
 # layer after it: its parameters are the same norm's, under these names.
@@ -76,6 +80,17 @@ def megatron_part(part: str, cfg: GPTConfig) -> tuple[str, int | None]:
     return LAYER_NAMES[part], None
 
 
+def megatron_layer_name(rest: str, cfg: GPTConfig) -> tuple[str, int | None]:
+    """Megatron-Core's name within a layer (after ``decoder.layers.N.``) of megart's ``rest``
+    (after ``blocks.N.``: a part and ``.weight`` or ``.bias``), and which half of that tensor it
+    is (megatron_part's)."""
+    if rest == SHARED_GATE[0]:
+        return SHARED_GATE[1], None
+    part, kind = rest.rsplit(".", 1)
+    megatron, half = megatron_part(part, cfg)
+    return f"{megatron}.{kind}", half
+
+
 def is_fc1_halves(name: str, cfg: GPTConfig) -> bool:
     """Whether Megatron-Core's parameter ``name`` holds SwiGLU's [gate; up] (``linear_fc1``'s
     weight or bias; not Transformer Engine's norm fused into it)."""
@@ -95,12 +110,12 @@ def to_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, tor
         if not match:
             continue
         layer, part, kind = match.groups()
-        megatron, half = megatron_part(part, cfg)
+        megatron, half = megatron_layer_name(f"{part}.{kind}", cfg)
         if half == GATE:
             continue  # written with the up half, below
         if half == UP:
             value = torch.cat([state[f"blocks.{layer}.{h}.{kind}"] for h in _halves(part)])
-        out[f"decoder.layers.{layer}.{megatron}.{kind}"] = value
+        out[f"decoder.layers.{layer}.{megatron}"] = value
     return out
 
 
@@ -118,6 +133,10 @@ def from_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, t
             name = name.replace(fused, norm)
         if name in back:
             out[back[name]] = value
+            continue
+        gate = re.fullmatch(rf"decoder\.layers\.(\d+)\.{re.escape(SHARED_GATE[1])}", name)
+        if gate:
+            out[f"blocks.{gate.group(1)}.{SHARED_GATE[0]}"] = value
             continue
         match = pattern.match(name)
         ours = match and _megart_part(match.group(2), layer_back)

@@ -54,6 +54,10 @@ layer's input and split over the tensor-parallel group as the dense MLP is (unde
 parallelism its input gathered from, and its output reduce-scattered to, the ranks' slices),
 its output added to the experts' sum. Under expert parallelism it is an ordinary parameter,
 the same on every expert-parallel rank and averaged over all data- and context-parallel ranks.
+With --moe-shared-expert-gate (SharedExpertMLP's gate) their output is first multiplied, token
+by token, by sigmoid(x . w), w one [1, h] weight applied to the layer's input as the router is
+(replicated; under sequence parallelism to this rank's slice, its gradient completed over the
+group with the norms').
 """
 
 from __future__ import annotations
@@ -61,11 +65,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megart.distributed import ProcessGroup
 from megart.models.config import GPTConfig
 from megart.models.expert_exchange import expert_parallel_mlp
+from megart.models.init import generator, weight_init
 from megart.models.mlp import MLP
 from megart.models.moe_checks import check_expert_parallel_layer, check_moe_tensor_parallel
 from megart.models.moe_router import (  # noqa: F401 (route, Router: their names here too)
@@ -132,6 +138,24 @@ class _SeedGradient(torch.autograd.Function):
         return grad, torch.full_like(loss, ctx.scale), None, None, None, None
 
 
+class SharedExpertGate(nn.Module):
+    """[..., h] -> [..., 1]: sigmoid(x . w) for each token, from a weight [1, h] (Megatron-Core's
+    SharedExpertMLP ``gate_weight``, drawn as its other weights), which scales the shared
+    experts' output."""
+
+    def __init__(self, cfg: GPTConfig, layer: int, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        shape = (1, cfg.hidden_size)
+        self.weight = nn.Parameter(torch.empty(shape))
+        draw = weight_init(cfg, cfg.init_std, shape)
+        draw(self.weight.data, generator(cfg.seed, layer, "shared_expert_gate"))
+        # As the router's: replicated, applied to this rank's slice of the sequence.
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.weight))
+
+
 class MoE(nn.Module):
     """[s, b, h] -> [s, b, h]: each token through its top-k experts (models.mlp.MLP, each
     moe_ffn_size wide), their outputs summed with the routing weights, plus the shared
@@ -175,6 +199,9 @@ class MoE(nn.Module):
             else MLP(cfg, layer, tp_group, sequence_parallel, ffn=width, name="shared_")
         )
         self.recompute_shared = cfg.recomputes("shared_experts")
+        self.shared_expert_gate = (
+            SharedExpertGate(cfg, layer, sequence_parallel) if cfg.moe_shared_expert_gate else None
+        )
 
     def _expert(self, e: int) -> MLP:
         """Expert ``e`` (global index) of this layer, drawn from its own stream."""
@@ -186,8 +213,17 @@ class MoE(nn.Module):
         if self.shared_experts is None:
             return out
         if self.recompute_shared and torch.is_grad_enabled():  # --recompute-modules shared_experts
-            return out + checkpointed(self.shared_experts, None, x)
-        return out + self.shared_experts(x)  # Megatron-Core's postprocess: routed + shared
+            return out + checkpointed(self._shared, None, x)
+        return out + self._shared(x)  # Megatron-Core's postprocess: routed + shared
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output for ``x``, times their gate's where there is one (as
+        Megatron-Core's SharedExpertMLP, which its "shared_experts" recomputation replays
+        whole)."""
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = shared * self.shared_expert_gate(x)
+        return shared
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for ``x``."""

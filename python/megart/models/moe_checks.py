@@ -37,6 +37,7 @@ MOE_DEFAULTS: dict[str, object] = {
     "moe_router_num_groups": None,
     "moe_router_group_topk": None,
     "moe_shared_expert_intermediate_size": None,
+    "moe_shared_expert_gate": False,
 }
 
 
@@ -91,6 +92,12 @@ def check_moe(cfg: GPTConfig) -> None:
         raise ConfigError(
             f"--moe-shared-expert-intermediate-size {shared}: give 1 or more (or leave it out: "
             "no shared experts)"
+        )
+    if cfg.moe_shared_expert_gate and shared is None:
+        # Megatron-Core would build no gate and say nothing: the flag would be ignored.
+        raise ConfigError(
+            "--moe-shared-expert-gate gates the shared experts' output, but there are none: "
+            "add --moe-shared-expert-intermediate-size S or leave the gate out"
         )
     _check_router(cfg)
     freq = cfg.moe_layer_freq

@@ -155,6 +155,7 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
         "the per-sequence and global balancing losses' counts and saves",
     ),
     "moe_router_group_topk": ((None,), "group-limited routing's group scores and masks"),
+    "moe_shared_expert_gate": ((False,), "the shared experts' gate: its weights and products"),
 }
 
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the

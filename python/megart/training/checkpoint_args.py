@@ -79,6 +79,8 @@ FORCED = (
 # (--moe-aux-loss-coeff, --moe-z-loss-coeff, --moe-router-load-balancing-type) stay the
 # command line's, as in Megatron; megart takes --moe-router-dtype (which Megatron leaves to
 # the command line) where the command line leaves it unset, as the window.
+# --moe-shared-expert-gate, which Megatron does not force either, stays the command line's: a
+# checkpoint of the other kind is refused by name (architecture_flags).
 EXPERTS = ("num_experts", "moe_ffn_hidden_size")
 ROUTER = (
     "moe_layer_freq",

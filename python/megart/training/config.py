@@ -218,6 +218,7 @@ class TrainConfig(LearningRateFlags):
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
     rotary_percent: float = 1.0  # the part of each head rope turns (GPTConfig.rotary_percent)
     data_cache_path: str | None = None  # --data-order megatron's indices, built once

@@ -25,7 +25,6 @@ from megart.training.data_checks import (
 from megart.training.documents import check_document_flags
 from megart.training.expert_checks import check_expert_flags
 from megart.training.lr_checks import check_lr_flags
-from megart.training.megatron_args import refuse_shared_experts
 from megart.training.megatron_flags import check_megatron_flags
 from megart.training.save_modes import check_save_modes
 
@@ -190,8 +189,6 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
             "store whole; use --ckpt-format megart or torch for checkpoints without them"
         )
     check_save_modes(cfg)
-    if cfg.ckpt_format != "megart":
-        refuse_shared_experts(cfg.gpt_config(), cfg.ckpt_format)
     check_lr_flags(cfg)
     check_megatron_flags(cfg)
     check_expert_flags(cfg, dp)

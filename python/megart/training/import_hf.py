@@ -1,6 +1,6 @@
-"""A Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Nemotron, Mixtral or Qwen3-MoE directory as
-a megart checkpoint, to fine-tune under any layout (experts at tensor-parallel size 2 or more
-need --sequence-parallel in megart train).
+"""A Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Nemotron, Mixtral, Qwen3-MoE or Qwen2-MoE
+directory as a megart checkpoint, to fine-tune under any layout (experts at tensor-parallel size
+2 or more need --sequence-parallel in megart train).
 
     import_checkpoint("gpt2-dir", "ckpt")  # megart import-hf --input gpt2-dir --save ckpt
     # then: megart train --load ckpt --vocab-size 50257 --num-layers 12 ... (any tp x pp),
@@ -208,10 +208,11 @@ def moe_flags(cfg: GPTConfig) -> list[str]:
     """--num-experts and the --moe- flags that shape the network, where not Megatron's default
     (none without experts). The auxiliary losses (--moe-aux-loss-coeff, --moe-z-loss-coeff,
     --moe-router-load-balancing-type) and --moe-router-dtype are how a run trains, as --bf16
-    is, and are left to it: a Mixtral's or Qwen3-MoE's router_aux_loss_coef in particular
-    weighs another loss (transformers' pools every layer's routing into one statistic and
-    counts each of the k choices, about k / layers times Megatron's sum of per-layer losses),
-    applied only with output_router_logits, which their released configs leave off."""
+    is, and are left to it: a Mixtral's, Qwen3-MoE's or Qwen2-MoE's router_aux_loss_coef in
+    particular weighs another loss (transformers' pools every layer's routing into one
+    statistic and counts each of the k choices, about k / layers times Megatron's sum of
+    per-layer losses), applied only with output_router_logits, which their released configs
+    leave off."""
     if cfg.num_experts is None:
         return []
     flags = [f"--num-experts {cfg.num_experts}"]
@@ -230,4 +231,10 @@ def moe_flags(cfg: GPTConfig) -> list[str]:
         flags.append(f"--moe-router-score-function {cfg.moe_router_score_function}")
     if cfg.moe_router_topk_scaling_factor is not None:
         flags.append(f"--moe-router-topk-scaling-factor {cfg.moe_router_topk_scaling_factor!r}")
+    if cfg.moe_shared_expert_intermediate_size is not None:
+        flags.append(
+            f"--moe-shared-expert-intermediate-size {cfg.moe_shared_expert_intermediate_size}"
+        )
+    if cfg.moe_shared_expert_gate:
+        flags.append("--moe-shared-expert-gate")
     return flags

@@ -111,6 +111,7 @@ def moe_args(cfg: GPTConfig) -> dict[str, Any]:
         moe_router_group_topk=cfg.moe_router_group_topk,
         moe_grouped_gemm=False,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=cfg.moe_shared_expert_gate,
         expert_model_parallel_size=1,
     )
 
@@ -199,6 +200,7 @@ def moe_fields(a: dict[str, Any]) -> dict[str, Any]:
         moe_router_num_groups=a.get("moe_router_num_groups"),
         moe_router_group_topk=a.get("moe_router_group_topk"),
         moe_shared_expert_intermediate_size=a.get("moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=bool(a.get("moe_shared_expert_gate", False)),  # older args lack it
     )
 
 
@@ -212,22 +214,8 @@ def saved_stages(a: dict[str, Any]) -> dict[str, int | None]:
 
 
 # Megatron-LM's MoE flags that change the experts' parameters (names or kinds) from the ones
-# megart has: grouped GEMM (TEGroupedMLP's weights), shared experts.
-MOE_UNBUILT = (
-    "moe_grouped_gemm",
-    "moe_shared_expert_intermediate_size",
-)
-
-
-def refuse_shared_experts(cfg: GPTConfig, fmt: str) -> None:
-    """Refuses writing or reading Megatron-LM's checkpoint format ``fmt`` for a model with
-    shared experts: megart does not place their tensors in its files yet."""
-    if cfg.num_experts is not None and cfg.moe_shared_expert_intermediate_size is not None:
-        raise ConfigError(
-            f"--moe-shared-expert-intermediate-size {cfg.moe_shared_expert_intermediate_size} "
-            f"with --ckpt-format {fmt}: megart does not write or read the shared experts in "
-            "Megatron-LM's checkpoint formats yet; use --ckpt-format megart (the default)"
-        )
+# megart has: grouped GEMM (TEGroupedMLP's weights).
+MOE_UNBUILT = ("moe_grouped_gemm",)
 
 
 def refuse_expert_bias(cfg: GPTConfig, where: Any) -> None:

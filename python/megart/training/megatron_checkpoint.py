@@ -46,7 +46,6 @@ from megart.training.megatron_args import (
     config_from_args,
     megatron_args,
     refuse_expert_bias,
-    refuse_shared_experts,
     saved_stages,
 )
 from megart.training.megatron_files import model_chunks, rank_state, torch_load
@@ -83,7 +82,6 @@ def megart_to_megatron(
     iteration = required_latest_iteration(load_dir)
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
-    refuse_shared_experts(cfg, ckpt_format)
     refuse_expert_bias(cfg, "convert-checkpoint --to megatron")
     layout = shards[0, 0]["config"]
     vpp_source, ends = 1, (None, None)

@@ -43,7 +43,7 @@ import torch.distributed.checkpoint as dcp
 
 from megart.errors import ConfigError
 from megart.models.gpt import chunk_layers
-from megart.models.megatron_names import megatron_part
+from megart.models.megatron_names import megatron_layer_name
 from megart.training import dist_store
 from megart.training.megatron_args import saved_stages
 from megart.training.megatron_distrib_optim import BUCKET_ALIGN, dp_cp_size, dtype_key, layouts
@@ -121,15 +121,14 @@ class Buffers:
 
 def _megatron_name(name: str, chunk: Any) -> tuple[str, int | None]:
     """A megart parameter's Megatron-Core name in its chunk, and which half of that tensor it
-    is (megart.models.megatron_names.megatron_part: GATE or UP of SwiGLU's ``linear_fc1``,
+    is (megart.models.megatron_names.megatron_layer_name: GATE or UP of SwiGLU's ``linear_fc1``,
     None for the whole tensor)."""
     cfg = chunk.cfg
     parts = name.removeprefix("chunk.").split(".", 2)
     if parts[0] == "blocks":
-        part, kind = parts[2].rsplit(".", 1)
-        megatron, half = megatron_part(part, cfg)
+        megatron, half = megatron_layer_name(parts[2], cfg)
         if half is not None:  # to_megatron writes a half only beside the other
-            return f"decoder.layers.{parts[1]}.{megatron}.{kind}", half
+            return f"decoder.layers.{parts[1]}.{megatron}", half
     meta = torch.empty(0, device="meta")
     ((megatron, _),) = chunk_names_to_megatron({name: meta}, cfg, list(chunk.layer_ids)).items()
     return megatron, None

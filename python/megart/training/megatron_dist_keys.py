@@ -17,7 +17,9 @@ dimension after the layer's, under ``mlp.experts.experts.`` (its local_experts p
 replaced): ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is [L, E, 2 f, h] under
 SwiGLU (each expert's [gate; up]) with homogeneous layers, ``decoder.layers.N.mlp.experts
 .experts.linear_fc1.weight`` [E, ...] per layer otherwise. Its ``_extra_state`` objects are
-keyed by (layer, expert) offsets the same way.
+keyed by (layer, expert) offsets the same way. The shared experts (SharedExpertMLP) are keyed
+as a dense MLP is, under ``mlp.shared_experts.``, their gate's ``mlp.shared_experts.gate_weight``
+([1, h]) beside them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import re
 import torch
 
 from megart.models.config import GPTConfig
-from megart.models.megatron_names import NAMES, TE_NORMS, megatron_part
+from megart.models.megatron_names import NAMES, SHARED, TE_NORMS, megatron_layer_name
 
 LINEAR_LAYERS = (
     "self_attention.linear_qkv",
@@ -132,14 +134,13 @@ def stored_place(name: str, cfg: GPTConfig) -> tuple[str, Leading, int | None]:
     """Where the one-chunk GPT's parameter ``name`` (megart's, without ``chunk.``) lies in the
     store: its key, the (index, count) of the key's sharded dimensions before the parameter's
     own (layer_key's; none for a tensor of no layer) and which half of the key's tensor it is
-    (megart.models.megatron_names.megatron_part: SwiGLU's gate and up are the halves of
+    (megart.models.megatron_names.megatron_layer_name: SwiGLU's gate and up are the halves of
     ``linear_fc1``; None for the whole tensor)."""
     if name in NAMES:
         return NAMES[name], [], None
     _, layer, rest = name.split(".", 2)
-    part, kind = rest.rsplit(".", 1)
-    megatron, half = megatron_part(part, cfg)
-    key, leading = layer_key(int(layer), f"{megatron}.{kind}", cfg)
+    megatron, half = megatron_layer_name(rest, cfg)
+    key, leading = layer_key(int(layer), megatron, cfg)
     return key, leading, half
 
 
@@ -151,6 +152,8 @@ def extra_state_keys(layer: int, cfg: GPTConfig) -> list[str]:
     if cfg.is_moe_layer(layer):
         parts += [f"{LOCAL_EXPERTS}{e}.{fc}" for e in range(cfg.num_experts or 0)
                   for fc in ("linear_fc1", "linear_fc2")]  # fmt: skip
+        if cfg.moe_shared_expert_intermediate_size is not None:  # SharedExpertMLP's, as a layer's
+            parts += [SHARED + "linear_fc1", SHARED + "linear_fc2"]
     else:
         parts += LINEAR_LAYERS[2:]
     out = []

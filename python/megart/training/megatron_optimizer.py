@@ -56,12 +56,16 @@ _LAYER_PARTS = (
     "pre_mlp_layernorm",
     "mlp.linear_fc1",
     "mlp.linear_fc2",
-    # An MoE layer's (in place of the two above): its router, then each expert's fc1 and fc2.
+    # An MoE layer's (in place of the two above): its router, then each expert's fc1 and fc2,
+    # then the shared experts' (SharedExpertMLP: its own gate_weight before its submodules').
     "mlp.router",
     "mlp.experts",
+    "mlp.shared_experts",
+    "mlp.shared_experts.linear_fc1",
+    "mlp.shared_experts.linear_fc2",
 )
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)$")
-_SUFFIXES = ("weight", "bias", "_extra_state")
+_SUFFIXES = ("weight", "bias", "_extra_state", "gate_weight")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)\.(\w+)$")
 
 

@@ -104,6 +104,7 @@ def moe_fields(config: Any) -> dict[str, Any]:
         moe_router_num_groups=config.moe_router_num_groups,
         moe_router_group_topk=config.moe_router_group_topk,
         moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=config.moe_shared_expert_gate,
     )
 
 
