@@ -20,12 +20,23 @@ the receiver's experts), then the rows. Its gradient is the same exchange revers
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 import torch
 
 import megart.distributed as dist
 from megart.distributed import ProcessGroup
+
+
+def rows_by_expert(chosen: torch.Tensor) -> list[torch.Tensor]:
+    """Each expert's tokens (the rows of the [T, E] routing map ``chosen`` that chose it), in
+    token order, as views of one index: one nonzero over the map and one count, two host syncs
+    whatever the number of experts (a nonzero per expert would be one each), in
+    Megatron-Core's permute order (by expert, then token)."""
+    experts, rows = chosen.t().nonzero(as_tuple=True)
+    counts = torch.bincount(experts, minlength=chosen.shape[1]).tolist()
+    return list(rows.clone().split(counts))  # its own storage: the pairs' [2, n] is freed
 
 
 def exchange(
@@ -71,21 +82,22 @@ def expert_parallel_mlp(
     run there, sent back and summed in expert order, as one process sums them."""
     ep, num_experts = group.size(), chosen.shape[1]
     local = num_experts // ep
-    rows = [chosen[:, e].nonzero().squeeze(1) for e in range(num_experts)]  # token order
-    counts = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=tokens.device)
-    # What each rank sends each of my experts: [source, local expert].
-    incoming = exchange(counts, group, [local] * ep, [local] * ep).view(ep, local)
-    send = counts.view(ep, local).sum(1).tolist()
-    receive = incoming.sum(1).tolist()
+    rows = rows_by_expert(chosen)
+    sizes = [len(r) for r in rows]
+    counts = torch.tensor(sizes, dtype=torch.int64, device=tokens.device)
+    # What each rank sends each of my experts, by source then local expert (one host sync).
+    incoming = exchange(counts, group, [local] * ep, [local] * ep).tolist()
+    send = [sum(sizes[r * local : (r + 1) * local]) for r in range(ep)]
+    receive = [sum(incoming[s * local : (s + 1) * local]) for s in range(ep)]
     order = torch.cat(rows)
     weights = torch.cat([probs[r, e] for e, r in enumerate(rows)])
     x = Exchange.apply(tokens[order], group, send, receive)
     w = Exchange.apply(weights, group, send, receive)
     # Received by source, then expert; each expert runs on its rows of every source, in
     # source order.
-    starts = torch.cumsum(incoming.flatten(), 0) - incoming.flatten()
+    starts = [0, *accumulate(incoming)]
     spans = [
-        [(int(starts[s * local + j]), int(incoming[s, j])) for s in range(ep)] for j in range(local)
+        [(starts[s * local + j], incoming[s * local + j]) for s in range(ep)] for j in range(local)
     ]
     outputs, places = [], []
     for (_, expert), span in zip(experts, spans, strict=True):

@@ -70,7 +70,7 @@ from torch import nn
 
 from megart.distributed import ProcessGroup
 from megart.models.config import GPTConfig
-from megart.models.expert_exchange import expert_parallel_mlp
+from megart.models.expert_exchange import expert_parallel_mlp, rows_by_expert
 from megart.models.init import generator, weight_init
 from megart.models.mlp import MLP
 from megart.models.moe_checks import check_expert_parallel_layer, check_moe_tensor_parallel
@@ -254,8 +254,8 @@ class MoE(nn.Module):
             out = tokens.new_zeros(0)
             # Every expert runs, on no tokens where none chose it, so that each weight gets a
             # gradient (zero then), as Megatron-Core's SequentialMLP.
-            for e, expert in enumerate(self.experts):
-                rows = chosen[:, e].nonzero().squeeze(1)  # in token order, as Megatron permutes
+            each = zip(self.experts, rows_by_expert(chosen), strict=True)
+            for e, (expert, rows) in enumerate(each):
                 y = expert(tokens[rows], scale=probs[rows, e])
                 if e == 0:
                     out = tokens.new_zeros(tokens.shape, dtype=y.dtype)
