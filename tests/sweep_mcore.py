@@ -84,7 +84,8 @@ def _window(rng: random.Random, layers: int) -> dict:
 def _moe(rng: random.Random, layers: int) -> dict:
     """Mixture-of-experts options for ``layers`` layers: experts, top-k (1 mostly with the
     softmax first, else megart's and Megatron's refusal), the layers (every N-th or a 0/1
-    pattern), sigmoid scores, a scaling factor, the experts' width and the router's dtype."""
+    pattern), sigmoid scores, a scaling factor, the experts' width, the router's dtype, shared
+    experts (gated or not), group-limited routing and the expert bias."""
     experts = rng.randint(1, 6)
     kw: dict = dict(num_experts=experts, moe_router_topk=rng.randint(1, experts))
     if rng.random() < 0.4 or (kw["moe_router_topk"] == 1 and rng.random() < 0.9):
@@ -102,6 +103,23 @@ def _moe(rng: random.Random, layers: int) -> dict:
         kw["moe_ffn_hidden_size"] = rng.randint(4, 48)
     if rng.random() < 0.3:
         kw["moe_router_dtype"] = rng.choice(["fp32", "fp64"])
+    if rng.random() < 0.3:  # shared experts, at times gated
+        kw["moe_shared_expert_intermediate_size"] = rng.randint(4, 48)
+        if rng.random() < 0.5:
+            kw["moe_shared_expert_gate"] = True
+    k = kw["moe_router_topk"]
+    # Group-limited routing: G groups dividing the experts, g of them kept, g <= k <= g E / G.
+    limits = [
+        (big, g)
+        for big in (2, 3)
+        if experts % big == 0
+        for g in range(1, big + 1)
+        if k % g == 0 and g <= k <= g * experts // big
+    ]
+    if limits and rng.random() < 0.2:
+        kw["moe_router_num_groups"], kw["moe_router_group_topk"] = rng.choice(limits)
+    if kw.get("moe_router_score_function") == "sigmoid" and rng.random() < 0.4:
+        kw["moe_router_enable_expert_bias"] = True
     return kw
 
 
