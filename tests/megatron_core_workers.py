@@ -24,6 +24,7 @@ def megatron_model(
     first: int | None = None,
     last: int | None = None,
     sequence_parallel: bool = False,
+    ep: int = 1,
 ) -> torch.nn.Module:
     """Megatron-Core's GPTModel of ``cfg`` (``sequence_parallel``: with its
     --sequence-parallel, which its MoE layers need to train at ``tp`` > 1; one rank of ``tp`` x
@@ -31,17 +32,14 @@ def megatron_model(
     parallelism is already initialised: this rank's pipeline stage; under interleaving, with
     the virtual pipeline size initialised, its model chunk ``vp_stage``, as Megatron-LM's
     get_model builds each; ``first``/``last``: the uneven first/last stages' layers, as
-    Megatron-LM's --decoder-first/last-pipeline-num-layers set them)."""
+    Megatron-LM's --decoder-first/last-pipeline-num-layers set them; ``ep``: its experts
+    spread over that many expert-parallel ranks, as initialised)."""
     from megatron.core import parallel_state
     from megatron.core.activations import squared_relu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if not torch.distributed.is_initialized():
-        store = torch.distributed.HashStore()  # one rank: no rendezvous
-        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
-        on_cpu_only()
+    one_rank_world()
     vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     swiglu = cfg.activation == "swiglu"
     # Megatron-LM's --squared-relu is Megatron-Core's own squared_relu.
@@ -81,6 +79,7 @@ def megatron_model(
         num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last,
         **moe_config(cfg),
+        **(dict(expert_model_parallel_size=ep) if ep > 1 else {}),
         # Its config checks sequence parallelism against its own tensor-parallel size.
         **(
             dict(sequence_parallel=True, tensor_model_parallel_size=tp) if sequence_parallel else {}
@@ -111,6 +110,17 @@ def megatron_model(
         ).double()
 
 
+def one_rank_world() -> None:
+    """Megatron-Core's parallel state over a one-rank gloo world on the CPU (once)."""
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        store = torch.distributed.HashStore()  # one rank: no rendezvous
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        on_cpu_only()
+
+
 def moe_config(cfg: GPTConfig) -> dict:
     """TransformerConfig's MoE fields for ``cfg`` (none without experts): megart's GPTConfig
     fields of the same names, SequentialMLP's experts (no grouped GEMM)."""
@@ -129,6 +139,10 @@ def moe_config(cfg: GPTConfig) -> dict:
         moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=cfg.moe_z_loss_coeff,
+        moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
+        moe_router_num_groups=cfg.moe_router_num_groups,
+        moe_router_group_topk=cfg.moe_router_group_topk,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,

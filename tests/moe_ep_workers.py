@@ -15,11 +15,21 @@ def train_mistaken(kw: dict, mistake: str | None = None) -> list[dict]:
     optimizer sharded and gathered, over data parallelism instead of their expert-data-parallel
     group), "experts-sliced-as-dense" (the distributed optimizer taking the dense buckets'
     slices and group for the experts' buckets too), "experts-stats-local" (--log-params-norm
-    and --log-num-zeros-in-grad counting each rank's own experts only)."""
+    and --log-num-zeros-in-grad counting each rank's own experts only); under tensor or context
+    parallelism as well (test_moe_ep_tp.py): "experts-output-sliced" (the exchanged experts'
+    outputs cut to this rank's slice of the sequence without their sum over the tensor-parallel
+    group, as when the exchange returned before the reduce-scatter), "experts-scaled-over-dp"
+    (the experts' averages scaled by edp / dp, not edp / (dp x cp)), "experts-norm-tp-rank-0"
+    (the norm counting the experts' tensor-parallel shards on tensor-parallel rank 0 only, as
+    replicas)."""
+    from collections.abc import Iterator
+    from contextlib import contextmanager
     from unittest import mock
 
     import train_workers as tw
-    from megart.training import expert_grads, iteration_stats, optimizer
+    from megart.models import moe
+    from megart.tensor_parallel import scatter_to_sequence_region
+    from megart.training import expert_grads, grad_norm, iteration_stats, optimizer
 
     def unscaled(params, grid, make, real=optimizer.split_buckets):  # noqa: ANN001, ANN202
         return real(params, grid, lambda ps, group, scale=1.0: make(ps, group))
@@ -39,6 +49,23 @@ def train_mistaken(kw: dict, mistake: str | None = None) -> list[dict]:
         dense, experts, group = real(chunks, grid, opt)
         return dense + (experts or []), None, group
 
+    def scaled_over_dp(params, grid, make, real=optimizer.split_buckets):  # noqa: ANN001, ANN202
+        def made(ps, group, scale=None):  # noqa: ANN001, ANN202 (scale given for experts only)
+            cp = grid.layout.cp
+            return make(ps, group) if scale is None else make(ps, group, scale=scale * cp)
+
+        return real(params, grid, made)
+
+    def tp_rank_0(chunk, name, p, tp_rank, real=grad_norm.counted_in_norm):  # noqa: ANN001, ANN202
+        shard = expert_grads.is_expert(p) and tp_rank != 0
+        return not shard and real(chunk, name, p, tp_rank)
+
+    @contextmanager
+    def norm_patches() -> Iterator[None]:  # the norm's rule where both optimizers ask it
+        with mock.patch.object(grad_norm, "counted_in_norm", tp_rank_0):
+            with mock.patch.object(optimizer, "counted_in_norm", tp_rank_0):
+                yield
+
     patches = {
         None: mock.MagicMock(),  # a context manager that changes nothing
         "experts-unscaled": mock.patch.object(optimizer, "split_buckets", unscaled),
@@ -46,6 +73,11 @@ def train_mistaken(kw: dict, mistake: str | None = None) -> list[dict]:
         "experts-sharded-over-dp": mock.patch.object(optimizer, "split_buckets", over_dp),
         "experts-sliced-as-dense": mock.patch.object(expert_grads.SplitBuckets, "owner", as_dense),
         "experts-stats-local": mock.patch.object(iteration_stats, "_counted", stats_local),
+        "experts-output-sliced": mock.patch.object(
+            moe, "reduce_scatter_to_sequence_region", scatter_to_sequence_region
+        ),
+        "experts-scaled-over-dp": mock.patch.object(optimizer, "split_buckets", scaled_over_dp),
+        "experts-norm-tp-rank-0": norm_patches(),
     }
     with patches[mistake]:
         return tw.train(**kw)

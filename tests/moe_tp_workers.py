@@ -7,6 +7,7 @@ torch.distributed's default group (megart.distributed's torch backend) with Mega
 
 from __future__ import annotations
 
+import re
 from unittest import mock
 
 import torch
@@ -26,10 +27,13 @@ TP = 2
 VOCAB_ROWS = ("wte.weight", "output_layer.weight")
 
 
-def _ours(whole: dict, cfg: GPTConfig, group: dist.ProcessGroup) -> GPT:
-    """megart's GPT at TP with sequence parallelism, holding this rank's pieces of ``whole``
-    (its one-process weights) by each parameter's partition_dim."""
-    model = GPT(cfg, tp_group=group, sequence_parallel=True).double()
+def _ours(
+    whole: dict, cfg: GPTConfig, group: dist.ProcessGroup, ep_group: dist.ProcessGroup = None
+) -> GPT:
+    """megart's GPT at TP with sequence parallelism (and its experts spread over ``ep_group``
+    where given), holding this rank's pieces of ``whole`` (its one-process weights) by each
+    parameter's partition_dim."""
+    model = GPT(cfg, tp_group=group, sequence_parallel=True, ep_group=ep_group).double()
     rank, rows = group_rank(group), cfg.padded_vocab_size(TP)
     with torch.no_grad():
         for name, p in model.chunk.named_parameters():
@@ -54,10 +58,13 @@ def _theirs(whole: dict, cfg: GPTConfig, rank: int) -> torch.nn.Module:
     return model
 
 
-def _their_grads(model: torch.nn.Module, cfg: GPTConfig, group: dist.ProcessGroup) -> dict:
+def _their_grads(
+    model: torch.nn.Module, cfg: GPTConfig, group: dist.ProcessGroup, first_expert: int = 0
+) -> dict:
     """Megatron-Core's whole gradients in megart's names: its sequence-parallel parameters'
     (norms, the router) completed over the group as its finalize_model_grads does, the split
-    ones gathered and merged as megatron_layout merges a checkpoint's."""
+    ones gathered and merged as megatron_layout merges a checkpoint's (its local experts
+    renumbered from ``first_expert``, under expert parallelism)."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -71,7 +78,16 @@ def _their_grads(model: torch.nn.Module, cfg: GPTConfig, group: dist.ProcessGrou
             torch.distributed.all_gather(parts, g.contiguous(), group=tp_group)
             g = unshard(name, parts, cfg)
         whole[name] = g
-    return from_megatron(whole, cfg)
+    return from_megatron(renumbered_experts(whole, first_expert), cfg)
+
+
+_EXPERT = re.compile(r"(mlp\.experts\.local_experts\.)(\d+)\.")
+
+
+def renumbered_experts(names: dict, offset: int) -> dict:
+    """``names`` (Megatron-Core's) with each expert index moved by ``offset`` (global to
+    local and back, under expert parallelism)."""
+    return {_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + offset}.", k): v for k, v in names.items()}
 
 
 def _our_grads(model: GPT, group: dist.ProcessGroup, sum_router: bool) -> dict:
@@ -101,8 +117,6 @@ def compare(kw: dict, factor: float, group: dist.ProcessGroup, mistake: str | No
     makes megart's step wrong on purpose: "aux-local" (the load-balancing loss without the
     counts summed over the group), "router-unsummed" (the router's gradient not completed over
     the group), "z-undivided" (the z-loss coefficient not divided by t)."""
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     cfg = GPTConfig(**kw)
     rank = group_rank(group)
@@ -125,35 +139,58 @@ def compare(kw: dict, factor: float, group: dist.ProcessGroup, mistake: str | No
         torch.distributed.all_gather(parts, local)
         megatron = torch.cat(parts, -1)[..., :v]
 
+    backward_both(ours, theirs, (tokens, labels, positions, mask), factor, _mistaken(mistake))
+
+    want_grads = _their_grads(theirs, cfg, group)
+    got_grads = _our_grads(ours, group, sum_router=mistake != "router-unsummed")
+    figures, diff = compared((got, want, megatron), want_grads, got_grads, v)
+    return dict(figures, router=max(d for n, d in diff.items() if n.endswith("router.weight")))
+
+
+def backward_both(
+    ours: GPT, theirs: torch.nn.Module, batch: tuple, factor: float, mistaken: object
+) -> None:
+    """One training step's backward of both models on ``batch`` (tokens, labels, positions,
+    mask), the loss times ``factor`` and the auxiliary losses' gradients scaled by it; megart's
+    inside the context manager ``mistaken``."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    tokens, labels, positions, mask = batch
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(factor, dtype=torch.float64))
     theirs.train()
     # Its logits gathered over the vocabulary shards (backward: each rank's slice), the loss
     # as moe_workers takes it (its own loss from labels would count the vocabulary padding's
     # zero logits, which megart's leaves out).
     logits = gather_from_tensor_model_parallel_region(theirs(tokens, positions, mask))
-    (lm_loss(logits, labels, v) * factor).backward()
+    (lm_loss(logits, labels, ours.cfg.vocab_size) * factor).backward()
     ours.train()
     ours.chunk.set_loss_scale(factor)
-    with _mistaken(mistake):
+    with mistaken:
         (ours(tokens, labels) * factor).backward()
 
-    want_grads = _their_grads(theirs, cfg, group)
-    got_grads = _our_grads(ours, group, sum_router=mistake != "router-unsummed")
+
+def compared(logits: tuple, want: dict, got: dict, vocab: int) -> tuple[dict, dict]:
+    """The figures both comparisons report: megart's ``logits`` (ours, one process's,
+    Megatron-Core's) apart, the largest gradient (``want``'s: Megatron-Core's) and the largest
+    difference of ``got``'s from it relative to that; and that difference by name. The
+    vocabulary padding, which depends on t, is cut off first."""
+    ours, one, megatron = logits
     for name in VOCAB_ROWS:
-        for grads in (want_grads, got_grads):
-            if name in grads:  # the padding depends on t
-                grads[name] = grads[name][:v]
-    assert set(want_grads) == set(got_grads), set(want_grads) ^ set(got_grads)
-    top = max(w.abs().max().item() for w in want_grads.values())
-    diff = {n: (got_grads[n] - w).abs().max().item() / top for n, w in want_grads.items()}
-    return dict(
-        megatron_logits=(got - megatron).abs().max().item(),
-        one_process_logits=(got - want).abs().max().item(),
-        scale=want.abs().max().item(),
+        for grads in (want, got):
+            if name in grads:
+                grads[name] = grads[name][:vocab]
+    assert set(want) == set(got), set(want) ^ set(got)
+    top = max(w.abs().max().item() for w in want.values())
+    diff = {n: (got[n] - w).abs().max().item() / top for n, w in want.items()}
+    figures = dict(
+        megatron_logits=(ours - megatron).abs().max().item(),
+        one_process_logits=(ours - one).abs().max().item(),
+        scale=one.abs().max().item(),
         largest=max(diff.values()),
-        router=max(d for n, d in diff.items() if n.endswith("mlp.router.weight")),
         top=top,
     )
+    return figures, diff
 
 
 def _mistaken(mistake: str | None) -> mock._patch | mock.MagicMock:

@@ -10,7 +10,16 @@ import torch.nn.functional as F
 
 from megart.models import GPT, GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
+from megart.models.moe_router import biased_routers
 from megatron_core_workers import drawn, megatron_model
+
+# Megatron-Core's model state that megart's state dict does not name: Transformer Engine's
+# extra state, and the routers' expert bias (megart keeps it beside the weights).
+MEGATRON_ONLY = ("_extra_state", "router.expert_bias")
+
+
+# The losses Megatron-Core's tracker logs, by its names.
+LOGGED = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -18,12 +27,19 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Ten
 
 
 def gradients(
-    kw: dict, factor: float = 0.5, ours_factor: float | None = None, ours_kw: dict | None = None
+    kw: dict,
+    factor: float = 0.5,
+    ours_factor: float | None = None,
+    ours_kw: dict | None = None,
+    bias_seed: int | None = None,
+    microbatches: int = 1,
 ) -> dict:
     """One step of both models on the same weights, each loss times ``factor``, Megatron-Core's
     auxiliary losses scaled by it (MoEAuxLossAutoScaler.set_loss_scale, as its schedules set
     loss scale / m) and megart's by ``ours_factor`` (default the same; GPTChunk.set_loss_scale,
-    as megart's engine sets it); ``ours_kw`` changes megart's model only (the same weights).
+    as megart's engine sets it); ``ours_kw`` changes megart's model only (the same weights);
+    ``bias_seed``: both models' expert biases drawn from it (set_expert_biases);
+    ``microbatches``: that many forward and backward passes, the gradients accumulated.
     Returns the largest gradient difference over all parameters
     relative to the largest gradient, and the router weights' alone."""
     from megatron.core.transformer.moe import moe_utils
@@ -31,8 +47,9 @@ def gradients(
 
     cfg = GPTConfig(**kw)
     g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
-    labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    shape = (2 * microbatches, cfg.seq_length)
+    tokens = torch.randint(0, cfg.vocab_size, shape, generator=g).split(2)
+    labels = torch.randint(0, cfg.vocab_size, shape, generator=g).split(2)
     ours = drawn(GPT(cfg).double())
     theirs = megatron_model(cfg)
     if ours_kw:
@@ -41,20 +58,24 @@ def gradients(
         ours, theirs_weights = changed, ours.state_dict()
     else:
         theirs_weights = ours.state_dict()
-    extra = {k: v for k, v in theirs.state_dict().items() if k.endswith("_extra_state")}
+    extra = {k: v for k, v in theirs.state_dict().items() if k.endswith(MEGATRON_ONLY)}
     theirs.load_state_dict({**to_megatron(theirs_weights, cfg), **extra}, strict=True)
+    if bias_seed is not None:
+        set_expert_biases(ours, theirs, bias_seed)
 
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(factor, dtype=torch.float64))
     moe_utils.clear_aux_losses_tracker()
     s = cfg.seq_length
-    positions = torch.arange(s).unsqueeze(0).expand_as(tokens)
+    positions = torch.arange(s).unsqueeze(0).expand_as(tokens[0])
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
     theirs.train()
-    (lm_loss(theirs(tokens, positions, mask), labels, cfg.vocab_size) * factor).backward()
+    for x, y in zip(tokens, labels, strict=True):
+        (lm_loss(theirs(x, positions, mask), y, cfg.vocab_size) * factor).backward()
 
     ours.train()
     ours.chunk.set_loss_scale(factor if ours_factor is None else ours_factor)
-    (lm_loss(ours(tokens), labels, cfg.vocab_size) * factor).backward()
+    for x, y in zip(tokens, labels, strict=True):
+        (lm_loss(ours(x), y, cfg.vocab_size) * factor).backward()
 
     want = from_megatron({n: p.grad for n, p in theirs.named_parameters()}, cfg)
     got = {n: p.grad for n, p in ours.chunk.named_parameters()}
@@ -67,11 +88,32 @@ def gradients(
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     ours_logged = ours.chunk.aux_loss_scale.take()
     logged = {
-        name: (float(ours_logged[name]), float(tracker[name]["values"].sum()))
-        for name in ("load_balancing_loss", "z_loss")
+        name: (
+            float(ours_logged[name]),
+            float(tracker[name]["values"].sum() if name in tracker else "nan"),
+        )
+        for name in LOGGED
         if name in ours_logged
     }
-    return dict(largest=max(diff.values()), router=max(routers), top=top, logged=logged)
+    # The tokens each expert got, counted for the expert bias's update (where it is on).
+    counts = [
+        (r.local_tokens_per_expert.tolist(), theirs.decoder.layers[r.layer].mlp.router)
+        for r in biased_routers([ours.chunk])
+    ]
+    counted = [mine == t.local_tokens_per_expert.tolist() for mine, t in counts]
+    return dict(
+        largest=max(diff.values()), router=max(routers), top=top, logged=logged, counted=counted
+    )
+
+
+def set_expert_biases(ours: GPT, theirs: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
+    """Both models' routers' expert biases the same random fp32 numbers (``scale`` times
+    normal ones), enough to change which experts sigmoid scores choose."""
+    g = torch.Generator().manual_seed(seed)
+    for router in biased_routers([ours.chunk]):
+        bias = torch.randn(router.expert_bias.shape, generator=g) * scale
+        router.expert_bias.copy_(bias)
+        theirs.decoder.layers[router.layer].mlp.router.expert_bias.copy_(bias)
 
 
 def gradients_all(cases: list[tuple]) -> list[dict]:

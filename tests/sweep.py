@@ -179,12 +179,13 @@ def draw(rng: random.Random, mode: str) -> tuple[int, dict, dict]:
 
 
 def _spread_experts(rng: random.Random, model: dict, layout: dict, dp: int) -> None:
-    """At times, expert parallelism over the data-parallel ranks, where ``model``'s experts
-    split over them (into ``layout``; any other draw's taken out)."""
+    """At times, expert parallelism over the data- and context-parallel ranks, where
+    ``model``'s experts split over them (into ``layout``; any other draw's taken out)."""
     layout.pop("expert_model_parallel_size", None)
     experts = model.get("num_experts") or 1
-    if dp > 1 and experts % dp == 0 and rng.random() < 0.5:
-        layout["expert_model_parallel_size"] = dp
+    spread = dp * layout.get("context_parallel_size", 1)  # EP over dp x cp, at any tp
+    if spread > 1 and experts % spread == 0 and rng.random() < 0.5:
+        layout["expert_model_parallel_size"] = spread
 
 
 def _train(kw: dict) -> list[dict]:

@@ -17,7 +17,6 @@ from megart import ConfigError
 from megart.launcher import launch
 from megart.parallel import make_layout
 from megart.parallel.experts import check_expert_parallel, expert_groups, expert_ranks
-from megart.training.config import TrainConfig
 from train_workers import SAME_RUN
 
 MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,
@@ -26,6 +25,8 @@ TRAIN = dict(MODEL, train_iters=4)
 EP2 = dict(TRAIN, expert_model_parallel_size=2)
 EP4 = dict(TRAIN, expert_model_parallel_size=4)
 PP2 = dict(pipeline_model_parallel_size=2)
+TP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+CP2 = dict(context_parallel_size=2)
 # name: (processes, flags, train_mistaken's mistake or None, the rank whose history to read)
 RUNS = {
     "ep2": (2, EP2, None, 0),
@@ -60,8 +61,8 @@ def test_the_expert_groups_are_megatrons():
     [
         (4, {}, 3, 6, "must divide the data-parallel size 4"),
         (4, {}, 4, 6, "must divide --num-experts 6"),
-        (4, dict(tp=2), 2, 4, "tensor-parallel size 2 and context-parallel size 1"),
-        (4, dict(cp=2), 2, 4, "tensor-parallel size 1 and context-parallel size 2"),
+        (4, dict(tp=2), 4, 4, "must divide the data-parallel size 2 "),
+        (6, dict(cp=2), 4, 4, "must divide data-parallel size 3 x context-parallel size 2 = 6"),
         (2, {}, 2, None, "needs --num-experts"),
     ],
 )
@@ -74,8 +75,8 @@ def test_the_grid_refuses_what_does_not_split(world, kw, ep, experts, message):
     "world,flags,message",
     [
         (4, dict(expert_model_parallel_size=3), "must divide the data-parallel size 4"),
-        (4, dict(tensor_model_parallel_size=2, sequence_parallel=True), "tensor-parallel size 2"),
-        (4, dict(context_parallel_size=2), "context-parallel size 2"),
+        (4, dict(TP2, expert_model_parallel_size=4), "must divide the data-parallel size 2 "),
+        (6, dict(CP2, expert_model_parallel_size=4, global_batch_size=12), "size 2 = 6"),
         (2, dict(ckpt_format="torch"), "with --ckpt-format torch:"),
         (2, dict(ckpt_format="torch_dist"), "with --ckpt-format torch_dist:"),
     ],
@@ -84,13 +85,6 @@ def test_megart_train_refuses_what_this_slice_cannot_run(world, flags, message):
     config = tw.tiny(**dict(EP2, **flags))
     with pytest.raises(ConfigError, match=f"--expert-model-parallel-size .*{message}"):
         config.check(world)
-
-
-def test_megart_plan_refuses_expert_parallelism_by_name():
-    from megart.plan.flags import refuse_unmodelled
-
-    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size 2 \(expert parallelism"):
-        refuse_unmodelled(TrainConfig(**EP2))
 
 
 def test_each_rank_draws_the_one_process_experts_of_its_global_indices():

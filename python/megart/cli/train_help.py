@@ -110,7 +110,7 @@ HELP = {
     "slices)",  # its flag is --no-... (see below)
     "use_distributed_optimizer": "shard the optimizer state over data-parallel ranks (ZeRO-1): "
     "reduce-scatter the gradients, step 1/dp of the parameters, all-gather them (the experts' "
-    "over their dp/EP expert-data-parallel ranks under --expert-model-parallel-size EP)",
+    "over their dp x cp/EP expert-data-parallel ranks under --expert-model-parallel-size EP)",
     "distributed_backend": "communication: megart's nccl transport (default with a GPU), its "
     "shm transport (default on CPU), or torch: torch.distributed's groups (NCCL on GPU, gloo on "
     "CPU), the fallback when `megart selftest` fails a megart transport",
@@ -324,9 +324,11 @@ HELP = {
     "sequence (heads and query groups per tensor-parallel rank divisible by cp). The same "
     "attention every way. a2a+p2p (hierarchical) is refused",
     "expert_model_parallel_size": "expert parallelism: each MoE layer's experts spread over "
-    "this many data-parallel ranks (tensor- and context-parallel size 1)",
+    "this many data- and context-parallel ranks (each expert split over the tensor-parallel "
+    "ranks as the MLP is, Megatron's default --expert-tensor-parallel-size)",
     "num_experts": "mixture of experts: this many MLPs in each MoE layer, each token routed to "
-    "--moe-router-topk of them (needs --disable-bias-linear; tensor-parallel size 1)",
+    "--moe-router-topk of them (needs --disable-bias-linear; --sequence-parallel under tensor "
+    "parallelism)",
     "moe_ffn_hidden_size": "each expert's MLP width (default: --ffn-hidden-size)",
     "moe_layer_freq": "which layers are MoE: N (every N-th from the first) or a list "
     'expression of 0/1 per layer, e.g. "([0]+[1]*3)*2" (default: every layer)',
@@ -338,9 +340,19 @@ HELP = {
     "moe_router_topk_scaling_factor": "the routing weights times this",
     "moe_router_dtype": "the router's logits in fp32 or fp64 (default: the input's dtype)",
     "moe_router_load_balancing_type": "aux_loss (the Switch Transformer's load-balancing loss "
-    "over each microbatch) or none; Megatron's other kinds are refused",
+    "over each microbatch), seq_aux_loss (DeepSeek's, over each sequence), global_aux_loss "
+    "(over the global batch: every data-parallel rank's and microbatch's counts) or none; "
+    "Megatron's sinkhorn is refused",
     "moe_aux_loss_coeff": "the load-balancing loss's weight (Megatron suggests 1e-2)",
     "moe_z_loss_coeff": "the router z-loss's weight (default: none)",
+    "moe_router_enable_expert_bias": "aux-loss-free load balancing (DeepSeek-V3's): a "
+    "per-expert bias added to the sigmoid scores to choose the top k, updated every iteration "
+    "from the tokens each expert got; needs --moe-router-score-function sigmoid",
+    "moe_router_bias_update_rate": "how far the expert bias moves each iteration",
+    "moe_router_num_groups": "group-limited routing: the experts in this many groups (with "
+    "--moe-router-group-topk)",
+    "moe_router_group_topk": "group-limited routing: each token's experts from this many of "
+    "the --moe-router-num-groups groups, those whose top k/g scores sum highest",
     "moe_shared_expert_intermediate_size": "shared experts: an MLP this wide in each MoE layer "
     "that every token goes through, added to the routed experts' sum (no gate)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "

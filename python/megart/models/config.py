@@ -169,6 +169,15 @@ class GPTConfig:
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None
+    # DeepSeek-V3's routing (models.moe_router; the load-balancing loss per sequence is
+    # moe_router_load_balancing_type seq_aux_loss): aux-loss-free balancing by a per-expert
+    # bias added to the sigmoid scores to choose the top k, moved by the update rate once per
+    # iteration; group-limited routing, the top k within the group_topk best of num_groups
+    # groups of experts.
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:

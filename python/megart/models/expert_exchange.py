@@ -1,8 +1,17 @@
-"""Expert parallelism's token exchange (Megatron-Core's MoEAlltoAllTokenDispatcher, at tensor-
-and context-parallel size 1): each rank of the expert-model-parallel group holds num_experts /
-ep of every MoE layer's experts (global expert ep_rank x E/ep + local), and routes its own
-tokens; the copies of each token for its chosen experts travel to those experts' owners, run
-there, and come back to be summed with the routing weights.
+"""Expert parallelism's token exchange (Megatron-Core's MoEAlltoAllTokenDispatcher): each rank
+of the expert-model-parallel group holds num_experts / ep of every MoE layer's experts (global
+expert ep_rank x E/ep + local), and routes its own tokens; the copies of each token for its
+chosen experts travel to those experts' owners, run there, and come back to be summed with the
+routing weights.
+
+Under tensor parallelism (the expert tensor-parallel size equal to it) the tokens given here are
+already gathered over the tensor-parallel group (models.moe), and the group here holds the
+ranks of the same tensor-parallel rank (parallel.experts), whose experts' shards are the same
+tensor-parallel piece: each expert shard gets every token of the tp x ep ranks that chose it,
+and the partial outputs that come back are summed over the tensor-parallel group by the
+caller's reduce-scatter. The result is Megatron-Core's dispatchers' with etp = tp (its
+alltoall dispatcher exchanges first and gathers over tp after; the rows each expert shard sees
+are the same tokens).
 
 One exchange is an all-to-all with uneven splits (megart.distributed.all_to_all, as
 models.all_to_all_attention's): first the counts (how many rows each rank sends each of

@@ -252,7 +252,8 @@ class GPT(nn.Module):
     (gathered: for inference and tests); ``model(tokens, targets)`` returns the mean
     next-token cross-entropy, computed vocab-parallel (``documents``: see GPTChunk). The
     tensor-parallel group comes from ``grid`` (a megart.ParallelGrid) or ``tp_group``; neither
-    means one process.
+    means one process. ``ep_group``: the expert-parallel group the MoE layers' experts are
+    spread over (``grid``'s where given).
     """
 
     def __init__(
@@ -262,14 +263,22 @@ class GPT(nn.Module):
         tp_group: ProcessGroup | None = None,
         sequence_parallel: bool = False,
         rng: RNGStatesTracker | None = None,
+        ep_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         if grid is not None:
-            tp_group = grid.tp_group
+            tp_group, ep_group = grid.tp_group, grid.ep_group
         cfg.check_layout(tp=group_size(tp_group))
         self.cfg = cfg
         self.chunk = GPTChunk(
-            cfg, range(cfg.num_layers), True, True, tp_group, sequence_parallel, rng
+            cfg,
+            range(cfg.num_layers),
+            True,
+            True,
+            tp_group,
+            sequence_parallel,
+            rng,
+            ep_group=ep_group,
         )
 
     def forward(

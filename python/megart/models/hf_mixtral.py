@@ -69,8 +69,18 @@ def check(cfg: GPTConfig) -> None:
 def softmax_routing(cfg: GPTConfig, fmt: str, weights: str) -> list[tuple[str, str]]:
     """(flag or "", why) for the router settings a Hugging Face softmax router (format
     ``fmt``'s; ``weights`` says what its weights are) cannot spell: sigmoid scores, a top-k
-    scaling factor."""
+    scaling factor, an expert bias, group-limited routing."""
+    groups = cfg.moe_router_num_groups, cfg.moe_router_group_topk
     return [
+        (
+            "--moe-router-enable-expert-bias" * cfg.moe_router_enable_expert_bias,
+            f"{fmt}'s router has no expert bias",
+        ),
+        (
+            "--moe-router-num-groups {} --moe-router-group-topk {}".format(*groups)
+            * (groups != (None, None)),
+            f"{fmt} routes each token to the top k of all experts",
+        ),
         (
             f"--moe-router-score-function {cfg.moe_router_score_function}"
             * (cfg.moe_router_score_function != "softmax"),

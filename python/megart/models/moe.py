@@ -1,15 +1,19 @@
 """A mixture-of-experts layer (Megatron's --num-experts): in place of a layer's MLP, a linear
 router picks moe_router_topk of num_experts MLPs for each token and sums their outputs weighted
-by its routing weights, as Megatron-Core's MoELayer with its TopKRouter and SequentialMLP.
+by its routing weights, as Megatron-Core's MoELayer with its TopKRouter and SequentialMLP. The
+router, its routing (DeepSeek-V3's expert bias and group-limited routing included) and the
+load-balancing losses' values are models.moe_router's; the expert bias's update is the
+trainer's, once per iteration (moe_router.update_expert_bias).
 
 Training adds two losses to the model's, through their gradients only (the reported loss is the
 language model's): the Switch Transformer's load-balancing loss, E * sum_i f_i P_i times
 --moe-aux-loss-coeff over each microbatch (f_i: the share of the k T choices that went to
-expert i, P_i: its mean router probability), and ST-MoE's z-loss, the mean squared logsumexp of
-the router's logits times --moe-z-loss-coeff. Like Megatron-Core's MoEAuxLossAutoScaler, each
-is attached to a tensor of the forward and seeds its own gradient in backward, scaled as the
-language model's loss is (1/m of the batch, times fp16's loss scale: AuxLossScale), so pipeline
-stages need not carry them to the last stage.
+expert i, P_i: its mean router probability; under seq_aux_loss the same over each sequence,
+averaged over the microbatch's, logged as ``seq_load_balancing_loss``), and ST-MoE's z-loss,
+the mean squared logsumexp of the router's logits times --moe-z-loss-coeff. Like Megatron-
+Core's MoEAuxLossAutoScaler, each is attached to a tensor of the forward and seeds its own
+gradient in backward, scaled as the language model's loss is (1/m of the batch, times fp16's
+loss scale: AuxLossScale), so pipeline stages need not carry them to the last stage.
 
 Under tensor parallelism (with sequence parallelism, which Megatron-Core requires for MoE
 training: moe_checks.check_moe_tensor_parallel) each expert's MLP is split over the group as the
@@ -23,7 +27,7 @@ The router's gradient is a partial sum over the slices, completed with the norms
 is marked ``sequence_parallel``). The load-balancing loss counts each expert's tokens over the
 group and divides by all of them (local x t), weighing only this rank's scores, and the z-loss
 coefficient is divided by t, as Megatron-Core's: the ranks' losses then add up to the
-one-process loss of the whole sequence. No expert parallelism (every expert on every rank).
+one-process loss of the whole sequence.
 
 Under context parallelism (cp_group: each sequence split over cp ranks, megart.models.
 context_parallel) routing and the experts are token-wise and need no exchange; only the losses'
@@ -34,17 +38,22 @@ rank's mean over its own tokens, and their average the sequence's mean), which w
 auxiliary losses at 1/cp of their sum: their gradients are seeded cp times the language model's
 factor, as Megatron-Core's schedules set MoEAuxLossAutoScaler's scale to loss scale x cp / m.
 
-Under expert parallelism (ep_group, at tensor- and context-parallel size 1: models.
-expert_exchange) each rank builds only its num_experts / ep experts, global indices ep_rank x
-E/ep onwards, drawn as one process draws those experts and named by their global index
-(``experts.E.``); the router and the losses are each rank's own, as without it.
+Under expert parallelism (ep_group: models.expert_exchange) each rank builds only its
+num_experts / ep experts, global indices ep_rank x E/ep onwards, drawn as one process draws
+those experts and named by their global index (``experts.E.``); the router and the losses are
+each rank's own, as without it. With tensor parallelism as well (the expert tensor-parallel size
+equal to it, Megatron's default) each of them is this rank's tensor-parallel shard: the tokens
+gathered over the tensor-parallel group are exchanged with the ranks of the same tensor-parallel
+rank (parallel.experts), run through the shards, exchanged back and reduce-scattered as above.
+With context parallelism each rank exchanges its own tokens; an expert-parallel group may span
+context-parallel ranks.
 
 Shared experts (--moe-shared-expert-intermediate-size S, Megatron-Core's SharedExpertMLP without
 its gate): one more models.mlp.MLP of width S that every token goes through, applied to the
 layer's input and split over the tensor-parallel group as the dense MLP is (under sequence
 parallelism its input gathered from, and its output reduce-scattered to, the ranks' slices),
 its output added to the experts' sum. Under expert parallelism it is an ordinary parameter,
-the same on every rank and averaged over all data-parallel ranks.
+the same on every expert-parallel rank and averaged over all data- and context-parallel ranks.
 """
 
 from __future__ import annotations
@@ -52,22 +61,25 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-import megart.distributed as dist
 from megart.distributed import ProcessGroup
 from megart.models.config import GPTConfig
 from megart.models.expert_exchange import expert_parallel_mlp
-from megart.models.init import generator, weight_init
 from megart.models.mlp import MLP
 from megart.models.moe_checks import check_expert_parallel_layer, check_moe_tensor_parallel
+from megart.models.moe_router import (  # noqa: F401 (route, Router: their names here too)
+    Router,
+    global_load_balancing_loss,
+    load_balancing_loss,
+    route,
+    sequence_load_balancing_loss,
+    z_loss,
+)
 from megart.models.recompute import checkpointed
 from megart.tensor_parallel import gather_from_sequence_region, reduce_scatter_to_sequence_region
 from megart.tensor_parallel._group import group_size
 from megart.tensor_parallel.column_entry import enter_column_region
-
-_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
 
 class AuxLossScale:
@@ -120,90 +132,6 @@ class _SeedGradient(torch.autograd.Function):
         return grad, torch.full_like(loss, ctx.scale), None, None, None, None
 
 
-def _softmax(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over experts in fp32 at least, in the logits' dtype (Megatron-Core's; float64
-    logits keep float64 here, where it rounds to fp32)."""
-    return torch.softmax(x, dim=-1, dtype=torch.promote_types(x.dtype, torch.float32)).type_as(x)
-
-
-def route(logits: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Megatron-Core's top-k routing of [T, E] logits: each token's routing weights ([T, E],
-    zero off its k experts) and which experts it goes to ([T, E] bool)."""
-    k = cfg.moe_router_topk
-    if cfg.moe_router_score_function == "sigmoid":
-        weights, top = torch.topk(torch.sigmoid(logits.float()).type_as(logits), k, dim=1)
-        if k > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    elif cfg.moe_router_pre_softmax:  # softmax over all experts, the top k's weights kept
-        weights, top = torch.topk(_softmax(logits), k, dim=1)
-    else:  # softmax over the top k logits
-        top_logits, top = torch.topk(logits, k, dim=1)
-        weights = _softmax(top_logits)
-    if cfg.moe_router_topk_scaling_factor:
-        weights = weights * cfg.moe_router_topk_scaling_factor
-    probs = torch.zeros_like(logits).scatter(1, top, weights)
-    chosen = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
-    return probs, chosen
-
-
-def load_balancing_loss(
-    logits: torch.Tensor,
-    cfg: GPTConfig,
-    tp_group: ProcessGroup | None = None,
-    cp_group: ProcessGroup | None = None,
-) -> torch.Tensor:
-    """The Switch Transformer's loss over these T tokens, times --moe-aux-loss-coeff:
-    E coeff / (k T^2) sum_i (sum_x s(x, i)) (tokens whose top k hold i), s the full scores.
-    Under tensor (so sequence) and context parallelism, this rank's share of the loss of the
-    whole sequence (Megatron-Core's, over its tp_cp group): the counts over every rank's tokens,
-    T = local tokens x t x cp, the scores of this rank's."""
-    num_tokens, experts = logits.shape
-    groups = [g for g in (tp_group, cp_group) if group_size(g) > 1]
-    k = cfg.moe_router_topk
-    if cfg.moe_router_score_function == "sigmoid":
-        scores = torch.sigmoid(logits)
-        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    else:
-        wide = torch.promote_types(logits.dtype, torch.float32)  # fp32 scores from bf16 logits
-        scores = torch.softmax(logits, dim=-1, dtype=wide)
-    top = torch.topk(scores, k, dim=1).indices
-    tokens_per_expert = torch.zeros_like(scores).scatter(1, top, 1.0).sum(dim=0)
-    if groups:  # counts of choices: no gradient flows through them
-        tokens_per_expert = tokens_per_expert.detach().clone()
-        for group in groups:  # over t, then cp: the sum over the t x cp ranks (exact counts)
-            dist.all_reduce(tokens_per_expert, group=group)
-            num_tokens *= group_size(group)
-    scale = experts * cfg.moe_aux_loss_coeff / (k * num_tokens * num_tokens)
-    return torch.sum(scores.sum(dim=0) * tokens_per_expert) * scale
-
-
-def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
-    """ST-MoE's router z-loss: the mean of logsumexp(logits)^2 over tokens, times ``coeff``."""
-    return torch.square(torch.logsumexp(logits, dim=-1)).mean() * coeff
-
-
-class Router(nn.Module):
-    """Logits over the experts, [T, E], from a weight [E, h] without bias (Megatron-Core's
-    TopKRouter's gate), in --moe-router-dtype where given."""
-
-    def __init__(self, cfg: GPTConfig, layer: int, sequence_parallel: bool = False) -> None:
-        super().__init__()
-        shape = (cfg.num_experts, cfg.hidden_size)
-        self.weight = nn.Parameter(torch.empty(shape))
-        draw = weight_init(cfg, cfg.init_std, shape)
-        draw(self.weight.data, generator(cfg.seed, layer, "router"))
-        # Replicated, and applied to this rank's slice of the sequence: its gradient is
-        # completed over the group with the norms' (tensor_parallel.sync_sequence_parallel_grads).
-        self.weight.sequence_parallel = sequence_parallel
-        self.dtype = _DTYPES[cfg.moe_router_dtype]
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.dtype is None:  # the input's dtype (autocast's, where it runs)
-            return F.linear(tokens, self.weight)
-        with torch.autocast(tokens.device.type, enabled=False):
-            return F.linear(tokens.to(self.dtype), self.weight.to(self.dtype))
-
-
 class MoE(nn.Module):
     """[s, b, h] -> [s, b, h]: each token through its top-k experts (models.mlp.MLP, each
     moe_ffn_size wide), their outputs summed with the routing weights, plus the shared
@@ -232,7 +160,7 @@ class MoE(nn.Module):
         if self.ep_group is None:
             self.experts: nn.Module = nn.ModuleList(self._expert(e) for e in range(cfg.num_experts))
         else:  # this rank's share, under their global indices
-            check_expert_parallel_layer(cfg, self.tp, self.cp, self.ep_group.size())
+            check_expert_parallel_layer(cfg, self.ep_group.size())
             local = cfg.num_experts // self.ep_group.size()
             first = self.ep_group.rank() * local
             self.experts = nn.ModuleDict(
@@ -271,32 +199,49 @@ class MoE(nn.Module):
             # Each rank's mean over its slice: divided by t cp, the ranks' add up to the mean.
             coeff = cfg.moe_z_loss_coeff / (self.tp * self.cp)
             logits = self._attach(logits, z_loss(logits, coeff), "z_loss", coeff)
-        probs, chosen = route(logits, cfg)
+        bias = self.router.bias()
+        probs, chosen = route(logits, cfg, bias)
+        if training and bias is not None:  # the tokens each expert got, for the bias's update
+            probs = self.router.counted(probs, chosen)
         if training and cfg.moe_aux_loss_coeff > 0:
-            balance = load_balancing_loss(logits, cfg, group, self.cp_group)
-            probs = self._attach(probs, balance, "load_balancing_loss", cfg.moe_aux_loss_coeff)
+            probs = self._balance(probs, logits, x.shape[0])
         if self.tp > 1:  # every rank's tokens (in sequence order), as the dispatcher gathers
             with torch.no_grad():
                 chosen = gather_from_sequence_region(chosen.to(torch.uint8), group).bool()
             probs = gather_from_sequence_region(probs, group)
             # In autocast's type, where the experts' products would cast them.
             tokens = gather_from_sequence_region(enter_column_region(tokens, None, False)[0], group)
-        if self.ep_group is not None:
+        if self.ep_group is not None:  # (under tp, the group's tokens, with same-tp-rank peers)
             experts = [(int(e), m) for e, m in self.experts.items()]
-            return expert_parallel_mlp(tokens, probs, chosen, experts, self.ep_group).view(x.shape)
-        out: torch.Tensor | None = None
-        # Every expert runs, on no tokens where none chose it, so that each weight gets a
-        # gradient (zero then), as Megatron-Core's SequentialMLP.
-        for e, expert in enumerate(self.experts):
-            rows = chosen[:, e].nonzero().squeeze(1)  # in token order, as Megatron permutes
-            y = expert(tokens[rows], scale=probs[rows, e])
-            if out is None:
-                out = tokens.new_zeros(tokens.shape, dtype=y.dtype)
-            out = out.index_add(0, rows, y)
+            out = expert_parallel_mlp(tokens, probs, chosen, experts, self.ep_group)
+        else:
+            out = tokens.new_zeros(0)
+            # Every expert runs, on no tokens where none chose it, so that each weight gets a
+            # gradient (zero then), as Megatron-Core's SequentialMLP.
+            for e, expert in enumerate(self.experts):
+                rows = chosen[:, e].nonzero().squeeze(1)  # in token order, as Megatron permutes
+                y = expert(tokens[rows], scale=probs[rows, e])
+                if e == 0:
+                    out = tokens.new_zeros(tokens.shape, dtype=y.dtype)
+                out = out.index_add(0, rows, y)
         if self.tp > 1:  # each rank's part of every expert's output: summed, sliced back
             # Summed in the routing weights' type, as Megatron-Core's combine sums them.
             out = reduce_scatter_to_sequence_region(out.to(probs.dtype), group).to(out.dtype)
         return out.view(x.shape)
+
+    def _balance(self, probs: torch.Tensor, logits: torch.Tensor, seq: int) -> torch.Tensor:
+        """``probs``, with the load-balancing loss of --moe-router-load-balancing-type attached
+        (over the microbatch, each of its sequences of ``seq`` tokens here, or the
+        iteration's microbatches so far on every data-parallel rank)."""
+        cfg, coeff = self.cfg, self.cfg.moe_aux_loss_coeff
+        if cfg.moe_router_load_balancing_type == "seq_aux_loss":
+            loss = sequence_load_balancing_loss(logits, cfg, seq, self.tp_group, self.cp_group)
+            return self._attach(probs, loss, "seq_load_balancing_loss", coeff)
+        if cfg.moe_router_load_balancing_type == "global_aux_loss":
+            loss = global_load_balancing_loss(logits, cfg, self.router, self.tp_group)
+            return self._attach(probs, loss, "global_load_balancing_loss", coeff)
+        loss = load_balancing_loss(logits, cfg, self.tp_group, self.cp_group)
+        return self._attach(probs, loss, "load_balancing_loss", coeff)
 
     def _attach(self, x: torch.Tensor, loss: torch.Tensor, name: str, coeff: float) -> torch.Tensor:
         """``x``, with ``loss`` (``coeff`` times the loss ``name``) seeding its gradient."""

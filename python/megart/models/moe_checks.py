@@ -14,9 +14,10 @@ if TYPE_CHECKING:
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = (None, "fp32", "fp64")
 # Of Megatron's --moe-router-load-balancing-type: the Switch Transformer's loss over each
-# microbatch, or none. Its seq_aux_loss, global_aux_loss, sinkhorn and quantile_balancing are
-# refused by name (check_moe).
-BALANCING = ("aux_loss", "none")
+# microbatch, DeepSeek's over each sequence, the global batch's (its counts over every
+# data-parallel rank and the iteration's microbatches), or none. Its sinkhorn is refused by
+# name (check_moe).
+BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 # The MoE fields' defaults (Megatron-Core's TransformerConfig's), by field: a model without
 # experts must leave them so, as anything else would be ignored.
@@ -31,6 +32,10 @@ MOE_DEFAULTS: dict[str, object] = {
     "moe_router_load_balancing_type": "aux_loss",
     "moe_aux_loss_coeff": 0.0,
     "moe_z_loss_coeff": None,
+    "moe_router_enable_expert_bias": False,
+    "moe_router_bias_update_rate": 1e-3,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
     "moe_shared_expert_intermediate_size": None,
 }
 
@@ -124,14 +129,9 @@ def check_moe_tensor_parallel(cfg: GPTConfig, tp: int, sequence_parallel: bool) 
         )
 
 
-def check_expert_parallel_layer(cfg: GPTConfig, tp: int, cp: int, ep: int) -> None:
+def check_expert_parallel_layer(cfg: GPTConfig, ep: int) -> None:
     """Refuses an MoE layer spread over ``ep`` > 1 expert-parallel ranks that it cannot be:
-    experts not divisible by ``ep``, or tensor or context parallelism as well (not built)."""
-    if tp > 1 or cp > 1:
-        raise ConfigError(
-            f"--expert-model-parallel-size {ep} with tensor-parallel size {tp} and context-"
-            f"parallel size {cp}: megart's expert parallelism runs at both sizes 1 only"
-        )
+    experts not divisible by ``ep``."""
     if cfg.num_experts is None or cfg.num_experts % ep:
         raise ConfigError(
             f"--expert-model-parallel-size {ep} must divide --num-experts {cfg.num_experts}"
@@ -170,8 +170,9 @@ def _check_router(cfg: GPTConfig) -> None:
     if balancing not in BALANCING:
         raise ConfigError(
             f"--moe-router-load-balancing-type {balancing}: megart balances with aux_loss "
-            "(the Switch Transformer's loss over each microbatch, Megatron's default) or none; "
-            "its seq_aux_loss, global_aux_loss, sinkhorn and quantile_balancing are not built"
+            "(the Switch Transformer's loss over each microbatch, Megatron's default), "
+            "seq_aux_loss (over each sequence), global_aux_loss (over the global batch) or none; "
+            "Megatron's sinkhorn is not built"
         )
     coeff, z = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
     if not coeff >= 0 or (z is not None and not z >= 0):  # also refuses NaN
@@ -179,15 +180,53 @@ def _check_router(cfg: GPTConfig) -> None:
             f"--moe-aux-loss-coeff {coeff:g}, --moe-z-loss-coeff {z}: the losses' "
             "coefficients are 0 or more"
         )
-    if coeff > 0 and balancing != "aux_loss":
+    if coeff > 0 and balancing == "none":
         raise ConfigError(
             f"--moe-aux-loss-coeff {coeff:g} weighs the load-balancing loss, which "
-            f"--moe-router-load-balancing-type {balancing} does not compute: give aux_loss "
-            "or leave the coefficient out"
+            f"--moe-router-load-balancing-type {balancing} does not compute: give aux_loss, "
+            "seq_aux_loss or global_aux_loss, or leave the coefficient out"
         )
+    if balancing == "global_aux_loss" and coeff > 0 and cfg.recompute_granularity == "full":
+        # Its running counts grow in each forward, which recomputation would run twice.
+        raise ConfigError(
+            "--moe-router-load-balancing-type global_aux_loss with --recompute-granularity "
+            "full: not built (the loss's counts accumulate over the iteration's forwards); "
+            "leave one out"
+        )
+    if cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function != "sigmoid":
+        raise ConfigError(  # Megatron-Core's TransformerConfig refuses it too
+            "--moe-router-enable-expert-bias: the expert bias is added to sigmoid scores "
+            "only; add --moe-router-score-function sigmoid (as Megatron-LM asks)"
+        )
+    _check_groups(cfg)
     factor = cfg.moe_router_topk_scaling_factor
     if factor is not None and not factor > 0:
         raise ConfigError(
             f"--moe-router-topk-scaling-factor {factor:g}: the routing weights are multiplied "
             "by it; give a positive number or leave it out"
+        )
+
+
+def _check_groups(cfg: GPTConfig) -> None:
+    """Group-limited routing: Megatron-Core's checks (both flags; the groups divide the
+    experts; no more chosen groups than groups), and that the chosen groups hold the top k
+    (each its top k / group_topk, at least one), which Megatron-Core leaves to fail in
+    torch.topk."""
+    groups, chosen = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+    if groups is None and chosen is None:
+        return
+    e, k = cfg.num_experts, cfg.moe_router_topk
+    both = "--moe-router-num-groups G and --moe-router-group-topk g"
+    if groups is None or chosen is None:
+        raise ConfigError(f"group-limited routing takes both {both}: give both or neither")
+    if groups < 1 or e % groups:
+        raise ConfigError(
+            f"--moe-router-num-groups {groups}: the groups split --num-experts {e} evenly"
+        )
+    size = e // groups
+    if not 1 <= chosen <= groups or not chosen <= k <= chosen * size:
+        raise ConfigError(
+            f"--moe-router-group-topk {chosen}: each token takes its --moe-router-topk {k} "
+            f"experts from {chosen} of the {groups} groups of {size}, scored by their top "
+            f"k/g; give 1 <= g <= G with g <= k <= g x {size}"
         )

@@ -144,6 +144,17 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
     "log_num_zeros_in_grad": ((False,), "a pass over the gradients each iteration"),
     "timing_log_level": ((0,), "a device synchronisation at each timed phase"),
     "empty_unused_memory_level": ((0,), "the allocator's cache emptied and refilled"),
+    "moe_router_enable_expert_bias": (
+        (False,),
+        "the expert bias's routing: the biased scores and the gathered weights it saves",
+    ),
+    "moe_router_num_groups": ((None,), "group-limited routing's group scores and masks"),
+    # aux_loss or none: the loss computed as --moe-aux-loss-coeff says (modelled)
+    "moe_router_load_balancing_type": (
+        ("aux_loss", "none"),
+        "the per-sequence and global balancing losses' counts and saves",
+    ),
+    "moe_router_group_topk": ((None,), "group-limited routing's group scores and masks"),
 }
 
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the
@@ -184,9 +195,9 @@ NO_EFFECT = (
     # inside torch's attention kernels on a GPU (no mask held); --use-flash-attn sets
     # --attention-backend flash, and the implementations name the same attention
     "attention_dropout", "use_flash_attn", "transformer_impl", "use_mcore_models",
-    # the routing weights times a number (nothing saved); aux_loss or none, the loss computed
-    # as --moe-aux-loss-coeff says (modelled)
-    "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
+    # the routing weights times a number (nothing saved)
+    "moe_router_topk_scaling_factor",
+    "moe_router_bias_update_rate",  # the expert bias's step, a number (no work)
     "distributed_backend",
     # data
     "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "mock_data",

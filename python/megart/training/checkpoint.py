@@ -34,6 +34,7 @@ from megart.errors import ConfigError
 from megart.models import GPTConfig
 from megart.models.config import architecture_flags
 from megart.models.config_flags import differing
+from megart.models.moe_router import load_expert_bias
 from megart.tensor_parallel.random import GeneratorStates
 from megart.training import megatron_dist, megatron_dist_train_load, norm_biases, reshard
 from megart.training.checkpoint_save import save, write_release  # re-exported: the public API
@@ -147,6 +148,8 @@ def load(
                 rng.set_states(r["tracker"])
     if load_optim and scaler is not None and state.get("loss_scaler") is not None:
         scaler.load_state_dict(state["loss_scaler"])
+    if state.get("expert_bias") is not None:  # the routers' state beside their weights
+        load_expert_bias(chunks, state["expert_bias"])
     if finetune:
         return 0, 0
     return _resume_point(int(state["iteration"]), state.get("consumed_train_samples"), config)

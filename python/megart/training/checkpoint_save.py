@@ -22,6 +22,7 @@ import torch
 
 import megart.distributed as dist
 from megart.models import GPTChunk, GPTConfig
+from megart.models.moe_router import expert_bias_rows
 from megart.tensor_parallel.random import GeneratorStates
 from megart.training import (
     checkpoint_dirs,
@@ -70,6 +71,7 @@ def file_state(
     consumed_train_samples: int | None = None,
     tokenizer: dict[str, str] | None = None,
     scheduler: dict[str, Any] | None = None,
+    expert_bias: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """What one model-parallel rank's file holds (the one definition of the format).
     ``layout``: MODEL_FIELDS and PARALLEL_FIELDS; ``release``: the weights alone (megart
@@ -79,7 +81,9 @@ def file_state(
     which export-hf saves beside the weights; ``scheduler``: the learning-rate schedule in
     Megatron's scheduler state (megatron_scheduler.scheduler_state), which
     --use-checkpoint-opt_param-scheduler takes (megart's resumes follow their flags: it is
-    not checked against them, as Megatron's formats' is)."""
+    not checked against them, as Megatron's formats' is); ``expert_bias``: every layer's
+    expert bias (--moe-router-enable-expert-bias; models.moe_router.expert_bias_rows), in
+    every file, which any layout reads its own layers' rows from."""
     return {
         "iteration": iteration,
         "consumed_train_samples": consumed_train_samples,
@@ -94,6 +98,7 @@ def file_state(
         "loss_scaler": loss_scaler,
         "tokenizer": tokenizer,
         "scheduler": scheduler,
+        "expert_bias": expert_bias,
     }
 
 
@@ -157,6 +162,12 @@ def save(
     # Every rank (or none, with --no-save-optim): a distributed optimizer gathers its state over
     # data parallelism.
     optimizer_state = None if config.no_save_optim else optimizer.state_dict()
+    cfg = chunks[0].cfg
+    bias = (  # every stage's layers' rows (all ranks take part)
+        expert_bias_rows(chunks, cfg, grid.pp_group, next(chunks[0].parameters()).device)
+        if cfg.moe_router_enable_expert_bias
+        else None
+    )
     # Data- and context-parallel ranks hold the same; under expert parallelism rank 0 of each
     # expert-data-parallel group writes (each expert-parallel rank holds other experts).
     ep_size, ep_rank = getattr(grid, "ep", 1), getattr(grid, "ep_rank", 0)
@@ -180,6 +191,7 @@ def save(
             consumed_train_samples=consumed,
             tokenizer=tokenizer_record.record(config),
             scheduler=scheduler_state(config, iteration, consumed),
+            expert_bias=bias,
         )
         here = partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp, ep_rank, ep_size)
         if config.ckpt_format == "torch":  # Megatron-LM's legacy layout (megatron_files)

@@ -213,6 +213,10 @@ class TrainConfig(LearningRateFlags):
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
     rotary_percent: float = 1.0  # the part of each head rope turns (GPTConfig.rotary_percent)

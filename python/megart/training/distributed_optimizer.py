@@ -23,10 +23,10 @@ data-parallel group), and :meth:`load_state_dict` takes this rank's slices of on
 switch the flag on or off on resume, and resharding and export work as before.
 
 Under expert parallelism the buckets come in two sets (training.expert_grads.SplitBuckets):
-the experts' shard over their expert-data-parallel group (dp / ep ranks), as Megatron-Core's
-second distributed optimizer over its expert_parallel_buffers, the dense ones over data
-parallelism. Each bucket's slices, all-gathers and gathered moments go over the group of the
-set that owns it (``buckets.owner``).
+the experts' shard over their expert-data-parallel group (dp x cp / ep ranks), as
+Megatron-Core's second distributed optimizer over its expert_parallel_buffers, the dense ones
+over data (and context) parallelism. Each bucket's slices, all-gathers and gathered moments go
+over the group of the set that owns it (``buckets.owner``).
 """
 
 from __future__ import annotations

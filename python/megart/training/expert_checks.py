@@ -1,7 +1,8 @@
 """What megart train refuses with --expert-model-parallel-size > 1 (expert parallelism: models.
-expert_exchange, training.expert_grads), by name, before any rank waits on another. This first
-slice runs at tensor- and context-parallel size 1, with pipeline and data parallelism (the
-distributed optimizer included), saving megart's own checkpoints."""
+expert_exchange, training.expert_grads), by name, before any rank waits on another. It runs with
+tensor (each expert split over it as Megatron's default --expert-tensor-parallel-size),
+context, pipeline and data parallelism (the distributed optimizer included), saving megart's
+own checkpoints."""
 
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """Gradients under expert parallelism (--expert-model-parallel-size > 1): two bucket sets.
 
-The dense parameters (attention, norms, embeddings, the routers) are on every data-parallel
-rank and average over data parallelism, as without experts. An expert is on the ep ranks of
-one expert-data-parallel group only, and its gradient there already sums the contributions of
-the tokens of all ep ranks of its expert-model-parallel group (they were sent to it): its
-buckets average over the expert-data-parallel group (dp / ep ranks) and scale by edp / dp,
-Megatron-Core's expert_gradient_scaling_factor, so that the result is the sum over every
-data-parallel rank's tokens divided by dp: what the dense gradients are, and what one process
-computes.
+The dense parameters (attention, norms, embeddings, the routers) are on every data- and
+context-parallel rank and average over their dp x cp ranks, as without experts. An expert (its
+tensor-parallel shard under tp) is on the edp = dp x cp / ep ranks of one expert-data-parallel
+group only, and its gradient there already sums the contributions of the tokens of all ep ranks
+of its expert-model-parallel group (they were sent to it): its buckets average over the
+expert-data-parallel group and scale by edp / (dp x cp), Megatron-Core's
+expert_gradient_scaling_factor, so that the result is the sum over every data- and
+context-parallel rank's tokens divided by dp x cp: what the dense gradients are, and what one
+process computes.
 
 With the distributed optimizer (--use-distributed-optimizer) each set shards over its own
 group, as Megatron-Core's expert_parallel_buffers and its second DistributedOptimizer over the
@@ -82,7 +83,7 @@ def split_buckets(
     trainer's bucket options), the dense one over dp, the expert one over edp."""
     dense = [p for p in params if not is_expert(p)]
     experts = [p for p in params if is_expert(p)]
-    edp, dp = grid.edp_group.size(), grid.dp_group.size()
+    edp, dp_cp = grid.edp_group.size(), grid.dp_cp_group.size()
     return SplitBuckets(
-        make(dense, grid.dp_cp_group), make(experts, grid.edp_group, scale=edp / dp)
+        make(dense, grid.dp_cp_group), make(experts, grid.edp_group, scale=edp / dp_cp)
     )

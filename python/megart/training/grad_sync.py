@@ -120,7 +120,7 @@ class GradientBuckets:
     rule) instead of before it would pass ``bucket_bytes``. With ``main_grads`` the gradients
     are kept in fp32 as ``param.main_grad`` (see the module docstring). ``scale`` multiplies
     the averages (with or without a group to average over): expert parallelism's experts
-    average over their expert-data-parallel ranks, times edp / dp (training.expert_grads).
+    average over their expert-data-parallel ranks, times edp / (dp x cp) (training.expert_grads).
     """
 
     def __init__(

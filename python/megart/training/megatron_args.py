@@ -105,6 +105,10 @@ def moe_args(cfg: GPTConfig) -> dict[str, Any]:
         moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=cfg.moe_z_loss_coeff,
+        moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
+        moe_router_num_groups=cfg.moe_router_num_groups,
+        moe_router_group_topk=cfg.moe_router_group_topk,
         moe_grouped_gemm=False,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
         expert_model_parallel_size=1,
@@ -190,6 +194,10 @@ def moe_fields(a: dict[str, Any]) -> dict[str, Any]:
         moe_router_load_balancing_type=single("moe_router_load_balancing_type", "aux_loss"),
         moe_aux_loss_coeff=float(single("moe_aux_loss_coeff", 0.0)),
         moe_z_loss_coeff=a.get("moe_z_loss_coeff"),
+        moe_router_enable_expert_bias=bool(a.get("moe_router_enable_expert_bias", False)),
+        moe_router_bias_update_rate=float(a.get("moe_router_bias_update_rate", 1e-3)),
+        moe_router_num_groups=a.get("moe_router_num_groups"),
+        moe_router_group_topk=a.get("moe_router_group_topk"),
         moe_shared_expert_intermediate_size=a.get("moe_shared_expert_intermediate_size"),
     )
 
@@ -204,11 +212,10 @@ def saved_stages(a: dict[str, Any]) -> dict[str, int | None]:
 
 
 # Megatron-LM's MoE flags that change the experts' parameters (names or kinds) from the ones
-# megart has: grouped GEMM (TEGroupedMLP's weights), shared experts, the router's expert bias.
+# megart has: grouped GEMM (TEGroupedMLP's weights), shared experts.
 MOE_UNBUILT = (
     "moe_grouped_gemm",
     "moe_shared_expert_intermediate_size",
-    "moe_router_enable_expert_bias",
 )
 
 
@@ -220,6 +227,18 @@ def refuse_shared_experts(cfg: GPTConfig, fmt: str) -> None:
             f"--moe-shared-expert-intermediate-size {cfg.moe_shared_expert_intermediate_size} "
             f"with --ckpt-format {fmt}: megart does not write or read the shared experts in "
             "Megatron-LM's checkpoint formats yet; use --ckpt-format megart (the default)"
+        )
+
+
+def refuse_expert_bias(cfg: GPTConfig, where: Any) -> None:
+    """Refuses a model with the routers' expert bias where megart would lose it: its
+    conversions between formats, and Megatron-LM's own legacy files (whose biases megart
+    reads per stage only, not whole for any layout)."""
+    if cfg.num_experts is not None and cfg.moe_router_enable_expert_bias:
+        raise ConfigError(
+            f"{where}: a model with --moe-router-enable-expert-bias; megart carries the "
+            "routers' expert biases in megart train's checkpoints (--ckpt-format megart, torch "
+            "or torch_dist) and reads Megatron-LM's torch_dist stores of them, not here yet"
         )
 
 

@@ -45,6 +45,7 @@ from megart.training.megatron_args import (
     check_args,
     config_from_args,
     megatron_args,
+    refuse_expert_bias,
     refuse_shared_experts,
     saved_stages,
 )
@@ -83,6 +84,7 @@ def megart_to_megatron(
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
     refuse_shared_experts(cfg, ckpt_format)
+    refuse_expert_bias(cfg, "convert-checkpoint --to megatron")
     layout = shards[0, 0]["config"]
     vpp_source, ends = 1, (None, None)
     if tp is None and pp is None:  # the source's layout: its chunks, its uneven stages
@@ -175,6 +177,7 @@ def read_megatron(load_dir: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any
 def _merged(a: dict[str, Any], root: Path, iteration: int) -> tuple[GPTConfig, dict[str, Any], int]:
     """read_megatron's result, from saved_args' (args, iteration directory, iteration)."""
     cfg = config_from_args(a)
+    refuse_expert_bias(cfg, root)  # whole weights only: the biases would be lost
     if megatron_dist.is_dist_checkpoint(root):
         model = megatron_dist.read(root)
     else:

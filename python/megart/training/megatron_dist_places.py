@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from megart.models.megatron_names import NAMES
-from megart.training.megatron_dist_keys import stored_place
+from megart.models.moe_router import biased_routers
+from megart.training.megatron_dist_keys import layer_key, stored_place
 from megart.training.shards import whole_name
 
 VOCAB_KEYS = (NAMES["wte.weight"], NAMES["output_layer.weight"])
@@ -31,7 +32,7 @@ VOCAB_KEYS = (NAMES["wte.weight"], NAMES["output_layer.weight"])
 class Place:
     """One parameter's slice in the store."""
 
-    param: torch.nn.Parameter
+    param: torch.Tensor  # a parameter, or a router's expert bias (bias_places)
     key: str
     offsets: list[int]  # in the stored tensor (its layer and expert first, where it has them)
     size: torch.Size  # the stored tensor's, as this run's layout writes it
@@ -65,4 +66,18 @@ def places(chunks: list[Any], tp_rank: int, tp: int) -> list[Place]:
             size = [n for _, n in leading] + size
             owner = not copy and (dim is not None or tp_rank == 0)
             out.append(Place(p, store_key, offsets, torch.Size(size), owner))
+    return out
+
+
+def bias_places(chunks: list[Any], tp_rank: int) -> list[Place]:
+    """The place of every router's expert bias of this rank's chunks (not a parameter: a
+    buffer Megatron-Core's TopKRouter keeps in its state, fp32, under its layer's key
+    ``mlp.router.expert_bias``), written by tensor-parallel rank 0 (every rank holds it whole)."""
+    cfg = chunks[0].cfg
+    out = []
+    for router in biased_routers(chunks):
+        key, leading = layer_key(router.layer, "mlp.router.expert_bias", cfg)
+        offsets = [i for i, _ in leading] + [0]
+        size = torch.Size([n for _, n in leading] + [cfg.num_experts])
+        out.append(Place(router.expert_bias, key, offsets, size, tp_rank == 0))
     return out

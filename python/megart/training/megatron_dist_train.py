@@ -8,7 +8,8 @@ fp32 main weights are there, not under ``optimizer.state.fp32_param``.
 
 The sharded store (each rank its own slices, megart.training.dist_store; places in
 megart.training.megatron_dist_places):
-- the model's weights under Megatron-Core's sharded keys, in the 16-bit type with --bf16/--fp16;
+- the model's weights under Megatron-Core's sharded keys, in the 16-bit type with --bf16/--fp16,
+  and the routers' expert biases (--moe-router-enable-expert-bias) in fp32;
 - the Adam moments under the keys Megatron-Core's ``optim_state_to_sharding_state`` makes from
   the model's (``optimizer.state.exp_avg.<key>``, ``optimizer.state.exp_avg_sq.<key>``, the same
   slices), and with --bf16/--fp16 the fp32 main weights as Float16OptimizerWithFloat16Params
@@ -40,7 +41,7 @@ from megart.training import dist_store
 from megart.training import megatron_dist_distopt as distopt
 from megart.training.dtypes import half_dtype
 from megart.training.megatron_dist import BACKENDS, COMMON, METADATA, extra_states
-from megart.training.megatron_dist_places import Place, places
+from megart.training.megatron_dist_places import Place, bias_places, places
 from megart.training.megatron_files import CHECKPOINT_VERSION, to_grad_scaler, training_args
 from megart.training.megatron_optimizer import megatron_group_keys
 from megart.training.megatron_scheduler import scheduler_state
@@ -122,6 +123,9 @@ def rank_state(
         own = None if config.use_distributed_optimizer else optimizer.state.get(place.param)
         for name in MOMENTS if own else ():
             add(moment_key(name, place.key), place, own[name])
+    for place in bias_places(chunks, grid.tp_rank):  # fp32 in 16-bit runs too, as Megatron's
+        if place.owner:
+            add(place.key, place, place.param.detach())
     if grid.tp_rank == 0:
         state.update(_extra_states(chunks))
     # Megatron-LM's data is a list (one entry per data-parallel rank, one without

@@ -26,7 +26,7 @@ from megart.training import megatron_dist_distopt as distopt
 from megart.training.dist_store import Pieces, PiecesPlanner
 from megart.training.megatron_dist import load_store, stored
 from megart.training.megatron_dist_distopt_reshard import read_resharded
-from megart.training.megatron_dist_places import VOCAB_KEYS, Place, places
+from megart.training.megatron_dist_places import VOCAB_KEYS, Place, bias_places, places
 from megart.training.megatron_dist_train import FP32, MOMENTS, moment_key, rng_key
 from megart.training.megatron_files import from_grad_scaler
 from megart.training.megatron_scheduler import check_scheduler
@@ -136,6 +136,7 @@ def load(
     distributed optimizer's store is megart.training.megatron_dist_distopt's; a store with
     neither optimizer's keys for this model is refused, naming --finetune and
     --no-load-optim. Returns what it left out, for the log."""
+    load_expert_bias(root, chunks, grid.tp_rank)
     reads = _Reads(root)
     saved = common.get("optimizer") or {}
     if load_optim and distopt.is_distributed(common):
@@ -170,6 +171,19 @@ def load(
     if load_optim and scaler is not None and saved.get("grad_scaler"):
         scaler.load_state_dict(from_grad_scaler(saved["grad_scaler"]))
     return _load_rng(root, reads.meta, config, grid, rng) if load_rng else ""
+
+
+def load_expert_bias(root: Path, chunks: list[Any], tp_rank: int) -> None:
+    """The routers' expert biases of this rank's chunks from the store in ``root`` (any
+    layout: each layer's row of its key), where the model has them."""
+    wanted = bias_places(chunks, tp_rank)
+    if not wanted:
+        return
+    reads = _Reads(root)
+    with torch.no_grad():
+        for place in wanted:
+            reads.add(place.key, place, place.param)
+        reads.load()
 
 
 def _check_groups(groups: list[Any], optimizer: Any, directory: Any) -> None:

@@ -46,7 +46,14 @@ from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
 from megart.training import tokenizer_record
 from megart.training.dtypes import half_dtype
-from megart.training.megatron_args import args_record, check_args, megatron_args, saved_stages
+from megart.training.megatron_args import (
+    args_record,
+    check_args,
+    config_from_args,
+    megatron_args,
+    refuse_expert_bias,
+    saved_stages,
+)
 from megart.training.megatron_layout import OUTPUT, WORD, with_extra_states
 from megart.training.megatron_optimizer import (
     from_megatron_optimizer,
@@ -163,6 +170,25 @@ def _chunk_from_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, first: boo
     return out
 
 
+# A router's expert bias under Megatron-Core's name (its TopKRouter's persistent buffer).
+_EXPERT_BIAS = re.compile(r"decoder\.layers\.\d+\.mlp\.router\.expert_bias$")
+
+
+def _add_expert_bias(
+    model: list[dict[str, Any]], rows: torch.Tensor, layers: list[list[int]], cfg: GPTConfig
+) -> None:
+    """Each Megatron chunk's MoE layers' expert bias (models.moe_router.expert_bias_rows'
+    ``rows``), under the chunk's layer numbers, in fp32 as Megatron-Core saves it."""
+    for chunk, ids in zip(model, layers, strict=True):
+        for j, layer in enumerate(ids):
+            if cfg.is_moe_layer(layer):
+                chunk[f"decoder.layers.{j}.mlp.router.expert_bias"] = rows[layer].clone()
+
+
+def _without_expert_bias(sd: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in sd.items() if not _EXPERT_BIAS.match(k)}
+
+
 def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int) -> dict[str, Any]:
     """megart's file of one rank (megart.training.checkpoint_save.file_state, ``cfg`` its model,
     ``dp`` data-parallel ranks) in Megatron-LM's legacy layout, keeping what megart needs
@@ -197,6 +223,9 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
             )
         for chunk in model:
             chunk.update({k: v.to(half) for k, v in chunk.items() if v is not None})
+    bias = state.get("expert_bias")
+    if bias is not None:  # after the 16-bit casts: the bias stays fp32
+        _add_expert_bias(model, bias, layers, cfg)
     if optimizer is not None:
         out["optimizer"] = optimizer
         consumed = state["consumed_train_samples"]
@@ -219,6 +248,7 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
         "rng_tracker": None if rng is None else rng["tracker"],
         "half": half is not None and optimizer is not None,
         "optimizer_layout": "megatron",  # earlier files hold megart's optimizer state as is
+        "expert_bias": bias,  # every layer's, as megart's own files hold it
     }
     return out
 
@@ -247,6 +277,7 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
     model and layout from its args, the layers from the file's place, the loss scale."""
     a = vars(state["args"])
     check_args(a, path)
+    refuse_expert_bias(config_from_args(a), path)
     chunks = len(model_chunks(state))
     place = re.fullmatch(r"mp_rank_\d+(?:_(\d+))?", Path(path).parent.name)
     p = int(place.group(1) or 0) if place else 0
@@ -282,7 +313,8 @@ def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(GPTConfig) if f.init}
     cfg = GPTConfig(**{k: v for k, v in extra["model_config"].items() if k in known})
     firsts = [ids[0] == 0 for ids in extra["layer_ids"]]
-    saved = model_chunks(state)
+    # Not parameters: the routers' expert bias comes whole from megart's record.
+    saved = [_without_expert_bias(sd) for sd in model_chunks(state)]
     model = [_chunk_from_megatron(sd, cfg, f) for sd, f in zip(saved, firsts, strict=True)]
 
     def back(c: int, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -330,4 +362,5 @@ def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
         # The file's own, whoever wrote it (megart's record beside Megatron's keys has none).
         "opt_param_scheduler": state.get("opt_param_scheduler"),
         "tokenizer": tokenizer_record.record(vars(state["args"])),  # as Megatron's args say
+        "expert_bias": extra.get("expert_bias"),
     }

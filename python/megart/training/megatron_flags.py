@@ -91,8 +91,9 @@ What each does in megart:
 - --init-method-xavier-uniform: every weight (embeddings and output projections included)
   from Glorot's uniform with the whole tensor's fans (megart.models.init says why: Megatron-LM
   itself fails with this flag since 2023).
-- --expert-model-parallel-size: expert parallelism at tensor- and context-parallel size 1,
-  without the distributed optimizer, saving megart's format (megart.training.expert_checks).
+- --expert-model-parallel-size: expert parallelism with the expert tensor-parallel size equal
+  to the tensor-parallel size (Megatron's default), saving megart's format only (megart.
+  training.expert_checks).
 - --decoupled-lr, --decoupled-min-lr: the embedding's and output layer's own param group
   (megart.training.optimizer.param_groups), scheduled with its own peak and floor.
 - --grad-reduce-in-bf16 (with --bf16): the gradient buckets travel in bf16

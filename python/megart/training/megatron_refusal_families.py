@@ -11,9 +11,11 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     (
         "megart's mixture-of-experts layers (--num-experts) route each token to its top-k "
         "experts (--moe-router-topk, --moe-router-pre-softmax, --moe-router-score-function, "
-        "--moe-router-topk-scaling-factor, --moe-router-dtype) with the aux_loss or z-loss, "
-        "plus ungated shared experts (--moe-shared-expert-intermediate-size); this MoE "
-        "feature is not built (leave it out)",
+        "--moe-router-topk-scaling-factor, --moe-router-dtype, group-limited with "
+        "--moe-router-num-groups and --moe-router-group-topk, an expert bias with "
+        "--moe-router-enable-expert-bias) with the aux_loss, seq_aux_loss or global_aux_loss "
+        "and the z-loss, plus ungated shared experts (--moe-shared-expert-intermediate-size); "
+        "this MoE feature is not built (leave it out)",
         (
             "--moe- --expert-tensor-parallel- --use-grouped-gemm-for- "
             "--overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad "

@@ -99,6 +99,10 @@ def moe_fields(config: Any) -> dict[str, Any]:
         moe_router_load_balancing_type=config.moe_router_load_balancing_type,
         moe_aux_loss_coeff=float(config.moe_aux_loss_coeff),
         moe_z_loss_coeff=config.moe_z_loss_coeff,
+        moe_router_enable_expert_bias=config.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=float(config.moe_router_bias_update_rate),
+        moe_router_num_groups=config.moe_router_num_groups,
+        moe_router_group_topk=config.moe_router_group_topk,
         moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
     )
 

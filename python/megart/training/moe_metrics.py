@@ -1,13 +1,14 @@
-"""The mixture-of-experts losses an iteration reports, as Megatron-LM logs them
-(``load_balancing_loss``, ``z_loss``; its track_moe_metrics): each loss without its coefficient,
-the mean over the MoE layers and the microbatches of the iteration.
+"""The mixture-of-experts losses an iteration reports, as Megatron-LM logs them (its
+track_moe_metrics): ``load_balancing_loss`` (``seq_load_balancing_loss`` under seq_aux_loss,
+``global_load_balancing_loss`` under global_aux_loss) and ``z_loss``, each without its
+coefficient, the mean over the MoE layers and the microbatches of the iteration.
 
 The MoE layers record their losses when their gradients are seeded (models.moe.AuxLossScale).
 Each layer lives on one pipeline stage, so the stages' sums add up. Under tensor or context
 parallelism a rank's load-balancing loss is its share of the sequence's (the shares add up, as
 Megatron sums them over its tp_cp group), and its z-loss is the mean over its own tokens (the
 ranks' mean is the sequence's: Megatron logs one rank's instead); data-parallel ranks are
-averaged, as Megatron averages them.
+averaged, as Megatron averages them, but for the global loss, whose ranks' shares add up.
 """
 
 from __future__ import annotations
@@ -21,14 +22,28 @@ from megart.distributed import ProcessGroup
 from megart.tensor_parallel._group import group_size
 
 # What each loss is over the tensor- and context-parallel ranks: their sum or their mean.
-SHARED = {"load_balancing_loss": "sum", "z_loss": "mean"}
+SHARED = {
+    "load_balancing_loss": "sum",
+    "seq_load_balancing_loss": "sum",
+    "global_load_balancing_loss": "sum",
+    "z_loss": "mean",
+}
+# Summed over the data-parallel ranks, not averaged: each rank's is its share of the global
+# batch's loss (Megatron reduces it over its tp_dp_cp group).
+DP_SUMMED = ("global_load_balancing_loss",)
 
 
 def tracked_names(cfg: Any) -> list[str]:
     """The losses a model's MoE layers compute in training (GPTConfig ``cfg``)."""
     if cfg.num_experts is None:
         return []
-    on = {"load_balancing_loss": cfg.moe_aux_loss_coeff > 0, "z_loss": bool(cfg.moe_z_loss_coeff)}
+    kind = cfg.moe_router_load_balancing_type if cfg.moe_aux_loss_coeff > 0 else None
+    on = {
+        "load_balancing_loss": kind == "aux_loss",
+        "seq_load_balancing_loss": kind == "seq_aux_loss",
+        "global_load_balancing_loss": kind == "global_aux_loss",
+        "z_loss": bool(cfg.moe_z_loss_coeff),
+    }
     return [name for name, computed in on.items() if computed]
 
 
@@ -49,7 +64,10 @@ def moe_losses(chunks: list[Any], cfg: Any, grid: Any, m: int, device: Any) -> d
         _over(sums, names, group)
     dist.all_reduce(sums, group=grid.dp_group)
     layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    sums /= group_size(grid.dp_group) * m * layers
+    sums /= m * layers
+    for i, name in enumerate(names):
+        if name not in DP_SUMMED:  # the data-parallel ranks' mean
+            sums[i] /= group_size(grid.dp_group)
     return {name: float(value) for name, value in zip(names, sums.tolist(), strict=True)}
 
 

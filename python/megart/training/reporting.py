@@ -131,7 +131,7 @@ def run_description(trainer: Any) -> str:
     peak = f"{t.peak / 1e12:.0f} TFLOP/s dense bf16" if t.peak else "n/a on CPU"
     ep = c.expert_model_parallel_size
     # Expert parallelism shards the experts' state over their expert-data-parallel ranks.
-    experts = f", the experts' 1/{t.dp // ep}" if ep > 1 else ""
+    experts = f", the experts' 1/{t.dp * c.context_parallel_size // ep}" if ep > 1 else ""
     return (
         f"megart train: GPT {c.num_layers} layers x {c.hidden_size} hidden, "
         f"{c.num_attention_heads} heads"

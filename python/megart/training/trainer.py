@@ -20,6 +20,7 @@ import torch
 import megart.distributed as dist
 from megart import schedule as sched
 from megart.errors import ConfigError
+from megart.models.moe_router import finish_iteration
 from megart.pipeline import PipelineEngine
 from megart.tensor_parallel import fusing_accumulation, sync_sequence_parallel_grads
 from megart.training import batch_rampup, iteration_stats, memory_report
@@ -224,6 +225,7 @@ class Trainer:
                 sync_sequence_parallel_grads(chunk, g.tp_group)
         with timed("embedding-grads-all-reduce"):
             optim.share_embedding_grads(self.chunks, g, c.pp, self.buckets)
+        finish_iteration(self.chunks, g)  # the routers' part of Megatron's finalize_model_grads
 
     def _update_weights(self, iteration: int) -> tuple[bool, float, float, dict[str, Any]]:
         """Clips the gradients by their global norm and steps AdamW at this iteration's learning

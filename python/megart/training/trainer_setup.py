@@ -19,6 +19,7 @@ import megart
 import megart.distributed as dist
 from megart.errors import ConfigError
 from megart.models import pipeline_chunks
+from megart.models.moe_router import set_global_group
 from megart.optim.loss_scale import LossScaler
 from megart.pipeline import StageLink
 from megart.tensor_parallel import RNGStatesTracker, seed_tensor_parallel
@@ -116,6 +117,7 @@ def model_chunks(
         for chunk in chunks:
             for p in chunk.parameters():
                 p.data = p.data.to(half)
+    set_global_group(chunks, grid.dp_cp_group)  # global_aux_loss's counts: over every rank
     return chunks
 
 
