@@ -37,11 +37,13 @@ def prescribed(routing: str) -> Iterator[None]:
     """megart's routing with the experts ``_chosen`` picks."""
     route = moe.route
 
-    def shifted(logits: torch.Tensor, cfg: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def shifted(
+        logits: torch.Tensor, cfg: object, *bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         t, e = logits.shape
         shift = torch.zeros(t, e, dtype=logits.dtype, device=logits.device)
         shift.scatter_(1, _chosen(t, e, cfg.moe_router_topk, routing), SHIFT)
-        return route(logits + shift, cfg)
+        return route(logits + shift, cfg, *bias)  # the expert bias, where moe passes one
 
     with mock.patch.object(moe, "route", shifted):
         yield
