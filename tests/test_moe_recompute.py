@@ -70,14 +70,28 @@ def test_moe_recomputation_under_expert_parallelism_follows_the_curve():
 
 
 @pytest.mark.parametrize("module", ["moe", "shared_experts"])
-def test_megart_plan_refuses_them_by_name_until_it_models_them(module):
+def test_megart_plan_models_them(module):
+    """No longer refused (tests/test_plan_moe_shared.py checks the bytes against real ranks):
+    the plan keeps fewer activations and takes longer than without the module; layernorm with
+    experts stays refused by name."""
     from megart.cli.train import add_arguments, config_from_args
+    from megart.plan.estimate import estimate
     from megart.plan.flags import refuse_unmodelled
+    from megart.plan.hardware import load_profile
+    from megart.plan.layout import Layout
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    argv = ["--num-experts", "4", "--disable-bias-linear", "--recompute-activations",
-            "--recompute-modules", "core_attn", module]  # fmt: skip
-    said = f"megart plan does not model --recompute-modules core_attn {module} with --num-experts"
+    shape = ["--num-experts", "4", "--disable-bias-linear", "--moe-shared-expert-intermediate-size",
+             "24", "--recompute-activations", "--recompute-modules", "core_attn"]  # fmt: skip
+    config = config_from_args(parser.parse_args([*shape, module]))
+    refuse_unmodelled(config)  # raises nothing
+    plain = config_from_args(parser.parse_args(shape))
+    layout = Layout(1, 1, 1, 1, 1, False, "selective", False)
+    gpu = load_profile("h100-80gb")
+    kept, replayed = estimate(plain, layout, gpu), estimate(config, layout, gpu)
+    assert replayed.memory["saved"] < kept.memory["saved"]
+    assert replayed.time["iteration"] > kept.time["iteration"]
+    said = "megart plan does not model --recompute-modules core_attn layernorm with --num-experts"
     with pytest.raises(ConfigError, match=said):
-        refuse_unmodelled(config_from_args(parser.parse_args(argv)))
+        refuse_unmodelled(config_from_args(parser.parse_args([*shape, "layernorm"])))

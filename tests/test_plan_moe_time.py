@@ -1,7 +1,8 @@
 """megart plan's time of a mixture-of-experts layer split over tensor-parallel ranks
 (plan.moe_time, timing.layer_work): the dispatcher's collectives, kind and bytes, are those a
 real layer runs on two ranks with sequence parallelism, forward and backward, and its products'
-FLOPs are torch's count of that layer's forward, whatever the routing; layer_work adds those
+FLOPs are torch's count of that layer's forward, whatever the routing (shared experts
+included); layer_work adds those
 collectives to the attention's, exposed, in place of a dense MLP's."""
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ CASES = {
     ),
     "bf16 fp32 router aux": (
         dict(SMALL, moe_router_dtype="fp32", moe_aux_loss_coeff=0.01), 16, 2, True,
+    ),
+    # Shared experts: a dense MLP's gather and reduce-scatter each way, S/t wide products.
+    "swiglu shared experts": (
+        dict(SMALL, activation="swiglu", moe_shared_expert_intermediate_size=40), 16, 3, False,
+    ),
+    "bf16 shared experts aux": (
+        dict(SMALL, moe_shared_expert_intermediate_size=40, moe_aux_loss_coeff=0.01), 16, 2, True,
     ),
 }  # fmt: skip
 

@@ -105,8 +105,6 @@ UNMODELLED_GIVEN = {
     "log_num_zeros_in_grad": ["--log-num-zeros-in-grad"],
     "timing_log_level": ["--timing-log-level", "1"],
     "empty_unused_memory_level": ["--empty-unused-memory-level", "1"],
-    "moe_shared_expert_intermediate_size": ["--num-experts", "8", "--disable-bias-linear",
-                                            "--moe-shared-expert-intermediate-size", "1024"],
     "moe_router_enable_expert_bias": ["--num-experts", "8", "--disable-bias-linear",
                                       "--moe-router-score-function", "sigmoid",
                                       "--moe-router-enable-expert-bias"],

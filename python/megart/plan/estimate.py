@@ -25,7 +25,7 @@ from megart.plan.runtime_options import check_runtime, gradient_copy_bytes, runt
 from megart.plan.timing import Work, layer_work, logits_work
 from megart.plan.worst_rank import worst_rank_memory
 from megart.training.config import TrainConfig
-from megart.training.flops import model_flops, replayed_layers
+from megart.training.flops import model_flops, moe_layer_count, replayed_layers
 from megart.training.layer_placement import (
     every_rank_layers,
     replayed_layer_count,
@@ -249,7 +249,20 @@ def _flops(c: TrainConfig, cfg: GPTConfig) -> tuple[int, int]:
         mlp_again=cfg.recomputes("mlp"),
         replayed_moe=replayed_moe_layer_count(c, cfg),
     )
-    return model_flops(cfg, batch, causal=False), run
+    return model_flops(cfg, batch, causal=False), run + _moe_again(cfg, batch)
+
+
+def _moe_again(cfg: GPTConfig, batch: int) -> int:
+    """--recompute-modules moe or shared_experts: every MoE layer's expert products once more
+    as training.flops counts them (Megatron's: each token's k experts' and the shared experts'
+    width, k f + S), or the shared experts' alone (S); the router's are not counted."""
+    shared = cfg.moe_shared_expert_intermediate_size or 0
+    if cfg.recomputes("moe"):
+        width = cfg.moe_ffn_size * cfg.moe_router_topk + shared
+    else:
+        width = shared if cfg.recomputes("shared_experts") else 0
+    passes = (3 if cfg.activation == "swiglu" else 2) * 2
+    return moe_layer_count(cfg) * passes * batch * cfg.seq_length * cfg.hidden_size * width
 
 
 def _returned_layout(layout: Layout, c: TrainConfig, dp: int) -> Layout:

@@ -120,6 +120,10 @@ MODELLED = (
     "moe_router_dtype",
     "moe_aux_loss_coeff",
     "moe_z_loss_coeff",
+    # The shared experts: a dense MLP of this width in each MoE layer, tensor-parallel as the
+    # dense one and replicated under expert parallelism (weights in the dense buckets, saves,
+    # products, collectives).
+    "moe_shared_expert_intermediate_size",
     *TOKENIZER,
 )
 
@@ -140,10 +144,6 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
     "log_num_zeros_in_grad": ((False,), "a pass over the gradients each iteration"),
     "timing_log_level": ((0,), "a device synchronisation at each timed phase"),
     "empty_unused_memory_level": ((0,), "the allocator's cache emptied and refilled"),
-    "moe_shared_expert_intermediate_size": (
-        (None,),
-        "the MoE layers' shared experts: their weights, saves and products",
-    ),
     "moe_router_enable_expert_bias": (
         (False,),
         "the expert bias's routing: the biased scores and the gathered weights it saves",
@@ -276,8 +276,9 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
 def _moe_unmodelled(config: TrainConfig) -> list[str]:
     """What the planner does not model with --num-experts: zero-bubble schedules (the experts'
     deferred weight gradients are uncounted; searched layouts leave them out,
-    plan.candidates), --recompute-modules layernorm (megart train's MoE layers cannot run it
-    yet) and its moe and shared_experts (not modelled yet). Tensor parallelism is modelled (with
+    plan.candidates) and --recompute-modules layernorm (megart train's MoE layers cannot run it
+    yet); its moe and shared_experts are modelled (plan.moe_memory, timing.layer_work). Tensor
+    parallelism is modelled (with
     sequence parallelism, which megart train requires for experts: plan.candidates refuses a
     given t > 1 without it in its words), and expert parallelism at t = cp = 1, with the
     distributed optimizer too (each bucket set sharded over its own group; megart train's
@@ -288,6 +289,6 @@ def _moe_unmodelled(config: TrainConfig) -> list[str]:
     if config.pipeline_schedule in ZERO_BUBBLE:
         out.append(f"--pipeline-schedule {config.pipeline_schedule} with --num-experts")
     modules = config.recompute_modules or ()
-    if {"layernorm", "moe", "shared_experts"} & set(modules):  # not yet (layernorm: not built)
+    if "layernorm" in modules:  # not built for MoE layers yet
         out.append(f"{flag('recompute_modules', modules)} with --num-experts")
     return out

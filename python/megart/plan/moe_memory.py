@@ -56,11 +56,29 @@ planner assumes; the group's ranks send ep k T copies in all), from 0 to ep k T 
 ``expert_tokens`` gives it in k T. Exact on real ep2 ranks with the routing prescribed
 (tests/test_plan_moe_ep.py).
 
+Shared experts (--moe-shared-expert-intermediate-size S: a dense MLP of width S over the
+layer's input, tensor-parallel as the dense MLP, whole on every expert-parallel rank) save what
+a dense MLP of width S saves: 2 S/t or 4 S/t per token of the whole sequence, and their first
+product's input, h, unless that is the layer's input itself and the router keeps it already
+(no gather at t = 1, no autocast copy, the router in the stream's dtype).
+
 Recomputation: full recomputation keeps an MoE layer's input like any layer's and replays all
 of the above. --recompute-modules mlp checkpoints dense MLPs only (models.blocks, as
 Megatron-Core's "mlp"): an MoE layer keeps its whole saves, and its norm output is the router's
-input rather than a checkpoint's. --recompute-modules layernorm with MoE layers is refused
-(plan.flags: megart train cannot run it yet).
+input rather than a checkpoint's. --recompute-modules moe checkpoints the whole MoE layer from
+its input, which it alone keeps (this rank's slice, the stream's dtype: what mlp keeps of a
+dense layer); the backward rises, while it replays, by all its saves but that input.
+(torch's saved-tensor hooks also see the load-balancing loss's top-k indices made again, k
+int64 per token of the slice, which the replay frees at once as the first forward did: nothing
+reads that top-k's values. tests/plan_workers.py's count keeps them where the allocator gives
+their storage to no later save.) --recompute-modules
+shared_experts checkpoints the shared experts' MLP from the layer's input: the layer keeps all
+but its tensors and its product's input copy (and keeps that input itself where the router
+keeps a cast of it), and the replay rises by a checkpointed MLP's (checkpointed_mlp_bytes).
+Both named: moe's replay stops at the shared experts' checkpoint (their input is its last
+save), whose own replay follows at once, both held: the rise is moe's. Exact on real tp1, tp2
+and ep2 ranks (tests/test_plan_moe_shared.py). --recompute-modules layernorm with MoE layers
+is refused (plan.flags: megart train cannot run it yet).
 """
 
 from __future__ import annotations
@@ -92,6 +110,64 @@ def moe_layer_extra(
     ``expert_tokens`` k T token copies (1: balanced routing; the module's doc)."""
     if recompute == "full":
         return 0.0
+    modules = recomputed_modules(cfg, recompute)
+    tokens = cfg.seq_length // cp * b
+    # What layer_bytes counted for a dense MLP: its input (the gathered norm output, or
+    # --recompute-modules mlp's checkpoint input) and, unless mlp, its tensors.
+    counted = norm_outputs(cfg, tp, sp, prec, "mlp" in modules)[1]
+    if "mlp" not in modules:
+        counted += (4 if cfg.activation == "swiglu" else 2) * cfg.ffn_size / tp * prec.other
+    if "moe" in modules:  # the checkpoint keeps the layer's input alone (this rank's slice)
+        return tokens * (norm_outputs(cfg, tp, sp, prec, True)[1] - counted)
+    shared = "shared_experts" not in modules
+    saves = moe_saves(cfg, b, prec, cp, weight_bytes, tp, sp, ep, expert_tokens, shared)
+    checkpoint = not shared and cfg.moe_shared_expert_intermediate_size
+    if checkpoint and not _router_keeps_input(cfg, prec):  # the checkpoint's input, kept
+        saves += tokens * norm_outputs(cfg, tp, sp, prec, True)[1]
+    return saves - tokens * counted
+
+
+def moe_replay_bytes(
+    cfg: GPTConfig,
+    b: int,
+    prec: Precision,
+    cp: int = 1,
+    weight_bytes: int = 4,
+    tp: int = 1,
+    sp: bool = False,
+    ep: int = 1,
+    expert_tokens: float = 1.0,
+) -> float:
+    """Under selective recomputation, how far above the layers' kept bytes an MoE layer's
+    backward rises while torch's checkpoint replays it (all of the replay's saves made before
+    its backward frees any): --recompute-modules moe, the whole layer's saves (moe_saves) but
+    its input, which the checkpoint kept; shared_experts alone, the shared experts' MLP's
+    (checkpointed_mlp_bytes); 0 when neither is recomputed."""
+    if cfg.recomputes("moe"):
+        saves = moe_saves(cfg, b, prec, cp, weight_bytes, tp, sp, ep, expert_tokens)
+        return saves - cfg.seq_length // cp * b * _input_itself(cfg, tp, sp, prec)
+    width = cfg.moe_shared_expert_intermediate_size
+    if cfg.recomputes("shared_experts") and width:
+        return checkpointed_mlp_bytes(cfg, b, tp, sp, prec, cp, width)
+    return 0.0
+
+
+def moe_saves(
+    cfg: GPTConfig,
+    b: int,
+    prec: Precision,
+    cp: int = 1,
+    weight_bytes: int = 4,
+    tp: int = 1,
+    sp: bool = False,
+    ep: int = 1,
+    expert_tokens: float = 1.0,
+    shared: bool = True,
+) -> float:
+    """Every byte an MoE layer's MLP part (router, losses, experts, and with ``shared`` the
+    shared experts) saves for one microbatch without recomputation, its input's storage
+    included where a save is the input itself (the module's doc; moe_layer_extra's
+    arguments)."""
     h, k, e, fm = cfg.hidden_size, cfg.moe_router_topk, cfg.num_experts, cfg.moe_ffn_size
     other = prec.other
     given = ROUTER_BYTES.get(cfg.moe_router_dtype or "")
@@ -115,14 +191,9 @@ def moe_layer_extra(
         per_token += (e + 1) * r
         once += r
     # The router's input, its own copy in --moe-router-dtype or the norm's output (autocast's
-    # 16-bit copy of an fp32 one), in place of what layer_bytes counted for the MLP's input
-    # (the gathered norm output, or --recompute-modules mlp's checkpoint input).
-    modules = recomputed_modules(cfg, recompute)
+    # 16-bit copy of an fp32 one).
     per_token += h * r
     per_token *= 1 / tp if sp else 1.0
-    per_token -= norm_outputs(cfg, tp, sp, prec, "mlp" in modules)[1]
-    if "mlp" not in modules:  # layer_bytes counted a dense MLP's tensors
-        per_token -= (4 if cfg.activation == "swiglu" else 2) * cfg.ffn_size / tp * other
     swiglu = cfg.activation == "swiglu"
     # Per token an expert got, over the gathered sequence on every rank: its input, its
     # output (the sum's index_add keeps its source, whose shape it needs), its MLP's tensors
@@ -132,4 +203,47 @@ def moe_layer_extra(
         per_token += k * (2 * h * other + expert + 8)
     else:  # sent: the returned output and two indices; received: the expert's saves
         per_token += k * (h * other + 16) + expert_tokens * k * (2 * h * other + expert + 16)
+    width = cfg.moe_shared_expert_intermediate_size
+    if shared and width:  # a dense MLP's tensors at S/t, and its input unless the router's
+        per_token += (4 if swiglu else 2) * width / tp * other
+        itself = _router_keeps_input(cfg, prec) and not _copied(tp, sp, prec)
+        per_token += 0.0 if itself else h * other
     return cfg.seq_length // cp * b * per_token + once
+
+
+def checkpointed_mlp_bytes(
+    cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision, cp: int, width: int
+) -> float:
+    """What one checkpointed MLP of ``width`` (a dense layer's under --recompute-modules mlp,
+    the shared experts' under shared_experts) holds at once while torch's checkpoint replays
+    it, above what is kept: its 2 f/t (GeLU, squared ReLU) or 4 f/t (SwiGLU) tensors, and the
+    products' saved input where the column-parallel entry makes a new one (the sequence
+    gathered over t ranks, or autocast's 16-bit copy of an fp32 stream's norm output), h;
+    else that input is the checkpoint's own, kept already."""
+    mlp = (4 if cfg.activation == "swiglu" else 2) * width / tp * prec.other
+    entry = cfg.hidden_size * prec.other if _copied(tp, sp, prec) else 0.0
+    return cfg.seq_length // cp * b * (mlp + entry)
+
+
+def _copied(tp: int, sp: bool, prec: Precision) -> bool:
+    """Whether an MLP's column-parallel entry saves a new tensor rather than its input: the
+    sequence gathered over t ranks, or autocast's 16-bit copy of an fp32 stream."""
+    return (sp and tp > 1) or prec.residual != prec.other
+
+
+def _router_keeps_input(cfg: GPTConfig, prec: Precision) -> bool:
+    """Whether the router's saved input is the layer's input itself (the pre-MLP norm's
+    output, in the stream's dtype): no cast to --moe-router-dtype or autocast's type."""
+    return (ROUTER_BYTES.get(cfg.moe_router_dtype or "") or prec.other) == prec.residual
+
+
+def _input_itself(cfg: GPTConfig, tp: int, sp: bool, prec: Precision) -> float:
+    """Bytes per token of moe_saves that are the layer's input's own storage (this rank's
+    slice): the router's saved input where it is not a cast, else the shared experts' first
+    product's where it is neither cast nor gathered; 0 where every save is a copy."""
+    h = cfg.hidden_size
+    if _router_keeps_input(cfg, prec):
+        return h * prec.residual * (1 / tp if sp else 1.0)
+    if cfg.moe_shared_expert_intermediate_size and not _copied(tp, sp, prec):
+        return h * prec.other
+    return 0.0

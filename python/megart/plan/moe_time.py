@@ -1,7 +1,16 @@
 """The work of a mixture-of-experts layer's MLP part (megart.models.moe) for timing.layer_work:
 its matrix products by their sizes, its element-wise traffic and, split over t tensor-parallel
 ranks (with sequence parallelism), the allgather dispatcher's collectives; spread over ep
-expert-parallel ranks (at t = 1, models.expert_exchange), its all-to-alls.
+expert-parallel ranks (at t = 1, models.expert_exchange), its all-to-alls. Shared experts
+(--moe-shared-expert-intermediate-size S) add a dense MLP of width S over every token: its
+products, its activation and its sum with the experts' output, and at t > 1 a dense MLP's
+gather and reduce-scatter each way (exposed, as the dispatcher's); whole on every rank under
+expert parallelism.
+
+Selective recomputation replays in the backward (timing.layer_work): --recompute-modules moe
+the layer's whole forward (router, dispatcher's collectives, all-to-alls, experts, shared
+experts), shared_experts the shared experts' alone (within moe's replay when both are named:
+torch's nested checkpoint runs them once more, not twice).
 
 Expert parallelism is timed for balanced routing: every rank's experts get k T token copies a
 microbatch (each expert k T / E from each rank's T tokens, ep k T / E from the group), each
@@ -40,7 +49,57 @@ def moe_mlp_shapes(
     rows = tokens * cfg.moe_router_topk / e * ep
     ups = 2 if cfg.activation == "swiglu" else 1
     local = e // ep
-    return [(tokens / tp, e, h, 1), (rows, fm, h, local * ups), (rows, h, fm, local)]
+    routed = [(tokens / tp, e, h, 1), (rows, fm, h, local * ups), (rows, h, fm, local)]
+    return routed + shared_mlp_shapes(cfg, tokens, tp)
+
+
+def shared_mlp_shapes(cfg: GPTConfig, tokens: float, tp: int = 1) -> list[tuple[float, ...]]:
+    """(rows, cols, inner, count) of the shared experts' products (a dense MLP of width S =
+    --moe-shared-expert-intermediate-size, column- then row-parallel) over the whole
+    sequence's ``tokens`` (gathered) on one of ``tp`` ranks: none without shared experts.
+    Under expert parallelism every rank runs them whole on its own tokens."""
+    width = cfg.moe_shared_expert_intermediate_size
+    if not width:
+        return []
+    h, s = cfg.hidden_size, width / tp
+    return [(tokens, s, h, 2 if cfg.activation == "swiglu" else 1), (tokens, h, s, 1)]
+
+
+def shared_elementwise(cfg: GPTConfig, tp: int = 1, summed: bool = True) -> float:
+    """Element-wise elements read and written per token by the shared experts on one of
+    ``tp`` ranks: their activation over S/t (as a dense MLP's) and, ``summed``, their output's
+    sum with the experts' (read two, write one, over this rank's slice: sequence parallelism
+    at t > 1)."""
+    width = cfg.moe_shared_expert_intermediate_size
+    if not width:
+        return 0.0
+    activation = (3 if cfg.activation == "swiglu" else 2) * width / tp
+    return activation + (3 * cfg.hidden_size / tp if summed else 0.0)
+
+
+def replayed_forward(
+    cfg: GPTConfig,
+    modules: tuple[str, ...],
+    products: list[float],
+    element_seconds: float,
+    tp: int,
+    ep: int,
+    comm: tuple[float, float],
+    ep_forward: float,
+) -> tuple[float, float, float]:
+    """Seconds selective recomputation adds to an MoE layer's backward (the module's doc):
+    (all of them, of which tensor-parallel collectives, of which all-to-alls). ``products``:
+    the seconds of moe_mlp_shapes' products, in order; ``element_seconds``: of one element per
+    token read or written; ``comm``: the forward's tensor-parallel collectives, all of them and
+    the shared experts' alone; ``ep_forward``: its all-to-alls."""
+    if "moe" in modules:
+        elements = moe_elementwise(cfg, tp, ep) * element_seconds
+        return sum(products) + elements + comm[0] + ep_forward, comm[0], ep_forward
+    shared = len(shared_mlp_shapes(cfg, 1.0))
+    if "shared_experts" in modules and shared:  # the sum with the experts' runs once
+        elements = shared_elementwise(cfg, tp, summed=False) * element_seconds
+        return sum(products[-shared:]) + elements + comm[1], comm[1], 0.0
+    return 0.0, 0.0, 0.0
 
 
 def moe_elementwise(cfg: GPTConfig, tp: int = 1, ep: int = 1) -> float:
@@ -54,7 +113,7 @@ def moe_elementwise(cfg: GPTConfig, tp: int = 1, ep: int = 1) -> float:
     fm, k = cfg.moe_ffn_size / tp, cfg.moe_router_topk
     activation = (3 if cfg.activation == "swiglu" else 2) * fm + 2 * fm
     moves = 4 if ep == 1 else 8
-    return k * (activation + moves * cfg.hidden_size)
+    return k * (activation + moves * cfg.hidden_size) + shared_elementwise(cfg, tp)
 
 
 Collectives = list[tuple[str, float]]  # (timing.BUS_FACTOR's kind, the whole buffer's bytes)
@@ -84,7 +143,22 @@ def moe_collectives(cfg: GPTConfig, tokens: float, act: int) -> tuple[Collective
         ("reduce_scatter", tokens * h * act),
         ("reduce_scatter", tokens * e * r),
     ]
-    return forward, backward
+    shared_forward, shared_backward = shared_collectives(cfg, tokens, act)
+    return forward + shared_forward, backward + shared_backward
+
+
+def shared_collectives(cfg: GPTConfig, tokens: float, act: int) -> tuple[Collectives, Collectives]:
+    """The shared experts' tensor-parallel collectives (t > 1, sequence parallelism), as a
+    dense MLP's: forward its input gathered and its output reduce-scattered (h, ``act``
+    bytes), backward the output's gradient gathered and the input's reduce-scattered; none
+    without shared experts."""
+    if not cfg.moe_shared_expert_intermediate_size:
+        return [], []
+    one = tokens * cfg.hidden_size * act
+    return [("all_gather", one), ("reduce_scatter", one)], [
+        ("all_gather", one),
+        ("reduce_scatter", one),
+    ]
 
 
 def expert_exchanges(cfg: GPTConfig, tokens: float, act: int) -> tuple[list[float], list[float]]:

@@ -32,7 +32,9 @@ def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0, ep: int = 1) -> list[
     registration order (norm, fused q/k/v, output projection, --qk-layernorm's query and key
     norms, norm, MLP; an MoE layer's router [E, h], replicated, and then each expert's MLP of
     moe_ffn_size split over t as the dense MLP, without biases: models.moe; under expert
-    parallelism over ``ep`` ranks, E/ep of the experts)."""
+    parallelism over ``ep`` ranks, E/ep of the experts; then the shared experts' MLP of
+    --moe-shared-expert-intermediate-size, split over t as the dense MLP, whole under expert
+    parallelism)."""
     h, f, t = cfg.hidden_size, cfg.ffn_size, tp
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // t
     bias = cfg.bias
@@ -44,11 +46,19 @@ def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0, ep: int = 1) -> list[
     if cfg.is_moe_layer(layer):  # the router replicated, each expert split as a dense MLP
         fm = cfg.moe_ffn_size // t
         expert = [fm * h] * (2 if cfg.activation == "swiglu" else 1) + [h * fm]
-        return out + [cfg.num_experts * h] + expert * (cfg.num_experts // ep)
-    column = [f // t * h, *([f // t] if bias else [])]
-    out += column + (column if cfg.activation == "swiglu" else [])
-    out += [h * f // t, *([h] if bias else [])]
-    return out
+        out += [cfg.num_experts * h] + expert * (cfg.num_experts // ep)
+        shared = cfg.moe_shared_expert_intermediate_size  # after the experts, whole on each
+        return out + (_mlp(cfg, shared, t) if shared else [])  # expert-parallel rank
+    return out + _mlp(cfg, f, t)
+
+
+def _mlp(cfg: GPTConfig, f: int, t: int) -> list[int]:
+    """A tensor-parallel MLP of width ``f``: the column-parallel product (two under SwiGLU),
+    then the row-parallel one, with their biases where the model has them."""
+    h = cfg.hidden_size
+    column = [f // t * h, *([f // t] if cfg.bias else [])]
+    out = column + (column if cfg.activation == "swiglu" else [])
+    return out + [h * f // t, *([h] if cfg.bias else [])]
 
 
 @dataclass(frozen=True)
@@ -90,14 +100,26 @@ def chunk_tensors(
             tensors.append(cfg.seq_length * h)
         for i in layers:
             layer = layer_tensors(cfg, tp, i, ep)
-            cut = len(layer) - _expert_tensors(cfg, i, ep)  # the experts come last
-            tensors += {None: layer, True: layer[cut:], False: layer[:cut]}[experts]
+            if experts is None:
+                tensors += layer
+                continue
+            # The experts follow the router; the shared experts (dense: replicated) follow them.
+            stop = len(layer) - _shared_tensors(cfg, i)
+            start = stop - _expert_tensors(cfg, i, ep)
+            tensors += layer[start:stop] if experts else layer[:start] + layer[stop:]
         if dense and last:
             tensors += _norm(cfg)
         if dense and last and untied:
             tensors.append(vocab * h)
         out.append(ChunkTensors(tensors, tied))
     return out
+
+
+def _shared_tensors(cfg: GPTConfig, layer: int) -> int:
+    """How many of layer ``layer``'s tensors are its shared experts' (one MLP, no biases)."""
+    if not cfg.is_moe_layer(layer) or not cfg.moe_shared_expert_intermediate_size:
+        return 0
+    return 3 if cfg.activation == "swiglu" else 2
 
 
 def _expert_tensors(cfg: GPTConfig, layer: int, ep: int) -> int:

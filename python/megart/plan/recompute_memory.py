@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from megart.models.config import GPTConfig
 from megart.models.recompute import recomputed_modules, recomputed_spans
 from megart.plan.activations import Precision, layer_bytes, norm_outputs, norm_statistics
-from megart.plan.moe_memory import moe_layer_extra
+from megart.plan.moe_memory import checkpointed_mlp_bytes, moe_layer_extra, moe_replay_bytes
 
 
 def chunk_layer_bytes(
@@ -31,7 +31,8 @@ def chunk_layer_bytes(
     """A (microbatch, chunk) pair's ``layers`` layers: (the bytes they keep until its backward,
     how far above that its backward rises while full recomputation replays a span; see
     full_recompute_bytes). Rope's tables are not counted here (rope_table_bytes: once a
-    pair); under --recompute-modules mlp the rise is one MLP's replay (mlp_replay_bytes).
+    pair); under --recompute-modules mlp the rise is one MLP's replay (mlp_replay_bytes),
+    under moe or shared_experts an MoE layer's (moe_memory.moe_replay_bytes): the larger.
     ``extras``: what each layer's saves without recomputation add to layer_bytes' (a
     tiled sliding window's second attention output, plan.window_memory), none where selective
     recomputation recomputes the attention core (--recompute-modules core_attn: recomputed
@@ -45,8 +46,12 @@ def chunk_layer_bytes(
     moe = list(moe) or [False] * layers
     if rec != "full":
         core_again = "core_attn" in recomputed_modules(cfg, rec)
-        # Only dense MLPs are checkpointed by --recompute-modules mlp (models.blocks).
+        # Only dense MLPs are checkpointed by --recompute-modules mlp (models.blocks); MoE
+        # layers by moe, their shared experts by shared_experts (plan.moe_memory).
         replay = mlp_replay_bytes(cfg, b, tp, sp, prec, cp) if not all(moe) else 0.0
+        args = (cfg, b, prec, cp, weight_bytes, tp, sp, ep, expert_tokens)
+        if any(moe):
+            replay = max(replay, moe_replay_bytes(*args))
         moe_extra = moe_layer_extra(cfg, b, rec, prec, cp, weight_bytes, tp, sp, ep, expert_tokens)
         kept = layers * one + sum(moe) * moe_extra
         return kept + (0.0 if core_again else sum(extras)), replay
@@ -125,15 +130,9 @@ def dropped_norms_rise(
 def mlp_replay_bytes(
     cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision, cp: int = 1
 ) -> float:
-    """--recompute-modules mlp: what one MLP's replay in the backward holds at once above the
-    layers' kept bytes (torch's checkpoint makes all its saves before the MLP's backward
-    frees any): its 2 f/t (GeLU, squared ReLU) or 4 f/t (SwiGLU) tensors, and the products'
-    saved input where the column-parallel entry makes a new one (the sequence gathered over t
-    ranks, or autocast's 16-bit copy of an fp32 stream's norm output), h; else that input is
-    the checkpoint's own, kept already."""
+    """--recompute-modules mlp: what one dense MLP's replay in the backward holds at once above
+    the layers' kept bytes (torch's checkpoint makes all its saves before the MLP's backward
+    frees any; moe_memory.checkpointed_mlp_bytes)."""
     if not cfg.recomputes("mlp"):
         return 0.0
-    mlp = (4 if cfg.activation == "swiglu" else 2) * cfg.ffn_size / tp * prec.other
-    copied = (sp and tp > 1) or prec.residual != prec.other
-    entry = cfg.hidden_size * prec.other if copied else 0.0
-    return cfg.seq_length // cp * b * (mlp + entry)
+    return checkpointed_mlp_bytes(cfg, b, tp, sp, prec, cp, cfg.ffn_size)

@@ -15,7 +15,8 @@ Per microbatch and layer on one GPU (t tensor-parallel ranks):
   backward (as reduce-scatter + all-gather pairs with sequence parallelism; the same bytes),
   2(t-1)/t of them on the wire, plus 2 more forward when full recomputation replays a layer;
   an MoE layer's experts replace the MLP's pair with its dispatcher's (plan.moe_time), exposed,
-  and spread over expert-parallel ranks add their all-to-alls (exposed; ep_comm).
+  and spread over expert-parallel ranks add their all-to-alls (exposed; ep_comm); its
+  --recompute-modules moe / shared_experts replay their forward (moe_time.replayed_forward).
 
 With context parallelism (cp ranks, megart.models.context_parallel) a rank holds s/cp tokens of
 each sequence: every per-token term above counts those. Under all_gather its
@@ -83,6 +84,8 @@ from megart.plan.moe_time import (
     moe_collectives,
     moe_elementwise,
     moe_mlp_shapes,
+    replayed_forward,
+    shared_collectives,
 )
 from megart.plan.ring_window_cost import ring_bias_reads, ring_window_share
 
@@ -309,6 +312,7 @@ def layer_work(
         else:
             bias_read = window_bias_reads(s, window, a2a or cp == 1, cp) * ACT / hbm
     comm = comm_backward = 0.0
+    moe_comm = (0.0, 0.0)  # an MoE layer's forward collectives: all, the shared experts'
     if t > 1:
         nbytes = tokens * h * ACT
         if sp:
@@ -329,9 +333,10 @@ def layer_work(
             comm = comm_backward = sum(max(0.0, half - g) for g in pairs[: 2 * parts])
         if moe:
             link = gpu.nvlink_bus_gb_per_s
-            fwd, bwd = (sum(collective_seconds(kind, n, t, link, gpu) for kind, n in passes)
-                        for passes in moe_collectives(cfg, tokens, ACT))  # fmt: skip
-            comm, comm_backward = comm + fwd, comm_backward + bwd
+            passes = (*moe_collectives(cfg, tokens, ACT), shared_collectives(cfg, tokens, ACT)[0])
+            fwd, bwd, shared = (sum(collective_seconds(kind, n, t, link, gpu) for kind, n in each)
+                                for each in passes)  # fmt: skip
+            comm, comm_backward, moe_comm = comm + fwd, comm_backward + bwd, (fwd, shared)
     # Context parallelism's exchanges (plan.context_parallel): forward, backward, and those that
     # recomputation replays in the backward.
     gather = scatter = replayed = 0.0
@@ -370,6 +375,10 @@ def layer_work(
         again = (2 - ("mlp" in modules)) * (sp and t > 1)
         again *= collective_seconds("all_gather", tokens * h * ACT, t, gpu.nvlink_bus_gb_per_s, gpu)
         backward, tp_comm = backward + again, tp_comm + again
+    if moe:  # --recompute-modules moe or shared_experts: their forward again (moe_time)
+        again = replayed_forward(cfg, modules, dense_times[2:], tokens * ACT / hbm, t, ep,
+                                 moe_comm, ep_fwd)  # fmt: skip
+        backward, tp_comm, ep_comm = backward + again[0], tp_comm + again[1], ep_comm + again[2]
     if "mlp" in modules and not moe:  # the MLP's forward again (dense MLPs only, as
         # models.blocks checkpoints them), its entry's and exit's collectives too
         backward += sum(dense_times[2:]) + tokens * mlp * ACT / hbm + comm / 2
