@@ -172,9 +172,9 @@ def test_the_run_line_says_the_experts_state_is_sharded_over_their_ranks():
     fake = SimpleNamespace(
         config=tw.tiny(**EP2), chunks=[], peak=None, dp=4, m=1, device_name="CPU"
     )
-    assert "Adam state 1/4 per rank (distributed optimizer, the experts' 1/2);" in run_description(
-        fake
-    )
+    line = run_description(fake)
+    assert "Adam state 1/4 per rank (distributed optimizer, the experts' 1/2);" in line
+    assert "dp 4 (experts over ep 2) (v 1)" in line
     fake.config = tw.tiny(**ZERO)
     assert "Adam state 1/4 per rank (distributed optimizer);" in run_description(fake)
 

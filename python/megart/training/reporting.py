@@ -140,7 +140,9 @@ def run_description(trainer: Any) -> str:
         + f", seq {c.seq_length}; tp {c.tp} x "
         + (f"cp {c.context_parallel_size} x " if c.context_parallel_size > 1 else "")
         + f"pp {c.pp} x "
-        f"dp {t.dp} (v {c.chunks}), global batch {c.global_batch_size} = "
+        f"dp {t.dp}"
+        + (f" (experts over ep {ep})" if ep > 1 else "")
+        + f" (v {c.chunks}), global batch {c.global_batch_size} = "
         f"{t.m} microbatches of {c.micro_batch_size} per data-parallel rank"
         + (
             f" after a ramp-up from {c.rampup_batch_size[0]} by {c.rampup_batch_size[1]} "
