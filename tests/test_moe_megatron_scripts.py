@@ -1,9 +1,11 @@
 """Megatron-LM's own MoE example, examples/mixtral/train_mixtral_8x7b_distributed.sh, under
 megart train with its flags as written there, MoE flags included (--moe-grouped-gemm,
 --moe-token-dispatcher-type alltoall: training.moe_kernels), the sizes shrunk to a few CPU
-processes and its data and Llama 2 tokenizer replaced by --mock-data: at tp1 x pp2 x ep2 with
-the distributed optimizer it follows the one-process curve; the dispatcher's two kinds and the
-kernel switches give that curve too; what megart cannot honour of them is refused by name."""
+processes and its data and Llama 2 tokenizer replaced by --mock-data (--bf16 kept): at
+tp1 x pp2 x ep2 with the distributed optimizer, and at tp2 x ep2, it follows the one-process
+curve (loss, gradient norm, load-balancing loss); the dispatcher's two kinds and the kernel
+switches give that curve exactly; Megatron's checkpoint args record them; what megart cannot
+honour of them is refused by name."""
 
 import pytest
 
@@ -50,7 +52,7 @@ TRAINING = [
     "--lr-decay-iters", "5",  # 320000
     "--lr-decay-style", "cosine", "--min-lr", "1.0e-5", "--weight-decay", "0.1",
     "--lr-warmup-iters", "2",  # 500
-    "--clip-grad", "1.0",
+    "--clip-grad", "1.0", "--bf16",
 ]  # fmt: skip
 PARALLEL = [
     "--tensor-model-parallel-size", "1",
@@ -122,6 +124,10 @@ LAYOUTS = {
     "tp1-pp2-ep2": {},
     "tp2-pp1-ep2": {"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "1"},
 }
+# Relative tolerance of each (--bf16): pp2 x ep2 moves whole activations (seen 1e-9 off);
+# tp2 splits the bf16 products and sums their parts (seen 4.4e-5 off, on the grad norm; a bf16
+# ulp is 3.9e-3 relative).
+TOLERANCE = {"tp1-pp2-ep2": CURVE, "tp2-pp1-ep2": dict(rel=1e-3, abs=0)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -130,7 +136,7 @@ def test_the_script_follows_the_one_process_curve(tmp_path, one_process, layout)
     assert len(one_process) == 6
     # The last stage logs the curve.
     for got, want in zip(curve(ranks[-1]), one_process, strict=True):
-        assert got == pytest.approx(want, **CURVE)
+        assert got == pytest.approx(want, **TOLERANCE[layout])
 
 
 @pytest.mark.parametrize(
