@@ -83,15 +83,15 @@ def test_the_checker_catches_a_dropped_refusal(monkeypatch):
     assert "did you mean" in problem(p, "--model-parallel-size")
     families = [f for f in megatron_refusals.FAMILIES if "--moe-" not in f[1]]
     monkeypatch.setattr(megatron_refusals, "FAMILIES", tuple(families))
-    assert "unrecognized" in problem(p, "--moe-grouped-gemm")
+    assert "unrecognized" in problem(p, "--moe-enable-deepep")
     assert "unrecognized" in problem(p, "--expert-tensor-parallel-size")
 
 
 def test_the_refusal_is_one_line_said_once(capsys):
-    assert train_main(["--moe-grouped-gemm", "--kv-lora-rank", "4", "--lrr", "1"]) != 0
+    assert train_main(["--moe-enable-deepep", "--kv-lora-rank", "4", "--lrr", "1"]) != 0
     err = capsys.readouterr().err
     assert err.count("megart train: error") == 1, err
-    assert "--moe-grouped-gemm: megart's mixture-of-experts layers" in err
+    assert "--moe-enable-deepep: megart's mixture-of-experts layers" in err
     assert "--kv-lora-rank: megart has no multi-latent attention" in err
     # A misspelt flag beside them is still named, with its hint.
     assert "unrecognized: --lrr (--lrr: did you mean --lr?)" in err

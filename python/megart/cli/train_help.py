@@ -358,6 +358,17 @@ HELP = {
     "moe_shared_expert_gate": "the shared experts' output times a learned sigmoid gate, "
     "sigmoid(x . w) with w one [1, hidden] weight per layer (Megatron-Core's SharedExpertMLP "
     "gate; Qwen2-MoE's shared_expert_gate)",
+    "moe_token_dispatcher_type": "how Megatron-Core moves tokens to their experts: allgather "
+    "or alltoall, the same outputs and gradients; megart's layer computes that either way "
+    "(gathering the sequence under tensor parallelism, exchanging tokens all-to-all under "
+    "expert parallelism); flex (DeepEP's kernels) is refused",
+    "moe_grouped_gemm": "accepted: Megatron-Core's experts as grouped matrix products, the same "
+    "products as one expert at a time, which is how megart runs them; refused with "
+    "--ckpt-format torch or torch_dist (Megatron's grouped-expert files)",
+    "moe_permute_fusion": "accepted: Transformer Engine's fused sorting of tokens by expert, the "
+    "same math; megart sorts them with plain torch ops",
+    "moe_router_fusion": "accepted: Transformer Engine's fused top-k and auxiliary-loss "
+    "statistics, the same math; megart's router is plain torch",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
     "GPTModel: megart's model and checkpoint names are that model's)",
     "rotary_percent": "the part of each head rope rotates: its first int(head size x this) "

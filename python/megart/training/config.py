@@ -219,6 +219,12 @@ class TrainConfig(LearningRateFlags):
     moe_router_group_topk: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
+    # Kernel and dispatch choices of Megatron-Core's MoE layer that leave its math unchanged:
+    # megart's layer computes what each computes (training.moe_kernels says what it does).
+    moe_token_dispatcher_type: str = "allgather"
+    moe_grouped_gemm: bool = False
+    moe_permute_fusion: bool = False
+    moe_router_fusion: bool = False
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
     rotary_percent: float = 1.0  # the part of each head rope turns (GPTConfig.rotary_percent)
     data_cache_path: str | None = None  # --data-order megatron's indices, built once

@@ -41,4 +41,6 @@ CHOICES = {
         "quantile_balancing",
         "none",
     ),
+    # Megatron's choices; flex (DeepEP's) is refused with why (training.moe_kernels).
+    "moe_token_dispatcher_type": ("allgather", "alltoall", "flex"),
 }

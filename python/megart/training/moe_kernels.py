@@ -1,0 +1,58 @@
+"""Megatron-LM's choices of how its MoE layer moves tokens and runs its experts, which leave
+the layer's math unchanged: megart takes each (TrainConfig's fields of the same names) and
+computes what Megatron-Core computes with it.
+
+- --moe-token-dispatcher-type allgather (Megatron's default) or alltoall: two ways of getting
+  each token to its experts and back, with the same outputs and gradients
+  (tests/test_moe_ep_tp.py compares megart's layer with Megatron-Core's dispatchers of both
+  kinds). megart's layer does the same either way: under tensor parallelism (with
+  --sequence-parallel) it gathers the sequence as the allgather dispatcher does and
+  reduce-scatters the summed output; under expert parallelism it sends each (token, expert)
+  copy to the expert's owner all-to-all, as the alltoall dispatcher does
+  (models.expert_exchange). flex (DeepEP's or HybridEP's fused all-to-all kernels) is refused:
+  megart has neither.
+- --moe-permute-fusion and --moe-router-fusion: Transformer Engine's fused kernels for sorting
+  tokens by expert, and for the router's top-k and auxiliary-loss statistics; the same math,
+  so accepted; megart runs its own unfused torch ops either way.
+- --moe-grouped-gemm: Megatron-Core's experts as one grouped matrix product per projection
+  (GroupedMLP, TEGroupedMLP) rather than one product per expert (SequentialMLP): the same
+  products, so accepted; megart runs them one expert at a time either way (SequentialMLP's
+  loop). Megatron-LM's checkpoints of grouped experts hold other names and layouts
+  (GroupedMLP's weight1/weight2, TEGroupedMLP's linear_fc1.weight0...), and Megatron-Core's
+  grouped experts need the grouped_gemm package or Transformer Engine, so megart cannot
+  check such files against Megatron-Core's own model here: with --moe-grouped-gemm,
+  --ckpt-format torch and torch_dist are refused; megart's own format holds the experts as
+  always.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megart.errors import ConfigError
+
+DISPATCHERS = ("allgather", "alltoall")
+
+
+def check_moe_kernels(cfg: Any) -> None:
+    """Refuses the MoE kernel and dispatch choices megart cannot honour, by name."""
+    kind = cfg.moe_token_dispatcher_type
+    if kind == "flex":
+        raise ConfigError(
+            "--moe-token-dispatcher-type flex: Megatron-Core's flex dispatcher runs DeepEP's or "
+            "HybridEP's fused all-to-all kernels, which megart does not have; use allgather or "
+            "alltoall (megart computes the same layer with either)"
+        )
+    if kind not in DISPATCHERS:
+        raise ConfigError(
+            f"--moe-token-dispatcher-type {kind!r}: give one of {', '.join(DISPATCHERS)}"
+        )
+    if cfg.moe_grouped_gemm and cfg.ckpt_format != "megart":
+        raise ConfigError(
+            f"--moe-grouped-gemm with --ckpt-format {cfg.ckpt_format}: Megatron-LM's files of "
+            "grouped experts (GroupedMLP's weight1/weight2, TEGroupedMLP's linear_fc1.weightN) "
+            "are not written or read by megart, which cannot check them against "
+            "Megatron-Core's grouped experts (they need the grouped_gemm package or "
+            "Transformer Engine); use --ckpt-format megart (the default), or leave out "
+            "--moe-grouped-gemm for Megatron's per-expert (SequentialMLP) files"
+        )
