@@ -198,6 +198,9 @@ NO_EFFECT = (
     "attention_dropout", "use_flash_attn", "transformer_impl", "use_mcore_models",
     # the routing weights times a number (nothing saved)
     "moe_router_topk_scaling_factor",
+    # MoE dispatch and kernel choices: megart's layer runs the same way under each
+    # (training.moe_kernels).
+    "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion",
     "moe_router_bias_update_rate",  # the expert bias's step, a number (no work)
     "distributed_backend",
     # data
