@@ -15,7 +15,9 @@ FAMILIES: tuple[tuple[str, str], ...] = (
         "--moe-router-num-groups and --moe-router-group-topk, an expert bias with "
         "--moe-router-enable-expert-bias) with the aux_loss, seq_aux_loss or global_aux_loss "
         "and the z-loss, plus shared experts (--moe-shared-expert-intermediate-size, "
-        "--moe-shared-expert-gate); this MoE feature is not built (leave it out)",
+        "--moe-shared-expert-gate), token dropping (--moe-expert-capacity-factor, "
+        "--moe-token-drop-policy, --moe-pad-expert-input-to-capacity); this MoE feature is "
+        "not built (leave it out)",
         (
             "--moe- --expert-tensor-parallel- --use-grouped-gemm-for- "
             "--overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad "
