@@ -145,6 +145,9 @@ def moe_config(cfg: GPTConfig) -> dict:
         moe_router_group_topk=cfg.moe_router_group_topk,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=cfg.moe_shared_expert_gate,
+        moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
+        moe_token_drop_policy=cfg.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=cfg.moe_pad_expert_input_to_capacity,
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
     )

@@ -211,9 +211,9 @@ def test_what_megart_cannot_run_is_refused_by_name(argv, world, message):
 def test_megatrons_other_moe_flags_are_refused_by_name(capsys):
     from megart.cli.train import main
 
-    assert main([*MOE, "--moe-grouped-gemm", "--moe-shared-expert-overlap"]) != 0
+    assert main([*MOE, "--moe-enable-deepep", "--moe-shared-expert-overlap"]) != 0
     err = capsys.readouterr().err
-    assert "--moe-grouped-gemm: megart's mixture-of-experts layers" in err
+    assert "--moe-enable-deepep: megart's mixture-of-experts layers" in err
     assert "--moe-shared-expert-overlap: megart's mixture-of-experts" in err
 
 

@@ -117,6 +117,14 @@ UNMODELLED_GIVEN = {
     "moe_shared_expert_gate": ["--num-experts", "8", "--disable-bias-linear",
                                "--moe-shared-expert-intermediate-size", "1024",
                                "--moe-shared-expert-gate"],
+    "moe_expert_capacity_factor": ["--num-experts", "8", "--disable-bias-linear",
+                                   "--moe-expert-capacity-factor", "1.0"],
+    "moe_token_drop_policy": ["--num-experts", "8", "--disable-bias-linear",
+                              "--moe-expert-capacity-factor", "1.0",
+                              "--moe-token-drop-policy", "position"],
+    "moe_pad_expert_input_to_capacity": ["--num-experts", "8", "--disable-bias-linear",
+                                         "--moe-expert-capacity-factor", "1.0",
+                                         "--moe-pad-expert-input-to-capacity"],
 }  # fmt: skip
 
 

@@ -369,6 +369,14 @@ HELP = {
     "same math; megart sorts them with plain torch ops",
     "moe_router_fusion": "accepted: Transformer Engine's fused top-k and auxiliary-loss "
     "statistics, the same math; megart's router is plain torch",
+    "moe_expert_capacity_factor": "token dropping: each expert takes at most ceil(tokens x "
+    "topk / experts x this) of the tokens each rank's router routes (a microbatch's, or its "
+    "slice under sequence or context parallelism), the rest of its tokens dropped (the residual "
+    "carries them); default none, negative: none",
+    "moe_token_drop_policy": "which tokens an expert over its capacity drops: probs (the lowest "
+    "routing weights) or position (the latest)",
+    "moe_pad_expert_input_to_capacity": "each expert's input padded to its capacity with tokens "
+    "at weight 0 (needs --moe-expert-capacity-factor)",
     "use_mcore_models": "accepted (deprecated in Megatron-LM, whose only GPT is Megatron-Core's "
     "GPTModel: megart's model and checkpoint names are that model's)",
     "rotary_percent": "the part of each head rope rotates: its first int(head size x this) "

@@ -181,6 +181,13 @@ class GPTConfig:
     moe_router_group_topk: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
+    # Token dropping (models.moe_router.drop_tokens): each expert takes at most
+    # ceil(T k / E x capacity_factor) of the T tokens its router routes (None: every token), those
+    # beyond dropped by their routing weights ("probs") or positions ("position"); pad: each
+    # expert's input padded to that capacity with other tokens at weight 0.
+    moe_expert_capacity_factor: float | None = None
+    moe_token_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
 
     def __post_init__(self) -> None:
         lists = ("window_size", "window_attn_skip_freq", "recompute_modules", "moe_layer_freq")

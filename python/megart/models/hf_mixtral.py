@@ -69,9 +69,14 @@ def check(cfg: GPTConfig) -> None:
 def softmax_routing(cfg: GPTConfig, fmt: str, weights: str) -> list[tuple[str, str]]:
     """(flag or "", why) for the router settings a Hugging Face softmax router (format
     ``fmt``'s; ``weights`` says what its weights are) cannot spell: sigmoid scores, a top-k
-    scaling factor, an expert bias, group-limited routing."""
+    scaling factor, an expert bias, group-limited routing, token dropping."""
     groups = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+    factor = cfg.moe_expert_capacity_factor
     return [
+        (
+            "" if factor is None else f"--moe-expert-capacity-factor {factor:g}",
+            f"{fmt}'s experts take every token routed to them (no capacity, nothing dropped)",
+        ),
         (
             "--moe-router-enable-expert-bias" * cfg.moe_router_enable_expert_bias,
             f"{fmt}'s router has no expert bias",

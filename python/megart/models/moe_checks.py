@@ -38,12 +38,22 @@ MOE_DEFAULTS: dict[str, object] = {
     "moe_router_group_topk": None,
     "moe_shared_expert_intermediate_size": None,
     "moe_shared_expert_gate": False,
+    "moe_expert_capacity_factor": None,
+    "moe_token_drop_policy": "probs",
+    "moe_pad_expert_input_to_capacity": False,
 }
+DROP_POLICIES = ("probs", "position")
 
 
 def flag(field: str) -> str:
     """A GPTConfig MoE field's Megatron flag (--num-experts, --moe-router-topk, ...)."""
     return "--" + field.replace("_", "-")
+
+
+def capacity_factor(factor: float | None) -> float | None:
+    """--moe-expert-capacity-factor as GPTConfig takes it: a negative one is none (no
+    dropping), as Megatron-Core's TransformerConfig reads it."""
+    return None if factor is None or factor < 0 else float(factor)
 
 
 def is_moe_layer(cfg: GPTConfig, layer: int) -> bool:
@@ -206,6 +216,7 @@ def _check_router(cfg: GPTConfig) -> None:
             "only; add --moe-router-score-function sigmoid (as Megatron-LM asks)"
         )
     _check_groups(cfg)
+    _check_capacity(cfg)
     factor = cfg.moe_router_topk_scaling_factor
     if factor is not None and not factor > 0:
         raise ConfigError(
@@ -236,4 +247,29 @@ def _check_groups(cfg: GPTConfig) -> None:
             f"--moe-router-group-topk {chosen}: each token takes its --moe-router-topk {k} "
             f"experts from {chosen} of the {groups} groups of {size}, scored by their top "
             f"k/g; give 1 <= g <= G with g <= k <= g x {size}"
+        )
+
+
+def _check_capacity(cfg: GPTConfig) -> None:
+    """Token dropping: a positive capacity factor (Megatron-LM's flags read a negative one as
+    none: model_flags), one of Megatron's two policies, padding and a policy other than the
+    default only with a capacity (Megatron-Core refuses padding without; the policy alone it
+    would ignore)."""
+    factor, policy = cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy
+    if factor is not None and not factor > 0:
+        raise ConfigError(
+            f"--moe-expert-capacity-factor {factor:g}: each expert takes ceil(tokens x topk / "
+            "experts x this) tokens; give a positive factor, or leave it out (no dropping)"
+        )
+    if policy not in DROP_POLICIES:
+        raise ConfigError(
+            f"--moe-token-drop-policy {policy}: use probs (drop the lowest routing weights) or "
+            "position (drop the latest tokens)"
+        )
+    if factor is None and (cfg.moe_pad_expert_input_to_capacity or policy != "probs"):
+        given = "--moe-pad-expert-input-to-capacity" * cfg.moe_pad_expert_input_to_capacity
+        given = given or f"--moe-token-drop-policy {policy}"
+        raise ConfigError(
+            f"{given}: the experts' capacity needs --moe-expert-capacity-factor C (as "
+            "Megatron-LM asks); give it or leave this out"
         )

@@ -19,6 +19,17 @@ rank routes its own tokens; a layer lives on one pipeline stage) and moves each 
 --moe-router-bias-update-rate towards balance: up where an expert got fewer than the mean,
 down where more, unchanged where exactly the mean (the sign of the difference).
 
+Token dropping (--moe-expert-capacity-factor C, Megatron-Core's apply_router_token_dropping):
+after routing, each expert keeps at most ceil(T k / E x C) of the T tokens this router routed
+(this rank's: under sequence or context parallelism its slice of the sequence, under data and
+expert parallelism its own microbatch, as Megatron-Core's router counts them); --moe-token-drop-
+policy probs keeps the highest routing weights, position the earliest tokens ([s, b] order).
+A dropped copy gets weight 0 and goes nowhere (the residual still carries the token); a
+capacity above T drops nothing. --moe-pad-expert-input-to-capacity: each expert takes exactly
+its capacity (T where that is more), the free places filled with tokens not routed to it at
+weight 0, which add nothing to the output nor any gradient. The bias's counts are the
+tokens kept (with padding, the capacity), as Megatron-Core counts its final map.
+
 The load-balancing losses (their values; models.moe attaches them): --moe-router-load-balancing-
 type aux_loss, the Switch Transformer's over each microbatch, and seq_aux_loss, DeepSeek's,
 the same loss over each sequence of the microbatch and averaged over them; both count choices by
@@ -33,6 +44,7 @@ recomputation, which runs a forward twice, is refused with it (moe_checks).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -99,7 +111,37 @@ def route(
         weights = weights * cfg.moe_router_topk_scaling_factor
     probs = torch.zeros_like(logits).scatter(1, top, weights)
     chosen = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
-    return probs, chosen
+    if cfg.moe_expert_capacity_factor is None:
+        return probs, chosen
+    return drop_tokens(probs, chosen, cfg)
+
+
+def expert_capacity(tokens: int, cfg: GPTConfig) -> int:
+    """How many of ``tokens`` routed tokens each expert takes: ceil(T k / E x C), in
+    Megatron-Core's float arithmetic (get_capacity)."""
+    share = tokens * cfg.moe_router_topk / cfg.num_experts
+    return math.ceil(share * cfg.moe_expert_capacity_factor)
+
+
+def drop_tokens(
+    probs: torch.Tensor, chosen: torch.Tensor, cfg: GPTConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] ``probs`` and ``chosen`` with each expert's tokens beyond its capacity dropped
+    (weight 0, not chosen) by cfg's policy; with padding, each expert's chosen rows its
+    capacity (T where that is more), filled with unrouted tokens at weight 0."""
+    tokens = probs.shape[0]
+    capacity = expert_capacity(tokens, cfg)
+    if capacity > tokens:  # no expert can overflow
+        kept = torch.ones_like(chosen)
+    else:
+        if cfg.moe_token_drop_policy == "probs":  # each expert's highest weights
+            rows = torch.topk(probs, capacity, dim=0, sorted=False).indices
+        else:  # its routed tokens first, earliest first (a stable sort keeps positions' order)
+            rows = torch.sort(chosen.to(torch.uint8), dim=0, descending=True, stable=True)
+            rows = rows.indices[:capacity]
+        kept = torch.zeros_like(chosen).scatter(0, rows, True)
+    final = kept if cfg.moe_pad_expert_input_to_capacity else chosen & kept
+    return probs * final, final
 
 
 def _balance_scores(logits: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -156,6 +156,12 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "moe_router_group_topk": ((None,), "group-limited routing's group scores and masks"),
     "moe_shared_expert_gate": ((False,), "the shared experts' gate: its weights and products"),
+    "moe_expert_capacity_factor": (
+        (None,),
+        "token dropping: the capacity masks and the experts' fewer (or padded) tokens",
+    ),
+    "moe_token_drop_policy": (("probs",), "token dropping's choice of the tokens kept"),
+    "moe_pad_expert_input_to_capacity": ((False,), "the experts' inputs padded to capacity"),
 }
 
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the

@@ -225,6 +225,10 @@ class TrainConfig(LearningRateFlags):
     moe_grouped_gemm: bool = False
     moe_permute_fusion: bool = False
     moe_router_fusion: bool = False
+    # Token dropping (a negative factor is none, as Megatron-LM reads it).
+    moe_expert_capacity_factor: float | None = None
+    moe_token_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
     rotary_percent: float = 1.0  # the part of each head rope turns (GPTConfig.rotary_percent)
     data_cache_path: str | None = None  # --data-order megatron's indices, built once

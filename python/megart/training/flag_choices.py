@@ -3,7 +3,7 @@ by TrainConfig field; kept apart from the config, which re-exports them."""
 
 from __future__ import annotations
 
-from megart.models.moe_checks import SCORE_FUNCTIONS
+from megart.models.moe_checks import DROP_POLICIES, SCORE_FUNCTIONS
 from megart.training.config_checks import PIPELINE_SCHEDULES
 from megart.training.lr import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from megart.training.megatron_flags import ATTENTION_BACKENDS, CKPT_FORMATS, TOKENIZER_TYPES
@@ -32,6 +32,7 @@ CHOICES = {
     "data_order": ("megart", "megatron"),
     "moe_router_score_function": SCORE_FUNCTIONS,
     "moe_router_dtype": ("fp32", "fp64"),
+    "moe_token_drop_policy": DROP_POLICIES,
     # Megatron's choices: those megart lacks are refused with why (models.moe_checks).
     "moe_router_load_balancing_type": (
         "aux_loss",

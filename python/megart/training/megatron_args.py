@@ -12,6 +12,7 @@ from typing import Any
 
 from megart.errors import ConfigError
 from megart.models.config import VOCAB_MULTIPLE, GPTConfig, activation_of, distinct_head_size
+from megart.models.moe_checks import capacity_factor
 from megart.models.stages import check_stages, uneven
 from megart.models.window import any_windowed
 
@@ -112,6 +113,9 @@ def moe_args(cfg: GPTConfig) -> dict[str, Any]:
         moe_grouped_gemm=False,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=cfg.moe_shared_expert_gate,
+        moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
+        moe_token_drop_policy=cfg.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=cfg.moe_pad_expert_input_to_capacity,
         expert_model_parallel_size=1,
     )
 
@@ -201,6 +205,9 @@ def moe_fields(a: dict[str, Any]) -> dict[str, Any]:
         moe_router_group_topk=a.get("moe_router_group_topk"),
         moe_shared_expert_intermediate_size=a.get("moe_shared_expert_intermediate_size"),
         moe_shared_expert_gate=bool(a.get("moe_shared_expert_gate", False)),  # older args lack it
+        moe_expert_capacity_factor=capacity_factor(a.get("moe_expert_capacity_factor")),
+        moe_token_drop_policy=a.get("moe_token_drop_policy", "probs"),
+        moe_pad_expert_input_to_capacity=bool(a.get("moe_pad_expert_input_to_capacity", False)),
     )
 
 

@@ -15,9 +15,11 @@ FAMILIES: tuple[tuple[str, str], ...] = (
         "--moe-router-num-groups and --moe-router-group-topk, an expert bias with "
         "--moe-router-enable-expert-bias) with the aux_loss, seq_aux_loss or global_aux_loss "
         "and the z-loss, plus shared experts (--moe-shared-expert-intermediate-size, "
-        "--moe-shared-expert-gate), dispatched by --moe-token-dispatcher-type allgather or "
-        "alltoall, with --moe-grouped-gemm, --moe-permute-fusion and --moe-router-fusion "
-        "taken as the same math; this MoE feature is not built (leave it out)",
+        "--moe-shared-expert-gate), token dropping (--moe-expert-capacity-factor, "
+        "--moe-token-drop-policy, --moe-pad-expert-input-to-capacity), dispatched by "
+        "--moe-token-dispatcher-type allgather or alltoall, with --moe-grouped-gemm, "
+        "--moe-permute-fusion and --moe-router-fusion taken as the same math; this MoE feature "
+        "is not built (leave it out)",
         (
             "--moe- --expert-tensor-parallel- --use-grouped-gemm-for- "
             "--overlap-moe-expert-parallel-comm --overlap-dispatch-backward-with-experts-wgrad "

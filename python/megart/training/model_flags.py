@@ -13,6 +13,7 @@ from megart.models.config import (
     activation_of,
     distinct_head_size,
 )
+from megart.models.moe_checks import capacity_factor
 from megart.models.recompute import DEFAULT_MODULES, MODULES, OTHER_MODULES
 from megart.models.window import parse_skip_freq, parse_window_size
 from megart.parallel.layout import divisors, nearest_multiples
@@ -105,6 +106,9 @@ def moe_fields(config: Any) -> dict[str, Any]:
         moe_router_group_topk=config.moe_router_group_topk,
         moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=config.moe_shared_expert_gate,
+        moe_expert_capacity_factor=capacity_factor(config.moe_expert_capacity_factor),
+        moe_token_drop_policy=config.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=config.moe_pad_expert_input_to_capacity,
     )
 
 
