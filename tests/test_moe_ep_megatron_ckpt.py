@@ -1,0 +1,73 @@
+"""Expert parallelism in Megatron-LM's legacy checkpoint files (--ckpt-format torch at
+--expert-model-parallel-size 2; training.megatron_expert_files): each expert-parallel rank
+writes mp_rank_TT[_PPP]_EEE with its experts under their local numbers and its optimizer as
+Megatron-Core's chain of two (dense, experts), args with expert_model_parallel_size. A save
+resumes at the same layout and in one process (its files merged) holding exactly what was
+saved and on the one-process curve. torch_dist and the distributed optimizer's legacy files
+under expert parallelism stay refused by name."""
+
+import pytest
+
+import train_workers as tw
+from megart import ConfigError
+from megart.launcher import launch
+from megart.training.megatron_files import torch_load
+from train_workers import SAME_RUN
+
+MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,
+             moe_z_loss_coeff=0.01)  # fmt: skip
+TRAIN = dict(MODEL, train_iters=4)
+EP2 = dict(TRAIN, expert_model_parallel_size=2, ckpt_format="torch")
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return launch(tw.train_kw, 1, TRAIN, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    store = tmp_path_factory.mktemp("ep2") / "ckpt"
+    saving = tw.holding(2, dict(EP2, train_iters=4, exit_interval=2, save=str(store)))
+    return store, [r["trained"] for r in saving]
+
+
+def test_each_expert_parallel_rank_writes_its_local_experts_as_megatron_lm(saved):
+    store, _ = saved
+    root = store / "iter_0000002"
+    assert sorted(p.name for p in root.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    for e in range(2):
+        state = torch_load(root / f"mp_rank_00_{e:03d}" / "model_optim_rng.pt")
+        assert vars(state["args"])["expert_model_parallel_size"] == 2
+        experts = {k.split("local_experts.")[1].split(".")[0]
+                   for k in state["model"] if "local_experts" in k}  # fmt: skip
+        assert experts == {"0", "1"}  # local numbers: 4 experts over 2 ranks
+        dense, expert = state["optimizer"]  # Megatron-Core's ChainedOptimizer
+        assert all(not g["is_expert_parallel"] for g in dense["param_groups"])
+        assert [g["is_expert_parallel"] for g in expert["param_groups"]] == [True]  # no biases
+        n_expert = sum(len(g["params"]) for g in expert["param_groups"])
+        # Every local expert's fc1 and fc2 of every MoE layer, and nothing else.
+        held = [k for k in state["model"] if "local_experts" in k and k.endswith("weight")]
+        assert n_expert == len(held) and len(held) % 4 == 0
+
+
+@pytest.mark.parametrize("nproc,run", [(2, EP2), (1, TRAIN)], ids=["ep2", "ep1"])
+def test_an_ep2_legacy_checkpoint_resumes_on_the_curve(saved, one_process, nproc, run):
+    store, trained = saved
+    resumed = tw.holding(nproc, dict(run, train_iters=4, load=str(store)))
+    tw.assert_holds(trained, resumed)
+    tw.assert_resumed_on_curve(one_process, [resumed[0]], **SAME_RUN)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(ckpt_format="torch_dist"), "torch_dist:"),
+        (dict(use_distributed_optimizer=True), "torch and --use-distributed-optimizer:"),
+    ],
+)
+def test_what_is_not_written_under_expert_parallelism_is_refused(flags, message):
+    config = tw.tiny(**dict(EP2, **flags))
+    said = f"--expert-model-parallel-size 2 with --ckpt-format {message}"
+    with pytest.raises(ConfigError, match=said):
+        config.check(2)
