@@ -32,6 +32,18 @@ def saved(tmp_path_factory):
     return store, [r["trained"] for r in saving]
 
 
+def test_an_ep2_pp2_legacy_checkpoint_resumes_in_one_process_on_the_curve(tmp_path, one_process):
+    """Files mp_rank_00_PPP_EEE (Megatron's order: pipeline, then expert rank)."""
+    layout = dict(EP2, pipeline_model_parallel_size=2)
+    store = tmp_path / "ckpt"
+    trained, resumed = tw.saved_and_resumed(4, layout, 1, TRAIN, store)
+    tw.assert_holds(trained, resumed)
+    tw.assert_resumed_on_curve(one_process, [resumed[0]], **SAME_RUN)
+    saved = sorted(p.name for p in (store / "iter_0000002").iterdir())
+    assert saved == ["mp_rank_00_000_000", "mp_rank_00_000_001",
+                     "mp_rank_00_001_000", "mp_rank_00_001_001"]  # fmt: skip
+
+
 def test_each_expert_parallel_rank_writes_its_local_experts_as_megatron_lm(saved):
     store, _ = saved
     root = store / "iter_0000002"
@@ -71,3 +83,56 @@ def test_what_is_not_written_under_expert_parallelism_is_refused(flags, message)
     said = f"--expert-model-parallel-size 2 with --ckpt-format {message}"
     with pytest.raises(ConfigError, match=said):
         config.check(2)
+
+
+def test_megatron_core_at_ep2_loads_each_ranks_file_with_megarts_logits(saved):
+    """Each of Megatron-Core's two expert-parallel ranks loads its own file strictly; its
+    logits are megart's of the merged weights (convert-checkpoint's reader). Bound 1e-6:
+    Megatron-Core's routing softmax rounds to fp32."""
+    import torch
+
+    import moe_ep_megatron_workers as mw
+
+    store, _ = saved
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
+    theirs = launch(mw.logits_of_own_file, 2, str(store), tokens, timeout=300)
+    assert [r["file"] for r in theirs] == ["mp_rank_00_000", "mp_rank_00_001"]
+    want = launch(mw.whole_logits, 1, str(store), tokens, timeout=300)[0]
+    assert want.abs().max() > 0.1
+    diffs = [(r["logits"][..., : want.shape[-1]] - want).abs().max().item() for r in theirs]
+    print(f"Megatron-Core EP2 logits vs megart's: {diffs} (scale {want.abs().max().item():.3g})")
+    assert max(diffs) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def megatron_core_saved(saved, tmp_path_factory):
+    import moe_ep_megatron_workers as mw
+
+    store, _ = saved
+    out = tmp_path_factory.mktemp("mcore") / "ckpt"
+    groups = launch(mw.megatron_core_resaves, 2, EP2, str(store), str(out), timeout=300)
+    return out, groups
+
+
+def test_megatron_cores_chained_optimizer_loads_megarts_state(megatron_core_saved):
+    """Megatron-Core's own groups of the EP2 model: the dense optimizer's two (decayed, not),
+    the experts' one (no biases), flagged is_expert_parallel, as megart's file holds them."""
+    _, groups = megatron_core_saved
+    for g in groups:
+        (dense, experts) = g["groups"]
+        assert [x for _, x in dense] == [False, False] and [x for _, x in experts] == [True]
+        assert experts[0][0] > 0
+
+
+@pytest.mark.parametrize("nproc,run", [(2, EP2), (1, TRAIN)], ids=["ep2", "ep1"])
+def test_megart_resumes_megatron_cores_ep2_files_on_the_curve(
+    saved, megatron_core_saved, one_process, nproc, run
+):
+    """Megatron-Core's files (its own model and ChainedOptimizer state dicts, no megart
+    record) hold what megart saved: a resume at EP2 and in one process holds it exactly and
+    goes on on the curve."""
+    _, trained = saved
+    out, _ = megatron_core_saved
+    resumed = tw.holding(nproc, dict(run, train_iters=4, load=str(out)))
+    tw.assert_holds(trained, resumed)
+    tw.assert_resumed_on_curve(one_process, [resumed[0]], **SAME_RUN)

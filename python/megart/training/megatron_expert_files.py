@@ -149,3 +149,31 @@ def split_model(
         return ".mlp.experts.local_experts." in name if megatron else is_expert(name)
 
     return [{k: v for k, v in chunk.items() if expert(k) == experts} for chunk in chunks]
+
+
+# A Megatron-Core expert tensor's name around its index (local in legacy files).
+_MEGATRON_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
+
+
+def megatron_renumbered(chunk: dict[str, Any], shift: int) -> dict[str, Any]:
+    """A Megatron-Core chunk state dict with each routed expert's index moved by ``shift``."""
+    return {_MEGATRON_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + shift}.", k): v
+            for k, v in chunk.items()}  # fmt: skip
+
+
+def merged_megatron_chunks(
+    files: list[list[dict[str, Any]]], num_experts: int
+) -> list[dict[str, Any]]:
+    """One (tensor, pipeline) rank's model chunks (Megatron-Core names) from its expert-
+    parallel ranks' (``files[e]``: rank e's chunks): the dense tensors of rank 0's, every
+    rank's experts under their global numbers, as a file saved without expert parallelism
+    holds them."""
+    ep = len(files)
+    merged = [{k: v for k, v in chunk.items() if not _MEGATRON_EXPERT.search(k)}
+              for chunk in files[0]]  # fmt: skip
+    for e, chunks in enumerate(files):
+        shift = first_expert(e, ep, num_experts)
+        for whole, chunk in zip(merged, chunks, strict=True):
+            own = {k: v for k, v in chunk.items() if _MEGATRON_EXPERT.search(k)}
+            whole.update(megatron_renumbered(own, shift))
+    return merged

@@ -214,7 +214,8 @@ def to_megatron_file(
     if optimizer is not None:
         keys = megatron_group_keys(config.lr, config.min_lr, config.decoupled_rates())
         if ep == 1:
-            optimizer = _megatron_optimizer(optimizer, state, model, cfg, config, keys)
+            params = state["optimizer_params"]
+            optimizer = _megatron_optimizer(optimizer, params, state, model, cfg, config, keys)
         else:  # Megatron-Core's ChainedOptimizer: the dense parameters', then the experts'
             optimizer = [
                 _megatron_optimizer(
