@@ -3,8 +3,12 @@
 writes mp_rank_TT[_PPP]_EEE with its experts under their local numbers and its optimizer as
 Megatron-Core's chain of two (dense, experts), args with expert_model_parallel_size. A save
 resumes at the same layout and in one process (its files merged) holding exactly what was
-saved and on the one-process curve. torch_dist and the distributed optimizer's legacy files
-under expert parallelism stay refused by name."""
+saved and on the one-process curve; Megatron-Core's EP2 model loads each rank's file strictly
+with megart's logits, and its ChainedOptimizer megart's state, and megart resumes the files it
+writes. A torch_dist store saved at EP 1 (layout-free) resumes at EP 2 (and with the
+distributed optimizer at ep2 x dp4: tests/test_moe_ep_distopt.py covers its own store). Writing
+torch_dist and the distributed optimizer's legacy files under expert parallelism stay refused
+by name, as reading a torch_dist store saved at EP > 1."""
 
 import pytest
 
@@ -136,3 +140,26 @@ def test_megart_resumes_megatron_cores_ep2_files_on_the_curve(
     resumed = tw.holding(nproc, dict(run, train_iters=4, load=str(out)))
     tw.assert_holds(trained, resumed)
     tw.assert_resumed_on_curve(one_process, [resumed[0]], **SAME_RUN)
+
+
+@pytest.mark.parametrize(
+    "nproc,run",
+    [(2, dict(TRAIN, expert_model_parallel_size=2)),
+     (4, dict(TRAIN, expert_model_parallel_size=2, use_distributed_optimizer=True))],
+    ids=["ep2", "ep2-dp4-distopt"],
+)  # fmt: skip
+def test_a_torch_dist_store_of_ep1_resumes_at_ep2_on_the_curve(tmp_path, one_process, nproc, run):
+    """Each rank reads its own experts' slices (global offsets) of the layout-free store."""
+    saved = dict(TRAIN, ckpt_format="torch_dist")
+    trained, resumed = tw.saved_and_resumed(1, saved, nproc, run, tmp_path / "ckpt")
+    tw.assert_holds(trained, resumed)
+    tw.assert_resumed_on_curve(one_process, [resumed[0]], **SAME_RUN)
+
+
+def test_a_torch_dist_store_saved_at_ep2_is_refused_by_name_and_legacy_files_are_not():
+    from megart.training.megatron_args import check_args
+
+    a = dict(num_layers=2, num_experts=4, expert_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="store saved with --expert-model-parallel-size 2"):
+        check_args(a, "store")
+    check_args(a, "legacy", expert_parallel=True)  # the legacy files' readers take it

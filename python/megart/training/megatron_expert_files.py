@@ -71,9 +71,10 @@ def shifted(state: dict[str, Any], shift: int) -> dict[str, Any]:
     return {**state, "model": model, "optimizer_params": params}
 
 
-def first_expert(ep_rank: int, ep: int, num_experts: int) -> int:
-    """The global index of expert-parallel rank ``ep_rank``'s first expert."""
-    return ep_rank * (num_experts // ep)
+def first_expert(ep_rank: int, ep: int, num_experts: int | None) -> int:
+    """The global index of expert-parallel rank ``ep_rank``'s first expert (0 without expert
+    parallelism, where a dense model has no experts)."""
+    return ep_rank * (num_experts // ep) if ep > 1 else 0
 
 
 def part_of_optimizer(
@@ -162,13 +163,15 @@ def megatron_renumbered(chunk: dict[str, Any], shift: int) -> dict[str, Any]:
 
 
 def merged_megatron_chunks(
-    files: list[list[dict[str, Any]]], num_experts: int
+    files: list[list[dict[str, Any]]], num_experts: int | None
 ) -> list[dict[str, Any]]:
     """One (tensor, pipeline) rank's model chunks (Megatron-Core names) from its expert-
     parallel ranks' (``files[e]``: rank e's chunks): the dense tensors of rank 0's, every
     rank's experts under their global numbers, as a file saved without expert parallelism
     holds them."""
     ep = len(files)
+    if ep == 1:
+        return files[0]
     merged = [{k: v for k, v in chunk.items() if not _MEGATRON_EXPERT.search(k)}
               for chunk in files[0]]  # fmt: skip
     for e, chunks in enumerate(files):
