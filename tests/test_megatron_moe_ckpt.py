@@ -76,10 +76,13 @@ def test_megatron_written_and_older_args():
     for args in ({**a, "num_experts": 0}, {**a, "num_experts": None}, older):
         assert config_from_args(args).num_experts is None
     # (Shared experts, once here, are read: test_megatron_shared_experts_ckpt.)
-    for flag, value in (("moe_grouped_gemm", True), ("expert_model_parallel_size", 2)):
-        name = "--" + flag.replace("_", "-")
-        with pytest.raises(ConfigError, match=f"saved with {name}.*megart does not have"):
-            check_args({**a, flag: value}, "ckpt")
+    with pytest.raises(ConfigError, match="saved with --moe-grouped-gemm.*megart does not have"):
+        check_args({**a, "moe_grouped_gemm": True}, "ckpt")
+    # Expert parallelism: legacy files are read (megatron_expert_files), torch_dist stores not.
+    spread = {**a, "expert_model_parallel_size": 2}
+    with pytest.raises(ConfigError, match="torch_dist store saved with --expert-model-paral"):
+        check_args(spread, "ckpt")
+    check_args(spread, "ckpt", expert_parallel=True)
     check_args(a, "ckpt")  # megart's own: taken
 
 

@@ -99,13 +99,6 @@ def load(
     # Without expert parallelism the grid may be any object with the other coordinates.
     ep, ep_rank = getattr(grid, "ep", 1), getattr(grid, "ep_rank", 0)
     if megatron_dist.is_dist_checkpoint(root):
-        if ep > 1:
-            raise ConfigError(
-                f"--load {directory}: a torch_dist store, at --expert-model-parallel-size "
-                f"{ep}: megart reads torch_dist stores at expert-parallel size 1 only; resume "
-                "there and save with --ckpt-format megart or torch, which load at any "
-                "expert-parallel size"
-            )
         return _load_dist(directory, root, config, grid, chunks, optimizer, rng, scaler)
     own = root / rank_dir(grid.tp_rank, grid.pp_rank, config.pp, ep_rank, ep) / FILE
     found = sorted(root.glob(f"mp_rank_*/{FILE}"))

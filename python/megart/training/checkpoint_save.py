@@ -195,7 +195,7 @@ def save(
         )
         here = partial / rank_dir(grid.tp_rank, grid.pp_rank, config.pp, ep_rank, ep_size)
         if config.ckpt_format == "torch":  # Megatron-LM's legacy layout (megatron_files)
-            state = to_megatron_file(state, config, chunks[0].cfg, grid.layout.dp)
+            state = to_megatron_file(state, config, chunks[0].cfg, grid.layout.dp, ep_rank)
             if config.use_distributed_optimizer and state.get("optimizer") is not None:
                 state, param_state = megatron_distrib_optim.split(state, grid.pp_rank)
                 write_file(here / megatron_distrib_optim.DISTRIB_FILE, param_state)

@@ -2,7 +2,7 @@
 expert_exchange, training.expert_grads), by name, before any rank waits on another. It runs with
 tensor (each expert split over it as Megatron's default --expert-tensor-parallel-size),
 context, pipeline and data parallelism (the distributed optimizer included), saving megart's
-own checkpoints."""
+own checkpoints and Megatron-LM's legacy files (training.megatron_expert_files)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,15 @@ def check_expert_flags(cfg: Any, dp: int) -> None:
     world = cfg.tp * cfg.pp * cfg.context_parallel_size * dp
     layout = make_layout(world, cfg.tp, cfg.pp, dp, cp=cfg.context_parallel_size)
     check_expert_parallel(layout, ep, cfg.num_experts)
-    if cfg.ckpt_format != "megart":
+    if cfg.ckpt_format == "torch_dist":
         raise ConfigError(
-            f"{FLAG} {ep} with --ckpt-format {cfg.ckpt_format}: Megatron-LM's checkpoint "
-            "formats of spread experts are not written by megart; use --ckpt-format megart "
-            "(the default)"
+            f"{FLAG} {ep} with --ckpt-format torch_dist: megart does not write Megatron-LM's "
+            "torch_dist stores of spread experts; use --ckpt-format megart (the default) or "
+            "torch (Megatron-LM's legacy files, one per expert-parallel rank)"
+        )
+    if cfg.ckpt_format == "torch" and cfg.use_distributed_optimizer:
+        raise ConfigError(
+            f"{FLAG} {ep} with --ckpt-format torch and --use-distributed-optimizer: megart "
+            "does not write Megatron-LM's distrib_optim.pt of spread experts; use --ckpt-format "
+            "megart (the default), or torch without the distributed optimizer"
         )

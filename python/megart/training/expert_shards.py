@@ -18,22 +18,13 @@ gathered over their expert-data-parallel group (megart.training.distributed_opti
 
 from __future__ import annotations
 
-import re
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 from megart.errors import ConfigError
 from megart.training.ckpt_files import EXPERT_PARALLEL
-
-# A routed expert's parameter in a chunk's state dict (not a shared expert's: shared_experts).
-EXPERT = re.compile(r"(?:^|\.)mlp\.experts\.\d+\.")
-
-
-def is_expert(key: str) -> bool:
-    """Whether the chunk's parameter ``key`` belongs to a routed expert (one expert-parallel
-    rank's only)."""
-    return EXPERT.search(key) is not None
+from megart.training.megatron_expert_files import is_expert
 
 
 def merge_expert_files(root: Path, pp_rank: int, files: list[dict[str, Any]]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from megart.training.checkpoint import (
     write_release,
 )
 from megart.training.checkpoint_save import replace_text
-from megart.training.ckpt_files import rank_files
+from megart.training.ckpt_files import expert_rank_files
 from megart.training.megatron_args import (
     check_args,
     config_from_args,
@@ -48,6 +48,7 @@ from megart.training.megatron_args import (
     refuse_expert_bias,
     saved_stages,
 )
+from megart.training.megatron_expert_files import merged_megatron_chunks
 from megart.training.megatron_files import model_chunks, rank_state, torch_load
 from megart.training.shards import layer_ids, read_shards, whole_tensors
 
@@ -161,7 +162,7 @@ def saved_args(
             f"{megatron_dist.METADATA} (torch_dist): not a Megatron-LM checkpoint"
         )
     a = vars(read_rank(first)["args"])
-    check_args(a, first)
+    check_args(a, first, expert_parallel=True)
     return a, root, iteration
 
 
@@ -181,7 +182,16 @@ def _merged(a: dict[str, Any], root: Path, iteration: int) -> tuple[GPTConfig, d
     else:
         tp = a.get("tensor_model_parallel_size") or 1
         pp = a.get("pipeline_model_parallel_size") or 1
-        ranks = {r: model_chunks(read_rank(path)) for r, path in rank_files(root, tp, pp).items()}
+        ep = a.get("expert_model_parallel_size") or 1
+        paths = expert_rank_files(root, tp, pp, ep)
+        # Each (tensor, pipeline) rank's expert-parallel files as one (global expert numbers).
+        ranks = {
+            (t, p): merged_megatron_chunks(
+                [model_chunks(read_rank(paths[t, p, e])) for e in range(ep)], cfg.num_experts
+            )
+            for t in range(tp)
+            for p in range(pp)
+        }
         model = megatron_layout.merge(ranks, cfg, tp, pp, **saved_stages(a))
     for name in VOCAB_NAMES:
         if name in model:

@@ -275,9 +275,13 @@ def saved_layout(args: dict[str, Any]) -> tuple[int, int, int]:
 
 def same_layout(args: dict[str, Any], config: Any) -> bool:
     """Whether this run's model chunks are the saved ones (its buffers are the store's): the
-    same sizes and each chunk the same layers (uneven stages can differ at the same sizes)."""
+    same sizes and each chunk the same layers (uneven stages can differ at the same sizes), and
+    the same experts (another expert-parallel size holds others: read resharded)."""
     vpp = config.chunks if config.schedule == "interleaved" else 1
     if saved_layout(args) != (config.tp, config.pp, vpp) or config.schedule == "zb-v":
+        return False
+    ep = getattr(config, "expert_model_parallel_size", 1)
+    if (args.get("expert_model_parallel_size") or 1) != ep:
         return False
     n, pp = config.num_layers, config.pp
     saved, mine = saved_stages(args), config.stages

@@ -44,6 +44,7 @@ from megart.errors import ConfigError
 from megart.models import chunk_layers
 from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
+from megart.training import megatron_expert_files as experts
 from megart.training import tokenizer_record
 from megart.training.dtypes import half_dtype
 from megart.training.megatron_args import (
@@ -59,6 +60,7 @@ from megart.training.megatron_optimizer import (
     from_megatron_optimizer,
     in_megatron_order,
     is_decoupled,
+    megart_groups,
     megatron_group_keys,
     param_groups_of,
     to_megatron_optimizer,
@@ -189,38 +191,45 @@ def _without_expert_bias(sd: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in sd.items() if not _EXPERT_BIAS.match(k)}
 
 
-def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int) -> dict[str, Any]:
+def to_megatron_file(
+    state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int, ep_rank: int = 0
+) -> dict[str, Any]:
     """megart's file of one rank (megart.training.checkpoint_save.file_state, ``cfg`` its model,
-    ``dp`` data-parallel ranks) in Megatron-LM's legacy layout, keeping what megart needs
-    besides under ``megart``."""
+    ``dp`` data-parallel ranks; ``ep_rank`` its expert-parallel rank) in Megatron-LM's legacy
+    layout, keeping what megart needs besides under ``megart``. Under expert parallelism its
+    experts are numbered locally and its optimizer is a chain of two (megatron_expert_files)."""
     iteration, layers = state["iteration"], state["layer_ids"]
+    ep = int(state["config"].get("expert_model_parallel_size") or 1)
+    if ep > 1:
+        state = experts.shifted(state, -experts.first_expert(ep_rank, ep, cfg.num_experts))
     model = [
         chunk_to_megatron(sd, cfg, ids) for sd, ids in zip(state["model"], layers, strict=True)
     ]
     half = half_dtype(config)
     args = training_args(config, cfg, iteration, dp)
+    args.expert_model_parallel_size = ep
     args.consumed_train_samples = state["consumed_train_samples"]  # where Megatron keeps it
     out = rank_state(args, iteration, model)
     optimizer = state["optimizer"]
     if optimizer is not None:
-        optimizer, groups = to_megatron_optimizer(
-            optimizer,
-            state["optimizer_params"],
-            state["model"],
-            model,
-            lambda c, sd: chunk_names_to_megatron(sd, cfg, layers[c]),
-            megatron_group_keys(config.lr, config.min_lr, config.decoupled_rates()),
-        )
-    if optimizer is not None and half is not None:
-        # The fp32 weights are the master copies; the model holds their 16-bit casts.
-        masters = [[model[c][n] for c, n in group] for group in groups]
-        optimizer = {"optimizer": optimizer, "fp32_from_fp16_params": masters}
-        scaler = state["loss_scaler"]
-        if scaler is not None:
-            # A static --loss-scale is Megatron-Core's ConstantGradScaler, whose state is {}.
-            optimizer["grad_scaler"] = (
-                {} if config.loss_scale else to_grad_scaler(scaler, config.hysteresis)
-            )
+        keys = megatron_group_keys(config.lr, config.min_lr, config.decoupled_rates())
+        if ep == 1:
+            params = state["optimizer_params"]
+            optimizer = _megatron_optimizer(optimizer, params, state, model, cfg, config, keys)
+        else:  # Megatron-Core's ChainedOptimizer: the dense parameters', then the experts'
+            optimizer = [
+                _megatron_optimizer(
+                    *experts.part_of_optimizer(optimizer, state["optimizer_params"], part),
+                    state,
+                    model,
+                    cfg,
+                    config,
+                    [{**k, "is_expert_parallel": part} for k in keys],
+                    part,
+                )
+                for part in (False, True)
+            ]
+    if half is not None and optimizer is not None:
         for chunk in model:
             chunk.update({k: v.to(half) for k, v in chunk.items() if v is not None})
     bias = state.get("expert_bias")
@@ -253,6 +262,48 @@ def to_megatron_file(state: dict[str, Any], config: Any, cfg: GPTConfig, dp: int
     return out
 
 
+def _megatron_optimizer(
+    optimizer: dict[str, Any],
+    params: list[tuple[int, str]],
+    state: dict[str, Any],
+    model: list[dict[str, Any]],
+    cfg: GPTConfig,
+    config: Any,
+    keys: list[dict[str, Any]],
+    experts_part: bool | None = None,
+) -> dict[str, Any]:
+    """Megatron's optimizer state dict of megart's ``optimizer`` (``params`` names its
+    parameters) for the Megatron chunks ``model`` (fp32 still): FP32Optimizer's, or
+    Float16OptimizerWithFloat16Params' with the fp32 masters. ``experts_part``: under expert
+    parallelism, the experts' (True) or the dense parameters' (False) optimizer of the chain."""
+    layers = state["layer_ids"]
+    megart_model, megatron_model = state["model"], model
+    if experts_part is not None:
+        megart_model = experts.split_model(megart_model, experts_part, megatron=False)
+        megatron_model = experts.split_model(model, experts_part, megatron=True)
+    optimizer, groups = to_megatron_optimizer(
+        optimizer,
+        params,
+        megart_model,
+        megatron_model,
+        lambda c, sd: chunk_names_to_megatron(sd, cfg, layers[c]),
+        keys,
+    )
+    if experts_part is not None:
+        optimizer = experts.without_empty_groups(optimizer)
+        groups = [g for g in groups if g]
+    if half_dtype(config) is None:
+        return optimizer
+    # The fp32 weights are the master copies; the model holds their 16-bit casts.
+    masters = [[model[c][n] for c, n in group] for group in groups]
+    out = {"optimizer": optimizer, "fp32_from_fp16_params": masters}
+    scaler = state["loss_scaler"]
+    if scaler is not None:
+        # A static --loss-scale is Megatron-Core's ConstantGradScaler, whose state is {}.
+        out["grad_scaler"] = {} if config.loss_scale else to_grad_scaler(scaler, config.hysteresis)
+    return out
+
+
 def to_grad_scaler(scaler: dict[str, Any], hysteresis: int) -> dict[str, Any]:
     """megart's loss scaler state as Megatron-Core's DynamicGradScaler's state dict; a state
     without a tracker (saved before megart had hysteresis) gets a fresh one, ``hysteresis``."""
@@ -276,29 +327,34 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
     """What megart keeps under ``megart`` in its own files, for a file Megatron-LM wrote: the
     model and layout from its args, the layers from the file's place, the loss scale."""
     a = vars(state["args"])
-    check_args(a, path)
+    check_args(a, path, expert_parallel=True)
     refuse_expert_bias(config_from_args(a), path)
     chunks = len(model_chunks(state))
-    place = re.fullmatch(r"mp_rank_\d+(?:_(\d+))?", Path(path).parent.name)
-    p = int(place.group(1) or 0) if place else 0
+    ep = a.get("expert_model_parallel_size") or 1
+    _, p, _ = experts.file_place(path, a.get("pipeline_model_parallel_size") or 1, ep)
     optimizer = state.get("optimizer")
-    if isinstance(optimizer, list):
+    if isinstance(optimizer, list) and (ep == 1 or len(optimizer) != 2):
         raise ConfigError(
-            f"{path}: its optimizer is a chain of {len(optimizer)} (expert-parallel parameters "
-            "or --overlap-param-gather-with-optimizer-step), which megart does not have"
+            f"{path}: its optimizer is a chain of {len(optimizer)} (at expert-parallel size "
+            f"{ep}; megart reads the chain of two that expert parallelism makes, not "
+            "--overlap-param-gather-with-optimizer-step's or other overrides')"
         )
-    scaler = optimizer.get("grad_scaler") if isinstance(optimizer, dict) else None
+    first = optimizer[0] if isinstance(optimizer, list) else optimizer
+    scaler = first.get("grad_scaler") if isinstance(first, dict) else None
     rank_layers = megatron_layer_ids(a, p, chunks)
+    record = args_record(a)
+    if ep > 1:  # as megart's own expert-parallel files record it
+        record["config"] = {**record["config"], "expert_model_parallel_size": ep}
     return {
         # Weights alone (as convert-checkpoint writes them): loaded as --finetune loads them.
         "release": optimizer is None,
-        **args_record(a),
+        **record,
         "layer_ids": rank_layers,
         # Megatron's ConstantGradScaler (--loss-scale) saves an empty dict: the scale is the
         # flag's, and a dynamic run starts its own.
         "loss_scaler": from_grad_scaler(scaler) if scaler else None,
         "rng_tracker": None,  # Megatron's are CUDA streams: this run keeps its own
-        "half": isinstance(optimizer, dict) and "fp32_from_fp16_params" in optimizer,
+        "half": isinstance(first, dict) and "fp32_from_fp16_params" in first,
         "optimizer_layout": "megatron",
         "opt_param_scheduler": state.get("opt_param_scheduler"),
     }
@@ -316,37 +372,41 @@ def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
     # Not parameters: the routers' expert bias comes whole from megart's record.
     saved = [_without_expert_bias(sd) for sd in model_chunks(state)]
     model = [_chunk_from_megatron(sd, cfg, f) for sd, f in zip(saved, firsts, strict=True)]
-
-    def back(c: int, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return _chunk_from_megatron(sd, cfg, firsts[c])
-
-    optimizer, params = state.get("optimizer"), extra.get("optimizer_params", [])
+    optimizer = state.get("optimizer")
     decoupled = is_decoupled(vars(state["args"]))
-    if optimizer is not None and extra["half"]:
-        if extra.get("optimizer_layout") == "megatron":
-            masters: list[dict[str, torch.Tensor]] = [{} for _ in saved]
-            groups = param_groups_of(saved, decoupled)
-            for group, tensors in zip(groups, optimizer["fp32_from_fp16_params"], strict=True):
-                for (c, name), master in zip(group, tensors, strict=True):
-                    masters[c][name] = master
-            for c, chunk in enumerate(masters):
-                model[c].update(back(c, chunk))
-        else:  # written before megart wrote Megatron's layout: masters in megart's order
-            names = iter(params)
-            for group in optimizer["fp32_from_fp16_params"]:
-                for master in group:
-                    c, n = next(names)
-                    model[c][n] = master
-        optimizer = optimizer["optimizer"]
-    if optimizer is not None and extra.get("optimizer_layout") == "megatron":
-        optimizer, params = from_megatron_optimizer(
-            optimizer, saved, model, back, str(path), decoupled
+    params: list[tuple[int, str]] = []
+    if isinstance(optimizer, list):  # expert parallelism's chain: dense, then the experts'
+        parts = [
+            _from_megatron_optimizer(
+                sub,
+                experts.split_model(saved, part, megatron=True),
+                model,
+                cfg,
+                firsts,
+                extra,
+                path,
+                decoupled,
+                part,
+            )
+            for sub, part in zip(optimizer, (False, True), strict=True)
+        ]
+        optimizer, params = experts.joined_optimizer(parts, megart_groups(model, decoupled))
+    elif optimizer is not None:
+        optimizer, params = _from_megatron_optimizer(
+            optimizer, saved, model, cfg, firsts, extra, path, decoupled
         )
     rng = None
     if state.get("rng_state"):
         r = state["rng_state"][0]
         rng = {"torch": r["torch_rng_state"], "cuda": r.get("cuda_rng_state"),
                "tracker": extra["rng_tracker"]}  # fmt: skip
+    a = vars(state["args"])
+    ep = a.get("expert_model_parallel_size") or 1
+    if ep > 1:  # its experts' local numbers as the model's
+        _, _, e = experts.file_place(path, a.get("pipeline_model_parallel_size") or 1, ep)
+        shift = experts.first_expert(e, ep, cfg.num_experts)
+        model = experts.shifted({"model": model}, shift)["model"]
+        params = [(c, experts.shift_name(n, shift)) for c, n in params]
     return {
         "iteration": state["iteration"],
         "consumed_train_samples": getattr(state["args"], "consumed_train_samples", None),
@@ -364,3 +424,49 @@ def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
         "tokenizer": tokenizer_record.record(vars(state["args"])),  # as Megatron's args say
         "expert_bias": extra.get("expert_bias"),
     }
+
+
+def _from_megatron_optimizer(
+    optimizer: dict[str, Any],
+    saved: list[dict[str, Any]],
+    model: list[dict[str, torch.Tensor]],
+    cfg: GPTConfig,
+    firsts: list[bool],
+    extra: dict[str, Any],
+    path: Any,
+    decoupled: bool,
+    experts_part: bool | None = None,
+) -> tuple[dict[str, Any], list[tuple[int, str]]]:
+    """megart's Adam state dict and parameter names of one Megatron optimizer's state dict over
+    the Megatron chunks ``saved`` (with 16-bit weights, its fp32 masters are put into megart's
+    ``model``); ``experts_part``: one optimizer of expert parallelism's chain (the experts'
+    with True), which covers those parameters of ``model`` only."""
+
+    def back(c: int, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return _chunk_from_megatron(sd, cfg, firsts[c])
+
+    params = extra.get("optimizer_params", [])
+    if extra["half"]:
+        if extra.get("optimizer_layout") == "megatron":
+            masters: list[dict[str, torch.Tensor]] = [{} for _ in saved]
+            groups = [g for g in param_groups_of(saved, decoupled) if g or experts_part is None]
+            for group, tensors in zip(groups, optimizer["fp32_from_fp16_params"], strict=True):
+                for (c, name), master in zip(group, tensors, strict=True):
+                    masters[c][name] = master
+            for c, chunk in enumerate(masters):
+                model[c].update(back(c, chunk))
+        else:  # written before megart wrote Megatron's layout: masters in megart's order
+            names = iter(params)
+            for group in optimizer["fp32_from_fp16_params"]:
+                for master in group:
+                    c, n = next(names)
+                    model[c][n] = master
+        optimizer = optimizer["optimizer"]
+    if extra.get("optimizer_layout") != "megatron":
+        return optimizer, params
+    part = model
+    if experts_part is not None:
+        part = experts.split_model(model, experts_part, megatron=False)
+        sizes = [len(g) for g in megart_groups(part, decoupled)]
+        optimizer = experts.with_groups_of(optimizer, sizes)
+    return from_megatron_optimizer(optimizer, saved, part, back, str(path), decoupled)

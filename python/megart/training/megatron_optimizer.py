@@ -150,7 +150,7 @@ def param_groups_of(
     ]
 
 
-def _megart_groups(
+def megart_groups(
     model: list[dict[str, torch.Tensor]], decoupled: bool
 ) -> list[list[tuple[int, str]]]:
     """megart's param groups of its chunks (megart.training.optimizer.param_groups' rules)."""
@@ -258,7 +258,7 @@ def from_megatron_optimizer(
             )
         states.append(state)
     mapped = _map_states(states, names, megatron_model, chunk_map) if any(states) else {}
-    ours = _megart_groups(model, decoupled)
+    ours = megart_groups(model, decoupled)
     state, param_groups, index = {}, [], 0
     for members, group in zip(ours, saved, strict=True):
         numbers = list(range(index, index + len(members)))
