@@ -8,7 +8,7 @@ the weights and Adam moments the saving ranks held and going on on the one-proce
 export-hf (Mixtral and Qwen3-MoE) and convert-checkpoint (Megatron-LM's legacy files, EP1)
 write from it what they write from the same model's EP1 checkpoint, and the weights its ranks
 trained. Experts merged at the wrong global index are caught; what cannot be merged is refused
-by name, and so is a torch_dist store at EP2."""
+by name (torch_dist stores at EP: tests/test_moe_ep_megatron_ckpt.py)."""
 
 import json
 import shutil
@@ -19,7 +19,7 @@ import torch
 import moe_ep_reshard_workers as rw
 import train_workers as tw
 from megart import ConfigError
-from megart.launcher import LaunchError, launch
+from megart.launcher import launch
 from megart.training import expert_shards
 from megart.training.shards import read_shards
 from train_workers import SAME_RUN
@@ -219,18 +219,6 @@ def test_export_catches_experts_at_the_wrong_global_index(saved):
     whole = whole_tensors(shards, model_config(shards[0, 0]))
     wrong = sorted(n for n in want if not torch.equal(whole[n][: want[n].shape[0]], want[n]))
     assert wrong and all(".mlp.experts." in n for n in wrong)
-
-
-def test_a_torch_dist_store_is_refused_at_expert_parallelism(tmp_path):
-    store = str(tmp_path / "dist")
-    launch(
-        tw.train_kw,
-        1,
-        dict(MODEL, train_iters=1, ckpt_format="torch_dist", save=store),
-        timeout=300,
-    )
-    with pytest.raises(LaunchError, match="torch_dist stores at expert-parallel size 1 only"):
-        launch(tw.train_kw, 2, dict(EP2, train_iters=2, load=store), timeout=300)
 
 
 def _copy(store, tmp_path):
