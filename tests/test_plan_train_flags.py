@@ -114,9 +114,6 @@ UNMODELLED_GIVEN = {
                               "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
     "moe_router_load_balancing_type": ["--num-experts", "8", "--disable-bias-linear",
                                        "--moe-router-load-balancing-type", "seq_aux_loss"],
-    "moe_shared_expert_gate": ["--num-experts", "8", "--disable-bias-linear",
-                               "--moe-shared-expert-intermediate-size", "1024",
-                               "--moe-shared-expert-gate"],
 }  # fmt: skip
 
 

@@ -124,6 +124,7 @@ MODELLED = (
     # dense one and replicated under expert parallelism (weights in the dense buckets, saves,
     # products, collectives).
     "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",  # its [1, h] weight, saves, product (plan.moe_memory, moe_time)
     *TOKENIZER,
 )
 
@@ -155,7 +156,6 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
         "the per-sequence and global balancing losses' counts and saves",
     ),
     "moe_router_group_topk": ((None,), "group-limited routing's group scores and masks"),
-    "moe_shared_expert_gate": ((False,), "the shared experts' gate: its weights and products"),
 }
 
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the

@@ -60,7 +60,12 @@ Shared experts (--moe-shared-expert-intermediate-size S: a dense MLP of width S 
 layer's input, tensor-parallel as the dense MLP, whole on every expert-parallel rank) save what
 a dense MLP of width S saves: 2 S/t or 4 S/t per token of the whole sequence, and their first
 product's input, h, unless that is the layer's input itself and the router keeps it already
-(no gather at t = 1, no autocast copy, the router in the stream's dtype).
+(no gather at t = 1, no autocast copy, the router in the stream's dtype). Their gate
+(--moe-shared-expert-gate: sigmoid(x . w), w [1, h], scaling their output) saves per token of
+this rank's slice the shared output and the sigmoid's (h + 1, which the gating product keeps)
+and its product's input, the layer's input (h: autocast's copy, else the input itself unless
+the router or the shared experts' product keeps it already); exact on real tp1, tp2 and ep2
+ranks (tests/test_plan_moe_gate.py).
 
 Recomputation: full recomputation keeps an MoE layer's input like any layer's and replays all
 of the above. --recompute-modules mlp checkpoints dense MLPs only (models.blocks, as
@@ -74,7 +79,8 @@ reads that top-k's values. tests/plan_workers.py's count keeps them where the al
 their storage to no later save.) --recompute-modules
 shared_experts checkpoints the shared experts' MLP from the layer's input: the layer keeps all
 but its tensors and its product's input copy (and keeps that input itself where the router
-keeps a cast of it), and the replay rises by a checkpointed MLP's (checkpointed_mlp_bytes).
+keeps a cast of it), and the replay rises by a checkpointed MLP's (checkpointed_mlp_bytes)
+and their gate's saves.
 Both named: moe's replay stops at the shared experts' checkpoint (their input is its last
 save), whose own replay follows at once, both held: the rise is moe's. Exact on real tp1, tp2
 and ep2 ranks (tests/test_plan_moe_shared.py). --recompute-modules layernorm with MoE layers
@@ -147,8 +153,9 @@ def moe_replay_bytes(
         saves = moe_saves(cfg, b, prec, cp, weight_bytes, tp, sp, ep, expert_tokens)
         return saves - cfg.seq_length // cp * b * _input_itself(cfg, tp, sp, prec)
     width = cfg.moe_shared_expert_intermediate_size
-    if cfg.recomputes("shared_experts") and width:
-        return checkpointed_mlp_bytes(cfg, b, tp, sp, prec, cp, width)
+    if cfg.recomputes("shared_experts") and width:  # the gate replayed with them
+        gate = cfg.seq_length // cp * b * gate_bytes(cfg, tp, sp, prec, counted=True)
+        return checkpointed_mlp_bytes(cfg, b, tp, sp, prec, cp, width) + gate
     return 0.0
 
 
@@ -208,7 +215,25 @@ def moe_saves(
         per_token += (4 if swiglu else 2) * width / tp * other
         itself = _router_keeps_input(cfg, prec) and not _copied(tp, sp, prec)
         per_token += 0.0 if itself else h * other
+        counted = _router_keeps_input(cfg, prec) or not _copied(tp, sp, prec)
+        per_token += gate_bytes(cfg, tp, sp, prec, counted)
     return cfg.seq_length // cp * b * per_token + once
+
+
+def gate_bytes(cfg: GPTConfig, tp: int, sp: bool, prec: Precision, counted: bool) -> float:
+    """Bytes per token of the whole sequence that --moe-shared-expert-gate's gate saves (0
+    without it), over this rank's slice (sequence parallelism at t > 1): its product's input,
+    the layer's input (autocast's 16-bit copy of an fp32 stream; else the input itself, unless
+    ``counted``: another save of it is counted already), its sigmoid's output (1, which the
+    gating product saves too) and the shared experts' output the gating product saves (h)."""
+    if not (cfg.moe_shared_expert_gate and cfg.moe_shared_expert_intermediate_size):
+        return 0.0
+    h = cfg.hidden_size
+    if prec.residual != prec.other:
+        entry = h * prec.other
+    else:
+        entry = 0.0 if counted else h * prec.residual
+    return ((h + 1) * prec.other + entry) / (tp if sp else 1)
 
 
 def checkpointed_mlp_bytes(
@@ -246,4 +271,6 @@ def _input_itself(cfg: GPTConfig, tp: int, sp: bool, prec: Precision) -> float:
         return h * prec.residual * (1 / tp if sp else 1.0)
     if cfg.moe_shared_expert_intermediate_size and not _copied(tp, sp, prec):
         return h * prec.other
+    if gate_bytes(cfg, tp, sp, prec, counted=False) and prec.residual == prec.other:
+        return h * prec.residual * (1 / tp if sp else 1.0)  # the gate's product's input
     return 0.0

@@ -3,7 +3,9 @@ its matrix products by their sizes, its element-wise traffic and, split over t t
 ranks (with sequence parallelism), the allgather dispatcher's collectives; spread over ep
 expert-parallel ranks (at t = 1, models.expert_exchange), its all-to-alls. Shared experts
 (--moe-shared-expert-intermediate-size S) add a dense MLP of width S over every token: its
-products, its activation and its sum with the experts' output, and at t > 1 a dense MLP's
+products, its activation and its sum with the experts' output (with --moe-shared-expert-gate
+the gate's h-long product, sigmoid and scaling over this rank's slice; its weight's gradient
+joins the norms' sequence-parallel all-reduce, h elements, left out), and at t > 1 a dense MLP's
 gather and reduce-scatter each way (exposed, as the dispatcher's); whole on every rank under
 expert parallelism.
 
@@ -62,7 +64,9 @@ def shared_mlp_shapes(cfg: GPTConfig, tokens: float, tp: int = 1) -> list[tuple[
     if not width:
         return []
     h, s = cfg.hidden_size, width / tp
-    return [(tokens, s, h, 2 if cfg.activation == "swiglu" else 1), (tokens, h, s, 1)]
+    mlp = [(tokens, s, h, 2 if cfg.activation == "swiglu" else 1), (tokens, h, s, 1)]
+    # --moe-shared-expert-gate: x . w over this rank's slice (replicated [1, h] weight)
+    return mlp + ([(tokens / tp, 1, h, 1)] if cfg.moe_shared_expert_gate else [])
 
 
 def shared_elementwise(cfg: GPTConfig, tp: int = 1, summed: bool = True) -> float:
@@ -74,7 +78,10 @@ def shared_elementwise(cfg: GPTConfig, tp: int = 1, summed: bool = True) -> floa
     if not width:
         return 0.0
     activation = (3 if cfg.activation == "swiglu" else 2) * width / tp
-    return activation + (3 * cfg.hidden_size / tp if summed else 0.0)
+    # The gate: its sigmoid (read and write 1) and the product scaling the output (read h + 1,
+    # write h), over this rank's slice.
+    gate = (2 * cfg.hidden_size + 3) / tp if cfg.moe_shared_expert_gate else 0.0
+    return activation + gate + (3 * cfg.hidden_size / tp if summed else 0.0)
 
 
 def replayed_forward(
