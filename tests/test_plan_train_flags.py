@@ -105,15 +105,6 @@ UNMODELLED_GIVEN = {
     "log_num_zeros_in_grad": ["--log-num-zeros-in-grad"],
     "timing_log_level": ["--timing-log-level", "1"],
     "empty_unused_memory_level": ["--empty-unused-memory-level", "1"],
-    "moe_router_enable_expert_bias": ["--num-experts", "8", "--disable-bias-linear",
-                                      "--moe-router-score-function", "sigmoid",
-                                      "--moe-router-enable-expert-bias"],
-    "moe_router_num_groups": ["--num-experts", "8", "--disable-bias-linear",
-                              "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
-    "moe_router_group_topk": ["--num-experts", "8", "--disable-bias-linear",
-                              "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
-    "moe_router_load_balancing_type": ["--num-experts", "8", "--disable-bias-linear",
-                                       "--moe-router-load-balancing-type", "seq_aux_loss"],
 }  # fmt: skip
 
 

@@ -125,6 +125,13 @@ MODELLED = (
     # products, collectives).
     "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate",  # its [1, h] weight, saves, product (plan.moe_memory, moe_time)
+    # The router's options: their saves (plan.moe_memory: the groups' mask, seq_aux_loss's
+    # per-sequence counts, global_aux_loss's running mean); their work is over E beside the
+    # layer's h-wide work, and the bias's update one all-reduce of layers x E a step: no time.
+    "moe_router_enable_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_load_balancing_type",
     *TOKENIZER,
 )
 
@@ -145,17 +152,6 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
     "log_num_zeros_in_grad": ((False,), "a pass over the gradients each iteration"),
     "timing_log_level": ((0,), "a device synchronisation at each timed phase"),
     "empty_unused_memory_level": ((0,), "the allocator's cache emptied and refilled"),
-    "moe_router_enable_expert_bias": (
-        (False,),
-        "the expert bias's routing: the biased scores and the gathered weights it saves",
-    ),
-    "moe_router_num_groups": ((None,), "group-limited routing's group scores and masks"),
-    # aux_loss or none: the loss computed as --moe-aux-loss-coeff says (modelled)
-    "moe_router_load_balancing_type": (
-        ("aux_loss", "none"),
-        "the per-sequence and global balancing losses' counts and saves",
-    ),
-    "moe_router_group_topk": ((None,), "group-limited routing's group scores and masks"),
 }
 
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the

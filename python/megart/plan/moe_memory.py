@@ -18,7 +18,17 @@ else the activations'), w = max(r, 4) (softmaxes over experts run in fp32 at lea
                                   their sum (k + 1, r)
     load-balancing loss (coeff>0) its softmax over the E logits (w; sigmoid scores: the
                                   scores and their sum, E + 1 in r), and once per microbatch
-                                  the experts' token counts (E) and the loss (1), w (r)
+                                  the experts' token counts (E) and the loss (1), w (r);
+                                  seq_aux_loss counts E per sequence (b E), global_aux_loss
+                                  keeps the running counts' mean (E, the weights' dtype)
+                                  and the loss in the wider of it and the scores'
+    group-limited routing         the groups' mask (E, bool), unless the expert bias picks
+                                  (the biased top k's values are dropped, and with them the
+                                  mask; the weights are gathered by the indices)
+    expert bias                   nothing more: the chosen scores gathered by the same k
+                                  indices the top k would save (its token counts, E fp32,
+                                  wait in an autograd function's context, which torch's
+                                  hooks do not see: left out)
     z-loss (coeff given)          the logits (E, r) and their log-sum-exp (r), and once the
                                   loss (r)
     each of its k experts         its gathered input and its output (h each: the sum's
@@ -181,19 +191,22 @@ def moe_saves(
     r = given or other
     w = max(r, 4)
     per_token = 0.0  # the router's, per token of this rank's slice of the sequence
-    if cfg.moe_router_score_function == "sigmoid":
+    sigmoid = cfg.moe_router_score_function == "sigmoid"
+    if sigmoid:
         per_token += e * 4 + 8 * k + ((k + 1) * r if k > 1 else 0)
     elif cfg.moe_router_pre_softmax:
         per_token += e * w + 8 * k
     else:
         per_token += k * (w + 8)
+    if cfg.moe_router_group_topk and not (sigmoid and cfg.moe_router_enable_expert_bias):
+        per_token += e  # the groups' mask (bool), kept where the top k's values are the weights
     once = e * h * given if given and given != weight_bytes else 0.0
-    if cfg.moe_aux_loss_coeff > 0 and cfg.moe_router_score_function == "sigmoid":
+    if cfg.moe_aux_loss_coeff > 0 and sigmoid:
         per_token += (e + 1) * r  # its scores (sigmoid) and their sums, which normalise them
-        once += (e + 1) * r
+        once += balance_once(cfg, b, r, weight_bytes)
     elif cfg.moe_aux_loss_coeff > 0:
         per_token += e * w
-        once += (e + 1) * w
+        once += balance_once(cfg, b, w, weight_bytes)
     if cfg.moe_z_loss_coeff:
         per_token += (e + 1) * r
         once += r
@@ -218,6 +231,20 @@ def moe_saves(
         counted = _router_keeps_input(cfg, prec) or not _copied(tp, sp, prec)
         per_token += gate_bytes(cfg, tp, sp, prec, counted)
     return cfg.seq_length // cp * b * per_token + once
+
+
+def balance_once(cfg: GPTConfig, b: int, scores: int, weight_bytes: int) -> float:
+    """Bytes the load-balancing loss saves once per microbatch of ``b`` sequences, its scores
+    ``scores`` bytes an element: the experts' token counts the scores' product keeps and the
+    loss. aux_loss: E counts (the scores' dtype) and the loss; seq_aux_loss: E for each
+    sequence; global_aux_loss: the running counts' mean over the iteration's microbatches (E,
+    the router's buffer: the weights' dtype) and the loss, in the wider of the two."""
+    e, kind = cfg.num_experts, cfg.moe_router_load_balancing_type
+    if kind == "seq_aux_loss":
+        return (b * e + 1) * scores
+    if kind == "global_aux_loss":
+        return e * weight_bytes + max(scores, weight_bytes)
+    return (e + 1) * scores
 
 
 def gate_bytes(cfg: GPTConfig, tp: int, sp: bool, prec: Precision, counted: bool) -> float:

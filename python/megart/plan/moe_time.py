@@ -9,6 +9,12 @@ joins the norms' sequence-parallel all-reduce, h elements, left out), and at t >
 gather and reduce-scatter each way (exposed, as the dispatcher's); whole on every rank under
 expert parallelism.
 
+The router's options cost no time here: group-limited routing's group scores and mask, the
+expert bias's add and gather, and the balancing losses' counts are over E per token beside the
+layer's h-wide work; seq_aux_loss's tensor-parallel all-reduce of counts is b E rather than E
+elements, global_aux_loss adds one of E over the data x context-parallel ranks a layer and
+microbatch, and the bias's update one of layers x E a step: latency-bound and left out.
+
 Selective recomputation replays in the backward (timing.layer_work): --recompute-modules moe
 the layer's whole forward (router, dispatcher's collectives, all-to-alls, experts, shared
 experts), shared_experts the shared experts' alone (within moe's replay when both are named:
