@@ -36,8 +36,8 @@ LAYOUT = (
     "recompute_activations",  # Megatron's switch for --recompute-granularity selective
     "use_distributed_optimizer",
     "context_parallel_size",
-    # Searched for MoE models at t = cp = 1 (plan.candidates); a dense model's above 1 is megart
-    # train's refusal.
+    # Searched for MoE models beside any t and cp (plan.candidates); a dense model's above 1 is
+    # megart train's refusal.
     "expert_model_parallel_size",
 )
 
@@ -109,8 +109,8 @@ MODELLED = (
     # Mixture of experts (plan.moe_memory, plan.moe_time; parameters, FLOPs): the experts'
     # weights and state, the router's and experts' saves, their products and, split over
     # tensor-parallel ranks, the dispatcher's gathers; spread over expert-parallel ranks
-    # (a layout flag), their all-to-alls; no context parallelism (megart train's checks limit
-    # the layouts).
+    # (a layout flag), their all-to-alls; under context parallelism over the rank's s/cp
+    # tokens.
     "num_experts",
     "moe_ffn_hidden_size",
     "moe_layer_freq",

@@ -54,8 +54,8 @@ the routing, so the bytes do not depend on which expert got which token: exact, 
 of the routing (measured with the experts' actual counts by the same hooks). What may differ on
 a GPU: nothing that is kernel-specific here (no fused kernel runs in an MoE layer).
 
-Under expert parallelism (ep ranks, at t = 1: models.expert_exchange) a rank's tokens are
-routed as above, and their k T copies sent to their experts' owners, run there, and sent back
+Under expert parallelism (ep ranks: models.expert_exchange) a rank's tokens are routed as
+above, and their k T copies sent to their experts' owners, run there, and sent back
 to be summed: per copy the rank sends, the returned output the sum keeps (h) and two row
 indices (int64: each expert's rows, and the order the copies leave in); per copy its own
 experts get, from any rank, the expert's input and output (h each: the output kept by the
@@ -63,8 +63,12 @@ copy into the returned buffer), its MLP's tensors, its routing weight (r) and tw
 (int64: its rows, and where its outputs go). The exchanges themselves save nothing. How many
 copies a rank's experts get is the routing's: k T on every rank when it is balanced (what the
 planner assumes; the group's ranks send ep k T copies in all), from 0 to ep k T otherwise;
-``expert_tokens`` gives it in k T. Exact on real ep2 ranks with the routing prescribed
-(tests/test_plan_moe_ep.py).
+``expert_tokens`` gives it in k T. Beside tensor parallelism (sequence parallelism) the
+copies are of the tokens gathered over the t ranks (T the whole sequence's: each tensor-
+parallel rank exchanges them all with the ranks of its own tensor-parallel rank), the experts
+f/t wide; under context parallelism T is the rank's s/cp. Exact on real ep2, ep2 x tp2, ep2 x
+cp2 and ep2 x tp2 x cp2 ranks with the routing prescribed (tests/test_plan_moe_ep.py,
+tests/test_plan_moe_ep_tp.py), and MoE layers under cp2 and cp2 x tp2 without it.
 
 Shared experts (--moe-shared-expert-intermediate-size S: a dense MLP of width S over the
 layer's input, tensor-parallel as the dense MLP, whole on every expert-parallel rank) save what
@@ -122,7 +126,7 @@ def moe_layer_extra(
     as a dense layer's), on one of ``tp`` tensor-parallel ranks (with sequence parallelism,
     ``sp``, which megart train requires for experts at tp > 1). ``weight_bytes``: the weights'
     (2 under --half-weights), which --moe-router-dtype's cast of the router's weight copies
-    when they differ. ``ep``: expert-parallel ranks (at t = 1), this one's experts getting
+    when they differ. ``ep``: expert-parallel ranks, this one's experts getting
     ``expert_tokens`` k T token copies (1: balanced routing; the module's doc)."""
     if recompute == "full":
         return 0.0
