@@ -8,8 +8,8 @@ Under tensor parallelism (tp2 with sequence parallelism, as megart train require
 each rank holds the router whole and 1/t of every expert, and saves the router's tensors for
 its slice of the sequence and the experts' for every gathered token at f/t: exact in fp32 (and
 under full recomputation the replay's peak too). And the CLI: --num-experts plans layouts megart
-train runs (t > 1 only with sequence parallelism, no context parallelism, no zero-bubble
-schedule) and refuses what it does not model."""
+train runs (t > 1 only with sequence parallelism, no zero-bubble schedule; context parallelism
+in tests/test_plan_moe_ep_tp.py) and refuses what it does not model."""
 
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def _replay_peak(kw: dict, want: dict) -> float:
     recompute_working (tests/test_plan_recompute_method.py)."""
     c = TrainConfig(**kw)
     loss = act.last_stage_bytes(c.gpt_config(), c.micro_batch_size, c.tp, c.sequence_parallel,
-                                precision(c, "megart"))  # fmt: skip
+                                precision(c, "megart"), c.context_parallel_size)  # fmt: skip
     return want["saved"] - loss + want["recompute_working"]
 
 
@@ -152,15 +152,14 @@ ARGV = (
 def test_the_cli_plans_moe_layouts_megart_train_runs(capsys):
     """Every candidate megart plan shows for an MoE model is one megart train runs with it and
     the plan models: t > 1 (searched) only with sequence parallelism (megart train refuses the
-    experts split without it), no context parallelism (megart train refuses it with experts),
-    and no zero-bubble schedule (not modelled with experts)."""
+    experts split without it) and no zero-bubble schedule (not modelled with experts); context
+    parallelism is planned (tests/test_plan_moe_ep_tp.py)."""
     assert megart_main(ARGV.split()) == 0
     out = json.loads(capsys.readouterr().out)
     layouts = [c["layout"] for c in out["candidates"]]
     assert len(layouts) > 4 and any(lay["pp"] > 1 for lay in layouts)
     assert any(lay["tp"] == 1 for lay in layouts) and any(lay["tp"] > 1 for lay in layouts)
     assert all(lay["sequence_parallel"] for lay in layouts if lay["tp"] > 1)
-    assert all(lay["cp"] == 1 for lay in layouts)
     assert all(lay["schedule"] not in ("zb-h1", "zb-v") for lay in layouts)
     assert out["tflops_per_gpu"] >= out["model_tflops_per_gpu"] > 0
 
@@ -187,12 +186,11 @@ def test_the_cli_plans_moe_at_tensor_parallel_size_2_with_sequence_parallelism(c
     [
         # megart train reads --sequence-parallel left out as off, and refuses it so.
         ("--tensor-model-parallel-size 2", "needs --sequence-parallel"),
-        ("--context-parallel-size 2", "--num-experts"),
         ("--recompute-activations --recompute-modules layernorm", "layernorm"),
         ("--pipeline-model-parallel-size 2 --pipeline-schedule zb-h1", "zb-h1"),
         ("--runtime megatron", "--num-experts"),
     ],
-    ids=["tp2-without-sp", "cp2", "layernorm", "zero-bubble", "megatron-runtime"],
+    ids=["tp2-without-sp", "layernorm", "zero-bubble", "megatron-runtime"],
 )
 def test_the_cli_refuses_what_moe_cannot_run_or_is_not_modelled(extra, says, capsys):
     assert megart_main(f"{ARGV} {extra}".split()) == 2

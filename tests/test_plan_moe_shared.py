@@ -103,6 +103,12 @@ def test_predicted_bytes_are_what_a_rank_holds(name, nproc, kw, routing, exact):
     """The state exactly; the saves at the peak and the most held while the checkpoint of an
     MoE layer or of its shared experts replays (the replay's saves above the rank's saves less
     the loss's, which its backward frees first: recompute_working)."""
+    check_ranks(name, nproc, kw, routing, exact)
+
+
+def check_ranks(name: str, nproc: int, kw: dict, routing: str | None, exact: bool) -> None:
+    """test_predicted_bytes_are_what_a_rank_holds' check of one case (shared with
+    tests/test_plan_moe_gate.py)."""
     close = (lambda x: x) if exact else (lambda x: pytest.approx(x, rel=0.01))
     replayed = set(kw.get("recompute_modules", ())) & {"mlp", "moe", "shared_experts"}
     for held, want, cpu in _ranks(nproc, kw, routing):

@@ -41,6 +41,11 @@ CASES = {
     "bf16 shared experts aux": (
         dict(SMALL, moe_shared_expert_intermediate_size=40, moe_aux_loss_coeff=0.01), 16, 2, True,
     ),
+    # The gate: x . w over this rank's slice, no collective of its own in the layer.
+    "swiglu gated shared experts": (
+        dict(SMALL, activation="swiglu", moe_shared_expert_intermediate_size=40,
+             moe_shared_expert_gate=True), 16, 3, False,
+    ),
 }  # fmt: skip
 
 

@@ -264,7 +264,8 @@ def _check_context_parallel(lay: argparse.Namespace, base: TrainConfig) -> None:
             context_parallel_size=1 if cp is None else cp,
             sequence_parallel=bool(lay.sequence_parallel),
             pipeline_schedule=lay.pipeline_schedule,
-        )
+        ),
+        experts=True,  # MoE layers under context parallelism are planned (plan.moe_memory)
     )
 
 

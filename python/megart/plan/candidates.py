@@ -15,11 +15,11 @@ process with rope keeps less (its attention's 5 h per token against the fused q/
 rope's q and k, 7 h), and b = 1 at C = 2 less again; a b = 2 at C = 2 faster than b = 1 there,
 where one process does not fit, is not looked for.
 
-Expert parallelism left out is searched for MoE models where megart train runs it: at t = cp = 1,
-each E dividing both d and --num-experts (E = 1 included), with and without the distributed
-optimizer (where megart train refuses both, its check drops those layouts). Given, it is kept,
-and the search stays at t = cp = 1 unless those are given too (then megart train's checks
-refuse them in its words).
+Expert parallelism left out is searched for MoE models where megart train runs it: beside any
+t and cp, each E dividing both d x cp (the data- and context-parallel ranks a group spans) and
+--num-experts (E = 1 included), with and without the distributed optimizer (where megart train
+refuses both, its check drops those layouts). Given, it is kept, and t and cp are searched
+around it (layouts whose d x cp it does not divide are megart train's refusals, dropped).
 """
 
 from __future__ import annotations
@@ -66,13 +66,11 @@ def candidates(
     heads = base.num_query_groups if base.group_query_attention else base.num_attention_heads
     # Searched tensor-parallel groups stay inside a node (t divides the node's GPUs).
     tps = [fixed.tp] if fixed.tp else [t for t in divisors(world) if gpu.gpus_per_node % t == 0]
-    spread = (fixed.ep or 1) > 1  # a given expert-parallel size runs at t = cp = 1 only
-    tps = [1] if spread and not fixed.tp else tps
     if base.num_experts and (fixed.tp or 1) > 1 and not fixed.sequence_parallel:
         # Left out, --sequence-parallel is searched, but megart train reads it as off and
         # refuses experts split without it: refused here in its words, as it would be.
         check_moe_tensor_parallel(base.gpt_config(), fixed.tp, False)
-    cps = [1] if spread and not fixed.cp else context_parallel_sizes(base, world, fixed, megart)
+    cps = context_parallel_sizes(base, world, fixed, megart)
     out = []
     for t in tps:
         if fixed.tp is None and heads % t:
@@ -91,7 +89,7 @@ def _runs_context_parallel(base: TrainConfig, t: int, cp: int) -> bool:
         base, tensor_model_parallel_size=t, context_parallel_size=cp, sequence_parallel=False
     )
     try:
-        check_context_parallel(probe)
+        check_context_parallel(probe, experts=True)  # MoE layers under cp: planned
     except ConfigError:
         return False
     return True
@@ -154,13 +152,14 @@ def _layouts(
 
 def expert_parallel_sizes(base: TrainConfig, fixed: Fixed, t: int, cp: int, d: int) -> list[int]:
     """The expert-parallel sizes to try with ``t``, ``cp`` and ``d`` data-parallel ranks: the
-    one given; else for an MoE model at t = cp = 1 each divisor of d that divides
-    --num-experts (megart train's check_expert_parallel), else 1."""
+    one given; else for an MoE model each divisor of d x cp (the ranks an expert-parallel
+    group spans, of one tensor-parallel rank) that divides --num-experts (megart train's
+    check_expert_parallel), else 1."""
     if fixed.ep is not None:
         return [fixed.ep]
-    if not base.num_experts or t > 1 or cp > 1:
+    if not base.num_experts:
         return [1]
-    return [e for e in divisors(d) if base.num_experts % e == 0]
+    return [e for e in divisors(d * cp) if base.num_experts % e == 0]
 
 
 def _grid_refuses(world: int, t: int, p: int, gpus_per_node: int, cp: int = 1) -> bool:

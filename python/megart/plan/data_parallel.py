@@ -60,10 +60,11 @@ def data_parallel_seconds(
     ``grad_reduce_bytes``: bytes per gradient element on the wire; ``bucket_elements``: the
     elements of a gradient bucket (bucket_elements_of; None: the runtime's bucket bytes over
     ``grad_reduce_bytes``). ``expert_bytes``: of ``grad_elements_bytes``, the experts' buckets
-    under expert parallelism (layout.ep > 1, t = 1), reduced over their expert-data-parallel
-    group instead (training.expert_grads: the dp / ep ranks holding the same experts, ep
-    apart), and with the distributed optimizer their parameters gathered over it, after or
-    before the dense ones on the same links: their times add up."""
+    under expert parallelism (layout.ep > 1), reduced over their expert-data-parallel group
+    instead (training.expert_grads: the dp x cp / ep ranks holding the same experts, ep places
+    of the dp x cp group apart, t ep global ranks; ``dp`` here is dp x cp), and with the
+    distributed optimizer their parameters gathered over it, after or before the dense ones on
+    the same links: their times add up."""
     t, p = layout.tp, layout.pp
     dist = layout.distributed_optimizer
     gather_bytes = 2 if half_weights else FP32  # what the distributed optimizer gathers

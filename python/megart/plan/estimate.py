@@ -7,7 +7,6 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megart.errors import ConfigError
 from megart.models import GPTConfig
 from megart.models.window import layer_window
 from megart.plan.data_parallel import (
@@ -109,7 +108,6 @@ def estimate(
     c = layout_config(base, layout)
     world = layout.world
     dp = c.check(world)  # megart train's checks, context parallelism's refusals included
-    _check_expert_layout(layout)
     cfg = c.gpt_config()
     m = c.microbatches(dp)
     prec = precision(c, runtime)
@@ -146,19 +144,6 @@ def estimate(
         stage=run.stage,
         stages=run.stages,
     )
-
-
-def _check_expert_layout(layout: Layout) -> None:
-    """Refuses expert parallelism beside tensor or context parallelism, which megart train
-    refuses today (its words come first) and the planner does not model (plan.moe_memory and
-    plan.moe_time count t = cp = 1), so that megart train running it one day makes no
-    prediction of it silently wrong."""
-    if layout.ep > 1 and (layout.tp > 1 or layout.cp > 1):
-        raise ConfigError(
-            f"--expert-model-parallel-size {layout.ep} with tensor-parallel size {layout.tp} "
-            f"and context-parallel size {layout.cp}: megart plan models expert parallelism at "
-            "tensor- and context-parallel size 1 only; plan it there"
-        )
 
 
 def _data_parallel_time(
@@ -323,9 +308,9 @@ def _stage_work(
     kinds = {rec} | ({None} if rec == "full" and cfg.recompute_method == "block" else set())
     # Each layer's kind: (window, MoE layer or not).
     layer_kinds = [(windows[i], cfg.is_moe_layer(i)) for i in range(cfg.num_layers)]
-    # Expert parallelism's groups: ep consecutive ranks, split over nodes where they must be.
+    # Expert parallelism's groups: ep ranks t apart, split over nodes where they must be.
     ep = layout.ep
-    near = expert_group_near(gpu.gpus_per_node, layout.dp, p, ep) if ep > 1 else None
+    near = expert_group_near(gpu.gpus_per_node, layout.dp, p, ep, t, cp) if ep > 1 else None
     works = {
         (w, r): layer_work(cfg, b, t, sp, r, tp_gpu, unfused_attention, tp_overlap, cp=cp,
                            cp_bus_gb_per_s=cp_bus, window=w[0], documents=c.reset_attention_mask,

@@ -36,8 +36,8 @@ LAYOUT = (
     "recompute_activations",  # Megatron's switch for --recompute-granularity selective
     "use_distributed_optimizer",
     "context_parallel_size",
-    # Searched for MoE models at t = cp = 1 (plan.candidates); a dense model's above 1 is megart
-    # train's refusal.
+    # Searched for MoE models beside any t and cp (plan.candidates); a dense model's above 1 is
+    # megart train's refusal.
     "expert_model_parallel_size",
 )
 
@@ -109,8 +109,8 @@ MODELLED = (
     # Mixture of experts (plan.moe_memory, plan.moe_time; parameters, FLOPs): the experts'
     # weights and state, the router's and experts' saves, their products and, split over
     # tensor-parallel ranks, the dispatcher's gathers; spread over expert-parallel ranks
-    # (a layout flag), their all-to-alls; no context parallelism (megart train's checks limit
-    # the layouts).
+    # (a layout flag), their all-to-alls; under context parallelism over the rank's s/cp
+    # tokens.
     "num_experts",
     "moe_ffn_hidden_size",
     "moe_layer_freq",
@@ -124,6 +124,14 @@ MODELLED = (
     # dense one and replicated under expert parallelism (weights in the dense buckets, saves,
     # products, collectives).
     "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",  # its [1, h] weight, saves, product (plan.moe_memory, moe_time)
+    # The router's options: their saves (plan.moe_memory: the groups' mask, seq_aux_loss's
+    # per-sequence counts, global_aux_loss's running mean); their work is over E beside the
+    # layer's h-wide work, and the bias's update one all-reduce of layers x E a step: no time.
+    "moe_router_enable_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_load_balancing_type",
     *TOKENIZER,
 )
 
@@ -144,18 +152,6 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
     "log_num_zeros_in_grad": ((False,), "a pass over the gradients each iteration"),
     "timing_log_level": ((0,), "a device synchronisation at each timed phase"),
     "empty_unused_memory_level": ((0,), "the allocator's cache emptied and refilled"),
-    "moe_router_enable_expert_bias": (
-        (False,),
-        "the expert bias's routing: the biased scores and the gathered weights it saves",
-    ),
-    "moe_router_num_groups": ((None,), "group-limited routing's group scores and masks"),
-    # aux_loss or none: the loss computed as --moe-aux-loss-coeff says (modelled)
-    "moe_router_load_balancing_type": (
-        ("aux_loss", "none"),
-        "the per-sequence and global balancing losses' counts and saves",
-    ),
-    "moe_router_group_topk": ((None,), "group-limited routing's group scores and masks"),
-    "moe_shared_expert_gate": ((False,), "the shared experts' gate: its weights and products"),
     "moe_expert_capacity_factor": (
         (None,),
         "token dropping: the capacity masks and the experts' fewer (or padded) tokens",

@@ -18,7 +18,17 @@ else the activations'), w = max(r, 4) (softmaxes over experts run in fp32 at lea
                                   their sum (k + 1, r)
     load-balancing loss (coeff>0) its softmax over the E logits (w; sigmoid scores: the
                                   scores and their sum, E + 1 in r), and once per microbatch
-                                  the experts' token counts (E) and the loss (1), w (r)
+                                  the experts' token counts (E) and the loss (1), w (r);
+                                  seq_aux_loss counts E per sequence (b E), global_aux_loss
+                                  keeps the running counts' mean (E, the weights' dtype)
+                                  and the loss in the wider of it and the scores'
+    group-limited routing         the groups' mask (E, bool), unless the expert bias picks
+                                  (the biased top k's values are dropped, and with them the
+                                  mask; the weights are gathered by the indices)
+    expert bias                   nothing more: the chosen scores gathered by the same k
+                                  indices the top k would save (its token counts, E fp32,
+                                  wait in an autograd function's context, which torch's
+                                  hooks do not see: left out)
     z-loss (coeff given)          the logits (E, r) and their log-sum-exp (r), and once the
                                   loss (r)
     each of its k experts         its gathered input and its output (h each: the sum's
@@ -44,8 +54,8 @@ the routing, so the bytes do not depend on which expert got which token: exact, 
 of the routing (measured with the experts' actual counts by the same hooks). What may differ on
 a GPU: nothing that is kernel-specific here (no fused kernel runs in an MoE layer).
 
-Under expert parallelism (ep ranks, at t = 1: models.expert_exchange) a rank's tokens are
-routed as above, and their k T copies sent to their experts' owners, run there, and sent back
+Under expert parallelism (ep ranks: models.expert_exchange) a rank's tokens are routed as
+above, and their k T copies sent to their experts' owners, run there, and sent back
 to be summed: per copy the rank sends, the returned output the sum keeps (h) and two row
 indices (int64: each expert's rows, and the order the copies leave in); per copy its own
 experts get, from any rank, the expert's input and output (h each: the output kept by the
@@ -53,14 +63,23 @@ copy into the returned buffer), its MLP's tensors, its routing weight (r) and tw
 (int64: its rows, and where its outputs go). The exchanges themselves save nothing. How many
 copies a rank's experts get is the routing's: k T on every rank when it is balanced (what the
 planner assumes; the group's ranks send ep k T copies in all), from 0 to ep k T otherwise;
-``expert_tokens`` gives it in k T. Exact on real ep2 ranks with the routing prescribed
-(tests/test_plan_moe_ep.py).
+``expert_tokens`` gives it in k T. Beside tensor parallelism (sequence parallelism) the
+copies are of the tokens gathered over the t ranks (T the whole sequence's: each tensor-
+parallel rank exchanges them all with the ranks of its own tensor-parallel rank), the experts
+f/t wide; under context parallelism T is the rank's s/cp. Exact on real ep2, ep2 x tp2, ep2 x
+cp2 and ep2 x tp2 x cp2 ranks with the routing prescribed (tests/test_plan_moe_ep.py,
+tests/test_plan_moe_ep_tp.py), and MoE layers under cp2 and cp2 x tp2 without it.
 
 Shared experts (--moe-shared-expert-intermediate-size S: a dense MLP of width S over the
 layer's input, tensor-parallel as the dense MLP, whole on every expert-parallel rank) save what
 a dense MLP of width S saves: 2 S/t or 4 S/t per token of the whole sequence, and their first
 product's input, h, unless that is the layer's input itself and the router keeps it already
-(no gather at t = 1, no autocast copy, the router in the stream's dtype).
+(no gather at t = 1, no autocast copy, the router in the stream's dtype). Their gate
+(--moe-shared-expert-gate: sigmoid(x . w), w [1, h], scaling their output) saves per token of
+this rank's slice the shared output and the sigmoid's (h + 1, which the gating product keeps)
+and its product's input, the layer's input (h: autocast's copy, else the input itself unless
+the router or the shared experts' product keeps it already); exact on real tp1, tp2 and ep2
+ranks (tests/test_plan_moe_gate.py).
 
 Recomputation: full recomputation keeps an MoE layer's input like any layer's and replays all
 of the above. --recompute-modules mlp checkpoints dense MLPs only (models.blocks, as
@@ -74,7 +93,8 @@ reads that top-k's values. tests/plan_workers.py's count keeps them where the al
 their storage to no later save.) --recompute-modules
 shared_experts checkpoints the shared experts' MLP from the layer's input: the layer keeps all
 but its tensors and its product's input copy (and keeps that input itself where the router
-keeps a cast of it), and the replay rises by a checkpointed MLP's (checkpointed_mlp_bytes).
+keeps a cast of it), and the replay rises by a checkpointed MLP's (checkpointed_mlp_bytes)
+and their gate's saves.
 Both named: moe's replay stops at the shared experts' checkpoint (their input is its last
 save), whose own replay follows at once, both held: the rise is moe's. Exact on real tp1, tp2
 and ep2 ranks (tests/test_plan_moe_shared.py). --recompute-modules layernorm with MoE layers
@@ -106,7 +126,7 @@ def moe_layer_extra(
     as a dense layer's), on one of ``tp`` tensor-parallel ranks (with sequence parallelism,
     ``sp``, which megart train requires for experts at tp > 1). ``weight_bytes``: the weights'
     (2 under --half-weights), which --moe-router-dtype's cast of the router's weight copies
-    when they differ. ``ep``: expert-parallel ranks (at t = 1), this one's experts getting
+    when they differ. ``ep``: expert-parallel ranks, this one's experts getting
     ``expert_tokens`` k T token copies (1: balanced routing; the module's doc)."""
     if recompute == "full":
         return 0.0
@@ -147,8 +167,9 @@ def moe_replay_bytes(
         saves = moe_saves(cfg, b, prec, cp, weight_bytes, tp, sp, ep, expert_tokens)
         return saves - cfg.seq_length // cp * b * _input_itself(cfg, tp, sp, prec)
     width = cfg.moe_shared_expert_intermediate_size
-    if cfg.recomputes("shared_experts") and width:
-        return checkpointed_mlp_bytes(cfg, b, tp, sp, prec, cp, width)
+    if cfg.recomputes("shared_experts") and width:  # the gate replayed with them
+        gate = cfg.seq_length // cp * b * gate_bytes(cfg, tp, sp, prec, counted=True)
+        return checkpointed_mlp_bytes(cfg, b, tp, sp, prec, cp, width) + gate
     return 0.0
 
 
@@ -174,19 +195,22 @@ def moe_saves(
     r = given or other
     w = max(r, 4)
     per_token = 0.0  # the router's, per token of this rank's slice of the sequence
-    if cfg.moe_router_score_function == "sigmoid":
+    sigmoid = cfg.moe_router_score_function == "sigmoid"
+    if sigmoid:
         per_token += e * 4 + 8 * k + ((k + 1) * r if k > 1 else 0)
     elif cfg.moe_router_pre_softmax:
         per_token += e * w + 8 * k
     else:
         per_token += k * (w + 8)
+    if cfg.moe_router_group_topk and not (sigmoid and cfg.moe_router_enable_expert_bias):
+        per_token += e  # the groups' mask (bool), kept where the top k's values are the weights
     once = e * h * given if given and given != weight_bytes else 0.0
-    if cfg.moe_aux_loss_coeff > 0 and cfg.moe_router_score_function == "sigmoid":
+    if cfg.moe_aux_loss_coeff > 0 and sigmoid:
         per_token += (e + 1) * r  # its scores (sigmoid) and their sums, which normalise them
-        once += (e + 1) * r
+        once += balance_once(cfg, b, r, weight_bytes)
     elif cfg.moe_aux_loss_coeff > 0:
         per_token += e * w
-        once += (e + 1) * w
+        once += balance_once(cfg, b, w, weight_bytes)
     if cfg.moe_z_loss_coeff:
         per_token += (e + 1) * r
         once += r
@@ -208,7 +232,39 @@ def moe_saves(
         per_token += (4 if swiglu else 2) * width / tp * other
         itself = _router_keeps_input(cfg, prec) and not _copied(tp, sp, prec)
         per_token += 0.0 if itself else h * other
+        counted = _router_keeps_input(cfg, prec) or not _copied(tp, sp, prec)
+        per_token += gate_bytes(cfg, tp, sp, prec, counted)
     return cfg.seq_length // cp * b * per_token + once
+
+
+def balance_once(cfg: GPTConfig, b: int, scores: int, weight_bytes: int) -> float:
+    """Bytes the load-balancing loss saves once per microbatch of ``b`` sequences, its scores
+    ``scores`` bytes an element: the experts' token counts the scores' product keeps and the
+    loss. aux_loss: E counts (the scores' dtype) and the loss; seq_aux_loss: E for each
+    sequence; global_aux_loss: the running counts' mean over the iteration's microbatches (E,
+    the router's buffer: the weights' dtype) and the loss, in the wider of the two."""
+    e, kind = cfg.num_experts, cfg.moe_router_load_balancing_type
+    if kind == "seq_aux_loss":
+        return (b * e + 1) * scores
+    if kind == "global_aux_loss":
+        return e * weight_bytes + max(scores, weight_bytes)
+    return (e + 1) * scores
+
+
+def gate_bytes(cfg: GPTConfig, tp: int, sp: bool, prec: Precision, counted: bool) -> float:
+    """Bytes per token of the whole sequence that --moe-shared-expert-gate's gate saves (0
+    without it), over this rank's slice (sequence parallelism at t > 1): its product's input,
+    the layer's input (autocast's 16-bit copy of an fp32 stream; else the input itself, unless
+    ``counted``: another save of it is counted already), its sigmoid's output (1, which the
+    gating product saves too) and the shared experts' output the gating product saves (h)."""
+    if not (cfg.moe_shared_expert_gate and cfg.moe_shared_expert_intermediate_size):
+        return 0.0
+    h = cfg.hidden_size
+    if prec.residual != prec.other:
+        entry = h * prec.other
+    else:
+        entry = 0.0 if counted else h * prec.residual
+    return ((h + 1) * prec.other + entry) / (tp if sp else 1)
 
 
 def checkpointed_mlp_bytes(
@@ -246,4 +302,6 @@ def _input_itself(cfg: GPTConfig, tp: int, sp: bool, prec: Precision) -> float:
         return h * prec.residual * (1 / tp if sp else 1.0)
     if cfg.moe_shared_expert_intermediate_size and not _copied(tp, sp, prec):
         return h * prec.other
+    if gate_bytes(cfg, tp, sp, prec, counted=False) and prec.residual == prec.other:
+        return h * prec.residual * (1 / tp if sp else 1.0)  # the gate's product's input
     return 0.0

@@ -1,11 +1,19 @@
 """The work of a mixture-of-experts layer's MLP part (megart.models.moe) for timing.layer_work:
 its matrix products by their sizes, its element-wise traffic and, split over t tensor-parallel
 ranks (with sequence parallelism), the allgather dispatcher's collectives; spread over ep
-expert-parallel ranks (at t = 1, models.expert_exchange), its all-to-alls. Shared experts
+expert-parallel ranks (models.expert_exchange), its all-to-alls. Shared experts
 (--moe-shared-expert-intermediate-size S) add a dense MLP of width S over every token: its
-products, its activation and its sum with the experts' output, and at t > 1 a dense MLP's
+products, its activation and its sum with the experts' output (with --moe-shared-expert-gate
+the gate's h-long product, sigmoid and scaling over this rank's slice; its weight's gradient
+joins the norms' sequence-parallel all-reduce, h elements, left out), and at t > 1 a dense MLP's
 gather and reduce-scatter each way (exposed, as the dispatcher's); whole on every rank under
 expert parallelism.
+
+The router's options cost no time here: group-limited routing's group scores and mask, the
+expert bias's add and gather, and the balancing losses' counts are over E per token beside the
+layer's h-wide work; seq_aux_loss's tensor-parallel all-reduce of counts is b E rather than E
+elements, global_aux_loss adds one of E over the data x context-parallel ranks a layer and
+microbatch, and the bias's update one of layers x E a step: latency-bound and left out.
 
 Selective recomputation replays in the backward (timing.layer_work): --recompute-modules moe
 the layer's whole forward (router, dispatcher's collectives, all-to-alls, experts, shared
@@ -14,10 +22,15 @@ torch's nested checkpoint runs them once more, not twice).
 
 Expert parallelism is timed for balanced routing: every rank's experts get k T token copies a
 microbatch (each expert k T / E from each rank's T tokens, ep k T / E from the group), each
-rank sends (ep - 1) / ep of its own k T copies away and gets as many. Uneven routing runs the
+rank sends (ep - 1) / ep of its own k T copies away and gets as many. Beside tensor
+parallelism (t > 1, sequence parallelism) T is the tokens gathered over the t ranks: each
+tensor-parallel rank exchanges all of them with the ranks of its own tensor-parallel rank (t
+times the bytes of Megatron-Core's all-to-all dispatcher, which splits them), its experts f/t
+wide, and the dispatcher's gathers and reduce-scatter run around the exchange as at ep = 1;
+under context parallelism T is the rank's s/cp part of the sequence. Uneven routing runs the
 same FLOPs but makes the rank whose experts get the most the slowest, and its all-to-alls
-longer; neither is modelled. The group is ep consecutive ranks (megart's grid at t = cp = 1:
-parallel.experts), inside a node when it fits in one, else split over nodes: each all-to-all
+longer; neither is modelled. The group is ep ranks t apart (expert_group_near), inside a
+node when it fits in one, else split over nodes: each all-to-all
 is posted at once (one latency), its pieces to the rank's node mates over NVLink and to the
 others over the rank's own rail at the same time (context_parallel.a2a_seconds' model), the
 group's worst-placed rank setting the pace (expert_group_near).
@@ -43,8 +56,8 @@ def moe_mlp_shapes(
     x h by h x E), and each expert's MLP over the tokens routed to it, gathered from every
     rank, f/t of its width (column- then row-parallel), taken as balanced (k tokens / E each:
     an estimate, the routing being the data's; unequal counts run the same FLOPs in thinner or
-    thicker products). Under expert parallelism (``ep`` ranks, t = 1) the rank's E/ep experts,
-    each over the ep k T / E copies the group's ranks send it, balanced."""
+    thicker products). Under expert parallelism (``ep`` ranks) the rank's E/ep experts, each
+    over the ep k T / E copies the group's ranks send it (T gathered over t), balanced."""
     h, e, fm = cfg.hidden_size, cfg.num_experts, cfg.moe_ffn_size / tp
     rows = tokens * cfg.moe_router_topk / e * ep
     ups = 2 if cfg.activation == "swiglu" else 1
@@ -62,7 +75,9 @@ def shared_mlp_shapes(cfg: GPTConfig, tokens: float, tp: int = 1) -> list[tuple[
     if not width:
         return []
     h, s = cfg.hidden_size, width / tp
-    return [(tokens, s, h, 2 if cfg.activation == "swiglu" else 1), (tokens, h, s, 1)]
+    mlp = [(tokens, s, h, 2 if cfg.activation == "swiglu" else 1), (tokens, h, s, 1)]
+    # --moe-shared-expert-gate: x . w over this rank's slice (replicated [1, h] weight)
+    return mlp + ([(tokens / tp, 1, h, 1)] if cfg.moe_shared_expert_gate else [])
 
 
 def shared_elementwise(cfg: GPTConfig, tp: int = 1, summed: bool = True) -> float:
@@ -74,7 +89,10 @@ def shared_elementwise(cfg: GPTConfig, tp: int = 1, summed: bool = True) -> floa
     if not width:
         return 0.0
     activation = (3 if cfg.activation == "swiglu" else 2) * width / tp
-    return activation + (3 * cfg.hidden_size / tp if summed else 0.0)
+    # The gate: its sigmoid (read and write 1) and the product scaling the output (read h + 1,
+    # write h), over this rank's slice.
+    gate = (2 * cfg.hidden_size + 3) / tp if cfg.moe_shared_expert_gate else 0.0
+    return activation + gate + (3 * cfg.hidden_size / tp if summed else 0.0)
 
 
 def replayed_forward(
@@ -180,15 +198,19 @@ def expert_exchanges(cfg: GPTConfig, tokens: float, act: int) -> tuple[list[floa
 
 
 @functools.lru_cache(maxsize=1024)
-def expert_group_near(gpus_per_node: int, dp: int, pp: int, ep: int) -> int:
+def expert_group_near(
+    gpus_per_node: int, dp: int, pp: int, ep: int, tp: int = 1, cp: int = 1
+) -> int:
     """The fewest ranks of its own expert-model-parallel group that any rank has in its node,
-    itself counted: the ``ep`` consecutive data-parallel ranks of each group, global rank
-    d + dp x stage at t = cp = 1 (megart's grid places ranks tp-cp-dp-pp)."""
-    fewest = ep
+    itself counted. megart's grid places ranks tp-cp-dp-pp, and a group is the ``ep`` ranks of
+    one tensor-parallel rank and stage at consecutive places d in the dp x cp group (cp
+    innermost: parallel.experts): global ranks r + tp (d + dp cp stage), tp apart. A searched
+    t divides the node's GPUs, so every tensor-parallel rank's groups sit alike."""
+    fewest, ranks = ep, dp * cp
     for stage in range(pp):
-        for start in range(0, dp, ep):
-            first = stage * dp + start
-            nodes = [(first + i) // gpus_per_node for i in range(ep)]
+        for start in range(0, ranks, ep):
+            first = stage * ranks + start
+            nodes = [tp * (first + i) // gpus_per_node for i in range(ep)]
             fewest = min(fewest, min(nodes.count(n) for n in set(nodes)))
     return fewest
 

@@ -34,7 +34,7 @@ def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0, ep: int = 1) -> list[
     moe_ffn_size split over t as the dense MLP, without biases: models.moe; under expert
     parallelism over ``ep`` ranks, E/ep of the experts; then the shared experts' MLP of
     --moe-shared-expert-intermediate-size, split over t as the dense MLP, whole under expert
-    parallelism)."""
+    parallelism, and their gate's [1, h] weight, replicated)."""
     h, f, t = cfg.hidden_size, cfg.ffn_size, tp
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // t
     bias = cfg.bias
@@ -48,7 +48,8 @@ def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0, ep: int = 1) -> list[
         expert = [fm * h] * (2 if cfg.activation == "swiglu" else 1) + [h * fm]
         out += [cfg.num_experts * h] + expert * (cfg.num_experts // ep)
         shared = cfg.moe_shared_expert_intermediate_size  # after the experts, whole on each
-        return out + (_mlp(cfg, shared, t) if shared else [])  # expert-parallel rank
+        gate = [h] if shared and cfg.moe_shared_expert_gate else []  # expert-parallel rank
+        return out + (_mlp(cfg, shared, t) + gate if shared else [])
     return out + _mlp(cfg, f, t)
 
 
@@ -116,10 +117,11 @@ def chunk_tensors(
 
 
 def _shared_tensors(cfg: GPTConfig, layer: int) -> int:
-    """How many of layer ``layer``'s tensors are its shared experts' (one MLP, no biases)."""
+    """How many of layer ``layer``'s tensors are its shared experts' (one MLP, no biases, and
+    their gate's weight)."""
     if not cfg.is_moe_layer(layer) or not cfg.moe_shared_expert_intermediate_size:
         return 0
-    return 3 if cfg.activation == "swiglu" else 2
+    return (3 if cfg.activation == "swiglu" else 2) + int(cfg.moe_shared_expert_gate)
 
 
 def _expert_tensors(cfg: GPTConfig, layer: int, ep: int) -> int:
