@@ -265,7 +265,6 @@ def _check_context_parallel(lay: argparse.Namespace, base: TrainConfig) -> None:
             sequence_parallel=bool(lay.sequence_parallel),
             pipeline_schedule=lay.pipeline_schedule,
         ),
-        experts=True,  # MoE layers under context parallelism are planned (plan.moe_memory)
     )
 
 

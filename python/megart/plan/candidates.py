@@ -89,7 +89,7 @@ def _runs_context_parallel(base: TrainConfig, t: int, cp: int) -> bool:
         base, tensor_model_parallel_size=t, context_parallel_size=cp, sequence_parallel=False
     )
     try:
-        check_context_parallel(probe, experts=True)  # MoE layers under cp: planned
+        check_context_parallel(probe)  # MoE layers under cp: planned
     except ConfigError:
         return False
     return True

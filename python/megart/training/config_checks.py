@@ -75,7 +75,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     """Refuses layouts, batch shapes and flag combinations that cannot run, naming the
     numbers and flags and what would fit; returns the data-parallel size."""
     tp, pp = cfg.tp, cfg.pp
-    check_context_parallel(cfg, experts=True)  # a valid cp before it divides the world
+    check_context_parallel(cfg)  # a valid cp before it divides the world
     cp = cfg.context_parallel_size
     if tp < 1 or pp < 1 or world_size % (tp * pp * cp):
         by_cp = f" x context-parallel {cp} (--context-parallel-size {cp})" if cp > 1 else ""

@@ -23,20 +23,13 @@ from megart.parallel.layout import nearest_multiples
 FLAG = "--context-parallel-size"
 
 
-def check_context_parallel(config: Any, experts: bool = False) -> None:
-    """Refuses a context-parallel size megart cannot run, naming the flags and what to change.
-    ``experts``: whether mixture-of-experts layers are accepted under context parallelism, as
-    megart train runs them (models.moe); megart plan, which calls this without, does not model
-    them so and refuses them here, by name."""
+def check_context_parallel(config: Any) -> None:
+    """Refuses a context-parallel size megart cannot run, naming the flags and what to change
+    (megart train's checks and megart plan's, which models what train runs, MoE layers under
+    context parallelism included)."""
     cp = config.context_parallel_size
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ConfigError(f"{FLAG} {cp!r} must be a positive integer (1, the default: none)")
-    if cp > 1 and config.num_experts and not experts:
-        raise ConfigError(
-            f"{FLAG} {cp} with --num-experts {config.num_experts}: megart plan does not model "
-            "mixture-of-experts layers under context parallelism (megart train runs them); "
-            "use --context-parallel-size 1 to plan"
-        )
     if config.cp_comm_type not in CP_COMM_TYPES:
         # Megatron's hierarchical kind (all-to-all inside --hierarchical-context-parallel-sizes
         # groups, a ring across them) is not built; the other kinds give the same attention.
