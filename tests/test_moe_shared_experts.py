@@ -138,8 +138,8 @@ def test_a_gate_without_shared_experts_is_refused_by_name():
 
 def test_megart_plan_models_shared_experts():
     """No longer refused: the plan counts their weights, a SwiGLU MLP of width 24 in each MoE
-    layer (every part against real ranks: tests/test_plan_moe_shared.py); the gate stays
-    refused by name, as megart train refuses it."""
+    layer, and the gate's [1, h] weight (every part against real ranks:
+    tests/test_plan_moe_shared.py, tests/test_plan_moe_gate.py)."""
     from megart.cli.plan import main as plan_main
     from megart.plan.parameters import state_bytes
 
@@ -149,9 +149,13 @@ def test_megart_plan_models_shared_experts():
     added = (state_bytes(cfg, 1, 1, 0, 1, 1, False).parameters
              - state_bytes(plain, 1, 1, 0, 1, 1, False).parameters)  # fmt: skip
     assert added == cfg.num_layers * 3 * 24 * cfg.hidden_size * 4
+    gated = dataclasses.replace(cfg, moe_shared_expert_gate=True)
+    gate = (state_bytes(gated, 1, 1, 0, 1, 1, False).parameters
+            - state_bytes(cfg, 1, 1, 0, 1, 1, False).parameters)  # fmt: skip
+    assert gate == cfg.num_layers * cfg.hidden_size * 4
     argv = ["--gpu", "h100-80gb", "--num-gpus", "8", "--global-batch-size", "64", *MOE,
             "--moe-shared-expert-gate"]  # fmt: skip
-    assert plan_main(argv) == 2
+    assert plan_main(argv) == 0
 
 
 LLAMA = dict(vocab_size=100, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
