@@ -256,6 +256,11 @@ def _check_model(directory: Any, state: dict[str, Any], config: Any, cfg: Any) -
     # the rest (dropout, seed, --init-method-std, fused kernels, recomputation) may change.
     was, now = architecture_flags(model_config(state)), architecture_flags(cfg)
     differ += [f"{was[f]} (now {now[f]})" for f in differing(was, now)]
+    # The routers' expert biases are training state held beside the weights (Megatron-Core's
+    # persistent buffers, which its strict load requires): a run without them would drop them.
+    # The other way round, the biases start from zero, as in a new run.
+    if model_config(state).moe_router_enable_expert_bias and not cfg.moe_router_enable_expert_bias:
+        differ.append("--moe-router-enable-expert-bias (now without it: its biases would be lost)")
     if differ:
         raise ConfigError(
             f"--load {directory}: the checkpoint was saved with " + ", ".join(differ) + "; "

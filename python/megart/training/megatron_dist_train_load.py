@@ -175,11 +175,14 @@ def load(
 
 def load_expert_bias(root: Path, chunks: list[Any], tp_rank: int) -> None:
     """The routers' expert biases of this rank's chunks from the store in ``root`` (any
-    layout: each layer's row of its key), where the model has them."""
+    layout: each layer's row of its key), where the model has them; a store saved without
+    them leaves them at zero, as a new run's (as megart's other formats do)."""
     wanted = bias_places(chunks, tp_rank)
     if not wanted:
         return
     reads = _Reads(root)
+    if wanted[0].key not in reads.meta:
+        return
     with torch.no_grad():
         for place in wanted:
             reads.add(place.key, place, place.param)
