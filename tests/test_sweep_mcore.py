@@ -140,5 +140,7 @@ def test_mcore_pp2_draws_every_layout_and_mostly_ones_that_fit():
 def test_megart_to_megatron_refuses_fewer_than_one_virtual_stage(tmp_path):
     from megart.training.megatron_checkpoint import megart_to_megatron
 
-    with pytest.raises(ConfigError, match="0 virtual stages per pipeline rank: give 1 or more"):
+    with pytest.raises(
+        ConfigError, match="--target-num-virtual-stages-per-pipeline-rank 0: give 1 or more"
+    ):
         megart_to_megatron(tmp_path, tmp_path / "out", 1, 2, vpp=0)

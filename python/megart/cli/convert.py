@@ -6,7 +6,8 @@ Llama's format, by the model's architecture), in one process.
         [--ckpt-format torch_dist] \
         [--target-tensor-parallel-size T --target-pipeline-parallel-size P] \
         [--target-decoder-first-pipeline-num-layers F] \
-        [--target-decoder-last-pipeline-num-layers L]
+        [--target-decoder-last-pipeline-num-layers L] \
+        [--target-num-virtual-stages-per-pipeline-rank V]
     megart convert-checkpoint --from megatron --to megart --load MEGATRON_CKPT --save OUT
     megart convert-checkpoint --from megatron --to hf --load MEGATRON_CKPT --save HF_DIR \
         [--dtype bfloat16] [--max-shard-size 5GB] [--tokenizer-model NAME_OR_DIR]
@@ -14,7 +15,8 @@ Llama's format, by the model's architecture), in one process.
         [--ckpt-format torch_dist] \
         [--target-tensor-parallel-size T --target-pipeline-parallel-size P] \
         [--target-decoder-first-pipeline-num-layers F] \
-        [--target-decoder-last-pipeline-num-layers L]
+        [--target-decoder-last-pipeline-num-layers L] \
+        [--target-num-virtual-stages-per-pipeline-rank V]
     megart convert-checkpoint --from hf --to megart --load HF_DIR --save OUT \
         [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
 
@@ -24,6 +26,9 @@ release checkpoint (megart import-hf), so --from hf --to megart is import-hf its
 uneven first/last pipeline stages (Megatron-LM's --decoder-first/last-pipeline-num-layers,
 checked as megart train checks those); without them a megart source's split is kept unless
 --target-pipeline-parallel-size or --target-tensor-parallel-size is given (then even).
+--target-num-virtual-stages-per-pipeline-rank V writes V model chunks per pipeline rank, the
+files of Megatron-LM's interleaved schedule (its --num-virtual-stages-per-pipeline-rank; by
+default the source's interleaving is kept).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ HF_FLAGS = {
 }
 TARGET_FIRST = "--target-decoder-first-pipeline-num-layers"
 TARGET_LAST = "--target-decoder-last-pipeline-num-layers"
+TARGET_VPP = "--target-num-virtual-stages-per-pipeline-rank"
 
 
 def convert(
@@ -58,13 +64,15 @@ def convert(
     hf_options: dict[str, str] | None = None,
     first: int | None = None,
     last: int | None = None,
+    vpp: int | None = None,
 ) -> str:
     """Converts the latest checkpoint in ``load`` (or the Hugging Face directory ``load``);
     returns what was written. ``tp`` and ``pp``: the layout of a Megatron-LM checkpoint
     written (by default the source's); ``ckpt_format``: its format (a Megatron-LM checkpoint
     read is either); ``hf_options``: export_checkpoint's dtype, max_shard_size and
     tokenizer_model for a Hugging Face directory written; ``first``/``last``: the uneven
-    first/last pipeline stages of a Megatron-LM checkpoint written."""
+    first/last pipeline stages of a Megatron-LM checkpoint written; ``vpp``: its model chunks
+    per pipeline rank (Megatron-LM's interleaving)."""
     hf_options = hf_options or {}
     tokenizer = hf_options.get("tokenizer_model")
     from megart.training.export_hf import describe, export_checkpoint
@@ -80,11 +88,11 @@ def convert(
             "of a Megatron-LM checkpoint written, or of an imported one (--from hf --to "
             "megart): use them there only"
         )
-    ends = {TARGET_FIRST: first, TARGET_LAST: last}
-    if target != "megatron" and any(n is not None for n in ends.values()):
-        flags = " and ".join(flag for flag, n in ends.items() if n is not None)
+    stages = {TARGET_FIRST: first, TARGET_LAST: last, TARGET_VPP: vpp}
+    if target != "megatron" and any(n is not None for n in stages.values()):
+        flags = " and ".join(flag for flag, n in stages.items() if n is not None)
         raise ConfigError(
-            f"{flags} set the uneven pipeline stages of a Megatron-LM checkpoint written: use "
+            f"{flags} set the pipeline stages of a Megatron-LM checkpoint written: use "
             "them with --to megatron only"
         )
     if ckpt_format != "torch" and target != "megatron":
@@ -102,14 +110,14 @@ def convert(
     if source == "hf" and target == "megatron":
         with tempfile.TemporaryDirectory() as tmp:  # hf -> megart -> megatron
             import_checkpoint(load, tmp)
-            files = megart_to_megatron(tmp, save, tp, pp, ckpt_format, first, last)
+            files = megart_to_megatron(tmp, save, tp, pp, ckpt_format, first, last, vpp)
             return _megatron_files(files, ckpt_format)
     if source == "hf":
         return import_for_training(
             load, save, tp=1 if tp is None else tp, pp=1 if pp is None else pp
         )
     if source == "megart" and target == "megatron":
-        files = megart_to_megatron(load, save, tp, pp, ckpt_format, first, last)
+        files = megart_to_megatron(load, save, tp, pp, ckpt_format, first, last, vpp)
         return _megatron_files(files, ckpt_format)
     if source == "megart":
         return describe(export_checkpoint(load, save, **hf_options), tokenizer)
@@ -154,6 +162,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--target-*-parallel-size); torch_dist records it in args",
         )
     p.add_argument(
+        TARGET_VPP,
+        type=int,
+        metavar="V",
+        help="--to megatron: the model chunks of each pipeline rank of the checkpoint written, "
+        "as Megatron-LM's --num-virtual-stages-per-pipeline-rank (its interleaved schedule's "
+        "files; default: the source's)",
+    )
+    p.add_argument(
         "--ckpt-format",
         choices=("torch", "torch_dist"),
         default="torch",
@@ -197,5 +213,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             hf_options,
             args.target_decoder_first_pipeline_num_layers,
             args.target_decoder_last_pipeline_num_layers,
+            args.target_num_virtual_stages_per_pipeline_rank,
         ),
     )

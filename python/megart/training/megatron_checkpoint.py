@@ -79,7 +79,7 @@ def megart_to_megatron(
         if size is not None and size < 1:
             raise ConfigError(f"--target-{flag}-parallel-size {size}: give 1 or more")
     if vpp is not None and vpp < 1:
-        raise ConfigError(f"{vpp} virtual stages per pipeline rank: give 1 or more")
+        raise ConfigError(f"--target-num-virtual-stages-per-pipeline-rank {vpp}: give 1 or more")
     iteration = required_latest_iteration(load_dir)
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
@@ -103,7 +103,14 @@ def megart_to_megatron(
                 f"{e} (here: --target-decoder-first/last-pipeline-num-layers, for "
                 f"--target-pipeline-parallel-size {pp})"
             ) from e
-    cfg.check_layout(tp, pp, vpp, *ends)
+    try:
+        cfg.check_layout(tp, pp, vpp, *ends)
+    except ConfigError as e:
+        raise ConfigError(
+            f"{e} (here: the checkpoint written, --target-tensor-parallel-size {tp}, "
+            f"--target-pipeline-parallel-size {pp}, "
+            f"--target-num-virtual-stages-per-pipeline-rank {vpp})"
+        ) from e
     whole = whole_tensors(shards, cfg)
     weights = to_megatron({k: v.clone() for k, v in whole.items()}, cfg)
     for name in VOCAB_NAMES:
