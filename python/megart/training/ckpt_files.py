@@ -15,7 +15,8 @@ import torch
 
 from megart.errors import ConfigError
 from megart.training import checksum, megatron_distrib_optim
-from megart.training.megatron_files import from_megatron_file, is_megatron_file, torch_load
+from megart.training.megatron_file_read import from_megatron_file
+from megart.training.megatron_files import is_megatron_file, torch_load
 from megart.training.norm_biases import add_zero_norm_biases
 
 # read_file's key for the LayerNorm biases it added (megart.training.norm_biases), not saved.
