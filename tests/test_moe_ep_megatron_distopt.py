@@ -141,6 +141,7 @@ def test_the_mistakes_are_caught(runs):
     rank 1 hold other experts' moments."""
     for loaded in runs["loaded"]:
         assert "error" in loaded["swapped"], loaded["swapped"]
+    print("Megatron-Core on the swapped chain:", runs["loaded"][0]["swapped"]["error"][:300])
     with pytest.raises(ConfigError):
         read_file(runs["swapped"] / ITER / FOLDERS[1] / mw.FILE)
     for loaded in runs["loaded"]:
