@@ -7,9 +7,9 @@ gradient norm and its logged auxiliary losses; the curve catches the experts sha
 parallelism, sliced as the dense buckets are, or unscaled. Checkpoints resume on the curve at
 the same layout, at another data-parallel size and without the distributed optimizer, in fp32
 and with 16-bit weights. --log-params-norm and --log-num-zeros-in-grad count each expert once
-with and without the distributed optimizer. Megatron-LM's checkpoint formats are refused on
-save; on load its legacy files are spread over the expert-parallel ranks, its torch_dist
-stores refused."""
+with and without the distributed optimizer. Megatron-LM's torch_dist is refused on save (its
+legacy files are written: tests/test_moe_ep_megatron_distopt.py); on load its legacy files are
+spread over the expert-parallel ranks, its torch_dist stores refused."""
 
 import pytest
 
@@ -155,12 +155,10 @@ def test_the_logged_norm_and_zeros_count_each_expert_once(stats_one_process, nam
         assert [h["params_norm"] for h in run] != pytest.approx(norms, **SAME_RUN)
 
 
-@pytest.mark.parametrize(
-    "fmt,said", [("torch", "torch and --use-distributed-optimizer:"), ("torch_dist", "torch_dist:")]
-)
+@pytest.mark.parametrize("fmt,said", [("torch_dist", "torch_dist:")])
 def test_megatron_checkpoint_formats_stay_refused(fmt, said):
-    """With the distributed optimizer (EP2's here): its legacy distrib_optim.pt and torch_dist
-    are not written at EP > 1 (legacy files without it are: test_moe_ep_megatron_ckpt)."""
+    """With the distributed optimizer (EP2's here): torch_dist is not written at EP > 1 (the
+    legacy files are, distrib_optim.pt included: test_moe_ep_megatron_distopt)."""
     config = tw.tiny(**dict(EP2, ckpt_format=fmt))
     with pytest.raises(
         ConfigError, match=f"--expert-model-parallel-size 2 with --ckpt-format {said}"

@@ -7,8 +7,9 @@ saved and on the one-process curve; Megatron-Core's EP2 model loads each rank's 
 with megart's logits, and its ChainedOptimizer megart's state, and megart resumes the files it
 writes. A torch_dist store saved at EP 1 (layout-free) resumes at EP 2 (and with the
 distributed optimizer at ep2 x dp4: tests/test_moe_ep_distopt.py covers its own store). Writing
-torch_dist and the distributed optimizer's legacy files under expert parallelism stay refused
-by name, as reading a torch_dist store saved at EP > 1."""
+torch_dist under expert parallelism stays refused by name, as reading a torch_dist store saved
+at EP > 1 (the distributed optimizer's legacy files are written:
+tests/test_moe_ep_megatron_distopt.py)."""
 
 import pytest
 
@@ -77,16 +78,18 @@ def test_an_ep2_legacy_checkpoint_resumes_on_the_curve(saved, one_process, nproc
 
 @pytest.mark.parametrize(
     "flags,message",
-    [
-        (dict(ckpt_format="torch_dist"), "torch_dist:"),
-        (dict(use_distributed_optimizer=True), "torch and --use-distributed-optimizer:"),
-    ],
+    [(dict(ckpt_format="torch_dist"), "torch_dist:")],
 )
 def test_what_is_not_written_under_expert_parallelism_is_refused(flags, message):
     config = tw.tiny(**dict(EP2, **flags))
     said = f"--expert-model-parallel-size 2 with --ckpt-format {message}"
     with pytest.raises(ConfigError, match=said):
         config.check(2)
+
+
+def test_the_distributed_optimizers_legacy_files_are_written_under_expert_parallelism():
+    """Its chained distrib_optim.pt (tests/test_moe_ep_megatron_distopt.py) passes the checks."""
+    tw.tiny(**dict(EP2, use_distributed_optimizer=True)).check(2)
 
 
 def test_megatron_core_at_ep2_loads_each_ranks_file_with_megarts_logits(saved):

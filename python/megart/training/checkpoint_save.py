@@ -30,6 +30,7 @@ from megart.training import (
     dist_store,
     megatron_dist_train,
     megatron_distrib_optim,
+    megatron_expert_distopt,
     tokenizer_record,
 )
 from megart.training.ckpt_files import (
@@ -197,7 +198,13 @@ def save(
         if config.ckpt_format == "torch":  # Megatron-LM's legacy layout (megatron_files)
             state = to_megatron_file(state, config, chunks[0].cfg, grid.layout.dp, ep_rank)
             if config.use_distributed_optimizer and state.get("optimizer") is not None:
-                state, param_state = megatron_distrib_optim.split(state, grid.pp_rank)
+                if ep_size > 1:  # the chain's: the dense vectors where dp rank 0 writes
+                    dense_writer = grid.dp_cp_rank == 0
+                    state, param_state = megatron_expert_distopt.split(
+                        state, grid.pp_rank, dense_writer
+                    )
+                else:
+                    state, param_state = megatron_distrib_optim.split(state, grid.pp_rank)
                 write_file(here / megatron_distrib_optim.DISTRIB_FILE, param_state)
         write_file(here / FILE, state)
     return publish(directory, iteration, partial, final, retain)

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from megart.errors import ConfigError
-from megart.training import checksum, megatron_distrib_optim
-from megart.training.megatron_files import from_megatron_file, is_megatron_file, torch_load
+from megart.training import checksum, megatron_expert_distopt
+from megart.training.megatron_file_read import from_megatron_file
+from megart.training.megatron_files import is_megatron_file, torch_load
 from megart.training.norm_biases import add_zero_norm_biases
 
 # read_file's key for the LayerNorm biases it added (megart.training.norm_biases), not saved.
@@ -192,7 +193,7 @@ def read_file(path: Path) -> dict[str, Any]:
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
         raise ConfigError(f"{path} cannot be read as a megart checkpoint file ({e})") from e
     if is_megatron_file(state):  # with the distributed optimizer's distrib_optim.pt joined
-        state = from_megatron_file(megatron_distrib_optim.join(state, path), path)
+        state = from_megatron_file(megatron_expert_distopt.join(state, path), path)
     if not isinstance(state, dict) or "config" not in state or "model" not in state:
         raise ConfigError(f"{path} is not a megart checkpoint file (no 'config' and 'model')")
     # An older megart's LayerNorm without its bias under --disable-bias-linear: zero biases.

@@ -2,7 +2,8 @@
 expert_exchange, training.expert_grads), by name, before any rank waits on another. It runs with
 tensor (each expert split over it as Megatron's default --expert-tensor-parallel-size),
 context, pipeline and data parallelism (the distributed optimizer included), saving megart's
-own checkpoints and Megatron-LM's legacy files (training.megatron_expert_files)."""
+own checkpoints and Megatron-LM's legacy files (training.megatron_expert_files; with the
+distributed optimizer training.megatron_expert_distopt)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,5 @@ def check_expert_flags(cfg: Any, dp: int) -> None:
             "torch_dist stores of spread experts; use --ckpt-format megart (the default) or "
             "torch (Megatron-LM's legacy files, one per expert-parallel rank)"
         )
-    if cfg.ckpt_format == "torch" and cfg.use_distributed_optimizer:
-        raise ConfigError(
-            f"{FLAG} {ep} with --ckpt-format torch and --use-distributed-optimizer: megart "
-            "does not write Megatron-LM's distrib_optim.pt of spread experts; use --ckpt-format "
-            "megart (the default), or torch without the distributed optimizer"
-        )
+    # --ckpt-format torch is written with or without the distributed optimizer (its chained
+    # distrib_optim.pt: training.megatron_expert_distopt).

@@ -27,7 +27,6 @@ that pair and back, so everything else of the format is shared with it.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ import torch
 from megart.errors import ConfigError
 from megart.training import checksum
 from megart.training.grad_sync import megatron_bucket_size
+from megart.training.megatron_expert_files import file_place
 from megart.training.megatron_files import model_chunks, torch_load
 from megart.training.megatron_layout import OUTPUT, WORD
 from megart.training.megatron_optimizer import is_decoupled, param_groups_of
@@ -138,12 +138,23 @@ def _params(chunk: dict[str, Any], args: dict[str, Any]) -> list[tuple[str, int,
     return [(n, chunk[n].numel(), alone and n in (WORD, OUTPUT)) for n in names]
 
 
-def layouts(chunks: list[dict[str, Any]], args: dict[str, Any], pp_rank: int) -> list:
-    """Each model chunk's BufferLayout (``chunks``: Megatron-Core names, in its order)."""
+def layouts(
+    chunks: list[dict[str, Any]],
+    args: dict[str, Any],
+    pp_rank: int,
+    total: int | None = None,
+    shard: int | None = None,
+) -> list:
+    """Each model chunk's BufferLayout (``chunks``: Megatron-Core names, in its order). Under
+    expert parallelism ``chunks`` is one buffer set's part of the rank's model: ``total`` then
+    counts all the rank's parameters (what --ddp-num-buckets divides) and ``shard`` is the
+    group the set shards over (the experts': expert-data-parallel)."""
     params = [_params(chunk, args) for chunk in chunks]
-    total = sum(numel for chunk in params for _, numel, _ in chunk)
+    if total is None:
+        total = sum(numel for chunk in params for _, numel, _ in chunk)
+    shard = dp_cp_size(args) if shard is None else shard
     return [
-        buffer_layout(chunk, bucket_size(args, pp_rank, c, total), dp_cp_size(args))
+        buffer_layout(chunk, bucket_size(args, pp_rank, c, total), shard)
         for c, chunk in enumerate(params)
     ]
 
@@ -171,10 +182,13 @@ def is_distributed(optimizer: Any) -> bool:
     )
 
 
-def split(state: dict[str, Any], pp_rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def split(
+    state: dict[str, Any], pp_rank: int, total: int | None = None, shard: int | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """A rank file in the non-distributed layout (to_megatron_file's, of pipeline rank
     ``pp_rank``) as the distributed optimizer writes it: the file with
-    DistributedOptimizer.state_dict() as its optimizer, and distrib_optim.pt's contents."""
+    DistributedOptimizer.state_dict() as its optimizer, and distrib_optim.pt's contents
+    (``total``, ``shard``: as layouts takes them)."""
     args = vars(state["args"])
     chunks = model_chunks(state)
     optimizer = state["optimizer"]
@@ -194,7 +208,7 @@ def split(state: dict[str, Any], pp_rank: int) -> tuple[dict[str, Any], dict[str
     if len(steps) > 1:
         raise ConfigError(f"the optimizer's parameters were stepped {sorted(steps)} times")
     param_state: dict[Any, Any] = {"buckets_coalesced": True}
-    for c, layout in enumerate(layouts(chunks, args, pp_rank)):
+    for c, layout in enumerate(layouts(chunks, args, pp_rank, total, shard)):
         vectors: dict[str, Any] = {k: torch.zeros(layout.numel) for k in KEYS}
         for name, (start, end) in layout.ranges.items():
             vectors["param"][start:end] = main[c, name].detach().reshape(-1).float()
@@ -217,13 +231,17 @@ def split(state: dict[str, Any], pp_rank: int) -> tuple[dict[str, Any], dict[str
     return {**state, "optimizer": dist_optimizer}, param_state
 
 
-def _pp_rank(path: Path) -> int:
-    place = re.fullmatch(r"mp_rank_\d+(?:_(\d+))?", path.parent.name)
-    return int(place.group(1) or 0) if place else 0
+def _pp_rank(path: Path, args: dict[str, Any]) -> int:
+    """The pipeline rank of the file at ``path`` (its folder's name; under expert parallelism
+    the expert-parallel rank follows it)."""
+    pp = args.get("pipeline_model_parallel_size") or 1
+    return file_place(path, pp, args.get("expert_model_parallel_size") or 1)[1]
 
 
-def read_param_state(path: Path) -> dict[Any, Any]:
-    """distrib_optim.pt beside the rank file ``path``."""
+def read_param_state(path: Path, chain: int = 1) -> Any:
+    """distrib_optim.pt beside the rank file ``path``: one optimizer's state, or with ``chain``
+    2 (expert parallelism's ChainedOptimizer) the list of the dense one's (None where
+    another rank wrote it) and the experts'."""
     where = path.parent / DISTRIB_FILE
     if not where.exists():
         raise ConfigError(
@@ -235,31 +253,48 @@ def read_param_state(path: Path) -> dict[Any, Any]:
         loaded = torch_load(where, mmap=True)
     except (RuntimeError, EOFError, OSError) as e:
         raise ConfigError(f"{where} cannot be read as Megatron's distrib_optim.pt ({e})") from e
-    if isinstance(loaded, list):
+    held = len(loaded) if isinstance(loaded, list) else 1
+    if held != chain or (chain > 1 and not isinstance(loaded, list)):
         raise ConfigError(
-            f"{where} holds {len(loaded)} optimizers' states (expert-parallel parameters or "
-            "--overlap-param-gather-with-optimizer-step), which megart does not have"
+            f"{where} holds {held} optimizers' states where its rank file has {chain} (a chain "
+            "other than expert parallelism's dense and experts' pair, such as "
+            "--overlap-param-gather-with-optimizer-step's, which megart does not have)"
         )
+    for part in loaded if isinstance(loaded, list) else [loaded]:
+        _check_coalesced(part, where)
+    return loaded
+
+
+def _check_coalesced(loaded: Any, where: Path) -> None:
+    if loaded is None:  # a chain's dense state, written beside another expert-parallel rank's
+        return
     if not isinstance(loaded, dict) or not loaded.get("buckets_coalesced"):
         raise ConfigError(
             f"{where} is in Megatron's layout from before 2024 (per bucket, not coalesced); "
             "convert it with Megatron-LM's --ckpt-convert-update-legacy-dist-opt-format first, "
             "or resume with --no-load-optim"
         )
-    return loaded
 
 
-def join(state: dict[str, Any], path: Path) -> dict[str, Any]:
+def join(
+    state: dict[str, Any],
+    path: Path,
+    loaded: dict[Any, Any] | None = None,
+    total: int | None = None,
+    shard: int | None = None,
+) -> dict[str, Any]:
     """A rank file the distributed optimizer wrote (megart's or Megatron-LM's), with its
-    distrib_optim.pt, in the non-distributed layout (the inverse of split); other files as
-    they are."""
+    distrib_optim.pt (or ``loaded``, one optimizer's part of it, whose parameters are the
+    file's model then: ``total`` and ``shard`` as layouts takes them), in the non-distributed
+    layout (the inverse of split); other files as they are."""
     optimizer = state.get("optimizer")
     if not is_distributed(optimizer):
         return state
     args = vars(state["args"])
     chunks = model_chunks(state)
-    loaded = read_param_state(path)
-    groups = param_groups_of(chunks, is_decoupled(args))
+    part = loaded is not None  # Megatron-Core makes no group without parameters
+    loaded = read_param_state(path) if loaded is None else loaded
+    groups = [g for g in param_groups_of(chunks, is_decoupled(args)) if g or not part]
     saved_groups = optimizer["optimizer"]["param_groups"]
     if len(saved_groups) != len(groups):
         raise ConfigError(
@@ -276,7 +311,7 @@ def join(state: dict[str, Any], path: Path) -> dict[str, Any]:
             f"({len(chunks)}): parameters of several dtypes, which megart does not have"
         )
     per_param: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for c, layout in enumerate(layouts(chunks, args, _pp_rank(path))):
+    for c, layout in enumerate(layouts(chunks, args, _pp_rank(path, args), total, shard)):
         (vectors,) = loaded[c].values()
         if vectors["numel_unpadded"] != layout.numel:
             raise ConfigError(

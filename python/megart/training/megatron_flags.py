@@ -69,7 +69,7 @@ What each does in megart:
   --use-distributed-optimizer its state as Megatron's dp_reshardable buckets,
   megart.training.megatron_dist_distopt; not under zb-v; torch is not written under zb-v,
   whose V Megatron-LM's legacy files cannot place). --load
-  resumes a Megatron-LM legacy checkpoint of any layout in full (megart.training.megatron_files;
+  resumes a Megatron-LM legacy checkpoint of any layout in full (megart.training.megatron_file_read;
   as --finetune when it holds no optimizer) and resumes a torch_dist checkpoint of the
   non-distributed optimizer's keys, or the distributed optimizer's (dp_reshardable), into any
   layout, --use-distributed-optimizer's included (megart.training.megatron_dist_train_load; weights

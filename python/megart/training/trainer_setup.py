@@ -247,7 +247,7 @@ def resume_point(
     elif load:
         if load != config.load and dist.get_rank() == 0:
             print(f"megart train: resuming from the non-persistent checkpoint in {load}")
-        # megart's files or Megatron-LM's legacy ones (read as megart's: megatron_files), into
+        # megart's files or Megatron-LM's legacy ones (read as megart's: megatron_file_read), into
         # fp32 weights (with --half-weights the optimizer's main weights).
         with full_precision(optimizer):
             return checkpoint.load(load, config, grid, chunks, optimizer, rng, scaler)

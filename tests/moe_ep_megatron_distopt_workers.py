@@ -1,0 +1,143 @@
+"""Megatron-Core's side of tests/test_moe_ep_megatron_distopt.py (megatron-core 0.16.1, CPU,
+gloo; one launched process per rank of expert-parallel 2 x data-parallel 4): its own MoE
+GPTModel, one DistributedDataParallel (dense and expert buffers) and, as get_megatron_optimizer
+builds them under expert parallelism, a ChainedOptimizer of two DistributedOptimizers (the dense
+parameters' over data parallelism, the experts' over the expert-data-parallel group) load each
+rank's legacy files (model_optim_rng.pt's optimizer list, distrib_optim.pt with
+load_parameter_state) and write their own (save_parameter_state from every rank, as
+Megatron-LM's save_checkpoint calls it). The CUDA stubs are tests/megatron_distopt_workers.py's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+EP = 2
+FILE = "model_optim_rng.pt"
+DISTRIB = "distrib_optim.pt"
+
+
+def _expected(ref_file: Path, e: int) -> dict:
+    """From megart's own checkpoint file of expert-parallel rank ``e``: each parameter's weight
+    and Adam moments under Megatron-Core's name (experts numbered locally)."""
+    from megart.training import megatron_expert_files as experts
+    from megart.training.checkpoint import model_config
+    from megart.training.ckpt_files import read_file
+    from megart.training.megatron_files import chunk_names_to_megatron
+
+    state = read_file(ref_file)
+    cfg = model_config(state)
+    state = experts.shifted(state, -experts.first_expert(e, EP, cfg.num_experts))
+    out: dict = {}
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        sd = {}
+        for i, (c, name) in enumerate(state["optimizer_params"]):
+            sd[name] = (
+                state["model"][c][name] if key == "param" else state["optimizer"]["state"][i][key]
+            )
+        for name, value in chunk_names_to_megatron(sd, cfg, state["layer_ids"][0]).items():
+            out.setdefault(name, {})[key] = value
+    return out
+
+
+def _chained(model, kw: dict, args: dict):
+    """Megatron-Core's DistributedDataParallel over ``model`` and its ChainedOptimizer of two
+    DistributedOptimizers (dense first, then the experts', each over its own group)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import _get_param_groups
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    import megatron_distopt_workers as mdw
+    import megatron_optim_workers as mow
+    import train_workers as tw
+
+    ddp = mdw._ddp(model, args, args.get("ddp_bucket_size"))
+    config = mow._optimizer_config(tw.tiny(**kw))
+    config.use_distributed_optimizer = True
+    groups = _get_param_groups([ddp], config, None)
+    parts = []
+    for experts in (False, True):
+        mine = [g for g in groups if g["is_expert_parallel"] == experts]
+        adamw = torch.optim.AdamW(mine, lr=config.lr)
+        if experts:
+            buffers = ddp.expert_parallel_buffers
+            group, gloo = (
+                ps.get_expert_data_parallel_group(),
+                ps.get_expert_data_parallel_group_gloo(),
+            )
+        else:
+            buffers = ddp.buffers
+            group = ps.get_data_parallel_group(with_context_parallel=True)
+            gloo = ps.get_data_parallel_group_gloo(with_context_parallel=True)
+        with mow._cuda_named():
+            parts.append(DistributedOptimizer(adamw, config, None, None, [ddp], {0: buffers},
+                                              group, gloo, ps.get_model_parallel_group().rank(),
+                                              len(parts)))  # fmt: skip
+    return ddp, ChainedOptimizer(parts)
+
+
+def load_and_write(kw: dict, stores: list[str], ref_dir: str, out_dir: str) -> list[dict]:
+    """On each rank, for each checkpoint in ``stores`` (iteration 2): Megatron-Core's model
+    loads its rank folder's model strictly, its chained optimizer the file's optimizer list
+    (load_state_dict) and distrib_optim.pt (load_parameter_state). Per store: the error it
+    raised, or per parameter this rank's optimizers hold a piece of, the piece's range and
+    whether its fp32 main copy and moments equal megart's own checkpoint of the run
+    (``ref_dir``) bitwise. After the first store it writes Megatron-LM's legacy checkpoint into
+    ``out_dir``: the rank file where data-parallel or expert-data-parallel rank 0, and
+    save_parameter_state on every rank."""
+    from megatron.core import parallel_state as ps
+
+    import megatron_core_workers as mcw
+    import megatron_distopt_workers as mdw
+    import megatron_optim_workers as mow
+    import train_workers as tw
+    from megart.training.megatron_args import config_from_args
+    from moe_ep_tp_workers import _no_cuda_streams
+
+    torch.distributed.init_process_group("gloo")
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=EP)
+    mcw.on_cpu_only()
+    _no_cuda_streams()
+    e = ps.get_expert_model_parallel_rank()
+    here = Path("iter_0000002") / f"mp_rank_00_{e:03d}"
+    want = _expected(Path(ref_dir) / here / FILE, e)
+    results = []
+    try:
+        for n, store in enumerate(stores):
+            state = torch.load(Path(store) / here / FILE, weights_only=False)
+            args = vars(state["args"])
+            model = mcw.megatron_model(config_from_args(args), ep=EP).float()
+            model.load_state_dict(state["model"], strict=True)
+            ddp, optimizer = _chained(model, kw, args)
+            try:
+                optimizer.load_state_dict(state["optimizer"])
+                with torch.no_grad(), mdw._step_kept():
+                    optimizer.load_parameter_state(str(Path(store) / here / DISTRIB))
+            except Exception as error:  # noqa: BLE001 - the test reads which mistake raised what
+                results.append(dict(error=f"{type(error).__name__}: {error}"))
+                continue
+            pieces = {}
+            for part in optimizer.chained_optimizers:
+                for (_, name), (r, held, numel) in mdw.held_pieces(part, [ddp]).items():
+                    same = {
+                        key: torch.equal(held[key], want[name][key].reshape(-1)[r.start : r.end])
+                        for key in ("param", "exp_avg", "exp_avg_sq")
+                    }
+                    pieces[name] = dict(range=(r.start, r.end), numel=numel, same=same)
+            results.append(dict(pieces=pieces, rank=e))
+            if n == 0:
+                written = state["args"]
+                dp0 = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+                if dp0 or ps.get_expert_data_parallel_rank() == 0:
+                    mow._write(out_dir, f"mp_rank_00_{e:03d}/{FILE}", written, model, optimizer,
+                               tw.tiny(**kw))  # fmt: skip
+                torch.distributed.barrier()
+                optimizer.save_parameter_state(str(Path(out_dir) / here / DISTRIB))
+                torch.distributed.barrier()
+    finally:
+        ps.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+    return results
