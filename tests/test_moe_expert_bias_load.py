@@ -41,3 +41,29 @@ def test_resuming_with_the_flag_starts_from_zero_biases(tmp_path, fmt):
     # Iteration 3 routes with zero biases (the biasless run's choices); then they move.
     assert got["history"][0]["loss"] == pytest.approx(plain["history"][2]["loss"], **SAME_RUN)
     assert torch.count_nonzero(got["bias"]) > 0
+
+
+def test_megatron_core_loads_the_distributed_optimizers_file_with_expert_biases(tmp_path):
+    """The routers' expert biases are buffers, in the legacy model files but outside
+    Megatron-Core's gradient buffers: its DistributedOptimizer loads megart's distrib_optim.pt
+    of such a model (dp2) holding megart's fp32 weights and moments exactly, every parameter
+    tiled by the ranks' pieces (counting the biases in the buffers made it refuse the file)."""
+    import megatron_distopt_workers as mdw
+
+    kw = dict(BIASED, train_iters=4, use_distributed_optimizer=True)
+    ref, ours = str(tmp_path / "ref"), str(tmp_path / "ours")
+    launch(rw.tw.train_kw, 2, dict(kw, save=ref, save_interval=2), timeout=300)
+    launch(rw.tw.train_kw, 2, dict(kw, save=ours, save_interval=2, exit_interval=2,
+                                   ckpt_format="torch"), timeout=300)  # fmt: skip
+    ranks = launch(mdw.load_and_write, 2, kw, ours, ref, None, timeout=300)
+    pieces: dict[str, list] = {}
+    for r in ranks:
+        for (_, name), piece in r["pieces"].items():
+            assert piece["diffs"] == dict(param=0.0, exp_avg=0.0, exp_avg_sq=0.0), name
+            pieces.setdefault(name, []).append((*piece["range"], piece["numel"]))
+    assert any(".mlp.router.weight" in n for n in pieces)
+    assert not any("expert_bias" in n for n in pieces)
+    for name, held in pieces.items():
+        held.sort()
+        assert held[0][0] == 0 and held[-1][1] == held[-1][2], name
+        assert all(a[1] == b[0] for a, b in zip(held, held[1:], strict=False)), name

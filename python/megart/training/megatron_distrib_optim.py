@@ -39,7 +39,7 @@ from megart.training.grad_sync import megatron_bucket_size
 from megart.training.megatron_expert_files import file_place
 from megart.training.megatron_files import model_chunks, torch_load
 from megart.training.megatron_layout import OUTPUT, WORD
-from megart.training.megatron_optimizer import is_decoupled, param_groups_of
+from megart.training.megatron_optimizer import is_decoupled, is_parameter, param_groups_of
 
 DISTRIB_FILE = "distrib_optim.pt"
 KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -132,7 +132,7 @@ def _params(chunk: dict[str, Any], args: dict[str, Any]) -> list[tuple[str, int,
     tied = not args.get("untie_embeddings_and_output_weights") and (
         (args.get("pipeline_model_parallel_size") or 1) > 1
     )
-    names = [n for n, v in chunk.items() if isinstance(v, torch.Tensor)]
+    names = [n for n, v in chunk.items() if is_parameter(n, v)]
     # The tied copy: the word embedding on the first stage, the output layer on the last.
     alone = tied and (WORD in names) != (OUTPUT in names)
     return [(n, chunk[n].numel(), alone and n in (WORD, OUTPUT)) for n in names]

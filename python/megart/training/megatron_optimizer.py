@@ -130,6 +130,17 @@ def is_decoupled(args: dict[str, Any]) -> bool:
     return args.get("decoupled_lr") is not None
 
 
+def is_parameter(name: str, value: Any) -> bool:
+    """Whether a Megatron-Core model state dict's entry is a parameter: not a layer's
+    ``_extra_state``, nor a router's ``expert_bias`` (a buffer, outside the optimizer and
+    its gradient buffers)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and not name.endswith("_extra_state")
+        and not name.endswith(".mlp.router.expert_bias")
+    )
+
+
 def param_groups_of(
     chunks: list[dict[str, Any]], decoupled: bool = False
 ) -> list[list[tuple[int, str]]]:
@@ -140,7 +151,7 @@ def param_groups_of(
         (c, name, value)
         for c, chunk in enumerate(chunks)
         for name, value in chunk.items()
-        if isinstance(value, torch.Tensor) and not name.endswith("_extra_state")
+        if is_parameter(name, value)
     ]
     own = [(c, n) for c, n, _ in named if decoupled and n in EMBEDDING_OR_OUTPUT]
     return [
