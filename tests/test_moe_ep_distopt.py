@@ -156,11 +156,16 @@ def test_the_logged_norm_and_zeros_count_each_expert_once(stats_one_process, nam
 
 
 @pytest.mark.parametrize(
-    "fmt,said", [("torch", "torch and --use-distributed-optimizer:"), ("torch_dist", "torch_dist:")]
+    "fmt,said",
+    [
+        ("torch", "torch and --use-distributed-optimizer:"),
+        ("torch_dist", "torch_dist and --use-distributed-optimizer:"),
+    ],
 )
 def test_megatron_checkpoint_formats_stay_refused(fmt, said):
     """With the distributed optimizer (EP2's here): its legacy distrib_optim.pt and torch_dist
-    are not written at EP > 1 (legacy files without it are: test_moe_ep_megatron_ckpt)."""
+    are not written at EP > 1 (both without it are: test_moe_ep_megatron_ckpt,
+    test_megatron_dist_ep)."""
     config = tw.tiny(**dict(EP2, ckpt_format=fmt))
     with pytest.raises(
         ConfigError, match=f"--expert-model-parallel-size 2 with --ckpt-format {said}"
