@@ -34,6 +34,30 @@ def _fresh_state(optimizer) -> None:
     optimizer.load_state_dict({"optimizer": {"param_groups": groups}})
 
 
+def save_as_megatron_lm(out_dir: str, sharded: dict, common: dict, content: dict | None) -> None:
+    """On every rank: Megatron-LM's save_checkpoint of ``sharded`` (the model's and optimizer's
+    sharded state dicts) with the loaded store's ``common`` args, iteration and scheduler (no
+    rng_state: Megatron-LM's are CUDA streams; megart then keeps its own) and ``content``
+    metadata, into ``out_dir`` at that iteration; rank 0 writes the tracker."""
+    from megatron.core import dist_checkpointing
+
+    from megart.training.checkpoint import iteration_dir
+
+    iteration = common["iteration"]
+    out = iteration_dir(out_dir, iteration)
+    if torch.distributed.get_rank() == 0:
+        out.mkdir(parents=True)
+    torch.distributed.barrier()
+    state = {**sharded, "args": common["args"], "checkpoint_version": 3.0,
+             "iteration": iteration,
+             "opt_param_scheduler": common["opt_param_scheduler"]}  # fmt: skip
+    # Megatron-Core's writer hands the bytes to helper processes (megatron_dist_workers).
+    multiprocessing.current_process()._config["daemon"] = False
+    dist_checkpointing.save(state, str(out), content_metadata=content)
+    if torch.distributed.get_rank() == 0:
+        (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+
+
 def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
     """On each rank: Megatron-Core's model and distributed optimizer load megart's store
     (Megatron-LM's default strictness); returns, per parameter piece this rank's optimizer
@@ -108,19 +132,7 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
     steps = {float(s["step"]) for s in optimizer.optimizer.state.values()}
     scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None
     if out_dir is not None:
-        out = iteration_dir(out_dir, iteration)
-        if torch.distributed.get_rank() == 0:
-            out.mkdir(parents=True)
-        torch.distributed.barrier()
-        # No rng_state: Megatron-LM's are CUDA streams; megart then keeps its own.
-        state = {**wanted(False), "args": common["args"], "checkpoint_version": 3.0,
-                 "iteration": iteration,
-                 "opt_param_scheduler": common["opt_param_scheduler"]}  # fmt: skip
-        # Megatron-Core's writer hands the bytes to helper processes (megatron_dist_workers).
-        multiprocessing.current_process()._config["daemon"] = False
-        dist_checkpointing.save(state, str(out), content_metadata=content)
-        if torch.distributed.get_rank() == 0:
-            (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+        save_as_megatron_lm(out_dir, wanted(False), common, content)
     torch.distributed.destroy_process_group()
     buckets = [[b.numel_unpadded for b in ddp.buffers[0].buckets] for ddp in ddps]
     return dict(place=(tp_rank, pp_rank, d), pieces=pieces, steps=steps, content=content,

@@ -82,7 +82,11 @@ def test_the_grid_refuses_what_does_not_split(world, kw, ep, experts, message):
             dict(ckpt_format="torch", use_distributed_optimizer=True),
             "with --ckpt-format torch and --use-distributed-optimizer:",
         ),  # fmt: skip
-        (2, dict(ckpt_format="torch_dist"), "with --ckpt-format torch_dist:"),
+        (
+            2,
+            dict(ckpt_format="torch_dist", use_distributed_optimizer=True),
+            "with --ckpt-format torch_dist and --use-distributed-optimizer:",
+        ),  # fmt: skip
     ],
 )
 def test_megart_train_refuses_what_this_slice_cannot_run(world, flags, message):

@@ -155,10 +155,13 @@ def test_the_logged_norm_and_zeros_count_each_expert_once(stats_one_process, nam
         assert [h["params_norm"] for h in run] != pytest.approx(norms, **SAME_RUN)
 
 
-@pytest.mark.parametrize("fmt,said", [("torch_dist", "torch_dist:")])
+@pytest.mark.parametrize(
+    "fmt,said", [("torch_dist", "torch_dist and --use-distributed-optimizer:")]
+)
 def test_megatron_checkpoint_formats_stay_refused(fmt, said):
-    """With the distributed optimizer (EP2's here): torch_dist is not written at EP > 1 (the
-    legacy files are, distrib_optim.pt included: test_moe_ep_megatron_distopt)."""
+    """With the distributed optimizer (EP2's here): torch_dist's state is not written at EP > 1
+    (the legacy files are, distrib_optim.pt included: test_moe_ep_megatron_distopt; and
+    torch_dist without it: test_megatron_dist_ep)."""
     config = tw.tiny(**dict(EP2, ckpt_format=fmt))
     with pytest.raises(
         ConfigError, match=f"--expert-model-parallel-size 2 with --ckpt-format {said}"

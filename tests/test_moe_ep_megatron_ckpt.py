@@ -6,10 +6,10 @@ resumes at the same layout and in one process (its files merged) holding exactly
 saved and on the one-process curve; Megatron-Core's EP2 model loads each rank's file strictly
 with megart's logits, and its ChainedOptimizer megart's state, and megart resumes the files it
 writes. A torch_dist store saved at EP 1 (layout-free) resumes at EP 2 (and with the
-distributed optimizer at ep2 x dp4: tests/test_moe_ep_distopt.py covers its own store). Writing
-torch_dist under expert parallelism stays refused by name, as reading a torch_dist store saved
-at EP > 1 (the distributed optimizer's legacy files are written:
-tests/test_moe_ep_megatron_distopt.py)."""
+distributed optimizer at ep2 x dp4: tests/test_moe_ep_distopt.py covers its own store). The
+distributed optimizer's legacy files are written under expert parallelism too
+(tests/test_moe_ep_megatron_distopt.py), and torch_dist without it (tests/test_megatron_dist_ep.py);
+torch_dist with the distributed optimizer's state stays refused by name."""
 
 import pytest
 
@@ -78,7 +78,12 @@ def test_an_ep2_legacy_checkpoint_resumes_on_the_curve(saved, one_process, nproc
 
 @pytest.mark.parametrize(
     "flags,message",
-    [(dict(ckpt_format="torch_dist"), "torch_dist:")],
+    [
+        (
+            dict(ckpt_format="torch_dist", use_distributed_optimizer=True),
+            "torch_dist and --use-distributed-optimizer:",
+        ),
+    ],
 )
 def test_what_is_not_written_under_expert_parallelism_is_refused(flags, message):
     config = tw.tiny(**dict(EP2, **flags))
@@ -159,10 +164,10 @@ def test_a_torch_dist_store_of_ep1_resumes_at_ep2_on_the_curve(tmp_path, one_pro
     tw.assert_resumed_on_curve(one_process, [resumed[0]], **SAME_RUN)
 
 
-def test_a_torch_dist_store_saved_at_ep2_is_refused_by_name_and_legacy_files_are_not():
+def test_args_saved_at_ep2_are_taken_by_every_reader():
+    """Legacy files and torch_dist stores saved at EP 2 are read (one check for both;
+    tests/test_megatron_dist_ep.py)."""
     from megart.training.megatron_args import check_args
 
     a = dict(num_layers=2, num_experts=4, expert_model_parallel_size=2)
-    with pytest.raises(ConfigError, match="store saved with --expert-model-parallel-size 2"):
-        check_args(a, "store")
-    check_args(a, "legacy", expert_parallel=True)  # the legacy files' readers take it
+    check_args(a, "store")

@@ -213,8 +213,10 @@ def save(
 def dist_writer(config: Any, grid: Any) -> bool:
     """Whether this rank writes slices of a torch_dist store: every rank with the distributed
     optimizer (its slices of the moments), else rank 0 of the data x context-parallel ranks,
-    which all hold the same."""
-    return grid.dp_cp_rank == 0 or config.use_distributed_optimizer
+    which all hold the same, and under expert parallelism rank 0 of the expert-data-parallel
+    ranks, which hold the same experts."""
+    edp_rank = getattr(grid, "edp_rank", grid.dp_cp_rank)
+    return grid.dp_cp_rank == 0 or edp_rank == 0 or config.use_distributed_optimizer
 
 
 def publish(

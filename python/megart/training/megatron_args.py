@@ -237,9 +237,9 @@ def refuse_expert_bias(cfg: GPTConfig, where: Any) -> None:
         )
 
 
-def check_args(a: dict[str, Any], where: Any, expert_parallel: bool = False) -> None:
-    """Refuses a Megatron-LM checkpoint (its ``vars(args)``) of what megart cannot represent;
-    saved with expert parallelism only where ``expert_parallel`` (its legacy files' readers)."""
+def check_args(a: dict[str, Any], where: Any) -> None:
+    """Refuses a Megatron-LM checkpoint (its ``vars(args)``) of what megart cannot represent
+    (saves of any expert-parallel size are read, legacy files and torch_dist stores alike)."""
     stages = saved_stages(a)
     first, last = stages["first"], stages["last"]
     if uneven(first, last):  # Megatron-Core's placement of uneven stages (models.stages)
@@ -250,14 +250,6 @@ def check_args(a: dict[str, Any], where: Any, expert_parallel: bool = False) -> 
             )
         except ConfigError as e:
             raise ConfigError(f"{where}: saved with {e}") from None
-    ep = a.get("expert_model_parallel_size") or 1
-    if ep > 1 and not expert_parallel and a.get("num_experts"):
-        raise ConfigError(
-            f"{where}: a torch_dist store saved with --expert-model-parallel-size {ep} (its "
-            "optimizer a chain of the dense and the experts' parts); megart reads a torch_dist "
-            "store saved at expert-parallel size 1 (into any) and Megatron-LM's legacy files "
-            "(--ckpt-format torch) saved at any"
-        )
     # Other expert layouts than SequentialMLP's local_experts, with other parameter names.
     unlike = [f"--{k.replace('_', '-')}" for k in MOE_UNBUILT if a.get(k)]
     if unlike and a.get("num_experts"):

@@ -169,7 +169,7 @@ def saved_args(
             f"{megatron_dist.METADATA} (torch_dist): not a Megatron-LM checkpoint"
         )
     a = vars(read_rank(first)["args"])
-    check_args(a, first, expert_parallel=True)
+    check_args(a, first)
     return a, root, iteration
 
 

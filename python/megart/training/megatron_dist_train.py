@@ -40,6 +40,7 @@ from megart.tensor_parallel.random import GeneratorStates
 from megart.training import dist_store
 from megart.training import megatron_dist_distopt as distopt
 from megart.training.dtypes import half_dtype
+from megart.training.expert_grads import is_expert
 from megart.training.megatron_dist import BACKENDS, COMMON, METADATA, extra_states
 from megart.training.megatron_dist_places import Place, bias_places, places
 from megart.training.megatron_files import CHECKPOINT_VERSION, to_grad_scaler, training_args
@@ -48,6 +49,9 @@ from megart.training.megatron_scheduler import scheduler_state
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FP32 = "optimizer.state.fp32_param."
+# Megatron-LM's content metadata without the distributed optimizer: the ChainedOptimizer of
+# expert parallelism keeps the moments' keys unprefixed under it (with none it adds chained_N.).
+PLAIN_CONTENT = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
 def moment_key(name: str, key: str) -> str:
@@ -107,14 +111,19 @@ def rank_state(
         distopt.add_state(
             state, chunks, optimizer, grid, config.tp, args, groups, _scaler_state(config, scaler)
         )
-    if grid.dp_cp_rank != 0:  # the weights are the same on every dp x cp rank
+    # The weights are the same on every dp x cp rank: rank 0 of them writes the dense ones;
+    # an expert's are the same on its expert-data-parallel ranks (Megatron-Core's replica ids
+    # of SequentialMLP's tensors count over them): rank 0 of those writes it.
+    dense = grid.dp_cp_rank == 0
+    experts = getattr(grid, "edp_rank", grid.dp_cp_rank) == 0
+    if not (dense or experts):
         return state
 
     def add(key: str, place: Place, tensor: torch.Tensor) -> None:
         state.setdefault(key, dist_store.Slices(place.size)).add(place.offsets, place.piece(tensor))
 
     for place in places(chunks, grid.tp_rank, config.tp):
-        if not place.owner:
+        if not place.owner or not (experts if is_expert(place.param) else dense):
             continue
         p = place.param.detach()
         add(place.key, place, p if half is None else p.to(half))
@@ -123,6 +132,8 @@ def rank_state(
         own = None if config.use_distributed_optimizer else optimizer.state.get(place.param)
         for name in MOMENTS if own else ():
             add(moment_key(name, place.key), place, own[name])
+    if not dense:
+        return state
     for place in bias_places(chunks, grid.tp_rank):  # fp32 in 16-bit runs too, as Megatron's
         if place.owner:
             add(place.key, place, place.param.detach())
@@ -161,20 +172,20 @@ def common_state(
     if config.use_distributed_optimizer:  # the rest is in the store (megatron_dist_distopt)
         opt: dict[str, Any] = {"param_state_sharding_type": distopt.SHARDING}
         common["content_metadata"] = dict(distopt.CONTENT)
+    elif getattr(config, "expert_model_parallel_size", 1) > 1:
+        # Megatron-Core's ChainedOptimizer (the dense parameters', then the experts'): its
+        # sharded_state_dict leaves {index: each one's} here; under Megatron-LM's metadata
+        # (chained_optim_avoid_prefix, no distributed optimizer) the moments' keys are the
+        # model's, as one optimizer's.
+        opt = {
+            i: _plain_optimizer(config, optimizer, scaler, part)
+            for i, part in enumerate((False, True))
+        }
     else:
-        keys = megatron_group_keys(config.lr, config.min_lr, config.decoupled_rates())
-        groups = [
-            {**k, **{n: v for n, v in g.items() if n != "params"}}
-            for k, g in zip(keys, optimizer.state_dict()["param_groups"], strict=True)
-        ]
-        steps = [s["step"] for s in optimizer.state.values() if "step" in s]
-        opt = {"param_groups": groups, "state": {}}
-        if steps:  # Megatron-Core's _extract_common_per_param_step: one step for all
-            opt["state"]["common_step"] = steps[0].detach().clone()
-        if half_dtype(config) is not None:
-            opt = {"optimizer": opt}
-            if scaler is not None:
-                opt["grad_scaler"] = _scaler_state(config, scaler)
+        opt = _plain_optimizer(config, optimizer, scaler)
+    if not config.use_distributed_optimizer:  # as Megatron-LM >= 0.13 writes it
+        common["content_metadata"] = dict(PLAIN_CONTENT)
+    args.expert_model_parallel_size = getattr(config, "expert_model_parallel_size", 1)
     common |= {
         "args": args,
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -184,6 +195,34 @@ def common_state(
         "megart": {"model_config": dataclasses.asdict(cfg)},
     }
     return common
+
+
+def _plain_optimizer(
+    config: Any, optimizer: Any, scaler: Any, experts: bool | None = None
+) -> dict[str, Any]:
+    """Megatron's FP32Optimizer's (or with --bf16/--fp16 Float16OptimizerWithFloat16Params')
+    part of common.pt: the param groups without their params, the one step. ``experts``: under
+    expert parallelism, the chain's optimizer of the experts' parameters (True) or of the
+    others (False), holding only its own non-empty groups, keyed ``is_expert_parallel``, as
+    Megatron-Core's _get_param_groups makes them."""
+    keys = megatron_group_keys(config.lr, config.min_lr, config.decoupled_rates())
+    groups = []
+    for k, g, live in zip(keys, optimizer.state_dict()["param_groups"], optimizer.param_groups,
+                          strict=True):  # fmt: skip
+        if experts is not None:
+            if not any(is_expert(p) == experts for p in live["params"]):
+                continue
+            k = {**k, "is_expert_parallel": experts}
+        groups.append({**k, **{n: v for n, v in g.items() if n != "params"}})
+    steps = [s["step"] for s in optimizer.state.values() if "step" in s]
+    opt: dict[str, Any] = {"param_groups": groups, "state": {}}
+    if steps:  # Megatron-Core's _extract_common_per_param_step: one step for all
+        opt["state"]["common_step"] = steps[0].detach().clone()
+    if half_dtype(config) is not None:
+        opt = {"optimizer": opt}
+        if scaler is not None:
+            opt["grad_scaler"] = _scaler_state(config, scaler)
+    return opt
 
 
 def _scaler_state(config: Any, scaler: Any) -> dict[str, Any] | None:

@@ -146,6 +146,7 @@ def load(
         if scaler is not None and grad_scaler:  # the store's object; common.pt has none
             scaler.load_state_dict(from_grad_scaler(grad_scaler))
         return _load_rng(root, reads.meta, config, grid, rng) if load_rng else ""
+    saved = dense_part(saved)
     nested = "optimizer" in saved  # Float16OptimizerWithFloat16Params's layout
     inner = saved.get("optimizer", saved)
     if load_optim:
@@ -171,6 +172,14 @@ def load(
     if load_optim and scaler is not None and saved.get("grad_scaler"):
         scaler.load_state_dict(from_grad_scaler(saved["grad_scaler"]))
     return _load_rng(root, reads.meta, config, grid, rng) if load_rng else ""
+
+
+def dense_part(saved: dict[Any, Any]) -> dict[str, Any]:
+    """common.pt's optimizer of one optimizer: a ChainedOptimizer's (expert parallelism:
+    ``{0: the dense parameters', 1: the experts'}``) first part, whose groups are megart's
+    (every group has dense parameters) and whose step is the chain's (Megatron-Core keeps
+    them in step); the moments of both parts are under the model's keys alike."""
+    return saved[0] if 0 in saved and 1 in saved else saved
 
 
 def load_expert_bias(root: Path, chunks: list[Any], tp_rank: int) -> None:
@@ -213,6 +222,15 @@ def _load_distributed(
     into any layout. Returns the stored grad scaler state (None without one)."""
     check_scheduler(common.get("opt_param_scheduler") or {}, config, directory)
     args = vars(common["args"])
+    ep = args.get("expert_model_parallel_size") or 1
+    if ep > 1 and args.get("num_experts"):
+        raise ConfigError(
+            f"--load {directory}: a torch_dist store of the distributed optimizer saved with "
+            f"--expert-model-parallel-size {ep} (Megatron-Core's chain of the dense and the "
+            "experts' DistributedOptimizers, the experts' buckets sharded over the expert-data-"
+            "parallel ranks): megart does not read its optimizer state; add --no-load-optim "
+            "(its weights and iteration, a fresh optimizer) or --finetune"
+        )
     distopt.check_sharding(root, common["optimizer"]["param_state_sharding_type"])
     # Megatron-LM reads only the saved tensor/pipeline layout; megart reshards the rest.
     read = distopt.read_state if distopt.same_layout(args, config) else read_resharded

@@ -54,7 +54,7 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
     """What megart keeps under ``megart`` in its own files, for a file Megatron-LM wrote: the
     model and layout from its args, the layers from the file's place, the loss scale."""
     a = vars(state["args"])
-    check_args(a, path, expert_parallel=True)
+    check_args(a, path)
     refuse_expert_bias(config_from_args(a), path)
     chunks = len(model_chunks(state))
     ep = a.get("expert_model_parallel_size") or 1
