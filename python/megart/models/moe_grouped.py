@@ -18,7 +18,10 @@ The grouped product is torch._grouped_mm where torch computes it (see :func:`nat
 loop over the experts' slices; both compute each expert's rows times its own weight, so the
 math is the same. Gradients: the input's by the grouped product with the weights, each
 expert's weight gradient by the grouped product of the output gradient's and input's rows
-(one [E, out, in] result whose slices go to the experts' parameters through autograd).
+(one [E, out, in] result whose slices go to the experts' parameters through autograd); inside
+gradient accumulation fusion (megart train's default) each expert's weight gradient is added
+into its fp32 gradient by the same fused product as without the flag. A zero-bubble schedule's
+W does not take these weight gradients: they are computed in its I.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megart.tensor_parallel import weight_grad
 from megart.tensor_parallel.column_entry import enter_column_region
 
 
@@ -127,6 +131,14 @@ class _GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w = stacked(params).to(dy.dtype)
             dx = grouped_mm(dy, w, ctx.counts).to(ctx.x_dtype)
+        if weight_grad.fusing() and all(weight_grad.grad_of(p) is not None for p in params):
+            # Gradient accumulation fusion: each expert's dW added into its fp32 gradient by
+            # the fused product the per-expert path uses (torch has no grouped product with an
+            # fp32 output from 16-bit inputs on CPU, and a product then an add rounds
+            # otherwise): the flag leaves a --bf16 curve where it was.
+            pieces = zip(xc.split(ctx.counts), dy.split(ctx.counts), params, strict=True)
+            weight_grad.accumulate([(x, g, (p, None)) for x, g, p in pieces])
+            return dx, None, *(None for _ in params)
         dw = grouped_mm(dy.t(), xc, ctx.counts)
         return dx, None, *(g.to(p.dtype) for g, p in zip(dw, params, strict=True))
 
