@@ -140,7 +140,8 @@ def _parse(*argv: str) -> TrainConfig:
         (
             ["--recompute-activations", "--recompute-modules", "core_attn", "moe_act"],
             "--recompute-modules moe_act (Megatron-LM recomputes the experts' activation only "
-            "with --moe-grouped-gemm, which megart does not have)",
+            "with --moe-grouped-gemm; megart does not recompute it alone (--recompute-modules "
+            "moe recomputes the whole layer))",
         ),
         (
             ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],

@@ -38,9 +38,11 @@ MOE_HELP = {
     "or alltoall, the same outputs and gradients; megart's layer computes that either way "
     "(gathering the sequence under tensor parallelism, exchanging tokens all-to-all under "
     "expert parallelism); flex (DeepEP's kernels) is refused",
-    "moe_grouped_gemm": "accepted: Megatron-Core's experts as grouped matrix products, the same "
-    "products as one expert at a time, which is how megart runs them; refused with "
-    "--ckpt-format torch or torch_dist (Megatron's grouped-expert files)",
+    "moe_grouped_gemm": "runs each layer's (local) experts as one grouped matrix product per "
+    "projection over their tokens sorted by expert (torch._grouped_mm), as Megatron-Core's "
+    "GroupedMLP, in place of one product per expert: the same outputs, gradients and "
+    "checkpoints (the experts keep their per-expert weights); refused with --ckpt-format torch "
+    "or torch_dist (Megatron's grouped-expert files)",
     "moe_permute_fusion": "accepted: Transformer Engine's fused sorting of tokens by expert, the "
     "same math; megart sorts them with plain torch ops",
     "moe_router_fusion": "accepted: Transformer Engine's fused top-k and auxiliary-loss "

@@ -20,6 +20,7 @@ the receiver's experts), then the rows. Its gradient is the same exchange revers
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import accumulate
 from typing import Any
 
@@ -75,11 +76,14 @@ def expert_parallel_mlp(
     chosen: torch.Tensor,
     experts: list[tuple[int, torch.nn.Module]],
     group: ProcessGroup,
+    grouped: Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The MoE layer's output for this rank's ``tokens`` [T, h] (routing weights ``probs`` and
     choices ``chosen``, [T, E]), its ``experts`` (global index, MLP) this rank's share of the
     E, in order: each (token, expert) copy sent to the expert's owner with its routing weight,
-    run there, sent back and summed in expert order, as one process sums them."""
+    run there, sent back and summed in expert order, as one process sums them. ``grouped``
+    (--moe-grouped-gemm): runs all the local experts at once on (rows sorted by local expert,
+    their routing weights, rows per expert) in place of one call per expert."""
     ep, num_experts = group.size(), chosen.shape[1]
     local = num_experts // ep
     rows = rows_by_expert(chosen)
@@ -99,11 +103,15 @@ def expert_parallel_mlp(
     spans = [
         [(starts[s * local + j], incoming[s * local + j]) for s in range(ep)] for j in range(local)
     ]
-    outputs, places = [], []
-    for (_, expert), span in zip(experts, spans, strict=True):
-        idx = torch.cat([torch.arange(a, a + n, device=tokens.device) for a, n in span])
-        outputs.append(expert(x[idx], scale=w[idx]))  # every expert runs, on no rows too
-        places.append(idx)
+    places = [
+        torch.cat([torch.arange(a, a + n, device=tokens.device) for a, n in span]) for span in spans
+    ]
+    if grouped is not None:
+        idx = torch.cat(places)
+        outputs = [grouped(x[idx], w[idx], [len(i) for i in places])]
+    else:  # every expert runs, on no rows too
+        experts_ = [expert for _, expert in experts]
+        outputs = [m(x[i], scale=w[i]) for m, i in zip(experts_, places, strict=True)]
     y = outputs[0].new_zeros((x.shape[0], outputs[0].shape[1]))
     y = y.index_copy(0, torch.cat(places), torch.cat(outputs))
     back = Exchange.apply(y, group, receive, send)

@@ -97,15 +97,27 @@ class MLP(nn.Module):
             if not entered:  # once for both: one collective each way, one saved input
                 x, slot = self.fc.enter(x)
             gate = self.gate(x, entered=True, slot=slot)
-            y = F.silu(gate) * self.fc(x, entered=True, slot=slot)
-        elif self.squared_relu:  # Megatron-Core's squared_relu (Nemotron's relu2)
-            y = torch.pow(F.relu(self.fc(x, entered=entered, slot=slot)), 2)
-        elif self.bias_gelu_fusion:
+            y = self.act(self.fc(x, entered=True, slot=slot), gate)
+        elif self.bias_gelu_fusion and not self.squared_relu:
             y = self.fc(x, add_bias=False, entered=entered, slot=slot)
             # The bias in the activation's dtype, as autocast gives F.linear's bias add.
             y = bias_gelu(y, self.fc.bias.to(y.dtype))
         else:
-            y = F.gelu(self.fc(x, entered=entered, slot=slot), approximate="tanh")
+            y = self.act(self.fc(x, entered=entered, slot=slot))
+        return self.scaled(y, scale)
+
+    def act(self, up: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """The activation of the first products ``up`` (and SwiGLU's ``gate``), without the
+        fused bias (models.moe_grouped's experts have no biases)."""
+        if self.swiglu:
+            return F.silu(gate) * up
+        if self.squared_relu:  # Megatron-Core's squared_relu (Nemotron's relu2)
+            return torch.pow(F.relu(up), 2)
+        return F.gelu(up, approximate="tanh")
+
+    @staticmethod
+    def scaled(y: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """``y`` times a factor per token (None: as it is), in ``y``'s type."""
         if scale is None:
             return y
         return (y * scale.unsqueeze(-1)).to(y.dtype)

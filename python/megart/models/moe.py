@@ -74,6 +74,7 @@ from megart.models.expert_exchange import expert_parallel_mlp, rows_by_expert
 from megart.models.init import generator, weight_init
 from megart.models.mlp import MLP
 from megart.models.moe_checks import check_expert_parallel_layer, check_moe_tensor_parallel
+from megart.models.moe_grouped import grouped_experts, pack
 from megart.models.moe_router import (  # noqa: F401 (route, Router: their names here too)
     Router,
     global_load_balancing_loss,
@@ -199,6 +200,7 @@ class MoE(nn.Module):
             else MLP(cfg, layer, tp_group, sequence_parallel, ffn=width, name="shared_")
         )
         self.recompute_shared = cfg.recomputes("shared_experts")
+        self.grouped = False  # --moe-grouped-gemm: see group()
         self.shared_expert_gate = (
             SharedExpertGate(cfg, layer, sequence_parallel) if cfg.moe_shared_expert_gate else None
         )
@@ -207,6 +209,17 @@ class MoE(nn.Module):
         """Expert ``e`` (global index) of this layer, drawn from its own stream."""
         cfg, ffn = self.cfg, self.cfg.moe_ffn_size
         return MLP(cfg, self.layer, self.tp_group, False, ffn=ffn, name=f"expert{e}_", expert=True)
+
+    def group(self) -> None:
+        """Runs the experts as one grouped product per projection from now on
+        (--moe-grouped-gemm, models.moe_grouped), their weights packed into one stack each."""
+        pack(list(self.experts.values() if self.ep_group is not None else self.experts))
+        self.grouped = True
+
+    def _grouped(self, x: torch.Tensor, scale: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The experts on their rows of ``x`` (sorted by expert, ``counts`` each), grouped."""
+        experts = self.experts.values() if self.ep_group is not None else self.experts
+        return grouped_experts(list(experts), x, counts, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._routed(x)
@@ -249,7 +262,14 @@ class MoE(nn.Module):
             tokens = gather_from_sequence_region(enter_column_region(tokens, None, False)[0], group)
         if self.ep_group is not None:  # (under tp, the group's tokens, with same-tp-rank peers)
             experts = [(int(e), m) for e, m in self.experts.items()]
-            out = expert_parallel_mlp(tokens, probs, chosen, experts, self.ep_group)
+            grouped = self._grouped if self.grouped else None
+            out = expert_parallel_mlp(tokens, probs, chosen, experts, self.ep_group, grouped)
+        elif self.grouped:  # one grouped product per projection over the rows by expert
+            rows = rows_by_expert(chosen)
+            order = torch.cat(rows)
+            scale = torch.cat([probs[r, e] for e, r in enumerate(rows)])
+            y = self._grouped(tokens[order], scale, [len(r) for r in rows])
+            out = tokens.new_zeros(tokens.shape, dtype=y.dtype).index_add(0, order, y)
         else:
             out = tokens.new_zeros(0)
             # Every expert runs, on no tokens where none chose it, so that each weight gets a

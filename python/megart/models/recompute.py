@@ -30,8 +30,8 @@ MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 DEFAULT_MODULES = ("core_attn",)  # Megatron-Core's when none are given
 # Megatron-Core's other choices (0.16's and later ones), and why megart has none of them.
 OTHER_MODULES = {
-    "moe_act": "Megatron-LM recomputes the experts' activation only with --moe-grouped-gemm, "
-    "which megart does not have",
+    "moe_act": "Megatron-LM recomputes the experts' activation only with --moe-grouped-gemm; "
+    "megart does not recompute it alone (--recompute-modules moe recomputes the whole layer)",
     "mla_up_proj": "megart has no multi-latent attention",
     "gdn_norm_out": "megart has no gated delta net layers",
     "gdp_in_proj": "megart has no gated delta product layers",

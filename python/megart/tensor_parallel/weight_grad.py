@@ -126,6 +126,11 @@ def accumulate(kept: list[tuple], run_hooks: bool = True) -> None:
         torch.autograd.backward(params, grads)
 
 
+def fusing() -> bool:
+    """Whether a :func:`fusing_accumulation` region is active."""
+    return _fusion is not None
+
+
 def grad_of(param: torch.Tensor) -> torch.Tensor | None:
     """The gradient the optimizer will read: ``param.main_grad`` where the weights are 16-bit
     and their fp32 gradients live apart (--half-weights, Megatron's ``main_grad``), else

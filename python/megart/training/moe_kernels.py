@@ -15,14 +15,17 @@ computes what Megatron-Core computes with it.
   tokens by expert, and for the router's top-k and auxiliary-loss statistics; the same math,
   so accepted; megart runs its own unfused torch ops either way.
 - --moe-grouped-gemm: Megatron-Core's experts as one grouped matrix product per projection
-  (GroupedMLP, TEGroupedMLP) rather than one product per expert (SequentialMLP): the same
-  products, so accepted; megart runs them one expert at a time either way (SequentialMLP's
-  loop). Megatron-LM's checkpoints of grouped experts hold other names and layouts
-  (GroupedMLP's weight1/weight2, TEGroupedMLP's linear_fc1.weight0...), and Megatron-Core's
-  grouped experts need the grouped_gemm package or Transformer Engine, so megart cannot
-  check such files against Megatron-Core's own model here: with --moe-grouped-gemm,
-  --ckpt-format torch and torch_dist are refused; megart's own format holds the experts as
-  always.
+  (GroupedMLP, TEGroupedMLP) rather than one product per expert (SequentialMLP): megart does
+  the same with it (models.moe_grouped: each projection's weights of a layer's local experts
+  packed into one stack, the tokens sorted by expert, torch._grouped_mm or, where torch does
+  not compute it, a loop over the stack's slices), with the outputs and gradients of its
+  per-expert loop. The experts keep their per-expert parameters and names, so megart's own
+  checkpoints are the same with the flag or without. Megatron-LM's checkpoints of grouped
+  experts hold other names and layouts (GroupedMLP's weight1/weight2, TEGroupedMLP's
+  linear_fc1.weight0...), and Megatron-Core's grouped experts need the grouped_gemm package or
+  Transformer Engine, so megart cannot check such files against Megatron-Core's own model
+  here: with --moe-grouped-gemm, --ckpt-format torch and torch_dist are refused (Megatron-LM
+  would write grouped files under the flag, not the per-expert ones megart writes).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import megart
 import megart.distributed as dist
 from megart.errors import ConfigError
 from megart.models import pipeline_chunks
+from megart.models.moe import MoE
 from megart.models.moe_router import set_global_group
 from megart.optim.loss_scale import LossScaler
 from megart.pipeline import StageLink
@@ -117,6 +118,9 @@ def model_chunks(
         for chunk in chunks:
             for p in chunk.parameters():
                 p.data = p.data.to(half)
+    if config.moe_grouped_gemm:  # after the casts, before any buffer takes the weights
+        for layer in (m for chunk in chunks for m in chunk.modules() if isinstance(m, MoE)):
+            layer.group()
     set_global_group(chunks, grid.dp_cp_group)  # global_aux_loss's counts: over every rank
     return chunks
 
