@@ -297,13 +297,13 @@ def test_more_expert_parallelism_never_holds_more_per_rank(experts, k, swiglu, f
 def test_activations_grow_with_the_tokens_a_ranks_experts_get(copies, more, ep):
     """The saves are an increasing function of the copies a rank's experts get."""
     from megart.plan.activations import Precision
-    from megart.plan.moe_memory import moe_layer_extra
+    from megart.plan.moe_memory import MoeRank, moe_layer_extra
 
     cfg = GPTConfig(**SMALL_CFG, num_experts=4)
     lo, hi = sorted((copies, more))
 
     def saved(share: float) -> float:
-        return moe_layer_extra(cfg, 2, None, Precision(2, 2), ep=ep, expert_tokens=share)
+        return moe_layer_extra(cfg, 2, None, MoeRank(Precision(2, 2), ep=ep, expert_tokens=share))
 
     assert saved(lo) <= saved(hi)
 

@@ -27,7 +27,12 @@ from megart.plan import load_profile
 from megart.plan.activations import Precision, layer_bytes
 from megart.plan.estimate import estimate
 from megart.plan.layout import Layout
-from megart.plan.moe_memory import checkpointed_mlp_bytes, moe_layer_extra, moe_replay_bytes
+from megart.plan.moe_memory import (
+    MoeRank,
+    checkpointed_mlp_bytes,
+    moe_layer_extra,
+    moe_replay_bytes,
+)
 from megart.plan.moe_time import (
     expert_exchange_seconds,
     moe_collectives,
@@ -176,6 +181,7 @@ def test_shared_experts_never_lower_bytes_and_moe_recomputation_never_keeps_more
                      moe_layer_freq=freq, moe_aux_loss_coeff=0.01 if aux else 0.0)  # fmt: skip
     shared = dataclasses.replace(base, moe_shared_expert_intermediate_size=width)
     prec, sp = Precision(2, 2) if bf16 else Precision(4, 4), tp > 1
+    rank = MoeRank(prec, tp=tp, sp=sp)
     for ep in (1, 2):
         plain, more = _state(base, ep), _state(shared, ep)
         assert more.parameters > plain.parameters and more.gradients > plain.gradients
@@ -186,8 +192,7 @@ def test_shared_experts_never_lower_bytes_and_moe_recomputation_never_keeps_more
         c = dataclasses.replace(cfg, recompute_granularity="selective" if modules else None,
                                 recompute_modules=modules or ("core_attn",))  # fmt: skip
         rec = c.recompute_granularity
-        return layer_bytes(c, 2, tp, sp, rec, prec) + moe_layer_extra(c, 2, rec, prec, tp=tp,
-                                                                      sp=sp)  # fmt: skip
+        return layer_bytes(c, 2, tp, sp, rec, prec) + moe_layer_extra(c, 2, rec, rank)
 
     assert kept(shared) > kept(base)
     assert kept(shared, "moe") <= kept(shared, "shared_experts") <= kept(shared)
@@ -197,7 +202,7 @@ def test_shared_experts_never_lower_bytes_and_moe_recomputation_never_keeps_more
                                 recompute_modules=modules)  # fmt: skip
         # The replay makes again what the checkpoint dropped.
         dropped = kept(shared) - kept(shared, *modules)
-        rise = moe_replay_bytes(c, 2, prec, tp=tp, sp=sp)
+        rise = moe_replay_bytes(c, 2, rank)
         assert rise == pytest.approx(dropped, rel=1e-12) and rise > 0, modules
 
 
