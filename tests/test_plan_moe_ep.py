@@ -27,11 +27,12 @@ from megart.cli.main import main as megart_main
 from megart.launcher import launch
 from megart.models.config import GPTConfig
 from megart.plan import load_profile
+from megart.plan.collectives import collective_seconds
 from megart.plan.data_parallel import data_parallel_bus_gb_per_s, data_parallel_seconds
 from megart.plan.layout import Layout
 from megart.plan.moe_time import expert_exchanges, expert_group_near, moe_mlp_shapes
 from megart.plan.parameters import state_bytes
-from megart.plan.timing import collective_seconds, layer_work
+from megart.plan.timing import layer_work
 from megart.training.config import TrainConfig
 from plan_memory_check import SMALL, predicted_and_held
 from test_plan_memory_moe import _replay_peak

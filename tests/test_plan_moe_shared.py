@@ -25,6 +25,7 @@ import plan_moe_ep_workers as pw
 from megart.models.config import GPTConfig
 from megart.plan import load_profile
 from megart.plan.activations import Precision, layer_bytes
+from megart.plan.collectives import collective_seconds
 from megart.plan.estimate import estimate
 from megart.plan.layout import Layout
 from megart.plan.moe_memory import (
@@ -41,7 +42,7 @@ from megart.plan.moe_time import (
     shared_mlp_shapes,
 )
 from megart.plan.parameters import state_bytes
-from megart.plan.timing import collective_seconds, gemm_seconds, layer_work
+from megart.plan.timing import gemm_seconds, layer_work
 from megart.training.config import TrainConfig
 from plan_memory_check import SMALL, predicted_and_held
 from test_plan_memory_moe import _replay_peak
