@@ -71,3 +71,13 @@ def torch_group_of_one(tmp_path_factory: pytest.TempPathFactory):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def moe_one_process() -> list[dict]:
+    """The history of one process training moe_ep_workers.TRAIN, the curve the expert-parallel
+    tests (tests/test_moe_ep*.py, test_moe.py) compare with: launched once a session."""
+    import train_workers as tw
+    from moe_ep_workers import TRAIN
+
+    return megart.launcher.launch(tw.train_kw, 1, TRAIN, timeout=300)[0]

@@ -1,9 +1,16 @@
 """megart train runs under expert parallelism for tests/test_moe_ep.py and
-tests/test_moe_ep_distopt.py, in launched processes: as they are, or with a deliberate mistake
+tests/test_moe_ep_distopt.py, in launched processes; the model they and the other expert-
+parallel tests train: as they are, or with a deliberate mistake
 the tests must catch (as moe_workers.train_mistaken does for context parallelism); and the
 checks of their histories against the one-process curve."""
 
 from __future__ import annotations
+
+# The mixture-of-experts model the expert-parallel tests train (tests/test_moe_ep*.py,
+# test_moe.py), both auxiliary losses on; conftest.moe_one_process is its one-process curve.
+MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,
+             moe_z_loss_coeff=0.01)  # fmt: skip
+TRAIN = dict(MODEL, train_iters=4)
 
 
 def train_mistaken(kw: dict, mistake: str | None = None) -> list[dict]:

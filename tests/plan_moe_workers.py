@@ -21,7 +21,7 @@ TP = 2
 
 @contextlib.contextmanager
 def _recorded(calls: list[tuple[str, int]]) -> Iterator[None]:
-    """Records each collective megart.distributed runs: (timing.BUS_FACTOR's kind, the bytes
+    """Records each collective megart.distributed runs: (collectives.BUS_FACTOR's kind, the bytes
     of the whole buffer: a gather's output, a reduce-scatter's input, an all-reduce's)."""
     gather, scatter, reduce = (
         dist.all_gather_into_tensor,

@@ -109,7 +109,8 @@ def test_megart_plan_hides_these_collectives_except_under_zero_bubble(sp):
     re-gather: megart keeps the gathered input), none under zb-h1, whose I leaves them to W."""
     from megart.errors import ConfigError
     from megart.plan import Layout, estimate, load_profile
-    from megart.plan.timing import KEPT_INPUT_OVERLAP, layer_work
+    from megart.plan.collectives import KEPT_INPUT_OVERLAP
+    from megart.plan.timing import layer_work
     from megart.training.config import TrainConfig
 
     gpu = load_profile("h100-80gb")

@@ -25,6 +25,7 @@ import train_workers as tw
 from megart import ConfigError
 from megart.cli.train import add_arguments, config_from_args
 from megart.launcher import launch
+from moe_ep_workers import MODEL, TRAIN
 from train_workers import SAME_RUN
 
 BASE = dict(vocab_size=100, seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
@@ -217,19 +218,9 @@ def test_megatrons_other_moe_flags_are_refused_by_name(capsys):
     assert "--moe-shared-expert-overlap: megart's mixture-of-experts" in err
 
 
-MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,
-             moe_z_loss_coeff=0.01)  # fmt: skip
-TRAIN = dict(MODEL, train_iters=4)
-
-
 @pytest.fixture(scope="module")
-def one_process():
-    return launch(tw.train_kw, 1, TRAIN, timeout=300)[0]
-
-
-@pytest.fixture(scope="module")
-def curves(one_process):
-    one = one_process
+def curves(moe_one_process):
+    one = moe_one_process
     pp2 = launch(tw.train_kw, 2, dict(TRAIN, pipeline_model_parallel_size=2), timeout=300)[-1]
     interleaved = launch(tw.train_kw, 2, dict(TRAIN, pipeline_model_parallel_size=2,
                          num_layers_per_virtual_pipeline_stage=1), timeout=300)[-1]  # fmt: skip
@@ -263,7 +254,7 @@ def test_pipeline_and_data_parallel_runs_follow_the_one_process_curve(curves):
 LOGGED = ("load_balancing_loss", "z_loss")
 
 
-def test_every_layout_logs_the_one_process_moe_losses(curves, one_process, cp_runs):
+def test_every_layout_logs_the_one_process_moe_losses(curves, moe_one_process, cp_runs):
     """The logged load-balancing loss and z-loss (Megatron's track_moe_metrics: without their
     coefficients, the mean over MoE layers and microbatches) are the one-process figures on
     every layout: the stages' layers summed, tensor- and context-parallel shares added (the
@@ -280,12 +271,14 @@ def test_every_layout_logs_the_one_process_moe_losses(curves, one_process, cp_ru
     assert not any(name in plain[0] for name in LOGGED)  # nothing computed, nothing logged
 
 
-def test_recomputation_logs_each_loss_once(one_process):
+def test_recomputation_logs_each_loss_once(moe_one_process):
     """Full recomputation runs each MoE layer's forward twice; the losses are recorded when
     their gradients are seeded, once."""
     full = launch(tw.train_kw, 1, dict(TRAIN, recompute_granularity="full"), timeout=300)[0]
     for name in LOGGED:
-        assert [h[name] for h in full] == pytest.approx([h[name] for h in one_process], rel=1e-6)
+        assert [h[name] for h in full] == pytest.approx(
+            [h[name] for h in moe_one_process], rel=1e-6
+        )
 
 
 # Context parallelism: (processes, layout, moe_workers.train_mistaken's mistake or None).
@@ -312,19 +305,19 @@ def cp_runs():
 
 
 @pytest.mark.parametrize("name", [n for n, c in CP_RUNS.items() if c[2] is None])
-def test_context_parallel_runs_follow_the_one_process_curve(one_process, cp_runs, name):
+def test_context_parallel_runs_follow_the_one_process_curve(moe_one_process, cp_runs, name):
     """Each cp rank routes its own part of every sequence; the load-balancing loss counts
     the experts' tokens over t x cp, the z-loss coefficient is divided by t cp, and both
     losses' gradients are seeded cp times the loss's factor (the gradients are averaged over
     the cp ranks): the one-process run, under each exchange of keys and values, and at
     tp2 x cp2 with sequence parallelism."""
-    want = [h["loss"] for h in one_process]
+    want = [h["loss"] for h in moe_one_process]
     assert [h["loss"] for h in cp_runs[name]] == pytest.approx(want, **SAME_RUN)
 
 
 @pytest.mark.parametrize("name", [n for n, c in CP_RUNS.items() if c[2] is not None])
-def test_the_context_parallel_curve_catches_a_wrong_factor(one_process, cp_runs, name):
-    want = [h["loss"] for h in one_process]
+def test_the_context_parallel_curve_catches_a_wrong_factor(moe_one_process, cp_runs, name):
+    want = [h["loss"] for h in moe_one_process]
     assert [h["loss"] for h in cp_runs[name]] != pytest.approx(want, **SAME_RUN)
 
 

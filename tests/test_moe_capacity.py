@@ -20,7 +20,7 @@ from megart import ConfigError
 from megart.cli.train import add_arguments, config_from_args
 from megart.launcher import launch
 from megart.models import GPTConfig
-from megart.models.hf_mixtral import softmax_routing
+from megart.models.hf_experts import softmax_routing
 from megart.training.megatron_args import config_from_args as from_megatron_args
 from megart.training.megatron_args import moe_args
 from train_workers import SAME_RUN

@@ -17,11 +17,9 @@ from megart import ConfigError
 from megart.launcher import launch
 from megart.parallel import make_layout
 from megart.parallel.experts import check_expert_parallel, expert_groups, expert_ranks
+from moe_ep_workers import TRAIN
 from train_workers import SAME_RUN
 
-MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,
-             moe_z_loss_coeff=0.01)  # fmt: skip
-TRAIN = dict(MODEL, train_iters=4)
 EP2 = dict(TRAIN, expert_model_parallel_size=2)
 EP4 = dict(TRAIN, expert_model_parallel_size=4)
 PP2 = dict(pipeline_model_parallel_size=2)
@@ -109,27 +107,22 @@ def test_each_rank_draws_the_one_process_experts_of_its_global_indices():
 
 
 @pytest.fixture(scope="module")
-def one_process():
-    return launch(tw.train_kw, 1, TRAIN, timeout=300)[0]
-
-
-@pytest.fixture(scope="module")
 def runs():
     return ew.launched(RUNS)
 
 
 @pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r[2] is None])
-def test_expert_parallel_runs_follow_the_one_process_curve(one_process, runs, name):
+def test_expert_parallel_runs_follow_the_one_process_curve(moe_one_process, runs, name):
     """The loss, the clipped gradient's norm (the tiny runs clip at 1.0, below the norm of
     every iteration here) and the logged auxiliary losses of the one-process run."""
-    ew.assert_on_curve(one_process, runs[name])
+    ew.assert_on_curve(moe_one_process, runs[name])
 
 
 @pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r[2] is not None])
-def test_the_curve_catches_wrong_expert_gradients(one_process, runs, name):
+def test_the_curve_catches_wrong_expert_gradients(moe_one_process, runs, name):
     """Measured: the gradient norm off by 2e-2 (local norm) to 1e-1 (unscaled) of itself
     from the first step, the loss by 1.6e-5 to 2.8e-5 from the second on."""
-    ew.assert_off_curve(one_process, runs[name])
+    ew.assert_off_curve(moe_one_process, runs[name])
 
 
 def test_a_checkpoint_resumes_on_the_curve_at_the_same_layout(tmp_path, runs):

@@ -17,11 +17,9 @@ import moe_ep_workers as ew
 import train_workers as tw
 from megart import ConfigError
 from megart.launcher import launch
+from moe_ep_workers import TRAIN
 from train_workers import SAME_RUN
 
-MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,
-             moe_z_loss_coeff=0.01)  # fmt: skip
-TRAIN = dict(MODEL, train_iters=4)
 ZERO = dict(TRAIN, use_distributed_optimizer=True)
 EP2 = dict(ZERO, expert_model_parallel_size=2)
 EP4 = dict(ZERO, expert_model_parallel_size=4)
@@ -46,30 +44,25 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
-def one_process():
-    return launch(tw.train_kw, 1, TRAIN, timeout=300)[0]
-
-
-@pytest.fixture(scope="module")
 def runs():
     return ew.launched(RUNS)
 
 
 @pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r[2] is None])
-def test_distributed_optimizer_runs_follow_the_one_process_curve(one_process, runs, name):
+def test_distributed_optimizer_runs_follow_the_one_process_curve(moe_one_process, runs, name):
     """The loss, the clipped gradient's norm (summed over every rank's slices: each expert's
     on its expert-data-parallel ranks) and the logged auxiliary losses of one process."""
-    ew.assert_on_curve(one_process, runs[name])
+    ew.assert_on_curve(moe_one_process, runs[name])
 
 
 @pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r[2] is not None])
-def test_the_curve_catches_wrong_expert_sharding(one_process, runs, name):
+def test_the_curve_catches_wrong_expert_sharding(moe_one_process, runs, name):
     """The experts' buckets sharded (and gathered) over data parallelism, where each rank of
     it holds other experts; the optimizer slicing the expert buckets as the dense ones are;
     the experts' gradients not scaled by edp / dp. Measured: the gradient norm off by 2.4e-2
     to 1.1e-1 of itself from the first step; the loss by 3e-4 to 1.7e-3 from the second on
     (unscaled: 2.8e-5 by the fourth)."""
-    ew.assert_off_curve(one_process, runs[name])
+    ew.assert_off_curve(moe_one_process, runs[name])
 
 
 def test_a_checkpoint_resumes_on_the_curve_at_the_same_layout(tmp_path, runs):
@@ -184,18 +177,18 @@ def test_the_run_line_says_the_experts_state_is_sharded_over_their_ranks():
     assert "Adam state 1/4 per rank (distributed optimizer);" in run_description(fake)
 
 
-def test_a_torch_dist_store_resumes_spread_over_expert_parallel_ranks(tmp_path, one_process):
+def test_a_torch_dist_store_resumes_spread_over_expert_parallel_ranks(tmp_path, moe_one_process):
     """Written at expert-parallel size 1 with the distributed optimizer, it resumes at ep2 with
     it holding what was saved, on the one-process curve (its buckets read resharded: the
     experts are others than the saved ranks'; was refused by name)."""
     saved = dict(ZERO, ckpt_format="torch_dist")
     trained, resumed = tw.saved_and_resumed(2, saved, 2, EP2, tmp_path / "ckpt")
     tw.assert_holds(trained, resumed)
-    tw.assert_resumed_on_curve(one_process, resumed, **SAME_RUN)
+    tw.assert_resumed_on_curve(moe_one_process, resumed, **SAME_RUN)
 
 
 def test_a_megatron_legacy_checkpoint_resumes_spread_over_expert_parallel_ranks(
-    tmp_path, one_process
+    tmp_path, moe_one_process
 ):
     """Megatron-LM's legacy files (every expert in each, its distrib_optim.pt beside), written
     at dp2 with the distributed optimizer, resume at ep2 with it holding what was saved, on
@@ -203,4 +196,4 @@ def test_a_megatron_legacy_checkpoint_resumes_spread_over_expert_parallel_ranks(
     saved = dict(ZERO, ckpt_format="torch")
     trained, resumed = tw.saved_and_resumed(2, saved, 2, EP2, tmp_path / "ckpt")
     tw.assert_holds(trained, resumed)
-    tw.assert_resumed_on_curve(one_process, resumed, **SAME_RUN)
+    tw.assert_resumed_on_curve(moe_one_process, resumed, **SAME_RUN)

@@ -17,17 +17,10 @@ import train_workers as tw
 from megart import ConfigError
 from megart.launcher import launch
 from megart.training.megatron_files import torch_load
+from moe_ep_workers import TRAIN
 from train_workers import SAME_RUN
 
-MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,
-             moe_z_loss_coeff=0.01)  # fmt: skip
-TRAIN = dict(MODEL, train_iters=4)
 EP2 = dict(TRAIN, expert_model_parallel_size=2, ckpt_format="torch")
-
-
-@pytest.fixture(scope="module")
-def one_process():
-    return launch(tw.train_kw, 1, TRAIN, timeout=300)[0]
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +30,15 @@ def saved(tmp_path_factory):
     return store, [r["trained"] for r in saving]
 
 
-def test_an_ep2_pp2_legacy_checkpoint_resumes_in_one_process_on_the_curve(tmp_path, one_process):
+def test_an_ep2_pp2_legacy_checkpoint_resumes_in_one_process_on_the_curve(
+    tmp_path, moe_one_process
+):
     """Files mp_rank_00_PPP_EEE (Megatron's order: pipeline, then expert rank)."""
     layout = dict(EP2, pipeline_model_parallel_size=2)
     store = tmp_path / "ckpt"
     trained, resumed = tw.saved_and_resumed(4, layout, 1, TRAIN, store)
     tw.assert_holds(trained, resumed)
-    tw.assert_resumed_on_curve(one_process, [resumed[0]], **SAME_RUN)
+    tw.assert_resumed_on_curve(moe_one_process, [resumed[0]], **SAME_RUN)
     saved = sorted(p.name for p in (store / "iter_0000002").iterdir())
     assert saved == ["mp_rank_00_000_000", "mp_rank_00_000_001",
                      "mp_rank_00_001_000", "mp_rank_00_001_001"]  # fmt: skip
@@ -69,11 +64,11 @@ def test_each_expert_parallel_rank_writes_its_local_experts_as_megatron_lm(saved
 
 
 @pytest.mark.parametrize("nproc,run", [(2, EP2), (1, TRAIN)], ids=["ep2", "ep1"])
-def test_an_ep2_legacy_checkpoint_resumes_on_the_curve(saved, one_process, nproc, run):
+def test_an_ep2_legacy_checkpoint_resumes_on_the_curve(saved, moe_one_process, nproc, run):
     store, trained = saved
     resumed = tw.holding(nproc, dict(run, train_iters=4, load=str(store)))
     tw.assert_holds(trained, resumed)
-    tw.assert_resumed_on_curve(one_process, [resumed[0]], **SAME_RUN)
+    tw.assert_resumed_on_curve(moe_one_process, [resumed[0]], **SAME_RUN)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +133,7 @@ def test_megatron_cores_chained_optimizer_loads_megarts_state(megatron_core_save
 
 @pytest.mark.parametrize("nproc,run", [(2, EP2), (1, TRAIN)], ids=["ep2", "ep1"])
 def test_megart_resumes_megatron_cores_ep2_files_on_the_curve(
-    saved, megatron_core_saved, one_process, nproc, run
+    saved, megatron_core_saved, moe_one_process, nproc, run
 ):
     """Megatron-Core's files (its own model and ChainedOptimizer state dicts, no megart
     record) hold what megart saved: a resume at EP2 and in one process holds it exactly and
@@ -147,7 +142,7 @@ def test_megart_resumes_megatron_cores_ep2_files_on_the_curve(
     out, _ = megatron_core_saved
     resumed = tw.holding(nproc, dict(run, train_iters=4, load=str(out)))
     tw.assert_holds(trained, resumed)
-    tw.assert_resumed_on_curve(one_process, [resumed[0]], **SAME_RUN)
+    tw.assert_resumed_on_curve(moe_one_process, [resumed[0]], **SAME_RUN)
 
 
 @pytest.mark.parametrize(
@@ -156,12 +151,14 @@ def test_megart_resumes_megatron_cores_ep2_files_on_the_curve(
      (4, dict(TRAIN, expert_model_parallel_size=2, use_distributed_optimizer=True))],
     ids=["ep2", "ep2-dp4-distopt"],
 )  # fmt: skip
-def test_a_torch_dist_store_of_ep1_resumes_at_ep2_on_the_curve(tmp_path, one_process, nproc, run):
+def test_a_torch_dist_store_of_ep1_resumes_at_ep2_on_the_curve(
+    tmp_path, moe_one_process, nproc, run
+):
     """Each rank reads its own experts' slices (global offsets) of the layout-free store."""
     saved = dict(TRAIN, ckpt_format="torch_dist")
     trained, resumed = tw.saved_and_resumed(1, saved, nproc, run, tmp_path / "ckpt")
     tw.assert_holds(trained, resumed)
-    tw.assert_resumed_on_curve(one_process, [resumed[0]], **SAME_RUN)
+    tw.assert_resumed_on_curve(moe_one_process, [resumed[0]], **SAME_RUN)
 
 
 def test_args_saved_at_ep2_are_taken_by_every_reader():

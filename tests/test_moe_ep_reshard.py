@@ -22,10 +22,9 @@ from megart import ConfigError
 from megart.launcher import launch
 from megart.training import expert_shards
 from megart.training.shards import read_shards
+from moe_ep_workers import MODEL
 from train_workers import SAME_RUN
 
-MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,
-             moe_z_loss_coeff=0.01)  # fmt: skip
 EP2 = dict(MODEL, expert_model_parallel_size=2)
 EP4 = dict(MODEL, expert_model_parallel_size=4)
 PP2 = dict(pipeline_model_parallel_size=2)
@@ -63,11 +62,6 @@ LOGGED = ("loss", "grad_norm", "load_balancing_loss", "z_loss")
 
 
 @pytest.fixture(scope="module")
-def one_process():
-    return launch(tw.train_kw, 1, dict(MODEL, train_iters=4), timeout=300)[0]
-
-
-@pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """name: (what the saving ranks held at the save, the checkpoint directory)."""
     out = {}
@@ -96,7 +90,7 @@ def test_the_files_are_each_expert_parallel_ranks(saved):
 
 
 @pytest.mark.parametrize("name", RESUMED)
-def test_a_resharded_expert_parallel_checkpoint_resumes_on_the_curve(saved, one_process, name):
+def test_a_resharded_expert_parallel_checkpoint_resumes_on_the_curve(saved, moe_one_process, name):
     """Right after load, exactly the saving ranks' weights and Adam moments (each expert by
     its global index), whichever ranks hold them now; then iterations 3 and 4 of the
     one-process run: its loss, gradient norm (clipped at 1.0, below every iteration's) and
@@ -105,12 +99,12 @@ def test_a_resharded_expert_parallel_checkpoint_resumes_on_the_curve(saved, one_
     tw.assert_holds(trained, resumed)
     history = resumed[-1]["history"]  # the last pipeline stage's: it has the loss
     assert [h["iteration"] for h in history] == [3, 4]
-    want, got = _curve(one_process[2:]), _curve(history)
+    want, got = _curve(moe_one_process[2:]), _curve(history)
     for key in LOGGED:
         assert got[key] == pytest.approx(want[key], **SAME_RUN), key
 
 
-def test_experts_at_the_wrong_global_index_are_caught(saved, one_process):
+def test_experts_at_the_wrong_global_index_are_caught(saved, moe_one_process):
     """The merge with each expert-parallel rank's experts moved to the next rank's indices
     (their moments moved with them): the held experts differ from the saved ones, and the
     curve leaves the one-process one (measured: the loss 2.6e-3 and the gradient norm 1.8e-2
@@ -123,7 +117,7 @@ def test_experts_at_the_wrong_global_index_are_caught(saved, one_process):
     history = resumed[-1]["history"]
     for key in ("loss", "grad_norm"):
         assert [h[key] for h in history] != pytest.approx(
-            [h[key] for h in one_process[2:]], **SAME_RUN
+            [h[key] for h in moe_one_process[2:]], **SAME_RUN
         ), key
 
 

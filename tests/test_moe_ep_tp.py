@@ -19,11 +19,9 @@ from megart import ConfigError
 from megart.launcher import launch
 from megart.parallel import make_layout
 from megart.parallel.experts import check_expert_parallel, expert_groups, expert_ranks
+from moe_ep_workers import TRAIN
 from train_workers import SAME_RUN
 
-MODEL = dict(num_experts=4, disable_bias_linear=True, moe_aux_loss_coeff=0.1,
-             moe_z_loss_coeff=0.01)  # fmt: skip
-TRAIN = dict(MODEL, train_iters=4)
 EP2 = dict(TRAIN, expert_model_parallel_size=2)
 TP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
 CP2 = dict(context_parallel_size=2)
@@ -113,24 +111,22 @@ def test_megart_train_takes_tensor_and_context_parallelism(world, flags):
 
 
 @pytest.fixture(scope="module")
-def curves():
-    """The one-process run's history and each of RUNS' (by name)."""
-    return launch(tw.train_kw, 1, TRAIN, timeout=300)[0], ew.launched(RUNS)
+def runs():
+    """Each of RUNS' history (by name); conftest.moe_one_process is the one-process run's."""
+    return ew.launched(RUNS)
 
 
 @pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r[2] is None])
-def test_expert_parallel_runs_follow_the_one_process_curve(curves, name):
+def test_expert_parallel_runs_follow_the_one_process_curve(moe_one_process, runs, name):
     """The loss, the clipped gradient's norm and the logged auxiliary losses of one process."""
-    one_process, runs = curves
-    ew.assert_on_curve(one_process, runs[name])
+    ew.assert_on_curve(moe_one_process, runs[name])
 
 
 @pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r[2] is not None])
-def test_the_curve_catches_wrong_experts_under_tp_and_cp(curves, name):
+def test_the_curve_catches_wrong_experts_under_tp_and_cp(moe_one_process, runs, name):
     """Measured: the gradient norm off by 1.6e-3 to 1.1e-1 of itself from the first step, the
     loss by 1.6e-5 to 2.8e-3 from the second or third on."""
-    one_process, runs = curves
-    ew.assert_off_curve(one_process, runs[name])
+    ew.assert_off_curve(moe_one_process, runs[name])
 
 
 def test_shared_experts_follow_their_curve_at_ep2_tp2():
@@ -141,7 +137,7 @@ def test_shared_experts_follow_their_curve_at_ep2_tp2():
     ew.assert_on_curve(one, run)
 
 
-def test_an_ep2_tp2_checkpoint_resumes_on_the_curve_at_its_layout(tmp_path, curves):
+def test_an_ep2_tp2_checkpoint_resumes_on_the_curve_at_its_layout(tmp_path, runs):
     """Each (tensor-parallel, expert-parallel) rank writes its file (mp_rank_TT_EEE); the
     resumed ranks hold what the saving ranks held and go on on the curve; so do runs at
     another tensor-parallel size (ep2 x dp4 with the distributed optimizer, and one process),
@@ -150,17 +146,17 @@ def test_an_ep2_tp2_checkpoint_resumes_on_the_curve_at_its_layout(tmp_path, curv
     store = tmp_path / "ckpt"
     trained, resumed = tw.saved_and_resumed(4, layout, 4, layout, store)
     tw.assert_holds(trained, resumed)
-    tw.assert_resumed_on_curve(curves[1]["ep2-tp2-distopt"], resumed, **SAME_RUN)
+    tw.assert_resumed_on_curve(runs["ep2-tp2-distopt"], resumed, **SAME_RUN)
     saved = sorted(p.parent.name for p in (store / "iter_0000002").glob("*/*.pt"))
     assert saved == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     at_tp1 = tw.holding(4, dict(EP2, **ZERO, load=str(store)))
     at_one = tw.holding(1, dict(TRAIN, load=str(store)))
     for run in (at_tp1, at_one):
         tw.assert_holds(trained, run)
-        tw.assert_resumed_on_curve(curves[1]["ep2-tp2-distopt"], run, **SAME_RUN)
+        tw.assert_resumed_on_curve(runs["ep2-tp2-distopt"], run, **SAME_RUN)
 
 
-def test_an_ep2_cp2_checkpoint_resumes_on_the_curve(tmp_path, curves):
+def test_an_ep2_cp2_checkpoint_resumes_on_the_curve(tmp_path, runs):
     """The second expert-parallel rank's file is written by a context-parallel rank 1 (rank 0
     of its expert-data-parallel group); the checkpoint resumes at cp2 and, the files being the
     same, at cp1 (ep2 over dp2)."""
@@ -172,7 +168,7 @@ def test_an_ep2_cp2_checkpoint_resumes_on_the_curve(tmp_path, curves):
     at_cp1 = tw.holding(2, dict(EP2, load=str(store)))
     for run in (resumed, at_cp1):
         tw.assert_holds(trained, run)
-        tw.assert_resumed_on_curve(curves[1]["ep2-cp2"], run, **SAME_RUN)
+        tw.assert_resumed_on_curve(runs["ep2-cp2"], run, **SAME_RUN)
 
 
 # 16 experts, each token to one: some get no token in an iteration, so the zero count depends

@@ -12,12 +12,13 @@ import dataclasses
 import pytest
 
 from megart.models.config import GPTConfig
+from megart.plan.collectives import collective_seconds
 from megart.plan.context_parallel import ring_passes
 from megart.plan.data_parallel import data_parallel_bus_gb_per_s
 from megart.plan.estimate import estimate
 from megart.plan.hardware import load_profile
 from megart.plan.layout import Layout
-from megart.plan.timing import collective_seconds, layer_work, ring_seconds
+from megart.plan.timing import layer_work, ring_seconds
 from megart.training.config import TrainConfig
 from test_plan_memory import SMALL
 

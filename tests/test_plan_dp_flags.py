@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 from megart.errors import ConfigError
 from megart.launcher import launch
+from megart.plan.collectives import collective_seconds
 from megart.plan.data_parallel import data_parallel_bus_gb_per_s
 from megart.plan.estimate import estimate
 from megart.plan.hardware import load_profile
 from megart.plan.layout import Layout, layout_config
 from megart.plan.memory import rank_memory
 from megart.plan.parameters import FP32
-from megart.plan.timing import collective_seconds
 from megart.training.config import TrainConfig
 from plan_workers import held_bytes
 from test_plan_memory import SMALL, _layout

@@ -1,6 +1,6 @@
 """megart plan against Korthikanti et al.'s A100 runs with sequence parallelism and selective
 recomputation (megart.plan.korthikanti), and the model of Megatron-LM's asynchronous backward
-collectives those runs had (timing.BACKWARD_OVERLAP). The predicted MFU beside the published
+collectives those runs had (collectives.BACKWARD_OVERLAP). The predicted MFU beside the published
 for every run is in bench/RESULTS.md (`python bench/plan_korthikanti.py`); not asserted here,
 as no calibration of the A100 profile used these runs."""
 
@@ -11,9 +11,10 @@ import dataclasses
 import pytest
 
 from megart.plan import korthikanti as k
+from megart.plan.collectives import BACKWARD_OVERLAP, collective_seconds
 from megart.plan.hardware import load_profile
 from megart.plan.search import search
-from megart.plan.timing import BACKWARD_OVERLAP, collective_seconds, layer_work
+from megart.plan.timing import layer_work
 
 A100 = load_profile("a100-80gb")
 

@@ -27,11 +27,12 @@ from megart.cli.main import main as megart_main
 from megart.launcher import launch
 from megart.models.config import GPTConfig
 from megart.plan import load_profile
+from megart.plan.collectives import collective_seconds
 from megart.plan.data_parallel import data_parallel_bus_gb_per_s, data_parallel_seconds
 from megart.plan.layout import Layout
 from megart.plan.moe_time import expert_exchanges, expert_group_near, moe_mlp_shapes
 from megart.plan.parameters import state_bytes
-from megart.plan.timing import collective_seconds, layer_work
+from megart.plan.timing import layer_work
 from megart.training.config import TrainConfig
 from plan_memory_check import SMALL, predicted_and_held
 from test_plan_memory_moe import _replay_peak
@@ -297,13 +298,13 @@ def test_more_expert_parallelism_never_holds_more_per_rank(experts, k, swiglu, f
 def test_activations_grow_with_the_tokens_a_ranks_experts_get(copies, more, ep):
     """The saves are an increasing function of the copies a rank's experts get."""
     from megart.plan.activations import Precision
-    from megart.plan.moe_memory import moe_layer_extra
+    from megart.plan.moe_memory import MoeRank, moe_layer_extra
 
     cfg = GPTConfig(**SMALL_CFG, num_experts=4)
     lo, hi = sorted((copies, more))
 
     def saved(share: float) -> float:
-        return moe_layer_extra(cfg, 2, None, Precision(2, 2), ep=ep, expert_tokens=share)
+        return moe_layer_extra(cfg, 2, None, MoeRank(Precision(2, 2), ep=ep, expert_tokens=share))
 
     assert saved(lo) <= saved(hi)
 

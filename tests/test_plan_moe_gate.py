@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from megart.models.config import GPTConfig
 from megart.plan.activations import Precision, layer_bytes
-from megart.plan.moe_memory import moe_layer_extra, moe_replay_bytes
+from megart.plan.moe_memory import MoeRank, moe_layer_extra, moe_replay_bytes
 from megart.plan.moe_time import moe_mlp_shapes, shared_elementwise
 from megart.plan.parameters import state_bytes
 from test_plan_moe_shared import BF16, EP2, SHARED, SMALL_CFG, TP2, _modules, check_ranks
@@ -89,18 +89,18 @@ def test_the_gate_adds_parameters_saves_and_work(swiglu, width, tp, bf16, router
         assert more.parameters - plain.parameters == 4 * 64 * 4  # 4 layers: h fp32 each
         assert more.expert_gradients == plain.expert_gradients
     prec, sp = Precision(2, 2) if bf16 else Precision(4, 4), tp > 1
+    rank = MoeRank(prec, tp=tp, sp=sp)
     rec = base.recompute_granularity
 
     def kept(cfg: GPTConfig) -> float:
-        return layer_bytes(cfg, 2, tp, sp, rec, prec) + moe_layer_extra(cfg, 2, rec, prec, tp=tp,
-                                                                        sp=sp)  # fmt: skip
+        return layer_bytes(cfg, 2, tp, sp, rec, prec) + moe_layer_extra(cfg, 2, rec, rank)
 
     tokens = SMALL_CFG["seq_length"] * 2 / tp
     gate = (64 + 1) * prec.other * tokens
-    more, rise = kept(gated) - kept(base), moe_replay_bytes(gated, 2, prec, tp=tp, sp=sp)
+    more, rise = kept(gated) - kept(base), moe_replay_bytes(gated, 2, rank)
     if modules:  # dropped by the checkpoint, made again by its replay
         assert more == 0
-        assert rise - moe_replay_bytes(base, 2, prec, tp=tp, sp=sp) >= gate
+        assert rise - moe_replay_bytes(base, 2, rank) >= gate
     else:
         assert more >= gate and rise == 0
     shapes = moe_mlp_shapes(gated, 64, tp)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from megart.models.config import GPTConfig
 from megart.plan import load_profile
 from megart.plan.activations import Precision
-from megart.plan.moe_memory import moe_saves
+from megart.plan.moe_memory import MoeRank, moe_saves
 from megart.plan.timing import layer_work
 from plan_memory_check import predicted_and_held
 from test_plan_moe_shared import SHARED, SMALL_CFG, _modules, check_ranks
@@ -121,8 +121,8 @@ def test_router_options_change_saves_alone(sigmoid, bias, groups, balance, b, tp
         moe_router_load_balancing_type=balance,
     )
     prec, sp = Precision(4, 4), tp > 1
-    more = moe_saves(cfg, b, prec, tp=tp, sp=sp, ep=ep) - moe_saves(plain, b, prec, tp=tp, sp=sp,
-                                                                     ep=ep)  # fmt: skip
+    rank = MoeRank(prec, tp=tp, sp=sp, ep=ep)
+    more = moe_saves(cfg, b, rank) - moe_saves(plain, b, rank)
     mask = 8 * 64 * b / tp if groups and not (bias and sigmoid) else 0
     counts = {"aux_loss": 0, "seq_aux_loss": (b - 1) * 8 * 4, "global_aux_loss": 0}[balance]
     assert more == mask + counts

@@ -25,9 +25,15 @@ import plan_moe_ep_workers as pw
 from megart.models.config import GPTConfig
 from megart.plan import load_profile
 from megart.plan.activations import Precision, layer_bytes
+from megart.plan.collectives import collective_seconds
 from megart.plan.estimate import estimate
 from megart.plan.layout import Layout
-from megart.plan.moe_memory import checkpointed_mlp_bytes, moe_layer_extra, moe_replay_bytes
+from megart.plan.moe_memory import (
+    MoeRank,
+    checkpointed_mlp_bytes,
+    moe_layer_extra,
+    moe_replay_bytes,
+)
 from megart.plan.moe_time import (
     expert_exchange_seconds,
     moe_collectives,
@@ -36,7 +42,7 @@ from megart.plan.moe_time import (
     shared_mlp_shapes,
 )
 from megart.plan.parameters import state_bytes
-from megart.plan.timing import collective_seconds, gemm_seconds, layer_work
+from megart.plan.timing import gemm_seconds, layer_work
 from megart.training.config import TrainConfig
 from plan_memory_check import SMALL, predicted_and_held
 from test_plan_memory_moe import _replay_peak
@@ -176,6 +182,7 @@ def test_shared_experts_never_lower_bytes_and_moe_recomputation_never_keeps_more
                      moe_layer_freq=freq, moe_aux_loss_coeff=0.01 if aux else 0.0)  # fmt: skip
     shared = dataclasses.replace(base, moe_shared_expert_intermediate_size=width)
     prec, sp = Precision(2, 2) if bf16 else Precision(4, 4), tp > 1
+    rank = MoeRank(prec, tp=tp, sp=sp)
     for ep in (1, 2):
         plain, more = _state(base, ep), _state(shared, ep)
         assert more.parameters > plain.parameters and more.gradients > plain.gradients
@@ -186,8 +193,7 @@ def test_shared_experts_never_lower_bytes_and_moe_recomputation_never_keeps_more
         c = dataclasses.replace(cfg, recompute_granularity="selective" if modules else None,
                                 recompute_modules=modules or ("core_attn",))  # fmt: skip
         rec = c.recompute_granularity
-        return layer_bytes(c, 2, tp, sp, rec, prec) + moe_layer_extra(c, 2, rec, prec, tp=tp,
-                                                                      sp=sp)  # fmt: skip
+        return layer_bytes(c, 2, tp, sp, rec, prec) + moe_layer_extra(c, 2, rec, rank)
 
     assert kept(shared) > kept(base)
     assert kept(shared, "moe") <= kept(shared, "shared_experts") <= kept(shared)
@@ -197,7 +203,7 @@ def test_shared_experts_never_lower_bytes_and_moe_recomputation_never_keeps_more
                                 recompute_modules=modules)  # fmt: skip
         # The replay makes again what the checkpoint dropped.
         dropped = kept(shared) - kept(shared, *modules)
-        rise = moe_replay_bytes(c, 2, prec, tp=tp, sp=sp)
+        rise = moe_replay_bytes(c, 2, rank)
         assert rise == pytest.approx(dropped, rel=1e-12) and rise > 0, modules
 
 

@@ -15,8 +15,9 @@ import plan_moe_workers as pmw
 from megart.launcher import launch
 from megart.models.config import GPTConfig
 from megart.plan import load_profile
+from megart.plan.collectives import KEPT_INPUT_OVERLAP, collective_seconds
 from megart.plan.moe_time import moe_collectives, moe_mlp_shapes
-from megart.plan.timing import KEPT_INPUT_OVERLAP, collective_seconds, layer_work
+from megart.plan.timing import layer_work
 
 H100 = load_profile("h100-80gb")
 SMALL = dict(vocab_size=256, seq_length=16, hidden_size=32, num_layers=1, num_attention_heads=4,

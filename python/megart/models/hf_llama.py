@@ -52,23 +52,8 @@ def _norm_names(i: int) -> list[tuple[str, str]]:
 
 # A format's names of MoE layer i's router and experts: (megart, Hugging Face) pairs without
 # ".weight" (megart's experts have no biases), for the families whose other tensors are
-# Llama's (megart.models.hf_mixtral, hf_qwen3_moe).
+# Llama's (megart.models.hf_experts names them).
 MoeNames = Callable[[int], list[tuple[str, str]]]
-
-
-def expert_names(cfg: GPTConfig, block: str, experts: tuple[tuple[str, str], ...]) -> MoeNames:
-    """MoeNames of a format whose layer i holds its router at ``model.layers.i.BLOCK.gate`` and
-    expert e's linear layers at ``BLOCK.experts.e.NAME``, ``experts`` naming each of megart's
-    (gate, fc, proj)."""
-
-    def names(i: int) -> list[tuple[str, str]]:
-        m, g = f"chunk.blocks.{i}.mlp.", f"model.layers.{i}.{block}."
-        out = [(m + "router", g + "gate")]
-        for e in range(cfg.num_experts or 0):
-            out += [(f"{m}experts.{e}.{ours}", f"{g}experts.{e}.{w}") for ours, w in experts]
-        return out
-
-    return names
 
 
 def _linear_names(cfg: GPTConfig, i: int, moe: MoeNames | None = None) -> list[tuple[str, str]]:

@@ -25,13 +25,10 @@ and writes layer_types.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
-import torch
-
 from megart.errors import ConfigError
-from megart.models import hf_llama, hf_mixtral, hf_qwen3, hf_qwen3_moe
+from megart.models import hf_experts, hf_llama, hf_qwen3, hf_qwen3_moe
 from megart.models.config import GPTConfig, refuse_unlike
 
 NAME = "Qwen2-MoE"
@@ -39,7 +36,7 @@ MODEL_TYPE = "qwen2_moe"
 FILE_PREFIX = ""
 
 # megart's shared experts' MLP -> Qwen2-MoE's shared_expert: Llama's MLP names.
-SHARED_NAMES = (("gate", "gate_proj"), ("fc", "up_proj"), ("proj", "down_proj"))
+SHARED_NAMES = hf_experts.LLAMA_MLP_NAMES
 # transformers' Qwen2MoeConfig defaults, where a config.json leaves a field out.
 DEFAULTS = dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
                 shared_expert_intermediate_size=5632, norm_topk_prob=False,
@@ -49,7 +46,7 @@ DEFAULTS = dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=140
 def moe_names(cfg: GPTConfig) -> hf_llama.MoeNames:
     """Layer i's (megart, Qwen2-MoE) router, expert, shared expert and gate names, without
     ".weight"."""
-    routed = hf_llama.expert_names(cfg, "mlp", hf_qwen3_moe.EXPERT_NAMES)
+    routed = hf_qwen3_moe.moe_names(cfg)
 
     def names(i: int) -> list[tuple[str, str]]:
         m, g = f"chunk.blocks.{i}.mlp.", f"model.layers.{i}.mlp."
@@ -78,19 +75,14 @@ def check(cfg: GPTConfig) -> None:
         "(--add-qkv-bias or none) can be written in its format",
     )
     hf_llama.check_rope(cfg, NAME)
-    if cfg.num_experts is None:
-        raise ConfigError(
-            f"megart writes a {NAME} checkpoint only for a model with --num-experts (its "
-            "mixture of experts); this one has none, and is written as a Llama or a Qwen2"
-        )
-    weights = f"{NAME}'s routing weights are the probabilities, or those divided by their sum"
-    unlike = hf_mixtral.softmax_routing(cfg, NAME, weights)
+    hf_experts.require_experts(cfg, NAME, "a Llama or a Qwen2")
+    unlike = hf_qwen3_moe.softmax_routing(cfg, NAME)
     built = f"{NAME} builds a shared expert with its sigmoid gate in every MoE layer"
     if cfg.moe_shared_expert_intermediate_size is None:
         unlike.append(("no --moe-shared-expert-intermediate-size", built))
     elif not cfg.moe_shared_expert_gate:
         unlike.append(("no --moe-shared-expert-gate", built))
-    hf_mixtral.refuse_routing(unlike, NAME)
+    hf_experts.refuse_routing(unlike, NAME)
 
 
 def window(hf: dict[str, Any]) -> dict[str, Any]:
@@ -128,19 +120,9 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     )
 
 
-def to_megart(
-    cfg: GPTConfig, take: Callable[[str], torch.Tensor], wanted: Collection[str] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Llama's conversion with Qwen2-MoE's routers, experts and shared experts (renamed, none
-    reshaped)."""
-    return hf_llama.to_megart(cfg, take, wanted, moe=moe_names(cfg))
-
-
-def hf_tensors(
-    cfg: GPTConfig, full: Callable[[str], torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Llama's tensors with Qwen2-MoE's router, experts and shared experts in the MoE layers."""
-    return hf_llama.hf_tensors(cfg, full, moe=moe_names(cfg))
+# Llama's conversions with Qwen2-MoE's routers, experts and shared experts (all renamed, none
+# reshaped).
+to_megart, hf_tensors = hf_experts.conversions(hf_llama, moe_names)
 
 
 def hf_config(cfg: GPTConfig) -> dict[str, Any]:

@@ -34,13 +34,10 @@ max_window_layers on, so megart reads a window only where max_window_layers is 0
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
-import torch
-
 from megart.errors import ConfigError
-from megart.models import hf_llama, hf_mistral, hf_mixtral, hf_qwen3
+from megart.models import hf_experts, hf_llama, hf_mistral, hf_qwen3
 from megart.models.config import GPTConfig
 
 NAME = "Qwen3-MoE"
@@ -48,7 +45,7 @@ MODEL_TYPE = "qwen3_moe"
 FILE_PREFIX = ""
 
 # megart's expert MLP -> Qwen3-MoE's: Llama's MLP names, per expert.
-EXPERT_NAMES = (("gate", "gate_proj"), ("fc", "up_proj"), ("proj", "down_proj"))
+EXPERT_NAMES = hf_experts.LLAMA_MLP_NAMES
 # transformers' Qwen3MoeConfig defaults, where a config.json leaves a field out.
 DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                 norm_topk_prob=False, decoder_sparse_step=1)  # fmt: skip
@@ -56,7 +53,7 @@ DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=76
 
 def moe_names(cfg: GPTConfig) -> hf_llama.MoeNames:
     """Layer i's (megart, Qwen3-MoE) router and expert names, without ".weight"."""
-    return hf_llama.expert_names(cfg, "mlp", EXPERT_NAMES)
+    return hf_experts.expert_names(cfg, "mlp", EXPERT_NAMES)
 
 
 def check(cfg: GPTConfig) -> None:
@@ -64,14 +61,16 @@ def check(cfg: GPTConfig) -> None:
     refusals, a window on some layers only, and routing other than a softmax's."""
     hf_qwen3.check_qwen3_style(cfg, NAME)
     hf_mistral.refuse_some_windows(cfg, NAME)
-    if cfg.num_experts is None:
-        raise ConfigError(
-            f"megart writes a {NAME} checkpoint only for a model with --num-experts (its "
-            "mixture of experts); this one has none, and is written as a Qwen3"
-        )
-    weights = f"{NAME}'s routing weights are the probabilities, or those divided by their sum"
-    unlike = hf_mixtral.softmax_routing(cfg, NAME, weights)
-    hf_mixtral.refuse_routing([*unlike, hf_mixtral.shared_experts(cfg, NAME)], NAME)
+    hf_experts.require_experts(cfg, NAME, "a Qwen3")
+    unlike = [*softmax_routing(cfg, NAME), hf_experts.shared_experts(cfg, NAME)]
+    hf_experts.refuse_routing(unlike, NAME)
+
+
+def softmax_routing(cfg: GPTConfig, fmt: str = NAME) -> list[tuple[str, str]]:
+    """hf_experts.softmax_routing for Qwen3-MoE's (or Qwen2-MoE's: format ``fmt``) router,
+    whose weights are the probabilities or, with norm_topk_prob, those divided by their sum."""
+    weights = f"{fmt}'s routing weights are the probabilities, or those divided by their sum"
+    return hf_experts.softmax_routing(cfg, fmt, weights)
 
 
 def sparse_layers(
@@ -141,7 +140,7 @@ def with_experts(
     k = _field(hf, "num_experts_per_tok", defaults)
     normalised = bool(_field(hf, "norm_topk_prob", defaults))
     if normalised:
-        hf_mixtral.refuse_weight_one(k, fmt, " with norm_topk_prob true")
+        hf_experts.refuse_weight_one(k, fmt, " with norm_topk_prob true")
     width = _field(hf, "moe_intermediate_size", defaults)
     return dataclasses.replace(
         cfg,
@@ -153,18 +152,8 @@ def with_experts(
     )
 
 
-def to_megart(
-    cfg: GPTConfig, take: Callable[[str], torch.Tensor], wanted: Collection[str] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Qwen3's conversion with Qwen3-MoE's routers and experts (all renamed, none reshaped)."""
-    return hf_qwen3.to_megart(cfg, take, wanted, moe=moe_names(cfg))
-
-
-def hf_tensors(
-    cfg: GPTConfig, full: Callable[[str], torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Qwen3's tensors with Qwen3-MoE's router and experts in the MoE layers."""
-    return hf_qwen3.hf_tensors(cfg, full, moe=moe_names(cfg))
+# Qwen3's conversions with Qwen3-MoE's routers and experts (all renamed, none reshaped).
+to_megart, hf_tensors = hf_experts.conversions(hf_qwen3, moe_names)
 
 
 def hf_config(cfg: GPTConfig) -> dict[str, Any]:

@@ -5,10 +5,10 @@ all-gather and the tied embedding's all-reduce is left after the last backward."
 from __future__ import annotations
 
 from megart.models import GPTConfig
+from megart.plan.collectives import collective_seconds
 from megart.plan.hardware import GPUProfile, group_ranks_per_node
 from megart.plan.layout import Layout
 from megart.plan.parameters import BUCKET_BYTES, FP32
-from megart.plan.timing import collective_seconds
 
 # dp_overlap="single-stage": the gradient all-reduce overlaps the last microbatch's backward
 # only with p = 1, as in SC21's Megatron-LM: its p = 1 runs used --DDP-impl torch (its

@@ -90,9 +90,9 @@ def estimate(
     pipeline exchange blocks both ranks until it has arrived, as SC21's Megatron-LM did (its
     p2p_communication waited on each batch_isend_irecv and then synchronised the device), so each
     (microbatch, chunk) pays one exchange after its forward and one after its backward.
-    ``tp_overlap`` "backward" (timing.BACKWARD_OVERLAP): Megatron-LM's asynchronous backward
+    ``tp_overlap`` "backward" (collectives.BACKWARD_OVERLAP): Megatron-LM's asynchronous backward
     collectives of its column-parallel products (2021-2022), not those of the forward; None:
-    the runtime's own (megart's: timing.KEPT_INPUT_OVERLAP; "megatron": BACKWARD_OVERLAP).
+    the runtime's own (megart's: collectives.KEPT_INPUT_OVERLAP; "megatron": BACKWARD_OVERLAP).
     ``dp_overlap`` "single-stage": overlapped only when p = 1 (SINGLE_STAGE). With runtime "megart"
     ``base``'s flags decide instead (--no-overlap-grad-reduce, --grad-reduce-in-bf16,
     --ddp-bucket-size, --ddp-num-buckets), and ``dp_overlap``/``grad_reduce_bytes`` other than

@@ -19,14 +19,14 @@ for calibration.
 Megatron-LM as of the sequence-parallel merge (9aad9203aa, 2022-05-20): the attention's scores
 kept (no flash kernel), blocking pipeline exchanges, fp32 gradients all-reduced after the
 schedule (bf16 asked for --accumulate-allreduce-grads-in-fp32), interleaving from p = 3, and the
-column-parallel products' backward collectives asynchronous (timing.BACKWARD_OVERLAP)."""
+column-parallel products' backward collectives asynchronous (collectives.BACKWARD_OVERLAP)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megart.plan.collectives import BACKWARD_OVERLAP
 from megart.plan.search import Fixed
-from megart.plan.timing import BACKWARD_OVERLAP
 from megart.training.config import TrainConfig
 
 VOCAB, SEQ = 51200, 2048

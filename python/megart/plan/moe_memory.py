@@ -103,35 +103,42 @@ is refused (plan.flags: megart train cannot run it yet).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megart.models.config import GPTConfig
 from megart.models.recompute import recomputed_modules
 from megart.plan.activations import Precision, norm_outputs
 from megart.plan.moe_time import ROUTER_BYTES
 
 
-def moe_layer_extra(
-    cfg: GPTConfig,
-    b: int,
-    recompute: str | None,
-    prec: Precision,
-    cp: int = 1,
-    weight_bytes: int = 4,
-    tp: int = 1,
-    sp: bool = False,
-    ep: int = 1,
-    expert_tokens: float = 1.0,
-) -> float:
-    """Bytes an MoE layer keeps for one microbatch beyond activations.layer_bytes' count of a
-    dense layer under ``recompute`` (none under full recomputation: the layer's input alone,
-    as a dense layer's), on one of ``tp`` tensor-parallel ranks (with sequence parallelism,
-    ``sp``, which megart train requires for experts at tp > 1). ``weight_bytes``: the weights'
-    (2 under --half-weights), which --moe-router-dtype's cast of the router's weight copies
-    when they differ. ``ep``: expert-parallel ranks, this one's experts getting
-    ``expert_tokens`` k T token copies (1: balanced routing; the module's doc)."""
+@dataclass(frozen=True)
+class MoeRank:
+    """Where an MoE layer's microbatch runs, as its saves depend on it: activations of
+    ``prec``, this rank's 1/``cp`` of the sequence, weights of ``weight_bytes`` (2 under
+    --half-weights, which --moe-router-dtype's cast of the router's weight copies when they
+    differ), one of ``tp`` tensor-parallel ranks (with sequence parallelism, ``sp``, which
+    megart train requires for experts at tp > 1), and of ``ep`` expert-parallel ranks, this
+    one's experts getting ``expert_tokens`` k T token copies (1: balanced routing; the
+    module's doc)."""
+
+    prec: Precision
+    cp: int = 1
+    weight_bytes: int = 4
+    tp: int = 1
+    sp: bool = False
+    ep: int = 1
+    expert_tokens: float = 1.0
+
+
+def moe_layer_extra(cfg: GPTConfig, b: int, recompute: str | None, rank: MoeRank) -> float:
+    """Bytes an MoE layer keeps for one microbatch of ``b`` sequences on ``rank`` beyond
+    activations.layer_bytes' count of a dense layer under ``recompute`` (none under full
+    recomputation: the layer's input alone, as a dense layer's)."""
     if recompute == "full":
         return 0.0
     modules = recomputed_modules(cfg, recompute)
-    tokens = cfg.seq_length // cp * b
+    tp, sp, prec = rank.tp, rank.sp, rank.prec
+    tokens = cfg.seq_length // rank.cp * b
     # What layer_bytes counted for a dense MLP: its input (the gathered norm output, or
     # --recompute-modules mlp's checkpoint input) and, unless mlp, its tensors.
     counted = norm_outputs(cfg, tp, sp, prec, "mlp" in modules)[1]
@@ -140,31 +147,22 @@ def moe_layer_extra(
     if "moe" in modules:  # the checkpoint keeps the layer's input alone (this rank's slice)
         return tokens * (norm_outputs(cfg, tp, sp, prec, True)[1] - counted)
     shared = "shared_experts" not in modules
-    saves = moe_saves(cfg, b, prec, cp, weight_bytes, tp, sp, ep, expert_tokens, shared)
+    saves = moe_saves(cfg, b, rank, shared)
     checkpoint = not shared and cfg.moe_shared_expert_intermediate_size
     if checkpoint and not _router_keeps_input(cfg, prec):  # the checkpoint's input, kept
         saves += tokens * norm_outputs(cfg, tp, sp, prec, True)[1]
     return saves - tokens * counted
 
 
-def moe_replay_bytes(
-    cfg: GPTConfig,
-    b: int,
-    prec: Precision,
-    cp: int = 1,
-    weight_bytes: int = 4,
-    tp: int = 1,
-    sp: bool = False,
-    ep: int = 1,
-    expert_tokens: float = 1.0,
-) -> float:
+def moe_replay_bytes(cfg: GPTConfig, b: int, rank: MoeRank) -> float:
     """Under selective recomputation, how far above the layers' kept bytes an MoE layer's
     backward rises while torch's checkpoint replays it (all of the replay's saves made before
     its backward frees any): --recompute-modules moe, the whole layer's saves (moe_saves) but
     its input, which the checkpoint kept; shared_experts alone, the shared experts' MLP's
     (checkpointed_mlp_bytes); 0 when neither is recomputed."""
+    tp, sp, prec, cp = rank.tp, rank.sp, rank.prec, rank.cp
     if cfg.recomputes("moe"):
-        saves = moe_saves(cfg, b, prec, cp, weight_bytes, tp, sp, ep, expert_tokens)
+        saves = moe_saves(cfg, b, rank)
         return saves - cfg.seq_length // cp * b * _input_itself(cfg, tp, sp, prec)
     width = cfg.moe_shared_expert_intermediate_size
     if cfg.recomputes("shared_experts") and width:  # the gate replayed with them
@@ -173,22 +171,11 @@ def moe_replay_bytes(
     return 0.0
 
 
-def moe_saves(
-    cfg: GPTConfig,
-    b: int,
-    prec: Precision,
-    cp: int = 1,
-    weight_bytes: int = 4,
-    tp: int = 1,
-    sp: bool = False,
-    ep: int = 1,
-    expert_tokens: float = 1.0,
-    shared: bool = True,
-) -> float:
+def moe_saves(cfg: GPTConfig, b: int, rank: MoeRank, shared: bool = True) -> float:
     """Every byte an MoE layer's MLP part (router, losses, experts, and with ``shared`` the
-    shared experts) saves for one microbatch without recomputation, its input's storage
-    included where a save is the input itself (the module's doc; moe_layer_extra's
-    arguments)."""
+    shared experts) saves for one microbatch on ``rank`` without recomputation, its input's
+    storage included where a save is the input itself (the module's doc)."""
+    tp, sp, prec = rank.tp, rank.sp, rank.prec
     h, k, e, fm = cfg.hidden_size, cfg.moe_router_topk, cfg.num_experts, cfg.moe_ffn_size
     other = prec.other
     given = ROUTER_BYTES.get(cfg.moe_router_dtype or "")
@@ -204,6 +191,7 @@ def moe_saves(
         per_token += k * (w + 8)
     if cfg.moe_router_group_topk and not (sigmoid and cfg.moe_router_enable_expert_bias):
         per_token += e  # the groups' mask (bool), kept where the top k's values are the weights
+    weight_bytes = rank.weight_bytes
     once = e * h * given if given and given != weight_bytes else 0.0
     if cfg.moe_aux_loss_coeff > 0 and sigmoid:
         per_token += (e + 1) * r  # its scores (sigmoid) and their sums, which normalise them
@@ -223,10 +211,10 @@ def moe_saves(
     # output (the sum's index_add keeps its source, whose shape it needs), its MLP's tensors
     # over this rank's f/t, its routing weight and row index.
     expert = (5 if swiglu else 3) * fm / tp * other + r
-    if ep == 1:
+    if rank.ep == 1:
         per_token += k * (2 * h * other + expert + 8)
     else:  # sent: the returned output and two indices; received: the expert's saves
-        per_token += k * (h * other + 16) + expert_tokens * k * (2 * h * other + expert + 16)
+        per_token += k * (h * other + 16) + rank.expert_tokens * k * (2 * h * other + expert + 16)
     width = cfg.moe_shared_expert_intermediate_size
     if shared and width:  # a dense MLP's tensors at S/t, and its input unless the router's
         per_token += (4 if swiglu else 2) * width / tp * other
@@ -234,7 +222,7 @@ def moe_saves(
         per_token += 0.0 if itself else h * other
         counted = _router_keeps_input(cfg, prec) or not _copied(tp, sp, prec)
         per_token += gate_bytes(cfg, tp, sp, prec, counted)
-    return cfg.seq_length // cp * b * per_token + once
+    return cfg.seq_length // rank.cp * b * per_token + once
 
 
 def balance_once(cfg: GPTConfig, b: int, scores: int, weight_bytes: int) -> float:

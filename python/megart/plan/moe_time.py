@@ -134,7 +134,7 @@ def moe_elementwise(cfg: GPTConfig, tp: int = 1, ep: int = 1) -> float:
     return k * (activation + moves * cfg.hidden_size) + shared_elementwise(cfg, tp)
 
 
-Collectives = list[tuple[str, float]]  # (timing.BUS_FACTOR's kind, the whole buffer's bytes)
+Collectives = list[tuple[str, float]]  # (collectives.BUS_FACTOR's kind, the whole buffer's bytes)
 
 
 def moe_collectives(cfg: GPTConfig, tokens: float, act: int) -> tuple[Collectives, Collectives]:

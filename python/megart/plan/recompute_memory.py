@@ -10,7 +10,12 @@ from collections.abc import Sequence
 from megart.models.config import GPTConfig
 from megart.models.recompute import recomputed_modules, recomputed_spans
 from megart.plan.activations import Precision, layer_bytes, norm_outputs, norm_statistics
-from megart.plan.moe_memory import checkpointed_mlp_bytes, moe_layer_extra, moe_replay_bytes
+from megart.plan.moe_memory import (
+    MoeRank,
+    checkpointed_mlp_bytes,
+    moe_layer_extra,
+    moe_replay_bytes,
+)
 
 
 def chunk_layer_bytes(
@@ -44,19 +49,19 @@ def chunk_layer_bytes(
     one = layer_bytes(cfg, b, tp, sp, rec, prec, unfused_attention, cp)
     extras = list(extras) or [0.0] * layers
     moe = list(moe) or [False] * layers
+    rank = MoeRank(prec, cp, weight_bytes, tp, sp, ep, expert_tokens)
     if rec != "full":
         core_again = "core_attn" in recomputed_modules(cfg, rec)
         # Only dense MLPs are checkpointed by --recompute-modules mlp (models.blocks); MoE
         # layers by moe, their shared experts by shared_experts (plan.moe_memory).
         replay = mlp_replay_bytes(cfg, b, tp, sp, prec, cp) if not all(moe) else 0.0
-        args = (cfg, b, prec, cp, weight_bytes, tp, sp, ep, expert_tokens)
         if any(moe):
-            replay = max(replay, moe_replay_bytes(*args))
-        moe_extra = moe_layer_extra(cfg, b, rec, prec, cp, weight_bytes, tp, sp, ep, expert_tokens)
+            replay = max(replay, moe_replay_bytes(cfg, b, rank))
+        moe_extra = moe_layer_extra(cfg, b, rec, rank)
         kept = layers * one + sum(moe) * moe_extra
         return kept + (0.0 if core_again else sum(extras)), replay
     whole = layer_bytes(cfg, b, tp, sp, None, prec, unfused_attention, cp)
-    moe_whole = moe_layer_extra(cfg, b, None, prec, cp, weight_bytes, tp, sp, ep, expert_tokens)
+    moe_whole = moe_layer_extra(cfg, b, None, rank)
     extras = [x + (moe_whole if m else 0.0) for x, m in zip(extras, moe, strict=True)]
     method, n = cfg.recompute_method, cfg.recompute_num_layers
     # The first norm keeps the span's input itself (LayerNorm; RMSNorm's fp32 view of it when

@@ -8,10 +8,10 @@ least pipeline size, and the gradient copies below)."""
 from __future__ import annotations
 
 from megart.errors import ConfigError
+from megart.plan.collectives import BACKWARD_OVERLAP, KEPT_INPUT_OVERLAP
 from megart.plan.data_parallel import SINGLE_STAGE
 from megart.plan.layout import ZERO_BUBBLE, Layout
 from megart.plan.parameters import FP32
-from megart.plan.timing import BACKWARD_OVERLAP, KEPT_INPUT_OVERLAP
 
 RUNTIMES = ("megart", "megatron")
 
@@ -98,7 +98,7 @@ def runtime_tp_overlap(runtime: str, tp_overlap: bool | str | None, layout: Layo
     collectives, beside the products' weight gradients (tensor_parallel.column_entry), and it
     takes no other; under a zero-bubble schedule those gradients wait for W, so none.
     Megatron-LM's own, without Transformer Engine's --tp-comm-overlap: the same collectives and,
-    under sequence parallelism, each input's re-gather (timing.BACKWARD_OVERLAP)."""
+    under sequence parallelism, each input's re-gather (collectives.BACKWARD_OVERLAP)."""
     if runtime == "megart":
         if tp_overlap not in (None, KEPT_INPUT_OVERLAP):
             raise ConfigError(
