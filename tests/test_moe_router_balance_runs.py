@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import moe_router_workers as rw
-from megart import ConfigError
 from megart.launcher import launch
 from megart.models import GPTConfig
 from test_moe_router_balance import BASE, BIAS, GLOBAL, TRAIN
@@ -101,10 +100,13 @@ def test_a_checkpoint_resumes_on_the_curve_with_its_expert_biases(tmp_path, one_
 def test_megatron_core_loads_the_legacy_file_with_its_expert_biases(tmp_path):
     """megart train's --ckpt-format torch file (one rank): Megatron-Core's GPTModel loads it
     strictly, its routers' expert_bias buffers are megart's biases, and it gives the logits
-    of megart's GPT with the checkpoint's weights and biases. megart's conversions, which
-    carry weights alone, refuse it by name either way."""
+    of megart's GPT with the checkpoint's weights and biases. megart's reader of Megatron-LM's
+    checkpoints gives them under Megatron-Core's names, and convert-checkpoint --to megatron
+    carries them (tests/test_megatron_expert_bias_files: Megatron-LM's own files)."""
     from megart.cli.main import main
+    from megart.training import checkpoint
     from megart.training.megatron_checkpoint import read_megatron
+    from megart.training.megatron_files import torch_load
 
     store = str(tmp_path / "ckpt")
     launch(rw.train_bias, 1, dict(TRAIN, train_iters=2, save=store, ckpt_format="torch"),
@@ -112,12 +114,16 @@ def test_megatron_core_loads_the_legacy_file_with_its_expert_biases(tmp_path):
     r = launch(rw.legacy_file_in_megatron_core, 1, store, timeout=300)[0]
     assert r["same_bias"] and r["nonzero"] > 4
     assert r["diff"] < 1e-6
-    with pytest.raises(ConfigError, match="--moe-router-enable-expert-bias; megart carries"):
-        read_megatron(store)
+    root = checkpoint.iteration_dir(store, checkpoint.latest_iteration(store))
+    rows = torch_load(root / "mp_rank_00" / checkpoint.FILE)["megart"]["expert_bias"]
     out = str(tmp_path / "converted")
     argv = ["convert-checkpoint", "--load", store, "--save", out, "--from", "megart",
             "--to", "megatron"]  # fmt: skip
-    assert main(argv) != 0
+    assert main(argv) == 0
+    for d in (store, out):
+        cfg, model, _ = read_megatron(d)
+        for i in range(cfg.num_layers):
+            assert torch.equal(model[f"decoder.layers.{i}.mlp.router.expert_bias"], rows[i]), d
 
 
 def test_megatron_core_loads_the_torch_dist_store_with_its_expert_biases(tmp_path):

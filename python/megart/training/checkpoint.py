@@ -36,7 +36,13 @@ from megart.models.config import architecture_flags
 from megart.models.config_flags import differing
 from megart.models.moe_router import load_expert_bias
 from megart.tensor_parallel.random import GeneratorStates
-from megart.training import megatron_dist, megatron_dist_train_load, norm_biases, reshard
+from megart.training import (
+    megatron_dist,
+    megatron_dist_train_load,
+    megatron_expert_bias,
+    norm_biases,
+    reshard,
+)
 from megart.training.checkpoint_save import save, write_release  # re-exported: the public API
 from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as before
     FILE,
@@ -54,6 +60,7 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     required_latest_iteration,
 )
 from megart.training.megatron_args import args_record
+from megart.training.megatron_file_read import PARTIAL_BIAS
 from megart.training.megatron_scheduler import check_scheduler
 
 __all__ = [
@@ -116,7 +123,8 @@ def load(
     _check_saved_parts(directory, state, load_optim, load_rng)
     if load_optim and state.get("opt_param_scheduler") is not None:  # written by Megatron-LM
         check_scheduler(state["opt_param_scheduler"], config, directory)
-    if reshard.needed(state, config, chunks):
+    resharded = reshard.needed(state, config, chunks)
+    if resharded:
         reshard.restore(
             root, state["config"], config, grid, chunks, optimizer if load_optim else None
         )
@@ -141,8 +149,13 @@ def load(
                 rng.set_states(r["tracker"])
     if load_optim and scaler is not None and state.get("loss_scaler") is not None:
         scaler.load_state_dict(state["loss_scaler"])
-    if state.get("expert_bias") is not None:  # the routers' state beside their weights
-        load_expert_bias(chunks, state["expert_bias"])
+    bias = state.get("expert_bias")
+    if bias is not None and resharded and state.get(PARTIAL_BIAS):
+        # Megatron-LM's own files: each holds its stage's routers; this rank's layers may
+        # lie in any stage's file.
+        bias = megatron_expert_bias.gathered(root, state["config"], chunks[0].cfg)
+    if bias is not None:  # the routers' state beside their weights
+        load_expert_bias(chunks, bias)
     if finetune:
         return 0, 0
     return _resume_point(int(state["iteration"]), state.get("consumed_train_samples"), config)

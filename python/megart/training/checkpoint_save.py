@@ -252,12 +252,13 @@ def write_release(
     weights: dict[str, torch.Tensor],
     layer_ids: list[int],
     tokenizer: dict[str, str] | None = None,
+    expert_bias: torch.Tensor | None = None,
 ) -> Path:
     """Writes ``weights`` (one chunk's, of the whole model ``cfg``) as a release checkpoint in
     ``save_dir`` (Megatron's term: the weights alone, iteration 0; --load reshards it to any
-    layout and starts as --finetune); returns the file."""
+    layout and starts as --finetune); returns the file. ``expert_bias``: file_state's."""
     files = [((0, 0), weights, layer_ids)]
-    return write_release_ranks(save_dir, cfg, 1, 1, files, tokenizer)[0]
+    return write_release_ranks(save_dir, cfg, 1, 1, files, tokenizer, expert_bias)[0]
 
 
 def write_release_ranks(
@@ -267,10 +268,12 @@ def write_release_ranks(
     pp: int,
     files: Iterable[tuple[tuple[int, int], dict[str, torch.Tensor], list[int]]],
     tokenizer: dict[str, str] | None = None,
+    expert_bias: torch.Tensor | None = None,
 ) -> list[Path]:
     """A release checkpoint of ``tp`` x ``pp`` rank files: ``files`` gives each (tensor rank,
     pipeline rank), its one chunk's weights and that chunk's layers, and each is written as
-    it comes (so a generator holds one at a time); ``tokenizer`` as file_state's. The
+    it comes (so a generator holds one at a time); ``tokenizer``, ``expert_bias`` as
+    file_state's. The
     iteration directory appears, and the tracker names it, only once every file is written."""
     layout = {f: getattr(cfg, f) for f in MODEL_FIELDS}
     layout.update(zip(PARALLEL_FIELDS, (tp, pp, None), strict=True))  # no interleaving
@@ -288,6 +291,7 @@ def write_release_ranks(
                 model=[weights],
                 release=True,
                 tokenizer=tokenizer,
+                expert_bias=expert_bias,
             )
             write_file(partial / rank_dir(t, p, pp) / FILE, state)
             written.append(final / rank_dir(t, p, pp) / FILE)

@@ -225,18 +225,6 @@ def saved_stages(a: dict[str, Any]) -> dict[str, int | None]:
 MOE_UNBUILT = ("moe_grouped_gemm",)
 
 
-def refuse_expert_bias(cfg: GPTConfig, where: Any) -> None:
-    """Refuses a model with the routers' expert bias where megart would lose it: its
-    conversions between formats, and Megatron-LM's own legacy files (whose biases megart
-    reads per stage only, not whole for any layout)."""
-    if cfg.num_experts is not None and cfg.moe_router_enable_expert_bias:
-        raise ConfigError(
-            f"{where}: a model with --moe-router-enable-expert-bias; megart carries the "
-            "routers' expert biases in megart train's checkpoints (--ckpt-format megart, torch "
-            "or torch_dist) and reads Megatron-LM's torch_dist stores of them, not here yet"
-        )
-
-
 def check_args(a: dict[str, Any], where: Any) -> None:
     """Refuses a Megatron-LM checkpoint (its ``vars(args)``) of what megart cannot represent
     (saves of any expert-parallel size are read, legacy files and torch_dist stores alike)."""

@@ -13,7 +13,9 @@ interleaving): each rank's shards, laid out as megart.training.megatron_layout s
 the source checkpoint's layout or the one asked for, the weights only (load it with
 --finetune, or --no-load-optim --no-load-rng). Read: any layout, merged and written as a megart
 release checkpoint (weights only, --load under any megart layout reshards it, as after
-import-hf).
+import-hf). The routers' expert biases (--moe-router-enable-expert-bias), buffers beside the
+weights, go both ways too: Megatron-Core's ``mlp.router.expert_bias`` of each MoE layer, megart's
+rows of every layer (megatron_expert_bias).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from megart.errors import ConfigError
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.megatron_names import from_megatron, to_megatron
 from megart.models.stages import check_stages, ends_of, uneven
-from megart.training import megatron_dist, megatron_layout, tokenizer_record
+from megart.training import megatron_dist, megatron_expert_bias, megatron_layout, tokenizer_record
 from megart.training.checkpoint import (
     FILE,
     TRACKER,
@@ -45,7 +47,6 @@ from megart.training.megatron_args import (
     check_args,
     config_from_args,
     megatron_args,
-    refuse_expert_bias,
     saved_stages,
 )
 from megart.training.megatron_expert_files import merged_megatron_chunks
@@ -83,7 +84,6 @@ def megart_to_megatron(
     iteration = required_latest_iteration(load_dir)
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
-    refuse_expert_bias(cfg, "convert-checkpoint --to megatron")
     layout = shards[0, 0]["config"]
     vpp_source, ends = 1, (None, None)
     if tp is None and pp is None:  # the source's layout: its chunks, its uneven stages
@@ -113,6 +113,9 @@ def megart_to_megatron(
         ) from e
     whole = whole_tensors(shards, cfg)
     weights = to_megatron({k: v.clone() for k, v in whole.items()}, cfg)
+    bias = megatron_expert_bias.of_shards(shards)
+    if bias is not None:  # Megatron-Core's routers' buffers, in every layout's files
+        megatron_expert_bias.added(weights, bias, cfg)
     for name in VOCAB_NAMES:
         if name in weights:  # the padding of tp ranks, as Megatron's args say
             weights[name] = fit_vocab(weights[name], cfg.padded_vocab_size(tp))
@@ -183,7 +186,6 @@ def read_megatron(load_dir: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any
 def _merged(a: dict[str, Any], root: Path, iteration: int) -> tuple[GPTConfig, dict[str, Any], int]:
     """read_megatron's result, from saved_args' (args, iteration directory, iteration)."""
     cfg = config_from_args(a)
-    refuse_expert_bias(cfg, root)  # whole weights only: the biases would be lost
     if megatron_dist.is_dist_checkpoint(root):
         model = megatron_dist.read(root)
     else:
@@ -211,14 +213,26 @@ def megatron_weights(
 ) -> tuple[GPTConfig, dict[str, torch.Tensor], dict[str, str] | None]:
     """The model, whole weights under megart's one-chunk names (vocabulary padded for one
     rank) and tokenizer record (what its args record) of the Megatron-LM checkpoint of
-    ``iteration`` (default: the latest) in ``load_dir``: legacy, of any layout, or torch_dist."""
+    ``iteration`` (default: the latest) in ``load_dir``: legacy, of any layout, or torch_dist.
+    The routers' expert biases, buffers and not weights, are left out (_weights_and_bias)."""
+    return _weights_and_bias(load_dir, iteration)[:3]
+
+
+def _weights_and_bias(
+    load_dir: str | os.PathLike, iteration: int | None = None
+) -> tuple[GPTConfig, dict[str, torch.Tensor], dict[str, str] | None, torch.Tensor | None]:
+    """megatron_weights' result and the routers' expert biases as megart's rows (None
+    without)."""
     a, root, iteration = saved_args(load_dir, iteration)
     cfg, model, _ = _merged(a, root, iteration)
-    return cfg, from_megatron(model, cfg), tokenizer_record.record(a)
+    bias = megatron_expert_bias.popped(model, cfg)
+    return cfg, from_megatron(model, cfg), tokenizer_record.record(a), bias
 
 
 def megatron_to_megart(load_dir: str | os.PathLike, save_dir: str | os.PathLike) -> Path:
     """The latest Megatron-LM checkpoint in ``load_dir`` as a megart release checkpoint
-    (weights only; --load reshards it to any layout and starts at iteration 0)."""
-    cfg, weights, tokenizer = megatron_weights(load_dir)
-    return write_release(save_dir, cfg, weights, list(range(cfg.num_layers)), tokenizer)
+    (weights only, and the routers' expert biases; --load reshards it to any layout and
+    starts at iteration 0)."""
+    cfg, weights, tokenizer, bias = _weights_and_bias(load_dir)
+    layers = list(range(cfg.num_layers))
+    return write_release(save_dir, cfg, weights, layers, tokenizer, expert_bias=bias)

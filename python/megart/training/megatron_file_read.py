@@ -23,7 +23,6 @@ from megart.training.megatron_args import (
     args_record,
     check_args,
     config_from_args,
-    refuse_expert_bias,
 )
 from megart.training.megatron_files import from_grad_scaler, megatron_layer_ids, model_chunks
 from megart.training.megatron_layout import OUTPUT
@@ -43,11 +42,31 @@ def _chunk_from_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, first: boo
 
 
 # A router's expert bias under Megatron-Core's name (its TopKRouter's persistent buffer).
-_EXPERT_BIAS = re.compile(r"decoder\.layers\.\d+\.mlp\.router\.expert_bias$")
+_EXPERT_BIAS = re.compile(r"decoder\.layers\.(\d+)\.mlp\.router\.expert_bias$")
+# The key of a file state whose expert_bias rows hold only its own layers' (a file Megatron-LM
+# wrote: each rank file has its stage's routers, megart's own files every layer's).
+PARTIAL_BIAS = "expert_bias_partial"
 
 
 def _without_expert_bias(sd: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in sd.items() if not _EXPERT_BIAS.match(k)}
+
+
+def file_expert_bias(
+    chunks: list[dict[str, Any]], layer_ids: list[list[int]], cfg: GPTConfig
+) -> torch.Tensor | None:
+    """The expert biases a Megatron-LM rank file's ``chunks`` hold, as
+    models.moe_router.expert_bias_rows' [layers, E] fp32 rows (zero for the layers elsewhere),
+    each chunk's local layer j the model's layer ``layer_ids[c][j]``; None without them."""
+    if cfg.num_experts is None or not cfg.moe_router_enable_expert_bias:
+        return None
+    rows = torch.zeros(cfg.num_layers, cfg.num_experts)
+    for sd, ids in zip(chunks, layer_ids, strict=True):
+        for key, value in sd.items():
+            match = _EXPERT_BIAS.match(key)
+            if match:
+                rows[ids[int(match.group(1))]] = value.float()
+    return rows
 
 
 def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -55,7 +74,6 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
     model and layout from its args, the layers from the file's place, the loss scale."""
     a = vars(state["args"])
     check_args(a, path)
-    refuse_expert_bias(config_from_args(a), path)
     chunks = len(model_chunks(state))
     ep = a.get("expert_model_parallel_size") or 1
     _, p, _ = experts.file_place(path, a.get("pipeline_model_parallel_size") or 1, ep)
@@ -84,6 +102,10 @@ def _megatron_written(state: dict[str, Any], path: Path) -> dict[str, Any]:
         "half": isinstance(first, dict) and "fp32_from_fp16_params" in first,
         "optimizer_layout": "megatron",
         "opt_param_scheduler": state.get("opt_param_scheduler"),
+        # This stage's routers' alone: a load under another layout gathers the other stages'
+        # (megatron_expert_bias.gathered).
+        "expert_bias": file_expert_bias(model_chunks(state), rank_layers, config_from_args(a)),
+        PARTIAL_BIAS: True,
     }
 
 
@@ -96,7 +118,8 @@ def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(GPTConfig) if f.init}
     cfg = GPTConfig(**{k: v for k, v in extra["model_config"].items() if k in known})
     firsts = [ids[0] == 0 for ids in extra["layer_ids"]]
-    # Not parameters: the routers' expert bias comes whole from megart's record.
+    # Not parameters: the routers' expert bias comes from megart's record (every layer's) or,
+    # in Megatron-LM's own files, from the chunks' buffers (_megatron_written's rows).
     saved = [_without_expert_bias(sd) for sd in model_chunks(state)]
     model = [_chunk_from_megatron(sd, cfg, f) for sd, f in zip(saved, firsts, strict=True)]
     optimizer = state.get("optimizer")
@@ -150,6 +173,7 @@ def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
         "opt_param_scheduler": state.get("opt_param_scheduler"),
         "tokenizer": tokenizer_record.record(vars(state["args"])),  # as Megatron's args say
         "expert_bias": extra.get("expert_bias"),
+        PARTIAL_BIAS: bool(extra.get(PARTIAL_BIAS)),
     }
 
 
