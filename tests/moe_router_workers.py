@@ -11,6 +11,7 @@ from unittest import mock
 
 import torch
 
+import megatron_core_ckpt_workers as mckw
 import megatron_core_workers as mcw
 import moe_workers as mw
 import train_workers as tw
@@ -193,7 +194,7 @@ def legacy_file_in_megatron_core(directory: str) -> dict:
     theirs.load_state_dict(state["model"], strict=True)
     routers = [layer.mlp.router for layer in theirs.decoder.layers]
     same = all(torch.equal(r.expert_bias.float(), rows[i]) for i, r in enumerate(routers))
-    ours = mcw.checkpoint_gpt(directory)[0]
+    ours = mckw.checkpoint_gpt(directory)[0]
     moe_router.load_expert_bias([ours.chunk], rows)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
                            generator=torch.Generator().manual_seed(5))  # fmt: skip

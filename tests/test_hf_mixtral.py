@@ -14,7 +14,7 @@ import shlex
 import pytest
 import torch
 
-import megatron_core_workers as mcw
+import megatron_core_ckpt_workers as mckw
 import train_workers as tw
 from megart import ConfigError
 from megart.cli.main import main as megart_main
@@ -227,7 +227,7 @@ def imported_at_pp2(hf_dir, ckpt, capsys) -> list[str]:
     assert megart_main([*split_argv, "--target-tensor-parallel-size", "2"]) == 0
     capsys.readouterr()
     assert megart_main([*argv, "--target-pipeline-parallel-size", "2"]) == 0
-    split, staged = (mcw.checkpoint_gpt(str(d))[1] for d in (tp2, ckpt))
+    split, staged = (mckw.checkpoint_gpt(str(d))[1] for d in (tp2, ckpt))
     assert split.keys() == staged.keys() and any(".mlp.experts." in n for n in split)
     assert all(torch.equal(split[n], staged[n]) for n in split)
     flags = shlex.split(capsys.readouterr().out.split(f"or with --load {ckpt} ")[1])

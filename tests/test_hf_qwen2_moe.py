@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-import megatron_core_workers as mcw
+import megatron_core_ckpt_workers as mckw
 import moe_workers as mw
 import train_workers as tw
 from megart import ConfigError
@@ -184,7 +184,7 @@ def test_a_tp2_moe_checkpoint_exports_as_the_qwen2_moe_its_ranks_trained(tmp_pat
     out = export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
     written = json.loads((out / "config.json").read_text())
     assert (written["mlp_only_layers"], written["shared_expert_intermediate_size"]) == ([1, 2], 40)
-    ours, whole = mcw.checkpoint_gpt(str(tmp_path / "ckpt"))
+    ours, whole = mckw.checkpoint_gpt(str(tmp_path / "ckpt"))
     back = GPT.from_hf(str(out))
     for name, value in whole.items():
         got = back.get_parameter("chunk." + name).detach()

@@ -10,6 +10,7 @@ untied output layer, --use-rope-scaling, --rotary-seq-len-interpolation-factor, 
 
 import pytest
 
+import megatron_core_ckpt_workers as mckw
 import megatron_core_workers as mcw
 import train_workers as tw
 from megart.launcher import launch
@@ -95,7 +96,7 @@ def test_megart_checkpoints_convert_to_megatrons_legacy_format_and_back(tmp_path
     ckpt = tmp_path / "ckpt"
     launch(tw.train_kw, 2, {**llama, "train_iters": 1, "save": str(ckpt),
                        "tensor_model_parallel_size": 2}, timeout=300)  # fmt: skip
-    r = launch(mcw.legacy_checkpoint_roundtrip, 1, str(ckpt), str(tmp_path), timeout=300)[0]
+    r = launch(mckw.legacy_checkpoint_roundtrip, 1, str(ckpt), str(tmp_path), timeout=300)[0]
     assert r["logits"] < 1e-5 and r["iteration"] == 1
     assert r["same_weights"] and r["same_config"]
     # --load of the Megatron-LM checkpoint, under another layout, is --finetune of the original.

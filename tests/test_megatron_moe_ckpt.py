@@ -208,8 +208,8 @@ def test_megatron_core_loads_megarts_moe_legacy_files_with_its_logits(legacy, tm
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
     got = [g for g in launch(sweep_mcore_pp.stage_logits, 2, str(ckpt), tokens, timeout=300) if
            g is not None]  # fmt: skip
-    import megatron_core_workers as mcw
+    import megatron_core_ckpt_workers as mckw
 
-    want = launch(mcw.checkpoint_logits, 1, str(back), tokens, timeout=300)[0]
+    want = launch(mckw.checkpoint_logits, 1, str(back), tokens, timeout=300)[0]
     assert want.abs().max() > 0.1
     assert (got[0][..., : want.shape[-1]] - want).abs().max() < 1e-6

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import megatron_core_ckpt_workers as mckw
 import megatron_core_workers as mcw
 import megatron_dist_workers as mdw
 import megatron_optim_workers as mow
@@ -82,7 +83,7 @@ def test_megatron_core_loads_megarts_legacy_files_with_its_logits(tmp_path, name
     loads them strictly and computes megart's logits; converted back, the weights and config
     are megart's exactly."""
     _megart_checkpoint(_cfg(name), tmp_path / "megart")
-    r = launch(mcw.legacy_checkpoint_roundtrip, 1, str(tmp_path / "megart"), str(tmp_path),
+    r = launch(mckw.legacy_checkpoint_roundtrip, 1, str(tmp_path / "megart"), str(tmp_path),
                timeout=300)[0]  # fmt: skip
     assert r["logits"] < LOGITS and r["same_weights"] and r["same_config"]
 

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-import megatron_core_workers as mcw
+import megatron_core_ckpt_workers as mckw
 import train_workers as tw
 from megart import ConfigError
 from megart.cli.train import add_arguments, config_from_args
@@ -82,6 +82,6 @@ def test_megatron_core_loads_its_torch_format_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     launch(tw.train_kw, 2, dict(NEMOTRON, num_layers=2, train_iters=1, save=str(ckpt),
                                 tensor_model_parallel_size=2), timeout=300)  # fmt: skip
-    r = launch(mcw.legacy_checkpoint_roundtrip, 1, str(ckpt), str(tmp_path), timeout=300)[0]
+    r = launch(mckw.legacy_checkpoint_roundtrip, 1, str(ckpt), str(tmp_path), timeout=300)[0]
     assert r["logits"] < 1e-5 and r["iteration"] == 1
     assert r["same_weights"] and r["same_config"]

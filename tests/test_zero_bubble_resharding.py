@@ -68,7 +68,7 @@ def test_a_zb_v_checkpoint_converts_to_megatrons_placement(tmp_path):
     pytest.importorskip("megatron.core")
     import torch
 
-    import megatron_core_workers as mcw
+    import megatron_core_ckpt_workers as mckw
     import sweep_mcore_pp
     from megart.cli.main import main
 
@@ -77,7 +77,7 @@ def test_a_zb_v_checkpoint_converts_to_megatrons_placement(tmp_path):
     write = ["convert-checkpoint", "--from", "megart", "--to", "megatron", "--load", str(ckpt)]
     assert main([*write, "--save", str(out)]) == 0
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
-    want = launch(mcw.checkpoint_logits, 1, str(ckpt), tokens, timeout=300)[0]
+    want = launch(mckw.checkpoint_logits, 1, str(ckpt), tokens, timeout=300)[0]
     stages = launch(sweep_mcore_pp.stage_logits, 2, str(out), tokens, timeout=300)
     assert stages[0] is None  # the last stage is rank 1's second chunk
     got = stages[1][..., : want.shape[-1]]
