@@ -62,20 +62,22 @@ def _chained(model, kw: dict, args: dict):
     for experts in (False, True):
         mine = [g for g in groups if g["is_expert_parallel"] == experts]
         adamw = torch.optim.AdamW(mine, lr=config.lr)
+        # get_megatron_optimizer's groups and numbers (the one optimizer instance: id 0).
         if experts:
             buffers = ddp.expert_parallel_buffers
             group, gloo = (
                 ps.get_expert_data_parallel_group(),
                 ps.get_expert_data_parallel_group_gloo(),
             )
+            idx = ps.get_expert_tensor_model_pipeline_parallel_group().rank()
         else:
             buffers = ddp.buffers
             group = ps.get_data_parallel_group(with_context_parallel=True)
             gloo = ps.get_data_parallel_group_gloo(with_context_parallel=True)
+            idx = ps.get_model_parallel_group().rank()
         with mow._cuda_named():
             parts.append(DistributedOptimizer(adamw, config, None, None, [ddp], {0: buffers},
-                                              group, gloo, ps.get_model_parallel_group().rank(),
-                                              len(parts)))  # fmt: skip
+                                              group, gloo, idx, 0))  # fmt: skip
     return ddp, ChainedOptimizer(parts)
 
 

@@ -264,10 +264,10 @@ def model_config_of(common):
     return model_config({"model_config": common["megart"]["model_config"]})
 
 
-def assert_same_store(ours, theirs, objects: tuple[str, ...]) -> None:
+def assert_same_store(ours, theirs, objects: tuple[str, ...], groups=(GROUP0,)) -> None:
     """Two iteration directories' stores hold the same keys, global sizes and dtypes, except
     megart's random states (Megatron-LM's are CUDA streams: none from Megatron-Core's CPU
-    ranks), and the same group-0 ``objects``."""
+    ranks), and the same ``objects`` of each of ``groups`` (key prefixes; group 0's)."""
     meta = [
         pickle.loads((r / ".metadata").read_bytes()).state_dict_metadata for r in (ours, theirs)
     ]
@@ -277,9 +277,10 @@ def assert_same_store(ours, theirs, objects: tuple[str, ...]) -> None:
         if hasattr(info, "size"):
             assert (meta[0][key].size, meta[0][key].properties.dtype) == (
                 info.size, info.properties.dtype), key  # fmt: skip
-    for name in objects:
-        key = f"{GROUP0}{name}/shard_0_1"
-        assert read_object(ours, key) == read_object(theirs, key), name
+    for group in groups:
+        for name in objects:
+            key = f"{group}{name}/shard_0_1"
+            assert read_object(ours, key) == read_object(theirs, key), key
 
 
 def test_megart_writes_the_store_megatron_core_writes(runs, megatron):

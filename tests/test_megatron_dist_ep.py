@@ -6,15 +6,14 @@ the chain's two optimizers' groups; Megatron-Core loads it strictly holding mega
 moments bitwise with megart's logits; its own save of them resumes in megart at ep2, ep1 and ep4
 holding exactly what megart saved and on the one-process curve; megart's own store resumes at
 ep1, ep4 and ep2 x dp2. Mistakes in the writing (experts at local numbers, experts written only
-where the dense weights are) are caught. The distributed optimizer's state at EP > 1 stays
-refused by name, written and read."""
+where the dense weights are) are caught. The distributed optimizer's state at EP > 1:
+tests/test_megatron_dist_ep_distopt.py."""
 
 import pytest
 import torch
 
 import train_workers as tw
-from megart import ConfigError
-from megart.launcher import LaunchError, launch
+from megart.launcher import launch
 from megart.training.checkpoint import iteration_dir, model_config
 from megart.training.megatron_dist import read_common
 from test_moe_ep_megatron_ckpt import TRAIN
@@ -159,30 +158,3 @@ def test_mistakes_in_the_expert_slices_are_caught(tmp_path, nproc, mistake, said
     kw = dict(EP2, train_iters=2, save=str(tmp_path / "ckpt"))
     raised = launch(w.save_with_mistake, nproc, kw, mistake, timeout=300)
     assert re.search(said, raised[0]), raised
-
-
-def test_the_distributed_optimizers_state_at_ep2_is_refused_by_name():
-    config = tw.tiny(**dict(EP2, use_distributed_optimizer=True))
-    said = "--ckpt-format torch_dist and --use-distributed-optimizer: megart does not write"
-    with pytest.raises(ConfigError, match=said):
-        config.check(2)
-    tw.tiny(**EP2).check(2)  # without it: written
-
-
-def test_reading_the_distributed_optimizers_state_saved_at_ep2_is_refused_by_name(tmp_path):
-    """A distributed optimizer's store whose args say EP 2 (Megatron-LM's chain of two
-    DistributedOptimizers, the experts' buckets over the expert-data-parallel ranks): its
-    optimizer state is refused naming --no-load-optim, with which its weights load."""
-    store = tmp_path / "ckpt"
-    saving = dict(TRAIN, ckpt_format="torch_dist", use_distributed_optimizer=True)
-    trained = [r["trained"] for r in tw.holding(1, dict(saving, exit_interval=2, save=str(store)))]
-    path = iteration_dir(store, 2) / "common.pt"
-    common = torch.load(path, weights_only=False)
-    common["args"].expert_model_parallel_size = 2
-    torch.save(common, path)
-    run = dict(TRAIN, use_distributed_optimizer=True, load=str(store))
-    with pytest.raises(LaunchError, match="distributed optimizer saved with --expert-model-par"):
-        launch(tw.train_kw, 1, run, timeout=300)
-    resumed = tw.holding(1, dict(run, no_load_optim=True))
-    tw.assert_holds(trained, resumed, keys=("weights",))
-    assert resumed[0]["loaded"]["optimizer_states"] == 0  # a fresh optimizer

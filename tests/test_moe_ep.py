@@ -75,16 +75,6 @@ def test_the_grid_refuses_what_does_not_split(world, kw, ep, experts, message):
         (4, dict(expert_model_parallel_size=3), "must divide the data-parallel size 4"),
         (4, dict(TP2, expert_model_parallel_size=4), "must divide the data-parallel size 2 "),
         (6, dict(CP2, expert_model_parallel_size=4, global_batch_size=12), "size 2 = 6"),
-        (
-            2,
-            dict(ckpt_format="torch", use_distributed_optimizer=True),
-            "with --ckpt-format torch and --use-distributed-optimizer:",
-        ),  # fmt: skip
-        (
-            2,
-            dict(ckpt_format="torch_dist", use_distributed_optimizer=True),
-            "with --ckpt-format torch_dist and --use-distributed-optimizer:",
-        ),  # fmt: skip
     ],
 )
 def test_megart_train_refuses_what_this_slice_cannot_run(world, flags, message):

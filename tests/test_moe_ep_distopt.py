@@ -15,7 +15,6 @@ import pytest
 
 import moe_ep_workers as ew
 import train_workers as tw
-from megart import ConfigError
 from megart.launcher import launch
 from moe_ep_workers import TRAIN
 from train_workers import SAME_RUN
@@ -148,18 +147,11 @@ def test_the_logged_norm_and_zeros_count_each_expert_once(stats_one_process, nam
         assert [h["params_norm"] for h in run] != pytest.approx(norms, **SAME_RUN)
 
 
-@pytest.mark.parametrize(
-    "fmt,said", [("torch_dist", "torch_dist and --use-distributed-optimizer:")]
-)
-def test_megatron_checkpoint_formats_stay_refused(fmt, said):
-    """With the distributed optimizer (EP2's here): torch_dist's state is not written at EP > 1
-    (the legacy files are, distrib_optim.pt included: test_moe_ep_megatron_distopt; and
-    torch_dist without it: test_megatron_dist_ep)."""
-    config = tw.tiny(**dict(EP2, ckpt_format=fmt))
-    with pytest.raises(
-        ConfigError, match=f"--expert-model-parallel-size 2 with --ckpt-format {said}"
-    ):
-        config.check(2)
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_megatron_checkpoint_formats_pass_the_checks(fmt):
+    """With the distributed optimizer (EP2's here) both of Megatron-LM's formats are written at
+    EP > 1: test_moe_ep_megatron_distopt (legacy) and test_megatron_dist_ep_distopt."""
+    tw.tiny(**dict(EP2, ckpt_format=fmt)).check(2)
 
 
 def test_the_run_line_says_the_experts_state_is_sharded_over_their_ranks():

@@ -14,7 +14,6 @@ torch_dist with the distributed optimizer's state stays refused by name."""
 import pytest
 
 import train_workers as tw
-from megart import ConfigError
 from megart.launcher import launch
 from megart.training.megatron_files import torch_load
 from moe_ep_workers import TRAIN
@@ -71,25 +70,11 @@ def test_an_ep2_legacy_checkpoint_resumes_on_the_curve(saved, moe_one_process, n
     tw.assert_resumed_on_curve(moe_one_process, [resumed[0]], **SAME_RUN)
 
 
-@pytest.mark.parametrize(
-    "flags,message",
-    [
-        (
-            dict(ckpt_format="torch_dist", use_distributed_optimizer=True),
-            "torch_dist and --use-distributed-optimizer:",
-        ),
-    ],
-)
-def test_what_is_not_written_under_expert_parallelism_is_refused(flags, message):
-    config = tw.tiny(**dict(EP2, **flags))
-    said = f"--expert-model-parallel-size 2 with --ckpt-format {message}"
-    with pytest.raises(ConfigError, match=said):
-        config.check(2)
-
-
-def test_the_distributed_optimizers_legacy_files_are_written_under_expert_parallelism():
-    """Its chained distrib_optim.pt (tests/test_moe_ep_megatron_distopt.py) passes the checks."""
-    tw.tiny(**dict(EP2, use_distributed_optimizer=True)).check(2)
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_megatron_lms_formats_with_the_distributed_optimizer_pass_the_checks(fmt):
+    """Its chained distrib_optim.pt (tests/test_moe_ep_megatron_distopt.py) and torch_dist's
+    chain of two DistributedOptimizers' buckets (tests/test_megatron_dist_ep_distopt.py)."""
+    tw.tiny(**dict(EP2, ckpt_format=fmt, use_distributed_optimizer=True)).check(2)
 
 
 def test_megatron_core_at_ep2_loads_each_ranks_file_with_megarts_logits(saved):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -152,8 +153,9 @@ def load_store(root: Path, state: dict[str, Any], planner: Any = None) -> None:
 
 def has_optimizer_state(root: Path) -> bool:
     """Whether the store in ``root`` holds an optimizer's state (Megatron-LM's saves do;
-    convert-checkpoint's, weights alone, do not)."""
-    return any(key.startswith("optimizer.") for key in stored(root))
+    convert-checkpoint's, weights alone, do not; the distributed optimizer's under expert
+    parallelism are its chain's, ``chained_N.optimizer.``)."""
+    return any(re.match(r"(chained_\d+\.)?optimizer\.", key) for key in stored(root))
 
 
 def read(root: Path) -> dict[str, torch.Tensor]:

@@ -25,6 +25,10 @@ its ``step``), ``.grad_scaler`` under --fp16/--bf16 with a scaler, and ``.per_bu
 common.pt's ``optimizer`` is ``{"param_state_sharding_type": "dp_reshardable"}`` and its
 ``content_metadata`` says the same.
 
+Under expert parallelism the store holds Megatron-Core's chain of two such optimizers, the
+dense parameters' and the experts' (megart.training.megatron_dist_chain says how each is keyed,
+sharded and numbered); ``buffers`` and ``add_state`` then take one part of it.
+
 Because the tensors follow one tensor/pipeline layout's buffers, Megatron-LM reads them only
 into that layout (any data-parallel size). megart reads them into that layout directly and
 into any other through an index of where each element lies
@@ -45,6 +49,7 @@ from megart.errors import ConfigError
 from megart.models.gpt import chunk_layers
 from megart.models.megatron_names import megatron_layer_name
 from megart.training import dist_store
+from megart.training.expert_grads import is_expert
 from megart.training.megatron_args import saved_stages
 from megart.training.megatron_distrib_optim import BUCKET_ALIGN, dp_cp_size, dtype_key, layouts
 from megart.training.megatron_files import chunk_names_to_megatron, chunk_to_megatron
@@ -73,10 +78,17 @@ def bucket_key(prefix: str, gbuf: int, dtype: tuple[torch.dtype, torch.dtype], b
     return f"{prefix}gbuf_idx_{gbuf}.dtype_{dtype}.bucket_idx_{bucket}."
 
 
-def check_buckets(root: Path, prefix: str, expected: list[dict[Any, list[int]]]) -> None:
+def check_buckets(
+    root: Path, prefix: str, expected: list[dict[Any, list[int]]], meta: dict | None = None
+) -> None:
     """Refuses a store whose group ``prefix`` has other bucket lengths than this model laid
-    out as Megatron-Core does for the saved flags."""
+    out as Megatron-Core does for the saved flags (or, given its ``meta``, none)."""
     key = object_key(prefix, "per_bucket_numel_unpadded")
+    if meta is not None and key not in meta:
+        raise ConfigError(
+            f"{root}: the store holds no {key}; not Megatron's {SHARDING} layout of this "
+            "model's optimizers (saved with other parallel sizes?); resume with --no-load-optim"
+        )
     stored = read_object(root, key)
     if stored != expected:
         raise ConfigError(
@@ -134,10 +146,23 @@ def _megatron_name(name: str, chunk: Any) -> tuple[str, int | None]:
     return megatron, None
 
 
-def buffers(chunks: list[Any], args: dict[str, Any], pp_rank: int) -> Buffers:
+def buffers(chunks: list[Any], args: dict[str, Any], pp_rank: int, part: Any = None) -> Buffers:
     """Megatron-Core's buffers of this rank's model chunks for the run's flags ``args``
-    (Megatron's names: bucket sizes, precision, data-parallel size)."""
-    named = [list(chunk.named_parameters()) for chunk in chunks]
+    (Megatron's names: bucket sizes, precision, data-parallel size); with ``part`` of a
+    chain, of its parameters only (a chunk without any has no buffer), their bucket size from
+    all the rank's parameters (--ddp-num-buckets), sharded over the part's ranks."""
+    experts = None if part is None else part.experts
+    named = [
+        [(n, p) for n, p in chunk.named_parameters() if experts is None or is_expert(p) == experts]
+        for chunk in chunks
+    ]
+    total = None
+    if experts is not None:
+        total = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+        chunks, named = (
+            [c for c, n in zip(chunks, named, strict=True) if n],
+            [n for n in named if n],
+        )
     megatron_chunks = [
         chunk_to_megatron(
             {n: torch.empty(p.shape, device="meta") for n, p in params}, chunk.cfg,
@@ -145,10 +170,11 @@ def buffers(chunks: list[Any], args: dict[str, Any], pp_rank: int) -> Buffers:
         )
         for chunk, params in zip(chunks, named, strict=True)
     ]  # fmt: skip
+    shard = dp_cp_size(args) if part is None else part.shard
     spans: dict[int, Span] = {}
     per_buffer = []
     for g, (chunk, params, layout) in enumerate(
-        zip(chunks, named, layouts(megatron_chunks, args, pp_rank), strict=True)
+        zip(chunks, named, layouts(megatron_chunks, args, pp_rank, total, shard), strict=True)
     ):
         for name, p in params:
             megatron, half = _megatron_name(name, chunk)
@@ -156,20 +182,22 @@ def buffers(chunks: list[Any], args: dict[str, Any], pp_rank: int) -> Buffers:
             k, offset = layout.locate(layout.ranges[megatron][0] + (half or 0) * p.numel())
             spans[id(p)] = Span(g, k, offset, p.numel())
         per_buffer.append(layout.buckets)
-    return Buffers(per_buffer, dtype_key(args), spans, dp_cp_size(args))
+    return Buffers(per_buffer, dtype_key(args), spans, shard)
 
 
-def _owned(optimizer: Any, params: list[Any], dp_rank: int) -> list[tuple[Any, int, dict]]:
-    """(parameter, first element, {state: 1-D tensor}) of each slice this rank writes: the
-    distributed optimizer's pieces, or (the plain optimizer, data-parallel rank 0) whole
-    parameters."""
+def _owned(optimizer: Any, params: list[Any], rank: int) -> list[tuple[Any, int, dict]]:
+    """(parameter, first element, {state: 1-D tensor}) of each slice of ``params`` this rank
+    writes: the distributed optimizer's pieces, or (the plain optimizer, rank 0 of the ranks
+    sharing them) whole parameters."""
     if hasattr(optimizer, "pieces"):
+        mine = {id(p) for p in params}
         out = []
         for piece in optimizer.pieces:
-            state = optimizer.optimizer.state.get(piece.data, {})
-            out.append((piece.param, piece.start, {"param": piece.data, **state}))
+            if id(piece.param) in mine:
+                state = optimizer.optimizer.state.get(piece.data, {})
+                out.append((piece.param, piece.start, {"param": piece.data, **state}))
         return out
-    if dp_rank != 0:
+    if rank != 0:
         return []
     return [(p, 0, {"param": p.detach().reshape(-1), **optimizer.state.get(p, {})}) for p in params]
 
@@ -189,30 +217,31 @@ def add_state(
     state: dict[str, Any],
     chunks: list[Any],
     optimizer: Any,
-    grid: Any,
-    tp: int,
+    part: Any,
+    pp_rank: int,
     args: dict[str, Any],
     groups: list[dict[str, Any]],
     grad_scaler: dict[str, Any] | None,
 ) -> None:
-    """Adds to ``state`` (a rank's part of the store) this rank's slices of its group's
-    bucket tensors; data-parallel rank 0 adds the gaps between parameters (zeros) and the
-    group's objects. ``groups``: Megatron's param groups, each with its step."""
-    bufs = buffers(chunks, args, grid.pp_rank)
-    prefix = group_prefix(grid.tp_rank, grid.pp_rank, tp)
-    params = [p for chunk in chunks for p in chunk.parameters()]
+    """Adds to ``state`` (a rank's part of the store) this rank's slices of the bucket tensors
+    of its optimizer ``part`` (megart.training.megatron_dist_chain.Part); rank 0 of the
+    part's ranks adds the gaps between parameters (zeros) and the group's objects.
+    ``groups``: Megatron's param groups, each with its step."""
+    bufs = buffers(chunks, args, pp_rank, part)
+    prefix = part.prefix
+    params = [p for chunk in chunks for p in chunk.parameters() if id(p) in bufs.spans]
 
     def add(gbuf: int, bucket: int, name: str, at: int, data: torch.Tensor) -> None:
         key = bufs.key(prefix, gbuf, bucket, name)
         size = torch.Size([bufs.buckets[gbuf][bucket]])
         state.setdefault(key, dist_store.Slices(size)).add([at], data.detach().float())
 
-    for p, start, tensors in _owned(optimizer, params, grid.dp_cp_rank):
+    for p, start, tensors in _owned(optimizer, params, part.rank):
         span = bufs.spans[id(p)]
         for name in STATES:  # no moments before the first step: zeros, as a fresh Adam's
             data = tensors.get(name, torch.zeros_like(tensors["param"]))
             add(span.gbuf, span.bucket, name, span.start + start, data.reshape(-1))
-    if grid.dp_cp_rank != 0:
+    if part.rank != 0:
         return
     for gbuf, lengths in enumerate(bufs.buckets):
         for bucket, length in enumerate(lengths):
@@ -235,10 +264,19 @@ def add_state(
     state[object_key(prefix, "per_bucket_numel_unpadded")] = [bufs.numel(unpadded=True)]
 
 
+def sharding_of(common: dict[str, Any]) -> Any:
+    """The distributed optimizer's sharding type a store's common.pt records (under expert
+    parallelism each optimizer of the chain's, ``{0: dense, 1: experts}``, the same), or None
+    for the non-distributed optimizer's store."""
+    saved = common.get("optimizer")
+    if isinstance(saved, dict) and 0 in saved and 1 in saved:
+        saved = saved[0]
+    return saved.get("param_state_sharding_type") if isinstance(saved, dict) else None
+
+
 def is_distributed(common: dict[str, Any]) -> bool:
     """Whether a store's common.pt says its optimizer state is the distributed optimizer's."""
-    saved = common.get("optimizer")
-    return isinstance(saved, dict) and "param_state_sharding_type" in saved
+    return sharding_of(common) is not None
 
 
 def read_object(root: Path, key: str) -> Any:

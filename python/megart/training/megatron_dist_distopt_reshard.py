@@ -15,6 +15,7 @@ costs 12 bytes per parameter of the model while it loads.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,12 @@ from megart.errors import ConfigError
 from megart.models import GPT
 from megart.models.megatron_names import to_megatron
 from megart.training import dist_store
+from megart.training import megatron_dist_chain as chain
 from megart.training import megatron_dist_distopt as distopt
 from megart.training.megatron_args import saved_stages
-from megart.training.megatron_distrib_optim import dtype_key, layouts
+from megart.training.megatron_distrib_optim import dp_cp_size, dtype_key, layouts
 from megart.training.megatron_layout import OUTPUT, WORD, split
-from megart.training.megatron_optimizer import in_megatron_order
+from megart.training.megatron_optimizer import in_megatron_order, is_parameter
 from megart.training.shards import whole_name
 
 VOCAB = ("wte.weight", "output_layer.weight")
@@ -54,6 +56,46 @@ def _pad(ids: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([ids, extra]) if rows > ids.shape[0] else ids[:rows]
 
 
+# A Megatron-Core routed expert's tensor, its global number (the one-chunk model's names).
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def saved_ep(args: dict[str, Any], cfg: Any) -> int:
+    """The expert-parallel size a store was saved at (1 for a model without experts)."""
+    return int(args.get("expert_model_parallel_size") or 1) if cfg.num_experts else 1
+
+
+def _saved_parts(
+    chunks: list[dict[str, torch.Tensor]],
+    t: int,
+    s: int,
+    tp: int,
+    ep: int,
+    args: dict[str, Any],
+    num_experts: int,
+) -> list[tuple[str, list[dict[str, torch.Tensor]], int | None, int | None]]:
+    """(keys' prefix, its chunks, the rank's parameters' elements, the ranks it shards over) of
+    each DistributedOptimizer of the saved ranks at tensor rank ``t``, stage ``s``: one, or under
+    expert parallelism the chain's dense part and each expert-parallel rank's experts (Megatron-
+    Core leaves out a chunk without any from the experts' buffers)."""
+    if ep == 1:
+        return [(distopt.group_prefix(t, s, tp), chunks, None, None)]
+
+    def owner(name: str) -> int | None:
+        match = _EXPERT.search(name)
+        return None if match is None else int(match.group(1)) // (num_experts // ep)
+
+    dense = [{n: v for n, v in c.items() if owner(n) is None} for c in chunks]
+    out = [(chain.CHAIN[0] + distopt.group_prefix(t, s, tp), dense, None, None)]
+    dp_cp = dp_cp_size(args)
+    for e in range(ep):
+        mine = [{n: v for n, v in c.items() if owner(n) == e} for c in chunks]
+        total = sum(v.numel() for c in [*dense, *mine] for n, v in c.items() if is_parameter(n, v))
+        prefix = chain.expert_prefix(t, s, e, tp, ep)
+        out.append((prefix, [c for c in mine if c], total, dp_cp // ep))
+    return out
+
+
 class Index:
     """Where each numbered element lies in the store of the saved layout ``args``."""
 
@@ -70,21 +112,27 @@ class Index:
         self.buckets: dict[str, list] = {}  # group prefix -> per_bucket_numel_unpadded
         dtype = dtype_key(args)
         ranks = split(whole, cfg, tp, pp, vpp, **saved_stages(args))
-        for (t, s), chunks in ranks.items():
-            chunks = [
-                in_megatron_order({n: v for n, v in c.items() if v is not None}) for c in chunks
+        ep = saved_ep(args, cfg)
+        # The chain's first part (its param groups and step are the run's): read_groups's.
+        self.first = (chain.CHAIN[0] if ep > 1 else "") + distopt.group_prefix(0, 0, tp)
+        for (t, s), rank_chunks in ranks.items():
+            rank_chunks = [
+                in_megatron_order({n: v for n, v in c.items() if v is not None})
+                for c in rank_chunks
             ]
-            prefix = distopt.group_prefix(t, s, tp)
-            laid = layouts(chunks, args, s)
-            self.buckets[prefix] = [{dtype: list(layout.buckets)} for layout in laid]
-            for g, layout in enumerate(laid):
-                for name, (a, b) in layout.ranges.items():
-                    k, offset = layout.locate(a)
-                    self.keys.append(distopt.bucket_key(prefix, g, dtype, k))
-                    ids = chunks[g][name].reshape(-1)
-                    held = ids >= 0
-                    self.key[ids[held]] = len(self.keys) - 1
-                    self.offset[ids[held]] = offset + torch.arange(b - a)[held]
+            for prefix, chunks, total, shard in _saved_parts(
+                rank_chunks, t, s, tp, ep, args, cfg.num_experts
+            ):
+                laid = layouts(chunks, args, s, total, shard)
+                self.buckets[prefix] = [{dtype: list(layout.buckets)} for layout in laid]
+                for g, layout in enumerate(laid):
+                    for name, (a, b) in layout.ranges.items():
+                        k, offset = layout.locate(a)
+                        self.keys.append(distopt.bucket_key(prefix, g, dtype, k))
+                        ids = chunks[g][name].reshape(-1)
+                        held = ids >= 0
+                        self.key[ids[held]] = len(self.keys) - 1
+                        self.offset[ids[held]] = offset + torch.arange(b - a)[held]
 
     def runs(self, ids: torch.Tensor) -> list[tuple[str, int, int, int]]:
         """(bucket key prefix, offset, start, end) of each run of ``ids`` (a parameter's
@@ -128,7 +176,7 @@ def read_resharded(
 
     index = Index(chunks[0].cfg, args)
     for prefix, buckets in index.buckets.items():
-        distopt.check_buckets(root, prefix, buckets)
+        distopt.check_buckets(root, prefix, buckets, meta)
     wanted: dict[str, dist_store.Pieces] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     moments = []
@@ -156,6 +204,4 @@ def read_resharded(
     load_store(root, wanted, dist_store.PiecesPlanner())
     for to, source in copies:
         to.copy_(source)
-    return distopt.read_groups(
-        root, meta, distopt.group_prefix(0, 0, int(args["tensor_model_parallel_size"])), moments
-    )
+    return distopt.read_groups(root, meta, index.first, moments)

@@ -3,8 +3,9 @@ torch_dist``), as Megatron-LM's generate_state_dict writes it with the non-distr
 optimizer: the format, its keys, and each rank's writing of it (--load of such a store into
 any tensor/pipeline layout is megart.training.megatron_dist_train_load's). With
 --use-distributed-optimizer the optimizer's part is the distributed optimizer's instead
-(megart.training.megatron_dist_distopt: every data-parallel rank writes its slices), and the
-fp32 main weights are there, not under ``optimizer.state.fp32_param``.
+(megart.training.megatron_dist_distopt: every data-parallel rank writes its slices; under
+expert parallelism Megatron-Core's chain of two), and the fp32 main weights are there, not
+under ``optimizer.state.fp32_param``.
 
 The sharded store (each rank its own slices, megart.training.dist_store; places in
 megart.training.megatron_dist_places):
@@ -38,6 +39,7 @@ import torch
 
 from megart.tensor_parallel.random import GeneratorStates
 from megart.training import dist_store
+from megart.training import megatron_dist_chain as chain
 from megart.training import megatron_dist_distopt as distopt
 from megart.training.dtypes import half_dtype
 from megart.training.expert_grads import is_expert
@@ -108,9 +110,11 @@ def rank_state(
         keys = megatron_group_keys(config.lr, config.min_lr, config.decoupled_rates())
         groups = [{**k, **g, "step": step} for k, g in zip(keys, groups, strict=True)]
         args = vars(training_args(config, chunks[0].cfg, 0, grid.layout.dp))
-        distopt.add_state(
-            state, chunks, optimizer, grid, config.tp, args, groups, _scaler_state(config, scaler)
-        )
+        ep = getattr(config, "expert_model_parallel_size", 1)
+        for part in chain.parts(grid, config.tp, ep, args):  # EP > 1: the chain's two
+            mine = chain.part_groups(groups, optimizer, part.experts)
+            scaled = _scaler_state(config, scaler)
+            distopt.add_state(state, chunks, optimizer, part, grid.pp_rank, args, mine, scaled)
     # The weights are the same on every dp x cp rank: rank 0 of them writes the dense ones;
     # an expert's are the same on its expert-data-parallel ranks (Megatron-Core's replica ids
     # of SequentialMLP's tensors count over them): rank 0 of those writes it.
@@ -170,7 +174,9 @@ def common_state(
     args.consumed_train_samples = consumed
     common: dict[str, Any] = {}
     if config.use_distributed_optimizer:  # the rest is in the store (megatron_dist_distopt)
-        opt: dict[str, Any] = {"param_state_sharding_type": distopt.SHARDING}
+        opt: dict[Any, Any] = {"param_state_sharding_type": distopt.SHARDING}
+        if getattr(config, "expert_model_parallel_size", 1) > 1:  # the chain: each its own
+            opt = {0: opt, 1: dict(opt)}
         common["content_metadata"] = dict(distopt.CONTENT)
     elif getattr(config, "expert_model_parallel_size", 1) > 1:
         # Megatron-Core's ChainedOptimizer (the dense parameters', then the experts'): its

@@ -25,7 +25,7 @@ from megart.training import dist_store
 from megart.training import megatron_dist_distopt as distopt
 from megart.training.dist_store import Pieces, PiecesPlanner
 from megart.training.megatron_dist import load_store, stored
-from megart.training.megatron_dist_distopt_reshard import read_resharded
+from megart.training.megatron_dist_distopt_reshard import read_resharded, saved_ep
 from megart.training.megatron_dist_places import VOCAB_KEYS, Place, bias_places, places
 from megart.training.megatron_dist_train import FP32, MOMENTS, moment_key, rng_key
 from megart.training.megatron_files import from_grad_scaler
@@ -218,22 +218,16 @@ def _load_distributed(
     directory: Any,
 ) -> dict[str, Any] | None:
     """The distributed optimizer's store (megart.training.megatron_dist_distopt): the fp32
-    main weights and moments from this rank's group's buckets and the step from its objects,
-    into any layout. Returns the stored grad scaler state (None without one)."""
+    main weights and moments from this rank's group's buckets (under expert parallelism from
+    the chain's two optimizers' buckets) and the step from its objects, into any layout.
+    Returns the stored grad scaler state (None without one)."""
     check_scheduler(common.get("opt_param_scheduler") or {}, config, directory)
     args = vars(common["args"])
-    ep = args.get("expert_model_parallel_size") or 1
-    if ep > 1 and args.get("num_experts"):
-        raise ConfigError(
-            f"--load {directory}: a torch_dist store of the distributed optimizer saved with "
-            f"--expert-model-parallel-size {ep} (Megatron-Core's chain of the dense and the "
-            "experts' DistributedOptimizers, the experts' buckets sharded over the expert-data-"
-            "parallel ranks): megart does not read its optimizer state; add --no-load-optim "
-            "(its weights and iteration, a fresh optimizer) or --finetune"
-        )
-    distopt.check_sharding(root, common["optimizer"]["param_state_sharding_type"])
-    # Megatron-LM reads only the saved tensor/pipeline layout; megart reshards the rest.
-    read = distopt.read_state if distopt.same_layout(args, config) else read_resharded
+    distopt.check_sharding(root, distopt.sharding_of(common))
+    # Megatron-LM reads only the saved tensor/pipeline layout; megart reshards the rest, and
+    # reads a chain's store (expert parallelism) through the index at any layout.
+    direct = distopt.same_layout(args, config) and saved_ep(args, chunks[0].cfg) == 1
+    read = distopt.read_state if direct else read_resharded
     with torch.no_grad():
         moments, step, groups, grad_scaler = read(root, meta, args, grid, config.tp, chunks)
     _check_groups(groups, optimizer, directory)
