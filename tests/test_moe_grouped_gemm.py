@@ -3,7 +3,8 @@ projection over the tokens sorted by expert. The layer with it gives the outputs
 of the layer without it (SequentialMLP's loop); the grouped product agrees with a float64 loop
 of per-expert products, and that comparison catches rows given to the neighbouring expert and a
 transposed weight slice; the parameters, their names and state dict are the same either way,
-and a checkpoint saved with the flag resumes without it and the other way round; megart train
+and a checkpoint saved with the flag resumes without it and the other way round, in megart's
+format and Megatron's legacy and torch_dist ones (test_moe_grouped_ckpt: the files); megart train
 with the flag follows the curve without it in one process, under tp2 with sequence parallelism,
 under ep2 and ep2 with the distributed optimizer."""
 
@@ -208,11 +209,14 @@ def test_megart_train_with_the_flag_follows_the_curve_without_it(name):
         assert [h[key] for h in with_it] == pytest.approx(want, rel=1e-6, abs=0), key
 
 
+@pytest.mark.parametrize("fmt", ["megart", "torch", "torch_dist"])
 @pytest.mark.parametrize("saved_with", [True, False])
-def test_a_checkpoint_resumes_on_the_curve_with_the_flag_turned(tmp_path, saved_with):
+def test_a_checkpoint_resumes_on_the_curve_with_the_flag_turned(tmp_path, saved_with, fmt):
+    """In each format (Megatron's too: the flag writes SequentialMLP's files), holding
+    exactly the weights and moments saved."""
     save, run = (
-        dict(MODEL, moe_grouped_gemm=saved_with),
-        dict(MODEL, moe_grouped_gemm=not saved_with),
+        dict(MODEL, moe_grouped_gemm=saved_with, ckpt_format=fmt),
+        dict(MODEL, moe_grouped_gemm=not saved_with, ckpt_format=fmt),
     )
     trained, resumed = tw.saved_and_resumed(1, save, 1, run, tmp_path / "ckpt")
     tw.assert_holds(trained, resumed)

@@ -4,8 +4,9 @@ megart train with its flags as written there, MoE flags included (--moe-grouped-
 processes and its data and Llama 2 tokenizer replaced by --mock-data (--bf16 kept): at
 tp1 x pp2 x ep2 with the distributed optimizer, and at tp2 x ep2, it follows the one-process
 curve (loss, gradient norm, load-balancing loss); the dispatcher's two kinds and the kernel
-switches give that curve exactly; Megatron's checkpoint args record them; what megart cannot
-honour of them is refused by name."""
+switches give that curve exactly; Megatron's checkpoint args record them (the flag with
+Megatron's formats taken: its files are SequentialMLP's); what megart cannot honour of them is
+refused by name."""
 
 import pytest
 
@@ -164,19 +165,28 @@ def test_the_dispatchers_and_kernels_give_the_same_curve(tmp_path, one_process, 
             ["--moe-token-dispatcher-type", "flex"],
             "flex: Megatron-Core's flex dispatcher runs DeepEP's",
         ),
-        (
-            ["--moe-grouped-gemm", "--ckpt-format", "torch"],
-            "--moe-grouped-gemm with --ckpt-format torch: Megatron-LM's files of grouped experts",
-        ),
-        (["--moe-grouped-gemm", "--ckpt-format", "torch_dist"], "--ckpt-format torch_dist"),
     ],
 )
 def test_what_megart_cannot_honour_is_refused_by_name(tmp_path, argv, message):
-    cfg = parsed(
-        [*replaced(MIXTRAL, ONE_PROCESS), "--save", str(tmp_path), "--load", str(tmp_path), *argv]
-    )
     with pytest.raises(ConfigError, match=message):
-        check_config(cfg, 1)
+        check_config(with_paths(argv, tmp_path), 1)
+
+
+def with_paths(argv: list[str], directory: object) -> TrainConfig:
+    """The script's flags in one process with ``argv`` added, saving to and loading from
+    ``directory``."""
+    paths = ["--save", str(directory), "--load", str(directory)]
+    return parsed([*replaced(MIXTRAL, ONE_PROCESS), *paths, *argv])
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_the_flag_is_taken_with_megatrons_formats(tmp_path, fmt):
+    """--moe-grouped-gemm with --ckpt-format torch or torch_dist (the script's flag with
+    Megatron's formats): the files are SequentialMLP's, as without the flag
+    (test_moe_grouped_ckpt)."""
+    cfg = with_paths(["--ckpt-format", fmt], tmp_path)
+    assert cfg.moe_grouped_gemm and cfg.ckpt_format == fmt
+    check_config(cfg, 1)
 
 
 def test_the_llama2_tokenizer_is_refused_by_name():
@@ -187,9 +197,10 @@ def test_the_llama2_tokenizer_is_refused_by_name():
 
 def test_megatrons_checkpoint_records_the_dispatcher_and_kernels(tmp_path):
     """--ckpt-format torch's args hold the flags as Megatron-LM 0.16's do; its experts are
-    SequentialMLP's (moe_grouped_gemm False: --moe-grouped-gemm is refused with the format)."""
+    SequentialMLP's with --moe-grouped-gemm too (moe_grouped_gemm False: megart's grouped
+    experts write SequentialMLP's per-expert weights, as without the flag)."""
     argv = replaced(MIXTRAL, {**ONE_PROCESS, "--train-iters": "1", "--save-interval": "1"})
-    argv.remove("--moe-grouped-gemm")
+    assert "--moe-grouped-gemm" in argv
     argv += ["--ckpt-format", "torch", "--moe-permute-fusion", "--moe-router-fusion"]
     launch(train_flags, 1, argv, str(tmp_path), timeout=300, env=tw.ONE_THREAD)
     args = vars(torch_load(tmp_path / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")["args"])

@@ -9,7 +9,9 @@ each rank holds the router whole and 1/t of every expert, and saves the router's
 its slice of the sequence and the experts' for every gathered token at f/t: exact in fp32 (and
 under full recomputation the replay's peak too). And the CLI: --num-experts plans layouts megart
 train runs (t > 1 only with sequence parallelism, no zero-bubble schedule; context parallelism
-in tests/test_plan_moe_ep_tp.py) and refuses what it does not model."""
+in tests/test_plan_moe_ep_tp.py) and refuses what it does not model. --moe-grouped-gemm's experts
+save what the per-expert loop saves: the same exact bytes (in one process, at tp2, and at ep2 in
+tests/test_plan_moe_ep.py)."""
 
 from __future__ import annotations
 
@@ -115,6 +117,9 @@ CASES = [
         False,
     ),
     ("tp2 sp bf16 swiglu", 2, dict(TP2, bf16=True, swiglu=True, micro_batch_size=4), False),
+    # --moe-grouped-gemm (models.moe_grouped): the same saves as the per-expert loop.
+    ("grouped gemm gelu top2", 1, dict(MOE, moe_grouped_gemm=True, micro_batch_size=2), True),
+    ("tp2 sp grouped gemm swiglu", 2, dict(TP2, swiglu=True, moe_grouped_gemm=True), True),
 ]  # fmt: skip
 
 

@@ -67,6 +67,9 @@ CASES = [
     ("ep2 full uniform 2 all to rank 0", 2,
      dict(EP2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
      "first"),
+    # --moe-grouped-gemm: the local experts as one grouped product, the same saves.
+    ("ep2 grouped gemm swiglu all to rank 0", 2, dict(EP2, swiglu=True, moe_grouped_gemm=True),
+     "first"),
 ]  # fmt: skip
 
 

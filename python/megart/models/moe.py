@@ -266,9 +266,13 @@ class MoE(nn.Module):
             out = expert_parallel_mlp(tokens, probs, chosen, experts, self.ep_group, grouped)
         elif self.grouped:  # one grouped product per projection over the rows by expert
             rows = rows_by_expert(chosen)
+            counts = [len(r) for r in rows]
             order = torch.cat(rows)
-            scale = torch.cat([probs[r, e] for e, r in enumerate(rows)])
-            y = self._grouped(tokens[order], scale, [len(r) for r in rows])
+            # Each expert's rows as views of order: the weights' gathers keep order's storage,
+            # one row index per copy as the loop keeps (plan.moe_memory), not a second one.
+            parts = order.split(counts)
+            scale = torch.cat([probs[r, e] for e, r in enumerate(parts)])
+            y = self._grouped(tokens[order], scale, counts)
             out = tokens.new_zeros(tokens.shape, dtype=y.dtype).index_add(0, order, y)
         else:
             out = tokens.new_zeros(0)

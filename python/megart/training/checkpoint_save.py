@@ -43,6 +43,7 @@ from megart.training.ckpt_files import (
     optimizer_params,
     rank_dir,
 )
+from megart.training.compact_tensors import compact
 from megart.training.megatron_files import to_megatron_file
 from megart.training.megatron_scheduler import scheduler_state
 
@@ -104,10 +105,13 @@ def file_state(
 
 
 def write_file(path: Path, state: dict[str, Any]) -> None:
-    """Writes one rank's file; a crash mid-write leaves no partial file under its name."""
+    """Writes one rank's file; a crash mid-write leaves no partial file under its name. Each
+    tensor is written over its own bytes (compact_tensors: the experts' weights under
+    --moe-grouped-gemm are views of one stack), so the file is the one separate parameters
+    give."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
+    torch.save(compact(state), tmp)
     os.replace(tmp, path)
     checksum.write(path)
 

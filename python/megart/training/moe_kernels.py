@@ -19,13 +19,15 @@ computes what Megatron-Core computes with it.
   the same with it (models.moe_grouped: each projection's weights of a layer's local experts
   packed into one stack, the tokens sorted by expert, torch._grouped_mm or, where torch does
   not compute it, a loop over the stack's slices), with the outputs and gradients of its
-  per-expert loop. The experts keep their per-expert parameters and names, so megart's own
-  checkpoints are the same with the flag or without. Megatron-LM's checkpoints of grouped
-  experts hold other names and layouts (GroupedMLP's weight1/weight2, TEGroupedMLP's
-  linear_fc1.weight0...), and Megatron-Core's grouped experts need the grouped_gemm package or
-  Transformer Engine, so megart cannot check such files against Megatron-Core's own model
-  here: with --moe-grouped-gemm, --ckpt-format torch and torch_dist are refused (Megatron-LM
-  would write grouped files under the flag, not the per-expert ones megart writes).
+  per-expert loop. The experts keep their per-expert parameters and names, so every
+  checkpoint format writes the files it writes without the flag (each expert's weight over
+  its own bytes: training.compact_tensors), --ckpt-format torch and torch_dist included:
+  Megatron-Core's SequentialMLP files (their args record moe_grouped_gemm False), which its
+  own MoE model loads strictly (tests/test_moe_grouped_ckpt.py), and a run resumes with the
+  flag turned either way. Megatron-LM's files of grouped experts (GroupedMLP's
+  weight1/weight2, TEGroupedMLP's linear_fc1.weight0...) are not written, and are refused
+  where read (megatron_args.MOE_UNBUILT): Megatron-Core's grouped experts need the
+  grouped_gemm package or Transformer Engine, so megart cannot check such files here.
 """
 
 from __future__ import annotations
@@ -49,13 +51,4 @@ def check_moe_kernels(cfg: Any) -> None:
     if kind not in DISPATCHERS:
         raise ConfigError(
             f"--moe-token-dispatcher-type {kind!r}: give one of {', '.join(DISPATCHERS)}"
-        )
-    if cfg.moe_grouped_gemm and cfg.ckpt_format != "megart":
-        raise ConfigError(
-            f"--moe-grouped-gemm with --ckpt-format {cfg.ckpt_format}: Megatron-LM's files of "
-            "grouped experts (GroupedMLP's weight1/weight2, TEGroupedMLP's linear_fc1.weightN) "
-            "are not written or read by megart, which cannot check them against "
-            "Megatron-Core's grouped experts (they need the grouped_gemm package or "
-            "Transformer Engine); use --ckpt-format megart (the default), or leave out "
-            "--moe-grouped-gemm for Megatron's per-expert (SequentialMLP) files"
         )
