@@ -132,6 +132,9 @@ MODELLED = (
     "moe_router_num_groups",
     "moe_router_group_topk",
     "moe_router_load_balancing_type",
+    # Grouped experts cast their weights' stack for each product and keep no 16-bit copy
+    # (models.moe_grouped): fewer autocast copies; the same saves, products and time.
+    "moe_grouped_gemm",
     *TOKENIZER,
 )
 
@@ -202,7 +205,7 @@ NO_EFFECT = (
     "moe_router_topk_scaling_factor",
     # MoE dispatch and kernel choices: megart's layer runs the same way under each
     # (training.moe_kernels).
-    "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion",
+    "moe_token_dispatcher_type", "moe_permute_fusion", "moe_router_fusion",
     "moe_router_bias_update_rate",  # the expert bias's step, a number (no work)
     "distributed_backend",
     # data

@@ -10,7 +10,7 @@ from megart.plan import documents as docs
 from megart.plan import window_memory as windows
 from megart.plan.holding import Held
 from megart.plan.layout import Layout
-from megart.plan.parameters import FP32, state_bytes
+from megart.plan.parameters import FP32, expert_elements, state_bytes
 from megart.plan.recompute_memory import dropped_norms_rise, full_recompute_bytes
 from megart.training.config import TrainConfig
 
@@ -132,6 +132,9 @@ def rank_memory(
         layout.kind == "zb-v", half, layout.first, layout.last, *ddp, ep=layout.ep,
     )  # fmt: skip
     params = state.parameters // FP32
+    if c.moe_grouped_gemm and cfg.num_experts:  # no autocast copies of grouped experts
+        where = (cfg, t, p, pp_rank, v, layout.kind == "zb-v", layout.first, layout.last)
+        params -= expert_elements(*where, ep=layout.ep)
     autocast = params * prec.other if prec.other < 4 and not (half or megatron) else 0
     optimizer = float(state.optimizer)
     if megatron:  # + fp32 main weights: 12 bytes per stepped element instead of 8

@@ -116,6 +116,23 @@ def chunk_tensors(
     return out
 
 
+def expert_elements(
+    cfg: GPTConfig,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    chunks: int,
+    v_shape: bool = False,
+    first: int | None = None,
+    last: int | None = None,
+    ep: int = 1,
+) -> int:
+    """The elements of the routed experts' weights pipeline rank ``pp_rank`` holds (its E/ep
+    of each of its MoE layers', split over ``tp``)."""
+    where = (cfg, tp, pp, pp_rank, chunks, v_shape, first, last, ep)
+    return sum(sum(c.tensors) for c in chunk_tensors(*where, experts=True))
+
+
 def _shared_tensors(cfg: GPTConfig, layer: int) -> int:
     """How many of layer ``layer``'s tensors are its shared experts' (one MLP, no biases, and
     their gate's weight)."""
