@@ -127,8 +127,18 @@ def config(*argv: str):
         (["--use-dist-ckpt", "--dist-ckpt-format", "torch_dist"], []),
         (["--ckpt-fully-parallel-save", "--disable-msc"], []),
         (["--openai-gelu"], []),  # megart's GeLU is already the tanh form
+        (
+            ["--num-experts", "4", "--moe-layer-recompute"],
+            ["--num-experts", "4", "--recompute-granularity", "selective",
+             "--recompute-modules", "core_attn", "moe"],
+        ),
+        (
+            ["--num-experts", "4", "--moe-layer-recompute", "--recompute-modules", "mlp"],
+            ["--num-experts", "4", "--recompute-granularity", "selective",
+             "--recompute-modules", "mlp", "moe"],
+        ),
     ],
-)
+)  # fmt: skip
 def test_an_alias_gives_its_megart_spellings_config(alias, canonical):
     assert config(*alias) == config(*canonical)
     assert config(*alias) != config() or not canonical  # the alias did something
@@ -153,6 +163,10 @@ def test_disable_is_megatrons_other_spelling_of_no():
         (["--exit-signal", "SIGINT"], "--exit-signal SIGINT: megart's"),
         (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: megart has"),
         (["--dataloader-type", "single"], "add --data-order megatron"),
+        (
+            ["--moe-layer-recompute", "--recompute-granularity", "full"],
+            "--moe-layer-recompute with --recompute-granularity full",
+        ),
     ],
 )
 def test_what_an_alias_cannot_mean_here_is_refused(argv, says):

@@ -13,6 +13,9 @@ otherwise ignore it.
   megatron gives (cyclic and external it has not).
 - --use-dist-ckpt, --dist-ckpt-format, --ckpt-fully-parallel-save, --disable-msc: deprecated in
   Megatron-LM, where they have no effect (it says so when given); nor here.
+- --moe-layer-recompute: deprecated in Megatron-LM for --recompute-granularity selective with
+  "moe" added to --recompute-modules (core_attn where none are given), as Megatron-Core's
+  config turns it; refused with --recompute-granularity full, as there.
 - --openai-gelu: OpenAI's GeLU, the tanh approximation, which megart's GeLU always is (fused or
   not); Megatron-LM keeps the flag "for backward compatibility" and no longer reads it (its
   fused bias-GeLU is the tanh form, its unfused MLP F.gelu's exact erf form).
@@ -71,6 +74,13 @@ def add_alias_arguments(p: argparse.ArgumentParser) -> None:
         help="single only, with --data-order megatron, whose samples are Megatron-LM's single "
         "sampler's (its default); cyclic and external are refused",
     )
+    p.add_argument(
+        "--moe-layer-recompute",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="Megatron-LM's deprecated spelling of --recompute-granularity selective with moe "
+        "added to --recompute-modules (default core_attn)",
+    )
     for flag, (nargs, meaning) in DEPRECATED_NO_OPS.items():
         dest = "deprecated_" + flag[2:].replace("-", "_")
         if nargs:
@@ -94,6 +104,16 @@ def apply_aliases(args: argparse.Namespace, given: dict[str, Any]) -> None:
                 "switch means --position-embedding-type rope; give one of them"
             )
         given["position_embedding_type"] = "rope"
+    if hasattr(args, "moe_layer_recompute"):
+        if given.get("recompute_granularity") == "full":
+            raise ConfigError(
+                "--moe-layer-recompute with --recompute-granularity full: the flag means "
+                "selective recomputation of the MoE layers (as Megatron-LM refuses it); give "
+                "one of them"
+            )
+        modules = list(given.get("recompute_modules") or ["core_attn"])  # Megatron's default
+        given["recompute_granularity"] = "selective"
+        given["recompute_modules"] = modules + ["moe"] * ("moe" not in modules)
     signal = getattr(args, "exit_signal", "SIGTERM")
     if signal != "SIGTERM":
         raise ConfigError(

@@ -101,8 +101,6 @@ REFUSED: dict[str, str] = {
     "groups microbatches by the pipeline size, as Megatron's default; " + _LEAVE,
     "--distribute-saved-activations": "megart does not distribute recomputed layers' inputs "
     "over tensor-parallel ranks; " + _LEAVE,
-    "--moe-layer-recompute": "megart does not recompute MoE layers alone yet "
-    "(--recompute-granularity full recomputes them); " + _LEAVE,
     "--no-align-grad-reduce": "megart's gradient reduction has no such option; " + _LEAVE,
     "--disable-align-grad-reduce": "megart's gradient reduction has no such option; " + _LEAVE,
     "--no-align-param-gather": "megart's parameter gather has no such option; " + _LEAVE,
