@@ -35,14 +35,16 @@ def _check_stages_hold_experts(cfg: Any) -> None:
     all ranks, so that rank's experts' optimizer has one empty group, which megart's files leave
     out (Megatron-Core's load then refuses them: KeyError on the group), and without
     Transformer Engine or Apex its state_dict() cannot take that optimizer's step."""
-    from megart.training.layer_placement import every_rank_layers
+    from megart.models.gpt import chunk_layers
 
     if not (cfg.use_distributed_optimizer and cfg.ckpt_format in ("torch", "torch_dist")):
         return
     if cfg.save is None:
         return
     model = cfg.gpt_config()
-    for rank, chunks in enumerate(every_rank_layers(cfg)):
+    v_shape = cfg.schedule == "zb-v"  # layer_placement.placement's (which imports this module)
+    for rank in range(cfg.pp):
+        chunks = chunk_layers(cfg.num_layers, rank, cfg.pp, cfg.chunks, v_shape, **cfg.stages)
         if not any(model.is_moe_layer(layer) for layers in chunks for layer in layers):
             raise ConfigError(
                 f"--ckpt-format {cfg.ckpt_format} --use-distributed-optimizer at "
