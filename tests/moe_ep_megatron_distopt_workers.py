@@ -81,6 +81,22 @@ def _chained(model, kw: dict, args: dict):
     return ddp, ChainedOptimizer(parts)
 
 
+def _compared(optimizer, ddp, want: dict) -> dict:
+    """Per parameter the chain's optimizers hold a piece of: its range, the parameter's size
+    and whether the piece's fp32 main copy and moments are ``want``'s bitwise."""
+    import megatron_distopt_workers as mdw
+
+    pieces = {}
+    for part in optimizer.chained_optimizers:
+        for (_, name), (r, held, numel) in mdw.held_pieces(part, [ddp]).items():
+            same = {
+                key: torch.equal(held[key], want[name][key].reshape(-1)[r.start : r.end])
+                for key in ("param", "exp_avg", "exp_avg_sq")
+            }
+            pieces[name] = dict(range=(r.start, r.end), numel=numel, same=same)
+    return pieces
+
+
 def load_and_write(kw: dict, stores: list[str], ref_dir: str, out_dir: str) -> list[dict]:
     """On each rank, for each checkpoint in ``stores`` (iteration 2): Megatron-Core's model
     loads its rank folder's model strictly, its chained optimizer the file's optimizer list
@@ -99,19 +115,23 @@ def load_and_write(kw: dict, stores: list[str], ref_dir: str, out_dir: str) -> l
     from megart.training.megatron_args import config_from_args
     from moe_ep_tp_workers import _no_cuda_streams
 
+    tp = kw.get("tensor_model_parallel_size", 1)
+    pp = kw.get("pipeline_model_parallel_size", 1)
     torch.distributed.init_process_group("gloo")
-    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=EP)
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=EP)
     mcw.on_cpu_only()
     _no_cuda_streams()
     e = ps.get_expert_model_parallel_rank()
-    here = Path("iter_0000002") / f"mp_rank_00_{e:03d}"
+    t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    folder = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + f"_{e:03d}"
+    here = Path("iter_0000002") / folder
     want = _expected(Path(ref_dir) / here / FILE, e)
     results = []
     try:
         for n, store in enumerate(stores):
             state = torch.load(Path(store) / here / FILE, weights_only=False)
             args = vars(state["args"])
-            model = mcw.megatron_model(config_from_args(args), ep=EP).float()
+            model = mcw.megatron_model(config_from_args(args), tp, pp, ep=EP).float()
             model.load_state_dict(state["model"], strict=True)
             ddp, optimizer = _chained(model, kw, args)
             try:
@@ -119,27 +139,41 @@ def load_and_write(kw: dict, stores: list[str], ref_dir: str, out_dir: str) -> l
                 with torch.no_grad(), mdw._step_kept():
                     optimizer.load_parameter_state(str(Path(store) / here / DISTRIB))
             except Exception as error:  # noqa: BLE001 - the test reads which mistake raised what
-                results.append(dict(error=f"{type(error).__name__}: {error}"))
-                continue
-            pieces = {}
-            for part in optimizer.chained_optimizers:
-                for (_, name), (r, held, numel) in mdw.held_pieces(part, [ddp]).items():
-                    same = {
-                        key: torch.equal(held[key], want[name][key].reshape(-1)[r.start : r.end])
-                        for key in ("param", "exp_avg", "exp_avg_sq")
-                    }
-                    pieces[name] = dict(range=(r.start, r.end), numel=numel, same=same)
-            results.append(dict(pieces=pieces, rank=e))
-            if n == 0:
-                written = state["args"]
+                results.append(dict(error=f"{type(error).__name__}: {error}", stage=p))
+            else:
+                results.append(dict(pieces=_compared(optimizer, ddp, want), rank=e, stage=p))
+            if n == 0:  # every rank meets the barriers: one stage's error is the test's to read
+                loaded = "error" not in results[-1]
                 dp0 = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-                if dp0 or ps.get_expert_data_parallel_rank() == 0:
-                    mow._write(out_dir, f"mp_rank_00_{e:03d}/{FILE}", written, model, optimizer,
+                if loaded and (dp0 or ps.get_expert_data_parallel_rank() == 0):
+                    mow._write(out_dir, f"{folder}/{FILE}", state["args"], model, optimizer,
                                tw.tiny(**kw))  # fmt: skip
                 torch.distributed.barrier()
-                optimizer.save_parameter_state(str(Path(out_dir) / here / DISTRIB))
+                if loaded:
+                    optimizer.save_parameter_state(str(Path(out_dir) / here / DISTRIB))
                 torch.distributed.barrier()
     finally:
         ps.destroy_model_parallel()
         torch.distributed.destroy_process_group()
     return results
+
+
+def assert_same_vectors(ours: Path, theirs: Path) -> None:
+    """Two distrib_optim.pt files of the chain (or of one optimizer) hold the same buffers'
+    vectors bitwise, None where the other's is None."""
+    from megart.training.megatron_files import torch_load
+
+    mine, its = torch_load(ours), torch_load(theirs)
+    assert isinstance(mine, list) == isinstance(its, list), (ours, theirs)
+    pairs = zip(mine, its, strict=True) if isinstance(mine, list) else [(mine, its)]
+    for a, b in pairs:
+        assert (a is None) == (b is None), (ours, theirs)
+        if a is None:
+            continue
+        assert sorted(a, key=str) == sorted(b, key=str)
+        for buffer in (k for k in a if isinstance(k, int)):
+            (key,) = a[buffer]
+            assert list(b[buffer]) == [key]
+            for name, value in a[buffer][key].items():
+                other = b[buffer][key][name]
+                assert torch.equal(value, other) if torch.is_tensor(value) else value == other

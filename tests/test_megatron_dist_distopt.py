@@ -264,14 +264,17 @@ def model_config_of(common):
     return model_config({"model_config": common["megart"]["model_config"]})
 
 
-def assert_same_store(ours, theirs, objects: tuple[str, ...], groups=(GROUP0,)) -> None:
+def assert_same_store(
+    ours, theirs, objects: tuple[str, ...], groups=(GROUP0,), pp: int = 1
+) -> None:
     """Two iteration directories' stores hold the same keys, global sizes and dtypes, except
     megart's random states (Megatron-LM's are CUDA streams: none from Megatron-Core's CPU
-    ranks), and the same ``objects`` of each of ``groups`` (key prefixes; group 0's)."""
+    ranks; one per stage of ``pp``), and the same ``objects`` of each of ``groups`` (key
+    prefixes; group 0's)."""
     meta = [
         pickle.loads((r / ".metadata").read_bytes()).state_dict_metadata for r in (ours, theirs)
     ]
-    assert set(meta[0]) - set(meta[1]) == {"rng_state/shard_0.0_1.1"}
+    assert set(meta[0]) - set(meta[1]) == {f"rng_state/shard_{p}.0_{pp}.1" for p in range(pp)}
     assert set(meta[1]) <= set(meta[0])
     for key, info in meta[1].items():
         if hasattr(info, "size"):

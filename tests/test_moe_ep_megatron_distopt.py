@@ -120,19 +120,7 @@ def test_megatron_cores_chain_holds_megarts_state_bitwise(runs):
 
 def test_megatron_core_writes_megarts_files_vectors_bitwise(runs):
     for folder in FOLDERS:
-        ours = torch_load(runs["ours"] / ITER / folder / mw.DISTRIB)
-        theirs = torch_load(runs["theirs"] / ITER / folder / mw.DISTRIB)
-        assert [v is None for v in ours] == [v is None for v in theirs]
-        for mine, its in zip(ours, theirs, strict=True):
-            if mine is None:
-                continue
-            assert sorted(mine, key=str) == sorted(its, key=str)
-            for buffer in (k for k in mine if isinstance(k, int)):
-                (key,) = mine[buffer]
-                assert list(its[buffer]) == [key]
-                for name, value in mine[buffer][key].items():
-                    other = its[buffer][key][name]
-                    assert torch.equal(value, other) if torch.is_tensor(value) else value == other
+        mw.assert_same_vectors(*(runs[w] / ITER / folder / mw.DISTRIB for w in ("ours", "theirs")))
 
 
 def test_the_mistakes_are_caught(runs):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megart.errors import ConfigError
 from megart.parallel.experts import check_expert_parallel
 from megart.parallel.layout import make_layout
 
@@ -25,3 +26,30 @@ def check_expert_flags(cfg: Any, dp: int) -> None:
     # Megatron-LM's formats are written with or without the distributed optimizer: --ckpt-format
     # torch's chained distrib_optim.pt (training.megatron_expert_distopt), torch_dist's chain
     # of two DistributedOptimizers' buckets (training.megatron_dist_distopt).
+    _check_stages_hold_experts(cfg)
+
+
+def _check_stages_hold_experts(cfg: Any) -> None:
+    """Refuses Megatron-LM's formats of the distributed optimizer where a pipeline rank holds
+    no MoE layer (--moe-layer-freq): Megatron-Core 0.16.1 gives every rank the param groups of
+    all ranks, so that rank's experts' optimizer has one empty group, which megart's files leave
+    out (Megatron-Core's load then refuses them: KeyError on the group), and without
+    Transformer Engine or Apex its state_dict() cannot take that optimizer's step."""
+    from megart.models.gpt import chunk_layers
+
+    if not (cfg.use_distributed_optimizer and cfg.ckpt_format in ("torch", "torch_dist")):
+        return
+    if cfg.save is None:
+        return
+    model = cfg.gpt_config()
+    v_shape = cfg.schedule == "zb-v"  # layer_placement.placement's (which imports this module)
+    for rank in range(cfg.pp):
+        chunks = chunk_layers(cfg.num_layers, rank, cfg.pp, cfg.chunks, v_shape, **cfg.stages)
+        if not any(model.is_moe_layer(layer) for layers in chunks for layer in layers):
+            raise ConfigError(
+                f"--ckpt-format {cfg.ckpt_format} --use-distributed-optimizer at "
+                f"--expert-model-parallel-size {cfg.expert_model_parallel_size}: pipeline rank "
+                f"{rank} holds no MoE layer (--moe-layer-freq), whose empty experts' optimizer "
+                "megart does not write as Megatron-Core's; save with --ckpt-format megart, or "
+                "place a MoE layer on every pipeline rank"
+            )
