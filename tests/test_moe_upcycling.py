@@ -20,9 +20,13 @@ CASES = {
     "g1-gelu": dict(BASE, granularity=1),
     "g1-swiglu": dict(BASE, activation="swiglu", granularity=1),
     "g2-swiglu": dict(BASE, activation="swiglu", moe_ffn_hidden_size=16, granularity=2),
-    "g2-squared-relu-pre-softmax": dict(BASE, activation="squared_relu",
-                                        moe_router_pre_softmax=True, moe_ffn_hidden_size=16,
-                                        granularity=2),  # fmt: skip
+    "g2-squared-relu-pre-softmax": dict(
+        BASE,
+        activation="squared_relu",
+        moe_router_pre_softmax=True,
+        moe_ffn_hidden_size=16,
+        granularity=2,
+    ),  # fmt: skip
     "g4-8-experts": dict(BASE, num_experts=8, moe_ffn_hidden_size=8, granularity=4),
 }
 
@@ -58,8 +62,9 @@ def test_the_upcycled_logits_are_the_dense_ones_where_megatron_makes_them_equal(
     cases = {
         "g1-gelu": CASES["g1-gelu"],
         "g1-swiglu": CASES["g1-swiglu"],
-        "g2-squared-relu": dict(BASE, activation="squared_relu", moe_ffn_hidden_size=16,
-                                granularity=2),  # fmt: skip
+        "g2-squared-relu": dict(
+            BASE, activation="squared_relu", moe_ffn_hidden_size=16, granularity=2
+        ),  # fmt: skip
         "g1-pre-softmax": dict(BASE, moe_router_pre_softmax=True, granularity=1),
         "g2-gelu": dict(BASE, moe_ffn_hidden_size=32, granularity=2),
     }
@@ -134,8 +139,10 @@ def test_an_upcycled_run_is_on_the_one_process_curve(dense, one_process, tmp_pat
 
 
 def test_an_upcycled_run_from_the_wrong_layers_is_off_the_dense_loss(dense, tmp_path):
+    """Ten times the tolerance the right run meets (its barely trained layers differ little:
+    the mistake moved the loss by 7e-4 relative)."""
     history = upcycle(dense, tmp_path, 1, mistake="experts-of-layer-0")[0]
-    assert history[0]["loss"] != pytest.approx(dense[1][1], rel=1e-3)
+    assert history[0]["loss"] != pytest.approx(dense[1][1], rel=1e-4)
 
 
 def test_the_upcycled_model_is_saved_as_iteration_1_without_optimizer(one_process):
@@ -156,12 +163,18 @@ def test_the_upcycled_model_is_saved_as_iteration_1_without_optimizer(one_proces
         (dict(moe_use_upcycling=True, load="x", save="y"), "--num-experts"),
         (dict(MOE, moe_use_upcycling=True, load="x"), "--save"),
         (dict(MOE, moe_use_upcycling=True, save="y"), "--load"),
-        (dict(MOE, moe_use_upcycling=True, load="x", save="y", moe_grouped_gemm=True),
-         "--moe-grouped-gemm"),  # fmt: skip
-        (dict(MOE, moe_use_upcycling=True, load="x", save="y", moe_layer_freq="2"),
-         "--moe-layer-freq"),  # fmt: skip
-        (dict(MOE, moe_use_upcycling=True, load="x", save="y", moe_upcycling_granularity=3),
-         "--moe-ffn-hidden-size"),  # fmt: skip
+        (
+            dict(MOE, moe_use_upcycling=True, load="x", save="y", moe_grouped_gemm=True),
+            "--moe-grouped-gemm",
+        ),  # fmt: skip
+        (
+            dict(MOE, moe_use_upcycling=True, load="x", save="y", moe_layer_freq="2"),
+            "--moe-layer-freq",
+        ),  # fmt: skip
+        (
+            dict(MOE, moe_use_upcycling=True, load="x", save="y", moe_upcycling_granularity=3),
+            "--moe-ffn-hidden-size",
+        ),  # fmt: skip
     ],
 )
 def test_what_upcycling_cannot_do_is_refused_by_name(flags, names):

@@ -26,9 +26,8 @@ def mistaken(mistake: str | None):
         return
 
     def blocked(dense, router, rule, real=upcycling.upcycled_layer):  # noqa: ANN001, ANN202
-        out = real(dense, router, rule)
-        per = rule.num_experts // rule.granularity
-        ordered = real(dense, router, rule)  # expert e -> the slice expert (e // per) holds
+        ordered = real(dense, router, rule)  # expert e < G holds slice e
+        out, per = dict(ordered), rule.num_experts // rule.granularity
         for e in range(rule.num_experts):
             for k in list(out):
                 if k.startswith(f"experts.{e}."):
@@ -48,6 +47,18 @@ def mistaken(mistake: str | None):
         yield
 
 
+def configs(case: dict[str, Any]) -> tuple:
+    """(the MoE GPTConfig, the dense one) of a case: GPTConfig's fields of the MoE model and
+    ``granularity`` (the dense MLP that many times the experts' width, as Megatron builds it)."""
+    from megart.models import GPTConfig
+
+    kw = dict(case)
+    g = kw.pop("granularity")
+    moe_cfg = GPTConfig(**kw)
+    dense_kw = {k: v for k, v in kw.items() if not k.startswith("moe_") and k != "num_experts"}
+    return moe_cfg, GPTConfig(**dict(dense_kw, ffn_hidden_size=moe_cfg.moe_ffn_size * g))
+
+
 def _named_gelu(x: torch.Tensor) -> torch.Tensor:
     """megart's (GPT-2's tanh) GeLU under the name Megatron-Core's upcycling_utils reads."""
     import megatron_core_workers as mw
@@ -64,19 +75,16 @@ def against_megatron(cases: dict[str, dict], mistake: str | None = None) -> dict
     upcycle_state_dict in its own dense and MoE GPTModels (the MoE one holding megart's
     fresh routers) and by megart's upcycling.fill; the names that differ, the largest
     difference, and the names compared."""
+    from megatron.core.transformer.moe import upcycling_utils
+
     import megatron_core_workers as mw
-    from megart.models import GPT, GPTConfig
+    from megart.models import GPT
     from megart.models.megatron_names import to_megatron
     from megart.training import upcycling
-    from megatron.core.transformer.moe import upcycling_utils
 
     out = {}
     for name, case in cases.items():
-        kw = dict(case)
-        g = kw.pop("granularity")
-        moe_cfg = GPTConfig(**kw)
-        dense_kw = {k: v for k, v in kw.items() if not k.startswith("moe_") and k != "num_experts"}
-        dense_cfg = GPTConfig(**dict(dense_kw, ffn_hidden_size=moe_cfg.moe_ffn_size * g))
+        moe_cfg, dense_cfg = configs(case)
         dense = mw.drawn(GPT(dense_cfg).double())
         moe = GPT(moe_cfg).double()
         theirs_dense, theirs_moe = mw.megatron_model(dense_cfg), mw.megatron_model(moe_cfg)
@@ -102,16 +110,12 @@ def against_megatron(cases: dict[str, dict], mistake: str | None = None) -> dict
 def logits_upcycled(cases: dict[str, dict]) -> dict[str, tuple[float, float]]:
     """For each case (as against_megatron's): the largest difference between the dense GPT's
     logits (float64, weights drawn) and its upcycled MoE GPT's, and the logits' scale."""
-    from megart.models import GPT, GPTConfig
+    from megart.models import GPT
     from megart.training import upcycling
 
     out = {}
     for name, case in cases.items():
-        kw = dict(case)
-        g = kw.pop("granularity")
-        moe_cfg = GPTConfig(**kw)
-        dense_kw = {k: v for k, v in kw.items() if not k.startswith("moe_") and k != "num_experts"}
-        dense_cfg = GPTConfig(**dict(dense_kw, ffn_hidden_size=moe_cfg.moe_ffn_size * g))
+        moe_cfg, dense_cfg = configs(case)
         torch.manual_seed(5)
         dense, moe = GPT(dense_cfg).double(), GPT(moe_cfg).double()
         with torch.no_grad():
@@ -119,8 +123,10 @@ def logits_upcycled(cases: dict[str, dict]) -> dict[str, tuple[float, float]]:
                 p.add_(torch.randn_like(p) * 0.05)
             for p in moe.parameters():  # a router that prefers some experts
                 p.add_(torch.randn_like(p) * 0.5)
-            upcycling.fill(moe.chunk, dense.chunk, upcycling.Rule.of(moe_cfg, dense_cfg.ffn_size), None)
-            tokens = torch.randint(0, kw["vocab_size"], (2, kw["seq_length"]))
+            upcycling.fill(
+                moe.chunk, dense.chunk, upcycling.Rule.of(moe_cfg, dense_cfg.ffn_size), None
+            )
+            tokens = torch.randint(0, moe_cfg.vocab_size, (2, moe_cfg.seq_length))
             want, got = dense(tokens), moe(tokens)
         out[name] = ((got - want).abs().max().item(), want.abs().max().item())
     return out
