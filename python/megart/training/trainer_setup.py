@@ -229,7 +229,7 @@ def resume_point(
     ``chunks``, ``optimizer``, ``rng`` and ``scaler`` so the run continues the same curve.
     Where --load holds none and --pretrained-checkpoint is given, that one's weights."""
     if config.moe_use_upcycling:  # --load's dense checkpoint, its MLPs made experts
-        return upcycling.start(config, grid, chunks, optimizer, rng, scaler)
+        return upcycling.start(config, grid, chunks, optimizer, rng, scaler, model_chunks)
     start = pretrained_start(config)
     if start is not None:
         with full_precision(optimizer):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ import megart.distributed as dist
 from megart.errors import ConfigError
 from megart.tensor_parallel.random import GeneratorStates
 from megart.training import checkpoint, checkpoint_dirs
+from megart.training.optimizer import full_precision
 from megart.training.shards import split_shard
 from megart.training.upcycling_checks import Rule
 
@@ -98,13 +100,11 @@ def source(config: Any) -> str:
 
 
 def start(
-    config: Any, grid: Any, chunks: list, optimizer: Any, rng: Any, scaler: Any
+    config: Any, grid: Any, chunks: list, optimizer: Any, rng: Any, scaler: Any, build: Callable
 ) -> tuple[int, int]:
     """Loads the dense checkpoint into ``chunks`` (the MoE model, this rank's), saves them to
-    --save as iteration 1 and returns where training goes on: iteration 1, 0 samples."""
-    from megart.training import optimizer as optim  # the trainer's module: no import cycle
-    from megart.training import trainer_setup as setup
-
+    --save as iteration 1 and returns where training goes on: iteration 1, 0 samples.
+    ``build``: trainer_setup.model_chunks (passed in: that module calls this one)."""
     if not checkpoint_dirs.no_checkpoint_yet(config.save):
         raise ConfigError(
             f"--moe-use-upcycling: --save {config.save} holds a checkpoint already; upcycling is "
@@ -114,12 +114,12 @@ def start(
     plain = dataclasses.replace(grid, ep_group=None, edp_group=None)  # the dense files' layout
     states, streams = GeneratorStates.current(), rng.get_states()
     device = next(chunks[0].parameters()).device
-    dense_chunks = setup.model_chunks(dense, dense.gpt_config(), plain, rng, device)
+    dense_chunks = build(dense, dense.gpt_config(), plain, rng, device)
     GeneratorStates(states.cpu, states.cuda).install()  # the MoE run's streams, undisturbed
     rng.set_states(streams)
     checkpoint.load(directory, dense, plain, dense_chunks, None, rng, None)
     rule = Rule.of(chunks[0].cfg, dense_chunks[0].cfg.ffn_size)
-    with optim.full_precision(optimizer), torch.no_grad():
+    with full_precision(optimizer), torch.no_grad():
         for moe, plain_chunk in zip(chunks, dense_chunks, strict=True):
             fill(moe, plain_chunk, rule, grid.tp_group)
     if dist.get_rank() == 0:
@@ -131,7 +131,7 @@ def start(
         )
     saving = copy.copy(config)
     saving.no_save_optim = True  # Megatron saves the upcycled model without an optimizer
-    with optim.full_precision(optimizer):
+    with full_precision(optimizer):
         checkpoint.save(config.save, 1, saving, grid, chunks, optimizer, rng, scaler, 0)
     return 1, 0
 
