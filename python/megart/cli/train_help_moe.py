@@ -55,4 +55,9 @@ MOE_HELP = {
     "routing weights) or position (the latest)",
     "moe_pad_expert_input_to_capacity": "each expert's input padded to its capacity with tokens "
     "at weight 0 (needs --moe-expert-capacity-factor)",
+    "moe_use_upcycling": "start from --load's dense checkpoint (weights only): each expert its "
+    "MLP (or a slice of it), the router fresh; saved to --save (needed, empty) as iteration 1, "
+    "training on from there; as Megatron-LM",
+    "moe_upcycling_granularity": "with --moe-use-upcycling: the dense MLP is this many times "
+    "the experts' width (--ffn-hidden-size x it), each expert one slice of it",
 }

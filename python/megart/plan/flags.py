@@ -213,6 +213,7 @@ NO_EFFECT = (
     "data_order", "data_cache_path", "allow_ambiguous_pad_tokens", "num_workers",
     "mmap_bin_files", "create_attention_mask_in_dataloader",
     # evaluation, checkpoints, exits
+    "moe_use_upcycling", "moe_upcycling_granularity",  # where the weights start from
     "eval_interval", "eval_iters", "eval_global_batch_size",
     "eval_micro_batch_size", "full_validation", "ckpt_format", "save", "save_interval",
     "save_retain_interval", "non_persistent_save_interval", "non_persistent_ckpt_type",

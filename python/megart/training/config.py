@@ -229,6 +229,10 @@ class TrainConfig(LearningRateFlags):
     moe_expert_capacity_factor: float | None = None
     moe_token_drop_policy: str = "probs"
     moe_pad_expert_input_to_capacity: bool = False
+    # Megatron's: start from --load's dense checkpoint, its MLPs copied (or sliced, by the
+    # granularity) into the experts, saved to --save as iteration 1 (megart.training.upcycling).
+    moe_use_upcycling: bool = False
+    moe_upcycling_granularity: int = 1
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
     rotary_percent: float = 1.0  # the part of each head rope turns (GPTConfig.rotary_percent)
     data_cache_path: str | None = None  # --data-order megatron's indices, built once

@@ -24,7 +24,7 @@ from megart.models.moe_router import set_global_group
 from megart.optim.loss_scale import LossScaler
 from megart.pipeline import StageLink
 from megart.tensor_parallel import RNGStatesTracker, seed_tensor_parallel
-from megart.training import checkpoint, checkpoint_dirs
+from megart.training import checkpoint, checkpoint_dirs, upcycling
 from megart.training.data import Dataset, build_datasets, build_split_datasets
 from megart.training.dtypes import half_dtype
 from megart.training.flops import model_flops
@@ -228,6 +228,8 @@ def resume_point(
     consumed_train_samples): (0, 0) for a fresh run, else --load's checkpoint's, restored into
     ``chunks``, ``optimizer``, ``rng`` and ``scaler`` so the run continues the same curve.
     Where --load holds none and --pretrained-checkpoint is given, that one's weights."""
+    if config.moe_use_upcycling:  # --load's dense checkpoint, its MLPs made experts
+        return upcycling.start(config, grid, chunks, optimizer, rng, scaler, model_chunks)
     start = pretrained_start(config)
     if start is not None:
         with full_precision(optimizer):
