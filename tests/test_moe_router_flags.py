@@ -66,8 +66,9 @@ def runs():
     }
 
 
-def per_layer(history: list[dict]) -> list[list[float]]:
-    return [[h[k] for name in LOSSES for k in layer_names(name, 4)] for h in history]
+def per_layer(history: list[dict]) -> list[float]:
+    """Every iteration's per-layer values, in one list."""
+    return [h[k] for h in history for name in LOSSES for k in layer_names(name, 4)]
 
 
 @pytest.mark.parametrize("name", [n for n, c in RUNS.items() if c[2] is None])
