@@ -88,14 +88,15 @@ def gradients(
     top = max(w.abs().max().item() for w in want.values())
     diff = {n: (got[n] - want[n]).abs().max().item() / top for n in want}
     routers = [d for n, d in diff.items() if n.endswith("mlp.router.weight")]
-    # The losses each logs, per MoE layer: Megatron-Core's tracker (its unweighted values)
-    # and megart's (summed over layers there), for this one microbatch.
+    # The losses each logs, per layer (0 where none: Megatron-Core's dense layers), for this
+    # one microbatch: Megatron-Core's tracker (its unweighted values) and megart's.
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     ours_logged = ours.chunk.aux_loss_scale.take()
+    layers = range(len(ours.chunk.blocks))
     logged = {
         name: (
-            float(ours_logged[name]),
-            float(tracker[name]["values"].sum() if name in tracker else "nan"),
+            [float(ours_logged[name].get(i, 0.0)) for i in layers],
+            tracker[name]["values"].tolist() if name in tracker else [float("nan")],
         )
         for name in LOGGED
         if name in ours_logged
@@ -194,7 +195,9 @@ def train_mistaken(kw: dict, mistake: str | None = None) -> list[dict]:
         "seed-without-cp": mock.patch.object(
             moe.MoE,
             "_attach",
-            lambda m, x, loss, name, c: moe._SeedGradient.apply(x, loss, m.loss_scale, 1, name, c),
+            lambda m, x, loss, name, c: moe._SeedGradient.apply(
+                x, loss, m.loss_scale, 1, name, c, m.layer
+            ),
         ),
     }
     with patches[mistake]:

@@ -113,6 +113,8 @@ UNMODELLED_GIVEN = {
     "moe_pad_expert_input_to_capacity": ["--num-experts", "8", "--disable-bias-linear",
                                          "--moe-expert-capacity-factor", "1.0",
                                          "--moe-pad-expert-input-to-capacity"],
+    "moe_input_jitter_eps": ["--num-experts", "8", "--disable-bias-linear",
+                             "--moe-input-jitter-eps", "0.01"],
 }  # fmt: skip
 
 

@@ -60,4 +60,13 @@ MOE_HELP = {
     "training on from there; as Megatron-LM",
     "moe_upcycling_granularity": "with --moe-use-upcycling: the dense MLP is this many times "
     "the experts' width (--ffn-hidden-size x it), each expert one slice of it",
+    "moe_input_jitter_eps": "the router's input times uniform noise in [1-eps, 1+eps] in "
+    "training (the Switch Transformer's jitter; none in evaluation), each token's noise keyed "
+    "by the seed, layer, iteration and sample: the same under every layout",
+    "moe_router_force_load_balancing": "benchmarking only: the router's logits replaced by "
+    "random normal ones (training and evaluation; gradients passed straight through), so that "
+    "routing is balanced by chance; this changes the model's math (Megatron's option)",
+    "moe_per_layer_logging": "each layer's auxiliary losses logged too, as "
+    "moe/load_balancing_loss_layer_N (Megatron-Core's names; N the 0-based layer, dense "
+    "layers 0) to --tensorboard-dir and --log-jsonl",
 }

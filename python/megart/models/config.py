@@ -188,6 +188,13 @@ class GPTConfig:
     moe_expert_capacity_factor: float | None = None
     moe_token_drop_policy: str = "probs"
     moe_pad_expert_input_to_capacity: bool = False
+    # The router's noise (models.router_noise, drawn by a key of the batch, the sample and the
+    # layer, so alike under every layout): its input times uniform noise in [1 - eps, 1 + eps]
+    # in training (the Switch Transformer's jitter); force_load_balancing, Megatron's benchmark
+    # option, its logits replaced by standard normal ones (gradients passed straight through),
+    # so that routing is balanced by chance: it changes the model's math.
+    moe_input_jitter_eps: float | None = None
+    moe_router_force_load_balancing: bool = False
 
     def __post_init__(self) -> None:
         lists = ("window_size", "window_attn_skip_freq", "recompute_modules", "moe_layer_freq")

@@ -143,6 +143,12 @@ class GPTChunk(nn.Module):
         engine sets it), which the MoE layers' auxiliary losses' gradients take too."""
         self.aux_loss_scale.value = scale
 
+    def set_microbatch(self, mb: int) -> None:
+        """The microbatch the next forward or backward runs (the pipeline engine sets it before
+        each): the key of the MoE routers' noise (models.router_noise), so that recomputation
+        in a backward draws its forward's noise."""
+        self.aux_loss_scale.noise.microbatch = mb
+
     def _unpadded_rows(self, weight: torch.Tensor) -> None:
         """Zeroes the rows of padded vocabulary entries, so the weights do not depend on t."""
         start = group_rank(self.tp_group) * weight.shape[0]

@@ -84,6 +84,7 @@ from megart.models.moe_router import (  # noqa: F401 (route, Router: their names
     z_loss,
 )
 from megart.models.recompute import checkpointed
+from megart.models.router_noise import NoiseKey, StraightThrough, normal, token_noise, uniform
 from megart.tensor_parallel import gather_from_sequence_region, reduce_scatter_to_sequence_region
 from megart.tensor_parallel._group import group_size
 from megart.tensor_parallel.column_entry import enter_column_region
@@ -93,22 +94,25 @@ class AuxLossScale:
     """What the training loss's gradient is scaled by in this run (loss scale / microbatches),
     set by megart.pipeline's engine before each one (GPTChunk.set_loss_scale): the auxiliary
     losses' gradients get the same factor. Also the losses' values for the log, by name
-    (``load_balancing_loss``, ``z_loss``: unweighted, summed over this chunk's MoE layers and
-    microbatches), recorded when their gradients are seeded, so once per microbatch even where
-    recomputation runs a layer's forward twice; the trainer takes them after each iteration
-    (megart.training.moe_metrics)."""
+    (``load_balancing_loss``, ``z_loss``: unweighted) and layer, summed over the microbatches,
+    recorded when their gradients are seeded, so once per microbatch even where recomputation
+    runs a layer's forward twice; the trainer takes them after each iteration
+    (megart.training.moe_metrics). And the key of the router's noise (models.router_noise),
+    which the trainer and the engine set."""
 
     def __init__(self) -> None:
         self.value = 1.0
-        self.tracked: dict[str, torch.Tensor] = {}
+        self.tracked: dict[str, dict[int, torch.Tensor]] = {}
+        self.noise = NoiseKey()
 
-    def track(self, name: str, value: torch.Tensor) -> None:
-        """Adds ``value`` to what ``name`` has gathered since the last take."""
-        old = self.tracked.get(name)
-        self.tracked[name] = value if old is None else old + value
+    def track(self, name: str, value: torch.Tensor, layer: int = 0) -> None:
+        """Adds ``value`` to what ``name`` has gathered at ``layer`` since the last take."""
+        layers = self.tracked.setdefault(name, {})
+        old = layers.get(layer)
+        layers[layer] = value if old is None else old + value
 
-    def take(self) -> dict[str, torch.Tensor]:
-        """What was tracked since the last take (then cleared)."""
+    def take(self) -> dict[str, dict[int, torch.Tensor]]:
+        """What was tracked since the last take, by name and layer (then cleared)."""
         tracked, self.tracked = self.tracked, {}
         return tracked
 
@@ -116,7 +120,7 @@ class AuxLossScale:
 class _SeedGradient(torch.autograd.Function):
     """``x`` as it is; in backward, ``loss``'s gradient is ``scale.value`` times ``factor``
     (Megatron-Core's MoEAuxLossAutoScaler), and ``loss`` / ``divisor`` is tracked as ``name``
-    (the loss without its coefficient)."""
+    of ``layer`` (the loss without its coefficient)."""
 
     @staticmethod
     def forward(
@@ -127,16 +131,18 @@ class _SeedGradient(torch.autograd.Function):
         factor: float,
         name: str,
         divisor: float,
+        layer: int,
     ) -> torch.Tensor:
         ctx.save_for_backward(loss)
         ctx.scale, ctx.tracker, ctx.name, ctx.divisor = scale.value * factor, scale, name, divisor
+        ctx.layer = layer
         return x
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (loss,) = ctx.saved_tensors
-        ctx.tracker.track(ctx.name, loss.detach().double() / ctx.divisor)
-        return grad, torch.full_like(loss, ctx.scale), None, None, None, None
+        ctx.tracker.track(ctx.name, loss.detach().double() / ctx.divisor, ctx.layer)
+        return grad, torch.full_like(loss, ctx.scale), None, None, None, None, None
 
 
 class SharedExpertGate(nn.Module):
@@ -242,7 +248,7 @@ class MoE(nn.Module):
         """The routed experts' weighted sum for ``x``."""
         cfg, group = self.cfg, self.tp_group
         tokens = x.reshape(-1, x.shape[-1])  # [s b, h], or this rank's [s/t b, h]
-        logits = self.router(tokens)
+        logits = self._logits(x, tokens)
         training = self.training and torch.is_grad_enabled()
         if training and cfg.moe_z_loss_coeff:
             # Each rank's mean over its slice: divided by t cp, the ranks' add up to the mean.
@@ -306,4 +312,27 @@ class MoE(nn.Module):
     def _attach(self, x: torch.Tensor, loss: torch.Tensor, name: str, coeff: float) -> torch.Tensor:
         """``x``, with ``loss`` (``coeff`` times the loss ``name``) seeding its gradient."""
         # Times cp: the gradients' average over the cp ranks is then the sum of their losses.
-        return _SeedGradient.apply(x, loss, self.loss_scale, self.cp, name, coeff)
+        return _SeedGradient.apply(x, loss, self.loss_scale, self.cp, name, coeff, self.layer)
+
+    def _noise(self, x: torch.Tensor, kind: str, like: torch.Tensor, draw: Any) -> torch.Tensor:
+        """Noise ``kind`` for the tokens of [s, b, h] ``x`` (router_noise), shaped as [s b, n]
+        ``like`` and of its dtype."""
+        where = (self.cfg.seed, self.layer, kind)
+        width = like.shape[-1]
+        shape = (x.shape[0], x.shape[1], width)
+        groups = (self.tp_group, self.cp_group)
+        return token_noise(self.loss_scale.noise, where, shape, groups, like, draw).view(-1, width)
+
+    def _logits(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The router's logits for ``tokens`` ([s b, h] of ``x``): its input jittered in
+        training (--moe-input-jitter-eps), its logits replaced by random ones with
+        --moe-router-force-load-balancing (in evaluation too, as Megatron-Core's)."""
+        cfg = self.cfg
+        eps = cfg.moe_input_jitter_eps
+        if eps is not None and self.training:
+            tokens = tokens * self._noise(x, "input_jitter", tokens, uniform(eps))
+        logits = self.router(tokens)
+        if cfg.moe_router_force_load_balancing:
+            noise = self._noise(x, "force_load_balancing", logits, normal)
+            logits = StraightThrough.apply(logits, noise)
+        return logits

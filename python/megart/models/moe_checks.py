@@ -41,6 +41,8 @@ MOE_DEFAULTS: dict[str, object] = {
     "moe_expert_capacity_factor": None,
     "moe_token_drop_policy": "probs",
     "moe_pad_expert_input_to_capacity": False,
+    "moe_input_jitter_eps": None,
+    "moe_router_force_load_balancing": False,
 }
 DROP_POLICIES = ("probs", "position")
 
@@ -110,6 +112,10 @@ def check_moe(cfg: GPTConfig) -> None:
             "add --moe-shared-expert-intermediate-size S or leave the gate out"
         )
     _check_router(cfg)
+    eps = cfg.moe_input_jitter_eps
+    if eps is not None and not 0 <= eps < 1:
+        # Megatron-Core takes any; a factor of 1 - eps <= 0 would flip or zero the input.
+        raise ConfigError(f"--moe-input-jitter-eps {eps}: give a number in [0, 1)")
     freq = cfg.moe_layer_freq
     if isinstance(freq, int) and freq < 1:
         raise ConfigError(f"--moe-layer-freq {freq}: give 1 or more (1: every layer is MoE)")

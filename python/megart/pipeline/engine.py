@@ -46,7 +46,9 @@ class PipelineEngine:
 
     A chunk with a ``set_loss_scale(factor)`` method is told, before each training run, the
     factor its losses' gradients carry (loss scale / m): megart's GPT chunks pass it to their
-    MoE layers, whose auxiliary losses seed their own gradients (megart.models.moe).
+    MoE layers, whose auxiliary losses seed their own gradients (megart.models.moe); one with
+    a ``set_microbatch(mb)`` method is told the microbatch before each forward and backward of
+    it (the key of the MoE routers' noise, megart.models.router_noise).
     """
 
     def __init__(
@@ -100,6 +102,12 @@ class PipelineEngine:
 
     def _peer(self, pipeline_rank: int) -> int:
         return self.link.pp_group.ranks[pipeline_rank]
+
+    def _name_microbatch(self, a: sched.Action) -> None:
+        """Tells action ``a``'s chunk which microbatch it runs, where the chunk asks."""
+        chunk = self.chunks[a.chunk]
+        if hasattr(chunk, "set_microbatch"):
+            chunk.set_microbatch(a.mb)
 
     def _first(self, chunk: int) -> bool:
         return self.schedule.virtual_stage(self.rank, chunk) == 0
@@ -175,6 +183,7 @@ class PipelineEngine:
                 if training:
                     x.requires_grad_()
             extra = () if documents is None else (documents[a.mb],)
+            self._name_microbatch(a)
             out = self.chunks[a.chunk](x, *extra)
             if self._last(a.chunk):
                 loss = loss_fn(out, targets[a.mb])
@@ -192,6 +201,7 @@ class PipelineEngine:
             """B, or I (the weight gradients of linear layers left to W)."""
             leaf, out = stash.pop((a.mb, a.chunk))
             grad = None if self._last(a.chunk) else arrived.pop(("B", a.mb, a.chunk))
+            self._name_microbatch(a)  # recomputation in this backward runs its forward
             if a.op == "I":
                 with store.input_grad((a.mb, a.chunk)):
                     torch.autograd.backward(out, grad)

@@ -161,6 +161,9 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "moe_token_drop_policy": (("probs",), "token dropping's choice of the tokens kept"),
     "moe_pad_expert_input_to_capacity": ((False,), "the experts' inputs padded to capacity"),
+    # The jitter's noise (h per token, kept for the gradient) and the jittered input the
+    # router's product keeps in place of the layer's input: two h-wide saves per MoE layer.
+    "moe_input_jitter_eps": ((None,), "the router's jittered input and its noise, saved"),
 }
 
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the
@@ -207,6 +210,10 @@ NO_EFFECT = (
     # (training.moe_kernels).
     "moe_token_dispatcher_type", "moe_permute_fusion", "moe_router_fusion",
     "moe_router_bias_update_rate",  # the expert bias's step, a number (no work)
+    # Random logits in place of the router's (E per token, beside the layer's h-wide work and
+    # saves): routing balanced by chance, as the plan's experts' shares already are (balanced).
+    "moe_router_force_load_balancing",
+    "moe_per_layer_logging",  # logging: each layer's losses in one all-reduce already made
     "distributed_backend",
     # data
     "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "mock_data",

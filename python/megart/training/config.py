@@ -233,6 +233,11 @@ class TrainConfig(LearningRateFlags):
     # granularity) into the experts, saved to --save as iteration 1 (megart.training.upcycling).
     moe_use_upcycling: bool = False
     moe_upcycling_granularity: int = 1
+    # The router's noise (GPTConfig's fields, models.router_noise) and each layer's auxiliary
+    # losses in the log (training.moe_metrics).
+    moe_input_jitter_eps: float | None = None
+    moe_router_force_load_balancing: bool = False
+    moe_per_layer_logging: bool = False
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
     rotary_percent: float = 1.0  # the part of each head rope turns (GPTConfig.rotary_percent)
     data_cache_path: str | None = None  # --data-order megatron's indices, built once

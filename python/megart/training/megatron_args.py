@@ -116,6 +116,8 @@ def moe_args(cfg: GPTConfig) -> dict[str, Any]:
         moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
         moe_token_drop_policy=cfg.moe_token_drop_policy,
         moe_pad_expert_input_to_capacity=cfg.moe_pad_expert_input_to_capacity,
+        moe_input_jitter_eps=cfg.moe_input_jitter_eps,
+        moe_router_force_load_balancing=cfg.moe_router_force_load_balancing,
         expert_model_parallel_size=1,
     )
 
@@ -208,6 +210,8 @@ def moe_fields(a: dict[str, Any]) -> dict[str, Any]:
         moe_expert_capacity_factor=capacity_factor(a.get("moe_expert_capacity_factor")),
         moe_token_drop_policy=a.get("moe_token_drop_policy", "probs"),
         moe_pad_expert_input_to_capacity=bool(a.get("moe_pad_expert_input_to_capacity", False)),
+        moe_input_jitter_eps=a.get("moe_input_jitter_eps"),
+        moe_router_force_load_balancing=bool(a.get("moe_router_force_load_balancing", False)),
     )
 
 

@@ -109,6 +109,8 @@ def moe_fields(config: Any) -> dict[str, Any]:
         moe_expert_capacity_factor=capacity_factor(config.moe_expert_capacity_factor),
         moe_token_drop_policy=config.moe_token_drop_policy,
         moe_pad_expert_input_to_capacity=config.moe_pad_expert_input_to_capacity,
+        moe_input_jitter_eps=config.moe_input_jitter_eps,
+        moe_router_force_load_balancing=config.moe_router_force_load_balancing,
     )
 
 

@@ -1,7 +1,10 @@
 """The mixture-of-experts losses an iteration reports, as Megatron-LM logs them (its
 track_moe_metrics): ``load_balancing_loss`` (``seq_load_balancing_loss`` under seq_aux_loss,
 ``global_load_balancing_loss`` under global_aux_loss) and ``z_loss``, each without its
-coefficient, the mean over the MoE layers and the microbatches of the iteration.
+coefficient, the mean over the MoE layers and the microbatches of the iteration. With
+--moe-per-layer-logging each layer's too (the mean over the microbatches), under Megatron-Core's
+names ``moe/{name}_layer_{i}`` (to TensorBoard, as Megatron's tracker writes them, and to
+--log-jsonl).
 
 The MoE layers record their losses when their gradients are seeded (models.moe.AuxLossScale).
 Each layer lives on one pipeline stage, so the stages' sums add up. Under tensor or context
@@ -47,28 +50,45 @@ def tracked_names(cfg: Any) -> list[str]:
     return [name for name, computed in on.items() if computed]
 
 
-def moe_losses(chunks: list[Any], cfg: Any, grid: Any, m: int, device: Any) -> dict[str, float]:
+def moe_losses(
+    chunks: list[Any], cfg: Any, grid: Any, m: int, device: Any, per_layer: bool = False
+) -> dict[str, float]:
     """The iteration's MoE losses by name (empty without any), the same on every rank, from
-    what ``chunks`` tracked over ``m`` microbatches (then cleared)."""
+    what ``chunks`` tracked over ``m`` microbatches (then cleared). ``per_layer``
+    (--moe-per-layer-logging): each layer's too, under Megatron-Core's names
+    (layer_names), every layer's including the dense ones' (0), as its tracker writes them;
+    the mean over the MoE layers of a loss's values is its logged value."""
     names = tracked_names(cfg)
     if not names:
         return {}
-    sums = torch.zeros(len(names), dtype=torch.float64, device=device)
+    # [losses, layers]: each layer's sum over the microbatches, on the stage that holds it.
+    sums = torch.zeros(len(names), cfg.num_layers, dtype=torch.float64, device=device)
     for chunk in chunks:
         tracked = chunk.aux_loss_scale.take()
         for i, name in enumerate(names):
-            if name in tracked:
-                sums[i] += tracked[name].to(sums.device)
+            for layer, value in tracked.get(name, {}).items():
+                sums[i, layer] += value.to(sums.device)
     dist.all_reduce(sums, group=grid.pp_group)
     for group in (grid.tp_group, grid.cp_group):
         _over(sums, names, group)
     dist.all_reduce(sums, group=grid.dp_group)
-    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    sums /= m * layers
+    sums /= m
     for i, name in enumerate(names):
         if name not in DP_SUMMED:  # the data-parallel ranks' mean
             sums[i] /= group_size(grid.dp_group)
-    return {name: float(value) for name, value in zip(names, sums.tolist(), strict=True)}
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    means = sums.sum(dim=1) / layers
+    out = {name: float(value) for name, value in zip(names, means.tolist(), strict=True)}
+    if per_layer:
+        for name, row in zip(names, sums.tolist(), strict=True):
+            out.update(zip(layer_names(name, len(row)), row, strict=True))
+    return out
+
+
+def layer_names(name: str, layers: int) -> list[str]:
+    """Megatron-Core's per-layer names of loss ``name`` (its track_moe_metrics under
+    --moe-per-layer-logging): ``moe/{name}_layer_{i}``, i the 0-based layer."""
+    return [f"moe/{name}_layer_{i}" for i in range(layers)]
 
 
 def _over(sums: torch.Tensor, names: list[str], group: ProcessGroup | None) -> None:

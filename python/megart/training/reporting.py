@@ -216,6 +216,9 @@ class RunLog(contextlib.ExitStack):
             for tag, key in self.tags.items():
                 if fig.get(key) is not None and (every or key.startswith(("valid_", "test_"))):
                     self.board.add_scalar(tag, fig[key], fig["iteration"])
+            if every:  # --moe-per-layer-logging's values, under their own (Megatron's) names
+                for key in (k for k in fig if k.startswith("moe/")):
+                    self.board.add_scalar(key, fig[key], fig["iteration"])
         logged = fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1
         if logged:
             self.say(progress_line(fig, c.train_iters, self.cpu))

@@ -21,6 +21,7 @@ import megart.distributed as dist
 from megart import schedule as sched
 from megart.errors import ConfigError
 from megart.models.moe_router import finish_iteration
+from megart.models.router_noise import start_batch
 from megart.pipeline import PipelineEngine
 from megart.tensor_parallel import fusing_accumulation, sync_sequence_parallel_grads
 from megart.training import batch_rampup, iteration_stats, memory_report
@@ -167,7 +168,9 @@ class Trainer:
         with self.timers.phase("optimizer"):
             skipped, grad_norm, lr, stats = self._update_weights(iteration)
         loss, p2p_bytes = self._loss_and_p2p_bytes()
-        moe = moe_losses(self.chunks, self.model_config, self.grid, m, self.device)
+        moe = moe_losses(
+            self.chunks, self.model_config, self.grid, m, self.device, c.moe_per_layer_logging
+        )
         if c.check_for_nan_in_loss_and_grad and not skipped:
             check_finite("loss", loss, iteration + 1)
         self.consumed += batch
@@ -209,6 +212,7 @@ class Trainer:
         c, g, timed = self.config, self.grid, self.timers.phase
         with timed("batch-generator"):
             inputs, targets, documents = self._microbatches(self.data, iteration, batch)
+        start_batch(self.chunks, ("train", iteration), self.grid.dp_rank * (batch // self.dp))
         self.losses.clear()
         self.buckets.zero_grad()
         self.buckets.start_iteration(m)
@@ -302,6 +306,7 @@ class Trainer:
         try:
             for i in range(c.eval_iters):
                 inputs, targets, documents = self._microbatches(data, first + i, size, micro)
+                start_batch(self.chunks, ("eval", first + i), self.grid.dp_rank * (size // self.dp))
                 with self._autocast():
                     engine.evaluate(inputs, targets, self._loss_fn, documents)
                 self.chores.after_forward_backward()
