@@ -1,7 +1,9 @@
 """Megatron-Core's own MoE GPTModel at expert-model-parallel size 2 (its parallel_state at tp 1,
 EP 2; SequentialMLP experts, the allgather dispatcher, CPU, float64) on 2 launched processes,
 for tests/test_moe_ep_megatron_ckpt.py: each rank strictly loading its own legacy file
-(mp_rank_00_EEE) of megart's expert-parallel save, as Megatron-LM's load_checkpoint would."""
+(mp_rank_00_EEE) of megart's expert-parallel save, as Megatron-LM's load_checkpoint would.
+megatron_core_resaves takes the run's tensor and pipeline sizes too (mp_rank_TT_PPP_EEE:
+tests/test_moe_ep_megatron_stages.py)."""
 
 from __future__ import annotations
 
