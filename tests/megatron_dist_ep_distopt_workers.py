@@ -59,7 +59,9 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
     _no_cuda_streams()
     try:
         cfg = config_from_args(args)
-        model = mcw.megatron_model(cfg, tp, pp, ep=EP).float()
+        dtype = torch.bfloat16 if args.get("bf16") else torch.float32
+        sp = bool(args.get("sequence_parallel"))
+        model = mcw.megatron_model(cfg, tp, pp, ep=EP, sequence_parallel=sp).to(dtype)
         ddp, chain = _chained(model, kw, args)
         with mcw.cuda_stays_on_cpu():
             for part in chain.chained_optimizers:

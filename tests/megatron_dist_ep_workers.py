@@ -41,11 +41,12 @@ def _held(optimizers: list, model) -> dict:
 
 
 def load_and_save(kw: dict, store: str, out_dir: str | None, tokens: torch.Tensor) -> dict:
-    """On each of 2 expert-parallel ranks: Megatron-Core's EP2 model and ChainedOptimizer load
-    megart's store (Megatron-LM's default strictness: a key asked for that the store lacks
-    fails), the model strictly. Returns what they hold (_held), the steps, the groups' sizes
-    and expert flags per optimizer, the logits of ``tokens`` (float64); with ``out_dir`` saves
-    them first as Megatron-LM does (no random states: its are CUDA streams)."""
+    """On each rank of 2 expert-parallel ranks (at ``kw``'s tensor and pipeline sizes):
+    Megatron-Core's EP2 model and ChainedOptimizer load megart's store (Megatron-LM's default
+    strictness: a key asked for that the store lacks fails), the model strictly. Returns what
+    they hold (_held), the steps, the groups' sizes and expert flags per optimizer, the logits
+    of ``tokens`` (float64; None with a pipeline); with ``out_dir`` saves them first as
+    Megatron-LM does (no random states: its are CUDA streams)."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.optimizer import _get_param_groups
     from megatron.core.optimizer.optimizer import ChainedOptimizer
@@ -61,9 +62,11 @@ def load_and_save(kw: dict, store: str, out_dir: str | None, tokens: torch.Tenso
     from megatron_core_workers import megatron_logits, megatron_model, on_cpu_only
     from moe_ep_tp_workers import _no_cuda_streams
 
+    tp = kw.get("tensor_model_parallel_size", 1)
+    pp = kw.get("pipeline_model_parallel_size", 1)
     mdw._no_cuda()
     torch.distributed.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=EP)
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=EP)
     on_cpu_only()
     _no_cuda_streams()
     try:
@@ -71,7 +74,7 @@ def load_and_save(kw: dict, store: str, out_dir: str | None, tokens: torch.Tenso
         iteration = latest_iteration(store)
         root = iteration_dir(store, iteration)
         common = read_common(root)
-        model = megatron_model(config_from_args(vars(common["args"])), ep=EP).float()
+        model = megatron_model(config_from_args(vars(common["args"])), tp, pp, ep=EP).float()
         groups = _get_param_groups([model], mow._optimizer_config(c), None)
         parts = [[g for g in groups if g["is_expert_parallel"] == x] for x in (False, True)]
         optimizers = [mow._fp32_optimizer(p, c) for p in parts]
@@ -95,9 +98,11 @@ def load_and_save(kw: dict, store: str, out_dir: str | None, tokens: torch.Tenso
         steps = {float(s["step"]) for o in optimizers for s in o.optimizer.state.values()}
         if out_dir is not None:
             mdd.save_as_megatron_lm(out_dir, wanted(False), common, content)
-        model.double().eval()
-        with torch.no_grad():
-            logits = megatron_logits(model, tokens)
+        logits = None  # a pipeline stage's logits need the others' activations: not taken
+        if pp == 1:
+            model.double().eval()
+            with torch.no_grad():
+                logits = megatron_logits(model, tokens)
         return dict(held=held, steps=steps, logits=logits, rank=int(os.environ["RANK"]),
                     groups=[[(len(g["params"]), g["is_expert_parallel"]) for g in p]
                             for p in parts])  # fmt: skip

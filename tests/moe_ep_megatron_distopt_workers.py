@@ -57,6 +57,7 @@ def _chained(model, kw: dict, args: dict):
     ddp = mdw._ddp(model, args, args.get("ddp_bucket_size"))
     config = mow._optimizer_config(tw.tiny(**kw))
     config.use_distributed_optimizer = True
+    config.bf16 = bool(args.get("bf16"))  # the fp32 main copies of the 16-bit weights
     groups = _get_param_groups([ddp], config, None)
     parts = []
     for experts in (False, True):
@@ -131,7 +132,10 @@ def load_and_write(kw: dict, stores: list[str], ref_dir: str, out_dir: str) -> l
         for n, store in enumerate(stores):
             state = torch.load(Path(store) / here / FILE, weights_only=False)
             args = vars(state["args"])
-            model = mcw.megatron_model(config_from_args(args), tp, pp, ep=EP).float()
+            dtype = torch.bfloat16 if args.get("bf16") else torch.float32
+            sp = bool(args.get("sequence_parallel"))
+            model = mcw.megatron_model(config_from_args(args), tp, pp, ep=EP, sequence_parallel=sp)
+            model = model.to(dtype)
             model.load_state_dict(state["model"], strict=True)
             ddp, optimizer = _chained(model, kw, args)
             try:

@@ -1,7 +1,9 @@
 """Megatron-Core's own MoE GPTModel at expert-model-parallel size 2 (its parallel_state at tp 1,
 EP 2; SequentialMLP experts, the allgather dispatcher, CPU, float64) on 2 launched processes,
 for tests/test_moe_ep_megatron_ckpt.py: each rank strictly loading its own legacy file
-(mp_rank_00_EEE) of megart's expert-parallel save, as Megatron-LM's load_checkpoint would."""
+(mp_rank_00_EEE) of megart's expert-parallel save, as Megatron-LM's load_checkpoint would.
+megatron_core_resaves takes the run's tensor and pipeline sizes too (mp_rank_TT_PPP_EEE:
+tests/test_moe_ep_megatron_stages.py)."""
 
 from __future__ import annotations
 
@@ -63,12 +65,13 @@ def whole_logits(ckpt_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def megatron_core_resaves(kw: dict, megart_dir: str, out_dir: str) -> dict:
-    """On each of 2 expert-parallel ranks: Megatron-Core's GPTModel loads its file of megart's
-    checkpoint (iteration 2) strictly and its optimizer, built as get_megatron_optimizer builds
-    it under expert parallelism (Megatron-Core's _get_param_groups, its experts' groups apart,
-    a ChainedOptimizer of two FP32Optimizers), loads the file's optimizer state; then it writes
-    its own state dicts as Megatron-LM's generate_state_dict does (the file's args) into
-    ``out_dir``. Returns its groups' sizes and expert flags per optimizer of the chain."""
+    """On each rank of 2 expert-parallel ranks (at ``kw``'s tensor and pipeline sizes):
+    Megatron-Core's GPTModel loads its file of megart's checkpoint (iteration 2) strictly and
+    its optimizer, built as get_megatron_optimizer builds it under expert parallelism
+    (Megatron-Core's _get_param_groups, its experts' groups apart, a ChainedOptimizer of two
+    FP32Optimizers), loads the file's optimizer state; then it writes its own state dicts as
+    Megatron-LM's generate_state_dict does (the file's args) into ``out_dir``. Returns its
+    groups' sizes and expert flags per optimizer of the chain."""
     from megatron.core import parallel_state
     from megatron.core.optimizer import _get_param_groups
     from megatron.core.optimizer.optimizer import ChainedOptimizer
@@ -79,16 +82,21 @@ def megatron_core_resaves(kw: dict, megart_dir: str, out_dir: str) -> dict:
     from megart.training.megatron_args import config_from_args
     from moe_ep_tp_workers import _no_cuda_streams
 
+    tp = kw.get("tensor_model_parallel_size", 1)
+    pp = kw.get("pipeline_model_parallel_size", 1)
     torch.distributed.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=EP)
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=EP)
     mcw.on_cpu_only()
     _no_cuda_streams()
     try:
         c = tw.tiny(**kw)
         e = parallel_state.get_expert_model_parallel_rank()
-        here = f"mp_rank_00_{e:03d}/{mow.FILE}"
+        t = parallel_state.get_tensor_model_parallel_rank()
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        here = f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else "") + f"_{e:03d}/{mow.FILE}"
         state = torch.load(Path(megart_dir) / "iter_0000002" / here, weights_only=False)
-        model = mcw.megatron_model(config_from_args(vars(state["args"])), ep=EP).float()
+        cfg = config_from_args(vars(state["args"]))
+        model = mcw.megatron_model(cfg, tp, pp, ep=EP).float()
         model.load_state_dict(state["model"], strict=True)
         groups = _get_param_groups([model], mow._optimizer_config(c), None)
         parts = [[g for g in groups if g["is_expert_parallel"] == x] for x in (False, True)]

@@ -265,16 +265,17 @@ def model_config_of(common):
 
 
 def assert_same_store(
-    ours, theirs, objects: tuple[str, ...], groups=(GROUP0,), pp: int = 1
+    ours, theirs, objects: tuple[str, ...], groups=(GROUP0,), pp: int = 1, tp: int = 1
 ) -> None:
     """Two iteration directories' stores hold the same keys, global sizes and dtypes, except
     megart's random states (Megatron-LM's are CUDA streams: none from Megatron-Core's CPU
-    ranks; one per stage of ``pp``), and the same ``objects`` of each of ``groups`` (key
-    prefixes; group 0's)."""
+    ranks; one per stage of ``pp`` and tensor-parallel rank of ``tp``), and the same
+    ``objects`` of each of ``groups`` (key prefixes; group 0's)."""
     meta = [
         pickle.loads((r / ".metadata").read_bytes()).state_dict_metadata for r in (ours, theirs)
     ]
-    assert set(meta[0]) - set(meta[1]) == {f"rng_state/shard_{p}.0_{pp}.1" for p in range(pp)}
+    rng = {f"rng_state/shard_{p}.{t}_{pp}.{tp}" for p in range(pp) for t in range(tp)}
+    assert set(meta[0]) - set(meta[1]) == rng
     assert set(meta[1]) <= set(meta[0])
     for key, info in meta[1].items():
         if hasattr(info, "size"):

@@ -90,15 +90,25 @@ def megatron_core(saved, tmp_path_factory):
     return out, launch(w.load_and_save, 4, EP2, str(store), str(out), timeout=300)
 
 
-def _whole(trained, cfg) -> dict:
+def _whole(trained, cfg, tp: int = 1, t: int = 0) -> dict:
     """megart's saved state per key of KEYS' values: the one-chunk model's Megatron names
-    (experts by global number), flattened."""
+    (experts by global number), flattened; at ``tp`` > 1 tensor-parallel rank ``t``'s piece
+    of each (the vocabulary padded to ``tp`` ranks first, as Megatron-Core holds it)."""
     from megart.models.megatron_names import to_megatron
+    from megart.training.megatron_layout import OUTPUT, WORD, shard
+
+    def piece(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if tp == 1:
+            return tensor
+        if name in (WORD, OUTPUT):
+            pad = cfg.padded_vocab_size(tp) - tensor.shape[0]
+            tensor = torch.nn.functional.pad(tensor, (0, 0, 0, pad))
+        return shard(name, tensor, cfg, tp, t)
 
     out = {}
     for ours, theirs in KEYS.items():
         merged = {k.removeprefix("chunk."): v for k, v in tw.merged_by_place(trained, ours).items()}
-        out[theirs] = {n: t.reshape(-1) for n, t in to_megatron(merged, cfg).items()}
+        out[theirs] = {n: piece(n, w).reshape(-1) for n, w in to_megatron(merged, cfg).items()}
     return out
 
 

@@ -1,13 +1,17 @@
-"""Megatron-LM's files of the distributed optimizer under expert parallelism with a pipeline
-(ep2 x pp2 x dp2), in both formats (legacy distrib_optim.pt: training.megatron_expert_distopt;
-torch_dist: training.megatron_dist_chain), against Megatron-Core 0.16.1's own model and chained
-DistributedOptimizers, MoE layers on both stages (folders mp_rank_00_PPP_EEE, the experts'
-optimizer numbered by its place in the expert tp-ep-pp group): Megatron-Core loads megart's
-files holding megart's fp32 weights and moments bitwise, writes the same, and megart resumes
-what it wrote on the one-process curve. A stage without MoE layers (--moe-layer-freq [1,1,0,0])
-is refused by name: Megatron-Core gives it an experts' optimizer with an empty param group,
-which megart's files leave out (its load raised KeyError on the group's key), and on the CPU
-(no Transformer Engine or Apex) Megatron-Core cannot save that optimizer itself."""
+"""Megatron-LM's files of the distributed optimizer under expert parallelism in three layouts on 4
+ranks (LAYOUTS: ep2 x pp2 x dp2; ep2 x dp4 with --bf16; ep2 x tp2 x dp2 with
+--sequence-parallel, the experts split over tp), in both formats (legacy distrib_optim.pt:
+training.megatron_expert_distopt; torch_dist: training.megatron_dist_chain), against
+Megatron-Core 0.16.1's own model and chained DistributedOptimizers, MoE layers on both stages at
+pp2 (folders mp_rank_TT[_PPP]_EEE, the experts' optimizer numbered by its place in the expert
+tp-ep-pp group): Megatron-Core loads megart's files holding megart's fp32 weights and moments
+bitwise (each tensor-parallel rank's pieces), writes the same, and megart resumes what it wrote
+on the curve (the one-process one; the layout's own under --bf16 or tp2). A stage without MoE
+layers (--moe-layer-freq [1,1,0,0]) is refused by name: Megatron-Core gives it an experts'
+optimizer with an empty param group, which megart's files leave out (its load raised KeyError on
+the group's key), and on the CPU (no Transformer Engine or Apex) Megatron-Core cannot save that
+optimizer itself (with the non-distributed optimizer megart writes that group:
+tests/test_moe_ep_megatron_stages.py)."""
 
 import pytest
 import torch
@@ -24,11 +28,21 @@ from train_workers import SAME_RUN
 pytest.importorskip("megatron.core")
 pytest.importorskip("psutil")  # Megatron-Core's torch_dist strategy needs it
 
-RUN = dict(TRAIN, use_distributed_optimizer=True, expert_model_parallel_size=2,
-           pipeline_model_parallel_size=2)  # fmt: skip
-LAYOUTS = {"pp2": RUN}
+EP2 = dict(TRAIN, use_distributed_optimizer=True, expert_model_parallel_size=2)
+RUN = dict(EP2, pipeline_model_parallel_size=2)
+# Each on 4 ranks: ep2 x pp2 x dp2; ep2 x dp4 with --bf16 (fp32 main weights in the buffers);
+# ep2 x tp2 x dp2 with --sequence-parallel (each expert split over tp, one expert-data rank).
+LAYOUTS = {"pp2": RUN, "bf16": dict(EP2, bf16=True),
+           "tp2": dict(EP2, tensor_model_parallel_size=2, sequence_parallel=True)}  # fmt: skip
 ITER = "iter_0000002"
-FOLDERS = [f"mp_rank_00_{p:03d}_{e:03d}" for p in (0, 1) for e in (0, 1)]
+
+
+def _folders(run: dict) -> list[str]:
+    """Megatron-LM's rank folders of the layout (mp_rank_TT[_PPP]_EEE)."""
+    tp = run.get("tensor_model_parallel_size", 1)
+    pp = run.get("pipeline_model_parallel_size", 1)
+    return [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + f"_{e:03d}"
+            for t in range(tp) for p in range(pp) for e in range(2)]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -38,8 +52,11 @@ def layout(request):
 
 @pytest.fixture(scope="module")
 def curve(layout, moe_one_process):
-    """The one-process curve of the layout's model."""
-    return moe_one_process
+    """The curve the layout's resumed runs follow: the one-process one of the same model;
+    under --bf16 or tensor parallelism the layout's own uninterrupted run (its rounding)."""
+    if layout == "pp2":
+        return moe_one_process
+    return launch(tw.train_kw, 4, LAYOUTS[layout], timeout=300)[0]
 
 
 @pytest.fixture(scope="module")
@@ -64,19 +81,22 @@ def test_legacy_megatron_cores_chain_holds_megarts_state_bitwise(layout, legacy)
         for name, piece in loaded["pieces"].items():
             assert all(piece["same"].values()), (loaded["rank"], name, piece)
         assert any("local_experts" in n for n in loaded["pieces"]), loaded["stage"]
-    assert stages == {0, 1}
+    assert stages == set(range(LAYOUTS[layout].get("pipeline_model_parallel_size", 1)))
 
 
 def test_legacy_files_are_megatron_cores(layout, legacy):
-    """The same files in every folder, each rank file's optimizer a chain of two, the vectors
-    bitwise."""
-    for folder in FOLDERS:
+    """The same files in every folder, each rank file's optimizer a chain of two, its model in
+    the run's precision, the vectors bitwise."""
+    for folder in _folders(LAYOUTS[layout]):
         names = [sorted(p.name for p in (legacy[w] / ITER / folder).glob("*.pt"))
                  for w in ("ours", "theirs")]  # fmt: skip
         assert names[0] == names[1], (folder, names)
         assert names[0] == [mw.DISTRIB, mw.FILE], folder
-        optimizer = torch_load(legacy["ours"] / ITER / folder / mw.FILE)["optimizer"]
+        state = torch_load(legacy["ours"] / ITER / folder / mw.FILE)
+        optimizer = state["optimizer"]
         assert isinstance(optimizer, list) and len(optimizer) == 2, folder
+        half = torch.bfloat16 if LAYOUTS[layout].get("bf16") else torch.float32
+        assert {v.dtype for v in state["model"].values() if torch.is_tensor(v)} == {half}
         mw.assert_same_vectors(
             *(legacy[w] / ITER / folder / mw.DISTRIB for w in ("ours", "theirs"))
         )
@@ -104,16 +124,19 @@ def dist(layout, tmp_path_factory):
 
 def test_dist_megatron_cores_chain_holds_megarts_state_bitwise(layout, dist):
     """Every piece Megatron-Core's optimizers hold is megart's state bitwise (the one-chunk
-    model's names: test_megatron_dist_ep_distopt's comparison), each stage's parts as
+    model's names, each tensor-parallel rank's piece: test_megatron_dist_ep_distopt's
+    comparison), each stage's parts as
     get_megatron_optimizer builds them."""
     from test_megatron_dist_distopt import model_config_of
     from test_megatron_dist_ep_distopt import KEYS, _whole
 
     cfg = model_config_of(read_common(iteration_dir(dist["ours"], 2)))
-    whole = _whole(dist["trained"], cfg)
+    tp = LAYOUTS[layout].get("tensor_model_parallel_size", 1)
+    wholes = [_whole(dist["trained"], cfg, tp, t) for t in range(tp)]
     for rank in dist["loaded"]:
         assert rank["groups"] == [[False, False], [True]]
         assert rank["steps"] == {2.0}
+        whole = wholes[rank["place"][0]]  # its tensor-parallel rank's pieces
         for (_, name, _), piece in rank["pieces"].items():
             start, end = piece["range"]
             for key in KEYS.values():
@@ -123,19 +146,24 @@ def test_dist_megatron_cores_chain_holds_megarts_state_bitwise(layout, dist):
 
 def test_dist_store_is_megatron_cores(layout, dist):
     """The same keys, sizes and objects of every optimizer's groups: the dense ones numbered
-    by the stage, the experts' by the pipeline rank too (four groups)."""
+    by the rank's tensor and pipeline place, the experts' by its expert one too (at pp2 four
+    groups)."""
     from test_megatron_dist_distopt import assert_same_store
     from test_megatron_dist_ep_distopt import _meta
 
+    run = LAYOUTS[layout]
+    mp = run.get("tensor_model_parallel_size", 1) * run.get("pipeline_model_parallel_size", 1)
     ours, theirs = iteration_dir(dist["ours"], 2), iteration_dir(dist["theirs"], 2)
     prefixes = {k[: k.index(".", k.index("dp_group_idx_")) + 1]
                 for k in _meta(ours) if "dp_group_idx_" in k}  # fmt: skip
     group = "optimizer.distributed.dp_group_idx_"
-    assert prefixes == {f"chained_0.{group}{g}." for g in (0, 1)} | {
-        f"chained_1.{group}{g}." for g in range(4)
+    assert prefixes == {f"chained_0.{group}{g}." for g in range(mp)} | {
+        f"chained_1.{group}{g}." for g in range(2 * mp)
     }, prefixes
     objects = ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded")
-    assert_same_store(ours, theirs, objects, tuple(sorted(prefixes)), pp=2)
+    pp = run.get("pipeline_model_parallel_size", 1)
+    tp = run.get("tensor_model_parallel_size", 1)
+    assert_same_store(ours, theirs, objects, tuple(sorted(prefixes)), pp=pp, tp=tp)
 
 
 def test_megart_resumes_megatron_cores_store_on_the_curve(layout, dist, curve):

@@ -99,23 +99,53 @@ def part_of_optimizer(
     return {"state": state, "param_groups": groups}, names
 
 
-def without_empty_groups(optimizer: dict[str, Any]) -> dict[str, Any]:
-    """A Megatron optimizer state dict without its groups of no parameters (Megatron-Core's
-    _get_param_groups makes none); the numbering is unchanged."""
-    return {**optimizer, "param_groups": [g for g in optimizer["param_groups"] if g["params"]]}
+def experts_groups(n_groups: int, biases: bool) -> list[int]:
+    """Which of a rank's ``n_groups`` Megatron groups (decayed, [decoupled,] not) its experts'
+    optimizer holds: those the experts of any rank's MoE layers fill, the decayed weights' and
+    with ``biases`` the last. Megatron-Core 0.16.1's _get_param_groups gathers the groups' keys
+    of every rank, so a pipeline rank without MoE layers holds them too, empty."""
+    return [0, n_groups - 1] if biases else [0]
+
+
+def experts_groups_only(
+    optimizer: dict[str, Any], groups: list[list[Any]], biases: bool
+) -> tuple[dict[str, Any], list[list[Any]]]:
+    """A Megatron experts' optimizer state dict and its groups' members (all the rank's
+    groups, ``groups``) cut to experts_groups's; the numbering is unchanged."""
+    kept = experts_groups(len(groups), biases)
+    cut = [optimizer["param_groups"][i] for i in kept]
+    return {**optimizer, "param_groups": cut}, [groups[i] for i in kept]
+
+
+def _place_of(group: dict[str, Any], n_groups: int) -> int:
+    """Where a chain's optimizer's saved group goes among ``n_groups`` megart groups (its
+    Megatron keys): the undecayed (wd_mult 0) last, --decoupled-lr's (an override, not
+    ``default_config``) second of three, the decayed first."""
+    if group.get("wd_mult", 1.0) == 0.0:
+        return n_groups - 1
+    return 1 if n_groups == 3 and not group.get("default_config", True) else 0
 
 
 def with_groups_of(optimizer: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
-    """A Megatron sub-optimizer's torch state dict with an empty group inserted wherever
-    ``sizes`` (the groups' sizes megart's rules give its parameters) has none, so that its
-    groups line up with them; other shapes are returned as they are (and refused later)."""
+    """A Megatron sub-optimizer's torch state dict with an empty group inserted wherever it
+    has none of megart's groups (``sizes``: their sizes under megart's rules), each saved
+    group placed by its keys, so that its groups line up with them; other shapes are
+    returned as they are (and refused later)."""
     saved = optimizer["param_groups"]
-    if len(saved) != sum(1 for n in sizes if n) or len(saved) == len(sizes):
+    places = [_place_of(g, len(sizes)) for g in saved]
+    if not saved or len(set(places)) != len(saved) or len(saved) == len(sizes):
         return optimizer
-    filler = {k: v for k, v in saved[0].items() if k != "params"} if saved else {}
-    it = iter(saved)
-    groups = [next(it) if n else {**filler, "params": []} for n in sizes]
+    filler = {k: v for k, v in saved[0].items() if k != "params"}
+    groups = [{**filler, "params": []} for _ in sizes]
+    for place, group in zip(places, saved, strict=True):
+        groups[place] = group
     return {**optimizer, "param_groups": groups}
+
+
+def saved_groups(groups: list[list[Any]], optimizer: dict[str, Any]) -> list[list[Any]]:
+    """The members of each group one optimizer state dict of the chain holds, in its order
+    (each placed by its keys among the rank's ``groups``)."""
+    return [groups[_place_of(g, len(groups))] for g in optimizer["param_groups"]]
 
 
 def joined_optimizer(

@@ -200,7 +200,9 @@ def _from_megatron_optimizer(
     if extra["half"]:
         if extra.get("optimizer_layout") == "megatron":
             masters: list[dict[str, torch.Tensor]] = [{} for _ in saved]
-            groups = [g for g in param_groups_of(saved, decoupled) if g or experts_part is None]
+            groups = param_groups_of(saved, decoupled)
+            if experts_part is not None:  # it leaves out the groups no rank's experts fill
+                groups = experts.saved_groups(groups, optimizer["optimizer"])
             for group, tensors in zip(groups, optimizer["fp32_from_fp16_params"], strict=True):
                 for (c, name), master in zip(group, tensors, strict=True):
                     masters[c][name] = master

@@ -261,9 +261,8 @@ def _megatron_optimizer(
         lambda c, sd: chunk_names_to_megatron(sd, cfg, layers[c]),
         keys,
     )
-    if experts_part is not None:
-        optimizer = experts.without_empty_groups(optimizer)
-        groups = [g for g in groups if g]
+    if experts_part:  # the dense part keeps every group: each is filled on some rank
+        optimizer, groups = experts.experts_groups_only(optimizer, groups, cfg.bias)
     if half_dtype(config) is None:
         return optimizer
     # The fp32 weights are the master copies; the model holds their 16-bit casts.
