@@ -6,6 +6,7 @@ megart's one-line reason, or ERROR) and exits 1 if any combination mismatched or
     python tests/sweep.py curves --seed 7 --count 40     # layouts x model variants x flags
     python tests/sweep.py precision --seed 31 --count 40 # the same under bf16/fp16 flags
     python tests/sweep.py resume --seed 17 --count 40    # save in one layout, resume in another
+    python tests/sweep.py resume-moe --seed 5 --count 20 # the same, always with experts
     python tests/sweep.py memory --seed 23 --count 40    # megart plan's memory against ranks
     python tests/sweep.py hf --seed 5 --count 40         # export-hf and import-hf (sweep_hf)
     python tests/sweep.py convert --seed 9 --count 40    # convert-checkpoint (sweep_convert)
@@ -19,7 +20,9 @@ stages), context (p2p, all_gather, a2a) and data parallelism (distributed optimi
 reduction); a model variant mixes SwiGLU, grouped queries, rope, RMSNorm, untied output,
 no biases, --qk-layernorm, a sliding window, recomputation and the fused loss (memory: the
 small GPTs of test_plan_memory; hf: a model of a Hugging Face family, see sweep_hf; convert:
-checkpoints through convert-checkpoint, see sweep_convert). On
+checkpoints through convert-checkpoint, see sweep_convert; resume-moe: resume with a
+mixture-of-experts model always, expert parallelism drawn more often, grouped GEMM and the
+router's input jitter at times). On
 2026-11-29 these sweeps found six bugs (git log: "found by a random ... sweep"). REFUSED
 lines are expected (layouts a batch or layer count does not allow); read them for unclear
 messages.
@@ -53,12 +56,14 @@ from megart.training.lr import WSD_DECAY_STYLES  # noqa: E402
 # mcore: float64 logits of megart's GPT and Megatron-Core's GPTModel, weights mapped either way;
 # mcore-tp2: of Megatron-Core's tp2 model loading the tp2 checkpoint megart converts to;
 # mcore-pp2: of its pipeline stages (plain, interleaved, uneven) on pp2 converted files.
-TOLERANCE = {"curves": 1e-5, "precision": 2e-2, "resume": 1e-5, "memory": 1e-2, "hf": 1e-5,
+TOLERANCE = {"curves": 1e-5, "precision": 2e-2, "resume": 1e-5, "resume-moe": 1e-5,
+             "memory": 1e-2, "hf": 1e-5,
              "convert": 1e-5, "hf-import": 1e-5, "mcore": 1e-10, "mcore-tp2": 1e-10,
              "mcore-pp2": 1e-10}  # fmt: skip
 
 
-def _model(rng: random.Random) -> dict:
+def _model(rng: random.Random, moe: bool = False) -> dict:
+    """A drawn model variant's flags; with ``moe`` always a mixture of experts."""
     model: dict = dict(num_layers=rng.choice([4, 8]))
     for flag, chance in (("swiglu", 0.5), ("position_embedding_type", 0.5),
                          ("untie_embeddings_and_output_weights", 0.3),
@@ -89,17 +94,17 @@ def _model(rng: random.Random) -> dict:
     if rng.random() < 0.15:  # Megatron's rising weight decay, set on every rank each step
         model.update(weight_decay_incr_style=rng.choice(["linear", "cosine"]),
                      start_weight_decay=0.0, end_weight_decay=0.5)  # fmt: skip
-    if rng.random() < 0.2:  # mixture of experts (refused with tensor or context parallelism)
-        model.update(_experts(rng, model["num_layers"]), disable_bias_linear=True)
+    if moe or rng.random() < 0.2:  # mixture of experts (tp only with sequence parallelism)
+        model.update(_experts(rng, model["num_layers"], moe), disable_bias_linear=True)
     if rng.random() < 0.15:  # WSD: its anneal over the run's last iterations
         model.update(lr_decay_style="WSD", lr_wsd_decay_iters=rng.choice([2, 3]),
                      lr_wsd_decay_style=rng.choice(WSD_DECAY_STYLES))  # fmt: skip
     return model
 
 
-def _experts(rng: random.Random, layers: int) -> dict:
+def _experts(rng: random.Random, layers: int, more: bool = False) -> dict:
     """Mixture-of-experts flags for ``layers`` layers: experts, top-k, routing, which layers
-    and the two losses."""
+    and the two losses; with ``more`` at times grouped GEMM and the router's input jitter."""
     experts = rng.choice([2, 3, 4])
     flags: dict = dict(num_experts=experts, moe_router_topk=rng.randint(1, min(3, experts)),
                        moe_aux_loss_coeff=rng.choice([0.0, 0.01, 0.1]))  # fmt: skip
@@ -111,6 +116,9 @@ def _experts(rng: random.Random, layers: int) -> dict:
                                 ("moe_router_score_function", "sigmoid", 0.15),
                                 ("moe_shared_expert_intermediate_size", 24, 0.2)):  # fmt: skip
         if rng.random() < chance:
+            flags[flag] = value
+    for flag, value in (("moe_grouped_gemm", True), ("moe_input_jitter_eps", 0.1)):
+        if more and rng.random() < 0.4:
             flags[flag] = value
     return flags
 
@@ -167,24 +175,28 @@ def _layout(rng: random.Random, layers: int) -> tuple[int, dict, int]:
 
 def draw(rng: random.Random, mode: str) -> tuple[int, dict, dict]:
     """(ranks, the flags one process shares, the layout's flags)."""
-    model = _model(rng)
+    model = _model(rng, moe=mode == "resume-moe")
     if mode == "precision":
         model.update(_precision(rng))
     ranks, layout, dp = _layout(rng, model["num_layers"])
-    _spread_experts(rng, model, layout, dp)
+    _spread_experts(rng, model, layout, dp, 0.8 if mode == "resume-moe" else 0.5)
+    if mode == "resume-moe" and layout["tensor_model_parallel_size"] > 1:
+        layout["sequence_parallel"] = True  # experts under tp need it (else refused)
     micro = rng.choice([1, 2])
     rounds = rng.choice([2, 4, 8]) if layout["pipeline_model_parallel_size"] > 1 else 2
     model.update(micro_batch_size=micro, global_batch_size=micro * dp * rounds)
     return ranks, model, layout
 
 
-def _spread_experts(rng: random.Random, model: dict, layout: dict, dp: int) -> None:
+def _spread_experts(
+    rng: random.Random, model: dict, layout: dict, dp: int, chance: float = 0.5
+) -> None:
     """At times, expert parallelism over the data- and context-parallel ranks, where
     ``model``'s experts split over them (into ``layout``; any other draw's taken out)."""
     layout.pop("expert_model_parallel_size", None)
     experts = model.get("num_experts") or 1
     spread = dp * layout.get("context_parallel_size", 1)  # EP over dp x cp, at any tp
-    if spread > 1 and experts % spread == 0 and rng.random() < 0.5:
+    if spread > 1 and experts % spread == 0 and rng.random() < chance:
         layout["expert_model_parallel_size"] = spread
 
 
@@ -286,7 +298,7 @@ def one(rng: random.Random, mode: str) -> str:
 
         return sweep_mcore_pp.verdict(rng, launch, _failed, TOLERANCE["mcore-pp2"])
     ranks, base, layout = draw(rng, mode)
-    resume = mode == "resume"
+    resume = mode in ("resume", "resume-moe")
     base["train_iters"] = 4 if resume else 2
     store = tempfile.mkdtemp() if resume else None
     try:
@@ -300,7 +312,8 @@ def one(rng: random.Random, mode: str) -> str:
             ranks, _, flags = draw(rng, mode)  # another layout of the same run
             sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size")  # fmt: skip
-            _spread_experts(rng, base, flags, ranks // math.prod(flags[k] for k in sizes))
+            dp = ranks // math.prod(flags[k] for k in sizes)
+            _spread_experts(rng, base, flags, dp, 0.8 if mode == "resume-moe" else 0.5)
             flags.update(load=store, ckpt_format=fmt)
             if fmt != "megart" and rng.random() < 0.4:
                 # Another schedule on the command line, the saved one taken instead: the curve
