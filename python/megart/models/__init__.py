@@ -2,6 +2,7 @@
 splittable into pipeline chunks, with Hugging Face GPT-2 and Llama import and export."""
 
 from megart.models.config import GPTConfig
-from megart.models.gpt import GPT, GPTChunk, chunk_layers, pipeline_chunks
+from megart.models.gpt import GPT, GPTChunk, pipeline_chunks
+from megart.models.stages import chunk_layers
 
 __all__ = ["GPTConfig", "GPT", "GPTChunk", "chunk_layers", "pipeline_chunks"]

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from megart.distributed import ProcessGroup
-from megart.errors import ConfigError
 from megart.kernels import fused_vocab_parallel_cross_entropy
 from megart.models.blocks import Block
 from megart.models.config import GPTConfig
@@ -25,7 +24,7 @@ from megart.models.moe import AuxLossScale
 from megart.models.norms import HALF, apply_norm, norm
 from megart.models.recompute import checkpointed, recomputed_spans
 from megart.models.rope import rotary
-from megart.models.stages import FIRST, LAST, stage_ranges, uneven
+from megart.models.stages import chunk_layers
 from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
@@ -342,34 +341,6 @@ class GPT(nn.Module):
     def save_hf_gpt2(self, path: str) -> None:
         """``save_hf`` in GPT-2's format only (``GPT2LMHeadModel.from_pretrained`` loads it)."""
         self.save_hf(path, expect="gpt2")
-
-
-def chunk_layers(
-    num_layers: int,
-    pp_rank: int,
-    pp: int,
-    chunks: int = 1,
-    v_shape: bool = False,
-    first: int | None = None,
-    last: int | None = None,
-) -> list[range]:
-    """The layers of each model chunk of pipeline rank ``pp_rank``: chunk c is virtual stage
-    vs = c * pp + pp_rank and holds layers [vs * n, (vs + 1) * n), n = layers / (pp * chunks),
-    or, with uneven first/last stages (``first``/``last`` layers, see megart.models.stages),
-    Megatron-Core's placement of them. ``v_shape`` (the zb-v schedule, two chunks): chunk 0 is
-    stage pp_rank, chunk 1 stage 2 pp - 1 - pp_rank (even stages only)."""
-    if uneven(first, last):
-        if v_shape:
-            raise ConfigError(
-                "--pipeline-schedule zb-v places two equal chunks per rank in a V and cannot "
-                f"take {FIRST} or {LAST}; use 1f1b, zb-h1 or interleaved, or even stages"
-            )
-        return stage_ranges(num_layers, pp_rank, pp, chunks, first, last)
-    n = num_layers // (pp * chunks)
-    stages = (
-        [pp_rank, 2 * pp - 1 - pp_rank] if v_shape else [c * pp + pp_rank for c in range(chunks)]
-    )
-    return [range(vs * n, (vs + 1) * n) for vs in stages]
 
 
 def pipeline_chunks(

@@ -138,3 +138,31 @@ def _fitting(num_layers: int, unit: int, chunks: int, first: int | None, last: i
     if not options:
         return "change --num-layers or --pipeline-model-parallel-size"
     return "use " + ", or ".join(options)
+
+
+def chunk_layers(
+    num_layers: int,
+    pp_rank: int,
+    pp: int,
+    chunks: int = 1,
+    v_shape: bool = False,
+    first: int | None = None,
+    last: int | None = None,
+) -> list[range]:
+    """The layers of each model chunk of pipeline rank ``pp_rank``: chunk c is virtual stage
+    vs = c * pp + pp_rank and holds layers [vs * n, (vs + 1) * n), n = layers / (pp * chunks),
+    or, with uneven first/last stages (``first``/``last`` layers, see megart.models.stages),
+    Megatron-Core's placement of them. ``v_shape`` (the zb-v schedule, two chunks): chunk 0 is
+    stage pp_rank, chunk 1 stage 2 pp - 1 - pp_rank (even stages only)."""
+    if uneven(first, last):
+        if v_shape:
+            raise ConfigError(
+                "--pipeline-schedule zb-v places two equal chunks per rank in a V and cannot "
+                f"take {FIRST} or {LAST}; use 1f1b, zb-h1 or interleaved, or even stages"
+            )
+        return stage_ranges(num_layers, pp_rank, pp, chunks, first, last)
+    n = num_layers // (pp * chunks)
+    stages = (
+        [pp_rank, 2 * pp - 1 - pp_rank] if v_shape else [c * pp + pp_rank for c in range(chunks)]
+    )
+    return [range(vs * n, (vs + 1) * n) for vs in stages]

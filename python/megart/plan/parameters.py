@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
-from megart.models.gpt import chunk_layers
+from megart.models.stages import chunk_layers
 from megart.training.grad_sync import megatron_bucket_size
 
 FP32 = 4

@@ -35,7 +35,7 @@ def _check_stages_hold_experts(cfg: Any) -> None:
     all ranks, so that rank's experts' optimizer has one empty group, which megart's files leave
     out (Megatron-Core's load then refuses them: KeyError on the group), and without
     Transformer Engine or Apex its state_dict() cannot take that optimizer's step."""
-    from megart.models.gpt import chunk_layers
+    from megart.models.stages import chunk_layers
 
     if not (cfg.use_distributed_optimizer and cfg.ckpt_format in ("torch", "torch_dist")):
         return

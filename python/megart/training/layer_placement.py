@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from megart.models.config import GPTConfig
-from megart.models.gpt import chunk_layers
+from megart.models.stages import chunk_layers
 from megart.training.config import TrainConfig
 from megart.training.flops import replayed_in_chunks, replayed_moe_in_chunks
 

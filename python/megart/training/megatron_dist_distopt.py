@@ -46,8 +46,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megart.errors import ConfigError
-from megart.models.gpt import chunk_layers
 from megart.models.megatron_names import megatron_layer_name
+from megart.models.stages import chunk_layers
 from megart.training import dist_store
 from megart.training.expert_grads import is_expert
 from megart.training.megatron_args import saved_stages
