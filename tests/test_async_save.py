@@ -17,11 +17,6 @@ from megart.training.checkpoint import iteration_dir, latest_iteration
 DIST = dict(ckpt_format="torch_dist")
 
 
-# Python's and numpy's global generators, which megart's training neither seeds nor draws
-# from, differ between any two processes (Megatron-LM records them all the same).
-UNSEEDED = ("random_rng_state", "np_rng_state")
-
-
 def _same(a, b, where=""):
     """Equal, recursively: tensors bit for bit, numpy arrays element for element."""
     import numpy as np
@@ -29,8 +24,7 @@ def _same(a, b, where=""):
     if isinstance(a, dict):
         assert isinstance(b, dict) and set(a) == set(b), where
         for k in a:
-            if k not in UNSEEDED:
-                _same(a[k], b[k], f"{where}.{k}")
+            _same(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b, strict=True)):

@@ -55,20 +55,6 @@ def records(path: Path) -> dict[str, int]:
         return {i.filename.split("/", 1)[1]: i.file_size for i in z.infolist()}
 
 
-def train_host_seeded(kw: dict) -> list[dict]:
-    """megart train with Python's and numpy's global generators seeded first: the files
-    record their states as Megatron-LM's do (megart does not seed them, nor use them), and
-    Python's pickles to a length that varies with its numbers, which would change a
-    torch_dist data file's size from run to run."""
-    import random
-
-    import numpy as np
-
-    random.seed(0)
-    np.random.seed(0)
-    return tw.train_kw(kw)
-
-
 def files(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
 
@@ -76,14 +62,14 @@ def files(root: Path) -> dict[str, int]:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_megart_train_writes_the_files_it_writes_without_the_flag(tmp_path, fmt):
     """The same files, each torch.save file with the same records of the same sizes (its
-    pickle aside: Megatron's args record the save directory and Python's random state, which
-    differ between runs), each loaded expert weight over its own bytes; a torch_dist store's
+    pickle aside: Megatron's args record the save directory, which differs between
+    runs), each loaded expert weight over its own bytes; a torch_dist store's
     files of the same sizes (directories of the same length: its metadata names it)."""
     stores = {}
     for flag, name in ((True, "with"), (False, "none")):
         stores[flag] = tmp_path / name
         kw = dict(MODEL, ckpt_format=fmt, moe_grouped_gemm=flag, save=str(stores[flag]))
-        launch(train_host_seeded, 1, kw, timeout=300)
+        launch(tw.train_kw, 1, kw, timeout=300)
     got, want = files(stores[True]), files(stores[False])
     assert got.keys() == want.keys()
     saved = [n for n in want if n.endswith(".pt") and "common" not in n]

@@ -59,6 +59,7 @@ from megart.training.ckpt_files import (  # re-exported: checkpoint.FILE etc. as
     read_file,
     required_latest_iteration,
 )
+from megart.training.host_random import install_host_generators
 from megart.training.megatron_args import args_record
 from megart.training.megatron_file_read import PARTIAL_BIAS
 from megart.training.megatron_scheduler import check_scheduler
@@ -145,6 +146,7 @@ def load(
         if load_rng and state["rng"] is not None:
             r = state["rng"]
             GeneratorStates(r["torch"], r["cuda"]).install()
+            install_host_generators(r.get("python"), r.get("numpy"))
             if r["tracker"] is not None:  # None: Megatron-LM's (CUDA) streams, not taken
                 rng.set_states(r["tracker"])
     if load_optim and scaler is not None and state.get("loss_scaler") is not None:

@@ -24,6 +24,7 @@ from megart.tensor_parallel.random import GeneratorStates
 from megart.training import dist_store
 from megart.training import megatron_dist_distopt as distopt
 from megart.training.dist_store import Pieces, PiecesPlanner
+from megart.training.host_random import install_host_generators
 from megart.training.megatron_dist import load_store, stored
 from megart.training.megatron_dist_distopt_reshard import read_resharded, saved_ep
 from megart.training.megatron_dist_places import VOCAB_KEYS, Place, bias_places, places
@@ -251,6 +252,7 @@ def _load_rng(root: Path, meta: dict[str, Any], config: Any, grid: Any, rng: Any
             f"{root}: its {key} is not Megatron-LM's random states ({e!r}); add --no-load-rng"
         ) from e
     states.install()
+    install_host_generators(r.get("random_rng_state"), r.get("np_rng_state"))
     if r.get("megart_rng_tracker") is not None:  # Megatron-LM's are CUDA streams: not taken
         rng.set_states(r["megart_rng_tracker"])
     return ""

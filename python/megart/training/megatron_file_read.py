@@ -149,7 +149,8 @@ def from_megatron_file(state: dict[str, Any], path: Any) -> dict[str, Any]:
     if state.get("rng_state"):
         r = state["rng_state"][0]
         rng = {"torch": r["torch_rng_state"], "cuda": r.get("cuda_rng_state"),
-               "tracker": extra["rng_tracker"]}  # fmt: skip
+               "tracker": extra["rng_tracker"], "python": r.get("random_rng_state"),
+               "numpy": r.get("np_rng_state")}  # fmt: skip
     a = vars(state["args"])
     ep = a.get("expert_model_parallel_size") or 1
     if ep > 1:  # its experts' local numbers as the model's

@@ -28,6 +28,7 @@ from megart.training import checkpoint, checkpoint_dirs, upcycling
 from megart.training.data import Dataset, build_datasets, build_split_datasets
 from megart.training.dtypes import half_dtype
 from megart.training.flops import model_flops
+from megart.training.host_random import seed_host_generators
 from megart.training.layer_placement import (
     placement,
     replayed_layer_count,
@@ -84,9 +85,12 @@ def local_device() -> torch.device:
 
 def seeded_streams(config: TrainConfig, grid: ParallelGrid) -> RNGStatesTracker:
     """The random streams, seeded before any weight is drawn. The replicated stream differs per
-    pipeline stage (different layers), the tensor-parallel stream per tensor-parallel rank."""
+    pipeline stage (different layers), the tensor-parallel stream per tensor-parallel rank.
+    Python's and numpy's global generators get the stage's seed too."""
+    seed = config.seed + 1000 * grid.pp_rank
     rng = RNGStatesTracker()
-    seed_tensor_parallel(rng, config.seed + 1000 * grid.pp_rank, grid.tp_rank)
+    seed_tensor_parallel(rng, seed, grid.tp_rank)
+    seed_host_generators(seed)  # as Megatron-LM does, for the states its files record
     return rng
 
 
