@@ -84,6 +84,9 @@ LAYOUTS = {  # name: (processes, flags)
     "ep2": (2, dict(expert_model_parallel_size=2)),
     "pp2": (2, dict(pipeline_model_parallel_size=2)),
     "tp2-sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    # The experts' weights are views of one stack per projection: the fill copies into them.
+    "grouped-gemm": (1, dict(moe_grouped_gemm=True)),
+    "ep2-grouped-gemm": (2, dict(expert_model_parallel_size=2, moe_grouped_gemm=True)),
 }
 
 
@@ -163,10 +166,6 @@ def test_the_upcycled_model_is_saved_as_iteration_1_without_optimizer(one_proces
         (dict(moe_use_upcycling=True, load="x", save="y"), "--num-experts"),
         (dict(MOE, moe_use_upcycling=True, load="x"), "--save"),
         (dict(MOE, moe_use_upcycling=True, save="y"), "--load"),
-        (
-            dict(MOE, moe_use_upcycling=True, load="x", save="y", moe_grouped_gemm=True),
-            "--moe-grouped-gemm",
-        ),  # fmt: skip
         (
             dict(MOE, moe_use_upcycling=True, load="x", save="y", moe_layer_freq="2"),
             "--moe-layer-freq",

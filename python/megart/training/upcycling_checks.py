@@ -58,7 +58,5 @@ def check_upcycling(config: Any) -> None:
             "gives every dense layer experts (its strict load fails on a dense layer beside MoE "
             "ones); leave --moe-layer-freq out"
         )
-    if config.moe_grouped_gemm:
-        raise ConfigError(f"{flag} with --moe-grouped-gemm is not built; leave one out")
     Rule.of(cfg, cfg.ffn_size * config.moe_upcycling_granularity)
     config.no_load_optim = config.no_load_rng = True
