@@ -152,8 +152,9 @@ def _schedule(rng: random.Random, flags: dict) -> str:
     return schedule
 
 
-def _layout(rng: random.Random, layers: int) -> tuple[int, dict, int]:
-    """(ranks, layout flags, data-parallel size)."""
+def _layout(rng: random.Random, layers: int, distopt: float = 0.5) -> tuple[int, dict, int]:
+    """(ranks, layout flags, data-parallel size); ``distopt``: the chance of the distributed
+    optimizer where there is data parallelism."""
     tp, pp, cp, dp = (rng.choice(c) for c in ([1, 2], [1, 2, 2, 4], [1, 1, 2], [1, 2]))
     while tp * pp * cp * dp > 4:
         dp, cp = 1, cp if tp * pp * cp <= 4 else 1
@@ -167,8 +168,8 @@ def _layout(rng: random.Random, layers: int) -> tuple[int, dict, int]:
     if pp > 1 and _schedule(rng, flags) == "1f1b" and layers == 8 and rng.random() < 0.5:
         flags["decoder_first_pipeline_num_layers"] = 1 if pp == 4 else 3
     if dp > 1:
-        for flag in ("use_distributed_optimizer", "overlap_grad_reduce"):
-            if rng.random() < 0.5:
+        for flag, chance in (("use_distributed_optimizer", distopt), ("overlap_grad_reduce", 0.5)):
+            if rng.random() < chance:
                 flags[flag] = True
     return tp * pp * cp * dp, flags, dp
 
@@ -178,7 +179,8 @@ def draw(rng: random.Random, mode: str) -> tuple[int, dict, dict]:
     model = _model(rng, moe=mode == "resume-moe")
     if mode == "precision":
         model.update(_precision(rng))
-    ranks, layout, dp = _layout(rng, model["num_layers"])
+    # resume-moe: the experts' own optimizer shards (and their files) drawn more often.
+    ranks, layout, dp = _layout(rng, model["num_layers"], 0.8 if mode == "resume-moe" else 0.5)
     _spread_experts(rng, model, layout, dp, 0.8 if mode == "resume-moe" else 0.5)
     if mode == "resume-moe" and layout["tensor_model_parallel_size"] > 1:
         layout["sequence_parallel"] = True  # experts under tp need it (else refused)
