@@ -44,8 +44,8 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
     from megart.training.checkpoint import iteration_dir, latest_iteration
     from megart.training.megatron_args import config_from_args
     from megart.training.megatron_dist import read_common
+    from megatron_ep_start import megatron_ep
     from moe_ep_megatron_distopt_workers import _chained
-    from moe_ep_tp_workers import _no_cuda_streams
     from test_megatron_dist_distopt import _global_name
 
     mdw._no_cuda()
@@ -53,11 +53,7 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
     common = read_common(root)
     args = vars(common["args"])
     tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
-    torch.distributed.init_process_group("gloo")
-    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=EP)
-    mcw.on_cpu_only()
-    _no_cuda_streams()
-    try:
+    with megatron_ep(tp, pp, EP):
         cfg = config_from_args(args)
         dtype = torch.bfloat16 if args.get("bf16") else torch.float32
         sp = bool(args.get("sequence_parallel"))
@@ -102,9 +98,6 @@ def load_and_save(kw: dict, store: str, out_dir: str | None) -> dict:
         return dict(pieces=pieces, steps=steps, content=content, groups=groups,
                     place=(ps.get_tensor_model_parallel_rank(), p, e,
                            ps.get_expert_data_parallel_rank()))  # fmt: skip
-    finally:
-        ps.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
 
 
 def save_with_mistake(kw: dict, mistake: str) -> str:

@@ -59,17 +59,13 @@ def load_and_save(kw: dict, store: str, out_dir: str | None, tokens: torch.Tenso
     from megart.training.checkpoint import iteration_dir, latest_iteration
     from megart.training.megatron_args import config_from_args
     from megart.training.megatron_dist import read_common
-    from megatron_core_workers import megatron_logits, megatron_model, on_cpu_only
-    from moe_ep_tp_workers import _no_cuda_streams
+    from megatron_core_workers import megatron_logits, megatron_model
+    from megatron_ep_start import megatron_ep
 
     tp = kw.get("tensor_model_parallel_size", 1)
     pp = kw.get("pipeline_model_parallel_size", 1)
     mdw._no_cuda()
-    torch.distributed.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=EP)
-    on_cpu_only()
-    _no_cuda_streams()
-    try:
+    with megatron_ep(tp, pp, EP):
         c = tw.tiny(**kw)
         iteration = latest_iteration(store)
         root = iteration_dir(store, iteration)
@@ -106,9 +102,6 @@ def load_and_save(kw: dict, store: str, out_dir: str | None, tokens: torch.Tenso
         return dict(held=held, steps=steps, logits=logits, rank=int(os.environ["RANK"]),
                     groups=[[(len(g["params"]), g["is_expert_parallel"]) for g in p]
                             for p in parts])  # fmt: skip
-    finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
 
 
 def _local_experts(places):

@@ -114,21 +114,15 @@ def load_and_write(kw: dict, stores: list[str], ref_dir: str, out_dir: str) -> l
     import megatron_optim_workers as mow
     import train_workers as tw
     from megart.training.megatron_args import config_from_args
-    from moe_ep_tp_workers import _no_cuda_streams
+    from megatron_ep_start import megatron_ep
 
     tp = kw.get("tensor_model_parallel_size", 1)
     pp = kw.get("pipeline_model_parallel_size", 1)
-    torch.distributed.init_process_group("gloo")
-    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=EP)
-    mcw.on_cpu_only()
-    _no_cuda_streams()
-    e = ps.get_expert_model_parallel_rank()
-    t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    folder = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + f"_{e:03d}"
-    here = Path("iter_0000002") / folder
-    want = _expected(Path(ref_dir) / here / FILE, e)
     results = []
-    try:
+    with megatron_ep(tp, pp, EP) as folder:
+        e, p = ps.get_expert_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        here = Path("iter_0000002") / folder
+        want = _expected(Path(ref_dir) / here / FILE, e)
         for n, store in enumerate(stores):
             state = torch.load(Path(store) / here / FILE, weights_only=False)
             args = vars(state["args"])
@@ -156,9 +150,6 @@ def load_and_write(kw: dict, stores: list[str], ref_dir: str, out_dir: str) -> l
                 if loaded:
                     optimizer.save_parameter_state(str(Path(out_dir) / here / DISTRIB))
                 torch.distributed.barrier()
-    finally:
-        ps.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
     return results
 
 

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import torch
 
-import megart.distributed as dist
-
 EP = 2
 
 
@@ -25,17 +23,12 @@ def logits_of_own_file(ckpt_dir: str, tokens: torch.Tensor) -> dict:
     from megart.training.ckpt_files import FILE, iteration_dir, latest_iteration
     from megart.training.megatron_args import config_from_args
     from megart.training.megatron_files import torch_load
-    from megatron_core_workers import megatron_logits, megatron_model, on_cpu_only
-    from moe_ep_tp_workers import _no_cuda_streams
+    from megatron_core_workers import megatron_logits, megatron_model
+    from megatron_ep_start import megatron_ep
 
-    dist.init("torch", timeout=120)
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=EP)
-    on_cpu_only()
-    _no_cuda_streams()
-    try:
+    with megatron_ep(1, 1, EP, megart_groups=True) as folder:
         e = parallel_state.get_expert_model_parallel_rank()
-        root = iteration_dir(ckpt_dir, latest_iteration(ckpt_dir))
-        path = root / f"mp_rank_00_{e:03d}" / FILE
+        path = iteration_dir(ckpt_dir, latest_iteration(ckpt_dir)) / folder / FILE
         state = torch_load(path)
         cfg = config_from_args(vars(state["args"]))
         model = megatron_model(cfg, ep=EP)
@@ -44,10 +37,7 @@ def logits_of_own_file(ckpt_dir: str, tokens: torch.Tensor) -> dict:
         model.eval()
         with torch.no_grad():
             got = megatron_logits(model, tokens)
-        return dict(logits=got, file=Path(path).parent.name, rank=e)
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy()
+        return dict(logits=got, file=folder, rank=e)
 
 
 def whole_logits(ckpt_dir: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -72,7 +62,6 @@ def megatron_core_resaves(kw: dict, megart_dir: str, out_dir: str) -> dict:
     FP32Optimizers), loads the file's optimizer state; then it writes its own state dicts as
     Megatron-LM's generate_state_dict does (the file's args) into ``out_dir``. Returns its
     groups' sizes and expert flags per optimizer of the chain."""
-    from megatron.core import parallel_state
     from megatron.core.optimizer import _get_param_groups
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
@@ -80,20 +69,13 @@ def megatron_core_resaves(kw: dict, megart_dir: str, out_dir: str) -> dict:
     import megatron_optim_workers as mow
     import train_workers as tw
     from megart.training.megatron_args import config_from_args
-    from moe_ep_tp_workers import _no_cuda_streams
+    from megatron_ep_start import megatron_ep
 
     tp = kw.get("tensor_model_parallel_size", 1)
     pp = kw.get("pipeline_model_parallel_size", 1)
-    torch.distributed.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=EP)
-    mcw.on_cpu_only()
-    _no_cuda_streams()
-    try:
+    with megatron_ep(tp, pp, EP) as folder:
         c = tw.tiny(**kw)
-        e = parallel_state.get_expert_model_parallel_rank()
-        t = parallel_state.get_tensor_model_parallel_rank()
-        stage = parallel_state.get_pipeline_model_parallel_rank()
-        here = f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else "") + f"_{e:03d}/{mow.FILE}"
+        here = f"{folder}/{mow.FILE}"
         state = torch.load(Path(megart_dir) / "iter_0000002" / here, weights_only=False)
         cfg = config_from_args(vars(state["args"]))
         model = mcw.megatron_model(cfg, tp, pp, ep=EP).float()
@@ -106,6 +88,3 @@ def megatron_core_resaves(kw: dict, megart_dir: str, out_dir: str) -> dict:
         torch.distributed.barrier()
         return dict(groups=[[(len(g["params"]), g["is_expert_parallel"]) for g in p]
                             for p in parts])  # fmt: skip
-    finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()

@@ -23,7 +23,8 @@ from megart.parallel.experts import expert_groups
 from megart.tensor_parallel import scatter_to_sequence_region
 from megart.tensor_parallel._group import group_rank
 from megart.training.megatron_layout import shard
-from megatron_core_workers import drawn, megatron_model, on_cpu_only
+from megatron_core_workers import drawn, megatron_model
+from megatron_ep_start import megatron_ep
 from moe_tp_workers import (
     _our_grads,
     _ours,
@@ -34,66 +35,6 @@ from moe_tp_workers import (
 )
 
 TP, EP = 2, 2
-
-
-class _Stream:
-    """A stand-in for a CUDA stream on this CPU-only process: Megatron-Core's alltoall
-    dispatcher copies its split sizes to the host on a side stream, here already there."""
-
-    def wait_stream(self, other: object) -> None:
-        pass
-
-    def record_event(self) -> _Stream:
-        return self  # an event whose synchronize returns at once
-
-    def synchronize(self) -> None:
-        pass
-
-
-def _no_cuda_streams() -> None:
-    """torch.cuda's streams as _Stream, and the split sizes the dispatcher would copy from the
-    device as numpy arrays (once per process; these processes have no CUDA)."""
-    import contextlib
-
-    from megatron.core.transformer.moe import token_dispatcher
-
-    stream = _Stream()
-    torch.cuda.Stream = lambda *a, **kw: stream
-    torch.cuda.current_stream = lambda *a, **kw: stream
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
-
-    def to_host(tensor: object, as_numpy: bool = False, record_stream: bool = False) -> object:
-        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
-
-    token_dispatcher.maybe_move_tensor_to_cpu = to_host
-    _uneven_collectives()
-
-
-def _uneven_collectives() -> None:
-    """torch.distributed's all_gather of pieces of unequal rows and list reduce_scatter, which
-    the alltoall dispatcher calls over the tensor-parallel group and gloo lacks: the pieces
-    padded and gathered, the list summed whole and sliced (the same sums: each element of
-    two ranks' values added once)."""
-    real_gather = torch.distributed.all_gather
-
-    def all_gather(outputs: list, x: torch.Tensor, group: object = None, async_op: bool = False):
-        if all(o.shape == x.shape for o in outputs):
-            return real_gather(outputs, x, group=group, async_op=async_op)
-        padded = x.new_zeros((max(len(o) for o in outputs), *x.shape[1:]))
-        padded[: len(x)] = x
-        parts = [torch.empty_like(padded) for _ in outputs]
-        real_gather(parts, padded, group=group)
-        for out, part in zip(outputs, parts, strict=True):
-            out.copy_(part[: len(out)])
-
-    def reduce_scatter(output: torch.Tensor, inputs: list, group: object = None, **kw: object):
-        whole = torch.cat(inputs)
-        torch.distributed.all_reduce(whole, group=group)
-        rank = torch.distributed.get_rank(group)
-        output.copy_(whole.split([len(t) for t in inputs])[rank])
-
-    torch.distributed.all_gather = all_gather
-    torch.distributed.reduce_scatter = reduce_scatter
 
 
 def _theirs(
@@ -183,21 +124,13 @@ def compare(kw: dict, factor: float, dispatcher: str, groups: tuple, mistake: st
 def compare_all(cases: list[tuple]) -> list[dict]:
     """compare of each case (kw, factor, dispatcher, mistake) on each of the TP x EP launched
     ranks, in one torch.distributed world shared by megart and Megatron-Core."""
-    from megatron.core import parallel_state
-
-    dist.init("torch", timeout=120)
-    parallel_state.initialize_model_parallel(TP, 1, expert_model_parallel_size=EP)
-    on_cpu_only()
-    _no_cuda_streams()
-    layout = make_layout(TP * EP, tp=TP)
-    mine = {}
-    for kind, ranks_list in (("tp", layout.groups("tp")), ("ep", expert_groups(layout, EP)[0])):
-        for ranks in ranks_list:
-            group = dist.new_group(list(ranks))
-            if dist.get_rank() in ranks:
-                mine[kind] = group
-    try:
+    with megatron_ep(TP, 1, EP, megart_groups=True):
+        layout = make_layout(TP * EP, tp=TP)
+        mine = {}
+        for kind, ranks_list in (("tp", layout.groups("tp")), ("ep", expert_groups(layout, EP)[0])):
+            for ranks in ranks_list:
+                group = dist.new_group(list(ranks))
+                if dist.get_rank() in ranks:
+                    mine[kind] = group
         groups = (mine["tp"], mine["ep"])
         return [compare(kw, f, dispatcher, groups, mistake) for kw, f, dispatcher, mistake in cases]
-    finally:
-        dist.destroy()
