@@ -40,6 +40,11 @@ what runs (tests/test_flops.py adds it to match torch's counter). Full recomputa
 MoE layer's experts with the rest of it; --recompute-modules mlp replays dense MLPs only (megart,
 as Megatron-Core, does not checkpoint an MoE layer's experts as "mlp").
 
+Multi-latent attention (--multi-latent-attention, models.mla) replaces the q/k/v and output
+projections and the core by its own products (mla_widths): its query, down- and up-projections,
+output projection, and a core whose scores are qk_head_dim + qk_pos_emb_head_dim wide a head and
+whose values v_head_dim; Megatron-LM's count adds its latents' norms, which megart leaves out.
+
 Selective recomputation (``selective``) runs every layer's attention core once more: both of its
 products where the core is one call (Megatron-LM's checkpoint of it, flash and memory-efficient
 kernels), which is what megart plan counts. megart train does not count it in its TFLOP/s: with
