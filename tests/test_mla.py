@@ -313,3 +313,13 @@ def test_flops_are_megatrons_but_for_its_norm_terms(q_lora_rank):
     megatron += 6 * b * l * s * s * (n * (qk + pos) + n * vd) // 2
     assert model_flops(cfg, b) == megatron - 6 * b * s * l * (norms + rkv)
     assert iteration_flops(b, s, l, h, v) != model_flops(cfg, b)
+
+
+def test_the_run_line_names_the_attention():
+    from types import SimpleNamespace
+
+    from megart.training.reporting import run_description
+
+    fake = SimpleNamespace(config=tw.tiny(**TRAIN), chunks=[], peak=None, dp=1, m=1,
+                           device_name="CPU")  # fmt: skip
+    assert "4 heads of multi-latent attention (kv rank 12), seq 16" in run_description(fake)
