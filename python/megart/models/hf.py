@@ -153,7 +153,7 @@ def writer(cfg: GPTConfig, expect: str | None = None) -> ModuleType:
     Qwen3's with query/key norms, Qwen2's with biases on q/k/v alone); ``expect`` (a
     model_type) insists on one. A model no format can represent is refused with what each
     format lacks."""
-    refuse_mla(cfg, "a Hugging Face export (DeepSeek-V2/V3's layout is not written)")
+    refuse_mla(cfg, "a Hugging Face export (DeepSeek-V2/V3's layout)")
     refusals = []
     for fmt in WRITERS:
         if expect not in (None, fmt.MODEL_TYPE):

@@ -100,6 +100,7 @@ def refuse_mla(cfg: GPTConfig, what: str) -> None:
     exporter) that megart has not built MLA's weights for."""
     if cfg.multi_latent_attention:
         raise ConfigError(
-            f"{what} does not take multi-latent attention (--multi-latent-attention) in megart; "
-            "save with --ckpt-format megart (it saves, resumes and reshards MLA's weights)"
+            f"{what}: megart does not write or read multi-latent attention "
+            "(--multi-latent-attention) there; its own checkpoint format (--ckpt-format megart) "
+            "holds MLA's weights (saved, resumed, resharded across layouts)"
         )
