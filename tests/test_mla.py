@@ -19,7 +19,7 @@ from megart.launcher import launch
 from megart.models import GPT, GPTConfig
 from megart.models.documents import Documents, document_ids, document_positions
 from megart.models.hf import read_format, writer
-from megart.models.megatron_names import to_megatron
+from megart.models.megatron_names import from_megatron, to_megatron
 from megart.training.flops import iteration_flops, model_flops
 from megart.training.megatron_args import config_from_args as megatron_config
 from test_flops import torch_count
@@ -86,7 +86,8 @@ def test_megatron_cores_tp2_model_computes_megarts_logits_from_its_slices():
 
 def test_the_parameters_have_megatron_cores_names_and_shapes():
     cfg = GPTConfig(**BASE, **MODELS["q-lora-norms-llama"])
-    names = {k: v.shape for k, v in to_megatron(GPT(cfg).chunk.state_dict(), cfg).items()}
+    theirs = to_megatron(GPT(cfg).chunk.state_dict(), cfg)
+    names = {k: v.shape for k, v in theirs.items()}
     attn = "decoder.layers.0.self_attention."
     assert names[attn + "linear_q_down_proj.weight"] == (10, 32)
     assert names[attn + "linear_q_up_proj.weight"] == (4 * 12, 10)  # heads x (8 + 4)
@@ -95,6 +96,16 @@ def test_the_parameters_have_megatron_cores_names_and_shapes():
     assert names[attn + "linear_proj.weight"] == (32, 4 * 6)
     assert names[attn + "q_layernorm.weight"] == (10,)
     assert names[attn + "kv_layernorm.weight"] == (12,)
+    # Transformer Engine's layer spec fuses the latents' norms into the up-projections.
+    fused = {"q_layernorm.": "linear_q_up_proj.layer_norm_",
+             "kv_layernorm.": "linear_kv_up_proj.layer_norm_"}  # fmt: skip
+    te = dict(theirs)
+    for name in list(te):
+        for norm, up in fused.items():
+            if norm in name:
+                te[name.replace(norm, up)] = te.pop(name)
+    assert attn + "linear_kv_up_proj.layer_norm_weight" in te
+    assert set(from_megatron(te, cfg)) == set(GPT(cfg).chunk.state_dict())
     plain = GPTConfig(**BASE)  # no --q-lora-rank, no --qk-layernorm: no norms
     got = to_megatron(GPT(plain).chunk.state_dict(), plain)
     assert got[attn + "linear_q_proj.weight"].shape == (4 * 12, 32)

@@ -64,6 +64,9 @@ _FC1_TENSOR = re.compile(r"\.linear_fc1\.(weight|bias)$")
 TE_NORMS = {
     "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
     "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+    # Multi-latent attention's latent norms (--qk-layernorm), fused into its up-projections.
+    "self_attention.linear_q_up_proj.layer_norm_": "self_attention.q_layernorm.",
+    "self_attention.linear_kv_up_proj.layer_norm_": "self_attention.kv_layernorm.",
 }
 
 
