@@ -37,7 +37,10 @@ def megatron_model(
     from megatron.core import parallel_state
     from megatron.core.activations import squared_relu
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
 
     one_rank_world()
     vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -45,12 +48,13 @@ def megatron_model(
     # Megatron-LM's --squared-relu is Megatron-Core's own squared_relu.
     non_gated = {"gelu": tanh_gelu, "squared_relu": squared_relu}
     skip = cfg.window_attn_skip_freq
-    config = TransformerConfig(
+    config = (MLATransformerConfig if cfg.multi_latent_attention else TransformerConfig)(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.query_groups,
-        kv_channels=cfg.head_dim,
+        # MLA's heads have their own widths; its core attention's output is v_head_dim wide.
+        kv_channels=cfg.v_head_dim if cfg.multi_latent_attention else cfg.head_dim,
         ffn_hidden_size=cfg.ffn_size,
         layernorm_epsilon=cfg.layernorm_epsilon,
         layernorm_zero_centered_gamma=cfg.apply_layernorm_1p,
@@ -79,6 +83,7 @@ def megatron_model(
         num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last,
         **moe_config(cfg),
+        **mla_config(cfg),
         **(dict(expert_model_parallel_size=ep) if ep > 1 else {}),
         # Its config checks sequence parallelism against its own tensor-parallel size.
         **(
@@ -153,6 +158,15 @@ def moe_config(cfg: GPTConfig) -> dict:
     )
 
 
+def mla_config(cfg: GPTConfig) -> dict:
+    """MLATransformerConfig's fields for ``cfg`` (none without multi-latent attention): the
+    same names, plain rope (its default is YaRN) with megart's base."""
+    if not cfg.multi_latent_attention:
+        return {}
+    names = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+    return dict({n: getattr(cfg, n) for n in names}, rope_type="rope", rotary_base=cfg.rotary_base)
+
+
 def layer_spec(cfg: GPTConfig, config, vp_stage: int | None):
     """Megatron-Core's local layer spec for ``cfg``: one spec for every layer, or with experts
     its decoder block spec, which takes each layer's MoE or dense spec from moe_layer_freq."""
@@ -162,13 +176,38 @@ def layer_spec(cfg: GPTConfig, config, vp_stage: int | None):
     )
 
     if cfg.num_experts is None:
-        return get_gpt_layer_local_spec(
-            normalization=config.normalization, qk_layernorm=cfg.qk_layernorm
+        spec = get_gpt_layer_local_spec(
+            normalization=config.normalization,
+            qk_layernorm=cfg.qk_layernorm,
+            multi_latent_attention=cfg.multi_latent_attention,
         )
+        if cfg.multi_latent_attention:
+            from megatron.core.transformer import multi_latent_attention as mla
+
+            spec.submodules.self_attention.submodules.core_attention = _widths_dropped()
+            # Its module believes Transformer Engine installed where only its names import
+            # (as None); its isinstance test of TELinear then fails. It is not installed.
+            mla.HAVE_TE = False
+        return spec
     return get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization=config.normalization,
         vp_stage=vp_stage,
     )  # fmt: skip
+
+
+def _widths_dropped():
+    """Megatron-Core 0.16.1's DotProductAttention (its local spec's core attention), taking
+    the k_channels and v_channels its MLASelfAttention passes and dropping them: in 0.16.1 it
+    has no such arguments (the local MLA spec fails to build: a TypeError). Its scores are
+    scaled by the softmax_scale MLA passes, and its output is kv_channels (set to v_head_dim)
+    wide per head, so it computes MLA's attention as given."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class WidthsDropped(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kw):
+            super().__init__(*args, **kw)
+
+    return WidthsDropped
 
 
 class _TorchLayerNormAffine:

@@ -115,6 +115,8 @@ UNMODELLED_GIVEN = {
                                          "--moe-pad-expert-input-to-capacity"],
     "moe_input_jitter_eps": ["--num-experts", "8", "--disable-bias-linear",
                              "--moe-input-jitter-eps", "0.01"],
+    "multi_latent_attention": ["--multi-latent-attention", "--rope-type", "rope",
+                               "--position-embedding-type", "rope"],
 }  # fmt: skip
 
 

@@ -145,12 +145,15 @@ def _parse(*argv: str) -> TrainConfig:
         ),
         (
             ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
-            "--recompute-modules mla_up_proj (megart has no multi-latent attention)",
+            "--recompute-modules mla_up_proj (megart does not recompute multi-latent "
+            "attention's up-projections alone (core_attn recomputes its attention core, full "
+            "whole layers))",
         ),
         (
             ["--recompute-activations", "--recompute-modules", "moe", "mla_up_proj", "attn"],
-            "--recompute-modules mla_up_proj (megart has no multi-latent attention); attn (not a "
-            "module Megatron-LM recomputes)",
+            "--recompute-modules mla_up_proj (megart does not recompute multi-latent "
+            "attention's up-projections alone (core_attn recomputes its attention core, full "
+            "whole layers)); attn (not a module Megatron-LM recomputes)",
         ),
         # Megatron-LM's parser takes one or more names (nargs "+").
         (

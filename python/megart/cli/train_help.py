@@ -2,6 +2,7 @@
 parser: one flag per TrainConfig field, Megatron-LM's name); a test keeps it in step with
 TrainConfig's fields."""
 
+from megart.cli.train_help_mla import MLA_HELP
 from megart.cli.train_help_moe import MOE_HELP
 
 HELP = {
@@ -365,4 +366,5 @@ HELP = {
     "distributed_timeout_minutes": "every wait on another rank (rendezvous, group creation, "
     "communication) gives up after this long, naming the rank it waited on",
     **MOE_HELP,
+    **MLA_HELP,
 }

@@ -91,6 +91,12 @@ class Attention(nn.Module):
             self.q_layernorm = norm(cfg, True, cfg.head_dim)
             self.k_layernorm = norm(cfg, True, cfg.head_dim)
 
+    @property
+    def entry(self) -> ColumnParallelLinear:
+        """The column-parallel layer whose ``enter`` takes the input (the block's recomputed
+        norms enter it there)."""
+        return self.qkv
+
     def forward(
         self,
         x: torch.Tensor,
@@ -148,12 +154,7 @@ class Attention(nn.Module):
         the tensor-parallel stream: what selective recomputation recomputes (so it keeps k and v
         per group)."""
         per_group = q.shape[1] // k.shape[1]
-        dropout = self.cfg.attention_dropout if self.training else 0.0
-        stream = self.rng.fork() if dropout and self.rng else contextlib.nullcontext()
-        # Megatron's --attention-backend unfused/local: the softmax of the explicit s x s
-        # scores (torch's math kernel); otherwise torch picks flash or fused kernels.
-        unfused = self.cfg.attention_backend in ("unfused", "local")
-        kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
+        dropout, stream, kernel = core_settings(self)
         if where is not None and self.cfg.cp_comm_type != "all_gather":  # the groups' K/V travel
             attend = ring_attention if self.cfg.cp_comm_type == "p2p" else all_to_all_attention
             with stream, kernel:
@@ -168,3 +169,18 @@ class Attention(nn.Module):
             if where is not None:
                 return context_attention(q, k, v, *where, dropout, window)
             return sequence_attention(q, k, v, dropout, window, mask)
+
+
+def core_settings(
+    module: nn.Module,
+) -> tuple[float, contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """An attention module's (its cfg, rng and training mode) dropout probability, the random
+    stream its dropout draws from (the tracker's tensor-parallel one, distinct per rank) and
+    the kernel choice its core runs under."""
+    dropout = module.cfg.attention_dropout if module.training else 0.0
+    stream = module.rng.fork() if dropout and module.rng else contextlib.nullcontext()
+    # Megatron's --attention-backend unfused/local: the softmax of the explicit s x s
+    # scores (torch's math kernel); otherwise torch picks flash or fused kernels.
+    unfused = module.cfg.attention_backend in ("unfused", "local")
+    kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
+    return dropout, stream, kernel

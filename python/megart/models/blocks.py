@@ -17,6 +17,7 @@ from megart.kernels import add_layer_norm
 from megart.models.attention import Attention
 from megart.models.config import GPTConfig
 from megart.models.dropped_output import DroppedOutput
+from megart.models.mla import MLA
 from megart.models.mlp import MLP
 from megart.models.moe import AuxLossScale, MoE
 from megart.models.norms import apply_norm, gamma, in_dtype, norm
@@ -43,7 +44,8 @@ class Block(nn.Module):
         chunk's; models.moe); ``ep_group``: the group its experts are spread over."""
         super().__init__()
         self.ln_1 = norm(cfg, sequence_parallel)
-        self.attn = Attention(cfg, layer, tp_group, sequence_parallel, rng, cp_group)
+        kind = MLA if cfg.multi_latent_attention else Attention
+        self.attn = kind(cfg, layer, tp_group, sequence_parallel, rng, cp_group)
         self.ln_2 = norm(cfg, sequence_parallel)
         moe = cfg.is_moe_layer(layer)
         self.mlp: nn.Module = (
@@ -97,7 +99,7 @@ class Block(nn.Module):
         attn, mlp, norms = self.attn, self.mlp, self.recompute_norms
         if norms:
             first = DroppedOutput(lambda t: apply_norm(self.ln_1, t, self.fused_norm))
-            normed, slot = _entered(first, attn.qkv, first(x))
+            normed, slot = _entered(first, attn.entry, first(x))
             a = attn(normed, rope, mask, entered=True, slot=slot)
             first.discard(a)
         else:

@@ -14,6 +14,7 @@ from megart.models.config_flags import MEGATRON_NORMS as MEGATRON_NORMS
 from megart.models.config_flags import MEGATRON_POSITIONS as MEGATRON_POSITIONS
 from megart.models.config_flags import architecture_flags as architecture_flags
 from megart.models.config_flags import refuse_unlike as refuse_unlike
+from megart.models.mla_checks import check_mla, mla_layout_problems
 from megart.models.moe_checks import check_moe, is_moe_layer, moe_layout_problems
 from megart.models.recompute import DEFAULT_MODULES, check_recompute
 from megart.models.rope_checks import check_rope_scaling, check_rotary_percent
@@ -118,6 +119,16 @@ class GPTConfig:
     # (megart.models.context_parallel) or "a2a" (heads scattered, the sequence gathered,
     # megart.models.all_to_all_attention). Nothing without context parallelism.
     cp_comm_type: str = "p2p"
+    # Megatron's --multi-latent-attention (DeepSeek-V2/V3's MLA, megart.models.mla; checks in
+    # models.mla_checks): queries from h (or a q_lora_rank latent), keys and values from a
+    # kv_lora_rank latent, heads of qk_head_dim + qk_pos_emb_head_dim channels (rope on the
+    # latter, its key part shared by the heads) and values v_head_dim wide. Megatron's defaults.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     init_std: float = 0.02
     # Megatron's --init-method-xavier-uniform: weights drawn from Glorot's uniform instead of
     # N(0, init_std^2) (megart.models.init says which and with which fans).
@@ -249,7 +260,8 @@ class GPTConfig:
         check_recompute(self)
         check_rotary_percent(self)
         check_moe(self)
-        if self.position_embedding == "rotary" and self.head_dim % 2 and self.rotary_percent == 1:
+        check_mla(self)
+        if self.position_embedding == "rotary" and self.rotary_dim % 2:
             raise ConfigError(f"rotary positions need an even head size, not {self.head_dim}")
         check_rope_scaling(self)
 
@@ -273,7 +285,10 @@ class GPTConfig:
     @property
     def rotary_dim(self) -> int:
         """The channels of each head that rope turns (rotary_percent of them, rounded down
-        as Megatron-Core's RotaryEmbedding rounds; all with rotary_percent 1)."""
+        as Megatron-Core's RotaryEmbedding rounds; all with rotary_percent 1); under
+        multi-latent attention its qk_pos_emb_head_dim channels."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         if self.rotary_percent < 1:
             return int(self.head_dim * self.rotary_percent)
         return self.head_dim
@@ -345,6 +360,7 @@ class GPTConfig:
                 f"{either(divisors(groups))})"
             )
         problems += moe_layout_problems(self, tp)  # the experts' width
+        problems += mla_layout_problems(self, tp)
         if self.ffn_size % tp:
             problems.append(
                 f"the MLP size {self.ffn_size} does not split over tensor-parallel size {tp}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megart.errors import ConfigError
+from megart.models.mla_checks import mla_flags
 
 if TYPE_CHECKING:
     from megart.models.config import GPTConfig
@@ -71,6 +72,7 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
             if cfg.query_groups != cfg.num_attention_heads
             else "no --group-query-attention"
         ),
+        "multi_latent_attention": mla_flags(cfg),  # MLA's widths, or none
         **moe_flags(cfg),
     }
 

@@ -39,6 +39,7 @@ from megart.models import (
 )
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
+from megart.models.mla_checks import refuse_mla
 from megart.tensor_parallel._group import group_rank, group_size
 
 # A Llama-style model without a window is written as a Llama, one with a window as a Mistral,
@@ -51,8 +52,12 @@ WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3, hf_nemotron, hf_mi
            hf_qwen3_moe, hf_qwen2_moe)  # fmt: skip
 # By config.json's model_type.
 FORMATS = {m.MODEL_TYPE: m for m in WRITERS}
-# Formats megart knows and cannot represent, by model_type: why (none at present).
-UNREPRESENTABLE: dict[str, str] = {}
+# Formats megart knows and cannot represent, by model_type: why.
+UNREPRESENTABLE: dict[str, str] = {
+    kind: "its multi-latent attention trains in megart (--multi-latent-attention), but "
+    "DeepSeek-V2/V3's Hugging Face layout (and its YaRN rope) is not read"
+    for kind in ("deepseek_v2", "deepseek_v3")
+}
 # Parameters whose rows are the (padded) vocabulary.
 VOCAB_ROWS = ("chunk.wte.weight", "chunk.output_layer.weight")
 
@@ -148,6 +153,7 @@ def writer(cfg: GPTConfig, expect: str | None = None) -> ModuleType:
     Qwen3's with query/key norms, Qwen2's with biases on q/k/v alone); ``expect`` (a
     model_type) insists on one. A model no format can represent is refused with what each
     format lacks."""
+    refuse_mla(cfg, "a Hugging Face export (DeepSeek-V2/V3's layout)")
     refusals = []
     for fmt in WRITERS:
         if expect not in (None, fmt.MODEL_TYPE):

@@ -36,6 +36,13 @@ LAYER_NAMES = {
     "attn.proj": "self_attention.linear_proj",
     "attn.q_layernorm": "self_attention.q_layernorm",
     "attn.k_layernorm": "self_attention.k_layernorm",
+    # Multi-latent attention's (models.mla; its proj is linear_proj as above).
+    "attn.q_proj": "self_attention.linear_q_proj",
+    "attn.q_down_proj": "self_attention.linear_q_down_proj",
+    "attn.q_up_proj": "self_attention.linear_q_up_proj",
+    "attn.kv_down_proj": "self_attention.linear_kv_down_proj",
+    "attn.kv_up_proj": "self_attention.linear_kv_up_proj",
+    "attn.kv_layernorm": "self_attention.kv_layernorm",
     "ln_2": "pre_mlp_layernorm",
     "mlp.fc": "mlp.linear_fc1",
     "mlp.proj": "mlp.linear_fc2",
@@ -57,6 +64,9 @@ _FC1_TENSOR = re.compile(r"\.linear_fc1\.(weight|bias)$")
 TE_NORMS = {
     "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
     "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+    # Multi-latent attention's latent norms (--qk-layernorm), fused into its up-projections.
+    "self_attention.linear_q_up_proj.layer_norm_": "self_attention.q_layernorm.",
+    "self_attention.linear_kv_up_proj.layer_norm_": "self_attention.kv_layernorm.",
 }
 
 

@@ -32,7 +32,8 @@ DEFAULT_MODULES = ("core_attn",)  # Megatron-Core's when none are given
 OTHER_MODULES = {
     "moe_act": "Megatron-LM recomputes the experts' activation only with --moe-grouped-gemm; "
     "megart does not recompute it alone (--recompute-modules moe recomputes the whole layer)",
-    "mla_up_proj": "megart has no multi-latent attention",
+    "mla_up_proj": "megart does not recompute multi-latent attention's up-projections alone "
+    "(core_attn recomputes its attention core, full whole layers)",
     "gdn_norm_out": "megart has no gated delta net layers",
     "gdp_in_proj": "megart has no gated delta product layers",
     "gdp_qkv": "megart has no gated delta product layers",

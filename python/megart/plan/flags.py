@@ -164,6 +164,10 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
     # The jitter's noise (h per token, kept for the gradient) and the jittered input the
     # router's product keeps in place of the layer's input: two h-wide saves per MoE layer.
     "moe_input_jitter_eps": ((None,), "the router's jittered input and its noise, saved"),
+    "multi_latent_attention": (
+        (False,),
+        "multi-latent attention's projections, latents and scores (its weights, FLOPs and saves)",
+    ),
 }
 
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the
@@ -214,6 +218,10 @@ NO_EFFECT = (
     # saves): routing balanced by chance, as the plan's experts' shares already are (balanced).
     "moe_router_force_load_balancing",
     "moe_per_layer_logging",  # logging: each layer's losses in one all-reduce already made
+    # MLA's sizes, refused by the model's checks without --multi-latent-attention (which is
+    # UNMODELLED), and plain rope's name (the only rope megart turns).
+    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "rope_type",
     "distributed_backend",
     # data
     "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "mock_data",

@@ -9,11 +9,12 @@ from megart.training.config_checks import check_config
 from megart.training.flag_choices import CHOICES as CHOICES  # re-exported: cli.train reads it
 from megart.training.lr_flags import LearningRateFlags
 from megart.training.megatron_flags import resolve_megatron_flags
+from megart.training.mla_flags import MLAFlags
 from megart.training.model_flags import gpt_config
 
 
 @dataclass
-class TrainConfig(LearningRateFlags):
+class TrainConfig(LearningRateFlags, MLAFlags):
     """Defaults train a small GPT on the built-in corpus in seconds on a CPU."""
 
     num_layers: int = 4

@@ -41,6 +41,11 @@ def check_context_parallel(config: Any) -> None:
         )
     if cp == 1:
         return
+    if getattr(config, "multi_latent_attention", False):
+        raise ConfigError(
+            f"--multi-latent-attention with {FLAG} {cp}: megart's multi-latent attention runs "
+            "over whole sequences only; use --context-parallel-size 1"
+        )
     if getattr(config, "reset_attention_mask", False):
         # Here rather than with the other document flags' checks (training.documents), so that
         # megart plan's context-parallel search, which runs these checks, refuses it too.

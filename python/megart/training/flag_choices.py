@@ -7,6 +7,7 @@ from megart.models.moe_checks import DROP_POLICIES, SCORE_FUNCTIONS
 from megart.training.config_checks import PIPELINE_SCHEDULES
 from megart.training.lr import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from megart.training.megatron_flags import ATTENTION_BACKENDS, CKPT_FORMATS, TOKENIZER_TYPES
+from megart.training.mla_flags import ROPE_TYPES
 from megart.training.model_flags import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
 from megart.training.save_modes import NON_PERSISTENT_TYPES
 
@@ -30,6 +31,7 @@ CHOICES = {
     "timing_log_level": (0, 1, 2),
     "timing_log_option": ("max", "minmax", "all"),
     "data_order": ("megart", "megatron"),
+    "rope_type": ROPE_TYPES,  # yarn refused with why (training.mla_flags)
     "moe_router_score_function": SCORE_FUNCTIONS,
     "moe_router_dtype": ("fp32", "fp64"),
     "moe_token_drop_policy": DROP_POLICIES,

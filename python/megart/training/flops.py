@@ -40,6 +40,11 @@ what runs (tests/test_flops.py adds it to match torch's counter). Full recomputa
 MoE layer's experts with the rest of it; --recompute-modules mlp replays dense MLPs only (megart,
 as Megatron-Core, does not checkpoint an MoE layer's experts as "mlp").
 
+Multi-latent attention (--multi-latent-attention, models.mla) replaces the q/k/v and output
+projections and the core by its own products (mla_widths): its query, down- and up-projections,
+output projection, and a core whose scores are qk_head_dim + qk_pos_emb_head_dim wide a head and
+whose values v_head_dim; Megatron-LM's count adds its latents' norms, which megart leaves out.
+
 Selective recomputation (``selective``) runs every layer's attention core once more: both of its
 products where the core is one call (Megatron-LM's checkpoint of it, flash and memory-efficient
 kernels), which is what megart plan counts. megart train does not count it in its TFLOP/s: with
@@ -82,6 +87,8 @@ def iteration_flops(
     moe_layers: int = 0,
     routed_hidden: int = 0,
     replayed_moe: int | None = None,
+    projections: int | None = None,
+    core_width: int | None = None,
 ) -> int:
     """Model FLOPs of one iteration (forward and backward, plus, when ``recompute``, the
     recomputed forward of ``replayed`` of the ``layers``: all of them by default; with
@@ -97,15 +104,19 @@ def iteration_flops(
     ``moe_layers``: how many of the ``layers`` are mixture-of-experts layers, whose MLP
     products are those of an MLP ``routed_hidden`` wide (--moe-ffn-hidden-size x
     --moe-router-topk: each token's experts); ``replayed_moe``: how many of the replayed
-    layers are (None: every MoE layer when every layer is replayed, none when no layer is)."""
+    layers are (None: every MoE layer when every layer is replayed, none when no layer is).
+    ``projections``: each token's multiply-adds in the attention's projections (default
+    h (q + 2 kv) + q h); ``core_width``: the widths of the scores and scores x values products
+    together, per query and key (default 2 q): multi-latent attention's (mla_widths)."""
     b, s, l, h, v = batch, seq, layers, hidden, vocab
     f = 4 * h if ffn_hidden is None else ffn_hidden
     kv = h if kv_hidden is None else kv_hidden
     q = h if query_hidden is None else query_hidden
     # The scores and values products run over every query head (keys and values repeated).
-    qkv = 2 * b * s * h * (q + 2 * kv)
-    core = (b * s * s * q if causal else 2 * b * s * s * q) * 2  # Q K^T and scores x V
-    attention = qkv + core + 2 * b * s * q * h
+    linear = h * (q + 2 * kv) + q * h if projections is None else projections
+    width = 2 * q if core_width is None else core_width  # Q K^T and scores x V
+    core = (b * s * s if causal else 2 * b * s * s) * width
+    attention = 2 * b * s * linear + core
     mlp = (3 if swiglu else 2) * 2 * b * s * h * f
     moe = (3 if swiglu else 2) * 2 * b * s * h * routed_hidden
     logits = 2 * b * s * h * v
@@ -168,7 +179,25 @@ def model_flops(
         if cfg.num_experts
         else 0,
         replayed_moe,
+        *mla_widths(cfg),
     )
+
+
+def mla_widths(cfg: GPTConfig) -> tuple[int | None, int | None]:
+    """Multi-latent attention's (projections, core_width) for iteration_flops (None, None
+    without it): its products, as Megatron-LM's count has them (training.py's MLA terms), but
+    for the norms' q_lora_rank + kv_lora_rank per token, which megart, counting products only,
+    leaves out as it does every norm's. Per token: the queries' h x heads (qk + pos) (or h x
+    q_lora_rank and q_lora_rank x heads (qk + pos)), the down-projection's h x (kv_lora_rank +
+    pos), the up-projection's kv_lora_rank x heads (qk + v), the output's heads v x h; the
+    scores over qk + pos channels a head, the values' v."""
+    if not cfg.multi_latent_attention:
+        return None, None
+    h, n, rkv, rq = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank
+    qd, v = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    queries = h * n * qd if rq is None else rq * (h + n * qd)
+    keys_values = h * (rkv + cfg.qk_pos_emb_head_dim) + rkv * n * (cfg.qk_head_dim + v)
+    return queries + keys_values + n * v * h, n * qd + n * v
 
 
 def moe_layer_count(cfg: GPTConfig) -> int:

@@ -17,6 +17,7 @@ from megart.models.moe_checks import capacity_factor
 from megart.models.recompute import DEFAULT_MODULES, MODULES, OTHER_MODULES
 from megart.models.window import parse_skip_freq, parse_window_size
 from megart.parallel.layout import divisors, nearest_multiples
+from megart.training.mla_flags import mla_fields
 
 # Megatron's spellings of --normalization and --position-embedding-type, to GPTConfig's names.
 NORMALIZATIONS = {flag: name for name, flag in MEGATRON_NORMS.items()}
@@ -81,6 +82,7 @@ def gpt_config(config: Any) -> GPTConfig:
         else tuple(dict.fromkeys(config.recompute_modules)),  # Megatron's list as a set
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
         **moe_fields(config),
+        **mla_fields(config),
     )
 
 

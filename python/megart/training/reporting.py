@@ -136,6 +136,11 @@ def run_description(trainer: Any) -> str:
         f"megart train: GPT {c.num_layers} layers x {c.hidden_size} hidden, "
         f"{c.num_attention_heads} heads"
         + (f" in {c.num_query_groups} query groups" if c.group_query_attention else "")
+        + (
+            f" of multi-latent attention (kv rank {c.kv_lora_rank})"
+            if c.multi_latent_attention
+            else ""
+        )
         + (f", {c.num_experts} experts top-{c.moe_router_topk}" if c.num_experts else "")
         + f", seq {c.seq_length}; tp {c.tp} x "
         + (f"cp {c.context_parallel_size} x " if c.context_parallel_size > 1 else "")
