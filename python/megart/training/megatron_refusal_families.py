@@ -34,14 +34,15 @@ FAMILIES: tuple[tuple[str, str], ...] = (
         "grouped-query attention (--group-query-attention --num-query-groups)",
         (
             "--multi-latent-attention --mla- --q-lora-rank --kv-lora-rank --qk-head-dim "
-            "--qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor --mscale --mscale- "
-            "--cache-mla-latents"
+            "--qk-pos-emb-head-dim --v-head-dim --cache-mla-latents"
         ),
     ),
     (
-        "megart's rope has Llama 3's scaling (--use-rope-scaling) and position interpolation "
-        "(--rotary-seq-len-interpolation-factor), not YaRN nor multimodal rope; leave it out",
-        "--yarn- --no-yarn- --rope-type --mrope-section",
+        "megart's rope has Llama 3's scaling (--use-rope-scaling), position interpolation "
+        "(--rotary-seq-len-interpolation-factor) and YaRN (--position-embedding-type yarn), not "
+        "multimodal rope, nor --rope-type (which picks multi-latent attention's rope); leave "
+        "it out",
+        "--rope-type --mrope-section",
     ),
     (
         "megart has no attention variants besides softmax attention (no DeepSeek sparse, gated "
