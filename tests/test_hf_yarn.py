@@ -15,6 +15,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models import GPT, GPTConfig, hf_nemotron
+from megart.models.hf_yarn import yarn_from_hf
 from megart.training.import_hf import train_flags
 
 transformers = pytest.importorskip("transformers")
@@ -142,3 +143,16 @@ def test_nemotron_refuses_yarn_naming_the_flags():
                     rope_type="yarn", yarn_rotary_scaling_factor=4.0)  # fmt: skip
     with pytest.raises(ConfigError, match="cannot represent --rotary-base 10000 .*--rotary-scal"):
         hf_nemotron.check(cfg)
+
+
+def test_what_a_yarn_config_leaves_out_is_read_as_transformers_reads_it():
+    """No factor: the two contexts' ratio; a top-level original context (Phi-3's) before the
+    scaling's; beta 0 or none: 32 and 1; no truncate: rounded."""
+    hf = {"max_position_embeddings": 128, "original_max_position_embeddings": 32}
+    got, problem = yarn_from_hf({"rope_type": "yarn", "original_max_position_embeddings": 16,
+                                 "beta_fast": 0}, hf)  # fmt: skip
+    assert problem is None
+    assert got["yarn_rotary_scaling_factor"] == 4.0
+    assert got["yarn_original_max_position_embeddings"] == 32
+    assert (got["yarn_beta_fast"], got["yarn_beta_slow"]) == (32.0, 1.0)
+    assert got["yarn_correction_range_round_to_int"] is True

@@ -25,8 +25,12 @@ if TYPE_CHECKING:
 def yarn_from_hf(scaling: dict[str, Any], hf: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     """(GPTConfig's YaRN fields, what megart cannot take) for a "yarn" rope scaling of config
     ``hf``, with transformers' defaults for what it leaves out."""
-    original = scaling.get("original_max_position_embeddings") or hf.get(
-        "original_max_position_embeddings", hf.get("max_position_embeddings", 2048)
+    # transformers prefers a top-level original_max_position_embeddings (Phi-3's), then the
+    # scaling's, then the model's context.
+    original = (
+        hf.get("original_max_position_embeddings")
+        or scaling.get("original_max_position_embeddings")
+        or hf.get("max_position_embeddings", 2048)
     )
     factor = scaling.get("factor")
     if factor is None:  # transformers' DeepSeek-style reading: the two contexts' ratio
