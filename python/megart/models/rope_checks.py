@@ -115,8 +115,9 @@ def check_yarn(cfg: GPTConfig) -> None:
     if beside:
         raise ConfigError(
             f"--position-embedding-type yarn with {' and '.join(beside)}: Megatron-Core's YaRN "
-            "ignores the first three (it turns the whole head with its own frequencies) and "
-            "refuses --rotary-interleaved; leave them out"
+            "ignores --use-rope-scaling, --rotary-seq-len-interpolation-factor and "
+            "--rotary-percent (it turns whole heads with its own frequencies) and refuses "
+            "--rotary-interleaved; leave " + ("them" if len(beside) > 1 else "it") + " out"
         )
     factor, original = cfg.yarn_rotary_scaling_factor, cfg.yarn_original_max_position_embeddings
     if not 1 <= factor < math.inf:  # also refuses NaN
