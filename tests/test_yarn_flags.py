@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 
+import megatron_core_ckpt_workers as mckw
 import megatron_workers as mw
 import train_workers as tw
 from megart.cli.train import add_arguments, config_from_args
@@ -194,3 +195,17 @@ def test_megatron_args_record_yarn_as_megatron_lm_does():
     plain = vars(megatron_args(flags_config(["--position-embedding-type", "rope"]).gpt_config(), 1))
     assert plain["position_embedding_type"] == "rope" and plain["rotary_scaling_factor"] == 1.0
     assert plain["yarn_beta_fast"] is None and plain["yarn_correction_range_round_to_int"] is None
+
+
+def test_a_yarn_checkpoint_converts_to_megatrons_legacy_format_and_back(tmp_path):
+    """Converted to Megatron-LM's legacy checkpoint, a YaRN run's weights load strictly into
+    Megatron-Core's GPTModel built from the args megart wrote (position_embedding_type yarn and
+    its settings), which computes megart's logits; converted back, the weights and the model
+    config are the original ones."""
+    ckpt = tmp_path / "ckpt"
+    kw = dict(YARN, num_layers=2, train_iters=1, save=str(ckpt), tensor_model_parallel_size=2)
+    del kw["init_method_std"]  # Megatron-LM's args do not record it (a default config back)
+    launch(tw.train_kw, 2, kw, timeout=300)
+    r = launch(mckw.legacy_checkpoint_roundtrip, 1, str(ckpt), str(tmp_path), timeout=300)[0]
+    assert r["logits"] < 1e-5 and r["iteration"] == 1
+    assert r["same_weights"] and r["same_config"]
