@@ -4,12 +4,14 @@ a launched process, since Megatron-Core keeps its parallel state in module globa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 
 from megart.models import GPT, GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
+from megart.models.yarn import YarnConfig
 
 
 def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -91,6 +93,10 @@ def megatron_model(
         ),
     )
     rope = cfg.position_embedding == "rotary"
+    # Its GPTModel reads YaRN's settings as attributes its config class lacks (Megatron-LM's
+    # arguments set them so): GPTConfig's names are those attributes'.
+    for name in (f.name for f in dataclasses.fields(YarnConfig)) if cfg.rope_type == "yarn" else ():
+        setattr(config, name, getattr(cfg, name))
     # Its torch norms refuse sequence parallelism; its fused one (torch's function inside) not.
     fused = cfg.apply_layernorm_1p or sequence_parallel
     norms = zero_centred_layer_norm() if fused else contextlib.nullcontext()
@@ -102,7 +108,9 @@ def megatron_model(
             layer_spec(cfg, config, vp_stage),
             vocab_size=cfg.padded_vocab_size(tp),
             max_sequence_length=cfg.seq_length,
-            position_embedding_type="rope" if rope else "learned_absolute",
+            position_embedding_type=("yarn" if cfg.rope_type == "yarn" else "rope")
+            if rope
+            else "learned_absolute",
             rotary_base=int(cfg.rotary_base),
             rope_scaling=cfg.rope_scaling,
             rope_scaling_factor=cfg.rope_scaling_factor,

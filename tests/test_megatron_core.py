@@ -4,7 +4,7 @@ index, local transformer spec, CPU, float64): Megatron-Core loads megart's weigh
 Megatron-Core model's weights and computes its logits, for GPT-2-style and Llama-style models
 (RMSNorm, rope rotating halves or, with --rotary-interleaved, adjacent pairs, SwiGLU, GQA,
 untied output layer, --use-rope-scaling, --rotary-seq-len-interpolation-factor, --rotary-percent
-0.5), and with
+0.5, --position-embedding-type yarn), and with
 --apply-layernorm-1p (zero-centred LayerNorm weights), --kv-channels other than h / heads and
 --squared-relu."""
 
@@ -33,6 +33,29 @@ CONFIGS = {
     },
     # --rotary-seq-len-interpolation-factor: every position divided by 4 before it turns.
     "llama-interpolated": {**LLAMA, "rotary_seq_len_interpolation_factor": 4.0},
+    # --position-embedding-type yarn: heads of 16 (8 pairs) whose correction range blends a
+    # few pairs (original context 64, factor 4); its concentration factor multiplies cos and
+    # sin of the queries and keys. Then non-default betas, mscales and unrounded range ends.
+    "llama-yarn": {
+        **LLAMA,
+        "kv_channels": 16,
+        "rope_type": "yarn",
+        "yarn_rotary_scaling_factor": 4.0,
+        "yarn_original_max_position_embeddings": 64,
+    },
+    "llama-yarn-settings": {
+        **LLAMA,
+        "kv_channels": 16,
+        "rotary_base": 500.0,
+        "rope_type": "yarn",
+        "yarn_rotary_scaling_factor": 6.5,
+        "yarn_original_max_position_embeddings": 40,
+        "yarn_beta_fast": 8.0,
+        "yarn_beta_slow": 2.0,
+        "yarn_mscale": 1.3,
+        "yarn_mscale_all_dim": 0.4,
+        "yarn_correction_range_round_to_int": False,
+    },
     # --rotary-percent 0.5: the first 4 channels of each head of 8 turn (see test_rotary_percent).
     "llama-partial-rotary": {**LLAMA, "rotary_percent": 0.5},
     # Its FusedLayerNorm with zero-centred gamma (apex's kernel replaced by torch's function).
@@ -105,3 +128,13 @@ def test_megart_checkpoints_convert_to_megatrons_legacy_format_and_back(tmp_path
     tp2 = {**llama, "load": megatron, "tensor_model_parallel_size": 2}
     for history in launch(tw.train_kw, 2, tp2, timeout=300):
         assert history[0]["loss"] == pytest.approx(tuned[0]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama-yarn", "llama-yarn-settings"])
+def test_megatron_core_turns_yarn_as_megart_does(results, name):
+    """YaRN's frequencies and concentration factor are Megatron-Core's to the bit (its cos and
+    sin, tests/test_yarn.py), so the logits agree as plain rope's do (measured: below 1e-14);
+    megart's plain rope in their place differs by over 0.1 (its concentration alone scales the
+    logits by 1.3)."""
+    r = results[name]
+    assert r["forward"] < 1e-10 and r["reverse"] < 1e-10

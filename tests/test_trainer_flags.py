@@ -188,7 +188,7 @@ def test_megart_train_lists_the_flags_and_refuses_before_any_work():
         "--init-method-std INIT_METHOD_STD",
         "--layernorm-epsilon LAYERNORM_EPSILON, --norm-epsilon LAYERNORM_EPSILON",
         "--normalization {LayerNorm,RMSNorm}",
-        "--position-embedding-type {learned_absolute,rope}",
+        "--position-embedding-type {learned_absolute,rope,yarn}",
         "--swiglu SwiGLU",
         "--disable-bias-linear no biases",
     ):

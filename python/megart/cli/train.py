@@ -36,8 +36,9 @@ ALIASES = {
 # use one kind, so a list must repeat it (config_from_args).
 NARGS = {"rampup_batch_size": 3, "cp_comm_type": "+"}
 METAVARS = {"rampup_batch_size": ("START", "INCREMENT", "SAMPLES"), "recompute_modules": "MODULE"}
-# Switches on by default in megart but off in Megatron-LM: both spellings are accepted.
-ON_BY_DEFAULT = ("overlap_grad_reduce",)
+# Switches on by default in megart but off (or unset) in Megatron-LM: both spellings are
+# accepted.
+ON_BY_DEFAULT = ("overlap_grad_reduce", "yarn_correction_range_round_to_int")
 # What each flag does (--help): megart.cli.train_help.HELP, one entry per TrainConfig field.
 
 

@@ -4,6 +4,7 @@ TrainConfig's fields."""
 
 from megart.cli.train_help_mla import MLA_HELP
 from megart.cli.train_help_moe import MOE_HELP
+from megart.cli.train_help_yarn import YARN_HELP
 
 HELP = {
     "num_layers": "transformer layers",
@@ -71,7 +72,8 @@ HELP = {
     "model's norm; Megatron-LM's q_layernorm and k_layernorm)",
     "apply_layernorm_1p": "store every norm's weight zero-centred: initialised to 0, the norm "
     "scales by 1 + weight (LayerNorm and RMSNorm; Megatron's layernorm_zero_centered_gamma)",
-    "position_embedding_type": "learned_absolute (GPT-2's) or rope (rotary, base 10000)",
+    "position_embedding_type": "learned_absolute (GPT-2's), rope (rotary, base 10000) or yarn "
+    "(rope with YaRN's frequencies and scale: --rotary-scaling-factor, --yarn-*, --mscale*)",
     "swiglu": "SwiGLU MLP (three matrices) instead of GeLU",
     "squared_relu": "squared ReLU, relu(x)^2, as the MLP's activation instead of GeLU (Nemotron's)",
     "disable_bias_linear": "no biases in the linear layers; LayerNorm keeps its bias (as "
@@ -367,4 +369,5 @@ HELP = {
     "communication) gives up after this long, naming the rank it waited on",
     **MOE_HELP,
     **MLA_HELP,
+    **YARN_HELP,
 }

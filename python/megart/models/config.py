@@ -20,6 +20,7 @@ from megart.models.recompute import DEFAULT_MODULES, check_recompute
 from megart.models.rope_checks import check_rope_scaling, check_rotary_percent
 from megart.models.stages import check_stages, uneven
 from megart.models.window import check_window, layer_window, refuse_window
+from megart.models.yarn import YarnConfig
 from megart.parallel.layout import divisors, either
 
 NORMS = ("layernorm", "rmsnorm")
@@ -39,8 +40,9 @@ VOCAB_MULTIPLE = 128
 
 
 @dataclass(frozen=True)
-class GPTConfig:
-    """A pre-LayerNorm GPT (GPT-2/3 style by default). Field names follow Megatron's flags."""
+class GPTConfig(YarnConfig):
+    """A pre-LayerNorm GPT (GPT-2/3 style by default). Field names follow Megatron's flags;
+    rope's YaRN fields are YarnConfig's (megart.models.yarn), checked in rope_checks."""
 
     vocab_size: int = 50257
     seq_length: int = 1024

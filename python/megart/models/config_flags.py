@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from megart.errors import ConfigError
 from megart.models.mla_checks import mla_flags
+from megart.models.yarn import yarn_flags
 
 if TYPE_CHECKING:
     from megart.models.config import GPTConfig
@@ -27,7 +28,7 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
     """The megart train flags (Megatron-LM's) that give ``cfg``'s architecture, by GPTConfig
     field ("no --disable-bias-linear" where a switch is off), so that messages about a model
     name what the user can change rather than GPTConfig's internal names."""
-    position = MEGATRON_POSITIONS[cfg.position_embedding]
+    position = "yarn" if cfg.rope_type == "yarn" else MEGATRON_POSITIONS[cfg.position_embedding]
     return {
         "ffn_hidden_size": f"--ffn-hidden-size {cfg.ffn_size}",
         "normalization": f"--normalization {MEGATRON_NORMS[cfg.normalization]}",
@@ -57,6 +58,7 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
                 if cfg.rotary_seq_len_interpolation_factor is not None
                 else ""
             )
+            + (" " + yarn_flags(cfg) if cfg.rope_type == "yarn" else "")
             if cfg.position_embedding == "rotary"
             else "no rope"
         ),

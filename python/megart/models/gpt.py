@@ -194,6 +194,7 @@ class GPTChunk(nn.Module):
                 self.cfg.rotary_base,
                 scale,
                 self.cfg.rotary_seq_len_interpolation_factor,
+                self.cfg if self.cfg.rope_type == "yarn" else None,
             )
             if positions is not None:  # each sample's own angles: [b, 1, s, d/2]
                 rope = (rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1))

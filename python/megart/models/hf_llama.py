@@ -27,6 +27,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig, distinct_head_size, refuse_unlike
+from megart.models.hf_yarn import hf_yarn, yarn_from_hf
 from megart.models.rope import (
     LLAMA3_HIGH_FREQ_FACTOR,
     LLAMA3_LOW_FREQ_FACTOR,
@@ -181,13 +182,19 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(base), scaling
 
 
-def _rope_scaling(scaling: dict[str, Any] | None) -> tuple[dict[str, Any], str | None]:
+def _rope_scaling(
+    scaling: dict[str, Any] | None, hf: dict[str, Any]
+) -> tuple[dict[str, Any], str | None]:
     """(GPTConfig's rope scaling fields, what megart cannot take) for Hugging Face's rope
-    scaling: its "llama3" type with Llama 3.x's constants is --use-rope-scaling, its "linear"
-    type (positions divided by the factor) --rotary-seq-len-interpolation-factor."""
+    scaling of config ``hf``: its "llama3" type with Llama 3.x's constants is
+    --use-rope-scaling, its "linear" type (positions divided by the factor)
+    --rotary-seq-len-interpolation-factor, its "yarn" type --position-embedding-type yarn
+    (megart.models.hf_yarn)."""
     if scaling is None:
         return {}, None
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "yarn":
+        return yarn_from_hf(scaling, hf)
     if kind == "linear" and scaling.get("factor") is not None:
         return {"rotary_seq_len_interpolation_factor": float(scaling["factor"])}, None
     fixed = {k: scaling.get(k) for k in LLAMA3_FIXED}
@@ -195,8 +202,8 @@ def _rope_scaling(scaling: dict[str, Any] | None) -> tuple[dict[str, Any], str |
         return {"rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}, None
     why = (
         f"rope scaling {scaling} (megart's --use-rope-scaling is the llama3 rope type with "
-        f"{LLAMA3_FIXED}, as Megatron-LM's, and its --rotary-seq-len-interpolation-factor the "
-        "linear type with a factor)"
+        f"{LLAMA3_FIXED}, as Megatron-LM's, its --rotary-seq-len-interpolation-factor the "
+        "linear type with a factor, and its --position-embedding-type yarn the yarn type)"
     )
     return {}, why
 
@@ -236,7 +243,7 @@ def config_from_hf(hf: dict[str, Any], fmt: str = NAME) -> GPTConfig:
         problems.append(f"hidden_act {hf['hidden_act']!r} (megart's SwiGLU gates with silu)")
     problems += one_sided_bias(hf)
     base, scaling = _rope(hf)
-    scaled, unsupported = _rope_scaling(scaling)
+    scaled, unsupported = _rope_scaling(scaling, hf)
     if unsupported:
         problems.append(unsupported)
     if problems:
@@ -333,6 +340,8 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
         scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, **LLAMA3_FIXED}
     elif cfg.rotary_seq_len_interpolation_factor is not None:  # check() refuses both
         scaling = {"rope_type": "linear", "factor": cfg.rotary_seq_len_interpolation_factor}
+    elif cfg.rope_type == "yarn":  # GPTConfig refuses it beside the other two
+        scaling = hf_yarn(cfg)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": MODEL_TYPE,

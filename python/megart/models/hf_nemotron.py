@@ -76,7 +76,11 @@ def check(cfg: GPTConfig) -> None:
         "only models with zero-centred LayerNorm (--apply-layernorm-1p), rope and squared "
         "ReLU can be written in its format",
     )
-    scaled = cfg.rope_scaling or cfg.rotary_seq_len_interpolation_factor is not None
+    scaled = (
+        cfg.rope_scaling
+        or cfg.rotary_seq_len_interpolation_factor is not None
+        or cfg.rope_type == "yarn"
+    )
     if cfg.rotary_interleaved or scaled:
         raise ConfigError(
             f"a {NAME} checkpoint cannot represent {architecture_flags(cfg)['rotary']}: its "

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from megart.models.yarn import YarnConfig, yarn_concentration, yarn_inv_freq
+
 # Llama 3.x's frequency scaling: the constants Meta's Llama 3.1 and 3.2 use, which
 # Megatron-Core fixes (only the factor is a flag) and Hugging Face's "llama3" rope type
 # records as low_freq_factor, high_freq_factor and original_max_position_embeddings.
@@ -45,12 +47,32 @@ def rotary(
     base: float = 10000.0,
     scaling_factor: float | None = None,
     interpolation_factor: float | None = None,
+    yarn: YarnConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, [seq, dim/2]: position p turns pair i by
     p base^(-2i/dim) (RoFormer's, base 10000 by default as Megatron's --rotary-base); with
     ``scaling_factor`` those frequencies first scaled by Llama 3.x's rule (llama3_inv_freq);
     with ``interpolation_factor`` F position p turns as p / F would (position interpolation,
-    Megatron's --rotary-seq-len-interpolation-factor)."""
+    Megatron's --rotary-seq-len-interpolation-factor); with ``yarn`` (a config whose rope_type
+    is "yarn"; GPTConfig refuses it beside the other two) YaRN's frequencies, and cos and sin
+    times its concentration factor (models.yarn)."""
+    if yarn is not None:
+        inv = yarn_inv_freq(
+            dim,
+            base,
+            yarn.yarn_rotary_scaling_factor,
+            yarn.yarn_original_max_position_embeddings,
+            yarn.yarn_beta_fast,
+            yarn.yarn_beta_slow,
+            yarn.yarn_correction_range_round_to_int,
+            device,
+        )
+        angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+        m = yarn_concentration(
+            yarn.yarn_rotary_scaling_factor, yarn.yarn_mscale, yarn.yarn_mscale_all_dim
+        )
+        # fp32 times the factor, as Megatron-Core and transformers multiply them.
+        return angles.cos() * m, angles.sin() * m
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     if scaling_factor is not None:
         inv = llama3_inv_freq(inv, scaling_factor)

@@ -1,6 +1,6 @@
 """The checks of GPTConfig's rope fields (Megatron's --rotary-percent, --use-rope-scaling,
---rope-scaling-factor, --rotary-seq-len-interpolation-factor), kept apart from the config
-itself, which calls them."""
+--rope-scaling-factor, --rotary-seq-len-interpolation-factor, and YaRN's,
+--position-embedding-type yarn), kept apart from the config itself, which calls them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 from typing import TYPE_CHECKING
 
 from megart.errors import ConfigError
+from megart.models.yarn import ROPE_TYPES, yarn_mscale
 
 if TYPE_CHECKING:
     from megart.models.config import GPTConfig
@@ -78,6 +79,74 @@ def check_rope_scaling(cfg: GPTConfig) -> None:
             "(rotary_seq_len_interpolation_factor): rope's positions are divided by it, so "
             "it must be a positive finite number (above 1 to fit a longer context into the "
             "trained angles; leave it out for none)"
+        )
+    check_yarn(cfg)
+
+
+def check_yarn(cfg: GPTConfig) -> None:
+    """Refuses YaRN (rope_type "yarn", Megatron's --position-embedding-type yarn) where it
+    cannot apply, and settings it cannot compute. Megatron-Core's YarnRotaryEmbedding
+    silently ignores --use-rope-scaling, --rotary-seq-len-interpolation-factor and
+    --rotary-percent (it turns the whole head, where Hugging Face's yarn narrows its
+    frequencies to the part), and asserts against --rotary-interleaved: megart refuses each
+    beside it rather than pick a meaning."""
+    if cfg.rope_type not in ROPE_TYPES:
+        raise ConfigError(f"rope_type={cfg.rope_type!r}; use one of {', '.join(ROPE_TYPES)}")
+    if cfg.rope_type != "yarn":
+        return
+    if cfg.position_embedding != "rotary":
+        raise ConfigError(
+            "rope_type='yarn' scales rope's frequencies: it needs position_embedding='rotary' "
+            "(megart train's --position-embedding-type yarn sets both)"
+        )
+    beside = [
+        flag
+        for flag, on in (
+            ("--use-rope-scaling", cfg.rope_scaling),
+            (
+                f"--rotary-seq-len-interpolation-factor {cfg.rotary_seq_len_interpolation_factor}",
+                cfg.rotary_seq_len_interpolation_factor is not None,
+            ),
+            (f"--rotary-percent {cfg.rotary_percent:g}", cfg.rotary_percent != 1),
+            ("--rotary-interleaved", cfg.rotary_interleaved),
+        )
+        if on
+    ]
+    if beside:
+        raise ConfigError(
+            f"--position-embedding-type yarn with {' and '.join(beside)}: Megatron-Core's YaRN "
+            "ignores --use-rope-scaling, --rotary-seq-len-interpolation-factor and "
+            "--rotary-percent (it turns whole heads with its own frequencies) and refuses "
+            "--rotary-interleaved; leave " + ("them" if len(beside) > 1 else "it") + " out"
+        )
+    factor, original = cfg.yarn_rotary_scaling_factor, cfg.yarn_original_max_position_embeddings
+    if not 1 <= factor < math.inf:  # also refuses NaN
+        raise ConfigError(
+            f"--rotary-scaling-factor {factor:g} (yarn_rotary_scaling_factor): YaRN extends the "
+            "context this many times, dividing the slow frequencies by it, so it must be a "
+            "finite number of at least 1 (1 leaves rope unscaled)"
+        )
+    if original < 1:
+        raise ConfigError(
+            f"--yarn-original-max-position-embeddings {original}: the context the model was "
+            "trained with before the extension must be at least 1"
+        )
+    fast, slow = cfg.yarn_beta_fast, cfg.yarn_beta_slow
+    if not 0 < slow < fast < math.inf:
+        raise ConfigError(
+            f"--yarn-beta-fast {fast:g} and --yarn-beta-slow {slow:g}: the channel pairs turning "
+            "more than beta_fast times over the original context keep their frequency, those "
+            "turning fewer than beta_slow times are interpolated, so 0 < beta_slow < "
+            "beta_fast (YaRN's 1 and 32 by default)"
+        )
+    top = yarn_mscale(factor, cfg.yarn_mscale)
+    bottom = yarn_mscale(factor, cfg.yarn_mscale_all_dim)
+    if not (bottom != 0 and 0 < top / bottom < math.inf):
+        raise ConfigError(
+            f"--mscale {cfg.yarn_mscale:g} and --mscale-all-dim {cfg.yarn_mscale_all_dim:g} "
+            f"with --rotary-scaling-factor {factor:g}: YaRN multiplies cos and sin by "
+            "(0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1), which must be a "
+            "positive finite number"
         )
 
 

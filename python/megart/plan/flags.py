@@ -200,6 +200,10 @@ NO_EFFECT = (
     "seed", "init_method_std", "init_method_xavier_uniform", "layernorm_epsilon",
     "apply_layernorm_1p", "rotary_base", "rotary_interleaved", "use_rope_scaling",
     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "loss_scale",
+    # YaRN's settings: rope's angles and cos/sin times a number (--position-embedding-type
+    # yarn plans as rope: the same tables, the same rotation, the same saves)
+    "rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+    "yarn_beta_slow", "mscale", "mscale_all_dim", "yarn_correction_range_round_to_int",
     "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
     "calculate_per_token_loss", "check_for_nan_in_loss_and_grad",
     # Where they change nothing: a learned position table of --seq-length rows (megart

@@ -43,6 +43,8 @@ from megart.training.ckpt_files import (
 from megart.training.megatron_args import config_from_args, integral, megatron_args
 from megart.training.megatron_files import is_megatron_file, torch_load
 from megart.training.shards import layer_ids
+from megart.training.yarn_flags import FIELDS as YARN_FLAGS
+from megart.training.yarn_flags import yarn_train_flags
 
 # TrainConfig fields set only where the command line left them unset (Megatron's force=False).
 SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length")
@@ -61,6 +63,7 @@ FORCED = (
     "use_rope_scaling",
     "rope_scaling_factor",
     "rotary_seq_len_interpolation_factor",
+    *YARN_FLAGS,
     "disable_bias_linear",
     "add_qkv_bias",
     "swiglu",
@@ -190,7 +193,10 @@ def flags_from(
         seq_length=cfg.seq_length,
         num_query_groups=cfg.query_groups if cfg.query_groups != cfg.num_attention_heads else None,
         group_query_attention=cfg.query_groups != cfg.num_attention_heads,
-        position_embedding_type="rope" if rope else "learned_absolute",
+        position_embedding_type=("yarn" if cfg.rope_type == "yarn" else "rope")
+        if rope
+        else "learned_absolute",
+        **yarn_train_flags(cfg),
         rotary_base=integral(cfg.rotary_base),
         rotary_percent=cfg.rotary_percent,
         rotary_interleaved=cfg.rotary_interleaved,

@@ -11,10 +11,11 @@ from megart.training.lr_flags import LearningRateFlags
 from megart.training.megatron_flags import resolve_megatron_flags
 from megart.training.mla_flags import MLAFlags
 from megart.training.model_flags import gpt_config
+from megart.training.yarn_flags import YarnFlags
 
 
 @dataclass
-class TrainConfig(LearningRateFlags, MLAFlags):
+class TrainConfig(LearningRateFlags, MLAFlags, YarnFlags):
     """Defaults train a small GPT on the built-in corpus in seconds on a CPU."""
 
     num_layers: int = 4

@@ -28,6 +28,7 @@ from megart.errors import ConfigError
 from megart.models import GPTConfig, chunk_layers
 from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, fit_vocab
 from megart.models.hf import VOCAB_ROWS, lazy_tensors, read_format
+from megart.models.yarn import yarn_flags
 from megart.training.checkpoint_save import write_release_ranks
 from megart.training.megatron_args import integral
 from megart.training.shards import partition_dims, split_shard, whole_name
@@ -166,7 +167,8 @@ def train_flags(cfg: GPTConfig) -> list[str]:
         f"--vocab-size {cfg.vocab_size}",
         f"--normalization {MEGATRON_NORMS[cfg.normalization]}",
         f"--layernorm-epsilon {cfg.layernorm_epsilon!r}",
-        f"--position-embedding-type {MEGATRON_POSITIONS[cfg.position_embedding]}",
+        "--position-embedding-type "
+        + ("yarn" if cfg.rope_type == "yarn" else MEGATRON_POSITIONS[cfg.position_embedding]),
     ]
     switches = {
         "--apply-layernorm-1p": cfg.apply_layernorm_1p,
@@ -193,6 +195,8 @@ def train_flags(cfg: GPTConfig) -> list[str]:
         if cfg.rotary_seq_len_interpolation_factor is not None:
             factor = cfg.rotary_seq_len_interpolation_factor
             flags.append(f"--rotary-seq-len-interpolation-factor {integral(factor)}")
+        if cfg.rope_type == "yarn":
+            flags.append(yarn_flags(cfg))
     if any(cfg.layer_window(i) is not None for i in range(cfg.num_layers)):
         assert cfg.window_size is not None
         flags.append(f"--window-size {cfg.window_size[0]},{cfg.window_size[1]}")

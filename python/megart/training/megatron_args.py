@@ -16,6 +16,7 @@ from megart.models.mla_checks import refuse_mla
 from megart.models.moe_checks import capacity_factor
 from megart.models.stages import check_stages, uneven
 from megart.models.window import any_windowed
+from megart.training.yarn_flags import yarn_args, yarn_from_args
 
 
 def megatron_args(
@@ -51,9 +52,10 @@ def megatron_args(
         norm_epsilon=cfg.layernorm_epsilon,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
         qk_layernorm=cfg.qk_layernorm,
-        position_embedding_type="rope"
+        position_embedding_type=("yarn" if cfg.rope_type == "yarn" else "rope")
         if cfg.position_embedding == "rotary"
         else "learned_absolute",
+        **yarn_args(cfg),
         rotary_base=int(cfg.rotary_base),
         rotary_interleaved=cfg.rotary_interleaved,
         use_rope_scaling=cfg.rope_scaling,
@@ -137,12 +139,15 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
             "a Megatron-LM checkpoint with multi-latent attention (--multi-latent-attention): "
             "megart does not read MLA's weights from Megatron's files"
         )
-    rope = a.get("position_embedding_type") == "rope"
+    rope = a.get("position_embedding_type") in ("rope", "yarn")
+    # Under yarn Megatron-Core's YarnRotaryEmbedding ignores Llama 3's scaling, interpolation
+    # and --rotary-percent (it turns whole heads): read as plain rope's only.
+    plain = a.get("position_embedding_type") == "rope"
     # Megatron-LM's args from before it had the flags lack both: no scaling. Megatron ignores
     # them without rope (GPTConfig refuses that pair), and the factor without the scaling.
-    scaled = rope and bool(a.get("use_rope_scaling", False))
+    scaled = plain and bool(a.get("use_rope_scaling", False))
     # Likewise absent from older args (no interpolation), and ignored by Megatron without rope.
-    interpolation = a.get("rotary_seq_len_interpolation_factor") if rope else None
+    interpolation = a.get("rotary_seq_len_interpolation_factor") if plain else None
     return GPTConfig(
         vocab_size=a.get("vocab_size") or a["padded_vocab_size"],
         seq_length=a["seq_length"],
@@ -164,7 +169,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         rope_scaling_factor=float(a.get("rope_scaling_factor", 8.0)) if scaled else 8.0,
         rotary_seq_len_interpolation_factor=None if interpolation is None else float(interpolation),
         # Megatron-LM's default 1.0 (whole heads) where older args lack it; ignored without rope.
-        rotary_percent=float(a.get("rotary_percent", 1.0)) if rope else 1.0,
+        rotary_percent=float(a.get("rotary_percent", 1.0)) if plain else 1.0,
         window_size=a.get("window_size"),  # absent from older args: no window
         window_attn_skip_freq=a.get("window_attn_skip_freq"),
         activation=activation_of(bool(a.get("swiglu")), bool(a.get("squared_relu"))),
@@ -177,6 +182,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         ),
         make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by") or VOCAB_MULTIPLE,
         **moe_fields(a),
+        **yarn_from_args(a),
     )
 
 

@@ -32,15 +32,15 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     (
         "megart's multi-latent attention (--multi-latent-attention, --q-lora-rank, "
         "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim) turns plain rope "
-        "(--rope-type rope) only: YaRN's scaling (--rotary-scaling-factor, --mscale, "
-        "--mscale-all-dim), inference's cached latents (--cache-mla-latents) and the fused "
-        "down-projection (--mla-down-proj-fusion) are not built; leave it out",
-        "--mla- --rotary-scaling-factor --mscale --mscale- --cache-mla-latents",
+        "(--rope-type rope) only: inference's cached latents (--cache-mla-latents) and the "
+        "fused down-projection (--mla-down-proj-fusion) are not built; leave it out",
+        "--mla- --cache-mla-latents",
     ),
     (
-        "megart's rope has Llama 3's scaling (--use-rope-scaling) and position interpolation "
-        "(--rotary-seq-len-interpolation-factor), not YaRN nor multimodal rope; leave it out",
-        "--yarn- --no-yarn- --mrope-section",
+        "megart's rope has Llama 3's scaling (--use-rope-scaling), position interpolation "
+        "(--rotary-seq-len-interpolation-factor) and YaRN (--position-embedding-type yarn), not "
+        "multimodal rope; leave it out",
+        "--mrope-section",
     ),
     (
         "megart has no attention variants besides softmax attention (no DeepSeek sparse, gated "

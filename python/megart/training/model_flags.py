@@ -18,10 +18,12 @@ from megart.models.recompute import DEFAULT_MODULES, MODULES, OTHER_MODULES
 from megart.models.window import parse_skip_freq, parse_window_size
 from megart.parallel.layout import divisors, nearest_multiples
 from megart.training.mla_flags import mla_fields
+from megart.training.yarn_flags import yarn_fields
 
 # Megatron's spellings of --normalization and --position-embedding-type, to GPTConfig's names.
 NORMALIZATIONS = {flag: name for name, flag in MEGATRON_NORMS.items()}
 POSITION_EMBEDDING_TYPES = {flag: name for name, flag in MEGATRON_POSITIONS.items()}
+POSITION_EMBEDDING_TYPES["yarn"] = "rotary"  # rope with YaRN's frequencies (yarn_fields)
 
 
 def gpt_config(config: Any) -> GPTConfig:
@@ -83,6 +85,7 @@ def gpt_config(config: Any) -> GPTConfig:
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
         **moe_fields(config),
         **mla_fields(config),
+        **yarn_fields(config),
     )
 
 
@@ -208,7 +211,8 @@ def check_model_flags(cfg: Any) -> None:
     _check_query_groups(cfg)
     head = cfg.kv_channels or cfg.hidden_size // max(1, cfg.num_attention_heads)
     # Under --rotary-percent below 1 only part of the head turns: GPTConfig checks that part.
-    if cfg.position_embedding_type == "rope" and head % 2 and cfg.rotary_percent == 1:
+    rope = cfg.position_embedding_type in ("rope", "yarn")
+    if rope and head % 2 and cfg.rotary_percent == 1:
         width = (
             f"--kv-channels {head}"
             if cfg.kv_channels
@@ -216,7 +220,8 @@ def check_model_flags(cfg: Any) -> None:
             f"{cfg.num_attention_heads} = {head}"
         )
         raise ConfigError(
-            f"--position-embedding-type rope rotates pairs of a head's dimensions, but "
+            f"--position-embedding-type {cfg.position_embedding_type} rotates pairs of a head's "
+            "dimensions, but "
             f"{width} is odd; use an even head size"
         )
     if cfg.init_method_std < 0 or cfg.layernorm_epsilon <= 0:
