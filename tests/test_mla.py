@@ -231,7 +231,11 @@ def test_the_flags_build_the_model():
         # Megatron-LM's MLA takes YaRN unless told otherwise.
         (("--multi-latent-attention", "--position-embedding-type", "rope"),
          "--multi-latent-attention without --rope-type: .*yarn.*add --rope-type rope"),
-        ((*MLA_FLAGS, "--rope-type", "yarn"), "--rope-type yarn: megart has no YaRN rope"),
+        ((*MLA_FLAGS, "--rope-type", "yarn"),
+         "--rope-type yarn: megart's multi-latent attention turns plain rope only"),
+        # --rope-type picks MLA's rope in Megatron-LM; megart's MLA has no YaRN table.
+        ((*MLA_FLAGS[:4], "yarn", *MLA_FLAGS[5:]),
+         "--multi-latent-attention needs --position-embedding-type rope"),
         (("--multi-latent-attention", "--rope-type", "rope"),
          "--multi-latent-attention needs --position-embedding-type rope"),
         (("--kv-lora-rank", "8"), "--kv-lora-rank 8: multi-latent attention's sizes; add "
@@ -266,12 +270,19 @@ def test_layouts_and_formats_megart_does_not_take_are_refused_by_name(argv, worl
         parse(*MLA_FLAGS, *argv).check(world)
 
 
-@pytest.mark.parametrize("flag", ["--mscale", "--mscale-all-dim", "--rotary-scaling-factor",
-                                  "--cache-mla-latents", "--mla-down-proj-fusion",
-                                  "--yarn-beta-fast"])  # fmt: skip
-def test_yarn_and_the_inference_flags_stay_refused_by_name(flag):
+@pytest.mark.parametrize("flag", ["--cache-mla-latents", "--mla-down-proj-fusion"])
+def test_the_inference_flags_stay_refused_by_name(flag):
     with pytest.raises(ConfigError, match=f"^{flag}: megart's"):
         parse(*MLA_FLAGS, flag, "1")
+
+
+@pytest.mark.parametrize("flag", ["--mscale", "--mscale-all-dim", "--rotary-scaling-factor",
+                                  "--yarn-beta-fast"])  # fmt: skip
+def test_yarns_settings_are_refused_beside_mla(flag):
+    """YaRN's settings (Megatron-LM's MLA reads them under --rope-type yarn) need
+    --position-embedding-type yarn, which megart's MLA refuses in turn."""
+    with pytest.raises(ConfigError, match=f"^{flag} 2.0 sets YaRN's rope scaling"):
+        parse(*MLA_FLAGS, flag, "2").gpt_config()
 
 
 def test_megatron_files_hugging_face_and_plan_refuse_it(tmp_path, capsys):

@@ -47,7 +47,9 @@ def check_mla(cfg: GPTConfig) -> None:
             "pairs, so it must be even"
         )
     refused = {
-        "--position-embedding-type rope": cfg.position_embedding != "rotary",
+        # Megatron-LM's MLA takes its rope from --rope-type; megart's MLA turns plain rope.
+        "--position-embedding-type rope": cfg.position_embedding != "rotary"
+        or cfg.rope_type == "yarn",
         "no --group-query-attention": cfg.num_query_groups is not None,
         "no --kv-channels (MLA's heads are --qk-head-dim, --qk-pos-emb-head-dim and "
         "--v-head-dim wide)": cfg.kv_channels is not None,

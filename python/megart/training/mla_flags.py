@@ -32,8 +32,8 @@ def mla_fields(config: Any) -> dict[str, Any]:
     --rope-type rope, whose absence means YaRN to Megatron-LM."""
     if config.rope_type == "yarn":
         raise ConfigError(
-            "--rope-type yarn: megart has no YaRN rope (nor --rotary-scaling-factor, --mscale, "
-            "--mscale-all-dim, --yarn-*); use --rope-type rope"
+            "--rope-type yarn: megart's multi-latent attention turns plain rope only (its YaRN "
+            "is the other attention's, --position-embedding-type yarn); use --rope-type rope"
         )
     if config.multi_latent_attention and config.rope_type != "rope":
         raise ConfigError(
