@@ -4,7 +4,9 @@ state dict, its biases drawn nonzero, written as Megatron-LM writes each pipelin
 (its stage's layers, numbered from 0 in each chunk). megart train --load of pp1, pp2 and
 interleaved files into pp1 and pp2 holds exactly those biases (under another layout gathered
 from every stage's file) and gives Megatron-Core's logits; convert-checkpoint carries them both
-ways. Reading pp rank 1's biases under their local layer numbers is caught."""
+ways. Reading pp rank 1's biases under their local layer numbers is caught. megart's one
+definition of the bias's key (models.megatron_names) is Megatron-Core's, and with it
+megatron_optimizer.is_parameter picks out exactly Megatron-Core's parameters."""
 
 from __future__ import annotations
 
@@ -19,8 +21,14 @@ import train_workers as tw
 from megart.launcher import launch
 from megart.models import GPT
 from megart.models import moe_router as mr
-from megart.models.megatron_names import from_megatron, to_megatron
+from megart.models.megatron_names import (
+    expert_bias_key,
+    expert_bias_layer,
+    from_megatron,
+    to_megatron,
+)
 from megart.training import megatron_file_read
+from megart.training.megatron_optimizer import is_parameter
 from test_moe_router_balance import TRAIN
 
 # The tiny run's model with the expert bias (sigmoid scores), every layer MoE but layer 1.
@@ -175,3 +183,23 @@ def test_convert_checkpoint_carries_the_expert_biases_both_ways(files, tmp_path)
         got = launch(_converted_in_megatron_core, 1, str(out), timeout=300)[0]
         assert torch.equal(got["bias"], written["bias"]), fmt
         assert (got["logits"] - written["logits"]).abs().max() < 1e-12, fmt
+
+
+def _megatron_core_names() -> dict:
+    """Megatron-Core's GPTModel of KW: its state dict's keys, those megart takes for expert
+    biases (with their layers) and for parameters, its own parameters' names, its MoE layers."""
+    model = mcw.megatron_model(tw.tiny(**KW).gpt_config())
+    state = model.state_dict()
+    return dict(
+        biases={k: expert_bias_layer(k) for k in state if expert_bias_layer(k) is not None},
+        params=[k for k, v in state.items() if is_parameter(k, v)],
+        theirs=[n for n, _ in model.named_parameters()],
+        moe=[i for i, layer in enumerate(model.decoder.layers) if hasattr(layer.mlp, "router")],
+    )
+
+
+def test_the_expert_bias_key_is_megatron_cores():
+    got = launch(_megatron_core_names, 1, timeout=300)[0]
+    assert got["moe"] == [0, 2, 3]
+    assert got["biases"] == {expert_bias_key(i): i for i in got["moe"]}
+    assert got["params"] == got["theirs"]

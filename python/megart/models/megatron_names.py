@@ -53,6 +53,13 @@ FC1_HALVES = ("mlp.gate", "mlp.fc")
 GATE, UP = 0, 1
 _LAYER = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)$")
 ROUTER = "mlp.router"
+# A router's expert bias (--moe-router-enable-expert-bias), its name within a layer: Megatron-
+# Core's TopKRouter keeps it as a persistent buffer, so it is in the model's state dict (fp32)
+# but is no parameter (outside the optimizer and its gradient buffers; megart keeps it apart
+# from its weights: models.moe_router.expert_bias_rows). Its key and the test for it are
+# expert_bias_key and expert_bias_layer alone, so every reader and writer agrees on both.
+EXPERT_BIAS = ROUTER + ".expert_bias"
+_EXPERT_BIAS_KEY = re.compile(rf"decoder\.layers\.(\d+)\.{re.escape(EXPERT_BIAS)}$")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)$")
 _MEGATRON_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 SHARED = "mlp.shared_experts."
@@ -99,6 +106,19 @@ def megatron_layer_name(rest: str, cfg: GPTConfig) -> tuple[str, int | None]:
     part, kind = rest.rsplit(".", 1)
     megatron, half = megatron_part(part, cfg)
     return f"{megatron}.{kind}", half
+
+
+def expert_bias_key(layer: int) -> str:
+    """Megatron-Core's state dict key of layer ``layer``'s router's expert bias (the layer's
+    number in the model, or in its chunk for a pipeline stage's state dict)."""
+    return f"decoder.layers.{layer}.{EXPERT_BIAS}"
+
+
+def expert_bias_layer(name: str) -> int | None:
+    """The layer number in Megatron-Core's state dict key ``name`` if it is a router's expert
+    bias (expert_bias_key's), else None: such an entry is a buffer, not a parameter."""
+    match = _EXPERT_BIAS_KEY.match(name)
+    return None if match is None else int(match.group(1))
 
 
 def is_fc1_halves(name: str, cfg: GPTConfig) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from megart.models.megatron_names import NAMES
+from megart.models.megatron_names import EXPERT_BIAS, NAMES
 from megart.models.moe_router import biased_routers
 from megart.training.megatron_dist_keys import layer_key, stored_place
 from megart.training.shards import whole_name
@@ -76,7 +76,7 @@ def bias_places(chunks: list[Any], tp_rank: int) -> list[Place]:
     cfg = chunks[0].cfg
     out = []
     for router in biased_routers(chunks):
-        key, leading = layer_key(router.layer, "mlp.router.expert_bias", cfg)
+        key, leading = layer_key(router.layer, EXPERT_BIAS, cfg)
         offsets = [i for i, _ in leading] + [0]
         size = torch.Size([n for _, n in leading] + [cfg.num_experts])
         out.append(Place(router.expert_bias, key, offsets, size, tp_rank == 0))

@@ -7,7 +7,6 @@ need every stage's; and the conversions carry them between Megatron-Core's whole
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,12 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
+from megart.models.megatron_names import expert_bias_key, expert_bias_layer
 from megart.training import megatron_file_read
 from megart.training.ckpt_files import FILE, rank_dir, saved_expert_parallel
 from megart.training.megatron_file_read import PARTIAL_BIAS
 from megart.training.megatron_files import model_chunks, torch_load
 from megart.training.shards import file_layer_ids
-
-_WHOLE_BIAS = re.compile(r"decoder\.layers\.(\d+)\.mlp\.router\.expert_bias$")
 
 
 def gathered(root: Path, saved: dict[str, Any], cfg: GPTConfig) -> torch.Tensor | None:
@@ -54,12 +52,12 @@ def of_shards(shards: dict[tuple[int, int], dict[str, Any]]) -> torch.Tensor | N
 def popped(model: dict[str, torch.Tensor], cfg: GPTConfig) -> torch.Tensor | None:
     """Megatron-Core's whole state dict ``model`` without its routers' expert biases, which
     are returned as megart's rows ([layers, E] fp32, zero for dense layers; None without)."""
-    keys = [k for k in model if _WHOLE_BIAS.match(k)]
-    if not keys or cfg.num_experts is None:
+    found = {layer: key for key in model if (layer := expert_bias_layer(key)) is not None}
+    if not found or cfg.num_experts is None:
         return None
     rows = torch.zeros(cfg.num_layers, cfg.num_experts)
-    for key in keys:
-        rows[int(_WHOLE_BIAS.match(key).group(1))] = model.pop(key).float()
+    for layer, key in found.items():
+        rows[layer] = model.pop(key).float()
     return rows
 
 
@@ -68,4 +66,4 @@ def added(model: dict[str, torch.Tensor], rows: torch.Tensor, cfg: GPTConfig) ->
     ``model``, in fp32 as Megatron-Core keeps the buffer."""
     for layer in range(cfg.num_layers):
         if cfg.is_moe_layer(layer):
-            model[f"decoder.layers.{layer}.mlp.router.expert_bias"] = rows[layer].float().clone()
+            model[expert_bias_key(layer)] = rows[layer].float().clone()

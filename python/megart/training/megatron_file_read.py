@@ -8,7 +8,6 @@ the model, Megatron's optimizer state in megart's order, the RNG, loss scaler an
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
-from megart.models.megatron_names import from_megatron
+from megart.models.megatron_names import expert_bias_layer, from_megatron
 from megart.training import megatron_expert_files as experts
 from megart.training import tokenizer_record
 from megart.training.megatron_args import (
@@ -41,15 +40,13 @@ def _chunk_from_megatron(sd: dict[str, torch.Tensor], cfg: GPTConfig, first: boo
     return out
 
 
-# A router's expert bias under Megatron-Core's name (its TopKRouter's persistent buffer).
-_EXPERT_BIAS = re.compile(r"decoder\.layers\.(\d+)\.mlp\.router\.expert_bias$")
 # The key of a file state whose expert_bias rows hold only its own layers' (a file Megatron-LM
 # wrote: each rank file has its stage's routers, megart's own files every layer's).
 PARTIAL_BIAS = "expert_bias_partial"
 
 
 def _without_expert_bias(sd: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in sd.items() if not _EXPERT_BIAS.match(k)}
+    return {k: v for k, v in sd.items() if expert_bias_layer(k) is None}
 
 
 def file_expert_bias(
@@ -63,9 +60,9 @@ def file_expert_bias(
     rows = torch.zeros(cfg.num_layers, cfg.num_experts)
     for sd, ids in zip(chunks, layer_ids, strict=True):
         for key, value in sd.items():
-            match = _EXPERT_BIAS.match(key)
-            if match:
-                rows[ids[int(match.group(1))]] = value.float()
+            layer = expert_bias_layer(key)
+            if layer is not None:
+                rows[ids[layer]] = value.float()
     return rows
 
 

@@ -41,7 +41,7 @@ except ImportError:  # numpy 1
 
 from megart.models import chunk_layers
 from megart.models.config import GPTConfig
-from megart.models.megatron_names import to_megatron
+from megart.models.megatron_names import expert_bias_key, to_megatron
 from megart.training import megatron_expert_files as experts
 from megart.training import tokenizer_record
 from megart.training.dtypes import half_dtype
@@ -160,7 +160,7 @@ def _add_expert_bias(
     for chunk, ids in zip(model, layers, strict=True):
         for j, layer in enumerate(ids):
             if cfg.is_moe_layer(layer):
-                chunk[f"decoder.layers.{j}.mlp.router.expert_bias"] = rows[layer].clone()
+                chunk[expert_bias_key(j)] = rows[layer].clone()
 
 
 def to_megatron_file(

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from megart.errors import ConfigError
+from megart.models.megatron_names import expert_bias_layer
 from megart.training.optimizer import group_index
 
 # Megatron-Core's parameters of --decoupled-lr's group (is_embedding_or_output_parameter: the
@@ -132,12 +133,11 @@ def is_decoupled(args: dict[str, Any]) -> bool:
 
 def is_parameter(name: str, value: Any) -> bool:
     """Whether a Megatron-Core model state dict's entry is a parameter: not a layer's
-    ``_extra_state``, nor a router's ``expert_bias`` (a buffer, outside the optimizer and
-    its gradient buffers)."""
+    ``_extra_state``, nor a router's expert bias (a buffer: megatron_names.expert_bias_layer)."""
     return (
         isinstance(value, torch.Tensor)
         and not name.endswith("_extra_state")
-        and not name.endswith(".mlp.router.expert_bias")
+        and expert_bias_layer(name) is None
     )
 
 
