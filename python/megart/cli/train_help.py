@@ -3,6 +3,7 @@ parser: one flag per TrainConfig field, Megatron-LM's name); a test keeps it in 
 TrainConfig's fields."""
 
 from megart.cli.train_help_moe import MOE_HELP
+from megart.cli.train_help_mtp import MTP_HELP
 
 HELP = {
     "num_layers": "transformer layers",
@@ -365,4 +366,5 @@ HELP = {
     "distributed_timeout_minutes": "every wait on another rank (rendezvous, group creation, "
     "communication) gives up after this long, naming the rank it waited on",
     **MOE_HELP,
+    **MTP_HELP,
 }

@@ -214,22 +214,13 @@ class MultiTokenPrediction(nn.Module):
         parts = [labels]
         for _ in self.layers:
             parts.append(shift_left(parts[-1]))
-        whole = torch.stack(parts).transpose(1, 2)  # [1 + D, s, b]
-        return self._rank_major(whole, t).flatten(0, 1)
-
-    def _rank_major(self, x: torch.Tensor, t: int) -> torch.Tensor:
-        if t == 1:
-            return x
-        d, s = x.shape[:2]
-        return x.reshape(d, t, s // t, *x.shape[2:]).transpose(0, 1).reshape(d, s, *x.shape[2:])
+        whole = torch.stack(parts).transpose(1, 2).flatten(0, 1)  # [(1 + D) s, b]
+        return _swap(whole, len(parts), t)
 
     def depth_major(self, x: torch.Tensor, t: int) -> torch.Tensor:
         """``x`` [(1 + D) s, b] in labels_of's order as [1 + D, s, b], depth by depth."""
         d = len(self.layers) + 1
-        s = x.shape[0] // d
-        if t == 1:
-            return x.reshape(d, s, *x.shape[1:])
-        return x.reshape(t, d, s // t, *x.shape[1:]).transpose(0, 1).reshape(d, s, *x.shape[1:])
+        return _swap(x, t, d).reshape(d, x.shape[0] // d, *x.shape[1:])
 
     def attach(
         self, main: torch.Tensor, depths: torch.Tensor, loss_mask: torch.Tensor | None
@@ -247,3 +238,11 @@ class MultiTokenPrediction(nn.Module):
             loss = (wide[k] * mask.t()).sum() / mask.sum().clamp(min=1)
             main = _SeedGradient.apply(main, loss, self.loss_scale, factor, "mtp", 1.0, k)
         return main
+
+
+def _swap(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """``x`` [a b n, ...], taken as [a, b, n, ...], reordered as [b, a, n, ...] (flat again)."""
+    if a == 1 or b == 1:
+        return x
+    n = x.shape[0] // (a * b)
+    return x.reshape(a, b, n, *x.shape[1:]).transpose(0, 1).reshape(x.shape)

@@ -81,6 +81,8 @@ def gpt_config(config: Any) -> GPTConfig:
         else tuple(dict.fromkeys(config.recompute_modules)),  # Megatron's list as a set
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
         **moe_fields(config),
+        mtp_num_layers=config.mtp_num_layers,
+        mtp_loss_scaling_factor=float(config.mtp_loss_scaling_factor),
     )
 
 
