@@ -82,3 +82,83 @@ def test_mtp_with_learned_positions_refuses_a_pipeline():
     with pytest.raises(ConfigError, match="rotary positions"):
         GPTConfig(**BASE).check_layout(pp=2)
     GPTConfig(**{**BASE, "position_embedding": "rotary"}).check_layout(pp=2)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, dict(mtp_num_layers=1, activation="swiglu", recompute_granularity="full")],
+    ids=["two-depths", "one-depth-swiglu-recomputed"],
+)
+def test_mtp_flops_equal_torchs_flop_counter(kw):
+    """torch's counter over a real forward and backward with the depths (test_flops's
+    torch_count): megart's count of them is every product that runs."""
+    from megart.training.flops import model_flops
+    from test_flops import torch_count
+
+    cfg, counted = torch_count(
+        layers=2, **{"position_embedding": "rotary", "mtp_num_layers": 2, **kw}
+    )
+    plain, _ = torch_count(layers=2, position_embedding="rotary")
+    assert model_flops(cfg, 3, cfg.recompute_granularity == "full", causal=False) == counted
+    assert counted > model_flops(plain, 3, causal=False)
+
+
+def test_mtp_flops_are_megatrons_but_the_norms():
+    """Megatron-LM's num_floating_point_operations with --mtp-num-layers (facts from its
+    training.py): the depths as D more dense layers, 3 passes x 2 FLOPs x (3h + 2h^2) per token
+    and depth for the norms and eh_proj, and D + 1 logits; megart leaves the norms' 3h out."""
+    from megart.training.flops import iteration_flops, model_flops
+
+    b, s, h, l, d, v = 4, 16, 32, 2, 3, 128
+    cfg = GPTConfig(**{**BASE, "mtp_num_layers": d})
+    megatron = (
+        iteration_flops(b, s, l + d, h, v)
+        + 6 * b * s * d * (3 * h + 2 * h * h)
+        + d * 6 * b * s * h * v
+    )
+    assert model_flops(cfg, b) == megatron - 18 * b * s * h * d
+
+
+TRAIN = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+             micro_batch_size=2, global_batch_size=4, position_embedding_type="rope",
+             mtp_num_layers=1)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(context_parallel_size=2), "--context-parallel-size 2"),
+        (dict(calculate_per_token_loss=True), "--calculate-per-token-loss"),
+        (dict(ckpt_format="torch"), r"Megatron-LM's checkpoints \(--ckpt-format torch\)"),
+        (dict(ckpt_format="torch_dist"), "--ckpt-format torch_dist"),
+    ],
+)
+def test_megart_train_refuses_what_its_depths_are_not_built_for(kw, words):
+    from megart.training.config import TrainConfig
+    from megart.training.config_checks import check_config
+
+    with pytest.raises(ConfigError, match=words):
+        check_config(TrainConfig(**{**TRAIN, **kw}), 2)
+    check_config(TrainConfig(**TRAIN), 2)  # the same run without it trains
+
+
+def test_megatron_and_hugging_face_formats_refuse_the_depths(tmp_path):
+    from megart.training.megatron_args import config_from_args
+
+    model = GPT(GPTConfig(**{**BASE, "position_embedding": "rotary"}))
+    with pytest.raises(ConfigError, match="Hugging Face's formats"):
+        model.save_hf(str(tmp_path / "hf"))
+    args = dict(seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
+                vocab_size=128, mtp_num_layers=1)  # fmt: skip
+    with pytest.raises(ConfigError, match="--mtp-num-layers 1"):
+        config_from_args(args)
+    assert config_from_args({**args, "mtp_num_layers": None}).mtp_num_layers is None
+
+
+def test_converting_a_checkpoint_with_depths_to_megatron_is_refused(tmp_path):
+    import train_workers as tw
+    from megart.training.megatron_checkpoint import megart_to_megatron
+
+    launch(tw.train_kw, 1, dict(TRAIN, train_iters=1, save=str(tmp_path / "ckpt")), timeout=300)
+    with pytest.raises(ConfigError, match="torch_dist"):
+        megart_to_megatron(tmp_path / "ckpt", tmp_path / "out", ckpt_format="torch_dist")

@@ -115,6 +115,7 @@ UNMODELLED_GIVEN = {
                                          "--moe-pad-expert-input-to-capacity"],
     "moe_input_jitter_eps": ["--num-experts", "8", "--disable-bias-linear",
                              "--moe-input-jitter-eps", "0.01"],
+    "mtp_num_layers": ["--mtp-num-layers", "1"],
 }  # fmt: skip
 
 

@@ -39,6 +39,7 @@ from megart.models import (
 )
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
+from megart.models.mtp_checks import refuse_mtp
 from megart.tensor_parallel._group import group_rank, group_size
 
 # A Llama-style model without a window is written as a Llama, one with a window as a Mistral,
@@ -148,6 +149,7 @@ def writer(cfg: GPTConfig, expect: str | None = None) -> ModuleType:
     Qwen3's with query/key norms, Qwen2's with biases on q/k/v alone); ``expect`` (a
     model_type) insists on one. A model no format can represent is refused with what each
     format lacks."""
+    refuse_mtp(cfg.mtp_num_layers, "Hugging Face's formats")
     refusals = []
     for fmt in WRITERS:
         if expect not in (None, fmt.MODEL_TYPE):

@@ -45,3 +45,14 @@ def mtp_layout_problems(cfg: GPTConfig, pp: int, chunks: int) -> list[str]:
             "(--position-embedding-type rope) to pipeline it"
         ]
     return []
+
+
+def refuse_mtp(depths: int | None, where: str) -> None:
+    """Refuses multi-token prediction's ``depths`` (--mtp-num-layers; None or 0: none) for
+    ``where`` (a checkpoint format megart does not write or read the depths in)."""
+    if depths:
+        raise ConfigError(
+            f"a model with multi-token prediction (--mtp-num-layers {depths}): megart does not "
+            f"write or read its depths' weights in {where}; keep it in megart's own checkpoint "
+            "format (--ckpt-format megart)"
+        )

@@ -164,6 +164,12 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
     # The jitter's noise (h per token, kept for the gradient) and the jittered input the
     # router's product keeps in place of the layer's input: two h-wide saves per MoE layer.
     "moe_input_jitter_eps": ((None,), "the router's jittered input and its noise, saved"),
+    # Multi-token prediction (models.mtp): layers, logits and embedding lookups on the last stage.
+    "mtp_num_layers": (
+        (None,),
+        "multi-token prediction's depths on the last stage: a layer, a projection, the "
+        "output layer's logits and an embedding lookup each",
+    ),
 }
 
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the
@@ -214,6 +220,7 @@ NO_EFFECT = (
     # saves): routing balanced by chance, as the plan's experts' shares already are (balanced).
     "moe_router_force_load_balancing",
     "moe_per_layer_logging",  # logging: each layer's losses in one all-reduce already made
+    "mtp_loss_scaling_factor",  # a number on the depths' losses (refused with them above)
     "distributed_backend",
     # data
     "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "mock_data",

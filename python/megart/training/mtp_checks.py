@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from megart.errors import ConfigError
+from megart.models.mtp_checks import refuse_mtp
 
 _WHY = "megart's multi-token prediction is not built for it"
 
@@ -25,9 +26,7 @@ def check_mtp_flags(cfg: Any) -> None:
             f"--mtp-num-layers with --calculate-per-token-loss: {_WHY} (the depths' losses "
             "are means over each microbatch's tokens); leave one of them out"
         )
-    if cfg.ckpt_format != "megart":
-        raise ConfigError(
-            f"--mtp-num-layers with --ckpt-format {cfg.ckpt_format}: megart writes and reads "
-            "the prediction depths' weights in its own format only (not in Megatron-LM's "
-            "torch or torch_dist checkpoints); use --ckpt-format megart"
+    if cfg.ckpt_format != "megart":  # Megatron-LM's torch or torch_dist
+        refuse_mtp(
+            cfg.mtp_num_layers, f"Megatron-LM's checkpoints (--ckpt-format {cfg.ckpt_format})"
         )
