@@ -66,3 +66,13 @@ def compare_mtp(kw: dict, mask_eod: int | None = None) -> dict:
 
 def compare_all(configs: list[dict], mask_eod: int | None = None) -> list[dict]:
     return [compare_mtp(kw, mask_eod) for kw in configs]
+
+
+def document_curve(kw: dict) -> list[float]:
+    """The loss, gradient norm and depth losses of each iteration of a document-flag run
+    (tests/document_workers.py: end-of-document tokens about one in eight) with ``kw``."""
+    import document_workers as dw
+
+    history = dw.trainer(**kw).train(quiet=True)
+    keys = ("loss", "grad_norm", *(k for k in history[0] if k.startswith("mtp_")))
+    return [h[k] for h in history for k in keys]

@@ -162,3 +162,14 @@ def test_converting_a_checkpoint_with_depths_to_megatron_is_refused(tmp_path):
     launch(tw.train_kw, 1, dict(TRAIN, train_iters=1, save=str(tmp_path / "ckpt")), timeout=300)
     with pytest.raises(ConfigError, match="torch_dist"):
         megart_to_megatron(tmp_path / "ckpt", tmp_path / "out", ckpt_format="torch_dist")
+
+
+def test_use_checkpoint_args_takes_the_depths_from_the_checkpoint(tmp_path):
+    """As Megatron-LM's --use-checkpoint-args forces --mtp-num-layers from its checkpoint."""
+    import train_workers as tw
+    from test_hf_llama import train_config
+
+    launch(tw.train_kw, 1, dict(TRAIN, train_iters=1, save=str(tmp_path)), timeout=300)
+    argv = ["--load", str(tmp_path), "--use-checkpoint-args", "--train-iters", "2"]
+    assert train_config(argv).mtp_num_layers == 1
+    assert train_config([*argv, "--mtp-num-layers", "3"]).mtp_num_layers == 1

@@ -51,13 +51,21 @@ LAYOUTS = {
         dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2),
     ),  # fmt: skip
     "recompute-full": (1, dict(recompute_granularity="full", recompute_method="uniform")),
+    "recompute-selective-mlp": (
+        1,
+        dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+    ),  # fmt: skip
+    "pp2-zb-h1": (2, dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1")),
+    "dp2-pp2-distopt": (4, dict(pipeline_model_parallel_size=2, use_distributed_optimizer=True)),
 }
 
 
 @pytest.mark.parametrize("model", ["tied", "untied"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_follows_the_one_process_curve(one_process, model, layout):
-    if model == "untied" and layout in ("tp2-no-sp", "pp2-interleaved", "recompute-full"):
+    tied_only = ("tp2-no-sp", "pp2-interleaved", "recompute-full", "recompute-selective-mlp",
+                 "pp2-zb-h1")  # fmt: skip
+    if model == "untied" and layout in tied_only:
         pytest.skip("the tied model covers these; the untied one its own embedding copy")
     nproc, kw = LAYOUTS[layout]
     base = MTP if model == "tied" else UNTIED
@@ -76,3 +84,61 @@ def test_a_pp2_tp2_checkpoint_resumes_on_one_process_on_the_curve(tmp_path, one_
     # Without the depths the checkpoint's weights are another model's.
     with pytest.raises(Exception, match="mtp"):
         launch(tw.train_kw, 1, dict(UNTIED, load=str(tmp_path), mtp_num_layers=None), timeout=300)
+
+
+DOCUMENTS = dict(eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True,
+                 mtp_num_layers=2, train_iters=3)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def documents_one_process():
+    import mtp_workers as mw
+
+    return {
+        "rope": launch(mw.document_curve, 1, DOCUMENTS, timeout=300)[0],
+        # Learned positions: each depth adds the rows of its shifted positions.
+        "learned": launch(mw.document_curve, 1, dict(DOCUMENTS, reset_attention_mask=False,
+                                                     position_embedding_type="learned_absolute"),
+                          timeout=300)[0],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "positions, kw",
+    [
+        ("rope", dict(pipeline_model_parallel_size=2)),
+        ("rope", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+        ("learned", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    ],
+    ids=["rope-pp2", "rope-tp2-sp", "learned-tp2-sp"],
+)
+def test_document_flags_follow_the_one_process_curve(documents_one_process, positions, kw):
+    """--eod-mask-loss (the depths' masks shifted with their labels), --reset-position-ids
+    and --reset-attention-mask: losses, gradient norms and depth losses."""
+    import mtp_workers as mw
+
+    want = documents_one_process[positions]
+    run = dict(DOCUMENTS, **kw)
+    if positions == "learned":
+        run.update(reset_attention_mask=False, position_embedding_type="learned_absolute")
+    assert len(want) == 3 * 4
+    for got in launch(mw.document_curve, 2, run, timeout=300):
+        assert got == pytest.approx(want, rel=5e-6)
+
+
+def test_the_depth_losses_go_to_the_iteration_line_and_tensorboard(tmp_path):
+    """Under Megatron-LM's names, "mtp_1 loss" and so on, beside the main loss."""
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    from megart.training.reporting import progress_line
+
+    kw = dict(MTP, train_iters=2, tensorboard_dir=str(tmp_path))
+    history = launch(tw.train_kw, 1, kw, timeout=300)[0]
+    line = progress_line(history[-1], 2, cpu=True)
+    assert f"| mtp_1 loss {history[-1]['mtp_1 loss']:.4E} | mtp_2 loss " in line
+    board = event_accumulator.EventAccumulator(str(tmp_path))
+    board.Reload()
+    for name in ("mtp_1 loss", "mtp_2 loss"):
+        logged = [(e.step, e.value) for e in board.Scalars(name)]
+        assert logged == [(h["iteration"], pytest.approx(h[name])) for h in history]
