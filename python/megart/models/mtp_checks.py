@@ -27,6 +27,14 @@ def check_mtp(cfg: GPTConfig) -> None:
             "dense layers; Megatron-Core gives them the last layer's MoE spec, which megart does "
             "not build (leave one of them out)"
         )
+    full = cfg.recompute_granularity == "full" and cfg.recompute_method == "uniform"
+    if full and cfg.recompute_num_layers != 1:
+        raise ConfigError(
+            f"--mtp-num-layers with --recompute-method uniform --recompute-num-layers "
+            f"{cfg.recompute_num_layers}: Megatron-Core recomputes each prediction depth on its "
+            "own and refuses any other number there; use --recompute-num-layers 1 (or "
+            "--recompute-method block, under which the depths are not recomputed)"
+        )
     if cfg.window_size is not None:
         raise ConfigError(
             "--mtp-num-layers with --window-size: megart does not give the prediction depths' "

@@ -38,7 +38,9 @@ def feed_labels(chunks: list[Any], targets: list[Any] | None, pad: int | None) -
 
 def mtp_losses(chunks: list[Any], cfg: Any, grid: Any, m: int, device: Any) -> dict[str, float]:
     """The iteration's depth losses by name (empty without depths), the same on every rank,
-    from what ``chunks`` tracked over ``m`` microbatches (then cleared)."""
+    from what ``chunks`` tracked over ``m`` microbatches (then cleared): taken before the MoE
+    losses, whose take clears the whole tracker. (The labels fed stay until the next feed:
+    evaluation, without gradients, runs no depth.)"""
     depths = cfg.mtp_num_layers or 0
     if not depths:
         return {}

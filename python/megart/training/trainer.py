@@ -169,7 +169,6 @@ class Trainer:
         with self.timers.phase("optimizer"):
             skipped, grad_norm, lr, stats = self._update_weights(iteration)
         loss, p2p_bytes = self._loss_and_p2p_bytes()
-        # Multi-token prediction's depth losses, then the MoE losses (which clear the tracker).
         mtp = mtp_losses(self.chunks, self.model_config, self.grid, m, self.device)
         moe = moe_losses(
             self.chunks, self.model_config, self.grid, m, self.device, c.moe_per_layer_logging
@@ -226,7 +225,6 @@ class Trainer:
             # Each microbatch's loss is divided by m: the gradient is the batch mean's.
             feed_labels(self.chunks, targets, self.pad)  # multi-token prediction's tokens
             self.engine_for(m).run(inputs, targets, self._loss_fn, scale, documents)
-            feed_labels(self.chunks, None, None)
         with timed("all-grads-sync"):
             self.buckets.finish()
         self.chores.after_forward_backward()
