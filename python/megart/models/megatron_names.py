@@ -21,6 +21,7 @@ Multi-token prediction's depths (models.mtp) have Megatron-Core's names in both,
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -179,7 +180,11 @@ _MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.transformer_layer\.(.+)$")
 
 
 def _mtp_names(
-    state: dict[str, torch.Tensor], cfg: GPTConfig, convert: object, ours: str, theirs: str
+    state: dict[str, torch.Tensor],
+    cfg: GPTConfig,
+    convert: Callable[[dict[str, torch.Tensor], GPTConfig], dict[str, torch.Tensor]],
+    ours: str,
+    theirs: str,
 ) -> dict[str, torch.Tensor]:
     """The other side's names of ``state``'s multi-token prediction entries: a depth's own
     unchanged, its layer's converted (by ``convert``, to_megatron or from_megatron) as a layer
@@ -195,6 +200,6 @@ def _mtp_names(
         else:
             out[name] = value
     for k, layer in layers.items():
-        for name, value in convert(layer, cfg).items():  # type: ignore[operator]
+        for name, value in convert(layer, cfg).items():
             out[f"mtp.layers.{k}.transformer_layer." + name.removeprefix(theirs)] = value
     return out

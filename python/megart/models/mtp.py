@@ -47,12 +47,11 @@ if TYPE_CHECKING:
     from megart.models.config import GPTConfig
 
 
-def shift_left(x: torch.Tensor, k: int = 1) -> torch.Tensor:
-    """``x`` [b, s] shifted left by ``k`` along the sequence, zeros shifted in at the end
-    (Megatron-Core's roll_tensor without context parallelism, ``k`` times)."""
+def shift_left(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [b, s] shifted left by one along the sequence, a zero shifted in at the end
+    (Megatron-Core's roll_tensor without context parallelism)."""
     out = torch.zeros_like(x)
-    if k < x.shape[-1]:
-        out[..., : x.shape[-1] - k] = x[..., k:]
+    out[..., :-1] = x[..., 1:]
     return out
 
 
@@ -153,9 +152,9 @@ class MultiTokenPrediction(nn.Module):
         self.labels = labels
 
     def first_ids(self, tokens: torch.Tensor | None) -> torch.Tensor | None:
-        """The depth-1 input ids [b, s]: the tokens shifted left by one (from the tokens where
-        the chunk has them, else from the fed labels: the same, but at the end, which is
-        masked out); None when neither is known (inference on a later stage), or without
+        """The depth-1 input ids [b, s]: the tokens shifted left by one, from the tokens where
+        the chunk has them, else from the fed labels (the same but for the last, zeroed as a
+        shift fills it); None when neither is known (inference on a later stage), or without
         gradients (evaluation: its loss is the main model's, the depths' a training signal)."""
         if not torch.is_grad_enabled():
             return None
@@ -169,7 +168,7 @@ class MultiTokenPrediction(nn.Module):
 
     def hidden(
         self,
-        embed: nn.Module,
+        embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         h: torch.Tensor,
         ids: torch.Tensor,
         positions: torch.Tensor | None,
