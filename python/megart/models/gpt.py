@@ -211,7 +211,7 @@ class GPTChunk(nn.Module):
         # Fused like the other linear layers, but never deferred to a zero-bubble W (its dY, the
         # logits' gradient, would be held until then). In a chunk that also looks tokens up in
         # wte, that lookup's accumulation runs wte's hooks, once per backward as unfused.
-        hooks = not self.first and self.mtp is None  # no lookup of wte here to run them
+        hooks = not self.first and ids is None  # no lookup of wte here to run them
         logits = linear(x, self.wte.weight, defer=False, run_hooks=hooks, slot=slot)
         return self._mask_padding(logits)
 
