@@ -86,6 +86,8 @@ def megatron_model(
         num_layers_in_last_pipeline_stage=last,
         **moe_config(cfg),
         **mla_config(cfg),
+        mtp_num_layers=cfg.mtp_num_layers,
+        mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
         **(dict(expert_model_parallel_size=ep) if ep > 1 else {}),
         # Its config checks sequence parallelism against its own tensor-parallel size.
         **(
@@ -103,9 +105,10 @@ def megatron_model(
     # The stages' tied embedding copies are made equal by an all-reduce of CUDA tensors.
     cuda = cuda_stays_on_cpu() if pp > 1 else contextlib.nullcontext()
     with norms, cuda:
+        spec = layer_spec(cfg, config, vp_stage)
         return GPTModel(
             config,
-            layer_spec(cfg, config, vp_stage),
+            spec,
             vocab_size=cfg.padded_vocab_size(tp),
             max_sequence_length=cfg.seq_length,
             position_embedding_type=("yarn" if cfg.rope_type == "yarn" else "rope")
@@ -120,7 +123,15 @@ def megatron_model(
             pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),
             vp_stage=vp_stage,
+            mtp_block_spec=mtp_spec(config, spec, vp_stage) if cfg.mtp_num_layers else None,
         ).double()
+
+
+def mtp_spec(config, spec, vp_stage: int | None):
+    """Megatron-Core's local (not Transformer Engine) multi-token prediction block spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
 
 
 def one_rank_world() -> None:

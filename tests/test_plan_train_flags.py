@@ -117,6 +117,7 @@ UNMODELLED_GIVEN = {
                              "--moe-input-jitter-eps", "0.01"],
     "multi_latent_attention": ["--multi-latent-attention", "--rope-type", "rope",
                                "--position-embedding-type", "rope"],
+    "mtp_num_layers": ["--mtp-num-layers", "1"],
 }  # fmt: skip
 
 

@@ -4,6 +4,7 @@ TrainConfig's fields."""
 
 from megart.cli.train_help_mla import MLA_HELP
 from megart.cli.train_help_moe import MOE_HELP
+from megart.cli.train_help_mtp import MTP_HELP
 from megart.cli.train_help_yarn import YARN_HELP
 
 HELP = {
@@ -370,4 +371,5 @@ HELP = {
     **MOE_HELP,
     **MLA_HELP,
     **YARN_HELP,
+    **MTP_HELP,
 }

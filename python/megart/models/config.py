@@ -16,6 +16,7 @@ from megart.models.config_flags import architecture_flags as architecture_flags
 from megart.models.config_flags import refuse_unlike as refuse_unlike
 from megart.models.mla_checks import check_mla, mla_layout_problems
 from megart.models.moe_checks import check_moe, is_moe_layer, moe_layout_problems
+from megart.models.mtp_checks import check_mtp, mtp_layout_problems
 from megart.models.recompute import DEFAULT_MODULES, check_recompute
 from megart.models.rope_checks import check_rope_scaling, check_rotary_percent
 from megart.models.stages import check_stages, uneven
@@ -208,6 +209,10 @@ class GPTConfig(YarnConfig):
     # so that routing is balanced by chance: it changes the model's math.
     moe_input_jitter_eps: float | None = None
     moe_router_force_load_balancing: bool = False
+    # Megatron's --mtp-num-layers and --mtp-loss-scaling-factor: multi-token prediction's
+    # depths on the last stage, their losses' weight (models.mtp; checks in models.mtp_checks).
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self) -> None:
         lists = ("window_size", "window_attn_skip_freq", "recompute_modules", "moe_layer_freq")
@@ -263,6 +268,7 @@ class GPTConfig(YarnConfig):
         check_rotary_percent(self)
         check_moe(self)
         check_mla(self)
+        check_mtp(self)
         if self.position_embedding == "rotary" and self.rotary_dim % 2:
             raise ConfigError(f"rotary positions need an even head size, not {self.head_dim}")
         check_rope_scaling(self)
@@ -363,6 +369,7 @@ class GPTConfig(YarnConfig):
             )
         problems += moe_layout_problems(self, tp)  # the experts' width
         problems += mla_layout_problems(self, tp)
+        problems += mtp_layout_problems(self, pp, chunks)
         if self.ffn_size % tp:
             problems.append(
                 f"the MLP size {self.ffn_size} does not split over tensor-parallel size {tp}"

@@ -21,6 +21,7 @@ from megart.models.context_parallel import group_positions
 from megart.models.documents import Documents
 from megart.models.init import generator, weight_init
 from megart.models.moe import AuxLossScale
+from megart.models.mtp import MultiTokenPrediction
 from megart.models.norms import HALF, apply_norm, norm
 from megart.models.recompute import checkpointed, recomputed_spans
 from megart.models.rope import rotary
@@ -73,10 +74,12 @@ class GPTChunk(nn.Module):
         self.cp_group = cp_group
         self.vocab = cfg.padded_vocab_size(group_size(tp_group))
         untied = cfg.untie_embeddings_and_output_weights
+        # Multi-token prediction (models.mtp) on the last stage, with a copy of the embedding.
+        mtp = last and bool(cfg.mtp_num_layers)
         # Xavier's fans: the vocabulary padded as at tensor-parallel size 1, so that the
         # draw does not depend on t (megart.models.init).
         vocab_shape = (cfg.padded_vocab_size(1), cfg.hidden_size)
-        if first or (last and not untied):
+        if first or (last and (not untied or mtp)):
             self.wte = VocabParallelEmbedding(
                 self.vocab,
                 cfg.hidden_size,
@@ -100,6 +103,11 @@ class GPTChunk(nn.Module):
             for i in layers
         )
         self.layer_ids = list(layers)
+        self.mtp = (
+            MultiTokenPrediction(cfg, tp_group, sequence_parallel, rng, self.aux_loss_scale)
+            if mtp
+            else None
+        )
         if last:
             self.ln_f = norm(cfg, sequence_parallel)
         if last and untied:
@@ -147,6 +155,8 @@ class GPTChunk(nn.Module):
         each): the key of the MoE routers' noise (models.router_noise), so that recomputation
         in a backward draws its forward's noise."""
         self.aux_loss_scale.noise.microbatch = mb
+        if self.mtp is not None:
+            self.mtp.microbatch = mb
 
     def _unpadded_rows(self, weight: torch.Tensor) -> None:
         """Zeroes the rows of padded vocabulary entries, so the weights do not depend on t."""
@@ -162,27 +172,12 @@ class GPTChunk(nn.Module):
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         cp = group_size(self.cp_group)
         positions = None if documents is None else documents.positions  # [b, s] or None
-        if self.first:
-            seq = x.shape[1] * cp
-            if seq > self.cfg.seq_length:
-                raise ValueError(
-                    f"sequence of {seq} tokens; the model takes at most {self.cfg.seq_length}"
-                )
-            h = self.wte(x.t())  # [s, b, h], or this rank's slice of s
-            if self.cfg.position_embedding == "learned":
-                rows = self._sequence_slice(x.shape[1])
-                if positions is not None:  # each sample's own rows: [s, b, h]
-                    h = h + self.wpe.weight[positions.t()[rows]]
-                else:
-                    table = self.wpe.weight[:seq]
-                    if cp > 1:  # the rows of this rank's tokens' global positions
-                        table = self.wpe.weight[
-                            group_positions(self.cp_group, x.shape[1], h.device)
-                        ]
-                    h = h + table[rows].unsqueeze(1)
-            x = self.drop(self._residual_stream(h))
-        else:
-            x = self._residual_stream(x)
+        tokens = x if self.first else None
+        if self.first and (seq := x.shape[1] * cp) > self.cfg.seq_length:
+            raise ValueError(
+                f"sequence of {seq} tokens; the model takes at most {self.cfg.seq_length}"
+            )
+        x = self._embed(x, positions) if self.first else self._residual_stream(x)
         rope = None
         if self.cfg.position_embedding == "rotary":
             t = group_size(self.tp_group) if self.sequence_parallel else 1
@@ -207,6 +202,9 @@ class GPTChunk(nn.Module):
         if not self.last:
             return x
         x = apply_norm(self.ln_f, x, self.cfg.fused_layer_norm)
+        ids = None if self.mtp is None else self.mtp.first_ids(tokens)
+        if ids is not None:  # the depths' outputs after the main one's: one output product
+            x = torch.cat([x, *self.mtp.hidden(self._embed, x, ids, positions, rope, mask)])
         if self.cfg.untie_embeddings_and_output_weights:
             # Gathers the sequence (or marks the copy for backward's all-reduce) itself.
             return self._mask_padding(self.output_layer(x))  # [s, b, V_padded / t]
@@ -214,8 +212,25 @@ class GPTChunk(nn.Module):
         # Fused like the other linear layers, but never deferred to a zero-bubble W (its dY, the
         # logits' gradient, would be held until then). In a chunk that also looks tokens up in
         # wte, that lookup's accumulation runs wte's hooks, once per backward as unfused.
-        logits = linear(x, self.wte.weight, defer=False, run_hooks=not self.first, slot=slot)
+        hooks = not self.first and ids is None  # no lookup of wte here to run them
+        logits = linear(x, self.wte.weight, defer=False, run_hooks=hooks, slot=slot)
         return self._mask_padding(logits)
+
+    def _embed(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Tokens [b, s] embedded (with their positions [b, s], None for 0..s-1), dropped out:
+        [s, b, h], this rank's slice of s under sequence parallelism."""
+        cp = group_size(self.cp_group)
+        h = self.wte(x.t())
+        if self.cfg.position_embedding == "learned":
+            rows = self._sequence_slice(x.shape[1])
+            if positions is not None:  # each sample's own rows: [s, b, h]
+                h = h + self.wpe.weight[positions.t()[rows]]
+            else:
+                table = self.wpe.weight[: x.shape[1] * cp]
+                if cp > 1:  # the rows of this rank's tokens' global positions
+                    table = self.wpe.weight[group_positions(self.cp_group, x.shape[1], h.device)]
+                h = h + table[rows].unsqueeze(1)
+        return self.drop(self._residual_stream(h))
 
     def _residual_stream(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` in the residual stream's dtype: autocast's 16-bit type under autocast (as in
@@ -241,14 +256,19 @@ class GPTChunk(nn.Module):
         """Mean next-token cross-entropy from this rank's logits slice and targets [b, s]."""
         return self.token_losses(logits, targets).mean()
 
-    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def token_losses(
+        self, logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Each token's next-token cross-entropy, [s, b], from this rank's logits slice and
-        targets [b, s]."""
+        targets [b, s]; with multi-token prediction's logits after the main ones, the depths'
+        losses (under ``loss_mask`` [b, s], None: none) seeded into the backward (models.mtp)."""
         if self.cfg.cross_entropy_loss_fusion:
             ce = fused_vocab_parallel_cross_entropy
         else:
             ce = vocab_parallel_cross_entropy
-        return ce(logits, targets.t(), self.tp_group)
+        if self.mtp is None or logits.shape[0] == targets.shape[1]:
+            return ce(logits, targets.t(), self.tp_group)
+        return self.mtp.token_losses(ce, logits, targets, loss_mask, self.sequence_parallel)
 
 
 class GPT(nn.Module):
@@ -296,6 +316,7 @@ class GPT(nn.Module):
         logits = self.chunk(tokens, documents)
         if targets is not None:
             return self.chunk.loss(logits, targets)
+        logits = logits[: tokens.shape[1]]  # the main model's (not multi-token prediction's)
         full = gather_from_region(logits, self.chunk.tp_group)[..., : self.cfg.vocab_size]
         return full.transpose(0, 1)
 

@@ -40,6 +40,7 @@ from megart.models import (
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
 from megart.models.mla_checks import refuse_mla
+from megart.models.mtp_checks import refuse_mtp
 from megart.tensor_parallel._group import group_rank, group_size
 
 # A Llama-style model without a window is written as a Llama, one with a window as a Mistral,
@@ -154,6 +155,7 @@ def writer(cfg: GPTConfig, expect: str | None = None) -> ModuleType:
     model_type) insists on one. A model no format can represent is refused with what each
     format lacks."""
     refuse_mla(cfg, "a Hugging Face export (DeepSeek-V2/V3's layout)")
+    refuse_mtp(cfg.mtp_num_layers, "Hugging Face's formats")
     refusals = []
     for fmt in WRITERS:
         if expect not in (None, fmt.MODEL_TYPE):

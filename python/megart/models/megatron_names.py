@@ -12,11 +12,16 @@ local spec's without grouped GEMM), each named inside as a dense MLP is; so are 
 experts, ``mlp.shared_experts`` in both (Megatron-Core's SharedExpertMLP), whose gate's weight
 is megart's ``mlp.shared_expert_gate.weight`` and Megatron-Core's ``mlp.shared_experts.gate_weight``
 (a parameter of SharedExpertMLP, not a module of its own).
+
+Multi-token prediction's depths (models.mtp) have Megatron-Core's names in both,
+``mtp.layers.K.{enorm,hnorm,eh_proj,final_layernorm}``, but for the depth's layer,
+``mtp.layers.K.transformer_layer.`` followed by a decoder layer's names on each side.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -130,8 +135,8 @@ def is_fc1_halves(name: str, cfg: GPTConfig) -> bool:
 def to_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """Megatron-Core names for the whole model's ``state`` (megart's names, with or without
     the ``chunk.`` prefix of megart.models.GPT)."""
-    out: dict[str, torch.Tensor] = {}
     state = {k.removeprefix("chunk."): v for k, v in state.items()}
+    out = _mtp_names(state, cfg, to_megatron, "blocks.0.", "decoder.layers.0.")
     for name, value in state.items():
         if name in NAMES:
             out[NAMES[name]] = value
@@ -154,10 +159,10 @@ def from_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, t
     the local or Transformer Engine layer spec; ``_extra_state`` entries are dropped."""
     back = {v: k for k, v in NAMES.items()}
     layer_back = {v: k for k, v in LAYER_NAMES.items()}
-    out: dict[str, torch.Tensor] = {}
+    out = _mtp_names(state, cfg, from_megatron, "decoder.layers.0.", "blocks.0.")
     pattern = re.compile(r"decoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
     for name, value in state.items():
-        if name.endswith("_extra_state"):
+        if name.endswith("_extra_state") or name.startswith("mtp."):
             continue
         for fused, norm in TE_NORMS.items():
             name = name.replace(fused, norm)
@@ -199,3 +204,32 @@ def _halves(part: str) -> list[str]:
     an expert's ``mlp.experts.e.fc``, the shared experts' ``mlp.shared_experts.fc``)."""
     owner = part.rsplit(".", 1)[0]
     return [f"{owner}.{h.rsplit('.', 1)[1]}" for h in FC1_HALVES]
+
+
+_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.transformer_layer\.(.+)$")
+
+
+def _mtp_names(
+    state: dict[str, torch.Tensor],
+    cfg: GPTConfig,
+    convert: Callable[[dict[str, torch.Tensor], GPTConfig], dict[str, torch.Tensor]],
+    ours: str,
+    theirs: str,
+) -> dict[str, torch.Tensor]:
+    """The other side's names of ``state``'s multi-token prediction entries: a depth's own
+    unchanged, its layer's converted (by ``convert``, to_megatron or from_megatron) as a layer
+    0's (``ours``: this side's prefix of one, ``theirs`` the other side's)."""
+    out: dict[str, torch.Tensor] = {}
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for name, value in state.items():
+        if not name.startswith("mtp.") or name.endswith("_extra_state"):
+            continue
+        match = _MTP_LAYER.match(name)
+        if match:
+            layers.setdefault(match.group(1), {})[ours + match.group(2)] = value
+        else:
+            out[name] = value
+    for k, layer in layers.items():
+        for name, value in convert(layer, cfg).items():
+            out[f"mtp.layers.{k}.transformer_layer." + name.removeprefix(theirs)] = value
+    return out

@@ -168,6 +168,12 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
         (False,),
         "multi-latent attention's projections, latents and scores (its weights, FLOPs and saves)",
     ),
+    # Multi-token prediction (models.mtp): layers, logits and embedding lookups on the last stage.
+    "mtp_num_layers": (
+        (None,),
+        "multi-token prediction's depths on the last stage: a layer, a projection, the "
+        "output layer's logits and an embedding lookup each",
+    ),
 }
 
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the
@@ -226,6 +232,7 @@ NO_EFFECT = (
     # UNMODELLED), and plain rope's name (the only rope megart turns).
     "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
     "rope_type",
+    "mtp_loss_scaling_factor",  # a number on the depths' losses (refused with them above)
     "distributed_backend",
     # data
     "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "mock_data",

@@ -219,6 +219,7 @@ def flags_from(
     out = [(f, values[f], False) for f in SIZES + WINDOW]
     out += [(f, values[f], True) for f in FORCED]
     out += moe_flags(cfg)
+    out.append(("mtp_num_layers", cfg.mtp_num_layers, True))  # Megatron-LM forces it too
     # What depends on a size the command line gave is left to it: megart's position table is
     # --seq-length long, its head size --hidden-size / --num-attention-heads.
     if "seq_length" not in given:

@@ -240,6 +240,9 @@ class TrainConfig(LearningRateFlags, MLAFlags, YarnFlags):
     moe_input_jitter_eps: float | None = None
     moe_router_force_load_balancing: bool = False
     moe_per_layer_logging: bool = False
+    # Multi-token prediction (GPTConfig's fields, models.mtp; training.mtp_checks).
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
     use_mcore_models: bool = False  # Megatron's deprecated switch: its GPTModel is megart's
     rotary_percent: float = 1.0  # the part of each head rope turns (GPTConfig.rotary_percent)
     data_cache_path: str | None = None  # --data-order megatron's indices, built once

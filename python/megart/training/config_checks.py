@@ -28,6 +28,7 @@ from megart.training.expert_checks import check_expert_flags
 from megart.training.lr_checks import check_lr_flags
 from megart.training.megatron_flags import check_megatron_flags
 from megart.training.moe_kernels import check_moe_kernels
+from megart.training.mtp_checks import check_mtp_flags
 from megart.training.save_modes import check_save_modes
 from megart.training.upcycling_checks import check_upcycling
 
@@ -197,6 +198,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     check_expert_flags(cfg, dp)
     check_moe_kernels(cfg)
     check_upcycling(cfg)  # --moe-use-upcycling's needs; turns on --no-load-optim/-rng
+    check_mtp_flags(cfg)
     check_document_flags(cfg)
     if cfg.ckpt_format in ("torch", "torch_dist"):  # saved or loaded in Megatron's files
         refuse_mla(cfg.gpt_config(), f"--ckpt-format {cfg.ckpt_format}")

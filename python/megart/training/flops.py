@@ -56,6 +56,13 @@ layer's forward is counted (torch's checkpoint may skip the last product: see te
 layernorm recomputes no product. Korthikanti et al.'s hardware FLOPs under selective recomputation
 have s/(3h) where the model's count has s/(6h): the core's forward and backward once more, three
 times the replay counted here.
+
+Multi-token prediction's D depths (--mtp-num-layers, models.mtp) add D dense layers, D eh_proj
+products (2 B s 2h h forward each) and D more logits, as Megatron-LM counts them; Megatron-LM
+also counts the depths' three norms as 3h multiply-adds per token, which megart, counting
+products only, leaves out (18 B s h D FLOPs an iteration). Full uniform recomputation replays
+each depth's forward but its logits (Megatron-Core checkpoints the depth so), which the run's
+count adds.
 """
 
 from __future__ import annotations
@@ -158,7 +165,8 @@ def model_flops(
     counts them for a run's chunks); ``selective``: the attention cores replayed;
     ``mlp_again``: the MLPs replayed; ``replayed_moe``: how many of the ``replayed`` are
     mixture-of-experts layers (:func:`replayed_moe_in_chunks`)."""
-    return iteration_flops(
+    depths = mtp_flops(cfg, batch, tp, causal, recompute and cfg.recompute_method == "uniform")
+    return depths + iteration_flops(
         batch,
         cfg.seq_length,
         cfg.num_layers,
@@ -198,6 +206,23 @@ def mla_widths(cfg: GPTConfig) -> tuple[int | None, int | None]:
     queries = h * n * qd if rq is None else rq * (h + n * qd)
     keys_values = h * (rkv + cfg.qk_pos_emb_head_dim) + rkv * n * (cfg.qk_head_dim + v)
     return queries + keys_values + n * v * h, n * qd + n * v
+
+
+def mtp_flops(cfg: GPTConfig, batch: int, tp: int, causal: bool, replay: bool) -> int:
+    """The FLOPs of multi-token prediction's depths in an iteration of ``batch`` sequences (0
+    without): a dense layer, the eh_proj product and the logits each, forward and backward;
+    with ``replay``, each depth's forward but its logits once more."""
+    d = cfg.mtp_num_layers or 0
+    if not d:
+        return 0
+    b, s, h = batch, cfg.seq_length, cfg.hidden_size
+    projections, core_width = mla_widths(cfg)  # a depth's layer is the model's kind
+    layers = iteration_flops(b, s, d, h, 0, replay, cfg.ffn_size, cfg.activation == "swiglu",
+                             cfg.query_groups * cfg.head_dim, causal, None, False,
+                             cfg.query_size, projections=projections,
+                             core_width=core_width)  # fmt: skip
+    proj, logits = 2 * b * s * 2 * h * h, 2 * b * s * h * cfg.padded_vocab_size(tp)
+    return layers + d * ((3 + replay) * proj + 3 * logits)
 
 
 def moe_layer_count(cfg: GPTConfig) -> int:

@@ -30,6 +30,7 @@ import torch
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.megatron_names import from_megatron, to_megatron
+from megart.models.mtp_checks import refuse_mtp
 from megart.models.stages import check_stages, ends_of, uneven
 from megart.training import megatron_dist, megatron_expert_bias, megatron_layout, tokenizer_record
 from megart.training.checkpoint import (
@@ -84,6 +85,7 @@ def megart_to_megatron(
     iteration = required_latest_iteration(load_dir)
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
+    refuse_mtp(cfg.mtp_num_layers, f"Megatron-LM's checkpoints (--ckpt-format {ckpt_format})")
     layout = shards[0, 0]["config"]
     vpp_source, ends = 1, (None, None)
     if tp is None and pp is None:  # the source's layout: its chunks, its uneven stages

@@ -52,8 +52,12 @@ FAMILIES: tuple[tuple[str, str], ...] = (
         ),
     ),
     (
-        "megart has no multi-token prediction (MTP) heads; leave it out",
-        "--mtp-",
+        "megart's multi-token prediction is --mtp-num-layers with --mtp-loss-scaling-factor, "
+        "its depths on the last pipeline stage, each with a layer of its own (no repeated "
+        "layer, detached heads, hidden-state mixing, standalone stage or hybrid pattern); "
+        "leave it out",
+        "--mtp-standalone --mtp-use-repeated-layer --mtp-detach-heads --mtp-hsm "
+        "--mtp-hybrid-override-pattern",
     ),
     (
         "megart has no hyper-connections (mHC); leave it out",

@@ -86,6 +86,8 @@ def gpt_config(config: Any) -> GPTConfig:
         **moe_fields(config),
         **mla_fields(config),
         **yarn_fields(config),
+        mtp_num_layers=config.mtp_num_layers,
+        mtp_loss_scaling_factor=float(config.mtp_loss_scaling_factor),
     )
 
 

@@ -30,8 +30,12 @@ Optimizer = torch.optim.Optimizer | DistributedOptimizer | MainWeights
 
 def _tied_embeddings(chunks: list[torch.nn.Module], pp: int) -> list[torch.nn.Parameter]:
     """The word embeddings the first and last pipeline stages share (none with one stage in
-    one chunk, or when the output layer has its own weight); both are on one rank in zb-v."""
-    if (pp == 1 and len(chunks) == 1) or chunks[0].cfg.untie_embeddings_and_output_weights:
+    one chunk, or when the output layer has its own weight, unless multi-token prediction's
+    depths look tokens up on the last); both are on one rank in zb-v."""
+    cfg = chunks[0].cfg
+    if (pp == 1 and len(chunks) == 1) or (
+        cfg.untie_embeddings_and_output_weights and not cfg.mtp_num_layers
+    ):
         return []
     return [c.wte.weight for c in chunks if hasattr(c, "wte") and (c.first or c.last)]
 

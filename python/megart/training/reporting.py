@@ -60,6 +60,8 @@ def progress_line(fig: dict[str, Any], train_iters: int, cpu: bool = False) -> s
         + (f"num zeros {zeros} | " if (zeros := fig.get("num_zeros_in_grad")) is not None else "")
         + (f"params norm {norm:.3f} | " if (norm := fig.get("params_norm")) is not None else "")
         + "".join(f"{name} {fig[name]:.4E} | " for name in MOE_LOSSES if name in fig)
+        # Multi-token prediction's depth losses, under Megatron-LM's names (training.mtp_metrics)
+        + "".join(f"{name} {value:.4E} | " for name, value in fig.items() if name[:4] == "mtp_")
         + f"lr {fig['lr']:.2e} | "
         f"{fig['tokens_per_s']:,.0f} tokens/s | "
         + _throughput(fig["tflops_per_gpu"], fig["mfu"], cpu)
@@ -221,8 +223,9 @@ class RunLog(contextlib.ExitStack):
             for tag, key in self.tags.items():
                 if fig.get(key) is not None and (every or key.startswith(("valid_", "test_"))):
                     self.board.add_scalar(tag, fig[key], fig["iteration"])
-            if every:  # --moe-per-layer-logging's values, under their own (Megatron's) names
-                for key in (k for k in fig if k.startswith("moe/")):
+            if every:  # --moe-per-layer-logging's values and the MTP depths' losses, under
+                # their own (Megatron's) names
+                for key in (k for k in fig if k.startswith(("moe/", "mtp_"))):
                     self.board.add_scalar(key, fig[key], fig["iteration"])
         logged = fig["iteration"] % c.log_interval == 0 or fig["iteration"] == 1
         if logged:

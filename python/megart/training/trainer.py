@@ -44,6 +44,7 @@ from megart.training.loss_record import LossRecord, reduce_sums
 from megart.training.lr import weight_decay_rate
 from megart.training.megatron_blend import eval_batch
 from megart.training.moe_metrics import moe_losses
+from megart.training.mtp_metrics import feed_labels, mtp_losses
 from megart.training.pad_tokens import megatron_pad_id
 from megart.training.pipeline_costs import plan_costs
 from megart.training.reporting import RunLog, peak_flops, run_description
@@ -141,7 +142,7 @@ class Trainer:
     def _loss_fn(self, logits: torch.Tensor, targets: Any) -> torch.Tensor:
         if isinstance(targets, MaskedTargets):  # --eod-mask-loss, Megatron's pad labels
             loss, total, count = masked_loss(
-                self.chunks[-1].token_losses(logits, targets.labels), targets
+                self.chunks[-1].token_losses(logits, targets.labels, targets.mask), targets
             )
             self.losses.add(total, count)
             return loss
@@ -168,6 +169,7 @@ class Trainer:
         with self.timers.phase("optimizer"):
             skipped, grad_norm, lr, stats = self._update_weights(iteration)
         loss, p2p_bytes = self._loss_and_p2p_bytes()
+        mtp = mtp_losses(self.chunks, self.model_config, self.grid, m, self.device)
         moe = moe_losses(
             self.chunks, self.model_config, self.grid, m, self.device, c.moe_per_layer_logging
         )
@@ -198,6 +200,7 @@ class Trainer:
             ),
             "pipeline_p2p_bytes": p2p_bytes,
             **moe,  # load_balancing_loss, z_loss (training.moe_metrics)
+            **mtp,  # "mtp_k loss" (training.mtp_metrics)
             "loss_scale": scale,
             "skipped": skipped,
             **stats,
@@ -220,6 +223,7 @@ class Trainer:
         fusion = fusing_accumulation(c.gradient_accumulation_fusion)
         with self._autocast(), fusion, timed("forward-backward"):
             # Each microbatch's loss is divided by m: the gradient is the batch mean's.
+            feed_labels(self.chunks, targets, self.pad)  # multi-token prediction's tokens
             self.engine_for(m).run(inputs, targets, self._loss_fn, scale, documents)
         with timed("all-grads-sync"):
             self.buckets.finish()
