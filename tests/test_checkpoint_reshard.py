@@ -18,7 +18,7 @@ from megart import ConfigError
 from megart.cli.train import add_arguments, config_from_args
 from megart.launcher import launch
 from megart.models import GPTChunk, GPTConfig
-from megart.models.config import fit_vocab
+from megart.models.vocab import fit_vocab
 from megart.training import checkpoint, reshard
 from megart.training.shards import merge_shards, split_shard
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from megart.errors import ConfigError
 
 # Re-exported: megart.models.config's names before config_flags was split out of it.
@@ -395,13 +393,3 @@ def distinct_head_size(d: int | None, hidden: int, heads: int) -> int | None:
     head_dim: ``d`` where it is not hidden / heads, else None, so that models of the usual
     head size record what they always have."""
     return None if d is None or (hidden % heads == 0 and d == hidden // heads) else int(d)
-
-
-def fit_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """The vocab-parallel embedding's whole weight (or a state shaped like it) with ``rows``
-    rows. The vocabulary is padded to a multiple of 128 t (GPTConfig.padded_vocab_size), so the
-    padding changes with t; its rows are zero (never looked up, their logits masked out of the
-    loss, so their gradients and moments stay zero) and are cut or added as zeros."""
-    if weight.shape[0] >= rows:
-        return weight[:rows]
-    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])

@@ -35,3 +35,19 @@ def reduce_sums(sums: torch.Tensor, grid: object) -> None:
     adds a loss, and the data- and context-parallel ranks each hold their part of the batch."""
     dist.all_reduce(sums, group=grid.pp_group)
     dist.all_reduce(sums, group=grid.dp_cp_group)
+
+
+def global_loss_and_p2p_bytes(
+    losses: LossRecord, grid: object, device: torch.device
+) -> tuple[float, int]:
+    """The global batch's mean loss (``losses``' records taken) and the pipeline bytes all
+    ranks sent this iteration, the same on every rank, so that any rank can report them."""
+    loss, weight = losses.take()
+    figures = torch.tensor(
+        [loss, weight, float(sum(dist.bytes_sent(grid.pp_group).values()))],
+        dtype=torch.float64,
+        device=device,  # nccl groups move device memory only
+    )
+    reduce_sums(figures[:2], grid)
+    dist.all_reduce(figures[2:])  # bytes: summed over every rank
+    return (figures[0] / figures[1]).item(), int(figures[2].item())

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 
 from megart.errors import ConfigError
-from megart.models.config import GPTConfig, fit_vocab
+from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
 from megart.models.mtp_checks import refuse_mtp
 from megart.models.stages import check_stages, ends_of, uneven
+from megart.models.vocab import fit_vocab
 from megart.training import megatron_dist, megatron_expert_bias, megatron_layout, tokenizer_record
 from megart.training.checkpoint import (
     FILE,

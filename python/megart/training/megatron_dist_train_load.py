@@ -83,7 +83,7 @@ class _Reads:
         if problem is not None:
             raise ConfigError(f"{self.root}: {problem}; resume with the flags of its model")
         offsets, piece = place.offsets, place.piece(tensor)
-        if vocab:  # rows past the stored padding stay zero (megart.models.config.fit_vocab)
+        if vocab:  # rows past the stored padding stay zero (megart.models.vocab.fit_vocab)
             rows = max(0, min(piece.shape[0], meta.size[0] - offsets[0]))
             piece[rows:].zero_()
             piece = piece[:rows]

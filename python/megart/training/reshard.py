@@ -31,8 +31,9 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models import GPTChunk
-from megart.models.config import VOCAB_MULTIPLE, fit_vocab
+from megart.models.config import VOCAB_MULTIPLE
 from megart.models.stages import rank_layer_counts
+from megart.models.vocab import fit_vocab
 from megart.training.ckpt_files import (
     FILE,
     PARALLEL_FIELDS,

@@ -40,7 +40,7 @@ from megart.training.documents import (
 )
 from megart.training.dtypes import half_dtype, residual_dtype
 from megart.training.housekeeping import Housekeeping
-from megart.training.loss_record import LossRecord, reduce_sums
+from megart.training.loss_record import LossRecord, global_loss_and_p2p_bytes, reduce_sums
 from megart.training.lr import weight_decay_rate
 from megart.training.megatron_blend import eval_batch
 from megart.training.moe_metrics import moe_losses
@@ -278,18 +278,7 @@ class Trainer:
         return skipped, grad_norm, lr, stats
 
     def _loss_and_p2p_bytes(self) -> tuple[float, int]:
-        """The global batch's mean loss and the pipeline bytes all ranks sent this iteration,
-        the same on every rank, so that any rank can report them."""
-        g = self.grid
-        loss, weight = self.losses.take()
-        figures = torch.tensor(
-            [loss, weight, float(sum(dist.bytes_sent(g.pp_group).values()))],
-            dtype=torch.float64,
-            device=self.device,  # nccl groups move device memory only
-        )
-        reduce_sums(figures[:2], g)
-        dist.all_reduce(figures[2:])  # bytes: summed over every rank
-        return (figures[0] / figures[1]).item(), int(figures[2].item())
+        return global_loss_and_p2p_bytes(self.losses, self.grid, self.device)
 
     def evaluate(self, data: Dataset | None = None, first: int = 0) -> float:
         """The validation loss: the mean over --eval-iters global batches of the validation
