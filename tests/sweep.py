@@ -7,6 +7,7 @@ megart's one-line reason, or ERROR) and exits 1 if any combination mismatched or
     python tests/sweep.py precision --seed 31 --count 40 # the same under bf16/fp16 flags
     python tests/sweep.py resume --seed 17 --count 40    # save in one layout, resume in another
     python tests/sweep.py resume-moe --seed 5 --count 20 # the same, always with experts
+    python tests/sweep.py deepseek --seed 3 --count 20   # curves with MLA, YaRN, MTP drawn
     python tests/sweep.py memory --seed 23 --count 40    # megart plan's memory against ranks
     python tests/sweep.py hf --seed 5 --count 40         # export-hf and import-hf (sweep_hf)
     python tests/sweep.py convert --seed 9 --count 40    # convert-checkpoint (sweep_convert)
@@ -22,7 +23,8 @@ no biases, --qk-layernorm, a sliding window, recomputation and the fused loss (m
 small GPTs of test_plan_memory; hf: a model of a Hugging Face family, see sweep_hf; convert:
 checkpoints through convert-checkpoint, see sweep_convert; resume-moe: resume with a
 mixture-of-experts model always, expert parallelism drawn more often, grouped GEMM and the
-router's input jitter at times). On
+router's input jitter at times; deepseek: curves with multi-latent attention, YaRN and
+multi-token prediction drawn, see sweep_deepseek). On
 2026-11-29 these sweeps found six bugs (git log: "found by a random ... sweep"). REFUSED
 lines are expected (layouts a batch or layer count does not allow); read them for unclear
 messages.
@@ -41,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import sweep_deepseek  # noqa: E402
 import train_workers as tw  # noqa: E402
 from megart import ConfigError  # noqa: E402
 from megart.launcher import launch  # noqa: E402
@@ -56,7 +59,9 @@ from megart.training.lr import WSD_DECAY_STYLES  # noqa: E402
 # mcore: float64 logits of megart's GPT and Megatron-Core's GPTModel, weights mapped either way;
 # mcore-tp2: of Megatron-Core's tp2 model loading the tp2 checkpoint megart converts to;
 # mcore-pp2: of its pipeline stages (plain, interleaved, uneven) on pp2 converted files.
+# deepseek: the curves' bound (its draws add MLA, YaRN and MTP: sweep_deepseek).
 TOLERANCE = {"curves": 1e-5, "precision": 2e-2, "resume": 1e-5, "resume-moe": 1e-5,
+             "deepseek": 1e-5,
              "memory": 1e-2, "hf": 1e-5,
              "convert": 1e-5, "hf-import": 1e-5, "mcore": 1e-10, "mcore-tp2": 1e-10,
              "mcore-pp2": 1e-10}  # fmt: skip
@@ -179,8 +184,12 @@ def draw(rng: random.Random, mode: str) -> tuple[int, dict, dict]:
     model = _model(rng, moe=mode == "resume-moe")
     if mode == "precision":
         model.update(_precision(rng))
+    if mode == "deepseek":
+        sweep_deepseek.parts(rng, model)
     # resume-moe: the experts' own optimizer shards (and their files) drawn more often.
     ranks, layout, dp = _layout(rng, model["num_layers"], 0.8 if mode == "resume-moe" else 0.5)
+    while mode == "deepseek" and layout["context_parallel_size"] > 1:  # MLA and MTP refuse it
+        ranks, layout, dp = _layout(rng, model["num_layers"])
     _spread_experts(rng, model, layout, dp, 0.8 if mode == "resume-moe" else 0.5)
     if mode == "resume-moe" and layout["tensor_model_parallel_size"] > 1:
         layout["sequence_parallel"] = True  # experts under tp need it (else refused)
