@@ -22,6 +22,7 @@ from megart.models.hf import read_format, writer
 from megart.training.export_hf import export_checkpoint
 from megart.training.import_hf import import_for_training
 from test_hf_llama import relative_error
+from test_hf_mixtral import assert_fine_tunes_at_pp2, imported_at_pp2
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -254,3 +255,13 @@ def test_a_dense_mla_model_without_the_expert_bias_is_written_and_read(tmp_path)
         str(tmp_path), experts_implementation="eager"
     )
     assert relative_error(logits(hf.double().eval(), TOKENS), logits(model, TOKENS)) < BOUND
+
+
+def test_an_imported_deepseek_v3_fine_tunes_at_pp2_with_the_printed_flags(tmp_path, capsys):
+    """import-hf (at tp2 and at pp2, the same weights), then two pipeline stages train from it
+    with the flags it prints: first at transformers' loss on the same batch (so the expert
+    biases came through the checkpoint: routing without them differs), then lower."""
+    hf = saved(tmp_path / "hf", num_hidden_layers=4, vocab_size=256)  # the corpus's bytes
+    flags = imported_at_pp2(tmp_path / "hf", tmp_path / "ckpt", capsys)
+    model = assert_fine_tunes_at_pp2(flags, tmp_path / "ckpt", tmp_path / "hf", hf)
+    assert model["multi_latent_attention"] and model["moe_router_enable_expert_bias"]
