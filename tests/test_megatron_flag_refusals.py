@@ -88,11 +88,11 @@ def test_the_checker_catches_a_dropped_refusal(monkeypatch):
 
 
 def test_the_refusal_is_one_line_said_once(capsys):
-    assert train_main(["--moe-enable-deepep", "--mscale", "4", "--lrr", "1"]) != 0
+    assert train_main(["--moe-enable-deepep", "--cache-mla-latents", "--lrr", "1"]) != 0
     err = capsys.readouterr().err
     assert err.count("megart train: error") == 1, err
     assert "--moe-enable-deepep: megart's mixture-of-experts layers" in err
-    assert "--mscale: megart's multi-latent attention" in err
+    assert "--cache-mla-latents: megart's multi-latent attention" in err
     # A misspelt flag beside them is still named, with its hint.
     assert "unrecognized: --lrr (--lrr: did you mean --lr?)" in err
     assert "--num-layers" not in err
