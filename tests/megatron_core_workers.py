@@ -97,7 +97,9 @@ def megatron_model(
     rope = cfg.position_embedding == "rotary"
     # Its GPTModel reads YaRN's settings as attributes its config class lacks (Megatron-LM's
     # arguments set them so): GPTConfig's names are those attributes'.
-    for name in (f.name for f in dataclasses.fields(YarnConfig)) if cfg.rope_type == "yarn" else ():
+    # (Its MLA takes YaRN from mla_config instead, on position_embedding_type "rope".)
+    yarn = cfg.rope_type == "yarn" and not cfg.multi_latent_attention
+    for name in (f.name for f in dataclasses.fields(YarnConfig)) if yarn else ():
         setattr(config, name, getattr(cfg, name))
     # Its torch norms refuse sequence parallelism; its fused one (torch's function inside) not.
     fused = cfg.apply_layernorm_1p or sequence_parallel
@@ -111,9 +113,7 @@ def megatron_model(
             spec,
             vocab_size=cfg.padded_vocab_size(tp),
             max_sequence_length=cfg.seq_length,
-            position_embedding_type=("yarn" if cfg.rope_type == "yarn" else "rope")
-            if rope
-            else "learned_absolute",
+            position_embedding_type=("yarn" if yarn else "rope") if rope else "learned_absolute",
             rotary_base=int(cfg.rotary_base),
             rope_scaling=cfg.rope_scaling,
             rope_scaling_factor=cfg.rope_scaling_factor,
@@ -179,11 +179,25 @@ def moe_config(cfg: GPTConfig) -> dict:
 
 def mla_config(cfg: GPTConfig) -> dict:
     """MLATransformerConfig's fields for ``cfg`` (none without multi-latent attention): the
-    same names, plain rope (its default is YaRN) with megart's base."""
+    same names, megart's rope type and base, and YaRN's settings under its own names (its
+    YarnRotaryEmbedding always rounds the correction range)."""
     if not cfg.multi_latent_attention:
         return {}
     names = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
-    return dict({n: getattr(cfg, n) for n in names}, rope_type="rope", rotary_base=cfg.rotary_base)
+    yarn = dict(
+        rotary_scaling_factor=cfg.yarn_rotary_scaling_factor,
+        original_max_position_embeddings=cfg.yarn_original_max_position_embeddings,
+        beta_fast=cfg.yarn_beta_fast,
+        beta_slow=cfg.yarn_beta_slow,
+        mscale=cfg.yarn_mscale,
+        mscale_all_dim=cfg.yarn_mscale_all_dim,
+    )
+    return dict(
+        {n: getattr(cfg, n) for n in names},
+        rope_type=cfg.rope_type,
+        rotary_base=cfg.rotary_base,
+        **(yarn if cfg.rope_type == "yarn" else {}),
+    )
 
 
 def layer_spec(cfg: GPTConfig, config, vp_stage: int | None):

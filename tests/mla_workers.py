@@ -72,3 +72,26 @@ def gradients(kw: dict) -> dict[str, torch.Tensor]:
     import train_workers as tw
 
     return tw.gradients_after_one_step(**kw)
+
+
+def compare_with_mistake(kw: dict, mistake: str) -> float:
+    """mcw.compare's forward difference of ``kw``'s model (YaRN) with a mistake planted in
+    megart: "mscale-once" multiplies MLA's softmax scale by its mscale once, not squared;
+    "no-concentration" leaves cos and sin unscaled by YaRN's concentration factor."""
+    import math
+
+    from megart.models import mla, rope
+
+    module, name = (
+        (mla, "yarn_mscale") if mistake == "mscale-once" else (rope, "yarn_concentration")
+    )
+    real = getattr(module, name)
+    wrong = {
+        "mscale-once": lambda factor, m: math.sqrt(real(factor, m)),
+        "no-concentration": lambda *a: 1.0,
+    }[mistake]
+    setattr(module, name, wrong)
+    try:
+        return mcw.compare(kw, draw=True)["forward"]
+    finally:
+        setattr(module, name, real)

@@ -2,7 +2,8 @@
 megart.cli.train_help.HELP)."""
 
 YARN_HELP = {
-    "rotary_scaling_factor": "with --position-embedding-type yarn: how many times longer a "
+    "rotary_scaling_factor": "with --position-embedding-type yarn (or multi-latent "
+    "attention's --rope-type yarn): how many times longer a "
     "context YaRN extends to; the slow frequencies are divided by it (at least 1)",
     "yarn_original_max_position_embeddings": "with yarn: the context the model was trained "
     "with before the extension (default 4096)",
@@ -12,7 +13,8 @@ YARN_HELP = {
     "by the factor, those between blended (default 1)",
     "mscale": "with yarn: cos and sin are times (0.1 mscale ln(factor) + 1) / (0.1 "
     "mscale_all_dim ln(factor) + 1), so the attention logits by its square",
-    "mscale_all_dim": "with yarn: the denominator's mscale (see --mscale)",
+    "mscale_all_dim": "with yarn: the denominator's mscale (see --mscale); multi-latent "
+    "attention also scales its scores by (0.1 mscale_all_dim ln(factor) + 1) squared",
     "yarn_correction_range_round_to_int": "with yarn: the blend's first and last pairs "
     "rounded outwards to whole pairs (Hugging Face's truncate)",
 }

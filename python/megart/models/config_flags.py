@@ -28,7 +28,10 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
     """The megart train flags (Megatron-LM's) that give ``cfg``'s architecture, by GPTConfig
     field ("no --disable-bias-linear" where a switch is off), so that messages about a model
     name what the user can change rather than GPTConfig's internal names."""
-    position = "yarn" if cfg.rope_type == "yarn" else MEGATRON_POSITIONS[cfg.position_embedding]
+    # Multi-latent attention's YaRN is --rope-type yarn (mla_flags) on --position-embedding-type
+    # rope.
+    yarn = cfg.rope_type == "yarn" and not cfg.multi_latent_attention
+    position = "yarn" if yarn else MEGATRON_POSITIONS[cfg.position_embedding]
     return {
         "ffn_hidden_size": f"--ffn-hidden-size {cfg.ffn_size}",
         "normalization": f"--normalization {MEGATRON_NORMS[cfg.normalization]}",

@@ -1,13 +1,13 @@
 """Hugging Face interop: load a ``save_pretrained`` directory of a GPT-2, a Llama, a Mistral, a
-Qwen2, a Qwen3, a Nemotron, a Mixtral, a Qwen3-MoE or a Qwen2-MoE into any tensor-parallel
-layout, and write one that transformers' ``from_pretrained`` loads.
+Qwen2, a Qwen3, a Nemotron, a Mixtral, a Qwen3-MoE, a Qwen2-MoE or a DeepSeek-V3 into any
+tensor-parallel layout, and write one that transformers' ``from_pretrained`` loads.
 
 Each format is a module (megart.models.hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3,
-hf_nemotron, hf_mixtral, hf_qwen3_moe, hf_qwen2_moe) that maps names and layouts between its
-whole tensors and the whole tensors of megart's one-chunk GPT. What is common lives here:
-reading and writing the files, cutting each whole tensor into this rank's tensor-parallel
-slice, gathering the slices back, and choosing the format (by config.json's model_type when reading;
-by the model's architecture when writing).
+hf_nemotron, hf_mixtral, hf_qwen3_moe, hf_qwen2_moe, hf_deepseek_v3) that maps names and
+layouts between its whole tensors and the whole tensors of megart's one-chunk GPT. What is
+common lives here: reading and writing the files, cutting each whole tensor into this rank's
+tensor-parallel slice, gathering the slices back, and choosing the format (by config.json's
+model_type when reading; by the model's architecture when writing).
 
 Writing goes check -> hf_tensors -> megart.models.hf_files.write_hf, fed one tensor at a time
 by the live model's gathers here (GPT.save_hf) or by a training checkpoint's files
@@ -27,6 +27,7 @@ import torch
 import megart.distributed as dist
 from megart.errors import ConfigError
 from megart.models import (
+    hf_deepseek_v3,
     hf_gpt2,
     hf_llama,
     hf_mistral,
@@ -39,7 +40,6 @@ from megart.models import (
 )
 from megart.models.config import GPTConfig, fit_vocab
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
-from megart.models.mla_checks import refuse_mla
 from megart.models.mtp_checks import refuse_mtp
 from megart.tensor_parallel._group import group_rank, group_size
 
@@ -48,16 +48,17 @@ from megart.tensor_parallel._group import group_rank, group_size
 # with zero-centred LayerNorm as a Nemotron; one with experts in every layer as a Mixtral, one
 # with experts and query/key norms as a Qwen3-MoE, one with experts and gated shared experts as
 # a Qwen2-MoE (the others refuse experts, or shared experts): each check() takes only its own,
-# so at most one format takes a model.
+# so at most one format takes a model. A model with multi-latent attention is written as a
+# DeepSeek-V3 only (the others' checks do not look at the attention's kind).
 WRITERS = (hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3, hf_nemotron, hf_mixtral,
            hf_qwen3_moe, hf_qwen2_moe)  # fmt: skip
 # By config.json's model_type.
-FORMATS = {m.MODEL_TYPE: m for m in WRITERS}
+FORMATS = {m.MODEL_TYPE: m for m in (*WRITERS, hf_deepseek_v3)}
 # Formats megart knows and cannot represent, by model_type: why.
 UNREPRESENTABLE: dict[str, str] = {
-    kind: "its multi-latent attention trains in megart (--multi-latent-attention), but "
-    "DeepSeek-V2/V3's Hugging Face layout (and its YaRN rope) is not read"
-    for kind in ("deepseek_v2", "deepseek_v3")
+    "deepseek_v2": "its multi-latent attention trains in megart (--multi-latent-attention), "
+    "and DeepSeek-V3's Hugging Face layout is read, but DeepSeek-V2's (softmax routing, "
+    "its own group-limited routing and rope layout) is not"
 }
 # Parameters whose rows are the (padded) vocabulary.
 VOCAB_ROWS = ("chunk.wte.weight", "chunk.output_layer.weight")
@@ -125,15 +126,20 @@ def load_hf(
     take = lazy_tensors(path, fmt)
     model = cls(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
     params = dict(model.named_parameters())
+    # Buffers a format carries (DeepSeek-V3's expert biases), whole on every rank.
+    buffers = {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
     t, r = group_size(tp_group), group_rank(tp_group)
     with torch.no_grad():
         for name, w in fmt.to_megart(cfg, take):
             if name in VOCAB_ROWS:
                 w = fit_vocab(w, cfg.padded_vocab_size(t))
+            if name in buffers:
+                buffers.pop(name).copy_(w)
+                continue
             p = params.pop(name)
             dim = getattr(p, "partition_dim", None)
             p.copy_(w if dim is None else w.chunk(t, dim)[r])
-    assert not params, f"no conversion for {sorted(params)}"  # every format maps all
+    assert not params and not buffers, f"no conversion for {sorted(params) + sorted(buffers)}"
     return model
 
 
@@ -154,10 +160,9 @@ def writer(cfg: GPTConfig, expect: str | None = None) -> ModuleType:
     Qwen3's with query/key norms, Qwen2's with biases on q/k/v alone); ``expect`` (a
     model_type) insists on one. A model no format can represent is refused with what each
     format lacks."""
-    refuse_mla(cfg, "a Hugging Face export (DeepSeek-V2/V3's layout)")
     refuse_mtp(cfg.mtp_num_layers, "Hugging Face's formats")
     refusals = []
-    for fmt in WRITERS:
+    for fmt in (hf_deepseek_v3,) if cfg.multi_latent_attention else WRITERS:
         if expect not in (None, fmt.MODEL_TYPE):
             continue
         try:
@@ -183,7 +188,8 @@ def save_hf(
     limit = parse_size(max_shard_size)
     fmt = writer(cfg, expect)
     tp_group = model.chunk.tp_group
-    params = dict(model.named_parameters())
+    # The expert biases (buffers) are whole on every rank: _gather copies them.
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
 
     def full(name: str) -> torch.Tensor:
         return _gather(params[name], tp_group)

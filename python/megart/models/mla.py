@@ -1,5 +1,5 @@
 """Multi-latent attention (DeepSeek-V2/V3's MLA, Megatron's --multi-latent-attention) of a GPT
-layer, tensor-parallel, with plain rope (activations [s, b, h], sequence first)."""
+layer, tensor-parallel, with plain rope or YaRN (activations [s, b, h], sequence first)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from megart.models.norms import norm
 from megart.models.recompute import checkpointed
 from megart.models.rope import apply_rotary
 from megart.models.window import sequence_attention
+from megart.models.yarn import yarn_mscale
 from megart.tensor_parallel import (
     ColumnParallelLinear,
     RNGStatesTracker,
@@ -40,7 +41,12 @@ class MLA(nn.Module):
       qk_pos_emb_head_dim channels are one rope key part that every head shares;
     - rope turns only the last qk_pos_emb_head_dim channels of each query head and that shared
       key part, in adjacent pairs (see _rotated); scores are scaled by
-      1/sqrt(qk_head_dim + qk_pos_emb_head_dim) (YaRN's mscale is not built);
+      1/sqrt(qk_head_dim + qk_pos_emb_head_dim);
+    - with YaRN (rope_type "yarn", Megatron's --rope-type yarn) the rope channels turn by
+      YaRN's frequencies, their cos and sin times yarn_concentration (the GPT's rope tables,
+      models.rope), and the scores' scale is further multiplied by
+      yarn_mscale(factor, mscale_all_dim) squared, over every channel (Megatron-Core's
+      softmax_scale; DeepSeek's Hugging Face code multiplies its own the same way);
     - ``proj`` (heads x v_head_dim to h), row-parallel.
 
     The norms exist with --qk-layernorm only, as in Megatron-Core's specs (Identity without).
@@ -68,6 +74,11 @@ class MLA(nn.Module):
         self.cfg, self.rng, self.tp_group, self.sp = cfg, rng, tp_group, sequence_parallel
         self.local_heads = heads // group_size(tp_group)
         self.q_dim = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+        # None: torch's 1/sqrt(q_dim), what plain rope's Megatron-Core computes.
+        self.softmax_scale = None
+        if cfg.rope_type == "yarn":
+            m = yarn_mscale(cfg.yarn_rotary_scaling_factor, cfg.yarn_mscale_all_dim)
+            self.softmax_scale = m * m / math.sqrt(self.q_dim)
 
         def column(name: str, fan_in: int, rows: int) -> ColumnParallelLinear:
             return ColumnParallelLinear(
@@ -178,10 +189,12 @@ class MLA(nn.Module):
         v: torch.Tensor,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """softmax(q k^T / sqrt(qk_head_dim + qk_pos_emb_head_dim)) v, causal (where ``mask``
-        allows), attention dropout on the tensor-parallel stream: what selective recomputation
-        (core_attn) recomputes. Values are v_head_dim wide, queries and keys q_dim."""
+        """softmax(q k^T / sqrt(qk_head_dim + qk_pos_emb_head_dim)) v (YaRN: the scale times
+        its mscale squared), causal (where ``mask`` allows), attention dropout on the
+        tensor-parallel stream: what selective recomputation (core_attn) recomputes. Values
+        are v_head_dim wide, queries and keys q_dim."""
         dropout, stream, kernel = core_settings(self)
         with stream, kernel:
-            # torch's default scale is 1/sqrt of q's width: Megatron-Core's softmax_scale.
-            return sequence_attention(q, k, v, dropout, None, mask)
+            # None: torch's default scale, 1/sqrt of q's width (Megatron-Core's softmax_scale
+            # without YaRN).
+            return sequence_attention(q, k, v, dropout, None, mask, self.softmax_scale)

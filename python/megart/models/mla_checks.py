@@ -47,9 +47,8 @@ def check_mla(cfg: GPTConfig) -> None:
             "pairs, so it must be even"
         )
     refused = {
-        # Megatron-LM's MLA takes its rope from --rope-type; megart's MLA turns plain rope.
-        "--position-embedding-type rope": cfg.position_embedding != "rotary"
-        or cfg.rope_type == "yarn",
+        # Megatron-LM's MLA takes its rope (plain or YaRN) from --rope-type.
+        "--position-embedding-type rope": cfg.position_embedding != "rotary",
         "no --group-query-attention": cfg.num_query_groups is not None,
         "no --kv-channels (MLA's heads are --qk-head-dim, --qk-pos-emb-head-dim and "
         "--v-head-dim wide)": cfg.kv_channels is not None,
@@ -92,7 +91,7 @@ def mla_flags(cfg: GPTConfig) -> str:
     config_flags.architecture_flags)."""
     if not cfg.multi_latent_attention:
         return "no --multi-latent-attention"
-    return "--multi-latent-attention " + " ".join(
+    return f"--multi-latent-attention --rope-type {cfg.rope_type} " + " ".join(
         f"{_FLAGS[n]} {getattr(cfg, n)}" for n in MLA_DEFAULTS if getattr(cfg, n) is not None
     )
 

@@ -70,13 +70,17 @@ def sequence_attention(
     dropout: float,
     window: int | None = None,
     mask: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention over a whole sequence in its order ([b, heads, s, d], keys and values
     repeated per query head), within ``window`` earlier tokens and where ``mask`` allows: one
     process's attention, and each all-to-all rank's (its heads over the whole sequence). Without
     a window or mask torch's causal kernels apply (flash on a GPU); a window much shorter than
     the sequence runs in query tiles, each over the keys its windows reach with one small mask
-    (megart.models.window_tiles); otherwise an explicit s x s mask."""
+    (megart.models.window_tiles); otherwise an explicit s x s mask. ``scale`` multiplies the
+    scores in place of 1/sqrt(q's width) (multi-latent attention's YaRN, which takes no window)."""
+    if window is not None and scale is not None:
+        raise NotImplementedError("a sliding window with another softmax scale")
     if mask is not None:  # documents': one bias for every layer (window_masks.as_bias)
         mask = as_bias(mask, bias_dtype(q))
     if window is not None:
@@ -87,8 +91,8 @@ def sequence_attention(
         bias = sliding_causal_bias(q.shape[2], window, bias_dtype(q), q.device)
         mask = bias if mask is None else mask + bias
     if mask is not None:  # a mask tensor: on CUDA no flash kernel takes one
-        return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scale)
 
 
 def refuse_window(

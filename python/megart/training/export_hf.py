@@ -80,6 +80,7 @@ def export_checkpoint(
         from megart.training.megatron_checkpoint import megatron_weights
 
         cfg, weights, recorded = megatron_weights(load_dir, iteration)
+        bias_rows = None
 
         def merged(name: str) -> dict[str, torch.Tensor]:
             local = name.removeprefix("chunk.")
@@ -88,6 +89,8 @@ def export_checkpoint(
     else:
         shards = read_shards(root)
         cfg, recorded = model_config(shards[0, 0]), shards[0, 0].get("tokenizer")
+        # Every layer's expert bias, kept beside the weights (DeepSeek-V3 writes it).
+        bias_rows = shards[0, 0].get("expert_bias")
 
         def merged(name: str) -> dict[str, torch.Tensor]:
             return whole_tensors(shards, cfg, wanted=(name,))
@@ -104,6 +107,8 @@ def export_checkpoint(
         config.update(special_token_ids(tokenizer))
 
     def take(name: str) -> torch.Tensor:
+        if name.endswith(".mlp.router.expert_bias") and bias_rows is not None:
+            return bias_rows[int(name.split(".")[2])]  # chunk.blocks.i.mlp.router.expert_bias
         whole = merged(name)
         if name not in whole:
             raise ConfigError(f"{root}: no file holds {name}; the checkpoint is incomplete")

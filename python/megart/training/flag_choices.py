@@ -31,7 +31,7 @@ CHOICES = {
     "timing_log_level": (0, 1, 2),
     "timing_log_option": ("max", "minmax", "all"),
     "data_order": ("megart", "megatron"),
-    "rope_type": ROPE_TYPES,  # yarn refused with why (training.mla_flags)
+    "rope_type": ROPE_TYPES,  # yarn is MLA's only (training.mla_flags)
     "moe_router_score_function": SCORE_FUNCTIONS,
     "moe_router_dtype": ("fp32", "fp64"),
     "moe_token_drop_policy": DROP_POLICIES,

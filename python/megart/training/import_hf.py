@@ -1,6 +1,6 @@
-"""A Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Nemotron, Mixtral, Qwen3-MoE or Qwen2-MoE
-directory as a megart checkpoint, to fine-tune under any layout (experts at tensor-parallel size
-2 or more need --sequence-parallel in megart train).
+"""A Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Nemotron, Mixtral, Qwen3-MoE, Qwen2-MoE or
+DeepSeek-V3 directory as a megart checkpoint, to fine-tune under any layout (experts at
+tensor-parallel size 2 or more need --sequence-parallel in megart train).
 
     import_checkpoint("gpt2-dir", "ckpt")  # megart import-hf --input gpt2-dir --save ckpt
     # then: megart train --load ckpt --vocab-size 50257 --num-layers 12 ... (any tp x pp),
@@ -21,6 +21,7 @@ import os
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ from megart.errors import ConfigError
 from megart.models import GPTConfig, chunk_layers
 from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, fit_vocab
 from megart.models.hf import VOCAB_ROWS, lazy_tensors, read_format
+from megart.models.mla_checks import mla_flags
 from megart.models.yarn import yarn_flags
 from megart.training.checkpoint_save import write_release_ranks
 from megart.training.megatron_args import integral
@@ -41,6 +43,7 @@ NORM_WEIGHTS = (
     "ln_f.weight",
     "q_layernorm.weight",
     "k_layernorm.weight",
+    "kv_layernorm.weight",  # multi-latent attention's (q_layernorm's is above)
 )
 
 
@@ -141,7 +144,24 @@ def _imported(
             for t in range(tp):
                 yield (t, p), ranks[t], list(layers)
 
-    return write_release_ranks(save_dir, cfg, tp, pp, stages(), _tokenizer(input_dir)), cfg
+    files = write_release_ranks(
+        save_dir, cfg, tp, pp, stages(), _tokenizer(input_dir), _expert_bias(cfg, fmt, take)
+    )
+    return files, cfg
+
+
+def _expert_bias(cfg: GPTConfig, fmt: Any, take: Any) -> torch.Tensor | None:
+    """Every layer's expert bias, [layers, E] (zero rows for dense layers), from a format that
+    carries them as ``chunk.blocks.i.mlp.router.expert_bias`` (DeepSeek-V3's
+    e_score_correction_bias): what the checkpoint records beside the weights."""
+    if not cfg.moe_router_enable_expert_bias:
+        return None
+    assert cfg.num_experts is not None
+    names = {f"chunk.blocks.{i}.mlp.router.expert_bias": i for i in range(cfg.num_layers)}
+    rows = torch.zeros(cfg.num_layers, cfg.num_experts)
+    for name, bias in fmt.to_megart(cfg, take, wanted=names):
+        rows[names[name]] = bias
+    return rows
 
 
 def _tokenizer(input_dir: str | os.PathLike) -> dict[str, str] | None:
@@ -168,8 +188,15 @@ def train_flags(cfg: GPTConfig) -> list[str]:
         f"--normalization {MEGATRON_NORMS[cfg.normalization]}",
         f"--layernorm-epsilon {cfg.layernorm_epsilon!r}",
         "--position-embedding-type "
-        + ("yarn" if cfg.rope_type == "yarn" else MEGATRON_POSITIONS[cfg.position_embedding]),
+        # Multi-latent attention's YaRN is its --rope-type yarn (mla_flags), on rope.
+        + (
+            "yarn"
+            if cfg.rope_type == "yarn" and not cfg.multi_latent_attention
+            else MEGATRON_POSITIONS[cfg.position_embedding]
+        ),
     ]
+    if cfg.multi_latent_attention:
+        flags.append(mla_flags(cfg))
     switches = {
         "--apply-layernorm-1p": cfg.apply_layernorm_1p,
         "--qk-layernorm": cfg.qk_layernorm,
@@ -241,4 +268,9 @@ def moe_flags(cfg: GPTConfig) -> list[str]:
         )
     if cfg.moe_shared_expert_gate:
         flags.append("--moe-shared-expert-gate")
+    if cfg.moe_router_enable_expert_bias:
+        flags.append("--moe-router-enable-expert-bias")
+    if cfg.moe_router_num_groups is not None:
+        flags.append(f"--moe-router-num-groups {cfg.moe_router_num_groups}")
+        flags.append(f"--moe-router-group-topk {cfg.moe_router_group_topk}")
     return flags

@@ -9,7 +9,7 @@ from typing import Any
 
 from megart.errors import ConfigError
 
-ROPE_TYPES = ("rope", "yarn")  # Megatron-LM's --rope-type choices; yarn is refused
+ROPE_TYPES = ("rope", "yarn")  # Megatron-LM's --rope-type choices (MLA's rope)
 
 
 @dataclass
@@ -23,24 +23,37 @@ class MLAFlags:
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
     # Megatron-LM's None means YaRN under MLA (MLATransformerConfig's default) and plain rope
-    # otherwise; megart builds plain rope only, so MLA needs "rope" given (mla_fields).
+    # otherwise (mla_yarn); "yarn" is MLA's only (Megatron-LM asserts so).
     rope_type: str | None = None
 
 
+def mla_yarn(config: Any) -> bool:
+    """Whether a TrainConfig's flags give multi-latent attention YaRN rope: under
+    --multi-latent-attention, --rope-type yarn or none, as Megatron-LM's arguments leave
+    MLATransformerConfig's default (yarn). Its settings are then --rotary-scaling-factor
+    (1 by default: plain rope's angles, no mscale), --mscale and --mscale-all-dim; the
+    original context and betas keep MLATransformerConfig's 4096, 32 and 1 (no Megatron-LM flag
+    reaches them under MLA; megart takes --yarn-original-max-position-embeddings,
+    --yarn-beta-fast and --yarn-beta-slow there too, where Megatron-LM would ignore them)."""
+    return bool(config.multi_latent_attention) and config.rope_type != "rope"
+
+
 def mla_fields(config: Any) -> dict[str, Any]:
-    """GPTConfig's MLA fields from a TrainConfig's flags; refuses YaRN, and MLA without
-    --rope-type rope, whose absence means YaRN to Megatron-LM."""
-    if config.rope_type == "yarn":
+    """GPTConfig's MLA fields from a TrainConfig's flags (YaRN's, mla_yarn, come from
+    yarn_flags); refuses --rope-type yarn without MLA and --position-embedding-type yarn with
+    it, as Megatron-LM does (an assertion; an MLA that refuses the GPT model's YaRN table)."""
+    if config.rope_type == "yarn" and not config.multi_latent_attention:
         raise ConfigError(
-            "--rope-type yarn: megart's multi-latent attention turns plain rope only (its YaRN "
-            "is the other attention's, --position-embedding-type yarn); use --rope-type rope"
+            "--rope-type yarn without --multi-latent-attention: --rope-type picks multi-latent "
+            "attention's rope (Megatron-LM asserts other attention takes --rope-type rope); "
+            "other attention's YaRN is --position-embedding-type yarn"
         )
-    if config.multi_latent_attention and config.rope_type != "rope":
+    if config.multi_latent_attention and config.position_embedding_type == "yarn":
         raise ConfigError(
-            "--multi-latent-attention without --rope-type: Megatron-LM's MLA then turns YaRN "
-            "rope (MLATransformerConfig's rope_type defaults to yarn), which megart does not "
-            "build; add --rope-type rope for plain rope (megart's only kind), with "
-            "--position-embedding-type rope"
+            "--multi-latent-attention with --position-embedding-type yarn: multi-latent "
+            "attention turns its own rope, YaRN by --rope-type yarn (or no --rope-type); "
+            "Megatron-Core's GPTModel would build a second YaRN table, which its MLA refuses. "
+            "Use --position-embedding-type rope"
         )
     names = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
              "qk_pos_emb_head_dim", "v_head_dim")  # fmt: skip

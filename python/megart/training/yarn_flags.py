@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from megart.errors import ConfigError
 from megart.models.yarn import YarnConfig
+from megart.training.mla_flags import mla_yarn
 
 if TYPE_CHECKING:
     from megart.models.config import GPTConfig
@@ -45,9 +46,10 @@ class YarnFlags:
 
 def yarn_fields(config: Any) -> dict[str, Any]:
     """GPTConfig's rope type and YaRN fields from a TrainConfig's flags (none without
-    --position-embedding-type yarn, where a setting given is refused by name: Megatron-LM
-    ignores them there, megart refuses rather than ignore them)."""
-    if config.position_embedding_type != "yarn":
+    --position-embedding-type yarn, or multi-latent attention's --rope-type yarn (mla_yarn),
+    where a setting given is refused by name: Megatron-LM ignores them there, megart refuses
+    rather than ignore them)."""
+    if config.position_embedding_type != "yarn" and not mla_yarn(config):
         given = [
             f"--{flag.replace('_', '-')} {getattr(config, flag)}"
             if not isinstance(getattr(config, flag), bool)
@@ -58,7 +60,8 @@ def yarn_fields(config: Any) -> dict[str, Any]:
         if given:
             raise ConfigError(
                 f"{' and '.join(given)} set{'s' if len(given) == 1 else ''} YaRN's rope "
-                "scaling: add --position-embedding-type yarn (Megatron-LM ignores it "
+                "scaling: add --position-embedding-type yarn (with --multi-latent-attention: "
+                "--rope-type yarn) (Megatron-LM ignores it "
                 "otherwise; megart refuses rather than ignore it) or leave it out"
             )
         return {}
