@@ -32,8 +32,8 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     (
         "megart's multi-latent attention (--multi-latent-attention, --q-lora-rank, "
         "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim) turns plain rope "
-        "(--rope-type rope) only: inference's cached latents (--cache-mla-latents) and the "
-        "fused down-projection (--mla-down-proj-fusion) are not built; leave it out",
+        "or YaRN (--rope-type rope|yarn): inference's cached latents (--cache-mla-latents) and "
+        "the fused down-projection (--mla-down-proj-fusion) are not built; leave it out",
         "--mla- --cache-mla-latents",
     ),
     (
