@@ -1,7 +1,7 @@
 """The deepseek mode of tests/sweep.py: DeepSeek-style model parts on the sweep's layouts.
 
-A drawn model gets multi-latent attention, YaRN (on the other attention: megart's MLA turns
-plain rope) and multi-token prediction at times, with the flags each refuses beside it taken
+A drawn model gets multi-latent attention (with plain rope or its own YaRN), YaRN on the other
+attention, and multi-token prediction at times, with the flags each refuses beside it taken
 out, so that the draws train rather than stop at a refusal."""
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ def parts(rng: random.Random, model: dict) -> None:
                      qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)  # fmt: skip
         if rng.random() < 0.5:
             model["q_lora_rank"] = 16
+        if rng.random() < 0.5:  # MLA's own YaRN (Megatron's default for it)
+            model.update(rope_type="yarn", rotary_scaling_factor=rng.choice([2.0, 40.0]),
+                         mscale=1.0, mscale_all_dim=rng.choice([0.0, 1.0]))  # fmt: skip
     elif rng.random() < 0.6:
         model.update(position_embedding_type="yarn", rotary_scaling_factor=rng.choice([2.0, 4.0]),
                      yarn_original_max_position_embeddings=8)  # fmt: skip
