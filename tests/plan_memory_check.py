@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from megart import schedule as sched
 from megart.launcher import launch
 from megart.plan.estimate import estimate
@@ -114,3 +116,15 @@ def predicted_and_held(
                            expert_tokens=expert_tokens(held))  # fmt: skip
         out.append((held, want, cpu_dropout_masks(config, layout, r, pairs)))
     return out
+
+
+def assert_rank_matches(name: str, held: dict, want: dict, cpu: float, exact: bool) -> None:
+    """A rank's parameter, gradient and optimizer bytes equal to the prediction's, its peak of
+    saved bytes too (``exact``) or within 1%, and nothing saved once the iteration is over."""
+    for part in ("parameters", "gradients", "optimizer"):
+        assert want[part] == held[part], (name, held, part, want[part])
+    if exact:
+        assert held["saved_peak"] == want["saved"] + cpu, (name, held, want)
+    else:
+        assert held["saved_peak"] == pytest.approx(want["saved"] + cpu, rel=0.01)
+    assert held["saved_after"] == 0
