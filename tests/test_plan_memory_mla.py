@@ -33,7 +33,7 @@ MTP = dict(ROPE, mtp_num_layers=2)
 FULL_UNIFORM = dict(recompute_granularity="full", recompute_method="uniform",
                     recompute_num_layers=1)  # fmt: skip
 
-# (name, processes, flags, exact activations: True, or within 1% (False) or this share)
+# (name, processes, flags, exact activations: True, or within 1% (False))
 CASES = [
     ("mla", 1, MLA, True),
     ("mla q-lora qk-layernorm", 1, dict(Q_LORA, qk_layernorm=True), True),
@@ -62,8 +62,7 @@ CASES = [
     ("mtp learned positions", 1, dict(MTP, position_embedding_type="learned_absolute"), False),
     ("mtp hidden dropout", 1, dict(MTP, hidden_dropout=0.1), False),
     ("mtp pp2 interleaved", 2, dict(MTP, **PP2, num_layers_per_virtual_pipeline_stage=1), False),
-    # The depths' bf16 saves under sequence parallelism, 1.5% under the hooks' (unexplained).
-    ("mtp tp2 sp bf16", 2, dict(MTP, **TP2, sequence_parallel=True, bf16=True), 0.02),
+    ("mtp tp2 sp bf16", 2, dict(MTP, **TP2, sequence_parallel=True, bf16=True), False),
     ("mla tp2 sp bf16 hidden dropout", 2, dict(MLA, **TP2, sequence_parallel=True, bf16=True,
                                                hidden_dropout=0.1), False),
 ]  # fmt: skip
@@ -72,8 +71,7 @@ CASES = [
 @pytest.mark.parametrize("name,nproc,kw,exact", CASES, ids=[c[0] for c in CASES])
 def test_predicted_mla_and_mtp_bytes_are_what_a_rank_holds(name, nproc, kw, exact):
     for held, want, cpu in predicted_and_held(nproc, kw):
-        rel = 0.01 if exact is False else float(exact)
-        assert_rank_matches(name, held, want, cpu, exact is True, rel)
+        assert_rank_matches(name, held, want, cpu, exact)
         if kw.get("recompute_granularity") == "full" and kw.get("recompute_method") != "block":
             # one stage: the loss's rank; the replay's peak as the plan has it
             c = TrainConfig(**kw)

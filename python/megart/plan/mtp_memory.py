@@ -11,6 +11,8 @@ said), from models.mtp's forward:
                                                     statistics, slice
     eh_proj's input, both norms' outputs joined     2 h (gathered whole under sequence
                                                     parallelism)
+    eh_proj's gathered output, under sequence       h (1 - 1/t): the layer's first norm keeps
+    parallelism                                     its slice, a view of the whole
     one transformer layer                           activations.layer_bytes (its recomputation)
     the final norm                                  its input and statistics, slice
     the output layer and loss over its tokens       the output layer's input h (the depths'
@@ -45,6 +47,8 @@ def _depth_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -> 
     lookup += h * own * dropout_mask_bytes(cfg)
     norm = own * (h * prec.residual + norm_statistics(cfg))  # an input and its statistics
     joined = 2 * h * prec.other
+    if sp and t > 1:  # the layer's first norm keeps its slice of eh_proj's gathered output,
+        joined += h * (1 - own) * prec.other  # a view of the whole: the other ranks' rows too
     # The output layer's input for the depth's tokens, and the loss's saves on them: the last
     # stage's bytes less its final norm's.
     loss = last_stage_bytes(cfg, b, t, sp, prec) / (s * b) - norm
