@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from megart import schedule as sched
 from megart.launcher import launch
 from megart.plan.estimate import estimate
@@ -72,7 +74,8 @@ def cpu_dropout_masks(config: TrainConfig, layout: Layout, pp_rank: int, pairs: 
     1 byte per element): a CPU's dropout keeps its mask in the activations' dtype. Two masks
     per layer (the attention's and the MLP's outputs, 16-bit under autocast) and the
     embedding's on the first stage (the residual stream's dtype), each this rank's slice of
-    the sequence with sequence parallelism; ``pairs`` (microbatch, chunk) pairs in flight."""
+    the sequence with sequence parallelism; ``pairs`` (microbatch, chunk) pairs in flight; and
+    multi-token prediction's depths' three each on the last stage."""
     if config.hidden_dropout == 0:
         return 0.0
     prec = precision(config, "megart")
@@ -82,7 +85,11 @@ def cpu_dropout_masks(config: TrainConfig, layout: Layout, pp_rank: int, pairs: 
     extra = 2 * layers * (prec.other - 1)
     if pp_rank == 0:
         extra += prec.residual - 1
-    return pairs * tokens * cfg.hidden_size * extra
+    # Multi-token prediction's depths on the last stage, once (plan.mtp_memory): each its
+    # embedding's mask and its layer's two.
+    depths = (cfg.mtp_num_layers or 0) * (pp_rank == layout.pp - 1)
+    once = depths * (prec.residual - 1 + 2 * (prec.other - 1))
+    return (pairs * extra + once) * tokens * cfg.hidden_size
 
 
 def predicted_and_held(
@@ -114,3 +121,18 @@ def predicted_and_held(
                            expert_tokens=expert_tokens(held))  # fmt: skip
         out.append((held, want, cpu_dropout_masks(config, layout, r, pairs)))
     return out
+
+
+def assert_rank_matches(
+    name: str, held: dict, want: dict, cpu: float, exact: bool, rel: float = 0.01
+) -> None:
+    """A rank's parameter, gradient and optimizer bytes equal to the prediction's, its peak of
+    saved bytes too (``exact``) or within ``rel``, and nothing saved once the iteration is
+    over."""
+    for part in ("parameters", "gradients", "optimizer"):
+        assert want[part] == held[part], (name, held, part, want[part])
+    if exact:
+        assert held["saved_peak"] == want["saved"] + cpu, (name, held, want)
+    else:
+        assert held["saved_peak"] == pytest.approx(want["saved"] + cpu, rel=rel)
+    assert held["saved_after"] == 0

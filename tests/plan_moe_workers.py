@@ -6,7 +6,7 @@ torch's FLOP count of its forward products."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
@@ -68,9 +68,14 @@ def _one(kw: dict, tokens: int, batch: int, bf16: bool, group: dist.ProcessGroup
 def collectives_and_flops(cases: list[tuple[dict, int, int, bool]]) -> list[dict]:
     """_one of each case (GPTConfig fields, sequence length, batch, autocast to bf16) on this
     rank."""
+    return each_case(_one, cases)
+
+
+def each_case(one: Callable[..., dict], cases: list[tuple]) -> list[dict]:
+    """``one(*case, group)`` of each case on this rank, ``group`` the TP ranks' (launched)."""
     dist.init(timeout=120)
     group = dist.new_group(list(range(TP)))
     try:
-        return [_one(kw, s, b, bf16, group) for kw, s, b, bf16 in cases]
+        return [one(*case, group) for case in cases]
     finally:
         dist.destroy()

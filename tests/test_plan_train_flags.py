@@ -115,9 +115,6 @@ UNMODELLED_GIVEN = {
                                          "--moe-pad-expert-input-to-capacity"],
     "moe_input_jitter_eps": ["--num-experts", "8", "--disable-bias-linear",
                              "--moe-input-jitter-eps", "0.01"],
-    "multi_latent_attention": ["--multi-latent-attention", "--rope-type", "rope",
-                               "--position-embedding-type", "rope"],
-    "mtp_num_layers": ["--mtp-num-layers", "1"],
 }  # fmt: skip
 
 
@@ -321,6 +318,14 @@ def test_flags_modelled_for_megarts_runtime_only_are_refused_under_megatrons(nam
         "cross_entropy_loss_fusion": ["--cross-entropy-loss-fusion"],
         "reset_attention_mask": ["--reset-attention-mask", "--tokenizer-type", "NullTokenizer"],
         "num_experts": ["--num-experts", "4", "--disable-bias-linear"],
+        "multi_latent_attention": [
+            "--multi-latent-attention",
+            "--rope-type",
+            "rope",
+            "--position-embedding-type",
+            "rope",
+        ],
+        "mtp_num_layers": ["--mtp-num-layers", "1"],
     }[name]
     code, out = plan(capsys, *MODEL, *given)
     assert code == 0, out

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
 from megart.models.recompute import recomputed_modules
+from megart.plan.mla_memory import mla_attention_bytes
 from megart.plan.timing import cp_score_share
 
 
@@ -116,7 +117,9 @@ def layer_bytes(
     norm_out = 0.0 if norms_again else sum(norm_outputs(cfg, tp, sp, prec, mlp_again))
     ring = cp > 1 and cfg.cp_comm_type == "p2p"
     a2a = cp > 1 and cfg.cp_comm_type == "a2a"
-    if cp == 1:
+    if cfg.multi_latent_attention:  # plan.mla_memory: its bytes below, as qk_norms' are
+        attention = 0.0
+    elif cp == 1:
         attention = attention_elements(cfg, t, recompute, prec.other < 4)
     elif ring:
         attention = ring_attention_elements(cfg, t, recompute, prec.other < 4)
@@ -140,6 +143,8 @@ def layer_bytes(
     masks = 2 * h * seq_share * dropout_mask_bytes(cfg)
     # With context parallelism only the norms' own saves are added (the count as it was).
     qk_norms = qk_norm_bytes(cfg, t, prec)
+    if cfg.multi_latent_attention:  # its projections', latents' and norms' saves
+        qk_norms = mla_attention_bytes(cfg, t, sp, recompute, prec)
     core = 0.0
     if recompute != "selective":  # unfused: the scores of each query against its keys
         # a2a: s x s scores of heads/(t cp) heads, as many per rank as heads/t over s/cp rows.

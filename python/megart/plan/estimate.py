@@ -18,6 +18,7 @@ from megart.plan.hardware import GIB, GPUProfile
 from megart.plan.layout import Layout, layout_config
 from megart.plan.memory import precision, sixteen_bit_weights
 from megart.plan.moe_time import expert_group_near
+from megart.plan.mtp_time import mtp_work
 from megart.plan.parameters import FP32
 from megart.plan.pipeline_run import PipelineRun, pipeline_run
 from megart.plan.runtime_options import check_runtime, gradient_copy_bytes, runtime_tp_overlap
@@ -318,6 +319,8 @@ def _stage_work(
         for w in set(layer_kinds) for r in kinds
     }  # fmt: skip
     logits = logits_work(cfg, b, t, gpu, cp)
+    # Multi-token prediction's depths run on the last stage with its loss (plan.mtp_time).
+    logits += mtp_work(cfg, b, t, sp, gpu, tp_gpu, unfused_attention, tp_overlap)
     # Each rank's layers as megart train places them (zb-v's V: rank 0 holds the first and the
     # last chunk, so the output layer too). Uneven stages, and ranks whose layers differ in
     # windows or recomputation, are simulated with each rank's own costs; a split that is even

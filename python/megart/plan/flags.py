@@ -135,6 +135,20 @@ MODELLED = (
     # Grouped experts cast their weights' stack for each product and keep no 16-bit copy
     # (models.moe_grouped): fewer autocast copies; the same saves, products and time.
     "moe_grouped_gemm",
+    # Multi-latent attention (plan.mla_memory, plan.parameters, timing.layer_work): its
+    # projections and latent norms split as models.mla splits them, its saves, products and,
+    # over tensor-parallel ranks, its latents' gathers.
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",  # plain rope's name, which MLA's checks ask for (the only rope megart turns)
+    # Multi-token prediction's depths on the last stage (plan.mtp_memory, plan.parameters,
+    # estimate): their weights, the last stage's copy of the embedding, their saves, layers,
+    # projections and logits.
+    "mtp_num_layers",
     *TOKENIZER,
 )
 
@@ -164,16 +178,6 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
     # The jitter's noise (h per token, kept for the gradient) and the jittered input the
     # router's product keeps in place of the layer's input: two h-wide saves per MoE layer.
     "moe_input_jitter_eps": ((None,), "the router's jittered input and its noise, saved"),
-    "multi_latent_attention": (
-        (False,),
-        "multi-latent attention's projections, latents and scores (its weights, FLOPs and saves)",
-    ),
-    # Multi-token prediction (models.mtp): layers, logits and embedding lookups on the last stage.
-    "mtp_num_layers": (
-        (None,),
-        "multi-token prediction's depths on the last stage: a layer, a projection, the "
-        "output layer's logits and an embedding lookup each",
-    ),
 }
 
 # Modelled for megart's runtime only: --runtime megatron (Megatron-LM's conventions, for the
@@ -188,6 +192,8 @@ MEGART_RUNTIME_ONLY = (
     "cross_entropy_loss_fusion",
     "reset_attention_mask",
     "num_experts",  # Korthikanti et al.'s count has no experts
+    "multi_latent_attention",  # nor latents, nor prediction depths
+    "mtp_num_layers",
 )
 
 # Accepted and change nothing in the prediction: the optimizer's hyperparameters and schedule
@@ -228,11 +234,7 @@ NO_EFFECT = (
     # saves): routing balanced by chance, as the plan's experts' shares already are (balanced).
     "moe_router_force_load_balancing",
     "moe_per_layer_logging",  # logging: each layer's losses in one all-reduce already made
-    # MLA's sizes, refused by the model's checks without --multi-latent-attention (which is
-    # UNMODELLED), and plain rope's name (the only rope megart turns).
-    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-    "rope_type",
-    "mtp_loss_scaling_factor",  # a number on the depths' losses (refused with them above)
+    "mtp_loss_scaling_factor",  # a number on the depths' losses
     "distributed_backend",
     # data
     "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "mock_data",
@@ -297,7 +299,7 @@ def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
             value = getattr(config, name)
             if value != getattr(default, name):
                 refused.append(f"{flag(name, value)} (with --runtime {runtime})")
-    refused += _moe_unmodelled(config)
+    refused += _moe_unmodelled(config) + _latent_unmodelled(config)
     if refused:
         raise ConfigError(
             "megart plan does not model "
@@ -326,4 +328,25 @@ def _moe_unmodelled(config: TrainConfig) -> list[str]:
     modules = config.recompute_modules or ()
     if "layernorm" in modules:  # not built for MoE layers yet
         out.append(f"{flag('recompute_modules', modules)} with --num-experts")
+    return out
+
+
+def _latent_unmodelled(config: TrainConfig) -> list[str]:
+    """What the planner does not model with --multi-latent-attention or --mtp-num-layers:
+    zero-bubble schedules (their deferred weight gradients are counted for megart's fused
+    q/k/v attention only; searched layouts leave them out, plan.candidates),
+    --recompute-modules layernorm (unmeasured with them) and, with the depths, the document
+    flags (their shifted masks and positions are unmeasured)."""
+    named = [name for name, on in (("--multi-latent-attention", config.multi_latent_attention),
+             ("--mtp-num-layers", bool(config.mtp_num_layers))) if on]  # fmt: skip
+    out = []
+    for name in named:
+        if config.pipeline_schedule in ZERO_BUBBLE:
+            out.append(f"--pipeline-schedule {config.pipeline_schedule} with {name}")
+        if "layernorm" in (config.recompute_modules or ()):
+            out.append(f"{flag('recompute_modules', config.recompute_modules)} with {name}")
+    if config.mtp_num_layers:
+        for field in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss"):
+            if getattr(config, field):
+                out.append(f"{flag(field, True)} with --mtp-num-layers")
     return out

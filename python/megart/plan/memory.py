@@ -10,6 +10,7 @@ from megart.plan import documents as docs
 from megart.plan import window_memory as windows
 from megart.plan.holding import Held
 from megart.plan.layout import Layout
+from megart.plan.mtp_memory import mtp_stage_bytes
 from megart.plan.parameters import FP32, expert_elements, state_bytes
 from megart.plan.recompute_memory import dropped_norms_rise, full_recompute_bytes
 from megart.training.config import TrainConfig
@@ -106,6 +107,9 @@ def rank_memory(
     if pp_rank == (0 if layout.kind == "zb-v" else p - 1):  # zb-v's last stage is on rank 0
         loss = act.last_stage_bytes(cfg, b, t, sp, prec, cp)
         saved += loss + (0.0 if megatron else docs.loss_mask_bytes(c, b, cp))
+        # Multi-token prediction's depths, run with the loss (plan.mtp_memory).
+        depths, depth_rise = mtp_stage_bytes(cfg, b, t, sp, prec)
+        saved, risen = saved + depths, max(risen, depth_rise)
     # --recompute-modules layernorm: a norm's output saved until read, or made again with its
     # own saves, at one layer; on the loss's rank the loss's saves are gone by the latter.
     saved += max(0.0, dropped_norms_rise(cfg, b, t, sp, prec, cp) - loss)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
 from megart.models.stages import chunk_layers
+from megart.plan.mla_memory import mla_tensors
 from megart.training.grad_sync import megatron_bucket_size
 
 FP32 = 4
@@ -36,12 +37,14 @@ def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0, ep: int = 1) -> list[
     --moe-shared-expert-intermediate-size, split over t as the dense MLP, whole under expert
     parallelism, and their gate's [1, h] weight, replicated)."""
     h, f, t = cfg.hidden_size, cfg.ffn_size, tp
-    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // t
-    bias = cfg.bias
-    out = [*_norm(cfg), qkv * h, *([qkv] if cfg.qkv_bias else []), h * cfg.query_size // t]
-    out += [h] if bias else []
-    if cfg.qk_layernorm:  # replicated on every tensor-parallel rank, one head wide
-        out += _norm(cfg, cfg.head_dim) * 2
+    if cfg.multi_latent_attention:  # its projections and latent norms (plan.mla_memory)
+        out = [*_norm(cfg), *mla_tensors(cfg, t)]
+    else:
+        qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // t
+        out = [*_norm(cfg), qkv * h, *([qkv] if cfg.qkv_bias else []), h * cfg.query_size // t]
+        out += [h] if cfg.bias else []
+        if cfg.qk_layernorm:  # replicated on every tensor-parallel rank, one head wide
+            out += _norm(cfg, cfg.head_dim) * 2
     out += _norm(cfg)
     if cfg.is_moe_layer(layer):  # the router replicated, each expert split as a dense MLP
         fm = cfg.moe_ffn_size // t
@@ -51,6 +54,17 @@ def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0, ep: int = 1) -> list[
         gate = [h] if shared and cfg.moe_shared_expert_gate else []  # expert-parallel rank
         return out + (_mlp(cfg, shared, t) + gate if shared else [])
     return out + _mlp(cfg, f, t)
+
+
+def mtp_tensors(cfg: GPTConfig, tp: int) -> list[int]:
+    """Multi-token prediction's depths on the last stage (models.mtp, registered after the
+    chunk's layers): each its enorm and hnorm, eh_proj (column-parallel, h/t x 2h, no bias),
+    one transformer layer of the model's kind, and its final norm; none without."""
+    h, out = cfg.hidden_size, []
+    for k in range(cfg.mtp_num_layers or 0):
+        out += _norm(cfg) * 2 + [h // tp * 2 * h]
+        out += layer_tensors(cfg, tp, cfg.num_layers + k) + _norm(cfg)
+    return out
 
 
 def _mlp(cfg: GPTConfig, f: int, t: int) -> list[int]:
@@ -88,13 +102,17 @@ def chunk_tensors(
     all."""
     h, vocab = cfg.hidden_size, cfg.padded_vocab_size(tp) // tp
     untied = cfg.untie_embeddings_and_output_weights
+    # Multi-token prediction's depths look tokens up on the last stage: it holds the word
+    # embedding even when the output layer has its own, and shares its gradient with the first
+    # stage's (training.optimizer._tied_embeddings).
+    mtp = bool(cfg.mtp_num_layers)
     out = []
     for layers in chunk_layers(cfg.num_layers, pp_rank, pp, chunks, v_shape, first, last):
         first, last = layers.start == 0, layers.stop == cfg.num_layers
         tensors, tied = [], None
         dense = experts is not True
-        if dense and (first or (last and not untied)):
-            if pp > 1 and not untied:
+        if dense and (first or (last and (not untied or mtp))):
+            if pp > 1 and (not untied or mtp):
                 tied = len(tensors)
             tensors.append(vocab * h)
         if dense and first and cfg.position_embedding == "learned":
@@ -109,7 +127,7 @@ def chunk_tensors(
             start = stop - _expert_tensors(cfg, i, ep)
             tensors += layer[start:stop] if experts else layer[:start] + layer[stop:]
         if dense and last:
-            tensors += _norm(cfg)
+            tensors += mtp_tensors(cfg, tp) + _norm(cfg)
         if dense and last and untied:
             tensors.append(vocab * h)
         out.append(ChunkTensors(tensors, tied))

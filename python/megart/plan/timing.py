@@ -85,6 +85,7 @@ from megart.plan.collectives import (
 )
 from megart.plan.context_parallel import RingPasses, a2a_layer_seconds, kv_gathers, ring_passes
 from megart.plan.hardware import GPUProfile
+from megart.plan.mla_time import mla_collectives, mla_column_shapes, mla_norm_elements, mla_widths
 from megart.plan.moe_time import (
     expert_exchange_seconds,
     moe_collectives,
@@ -214,6 +215,11 @@ def layer_work(
     ups = 2 if cfg.activation == "swiglu" else 1
     shapes = [((q + 2 * kv) / t, h), (h, q / t)] + [(f / t, h)] * ups + [(h, f / t)]
     dense_times = [gemm_seconds(tokens, cols, inner, gpu) for cols, inner in shapes]
+    mla = cfg.multi_latent_attention
+    if mla:  # its column-parallel products as one entry (plan.mla_time), its projection's
+        out_width, score_width, value_width = mla_widths(cfg)
+        columns = sum(gemm_seconds(tokens, c, i, gpu) for c, i in mla_column_shapes(cfg, t))
+        dense_times[:2] = [columns, gemm_seconds(tokens, h, out_width / t, gpu)]
     if moe:  # the router's and the experts' products in place of the MLP's
         experts = moe_mlp_shapes(cfg, tokens, t, ep)
         dense_times[2:] = [gemm_seconds(r, c, i, gpu, n) for r, c, i, n in experts]
@@ -226,7 +232,10 @@ def layer_work(
     rows = local
     if a2a:  # the whole sequence's queries of heads/(t cp) heads
         heads, rows = heads / cp, s
-    core_gemm = gemm_seconds(rows, s, d, gpu, heads) + gemm_seconds(rows, d, s, gpu, heads)
+    score_d, value_d = (score_width, value_width) if mla else (d, d)
+    core_gemm = gemm_seconds(rows, s, score_d, gpu, heads) + gemm_seconds(
+        rows, value_d, s, gpu, heads
+    )
     # A windowed layer's masked calls: the ring's pieces inside the window, else the tiles'.
     share = None
     if not covers(window, s):
@@ -246,6 +255,8 @@ def layer_work(
     replicated = 10 * h * (1 / t if sp else 1.0)
     # --qk-layernorm's norms read and write this rank's query and key heads.
     qk_norms = 2 * (q + kv) / t if cfg.qk_layernorm else 0.0
+    if mla:  # the latents' norms instead, on this rank's slice under sequence parallelism
+        qk_norms = mla_norm_elements(cfg) * (1 / t if sp else 1.0)
     mlp = (3 if cfg.activation == "swiglu" else 2) * f / t
     if moe:
         mlp = moe_elementwise(cfg, t, ep)
@@ -282,6 +293,11 @@ def layer_work(
             half = one / 2
             pairs = [dense_times[0], dense_times[1], sum(dense_times[2:-1]), dense_times[-1]]
             comm = comm_backward = sum(max(0.0, half - g) for g in pairs[: 2 * parts])
+        if mla:  # its latents' gathers and gradients (plan.mla_time), exposed
+            link = gpu.nvlink_bus_gb_per_s
+            fwd, bwd = (sum(collective_seconds(kind, n, t, link, gpu) for kind, n in each)
+                        for each in mla_collectives(cfg, tokens, t, sp, ACT))  # fmt: skip
+            comm, comm_backward = comm + fwd, comm_backward + bwd
         if moe:
             link = gpu.nvlink_bus_gb_per_s
             passes = (*moe_collectives(cfg, tokens, ACT), shared_collectives(cfg, tokens, ACT)[0])

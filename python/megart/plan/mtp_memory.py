@@ -1,0 +1,82 @@
+"""Multi-token prediction's depths (--mtp-num-layers D, megart.models.mtp) in megart plan's
+memory count: what the last stage's pair keeps for them, beside its layers and loss.
+
+Per depth and token (this rank's slice of the sequence, 1/t, under sequence parallelism where
+said), from models.mtp's forward:
+
+    the embedding's lookup of the shifted tokens    its int64 ids (and at t > 1 the mask of ids
+                                                    held elsewhere), with learned positions the
+                                                    int64 positions; the dropout's mask
+    enorm and hnorm                                 each its input (the residual stream) and
+                                                    statistics, slice
+    eh_proj's input, both norms' outputs joined     2 h (gathered whole under sequence
+                                                    parallelism)
+    eh_proj's gathered output, under sequence       h (1 - 1/t): the layer's first norm keeps
+    parallelism                                     its slice, a view of the whole
+    one transformer layer                           activations.layer_bytes (its recomputation)
+    the final norm                                  its input and statistics, slice
+    the output layer and loss over its tokens       the output layer's input h (the depths'
+                                                    outputs joined after the main model's) and
+                                                    the loss's saves (activations.last_stage_bytes'
+                                                    per token, over this rank's vocabulary)
+
+Under full uniform recomputation each depth is checkpointed whole (models.mtp): it keeps its two
+inputs (the hidden states and the embedded tokens) and, while its backward replays it, its whole
+saves. The depths run once per (microbatch, last chunk) pair, as the loss does, and are counted
+so (once, beside the loss: megart.plan.memory).
+"""
+
+from __future__ import annotations
+
+from megart.models.config import GPTConfig
+from megart.plan.activations import (
+    Precision,
+    dropout_mask_bytes,
+    last_stage_bytes,
+    layer_bytes,
+    norm_statistics,
+)
+
+
+def _depth_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -> tuple[float, float]:
+    """One depth's saves but its layer's, for one microbatch (see the module's doc): (those
+    made outside its checkpoint, the lookup's and the output layer's and loss's; those inside)."""
+    s, h, t = cfg.seq_length, cfg.hidden_size, tp
+    own = 1 / t if sp else 1.0
+    lookup = 8 + (1 if t > 1 else 0) + (8 if cfg.position_embedding == "learned" else 0)
+    lookup += h * own * dropout_mask_bytes(cfg)
+    norm = own * (h * prec.residual + norm_statistics(cfg))  # an input and its statistics
+    joined = 2 * h * prec.other
+    if sp and t > 1:  # the layer's first norm keeps its slice of eh_proj's gathered output,
+        joined += h * (1 - own) * prec.other  # a view of the whole: the other ranks' rows too
+    # The output layer's input for the depth's tokens, and the loss's saves on them: the last
+    # stage's bytes less its final norm's.
+    loss = last_stage_bytes(cfg, b, t, sp, prec) / (s * b) - norm
+    return s * b * (lookup + loss), s * b * (3 * norm + joined)
+
+
+def mtp_loss_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -> float:
+    """Of mtp_stage_bytes' kept bytes, those made outside the depths' checkpoints: their
+    lookups', and their output layer's and loss's, which the loss's backward frees before any
+    depth is replayed."""
+    return (cfg.mtp_num_layers or 0) * _depth_bytes(cfg, b, tp, sp, prec)[0]
+
+
+def mtp_stage_bytes(
+    cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision
+) -> tuple[float, float]:
+    """The depths' saves on the last stage for one microbatch, and how far above them a
+    depth's replay rises under full uniform recomputation (0 otherwise): (kept, rise)."""
+    depths = cfg.mtp_num_layers or 0
+    if not depths:
+        return 0.0, 0.0
+    rec = cfg.recompute_granularity
+    outside, inside = _depth_bytes(cfg, b, tp, sp, prec)
+    if rec == "full" and cfg.recompute_method == "uniform":
+        whole = inside + layer_bytes(cfg, b, tp, sp, None, prec)
+        inputs = 2 * cfg.seq_length * b * cfg.hidden_size * (1 / tp if sp else 1.0)
+        inputs *= prec.residual
+        return depths * (outside + inputs), whole - inputs
+    # Under block the depths are not recomputed (models.mtp): whole, as without it.
+    layer = layer_bytes(cfg, b, tp, sp, None if rec == "full" else rec, prec)
+    return depths * (outside + inside + layer), 0.0
