@@ -37,10 +37,11 @@ from megart.models import (
     hf_qwen3,
     hf_qwen3_moe,
 )
-from megart.models.config import GPTConfig, fit_vocab
+from megart.models.config import GPTConfig
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
 from megart.models.mla_checks import refuse_mla
 from megart.models.mtp_checks import refuse_mtp
+from megart.models.vocab import fit_vocab
 from megart.tensor_parallel._group import group_rank, group_size
 
 # A Llama-style model without a window is written as a Llama, one with a window as a Mistral,

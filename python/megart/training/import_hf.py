@@ -26,8 +26,9 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models import GPTConfig, chunk_layers
-from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS, fit_vocab
+from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS
 from megart.models.hf import VOCAB_ROWS, lazy_tensors, read_format
+from megart.models.vocab import fit_vocab
 from megart.models.yarn import yarn_flags
 from megart.training.checkpoint_save import write_release_ranks
 from megart.training.megatron_args import integral
