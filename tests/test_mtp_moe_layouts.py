@@ -4,9 +4,10 @@ load-balancing and z-losses (the depths' layers among them): expert parallelism 
 experts spread over the expert-parallel ranks with the decoder's), tensor parallelism with
 sequence parallelism (the depths' tokens gathered for their experts), pipeline parallelism (the
 depths on the last stage), data parallelism with the distributed optimizer, ep2 with tp2 or pp2,
-full recomputation; the depths' routers' expert biases update each iteration and are saved and
-resumed; an ep2 checkpoint holds each rank's share of the depths' experts and resumes on one
-process, each expert by its global index, on the curve."""
+full recomputation, recomputation of the MoE layers, grouped GEMM; the depths' routers' expert
+biases update each iteration and are saved and resumed; an ep2 (and ep2 x pp2) checkpoint
+holds each rank's share of the depths' experts and resumes on one process, each expert by its
+global index, on the curve; upcycling a dense checkpoint upcycles the depths' MLPs too."""
 
 import pytest
 import torch
@@ -68,6 +69,10 @@ LAYOUTS = {
     "ep2-tp2-sp": (4, dict(EP2, **TP2)),
     "ep2-pp2": (4, dict(EP2, **PP2)),
     "recompute-full": (1, dict(recompute_granularity="full", recompute_method="uniform")),
+    "recompute-moe": (1, dict(recompute_granularity="selective", recompute_modules=["moe"])),
+    # The depths' experts grouped with the decoder's (one product per projection).
+    "grouped-gemm": (1, dict(moe_grouped_gemm=True)),
+    "ep2-grouped-gemm": (2, dict(EP2, moe_grouped_gemm=True)),
 }
 
 
@@ -83,8 +88,13 @@ def test_every_layout_follows_the_one_process_curve(one_process, model, layout):
     assert _curve(history) == pytest.approx(want, **SAME_RUN)
 
 
-def test_an_ep2_checkpoint_holds_each_ranks_depth_experts_and_resumes_on_one_process(
-    tmp_path, one_process
+@pytest.mark.parametrize(
+    "nproc, kw, file",
+    [(2, EP2, "mp_rank_00_001"), (4, dict(EP2, **PP2), "mp_rank_00_001_001")],
+    ids=["ep2", "ep2-pp2"],
+)
+def test_an_ep_checkpoint_holds_each_ranks_depth_experts_and_resumes_on_one_process(
+    tmp_path, one_process, nproc, kw, file
 ):
     """Each expert-parallel rank holds and saves its half of every depth's experts (by their
     global indices), and the depths' routers' expert biases (updated: not zero); the
@@ -92,11 +102,12 @@ def test_an_ep2_checkpoint_holds_each_ranks_depth_experts_and_resumes_on_one_pro
     moments, the depths' included, and goes on on the one-process curve."""
     # Saved after iteration 1, where every bias is +-rate (the sign of its expert's offset from
     # the mean; after 2 iterations many are back at 0).
-    saving = dict(BIASED, **EP2, exit_interval=1, save=str(tmp_path))
-    trained = [r["trained"] for r in tw.holding(2, saving)]
+    saving = dict(BIASED, **kw, exit_interval=1, save=str(tmp_path))
+    trained = [r["trained"] for r in tw.holding(nproc, saving)]
     resumed = tw.holding(1, dict(BIASED, load=str(tmp_path)))
     depth = "chunk.mtp.layers.1.transformer_layer.mlp.experts."
-    for rank, state in enumerate(trained):
+    last_stage = trained[-2:]  # its expert-parallel ranks 0 and 1
+    for rank, state in enumerate(last_stage):
         held = {n.removeprefix(depth).split(".")[0] for n in state["weights"] if depth in n}
         assert held == {str(2 * rank), str(2 * rank + 1)}
     loaded = tw.assert_holds(trained, resumed)
@@ -104,7 +115,7 @@ def test_an_ep2_checkpoint_holds_each_ranks_depth_experts_and_resumes_on_one_pro
     history = resumed[0]["history"]
     assert [h["iteration"] for h in history] == [2, 3, 4]
     assert _curve(history) == pytest.approx(_curve(one_process["biased"][1:]), **SAME_RUN)
-    saved = torch.load(next(tmp_path.glob("iter_0000001/*_001/*.pt")), weights_only=False)
+    saved = torch.load(next(tmp_path.glob(f"iter_0000001/{file}/*.pt")), weights_only=False)
     keys = saved["model"][0]
     assert any(k.startswith("mtp.layers.0.transformer_layer.mlp.experts.3.") for k in keys)
     assert not any(".experts.0." in k for k in keys)
