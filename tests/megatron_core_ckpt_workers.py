@@ -15,7 +15,7 @@ def checkpoint_gpt(megart_dir: str) -> tuple[GPT, dict[str, torch.Tensor]]:
     """megart's one-process GPT (float64) of the latest checkpoint in ``megart_dir`` (any
     layout, any of megart's formats), and its whole weights (one chunk's names, the vocabulary
     padded for one rank)."""
-    from megart.models.config import fit_vocab
+    from megart.models.vocab import fit_vocab
     from megart.training import checkpoint
     from megart.training.shards import read_shards, whole_tensors
 

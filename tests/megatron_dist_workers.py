@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from megart.models import GPT, GPTConfig
-from megart.models.config import fit_vocab
+from megart.models.vocab import fit_vocab
 from megatron_core_workers import megatron_logits, megatron_model, on_cpu_only
 
 # Megatron-LM's default --dist-ckpt-strictness: a key asked for that the checkpoint lacks fails.

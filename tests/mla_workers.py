@@ -7,10 +7,10 @@ import torch
 
 import megatron_core_workers as mcw
 from megart.models import GPT, GPTConfig
-from megart.models.config import fit_vocab
 from megart.models.megatron_names import to_megatron
 from megart.models.mla import MLA
 from megart.models.rope import apply_rotary
+from megart.models.vocab import fit_vocab
 from megart.training.shards import partition_dims
 
 

@@ -16,8 +16,8 @@ import torch
 
 import megart.distributed as dist
 from megart.models import GPTConfig, moe
-from megart.models.config import fit_vocab
 from megart.models.megatron_names import to_megatron
+from megart.models.vocab import fit_vocab
 from megart.parallel import make_layout
 from megart.parallel.experts import expert_groups
 from megart.tensor_parallel import scatter_to_sequence_region

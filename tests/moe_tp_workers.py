@@ -14,9 +14,9 @@ import torch
 
 import megart.distributed as dist
 from megart.models import GPT, GPTConfig, moe
-from megart.models.config import fit_vocab
 from megart.models.hf import _gather
 from megart.models.megatron_names import from_megatron, to_megatron
+from megart.models.vocab import fit_vocab
 from megart.tensor_parallel import sync_sequence_parallel_grads
 from megart.tensor_parallel._group import group_rank
 from megart.training.megatron_layout import shard, tp_dim, unshard

@@ -15,8 +15,8 @@ from megart.cli.main import main
 from megart.errors import ConfigError
 from megart.launcher import LaunchError, launch
 from megart.models import GPT, GPTConfig
-from megart.models.config import fit_vocab
 from megart.models.megatron_names import from_megatron, to_megatron
+from megart.models.vocab import fit_vocab
 from megart.training.checkpoint import iteration_dir, read_file, write_release
 from megart.training.megatron_checkpoint import read_megatron
 from megart.training.megatron_dist import is_dist_checkpoint, layer_names, sharded_keys

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 import train_workers as tw
 from megart.errors import ConfigError
 from megart.launcher import launch
-from megart.models.config import fit_vocab
 from megart.models.megatron_names import to_megatron
+from megart.models.vocab import fit_vocab
 from megart.training import dist_store
 from megart.training.checkpoint import iteration_dir, latest_iteration, model_config
 from megart.training.megatron_dist import is_dist_checkpoint, read_common, sharded_keys

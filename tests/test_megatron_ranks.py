@@ -12,8 +12,8 @@ import train_workers as tw
 from megart.cli.main import main
 from megart.launcher import launch
 from megart.models import GPT, GPTConfig
-from megart.models.config import fit_vocab
 from megart.models.megatron_names import to_megatron
+from megart.models.vocab import fit_vocab
 from megart.training import megatron_layout
 from megart.training.checkpoint import FILE, iteration_dir, latest_iteration, model_config
 from megart.training.megatron_checkpoint import read_megatron, read_rank
