@@ -47,3 +47,20 @@ def compare_mistaken(kw: dict, mistake: str) -> dict:
             return mw.compare_mtp(kw)
         except RuntimeError as e:  # its strict load
             return {"refused": str(e)}
+
+
+def trained_without_depth_biases(kw: dict) -> list[dict]:
+    """megart train's history with flags ``kw`` (a --load of a checkpoint with expert biases),
+    the depths' routers' biases left at zero on load (the decoder's loaded)."""
+    import train_workers as tw
+    from megart.training import checkpoint
+
+    real = checkpoint.load_expert_bias
+
+    def decoders_only(chunks, rows):  # noqa: ANN001, ANN202 (load_expert_bias's)
+        rows = rows.clone()
+        rows[chunks[0].cfg.num_layers :] = 0
+        real(chunks, rows)
+
+    with mock.patch.object(checkpoint, "load_expert_bias", decoders_only):
+        return tw.train(**kw)
