@@ -35,8 +35,8 @@ CONFIGS = {
         True,
     ),
     # DeepSeek-V3's router: sigmoid scores, the expert bias (zero before any update), a top-k
-    # scaling factor; one depth, its own loss factor.
-    "sigmoid-expert-bias-one-depth": (
+    # scaling factor, group-limited routing; one depth, its own loss factor.
+    "sigmoid-expert-bias-groups-one-depth": (
         dict(
             LLAMA,
             moe_router_score_function="sigmoid",
@@ -45,9 +45,16 @@ CONFIGS = {
             mtp_num_layers=1,
             mtp_loss_scaling_factor=0.3,
             moe_shared_expert_intermediate_size=16,
+            moe_router_num_groups=2,
+            moe_router_group_topk=1,
         ),
         True,
-    ),  # fmt: skip
+    ),
+    # Token dropping: half of each expert's even share, padded to its capacity.
+    "capacity-0.5-padded": (
+        dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True),
+        True,
+    ),
 }
 
 
