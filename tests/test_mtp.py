@@ -69,7 +69,6 @@ def test_mtp_leaves_the_main_loss_and_logits_alone():
     "kw, words",
     [
         (dict(mtp_num_layers=0), "1 or more"),
-        (dict(num_experts=4, bias=False), "--num-experts"),
         (dict(window_size=(4, 0)), "--window-size"),
         (dict(recompute_granularity="full", recompute_num_layers=2), "--recompute-num-layers 1"),
     ],

@@ -9,6 +9,7 @@ them in another layout on the curve."""
 
 import pytest
 
+import mtp_workers as mw
 import train_workers as tw
 from megart.launcher import launch
 
@@ -19,15 +20,12 @@ NAMES = ("loss", "mtp_1 loss", "mtp_2 loss")
 
 
 def _curve(history: list[dict]) -> list[float]:
-    return [h[name] for h in history for name in NAMES]
+    return mw.curve(history, NAMES)
 
 
 @pytest.fixture(scope="module")
 def one_process():
-    return {
-        name: launch(tw.train_kw, 1, kw, timeout=300, env=tw.ONE_THREAD)[0]
-        for name, kw in (("tied", MTP), ("untied", UNTIED))
-    }
+    return mw.one_process_histories({"tied": MTP, "untied": UNTIED})
 
 
 def test_the_depths_log_their_losses_and_train(one_process):

@@ -103,11 +103,8 @@ class GPTChunk(nn.Module):
             for i in layers
         )
         self.layer_ids = list(layers)
-        self.mtp = (
-            MultiTokenPrediction(cfg, tp_group, sequence_parallel, rng, self.aux_loss_scale)
-            if mtp
-            else None
-        )
+        depth_args = (cfg, (tp_group, ep_group), sequence_parallel, rng, self.aux_loss_scale)
+        self.mtp = MultiTokenPrediction(*depth_args) if mtp else None
         if last:
             self.ln_f = norm(cfg, sequence_parallel)
         if last and untied:

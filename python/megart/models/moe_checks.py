@@ -60,9 +60,13 @@ def capacity_factor(factor: float | None) -> float | None:
 
 def is_moe_layer(cfg: GPTConfig, layer: int) -> bool:
     """Whether layer ``layer`` (0-based) is an MoE layer: every one of --moe-layer-freq N
-    starting with the first (Megatron-Core's i % N == 0), or the pattern's 1s."""
+    starting with the first (Megatron-Core's i % N == 0), or the pattern's 1s. Past the
+    decoder's layers, a multi-token prediction depth's layer (models.mtp numbers them on) is of
+    the last decoder layer's kind, as Megatron-Core gives the depths that layer's spec whatever
+    the pattern would say of their numbers."""
     if cfg.num_experts is None:
         return False
+    layer = min(layer, cfg.num_layers - 1)
     freq = cfg.moe_layer_freq
     if isinstance(freq, int):
         return layer % freq == 0

@@ -359,7 +359,9 @@ def expert_bias_rows(
     every rank: each layer's row from the pipeline stage that holds it, summed over
     ``pp_group`` (every stage calls this; the others add zeros, exactly). What megart's
     checkpoints keep, so that any layout reads its own layers' rows back (load_expert_bias)."""
-    rows = torch.zeros(cfg.num_layers, cfg.num_experts, device=device)
+    # The multi-token prediction depths' layers (models.mtp) after the decoder's.
+    layers = cfg.num_layers + (cfg.mtp_num_layers or 0)
+    rows = torch.zeros(layers, cfg.num_experts, device=device)
     for router in biased_routers(chunks):
         rows[router.layer] = router.expert_bias
     if group_size(pp_group) > 1:

@@ -9,12 +9,17 @@ k (the shared word embedding, with the learned positions shifted alike), and com
 (the embedding's half first, as Megatron-Core concatenates), eh_proj a column-parallel 2h -> h
 projection without bias whose output is gathered over tensor parallelism (then split over the
 sequence again under sequence parallelism), layer one transformer layer (Megatron's layer
-number num_layers + k). The shared output layer turns each depth's output into logits; depth
-k's loss is the cross-entropy against the labels shifted left by k, its loss mask shifted
-alike (what shifted off the end is zero: masked out), divided by the mask's count. The depths'
-losses times --mtp-loss-scaling-factor / D are added to the training loss through the
-gradient only (Megatron-Core's MTPLossAutoScaler, megart's models.moe seeding), so the loss
-reported is the main model's; each depth's loss is logged as "mtp_k loss" (training.mtp_metrics).
+number num_layers + k) of the last decoder layer's kind, as Megatron-Core builds it from that
+layer's spec: with --num-experts an MoE layer where that one is (whatever --moe-layer-freq
+would say of its own number), its experts spread over the expert-parallel group with the
+decoder's, its auxiliary losses seeded as the decoder's are (at the training loss's factor,
+not the depths' below) and logged among theirs. The shared output layer turns each depth's
+output into logits; depth k's loss is the cross-entropy against the labels shifted left by k,
+its loss mask shifted alike (what shifted off the end is zero: masked out), divided by the
+mask's count. The depths' losses times --mtp-loss-scaling-factor / D are added to the
+training loss through the gradient only (Megatron-Core's MTPLossAutoScaler, megart's
+models.moe seeding), so the loss reported is the main model's; each depth's loss is logged as
+"mtp_k loss" (training.mtp_metrics).
 
 A last stage that is not the first gets the tokens from the labels (the labels are the tokens
 shifted left by one): the trainer hands this rank's microbatches' labels over (``feed``) before
@@ -62,13 +67,16 @@ class MTPLayer(nn.Module):
         self,
         cfg: GPTConfig,
         depth: int,
-        tp_group: ProcessGroup | None,
+        groups: tuple[ProcessGroup | None, ProcessGroup | None],
         sequence_parallel: bool,
         rng: RNGStatesTracker | None,
         loss_scale: AuxLossScale,
     ) -> None:
+        """``groups``: the tensor-parallel group and the expert-parallel one (an MoE layer's
+        experts spread over it)."""
         super().__init__()
         h = cfg.hidden_size
+        tp_group, ep_group = groups
         self.cfg, self.tp_group, self.sequence_parallel, self.rng = (
             cfg,
             tp_group,
@@ -86,10 +94,11 @@ class MTPLayer(nn.Module):
             init_method=weight_init(cfg, cfg.init_std, (h, 2 * h)),
             generator=generator(cfg.seed, "mtp", depth, "eh_proj"),
         )
-        # Megatron-Core numbers the depth's layer after the decoder's.
+        # Megatron-Core numbers the depth's layer after the decoder's and gives it the last
+        # decoder layer's spec: an MoE layer where that one is (GPTConfig.is_moe_layer).
         layer = cfg.num_layers + depth
         self.transformer_layer = Block(
-            cfg, layer, tp_group, sequence_parallel, rng, None, loss_scale
+            cfg, layer, tp_group, sequence_parallel, rng, None, loss_scale, ep_group
         )
         self.final_layernorm = norm(cfg, sequence_parallel)
 
@@ -131,17 +140,18 @@ class MultiTokenPrediction(nn.Module):
     def __init__(
         self,
         cfg: GPTConfig,
-        tp_group: ProcessGroup | None,
+        groups: tuple[ProcessGroup | None, ProcessGroup | None],
         sequence_parallel: bool,
         rng: RNGStatesTracker | None,
         loss_scale: AuxLossScale,
     ) -> None:
+        """``groups``: the tensor-parallel group and the expert-parallel one (MTPLayer's)."""
         super().__init__()
         self.cfg, self.loss_scale = cfg, loss_scale
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.tp_group, self.sequence_parallel = groups[0], sequence_parallel
         depths = cfg.mtp_num_layers or 0
         self.layers = nn.ModuleList(
-            MTPLayer(cfg, k, tp_group, sequence_parallel, rng, loss_scale) for k in range(depths)
+            MTPLayer(cfg, k, groups, sequence_parallel, rng, loss_scale) for k in range(depths)
         )
         self.labels: list[torch.Tensor] | None = None  # this rank's microbatches' (feed)
         self.microbatch = 0

@@ -21,12 +21,6 @@ def check_mtp(cfg: GPTConfig) -> None:
         raise ConfigError(
             f"--mtp-num-layers {depths}: give 1 or more depths, or leave it out for none"
         )
-    if cfg.num_experts is not None:
-        raise ConfigError(
-            "--mtp-num-layers with --num-experts: megart's multi-token prediction depths are "
-            "dense layers; Megatron-Core gives them the last layer's MoE spec, which megart does "
-            "not build (leave one of them out)"
-        )
     full = cfg.recompute_granularity == "full" and cfg.recompute_method == "uniform"
     if full and cfg.recompute_num_layers != 1:
         raise ConfigError(

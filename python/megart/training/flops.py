@@ -182,10 +182,7 @@ def model_flops(
         cfg.query_size,
         mlp_again,
         moe_layer_count(cfg),
-        # Each token's expert width: its top k experts' and the shared experts' (Megatron's).
-        cfg.moe_ffn_size * cfg.moe_router_topk + (cfg.moe_shared_expert_intermediate_size or 0)
-        if cfg.num_experts
-        else 0,
+        routed_width(cfg),
         replayed_moe,
         *mla_widths(cfg),
     )
@@ -210,19 +207,29 @@ def mla_widths(cfg: GPTConfig) -> tuple[int | None, int | None]:
 
 def mtp_flops(cfg: GPTConfig, batch: int, tp: int, causal: bool, replay: bool) -> int:
     """The FLOPs of multi-token prediction's depths in an iteration of ``batch`` sequences (0
-    without): a dense layer, the eh_proj product and the logits each, forward and backward;
-    with ``replay``, each depth's forward but its logits once more."""
+    without): a layer (the last decoder layer's kind, dense or MoE, as Megatron-LM counts it),
+    the eh_proj product and the logits each, forward and backward; with ``replay``, each
+    depth's forward but its logits once more."""
     d = cfg.mtp_num_layers or 0
     if not d:
         return 0
     b, s, h = batch, cfg.seq_length, cfg.hidden_size
     projections, core_width = mla_widths(cfg)  # a depth's layer is the model's kind
+    moe = d if cfg.is_moe_layer(cfg.num_layers) else 0
     layers = iteration_flops(b, s, d, h, 0, replay, cfg.ffn_size, cfg.activation == "swiglu",
                              cfg.query_groups * cfg.head_dim, causal, None, False,
-                             cfg.query_size, projections=projections,
-                             core_width=core_width)  # fmt: skip
+                             cfg.query_size, moe_layers=moe, routed_hidden=routed_width(cfg),
+                             projections=projections, core_width=core_width)  # fmt: skip
     proj, logits = 2 * b * s * 2 * h * h, 2 * b * s * h * cfg.padded_vocab_size(tp)
     return layers + d * ((3 + replay) * proj + 3 * logits)
+
+
+def routed_width(cfg: GPTConfig) -> int:
+    """Each token's expert width in an MoE layer (0 for a dense model): its top k experts' and
+    the shared experts' (Megatron's)."""
+    if not cfg.num_experts:
+        return 0
+    return cfg.moe_ffn_size * cfg.moe_router_topk + (cfg.moe_shared_expert_intermediate_size or 0)
 
 
 def moe_layer_count(cfg: GPTConfig) -> int:

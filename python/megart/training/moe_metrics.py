@@ -1,10 +1,11 @@
 """The mixture-of-experts losses an iteration reports, as Megatron-LM logs them (its
 track_moe_metrics): ``load_balancing_loss`` (``seq_load_balancing_loss`` under seq_aux_loss,
 ``global_load_balancing_loss`` under global_aux_loss) and ``z_loss``, each without its
-coefficient, the mean over the MoE layers and the microbatches of the iteration. With
---moe-per-layer-logging each layer's too (the mean over the microbatches), under Megatron-Core's
-names ``moe/{name}_layer_{i}`` (to TensorBoard, as Megatron's tracker writes them, and to
---log-jsonl).
+coefficient, the mean over the MoE layers and the microbatches of the iteration (multi-token
+prediction's depths count among the MoE layers, as Megatron-LM counts them: see moe_losses).
+With --moe-per-layer-logging each layer's too (the mean over the microbatches), under
+Megatron-Core's names ``moe/{name}_layer_{i}`` (to TensorBoard, as Megatron's tracker writes
+them, and to --log-jsonl; the depths' layers numbered after the decoder's).
 
 The MoE layers record their losses when their gradients are seeded (models.moe.AuxLossScale).
 Each layer lives on one pipeline stage, so the stages' sums add up. Under tensor or context
@@ -61,8 +62,10 @@ def moe_losses(
     names = tracked_names(cfg)
     if not names:
         return {}
-    # [losses, layers]: each layer's sum over the microbatches, on the stage that holds it.
-    sums = torch.zeros(len(names), cfg.num_layers, dtype=torch.float64, device=device)
+    # [losses, layers]: each layer's sum over the microbatches, on the stage that holds it;
+    # multi-token prediction's depths' layers after the decoder's, as Megatron-Core's tracker.
+    depths = cfg.mtp_num_layers or 0
+    sums = torch.zeros(len(names), cfg.num_layers + depths, dtype=torch.float64, device=device)
     for chunk in chunks:
         tracked = chunk.aux_loss_scale.take()
         for i, name in enumerate(names):
@@ -76,7 +79,9 @@ def moe_losses(
     for i, name in enumerate(names):
         if name not in DP_SUMMED:  # the data-parallel ranks' mean
             sums[i] /= group_size(grid.dp_group)
-    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    # Megatron-LM's count (track_moe_metrics): the decoder's MoE layers and every depth, even
+    # where the depths' layers are dense (the last decoder layer's kind).
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) + depths
     means = sums.sum(dim=1) / layers
     out = {name: float(value) for name, value in zip(names, means.tolist(), strict=True)}
     if per_layer:

@@ -145,7 +145,7 @@ def whole_tensors(
     default the weights; an optimizer state shaped like them, say, where a scalar one (Adam's
     step) is the same on every rank. Names a pick has no shard of are left out. The vocab
     embedding keeps the padding of the saved tensor-parallel size (see
-    megart.models.config.fit_vocab)."""
+    megart.models.vocab.fit_vocab)."""
     layout = next(iter(shards.values()))["config"]
     tp = layout["tensor_model_parallel_size"]
     pp = layout["pipeline_model_parallel_size"]

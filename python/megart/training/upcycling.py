@@ -48,7 +48,12 @@ from megart.training.optimizer import full_precision
 from megart.training.shards import split_shard
 from megart.training.upcycling_checks import Rule
 
-_EXPERT = re.compile(r"blocks\.(\d+)\.mlp\.(router\.weight|experts\.(\d+)\.(\w+)\.(weight|bias))$")
+# An MoE layer's router or expert: a decoder layer's, or a multi-token prediction depth's
+# (upcycled alike, as Megatron-Core's upcycling converts every layer's MLP by its names' ends).
+_EXPERT = re.compile(
+    r"(blocks\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\."
+    r"(router\.weight|experts\.(\d+)\.(\w+)\.(weight|bias))$"
+)
 
 
 def upcycled_layer(dense: dict[str, torch.Tensor], router: torch.Tensor, rule: Rule) -> dict:
@@ -160,7 +165,8 @@ def fill(moe: torch.nn.Module, dense: torch.nn.Module, rule: Rule, tp_group: Any
 def _whole_layer(
     moe: torch.nn.Module, dense: torch.nn.Module, prefix: str, rule: Rule, group: Any
 ) -> dict:
-    """The upcycled whole tensors of the MoE layer at ``prefix`` (``blocks.N.mlp.``)."""
+    """The upcycled whole tensors of the MoE layer at ``prefix`` (``blocks.N.mlp.``, or a
+    depth's ``mtp.layers.K.transformer_layer.mlp.``)."""
     mlp = dense.get_submodule(prefix.rstrip("."))
     parts = {n: _gathered(p, group) for n, p in mlp.named_parameters()}
     router = _gathered(moe.get_submodule(prefix + "router").weight, group)
