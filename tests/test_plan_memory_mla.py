@@ -145,8 +145,11 @@ def test_mla_and_mtp_change_the_time_and_memory_of_a_layout(capsys):
         (f"{MLA_ARGV} --recompute-activations --recompute-modules layernorm",
          "with --multi-latent-attention"),
         ("--mtp-num-layers 1 --reset-position-ids", "--reset-position-ids with --mtp-num-layers"),
+        ("--mtp-num-layers 1 --num-experts 4 --disable-bias-linear",
+         "--num-experts with --mtp-num-layers"),
     ],
-    ids=["mla-megatron", "mtp-megatron", "mla-zb-h1", "mtp-zb-v", "mla-layernorm", "mtp-documents"],
+    ids=["mla-megatron", "mtp-megatron", "mla-zb-h1", "mtp-zb-v", "mla-layernorm", "mtp-documents",
+         "mtp-moe"],
 )  # fmt: skip
 def test_the_cli_refuses_what_it_does_not_model_with_mla_or_mtp(extra, says, capsys):
     assert megart_main(f"{ARGV} {extra}".split()) == 2
