@@ -254,9 +254,6 @@ def test_what_megart_does_not_build_is_refused_by_name(argv, message):
     [
         (("--context-parallel-size", "2"), 2, "--multi-latent-attention with "
          "--context-parallel-size 2"),
-        (("--ckpt-format", "torch"), 1, "--ckpt-format torch: megart does not write or read "
-         "multi-latent"),
-        (("--ckpt-format", "torch_dist"), 1, "--ckpt-format torch_dist: megart does not"),
         (("--tensor-model-parallel-size", "3", "--num-attention-heads", "6", "--hidden-size",
           "36"), 3, r"down-projection's 16 rows \(--kv-lora-rank \+ --qk-pos-emb-head-dim\)"),
     ],
@@ -274,11 +271,12 @@ def test_yarn_and_the_inference_flags_stay_refused_by_name(flag):
         parse(*MLA_FLAGS, flag, "1")
 
 
-def test_megatron_files_hugging_face_and_plan_refuse_it(tmp_path, capsys):
+def test_yarn_in_megatron_args_hugging_face_and_plan_refuse_it(tmp_path, capsys):
     cfg = GPTConfig(**BASE)
     with pytest.raises(ConfigError, match="Hugging Face export .*: megart does not write or read"):
         writer(cfg)
-    with pytest.raises(ConfigError, match="megart does not read MLA's weights"):
+    # Megatron-LM's MLA args read (test_megatron_mla_ckpt), but not with YaRN rope, its default.
+    with pytest.raises(ConfigError, match="multi-latent attention and no --rope-type .*YaRN"):
         megatron_config(dict(multi_latent_attention=True, num_layers=2))
     (tmp_path / "config.json").write_text(json.dumps(dict(model_type="deepseek_v3")))
     with pytest.raises(ConfigError, match="holds a deepseek_v3.*multi-latent attention"):

@@ -42,6 +42,7 @@ from megart.training.ckpt_files import (
 )
 from megart.training.megatron_args import config_from_args, integral, megatron_args
 from megart.training.megatron_files import is_megatron_file, torch_load
+from megart.training.megatron_mla import mla_flags_from
 from megart.training.shards import layer_ids
 
 # TrainConfig fields set only where the command line left them unset (Megatron's force=False).
@@ -213,6 +214,7 @@ def flags_from(
     out = [(f, values[f], False) for f in SIZES + WINDOW]
     out += [(f, values[f], True) for f in FORCED]
     out += moe_flags(cfg)
+    out += mla_flags_from(cfg)
     # What depends on a size the command line gave is left to it: megart's position table is
     # --seq-length long, its head size --hidden-size / --num-attention-heads.
     if "seq_length" not in given:

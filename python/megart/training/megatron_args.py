@@ -12,10 +12,10 @@ from typing import Any
 
 from megart.errors import ConfigError
 from megart.models.config import VOCAB_MULTIPLE, GPTConfig, activation_of, distinct_head_size
-from megart.models.mla_checks import refuse_mla
 from megart.models.moe_checks import capacity_factor
 from megart.models.stages import check_stages, uneven
 from megart.models.window import any_windowed
+from megart.training.megatron_mla import mla_args, mla_fields
 
 
 def megatron_args(
@@ -30,7 +30,6 @@ def megatron_args(
     """The Megatron-LM flags (argparse names) that describe ``cfg`` on ``tp`` x ``pp`` ranks
     of ``vpp`` virtual stages each, the first/last stage holding ``first``/``last`` layers
     (Megatron-LM then takes interleaving as --num-virtual-stages-per-pipeline-rank only)."""
-    refuse_mla(cfg, "Megatron-LM's checkpoint files (--ckpt-format torch or torch_dist)")
     per = cfg.num_layers // (pp * vpp) if vpp > 1 and not uneven(first, last) else None
     skip = cfg.window_attn_skip_freq
     windowed = any_windowed(cfg.window_size, skip, cfg.num_layers)
@@ -84,6 +83,7 @@ def megatron_args(
         iteration=iteration,
         ckpt_format="torch",
         **moe_args(cfg),
+        **mla_args(cfg),
     )
 
 
@@ -132,11 +132,7 @@ def integral(x: float | None) -> float | int | None:
 
 def config_from_args(a: dict[str, Any]) -> GPTConfig:
     """The GPTConfig Megatron-LM's flags (``vars(args)``) describe."""
-    if a.get("multi_latent_attention"):
-        raise ConfigError(
-            "a Megatron-LM checkpoint with multi-latent attention (--multi-latent-attention): "
-            "megart does not read MLA's weights from Megatron's files"
-        )
+    mla = mla_fields(a)  # first: MLA with YaRN is refused by name before any size is read
     rope = a.get("position_embedding_type") == "rope"
     # Megatron-LM's args from before it had the flags lack both: no scaling. Megatron ignores
     # them without rope (GPTConfig refuses that pair), and the factor without the scaling.
@@ -177,6 +173,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         ),
         make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by") or VOCAB_MULTIPLE,
         **moe_fields(a),
+        **mla,
     )
 
 

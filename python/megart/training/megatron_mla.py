@@ -1,0 +1,87 @@
+"""Multi-latent attention (megart.models.mla) in Megatron-LM's checkpoints: its flags in the
+``args`` record both ways, and the names of its linear layers (each with an ``_extra_state``).
+
+Megatron-LM's argparse names and defaults (its arguments.py and TransformerConfig, 0.16):
+``multi_latent_attention`` (False), ``q_lora_rank`` (None), ``kv_lora_rank`` (32),
+``qk_head_dim`` (128), ``qk_pos_emb_head_dim`` (64), ``v_head_dim`` (128) and ``rope_type``
+(None, which MLA takes as YaRN). megart builds plain rope only, so it writes ``rope_type`` "rope"
+with MLA and refuses args of MLA with YaRN.
+
+Megatron-Core's local layer spec (what megart's layer computes, and what its torch_dist keys
+follow) keeps every MLA projection column-parallel, split on its rows, the down-projections
+too, and its latent norms under their own names (``self_attention.q_layernorm``,
+``self_attention.kv_layernorm``; the layer's ``input_layernorm`` and ``pre_mlp_layernorm`` too:
+its MLA spec maps no key to Transformer Engine's fused names).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megart.errors import ConfigError
+from megart.models.config import GPTConfig
+from megart.models.mla_checks import MLA_DEFAULTS
+
+# The MLA projections (Megatron-Core's module names in a layer), in the order MLASelfAttention
+# registers them (linear_proj, a layer's first attention parameter, comes before them).
+MLA_LINEARS = (
+    "self_attention.linear_q_proj",
+    "self_attention.linear_q_down_proj",
+    "self_attention.linear_q_up_proj",
+    "self_attention.linear_kv_down_proj",
+    "self_attention.linear_kv_up_proj",
+)
+# Their latent norms (--qk-layernorm), registered after them.
+MLA_NORMS = ("self_attention.q_layernorm", "self_attention.kv_layernorm")
+_SIZES = tuple(
+    MLA_DEFAULTS
+)  # q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim
+
+
+def mla_linears(cfg: GPTConfig) -> list[str]:
+    """The MLA projections a layer of ``cfg`` has (queries projected directly or through a
+    latent), in their registration order; none without MLA."""
+    if not cfg.multi_latent_attention:
+        return []
+    unbuilt = MLA_LINEARS[1:3] if cfg.q_lora_rank is None else MLA_LINEARS[:1]
+    return [n for n in MLA_LINEARS if n not in unbuilt]
+
+
+def mla_args(cfg: GPTConfig) -> dict[str, Any]:
+    """The MLA flags of ``cfg`` as Megatron-LM's args hold them (its defaults without MLA)."""
+    if not cfg.multi_latent_attention:
+        return dict(multi_latent_attention=False, rope_type=None, **MLA_DEFAULTS)
+    return dict(
+        multi_latent_attention=True,
+        rope_type="rope",
+        **{n: getattr(cfg, n) for n in _SIZES},
+    )
+
+
+def mla_fields(a: dict[str, Any]) -> dict[str, Any]:
+    """GPTConfig's MLA fields from Megatron-LM's args (``vars``): none where they hold no MLA
+    (older args lack the flags). Refuses MLA with YaRN rope (``rope_type`` yarn, or None,
+    which MLA takes as yarn), which megart does not build."""
+    if not a.get("multi_latent_attention"):
+        return {}
+    rope = a.get("rope_type")
+    if rope != "rope":
+        given = f"--rope-type {rope}" if rope else "no --rope-type (MLA then turns YaRN rope)"
+        raise ConfigError(
+            f"a Megatron-LM checkpoint with multi-latent attention and {given}: megart builds "
+            "plain rope only (--rope-type rope), not YaRN"
+        )
+    return dict(
+        multi_latent_attention=True,
+        **{n: a.get(n, MLA_DEFAULTS[n]) for n in _SIZES},
+    )
+
+
+def mla_flags_from(cfg: GPTConfig) -> list[tuple[str, Any, bool]]:
+    """--use-checkpoint-args' MLA flags of a checkpoint's ``cfg`` (TrainConfig field, value,
+    forced): all forced, as megart's own rope and norm extras are (Megatron-LM's
+    load_args_from_checkpoint takes none of them), so that the run builds the saved layers; a
+    checkpoint without MLA turns it off and leaves the sizes to the command line."""
+    if not cfg.multi_latent_attention:
+        return [("multi_latent_attention", False, True)]
+    return [(f, v, True) for f, v in mla_args(cfg).items()]
