@@ -16,14 +16,18 @@ def megatron_layout(kw: dict) -> dict:
     """On each launched rank (tensor-parallel ranks): Megatron-Core's GPTModel of
     ``GPTConfig(**kw)``: its state dict's names in order (tensors' shapes; None for an
     ``_extra_state``) and its sharded state dict's tensors, each as (key, global shape, the
-    axes split over ranks, this rank's offsets), ``_extra_state`` objects as their keys."""
+    pieces each of the tensor's own axes is cut in, whether it is SwiGLU's [gate; up] cut in
+    halves too), ``_extra_state`` objects as their keys."""
     from megatron.core import parallel_state
 
     tp = int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tp, 1)
     mcw.on_cpu_only()
-    model = mcw.megatron_model(GPTConfig(**kw), tp)
+    cfg = GPTConfig(**kw)
+    if cfg.num_experts is not None:
+        mcw.layer_spec = _block_spec_with_mla_shims(mcw.layer_spec)
+    model = mcw.megatron_model(cfg, tp)
     state = {k: None if v is None else tuple(v.shape) for k, v in model.state_dict().items()}
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
@@ -32,10 +36,12 @@ def megatron_layout(kw: dict) -> dict:
         if isinstance(v, ShardedObject):  # an extra state
             objects.add(v.unique_key)
             continue
-        if isinstance(v, ShardedTensorFactory):  # SwiGLU's fc1: its gate's piece tells
+        halves = isinstance(v, ShardedTensorFactory)
+        if halves:  # SwiGLU's fc1: its gate's piece (of 2 tp on its rows) tells
             v = next(iter(_tensors(v.build())))
-        split = tuple(i for i, n in enumerate(v.axis_fragmentations) if n > 1)
-        sharded[name] = (v.key, tuple(v.global_shape), split, tuple(v.global_offset))
+        # How many pieces the tensor's own axes are cut in (after its layer's and expert's).
+        own = tuple(v.axis_fragmentations[v.prepend_axis_num :])
+        sharded[name] = (v.key, tuple(v.global_shape), own, halves)
     torch.distributed.destroy_process_group()
     return {"state": state, "sharded": sharded, "objects": objects}
 
@@ -45,3 +51,22 @@ def _tensors(built):
     if isinstance(built, dict):
         return built.values()
     return built if isinstance(built, (list, tuple)) else [built]
+
+
+def _block_spec_with_mla_shims(layer_spec):
+    """megatron_core_workers.layer_spec, whose decoder block spec (a model with experts) gets
+    the two MLA shims its single layer spec has (_widths_dropped's core attention; no
+    Transformer Engine) in each layer's spec."""
+
+    def spec(cfg, config, vp_stage):
+        out = layer_spec(cfg, config, vp_stage)
+        if cfg.num_experts is None or not cfg.multi_latent_attention:
+            return out
+        from megatron.core.transformer import multi_latent_attention as mla
+
+        mla.HAVE_TE = False
+        for layer in out.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = mcw._widths_dropped()
+        return out
+
+    return spec

@@ -41,6 +41,10 @@ MODELS = {
     "q-lora-norms": LORA,
     "q-proj": dict(BASE),
     "plain-qk-norm": dict(PLAIN, qk_layernorm=True),
+    # MLA with experts in one of two layers (each layer keyed apart in torch_dist).
+    "moe": dict(
+        LORA, num_experts=2, moe_router_topk=1, moe_router_pre_softmax=True, moe_layer_freq=(1, 0)
+    ),  # fmt: skip
 }
 
 
@@ -132,12 +136,14 @@ def test_torch_dist_keys_and_shard_axes_are_megatron_cores(layout, name):
         _, layer, rest = n.split(".", 2) if n.startswith("blocks.") else ("", "", "")
         if rest.startswith("attn."):
             ours_dims[f"decoder.layers.{layer}.{megatron_layer_name(rest, cfg)[0]}"] = d
-    for per_layer, (key, _, axes, _) in theirs.items():
-        leading = 1 if key.startswith("decoder.layers.") else 0  # the layer axis
-        want = next((a - leading for a in axes if a >= leading), None) if tp > 1 else None
-        assert (tp_dim(per_layer) if tp > 1 else None) == want, per_layer
-        if tp > 1 and per_layer in ours_dims:
-            assert ours_dims[per_layer] == want, per_layer
+    for per_layer, (_, _, pieces, halves) in theirs.items():
+        dim = tp_dim(per_layer)
+        want = [tp if d == dim else 1 for d in range(len(pieces))]
+        if halves:  # SwiGLU's gate and up pieces on the rows
+            want[0] *= 2
+        assert list(pieces) == want, per_layer
+        if per_layer in ours_dims:
+            assert ours_dims[per_layer] == dim, per_layer
     from megart.training.megatron_dist import extra_states
 
     objects = set(extra_states(range(cfg.num_layers), cfg, cfg.untie_embeddings_and_output_weights))
@@ -304,3 +310,16 @@ def test_convert_checkpoint_writes_megarts_mla_run_for_megatron_core(tmp_path, f
     ours = launch(mckw.checkpoint_gpt, 1, str(tmp_path / "megart"), timeout=300)[0][1]
     assert set(back) == set(ours)
     assert all(torch.equal(back[k], ours[k]) for k in ours)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_mla_with_experts_resumes_from_megatrons_formats_on_its_curve(tmp_path, fmt):
+    """MLA layers with experts in every other one (torch_dist keys each layer apart)."""
+    kw = dict(TRAIN, num_experts=2, moe_layer_freq="2", moe_router_topk=1,
+              moe_router_pre_softmax=True, tensor_model_parallel_size=2,
+              sequence_parallel=True)  # fmt: skip
+    straight = launch(tw.train_kw, 2, kw, timeout=300)[0]
+    launch(tw.train_kw, 2, dict(kw, save=str(tmp_path), exit_interval=2, ckpt_format=fmt),
+           timeout=300)  # fmt: skip
+    for rank in launch(tw.train_kw, 2, dict(kw, load=str(tmp_path)), timeout=300):
+        assert _losses(rank) == pytest.approx(_losses(straight[2:]), **tw.SAME_RUN)
