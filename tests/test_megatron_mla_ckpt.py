@@ -4,7 +4,8 @@ args both ways (and --use-checkpoint-args), the legacy files' names, order and t
 slices and torch_dist's keys and shard axes as Megatron-Core's model gives them, Megatron-Core
 loading megart train's files and stores (megart's logits), megart reading what Megatron-Core
 saves, and megart train resuming its own Megatron-format MLA checkpoints on the one-process
-curve at tp1 and tp2, with either optimizer."""
+curve at tp1 and tp2, with either optimizer (Megatron-Core's distributed optimizer on them:
+test_megatron_mla_distopt)."""
 
 import dataclasses
 
@@ -323,33 +324,3 @@ def test_mla_with_experts_resumes_from_megatrons_formats_on_its_curve(tmp_path, 
            timeout=300)  # fmt: skip
     for rank in launch(tw.train_kw, 2, dict(kw, load=str(tmp_path)), timeout=300):
         assert _losses(rank) == pytest.approx(_losses(straight[2:]), **tw.SAME_RUN)
-
-
-def test_megatron_cores_distributed_optimizer_loads_megarts_mla_distrib_optim(tmp_path):
-    """tp2 x dp2 --use-distributed-optimizer --ckpt-format torch: Megatron-Core's own
-    DistributedDataParallel and DistributedOptimizer over its MLA model load megart's rank
-    files and distrib_optim.pt and hold, piece by piece, the fp32 main weights and Adam moments
-    of megart's own checkpoint of the same run (its buffers in MLA's parameter order); megart
-    resumes what Megatron-Core then writes on the uninterrupted curve."""
-    import megatron_distopt_workers as mdow
-
-    kw = dict(TRAIN, train_iters=4, use_distributed_optimizer=True, tensor_model_parallel_size=2)
-    ref, ours, theirs = (str(tmp_path / d) for d in ("ref", "megart", "megatron"))
-    straight = launch(tw.train_kw, 4, dict(kw, save=ref, save_interval=2), timeout=300)[0]
-    launch(tw.train_kw, 4, dict(kw, save=ours, save_interval=2, exit_interval=2,
-                                ckpt_format="torch"), timeout=300)  # fmt: skip
-    held = {}
-    for rank in launch(mdow.load_and_write, 4, kw, ours, ref, theirs, timeout=300):
-        assert rank["pieces"], rank["place"]
-        for param, piece in rank["pieces"].items():
-            assert max(piece["diffs"].values()) < 1e-5, (rank["place"], param, piece["diffs"])
-            held.setdefault((*rank["place"][:2], param), []).append(
-                (*piece["range"], piece["numel"])
-            )
-    assert any("kv_down_proj" in param for _, _, (_, param) in held)
-    for ranges in held.values():  # the data-parallel pieces tile each parameter
-        ranges.sort()
-        assert ranges[0][0] == 0 and ranges[-1][1] == ranges[-1][2], ranges
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), ranges
-    resumed = launch(tw.train_kw, 4, dict(kw, load=theirs), timeout=300)[0]
-    assert _losses(resumed) == pytest.approx(_losses(straight[2:]), **tw.SAME_RUN)
