@@ -76,10 +76,19 @@ def test_args_hold_megatron_lms_mla_flags_and_read_back():
     assert (plain["q_lora_rank"], plain["kv_lora_rank"], plain["v_head_dim"]) == (None, 32, 128)
     older = {k: v for k, v in plain.items() if k not in ("multi_latent_attention", "rope_type")}
     assert config_from_args(older) == config_from_args(plain) == _explicit(dense)
-    # Megatron-LM's MLA turns YaRN unless --rope-type rope: refused by name.
+    # Megatron-LM's MLA turns YaRN unless --rope-type rope, scales its scores by YaRN's mscale
+    # with a scaling factor and --mscale-all-dim even then, and may fuse its down-projections:
+    # refused by name.
     for rope in ("yarn", None):
         with pytest.raises(ConfigError, match="multi-latent attention and .*rope-type.* not YaRN"):
             config_from_args({**a, "rope_type": rope})
+    yarn_scale = {**a, "rotary_scaling_factor": 40.0, "mscale_all_dim": 1.0}
+    with pytest.raises(ConfigError, match="--rotary-scaling-factor 40.0 and --mscale-all-dim 1"):
+        config_from_args(yarn_scale)
+    assert config_from_args({**a, "rotary_scaling_factor": 40.0}) == _explicit(cfg)  # unused
+    with pytest.raises(ConfigError, match="--mla-down-proj-fusion"):
+        config_from_args({**a, "mla_down_proj_fusion": True})
+    assert (a["rotary_scaling_factor"], a["mscale"], a["mscale_all_dim"]) == (1.0, 1.0, 0.0)
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])

@@ -47,14 +47,20 @@ def mla_linears(cfg: GPTConfig) -> list[str]:
     return [n for n in MLA_LINEARS if n not in unbuilt]
 
 
+# YaRN's flags at Megatron-LM's defaults (its args always hold them): no scaling, whose
+# mscale would also scale MLA's scores (--rotary-scaling-factor with --mscale-all-dim).
+NO_YARN = dict(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+
+
 def mla_args(cfg: GPTConfig) -> dict[str, Any]:
     """The MLA flags of ``cfg`` as Megatron-LM's args hold them (its defaults without MLA)."""
     if not cfg.multi_latent_attention:
-        return dict(multi_latent_attention=False, rope_type=None, **MLA_DEFAULTS)
+        return dict(multi_latent_attention=False, rope_type=None, **MLA_DEFAULTS, **NO_YARN)
     return dict(
         multi_latent_attention=True,
         rope_type="rope",
         **{n: getattr(cfg, n) for n in _SIZES},
+        **NO_YARN,
     )
 
 
@@ -71,6 +77,18 @@ def mla_fields(a: dict[str, Any]) -> dict[str, Any]:
             f"a Megatron-LM checkpoint with multi-latent attention and {given}: megart builds "
             "plain rope only (--rope-type rope), not YaRN"
         )
+    scale, all_dim = float(a.get("rotary_scaling_factor", 1.0)), a.get("mscale_all_dim") or 0.0
+    if scale > 1 and all_dim:  # Megatron-Core's MLA scales its scores by YaRN's mscale squared
+        raise ConfigError(
+            f"a Megatron-LM checkpoint with multi-latent attention, --rotary-scaling-factor "
+            f"{scale} and --mscale-all-dim {all_dim}: its scores are scaled by YaRN's mscale, "
+            "which megart does not build"
+        )
+    if a.get("mla_down_proj_fusion"):
+        raise ConfigError(
+            "a Megatron-LM checkpoint with multi-latent attention and --mla-down-proj-fusion "
+            "(one fused linear_qkv_down_proj): megart builds the two down-projections apart"
+        )
     return dict(
         multi_latent_attention=True,
         **{n: a.get(n, MLA_DEFAULTS[n]) for n in _SIZES},
@@ -84,4 +102,5 @@ def mla_flags_from(cfg: GPTConfig) -> list[tuple[str, Any, bool]]:
     checkpoint without MLA turns it off and leaves the sizes to the command line."""
     if not cfg.multi_latent_attention:
         return [("multi_latent_attention", False, True)]
-    return [(f, v, True) for f, v in mla_args(cfg).items()]
+    flags = ("multi_latent_attention", "rope_type", *_SIZES)  # TrainConfig's (not YaRN's)
+    return [(f, v, True) for f, v in mla_args(cfg).items() if f in flags]
