@@ -333,3 +333,29 @@ def test_mla_with_experts_resumes_from_megatrons_formats_on_its_curve(tmp_path, 
            timeout=300)  # fmt: skip
     for rank in launch(tw.train_kw, 2, dict(kw, load=str(tmp_path)), timeout=300):
         assert _losses(rank) == pytest.approx(_losses(straight[2:]), **tw.SAME_RUN)
+
+
+def test_a_transformer_engine_mla_store_converts_and_train_names_its_spec(tmp_path):
+    """A store keyed as Transformer Engine's MLA spec keys it (facts of its gpt_layer_specs:
+    the latent norms fused into the up-projections, the pre-MLP norm into fc1, no keys map;
+    untried against Transformer Engine itself): convert-checkpoint's whole read gives megart's
+    weights; megart train's --load names the spec and the way through."""
+    from megart.models.megatron_names import from_megatron
+    from megart.training import megatron_dist
+    from megart.training.megatron_mla import TE_MLA_NORMS
+
+    cfg = tw.tiny(**TRAIN).gpt_config()
+    weights = GPT(cfg).chunk.state_dict()
+    te = {}
+    for name, value in to_megatron(weights, cfg).items():
+        for local, fused in TE_MLA_NORMS.items():
+            name = name.replace(f".{local}", f".{fused}")
+        te[name] = value
+    assert any("linear_kv_up_proj.layer_norm_weight" in n for n in te)
+    megatron_dist.write(tmp_path, 5, megatron_args(cfg, 5), te, cfg)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    _, model, _ = read_megatron(tmp_path)
+    back = from_megatron(model, cfg)
+    assert set(back) == set(weights) and all(torch.equal(back[k], weights[k]) for k in weights)
+    with pytest.raises(Exception, match="Transformer Engine's layer spec .*convert-checkpoint"):
+        launch(tw.train_kw, 1, dict(TRAIN, load=str(tmp_path), train_iters=6), timeout=300)

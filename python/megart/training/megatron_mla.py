@@ -104,3 +104,22 @@ def mla_flags_from(cfg: GPTConfig) -> list[tuple[str, Any, bool]]:
         return [("multi_latent_attention", False, True)]
     flags = ("multi_latent_attention", "rope_type", *_SIZES)  # TrainConfig's (not YaRN's)
     return [(f, v, True) for f, v in mla_args(cfg).items() if f in flags]
+
+
+# Transformer Engine's layer spec (Megatron-LM's default on GPUs) fuses MLA's latent norms into
+# the up-projections and the pre-MLP norm into fc1, and keeps those names in its sharded keys
+# (its MLA spec maps none back): the local spec's names -> its.
+TE_MLA_NORMS = {
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+
+def te_key(key: str) -> str | None:
+    """The torch_dist key under which Transformer Engine's MLA spec stores what the local
+    spec stores under ``key`` (None where both name it alike)."""
+    for local, fused in TE_MLA_NORMS.items():
+        if f".{local}" in key:
+            return key.replace(f".{local}", f".{fused}", 1)
+    return None
