@@ -31,11 +31,8 @@ MLA_LINEARS = (
     "self_attention.linear_kv_down_proj",
     "self_attention.linear_kv_up_proj",
 )
-# Their latent norms (--qk-layernorm), registered after them.
-MLA_NORMS = ("self_attention.q_layernorm", "self_attention.kv_layernorm")
-_SIZES = tuple(
-    MLA_DEFAULTS
-)  # q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim
+# q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim: the layer's widths.
+_SIZES = tuple(MLA_DEFAULTS)
 
 
 def mla_linears(cfg: GPTConfig) -> list[str]:
