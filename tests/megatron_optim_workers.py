@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from megart.training.config import TrainConfig
+from megart.training.megatron_mla import mla_args
 
 FILE = "model_optim_rng.pt"
 
@@ -145,6 +146,7 @@ def _args(cfg, c: TrainConfig, tp: int, iteration: int, pp: int = 1) -> argparse
         consumed_train_samples=iteration * c.global_batch_size, ckpt_format="torch",
         use_distributed_optimizer=False, fp16=False, bf16=False,
         decoupled_lr=c.decoupled_lr, decoupled_min_lr=c.decoupled_min_lr,
+        qk_layernorm=cfg.qk_layernorm, **mla_args(cfg),  # MLA's flags (or their defaults)
     )  # fmt: skip
 
 

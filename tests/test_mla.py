@@ -254,9 +254,6 @@ def test_what_megart_does_not_build_is_refused_by_name(argv, message):
     [
         (("--context-parallel-size", "2"), 2, "--multi-latent-attention with "
          "--context-parallel-size 2"),
-        (("--ckpt-format", "torch"), 1, "--ckpt-format torch: megart does not write or read "
-         "multi-latent"),
-        (("--ckpt-format", "torch_dist"), 1, "--ckpt-format torch_dist: megart does not"),
         (("--tensor-model-parallel-size", "3", "--num-attention-heads", "6", "--hidden-size",
           "36"), 3, r"down-projection's 16 rows \(--kv-lora-rank \+ --qk-pos-emb-head-dim\)"),
     ],
@@ -281,24 +278,19 @@ def test_yarns_settings_are_refused_beside_mla(flag):
         parse(*MLA_FLAGS, flag, "2").gpt_config()
 
 
-def test_megatron_files_hugging_face_and_plan_refuse_it(tmp_path, capsys):
+def test_megatron_args_and_hugging_face_refuse_what_they_cannot_hold(tmp_path):
     cfg = GPTConfig(**BASE)
     # Hugging Face's MLA format is DeepSeek-V3's (test_hf_deepseek_v3.py), which this model's
     # LayerNorm, GeLU and missing latent norms do not fit.
     with pytest.raises(ConfigError, match="a DeepSeek-V3 checkpoint cannot represent .*LayerNorm"):
         writer(cfg)
-    with pytest.raises(ConfigError, match="megart does not read MLA's weights"):
+    # Megatron-LM's MLA args read (test_megatron_mla_ckpt), but not with YaRN rope, its default.
+    with pytest.raises(ConfigError, match="multi-latent attention and no --rope-type .*YaRN"):
         megatron_config(dict(multi_latent_attention=True, num_layers=2))
     (tmp_path / "config.json").write_text(json.dumps(dict(model_type="deepseek_v2")))
     with pytest.raises(ConfigError, match="holds a deepseek_v2.*DeepSeek-V2's .* is not"):
         read_format(tmp_path)
-    from megart.cli.main import main
-
-    argv = ["plan", "--gpu", "h100-80gb", "--num-gpus", "8", "--num-layers", "4",
-            "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
-            "--vocab-size", "32000", "--global-batch-size", "8", *MLA_FLAGS]  # fmt: skip
-    assert main(argv) != 0
-    assert "--multi-latent-attention" in capsys.readouterr().err
+    # megart plan models MLA since the plan-ds merge: tests/test_plan_memory_mla.py.
 
 
 @pytest.mark.parametrize("kw", [{}, dict(q_lora_rank=10, qk_layernorm=True),

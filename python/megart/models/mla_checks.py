@@ -102,6 +102,6 @@ def refuse_mla(cfg: GPTConfig, what: str) -> None:
     if cfg.multi_latent_attention:
         raise ConfigError(
             f"{what}: megart does not write or read multi-latent attention "
-            "(--multi-latent-attention) there; its own checkpoint format (--ckpt-format megart) "
-            "holds MLA's weights (saved, resumed, resharded across layouts)"
+            "(--multi-latent-attention) there; its own checkpoint format and Megatron-LM's "
+            "(--ckpt-format megart, torch, torch_dist) hold MLA's weights"
         )

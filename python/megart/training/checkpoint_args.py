@@ -42,6 +42,7 @@ from megart.training.ckpt_files import (
 )
 from megart.training.megatron_args import config_from_args, integral, megatron_args
 from megart.training.megatron_files import is_megatron_file, torch_load
+from megart.training.megatron_mla import mla_flags_from
 from megart.training.shards import layer_ids
 from megart.training.yarn_flags import FIELDS as YARN_FLAGS
 from megart.training.yarn_flags import yarn_train_flags
@@ -220,6 +221,7 @@ def flags_from(
     out += [(f, values[f], True) for f in FORCED]
     out += moe_flags(cfg)
     out.append(("mtp_num_layers", cfg.mtp_num_layers, True))  # Megatron-LM forces it too
+    out += mla_flags_from(cfg)
     # What depends on a size the command line gave is left to it: megart's position table is
     # --seq-length long, its head size --hidden-size / --num-attention-heads.
     if "seq_length" not in given:

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megart.errors import ConfigError
-from megart.models.mla_checks import refuse_mla
 from megart.models.moe_checks import check_moe_tensor_parallel
 from megart.models.stages import uneven
 from megart.parallel.layout import nearest_multiples
@@ -200,8 +199,6 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     check_upcycling(cfg)  # --moe-use-upcycling's needs; turns on --no-load-optim/-rng
     check_mtp_flags(cfg)
     check_document_flags(cfg)
-    if cfg.ckpt_format in ("torch", "torch_dist"):  # saved or loaded in Megatron's files
-        refuse_mla(cfg.gpt_config(), f"--ckpt-format {cfg.ckpt_format}")
     cfg.gpt_config().check_layout(tp, pp, cfg.chunks, **cfg.stages)  # GPTConfig's refusals
     check_moe_tensor_parallel(cfg.gpt_config(), tp, cfg.sequence_parallel)
     return dp

@@ -12,11 +12,11 @@ from typing import Any
 
 from megart.errors import ConfigError
 from megart.models.config import VOCAB_MULTIPLE, GPTConfig, activation_of, distinct_head_size
-from megart.models.mla_checks import refuse_mla
 from megart.models.moe_checks import capacity_factor
 from megart.models.mtp_checks import refuse_mtp
 from megart.models.stages import check_stages, uneven
 from megart.models.window import any_windowed
+from megart.training.megatron_mla import mla_args, mla_fields
 from megart.training.yarn_flags import yarn_args, yarn_from_args
 
 
@@ -32,7 +32,6 @@ def megatron_args(
     """The Megatron-LM flags (argparse names) that describe ``cfg`` on ``tp`` x ``pp`` ranks
     of ``vpp`` virtual stages each, the first/last stage holding ``first``/``last`` layers
     (Megatron-LM then takes interleaving as --num-virtual-stages-per-pipeline-rank only)."""
-    refuse_mla(cfg, "Megatron-LM's checkpoint files (--ckpt-format torch or torch_dist)")
     per = cfg.num_layers // (pp * vpp) if vpp > 1 and not uneven(first, last) else None
     skip = cfg.window_attn_skip_freq
     windowed = any_windowed(cfg.window_size, skip, cfg.num_layers)
@@ -87,6 +86,7 @@ def megatron_args(
         iteration=iteration,
         ckpt_format="torch",
         **moe_args(cfg),
+        **mla_args(cfg),
     )
 
 
@@ -135,11 +135,7 @@ def integral(x: float | None) -> float | int | None:
 
 def config_from_args(a: dict[str, Any]) -> GPTConfig:
     """The GPTConfig Megatron-LM's flags (``vars(args)``) describe."""
-    if a.get("multi_latent_attention"):
-        raise ConfigError(
-            "a Megatron-LM checkpoint with multi-latent attention (--multi-latent-attention): "
-            "megart does not read MLA's weights from Megatron's files"
-        )
+    mla = mla_fields(a)  # first: MLA with YaRN is refused by name before any size is read
     rope = a.get("position_embedding_type") in ("rope", "yarn")
     # Under yarn Megatron-Core's YarnRotaryEmbedding ignores Llama 3's scaling, interpolation
     # and --rotary-percent (it turns whole heads): read as plain rope's only.
@@ -185,6 +181,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by") or VOCAB_MULTIPLE,
         **moe_fields(a),
         **yarn_from_args(a),
+        **mla,
     )
 
 

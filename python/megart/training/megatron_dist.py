@@ -9,10 +9,11 @@ under one key with its global shape, and Megatron-Core's ranks read the slices t
 keys are Megatron-Core's sharded keys (``GPTModel.sharded_state_dict()``,
 megart.training.megatron_dist_keys): a layer's parameter is one tensor over all layers
 (dimension 0 the layer number; each layer its own key where --moe-layer-freq mixes dense and
-MoE layers), an MoE layer's experts one more dimension (the expert number), the norms are named
-as Transformer Engine's fused layers name them (``linear_qkv.layer_norm_weight``) whatever the
-layer spec, and each linear layer (each expert's too) has an ``_extra_state`` object (None
-unless it holds fp8 scales).
+MoE layers), an MoE layer's experts one more dimension (the expert number), the layer's norms
+are named as Transformer Engine's fused layers name them (``linear_qkv.layer_norm_weight``)
+whatever the layer spec (but under multi-latent attention, whose local spec keeps each norm's
+own name), and each linear layer (each expert's and MLA projection's too) has an
+``_extra_state`` object (None unless it holds fp8 scales).
 A whole tensor is the one-rank layout: SwiGLU's fc1 is [gate; up] and q/k/v are grouped per
 query group as in the legacy files; only the vocabulary's padding depends on the tensor-parallel
 size, so a checkpoint is written for the one it names in its ``args``.

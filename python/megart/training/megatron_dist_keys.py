@@ -8,8 +8,11 @@ layer number the first dimension: ``decoder.layers.self_attention.linear_qkv.wei
 [num_layers, ...]. A mix of dense and MoE layers (--moe-layer-freq N > 1, or a 0/1 pattern,
 even one of all 1s: Megatron-Core tells them by the flag, not the layers) keys each layer
 apart, ``decoder.layers.N.<part>``, without that dimension (its non_homogeneous_layers). The
-norms are named as Transformer Engine's fused layers name them
-(``self_attention.linear_qkv.layer_norm_weight``) whatever the layer spec.
+layer's norms are named as Transformer Engine's fused layers name them
+(``self_attention.linear_qkv.layer_norm_weight``) whatever the layer spec, but under
+multi-latent attention, whose local spec keeps every norm's own name
+(``input_layernorm.weight``, ``self_attention.q_layernorm.weight``, ...), and its projections
+(megart.training.megatron_mla.MLA_LINEARS) each have an ``_extra_state``.
 
 An MoE layer's router is ``mlp.router.weight`` ([E, h] per layer). SequentialMLP keys its
 experts by their global number (expert parallelism 1: the local number) as one more sharded
@@ -30,7 +33,8 @@ import re
 import torch
 
 from megart.models.config import GPTConfig
-from megart.models.megatron_names import NAMES, SHARED, TE_NORMS, megatron_layer_name
+from megart.models.megatron_names import NAMES, SHARED, megatron_layer_name
+from megart.training.megatron_mla import mla_linears
 
 LINEAR_LAYERS = (
     "self_attention.linear_qkv",
@@ -38,6 +42,11 @@ LINEAR_LAYERS = (
     "mlp.linear_fc1",
     "mlp.linear_fc2",
 )
+# The local spec's keys map (what TransformerLayer renames in its sharded state dict).
+FUSED_LAYER_NORMS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
 # SequentialMLP's module prefix of its experts, and the one of their sharded keys.
 LOCAL_EXPERTS = "mlp.experts.local_experts."
 SHARDED_EXPERTS = "mlp.experts.experts."
@@ -57,9 +66,14 @@ def per_layer_keys(cfg: GPTConfig) -> bool:
     return isinstance(freq, (tuple, list)) or freq > 1
 
 
-def to_fused_norm(part: str) -> str:
-    """A layer part's name with its norm under Transformer Engine's fused name."""
-    for fused, norm in TE_NORMS.items():
+def to_fused_norm(part: str, cfg: GPTConfig) -> str:
+    """A layer part's name as the local spec's sharded_state_dict_keys_map keys it: the
+    layer's two norms under Transformer Engine's fused names, the attention's own norms
+    (--qk-layernorm) under theirs; under multi-latent attention none is renamed (its spec has
+    no map: megart.training.megatron_mla)."""
+    if cfg.multi_latent_attention:
+        return part
+    for norm, fused in FUSED_LAYER_NORMS.items():
         if part.startswith(norm):
             return fused + part.removeprefix(norm)
     return part
@@ -69,7 +83,7 @@ def layer_key(layer: int, part: str, cfg: GPTConfig) -> tuple[str, Leading]:
     """The sharded key of Megatron-Core's ``decoder.layers.<layer>.<part>`` and the (index,
     count) of the sharded dimensions before the tensor's own: the layer (homogeneous layers),
     then the expert (an expert's tensor)."""
-    part = to_fused_norm(part)
+    part = to_fused_norm(part, cfg)
     leading: Leading = []
     if per_layer_keys(cfg):
         prefix = f"decoder.layers.{layer}."
@@ -148,7 +162,8 @@ def extra_state_keys(layer: int, cfg: GPTConfig) -> list[str]:
     """The store's keys of layer ``layer``'s ``_extra_state`` objects (one per linear layer,
     one per expert's: the router has none), as Megatron-Core's unique_key names a
     ShardedObject's shard: ``key/shard_<offsets>_<shape>`` (no sharded dimension: ``0_1``)."""
-    parts = list(LINEAR_LAYERS[:2])
+    # linear_qkv, or multi-latent attention's projections, and linear_proj.
+    parts = [*(mla_linears(cfg) or LINEAR_LAYERS[:1]), LINEAR_LAYERS[1]]
     if cfg.is_moe_layer(layer):
         parts += [f"{LOCAL_EXPERTS}{e}.{fc}" for e in range(cfg.num_experts or 0)
                   for fc in ("linear_fc1", "linear_fc2")]  # fmt: skip

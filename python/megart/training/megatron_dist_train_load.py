@@ -30,6 +30,7 @@ from megart.training.megatron_dist_distopt_reshard import read_resharded, saved_
 from megart.training.megatron_dist_places import VOCAB_KEYS, Place, bias_places, places
 from megart.training.megatron_dist_train import FP32, MOMENTS, moment_key, rng_key
 from megart.training.megatron_files import from_grad_scaler
+from megart.training.megatron_mla import te_key
 from megart.training.megatron_scheduler import check_scheduler
 
 
@@ -78,6 +79,13 @@ class _Reads:
             problem = None
         if problem is not None and meta is None and NORM_BIAS.search(key):
             raise _older_norms(self.root, key)
+        if problem is not None and meta is None and te_key(key) in self.meta:
+            raise ConfigError(
+                f"{self.root}: a store of Transformer Engine's layer spec (multi-latent "
+                f"attention's norm under {te_key(key)}, not {key}): megart train reads MLA's "
+                "stores of the local spec (Megatron-LM's --transformer-impl local); "
+                "megart convert-checkpoint --from megatron --to megart reads this one"
+            )
         if problem is not None and key.startswith("optimizer."):
             raise _foreign(self.root, problem)
         if problem is not None:

@@ -11,7 +11,9 @@ megart.models.stages). The embeddings are on the first stage, the final norm and
 output layer on the last; a tied output layer is a copy of the word embedding on the last stage
 when that is not also the first (Megatron-Core allocates no weight where it reads the
 embedding's). Across tensor parallelism, column-parallel weights and biases (``linear_qkv``,
-``linear_fc1``, the vocab rows of ``word_embeddings`` and ``output_layer``) are split on their
+``linear_fc1``, multi-latent attention's ``linear_q_proj``, ``linear_q_down_proj``,
+``linear_q_up_proj``, ``linear_kv_down_proj`` and ``linear_kv_up_proj`` as Megatron-Core's local
+spec builds them, the vocab rows of ``word_embeddings`` and ``output_layer``) are split on their
 rows, row-parallel weights (``linear_proj``, ``linear_fc2``) on their columns, and the rest is
 replicated. SwiGLU's ``linear_fc1`` = [gate; up] is split per rank as [gate_r; up_r].
 """
@@ -31,6 +33,12 @@ Ranks = dict[tuple[int, int], list[dict[str, torch.Tensor]]]  # (tp rank, pp ran
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 _NORM = (".layer_norm_weight", ".layer_norm_bias")  # Transformer Engine's fused norms
 WORD, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+# Column-parallel layers: q/k/v, fc1, and multi-latent attention's projections (the local
+# spec's: its down-projections too, their outputs gathered).
+_COLUMN = (
+    r"\.(linear_qkv|linear_fc1|linear_q_proj|linear_q_down_proj|linear_q_up_proj"
+    r"|linear_kv_down_proj|linear_kv_up_proj)\.(weight|bias)$"
+)
 
 
 def tp_dim(name: str) -> int | None:
@@ -38,7 +46,7 @@ def tp_dim(name: str) -> int | None:
     None for replicated ones."""
     if name.endswith(_NORM):
         return None
-    if name in (WORD, OUTPUT) or re.search(r"\.(linear_qkv|linear_fc1)\.(weight|bias)$", name):
+    if name in (WORD, OUTPUT) or re.search(_COLUMN, name):
         return 0
     if re.search(r"\.(linear_proj|linear_fc2)\.weight$", name):
         return 1

@@ -28,6 +28,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models.megatron_names import expert_bias_layer
+from megart.training.megatron_mla import MLA_LINEARS
 from megart.training.optimizer import group_index
 
 # Megatron-Core's parameters of --decoupled-lr's group (is_embedding_or_output_parameter: the
@@ -52,8 +53,11 @@ _LAYER_PARTS = (
     "input_layernorm",
     "self_attention.linear_proj",
     "self_attention.linear_qkv",
-    "self_attention.q_layernorm",  # --qk-layernorm's, built after linear_qkv
+    # Multi-latent attention's (in place of linear_qkv), in MLASelfAttention's order.
+    *MLA_LINEARS,
+    "self_attention.q_layernorm",  # --qk-layernorm's, built after linear_qkv (or MLA's)
     "self_attention.k_layernorm",
+    "self_attention.kv_layernorm",  # MLA's latent norms: q_layernorm's, then this
     "pre_mlp_layernorm",
     "mlp.linear_fc1",
     "mlp.linear_fc2",

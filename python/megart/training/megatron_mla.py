@@ -1,0 +1,122 @@
+"""Multi-latent attention (megart.models.mla) in Megatron-LM's checkpoints: its flags in the
+``args`` record both ways, and the names of its linear layers (each with an ``_extra_state``).
+
+Megatron-LM's argparse names and defaults (its arguments.py and TransformerConfig, 0.16):
+``multi_latent_attention`` (False), ``q_lora_rank`` (None), ``kv_lora_rank`` (32),
+``qk_head_dim`` (128), ``qk_pos_emb_head_dim`` (64), ``v_head_dim`` (128) and ``rope_type``
+(None, which MLA takes as YaRN). megart builds plain rope only, so it writes ``rope_type`` "rope"
+with MLA and refuses args of MLA with YaRN.
+
+Megatron-Core's local layer spec (what megart's layer computes, and what its torch_dist keys
+follow) keeps every MLA projection column-parallel, split on its rows, the down-projections
+too, and its latent norms under their own names (``self_attention.q_layernorm``,
+``self_attention.kv_layernorm``; the layer's ``input_layernorm`` and ``pre_mlp_layernorm`` too:
+its MLA spec maps no key to Transformer Engine's fused names).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megart.errors import ConfigError
+from megart.models.config import GPTConfig
+from megart.models.mla_checks import MLA_DEFAULTS
+
+# The MLA projections (Megatron-Core's module names in a layer), in the order MLASelfAttention
+# registers them (linear_proj, a layer's first attention parameter, comes before them).
+MLA_LINEARS = (
+    "self_attention.linear_q_proj",
+    "self_attention.linear_q_down_proj",
+    "self_attention.linear_q_up_proj",
+    "self_attention.linear_kv_down_proj",
+    "self_attention.linear_kv_up_proj",
+)
+# q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim: the layer's widths.
+_SIZES = tuple(MLA_DEFAULTS)
+
+
+def mla_linears(cfg: GPTConfig) -> list[str]:
+    """The MLA projections a layer of ``cfg`` has (queries projected directly or through a
+    latent), in their registration order; none without MLA."""
+    if not cfg.multi_latent_attention:
+        return []
+    unbuilt = MLA_LINEARS[1:3] if cfg.q_lora_rank is None else MLA_LINEARS[:1]
+    return [n for n in MLA_LINEARS if n not in unbuilt]
+
+
+# YaRN's flags at Megatron-LM's defaults (its args always hold them): no scaling, whose
+# mscale would also scale MLA's scores (--rotary-scaling-factor with --mscale-all-dim).
+NO_YARN = dict(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+
+
+def mla_args(cfg: GPTConfig) -> dict[str, Any]:
+    """The MLA flags of ``cfg`` as Megatron-LM's args hold them (its defaults without MLA)."""
+    if not cfg.multi_latent_attention:
+        return dict(multi_latent_attention=False, rope_type=None, **MLA_DEFAULTS, **NO_YARN)
+    return dict(
+        multi_latent_attention=True,
+        rope_type="rope",
+        **{n: getattr(cfg, n) for n in _SIZES},
+        **NO_YARN,
+    )
+
+
+def mla_fields(a: dict[str, Any]) -> dict[str, Any]:
+    """GPTConfig's MLA fields from Megatron-LM's args (``vars``): none where they hold no MLA
+    (older args lack the flags). Refuses MLA with YaRN rope (``rope_type`` yarn, or None,
+    which MLA takes as yarn), which megart does not build."""
+    if not a.get("multi_latent_attention"):
+        return {}
+    rope = a.get("rope_type")
+    if rope != "rope":
+        given = f"--rope-type {rope}" if rope else "no --rope-type (MLA then turns YaRN rope)"
+        raise ConfigError(
+            f"a Megatron-LM checkpoint with multi-latent attention and {given}: megart builds "
+            "plain rope only (--rope-type rope), not YaRN"
+        )
+    scale, all_dim = float(a.get("rotary_scaling_factor", 1.0)), a.get("mscale_all_dim") or 0.0
+    if scale > 1 and all_dim:  # Megatron-Core's MLA scales its scores by YaRN's mscale squared
+        raise ConfigError(
+            f"a Megatron-LM checkpoint with multi-latent attention, --rotary-scaling-factor "
+            f"{scale} and --mscale-all-dim {all_dim}: its scores are scaled by YaRN's mscale, "
+            "which megart does not build"
+        )
+    if a.get("mla_down_proj_fusion"):
+        raise ConfigError(
+            "a Megatron-LM checkpoint with multi-latent attention and --mla-down-proj-fusion "
+            "(one fused linear_qkv_down_proj): megart builds the two down-projections apart"
+        )
+    return dict(
+        multi_latent_attention=True,
+        **{n: a.get(n, MLA_DEFAULTS[n]) for n in _SIZES},
+    )
+
+
+def mla_flags_from(cfg: GPTConfig) -> list[tuple[str, Any, bool]]:
+    """--use-checkpoint-args' MLA flags of a checkpoint's ``cfg`` (TrainConfig field, value,
+    forced): all forced, as megart's own rope and norm extras are (Megatron-LM's
+    load_args_from_checkpoint takes none of them), so that the run builds the saved layers; a
+    checkpoint without MLA turns it off and leaves the sizes to the command line."""
+    if not cfg.multi_latent_attention:
+        return [("multi_latent_attention", False, True)]
+    flags = ("multi_latent_attention", "rope_type", *_SIZES)  # TrainConfig's (not YaRN's)
+    return [(f, v, True) for f, v in mla_args(cfg).items() if f in flags]
+
+
+# Transformer Engine's layer spec (Megatron-LM's default on GPUs) fuses MLA's latent norms into
+# the up-projections and the pre-MLP norm into fc1, and keeps those names in its sharded keys
+# (its MLA spec maps none back): the local spec's names -> its.
+TE_MLA_NORMS = {
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+
+def te_key(key: str) -> str | None:
+    """The torch_dist key under which Transformer Engine's MLA spec stores what the local
+    spec stores under ``key`` (None where both name it alike)."""
+    for local, fused in TE_MLA_NORMS.items():
+        if f".{local}" in key:
+            return key.replace(f".{local}", f".{fused}", 1)
+    return None
