@@ -20,8 +20,8 @@ from megart.cli.main import main
 from megart.errors import ConfigError
 from megart.launcher import launch
 from megart.models import GPT, GPTConfig
-from megart.models.config import fit_vocab
 from megart.models.megatron_names import megatron_layer_name, to_megatron
+from megart.models.vocab import fit_vocab
 from megart.training.megatron_args import config_from_args, megatron_args
 from megart.training.megatron_checkpoint import read_megatron
 from megart.training.megatron_dist_keys import sharded_keys

@@ -8,7 +8,7 @@ import torch
 
 import train_workers as tw
 from megart.launcher import launch
-from megart.models.config import fit_vocab
+from megart.models.vocab import fit_vocab
 from megart.training.megatron_layout import shard
 from test_mla import TRAIN
 
