@@ -26,6 +26,7 @@ from megart.training.documents import check_document_flags
 from megart.training.expert_checks import check_expert_flags
 from megart.training.lr_checks import check_lr_flags
 from megart.training.megatron_flags import check_megatron_flags
+from megart.training.megatron_mla import refuse_mla_yarn
 from megart.training.moe_kernels import check_moe_kernels
 from megart.training.mtp_checks import check_mtp_flags
 from megart.training.save_modes import check_save_modes
@@ -198,6 +199,10 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     check_moe_kernels(cfg)
     check_upcycling(cfg)  # --moe-use-upcycling's needs; turns on --no-load-optim/-rng
     check_mtp_flags(cfg)
+    if cfg.multi_latent_attention and cfg.ckpt_format != "megart":
+        refuse_mla_yarn(
+            cfg.rope_type, f"Megatron-LM's checkpoints (--ckpt-format {cfg.ckpt_format})"
+        )
     check_document_flags(cfg)
     cfg.gpt_config().check_layout(tp, pp, cfg.chunks, **cfg.stages)  # GPTConfig's refusals
     check_moe_tensor_parallel(cfg.gpt_config(), tp, cfg.sequence_parallel)

@@ -44,21 +44,28 @@ def mla_linears(cfg: GPTConfig) -> list[str]:
     return [n for n in MLA_LINEARS if n not in unbuilt]
 
 
-# YaRN's flags at Megatron-LM's defaults (its args always hold them): no scaling, whose
-# mscale would also scale MLA's scores (--rotary-scaling-factor with --mscale-all-dim).
-NO_YARN = dict(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
-
-
 def mla_args(cfg: GPTConfig) -> dict[str, Any]:
-    """The MLA flags of ``cfg`` as Megatron-LM's args hold them (its defaults without MLA)."""
+    """The MLA flags of ``cfg`` as Megatron-LM's args hold them (its defaults without MLA;
+    YaRN's flags are megart.training.yarn_flags.yarn_args')."""
     if not cfg.multi_latent_attention:
-        return dict(multi_latent_attention=False, rope_type=None, **MLA_DEFAULTS, **NO_YARN)
+        return dict(multi_latent_attention=False, rope_type=None, **MLA_DEFAULTS)
+    refuse_mla_yarn(cfg.rope_type, "Megatron-LM's checkpoints")
     return dict(
         multi_latent_attention=True,
         rope_type="rope",
         **{n: getattr(cfg, n) for n in _SIZES},
-        **NO_YARN,
     )
+
+
+def refuse_mla_yarn(rope_type: str | None, where: str) -> None:
+    """Refuses multi-latent attention with YaRN rope (``rope_type`` yarn, or None: Megatron-LM's
+    MLA then turns YaRN) for ``where``, a format megart writes MLA in with plain rope only."""
+    if rope_type != "rope":
+        raise ConfigError(
+            "multi-latent attention with YaRN rope (--rope-type yarn, or none: Megatron-LM's "
+            f"default for MLA): megart does not write or read it in {where}; give --rope-type "
+            "rope, or keep megart's own checkpoint format (--ckpt-format megart)"
+        )
 
 
 def mla_fields(a: dict[str, Any]) -> dict[str, Any]:
