@@ -336,3 +336,16 @@ def test_the_run_line_names_the_attention():
     fake = SimpleNamespace(config=tw.tiny(**TRAIN), chunks=[], peak=None, dp=1, m=1,
                            device_name="CPU")  # fmt: skip
     assert "4 heads of multi-latent attention (kv rank 12), seq 16" in run_description(fake)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("rope", [("--rope-type", "yarn"), ()])
+def test_mla_with_yarn_is_refused_in_megatrons_formats_before_training(fmt, rope):
+    """Megatron's files hold MLA with plain rope only (training/megatron_mla.py); no
+    --rope-type is YaRN under MLA, as in Megatron-LM."""
+    flags = [f for f in MLA_FLAGS if f not in ("--rope-type",)]
+    flags.remove("rope")  # --rope-type's value; --position-embedding-type keeps its own
+    with pytest.raises(
+        ConfigError, match="multi-latent attention with YaRN rope .*--rope-type rope"
+    ):
+        parse(*flags, *rope, "--ckpt-format", fmt).check(1)
