@@ -1,8 +1,9 @@
 """The deepseek mode of tests/sweep.py: DeepSeek-style model parts on the sweep's layouts.
 
 A drawn model gets multi-latent attention (with plain rope or its own YaRN), YaRN on the other
-attention, and multi-token prediction at times, with the flags each refuses beside it taken
-out, so that the draws train rather than stop at a refusal."""
+attention, and multi-token prediction (MoE depths where the model has experts) at times, with
+the flags each refuses beside it taken out, so that the draws train rather than stop at a
+refusal."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import random
 # The model flags multi-latent attention refuses beside it (models.mla_checks).
 _NOT_WITH_MLA = ("group_query_attention", "num_query_groups", "kv_channels", "window_size",
                  "window_attn_skip_freq")  # fmt: skip
-# And multi-token prediction (models.mtp_checks): experts and windows.
+# And multi-token prediction (models.mtp_checks): windows (its depths take experts since
+# the last decoder layer's kind is theirs).
 _NOT_WITH_MTP = ("window_size", "window_attn_skip_freq")
 
 
@@ -36,9 +38,6 @@ def parts(rng: random.Random, model: dict) -> None:
     if rng.random() < 0.6:
         for flag in _NOT_WITH_MTP:
             model.pop(flag, None)
-        experts = [k for k in model if k.startswith("moe_") or k == "num_experts"]
-        for flag in experts:
-            model.pop(flag)
         model.update(mtp_num_layers=rng.choice([1, 2]),
                      mtp_loss_scaling_factor=rng.choice([0.1, 0.3]))  # fmt: skip
     if rng.random() < 0.5:  # weights large enough that rope's kind moves the curve
