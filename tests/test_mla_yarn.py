@@ -136,3 +136,23 @@ def test_the_architecture_flags_name_mlas_rope_type():
     assert flags["position_embedding"] == "--position-embedding-type rope"
     assert "--rope-type yarn" in flags["multi_latent_attention"]
     assert "--rotary-scaling-factor 4" in flags["rotary"]
+
+
+def test_a_megart_checkpoint_gives_mla_and_its_yarn_to_use_checkpoint_args(tmp_path):
+    """megart's own format holds MLA with YaRN; --use-checkpoint-args takes its rope type and
+    settings (it describes the checkpoint with Megatron's args, where MLA's YaRN is --rope-type
+    yarn on --position-embedding-type rope), while Megatron's formats refuse it by name."""
+    from megart.training.megatron_checkpoint import megart_to_megatron
+    from test_hf_llama import train_config
+
+    yarn = dict(rope_type="yarn", rotary_scaling_factor=4.0, mscale=0.7, mscale_all_dim=0.3)
+    kw = dict(TRAIN, **yarn, train_iters=1, save=str(tmp_path / "ckpt"))
+    launch(tw.train_kw, 1, kw, timeout=300)
+    argv = ["--load", str(tmp_path / "ckpt"), "--use-checkpoint-args", "--train-iters", "2"]
+    cfg = train_config(argv).gpt_config()
+    assert cfg.multi_latent_attention and cfg.rope_type == "yarn"
+    assert (cfg.yarn_rotary_scaling_factor, cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == (
+        4.0, 0.7, 0.3)  # fmt: skip
+    assert cfg.position_embedding == "rotary"
+    with pytest.raises(ConfigError, match="multi-latent attention with YaRN rope"):
+        megart_to_megatron(tmp_path / "ckpt", tmp_path / "out", ckpt_format="torch")

@@ -24,14 +24,19 @@ _ACTIVATION_FLAGS = {"swiglu": "--swiglu", "squared_relu": "--squared-relu",
                      "gelu": "neither --swiglu nor --squared-relu"}  # fmt: skip
 
 
+def megatron_position(cfg: GPTConfig) -> str:
+    """Megatron-LM's --position-embedding-type of ``cfg``: yarn for YaRN on the ordinary
+    attention; multi-latent attention's YaRN is its --rope-type yarn, on rope."""
+    if cfg.rope_type == "yarn" and not cfg.multi_latent_attention:
+        return "yarn"
+    return MEGATRON_POSITIONS[cfg.position_embedding]
+
+
 def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
     """The megart train flags (Megatron-LM's) that give ``cfg``'s architecture, by GPTConfig
     field ("no --disable-bias-linear" where a switch is off), so that messages about a model
     name what the user can change rather than GPTConfig's internal names."""
-    # Multi-latent attention's YaRN is --rope-type yarn (mla_flags) on --position-embedding-type
-    # rope.
-    yarn = cfg.rope_type == "yarn" and not cfg.multi_latent_attention
-    position = "yarn" if yarn else MEGATRON_POSITIONS[cfg.position_embedding]
+    position = megatron_position(cfg)
     return {
         "ffn_hidden_size": f"--ffn-hidden-size {cfg.ffn_size}",
         "normalization": f"--normalization {MEGATRON_NORMS[cfg.normalization]}",

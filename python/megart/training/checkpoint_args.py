@@ -28,6 +28,7 @@ from typing import Any
 
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
+from megart.models.config_flags import megatron_position
 from megart.models.stages import ends_of, uneven
 from megart.models.window import as_flag_text
 from megart.training import megatron_dist, tokenizer_record
@@ -182,7 +183,6 @@ def flags_from(
     tokenizer_model: bool,
 ) -> list[tuple[str, Any, bool]]:
     """(TrainConfig field, the checkpoint's value, forced) for each flag to take."""
-    rope = cfg.position_embedding == "rotary"
     window_size, window_attn_skip_freq = as_flag_text(cfg.window_size, cfg.window_attn_skip_freq)
     values: dict[str, Any] = dict(
         window_size=window_size,
@@ -194,9 +194,7 @@ def flags_from(
         seq_length=cfg.seq_length,
         num_query_groups=cfg.query_groups if cfg.query_groups != cfg.num_attention_heads else None,
         group_query_attention=cfg.query_groups != cfg.num_attention_heads,
-        position_embedding_type=("yarn" if cfg.rope_type == "yarn" else "rope")
-        if rope
-        else "learned_absolute",
+        position_embedding_type=megatron_position(cfg),
         **yarn_train_flags(cfg),
         rotary_base=integral(cfg.rotary_base),
         rotary_percent=cfg.rotary_percent,

@@ -27,7 +27,8 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models import GPTConfig, chunk_layers
-from megart.models.config import MEGATRON_NORMS, MEGATRON_POSITIONS
+from megart.models.config import MEGATRON_NORMS
+from megart.models.config_flags import megatron_position
 from megart.models.hf import VOCAB_ROWS, lazy_tensors, read_format
 from megart.models.mla_checks import mla_flags
 from megart.models.vocab import fit_vocab
@@ -188,13 +189,7 @@ def train_flags(cfg: GPTConfig) -> list[str]:
         f"--vocab-size {cfg.vocab_size}",
         f"--normalization {MEGATRON_NORMS[cfg.normalization]}",
         f"--layernorm-epsilon {cfg.layernorm_epsilon!r}",
-        "--position-embedding-type "
-        # Multi-latent attention's YaRN is its --rope-type yarn (mla_flags), on rope.
-        + (
-            "yarn"
-            if cfg.rope_type == "yarn" and not cfg.multi_latent_attention
-            else MEGATRON_POSITIONS[cfg.position_embedding]
-        ),
+        f"--position-embedding-type {megatron_position(cfg)}",
     ]
     if cfg.multi_latent_attention:
         flags.append(mla_flags(cfg))

@@ -12,6 +12,7 @@ from typing import Any
 
 from megart.errors import ConfigError
 from megart.models.config import VOCAB_MULTIPLE, GPTConfig, activation_of, distinct_head_size
+from megart.models.config_flags import megatron_position
 from megart.models.moe_checks import capacity_factor
 from megart.models.mtp_checks import refuse_mtp
 from megart.models.stages import check_stages, uneven
@@ -52,9 +53,7 @@ def megatron_args(
         norm_epsilon=cfg.layernorm_epsilon,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
         qk_layernorm=cfg.qk_layernorm,
-        position_embedding_type=("yarn" if cfg.rope_type == "yarn" else "rope")
-        if cfg.position_embedding == "rotary"
-        else "learned_absolute",
+        position_embedding_type=megatron_position(cfg),
         **yarn_args(cfg),
         rotary_base=int(cfg.rotary_base),
         rotary_interleaved=cfg.rotary_interleaved,

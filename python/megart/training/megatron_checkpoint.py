@@ -53,6 +53,7 @@ from megart.training.megatron_args import (
 )
 from megart.training.megatron_expert_files import merged_megatron_chunks
 from megart.training.megatron_files import model_chunks, rank_state, torch_load
+from megart.training.megatron_mla import refuse_mla_yarn
 from megart.training.shards import layer_ids, read_shards, whole_tensors
 
 VOCAB_NAMES = (megatron_layout.WORD, megatron_layout.OUTPUT)
@@ -87,6 +88,8 @@ def megart_to_megatron(
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
     refuse_mtp(cfg.mtp_num_layers, f"Megatron-LM's checkpoints (--ckpt-format {ckpt_format})")
+    if cfg.multi_latent_attention:
+        refuse_mla_yarn(cfg.rope_type, f"Megatron-LM's checkpoints (--ckpt-format {ckpt_format})")
     layout = shards[0, 0]["config"]
     vpp_source, ends = 1, (None, None)
     if tp is None and pp is None:  # the source's layout: its chunks, its uneven stages

@@ -49,10 +49,9 @@ def mla_args(cfg: GPTConfig) -> dict[str, Any]:
     YaRN's flags are megart.training.yarn_flags.yarn_args')."""
     if not cfg.multi_latent_attention:
         return dict(multi_latent_attention=False, rope_type=None, **MLA_DEFAULTS)
-    refuse_mla_yarn(cfg.rope_type, "Megatron-LM's checkpoints")
     return dict(
         multi_latent_attention=True,
-        rope_type="rope",
+        rope_type=cfg.rope_type,
         **{n: getattr(cfg, n) for n in _SIZES},
     )
 
