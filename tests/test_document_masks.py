@@ -31,6 +31,7 @@ from megart.models.documents import (
 )
 from megart.models.gpt import GPT
 from megart.training.documents import eod_token
+from megart.training.loss_record import global_loss_and_p2p_bytes
 
 EOD = 5
 REL = 5e-6  # as test_context_parallel: multi-rank float32 curves against one process
@@ -163,7 +164,7 @@ def _by_hand(per_token: bool) -> tuple[float, float, float, float]:
     objective, reported, exact = _masked_objective(trainer, per_token)
     objective.backward()
     trainer._forward_backward(0, trainer.config.global_batch_size, trainer.m, 1.0)
-    loss, _ = trainer._loss_and_p2p_bytes()
+    loss, _ = global_loss_and_p2p_bytes(trainer.losses, trainer.grid, trainer.device)
     worst = 0.0
     for p, e in zip(trainer.chunks[0].parameters(), exact.parameters(), strict=True):
         grad = p.main_grad if hasattr(p, "main_grad") else p.grad

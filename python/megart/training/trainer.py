@@ -168,7 +168,7 @@ class Trainer:
         self._forward_backward(iteration, batch, m, scale)
         with self.timers.phase("optimizer"):
             skipped, grad_norm, lr, stats = self._update_weights(iteration)
-        loss, p2p_bytes = self._loss_and_p2p_bytes()
+        loss, p2p_bytes = global_loss_and_p2p_bytes(self.losses, self.grid, self.device)
         mtp = mtp_losses(self.chunks, self.model_config, self.grid, m, self.device)
         moe = moe_losses(
             self.chunks, self.model_config, self.grid, m, self.device, c.moe_per_layer_logging
@@ -276,9 +276,6 @@ class Trainer:
         if c.log_world_size_to_tensorboard:
             stats["world_size"] = dist.get_world_size()
         return skipped, grad_norm, lr, stats
-
-    def _loss_and_p2p_bytes(self) -> tuple[float, int]:
-        return global_loss_and_p2p_bytes(self.losses, self.grid, self.device)
 
     def evaluate(self, data: Dataset | None = None, first: int = 0) -> float:
         """The validation loss: the mean over --eval-iters global batches of the validation
