@@ -281,7 +281,8 @@ def to_megart(
     names in ``wanted`` (default all). The expert biases come as
     ``chunk.blocks.i.mlp.router.expert_bias`` (buffers, not parameters); the depths' embedding
     and head copies are checked against the main tensors when their depths are wanted."""
-    if cfg.mtp_num_layers and (wanted is None or any(n.startswith("chunk.mtp.") for n in wanted)):
+    depths = wanted is None or "chunk.mtp.layers.0.eh_proj.weight" in wanted  # not a bias's
+    if cfg.mtp_num_layers and depths:
         mtp.check_shared(cfg, take)
     for ours, theirs in _all_names(cfg):
         if wanted is None or ours in wanted:
