@@ -267,12 +267,15 @@ def test_export_of_depths_is_refused_for_the_other_families_and_dense_depths():
         writer(GPTConfig(**MLA, mtp_num_layers=1))
 
 
-def test_an_imported_model_with_depths_fine_tunes_at_pp2_from_the_same_first_losses(tmp_path):
-    """import-hf's printed flags (--mtp-num-layers 2 among them) train one process and two
-    pipeline stages (the depths on the last): their first main and depth losses agree, and
-    are the reference's on the batch trained (float32 training against float64)."""
+def test_an_imported_model_with_depths_fine_tunes_at_pp2_and_tp2_from_the_same_losses(tmp_path):
+    """import-hf's printed flags (--mtp-num-layers 2 among them) train one process, two
+    pipeline stages (the depths on the last) and, from an import split for tp2, two
+    tensor-parallel ranks with sequence parallelism (eh_proj's rows split): their first main
+    and depth losses agree, and are the reference's on the batch trained (float32 training
+    against float64); the stages together loaded GPT.from_hf's weights."""
     main, layers = released(tmp_path / "hf", layers=4, vocab_size=256)
     said = import_for_training(tmp_path / "hf", tmp_path / "ckpt")
+    import_for_training(tmp_path / "hf", tmp_path / "ckpt-tp2", tp=2)
     flags = shlex.split(said.split(f"or with --load {tmp_path / 'ckpt'} ")[1])
     assert "--mtp-num-layers" in flags
     given = dataclasses.asdict(train_config(flags))
@@ -283,17 +286,20 @@ def test_an_imported_model_with_depths_fine_tunes_at_pp2_from_the_same_first_los
     one = launch(tw.loaded_and_first_step, 1, kw, timeout=300, env=tw.ONE_THREAD)[0]
     staged = launch(tw.loaded_and_first_step, 2, dict(kw, pipeline_model_parallel_size=2),
                     timeout=300)  # fmt: skip
+    split = launch(tw.loaded_and_first_step, 2, dict(kw, load=str(tmp_path / "ckpt-tp2"),
+                   tensor_model_parallel_size=2, sequence_parallel=True), timeout=300)  # fmt: skip
     first = [one[1][0][n] for n in names]
-    for _, history, _ in staged:
+    for _, history, _ in staged + split:
         assert [history[0][n] for n in names] == pytest.approx(first, rel=5e-6)
     inputs, targets = one[2]
     want = reference_losses(reference(main, layers, inputs), targets)
     assert first == pytest.approx(want, rel=1e-5)
     assert one[1][1]["loss"] < first[0]
-    # Both stages together loaded GPT.from_hf's weights, the depths' on the last.
     reference_weights = dict(GPT.from_hf(str(tmp_path / "hf")).named_parameters())
     loaded = {**staged[0][0], **staged[1][0]}
-    assert (
-        loaded.keys() == reference_weights.keys() and "chunk.mtp.layers.1.eh_proj.weight" in loaded
-    )
-    assert all(torch.equal(v, reference_weights[n].detach()[: len(v)]) for n, v in loaded.items())
+    assert loaded.keys() == reference_weights.keys()
+    assert "chunk.mtp.layers.1.eh_proj.weight" in loaded
+    for weights in (loaded, split[0][0]):
+        assert all(
+            torch.equal(v, reference_weights[n].detach()[: len(v)]) for n, v in weights.items()
+        )
