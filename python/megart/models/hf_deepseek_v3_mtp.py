@@ -8,10 +8,12 @@ usual attention and MLP weights of a decoder layer (megart's depth's transformer
 final_layernorm). Its ``embed_tokens`` and ``shared_head.head`` are copies of the main model's
 embedding and output layer (DeepSeek-V3's technical report: the depths share them), which megart
 (as Megatron-Core) shares outright: read, each copy must equal the main tensor, and is refused by
-name where it does not; written, each is the main tensor again. eh_proj takes the depth's
-embedding half first, then the hidden states' (vLLM's deepseek_mtp and transformers' MtpLayer
-concatenate enorm(embedding) before hnorm(hidden), as Megatron-Core and megart do), so its
-columns map as they are.
+name where it does not; written, each is the main tensor again. eh_proj's first h columns take
+the depth's normed embedding, the last h the normed hidden states: the report writes
+M[RMSNorm(h); RMSNorm(Emb)], but the engines that serve the released weights (vLLM's
+deepseek_mtp, SGLang's deepseek_nextn) and transformers' MtpLayer concatenate enorm(embedding)
+first, as Megatron-Core and megart do, so the columns map as they are. The next depth takes
+the previous one's output after its final norm (transformers' MtpModel, Megatron-Core).
 
 transformers' DeepseekV3ForCausalLM does not build these layers (it leaves ``model.layers.61.*``
 unread) and its save_pretrained drops them while its config still says num_nextn_predict_layers
