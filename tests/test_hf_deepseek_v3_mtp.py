@@ -179,6 +179,8 @@ def test_the_files_round_trip_bitwise_with_the_depths(tmp_path):
     GPT.from_hf(str(tmp_path / "hf")).save_hf(str(tmp_path / "back"))
     said = import_for_training(tmp_path / "hf", tmp_path / "ckpt")
     assert "--mtp-num-layers 2" in said and "num_nextn_predict_layers" not in said
+    recorded = ["--load", str(tmp_path / "ckpt"), "--use-checkpoint-args"]
+    assert train_config(recorded).mtp_num_layers == 2  # the checkpoint records the depths
     exported = export_checkpoint(tmp_path / "ckpt", tmp_path / "exported")
     for out in (tmp_path / "back", exported):
         written = safetensors.load_file(str(out / "model.safetensors"))
