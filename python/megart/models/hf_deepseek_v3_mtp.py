@@ -74,12 +74,15 @@ def check_shared(cfg: GPTConfig, take: Callable[[str], torch.Tensor]) -> None:
         "chunk.wte.weight": "model.embed_tokens.weight",
         "chunk.output_layer.weight": "lm_head.weight",
     }
+    read: dict[str, torch.Tensor] = {}  # each main tensor read once, however many depths
     for ours, copy in shared_copies(cfg):
         try:
             theirs = take(copy)
         except ConfigError:
             continue
-        shared = take(main[ours])
+        if ours not in read:
+            read[ours] = take(main[ours])
+        shared = read[ours]
         if theirs.shape != shared.shape or not torch.equal(theirs, shared):
             off = "another shape" if theirs.shape != shared.shape else (
                 f"by up to {(theirs - shared).abs().max().item():.3g}"
