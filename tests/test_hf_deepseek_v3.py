@@ -193,7 +193,6 @@ def test_import_hf_and_export_hf_through_a_checkpoint(tmp_path):
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(num_nextn_predict_layers=1), "num_nextn_predict_layers 1 .*multi-token"),
         (dict(topk_method="greedy"), "topk_method 'greedy'"),
         (dict(scoring_func="softmax"), "scoring_func 'softmax'"),
         (dict(rope_interleave=False), "rope_interleave false"),
@@ -212,6 +211,15 @@ def test_what_megart_cannot_read_is_refused_by_name(tmp_path, change, message):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=f"this DeepSeek-V3 has .*{message}"):
         read_format(tmp_path)
+
+
+def test_num_nextn_predict_layers_alone_is_no_depth(tmp_path):
+    """Once refused: config.json's num_nextn_predict_layers is read where the files hold the
+    layers (tests/test_hf_deepseek_v3_mtp.py); a config without weights holds none."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({**HF_TINY, "num_nextn_predict_layers": 1, "model_type": "deepseek_v3"})
+    )
+    assert read_format(tmp_path)[1].mtp_num_layers is None
 
 
 MLA = dict(vocab_size=64, seq_length=16, hidden_size=32, num_layers=3, num_attention_heads=4,

@@ -17,6 +17,7 @@ by the live model's gathers here (GPT.save_hf) or by a training checkpoint's fil
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -68,6 +69,14 @@ VOCAB_ROWS = ("chunk.wte.weight", "chunk.output_layer.weight")
 def read_format(path: str | Path, expect: str | None = None) -> tuple[ModuleType, GPTConfig]:
     """The format module and the GPTConfig of the directory ``path``; ``expect`` (a
     model_type) refuses other formats."""
+    return read_format_noted(path, expect)[:2]
+
+
+def read_format_noted(
+    path: str | Path, expect: str | None = None
+) -> tuple[ModuleType, GPTConfig, str | None]:
+    """read_format, with the note to give once where the files hold less than config.json
+    says (a format's ``fit_files``: DeepSeek-V3's multi-token prediction layers), else None."""
     root = Path(path)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{root} has no config.json: is it a save_pretrained directory?")
@@ -83,7 +92,25 @@ def read_format(path: str | Path, expect: str | None = None) -> tuple[ModuleType
             f"{root} holds a model of type {kind!r}; megart reads {', '.join(known)} "
             "checkpoints (config.json's model_type)"
         )
-    return FORMATS[kind], FORMATS[kind].config_from_hf(hf)
+    fmt = FORMATS[kind]
+    cfg, note = fmt.config_from_hf(hf), None
+    if hasattr(fmt, "fit_files"):
+        cfg, note = fmt.fit_files(cfg, stored_names(root))
+    return fmt, cfg, note
+
+
+def stored_names(root: Path) -> set[str]:
+    """The tensor names in the directory's safetensors files (their headers only)."""
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        return set()
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as opened:
+            names.update(opened.keys())
+    return names
 
 
 def format_name(path: str | Path) -> str:
@@ -123,7 +150,9 @@ def load_hf(
     """A ``cls`` (megart's GPT) holding this rank's slice of the model in ``path``. The files
     are opened lazily and each tensor converted and copied into its parameter in turn, so the
     load holds the model and one tensor, not copies of the whole."""
-    fmt, cfg = read_format(path, expect)
+    fmt, cfg, note = read_format_noted(path, expect)
+    if note:
+        warnings.warn(note, stacklevel=3)
     take = lazy_tensors(path, fmt)
     model = cls(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel)
     params = dict(model.named_parameters())
@@ -161,7 +190,8 @@ def writer(cfg: GPTConfig, expect: str | None = None) -> ModuleType:
     Qwen3's with query/key norms, Qwen2's with biases on q/k/v alone); ``expect`` (a
     model_type) insists on one. A model no format can represent is refused with what each
     format lacks."""
-    refuse_mtp(cfg.mtp_num_layers, "Hugging Face's formats")
+    if not cfg.multi_latent_attention:  # DeepSeek-V3's files hold the depths
+        refuse_mtp(cfg.mtp_num_layers, "Hugging Face's formats but DeepSeek-V3's")
     refusals = []
     for fmt in (hf_deepseek_v3,) if cfg.multi_latent_attention else WRITERS:
         if expect not in (None, fmt.MODEL_TYPE):

@@ -35,8 +35,10 @@ always does at k > 1, never at k = 1) and multiplies them by routed_scaling_fact
 (--moe-router-topk-scaling-factor). Expert e's files are per expert (``mlp.experts.e.gate_proj``
 ...), the layout transformers 5 still writes and reads.
 
-Refused by name: multi-token prediction modules (num_nextn_predict_layers > 0: megart does not
-carry them, and transformers' model does not build them), topk_method other than noaux_tc,
+Multi-token prediction: num_nextn_predict_layers is megart's --mtp-num-layers, its layers read
+and written by megart.models.hf_deepseek_v3_mtp (where the files hold them: fit_files).
+
+Refused by name: topk_method other than noaux_tc,
 scoring_func other than sigmoid, attention_bias, rope_interleave false, other rope types,
 and what megart's routing cannot spell.
 """
@@ -51,6 +53,7 @@ from typing import Any
 import torch
 
 from megart.errors import ConfigError
+from megart.models import hf_deepseek_v3_mtp as mtp
 from megart.models import hf_experts, hf_llama
 from megart.models.config import GPTConfig
 from megart.models.config_flags import refuse_unlike
@@ -74,6 +77,7 @@ ATTENTION = (("kv_down_proj", "kv_a_proj_with_mqa"), ("kv_layernorm", "kv_a_laye
 QUERIES = (("q_proj", "q_proj"),)
 QUERIES_LORA = (("q_down_proj", "q_a_proj"), ("q_layernorm", "q_a_layernorm"),
                 ("q_up_proj", "q_b_proj"))  # fmt: skip
+fit_files = mtp.fit_files  # models.hf's hook: the depths as the files hold them
 SHARED = tuple(
     (f"shared_experts.{m}", f"shared_experts.{h}") for m, h in hf_experts.LLAMA_MLP_NAMES
 )
@@ -150,13 +154,6 @@ def _experts(hf: dict[str, Any], layers: int) -> dict[str, Any]:
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     """Llama's reading of the sizes, norms and rope base, with MLA, YaRN and the experts."""
     problems = []
-    mtp = _field(hf, "num_nextn_predict_layers")
-    if mtp:
-        problems.append(
-            f"num_nextn_predict_layers {mtp} (multi-token prediction modules, which megart "
-            "does not carry; set it to 0 to take the model without them, as transformers' "
-            "DeepseekV3ForCausalLM does)"
-        )
     if hf.get("attention_bias"):
         problems.append("attention_bias true (megart's MLA projections have no bias)")
     if hf.get("rms_norm_eps", 1e-6) != LATENT_NORM_EPS:
@@ -191,6 +188,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         qk_head_dim=_field(hf, "qk_nope_head_dim"),
         qk_pos_emb_head_dim=_field(hf, "qk_rope_head_dim"),
         v_head_dim=_field(hf, "v_head_dim"),
+        mtp_num_layers=_field(hf, "num_nextn_predict_layers") or None,  # the files decide
         **({"rope_type": "yarn", **_yarn(scaling, hf)} if kind == "yarn" else {}),
         **_experts(hf, hf["num_hidden_layers"]),
     )
@@ -209,6 +207,7 @@ def check(cfg: GPTConfig) -> None:
     )  # fmt: skip
     hf_llama.check_rope(cfg, NAME)
     cfg.refuse_window(NAME)
+    mtp.check_depths(cfg)
     if cfg.num_experts is None:
         return
     pattern = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
@@ -259,16 +258,20 @@ def _all_names(cfg: GPTConfig) -> list[tuple[str, str]]:
     pairs.append(hf_llama.FINAL_NORM)
     if cfg.untie_embeddings_and_output_weights:
         pairs.append(("chunk.output_layer.weight", "lm_head.weight"))
-    return pairs
+    return pairs + mtp.depth_names(cfg, names)
 
 
 def _reordered(cfg: GPTConfig, ours: str, w: torch.Tensor, to_megart: bool) -> torch.Tensor:
-    """A norm's weight as stored (zero-centred under --apply-layernorm-1p, where DeepSeek's
-    RMSNorm holds the scale); any other tensor as it is."""
-    if cfg.apply_layernorm_1p and ours.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight",
-                                                 "layernorm.weight")):  # fmt: skip
-        return w - 1 if to_megart else w + 1
-    return w
+    """A norm's weight as written: DeepSeek's RMSNorm holds the scale, one more than a
+    --apply-layernorm-1p model's zero-centred weight; any other tensor as it is. Read, as
+    Llama's, the scale is taken as it is: a Hugging Face config never says 1p, and import-hf
+    --apply-layernorm-1p centres the norms itself (training.import_hf.NORM_WEIGHTS; centring
+    here as well took 2 off)."""
+    if to_megart or not cfg.apply_layernorm_1p:
+        return w
+    return (
+        w + 1 if ours.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight", "norm.weight")) else w
+    )
 
 
 def to_megart(
@@ -276,7 +279,11 @@ def to_megart(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(megart name, whole tensor) one at a time from ``take(DeepSeek-V3 name)``; only the
     names in ``wanted`` (default all). The expert biases come as
-    ``chunk.blocks.i.mlp.router.expert_bias`` (buffers, not parameters)."""
+    ``chunk.blocks.i.mlp.router.expert_bias`` (buffers, not parameters); the depths' embedding
+    and head copies are checked against the main tensors when their depths are wanted."""
+    depths = wanted is None or "chunk.mtp.layers.0.eh_proj.weight" in wanted  # not a bias's
+    if cfg.mtp_num_layers and depths:
+        mtp.check_shared(cfg, take)
     for ours, theirs in _all_names(cfg):
         if wanted is None or ours in wanted:
             yield ours, _reordered(cfg, ours, take(theirs), True)
@@ -293,6 +300,8 @@ def hf_tensors(
             continue
         w = _reordered(cfg, ours, full(ours), False)
         yield theirs, w[: cfg.vocab_size] if ours in hf_vocab_rows() else w
+    for ours, copy in mtp.shared_copies(cfg):  # each depth's copies of the shared tensors
+        yield copy, full(ours)[: cfg.vocab_size]
 
 
 def hf_vocab_rows() -> tuple[str, str]:
@@ -334,6 +343,6 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
         "topk_group": groups[1] or 1,
         "norm_topk_prob": cfg.moe_router_topk > 1,
         "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_num_layers or 0,
         "output_router_logits": False,
     }

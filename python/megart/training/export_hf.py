@@ -19,6 +19,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models.hf import writer
+from megart.models.hf_deepseek_v3_mtp import bias_layer
 from megart.models.hf_files import (
     DEFAULT_SHARD,
     check_dtype,
@@ -108,7 +109,7 @@ def export_checkpoint(
 
     def take(name: str) -> torch.Tensor:
         if name.endswith(".mlp.router.expert_bias") and bias_rows is not None:
-            return bias_rows[int(name.split(".")[2])]  # chunk.blocks.i.mlp.router.expert_bias
+            return bias_rows[bias_layer(cfg, name)]  # a decoder's or depth's layer's row
         whole = merged(name)
         if name not in whole:
             raise ConfigError(f"{root}: no file holds {name}; the checkpoint is incomplete")

@@ -29,7 +29,7 @@ from megart.errors import ConfigError
 from megart.models import GPTConfig, chunk_layers
 from megart.models.config import MEGATRON_NORMS
 from megart.models.config_flags import megatron_position
-from megart.models.hf import VOCAB_ROWS, lazy_tensors, read_format
+from megart.models.hf import VOCAB_ROWS, lazy_tensors, read_format_noted
 from megart.models.mla_checks import mla_flags
 from megart.models.vocab import fit_vocab
 from megart.models.yarn import yarn_flags
@@ -46,6 +46,9 @@ NORM_WEIGHTS = (
     "q_layernorm.weight",
     "k_layernorm.weight",
     "kv_layernorm.weight",  # multi-latent attention's (q_layernorm's is above)
+    "enorm.weight",  # multi-token prediction's (its final_layernorm's is below)
+    "hnorm.weight",
+    "final_layernorm.weight",
 )
 
 
@@ -81,14 +84,15 @@ def import_for_training(
 ) -> str:
     """import_checkpoint, then what import-hf prints: the release checkpoint written and the
     megart train flags that load it (--use-checkpoint-args, or the model's flags spelled out)."""
-    files, cfg = _imported(input_dir, save_dir, seq_length, apply_layernorm_1p, tp, pp)
+    files, cfg, note = _imported(input_dir, save_dir, seq_length, apply_layernorm_1p, tp, pp)
     flags = shlex.join(train_flags(cfg))  # a list of --window-attn-skip-freq quoted
     what = f"{files[0]}" if len(files) == 1 else f"{files[0].parents[1]}: {len(files)} rank files"
     layout = "" if len(files) == 1 else f" (saved for tp {tp} x pp {pp}; any layout loads it)"
-    return (
+    said = (
         f"{what}: release checkpoint{layout}; train with --load {save_dir} "
         f"--use-checkpoint-args, or with --load {save_dir} {flags}"
     )
+    return said if note is None else f"megart: {note}\n{said}"
 
 
 def _imported(
@@ -98,9 +102,10 @@ def _imported(
     apply_layernorm_1p: bool,
     tp: int,
     pp: int,
-) -> tuple[list[Path], GPTConfig]:
-    """(the release files written, the model's GPTConfig as recorded in them)."""
-    fmt, cfg = read_format(input_dir)
+) -> tuple[list[Path], GPTConfig, str | None]:
+    """(the release files written, the model's GPTConfig as recorded in them, the note on
+    what config.json says the files do not hold, if any: read_format_noted's)."""
+    fmt, cfg, note = read_format_noted(input_dir)
     take = lazy_tensors(input_dir, fmt)
     if apply_layernorm_1p:
         # A checkpoint records its model's flags and train --load refuses another model's, so
@@ -149,18 +154,25 @@ def _imported(
     files = write_release_ranks(
         save_dir, cfg, tp, pp, stages(), _tokenizer(input_dir), _expert_bias(cfg, fmt, take)
     )
-    return files, cfg
+    return files, cfg, note
 
 
 def _expert_bias(cfg: GPTConfig, fmt: Any, take: Any) -> torch.Tensor | None:
-    """Every layer's expert bias, [layers, E] (zero rows for dense layers), from a format that
-    carries them as ``chunk.blocks.i.mlp.router.expert_bias`` (DeepSeek-V3's
-    e_score_correction_bias): what the checkpoint records beside the weights."""
+    """Every layer's expert bias, [layers, E] (zero rows for dense layers; the multi-token
+    prediction depths' layers after the decoder's), from a format that carries them as
+    ``chunk.blocks.i.mlp.router.expert_bias`` and ``chunk.mtp.layers.k.transformer_layer.mlp.
+    router.expert_bias`` (DeepSeek-V3's e_score_correction_bias): what the checkpoint records
+    beside the weights (models.moe_router.expert_bias_rows)."""
     if not cfg.moe_router_enable_expert_bias:
         return None
     assert cfg.num_experts is not None
+    depths = cfg.mtp_num_layers or 0
     names = {f"chunk.blocks.{i}.mlp.router.expert_bias": i for i in range(cfg.num_layers)}
-    rows = torch.zeros(cfg.num_layers, cfg.num_experts)
+    names |= {
+        f"chunk.mtp.layers.{k}.transformer_layer.mlp.router.expert_bias": cfg.num_layers + k
+        for k in range(depths)
+    }
+    rows = torch.zeros(cfg.num_layers + depths, cfg.num_experts)
     for name, bias in fmt.to_megart(cfg, take, wanted=names):
         rows[names[name]] = bias
     return rows
@@ -193,6 +205,8 @@ def train_flags(cfg: GPTConfig) -> list[str]:
     ]
     if cfg.multi_latent_attention:
         flags.append(mla_flags(cfg))
+    if cfg.mtp_num_layers:  # DeepSeek-V3's depths (the loss's factor is the run's choice)
+        flags.append(f"--mtp-num-layers {cfg.mtp_num_layers}")
     switches = {
         "--apply-layernorm-1p": cfg.apply_layernorm_1p,
         "--qk-layernorm": cfg.qk_layernorm,
