@@ -84,15 +84,15 @@ def refuse_mla_yarn(cfg: GPTConfig, where: str) -> None:
     MLA too, Megatron-LM's MLA keeps MLATransformerConfig's values)."""
     if not cfg.multi_latent_attention or cfg.rope_type != "yarn":
         return
-    unheld = [(flag, getattr(cfg, f), v) for f, (v, flag) in MLA_YARN_FIXED.items()
-              if getattr(cfg, f) != v]  # fmt: skip
+    unheld = [(flag, f.removeprefix("yarn_"), getattr(cfg, f), v)
+              for f, (v, flag) in MLA_YARN_FIXED.items() if getattr(cfg, f) != v]  # fmt: skip
     if unheld:
-        given = " and ".join(f if isinstance(v, bool) else f"{f} {v}" for f, v, _ in unheld)
-        kept = ", ".join(f"{v}" for _, _, v in unheld)
+        given = " and ".join(f if isinstance(v, bool) else f"{f} {v}" for f, _, v, _ in unheld)
+        kept = " and ".join(f"{name} {v}" for _, name, _, v in unheld)
         raise ConfigError(
             f"{given} with multi-latent attention's YaRN rope: {where} cannot hold it "
-            f"(Megatron-LM's MLA keeps {kept}, MLATransformerConfig's, which no flag of its "
-            "reaches); leave it out, or keep megart's own checkpoint format (--ckpt-format megart)"
+            f"(Megatron-LM's MLA keeps {kept}: no flag of its reaches them); leave it out, "
+            "or keep megart's own checkpoint format (--ckpt-format megart)"
         )
 
 
