@@ -148,7 +148,9 @@ def one_rank_world() -> None:
 
 def layer_spec(cfg: GPTConfig, config, vp_stage: int | None):
     """Megatron-Core's local layer spec for ``cfg``: one spec for every layer, or with experts
-    its decoder block spec, which takes each layer's MoE or dense spec from moe_layer_freq."""
+    its decoder block spec, which takes each layer's MoE or dense spec from moe_layer_freq;
+    with multi-latent attention, each layer's spec with the shims it needs on CPU
+    (_with_mla_shims)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
@@ -160,18 +162,25 @@ def layer_spec(cfg: GPTConfig, config, vp_stage: int | None):
             qk_layernorm=cfg.qk_layernorm,
             multi_latent_attention=cfg.multi_latent_attention,
         )
-        if cfg.multi_latent_attention:
-            from megatron.core.transformer import multi_latent_attention as mla
-
-            spec.submodules.self_attention.submodules.core_attention = _widths_dropped()
-            # Its module believes Transformer Engine installed where only its names import
-            # (as None); its isinstance test of TELinear then fails. It is not installed.
-            mla.HAVE_TE = False
-        return spec
-    return get_gpt_decoder_block_spec(
+        return _with_mla_shims(spec) if cfg.multi_latent_attention else spec
+    block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization=config.normalization,
         vp_stage=vp_stage,
     )  # fmt: skip
+    for layer in block.layer_specs if cfg.multi_latent_attention else ():
+        _with_mla_shims(layer)
+    return block
+
+
+def _with_mla_shims(spec):
+    """An MLA layer's local ``spec``, its core attention _widths_dropped' (in place)."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    spec.submodules.self_attention.submodules.core_attention = _widths_dropped()
+    # Its module believes Transformer Engine installed where only its names import (as None);
+    # its isinstance test of TELinear then fails. It is not installed.
+    mla.HAVE_TE = False
+    return spec
 
 
 def _widths_dropped():

@@ -1,6 +1,8 @@
 """Launched workers of test_megatron_mla_ckpt: what Megatron-Core 0.16.1's GPTModel with
 multi-latent attention (local spec, megatron_core_workers) says about its own checkpoint
-layout at the world's tensor-parallel size."""
+layout at the world's tensor-parallel size; and the runs test_megatron_mla_ckpt and
+test_megatron_mla_yarn share (megart train's Megatron-format saves, Megatron-Core's logits on
+them, convert-checkpoint both ways)."""
 
 from __future__ import annotations
 
@@ -25,8 +27,6 @@ def megatron_layout(kw: dict) -> dict:
     parallel_state.initialize_model_parallel(tp, 1)
     mcw.on_cpu_only()
     cfg = GPTConfig(**kw)
-    if cfg.num_experts is not None:
-        mcw.layer_spec = _block_spec_with_mla_shims(mcw.layer_spec)
     model = mcw.megatron_model(cfg, tp)
     state = {k: None if v is None else tuple(v.shape) for k, v in model.state_dict().items()}
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
@@ -53,20 +53,67 @@ def _tensors(built):
     return built if isinstance(built, (list, tuple)) else [built]
 
 
-def _block_spec_with_mla_shims(layer_spec):
-    """megatron_core_workers.layer_spec, whose decoder block spec (a model with experts) gets
-    the two MLA shims its single layer spec has (_widths_dropped's core attention; no
-    Transformer Engine) in each layer's spec."""
+def tokens(cfg: GPTConfig) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
+                         generator=torch.Generator().manual_seed(5))  # fmt: skip
 
-    def spec(cfg, config, vp_stage):
-        out = layer_spec(cfg, config, vp_stage)
-        if cfg.num_experts is None or not cfg.multi_latent_attention:
-            return out
-        from megatron.core.transformer import multi_latent_attention as mla
 
-        mla.HAVE_TE = False
-        for layer in out.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = mcw._widths_dropped()
-        return out
+def saved_runs(factory, train: dict, saves: dict) -> dict:
+    """Per case of ``saves`` (name: processes, flags, format): megart train's checkpoint of
+    ``train`` with the case's flags, in its format, after 2 of 3 iterations (its folder)."""
+    from megart.launcher import launch
+    from train_workers import train_kw
 
-    return spec
+    out = {}
+    for name, (nproc, flags, fmt) in saves.items():
+        ckpt = factory.mktemp(name) / "ckpt"
+        kw = dict(train, **flags, save=str(ckpt), exit_interval=2, ckpt_format=fmt)
+        launch(train_kw, nproc, kw, timeout=300)
+        out[name] = ckpt
+    return out
+
+
+def megatron_core_logits(ckpt, fmt: str, tp: int, pp: int, toks: torch.Tensor) -> list:
+    """The logits of ``toks`` that Megatron-Core's GPTModel of the args computes on each of its
+    ``tp`` tensor-parallel ranks (of the last of ``pp`` stages) after loading Megatron-LM's
+    checkpoint ``ckpt`` (``fmt`` torch: each rank its legacy file; torch_dist: its slices of
+    the store), strictly."""
+    import megatron_dist_workers as mdw
+    from megart.launcher import launch
+
+    if fmt == "torch":
+        assert pp == 1
+        return launch(mcw.tp_rank_logits, tp, str(ckpt), toks, timeout=300)
+    got = launch(mdw.load_and_run, tp * pp, str(ckpt), toks, tp, pp, timeout=300)
+    return [r for r in got if r is not None]
+
+
+def converted_both_ways(tmp_path, train: dict, fmt: str) -> str:
+    """megart train's 1-iteration checkpoint of ``train`` in megart's format, converted to
+    Megatron-LM's ``fmt`` at tensor-parallel size 2 and back (that folder returned): checks
+    that Megatron-Core's two ranks compute its float64 logits on the converted files and that
+    the weights converted back are the checkpoint's."""
+    import megatron_core_ckpt_workers as mckw
+    from megart.cli.main import main
+    from megart.launcher import launch
+    from train_workers import tiny, train_kw
+
+    ours, out, back = (str(tmp_path / n) for n in ("megart", "megatron", "back"))
+    launch(train_kw, 1, dict(train, save=ours, train_iters=1), timeout=300)
+    assert main(["convert-checkpoint", "--from", "megart", "--to", "megatron", "--ckpt-format",
+                 fmt, "--target-tensor-parallel-size", "2", "--load", ours, "--save",
+                 out]) == 0  # fmt: skip
+    cfg = tiny(**train).gpt_config()
+    want = launch(mckw.checkpoint_logits, 1, ours, tokens(cfg), timeout=300)[0]
+    assert want.abs().max() > 0.1
+    got = megatron_core_logits(out, fmt, 2, 1, tokens(cfg))
+    assert len(got) == 2
+    for logits in got:
+        assert (logits[..., : cfg.vocab_size] - want).abs().max().item() < 1e-10
+    assert main(["convert-checkpoint", "--from", "megatron", "--to", "megart", "--load", out,
+                 "--save", back]) == 0  # fmt: skip
+    theirs = launch(mckw.checkpoint_gpt, 1, back, timeout=300)[0][1]
+    weights = launch(mckw.checkpoint_gpt, 1, ours, timeout=300)[0][1]
+    assert set(theirs) == set(weights)
+    assert all(torch.equal(theirs[k], v) for k, v in weights.items())
+    return back

@@ -12,7 +12,6 @@ import dataclasses
 import pytest
 import torch
 
-import megatron_core_workers as mcw
 import megatron_dist_workers as mdw
 import megatron_mla_ckpt_workers as mmw
 import train_workers as tw
@@ -49,9 +48,7 @@ MODELS = {
 }
 
 
-def _tokens(cfg: GPTConfig) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
-                         generator=torch.Generator().manual_seed(5))  # fmt: skip
+_tokens = mmw.tokens
 
 
 def _explicit(cfg: GPTConfig) -> GPTConfig:
@@ -76,12 +73,11 @@ def test_args_hold_megatron_lms_mla_flags_and_read_back():
     assert (plain["q_lora_rank"], plain["kv_lora_rank"], plain["v_head_dim"]) == (None, 32, 128)
     older = {k: v for k, v in plain.items() if k not in ("multi_latent_attention", "rope_type")}
     assert config_from_args(older) == config_from_args(plain) == _explicit(dense)
-    # Megatron-LM's MLA turns YaRN unless --rope-type rope, scales its scores by YaRN's mscale
-    # with a scaling factor and --mscale-all-dim even then, and may fuse its down-projections:
-    # refused by name.
+    # Megatron-LM's MLA turns YaRN unless --rope-type rope (test_megatron_mla_yarn), scales
+    # its scores by YaRN's mscale with a scaling factor and --mscale-all-dim even under plain
+    # rope, and may fuse its down-projections: refused by name.
     for rope in ("yarn", None):
-        with pytest.raises(ConfigError, match="multi-latent attention and .*rope-type.* not YaRN"):
-            config_from_args({**a, "rope_type": rope})
+        assert config_from_args({**a, "rope_type": rope}).rope_type == "yarn"
     yarn_scale = {**a, "rotary_scaling_factor": 40.0, "mscale_all_dim": 1.0}
     with pytest.raises(ConfigError, match="--rotary-scaling-factor 40.0 and --mscale-all-dim 1"):
         config_from_args(yarn_scale)
@@ -192,13 +188,7 @@ SAVES = {  # name: (processes, flags, format)
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory):
     """Per case: megart train's Megatron-format checkpoint after 2 of 3 iterations."""
-    out = {}
-    for name, (nproc, flags, fmt) in SAVES.items():
-        ckpt = tmp_path_factory.mktemp(name) / "ckpt"
-        kw = dict(TRAIN, **flags, save=str(ckpt), exit_interval=2, ckpt_format=fmt)
-        launch(tw.train_kw, nproc, kw, timeout=300)
-        out[name] = ckpt
-    return out
+    return mmw.saved_runs(tmp_path_factory, TRAIN, SAVES)
 
 
 @pytest.mark.parametrize("name", list(SAVES))
@@ -216,7 +206,7 @@ def test_megatron_core_loads_megarts_legacy_files_with_its_logits(saves, name):
     cfg, model, _ = read_megatron(ckpt)
     want = mdw.megart_logits(cfg, model, _tokens(cfg))
     assert want.abs().max() > 0.1
-    for got in launch(mcw.tp_rank_logits, tp, str(ckpt), _tokens(cfg), timeout=300):
+    for got in mmw.megatron_core_logits(ckpt, "torch", tp, 1, _tokens(cfg)):
         assert (got[..., : cfg.vocab_size] - want).abs().max().item() < 1e-10
 
 
@@ -231,8 +221,7 @@ def test_megatron_core_loads_megarts_torch_dist_store_with_its_logits(saves, nam
     cfg, model, _ = read_megatron(ckpt)
     want = mdw.megart_logits(cfg, model, _tokens(cfg))
     assert want.abs().max() > 0.1
-    results = launch(mdw.load_and_run, tp * pp, str(ckpt), _tokens(cfg), tp, pp, timeout=300)
-    got = [r for r in results if r is not None]
+    got = mmw.megatron_core_logits(ckpt, "torch_dist", tp, pp, _tokens(cfg))
     assert len(got) == tp
     for logits in got:
         assert (logits[..., : cfg.vocab_size] - want).abs().max().item() < 1e-10
@@ -296,30 +285,7 @@ def test_convert_checkpoint_writes_megarts_mla_run_for_megatron_core(tmp_path, f
     """convert-checkpoint of megart train's own MLA checkpoint to Megatron-LM's format at
     tensor-parallel size 2: Megatron-Core's two ranks load it and compute the checkpoint's
     logits; converted back, megart's weights are unchanged."""
-    import megatron_core_ckpt_workers as mckw
-
-    launch(tw.train_kw, 1, dict(TRAIN, save=str(tmp_path / "megart"), train_iters=1),
-           timeout=300)  # fmt: skip
-    out = tmp_path / "megatron"
-    assert main(["convert-checkpoint", "--from", "megart", "--to", "megatron", "--ckpt-format",
-                 fmt, "--target-tensor-parallel-size", "2", "--load", str(tmp_path / "megart"),
-                 "--save", str(out)]) == 0  # fmt: skip
-    cfg = tw.tiny(**TRAIN).gpt_config()
-    want = launch(mckw.checkpoint_logits, 1, str(tmp_path / "megart"), _tokens(cfg),
-                  timeout=300)[0]  # fmt: skip
-    assert want.abs().max() > 0.1
-    if fmt == "torch":
-        got = launch(mcw.tp_rank_logits, 2, str(out), _tokens(cfg), timeout=300)
-    else:
-        got = launch(mdw.load_and_run, 2, str(out), _tokens(cfg), 2, 1, timeout=300)
-    for logits in got:
-        assert (logits[..., : cfg.vocab_size] - want).abs().max().item() < 1e-10
-    assert main(["convert-checkpoint", "--from", "megatron", "--to", "megart", "--load",
-                 str(out), "--save", str(tmp_path / "back")]) == 0  # fmt: skip
-    back = launch(mckw.checkpoint_gpt, 1, str(tmp_path / "back"), timeout=300)[0][1]
-    ours = launch(mckw.checkpoint_gpt, 1, str(tmp_path / "megart"), timeout=300)[0][1]
-    assert set(back) == set(ours)
-    assert all(torch.equal(back[k], ours[k]) for k in ours)
+    mmw.converted_both_ways(tmp_path, TRAIN, fmt)
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])

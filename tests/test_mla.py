@@ -284,9 +284,11 @@ def test_megatron_args_and_hugging_face_refuse_what_they_cannot_hold(tmp_path):
     # LayerNorm, GeLU and missing latent norms do not fit.
     with pytest.raises(ConfigError, match="a DeepSeek-V3 checkpoint cannot represent .*LayerNorm"):
         writer(cfg)
-    # Megatron-LM's MLA args read (test_megatron_mla_ckpt), but not with YaRN rope, its default.
-    with pytest.raises(ConfigError, match="multi-latent attention and no --rope-type .*YaRN"):
-        megatron_config(dict(multi_latent_attention=True, num_layers=2))
+    # Megatron-LM's MLA args read (test_megatron_mla_ckpt; YaRN too: test_megatron_mla_yarn),
+    # but not beside its GPT model's own YaRN table.
+    with pytest.raises(ConfigError, match="multi-latent attention and --position-embedding-type "
+                       "yarn: .*--rope-type, on --position-embedding-type rope"):  # fmt: skip
+        megatron_config(dict(multi_latent_attention=True, position_embedding_type="yarn"))
     (tmp_path / "config.json").write_text(json.dumps(dict(model_type="deepseek_v2")))
     with pytest.raises(ConfigError, match="holds a deepseek_v2.*DeepSeek-V2's .* is not"):
         read_format(tmp_path)
@@ -340,12 +342,21 @@ def test_the_run_line_names_the_attention():
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("rope", [("--rope-type", "yarn"), ()])
-def test_mla_with_yarn_is_refused_in_megatrons_formats_before_training(fmt, rope):
-    """Megatron's files hold MLA with plain rope only (training/megatron_mla.py); no
-    --rope-type is YaRN under MLA, as in Megatron-LM."""
+def test_mla_yarn_megatron_lm_cannot_hold_is_refused_in_its_formats_before_training(fmt, rope):
+    """Megatron's files hold MLA with YaRN (no --rope-type is YaRN under MLA, as in
+    Megatron-LM), but not the settings its MLA keeps fixed (training/megatron_mla.py), which
+    megart's own format holds."""
     flags = [f for f in MLA_FLAGS if f not in ("--rope-type",)]
     flags.remove("rope")  # --rope-type's value; --position-embedding-type keeps its own
-    with pytest.raises(
-        ConfigError, match="multi-latent attention with YaRN rope .*--rope-type rope"
-    ):
-        parse(*flags, *rope, "--ckpt-format", fmt).check(1)
+    yarn = (*flags, *rope, "--rotary-scaling-factor", "40", "--mscale-all-dim", "1")
+    assert parse(*yarn, "--ckpt-format", fmt).check(1) == 1
+    assert parse(*yarn, "--yarn-beta-fast", "32", "--ckpt-format", fmt).check(1) == 1  # kept
+    for extra, named in [(("--yarn-original-max-position-embeddings", "8192"),
+                          "^--yarn-original-max-position-embeddings 8192 with"),
+                         (("--yarn-beta-slow", "2", "--no-yarn-correction-range-round-to-int"),
+                          "^--yarn-beta-slow 2.0 and --no-yarn-correction-range-round-to-int "
+                          "with")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=named + " multi-latent attention's YaRN rope: "
+                           r"Megatron-LM's checkpoints \(--ckpt-format .*keeps "):  # fmt: skip
+            parse(*yarn, *extra, "--ckpt-format", fmt).check(1)
+        assert parse(*yarn, *extra, "--ckpt-format", "megart").check(1) == 1

@@ -3,6 +3,7 @@ Megatron-Core 0.16.1's GPTModel with MLA and rope_type "yarn" (float64, weights 
 mistake in either of YaRN's two scalings shows, tp2 with and without sequence parallelism
 follows the one-process curve, and how the flags pick it (and what they refuse), by name."""
 
+import dataclasses
 import math
 
 import pytest
@@ -141,7 +142,8 @@ def test_the_architecture_flags_name_mlas_rope_type():
 def test_a_megart_checkpoint_gives_mla_and_its_yarn_to_use_checkpoint_args(tmp_path):
     """megart's own format holds MLA with YaRN; --use-checkpoint-args takes its rope type and
     settings (it describes the checkpoint with Megatron's args, where MLA's YaRN is --rope-type
-    yarn on --position-embedding-type rope), while Megatron's formats refuse it by name."""
+    yarn on --position-embedding-type rope), and Megatron's formats hold it too (Megatron-Core
+    against them: test_megatron_mla_yarn), its settings read back from their args alone."""
     from megart.training.megatron_checkpoint import megart_to_megatron
     from test_hf_llama import train_config
 
@@ -154,5 +156,10 @@ def test_a_megart_checkpoint_gives_mla_and_its_yarn_to_use_checkpoint_args(tmp_p
     assert (cfg.yarn_rotary_scaling_factor, cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == (
         4.0, 0.7, 0.3)  # fmt: skip
     assert cfg.position_embedding == "rotary"
-    with pytest.raises(ConfigError, match="multi-latent attention with YaRN rope"):
-        megart_to_megatron(tmp_path / "ckpt", tmp_path / "out", ckpt_format="torch")
+    megart_to_megatron(tmp_path / "ckpt", tmp_path / "out", ckpt_format="torch")
+    from megart.training.megatron_args import config_from_args
+    from megart.training.megatron_checkpoint import saved_args
+
+    a = saved_args(tmp_path / "out")[0]
+    assert (a["rope_type"], a["rotary_scaling_factor"], a["mscale"]) == ("yarn", 4.0, 0.7)
+    assert config_from_args(a) == dataclasses.replace(cfg, ffn_hidden_size=cfg.ffn_size)

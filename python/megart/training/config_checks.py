@@ -201,7 +201,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     check_mtp_flags(cfg)
     if cfg.multi_latent_attention and cfg.ckpt_format != "megart":
         refuse_mla_yarn(
-            cfg.rope_type, f"Megatron-LM's checkpoints (--ckpt-format {cfg.ckpt_format})"
+            cfg.gpt_config(), f"Megatron-LM's checkpoints (--ckpt-format {cfg.ckpt_format})"
         )
     check_document_flags(cfg)
     cfg.gpt_config().check_layout(tp, pp, cfg.chunks, **cfg.stages)  # GPTConfig's refusals

@@ -51,6 +51,9 @@ def megatron_args(
         make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         norm_epsilon=cfg.layernorm_epsilon,
+        # TransformerConfig's, which Megatron-LM's argparse takes as flags of the same names.
+        init_method_std=cfg.init_std,
+        init_method_xavier_uniform=cfg.init_method_xavier_uniform,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
         qk_layernorm=cfg.qk_layernorm,
         position_embedding_type=megatron_position(cfg),
@@ -134,7 +137,7 @@ def integral(x: float | None) -> float | int | None:
 
 def config_from_args(a: dict[str, Any]) -> GPTConfig:
     """The GPTConfig Megatron-LM's flags (``vars(args)``) describe."""
-    mla = mla_fields(a)  # first: MLA with YaRN is refused by name before any size is read
+    mla = mla_fields(a)  # first: what MLA's args hold that megart refuses, before any size
     rope = a.get("position_embedding_type") in ("rope", "yarn")
     # Under yarn Megatron-Core's YarnRotaryEmbedding ignores Llama 3's scaling, interpolation
     # and --rotary-percent (it turns whole heads): read as plain rope's only.
@@ -154,6 +157,8 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         ffn_hidden_size=a.get("ffn_hidden_size"),
         layernorm_epsilon=a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)),
         normalization="rmsnorm" if a.get("normalization") == "RMSNorm" else "layernorm",
+        init_std=float(a.get("init_method_std", 0.02)),  # Megatron-LM's default where absent
+        init_method_xavier_uniform=bool(a.get("init_method_xavier_uniform", False)),
         # Megatron-LM's argparse name; TransformerConfig's own name where args carry that.
         apply_layernorm_1p=bool(
             a.get("apply_layernorm_1p", a.get("layernorm_zero_centered_gamma", False))

@@ -89,7 +89,7 @@ def megart_to_megatron(
     cfg = model_config(shards[0, 0])
     refuse_mtp(cfg.mtp_num_layers, f"Megatron-LM's checkpoints (--ckpt-format {ckpt_format})")
     if cfg.multi_latent_attention:
-        refuse_mla_yarn(cfg.rope_type, f"Megatron-LM's checkpoints (--ckpt-format {ckpt_format})")
+        refuse_mla_yarn(cfg, f"Megatron-LM's checkpoints (--ckpt-format {ckpt_format})")
     layout = shards[0, 0]["config"]
     vpp_source, ends = 1, (None, None)
     if tp is None and pp is None:  # the source's layout: its chunks, its uneven stages

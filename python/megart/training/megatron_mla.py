@@ -4,8 +4,12 @@
 Megatron-LM's argparse names and defaults (its arguments.py and TransformerConfig, 0.16):
 ``multi_latent_attention`` (False), ``q_lora_rank`` (None), ``kv_lora_rank`` (32),
 ``qk_head_dim`` (128), ``qk_pos_emb_head_dim`` (64), ``v_head_dim`` (128) and ``rope_type``
-(None, which MLA takes as YaRN). megart builds plain rope only, so it writes ``rope_type`` "rope"
-with MLA and refuses args of MLA with YaRN.
+(None, which MLA takes as YaRN). Its MLA's YaRN (core_transformer_config_from_args passes the
+args whose names are MLATransformerConfig's fields) reads ``rotary_scaling_factor``, ``mscale``
+and ``mscale_all_dim`` (and ``rotary_base``); its original context and betas stay
+MLATransformerConfig's 4096, 32 and 1 and its correction range is rounded (no flag reaches
+them: Megatron-LM's --yarn-* flags are its GPT model's YaRN's). megart writes MLA's YaRN so, and
+refuses by name to write the settings of megart's MLA YaRN that Megatron-LM's cannot hold.
 
 Megatron-Core's local layer spec (what megart's layer computes, and what its torch_dist keys
 follow) keeps every MLA projection column-parallel, split on its rows, the down-projections
@@ -56,45 +60,76 @@ def mla_args(cfg: GPTConfig) -> dict[str, Any]:
     )
 
 
-def refuse_mla_yarn(rope_type: str | None, where: str) -> None:
-    """Refuses multi-latent attention with YaRN rope (``rope_type`` yarn, or None: Megatron-LM's
-    MLA then turns YaRN) for ``where``, a format megart writes MLA in with plain rope only."""
-    if rope_type != "rope":
+# What Megatron-LM's MLA builds its YaRN with besides its flags: MLATransformerConfig's
+# original_max_position_embeddings, beta_fast and beta_slow, and YarnRotaryEmbedding's rounding
+# (MLA passes none). GPTConfig's field -> (that value, megart's flag that changes it).
+MLA_YARN_FIXED = {
+    "yarn_original_max_position_embeddings": (4096, "--yarn-original-max-position-embeddings"),
+    "yarn_beta_fast": (32.0, "--yarn-beta-fast"),
+    "yarn_beta_slow": (1.0, "--yarn-beta-slow"),
+    "yarn_correction_range_round_to_int": (True, "--no-yarn-correction-range-round-to-int"),
+}
+# The args Megatron-LM's MLA takes its YaRN from (MLATransformerConfig's fields of those names,
+# Megatron-LM's argparse defaults): GPTConfig's field, default.
+MLA_YARN_ARGS = {
+    "rotary_scaling_factor": ("yarn_rotary_scaling_factor", 1.0),
+    "mscale": ("yarn_mscale", 1.0),
+    "mscale_all_dim": ("yarn_mscale_all_dim", 0.0),
+}
+
+
+def refuse_mla_yarn(cfg: GPTConfig, where: str) -> None:
+    """Refuses, for ``where`` (a Megatron-LM format), multi-latent attention's YaRN settings
+    that Megatron-LM's MLA cannot hold (MLA_YARN_FIXED: megart applies its --yarn-* flags under
+    MLA too, Megatron-LM's MLA keeps MLATransformerConfig's values)."""
+    if not cfg.multi_latent_attention or cfg.rope_type != "yarn":
+        return
+    unheld = [(flag, f.removeprefix("yarn_"), getattr(cfg, f), v)
+              for f, (v, flag) in MLA_YARN_FIXED.items() if getattr(cfg, f) != v]  # fmt: skip
+    if unheld:
+        given = " and ".join(f if isinstance(v, bool) else f"{f} {v}" for f, _, v, _ in unheld)
+        kept = " and ".join(f"{name} {v}" for _, name, _, v in unheld)
         raise ConfigError(
-            "multi-latent attention with YaRN rope (--rope-type yarn, or none: Megatron-LM's "
-            f"default for MLA): megart does not write or read it in {where}; give --rope-type "
-            "rope, or keep megart's own checkpoint format (--ckpt-format megart)"
+            f"{given} with multi-latent attention's YaRN rope: {where} cannot hold it "
+            f"(Megatron-LM's MLA keeps {kept}: no flag of its reaches them); leave it out, "
+            "or keep megart's own checkpoint format (--ckpt-format megart)"
         )
 
 
 def mla_fields(a: dict[str, Any]) -> dict[str, Any]:
     """GPTConfig's MLA fields from Megatron-LM's args (``vars``): none where they hold no MLA
-    (older args lack the flags). Refuses MLA with YaRN rope (``rope_type`` yarn, or None,
-    which MLA takes as yarn), which megart does not build."""
+    (older args lack the flags); with ``rope_type`` yarn or None (MLATransformerConfig's
+    default, yarn) its YaRN as Megatron-LM's MLA builds it (MLA_YARN_ARGS, MLA_YARN_FIXED:
+    its --yarn-* args do not reach it and are not read)."""
     if not a.get("multi_latent_attention"):
         return {}
-    rope = a.get("rope_type")
-    if rope != "rope":
-        given = f"--rope-type {rope}" if rope else "no --rope-type (MLA then turns YaRN rope)"
+    if a.get("position_embedding_type") == "yarn":
         raise ConfigError(
-            f"a Megatron-LM checkpoint with multi-latent attention and {given}: megart builds "
-            "plain rope only (--rope-type rope), not YaRN"
+            "a Megatron-LM checkpoint with multi-latent attention and --position-embedding-type "
+            "yarn: its GPT model's YaRN table beside MLA's own rope, which Megatron-Core's MLA "
+            "refuses (MLA takes YaRN from --rope-type, on --position-embedding-type rope)"
         )
+    rope = a.get("rope_type") or "yarn"
     scale, all_dim = float(a.get("rotary_scaling_factor", 1.0)), a.get("mscale_all_dim") or 0.0
-    if scale > 1 and all_dim:  # Megatron-Core's MLA scales its scores by YaRN's mscale squared
+    if rope == "rope" and scale > 1 and all_dim:  # its MLA scales its scores by YaRN's mscale
         raise ConfigError(
-            f"a Megatron-LM checkpoint with multi-latent attention, --rotary-scaling-factor "
-            f"{scale} and --mscale-all-dim {all_dim}: its scores are scaled by YaRN's mscale, "
-            "which megart does not build"
+            f"a Megatron-LM checkpoint with multi-latent attention, --rope-type rope, "
+            f"--rotary-scaling-factor {scale} and --mscale-all-dim {all_dim}: its scores are "
+            "scaled by YaRN's mscale under plain rope, which megart does not build"
         )
     if a.get("mla_down_proj_fusion"):
         raise ConfigError(
             "a Megatron-LM checkpoint with multi-latent attention and --mla-down-proj-fusion "
             "(one fused linear_qkv_down_proj): megart builds the two down-projections apart"
         )
+    yarn = {field: float(default if a.get(arg) is None else a[arg])
+            for arg, (field, default) in MLA_YARN_ARGS.items()}  # fmt: skip
+    yarn |= {field: value for field, (value, _) in MLA_YARN_FIXED.items()}
     return dict(
         multi_latent_attention=True,
+        rope_type=rope,
         **{n: a.get(n, MLA_DEFAULTS[n]) for n in _SIZES},
+        **(yarn if rope == "yarn" else {}),
     )
 
 

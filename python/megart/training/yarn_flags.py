@@ -79,8 +79,11 @@ def _fields(value_of: Callable[[str], Any]) -> dict[str, Any]:
 
 def yarn_args(cfg: GPTConfig) -> dict[str, Any]:
     """The YaRN flags of ``cfg`` as Megatron-LM's args hold them (its defaults, unset, without
-    YaRN: there its rounding switch is unset too)."""
+    YaRN: there its rounding switch is unset too). Under multi-latent attention the --yarn-*
+    ones are unset: its MLA reads only the other three (megatron_mla.MLA_YARN_ARGS)."""
     unset = {} if cfg.rope_type == "yarn" else {"yarn_correction_range_round_to_int": None}
+    if cfg.multi_latent_attention:
+        unset = {flag: None for flag in FIELDS if flag.startswith("yarn_")}
     return yarn_train_flags(cfg) | unset
 
 
