@@ -60,7 +60,7 @@ BACKENDS = {
     "common_backend": "torch",
     "common_backend_version": 1,
 }
-MODEL_KEYS = ("embedding.", "decoder.", "output_layer.")
+MODEL_KEYS = ("embedding.", "decoder.", "mtp.", "output_layer.")
 # What reading a damaged or foreign store raises (DCP's CheckpointException is a BaseException).
 UNREADABLE = (OSError, RuntimeError, EOFError, pickle.UnpicklingError, CheckpointException)
 

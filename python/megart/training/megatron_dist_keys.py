@@ -179,9 +179,8 @@ def mtp_extra_state_keys(cfg: GPTConfig) -> list[str]:
     layer's linear layers (a layer numbered after the decoder's), no sharded dimension."""
     out = []
     for k in range(cfg.mtp_num_layers or 0):
-        parts = ["eh_proj"]
-        parts += [MTP_LAYER + p for p in _linear_parts(cfg.num_layers + k, cfg)]
-        out += [f"mtp.layers.{k}.{part}._extra_state/shard_0_1" for part in parts]
+        parts = [".eh_proj"] + [MTP_LAYER + p for p in _linear_parts(cfg.num_layers + k, cfg)]
+        out += [f"mtp.layers.{k}{part}._extra_state/shard_0_1" for part in parts]
     return out
 
 
