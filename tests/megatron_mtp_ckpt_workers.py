@@ -109,3 +109,18 @@ def megart_run(cfg: GPTConfig, megatron_state: dict, tokens: torch.Tensor, label
 def megart_run_kw(cfg_kw: dict, megatron_state: dict, tokens, labels) -> dict:
     """megart_run in the form launch calls (GPTConfig's fields)."""
     return megart_run(GPTConfig(**cfg_kw), megatron_state, tokens, labels)
+
+
+def save_megatron(kw: dict, out_dir: str, tp: int, tokens, labels) -> dict:
+    """mdw.save_megatron (Megatron-Core's MTP GPTModel at drawn weights, saved by its own
+    dist_checkpointing on ``tp`` ranks) with megatron_run's figures in place of its logits
+    (its GPTModel with depths computes logits only given labels)."""
+    seen = {}
+
+    def run(model, tokens, tp, pp):
+        seen.update(_gathered(megatron_run(model, tokens, labels)))
+        return seen["logits"]
+
+    mdw.stage_logits = run
+    mdw.save_megatron(kw, out_dir, tp, 1, tokens)
+    return seen
