@@ -68,25 +68,42 @@ def legacy_run(megatron_dir: str, tokens: torch.Tensor, labels: torch.Tensor) ->
     return out
 
 
-def dist_run(dist_dir: str, tokens: torch.Tensor, labels: torch.Tensor) -> dict:
-    """On each launched (tensor-parallel) rank: Megatron-Core's MTP GPTModel loading its slices
-    of the torch_dist store in ``dist_dir`` as Megatron-LM's loader does (mdw.load_and_run's
-    way), strictly into the model; megatron_run's figures."""
+def dist_run(dist_dir: str, tokens: torch.Tensor, labels: torch.Tensor, pp: int = 1) -> dict:
+    """On each launched rank (tensor-parallel x ``pp`` pipeline ranks): Megatron-Core's MTP
+    GPTModel of its stage loading its slices of the torch_dist store in ``dist_dir`` as
+    Megatron-LM's loader does (mdw.load_and_run's way), strictly into the model; the pipeline
+    run by hand (hidden states passed on); megatron_run's figures on the last stage (where the
+    depths are), None elsewhere."""
     from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
 
     from megart.training.checkpoint import iteration_dir, latest_iteration
     from megart.training.megatron_args import config_from_args
     from megart.training.megatron_dist import read_common
 
-    tp = int(os.environ["WORLD_SIZE"])
+    tp = int(os.environ["WORLD_SIZE"]) // pp
     mdw._no_cuda()
-    mdw._parallel(tp, 1)
+    mdw._parallel(tp, pp)
     root = iteration_dir(dist_dir, latest_iteration(dist_dir))
-    model = mcw.megatron_model(config_from_args(vars(read_common(root)["args"])), tp)
-    wanted = {"model": model.sharded_state_dict()}
+    model = mcw.megatron_model(config_from_args(vars(read_common(root)["args"])), tp, pp)
+    # Its last stage's copy of the embedding (the depths') is tied over the data-parallel
+    # group Megatron-LM's metadata names (its GPTModel asks for it there).
+    metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    wanted = {"model": model.sharded_state_dict(metadata=metadata)}
     loaded = dist_checkpointing.load(wanted, str(root), strict=mdw.STRICTNESS)
     model.load_state_dict(loaded["model"], strict=True)
-    out = _gathered(megatron_run(model, tokens, labels))
+    stage, group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
+    out = None
+    if stage > 0:
+        shape = (tokens.shape[1], tokens.shape[0], model.config.hidden_size)
+        hidden = torch.empty(shape, dtype=torch.double)
+        torch.distributed.recv(hidden, group=group, group_src=stage - 1)
+        model.set_input_tensor(hidden)
+    if stage < pp - 1:
+        hidden = mcw.megatron_logits(model.eval(), tokens)  # a stage's output: hidden states
+        torch.distributed.send(hidden.contiguous(), group=group, group_dst=stage + 1)
+    else:
+        out = _gathered(megatron_run(model, tokens, labels))
     torch.distributed.destroy_process_group()
     return out
 

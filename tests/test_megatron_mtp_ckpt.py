@@ -52,6 +52,7 @@ MODELS = {
     ),  # fmt: skip
 }
 TRAIN = dict(position_embedding_type="rope", mtp_num_layers=2, train_iters=4)
+UNTIED = dict(TRAIN, untie_embeddings_and_output_weights=True)
 NAMES = ("loss", "mtp_1 loss", "mtp_2 loss")
 LOSS = 2e-6  # Megatron-Core's fp32 losses against megart's float64 (measured: up to 6.1e-7)
 
@@ -161,7 +162,7 @@ def test_torch_dist_keys_and_shard_axes_are_megatron_cores(layout, name):
 
 @pytest.fixture(scope="module")
 def one_process():
-    return launch(tw.train_kw, 1, TRAIN, timeout=300, env=tw.ONE_THREAD)[0]
+    return mw.one_process_histories({"tied": TRAIN, "untied": UNTIED})
 
 
 SAVES = {  # name: (processes, flags, format)
@@ -173,6 +174,13 @@ SAVES = {  # name: (processes, flags, format)
     "torch_dist-tp2-distopt": (
         4,
         dict(tensor_model_parallel_size=2, use_distributed_optimizer=True),
+        "torch_dist",
+    ),  # fmt: skip
+    # Several pipeline stages: torch_dist with an untied output layer (the last stage's
+    # embedding copy a replica of the first stage's).
+    "torch_dist-tp2-pp2-untied": (
+        4,
+        dict(UNTIED, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
         "torch_dist",
     ),  # fmt: skip
 }
@@ -194,11 +202,11 @@ def saves(tmp_path_factory):
 def test_megart_resumes_its_megatron_format_mtp_checkpoints_on_the_curve(saves, one_process, name):
     """The main loss and each depth's, after the load, on the uninterrupted run's."""
     nproc, flags, _ = SAVES[name]
+    want = one_process["untied" if "untie_embeddings_and_output_weights" in flags else "tied"]
     for rank in launch(tw.train_kw, nproc, dict(TRAIN, **flags, load=str(saves[name])),
                        timeout=300):  # fmt: skip
-        assert mw.curve(rank, NAMES) == pytest.approx(
-            mw.curve(one_process[2:], NAMES), **tw.SAME_RUN
-        )
+        if rank:  # a last-stage rank's (the others log none)
+            assert mw.curve(rank, NAMES) == pytest.approx(mw.curve(want[2:], NAMES), **tw.SAME_RUN)
 
 
 def _assert_same(got: dict, want: dict, vocab: int) -> None:
@@ -209,18 +217,28 @@ def _assert_same(got: dict, want: dict, vocab: int) -> None:
     assert (got["depths"] - want["depths"]).abs().max().item() < LOSS
 
 
-@pytest.mark.parametrize("name", ["torch-tp1", "torch-tp2", "torch_dist-tp1", "torch_dist-tp2"])
+@pytest.mark.parametrize(
+    "name",
+    ["torch-tp1", "torch-tp2", "torch_dist-tp1", "torch_dist-tp2", "torch_dist-tp2-pp2-untied"],
+)
 def test_megatron_core_loads_megarts_files_with_its_logits_and_depth_losses(saves, name):
     """Each of Megatron-Core's tensor-parallel ranks strictly loads its own legacy file, or its
-    slices of the store as Megatron-LM's loader asks for them (strict about missing keys), and
-    computes megart's logits, main per-token loss and each depth's loss."""
-    nproc, _, fmt = SAVES[name]
+    slices of the store as Megatron-LM's loader asks for them (strict about missing keys; at
+    pp2 its last stage's embedding copy from the first stage's key), and computes megart's
+    logits, main per-token loss and each depth's loss (the pipeline run by hand)."""
+    nproc, flags, fmt = SAVES[name]
     cfg, model, _ = read_megatron(saves[name])
     tokens, labels = _batch(cfg)
     want = mtw.megart_run(cfg, model, tokens, labels)
-    run = mtw.legacy_run if fmt == "torch" else mtw.dist_run
-    for got in launch(run, nproc, str(saves[name]), tokens, labels, timeout=300):
-        _assert_same(got, want, cfg.vocab_size)
+    if fmt == "torch":
+        results = launch(mtw.legacy_run, nproc, str(saves[name]), tokens, labels, timeout=300)
+    else:
+        pp = flags.get("pipeline_model_parallel_size", 1)
+        results = launch(mtw.dist_run, nproc, str(saves[name]), tokens, labels, pp, timeout=300)
+    got = [r for r in results if r is not None]
+    assert len(got) == nproc // flags.get("pipeline_model_parallel_size", 1)
+    for result in got:
+        _assert_same(result, want, cfg.vocab_size)
 
 
 @pytest.mark.parametrize("saved,run", [(1, 2), (2, 1)])
@@ -316,11 +334,18 @@ def test_use_checkpoint_args_takes_the_depths(saves, tmp_path, fmt):
 def test_pipeline_stages_and_experts_with_depths_are_refused_in_megatrons_formats(tmp_path, capsys):
     from megart.training.config_checks import check_config
 
-    for kw, words in ((dict(pipeline_model_parallel_size=2), "on 2 pipeline stages"),
-                      (dict(num_experts=2, disable_bias_linear=True),
+    pp2 = dict(pipeline_model_parallel_size=2)
+    for kw, words in ((dict(pp2, ckpt_format="torch_dist"), r"here: tied embeddings"),
+                      (dict(pp2, untie_embeddings_and_output_weights=True, ckpt_format="torch"),
+                       r"here: torch\)"),
+                      (dict(pp2, untie_embeddings_and_output_weights=True,
+                            ckpt_format="torch_dist", use_distributed_optimizer=True),
+                       "here: --use-distributed-optimizer"),
+                      (dict(num_experts=2, disable_bias_linear=True, ckpt_format="torch_dist"),
                        r"experts \(--num-experts 2\)")):  # fmt: skip
         with pytest.raises(ConfigError, match=words):
-            check_config(tw.tiny(**TRAIN, **kw, ckpt_format="torch_dist"), 2)
+            check_config(tw.tiny(**TRAIN, **kw), 4)
+    check_config(tw.tiny(**UNTIED, **pp2, ckpt_format="torch_dist"), 2)
     launch(tw.train_kw, 1, dict(TRAIN, save=str(tmp_path / "megart"), train_iters=1),
            timeout=300)  # fmt: skip
     assert main(["convert-checkpoint", "--from", "megart", "--to", "megatron",

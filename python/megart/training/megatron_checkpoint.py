@@ -99,7 +99,7 @@ def megart_to_megatron(
     tp = layout["tensor_model_parallel_size"] if tp is None else tp
     pp = layout["pipeline_model_parallel_size"] if pp is None else pp
     vpp = vpp or vpp_source
-    refuse_mtp_layout(cfg, pp * vpp, f"Megatron-LM's checkpoints (--ckpt-format {ckpt_format})")
+    refuse_mtp_layout(cfg, pp * vpp, ckpt_format)
     if uneven(first, last):  # the target's split, checked as megart train checks it
         ends = (first, last)
         try:

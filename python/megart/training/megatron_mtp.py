@@ -13,10 +13,13 @@ order, after the decoder and before the output layer), ``eh_proj`` a ColumnParal
 2h -> h (its weight [h, 2h] split on its rows like linear_qkv's, with an ``_extra_state``), the
 norms replicated. Without a custom pipeline layout every depth is on the last pipeline stage,
 which then holds a copy of the word embedding too (GPTModel builds its embedding wherever the
-depths are); megart writes and reads the depths on one pipeline stage, and refuses more by
-name. Its sharded (torch_dist) keys are the module names: each depth keyed apart
-(``mtp.layers.K.<name>``, no stacked layer dimension), its layer's norms under the names
-Transformer Engine's fused layers have (the local spec's keys map, as a decoder layer's).
+depths are; torch_dist keys it as a replica of the first stage's, as megart writes its own
+last stage's copy). megart writes and reads the depths on one pipeline stage in both formats,
+and on several in torch_dist with an untied output layer and without the distributed
+optimizer; the rest is refused by name (refuse_depths). Its sharded (torch_dist) keys are the
+module names: each depth keyed apart (``mtp.layers.K.<name>``, no stacked layer dimension), its
+layer's norms under the names Transformer Engine's fused layers have (the local spec's keys
+map, as a decoder layer's).
 """
 
 from __future__ import annotations
@@ -62,36 +65,64 @@ def mtp_fields(a: dict[str, Any], where: str = "a Megatron-LM checkpoint") -> di
     pp = (a.get("pipeline_model_parallel_size") or 1) * (
         a.get("virtual_pipeline_model_parallel_size") or 1
     )
-    refuse_depths(depths, a.get("num_experts"), pp, "Megatron-LM's checkpoints")
+    untied = bool(a.get("untie_embeddings_and_output_weights"))
+    fmt = a.get("ckpt_format") or "torch"
+    refuse_depths(
+        depths, a.get("num_experts"), pp, fmt, untied, bool(a.get("use_distributed_optimizer"))
+    )
     return dict(
         mtp_num_layers=int(depths),
         mtp_loss_scaling_factor=float(a.get("mtp_loss_scaling_factor", 0.1)),
     )
 
 
-def refuse_mtp_layout(cfg: GPTConfig, pp: int, where: str) -> None:
-    """Refuses writing or reading ``cfg``'s depths in ``where`` (a Megatron-LM format) on
-    ``pp`` pipeline stages (virtual ones counted) where megart does not place them as
-    Megatron-Core does, or with experts."""
-    refuse_depths(cfg.mtp_num_layers, cfg.num_experts, pp, where)
+def refuse_mtp_layout(
+    cfg: GPTConfig, pp: int, fmt: str, distributed_optimizer: bool = False
+) -> None:
+    """Refuses writing or reading ``cfg``'s depths in Megatron-LM's format ``fmt`` (torch or
+    torch_dist) on ``pp`` pipeline stages (virtual ones counted) where megart does not place
+    them as Megatron-Core does, or with experts."""
+    untied = cfg.untie_embeddings_and_output_weights
+    refuse_depths(cfg.mtp_num_layers, cfg.num_experts, pp, fmt, untied, distributed_optimizer)
 
 
-def refuse_depths(depths: int | None, experts: int | None, pp: int, where: str) -> None:
-    """refuse_mtp_layout's refusals of ``depths`` with ``experts`` on ``pp`` stages."""
+def refuse_depths(
+    depths: int | None,
+    experts: int | None,
+    pp: int,
+    fmt: str,
+    untied: bool,
+    distributed_optimizer: bool = False,
+) -> None:
+    """refuse_mtp_layout's refusals of ``depths`` with ``experts`` on ``pp`` stages in ``fmt``,
+    the output layer ``untied`` or not, with or without the distributed optimizer."""
     if not depths:
         return
-    if pp > 1:
-        raise ConfigError(
-            f"a model with multi-token prediction (--mtp-num-layers {depths}) on "
-            f"{pp} pipeline stages: megart writes and reads its depths in {where} on one "
-            "pipeline stage only (Megatron-Core's last stage then holds the depths and a copy "
-            "of the word embedding); use --pipeline-model-parallel-size 1 there, or megart's "
-            "own checkpoint format (--ckpt-format megart)"
-        )
+    where = f"Megatron-LM's checkpoints (--ckpt-format {fmt})"
+    head = f"a model with multi-token prediction (--mtp-num-layers {depths})"
     if experts:
         raise ConfigError(
-            f"a model with multi-token prediction (--mtp-num-layers {depths}) and "
-            f"experts (--num-experts {experts}): megart does not write or read its "
+            f"{head} and experts (--num-experts {experts}): megart does not write or read its "
             f"depths in {where} with experts; keep it in megart's own checkpoint format "
             "(--ckpt-format megart)"
+        )
+    if pp == 1:
+        return
+    # Megatron-Core's last stage holds the depths and a copy of the word embedding, which
+    # megart writes as torch_dist's replica of the first stage's; 0.16.1's own GPTModel cannot
+    # key a tied output layer beside that copy (its tie asserts), and its distributed
+    # optimizer over the copy is untried.
+    why = {
+        "torch": fmt == "torch",
+        "tied embeddings (Megatron-Core 0.16.1 cannot key them there)": not untied,
+        "--use-distributed-optimizer": distributed_optimizer,
+    }
+    unbuilt = [k for k, v in why.items() if v]
+    if unbuilt:
+        raise ConfigError(
+            f"{head} on {pp} pipeline stages: megart writes and reads its depths in {where} "
+            f"on one pipeline stage, or on several in torch_dist with "
+            f"--untie-embeddings-and-output-weights and without the distributed optimizer "
+            f"(here: {', '.join(unbuilt)}); use --pipeline-model-parallel-size 1 there, or "
+            "megart's own checkpoint format (--ckpt-format megart)"
         )

@@ -28,7 +28,5 @@ def check_mtp_flags(cfg: Any) -> None:
         )
     if cfg.ckpt_format != "megart":  # Megatron-LM's torch or torch_dist
         refuse_mtp_layout(
-            cfg.gpt_config(),
-            cfg.pp * cfg.chunks,
-            f"Megatron-LM's checkpoints (--ckpt-format {cfg.ckpt_format})",
+            cfg.gpt_config(), cfg.pp * cfg.chunks, cfg.ckpt_format, cfg.use_distributed_optimizer
         )
