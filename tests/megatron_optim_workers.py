@@ -73,6 +73,9 @@ def _loss(model, cfg, tokens: torch.Tensor, targets: torch.Tensor, tp: int, rank
     b, s = tokens.shape
     positions = torch.arange(s).unsqueeze(0).expand_as(tokens)
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # True: the future, masked
+    if cfg.mtp_num_layers:  # its depths need the labels: its own loss (an unpadded vocabulary)
+        assert cfg.padded_vocab_size(tp) == cfg.vocab_size
+        return model(tokens, positions, mask, labels=targets).mean()  # the depths' seeded
     logits = model(tokens, positions, mask)  # [b, s, V_padded / t]
     per = logits.shape[-1]
     padded = torch.arange(rank * per, (rank + 1) * per) >= cfg.vocab_size

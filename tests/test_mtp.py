@@ -129,8 +129,16 @@ TRAIN = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
     [
         (dict(context_parallel_size=2), "--context-parallel-size 2"),
         (dict(calculate_per_token_loss=True), "--calculate-per-token-loss"),
-        (dict(ckpt_format="torch"), r"Megatron-LM's checkpoints \(--ckpt-format torch\)"),
-        (dict(ckpt_format="torch_dist"), "--ckpt-format torch_dist"),
+        # Megatron-LM's formats take the depths on one pipeline stage, dense (once refused
+        # outright: test_megatron_mtp_ckpt has them).
+        (
+            dict(ckpt_format="torch", pipeline_model_parallel_size=2),
+            r"Megatron-LM's checkpoints \(--ckpt-format torch\) on one pipeline stage",
+        ),
+        (
+            dict(ckpt_format="torch_dist", num_experts=2, disable_bias_linear=True),
+            r"--ckpt-format torch_dist\) with experts",
+        ),
     ],
 )
 def test_megart_train_refuses_what_its_depths_are_not_built_for(kw, words):
@@ -140,6 +148,8 @@ def test_megart_train_refuses_what_its_depths_are_not_built_for(kw, words):
     with pytest.raises(ConfigError, match=words):
         check_config(TrainConfig(**{**TRAIN, **kw}), 2)
     check_config(TrainConfig(**TRAIN), 2)  # the same run without it trains
+    for fmt in ("torch", "torch_dist"):  # and in Megatron-LM's formats on one stage
+        check_config(TrainConfig(**TRAIN, ckpt_format=fmt), 2)
 
 
 def test_megatron_and_hugging_face_formats_refuse_the_depths(tmp_path):
@@ -150,18 +160,23 @@ def test_megatron_and_hugging_face_formats_refuse_the_depths(tmp_path):
         model.save_hf(str(tmp_path / "hf"))
     args = dict(seq_length=16, hidden_size=32, num_layers=2, num_attention_heads=4,
                 vocab_size=128, mtp_num_layers=1)  # fmt: skip
-    with pytest.raises(ConfigError, match="--mtp-num-layers 1"):
-        config_from_args(args)
+    # Megatron-LM's args now read back with their depths (test_megatron_mtp_ckpt), but on
+    # more than one pipeline stage.
+    assert config_from_args(args).mtp_num_layers == 1
+    with pytest.raises(ConfigError, match="--mtp-num-layers 1.* on 2 pipeline stages"):
+        config_from_args({**args, "pipeline_model_parallel_size": 2})
     assert config_from_args({**args, "mtp_num_layers": None}).mtp_num_layers is None
 
 
-def test_converting_a_checkpoint_with_depths_to_megatron_is_refused(tmp_path):
+def test_converting_a_checkpoint_with_depths_to_megatron_stages_is_refused(tmp_path):
+    """On one pipeline stage it converts (test_megatron_mtp_ckpt), on two it is refused."""
     import train_workers as tw
     from megart.training.megatron_checkpoint import megart_to_megatron
 
     launch(tw.train_kw, 1, dict(TRAIN, train_iters=1, save=str(tmp_path / "ckpt")), timeout=300)
-    with pytest.raises(ConfigError, match="torch_dist"):
-        megart_to_megatron(tmp_path / "ckpt", tmp_path / "out", ckpt_format="torch_dist")
+    with pytest.raises(ConfigError, match=r"--ckpt-format torch_dist\) on one pipeline stage"):
+        megart_to_megatron(tmp_path / "ckpt", tmp_path / "out", pp=2, ckpt_format="torch_dist")
+    assert megart_to_megatron(tmp_path / "ckpt", tmp_path / "out", ckpt_format="torch_dist")
 
 
 def test_use_checkpoint_args_takes_the_depths_from_the_checkpoint(tmp_path):

@@ -14,10 +14,10 @@ from megart.errors import ConfigError
 from megart.models.config import VOCAB_MULTIPLE, GPTConfig, activation_of, distinct_head_size
 from megart.models.config_flags import megatron_position
 from megart.models.moe_checks import capacity_factor
-from megart.models.mtp_checks import refuse_mtp
 from megart.models.stages import check_stages, uneven
 from megart.models.window import any_windowed
 from megart.training.megatron_mla import mla_args, mla_fields
+from megart.training.megatron_mtp import mtp_args, mtp_fields
 from megart.training.yarn_flags import yarn_args, yarn_from_args
 
 
@@ -89,6 +89,7 @@ def megatron_args(
         ckpt_format="torch",
         **moe_args(cfg),
         **mla_args(cfg),
+        **mtp_args(cfg),
     )
 
 
@@ -147,7 +148,6 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
     scaled = plain and bool(a.get("use_rope_scaling", False))
     # Likewise absent from older args (no interpolation), and ignored by Megatron without rope.
     interpolation = a.get("rotary_seq_len_interpolation_factor") if plain else None
-    refuse_mtp(a.get("mtp_num_layers"), "Megatron-LM's checkpoints")
     return GPTConfig(
         vocab_size=a.get("vocab_size") or a["padded_vocab_size"],
         seq_length=a["seq_length"],
@@ -186,6 +186,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         **moe_fields(a),
         **yarn_from_args(a),
         **mla,
+        **mtp_fields(a),
     )
 
 

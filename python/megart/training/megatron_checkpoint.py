@@ -30,7 +30,6 @@ import torch
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
-from megart.models.mtp_checks import refuse_mtp
 from megart.models.stages import check_stages, ends_of, uneven
 from megart.models.vocab import fit_vocab
 from megart.training import megatron_dist, megatron_expert_bias, megatron_layout, tokenizer_record
@@ -54,6 +53,7 @@ from megart.training.megatron_args import (
 from megart.training.megatron_expert_files import merged_megatron_chunks
 from megart.training.megatron_files import model_chunks, rank_state, torch_load
 from megart.training.megatron_mla import refuse_mla_yarn
+from megart.training.megatron_mtp import refuse_mtp_layout
 from megart.training.shards import layer_ids, read_shards, whole_tensors
 
 VOCAB_NAMES = (megatron_layout.WORD, megatron_layout.OUTPUT)
@@ -87,7 +87,6 @@ def megart_to_megatron(
     iteration = required_latest_iteration(load_dir)
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
-    refuse_mtp(cfg.mtp_num_layers, f"Megatron-LM's checkpoints (--ckpt-format {ckpt_format})")
     if cfg.multi_latent_attention:
         refuse_mla_yarn(cfg, f"Megatron-LM's checkpoints (--ckpt-format {ckpt_format})")
     layout = shards[0, 0]["config"]
@@ -100,6 +99,7 @@ def megart_to_megatron(
     tp = layout["tensor_model_parallel_size"] if tp is None else tp
     pp = layout["pipeline_model_parallel_size"] if pp is None else pp
     vpp = vpp or vpp_source
+    refuse_mtp_layout(cfg, pp * vpp, ckpt_format)
     if uneven(first, last):  # the target's split, checked as megart train checks it
         ends = (first, last)
         try:

@@ -44,7 +44,12 @@ from megart.errors import ConfigError
 from megart.models.config import GPTConfig
 from megart.training.ckpt_files import iteration_dir
 from megart.training.megatron_args import check_args
-from megart.training.megatron_dist_keys import extra_state_keys, layer_names, sharded_keys
+from megart.training.megatron_dist_keys import (
+    extra_state_keys,
+    layer_names,
+    mtp_extra_state_keys,
+    sharded_keys,
+)
 from megart.training.megatron_files import CHECKPOINT_VERSION, torch_load
 
 METADATA = "metadata.json"
@@ -55,7 +60,7 @@ BACKENDS = {
     "common_backend": "torch",
     "common_backend_version": 1,
 }
-MODEL_KEYS = ("embedding.", "decoder.", "output_layer.")
+MODEL_KEYS = ("embedding.", "decoder.", "mtp.", "output_layer.")
 # What reading a damaged or foreign store raises (DCP's CheckpointException is a BaseException).
 UNREADABLE = (OSError, RuntimeError, EOFError, pickle.UnpicklingError, CheckpointException)
 
@@ -71,13 +76,17 @@ def is_dist_checkpoint(directory: str | os.PathLike) -> bool:
         return False
 
 
-def extra_states(layers: Iterable[int], cfg: GPTConfig, output: bool) -> dict[str, list[None]]:
+def extra_states(
+    layers: Iterable[int], cfg: GPTConfig, output: bool, depths: bool = False
+) -> dict[str, list[None]]:
     """The ``_extra_state`` (None: no fp8 scales) of each linear layer (and expert's) of
     ``layers``, and of the untied output layer with ``output``, as Megatron-Core's torch_dist
     strategy stores a ShardedObject: a list of its data, torch.save'd (by DCP's planner here),
     keyed ``key/shard_<offset>_<shape>`` (megart.training.megatron_dist_keys). Megatron-Core's
     load asks for them."""
     out = {key: [None] for layer in layers for key in extra_state_keys(layer, cfg)}
+    if depths:  # the stage of the multi-token prediction depths (megatron_mtp)
+        out.update({key: [None] for key in mtp_extra_state_keys(cfg)})
     if output:
         out["output_layer._extra_state/shard_0_1"] = [None]
     return out
@@ -98,7 +107,8 @@ def write(
     state: dict[str, Any] = {
         k: v.detach().contiguous() for k, v in sharded_keys(model, cfg).items()
     }
-    state.update(extra_states(range(cfg.num_layers), cfg, cfg.untie_embeddings_and_output_weights))
+    untied = cfg.untie_embeddings_and_output_weights
+    state.update(extra_states(range(cfg.num_layers), cfg, untied, depths=True))
     # One process writes the whole store: no process group, hence no_dist. Not flattened, so
     # that each extra state's list is one object, as Megatron-Core's planner writes it.
     dcp.save(

@@ -55,6 +55,8 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 _STACKED = re.compile(r"decoder\.layers\.(.+)$")
 _EXPERT = re.compile(re.escape(LOCAL_EXPERTS) + r"(\d+)\.(.+)$")
 
+# A multi-token prediction depth's layer, within the depth's names.
+MTP_LAYER = ".transformer_layer."
 # (index, count) of each sharded dimension before a tensor's own: its layer, its expert.
 Leading = list[tuple[int, int]]
 
@@ -106,7 +108,7 @@ def sharded_keys(model: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, to
     for name, value in model.items():
         match = _LAYER.match(name)
         if match is None:
-            out[name] = value
+            out[mtp_key(name, cfg)] = value
             continue
         key, leading = layer_key(int(match.group(1)), match.group(2), cfg)
         pieces.setdefault(key, {})[tuple(i for i, _ in leading)] = value
@@ -152,17 +154,38 @@ def stored_place(name: str, cfg: GPTConfig) -> tuple[str, Leading, int | None]:
     ``linear_fc1``; None for the whole tensor)."""
     if name in NAMES:
         return NAMES[name], [], None
+    if name.startswith("mtp."):  # a depth's: keyed apart, no layer dimension
+        head, sep, rest = name.partition(MTP_LAYER)
+        if not sep:
+            return name, [], None
+        megatron, half = megatron_layer_name(rest, cfg)
+        return mtp_key(head + sep + megatron, cfg), [], half
     _, layer, rest = name.split(".", 2)
     megatron, half = megatron_layer_name(rest, cfg)
     key, leading = layer_key(int(layer), megatron, cfg)
     return key, leading, half
 
 
-def extra_state_keys(layer: int, cfg: GPTConfig) -> list[str]:
-    """The store's keys of layer ``layer``'s ``_extra_state`` objects (one per linear layer,
-    one per expert's: the router has none), as Megatron-Core's unique_key names a
-    ShardedObject's shard: ``key/shard_<offsets>_<shape>`` (no sharded dimension: ``0_1``)."""
-    # linear_qkv, or multi-latent attention's projections, and linear_proj.
+def mtp_key(name: str, cfg: GPTConfig) -> str:
+    """The sharded key of Megatron-Core's multi-token prediction parameter ``name``
+    (``mtp.layers.K.``): its own name, each depth keyed apart, its layer's norms under the
+    fused names a decoder layer's have (TransformerLayer's keys map)."""
+    head, sep, part = name.partition(MTP_LAYER)
+    return head + sep + to_fused_norm(part, cfg) if sep else name
+
+
+def mtp_extra_state_keys(cfg: GPTConfig) -> list[str]:
+    """The store's keys of the depths' ``_extra_state`` objects: each depth's eh_proj and its
+    layer's linear layers (a layer numbered after the decoder's), no sharded dimension."""
+    out = []
+    for k in range(cfg.mtp_num_layers or 0):
+        parts = [".eh_proj"] + [MTP_LAYER + p for p in _linear_parts(cfg.num_layers + k, cfg)]
+        out += [f"mtp.layers.{k}{part}._extra_state/shard_0_1" for part in parts]
+    return out
+
+
+def _linear_parts(layer: int, cfg: GPTConfig) -> list[str]:
+    """The linear layers (each with an ``_extra_state``) of layer ``layer``, in its order."""
     parts = [*(mla_linears(cfg) or LINEAR_LAYERS[:1]), LINEAR_LAYERS[1]]
     if cfg.is_moe_layer(layer):
         parts += [f"{LOCAL_EXPERTS}{e}.{fc}" for e in range(cfg.num_experts or 0)
@@ -171,8 +194,15 @@ def extra_state_keys(layer: int, cfg: GPTConfig) -> list[str]:
             parts += [SHARED + "linear_fc1", SHARED + "linear_fc2"]
     else:
         parts += LINEAR_LAYERS[2:]
+    return parts
+
+
+def extra_state_keys(layer: int, cfg: GPTConfig) -> list[str]:
+    """The store's keys of layer ``layer``'s ``_extra_state`` objects (one per linear layer,
+    one per expert's: the router has none), as Megatron-Core's unique_key names a
+    ShardedObject's shard: ``key/shard_<offsets>_<shape>`` (no sharded dimension: ``0_1``)."""
     out = []
-    for part in parts:
+    for part in _linear_parts(layer, cfg):
         key, leading = layer_key(layer, f"{part}._extra_state", cfg)
         offsets = ".".join(str(i) for i, _ in leading) or "0"
         shape = ".".join(str(n) for _, n in leading) or "1"

@@ -72,7 +72,8 @@ def _extra_states(chunks: list[Any]) -> dict[str, list[None]]:
     for chunk in chunks:
         owns_output = any(n == "output_layer.weight" for n, _ in chunk.named_parameters())
         output = owns_output and cfg.untie_embeddings_and_output_weights
-        out.update(extra_states(chunk.layer_ids, cfg, output))
+        depths = any(n.startswith("mtp.") for n, _ in chunk.named_parameters())
+        out.update(extra_states(chunk.layer_ids, cfg, output, depths))
     return out
 
 

@@ -33,11 +33,11 @@ Ranks = dict[tuple[int, int], list[dict[str, torch.Tensor]]]  # (tp rank, pp ran
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 _NORM = (".layer_norm_weight", ".layer_norm_bias")  # Transformer Engine's fused norms
 WORD, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
-# Column-parallel layers: q/k/v, fc1, and multi-latent attention's projections (the local
-# spec's: its down-projections too, their outputs gathered).
+# Column-parallel layers: q/k/v, fc1, multi-latent attention's projections (the local
+# spec's: its down-projections too, their outputs gathered) and multi-token prediction's eh_proj.
 _COLUMN = (
     r"\.(linear_qkv|linear_fc1|linear_q_proj|linear_q_down_proj|linear_q_up_proj"
-    r"|linear_kv_down_proj|linear_kv_up_proj)\.(weight|bias)$"
+    r"|linear_kv_down_proj|linear_kv_up_proj|eh_proj)\.(weight|bias)$"
 )
 
 
@@ -81,7 +81,9 @@ def with_extra_states(state: dict[str, torch.Tensor], last: bool) -> dict:
     layers adds to a module state dict (the output layer's on the last stage even when tied),
     so that Megatron's strict load finds every key; the local spec's layers hold None there,
     and Transformer Engine's take None as nothing to restore."""
-    linears = {n.rsplit(".", 1)[0] for n in state if re.search(r"\.linear_\w+\.weight$", n)}
+    linears = {
+        n.rsplit(".", 1)[0] for n in state if re.search(r"\.(linear_\w+|eh_proj)\.weight$", n)
+    }
     if last:
         linears.add("output_layer")
     return state | {f"{prefix}._extra_state": None for prefix in sorted(linears)}

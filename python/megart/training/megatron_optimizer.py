@@ -72,6 +72,9 @@ _LAYER_PARTS = (
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)$")
 _SUFFIXES = ("weight", "bias", "_extra_state", "gate_weight")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)\.(\w+)$")
+# A multi-token prediction depth's modules, in MultiTokenPredictionLayer's registration order.
+_MTP_PARTS = ("enorm.", "hnorm.", "eh_proj.", "transformer_layer.", "final_layernorm.")
+_MTP = re.compile(r"mtp\.layers\.(\d+)\.(" + "|".join(map(re.escape, _MTP_PARTS)) + r")(.+)$")
 
 
 def _order_key(name: str) -> tuple:
@@ -82,6 +85,12 @@ def _order_key(name: str) -> tuple:
         "output_layer": 4,
     }
     module, suffix = name.rsplit(".", 1)
+    depth = _MTP.match(name)
+    if depth:  # multi-token prediction's depths: after the decoder, before the output layer
+        k, part, rest = depth.groups()
+        if part == "transformer_layer.":  # its layer: ordered as a decoder layer's parts
+            return (3, 1 + int(k), _MTP_PARTS.index(part), *_order_key("decoder.layers.0." + rest))
+        return (3, 1 + int(k), _MTP_PARTS.index(part), 0, 0, 0, 0, 0, _SUFFIXES.index(rest))
     if module in top:
         return (top[module], 0, 0, 0, 0, _SUFFIXES.index(suffix))
     match = _LAYER.match(name)

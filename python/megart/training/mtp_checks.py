@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from megart.errors import ConfigError
-from megart.models.mtp_checks import refuse_mtp
+from megart.training.megatron_mtp import refuse_mtp_layout
 
 _WHY = "megart's multi-token prediction is not built for it"
 
@@ -27,6 +27,6 @@ def check_mtp_flags(cfg: Any) -> None:
             "are means over each microbatch's tokens); leave one of them out"
         )
     if cfg.ckpt_format != "megart":  # Megatron-LM's torch or torch_dist
-        refuse_mtp(
-            cfg.mtp_num_layers, f"Megatron-LM's checkpoints (--ckpt-format {cfg.ckpt_format})"
+        refuse_mtp_layout(
+            cfg.gpt_config(), cfg.pp * cfg.chunks, cfg.ckpt_format, cfg.use_distributed_optimizer
         )
