@@ -1,0 +1,136 @@
+"""Multi-token prediction and multi-latent attention under context parallelism, on every rank
+of a launched test (module level, so spawn can import them): a whole one-chunk GPT at cp2 and
+cp4 (and tp2 x cp2 with sequence parallelism) against one process, float64."""
+
+from __future__ import annotations
+
+import torch
+
+import megart.distributed as dist
+import megatron_core_workers as mcw
+from cp_workers import _rel, _whole
+from megart.models import mtp_sequence
+from megart.models.config import GPTConfig
+from megart.models.context_parallel import split_for_cp
+from megart.models.gpt import GPTChunk
+from megart.tensor_parallel import sync_sequence_parallel_grads
+from megart.tensor_parallel._group import group_rank, group_size
+
+F64 = torch.float64
+
+
+def run(
+    cfg: GPTConfig,
+    group: dist.ProcessGroup | None,
+    tp_group: dist.ProcessGroup | None = None,
+    draw: bool = True,
+) -> dict:
+    """A GPTChunk of ``cfg`` (weights with noise where ``draw``) on this rank's part of seeded
+    token sequences with a loss mask (about a third of the positions out) for the depths:
+    this rank's logits, main and depths' ([(1 + D) s/cp, b, V]; None with ``tp_group``);
+    the depth losses and weight gradients averaged over the context-parallel group (as the
+    trainer averages over dp x cp); the training loss the main tokens' mean."""
+    cp, r = group_size(group), group_rank(group)
+    g = torch.Generator().manual_seed(5)
+    data = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=g)
+    mask = (torch.rand(2, cfg.seq_length, generator=g) > 0.3).to(F64)
+    sp = tp_group is not None
+    chunk = GPTChunk(cfg, range(cfg.num_layers), True, True, tp_group, sp, cp_group=group)
+    chunk = chunk.to(F64)
+    if draw:
+        mcw.drawn(chunk)
+    x, y, m = (split_for_cp(t, 1, cp, r) for t in (data[:, :-1], data[:, 1:], mask))
+    logits = chunk(x)
+    token_losses = chunk.token_losses(logits, y, m)
+    token_losses.mean().backward()
+    sync_sequence_parallel_grads(chunk, tp_group)
+    tracked = chunk.aux_loss_scale.take().get("mtp", {})
+    depths = torch.stack([tracked[k] for k in range(cfg.mtp_num_layers)]) if tracked else None
+    grads = {n: _whole(p, tp_group) for n, p in chunk.named_parameters()}
+    for n in {"wte.weight", "output_layer.weight"} & grads.keys():
+        grads[n] = grads[n][: cfg.vocab_size]
+    if group is not None:
+        for t in (*grads.values(), *([] if depths is None else [depths])):
+            dist.all_reduce(t, op="avg", group=group)
+    logits = None if tp_group is not None else logits.detach()[..., : cfg.vocab_size]
+    return {"logits": logits, "depths": depths, "grads": grads}
+
+
+def _local_logits(want: torch.Tensor, parts: int, cp: int, r: int) -> torch.Tensor:
+    """One process's logits [(1 + D) s, b, V] as cp rank ``r`` computes them: each part's
+    (main, depth k) chunks of the sequence."""
+    return torch.cat([split_for_cp(p, 0, cp, r) for p in want.chunk(parts)])
+
+
+def plant(mistake: str) -> None:
+    """A planted mistake in the depths' shifts under context parallelism: "local" shifts each
+    rank's part as if it were the sequence (the shift within a rank's chunks, the count its
+    own); "rank-order" shifts the ranks' parts put together in rank order, not the sequence's
+    (the load-balanced split forgotten); "own-count" divides each rank's part by its own
+    count, as Megatron-Core 0.16.1 does, not by the sequence's over cp."""
+    parts = mtp_sequence.SequenceParts
+    if mistake == "local":
+        real = parts.__init__
+        parts.__init__ = lambda self, group: real(self, None)
+    elif mistake == "rank-order":
+
+        def whole(self, x: torch.Tensor) -> torch.Tensor:
+            if self.cp == 1:
+                return x
+            out = torch.empty((self.cp, *x.shape), dtype=x.dtype)
+            dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+            return out.permute(1, 0, 2).reshape(x.shape[0], -1)
+
+        parts.whole = whole
+        parts.part = lambda self, x: x.chunk(self.cp, 1)[self.rank]
+    elif mistake == "own-count":
+        parts.count_share = lambda self, mask: self.part(mask).sum().clamp(min=1)
+
+
+def against_one_process(models: dict[str, dict], comms: list[str], mistake: str = "") -> dict:
+    """On each of 4 ranks: each of ``models`` (GPTConfig fields) at cp2 (ranks 0-1, 2-3) and
+    cp4, for each --cp-comm-type of ``comms``, against one process; the largest relative
+    differences of logits, depth losses and gradients by name. ``mistake``: see plant."""
+    dist.init(timeout=120)
+    plant(mistake)
+    rank = dist.get_rank()
+    groups = {}
+    for size in (2, 4):
+        for start in range(0, 4, size):
+            grp = dist.new_group(list(range(start, start + size)))
+            if rank in grp.ranks:
+                groups[size] = grp
+    worst = {}
+    for name, kw in models.items():
+        want = run(GPTConfig(**kw), None)
+        parts = 1 + (kw.get("mtp_num_layers") or 0)
+        for comm in comms:
+            for size, grp in groups.items():
+                got = run(GPTConfig(**kw, cp_comm_type=comm), grp)
+                key = f"{name} {comm} cp{size}"
+                local = _local_logits(want["logits"], parts, size, group_rank(grp))
+                worst[f"{key} logits"] = _rel(got["logits"], local)
+                if want["depths"] is not None:
+                    worst[f"{key} depths"] = _rel(got["depths"], want["depths"])
+                worst[f"{key} grads"] = max(_rel(got["grads"][n], w)
+                                            for n, w in want["grads"].items())  # fmt: skip
+    return worst
+
+
+def tp_sp_against_one_process(models: dict[str, dict], comm: str) -> dict:
+    """On each of 4 ranks, tensor-parallel 2 (ranks 0-1, 2-3) x context-parallel 2 (ranks 0-2,
+    1-3) with sequence parallelism: each of ``models`` (default weights) against one process;
+    the largest relative differences of depth losses and gradients (gathered whole)."""
+    dist.init(timeout=120)
+    rank = dist.get_rank()
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp, cp = tp_groups[rank // 2], cp_groups[rank % 2]
+    worst = {}
+    for name, kw in models.items():
+        want = run(GPTConfig(**kw), None, draw=False)
+        got = run(GPTConfig(**kw, cp_comm_type=comm), cp, tp, draw=False)
+        if want["depths"] is not None:
+            worst[f"{name} depths"] = _rel(got["depths"], want["depths"])
+        worst[f"{name} grads"] = max(_rel(got["grads"][n], w) for n, w in want["grads"].items())
+    return worst
