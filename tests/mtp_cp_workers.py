@@ -67,8 +67,14 @@ def plant(mistake: str) -> None:
     rank's part as if it were the sequence (the shift within a rank's chunks, the count its
     own); "rank-order" shifts the ranks' parts put together in rank order, not the sequence's
     (the load-balanced split forgotten); "own-count" divides each rank's part by its own
-    count, as Megatron-Core 0.16.1 does, not by the sequence's over cp."""
+    count, as Megatron-Core 0.16.1 does, not by the sequence's over cp; "no-scale" drops
+    multi-latent attention's own softmax scale (YaRN's) under context parallelism."""
     parts = mtp_sequence.SequenceParts
+    if mistake == "no-scale":
+        import megart.models.mla as mla
+
+        real_attention = mla.cp_attention
+        mla.cp_attention = lambda *a: real_attention(*a[:-1], None)
     if mistake == "local":
         real = parts.__init__
         parts.__init__ = lambda self, group: real(self, None)
@@ -134,3 +140,49 @@ def tp_sp_against_one_process(models: dict[str, dict], comm: str) -> dict:
             worst[f"{name} depths"] = _rel(got["depths"], want["depths"])
         worst[f"{name} grads"] = max(_rel(got["grads"][n], w) for n, w in want["grads"].items())
     return worst
+
+
+def latent_attention(comm: str, blocks: str = "auto", scale: float | None = 0.3) -> dict:
+    """On each rank of a launched context-parallel group: attention of DeepSeek-shaped heads
+    (queries and keys 12 wide, values 6: multi-latent attention's qk_head_dim + rope and
+    v_head_dim), with a softmax ``scale`` of its own (YaRN's; None: 1/sqrt(12)), by the
+    exchange ``comm`` (the ring's ``blocks`` "flash" or "explicit"), against torch's causal
+    attention of the whole sequence in one process: the largest relative differences of the
+    output and of dq, dk, dv."""
+    import torch.nn.functional as F
+
+    from megart.models.attention import cp_attention
+    from megart.models.context_parallel import blockwise_attention, gather_kv
+    from megart.models.ring_attention import ring_attention
+
+    dist.init(timeout=60)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    cp, r = group.size(), group.rank()
+    g = torch.Generator().manual_seed(9)
+    b, heads, s = 2, 4, 8 * cp
+    q, k = (torch.randn(b, heads, s, 12, generator=g, dtype=F64) for _ in range(2))
+    v, dy = (torch.randn(b, heads, s, 6, generator=g, dtype=F64) for _ in range(2))
+    whole = [x.clone().requires_grad_() for x in (q, k, v)]
+    y = F.scaled_dot_product_attention(*whole, is_causal=True, scale=scale)
+    y.backward(dy)
+    mine = [split_for_cp(x, 2, cp, r).requires_grad_() for x in (q, k, v)]
+    if comm == "p2p":
+        got = ring_attention(*mine, group, blocks=blocks, scale=scale)
+    elif blocks == "blockwise":  # all_gather's GPU form (per query chunk, no mask tensor)
+        kv = [gather_kv(x, group) for x in mine[1:]]
+        got = blockwise_attention(mine[0], *kv, cp, r, 0.0, scale)
+    else:
+        got = cp_attention(*mine, group, comm, 0.0, scale)
+    got.backward(split_for_cp(dy, 2, cp, r))
+    out = {"y": _rel(got, split_for_cp(y, 2, cp, r))}
+    for name, x, w in zip(("dq", "dk", "dv"), mine, whole, strict=True):
+        out[name] = _rel(x.grad, split_for_cp(w.grad, 2, cp, r))
+    return out
+
+
+def train_with_mistake(kw: dict, mistake: str) -> list[dict]:
+    """megart train's history (train_workers.train) with a mistake planted (see plant)."""
+    import train_workers as tw
+
+    plant(mistake)
+    return tw.train(**kw)
