@@ -8,7 +8,7 @@ import torch
 
 import megart.distributed as dist
 import megatron_core_workers as mcw
-from cp_workers import _rel, _whole
+from cp_workers import _rel, _whole, cp2_and_cp4_groups
 from megart.models import mtp_sequence
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import split_for_cp
@@ -99,13 +99,7 @@ def against_one_process(models: dict[str, dict], comms: list[str], mistake: str 
     differences of logits, depth losses and gradients by name. ``mistake``: see plant."""
     dist.init(timeout=120)
     plant(mistake)
-    rank = dist.get_rank()
-    groups = {}
-    for size in (2, 4):
-        for start in range(0, 4, size):
-            grp = dist.new_group(list(range(start, start + size)))
-            if rank in grp.ranks:
-                groups[size] = grp
+    groups = cp2_and_cp4_groups()
     worst = {}
     for name, kw in models.items():
         want = run(GPTConfig(**kw), None)
