@@ -12,6 +12,7 @@ from cp_workers import _rel, _whole, cp2_and_cp4_groups
 from megart.models import mtp_sequence
 from megart.models.config import GPTConfig
 from megart.models.context_parallel import split_for_cp
+from megart.models.documents import Documents, document_positions
 from megart.models.gpt import GPTChunk
 from megart.tensor_parallel import sync_sequence_parallel_grads
 from megart.tensor_parallel._group import group_rank, group_size
@@ -24,12 +25,15 @@ def run(
     group: dist.ProcessGroup | None,
     tp_group: dist.ProcessGroup | None = None,
     draw: bool = True,
+    reset_positions: bool = False,
 ) -> dict:
     """A GPTChunk of ``cfg`` (weights with noise where ``draw``) on this rank's part of seeded
     token sequences with a loss mask (about a third of the positions out) for the depths:
     this rank's logits, main and depths' ([(1 + D) s/cp, b, V]; None with ``tp_group``);
     the depth losses and weight gradients averaged over the context-parallel group (as the
-    trainer averages over dp x cp); the training loss the main tokens' mean."""
+    trainer averages over dp x cp); the training loss the main tokens' mean. With
+    ``reset_positions`` the positions restart after each of a frequent token (as
+    --reset-position-ids after each EOD): the depths shift them along the whole sequence."""
     cp, r = group_size(group), group_rank(group)
     g = torch.Generator().manual_seed(5)
     data = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=g)
@@ -40,7 +44,13 @@ def run(
     if draw:
         mcw.drawn(chunk)
     x, y, m = (split_for_cp(t, 1, cp, r) for t in (data[:, :-1], data[:, 1:], mask))
-    logits = chunk(x)
+    documents = None
+    if reset_positions:
+        data[:, 3::5] = 7  # an end-of-document token every five
+        x, y = (split_for_cp(t, 1, cp, r) for t in (data[:, :-1], data[:, 1:]))
+        positions = document_positions(data[:, :-1], 7)
+        documents = Documents(split_for_cp(positions, 1, cp, r), None)
+    logits = chunk(x, documents)
     token_losses = chunk.token_losses(logits, y, m)
     token_losses.mean().backward()
     sync_sequence_parallel_grads(chunk, tp_group)
@@ -102,11 +112,13 @@ def against_one_process(models: dict[str, dict], comms: list[str], mistake: str 
     groups = cp2_and_cp4_groups()
     worst = {}
     for name, kw in models.items():
-        want = run(GPTConfig(**kw), None)
+        kw = dict(kw)
+        reset = kw.pop("reset_positions", False)
+        want = run(GPTConfig(**kw), None, reset_positions=reset)
         parts = 1 + (kw.get("mtp_num_layers") or 0)
         for comm in comms:
             for size, grp in groups.items():
-                got = run(GPTConfig(**kw, cp_comm_type=comm), grp)
+                got = run(GPTConfig(**kw, cp_comm_type=comm), grp, reset_positions=reset)
                 key = f"{name} {comm} cp{size}"
                 local = _local_logits(want["logits"], parts, size, group_rank(grp))
                 worst[f"{key} logits"] = _rel(got["logits"], local)

@@ -33,6 +33,10 @@ MODELS = {
         mtp_num_layers=2,
         untie_embeddings_and_output_weights=True,
     ),  # fmt: skip
+    # Positions restarting after each end-of-document token (--reset-position-ids), learned.
+    "mtp-reset-positions": dict(
+        BASE, position_embedding="learned", mtp_num_layers=2, reset_positions=True
+    ),  # fmt: skip
     "mla": MLA,
     "mla-yarn-mtp": dict(MLA, q_lora_rank=10, qk_layernorm=True, mtp_num_layers=2, **YARN),
 }
@@ -48,7 +52,7 @@ def _worst(results: list[dict]) -> dict[str, float]:
 
 def test_models_at_cp2_and_cp4_are_the_one_process_model():
     worst = _worst(launch(cw.against_one_process, 4, MODELS, COMMS, timeout=300))
-    assert len(worst) == 4 * 3 * 2 * 3 - 3 * 2  # every model, exchange, size, figure
+    assert len(worst) == len(MODELS) * 3 * 2 * 3 - 3 * 2  # every model, exchange, size, figure
     assert max(worst.values()) < F64_REL, worst
 
 
