@@ -83,18 +83,23 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def against_one_process(cfg_kw: dict, model_kws: list[dict]) -> dict[str, float]:
-    """On each of 4 ranks: one layer's attention (``cfg_kw``) at cp2 (two groups) and cp4, and
-    whole models (each of ``model_kws``) at cp2 and cp4, against one process; the largest
-    relative differences of outputs, input gradients and weight gradients."""
-    dist.init(timeout=60)
-    rank = dist.get_rank()
-    groups = {}
+def cp2_and_cp4_groups() -> dict[int, dist.ProcessGroup]:
+    """This rank's groups of 4 launched ranks by size: cp2 (ranks 0-1 or 2-3) and cp4."""
+    rank, groups = dist.get_rank(), {}
     for size in (2, 4):
         for start in range(0, 4, size):
             g = dist.new_group(list(range(start, start + size)))
             if rank in g.ranks:
                 groups[size] = g
+    return groups
+
+
+def against_one_process(cfg_kw: dict, model_kws: list[dict]) -> dict[str, float]:
+    """On each of 4 ranks: one layer's attention (``cfg_kw``) at cp2 (two groups) and cp4, and
+    whole models (each of ``model_kws``) at cp2 and cp4, against one process; the largest
+    relative differences of outputs, input gradients and weight gradients."""
+    dist.init(timeout=60)
+    groups = cp2_and_cp4_groups()
     cfg = GPTConfig(**cfg_kw)
     want = attention(cfg, None, seed=7)
     worst = {}

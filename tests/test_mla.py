@@ -252,8 +252,6 @@ def test_what_megart_does_not_build_is_refused_by_name(argv, message):
 @pytest.mark.parametrize(
     "argv,world,message",
     [
-        (("--context-parallel-size", "2"), 2, "--multi-latent-attention with "
-         "--context-parallel-size 2"),
         (("--tensor-model-parallel-size", "3", "--num-attention-heads", "6", "--hidden-size",
           "36"), 3, r"down-projection's 16 rows \(--kv-lora-rank \+ --qk-pos-emb-head-dim\)"),
     ],
@@ -261,6 +259,12 @@ def test_what_megart_does_not_build_is_refused_by_name(argv, message):
 def test_layouts_and_formats_megart_does_not_take_are_refused_by_name(argv, world, message):
     with pytest.raises(ConfigError, match=message):
         parse(*MLA_FLAGS, *argv).check(world)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_context_parallelism_is_taken_with_every_exchange(comm):
+    """Refused until MLA attended through the exchanges (its runs: tests/test_mtp_mla_cp.py)."""
+    parse(*MLA_FLAGS, "--context-parallel-size", "2", "--cp-comm-type", comm).check(2)
 
 
 @pytest.mark.parametrize("flag", ["--cache-mla-latents", "--mla-down-proj-fusion"])

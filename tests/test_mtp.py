@@ -127,7 +127,6 @@ TRAIN = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
 @pytest.mark.parametrize(
     "kw, words",
     [
-        (dict(context_parallel_size=2), "--context-parallel-size 2"),
         (dict(calculate_per_token_loss=True), "--calculate-per-token-loss"),
         # Megatron-LM's formats take the depths on one pipeline stage, dense (once refused
         # outright: test_megatron_mtp_ckpt has them).
@@ -150,6 +149,16 @@ def test_megart_train_refuses_what_its_depths_are_not_built_for(kw, words):
     check_config(TrainConfig(**TRAIN), 2)  # the same run without it trains
     for fmt in ("torch", "torch_dist"):  # and in Megatron-LM's formats on one stage
         check_config(TrainConfig(**TRAIN, ckpt_format=fmt), 2)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_megart_train_takes_the_depths_under_context_parallelism(comm):
+    """Refused until the depths shifted along the whole sequence (models.mtp_sequence; their
+    runs: tests/test_mtp_mla_cp.py)."""
+    from megart.training.config import TrainConfig
+    from megart.training.config_checks import check_config
+
+    check_config(TrainConfig(**TRAIN, context_parallel_size=2, cp_comm_type=comm), 2)
 
 
 def test_megatron_and_hugging_face_formats_refuse_the_depths(tmp_path):

@@ -184,3 +184,24 @@ def core_settings(
     unfused = module.cfg.attention_backend in ("unfused", "local")
     kernel = sdpa_kernel(SDPBackend.MATH) if unfused else contextlib.nullcontext()
     return dropout, stream, kernel
+
+
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: ProcessGroup,
+    comm: str,
+    dropout: float,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of this context-parallel rank's queries over the whole sequence, by the
+    exchange ``comm`` (--cp-comm-type: p2p a ring, a2a all-to-alls, all_gather the keys and
+    values gathered), for a layer whose keys and values are one per query head (multi-latent
+    attention's; ``scale`` its scores' factor, None: 1/sqrt of the queries' width)."""
+    if comm == "p2p":
+        return ring_attention(q, k, v, group, dropout, scale=scale)
+    if comm == "a2a":
+        return all_to_all_attention(q, k, v, group, dropout, scale=scale)
+    k, v = gather_kv(k, group), gather_kv(v, group)
+    return context_attention(q, k, v, group_size(group), group_rank(group), dropout, None, scale)

@@ -124,15 +124,17 @@ def context_attention(
     cp_rank: int,
     dropout: float,
     window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``cp_rank``'s queries over the keys and values gathered by
     gather_kv (group-rank order). On a GPU blockwise (blockwise_attention: no mask tensor, flash
     kernels, 1/cp of the causal scores); elsewhere, and with a sliding ``window``, one call under
     the explicit mask of global positions (masked_attention: the same attention, and what the
-    CPU tests measure)."""
+    CPU tests measure). ``scale``: the scores' factor (None: 1/sqrt of the queries' width;
+    multi-latent attention's YaRN gives its own); the values may be narrower than the keys."""
     if q.is_cuda and window is None:
-        return blockwise_attention(q, k, v, cp, cp_rank, dropout)
-    return masked_attention(q, k, v, cp, cp_rank, dropout, window)
+        return blockwise_attention(q, k, v, cp, cp_rank, dropout, scale)
+    return masked_attention(q, k, v, cp, cp_rank, dropout, window, scale)
 
 
 def masked_attention(
@@ -143,12 +145,13 @@ def masked_attention(
     cp_rank: int,
     dropout: float,
     window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """context_attention as one call of torch's attention over all gathered keys, masked by
     global positions (causal_mask, with the sliding ``window`` if any): every (s/cp) x s score
     computed, the mask kept for the backward."""
     bias = causal_bias(cp, cp_rank, q.shape[2], window, bias_dtype(q), q.device)
-    return F.scaled_dot_product_attention(q, k, v, bias, dropout_p=dropout)
+    return F.scaled_dot_product_attention(q, k, v, bias, dropout_p=dropout, scale=scale)
 
 
 @functools.lru_cache(maxsize=4)
@@ -162,7 +165,13 @@ def causal_bias(
 
 
 def blockwise_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, cp_rank: int, dropout: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: int,
+    cp_rank: int,
+    dropout: float,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """context_attention as two calls, one per query chunk, over the keys in the sequence's
     order up to that chunk's end (query_blocks), causal aligned to the lower right: torch's
@@ -177,6 +186,7 @@ def blockwise_attention(
                 v[:, :, :keys],
                 attn_mask=causal_lower_right(rows.stop - rows.start, keys),
                 dropout_p=dropout,
+                scale=scale,
             )
             for rows, keys in query_blocks(cp, cp_rank, q.shape[2])
         ],

@@ -56,17 +56,25 @@ def masked_usable(q: torch.Tensor, dropout: float) -> bool:
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    dropout: float,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """The block's attention (q's type), its rows' log-sum-exp (fp32; float64 for float64 on
     the CPU), and what its backward needs of this call (CUDA: sequence bounds, random state).
-    ``causal``: key j masked for row i when j > i (a square block's top left)."""
+    ``causal``: key j masked for row i when j > i (a square block's top left). ``scale``: the
+    scores' factor (None: 1/sqrt of the width)."""
     if q.is_cuda:
         out, lse, *rest = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, dropout, causal
+            q, k, v, dropout, causal, scale=scale
         )
         return out, lse, rest[:6]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )
     return out, lse, None
 
 
@@ -80,16 +88,31 @@ def backward(
     causal: bool,
     dropout: float,
     saved: Any,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block's share of dq, dk, dv, given the whole attention's ``out`` and ``lse`` for the
-    block's rows and ``saved``, what ``forward`` returned for it."""
+    block's rows and ``saved``, what ``forward`` returned for it (and its ``scale``)."""
     if q.is_cuda:
         cum_q, cum_k, max_q, max_k, seed, offset = saved
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout, causal, seed, offset
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cum_q,
+            cum_k,
+            max_q,
+            max_k,
+            dropout,
+            causal,
+            seed,
+            offset,
+            scale=scale,
         )
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
     )
 
 

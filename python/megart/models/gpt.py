@@ -104,7 +104,7 @@ class GPTChunk(nn.Module):
         )
         self.layer_ids = list(layers)
         depth_args = (cfg, (tp_group, ep_group), sequence_parallel, rng, self.aux_loss_scale)
-        self.mtp = MultiTokenPrediction(*depth_args) if mtp else None
+        self.mtp = MultiTokenPrediction(*depth_args, cp_group) if mtp else None
         if last:
             self.ln_f = norm(cfg, sequence_parallel)
         if last and untied:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from megart.distributed import ProcessGroup
-from megart.models.attention import core_settings
+from megart.models.attention import core_settings, cp_attention
 from megart.models.config import GPTConfig
 from megart.models.init import generator, weight_init
 from megart.models.norms import norm
@@ -56,7 +56,13 @@ class MLA(nn.Module):
     numbers). With sequence parallelism the latents go back to each rank's slice of the
     sequence for their norms, and the up-projections gather them again. The shared rope key
     part is used on every rank for its own heads only: its gradient is a partial sum, summed
-    across the group (copy_to_region) before it reaches the down-projection."""
+    across the group (copy_to_region) before it reaches the down-projection.
+
+    With context parallelism (``cp_group``) each rank projects its own part of each sequence
+    (rope at the tokens' global positions, as GPTChunk gives it) and attends by the
+    --cp-comm-type's exchange (megart.models.attention's), its keys (the shared rope part
+    repeated per head, as Megatron-Core's MLA hands them to its attention) and its values at
+    their own widths; the ring pads the values to the keys' width (ring_attention)."""
 
     def __init__(
         self,
@@ -68,10 +74,9 @@ class MLA(nn.Module):
         cp_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        if group_size(cp_group) > 1:  # refused by the flags' checks first
-            raise NotImplementedError("multi-latent attention under context parallelism")
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.cfg, self.rng, self.tp_group, self.sp = cfg, rng, tp_group, sequence_parallel
+        self.cp_group = cp_group
         self.local_heads = heads // group_size(tp_group)
         self.q_dim = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
         # None: torch's 1/sqrt(q_dim), what plain rope's Megatron-Core computes.
@@ -197,4 +202,7 @@ class MLA(nn.Module):
         with stream, kernel:
             # None: torch's default scale, 1/sqrt of q's width (Megatron-Core's softmax_scale
             # without YaRN).
+            if group_size(self.cp_group) > 1:
+                return cp_attention(q, k, v, self.cp_group, self.cfg.cp_comm_type, dropout,
+                                    self.softmax_scale)  # fmt: skip
             return sequence_attention(q, k, v, dropout, None, mask, self.softmax_scale)

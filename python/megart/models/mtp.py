@@ -24,6 +24,14 @@ models.moe seeding), so the loss reported is the main model's; each depth's loss
 A last stage that is not the first gets the tokens from the labels (the labels are the tokens
 shifted left by one): the trainer hands this rank's microbatches' labels over (``feed``) before
 the schedule runs, and the pipeline engine names the microbatch each forward runs.
+
+Under context parallelism every shift is along the whole sequence, not within a rank's chunks
+(models.mtp_sequence: Megatron-Core's roll over its cp group), and each depth's loss is the
+mean over the whole sequence's mask: each rank divides its part's sum by the sequence's count
+over cp, so that the average over the cp ranks (the gradients', and the logged losses') is the
+one-process loss. Megatron-Core 0.16.1 divides by each rank's own count instead, which differs
+from its own one-process loss wherever the ranks' counts differ (always: the last k positions,
+masked for depth k, are all on cp rank 0).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from megart.distributed import ProcessGroup
 from megart.models.blocks import Block
 from megart.models.init import generator, weight_init
 from megart.models.moe import AuxLossScale, _SeedGradient
+from megart.models.mtp_sequence import SequenceParts, shift_left
 from megart.models.norms import apply_norm, norm
 from megart.models.recompute import checkpointed
 from megart.tensor_parallel import (
@@ -52,14 +61,6 @@ if TYPE_CHECKING:
     from megart.models.config import GPTConfig
 
 
-def shift_left(x: torch.Tensor) -> torch.Tensor:
-    """``x`` [b, s] shifted left by one along the sequence, a zero shifted in at the end
-    (Megatron-Core's roll_tensor without context parallelism)."""
-    out = torch.zeros_like(x)
-    out[..., :-1] = x[..., 1:]
-    return out
-
-
 class MTPLayer(nn.Module):
     """One depth (Megatron-Core's MultiTokenPredictionLayer; its parameter names)."""
 
@@ -71,9 +72,11 @@ class MTPLayer(nn.Module):
         sequence_parallel: bool,
         rng: RNGStatesTracker | None,
         loss_scale: AuxLossScale,
+        cp_group: ProcessGroup | None = None,
     ) -> None:
         """``groups``: the tensor-parallel group and the expert-parallel one (an MoE layer's
-        experts spread over it)."""
+        experts spread over it); ``cp_group``: context parallelism's (the layer's attention
+        over the whole sequence, as the decoder's)."""
         super().__init__()
         h = cfg.hidden_size
         tp_group, ep_group = groups
@@ -98,7 +101,7 @@ class MTPLayer(nn.Module):
         # decoder layer's spec: an MoE layer where that one is (GPTConfig.is_moe_layer).
         layer = cfg.num_layers + depth
         self.transformer_layer = Block(
-            cfg, layer, tp_group, sequence_parallel, rng, None, loss_scale, ep_group
+            cfg, layer, tp_group, sequence_parallel, rng, cp_group, loss_scale, ep_group
         )
         self.final_layernorm = norm(cfg, sequence_parallel)
 
@@ -144,14 +147,17 @@ class MultiTokenPrediction(nn.Module):
         sequence_parallel: bool,
         rng: RNGStatesTracker | None,
         loss_scale: AuxLossScale,
+        cp_group: ProcessGroup | None = None,
     ) -> None:
-        """``groups``: the tensor-parallel group and the expert-parallel one (MTPLayer's)."""
+        """``groups``: the tensor-parallel group and the expert-parallel one (MTPLayer's);
+        ``cp_group``: context parallelism's, along whose whole sequence the depths shift."""
         super().__init__()
-        self.cfg, self.loss_scale = cfg, loss_scale
+        self.cfg, self.loss_scale, self.seq = cfg, loss_scale, SequenceParts(cp_group)
         self.tp_group, self.sequence_parallel = groups[0], sequence_parallel
         depths = cfg.mtp_num_layers or 0
         self.layers = nn.ModuleList(
-            MTPLayer(cfg, k, groups, sequence_parallel, rng, loss_scale) for k in range(depths)
+            MTPLayer(cfg, k, groups, sequence_parallel, rng, loss_scale, cp_group)
+            for k in range(depths)
         )
         self.labels: list[torch.Tensor] | None = None  # this rank's microbatches' (feed)
         self.microbatch = 0
@@ -162,17 +168,18 @@ class MultiTokenPrediction(nn.Module):
         self.labels = labels
 
     def first_ids(self, tokens: torch.Tensor | None) -> torch.Tensor | None:
-        """The depth-1 input ids [b, s]: the tokens shifted left by one, from the tokens where
-        the chunk has them, else from the fed labels (the same but for the last, zeroed as a
-        shift fills it); None when neither is known (inference on a later stage), or without
-        gradients (evaluation: its loss is the main model's, the depths' a training signal)."""
+        """The depth-1 input ids [b, s] of the whole sequence (every context-parallel rank's
+        part): the tokens shifted left by one, from the tokens where the chunk has them, else
+        from the fed labels (the same but for the last, zeroed as a shift fills it); None when
+        neither is known (inference on a later stage), or without gradients (evaluation: its
+        loss is the main model's, the depths' a training signal)."""
         if not torch.is_grad_enabled():
             return None
         if tokens is not None:
-            return shift_left(tokens)
+            return shift_left(self.seq.whole(tokens))
         if self.labels is None:
             return None
-        ids = self.labels[self.microbatch].clone()
+        ids = self.seq.whole(self.labels[self.microbatch]).clone()
         ids[..., -1] = 0
         return ids
 
@@ -186,16 +193,19 @@ class MultiTokenPrediction(nn.Module):
         mask: torch.Tensor | None,
     ) -> list[torch.Tensor]:
         """Each depth's output [s, b, h] (this rank's slice under sequence parallelism) from the
-        main model's normed output ``h``; ``embed(ids, positions)`` is the chunk's embedding
-        (``positions``: each token's [b, s], None for 0..s-1)."""
+        main model's normed output ``h``; ``ids``: first_ids' (the whole sequence);
+        ``embed(ids, positions)`` is the chunk's embedding of this rank's part (``positions``:
+        each of its tokens' [b, s], None for the sequence's 0..s-1)."""
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        else:
+            positions = self.seq.whole(positions)
         outs = []
         for k, layer in enumerate(self.layers):
             positions = shift_left(positions)
             if k:
                 ids = shift_left(ids)
-            h = layer(h, embed(ids, positions), rope, mask)
+            h = layer(h, embed(self.seq.part(ids), self.seq.part(positions)), rope, mask)
             outs.append(h)
         return outs
 
@@ -220,9 +230,7 @@ class MultiTokenPrediction(nn.Module):
         labels, then each depth's (shifted left by its depth), in the order the output layer
         sees the concatenated hidden states: rank-major under sequence parallelism over ``t``
         ranks (each rank's slice of every depth, gathered)."""
-        parts = [labels]
-        for _ in self.layers:
-            parts.append(shift_left(parts[-1]))
+        parts = [labels, *self.seq.shifts(labels, len(self.layers))]
         whole = torch.stack(parts).transpose(1, 2).flatten(0, 1)  # [(1 + D) s, b]
         return _swap(whole, len(parts), t)
 
@@ -237,14 +245,15 @@ class MultiTokenPrediction(nn.Module):
         """``main`` [s, b] (the main model's token losses) with each depth's loss (``depths``
         [D, s, b]: its token losses) seeded into the backward at factor
         mtp_loss_scaling_factor / D: the mean over its loss mask (``loss_mask`` [b, s], None:
-        every token), shifted left by the depth."""
+        every token), shifted left by the depth; under context parallelism this rank's part of
+        its sum over the sequence's count / cp (see the module's docstring)."""
         wide = depths.to(torch.promote_types(depths.dtype, torch.float32))
         mask = torch.ones_like(main.t()) if loss_mask is None else loss_mask
-        mask = mask.to(wide.dtype)  # [b, s]
+        mask = self.seq.whole(mask.to(wide.dtype))  # [b, s], the whole sequence
         factor = self.cfg.mtp_loss_scaling_factor / len(self.layers)
         for k in range(len(self.layers)):
             mask = shift_left(mask)
-            loss = (wide[k] * mask.t()).sum() / mask.sum().clamp(min=1)
+            loss = (wide[k] * self.seq.part(mask).t()).sum() / self.seq.count_share(mask)
             main = _SeedGradient.apply(main, loss, self.loss_scale, factor, "mtp", 1.0, k)
         return main
 

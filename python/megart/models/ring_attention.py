@@ -59,6 +59,7 @@ import megart.distributed as dist
 from megart.distributed import ProcessGroup
 from megart.models import flash_blocks
 from megart.models.context_parallel import cp_positions
+from megart.models.ring_math import _compute_dtype, _expand, _fold, _keep, _scores, tiles
 from megart.models.ring_window import pieces
 from megart.models.rng_replay import replayed, rng_state
 from megart.models.window_masks import window_mask
@@ -114,56 +115,6 @@ def _tile_mask(bw: BlockWindow | None, tile: slice, device: torch.device) -> tor
     return None if bw is None else bw.mask(tile, device)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _expand(x: torch.Tensor, per_group: int) -> torch.Tensor:
-    """Each group's key or value head once per query head of the group."""
-    return x.repeat_interleave(per_group, dim=1) if per_group > 1 else x
-
-
-def _fold(x: torch.Tensor, per_group: int) -> torch.Tensor:
-    """The gradient of _expand: each group's heads' gradients summed."""
-    if per_group == 1:
-        return x
-    b, h, n, d = x.shape
-    return x.view(b, h // per_group, per_group, n, d).sum(2)
-
-
-def _scores(
-    q: torch.Tensor, k: torch.Tensor, first_row: int | None, allowed: torch.Tensor | None = None
-) -> torch.Tensor:
-    """q k^T / sqrt(d), in q's (compute) type. ``first_row``: None for no mask, else the
-    index in the block of q's first row: key j is masked (-inf) for row i when j > first_row + i
-    (causal, both counted from the block's start). ``allowed``: [rows, keys] booleans, the
-    mask instead (a sliding window's, BlockWindow.mask)."""
-    s = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
-    if allowed is not None:
-        return s.masked_fill(~allowed, float("-inf"))
-    if first_row is not None:
-        rows = torch.arange(first_row, first_row + q.shape[-2], device=s.device)
-        later = torch.arange(k.shape[-2], device=s.device).unsqueeze(0) > rows.unsqueeze(1)
-        s = s.masked_fill(later, float("-inf"))
-    return s
-
-
-def tiles(rows: slice, keys: int, heads: int, tile_elements: int) -> list[slice]:
-    """``rows`` in tiles of as many query rows as keep one tile's scores ([heads, rows,
-    keys], heads counting the batch) within ``tile_elements``: the largest temporary of a
-    step is then a tile's, however long the sequence."""
-    per_tile = max(1, tile_elements // max(1, heads * keys))
-    return [slice(i, min(i + per_tile, rows.stop)) for i in range(rows.start, rows.stop, per_tile)]
-
-
-def _keep(shape: torch.Size, dropout: float, like: torch.Tensor) -> torch.Tensor | None:
-    """A dropout mask, scaled by 1 / (1 - p), drawn from the current random stream."""
-    if not dropout:
-        return None
-    keep = torch.rand(shape, device=like.device, dtype=like.dtype) >= dropout
-    return keep.to(like.dtype) / (1.0 - dropout)
-
-
 class _Ring:
     """One rank's place in the ring: the peers and the exchange of a block with them."""
 
@@ -206,6 +157,7 @@ class RingAttention(torch.autograd.Function):
         tile_elements: int,
         flash: bool,
         window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         ring = _Ring(group)
         c = _compute_dtype(q.dtype)
@@ -235,7 +187,7 @@ class RingAttention(torch.autograd.Function):
             elif flash:
                 kb, vb = (_expand(x[:, :, keys], per_group) for x in kv)
                 block_out, block_lse, saved = flash_blocks.forward(
-                    q[:, :, rows], kb, vb, causal, dropout
+                    q[:, :, rows], kb, vb, causal, dropout, scale
                 )
                 flash_saved.append(saved)
                 fold_in(out, lse, rows, block_out.to(c), block_lse.to(c))
@@ -244,7 +196,7 @@ class RingAttention(torch.autograd.Function):
                 kb, vb = (_expand(x[:, :, keys].to(c), per_group) for x in kv)
                 for t in tiles(rows, kb.shape[2], b * h, tile_elements):
                     allowed = _tile_mask(bw, t, q.device)
-                    s = _scores(qc[:, :, t], kb, t.start if causal else None, allowed)
+                    s = _scores(qc[:, :, t], kb, t.start if causal else None, allowed, scale)
                     tile_lse = torch.logsumexp(s, dim=-1)
                     # A row with no key of the block in its window: no weight (lse -inf, kept
                     # by the fold; every row has its own key at step 0, so the fold stays finite).
@@ -257,7 +209,7 @@ class RingAttention(torch.autograd.Function):
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.ring, ctx.dropout, ctx.rng, ctx.tile_elements = ring, dropout, rng, tile_elements
-        ctx.window = window
+        ctx.window, ctx.scale = window, scale
         ctx.flash_saved = flash_saved if flash else None
         return result
 
@@ -275,7 +227,7 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=c, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=c, device=kv.device)  # the visiting block's dK, dV
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = ctx.scale or 1.0 / math.sqrt(q.shape[-1])
         with replayed(ctx.rng, q.device):
             for step in range(ring.cp):
                 if step + 1 < ring.cp:
@@ -299,8 +251,9 @@ class RingAttention(torch.autograd.Function):
                 elif flash:
                     kb, vb = (_expand(x[:, :, keys], per_group) for x in kv)
                     dor, qr, outr, lser = (x[:, :, rows].contiguous() for x in (dout, q, out, lse))
+                    saved = ctx.flash_saved[step]
                     dqb, dk, dv = flash_blocks.backward(
-                        dor, qr, kb, vb, outr, lser, causal, dropout, ctx.flash_saved[step]
+                        dor, qr, kb, vb, outr, lser, causal, dropout, saved, ctx.scale
                     )
                     dq[:, :, rows] += dqb
                     dkv[0][:, :, keys] += _fold(dk, per_group)
@@ -315,7 +268,7 @@ class RingAttention(torch.autograd.Function):
                     ):
                         qt, dot = qc[:, :, t], doc[:, :, t]
                         allowed = _tile_mask(bw, t, q.device)
-                        s = _scores(qt, kb, t.start if causal else None, allowed)
+                        s = _scores(qt, kb, t.start if causal else None, allowed, ctx.scale)
                         p = torch.exp(s - lse[:, :, t, None])
                         keep = _keep(p.shape, dropout, p)
                         dp = dot @ vb.transpose(-1, -2)
@@ -337,7 +290,7 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < ring.cp:
                     _wait(works)
                     kv = arriving
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *[None] * 5
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *[None] * 6
 
 
 def fold_in(
@@ -362,6 +315,7 @@ def ring_attention(
     tile_elements: int = TILE_ELEMENTS,
     blocks: str = "auto",
     window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this context-parallel rank's queries ([b, heads, s/cp, d]) over the
     sequence, from each rank's own keys and values ([b, groups, s/cp, d], heads a multiple of
@@ -370,7 +324,11 @@ def ring_attention(
     explicit products in tiles of query rows of at most ``tile_elements`` scores (see tiles),
     "auto" the first where the kernels take the queries' device, type and dropout. With a
     sliding ``window`` (earlier tokens seen; None: all) "flash" means the masked kernels, each
-    block cut into its pieces inside the window (megart.models.ring_window)."""
+    block cut into its pieces inside the window (megart.models.ring_window). ``scale``: the
+    scores' factor (None: 1/sqrt of the queries' width). Values narrower than the queries
+    (multi-latent attention's v_head_dim) travel and are computed zero-padded to the queries'
+    width, the padding's output dropped: the blocks' K/V stack and the kernels take one width
+    (the zeros add nothing to any output or gradient)."""
     if blocks not in ("auto", "flash", "explicit"):
         raise ValueError(f"blocks must be 'auto', 'flash' or 'explicit', not {blocks!r}")
     if window is None:
@@ -383,4 +341,9 @@ def ring_attention(
             f"queries of head dimension {q.shape[-1]} on {q.device.type} with dropout {dropout}"
         )
     flash = usable if blocks == "auto" else blocks == "flash"
-    return RingAttention.apply(q, k, v, group, dropout, tile_elements, flash, window)
+    narrow = q.shape[-1] - v.shape[-1]
+    if narrow < 0 or (narrow and window is not None):
+        raise NotImplementedError("ring attention with values wider than the queries")
+    wide = torch.nn.functional.pad(v, (0, narrow)) if narrow else v
+    y = RingAttention.apply(q, k, wide, group, dropout, tile_elements, flash, window, scale)
+    return y[..., : v.shape[-1]] if narrow else y

@@ -3,7 +3,9 @@
 Context parallelism (megart.models.context_parallel) runs with tensor parallelism (and
 sequence parallelism, which splits each rank's s/cp tokens over t), pipeline (1F1B,
 interleaved, zb-h1, zb-v) and data parallelism, mixture-of-experts layers (models.moe: the
-auxiliary losses' statistics over t x cp), the distributed optimizer, recomputation,
+auxiliary losses' statistics over t x cp), multi-latent attention (models.mla, with every
+--cp-comm-type), multi-token prediction (models.mtp: its shifts along the whole sequence,
+models.mtp_sequence), the distributed optimizer, recomputation,
 megart's own checkpoints, Megatron-LM's legacy files (distrib_optim.pt included) and its
 torch_dist store (the weights' layout does not depend on cp, so a checkpoint resumes under any
 cp; the distributed optimizer's state is sharded over d x cp and read back at any). What it has
@@ -41,11 +43,6 @@ def check_context_parallel(config: Any) -> None:
         )
     if cp == 1:
         return
-    if getattr(config, "multi_latent_attention", False):
-        raise ConfigError(
-            f"--multi-latent-attention with {FLAG} {cp}: megart's multi-latent attention runs "
-            "over whole sequences only; use --context-parallel-size 1"
-        )
     if getattr(config, "reset_attention_mask", False):
         # Here rather than with the other document flags' checks (training.documents), so that
         # megart plan's context-parallel search, which runs these checks, refuses it too.

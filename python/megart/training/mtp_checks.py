@@ -15,12 +15,6 @@ def check_mtp_flags(cfg: Any) -> None:
     """Refuses --mtp-num-layers with what megart's depths do not take (TrainConfig ``cfg``)."""
     if not cfg.mtp_num_layers:
         return
-    if cfg.context_parallel_size > 1:
-        raise ConfigError(
-            f"--mtp-num-layers with --context-parallel-size {cfg.context_parallel_size}: "
-            f"{_WHY} (Megatron-Core shifts the tokens across the context-parallel ranks); "
-            "leave one of them out"
-        )
     if cfg.calculate_per_token_loss:
         raise ConfigError(
             f"--mtp-num-layers with --calculate-per-token-loss: {_WHY} (the depths' losses "

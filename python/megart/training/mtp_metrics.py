@@ -1,9 +1,9 @@
 """Multi-token prediction in the trainer (models.mtp): the labels its depths read on a last
 stage without the tokens, and the depths' losses an iteration reports, as Megatron-LM logs them
 (its MTPLossLoggingHelper): ``mtp_k loss``, depth k's loss (without the scaling factor), the
-mean over the iteration's microbatches and the data-parallel ranks. The depths record their
-losses when their gradients are seeded (models.moe's tracker under the name "mtp"), on the last
-pipeline stage; every tensor-parallel rank computes the same value."""
+mean over the iteration's microbatches and the data- and context-parallel ranks. The depths
+record their losses when their gradients are seeded (models.moe's tracker under the name
+"mtp"), on the last pipeline stage; every tensor-parallel rank computes the same value."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def mtp_losses(chunks: list[Any], cfg: Any, grid: Any, m: int, device: Any) -> d
         for k, value in chunk.aux_loss_scale.tracked.pop("mtp", {}).items():
             sums[k] += value.to(sums.device)
     dist.all_reduce(sums, group=grid.pp_group)  # from the last stage
-    dist.all_reduce(sums, group=grid.dp_group)
-    sums /= m * group_size(grid.dp_group)
+    # Each context-parallel rank's part of a depth's loss is its share of the whole
+    # sequence's mean over cp (models.mtp): their mean is that loss.
+    dist.all_reduce(sums, group=grid.dp_cp_group)
+    sums /= m * group_size(grid.dp_cp_group)
     return dict(zip(names(depths), sums.tolist(), strict=True))
