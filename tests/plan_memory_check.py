@@ -98,11 +98,13 @@ def predicted_and_held(
     held_by: Callable[..., dict] = held_bytes,
     args: tuple = (),
     expert_tokens: Callable[[dict], float] = lambda held: 1.0,
+    ranks: list[dict] | None = None,
 ) -> list[tuple[dict, dict, float]]:
     """Per rank of a real ``nproc``-rank run of ``kw``: what it held (``held_by(kw, *args)``,
-    plan_workers.held_bytes by default), what megart plan predicts for that rank (rank_memory;
-    under expert parallelism with the token copies ``expert_tokens(held)`` says that rank's
-    experts got, in k T), and what a CPU keeps beyond the plan (cpu_dropout_masks)."""
+    plan_workers.held_bytes by default; ``ranks``: those of a run made already), what megart
+    plan predicts for that rank (rank_memory; under expert parallelism with the token copies
+    ``expert_tokens(held)`` says that rank's experts got, in k T), and what a CPU keeps beyond
+    the plan (cpu_dropout_masks)."""
     config = TrainConfig(**kw)
     layout = _layout(config, nproc)
     # The in-flight counts come from the schedule simulator, as the planner uses them.
@@ -110,7 +112,9 @@ def predicted_and_held(
     c = layout_config(config, layout)
     order = sched.build(layout.kind, layout.pp, c.microbatches(layout.dp), layout.chunks)
     out = []
-    for held in launch(held_by, nproc, kw, *args, timeout=300):
+    if ranks is None:
+        ranks = launch(held_by, nproc, kw, *args, timeout=300)
+    for held in ranks:
         r = held["pp_rank"]
         pairs = plan.peak_in_flight[r]
         if layout.kind in ZERO_BUBBLE:  # the most pairs between F and I

@@ -336,8 +336,8 @@ def _latent_unmodelled(config: TrainConfig) -> list[str]:
     zero-bubble schedules (their deferred weight gradients are counted for megart's fused
     q/k/v attention only; searched layouts leave them out, plan.candidates),
     --recompute-modules layernorm (unmeasured with them) and, with the depths, the document
-    flags (their shifted masks and positions are unmeasured) and experts (a depth's layer is
-    an MoE layer where the last decoder layer is one: not modelled)."""
+    flags (their shifted masks and positions are unmeasured). A depth's MoE layer (where the
+    last decoder layer is one) is modelled as the decoder's (plan.mtp_memory, plan.mtp_time)."""
     named = [name for name, on in (("--multi-latent-attention", config.multi_latent_attention),
              ("--mtp-num-layers", bool(config.mtp_num_layers))) if on]  # fmt: skip
     out = []
@@ -346,8 +346,6 @@ def _latent_unmodelled(config: TrainConfig) -> list[str]:
             out.append(f"--pipeline-schedule {config.pipeline_schedule} with {name}")
         if "layernorm" in (config.recompute_modules or ()):
             out.append(f"{flag('recompute_modules', config.recompute_modules)} with {name}")
-    if config.mtp_num_layers and config.num_experts:  # the depths' MoE layers: unmodelled
-        out.append("--num-experts with --mtp-num-layers")
     if config.mtp_num_layers:
         for field in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss"):
             if getattr(config, field):
