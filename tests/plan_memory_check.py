@@ -10,13 +10,14 @@ import pytest
 
 from megart import schedule as sched
 from megart.launcher import launch
+from megart.plan import activations as act
 from megart.plan.estimate import estimate
 from megart.plan.hardware import load_profile
 from megart.plan.holding import peaks
 from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
 from megart.plan.memory import precision, rank_memory
 from megart.training.config import TrainConfig
-from plan_workers import held_bytes
+from plan_workers import deferred_bytes, held_bytes
 
 SMALL = dict(
     num_layers=4,
@@ -140,3 +141,30 @@ def assert_rank_matches(
     else:
         assert held["saved_peak"] == pytest.approx(want["saved"] + cpu, rel=rel)
     assert held["saved_after"] == 0
+
+
+def deferred_and_predicted(
+    nproc: int, kw: dict, ranks: list[dict] | None = None
+) -> list[tuple[int, float]]:
+    """Per rank of a real ``nproc``-rank run of ``kw`` under a zero-bubble schedule: the most
+    bytes it kept between its Is and Ws (plan_workers.deferred_bytes; ``ranks``: those of a
+    run made already), and what megart plan says it keeps at its peak of them (the layers'
+    activations.weight_grad_bytes, the last stage's output_weight_grad_bytes)."""
+    config = TrainConfig(**kw)
+    layout = _layout(config, nproc)
+    c = layout_config(config, layout)
+    cfg = c.gpt_config()
+    t, p, v, b, cp = layout.tp, layout.pp, layout.chunks, layout.micro_batch, layout.cp
+    prec = precision(c, "megart")
+    per_chunk = act.weight_grad_bytes(cfg, b, t, prec, cp) * (cfg.num_layers // (p * v))
+    out = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
+    plan = sched.build(layout.kind, p, c.microbatches(layout.dp), v)
+    last = p * v - 1
+    grads = [[per_chunk + (out if plan.virtual_stage(q, k) == last else 0) for k in range(v)]
+             for q in range(p)]  # fmt: skip
+    result = []
+    for held in ranks if ranks is not None else launch(deferred_bytes, nproc, kw, timeout=300):
+        most = peaks(plan, 0.0, grads)[held["pp_rank"]]  # where the weight gradients peak
+        want = most.weight_grads * per_chunk + most.last_stage_weight_grads * out
+        result.append((held["peak"], want))
+    return result
