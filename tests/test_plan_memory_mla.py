@@ -145,11 +145,9 @@ def test_mla_and_mtp_change_the_time_and_memory_of_a_layout(capsys):
         ("--mtp-num-layers 1 --runtime megatron", "--mtp-num-layers 1 (with --runtime megatron)"),
         ("--mtp-num-layers 1 --pipeline-model-parallel-size 2 --pipeline-schedule zb-v",
          "--pipeline-schedule zb-v with --mtp-num-layers"),
-        (f"{MLA_ARGV} --recompute-activations --recompute-modules layernorm",
-         "with --multi-latent-attention"),
         ("--mtp-num-layers 1 --reset-position-ids", "--reset-position-ids with --mtp-num-layers"),
     ],
-    ids=["mla-megatron", "mtp-megatron", "mtp-zb-v", "mla-layernorm", "mtp-documents"],
+    ids=["mla-megatron", "mtp-megatron", "mtp-zb-v", "mtp-documents"],
 )  # fmt: skip
 def test_the_cli_refuses_what_it_does_not_model_with_mla_or_mtp(extra, says, capsys):
     assert megart_main(f"{ARGV} {extra}".split()) == 2

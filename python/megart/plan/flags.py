@@ -332,21 +332,17 @@ def _moe_unmodelled(config: TrainConfig) -> list[str]:
 
 
 def _latent_unmodelled(config: TrainConfig) -> list[str]:
-    """What the planner does not model with --multi-latent-attention or --mtp-num-layers:
-    --recompute-modules layernorm (unmeasured with them) and, with the depths, zero-bubble
-    schedules (the depths' deferred weight gradients on the last stage are uncounted;
-    searched layouts leave them out, plan.candidates) and the document flags (their shifted
-    masks and positions are unmeasured). MLA's deferred weight gradients are counted
-    (plan.mla_memory.mla_weight_grad_elements), and a depth's MoE layer (where the last
-    decoder layer is one) as the decoder's (plan.mtp_memory, plan.mtp_time)."""
-    named = [name for name, on in (("--multi-latent-attention", config.multi_latent_attention),
-             ("--mtp-num-layers", bool(config.mtp_num_layers))) if on]  # fmt: skip
+    """What the planner does not model with --mtp-num-layers: zero-bubble schedules (the
+    depths' deferred weight gradients on the last stage are uncounted; searched layouts leave
+    them out, plan.candidates) and the document flags (their shifted masks and positions are
+    unmeasured). MLA's deferred weight gradients are counted
+    (plan.mla_memory.mla_weight_grad_elements), --recompute-modules layernorm with MLA and the
+    depths as with megart's attention (tests/test_plan_mla_layernorm.py), and a depth's MoE
+    layer (where the last decoder layer is one) as the decoder's (plan.mtp_memory,
+    plan.mtp_time)."""
     out = []
     if config.mtp_num_layers and config.pipeline_schedule in ZERO_BUBBLE:
         out.append(f"--pipeline-schedule {config.pipeline_schedule} with --mtp-num-layers")
-    for name in named:
-        if "layernorm" in (config.recompute_modules or ()):
-            out.append(f"{flag('recompute_modules', config.recompute_modules)} with {name}")
     if config.mtp_num_layers:
         for field in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss"):
             if getattr(config, field):
