@@ -16,6 +16,7 @@ from megart.plan.hardware import load_profile
 from megart.plan.holding import peaks
 from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
 from megart.plan.memory import precision, rank_memory
+from megart.plan.mtp_memory import mtp_weight_grad_bytes
 from megart.training.config import TrainConfig
 from plan_workers import deferred_bytes, held_bytes
 
@@ -149,7 +150,8 @@ def deferred_and_predicted(
     """Per rank of a real ``nproc``-rank run of ``kw`` under a zero-bubble schedule: the most
     bytes it kept between its Is and Ws (plan_workers.deferred_bytes; ``ranks``: those of a
     run made already), and what megart plan says it keeps at its peak of them (the layers'
-    activations.weight_grad_bytes, the last stage's output_weight_grad_bytes)."""
+    activations.weight_grad_bytes, the last stage's output_weight_grad_bytes and the
+    prediction depths' mtp_weight_grad_bytes)."""
     config = TrainConfig(**kw)
     layout = _layout(config, nproc)
     c = layout_config(config, layout)
@@ -157,7 +159,7 @@ def deferred_and_predicted(
     t, p, v, b, cp = layout.tp, layout.pp, layout.chunks, layout.micro_batch, layout.cp
     prec = precision(c, "megart")
     per_chunk = act.weight_grad_bytes(cfg, b, t, prec, cp) * (cfg.num_layers // (p * v))
-    out = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
+    out = act.output_weight_grad_bytes(cfg, b, t, prec, cp) + mtp_weight_grad_bytes(cfg, b, t, prec)
     plan = sched.build(layout.kind, p, c.microbatches(layout.dp), v)
     last = p * v - 1
     grads = [[per_chunk + (out if plan.virtual_stage(q, k) == last else 0) for k in range(v)]

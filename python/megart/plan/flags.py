@@ -332,17 +332,13 @@ def _moe_unmodelled(config: TrainConfig) -> list[str]:
 
 
 def _latent_unmodelled(config: TrainConfig) -> list[str]:
-    """What the planner does not model with --mtp-num-layers: zero-bubble schedules (the
-    depths' deferred weight gradients on the last stage are uncounted; searched layouts leave
-    them out, plan.candidates) and the document flags (their shifted masks and positions are
-    unmeasured). MLA's deferred weight gradients are counted
-    (plan.mla_memory.mla_weight_grad_elements), --recompute-modules layernorm with MLA and the
-    depths as with megart's attention (tests/test_plan_mla_layernorm.py), and a depth's MoE
-    layer (where the last decoder layer is one) as the decoder's (plan.mtp_memory,
-    plan.mtp_time)."""
+    """What the planner does not model with --mtp-num-layers: the document flags (their
+    shifted masks and positions are unmeasured). Zero-bubble schedules' deferred weight
+    gradients are counted with MLA (plan.mla_memory.mla_weight_grad_elements) and the depths
+    (plan.mtp_memory.mtp_weight_grad_bytes), --recompute-modules layernorm with both as with
+    megart's attention (tests/test_plan_mla_layernorm.py), and a depth's MoE layer (where the
+    last decoder layer is one) as the decoder's (plan.mtp_memory, plan.mtp_time)."""
     out = []
-    if config.mtp_num_layers and config.pipeline_schedule in ZERO_BUBBLE:
-        out.append(f"--pipeline-schedule {config.pipeline_schedule} with --mtp-num-layers")
     if config.mtp_num_layers:
         for field in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss"):
             if getattr(config, field):

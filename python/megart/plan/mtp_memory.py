@@ -40,6 +40,8 @@ from megart.plan.activations import (
     last_stage_bytes,
     layer_bytes,
     norm_statistics,
+    output_weight_grad_bytes,
+    weight_grad_bytes,
 )
 from megart.plan.moe_memory import MoeRank, moe_layer_extra, moe_replay_bytes
 from megart.plan.recompute_memory import mlp_replay_bytes
@@ -98,3 +100,16 @@ def mtp_stage_bytes(
     if rec == "selective":
         rise = moe_replay_bytes(cfg, b, rank) if moe else mlp_replay_bytes(cfg, b, tp, sp, prec)
     return depths * (outside + inside + layer), rise
+
+
+def mtp_weight_grad_bytes(cfg: GPTConfig, b: int, tp: int, prec: Precision) -> float:
+    """What the depths keep for one microbatch on the last stage between a zero-bubble
+    schedule's I and W, beside the output layer's own tokens (activations.
+    output_weight_grad_bytes): each depth's layer's deferred projections (weight_grad_bytes),
+    eh_proj's input (2h, gathered whole under sequence parallelism) and output gradient (h/t),
+    and an untied output layer's input and logits' gradient over the depth's tokens."""
+    depths = cfg.mtp_num_layers or 0
+    h = cfg.hidden_size
+    proj = cfg.seq_length * b * (2 * h + h / tp) * prec.other
+    each = weight_grad_bytes(cfg, b, tp, prec) + proj + output_weight_grad_bytes(cfg, b, tp, prec)
+    return depths * each
