@@ -10,13 +10,15 @@ import pytest
 
 from megart import schedule as sched
 from megart.launcher import launch
+from megart.plan import activations as act
 from megart.plan.estimate import estimate
 from megart.plan.hardware import load_profile
 from megart.plan.holding import peaks
 from megart.plan.layout import ZERO_BUBBLE, Layout, layout_config
 from megart.plan.memory import precision, rank_memory
+from megart.plan.mtp_memory import mtp_weight_grad_bytes
 from megart.training.config import TrainConfig
-from plan_workers import held_bytes
+from plan_workers import deferred_bytes, held_bytes
 
 SMALL = dict(
     num_layers=4,
@@ -98,11 +100,13 @@ def predicted_and_held(
     held_by: Callable[..., dict] = held_bytes,
     args: tuple = (),
     expert_tokens: Callable[[dict], float] = lambda held: 1.0,
+    ranks: list[dict] | None = None,
 ) -> list[tuple[dict, dict, float]]:
     """Per rank of a real ``nproc``-rank run of ``kw``: what it held (``held_by(kw, *args)``,
-    plan_workers.held_bytes by default), what megart plan predicts for that rank (rank_memory;
-    under expert parallelism with the token copies ``expert_tokens(held)`` says that rank's
-    experts got, in k T), and what a CPU keeps beyond the plan (cpu_dropout_masks)."""
+    plan_workers.held_bytes by default; ``ranks``: those of a run made already), what megart
+    plan predicts for that rank (rank_memory; under expert parallelism with the token copies
+    ``expert_tokens(held)`` says that rank's experts got, in k T), and what a CPU keeps beyond
+    the plan (cpu_dropout_masks)."""
     config = TrainConfig(**kw)
     layout = _layout(config, nproc)
     # The in-flight counts come from the schedule simulator, as the planner uses them.
@@ -110,7 +114,9 @@ def predicted_and_held(
     c = layout_config(config, layout)
     order = sched.build(layout.kind, layout.pp, c.microbatches(layout.dp), layout.chunks)
     out = []
-    for held in launch(held_by, nproc, kw, *args, timeout=300):
+    if ranks is None:
+        ranks = launch(held_by, nproc, kw, *args, timeout=300)
+    for held in ranks:
         r = held["pp_rank"]
         pairs = plan.peak_in_flight[r]
         if layout.kind in ZERO_BUBBLE:  # the most pairs between F and I
@@ -136,3 +142,31 @@ def assert_rank_matches(
     else:
         assert held["saved_peak"] == pytest.approx(want["saved"] + cpu, rel=rel)
     assert held["saved_after"] == 0
+
+
+def deferred_and_predicted(
+    nproc: int, kw: dict, ranks: list[dict] | None = None
+) -> list[tuple[int, float]]:
+    """Per rank of a real ``nproc``-rank run of ``kw`` under a zero-bubble schedule: the most
+    bytes it kept between its Is and Ws (plan_workers.deferred_bytes; ``ranks``: those of a
+    run made already), and what megart plan says it keeps at its peak of them (the layers'
+    activations.weight_grad_bytes, the last stage's output_weight_grad_bytes and the
+    prediction depths' mtp_weight_grad_bytes)."""
+    config = TrainConfig(**kw)
+    layout = _layout(config, nproc)
+    c = layout_config(config, layout)
+    cfg = c.gpt_config()
+    t, p, v, b, cp = layout.tp, layout.pp, layout.chunks, layout.micro_batch, layout.cp
+    prec = precision(c, "megart")
+    per_chunk = act.weight_grad_bytes(cfg, b, t, prec, cp) * (cfg.num_layers // (p * v))
+    out = act.output_weight_grad_bytes(cfg, b, t, prec, cp) + mtp_weight_grad_bytes(cfg, b, t, prec)
+    plan = sched.build(layout.kind, p, c.microbatches(layout.dp), v)
+    last = p * v - 1
+    grads = [[per_chunk + (out if plan.virtual_stage(q, k) == last else 0) for k in range(v)]
+             for q in range(p)]  # fmt: skip
+    result = []
+    for held in ranks if ranks is not None else launch(deferred_bytes, nproc, kw, timeout=300):
+        most = peaks(plan, 0.0, grads)[held["pp_rank"]]  # where the weight gradients peak
+        want = most.weight_grads * per_chunk + most.last_stage_weight_grads * out
+        result.append((held["peak"], want))
+    return result

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import pytest
 
-from megart import schedule as sched
-from megart.launcher import launch
-from megart.plan.holding import peaks
-from megart.plan.layout import layout_config
-from megart.training.config import TrainConfig
-
 # The small GPTs and _layout are re-exported: the other plan tests import them from here.
-from plan_memory_check import LLAMA, LLAMA_ROPE, SMALL, _layout, predicted_and_held
-from plan_workers import deferred_bytes
+from plan_memory_check import (  # noqa: F401 - _layout
+    LLAMA,
+    LLAMA_ROPE,
+    SMALL,
+    _layout,
+    deferred_and_predicted,
+    predicted_and_held,
+)
 
 # (name, processes, model, layout flags)
 CASES = [
@@ -350,28 +350,6 @@ ZB_CASES = [
 
 @pytest.mark.parametrize("name,nproc,model,flags", ZB_CASES, ids=[c[0] for c in ZB_CASES])
 def test_weight_gradient_bytes_held_between_i_and_w(name, nproc, model, flags):
-    from megart.plan import activations as act
-    from megart.plan.memory import precision
-
     kw = {**model, **flags, "pipeline_model_parallel_size": 2}
-    config = TrainConfig(**kw)
-    layout = _layout(config, nproc)
-    c = layout_config(config, layout)
-    cfg = c.gpt_config()
-    t, p, v, b = layout.tp, layout.pp, layout.chunks, layout.micro_batch
-    prec = precision(c, "megart")
-    layers = cfg.num_layers // (p * v)
-    cp = layout.cp
-    per_chunk = act.weight_grad_bytes(cfg, b, t, prec, cp) * layers
-    out = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
-    plan = sched.build(layout.kind, p, c.microbatches(layout.dp), v)
-    last = p * v - 1
-    for held in launch(deferred_bytes, nproc, kw, timeout=300):
-        r = held["pp_rank"]
-        grads = [
-            [per_chunk + (out if plan.virtual_stage(q, k) == last else 0) for k in range(v)]
-            for q in range(p)
-        ]
-        most = peaks(plan, 0.0, grads)[r]  # where the weight-gradient bytes are largest
-        want = most.weight_grads * per_chunk + most.last_stage_weight_grads * out
-        assert want > 0 and held["peak"] == pytest.approx(want, rel=0.01), (name, held, want)
+    for held, want in deferred_and_predicted(nproc, kw):
+        assert want > 0 and held == pytest.approx(want, rel=0.01), (name, held, want)

@@ -13,7 +13,11 @@ import pytest
 import plan_mla_workers as pmw
 from megart.launcher import launch
 from megart.models.config import GPTConfig
-from megart.plan.mla_time import mla_collectives, mla_column_shapes, mla_widths
+from megart.plan.mla_time import (
+    mla_collectives,
+    mla_column_shapes,
+    mla_output_score_value_widths,
+)
 from megart.training.flops import mla_widths as flops_widths
 
 MLA = dict(vocab_size=256, seq_length=16, hidden_size=32, num_layers=1, num_attention_heads=4,
@@ -62,7 +66,7 @@ def test_the_mla_products_are_the_flop_counts(name):
     (the projections), and its core's widths the scores' and values' per head."""
     cfg = GPTConfig(**CASES[name][0])
     projections, core = flops_widths(cfg)
-    out_width, score, value = mla_widths(cfg)
+    out_width, score, value = mla_output_score_value_widths(cfg)
     columns = sum(cols * inner for cols, inner in mla_column_shapes(cfg, pmw.TP)) * pmw.TP
     assert columns + cfg.hidden_size * out_width == projections
     assert cfg.num_attention_heads * (score + value) == core

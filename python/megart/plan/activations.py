@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
 from megart.models.recompute import recomputed_modules
-from megart.plan.mla_memory import mla_attention_bytes
+from megart.plan.mla_memory import mla_attention_bytes, mla_weight_grad_elements
 from megart.plan.timing import cp_score_share
 
 
@@ -371,13 +371,16 @@ def weight_grad_bytes(cfg: GPTConfig, b: int, tp: int, prec: Precision, cp: int 
     first MLP product's X the norm output h and dY f/t (2 f/t with SwiGLU); the second's X the
     activation f/t and dY h. Held with recomputation too: I recomputes the layer and keeps them.
     With context parallelism each rank holds its s/cp tokens' (the gathered keys and values
-    are attention's, not a linear layer's)."""
+    are attention's, not a linear layer's). Multi-latent attention's projections in place of
+    q/k/v's and the projection's: plan.mla_memory.mla_weight_grad_elements."""
     h, t, f, q = cfg.hidden_size, tp, cfg.ffn_size, cfg.query_size
     kv = cfg.query_groups * cfg.head_dim
     fc1_out = (2 if cfg.activation == "swiglu" else 1) * f
-    x = h + q / t + h + f / t
-    dy = (q + 2 * kv) / t + h + fc1_out / t + h
-    return cfg.seq_length // cp * b * (x + dy) * prec.other
+    attention = h + q / t + (q + 2 * kv) / t + h  # q/k/v's and the projection's X and dY
+    if cfg.multi_latent_attention:  # its projections' (plan.mla_memory)
+        attention = mla_weight_grad_elements(cfg, t)
+    mlp = h + f / t + fc1_out / t + h
+    return cfg.seq_length // cp * b * (attention + mlp) * prec.other
 
 
 def output_weight_grad_bytes(

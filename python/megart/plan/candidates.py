@@ -129,7 +129,7 @@ def _layouts(
         if megart and _grid_refuses(world, t, p, gpu.gpus_per_node, cp):
             continue
         kinds = schedules(fixed, p, base.num_layers, megart)
-        if base.num_experts or base.multi_latent_attention or base.mtp_num_layers:
+        if base.num_experts:
             # zero-bubble schedules are not modelled with them (plan.flags)
             kinds = [(v, kind) for v, kind in kinds if kind not in ZERO_BUBBLE]
         bs = [fixed.micro_batch] if fixed.micro_batch else list(MICRO_BATCHES)

@@ -332,22 +332,13 @@ def _moe_unmodelled(config: TrainConfig) -> list[str]:
 
 
 def _latent_unmodelled(config: TrainConfig) -> list[str]:
-    """What the planner does not model with --multi-latent-attention or --mtp-num-layers:
-    zero-bubble schedules (their deferred weight gradients are counted for megart's fused
-    q/k/v attention only; searched layouts leave them out, plan.candidates),
-    --recompute-modules layernorm (unmeasured with them) and, with the depths, the document
-    flags (their shifted masks and positions are unmeasured) and experts (a depth's layer is
-    an MoE layer where the last decoder layer is one: not modelled)."""
-    named = [name for name, on in (("--multi-latent-attention", config.multi_latent_attention),
-             ("--mtp-num-layers", bool(config.mtp_num_layers))) if on]  # fmt: skip
+    """What the planner does not model with --mtp-num-layers: the document flags (their
+    shifted masks and positions are unmeasured). Zero-bubble schedules' deferred weight
+    gradients are counted with MLA (plan.mla_memory.mla_weight_grad_elements) and the depths
+    (plan.mtp_memory.mtp_weight_grad_bytes), --recompute-modules layernorm with both as with
+    megart's attention (tests/test_plan_mla_layernorm.py), and a depth's MoE layer (where the
+    last decoder layer is one) as the decoder's (plan.mtp_memory, plan.mtp_time)."""
     out = []
-    for name in named:
-        if config.pipeline_schedule in ZERO_BUBBLE:
-            out.append(f"--pipeline-schedule {config.pipeline_schedule} with {name}")
-        if "layernorm" in (config.recompute_modules or ()):
-            out.append(f"{flag('recompute_modules', config.recompute_modules)} with {name}")
-    if config.mtp_num_layers and config.num_experts:  # the depths' MoE layers: unmodelled
-        out.append("--num-experts with --mtp-num-layers")
     if config.mtp_num_layers:
         for field in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss"):
             if getattr(config, field):

@@ -10,7 +10,8 @@ from megart.plan import documents as docs
 from megart.plan import window_memory as windows
 from megart.plan.holding import Held
 from megart.plan.layout import Layout
-from megart.plan.mtp_memory import mtp_stage_bytes
+from megart.plan.moe_memory import MoeRank
+from megart.plan.mtp_memory import mtp_stage_bytes, mtp_weight_grad_bytes
 from megart.plan.parameters import FP32, expert_elements, state_bytes
 from megart.plan.recompute_memory import dropped_norms_rise, full_recompute_bytes
 from megart.training.config import TrainConfig
@@ -108,7 +109,9 @@ def rank_memory(
         loss = act.last_stage_bytes(cfg, b, t, sp, prec, cp)
         saved += loss + (0.0 if megatron else docs.loss_mask_bytes(c, b, cp))
         # Multi-token prediction's depths, run with the loss (plan.mtp_memory).
-        depths, depth_rise = mtp_stage_bytes(cfg, b, t, sp, prec)
+        weights = 2 if c.half_weights and (c.bf16 or c.fp16) else 4
+        depth_rank = MoeRank(prec, cp, weights, t, sp, layout.ep, expert_tokens)
+        depths, depth_rise = mtp_stage_bytes(cfg, b, t, sp, prec, depth_rank)
         saved, risen = saved + depths, max(risen, depth_rise)
     # --recompute-modules layernorm: a norm's output saved until read, or made again with its
     # own saves, at one layer; on the loss's rank the loss's saves are gone by the latter.
@@ -123,7 +126,9 @@ def rank_memory(
     # counted beside the replay, stand for it.
     working = risen
     grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec, cp)
-    grads += held.last_stage_weight_grads * act.output_weight_grad_bytes(cfg, b, t, prec, cp)
+    out_grads = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
+    out_grads += mtp_weight_grad_bytes(cfg, b, t, prec)  # the depths' (plan.mtp_memory)
+    grads += held.last_stage_weight_grads * out_grads
     # 16-bit weights with fp32 main weights need no autocast copies (megart's --half-weights
     # counted exactly as megart holds them, Megatron-LM's by its convention below); fp32
     # weights under autocast need a 16-bit copy of each.

@@ -98,3 +98,23 @@ def mla_attention_bytes(
     if cfg.q_lora_rank is not None:
         latents += mla_latent_bytes(cfg, cfg.q_lora_rank, cfg.q_lora_rank, tp, sp, prec)
     return heads * prec.other + latents
+
+
+def mla_weight_grad_elements(cfg: GPTConfig, tp: int) -> float:
+    """Elements per token (of the whole sequence) one MLA keeps between a zero-bubble
+    schedule's I and W (activations.weight_grad_bytes' attention part): each deferred
+    projection's input X and output gradient dY (megart.tensor_parallel.weight_grad). X: the
+    attention's input once (the query and key/value down-projections share one column-parallel
+    entry: one gather, one saved copy), each latent once as its up-projection reads it (r: a
+    view of the gathered down-projection's output, the sequence gathered again, or its norm's
+    output), the output projection's heads v / t. dY: each column-parallel product's rows / t
+    (the queries' projection, or q_down_proj's and q_up_proj's; kv_down_proj's with the rope
+    part; kv_up_proj's) and the row-parallel projection's h."""
+    h, n, t = cfg.hidden_size, cfg.num_attention_heads, tp
+    qd = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+    rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
+    x = h + rkv + (rq or 0) + n * cfg.v_head_dim / t
+    queries = n * qd / t + (rq / t if rq is not None else 0.0)
+    dy = queries + (rkv + cfg.qk_pos_emb_head_dim) / t
+    dy += n * (cfg.qk_head_dim + cfg.v_head_dim) / t + h
+    return x + dy

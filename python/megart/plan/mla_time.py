@@ -22,7 +22,7 @@ def mla_column_shapes(cfg: GPTConfig, tp: int) -> list[tuple[float, float]]:
     return queries + keys_values
 
 
-def mla_widths(cfg: GPTConfig) -> tuple[int, int, int]:
+def mla_output_score_value_widths(cfg: GPTConfig) -> tuple[int, int, int]:
     """(the output projection's inner width heads x v_head_dim, the scores' width per head
     qk_head_dim + qk_pos_emb_head_dim, the values' v_head_dim)."""
     qd = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim

@@ -13,7 +13,10 @@ said), from models.mtp's forward:
                                                     parallelism)
     eh_proj's gathered output, under sequence       h (1 - 1/t): the layer's first norm keeps
     parallelism                                     its slice, a view of the whole
-    one transformer layer                           activations.layer_bytes (its recomputation)
+    one transformer layer                           activations.layer_bytes (its recomputation),
+                                                    an MoE layer's beyond it where the last
+                                                    decoder layer is one (moe_memory's
+                                                    moe_layer_extra, on the rank's experts)
     the final norm                                  its input and statistics, slice
     the output layer and loss over its tokens       the output layer's input h (the depths'
                                                     outputs joined after the main model's) and
@@ -22,7 +25,9 @@ said), from models.mtp's forward:
 
 Under full uniform recomputation each depth is checkpointed whole (models.mtp): it keeps its two
 inputs (the hidden states and the embedded tokens) and, while its backward replays it, its whole
-saves. The depths run once per (microbatch, last chunk) pair, as the loss does, and are counted
+saves. Under selective recomputation a depth's MoE layer replays as the decoder's
+(moe_memory.moe_replay_bytes; a dense one's MLP as recompute_memory.mlp_replay_bytes).
+The depths run once per (microbatch, last chunk) pair, as the loss does, and are counted
 so (once, beside the loss: megart.plan.memory).
 """
 
@@ -35,7 +40,11 @@ from megart.plan.activations import (
     last_stage_bytes,
     layer_bytes,
     norm_statistics,
+    output_weight_grad_bytes,
+    weight_grad_bytes,
 )
+from megart.plan.moe_memory import MoeRank, moe_layer_extra, moe_replay_bytes
+from megart.plan.recompute_memory import mlp_replay_bytes
 
 
 def _depth_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -> tuple[float, float]:
@@ -63,20 +72,44 @@ def mtp_loss_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -
 
 
 def mtp_stage_bytes(
-    cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision
+    cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision, rank: MoeRank | None = None
 ) -> tuple[float, float]:
     """The depths' saves on the last stage for one microbatch, and how far above them a
-    depth's replay rises under full uniform recomputation (0 otherwise): (kept, rise)."""
+    depth's replay rises (full uniform recomputation's whole depth, selective's MoE layer or
+    MLP; 0 otherwise): (kept, rise). ``rank``: where a depth's MoE layer runs (its weights'
+    bytes, expert parallelism and the token copies its experts get; None: ``prec``, ``tp``
+    and ``sp``, one expert-parallel rank, balanced)."""
     depths = cfg.mtp_num_layers or 0
     if not depths:
         return 0.0, 0.0
+    rank = rank or MoeRank(prec, 1, 4, tp, sp)
+    moe = cfg.is_moe_layer(cfg.num_layers)  # the depths' layers are the last decoder layer's kind
     rec = cfg.recompute_granularity
     outside, inside = _depth_bytes(cfg, b, tp, sp, prec)
     if rec == "full" and cfg.recompute_method == "uniform":
         whole = inside + layer_bytes(cfg, b, tp, sp, None, prec)
+        whole += moe_layer_extra(cfg, b, None, rank) if moe else 0.0
         inputs = 2 * cfg.seq_length * b * cfg.hidden_size * (1 / tp if sp else 1.0)
         inputs *= prec.residual
         return depths * (outside + inputs), whole - inputs
     # Under block the depths are not recomputed (models.mtp): whole, as without it.
-    layer = layer_bytes(cfg, b, tp, sp, None if rec == "full" else rec, prec)
-    return depths * (outside + inside + layer), 0.0
+    layer_rec = None if rec == "full" else rec
+    layer = layer_bytes(cfg, b, tp, sp, layer_rec, prec)
+    layer += moe_layer_extra(cfg, b, layer_rec, rank) if moe else 0.0
+    rise = 0.0
+    if rec == "selective":
+        rise = moe_replay_bytes(cfg, b, rank) if moe else mlp_replay_bytes(cfg, b, tp, sp, prec)
+    return depths * (outside + inside + layer), rise
+
+
+def mtp_weight_grad_bytes(cfg: GPTConfig, b: int, tp: int, prec: Precision) -> float:
+    """What the depths keep for one microbatch on the last stage between a zero-bubble
+    schedule's I and W, beside the output layer's own tokens (activations.
+    output_weight_grad_bytes): each depth's layer's deferred projections (weight_grad_bytes),
+    eh_proj's input (2h, gathered whole under sequence parallelism) and output gradient (h/t),
+    and an untied output layer's input and logits' gradient over the depth's tokens."""
+    depths = cfg.mtp_num_layers or 0
+    h = cfg.hidden_size
+    proj = cfg.seq_length * b * (2 * h + h / tp) * prec.other
+    each = weight_grad_bytes(cfg, b, tp, prec) + proj + output_weight_grad_bytes(cfg, b, tp, prec)
+    return depths * each

@@ -1,7 +1,9 @@
 """Multi-token prediction's depths (--mtp-num-layers D, megart.models.mtp) in plan.timing's
 model: the last stage's extra work per microbatch, beside its output layer (estimate's
-_stage_work adds it there). Each depth runs one layer of the model's kind (timing.layer_work,
-recomputed as the depth is: whole under full uniform recomputation, not under block), its
+_stage_work adds it there). Each depth runs one layer of the last decoder layer's kind
+(timing.layer_work, recomputed as the depth is: whole under full uniform recomputation, not
+under block; an MoE layer's router, experts and expert-parallel all-to-alls as the decoder's
+MoE layers'), its
 eh_proj product (2h -> h/t over the tokens, backward twice that), the output layer and loss
 over its tokens (timing.logits_work) and, at t > 1, eh_proj's collectives: its 2h input
 gathered under sequence parallelism (reduce-scattered back) or its input gradient all-reduced
@@ -25,16 +27,21 @@ def mtp_work(
     tp_gpu: GPUProfile,
     unfused_attention: bool = False,
     tp_overlap: bool | str = False,
+    ep: int = 1,
+    ep_near: int | None = None,
 ) -> Work:
     """The D depths' work for one microbatch on the last stage (none without them); ``tp_gpu``
-    the profile of the tensor-parallel group's links (estimate._stage_work's)."""
+    the profile of the tensor-parallel group's links (estimate._stage_work's); ``ep`` and
+    ``ep_near``: an MoE depth's experts' group (timing.layer_work's)."""
     depths = cfg.mtp_num_layers or 0
     if not depths:
         return Work(0.0, 0.0, 0.0)
     rec = cfg.recompute_granularity
     replay = rec == "full" and cfg.recompute_method == "uniform"
     layer_rec = None if rec == "full" and not replay else rec
-    layer = layer_work(cfg, b, tp, sp, layer_rec, tp_gpu, unfused_attention, tp_overlap)
+    moe = cfg.is_moe_layer(cfg.num_layers)  # the depths' layers are the last decoder layer's kind
+    layer = layer_work(cfg, b, tp, sp, layer_rec, tp_gpu, unfused_attention, tp_overlap,
+                       moe=moe, ep=ep, ep_near=ep_near)  # fmt: skip
     h, tokens = cfg.hidden_size, cfg.seq_length * b
     proj = gemm_seconds(tokens, h / tp, 2 * h, gpu)
     link = tp_gpu.nvlink_bus_gb_per_s

@@ -56,15 +56,32 @@ def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0, ep: int = 1) -> list[
     return out + _mlp(cfg, f, t)
 
 
-def mtp_tensors(cfg: GPTConfig, tp: int) -> list[int]:
+def mtp_tensors(cfg: GPTConfig, tp: int, ep: int = 1, experts: bool | None = None) -> list[int]:
     """Multi-token prediction's depths on the last stage (models.mtp, registered after the
     chunk's layers): each its enorm and hnorm, eh_proj (column-parallel, h/t x 2h, no bias),
-    one transformer layer of the model's kind, and its final norm; none without."""
+    one transformer layer of the last decoder layer's kind (an MoE layer's experts E/``ep``
+    of them, as the decoder's), and its final norm; none without. ``experts``: as
+    chunk_tensors' (True: the depths' experts alone, False: all but them)."""
     h, out = cfg.hidden_size, []
     for k in range(cfg.mtp_num_layers or 0):
-        out += _norm(cfg) * 2 + [h // tp * 2 * h]
-        out += layer_tensors(cfg, tp, cfg.num_layers + k) + _norm(cfg)
+        layer = _layer_part(cfg, tp, cfg.num_layers + k, ep, experts)
+        if experts is True:
+            out += layer
+        else:
+            out += [*_norm(cfg), *_norm(cfg), h // tp * 2 * h, *layer, *_norm(cfg)]
     return out
+
+
+def _layer_part(cfg: GPTConfig, tp: int, layer: int, ep: int, experts: bool | None) -> list[int]:
+    """Layer ``layer``'s tensors (layer_tensors), with ``experts`` True its routed experts'
+    alone, False all but them (expert parallelism's two bucket sets), None all."""
+    tensors = layer_tensors(cfg, tp, layer, ep)
+    if experts is None:
+        return tensors
+    # The experts follow the router; the shared experts (dense: replicated) follow them.
+    stop = len(tensors) - _shared_tensors(cfg, layer)
+    start = stop - _expert_tensors(cfg, layer, ep)
+    return tensors[start:stop] if experts else tensors[:start] + tensors[stop:]
 
 
 def _mlp(cfg: GPTConfig, f: int, t: int) -> list[int]:
@@ -118,16 +135,9 @@ def chunk_tensors(
         if dense and first and cfg.position_embedding == "learned":
             tensors.append(cfg.seq_length * h)
         for i in layers:
-            layer = layer_tensors(cfg, tp, i, ep)
-            if experts is None:
-                tensors += layer
-                continue
-            # The experts follow the router; the shared experts (dense: replicated) follow them.
-            stop = len(layer) - _shared_tensors(cfg, i)
-            start = stop - _expert_tensors(cfg, i, ep)
-            tensors += layer[start:stop] if experts else layer[:start] + layer[stop:]
-        if dense and last:
-            tensors += mtp_tensors(cfg, tp) + _norm(cfg)
+            tensors += _layer_part(cfg, tp, i, ep, experts)
+        if last:  # the depths (their experts in the experts' set), then the final norm
+            tensors += mtp_tensors(cfg, tp, ep, experts) + (_norm(cfg) if dense else [])
         if dense and last and untied:
             tensors.append(vocab * h)
         out.append(ChunkTensors(tensors, tied))

@@ -85,7 +85,12 @@ from megart.plan.collectives import (
 )
 from megart.plan.context_parallel import RingPasses, a2a_layer_seconds, kv_gathers, ring_passes
 from megart.plan.hardware import GPUProfile
-from megart.plan.mla_time import mla_collectives, mla_column_shapes, mla_norm_elements, mla_widths
+from megart.plan.mla_time import (
+    mla_collectives,
+    mla_column_shapes,
+    mla_norm_elements,
+    mla_output_score_value_widths,
+)
 from megart.plan.moe_time import (
     expert_exchange_seconds,
     moe_collectives,
@@ -217,7 +222,7 @@ def layer_work(
     dense_times = [gemm_seconds(tokens, cols, inner, gpu) for cols, inner in shapes]
     mla = cfg.multi_latent_attention
     if mla:  # its column-parallel products as one entry (plan.mla_time), its projection's
-        out_width, score_width, value_width = mla_widths(cfg)
+        out_width, score_width, value_width = mla_output_score_value_widths(cfg)
         columns = sum(gemm_seconds(tokens, c, i, gpu) for c, i in mla_column_shapes(cfg, t))
         dense_times[:2] = [columns, gemm_seconds(tokens, h, out_width / t, gpu)]
     if moe:  # the router's and the experts' products in place of the MLP's

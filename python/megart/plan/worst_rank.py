@@ -7,6 +7,7 @@ from megart.plan import activations as act
 from megart.plan.holding import Held, peaks
 from megart.plan.layout import ZERO_BUBBLE, Layout
 from megart.plan.memory import precision, rank_memory
+from megart.plan.mtp_memory import mtp_weight_grad_bytes
 from megart.plan.pipeline_run import PipelineRun, states_of
 from megart.plan.recompute_memory import chunk_layer_bytes
 from megart.training.config import TrainConfig
@@ -40,6 +41,7 @@ def worst_rank_memory(
         ]
         grads = [act.weight_grad_bytes(cfg, b, t, prec, cp) * n for n in layers]
         out_grads = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
+        out_grads += mtp_weight_grad_bytes(cfg, b, t, prec)  # the depths' (plan.mtp_memory)
         last = p * v - 1
         costs = [
             [g + (out_grads if run.plan.virtual_stage(r, k) == last else 0) for k in range(v)]
