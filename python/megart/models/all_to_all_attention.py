@@ -63,15 +63,18 @@ def all_to_all_attention(
     group: ProcessGroup,
     dropout: float = 0.0,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this context-parallel rank's queries ([b, heads, s/cp, d]) over the
     sequence, from every rank's own keys and values ([b, groups, s/cp, d]; heads and groups
     divisible by cp), by all-to-all exchanges over ``group`` (see the module's docstring);
-    within ``window`` earlier tokens (None: all), by positions in the whole sequence."""
+    within ``window`` earlier tokens (None: all), by positions in the whole sequence; with
+    ``sink`` (each local head's logit) the part of it for the heads this rank is given."""
     cp = group.size()
     q, k, v = (in_sequence_order(AllToAll.apply(x, group, 1, 2), cp) for x in (q, k, v))
     per_group = q.shape[1] // k.shape[1]
     if per_group > 1:  # each group's K/V once per query head of the group, as Attention does
         k, v = k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
-    y = sequence_attention(q, k, v, dropout, window)
+    part = None if sink is None else sink.chunk(cp)[group.rank()]
+    y = sequence_attention(q, k, v, dropout, window, sink=part)
     return AllToAll.apply(in_rank_order(y, cp), group, 2, 1)

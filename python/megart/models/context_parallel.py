@@ -30,6 +30,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from megart.distributed import ProcessGroup
 from megart.errors import ConfigError
+from megart.models.sinks import sink_attention
 from megart.models.window_masks import additive_bias, bias_dtype, window_mask
 from megart.parallel.layout import nearest_multiples
 from megart.tensor_parallel._group import group_rank, group_size
@@ -124,12 +125,16 @@ def context_attention(
     cp_rank: int,
     dropout: float,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``cp_rank``'s queries over the keys and values gathered by
     gather_kv (group-rank order). On a GPU blockwise (blockwise_attention: no mask tensor, flash
-    kernels, 1/cp of the causal scores); elsewhere, and with a sliding ``window``, one call under
-    the explicit mask of global positions (masked_attention: the same attention, and what the
-    CPU tests measure)."""
+    kernels, 1/cp of the causal scores); elsewhere, with a sliding ``window`` and with ``sink``
+    logits (megart.models.sinks), one call under the explicit mask of global positions
+    (masked_attention: the same attention, and what the CPU tests measure)."""
+    if sink is not None:
+        bias = causal_bias(cp, cp_rank, q.shape[2], window, bias_dtype(q), q.device)
+        return sink_attention(q, k, v, sink, dropout, bias)
     if q.is_cuda and window is None:
         return blockwise_attention(q, k, v, cp, cp_rank, dropout)
     return masked_attention(q, k, v, cp, cp_rank, dropout, window)

@@ -41,6 +41,7 @@ from megart.models import (
 from megart.models.config import GPTConfig
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
 from megart.models.mtp_checks import refuse_mtp
+from megart.models.sink_checks import refuse_sinks
 from megart.models.vocab import fit_vocab
 from megart.tensor_parallel._group import group_rank, group_size
 
@@ -162,6 +163,7 @@ def writer(cfg: GPTConfig, expect: str | None = None) -> ModuleType:
     model_type) insists on one. A model no format can represent is refused with what each
     format lacks."""
     refuse_mtp(cfg.mtp_num_layers, "Hugging Face's formats")
+    refuse_sinks(cfg.softmax_type, "Hugging Face's formats")
     refusals = []
     for fmt in (hf_deepseek_v3,) if cfg.multi_latent_attention else WRITERS:
         if expect not in (None, fmt.MODEL_TYPE):

@@ -61,6 +61,7 @@ from megart.models import flash_blocks
 from megart.models.context_parallel import cp_positions
 from megart.models.ring_window import pieces
 from megart.models.rng_replay import replayed, rng_state
+from megart.models.sinks import initial_lse, sink_grad
 from megart.models.window_masks import window_mask
 
 # Scores per tile of query rows (fp32: 256 MiB): a step's explicit products never hold more
@@ -206,6 +207,7 @@ class RingAttention(torch.autograd.Function):
         tile_elements: int,
         flash: bool,
         window: int | None = None,
+        sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ring = _Ring(group)
         c = _compute_dtype(q.dtype)
@@ -214,7 +216,7 @@ class RingAttention(torch.autograd.Function):
         rng = rng_state(q.device) if dropout and not flash else None
         qc = None if flash else q.to(c)  # the explicit products' fp32 queries
         out = torch.zeros(b, h, local, d, dtype=c, device=q.device)
-        lse = torch.full((b, h, local), float("-inf"), dtype=c, device=q.device)
+        lse = initial_lse(sink, (b, h, local), c, q.device)  # the sink's logit counted once
         kv = torch.stack([k, v]).contiguous()
         flash_saved = []  # per step, what its flash backward needs of its forward
         for step in range(ring.cp):
@@ -255,7 +257,7 @@ class RingAttention(torch.autograd.Function):
                 _wait(works)
                 kv = arriving
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sink)
         ctx.ring, ctx.dropout, ctx.rng, ctx.tile_elements = ring, dropout, rng, tile_elements
         ctx.window = window
         ctx.flash_saved = flash_saved if flash else None
@@ -263,7 +265,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         ring, dropout = ctx.ring, ctx.dropout
         c = _compute_dtype(q.dtype)
         h, local = q.shape[1], q.shape[2]
@@ -337,7 +339,8 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < ring.cp:
                     _wait(works)
                     kv = arriving
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *[None] * 5
+        dsink = sink_grad(sink, lse, out, dout)  # this rank's rows' part
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *[None] * 5, dsink
 
 
 def fold_in(
@@ -362,6 +365,7 @@ def ring_attention(
     tile_elements: int = TILE_ELEMENTS,
     blocks: str = "auto",
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this context-parallel rank's queries ([b, heads, s/cp, d]) over the
     sequence, from each rank's own keys and values ([b, groups, s/cp, d], heads a multiple of
@@ -370,7 +374,8 @@ def ring_attention(
     explicit products in tiles of query rows of at most ``tile_elements`` scores (see tiles),
     "auto" the first where the kernels take the queries' device, type and dropout. With a
     sliding ``window`` (earlier tokens seen; None: all) "flash" means the masked kernels, each
-    block cut into its pieces inside the window (megart.models.ring_window)."""
+    block cut into its pieces inside the window (megart.models.ring_window). ``sink``: each head's
+    sink logit (megart.models.sinks), the log-sum-exp's start."""
     if blocks not in ("auto", "flash", "explicit"):
         raise ValueError(f"blocks must be 'auto', 'flash' or 'explicit', not {blocks!r}")
     if window is None:
@@ -383,4 +388,4 @@ def ring_attention(
             f"queries of head dimension {q.shape[-1]} on {q.device.type} with dropout {dropout}"
         )
     flash = usable if blocks == "auto" else blocks == "flash"
-    return RingAttention.apply(q, k, v, group, dropout, tile_elements, flash, window)
+    return RingAttention.apply(q, k, v, group, dropout, tile_elements, flash, window, sink)

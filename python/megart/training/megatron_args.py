@@ -15,6 +15,7 @@ from megart.models.config import VOCAB_MULTIPLE, GPTConfig, activation_of, disti
 from megart.models.config_flags import megatron_position
 from megart.models.moe_checks import capacity_factor
 from megart.models.mtp_checks import refuse_mtp
+from megart.models.sink_checks import refuse_sinks
 from megart.models.stages import check_stages, uneven
 from megart.models.window import any_windowed
 from megart.training.megatron_mla import mla_args, mla_fields
@@ -145,6 +146,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
     # Likewise absent from older args (no interpolation), and ignored by Megatron without rope.
     interpolation = a.get("rotary_seq_len_interpolation_factor") if plain else None
     refuse_mtp(a.get("mtp_num_layers"), "Megatron-LM's checkpoints")
+    refuse_sinks(a.get("softmax_type", "vanilla"), "Megatron-LM's checkpoints")
     return GPTConfig(
         vocab_size=a.get("vocab_size") or a["padded_vocab_size"],
         seq_length=a["seq_length"],
