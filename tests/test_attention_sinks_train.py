@@ -53,13 +53,13 @@ def test_the_sinks_are_in_the_curve_and_learn(one_process):
 
 @pytest.mark.parametrize("saved,resumed", [(2, 1), (1, 2)])
 def test_megart_checkpoints_resume_and_reshard_across_tp(tmp_path, one_process, saved, resumed):
-    kw = dict(TRAIN, save=str(tmp_path), exit_interval=2, tensor_model_parallel_size=saved)
-    launch(tw.train_kw, saved, kw, timeout=300)
-    again = dict(TRAIN, load=str(tmp_path), tensor_model_parallel_size=resumed)
-    for rank in launch(tw.train_kw, resumed, again, timeout=300):
-        assert [h["loss"] for h in rank] == pytest.approx(
-            [h["loss"] for h in one_process[2:]], **tw.SAME_RUN
-        )
+    """The resumed ranks hold exactly the saved sinks (and every weight and Adam moment),
+    resharded over the heads, and train on the one-process curve."""
+    save, run = (dict(TRAIN, tensor_model_parallel_size=t) for t in (saved, resumed))
+    trained, again = tw.saved_and_resumed(saved, save, resumed, run, tmp_path)
+    loaded = tw.assert_holds(trained, again)
+    assert any("softmax_offset" in n for n in tw.merged_by_place(loaded, "weights"))
+    tw.assert_resumed_on_curve(one_process, again, **tw.SAME_RUN)
 
 
 def test_a_checkpoint_of_another_softmax_is_refused_by_name(tmp_path):
