@@ -38,6 +38,7 @@ def refuse_sinks(kind: str, where: str) -> None:
     megart does not write them in: the model would load as another (vanilla softmax)."""
     if kind != "vanilla":
         raise ConfigError(
-            f"a model with attention sinks (--softmax-type {kind}): megart does not write them "
-            f"in {where}; keep it in megart's own checkpoint format (--ckpt-format megart)"
+            f"a model with attention sinks (--softmax-type {kind}): megart does not write or "
+            f"read them in {where}; keep it in megart's own checkpoint format (--ckpt-format "
+            "megart)"
         )
