@@ -204,7 +204,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
         refuse_mla_yarn(
             cfg.rope_type, f"Megatron-LM's checkpoints (--ckpt-format {cfg.ckpt_format})"
         )
-    if cfg.ckpt_format != "megart":
+    if cfg.ckpt_format == "torch_dist":
         refuse_sinks(
             cfg.softmax_type, f"Megatron-LM's checkpoints (--ckpt-format {cfg.ckpt_format})"
         )

@@ -15,7 +15,6 @@ from megart.models.config import VOCAB_MULTIPLE, GPTConfig, activation_of, disti
 from megart.models.config_flags import megatron_position
 from megart.models.moe_checks import capacity_factor
 from megart.models.mtp_checks import refuse_mtp
-from megart.models.sink_checks import refuse_sinks
 from megart.models.stages import check_stages, uneven
 from megart.models.window import any_windowed
 from megart.training.megatron_mla import mla_args, mla_fields
@@ -66,6 +65,7 @@ def megatron_args(
         # As Megatron-LM's argparse gives them: a tuple, and an int or a list per layer. None
         # where no layer has a window (--window-size -1,0): Megatron-Core's local spec would
         # read (-1, 0) as a window that masks every key, Transformer Engine as none.
+        softmax_type=cfg.softmax_type,  # (Megatron-LM's args have it from its config)
         window_size=cfg.window_size if windowed else None,
         window_attn_skip_freq=(list(skip) if isinstance(skip, tuple) else skip)
         if windowed
@@ -146,7 +146,6 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
     # Likewise absent from older args (no interpolation), and ignored by Megatron without rope.
     interpolation = a.get("rotary_seq_len_interpolation_factor") if plain else None
     refuse_mtp(a.get("mtp_num_layers"), "Megatron-LM's checkpoints")
-    refuse_sinks(a.get("softmax_type", "vanilla"), "Megatron-LM's checkpoints")
     return GPTConfig(
         vocab_size=a.get("vocab_size") or a["padded_vocab_size"],
         seq_length=a["seq_length"],
@@ -170,6 +169,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         # Megatron-LM's default 1.0 (whole heads) where older args lack it; ignored without rope.
         rotary_percent=float(a.get("rotary_percent", 1.0)) if plain else 1.0,
         window_size=a.get("window_size"),  # absent from older args: no window
+        softmax_type=a.get("softmax_type", "vanilla"),  # likewise: the plain softmax
         window_attn_skip_freq=a.get("window_attn_skip_freq"),
         activation=activation_of(bool(a.get("swiglu")), bool(a.get("squared_relu"))),
         bias=a.get("add_bias_linear", True),

@@ -31,7 +31,6 @@ from megart.errors import ConfigError
 from megart.models.config import GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
 from megart.models.mtp_checks import refuse_mtp
-from megart.models.sink_checks import refuse_sinks
 from megart.models.stages import check_stages, ends_of, uneven
 from megart.models.vocab import fit_vocab
 from megart.training import megatron_dist, megatron_expert_bias, megatron_layout, tokenizer_record
@@ -89,7 +88,6 @@ def megart_to_megatron(
     shards = read_shards(iteration_dir(load_dir, iteration))
     cfg = model_config(shards[0, 0])
     refuse_mtp(cfg.mtp_num_layers, f"Megatron-LM's checkpoints (--ckpt-format {ckpt_format})")
-    refuse_sinks(cfg.softmax_type, f"Megatron-LM's checkpoints (--ckpt-format {ckpt_format})")
     if cfg.multi_latent_attention:
         refuse_mla_yarn(cfg.rope_type, f"Megatron-LM's checkpoints (--ckpt-format {ckpt_format})")
     layout = shards[0, 0]["config"]

@@ -26,6 +26,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models import GPTConfig, chunk_layers
+from megart.models.megatron_names import SINK as _SINK
 from megart.models.megatron_names import is_fc1_halves
 from megart.models.stages import uneven
 
@@ -33,6 +34,7 @@ Ranks = dict[tuple[int, int], list[dict[str, torch.Tensor]]]  # (tp rank, pp ran
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 _NORM = (".layer_norm_weight", ".layer_norm_bias")  # Transformer Engine's fused norms
 WORD, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+SINK = "." + _SINK[1]  # --softmax-type learnable's per-head logits: split with the heads
 # Column-parallel layers: q/k/v, fc1, and multi-latent attention's projections (the local
 # spec's: its down-projections too, their outputs gathered).
 _COLUMN = (
@@ -46,7 +48,7 @@ def tp_dim(name: str) -> int | None:
     None for replicated ones."""
     if name.endswith(_NORM):
         return None
-    if name in (WORD, OUTPUT) or re.search(_COLUMN, name):
+    if name in (WORD, OUTPUT) or re.search(_COLUMN, name) or name.endswith(SINK):
         return 0
     if re.search(r"\.(linear_proj|linear_fc2)\.weight$", name):
         return 1
