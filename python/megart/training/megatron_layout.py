@@ -15,7 +15,9 @@ embedding's). Across tensor parallelism, column-parallel weights and biases (``l
 ``linear_q_up_proj``, ``linear_kv_down_proj`` and ``linear_kv_up_proj`` as Megatron-Core's local
 spec builds them, the vocab rows of ``word_embeddings`` and ``output_layer``) are split on their
 rows, row-parallel weights (``linear_proj``, ``linear_fc2``) on their columns, and the rest is
-replicated. SwiGLU's ``linear_fc1`` = [gate; up] is split per rank as [gate_r; up_r].
+replicated, but for --softmax-type learnable's ``core_attention.softmax_offset`` (one logit per
+head: split with the heads, on dim 0). SwiGLU's ``linear_fc1`` = [gate; up] is split per rank as
+[gate_r; up_r].
 """
 
 from __future__ import annotations
