@@ -1,12 +1,14 @@
-"""Attention sinks (--softmax-type learnable, megart.models.sinks) in Megatron-LM's legacy
-checkpoint format (--ckpt-format torch): each layer's softmax_offset under Megatron-Core's key
-(``decoder.layers.N.self_attention.core_attention.softmax_offset``), split over tensor
-parallelism with the heads, first in its layer's attention in the optimizer's order; args record
-softmax_type. Megatron-Core 0.16.1 loads megart's files (model strictly, optimizer through its
-FP32Optimizer), trains on megart's curve and writes files megart resumes on it; megart resumes
-its own files under tp2, pp2 and dp2 with the distributed optimizer; convert-checkpoint writes
-files Megatron-Core computes megart's logits from, and reads them back bitwise. torch_dist
-(whose sharded keys megart does not write a sink under yet) is refused by name."""
+"""Attention sinks (--softmax-type learnable, megart.models.sinks) in Megatron-LM's checkpoint
+formats: each layer's softmax_offset under Megatron-Core's key
+(``decoder.layers.N.self_attention.core_attention.softmax_offset``; in torch_dist
+``decoder.layers.self_attention.core_attention.softmax_offset``, [layers, heads], the heads
+split over tensor parallelism), first in its layer's attention in the optimizer's order; args
+record softmax_type. Megatron-Core 0.16.1 loads megart's legacy files (model strictly, optimizer
+through its FP32Optimizer), trains on megart's curve and writes files megart resumes on it, and
+its DistributedOptimizer holds megart's torch_dist state of the sinks bitwise; megart resumes
+its own files of both formats under tp2, pp2 and dp2 with the distributed optimizer;
+convert-checkpoint writes files of both formats Megatron-Core computes megart's logits from,
+and reads them back bitwise."""
 
 import pytest
 import torch
@@ -17,7 +19,9 @@ import train_workers as tw
 from megart.cli.main import main
 from megart.launcher import launch
 from megart.models import GPTConfig
+from megart.training.checkpoint import iteration_dir
 from megart.training.megatron_args import config_from_args, megatron_args
+from megart.training.megatron_dist import read_common
 
 TRAIN = dict(softmax_type="learnable", position_embedding_type="rope", init_method_std=0.2,
              lr=1e-2, num_query_groups=2, group_query_attention=True)  # fmt: skip
@@ -66,11 +70,15 @@ SAVES = {  # name: (processes, flags)
 }
 
 
+FORMATS = pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+
+
+@FORMATS
 @pytest.mark.parametrize("name", list(SAVES))
-def test_megart_resumes_its_legacy_files_on_the_curve(tmp_path, one_process, name):
+def test_megart_resumes_its_megatron_format_files_on_the_curve(tmp_path, one_process, name, fmt):
     nproc, flags = SAVES[name]
     kw = dict(TRAIN, **flags, train_iters=3)
-    launch(tw.train_kw, nproc, dict(kw, save=str(tmp_path), exit_interval=2, ckpt_format="torch"),
+    launch(tw.train_kw, nproc, dict(kw, save=str(tmp_path), exit_interval=2, ckpt_format=fmt),
            timeout=300)  # fmt: skip
     for rank in launch(tw.train_kw, nproc, dict(kw, load=str(tmp_path)), timeout=300):
         assert [h["loss"] for h in rank] == pytest.approx(
@@ -78,24 +86,31 @@ def test_megart_resumes_its_legacy_files_on_the_curve(tmp_path, one_process, nam
         )
 
 
-def test_convert_checkpoint_writes_sinks_for_megatron_core(tmp_path, capsys):
-    """megart's checkpoint converted to tp2 legacy files: Megatron-Core's two ranks load
-    them strictly and compute the checkpoint's logits; converted back, the weights are
-    unchanged; torch_dist is refused by name."""
+@FORMATS
+def test_convert_checkpoint_writes_sinks_for_megatron_core(tmp_path, fmt):
+    """megart's checkpoint converted to tp2 files: Megatron-Core's two ranks load them
+    (strictly; torch_dist through dist_checkpointing) and compute the checkpoint's logits;
+    converted back, the weights are unchanged."""
     import megatron_core_ckpt_workers as mckw
+    import megatron_dist_workers as mdw
 
     launch(tw.train_kw, 1, dict(TRAIN, save=str(tmp_path / "megart"), train_iters=1),
            timeout=300)  # fmt: skip
     out = tmp_path / "megatron"
     convert = ["convert-checkpoint", "--from", "megart", "--to", "megatron", "--load",
-               str(tmp_path / "megart"), "--target-tensor-parallel-size", "2"]  # fmt: skip
+               str(tmp_path / "megart"), "--target-tensor-parallel-size", "2",
+               "--ckpt-format", fmt]  # fmt: skip
     assert main([*convert, "--save", str(out)]) == 0
     cfg = tw.tiny(**TRAIN).gpt_config()
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
                            generator=torch.Generator().manual_seed(3))  # fmt: skip
     want = launch(mckw.checkpoint_logits, 1, str(tmp_path / "megart"), tokens, timeout=300)[0]
     assert want.abs().max() > 0.1
-    for logits in launch(mcw.tp_rank_logits, 2, str(out), tokens, timeout=300):
+    if fmt == "torch":
+        got = launch(mcw.tp_rank_logits, 2, str(out), tokens, timeout=300)
+    else:
+        got = launch(mdw.load_and_run, 2, str(out), tokens, 2, 1, timeout=300)
+    for logits in got:
         assert (logits[..., : cfg.vocab_size] - want).abs().max().item() < 1e-10
     assert main(["convert-checkpoint", "--from", "megatron", "--to", "megart", "--load",
                  str(out), "--save", str(tmp_path / "back")]) == 0  # fmt: skip
@@ -103,7 +118,41 @@ def test_convert_checkpoint_writes_sinks_for_megatron_core(tmp_path, capsys):
     ours = launch(mckw.checkpoint_gpt, 1, str(tmp_path / "megart"), timeout=300)[0][1]
     assert "blocks.0.attn.softmax_offset" in ours and set(back) == set(ours)
     assert all(torch.equal(back[k], ours[k]) for k in ours)
-    capsys.readouterr()
-    assert main([*convert, "--ckpt-format", "torch_dist", "--save", str(tmp_path / "d")]) == 2
-    says = "attention sinks (--softmax-type learnable): megart does not write or read them in"
-    assert says + " Megatron-LM's torch_dist" in capsys.readouterr().err
+
+
+def test_megatron_cores_distributed_optimizer_holds_megarts_sinks(tmp_path):
+    """megart's dp2 torch_dist store with the distributed optimizer: Megatron-Core's model and
+    DistributedOptimizer load it (dp_reshardable), and every piece they hold of the sinks
+    (fp32 main copy and both moments) is megart's state at the save, bitwise, the pieces
+    covering each sink whole; so is the first layer's fc1."""
+    import megatron_dist_distopt_workers as w
+    from megart.models.megatron_names import to_megatron
+    from test_megatron_dist_distopt import MOMENTS, _global_name
+
+    flags = dict(TRAIN, use_distributed_optimizer=True)
+    saving = tw.holding(2, dict(flags, train_iters=4, exit_interval=2, save=str(tmp_path),
+                                ckpt_format="torch_dist"))  # fmt: skip
+    trained = [r["trained"] for r in saving]
+    cfg = tw.tiny(**flags).gpt_config()
+    whole = {}
+    for key in ("weights", *MOMENTS):
+        merged = {k.removeprefix("chunk."): v for k, v in tw.merged_by_place(trained, key).items()}
+        whole[key] = {n: t.reshape(-1) for n, t in to_megatron(merged, cfg).items()}
+    args = read_common(iteration_dir(tmp_path, 2))["args"]
+    covered: dict[str, list] = {}
+    for rank in launch(w.load_and_save, 2, flags, str(tmp_path), None, timeout=300):
+        assert rank["steps"] == {2.0}
+        for (chunk, local), piece in rank["pieces"].items():
+            name = _global_name(local, chunk, rank["place"][1], args)
+            if not name.endswith(("softmax_offset", "layers.0.mlp.linear_fc1.weight")):
+                continue
+            start, end = piece["range"]
+            for ours, theirs in (("weights", "param"), *((m, m) for m in MOMENTS)):
+                assert torch.equal(piece[theirs], whole[ours][name][start:end]), (name, theirs)
+            covered.setdefault(name, []).append((start, end))
+    sinks = [n for n in covered if n.endswith("softmax_offset")]
+    assert len(sinks) == cfg.num_layers
+    for name, ranges in covered.items():
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == whole["weights"][name].numel(), name
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), name

@@ -110,8 +110,8 @@ def megatron_layer_name(rest: str, cfg: GPTConfig) -> tuple[str, int | None]:
     """Megatron-Core's name within a layer (after ``decoder.layers.N.``) of megart's ``rest``
     (after ``blocks.N.``: a part and ``.weight`` or ``.bias``), and which half of that tensor it
     is (megatron_part's)."""
-    if rest == SHARED_GATE[0]:
-        return SHARED_GATE[1], None
+    if rest in (SHARED_GATE[0], SINK[0]):  # a parameter of its module, not a layer's weight
+        return dict((SHARED_GATE, SINK))[rest], None
     part, kind = rest.rsplit(".", 1)
     megatron, half = megatron_part(part, cfg)
     return f"{megatron}.{kind}", half

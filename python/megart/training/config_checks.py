@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from megart.errors import ConfigError
 from megart.models.moe_checks import check_moe_tensor_parallel
-from megart.models.sink_checks import refuse_sinks
 from megart.models.stages import uneven
 from megart.parallel.layout import nearest_multiples
 from megart.training.batch_rampup import check_rampup
@@ -203,10 +202,6 @@ def check_config(cfg: TrainConfig, world_size: int) -> int:
     if cfg.multi_latent_attention and cfg.ckpt_format != "megart":
         refuse_mla_yarn(
             cfg.rope_type, f"Megatron-LM's checkpoints (--ckpt-format {cfg.ckpt_format})"
-        )
-    if cfg.ckpt_format == "torch_dist":
-        refuse_sinks(
-            cfg.softmax_type, f"Megatron-LM's checkpoints (--ckpt-format {cfg.ckpt_format})"
         )
     check_document_flags(cfg)
     cfg.gpt_config().check_layout(tp, pp, cfg.chunks, **cfg.stages)  # GPTConfig's refusals

@@ -42,7 +42,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megart.errors import ConfigError
 from megart.models.config import GPTConfig
-from megart.models.sink_checks import refuse_sinks
 from megart.training.ckpt_files import iteration_dir
 from megart.training.megatron_args import check_args
 from megart.training.megatron_dist_keys import extra_state_keys, layer_names, sharded_keys
@@ -59,7 +58,6 @@ BACKENDS = {
 MODEL_KEYS = ("embedding.", "decoder.", "output_layer.")
 # What reading a damaged or foreign store raises (DCP's CheckpointException is a BaseException).
 UNREADABLE = (OSError, RuntimeError, EOFError, pickle.UnpicklingError, CheckpointException)
-TORCH_DIST = "Megatron-LM's torch_dist checkpoints"  # where attention sinks are refused
 
 
 def is_dist_checkpoint(directory: str | os.PathLike) -> bool:
@@ -95,7 +93,6 @@ def write(
     """Writes ``model`` (Megatron-Core's whole state dict, the vocabulary padded as ``args``
     say) with ``args`` as the torch_dist checkpoint of ``iteration`` in ``save_dir``; returns
     its iteration directory. The tracker file is the caller's to write."""
-    refuse_sinks(cfg.softmax_type, TORCH_DIST)  # (its sharded keys have no sink yet)
     root = iteration_dir(save_dir, iteration)
     root.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {
@@ -125,7 +122,6 @@ def read_common(root: Path) -> dict[str, Any]:
     if not isinstance(common, dict) or common.get("args") is None:
         raise ConfigError(f"{root / COMMON}: no args; not a Megatron-LM checkpoint")
     check_args(vars(common["args"]), root)
-    refuse_sinks(vars(common["args"]).get("softmax_type", "vanilla"), TORCH_DIST)
     if (common.get("content_metadata") or {}).get("singleton_local_shards"):
         # Megatron-Core's other keying (each layer, each expert and SwiGLU's halves under keys
         # of their own), which Megatron-LM 0.16 does not write: megart reads the default.
