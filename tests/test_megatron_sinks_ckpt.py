@@ -156,3 +156,18 @@ def test_megatron_cores_distributed_optimizer_holds_megarts_sinks(tmp_path):
         ranges.sort()
         assert ranges[0][0] == 0 and ranges[-1][1] == whole["weights"][name].numel(), name
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), name
+
+
+@FORMATS
+def test_use_checkpoint_args_takes_the_softmax_type(tmp_path, capsys, fmt):
+    """From Megatron's args alone (megart's record stripped), forced over the command line's
+    (megart's extra: Megatron-LM's loader leaves it to the command line, whose vanilla model
+    would not hold the sinks)."""
+    from test_checkpoint_args import USE, flags_config, strip_megart_record
+
+    kw = dict(TRAIN, save=str(tmp_path), train_iters=1, ckpt_format=fmt)
+    launch(tw.train_kw, 1, kw, timeout=300)
+    strip_megart_record(tmp_path)
+    got = flags_config(["--load", str(tmp_path), *USE, "--softmax-type", "off-by-one"])
+    assert "Setting softmax_type to learnable from checkpoint" in capsys.readouterr().out
+    assert got.softmax_type == "learnable"
