@@ -8,6 +8,7 @@ planted mistakes show; and what is refused, by name."""
 import pytest
 import torch
 
+import document_workers as dw
 import megatron_core_workers as mcw
 import sink_workers as sw
 from megart.errors import ConfigError
@@ -161,3 +162,12 @@ def test_the_sink_is_a_per_head_parameter_without_weight_decay():
 def test_what_megart_cannot_take_is_refused_by_name(kw, says):
     with pytest.raises(ConfigError, match=says):
         GPTConfig(**BASE, **kw)
+
+
+@pytest.mark.parametrize("kind", ["off-by-one", "learnable"])
+def test_a_sample_of_documents_is_each_document_on_its_own(kind):
+    """Under --reset-attention-mask (the documents' mask as the sink path's bias, with a
+    window's on every other layer) the logits of a packed sample are each document's alone,
+    in float64; without the mask they differ."""
+    cfg = GPTConfig(**BASE, softmax_type=kind, window_size=(6, 0), window_attn_skip_freq=2)
+    dw.assert_each_document_on_its_own(mcw.drawn(GPT(cfg).double()))
