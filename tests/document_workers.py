@@ -37,3 +37,28 @@ def losses(kw: dict) -> list[float]:
     norm as well, since Adam would hide a gradient scaled by a constant (a normalisation by the
     wrong token count) from the loss curve."""
     return [h[k] for h in trainer(**kw).train(quiet=True) for k in ("loss", "grad_norm")]
+
+
+def assert_each_document_on_its_own(net: object, eod: int = 99) -> None:
+    """Under --reset-position-ids and --reset-attention-mask (the documents' positions and
+    mask, megart.models.documents) ``net``'s (a float64 GPT of 16 tokens, ``eod`` in its
+    vocabulary) logits of a packed sample are each document's alone; without the mask they
+    differ."""
+    import torch
+
+    from megart.models.documents import Documents, document_ids, document_positions
+
+    tokens = torch.randint(0, eod, (2, 16), generator=torch.Generator().manual_seed(5))
+    tokens[0, [4, 11]] = eod
+    tokens[1, 6] = eod
+    ids = document_ids(tokens, eod)
+    documents = Documents(document_positions(tokens, eod), ids)
+    with torch.no_grad():
+        got = net(tokens, documents=documents)
+        for b in range(2):
+            for d in ids[b].unique():
+                cols = (ids[b] == d).nonzero().flatten()
+                alone = net(tokens[b : b + 1, cols])[0]
+                assert (got[b, cols] - alone).abs().max() < 1e-12
+        unmasked = net(tokens, documents=Documents(documents.positions, None))
+    assert (unmasked - got).abs().max() > 1e-6

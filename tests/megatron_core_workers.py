@@ -78,6 +78,7 @@ def megatron_model(
         gradient_accumulation_fusion=False,
         rotary_interleaved=cfg.rotary_interleaved,
         window_size=cfg.window_size,
+        softmax_type=cfg.softmax_type,
         # Megatron-Core tells a pattern by isinstance(list).
         window_attn_skip_freq=list(skip) if isinstance(skip, tuple) else skip,
         pipeline_model_parallel_size=pp,

@@ -150,6 +150,7 @@ def _args(cfg, c: TrainConfig, tp: int, iteration: int, pp: int = 1) -> argparse
         use_distributed_optimizer=False, fp16=False, bf16=False,
         decoupled_lr=c.decoupled_lr, decoupled_min_lr=c.decoupled_min_lr,
         qk_layernorm=cfg.qk_layernorm, **mla_args(cfg),  # MLA's flags (or their defaults)
+        softmax_type=cfg.softmax_type,
     )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+import document_workers as dw
 import megatron_core_workers as mcw
 import mla_workers as mw
 import train_workers as tw
@@ -17,7 +18,6 @@ from megart.cli.train import FlagParser, add_arguments, config_from_args
 from megart.errors import ConfigError
 from megart.launcher import launch
 from megart.models import GPT, GPTConfig
-from megart.models.documents import Documents, document_ids, document_positions
 from megart.models.hf import read_format, writer
 from megart.models.megatron_names import from_megatron, to_megatron
 from megart.training.flops import iteration_flops, model_flops
@@ -116,22 +116,8 @@ def test_a_sample_of_documents_is_each_document_on_its_own():
     """Under --reset-position-ids and --reset-attention-mask (the documents' positions and
     mask, megart.models.documents) MLA's logits of a packed sample are each document's alone,
     in float64; without the mask they differ."""
-    eod = 99
     net = mcw.drawn(GPT(GPTConfig(**BASE, **MODELS["q-lora-norms-llama"])).double())
-    tokens = torch.randint(0, eod, (2, 16), generator=torch.Generator().manual_seed(5))
-    tokens[0, [4, 11]] = eod
-    tokens[1, 6] = eod
-    ids = document_ids(tokens, eod)
-    documents = Documents(document_positions(tokens, eod), ids)
-    with torch.no_grad():
-        got = net(tokens, documents=documents)
-        for b in range(2):
-            for d in ids[b].unique():
-                cols = (ids[b] == d).nonzero().flatten()
-                alone = net(tokens[b : b + 1, cols])[0]
-                assert (got[b, cols] - alone).abs().max() < 1e-12
-        unmasked = net(tokens, documents=Documents(documents.positions, None))
-    assert (unmasked - got).abs().max() > 1e-6
+    dw.assert_each_document_on_its_own(net)
 
 
 @pytest.fixture(scope="module")

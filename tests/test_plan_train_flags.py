@@ -326,6 +326,7 @@ def test_flags_modelled_for_megarts_runtime_only_are_refused_under_megatrons(nam
             "rope",
         ],
         "mtp_num_layers": ["--mtp-num-layers", "1"],
+        "softmax_type": ["--softmax-type", "learnable"],
     }[name]
     code, out = plan(capsys, *MODEL, *given)
     assert code == 0, out

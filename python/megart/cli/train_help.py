@@ -245,6 +245,8 @@ HELP = {
     "the angles trained; any positive number (Megatron-LM takes integers)",
     "attention_backend": "auto, flash, fused (torch's sdpa picks the kernel), unfused or local "
     "(its math kernel)",
+    "softmax_type": "vanilla, or an attention sink in every softmax row (gpt-oss's): off-by-one "
+    "adds a logit 0, learnable a learned logit per head (no weight decay)",
     "use_flash_attn": "Megatron's older switch for its flash-attention kernel: --attention-backend "
     "flash",
     "transformer_impl": "accepted: megart's own layers compute Megatron-Core's GPT either way "

@@ -64,6 +64,7 @@ def all_to_all_attention(
     dropout: float = 0.0,
     window: int | None = None,
     scale: float | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this context-parallel rank's queries ([b, heads, s/cp, d]) over the
     sequence, from every rank's own keys and values ([b, groups, s/cp, d]; heads and groups
@@ -76,5 +77,6 @@ def all_to_all_attention(
     per_group = q.shape[1] // k.shape[1]
     if per_group > 1:  # each group's K/V once per query head of the group, as Attention does
         k, v = k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
-    y = sequence_attention(q, k, v, dropout, window, scale=scale)
+    part = None if sink is None else sink.chunk(cp)[group.rank()]
+    y = sequence_attention(q, k, v, dropout, window, scale=scale, sink=part)
     return AllToAll.apply(in_rank_order(y, cp), group, 2, 1)

@@ -18,6 +18,7 @@ from megart.models.norms import norm
 from megart.models.recompute import checkpointed
 from megart.models.ring_attention import ring_attention
 from megart.models.rope import apply_rotary
+from megart.models.sinks import sink_logits
 from megart.models.window import covers, sequence_attention
 from megart.tensor_parallel import (
     ColumnParallelLinear,
@@ -90,6 +91,8 @@ class Attention(nn.Module):
             # norm's, their gradients are partial sums across t (Megatron-Core sums them too).
             self.q_layernorm = norm(cfg, True, cfg.head_dim)
             self.k_layernorm = norm(cfg, True, cfg.head_dim)
+        # --softmax-type learnable: a logit per rank's head (megart.models.sinks)
+        self.softmax_offset = make_sink(cfg, layer, tp_group)
 
     @property
     def entry(self) -> ColumnParallelLinear:
@@ -155,10 +158,11 @@ class Attention(nn.Module):
         per group)."""
         per_group = q.shape[1] // k.shape[1]
         dropout, stream, kernel = core_settings(self)
+        sink = sink_logits(self.cfg.softmax_type, self.softmax_offset, q.shape[1], q)
         if where is not None and self.cfg.cp_comm_type != "all_gather":  # the groups' K/V travel
             attend = ring_attention if self.cfg.cp_comm_type == "p2p" else all_to_all_attention
             with stream, kernel:
-                return attend(q, k, v, self.cp_group, dropout, window=window)
+                return attend(q, k, v, self.cp_group, dropout, window=window, sink=sink)
         if per_group > 1:
             # Each group's key and value head, once per query head of the group (heads are
             # numbered group by group). Explicit rather than sdpa's enable_gqa, so that every
@@ -167,8 +171,8 @@ class Attention(nn.Module):
             v = v.repeat_interleave(per_group, dim=1)
         with stream, kernel:
             if where is not None:
-                return context_attention(q, k, v, *where, dropout, window)
-            return sequence_attention(q, k, v, dropout, window, mask)
+                return context_attention(q, k, v, *where, dropout, window, sink)
+            return sequence_attention(q, k, v, dropout, window, mask, sink=sink)
 
 
 def core_settings(
@@ -205,3 +209,15 @@ def cp_attention(
         return all_to_all_attention(q, k, v, group, dropout, scale=scale)
     k, v = gather_kv(k, group), gather_kv(v, group)
     return context_attention(q, k, v, group_size(group), group_rank(group), dropout, None, scale)
+
+
+def make_sink(cfg: GPTConfig, layer: int, tp_group: ProcessGroup | None) -> nn.Parameter | None:
+    """Layer ``layer``'s learnable attention-sink logits (megart.models.sinks), this rank's
+    heads' (None for the other softmax types)."""
+    if cfg.softmax_type != "learnable":
+        return None
+    whole = torch.empty(cfg.num_attention_heads, dtype=torch.float32)
+    whole.normal_(0.0, cfg.init_std, generator=generator(cfg.seed, layer, "softmax_offset"))
+    param = nn.Parameter(whole.chunk(group_size(tp_group))[group_rank(tp_group)].clone())
+    param.partition_dim = 0
+    return param

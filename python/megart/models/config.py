@@ -17,6 +17,7 @@ from megart.models.moe_checks import check_moe, is_moe_layer, moe_layout_problem
 from megart.models.mtp_checks import check_mtp, mtp_layout_problems
 from megart.models.recompute import DEFAULT_MODULES, check_recompute
 from megart.models.rope_checks import check_rope_scaling, check_rotary_percent
+from megart.models.sink_checks import check_softmax_type
 from megart.models.stages import check_stages, uneven
 from megart.models.window import check_window, layer_window, refuse_window
 from megart.models.yarn import YarnConfig
@@ -120,6 +121,8 @@ class GPTConfig(YarnConfig):
     # (megart.models.context_parallel) or "a2a" (heads scattered, the sequence gathered,
     # megart.models.all_to_all_attention). Nothing without context parallelism.
     cp_comm_type: str = "p2p"
+    # Megatron's --softmax-type: "vanilla", or an attention sink per row (megart.models.sinks).
+    softmax_type: str = "vanilla"
     # Megatron's --multi-latent-attention (DeepSeek-V2/V3's MLA, megart.models.mla; checks in
     # models.mla_checks): queries from h (or a q_lora_rank latent), keys and values from a
     # kv_lora_rank latent, heads of qk_head_dim + qk_pos_emb_head_dim channels (rope on the
@@ -267,6 +270,7 @@ class GPTConfig(YarnConfig):
         check_moe(self)
         check_mla(self)
         check_mtp(self)
+        check_softmax_type(self)
         if self.position_embedding == "rotary" and self.rotary_dim % 2:
             raise ConfigError(f"rotary positions need an even head size, not {self.head_dim}")
         check_rope_scaling(self)

@@ -83,6 +83,8 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
             else "no --group-query-attention"
         ),
         "multi_latent_attention": mla_flags(cfg),  # MLA's widths, or none
+        # The same weights under another normaliser (models.sinks).
+        "softmax_type": f"--softmax-type {cfg.softmax_type}",
         **moe_flags(cfg),
     }
 

@@ -30,6 +30,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from megart.distributed import ProcessGroup
 from megart.errors import ConfigError
+from megart.models.sinks import sink_attention
 from megart.models.window_masks import additive_bias, bias_dtype, window_mask
 from megart.parallel.layout import nearest_multiples
 from megart.tensor_parallel._group import group_rank, group_size
@@ -125,13 +126,19 @@ def context_attention(
     dropout: float,
     window: int | None = None,
     scale: float | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``cp_rank``'s queries over the keys and values gathered by
     gather_kv (group-rank order). On a GPU blockwise (blockwise_attention: no mask tensor, flash
     kernels, 1/cp of the causal scores); elsewhere, and with a sliding ``window``, one call under
     the explicit mask of global positions (masked_attention: the same attention, and what the
     CPU tests measure). ``scale``: the scores' factor (None: 1/sqrt of the queries' width;
-    multi-latent attention's YaRN gives its own); the values may be narrower than the keys."""
+    multi-latent attention's YaRN gives its own); the values may be narrower than the keys.
+    With ``sink`` logits (megart.models.sinks), one call under the explicit mask of global
+    positions."""
+    if sink is not None:
+        bias = causal_bias(cp, cp_rank, q.shape[2], window, bias_dtype(q), q.device)
+        return sink_attention(q, k, v, sink, dropout, bias)
     if q.is_cuda and window is None:
         return blockwise_attention(q, k, v, cp, cp_rank, dropout, scale)
     return masked_attention(q, k, v, cp, cp_rank, dropout, window, scale)

@@ -42,6 +42,7 @@ from megart.models import (
 from megart.models.config import GPTConfig
 from megart.models.hf_files import DEFAULT_SHARD, check_dtype, parse_size, write_hf
 from megart.models.mtp_checks import refuse_mtp
+from megart.models.sink_checks import refuse_sinks
 from megart.models.vocab import fit_vocab
 from megart.tensor_parallel._group import group_rank, group_size
 
@@ -192,6 +193,7 @@ def writer(cfg: GPTConfig, expect: str | None = None) -> ModuleType:
     format lacks."""
     if not cfg.multi_latent_attention:  # DeepSeek-V3's files hold the depths
         refuse_mtp(cfg.mtp_num_layers, "Hugging Face's formats but DeepSeek-V3's")
+    refuse_sinks(cfg.softmax_type, "Hugging Face's formats")
     refusals = []
     for fmt in (hf_deepseek_v3,) if cfg.multi_latent_attention else WRITERS:
         if expect not in (None, fmt.MODEL_TYPE):

@@ -70,6 +70,10 @@ _MEGATRON_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 SHARED = "mlp.shared_experts."
 # The shared experts' gate: megart's layer part and kind, Megatron-Core's name in the layer.
 SHARED_GATE = ("mlp.shared_expert_gate.weight", SHARED + "gate_weight")
+# --softmax-type learnable's sink logits (models.sinks): megart's layer part, Megatron-Core's name
+# (a parameter of its DotProductAttention, the local spec's core attention).
+SINK = ("attn.softmax_offset", "self_attention.core_attention.softmax_offset")
+_SINK = re.compile(rf"blocks\.(\d+)\.{re.escape(SINK[0])}$")
 _FC1_TENSOR = re.compile(r"\.linear_fc1\.(weight|bias)$")
 # Transformer Engine's layer spec (Megatron's default on GPUs) fuses each norm into the linear
 # layer after it: its parameters are the same norm's, under these names.
@@ -106,8 +110,8 @@ def megatron_layer_name(rest: str, cfg: GPTConfig) -> tuple[str, int | None]:
     """Megatron-Core's name within a layer (after ``decoder.layers.N.``) of megart's ``rest``
     (after ``blocks.N.``: a part and ``.weight`` or ``.bias``), and which half of that tensor it
     is (megatron_part's)."""
-    if rest == SHARED_GATE[0]:
-        return SHARED_GATE[1], None
+    if rest in (SHARED_GATE[0], SINK[0]):  # a parameter of its module, not a layer's weight
+        return dict((SHARED_GATE, SINK))[rest], None
     part, kind = rest.rsplit(".", 1)
     megatron, half = megatron_part(part, cfg)
     return f"{megatron}.{kind}", half
@@ -141,6 +145,9 @@ def to_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, tor
         if name in NAMES:
             out[NAMES[name]] = value
             continue
+        sink = _SINK.match(name)
+        if sink:
+            out[f"decoder.layers.{sink.group(1)}.{SINK[1]}"] = value
         match = _LAYER.match(name)
         if not match:
             continue
@@ -169,9 +176,12 @@ def from_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, t
         if name in back:
             out[back[name]] = value
             continue
-        gate = re.fullmatch(rf"decoder\.layers\.(\d+)\.{re.escape(SHARED_GATE[1])}", name)
+        for theirs, ours in (SHARED_GATE[::-1], SINK[::-1]):
+            gate = re.fullmatch(rf"decoder\.layers\.(\d+)\.{re.escape(theirs)}", name)
+            if gate:
+                out[f"blocks.{gate.group(1)}.{ours}"] = value
+                break
         if gate:
-            out[f"blocks.{gate.group(1)}.{SHARED_GATE[0]}"] = value
             continue
         match = pattern.match(name)
         ours = match and _megart_part(match.group(2), layer_back)

@@ -62,6 +62,7 @@ from megart.models.context_parallel import cp_positions
 from megart.models.ring_math import _compute_dtype, _expand, _fold, _keep, _scores, tiles
 from megart.models.ring_window import pieces
 from megart.models.rng_replay import replayed, rng_state
+from megart.models.sinks import initial_lse, sink_grad
 from megart.models.window_masks import window_mask
 
 # Scores per tile of query rows (fp32: 256 MiB): a step's explicit products never hold more
@@ -158,6 +159,7 @@ class RingAttention(torch.autograd.Function):
         flash: bool,
         window: int | None = None,
         scale: float | None = None,
+        sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ring = _Ring(group)
         c = _compute_dtype(q.dtype)
@@ -166,7 +168,7 @@ class RingAttention(torch.autograd.Function):
         rng = rng_state(q.device) if dropout and not flash else None
         qc = None if flash else q.to(c)  # the explicit products' fp32 queries
         out = torch.zeros(b, h, local, d, dtype=c, device=q.device)
-        lse = torch.full((b, h, local), float("-inf"), dtype=c, device=q.device)
+        lse = initial_lse(sink, (b, h, local), c, q.device)  # the sink's logit counted once
         kv = torch.stack([k, v]).contiguous()
         flash_saved = []  # per step, what its flash backward needs of its forward
         for step in range(ring.cp):
@@ -207,7 +209,7 @@ class RingAttention(torch.autograd.Function):
                 _wait(works)
                 kv = arriving
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sink)
         ctx.ring, ctx.dropout, ctx.rng, ctx.tile_elements = ring, dropout, rng, tile_elements
         ctx.window, ctx.scale = window, scale
         ctx.flash_saved = flash_saved if flash else None
@@ -215,7 +217,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         ring, dropout = ctx.ring, ctx.dropout
         c = _compute_dtype(q.dtype)
         h, local = q.shape[1], q.shape[2]
@@ -290,7 +292,8 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < ring.cp:
                     _wait(works)
                     kv = arriving
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *[None] * 6
+        dsink = sink_grad(sink, lse, out, dout)  # this rank's rows' part
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *[None] * 6, dsink
 
 
 def fold_in(
@@ -316,6 +319,7 @@ def ring_attention(
     blocks: str = "auto",
     window: int | None = None,
     scale: float | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this context-parallel rank's queries ([b, heads, s/cp, d]) over the
     sequence, from each rank's own keys and values ([b, groups, s/cp, d], heads a multiple of
@@ -328,7 +332,8 @@ def ring_attention(
     scores' factor (None: 1/sqrt of the queries' width). Values narrower than the queries
     (multi-latent attention's v_head_dim) travel and are computed zero-padded to the queries'
     width, the padding's output dropped: the blocks' K/V stack and the kernels take one width
-    (the zeros add nothing to any output or gradient)."""
+    (the zeros add nothing to any output or gradient). ``sink``: each head's sink logit
+    (megart.models.sinks), the log-sum-exp's start."""
     if blocks not in ("auto", "flash", "explicit"):
         raise ValueError(f"blocks must be 'auto', 'flash' or 'explicit', not {blocks!r}")
     if window is None:
@@ -345,5 +350,5 @@ def ring_attention(
     if narrow < 0 or (narrow and window is not None):
         raise NotImplementedError("ring attention with values wider than the queries")
     wide = torch.nn.functional.pad(v, (0, narrow)) if narrow else v
-    y = RingAttention.apply(q, k, wide, group, dropout, tile_elements, flash, window, scale)
+    y = RingAttention.apply(q, k, wide, group, dropout, tile_elements, flash, window, scale, sink)
     return y[..., : v.shape[-1]] if narrow else y

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from megart.errors import ConfigError
+from megart.models.sinks import sink_attention
 from megart.models.window_masks import as_bias, bias_dtype, sliding_causal_bias
 from megart.models.window_tiles import band_tile, tiled_window_attention
 
@@ -71,6 +72,7 @@ def sequence_attention(
     window: int | None = None,
     mask: torch.Tensor | None = None,
     scale: float | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over a whole sequence in its order ([b, heads, s, d], keys and values
     repeated per query head), within ``window`` earlier tokens and where ``mask`` allows: one
@@ -78,18 +80,21 @@ def sequence_attention(
     a window or mask torch's causal kernels apply (flash on a GPU); a window much shorter than
     the sequence runs in query tiles, each over the keys its windows reach with one small mask
     (megart.models.window_tiles); otherwise an explicit s x s mask. ``scale`` multiplies the
-    scores in place of 1/sqrt(q's width) (multi-latent attention's YaRN, which takes no window)."""
+    scores in place of 1/sqrt(q's width) (multi-latent attention's YaRN, which takes no window).
+    ``sink``: each head's sink logit (megart.models.sinks), the window and mask as one bias."""
     if window is not None and scale is not None:
         raise NotImplementedError("a sliding window with another softmax scale")
     if mask is not None:  # documents': one bias for every layer (window_masks.as_bias)
         mask = as_bias(mask, bias_dtype(q))
     if window is not None:
-        tile = band_tile(q.shape[2], window)
+        tile = None if sink is not None else band_tile(q.shape[2], window)
         if tile is not None:
             return tiled_window_attention(q, k, v, dropout, window, tile, mask)
         # The cached bias, one tensor for every call (window_masks); with documents, a sum.
         bias = sliding_causal_bias(q.shape[2], window, bias_dtype(q), q.device)
         mask = bias if mask is None else mask + bias
+    if sink is not None:
+        return sink_attention(q, k, v, sink, dropout, mask)
     if mask is not None:  # a mask tensor: on CUDA no flash kernel takes one
         return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scale)

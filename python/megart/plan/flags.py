@@ -20,6 +20,7 @@ from typing import Any
 from megart.errors import ConfigError
 from megart.plan.documents import refuse_windowed_documents
 from megart.plan.layout import ZERO_BUBBLE
+from megart.plan.window_memory import masking_window
 from megart.training.config import TrainConfig
 
 LAYOUT = (
@@ -149,6 +150,13 @@ MODELLED = (
     # estimate): their weights, the last stage's copy of the embedding, their saves, layers,
     # projections and logits.
     "mtp_num_layers",
+    # Attention sinks (models.sinks): learnable's logits are parameters (plan.parameters); the
+    # sink enters the same kernels (torch's flash kernels on a GPU, which return the
+    # log-sum-exp; the ring's merge) with one more element-wise pass over the attention's
+    # output, which the plan leaves out. Where it takes other kernels (a window's full s x s
+    # bias instead of query tiles, all_gather's masked call instead of its blockwise one)
+    # refuse_sink_kernels refuses it.
+    "softmax_type",
     *TOKENIZER,
 )
 
@@ -194,6 +202,7 @@ MEGART_RUNTIME_ONLY = (
     "num_experts",  # Korthikanti et al.'s count has no experts
     "multi_latent_attention",  # nor latents, nor prediction depths
     "mtp_num_layers",
+    "softmax_type",  # nor sinks
 )
 
 # Accepted and change nothing in the prediction: the optimizer's hyperparameters and schedule
@@ -275,10 +284,29 @@ def flag(name: str, value: Any) -> str:
     return f"{spelt} {value}"
 
 
+def refuse_sink_kernels(c: TrainConfig) -> None:
+    """Refuses attention sinks where megart's attention then runs other kernels than the
+    planned ones (see MODELLED's softmax_type)."""
+    if c.softmax_type == "vanilla":
+        return
+    cfg = c.gpt_config()
+    why = ""
+    if any(masking_window(cfg, i) is not None for i in range(cfg.num_layers)):
+        why = f"--window-size {cfg.window_size[0]},{cfg.window_size[1]}: the window's s x s bias"
+    elif c.context_parallel_size > 1 and c.cp_comm_type == "all_gather":
+        why = "--cp-comm-type all_gather: one masked call over the gathered keys"
+    if why:
+        raise ConfigError(
+            f"megart plan does not model --softmax-type {c.softmax_type} with {why} (a sink "
+            "takes that path instead of the planned kernels); leave one of them out to plan it"
+        )
+
+
 def refuse_unmodelled(config: TrainConfig, runtime: str = "megart") -> None:
     """Refuses, naming each, the flags of ``config`` whose effect the planner does not model
     (for ``runtime``), and the combinations it does not model."""
     refuse_windowed_documents(config)
+    refuse_sink_kernels(config)
     refused = []
     for name, (alike, what) in UNMODELLED.items():
         value = getattr(config, name)

@@ -30,8 +30,9 @@ def _norm(cfg: GPTConfig, size: int | None = None) -> list[int]:
 
 def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0, ep: int = 1) -> list[int]:
     """Element counts of layer ``layer``'s parameters on one tensor-parallel rank, in megart's
-    registration order (norm, fused q/k/v, output projection, --qk-layernorm's query and key
-    norms, norm, MLP; an MoE layer's router [E, h], replicated, and then each expert's MLP of
+    registration order (norm, --softmax-type learnable's sink logits, fused q/k/v, output
+    projection, --qk-layernorm's query and key norms, norm, MLP; an MoE layer's router [E, h],
+    replicated, and then each expert's MLP of
     moe_ffn_size split over t as the dense MLP, without biases: models.moe; under expert
     parallelism over ``ep`` ranks, E/ep of the experts; then the shared experts' MLP of
     --moe-shared-expert-intermediate-size, split over t as the dense MLP, whole under expert
@@ -41,7 +42,16 @@ def layer_tensors(cfg: GPTConfig, tp: int, layer: int = 0, ep: int = 1) -> list[
         out = [*_norm(cfg), *mla_tensors(cfg, t)]
     else:
         qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // t
-        out = [*_norm(cfg), qkv * h, *([qkv] if cfg.qkv_bias else []), h * cfg.query_size // t]
+        # --softmax-type learnable's sink logits, the rank's heads: the attention's own
+        # parameter, registered before its layers' (models.sinks)
+        sink = [cfg.num_attention_heads // t] if cfg.softmax_type == "learnable" else []
+        out = [
+            *_norm(cfg),
+            *sink,
+            qkv * h,
+            *([qkv] if cfg.qkv_bias else []),
+            h * cfg.query_size // t,
+        ]
         out += [h] if cfg.bias else []
         if cfg.qk_layernorm:  # replicated on every tensor-parallel rank, one head wide
             out += _norm(cfg, cfg.head_dim) * 2

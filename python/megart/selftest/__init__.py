@@ -87,7 +87,15 @@ def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
 
     import megart.distributed as dist
     from megart.distributed.nccl import find_nccl
-    from megart.selftest import collectives, components, moe, ring_blocks, training, windows
+    from megart.selftest import (
+        collectives,
+        components,
+        moe,
+        ring_blocks,
+        sinks,
+        training,
+        windows,
+    )
     from megart.selftest.ring_window_blocks import check_ring_window_blocks
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -127,6 +135,7 @@ def _gpu_checks(reference_curve: list[dict]) -> list[Check]:
         "--cp-comm-type all_gather",
     )
     checks += guarded("sliding window (CUDA)", lambda: windows.check_sliding_window(device))
+    checks += guarded("attention sinks (CUDA)", lambda: sinks.check_sinks(device))
     checks += guarded("mixture of experts (CUDA)", lambda: moe.check_moe(device))
     checks += guarded("AdamW (CUDA)", lambda: components.check_adamw(device))
     checks += guarded(
@@ -148,7 +157,7 @@ def run_single() -> list[Check]:
     """Every check of one process (launching 2 CPU ranks for the transport and training)."""
     import torch
 
-    from megart.selftest import components, moe, ring_blocks, training, windows
+    from megart.selftest import components, moe, ring_blocks, sinks, training, windows
     from megart.selftest.ring_window_blocks import check_ring_window_blocks
 
     checks: list[Check] = []
@@ -173,6 +182,7 @@ def run_single() -> list[Check]:
         "sliding window (CPU)", lambda: windows.check_sliding_window(torch.device("cpu"))
     )
     checks += guarded("mixture of experts (CPU)", lambda: moe.check_moe(torch.device("cpu")))
+    checks += guarded("attention sinks (CPU)", lambda: sinks.check_sinks(torch.device("cpu")))
     no_gpu = _no_gpu_reason()
     if no_gpu is None:
         reference = _cpu_reference_curve()

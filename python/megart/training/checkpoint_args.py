@@ -73,6 +73,7 @@ FORCED = (
     "untie_embeddings_and_output_weights",
     "apply_layernorm_1p",
     "qk_layernorm",
+    "softmax_type",  # megart's extra: the sinks' weights mean nothing under another softmax
     "normalization",
     "layernorm_epsilon",
     "attention_dropout",
@@ -209,6 +210,7 @@ def flags_from(
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
         qk_layernorm=cfg.qk_layernorm,
+        softmax_type=cfg.softmax_type,
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         layernorm_epsilon=cfg.layernorm_epsilon,
         # Megatron-LM's args have them; megart's records too (import-hf's: 0).

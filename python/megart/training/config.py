@@ -150,6 +150,7 @@ class TrainConfig(LearningRateFlags, MLAFlags, YarnFlags):
     # megart any positive number, as Hugging Face's rope type "linear").
     rotary_seq_len_interpolation_factor: float | None = None
     attention_backend: str = "auto"
+    softmax_type: str = "vanilla"  # off-by-one, learnable: attention sinks (models.sinks)
     use_flash_attn: bool = False  # Megatron's older switch: --attention-backend flash
     # Megatron-Core's layer implementation; megart's own layers compute the same GPT either way.
     transformer_impl: str = "transformer_engine"

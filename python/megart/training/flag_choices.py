@@ -4,6 +4,7 @@ by TrainConfig field; kept apart from the config, which re-exports them."""
 from __future__ import annotations
 
 from megart.models.moe_checks import DROP_POLICIES, SCORE_FUNCTIONS
+from megart.models.sink_checks import SOFTMAX_TYPES
 from megart.training.config_checks import PIPELINE_SCHEDULES
 from megart.training.lr import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from megart.training.megatron_flags import ATTENTION_BACKENDS, CKPT_FORMATS, TOKENIZER_TYPES
@@ -27,6 +28,7 @@ CHOICES = {
     "tiktoken_pattern": ("v1", "v2"),
     "optimizer": ("adam",),
     "transformer_impl": ("local", "transformer_engine"),
+    "softmax_type": SOFTMAX_TYPES,
     "cp_comm_type": ("p2p", "all_gather", "a2a", "a2a+p2p"),  # Megatron's; a2a+p2p refused
     "timing_log_level": (0, 1, 2),
     "timing_log_option": ("max", "minmax", "all"),

@@ -68,6 +68,7 @@ def megatron_args(
         # As Megatron-LM's argparse gives them: a tuple, and an int or a list per layer. None
         # where no layer has a window (--window-size -1,0): Megatron-Core's local spec would
         # read (-1, 0) as a window that masks every key, Transformer Engine as none.
+        softmax_type=cfg.softmax_type,  # (Megatron-LM's args have it from its config)
         window_size=cfg.window_size if windowed else None,
         window_attn_skip_freq=(list(skip) if isinstance(skip, tuple) else skip)
         if windowed
@@ -173,6 +174,7 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         # Megatron-LM's default 1.0 (whole heads) where older args lack it; ignored without rope.
         rotary_percent=float(a.get("rotary_percent", 1.0)) if plain else 1.0,
         window_size=a.get("window_size"),  # absent from older args: no window
+        softmax_type=a.get("softmax_type", "vanilla"),  # likewise: the plain softmax
         window_attn_skip_freq=a.get("window_attn_skip_freq"),
         activation=activation_of(bool(a.get("swiglu")), bool(a.get("squared_relu"))),
         bias=a.get("add_bias_linear", True),

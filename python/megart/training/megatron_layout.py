@@ -15,7 +15,9 @@ embedding's). Across tensor parallelism, column-parallel weights and biases (``l
 ``linear_q_up_proj``, ``linear_kv_down_proj`` and ``linear_kv_up_proj`` as Megatron-Core's local
 spec builds them, the vocab rows of ``word_embeddings`` and ``output_layer``) are split on their
 rows, row-parallel weights (``linear_proj``, ``linear_fc2``) on their columns, and the rest is
-replicated. SwiGLU's ``linear_fc1`` = [gate; up] is split per rank as [gate_r; up_r].
+replicated, but for --softmax-type learnable's ``core_attention.softmax_offset`` (one logit per
+head: split with the heads, on dim 0). SwiGLU's ``linear_fc1`` = [gate; up] is split per rank as
+[gate_r; up_r].
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from megart.errors import ConfigError
 from megart.models import GPTConfig, chunk_layers
+from megart.models.megatron_names import SINK as _SINK
 from megart.models.megatron_names import is_fc1_halves
 from megart.models.stages import uneven
 
@@ -33,6 +36,7 @@ Ranks = dict[tuple[int, int], list[dict[str, torch.Tensor]]]  # (tp rank, pp ran
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 _NORM = (".layer_norm_weight", ".layer_norm_bias")  # Transformer Engine's fused norms
 WORD, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+SINK = "." + _SINK[1]  # --softmax-type learnable's per-head logits: split with the heads
 # Column-parallel layers: q/k/v, fc1, multi-latent attention's projections (the local
 # spec's: its down-projections too, their outputs gathered) and multi-token prediction's eh_proj.
 _COLUMN = (
@@ -46,7 +50,7 @@ def tp_dim(name: str) -> int | None:
     None for replicated ones."""
     if name.endswith(_NORM):
         return None
-    if name in (WORD, OUTPUT) or re.search(_COLUMN, name):
+    if name in (WORD, OUTPUT) or re.search(_COLUMN, name) or name.endswith(SINK):
         return 0
     if re.search(r"\.(linear_proj|linear_fc2)\.weight$", name):
         return 1

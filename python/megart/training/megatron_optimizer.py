@@ -51,6 +51,7 @@ MEGATRON_GROUP_KEYS = (
 # GPTModel's modules in the order they register their parameters (the local layer spec).
 _LAYER_PARTS = (
     "input_layernorm",
+    "self_attention.core_attention",  # --softmax-type learnable's softmax_offset (built first)
     "self_attention.linear_proj",
     "self_attention.linear_qkv",
     # Multi-latent attention's (in place of linear_qkv), in MLASelfAttention's order.
@@ -70,7 +71,7 @@ _LAYER_PARTS = (
     "mlp.shared_experts.linear_fc2",
 )
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)$")
-_SUFFIXES = ("weight", "bias", "_extra_state", "gate_weight")
+_SUFFIXES = ("weight", "bias", "_extra_state", "gate_weight", "softmax_offset")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)\.(\w+)$")
 # A multi-token prediction depth's modules, in MultiTokenPredictionLayer's registration order.
 _MTP_PARTS = ("enorm.", "hnorm.", "eh_proj.", "transformer_layer.", "final_layernorm.")

@@ -35,7 +35,6 @@ REFUSED: dict[str, str] = {
     "MoE's weighted one); " + _LEAVE,
     "--use-te-activation-func": "megart's activations are its own, not Transformer "
     "Engine's; " + _LEAVE,
-    "--softmax-type": "megart's attention softmax is the vanilla one; " + _LEAVE,
     "--qk-l2-norm": "megart normalises queries and keys with --qk-layernorm only; " + _LEAVE,
     "--qk-clip": "megart has no QK-clip; " + _LEAVE,
     "--qk-clip-alpha": "megart has no QK-clip; " + _LEAVE,

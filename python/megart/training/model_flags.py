@@ -69,6 +69,7 @@ def gpt_config(config: Any) -> GPTConfig:
         if config.window_attn_skip_freq is None
         else parse_skip_freq(config.window_attn_skip_freq),
         cp_comm_type=config.cp_comm_type,
+        softmax_type=config.softmax_type,
         init_std=config.init_method_std,
         init_method_xavier_uniform=config.init_method_xavier_uniform,
         seed=config.seed,
