@@ -171,7 +171,7 @@ class Attention(nn.Module):
             v = v.repeat_interleave(per_group, dim=1)
         with stream, kernel:
             if where is not None:
-                return context_attention(q, k, v, *where, dropout, window, sink)
+                return context_attention(q, k, v, *where, dropout, window, sink=sink)
             return sequence_attention(q, k, v, dropout, window, mask, sink=sink)
 
 
