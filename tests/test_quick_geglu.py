@@ -81,3 +81,25 @@ def test_the_comparison_catches_a_misplaced_offset_or_clamp(mistake):
 def test_what_megart_cannot_take_is_refused_by_name(kw, says):
     with pytest.raises(ConfigError, match=says):
         GPTConfig(**{**BASE, **kw})
+
+
+def test_grouped_experts_are_the_loop_of_experts():
+    """--moe-grouped-gemm (models.moe_grouped) computes the same quick GeGLU as the loop."""
+    import torch
+
+    from megart.models.moe import AuxLossScale, MoE
+
+    cfg = GPTConfig(**{**BASE, **OSS, **MOE, "hidden_size": 16, "num_attention_heads": 2})
+    x = torch.randn(12, 1, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    results = []
+    for grouped in (False, True):
+        torch.manual_seed(0)
+        moe = MoE(cfg, 0, AuxLossScale()).double()
+        if grouped:
+            moe.group()
+        xi = x.clone().requires_grad_()
+        y = moe(xi)
+        y.pow(2).sum().backward()
+        results.append([y.detach(), xi.grad])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
