@@ -7,12 +7,14 @@ import argparse
 
 import pytest
 
+import megatron_core_ckpt_workers as mckw
 import moe_ep_workers as ew
 import train_workers as tw
 from megart.cli.train import add_arguments, config_from_args
 from megart.errors import ConfigError
 from megart.launcher import launch
 from megart.models import GPTConfig
+from megart.models.config_flags import architecture_flags
 from megart.training.glu_flags import glu_fields
 from megart.training.megatron_args import config_from_args as from_megatron_args
 from megart.training.megatron_args import megatron_args
@@ -91,3 +93,28 @@ def test_upcycling_is_refused_by_name():
                    "--moe-use-upcycling", "--save", "/tmp/s", "--load", "/tmp/l")  # fmt: skip
     with pytest.raises(ConfigError, match="--moe-use-upcycling with --quick-geglu"):
         check_upcycling(config)
+
+
+def test_a_resume_names_another_offset_or_clamp():
+    """architecture_flags (what a resume compares) tells the offset and the clamp apart."""
+    one = parse(*OSS, "--disable-bias-linear").gpt_config()
+    other = parse("--quick-geglu", "--glu-linear-offset", "0.5", "--disable-bias-linear")
+    flags = architecture_flags(other.gpt_config())["activation"]
+    assert flags == "--quick-geglu --glu-linear-offset 0.5"
+    assert architecture_flags(one)["activation"] == (
+        "--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value 7"
+    )
+
+
+def test_megatron_core_loads_its_torch_format_checkpoint(tmp_path):
+    """A tp2 run's checkpoint (biases, --no-bias-gelu-fusion), converted to Megatron-LM's legacy
+    files: Megatron-Core's GPTModel built from their args loads them strictly and computes the
+    same logits; converted back, the weights and config are the original."""
+    ckpt = tmp_path / "ckpt"
+    kw = dict(OSS_KW, bias_gelu_fusion=False, num_layers=2, train_iters=1, save=str(ckpt),
+              ffn_hidden_size=96,
+              tensor_model_parallel_size=2)  # fmt: skip
+    launch(tw.train_kw, 2, kw, timeout=300)
+    r = launch(mckw.legacy_checkpoint_roundtrip, 1, str(ckpt), str(tmp_path), timeout=300)[0]
+    assert r["logits"] < 1e-5 and r["iteration"] == 1
+    assert r["same_weights"] and r["same_config"]
