@@ -39,6 +39,7 @@ def megatron_model(
     spread over that many expert-parallel ranks, as initialised)."""
     from megatron.core import parallel_state
     from megatron.core.activations import squared_relu
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import (
         MLATransformerConfig,
@@ -47,9 +48,9 @@ def megatron_model(
 
     one_rank_world()
     vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    swiglu = cfg.activation == "swiglu"
-    # Megatron-LM's --squared-relu is Megatron-Core's own squared_relu.
-    non_gated = {"gelu": tanh_gelu, "squared_relu": squared_relu}
+    # Megatron-LM's --squared-relu and --quick-geglu are Megatron-Core's own functions.
+    acts = {"gelu": tanh_gelu, "squared_relu": squared_relu, "swiglu": F.silu,
+            "quick_geglu": quick_gelu}  # fmt: skip
     skip = cfg.window_attn_skip_freq
     config = (MLATransformerConfig if cfg.multi_latent_attention else TransformerConfig)(
         num_layers=cfg.num_layers,
@@ -65,8 +66,10 @@ def megatron_model(
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         add_bias_linear=cfg.bias,
         add_qkv_bias=cfg.add_qkv_bias,
-        gated_linear_unit=swiglu,
-        activation_func=F.silu if swiglu else non_gated[cfg.activation],
+        gated_linear_unit=cfg.activation in ("swiglu", "quick_geglu"),
+        activation_func=acts[cfg.activation],
+        glu_linear_offset=cfg.glu_linear_offset,
+        activation_func_clamp_value=cfg.activation_func_clamp_value,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,

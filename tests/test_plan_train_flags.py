@@ -115,6 +115,10 @@ UNMODELLED_GIVEN = {
                                          "--moe-pad-expert-input-to-capacity"],
     "moe_input_jitter_eps": ["--num-experts", "8", "--disable-bias-linear",
                              "--moe-input-jitter-eps", "0.01"],
+    "quick_geglu": ["--quick-geglu", "--disable-bias-linear"],
+    "glu_linear_offset": ["--quick-geglu", "--disable-bias-linear", "--glu-linear-offset", "1"],
+    "activation_func_clamp_value": ["--quick-geglu", "--disable-bias-linear",
+                                    "--activation-func-clamp-value", "7"],
 }  # fmt: skip
 
 

@@ -77,6 +77,10 @@ HELP = {
     "(rope with YaRN's frequencies and scale: --rotary-scaling-factor, --yarn-*, --mscale*)",
     "swiglu": "SwiGLU MLP (three matrices) instead of GeLU",
     "squared_relu": "squared ReLU, relu(x)^2, as the MLP's activation instead of GeLU (Nemotron's)",
+    "quick_geglu": "gated MLP of quick GeLU, x * sigmoid(1.702 x), on its gate half (gpt-oss's)",
+    "glu_linear_offset": "with --quick-geglu: add this to the linear half (gpt-oss's 1.0)",
+    "activation_func_clamp_value": "with --quick-geglu: clamp the gate half at most to this and "
+    "the linear half within plus or minus it (gpt-oss's 7.0)",
     "disable_bias_linear": "no biases in the linear layers; LayerNorm keeps its bias (as "
     "Megatron-Core's add_bias_linear=False)",
     "add_qkv_bias": "keep the attention's fused q/k/v projection's bias under "

@@ -12,6 +12,7 @@ from megart.models.config_flags import MEGATRON_NORMS as MEGATRON_NORMS
 from megart.models.config_flags import MEGATRON_POSITIONS as MEGATRON_POSITIONS
 from megart.models.config_flags import architecture_flags as architecture_flags
 from megart.models.config_flags import refuse_unlike as refuse_unlike
+from megart.models.glu_checks import check_glu
 from megart.models.mla_checks import check_mla, mla_layout_problems
 from megart.models.moe_checks import check_moe, is_moe_layer, moe_layout_problems
 from megart.models.mtp_checks import check_mtp, mtp_layout_problems
@@ -25,14 +26,16 @@ from megart.parallel.layout import divisors, either
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
-ACTIVATIONS = ("gelu", "swiglu", "squared_relu")
+ACTIVATIONS = ("gelu", "swiglu", "squared_relu", "quick_geglu")
+GATED = ("swiglu", "quick_geglu")  # fc1 of two halves, gate and linear (Megatron-Core GLU)
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # of Megatron's; its a2a+p2p is not built
 
 
-def activation_of(swiglu: bool, squared_relu: bool) -> str:
-    """GPTConfig's activation for Megatron-LM's --swiglu and --squared-relu switches (GeLU
-    where neither is on)."""
-    return "swiglu" if swiglu else "squared_relu" if squared_relu else "gelu"
+def activation_of(swiglu: bool, squared_relu: bool, quick_geglu: bool = False) -> str:
+    """GPTConfig's activation for Megatron-LM's --swiglu, --squared-relu and --quick-geglu
+    switches (GeLU where none is on)."""
+    gated = "swiglu" if swiglu else "quick_geglu" if quick_geglu else None
+    return gated or ("squared_relu" if squared_relu else "gelu")
 
 
 # Megatron-LM's default --make-vocab-size-divisible-by (also what checkpoints without it used).
@@ -64,6 +67,9 @@ class GPTConfig(YarnConfig):
     qk_layernorm: bool = False
     position_embedding: str = "learned"
     activation: str = "gelu"  # GeLU with the tanh approximation, as GPT-2
+    # Megatron's --glu-linear-offset, --activation-func-clamp-value (models.mlp.MLP.act)
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
     bias: bool = True
     # Megatron's --add-qkv-bias (Megatron-Core's TransformerConfig.add_qkv_bias): the fused
     # q/k/v projection keeps a bias where bias=False (--disable-bias-linear) removes the other
@@ -97,10 +103,8 @@ class GPTConfig(YarnConfig):
     # Megatron's --rotary-seq-len-interpolation-factor (Megatron-Core's RotaryEmbedding
     # seq_len_interpolation_factor; Hugging Face's rope type "linear"): position interpolation
     # (Chen et al. 2023), positions divided by the factor before rope turns them, so that a
-    # context F times longer than training's spans the angles training saw. Every frequency is
-    # slowed alike, unlike rope_scaling; Megatron-Core applies both when both are given (the
-    # frequencies scaled, then the positions divided), and so does megart. None: positions as
-    # they are.
+    # context F times longer than training's spans the angles training saw (with rope_scaling
+    # too: frequencies scaled, then positions divided, as Megatron-Core). None: as they are.
     rotary_seq_len_interpolation_factor: float | None = None
     # Megatron's --rotary-percent (Megatron-Core's RotaryEmbedding rotary_percent): partial
     # rotary, rope turning only the first rotary_dim = int(head_dim * rotary_percent) channels
@@ -138,20 +142,15 @@ class GPTConfig(YarnConfig):
     # N(0, init_std^2) (megart.models.init says which and with which fans).
     init_method_xavier_uniform: bool = False
     seed: int = 1234  # initial weights depend on this alone, not on the parallel layout
-    # megart's fused CUDA kernels (megart.kernels) in place of the unfused torch ops; on a CPU,
-    # or without megart._cuda, the ops' torch references run. Off by default here, in the
-    # library's model config: a default of True would refuse GPTConfig(activation="swiglu") or
-    # GPTConfig(bias=False) unless the caller also turned it off, and the model's default stays
-    # the plain torch ops. megart train (TrainConfig) turns bias_gelu_fusion on where the MLP
-    # has a bias and GeLU, as Megatron-LM does by default; the same math either way.
+    # megart's fused CUDA kernels (megart.kernels; their torch references on a CPU). Off here,
+    # in the library's config, so that GPTConfig(activation="swiglu") or (bias=False) need no
+    # more; megart train turns bias_gelu_fusion on as Megatron-LM does (bias and GeLU).
     bias_gelu_fusion: bool = False  # the MLP's bias add + GeLU
     fused_layer_norm: bool = False  # LayerNorm, with the residual add before the second one
     cross_entropy_loss_fusion: bool = False  # loss and gradient in the logits' own buffer
-    # Under autocast (megart train's --bf16/--fp16) the residual stream, the hidden states
-    # between layers and between pipeline stages, is in autocast's 16-bit type from the
-    # embedding on, as in Megatron-LM, whose 16-bit weights make it so; norms run in it, with
-    # fp32 arithmetic inside. True (Megatron's --fp32-residual-connection) keeps it in fp32. Not
-    # under autocast, nothing is cast: the stream has the weights' dtype either way.
+    # Under autocast (--bf16/--fp16) the residual stream (between layers and stages) is in its
+    # 16-bit type from the embedding on, as Megatron-LM's 16-bit weights make it (norms compute
+    # in fp32 inside); True (--fp32-residual-connection) keeps it fp32. Else: the weights' type.
     fp32_residual_connection: bool = False
     # Activation recomputation, Megatron's flags: "full" recomputes whole layers ("uniform":
     # groups of recompute_num_layers; "block": the first recompute_num_layers of each chunk),
@@ -227,6 +226,7 @@ class GPTConfig(YarnConfig):
         if small:  # before any of them divides or counts
             raise ConfigError(f"{', '.join(small)}: the model's sizes must be at least 1")
         check_window(self.window_size, self.window_attn_skip_freq, self.num_layers)
+        check_glu(self.activation, self.glu_linear_offset, self.activation_func_clamp_value)
         for name, value, allowed in (
             ("normalization", self.normalization, NORMS),
             ("position_embedding", self.position_embedding, POSITIONS),

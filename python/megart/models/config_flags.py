@@ -24,6 +24,16 @@ _ACTIVATION_FLAGS = {"swiglu": "--swiglu", "squared_relu": "--squared-relu",
                      "gelu": "neither --swiglu nor --squared-relu"}  # fmt: skip
 
 
+def _activation_flags(cfg: GPTConfig) -> str:
+    """The MLP's activation flags; quick GeGLU's offset and clamp change what its weights mean."""
+    if cfg.activation != "quick_geglu":
+        return _ACTIVATION_FLAGS[cfg.activation]
+    clamp = cfg.activation_func_clamp_value
+    return f"--quick-geglu --glu-linear-offset {cfg.glu_linear_offset:g}" + (
+        "" if clamp is None else f" --activation-func-clamp-value {clamp:g}"
+    )
+
+
 def megatron_position(cfg: GPTConfig) -> str:
     """Megatron-LM's --position-embedding-type of ``cfg``: yarn for YaRN on the ordinary
     attention; multi-latent attention's YaRN is its --rope-type yarn, on rope."""
@@ -41,7 +51,7 @@ def architecture_flags(cfg: GPTConfig) -> dict[str, str]:
         "ffn_hidden_size": f"--ffn-hidden-size {cfg.ffn_size}",
         "normalization": f"--normalization {MEGATRON_NORMS[cfg.normalization]}",
         "position_embedding": f"--position-embedding-type {position}",
-        "activation": _ACTIVATION_FLAGS[cfg.activation],
+        "activation": _activation_flags(cfg),
         "bias": ("no " if cfg.bias else "") + "--disable-bias-linear",
         # Named apart only where it adds a bias (GPTConfig stores it False with biases on).
         "add_qkv_bias": ("" if cfg.add_qkv_bias else "no ") + "--add-qkv-bias",

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from megart.models.config import GPTConfig
+from megart.models.config import GATED, GPTConfig
 
 # megart name (after the chunk's prefix) -> Megatron-Core name; N is the layer number.
 NAMES = {
@@ -101,7 +101,7 @@ def megatron_part(part: str, cfg: GPTConfig) -> tuple[str, int | None]:
         return megatron.replace("mlp.", SHARED, 1), half
     if part == ROUTER:
         return ROUTER, None
-    if cfg.activation == "swiglu" and part in FC1_HALVES:
+    if cfg.activation in GATED and part in FC1_HALVES:
         return FC1, FC1_HALVES.index(part)
     return LAYER_NAMES[part], None
 
@@ -133,7 +133,7 @@ def expert_bias_layer(name: str) -> int | None:
 def is_fc1_halves(name: str, cfg: GPTConfig) -> bool:
     """Whether Megatron-Core's parameter ``name`` holds SwiGLU's [gate; up] (``linear_fc1``'s
     weight or bias; not Transformer Engine's norm fused into it)."""
-    return cfg.activation == "swiglu" and bool(_FC1_TENSOR.search(name))
+    return cfg.activation in GATED and bool(_FC1_TENSOR.search(name))
 
 
 def to_megatron(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:

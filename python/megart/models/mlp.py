@@ -12,7 +12,7 @@ from torch import nn
 
 from megart.distributed import ProcessGroup
 from megart.kernels import bias_gelu
-from megart.models.config import GPTConfig
+from megart.models.config import GATED, GPTConfig
 from megart.models.init import generator, weight_init
 from megart.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megart.tensor_parallel.column_entry import WeightGradSlot, enter_column_region
@@ -20,7 +20,8 @@ from megart.tensor_parallel.weight_grad import linear
 
 
 class MLP(nn.Module):
-    """h -> ffn (column-parallel) -> GeLU, SwiGLU or squared ReLU -> h (row-parallel)."""
+    """h -> ffn (column-parallel) -> GeLU, SwiGLU, squared ReLU or quick GeGLU -> h
+    (row-parallel)."""
 
     def __init__(
         self,
@@ -41,7 +42,9 @@ class MLP(nn.Module):
         super().__init__()
         self.expert = expert
         h, f = cfg.hidden_size, ffn or cfg.ffn_size
-        self.swiglu = cfg.activation == "swiglu"
+        self.activation = cfg.activation
+        self.swiglu = cfg.activation in GATED  # two first products: linear (fc) and gate
+        self.glu_offset, self.clamp = cfg.glu_linear_offset, cfg.activation_func_clamp_value
         self.squared_relu = cfg.activation == "squared_relu"
         self.bias_gelu_fusion = cfg.bias_gelu_fusion
 
@@ -107,8 +110,13 @@ class MLP(nn.Module):
         return self.scaled(y, scale)
 
     def act(self, up: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """The activation of the first products ``up`` (and SwiGLU's ``gate``), without the
-        fused bias (models.moe_grouped's experts have no biases)."""
+        """The activation of the first products ``up`` (and a gated unit's ``gate``), their
+        biases added (Megatron-Core's unfused path). quick GeGLU (gpt-oss's): Megatron-Core's
+        quick_gelu(gate) * (up + offset), the gate clamped above and ``up`` on both sides first."""
+        if self.activation == "quick_geglu":
+            if self.clamp is not None:
+                gate, up = gate.clamp(max=self.clamp), up.clamp(-self.clamp, self.clamp)
+            return gate * torch.sigmoid(1.702 * gate) * (up + self.glu_offset)
         if self.swiglu:
             return F.silu(gate) * up
         if self.squared_relu:  # Megatron-Core's squared_relu (Nemotron's relu2)

@@ -167,6 +167,10 @@ UNMODELLED: dict[str, tuple[tuple[Any, ...], str]] = {
         "the unfused attention's s x s scores (torch's fused kernels are planned)",
     ),
     "bias_gelu_fusion": ((None, True), "the element-wise work and memory of an unfused MLP"),
+    # gpt-oss's MLP (training.glu_flags): the plan counts two first products for --swiglu only.
+    "quick_geglu": ((False,), "quick GeGLU's second first product and its element-wise work"),
+    "glu_linear_offset": ((0.0,), "the offset's element-wise work"),
+    "activation_func_clamp_value": ((None,), "the clamp's element-wise work and masks"),
     "gradient_accumulation_fusion": (
         (True,),
         "weight gradients made apart and then added to the main gradients",

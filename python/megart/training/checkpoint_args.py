@@ -41,6 +41,7 @@ from megart.training.ckpt_files import (
     rank_dir,
     saved_expert_parallel,
 )
+from megart.training.glu_flags import glu_args
 from megart.training.megatron_args import config_from_args, integral, megatron_args
 from megart.training.megatron_files import is_megatron_file, torch_load
 from megart.training.megatron_mla import mla_flags_from
@@ -70,6 +71,9 @@ FORCED = (
     "add_qkv_bias",
     "swiglu",
     "squared_relu",
+    "quick_geglu",
+    "glu_linear_offset",
+    "activation_func_clamp_value",
     "untie_embeddings_and_output_weights",
     "apply_layernorm_1p",
     "qk_layernorm",
@@ -207,6 +211,7 @@ def flags_from(
         add_qkv_bias=cfg.add_qkv_bias,
         swiglu=cfg.activation == "swiglu",
         squared_relu=cfg.activation == "squared_relu",
+        **glu_args(cfg),
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
         qk_layernorm=cfg.qk_layernorm,

@@ -75,6 +75,9 @@ class TrainConfig(LearningRateFlags, MLAFlags, YarnFlags):
     position_embedding_type: str = "learned_absolute"
     swiglu: bool = False
     squared_relu: bool = False  # relu(x)^2 in the MLP (Megatron's; Nemotron's relu2)
+    quick_geglu: bool = False  # gpt-oss's gated MLP, with these two (training.glu_flags)
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
     disable_bias_linear: bool = False
     add_qkv_bias: bool = False  # the q/k/v projection's bias kept under --disable-bias-linear
     untie_embeddings_and_output_weights: bool = False  # the output layer's own weight
@@ -120,9 +123,8 @@ class TrainConfig(LearningRateFlags, MLAFlags, YarnFlags):
     # megart's fused CUDA kernels (see megart.kernels and GPTConfig); the torch references run
     # where there is no GPU or megart._cuda. Bias + GeLU in the MLP, one kernel: None is
     # Megatron-LM's default, on wherever the MLP has a bias add and GeLU, off (without a word)
-    # with --swiglu, --squared-relu or --disable-bias-linear; False is --no-bias-gelu-fusion;
-    # True, asked for with --bias-gelu-fusion, is refused where it cannot apply. The other
-    # two: off until measured faster than torch on a GPU.
+    # with another activation or --disable-bias-linear; False is --no-bias-gelu-fusion; True
+    # (--bias-gelu-fusion) refused where it cannot apply. The other two: off until faster.
     bias_gelu_fusion: bool | None = None
     # Linear layers add their weight gradients into the fp32 gradient buffers by the product
     # itself (Megatron-LM's default; False is --no-gradient-accumulation-fusion).

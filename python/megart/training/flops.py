@@ -69,7 +69,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from megart.models.config import GPTConfig
+from megart.models.config import GATED, GPTConfig
 from megart.models.recompute import recomputed_spans
 
 # Dense bf16 peak per GPU, FLOP/s (datasheets); MFU is reported against the one that applies.
@@ -174,7 +174,7 @@ def model_flops(
         cfg.padded_vocab_size(tp),
         recompute,
         cfg.ffn_size,
-        cfg.activation == "swiglu",
+        cfg.activation in GATED,
         cfg.query_groups * cfg.head_dim,
         causal,
         replayed,
@@ -216,7 +216,7 @@ def mtp_flops(cfg: GPTConfig, batch: int, tp: int, causal: bool, replay: bool) -
     b, s, h = batch, cfg.seq_length, cfg.hidden_size
     projections, core_width = mla_widths(cfg)  # a depth's layer is the model's kind
     moe = d if cfg.is_moe_layer(cfg.num_layers) else 0
-    layers = iteration_flops(b, s, d, h, 0, replay, cfg.ffn_size, cfg.activation == "swiglu",
+    layers = iteration_flops(b, s, d, h, 0, replay, cfg.ffn_size, cfg.activation in GATED,
                              cfg.query_groups * cfg.head_dim, causal, None, False,
                              cfg.query_size, moe_layers=moe, routed_hidden=routed_width(cfg),
                              projections=projections, core_width=core_width)  # fmt: skip

@@ -16,6 +16,7 @@ from megart.models.config_flags import megatron_position
 from megart.models.moe_checks import capacity_factor
 from megart.models.stages import check_stages, uneven
 from megart.models.window import any_windowed
+from megart.training.glu_flags import glu_args, glu_fields
 from megart.training.megatron_mla import mla_args, mla_fields
 from megart.training.megatron_mtp import mtp_args, mtp_fields
 from megart.training.yarn_flags import yarn_args, yarn_from_args
@@ -75,6 +76,7 @@ def megatron_args(
         else None,
         swiglu=cfg.activation == "swiglu",
         squared_relu=cfg.activation == "squared_relu",
+        **glu_args(cfg),
         add_bias_linear=cfg.bias,
         # True with add_bias_linear too, as Megatron-LM's arguments keep the two in sync.
         add_qkv_bias=cfg.qkv_bias,
@@ -176,7 +178,10 @@ def config_from_args(a: dict[str, Any]) -> GPTConfig:
         window_size=a.get("window_size"),  # absent from older args: no window
         softmax_type=a.get("softmax_type", "vanilla"),  # likewise: the plain softmax
         window_attn_skip_freq=a.get("window_attn_skip_freq"),
-        activation=activation_of(bool(a.get("swiglu")), bool(a.get("squared_relu"))),
+        activation=activation_of(
+            bool(a.get("swiglu")), bool(a.get("squared_relu")), bool(a.get("quick_geglu"))
+        ),
+        **glu_fields(a),
         bias=a.get("add_bias_linear", True),
         add_qkv_bias=bool(a.get("add_qkv_bias", False)),  # absent from older args: none
         untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", False),

@@ -28,9 +28,6 @@ REFUSED: dict[str, str] = {
     # Models and layers.
     "--apply-residual-connection-post-layernorm": "megart's residual is taken before the "
     "norm (pre-norm, Megatron's default); " + _LEAVE,
-    "--quick-geglu": "megart's MLP activations are GeLU, --swiglu and --squared-relu; " + _LEAVE,
-    "--glu-linear-offset": "megart's --swiglu has no offset; " + _LEAVE,
-    "--activation-func-clamp-value": "megart's activations are not clamped; " + _LEAVE,
     "--use-fused-weighted-squared-relu": "megart's --squared-relu is not fused (and it has no "
     "MoE's weighted one); " + _LEAVE,
     "--use-te-activation-func": "megart's activations are its own, not Transformer "

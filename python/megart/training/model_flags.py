@@ -17,6 +17,7 @@ from megart.models.moe_checks import capacity_factor
 from megart.models.recompute import DEFAULT_MODULES, MODULES, OTHER_MODULES
 from megart.models.window import parse_skip_freq, parse_window_size
 from megart.parallel.layout import divisors, nearest_multiples
+from megart.training.glu_flags import check_glu_flags, glu_fields
 from megart.training.mla_flags import mla_fields
 from megart.training.yarn_flags import yarn_fields
 
@@ -47,7 +48,8 @@ def gpt_config(config: Any) -> GPTConfig:
         apply_layernorm_1p=config.apply_layernorm_1p,
         qk_layernorm=config.qk_layernorm,
         position_embedding=POSITION_EMBEDDING_TYPES[config.position_embedding_type],
-        activation=activation_of(config.swiglu, config.squared_relu),
+        activation=activation_of(config.swiglu, config.squared_relu, config.quick_geglu),
+        **glu_fields(vars(config)),
         bias=not config.disable_bias_linear,
         add_qkv_bias=config.add_qkv_bias,
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
@@ -129,7 +131,9 @@ def _bias_gelu_fusion(config: Any) -> bool:
     fails there unless told --no-bias-gelu-fusion; megart leaves it off)."""
     if config.bias_gelu_fusion is not None:
         return config.bias_gelu_fusion
-    return not (config.swiglu or config.squared_relu or config.disable_bias_linear)
+    return not (
+        config.swiglu or config.squared_relu or config.quick_geglu or config.disable_bias_linear
+    )
 
 
 # The model's sizes: none can be 0 or negative (a model of no layers, no heads, an empty
@@ -182,7 +186,9 @@ def check_model_flags(cfg: Any) -> None:
             "--swiglu and --squared-relu are two MLP activations: give one (Megatron-LM "
             "asserts it too)"
         )
-    unfusable = [f for f in ("swiglu", "squared_relu", "disable_bias_linear") if getattr(cfg, f)]
+    check_glu_flags(cfg)
+    unfusable = ("swiglu", "squared_relu", "quick_geglu", "disable_bias_linear")
+    unfusable = [f for f in unfusable if getattr(cfg, f)]
     if cfg.bias_gelu_fusion and unfusable:
         flags = " and ".join("--" + f.replace("_", "-") for f in unfusable)
         raise ConfigError(

@@ -52,6 +52,9 @@ def check_upcycling(config: Any) -> None:
     if not (config.load or config.pretrained_checkpoint):
         raise ConfigError(f"{flag} needs --load (or --pretrained-checkpoint): the dense model's")
     cfg = config.gpt_config()
+    if cfg.activation == "quick_geglu":  # Megatron-Core's upcycling refuses quick_gelu
+        raise ConfigError(f"{flag} with --quick-geglu: Megatron-LM upcycles GeLU, SwiGLU and "
+                          "squared ReLU MLPs only; leave one of the two out")  # fmt: skip
     if not all(cfg.is_moe_layer(layer) for layer in range(cfg.num_layers)):
         raise ConfigError(
             f"{flag} with --moe-layer-freq {config.moe_layer_freq}: Megatron-LM's upcycling "
