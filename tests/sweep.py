@@ -7,7 +7,7 @@ megart's one-line reason, or ERROR) and exits 1 if any combination mismatched or
     python tests/sweep.py precision --seed 31 --count 40 # the same under bf16/fp16 flags
     python tests/sweep.py resume --seed 17 --count 40    # save in one layout, resume in another
     python tests/sweep.py resume-moe --seed 5 --count 20 # the same, always with experts
-    python tests/sweep.py deepseek --seed 3 --count 20   # curves with MLA, YaRN, MTP drawn
+    python tests/sweep.py deepseek --seed 3 --count 20   # MLA, YaRN, MTP, sinks, cp, resume
     python tests/sweep.py memory --seed 23 --count 40    # megart plan's memory against ranks
     python tests/sweep.py hf --seed 5 --count 40         # export-hf and import-hf (sweep_hf)
     python tests/sweep.py convert --seed 9 --count 40    # convert-checkpoint (sweep_convert)
@@ -24,7 +24,8 @@ small GPTs of test_plan_memory; hf: a model of a Hugging Face family, see sweep_
 checkpoints through convert-checkpoint, see sweep_convert; resume-moe: resume with a
 mixture-of-experts model always, expert parallelism drawn more often, grouped GEMM and the
 router's input jitter at times; deepseek: curves with multi-latent attention, YaRN and
-multi-token prediction drawn, see sweep_deepseek). On
+multi-token prediction and attention sinks drawn, context parallelism half the time, and
+resumes through Megatron-LM's formats, see sweep_deepseek). On
 2026-11-29 these sweeps found six bugs (git log: "found by a random ... sweep"). REFUSED
 lines are expected (layouts a batch or layer count does not allow); read them for unclear
 messages.
@@ -59,7 +60,7 @@ from megart.training.lr import WSD_DECAY_STYLES  # noqa: E402
 # mcore: float64 logits of megart's GPT and Megatron-Core's GPTModel, weights mapped either way;
 # mcore-tp2: of Megatron-Core's tp2 model loading the tp2 checkpoint megart converts to;
 # mcore-pp2: of its pipeline stages (plain, interleaved, uneven) on pp2 converted files.
-# deepseek: the curves' bound (its draws add MLA, YaRN and MTP: sweep_deepseek).
+# deepseek: the curves' bound (its draws add MLA, YaRN, MTP, sinks: sweep_deepseek).
 TOLERANCE = {"curves": 1e-5, "precision": 2e-2, "resume": 1e-5, "resume-moe": 1e-5,
              "deepseek": 1e-5,
              "memory": 1e-2, "hf": 1e-5,
@@ -186,10 +187,10 @@ def draw(rng: random.Random, mode: str) -> tuple[int, dict, dict]:
         model.update(_precision(rng))
     if mode == "deepseek":
         sweep_deepseek.parts(rng, model)
-    # resume-moe: the experts' own optimizer shards (and their files) drawn more often.
-    ranks, layout, dp = _layout(rng, model["num_layers"], 0.8 if mode == "resume-moe" else 0.5)
-    while mode == "deepseek" and layout["context_parallel_size"] > 1:  # MLA and MTP refuse it
-        ranks, layout, dp = _layout(rng, model["num_layers"])
+    if mode == "deepseek":  # context parallelism drawn more often
+        ranks, layout, dp = sweep_deepseek.layout(rng, _layout, model["num_layers"])
+    else:  # resume-moe: the experts' own optimizer shards (and their files) drawn more often
+        ranks, layout, dp = _layout(rng, model["num_layers"], 0.8 if mode == "resume-moe" else 0.5)
     _spread_experts(rng, model, layout, dp, 0.8 if mode == "resume-moe" else 0.5)
     if mode == "resume-moe" and layout["tensor_model_parallel_size"] > 1:
         layout["sequence_parallel"] = True  # experts under tp need it (else refused)
@@ -309,18 +310,23 @@ def one(rng: random.Random, mode: str) -> str:
 
         return sweep_mcore_pp.verdict(rng, launch, _failed, TOLERANCE["mcore-pp2"])
     ranks, base, layout = draw(rng, mode)
-    resume = mode in ("resume", "resume-moe")
+    resume, formats = mode in ("resume", "resume-moe"), ("megart", "torch", "torch_dist")
+    if mode == "deepseek" and sweep_deepseek.resumes(rng, base):  # through Megatron's formats
+        resume, formats = True, sweep_deepseek.FORMATS
+        ranks = sweep_deepseek.one_stage(base, layout, ranks)
     base["train_iters"] = 4 if resume else 2
     store = tempfile.mkdtemp() if resume else None
     try:
         straight = launch(_train, 1, base, timeout=300)[0]
         flags = layout
         if store is not None:
-            fmt = rng.choice(["megart", "torch", "torch_dist"])
+            fmt = rng.choice(formats)
             save = dict(base, **layout, exit_interval=2, save=store, save_interval=2)
             launch(_train, ranks, dict(save, ckpt_format=fmt), timeout=300)
             saved = {k: v for k, v in layout.items() if v not in (1, None)}
             ranks, _, flags = draw(rng, mode)  # another layout of the same run
+            if mode == "deepseek":
+                ranks = sweep_deepseek.one_stage(base, flags, ranks)
             sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size")  # fmt: skip
             dp = ranks // math.prod(flags[k] for k in sizes)
