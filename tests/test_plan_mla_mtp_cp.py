@@ -19,11 +19,14 @@ import pytest
 from megart.launcher import launch
 from megart.models.config import GPTConfig
 from megart.models.mla_checks import MLA_DEFAULTS
+from megart.plan.collectives import collective_seconds
 from megart.plan.context_parallel import a2a_exchanges, kv_gathers, ring_passes
+from megart.plan.hardware import load_profile
 from megart.plan.memory import precision
 from megart.plan.moe_memory import MoeRank
 from megart.plan.mtp_memory import mtp_stage_bytes
-from megart.plan.mtp_time import mtp_sequence_gathers
+from megart.plan.mtp_time import mtp_sequence_gathers, mtp_work
+from megart.plan.timing import layer_work
 from megart.training.config import TrainConfig
 from plan_exchange_workers import a2a_traffic, cp_traffic
 from plan_memory_check import _layout, assert_rank_matches, predicted_and_held
@@ -190,3 +193,22 @@ def test_the_planned_exchanges_are_those_a_real_step_posts(case, traffic):
             wrong = +_planned(config, world, cfg)
             if comm != "p2p" or not cfg.multi_latent_attention:  # the ring pads: the same
                 assert got != wrong, (name, cfg)
+
+
+# --- time ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_the_depths_time_runs_the_decoders_exchanges_and_their_gathers(comm):
+    """Under cp each depth's layer is the decoder's at cp (its exchanges, s/cp tokens), and the
+    depths' gathers (tokens, labels, loss mask) come once per microbatch, forward only."""
+    cfg = TrainConfig(**dict(MTP, **CP2, cp_comm_type=comm, seq_length=4096)).gpt_config()
+    gpu = load_profile("h100-80gb")
+    w = mtp_work(cfg, 2, 1, False, gpu, gpu, cp=2)
+    layer = layer_work(cfg, 2, 1, False, None, gpu, cp=2)
+    shifts = sum(collective_seconds("all_gather", n * size, 2, gpu.nvlink_bus_gb_per_s, gpu)
+                 for n, size in mtp_sequence_gathers(cfg, 2, 2))  # fmt: skip
+    assert shifts > 0 and layer.cp_comm > 0
+    assert w.cp_comm == pytest.approx(2 * layer.cp_comm + shifts, rel=1e-12)
+    # Split over cp: the weight-gradient products over half the whole sequence's tokens.
+    assert w.weight == pytest.approx(mtp_work(cfg, 2, 1, False, gpu, gpu).weight / 2, rel=1e-9)
