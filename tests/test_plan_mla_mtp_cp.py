@@ -29,7 +29,12 @@ from megart.plan.mtp_time import mtp_sequence_gathers, mtp_work
 from megart.plan.timing import layer_work
 from megart.training.config import TrainConfig
 from plan_exchange_workers import a2a_traffic, cp_traffic
-from plan_memory_check import _layout, assert_rank_matches, predicted_and_held
+from plan_memory_check import (
+    _layout,
+    assert_rank_matches,
+    deferred_and_predicted,
+    predicted_and_held,
+)
 from plan_workers import held_bytes
 from test_plan_context_parallel import cpu_mask
 from test_plan_memory_mla import MLA, MTP, Q_LORA
@@ -97,6 +102,21 @@ def test_predicted_bytes_are_what_a_cp_rank_holds(case, held):
             whole = mtp_stage_bytes(*args, prec, MoeRank(prec, 1, 4, c.tp, c.sequence_parallel))
             wrong = want["saved"] - split[0] + whole[0]
             assert wrong > 1.2 * rank["saved_peak"], (name, wrong, rank["saved_peak"])
+
+
+ZERO_BUBBLE = [
+    dict(MTP, **CP2, pipeline_model_parallel_size=2, pipeline_schedule="zb-h1"),
+    dict(MLA, **CP2, mtp_num_layers=1, pipeline_model_parallel_size=2, pipeline_schedule="zb-h1",
+         cp_comm_type="a2a"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kw", ZERO_BUBBLE, ids=["mtp p2p", "mla mtp a2a"])
+def test_the_deferred_weight_gradients_are_what_a_cp_rank_keeps(kw):
+    """cp2 x pp2 under zb-h1: the most bytes a rank keeps between its Is and Ws, the depths'
+    over its s/cp tokens (mtp_weight_grad_bytes with cp), to the byte."""
+    for peak, want in deferred_and_predicted(4, kw):
+        assert peak == want, (kw, peak, want)
 
 
 # --- exchanges ----------------------------------------------------------------------------
