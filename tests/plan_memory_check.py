@@ -159,7 +159,8 @@ def deferred_and_predicted(
     t, p, v, b, cp = layout.tp, layout.pp, layout.chunks, layout.micro_batch, layout.cp
     prec = precision(c, "megart")
     per_chunk = act.weight_grad_bytes(cfg, b, t, prec, cp) * (cfg.num_layers // (p * v))
-    out = act.output_weight_grad_bytes(cfg, b, t, prec, cp) + mtp_weight_grad_bytes(cfg, b, t, prec)
+    out = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
+    out += mtp_weight_grad_bytes(cfg, b, t, prec, cp)  # the depths', s/cp tokens too
     plan = sched.build(layout.kind, p, c.microbatches(layout.dp), v)
     last = p * v - 1
     grads = [[per_chunk + (out if plan.virtual_stage(q, k) == last else 0) for k in range(v)]

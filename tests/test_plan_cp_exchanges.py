@@ -81,10 +81,11 @@ def _planned(config: TrainConfig, world: int) -> tuple[Counter, float]:
         )
     else:
         g = kv_gathers(*args)
-        part = g.gathered / layout.cp  # the rank's own part of each gathered tensor
-        want[("forward", "all_gather", part, kv)] += g.forward * layers
-        want[("backward", "all_gather", part, kv)] += g.replayed * layers
-        want[("backward", "reduce_scatter", part, kv)] += g.backward * layers
+        for whole in (g.keys, g.values):
+            part = whole / layout.cp  # the rank's own part of each gathered tensor
+            want[("forward", "all_gather", part, kv)] += g.forward * layers
+            want[("backward", "all_gather", part, kv)] += g.replayed * layers
+            want[("backward", "reduce_scatter", part, kv)] += g.backward * layers
     return +want, nbytes
 
 

@@ -78,8 +78,8 @@ def test_layernorm_recomputation_is_counted_as_a_rank_holds_it(name):
         assert held["saved_peak"] == pytest.approx(want["saved"] + cpu, rel=0.01)
 
 
-def _kept_norms(cfg, b, tp, sp, rec, prec, real=mm.layer_bytes):  # noqa: ANN001, ANN202
-    return real(cfg, b, tp, sp, None if rec == "selective" else rec, prec)
+def _kept_norms(cfg, b, tp, sp, rec, prec, cp=1, real=mm.layer_bytes):  # noqa: ANN001, ANN202
+    return real(cfg, b, tp, sp, None if rec == "selective" else rec, prec, cp=cp)
 
 
 MISTAKES = [

@@ -93,12 +93,12 @@ def _latent_whole(cfg, tp, real=mla_memory.mla_weight_grad_elements):  # noqa: A
     return real(cfg, tp) + cfg.qk_pos_emb_head_dim  # kv_up_proj's X as the whole gathered output
 
 
-def _no_depths(cfg, b, tp, prec):  # noqa: ANN001, ANN202 - the depths' projections left out
+def _no_depths(cfg, b, tp, prec, cp=1):  # noqa: ANN001, ANN202 - the depths' projections left out
     return 0.0
 
 
-def _one_depth(cfg, b, tp, prec, real=mm.mtp_weight_grad_bytes):  # noqa: ANN001, ANN202
-    return real(cfg, b, tp, prec) / cfg.mtp_num_layers  # counted for one depth of two
+def _one_depth(cfg, b, tp, prec, cp=1, real=mm.mtp_weight_grad_bytes):  # noqa: ANN001, ANN202
+    return real(cfg, b, tp, prec, cp) / cfg.mtp_num_layers  # counted for one depth of two
 
 
 # (mistake, module, its function, case)

@@ -255,18 +255,7 @@ def _given_layout(args: argparse.Namespace, config: TrainConfig) -> argparse.Nam
 
 def _check_context_parallel(lay: argparse.Namespace, base: TrainConfig) -> None:
     """Refuses a context-parallel size given that megart train would refuse."""
-    from megart.plan.candidates import unplanned_latent_cp
-
     cp = lay.context_parallel_size  # None: searched
-    if cp is not None and cp > 1:
-        latent = unplanned_latent_cp(base)
-        if latent:
-            raise ConfigError(
-                f"megart plan does not model {latent} with --context-parallel-size {cp} (its "
-                "context-parallel exchanges and memory are measured for megart's own "
-                "attention, without depths; megart train runs it): leave out "
-                "--context-parallel-size to plan without context parallelism"
-            )
     # megart train's refusals of context parallelism, in its words: a size below 1, a
     # sequence that does not split into 2 cp chunks (nor s/cp over t with --sequence-parallel).
     check_context_parallel(

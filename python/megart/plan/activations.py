@@ -65,6 +65,7 @@ from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
 from megart.models.recompute import recomputed_modules
+from megart.plan.mla_cp import mla_cp_elements
 from megart.plan.mla_memory import mla_attention_bytes, mla_weight_grad_elements
 from megart.plan.timing import cp_score_share
 
@@ -144,7 +145,8 @@ def layer_bytes(
     # With context parallelism only the norms' own saves are added (the count as it was).
     qk_norms = qk_norm_bytes(cfg, t, prec)
     if cfg.multi_latent_attention:  # its projections', latents' and norms' saves
-        qk_norms = mla_attention_bytes(cfg, t, sp, recompute, prec)
+        own, whole = mla_cp_elements(cfg, t, cp, recompute)  # --cp-comm-type's changes
+        qk_norms = mla_attention_bytes(cfg, t, sp, recompute, prec) + own * prec.other
     core = 0.0
     if recompute != "selective":  # unfused: the scores of each query against its keys
         # a2a: s x s scores of heads/(t cp) heads, as many per rank as heads/t over s/cp rows.
@@ -152,6 +154,8 @@ def layer_bytes(
         # The ring keeps its fp32 log-sum-exp, as flash does, whatever the backend.
         core = heads * 4 if ring or not unfused_attention else 5 * heads * keys * prec.other / 2
     local = tokens * (residual + norm_out + other + norms + masks + qk_norms + core)
+    if cfg.multi_latent_attention:
+        return local + s * b * whole * prec.other
     gathered = cp > 1 and not ring and not a2a
     return local + (gathered_kv_bytes(cfg, b, tp, recompute, prec, cp) if gathered else 0.0)
 

@@ -82,22 +82,10 @@ def candidates(
     return out
 
 
-def unplanned_latent_cp(base: TrainConfig) -> str | None:
-    """The flags whose context parallelism megart plan does not model (None: none): megart
-    train runs multi-latent attention and multi-token prediction under cp, but the planner's
-    context-parallel model (plan.context_parallel) is checked against megart's own attention's
-    exchanges and without the depths' whole-sequence shifts."""
-    named = [name for name, on in (("--multi-latent-attention", base.multi_latent_attention),
-             ("--mtp-num-layers", bool(base.mtp_num_layers))) if on]  # fmt: skip
-    return " and ".join(named) or None
-
-
 def _runs_context_parallel(base: TrainConfig, t: int, cp: int) -> bool:
     """Whether megart train's context-parallel checks accept a searched ``cp`` with tensor-
-    parallel size ``t`` (sequence parallelism, searched apart, left out), and the planner
-    models it (unplanned_latent_cp)."""
-    if cp > 1 and unplanned_latent_cp(base):
-        return False
+    parallel size ``t`` (sequence parallelism, searched apart, left out); multi-latent
+    attention and multi-token prediction included (plan.mla_cp, plan.mtp_memory)."""
     probe = dataclasses.replace(
         base, tensor_model_parallel_size=t, context_parallel_size=cp, sequence_parallel=False
     )

@@ -4,6 +4,10 @@ recomputation (each counted on real megart train steps: tests/test_plan_a2a.py,
 tests/test_plan_cp_exchanges.py); the all-to-all's time too (the ring's and the all-gather's
 collectives are timed in plan.timing).
 
+Multi-latent attention exchanges its own widths (plan.mla_cp.cp_kv_widths): keys per head
+(heads/t of them) qk_head_dim + qk_pos_emb_head_dim wide, values v_head_dim, the queries as
+the keys and the output as the values; the ring pads the values to the keys' width.
+
 The ring (p2p, models.ring_attention): cp - 1 passes forward of the rank's K/V block (k and v
 of its s/cp tokens, groups/t heads: 2 b s/cp groups/t d 16-bit elements) to the next rank;
 backward cp - 1 such passes and cp of the dK/dV accumulators (the block's size, fp32). Both
@@ -14,7 +18,7 @@ last pass, so torch's early stop comes too late to skip any.
 The all-gather (all_gather, models.context_parallel's gather_kv): two all-gathers forward (K
 and V, each gathered to b s groups/t d elements), two reduce-scatters of their gradients
 backward; full recomputation replays the two all-gathers, selective none (they run before its
-checkpoint, which gets the gathered K/V as inputs).
+checkpoint, which gets the gathered K/V as inputs; MLA's run inside it: replayed).
 
 The all-to-all (a2a, models.all_to_all_attention): per layer and microbatch each rank of the cp
 group runs, forward, one all-to-all per tensor that attention hands it: q ([b, heads/t, s/cp,
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 
 from megart.models.config import GPTConfig
 from megart.plan.hardware import GPUProfile, group_ranks_per_node
+from megart.plan.mla_cp import cp_kv_widths
 
 
 @dataclass(frozen=True)
@@ -61,18 +66,20 @@ def ring_passes(cfg: GPTConfig, b: int, tp: int, cp: int, recompute: str | None)
     parallelism); recomputation, full or selective, replays the forward ones."""
     if cp <= 1:
         return RingPasses(0.0, 0, 0, 0, 0)
-    block = 2 * (cfg.seq_length // cp) * b * cfg.query_groups * cfg.head_dim / tp
+    heads, k, v = cp_kv_widths(cfg)  # narrower values travel padded to the keys' width
+    block = (cfg.seq_length // cp) * b * heads * (k + max(k, v)) / tp
     return RingPasses(block, cp - 1, cp - 1, cp, cp - 1 if recompute else 0)
 
 
 @dataclass(frozen=True)
 class Gathers:
     """The all-gather exchange's collectives of one layer and microbatch (see the module's
-    docstring): ``gathered`` elements of each gathered tensor (K or V over the whole sequence,
-    1/cp of it the rank's own), ``forward`` all-gathers, ``backward`` reduce-scatters of their
-    gradients, ``replayed`` all-gathers that recomputation replays."""
+    docstring): ``keys`` and ``values`` elements of the gathered K and V over the whole
+    sequence (1/cp of each the rank's own), and of each ``forward`` all-gathers, ``backward``
+    reduce-scatters of their gradients, ``replayed`` all-gathers that recomputation replays."""
 
-    gathered: float
+    keys: float
+    values: float
     forward: int
     backward: int
     replayed: int
@@ -80,11 +87,14 @@ class Gathers:
 
 def kv_gathers(cfg: GPTConfig, b: int, tp: int, cp: int, recompute: str | None) -> Gathers:
     """The all-gather exchange's collectives on a rank of ``cp`` (none without context
-    parallelism); full recomputation replays the two all-gathers, selective none."""
+    parallelism); full recomputation replays the two all-gathers, selective none but MLA's."""
     if cp <= 1:
-        return Gathers(0.0, 0, 0, 0)
-    gathered = cfg.seq_length * b * cfg.query_groups * cfg.head_dim / tp
-    return Gathers(gathered, 2, 2, 2 if recompute == "full" else 0)
+        return Gathers(0.0, 0.0, 0, 0, 0)
+    heads, k, v = cp_kv_widths(cfg)
+    whole = cfg.seq_length * b * heads / tp
+    # MLA runs its gathers inside selective recomputation's checkpoint (models.mla's core).
+    replays = recompute == "full" or (recompute == "selective" and cfg.multi_latent_attention)
+    return Gathers(whole * k, whole * v, 1, 1, 1 if replays else 0)
 
 
 @dataclass(frozen=True)
@@ -106,11 +116,12 @@ def a2a_exchanges(cfg: GPTConfig, b: int, tp: int, cp: int, recompute: str | Non
     docstring); none without context parallelism."""
     if cp <= 1:
         return Exchanges((), (), ())
-    tokens = cfg.seq_length // cp * b
-    q = tokens * cfg.num_attention_heads * cfg.head_dim / tp
-    kv = tokens * cfg.query_groups * cfg.head_dim / tp
-    forward = (q, kv, kv, q)  # q, k, v in; the output back
-    backward = (q, q, kv, kv)  # the output's gradient, then dq, dk, dv
+    tokens = cfg.seq_length // cp * b / tp
+    heads, kw, vw = cp_kv_widths(cfg)
+    q, o = (tokens * cfg.num_attention_heads * w for w in (kw, vw))  # the output: v wide
+    k, v = tokens * heads * kw, tokens * heads * vw
+    forward = (q, k, v, o)  # q, k, v in; the output back
+    backward = (o, q, k, v)  # the output's gradient, then dq, dk, dv
     replayed = {"full": forward, "selective": forward[:3]}.get(recompute or "", ())
     return Exchanges(forward, backward, replayed)
 

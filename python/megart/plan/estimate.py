@@ -320,7 +320,8 @@ def _stage_work(
     }  # fmt: skip
     logits = logits_work(cfg, b, t, gpu, cp)
     # Multi-token prediction's depths run on the last stage with its loss (plan.mtp_time).
-    logits += mtp_work(cfg, b, t, sp, gpu, tp_gpu, unfused_attention, tp_overlap, ep, near)
+    logits += mtp_work(cfg, b, t, sp, gpu, tp_gpu, unfused_attention, tp_overlap, ep, near, cp,
+                       cp_bus)  # fmt: skip
     # Each rank's layers as megart train places them (zb-v's V: rank 0 holds the first and the
     # last chunk, so the output layer too). Uneven stages, and ranks whose layers differ in
     # windows or recomputation, are simulated with each rank's own costs; a split that is even

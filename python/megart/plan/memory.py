@@ -127,7 +127,7 @@ def rank_memory(
     working = risen
     grads = held.weight_grads * per_chunk_layers * act.weight_grad_bytes(cfg, b, t, prec, cp)
     out_grads = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
-    out_grads += mtp_weight_grad_bytes(cfg, b, t, prec)  # the depths' (plan.mtp_memory)
+    out_grads += mtp_weight_grad_bytes(cfg, b, t, prec, cp)  # the depths' (plan.mtp_memory)
     grads += held.last_stage_weight_grads * out_grads
     # 16-bit weights with fp32 main weights need no autocast copies (megart's --half-weights
     # counted exactly as megart holds them, Megatron-LM's by its convention below); fp32

@@ -47,10 +47,13 @@ from megart.plan.moe_memory import MoeRank, moe_layer_extra, moe_replay_bytes
 from megart.plan.recompute_memory import mlp_replay_bytes
 
 
-def _depth_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -> tuple[float, float]:
-    """One depth's saves but its layer's, for one microbatch (see the module's doc): (those
-    made outside its checkpoint, the lookup's and the output layer's and loss's; those inside)."""
-    s, h, t = cfg.seq_length, cfg.hidden_size, tp
+def _depth_bytes(
+    cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision, cp: int = 1
+) -> tuple[float, float]:
+    """One depth's saves but its layer's, for one microbatch of this rank's s/``cp`` tokens
+    (see the module's doc): (those made outside its checkpoint, the lookup's and the output
+    layer's and loss's; those inside)."""
+    s, h, t = cfg.seq_length // cp, cfg.hidden_size, tp
     own = 1 / t if sp else 1.0
     lookup = 8 + (1 if t > 1 else 0) + (8 if cfg.position_embedding == "learned" else 0)
     lookup += h * own * dropout_mask_bytes(cfg)
@@ -60,15 +63,17 @@ def _depth_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -> 
         joined += h * (1 - own) * prec.other  # a view of the whole: the other ranks' rows too
     # The output layer's input for the depth's tokens, and the loss's saves on them: the last
     # stage's bytes less its final norm's.
-    loss = last_stage_bytes(cfg, b, t, sp, prec) / (s * b) - norm
+    loss = last_stage_bytes(cfg, b, t, sp, prec, cp) / (s * b) - norm
     return s * b * (lookup + loss), s * b * (3 * norm + joined)
 
 
-def mtp_loss_bytes(cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision) -> float:
+def mtp_loss_bytes(
+    cfg: GPTConfig, b: int, tp: int, sp: bool, prec: Precision, cp: int = 1
+) -> float:
     """Of mtp_stage_bytes' kept bytes, those made outside the depths' checkpoints: their
     lookups', and their output layer's and loss's, which the loss's backward frees before any
     depth is replayed."""
-    return (cfg.mtp_num_layers or 0) * _depth_bytes(cfg, b, tp, sp, prec)[0]
+    return (cfg.mtp_num_layers or 0) * _depth_bytes(cfg, b, tp, sp, prec, cp)[0]
 
 
 def mtp_stage_bytes(
@@ -78,31 +83,33 @@ def mtp_stage_bytes(
     depth's replay rises (full uniform recomputation's whole depth, selective's MoE layer or
     MLP; 0 otherwise): (kept, rise). ``rank``: where a depth's MoE layer runs (its weights'
     bytes, expert parallelism and the token copies its experts get; None: ``prec``, ``tp``
-    and ``sp``, one expert-parallel rank, balanced)."""
+    and ``sp``, one expert-parallel rank, balanced; its ``cp``: context parallelism's ranks,
+    the depths' tokens this rank's s/cp)."""
     depths = cfg.mtp_num_layers or 0
     if not depths:
         return 0.0, 0.0
     rank = rank or MoeRank(prec, 1, 4, tp, sp)
     moe = cfg.is_moe_layer(cfg.num_layers)  # the depths' layers are the last decoder layer's kind
     rec = cfg.recompute_granularity
-    outside, inside = _depth_bytes(cfg, b, tp, sp, prec)
+    cp = rank.cp
+    outside, inside = _depth_bytes(cfg, b, tp, sp, prec, cp)
     if rec == "full" and cfg.recompute_method == "uniform":
-        whole = inside + layer_bytes(cfg, b, tp, sp, None, prec)
+        whole = inside + layer_bytes(cfg, b, tp, sp, None, prec, cp=cp)
         whole += moe_layer_extra(cfg, b, None, rank) if moe else 0.0
-        inputs = 2 * cfg.seq_length * b * cfg.hidden_size * (1 / tp if sp else 1.0)
+        inputs = 2 * cfg.seq_length // cp * b * cfg.hidden_size * (1 / tp if sp else 1.0)
         inputs *= prec.residual
         return depths * (outside + inputs), whole - inputs
     # Under block the depths are not recomputed (models.mtp): whole, as without it.
     layer_rec = None if rec == "full" else rec
-    layer = layer_bytes(cfg, b, tp, sp, layer_rec, prec)
+    layer = layer_bytes(cfg, b, tp, sp, layer_rec, prec, cp=cp)
     layer += moe_layer_extra(cfg, b, layer_rec, rank) if moe else 0.0
     rise = 0.0
     if rec == "selective":
-        rise = moe_replay_bytes(cfg, b, rank) if moe else mlp_replay_bytes(cfg, b, tp, sp, prec)
+        rise = moe_replay_bytes(cfg, b, rank) if moe else mlp_replay_bytes(cfg, b, tp, sp, prec, cp)
     return depths * (outside + inside + layer), rise
 
 
-def mtp_weight_grad_bytes(cfg: GPTConfig, b: int, tp: int, prec: Precision) -> float:
+def mtp_weight_grad_bytes(cfg: GPTConfig, b: int, tp: int, prec: Precision, cp: int = 1) -> float:
     """What the depths keep for one microbatch on the last stage between a zero-bubble
     schedule's I and W, beside the output layer's own tokens (activations.
     output_weight_grad_bytes): each depth's layer's deferred projections (weight_grad_bytes),
@@ -110,6 +117,7 @@ def mtp_weight_grad_bytes(cfg: GPTConfig, b: int, tp: int, prec: Precision) -> f
     and an untied output layer's input and logits' gradient over the depth's tokens."""
     depths = cfg.mtp_num_layers or 0
     h = cfg.hidden_size
-    proj = cfg.seq_length * b * (2 * h + h / tp) * prec.other
-    each = weight_grad_bytes(cfg, b, tp, prec) + proj + output_weight_grad_bytes(cfg, b, tp, prec)
+    proj = cfg.seq_length // cp * b * (2 * h + h / tp) * prec.other  # this rank's s/cp tokens
+    each = weight_grad_bytes(cfg, b, tp, prec, cp) + proj
+    each += output_weight_grad_bytes(cfg, b, tp, prec, cp)
     return depths * each

@@ -319,10 +319,11 @@ def layer_work(
         gather, scatter, replayed = ring_seconds(ring_passes(cfg, b, t, cp, recompute), bus, gpu)
     elif cp > 1:  # K and V all-gathered forward, their gradients reduce-scattered backward
         g = kv_gathers(cfg, b, t, cp, recompute)
-        nbytes = g.gathered * ACT  # one gathered tensor
-        one_gather = collective_seconds("all_gather", nbytes, cp, bus, gpu)
-        gather, replayed = g.forward * one_gather, g.replayed * one_gather
-        scatter = g.backward * collective_seconds("reduce_scatter", nbytes, cp, bus, gpu)
+        kv = (g.keys * ACT, g.values * ACT)  # the two gathered tensors' bytes
+        both = sum(collective_seconds("all_gather", n, cp, bus, gpu) for n in kv)
+        gather, replayed = g.forward * both, g.replayed * both
+        scatter = sum(collective_seconds("reduce_scatter", n, cp, bus, gpu) for n in kv)
+        scatter *= g.backward
     ep_fwd, ep_bwd = (0.0, 0.0)
     if moe and ep > 1:
         ep_fwd, ep_bwd = expert_exchange_seconds(cfg, tokens, ep, ep_near or ep, gpu, ACT)

@@ -41,7 +41,7 @@ def worst_rank_memory(
         ]
         grads = [act.weight_grad_bytes(cfg, b, t, prec, cp) * n for n in layers]
         out_grads = act.output_weight_grad_bytes(cfg, b, t, prec, cp)
-        out_grads += mtp_weight_grad_bytes(cfg, b, t, prec)  # the depths' (plan.mtp_memory)
+        out_grads += mtp_weight_grad_bytes(cfg, b, t, prec, cp)  # the depths' (plan.mtp_memory)
         last = p * v - 1
         costs = [
             [g + (out_grads if run.plan.virtual_stage(r, k) == last else 0) for k in range(v)]
