@@ -100,11 +100,15 @@ def refuse_depths(
         return
     where = f"Megatron-LM's checkpoints (--ckpt-format {fmt})"
     head = f"a model with multi-token prediction (--mtp-num-layers {depths})"
-    if experts:
+    if experts and (pp > 1 or distributed_optimizer):
+        # MoE depths are tested on one stage with Megatron-Core's plain optimizer (its
+        # expert-parallel buckets of the depths under the distributed optimizer are untried).
+        why = "on several pipeline stages" if pp > 1 else "with --use-distributed-optimizer"
         raise ConfigError(
-            f"{head} and experts (--num-experts {experts}): megart does not write or read its "
-            f"depths in {where} with experts; keep it in megart's own checkpoint format "
-            "(--ckpt-format megart)"
+            f"{head} and experts (--num-experts {experts}) {why}: megart writes and reads "
+            f"MoE depths in {where} on one pipeline stage without the distributed optimizer; "
+            "use --pipeline-model-parallel-size 1 and no --use-distributed-optimizer there, "
+            "or megart's own checkpoint format (--ckpt-format megart)"
         )
     if pp == 1:
         return

@@ -1,0 +1,84 @@
+"""Multi-token prediction depths whose layer is an MoE layer (a depth takes the last decoder
+layer's kind: models.mtp) in Megatron-LM's checkpoints, against Megatron-Core 0.16.1's GPTModel
+with an MTP block spec over its MoE layer spec (local, float64, CPU; megatron_mtp_ckpt_workers):
+Megatron-Core loading megart train's legacy files and torch_dist stores at ep1 and ep2 (the
+depths' experts under ``mtp.layers.K.transformer_layer.mlp.experts``, split over the
+expert-parallel ranks as a decoder layer's; the depth routers' expert biases) with megart's
+logits and depth losses, megart reading Megatron-Core's own store, and megart resuming its own
+files on the one-process curve."""
+
+import pytest
+import torch
+
+import megatron_mtp_ckpt_workers as mtw
+import megatron_mtp_moe_workers as mmw
+import train_workers as tw
+from megart.launcher import launch
+from megart.training.megatron_checkpoint import read_megatron
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("psutil")  # Megatron-Core's torch_dist writer needs it
+
+MOE = dict(position_embedding_type="rope", mtp_num_layers=2, train_iters=4, num_experts=4,
+           disable_bias_linear=True, swiglu=True, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+           moe_router_dtype="fp32")  # fmt: skip
+# DeepSeek-V3's router: sigmoid scores and the expert bias, which the depths' routers update too.
+BIAS = dict(MOE, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+            moe_router_dtype="fp64")  # fmt: skip
+NAMES = ("loss", "mtp_1 loss", "mtp_2 loss")
+LOSS = 2e-6  # Megatron-Core's fp32 losses against megart's float64 (measured: up to 5.2e-7)
+
+
+def _batch(cfg):
+    g = torch.Generator().manual_seed(5)
+    data = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+EP2 = dict(expert_model_parallel_size=2)
+SAVES = {  # name: (processes, flags, format)
+    "torch-ep1": (1, MOE, "torch"),
+    "torch_dist-ep1": (1, MOE, "torch_dist"),
+    "torch-ep2-bias": (2, dict(BIAS, **EP2), "torch"),
+    "torch_dist-ep2-bias": (2, dict(BIAS, **EP2), "torch_dist"),
+}
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory):
+    """Per case: megart train's Megatron-format checkpoint after 2 of 4 iterations."""
+    out = {}
+    for name, (nproc, flags, fmt) in SAVES.items():
+        ckpt = tmp_path_factory.mktemp(name) / "ckpt"
+        kw = dict(flags, save=str(ckpt), exit_interval=2, ckpt_format=fmt)
+        launch(tw.train_kw, nproc, kw, timeout=300)
+        out[name] = ckpt
+    return out
+
+
+def _assert_same(got: dict, want: dict, vocab: int) -> None:
+    """Megatron-Core's figures (megatron_run's) against megart's (megart_run's)."""
+    assert want["logits"].abs().max() > 0.1 and all(3 < d < 8 for d in want["depths"])
+    assert (got["logits"][..., :vocab] - want["logits"]).abs().max().item() < 1e-10
+    assert (got["loss"] - want["loss"]).abs().max().item() < LOSS
+    assert (got["depths"] - want["depths"]).abs().max().item() < LOSS
+
+
+@pytest.mark.parametrize("name", list(SAVES))
+def test_megatron_core_loads_megarts_moe_depths(saves, name):
+    """Megatron-Core's MTP GPTModel over its MoE layer spec strictly loads megart train's legacy
+    file (its expert-parallel ranks' files merged as the reader merges them) or store, and
+    computes megart's logits, main per-token loss and each depth's loss; with the expert bias
+    the depth routers' biases (moved by two updates) are in the files."""
+    nproc, flags, fmt = SAVES[name]
+    cfg, model, _ = read_megatron(saves[name])
+    assert any(".transformer_layer.mlp.experts.local_experts.3." in k for k in model)
+    if "bias" in name:
+        bias = model["mtp.layers.1.transformer_layer.mlp.router.expert_bias"]
+        assert bias.abs().max() > 1e-4
+    tokens, labels = _batch(cfg)
+    want = mtw.megart_run(cfg, model, tokens, labels)
+    got = launch(mmw.ep_run, nproc, str(saves[name]), fmt, tokens, labels, timeout=300)
+    assert len(got) == nproc
+    for result in got:
+        _assert_same(result, want, cfg.vocab_size)
