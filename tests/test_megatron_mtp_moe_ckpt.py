@@ -7,11 +7,14 @@ expert-parallel ranks as a decoder layer's; the depth routers' expert biases) wi
 logits and depth losses, megart reading Megatron-Core's own store, and megart resuming its own
 files on the one-process curve."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import megatron_mtp_ckpt_workers as mtw
 import megatron_mtp_moe_workers as mmw
+import mtp_workers as mw
 import train_workers as tw
 from megart.launcher import launch
 from megart.training.megatron_checkpoint import read_megatron
@@ -82,3 +85,42 @@ def test_megatron_core_loads_megarts_moe_depths(saves, name):
     assert len(got) == nproc
     for result in got:
         _assert_same(result, want, cfg.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return mw.one_process_histories({"moe": MOE, "bias": BIAS})
+
+
+@pytest.mark.parametrize("name", list(SAVES))
+def test_megart_resumes_its_megatron_format_moe_depths_on_the_curve(saves, one_process, name):
+    """The main loss and each depth's, after the load (at the saved expert-parallel size), on
+    the uninterrupted one-process run's: the depths' experts and their routers' biases back."""
+    nproc, flags, _ = SAVES[name]
+    want = one_process["bias" if "bias" in name else "moe"]
+    for rank in launch(tw.train_kw, nproc, dict(flags, load=str(saves[name])), timeout=300):
+        assert mw.curve(rank, NAMES) == pytest.approx(mw.curve(want[2:], NAMES), **tw.SAME_RUN)
+
+
+def test_megart_reads_megatron_cores_moe_depths_store(tmp_path):
+    """Megatron-Core's MTP GPTModel with MoE depths saves its own (drawn) weights through
+    dist_checkpointing; megart's reader gives a GPT computing its logits, main and depth
+    losses, and megart train at ep2 loads it holding exactly the store's tensors."""
+    from megart.models.megatron_names import from_megatron
+
+    cfg = tw.tiny(**MOE).gpt_config()
+    tokens, labels = _batch(cfg)
+    store = tmp_path / "dist"
+    theirs = launch(mtw.save_megatron, 1, dataclasses.asdict(cfg), str(store), 1, tokens,
+                    labels, timeout=300)[0]  # fmt: skip
+    _, model, _ = read_megatron(store)
+    _assert_same(theirs, mtw.megart_run(cfg, model, tokens, labels), cfg.vocab_size)
+    want = {"chunk." + k: v for k, v in from_megatron(model, cfg).items()}
+    assert any(k.startswith("chunk.mtp.layers.1.transformer_layer.mlp.experts.3.") for k in want)
+    kw = dict(MOE, load=str(store), train_iters=1, expert_model_parallel_size=2)
+    seen = set()
+    for rank in launch(tw.train_holding, 2, kw, timeout=300):
+        for name, value in rank["loaded"]["weights"].items():
+            assert torch.equal(value, want[name].to(value.dtype)), name
+            seen.add(name)
+    assert seen == set(want)
