@@ -1,6 +1,7 @@
 """Launched workers of test_megatron_mtp_moe_ckpt: Megatron-Core 0.16.1's MTP GPTModel over its
 MoE layer spec (float64, CPU) on expert-parallel ranks, each strictly loading its own legacy
-file or its slices of a torch_dist store, with megatron_mtp_ckpt_workers' figures."""
+file or its slices of a torch_dist store, with megatron_mtp_ckpt_workers' figures
+and the routers' expert biases it loaded."""
 
 from __future__ import annotations
 
@@ -42,5 +43,8 @@ def ep_run(directory: str, fmt: str, tokens: torch.Tensor, labels: torch.Tensor)
         loaded = dist_checkpointing.load(wanted, str(root), strict=mdw.STRICTNESS)
         model.load_state_dict(loaded["model"], strict=True)
     out = mtw.megatron_run(model, tokens, labels)
+    # The routers' expert biases it loaded (its buffers), by state dict name.
+    out["biases"] = {k: v.clone() for k, v in model.state_dict().items() if k.endswith("bias")
+                     and ".router." in k}  # fmt: skip
     torch.distributed.destroy_process_group()
     return out

@@ -17,6 +17,7 @@ import megatron_mtp_moe_workers as mmw
 import mtp_workers as mw
 import train_workers as tw
 from megart.launcher import launch
+from megart.models.megatron_names import EXPERT_BIAS
 from megart.training.megatron_checkpoint import read_megatron
 
 pytest.importorskip("megatron.core")
@@ -85,6 +86,22 @@ def test_megatron_core_loads_megarts_moe_depths(saves, name):
     assert len(got) == nproc
     for result in got:
         _assert_same(result, want, cfg.vocab_size)
+    if "bias" in name:  # each depth's bias is the row megart's trainer kept for that depth
+        rows = _trainer_rows(saves["torch-ep2-bias"])
+        for k in range(cfg.mtp_num_layers):
+            loaded = got[0]["biases"][f"mtp.layers.{k}.transformer_layer.{EXPERT_BIAS}"]
+            assert torch.equal(loaded, rows[cfg.num_layers + k])
+
+
+def _trainer_rows(ckpt) -> torch.Tensor:
+    """Every layer's expert bias as megart's trainer held it at the save (models.moe_router.
+    expert_bias_rows, recorded in its legacy file apart from Megatron's keys): the same in the
+    torch_dist run, whose training is the same."""
+    from megart.training import checkpoint
+    from megart.training.megatron_files import torch_load
+
+    root = checkpoint.iteration_dir(ckpt, checkpoint.latest_iteration(ckpt))
+    return torch_load(root / "mp_rank_00_000" / checkpoint.FILE)["megart"]["expert_bias"]
 
 
 @pytest.fixture(scope="module")
