@@ -40,11 +40,14 @@ def _batch(cfg):
 
 
 EP2 = dict(expert_model_parallel_size=2)
+TP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)  # MoE at tp > 1 needs SP
 SAVES = {  # name: (processes, flags, format)
     "torch-ep1": (1, MOE, "torch"),
     "torch_dist-ep1": (1, MOE, "torch_dist"),
     "torch-ep2-bias": (2, dict(BIAS, **EP2), "torch"),
     "torch_dist-ep2-bias": (2, dict(BIAS, **EP2), "torch_dist"),
+    "torch-tp2": (2, dict(MOE, **TP2), "torch"),
+    "torch_dist-tp2": (2, dict(MOE, **TP2), "torch_dist"),
 }
 
 
@@ -60,10 +63,10 @@ def saves(tmp_path_factory):
     return out
 
 
-def _assert_same(got: dict, want: dict, vocab: int) -> None:
+def _assert_same(got: dict, want: dict, vocab: int, logits: float = 1e-10) -> None:
     """Megatron-Core's figures (megatron_run's) against megart's (megart_run's)."""
     assert want["logits"].abs().max() > 0.1 and all(3 < d < 8 for d in want["depths"])
-    assert (got["logits"][..., :vocab] - want["logits"]).abs().max().item() < 1e-10
+    assert (got["logits"][..., :vocab] - want["logits"]).abs().max().item() < logits
     assert (got["loss"] - want["loss"]).abs().max().item() < LOSS
     assert (got["depths"] - want["depths"]).abs().max().item() < LOSS
 
@@ -82,10 +85,14 @@ def test_megatron_core_loads_megarts_moe_depths(saves, name):
         assert bias.abs().max() > 1e-4
     tokens, labels = _batch(cfg)
     want = mtw.megart_run(cfg, model, tokens, labels)
-    got = launch(mmw.ep_run, nproc, str(saves[name]), fmt, tokens, labels, timeout=300)
+    run = mmw.tp_run if "tp2" in name else mmw.ep_run
+    got = launch(run, nproc, str(saves[name]), fmt, tokens, labels, timeout=300)
     assert len(got) == nproc
+    # Its MoE layers at tp2 round to fp32 somewhere on the way (as test_moe_ep_tp finds;
+    # measured 1.5e-10 here), elsewhere float64 throughout (measured 2.8e-16).
+    bound = 1e-8 if "tp2" in name else 1e-10
     for result in got:
-        _assert_same(result, want, cfg.vocab_size)
+        _assert_same(result, want, cfg.vocab_size, bound)
     if "bias" in name:  # each depth's bias is the row megart's trainer kept for that depth
         rows = _trainer_rows(saves["torch-ep2-bias"])
         for k in range(cfg.mtp_num_layers):
