@@ -148,3 +148,45 @@ def test_megart_reads_megatron_cores_moe_depths_store(tmp_path):
             assert torch.equal(value, want[name].to(value.dtype)), name
             seen.add(name)
     assert seen == set(want)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_convert_checkpoint_writes_moe_depths_for_megatron_core(tmp_path, fmt):
+    """convert-checkpoint of megart train's own checkpoint (MoE depths, expert bias, trained at
+    ep2) to Megatron-LM's format: Megatron-Core loads it with the checkpoint's logits and
+    losses and each depth router's bias as megart's trainer kept it; converted back, megart's
+    weights and biases are unchanged."""
+    import megatron_core_ckpt_workers as mckw
+    from megart.cli.main import main
+    from megart.models.megatron_names import to_megatron
+    from megart.training import checkpoint
+    from megart.training.megatron_expert_bias import added
+    from megart.training.shards import read_shards
+
+    ours_dir, out, back_dir = tmp_path / "megart", tmp_path / "megatron", tmp_path / "back"
+    launch(tw.train_kw, 2, dict(BIAS, **EP2, save=str(ours_dir), train_iters=2), timeout=300)
+    assert main(["convert-checkpoint", "--from", "megart", "--to", "megatron", "--ckpt-format",
+                 fmt, "--load", str(ours_dir), "--save", str(out)]) == 0  # fmt: skip
+    ours = launch(mckw.checkpoint_gpt, 1, str(ours_dir), timeout=300)[0][1]
+
+    def rows_of(directory):
+        root = checkpoint.iteration_dir(directory, checkpoint.latest_iteration(directory))
+        return read_shards(root)[0, 0]["expert_bias"]
+
+    rows = rows_of(ours_dir)
+    cfg = tw.tiny(**BIAS).gpt_config()
+    assert rows[cfg.num_layers :].abs().max() > 1e-4  # the depths' routers moved
+    tokens, labels = _batch(cfg)
+    megatron = to_megatron(ours, cfg)
+    added(megatron, rows, cfg)  # every router's bias (the decoder's and the depths')
+    want = mtw.megart_run(cfg, megatron, tokens, labels)
+    (got,) = launch(mmw.ep_run, 1, str(out), fmt, tokens, labels, timeout=300)
+    _assert_same(got, want, cfg.vocab_size)
+    for k in range(cfg.mtp_num_layers):
+        loaded = got["biases"][f"mtp.layers.{k}.transformer_layer.{EXPERT_BIAS}"]
+        assert torch.equal(loaded, rows[cfg.num_layers + k])
+    assert main(["convert-checkpoint", "--from", "megatron", "--to", "megart", "--load",
+                 str(out), "--save", str(back_dir)]) == 0  # fmt: skip
+    back = launch(mckw.checkpoint_gpt, 1, str(back_dir), timeout=300)[0][1]
+    assert set(back) == set(ours) and all(torch.equal(back[k], ours[k]) for k in ours)
+    assert torch.equal(rows_of(back_dir), rows)
