@@ -16,10 +16,14 @@ which then holds a copy of the word embedding too (GPTModel builds its embedding
 depths are; torch_dist keys it as a replica of the first stage's, as megart writes its own
 last stage's copy). megart writes and reads the depths on one pipeline stage in both formats,
 and on several in torch_dist with an untied output layer and without the distributed
-optimizer; the rest is refused by name (refuse_depths). Its sharded (torch_dist) keys are the
+optimizer; MoE depths (a depth takes the last decoder layer's kind) on one stage without the
+distributed optimizer (their experts ``transformer_layer.mlp.experts.local_experts.E.`` split
+over the expert-parallel ranks as a decoder layer's, their routers' ``expert_bias``); the rest
+is refused by name (refuse_depths). Its sharded (torch_dist) keys are the
 module names: each depth keyed apart (``mtp.layers.K.<name>``, no stacked layer dimension), its
 layer's norms under the names Transformer Engine's fused layers have (the local spec's keys
-map, as a decoder layer's).
+map, as a decoder layer's), an MoE depth's experts under one key with the expert dimension
+first (``mtp.layers.K.transformer_layer.mlp.experts.experts.linear_fc1.weight`` [E, ...]).
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def refuse_mtp_layout(
 ) -> None:
     """Refuses writing or reading ``cfg``'s depths in Megatron-LM's format ``fmt`` (torch or
     torch_dist) on ``pp`` pipeline stages (virtual ones counted) where megart does not place
-    them as Megatron-Core does, or with experts."""
+    them as Megatron-Core does (MoE depths: on one stage, without the distributed optimizer)."""
     untied = cfg.untie_embeddings_and_output_weights
     refuse_depths(cfg.mtp_num_layers, cfg.num_experts, pp, fmt, untied, distributed_optimizer)
 
