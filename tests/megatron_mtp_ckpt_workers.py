@@ -110,10 +110,18 @@ def dist_run(dist_dir: str, tokens: torch.Tensor, labels: torch.Tensor, pp: int 
 
 def megart_run(cfg: GPTConfig, megatron_state: dict, tokens: torch.Tensor, labels: torch.Tensor):
     """megart's GPT (float64) holding Megatron-Core's whole state dict (no vocabulary padding):
-    its logits, main per-token loss [b, s] and each depth's loss, as megatron_run's."""
+    its logits, main per-token loss [b, s] and each depth's loss, as megatron_run's. The
+    routers' expert biases (decoder's and depths') are set from the state's where it has them."""
+    from megart.models.moe_router import load_expert_bias
+    from megart.training.megatron_expert_bias import popped
+
     ours = GPT(cfg).double()
+    megatron_state = dict(megatron_state)
+    rows = popped(megatron_state, cfg)
     state = {k: v.double() for k, v in from_megatron(megatron_state, cfg).items()}
     ours.chunk.load_state_dict(state, strict=True)
+    if rows is not None:
+        load_expert_bias([ours.chunk], rows)
     with torch.no_grad():
         logits = ours(tokens)
     per_token = ours.chunk.token_losses(ours.chunk(tokens), labels, None)  # [s, b]

@@ -90,7 +90,10 @@ def test_args_hold_megatron_lms_mtp_flags_and_read_back():
         (dict(mtp_use_repeated_layer=True), "--mtp-use-repeated-layer: megart's depths"),
         (dict(mtp_hsm=True), "--mtp-hsm"),
         (dict(pipeline_model_parallel_size=2), "on 2 pipeline stages"),
-        (dict(num_experts=2), r"experts \(--num-experts 2\)"),
+        (
+            dict(num_experts=2, use_distributed_optimizer=True),
+            r"experts \(--num-experts 2\) with --use-distributed-optimizer",
+        ),
     ],
 )
 def test_megatron_args_megart_does_not_read_its_depths_of_are_refused(change, words):
@@ -332,6 +335,7 @@ def test_use_checkpoint_args_takes_the_depths(saves, tmp_path, fmt):
 
 
 def test_pipeline_stages_and_experts_with_depths_are_refused_in_megatrons_formats(tmp_path, capsys):
+    # MoE depths on one stage with Megatron-Core's plain optimizer: test_megatron_mtp_moe_ckpt.
     from megart.training.config_checks import check_config
 
     pp2 = dict(pipeline_model_parallel_size=2)
@@ -341,8 +345,12 @@ def test_pipeline_stages_and_experts_with_depths_are_refused_in_megatrons_format
                       (dict(pp2, untie_embeddings_and_output_weights=True,
                             ckpt_format="torch_dist", use_distributed_optimizer=True),
                        "here: --use-distributed-optimizer"),
-                      (dict(num_experts=2, disable_bias_linear=True, ckpt_format="torch_dist"),
-                       r"experts \(--num-experts 2\)")):  # fmt: skip
+                      (dict(num_experts=2, disable_bias_linear=True, ckpt_format="torch_dist",
+                            use_distributed_optimizer=True),
+                       r"experts \(--num-experts 2\) with --use-distributed-optimizer"),
+                      (dict(pp2, num_experts=2, disable_bias_linear=True, ckpt_format="torch_dist",
+                            untie_embeddings_and_output_weights=True),
+                       r"experts \(--num-experts 2\) on several pipeline stages")):  # fmt: skip
         with pytest.raises(ConfigError, match=words):
             check_config(tw.tiny(**TRAIN, **kw), 4)
     check_config(tw.tiny(**UNTIED, **pp2, ckpt_format="torch_dist"), 2)

@@ -128,15 +128,21 @@ TRAIN = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
     "kw, words",
     [
         (dict(calculate_per_token_loss=True), "--calculate-per-token-loss"),
-        # Megatron-LM's formats take the depths on one pipeline stage, dense (once refused
-        # outright: test_megatron_mtp_ckpt has them).
+        # Megatron-LM's formats take the depths on one pipeline stage, MoE depths without the
+        # distributed optimizer (once refused outright: test_megatron_mtp_ckpt and
+        # test_megatron_mtp_moe_ckpt have them).
         (
             dict(ckpt_format="torch", pipeline_model_parallel_size=2),
             r"Megatron-LM's checkpoints \(--ckpt-format torch\) on one pipeline stage",
         ),
         (
-            dict(ckpt_format="torch_dist", num_experts=2, disable_bias_linear=True),
-            r"--ckpt-format torch_dist\) with experts",
+            dict(
+                ckpt_format="torch_dist",
+                num_experts=2,
+                disable_bias_linear=True,
+                use_distributed_optimizer=True,
+            ),
+            r"experts \(--num-experts 2\) with --use-distributed-optimizer",
         ),
     ],
 )

@@ -64,7 +64,9 @@ ROUTER = "mlp.router"
 # from its weights: models.moe_router.expert_bias_rows). Its key and the test for it are
 # expert_bias_key and expert_bias_layer alone, so every reader and writer agrees on both.
 EXPERT_BIAS = ROUTER + ".expert_bias"
-_EXPERT_BIAS_KEY = re.compile(rf"decoder\.layers\.(\d+)\.{re.escape(EXPERT_BIAS)}$")
+_EXPERT_BIAS_KEY = re.compile(
+    rf"(?:decoder\.layers\.(\d+)|mtp\.layers\.(\d+)\.transformer_layer)\.{re.escape(EXPERT_BIAS)}$"
+)
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)$")
 _MEGATRON_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 SHARED = "mlp.shared_experts."
@@ -117,17 +119,25 @@ def megatron_layer_name(rest: str, cfg: GPTConfig) -> tuple[str, int | None]:
     return f"{megatron}.{kind}", half
 
 
-def expert_bias_key(layer: int) -> str:
+def expert_bias_key(layer: int, decoder_layers: int | None = None) -> str:
     """Megatron-Core's state dict key of layer ``layer``'s router's expert bias (the layer's
-    number in the model, or in its chunk for a pipeline stage's state dict)."""
+    number in the model, or in its chunk for a pipeline stage's state dict); with
+    ``decoder_layers`` given, a layer numbered from there on is a multi-token prediction
+    depth's (models.mtp: ``mtp.layers.K.transformer_layer.``)."""
+    if decoder_layers is not None and layer >= decoder_layers:
+        return f"mtp.layers.{layer - decoder_layers}.transformer_layer.{EXPERT_BIAS}"
     return f"decoder.layers.{layer}.{EXPERT_BIAS}"
 
 
-def expert_bias_layer(name: str) -> int | None:
+def expert_bias_layer(name: str, decoder_layers: int = 0) -> int | None:
     """The layer number in Megatron-Core's state dict key ``name`` if it is a router's expert
-    bias (expert_bias_key's), else None: such an entry is a buffer, not a parameter."""
+    bias (expert_bias_key's; a depth K's numbered ``decoder_layers`` + K), else None: such an
+    entry is a buffer, not a parameter."""
     match = _EXPERT_BIAS_KEY.match(name)
-    return None if match is None else int(match.group(1))
+    if match is None:
+        return None
+    decoder, depth = match.groups()
+    return int(decoder) if depth is None else decoder_layers + int(depth)
 
 
 def is_fc1_halves(name: str, cfg: GPTConfig) -> bool:

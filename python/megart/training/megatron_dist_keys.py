@@ -54,6 +54,9 @@ EXPERT_LINEAR_LAYERS = (SHARDED_EXPERTS + "linear_fc1", SHARDED_EXPERTS + "linea
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 _STACKED = re.compile(r"decoder\.layers\.(.+)$")
 _EXPERT = re.compile(re.escape(LOCAL_EXPERTS) + r"(\d+)\.(.+)$")
+_MTP_EXPERTS = re.compile(
+    r"(mtp\.layers\.\d+\.transformer_layer\.)" + re.escape(SHARDED_EXPERTS) + r"(.+)$"
+)
 
 # A multi-token prediction depth's layer, within the depth's names.
 MTP_LAYER = ".transformer_layer."
@@ -108,9 +111,12 @@ def sharded_keys(model: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, to
     for name, value in model.items():
         match = _LAYER.match(name)
         if match is None:
-            out[mtp_key(name, cfg)] = value
-            continue
-        key, leading = layer_key(int(match.group(1)), match.group(2), cfg)
+            key, leading = mtp_place(name, cfg)
+            if not leading:
+                out[key] = value
+                continue
+        else:
+            key, leading = layer_key(int(match.group(1)), match.group(2), cfg)
         pieces.setdefault(key, {})[tuple(i for i, _ in leading)] = value
         counts[key] = tuple(n for _, n in leading)
     for key, held in pieces.items():
@@ -129,6 +135,12 @@ def layer_names(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for key, value in stored.items():
         apart, stacked = _LAYER.match(key), _STACKED.match(key)
+        depth = _MTP_EXPERTS.match(key)
+        if depth:  # a depth's experts, [E, ...]: Megatron-Core's names of each
+            head, inner = depth.groups()
+            for e, expert in enumerate(value.unbind(0)):
+                out[f"{head}{LOCAL_EXPERTS}{e}.{inner}"] = expert
+            continue
         if apart:
             layers, rest = [(int(apart.group(1)), value)], apart.group(2)
         elif stacked:
@@ -159,19 +171,27 @@ def stored_place(name: str, cfg: GPTConfig) -> tuple[str, Leading, int | None]:
         if not sep:
             return name, [], None
         megatron, half = megatron_layer_name(rest, cfg)
-        return mtp_key(head + sep + megatron, cfg), [], half
+        return (*mtp_place(head + sep + megatron, cfg), half)
     _, layer, rest = name.split(".", 2)
     megatron, half = megatron_layer_name(rest, cfg)
     key, leading = layer_key(int(layer), megatron, cfg)
     return key, leading, half
 
 
-def mtp_key(name: str, cfg: GPTConfig) -> str:
+def mtp_place(name: str, cfg: GPTConfig) -> tuple[str, Leading]:
     """The sharded key of Megatron-Core's multi-token prediction parameter ``name``
-    (``mtp.layers.K.``): its own name, each depth keyed apart, its layer's norms under the
-    fused names a decoder layer's have (TransformerLayer's keys map)."""
+    (``mtp.layers.K.``) and its leading (index, count): its own name, each depth keyed apart
+    (no layer dimension), its layer's norms under the fused names a decoder layer's have
+    (TransformerLayer's keys map); an MoE depth's experts under one key with the expert
+    dimension first, as a decoder layer's keyed apart."""
     head, sep, part = name.partition(MTP_LAYER)
-    return head + sep + to_fused_norm(part, cfg) if sep else name
+    if not sep:
+        return name, []
+    expert = _EXPERT.match(part)
+    if expert:
+        key = head + sep + SHARDED_EXPERTS + expert.group(2)
+        return key, [(int(expert.group(1)), cfg.num_experts or 0)]
+    return head + sep + to_fused_norm(part, cfg), []
 
 
 def mtp_extra_state_keys(cfg: GPTConfig) -> list[str]:
@@ -180,7 +200,14 @@ def mtp_extra_state_keys(cfg: GPTConfig) -> list[str]:
     out = []
     for k in range(cfg.mtp_num_layers or 0):
         parts = [".eh_proj"] + [MTP_LAYER + p for p in _linear_parts(cfg.num_layers + k, cfg)]
-        out += [f"mtp.layers.{k}{part}._extra_state/shard_0_1" for part in parts]
+        for part in parts:  # an expert's under the experts' key, numbered among them
+            expert = _EXPERT.search(part)
+            if expert:
+                e, inner = expert.groups()
+                part = f"{MTP_LAYER}{SHARDED_EXPERTS}{inner}"
+                out.append(f"mtp.layers.{k}{part}._extra_state/shard_{e}_{cfg.num_experts}")
+            else:
+                out.append(f"mtp.layers.{k}{part}._extra_state/shard_0_1")
     return out
 
 

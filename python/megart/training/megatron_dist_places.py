@@ -22,7 +22,7 @@ import torch
 
 from megart.models.megatron_names import EXPERT_BIAS, NAMES
 from megart.models.moe_router import biased_routers
-from megart.training.megatron_dist_keys import layer_key, stored_place
+from megart.training.megatron_dist_keys import layer_key, mtp_place, stored_place
 from megart.training.shards import whole_name
 
 VOCAB_KEYS = (NAMES["wte.weight"], NAMES["output_layer.weight"])
@@ -76,7 +76,11 @@ def bias_places(chunks: list[Any], tp_rank: int) -> list[Place]:
     cfg = chunks[0].cfg
     out = []
     for router in biased_routers(chunks):
-        key, leading = layer_key(router.layer, EXPERT_BIAS, cfg)
+        depth = router.layer - cfg.num_layers  # a depth's (models.mtp): keyed apart
+        if depth >= 0:
+            key, leading = mtp_place(f"mtp.layers.{depth}.transformer_layer.{EXPERT_BIAS}", cfg)
+        else:
+            key, leading = layer_key(router.layer, EXPERT_BIAS, cfg)
         offsets = [i for i, _ in leading] + [0]
         size = torch.Size([n for _, n in leading] + [cfg.num_experts])
         out.append(Place(router.expert_bias, key, offsets, size, tp_rank == 0))

@@ -52,10 +52,11 @@ def of_shards(shards: dict[tuple[int, int], dict[str, Any]]) -> torch.Tensor | N
 def popped(model: dict[str, torch.Tensor], cfg: GPTConfig) -> torch.Tensor | None:
     """Megatron-Core's whole state dict ``model`` without its routers' expert biases, which
     are returned as megart's rows ([layers, E] fp32, zero for dense layers; None without)."""
-    found = {layer: key for key in model if (layer := expert_bias_layer(key)) is not None}
+    n = cfg.num_layers
+    found = {layer: key for key in model if (layer := expert_bias_layer(key, n)) is not None}
     if not found or cfg.num_experts is None:
         return None
-    rows = torch.zeros(cfg.num_layers, cfg.num_experts)
+    rows = torch.zeros(n + (cfg.mtp_num_layers or 0), cfg.num_experts)  # the depths' after
     for layer, key in found.items():
         rows[layer] = model.pop(key).float()
     return rows
@@ -64,6 +65,6 @@ def popped(model: dict[str, torch.Tensor], cfg: GPTConfig) -> torch.Tensor | Non
 def added(model: dict[str, torch.Tensor], rows: torch.Tensor, cfg: GPTConfig) -> None:
     """Each MoE layer's expert bias from megart's ``rows`` into Megatron-Core's whole state dict
     ``model``, in fp32 as Megatron-Core keeps the buffer."""
-    for layer in range(cfg.num_layers):
+    for layer in range(cfg.num_layers + (cfg.mtp_num_layers or 0)):
         if cfg.is_moe_layer(layer):
-            model[expert_bias_key(layer)] = rows[layer].float().clone()
+            model[expert_bias_key(layer, cfg.num_layers)] = rows[layer].float().clone()

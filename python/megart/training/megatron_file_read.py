@@ -57,11 +57,13 @@ def file_expert_bias(
     each chunk's local layer j the model's layer ``layer_ids[c][j]``; None without them."""
     if cfg.num_experts is None or not cfg.moe_router_enable_expert_bias:
         return None
-    rows = torch.zeros(cfg.num_layers, cfg.num_experts)
+    rows = torch.zeros(cfg.num_layers + (cfg.mtp_num_layers or 0), cfg.num_experts)
     for sd, ids in zip(chunks, layer_ids, strict=True):
         for key, value in sd.items():
-            layer = expert_bias_layer(key)
-            if layer is not None:
+            layer = expert_bias_layer(key, cfg.num_layers)
+            if key.startswith("mtp."):  # a depth's: numbered after the decoder's layers
+                rows[layer] = value.float()
+            elif layer is not None:
                 rows[ids[layer]] = value.float()
     return rows
 

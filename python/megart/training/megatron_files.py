@@ -161,6 +161,10 @@ def _add_expert_bias(
         for j, layer in enumerate(ids):
             if cfg.is_moe_layer(layer):
                 chunk[expert_bias_key(j)] = rows[layer].clone()
+    n = cfg.num_layers
+    for layer in range(n, n + (cfg.mtp_num_layers or 0)):  # the depths': on the last chunk
+        if cfg.is_moe_layer(layer):
+            model[-1][expert_bias_key(layer, n)] = rows[layer].clone()
 
 
 def to_megatron_file(

@@ -16,10 +16,14 @@ which then holds a copy of the word embedding too (GPTModel builds its embedding
 depths are; torch_dist keys it as a replica of the first stage's, as megart writes its own
 last stage's copy). megart writes and reads the depths on one pipeline stage in both formats,
 and on several in torch_dist with an untied output layer and without the distributed
-optimizer; the rest is refused by name (refuse_depths). Its sharded (torch_dist) keys are the
+optimizer; MoE depths (a depth takes the last decoder layer's kind) on one stage without the
+distributed optimizer (their experts ``transformer_layer.mlp.experts.local_experts.E.`` split
+over the expert-parallel ranks as a decoder layer's, their routers' ``expert_bias``); the rest
+is refused by name (refuse_depths). Its sharded (torch_dist) keys are the
 module names: each depth keyed apart (``mtp.layers.K.<name>``, no stacked layer dimension), its
 layer's norms under the names Transformer Engine's fused layers have (the local spec's keys
-map, as a decoder layer's).
+map, as a decoder layer's), an MoE depth's experts under one key with the expert dimension
+first (``mtp.layers.K.transformer_layer.mlp.experts.experts.linear_fc1.weight`` [E, ...]).
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def refuse_mtp_layout(
 ) -> None:
     """Refuses writing or reading ``cfg``'s depths in Megatron-LM's format ``fmt`` (torch or
     torch_dist) on ``pp`` pipeline stages (virtual ones counted) where megart does not place
-    them as Megatron-Core does, or with experts."""
+    them as Megatron-Core does (MoE depths: on one stage, without the distributed optimizer)."""
     untied = cfg.untie_embeddings_and_output_weights
     refuse_depths(cfg.mtp_num_layers, cfg.num_experts, pp, fmt, untied, distributed_optimizer)
 
@@ -100,11 +104,15 @@ def refuse_depths(
         return
     where = f"Megatron-LM's checkpoints (--ckpt-format {fmt})"
     head = f"a model with multi-token prediction (--mtp-num-layers {depths})"
-    if experts:
+    if experts and (pp > 1 or distributed_optimizer):
+        # MoE depths are tested on one stage with Megatron-Core's plain optimizer (its
+        # expert-parallel buckets of the depths under the distributed optimizer are untried).
+        why = "on several pipeline stages" if pp > 1 else "with --use-distributed-optimizer"
         raise ConfigError(
-            f"{head} and experts (--num-experts {experts}): megart does not write or read its "
-            f"depths in {where} with experts; keep it in megart's own checkpoint format "
-            "(--ckpt-format megart)"
+            f"{head} and experts (--num-experts {experts}) {why}: megart writes and reads "
+            f"MoE depths in {where} on one pipeline stage without the distributed optimizer; "
+            "use --pipeline-model-parallel-size 1 and no --use-distributed-optimizer there, "
+            "or megart's own checkpoint format (--ckpt-format megart)"
         )
     if pp == 1:
         return
