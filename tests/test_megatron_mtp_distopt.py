@@ -6,13 +6,9 @@ piece by piece (the depths' in its buffers' order), and megart resumes what it w
 uninterrupted curve of the main and depth losses."""
 
 import pytest
-import torch
 
+import megatron_distopt_checks as checks
 import mtp_workers as mw
-import train_workers as tw
-from megart.launcher import launch
-from megart.models.vocab import fit_vocab
-from megart.training.megatron_layout import shard
 from test_megatron_mtp_ckpt import NAMES, TRAIN
 
 pytest.importorskip("megatron.core")
@@ -25,76 +21,14 @@ def _losses(history: list[dict]) -> list[float]:
 
 def test_megatron_cores_distributed_optimizer_loads_megarts_mtp_distrib_optim(tmp_path):
     """tp2 x dp2 --use-distributed-optimizer --ckpt-format torch: Megatron-Core's own
-    DistributedDataParallel and DistributedOptimizer over its MTP model load megart's rank
-    files and distrib_optim.pt and hold, piece by piece, the fp32 main weights and Adam moments
-    of megart's own checkpoint of the same run (its buffers in the depths' parameter order); megart
-    resumes what Megatron-Core then writes on the uninterrupted curve."""
-    import megatron_distopt_workers as mdow
-
-    kw = dict(TRAIN, train_iters=4, use_distributed_optimizer=True, tensor_model_parallel_size=2)
-    ref, ours, theirs = (str(tmp_path / d) for d in ("ref", "megart", "megatron"))
-    straight = launch(tw.train_kw, 4, dict(kw, save=ref, save_interval=2), timeout=300)[0]
-    launch(tw.train_kw, 4, dict(kw, save=ours, save_interval=2, exit_interval=2,
-                                ckpt_format="torch"), timeout=300)  # fmt: skip
-    held = {}
-    for rank in launch(mdow.load_and_write, 4, kw, ours, ref, theirs, timeout=300):
-        assert rank["pieces"], rank["place"]
-        for param, piece in rank["pieces"].items():
-            assert max(piece["diffs"].values()) < 1e-5, (rank["place"], param, piece["diffs"])
-            held.setdefault((*rank["place"][:2], param), []).append(
-                (*piece["range"], piece["numel"])
-            )
-    assert any("mtp.layers.1.eh_proj" in param for _, _, (_, param) in held)
-    for ranges in held.values():  # the data-parallel pieces tile each parameter
-        ranges.sort()
-        assert ranges[0][0] == 0 and ranges[-1][1] == ranges[-1][2], ranges
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), ranges
-    resumed = launch(tw.train_kw, 4, dict(kw, load=theirs), timeout=300)[0]
-    assert _losses(resumed) == pytest.approx(_losses(straight[2:]), **tw.SAME_RUN)
+    DistributedDataParallel and DistributedOptimizer over its MTP model hold megart's state
+    (its buffers in the depths' parameter order, mtp.layers.1.eh_proj among them); megart
+    resumes what it writes on the uninterrupted curve of the main and depth losses."""
+    checks.check_distrib_optim(tmp_path, TRAIN, "mtp.layers.1.eh_proj", _losses)
 
 
 def test_megatron_cores_distributed_optimizer_loads_megarts_mtp_torch_dist_store(tmp_path):
     """tp2 x dp2 --ckpt-format torch_dist --use-distributed-optimizer: Megatron-Core's
-    DistributedOptimizer over its MTP model loads megart's store (Megatron-LM's default
-    strictness) and holds, bitwise, megart's fp32 weights and moments at the save, its pieces
-    tiling every parameter; megart resumes the store Megatron-Core then saves on the curve."""
-    import megatron_dist_distopt_workers as w
-    from megart.models.megatron_names import to_megatron
-    from megart.training.checkpoint import iteration_dir
-    from megart.training.megatron_dist import read_common
-    from test_megatron_dist_distopt import MOMENTS, REL, _global_name, model_config_of
-
-    flags = dict(TRAIN, tensor_model_parallel_size=2, use_distributed_optimizer=True)
-    store, theirs = tmp_path / "ckpt", tmp_path / "theirs"
-    straight = tw.holding(4, dict(flags, train_iters=4))[0]["history"]
-    saving = tw.holding(4, dict(flags, train_iters=4, exit_interval=2, save=str(store),
-                                ckpt_format="torch_dist"))  # fmt: skip
-    held = launch(w.load_and_save, 4, flags, str(store), str(theirs), timeout=300)
-    common = read_common(iteration_dir(store, 2))
-    cfg = model_config_of(common)
-    whole = {}
-    for key in ("weights", *MOMENTS):
-        merged = tw.merged_by_place([r["trained"] for r in saving], key)
-        merged = {k.removeprefix("chunk."): v for k, v in merged.items()}
-        whole[key] = to_megatron(merged, cfg)
-        for n in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            if n in whole[key]:  # the vocabulary padded for tp2 (zero rows)
-                whole[key][n] = fit_vocab(whole[key][n], cfg.padded_vocab_size(2))
-    covered: dict[tuple, list] = {}
-    for rank in held:
-        t, p, _ = rank["place"]
-        for (chunk, local), piece in rank["pieces"].items():
-            start, end = piece["range"]
-            full = _global_name(local, chunk, p, common["args"])
-            for ours, key in (("weights", "param"), *((m, m) for m in MOMENTS)):
-                # This tensor-parallel rank's slice, as the legacy layout cuts it.
-                want = shard(full, whole[ours][full], cfg, 2, t).reshape(-1)[start:end]
-                assert torch.equal(piece[key], want), (local, key, start)
-            covered.setdefault((t, p, chunk, local), []).append((start, end))
-    assert any("mtp.layers.1.eh_proj" in k[3] for k in covered)
-    for key, ranges in covered.items():
-        ranges.sort()
-        assert ranges[0][0] == 0, key
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), key
-    resumed = tw.holding(4, dict(flags, train_iters=4, load=str(theirs)))
-    tw.assert_resumed_on_curve(straight, resumed, rel=REL, abs=0)
+    DistributedOptimizer over its MTP model holds megart's store bitwise, the depths' eh_proj
+    among its pieces; megart resumes what it saves on the curve."""
+    checks.check_torch_dist_store(tmp_path, TRAIN, "mtp.layers.1.eh_proj")
