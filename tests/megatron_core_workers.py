@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from megart.models import GPT, GPTConfig
 from megart.models.megatron_names import from_megatron, to_megatron
+from megart.models.vocab import fit_vocab
 from megart.models.yarn import YarnConfig
 from megatron_core_configs import mla_config, moe_config
 
@@ -386,3 +387,11 @@ def tp_rank_logits(megatron_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     torch.distributed.all_gather(parts, local)
     torch.distributed.destroy_process_group()
     return torch.cat(parts, -1)
+
+
+def pad_vocab(whole: dict, cfg: GPTConfig, tp: int) -> None:
+    """The word embedding and output layer of ``whole`` (Megatron's names) padded in place for
+    ``tp`` ranks' vocabulary, as Megatron-LM's files hold them."""
+    for n in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if n in whole:
+            whole[n] = fit_vocab(whole[n], cfg.padded_vocab_size(tp))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import megatron_core_workers as mcw
 import train_workers as tw
 from megart.launcher import launch
-from megart.models.vocab import fit_vocab
 from megart.training.megatron_layout import shard
 
 
@@ -72,9 +72,7 @@ def check_torch_dist_store(tmp_path: Path, train: dict, marker: str) -> None:
         merged = tw.merged_by_place([r["trained"] for r in saving], key)
         merged = {k.removeprefix("chunk."): v for k, v in merged.items()}
         whole[key] = to_megatron(merged, cfg)
-        for n in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            if n in whole[key]:  # the vocabulary padded for tp2 (zero rows)
-                whole[key][n] = fit_vocab(whole[key][n], cfg.padded_vocab_size(2))
+        mcw.pad_vocab(whole[key], cfg, 2)  # the vocabulary padded for tp2 (zero rows)
     covered: dict[tuple, list] = {}
     for rank in held:
         t, p, _ = rank["place"]

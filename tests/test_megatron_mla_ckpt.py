@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+import megatron_core_workers as mcw
 import megatron_dist_workers as mdw
 import megatron_mla_ckpt_workers as mmw
 import train_workers as tw
@@ -108,9 +109,7 @@ def test_legacy_files_hold_megatron_cores_names_order_and_slices(layout, name):
     tp, ranks = layout
     cfg = GPTConfig(**MODELS[name])
     whole = to_megatron(GPT(cfg).chunk.state_dict(), cfg)
-    for n in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if n in whole:
-            whole[n] = fit_vocab(whole[n], cfg.padded_vocab_size(tp))
+    mcw.pad_vocab(whole, cfg, tp)
     files = split(whole, cfg, tp, 1)
     for t, theirs in enumerate(ranks[name]):
         ours = in_megatron_order(files[t, 0][0])

@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 import torch
 
+import megatron_core_workers as mcw
 import megatron_mla_ckpt_workers as mmw
 import megatron_mtp_ckpt_workers as mtw
 import megatron_optim_workers as mow
@@ -26,7 +27,6 @@ from megart.errors import ConfigError
 from megart.launcher import launch
 from megart.models import GPT, GPTConfig
 from megart.models.megatron_names import to_megatron
-from megart.models.vocab import fit_vocab
 from megart.training.megatron_args import config_from_args, megatron_args
 from megart.training.megatron_checkpoint import read_megatron
 from megart.training.megatron_dist import extra_states
@@ -102,13 +102,6 @@ def test_megatron_args_megart_does_not_read_its_depths_of_are_refused(change, wo
         config_from_args({**a, **change})
 
 
-def _pad(whole: dict, cfg: GPTConfig, tp: int) -> None:
-    """The word embedding and output layer of ``whole`` padded for ``tp`` ranks' vocabulary."""
-    for n in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if n in whole:
-            whole[n] = fit_vocab(whole[n], cfg.padded_vocab_size(tp))
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def layout(request):
     tp = request.param
@@ -125,7 +118,7 @@ def test_legacy_files_hold_megatron_cores_names_order_and_slices(layout, name):
     tp, ranks = layout
     cfg = GPTConfig(**MODELS[name])
     whole = to_megatron(GPT(cfg).chunk.state_dict(), cfg)
-    _pad(whole, cfg, tp)
+    mcw.pad_vocab(whole, cfg, tp)
     files = split(whole, cfg, tp, 1)
     for t, theirs in enumerate(ranks[name]):
         ours = in_megatron_order(files[t, 0][0])
@@ -143,7 +136,7 @@ def test_torch_dist_keys_and_shard_axes_are_megatron_cores(layout, name):
     tp, ranks = layout
     cfg = GPTConfig(**MODELS[name])
     whole = to_megatron(GPT(cfg).chunk.state_dict(), cfg)
-    _pad(whole, cfg, tp)
+    mcw.pad_vocab(whole, cfg, tp)
     stored = {k: tuple(v.shape) for k, v in sharded_keys(whole, cfg).items()}
     theirs = ranks[name][0]["sharded"]
     assert stored == {key: shape for key, shape, _, _ in theirs.values()}
