@@ -63,6 +63,7 @@ def all_to_all_attention(
     group: ProcessGroup,
     dropout: float = 0.0,
     window: int | None = None,
+    *,
     scale: float | None = None,
     sink: torch.Tensor | None = None,
 ) -> torch.Tensor:

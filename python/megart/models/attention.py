@@ -208,7 +208,9 @@ def cp_attention(
     if comm == "a2a":
         return all_to_all_attention(q, k, v, group, dropout, scale=scale)
     k, v = gather_kv(k, group), gather_kv(v, group)
-    return context_attention(q, k, v, group_size(group), group_rank(group), dropout, None, scale)
+    return context_attention(
+        q, k, v, group_size(group), group_rank(group), dropout, None, scale=scale
+    )
 
 
 def make_sink(cfg: GPTConfig, layer: int, tp_group: ProcessGroup | None) -> nn.Parameter | None:

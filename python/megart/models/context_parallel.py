@@ -125,6 +125,7 @@ def context_attention(
     cp_rank: int,
     dropout: float,
     window: int | None = None,
+    *,
     scale: float | None = None,
     sink: torch.Tensor | None = None,
 ) -> torch.Tensor:

@@ -205,4 +205,4 @@ class MLA(nn.Module):
             if group_size(self.cp_group) > 1:
                 return cp_attention(q, k, v, self.cp_group, self.cfg.cp_comm_type, dropout,
                                     self.softmax_scale)  # fmt: skip
-            return sequence_attention(q, k, v, dropout, None, mask, self.softmax_scale)
+            return sequence_attention(q, k, v, dropout, None, mask, scale=self.softmax_scale)

@@ -318,6 +318,7 @@ def ring_attention(
     tile_elements: int = TILE_ELEMENTS,
     blocks: str = "auto",
     window: int | None = None,
+    *,
     scale: float | None = None,
     sink: torch.Tensor | None = None,
 ) -> torch.Tensor:

@@ -71,6 +71,7 @@ def sequence_attention(
     dropout: float,
     window: int | None = None,
     mask: torch.Tensor | None = None,
+    *,
     scale: float | None = None,
     sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
